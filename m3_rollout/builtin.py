@@ -1,0 +1,207 @@
+"""The embedded default checkpoint: a tiny M3 that has been warm-started on the calculator task.
+
+``resolve_model("builtin:tiny-calculator")`` returns a checkpoint directory (config.json,
+safetensors, tokenizer files, chat template) from the cache, building it on first use. The cache
+key is a hash of the builder's full spec (model sizes, tokenizer, task, warm-start knobs and a
+builder version), so changing any of them builds a new checkpoint instead of reusing a stale one.
+
+Cache root: ``$M3_ROLLOUT_CACHE`` or ``~/.cache/m3_rollout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from m3_rollout.chat.template import ChatFormat, load_template, render
+from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
+from m3_rollout.engine.simple_backend import SimpleGenerationBackend
+from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
+from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.rollout.data import PromptSource
+from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
+from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
+from trainers.warm_start import WarmStartConfig, demonstration, warm_start
+
+BUILDER_VERSION = 1
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_NAMES = ("tiny-calculator", "tiny-random")
+
+
+@dataclass
+class TinyCheckpointSpec:
+    """Everything that determines the built checkpoint (hashed into the cache key).
+
+    Attributes:
+        model_overrides: changes to spec §7 preset A (``tiny_config``). Local blocks = 2 (variant
+            A2) so the answer turn always sees the tool result in the previous block while the
+            indexer stays frozen at its random initialisation.
+        tokenizer_vocab_size / tokenizer_corpus: BPE size and number of rendered episodes it is
+            trained on.
+        task: the arithmetic generator's knobs.
+        val_seed, num_val: the held-out set (same as GRPO's default ``grpo.seed`` / size).
+        warm_start: SFT knobs; ``None`` = random weights (the smoke checkpoint).
+        max_len: longest episode the task produces is far below this; max_position_embeddings.
+    """
+
+    model_overrides: dict = field(default_factory=lambda: {"sparse_local_block": 2,
+                                                           "max_position_embeddings": 512})
+    tokenizer_vocab_size: int = 1024
+    tokenizer_corpus: int = 3000
+    task: dict = field(default_factory=lambda: dataclasses.asdict(ArithmeticTask()))
+    val_seed: int = 42
+    num_val: int = 256
+    gen_dtype: str = "bfloat16"
+    warm_start: WarmStartConfig | None = field(default_factory=WarmStartConfig)
+    init_seed: int = 0
+    builder_version: int = BUILDER_VERSION
+
+    def key(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def builtin_spec(name: str) -> TinyCheckpointSpec:
+    """Spec of a built-in checkpoint name ("tiny-calculator" or "tiny-random")."""
+    if name == "tiny-calculator":
+        return TinyCheckpointSpec()
+    if name == "tiny-random":
+        return TinyCheckpointSpec(warm_start=None, tokenizer_corpus=500)
+    raise ValueError(f"unknown built-in checkpoint {name!r}; choose one of "
+                     f"{[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]} or give a checkpoint directory path")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("M3_ROLLOUT_CACHE", Path.home() / ".cache" / "m3_rollout"))
+
+
+def resolve_model(model_name: str, progress: bool = True) -> tuple[Path, dict]:
+    """Checkpoint directory for ``policy.model_name``.
+
+    Returns:
+        (directory, info) where info has "built" (bool), "build_seconds", "key" and the build
+        report when one exists.
+
+    Raises:
+        FileNotFoundError: a path that is not a checkpoint directory (with config.json).
+        ValueError: an unknown ``builtin:`` name.
+    """
+    if not model_name.startswith(BUILTIN_PREFIX):
+        path = Path(model_name).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"policy.model_name={model_name!r}: no config.json there; give a checkpoint "
+                                    f"directory or one of {[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]}")
+        return path, {"built": False}
+    name = model_name[len(BUILTIN_PREFIX):]
+    spec = builtin_spec(name)
+    out = cache_root() / f"{name}-{spec.key()}"
+    if (out / "build_report.json").is_file():
+        report = json.loads((out / "build_report.json").read_text())
+        return out, {"built": False, "key": spec.key(), **report}
+    report = build_checkpoint(spec, out, progress=progress)
+    return out, {"built": True, "key": spec.key(), **report}
+
+
+def _corpus(template: str, task: ArithmeticTask, env: CalculatorEnvironment,
+            count: int) -> list[str]:
+    """Rendered full episodes (prompt, call, tool turn, answer) for tokenizer training."""
+    texts = []
+    for rec in task.records(seed=12345, count=count):
+        messages, _ = env.reset(rec)
+        call = {"type": "function", "function": {"name": "calculator",
+                                                 "arguments": json.dumps({"expression": rec["expression"]})}}
+        convo = messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "content": rec["answer"]},
+                            {"role": "assistant", "content": rec["answer"]}]
+        texts.append(render(template, convo, tools=env.tool_schemas(), thinking_mode="disabled"))
+    return texts
+
+
+def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = True) -> dict:
+    """Build a checkpoint directory for ``spec`` (tokenizer, model, optional warm start).
+
+    Written to a temporary directory and renamed, so an interrupted build never looks complete.
+
+    Returns:
+        the build report (also saved as build_report.json): seconds, parameters, warm-start
+        history and final held-out accuracy.
+    """
+    t0 = time.perf_counter()
+    task = ArithmeticTask(**spec.task)
+    env = CalculatorEnvironment()
+    template = load_template("m3_short")
+    tokenizer = train_tokenizer(_corpus(template, task, env, spec.tokenizer_corpus), spec.tokenizer_vocab_size)
+    tokenizer.chat_template = template
+    chat = ChatFormat(tokenizer, thinking_mode="disabled")
+    ids = lambda s: tokenizer.convert_tokens_to_ids(s)  # noqa: E731
+    config = tiny_config(vocab_size=len(tokenizer), bos_token_id=ids("]~!b["), eos_token_id=chat.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **spec.model_overrides)
+    config.validate()
+    torch.manual_seed(spec.init_seed)
+    model = M3ForCausalLM(config).float()
+    _init_weights(model)
+    report: dict = {"parameters": sum(p.numel() for p in model.parameters())}
+
+    if spec.warm_start is not None:
+        source = PromptSource(task, seed=spec.val_seed, num_val=spec.num_val)
+        exclude = {r["messages"][-1]["content"] for r in source.val}
+        gen_model = M3ForCausalLM(config).float()
+        gen_model.load_state_dict(model.state_dict())
+        gen_model.cast_for_inference(getattr(torch, spec.gen_dtype))
+        backend = SimpleGenerationBackend(gen_model, chat.stop_token_ids, max_model_len=config.max_position_embeddings)
+        settings = RolloutSettings(n=1, max_turns=2, max_total_len=192, max_new_tokens=48, seed=spec.val_seed)
+
+        def evaluate(m: M3ForCausalLM) -> float:
+            backend.update_weights(backend.weight_version + 1, iter_released_tensors(m))
+            trajs, _ = run_group_rollouts(backend, chat, env, source.val, settings)
+            return sum(t.reward for t in trajs) / len(trajs)
+
+        bar = tqdm(total=spec.warm_start.max_steps, desc="building tiny M3 (SFT warm start)", disable=not progress,
+                   unit="step")
+
+        def on_progress(step: int, acc: float | None, loss: float) -> None:
+            bar.n = step
+            bar.set_postfix(loss=f"{loss:.3f}", **({"heldout_acc": f"{acc:.3f}"} if acc is not None else {}))
+            bar.refresh()
+
+        result = warm_start(model, chat, task, env, evaluate, spec.warm_start, exclude=exclude, progress=on_progress)
+        bar.close()
+        report.update(warm_start_steps=result.steps, heldout_accuracy=result.accuracy, in_window=result.in_window,
+                      history=result.history)
+    report["build_seconds"] = round(time.perf_counter() - t0, 1)
+    report["spec"] = dataclasses.asdict(spec)
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        save_checkpoint(model, config, tmp)
+        save_tokenizer(tokenizer, tmp, template)
+        (tmp / "build_report.json").write_text(json.dumps(report, indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def _init_weights(model: M3ForCausalLM, std: float = 0.02) -> None:
+    """GPT-style init: N(0, std) matrices, zero Gemma norm weights (scale 1), zero router bias."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, std)
+            else:
+                p.zero_()

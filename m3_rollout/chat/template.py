@@ -1,0 +1,210 @@
+"""Conversations -> token ids for rollouts: the single place that applies M3's chat template.
+
+Governing idea (token-in, token-out): a rollout's token stream is built from pieces — prompt,
+the model's own output, tool/user turns appended after its eos — and the pieces must add up to
+exactly what the chat template renders for the whole conversation. So every piece is *derived
+from the template* (render with and without the new messages, take the difference) rather than
+written by hand; the template is the one definition of the format and no marker is spelled twice.
+
+Every piece boundary falls right after a special token (`[e~[`, `</mm:think>`, `<mm:think>`) or
+right after "]~b]ai\n" in front of one, where the tokenizer splits anyway, so tokenizing the
+pieces separately gives the same ids as tokenizing the whole rendered string.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+from typing import Any
+
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from m3_rollout.chat.markers import THINKING_MODES
+
+__all__ = ["ChatFormat", "load_template", "normalize_messages", "render"]
+
+TEMPLATE_NAMES = ("m3_full", "m3_short")
+
+
+def load_template(name: str = "m3_full") -> str:
+    """Source text of a packaged template: "m3_full" (spec §5.2) or "m3_short" (compact)."""
+    if name not in TEMPLATE_NAMES:
+        raise ValueError(f"unknown template {name!r}; expected one of {TEMPLATE_NAMES}")
+    return resources.files("m3_rollout.chat").joinpath("templates", f"{name}.jinja").read_text("utf-8")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copy `messages` into the shape the templates expect.
+
+    - keys whose value is None are dropped (OpenAI clients send `content=None` next to
+      tool calls; transformers' `apply_chat_template` does the same);
+    - tool-call arguments given as a JSON string (OpenAI style) are parsed into a dict, because
+      Jinja has no `fromjson` and the templates' `to_xml` needs the structure. Both the
+      `{"function": {"name", "arguments"}}` and the flat `{"name", "arguments"}` forms are accepted.
+
+    Raises:
+        ValueError: arguments that are not valid JSON or do not decode to an object.
+    """
+    out = []
+    for message in messages:
+        message = {k: copy.deepcopy(v) for k, v in message.items() if v is not None}
+        for call in message.get("tool_calls") or ():
+            fn = call["function"] if "function" in call else call
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    parsed = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"tool call {fn.get('name')!r}: arguments are not valid JSON: {e}") from e
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"tool call {fn.get('name')!r}: arguments must be a JSON object, got {args!r}")
+                fn["arguments"] = parsed
+        out.append(message)
+    return out
+
+
+def render(
+    chat_template: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    thinking_mode: str | None = None,
+) -> str:
+    """Render `messages` with a chat template, as `tokenizer.apply_chat_template(..., tokenize=False)`.
+
+    Uses transformers' own Jinja environment (sandbox, trim_blocks/lstrip_blocks, its `tojson`),
+    so the output matches what any transformers-based server renders from the saved tokenizer.
+    `thinking_mode=None` leaves the variable undefined (the templates then act as "adaptive").
+    """
+    if thinking_mode is not None and thinking_mode not in THINKING_MODES:
+        raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
+    kwargs = {} if thinking_mode is None else {"thinking_mode": thinking_mode}
+    rendered, _ = render_jinja_template(
+        conversations=[normalize_messages(messages)],
+        tools=tools,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        **kwargs,
+    )
+    return rendered[0]
+
+
+class ChatFormat:
+    """Token-level view of the chat template for one tokenizer and one thinking mode.
+
+    Args:
+        tokenizer: a transformers tokenizer whose vocabulary holds M3's markers.
+        thinking_mode: "enabled" | "disabled" | "adaptive"; applies to every render, including
+            the generation prompts inside `tool_turn_ids` / `user_turn_ids`.
+        chat_template: template source; defaults to `tokenizer.chat_template`.
+    """
+
+    def __init__(self, tokenizer, thinking_mode: str = "disabled", chat_template: str | None = None):
+        if thinking_mode not in THINKING_MODES:
+            raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
+        chat_template = chat_template if chat_template is not None else tokenizer.chat_template
+        if not chat_template:
+            raise ValueError("no chat template: pass chat_template= or use a tokenizer that has one")
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has no eos token")
+        self.tokenizer = tokenizer
+        self.thinking_mode = thinking_mode
+        self.chat_template = chat_template
+        self.eos_token: str = tokenizer.eos_token
+        self.eos_token_id: int = tokenizer.convert_tokens_to_ids(self.eos_token)
+        # Only the end-of-message marker stops generation: tool calls end with it too.
+        self.stop_token_ids: list[int] = [self.eos_token_id]
+
+    # --- strings -------------------------------------------------------------------------------
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """The template's text for `messages` under this format's thinking mode."""
+        return render(self.chat_template, messages, tools, add_generation_prompt, self.thinking_mode)
+
+    def _delta(self, before: list[dict], after: list[dict]) -> str:
+        """Text that appending `after` to `before` adds, continuing right after `before`'s eos.
+
+        `before` is rendered without and `before + after` with the generation prompt; the shared
+        prefix is checked, and the "\n" that the template puts after `before`'s eos is included
+        because the model stopped at the eos and never wrote it.
+        """
+        base = self.render(before, add_generation_prompt=False)
+        full = self.render(before + after, add_generation_prompt=True)
+        end = self.eos_token + "\n"
+        assert base.endswith(end), f"template must end each turn with eos + newline, got {base[-20:]!r}"
+        assert full.startswith(base), "template renders earlier turns differently once later ones follow"
+        return full[len(base) - 1 :]
+
+    # --- ids -----------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text; markers are in the text, so no special tokens are added."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids` with every marker kept (the tool and reasoning parsers need them)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Ids of the conversation plus the generation prompt: the model continues from here."""
+        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def assistant_ids(
+        self,
+        content: str = "",
+        tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str | None = None,
+    ) -> list[int]:
+        """Ids of an assistant turn as the model emits it after the generation prompt, eos included.
+
+        Equals the template's rendering of that assistant message minus the generation prompt it
+        starts with and the "\n" after its eos (used to build SFT demonstrations and to check
+        rollouts). `tool_calls` as in OpenAI messages (arguments as dict or JSON string).
+
+        `reasoning`: text of the think span. In "enabled" mode the prompt already opened it, so a
+        missing reasoning means an empty span ("</mm:think>" comes first); in "disabled" mode
+        reasoning is rejected, because the prompt has already closed the span.
+
+        Raises:
+            ValueError: the message cannot follow this mode's generation prompt.
+        """
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        if reasoning is None and self.thinking_mode == "enabled":
+            reasoning = ""
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        context = [{"role": "user", "content": "."}]
+        prompt = self.render(context, add_generation_prompt=True)
+        full = self.render(context + [message], add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise ValueError(
+                f"this assistant message cannot follow the {self.thinking_mode!r} generation prompt "
+                f"(reasoning={reasoning!r})"
+            )
+        turn = full[len(prompt) :]
+        assert turn.endswith(self.eos_token + "\n"), f"assistant turn must end with eos + newline: {turn[-20:]!r}"
+        return self.encode(turn[:-1])
+
+    def tool_turn_ids(self, tool_results: list[str]) -> list[int]:
+        """Ids to append after the model's eos when tools answered.
+
+        "\n" + one tool turn holding `tool_results` in order + the next generation prompt.
+        """
+        if not tool_results:
+            raise ValueError("tool_turn_ids needs at least one result")
+        before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+        after = [{"role": "tool", "content": text} for text in tool_results]
+        return self.encode(self._delta(before, after))
+
+    def user_turn_ids(self, text: str) -> list[int]:
+        """Ids to append after the model's eos for a follow-up user turn (+ generation prompt)."""
+        before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+        return self.encode(self._delta(before, [{"role": "user", "content": text}]))

@@ -1,0 +1,97 @@
+"""Small byte-level BPE tokenizers that speak MiniMax-M3's chat markers, for CPU tests and toy RL.
+
+Governing idea: a tokenizer trained here must behave like M3's on everything the chat layer
+relies on — every marker is one token, `decode(encode(s)) == s` for any text, and the namespace
+marker survives `skip_special_tokens=True` — so the templates, `ChatFormat` and the parsers can be
+tested end to end without the 200k-entry real vocabulary. Token ids are never fixed: they depend
+on training and are always looked up by string.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import transformers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from m3_rollout.chat.markers import BOS, EOS, NS, PAD, SPECIAL_TOKENS
+
+__all__ = ["train_tokenizer", "save_tokenizer"]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    """Train a byte-level BPE on `texts` and wrap it as a transformers fast tokenizer.
+
+    Args:
+        texts: training corpus (any iterable of strings; consumed once).
+        vocab_size: upper bound on the total vocabulary, markers included. The BPE may stop short
+            of it when the corpus has too few distinct merges.
+
+    Returns:
+        A `PreTrainedTokenizerFast` with
+        - special tokens `<pad>` (pad), `]~!b[` (bos), `]~b]`, `[e~[` (eos), `<mm:think>`,
+          `</mm:think>`: single tokens, dropped by `decode(skip_special_tokens=True)`;
+        - `]<]minimax[>[` as a single *non-special* added token (kept by that decode);
+        - no automatic bos/eos on `encode` (the chat template writes every marker itself).
+
+    Raises:
+        ValueError: if `vocab_size` cannot hold the 256 byte symbols plus the markers.
+    """
+    n_markers = len(SPECIAL_TOKENS) + 1  # + the non-special namespace marker
+    min_size = 256 + n_markers
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size={vocab_size} is below {min_size} (256 bytes + {n_markers} markers)")
+
+    tok = Tokenizer(models.BPE())
+    # NOTE: digits are isolated *before* the byte-level mapping, so no merge can ever span digits
+    # and every number is tokenized digit by digit (as M3's own tokenizer does).
+    # add_prefix_space=False keeps decode(encode(s)) == s: nothing is inserted before the text.
+    # NOTE: use_regex=False — no GPT-2 word split, so merges may span spaces and punctuation.
+    # Our corpora are small and repetitive (templated prompts), and whole-phrase merges keep toy
+    # sequences short (a one-tool prompt of the short template is ~46 tokens instead of ~70).
+    # The real M3 tokenizer does split words; that changes token counts, not any invariant the
+    # chat layer relies on (markers are single tokens, exact round trip, digit-by-digit numbers).
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,  # leave room for the namespace marker added below
+        special_tokens=list(SPECIAL_TOKENS),
+        # Seed with all 256 byte symbols so any input (any script, any byte) stays encodable.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    # Added after training so the trainer does not turn it into a special token.
+    # normalized=False: matched against the raw text, byte for byte.
+    tok.add_tokens([AddedToken(NS, special=False, normalized=False, single_word=False)])
+
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        # The unnamed specials, so transformers lists them in all_special_tokens (v5 only lists
+        # named ones otherwise) and sanitize_control_tokens / skip_special_tokens know them.
+        extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
+        # Cleanup would rewrite " ." -> "." and similar, breaking the exact round trip.
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def save_tokenizer(tok: transformers.PreTrainedTokenizerBase, out_dir: str | os.PathLike, chat_template: str) -> None:
+    """Write `tok` with `chat_template` so `AutoTokenizer.from_pretrained(out_dir)` restores both.
+
+    Files written (by transformers 5.x `save_pretrained`): `tokenizer.json`,
+    `tokenizer_config.json` (bos/eos/pad, cleanup off) and `chat_template.jinja`.
+
+    NOTE: sets `tok.chat_template = chat_template` on the object passed in, so the in-memory
+    tokenizer and the saved one render identically.
+    """
+    tok.chat_template = chat_template
+    tok.save_pretrained(os.fspath(out_dir))

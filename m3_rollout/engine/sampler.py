@@ -1,0 +1,124 @@
+"""Token sampler: fp32 logits -> (token, logprob), vectorised over the batch.
+
+Governing idea: a sample's randomness is a pure function of (seed, sample index, position), so
+a sample does not depend on which other requests share its batch, on the batch order, on
+preemption, or on the expert-parallel size. We draw one uniform number per vocabulary entry
+from a counter-based hash of (seed, sample, position, token id) and take the Gumbel-max of the
+processed logits: argmax(logits / T + g) with g = -log(-log(u)) is an exact sample from
+softmax(logits / T) (Gumbel-max trick), restricted to the top-k / top-p support.
+
+Shapes: N rows (one per running sample), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# splitmix64 constants, written as signed int64 (torch has no uint64 arithmetic).
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+_SAMPLE_MUL = 0x2545F4914F6CDD1D
+_POS_MUL = 0x5851F42D4C957F2D & 0x7FFFFFFFFFFFFFFF
+
+
+def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x + _GOLDEN
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    return x ^ _srl(x, 31)
+
+
+def keyed_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor,
+                  vocab_size: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1) keyed by (seed, sample id, position, token id).
+
+    Args:
+        seeds, sample_ids, positions: int64 [N].
+        vocab_size: V.
+
+    Returns:
+        float64 [N, V], each entry a deterministic function of its four keys only.
+    """
+    key = _splitmix64(seeds.to(torch.int64))
+    key = _splitmix64(key ^ (sample_ids.to(torch.int64) * _SAMPLE_MUL))
+    key = _splitmix64(key ^ (positions.to(torch.int64) * _POS_MUL))  # [N]
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=key.device)
+    bits = _splitmix64(key[:, None] ^ _splitmix64(vocab)[None, :])  # [N, V]
+    # Top 53 bits -> (0, 1): add half an ulp so neither 0 nor 1 can occur.
+    return (_srl(bits, 11).to(torch.float64) + 0.5) / float(1 << 53)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters, shape [N] each (built once per step by the caller)."""
+
+    temperature: torch.Tensor  # float32 [N], > 0
+    top_k: torch.Tensor  # int64 [N], -1 = off
+    top_p: torch.Tensor  # float32 [N], in (0, 1]
+    seeds: torch.Tensor  # int64 [N]
+    sample_ids: torch.Tensor  # int64 [N]
+
+
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """Apply temperature, top-k and top-p; masked entries become -inf.
+
+    Args:
+        logits: [N, V] (any float dtype; computed in fp32).
+        temperature: float [N] > 0. top_k: int64 [N], -1 = off. top_p: float [N] in (0, 1].
+
+    Returns:
+        fp32 [N, V] processed logits; ``log_softmax`` of it is the distribution sampled from.
+        Top-p keeps the smallest set of highest-probability tokens whose mass reaches top_p
+        (the token that crosses the threshold is kept), as in vLLM / HF.
+    """
+    x = logits.float() / temperature.float()[:, None]
+    n, v = x.shape
+    need_k = bool((top_k > 0).any())
+    need_p = bool((top_p < 1).any())
+    if not (need_k or need_p):
+        return x
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    keep = torch.ones_like(sorted_x, dtype=torch.bool)
+    if need_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).clamp(max=v)
+        keep &= torch.arange(v, device=x.device)[None, :] < k[:, None]
+    if need_p:
+        probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep &= mass_before < top_p.float()[:, None]
+    keep[:, 0] = True
+    mask = torch.zeros_like(keep).scatter(1, order, keep)
+    return x.masked_fill(~mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tensor,
+           logprobs_mode: str = "processed") -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return its logprob.
+
+    Args:
+        logits: [N, V] raw model logits for the next token.
+        params: per-row sampling parameters.
+        positions: int64 [N], the absolute position the sampled token will occupy (part of the
+            randomness key).
+        logprobs_mode: "processed" = logprob under the distribution actually sampled from
+            (after temperature/top-k/top-p); "raw" = under the model's plain softmax.
+
+    Returns:
+        (tokens int64 [N], logprobs fp32 [N]).
+    """
+    processed = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    u = keyed_uniform(params.seeds, params.sample_ids, positions, processed.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    tokens = torch.argmax(processed.double() + gumbel, dim=-1)
+    base = processed if logprobs_mode == "processed" else logits.float()
+    logprobs = torch.log_softmax(base, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs

@@ -1,0 +1,50 @@
+"""Metrics to stdout (one line per step) and to Weights & Biases (offline without an API key)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from m3_rollout.config import LoggerConfig
+
+
+class MetricsLogger:
+    """Args:
+        cfg: ``logger`` section. ``wandb.mode`` "auto" = online iff ``WANDB_API_KEY`` is set.
+        run_config: the whole job config (stored with the wandb run).
+        write: where step lines go (default: tqdm-safe print).
+    """
+
+    def __init__(self, cfg: LoggerConfig, run_config: dict, write=print):
+        self.cfg, self.write = cfg, write
+        self.log_dir = Path(cfg.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.log_dir / "metrics.jsonl", "a")
+        self.run = None
+        mode = cfg.wandb.mode
+        if cfg.wandb_enabled and mode != "disabled":
+            if mode == "auto":
+                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, config=run_config, mode=mode,
+                                  dir=str(self.log_dir))
+            self.wandb_mode = mode
+
+    def log(self, metrics: dict, step: int, prefix: str = "") -> None:
+        """Record ``metrics`` (numbers) for ``step`` under ``prefix`` (e.g. "train/")."""
+        flat = {f"{prefix}{k}": v for k, v in metrics.items() if isinstance(v, (int, float, bool))}
+        self._jsonl.write(json.dumps({"step": step, **flat}) + "\n")
+        self._jsonl.flush()
+        if self.run is not None:
+            self.run.log(flat, step=step)
+
+    def text(self, line: str) -> None:
+        self.write(line)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self.run is not None:
+            self.run.finish()

@@ -1,0 +1,139 @@
+"""M3 attention: QK Gemma-norm, partial NeoX RoPE, GQA; dense-causal or block-sparse (spec §3.3-§3.5).
+
+Governing idea: both layer kinds are one masked softmax attention. Dense layers mask by
+causality; sparse layers additionally keep only the keys in the blocks the lightning indexer
+selected for the query's KV group. The mask is materialised densely ([B, G, Sq, Sk] bool), which
+is exact and cheap at reference sizes; kernels replace it later.
+
+Shape legend:
+  B   batch rows     S   query tokens per row   Sk  key slots per row    H  hidden size
+  nh  query heads    G   KV heads (= index heads)  R  query heads per KV head (nh = G * R)
+  d   head dim       di  index head dim          r  rotary dim
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .configuration import M3Config
+from .indexer import block_scores, select_blocks, selected_key_mask
+from .kv_cache import KVCache
+from .norm import GemmaRMSNorm
+from .numerics import compute_dtype
+from .rope import apply_rope
+
+
+@dataclass
+class AttentionInputs:
+    """Per-forward metadata shared by every layer; built once by `M3Model.forward`.
+
+    NOTE: one context object instead of five arguments threaded through each layer.
+    positions: [B, S] int64 absolute query positions.
+    cos, sin: [B, S, r/2] fp32 RoPE tables for those positions.
+    cache: KVCache or None.
+    num_slots: with a cache, key slots read per row (= positions.max() + 1); unused without.
+    key_positions: without a cache, [B, S] positions of the keys (the same tokens) when they are
+        not simply 0..S-1; None means key slot index == key position.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: KVCache | None = None
+    num_slots: int = 0
+    key_positions: torch.Tensor | None = None
+
+
+def masked_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v with GQA: query head h uses KV head h // R.
+
+    q: [B, S, nh, d]; k, v: [B, Sk, G, d]; mask: bool [B, G or 1, S, Sk] (True = attend; every
+    query must attend to at least one key). Logits, softmax and PV in fp32 (fp64 for fp64 q).
+    Returns [B, S, nh, d] in q.dtype.
+    """
+    b, s, nh, d = q.shape
+    sk, g = k.shape[1], k.shape[2]
+    r = nh // g
+    cdt = compute_dtype(q.dtype)
+    # NOTE: explicit [B*G, R*S, .] layouts so the two big tensors (logits, probabilities) are made
+    # once each and never permuted; only q, k, v (small) are re-laid out.
+    qg = q.to(cdt).view(b, s, g, r, d).permute(0, 2, 3, 1, 4).reshape(b * g, r * s, d)  # [B*G, R*S, d]
+    kt = k.to(cdt).permute(0, 2, 3, 1).reshape(b * g, d, sk)  # [B*G, d, Sk]
+    logits = torch.bmm(qg, kt).mul_(scale).view(b, g, r, s, sk)  # [B, G, R, S, Sk]
+    logits.masked_fill_(~mask[:, :, None], float("-inf"))
+    p = torch.softmax(logits, dim=-1).view(b * g, r * s, sk)  # [B*G, R*S, Sk]
+    vg = v.to(cdt).permute(0, 2, 1, 3).reshape(b * g, sk, d)  # [B*G, Sk, d]
+    out = torch.bmm(p, vg).view(b, g, r, s, d).permute(0, 3, 1, 2, 4)  # [B, S, G, R, d]
+    return out.reshape(b, s, nh, d).to(q.dtype)
+
+
+class M3Attention(nn.Module):
+    """One attention layer; sparse layers also own the score-only lightning indexer projections.
+
+    Submodule names are the released ones: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm and, on
+    sparse layers, index_q_proj, index_k_proj, index_q_norm, index_k_norm (all bias-free).
+    forward(x [B, S, H], inputs) -> [B, S, H] in x.dtype.
+    """
+
+    def __init__(self, config: M3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.scale = d**-0.5
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        # per_head QK norm: one [d] weight shared by all heads (spec §3.3)
+        self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
+        self.is_sparse = config.is_sparse_layer(layer_idx)
+        if self.is_sparse:
+            di = config.sparse_index_dim
+            self.num_index_heads, self.index_dim = config.sparse_num_index_heads, di
+            self.block_size, self.topk = config.sparse_block_size, config.sparse_topk_blocks
+            self.init_blocks, self.local_blocks = config.sparse_init_block, config.sparse_local_block
+            self.index_q_proj = nn.Linear(h, self.num_index_heads * di, bias=False)
+            self.index_k_proj = nn.Linear(h, di, bias=False)  # one key head shared by all index heads
+            self.index_q_norm = GemmaRMSNorm(di, config.rms_norm_eps)
+            self.index_k_norm = GemmaRMSNorm(di, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        b, s, _ = x.shape
+        pos = inputs.positions  # [B, S]
+        cos, sin = inputs.cos[:, :, None, :], inputs.sin[:, :, None, :]  # [B, S, 1, r/2]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)), cos, sin)  # [B,S,nh,d]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)), cos, sin)  # [B,S,G,d]
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, G, d]
+        iq = ik = None
+        if self.is_sparse:
+            iq = self.index_q_proj(x).view(b, s, self.num_index_heads, self.index_dim)  # [B, S, G, di]
+            iq = apply_rope(self.index_q_norm(iq), cos, sin)
+            ik = apply_rope(self.index_k_norm(self.index_k_proj(x)), inputs.cos, inputs.sin)  # [B, S, di]
+
+        cache, k_pos = inputs.cache, inputs.key_positions
+        if cache is not None:
+            # Write first, then read: chunked prefill / decode see exactly the keys of one pass.
+            cache.write(self.layer_idx, pos, k, v, ik)
+            n = inputs.num_slots
+            k, v = cache.k[self.layer_idx][:, :n], cache.v[self.layer_idx][:, :n]  # [B, Sk, G, d]
+            if ik is not None:
+                ik = cache.index_k[self.layer_idx][:, :n]  # [B, Sk, di]
+            k_pos = None  # cache slot == position
+        sk = k.shape[1]
+
+        if self.is_sparse:
+            scores = block_scores(iq, ik, pos, self.block_size, k_pos)  # [B, G, S, nb]
+            sel = select_blocks(scores, pos, self.topk, self.block_size, self.init_blocks, self.local_blocks)
+            mask = selected_key_mask(sel, pos, sk, self.block_size, k_pos)  # [B, G, S, Sk]
+        else:
+            kp = torch.arange(sk, device=x.device)[None, :] if k_pos is None else k_pos  # [1|B, Sk]
+            mask = kp[:, None, None, :] <= pos[:, None, :, None]  # [B, 1, S, Sk]
+        out = masked_gqa_attention(q, k, v, mask, self.scale)  # [B, S, nh, d]
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))

@@ -1,0 +1,390 @@
+"""Checkpoint I/O under the released tensor names (spec §2).
+
+Governing idea: the *released text-only name* (`model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight`,
+no `language_model.` prefix) is the one currency. Every source naming (released VL with
+`language_model.`, released text-only, transformers' text class, transformers' VL class) is
+translated into (released name, tensor) pairs, and every released name resolves to a view of one
+of our parameters; loading copies into that view in place. The weight-sync path uses the same
+two functions (`iter_released_tensors`, `load_released_tensor`).
+
+Naming map for transformers (spec §2.2b), per layer:
+  self_attn.indexer.{q_proj,k_proj,q_norm,k_norm}  -> self_attn.index_{q_proj,k_proj,q_norm,k_norm}
+  mlp.gate_up_proj [2I, H] (dense)                -> mlp.gate_proj (rows :I), mlp.up_proj (rows I:)
+  mlp.gate.weight / mlp.gate.e_score_correction_bias -> block_sparse_moe.gate.weight / .e_score_correction_bias
+  mlp.experts.gate_up_proj [E, 2I, H]             -> block_sparse_moe.experts.{e}.w1 (rows :I) / w3 (rows I:)
+  mlp.experts.down_proj [E, H, I]                 -> block_sparse_moe.experts.{e}.w2
+  mlp.shared_experts.{gate_up_proj, down_proj}    -> block_sparse_moe.shared_experts.{gate_proj + up_proj, down_proj}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .configuration import M3Config
+from .model import M3ForCausalLM
+
+RELEASED_PREFIX = "language_model."
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_LAYER_RE = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
+# transformers' VL class keeps these modules beside `model.language_model`.
+_HF_VISION_ROOTS = {"vision_tower", "multi_modal_projector", "patch_merge_mlp", "visual"}
+_HF_INDEXER = {
+    "self_attn.indexer.q_proj.weight": "self_attn.index_q_proj.weight",
+    "self_attn.indexer.k_proj.weight": "self_attn.index_k_proj.weight",
+    "self_attn.indexer.q_norm.weight": "self_attn.index_q_norm.weight",
+    "self_attn.indexer.k_norm.weight": "self_attn.index_k_norm.weight",
+    "mlp.gate.weight": "block_sparse_moe.gate.weight",
+    "mlp.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias",
+    "mlp.shared_experts.down_proj.weight": "block_sparse_moe.shared_experts.down_proj.weight",
+}
+_HF_GATE_UP = {
+    "mlp.gate_up_proj.weight": "mlp.",
+    "mlp.shared_experts.gate_up_proj.weight": "block_sparse_moe.shared_experts.",
+}
+_ROUTER_SUFFIXES = (".block_sparse_moe.gate.weight", ".block_sparse_moe.e_score_correction_bias")
+
+
+# ---------------------------------------------------------------------------- released names
+def iter_released_tensors(model: M3ForCausalLM, prefix: str = RELEASED_PREFIX) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (released name, tensor) for every text-model tensor, in a fixed order.
+
+    Order: parameter registration order, with each layer's stacked experts expanded expert by
+    expert as w1, w2, w3. Tensors are detached VIEWS of the parameters (per-expert ones slice
+    w13 [E, 2I, H] / w2 [E, H, I]): copying into them in place updates the model.
+    `prefix` is prepended to every name ("language_model." = released VL checkpoint, "" = text-only).
+    """
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if name.endswith(".experts.w2"):
+            continue  # emitted together with w13
+        if name.endswith(".experts.w13"):
+            base = name[: -len(".w13")]
+            w13, w2 = p.detach(), params[base + ".w2"].detach()
+            inter = w2.shape[-1]
+            for e in range(w13.shape[0]):
+                yield f"{prefix}{base}.{e}.w1.weight", w13[e, :inter]
+                yield f"{prefix}{base}.{e}.w2.weight", w2[e]
+                yield f"{prefix}{base}.{e}.w3.weight", w13[e, inter:]
+            continue
+        yield prefix + name, p.detach()
+
+
+def released_view(model: M3ForCausalLM, name: str) -> torch.Tensor:
+    """The parameter view a released name (with or without `language_model.`) refers to.
+
+    Raises KeyError for a name that is not a tensor of this model.
+    """
+    name = name.removeprefix(RELEASED_PREFIX)
+    m = _EXPERT_RE.match(name)
+    try:
+        if m:
+            base, e, which = m.group(1), int(m.group(2)), m.group(3)
+            if which == "w2":
+                w2 = model.get_parameter(base + ".w2").detach()
+                return w2[e] if e < w2.shape[0] else _raise_key(name)
+            w13 = model.get_parameter(base + ".w13").detach()
+            if e >= w13.shape[0]:
+                _raise_key(name)
+            inter = w13.shape[1] // 2
+            return w13[e, :inter] if which == "w1" else w13[e, inter:]
+        if name.endswith((".w13", ".w2")):
+            _raise_key(name)  # stacked names are internal, not released names
+        return model.get_parameter(name).detach()
+    except AttributeError:
+        _raise_key(name)
+
+
+def _raise_key(name: str):
+    raise KeyError(f"{name!r} is not a released tensor name of this model")
+
+
+def load_released_tensor(model: M3ForCausalLM, name: str, tensor: torch.Tensor) -> None:
+    """Copy `tensor` in place into the parameter (view) named by released name `name`.
+
+    No new storage: data_ptr of every parameter is unchanged. The value is cast to the
+    parameter's dtype. Raises KeyError (unknown name) or ValueError (shape mismatch, non-float
+    tensor).
+    """
+    dst = released_view(model, name)
+    if tuple(tensor.shape) != tuple(dst.shape):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point dtype")
+    with torch.no_grad():
+        dst.copy_(tensor)
+
+
+# ---------------------------------------------------------------------------- name translation
+def _text_name(name: str) -> str | None:
+    """Released text-only-style name of a checkpoint key, or None if it is not a text tensor.
+
+    Handles `language_model.` (released VL), `model.language_model.` (transformers VL) and bare
+    names; returns None for vision keys (anything outside the language model) and MTP keys.
+    """
+    if ".mtp." in name or name.startswith("mtp."):
+        return None  # MTP head: speculative decoding only (spec §2.4)
+    if name.startswith(RELEASED_PREFIX):
+        return name[len(RELEASED_PREFIX) :]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    if name.startswith("model."):
+        root = name.split(".", 2)[1]
+        return None if root in _HF_VISION_ROOTS else name
+    if name.startswith("lm_head."):
+        return name
+    return None  # vision tower / projector of the released VL checkpoint (spec §2.5)
+
+
+def _split_hf(name: str, t: torch.Tensor, expected: dict[str, tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
+    """Translate one transformers-named layer tensor into released (name, tensor-view) pairs.
+
+    Fused tensors are checked against the fused shape built from `expected`; a bad fused shape
+    raises _FusedShapeError naming the transformers key. Names that need no translation pass
+    through; a fused name with no counterpart in this model raises KeyError.
+    """
+    m = _LAYER_RE.match(name)
+    if not m:
+        return [(name, t)]
+    layer, rest = m.groups()
+    if rest in _HF_INDEXER:
+        return [(layer + _HF_INDEXER[rest], t)]
+    if rest in _HF_GATE_UP:
+        base = layer + _HF_GATE_UP[rest]
+        g, u = base + "gate_proj.weight", base + "up_proj.weight"
+        if g not in expected:
+            raise KeyError(name)
+        want = (expected[g][0] + expected[u][0], *expected[g][1:])
+        _check_fused(name, t, want, [g, u])
+        i = expected[g][0]
+        return [(g, t[:i]), (u, t[i:])]
+    if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        base = layer + "block_sparse_moe.experts."
+        w1 = base + "0.w1.weight"
+        if w1 not in expected:
+            raise KeyError(name)
+        n_exp = sum(1 for k in expected if k.startswith(base) and k.endswith(".w1.weight"))
+        if rest == "mlp.experts.down_proj":
+            w2_names = [f"{base}{e}.w2.weight" for e in range(n_exp)]
+            _check_fused(name, t, (n_exp, *expected[w2_names[0]]), w2_names)
+            return [(f"{base}{e}.w2.weight", t[e]) for e in range(n_exp)]
+        i, h = expected[w1]
+        covers = [f"{base}{e}.{w}.weight" for e in range(n_exp) for w in ("w1", "w3")]
+        _check_fused(name, t, (n_exp, 2 * i, h), covers)
+        pairs = []
+        for e in range(n_exp):
+            pairs += [(f"{base}{e}.w1.weight", t[e, :i]), (f"{base}{e}.w3.weight", t[e, i:])]
+        return pairs
+    return [(name, t)]
+
+
+class _FusedShapeError(ValueError):
+    """A fused transformers tensor has the wrong shape; `covers` = the released names it holds."""
+
+    def __init__(self, msg: str, covers: list[str]):
+        super().__init__(msg)
+        self.covers = covers
+
+
+def _check_fused(name: str, t: torch.Tensor, want: tuple[int, ...], covers: list[str]) -> None:
+    if tuple(t.shape) != tuple(want):
+        raise _FusedShapeError(f"{name}: shape {tuple(t.shape)} != expected {tuple(want)}", covers)
+
+
+def load_named_tensors(model: M3ForCausalLM, items: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Load (name, tensor) pairs in any supported naming into `model`, in place.
+
+    Accepts released VL names, released text-only names, and transformers' text/VL names (module
+    docstring); skips vision and `.mtp.` keys. Every model tensor must be provided exactly once.
+    Returns the skipped names. Raises ONE ValueError listing all missing, unexpected and
+    mis-shaped tensors (the model is then partially loaded and should be discarded).
+    """
+    expected = {name: tuple(t.shape) for name, t in iter_released_tensors(model, prefix="")}
+    loaded: set[str] = set()
+    given_misshaped: set[str] = set()  # provided but unusable: reported once, not also as missing
+    skipped: list[str] = []
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    duplicated: list[str] = []
+    for src_name, tensor in items:
+        name = _text_name(src_name)
+        if name is None:
+            skipped.append(src_name)
+            continue
+        try:
+            pairs = _split_hf(name, tensor, expected)
+        except KeyError:
+            unexpected.append(src_name)
+            continue
+        except _FusedShapeError as e:
+            misshaped.append(str(e))
+            given_misshaped.update(e.covers)
+            continue
+        for rname, t in pairs:
+            if rname not in expected:
+                unexpected.append(src_name if rname == name else f"{src_name} (as {rname})")
+                continue
+            if tuple(t.shape) != expected[rname]:
+                misshaped.append(f"{src_name}: shape {tuple(t.shape)} != expected {expected[rname]}")
+                given_misshaped.add(rname)
+                continue
+            if rname in loaded:
+                duplicated.append(f"{src_name} (as {rname})")
+                continue
+            try:
+                load_released_tensor(model, rname, t)
+            except ValueError as e:  # e.g. an integer tensor
+                misshaped.append(f"{src_name}: {e}")
+                given_misshaped.add(rname)
+                continue
+            loaded.add(rname)
+    missing = [n for n in expected if n not in loaded and n not in given_misshaped]
+    if missing or unexpected or misshaped or duplicated:
+        parts = []
+        for title, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mis-shaped", misshaped),
+            ("given twice", duplicated),
+        ):
+            if names:
+                parts.append(f"{len(names)} {title}:\n    " + "\n    ".join(names))
+        raise ValueError("checkpoint does not match the model:\n  " + "\n  ".join(parts))
+    return skipped
+
+
+def load_hf_state_dict(model: M3ForCausalLM, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Load a transformers `MiniMaxM3VLForCausalLM` / VL state dict (or any supported naming).
+
+    Same rules and errors as `load_named_tensors`; returns the skipped (vision / MTP) names.
+    """
+    return load_named_tensors(model, state_dict.items())
+
+
+# ---------------------------------------------------------------------------- save / load files
+def _save_dtype(name: str, t: torch.Tensor) -> torch.dtype:
+    # Router weight and bias are released in fp32 (spec §2.2); keep them there whatever the model dtype.
+    return torch.float32 if name.endswith(_ROUTER_SUFFIXES) and t.dtype != torch.float64 else t.dtype
+
+
+def save_checkpoint(
+    model: M3ForCausalLM,
+    config: M3Config,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> list[str]:
+    """Write config.json + safetensors under the released VL names (`language_model.…`).
+
+    One `model.safetensors` when everything fits in `max_shard_bytes`, else
+    `model-0000k-of-0000n.safetensors` shards (greedy, in `iter_released_tensors` order) plus
+    `model.safetensors.index.json`. Router gate weight and bias are stored fp32; other tensors in
+    the model dtype. Every file is written under a temporary name then renamed; stale weight files
+    of an earlier save in `out_dir` are removed afterwards. Returns the weight file names.
+    """
+    from safetensors.torch import save_file
+
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    entries = [(n, t, _save_dtype(n, t)) for n, t in iter_released_tensors(model, RELEASED_PREFIX)]
+    shards: list[list[tuple[str, torch.Tensor, torch.dtype]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry[1].numel() * torch.empty((), dtype=entry[2]).element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, shard in zip(files, shards):
+        # clone: safetensors refuses tensors that share storage (the per-expert views do).
+        tensors = {name: t.to(dt).contiguous().clone() for name, t, dt in shard}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        _atomic(os.path.join(out, fname), lambda p, ts=tensors: save_file(ts, p, metadata={"format": "pt"}))
+        weight_map.update({name: fname for name in tensors})
+    _atomic(os.path.join(out, CONFIG_NAME), lambda p: _write_json(p, config.to_dict()))
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _atomic(os.path.join(out, INDEX_FILE), lambda p: _write_json(p, index))
+    keep = set(files) | ({INDEX_FILE} if n > 1 else set())
+    stale = [
+        f
+        for f in os.listdir(out)
+        if f not in keep
+        and (f in (SINGLE_FILE, INDEX_FILE) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f))
+    ]
+    for f in stale:
+        os.remove(os.path.join(out, f))
+    return files
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def _atomic(path: str, write) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {path}")
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in sorted(f.keys()):
+                yield key, f.get_tensor(key)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> M3ForCausalLM:
+    """Build an M3ForCausalLM from a checkpoint directory and load its weights.
+
+    Reads config.json (either shape, validated), builds the model on `meta` (no init cost),
+    casts to `dtype` (router gate/bias stay >= fp32), materialises it on `device`, then loads
+    `model.safetensors` or the shards listed in `model.safetensors.index.json`. Any supported
+    naming is accepted (see `load_named_tensors`); vision and MTP tensors are skipped. Raises
+    ValueError listing every missing / unexpected / mis-shaped tensor. Returns the model in eval mode.
+    """
+    p = os.fspath(path)
+    config = M3Config.from_pretrained(p)
+    files = _checkpoint_files(p)
+    with torch.device("meta"):
+        model = M3ForCausalLM(config)
+    model.cast_for_inference(dtype)
+    model.to_empty(device=device)
+    load_named_tensors(model, _iter_safetensors(files))
+    return model.eval()

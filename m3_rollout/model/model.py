@@ -1,0 +1,120 @@
+"""MiniMax-M3 text model: pre-norm decoder, single-device maths (spec §3.2).
+
+Governing idea: h = embed(ids); per layer h += attn(norm(h)); h += ffn(norm(h)); logits =
+lm_head(norm(h)). No embedding scale, no logit soft-cap, untied lm_head. Module and parameter
+names equal the released text-only checkpoint names (`model.layers.{i}.self_attn.q_proj.weight`,
+`model.layers.{i}.block_sparse_moe.gate.weight`, `lm_head.weight`, ...) except the routed experts,
+stacked as `...block_sparse_moe.experts.w13` / `.w2` (loading.py maps them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionInputs, M3Attention
+from .configuration import M3Config
+from .kv_cache import KVCache
+from .moe import DenseMLP, M3MoE
+from .norm import GemmaRMSNorm
+from .numerics import compute_dtype
+from .rope import rope_cos_sin
+
+
+class M3DecoderLayer(nn.Module):
+    """input_layernorm -> self_attn -> residual; post_attention_layernorm -> mlp | block_sparse_moe -> residual."""
+
+    def __init__(self, config: M3Config, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = M3Attention(config, layer_idx)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = M3MoE(config)
+        else:
+            self.mlp = DenseMLP(config, config.dense_intermediate_size)
+
+    def forward(self, h: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """h: [B, S, H] -> [B, S, H]."""
+        h = h + self.self_attn(self.input_layernorm(h), inputs)
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
+
+class M3Model(nn.Module):
+    """embed_tokens, layers, norm. forward -> final-normed hidden states [B, S, H]."""
+
+    def __init__(self, config: M3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(M3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """See M3ForCausalLM.forward; returns hidden states [B, S, H] in the embedding dtype."""
+        b, s = input_ids.shape
+        arange = torch.arange(s, device=input_ids.device)
+        key_positions = None
+        if positions is None:
+            positions = arange.expand(b, s)
+        elif positions.shape != input_ids.shape:
+            raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        elif cache is None and not torch.equal(positions, arange.expand(b, s)):
+            key_positions = positions  # keys are the same tokens, at their own positions
+        # NOTE: one host sync per forward: the key span is a Python int (slice length).
+        max_pos = int(positions.max())
+        if cache is not None:
+            cache.check_positions(positions, max_pos)
+        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta)  # [B, S, r/2]
+        inputs = AttentionInputs(positions, cos, sin, cache, max_pos + 1, key_positions)
+        h = self.embed_tokens(input_ids)  # [B, S, H]
+        for layer in self.layers:
+            h = layer(h, inputs)
+        return self.norm(h)
+
+
+class M3ForCausalLM(nn.Module):
+    """The M3 text model with its untied lm_head; `state_dict()` uses released text-only names."""
+
+    def __init__(self, config: M3Config):
+        super().__init__()
+        self.config = config
+        self.model = M3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, S, V] in the model dtype (callers upcast).
+
+        input_ids: [B, S] int64. positions: [B, S] int64 absolute positions, default 0..S-1 per row.
+        Without a cache the keys are the S tokens themselves (at their positions): right padding
+        with continuing positions is fine, a row's tokens must have increasing positions.
+        With a cache, see kv_cache.py for the write-then-read contract; raises ValueError when a
+        position is outside [0, cache.max_len) or the batch size differs from the cache's.
+        """
+        return self.lm_head(self.model(input_ids, positions, cache))
+
+    def moe_layers(self) -> list[M3MoE]:
+        """The MoE blocks in layer order (their `last_topk_ids` form the routing record)."""
+        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+
+    def cast_for_inference(self, dtype: torch.dtype) -> "M3ForCausalLM":
+        """Cast every parameter to `dtype` but keep router gate weights and e_score_correction_bias
+        in at least fp32 (spec §6: released and computed in fp32). Returns self."""
+        self.to(dtype)
+        router_dtype = compute_dtype(dtype)
+        for moe in self.moe_layers():
+            moe.gate.to(router_dtype)
+            moe.e_score_correction_bias.data = moe.e_score_correction_bias.data.to(router_dtype)
+        return self

@@ -1,0 +1,171 @@
+"""SwiGLU-OAI MLPs and the sigmoid-routed MoE block (spec §3.6-§3.8).
+
+Governing idea: the router runs in (at least) fp32 — sigmoid scores, bias used only to *choose*
+experts, unbiased scores renormalised and scaled to weight them — and the routed experts run
+grouped by expert (one GEMM pair per expert that received tokens), plus one always-on shared
+expert.
+
+Shape legend:
+  T  tokens (flattened batch)   H  hidden size   E  routed experts   K  experts per token
+  I  expert FFN width           N  tokens routed to one expert
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration import M3Config
+from .numerics import compute_dtype
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, beta: float = 1.0) -> torch.Tensor:
+    """act = g' * sigmoid(alpha * g') * (u' + beta), g' = min(gate, limit), u' = clamp(up, ±limit).
+
+    gate/up: same shape, any float dtype. The gate has NO lower clamp (spec §3.7). Computed in
+    fp32 (fp64 for fp64 input; vLLM's AMD path notes bf16 intermediates cost accuracy) and returned
+    in gate.dtype.
+    """
+    cdt = compute_dtype(gate.dtype)
+    g = gate.to(cdt).clamp(max=limit)
+    u = up.to(cdt).clamp(min=-limit, max=limit)
+    return (g * torch.sigmoid(alpha * g) * (u + beta)).to(gate.dtype)
+
+
+class DenseMLP(nn.Module):
+    """down(SwiGLU-OAI(gate(x), up(x))): the dense-layer MLP and the MoE shared expert.
+
+    x: [..., H] -> [..., H], same dtype.
+    """
+
+    def __init__(self, config: M3Config, intermediate_size: int):
+        super().__init__()
+        h = config.hidden_size
+        self.gate_proj = nn.Linear(h, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, h, bias=False)
+        self.alpha, self.limit, self.beta = config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit, self.beta))
+
+
+def route(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid top-k routing with selection-only bias (spec §3.6 steps 2-4).
+
+    logits: [T, E] router logits (fp32 or fp64); bias: [E] or None.
+    Returns (weights [T, K] in logits.dtype, ids [T, K] int64): ids = the K experts with the
+    largest sigmoid(logits) + bias (ties to the lower expert id, via a stable sort); weights =
+    the UNBIASED sigmoid scores of those experts, renormalised to sum 1, times `scaling`.
+    """
+    scores = torch.sigmoid(logits)  # [T, E]
+    choice = scores if bias is None else scores + bias.to(scores.dtype)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, K]
+    w = scores.gather(1, ids)  # [T, K]
+    return w / w.sum(dim=-1, keepdim=True) * scaling, ids
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act,
+) -> torch.Tensor:
+    """sum_k weights[t,k] * W2[e] act(W13[e] x[t]) with e = ids[t,k], computed per expert.
+
+    x: [T, H]; ids: [T, K] int64; weights: [T, K]; w13: [E, 2I, H] (gate rows then up rows);
+    w2: [E, H, I]; act(gate [N, I], up [N, I]) -> [N, I]. Returns [T, H] in x.dtype.
+    Tokens are sorted by expert so each expert that received any runs one GEMM pair (no per-token
+    loop); results are combined with index_add in x.dtype (spec §6).
+    """
+    t, k = ids.shape
+    inter = w2.shape[-1]
+    flat = ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat, stable=True)  # [T*K]
+    token = order // k  # [T*K] token of each sorted (token, slot) pair
+    w_sorted = weights.reshape(-1)[order]  # [T*K]
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # NOTE: host sync, one per layer
+    out = torch.zeros_like(x)  # [T, H]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token[start : start + n]  # [N]
+        h = x[tok] @ w13[e].t()  # [N, 2I]
+        y = act(h[:, :inter], h[:, inter:]) @ w2[e].t()  # [N, H]
+        y = (y.to(w_sorted.dtype) * w_sorted[start : start + n, None]).to(x.dtype)
+        out.index_add_(0, tok, y)
+        start += n
+    return out
+
+
+class StackedExperts(nn.Module):
+    """Routed expert weights stacked per layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
+
+    The released checkpoint stores them per expert (w1 = w13[e, :I], w3 = w13[e, I:], w2 = w2[e]);
+    see loading.py. Gate-then-up, NOT gpt-oss interleaving (spec §2.2).
+    """
+
+    def __init__(self, config: M3Config):
+        super().__init__()
+        e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        nn.init.normal_(self.w13, std=0.02)
+        nn.init.normal_(self.w2, std=0.02)
+        self.alpha, self.limit, self.beta = config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu_oai(gate, up, self.alpha, self.limit, self.beta)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids/weights [T, K] -> [T, H]."""
+        return grouped_experts(x, ids, weights, self.w13, self.w2, self.act)
+
+
+class M3MoE(nn.Module):
+    """Sigmoid-routed MoE + shared expert (spec §3.6). Released name: `block_sparse_moe`.
+
+    Parameters: `gate` (Linear H->E, fp32 weight), `e_score_correction_bias` [E] fp32
+    (requires_grad False: the bias is a load-balancing statistic, frozen by default), `experts`
+    (StackedExperts), `shared_experts` (DenseMLP of width shared_intermediate_size).
+
+    forward(x [..., H]) -> [..., H] in x.dtype. After each call `last_topk_ids` holds the chosen
+    expert ids [T, K] int64 (T = x.numel() // H, row-major over the leading dims), for routing
+    records / replay.
+    """
+
+    def __init__(self, config: M3Config):
+        super().__init__()
+        e = config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.use_routing_bias = config.use_routing_bias
+        # NOTE: the router weight is created fp32 whatever the default dtype is (released in fp32,
+        # spec §2.2); M3ForCausalLM.cast_for_inference keeps it there.
+        self.gate = nn.Linear(config.hidden_size, e, bias=False, dtype=torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
+        self.experts = StackedExperts(config)
+        self.shared_experts = DenseMLP(config, config.shared_intermediate_size)
+        self.last_topk_ids: torch.Tensor | None = None
+
+    def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, K], ids [T, K]); logits in max(fp32, weight dtype)."""
+        w = self.gate.weight
+        rdt = torch.promote_types(compute_dtype(x.dtype), compute_dtype(w.dtype))
+        logits = F.linear(x.to(rdt), w.to(rdt))  # [T, E]
+        bias = self.e_score_correction_bias if self.use_routing_bias else None
+        return route(logits, bias, self.top_k, self.routed_scaling_factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [T, H]
+        weights, ids = self.router(x2)  # [T, K] each
+        self.last_topk_ids = ids.detach()
+        out = self.experts(x2, ids, weights) + self.shared_experts(x2)  # [T, H]
+        return out.view(shape)

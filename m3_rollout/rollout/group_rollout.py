@@ -1,0 +1,138 @@
+"""GRPO group rollouts with multi-turn tool use (design.md §2, steps 2-3).
+
+Governing idea: token-in, token-out. Each prompt is rendered once; its n samples are generated
+together; when a sample calls a tool, the environment runs it and the tool turn's tokens are
+appended to that sample's own token sequence, which is submitted again as the next turn's
+prompt. Earlier turns are never re-rendered or re-tokenised, so the trainer sees exactly the
+tokens the sampler produced.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from m3_rollout.chat.template import ChatFormat
+from m3_rollout.chat.tool_parser import parse_tool_calls
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SamplingParams
+from m3_rollout.rollout.environment import Environment, ModelTurn
+from m3_rollout.rollout.trajectory import Trajectory
+
+
+@dataclass
+class RolloutSettings:
+    """Knobs of one rollout call.
+
+    Attributes:
+        n: samples per prompt (GRPO group size).
+        max_turns: most model turns per trajectory.
+        max_total_len: cap on a trajectory's total tokens (truncation policy: generation stops at
+            the cap with finish_reason "length"; a tool turn that does not fit ends the
+            trajectory, also as "length").
+        max_new_tokens: cap per model turn.
+        temperature, top_p, top_k: sampling.
+        seed: base seed; prompt i of the call uses seed ``seed * 1_000_003 + i``.
+    """
+
+    n: int
+    max_turns: int
+    max_total_len: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    logprobs_mode: str = "processed"
+
+
+def run_group_rollouts(backend: GenerationBackend, chat: ChatFormat, env: Environment,
+                       records: list[dict], settings: RolloutSettings) -> tuple[list[Trajectory], dict]:
+    """Roll out ``settings.n`` samples for every record.
+
+    Returns:
+        (trajectories ordered by (group, sample), metrics dict with timing and token counts).
+
+    Raises:
+        ValueError: a record that the environment cannot reset (named by index).
+    """
+    t0 = time.perf_counter()
+    tools = env.tool_schemas()
+    trajs: list[Trajectory] = []
+    states: list[dict] = []
+    seeds: list[int] = []
+    for gi, rec in enumerate(records):
+        try:
+            messages, state = env.reset(rec)
+        except ValueError as exc:
+            raise ValueError(f"prompt record {gi}: {exc}") from None
+        prompt = chat.prompt_ids(messages, tools=tools)
+        seeds.append(settings.seed * 1_000_003 + gi)
+        for j in range(settings.n):
+            t = Trajectory(group_index=gi, sample_index=j, token_ids=[], loss_mask=[], rollout_logprobs=[],
+                           weight_version=[], prompt_len=len(prompt))
+            t.append(prompt, generated=False)
+            trajs.append(t)
+            states.append(dict(state))
+
+    # Turn 1: one request per prompt with n samples (the samples share the prompt).
+    pending = [(gi, None) for gi in range(len(records))]  # (group, sample or None = all n)
+    turn = 0
+    gen_tokens = 0
+    while pending and turn < settings.max_turns:
+        turn += 1
+        requests, targets = [], []
+        for gi, j in pending:
+            idxs = [gi * settings.n + k for k in range(settings.n)] if j is None else [gi * settings.n + j]
+            ctx = trajs[idxs[0]].token_ids
+            room = settings.max_total_len - len(ctx)
+            params = SamplingParams(n=len(idxs), temperature=settings.temperature, top_p=settings.top_p,
+                                    top_k=settings.top_k, max_new_tokens=max(1, min(settings.max_new_tokens, room)),
+                                    stop_token_ids=tuple(chat.stop_token_ids), seed=seeds[gi],
+                                    logprobs_mode=settings.logprobs_mode)
+            requests.append(GenerationRequest(f"g{gi}-s{j}-t{turn}", list(ctx), params,
+                                              sample_index=0 if j is None else j))
+            targets.extend(idxs)
+        outputs = backend.generate(requests)
+        pending = []
+        for idx, out in zip(targets, outputs):
+            traj, state = trajs[idx], states[idx]
+            if out.finish_reason == "error":
+                traj.finish_reason = "error"
+                traj.info["error"] = out.error
+                continue
+            traj.append(out.output_ids, generated=True, logprobs=out.logprobs, version=out.weight_version)
+            gen_tokens += len(out.output_ids)
+            ids = out.output_ids
+            ended = bool(ids) and ids[-1] in chat.stop_token_ids
+            text = chat.decode(ids[:-1] if ended else ids)
+            traj.texts.append(text)
+            parsed = parse_tool_calls(text, tools)
+            calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
+            traj.tool_calls.extend(calls)
+            model_turn = ModelTurn(content=parsed.content, tool_calls=calls, parse_error=parsed.error,
+                                   truncated=parsed.truncated or not ended)
+            if not ended:
+                # Cut by a token limit: score what is there, no further turns.
+                result = env.step(state, ModelTurn(content=parsed.content, truncated=True))
+                traj.reward, traj.finish_reason = result.reward, "length"
+                continue
+            result = env.step(state, model_turn)
+            traj.reward = result.reward
+            traj.info.update(result.info)
+            if result.done:
+                traj.finish_reason = "stop"
+                continue
+            if turn >= settings.max_turns:
+                traj.finish_reason = "max_turns"
+                continue
+            tool_ids = chat.tool_turn_ids(result.observations)
+            if len(traj.token_ids) + len(tool_ids) >= settings.max_total_len:
+                traj.finish_reason = "length"
+                continue
+            traj.append(tool_ids, generated=False)
+            pending.append((traj.group_index, traj.sample_index))
+    for t in trajs:
+        t.check()
+    seconds = time.perf_counter() - t0
+    return trajs, {"rollout_seconds": seconds, "generated_tokens": gen_tokens,
+                   "generation_tokens_per_s": gen_tokens / max(seconds, 1e-9), "turns": turn}

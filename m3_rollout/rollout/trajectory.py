@@ -1,0 +1,74 @@
+"""Trajectory: one sampled multi-turn episode, as token-level arrays the trainer consumes.
+
+Worked example (prompt P of 3 tokens, model turn of 2 tokens ending in eos, tool turn T of 2
+tokens, final model turn of 2 tokens)::
+
+    token_ids        P0  P1  P2  g0  eos T0  T1  a0  eos
+    loss_mask        0   0   0   1   1   0   0   1   1
+    rollout_logprobs 0   0   0   l   l   0   0   l   l     (sampling-distribution logprob)
+    weight_version   -1  -1  -1  v   v   -1  -1  v   v
+    turn_spans       [(3, 5), (7, 9)]                     (half-open index ranges of model turns)
+
+``rollout_logprobs[t]`` is log p(token_ids[t] | token_ids[:t]) for generated tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Trajectory:
+    """One sample of a GRPO group.
+
+    Attributes:
+        group_index: which prompt of the step (GRPO group id).
+        sample_index: which of the n samples of that prompt.
+        token_ids: [L] all tokens (prompt, model turns, tool turns).
+        loss_mask: [L] 1 on tokens the model sampled, 0 elsewhere.
+        rollout_logprobs: [L] logprob of each sampled token under the sampling distribution, 0
+            elsewhere.
+        weight_version: [L] weight version that produced each token, -1 for non-generated ones.
+        turn_spans: half-open [start, end) of each model turn in ``token_ids``.
+        finish_reason: "stop" (answered), "length" (hit a token limit), "max_turns" (turn limit
+            reached while still calling tools), "error" (the backend refused the request).
+        tool_calls: every parsed call, {"name", "arguments"} in order.
+        reward: environment reward.
+        texts: decoded text of each model turn (for logging).
+        prompt_len: number of prompt tokens.
+    """
+
+    group_index: int
+    sample_index: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    weight_version: list[int]
+    prompt_len: int
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    finish_reason: str = "length"
+    tool_calls: list[dict] = field(default_factory=list)
+    reward: float = 0.0
+    texts: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None,
+               version: int = -1) -> None:
+        """Append a model turn (``generated``, with its logprobs) or a non-sampled span."""
+        start = len(self.token_ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1 if generated else 0] * len(ids))
+        self.rollout_logprobs.extend(logprobs if generated else [0.0] * len(ids))
+        self.weight_version.extend([version if generated else -1] * len(ids))
+        if generated:
+            self.turn_spans.append((start, len(self.token_ids)))
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def check(self) -> None:
+        """Assert the per-token arrays agree (raised on a bug, not on bad input)."""
+        n = len(self.token_ids)
+        assert len(self.loss_mask) == n == len(self.rollout_logprobs) == len(self.weight_version), \
+            "trajectory arrays differ in length"

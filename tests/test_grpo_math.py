@@ -1,0 +1,61 @@
+"""Advantages, loss and batch building on tiny hand-computed inputs."""
+
+import math
+
+import pytest
+import torch
+
+from m3_rollout.rollout.trajectory import Trajectory
+from trainers.advantages import group_advantages
+from trainers.batch import batch_from_trajectories
+from trainers.loss import ClippedPGLossFn
+
+
+def test_group_advantages_normalised():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    a = group_advantages(r, g)
+    std = math.sqrt(((0.75 ** 2) + 3 * (0.25 ** 2)) / 3)  # unbiased std of group 0
+    assert a[0].item() == pytest.approx(0.75 / (std + 1e-6), rel=1e-5)
+    assert a[1].item() == pytest.approx(-0.25 / (std + 1e-6), rel=1e-5)
+    assert torch.equal(a[4:], torch.zeros(4))  # all-equal group: no signal
+
+
+def test_group_advantages_leave_one_out_unnormalised():
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0])
+    g = torch.tensor([5, 5, 5, 9])
+    a = group_advantages(r, g, normalize=False, leave_one_out=True)
+    assert a.tolist() == pytest.approx([1.0, -0.5, -0.5, 0.0])
+
+
+def test_clipped_loss_hand_computed():
+    fn = ClippedPGLossFn(0.2, 0.2)
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.0, 1.5, 0.5]])).requires_grad_(True)
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    adv = torch.tensor([2.0])
+    loss, m = fn(new, old, adv, mask, global_normalizer=2.0)
+    # token 1: ratio 1.5 -> clipped to 1.2 for A>0 -> 2.4; token 2: ratio 0.5 -> min(1.0, 1.6) = 1.0
+    assert loss.item() == pytest.approx(-(2.4 + 1.0) / 2)
+    assert m["clip_fraction_sum"] == 2.0
+    loss.backward()
+    # Clipped token (1) has no gradient; token 2 has d(-ratio*A)/dlogp = -ratio*A/2.
+    assert new.grad[0, 1].item() == 0.0
+    assert new.grad[0, 2].item() == pytest.approx(-0.5 * 2.0 / 2)
+
+
+def test_batch_from_trajectories_padding_and_validation():
+    t1 = Trajectory(0, 0, [], [], [], [], prompt_len=2)
+    t1.append([5, 6], generated=False)
+    t1.append([7, 8], generated=True, logprobs=[-0.1, -0.2], version=3)
+    t2 = Trajectory(0, 1, [], [], [], [], prompt_len=2)
+    t2.append([5, 6], generated=False)
+    t2.append([9], generated=True, logprobs=[-0.3], version=3)
+    b = batch_from_trajectories([t1, t2], torch.tensor([1.0, -1.0]), pad_id=0)
+    assert b.token_ids.tolist() == [[5, 6, 7, 8], [5, 6, 9, 0]]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    assert b.rollout_logprobs[1].tolist() == pytest.approx([0, 0, -0.3, 0])
+    assert t1.weight_version == [-1, -1, 3, 3] and t1.turn_spans == [(2, 4)]
+    b.loss_mask[1, 3] = 1
+    with pytest.raises(ValueError, match="padding"):
+        b.validate()

@@ -1,0 +1,132 @@
+"""M3Config parsing (both config.json shapes), derivations, and validate() messages (spec §1, §6)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from m3_rollout.model import M3Config, tiny_config
+from m3_rollout.model.configuration import _SPARSE_FLAT_ALIASES, _SPARSE_KEYS
+
+tfc = pytest.importorskip("transformers.models.minimax_m3_vl.configuration_minimax_m3_vl")
+
+
+def _raw_text_config(cfg: M3Config) -> dict:
+    """Released-checkpoint shape: raw keys only, sparse keys nested in sparse_attention_config."""
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _SPARSE_KEYS}
+    d["sparse_attention_config"] = {"use_sparse_attention": True, **{k: getattr(cfg, k) for k in _SPARSE_KEYS}}
+    d["router_aux_loss_coef"] = 0.001  # training-only key: ignored
+    return d
+
+
+def _flat_text_config(cfg: M3Config) -> dict:
+    """transformers shape: flattened index_* / layer_types / mlp_layer_types / rope_parameters, no
+    sparse_attention_config, no sparse_init_block / sparse_disable_index_value, hidden_act 'silu'."""
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _SPARSE_KEYS}
+    for k in ("rope_theta", "partial_rotary_factor", "moe_layer_freq", "num_local_experts"):
+        d.pop(k)
+    d["num_experts"] = cfg.num_local_experts
+    d.update({flat: getattr(cfg, raw) for raw, flat in _SPARSE_FLAT_ALIASES.items()})
+    d["layer_types"] = ["minimax_m3_sparse" if f else "full_attention" for f in cfg.sparse_attention_freq]
+    d["mlp_layer_types"] = ["sparse" if f else "dense" for f in cfg.moe_layer_freq]
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 0.5}
+    d["hidden_act"] = "silu"
+    return d
+
+
+@pytest.mark.parametrize("shape", ["raw", "flat"])
+@pytest.mark.parametrize("nested", [True, False])
+def test_both_shapes_nested_or_not_parse_to_the_same_config(shape, nested):
+    cfg = tiny_config()
+    tc = _raw_text_config(cfg) if shape == "raw" else _flat_text_config(cfg)
+    d = {"model_type": "minimax_m3_vl", "vision_config": {"hidden_size": 1280}, "text_config": tc} if nested else tc
+    assert M3Config.from_dict(d) == cfg
+
+
+def test_to_dict_roundtrips_and_transformers_loads_it():
+    cfg = tiny_config(sparse_init_block=1, sparse_local_block=2)
+    d = json.loads(json.dumps(cfg.to_dict()))  # JSON-clean
+    assert d["model_type"] == "minimax_m3_vl" and d["architectures"] == ["MiniMaxM3SparseForConditionalGeneration"]
+    assert d["tie_word_embeddings"] is False
+    assert M3Config.from_dict(d) == cfg
+    tc = d["text_config"]
+    assert tc["sparse_attention_config"]["sparse_block_size"] == 16 and tc["moe_layer_freq"] == [0, 1, 1, 1]
+    for hf_text in (tfc.MiniMaxM3VLTextConfig(**tc), tfc.MiniMaxM3VLConfig(**d).text_config,
+                    tfc.MiniMaxM3VLConfig.from_dict(d).text_config):  # fmt: skip
+        assert hf_text.index_block_size == 16 and hf_text.index_topk_blocks == 4
+        assert hf_text.index_local_blocks == 2 and hf_text.index_n_heads == 2 and hf_text.index_head_dim == 32
+        assert hf_text.layer_types == ["full_attention"] + ["minimax_m3_sparse"] * 3
+        assert hf_text.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+        assert hf_text.rope_parameters["partial_rotary_factor"] == 0.5
+        assert hf_text.rope_parameters["rope_theta"] == 5e6
+        assert hf_text.num_local_experts == 8 and hf_text.shared_intermediate_size == 32
+        # what transformers writes back parses to the same config (it drops sparse_attention_config;
+        # the top-level sparse_init_block copy and our other raw keys survive as extra attributes)
+        assert M3Config.from_dict(hf_text.to_dict()) == cfg
+
+
+def test_real_defaults_roundtrip():
+    cfg = M3Config()
+    assert cfg.validate() is cfg and M3Config.from_dict(cfg.to_dict()) == cfg
+    assert cfg.num_kv_groups == 16 and cfg.is_sparse_layer(3) and not cfg.is_sparse_layer(2)
+    assert cfg.is_moe_layer(59) and not cfg.is_moe_layer(0) and cfg.moe_layer_ids == list(range(3, 60))
+
+
+def test_rotary_dim_and_partial_factor_are_derived_or_rejected():
+    base = _raw_text_config(tiny_config())
+    only_dim = {k: v for k, v in base.items() if k != "partial_rotary_factor"}
+    assert M3Config.from_dict(only_dim).partial_rotary_factor == 0.5
+    only_factor = {k: v for k, v in base.items() if k != "rotary_dim"}
+    only_factor["partial_rotary_factor"] = 0.25
+    assert M3Config.from_dict(only_factor).rotary_dim == 8
+    with pytest.raises(ValueError, match="rotary_dim=16 disagrees"):
+        M3Config.from_dict({**base, "partial_rotary_factor": 0.25})
+    with pytest.raises(ValueError, match="partial_rotary_factor: conflicting"):
+        M3Config.from_dict({**base, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0}})
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        M3Config.from_dict({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_conflicting_raw_and_flat_keys_rejected():
+    d = {**_raw_text_config(tiny_config()), "index_block_size": 128}
+    with pytest.raises(ValueError, match="sparse_block_size: conflicting.*index_block_size=128"):
+        M3Config.from_dict(d)
+
+
+def test_validate_lists_every_violation_with_key_and_value():
+    bad = dataclasses.replace(
+        tiny_config(),
+        swiglu_beta=0.0,
+        hidden_act="silu",
+        sparse_num_index_heads=4,
+        sparse_local_block=0,
+        qk_norm_type="per_layer",
+        moe_layer_freq=[0, 1, 1],
+    )
+    with pytest.raises(ValueError) as e:
+        bad.validate()
+    msg = str(e.value)
+    for piece in (
+        "swiglu_beta=0.0",
+        "hidden_act='silu'",
+        "sparse_num_index_heads=4: must equal num_key_value_heads=2",
+        "sparse_local_block=0",
+        "qk_norm_type='per_layer'",
+        "moe_layer_freq=[0, 1, 1]: must be a list of 4",
+    ):
+        assert piece in msg, piece
+    with pytest.raises(ValueError, match="sparse_init_block=3: sparse_init_block \\+ sparse_local_block=2"):
+        tiny_config(sparse_init_block=3, sparse_local_block=2)
+    with pytest.raises(ValueError, match="sparse_disable_index_value"):
+        tiny_config(sparse_disable_index_value=[0, 0, 1, 1])
+    # kernel limits are not model semantics: tiny blocks / heads are fine
+    assert tiny_config().sparse_block_size == 16
+
+
+def test_from_pretrained_reads_config_json(tmp_path):
+    cfg = tiny_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    assert M3Config.from_pretrained(tmp_path) == cfg
+    assert M3Config.from_pretrained(tmp_path / "config.json") == cfg
