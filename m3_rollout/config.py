@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 class GRPOConfig:
     num_prompts_per_step: int = 16
     num_generations_per_prompt: int = 8
-    max_num_steps: int = 40
+    max_num_steps: int = 60
     # Tool-use turns per trajectory: a turn is one model generation; a tool call adds a turn.
     max_rollout_turns: int = 2
     normalize_rewards: bool = True
@@ -54,7 +54,7 @@ class LossConfig:
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"
-    lr: float = 1.0e-3
+    lr: float = 3.0e-4
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.999

@@ -14,6 +14,7 @@ import torch
 
 from m3_rollout.model import M3ForCausalLM
 from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.model.numerics import compute_dtype
 from trainers.batch import TrainBatch
 from trainers.loss import ClippedPGLossFn
 
@@ -30,9 +31,10 @@ def token_logprobs(model: M3ForCausalLM, token_ids: torch.Tensor, temperature: f
             drew from (temperature only; top-k/top-p are off for training rollouts).
 
     Returns:
-        float32 [B, L]; column 0 is 0 (no prefix), column t = log p(token_t | tokens_<t).
+        float32 [B, L] (float64 for a float64 model); column 0 is 0 (no prefix), column t = log p(token_t | tokens_<t).
     """
-    logits = model(token_ids).float() / temperature  # [B, L, V]
+    logits = model(token_ids)
+    logits = logits.to(compute_dtype(logits.dtype)) / temperature  # [B, L, V], fp32 (fp64 for fp64 models)
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, token_ids[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
@@ -77,7 +79,7 @@ class Policy:
     @torch.no_grad()
     def get_logprobs(self, batch: TrainBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
         """float32 [B, L] logprobs of ``batch.token_ids`` under the current weights."""
-        out = torch.zeros_like(batch.rollout_logprobs)
+        out = torch.zeros(batch.rollout_logprobs.shape)
         for s in range(0, batch.token_ids.shape[0], micro_batch_size):
             mb = batch.slice(slice(s, s + micro_batch_size))
             out[s:s + micro_batch_size, :mb.token_ids.shape[1]] = token_logprobs(self.model, mb.token_ids, temperature)
@@ -113,7 +115,7 @@ class Policy:
             lp = token_logprobs(self.model, mb.token_ids, temperature)
             loss, m = loss_fn(lp, prev[s:s + micro_batch_size, :l], mb.advantages, mb.loss_mask, normalizer)
             loss.backward()
-            total_loss += float(loss)
+            total_loss += float(loss.detach())
             clip_sum += m["clip_fraction_sum"]
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))

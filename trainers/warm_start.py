@@ -136,7 +136,7 @@ def warm_start(model: M3ForCausalLM, chat: ChatFormat, task: ArithmeticTask, env
             opt.step()
             sched.step()
             step += 1
-            loss_val = float(loss)
+            loss_val = float(loss.detach())
             if progress:
                 progress(step, None, loss_val)
         model.eval()

@@ -60,7 +60,7 @@ def keyed_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, positions: torc
 class SamplingTensors:
     """Per-row sampling parameters, shape [N] each (built once per step by the caller)."""
 
-    temperature: torch.Tensor  # float32 [N], > 0
+    temperature: torch.Tensor  # float64 [N], > 0 (cast to the logits' compute dtype)
     top_k: torch.Tensor  # int64 [N], -1 = off
     top_p: torch.Tensor  # float32 [N], in (0, 1]
     seeds: torch.Tensor  # int64 [N]
@@ -76,11 +76,13 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         temperature: float [N] > 0. top_k: int64 [N], -1 = off. top_p: float [N] in (0, 1].
 
     Returns:
-        fp32 [N, V] processed logits; ``log_softmax`` of it is the distribution sampled from.
+        fp32 [N, V] (fp64 for fp64 logits) processed logits; ``log_softmax`` of it is the distribution sampled from.
         Top-p keeps the smallest set of highest-probability tokens whose mass reaches top_p
         (the token that crosses the threshold is kept), as in vLLM / HF.
     """
-    x = logits.float() / temperature.float()[:, None]
+    # fp32 (fp64 for a float64 model, so parity tests can compare logprobs at 1e-9).
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / temperature.to(
+        torch.float64 if logits.dtype == torch.float64 else torch.float32)[:, None]
     n, v = x.shape
     need_k = bool((top_k > 0).any())
     need_p = bool((top_p < 1).any())
@@ -113,12 +115,12 @@ def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tenso
             (after temperature/top-k/top-p); "raw" = under the model's plain softmax.
 
     Returns:
-        (tokens int64 [N], logprobs fp32 [N]).
+        (tokens int64 [N], logprobs [N] in the processed dtype).
     """
     processed = process_logits(logits, params.temperature, params.top_k, params.top_p)
     u = keyed_uniform(params.seeds, params.sample_ids, positions, processed.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     tokens = torch.argmax(processed.double() + gumbel, dim=-1)
-    base = processed if logprobs_mode == "processed" else logits.float()
+    base = processed if logprobs_mode == "processed" else logits.to(processed.dtype)
     logprobs = torch.log_softmax(base, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs

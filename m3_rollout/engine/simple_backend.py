@@ -139,11 +139,11 @@ class SimpleGenerationBackend(GenerationBackend):
             ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
         positions = torch.arange(width).expand(n, width)
         logits = self.model(ids.to(device), positions.to(device), cache)
-        last = logits[torch.arange(n), (prompt_lens - 1).to(device)].float()  # [n, V]
+        last = logits[torch.arange(n), (prompt_lens - 1).to(device)]  # [n, V], upcast by the sampler
         self.stats["prefill_tokens"] += int(prompt_lens.sum())
 
         params = SamplingTensors(
-            temperature=torch.tensor([r.req.params.temperature for r in rows], dtype=torch.float32),
+            temperature=torch.tensor([r.req.params.temperature for r in rows], dtype=torch.float64),
             top_k=torch.tensor([r.req.params.top_k for r in rows], dtype=torch.long),
             top_p=torch.tensor([r.req.params.top_p for r in rows], dtype=torch.float32),
             seeds=torch.tensor([r.req.params.seed for r in rows], dtype=torch.long),
@@ -179,7 +179,7 @@ class SimpleGenerationBackend(GenerationBackend):
             act = torch.tensor(active)
             step_pos = pos[act]
             logits = self.model(tokens[:, None].to(device), step_pos[:, None].to(device), cache)
-            last = logits[:, -1].float()
+            last = logits[:, -1]
             pos[act] += 1
 
     def _dtype(self) -> torch.dtype:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import random
 import re
+import warnings
 from dataclasses import dataclass
 
 from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, Tool
@@ -32,7 +33,9 @@ def safe_calculate(expression: str, max_chars: int = 64) -> int:
     if len(expression) > max_chars:
         raise ValueError(f"expression longer than {max_chars} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():  # model text like "12]3" makes ast warn before failing
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ValueError(f"cannot parse expression {expression!r}") from None
 
