@@ -154,9 +154,12 @@ def run(cfg: MasterConfig) -> dict:
         batch = batch_from_trajectories(trajs, adv, pad_id=tokenizer.pad_token_id or 0)
         t_train = time.perf_counter()
         tm = {}
-        for s in range(0, len(trajs), p.train_global_batch_size):
-            tm = policy.train_step(batch.slice(slice(s, s + p.train_global_batch_size)), loss_fn,
-                                   gen.temperature, p.train_micro_batch_size)
+        gbs = p.train_global_batch_size
+        prev = policy.get_logprobs(batch, gen.temperature, p.train_micro_batch_size) if gbs < len(trajs) else None
+        for s in range(0, len(trajs), gbs):
+            mb = batch.slice(slice(s, s + gbs))
+            tm = policy.train_step(mb, loss_fn, gen.temperature, p.train_micro_batch_size,
+                                   None if prev is None else prev[s:s + gbs, :mb.token_ids.shape[1]])
         t_sync = time.perf_counter()
         backend.update_weights(step, policy.named_released_tensors())
         backend.reset_prefix_cache()

@@ -47,3 +47,21 @@ def test_grpo_step_raises_positive_advantage_sequences():
         if n in frozen:
             assert torch.equal(p, frozen[n]), f"{n} must stay frozen"
     assert frozen, "the tiny config has indexer and router-bias tensors"
+
+
+def test_prev_logprobs_given_once_clip_later_steps():
+    """Two optimizer steps on one rollout batch: with the rollout-time logprobs passed in, the second
+    step's ratio is measured against them (non-zero clip fraction after a large first step)."""
+    m = _model()
+    policy = Policy(m, lr=5e-2)
+    ids = torch.randint(0, 50, (4, 10))
+    mask = torch.zeros(4, 10)
+    mask[:, 5:] = 1
+    batch = TrainBatch(ids, mask, torch.zeros(4, 10), torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.full((4,), 10))
+    prev = policy.get_logprobs(batch, 1.0, 4)
+    first = policy.train_step(batch, ClippedPGLossFn(), 1.0, 4, prev_logprobs=prev)
+    second = policy.train_step(batch, ClippedPGLossFn(), 1.0, 4, prev_logprobs=prev)
+    assert first["clip_fraction"] == 0.0
+    assert second["clip_fraction"] > 0.0
+    # Without it the ratio restarts at 1: nothing is clipped.
+    assert policy.train_step(batch, ClippedPGLossFn(), 1.0, 4)["clip_fraction"] == 0.0

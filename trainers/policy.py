@@ -86,11 +86,14 @@ class Policy:
         return out
 
     def train_step(self, batch: TrainBatch, loss_fn: ClippedPGLossFn, temperature: float,
-                   micro_batch_size: int) -> dict:
+                   micro_batch_size: int, prev_logprobs: torch.Tensor | None = None) -> dict:
         """One optimizer step on a global batch.
 
         The ratio is taken against ``prev_logprobs``, the current policy's own logprobs before
-        the step (recomputed here, as NeMo RL does); the train/inference mismatch is logged as
+        the step (recomputed here unless given: when one rollout batch is split into several
+        optimizer steps, pass the logprobs computed once before the first step, as NeMo RL does,
+        so the later steps are clipped against the rollout-time policy); the train/inference
+        mismatch is logged as
         ``token_mult_prob_error`` = mean over sampled tokens of exp(|rollout_lp - prev_lp|)
         (1.0 = identical).
 
@@ -100,7 +103,7 @@ class Policy:
         """
         batch.validate()
         self.model.train()
-        prev = self.get_logprobs(batch, temperature, micro_batch_size)
+        prev = self.get_logprobs(batch, temperature, micro_batch_size) if prev_logprobs is None else prev_logprobs
         mask = batch.loss_mask
         num_tokens = float(mask.sum())
         normalizer = num_tokens if loss_fn.token_level_loss else float(batch.token_ids.shape[0])
