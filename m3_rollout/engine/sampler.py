@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from m3_rollout.model.numerics import compute_dtype
+
 # splitmix64 constants, written as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -81,8 +83,8 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         (the token that crosses the threshold is kept), as in vLLM / HF.
     """
     # fp32 (fp64 for a float64 model, so parity tests can compare logprobs at 1e-9).
-    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / temperature.to(
-        torch.float64 if logits.dtype == torch.float64 else torch.float32)[:, None]
+    dtype = compute_dtype(logits.dtype)
+    x = logits.to(dtype) / temperature.to(dtype)[:, None]
     n, v = x.shape
     need_k = bool((top_k > 0).any())
     need_p = bool((top_p < 1).any())

@@ -173,7 +173,7 @@ class SimpleGenerationBackend(GenerationBackend):
                 return
             if len(still) < len(active):
                 keep = torch.tensor(still)
-                _select_cache_rows(cache, keep.to(device))
+                cache.select_rows(keep.to(device))
                 tokens = tokens[keep]
                 active = [active[k] for k in still]
             act = torch.tensor(active)
@@ -185,10 +185,3 @@ class SimpleGenerationBackend(GenerationBackend):
     def _dtype(self) -> torch.dtype:
         return self.model.lm_head.weight.dtype
 
-
-def _select_cache_rows(cache: KVCache, keep: torch.Tensor) -> None:
-    """Keep only cache rows ``keep`` (int64 [n']), in that order (drops finished samples)."""
-    for tensors in (cache.k, cache.v, cache.index_k):
-        for layer, t in enumerate(tensors):
-            if t is not None:
-                tensors[layer] = t.index_select(0, keep)

@@ -93,6 +93,13 @@ class KVCache:
             assert cache is not None, f"layer {layer} is dense: it has no index-key cache"
             cache.index_put_((rows, positions), index_k.to(cache.dtype))
 
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only rows ``keep`` (int64 [B']) in that order, e.g. to drop finished samples."""
+        for tensors in (self.k, self.v, self.index_k):
+            for layer, t in enumerate(tensors):
+                if t is not None:
+                    tensors[layer] = t.index_select(0, keep)
+
     def reset(self) -> None:
         """Zero every slot (a fresh cache without reallocating)."""
         for t in [*self.k, *self.v, *(x for x in self.index_k if x is not None)]:
