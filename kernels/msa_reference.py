@@ -16,6 +16,7 @@ import torch
 from m3_rollout.engine.paged_cache import PagedMetadata
 from m3_rollout.model.attention import masked_gqa_attention
 from m3_rollout.model.indexer import block_scores, select_blocks, selected_key_mask
+from m3_rollout.model.numerics import compute_dtype
 
 
 def _token_rows(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +33,8 @@ def pad_queries(x: torch.Tensor, meta: PagedMetadata) -> tuple[torch.Tensor, tor
 
     Padding query slots get position 0 (they attend to key 0 only; their outputs are dropped).
     """
+    if meta.num_tokens == meta.num_rows * meta.max_query_len == meta.num_rows:  # plain decode: no padding
+        return x[:, None], meta.positions.long()[:, None]
     row, off = _token_rows(meta)
     sq = meta.max_query_len
     out = x.new_zeros((meta.num_rows, sq) + tuple(x.shape[1:]))
@@ -43,25 +46,57 @@ def pad_queries(x: torch.Tensor, meta: PagedMetadata) -> tuple[torch.Tensor, tor
 
 def unpad_queries(x: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
     """Padded [R, Sq, ...] -> flat [T, ...]."""
+    if meta.num_tokens == meta.num_rows * meta.max_query_len == meta.num_rows:
+        return x[:, 0]
     row, off = _token_rows(meta)
     return x[row, off]
 
 
-def gather_pages(cache_l: torch.Tensor, meta: PagedMetadata, head_axis: bool) -> torch.Tensor:
+def gather_pages(cache_l: torch.Tensor, meta: PagedMetadata, head_axis: bool,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """A layer's pages in logical order per row.
 
     cache_l: [P, G, ps, d] (head_axis=True) or [P, ps, di]. Returns [R, nb*ps, G, d] or
-    [R, nb*ps, di] with nb = ceil(max_seq_len / ps); slot u holds position u. Slots past a row's
-    seq_len hold arbitrary data (callers mask them by causality).
+    [R, nb*ps, di] with nb = ceil(max_seq_len / ps), in ``dtype`` (default the cache's); slot u
+    holds position u. Slots past a row's seq_len hold arbitrary data (callers mask them by
+    causality). NOTE: the [R, nb*ps, G, d] result is a view of head-major [R, G, nb*ps, d]
+    memory, the layout ``masked_gqa_attention`` multiplies without another copy.
     """
     ps = cache_l.shape[2] if head_axis else cache_l.shape[1]
     nb = -(-meta.max_seq_len // ps)
     bt = meta.block_tables[:, :nb].long().clamp_min(0)  # [R, nb]
-    pages = cache_l[bt]  # [R, nb, G, ps, d] or [R, nb, ps, di]
     r = bt.shape[0]
+    pages = cache_l.index_select(0, bt.reshape(-1)).view(r, nb, *cache_l.shape[1:])  # [R, nb, G, ps, d] | [R, nb, ps, di]
+    dtype = dtype or cache_l.dtype
     if head_axis:
-        return pages.permute(0, 1, 3, 2, 4).reshape(r, nb * ps, cache_l.shape[1], cache_l.shape[3])
-    return pages.reshape(r, nb * ps, cache_l.shape[2])
+        g, d = cache_l.shape[1], cache_l.shape[3]
+        out = torch.empty(r, g, nb, ps, d, dtype=dtype, device=cache_l.device)
+        out.copy_(pages.permute(0, 2, 1, 3, 4))  # [R, G, nb, ps, d]
+        return out.view(r, g, nb * ps, d).permute(0, 2, 1, 3)  # [R, nb*ps, G, d] view
+    return pages.reshape(r, nb * ps, cache_l.shape[2]).to(dtype)
+
+
+def split_decodes(meta: PagedMetadata) -> tuple[PagedMetadata, PagedMetadata] | None:
+    """(decode rows' metadata, prefill rows' metadata) when a step mixes both, else None.
+
+    NOTE: the references pad every row's queries to ``max_query_len``; in a mixed step that pads
+    each one-token decode row to the longest prefill chunk. Running the two parts separately is
+    exact (rows are independent) and keeps a decode batch's cost independent of a prefill
+    sharing its step. Tokens are decode-first, so outputs concatenate in token order.
+    """
+    nd, r = meta.num_decodes, meta.num_rows
+    if nd == 0 or nd == r:
+        return None
+    qsl = meta.query_start_loc
+    td = nd * meta.decode_query_len
+    d_seq, p_seq = meta.seq_lens[:nd], meta.seq_lens[nd:]
+    dec = PagedMetadata(meta.positions[:td], meta.slot_mapping[:td], meta.block_tables[:nd],
+                        meta.context_lens[:nd], d_seq, qsl[:nd + 1], nd, meta.decode_query_len,
+                        meta.decode_query_len, int(d_seq.max()))
+    pre = PagedMetadata(meta.positions[td:], meta.slot_mapping[td:], meta.block_tables[nd:],
+                        meta.context_lens[nd:], p_seq, qsl[nd:] - qsl[nd], 0, meta.decode_query_len,
+                        meta.max_query_len, int(p_seq.max()))
+    return dec, pre
 
 
 def index_topk_ref(
@@ -78,6 +113,11 @@ def index_topk_ref(
     this step's keys). Returns [T, G, K] int32: per query token and index head the selected block
     ids (forced local/init blocks first, then by score desc, ties to the lower id), -1 padding.
     """
+    parts = split_decodes(meta)
+    if parts is not None:
+        td = parts[0].num_tokens
+        return torch.cat([index_topk_ref(iq[:td], index_cache_l, parts[0], topk, init_blocks, local_blocks),
+                          index_topk_ref(iq[td:], index_cache_l, parts[1], topk, init_blocks, local_blocks)])
     ps = index_cache_l.shape[1]
     q, pos = pad_queries(iq, meta)  # [R, Sq, G, di], [R, Sq]
     keys = gather_pages(index_cache_l, meta, head_axis=False)  # [R, Sk, di]
@@ -99,10 +139,17 @@ def paged_attention_ref(
     q: [T, nh, d]; k_cache_l, v_cache_l: [P, G, ps, d]; topk_ids: [T, G, K] int block ids (-1 =
     empty) or None. Softmax in fp32 (fp64 for fp64 inputs). Returns [T, nh, d] in q.dtype.
     """
+    parts = split_decodes(meta)
+    if parts is not None:
+        td = parts[0].num_tokens
+        ids = (None, None) if topk_ids is None else (topk_ids[:td], topk_ids[td:])
+        return torch.cat([paged_attention_ref(q[:td], k_cache_l, v_cache_l, parts[0], scale, ids[0]),
+                          paged_attention_ref(q[td:], k_cache_l, v_cache_l, parts[1], scale, ids[1])])
     ps = k_cache_l.shape[2]
     qp, pos = pad_queries(q, meta)  # [R, Sq, nh, d]
-    k = gather_pages(k_cache_l, meta, head_axis=True)  # [R, Sk, G, d]
-    v = gather_pages(v_cache_l, meta, head_axis=True)
+    cdt = compute_dtype(q.dtype)
+    k = gather_pages(k_cache_l, meta, head_axis=True, dtype=cdt)  # [R, Sk, G, d]
+    v = gather_pages(v_cache_l, meta, head_axis=True, dtype=cdt)
     sk = k.shape[1]
     if topk_ids is None:
         kp = torch.arange(sk, device=q.device)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from m3_rollout.chat.template import ChatFormat, load_template, render
 from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
-from m3_rollout.engine.simple_backend import SimpleGenerationBackend
+from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
@@ -158,8 +158,8 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
         gen_model = M3ForCausalLM(config).float()
         gen_model.load_state_dict(model.state_dict())
         gen_model.cast_for_inference(getattr(torch, spec.gen_dtype))
-        backend = SimpleGenerationBackend(gen_model, chat.stop_token_ids, max_model_len=config.max_position_embeddings)
         settings = RolloutSettings(n=1, max_turns=2, max_total_len=192, max_new_tokens=48, seed=spec.val_seed)
+        backend = NativeBackend(gen_model, chat.stop_token_ids, max_model_len=settings.max_total_len)
 
         def evaluate(m: M3ForCausalLM) -> float:
             backend.update_weights(backend.weight_version + 1, iter_released_tensors(m))

@@ -25,6 +25,17 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class AsyncGRPOConfig:
+    # Generation of the next steps' groups overlaps training (a background rollout thread feeding
+    # a queue). A group generated with weight version v is used at a step whose policy version is
+    # V only if V - v <= max_trajectory_age_steps; older groups are dropped and counted.
+    enabled: bool = False
+    max_trajectory_age_steps: int = 1
+    # A step waits at most this long for its groups, then trains on the groups it has.
+    group_timeout_s: float = 600.0
+
+
+@dataclass
 class GRPOConfig:
     num_prompts_per_step: int = 16
     num_generations_per_prompt: int = 8
@@ -40,6 +51,13 @@ class GRPOConfig:
     # Held-out accuracy is measured by sampling at this temperature, one sample per prompt.
     val_temperature: float = 1.0
     seed: int = 42
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompt batches,
+    # at most dynamic_sampling_max_gen_batches generation batches per step.
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = 3
+    # DAPO overlong filtering: trajectories cut by a token limit get no loss.
+    overlong_filtering: bool = False
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
 
 
 @dataclass
@@ -48,7 +66,19 @@ class LossConfig:
     ratio_clip_max: float = 0.2
     # True: loss = sum over all generated tokens / number of generated tokens in the global batch.
     token_level_loss: bool = True
+    # Dual clip (for A < 0 the per-token loss is capped at c * |A|); null = off, else > 1.
+    ratio_clip_c: Optional[float] = None
+    # KL(pi || pi_ref) penalty weight; 0 = off and reference logprobs are not computed.
     reference_policy_kl_penalty: float = 0.0
+    reference_policy_kl_type: str = "k3"  # k1 | k2 | k3 (Schulman 2020 estimators)
+    # Importance weights exp(trainer_prev_lp - generator_lp) on the per-token loss:
+    # tis = truncated at truncated_importance_sampling_ratio; mis = tokens outside
+    # [mis_ratio_min, mis_ratio_max] dropped.
+    use_importance_sampling_correction: bool = False
+    importance_sampling_type: str = "tis"
+    truncated_importance_sampling_ratio: float = 2.0
+    mis_ratio_min: float = 0.5
+    mis_ratio_max: float = 2.0
 
 
 @dataclass
@@ -66,6 +96,17 @@ class FreezeConfig:
     # The score-only indexer gets no gradient through the discrete block selection; keep it fixed.
     indexer: bool = True
     router_bias: bool = True
+    # Extra regular expressions (re.search on parameter names) of tensors to keep fixed.
+    patterns: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerConfig:
+    # Linear warmup over warmup_steps optimizer steps, then constant | linear | cosine decay to
+    # min_lr_ratio * lr at the last step.
+    name: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
 
 
 @dataclass
@@ -81,6 +122,24 @@ class GenerationConfig:
     dtype: str = "bfloat16"
     expert_parallel_size: int = 1
     max_num_seqs: int = 256
+    # Native engine (m3_rollout/engine/engine.py EngineConfig). KV page pool in GiB; 0 = auto
+    # (CUDA: kv_cache_memory_fraction of free memory; CPU: room for max_num_seqs full sequences).
+    kv_cache_memory_gb: float = 0.0
+    kv_cache_memory_fraction: float = 0.8
+    # Per-step token budget (decode tokens + prefill chunks); a longer prompt is chunked.
+    max_num_batched_tokens: int = 4096
+    # Reuse full KV pages across requests (a GRPO group's prompt, earlier turns).
+    enable_prefix_caching: bool = True
+    # Capture decode steps as CUDA graphs (GPU only; ignored on CPU).
+    enable_cuda_graphs: bool = False
+
+    def engine_kwargs(self) -> dict:
+        """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
+        return dict(kv_cache_memory_gb=self.kv_cache_memory_gb,
+                    kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    enable_prefix_caching=self.enable_prefix_caching,
+                    enable_cuda_graphs=self.enable_cuda_graphs)
 
 
 @dataclass
@@ -98,7 +157,11 @@ class PolicyConfig:
     train_micro_batch_size: int = 64
     max_grad_norm: float = 1.0
     thinking_mode: str = "disabled"
+    # Routing replay: the trainer's MoE layers use the experts the rollout engine chose
+    # (SampleOutput.routed_experts) instead of their own router's top-k.
+    routing_replay: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -121,8 +184,28 @@ class CalculatorEnvConfig:
 
 
 @dataclass
+class JsonlEnvConfig:
+    # Reward function "package.module.function" called as fn(answer_text, record) -> float.
+    reward_fn: str = "m3_rollout.rollout.environments.jsonl_env.last_number_reward"
+    # Built-in tools offered to the model, by name: calculator, convert_units.
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    system_prompt: Optional[str] = None
+    timeout_s: float = 1.0
+
+
+@dataclass
 class EnvConfig:
+    # calculator: the built-in arithmetic task; jsonl: records of data.path (data.source=jsonl)
+    # scored by env.jsonl.reward_fn.
+    name: str = "calculator"
+    # Tools run in this many worker processes; each call is killed after the environment's
+    # timeout_s; tool output longer than max_tool_output_chars is cut.
+    num_tool_workers: int = 2
+    max_tool_output_chars: int = 2048
+    # A model turn cut by a token limit is kept (flagged) but gets loss_mask 0.
+    mask_truncated_turns: bool = False
     calculator: CalculatorEnvConfig = field(default_factory=CalculatorEnvConfig)
+    jsonl: JsonlEnvConfig = field(default_factory=JsonlEnvConfig)
 
 
 @dataclass
@@ -147,13 +230,66 @@ class CheckpointingConfig:
     enabled: bool = True
     checkpoint_dir: str = "outputs/checkpoints"
     save_final: bool = True
+    # Save every save_period steps (0 = only the final one); keep the keep_top_k best by
+    # metric_name (null = keep all); resume continues from the latest step_* in checkpoint_dir.
+    save_period: int = 0
+    keep_top_k: Optional[int] = None
+    metric_name: str = "val/accuracy"
+    higher_is_better: bool = True
+    resume: bool = False
 
 
 @dataclass
 class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0
+    # Ray cluster to join (e.g. "ray://head:10001" or "auto"); null = start Ray locally.
     ray_address: Optional[str] = None
+    # Rollout worker processes, one per EP rank (m3_rollout/service): "auto" = the in-process
+    # engine when policy.generation.expert_parallel_size is 1, otherwise Ray actors when Ray is
+    # installed, else torch.multiprocessing; "ray" / "mp" force that launcher (also for EP=1).
+    launcher: str = "auto"
+    # CPUs each Ray actor asks for (fractional: 2 workers + the trainer share a 2-core machine).
+    worker_cpus: float = 0.5
+    # Seconds an EP collective (or the group's rendezvous) waits for a peer before it fails.
+    collective_timeout_s: float = 60.0
+    # Group restarts allowed within one generate call after a worker failure.
+    max_restarts: int = 2
+    # Lockstep engine steps per driver round trip.
+    steps_per_call: int = 64
+
+
+@dataclass
+class RolloutDumpConfig:
+    # Offline rollout dumps (m3_rollout/dump, docs/rollout_dump_schema.md): one Parquet shard per
+    # dumped step in `dir`; retention deletes the oldest shards (0 = no limit).
+    enabled: bool = False
+    dir: str = "outputs/rollout_dumps"
+    every_n_steps: int = 1
+    max_bytes: int = 0
+    keep_last_n_steps: int = 0
+
+
+@dataclass
+class WeightSyncConfig:
+    # Trainer -> rollout refit (m3_rollout/weight_sync, design.md §3). broadcast: a private
+    # trainer + rollout-ranks group (gloo on CPU, NCCL on GPU); colocated: trainer and rollout
+    # share a process / device, in-process copy behind the same interface.
+    method: str = "broadcast"
+    backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
+    bucket_size_mb: float = 512.0
+    # true: stage, validate every bucket, commit only if every rank succeeded (old weights and
+    # version stay on failure); false: copy per bucket (fastest), a failure marks the rank invalid.
+    atomic: bool = True
+    double_buffer: bool = True
+    # Running requests at an update: abort (re-queue from the prompt) | drain (finish on the old
+    # weights first) | continue (pause, swap, resume; later tokens carry the new version).
+    in_flight: str = "abort"
+    recompute_kv_after_update: bool = False
+    # Send the frozen tensors (policy.freeze: indexer, router bias) too.
+    send_frozen: bool = False
+    timeout_s: float = 60.0
+    master_port: int = 0  # 0 = pick a free port
 
 
 @dataclass
@@ -166,6 +302,8 @@ class MasterConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout_dump: RolloutDumpConfig = field(default_factory=RolloutDumpConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
 
 _CHOICES = {
@@ -176,6 +314,13 @@ _CHOICES = {
     "policy.thinking_mode": ("disabled", "enabled", "adaptive"),
     "policy.optimizer.name": ("adamw",),
     "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
+    "cluster.launcher": ("auto", "ray", "mp"),
+    "loss_fn.reference_policy_kl_type": ("k1", "k2", "k3"),
+    "loss_fn.importance_sampling_type": ("tis", "mis"),
+    "policy.scheduler.name": ("constant", "linear", "cosine"),
+    "weight_sync.method": ("broadcast", "colocated"),
+    "weight_sync.backend": ("auto", "gloo", "nccl"),
+    "weight_sync.in_flight": ("abort", "drain", "continue"),
 }
 
 
@@ -209,8 +354,22 @@ def validate(cfg: MasterConfig) -> None:
     _check(e, gen.max_new_tokens >= 1, "policy.generation.max_new_tokens", gen.max_new_tokens,
            "must be >= 1")
     _check(e, gen.max_num_seqs >= 1, "policy.generation.max_num_seqs", gen.max_num_seqs, "must be >= 1")
-    _check(e, gen.expert_parallel_size == 1, "policy.generation.expert_parallel_size",
-           gen.expert_parallel_size, "only 1 is supported until expert parallelism lands")
+    _check(e, gen.kv_cache_memory_gb >= 0, "policy.generation.kv_cache_memory_gb", gen.kv_cache_memory_gb,
+           "must be >= 0 (0 = size automatically)")
+    _check(e, 0 < gen.kv_cache_memory_fraction <= 1, "policy.generation.kv_cache_memory_fraction",
+           gen.kv_cache_memory_fraction, "must be in (0, 1]")
+    _check(e, gen.max_num_batched_tokens >= 1, "policy.generation.max_num_batched_tokens",
+           gen.max_num_batched_tokens, "must be >= 1")
+    _check(e, gen.expert_parallel_size >= 1, "policy.generation.expert_parallel_size",
+           gen.expert_parallel_size, "must be >= 1 (and divide the model's routed experts per layer)")
+    c = cfg.cluster
+    n_gpus = c.num_nodes * c.gpus_per_node
+    _check(e, n_gpus == 0 or gen.expert_parallel_size <= n_gpus, "policy.generation.expert_parallel_size",
+           gen.expert_parallel_size, f"needs one GPU per EP rank; the cluster has {n_gpus}")
+    _check(e, c.worker_cpus > 0, "cluster.worker_cpus", c.worker_cpus, "must be > 0 (fractions are fine)")
+    _check(e, c.collective_timeout_s > 0, "cluster.collective_timeout_s", c.collective_timeout_s, "must be > 0")
+    _check(e, c.max_restarts >= 0, "cluster.max_restarts", c.max_restarts, "must be >= 0")
+    _check(e, c.steps_per_call >= 1, "cluster.steps_per_call", c.steps_per_call, "must be >= 1")
     _check(e, p.max_total_sequence_length >= 16, "policy.max_total_sequence_length",
            p.max_total_sequence_length, "must be >= 16")
     _check(e, p.train_micro_batch_size >= 1, "policy.train_micro_batch_size",
@@ -224,26 +383,112 @@ def validate(cfg: MasterConfig) -> None:
     for key in ("ratio_clip_min", "ratio_clip_max"):
         value = getattr(cfg.loss_fn, key)
         _check(e, 0 <= value < 1, f"loss_fn.{key}", value, "must be in [0, 1)")
-    _check(e, cfg.loss_fn.reference_policy_kl_penalty == 0.0, "loss_fn.reference_policy_kl_penalty",
-           cfg.loss_fn.reference_policy_kl_penalty, "only 0.0 is supported so far")
+    lf = cfg.loss_fn
+    _check(e, lf.reference_policy_kl_penalty >= 0.0, "loss_fn.reference_policy_kl_penalty",
+           lf.reference_policy_kl_penalty, "must be >= 0 (0 = off)")
+    _check(e, lf.ratio_clip_c is None or lf.ratio_clip_c > 1, "loss_fn.ratio_clip_c", lf.ratio_clip_c,
+           "must be null (off) or > 1")
+    _check(e, lf.truncated_importance_sampling_ratio > 0, "loss_fn.truncated_importance_sampling_ratio",
+           lf.truncated_importance_sampling_ratio, "must be > 0")
+    _check(e, 0 <= lf.mis_ratio_min <= 1 <= lf.mis_ratio_max, "loss_fn.mis_ratio_min/mis_ratio_max",
+           (lf.mis_ratio_min, lf.mis_ratio_max), "need 0 <= mis_ratio_min <= 1 <= mis_ratio_max")
+    _check(e, not lf.use_importance_sampling_correction or (gen.top_k == -1 and gen.top_p == 1.0),
+           "loss_fn.use_importance_sampling_correction", lf.use_importance_sampling_correction,
+           "needs policy.generation.top_k=-1 and top_p=1.0: the trainer scores the temperature-only "
+           "distribution, so the weights would compare different distributions")
+    sch = p.scheduler
+    _check(e, sch.warmup_steps >= 0, "policy.scheduler.warmup_steps", sch.warmup_steps, "must be >= 0")
+    _check(e, 0 <= sch.min_lr_ratio <= 1, "policy.scheduler.min_lr_ratio", sch.min_lr_ratio, "must be in [0, 1]")
+    a = g.async_grpo
+    _check(e, a.max_trajectory_age_steps >= 1, "grpo.async_grpo.max_trajectory_age_steps",
+           a.max_trajectory_age_steps, "must be >= 1 (0 would mean synchronous: set grpo.async_grpo.enabled=false)")
+    _check(e, a.group_timeout_s > 0, "grpo.async_grpo.group_timeout_s", a.group_timeout_s, "must be > 0")
+    _check(e, not (a.enabled and g.use_dynamic_sampling), "grpo.use_dynamic_sampling", g.use_dynamic_sampling,
+           "cannot be combined with grpo.async_grpo.enabled=true (the async queue fixes the groups per "
+           "step); turn one of them off")
+    _check(e, g.dynamic_sampling_max_gen_batches >= 1, "grpo.dynamic_sampling_max_gen_batches",
+           g.dynamic_sampling_max_gen_batches, "must be >= 1")
+    ck = cfg.checkpointing
+    _check(e, ck.save_period >= 0, "checkpointing.save_period", ck.save_period, "must be >= 0 (0 = final only)")
+    _check(e, ck.keep_top_k is None or ck.keep_top_k >= 1, "checkpointing.keep_top_k", ck.keep_top_k,
+           "must be null (keep all) or >= 1")
     d = cfg.data
     _check(e, d.source in ("calculator", "jsonl"), "data.source", d.source,
            "must be 'calculator' (built-in generator) or 'jsonl' (with data.path)")
     _check(e, d.source != "jsonl" or bool(d.path), "data.path", d.path,
            "must name a JSONL file when data.source=jsonl")
+    env = cfg.env
+    _check(e, env.name in ("calculator", "jsonl"), "env.name", env.name, "must be 'calculator' or 'jsonl'")
+    _check(e, env.name != "jsonl" or d.source == "jsonl", "env.name", env.name,
+           "env.name=jsonl needs data.source=jsonl and data.path")
+    _check(e, env.num_tool_workers >= 1, "env.num_tool_workers", env.num_tool_workers, "must be >= 1")
+    _check(e, env.max_tool_output_chars >= 1, "env.max_tool_output_chars", env.max_tool_output_chars,
+           "must be >= 1")
+    for key, value in (("env.calculator.timeout_s", env.calculator.timeout_s),
+                       ("env.jsonl.timeout_s", env.jsonl.timeout_s)):
+        _check(e, value > 0, key, value, "must be > 0 (seconds)")
     _check(e, 1 <= d.min_digits <= d.max_digits <= 9, "data.min_digits/max_digits",
            (d.min_digits, d.max_digits), "need 1 <= min_digits <= max_digits <= 9")
     _check(e, bool(d.operations) and set(d.operations) <= set("+-*"), "data.operations",
            d.operations, "a non-empty subset of '+-*'")
+    rd = cfg.rollout_dump
+    _check(e, rd.every_n_steps >= 1, "rollout_dump.every_n_steps", rd.every_n_steps, "must be >= 1")
+    _check(e, rd.max_bytes >= 0, "rollout_dump.max_bytes", rd.max_bytes, "must be >= 0 (0 = no limit)")
+    _check(e, rd.keep_last_n_steps >= 0, "rollout_dump.keep_last_n_steps", rd.keep_last_n_steps,
+           "must be >= 0 (0 = keep all)")
+    _check(e, not rd.enabled or bool(rd.dir), "rollout_dump.dir", rd.dir, "must be set when rollout_dump.enabled")
+    ws = cfg.weight_sync
+    _check(e, ws.bucket_size_mb > 0, "weight_sync.bucket_size_mb", ws.bucket_size_mb, "must be > 0 (MiB)")
+    _check(e, ws.timeout_s > 0, "weight_sync.timeout_s", ws.timeout_s, "must be > 0 (seconds)")
+    _check(e, 0 <= ws.master_port < 65536, "weight_sync.master_port", ws.master_port,
+           "must be 0 (pick a free port) or a TCP port < 65536")
+    _check(e, not ws.recompute_kv_after_update or ws.in_flight == "continue",
+           "weight_sync.recompute_kv_after_update", ws.recompute_kv_after_update,
+           "only applies with weight_sync.in_flight=continue")
     if e:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
+
+
+def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
+    """Load a YAML file, resolving its ``defaults:`` key first (inheritance between configs).
+
+    ``defaults:`` is a path or a list of paths (relative to the file's directory); they are
+    loaded (recursively) and merged in order, then the file itself on top, so a child only states
+    what it changes. Returns an untyped OmegaConf DictConfig.
+
+    Raises:
+        FileNotFoundError: the file or a parent does not exist (the chain is named).
+        ConfigError: a cycle in the ``defaults:`` chain, or a ``defaults:`` value that is not a
+            path or list of paths.
+    """
+    path = Path(path).resolve()
+    if path in _chain:
+        raise ConfigError("defaults: cycle " + " -> ".join(str(p) for p in (*_chain, path)))
+    if not path.is_file():
+        via = f" (named in defaults: of {_chain[-1]})" if _chain else ""
+        raise FileNotFoundError(f"config file not found: {path}{via}")
+    data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    parents = data.pop("defaults", None)
+    if parents is None:
+        parents = []
+    elif isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(x, str) for x in parents):
+        raise ConfigError(f"{path}: defaults={parents!r}: must be a path or a list of paths to YAML files")
+    merged = OmegaConf.create({})
+    for parent in parents:
+        merged = OmegaConf.merge(merged, load_yaml_with_defaults(path.parent / parent, (*_chain, path)))
+    return OmegaConf.merge(merged, OmegaConf.create(data))
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
     """Load a YAML config, apply ``key=value`` overrides, type-check and validate.
 
     Args:
-        path: YAML file in the layout of :class:`MasterConfig`; None starts from the defaults.
+        path: YAML file in the layout of :class:`MasterConfig` (may inherit others through
+            ``defaults:``, see ``load_yaml_with_defaults``); None starts from the defaults.
         overrides: dotted ``key=value`` strings, e.g. ``grpo.max_num_steps=5``.
 
     Returns:
@@ -256,10 +501,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     schema = OmegaConf.structured(MasterConfig)
     try:
         if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise FileNotFoundError(f"config file not found: {path}")
-            schema = OmegaConf.merge(schema, OmegaConf.load(path))
+            schema = OmegaConf.merge(schema, load_yaml_with_defaults(path))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value (e.g. grpo.max_num_steps=5)")

@@ -11,5 +11,5 @@ pipi() {
   fi
 }
 pipi "torch==2.13.0"
-pipi -e ".[test,kernels]"
+pipi -e ".[test,kernels,plot]"
 .venv/bin/python -c "import torch, transformers, triton; print(f'torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}')"

@@ -63,3 +63,139 @@ def test_prompt_source_holds_out_validation(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_jsonl(tmp_path / "bad.jsonl")
+
+
+# --- bounds, tools, worker pool, JSONL environment ----------------------------------------------
+
+import os  # noqa: E402
+import time  # noqa: E402
+
+from m3_rollout.config import load_config  # noqa: E402
+from m3_rollout.rollout.environment import Tool, ToolSettings  # noqa: E402
+from m3_rollout.rollout.environments import build_environment  # noqa: E402
+from m3_rollout.rollout.environments.jsonl_env import JsonlEnvironment, load_reward_fn  # noqa: E402
+from m3_rollout.rollout.environments.tools import convert_units  # noqa: E402
+from m3_rollout.rollout.tool_pool import ToolProcessPool, cap_output  # noqa: E402
+
+
+def test_calculator_bounds_and_operators():
+    assert safe_calculate("2**10 + 7//2 - 7%3") == 1024 + 3 - 1
+    assert safe_calculate("(-3)**3") == -27
+    with pytest.raises(ValueError, match="exponent"):
+        safe_calculate("2**33")
+    with pytest.raises(ValueError, match="exponent"):
+        safe_calculate("2**-1")
+    with pytest.raises(ValueError, match="too large"):
+        safe_calculate("999999**6")  # 10**36 > 10**30, refused before computing
+    with pytest.raises(ValueError, match="too large"):
+        safe_calculate("(10**15)*(10**16)")
+    with pytest.raises(ValueError, match="digits"):
+        safe_calculate("1" * 19 + "+1")
+    with pytest.raises(ValueError, match="zero"):
+        safe_calculate("5%0")
+    for bad in ("(lambda: 1)()", "[1][0]", "1 if 1 else 2", "abs(-1)", "1<2"):
+        with pytest.raises(ValueError):
+            safe_calculate(bad)
+
+
+def test_convert_units():
+    assert convert_units(5, "km", "m") == "5000 m"
+    assert convert_units(100, "C", "F") == "212 F"
+    assert convert_units(32, "F", "K") == "273.15 K"
+    assert convert_units(1, "mi", "ft") == "5280 ft"
+    assert convert_units(1, "lb", "g") == "453.59237 g"
+    assert convert_units(1, "kg", "m").startswith("Error: cannot convert mass")
+    assert convert_units(1, "parsec", "m").startswith("Error: unknown unit 'parsec'")
+
+
+def _sleepy(seconds):
+    time.sleep(float(seconds))
+    return "woke"
+
+
+def _crash():
+    os._exit(3)
+
+
+def _big(n):
+    return "x" * int(n)
+
+
+def test_tool_pool_timeout_kill_crash_and_output_cap():
+    pool = ToolProcessPool({"sleep": _sleepy, "crash": _crash, "big": _big}, num_workers=2, timeout_s=0.5,
+                           max_output_chars=10)
+    try:
+        t0 = time.monotonic()
+        out = pool.run([("sleep", {"seconds": 30}), ("sleep", {"seconds": 0}), ("big", {"n": 25}),
+                        ("crash", {}), ("big", {"n": 3}), ("sleep", {"bad": 1})])
+        assert time.monotonic() - t0 < 5  # the 30 s call was killed at its limit
+        assert out[0] == "Error: tool 'sleep' timed out after 0.5 s"
+        assert out[1] == "woke"
+        assert out[2] == "x" * 10 + "...[truncated 15 characters]" == cap_output("x" * 25, 10)
+        assert out[3] == "Error: tool 'crash' crashed its worker process"
+        assert out[4] == "xxx"
+        assert out[5].startswith("Error: bad...[truncated")  # error texts are capped too
+        assert pool.stats["timeouts"] == 1 and pool.stats["worker_deaths"] == 1
+        assert pool.run([("sleep", {"seconds": 0})]) == ["woke"]  # replaced workers serve on
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="timeout_s"):
+        ToolProcessPool({}, timeout_s=0)
+
+
+def test_validation_turns_bad_calls_into_error_observations():
+    env = CalculatorEnvironment(tool_settings=ToolSettings(num_workers=1))
+    _, state = env.reset({"prompt": "x", "answer": 1})
+    calls = [{"name": "calculator", "arguments": '{"expression": "6*7"}'},
+             {"name": "calculator", "arguments": '{"expression": 5}'},
+             {"name": "calculator", "arguments": '{"expression": "1", "extra": 1}', "truncated": True},
+             {"name": "calculator", "arguments": "{}", "error": "closing tag 'b' does not match 'a'"},
+             {"name": "nope", "arguments": "{}"}]
+    obs = env.step(state, ModelTurn(None, calls)).observations
+    env.close()
+    assert obs[0] == "42"
+    assert obs[1] == "Error: invalid arguments for calculator at expression: 5 is not of type 'string'"
+    assert obs[2] == "Error: the call to 'calculator' was cut off before </invoke>; nothing was run"
+    assert obs[3] == ("Error: malformed tool call to 'calculator' (closing tag 'b' does not match 'a'); "
+                      "nothing was run")
+    assert obs[4] == "Error: unknown tool 'nope'; available tools: calculator"
+    assert state["tool_calls"] == 5
+
+
+def double_reward(answer_text, record):
+    return 2.0 * float(answer_text == record["answer"])
+
+
+def test_jsonl_environment_reward_by_dotted_path(tmp_path):
+    env = JsonlEnvironment(f"{__name__}.double_reward", tools=["convert_units"], system_prompt="Convert.")
+    try:
+        messages, state = env.reset({"prompt": "5 km in m?", "answer": "5000"})
+        assert messages == [{"role": "system", "content": "Convert."}, {"role": "user", "content": "5 km in m?"}]
+        assert [t["function"]["name"] for t in env.tool_schemas()] == ["convert_units"]
+        call = {"name": "convert_units", "arguments": '{"value": 5, "from_unit": "km", "to_unit": "m"}'}
+        step = env.step(state, ModelTurn(None, [call]))
+        assert (step.observations, step.done) == (["5000 m"], False)
+        assert (env.step(state, ModelTurn("5000")).reward, env.step(state, ModelTurn("50")).reward) == (2.0, 0.0)
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="no callable 'nope'"):
+        load_reward_fn("m3_rollout.rollout.environments.jsonl_env.nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_reward_fn("no_such_pkg.fn")
+    with pytest.raises(ValueError, match="unknown"):
+        JsonlEnvironment(tools=["shell"])
+    # From the config: env.name=jsonl with the default reward (last integer of the answer).
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
+    cfg = load_config(None, ["env.name=jsonl", "data.source=jsonl", f"data.path={path}",
+                             "env.jsonl.tools=[calculator,convert_units]", "env.max_tool_output_chars=4"])
+    env = build_environment(cfg.env)
+    try:
+        _, state = env.reset({"prompt": "1+1", "answer": "2"})
+        assert env.step(state, ModelTurn("It is 2.")).reward == 1.0
+        call = {"name": "calculator", "arguments": '{"expression": "10**20"}'}
+        assert env.step(state, ModelTurn(None, [call])).observations == ["1000...[truncated 17 characters]"]
+    finally:
+        env.close()
+    with pytest.raises(Exception, match="env.name"):
+        load_config(None, ["env.name=jsonl"])

@@ -35,3 +35,62 @@ def test_bad_overrides_name_the_key(override, needle):
 def test_missing_file():
     with pytest.raises(FileNotFoundError):
         load_config("configs/nope.yaml")
+
+
+def test_defaults_inheritance_and_overrides(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("defaults: configs_link/main.yaml\ngrpo:\n  max_num_steps: 7\n  seed: 3\n")
+    (tmp_path / "configs_link").mkdir()
+    (tmp_path / "configs_link" / "main.yaml").write_text(open(MAIN).read())
+    child = tmp_path / "child.yaml"
+    child.write_text("defaults: [base.yaml]\ngrpo:\n  seed: 9\nloss_fn:\n  ratio_clip_c: 3.0\n")
+    cfg = load_config(child, ["grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32"])
+    assert cfg.grpo.max_num_steps == 7  # from base
+    assert cfg.grpo.seed == 9  # child wins over base
+    assert cfg.loss_fn.ratio_clip_c == 3.0
+    assert cfg.grpo.num_prompts_per_step == 4  # override wins over all files
+    assert cfg.policy.optimizer.lr == pytest.approx(3e-4)  # from the main config two levels up
+    smoke = load_config("configs/grpo_smoke.yaml")
+    assert smoke.policy.model_name == "builtin:tiny-random" and smoke.policy.generation.dtype == "bfloat16"
+    asyncc = load_config("configs/grpo_async.yaml")
+    assert asyncc.grpo.async_grpo.enabled and asyncc.grpo.async_grpo.max_trajectory_age_steps == 1
+    assert asyncc.policy.optimizer.lr == pytest.approx(3e-4) and asyncc.grpo.max_num_steps == 60
+
+
+def test_defaults_cycle_and_missing_parent(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("defaults: nope.yaml\n")
+    with pytest.raises(FileNotFoundError, match="nope.yaml.*c.yaml"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("defaults: {x: 1}\n")
+    with pytest.raises(ConfigError, match="defaults"):
+        load_config(tmp_path / "d.yaml")
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["grpo.async_grpo.enabled=true", "grpo.use_dynamic_sampling=true"], "grpo.use_dynamic_sampling"),
+    (["grpo.async_grpo.max_trajectory_age_steps=0"], "max_trajectory_age_steps"),
+    (["loss_fn.ratio_clip_c=1.0"], "loss_fn.ratio_clip_c"),
+    (["loss_fn.reference_policy_kl_type=k7"], "reference_policy_kl_type"),
+    (["loss_fn.use_importance_sampling_correction=true", "policy.generation.top_k=5"],
+     "use_importance_sampling_correction"),
+    (["loss_fn.mis_ratio_min=1.5"], "mis_ratio_min"),
+    (["policy.scheduler.name=step"], "policy.scheduler.name"),
+    (["checkpointing.keep_top_k=0"], "checkpointing.keep_top_k"),
+    (["loss_fn.reference_policy_kl_penalty=-1"], "reference_policy_kl_penalty"),
+])
+def test_incompatible_options_are_named(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(MAIN, overrides)
+
+
+def test_new_options_load():
+    cfg = load_config(MAIN, ["loss_fn.reference_policy_kl_penalty=0.01", "loss_fn.use_importance_sampling_correction=true",
+                             "loss_fn.importance_sampling_type=mis", "policy.freeze.patterns=[lm_head]",
+                             "policy.routing_replay=true", "checkpointing.keep_top_k=3"])
+    assert cfg.loss_fn.reference_policy_kl_penalty == pytest.approx(0.01)
+    assert cfg.policy.freeze.patterns == ["lm_head"] and cfg.policy.routing_replay
+    assert cfg.checkpointing.keep_top_k == 3

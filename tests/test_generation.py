@@ -1,10 +1,11 @@
-"""The skeleton generator: keyed sampling, logprobs that the trainer reproduces, errors, refit."""
+"""NativeBackend (ported from the skeleton generator's tests): keyed sampling, logprobs the trainer
+reproduces, limits, bad requests, in-place all-or-nothing refit."""
 
 import pytest
 import torch
 
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
-from m3_rollout.engine.simple_backend import SimpleGenerationBackend
+from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
 from trainers.policy import token_logprobs
@@ -28,7 +29,7 @@ def _req(rid, prompt, n=1, seed=1, sample_index=0, **kw):
 
 
 def test_samples_independent_of_batch_and_reproducible():
-    backend = SimpleGenerationBackend(_model(), [EOS])
+    backend = NativeBackend(_model(), [EOS])
     a = _req("a", [5, 6, 7, 8, 9], n=3)
     b = _req("b", list(range(10, 40)), n=2, seed=9)
     together = backend.generate([a, b])
@@ -45,7 +46,7 @@ def test_samples_independent_of_batch_and_reproducible():
 
 def test_logprobs_match_trainer_recompute():
     model = _model()
-    backend = SimpleGenerationBackend(model, [EOS])
+    backend = NativeBackend(model, [EOS])
     outs = backend.generate([_req("a", [1, 2, 3, 4, 5, 6], n=4, temperature=0.8)])
     for o in outs:
         ids = torch.tensor([o.prompt_ids + o.output_ids])
@@ -57,7 +58,7 @@ def test_logprobs_match_trainer_recompute():
 
 
 def test_stop_and_length_limits():
-    backend = SimpleGenerationBackend(_model(), [EOS], max_model_len=40)
+    backend = NativeBackend(_model(), [EOS], max_model_len=40)
     out = backend.generate([_req("a", list(range(4, 34)), max_new_tokens=50)])[0]
     assert len(out.prompt_ids) + len(out.output_ids) <= 40
     short = backend.generate([_req("b", [4, 5], max_new_tokens=3, stop_token_ids=())])[0]
@@ -66,21 +67,25 @@ def test_stop_and_length_limits():
 
 
 def test_bad_requests_fail_alone():
-    backend = SimpleGenerationBackend(_model(), [EOS], max_model_len=32)
+    backend = NativeBackend(_model(), [EOS], max_model_len=32)
     outs = backend.generate([_req("bad", [1, 999]), _req("good", [1, 2, 3]), _req("long", list(range(40))),
                              _req("empty", [])])
     assert outs[0].finish_reason == "error" and "vocabulary" in outs[0].error
     assert outs[1].finish_reason in ("stop", "length") and outs[1].output_ids
     assert outs[2].finish_reason == "error" and "max_model_len" in outs[2].error
-    assert outs[3].finish_reason == "error"
-    with pytest.raises(ValueError, match="n=0"):
-        backend.generate([_req("x", [1], n=0)])
+    assert outs[3].finish_reason == "error" and "empty" in outs[3].error
+    # n < 1 and max_new_tokens < 1: one error record naming the field; the good request still runs.
+    outs = backend.generate([_req("x", [1], n=0), _req("y", [1], max_new_tokens=0), _req("good", [1, 2])])
+    assert [o.request_id for o in outs] == ["x", "y", "good"]
+    assert outs[0].finish_reason == "error" and "n=0" in outs[0].error
+    assert outs[1].finish_reason == "error" and "max_new_tokens=0" in outs[1].error
+    assert outs[2].finish_reason in ("stop", "length")
 
 
 def test_update_weights_in_place_and_all_or_nothing():
     gen = _model(torch.float32, seed=0)
     src = _model(torch.float32, seed=1)
-    backend = SimpleGenerationBackend(gen, [EOS])
+    backend = NativeBackend(gen, [EOS])
     ptrs = {n: t.data_ptr() for n, t in gen.state_dict().items()}
     named = list(iter_released_tensors(src))
     bad = [(n, t.clone()) for n, t in named]

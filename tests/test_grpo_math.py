@@ -59,3 +59,19 @@ def test_batch_from_trajectories_padding_and_validation():
     b.loss_mask[1, 3] = 1
     with pytest.raises(ValueError, match="padding"):
         b.validate()
+
+
+def test_combine_optimizer_steps_token_weighted():
+    from m3_rollout.grpo import combine_optimizer_steps
+
+    base = dict(ratio_mean=1.0, clip_fraction=0.0, dual_clip_fraction=0.0, reference_kl=0.0, is_weight_mean=1.0,
+                is_dropped_fraction=0.0, entropy=2.0, token_mult_prob_error=1.01, gen_kl_error=1e-3,
+                num_tokens=30.0, logprob_seconds=1.0, train_seconds=2.0, ratio_max=1.5, max_logprob_abs_diff=0.1,
+                loss=0.2, pg_loss=0.2, kl_loss=0.0, grad_norm=1.0, lr=1e-3, skipped_step=False)
+    other = {**base, "clip_fraction": 0.4, "entropy": 1.0, "num_tokens": 10.0, "ratio_max": 3.0, "grad_norm": 3.0,
+             "lr": 2e-3, "skipped_step": True}
+    m = combine_optimizer_steps([base, other])
+    assert m["clip_fraction"] == pytest.approx(0.4 * 10 / 40)
+    assert m["entropy"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)
+    assert m["num_tokens"] == 40 and m["train_seconds"] == 4.0 and m["ratio_max"] == 3.0
+    assert m["grad_norm"] == 2.0 and m["lr"] == 1e-3 and m["skipped_step"] is True

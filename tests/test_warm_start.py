@@ -7,7 +7,7 @@ import torch
 from m3_rollout.chat.template import ChatFormat, load_template
 from m3_rollout.chat.tokenizer import train_tokenizer
 from m3_rollout.builtin import _corpus
-from m3_rollout.engine.simple_backend import SimpleGenerationBackend
+from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
@@ -45,7 +45,7 @@ def test_rollout_token_bookkeeping():
     chat, task, env = _chat()
     torch.manual_seed(0)
     model = M3ForCausalLM(tiny_config(vocab_size=len(chat.tokenizer), max_position_embeddings=256)).eval()
-    backend = SimpleGenerationBackend(model, chat.stop_token_ids)
+    backend = NativeBackend(model, chat.stop_token_ids)
     recs = task.records(1, 3)
     settings = RolloutSettings(n=4, max_turns=2, max_total_len=120, max_new_tokens=30, seed=5)
     trajs, metrics = run_group_rollouts(backend, chat, env, recs, settings)

@@ -1,13 +1,33 @@
-"""GRPO advantages: rewards normalised within each group of samples of the same prompt.
+"""GRPO advantages and the group-level filters that decide which samples train.
 
 Source: Shao et al. 2024 (DeepSeekMath, GRPO), outcome supervision: A_i = (r_i - mean_g) / std_g
-for every token of sample i. Leave-one-out baseline (as in NeMo RL's option): the mean excludes
-sample i itself, mean_{-i} = (sum_g - r_i) / (n - 1).
+for every token of sample i. Leave-one-out baseline (RLOO, Ahmadian et al. 2024; NeMo RL's
+``use_leave_one_out_baseline``): the baseline excludes sample i itself,
+mean_{-i} = (sum_g - r_i) / (n - 1). Dynamic sampling and overlong filtering follow DAPO
+(Yu et al. 2025, §3.2 and §3.4).
+
+NOTE: a group whose rewards are all equal carries no learning signal; its advantages are set to
+exactly 0 by a max == min test rather than trusting the arithmetic (mean of ten 0.1s is not 0.1
+in floating point, and a division by std + eps would amplify that residue).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
+
+
+def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """bool [N]: True for samples whose group's rewards are all equal (max == min)."""
+    inv, g = _group_index(group_ids)
+    r = rewards.double()
+    gmax = torch.full((g,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amax")
+    gmin = torch.full((g,), torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amin")
+    return (gmax == gmin)[inv]
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize: bool = True,
@@ -17,29 +37,87 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize: 
     Args:
         rewards: float [N].
         group_ids: int64 [N], samples with equal ids form a group.
-        normalize: divide by the group's (unbiased) standard deviation; groups whose rewards
-            are all equal get advantage 0.
+        normalize: divide by the group's (unbiased) standard deviation + eps.
         leave_one_out: baseline = mean of the other samples of the group (groups of size 1 then
             get advantage 0).
         eps: added to the standard deviation.
 
     Returns:
-        float32 [N].
+        float32 [N]; exactly 0 for every sample of a group whose rewards are all equal.
+
+    Raises:
+        ValueError: shapes differ or a reward is not finite.
     """
-    rewards = rewards.float()
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    g = int(inv.max()) + 1 if inv.numel() else 0
-    count = torch.zeros(g).index_add_(0, inv, torch.ones_like(rewards))
-    total = torch.zeros(g).index_add_(0, inv, rewards)
+    if rewards.shape != group_ids.shape or rewards.ndim != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards contain NaN/inf; fix the environment's reward")
+    r = rewards.double()  # NOTE: fp64 so the per-group sums carry no visible residue
+    inv, g = _group_index(group_ids)
+    count = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
+    total = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, r)
     mean = total / count
     if leave_one_out:
-        baseline = torch.where(count[inv] > 1, (total[inv] - rewards) / (count[inv] - 1).clamp(min=1), rewards)
+        n = count[inv]
+        baseline = torch.where(n > 1, (total[inv] - r) / (n - 1).clamp(min=1), r)
     else:
         baseline = mean[inv]
-    adv = rewards - baseline
+    adv = r - baseline
     if normalize:
-        sq = torch.zeros(g).index_add_(0, inv, (rewards - mean[inv]) ** 2)
+        sq = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, (r - mean[inv]) ** 2)
         std = torch.sqrt(sq / (count - 1).clamp(min=1))
         adv = adv / (std[inv] + eps)
-        adv = torch.where(std[inv] > 0, adv, torch.zeros_like(adv))
-    return adv
+    adv = torch.where(zero_variance_groups(rewards, group_ids), torch.zeros_like(adv), adv)
+    return adv.float()
+
+
+def overlong_filter_mask(finish_reasons: list[str]) -> torch.Tensor:
+    """float32 [N] loss multiplier for DAPO overlong filtering: 0 for samples cut by a token limit
+    (finish_reason "length"), 1 otherwise. Truncated samples then neither push nor pull the policy
+    (their reward says nothing about an answer they never finished)."""
+    return torch.tensor([0.0 if r == "length" else 1.0 for r in finish_reasons], dtype=torch.float32)
+
+
+class DynamicSampler:
+    """DAPO dynamic sampling, bounded: keep drawing prompt batches and keep only groups with
+    non-zero reward variance until ``target_groups`` are collected or ``max_batches`` batches have
+    been drawn.
+
+    Args:
+        target_groups: groups wanted for one training step (``grpo.num_prompts_per_step``).
+        max_batches: most generation batches per step (``grpo.dynamic_sampling.max_num_gen_batches``);
+            when reached, the step trains on what was kept (possibly fewer groups; never 0 if any
+            group had signal, else the last batch's groups, which all have advantage 0).
+
+    Usage: ``while sampler.wants_more(): sampler.add(groups)``, then ``sampler.result()``.
+    Each group is a list of objects with a ``reward`` attribute.
+    """
+
+    def __init__(self, target_groups: int, max_batches: int):
+        if target_groups < 1 or max_batches < 1:
+            raise ValueError(f"DynamicSampler: target_groups={target_groups}, max_batches={max_batches} must be >= 1")
+        self.target, self.max_batches = target_groups, max_batches
+        self.kept: list[list] = []
+        self.batches = 0
+        self.seen_groups = 0
+        self.dropped_groups = 0
+        self._last: list[list] = []
+
+    def wants_more(self) -> bool:
+        return len(self.kept) < self.target and self.batches < self.max_batches
+
+    def add(self, groups: list[list]) -> None:
+        """Add one generation batch of groups; zero-variance groups are dropped (counted)."""
+        self.batches += 1
+        self._last = groups
+        for grp in groups:
+            self.seen_groups += 1
+            rewards = [float(t.reward) for t in grp]
+            if max(rewards) == min(rewards):
+                self.dropped_groups += 1
+            elif len(self.kept) < self.target:
+                self.kept.append(grp)
+
+    def result(self) -> list[list]:
+        """The groups to train on (see class docstring for the bound)."""
+        return self.kept if self.kept else self._last

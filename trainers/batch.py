@@ -8,6 +8,11 @@ Worked padded example (2 samples, pad id 0, lengths 5 and 3)::
     advantages        [A0, A1]  (one per sample, broadcast over its tokens)
 
 Position 0 is never a sampled token (it is always prompt), so logprobs[:, 0] is 0 by convention.
+
+Routing records (routing replay, optional): ``routed_experts[b, t, j, k]`` is the k-th expert the
+rollout engine chose for token t of row b at the j-th MoE layer, for EVERY token (prompt and tool
+tokens too, since the trainer routes them all); -1 = not recorded (the trainer's own router
+decides that token), padding rows are -1.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class TrainBatch:
         rollout_logprobs: float32 [B, L].
         advantages: float32 [B].
         lengths: int64 [B].
+        routed_experts: int64 [B, L, n_moe_layers, K] or None (see module docstring).
     """
 
     token_ids: torch.Tensor
@@ -34,6 +40,7 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
     lengths: torch.Tensor
+    routed_experts: torch.Tensor | None = None
 
     def validate(self) -> None:
         """Raises ValueError on inconsistent shapes or a loss mask on position 0 / padding."""
@@ -48,17 +55,32 @@ class TrainBatch:
         pad = torch.arange(l)[None, :] >= self.lengths[:, None]
         if bool((self.loss_mask.bool() & pad).any()):
             raise ValueError("TrainBatch.loss_mask covers padding")
+        if self.routed_experts is not None and (self.routed_experts.ndim != 4
+                                                or tuple(self.routed_experts.shape[:2]) != (b, l)):
+            raise ValueError(f"TrainBatch.routed_experts has shape {tuple(self.routed_experts.shape)}, "
+                             f"expected [B={b}, L={l}, n_moe_layers, top_k]")
 
     def slice(self, idx: slice) -> "TrainBatch":
         """Rows ``idx``, trimmed to their longest length."""
         lengths = self.lengths[idx]
         l = int(lengths.max())
+        routed = None if self.routed_experts is None else self.routed_experts[idx, :l]
         return TrainBatch(self.token_ids[idx, :l], self.loss_mask[idx, :l], self.rollout_logprobs[idx, :l],
-                          self.advantages[idx], lengths)
+                          self.advantages[idx], lengths, routed)
 
 
-def batch_from_trajectories(trajs: list[Trajectory], advantages: torch.Tensor, pad_id: int = 0) -> TrainBatch:
-    """Pad trajectories into a :class:`TrainBatch` (row i = trajs[i])."""
+def batch_from_trajectories(trajs: list[Trajectory], advantages: torch.Tensor, pad_id: int = 0,
+                            sample_mask: torch.Tensor | None = None,
+                            with_routing: bool = False) -> TrainBatch:
+    """Pad trajectories into a :class:`TrainBatch` (row i = trajs[i]).
+
+    Args:
+        sample_mask: float [N] loss multiplier per trajectory (e.g. overlong filtering); a 0 row
+            keeps its tokens but none of them count in the loss.
+        with_routing: fill ``routed_experts`` from each trajectory's ``routed_experts`` array
+            ([len, n_moe_layers, K], filled by the rollout when routing records are on); a
+            trajectory without one (or a shorter one) gets -1 rows (own router).
+    """
     b, l = len(trajs), max(len(t.token_ids) for t in trajs)
     ids = torch.full((b, l), pad_id, dtype=torch.long)
     mask = torch.zeros((b, l))
@@ -68,6 +90,18 @@ def batch_from_trajectories(trajs: list[Trajectory], advantages: torch.Tensor, p
         ids[i, :n] = torch.tensor(t.token_ids)
         mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
         lps[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
-    batch = TrainBatch(ids, mask, lps, advantages.float(), torch.tensor([len(t.token_ids) for t in trajs]))
+    if sample_mask is not None:
+        mask = mask * sample_mask.float()[:, None]
+    routed = None
+    if with_routing:
+        shapes = [tuple(r.shape[1:]) for t in trajs if (r := getattr(t, "routed_experts", None)) is not None]
+        if shapes:
+            routed = torch.full((b, l, *shapes[0]), -1, dtype=torch.long)
+            for i, t in enumerate(trajs):
+                r = getattr(t, "routed_experts", None)
+                if r is not None:
+                    r = torch.as_tensor(r, dtype=torch.long)[: len(t.token_ids)]
+                    routed[i, : r.shape[0]] = r
+    batch = TrainBatch(ids, mask, lps, advantages.float(), torch.tensor([len(t.token_ids) for t in trajs]), routed)
     batch.validate()
     return batch

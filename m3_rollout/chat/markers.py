@@ -13,6 +13,7 @@ THINK_CLOSE = "</mm:think>"
 # Prefixed to every tool-call tag. NOTE: a *non-special* added token, so it survives
 # decode(skip_special_tokens=True) and the tool parser still sees it (spec §5.4).
 NS = "]<]minimax[>["
+TOOL_CALL_OPEN = NS + "<tool_call>"  # opens the tool-call block (spec §5.3)
 # Not an M3 marker: our trained tokenizers need a padding token for batched tensors.
 PAD = "<pad>"
 

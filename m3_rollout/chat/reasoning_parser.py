@@ -1,16 +1,54 @@
-"""Split a model output into reasoning and content (spec §5.5, non-streaming rules).
+"""Split a model output into reasoning and content (spec §5.5), non-streaming and streaming.
 
 Governing idea: the only per-request state is whether the output *starts inside* a think span,
 which is true exactly when the prompt ended in `<mm:think>` (thinking_mode "enabled"). The split
-is a pure function of (text, that flag), so a streaming parser can recompute it on the text so
-far and emit only what changed. Reasoning is never stripped; the tool parser runs on the content.
+is a pure function of (text, that flag), so the streaming parser recomputes it on the text so
+far and emits only what was added. Reasoning is never stripped; the tool parser runs on the content.
+
+One rule beyond vLLM 0.33: a tool-call block (`]<]minimax[>[<tool_call>`) that starts inside a
+think span which is still unclosed at the end of the output ends the reasoning there; the block
+and what follows become content, so the call is found (vLLM returns it all as reasoning). A
+block inside a span that *is* closed later stays reasoning, as in vLLM (the model was thinking
+about a call, then wrote its answer).
 """
 
 from __future__ import annotations
 
-from m3_rollout.chat.markers import THINK_CLOSE, THINK_OPEN, THINKING_MODES
+from dataclasses import dataclass
 
-__all__ = ["split_reasoning"]
+from m3_rollout.chat.markers import THINK_CLOSE, THINK_OPEN, THINKING_MODES, TOOL_CALL_OPEN
+
+__all__ = ["split_reasoning", "ReasoningDelta", "StreamingReasoningParser"]
+
+_MARKERS = (THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN)
+
+
+def _check_mode(thinking_mode: str | None) -> None:
+    if thinking_mode is not None and thinking_mode not in THINKING_MODES:
+        raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
+
+
+def _split(text: str, starts_in_reasoning: bool) -> tuple[str | None, str, str | None, bool]:
+    """(reasoning, content_before, rest_of_content, block_moved).
+
+    `rest_of_content` is the part after the think span; `block_moved` says a tool-call block was
+    moved out of an unclosed span into it (the streaming parser holds that part back, since a
+    later closer would turn it back into reasoning)."""
+    if not starts_in_reasoning and text.startswith(THINK_CLOSE):  # rule 1
+        return None, "", text[len(THINK_CLOSE):], False
+    if THINK_OPEN not in text:
+        if not starts_in_reasoning:  # rule 3
+            return None, text, "", False
+        before, rest = "", text  # rule 2: the span is open from the first character
+    else:
+        before, _, rest = text.partition(THINK_OPEN)  # rule 4
+    reasoning, closer, after = rest.partition(THINK_CLOSE)
+    if closer:
+        return reasoning, before, after, False
+    i = reasoning.find(TOOL_CALL_OPEN)
+    if i >= 0:  # unclosed span with a tool call inside: the call is content
+        return reasoning[:i], before, reasoning[i:], True
+    return reasoning, before, "", False
 
 
 def split_reasoning(text: str, thinking_mode: str | None) -> tuple[str | None, str | None]:
@@ -28,19 +66,97 @@ def split_reasoning(text: str, thinking_mode: str | None) -> tuple[str | None, s
     3. No `<mm:think>` at all -> (None, text).
     4. Otherwise the first `<mm:think>` opens the span, the next closer ends it:
        (inside, before + after or None); unclosed -> (rest, before or None).
-       NOTE: in enabled mode this treats text before a re-emitted opener as content.
-    """
-    if thinking_mode is not None and thinking_mode not in THINKING_MODES:
-        raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
-    starts_in_reasoning = thinking_mode == "enabled"
+       NOTE: in enabled mode this treats text before a re-emitted opener as content (vLLM).
+    Beyond vLLM: in an unclosed span (rules 2 and 4), a tool-call block ends the reasoning and
+    is content from there on: (text before the block, before + block...).
 
-    if not starts_in_reasoning and text.startswith(THINK_CLOSE):  # rule 1
-        return None, text[len(THINK_CLOSE) :] or None
-    if THINK_OPEN not in text:
-        if starts_in_reasoning:  # rule 2
-            reasoning, closer, content = text.partition(THINK_CLOSE)
-            return reasoning, (content or None) if closer else None
-        return None, text  # rule 3
-    before, _, rest = text.partition(THINK_OPEN)  # rule 4
-    reasoning, closer, after = rest.partition(THINK_CLOSE)
-    return reasoning, (before + after if closer else before) or None
+    Raises:
+        ValueError: unknown `thinking_mode`.
+    """
+    _check_mode(thinking_mode)
+    reasoning, before, rest, _ = _split(text, thinking_mode == "enabled")
+    if reasoning is None:
+        return None, (before + rest) or None
+    return reasoning, (before + rest) or None
+
+
+@dataclass
+class ReasoningDelta:
+    """Text one `feed` / `finish` call adds to the reasoning and to the content (None = nothing)."""
+
+    reasoning: str | None = None
+    content: str | None = None
+
+
+def _partial_marker_len(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a marker."""
+    best = 0
+    for marker in _MARKERS:
+        for n in range(min(len(text), len(marker) - 1), best, -1):
+            if marker.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
+class StreamingReasoningParser:
+    """Streaming form of `split_reasoning`: chunks of output in, reasoning/content deltas out.
+
+    After each chunk the split of the text so far is recomputed and only the added suffixes are
+    emitted. Held back until the next chunk decides them: a trailing partial marker (a prefix of
+    `<mm:think>`, `</mm:think>` or the tool-call opener, e.g. a text that is so far only part of
+    the closer emits nothing), and a tool-call block inside a still-unclosed think span (it is
+    content only if the span stays unclosed; `finish` releases it).
+
+    The deltas concatenate to `split_reasoning` of the whole text, except in the vLLM edge case
+    of enabled mode with a re-emitted `<mm:think>`: the text before it already went out as
+    reasoning, which a stream cannot take back; it is then sent again as content and the new
+    span's reasoning follows the old one (`result()` still gives the non-streaming split).
+
+    Args:
+        thinking_mode: "enabled" | "disabled" | "adaptive" | None (= adaptive).
+    """
+
+    def __init__(self, thinking_mode: str | None):
+        _check_mode(thinking_mode)
+        self.thinking_mode = thinking_mode
+        self._starts_in_reasoning = thinking_mode == "enabled"
+        self._text = ""
+        self._sent_reasoning = ""
+        self._sent_content = ""
+        self._finished = False
+
+    def feed(self, text: str) -> ReasoningDelta:
+        """Consume the next chunk; return the reasoning/content it settles."""
+        if self._finished:
+            raise RuntimeError("StreamingReasoningParser.feed after finish(); make a new parser per output")
+        self._text += text
+        safe = self._text[: len(self._text) - _partial_marker_len(self._text)]
+        reasoning, before, rest, moved = _split(safe, self._starts_in_reasoning)
+        return self._emit(reasoning or "", before + ("" if moved else rest))
+
+    def finish(self) -> ReasoningDelta:
+        """End of output: release everything held back."""
+        if self._finished:
+            return ReasoningDelta()
+        self._finished = True
+        reasoning, before, rest, _ = _split(self._text, self._starts_in_reasoning)
+        return self._emit(reasoning or "", before + rest)
+
+    def result(self) -> tuple[str | None, str | None]:
+        """`split_reasoning` of all text fed so far."""
+        return split_reasoning(self._text, self.thinking_mode)
+
+    def _emit(self, reasoning: str, content: str) -> ReasoningDelta:
+        delta = ReasoningDelta()
+        delta.reasoning, self._sent_reasoning = _added(self._sent_reasoning, reasoning)
+        delta.content, self._sent_content = _added(self._sent_content, content)
+        return delta
+
+
+def _added(sent: str, now: str) -> tuple[str | None, str]:
+    """(delta to emit, new "sent" state). A split that no longer extends what was sent (the
+    enabled-mode re-emitted opener) restarts from the new text: it is emitted whole."""
+    if now.startswith(sent):
+        return (now[len(sent):] or None), now
+    return (now or None), now

@@ -1,13 +1,14 @@
-"""Parser for M3's namespaced-XML tool calls in model output (spec §5.3, §5.4), non-streaming.
+"""Parser for M3's namespaced-XML tool calls in model output (spec §5.3, §5.4).
 
-Governing idea: two separate stages, so the streaming parser (a later issue) reuses both.
+Governing idea: two separate stages, shared by the streaming and the non-streaming parser.
 1. `ToolCallScanner` — a state machine over the block-level terminals only (`<tool_call>`,
    `<invoke name=…>`, `</invoke>`). It is fed text in chunks, holds back a possible partial
    terminal at the end of a chunk, and emits events: content text, an invoke's name, an invoke's
    raw body. Parameter tags are not terminals; an invoke body is opaque text until `</invoke>`.
 2. `parse_arguments` — turns one invoke body into a JSON-ready dict: an element parser over the
    namespaced tags, then conversion guided by the tool's JSON schema.
-`parse_tool_calls` runs the scanner over the whole text and converts each body.
+`StreamingToolParser` drives both over chunks and emits OpenAI-style deltas; `parse_tool_calls`
+is that parser fed the whole text, so the two cannot disagree.
 
 Format (NS = "]<]minimax[>["):
     NS<tool_call>\n NS<invoke name="NAME"> NS<key>VALUE NS</key> ... NS</invoke>\n ... NS</tool_call>
@@ -22,18 +23,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3_rollout.chat.markers import NS
+from m3_rollout.chat.markers import NS, TOOL_CALL_OPEN
 
 __all__ = [
     "ParsedOutput",
     "ToolCall",
     "ToolCallScanner",
     "ScanEvent",
+    "StreamingToolParser",
+    "ToolCallDelta",
+    "ToolStreamDelta",
     "parse_arguments",
     "parse_tool_calls",
 ]
 
-BLOCK_OPEN = NS + "<tool_call>"
+BLOCK_OPEN = TOOL_CALL_OPEN
 INVOKE_PREFIX = NS + "<invoke name="
 INVOKE_CLOSE = NS + "</invoke>"
 # Quote that may follow `name=` -> terminator that ends the name.
@@ -50,6 +54,10 @@ class ToolCall:
     name: str
     arguments: str
     type: str = "function"
+    # Flags of this call (not part of the OpenAI shape): the text ended inside it, or its XML was
+    # malformed (the reason; parameters before the fault are in `arguments`).
+    truncated: bool = False
+    error: str | None = None
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI chat-completions `tool_calls[i]` dict."""
@@ -118,6 +126,16 @@ class ToolCallScanner:
         self._buf = ""
         self._name_end = ""  # terminator of the current name, chosen by the opening quote
         self._name: str | None = None
+
+    @property
+    def current_name(self) -> str | None:
+        """Name of the invoke being read (meaningful in the ARGS state)."""
+        return self._name
+
+    @property
+    def pending_text(self) -> str:
+        """Text received but not yet consumed (in ARGS: the body of the open invoke so far)."""
+        return self._buf
 
     def feed(self, text: str) -> list[ScanEvent]:
         """Consume a chunk; return the events it completes."""
@@ -459,6 +477,146 @@ def parse_arguments(body: str, parameters: dict | None, closed: bool = True) -> 
 # ------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class ToolCallDelta:
+    """One streamed piece of tool call `index` (OpenAI `delta.tool_calls[i]`).
+
+    The first delta of a call carries `id` and `name`; `arguments` (the complete JSON object
+    string, never a fragment) comes once, when the call's `</invoke>` arrives or the stream ends
+    inside the call. A call with an empty body gets all three in one delta.
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI chat-completions chunk `delta.tool_calls[i]` dict (absent fields left out)."""
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"], out["type"] = self.id, "function"
+        fn = {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+        if fn:
+            out["function"] = fn
+        return out
+
+
+@dataclass
+class ToolStreamDelta:
+    """What one `feed` / `finish` call adds: content text and/or tool-call pieces."""
+
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class StreamingToolParser:
+    """Incremental tool-call parser (spec §5.4, streaming): text in chunks -> OpenAI-style deltas.
+
+    Governing idea: the block-level `ToolCallScanner` does all the chunk handling (it holds back a
+    possibly partial terminal, e.g. the namespace marker split across chunks) and every call's
+    body is converted only when complete, so the accumulated result does not depend on how the
+    text was chunked. The non-streaming `parse_tool_calls` is this parser fed the whole text.
+
+    Rules: content before the block streams as it arrives, except that while all content so far
+    is whitespace it is held back, and dropped if a tool call follows (flushed at `finish`
+    otherwise). A call's header (`id`, `name`) goes out once argument text follows its name; its
+    arguments go out whole at its `</invoke>` (not piecewise: converted values are not prefix
+    stable). `finish` closes an unterminated call (flag `truncated`) with the arguments parsed
+    so far. `result()` gives the accumulated `ParsedOutput` at any time.
+
+    Args:
+        tools: the request's tools (OpenAI format) whose `parameters` schemas type the values.
+        first_index: index of the first call; ids are `call_<index>` so they keep counting
+            across the turns of a conversation.
+    """
+
+    def __init__(self, tools: list[dict] | None = None, first_index: int = 0):
+        self.tools = tools
+        self.first_index = first_index
+        self._scanner = ToolCallScanner()
+        self._held_ws = ""  # whitespace-only content held back until it is known to be content
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._header_sent = False  # header of the call being read (scanner in ARGS) is out
+        self._truncated = False
+        self._error: str | None = None
+        self._finished = False
+
+    def feed(self, text: str) -> ToolStreamDelta:
+        """Consume the next chunk of decoded model output; return what it completes."""
+        if self._finished:
+            raise RuntimeError("StreamingToolParser.feed after finish(); make a new parser per output")
+        delta = ToolStreamDelta()
+        self._handle(self._scanner.feed(text), delta)
+        if self._scanner.state is _State.ARGS and not self._header_sent:
+            body = self._scanner.pending_text
+            if body and not INVOKE_CLOSE.startswith(body):  # argument text, not the closer itself
+                self._emit_header(delta)
+        return delta
+
+    def finish(self) -> ToolStreamDelta:
+        """End of generation: flush held content, close an unterminated call."""
+        if self._finished:
+            return ToolStreamDelta()
+        delta = ToolStreamDelta()
+        self._handle(self._scanner.finish(), delta)
+        if self._held_ws and not self._calls:
+            self._add_content(self._held_ws, delta)
+        self._held_ws = ""
+        self._finished = True
+        return delta
+
+    def result(self) -> ParsedOutput:
+        """Content, calls and flags accumulated so far (final after `finish`)."""
+        content = "".join(self._content) or None
+        return ParsedOutput(content, list(self._calls), self._truncated, self._error)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _add_content(self, text: str, delta: ToolStreamDelta) -> None:
+        self._content.append(text)
+        delta.content = (delta.content or "") + text
+
+    def _next_call_id(self) -> str:
+        return f"call_{self.first_index + len(self._calls)}"
+
+    def _emit_header(self, delta: ToolStreamDelta) -> None:
+        self._held_ws = ""  # a tool call follows: whitespace-only content is formatting
+        index = self.first_index + len(self._calls)
+        delta.tool_calls.append(ToolCallDelta(index, self._next_call_id(), self._scanner.current_name))
+        self._header_sent = True
+
+    def _handle(self, events: list[ScanEvent], delta: ToolStreamDelta) -> None:
+        for event in events:
+            if event.kind == "content":
+                if self._content:
+                    self._add_content(event.text, delta)
+                else:
+                    self._held_ws += event.text
+                    if self._held_ws.strip():
+                        text, self._held_ws = self._held_ws, ""
+                        self._add_content(text, delta)
+            elif event.kind == "name":
+                self._header_sent = False
+            elif event.kind == "invoke":
+                self._truncated |= not event.closed
+                if event.name is None:  # cut off inside the name: which tool is unknown
+                    continue
+                args, fault = parse_arguments(event.text, _find_parameters(self.tools, event.name), event.closed)
+                self._error = self._error or fault
+                arguments = json.dumps(args, ensure_ascii=False)
+                if self._header_sent:
+                    delta.tool_calls.append(ToolCallDelta(self.first_index + len(self._calls), arguments=arguments))
+                else:
+                    self._held_ws = ""
+                    delta.tool_calls.append(ToolCallDelta(self.first_index + len(self._calls),
+                                                          self._next_call_id(), event.name, arguments))
+                self._calls.append(ToolCall(self._next_call_id(), event.name, arguments,
+                                            truncated=not event.closed, error=fault))
+                self._header_sent = False
+
+
 def parse_tool_calls(text: str, tools: list[dict] | None = None, first_index: int = 0) -> ParsedOutput:
     """Split a model output (its content part, after reasoning) into content and tool calls.
 
@@ -468,26 +626,12 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None, first_index: in
             are not validated against them; an unknown tool's values stay raw strings.
         first_index: index of the first call, for ids `call_<index>` that keep counting across
             the turns of a conversation.
+
+    Returns:
+        `ParsedOutput`: content (None if empty, or whitespace-only before a call), calls in
+        order, `truncated` (text ended inside a call), `error` (first malformed-XML fault).
     """
-    scanner = ToolCallScanner()
-    events = scanner.feed(text) + scanner.finish()
-    content_parts: list[str] = []
-    calls: list[ToolCall] = []
-    truncated = False
-    error: str | None = None
-    for event in events:
-        if event.kind == "content":
-            content_parts.append(event.text)
-        elif event.kind == "invoke":
-            truncated |= not event.closed
-            if event.name is None:
-                continue
-            args, fault = parse_arguments(event.text, _find_parameters(tools, event.name), event.closed)
-            error = error or fault
-            index = first_index + len(calls)
-            calls.append(ToolCall(f"call_{index}", event.name, json.dumps(args, ensure_ascii=False)))
-    content = "".join(content_parts)
-    # Whitespace before a tool call is formatting, not an answer.
-    if not content or (calls and not content.strip()):
-        content = None
-    return ParsedOutput(content, calls, truncated, error)
+    parser = StreamingToolParser(tools, first_index)
+    parser.feed(text)
+    parser.finish()
+    return parser.result()

@@ -33,6 +33,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     logprobs_mode: str = "processed"
+    # Stop when the decoded output ends with one of these (needs the engine's detokenize
+    # callback); the tokens that completed the string are kept.
+    stop_strings: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raises ValueError naming the bad field."""
@@ -48,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"SamplingParams.logprobs_mode={self.logprobs_mode!r}: 'processed' or 'raw'")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise ValueError(f"SamplingParams.stop_strings={self.stop_strings!r}: must be non-empty strings")
 
 
 @dataclass
@@ -78,9 +83,14 @@ class SampleOutput:
         prompt_ids: the request's prompt, [P] ints.
         output_ids: generated tokens [G], including the stop token when one was hit.
         logprobs: fp32 list [G], logprob of each generated token (see ``logprobs_mode``).
-        finish_reason: "stop" (stop / eos token), "length" (max_new_tokens or context full),
-            or "error" (``error`` says why; output may be empty).
-        weight_version: version of the weights that produced every token of this output.
+        finish_reason: "stop" (stop / eos token or stop string), "length" (max_new_tokens or
+            context full), "abort" (aborted; output so far), or "error" (``error`` says why;
+            output may be empty).
+        weight_version: version of the weights that produced the last token of this output (all of
+            them unless weights changed while it ran; see ``token_weight_versions``).
+        token_weight_versions: [G] version that produced each generated token.
+        routed_experts: optional int16 array [prompt + output len, n_moe_layers, top_k] (routing
+            replay; filled by the routing-record work).
     """
 
     request_id: str
@@ -91,6 +101,24 @@ class SampleOutput:
     finish_reason: str
     weight_version: int
     error: str | None = None
+    token_weight_versions: list[int] = field(default_factory=list)
+    routed_experts: object | None = None
+
+
+@dataclass
+class StreamDelta:
+    """New tokens of one streaming sample since its previous delta (``step()`` output).
+
+    Attributes:
+        request_id, sample_index: which sample. token_ids / logprobs / weight_versions: the new
+        generated tokens [k] with their logprobs and producing weight versions.
+    """
+
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
 
 
 class GenerationBackend(abc.ABC):

@@ -105,7 +105,7 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tensor,
-           logprobs_mode: str = "processed") -> tuple[torch.Tensor, torch.Tensor]:
+           logprobs_mode: str | torch.Tensor = "processed") -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return its logprob.
 
     Args:
@@ -114,7 +114,8 @@ def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tenso
         positions: int64 [N], the absolute position the sampled token will occupy (part of the
             randomness key).
         logprobs_mode: "processed" = logprob under the distribution actually sampled from
-            (after temperature/top-k/top-p); "raw" = under the model's plain softmax.
+            (after temperature/top-k/top-p); "raw" = under the model's plain softmax; or a bool
+            [N] tensor, True where a row wants "raw" (mixed batches of the engine).
 
     Returns:
         (tokens int64 [N], logprobs [N] in the processed dtype).
@@ -123,6 +124,16 @@ def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tenso
     u = keyed_uniform(params.seeds, params.sample_ids, positions, processed.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     tokens = torch.argmax(processed.double() + gumbel, dim=-1)
+    if isinstance(logprobs_mode, torch.Tensor):
+        raw_rows = logprobs_mode.to(torch.bool)
+        if not bool(raw_rows.any()):
+            logprobs_mode = "processed"
+        elif bool(raw_rows.all()):
+            logprobs_mode = "raw"
+        else:
+            lp_p = torch.log_softmax(processed, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            lp_r = torch.log_softmax(logits.to(processed.dtype), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            return tokens, torch.where(raw_rows.to(lp_p.device), lp_r, lp_p)
     base = processed if logprobs_mode == "processed" else logits.to(processed.dtype)
     logprobs = torch.log_softmax(base, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs

@@ -137,3 +137,57 @@ class M3Attention(nn.Module):
             mask = kp[:, None, None, :] <= pos[:, None, :, None]  # [B, 1, S, Sk]
         out = masked_gqa_attention(q, k, v, mask, self.scale)  # [B, S, nh, d]
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv) -> torch.Tensor:
+        """Paged path over flat query tokens (engine/paged_cache.py layout; spec §4.2 order).
+
+        x: [T, H] (T may be 0); cos, sin: [T, r/2] RoPE tables of ``meta.positions``;
+        meta: ``PagedMetadata``; kv: ``PagedKVCache``. K, V (and index K on sparse layers) of the
+        step's tokens are written through ``meta.slot_mapping`` first; then the indexer selects
+        blocks from the index-key pages and attention reads the K/V pages, both through the
+        ``kernels.msa`` dispatch. Returns [T, H] in x.dtype.
+        """
+        from kernels import msa  # NOTE: lazy: kernels/ imports the engine's layout module
+
+        t = x.shape[0]
+        c, s_ = cos[:, None, :], sin[:, None, :]  # [T, 1, r/2]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), c, s_)  # [T, nh, d]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), c, s_)  # [T, G, d]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, G, d]
+        k_cache, v_cache, index_cache = kv.layer(self.layer_idx)
+        ik = iq = None
+        if self.is_sparse:
+            iq = apply_rope(self.index_q_norm(self.index_q_proj(x).view(t, self.num_index_heads, self.index_dim)),
+                            c, s_)  # [T, G, di]
+            ik = apply_rope(self.index_k_norm(self.index_k_proj(x)), cos, sin)  # [T, di]
+        if t == 0:
+            # Empty step (EP lockstep): no attention work; o_proj keeps the [0, H] shape and dtype.
+            return self.o_proj(q.reshape(0, self.num_heads * self.head_dim))
+        write_paged_kv(meta.slot_mapping, k, v, ik, k_cache, v_cache, index_cache)
+        topk_ids = None
+        if self.is_sparse:
+            topk_ids = msa.index_topk(iq, index_cache, meta, self.topk, self.init_blocks, self.local_blocks)
+        out = msa.paged_attention(q, k_cache, v_cache, meta, self.scale, topk_ids)  # [T, nh, d]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+def write_paged_kv(slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ik: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, index_cache: torch.Tensor | None) -> None:
+    """Scatter the step's keys into their pages (slot = page * ps + offset; -1 = padding, skipped).
+
+    slot_mapping: [T] int64; k, v: [T, G, d]; ik: [T, di] or None; k_cache, v_cache:
+    [P, G, ps, d]; index_cache: [P, ps, di] or None.
+    """
+    ps = k_cache.shape[2]
+    slot = slot_mapping.long()
+    valid = slot >= 0
+    if not bool(valid.all()):  # NOTE: host sync only to drop padding tokens (never in plain steps)
+        keep = valid.nonzero().squeeze(1)
+        slot, k, v = slot[keep], k[keep], v[keep]
+        ik = None if ik is None else ik[keep]
+    page, off = slot // ps, slot % ps  # [T'], [T']
+    k_cache[page, :, off] = k.to(k_cache.dtype)  # advanced dims first: [T', G, d]
+    v_cache[page, :, off] = v.to(v_cache.dtype)
+    if ik is not None:
+        assert index_cache is not None, "sparse layer without an index-key cache"
+        index_cache[page, off] = ik.to(index_cache.dtype)

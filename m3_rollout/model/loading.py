@@ -70,10 +70,12 @@ def iter_released_tensors(model: M3ForCausalLM, prefix: str = RELEASED_PREFIX) -
             base = name[: -len(".w13")]
             w13, w2 = p.detach(), params[base + ".w2"].detach()
             inter = w2.shape[-1]
-            for e in range(w13.shape[0]):
-                yield f"{prefix}{base}.{e}.w1.weight", w13[e, :inter]
-                yield f"{prefix}{base}.{e}.w2.weight", w2[e]
-                yield f"{prefix}{base}.{e}.w3.weight", w13[e, inter:]
+            first = _expert_range(model, base)[0]  # EP shard: local row i is global expert first + i
+            for i in range(w13.shape[0]):
+                e = first + i
+                yield f"{prefix}{base}.{e}.w1.weight", w13[i, :inter]
+                yield f"{prefix}{base}.{e}.w2.weight", w2[i]
+                yield f"{prefix}{base}.{e}.w3.weight", w13[i, inter:]
             continue
         yield prefix + name, p.detach()
 
@@ -88,6 +90,10 @@ def released_view(model: M3ForCausalLM, name: str) -> torch.Tensor:
     try:
         if m:
             base, e, which = m.group(1), int(m.group(2)), m.group(3)
+            first, end = _expert_range(model, base)
+            if not first <= e < end:
+                _raise_key(name)  # another EP rank's expert (or out of range)
+            e -= first  # global expert id -> local row
             if which == "w2":
                 w2 = model.get_parameter(base + ".w2").detach()
                 return w2[e] if e < w2.shape[0] else _raise_key(name)
@@ -101,6 +107,13 @@ def released_view(model: M3ForCausalLM, name: str) -> torch.Tensor:
         return model.get_parameter(name).detach()
     except AttributeError:
         _raise_key(name)
+
+
+def _expert_range(model: M3ForCausalLM, experts_path: str) -> tuple[int, int]:
+    """Global expert ids [a, b) held by the StackedExperts at `experts_path` (EP shard, see
+    m3_rollout.parallel.expert_sharding); (0, E) when the module is not sharded."""
+    module = model.get_submodule(experts_path)
+    return tuple(getattr(module, "expert_range", (0, module.w13.shape[0])))
 
 
 def _raise_key(name: str):

@@ -41,6 +41,12 @@ class M3DecoderLayer(nn.Module):
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         return h + ffn(self.post_attention_layernorm(h))
 
+    def forward_paged(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv) -> torch.Tensor:
+        """Paged path: h [T, H] -> [T, H] (see M3Attention.forward_paged)."""
+        h = h + self.self_attn.forward_paged(self.input_layernorm(h), cos, sin, meta, kv)
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
 
 class M3Model(nn.Module):
     """embed_tokens, layers, norm. forward -> final-normed hidden states [B, S, H]."""
@@ -79,6 +85,14 @@ class M3Model(nn.Module):
             h = layer(h, inputs)
         return self.norm(h)
 
+    def forward_paged(self, input_ids: torch.Tensor, meta, kv) -> torch.Tensor:
+        """See M3ForCausalLM.forward_paged; returns final-normed hidden states [T, H]."""
+        cos, sin = rope_cos_sin(meta.positions, self.config.rotary_dim, self.config.rope_theta)  # [T, r/2]
+        h = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            h = layer.forward_paged(h, cos, sin, meta, kv)
+        return self.norm(h)
+
 
 class M3ForCausalLM(nn.Module):
     """The M3 text model with its untied lm_head; `state_dict()` uses released text-only names."""
@@ -104,6 +118,21 @@ class M3ForCausalLM(nn.Module):
         position is outside [0, cache.max_len) or the batch size differs from the cache's.
         """
         return self.lm_head(self.model(input_ids, positions, cache))
+
+    def forward_paged(self, input_ids: torch.Tensor, meta, kv, logits_indices: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """The engine's forward over flat varlen tokens and paged caches (engine/paged_cache.py).
+
+        input_ids: [T] int64 (T may be 0: an empty EP-lockstep step still runs every layer once);
+        meta: ``PagedMetadata`` for those tokens; kv: ``PagedKVCache`` (written in place: each
+        token's K/V/index-K land at ``meta.slot_mapping``). logits_indices: optional [N] int64
+        token indices whose logits are wanted (default all T). Returns logits [N or T, V] in the
+        model dtype. Equals ``forward`` on the same tokens with their cached prefix (tests).
+        """
+        h = self.model.forward_paged(input_ids, meta, kv)  # [T, H]
+        if logits_indices is not None:
+            h = h.index_select(0, logits_indices)  # [N, H]
+        return self.lm_head(h)
 
     def moe_layers(self) -> list[M3MoE]:
         """The MoE blocks in layer order (their `last_topk_ids` form the routing record)."""

@@ -12,6 +12,9 @@ Shape legend:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +69,17 @@ def route(
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, K]
     w = scores.gather(1, ids)  # [T, K]
     return w / w.sum(dim=-1, keepdim=True) * scaling, ids
+
+
+def route_given(logits: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Routing replay (issue 9): weights for externally given expert ids.
+
+    logits: [T, E] router logits of THIS model; ids: [T, K] int64 (e.g. recorded by the rollout
+    engine). Returns weights [T, K] in logits.dtype = this model's unbiased sigmoid scores at
+    those ids, renormalised and scaled exactly as in `route`, so the router still gets gradients.
+    """
+    w = torch.sigmoid(logits).gather(1, ids)  # [T, K]
+    return w / w.sum(dim=-1, keepdim=True) * scaling
 
 
 def grouped_experts(
@@ -124,8 +138,38 @@ class StackedExperts(nn.Module):
         return swiglu_oai(gate, up, self.alpha, self.limit, self.beta)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, K] -> [T, H]."""
+        """x [T, H], ids/weights [T, K] -> [T, H].
+
+        On CUDA with triton importable and no autograd needed, the fused Triton MoE
+        (kernels/fused_moe.py, same maths) runs on the experts in `expert_range` (EP, contracts.md;
+        default all); otherwise the PyTorch reference `grouped_experts`.
+        """
+        if _fused_moe_usable(x, self.w13, self.w2):
+            from kernels.fused_moe import fused_experts
+
+            return fused_experts(x, ids, weights, self.w13, self.w2, alpha=self.alpha, limit=self.limit,
+                                 beta=self.beta, expert_range=getattr(self, "expert_range", None))
         return grouped_experts(x, ids, weights, self.w13, self.w2, self.act)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _fused_moe_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether StackedExperts may take the fused Triton path for this call.
+
+    NOTE: the kernel has no backward, so any call that autograd must differentiate (trainer
+    logprobs with grad) stays on the PyTorch path; fp64 also stays there.
+    """
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad):
+        return False
+    return _triton_importable()
 
 
 class M3MoE(nn.Module):
@@ -138,6 +182,11 @@ class M3MoE(nn.Module):
     forward(x [..., H]) -> [..., H] in x.dtype. After each call `last_topk_ids` holds the chosen
     expert ids [T, K] int64 (T = x.numel() // H, row-major over the leading dims), for routing
     records / replay.
+
+    Routing replay (trainer side): `forward(x, topk_ids=ids)` or, when the caller cannot reach
+    this module's call (the decoder layer calls it), `replay_topk_ids = ids` before the model
+    forward (cleared by the caller). ids: [T, K] int64 given expert ids per token; a row holding
+    -1 keeps this router's own choice for that token. Weights come from `route_given`.
     """
 
     def __init__(self, config: M3Config):
@@ -153,6 +202,7 @@ class M3MoE(nn.Module):
         self.experts = StackedExperts(config)
         self.shared_experts = DenseMLP(config, config.shared_intermediate_size)
         self.last_topk_ids: torch.Tensor | None = None
+        self.replay_topk_ids: torch.Tensor | None = None
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, K], ids [T, K]); logits in max(fp32, weight dtype)."""
@@ -162,10 +212,28 @@ class M3MoE(nn.Module):
         bias = self.e_score_correction_bias if self.use_routing_bias else None
         return route(logits, bias, self.top_k, self.routed_scaling_factor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _replay_router(self, x: torch.Tensor, given: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], given [T, K] int64 (-1 rows = own choice) -> (weights [T, K], ids [T, K])."""
+        if tuple(given.shape) != (x.shape[0], self.top_k):
+            raise ValueError(f"replayed expert ids have shape {tuple(given.shape)}, expected "
+                             f"[T={x.shape[0]}, K={self.top_k}]")
+        w = self.gate.weight
+        rdt = torch.promote_types(compute_dtype(x.dtype), compute_dtype(w.dtype))
+        logits = F.linear(x.to(rdt), w.to(rdt))  # [T, E]
+        bias = self.e_score_correction_bias if self.use_routing_bias else None
+        _, own = route(logits, bias, self.top_k, self.routed_scaling_factor)
+        given = given.to(device=x.device, dtype=torch.long)
+        ids = torch.where((given < 0).any(-1, keepdim=True), own, given)  # [T, K]
+        return route_given(logits, ids, self.routed_scaling_factor), ids
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
-        weights, ids = self.router(x2)  # [T, K] each
+        given = topk_ids if topk_ids is not None else self.replay_topk_ids
+        if given is None:
+            weights, ids = self.router(x2)  # [T, K] each
+        else:
+            weights, ids = self._replay_router(x2, given)
         self.last_topk_ids = ids.detach()
         out = self.experts(x2, ids, weights) + self.shared_experts(x2)  # [T, H]
         return out.view(shape)

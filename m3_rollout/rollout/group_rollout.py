@@ -4,7 +4,12 @@ Governing idea: token-in, token-out. Each prompt is rendered once; its n samples
 together; when a sample calls a tool, the environment runs it and the tool turn's tokens are
 appended to that sample's own token sequence, which is submitted again as the next turn's
 prompt. Earlier turns are never re-rendered or re-tokenised, so the trainer sees exactly the
-tokens the sampler produced.
+tokens the sampler produced (and the model keeps its own reasoning in context).
+
+Next turn's input = previous input + the sampled ids + the bridge ids (the eos when the engine
+did not sample one, "\n", the tool turn, the next generation prompt; all mask 0). Each turn's
+finish reason is the engine's; a turn that ends by length ends the trajectory, is flagged, and
+is taken out of the loss when ``mask_truncated_turns`` is set.
 """
 
 from __future__ import annotations
@@ -12,11 +17,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from m3_rollout.chat.output_parser import parse_model_output
 from m3_rollout.chat.template import ChatFormat
-from m3_rollout.chat.tool_parser import parse_tool_calls
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SamplingParams
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.rollout.environment import Environment, ModelTurn
-from m3_rollout.rollout.trajectory import Trajectory
+from m3_rollout.rollout.trajectory import Trajectory, TurnRecord
 
 
 @dataclass
@@ -32,6 +37,8 @@ class RolloutSettings:
         max_new_tokens: cap per model turn.
         temperature, top_p, top_k: sampling.
         seed: base seed; prompt i of the call uses seed ``seed * 1_000_003 + i``.
+        mask_truncated_turns: a turn cut by a length limit gets loss_mask 0 (it is still kept,
+            flagged in ``TurnRecord.truncated``); off = train on it like any other turn.
     """
 
     n: int
@@ -43,6 +50,7 @@ class RolloutSettings:
     top_k: int = -1
     seed: int = 0
     logprobs_mode: str = "processed"
+    mask_truncated_turns: bool = False
 
 
 def run_group_rollouts(backend: GenerationBackend, chat: ChatFormat, env: Environment,
@@ -93,46 +101,75 @@ def run_group_rollouts(backend: GenerationBackend, chat: ChatFormat, env: Enviro
                                               sample_index=0 if j is None else j))
             targets.extend(idxs)
         outputs = backend.generate(requests)
+        if len(outputs) != len(targets):
+            raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(targets)} samples")
         pending = []
         for idx, out in zip(targets, outputs):
-            traj, state = trajs[idx], states[idx]
+            traj = trajs[idx]
             if out.finish_reason == "error":
                 traj.finish_reason = "error"
                 traj.info["error"] = out.error
                 continue
-            traj.append(out.output_ids, generated=True, logprobs=out.logprobs, version=out.weight_version)
             gen_tokens += len(out.output_ids)
-            ids = out.output_ids
-            ended = bool(ids) and ids[-1] in chat.stop_token_ids
-            text = chat.decode(ids[:-1] if ended else ids)
-            traj.texts.append(text)
-            parsed = parse_tool_calls(text, tools)
-            calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
-            traj.tool_calls.extend(calls)
-            model_turn = ModelTurn(content=parsed.content, tool_calls=calls, parse_error=parsed.error,
-                                   truncated=parsed.truncated or not ended)
-            if not ended:
-                # Cut by a token limit: score what is there, no further turns.
-                result = env.step(state, ModelTurn(content=parsed.content, truncated=True))
-                traj.reward, traj.finish_reason = result.reward, "length"
-                continue
-            result = env.step(state, model_turn)
-            traj.reward = result.reward
-            traj.info.update(result.info)
-            if result.done:
-                traj.finish_reason = "stop"
-                continue
-            if turn >= settings.max_turns:
-                traj.finish_reason = "max_turns"
-                continue
-            tool_ids = chat.tool_turn_ids(result.observations)
-            if len(traj.token_ids) + len(tool_ids) >= settings.max_total_len:
-                traj.finish_reason = "length"
-                continue
-            traj.append(tool_ids, generated=False)
-            pending.append((traj.group_index, traj.sample_index))
+            if _model_turn(traj, states[idx], out, chat, env, tools, settings, turn):
+                pending.append((traj.group_index, traj.sample_index))
     for t in trajs:
         t.check()
     seconds = time.perf_counter() - t0
     return trajs, {"rollout_seconds": seconds, "generated_tokens": gen_tokens,
                    "generation_tokens_per_s": gen_tokens / max(seconds, 1e-9), "turns": turn}
+
+
+def _model_turn(traj: Trajectory, state: dict, out: SampleOutput, chat: ChatFormat, env: Environment,
+                tools: list[dict], settings: RolloutSettings, turn: int) -> bool:
+    """Append one sampled turn to ``traj``, step the environment, append the bridge.
+
+    Returns True when the trajectory continues with another model turn.
+    """
+    ids = list(out.output_ids)
+    versions = getattr(out, "token_weight_versions", None)
+    versions = list(versions) if versions and len(versions) == len(ids) else out.weight_version
+    start = len(traj.token_ids)
+    traj.append(ids, generated=True, logprobs=list(out.logprobs), version=versions)
+    # The finish reason is the engine's; the stop token is in the span only if it was sampled.
+    stop_sampled = out.finish_reason == "stop" and bool(ids) and ids[-1] in chat.stop_token_ids
+    text = chat.decode(ids[:-1] if stop_sampled else ids)
+    traj.texts.append(text)
+    parsed = parse_model_output(text, chat.thinking_mode, tools, first_index=len(traj.tool_calls))
+    record = TurnRecord(start, len(traj.token_ids), out.finish_reason, stop_sampled, parsed)
+    traj.turns.append(record)
+    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments, "truncated": c.truncated, "error": c.error}
+             for c in parsed.tool_calls]
+    traj.tool_calls.extend({"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls)
+    if out.finish_reason != "stop":
+        # Cut by a token limit (or aborted): score what is there, no further turns.
+        record.truncated = out.finish_reason == "length"
+        if record.truncated and settings.mask_truncated_turns:
+            traj.mask_span(record.start, record.end)
+            record.masked = True
+        result = env.step(state, ModelTurn(content=parsed.content, truncated=True, reasoning=parsed.reasoning,
+                                           finish_reason=out.finish_reason))
+        traj.reward, traj.finish_reason = result.reward, ("length" if record.truncated else out.finish_reason)
+        traj.info.update(result.info)
+        return False
+    result = env.step(state, ModelTurn(content=parsed.content, tool_calls=calls, parse_error=parsed.error,
+                                       truncated=parsed.truncated, reasoning=parsed.reasoning,
+                                       finish_reason=out.finish_reason))
+    traj.reward = result.reward
+    traj.info.update(result.info)
+    if result.done:
+        traj.finish_reason = "stop"
+        return False
+    if turn >= settings.max_turns:
+        traj.finish_reason = "max_turns"
+        return False
+    record.observations = list(result.observations)
+    # A stop the engine reported without sampling the token (e.g. a stop string): the turn still
+    # needs its end-of-message marker; appended, so mask 0.
+    bridge = ([] if stop_sampled else [chat.eos_token_id]) + chat.tool_turn_ids(result.observations)
+    if len(traj.token_ids) + len(bridge) >= settings.max_total_len:
+        traj.finish_reason = "length"
+        return False
+    record.bridge = bridge
+    traj.append(bridge, generated=False)
+    return True

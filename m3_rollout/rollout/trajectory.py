@@ -10,11 +10,45 @@ tokens, final model turn of 2 tokens)::
     turn_spans       [(3, 5), (7, 9)]                     (half-open index ranges of model turns)
 
 ``rollout_logprobs[t]`` is log p(token_ids[t] | token_ids[:t]) for generated tokens.
+
+The tool turn T is the *bridge*: "\n" after the model's eos, the tool turn with the results and
+the next generation prompt (plus the eos itself, mask 0, when the engine stopped without
+sampling one). ``turns[i]`` records model turn i: its span, the engine's finish reason, the
+parse result and the bridge that followed it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from m3_rollout.chat.output_parser import ParsedTurn
+
+
+@dataclass
+class TurnRecord:
+    """One model turn of a trajectory.
+
+    Attributes:
+        start, end: half-open span of the sampled tokens in ``Trajectory.token_ids``.
+        finish_reason: the engine's ``SampleOutput.finish_reason`` for this turn ("stop",
+            "length", "abort", ...), never inferred from the last token.
+        stop_sampled: the engine sampled the stop token (it is in the span, mask 1).
+        parsed: reasoning / content / tool calls / flags of the turn's text.
+        observations: the environment's tool results shown after this turn.
+        bridge: ids appended after the turn (mask 0); empty for the last turn.
+        truncated: the turn ended by a length limit.
+        masked: its tokens were taken out of the loss (``RolloutSettings.mask_truncated_turns``).
+    """
+
+    start: int
+    end: int
+    finish_reason: str
+    stop_sampled: bool
+    parsed: ParsedTurn
+    observations: list[str] = field(default_factory=list)
+    bridge: list[int] = field(default_factory=list)
+    truncated: bool = False
+    masked: bool = False
 
 
 @dataclass
@@ -32,7 +66,9 @@ class Trajectory:
         turn_spans: half-open [start, end) of each model turn in ``token_ids``.
         finish_reason: "stop" (answered), "length" (hit a token limit), "max_turns" (turn limit
             reached while still calling tools), "error" (the backend refused the request).
-        tool_calls: every parsed call, {"name", "arguments"} in order.
+        tool_calls: every parsed call, {"name", "arguments"} in order (ids and the truncated /
+            error flags of each call are in ``turns[i].parsed.tool_calls``).
+        turns: one ``TurnRecord`` per model turn (parse results, engine finish reasons, bridges).
         reward: environment reward.
         texts: decoded text of each model turn (for logging).
         prompt_len: number of prompt tokens.
@@ -51,17 +87,30 @@ class Trajectory:
     reward: float = 0.0
     texts: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    turns: list[TurnRecord] = field(default_factory=list)
 
     def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None,
-               version: int = -1) -> None:
-        """Append a model turn (``generated``, with its logprobs) or a non-sampled span."""
+               version: int | list[int] = -1) -> None:
+        """Append a model turn (``generated``, with its logprobs and the weight version of the
+        whole turn or of each token) or a non-sampled span (mask 0, version -1)."""
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if generated else 0] * len(ids))
-        self.rollout_logprobs.extend(logprobs if generated else [0.0] * len(ids))
-        self.weight_version.extend([version if generated else -1] * len(ids))
         if generated:
+            assert logprobs is not None and len(logprobs) == len(ids), "one logprob per sampled token"
+            versions = version if isinstance(version, list) else [version] * len(ids)
+            assert len(versions) == len(ids), "one weight version per sampled token"
+            self.rollout_logprobs.extend(float(x) for x in logprobs)
+            self.weight_version.extend(int(v) for v in versions)
             self.turn_spans.append((start, len(self.token_ids)))
+        else:
+            self.rollout_logprobs.extend([0.0] * len(ids))
+            self.weight_version.extend([-1] * len(ids))
+
+    def mask_span(self, start: int, end: int) -> None:
+        """Take tokens [start, end) out of the loss (e.g. a turn cut by a length limit)."""
+        for i in range(start, end):
+            self.loss_mask[i] = 0
 
     @property
     def num_generated(self) -> int:

@@ -4,58 +4,22 @@ A tiny model cannot multiply 4-digit numbers in its head, but it can copy the ex
 M3 tool call, read the result from the tool turn, and answer. Reward 1 for a correct final
 answer (the last integer of the final, tool-free assistant turn), else 0.
 
-The calculator never ``eval``s model text: it parses ``int op int ...`` with Python's ``ast``
-and walks only integer constants, unary minus and + - * nodes, with a size limit.
+The calculator never ``eval``s model text (``tools.safe_calculate``: an ``ast`` walk with bounds
+on text length, operand digits, exponents and result size); it runs in the tool worker pool.
 """
 
 from __future__ import annotations
 
-import ast
 import random
 import re
-import warnings
 from dataclasses import dataclass
 
-from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, Tool
+from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, ToolSettings
+from m3_rollout.rollout.environments.tools import calculator_tool, safe_calculate
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic."
 _QUESTIONS = ("What is {e}?", "Compute {e}.", "Calculate {e}.", "{e} = ?")
 _INT = re.compile(r"-?\d+")
-
-
-def safe_calculate(expression: str, max_chars: int = 64) -> int:
-    """Evaluate an integer expression with + - * and parentheses, without ``eval``.
-
-    Raises:
-        ValueError: expression too long, empty, or containing anything but integers, + - *,
-            unary minus and parentheses; or an intermediate result above 10**30.
-    """
-    if len(expression) > max_chars:
-        raise ValueError(f"expression longer than {max_chars} characters")
-    try:
-        with warnings.catch_warnings():  # model text like "12]3" makes ast warn before failing
-            warnings.simplefilter("ignore", SyntaxWarning)
-            tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"cannot parse expression {expression!r}") from None
-
-    def walk(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            v = walk(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
-            a, b = walk(node.left), walk(node.right)
-            v = a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
-            if abs(v) > 10 ** 30:
-                raise ValueError("result too large")
-            return v
-        raise ValueError(f"unsupported syntax in {expression!r}: only integers, + - * and parentheses")
-
-    return walk(tree)
 
 
 @dataclass(frozen=True)
@@ -109,23 +73,10 @@ class CalculatorEnvironment(Environment):
     equals the record's ``answer``.
     """
 
-    def __init__(self, max_expression_chars: int = 64):
+    def __init__(self, max_expression_chars: int = 64, tool_settings: ToolSettings | None = None):
+        super().__init__(tool_settings)
         self.max_expression_chars = max_expression_chars
-        self.tools = [Tool(
-            name="calculator",
-            description="Evaluate an integer arithmetic expression.",
-            parameters={"type": "object",
-                        "properties": {"expression": {"type": "string", "description": "e.g. 12*34"}},
-                        "required": ["expression"]},
-            fn=self._calculator,
-        )]
-        self._by_name = {t.name: t for t in self.tools}
-
-    def _calculator(self, expression: str) -> str:
-        try:
-            return str(safe_calculate(str(expression), self.max_expression_chars))
-        except ValueError as exc:
-            return f"Error: {exc}"
+        self.tools = [calculator_tool(max_expression_chars)]
 
     def reset(self, record: dict) -> tuple[list[dict], dict]:
         if "messages" in record:
@@ -140,10 +91,7 @@ class CalculatorEnvironment(Environment):
 
     def step(self, state: dict, turn: ModelTurn) -> EnvStep:
         if turn.tool_calls:
-            observations = []
-            for call in turn.tool_calls:
-                tool = self._by_name.get(call["name"])
-                observations.append(tool.call(call["arguments"]) if tool else f"Error: unknown tool {call['name']!r}")
+            observations = self.run_tool_calls(turn.tool_calls)
             state["tool_calls"] += len(turn.tool_calls)
             return EnvStep(observations, 0.0, False, {"tool_calls": state["tool_calls"]})
         if turn.parse_error:

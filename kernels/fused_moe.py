@@ -1,0 +1,343 @@
+"""Fused routed-expert MoE for the GPU: two Triton grouped GEMMs and a weighted combine (issue 5).
+
+Governing idea: after `moe_align.align_by_expert` lays the (token, slot) assignments out in
+expert-contiguous, tile-padded rows, one grouped GEMM over the stacked gate/up weights computes
+both halves for the same output columns in one program and applies SwiGLU-OAI to its fp32
+accumulators (spec §3.7) before anything is rounded; a second grouped GEMM over the down
+weights scales each row by its routing weight (which already carries routed_scaling_factor,
+spec §3.6 step 4) and writes it to the row of its (token, slot); a combine kernel sums the K
+slots of each token. Every buffer size and launch grid depends only on shapes, so the op has no
+host sync and replays under CUDA graphs at fixed decode batch sizes.
+
+PyTorch reference: `m3_rollout.model.moe.grouped_experts` (with `swiglu_oai`). Numerics (spec §6):
+bf16/fp16 weights and activations, fp32 accumulation and activation math, the SwiGLU output
+rounded to the activation dtype once (as the reference does), routed rows weighted in fp32 and
+rounded once, the K-slot sum in fp32.
+
+Expert parallelism (contracts.md): the weights may hold only the local experts [a, b) of E;
+`expert_range=(a, b)` maps global id e to local row e - a, and assignments outside [a, b)
+contribute nothing (the EP combine adds other ranks' parts).
+
+Shape legend:
+  T  tokens   H  hidden size   I  expert FFN width   E  local experts   K  experts per token
+  P  padded rows (see moe_align)   M/N/K_  tile sizes BLOCK_M / BLOCK_N / BLOCK_K
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe_align import AlignedAssignments, align_by_expert
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Tile of one grouped GEMM: output columns BLOCK_N, reduction step BLOCK_K, launch knobs."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Tiles for one fused-MoE call. block_m (rows per tile, the alignment padding) is shared.
+
+    w13: tile of the gate/up GEMM; its block_n counts SwiGLU output columns, so each program
+    reads 2 * block_n weight rows (block_n gate rows and the matching up rows).
+    w2: tile of the down GEMM (block_n = hidden columns, block_k over I).
+    """
+
+    block_m: int
+    w13: GemmTile
+    w2: GemmTile
+
+
+def default_config(num_assignments: int, num_local_experts: int, hidden: int, inter: int) -> MoEKernelConfig:
+    """Heuristic tiles from the mean rows per local expert (no autotuning: fixed, graph-safe choice).
+
+    NOTE: few rows per expert (decode) is weight-bandwidth bound: smallest legal tile height (16,
+    the tensor-core minimum) and narrow N tiles so there are several programs per SM streaming
+    weights; many rows per expert is compute bound: 128-row tiles, 8 warps, wide N. The wide
+    tiles were the fastest of `bench_moe.py --sweep` at T=4096 on the real shape (H200,
+    2026-11-29; w13 with block_n 256 at block_m 128 does not fit in shared memory).
+    Figures: docs/benchmarks.md.
+    """
+    rows = num_assignments / max(num_local_experts, 1)
+    if rows <= 16:
+        return MoEKernelConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))
+    if rows <= 48:
+        return MoEKernelConfig(32, GemmTile(64, 64, 4, 4), GemmTile(64, 64, 4, 4))
+    if rows <= 96:
+        return MoEKernelConfig(64, GemmTile(256, 64, 8, 3), GemmTile(256, 64, 8, 3))
+    return MoEKernelConfig(128, GemmTile(128, 64, 8, 4), GemmTile(256, 64, 8, 3))
+
+
+@triton.jit
+def _moe_w13_swiglu_kernel(
+    x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
+    n_assign, num_tiles_m,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wh,
+    stride_am, stride_ai,
+    alpha, limit, beta,
+    TOP_K: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # act[row, n] = SwiGLU-OAI(x[tok] . w13[e, n], x[tok] . w13[e, I + n]) for the rows of one tile.
+    pid = tl.program_id(0)
+    pid_m = pid % num_tiles_m  # tiles of one expert are neighbours: they share weight tiles in L2
+    pid_n = pid // num_tiles_m
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rid = tl.load(sorted_ids_ptr + offs_m)  # [M] flat (token, slot) ids; n_assign = padding
+    row_ok = rid < n_assign
+    tok = (rid // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [M, K_]
+    g_ptrs = w13_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wh
+    u_ptrs = g_ptrs + INTER * stride_wn  # up rows follow the gate rows (spec §2.2, not interleaved)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < HIDDEN - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    # SwiGLU-OAI on the fp32 accumulators (spec §3.7): gate clamped above only, up both sides.
+    g_c = tl.minimum(acc_g, limit)
+    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+    out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_ai
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _moe_w2_weighted_kernel(
+    act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
+    n_assign, num_tiles_m,
+    stride_am, stride_ai,
+    stride_we, stride_wh, stride_wi,
+    stride_or, stride_oh,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # out[rid, n] = weight[rid] * (act[row] . w2[e, n]) for the rows of one tile, row -> rid.
+    pid = tl.program_id(0)
+    pid_m = pid % num_tiles_m
+    pid_n = pid // num_tiles_m
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rid = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rid < n_assign
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < HIDDEN
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ai  # [M, K_]
+    b_ptrs = w2_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wh + offs_k[:, None] * stride_wi
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)  # padding rows hold finite SwiGLU(0) values, dropped at the store
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < INTER - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ai
+        b_ptrs += BLOCK_K * stride_wi
+    w = tl.load(weights_ptr + rid, mask=row_ok, other=0.0).to(tl.float32)  # [M] routing weights
+    acc = acc * w[:, None]
+    out_ptrs = out_ptr + rid[:, None].to(tl.int64) * stride_or + offs_n[None, :] * stride_oh
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(
+    rows_ptr, ids_ptr, out_ptr,
+    expert_lo, expert_hi,
+    stride_rr, stride_rh, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # out[t, h] = sum over slots k whose expert is local of rows[t*K + k, h], summed in fp32.
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < HIDDEN
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(0, TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + k)
+        local = (e >= expert_lo) & (e < expert_hi)  # rows of other ranks' experts were never written
+        r = tl.load(rows_ptr + (t * TOP_K + k) * stride_rr + offs_h * stride_rh, mask=h_ok & local, other=0.0)
+        acc += r.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+def _check_inputs(x, ids, weights, w13, w2, expert_range) -> tuple[int, int]:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids must be [T, K] with T = x.shape[0] = {x.shape[0]}, got {tuple(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor of expert ids, got {ids.dtype}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} / {tuple(w2.shape)}")
+    e, two_i, h = w13.shape
+    if h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(
+            f"weight shapes do not match x [T, {x.shape[1]}]: w13 {tuple(w13.shape)} must be [E, 2I, H], "
+            f"w2 {tuple(w2.shape)} must be [E, H, I]"
+        )
+    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(
+            f"x, w13, w2 must share one dtype of {_DTYPES}, got {x.dtype}, {w13.dtype}, {w2.dtype}; "
+            "cast the experts with the model (cast_for_inference)"
+        )
+    if not (x.device == ids.device == weights.device == w13.device == w2.device):
+        raise ValueError("x, ids, weights, w13, w2 must be on one device")
+    a, b = (0, e) if expert_range is None else (int(expert_range[0]), int(expert_range[1]))
+    if b - a != e or a < 0:
+        raise ValueError(f"expert_range {expert_range} must span the {e} local experts held in w13/w2 (b - a == E)")
+    return a, b
+
+
+def moe_gate_up(
+    x: torch.Tensor, w13: torch.Tensor, aligned: AlignedAssignments, top_k: int, tile: GemmTile,
+    alpha: float, limit: float, beta: float,
+) -> torch.Tensor:
+    """Grouped GEMM 1 + SwiGLU-OAI: act [P, I] in x.dtype, row r = SwiGLU(W13[e] x[sorted_ids[r] // K]).
+
+    x [T, H]; w13 [E, 2I, H]; rows of unused tiles are left unwritten, padding rows hold 0.
+    """
+    t, h = x.shape
+    inter = w13.shape[1] // 2
+    bm = aligned.block_m
+    p = aligned.sorted_ids.numel()
+    num_tiles_m = p // bm
+    act = torch.empty((p, inter), dtype=x.dtype, device=x.device)  # [P, I]
+    grid = (num_tiles_m * triton.cdiv(inter, tile.block_n),)
+    _moe_w13_swiglu_kernel[grid](
+        x, w13, act, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
+        t * top_k, num_tiles_m,
+        x.stride(0), x.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
+        act.stride(0), act.stride(1),
+        float(alpha), float(limit), float(beta),
+        TOP_K=top_k, INTER=inter, HIDDEN=h,
+        BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return act
+
+
+def moe_down(
+    act: torch.Tensor, w2: torch.Tensor, aligned: AlignedAssignments, weights: torch.Tensor, tile: GemmTile
+) -> torch.Tensor:
+    """Grouped GEMM 2 + routing weight: rows [T*K, H] in act.dtype, rows[s] = weights[s] * W2[e] act[r].
+
+    act [P, I] from `moe_gate_up`; w2 [E, H, I]; weights [T, K] (used in fp32). Row s = t*K + k
+    of the output is written only when slot s went to a local expert (moe_combine masks the rest).
+    """
+    n_assign = weights.numel()
+    h, inter = w2.shape[1], w2.shape[2]
+    bm = aligned.block_m
+    num_tiles_m = aligned.sorted_ids.numel() // bm
+    w_flat = weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
+    rows = torch.empty((n_assign, h), dtype=act.dtype, device=act.device)  # [T*K, H]
+    grid = (num_tiles_m * triton.cdiv(h, tile.block_n),)
+    _moe_w2_weighted_kernel[grid](
+        act, w2, rows, w_flat, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
+        n_assign, num_tiles_m,
+        act.stride(0), act.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        rows.stride(0), rows.stride(1),
+        HIDDEN=h, INTER=inter,
+        BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=inter % tile.block_k == 0, PRECISION=_precision(act.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return rows
+
+
+def moe_combine(rows: torch.Tensor, ids: torch.Tensor, expert_range: tuple[int, int]) -> torch.Tensor:
+    """out [T, H] in rows.dtype: sum over slots k with ids[t, k] in [a, b) of rows[t*K + k] (fp32 sum)."""
+    t, k = ids.shape
+    h = rows.shape[1]
+    out = torch.empty((t, h), dtype=rows.dtype, device=rows.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
+        rows, ids.contiguous(), out,
+        int(expert_range[0]), int(expert_range[1]),
+        rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
+        TOP_K=k, HIDDEN=h, BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # NOTE: fp32 inputs get exact fp32 products (the CPU-test and reference dtype); 16-bit ignore it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fused_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    alpha: float,
+    limit: float,
+    beta: float = 1.0,
+    expert_range: tuple[int, int] | None = None,
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t,k] * W2[e] SwiGLU_OAI(W13[e] x[t]) over local experts e = ids[t,k] - a.
+
+    x: [T, H] bf16/fp16/fp32; ids: [T, K] global expert ids (any int dtype); weights: [T, K]
+    routing weights (any float dtype, used in fp32; already renormalised and scaled by
+    routed_scaling_factor, as `moe.route` returns them); w13: [E, 2I, H] (gate rows then up rows),
+    w2: [E, H, I], both in x.dtype, holding experts [a, b) = expert_range (default (0, E)).
+    alpha/limit/beta: SwiGLU-OAI constants (spec §3.7). Returns [T, H] in x.dtype; slots routed
+    outside [a, b) add nothing. Same maths as `moe.grouped_experts` (see module docstring for
+    rounding). Raises ValueError on mismatched shapes, dtypes, devices or expert_range.
+    """
+    a, b = _check_inputs(x, ids, weights, w13, w2, expert_range)
+    t, k = ids.shape
+    e, two_i, h = w13.shape
+    if t == 0:
+        return torch.empty((0, h), dtype=x.dtype, device=x.device)
+    cfg = config or default_config(t * k, e, h, two_i // 2)
+    aligned = align_by_expert(ids, (a, b), cfg.block_m)
+    act = moe_gate_up(x, w13, aligned, k, cfg.w13, alpha, limit, beta)  # [P, I]
+    rows = moe_down(act, w2, aligned, weights, cfg.w2)  # [T*K, H]
+    return moe_combine(rows, ids, (a, b))  # [T, H]

@@ -1,0 +1,19 @@
+"""Shared host-side checks and small helpers of the MSA Triton kernels (one place for both ops)."""
+
+from __future__ import annotations
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def check_pow2_dim(name: str, value: int, lo: int = 16, hi: int = 256) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is a power of two in [lo, hi].
+
+    The kernels tile whole pages / head dims with ``tl.arange`` and ``tl.dot``, which need a power
+    of two of at least 16.
+    """
+    if value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"MSA Triton kernels: {name}={value} is unsupported; it must be a power of two in "
+                         f"[{lo}, {hi}] (use the PyTorch reference kernels/msa_reference.py for other sizes)")

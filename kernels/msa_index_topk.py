@@ -1,0 +1,255 @@
+"""Triton lightning-indexer block scores and top-k block selection over the paged index-key cache.
+
+Governing idea (spec §3.4, §4.3): one kernel writes the block-max score of every causal block for
+every (query token, index head) into a scratch ``[T, G, NBP]`` fp32 buffer; a selection kernel
+then packs (score, block id) into one order-preserving int64 key per block and picks the top K by
+K rounds of max-and-remove, so "score desc, ties to the lower block id" is a single integer max.
+Forced local/init blocks get score +inf (ties among them again go to the lower id), exactly the
+order of ``msa_reference.index_topk_ref``. Long rows are split into chunks (split-K): each chunk
+keeps its own top K keys, a merge kernel picks the final K from the chunk winners.
+
+Scoring tiles ``BLOCK_M`` query tokens x all G index heads against one page of keys per step
+(the single index-key head is shared by all index heads, MQA style), so prefill runs real
+``[BLOCK_M*G, di] x [di, ps]`` tensor-core tiles; decode rows split their blocks over
+``n_splits`` programs.
+
+CUDA-graph safety: grids depend only on (rows, tokens, block-table width, decode_query_len,
+max_query_len); per-row lengths are read on the device; no host syncs.
+NOTE: fp32 inputs use ``input_precision="ieee"`` (no tf32), so fp32 scores match the reference to
+fp32 summation order; bf16/fp16 inputs run bf16/fp16 tensor-core dots with fp32 accumulation.
+
+Shape legend: T query tokens, R rows, P pages, ps page (= block) size, G index heads (= KV heads),
+di index dim, K top-k blocks, NBP block-table width (pages per row), NCH chunks per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_rollout.engine.paged_cache import PagedMetadata
+
+# Sentinel key: below every real key (the key of a -inf score is > INT64_MIN).
+_KEY_EMPTY = -(2**63)
+_ID_BIAS = 0x7FFFFFFF  # low 32 bits hold _ID_BIAS - block_id, so lower ids win ties
+MAX_TOPK = 64
+TOPK_CHUNK = 256  # blocks per selection chunk (split-K of the top-k)
+
+
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r, offs_o, offs_d,
+               PS: tl.constexpr, IEEE: tl.constexpr):
+    """[M] max over block b's causal keys of <q_m, ik_u>; NaN -> -1e30, no causal key -> -inf."""
+    page = tl.load(bt_ptr + row * stride_bt_r + b)
+    k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + offs_o[:, None] * stride_ik_o + offs_d[None, :])
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, PS] fp32
+    else:
+        s = tl.dot(q, tl.trans(k))  # [M, PS] fp32
+    causal = (b * PS + offs_o)[None, :] <= qpos[:, None]
+    smax = tl.reduce(tl.where(causal, s, float("-inf")), 1, _max_propagate_nan)  # [M]
+    # the reference's amax propagates NaN and then replaces it by -1e30 (spec §3.4)
+    return tl.where(smax != smax, -1e30, smax)
+
+
+@triton.jit
+def _index_scores_kernel(
+    iq_ptr, ik_ptr, bt_ptr, qsl_ptr, pos_ptr, score_ptr,
+    row_offset, n_qtiles, blocks_per_split,
+    stride_iq_t, stride_iq_g,
+    stride_ik_p, stride_ik_o,
+    stride_bt_r,
+    stride_s_t, stride_s_g,
+    G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
+    BLOCK_M: tl.constexpr, STORE_B: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    row = row_offset + pid // n_qtiles
+    qtile = n_qtiles - 1 - pid % n_qtiles  # NOTE: latest (longest) tiles first for load balance
+    q_lo = tl.load(qsl_ptr + row)
+    q_hi = tl.load(qsl_ptr + row + 1)
+    t0 = q_lo + qtile * BLOCK_M
+    if t0 >= q_hi:
+        return
+    offs_m = tl.arange(0, BLOCK_M * GP)  # row m = token m // GP, head m % GP
+    tok = t0 + offs_m // GP
+    head = offs_m % GP
+    m_valid = (tok < q_hi) & (head < G)
+    offs_d = tl.arange(0, DI)
+    offs_o = tl.arange(0, PS)
+    q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)  # [M, DI]
+    qpos = tl.load(pos_ptr + tok, mask=m_valid, other=-1)  # [M]
+    n_blk = tl.max(qpos, axis=0) // PS + 1
+    b_lo = split * blocks_per_split
+    b_hi = tl.minimum(b_lo + blocks_per_split, n_blk)
+    row_ptr = score_ptr + tok * stride_s_t + head * stride_s_g  # [M]
+    if STORE_B == 1:  # decode: few rows, a plain pipelined loop
+        for b in range(b_lo, b_hi):
+            smax = _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r,
+                              offs_o, offs_d, PS, IEEE)
+            tl.store(row_ptr + b, smax, mask=m_valid)
+    else:
+        # NOTE: prefill: STORE_B blocks' maxima are gathered in registers and written as one
+        # [M, STORE_B] tile (contiguous per score row, not 4-byte scatters); the loop stays free of
+        # control flow so the loads pipeline.
+        offs_j = tl.arange(0, STORE_B)
+        tile = tl.full([BLOCK_M * GP, STORE_B], float("-inf"), tl.float32)
+        for b in range(b_lo, b_hi):
+            smax = _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r,
+                              offs_o, offs_d, PS, IEEE)
+            j = (b - b_lo) % STORE_B
+            tile = tl.where(offs_j[None, :] == j, smax[:, None], tile)
+            b0 = b - j
+            flush = (j == STORE_B - 1) | (b == b_hi - 1)
+            tl.store(row_ptr[:, None] + (b0 + offs_j)[None, :], tile,
+                     mask=m_valid[:, None] & ((b0 + offs_j) <= b)[None, :] & flush)
+
+
+@triton.jit
+def _topk_chunk_kernel(
+    score_ptr, pos_ptr, key_ptr, ids_ptr,
+    n_chunks, topk, init_blocks, local_blocks,
+    stride_s_t, stride_s_g,
+    G: tl.constexpr, PS: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr, FINAL: tl.constexpr,
+):
+    """Top-k keys of one chunk of one (token, head) row; FINAL (one chunk): write block ids."""
+    rid = tl.program_id(0)  # t * G + g
+    chunk = tl.program_id(1)
+    t = rid // G
+    g = rid % G
+    p = tl.load(pos_ptr + t)
+    n_cand = p // PS + 1
+    b = chunk * CHUNK + tl.arange(0, CHUNK)
+    cand = b < n_cand
+    s = tl.load(score_ptr + t * stride_s_t + g * stride_s_g + b, mask=cand, other=float("-inf"))
+    forced = cand & ((b >= n_cand - local_blocks) | (b < init_blocks))
+    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0 turns -0.0 into +0.0 (equal in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
+    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - b).to(tl.int64)
+    if not FINAL:
+        if chunk * CHUNK >= n_cand:  # chunk past the candidates: empty winners
+            offs_k = tl.arange(0, KP)
+            tl.store(key_ptr + (rid * n_chunks + chunk) * topk + offs_k,
+                     tl.full([KP], -9223372036854775807 - 1, tl.int64), mask=offs_k < topk)
+            return
+    for k in range(topk):
+        best = tl.max(key, axis=0)
+        key = tl.where(key == best, -9223372036854775807 - 1, key)
+        if FINAL:
+            bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
+            bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
+            tl.store(ids_ptr + rid * topk + k, bid)
+        else:
+            tl.store(key_ptr + (rid * n_chunks + chunk) * topk + k, best)
+
+
+@triton.jit
+def _topk_merge_kernel(key_ptr, pos_ptr, ids_ptr, n_keys, topk, PS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """Final top-k over the chunk winners of one (token, head) row."""
+    rid = tl.program_id(0)
+    p = tl.load(pos_ptr + rid // G)
+    n_cand = p // PS + 1
+    offs = tl.arange(0, BLOCK_N)
+    key = tl.load(key_ptr + rid * n_keys + offs, mask=offs < n_keys, other=-9223372036854775807 - 1)
+    for k in range(topk):
+        best = tl.max(key, axis=0)
+        key = tl.where(key == best, -9223372036854775807 - 1, key)
+        bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
+        bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
+        tl.store(ids_ptr + rid * topk + k, bid)
+
+
+def _score_launch(iq, index_cache_l, meta, scores, rows: tuple[int, int], block_m: int, n_splits: int, ieee: bool):
+    """Launch the score kernel over rows [r0, r1) with query tiles of block_m tokens."""
+    r0, r1 = rows
+    if r1 <= r0:
+        return
+    t_g, g, di = iq.shape
+    ps = index_cache_l.shape[1]
+    nbp = meta.block_tables.shape[1]
+    gp = next_pow2(g)
+    block_m = max(block_m, 16 // gp if gp < 16 else 1)
+    qlen = meta.decode_query_len if r0 < meta.num_decodes else meta.max_query_len
+    n_qtiles = triton.cdiv(max(qlen, 1), block_m)
+    per_split = triton.cdiv(nbp, n_splits)
+    n_splits = triton.cdiv(nbp, per_split)
+    grid = ((r1 - r0) * n_qtiles, n_splits)
+    _index_scores_kernel[grid](
+        iq, index_cache_l, meta.block_tables, meta.query_start_loc, meta.positions, scores,
+        r0, n_qtiles, per_split,
+        iq.stride(0), iq.stride(1), index_cache_l.stride(0), index_cache_l.stride(1),
+        meta.block_tables.stride(0), scores.stride(0), scores.stride(1),
+        G=g, GP=gp, DI=di, PS=ps, BLOCK_M=block_m, STORE_B=1 if n_splits > 1 else 16, IEEE=ieee,
+        num_warps=4 if block_m * gp <= 64 else 8, num_stages=2 if ieee else 3,
+    )
+
+
+def index_topk(
+    iq: torch.Tensor,
+    index_cache_l: torch.Tensor,
+    meta: PagedMetadata,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """Triton version of ``msa_reference.index_topk_ref`` (same arguments, same output, spec §3.4).
+
+    iq: [T, G, di] fp32/fp16/bf16 index queries; index_cache_l: [P, ps, di] same dtype, page-major
+    contiguous pages. Returns [T, G, K] int32 block ids: forced blocks first (lower id first), then
+    by block-max score desc with ties to the lower id; -1 past min(K, nb(t)).
+    Raises ValueError for an unsupported dtype, ps/di not a power of two in [16, 256], topk outside
+    [1, 64], or iq heads/dim not matching the cache.
+    """
+    t, g, di = iq.shape
+    ps = index_cache_l.shape[1]
+    if iq.dtype not in (torch.float32, torch.float16, torch.bfloat16) or index_cache_l.dtype != iq.dtype:
+        raise ValueError(f"index_topk: dtype iq={iq.dtype}, index cache={index_cache_l.dtype}; the Triton "
+                         "indexer supports fp32/fp16/bf16 with equal dtypes")
+    check_pow2_dim("page_size (sparse_block_size)", ps)
+    check_pow2_dim("sparse_index_dim", di)
+    if index_cache_l.shape[2] != di:
+        raise ValueError(f"index_topk: iq dim {di} != index cache dim {index_cache_l.shape[2]}")
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"index_topk: topk={topk} unsupported; the Triton top-k handles 1..{MAX_TOPK}")
+    if iq.stride(2) != 1 or index_cache_l.stride(2) != 1:
+        raise ValueError("index_topk: iq and index_cache_l need a contiguous last dim")
+    out = torch.empty(t, g, topk, dtype=torch.int32, device=iq.device)
+    if t == 0:
+        return out
+    nbp = meta.block_tables.shape[1]
+    scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device)  # [T, G, NBP] scratch
+    ieee = iq.dtype == torch.float32
+    nd, r = meta.num_decodes, meta.num_rows
+    if nd > 0:
+        # Split-K over blocks: ~1024 programs in all, >= 8 blocks each (fixed by shape).
+        splits = max(1, min(triton.cdiv(nbp, 8), 1024 // nd))
+        _score_launch(iq, index_cache_l, meta, scores, (0, nd), next_pow2(max(meta.decode_query_len, 1)), splits, ieee)
+    if r > nd:
+        _score_launch(iq, index_cache_l, meta, scores, (nd, r), 32 if g * 32 <= 128 else 16, 1, ieee)
+    # many rows (prefill): one chunk of up to 1024 blocks per row; few rows (decode): split-K
+    chunk = min(TOPK_CHUNK if t * g < 1024 else 1024, next_pow2(nbp))
+    n_chunks = triton.cdiv(nbp, chunk)
+    if n_chunks == 1:
+        _topk_chunk_kernel[(t * g, 1)](
+            scores, meta.positions, out, out, 1, topk, init_blocks, local_blocks,
+            scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=True, num_warps=4)
+        return out
+    keys = torch.empty(t * g, n_chunks, topk, dtype=torch.int64, device=iq.device)  # chunk winners
+    _topk_chunk_kernel[(t * g, n_chunks)](
+        scores, meta.positions, keys, out, n_chunks, topk, init_blocks, local_blocks,
+        scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=False, num_warps=4)
+    n_keys = n_chunks * topk
+    _topk_merge_kernel[(t * g,)](keys, meta.positions, out, n_keys, topk, PS=ps, BLOCK_N=next_pow2(n_keys), G=g,
+                                 num_warps=4 if n_keys <= 1024 else 8)
+    return out

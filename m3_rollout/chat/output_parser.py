@@ -1,0 +1,97 @@
+"""One model turn's text -> reasoning, content and tool calls: the reasoning parser, then the
+tool-call parser on the content (spec §5.5 last line), non-streaming and streaming.
+
+Governing idea: a thin composition, no parsing of its own. The streaming form pipes the
+reasoning parser's content deltas straight into the streaming tool parser, so both stages keep
+their chunk invariance and the accumulated result equals `parse_model_output` of the whole text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from m3_rollout.chat.reasoning_parser import StreamingReasoningParser
+from m3_rollout.chat.tool_parser import StreamingToolParser, ToolCall, ToolCallDelta
+
+__all__ = ["ParsedTurn", "OutputDelta", "StreamingOutputParser", "parse_model_output"]
+
+
+@dataclass
+class ParsedTurn:
+    """A parsed model turn.
+
+    reasoning: text of the think span (None when the turn had none).
+    content: answer text outside the tool-call block (None if empty / whitespace before a call).
+    tool_calls: OpenAI-style calls in order (`ToolCall.to_openai()`).
+    truncated: the text ended inside a tool call (its parsed-so-far arguments are kept).
+    error: first malformed-XML fault of the tool-call block, or None.
+    """
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    truncated: bool = False
+    error: str | None = None
+
+    def to_message(self) -> dict:
+        """The turn as an OpenAI assistant message (`reasoning_content` as vLLM names it)."""
+        msg: dict = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return msg
+
+
+@dataclass
+class OutputDelta:
+    """What one chunk adds: reasoning text, content text, tool-call pieces."""
+
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class StreamingOutputParser:
+    """Chunks of one model turn in, `OutputDelta`s out; `result()` is the `ParsedTurn` so far.
+
+    Args:
+        thinking_mode: the request's thinking mode (decides whether output starts in reasoning).
+        tools: the request's tools (schemas type the argument values).
+        first_index: index of this turn's first tool call (ids `call_<index>`).
+    """
+
+    def __init__(self, thinking_mode: str | None, tools: list[dict] | None = None, first_index: int = 0):
+        self._reasoning = StreamingReasoningParser(thinking_mode)
+        self._tools = StreamingToolParser(tools, first_index)
+
+    def feed(self, text: str) -> OutputDelta:
+        return self._route(self._reasoning.feed(text), final=False)
+
+    def finish(self) -> OutputDelta:
+        return self._route(self._reasoning.finish(), final=True)
+
+    def _route(self, rd, final: bool) -> OutputDelta:
+        out = OutputDelta(reasoning=rd.reasoning)
+        for td in ([self._tools.feed(rd.content)] if rd.content else []) + ([self._tools.finish()] if final else []):
+            if td.content:
+                out.content = (out.content or "") + td.content
+            out.tool_calls.extend(td.tool_calls)
+        return out
+
+    def result(self) -> ParsedTurn:
+        tool = self._tools.result()
+        return ParsedTurn(self._reasoning.result()[0], tool.content, tool.tool_calls, tool.truncated, tool.error)
+
+
+def parse_model_output(text: str, thinking_mode: str | None, tools: list[dict] | None = None,
+                       first_index: int = 0) -> ParsedTurn:
+    """Parse one model turn's decoded text (markers kept, stop token excluded).
+
+    Raises:
+        ValueError: unknown `thinking_mode`.
+    """
+    parser = StreamingOutputParser(thinking_mode, tools, first_index)
+    parser.feed(text)
+    parser.finish()
+    return parser.result()

@@ -1,0 +1,167 @@
+"""Read a dump directory: list complete shards, load them, report bad files without stopping.
+
+Governing idea: one bad shard (truncated, foreign, another schema version) costs only that
+shard. :func:`read_dump` returns the rows of every good shard plus a :class:`DumpFileError` per
+bad one, each naming the file and what to do; callers print the errors and go on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from m3_rollout.dump import schema as S
+
+
+class DumpError(Exception):
+    """Base class of dump reading errors."""
+
+
+class DumpDirError(DumpError):
+    """The dump directory is missing or holds no rollout dump shards."""
+
+
+class DumpFileError(DumpError):
+    """One shard cannot be used; ``path`` names it."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+class SchemaVersionError(DumpFileError):
+    """A shard of another schema version."""
+
+
+@dataclass
+class ShardInfo:
+    """A complete shard's file and its metadata (``m3_rollout.dump.*`` keys, decoded)."""
+
+    path: Path
+    step: int
+    run_id: str
+    num_rows: int
+    size_bytes: int
+    step_metrics: dict = field(default_factory=dict)
+    absent_fields: list[str] = field(default_factory=list)
+
+
+def shard_paths(directory: str | Path) -> list[Path]:
+    """Complete shards of a dump directory in step order (temporary files are skipped).
+
+    Raises:
+        DumpDirError: the directory does not exist, is not a directory, or holds no
+            ``step_<8 digits>.parquet`` file (a foreign directory).
+    """
+    d = Path(directory)
+    if not d.exists():
+        raise DumpDirError(f"{d}: dump directory does not exist (check rollout_dump.dir)")
+    if not d.is_dir():
+        raise DumpDirError(f"{d}: not a directory; give the dump directory holding step_*.parquet shards")
+    shards = sorted((f for f in d.iterdir() if S.SHARD_PATTERN.match(f.name)), key=lambda f: f.name)
+    if not shards:
+        hint = " (only temporary files of an interrupted write)" if any(S.TMP_MARKER in f.name for f in d.iterdir()) else ""
+        raise DumpDirError(f"{d}: no rollout dump shards (step_XXXXXXXX.parquet){hint}; is this a rollout_dump.dir?")
+    return shards
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise DumpFileError(path, f"not a readable Parquet file, probably truncated or corrupt ({exc}); "
+                                  f"delete it or restore it, the other shards still load") from None
+    meta = {k.decode(): v.decode() for k, v in meta.items()}
+    if S.META_VERSION not in meta:
+        raise DumpFileError(path, f"Parquet file without {S.META_VERSION!r} metadata: not a rollout dump shard")
+    if meta[S.META_VERSION] != str(S.SCHEMA_VERSION):
+        raise SchemaVersionError(path, f"schema version {meta[S.META_VERSION]}, this reader reads version "
+                                       f"{S.SCHEMA_VERSION}; read it with the m3_rollout release that wrote it")
+    return meta
+
+
+def shard_info(path: str | Path) -> ShardInfo:
+    """Metadata of one shard (reads only the footer).
+
+    Raises:
+        DumpFileError: unreadable / truncated file or not a dump shard.
+        SchemaVersionError: another schema version.
+    """
+    path = Path(path)
+    meta = _metadata(path)
+    return ShardInfo(path=path, step=int(meta[S.META_STEP]), run_id=meta[S.META_RUN_ID],
+                     num_rows=int(meta[S.META_NUM_ROWS]), size_bytes=path.stat().st_size,
+                     step_metrics=json.loads(meta.get(S.META_STEP_METRICS, "{}")),
+                     absent_fields=json.loads(meta.get(S.META_ABSENT, "[]")))
+
+
+def read_shard(path: str | Path, columns: Iterable[str] | None = None) -> pa.Table:
+    """Load one shard, checking its version and columns.
+
+    Raises:
+        DumpFileError, SchemaVersionError: as :func:`shard_info`; also a missing column or a
+            row count that disagrees with the metadata.
+    """
+    path = Path(path)
+    meta = _metadata(path)
+    try:
+        table = pq.read_table(path, columns=list(columns) if columns is not None else None)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, KeyError) as exc:
+        raise DumpFileError(path, f"cannot read its data ({exc}); the file is corrupt or truncated") from None
+    want = list(columns) if columns is not None else S.COLUMN_NAMES
+    missing = [c for c in want if c not in table.column_names]
+    if missing:
+        raise DumpFileError(path, f"missing columns {missing} for schema version {S.SCHEMA_VERSION}")
+    if table.num_rows != int(meta[S.META_NUM_ROWS]):
+        raise DumpFileError(path, f"{table.num_rows} rows but the metadata says {meta[S.META_NUM_ROWS]}")
+    return table
+
+
+@dataclass
+class DumpRead:
+    """Result of :func:`read_dump`.
+
+    Attributes:
+        table: rows of every good shard (schema :data:`SCHEMA`), in step order.
+        shards: metadata of the good shards.
+        errors: one per bad shard; the rows of those shards are not in ``table``.
+    """
+
+    table: pa.Table
+    shards: list[ShardInfo]
+    errors: list[DumpFileError]
+
+
+def read_dump(directory: str | Path, steps: Iterable[int] | None = None,
+              columns: Iterable[str] | None = None) -> DumpRead:
+    """Load the shards of ``directory`` (optionally only ``steps``), skipping bad ones.
+
+    Raises:
+        DumpDirError: see :func:`shard_paths`; also when every shard is bad or no shard has a
+            requested step.
+    """
+    wanted = None if steps is None else set(int(s) for s in steps)
+    tables, infos, errors = [], [], []
+    for path in shard_paths(directory):
+        step = int(S.SHARD_PATTERN.match(path.name).group(1))
+        if wanted is not None and step not in wanted:
+            continue
+        try:
+            info = shard_info(path)
+            tables.append(read_shard(path, columns))
+            infos.append(info)
+        except DumpFileError as exc:
+            errors.append(exc)
+    if not tables:
+        if errors:
+            raise DumpDirError(f"{directory}: no usable shard:\n  " + "\n  ".join(str(e) for e in errors))
+        raise DumpDirError(f"{directory}: no shard for steps {sorted(wanted or [])}")
+    schema = S.SCHEMA if columns is None else pa.schema([S.SCHEMA.field(c) for c in columns])
+    table = pa.concat_tables([t.select(schema.names).cast(schema).replace_schema_metadata(None) for t in tables])
+    return DumpRead(table, infos, errors)

@@ -1,0 +1,453 @@
+"""LLMEngine: requests in, one model forward per ``step()``, sampled tokens out.
+
+Governing idea: the engine core loop of vLLM v1 / nano-vllm in one place. ``add_request``
+validates and expands a request into sequences (leader + children to fork); ``step`` asks the
+scheduler for a plan, builds the step's tensors (model_runner), runs exactly one
+``forward_paged``, samples every row whose chunk reached its last token in one vectorised
+sampler call (a group leader's logits row is shared by its n samples), forks children after the
+prompt's prefill, and turns finished sequences into :class:`SampleOutput` records.
+
+Step API contract: /work/notes/contracts.md ("Engine step API").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from m3_rollout.engine.block_manager import BlockManager
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
+from m3_rollout.engine.model_runner import ModelRunner, meta_to, prepare_inputs
+from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
+from m3_rollout.engine.sampler import SamplingTensors, sample
+from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
+from m3_rollout.engine.sequence import Sequence, SeqStatus
+from m3_rollout.model.numerics import compute_dtype
+
+
+CPU_AUTO_KV_BYTES = 256 * 2**20  # cap of the automatic CPU page pool (pages are zero-filled up front)
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizes and switches.
+
+    Attributes:
+        max_model_len: longest sequence (prompt + generated), tokens.
+        max_num_seqs: most running samples per step.
+        max_num_batched_tokens: per-step token budget (decodes + prefill chunks).
+        kv_cache_memory_gb: KV page pool size in GiB; 0 = automatic: on CUDA
+            ``kv_cache_memory_fraction`` of the free device memory, elsewhere room for
+            ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most ``CPU_AUTO_KV_BYTES``.
+        num_pages: explicit page count (overrides the memory budget; tests).
+        enable_prefix_caching: reuse full pages across requests (GRPO groups, multi-turn).
+        enable_cuda_graphs: capture decode steps on CUDA (GPU-only; ignored elsewhere).
+        eos_token_ids: tokens that end every sample.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    kv_cache_memory_gb: float = 0.0
+    kv_cache_memory_fraction: float = 0.8
+    num_pages: int | None = None
+    enable_prefix_caching: bool = True
+    enable_cuda_graphs: bool = False
+    # Routing record (issue 6): SampleOutput.routed_experts = expert ids of every MoE layer for
+    # every token, kept per KV page (m3_rollout/parallel/routing_record.py).
+    record_routing: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> "EngineConfig":
+        """Raises ValueError naming the bad field."""
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.kv_cache_memory_gb < 0:
+            raise ValueError(f"EngineConfig.kv_cache_memory_gb={self.kv_cache_memory_gb}: must be >= 0 (0 = auto)")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: in (0, 1]")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"EngineConfig.num_pages={self.num_pages}: must be >= 1")
+        return self
+
+    def resolve_num_pages(self, page_size: int, bytes_per_page: int, device: torch.device) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        if self.kv_cache_memory_gb > 0:
+            return int(self.kv_cache_memory_gb * 2**30 // bytes_per_page)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * self.kv_cache_memory_fraction // bytes_per_page)
+        want = self.max_num_seqs * -(-self.max_model_len // page_size)
+        floor = -(-self.max_model_len // page_size)  # one full-length sequence
+        return max(floor, min(want, CPU_AUTO_KV_BYTES // bytes_per_page))
+
+
+@dataclass
+class EngineStats:
+    """Counters behind :meth:`LLMEngine.metrics` (host numbers only)."""
+
+    steps: int = 0
+    forward_seconds: float = 0.0
+    generated_tokens: int = 0
+    prompt_tokens_computed: int = 0  # prompt positions whose K/V were computed (not prefix hits)
+    batched_tokens: int = 0
+    rows: int = 0
+    forks: int = 0
+
+
+class LLMEngine:
+    """The native generation engine (in-process; one device).
+
+    Args:
+        model: ``M3ForCausalLM`` in the generation dtype on its device (KV dtype = lm_head dtype).
+        config: :class:`EngineConfig`.
+        detokenize: optional ``ids -> text`` callback, needed for ``stop_strings``.
+    Raises ValueError when the page pool cannot hold one ``max_model_len`` sequence.
+    """
+
+    def __init__(self, model, config: EngineConfig, detokenize: Callable[[list[int]], str] | None = None):
+        self.config = config.validate()
+        self.model = model.eval()
+        self.model_config = model.config
+        weight = model.lm_head.weight
+        self.device, self.kv_dtype = weight.device, weight.dtype
+        ps = self.model_config.sparse_block_size
+        num_pages = config.resolve_num_pages(ps, page_bytes(self.model_config, self.kv_dtype), self.device)
+        if num_pages * ps < config.max_model_len:
+            raise ValueError(f"KV cache of {num_pages} pages x {ps} tokens cannot hold one sequence of "
+                             f"max_model_len={config.max_model_len}; raise kv_cache_memory_gb or lower max_model_len")
+        self.kv = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.device)
+        self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, config.max_num_seqs, config.max_model_len,
+                                  config.enable_cuda_graphs)
+        self.routing = None  # RoutingCache when config.record_routing (hooks: step, _fork, _routed)
+        if config.record_routing:
+            from m3_rollout.parallel.routing_record import RoutingCache
+
+            self.routing = RoutingCache.for_model(self.model, num_pages, ps)
+        self.detokenize = detokenize
+        self.eos = frozenset(int(t) for t in config.eos_token_ids)
+        self._version = 0
+        self._paused = False
+        # Set by weight sync when a failed non-atomic update left the weights invalid: new
+        # requests fail with this text until a full update succeeds (weight_sync/in_flight.py).
+        self.refuse_reason: str | None = None
+        self._pending: list[SampleOutput | StreamDelta] = []
+        self._live: dict[str, list[Sequence]] = {}  # request_id -> its unfinished sequences
+        self._next_seq = 0
+        self._next_req = 0
+        self.stats = EngineStats()
+        self._t0 = time.perf_counter()
+
+    # ---- requests ------------------------------------------------------------------------
+    def _check_request(self, req: GenerationRequest) -> str | None:
+        """Error text naming the bad field, or None."""
+        if self.refuse_reason is not None:
+            return self.refuse_reason
+        p = req.params
+        try:
+            p.validate()
+        except ValueError as exc:
+            return str(exc)
+        ids = list(req.prompt_ids)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            return "GenerationRequest.prompt_ids: empty prompt"
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            return f"GenerationRequest.prompt_ids: token id {bad} outside the vocabulary [0, {vocab})"
+        if len(ids) >= self.config.max_model_len:
+            return (f"GenerationRequest.prompt_ids: prompt of {len(ids)} tokens leaves no room under "
+                    f"max_model_len={self.config.max_model_len}")
+        if p.stop_strings and self.detokenize is None:
+            return "SamplingParams.stop_strings: this engine has no detokenize callback"
+        return None
+
+    def _error_outputs(self, req: GenerationRequest, error: str) -> list[SampleOutput]:
+        return [SampleOutput(req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], "error",
+                             self._version, error=error) for j in range(max(req.params.n, 1))]
+
+    def add_request(self, req: GenerationRequest, stream: bool = False) -> None:
+        """Queue ``req`` as ``params.n`` samples (sample_index + j). A bad request does not raise:
+        its error records (one per sample, one if n < 1) come out of the next ``step()``."""
+        error = self._check_request(req)
+        if error is not None:
+            self._pending.extend(self._error_outputs(req, error))
+            return
+        p = req.params
+        max_len = min(len(req.prompt_ids) + p.max_new_tokens, self.config.max_model_len)
+        stops = self.eos | frozenset(p.stop_token_ids)
+        key = self._next_req
+        self._next_req += 1
+        seqs = []
+        for j in range(p.n):
+            seqs.append(Sequence(self._next_seq, req.request_id, key, req.sample_index + j, p, req.prompt_ids,
+                                 stops, max_len, stream))
+            self._next_seq += 1
+        leader = seqs[0]
+        leader.children = seqs[1:]
+        self._live.setdefault(req.request_id, []).extend(seqs)
+        self.scheduler.add(leader)
+
+    def abort(self, request_id: str) -> None:
+        """Stop every sample of ``request_id``; each yields a finish_reason "abort" record next step."""
+        for seq in self._live.pop(request_id, []):
+            routed = self._routed(seq)  # before its pages are freed
+            if self._is_scheduled(seq):  # unforked children hold no pages and sit in no queue
+                self.scheduler.remove(seq)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+            self._pending.append(self._output(seq, routed))
+
+    def _is_scheduled(self, seq: Sequence) -> bool:
+        return seq in self.scheduler.running or seq in self.scheduler.waiting
+
+    def abort_all(self) -> list[GenerationRequest]:
+        """Drop every unfinished sample; return one n=1 request per sample to re-queue later
+        (same prompt, params and sample index: the keyed sampler repeats its tokens)."""
+        out = []
+        for rid in list(self._live):
+            for seq in self._live.pop(rid):
+                if self._is_scheduled(seq):
+                    self.scheduler.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                out.append(GenerationRequest(rid, seq.token_ids[:seq.prompt_len],
+                                             dataclasses.replace(seq.params, n=1), seq.sample_index))
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live) or bool(self._pending)
+
+    def num_unfinished(self) -> int:
+        """Unfinished samples (for least-loaded placement)."""
+        return sum(len(v) for v in self._live.values())
+
+    # ---- control -------------------------------------------------------------------------
+    def pause(self) -> None:
+        """No forward runs (except ``step(force_forward=True)``'s empty one) until ``resume``."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every reusable page (after a weight update)."""
+        self.block_manager.reset_prefix_cache(list(self.scheduler.running))
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def preempt_all(self) -> int:
+        """Preempt every running sequence by recompute: its KV pages are freed and it waits at the
+        front of the queue (running order kept) to re-prefill prompt + generated tokens under the
+        current weights (weight_sync.recompute_kv_after_update). Returns how many were preempted."""
+        running = list(self.scheduler.running)
+        for seq in reversed(running):
+            self.scheduler._preempt(seq, SchedulerOutput())
+        return len(running)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self, force_forward: bool = False) -> list[SampleOutput | StreamDelta]:
+        """Run at most one model forward; return finished samples, errors and stream deltas.
+
+        ``force_forward=True`` runs exactly one forward even with nothing to schedule (T = 0
+        tokens) or while paused, so every EP rank runs every MoE layer once per step.
+        """
+        outputs, self._pending = self._pending, []
+        plan = SchedulerOutput() if self._paused else self.scheduler.schedule()
+        if plan.is_empty and not force_forward:
+            return outputs
+        rows = plan.rows
+        inputs = prepare_inputs(
+            [r.seq.token_ids[r.seq.num_computed:r.seq.num_computed + r.num_tokens] for r in rows],
+            [r.seq.num_computed for r in rows], [r.seq.block_table for r in rows],
+            self.kv.page_size, plan.num_decodes, [r.sample for r in rows])
+        t0 = time.perf_counter()
+        logits = self.runner.execute(inputs)  # [N, V] for the sampling rows
+        if self.routing is not None:
+            self.routing.record(inputs.meta.slot_mapping, self.model)
+        st = self.stats
+        st.steps += 1
+        st.rows += len(rows)
+        st.batched_tokens += inputs.meta.num_tokens
+        for r in rows:
+            seq = r.seq
+            st.prompt_tokens_computed += max(0, min(seq.num_computed + r.num_tokens, seq.prompt_len) - seq.num_computed)
+            seq.num_computed += r.num_tokens
+            self.block_manager.register_full_pages(seq)
+        sampling = [r.seq for r in rows if r.sample]
+        if sampling:
+            outputs.extend(self._sample_and_advance(logits, sampling))
+        st.forward_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _sample_and_advance(self, logits: torch.Tensor, leaders: list[Sequence]) -> list:
+        seqs, index = [], []
+        for i, seq in enumerate(leaders):
+            seqs.append(seq)
+            index.append(i)
+            for child in seq.children:  # the prompt's last logits serve the whole group
+                seqs.append(child)
+                index.append(i)
+        if len(seqs) != len(leaders):
+            logits = logits[torch.tensor(index, device=logits.device)]
+        params = SamplingTensors(
+            temperature=torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64),
+            top_k=torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64),
+            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
+            seeds=torch.tensor([s.params.seed for s in seqs], dtype=torch.int64),
+            sample_ids=torch.tensor([s.sample_index for s in seqs], dtype=torch.int64))
+        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
+        raw = torch.tensor([s.params.logprobs_mode == "raw" for s in seqs])
+        tokens, lps = sample(logits.to(compute_dtype(logits.dtype)).cpu(), params, positions, raw)
+        tokens, lps = tokens.tolist(), lps.tolist()
+        self.stats.generated_tokens += len(seqs)
+        out: list = []
+        version = self._version
+        for seq, tok, lp in zip(seqs, tokens, lps):
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.weight_versions.append(version)
+        for seq in leaders:
+            if seq.children:
+                self._fork(seq)
+        for seq in seqs:
+            if seq.stream:
+                n = seq.num_streamed
+                out.append(StreamDelta(seq.request_id, seq.sample_index, seq.output_ids[n:], seq.logprobs[n:],
+                                       seq.weight_versions[n:]))
+                seq.num_streamed = len(seq.logprobs)
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                routed = self._routed(seq)  # before its pages are freed
+                self.scheduler.remove(seq)
+                seq.finish_reason = reason
+                live = self._live.get(seq.request_id)
+                if live is not None:
+                    live.remove(seq)
+                    if not live:
+                        del self._live[seq.request_id]
+                out.append(self._output(seq, routed))
+        return out
+
+    def _fork(self, leader: Sequence) -> None:
+        for child in leader.children:
+            child.token_ids = leader.token_ids[:leader.prompt_len] + child.token_ids[leader.prompt_len:]
+            copy = self.block_manager.fork(leader, child)
+            if copy is False:  # no page for the partial copy: prefill it later (prefix-cache hit)
+                child.block_table, child.num_computed, child.page_hashes = [], 0, []
+                self.scheduler.add(child)
+                continue
+            if copy is not None:
+                self.kv.copy_page(*copy)
+                if self.routing is not None:
+                    self.routing.copy_page(*copy)
+            self.scheduler.add_running(child)
+            self.stats.forks += 1
+        leader.children = []
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        if seq.token_ids[-1] in seq.stop_set:
+            return "stop"
+        if seq.params.stop_strings:
+            text = self.detokenize(seq.output_ids)
+            if any(s in text for s in seq.params.stop_strings):
+                return "stop"
+        if seq.num_tokens >= seq.max_len:
+            return "length"
+        return None
+
+    def _routed(self, seq: Sequence):
+        """The routing record of ``seq`` (int16 [num_tokens, n_moe_layers, top_k]; -1 rows for tokens
+        never run) while it still holds its pages; None when recording is off."""
+        if self.routing is None:
+            return None
+        return self.routing.gather(seq.block_table, seq.num_computed, seq.num_tokens)
+
+    def _output(self, seq: Sequence, routed=None) -> SampleOutput:
+        versions = list(seq.weight_versions)
+        return SampleOutput(seq.request_id, seq.sample_index, seq.token_ids[:seq.prompt_len], seq.output_ids,
+                            list(seq.logprobs), seq.finish_reason or "abort",
+                            versions[-1] if versions else self._version, token_weight_versions=versions,
+                            routed_experts=routed)
+
+    # ---- scoring and metrics --------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, token_ids: Seq[int], positions: Seq[int] | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """Prompt logprobs of a stored trajectory under the served weights (re-scoring).
+
+        Runs the sequence through the paged path in chunks of ``max_num_batched_tokens`` on
+        pages borrowed for the call (call between steps; no prefix reuse, every position's
+        logits are needed).
+
+        Args:
+            token_ids: [L] ints. positions: optional indices i (1 <= i < L) to return; default all.
+            temperature: logits are divided by it (the trainer's convention).
+        Returns:
+            fp32 (fp64 for an fp64 model) [L] with entry 0 = 0 and entry i = log p(token_i | tokens_<i)
+            or, with ``positions``, [len(positions)] of those entries.
+        Raises:
+            ValueError: empty / too long / out-of-vocabulary ids or bad positions;
+            RuntimeError: not enough free KV pages now.
+        """
+        ids = list(token_ids)
+        req_err = self._check_request(GenerationRequest("score", ids, SamplingParams()))
+        if req_err is not None and not (len(ids) == self.config.max_model_len and "max_model_len" in req_err):
+            raise ValueError(req_err.replace("GenerationRequest.prompt_ids", "score token_ids"))
+        seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
+        bm = self.block_manager
+        if not bm.ensure(seq, len(ids)):
+            raise RuntimeError(f"score: {bm.pages_for(len(ids))} KV pages needed, {bm.num_free_pages} free; "
+                               "call it when fewer requests are running")
+        try:
+            chunks = []
+            step = self.config.max_num_batched_tokens
+            for start in range(0, len(ids), step):
+                chunk = ids[start:start + step]
+                inp = prepare_inputs([chunk], [start], [seq.block_table], self.kv.page_size, 0)
+                logits = self.model.forward_paged(inp.input_ids.to(self.device),
+                                                  meta_to(inp.meta, self.device), self.kv)
+                chunks.append(logits.to(compute_dtype(logits.dtype)).cpu())
+        finally:
+            bm.free_seq(seq)
+        logits = torch.cat(chunks) / temperature  # [L, V]
+        tgt = torch.tensor(ids[1:], dtype=torch.int64)
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, tgt[:, None]).squeeze(1)
+        lp = torch.cat([torch.zeros(1, dtype=lp.dtype), lp])  # [L]
+        if positions is None:
+            return lp
+        pos = torch.tensor(list(positions), dtype=torch.int64)
+        if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= len(ids)):
+            raise ValueError(f"score positions must be in [0, {len(ids)}), got {positions}")
+        return lp[pos]
+
+    def metrics(self) -> dict:
+        """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step."""
+        st, bm = self.stats, self.block_manager
+        return {
+            "kv_pages_in_use": bm.num_used_pages, "kv_pages_total": bm.num_pages,
+            "kv_usage": bm.num_used_pages / bm.num_pages,
+            "prefix_cache_hit_rate": bm.hit_rate, "prefix_cache_hit_tokens": bm.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "generated_tokens": st.generated_tokens, "prompt_tokens_computed": st.prompt_tokens_computed,
+            "steps": st.steps, "forks": st.forks,
+            "generation_tokens_per_s": st.generated_tokens / st.forward_seconds if st.forward_seconds else 0.0,
+            "mean_batch_rows_per_step": st.rows / st.steps if st.steps else 0.0,
+            "mean_tokens_per_step": st.batched_tokens / st.steps if st.steps else 0.0,
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        }
+

@@ -1,0 +1,216 @@
+"""NativeBackend: the ``GenerationBackend`` over an in-process :class:`LLMEngine` (design.md §3).
+
+Governing idea: callers never see steps. ``generate`` adds the requests and steps until they
+are done; ``generate_async`` / ``stream`` register per-request queues and share ONE driver task
+that steps the engine while anyone waits, so many asyncio callers batch together. Requests get
+an internal unique id inside the engine (two callers may reuse a request id); outputs carry the
+caller's id again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from typing import AsyncIterator, Callable, Iterable, Sequence
+
+import torch
+
+from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.model.loading import iter_released_tensors, load_released_tensor
+
+
+class NativeBackend(GenerationBackend):
+    """This project's engine behind the generation contract.
+
+    Args:
+        model: ``M3ForCausalLM`` in the generation dtype (e.g. bf16 with fp32 router), eval mode.
+        eos_token_ids: tokens that always end a sample.
+        max_model_len: longest context (prompt + generated); default the model's
+            ``max_position_embeddings``.
+        max_num_seqs: most running samples per step.
+        detokenize: optional ``ids -> text`` (stop strings).
+        **engine_kwargs: further :class:`EngineConfig` fields (kv_cache_memory_gb,
+            max_num_batched_tokens, enable_prefix_caching, num_pages, enable_cuda_graphs).
+    """
+
+    def __init__(self, model, eos_token_ids: Sequence[int], max_model_len: int | None = None, max_num_seqs: int = 256,
+                 detokenize: Callable[[list[int]], str] | None = None, **engine_kwargs):
+        cfg = EngineConfig(max_model_len=int(max_model_len or model.config.max_position_embeddings),
+                           max_num_seqs=max_num_seqs, eos_token_ids=tuple(int(t) for t in eos_token_ids),
+                           **engine_kwargs)
+        self.engine = LLMEngine(model, cfg, detokenize)
+        self.model = self.engine.model
+        self._released = {name: tuple(t.shape) for name, t in iter_released_tensors(self.model)}
+        self._ids = itertools.count()
+        self._queues: dict[str, asyncio.Queue] = {}  # internal id -> caller's queue
+        self._internal: dict[str, list[str]] = {}  # caller id -> internal ids (abort)
+        self._driver: asyncio.Task | None = None
+
+    # ---- weights -------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a full set of released-name tensors into the model's existing storage, in place.
+
+        All-or-nothing: every name, shape and value (finite) is checked before the first copy.
+        Then the prefix cache is reset (cached pages hold old-weight K/V) and the version set.
+        Running samples keep going; their later tokens carry the new version.
+
+        Raises:
+            ValueError: listing missing / unexpected / mis-shaped / non-finite tensors.
+        """
+        incoming = dict(named_tensors)
+        problems = [f"missing: {n}" for n in self._released if n not in incoming]
+        problems += [f"unexpected: {n}" for n in incoming if n not in self._released]
+        for name, t in incoming.items():
+            if name in self._released and tuple(t.shape) != self._released[name]:
+                problems.append(f"shape of {name}: got {tuple(t.shape)}, expected {self._released[name]}")
+            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                problems.append(f"non-finite values in {name}")
+        if problems:
+            raise ValueError("weight update rejected, weights unchanged (version "
+                             f"{self.weight_version}):\n  " + "\n  ".join(problems))
+        with torch.no_grad():
+            for name, t in incoming.items():
+                load_released_tensor(self.model, name, t)
+        self.engine.reset_prefix_cache()
+        self.engine.set_weight_version(version)
+
+    # ---- control -------------------------------------------------------------------------
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def abort(self, request_id: str) -> None:
+        """Abort every sample of the caller's ``request_id`` (finish_reason "abort")."""
+        for iid in self._internal.get(request_id, []):
+            self.engine.abort(iid)
+
+    def score(self, token_ids: Sequence[int], positions: Sequence[int] | None = None,
+              temperature: float = 1.0) -> torch.Tensor:
+        """See :meth:`LLMEngine.score`."""
+        return self.engine.score(token_ids, positions, temperature)
+
+    def metrics(self) -> dict:
+        return self.engine.metrics()
+
+    # ---- generation ----------------------------------------------------------------------
+    def _add(self, req: GenerationRequest, stream: bool) -> str:
+        iid = f"{next(self._ids)}:{req.request_id}"
+        self._internal.setdefault(req.request_id, []).append(iid)
+        self.engine.add_request(dataclasses.replace(req, request_id=iid), stream=stream)
+        return iid
+
+    def _release(self, req: GenerationRequest, iid: str) -> None:
+        ids = self._internal.get(req.request_id)
+        if ids is not None:
+            ids.remove(iid)
+            if not ids:
+                del self._internal[req.request_id]
+
+    @staticmethod
+    def _expected(req: GenerationRequest) -> int:
+        return max(req.params.n, 1)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[SampleOutput]:
+        """Run all requests to completion; outputs ordered by request, then sample.
+
+        Bad requests give error records (finish_reason "error"), the rest go on.
+        Raises RuntimeError when called while paused.
+        """
+        if self.engine.paused:
+            raise RuntimeError("generate() while paused: call resume() first")
+        if self._driver is not None:
+            raise RuntimeError("generate() while generate_async callers are active; await them or use generate_async")
+        iids = [self._add(req, stream=False) for req in requests]
+        pos = {iid: i for i, iid in enumerate(iids)}
+        results: list[list[SampleOutput]] = [[] for _ in requests]
+        remaining = sum(self._expected(r) for r in requests)
+        while remaining:
+            for out in self.engine.step():
+                if isinstance(out, SampleOutput) and out.request_id in pos:
+                    i = pos[out.request_id]
+                    results[i].append(dataclasses.replace(out, request_id=requests[i].request_id))
+                    remaining -= 1
+        for req, iid in zip(requests, iids):
+            self._release(req, iid)
+        return [o for outs in results for o in sorted(outs, key=lambda o: o.sample_index)]
+
+    async def _drive(self) -> None:
+        """Step the engine while any async caller waits; route outputs to their queues."""
+        try:
+            while self._queues:
+                if self.engine.paused:
+                    await asyncio.sleep(0.001)
+                    continue
+                for out in self.engine.step():
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                await asyncio.sleep(0)  # let callers consume and add requests
+        finally:
+            self._driver = None
+
+    def _ensure_driver(self) -> None:
+        if self._driver is None:
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _run(self, req: GenerationRequest, stream: bool) -> AsyncIterator[SampleOutput | StreamDelta]:
+        q: asyncio.Queue = asyncio.Queue()
+        iid = self._add(req, stream)
+        self._queues[iid] = q
+        self._ensure_driver()
+        remaining = self._expected(req)
+        try:
+            while remaining:
+                out = await q.get()
+                if isinstance(out, SampleOutput):
+                    remaining -= 1
+                yield dataclasses.replace(out, request_id=req.request_id)
+        finally:
+            self._queues.pop(iid, None)
+            if remaining:
+                self.engine.abort(iid)  # caller went away
+            self._release(req, iid)
+
+    async def generate_async(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[SampleOutput]:
+        """Yield each sample's :class:`SampleOutput` as it finishes (any order); bad requests
+        yield error records. Many concurrent callers share the engine's batches."""
+        merged: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(req):
+            async for out in self._run(req, stream=False):
+                merged.put_nowait(out)
+            merged.put_nowait(done)
+
+        tasks = [asyncio.ensure_future(pump(r)) for r in requests]
+        finished = 0
+        try:
+            while finished < len(tasks):
+                item = await merged.get()
+                if item is done:
+                    finished += 1
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[SampleOutput | StreamDelta]:
+        """Stream one request: :class:`StreamDelta` records as tokens arrive, then each sample's
+        final :class:`SampleOutput`. Raises ValueError (naming the field) for a bad request."""
+        error = self.engine._check_request(request)
+        if error is not None:
+            raise ValueError(error)
+        async for out in self._run(request, stream=True):
+            yield out

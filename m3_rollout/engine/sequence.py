@@ -1,0 +1,80 @@
+"""One sample's host-side state in the engine (no tensors).
+
+Governing idea: a request with ``n`` samples becomes ``n`` :class:`Sequence` records. Only the
+first one (the group leader) is scheduled for the prompt's prefill; the other samples are forked
+from it once that prefill is done (full pages shared, partial last page copied), so a GRPO
+group computes its prompt once. A sequence's KV state is fully described by ``num_computed``
+(tokens whose K/V sit in its pages) and ``block_table`` (logical page -> physical page).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence as Seq
+
+from m3_rollout.engine.interface import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A running / waiting sample.
+
+    Attributes:
+        seq_id: engine-unique id (also the preemption order: a larger id is preempted first).
+        request_id: the caller's request id; req_key: the engine's unique number of the request.
+        sample_index: absolute sample index (randomness key).
+        token_ids: prompt + generated tokens; prompt_len: tokens of the prompt.
+        logprobs, weight_versions: one entry per generated token.
+        num_computed: leading tokens whose K/V/index-K are in the pages.
+        block_table: physical page of each logical page.
+        page_hashes: chain hashes of the leading full pages registered so far (prefix cache).
+        children: samples to fork from this leader when its prefill completes (empty after).
+        stream: the caller wants :class:`StreamDelta` records; num_streamed: tokens sent so far.
+    """
+
+    __slots__ = ("seq_id", "request_id", "req_key", "sample_index", "params", "token_ids", "prompt_len",
+                 "logprobs", "weight_versions", "num_computed", "block_table", "page_hashes", "status",
+                 "finish_reason", "children", "stream", "num_streamed", "stop_set", "max_len", "num_cached")
+
+    def __init__(self, seq_id: int, request_id: str, req_key: int, sample_index: int, params: SamplingParams,
+                 prompt_ids: Seq[int], stop_set: frozenset, max_len: int, stream: bool = False):
+        self.seq_id = seq_id
+        self.request_id, self.req_key, self.sample_index = request_id, req_key, sample_index
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.prompt_len = len(self.token_ids)
+        self.logprobs: list[float] = []
+        self.weight_versions: list[int] = []
+        self.num_computed = 0
+        self.num_cached = 0  # tokens reused from the prefix cache at the last admission
+        self.block_table: list[int] = []
+        self.page_hashes: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.children: list[Sequence] = []
+        self.stream, self.num_streamed = stream, 0
+        self.stop_set = stop_set
+        # Longest total length: prompt + max_new_tokens, capped by the engine's max_model_len.
+        self.max_len = max_len
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def group_size(self) -> int:
+        """Rows this sequence will occupy once its children are forked."""
+        return 1 + len(self.children)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, sample={self.sample_index}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed}, status={self.status.value})")

@@ -1,0 +1,196 @@
+"""Expert-parallel routed experts: all-to-all dispatch -> local grouped experts -> all-to-all combine.
+
+Governing idea (design.md §4, contracts.md "Expert-parallel model representation"): under EP size
+P, rank r holds the routed experts [a, b) = [r·E/P, (r+1)·E/P) of every MoE layer as an ordinary
+``StackedExperts`` whose rows are the local slice (``expert_range = (a, b)``). ``M3MoE.forward``
+is unchanged: the router runs on every rank over that rank's own tokens, the shared expert is
+added locally, and only the call ``self.experts(x, ids, weights)`` becomes distributed:
+
+1. the T·K (token, slot) pairs are sorted by global expert id (stable, as ``grouped_experts``
+   does); since rank r owns a contiguous id range, this also groups them by destination rank;
+2. counts exchange: ``all_to_all_single`` of the per-expert counts [P·E_local] (E_local per peer),
+   so every rank knows how many rows it receives from each peer for each of its local experts;
+3. dispatch: ``all_to_all_single`` of the token rows [T·K, H] with those split sizes;
+4. the received rows run through the local ``StackedExperts`` (grouped by local expert: one GEMM
+   pair per expert, no per-token loop; the fused MoE kernel hooks in there) with weight 1;
+5. combine: the reverse ``all_to_all_single`` brings each pair's expert output home, where it is
+   weighted by the routing weight and summed per token exactly as ``grouped_experts`` does
+   (y in x.dtype -> weight dtype, × w, -> x.dtype, index_add in expert order).
+
+So EP=P equals EP=1 up to the GEMMs seeing different row batches. Every rank must call every MoE
+layer once per model forward, with T = 0 tokens if it has none (the engine's
+``step(force_forward=True)``); otherwise its peers' collectives wait until the group timeout.
+
+Shape legend: T tokens on this rank, K experts per token, H hidden, E experts, P EP size,
+E_local = E / P, N rows received for the local experts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from m3_rollout.model.configuration import M3Config
+from m3_rollout.model import moe as moe_module
+from m3_rollout.model.moe import StackedExperts, grouped_experts
+
+
+@dataclass
+class EPStats:
+    """Per-step EP metrics of one rank, summed over the MoE layers of the forwards since ``reset``.
+
+    Attributes:
+        tokens_per_expert: [n_moe_layers, E_local] int64, (token, slot) pairs each LOCAL expert
+            processed (from all ranks): load balance of this rank's experts. Concatenating the
+            ranks' rows gives the group's [n_moe_layers, E] load.
+        sent_per_rank: [P] int64, pairs this rank dispatched to each rank.
+        dispatch_s / expert_s / combine_s: wall seconds in counts exchange + token all-to-all,
+            in the local experts, in the reverse all-to-all + weighted sum (synchronised on CUDA
+            only when ``timing`` is on).
+        forwards: MoE-layer calls counted.
+    """
+
+    n_moe_layers: int
+    num_local_experts: int
+    world_size: int
+    timing: bool = True
+    tokens_per_expert: torch.Tensor = field(init=False)
+    sent_per_rank: torch.Tensor = field(init=False)
+    dispatch_s: float = 0.0
+    expert_s: float = 0.0
+    combine_s: float = 0.0
+    forwards: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.tokens_per_expert = torch.zeros(self.n_moe_layers, self.num_local_experts, dtype=torch.int64)
+        self.sent_per_rank = torch.zeros(self.world_size, dtype=torch.int64)
+        self.dispatch_s = self.expert_s = self.combine_s = 0.0
+        self.forwards = 0
+
+    def snapshot(self, reset: bool = True) -> dict:
+        """Plain-Python copy of the counters (lists / floats), optionally resetting them."""
+        out = {"tokens_per_expert": self.tokens_per_expert.tolist(), "sent_per_rank": self.sent_per_rank.tolist(),
+               "dispatch_s": self.dispatch_s, "expert_s": self.expert_s, "combine_s": self.combine_s,
+               "moe_forwards": self.forwards}
+        if reset:
+            self.reset()
+        return out
+
+
+class EPExperts(StackedExperts):
+    """The local slice of one MoE layer's routed experts plus the dispatch/combine around them.
+
+    Args:
+        config: model config (E = ``num_local_experts``, I, H, SwiGLU-OAI constants).
+        expert_range: (a, b), the global expert ids this rank holds; b - a = E / P.
+        group: the EP process group of P = E / (b - a) ranks (None when P = 1: plain grouped
+            experts; a P > 1 shard without a group can be loaded and updated but not run).
+        stats: shared :class:`EPStats` (one per model); ``layer_slot`` = this layer's row in it.
+
+    Parameters ``w13 [E_local, 2I, H]``, ``w2 [E_local, H, I]`` (local row i = global expert a + i).
+    """
+
+    def __init__(self, config: M3Config, expert_range: tuple[int, int], group: dist.ProcessGroup | None = None,
+                 stats: EPStats | None = None, layer_slot: int = 0):
+        torch.nn.Module.__init__(self)  # not StackedExperts.__init__: that would allocate all E experts
+        self.alpha, self.limit, self.beta = config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta
+        a, b = int(expert_range[0]), int(expert_range[1])
+        e_local = b - a
+        self.expert_range = (a, b)
+        self.num_experts = config.num_local_experts
+        if e_local < 1 or self.num_experts % e_local != 0 or a % e_local != 0 or b > self.num_experts:
+            raise ValueError(f"expert_range={expert_range}: not an EP shard of E={self.num_experts} experts "
+                             "(need [r*E/P, (r+1)*E/P) with P dividing E)")
+        self.group = group
+        self.world_size = self.num_experts // e_local  # P
+        if group is not None and dist.get_world_size(group) != self.world_size:
+            raise ValueError(f"expert_range={expert_range} implies EP size {self.world_size}, but the process "
+                             f"group has {dist.get_world_size(group)} ranks")
+        h, i = config.hidden_size, config.intermediate_size
+        # Same layout and init as StackedExperts, at the local size (default device / dtype apply).
+        self.w13 = torch.nn.Parameter(torch.empty(e_local, 2 * i, h))
+        self.w2 = torch.nn.Parameter(torch.empty(e_local, h, i))
+        torch.nn.init.normal_(self.w13, std=0.02)
+        torch.nn.init.normal_(self.w2, std=0.02)
+        self.stats = stats
+        self.layer_slot = layer_slot
+
+    def local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows x [N, H] through their local expert local_ids [N] (int64), unweighted -> [N, H] x.dtype.
+
+        The same two paths as ``StackedExperts.forward`` with K = 1 and weight 1.0 (exact for
+        ``grouped_experts``: y -> fp32 -> ×1 -> x.dtype returns y unchanged): the fused Triton
+        kernel (CUDA; it takes GLOBAL ids and ``expert_range``) or ``grouped_experts`` (local rows).
+        """
+        ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        if moe_module._fused_moe_usable(x, self.w13, self.w2):
+            from kernels.fused_moe import fused_experts
+
+            return fused_experts(x, (local_ids + self.expert_range[0])[:, None], ones, self.w13, self.w2,
+                                 alpha=self.alpha, limit=self.limit, beta=self.beta, expert_range=self.expert_range)
+        return grouped_experts(x, local_ids[:, None], ones, self.w13, self.w2, self.act)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids [T, K] int64 GLOBAL expert ids, weights [T, K] -> routed output [T, H] in x.dtype.
+
+        T may be 0. Collective: every rank of the group must call this the same number of times
+        in the same layer order. Raises RuntimeError (from the backend) if a peer is gone or
+        the group timeout passes.
+        """
+        if self.world_size == 1:
+            out = super().forward(x, ids, weights)
+            if self.stats is not None:
+                self.stats.tokens_per_expert[self.layer_slot] += torch.bincount(
+                    ids.reshape(-1), minlength=self.num_experts).cpu()
+                self.stats.forwards += 1
+            return out
+        if self.group is None:
+            raise RuntimeError(f"EPExperts{self.expert_range}: an EP shard (P={self.world_size}) needs a process "
+                               "group to run; pass `group` when sharding")
+        p, e_local, h = self.world_size, self.num_experts // self.world_size, x.shape[-1]
+        timing = self.stats is not None and self.stats.timing
+        sync = (lambda: torch.cuda.synchronize(x.device)) if (timing and x.is_cuda) else (lambda: None)
+        t0 = time.perf_counter()
+        k = ids.shape[1]
+        flat = ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat, stable=True)  # [T*K], grouped by expert hence by rank
+        token = order // k  # [T*K] source token of each sorted pair
+        w_sorted = weights.reshape(-1)[order]  # [T*K]
+        send_counts = torch.bincount(flat, minlength=self.num_experts)  # [E] = [P, E_local] row-major
+        recv_counts = torch.empty_like(send_counts)  # [P, E_local]: row s = from rank s, per local expert
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits = send_counts.view(p, e_local).sum(1).tolist()  # NOTE: host sync (split sizes)
+        recv_counts_host = recv_counts.view(p, e_local).cpu()
+        recv_splits = recv_counts_host.sum(1).tolist()
+        recv_x = x.new_empty(sum(recv_splits), h)  # [N, H]
+        dist.all_to_all_single(recv_x, x[token], recv_splits, send_splits, group=self.group)
+        sync()
+        t1 = time.perf_counter()
+        # Received rows are ordered by source rank, then local expert: rebuild their local ids.
+        local_ids = torch.repeat_interleave(
+            torch.arange(e_local, device=x.device).repeat(p), recv_counts.view(-1))  # [N]
+        y = self.local_experts(recv_x, local_ids)  # [N, H]
+        sync()
+        t2 = time.perf_counter()
+        back = x.new_empty(flat.shape[0], h)  # [T*K, H], aligned with `order`
+        dist.all_to_all_single(back, y, send_splits, recv_splits, group=self.group)
+        out = torch.zeros_like(x)
+        out.index_add_(0, token, (back.to(w_sorted.dtype) * w_sorted[:, None]).to(x.dtype))
+        sync()
+        t3 = time.perf_counter()
+        if self.stats is not None:
+            s = self.stats
+            s.tokens_per_expert[self.layer_slot] += recv_counts_host.sum(0)
+            s.sent_per_rank += torch.tensor(send_splits, dtype=torch.int64)
+            s.dispatch_s += t1 - t0
+            s.expert_s += t2 - t1
+            s.combine_s += t3 - t2
+            s.forwards += 1
+        return out

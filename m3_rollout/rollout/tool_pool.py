@@ -1,0 +1,175 @@
+"""Run tool calls in worker processes that are killed at a time limit (design.md §6).
+
+Governing idea: a tool is model-driven code, so it never runs in the rollout process. A small
+pool of forked workers holds the tool functions (inherited at fork, so nothing is pickled but
+the call's name and JSON arguments); each call gets a deadline, and a worker that misses it is
+SIGKILLed and replaced. Tool output is capped in length inside the worker, before it crosses
+the pipe. Every failure (timeout, exception, dead worker) comes back as an ``Error: ...`` text
+for the model, never as an exception in the rollout loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Callable
+
+__all__ = ["ToolProcessPool", "cap_output"]
+
+
+def cap_output(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars`` characters plus a marker saying how much was dropped."""
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars] + f"...[truncated {len(text) - max_chars} characters]"
+
+
+def _run_one(fns: dict[str, Callable[..., object]], name: str, kwargs: dict, max_chars: int) -> str:
+    fn = fns.get(name)
+    if fn is None:
+        return f"Error: unknown tool {name!r}"
+    try:
+        out = str(fn(**kwargs))
+    except TypeError as exc:
+        out = f"Error: bad arguments for {name}: {exc}"
+    except Exception as exc:  # a tool bug is an observation, not a crash
+        out = f"Error: {type(exc).__name__}: {exc}"
+    return cap_output(out, max_chars)
+
+
+def _worker_main(conn: Connection, fns: dict, max_chars: int) -> None:
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        name, kwargs = msg
+        conn.send(_run_one(fns, name, kwargs, max_chars))
+
+
+class _Worker:
+    __slots__ = ("proc", "conn")
+
+    def __init__(self, ctx, fns: dict, max_chars: int):
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, fns, max_chars), daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+def _close_at_exit(ref: "weakref.ref[ToolProcessPool]") -> None:
+    pool = ref()
+    if pool is not None:
+        pool.close()
+
+
+class ToolProcessPool:
+    """A pool of worker processes running named tool functions with a per-call time limit.
+
+    Args:
+        fns: tool name -> function called with keyword arguments; must exist before the first
+            call (workers are forked on first use and inherit them).
+        num_workers: processes; calls beyond that wait for a free worker.
+        timeout_s: wall-clock limit per call (seconds); a worker past it is killed and replaced.
+        max_output_chars: longest output returned (longer is cut, with a marker).
+
+    Raises:
+        ValueError: a non-positive ``num_workers``, ``timeout_s`` or ``max_output_chars``.
+    """
+
+    def __init__(self, fns: dict[str, Callable[..., object]], num_workers: int = 2, timeout_s: float = 1.0,
+                 max_output_chars: int = 2048):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers}: must be >= 1")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+        if max_output_chars < 1:
+            raise ValueError(f"max_output_chars={max_output_chars}: must be >= 1")
+        self.fns = dict(fns)
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.max_output_chars = max_output_chars
+        # NOTE: fork (Linux) so workers inherit the tool functions and start in milliseconds;
+        # they only run plain Python tool code, never torch.
+        methods = mp.get_all_start_methods()
+        self._ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+        self._workers: list[_Worker] = []
+        self.stats = {"calls": 0, "timeouts": 0, "worker_deaths": 0}
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _ensure_workers(self) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self.fns, self.max_output_chars))
+
+    def run(self, calls: list[tuple[str, dict]]) -> list[str]:
+        """Run ``(tool name, keyword arguments)`` calls, up to ``num_workers`` at a time.
+
+        Returns:
+            One output text per call, in order; failures as ``Error: ...`` texts.
+        """
+        if not calls:
+            return []
+        self._ensure_workers()
+        results: list[str | None] = [None] * len(calls)
+        queue = list(range(len(calls)))
+        free = list(range(len(self._workers)))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
+        while queue or busy:
+            while queue and free:
+                slot, i = free.pop(), queue.pop(0)
+                self._workers[slot].conn.send(calls[i])
+                busy[slot] = (i, time.monotonic() + self.timeout_s)
+                self.stats["calls"] += 1
+            deadline = min(d for _, d in busy.values())
+            ready = wait([self._workers[s].conn for s in busy], timeout=max(0.0, deadline - time.monotonic()))
+            for slot in list(busy):
+                w, (i, d) = self._workers[slot], busy[slot]
+                if w.conn in ready:
+                    try:
+                        results[i] = w.conn.recv()
+                    except (EOFError, OSError):
+                        results[i] = f"Error: tool {calls[i][0]!r} crashed its worker process"
+                        self.stats["worker_deaths"] += 1
+                        self._replace(slot)
+                elif time.monotonic() >= d:
+                    results[i] = f"Error: tool {calls[i][0]!r} timed out after {self.timeout_s:g} s"
+                    self.stats["timeouts"] += 1
+                    self._replace(slot)
+                else:
+                    continue
+                del busy[slot]
+                free.append(slot)
+        return [r if r is not None else "Error: no result" for r in results]
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].kill()
+        self._workers[slot] = _Worker(self._ctx, self.fns, self.max_output_chars)
+
+    def close(self) -> None:
+        """Stop all workers (also run at interpreter exit)."""
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, ValueError):
+                pass
+            w.proc.join(timeout=0.5)
+            if w.proc.is_alive():
+                w.kill()
+        self._workers = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,16 @@
+"""Rollout processes (design.md §5-6, issue 6).
+
+worker     RolloutWorker: one EP rank (expert shard + LLMEngine), lockstep ``run``
+launchers  Ray actors (default where Ray is installed) or torch.multiprocessing processes
+service    RolloutService: P workers behind one GenerationBackend; placement, restart on failure
+factory    build the service from the job config (used by m3_rollout.grpo)
+"""
+
+from .launchers import GroupFailure, Launcher, ProcessLauncher, RayLauncher, make_launcher
+from .service import RolloutFailure, RolloutService
+from .worker import RolloutWorker, WorkerSpec
+
+__all__ = [
+    "GroupFailure", "Launcher", "ProcessLauncher", "RayLauncher", "make_launcher",
+    "RolloutFailure", "RolloutService", "RolloutWorker", "WorkerSpec",
+]

@@ -1,0 +1,42 @@
+"""Build the rollout service from the job config (the GRPO loop's one call into this package).
+
+Governing idea: the loop asks for a backend; with ``policy.generation.expert_parallel_size``
+P > 1 or an explicit ``cluster.launcher`` ("ray" / "mp") it gets a :class:`RolloutService` of P
+worker processes, otherwise None and it builds the in-process engine itself.
+"""
+
+from __future__ import annotations
+
+from m3_rollout.parallel.process_group import EPGroupSpec
+
+from .service import RolloutService
+from .worker import WorkerSpec
+
+
+def build_rollout_service(cfg, model_dir, eos_token_ids, max_model_len: int) -> RolloutService | None:
+    """A RolloutService for ``cfg`` (a MasterConfig), or None when the in-process engine serves.
+
+    Workers load `model_dir` (each rank its expert shard), run ``policy.generation.dtype``, one
+    torch thread each, gloo on CPU (``cluster.gpus_per_node == 0``) or NCCL with one GPU per rank.
+    Raises ValueError when the model's experts do not split over the EP size (names the key),
+    GroupFailure when the workers do not start.
+    """
+    gen, c = cfg.policy.generation, cfg.cluster
+    if gen.expert_parallel_size == 1 and c.launcher == "auto":
+        return None
+    from m3_rollout.model.configuration import M3Config
+    from m3_rollout.parallel.expert_sharding import expert_range
+
+    # E % P != 0 fails here, in the driver, with the key name (not inside every worker).
+    expert_range(M3Config.from_pretrained(str(model_dir)).num_local_experts, gen.expert_parallel_size, 0)
+    on_gpu = c.gpus_per_node > 0
+    engine = dict(max_model_len=int(max_model_len), max_num_seqs=gen.max_num_seqs,
+                  eos_token_ids=tuple(int(t) for t in eos_token_ids), **gen.engine_kwargs())
+    spec = WorkerSpec(model_dir=str(model_dir),
+                      group=EPGroupSpec(gen.expert_parallel_size, "127.0.0.1", 0, None, c.collective_timeout_s),
+                      dtype=gen.dtype, engine=engine, device="cuda" if on_gpu else "cpu", num_threads=1,
+                      tokenizer_dir=str(model_dir))
+    return RolloutService(spec, launcher=c.launcher, ray_address=c.ray_address, worker_cpus=c.worker_cpus,
+                          worker_gpus=1.0 if on_gpu else 0.0, steps_per_call=c.steps_per_call,
+                          max_restarts=c.max_restarts, start_timeout_s=max(120.0, c.collective_timeout_s),
+                          weight_sync=cfg.weight_sync, freeze=cfg.policy.freeze)

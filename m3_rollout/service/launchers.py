@@ -1,0 +1,312 @@
+"""Launchers: host the EP group's RolloutWorkers as Ray actors or torch.multiprocessing processes.
+
+Governing idea: the service sees one interface, ``Launcher``: ``start(spec)`` brings up P
+workers (rank r gets ``RolloutWorker(spec, r)``), ``call(method, per_rank_args)`` invokes a
+worker method on every rank concurrently and returns the P results, and ``shutdown()`` ends
+them. A worker that dies (process gone / actor died) or raises turns into one
+:class:`GroupFailure` naming the ranks, raised as soon as it is seen (polling, never a blocking
+wait without a deadline), so the service can tear the group down and restart it.
+
+- :class:`ProcessLauncher`: ``torch.multiprocessing`` "spawn" processes, one ``Pipe`` each
+  (tensors travel through shared memory). For machines without Ray (the GPU test machines).
+- :class:`RayLauncher` (default where Ray is installed): one actor per rank asking for
+  ``num_cpus`` (fractional: two workers + a trainer fit on two cores) and, on GPU, one GPU;
+  ``ray.init()`` locally or ``ray.init(address=...)`` to join a cluster.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+import traceback
+from typing import Any, Sequence
+
+import torch.multiprocessing as mp
+
+from .worker import RolloutWorker, WorkerSpec
+
+_POLL_S = 0.01
+
+
+class GroupFailure(RuntimeError):
+    """A worker died, raised, or did not answer in time; the EP group must be restarted.
+
+    Attributes: ``ranks`` (the failed ranks), ``method`` (the call), ``details`` (per-rank text).
+    """
+
+    def __init__(self, method: str, ranks: list[int], details: dict[int, str]):
+        self.method, self.ranks, self.details = method, sorted(ranks), details
+        text = "; ".join(f"rank {r}: {details[r].strip().splitlines()[-1] if details[r].strip() else '?'}"
+                         for r in self.ranks)
+        super().__init__(f"EP worker group failed during {method!r}: {text}")
+
+
+class Launcher(abc.ABC):
+    """Starts, calls and stops the P workers of one EP group."""
+
+    world_size: int = 0
+
+    @abc.abstractmethod
+    def start(self, spec: WorkerSpec, timeout_s: float) -> None:
+        """Start ``spec.group.world_size`` workers and wait until all are constructed.
+        Raises GroupFailure (with the worker's traceback) when one fails or times out."""
+
+    @abc.abstractmethod
+    def call(self, method: str, per_rank_args: Sequence[tuple] | tuple = (), timeout_s: float | None = None) -> list:
+        """Call ``RolloutWorker.method`` on every rank (``per_rank_args[r]`` or the same args
+        for all) concurrently; return the results by rank. Raises GroupFailure."""
+
+    @abc.abstractmethod
+    def pids(self) -> list[int]:
+        """Process id of each rank (tests, diagnostics)."""
+
+    @abc.abstractmethod
+    def shutdown(self, graceful: bool = True) -> None:
+        """End every worker (graceful: ask first, kill after 3 s; else kill at once, as after a
+        failure, when survivors may sit in a broken collective). Safe to call twice."""
+
+    @staticmethod
+    def _args(per_rank_args, world: int) -> list[tuple]:
+        if isinstance(per_rank_args, list) and len(per_rank_args) == world and all(
+                isinstance(a, tuple) for a in per_rank_args):
+            return per_rank_args
+        return [tuple(per_rank_args)] * world
+
+
+# ---------------------------------------------------------------------------- processes
+def _process_main(spec: WorkerSpec, rank: int, conn) -> None:
+    """Body of one worker process: construct the worker, then serve (method, args) messages."""
+    try:
+        worker = RolloutWorker(spec, rank)
+        conn.send(("ok", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            break  # parent went away
+        try:
+            result = getattr(worker, method)(*args)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which restarts the group
+            conn.send(("error", traceback.format_exc()))
+        if method == "shutdown":
+            break
+
+
+def _context():
+    """"forkserver" with the worker module preloaded: the first start pays the imports once, later
+    starts (restarts after a failure) fork from a clean, already-imported, single-threaded server
+    (no CUDA initialised there). "spawn" where forkserver does not exist."""
+    try:
+        ctx = mp.get_context("forkserver")
+    except ValueError:  # pragma: no cover - platforms without forkserver
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(["m3_rollout.service._preload"])
+    return ctx
+
+
+class ProcessLauncher(Launcher):
+    """EP workers as ``torch.multiprocessing`` processes (forkserver; no Ray needed)."""
+
+    def __init__(self):
+        self._procs: list = []
+        self._conns: list = []
+
+    def start(self, spec: WorkerSpec, timeout_s: float) -> None:
+        ctx = _context()
+        self.world_size = spec.group.world_size
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_process_main, args=(spec, rank, child), daemon=True,
+                               name=f"m3-rollout-ep{rank}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect("start", timeout_s)
+
+    def call(self, method: str, per_rank_args=(), timeout_s: float | None = None) -> list:
+        args = self._args(per_rank_args, self.world_size)
+        failed: dict[int, str] = {}
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send((method, args[rank]))
+            except (BrokenPipeError, OSError) as exc:
+                failed[rank] = f"worker process gone ({exc})"
+        if failed:
+            raise GroupFailure(method, list(failed), failed)
+        return self._collect(method, timeout_s)
+
+    def _collect(self, method: str, timeout_s: float | None) -> list:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        errors: dict[int, str] = {}
+        while pending:
+            for rank in sorted(pending):
+                conn, proc = self._conns[rank], self._procs[rank]
+                if conn.poll():
+                    try:
+                        status, value = conn.recv()
+                    except (EOFError, OSError):
+                        errors[rank] = f"worker process exited (code {proc.exitcode})"
+                        pending.discard(rank)
+                        continue
+                    if status != "ok":
+                        errors[rank] = value
+                    results[rank] = value
+                    pending.discard(rank)
+                elif not proc.is_alive():
+                    errors[rank] = f"worker process died (exit code {proc.exitcode})"
+                    pending.discard(rank)
+            if errors:
+                raise self._failure(method, errors)
+            if pending:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise GroupFailure(method, sorted(pending), {r: f"no answer within {timeout_s} s" for r in pending})
+                time.sleep(_POLL_S)
+        return results
+
+    def _failure(self, method: str, errors: dict[int, str], grace_s: float = 1.0) -> GroupFailure:
+        """Name the root cause: a peer's collective error often arrives before the dead rank is
+        seen dead, so wait briefly for process deaths and report dead ranks first."""
+        end = time.monotonic() + grace_s
+        while True:
+            dead = {r: f"worker process died (exit code {p.exitcode})" for r, p in enumerate(self._procs)
+                    if not p.is_alive()}
+            if dead or time.monotonic() > end:
+                break
+            time.sleep(_POLL_S)
+        details = {**errors, **dead}
+        return GroupFailure(method, list(dead) or list(errors), details)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def shutdown(self, graceful: bool = True) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if graceful and proc.is_alive():
+                try:
+                    conn.send(("shutdown", ()))
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + (3.0 if graceful else 0.0)
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+# ---------------------------------------------------------------------------- Ray
+class _RayWorker:
+    """Actor body: a RolloutWorker plus a generic ``invoke`` (so the launcher calls any method)."""
+
+    def __init__(self, spec: WorkerSpec, rank: int):
+        self.worker = RolloutWorker(spec, rank)
+
+    def invoke(self, method: str, args: tuple):
+        return getattr(self.worker, method)(*args)
+
+
+class RayLauncher(Launcher):
+    """EP workers as Ray actors.
+
+    Args:
+        address: ``cluster.ray_address`` (None: start or reuse a local Ray instance).
+        num_cpus: CPUs each actor asks for (fractional is fine, e.g. 0.5).
+        num_gpus: GPUs each actor asks for (1 per rank on GPU machines, 0 on CPU).
+    Raises ImportError (naming the pip extra) when Ray is not installed.
+    """
+
+    def __init__(self, address: str | None = None, num_cpus: float = 0.5, num_gpus: float = 0.0):
+        try:
+            import ray
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise ImportError("cluster.launcher=ray needs Ray: pip install 'm3-rollout[ray]' "
+                              "(or set cluster.launcher=mp)") from exc
+        self.ray = ray
+        if not ray.is_initialized():
+            kwargs = {"address": address} if address else {"include_dashboard": False}
+            ray.init(ignore_reinit_error=True, log_to_driver=True, **kwargs)
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self._actors: list = []
+
+    def start(self, spec: WorkerSpec, timeout_s: float) -> None:
+        ray = self.ray
+        self.world_size = spec.group.world_size
+        cls = ray.remote(_RayWorker)
+        self._actors = [cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0,
+                                    max_task_retries=0, name=None).remote(spec, rank)
+                        for rank in range(self.world_size)]
+        self.call("info", (), timeout_s)  # waits for every constructor (errors surface here)
+
+    def call(self, method: str, per_rank_args=(), timeout_s: float | None = None) -> list:
+        ray = self.ray
+        args = self._args(per_rank_args, self.world_size)
+        refs = [a.invoke.remote(method, args[r]) for r, a in enumerate(self._actors)]
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        results: list[Any] = [None] * self.world_size
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            for ref in ready:
+                r = rank_of[ref]
+                try:
+                    results[r] = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - RayActorError / RayTaskError: the group is broken
+                    raise self._failure(method, {r: f"{type(exc).__name__}: {exc}"}, pending, rank_of) from None
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                late = [rank_of[ref] for ref in pending]
+                raise GroupFailure(method, late, {r: f"no answer within {timeout_s} s" for r in late})
+        return results
+
+    def _failure(self, method: str, errors: dict[int, str], pending: list, rank_of: dict,
+                 grace_s: float = 2.0) -> GroupFailure:
+        """Name the root cause: prefer ranks whose actor died over peers whose collective failed."""
+        ray = self.ray
+        dead = {r for r, text in errors.items() if "Died" in text or "ActorError" in text}
+        end = time.monotonic() + grace_s
+        while pending and not dead and time.monotonic() < end:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+            for ref in ready:
+                r = rank_of[ref]
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001
+                    errors[r] = f"{type(exc).__name__}: {exc}"
+                    if "Died" in type(exc).__name__ or "ActorError" in type(exc).__name__:
+                        dead.add(r)
+        return GroupFailure(method, sorted(dead) or list(errors), errors)
+
+    def pids(self) -> list[int]:
+        return [info["pid"] for info in self.call("info", (), 30.0)]
+
+    def shutdown(self, graceful: bool = True) -> None:
+        for a in self._actors:
+            try:
+                self.ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self._actors = []
+
+
+def make_launcher(kind: str, ray_address: str | None = None, num_cpus: float = 0.5, num_gpus: float = 0.0) -> Launcher:
+    """"ray", "mp", or "auto" (Ray when importable, else processes). Raises ValueError otherwise."""
+    if kind == "auto":
+        import importlib.util
+
+        kind = "ray" if importlib.util.find_spec("ray") is not None else "mp"
+    if kind == "ray":
+        return RayLauncher(ray_address, num_cpus, num_gpus)
+    if kind == "mp":
+        return ProcessLauncher()
+    raise ValueError(f"cluster.launcher={kind!r}: must be 'auto', 'ray' or 'mp'")

@@ -1,0 +1,379 @@
+"""RolloutService: P expert-parallel RolloutWorkers behind one GenerationBackend (design.md §3-6).
+
+Governing idea: the driver (the GRPO loop) sees one backend. The service places each request
+(a GRPO group: all n samples together, so they share the prompt's KV pages) on the least-loaded
+rank, or on the rank that already holds its prompt's prefix (a multi-turn continuation of a
+sample goes back to its group's rank). It then calls ``run(new requests, steps_per_call)`` on
+every rank at once; the ranks step in lockstep among themselves (see worker.py) and return
+finished samples, until every sample of the call is done.
+
+Failure (design.md §6): a dead or failing rank breaks the group's collectives. The launcher
+reports it within the collective timeout; the service records which requests were lost, tears
+the whole group down, starts it again (fresh rendezvous port, last weights re-applied) and
+resubmits the lost samples, whose tokens repeat exactly (randomness is keyed by seed, sample
+index and position). After more than ``max_restarts`` failures within one call it restarts the
+group once more and raises :class:`RolloutFailure` with the lost request ids, which the caller
+may resubmit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.parallel.process_group import EPGroupSpec, free_port
+
+from .launchers import GroupFailure, Launcher, make_launcher
+from .worker import WorkerSpec
+
+
+def _locked(method):
+    """Run the method under the service's lock (one launcher call at a time)."""
+
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
+class RolloutFailure(RuntimeError):
+    """The EP group failed more than ``max_restarts`` times in one call; ``lost_request_ids``
+    are the caller's requests that did not complete (resubmit them after fixing the cause)."""
+
+    def __init__(self, message: str, lost_request_ids: list[str]):
+        super().__init__(message)
+        self.lost_request_ids = lost_request_ids
+
+
+@dataclass
+class _Pending:
+    """One caller request in flight: where its outputs go and which samples are still missing."""
+
+    index: int
+    request: GenerationRequest
+    missing: set[int]
+    rank: int
+
+
+class RolloutService(GenerationBackend):
+    """Expert-parallel generation over P worker processes.
+
+    Args:
+        spec: the workers' :class:`WorkerSpec` (its ``group.port`` is replaced at every start).
+        launcher: "auto" | "ray" | "mp", or a :class:`Launcher` factory (callable -> Launcher).
+        ray_address: ``cluster.ray_address`` for the Ray launcher.
+        worker_cpus / worker_gpus: resources each Ray actor asks for.
+        steps_per_call: lockstep steps per ``run`` call before the driver places new work
+            (larger = fewer round trips; new requests wait at most that long).
+        max_restarts: group restarts allowed within one ``generate`` call.
+        start_timeout_s: limit for bringing the group up (imports, rendezvous, shard loading).
+        call_timeout_s: limit for one ``run`` call (None: the collective timeout bounds it).
+    """
+
+    def __init__(self, spec: WorkerSpec, launcher="auto", ray_address: str | None = None,
+                 worker_cpus: float = 0.5, worker_gpus: float = 0.0, steps_per_call: int = 64,
+                 max_restarts: int = 2, start_timeout_s: float = 300.0, call_timeout_s: float | None = None,
+                 weight_sync=None, freeze=None):
+        self.spec = spec
+        self.world_size = spec.group.world_size
+        self._launcher_kind = launcher
+        self._launcher_args = (ray_address, worker_cpus, worker_gpus)
+        self.steps_per_call = int(steps_per_call)
+        self.max_restarts = int(max_restarts)
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        self.launcher: Launcher | None = None
+        self._version = 0
+        self._last_weights: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._ids = itertools.count()
+        self._prefix_owner: dict[tuple[int, int], int] = {}  # (prompt length, hash) -> rank
+        self._prefix_lengths: set[int] = set()
+        self.restarts = 0
+        self.failures: list[dict] = []  # {"time", "ranks", "error", "lost_request_ids"}
+        self.last_ep_stats: list[dict] = []
+        self._metrics = {"run_calls": 0, "lockstep_steps": 0, "run_seconds": 0.0}
+        self._lock = threading.RLock()  # one launcher call at a time (async GRPO's producer thread)
+        # weight_sync (a WeightSyncConfig) with method=broadcast: updates go through the trainer ->
+        # workers weight-sync group (m3_rollout/weight_sync) instead of launcher RPC.
+        self.weight_sync, self._freeze = weight_sync, freeze
+        self._ws_sender = None
+        self.last_weight_sync: dict = {}
+        self._start()
+        atexit.register(self.shutdown)
+
+    # ---- group lifecycle ---------------------------------------------------------------------
+    def _start(self) -> None:
+        group = dataclasses.replace(self.spec.group, port=free_port(self.spec.group.addr))
+        spec = dataclasses.replace(self.spec, group=group, incarnation=self.restarts)
+        kind = self._launcher_kind
+        self.launcher = kind() if callable(kind) else make_launcher(kind, *self._launcher_args)
+        try:
+            self.launcher.start(spec, self.start_timeout_s)
+            infos = self.launcher.call("info", (), self.start_timeout_s)
+            names = self.launcher.call("released_names", (), self.start_timeout_s)
+        except BaseException:
+            self.launcher.shutdown()
+            raise
+        self.rank_info = infos
+        self._rank_names = [set(n) for n in names]
+        if self._last_weights is not None:
+            self._push_weights(*self._last_weights)
+
+    def _restart(self, failure: GroupFailure, lost: list[str]) -> None:
+        self.failures.append({"time": time.time(), "ranks": failure.ranks, "error": str(failure),
+                              "lost_request_ids": lost})
+        self.launcher.shutdown(graceful=False)
+        self._close_weight_sync()  # the new workers join a new weight-sync group
+        self.restarts += 1
+        self._prefix_owner.clear()
+        self._prefix_lengths.clear()
+        self._start()
+
+    @_locked
+    def shutdown(self) -> None:
+        if self.launcher is not None:
+            try:
+                self.launcher.call("shutdown", (), 10.0)
+            except GroupFailure:
+                pass
+            self.launcher.shutdown()
+            self.launcher = None
+
+    @_locked
+    def worker_pids(self) -> list[int]:
+        return self.launcher.pids()
+
+    # ---- placement ---------------------------------------------------------------------------
+    def _owner_of(self, prompt: Sequence[int]) -> int | None:
+        for n in sorted(self._prefix_lengths, reverse=True):
+            if n <= len(prompt):
+                rank = self._prefix_owner.get((n, hash(tuple(prompt[:n]))))
+                if rank is not None:
+                    return rank
+        return None
+
+    def _place(self, req: GenerationRequest, load: list[int]) -> int:
+        """A continuation goes where its prefix is cached; a new group to the least-loaded rank."""
+        rank = self._owner_of(req.prompt_ids)
+        if rank is None:
+            rank = min(range(self.world_size), key=lambda r: (load[r], r))
+            n = len(req.prompt_ids)
+            self._prefix_owner[(n, hash(tuple(req.prompt_ids)))] = rank
+            self._prefix_lengths.add(n)
+        load[rank] += max(req.params.n, 1)
+        return rank
+
+    # ---- generation --------------------------------------------------------------------------
+    @_locked
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[SampleOutput]:
+        """Run all requests to completion on the EP group; outputs ordered by request, then sample.
+
+        Bad requests give error records. Raises RolloutFailure when the group fails more than
+        ``max_restarts`` times during this call.
+        """
+        results: list[list[SampleOutput]] = [[] for _ in requests]
+        pending: dict[str, _Pending] = {}
+        load = [0] * self.world_size
+        new: list[list[GenerationRequest]] = [[] for _ in range(self.world_size)]
+        for i, req in enumerate(requests):
+            iid = f"{next(self._ids)}:{req.request_id}"
+            rank = self._place(req, load)
+            n = max(req.params.n, 1)
+            pending[iid] = _Pending(i, req, set(range(req.sample_index, req.sample_index + n)), rank)
+            new[rank].append(dataclasses.replace(req, request_id=iid))
+        restarts_here = 0
+        while pending:
+            t0 = time.perf_counter()
+            try:
+                replies = self.launcher.call("run", [(new[r], self.steps_per_call) for r in range(self.world_size)],
+                                             self.call_timeout_s)
+            except GroupFailure as failure:
+                lost = sorted({p.request.request_id for p in pending.values()})
+                restarts_here += 1
+                self._restart(failure, lost)  # the group is usable again either way
+                if restarts_here > self.max_restarts:
+                    raise RolloutFailure(f"{failure}; gave up after {self.max_restarts} restarts in this call; "
+                                         f"lost requests (resubmit them): {lost}", lost) from failure
+                new = self._resubmit(pending)
+                continue
+            self._metrics["run_calls"] += 1
+            self._metrics["run_seconds"] += time.perf_counter() - t0
+            new = [[] for _ in range(self.world_size)]
+            self.last_ep_stats = [r["ep"] for r in replies]
+            self._metrics["lockstep_steps"] += replies[0]["steps"]
+            for reply in replies:
+                for out in reply["outputs"]:
+                    p = pending.get(out.request_id)
+                    if p is None or out.sample_index not in p.missing:
+                        continue  # a duplicate of an already delivered sample (after a resubmission)
+                    p.missing.discard(out.sample_index)
+                    results[p.index].append(dataclasses.replace(out, request_id=p.request.request_id))
+                    if not p.missing:
+                        del pending[out.request_id]
+            if pending and all(r["steps"] == 0 for r in replies):
+                raise RuntimeError(f"EP group idle with {len(pending)} requests unfinished "
+                                   f"(paused? call resume()): {[p.request.request_id for p in pending.values()]}")
+        return [o for outs in results for o in sorted(outs, key=lambda o: o.sample_index)]
+
+    def _resubmit(self, pending: dict[str, _Pending]) -> list[list[GenerationRequest]]:
+        """New per-rank request lists for the missing samples of `pending` (after a restart)."""
+        load = [0] * self.world_size
+        new: list[list[GenerationRequest]] = [[] for _ in range(self.world_size)]
+        for iid, p in pending.items():
+            req = p.request
+            full = len(p.missing) == max(req.params.n, 1)
+            if full:
+                reqs = [req]
+            else:  # n=1 per missing sample: its own random stream (sample_index) repeats its tokens
+                reqs = [dataclasses.replace(req, params=dataclasses.replace(req.params, n=1), sample_index=j)
+                        for j in sorted(p.missing)]
+            rank = self._place(reqs[0], load)
+            for r in reqs[1:]:
+                load[rank] += 1
+            new[rank].extend(dataclasses.replace(r, request_id=iid) for r in reqs)
+        return new
+
+    # ---- weights and control -----------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @_locked
+    def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send every rank its tensors (replicated ones + its experts; released names), in place.
+
+        The tensors are copied to host once and kept, so a restarted group gets the same weights.
+        All-or-nothing across ranks for bad input: names and shapes are checked against every
+        rank's tensor list before anything is sent.
+        Raises ValueError listing missing / unexpected tensors.
+        """
+        incoming = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors}
+        everything = set().union(*self._rank_names)
+        problems = [f"missing: {n}" for n in sorted(everything - set(incoming))]
+        problems += [f"unexpected: {n}" for n in sorted(set(incoming) - everything)]
+        problems += [f"non-finite values in {n}" for n, t in incoming.items()
+                     if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if problems:
+            raise ValueError(f"weight update rejected, weights unchanged (version {self._version}):\n  "
+                             + "\n  ".join(problems))
+        self._push_weights(int(version), incoming)
+        self._last_weights = (int(version), incoming)
+        self._version = int(version)
+
+    def _push_weights(self, version: int, incoming: dict[str, torch.Tensor]) -> None:
+        if self.weight_sync is not None and self.weight_sync.method == "broadcast":
+            return self._push_weights_broadcast(version, incoming)
+        per_rank = [(version, {n: incoming[n] for n in names}) for names in self._rank_names]
+        self.launcher.call("update_weights", per_rank, self.start_timeout_s)
+
+    def _call_beside(self, method: str, args: tuple, fn):
+        """Run ``launcher.call(method, args)`` in a thread while ``fn()`` runs here (both ends of a
+        weight-sync collective must be inside it at once). Returns (fn's result, the call's)."""
+        box: dict = {}
+
+        def call():
+            try:
+                box["out"] = self.launcher.call(method, args, self.start_timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below in the caller's thread
+                box["exc"] = exc
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        try:
+            res = fn()
+        finally:
+            t.join(self.start_timeout_s + 60.0)
+        if "exc" in box:
+            raise box["exc"]
+        return res, box.get("out")
+
+    def _push_weights_broadcast(self, version: int, incoming: dict[str, torch.Tensor]) -> None:
+        """Weight update over the trainer -> workers weight-sync group (this process is rank 0).
+
+        The group is created (and the handshake run) on first use and after a restart; the first
+        update of a group also sends the frozen tensors. Raises ValueError naming the rank and
+        tensor when a rank rejects the update (atomic ranks keep their weights and version)."""
+        from m3_rollout.weight_sync import (BroadcastChannel, WeightSender, WeightSyncGroup, WeightUpdateError,
+                                            default_frozen)
+
+        ws = self.weight_sync
+        first = self._ws_sender is None
+        if first:
+            addr = self.spec.group.addr
+            port = ws.master_port or free_port(addr)
+            backend = ws.backend if ws.backend != "auto" else ("nccl" if self.spec.device == "cuda" else "gloo")
+            world = 1 + self.world_size
+            options = dict(bucket_size_mb=ws.bucket_size_mb, atomic=ws.atomic, double_buffer=ws.double_buffer,
+                           in_flight=ws.in_flight, recompute_kv_after_update=ws.recompute_kv_after_update)
+            freeze = self._freeze
+
+            def frozen(name: str) -> bool:
+                return (not ws.send_frozen and freeze is not None
+                        and default_frozen(name, freeze.indexer, freeze.router_bias))
+
+            def trainer_side():
+                device = "cuda" if backend == "nccl" else "cpu"
+                group = WeightSyncGroup(addr, port, 0, world, backend, ws.timeout_s, device)
+                sender = WeightSender(lambda: incoming.items(), BroadcastChannel(group, ws.double_buffer),
+                                      ws.bucket_size_mb, getattr(torch, self.spec.dtype), frozen)
+                sender.handshake()
+                return sender
+
+            self._ws_sender, _ = self._call_beside(
+                "init_weight_sync", (addr, port, world, backend, ws.timeout_s, options), trainer_side)
+        sender = self._ws_sender
+        sender.named_tensors = lambda: incoming.items()
+        t0 = time.perf_counter()
+        try:
+            stats, outs = self._call_beside("receive_weights", (),
+                                            lambda: sender.update(version, include_frozen=first))
+        except WeightUpdateError as exc:
+            raise ValueError(str(exc)) from exc
+        self.last_weight_sync = {**stats, "wall_seconds": time.perf_counter() - t0,
+                                 "paused_seconds": max((o["paused_seconds"] for o in outs or []), default=0.0)}
+
+    def _close_weight_sync(self) -> None:
+        if self._ws_sender is not None:
+            self._ws_sender.channel.group.close()
+            self._ws_sender = None
+
+    @_locked
+    def reset_prefix_cache(self) -> None:
+        self.launcher.call("reset_prefix_cache", (), self.start_timeout_s)
+        self._prefix_owner.clear()
+        self._prefix_lengths.clear()
+
+    @_locked
+    def pause(self) -> None:
+        self.launcher.call("pause", (), self.start_timeout_s)
+
+    @_locked
+    def resume(self) -> None:
+        self.launcher.call("resume", (), self.start_timeout_s)
+
+    def score(self, *args, **kwargs):
+        raise NotImplementedError("RolloutService.score: prompt re-scoring over the EP group is not implemented; "
+                                  "score with the trainer's model (the same code path)")
+
+    def metrics(self) -> dict:
+        """Driver-side counters, restarts / lost requests, and the last ``run`` call's EP stats:
+        tokens per expert [n_moe_layers][E] (ranks' local rows concatenated), dispatch /
+        expert / combine seconds summed over ranks."""
+        out = dict(self._metrics, restarts=self.restarts, failures=len(self.failures),
+                   lost_requests=sum(len(f["lost_request_ids"]) for f in self.failures))
+        if self.last_ep_stats:
+            per_layer = [sum((s["tokens_per_expert"][layer] for s in self.last_ep_stats), [])
+                         for layer in range(len(self.last_ep_stats[0]["tokens_per_expert"]))]
+            out["tokens_per_expert"] = per_layer
+            for key in ("dispatch_s", "expert_s", "combine_s"):
+                out[f"ep_{key}"] = sum(s[key] for s in self.last_ep_stats)
+        return out

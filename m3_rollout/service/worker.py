@@ -1,0 +1,207 @@
+"""RolloutWorker: one EP rank = one process with its own engine, KV cache and expert shard.
+
+Governing idea (design.md §4-5): attention is data-parallel (each rank serves its own requests
+with its own paged KV cache); the MoE layers are expert-parallel, so every forward of every rank
+runs the same all-to-all collectives. The ranks therefore step in lockstep: before each step
+they agree (one ``all_reduce(MAX)`` of a has-work flag) whether anyone has work; if so EVERY rank
+runs exactly one forward, ranks without work an empty one (``step(force_forward=True)``), so no
+collective waits for a rank that skipped it. When nobody has work, all ranks leave the loop at
+the same step.
+
+The worker is a plain class; a launcher (``launchers.py``) hosts it in a Ray actor or a
+``torch.multiprocessing`` process and forwards method calls to it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput
+from m3_rollout.model.loading import iter_released_tensors, load_released_tensor
+from m3_rollout.parallel.expert_sharding import expert_range, load_checkpoint_ep
+from m3_rollout.parallel.process_group import EPGroupSpec, destroy_ep_group, init_ep_group
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rank needs to start (picklable; the same for every rank but ``rank``).
+
+    Attributes:
+        model_dir: checkpoint directory (config.json + safetensors); each rank reads its shard.
+        group: where the EP group meets (world_size = EP size).
+        dtype: generation dtype name ("bfloat16", "float32", ...); the router stays >= fp32.
+        engine: ``EngineConfig`` fields (max_model_len, max_num_seqs, eos_token_ids, ...).
+        device: "cpu", or "cuda" (rank r uses cuda:r % device_count).
+        num_threads: torch intra-op threads per worker (1: two workers on two cores must not
+            oversubscribe them).
+        fault_after_steps: TESTS ONLY: the first incarnation (``incarnation == 0``) of this rank
+            SIGKILLs itself after that many lockstep steps; ``fault_rank`` picks the rank.
+        tokenizer_dir: optional directory with the tokenizer; gives the engine a detokenize
+            callback (``SamplingParams.stop_strings``), markers kept, as ``ChatFormat.decode``.
+        incarnation: how many times the group was restarted before this start.
+    """
+
+    model_dir: str
+    group: EPGroupSpec
+    dtype: str = "bfloat16"
+    engine: dict = field(default_factory=dict)
+    device: str = "cpu"
+    num_threads: int = 1
+    tokenizer_dir: str | None = None
+    fault_after_steps: int | None = None
+    fault_rank: int = 0
+    incarnation: int = 0
+
+
+def _detokenizer(tokenizer_dir: str | None):
+    if tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+class RolloutWorker:
+    """One EP rank: joins the group, loads its expert shard, owns an ``LLMEngine``.
+
+    Raises (at construction) ValueError for a bad spec (e.g. E % P != 0) and RuntimeError when
+    the group does not form within ``group.timeout_s``.
+    """
+
+    def __init__(self, spec: WorkerSpec, rank: int):
+        torch.set_num_threads(max(1, int(spec.num_threads)))
+        self.spec, self.rank = spec, rank
+        self.world_size = spec.group.world_size
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        self.device = device
+        self.group = init_ep_group(spec.group, rank, device)
+        dtype = _DTYPES[spec.dtype]
+        model, self.ep_stats, self.load_report = load_checkpoint_ep(
+            spec.model_dir, rank, self.world_size, self.group, dtype=torch.float32, device=device)
+        model.cast_for_inference(dtype)
+        self.model = model
+        self.engine = LLMEngine(model, EngineConfig(**spec.engine), _detokenizer(spec.tokenizer_dir))
+        self.expert_range = expert_range(model.config.num_local_experts, self.world_size, rank)
+        self._released = {n: tuple(t.shape) for n, t in iter_released_tensors(model)}
+        self._steps = 0
+        self._flag = torch.zeros(1, dtype=torch.int64, device=device)
+
+    # ---- lockstep generation ---------------------------------------------------------------
+    def run(self, requests: list[GenerationRequest], max_steps: int) -> dict:
+        """Add `requests`, then step in lockstep with the peers for at most `max_steps` steps or
+        until no rank has work. Every rank must call this with the same `max_steps`.
+
+        Returns {"outputs": [SampleOutput], "unfinished": samples still running here,
+        "steps": lockstep steps run, "ep": EPStats snapshot, "seconds": wall time}.
+        Raises RuntimeError when a peer died or the group timeout passed (the group is then
+        broken; the service restarts it).
+        """
+        t0 = time.perf_counter()
+        for req in requests:
+            self.engine.add_request(req)
+        outputs: list[SampleOutput] = []
+        steps = 0
+        while steps < max_steps:
+            mine = self.engine.has_unfinished()
+            if self.group is not None:
+                self._flag.fill_(int(mine))
+                dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+                anyone = bool(self._flag.item())
+            else:
+                anyone = mine
+            if not anyone:
+                break
+            # Exactly one forward per rank per lockstep step (an empty one when this rank is idle).
+            outputs.extend(self.engine.step(force_forward=self.group is not None))
+            steps += 1
+            self._steps += 1
+            self._maybe_fault()
+        return {"outputs": [o for o in outputs if isinstance(o, SampleOutput)],
+                "unfinished": self.engine.num_unfinished(), "steps": steps,
+                "ep": self.ep_stats.snapshot(reset=True), "seconds": time.perf_counter() - t0}
+
+    def _maybe_fault(self) -> None:
+        s = self.spec
+        if (s.fault_after_steps is not None and s.incarnation == 0 and self.rank == s.fault_rank
+                and self._steps >= s.fault_after_steps):
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like a crashed / OOM-killed rank
+
+    # ---- weights and control -----------------------------------------------------------------
+    def update_weights(self, version: int, named_tensors: dict[str, torch.Tensor]) -> int:
+        """Copy this rank's tensors (replicated ones + its experts, released names) in place.
+
+        All-or-nothing: names and shapes are checked before the first copy. Then the prefix cache
+        is reset and the version set. Returns the number of tensors copied.
+        Raises ValueError listing missing / unexpected / mis-shaped tensors.
+        """
+        problems = [f"missing: {n}" for n in self._released if n not in named_tensors]
+        problems += [f"unexpected: {n}" for n in named_tensors if n not in self._released]
+        problems += [f"shape of {n}: got {tuple(t.shape)}, expected {self._released[n]}"
+                     for n, t in named_tensors.items() if n in self._released and tuple(t.shape) != self._released[n]]
+        if problems:
+            raise ValueError(f"EP rank {self.rank}: weight update rejected, weights unchanged (version "
+                             f"{self.engine.weight_version}):\n  " + "\n  ".join(problems))
+        with torch.no_grad():
+            for name, t in named_tensors.items():
+                load_released_tensor(self.model, name, t)
+        self.engine.reset_prefix_cache()
+        self.engine.set_weight_version(version)
+        return len(named_tensors)
+
+    def released_names(self) -> list[str]:
+        """Released names of the tensors this rank holds (its experts: global ids in its range)."""
+        return list(self._released)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def abort_all(self) -> list[GenerationRequest]:
+        return self.engine.abort_all()
+
+    # ---- weight sync over the trainer's broadcast group (m3_rollout/weight_sync) -------------
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+                         options: dict) -> None:
+        """Join the trainer's weight-sync group as rank ``self.rank + 1`` (its own TCPStore, not
+        the EP group) and run the handshake. ``options``: RolloutWeightSync keyword arguments."""
+        from m3_rollout.weight_sync.group import WeightSyncGroup
+        from m3_rollout.weight_sync.rollout_sync import RolloutWeightSync
+
+        group = WeightSyncGroup(host, port, self.rank + 1, world_size, backend, timeout_s, self.device)
+        self.weight_sync = RolloutWeightSync(self.engine, group, **options)
+        self.weight_sync.handshake()
+
+    def receive_weights(self) -> dict:
+        """Receive one broadcast update under the in-flight policy; returns this rank's result."""
+        out = self.weight_sync.update()
+        r = out.result
+        return {"ok": r.ok, "version": r.version, "valid": r.valid, "errors": r.errors, "seconds": r.seconds,
+                "paused_seconds": out.paused_seconds, "handed_back": out.handed_back}
+
+    def info(self) -> dict:
+        """pid, rank, expert range, bytes the sharded loader read, engine metrics."""
+        r = self.load_report
+        return {"pid": os.getpid(), "rank": self.rank, "expert_range": self.expert_range,
+                "bytes_read": r.bytes_read, "bytes_in_files": r.bytes_in_files,
+                "weight_version": self.engine.weight_version, "engine": self.engine.metrics()}
+
+    def shutdown(self) -> None:
+        destroy_ep_group()

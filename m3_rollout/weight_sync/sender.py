@@ -1,0 +1,195 @@
+"""Trainer side of weight sync: handshake once, then versioned bucketed updates (design.md §3).
+
+Governing idea: the sender reads the trainer's live tensors (released names, iter_released_tensors
+order) each update, casts them to the wire dtype while packing per-dtype buckets, and pushes the
+buckets through a channel: ``BroadcastChannel`` (one ``WeightSyncGroup`` broadcast per bucket, the
+next bucket packed while the previous one is on the wire) or ``ColocatedChannel`` (receivers in
+the same process: in-process copy into their buffers, the path for a trainer and rollout sharing
+one device, where NCCL cannot put two ranks). Both end with a status exchange; any rank's failure
+raises ``WeightUpdateError`` on the trainer naming the tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from .buckets import Bucket, pack_bucket, plan_buckets
+from .group import WeightSyncGroup, WeightSyncTimeout
+from .manifest import (HandshakeError, TensorSpec, UpdateHeader, default_frozen, encode_header, manifest_to_bytes,
+                       sender_manifest)
+from .receiver import WeightReceiver
+
+NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+# Test hook: called as fault(k, wire_buffer) after bucket k is packed and checksummed, before it is sent.
+FaultHook = Callable[[int, torch.Tensor], None]
+
+
+class WeightUpdateError(RuntimeError):
+    """An update was rejected or interrupted; the message names the rank and tensor(s)."""
+
+
+class BroadcastChannel:
+    """Sender end over a ``WeightSyncGroup`` (trainer = rank 0)."""
+
+    def __init__(self, group: WeightSyncGroup, double_buffer: bool = True):
+        if group.rank != 0:
+            raise ValueError(f"the weight sender must be rank 0 of the weight-sync group, not {group.rank}")
+        self.group, self.double_buffer = group, double_buffer
+        self.device = group.device
+        self.needs_rebuild = False
+        self._bufs: list[torch.Tensor] = []
+
+    def handshake(self, manifest: list[TensorSpec]) -> list[str]:
+        data = manifest_to_bytes(manifest)
+        self.group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device))
+        self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+        verdicts = self.group.exchange_objects([])
+        return [d for v in verdicts for d in v]
+
+    def send(self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None]) -> list[dict]:
+        hdr = encode_header(header).to(self.device)
+        self.group.broadcast(torch.tensor([hdr.numel()], dtype=torch.int64, device=self.device))
+        self.group.broadcast(hdr)
+        wire = max((b.wire_bytes for b in plan), default=8)
+        n = 2 if self.double_buffer else 1
+        if len(self._bufs) != n or self._bufs[0].numel() < wire:  # kept between updates (no page faults)
+            self._bufs = []
+            self._bufs = [torch.empty(wire, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        bufs = self._bufs
+        works: list = [None] * len(bufs)
+        for k, b in enumerate(plan):
+            slot = k % len(bufs)
+            if works[slot] is not None:
+                self.group.wait(works[slot])
+            buf = bufs[slot][:b.wire_bytes]
+            pack(k, buf)
+            works[slot] = self.group.broadcast(buf, async_op=True)
+        for w in works:
+            if w is not None:
+                self.group.wait(w)
+        return self.group.exchange_objects({"ok": True, "errors": []})[1:]
+
+
+class ColocatedChannel:
+    """Sender end for receivers living in this process (weight_sync.method=colocated).
+
+    Each bucket is packed straight into the receiver's own receive buffer when there is one
+    receiver (one copy, trainer tensor -> stage / parameter), else into a scratch buffer the
+    receivers copy from. On GPU this is a device-to-device copy on the shared GPU.
+    """
+
+    def __init__(self, receivers: list[WeightReceiver], device: torch.device | str = "cpu"):
+        self.receivers, self.device = list(receivers), torch.device(device)
+        self.needs_rebuild = False
+
+    def handshake(self, manifest: list[TensorSpec]) -> list[str]:
+        return [f"receiver {i}: {d}" for i, r in enumerate(self.receivers) for d in r.check_handshake(manifest)]
+
+    def send(self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None],
+             bucket_bytes: int = 0) -> list[dict]:
+        for i, r in enumerate(self.receivers):
+            r.rank_label = f"receiver {i}"
+            r.begin(header, bucket_bytes)
+        scratch = None
+        for k, b in enumerate(plan):
+            if len(self.receivers) == 1:
+                buf = self.receivers[0].bucket_buffer(k)
+            else:
+                if scratch is None:
+                    scratch = torch.empty(max(x.wire_bytes for x in plan), dtype=torch.uint8, device=self.device)
+                buf = scratch[:b.wire_bytes]
+            pack(k, buf)
+            for r in self.receivers:
+                r.on_bucket(k, buf)
+        verdicts = [r.status() for r in self.receivers]
+        all_ok = all(v["ok"] for v in verdicts)
+        self.results = [r.complete(all_ok) for r in self.receivers]
+        return verdicts
+
+
+class WeightSender:
+    """Pushes the trainer's weights to every rollout rank.
+
+    Args:
+        named_tensors: callable returning (released name, tensor) pairs of the trainer model in
+            ``iter_released_tensors`` order (e.g. ``Policy.named_released_tensors``).
+        channel: ``BroadcastChannel`` or ``ColocatedChannel``.
+        bucket_size_mb: max data bytes per bucket (weight_sync.bucket_size_mb).
+        generation_dtype: rollout dtype; tensors are cast to it on the wire (router >= fp32).
+            None = send in the trainer's dtypes.
+        frozen: names left out of updates unless ``include_frozen``.
+        fault: test hook (``FaultHook``).
+    """
+
+    def __init__(self, named_tensors: NamedTensors, channel, bucket_size_mb: float = 512,
+                 generation_dtype: torch.dtype | None = None, frozen: Callable[[str], bool] = default_frozen,
+                 fault: FaultHook | None = None):
+        if not bucket_size_mb > 0:
+            raise ValueError(f"weight_sync.bucket_size_mb={bucket_size_mb}: must be > 0")
+        self.named_tensors, self.channel = named_tensors, channel
+        self.bucket_bytes = int(bucket_size_mb * 2**20)
+        self.generation_dtype, self.frozen, self.fault = generation_dtype, frozen, fault
+        self.manifest: list[TensorSpec] | None = None
+        self.stats: dict = {}
+
+    def handshake(self) -> None:
+        """Send the manifest; raises HandshakeError listing every rank's differences."""
+        manifest = sender_manifest(self.named_tensors(), self.generation_dtype, self.frozen)
+        problems = self.channel.handshake(manifest)
+        if problems:
+            raise HandshakeError("weight-sync handshake failed:\n  " + "\n  ".join(problems))
+        self.manifest = manifest
+
+    def update(self, version: int, include_frozen: bool = False) -> dict:
+        """Send the current weights as ``version``. Returns stats (bytes, seconds, GB/s).
+
+        Raises:
+            WeightUpdateError: some rank rejected the update (atomic ranks keep their old weights
+                and version) or the transport failed (the channel then needs a rebuild, done at the
+                start of the next update).
+        """
+        if getattr(self.channel, "needs_rebuild", False):
+            self.channel.group.rebuild()
+            self.channel.needs_rebuild = False
+            self.manifest = None
+        if self.manifest is None:
+            self.handshake()
+        t0 = time.perf_counter()
+        index = {s.name: i for i, s in enumerate(self.manifest)}
+        sources, entries = [], []
+        for name, t in self.named_tensors():
+            i = index.get(name)
+            if i is None:
+                raise WeightUpdateError(f"trainer tensor {name} is not in the handshake list; re-handshake")
+            if self.manifest[i].frozen and not include_frozen:
+                continue
+            sources.append(t.detach())
+            entries.append((i, tuple(t.shape), self.manifest[i].dtype))
+        header = UpdateHeader(int(version), include_frozen, tuple(entries))
+        plan = plan_buckets([(shape, dt) for _, shape, dt in entries], self.bucket_bytes)
+
+        def pack(k: int, buf: torch.Tensor) -> None:
+            with torch.no_grad():
+                pack_bucket(buf, plan[k], sources)
+            if self.fault is not None:
+                self.fault(k, buf)
+
+        try:
+            if isinstance(self.channel, ColocatedChannel):
+                verdicts = self.channel.send(header, plan, pack, self.bucket_bytes)
+            else:
+                verdicts = self.channel.send(header, plan, pack)
+        except WeightSyncTimeout as exc:
+            self.channel.needs_rebuild = True
+            raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
+        seconds = time.perf_counter() - t0
+        nbytes = sum(b.data_bytes for b in plan)
+        self.stats = {"version": int(version), "bytes": nbytes, "buckets": len(plan), "seconds": seconds,
+                      "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
+        errors = [e for v in verdicts for e in v["errors"]]
+        if errors or not all(v["ok"] for v in verdicts):
+            raise WeightUpdateError(f"weight update {version} rejected:\n  " + "\n  ".join(errors))
+        return self.stats

@@ -1,0 +1,109 @@
+"""MSA Triton kernels on a CUDA GPU at real M3 shapes (64 q heads / 4 KV heads / d 128 / block 128 /
+top-k 16); skipped without CUDA.
+
+Tolerances (stated):
+- bf16 attention: max abs error vs the fp32-softmax PyTorch reference on the same bf16 inputs
+  <= 2e-2 (outputs are convex combinations of N(0, 1) values, |out| < ~1; the kernel rounds the
+  softmax probabilities to bf16 for the PV tensor-core dot, 2^-9 relative, plus the bf16 output
+  rounding of 2^-9 relative on both sides).
+- fp32 attention and scores: the kernels use ``input_precision="ieee"`` (no tf32), so fp32 outputs
+  match to 1e-4.
+- bf16 selection: scores are fp32 sums of exact bf16 products, so kernel and reference differ only
+  by summation order; selections must be identical except at near-ties, where the block scores of
+  the two choices differ by < 1e-3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 in this process (CPU interpreter tests ran first); run tests/gpu alone",
+                allow_module_level=True)
+
+from kernels import msa  # noqa: E402
+from kernels.msa_reference import gather_pages, index_topk_ref, pad_queries, paged_attention_ref  # noqa: E402
+from kernels.msa_synthetic import make_paged_batch  # noqa: E402
+from m3_rollout.model.indexer import block_scores  # noqa: E402
+
+PS, G, NH, D, K = 128, 4, 64, 128, 16
+SCALE = D**-0.5
+# decode rows: 1000 (<= K*B = 2048, partial block), 2048 edge, 9000; prefill: 2500 fresh tokens, a
+# 300-token chunk after a 4096-token prefix hit (sizes bounded by the dense reference's memory).
+MIXED = ([(999, 1), (2047, 1), (8999, 1), (0, 2500), (4096, 300)], 3)
+VERIFY = ([(5000, 4), (130, 4), (20000, 4)], 3)
+
+
+def _batch(spec, dtype, seed=0):
+    rows, nd = spec
+    return make_paged_batch(rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D,
+                            dtype=dtype, device="cuda", seed=seed)
+
+
+def _check_selection(b, got, want):
+    """Equal, except near-ties whose scores differ by < 1e-3 (summation order)."""
+    if torch.equal(got, want):
+        return
+    q, pos = pad_queries(b.iq, b.meta)
+    scores = block_scores(q, gather_pages(b.ik, b.meta, head_axis=False), pos, PS)  # [R, G, Sq, nb]
+    from kernels.msa_reference import _token_rows
+
+    row, off = _token_rows(b.meta)
+    s = scores.permute(0, 2, 1, 3)[row, off]  # [T, G, nb]
+    bad = (got != want).any(-1)  # [T, G]
+    assert bad.float().mean() < 0.01, f"{int(bad.sum())} of {bad.numel()} selections differ"
+    sg = s.gather(-1, got.long().clamp_min(0)).sort(-1).values
+    sw = s.gather(-1, want.long().clamp_min(0)).sort(-1).values
+    assert (sg - sw)[bad].abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("spec", [MIXED, VERIFY], ids=["mixed", "verify_q4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_index_topk_real_shapes(spec, dtype):
+    b = _batch(spec, dtype)
+    got = msa.index_topk(b.iq, b.ik, b.meta, K)
+    _check_selection(b, got, index_topk_ref(b.iq, b.ik, b.meta, K))
+
+
+@pytest.mark.parametrize("spec", [MIXED, VERIFY], ids=["mixed", "verify_q4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_real_shapes(spec, dtype):
+    b = _batch(spec, dtype, seed=1)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for ids in (sel, None):
+        got = msa.paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+        want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, ids)
+        err = (got.float() - want.float()).abs().max().item()
+        print(f"{dtype} {'sparse' if ids is not None else 'dense'} max abs err {err:.3e}")
+        assert err <= atol
+
+
+def test_decode_step_cuda_graph_replay():
+    # Graph-safety: capture index_topk + paged_attention for a decode batch, then advance every
+    # row's position in place (same pages) and replay; the replay equals a fresh eager call.
+    b = _batch(([(6000, 1), (3000, 1), (70000, 1)], 3), torch.bfloat16, seed=2)
+    m = b.meta
+
+    def step():
+        sel = msa.index_topk(b.iq, b.ik, m, K)
+        return sel, msa.paged_attention(b.q, b.k, b.v, m, SCALE, sel)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sel_g, out_g = step()
+    m.positions.add_(10)
+    m.seq_lens.add_(10)
+    m.context_lens.add_(10)
+    graph.replay()
+    sel_e, out_e = step()
+    torch.testing.assert_close(sel_g, sel_e, rtol=0, atol=0)
+    torch.testing.assert_close(out_g, out_e, rtol=0, atol=0)

@@ -1,0 +1,142 @@
+"""Training checkpoints: released layout loadable by our loader and by transformers (same logits),
+keep_top_k retention, and resume == uninterrupted run (CPU, fp32, sync)."""
+
+import json
+
+import pytest
+import torch
+
+from m3_rollout.model import M3ForCausalLM, load_checkpoint, tiny_config
+from trainers.checkpoint import CheckpointManager
+from trainers.loss import ClippedPGLossFn
+from trainers.policy import Policy
+from trainers.batch import TrainBatch
+
+
+def _policy(seed=0):
+    torch.manual_seed(seed)
+    m = M3ForCausalLM(tiny_config(vocab_size=64, max_position_embeddings=128))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1 if p.ndim >= 2 else 0.05)
+    return Policy(m, lr=1e-2, warmup_steps=3)
+
+
+def _step(policy):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    mask = torch.zeros(2, 12)
+    mask[:, 6:] = 1
+    batch = TrainBatch(ids, mask, torch.zeros(2, 12), torch.tensor([1.0, -1.0]), torch.full((2,), 12))
+    return policy.train_step(batch, ClippedPGLossFn(), 1.0, 2)
+
+
+def test_layout_and_loaders_agree(tmp_path):
+    policy = _policy()
+    _step(policy)
+    path = CheckpointManager(tmp_path).save(1, policy, None, {"next_batch": 2}, {"val/accuracy": 0.5})
+    assert sorted(p.name for p in path.iterdir()) == ["optimizer.pt", "policy", "training_info.json",
+                                                      "training_state.pt"]
+    cfg = json.loads((path / "policy" / "config.json").read_text())
+    assert cfg["model_type"] == "minimax_m3_vl" and "text_config" in cfg
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = policy.model.eval()(ids)
+        ours = load_checkpoint(path / "policy")(ids)
+    assert torch.equal(ours, want)
+    # transformers' VL class converts the released names itself (its conversion mapping).
+    hfm = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLConfig
+
+    hc = MiniMaxM3VLConfig.from_pretrained(path / "policy")
+    # NOTE: our checkpoint has no vision tower; shrink the default one (only built, never run).
+    hc.vision_config.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    hc.projector_hidden_size = 32
+    hf = hfm.MiniMaxM3SparseForConditionalGeneration.from_pretrained(path / "policy", config=hc,
+                                                                      dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    assert (theirs - want).abs().max().item() < 1e-4
+
+
+def test_optimizer_and_rng_state_round_trip(tmp_path):
+    a = _policy()
+    _step(a)
+    torch.manual_seed(123)
+    mgr = CheckpointManager(tmp_path)
+    path = mgr.save(1, a, None, {"next_batch": 2}, {})
+    expected_rand = torch.rand(3)
+    b = _policy(seed=5)  # different weights, fresh optimizer
+    state = CheckpointManager.load(path, b)
+    assert state == {"step": 1, "data": {"next_batch": 2}}
+    assert torch.equal(torch.rand(3), expected_rand)
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+    assert b.lr == a.lr and b.scheduler.last_epoch == 1
+    ma, mb = _step(a), _step(b)  # identical continuation
+    assert ma["loss"] == mb["loss"] and ma["lr"] == mb["lr"]
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(FileNotFoundError, match="optimizer.pt"):
+        (path / "optimizer.pt").unlink()
+        CheckpointManager.load(path, b)
+
+
+@pytest.mark.parametrize("higher, kept", [(True, [1, 2, 4]), (False, [3, 4])])
+def test_keep_top_k(tmp_path, higher, kept):
+    policy = _policy()
+    mgr = CheckpointManager(tmp_path, keep_top_k=2, higher_is_better=higher)
+    for step, acc in [(1, 0.5), (2, 0.9), (3, 0.1), (4, 0.3)]:
+        mgr.save(step, policy, None, {}, {"val/accuracy": acc})
+    # best two by the metric + the newest (resume point)
+    assert mgr.steps() == kept
+    assert not any(p.name.startswith("step_1.tmp") for p in tmp_path.iterdir())
+
+
+class _ParityReward:
+    """Wraps the environment: reward = parity of the answer's length, so a random-weight model
+    earns rewards and GRPO steps have non-zero gradients."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def step(self, state, turn):
+        r = self.base.step(state, turn)
+        r.reward = float(len(turn.content or "") % 2)
+        return r
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    import m3_rollout.grpo as grpo
+    from m3_rollout.config import load_config
+
+    orig = grpo.build_environment
+    monkeypatch.setattr(grpo, "build_environment", lambda cfg: _ParityReward(orig(cfg)))
+    common = ["policy.generation.dtype=float32", "grpo.val_period=100", "logger.print_sample_every=0",
+              "grpo.num_val_prompts=4", "policy.optimizer.lr=1e-2", "policy.scheduler.warmup_steps=2"]
+
+    def run(name, steps, resume=False):
+        cfg = load_config("configs/grpo_smoke.yaml", common + [
+            f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp_path}/{name}/logs",
+            f"checkpointing.checkpoint_dir={tmp_path}/{name}/ckpt", f"checkpointing.resume={resume}"])
+        summary = grpo.run(cfg)
+        rows = [json.loads(l) for l in (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()]
+        return summary, {r["step"]: r for r in rows if "train/loss" in r}
+
+    full, full_rows = run("full", 4)
+    run("split", 2)
+    resumed, split_rows = run("split", 4, resume=True)
+    assert sorted(split_rows) == [1, 2, 3, 4] and sorted(full_rows) == [1, 2, 3, 4]
+    assert any(full_rows[s]["train/grad_norm"] > 0 for s in (3, 4)), "the test needs real gradients"
+    for s in (3, 4):
+        for key in ("train/loss", "train/reward_mean", "train/token_mult_prob_error", "train/grad_norm", "train/lr"):
+            assert split_rows[s][key] == full_rows[s][key], (s, key)
+    a = load_checkpoint(full["final_checkpoint"]).state_dict()
+    b = load_checkpoint(resumed["final_checkpoint"]).state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert [s for s, _ in resumed["val_history"]] == [0, 2, 4]

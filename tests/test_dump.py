@@ -1,0 +1,283 @@
+"""Rollout dumps: exact round trip, crash safety, retention, bad input (m3_rollout/dump)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from m3_rollout.chat.output_parser import ParsedTurn
+from m3_rollout.chat.tool_parser import ToolCall
+from m3_rollout.dump import (
+    SCHEMA,
+    DumpDirError,
+    DumpFileError,
+    RetentionPolicy,
+    RolloutDumpWriter,
+    SchemaVersionError,
+    decode_routed_experts,
+    read_dump,
+    read_shard,
+    trajectory_from_row,
+)
+from m3_rollout.dump import schema as S
+from m3_rollout.dump.report import inspect_lines, show_lines
+from m3_rollout.rollout.trajectory import Trajectory, TurnRecord
+
+
+def _decode(ids):
+    return " ".join(f"t{i}" for i in ids)
+
+
+def _traj(group: int, sample: int, seed: int, routed: bool = False) -> Trajectory:
+    """Two model turns with a tool call, reasoning, tool results and a bridge; random logprobs
+    (float64, not fp32-representable) and per-token weight versions."""
+    rng = np.random.default_rng(seed)
+    t = Trajectory(group_index=group, sample_index=sample, token_ids=[], loss_mask=[], rollout_logprobs=[],
+                   weight_version=[], prompt_len=5)
+    t.append([int(x) for x in rng.integers(0, 1000, 5)], generated=False)
+    n1 = int(rng.integers(2, 6))
+    t.append([int(x) for x in rng.integers(0, 1000, n1)], generated=True,
+             logprobs=[float(x) for x in -rng.random(n1) * 3], version=[3] * (n1 - 1) + [4])
+    call = ToolCall(id=f"call_{sample}", name="calculator", arguments='{"expression": "12*34"}')
+    r1 = TurnRecord(5, 5 + n1, "stop", True, ParsedTurn("think ü", None, [call]), observations=["408"],
+                    bridge=[int(x) for x in rng.integers(0, 1000, 3)])
+    t.append(r1.bridge, generated=False)
+    t.turns.append(r1)
+    s2 = len(t.token_ids)
+    t.append([7, 8], generated=True, logprobs=[-0.1 - seed * 1e-9, -1e-300], version=4)
+    bad = ToolCall(id="call_x", name="calc", arguments="{", truncated=True, error="unterminated <invoke>")
+    r2 = TurnRecord(s2, s2 + 2, "length", False, ParsedTurn(None, "The answer is 408", [bad], True, "cut"),
+                    truncated=True, masked=True)
+    t.turns.append(r2)
+    t.mask_span(s2, s2 + 2)
+    t.texts += ["<invoke name=calculator>", "The answer is 408"]
+    t.tool_calls += [{**call.to_openai(), "name": call.name, "arguments": call.arguments, "truncated": False,
+                      "error": None}]
+    t.finish_reason, t.reward, t.info = "length", 0.25 * sample, {"tool_calls": 1, "nested": {"a": [1, 2]}}
+    if routed:
+        t.routed_experts = rng.integers(-1, 300, (len(t.token_ids), 3, 2)).astype(np.int16)
+    return t
+
+
+def _write(d, step, trajs=None, adv=None, **kw):
+    w = RolloutDumpWriter(d, run_id="run-a", decode=_decode, checkpoint_hash="sha256:ck", config_hash="sha256:cf",
+                          **kw)
+    trajs = trajs if trajs is not None else [_traj(0, j, step * 10 + j) for j in range(3)]
+    return w.write_step(step, trajs, [0.5, -0.25, 1e-7][:len(trajs)] if adv is None else adv,
+                        {"temperature": 0.7, "seed": step}, {"token_mult_prob_error": 1.01}), trajs
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_round_trip_every_field(tmp_path):
+    trajs = [_traj(g, j, 100 + 3 * g + j, routed=(j == 1)) for g in range(2) for j in range(2)]
+    adv = np.array([0.5, -0.5, 1.25, -1.25], dtype=np.float32)
+    routed_ref = trajs[1].routed_experts.copy()
+    path, _ = _write(tmp_path, 7, trajs, adv)
+    read = read_dump(tmp_path)
+    assert not read.errors and [s.step for s in read.shards] == [7]
+    rows = read.table.to_pylist()
+    assert len(rows) == 4
+    for t, a, row in zip(trajs, adv, rows):
+        back = trajectory_from_row(row)
+        routed = getattr(t, "routed_experts", None)
+        if routed is not None:
+            np.testing.assert_array_equal(decode_routed_experts(row["routed_experts"], row["routed_experts_shape"]),
+                                          routed)
+            if getattr(back, "routed_experts", None) is not None:  # once Trajectory has the field
+                np.testing.assert_array_equal(back.routed_experts, routed)
+                back.routed_experts = None
+            t.routed_experts = None
+        else:
+            assert row["routed_experts"] is None and row["routed_experts_shape"] is None
+        assert back == t  # every dataclass field, turn records, parse results, tool calls, floats bit-exact
+        assert row["rollout_logprobs"] == t.rollout_logprobs
+        assert row["advantage"] == float(a)
+        assert (row["run_id"], row["step"], row["group_id"], row["sample_index"]) == ("run-a", 7, t.group_index,
+                                                                                    t.sample_index)
+        assert row["prompt_text"] == _decode(t.token_ids[:5])
+        assert row["response_text"] == _decode(t.token_ids[5:])
+        assert row["reasoning_text"] == "think ü"
+        end1, start2 = t.turn_spans[0][1], t.turn_spans[1][0]
+        assert row["tool_turn_texts"] == [_decode(t.token_ids[end1:start2]), ""]
+        assert row["turn_tool_results"] == [["408"], []]
+        assert row["sampling_params"] == '{"temperature": 0.7, "seed": 7}'
+        assert (row["checkpoint_hash"], row["config_hash"]) == ("sha256:ck", "sha256:cf")
+    # Readable without this package: pandas, and pyarrow alone for the routed experts.
+    df = pd.read_parquet(path)
+    assert list(df.columns) == SCHEMA.names and len(df) == 4
+    assert list(df["token_ids"][2]) == trajs[2].token_ids
+    raw = pa.decompress(df["routed_experts"][1], decompressed_size=int(np.prod(df["routed_experts_shape"][1])) * 2,
+                        codec="zstd", asbytes=True)
+    np.testing.assert_array_equal(np.frombuffer(raw, "<i2").reshape(routed_ref.shape), routed_ref)
+    meta = pq.read_schema(path).metadata
+    assert meta[S.META_VERSION.encode()] == str(S.SCHEMA_VERSION).encode()
+    assert b"timings" in meta[S.META_ABSENT.encode()]
+
+
+def test_routed_experts_codec_and_compression():
+    rng = np.random.default_rng(0)
+    # Realistic routing: few distinct experts per layer across nearby tokens compress well.
+    arr = np.sort(rng.integers(0, 16, (512, 8, 4)), axis=-1).astype(np.int16) * 17
+    from m3_rollout.dump import encode_routed_experts
+
+    blob, shape = encode_routed_experts(arr, 512)
+    assert shape == [512, 8, 4] and len(blob) < arr.nbytes
+    np.testing.assert_array_equal(decode_routed_experts(blob, shape), arr)
+    with pytest.raises(ValueError, match="L=511"):
+        encode_routed_experts(arr, 511)
+    with pytest.raises(ValueError, match="32767"):
+        encode_routed_experts(np.full((2, 1, 1), 40000), 2)
+
+
+def test_writer_failure_before_rename_leaves_no_shard(tmp_path, monkeypatch):
+    first, _ = _write(tmp_path, 1)
+    before = _sha(first)
+
+    def broken(table, path):
+        path.write_bytes(b"PAR1 partial")  # part of a file, then the process fails
+        raise OSError("disk full")
+
+    monkeypatch.setattr(RolloutDumpWriter, "_write_parquet", staticmethod(broken))
+    with pytest.raises(OSError, match="disk full"):
+        _write(tmp_path, 2)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["step_00000001.parquet"]
+    assert _sha(first) == before
+    assert [s.step for s in read_dump(tmp_path).shards] == [1]
+
+
+def test_killed_writer_never_leaves_a_complete_looking_shard(tmp_path):
+    first, _ = _write(tmp_path, 1)
+    before = _sha(first)
+    # A child process is killed (SIGKILL) after writing most of step 2's file, before the rename.
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.test_dump import _write
+        from m3_rollout.dump.writer import RolloutDumpWriter
+        real = RolloutDumpWriter._write_parquet
+        def dying(table, path):
+            real(table, path)
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        RolloutDumpWriter._write_parquet = staticmethod(dying)
+        _write({str(tmp_path)!r}, 2)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names[1] == "step_00000001.parquet" and names[0].startswith(".step_00000002.parquet.tmp-")
+    read = read_dump(tmp_path)
+    assert [s.step for s in read.shards] == [1] and not read.errors and _sha(first) == before
+    # The next writer on the directory removes the dead writer's temporary file.
+    _write(tmp_path, 2)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["step_00000001.parquet", "step_00000002.parquet"]
+    assert _sha(first) == before
+
+
+def test_shards_are_never_rewritten(tmp_path):
+    first, _ = _write(tmp_path, 1)
+    before = _sha(first)
+    with pytest.raises(FileExistsError, match="step_00000001.parquet"):
+        _write(tmp_path, 1)
+    assert _sha(first) == before
+
+
+def test_every_n_steps_and_retention(tmp_path):
+    for step in range(1, 9):
+        _write(tmp_path / "n", step, every_n_steps=3)
+    assert [s.step for s in read_dump(tmp_path / "n").shards] == [3, 6]
+    for step in range(1, 6):
+        _write(tmp_path / "k", step, retention=RetentionPolicy(keep_last_n_steps=2))
+    assert [s.step for s in read_dump(tmp_path / "k").shards] == [4, 5]
+    size = (tmp_path / "k" / S.shard_name(5)).stat().st_size
+    for step in range(1, 6):  # room for about 2.5 shards: the 2 newest stay
+        _write(tmp_path / "b", step, retention=RetentionPolicy(max_bytes=int(size * 2.5)))
+    assert [s.step for s in read_dump(tmp_path / "b").shards] == [4, 5]
+    _write(tmp_path / "one", 1, retention=RetentionPolicy(max_bytes=10))  # the newest is always kept
+    assert [s.step for s in read_dump(tmp_path / "one").shards] == [1]
+
+
+def test_bad_input_names_the_file_and_other_shards_load(tmp_path):
+    with pytest.raises(DumpDirError, match="does not exist"):
+        read_dump(tmp_path / "missing")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    pq.write_table(pa.table({"x": [1]}), foreign / "data.parquet")
+    with pytest.raises(DumpDirError, match="no rollout dump shards"):
+        read_dump(foreign)
+    d = tmp_path / "dump"
+    _write(d, 1)
+    good, _ = _write(d, 2)
+    # Another schema version.
+    t = pq.read_table(good)
+    meta = {**t.schema.metadata, S.META_VERSION.encode(): b"999"}
+    pq.write_table(t.replace_schema_metadata(meta), d / S.shard_name(3))
+    # A truncated copy and a foreign Parquet file under shard names.
+    (d / S.shard_name(4)).write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    pq.write_table(pa.table({"x": [1]}), d / S.shard_name(5))
+    read = read_dump(d)
+    assert [s.step for s in read.shards] == [1, 2] and read.table.num_rows == 6
+    errors = {e.path.name: e for e in read.errors}
+    assert set(errors) == {S.shard_name(3), S.shard_name(4), S.shard_name(5)}
+    assert isinstance(errors[S.shard_name(3)], SchemaVersionError)
+    assert "schema version 999" in str(errors[S.shard_name(3)]) and str(d / S.shard_name(3)) in str(errors[S.shard_name(3)])
+    assert "truncated" in str(errors[S.shard_name(4)])
+    assert "not a rollout dump shard" in str(errors[S.shard_name(5)])
+    with pytest.raises(SchemaVersionError, match="step_00000003.parquet"):
+        read_shard(d / S.shard_name(3))
+    with pytest.raises(DumpFileError, match="step_00000004.parquet"):
+        read_shard(d / S.shard_name(4))
+    lines, errs = inspect_lines(d)
+    assert len(lines) == 5 and len(errs) == 3 and all("skipped" in e for e in errs)
+
+
+def test_inspect_and_show_values(tmp_path):
+    trajs = [_traj(0, j, 50 + j) for j in range(3)] + [_traj(1, 0, 60)]
+    trajs[0].finish_reason = "stop"
+    trajs[3].reward = 1.0
+    _write(tmp_path, 4, trajs, adv=[0.1, 0.2, 0.3, 0.4])
+    lines, errs = inspect_lines(tmp_path)
+    cells = lines[3].split()
+    rewards = [t.reward for t in trajs]
+    assert cells[:5] == ["4", "4", "2", f"{sum(rewards) / 4:.3f}", f"{sum(r > 0.5 for r in rewards) / 4:.3f}"]
+    assert cells[5] == f"{sum(t.num_generated for t in trajs) / 4:.1f}"
+    assert cells[8] == f"{3 / 4:.3f}" and cells[10] == "1.0100" and not errs
+    out, _ = show_lines(tmp_path, 4, 0)
+    text = "\n".join(out)
+    assert text.count("── sample") == 3 and "reasoning:" in text and "think ü" in text
+    assert 'tool call: calculator({"expression": "12*34"})' in text and "408" in text
+    assert "[truncated, error: unterminated <invoke>]" in text and "turn 2 [length]" in text
+    with pytest.raises(ValueError, match="no group 5"):
+        show_lines(tmp_path, 4, 5)
+
+
+def test_schema_doc_lists_every_column_and_the_version():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "rollout_dump_schema.md").read_text()
+    assert f"# Rollout dump schema (version {S.SCHEMA_VERSION})" in doc
+    missing = [name for name in SCHEMA.names if f"| `{name}` |" not in doc]
+    assert not missing, f"docs/rollout_dump_schema.md lacks columns {missing}"
+
+
+
+def test_pandas_reads_a_dump_directory_skipping_temp_files(tmp_path):
+    _write(tmp_path, 1)
+    _write(tmp_path, 2)
+    (tmp_path / ".step_00000003.parquet.tmp-1").write_bytes(b"PAR1 partial")
+    df = pd.read_parquet(tmp_path)
+    assert sorted(df["step"].unique()) == [1, 2] and len(df) == 6

@@ -1,0 +1,217 @@
+"""LLMEngine / NativeBackend end to end on a tiny fp32 M3 (page = block = 4 tokens, top-3 blocks,
+so sequences beyond 12 tokens use sparse selection)."""
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from m3_rollout.config import ConfigError, load_config
+from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
+from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.model import M3ForCausalLM, tiny_config
+from m3_rollout.model.loading import iter_released_tensors
+from trainers.policy import token_logprobs
+
+EOS = 3
+V = 96
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_config(vocab_size=V, max_position_embeddings=256, sparse_block_size=4, sparse_topk_blocks=3)
+    m = M3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.15 if p.ndim >= 2 else 0.1)
+    return m.eval()
+
+
+MODEL = _model()
+
+
+def _backend(**kw):
+    kw.setdefault("max_model_len", 80)
+    kw.setdefault("max_num_seqs", 16)
+    return NativeBackend(MODEL, [EOS], **kw)
+
+
+def _req(rid, prompt, n=1, seed=1, sample_index=0, **kw):
+    kw.setdefault("max_new_tokens", 30)
+    return GenerationRequest(rid, list(prompt), SamplingParams(n=n, seed=seed, **kw), sample_index=sample_index)
+
+
+def _prompt(n, seed):
+    return torch.randint(4, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _plain_logprobs(o, temperature=1.0):
+    ids = torch.tensor([o.prompt_ids + o.output_ids])
+    return token_logprobs(MODEL, ids, temperature)[0, len(o.prompt_ids):]
+
+
+def test_group_prefill_computed_once_and_samples_differ():
+    b = _backend()
+    prompt = _prompt(13, 0)
+    outs = b.generate([_req("g", prompt, n=8, stop_token_ids=())])
+    m = b.metrics()
+    assert m["prompt_tokens_computed"] == 13 and m["forks"] == 7
+    assert [o.sample_index for o in outs] == list(range(8))
+    assert len({tuple(o.output_ids) for o in outs}) == 8
+    for o in outs:  # forked samples (shared pages + copied partial page) are exact
+        assert torch.allclose(torch.tensor(o.logprobs), _plain_logprobs(o), atol=1e-5, rtol=0)
+
+
+def test_same_seed_same_tokens_whatever_the_batch_and_chunking():
+    a = _req("a", _prompt(9, 1), n=3, max_new_tokens=40)
+    alone = _backend().generate([a])
+    others = [_req(f"o{i}", _prompt(5 + 11 * i, 10 + i), n=2, seed=7 + i) for i in range(3)]
+    crowded = _backend(max_num_batched_tokens=7).generate(others[:2] + [a] + others[2:])
+    got = [o for o in crowded if o.request_id == "a"]
+    for x, y in zip(alone, got):
+        assert x.output_ids == y.output_ids and x.sample_index == y.sample_index
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+    # A continuation keyed as sample 2 equals sample 2; sample 0 of another index differs.
+    single = _backend().generate([dataclasses.replace(a, params=dataclasses.replace(a.params, n=1), sample_index=2)])
+    assert single[0].output_ids == alone[2].output_ids
+    assert alone[0].output_ids != alone[2].output_ids
+    assert max(len(o.prompt_ids) + len(o.output_ids) for o in alone) > 12  # sparse selection active
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.7, -1), (1.3, 5)])
+def test_processed_logprob_is_log_softmax_of_processed_logits(temperature, top_k):
+    b = _backend()
+    outs = b.generate([_req("t", _prompt(20, 2), n=3, temperature=temperature, top_k=top_k, stop_token_ids=())])
+    for o in outs:
+        ids = torch.tensor([o.prompt_ids + o.output_ids])
+        with torch.no_grad():
+            logits = MODEL(ids)[0, len(o.prompt_ids) - 1:-1] / temperature  # [G, V]
+        if top_k > 0:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(o.output_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-5, rtol=0)
+    raw = b.generate([_req("r", _prompt(20, 2), temperature=temperature, logprobs_mode="raw")])[0]
+    assert torch.allclose(torch.tensor(raw.logprobs), _plain_logprobs(raw), atol=1e-5, rtol=0)
+
+
+def test_preemption_repeats_tokens_and_logprobs():
+    reqs = [_req(f"p{i}", _prompt(10 + 3 * i, 20 + i), n=2, seed=i, max_new_tokens=45, stop_token_ids=())
+            for i in range(4)]
+    ample = _backend().generate(reqs)
+    tight = _backend(num_pages=28)  # 8 samples x up to 15 pages each do not fit
+    outs = tight.generate(reqs)
+    assert tight.metrics()["num_preemptions"] > 0
+    for x, y in zip(ample, outs):
+        assert x.output_ids == y.output_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+        assert torch.allclose(torch.tensor(y.logprobs), _plain_logprobs(y), atol=1e-5, rtol=0)
+
+
+def test_multi_turn_continuation_hits_prefix_cache_and_weight_update_resets_it():
+    b = _backend()
+    first = b.generate([_req("t1", _prompt(14, 3), stop_token_ids=())])[0]
+    ctx = first.prompt_ids + first.output_ids + [5, 6, 7]
+    hits = b.metrics()["prefix_cache_hit_tokens"]
+    second = b.generate([_req("t2", ctx, logprobs_mode="raw")])[0]
+    # Turn 1's K/V covers all its tokens but the last sampled one: its full pages are reused.
+    reuse = (len(first.prompt_ids) + len(first.output_ids) - 1) // 4 * 4
+    assert reuse >= 12 and b.metrics()["prefix_cache_hit_tokens"] - hits == reuse
+    assert b.metrics()["prompt_tokens_computed"] == 14 + len(ctx) - reuse
+    assert torch.allclose(torch.tensor(second.logprobs), _plain_logprobs(second), atol=1e-5, rtol=0)
+    b.update_weights(5, iter_released_tensors(MODEL))  # same values: version moves, cache dropped
+    hits = b.metrics()["prefix_cache_hit_tokens"]
+    again = b.generate([_req("t3", ctx, logprobs_mode="raw")])[0]
+    assert b.metrics()["prefix_cache_hit_tokens"] == hits
+    assert again.output_ids == second.output_ids and again.token_weight_versions == [5] * len(again.output_ids)
+
+
+def test_bad_requests_fail_alone_with_the_field_named():
+    b = _backend(max_model_len=40)
+    outs = b.generate([_req("oov", [1, 999]), _req("ok", [4, 5, 6]), _req("long", list(range(40))),
+                       _req("empty", []), _req("n0", [4], n=0), _req("m0", [4], max_new_tokens=0)])
+    by = {o.request_id: o for o in outs}
+    assert len(outs) == 6
+    assert "prompt_ids" in by["oov"].error and "vocabulary" in by["oov"].error
+    assert by["ok"].finish_reason in ("stop", "length") and by["ok"].output_ids
+    assert "max_model_len" in by["long"].error and "empty" in by["empty"].error
+    assert "n=0" in by["n0"].error and "max_new_tokens=0" in by["m0"].error
+    with pytest.raises(ValueError, match="vocabulary"):
+        asyncio.run(_collect(b.stream(_req("bad", [1, 999]))))
+
+
+async def _collect(agen):
+    return [x async for x in agen]
+
+
+def test_async_callers_stream_and_match_sync():
+    reqs = [_req(f"a{i}", _prompt(6 + 5 * i, 30 + i), n=2, seed=i) for i in range(3)]
+    sync = _backend().generate(reqs)
+    b = _backend()
+
+    async def main():
+        streamed = b.stream(reqs[0])
+        return await asyncio.gather(_collect(streamed), _collect(b.generate_async(reqs[1:])))
+
+    stream_out, rest = asyncio.run(main())
+    deltas = [x for x in stream_out if isinstance(x, StreamDelta)]
+    finals = sorted([x for x in stream_out if isinstance(x, SampleOutput)], key=lambda o: o.sample_index)
+    for j, f in enumerate(finals):
+        assert f.output_ids == sync[j].output_ids
+        assert [t for d in deltas if d.sample_index == j for t in d.token_ids] == f.output_ids
+    got = {(o.request_id, o.sample_index): o.output_ids for o in rest}
+    assert got == {(o.request_id, o.sample_index): o.output_ids for o in sync[2:]}
+
+
+def test_abort_pause_force_forward_and_abort_all():
+    eng = LLMEngine(MODEL, EngineConfig(max_model_len=80, max_num_seqs=8, eos_token_ids=(EOS,)))
+    eng.add_request(_req("x", _prompt(8, 4), n=2, stop_token_ids=(), max_new_tokens=40))
+    eng.add_request(_req("y", _prompt(8, 5), stop_token_ids=(), max_new_tokens=40))
+    for _ in range(3):
+        eng.step()
+    eng.abort("x")
+    outs = eng.step()
+    aborted = [o for o in outs if o.finish_reason == "abort"]
+    assert len(aborted) == 2 and all(len(o.output_ids) >= 3 for o in aborted)
+    assert eng.num_unfinished() == 1
+    eng.pause()
+    steps = eng.stats.steps
+    assert eng.step() == [] and eng.stats.steps == steps
+    eng.step(force_forward=True)  # empty forward while paused (EP lockstep)
+    assert eng.stats.steps == steps + 1
+    eng.resume()
+    requeue = eng.abort_all()
+    assert [(r.request_id, r.params.n) for r in requeue] == [("y", 1)] and not eng.has_unfinished()
+    assert eng.metrics()["kv_pages_in_use"] == 0
+
+
+def test_score_equals_trainer_logprobs_and_stop_strings():
+    b = _backend()
+    ids = _prompt(37, 6)
+    want = token_logprobs(MODEL, torch.tensor([ids]), 0.9)[0]
+    got = b.score(ids, temperature=0.9)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert torch.allclose(b.score(ids, positions=[3, 30]), token_logprobs(MODEL, torch.tensor([ids]))[0, [3, 30]],
+                          atol=1e-5, rtol=0)
+    out = b.generate([_req("s", ids[:9], stop_token_ids=(), max_new_tokens=30)])[0]
+    target = out.output_ids[4]
+    sb = _backend(detokenize=lambda toks: " ".join(map(str, toks)) + " ")
+    stopped = sb.generate([_req("s", ids[:9], stop_token_ids=(), max_new_tokens=30, stop_strings=(f" {target} ",))])[0]
+    first = next(i for i, t in enumerate(out.output_ids) if t == target)
+    assert stopped.finish_reason == "stop" and stopped.output_ids == out.output_ids[:first + 1]
+    assert _backend().generate([_req("s", [4], stop_strings=("x",))])[0].finish_reason == "error"
+
+
+def test_generation_config_keys_validated():
+    cfg = load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.max_num_batched_tokens=512",
+                                                    "policy.generation.enable_prefix_caching=false"])
+    kw = cfg.policy.generation.engine_kwargs()
+    assert kw["max_num_batched_tokens"] == 512 and kw["enable_prefix_caching"] is False
+    for bad in ("policy.generation.kv_cache_memory_gb=-1", "policy.generation.max_num_batched_tokens=0",
+                "policy.generation.kv_cache_memory_fraction=1.5"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
+            load_config("configs/grpo_bf16_ep.yaml", [bad])
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine(MODEL, EngineConfig(max_model_len=80, num_pages=3))

@@ -1,0 +1,135 @@
+"""MSA Triton kernels vs their PyTorch references, on CPU under the Triton interpreter.
+
+Tiny preset shapes (spec §7 A: 8 q heads / 2 KV heads / d 32 / block 16 / top-k 4): sparse beyond
+64 tokens. Batches mix decode and prefill rows of different lengths, partial last blocks,
+contexts <= and > top_k x block, prefix-hit chunks and speculative-verify decode (q_len > 1).
+fp32 and fp16 only (the interpreter mishandles bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.msa_interpret import interpreted_kernels
+from kernels.msa_reference import index_topk_ref, paged_attention_ref
+from kernels.msa_synthetic import make_paged_batch
+
+mi, ma = interpreted_kernels()
+
+PS, G, NH, D, K = 16, 2, 8, 32, 4
+SCALE = D**-0.5
+# decode rows (q_len 1): 40 (<= K*B, partial block), 700 (sparse, partial), 63 (block edge - 1);
+# prefill rows: 65 fresh tokens (crosses K*B), a 30-token chunk after a 100-token prefix hit.
+MIXED = ([(40, 1), (700, 1), (63, 1), (0, 65), (100, 30)], 3)
+# speculative verify: 3 decode rows of 3 query tokens each, then one prefill chunk
+VERIFY = ([(61, 3), (300, 3), (16, 3), (20, 45)], 3)
+# fp16 tolerance: the kernel rounds softmax probabilities to fp16 for the PV dot (~2^-11 relative)
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def _batch(spec, dtype, seed=0, **kw):
+    rows, nd = spec
+    return make_paged_batch(rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D,
+                            dtype=dtype, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_index_topk_matches_reference_mixed_batch(dtype):
+    b = _batch(MIXED, dtype)
+    got = mi.index_topk(b.iq, b.ik, b.meta, K)
+    want = index_topk_ref(b.iq, b.ik, b.meta, K)
+    assert got.dtype == torch.int32 and got.shape == want.shape == (b.meta.num_tokens, G, K)
+    assert torch.equal(got, want)
+    # sanity of the comparison itself: short contexts are padded, long ones are full
+    assert (got[0] == -1).sum() == G * (K - 3)  # position 40 -> 3 candidate blocks
+    assert (got[1] >= 0).all()
+
+
+def test_index_topk_forced_init_local_and_verify_rows():
+    b = _batch(VERIFY, torch.float32, seed=3)
+    got = mi.index_topk(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+    want = index_topk_ref(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+    assert torch.equal(got, want)
+    # token at position 300 (row 1, first query): forced init 0 then locals 17, 18 lead the list
+    assert got[3, :, :3].tolist() == [[0, 17, 18]] * G
+
+
+def test_index_topk_ties_go_to_lower_block_id():
+    # Every index key equal -> every block score equal: the selection is forced local block, then
+    # the lowest ids (independent expectation, exact integer arithmetic).
+    b = _batch(([(200, 1), (90, 1)], 2), torch.float32)
+    b.ik.fill_(1.0)
+    b.iq.copy_(torch.arange(b.iq.numel(), dtype=torch.float32).view_as(b.iq) % 3)
+    got = mi.index_topk(b.iq, b.ik, b.meta, K)
+    assert got[0].tolist() == [[12, 0, 1, 2]] * G  # position 200 -> own block 12
+    assert got[1].tolist() == [[5, 0, 1, 2]] * G  # position 90 -> own block 5
+    assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
+
+
+def test_index_topk_split_k_chunks_and_wide_table():
+    # 4200 context -> 263 blocks: the top-k runs in two chunks plus the merge kernel; the
+    # block table is wider than any row (graph-style fixed width).
+    b = _batch(([(4200, 1), (33, 1)], 2), torch.float32, seed=5, table_width=300)
+    got = mi.index_topk(b.iq, b.ik, b.meta, K)
+    assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_attention_matches_reference_mixed_batch(dtype):
+    b = _batch(MIXED, dtype, seed=1)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    # the selection is a set: a permuted list gives the same output (spec invariance 5)
+    perm = sel[:, :, torch.tensor([2, 0, 3, 1])]
+    torch.testing.assert_close(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, perm).float(), want.float(),
+                               atol=ATOL[dtype], rtol=0)
+
+
+def test_dense_attention_matches_reference_mixed_batch():
+    b = _batch(MIXED, torch.float32, seed=2)
+    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, None)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, None)
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+
+
+def test_verify_decode_equals_prefill_and_reference():
+    # q_len > 1 decode (each position its own cut-off and selection) vs the same tokens run as
+    # prefill rows (num_decodes = 0) vs the reference.
+    b = _batch(VERIFY, torch.float32, seed=4)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    dec = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)
+    b.meta.num_decodes = 0
+    pre = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)
+    sel_pre = mi.index_topk(b.iq, b.ik, b.meta, K)
+    b.meta.num_decodes = 3
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    torch.testing.assert_close(dec, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(pre, want, atol=2e-5, rtol=0)
+    assert torch.equal(sel_pre, sel)
+    assert torch.equal(mi.index_topk(b.iq, b.ik, b.meta, K), sel)
+
+
+def test_prefill_tile_size_does_not_change_result():
+    b = _batch(([(0, 70), (120, 21)], 0), torch.float32, seed=6)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    one = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_block_m=2)
+    four = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_block_m=8)
+    torch.testing.assert_close(one, four, atol=2e-6, rtol=0)
+    torch.testing.assert_close(one, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=2e-5, rtol=0)
+
+
+def test_unsupported_sizes_raise_naming_the_size():
+    b = _batch(([(20, 1)], 1), torch.float32)
+    with pytest.raises(ValueError, match="head_dim=24"):
+        ma.paged_attention(b.q[..., :24].contiguous(), b.k[..., :24].contiguous(), b.v[..., :24].contiguous(),
+                           b.meta, SCALE)
+    with pytest.raises(ValueError, match="topk=65"):
+        mi.index_topk(b.iq, b.ik, b.meta, 65)
+    with pytest.raises(ValueError, match="page_size"):
+        mi.index_topk(b.iq, b.ik[:, :12].contiguous(), b.meta, K)
+    with pytest.raises(ValueError, match="dtype"):
+        ma.paged_attention(b.q.double(), b.k.double(), b.v.double(), b.meta, SCALE)

@@ -1,0 +1,217 @@
+"""Token-in/token-out multi-turn rollouts: bridges, masks, engine finish reasons, re-scoring."""
+
+import json
+
+import pytest
+import torch
+
+from m3_rollout.chat.template import ChatFormat, load_template, render
+from m3_rollout.chat.tokenizer import train_tokenizer
+from m3_rollout.engine.interface import GenerationBackend, SampleOutput
+from m3_rollout.model import M3ForCausalLM, tiny_config
+from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn
+from m3_rollout.rollout.environments.calculator import CalculatorEnvironment
+from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
+from trainers.policy import token_logprobs
+
+MODES = ("enabled", "disabled", "adaptive")
+REC = {"messages": [{"role": "system", "content": "Use the calculator tool for arithmetic."},
+                    {"role": "user", "content": "What is 12 * 34?"}], "answer": "408"}
+CALL = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    template = load_template("m3_short")
+    tools = CalculatorEnvironment().tool_schemas()
+    texts = []
+    for i in range(15):
+        convo = REC["messages"] + [{"role": "assistant", "content": f"ok {i}", "reasoning_content": "hm",
+                                    "tool_calls": [CALL]},
+                                   {"role": "tool", "content": str(408 * i)},
+                                   {"role": "assistant", "content": f"It is {408 * i}."}]
+        texts += [render(template, convo, tools, True, m) for m in MODES]
+    t = train_tokenizer(texts, vocab_size=700)
+    t.chat_template = template
+    return t
+
+
+class ScriptedBackend(GenerationBackend):
+    """Replies with scripted (ids, finish_reason) turns, one list per sample; records requests.
+    Logprobs are distinct fake values so the test can find each token's."""
+
+    def __init__(self, script):
+        self.script, self.requests, self.turn = script, [], {}
+
+    def generate(self, requests):
+        outs = []
+        for req in requests:
+            self.requests.append(req)
+            for j in range(req.params.n):
+                s = req.sample_index + j
+                k = self.turn.get(s, 0)
+                self.turn[s] = k + 1
+                ids, finish = self.script[s][k]
+                outs.append(SampleOutput(req.request_id, s, list(req.prompt_ids), list(ids),
+                                         [-0.001 * (i + 1) - k for i in range(len(ids))], finish, 7))
+        return outs
+
+    @property
+    def weight_version(self):
+        return 7
+
+    def update_weights(self, version, named_tensors):
+        raise NotImplementedError
+
+
+def settings(**kw):
+    base = dict(n=1, max_turns=3, max_total_len=400, max_new_tokens=60)
+    return RolloutSettings(**{**base, **kw})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bridge_ids_equal_template_rendering_minus_earlier_tokens(tok, mode):
+    chat = ChatFormat(tok, mode)
+    env = CalculatorEnvironment()
+    reasoning = None if mode == "disabled" else "need the tool"
+    turn1 = chat.assistant_ids("Let me compute.", [CALL], reasoning=reasoning)
+    turn2 = chat.assistant_ids("It is 408.", reasoning=None if mode == "disabled" else "got it")
+    backend = ScriptedBackend({0: [(turn1, "stop"), (turn2, "stop")]})
+    (t,), _ = run_group_rollouts(backend, chat, env, [REC], settings())
+    env.close()
+    tools = env.tool_schemas()
+    assistant1 = {"role": "assistant", "content": "Let me compute.", "tool_calls": [CALL]}
+    assistant2 = {"role": "assistant", "content": "It is 408."}
+    if reasoning is not None:
+        assistant1["reasoning_content"], assistant2["reasoning_content"] = reasoning, "got it"
+    convo = REC["messages"] + [assistant1, {"role": "tool", "content": "408"}]
+    prompt = chat.prompt_ids(REC["messages"], tools)
+    # Next input = previous input + sampled ids + bridge ids, never re-rendered.
+    assert [list(r.prompt_ids) for r in backend.requests] == [prompt, prompt + turn1 + t.turns[0].bridge]
+    # The bridge is exactly what the template renders for the whole conversation after the earlier tokens.
+    full = chat.encode(chat.render(convo, tools, add_generation_prompt=True))
+    assert full[:len(prompt) + len(turn1)] == prompt + turn1
+    assert t.turns[0].bridge == full[len(prompt) + len(turn1):]
+    suffix = {"enabled": "<mm:think>", "disabled": "</mm:think>", "adaptive": ""}[mode]
+    assert chat.decode(t.turns[0].bridge) == "\n]~b]tool\n<response>408</response>[e~[\n]~b]ai\n" + suffix
+    # The whole trajectory is the template's rendering of the final conversation, except the "\n"
+    # the template puts after the last eos (the model stops at the eos and never samples it).
+    final = chat.encode(chat.render(convo + [assistant2], tools))
+    assert t.token_ids == final[:-1] and chat.decode(final[-1:]) == "\n"
+    # The model's own reasoning stays in its context.
+    if reasoning:
+        assert reasoning in chat.decode(backend.requests[1].prompt_ids)
+    # Masks, logprobs, versions: exactly on the sampled tokens.
+    p1, b = len(prompt), len(t.turns[0].bridge)
+    expect_mask = [0] * p1 + [1] * len(turn1) + [0] * b + [1] * len(turn2)
+    assert t.loss_mask == expect_mask
+    assert t.turn_spans == [(p1, p1 + len(turn1)), (p1 + len(turn1) + b, len(t.token_ids))]
+    assert t.rollout_logprobs[p1:p1 + 2] == [-0.001, -0.002] and t.rollout_logprobs[p1 - 1] == 0.0
+    assert set(v for v, m in zip(t.weight_version, t.loss_mask) if m) == {7}
+    assert set(v for v, m in zip(t.weight_version, t.loss_mask) if not m) == {-1}
+    # Parse results and tool calls are stored.
+    assert [r.finish_reason for r in t.turns] == ["stop", "stop"] and all(r.stop_sampled for r in t.turns)
+    assert t.turns[0].parsed.reasoning == (reasoning if mode != "disabled" else None)
+    assert t.turns[0].parsed.content == "Let me compute."
+    assert [c.to_openai() for c in t.turns[0].parsed.tool_calls] == [
+        {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12*34"}'}}]
+    assert t.turns[0].observations == ["408"]
+    assert t.tool_calls == [{"name": "calculator", "arguments": '{"expression": "12*34"}'}]
+    assert (t.reward, t.finish_reason) == (1.0, "stop")
+
+
+def test_stop_not_sampled_gets_appended_eos_with_mask_zero(tok):
+    chat = ChatFormat(tok, "disabled")
+    turn1 = chat.assistant_ids("Let me compute.", [CALL])[:-1]  # engine stopped without the eos token
+    turn2 = chat.assistant_ids("408")
+    backend = ScriptedBackend({0: [(turn1, "stop"), (turn2, "stop")]})
+    (t,), _ = run_group_rollouts(backend, chat, CalculatorEnvironment(), [REC], settings())
+    rec = t.turns[0]
+    assert not rec.stop_sampled and rec.bridge[0] == chat.eos_token_id
+    assert t.loss_mask[rec.end] == 0 and t.token_ids[rec.end] == chat.eos_token_id
+    assert sum(t.loss_mask) == len(turn1) + len(turn2)
+    assert t.reward == 1.0
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_finish_reason_comes_from_engine_and_length_turns_flagged(tok, mask):
+    chat = ChatFormat(tok, "disabled")
+    # Ends in the eos token but the engine says "length": length it is (not inferred from the token).
+    turn1 = chat.assistant_ids("The answer is 408")
+    backend = ScriptedBackend({0: [(turn1, "length")]})
+    (t,), _ = run_group_rollouts(backend, chat, CalculatorEnvironment(), [REC], settings(mask_truncated_turns=mask))
+    rec = t.turns[0]
+    assert (rec.finish_reason, rec.truncated, rec.masked, t.finish_reason) == ("length", True, mask, "length")
+    assert sum(t.loss_mask) == (0 if mask else len(turn1))
+    assert len(backend.requests) == 1  # no further turn
+    assert t.reward == 1.0  # a cut turn is still scored on what it said
+
+
+def test_flagged_and_unknown_calls_become_error_observations(tok):
+    chat = ChatFormat(tok, "enabled")
+    ns = "]<]minimax[>["
+    # Turn 1: a call that starts inside the unclosed think span (found), an unknown tool, a
+    # malformed call and a schema violation. Turn 2: answer.
+    body = (f"I should call it {ns}<tool_call>\n"
+            f'{ns}<invoke name="calculator">{ns}<expression>12*34{ns}</expression>{ns}</invoke>\n'
+            f'{ns}<invoke name="python">{ns}<code>1{ns}</code>{ns}</invoke>\n'
+            f'{ns}<invoke name="calculator">{ns}<expression>1{ns}</oops>{ns}</invoke>\n'
+            f'{ns}<invoke name="calculator">{ns}<expr>1{ns}</expr>{ns}</invoke>\n'
+            f"{ns}</tool_call>")
+    turn1 = chat.encode(body) + [chat.eos_token_id]
+    turn2 = chat.assistant_ids("408", reasoning="ok")
+    backend = ScriptedBackend({0: [(turn1, "stop"), (turn2, "stop")]})
+    (t,), _ = run_group_rollouts(backend, chat, CalculatorEnvironment(), [REC], settings())
+    rec = t.turns[0]
+    assert rec.parsed.reasoning == "I should call it "
+    assert [c.name for c in rec.parsed.tool_calls] == ["calculator", "python", "calculator", "calculator"]
+    obs = rec.observations
+    assert obs[0] == "408"
+    assert obs[1].startswith("Error: unknown tool 'python'; available tools: calculator")
+    assert obs[2].startswith("Error: malformed tool call to 'calculator'") and "'oops'" in obs[2]
+    assert obs[3].startswith("Error: invalid arguments for calculator") and "expression" in obs[3]
+    assert "<response>" + obs[1] + "</response>" in chat.decode(rec.bridge)
+    assert t.reward == 1.0
+
+
+class EchoEnv(Environment):
+    """Never done: every turn gets a one-line tool observation, until the turn limit."""
+
+    def reset(self, record):
+        return [{"role": "user", "content": "Say something."}], {}
+
+    def step(self, state, turn: ModelTurn):
+        return EnvStep(["ok"], 0.0, False)
+
+
+def test_multiturn_rollout_logprobs_match_rescoring(tok):
+    from m3_rollout.engine.native_backend import NativeBackend
+
+    chat = ChatFormat(tok, "disabled")
+    torch.manual_seed(0)
+    model = M3ForCausalLM(tiny_config(vocab_size=len(tok), max_position_embeddings=512)).float().eval()
+    # Make the eos likely so turns end by "stop" and the episode really has several turns.
+    bias = torch.zeros(len(tok))
+    bias[chat.eos_token_id] = 5.0
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
+    backend = NativeBackend(model, chat.stop_token_ids)
+    env = EchoEnv()
+    s = settings(n=3, max_turns=3, max_total_len=300, max_new_tokens=12, seed=3)
+    trajs, _ = run_group_rollouts(backend, chat, env, [{}], s)
+    assert max(len(t.turns) for t in trajs) == 3  # really multi-turn
+    for t in trajs:
+        # Ids are the prompt + for each turn (sampled ids + bridge ids), in order.
+        rebuilt = list(t.token_ids[:t.prompt_len])
+        for r in t.turns:
+            assert rebuilt == t.token_ids[:r.start]
+            rebuilt += t.token_ids[r.start:r.end] + r.bridge
+        assert rebuilt == t.token_ids
+        assert sum(t.loss_mask) == sum(r.end - r.start for r in t.turns)
+        assert all(m == (any(r.start <= i < r.end for r in t.turns)) for i, m in enumerate(t.loss_mask))
+        for r in t.turns:
+            assert r.finish_reason in ("stop", "length")
+            assert r.stop_sampled == (r.finish_reason == "stop")
+        with torch.no_grad():
+            lp = token_logprobs(model, torch.tensor([t.token_ids]))[0]
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(t.rollout_logprobs)[mask], lp[mask].float(), atol=1e-4, rtol=0)

@@ -1,0 +1,44 @@
+"""RolloutService through the Ray launcher (actors with fractional CPUs): EP=2 equals EP=1, and a
+rank that dies mid-generation is restarted with its requests completed.
+
+Skipped where Ray is not installed (the GPU test machines); the collectives themselves are
+covered with plain processes in test_ep_moe.py / test_service_ep.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from test_service_ep import _key, _reference, _requests, model_dir  # noqa: E402,F401  (fixture reuse)
+
+from m3_rollout.parallel import EPGroupSpec  # noqa: E402
+from m3_rollout.service import RolloutService, WorkerSpec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def test_ray_ep2_generation_and_restart(model_dir, ray_local):
+    reqs = _requests("r")
+    ref = _reference(model_dir, reqs)
+    spec = WorkerSpec(model_dir=str(model_dir), group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=20),
+                      dtype="float32",
+                      engine={"max_model_len": 96, "max_num_seqs": 16, "eos_token_ids": (3,), "num_pages": 64},
+                      fault_after_steps=4, fault_rank=0)
+    svc = RolloutService(spec, launcher="ray", worker_cpus=0.5, steps_per_call=2, start_timeout_s=120)
+    try:
+        assert [i["expert_range"] for i in svc.rank_info] == [(0, 4), (4, 8)]
+        outs = svc.generate(reqs)  # rank 0 SIGKILLs itself after 4 steps; the actor group restarts
+        assert _key(outs) == _key(ref)
+        assert svc.restarts == 1 and 0 in svc.failures[0]["ranks"] and svc.failures[0]["lost_request_ids"]
+    finally:
+        svc.shutdown()

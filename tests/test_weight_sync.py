@@ -1,0 +1,402 @@
+"""Weight sync in one process (colocated channel): manifest, buckets, atomic / non-atomic updates,
+corrupted updates, prefix-cache reset and in-flight policies on the native engine.
+
+The multi-process gloo broadcast path (EP=1 / EP=2 receivers, sender killed midway, group
+rebuild) is tested in test_weight_sync_dist.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
+from m3_rollout.parallel import shard_experts
+from m3_rollout.weight_sync import (ColocatedChannel, HandshakeError, WeightReceiver, WeightSender,
+                                    WeightUpdateError, plan_buckets, receiver_layout)
+from m3_rollout.weight_sync.buckets import checksum_ok, pack_bucket
+from m3_rollout.weight_sync.in_flight import update_with_policy
+
+BUCKET_MB = 0.05  # ~52 KB: the tiny model (4.2 MB fp32) spans ~80 buckets, tensors split across them
+
+
+def _model(seed: int) -> M3ForCausalLM:
+    torch.manual_seed(seed)
+    m = M3ForCausalLM(tiny_config()).float().eval()
+    with torch.no_grad():
+        for moe in m.moe_layers():
+            moe.gate.weight.mul_(8.0)  # sharper routing so expert weights matter
+            moe.e_score_correction_bias.normal_(0, 0.1)
+    return m
+
+
+def _params(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _sender(trainer, receivers, dtype=None, fault=None, named=None):
+    return WeightSender(named or (lambda: iter_released_tensors(trainer)), ColocatedChannel(receivers),
+                        BUCKET_MB, dtype, fault=fault)
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(ids).float()
+
+
+IDS = torch.randint(0, 1024, (2, 37), generator=torch.Generator().manual_seed(5))
+
+
+# ------------------------------------------------------------------------------ manifest / buckets
+def test_manifest_matches_released_order_and_ep_views():
+    full = _model(0)
+    layout = list(receiver_layout(full))
+    ref = list(iter_released_tensors(full))
+    assert [(s.name, s.shape, s.dtype) for s, _ in layout] == [(n, tuple(t.shape), t.dtype) for n, t in ref]
+    assert all(v.data_ptr() == t.data_ptr() for (_, v), (_, t) in zip(layout, ref))
+    # EP=2, rank 1: same list, only experts [4, 8) resolve, to local rows 0..3 (gate rows before up)
+    shard = copy.deepcopy(full)
+    shard_experts(shard, 1, 2, None)
+    ep = list(receiver_layout(shard))
+    assert [s for s, _ in ep] == [s for s, _ in layout]
+    w13 = shard.model.layers[1].block_sparse_moe.experts.w13
+    inter = w13.shape[1] // 2
+    views = {s.name: v for s, v in ep}
+    base = "language_model.model.layers.1.block_sparse_moe.experts"
+    assert views[f"{base}.3.w1.weight"] is None and views[f"{base}.0.w2.weight"] is None
+    assert views[f"{base}.5.w1.weight"].data_ptr() == w13[1, :inter].data_ptr()
+    assert views[f"{base}.5.w3.weight"].data_ptr() == w13[1, inter:].data_ptr()
+    assert torch.equal(views[f"{base}.5.w3.weight"], full.model.layers[1].block_sparse_moe.experts.w13[5, inter:])
+
+
+def test_bucket_plan_covers_every_element_once_per_dtype():
+    m = _model(0).cast_for_inference(torch.bfloat16)
+    named = list(iter_released_tensors(m))
+    entries = [(tuple(t.shape), t.dtype) for _, t in named]
+    cap = 3000
+    plan = plan_buckets(entries, cap)
+    seen = [torch.zeros(t.numel(), dtype=torch.int32) for _, t in named]
+    for b in plan:
+        assert b.data_bytes <= cap and b.wire_bytes % 8 == 0
+        assert all(entries[s.entry][1] == b.dtype for s in b.segments)  # one dtype per bucket
+        for s in b.segments:
+            seen[s.entry][s.elem_start:s.elem_start + s.numel] += 1
+    assert all(bool((x == 1).all()) for x in seen)
+    assert {b.dtype for b in plan} == {torch.bfloat16, torch.float32}  # router stays fp32
+    # pack + checksum round trip, and a flipped byte is caught
+    buf = torch.empty(plan[0].wire_bytes, dtype=torch.uint8)
+    pack_bucket(buf, plan[0], [t for _, t in named])
+    assert checksum_ok(buf, plan[0])
+    buf[3] ^= 1
+    assert not checksum_ok(buf, plan[0])
+
+
+# ------------------------------------------------------------------------------ updates
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_update_bitwise_in_place_and_logits(atomic, ep):
+    trainer = _model(1)
+    full_rx = _model(0)
+    rxs = []
+    for r in range(ep):
+        m = copy.deepcopy(full_rx)
+        if ep > 1:
+            shard_experts(m, r, ep, None)
+        rxs.append((m, WeightReceiver(m, atomic=atomic)))
+    ptrs = [[p.data_ptr() for p in m.parameters()] for m, _ in rxs]
+    stats = _sender(trainer, [r for _, r in rxs]).update(7, include_frozen=True)
+    assert stats["buckets"] > 10
+    want = _params(trainer)
+    for (m, rx), ptr in zip(rxs, ptrs):
+        assert rx.version == 7 and rx.valid
+        assert [p.data_ptr() for p in m.parameters()] == ptr
+        for name, p in m.named_parameters():
+            if name.endswith(("experts.w13", "experts.w2")):
+                a, b = m.get_submodule(name.rsplit(".", 1)[0]).__dict__.get("expert_range", (0, 8))
+                assert torch.equal(p, want[name][a:b]), name
+            else:
+                assert torch.equal(p, want[name]), name
+    if ep == 1:
+        assert (_logits(rxs[0][0], IDS) - _logits(trainer, IDS)).abs().max() <= 1e-5
+    else:  # reassemble the two shards' experts into one unsharded model and compare logits
+        whole = copy.deepcopy(full_rx)
+        with torch.no_grad():
+            for name, p in whole.named_parameters():
+                if name.endswith(("experts.w13", "experts.w2")):
+                    p.copy_(torch.cat([m.get_parameter(name) for m, _ in rxs]))
+                else:
+                    p.copy_(rxs[0][0].get_parameter(name))
+        assert (_logits(whole, IDS) - _logits(trainer, IDS)).abs().max() <= 1e-5
+
+
+def test_bf16_wire_keeps_router_fp32():
+    trainer = _model(1)
+    rx_model = _model(0).cast_for_inference(torch.bfloat16)
+    rx = WeightReceiver(rx_model)
+    _sender(trainer, [rx], dtype=torch.bfloat16).update(1, include_frozen=True)
+    moe = rx_model.moe_layers()[0]
+    assert moe.gate.weight.dtype == torch.float32
+    assert torch.equal(moe.gate.weight, trainer.moe_layers()[0].gate.weight)  # fp32 bits, not rounded
+    assert torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight.to(torch.bfloat16))
+
+
+def test_frozen_tensors_left_out_by_default():
+    trainer, rx_model = _model(1), _model(0)
+    bias_before = rx_model.moe_layers()[0].e_score_correction_bias.clone()
+    idx_before = rx_model.model.layers[1].self_attn.index_q_proj.weight.clone()
+    rx = WeightReceiver(rx_model)
+    _sender(trainer, [rx]).update(1)
+    assert torch.equal(rx_model.moe_layers()[0].e_score_correction_bias, bias_before)
+    assert torch.equal(rx_model.model.layers[1].self_attn.index_q_proj.weight, idx_before)
+    assert torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight)
+
+
+def test_handshake_lists_differences():
+    trainer = M3ForCausalLM(tiny_config(intermediate_size=16))
+    rx = WeightReceiver(_model(0))
+    with pytest.raises(HandshakeError) as exc:
+        _sender(trainer, [rx]).handshake()
+    msg = str(exc.value)
+    assert "shape of language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight: trainer [16, 128], " \
+           "rollout [32, 128]" in msg
+    assert "experts.7.w2.weight" in msg
+
+
+def _corrupt_cases(trainer):
+    name_nan = "language_model.model.layers.2.block_sparse_moe.experts.3.w2.weight"
+    name_shape = "language_model.model.layers.1.self_attn.o_proj.weight"
+    name_missing = "language_model.model.layers.3.mlp.down_proj.weight"
+    name_missing = "language_model.model.layers.3.block_sparse_moe.shared_experts.down_proj.weight"
+
+    def with_nan():
+        for n, t in iter_released_tensors(trainer):
+            if n == name_nan:
+                t = t.clone()
+                t[1, 2] = float("nan")
+            yield n, t
+
+    def with_bad_shape():
+        for n, t in iter_released_tensors(trainer):
+            yield n, (t[:, :-1] if n == name_shape else t)
+
+    def without_one():
+        return ((n, t) for n, t in iter_released_tensors(trainer) if n != name_missing)
+
+    def flip(k, buf):
+        if k == 5:
+            buf[10] ^= 0x40
+
+    return [("nan", with_nan, None, f"non-finite values in {name_nan}"),
+            ("shape", with_bad_shape, None, f"shape of {name_shape}: update [128, 255], handshake [128, 256]"),
+            ("missing", without_one, None, f"missing from update: {name_missing}"),
+            ("checksum", None, flip, # 0.05 MiB = 13107 fp32 elements per bucket: bucket 5 lies inside embed_tokens (131072 elements)
+             "bucket 5 (torch.float32, 52428 bytes) checksum mismatch; holds "
+             "language_model.model.embed_tokens.weight")]
+
+
+@pytest.mark.parametrize("case", ["nan", "shape", "missing", "checksum"])
+def test_corrupted_update_leaves_atomic_receiver_on_old_version(case):
+    trainer, rx_model = _model(1), _model(0)
+    rx = WeightReceiver(rx_model, atomic=True, version=3)
+    old = _params(rx_model)
+    old_logits = _logits(rx_model, IDS)
+    _, named, fault, msg = next(c for c in _corrupt_cases(trainer) if c[0] == case)
+    sender = _sender(trainer, [rx], fault=fault)
+    sender.handshake()  # with the good tensors; the update then carries the corruption
+    if named is not None:
+        sender.named_tensors = named
+    with pytest.raises(WeightUpdateError) as exc:
+        sender.update(4)
+    assert msg in str(exc.value)
+    assert rx.version == 3 and rx.valid
+    assert all(torch.equal(p, old[n]) for n, p in rx_model.named_parameters())
+    assert torch.equal(_logits(rx_model, IDS), old_logits)
+    # the next good update goes through
+    _sender(trainer, [rx]).update(5, include_frozen=True)
+    assert rx.version == 5 and torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight)
+
+
+def test_non_atomic_failure_marks_rank_invalid_until_full_update():
+    trainer, rx_model = _model(1), _model(0)
+    rx = WeightReceiver(rx_model, atomic=False, version=3)
+    old_embed = rx_model.model.embed_tokens.weight.clone()
+
+    def flip(k, buf):
+        if k == 40:
+            buf[0] ^= 1
+
+    with pytest.raises(WeightUpdateError, match="bucket 40 .* checksum mismatch"):
+        _sender(trainer, [rx], fault=flip).update(4)
+    assert not rx.valid and rx.version == 3
+    assert torch.equal(rx_model.model.embed_tokens.weight, trainer.model.embed_tokens.weight)  # bucket 0 landed
+    assert not torch.equal(old_embed, trainer.model.embed_tokens.weight)
+    _sender(trainer, [rx]).update(5, include_frozen=True)
+    assert rx.valid and rx.version == 5
+
+
+# ------------------------------------------------------------------------------ engine integration
+def _engine(model, num_pages=64):
+    return LLMEngine(model, EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
+                                         num_pages=num_pages))
+
+
+def _run(engine, reqs):
+    for r in reqs:
+        engine.add_request(r)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return sorted(outs, key=lambda o: (o.request_id, o.sample_index))
+
+
+def _colocated_update(engine, trainer, version):
+    rx = WeightReceiver(engine.model, atomic=True, version=engine.weight_version)
+    channel = ColocatedChannel([rx])
+    sender = WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB)
+
+    def do_update():
+        sender.update(version, include_frozen=True)
+        return channel.results[0]
+    return do_update
+
+
+def _req(rid, prompt, n=1, max_new=10, seed=3, sample_index=0):
+    return GenerationRequest(rid, list(prompt), SamplingParams(n=n, max_new_tokens=max_new, seed=seed),
+                             sample_index)
+
+
+PROMPT = torch.randint(0, 1024, (70,), generator=torch.Generator().manual_seed(9)).tolist()
+
+
+def test_prefix_shared_with_pre_update_request_equals_fresh_engine():
+    trainer = _model(1)
+    follow = _req("b", PROMPT + [11, 12, 13], max_new=8)
+    fresh = _run(_engine(copy.deepcopy(trainer)), [follow])
+
+    eng = _engine(_model(0))
+    _run(eng, [_req("a", PROMPT, max_new=4)])  # caches PROMPT's 4 full pages under the old weights
+    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "abort")
+    assert out.result.ok and eng.weight_version == 1
+    got = _run(eng, [follow])
+    assert got[0].output_ids == fresh[0].output_ids
+    assert got[0].logprobs == pytest.approx(fresh[0].logprobs, abs=1e-6)
+    assert got[0].token_weight_versions == [1] * len(got[0].output_ids)
+
+    # control: swapping weights WITHOUT the prefix-cache reset reuses stale pages and differs
+    stale = _engine(_model(0))
+    _run(stale, [_req("a", PROMPT, max_new=4)])
+    _colocated_update(stale, trainer, 1)()
+    bad = _run(stale, [follow])
+    assert bad[0].logprobs != pytest.approx(fresh[0].logprobs, abs=1e-6)
+
+
+def _start(engine, reqs, steps):
+    for r in reqs:
+        engine.add_request(r)
+    outs = []
+    for _ in range(steps):
+        outs += engine.step()
+    return outs
+
+
+REQS = [_req("r0", PROMPT[:30], max_new=10, seed=1), _req("r1", PROMPT[5:50], n=2, max_new=10, seed=2)]
+
+
+def test_in_flight_abort_requeues_from_prompt_on_new_weights():
+    trainer = _model(1)
+    fresh = _run(_engine(copy.deepcopy(trainer)), REQS)
+    eng = _engine(_model(0))
+    early = _start(eng, REQS, 4)
+    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "abort")
+    assert out.requeued == 3 and not early
+    got = _run(eng, [])
+    assert [o.output_ids for o in got] == [o.output_ids for o in fresh]
+    assert all(o.token_weight_versions == [1] * len(o.output_ids) for o in got)
+
+
+def test_in_flight_drain_finishes_on_old_weights():
+    trainer, old = _model(1), _model(0)
+    ref_old = _run(_engine(copy.deepcopy(old)), REQS)
+    eng = _engine(old)
+    early = _start(eng, REQS, 4)
+    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "drain")
+    got = sorted(early + out.outputs, key=lambda o: (o.request_id, o.sample_index))
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref_old]
+    assert all(o.token_weight_versions == [0] * len(o.output_ids) for o in got)
+    assert eng.weight_version == 1 and not eng.has_unfinished()
+    assert torch.equal(eng.model.lm_head.weight, trainer.lm_head.weight)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_in_flight_continue_versions_per_token(recompute):
+    trainer = _model(1)
+    eng = _engine(_model(0))
+    _start(eng, REQS, 4)  # prefill + 3 decode steps: 4 tokens each on version 0
+    before = {(s.request_id, s.sample_index): list(s.output_ids) for v in eng._live.values() for s in v}
+    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "continue", recompute_kv=recompute)
+    assert out.result.ok
+    got = _run(eng, [])
+    for o in got:
+        k = len(before[(o.request_id, o.sample_index)])
+        assert k == 4
+        assert o.output_ids[:k] == before[(o.request_id, o.sample_index)]
+        assert o.token_weight_versions == [0] * k + [1] * (len(o.output_ids) - k)
+    if recompute:  # KV recomputed under the new weights == a fresh new-weights engine continuing the text
+        for o in got:
+            cont = _req("c", o.prompt_ids + o.output_ids[:4], max_new=6, seed=o.request_id == "r0" and 1 or 2,
+                        sample_index=o.sample_index)
+            ref = _run(_engine(copy.deepcopy(trainer)), [cont])[0]
+            assert o.output_ids[4:] == ref.output_ids
+            assert o.logprobs[4:] == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_invalid_rank_refuses_requests_until_full_update():
+    trainer = _model(1)
+    eng = _engine(_model(0))
+    _start(eng, REQS, 2)
+    rx = WeightReceiver(eng.model, atomic=False)
+    channel = ColocatedChannel([rx])
+
+    def flip(k, buf):
+        if k == 30:
+            buf[0] ^= 1
+
+    def bad_update():
+        with pytest.raises(WeightUpdateError):
+            WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB, fault=flip).update(1)
+        return channel.results[0]
+
+    out = update_with_policy(eng, bad_update, "continue")
+    assert not out.result.valid and len(out.handed_back) == 3 and not eng._live
+    refused = _run(eng, [_req("x", PROMPT[:20])])
+    assert refused[0].finish_reason == "error" and "refuses requests" in refused[0].error
+
+    def good_update():
+        WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB).update(2, include_frozen=True)
+        return channel.results[0]
+
+    out = update_with_policy(eng, good_update, "continue")
+    assert out.result.valid and eng.weight_version == 2
+    served = _run(eng, [_req("x", PROMPT[:20])])
+    assert served[0].finish_reason in ("stop", "length") and served[0].token_weight_versions[0] == 2
+
+
+def test_build_weight_sender_colocated_follows_freeze_config():
+    from m3_rollout.config import FreezeConfig, WeightSyncConfig
+    from trainers.policy import Policy
+    from trainers.weight_sender import build_weight_sender
+
+    trainer, rx_model = _model(1), _model(0)
+    bias_before = rx_model.moe_layers()[0].e_score_correction_bias.clone()
+    rx = WeightReceiver(rx_model)
+    cfg = WeightSyncConfig(method="colocated", bucket_size_mb=BUCKET_MB)
+    sender = build_weight_sender(Policy(trainer, lr=1e-3), cfg, None, FreezeConfig(router_bias=True), receivers=[rx])
+    sender.update(1)
+    assert torch.equal(rx_model.moe_layers()[0].e_score_correction_bias, bias_before)  # frozen: not sent
+    assert torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight)
+    with pytest.raises(ValueError, match="weight_sync.method=broadcast needs a WeightSyncGroup"):
+        build_weight_sender(Policy(trainer, lr=1e-3), WeightSyncConfig(), None)

@@ -1,0 +1,49 @@
+"""Trainer end of weight sync: a ``WeightSender`` over the policy's weights, built from config.
+
+The trainer is rank 0 of the weight-sync group (it hosts the group's TCPStore); rollout workers
+join as ranks 1..N. With ``weight_sync.method=colocated`` the rollout receivers live in this
+process and get an in-process copy instead of a broadcast (same sender, same checks).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from m3_rollout.config import FreezeConfig, WeightSyncConfig
+from m3_rollout.weight_sync import (BroadcastChannel, ColocatedChannel, WeightReceiver, WeightSender,
+                                    WeightSyncGroup, default_frozen)
+
+
+def resolve_backend(cfg: WeightSyncConfig, device: torch.device | str) -> str:
+    """``weight_sync.backend``: auto -> nccl for a CUDA device, gloo otherwise."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def build_weight_sender(policy, cfg: WeightSyncConfig, generation_dtype: torch.dtype | None,
+                        freeze: FreezeConfig | None = None, group: WeightSyncGroup | None = None,
+                        receivers: Sequence[WeightReceiver] = ()) -> WeightSender:
+    """A sender for ``policy`` (anything with ``named_released_tensors()``).
+
+    ``method=broadcast`` needs ``group`` (this process as rank 0); ``method=colocated`` needs the
+    in-process ``receivers``. Frozen tensors (``policy.freeze``) are left out of updates unless
+    ``weight_sync.send_frozen``. Raises ValueError when the needed group / receivers are missing.
+    """
+    freeze = freeze or FreezeConfig()
+    if cfg.method == "broadcast":
+        if group is None:
+            raise ValueError("weight_sync.method=broadcast needs a WeightSyncGroup (the trainer as rank 0)")
+        channel = BroadcastChannel(group, cfg.double_buffer)
+    else:
+        if not receivers:
+            raise ValueError("weight_sync.method=colocated needs the in-process rollout receivers")
+        device = next(policy.model.parameters()).device
+        channel = ColocatedChannel(list(receivers), device)
+
+    def frozen(name: str) -> bool:
+        return not cfg.send_frozen and default_frozen(name, freeze.indexer, freeze.router_bias)
+
+    return WeightSender(policy.named_released_tensors, channel, cfg.bucket_size_mb, generation_dtype, frozen)
