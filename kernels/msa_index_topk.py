@@ -191,7 +191,7 @@ def _score_launch(iq, index_cache_l, meta, scores, rows: tuple[int, int], block_
         iq.stride(0), iq.stride(1), index_cache_l.stride(0), index_cache_l.stride(1),
         meta.block_tables.stride(0), scores.stride(0), scores.stride(1),
         G=g, GP=gp, DI=di, PS=ps, BLOCK_M=block_m, STORE_B=1 if n_splits > 1 else 16, IEEE=ieee,
-        num_warps=4 if block_m * gp <= 64 else 8, num_stages=2 if ieee else 3,
+        num_warps=4 if block_m * gp <= 64 else 8, num_stages=1 if ieee else 3,
     )
 
 

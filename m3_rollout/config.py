@@ -12,6 +12,8 @@ Layout (NeMo RL): ``grpo``, ``loss_fn``, ``policy`` (incl. ``policy.generation``
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -329,6 +331,29 @@ def _check(errors: list[str], ok: bool, key: str, value: Any, allowed: str) -> N
         errors.append(f"{key}={value!r}: {allowed}")
 
 
+def _non_finite_floats(obj: Any, prefix: str = ""):
+    """(dotted key, value) of every float field of a config dataclass that is NaN or +-inf."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            yield from _non_finite_floats(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            yield key, value
+
+
+def _section_of(class_name: str, cls: type = None, prefix: str = "") -> str | None:
+    """Dotted path of the config section whose dataclass is called ``class_name``."""
+    for f in dataclasses.fields(cls or MasterConfig):
+        t = f.default_factory if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            if t.__name__ == class_name:
+                return prefix + f.name
+            found = _section_of(class_name, t, prefix + f.name + ".")
+            if found:
+                return found
+    return None
+
+
 def validate(cfg: MasterConfig) -> None:
     """Check ranges and cross-key rules.
 
@@ -336,6 +361,8 @@ def validate(cfg: MasterConfig) -> None:
         ConfigError: listing every violation as ``key=value: allowed``.
     """
     e: list[str] = []
+    for key, value in _non_finite_floats(cfg):
+        _check(e, False, key, value, "must be a finite number")
     g, p, gen = cfg.grpo, cfg.policy, cfg.policy.generation
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(OmegaConf.structured(cfg), key)
@@ -445,6 +472,22 @@ def validate(cfg: MasterConfig) -> None:
     _check(e, not ws.recompute_kv_after_update or ws.in_flight == "continue",
            "weight_sync.recompute_kv_after_update", ws.recompute_kv_after_update,
            "only applies with weight_sync.in_flight=continue")
+    opt = p.optimizer
+    for key in ("beta1", "beta2"):
+        value = getattr(opt, key)
+        _check(e, 0 <= value < 1, f"policy.optimizer.{key}", value, "must be in [0, 1)")
+    _check(e, opt.eps >= 0, "policy.optimizer.eps", opt.eps, "must be >= 0")
+    _check(e, opt.weight_decay >= 0, "policy.optimizer.weight_decay", opt.weight_decay, "must be >= 0")
+    for pat in p.freeze.patterns:
+        try:
+            re.compile(pat)
+        except re.error as exc:
+            _check(e, False, "policy.freeze.patterns", pat, f"is not a regular expression ({exc})")
+    from m3_rollout.rollout.environments.tools import TOOL_FACTORIES
+
+    bad_tools = [t for t in env.jsonl.tools if t not in TOOL_FACTORIES]
+    _check(e, not bad_tools, "env.jsonl.tools", list(env.jsonl.tools),
+           f"unknown {bad_tools}; choose from {sorted(TOOL_FACTORIES)}")
     if e:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
 
@@ -467,7 +510,12 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
     if not path.is_file():
         via = f" (named in defaults: of {_chain[-1]})" if _chain else ""
         raise FileNotFoundError(f"config file not found: {path}{via}")
-    data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    import yaml
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     parents = data.pop("defaults", None)
@@ -515,10 +563,20 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(f"unknown config key: {exc.full_key or exc}; see m3_rollout/config.py "
                           f"for the keys") from None
     except ValidationError as exc:
-        raise ConfigError(f"bad value for {exc.full_key}: {str(exc.msg).splitlines()[0]}") from None
+        if exc.full_key:
+            raise ConfigError(f"bad value for {exc.full_key}: {str(exc.msg).splitlines()[0]}") from None
+        # e.g. "grpo: 5": OmegaConf names the section's class, not its key.
+        text = str(exc).splitlines()[0]
+        cls = re.search(r"subclass of (\w+)", text)
+        section = _section_of(cls.group(1)) if cls else None
+        where = f"section {section!r} must be a mapping of keys: " if section else ""
+        raise ConfigError(f"bad value: {where}{text}") from None
     except OmegaConfBaseException as exc:
         raise ConfigError(f"config error: {exc}") from None
-    cfg: MasterConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    try:
+        cfg: MasterConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:  # e.g. an interpolation ${...} naming no key
+        raise ConfigError(f"config error: {' '.join(str(exc).split())}") from None
     validate(cfg)
     return cfg
 

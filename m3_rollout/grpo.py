@@ -249,6 +249,11 @@ def run(cfg: MasterConfig) -> dict:
                             f"{a.group_timeout_s}; step skipped")
                 logger.log({"skipped_no_groups": 1, "stale_groups_dropped": got.stale_dropped}, step, prefix="train/")
                 continue
+            # Groups of several prompt batches (dynamic sampling, async) each count group_index
+            # from 0: renumber so a (step, group, sample) names one trajectory (dumps, logs).
+            for i, grp in enumerate(groups):
+                for t in grp:
+                    t.group_index = i
             trajs = [t for grp in groups for t in grp]
             rewards = torch.tensor([t.reward for t in trajs])
             group_ids = torch.tensor([i for i, grp in enumerate(groups) for _ in grp])

@@ -79,9 +79,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts: list[list[int]], n: int, new: int, device: str, max_len: int) -> dict:
+def run_engine(model, prompts: list[list[int]], n: int, new: int, device: str, max_len: int,
+               cuda_graphs: bool = False) -> dict:
     eng = LLMEngine(model, EngineConfig(max_model_len=max_len, max_num_seqs=max(len(prompts) * n, 1),
-                                        max_num_batched_tokens=max(8192, max(map(len, prompts)))))
+                                        max_num_batched_tokens=max(8192, max(map(len, prompts))),
+                                        enable_cuda_graphs=cuda_graphs))
     params = SamplingParams(n=n, max_new_tokens=new, seed=1)
     step_times: list[tuple[int, float]] = []  # (decode rows, seconds) of decode-only steps
     sync(device)
@@ -118,6 +120,25 @@ def run_hf(hf, prompts: list[list[int]], n: int, new: int, device: str) -> dict:
     return {"tokens": toks, "seconds": secs, "tok_s": toks / secs}
 
 
+@torch.no_grad()
+def check_logprobs(ours, hf, cfg: M3Config, length: int, device: str) -> dict:
+    """Engine ``score`` vs transformers' forward on one random prompt of ``length`` tokens.
+
+    Returns the max / mean |logprob difference| over positions and the fraction of positions
+    whose argmax token agrees (bf16 on the GPU: both sides round differently, so this is a
+    tolerance check, not bitwise).
+    """
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (length,), generator=g).tolist()
+    eng = LLMEngine(ours, EngineConfig(max_model_len=length, max_num_seqs=1, max_num_batched_tokens=max(8192, length)))
+    got = eng.score(ids).float().cpu()[1:]
+    logits = hf(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1)
+    want = lp.gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0].cpu()
+    diff = (got - want).abs()
+    return {"length": length, "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
+
+
 def decode_floor_ms(cfg: M3Config, model, batch: int, ctx: int, dtype: torch.dtype) -> float:
     """Bytes one decode step must read / HBM bandwidth, in ms.
 
@@ -152,15 +173,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-json", help="config.json (either shape); default: tiny_config() on CPU")
-    ap.add_argument("--loads", nargs="+", default=["grpo", "long"], choices=["grpo", "long"])
+    ap.add_argument("--loads", nargs="*", default=["grpo", "long"], choices=["grpo", "long"],
+                    help="pass no value to run only --check-len")
     ap.add_argument("--long-len", type=int, default=None, help="long-context prompt tokens (CPU default 2048, CUDA 8192)")
     ap.add_argument("--long-batch", type=int, default=2)
     ap.add_argument("--long-new", type=int, default=32)
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA: also time the engine with decode CUDA graphs")
+    ap.add_argument("--check-len", type=int, default=0,
+                    help="first compare engine.score with transformers' forward on a prompt of this length")
     args = ap.parse_args()
     dev = args.device
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
     if args.model_json:
         raw = json.loads(Path(args.model_json).read_text())
         raw = {k: v for k, v in raw.items() if not k.startswith("_")}
@@ -172,6 +198,10 @@ def main() -> None:
     ours, hf = build_pair(cfg, dev, dtype)
     g = torch.Generator().manual_seed(0)
     prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    if args.check_len:
+        chk = check_logprobs(ours, hf, cfg, args.check_len, dev)
+        print(f"logprob check vs transformers, {chk['length']} tokens ({dtype}): max |diff| {chk['max_abs_diff']:.4f}, "
+              f"mean {chk['mean_abs_diff']:.5f}", flush=True)
     cases = []
     if "grpo" in args.loads:
         if dev == "cuda":
@@ -190,6 +220,12 @@ def main() -> None:
         h = run_hf(hf, prompts, n, new, dev)
         row = {"case": name, "engine_tok_s": e["tok_s"], "hf_tok_s": h["tok_s"], "ratio": e["tok_s"] / h["tok_s"],
                "engine_s": e["seconds"], "hf_s": h["seconds"], "decode_step_ms": e["decode_step_ms"]}
+        if args.cuda_graphs and dev == "cuda":
+            run_engine(ours, [p[:16] for p in prompts[:2]], 1, 4, dev, max_len, cuda_graphs=True)  # warm-up
+            eg = run_engine(ours, prompts, n, new, dev, max_len, cuda_graphs=True)
+            row.update(graph_tok_s=eg["tok_s"], graph_ratio=eg["tok_s"] / h["tok_s"], graph_decode_step_ms=eg["decode_step_ms"])
+            print(f"{name}: engine with CUDA graphs {eg['tok_s']:.0f} tok/s, ratio {row['graph_ratio']:.2f}x, "
+                  f"median decode step {eg['decode_step_ms']:.2f} ms", flush=True)
         if dev == "cuda":
             row["floor_ms"] = decode_floor_ms(cfg, ours, batch, max_len, dtype)
         rows.append(row)
@@ -207,9 +243,16 @@ def main() -> None:
                  "| case | engine tok/s | transformers tok/s | ratio | median decode step (ms) |"
                  + (" bandwidth floor (ms) |" if dev == "cuda" else ""),
                  "|---|---|---|---|---|" + ("---|" if dev == "cuda" else "")]
+        if args.check_len:
+            lines.insert(2, f"engine.score vs transformers forward on {chk['length']} random tokens: max |logprob diff| "
+                            f"{chk['max_abs_diff']:.4f}, mean {chk['mean_abs_diff']:.5f}.\n")
         for r in rows:
             lines.append(f"| {r['case']} | {r['engine_tok_s']:.0f} | {r['hf_tok_s']:.0f} | {r['ratio']:.2f}x | "
                          f"{r['decode_step_ms']:.2f} |" + (f" {r['floor_ms']:.3f} |" if dev == "cuda" else ""))
+        if any("graph_tok_s" in r for r in rows):
+            lines.append("\nWith decode CUDA graphs: " + "; ".join(
+                f"{r['case']}: {r['graph_tok_s']:.0f} tok/s ({r['graph_ratio']:.2f}x transformers, median decode step "
+                f"{r['graph_decode_step_ms']:.2f} ms)" for r in rows if "graph_tok_s" in r) + "\n")
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
             f.write("\n".join(lines) + "\n")
 

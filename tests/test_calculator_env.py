@@ -199,3 +199,93 @@ def test_jsonl_environment_reward_by_dotted_path(tmp_path):
         env.close()
     with pytest.raises(Exception, match="env.name"):
         load_config(None, ["env.name=jsonl"])
+
+
+# --- adversarial review (issue 8) --------------------------------------------------------------
+
+
+def test_deep_nesting_is_a_value_error_not_a_recursion_error():
+    # A long expression limit (env.calculator.max_expression_chars) lets the model nest deeper
+    # than Python's recursion limit; that must still be the documented ValueError.
+    for expr in ("-" * 3000 + "1", "(" * 1500 + "1" + ")" * 1500):
+        with pytest.raises(ValueError):
+            safe_calculate(expr, max_chars=10_000)
+
+
+def test_convert_units_huge_integer_is_an_error_text():
+    # The parser types a 400-digit "number" as a Python int; float() of it overflows.
+    assert convert_units(10 ** 400, "m", "km") == "Error: value must be finite and at most 1e15 in magnitude"
+
+
+def _echo(text):
+    return text
+
+
+def _noisy():
+    for i in range(2000):
+        print("tool chatter", i)
+    return "quiet result"
+
+
+def test_tool_pool_survives_a_worker_that_died_between_runs():
+    pool = ToolProcessPool({"echo": _echo}, num_workers=2, timeout_s=2.0)
+    try:
+        assert pool.run([("echo", {"text": "a"}), ("echo", {"text": "b"})]) == ["a", "b"]
+        for w in pool._workers:  # e.g. the OOM killer, between two tool turns
+            os.kill(w.proc.pid, 9)
+            w.proc.join(5)
+        assert pool.run([("echo", {"text": "c"}), ("echo", {"text": "d"})]) == ["c", "d"]
+        # ... and no stale reply of an earlier run is ever taken for a later call's result.
+        assert pool.run([("echo", {"text": "e"})]) == ["e"]
+    finally:
+        pool.close()
+
+
+def test_tool_pool_drops_replies_of_an_interrupted_run(monkeypatch):
+    # An exception while calls are in flight (here Ctrl-C in the wait) must not leave a reply
+    # in a pipe that a later run would read as its own result.
+    import m3_rollout.rollout.tool_pool as tp
+
+    pool = ToolProcessPool({"echo": _echo}, num_workers=2, timeout_s=2.0)
+    try:
+        pool.run([("echo", {"text": "warm"})])
+        real_wait = tp.wait
+
+        def interrupted(*a, **kw):
+            time.sleep(0.2)  # let the workers answer first
+            monkeypatch.setattr(tp, "wait", real_wait)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(tp, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pool.run([("echo", {"text": "first"}), ("echo", {"text": "second"})])
+        assert pool.run([("echo", {"text": "x"}), ("echo", {"text": "y"})]) == ["x", "y"]
+    finally:
+        pool.close()
+
+
+def test_tool_pool_unsendable_arguments_are_an_error_text():
+    pool = ToolProcessPool({"echo": _echo}, num_workers=2, timeout_s=2.0)
+    try:
+        out = pool.run([("echo", {"text": "ok"}), ("echo", {"text": lambda: 1})])
+        assert out[0] == "ok" and out[1].startswith("Error: could not send the call to 'echo'")
+        assert pool.run([("echo", {"text": "x"}), ("echo", {"text": "y"})]) == ["x", "y"]
+    finally:
+        pool.close()
+
+
+def test_tool_output_with_lone_surrogates_and_prints_is_safe(capfd):
+    pool = ToolProcessPool({"echo": _echo, "noisy": _noisy}, num_workers=1, timeout_s=5.0)
+    try:
+        # A lone surrogate cannot be tokenized (the tokenizer raises); it becomes U+FFFD.
+        assert pool.run([("echo", {"text": "a\ud800b"})]) == ["a\ufffdb"]
+        # What a tool prints is not its result and does not reach the trainer's stdout.
+        assert pool.run([("noisy", {})]) == ["quiet result"]
+    finally:
+        pool.close()
+    assert "tool chatter" not in capfd.readouterr().out
+
+
+def test_tool_pool_rejects_non_finite_timeout():
+    with pytest.raises(ValueError, match="timeout_s"):
+        ToolProcessPool({}, timeout_s=float("inf"))

@@ -150,3 +150,21 @@ def test_output_parser_finds_call_in_unclosed_think_streaming_and_not(mode):
     assert [tc.to_openai() for d in deltas for tc in d.tool_calls] == [
         {"index": 0, "id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
     assert p.result() == whole
+
+
+def test_output_parser_result_survives_enabled_reopened_span():
+    # Enabled mode: "a</mm:think>b" first splits into reasoning "a" / content "b"; a later
+    # `<mm:think>` re-splits it (rule 4) so the content becomes "a</mm:think>b". The reasoning
+    # parser re-sends that content whole; the tool parser behind it must start over rather than
+    # append it to the "b" it already has, so `result()` equals the non-streaming parse.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    for text in ("a" + C + "b" + O + "c", "a" + C + "b " + CALL + O + "c" + C + "d"):
+        whole = parse_model_output(text, "enabled", tools)
+        for chunks in ([text], list(text)):
+            p = StreamingOutputParser("enabled", tools)
+            for ch in chunks:
+                p.feed(ch)
+            p.finish()
+            assert p.result() == whole, (text, chunks)
+    assert parse_model_output("a" + C + "b" + O + "c", "enabled").content == "a" + C + "b"

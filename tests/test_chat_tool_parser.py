@@ -301,3 +301,41 @@ def test_round_trip_through_template_to_xml(template):
     assert [c.name for c in out.tool_calls] == ["search", "noop"]
     assert args_of(out, 0) == arguments
     assert args_of(out, 1) == {}
+
+
+# --- adversarial review (issue 8) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_arguments_are_strict_json_even_for_non_finite_values(value):
+    # A number that is not finite is rejected by the schema types and by the JSON fallback, so
+    # the raw text is kept: `function.arguments` must parse with a strict (RFC 8259) JSON reader.
+    tools = [tool("f", {"x": {"type": "integer"}, "o": {"type": "object"}})]
+    out = parse_tool_calls(block(invoke("f", el("x", value) + el("o", '{"k": %s}' % value))), tools)
+
+    def strict(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    assert json.loads(out.tool_calls[0].arguments, parse_constant=strict) == {"x": value, "o": '{"k": %s}' % value}
+
+
+@pytest.mark.parametrize("schema, want", [
+    ({"type": 5}, "7"),  # junk `type`: no usable type -> default string
+    ({"type": ["integer", ["x"]]}, 7),  # the usable entry still counts
+    ({"enum": 5}, "7"),
+    ({"anyOf": 5}, "7"),
+    ({"oneOf": [5, {"type": "integer"}]}, 7),
+    ({"type": None, "items": 3}, 7),  # `items` implies array; "7" is no array -> JSON fallback
+])
+def test_malformed_schema_does_not_crash_the_parser(schema, want):
+    # Schemas come from user environments; junk in them is ignored, the value still converts.
+    out = parse_tool_calls(block(invoke("f", el("x", "7"))), [tool("f", {"x": schema})])
+    assert args_of(out) == {"x": want} and out.error is None
+
+
+def test_text_cut_right_after_invoke_prefix_is_truncated():
+    # Cut inside the name (no name known yet) already says truncated; so must a cut right
+    # after `name=` (the quote style is not known yet).
+    for tail in ('<invoke name=', '<invoke name="ca'):
+        out = parse_tool_calls(f"{NS}<tool_call>\n{NS}{tail}", None)
+        assert (out.tool_calls, out.truncated, out.error) == ([], True, None), tail

@@ -174,3 +174,19 @@ def test_feed_after_finish_rejected():
     p.finish()
     with pytest.raises(RuntimeError, match="new parser"):
         p.feed("x")
+
+
+def test_long_argument_streamed_in_small_chunks_is_linear_time():
+    # The scanner must not re-search the whole open invoke body on every chunk (quadratic: a
+    # 400 kB body in 4-character chunks took ~13 s before; linear is well under a second).
+    import time
+
+    text = block(invoke("grep", el("pattern", "a" * 400_000)))
+    parser = StreamingToolParser(TOOLS)
+    t0 = time.perf_counter()
+    for i in range(0, len(text), 4):
+        parser.feed(text[i:i + 4])
+    parser.finish()
+    assert time.perf_counter() - t0 < 5.0
+    assert parser.result() == parse_tool_calls(text, TOOLS)
+    assert json.loads(parser.result().tool_calls[0].arguments) == {"pattern": "a" * 400_000}

@@ -94,3 +94,42 @@ def test_new_options_load():
     assert cfg.loss_fn.reference_policy_kl_penalty == pytest.approx(0.01)
     assert cfg.policy.freeze.patterns == ["lm_head"] and cfg.policy.routing_replay
     assert cfg.checkpointing.keep_top_k == 3
+
+
+# --- adversarial review (issue 9) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, needle", [
+    # inf passes every "> 0" check; it makes lr / temperature meaningless and a tool timeout of
+    # inf crashed the tool pool (OverflowError in the wait).
+    ("policy.optimizer.lr=inf", "policy.optimizer.lr"),
+    ("policy.generation.temperature=inf", "policy.generation.temperature"),
+    ("env.calculator.timeout_s=inf", "env.calculator.timeout_s"),
+    ("grpo.async_grpo.group_timeout_s=inf", "grpo.async_grpo.group_timeout_s"),
+    ("policy.max_grad_norm=-inf", "policy.max_grad_norm"),
+    # Values torch.optim.AdamW would reject only after the model is loaded.
+    ("policy.optimizer.beta1=1.5", "policy.optimizer.beta1"),
+    ("policy.optimizer.beta2=-0.1", "policy.optimizer.beta2"),
+    ("policy.optimizer.eps=-1e-8", "policy.optimizer.eps"),
+    ("policy.optimizer.weight_decay=-1", "policy.optimizer.weight_decay"),
+    # Checked at start rather than when the environment / optimizer is built.
+    ("policy.freeze.patterns=['(']", "policy.freeze.patterns"),
+    ("env.jsonl.tools=[calculator,bogus]", "env.jsonl.tools"),
+])
+def test_more_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(MAIN, [override])
+
+
+def test_yaml_errors_are_config_errors_naming_the_file(tmp_path):
+    (tmp_path / "section.yaml").write_text("grpo: 5\n")
+    with pytest.raises(ConfigError, match="grpo"):
+        load_config(tmp_path / "section.yaml")
+    (tmp_path / "syntax.yaml").write_text("grpo:\n  seed: [1\n")
+    with pytest.raises(ConfigError, match="syntax.yaml"):
+        load_config(tmp_path / "syntax.yaml")
+    (tmp_path / "interp.yaml").write_text("grpo:\n  seed: ${grpo.nope}\n")
+    with pytest.raises(ConfigError, match="grpo.nope"):
+        load_config(tmp_path / "interp.yaml")
+    with pytest.raises(ConfigError, match="grpo"):
+        load_config(MAIN, ["grpo=1"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -281,3 +282,63 @@ def test_pandas_reads_a_dump_directory_skipping_temp_files(tmp_path):
     (tmp_path / ".step_00000003.parquet.tmp-1").write_bytes(b"PAR1 partial")
     df = pd.read_parquet(tmp_path)
     assert sorted(df["step"].unique()) == [1, 2] and len(df) == 6
+
+
+# --- adversarial review (issue 10) -------------------------------------------------------------
+
+
+def test_shard_with_broken_metadata_is_a_named_error_and_others_load(tmp_path):
+    good, _ = _write(tmp_path, 1)
+    # The version key but nothing else (a half-written foreign tool), and non-UTF-8 metadata.
+    pq.write_table(pa.table({"x": [1]}).replace_schema_metadata({S.META_VERSION.encode(): b"1"}),
+                   tmp_path / S.shard_name(2))
+    t = pq.read_table(good)
+    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, S.META_STEP.encode(): b"\xff\xfe"}),
+                   tmp_path / S.shard_name(3))
+    t = pq.read_table(good)
+    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, S.META_STEP_METRICS.encode(): b"{oops"}),
+                   tmp_path / S.shard_name(4))
+    read = read_dump(tmp_path)
+    assert [s.step for s in read.shards] == [1] and read.table.num_rows == 3
+    assert sorted(e.path.name for e in read.errors) == [S.shard_name(k) for k in (2, 3, 4)]
+    assert all(isinstance(e, DumpFileError) and "metadata" in e.reason for e in read.errors)
+
+
+def test_unserialisable_env_info_does_not_stop_the_dump(tmp_path):
+    # An environment plug-in may put any object into its info; the dump keeps its repr instead
+    # of raising in the middle of a training run.
+    class Opaque:
+        def __repr__(self):
+            return "<Opaque 7>"
+
+    trajs = [_traj(0, j, 300 + j) for j in range(2)]
+    trajs[0].info = {"obj": Opaque(), "ok": 1}
+    path, _ = _write(tmp_path, 1, trajs, [0.5, -0.5])
+    rows = read_shard(path).to_pylist()
+    assert json.loads(rows[0]["env_info"]) == {"obj": "<Opaque 7>", "ok": 1}
+
+
+def test_duplicate_group_and_sample_ids_are_refused(tmp_path):
+    # (step, group_id, sample_index) identifies a row: replay keys re-scored logprobs by it and
+    # offline training groups advantages by group_id, so two rows must never share it.
+    trajs = [_traj(0, 0, 1), _traj(0, 0, 2)]
+    with pytest.raises(ValueError, match=r"group 0, sample 0"):
+        _write(tmp_path, 1, trajs, [0.0, 0.0])
+    assert not list(tmp_path.iterdir())
+
+
+def test_resumed_run_keeps_existing_shards_instead_of_failing(tmp_path):
+    # checkpointing.resume re-runs the steps after the checkpoint; shards the interrupted run
+    # already wrote for them stay untouched and the resumed run goes on (no FileExistsError).
+    from m3_rollout.config import load_config
+    from m3_rollout.dump.writer import writer_from_config
+
+    first, trajs = _write(tmp_path, 3)
+    before = _sha(first)
+    over = ["rollout_dump.enabled=true", f"rollout_dump.dir={tmp_path}"]
+    resumed = writer_from_config(load_config(None, over + ["checkpointing.resume=true"]), decode=_decode)
+    assert resumed.write_step(3, trajs, [0.0] * 3) is None and _sha(first) == before
+    assert resumed.write_step(4, trajs, [0.0] * 3) == tmp_path / S.shard_name(4)
+    fresh = writer_from_config(load_config(None, over), decode=_decode)
+    with pytest.raises(FileExistsError):
+        fresh.write_step(3, trajs, [0.0] * 3)

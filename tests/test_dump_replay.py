@@ -129,3 +129,32 @@ def test_grpo_loop_dumps_and_cli(tmp_path, monkeypatch, capsys):
     assert "no shard for steps [5]" in capsys.readouterr().err
     assert dump_main(["inspect", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_groups_from_several_prompt_batches_get_distinct_group_ids(tmp_path, monkeypatch):
+    # Dynamic sampling (and async GRPO) fill one step with groups of several prompt batches,
+    # whose trajectories all count group_index from 0. The step must renumber them: the dump's
+    # (step, group_id, sample_index) key and offline advantages depend on it.
+    import m3_rollout.grpo as grpo
+
+    monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    real = grpo.run_group_rollouts
+
+    def only_group_0_has_signal(*args, **kw):  # each prompt batch keeps exactly its group 0
+        trajs, m = real(*args, **kw)
+        for t in trajs:
+            t.reward = float(t.sample_index % 2) if t.group_index == 0 else 0.0
+        return trajs, m
+
+    monkeypatch.setattr(grpo, "run_group_rollouts", only_group_0_has_signal)
+    d = tmp_path / "dumps"
+    cfg = load_config("configs/grpo_smoke.yaml", [
+        "grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.num_prompts_per_step=2",
+        "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2",
+        "policy.train_global_batch_size=8", f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false",
+        "rollout_dump.enabled=true", f"rollout_dump.dir={d}"])
+    grpo.run(cfg)
+    rows = read_dump(d).table.to_pylist()
+    assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [(g, j) for g in (0, 1) for j in range(4)]
+    for r in rows:  # both kept groups have rewards 0, 1, 0, 1 -> advantages of alternating sign
+        assert (r["advantage"] > 0) == (r["sample_index"] % 2 == 1)

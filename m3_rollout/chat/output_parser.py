@@ -55,6 +55,11 @@ class OutputDelta:
 class StreamingOutputParser:
     """Chunks of one model turn in, `OutputDelta`s out; `result()` is the `ParsedTurn` so far.
 
+    When the reasoning parser re-splits the content (enabled mode, a re-emitted `<mm:think>`,
+    see `StreamingReasoningParser`), the tool parser starts over on the new content, so
+    `result()` still equals `parse_model_output`; the deltas then repeat that content and its
+    calls (a stream cannot take back what it sent).
+
     Args:
         thinking_mode: the request's thinking mode (decides whether output starts in reasoning).
         tools: the request's tools (schemas type the argument values).
@@ -63,6 +68,7 @@ class StreamingOutputParser:
 
     def __init__(self, thinking_mode: str | None, tools: list[dict] | None = None, first_index: int = 0):
         self._reasoning = StreamingReasoningParser(thinking_mode)
+        self._tool_args = (tools, first_index)
         self._tools = StreamingToolParser(tools, first_index)
 
     def feed(self, text: str) -> OutputDelta:
@@ -73,6 +79,8 @@ class StreamingOutputParser:
 
     def _route(self, rd, final: bool) -> OutputDelta:
         out = OutputDelta(reasoning=rd.reasoning)
+        if rd.content_restarted:  # the content was re-split: parse the new content from scratch
+            self._tools = StreamingToolParser(*self._tool_args)
         for td in ([self._tools.feed(rd.content)] if rd.content else []) + ([self._tools.finish()] if final else []):
             if td.content:
                 out.content = (out.content or "") + td.content

@@ -82,10 +82,16 @@ def split_reasoning(text: str, thinking_mode: str | None) -> tuple[str | None, s
 
 @dataclass
 class ReasoningDelta:
-    """Text one `feed` / `finish` call adds to the reasoning and to the content (None = nothing)."""
+    """Text one `feed` / `finish` call adds to the reasoning and to the content (None = nothing).
+
+    `content_restarted`: the content so far was re-split (enabled mode, re-emitted opener) and
+    `content` is the whole new content, not an addition; a consumer that accumulated the earlier
+    content (e.g. a streaming tool parser) must start over from this text.
+    """
 
     reasoning: str | None = None
     content: str | None = None
+    content_restarted: bool = False
 
 
 def _partial_marker_len(text: str) -> int:
@@ -150,6 +156,7 @@ class StreamingReasoningParser:
     def _emit(self, reasoning: str, content: str) -> ReasoningDelta:
         delta = ReasoningDelta()
         delta.reasoning, self._sent_reasoning = _added(self._sent_reasoning, reasoning)
+        delta.content_restarted = bool(self._sent_content) and not content.startswith(self._sent_content)
         delta.content, self._sent_content = _added(self._sent_content, content)
         return delta
 

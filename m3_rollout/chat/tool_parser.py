@@ -126,6 +126,9 @@ class ToolCallScanner:
         self._buf = ""
         self._name_end = ""  # terminator of the current name, chosen by the opening quote
         self._name: str | None = None
+        # Offset in `_buf` before which the current state's terminator is known to be absent, so
+        # a long name or invoke body fed in small chunks is scanned once (linear, not quadratic).
+        self._scanned = 0
 
     @property
     def current_name(self) -> str | None:
@@ -155,7 +158,11 @@ class ToolCallScanner:
             events.append(ScanEvent("invoke", name=None, closed=False))
         elif self.state is _State.ARGS:
             events.append(ScanEvent("invoke", text=self._buf, name=self._name, closed=False))
+        elif self.state is _State.BLOCK and self._buf.startswith(INVOKE_PREFIX):
+            # Cut right after `<invoke name=`: a call was started, its name is unknown.
+            events.append(ScanEvent("invoke", name=None, closed=False))
         self._buf = ""
+        self._scanned = 0
         self.state = _State.BLOCK
         return events
 
@@ -188,7 +195,7 @@ class ToolCallScanner:
             self.state = _State.NAME
             return True
         if self.state is _State.NAME:
-            i = buf.find(self._name_end)
+            i = self._find(self._name_end)
             if i < 0:
                 return False
             self._name = buf[:i].strip()
@@ -197,13 +204,20 @@ class ToolCallScanner:
             self.state = _State.ARGS
             return True
         # ARGS: arguments are not streamed piecewise (converted values are not prefix-stable).
-        i = buf.find(INVOKE_CLOSE)
+        i = self._find(INVOKE_CLOSE)
         if i < 0:
             return False
         events.append(ScanEvent("invoke", text=buf[:i], name=self._name))
         self._buf = buf[i + len(INVOKE_CLOSE) :]
         self.state = _State.BLOCK
         return True
+
+    def _find(self, marker: str) -> int:
+        """`_buf.find(marker)`, skipping the part searched by earlier calls; on success the next
+        state starts searching from 0 again."""
+        i = self._buf.find(marker, self._scanned)
+        self._scanned = 0 if i >= 0 else max(0, len(self._buf) - len(marker) + 1)
+        return i
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,14 +324,26 @@ def _parse_body(body: str, closed: bool) -> tuple[list[tuple[str, _Element | str
 _TYPE_PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
 
 
+def _listed(value: Any) -> list:
+    """A schema keyword that should hold a list (`type`, `enum`, `anyOf`, ...) as a list: a
+    single string becomes [it]; anything else that is not a list (malformed schema) is ignored."""
+    if isinstance(value, str):
+        return [value]
+    return value if isinstance(value, list) else []
+
+
+def _type_names(schema: dict) -> list[str]:
+    """The `type` keyword's names (non-string entries of a malformed schema are ignored)."""
+    return [t for t in _listed(schema.get("type")) if isinstance(t, str)]
+
+
 def _container(schema: Any) -> tuple[str, dict] | None:
     """First array/object alternative of `schema`: ("array"|"object", the sub-schema holding its
     items/properties), looking through `type` lists, `items`/`properties`/`additionalProperties`
     and `anyOf`/`oneOf`."""
     if not isinstance(schema, dict):
         return None
-    types = schema.get("type")
-    for t in [types] if isinstance(types, str) else types or []:
+    for t in _type_names(schema):
         if t in ("array", "object"):
             return t, schema
     if "items" in schema:
@@ -325,7 +351,7 @@ def _container(schema: Any) -> tuple[str, dict] | None:
     if "properties" in schema or isinstance(schema.get("additionalProperties"), dict):
         return "object", schema
     for key in ("anyOf", "oneOf"):
-        for alt in schema.get(key) or []:
+        for alt in _listed(schema.get(key)):
             found = _container(alt)
             if found:
                 return found
@@ -348,15 +374,41 @@ def _json_type(value: Any) -> str:
 
 def _schema_types(schema: dict) -> set[str]:
     """Types a value may take, from `type`, `enum` values and `anyOf`/`oneOf`/`allOf`."""
-    types: set[str] = set()
-    t = schema.get("type")
-    types.update([t] if isinstance(t, str) else t or [])
-    types.update(_json_type(v) for v in schema.get("enum") or [])
+    types: set[str] = set(_type_names(schema))
+    types.update(_json_type(v) for v in _listed(schema.get("enum")))
     for key in ("anyOf", "oneOf", "allOf"):
-        for alt in schema.get(key) or []:
+        for alt in _listed(schema.get(key)):
             if isinstance(alt, dict):
                 types |= _schema_types(alt)
     return types
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_value(text: str) -> Any:
+    """`json.loads` that refuses NaN / Infinity (Python's extension of JSON), so every value
+    we put into `function.arguments` re-serialises as strict JSON; raises ValueError otherwise.
+
+    NOTE: differs from vLLM, whose plain `json.loads` fallback lets `NaN` through and then emits
+    arguments that a strict JSON reader rejects; here such text stays a string."""
+    value = json.loads(text, parse_constant=_reject_constant)
+    if isinstance(value, float) and not math.isfinite(value):  # e.g. "1e400" overflows to inf
+        raise ValueError("non-finite number")
+    if isinstance(value, (dict, list)) and not _finite_tree(value):
+        raise ValueError("non-finite number")
+    return value
+
+
+def _finite_tree(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite_tree(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite_tree(v) for v in value)
+    return True
 
 
 def _coerce(text: str, types: set[str]) -> tuple[bool, Any]:
@@ -383,8 +435,8 @@ def _coerce(text: str, types: set[str]) -> tuple[bool, Any]:
             return True, stripped.lower() in ("true", "1")
         if t in ("object", "array"):
             try:
-                v = json.loads(text)
-            except ValueError:
+                v = _json_value(text)
+            except (ValueError, RecursionError):
                 continue
             if isinstance(v, dict if t == "object" else list):
                 return True, v
@@ -408,8 +460,8 @@ def _convert_text(text: str, schema: Any) -> Any:
     if ok:
         return value
     try:
-        return json.loads(text)
-    except ValueError:
+        return _json_value(text)
+    except (ValueError, RecursionError):
         return text
 
 

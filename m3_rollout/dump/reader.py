@@ -77,7 +77,7 @@ def _metadata(path: Path) -> dict[str, str]:
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise DumpFileError(path, f"not a readable Parquet file, probably truncated or corrupt ({exc}); "
                                   f"delete it or restore it, the other shards still load") from None
-    meta = {k.decode(): v.decode() for k, v in meta.items()}
+    meta = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in meta.items()}
     if S.META_VERSION not in meta:
         raise DumpFileError(path, f"Parquet file without {S.META_VERSION!r} metadata: not a rollout dump shard")
     if meta[S.META_VERSION] != str(S.SCHEMA_VERSION):
@@ -95,10 +95,15 @@ def shard_info(path: str | Path) -> ShardInfo:
     """
     path = Path(path)
     meta = _metadata(path)
-    return ShardInfo(path=path, step=int(meta[S.META_STEP]), run_id=meta[S.META_RUN_ID],
-                     num_rows=int(meta[S.META_NUM_ROWS]), size_bytes=path.stat().st_size,
-                     step_metrics=json.loads(meta.get(S.META_STEP_METRICS, "{}")),
-                     absent_fields=json.loads(meta.get(S.META_ABSENT, "[]")))
+    try:
+        return ShardInfo(path=path, step=int(meta[S.META_STEP]), run_id=meta[S.META_RUN_ID],
+                         num_rows=int(meta[S.META_NUM_ROWS]), size_bytes=path.stat().st_size,
+                         step_metrics=json.loads(meta.get(S.META_STEP_METRICS, "{}")),
+                         absent_fields=json.loads(meta.get(S.META_ABSENT, "[]")))
+    except KeyError as exc:
+        raise DumpFileError(path, f"metadata lacks {exc.args[0]!r}: not a complete rollout dump shard") from None
+    except ValueError as exc:
+        raise DumpFileError(path, f"metadata is malformed ({exc}): not a valid rollout dump shard") from None
 
 
 def read_shard(path: str | Path, columns: Iterable[str] | None = None) -> pa.Table:
@@ -118,7 +123,7 @@ def read_shard(path: str | Path, columns: Iterable[str] | None = None) -> pa.Tab
     missing = [c for c in want if c not in table.column_names]
     if missing:
         raise DumpFileError(path, f"missing columns {missing} for schema version {S.SCHEMA_VERSION}")
-    if table.num_rows != int(meta[S.META_NUM_ROWS]):
+    if table.num_rows != int(meta.get(S.META_NUM_ROWS, -1)):
         raise DumpFileError(path, f"{table.num_rows} rows but the metadata says {meta[S.META_NUM_ROWS]}")
     return table
 

@@ -56,7 +56,9 @@ class StepContext:
 
 
 def to_jsonable(value: Any) -> Any:
-    """``json.dumps`` default hook: numpy / torch scalars and arrays, dataclasses, sets."""
+    """``json.dumps`` default hook: numpy / torch scalars and arrays, dataclasses, sets; any
+    other object becomes its ``repr`` (a plug-in's odd info value must not stop a run's dump;
+    that value then reads back as a string)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, np.generic):
@@ -64,8 +66,8 @@ def to_jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):  # numpy arrays, torch tensors
         return value.tolist()
     if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+        return sorted(value, key=repr)
+    return repr(value)
 
 
 def dumps(value: Any, sort_keys: bool = False) -> str:
@@ -245,6 +247,14 @@ def table_from_trajectories(trajs: Sequence[Trajectory], advantages: Sequence[fl
                                                              else advantages)]
     if adv is not None and len(adv) != len(trajs):
         raise ValueError(f"advantages has {len(adv)} entries for {len(trajs)} trajectories")
+    seen: set[tuple[int, int]] = set()
+    for t in trajs:
+        key = (int(t.group_index), int(t.sample_index))
+        if key in seen:
+            raise ValueError(f"two trajectories of step {ctx.step} are (group {key[0]}, sample {key[1]}); "
+                             f"(group_index, sample_index) must be unique within a step (renumber the "
+                             f"groups of a step that come from several prompt batches)")
+        seen.add(key)
     absent: set[str] = set()
     rows = [trajectory_row(t, None if adv is None else adv[i], ctx, decode, absent) for i, t in enumerate(trajs)]
     if adv is None:

@@ -72,6 +72,9 @@ class RolloutDumpWriter:
         retention: see :class:`RetentionPolicy`.
         decode: token ids -> text, for the prompt/response/turn text columns (None: text left null).
         checkpoint_hash, config_hash: provenance strings stored in every row.
+        keep_existing: a step whose shard already exists is skipped (``write_step`` returns
+            None) instead of raising; for a resumed run, which repeats the steps after its
+            checkpoint that the interrupted run may have dumped already.
 
     Raises:
         NotADirectoryError: ``directory`` exists and is not a directory.
@@ -79,7 +82,8 @@ class RolloutDumpWriter:
 
     def __init__(self, directory: str | os.PathLike, run_id: str | None = None, every_n_steps: int = 1,
                  retention: RetentionPolicy | None = None, decode: Callable[[list[int]], str] | None = None,
-                 checkpoint_hash: str | None = None, config_hash: str | None = None):
+                 checkpoint_hash: str | None = None, config_hash: str | None = None,
+                 keep_existing: bool = False):
         self.dir = Path(directory)
         if self.dir.exists() and not self.dir.is_dir():
             raise NotADirectoryError(f"rollout_dump.dir={str(self.dir)!r} exists and is not a directory")
@@ -92,6 +96,7 @@ class RolloutDumpWriter:
         self.decode = decode
         self.checkpoint_hash = checkpoint_hash
         self.config_hash = config_hash
+        self.keep_existing = keep_existing
         self.last_absent: list[str] = []
         self._remove_stale_tmp()
 
@@ -118,16 +123,20 @@ class RolloutDumpWriter:
             step_metrics: the step's logged metrics, stored as JSON in the file metadata.
 
         Returns:
-            The shard path, or None when the step is not dumped.
+            The shard path, or None when the step is not dumped (or its shard exists and
+            ``keep_existing`` is set).
 
         Raises:
-            FileExistsError: a shard for this step already exists (shards are never rewritten).
+            FileExistsError: a shard for this step already exists (shards are never rewritten)
+                and ``keep_existing`` is not set.
             ValueError: inconsistent trajectories (see ``table_from_trajectories``).
         """
         if not self.should_write(step):
             return None
         final = self.dir / S.shard_name(step)
         if final.exists():
+            if self.keep_existing:
+                return None
             raise FileExistsError(f"{final}: a shard for step {step} already exists and shards are never "
                                   f"rewritten; use a new rollout_dump.dir for a new run")
         ctx = StepContext(self.run_id, step, sampling_params or {}, self.checkpoint_hash, self.config_hash)
@@ -195,7 +204,8 @@ def writer_from_config(cfg, model_dir=None, decode: Callable[[list[int]], str] |
                              + "-" + uuid.uuid4().hex[:6], every_n_steps=d.every_n_steps,
                              retention=RetentionPolicy(d.keep_last_n_steps, d.max_bytes), decode=decode,
                              checkpoint_hash=checkpoint_hash(model_dir) if model_dir else None,
-                             config_hash=config_hash(to_dict(cfg)))
+                             config_hash=config_hash(to_dict(cfg)),
+                             keep_existing=bool(getattr(getattr(cfg, "checkpointing", None), "resume", False)))
 
 
 def sampling_params_of(settings, step_seed: int | None = None) -> dict:

@@ -305,15 +305,18 @@ class LLMEngine:
                 index.append(i)
         if len(seqs) != len(leaders):
             logits = logits[torch.tensor(index, device=logits.device)]
+        # NOTE: sample where the logits are (GPU: no [N, V] device-to-host copy); only the N
+        # tokens and logprobs come back to the host.
+        dev = logits.device
         params = SamplingTensors(
-            temperature=torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64),
-            top_k=torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64),
-            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
-            seeds=torch.tensor([s.params.seed for s in seqs], dtype=torch.int64),
-            sample_ids=torch.tensor([s.sample_index for s in seqs], dtype=torch.int64))
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
-        raw = torch.tensor([s.params.logprobs_mode == "raw" for s in seqs])
-        tokens, lps = sample(logits.to(compute_dtype(logits.dtype)).cpu(), params, positions, raw)
+            temperature=torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64, device=dev),
+            top_k=torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64, device=dev),
+            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev),
+            seeds=torch.tensor([s.params.seed for s in seqs], dtype=torch.int64, device=dev),
+            sample_ids=torch.tensor([s.sample_index for s in seqs], dtype=torch.int64, device=dev))
+        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev)
+        raw = torch.tensor([s.params.logprobs_mode == "raw" for s in seqs], device=dev)
+        tokens, lps = sample(logits.to(compute_dtype(logits.dtype)), params, positions, raw)
         tokens, lps = tokens.tolist(), lps.tolist()
         self.stats.generated_tokens += len(seqs)
         out: list = []

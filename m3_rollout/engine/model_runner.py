@@ -96,14 +96,18 @@ def meta_to(meta: PagedMetadata, device: torch.device) -> PagedMetadata:
 class DecodeBuffers:
     """Preallocated device tensors for decode steps of up to ``max_num_seqs`` rows (stable
     addresses for CUDA-graph replay). Padding rows: token 0 at position 0, slot -1, context 0,
-    block table all -1 (their outputs are dropped)."""
+    block 0 = the null page, the rest -1 (their outputs are dropped)."""
 
-    def __init__(self, max_num_seqs: int, max_pages: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_pages: int, device: torch.device, null_page: int):
         n = max_num_seqs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.full((n, max_pages), -1, dtype=torch.int32, device=device)
+        # NOTE: padding rows (seq_len 1) still read their block 0 in the kernels: point it at the
+        # null page (paged_cache.py), where their slot -1 writes also land; outputs are dropped.
+        self.null_page = null_page
+        self.block_tables[:, 0] = null_page
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -116,6 +120,7 @@ class DecodeBuffers:
         self.slot_mapping[:r].copy_(m.slot_mapping)
         self.slot_mapping[r:padded_rows].fill_(-1)
         self.block_tables[:padded_rows].fill_(-1)
+        self.block_tables[r:padded_rows, 0] = self.null_page
         self.block_tables[:r, :m.block_tables.shape[1]].copy_(m.block_tables)
         self.context_lens[:r].copy_(m.context_lens)
         self.context_lens[r:padded_rows].zero_()
@@ -186,7 +191,7 @@ class ModelRunner:
         self.graphs: CudaGraphDecode | None = None
         if enable_cuda_graphs and self.device.type == "cuda":
             max_pages = -(-max_model_len // self.page_size)
-            buffers = DecodeBuffers(max_num_seqs, max_pages, self.device)
+            buffers = DecodeBuffers(max_num_seqs, max_pages, self.device, kv.null_page)
             try:
                 self.graphs = CudaGraphDecode(model, kv, buffers, max_num_seqs, max_model_len)
                 with torch.no_grad():

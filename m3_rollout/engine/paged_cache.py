@@ -9,7 +9,9 @@ Layout (fixed; the Triton MSA kernels of ``kernels/`` index exactly these tensor
 ------------------------------------------------------------------------------
 ``P`` = num_pages, ``ps`` = page_size (= ``config.sparse_block_size``), ``L`` = num_hidden_layers,
 ``Ls`` = number of sparse layers, ``G`` = num_key_value_heads, ``d`` = head_dim,
-``di`` = sparse_index_dim. All tensors are contiguous, dtype = the engine's KV dtype (bf16 on GPU,
+``di`` = sparse_index_dim. Every cache tensor has ``P + 1`` pages along its page axis: page ``P`` (``PagedKVCache.null_page``)
+is never handed out; padding tokens (slot ``-1``) write into it and padding rows of a CUDA-graph
+batch read it, so neither needs a data-dependent branch (no host sync). All tensors are contiguous, dtype = the engine's KV dtype (bf16 on GPU,
 fp32 or fp64 on CPU), allocated once; per-layer views never move (CUDA-graph safe).
 
 - ``k_cache``: ``[L, P, G, ps, d]``; entry ``[l, p, g, o, :]`` is the post-QK-norm, post-RoPE key of
@@ -117,15 +119,16 @@ class PagedKVCache:
         for i in range(nl):
             if config.is_sparse_layer(i):
                 self.sparse_slot[i] = len(self.sparse_slot)
-        self.k_cache = torch.zeros(nl, num_pages, g, ps, d, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(nl, num_pages, g, ps, d, dtype=dtype, device=self.device)
-        self.index_cache = torch.zeros(max(len(self.sparse_slot), 1), num_pages, ps, config.sparse_index_dim,
+        self.null_page = num_pages  # scratch page for padding (see the module docstring)
+        self.k_cache = torch.zeros(nl, num_pages + 1, g, ps, d, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(nl, num_pages + 1, g, ps, d, dtype=dtype, device=self.device)
+        self.index_cache = torch.zeros(max(len(self.sparse_slot), 1), num_pages + 1, ps, config.sparse_index_dim,
                                        dtype=dtype, device=self.device)
 
     @staticmethod
     def pages_for_budget(config: M3Config, dtype: torch.dtype, memory_bytes: int) -> int:
-        """How many pages fit in ``memory_bytes`` (floor)."""
-        return int(memory_bytes // page_bytes(config, dtype))
+        """How many usable pages fit in ``memory_bytes`` (floor; the null page counted)."""
+        return int(memory_bytes // page_bytes(config, dtype)) - 1
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(k [P, G, ps, d], v [P, G, ps, d], index_k [P, ps, di] or None) views of one layer."""

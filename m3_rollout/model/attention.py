@@ -173,19 +173,16 @@ class M3Attention(nn.Module):
 
 def write_paged_kv(slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ik: torch.Tensor | None,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, index_cache: torch.Tensor | None) -> None:
-    """Scatter the step's keys into their pages (slot = page * ps + offset; -1 = padding, skipped).
+    """Scatter the step's keys into their pages (slot = page * ps + offset; -1 = padding).
 
     slot_mapping: [T] int64; k, v: [T, G, d]; ik: [T, di] or None; k_cache, v_cache:
-    [P, G, ps, d]; index_cache: [P, ps, di] or None.
+    [P + 1, G, ps, d]; index_cache: [P + 1, ps, di] or None. Padding tokens go to the last
+    (null) page, so there is no data-dependent branch and no host sync (CUDA-graph safe).
     """
     ps = k_cache.shape[2]
     slot = slot_mapping.long()
-    valid = slot >= 0
-    if not bool(valid.all()):  # NOTE: host sync only to drop padding tokens (never in plain steps)
-        keep = valid.nonzero().squeeze(1)
-        slot, k, v = slot[keep], k[keep], v[keep]
-        ik = None if ik is None else ik[keep]
-    page, off = slot // ps, slot % ps  # [T'], [T']
+    slot = torch.where(slot >= 0, slot, (k_cache.shape[0] - 1) * ps)  # -1 -> null page, offset 0
+    page, off = slot // ps, slot % ps  # [T], [T]
     k_cache[page, :, off] = k.to(k_cache.dtype)  # advanced dims first: [T', G, d]
     v_cache[page, :, off] = v.to(v_cache.dtype)
     if ik is not None:

@@ -4,14 +4,21 @@ Governing idea: a tool is model-driven code, so it never runs in the rollout pro
 pool of forked workers holds the tool functions (inherited at fork, so nothing is pickled but
 the call's name and JSON arguments); each call gets a deadline, and a worker that misses it is
 SIGKILLed and replaced. Tool output is capped in length inside the worker, before it crosses
-the pipe. Every failure (timeout, exception, dead worker) comes back as an ``Error: ...`` text
-for the model, never as an exception in the rollout loop.
+the pipe (lone surrogates, which the tokenizer cannot encode, become U+FFFD); what a tool prints
+goes to /dev/null. Every failure (timeout, exception, a worker that died during or between
+calls, arguments that cannot be sent) comes back as an ``Error: ...`` text for the model, never
+as an exception in the rollout loop; a run interrupted from outside (e.g. Ctrl-C) replaces the
+workers it left busy, so no stale reply is ever read as a later call's result.
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import multiprocessing as mp
+import os
+import re
+import sys
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -19,12 +26,15 @@ from typing import Callable
 
 __all__ = ["ToolProcessPool", "cap_output"]
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 def cap_output(text: str, max_chars: int) -> str:
-    """``text`` cut to ``max_chars`` characters plus a marker saying how much was dropped."""
-    if len(text) <= max_chars:
-        return text
-    return text[:max_chars] + f"...[truncated {len(text) - max_chars} characters]"
+    """``text`` cut to ``max_chars`` characters plus a marker saying how much was dropped; lone
+    surrogates (not encodable, so not tokenizable) become U+FFFD."""
+    if len(text) > max_chars:
+        text = text[:max_chars] + f"...[truncated {len(text) - max_chars} characters]"
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _run_one(fns: dict[str, Callable[..., object]], name: str, kwargs: dict, max_chars: int) -> str:
@@ -41,6 +51,15 @@ def _run_one(fns: dict[str, Callable[..., object]], name: str, kwargs: dict, max
 
 
 def _worker_main(conn: Connection, fns: dict, max_chars: int) -> None:
+    # What a tool prints is not its result: keep it off the trainer's stdout (a chatty tool
+    # would also block on a full pipe and time out). stderr stays for crash tracebacks.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)  # C-level writes
+        os.close(devnull)
+        sys.stdout = open(os.devnull, "w")  # Python-level prints (sys.stdout may not be fd 1)
+    except OSError:
+        pass
     while True:
         try:
             msg = conn.recv()
@@ -92,8 +111,8 @@ class ToolProcessPool:
                  max_output_chars: int = 2048):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: must be >= 1")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s={timeout_s}: must be a finite number of seconds > 0")
         if max_output_chars < 1:
             raise ValueError(f"max_output_chars={max_output_chars}: must be >= 1")
         self.fns = dict(fns)
@@ -125,12 +144,45 @@ class ToolProcessPool:
         queue = list(range(len(calls)))
         free = list(range(len(self._workers)))
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
+        try:
+            self._run(calls, results, queue, free, busy)
+        except BaseException:
+            # Interrupted with calls in flight: their replies would sit in the pipes and be read
+            # as the results of a later run's calls. Replace those workers.
+            for slot in busy:
+                self._replace(slot)
+            raise
+        return [r if r is not None else "Error: no result" for r in results]
+
+    def _send(self, slot: int, call: tuple[str, dict]) -> str | None:
+        """Send ``call`` to worker ``slot``; a worker found dead (killed between runs) is
+        replaced and the call resent once. Returns an error text when the call cannot be sent."""
+        for attempt in range(2):
+            try:
+                self._workers[slot].conn.send(call)
+                return None
+            except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
+                self.stats["worker_deaths"] += 1
+                self._replace(slot)
+                if attempt:
+                    return f"Error: tool {call[0]!r} could not be started ({type(exc).__name__})"
+            except Exception as exc:  # e.g. arguments that cannot be pickled; nothing was written
+                return f"Error: could not send the call to {call[0]!r} ({type(exc).__name__}: {exc})"
+        return None
+
+    def _run(self, calls, results, queue, free, busy) -> None:
         while queue or busy:
             while queue and free:
                 slot, i = free.pop(), queue.pop(0)
-                self._workers[slot].conn.send(calls[i])
+                error = self._send(slot, calls[i])
+                if error is not None:
+                    results[i] = error
+                    free.append(slot)
+                    continue
                 busy[slot] = (i, time.monotonic() + self.timeout_s)
                 self.stats["calls"] += 1
+            if not busy:
+                continue
             deadline = min(d for _, d in busy.values())
             ready = wait([self._workers[s].conn for s in busy], timeout=max(0.0, deadline - time.monotonic()))
             for slot in list(busy):
@@ -150,7 +202,6 @@ class ToolProcessPool:
                     continue
                 del busy[slot]
                 free.append(slot)
-        return [r if r is not None else "Error: no result" for r in results]
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].kill()

@@ -38,7 +38,7 @@ def safe_calculate(expression: str, max_chars: int = 64, max_operand_digits: int
         with warnings.catch_warnings():  # model text like "12]3" makes ast warn before failing
             warnings.simplefilter("ignore", SyntaxWarning)
             tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # the last two: nesting beyond the parser
         raise ValueError(f"cannot parse expression {expression!r}") from None
 
     def bounded(v: int) -> int:
@@ -71,7 +71,10 @@ def safe_calculate(expression: str, max_chars: int = 64, max_operand_digits: int
             return bounded(ops[type(node.op)](b))
         raise ValueError(f"unsupported syntax in {expression!r}: only integers, + - * // % **, parentheses")
 
-    return walk(tree)
+    try:
+        return walk(tree)
+    except RecursionError:  # only reachable with a large max_chars
+        raise ValueError("expression nested too deeply") from None
 
 
 def _calculator(expression: str, max_chars: int = 64) -> str:
@@ -116,7 +119,7 @@ def convert_units(value: float, from_unit: str, to_unit: str) -> str:
     (dim_a, fa), (dim_b, fb) = UNITS[from_unit], UNITS[to_unit]
     if dim_a != dim_b:
         return f"Error: cannot convert {dim_a} ({from_unit}) to {dim_b} ({to_unit})"
-    if not math.isfinite(value) or abs(value) > 1e15:
+    if not abs(value) <= 1e15:  # also NaN, inf, and ints too large for a float
         return "Error: value must be finite and at most 1e15 in magnitude"
     if dim_a == "temperature":
         (sa, oa), (sb, ob) = _TO_KELVIN[from_unit], _TO_KELVIN[to_unit]
