@@ -21,24 +21,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from m3_rollout.builtin import resolve_model
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.config import ConfigError, LossConfig, MasterConfig, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
-from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.service.factory import build_rollout_service
 from m3_rollout.metrics_logger import MetricsLogger
 from m3_rollout.model import load_checkpoint
-from m3_rollout.rollout.data import PromptSource, load_jsonl
-from m3_rollout.rollout.environments import build_environment
-from m3_rollout.rollout.environments.calculator import ArithmeticTask
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
+from m3_rollout.rollout.stack import batch_seed, build_policy, build_rollout_stack
 from m3_rollout.rollout.trajectory import Trajectory
 from trainers.advantages import DynamicSampler, group_advantages, overlong_filter_mask
 from trainers.batch import batch_from_trajectories
 from trainers.checkpoint import TOKENIZER_FILES, CheckpointManager  # noqa: F401  (TOKENIZER_FILES re-exported)
 from trainers.loss import ClippedPGLossFn
-from trainers.policy import Policy, mismatch_metrics
+from trainers.policy import mismatch_metrics
 from trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
 
 
@@ -134,34 +129,21 @@ def run(cfg: MasterConfig) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     g, p, gen = cfg.grpo, cfg.policy, cfg.policy.generation
 
-    model_dir, info = resolve_model(p.model_name, progress=cfg.logger.progress_bar)
+    # Checkpoint, chat format, backend (EP rollout service or in-process engine), environment,
+    # prompts, sampling settings: built the same way for `python -m m3_rollout.dump generate`.
+    stack = build_rollout_stack(cfg)
+    model_dir, info, chat = stack.model_dir, stack.build_info, stack.chat
+    backend, env, source, settings = stack.backend, stack.env, stack.source, stack.settings
     if info.get("built"):
         print(f"built checkpoint {model_dir} in {info['build_seconds']:.1f} s "
               f"(held-out accuracy {info.get('heldout_accuracy', float('nan')):.3f})")
     else:
         print(f"using checkpoint {model_dir}" + (f" (cached build of {info['build_seconds']:.1f} s)"
                                                  if "build_seconds" in info else ""))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    chat = ChatFormat(tokenizer, thinking_mode=p.thinking_mode)
     train_model = load_checkpoint(model_dir, dtype=getattr(torch, p.precision))
-    gen_model = load_checkpoint(model_dir, dtype=torch.float32).cast_for_inference(getattr(torch, gen.dtype))
-    max_len = min(p.max_total_sequence_length, train_model.config.max_position_embeddings)
-    # EP > 1 or cluster.launcher set: one worker process per EP rank (m3_rollout/service); else in-process.
-    backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
-    if backend is None:
-        backend = NativeBackend(gen_model, chat.stop_token_ids, max_model_len=max_len, max_num_seqs=gen.max_num_seqs,
-                                detokenize=chat.decode, **gen.engine_kwargs())
     samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     opt_steps_per_step = max(1, samples_per_step // p.train_global_batch_size)
-    policy = Policy(train_model, lr=p.optimizer.lr, weight_decay=p.optimizer.weight_decay,
-                    betas=(p.optimizer.beta1, p.optimizer.beta2), eps=p.optimizer.eps,
-                    max_grad_norm=p.max_grad_norm, freeze_indexer=p.freeze.indexer,
-                    freeze_router_bias=p.freeze.router_bias, freeze_patterns=p.freeze.patterns,
-                    warmup_steps=p.scheduler.warmup_steps, lr_schedule=p.scheduler.name,
-                    total_steps=g.max_num_steps * opt_steps_per_step, min_lr_ratio=p.scheduler.min_lr_ratio,
-                    reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0, routing_replay=p.routing_replay)
+    policy = build_policy(cfg, train_model, g.max_num_steps * opt_steps_per_step)
     ck = cfg.checkpointing
     ckpts = CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, ck.metric_name, ck.higher_is_better)
     start_step, data_state, history = 1, {"next_batch": 1}, []
@@ -174,27 +156,14 @@ def run(cfg: MasterConfig) -> dict:
     # generator == trainer weights (step 0, or the resumed step's)
     backend.update_weights(start_step - 1, policy.named_released_tensors())
     loss_fn = build_loss_fn(cfg.loss_fn)
-    env = build_environment(cfg.env)
-    d = cfg.data
-    task = ArithmeticTask(d.min_digits, d.max_digits, d.operations)
-    source = PromptSource(task if d.source == "calculator" else None, g.seed, g.num_val_prompts,
-                          records=load_jsonl(d.path) if d.source == "jsonl" else None)
     logger = MetricsLogger(cfg.logger, to_dict(cfg), write=tqdm.write)
-    settings = RolloutSettings(n=g.num_generations_per_prompt, max_turns=g.max_rollout_turns,
-                               max_total_len=max_len, max_new_tokens=gen.max_new_tokens,
-                               temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-                               logprobs_mode=gen.logprobs_mode, mask_truncated_turns=cfg.env.mask_truncated_turns)
     dumper = writer_from_config(cfg, model_dir=model_dir, decode=chat.decode)  # None unless rollout_dump.enabled
     val_seed = g.seed + 17
-
-    def batch_seed(b: int) -> int:
-        return g.seed * 100_003 + b
 
     def generate(b: int) -> tuple[list[list[Trajectory]], dict]:
         """Prompt batch b (the synchronous loop's step b) -> its GRPO groups."""
         records = source.train_batch(b, g.num_prompts_per_step)
-        trajs, rm = run_group_rollouts(backend, chat, env, records,
-                                       RolloutSettings(**{**settings.__dict__, "seed": batch_seed(b)}))
+        trajs, rm = run_group_rollouts(backend, chat, env, records, stack.settings_for(cfg, b))
         return split_groups(trajs), rm
 
     a = g.async_grpo
@@ -259,7 +228,7 @@ def run(cfg: MasterConfig) -> dict:
             group_ids = torch.tensor([i for i, grp in enumerate(groups) for _ in grp])
             adv = group_advantages(rewards, group_ids, g.normalize_rewards, g.use_leave_one_out_baseline)
             sample_mask = overlong_filter_mask([t.finish_reason for t in trajs]) if g.overlong_filtering else None
-            batch = batch_from_trajectories(trajs, adv, pad_id=tokenizer.pad_token_id or 0,
+            batch = batch_from_trajectories(trajs, adv, pad_id=chat.tokenizer.pad_token_id or 0,
                                             sample_mask=sample_mask, with_routing=p.routing_replay)
             if p.routing_replay:
                 r = batch.routed_experts
@@ -308,7 +277,7 @@ def run(cfg: MasterConfig) -> dict:
             metrics["rollout_seconds"] = gen_s
             logger.log(metrics, step, prefix="train/")
             if dumper is not None:
-                dumper.write_step(step, trajs, adv, sampling_params_of(settings, batch_seed(step)), metrics)
+                dumper.write_step(step, trajs, adv, sampling_params_of(settings, batch_seed(cfg, step)), metrics)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", mult_err=f"{tm['token_mult_prob_error']:.4f}",
                             gen_kl=f"{tm['gen_kl_error']:.1e}", gnorm=f"{tm['grad_norm']:.2f}",
                             s=f"{step_s:.1f}")
@@ -331,6 +300,8 @@ def run(cfg: MasterConfig) -> dict:
         loop_seconds = time.perf_counter() - t_loop
     finally:
         collector.close()
+        env.close()  # tool worker processes
+        backend.shutdown()  # EP rollout workers (no-op for the in-process engine)
     final_dir = None
     if ck.enabled and ck.save_final and g.max_num_steps > 0:
         last_ckpt = save(g.max_num_steps, {})
@@ -351,7 +322,7 @@ def run(cfg: MasterConfig) -> dict:
     return summary
 
 
-def save_final(policy: Policy, src_dir: Path, out_dir: Path, step: int) -> Path:
+def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
     """Write the trained weights + tokenizer files as a plain model directory ``out_dir/step_{step}``
     (tmp + rename); training checkpoints with optimizer state use ``trainers.checkpoint``."""
     import shutil

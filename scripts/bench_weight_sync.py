@@ -1,8 +1,12 @@
-"""Weight-sync benchmark: full update of a synthetic ~1 GB M3-shaped model vs a raw broadcast.
+"""Weight-sync benchmark: full update of a synthetic ~1 GB M3-shaped model vs a raw baseline.
 
     python scripts/bench_weight_sync.py                      # CPU, gloo, 1 rollout rank
     python scripts/bench_weight_sync.py --receivers 2 --ep   # 2 rollout ranks, EP=2 expert slices
     python scripts/bench_weight_sync.py --backend nccl       # GPUs: rank i on cuda:i (trainer cuda:0)
+    python scripts/bench_weight_sync.py --method colocated --device cuda   # trainer + rollout on one GPU
+    python scripts/bench_weight_sync.py --gb 10 ...          # scale the synthetic model (default ~1 GB)
+
+--method broadcast (default):
 
 One trainer process (rank 0) and R rollout processes form a weight-sync group. Measured in the
 same run, per receiving rank:
@@ -13,7 +17,24 @@ same run, per receiving rank:
             in host memory and commits after the status exchange).
 GB/s = update bytes / receiver wall time; "pause" = the receiver's receive + commit time, the
 time generation is stopped under ``weight_sync.in_flight=continue`` (for raw: the bare transfer).
-Each figure is the median of --repeats updates after one warm-up, the modes interleaved. Appends a section to docs/benchmarks.md unless --no-write.
+Each figure is the median of --repeats updates after one warm-up, the modes interleaved.
+
+--method colocated (weight_sync.method=colocated, issue 7/11): trainer and rollout share one
+device (NCCL cannot put two ranks on one GPU), so both model copies live in this one process on
+--device and the update goes through WeightSender + ColocatedChannel + WeightReceiver. Measured in
+the same run, on the same bytes:
+  raw copy_ per parameter   rollout_param.copy_(trainer_param) for every parameter: the floor of an
+            in-process refit (no packing, checksum, validation or staging);
+  raw flat copy             one copy_ of a flat buffer of the same bytes: the device copy ceiling;
+  atomic=false / atomic=true   full colocated updates (atomic stages in host memory on GPU, in the
+            stage buffer on CPU, and commits after validation).
+GB/s = update bytes / wall time (CUDA synchronized before and after); pause = the whole update (the
+rollout engine shares the process and device, so it is stopped throughout). Correctness, checked
+after timing for each atomic mode: the rollout copy is scrambled, updated, then every parameter is
+bitwise equal to the trainer's with data_ptr unchanged and the receiver on the new version.
+
+Appends a section to docs/benchmarks.md (or --write PATH) unless --no-write; colocated writes
+nothing when a correctness check fails.
 """
 
 from __future__ import annotations
@@ -35,23 +56,59 @@ sys.path.insert(0, ROOT)
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors  # noqa: E402
 from m3_rollout.model.configuration import tiny_config  # noqa: E402
-from m3_rollout.weight_sync import (BroadcastChannel, WeightReceiver, WeightSender,  # noqa: E402
-                                    WeightSyncGroup, plan_buckets)
+from m3_rollout.weight_sync import (BroadcastChannel, ColocatedChannel, WeightReceiver,  # noqa: E402
+                                    WeightSender, WeightSyncGroup, plan_buckets)
 
 
-def synthetic_config():
-    """M3-shaped (spec §1 structure: dense layer 0, sparse-attention MoE layers, sigmoid router
-    with bias, shared expert, untied head) at ~0.5 G parameters (~1 GB in bf16)."""
-    return tiny_config(vocab_size=32768, hidden_size=1024, num_hidden_layers=5, num_attention_heads=16,
-                       num_key_value_heads=2, head_dim=64, intermediate_size=1024, shared_intermediate_size=1024,
-                       dense_intermediate_size=4096, num_local_experts=32, num_experts_per_tok=4,
-                       moe_layer_freq=[0, 1, 1, 1, 1], sparse_attention_freq=[0, 1, 1, 1, 1],
-                       sparse_disable_index_value=[0, 1, 1, 1, 1], sparse_index_dim=64, sparse_num_index_heads=2)
+def _shaped_config(width: int, moe_layers: int):
+    """M3-shaped (spec §1 structure: dense layer 0, then ``moe_layers`` sparse-attention MoE layers,
+    sigmoid router with bias, shared expert, untied head) at hidden size ``width``: 32 experts top-4,
+    head_dim 64, vocab 32 * width, expert / shared intermediate = width, dense intermediate = 4 * width."""
+    n = 1 + moe_layers
+    freq = [0] + [1] * moe_layers
+    return tiny_config(vocab_size=32 * width, hidden_size=width, num_hidden_layers=n,
+                       num_attention_heads=max(width // 64, 2), num_key_value_heads=2, head_dim=64,
+                       intermediate_size=width, shared_intermediate_size=width, dense_intermediate_size=4 * width,
+                       num_local_experts=32, num_experts_per_tok=4, moe_layer_freq=freq,
+                       sparse_attention_freq=freq, sparse_disable_index_value=freq, sparse_index_dim=64,
+                       sparse_num_index_heads=2)
 
 
-def build_model(seed: int, dtype: torch.dtype, device: str, ep_rank: int | None = None, ep_size: int = 1):
-    """The synthetic model in ``dtype`` (router fp32) with cheap random weights, no fp32 init pass."""
-    cfg = synthetic_config()
+def model_bytes(cfg, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of every parameter of ``cfg``'s model cast for inference to ``dtype`` (router fp32);
+    built on the meta device, nothing allocated."""
+    with torch.device("meta"):
+        model = M3ForCausalLM(cfg)
+    model.cast_for_inference(dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def synthetic_config(gb: float | None = None, dtype: torch.dtype = torch.bfloat16):
+    """The synthetic M3-shaped model config.
+
+    ``gb=None``: hidden 1024, 1 dense + 4 MoE layers, ~0.5 G parameters (1.016 GB in bf16; the
+    figures already in docs/benchmarks.md). ``gb``: the widest hidden size in (1024, 512, 256, 128)
+    whose dense + one-MoE-layer model fits in ``gb`` GB (1e9 bytes) of ``dtype``, then the number of
+    MoE layers that lands closest to ``gb`` (at least one). Raises ValueError for gb <= 0.
+    """
+    if gb is None:
+        return _shaped_config(1024, 4)
+    if not gb > 0:
+        raise ValueError(f"--gb={gb}: the model size must be > 0 GB")
+    target = gb * 1e9
+    for width in (1024, 512, 256, 128):
+        one, two = model_bytes(_shaped_config(width, 1), dtype), model_bytes(_shaped_config(width, 2), dtype)
+        if one <= target or width == 128:
+            per_layer, fixed = two - one, 2 * one - two
+            return _shaped_config(width, max(1, round((target - fixed) / per_layer)))
+    raise AssertionError("unreachable")
+
+
+def build_model(seed: int, dtype: torch.dtype, device: str, ep_rank: int | None = None, ep_size: int = 1,
+                cfg=None):
+    """The synthetic model (``cfg``, default ``synthetic_config()``) in ``dtype`` (router fp32) with
+    cheap random weights U(-0.02, 0.02) from ``seed``, no fp32 init pass, on ``device``."""
+    cfg = cfg if cfg is not None else synthetic_config()
     with torch.device("meta"):
         model = M3ForCausalLM(cfg)
     if ep_rank is not None and ep_size > 1:
@@ -92,16 +149,17 @@ def _raw_broadcast(group: WeightSyncGroup, plan, device: str) -> float:
 
 def _rank_main(rank: int, args, port: int, results) -> None:
     try:
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads or 1)
         dtype = getattr(torch, args.dtype)
         device = _device(args.backend, rank)
         world = 1 + args.receivers
         bucket_bytes = int(args.bucket_mb * 2**20)
+        cfg = synthetic_config(args.gb, dtype)
         if rank == 0:
-            model = build_model(1, dtype, device)
+            model = build_model(1, dtype, device, cfg=cfg)
         else:
             ep_size = args.receivers if args.ep else 1
-            model = build_model(0, dtype, device, rank - 1, ep_size)
+            model = build_model(0, dtype, device, rank - 1, ep_size, cfg=cfg)
         group = WeightSyncGroup("127.0.0.1", port, rank, world, args.backend, timeout_s=600, device=device)
         named = list(iter_released_tensors(model)) if rank == 0 else None
         entries = [(tuple(t.shape), t.dtype) for _, t in named] if rank == 0 else None
@@ -152,6 +210,192 @@ def _rank_main(rank: int, args, port: int, results) -> None:
         results.put({"rank": rank, "error": traceback.format_exc()})
 
 
+# ---------------------------------------------------------------------------- colocated (one device)
+COLOCATED_MODES = ("raw copy_ per parameter", "raw flat copy", "atomic=false", "atomic=true")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (bitwise comparison: -0.0 != 0.0, NaN payloads kept)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def sync_mismatches(trainer: torch.nn.Module, rollout: torch.nn.Module) -> list[str]:
+    """Names of the rollout parameters whose bytes differ from the trainer's same-named parameter
+    (shape or dtype differences count too). [] = bitwise equal. Both models must have the same
+    parameter names (the same config, no EP slicing)."""
+    t_params = dict(trainer.named_parameters())
+    bad = []
+    for name, p in rollout.named_parameters():
+        q = t_params.get(name)
+        if q is None or q.shape != p.shape or q.dtype != p.dtype or not torch.equal(_bits(p), _bits(q)):
+            bad.append(name)
+    return bad
+
+
+def _scramble(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter in place with U(-0.5, 0.5) from ``seed`` (differs from the
+    U(-0.02, 0.02) weights of ``build_model``, so an update that skips a tensor is caught)."""
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.5, 0.5, generator=g)
+
+
+def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb: float, repeats: int,
+                  log=None) -> dict:
+    """Time colocated full updates ``trainer -> rollout`` (both on the same device) against raw
+    copies of the same bytes, then check correctness. Leaves ``rollout`` equal to ``trainer``.
+
+    Args:
+        trainer, rollout: M3ForCausalLM copies with the same config and dtypes on one device
+            (``rollout`` unsharded: EP=1).
+        bucket_mb: weight_sync.bucket_size_mb.
+        repeats: timed repeats per mode (after one warm-up), modes interleaved.
+        log: optional callable(str) for progress lines.
+    Returns:
+        dict with ``bytes`` (update bytes = every parameter incl. frozen ones), ``buckets``,
+        ``tensors`` (released tensors sent), ``seconds`` {mode: median s}, ``all`` {mode: [s]},
+        ``checks`` {"atomic=false"/"atomic=true": {"mismatched_before": int (parameters differing
+        before the checked update, > 0 or the check proves nothing), "mismatched": [names],
+        "moved": [names whose data_ptr changed], "version": receiver version, "expected_version",
+        "valid": bool, "ok": bool}}.
+    Raises ValueError when the two models do not share one device.
+    """
+    dev = next(trainer.parameters()).device
+    if next(rollout.parameters()).device != dev:
+        raise ValueError(f"colocated: trainer on {dev} but rollout on {next(rollout.parameters()).device}; "
+                         "put both on the same device")
+    t_params = [p.detach() for p in trainer.parameters()]
+    r_params = [p.detach() for p in rollout.parameters()]
+    total = sum(p.numel() * p.element_size() for p in t_params)
+    # raw flat copy: one buffer of the same bytes copied into another (allocated once, outside timing)
+    flat_src = torch.empty(total, dtype=torch.uint8, device=dev)
+    flat_dst = torch.empty_like(flat_src)
+    flat_src.fill_(1)
+    flat_dst.fill_(0)
+
+    rx = WeightReceiver(rollout, atomic=False, double_buffer=True)
+    sender = WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev), bucket_mb, None)
+    sender.handshake()
+    ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
+    version = 0
+
+    def update(atomic: bool) -> None:
+        nonlocal version
+        version += 1
+        rx.atomic = atomic
+        sender.update(version, include_frozen=True)  # raises WeightUpdateError on a rejected update
+
+    def timed(mode: str) -> float:
+        _sync(str(dev))
+        t0 = time.perf_counter()
+        if mode == "raw copy_ per parameter":
+            with torch.no_grad():
+                for d, src in zip(r_params, t_params):
+                    d.copy_(src)
+        elif mode == "raw flat copy":
+            flat_dst.copy_(flat_src)
+        else:
+            update(mode == "atomic=true")
+        _sync(str(dev))
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {m: [] for m in COLOCATED_MODES}
+    for rep in range(repeats + 1):  # rep 0 = warm-up (allocations, stage pinning, kernels)
+        for mode in COLOCATED_MODES:
+            dt = timed(mode)
+            if rep > 0:
+                times[mode].append(dt)
+            if log is not None:
+                log(f"repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s")
+    stats = dict(sender.stats)
+    del flat_src, flat_dst
+
+    checks = {}
+    for k, mode in enumerate(("atomic=false", "atomic=true")):
+        _scramble(rollout, 1000 + k)
+        before = len(sync_mismatches(trainer, rollout))
+        update(mode == "atomic=true")
+        _sync(str(dev))
+        bad = sync_mismatches(trainer, rollout)
+        moved = [n for n, p in rollout.named_parameters() if p.data_ptr() != ptrs[n]]
+        checks[mode] = {"mismatched_before": before, "mismatched": bad, "moved": moved, "version": rx.version,
+                        "expected_version": version, "valid": rx.valid,
+                        "ok": before > 0 and not bad and not moved and rx.version == version and rx.valid}
+    return {"bytes": total, "buckets": stats.get("buckets", 0), "tensors": len(sender.manifest or []),
+            "seconds": {m: statistics.median(v) for m, v in times.items()}, "all": times, "checks": checks}
+
+
+def _colocated_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    elif dev.type != "cpu":
+        raise SystemExit(f"--device {name}: use cpu or cuda[:N]")
+    return dev
+
+
+def main_colocated(args) -> None:
+    """--method colocated: both copies in this process on --device; prints (and appends) the table."""
+    dev = _colocated_device(args.device or "cpu")
+    if args.threads or dev.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    dtype = getattr(torch, args.dtype)
+    cfg = synthetic_config(args.gb, dtype)
+    trainer = build_model(1, dtype, str(dev), cfg=cfg)
+    rollout = build_model(0, dtype, str(dev), cfg=cfg)
+    r = run_colocated(trainer, rollout, args.bucket_mb, args.repeats, log=lambda m: print(m, flush=True))
+    gb = r["bytes"] / 1e9
+    base = r["seconds"]["raw copy_ per parameter"]
+    if dev.type == "cuda":
+        machine = f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
+    else:
+        machine = f"{_cpu_name()}, {os.cpu_count()} cores"
+    threads = torch.get_num_threads()
+    head = (f"## Weight sync, colocated (bench_weight_sync.py --method colocated), {datetime.date(2026, 11, 29)}, "
+            f"{machine}, {dev.type}\n\n"
+            f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
+            f"tensors, {r['buckets']} buckets of <= {args.bucket_mb:g} MiB; trainer copy and rollout copy on one "
+            f"{dev.type} device, update through WeightSender + ColocatedChannel + WeightReceiver; median of "
+            f"{args.repeats} interleaved repeats after a warm-up, torch threads = {threads}; "
+            "pause = the whole update or copy.\n\n"
+            "| mode | seconds | GB/s | vs raw copy_ per parameter | pause (s) |\n"
+            "|---|---|---|---|---|\n")
+    body = "".join(f"| {m} | {r['seconds'][m]:.4f} | {gb / r['seconds'][m]:.3f} | {base / r['seconds'][m]:.2f} | "
+                   f"{r['seconds'][m]:.4f} |\n" for m in COLOCATED_MODES)
+    ok = all(c["ok"] for c in r["checks"].values())
+    n_params = len(list(rollout.parameters()))
+    check_line = "\nCorrectness: " + "; ".join(
+        f"{m}: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} of {n_params} parameters differ "
+        f"after the update, {c['mismatched_before']} before; data_ptr moved: {len(c['moved'])}; "
+        f"version {c['version']}/{c['expected_version']}, valid={c['valid']})"
+        for m, c in r["checks"].items()) + ".\n"
+    text = head + body + check_line
+    print(text)
+    if not ok:
+        for m, c in r["checks"].items():
+            if not c["ok"]:
+                print(f"{m}: mismatched {c['mismatched'][:8]}, moved {c['moved'][:8]}", file=sys.stderr)
+        raise SystemExit("colocated weight sync correctness check FAILED; nothing written to docs/benchmarks.md")
+    _append(args, text)
+
+
+def _append(args, text: str) -> None:
+    """Append a section to --write PATH (default docs/benchmarks.md) unless --no-write."""
+    if args.no_write:
+        return
+    path = args.write or os.path.join(ROOT, "docs", "benchmarks.md")
+    with open(path, "a") as f:
+        f.write("\n" + text)
+    print(f"appended to {path}")
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -165,15 +409,32 @@ def _cpu_name() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    ap.add_argument("--receivers", type=int, default=1)
-    ap.add_argument("--ep", action="store_true", help="rollout ranks hold EP slices of the experts")
+    ap.add_argument("--method", choices=("broadcast", "colocated"), default="broadcast",
+                    help="weight_sync.method: broadcast = trainer + rollout processes over a group; "
+                         "colocated = both copies in one process on --device")
+    ap.add_argument("--device", default=None,
+                    help="colocated only: cpu (default) or cuda[:N]; broadcast picks devices from --backend")
+    ap.add_argument("--gb", type=float, default=None,
+                    help="synthetic model size in GB (1e9 bytes) of --dtype; default: the 1.016 GB bf16 model")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="broadcast only")
+    ap.add_argument("--receivers", type=int, default=1, help="broadcast only")
+    ap.add_argument("--ep", action="store_true", help="broadcast only: rollout ranks hold EP slices of the experts")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads per process (default 1; colocated on CUDA: torch's default)")
+    ap.add_argument("--write", default=None, metavar="PATH",
+                    help="append the markdown section to PATH instead of docs/benchmarks.md (e.g. $OUT/ws.md)")
+    ap.add_argument("--no-write", action="store_true", help="print only; append nothing")
     args = ap.parse_args()
+    if args.method == "colocated":
+        if args.receivers != 1 or args.ep or args.backend != "gloo":
+            ap.error("--receivers/--ep/--backend are for --method broadcast; colocated runs one rollout copy")
+        main_colocated(args)
+        return
+    if args.device is not None:
+        ap.error("--device is for --method colocated; broadcast picks devices from --backend (nccl = cuda:rank)")
     from m3_rollout.parallel import free_port
 
     ctx = mp.get_context("spawn")
@@ -205,15 +466,13 @@ def main() -> None:
     head = (f"## Weight sync (bench_weight_sync.py), {datetime.date(2026, 11, 29)}, {machine}, {args.backend}\n\n"
             f"Synthetic M3-shaped model: {gb:.3f} GB in {args.dtype} (router fp32), {got[0]['buckets']} buckets of "
             f"<= {args.bucket_mb:g} MiB, {args.receivers} rollout rank(s){' (EP slices)' if args.ep else ''}, "
-            f"median of {args.repeats} interleaved repeats after a warm-up, torch threads per process = {args.threads}.\n\n"
+            f"median of {args.repeats} interleaved repeats after a warm-up, torch threads per process = {args.threads or 1}.\n\n"
             "| rank | mode | seconds | GB/s per receiving rank | vs raw broadcast | pause (s) |\n"
             "|---|---|---|---|---|---|\n")
     body = "".join(f"| {rk} | {m} | {s:.3f} | {g:.3f} | {x:.2f} | {p:.3f} |\n" for rk, m, s, g, x, p in rows)
     text = head + body
     print(text)
-    if not args.no_write:
-        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
-            f.write("\n" + text)
+    _append(args, text)
 
 
 if __name__ == "__main__":

@@ -115,8 +115,10 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     import m3_rollout.grpo as grpo
     from m3_rollout.config import load_config
 
-    orig = grpo.build_environment
-    monkeypatch.setattr(grpo, "build_environment", lambda cfg: _ParityReward(orig(cfg)))
+    import m3_rollout.rollout.environments as environments  # build_rollout_stack looks it up there
+
+    orig = environments.build_environment
+    monkeypatch.setattr(environments, "build_environment", lambda cfg: _ParityReward(orig(cfg)))
     common = ["policy.generation.dtype=float32", "grpo.val_period=100", "logger.print_sample_every=0",
               "grpo.num_val_prompts=4", "policy.optimizer.lr=1e-2", "policy.scheduler.warmup_steps=2"]
 

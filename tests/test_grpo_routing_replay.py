@@ -112,3 +112,4 @@ def test_policy_train_step_with_routing_replay_and_mismatch_with_without():
     assert flips > 0
     assert figures[True]["gen_kl_error"] < figures[False]["gen_kl_error"]
     assert figures[True]["token_mult_prob_error"] < figures[False]["token_mult_prob_error"]
+

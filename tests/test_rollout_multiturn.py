@@ -215,3 +215,36 @@ def test_multiturn_rollout_logprobs_match_rescoring(tok):
             lp = token_logprobs(model, torch.tensor([t.token_ids]))[0]
         mask = torch.tensor(t.loss_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(t.rollout_logprobs)[mask], lp[mask].float(), atol=1e-4, rtol=0)
+
+
+def test_multiturn_trajectory_carries_the_engines_routing_record(tok):
+    """Routing replay wiring: engine (record_routing) -> SampleOutput.routed_experts -> Trajectory
+    -> TrainBatch. The record equals a plain forward's expert choice for every recorded token
+    (prompt, bridge and sampled tokens), and covers all but at most the last token."""
+    from m3_rollout.engine.native_backend import NativeBackend
+    from trainers.batch import batch_from_trajectories
+
+    chat = ChatFormat(tok, "disabled")
+    torch.manual_seed(0)
+    model = M3ForCausalLM(tiny_config(vocab_size=len(tok), max_position_embeddings=512)).float().eval()
+    bias = torch.zeros(len(tok))
+    bias[chat.eos_token_id] = 5.0
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
+    backend = NativeBackend(model, chat.stop_token_ids, record_routing=True)
+    trajs, _ = run_group_rollouts(backend, chat, EchoEnv(), [{}],
+                                  settings(n=2, max_turns=3, max_total_len=300, max_new_tokens=12, seed=3))
+    assert max(len(t.turns) for t in trajs) >= 2
+    for t in trajs:
+        rec = torch.as_tensor(t.routed_experts).long()  # [L', n_moe_layers, K]
+        assert len(t.token_ids) - 1 <= rec.shape[0] <= len(t.token_ids)
+        with torch.no_grad():
+            model(torch.tensor([t.token_ids]))
+        want = torch.stack([m.last_topk_ids.view(len(t.token_ids), -1) for m in model.moe_layers()], dim=1)
+        known = rec[:, 0, 0] >= 0
+        assert bool(known[:-1].all())  # only the last token may lack a record (never run forward)
+        assert torch.equal(rec[known], want[: rec.shape[0]][known])
+    batch = batch_from_trajectories(trajs, torch.zeros(len(trajs)), with_routing=True)
+    for i, t in enumerate(trajs):
+        rec = torch.as_tensor(t.routed_experts).long()
+        assert torch.equal(batch.routed_experts[i, : rec.shape[0]], rec)
+        assert bool((batch.routed_experts[i, rec.shape[0]:] == -1).all())  # padding / unrecorded

@@ -400,3 +400,70 @@ def test_build_weight_sender_colocated_follows_freeze_config():
     assert torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight)
     with pytest.raises(ValueError, match="weight_sync.method=broadcast needs a WeightSyncGroup"):
         build_weight_sender(Policy(trainer, lr=1e-3), WeightSyncConfig(), None)
+
+
+# ------------------------------------------------------------------------------ bench, colocated mode
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_weight_sync.py"
+    spec = importlib.util.spec_from_file_location("bench_weight_sync", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype]))
+
+
+def test_bench_colocated_update_bitwise_in_place_on_cpu():
+    bench = _bench_module()
+    cfg = tiny_config()
+    trainer = bench.build_model(1, torch.bfloat16, "cpu", cfg=cfg)  # bf16, router fp32: two bucket dtypes
+    rollout = bench.build_model(0, torch.bfloat16, "cpu", cfg=cfg)
+    ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
+    bucket_mb = 0.25
+    r = bench.run_colocated(trainer, rollout, bucket_mb, repeats=1)
+
+    for name, p in rollout.named_parameters():  # independent check of what run_colocated reports
+        assert _bits_equal(p, dict(trainer.named_parameters())[name]), name
+        assert p.data_ptr() == ptrs[name], name
+    n_params = len(ptrs)
+    for mode in ("atomic=false", "atomic=true"):
+        c = r["checks"][mode]
+        assert c["ok"] and c["mismatched"] == [] and c["moved"] == [] and c["mismatched_before"] == n_params
+    released = list(iter_released_tensors(trainer))
+    assert r["tensors"] == len(released)
+    assert r["bytes"] == sum(t.numel() * t.element_size() for _, t in released)
+    cap = int(bucket_mb * 2**20)
+    per_dtype: dict = {}
+    for _, t in released:
+        per_dtype[t.dtype] = per_dtype.get(t.dtype, 0) + t.numel() * t.element_size()
+    assert set(per_dtype) == {torch.bfloat16, torch.float32}
+    assert r["buckets"] == sum(-(-n // cap) for n in per_dtype.values())
+    assert all(len(r["all"][m]) == 1 and r["seconds"][m] > 0 for m in bench.COLOCATED_MODES)
+
+    # the bitwise check catches a sign-of-zero flip in one element (torch.equal on values would not)
+    w = rollout.lm_head.weight
+    with torch.no_grad():
+        w.view(-1)[0] = 0.0
+        trainer.lm_head.weight.view(-1)[0] = -0.0
+    assert bench.sync_mismatches(trainer, rollout) == ["lm_head.weight"]
+
+
+def test_bench_synthetic_config_scales_to_target_size():
+    bench = _bench_module()
+    default = bench.synthetic_config()
+    assert (default.hidden_size, default.num_hidden_layers) == (1024, 5)
+    cfg = bench.synthetic_config(0.05)
+    with torch.device("meta"):
+        m = M3ForCausalLM(cfg)
+    m.cast_for_inference(torch.bfloat16)
+    nbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert abs(nbytes - 0.05e9) < 0.15 * 0.05e9
+    assert cfg.moe_layer_freq[0] == 0 and all(cfg.moe_layer_freq[1:])  # dense layer 0, MoE after
+    with pytest.raises(ValueError, match="--gb"):
+        bench.synthetic_config(0)

@@ -109,19 +109,13 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
     from m3_rollout.dump.replay import train_offline
     from m3_rollout.grpo import build_loss_fn, save_final
     from m3_rollout.model import load_checkpoint
-    from trainers.policy import Policy
+    from m3_rollout.rollout.stack import build_policy
 
     g, p = cfg.grpo, cfg.policy
     # NOTE: the optimizer and LR schedule as m3_rollout.grpo.run builds them, over the dumped steps.
     opt_steps = len(read.shards) * max(1, (g.num_prompts_per_step * g.num_generations_per_prompt)
                                        // p.train_global_batch_size)
-    policy = Policy(load_checkpoint(model_dir, dtype=getattr(torch, p.precision)), lr=p.optimizer.lr,
-                    weight_decay=p.optimizer.weight_decay, betas=(p.optimizer.beta1, p.optimizer.beta2),
-                    eps=p.optimizer.eps, max_grad_norm=p.max_grad_norm, freeze_indexer=p.freeze.indexer,
-                    freeze_router_bias=p.freeze.router_bias, freeze_patterns=p.freeze.patterns,
-                    warmup_steps=p.scheduler.warmup_steps, lr_schedule=p.scheduler.name, total_steps=opt_steps,
-                    min_lr_ratio=p.scheduler.min_lr_ratio,
-                    reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0, routing_replay=p.routing_replay)
+    policy = build_policy(cfg, load_checkpoint(model_dir, dtype=getattr(torch, p.precision)), opt_steps)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
 
     def log(step, m):

@@ -26,44 +26,25 @@ def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None
     Returns:
         the shard paths written.
     """
-    from transformers import AutoTokenizer
-
-    from m3_rollout.builtin import resolve_model
-    from m3_rollout.chat.template import ChatFormat
     from m3_rollout.config import to_dict
     from m3_rollout.dump.records import checkpoint_hash, config_hash
-    from m3_rollout.engine.native_backend import NativeBackend
-    from m3_rollout.model import load_checkpoint
-    from m3_rollout.rollout.data import PromptSource, load_jsonl
-    from m3_rollout.rollout.environments import build_environment
-    from m3_rollout.rollout.environments.calculator import ArithmeticTask
-    from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
+    from m3_rollout.rollout.group_rollout import run_group_rollouts
+    from m3_rollout.rollout.stack import batch_seed, build_rollout_stack
     from trainers.advantages import group_advantages
 
-    g, p, gen, d = cfg.grpo, cfg.policy, cfg.policy.generation, cfg.data
+    g = cfg.grpo
     torch.manual_seed(g.seed)
-    model_dir, _ = resolve_model(p.model_name, progress=cfg.logger.progress_bar)
-    chat = ChatFormat(AutoTokenizer.from_pretrained(str(model_dir)), thinking_mode=p.thinking_mode)
-    model = load_checkpoint(model_dir, dtype=torch.float32).cast_for_inference(getattr(torch, gen.dtype))
-    max_len = min(p.max_total_sequence_length, model.config.max_position_embeddings)
-    backend = NativeBackend(model, chat.stop_token_ids, max_model_len=max_len, max_num_seqs=gen.max_num_seqs,
-                            detokenize=chat.decode, **gen.engine_kwargs())
-    env = build_environment(cfg.env)
-    source = PromptSource(ArithmeticTask(d.min_digits, d.max_digits, d.operations) if d.source == "calculator" else None,
-                          g.seed, g.num_val_prompts, records=load_jsonl(d.path) if d.source == "jsonl" else None)
+    stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
+    chat, backend, env, source, settings = stack.chat, stack.backend, stack.env, stack.source, stack.settings
     rd = cfg.rollout_dump
     writer = RolloutDumpWriter(out_dir or rd.dir, run_id=f"generate-{time.strftime('%Y%m%d-%H%M%S')}",
                                retention=RetentionPolicy(rd.keep_last_n_steps, rd.max_bytes), decode=chat.decode,
-                               checkpoint_hash=checkpoint_hash(model_dir), config_hash=config_hash(to_dict(cfg)))
-    settings = RolloutSettings(n=g.num_generations_per_prompt, max_turns=g.max_rollout_turns, max_total_len=max_len,
-                               max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                               top_k=gen.top_k, logprobs_mode=gen.logprobs_mode,
-                               mask_truncated_turns=cfg.env.mask_truncated_turns)
+                               checkpoint_hash=checkpoint_hash(stack.model_dir), config_hash=config_hash(to_dict(cfg)))
     paths = []
     for step in range(1, (g.max_num_steps if num_steps is None else num_steps) + 1):
-        seed = g.seed * 100_003 + step  # the GRPO loop's per-step seed
+        seed = batch_seed(cfg, step)  # the GRPO loop's per-step seed
         trajs, rm = run_group_rollouts(backend, chat, env, source.train_batch(step, g.num_prompts_per_step),
-                                       RolloutSettings(**{**vars(settings), "seed": seed}))
+                                       stack.settings_for(cfg, step))
         rewards = torch.tensor([t.reward for t in trajs])
         adv = group_advantages(rewards, torch.tensor([t.group_index for t in trajs]), g.normalize_rewards,
                                g.use_leave_one_out_baseline)
@@ -71,6 +52,7 @@ def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None
                    "generation_tokens_per_s": rm["generation_tokens_per_s"]}
         paths.append(writer.write_step(step, trajs, adv, sampling_params_of(settings, seed), metrics))
         log(f"step {step}: {len(trajs)} trajectories, reward {metrics['reward_mean']:.3f} -> {paths[-1]}")
+    backend.shutdown()
     if writer.last_absent:
         log(f"columns left null (the Trajectory does not carry them yet): {', '.join(writer.last_absent)}")
     return paths

@@ -131,6 +131,8 @@ def _model_turn(traj: Trajectory, state: dict, out: SampleOutput, chat: ChatForm
     versions = list(versions) if versions and len(versions) == len(ids) else out.weight_version
     start = len(traj.token_ids)
     traj.append(ids, generated=True, logprobs=list(out.logprobs), version=versions)
+    if out.routed_experts is not None:  # routing replay: this turn's record covers prompt + output
+        traj.routed_experts = out.routed_experts
     # The finish reason is the engine's; the stop token is in the span only if it was sampled.
     stop_sampled = out.finish_reason == "stop" and bool(ids) and ids[-1] in chat.stop_token_ids
     text = chat.decode(ids[:-1] if stop_sampled else ids)

@@ -72,6 +72,10 @@ class Trajectory:
         reward: environment reward.
         texts: decoded text of each model turn (for logging).
         prompt_len: number of prompt tokens.
+        routed_experts: optional int16 array [L', n_moe_layers, top_k] of the experts the rollout
+            engine chose for tokens 0..L'-1 (prompt, tool and generated tokens; the latest turn's
+            record, which covers every earlier token); None when the engine did not record
+            routing. L' may be < L (a token appended after the last forward); -1 = not recorded.
     """
 
     group_index: int
@@ -88,6 +92,7 @@ class Trajectory:
     texts: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     turns: list[TurnRecord] = field(default_factory=list)
+    routed_experts: object | None = None
 
     def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None,
                version: int | list[int] = -1) -> None:
