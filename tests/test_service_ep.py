@@ -15,6 +15,7 @@ from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, load_checkpoint, save_checkpoint, tiny_config
 from m3_rollout.parallel import EPGroupSpec
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec
+from m3_rollout.service.launchers import GroupFailure
 
 EOS = 3
 MAX_LEN = 96
@@ -129,5 +130,40 @@ def test_gives_up_after_max_restarts_with_lost_requests(model_dir):
         assert svc.restarts == 1  # the service already restarted the group
         # the caller resubmits: the restarted group (incarnation 1 does not fault) completes them
         assert _key(svc.generate(reqs)) == _key(_reference(model_dir, reqs))
+    finally:
+        svc.shutdown()
+
+
+def test_mis_shaped_expert_update_is_rejected_before_any_rank_changes(model_dir):
+    # Adversarial review: experts.5.* live on rank 1 only. A wrong shape there used to reach the
+    # ranks: rank 0 took the update, rank 1 refused it (a GroupFailure, not a ValueError), the
+    # group kept serving with mixed weights, and rank 0's stale pipe reply broke the next call.
+    reqs = _requests("s")[:2]
+    ref = _reference(model_dir, reqs)
+    svc = _service(model_dir, 2)
+    try:
+        model = load_checkpoint(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)  # a change rank 0 would apply if the update went through
+        bad_name = next(n for n, _ in iter_released_tensors(model) if ".experts.5.w1" in n)
+        tensors = [(n, t[:-1] if n == bad_name else t) for n, t in iter_released_tensors(model)]
+        with pytest.raises(ValueError, match=f"shape of {bad_name.replace('.', '[.]')}"):
+            svc.update_weights(3, tensors)
+        assert svc.weight_version == 0
+        outs = svc.generate(reqs)  # both ranks still serve the old weights
+        assert _key(outs) == _key(ref) and all(o.weight_version == 0 for o in outs if o.finish_reason != "error")
+        # Past the service's check (a rank refusing for any reason): the group restarts on the
+        # last good weights instead of serving rank 0's new lm_head beside rank 1's old one.
+        with pytest.raises(GroupFailure, match="update_weights"):
+            svc._push_weights(3, dict(tensors))
+        assert svc.restarts == 1 and _key(svc.generate(reqs)) == _key(ref)
+        # A launcher call that failed on one rank leaves the other rank's reply in its pipe: the
+        # launcher refuses further calls (generate restarts the group) instead of reading it.
+        good = dict(iter_released_tensors(load_checkpoint(model_dir, dtype=torch.float32)))
+        per_rank = [(7, {n: good[n] for n in names}) for names in svc._rank_names]
+        per_rank[1] = (7, {bad_name: good[bad_name]})  # rank 1: "missing ..." ValueError
+        with pytest.raises(GroupFailure):
+            svc.launcher.call("update_weights", per_rank, 60.0)
+        assert _key(svc.generate(reqs)) == _key(ref) and svc.restarts == 2
     finally:
         svc.shutdown()

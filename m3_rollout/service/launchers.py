@@ -114,6 +114,9 @@ class ProcessLauncher(Launcher):
     def __init__(self):
         self._procs: list = []
         self._conns: list = []
+        # Set when a call failed: ranks that had not answered may still send that call's reply,
+        # which the next call would read as its own. Every later call fails until a restart.
+        self._broken: str | None = None
 
     def start(self, spec: WorkerSpec, timeout_s: float) -> None:
         ctx = _context()
@@ -130,6 +133,10 @@ class ProcessLauncher(Launcher):
 
     def call(self, method: str, per_rank_args=(), timeout_s: float | None = None) -> list:
         args = self._args(per_rank_args, self.world_size)
+        if self._broken is not None:
+            ranks = list(range(self.world_size))
+            raise GroupFailure(method, ranks, {r: f"group broken by the failed {self._broken!r} call; restart it"
+                                               for r in ranks})
         failed: dict[int, str] = {}
         for rank, conn in enumerate(self._conns):
             try:
@@ -137,8 +144,13 @@ class ProcessLauncher(Launcher):
             except (BrokenPipeError, OSError) as exc:
                 failed[rank] = f"worker process gone ({exc})"
         if failed:
+            self._broken = method
             raise GroupFailure(method, list(failed), failed)
-        return self._collect(method, timeout_s)
+        try:
+            return self._collect(method, timeout_s)
+        except GroupFailure:
+            self._broken = method
+            raise
 
     def _collect(self, method: str, timeout_s: float | None) -> list:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -119,12 +119,13 @@ class RolloutService(GenerationBackend):
         try:
             self.launcher.start(spec, self.start_timeout_s)
             infos = self.launcher.call("info", (), self.start_timeout_s)
-            names = self.launcher.call("released_names", (), self.start_timeout_s)
+            shapes = self.launcher.call("released_shapes", (), self.start_timeout_s)
         except BaseException:
             self.launcher.shutdown()
             raise
         self.rank_info = infos
-        self._rank_names = [set(n) for n in names]
+        self._rank_shapes = [{n: tuple(s) for n, s in d.items()} for d in shapes]
+        self._rank_names = [set(d) for d in self._rank_shapes]
         if self._last_weights is not None:
             self._push_weights(*self._last_weights)
 
@@ -260,6 +261,9 @@ class RolloutService(GenerationBackend):
         everything = set().union(*self._rank_names)
         problems = [f"missing: {n}" for n in sorted(everything - set(incoming))]
         problems += [f"unexpected: {n}" for n in sorted(set(incoming) - everything)]
+        expected = {n: s for d in self._rank_shapes for n, s in d.items()}
+        problems += [f"shape of {n}: got {tuple(t.shape)}, expected {expected[n]}" for n, t in incoming.items()
+                     if n in expected and tuple(t.shape) != expected[n]]
         problems += [f"non-finite values in {n}" for n, t in incoming.items()
                      if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if problems:
@@ -273,7 +277,13 @@ class RolloutService(GenerationBackend):
         if self.weight_sync is not None and self.weight_sync.method == "broadcast":
             return self._push_weights_broadcast(version, incoming)
         per_rank = [(version, {n: incoming[n] for n in names}) for names in self._rank_names]
-        self.launcher.call("update_weights", per_rank, self.start_timeout_s)
+        try:
+            self.launcher.call("update_weights", per_rank, self.start_timeout_s)
+        except GroupFailure as failure:
+            # Some ranks may hold the new weights, others the old: restart the whole group, which
+            # re-applies the last good weights (all-or-nothing across ranks), then report.
+            self._restart(failure, [])
+            raise
 
     def _call_beside(self, method: str, args: tuple, fn):
         """Run ``launcher.call(method, args)`` in a thread while ``fn()`` runs here (both ends of a

@@ -165,6 +165,11 @@ class RolloutWorker:
         """Released names of the tensors this rank holds (its experts: global ids in its range)."""
         return list(self._released)
 
+    def released_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Released name -> shape of every tensor this rank holds (the service checks updates
+        against it before sending anything, so no rank applies an update another rank refuses)."""
+        return dict(self._released)
+
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
