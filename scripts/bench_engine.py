@@ -1,7 +1,7 @@
 """Native engine vs transformers ``generate`` on the same weights, tokens/s and their ratio.
 
     python scripts/bench_engine.py                      # CPU, tiny M3 (spec §7 preset A), fp32
-    python scripts/bench_engine.py --device cuda --model-json /work/shared/bench/m3_bench_300m.json
+    python scripts/bench_engine.py --device cuda --model-json configs/bench/m3_bench_300m.json
 
 Loads (one run measures both sides):
 - ``grpo``: 16 prompts x n=8 samples, 128 prompt tokens, 128 new tokens (no early stop). The

@@ -215,3 +215,50 @@ def test_generation_config_keys_validated():
             load_config("configs/grpo_bf16_ep.yaml", [bad])
     with pytest.raises(ValueError, match="max_model_len"):
         LLMEngine(MODEL, EngineConfig(max_model_len=80, num_pages=3))
+
+
+def test_async_callers_get_the_engine_error_instead_of_hanging():
+    # Adversarial review: an exception inside the shared driver task (here the detokenize callback
+    # of stop strings) used to kill the task silently and leave every awaiting caller hanging.
+    def detok(ids):
+        if len(ids) >= 3:
+            raise RuntimeError("detokenizer failed")
+        return "-"
+
+    b = _backend(detokenize=detok)
+
+    async def main():
+        calls = [_collect(b.generate_async([_req("a", _prompt(5, 1), stop_strings=("zz",), stop_token_ids=())])),
+                 _collect(b.stream(_req("b", _prompt(7, 2), stop_token_ids=())))]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "detokenizer failed" in str(r) for r in results), results
+
+
+def test_score_rejects_non_positive_temperature():
+    with pytest.raises(ValueError, match="temperature"):
+        _backend().score(_prompt(6, 3), temperature=0.0)
+
+
+def test_out_of_range_seed_or_sample_index_fails_alone():
+    # Adversarial review: seed / sample index outside int64 used to raise inside the batched
+    # sampler ("Overflow when unpacking long"), failing the step of every request in the batch.
+    b = _backend()
+    ok = _req("ok", _prompt(5, 1), stop_token_ids=())
+    outs = b.generate([ok, _req("seed", _prompt(6, 2), seed=2**64), _req("idx", _prompt(6, 2), sample_index=2**63)])
+    by = {o.request_id: o for o in outs}
+    assert "SamplingParams.seed" in by["seed"].error and "sample_index" in by["idx"].error
+    assert by["ok"].output_ids == _backend().generate([ok])[0].output_ids
+
+
+def test_non_integer_token_ids_fail_alone_and_integer_likes_are_normalised():
+    # Adversarial review: float ids were silently truncated in the forward, str ids raised out of
+    # generate() (leaving the other requests behind in the engine), tensor ids came back as tensors.
+    b = _backend()
+    outs = b.generate([_req("f", [5.5, 6]), _req("s", ["a", "b"]), _req("t", torch.tensor([5, 6, 7]), stop_token_ids=()),
+                       _req("ok", [5, 6, 7], stop_token_ids=())])
+    by = {o.request_id: o for o in outs}
+    assert "prompt_ids" in by["f"].error and "integer" in by["f"].error and "prompt_ids" in by["s"].error
+    assert by["t"].prompt_ids == [5, 6, 7] and all(type(t) is int for t in by["t"].prompt_ids)
+    assert by["t"].output_ids == by["ok"].output_ids and not b.engine.has_unfinished()

@@ -152,10 +152,15 @@ def test_mis_shaped_expert_update_is_rejected_before_any_rank_changes(model_dir)
         assert svc.weight_version == 0
         outs = svc.generate(reqs)  # both ranks still serve the old weights
         assert _key(outs) == _key(ref) and all(o.weight_version == 0 for o in outs if o.finish_reason != "error")
-        # Past the service's check (a rank refusing for any reason): the group restarts on the
+        # Past the service's check (here: the service's copy of the shapes is made to agree with
+        # the bad tensor; in general, a rank refusing for any reason): the group restarts on the
         # last good weights instead of serving rank 0's new lm_head beside rank 1's old one.
+        for shapes in svc._rank_shapes:
+            if bad_name in shapes:
+                shapes[bad_name] = tuple(dict(tensors)[bad_name].shape)
         with pytest.raises(GroupFailure, match="update_weights"):
-            svc._push_weights(3, dict(tensors))
+            svc.update_weights(3, tensors)
+        assert svc.weight_version == 0
         assert svc.restarts == 1 and _key(svc.generate(reqs)) == _key(ref)
         # A launcher call that failed on one rank leaves the other rank's reply in its pipe: the
         # launcher refuses further calls (generate restarts the group) instead of reading it.

@@ -13,14 +13,24 @@ free, cached-and-unreferenced}; the cached map points only at pages carrying tha
 
 from __future__ import annotations
 
+import array
+import hashlib
+
 from collections import OrderedDict, deque
 
 from m3_rollout.engine.sequence import Sequence
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full page given its predecessor's hash (None for the first page)."""
-    return hash((parent, tokens))
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """Hash of a full page given its predecessor's hash (None for the first page).
+
+    A 128-bit BLAKE2b digest of (parent digest, token ids as int64): a collision would make a
+    prefix hit reuse another prefix's K/V, so the hash must not be Python's (easily colliding,
+    deterministic) ``hash`` of ints. Each page's own tokens are also compared exactly on a hit.
+    """
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array.array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -35,11 +45,11 @@ class BlockManager:
         self.num_pages, self.page_size = num_pages, page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref = [0] * num_pages
-        self.page_hash: list[int | None] = [None] * num_pages
+        self.page_hash: list[bytes | None] = [None] * num_pages
         self.page_key: list[tuple | None] = [None] * num_pages  # (parent hash, tokens) for exact match
         self.free: deque[int] = deque(range(num_pages))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
-        self.cached: dict[int, int] = {}  # chain hash -> page
+        self.cached: dict[bytes, int] = {}  # chain hash -> page
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0
 
@@ -113,7 +123,7 @@ class BlockManager:
         self.query_tokens += seq.num_tokens
         for b in range((seq.num_tokens - 1) // ps):
             key = (parent, tuple(toks[b * ps:(b + 1) * ps]))
-            h = hash(key)
+            h = chain_hash(*key)
             page = self.cached.get(h)
             if page is None or self.page_key[page] != key:
                 break
@@ -134,7 +144,7 @@ class BlockManager:
             b = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else None
             key = (parent, tuple(toks[b * ps:(b + 1) * ps]))
-            h = hash(key)
+            h = chain_hash(*key)
             seq.page_hashes.append(h)
             page = seq.block_table[b]
             if self.page_hash[page] is None and h not in self.cached:

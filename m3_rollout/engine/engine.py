@@ -13,6 +13,8 @@ Step API contract: /work/notes/contracts.md ("Engine step API").
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -30,6 +32,20 @@ from m3_rollout.model.numerics import compute_dtype
 
 
 CPU_AUTO_KV_BYTES = 256 * 2**20  # cap of the automatic CPU page pool (pages are zero-filled up front)
+
+
+def _is_index(t) -> bool:
+    try:
+        operator.index(t)
+        return True
+    except TypeError:
+        return False
+
+
+def _token_ids(ids) -> list[int]:
+    """Token ids as plain ints (Python / numpy ints, 0-d integer tensors); TypeError for floats,
+    strings and other non-integers (never silently truncated)."""
+    return [operator.index(t) for t in ids]
 
 
 @dataclass
@@ -156,7 +172,15 @@ class LLMEngine:
             p.validate()
         except ValueError as exc:
             return str(exc)
-        ids = list(req.prompt_ids)
+        idx = req.sample_index
+        if not isinstance(idx, numbers.Integral) or not -2**63 <= idx <= 2**63 - p.n:
+            return (f"GenerationRequest.sample_index={idx!r}: samples sample_index .. sample_index + n - 1 "
+                    "must be integers in [-2**63, 2**63) (they key the sampler's int64 hash)")
+        try:
+            ids = _token_ids(req.prompt_ids)
+        except TypeError:
+            bad = next(t for t in req.prompt_ids if not _is_index(t))
+            return f"GenerationRequest.prompt_ids: token ids must be integers, got {bad!r}"
         vocab = self.model_config.vocab_size
         if not ids:
             return "GenerationRequest.prompt_ids: empty prompt"
@@ -182,13 +206,14 @@ class LLMEngine:
             self._pending.extend(self._error_outputs(req, error))
             return
         p = req.params
-        max_len = min(len(req.prompt_ids) + p.max_new_tokens, self.config.max_model_len)
+        prompt = _token_ids(req.prompt_ids)  # plain ints (numpy / 0-d tensor ids normalised)
+        max_len = min(len(prompt) + p.max_new_tokens, self.config.max_model_len)
         stops = self.eos | frozenset(p.stop_token_ids)
         key = self._next_req
         self._next_req += 1
         seqs = []
         for j in range(p.n):
-            seqs.append(Sequence(self._next_seq, req.request_id, key, req.sample_index + j, p, req.prompt_ids,
+            seqs.append(Sequence(self._next_seq, req.request_id, key, req.sample_index + j, p, prompt,
                                  stops, max_len, stream))
             self._next_seq += 1
         leader = seqs[0]
@@ -404,13 +429,16 @@ class LLMEngine:
             fp32 (fp64 for an fp64 model) [L] with entry 0 = 0 and entry i = log p(token_i | tokens_<i)
             or, with ``positions``, [len(positions)] of those entries.
         Raises:
-            ValueError: empty / too long / out-of-vocabulary ids or bad positions;
+            ValueError: empty / too long / out-of-vocabulary ids, bad positions or temperature <= 0;
             RuntimeError: not enough free KV pages now.
         """
+        if not temperature > 0:
+            raise ValueError(f"score temperature={temperature}: must be > 0")
         ids = list(token_ids)
         req_err = self._check_request(GenerationRequest("score", ids, SamplingParams()))
         if req_err is not None and not (len(ids) == self.config.max_model_len and "max_model_len" in req_err):
             raise ValueError(req_err.replace("GenerationRequest.prompt_ids", "score token_ids"))
+        ids = _token_ids(ids)
         seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
         bm = self.block_manager
         if not bm.ensure(seq, len(ids)):

@@ -157,6 +157,9 @@ class NativeBackend(GenerationBackend):
                     if q is not None:
                         q.put_nowait(out)
                 await asyncio.sleep(0)  # let callers consume and add requests
+        except Exception as exc:  # noqa: BLE001 - handed to every waiting caller, none may hang
+            for q in self._queues.values():
+                q.put_nowait(exc)
         finally:
             self._driver = None
 
@@ -173,6 +176,8 @@ class NativeBackend(GenerationBackend):
         try:
             while remaining:
                 out = await q.get()
+                if isinstance(out, Exception):  # the engine step failed (see _drive)
+                    raise out
                 if isinstance(out, SampleOutput):
                     remaining -= 1
                 yield dataclasses.replace(out, request_id=req.request_id)
@@ -184,13 +189,17 @@ class NativeBackend(GenerationBackend):
 
     async def generate_async(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[SampleOutput]:
         """Yield each sample's :class:`SampleOutput` as it finishes (any order); bad requests
-        yield error records. Many concurrent callers share the engine's batches."""
+        yield error records. Many concurrent callers share the engine's batches. An exception
+        raised by an engine step is re-raised in every waiting caller (none is left hanging)."""
         merged: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(req):
-            async for out in self._run(req, stream=False):
-                merged.put_nowait(out)
+            try:
+                async for out in self._run(req, stream=False):
+                    merged.put_nowait(out)
+            except Exception as exc:  # noqa: BLE001 - re-raised to the caller below
+                merged.put_nowait(exc)
             merged.put_nowait(done)
 
         tasks = [asyncio.ensure_future(pump(r)) for r in requests]
@@ -200,6 +209,8 @@ class NativeBackend(GenerationBackend):
                 item = await merged.get()
                 if item is done:
                     finished += 1
+                elif isinstance(item, Exception):
+                    raise item
                 else:
                     yield item
         finally:

@@ -253,9 +253,11 @@ class RolloutService(GenerationBackend):
         """Send every rank its tensors (replicated ones + its experts; released names), in place.
 
         The tensors are copied to host once and kept, so a restarted group gets the same weights.
-        All-or-nothing across ranks for bad input: names and shapes are checked against every
-        rank's tensor list before anything is sent.
-        Raises ValueError listing missing / unexpected tensors.
+        All-or-nothing across ranks: names, shapes and finite values are checked against every
+        rank's tensor list before anything is sent; if a rank still fails, the group is restarted
+        on the last good weights.
+        Raises ValueError listing missing / unexpected / mis-shaped / non-finite tensors;
+        GroupFailure when a rank failed during the update (after the restart).
         """
         incoming = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors}
         everything = set().union(*self._rank_names)
@@ -269,7 +271,13 @@ class RolloutService(GenerationBackend):
         if problems:
             raise ValueError(f"weight update rejected, weights unchanged (version {self._version}):\n  "
                              + "\n  ".join(problems))
-        self._push_weights(int(version), incoming)
+        try:
+            self._push_weights(int(version), incoming)
+        except GroupFailure as failure:
+            # Some ranks may hold the new weights, others the old: restart the whole group, which
+            # re-applies the last good weights (all-or-nothing across ranks), then report.
+            self._restart(failure, [])
+            raise
         self._last_weights = (int(version), incoming)
         self._version = int(version)
 
@@ -277,13 +285,7 @@ class RolloutService(GenerationBackend):
         if self.weight_sync is not None and self.weight_sync.method == "broadcast":
             return self._push_weights_broadcast(version, incoming)
         per_rank = [(version, {n: incoming[n] for n in names}) for names in self._rank_names]
-        try:
-            self.launcher.call("update_weights", per_rank, self.start_timeout_s)
-        except GroupFailure as failure:
-            # Some ranks may hold the new weights, others the old: restart the whole group, which
-            # re-applies the last good weights (all-or-nothing across ranks), then report.
-            self._restart(failure, [])
-            raise
+        self.launcher.call("update_weights", per_rank, self.start_timeout_s)
 
     def _call_beside(self, method: str, args: tuple, fn):
         """Run ``launcher.call(method, args)`` in a thread while ``fn()`` runs here (both ends of a
