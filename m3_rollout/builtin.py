@@ -184,6 +184,7 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
     try:
         save_checkpoint(model, config, tmp)
         save_tokenizer(tokenizer, tmp, template)

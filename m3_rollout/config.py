@@ -531,6 +531,18 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
     return OmegaConf.merge(merged, OmegaConf.create(data))
 
 
+def _suggest_key(schema, key: str) -> str:
+    """", did you mean 'x.y'?" for the closest existing key of the same section, or ""."""
+    import difflib
+
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(schema, parent) if parent else schema
+    if not OmegaConf.is_dict(node):
+        return ""
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
+    return f", did you mean {(parent + '.' if parent else '') + close[0]!r}?" if close else ""
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
     """Load a YAML config, apply ``key=value`` overrides, type-check and validate.
 
@@ -555,7 +567,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 raise ConfigError(f"override {item!r} is not of the form key=value (e.g. grpo.max_num_steps=5)")
             key = item.split("=", 1)[0].strip()
             if OmegaConf.select(schema, key, default="__missing__") == "__missing__":
-                raise ConfigError(f"unknown config key {key!r} in override {item!r}; "
+                raise ConfigError(f"unknown config key {key!r} in override {item!r}{_suggest_key(schema, key)}; "
                                   f"see m3_rollout/config.py for the keys")
         if overrides:
             schema = OmegaConf.merge(schema, OmegaConf.from_dotlist(list(overrides)))

@@ -325,6 +325,7 @@ def run(cfg: MasterConfig) -> dict:
 def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
     """Write the trained weights + tokenizer files as a plain model directory ``out_dir/step_{step}``
     (tmp + rename); training checkpoints with optimizer state use ``trainers.checkpoint``."""
+    import os
     import shutil
     import tempfile
 
@@ -334,6 +335,7 @@ def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
     final = out_dir / f"step_{step}"
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=out_dir))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
     save_checkpoint(policy.model, policy.model.config, tmp)
     copy_tokenizer_files(src_dir, tmp)
     if final.exists():

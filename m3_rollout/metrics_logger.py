@@ -20,7 +20,10 @@ class MetricsLogger:
         self.cfg, self.write = cfg, write
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.log_dir / "metrics.jsonl", "a")
+        # A fresh run starts a fresh log (a rerun into the same log_dir would otherwise mix two
+        # runs' steps); a resumed run appends to the log it continues.
+        resume = bool(run_config.get("checkpointing", {}).get("resume", False))
+        self._jsonl = open(self.log_dir / "metrics.jsonl", "a" if resume else "w")
         self.run = None
         mode = cfg.wandb.mode
         if cfg.wandb_enabled and mode != "disabled":

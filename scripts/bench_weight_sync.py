@@ -26,8 +26,11 @@ the same run, on the same bytes:
   raw copy_ per parameter   rollout_param.copy_(trainer_param) for every parameter: the floor of an
             in-process refit (no packing, checksum, validation or staging);
   raw flat copy             one copy_ of a flat buffer of the same bytes: the device copy ceiling;
-  atomic=false / atomic=true   full colocated updates (atomic stages in host memory on GPU, in the
-            stage buffer on CPU, and commits after validation).
+  atomic=false / atomic=true   full colocated updates on the direct path (ColocatedChannel(direct=True),
+            as build_weight_sender sets up): per-tensor copies into the rollout's views, no buckets;
+            atomic first runs one fused finite check of every tensor, then commits;
+  ..., buckets   the same updates through the bucket wire format in memory (direct=False: packing,
+            checksums; atomic stages in host memory on GPU, in the stage buffer on CPU), for comparison.
 GB/s = update bytes / wall time (CUDA synchronized before and after); pause = the whole update (the
 rollout engine shares the process and device, so it is stopped throughout). Correctness, checked
 after timing for each atomic mode: the rollout copy is scrambled, updated, then every parameter is
@@ -211,7 +214,8 @@ def _rank_main(rank: int, args, port: int, results) -> None:
 
 
 # ---------------------------------------------------------------------------- colocated (one device)
-COLOCATED_MODES = ("raw copy_ per parameter", "raw flat copy", "atomic=false", "atomic=true")
+COLOCATED_MODES = ("raw copy_ per parameter", "raw flat copy", "atomic=false", "atomic=true",
+                   "atomic=false, buckets", "atomic=true, buckets")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -254,7 +258,8 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
         repeats: timed repeats per mode (after one warm-up), modes interleaved.
         log: optional callable(str) for progress lines.
     Returns:
-        dict with ``bytes`` (update bytes = every parameter incl. frozen ones), ``buckets``,
+        dict with ``bytes`` (update bytes = every parameter incl. frozen ones), ``buckets`` (of the
+        ``..., buckets`` modes; the direct modes use none),
         ``tensors`` (released tensors sent), ``seconds`` {mode: median s}, ``all`` {mode: [s]},
         ``checks`` {"atomic=false"/"atomic=true": {"mismatched_before": int (parameters differing
         before the checked update, > 0 or the check proves nothing), "mismatched": [names],
@@ -276,16 +281,20 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
     flat_dst.fill_(0)
 
     rx = WeightReceiver(rollout, atomic=False, double_buffer=True)
-    sender = WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev), bucket_mb, None)
+    sender = WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=True),
+                          bucket_mb, None)
     sender.handshake()
+    bucketed = WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=False),
+                            bucket_mb, None)
+    bucketed.handshake()
     ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
     version = 0
 
-    def update(atomic: bool) -> None:
+    def update(atomic: bool, buckets: bool = False) -> None:
         nonlocal version
         version += 1
         rx.atomic = atomic
-        sender.update(version, include_frozen=True)  # raises WeightUpdateError on a rejected update
+        (bucketed if buckets else sender).update(version, include_frozen=True)  # raises WeightUpdateError
 
     def timed(mode: str) -> float:
         _sync(str(dev))
@@ -297,7 +306,7 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
         elif mode == "raw flat copy":
             flat_dst.copy_(flat_src)
         else:
-            update(mode == "atomic=true")
+            update(mode.startswith("atomic=true"), mode.endswith("buckets"))
         _sync(str(dev))
         return time.perf_counter() - t0
 
@@ -309,7 +318,7 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
                 times[mode].append(dt)
             if log is not None:
                 log(f"repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s")
-    stats = dict(sender.stats)
+    stats = dict(bucketed.stats)
     del flat_src, flat_dst
 
     checks = {}
@@ -361,8 +370,9 @@ def main_colocated(args) -> None:
             f"{machine}, {dev.type}\n\n"
             f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
             f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
-            f"tensors, {r['buckets']} buckets of <= {args.bucket_mb:g} MiB; trainer copy and rollout copy on one "
-            f"{dev.type} device, update through WeightSender + ColocatedChannel + WeightReceiver; median of "
+            f"tensors; trainer copy and rollout copy on one {dev.type} device, update through WeightSender + "
+            f"ColocatedChannel + WeightReceiver: atomic=false/true on the direct path (per-tensor copies, no "
+            f"buckets), '..., buckets' through {r['buckets']} buckets of <= {args.bucket_mb:g} MiB; median of "
             f"{args.repeats} interleaved repeats after a warm-up, torch threads = {threads}; "
             "pause = the whole update or copy.\n\n"
             "| mode | seconds | GB/s | vs raw copy_ per parameter | pause (s) |\n"

@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("-o", "--out", default="grpo_curves.png")
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
-    runs = {label: read_metrics(path) for label, path in map(parse_run, args.runs)}
+    try:
+        runs = {label: read_metrics(path) for label, path in map(parse_run, args.runs)}
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc}") from None
     out = plot_runs(runs, args.out, args.title)
     print(f"wrote {out}")
     return out

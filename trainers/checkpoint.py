@@ -26,6 +26,7 @@ import math
 import random
 import re
 import shutil
+import os
 import tempfile
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
         tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=self.root))
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
         try:
             save_checkpoint(policy.model, policy.model.config, tmp / "policy")
             if tokenizer_dir is not None:

@@ -2,7 +2,8 @@
 
 The trainer is rank 0 of the weight-sync group (it hosts the group's TCPStore); rollout workers
 join as ranks 1..N. With ``weight_sync.method=colocated`` the rollout receivers live in this
-process and get an in-process copy instead of a broadcast (same sender, same checks).
+process and get an in-process copy instead of a broadcast (same sender, same version / validity
+semantics; ``ColocatedChannel(direct=True)``: per-tensor copies into the rollout's views, no buckets).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def build_weight_sender(policy, cfg: WeightSyncConfig, generation_dtype: torch.d
         if not receivers:
             raise ValueError("weight_sync.method=colocated needs the in-process rollout receivers")
         device = next(policy.model.parameters()).device
-        channel = ColocatedChannel(list(receivers), device)
+        channel = ColocatedChannel(list(receivers), device, direct=True)  # per-tensor copies, no buckets
 
     def frozen(name: str) -> bool:
         return not cfg.send_frozen and default_frozen(name, freeze.indexer, freeze.router_bias)

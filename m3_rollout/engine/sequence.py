@@ -53,7 +53,7 @@ class Sequence:
         self.num_computed = 0
         self.num_cached = 0  # tokens reused from the prefix cache at the last admission
         self.block_table: list[int] = []
-        self.page_hashes: list[int] = []
+        self.page_hashes: list[bytes] = []
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.children: list[Sequence] = []

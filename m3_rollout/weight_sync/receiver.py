@@ -28,6 +28,7 @@ from torch import nn
 from m3_rollout.model.loading import RELEASED_PREFIX
 
 from .buckets import Bucket, all_finite, checksum_ok, plan_buckets, segment_view
+from .direct import copy_into, nonfinite
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .manifest import (HandshakeError, TensorSpec, UpdateHeader, check_header, decode_header, diff_manifests,
                        manifest_from_bytes, receiver_layout)
@@ -116,6 +117,7 @@ class WeightReceiver:
         self._touched = False  # non-atomic: some parameter bytes were overwritten this update
         self._stage: torch.Tensor | None = None
         self._scratch: list[torch.Tensor] = []
+        self._direct: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # colocated: (dst view, src)
 
     # ---------------------------------------------------------------- protocol steps
     def check_handshake(self, manifest: list[TensorSpec]) -> list[str]:
@@ -222,6 +224,45 @@ class WeightReceiver:
         bad = [seg for seg, _ in st.owned if not all_finite(self._staged(st, seg))]
         for seg in bad[:_MAX_NAMES]:
             self._fail(f"non-finite values in {self._seg_name(seg)}")
+
+    # ---------------------------------------------------------------- colocated direct path
+    def receive_direct(self, header: UpdateHeader, sources: list[torch.Tensor]) -> None:
+        """In-process update without buckets (``direct.py``): ``sources[k]`` is the trainer tensor
+        of ``header.entries[k]`` (trainer dtype, any device; cast on copy).
+
+        Checks the header against the handshake, then: ``atomic=False`` copies every owned tensor
+        into its destination view now (after the fused finite check when ``check_finite``);
+        ``atomic=True`` only validates (fused finite check of the cast values, one host sync) and
+        keeps the pairs for ``complete`` to copy when every receiver succeeded; the trainer tensors
+        are the stage, so they must not change before ``complete`` (the channel calls both in one
+        go). Follow with ``status`` / ``complete`` as for buckets.
+        """
+        if self.manifest is None:
+            raise RuntimeError("weight update before a successful handshake")
+        self._reset()
+        self._header = header
+        self._errors = [f"{self.rank_label}: {p}" for p in check_header(header, self.manifest)]
+        if len(sources) != len(header.entries):
+            self._fail(f"update carries {len(sources)} tensors for {len(header.entries)} header entries")
+        if self._errors:
+            return
+        pairs, names = [], []
+        for (idx, _, _), src in zip(header.entries, sources):
+            view = self.views.get(self.manifest[idx].name)
+            if view is not None:
+                pairs.append((view, src))
+                names.append(self.manifest[idx].name)
+        if self.check_finite:
+            bad = nonfinite([s for _, s in pairs], [d.dtype for d, _ in pairs])
+            for i in bad[:_MAX_NAMES]:
+                self._fail(f"non-finite values in {names[i]}")
+            if bad:
+                return
+        if self.atomic:
+            self._direct = pairs
+            return
+        copy_into([d for d, _ in pairs], [s for _, s in pairs])
+        self._touched = True
 
     def status(self) -> dict:
         """This rank's verdict for the status exchange."""
@@ -343,6 +384,8 @@ class WeightReceiver:
 
     @torch.no_grad()
     def _commit(self) -> None:
+        if self._direct is not None:
+            copy_into([d for d, _ in self._direct], [s for _, s in self._direct])
         for st in self._states:
             for seg, dst in st.owned:
                 dst[seg.elem_start:seg.elem_start + seg.numel].copy_(self._staged(st, seg), non_blocking=True)

@@ -11,6 +11,7 @@ raises ``WeightUpdateError`` on the trainer naming the tensors.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Iterable
 
@@ -76,14 +77,31 @@ class BroadcastChannel:
 class ColocatedChannel:
     """Sender end for receivers living in this process (weight_sync.method=colocated).
 
-    Each bucket is packed straight into the receiver's own receive buffer when there is one
-    receiver (one copy, trainer tensor -> stage / parameter), else into a scratch buffer the
-    receivers copy from. On GPU this is a device-to-device copy on the shared GPU.
+    ``direct=True`` (``build_weight_sender`` sets it; the class default keeps the bucket path the
+    wire-format tests exercise): no buckets; each trainer tensor is copied straight into every
+    receiver's destination view (``WeightReceiver.receive_direct``, ``direct.py``): no packing,
+    no checksum (nothing crosses a transport), a fused finite check before committing when
+    atomic. ``direct=False`` (and whenever the sender has a ``fault`` hook, which works on wire
+    buffers): the bucket path (design.md §3 format in memory), each bucket packed straight into
+    the receiver's own receive buffer when there is one receiver, else into a scratch buffer the
+    receivers copy from.
     """
 
-    def __init__(self, receivers: list[WeightReceiver], device: torch.device | str = "cpu"):
+    def __init__(self, receivers: list[WeightReceiver], device: torch.device | str = "cpu", direct: bool = False):
         self.receivers, self.device = list(receivers), torch.device(device)
+        self.direct = bool(direct)
         self.needs_rebuild = False
+
+    def send_direct(self, header: UpdateHeader, sources: list[torch.Tensor]) -> list[dict]:
+        """Direct update: every receiver validates / copies ``sources`` (header order), then all
+        commit or all discard (atomic receivers). Returns each receiver's verdict."""
+        for i, r in enumerate(self.receivers):
+            r.rank_label = f"receiver {i}"
+            r.receive_direct(header, sources)
+        verdicts = [r.status() for r in self.receivers]
+        all_ok = all(v["ok"] for v in verdicts)
+        self.results = [r.complete(all_ok) for r in self.receivers]
+        return verdicts
 
     def handshake(self, manifest: list[TensorSpec]) -> list[str]:
         return [f"receiver {i}: {d}" for i, r in enumerate(self.receivers) for d in r.check_handshake(manifest)]
@@ -169,6 +187,9 @@ class WeightSender:
             sources.append(t.detach())
             entries.append((i, tuple(t.shape), self.manifest[i].dtype))
         header = UpdateHeader(int(version), include_frozen, tuple(entries))
+        if isinstance(self.channel, ColocatedChannel) and self.channel.direct and self.fault is None:
+            return self._finish(version, self.channel.send_direct(header, sources), t0,
+                                sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries), 0)
         plan = plan_buckets([(shape, dt) for _, shape, dt in entries], self.bucket_bytes)
 
         def pack(k: int, buf: torch.Tensor) -> None:
@@ -185,9 +206,12 @@ class WeightSender:
         except WeightSyncTimeout as exc:
             self.channel.needs_rebuild = True
             raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
+        return self._finish(version, verdicts, t0, sum(b.data_bytes for b in plan), len(plan))
+
+    def _finish(self, version: int, verdicts: list[dict], t0: float, nbytes: int, buckets: int) -> dict:
+        """Record stats (``buckets`` = 0 on the colocated direct path); raise on any rank's error."""
         seconds = time.perf_counter() - t0
-        nbytes = sum(b.data_bytes for b in plan)
-        self.stats = {"version": int(version), "bytes": nbytes, "buckets": len(plan), "seconds": seconds,
+        self.stats = {"version": int(version), "bytes": nbytes, "buckets": buckets, "seconds": seconds,
                       "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
         errors = [e for v in verdicts for e in v["errors"]]
         if errors or not all(v["ok"] for v in verdicts):

@@ -1,0 +1,203 @@
+"""Colocated direct weight sync (ColocatedChannel(direct=True), weight_sync/direct.py): per-tensor
+copies into the rollout's views with no buckets; bitwise results, storage kept, EP expert rows,
+atomic rejection of non-finite / overflowing / malformed updates with old weights and version kept."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
+from m3_rollout.parallel import shard_experts
+from m3_rollout.weight_sync import ColocatedChannel, WeightReceiver, WeightSender, WeightUpdateError
+from m3_rollout.weight_sync.direct import copy_into, nonfinite
+
+EXPERT = "language_model.model.layers.2.block_sparse_moe.experts.{}.w3.weight"
+
+
+def _model(seed: int) -> M3ForCausalLM:
+    torch.manual_seed(seed)
+    return M3ForCausalLM(tiny_config()).float().eval()
+
+
+def _send(trainer, receivers, dtype=None, named=None, direct=True):
+    named = named or (lambda: iter_released_tensors(trainer))
+    return WeightSender(named, ColocatedChannel(receivers, direct=direct), 0.05, dtype)
+
+
+def _with(trainer, name, fn):
+    def named():
+        for n, t in iter_released_tensors(trainer):
+            if n == name:
+                t = t.clone()
+                fn(t)
+            yield n, t
+    return named
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_direct_update_bitwise_in_place_with_expert_rows(atomic, ep):
+    trainer = _model(1)
+    rx_models, rxs = [], []
+    for r in range(ep):
+        m = _model(0).cast_for_inference(torch.bfloat16)  # bf16 rollout, router fp32
+        if ep > 1:
+            shard_experts(m, r, ep, None)
+        rx_models.append(m)
+        rxs.append(WeightReceiver(m, atomic=atomic, version=2))
+    ptrs = [{n: p.data_ptr() for n, p in m.named_parameters()} for m in rx_models]
+    stats = _send(trainer, rxs, torch.bfloat16).update(3, include_frozen=True)
+    released = list(iter_released_tensors(trainer))
+    assert stats["buckets"] == 0
+    assert stats["bytes"] == sum(t.numel() * (4 if "gate.weight" in n or "correction_bias" in n else 2)
+                                 for n, t in released)
+    want = dict(trainer.named_parameters())
+    for m, rx, ptr in zip(rx_models, rxs, ptrs):
+        assert rx.version == 3 and rx.valid
+        for name, p in m.named_parameters():
+            assert p.data_ptr() == ptr[name], name
+            ref = want[name].detach()
+            if name.endswith(("experts.w13", "experts.w2")):
+                a, b = m.get_submodule(name.rsplit(".", 1)[0]).expert_range if ep > 1 else (0, ref.shape[0])
+                ref = ref[a:b]
+            ref = ref.to(p.dtype)  # router stays fp32: exact fp32 bits; the rest rounds once to bf16
+            assert torch.equal(p.view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32),
+                               ref.view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32)), name
+    if ep == 2:  # rank 1 holds experts [4, 8): local row 1 = global expert 5, gate rows before up rows
+        w13 = rx_models[1].model.layers[2].block_sparse_moe.experts.w13
+        inter = w13.shape[1] // 2
+        t_w13 = trainer.model.layers[2].block_sparse_moe.experts.w13
+        assert torch.equal(w13[1, inter:].float(), t_w13[5, inter:].to(torch.bfloat16).float())
+        assert torch.equal(w13[1, :inter].float(), t_w13[5, :inter].to(torch.bfloat16).float())
+
+
+def test_direct_matches_bucket_path_bitwise():
+    trainer = _model(1)
+    a, b = _model(0).cast_for_inference(torch.bfloat16), _model(0).cast_for_inference(torch.bfloat16)
+    _send(trainer, [WeightReceiver(a)], torch.bfloat16, direct=True).update(1, include_frozen=True)
+    _send(trainer, [WeightReceiver(b)], torch.bfloat16, direct=False).update(1, include_frozen=True)
+    pb = dict(b.named_parameters())
+    for n, p in a.named_parameters():
+        assert torch.equal(p.detach().reshape(-1).view(torch.uint8), pb[n].detach().reshape(-1).view(torch.uint8)), n
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "bf16 overflow"])
+def test_direct_atomic_rejects_non_finite_keeping_old_weights(case):
+    trainer = _model(1)
+    rx_model = _model(0).cast_for_inference(torch.bfloat16)
+    rx = WeightReceiver(rx_model, atomic=True, version=4)
+    old = {n: p.detach().clone() for n, p in rx_model.named_parameters()}
+    name = EXPERT.format(6)
+    value = {"nan": float("nan"), "inf": float("-inf"), "bf16 overflow": 3.4e38}[case]  # 3.4e38 is finite in fp32
+    assert (case != "bf16 overflow") or torch.isinf(torch.tensor(value).to(torch.bfloat16))
+    sender = _send(trainer, [rx], torch.bfloat16)
+    sender.handshake()
+    sender.named_tensors = _with(trainer, name, lambda t: t.view(-1)[7].fill_(value))
+    with pytest.raises(WeightUpdateError, match=f"non-finite values in {name.replace('.', '[.]')}"):
+        sender.update(5)
+    assert rx.version == 4 and rx.valid
+    assert all(torch.equal(p, old[n]) for n, p in rx_model.named_parameters())
+    sender.named_tensors = lambda: iter_released_tensors(trainer)  # the next good update goes through
+    sender.update(6)
+    assert rx.version == 6 and torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight.to(torch.bfloat16))
+
+
+def test_direct_atomic_two_receivers_all_or_nothing():
+    """EP=2: the NaN sits in an expert only rank 1 owns; rank 0 must not commit either."""
+    trainer = _model(1)
+    ms = []
+    for r in range(2):
+        m = _model(0)
+        shard_experts(m, r, 2, None)
+        ms.append(m)
+    rxs = [WeightReceiver(m, atomic=True, version=1) for m in ms]
+    old = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in ms]
+    sender = _send(trainer, rxs, named=_with(trainer, EXPERT.format(6), lambda t: t.view(-1)[0].fill_(float("nan"))))
+    with pytest.raises(WeightUpdateError) as exc:
+        sender.update(2)
+    assert f"receiver 1: non-finite values in {EXPERT.format(6)}" in str(exc.value)
+    r0 = sender.channel.results[0]
+    assert not r0.ok and not r0.changed and "receiver 0: update 2 not applied: another rank failed" in r0.errors
+    for m, rx, o in zip(ms, rxs, old):
+        assert rx.version == 1 and rx.valid
+        assert all(torch.equal(p, o[n]) for n, p in m.named_parameters())
+
+
+def test_direct_header_errors_and_non_atomic_semantics():
+    trainer = _model(1)
+    name_shape = "language_model.model.layers.1.self_attn.o_proj.weight"
+    rx_model = _model(0)
+    old = {n: p.detach().clone() for n, p in rx_model.named_parameters()}
+    rx = WeightReceiver(rx_model, atomic=False, version=2)
+    sender = _send(trainer, [rx])
+    sender.handshake()
+    sender.named_tensors = lambda: ((n, t[:, :-1] if n == name_shape else t) for n, t in iter_released_tensors(trainer))
+    with pytest.raises(WeightUpdateError, match=rf"shape of {name_shape}: update \[128, 255\], handshake \[128, 256\]"):
+        sender.update(3)
+    # header rejected before any copy: still valid on version 2, weights untouched
+    assert rx.valid and rx.version == 2
+    assert all(torch.equal(p, old[n]) for n, p in rx_model.named_parameters())
+    # non-atomic without check_finite copies a NaN through (the fast path's contract) ...
+    sender.named_tensors = _with(trainer, EXPERT.format(1), lambda t: t.view(-1)[0].fill_(float("nan")))
+    sender.update(4)
+    assert rx.version == 4 and torch.isnan(rx_model.model.layers[2].block_sparse_moe.experts.w13).any()
+    # ... and rejects it before touching anything with check_finite=True
+    rx2_model = _model(0)
+    rx2 = WeightReceiver(rx2_model, atomic=False, version=2, check_finite=True)
+    s2 = _send(trainer, [rx2], named=sender.named_tensors)
+    with pytest.raises(WeightUpdateError, match="non-finite values"):
+        s2.update(4)
+    assert rx2.valid and rx2.version == 2 and not torch.isnan(rx2_model.model.layers[2].block_sparse_moe.experts.w13).any()
+
+
+def test_nonfinite_and_copy_into_against_per_tensor_reference():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(n, generator=g) * 100 for n in (5, 0, 17, 3, 9, 1)]
+    dst = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.float32]
+    ts[2][4] = float("nan")
+    ts[4][8] = 70000.0  # finite in fp32, +inf in fp16
+    ts[5][0] = float("inf")
+    ts.append(torch.full((4,), -3.39e38, dtype=torch.float32))  # rounds to bf16 max, stays finite
+    dst.append(torch.bfloat16)
+    want = [i for i, (t, d) in enumerate(zip(ts, dst)) if not bool(torch.isfinite(t.to(d).float()).all())]
+    assert want == [2, 4, 5]
+    assert nonfinite(ts, dst) == want
+    outs = [torch.empty(t.shape, dtype=d) for t, d in zip(ts, dst)]
+    copy_into(outs, ts)
+    for o, t, d in zip(outs, ts, dst):
+        assert torch.equal(o.float(), t.to(d).float()) or (torch.isnan(o.float()) == torch.isnan(t)).all()
+    with pytest.raises(ValueError, match="destination dtypes"):
+        nonfinite(ts, dst[:-1])
+
+
+# ------------------------------------------------------------------------------ CPU cache-blocked passes
+@pytest.mark.parametrize("block", [8, 24, 1 << 20])
+def test_blocked_pack_and_copy_checked_match_plain_checksum(monkeypatch, block):
+    from m3_rollout.weight_sync import buckets as B
+
+    monkeypatch.setattr(B, "BLOCK_BYTES", block)  # tiny blocks: segment / block boundaries everywhere
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randn(n, generator=g) for n in (7, 13, 1, 30)]  # cast to bf16 on the wire; odd sizes
+    plan = B.plan_buckets([((t.numel(),), torch.bfloat16) for t in srcs], 50)  # 25 elements per bucket
+    assert len(plan) == 3 and plan[-1].data_bytes % 8 != 0  # a padded last bucket
+    wire = torch.cat([t.to(torch.bfloat16) for t in srcs]).view(torch.uint8)
+    dsts = [torch.zeros(t.numel(), dtype=torch.bfloat16) for t in srcs]
+    off = 0
+    for b in plan:
+        buf = torch.full((b.wire_bytes + 5,), 0xAB, dtype=torch.uint8)
+        B.pack_bucket(buf, b, srcs)
+        data = torch.zeros(b.padded_bytes, dtype=torch.uint8)  # independent: bytes + zero padding, int64 sum
+        data[:b.data_bytes] = wire[off:off + b.data_bytes]
+        off += b.data_bytes
+        assert torch.equal(buf[:b.padded_bytes], data)
+        assert int(buf[b.padded_bytes:b.wire_bytes].view(torch.int64)[0]) == int(data.view(torch.int64).sum())
+        owned = [(s, dsts[s.entry]) for s in b.segments if s.entry != 1]  # entry 1 not owned here
+        assert B.copy_checked(buf, b, owned)
+        bad = buf.clone()
+        bad[b.data_bytes - 1] ^= 0x10  # one flipped bit in the last data byte
+        assert not B.copy_checked(bad, b, [(s, torch.zeros_like(d)) for s, d in owned])
+    for i, (d, t) in enumerate(zip(dsts, srcs)):
+        assert torch.equal(d, torch.zeros_like(d) if i == 1 else t.to(torch.bfloat16)), i
