@@ -172,32 +172,3 @@ def test_nonfinite_and_copy_into_against_per_tensor_reference():
     with pytest.raises(ValueError, match="destination dtypes"):
         nonfinite(ts, dst[:-1])
 
-
-# ------------------------------------------------------------------------------ CPU cache-blocked passes
-@pytest.mark.parametrize("block", [8, 24, 1 << 20])
-def test_blocked_pack_and_copy_checked_match_plain_checksum(monkeypatch, block):
-    from m3_rollout.weight_sync import buckets as B
-
-    monkeypatch.setattr(B, "BLOCK_BYTES", block)  # tiny blocks: segment / block boundaries everywhere
-    g = torch.Generator().manual_seed(1)
-    srcs = [torch.randn(n, generator=g) for n in (7, 13, 1, 30)]  # cast to bf16 on the wire; odd sizes
-    plan = B.plan_buckets([((t.numel(),), torch.bfloat16) for t in srcs], 50)  # 25 elements per bucket
-    assert len(plan) == 3 and plan[-1].data_bytes % 8 != 0  # a padded last bucket
-    wire = torch.cat([t.to(torch.bfloat16) for t in srcs]).view(torch.uint8)
-    dsts = [torch.zeros(t.numel(), dtype=torch.bfloat16) for t in srcs]
-    off = 0
-    for b in plan:
-        buf = torch.full((b.wire_bytes + 5,), 0xAB, dtype=torch.uint8)
-        B.pack_bucket(buf, b, srcs)
-        data = torch.zeros(b.padded_bytes, dtype=torch.uint8)  # independent: bytes + zero padding, int64 sum
-        data[:b.data_bytes] = wire[off:off + b.data_bytes]
-        off += b.data_bytes
-        assert torch.equal(buf[:b.padded_bytes], data)
-        assert int(buf[b.padded_bytes:b.wire_bytes].view(torch.int64)[0]) == int(data.view(torch.int64).sum())
-        owned = [(s, dsts[s.entry]) for s in b.segments if s.entry != 1]  # entry 1 not owned here
-        assert B.copy_checked(buf, b, owned)
-        bad = buf.clone()
-        bad[b.data_bytes - 1] ^= 0x10  # one flipped bit in the last data byte
-        assert not B.copy_checked(bad, b, [(s, torch.zeros_like(d)) for s, d in owned])
-    for i, (d, t) in enumerate(zip(dsts, srcs)):
-        assert torch.equal(d, torch.zeros_like(d) if i == 1 else t.to(torch.bfloat16)), i

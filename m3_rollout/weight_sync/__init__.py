@@ -5,6 +5,7 @@ buckets    per-dtype bucket plan, packing, checksums
 group      the private trainer + rollout-ranks process group (TCPStore, gloo / NCCL, rebuild)
 receiver   rollout side: validate, stage (atomic) or apply per bucket, commit in place
 sender     trainer side: broadcast or colocated (in-process) channel
+direct     colocated direct path: fused finite check + per-tensor copies, no buckets
 in_flight  what happens to running requests at an update (abort / drain / continue)
 rollout_sync  a rollout rank's endpoint: group + receiver + engine + in-flight policy
 Trainer glue: trainers/weight_sender.py. Service wiring: RolloutService(weight_sync=...).

@@ -15,6 +15,9 @@ bucket; only when EVERY rank reports success are the staged bytes copied into th
 ``atomic=False``: each bucket is checksummed (finite values too with ``check_finite``) and
 copied into the parameters as it arrives (no host stage); a failure after the first copy marks the rank ``valid=False`` (it must refuse
 requests) until a later full update succeeds.
+Colocated direct path (``receive_direct``, ``direct.py``): no buckets; the trainer's tensors are
+copied straight into the destination views; atomic validates them all first (fused finite check,
+one host sync) and copies at ``complete``, the trainer tensors serving as the stage.
 """
 
 from __future__ import annotations
