@@ -19,37 +19,25 @@ Appends a table to docs/benchmarks.md with machine and date (``--no-write`` to s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from benchlib import machine as _machine
 from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
-from m3_rollout.engine.paged_cache import page_bytes
 from m3_rollout.model import M3Config, M3ForCausalLM, load_hf_state_dict, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
-HBM_BYTES_PER_S = 4.4e12
-DATE = "2026-11-29"
 
 
 def machine(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return _machine(device) + ("" if device == "cuda" else f", {torch.get_num_threads()} threads")
+HBM_BYTES_PER_S = 4.4e12
+DATE = "2026-11-29"
+
 
 
 def build_pair(cfg: M3Config, device: str, dtype: torch.dtype):

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import queue
 import sys
 import time
@@ -31,6 +29,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import machine  # noqa: E402
 from m3_rollout.model.configuration import tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE  # noqa: E402
 from m3_rollout.parallel import EPGroupSpec, destroy_ep_group, free_port, init_ep_group  # noqa: E402
@@ -138,19 +137,6 @@ def run(world: int, tokens: list[int], steps: int, dtype: str, device: str) -> l
                 p.kill()
     return got[0]
 
-
-def machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def main() -> None:
