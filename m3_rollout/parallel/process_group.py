@@ -9,6 +9,7 @@ survivors instead of a hang (design.md §6).
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 
@@ -46,6 +47,18 @@ class EPGroupSpec:
     timeout_s: float = 30.0
 
 
+# NVLink multicast (NVLS) stays off on shared GPU hosts: a program using it can take the host's
+# GPUs out of service (the GPU machines' notes). Set in this process before NCCL starts, and
+# inherited by every worker process it spawns.
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def disable_nvlink_multicast() -> None:
+    """Set MULTICAST_OFF_ENV in os.environ unless the caller chose values already."""
+    for key, value in MULTICAST_OFF_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def init_ep_group(spec: EPGroupSpec, rank: int, device: torch.device | str = "cpu") -> dist.ProcessGroup | None:
     """Join the EP group as `rank` (the process's default group). Returns the group, or None for P = 1.
 
@@ -62,6 +75,7 @@ def init_ep_group(spec: EPGroupSpec, rank: int, device: torch.device | str = "cp
         raise ValueError(f"backend={backend!r}: must be 'gloo' (CPU) or 'nccl' (GPU)")
     kwargs = {}
     if backend == "nccl":
+        disable_nvlink_multicast()
         kwargs["device_id"] = torch.device(device)
     dist.init_process_group(backend, init_method=f"tcp://{spec.addr}:{spec.port}", rank=rank,
                             world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s),

@@ -121,6 +121,10 @@ class ProcessLauncher(Launcher):
     def start(self, spec: WorkerSpec, timeout_s: float) -> None:
         ctx = _context()
         self.world_size = spec.group.world_size
+        if str(spec.device).startswith("cuda"):  # workers inherit it; each also sets it before NCCL starts
+            from m3_rollout.parallel.process_group import disable_nvlink_multicast
+
+            disable_nvlink_multicast()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_process_main, args=(spec, rank, child), daemon=True,

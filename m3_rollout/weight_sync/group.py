@@ -52,6 +52,10 @@ class WeightSyncGroup:
             raise ValueError(f"weight-sync rank {rank} outside [0, {world_size})")
         self.host, self.port, self.rank, self.world_size = host, int(port), int(rank), int(world_size)
         self.backend = backend
+        if backend == "nccl":
+            from m3_rollout.parallel.process_group import disable_nvlink_multicast
+
+            disable_nvlink_multicast()
         self.timeout = timedelta(seconds=float(timeout_s))
         self.device = torch.device(device if device is not None else ("cuda" if backend == "nccl" else "cpu"))
         self._store: dist.TCPStore | None = None
