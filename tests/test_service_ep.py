@@ -12,7 +12,7 @@ import torch
 
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.model import M3ForCausalLM, iter_released_tensors, load_checkpoint, save_checkpoint, tiny_config
+from m3_rollout.model import iter_released_tensors, load_checkpoint
 from m3_rollout.parallel import EPGroupSpec
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec
 from m3_rollout.service.launchers import GroupFailure
@@ -22,15 +22,8 @@ MAX_LEN = 96
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = M3ForCausalLM(tiny_config(vocab_size=256)).float()
-    with torch.no_grad():
-        for moe in model.moe_layers():
-            moe.gate.weight.mul_(8.0)  # routing that differs between tokens
-    path = tmp_path_factory.mktemp("tiny_ep")
-    save_checkpoint(model, model.config, path)
-    return path
+def model_dir(tiny_ep_model_dir):
+    return tiny_ep_model_dir
 
 
 def _requests(tag: str = "") -> list[GenerationRequest]:
