@@ -31,7 +31,7 @@ from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
-from trainers.warm_start import WarmStartConfig, demonstration, warm_start
+from trainers.warm_start import WarmStartConfig, warm_start
 
 BUILDER_VERSION = 1
 BUILTIN_PREFIX = "builtin:"

@@ -31,7 +31,7 @@ from m3_rollout.rollout.stack import batch_seed, build_policy, build_rollout_sta
 from m3_rollout.rollout.trajectory import Trajectory
 from trainers.advantages import DynamicSampler, group_advantages, overlong_filter_mask
 from trainers.batch import batch_from_trajectories
-from trainers.checkpoint import TOKENIZER_FILES, CheckpointManager  # noqa: F401  (TOKENIZER_FILES re-exported)
+from trainers.checkpoint import CheckpointManager
 from trainers.loss import ClippedPGLossFn
 from trainers.policy import mismatch_metrics
 from trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups

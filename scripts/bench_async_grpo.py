@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_main_job import machine  # noqa: E402
+from benchlib import machine  # noqa: E402
 from plot_metrics import plot_runs, read_metrics  # noqa: E402
 
 ASYNC = ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1"]

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import machine  # noqa: E402  (re-exported: bench_async_grpo imports it from here)
+from benchlib import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
