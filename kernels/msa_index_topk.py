@@ -11,7 +11,10 @@ keeps its own top K keys, a merge kernel picks the final K from the chunk winner
 Scoring tiles ``BLOCK_M`` query tokens x all G index heads against one page of keys per step
 (the single index-key head is shared by all index heads, MQA style), so prefill runs real
 ``[BLOCK_M*G, di] x [di, ps]`` tensor-core tiles; decode rows split their blocks over
-``n_splits`` programs.
+``n_splits`` programs. Prefill on the GPU (``PREFILL_SCORE_CONFIG``): blocks wholly before the
+tile's first token skip the causal mask, and a 128-register cap lets two programs share an SM so
+one's tensor-core work overlaps the other's block-max reductions. Prefill top-k runs TOPK_ROWS
+(token, head) rows per program.
 
 CUDA-graph safety: grids depend only on (rows, tokens, block-table width, decode_query_len,
 max_query_len); per-row lengths are read on the device; no host syncs.
@@ -36,6 +39,12 @@ _KEY_EMPTY = -(2**63)
 _ID_BIAS = 0x7FFFFFFF  # low 32 bits hold _ID_BIAS - block_id, so lower ids win ties
 MAX_TOPK = 64
 TOPK_CHUNK = 256  # blocks per selection chunk (split-K of the top-k)
+# Prefill score kernel on the GPU: unmasked loop over blocks before the tile, masked diagonal; a
+# 128-register cap gives 2 programs per SM (H200: 33 -> 16 ms at 128K, docs/benchmarks.md).
+PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128}
+TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
+TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
+TOPK_ROWS_WARPS = 1
 
 
 @triton.jit
@@ -60,6 +69,39 @@ def _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride
 
 
 @triton.jit
+def _block_max_sub(q, qpos, ik_ptr, page, b, stride_ik_p, stride_ik_o, offs_d,
+                   PS: tl.constexpr, NSUB: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+    """``_block_max`` over the page as NSUB key sub-tiles of PS/NSUB keys (smaller score tiles, so more
+    query rows fit in registers); MASK=False for blocks wholly before every row's position."""
+    PSN: tl.constexpr = PS // NSUB
+    offs_n = tl.arange(0, PSN)
+    res = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    for sub in tl.static_range(NSUB):
+        k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + (sub * PSN + offs_n)[:, None] * stride_ik_o
+                    + offs_d[None, :])
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if MASK:
+            s = tl.where((b * PS + sub * PSN + offs_n)[None, :] <= qpos[:, None], s, float("-inf"))
+        res = _max_propagate_nan(res, tl.reduce(s, 1, _max_propagate_nan))
+    return tl.where(res != res, -1e30, res)
+
+
+@triton.jit
+def _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B: tl.constexpr):
+    """Put block b's maxima in column (b - b_lo) % STORE_B; flush the tile when full or at b_hi - 1."""
+    j = (b - b_lo) % STORE_B
+    tile = tl.where(offs_j[None, :] == j, smax[:, None], tile)
+    b0 = b - j
+    flush = (j == STORE_B - 1) | (b == b_hi - 1)
+    tl.store(row_ptr[:, None] + (b0 + offs_j)[None, :], tile,
+             mask=m_valid[:, None] & ((b0 + offs_j) <= b)[None, :] & flush)
+    return tile
+
+
+@triton.jit
 def _index_scores_kernel(
     iq_ptr, ik_ptr, bt_ptr, qsl_ptr, pos_ptr, score_ptr,
     row_offset, n_qtiles, blocks_per_split,
@@ -68,7 +110,8 @@ def _index_scores_kernel(
     stride_bt_r,
     stride_s_t, stride_s_g,
     G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
-    BLOCK_M: tl.constexpr, STORE_B: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, STORE_B: tl.constexpr, IEEE: tl.constexpr, SPLIT_CAUSAL: tl.constexpr = False,
+    NSUB: tl.constexpr = 1,
 ):
     """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks."""
     pid = tl.program_id(0)
@@ -88,7 +131,7 @@ def _index_scores_kernel(
     offs_o = tl.arange(0, PS)
     q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
                 mask=m_valid[:, None], other=0.0)  # [M, DI]
-    qpos = tl.load(pos_ptr + tok, mask=m_valid, other=-1)  # [M]
+    qpos = tl.load(pos_ptr + tok, mask=m_valid, other=-1).to(tl.int32)  # [M]
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, n_blk)
@@ -104,15 +147,19 @@ def _index_scores_kernel(
         # control flow so the loads pipeline.
         offs_j = tl.arange(0, STORE_B)
         tile = tl.full([BLOCK_M * GP, STORE_B], float("-inf"), tl.float32)
-        for b in range(b_lo, b_hi):
-            smax = _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r,
-                              offs_o, offs_d, PS, IEEE)
-            j = (b - b_lo) % STORE_B
-            tile = tl.where(offs_j[None, :] == j, smax[:, None], tile)
-            b0 = b - j
-            flush = (j == STORE_B - 1) | (b == b_hi - 1)
-            tl.store(row_ptr[:, None] + (b0 + offs_j)[None, :], tile,
-                     mask=m_valid[:, None] & ((b0 + offs_j) <= b)[None, :] & flush)
+        b_mid = b_lo
+        if SPLIT_CAUSAL:
+            # blocks ending at or before every valid row's position need no causal mask
+            p_min = tl.min(tl.where(m_valid, qpos, 2147483647), axis=0)
+            b_mid = tl.minimum(tl.maximum((p_min + 1) // PS, b_lo), b_hi)
+            for b in range(b_lo, b_mid):
+                page = tl.load(bt_ptr + row * stride_bt_r + b)
+                smax = _block_max_sub(q, qpos, ik_ptr, page, b, stride_ik_p, stride_ik_o, offs_d, PS, NSUB, False, IEEE)
+                tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
+        for b in range(b_mid, b_hi):
+            page = tl.load(bt_ptr + row * stride_bt_r + b)
+            smax = _block_max_sub(q, qpos, ik_ptr, page, b, stride_ik_p, stride_ik_o, offs_d, PS, NSUB, True, IEEE)
+            tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
 
 
 @triton.jit
@@ -155,6 +202,35 @@ def _topk_chunk_kernel(
 
 
 @triton.jit
+def _topk_rows_kernel(
+    score_ptr, pos_ptr, ids_ptr, n_rows, topk, init_blocks, local_blocks, stride_s_t, stride_s_g,
+    G: tl.constexpr, PS: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+):
+    """``_topk_chunk_kernel`` (FINAL, one chunk) for ROWS (token, head) rows per program: [ROWS, CHUNK] keys."""
+    rid = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # t * G + g
+    r_ok = rid < n_rows
+    t = rid // G
+    g = rid % G
+    p = tl.load(pos_ptr + t, mask=r_ok, other=0)
+    n_cand_r = (p // PS + 1).to(tl.int32)  # [ROWS]
+    n_cand = n_cand_r[:, None]
+    b = tl.arange(0, CHUNK)[None, :]
+    cand = (b < n_cand) & r_ok[:, None]
+    s = tl.load(score_ptr + t[:, None] * stride_s_t + g[:, None] * stride_s_g + b, mask=cand, other=float("-inf"))
+    forced = cand & ((b >= n_cand - local_blocks) | (b < init_blocks))
+    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0 turns -0.0 into +0.0 (equal in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
+    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - b).to(tl.int64)
+    for k in range(topk):
+        best = tl.max(key, axis=1)  # [ROWS]
+        key = tl.where(key == best[:, None], -9223372036854775807 - 1, key)
+        bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
+        bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand_r), -1, bid)
+        tl.store(ids_ptr + rid * topk + k, bid, mask=r_ok)
+
+
+@triton.jit
 def _topk_merge_kernel(key_ptr, pos_ptr, ids_ptr, n_keys, topk, PS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
     """Final top-k over the chunk winners of one (token, head) row."""
     rid = tl.program_id(0)
@@ -170,8 +246,10 @@ def _topk_merge_kernel(key_ptr, pos_ptr, ids_ptr, n_keys, topk, PS: tl.constexpr
         tl.store(ids_ptr + rid * topk + k, bid)
 
 
-def _score_launch(iq, index_cache_l, meta, scores, rows: tuple[int, int], block_m: int, n_splits: int, ieee: bool):
-    """Launch the score kernel over rows [r0, r1) with query tiles of block_m tokens."""
+def _score_launch(iq, index_cache_l, meta, scores, rows: tuple[int, int], block_m: int, n_splits: int, ieee: bool,
+                  cfg: dict | None = None):
+    """Launch the score kernel over rows [r0, r1) with query tiles of block_m tokens (cfg: prefill knobs)."""
+    cfg = cfg or {}
     r0, r1 = rows
     if r1 <= r0:
         return
@@ -191,27 +269,15 @@ def _score_launch(iq, index_cache_l, meta, scores, rows: tuple[int, int], block_
         iq.stride(0), iq.stride(1), index_cache_l.stride(0), index_cache_l.stride(1),
         meta.block_tables.stride(0), scores.stride(0), scores.stride(1),
         G=g, GP=gp, DI=di, PS=ps, BLOCK_M=block_m, STORE_B=1 if n_splits > 1 else 16, IEEE=ieee,
-        num_warps=4 if block_m * gp <= 64 else 8, num_stages=1 if ieee else 3,
+        SPLIT_CAUSAL=cfg.get("split_causal", False), NSUB=cfg.get("nsub", 1),
+        num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
+        num_stages=1 if ieee else cfg.get("num_stages", 3),
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
 
 
-def index_topk(
-    iq: torch.Tensor,
-    index_cache_l: torch.Tensor,
-    meta: PagedMetadata,
-    topk: int,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-) -> torch.Tensor:
-    """Triton version of ``msa_reference.index_topk_ref`` (same arguments, same output, spec §3.4).
-
-    iq: [T, G, di] fp32/fp16/bf16 index queries; index_cache_l: [P, ps, di] same dtype, page-major
-    contiguous pages. Returns [T, G, K] int32 block ids: forced blocks first (lower id first), then
-    by block-max score desc with ties to the lower id; -1 past min(K, nb(t)).
-    Raises ValueError for an unsupported dtype, ps/di not a power of two in [16, 256], topk outside
-    [1, 64], or iq heads/dim not matching the cache.
-    """
-    t, g, di = iq.shape
+def _check_inputs(iq, index_cache_l, topk: int) -> None:
+    di = iq.shape[2]
     ps = index_cache_l.shape[1]
     if iq.dtype not in (torch.float32, torch.float16, torch.bfloat16) or index_cache_l.dtype != iq.dtype:
         raise ValueError(f"index_topk: dtype iq={iq.dtype}, index cache={index_cache_l.dtype}; the Triton "
@@ -224,28 +290,61 @@ def index_topk(
         raise ValueError(f"index_topk: topk={topk} unsupported; the Triton top-k handles 1..{MAX_TOPK}")
     if iq.stride(2) != 1 or index_cache_l.stride(2) != 1:
         raise ValueError("index_topk: iq and index_cache_l need a contiguous last dim")
-    out = torch.empty(t, g, topk, dtype=torch.int32, device=iq.device)
-    if t == 0:
-        return out
+
+
+def index_block_scores(iq: torch.Tensor, index_cache_l: torch.Tensor, meta: PagedMetadata,
+                       prefill_config: dict | None = None) -> torch.Tensor:
+    """[T, G, NBP] fp32 block-max index scores (spec §3.4); entries past a token's causal blocks are garbage.
+
+    Entry [t, g, b] for b <= pos(t) // ps: max over block b's causal keys of <iq[t, g], ik[u]>,
+    NaN -> -1e30. prefill_config: benchmark knobs of the prefill score kernel (``block_m``,
+    ``num_warps``, ``num_stages``, ``split_causal``).
+    """
+    t, g, di = iq.shape
     nbp = meta.block_tables.shape[1]
     scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device)  # [T, G, NBP] scratch
+    if t == 0:
+        return scores
     ieee = iq.dtype == torch.float32
     nd, r = meta.num_decodes, meta.num_rows
+    cfg = dict(PREFILL_SCORE_CONFIG if iq.is_cuda else {}, **(prefill_config or {}))
     if nd > 0:
         # Split-K over blocks: ~1024 programs in all, >= 8 blocks each (fixed by shape).
         splits = max(1, min(triton.cdiv(nbp, 8), 1024 // nd))
         _score_launch(iq, index_cache_l, meta, scores, (0, nd), next_pow2(max(meta.decode_query_len, 1)), splits, ieee)
     if r > nd:
-        _score_launch(iq, index_cache_l, meta, scores, (nd, r), 32 if g * 32 <= 128 else 16, 1, ieee)
+        _score_launch(iq, index_cache_l, meta, scores, (nd, r), cfg.get("block_m", 32 if g * 32 <= 128 else 16), 1,
+                      ieee, cfg)
+    return scores
+
+
+def select_topk_blocks(scores: torch.Tensor, meta: PagedMetadata, topk: int, page_size: int, init_blocks: int = 0,
+                       local_blocks: int = 1, rows_per_program: int = TOPK_ROWS,
+                       num_warps: int = TOPK_ROWS_WARPS) -> torch.Tensor:
+    """[T, G, K] int32 top-k block ids from ``index_block_scores`` output (forced blocks, ties to lower id).
+
+    rows_per_program > 1 (power of two): the one-chunk case with >= TOPK_ROWS_MIN rows runs that many rows per
+    program (one [rows, chunk] key tile, ``num_warps`` warps).
+    """
+    t, g, nbp = scores.shape
+    out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)
+    if t == 0:
+        return out
+    ps = page_size
     # many rows (prefill): one chunk of up to 1024 blocks per row; few rows (decode): split-K
     chunk = min(TOPK_CHUNK if t * g < 1024 else 1024, next_pow2(nbp))
     n_chunks = triton.cdiv(nbp, chunk)
+    if n_chunks == 1 and rows_per_program > 1 and t * g >= TOPK_ROWS_MIN:  # prefill-sized; decode: one row each
+        _topk_rows_kernel[(triton.cdiv(t * g, rows_per_program),)](
+            scores, meta.positions, out, t * g, topk, init_blocks, local_blocks, scores.stride(0), scores.stride(1),
+            G=g, PS=ps, CHUNK=chunk, ROWS=rows_per_program, num_warps=num_warps)
+        return out
     if n_chunks == 1:
         _topk_chunk_kernel[(t * g, 1)](
             scores, meta.positions, out, out, 1, topk, init_blocks, local_blocks,
             scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=True, num_warps=4)
         return out
-    keys = torch.empty(t * g, n_chunks, topk, dtype=torch.int64, device=iq.device)  # chunk winners
+    keys = torch.empty(t * g, n_chunks, topk, dtype=torch.int64, device=scores.device)  # chunk winners
     _topk_chunk_kernel[(t * g, n_chunks)](
         scores, meta.positions, keys, out, n_chunks, topk, init_blocks, local_blocks,
         scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=False, num_warps=4)
@@ -253,3 +352,26 @@ def index_topk(
     _topk_merge_kernel[(t * g,)](keys, meta.positions, out, n_keys, topk, PS=ps, BLOCK_N=next_pow2(n_keys), G=g,
                                  num_warps=4 if n_keys <= 1024 else 8)
     return out
+
+
+def index_topk(
+    iq: torch.Tensor,
+    index_cache_l: torch.Tensor,
+    meta: PagedMetadata,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    prefill_config: dict | None = None,
+) -> torch.Tensor:
+    """Triton version of ``msa_reference.index_topk_ref`` (same arguments, same output, spec §3.4).
+
+    iq: [T, G, di] fp32/fp16/bf16 index queries; index_cache_l: [P, ps, di] same dtype, page-major
+    contiguous pages. Returns [T, G, K] int32 block ids: forced blocks first (lower id first), then
+    by block-max score desc with ties to the lower id; -1 past min(K, nb(t)).
+    prefill_config: benchmark knobs of the prefill score kernel (see ``index_block_scores``).
+    Raises ValueError for an unsupported dtype, ps/di not a power of two in [16, 256], topk outside
+    [1, 64], or iq heads/dim not matching the cache.
+    """
+    _check_inputs(iq, index_cache_l, topk)
+    scores = index_block_scores(iq, index_cache_l, meta, prefill_config)
+    return select_topk_blocks(scores, meta, topk, index_cache_l.shape[1], init_blocks, local_blocks)

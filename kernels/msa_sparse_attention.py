@@ -8,13 +8,25 @@ base 2 (scale pre-multiplied by log2 e) with fp32 accumulation.
   dense layers); every split writes a normalised partial output and its base-2 log-sum-exp, a
   merge kernel combines them with weights exp2(lse - max). Grid = (decode tokens, G, splits),
   fixed by the batch shape.
-- Prefill (remaining rows): a program tiles BLOCK_M consecutive query tokens x R heads
-  (M = BLOCK_M*R rows of the tensor-core tile) and walks the union of the tile's selected blocks
-  (each distinct block once; a row only attends to the blocks its own token selected, causal cut
-  at its position); dense layers walk every causal block.
+- Prefill, dense layers: a program tiles BLOCK_M consecutive query tokens x RH heads and walks
+  every causal block.
+- Prefill, sparse: two exact paths, chosen from host-known shapes (graph-safe):
+  * union-list tiles (fewer than KV_MAJOR_MIN_TOKENS prefill tokens): a small pass lists, per
+    tile of BLOCK_M tokens and KV head, the sorted distinct valid selected blocks, their pages and a
+    per-token membership bit mask; the attention loop walks that list branch-free (its loads
+    software-pipeline), each row masked to its own token's blocks. Every row of the tile pays for
+    every block of the union (union/K x the useful work).
+  * KV-major (from KV_MAJOR_MIN_TOKENS on): the (token, slot j) entries are bucketed by (KV head,
+    row, block) with a device sort; a program takes a segment of up to KV_SEGMENT entries of one
+    bucket, loads the page's K/V once and streams the entries' query rows through it (TOK tokens x
+    RH heads per tensor-core tile, every row useful), writing per entry a block-normalised partial
+    output and its base-2 LSE; a merge kernel combines each token's K partials with weights
+    exp2(lse - max) (the decode split-K rule). Cost: the partials ([tokens, G, K, RH, d] in the
+    input dtype, prefill processed in chunks of ``kv_chunk`` tokens) go through device memory.
 Invalid entries (-1 or >= nb(t)) contribute nothing. Empty splits give lse = -inf.
 NOTE: fp32 inputs use ``input_precision="ieee"`` (no tf32); bf16/fp16 inputs cast the softmax
-probabilities to the input dtype for the PV tensor-core dot (flash-attention practice).
+probabilities to the input dtype for the PV tensor-core dot (flash-attention practice); the
+KV-major path also rounds each block's partial output to the input dtype before the merge.
 
 Shape legend: T query tokens, R rows, P pages, ps page size, G KV heads, nh query heads,
 RH = nh/G heads per group, d head dim, K top-k entries, S decode splits.
@@ -30,6 +42,11 @@ from kernels.msa_checks import check_pow2_dim, next_pow2
 from m3_rollout.engine.paged_cache import PagedMetadata
 
 LOG2E = 1.4426950408889634
+# Sparse prefill path choice (host-known shapes only, graph-safe): the KV-major path (every K/V page
+# read once per segment of entries, partial outputs merged by LSE) from this many prefill tokens on,
+# the union-list tiles below it. Figures: docs/benchmarks.md (MSA attention kernels).
+KV_MAJOR_MIN_TOKENS = 16384
+KV_SEGMENT = 128  # entries per KV-major program (the page's K/V tile is loaded once per segment)
 
 
 @triton.jit
@@ -202,6 +219,209 @@ def _prefill_attn_kernel(
              out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
+@triton.jit
+def _or_combine(a, b):
+    return a | b
+
+
+@triton.jit
+def _tile_union_kernel(
+    sel_ptr, qsl_ptr, pos_ptr, bt_ptr, ulist_ptr, umask_ptr, upage_ptr, ucount_ptr,
+    row_offset, n_qtiles, topk, stride_sel_t, stride_sel_g, stride_bt_r,
+    PS: tl.constexpr, BLOCK_M: tl.constexpr, KP: tl.constexpr,
+):
+    """Sorted distinct valid blocks of one prefill tile (BLOCK_M tokens, one KV head) + membership.
+
+    Writes, for slot = (tile, g): ulist[slot, :n] the n distinct valid selected block ids of the
+    tile's tokens in ascending order (the causal-diagonal blocks come last), umask[slot, u] the
+    bit set of the tile tokens (bit i = token t0 + i) that selected ulist[slot, u], ucount[slot] = n.
+    Valid = 0 <= b <= pos // PS (later ids hold no causal key; -1 = empty slot).
+    """
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    slot = pid * tl.num_programs(1) + g
+    row = row_offset + pid // n_qtiles
+    qtile = pid % n_qtiles
+    q_lo = tl.load(qsl_ptr + row)
+    q_hi = tl.load(qsl_ptr + row + 1)
+    t0 = q_lo + qtile * BLOCK_M
+    offs = tl.arange(0, BLOCK_M * KP)  # entry e = token e // KP, slot e % KP
+    ti = offs // KP
+    tok = t0 + ti
+    ok = (tok < q_hi) & (offs % KP < topk)
+    b = tl.load(sel_ptr + tok * stride_sel_t + g * stride_sel_g + offs % KP, mask=ok, other=-1)
+    p = tl.load(pos_ptr + tok, mask=ok, other=-1)
+    ok = ok & (b >= 0) & (b <= p // PS)
+    v = tl.where(ok, b, 2147483647)
+    eq = v[:, None] == v[None, :]  # [E, E]
+    earlier = tl.sum(tl.where(eq & (offs[None, :] < offs[:, None]), 1, 0), axis=1)
+    first = ok & (earlier == 0)  # first occurrence of each distinct valid block
+    rank = tl.sum(tl.where(first[None, :] & (v[None, :] < v[:, None]), 1, 0), axis=1)
+    bits = tl.reduce(tl.where(eq & ok[None, :], 1 << ti[None, :], 0), 1, _or_combine)
+    base = slot * (BLOCK_M * topk)
+    tl.store(ulist_ptr + base + rank, v, mask=first)
+    tl.store(umask_ptr + base + rank, bits, mask=first)
+    page = tl.load(bt_ptr + row * stride_bt_r + v, mask=first, other=0)
+    tl.store(upage_ptr + base + rank, page, mask=first)
+    tl.store(ucount_ptr + slot, tl.sum(first.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _prefill_union_attn_kernel(
+    q_ptr, k_ptr, v_ptr, qsl_ptr, pos_ptr, ulist_ptr, umask_ptr, upage_ptr, ucount_ptr, o_ptr,
+    qk_scale, row_offset, n_qtiles, topk,
+    stride_qt, stride_qh, stride_kp, stride_kg, stride_ko, stride_ot, stride_oh,
+    RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """BLOCK_M query tokens x one KV head's group over the tile's union list (``_tile_union_kernel``).
+
+    A branch-free loop over the distinct blocks (row r attends block u iff its token's bit is set
+    in umask), so the K/V page loads software-pipeline.
+    """
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    qtile = n_qtiles - 1 - pid % n_qtiles  # NOTE: longest tiles first
+    tile = (pid // n_qtiles) * n_qtiles + qtile
+    row = row_offset + pid // n_qtiles
+    q_lo = tl.load(qsl_ptr + row)
+    q_hi = tl.load(qsl_ptr + row + 1)
+    t0 = q_lo + qtile * BLOCK_M
+    if t0 >= q_hi:
+        return
+    slot = tile * tl.num_programs(1) + g
+    offs_m = tl.arange(0, BLOCK_M * RHP)  # row m = token m // RHP, head m % RHP
+    ti = offs_m // RHP
+    tok = t0 + ti
+    h = offs_m % RHP
+    m_ok = (tok < q_hi) & (h < RH)
+    head = g * RH + h
+    offs_d = tl.arange(0, D)
+    offs_o = tl.arange(0, PS)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0)  # [M, D]
+    qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1).to(tl.int32)  # [M]
+    m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
+    acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
+    kg_ptr = k_ptr + g * stride_kg
+    vg_ptr = v_ptr + g * stride_kg
+    n_u = tl.load(ucount_ptr + slot)
+    base = slot * (BLOCK_M * topk)
+    for u in range(0, n_u):
+        b = tl.load(ulist_ptr + base + u)
+        bits = tl.load(umask_ptr + base + u)
+        page = tl.load(upage_ptr + base + u)
+        row_ok = m_ok & (((bits >> ti) & 1) != 0)
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, b, row_ok, qpos, qk_scale,
+                                      stride_kp, stride_ko, offs_o, offs_d, PS, IEEE)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _kv_seg_attn_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, sel_ptr, seg_bkt_ptr, bkt_start_ptr, bkt_seg0_ptr, bkt_end_ptr, bkt_page_ptr,
+    perm_ptr, opart_ptr, lse_ptr,
+    qk_scale, t_base, topk,
+    stride_qt, stride_qh, stride_kp, stride_kg, stride_ko,
+    G: tl.constexpr, RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    TOK: tl.constexpr, SEG: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One segment (up to SEG entries) of one KV-major bucket (KV head g, row, block b).
+
+    The bucket's entries are the (token, slot j) pairs that selected b, in ``perm`` order (entry id
+    e = (t * G + g) * topk + j, t chunk-local). The page's K/V tile is loaded once; the entries
+    stream through it TOK at a time (TOK x RH query rows per tensor-core tile, causal cut at each
+    token's position), writing per entry the block-normalised partial output opart[e, h, :] and its
+    base-2 log-sum-exp lse[e, h].
+    """
+    seg = tl.program_id(0)
+    bkt = tl.load(seg_bkt_ptr + seg)
+    if bkt < 0:
+        return
+    e_lo = tl.load(bkt_start_ptr + bkt) + (seg - tl.load(bkt_seg0_ptr + bkt)) * SEG
+    e_hi = tl.minimum(tl.load(bkt_end_ptr + bkt), e_lo + SEG)
+    page = tl.load(bkt_page_ptr + bkt)
+    e0 = tl.load(perm_ptr + e_lo)
+    g = (e0 // topk) % G
+    offs_m = tl.arange(0, TOK * RHP)  # row m = entry m // RHP, head m % RHP
+    h = offs_m % RHP
+    offs_d = tl.arange(0, D)
+    offs_o = tl.arange(0, PS)
+    koff = page.to(tl.int64) * stride_kp + g * stride_kg + offs_o[:, None] * stride_ko + offs_d[None, :]
+    k = tl.load(k_ptr + koff)  # [PS, D], loaded once per segment
+    v = tl.load(v_ptr + koff)
+    for c in range(e_lo.to(tl.int32), e_hi.to(tl.int32), TOK):
+        ei = c + offs_m // RHP
+        m_ok = (ei < e_hi) & (h < RH)
+        e = tl.load(perm_ptr + ei, mask=m_ok, other=0).to(tl.int32)  # [M] entry (t * G + g) * topk + j
+        t = e // (G * topk)
+        b = tl.load(sel_ptr + e, mask=m_ok, other=0)
+        qpos = tl.load(pos_ptr + t_base + t, mask=m_ok, other=-1).to(tl.int32)
+        q = tl.load(q_ptr + (t_base + t)[:, None].to(tl.int64) * stride_qt + (g * RH + h)[:, None] * stride_qh
+                    + offs_d[None, :], mask=m_ok[:, None], other=0.0)  # [M, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        keep = m_ok[:, None] & ((b * PS)[:, None] + offs_o[None, :] <= qpos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp2(s - m[:, None])
+        l_i = tl.sum(p, axis=1)
+        if IEEE:
+            o = tl.dot(p, v, input_precision="ieee")
+        else:
+            o = tl.dot(p.to(v.dtype), v)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = o / l_safe[:, None]
+        lse = tl.where(l_i > 0, m + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + e * RH + h, lse, mask=m_ok)
+        tl.store(opart_ptr + (e * RH + h)[:, None].to(tl.int64) * D + offs_d[None, :],
+                 o.to(opart_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _kv_major_merge_kernel(
+    opart_ptr, lse_ptr, sel_ptr, pos_ptr, o_ptr, t_base, topk, stride_ot, stride_oh,
+    G: tl.constexpr, RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, KP: tl.constexpr,
+):
+    """out[t, g's heads] = sum_j w_j opart[(t, g, j)], w = exp2(lse_j - max) / sum, over the valid distinct j."""
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    p = tl.load(pos_ptr + t_base + t)
+    offs_k = tl.arange(0, KP)
+    offs_h = tl.arange(0, RHP)
+    offs_d = tl.arange(0, D)
+    row = (t * G + g) * topk
+    b = tl.load(sel_ptr + row + offs_k, mask=offs_k < topk, other=-1)
+    dup = tl.sum(tl.where((b[:, None] == b[None, :]) & (offs_k[None, :] < offs_k[:, None]), 1, 0), axis=1)
+    ok = (offs_k < topk) & (b >= 0) & (b <= p // PS) & (dup == 0)  # [KP]
+    lse = tl.load(lse_ptr + (row + offs_k[:, None]) * RH + offs_h[None, :], mask=ok[:, None] & (offs_h < RH)[None, :],
+                  other=float("-inf"))  # [KP, RHP]
+    mx = tl.max(lse, axis=0)  # [RHP]; finite: the own block is always valid
+    inv_den = 1.0 / tl.sum(tl.exp2(lse - mx[None, :]), axis=0)  # [RHP]
+    # NOTE: the loop re-reads lse_j (cached) and tests a bit mask instead of extracting row j of the
+    # register tiles: no cross-thread reduction per partial, the loop is a stream of loads.
+    ok_bits = tl.sum(tl.where(ok, tl.full([KP], 1, tl.int64) << offs_k.to(tl.int64), 0), axis=0)
+    h_ok = offs_h < RH
+    out = tl.zeros([RHP, D], tl.float32)
+    for j in range(0, topk):
+        ok_j = ((ok_bits >> j) & 1) != 0
+        lse_j = tl.load(lse_ptr + (row + j) * RH + offs_h, mask=h_ok & ok_j, other=float("-inf"))
+        w_j = tl.exp2(lse_j - mx) * inv_den  # [RHP]
+        o_j = tl.load(opart_ptr + ((row + j) * RH + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :],
+                      mask=h_ok[:, None] & ok_j, other=0.0)
+        out += w_j[:, None] * o_j.to(tl.float32)
+    head = g * RH + offs_h
+    tl.store(o_ptr + (t_base + t) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=(offs_h < RH)[:, None])
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
@@ -222,12 +442,17 @@ def paged_attention(
     scale: float,
     topk_ids: torch.Tensor | None = None,
     prefill_block_m: int | None = None,
+    prefill_config: dict | None = None,
 ) -> torch.Tensor:
     """Triton version of ``msa_reference.paged_attention_ref`` (same arguments and output, spec §3.5).
 
     q: [T, nh, d]; k_cache_l, v_cache_l: [P, G, ps, d] (contiguous pages), same dtype as q
     (fp32/fp16/bf16); topk_ids: [T, G, K] int32 block ids (-1 = empty) or None for dense causal.
     prefill_block_m: query tokens per prefill program (default 4 sparse, 8 dense).
+    prefill_config: benchmark knobs of the sparse prefill: ``impl`` ("kv" KV-major, "union" tiles,
+    "loop" = the older per-entry loop; default by prefill token count, see KV_MAJOR_MIN_TOKENS),
+    ``num_warps``, ``num_stages``, ``maxnreg``; KV-major only: ``tok`` (tokens per tile), ``seg``
+    (entries per program), ``kv_chunk`` (tokens per bucketing pass), ``merge_warps``.
     Returns [T, nh, d] in q.dtype.
     Raises ValueError for an unsupported dtype, d/ps not a power of two in [16, 256], nh not a
     multiple of G, or topk_ids of the wrong shape.
@@ -279,13 +504,114 @@ def paged_attention(
             _decode_merge_kernel[(t_dec, g)](opart, lse, out, out.stride(0), out.stride(1),
                                              RH=rh, RHP=rhp, D=d, S=splits, num_warps=4)
     if r > nd:
-        rhp_pf = next_pow2(rh)
-        bm = prefill_block_m or (4 if not dense else 8)
-        bm = max(bm, triton.cdiv(16, rhp_pf))
-        n_qtiles = triton.cdiv(max(meta.max_query_len, 1), bm)
-        _prefill_attn_kernel[((r - nd) * n_qtiles, g)](
+        _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee,
+                        prefill_block_m, prefill_config or {})
+    return out
+
+
+def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee,
+                    block_m, cfg):
+    """Prefill rows: dense causal walk, union-list tiles (one union pass first) or the KV-major path."""
+    nd, r = meta.num_decodes, meta.num_rows
+    rhp = next_pow2(rh)
+    bm = block_m or (4 if not dense else 8)
+    bm = max(bm, triton.cdiv(16, rhp))
+    g = k_cache_l.shape[1]
+    n_qtiles = triton.cdiv(max(meta.max_query_len, 1), bm)
+    grid = ((r - nd) * n_qtiles, g)
+    warps = cfg.get("num_warps", 4 if bm * rhp <= 64 else 8)
+    stages = 1 if ieee else cfg.get("num_stages", 2)
+    impl = "loop" if dense else cfg.get("impl", "kv" if q.shape[0] - nd * meta.decode_query_len >= KV_MAJOR_MIN_TOKENS
+                                         else "union")
+    if impl == "union":  # H200: one stage (two programs per SM) beats two pipelined stages at 8K..128K
+        stages = 1 if ieee else cfg.get("num_stages", 1)
+    if impl == "kv":
+        _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg)
+        return
+    if impl == "loop":
+        _prefill_attn_kernel[grid](
             q, k_cache_l, v_cache_l, meta.block_tables, meta.query_start_loc, meta.positions, sel, out,
             qk_scale, nd, n_qtiles, topk, *common,
-            RH=rh, RHP=rhp_pf, D=d, PS=ps, BLOCK_M=bm, KP=max(next_pow2(topk), 2), DENSE=dense, IEEE=ieee,
-            num_warps=4 if bm * rhp_pf <= 64 else 8, num_stages=1 if ieee else 2)
-    return out
+            RH=rh, RHP=rhp, D=q.shape[2], PS=k_cache_l.shape[2], BLOCK_M=bm, KP=max(next_pow2(topk), 2),
+            DENSE=dense, IEEE=ieee, num_warps=warps, num_stages=stages)
+        return
+    if bm > 31:
+        raise ValueError(f"paged_attention: prefill_block_m={bm} > 31 (the union membership is a 32-bit mask)")
+    n_slots = grid[0] * g
+    ulist = torch.empty(n_slots * bm * topk, dtype=torch.int32, device=q.device)
+    umask = torch.empty(n_slots * bm * topk, dtype=torch.int32, device=q.device)
+    upage = torch.empty(n_slots * bm * topk, dtype=torch.int32, device=q.device)
+    ucount = torch.empty(n_slots, dtype=torch.int32, device=q.device)
+    _tile_union_kernel[grid](
+        sel, meta.query_start_loc, meta.positions, meta.block_tables, ulist, umask, upage, ucount, nd, n_qtiles,
+        topk, sel.stride(0), sel.stride(1), meta.block_tables.stride(0),
+        PS=k_cache_l.shape[2], BLOCK_M=bm, KP=next_pow2(topk), num_warps=4)
+    qs, ks = common[0:2], common[2:5]
+    _prefill_union_attn_kernel[grid](
+        q, k_cache_l, v_cache_l, meta.query_start_loc, meta.positions, ulist, umask, upage, ucount,
+        out, qk_scale, nd, n_qtiles, topk, *qs, *ks, out.stride(0), out.stride(1),
+        RH=rh, RHP=rhp, D=q.shape[2], PS=k_cache_l.shape[2], BLOCK_M=bm, IEEE=ieee,
+        num_warps=warps, num_stages=stages)
+
+
+def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg):
+    """KV-major sparse prefill: bucket the (token, slot) entries by (KV head, row, block), attend each page
+    once per segment of up to ``seg`` entries, ``tok`` tokens per tile (every row of a tile useful),
+    then merge each token's K partials by LSE.
+
+    Sync-free torch glue (sort, searchsorted, cumsum) builds the buckets; grids are fixed by the shape
+    (an upper bound of segments; spare programs exit). Prefill tokens run in chunks of
+    ``cfg["kv_chunk"]`` tokens (default 32768) to bound the partial-output scratch
+    ([chunk, G, K, nh/G, d] in the input dtype, fp32 for fp32: 4.3 GB at M3 shapes in bf16).
+    """
+    nd, r = meta.num_decodes, meta.num_rows
+    t_all = q.shape[0]
+    td = int(nd * meta.decode_query_len)
+    tp = t_all - td
+    _, g, ps, d = k_cache_l.shape
+    topk = sel.shape[2]
+    rp = r - nd
+    nbp = meta.block_tables.shape[1]
+    rhp = next_pow2(rh)
+    tok = max(cfg.get("tok", 4), triton.cdiv(16, rhp))
+    chunk = min(cfg.get("kv_chunk", 32768), tp)
+    dev = q.device
+    n_bkt = g * rp * nbp
+    ar = torch.arange(n_bkt, device=dev)
+    bt = meta.block_tables
+    bkt_page = bt[nd + (ar // nbp) % rp, ar % nbp].to(torch.int32).contiguous()  # [n_bkt] (-1 = unused)
+    row_of_tok = torch.searchsorted(meta.query_start_loc[nd + 1:].long(), torch.arange(td, t_all, device=dev),
+                                    right=True)  # [Tp] prefill-local row
+    gi = torch.arange(g, device=dev).view(1, g, 1)
+    odt = torch.float32 if ieee else q.dtype
+    for c0 in range(0, tp, chunk):
+        c1 = min(c0 + chunk, tp)
+        tc = c1 - c0
+        sel_c = sel[td + c0:td + c1].contiguous()  # [Tc, G, K]
+        pos_c = meta.positions[td + c0:td + c1]
+        valid = (sel_c >= 0) & (sel_c.long() <= (pos_c // ps).view(tc, 1, 1))
+        bucket = ((gi * rp + row_of_tok[c0:c1].view(tc, 1, 1)) * nbp + sel_c.long().clamp_min(0))
+        bucket = torch.where(valid, bucket, n_bkt).view(-1).to(torch.int32)  # [Tc*G*K]; invalid -> n_bkt
+        keys, perm = torch.sort(bucket)
+        edges = torch.searchsorted(keys, torch.arange(n_bkt + 1, device=dev, dtype=torch.int32))  # [n_bkt + 1]
+        start, end = edges[:-1], edges[1:]
+        opart = torch.empty(tc * g * topk * rh * d, dtype=odt, device=dev)
+        lse = torch.empty(tc * g * topk * rh, dtype=torch.float32, device=dev)
+        common = (qk_scale, td + c0, topk, q.stride(0), q.stride(1), k_cache_l.stride(0), k_cache_l.stride(1),
+                  k_cache_l.stride(2))
+        kw = dict(G=g, RH=rh, RHP=rhp, D=d, PS=ps, TOK=tok, IEEE=ieee,  # noqa: C408
+                  num_warps=cfg.get("num_warps", 4 if tok * rhp <= 64 else 8),
+                  **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+        seg_len = cfg.get("seg", KV_SEGMENT)
+        # segments of up to seg_len entries per bucket; one program per segment (fixed grid: a bound)
+        n_segs = (end - start + seg_len - 1) // seg_len
+        seg_end = torch.cumsum(n_segs, 0)
+        max_segs = triton.cdiv(tc * g * topk, seg_len) + n_bkt
+        seg_bkt = torch.searchsorted(seg_end, torch.arange(max_segs, device=dev), right=True)
+        seg_bkt = torch.where(seg_bkt < n_bkt, seg_bkt, -1).to(torch.int32)
+        _kv_seg_attn_kernel[(max_segs,)](
+            q, k_cache_l, v_cache_l, meta.positions, sel_c, seg_bkt, start, seg_end - n_segs, end, bkt_page,
+            perm, opart, lse, *common, SEG=seg_len, num_stages=cfg.get("num_stages", 1), **kw)
+        _kv_major_merge_kernel[(tc, g)](
+            opart, lse, sel_c, meta.positions, out, td + c0, topk, out.stride(0), out.stride(1),
+            G=g, RH=rh, RHP=rhp, D=d, PS=ps, KP=max(next_pow2(topk), 2), num_warps=cfg.get("merge_warps", 4))

@@ -3,14 +3,16 @@
 Real M3 attention shapes: 64 q heads / 4 KV heads / d 128 / index dim 128 / block (page) 128 /
 top-k 16, bf16, one layer. Measured in one process:
 - dense decode baseline: torch SDPA (flash backend, enable_gqa) over contiguous [1, 4, S, 128] K/V;
-- MSA decode step = index_topk (scores + split-K top-k) + sparse paged attention, one sequence, at
-  8K..1M context; achieved GB/s over the bytes the step must read (one-head index keys + the 16
-  selected K/V blocks of 4 KV heads);
-- dense causal prefill baseline (SDPA flash) vs MSA prefill (indexer + top-k + sparse attention)
-  at 8K/32K/128K, with achieved TFLOP/s of each part (useful FLOPs: causal keys only);
+- MSA decode step = ``kernels.msa.msa_attention`` (the engine's sparse-layer call: indexer + top-k +
+  sparse attention; the fused decode path of kernels/msa_decode.py), one sequence, at 8K..1M
+  context, beside the separate ops (index_topk, then paged_attention); achieved GB/s over the
+  bytes the step must read (one-head index keys + the 16 selected K/V blocks of 4 KV heads);
+- dense causal prefill baseline (SDPA flash) vs MSA prefill (indexer + top-k + sparse attention, one
+  timed call sequence) at 8K/32K/128K, with the parts timed alone: index scores and attention with
+  achieved TFLOP/s (useful FLOPs: causal keys only), top-k in ms;
 - batched decode, 64 sequences x 32K: tokens/s vs SDPA flash dense and vs our dense paged path.
 Decode steps are timed as CUDA-graph replays (how the engine runs decode; launch overhead of
-5 small kernels would otherwise dominate at 8K); eager times are printed beside them. Prefill is
+the few small kernels would otherwise dominate at 8K); eager times are printed beside them. Prefill is
 timed eagerly.
 Index queries: "random" = i.i.d. N(0, 1) per token (neighbouring tokens select unrelated blocks;
 worst case for the prefill tile that walks the union of its tokens' blocks) and "smooth" = one
@@ -32,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.msa_index_topk import index_topk
-from kernels.msa_sparse_attention import paged_attention
+from kernels.msa import msa_attention
+from kernels.msa_index_topk import index_block_scores, index_topk, select_topk_blocks
+from kernels.msa_sparse_attention import KV_MAJOR_MIN_TOKENS, paged_attention
 from kernels.msa_synthetic import make_paged_batch
 
 NH, G, D, DI, PS, K = 64, 4, 128, 128, 128, 16
@@ -129,33 +132,35 @@ def decode_bench(ctxs, rows_out):
         dense, dbe = best_dense(graph_ms, qd, kd, vd, False)
         del kd, vd
 
-        def step():
-            sel = index_topk(b.iq, b.ik, b.meta, K)
-            return paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)
+        def step():  # the engine's sparse-layer call (fused decode path of kernels/msa_decode.py)
+            return msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
 
-        sel0 = index_topk(b.iq, b.ik, b.meta, K)
+        def two_ops():  # the separate ops: index_topk, then paged_attention
+            return paged_attention(b.q, b.k, b.v, b.meta, SCALE, index_topk(b.iq, b.ik, b.meta, K))
+
         msa_g = graph_ms(step)
         msa_e = time_ms(step)
-        idx_g = graph_ms(lambda: index_topk(b.iq, b.ik, b.meta, K))
-        att_g = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel0))
+        ops_g = graph_ms(two_ops)
         dpaged = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, None))
         nbytes = s * DI * ELT + G * min(K, -(-s // PS)) * PS * D * 2 * ELT
         dense_bytes = s * G * D * 2 * ELT
         r = dict(ctx=s, dense_backend=dbe, dense_sdpa_ms=dense, dense_gbs=dense_bytes / dense * 1e-6, msa_ms=msa_g,
-                 msa_eager_ms=msa_e, indexer_ms=idx_g, attn_ms=att_g, msa_gbs=nbytes / msa_g * 1e-6,
-                 speedup=dense / msa_g, dense_paged_ms=dpaged)
+                 msa_eager_ms=msa_e, two_ops_ms=ops_g, msa_gbs=nbytes / msa_g * 1e-6,
+                 ratio_vs_dense=msa_g / dense, speedup=dense / msa_g, dense_paged_ms=dpaged)
         res[s] = r
         print(f"decode ctx {s:>8}: SDPA dense {dense:.4f} ms ({r['dense_gbs']:.0f} GB/s) | MSA {msa_g:.4f} ms "
-              f"(eager {msa_e:.4f}; indexer {idx_g:.4f} + attn {att_g:.4f}) {r['msa_gbs']:.0f} GB/s | "
+              f"(eager {msa_e:.4f}; separate ops {ops_g:.4f}) {r['msa_gbs']:.0f} GB/s | MSA/dense {msa_g / dense:.2f} | "
               f"speedup {r['speedup']:.2f}x | our dense paged {dpaged:.4f} ms", flush=True)
-        rows_out.append(f"| decode | {s} | {dense:.4f} ({dbe}) | {msa_g:.4f} ({msa_e:.4f} eager) | {idx_g:.4f} / {att_g:.4f} "
-                        f"| {r['msa_gbs']:.0f} GB/s | {r['speedup']:.2f}x | {dpaged:.4f} |")
+        rows_out.append(f"| decode | {s} | {dense:.4f} ({dbe}) | {msa_g:.4f} ({msa_e:.4f} eager) | separate ops "
+                        f"{ops_g:.4f} | {r['msa_gbs']:.0f} GB/s | {r['speedup']:.2f}x | {dpaged:.4f} |")
         del b
         torch.cuda.empty_cache()
     return res
 
 
 def prefill_bench(lens, patterns, rows_out):
+    """Dense causal SDPA vs MSA prefill (index scores + top-k + sparse attention, the kernels' default
+    configs) per length and index-query pattern; TFLOP/s of each part over useful FLOPs."""
     res = {}
     for s in lens:
         q = torch.randn(1, NH, s, D, device="cuda", dtype=torch.bfloat16)
@@ -167,27 +172,35 @@ def prefill_bench(lens, patterns, rows_out):
         dense_fl = s * (s + 1) / 2 * NH * D * 4
         for pat in patterns:
             b = batch([(0, s)], 0, smooth=pat == "smooth", seed=1)
-            idx = time_ms(lambda: index_topk(b.iq, b.ik, b.meta, K), iters=1, reps=reps)
+            scores = index_block_scores(b.iq, b.ik, b.meta)
+            sc_ms = time_ms(lambda: index_block_scores(b.iq, b.ik, b.meta), iters=1, reps=reps)
+            tk_ms = time_ms(lambda: select_topk_blocks(scores, b.meta, K, PS), iters=1, reps=reps)
+            del scores
             sel = index_topk(b.iq, b.ik, b.meta, K)
-            att, bm = min((time_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_block_m=m),
-                                   iters=1, reps=reps), m) for m in (2, 4))
+            att = time_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel), iters=1, reps=reps)
+
+            def step():
+                return paged_attention(b.q, b.k, b.v, b.meta, SCALE, index_topk(b.iq, b.ik, b.meta, K))
+
+            tot = time_ms(step, iters=1, reps=reps)
             pos = b.meta.positions.double()
             idx_fl = ((pos + 1) * G * DI * 2).sum().item()
             keys = torch.where(pos < K * PS, pos + 1, (K - 1) * PS + pos % PS + 1)
             att_fl = (keys * NH * D * 4).sum().item()
             uni = union_per_tile(sel)
-            tot = idx + att
-            r = dict(len=s, pattern=pat, dense_backend=dbe, prefill_block_m=bm, dense_sdpa_ms=dense, dense_tflops=dense_fl / dense * 1e-9,
-                     indexer_ms=idx, indexer_tflops=idx_fl / idx * 1e-9, attn_ms=att,
-                     attn_tflops=att_fl / att * 1e-9, msa_ms=tot, speedup=dense / tot, union_over_k=uni)
+            impl = "kv-major" if s >= KV_MAJOR_MIN_TOKENS else "union tiles"
+            r = dict(len=s, pattern=pat, dense_backend=dbe, dense_sdpa_ms=dense, dense_tflops=dense_fl / dense * 1e-9,
+                     scores_ms=sc_ms, scores_tflops=idx_fl / sc_ms * 1e-9, topk_ms=tk_ms, attn_ms=att,
+                     attn_tflops=att_fl / att * 1e-9, attn_impl=impl, msa_ms=tot, speedup=dense / tot,
+                     union_over_k=uni)
             res[f"{s}-{pat}"] = r
             print(f"prefill {s:>7} {pat:>6}: SDPA dense {dense:.2f} ms ({r['dense_tflops']:.0f} TFLOP/s) | MSA "
-                  f"{tot:.2f} ms = indexer {idx:.2f} ({r['indexer_tflops']:.0f} TFLOP/s) + attn {att:.2f} "
-                  f"({r['attn_tflops']:.0f} TFLOP/s) | speedup {r['speedup']:.2f}x | union/K per 4-token tile "
-                  f"{uni:.2f}, tile {bm} tokens; dense={dbe}", flush=True)
+                  f"{tot:.2f} ms = scores {sc_ms:.2f} ({r['scores_tflops']:.0f} TFLOP/s) + top-k {tk_ms:.2f} + attn "
+                  f"{att:.2f} ({r['attn_tflops']:.0f} TFLOP/s, {impl}) | speedup {r['speedup']:.2f}x | union/K per "
+                  f"4-token tile {uni:.2f}; dense={dbe}", flush=True)
             rows_out.append(f"| prefill ({pat} iq) | {s} | {dense:.2f} ({r['dense_tflops']:.0f} TFLOP/s) | {tot:.2f} "
-                            f"| {idx:.2f} ({r['indexer_tflops']:.0f}) / {att:.2f} ({r['attn_tflops']:.0f}) | "
-                            f"union/K {uni:.2f}, tile {bm} | {r['speedup']:.2f}x | |")
+                            f"| scores {sc_ms:.2f} ({r['scores_tflops']:.0f}) + top-k {tk_ms:.2f} / {att:.2f} "
+                            f"({r['attn_tflops']:.0f}) | attn {impl}, union/K {uni:.2f} | {r['speedup']:.2f}x | |")
             del b, sel
             torch.cuda.empty_cache()
     return res
@@ -202,18 +215,19 @@ def batched_decode_bench(nseq, ctx, rows_out):
     del kd, vd
     torch.cuda.empty_cache()
 
-    def step():
-        sel = index_topk(b.iq, b.ik, b.meta, K)
-        return paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)
+    def step():  # the engine's sparse-layer call
+        return msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
 
     msa_ms = graph_ms(step, iters=5)
+    ops_ms = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, index_topk(b.iq, b.ik, b.meta, K)), iters=5)
     dpaged = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, None), iters=5)
-    r = dict(nseq=nseq, ctx=ctx, dense_backend=dbe, dense_sdpa_ms=dense, msa_ms=msa_ms, dense_paged_ms=dpaged,
-             dense_tok_s=nseq / dense * 1e3, msa_tok_s=nseq / msa_ms * 1e3, speedup=dense / msa_ms)
+    r = dict(nseq=nseq, ctx=ctx, dense_backend=dbe, dense_sdpa_ms=dense, msa_ms=msa_ms, two_ops_ms=ops_ms,
+             dense_paged_ms=dpaged, dense_tok_s=nseq / dense * 1e3, msa_tok_s=nseq / msa_ms * 1e3, speedup=dense / msa_ms)
     print(f"batched decode {nseq}x{ctx}: SDPA dense {dense:.3f} ms ({r['dense_tok_s']:.0f} tok/s) | MSA {msa_ms:.3f} ms "
-          f"({r['msa_tok_s']:.0f} tok/s) | {r['speedup']:.2f}x | our dense paged {dpaged:.3f} ms", flush=True)
+          f"({r['msa_tok_s']:.0f} tok/s; separate ops {ops_ms:.3f} ms) | {r['speedup']:.2f}x | our dense paged "
+          f"{dpaged:.3f} ms", flush=True)
     rows_out.append(f"| batched decode {nseq} seq | {ctx} | {dense:.3f} ({r['dense_tok_s']:.0f} tok/s, {dbe}) | {msa_ms:.3f} "
-                    f"({r['msa_tok_s']:.0f} tok/s) | | | {r['speedup']:.2f}x | {dpaged:.3f} |")
+                    f"({r['msa_tok_s']:.0f} tok/s) | separate ops {ops_ms:.3f} | | {r['speedup']:.2f}x | {dpaged:.3f} |")
     return r
 
 
@@ -249,7 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     for pat in ("smooth", "random"):
         p = out.get("prefill", {}).get(f"131072-{pat}")
         if p:
-            lines.append(f"- prefill 128K ({pat} iq): {p['speedup']:.2f}x faster than dense (target >= 8x)")
+            lines.append(f"- prefill 128K ({pat} iq): {p['speedup']:.2f}x faster than dense (target >= 8x): "
+                         f"{p['msa_ms']:.1f} ms vs {p['dense_sdpa_ms']:.1f} ms; index scores {p['scores_tflops']:.0f} "
+                         f"TFLOP/s, top-k {p['topk_ms']:.1f} ms, attention ({p['attn_impl']}) "
+                         f"{p['attn_tflops']:.0f} TFLOP/s")
     if "batched" in out:
         lines.append(f"- batched decode 64x32K: {out['batched']['msa_tok_s']:.0f} tok/s vs dense "
                      f"{out['batched']['dense_tok_s']:.0f} tok/s ({out['batched']['speedup']:.2f}x)")
@@ -257,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     md = [f"\n## MSA attention kernels (bench_msa.py), {DATE}, {dev}, torch {torch.__version__}\n",
           "One layer, 64 q heads / 4 KV heads / d 128 / block 128 / top-k 16, bf16. Baselines: torch SDPA "
           "(enable_gqa), the faster of flash and cuDNN per shape, in the same run. Decode times are CUDA-graph replays (eager in brackets).\n",
-          "| case | context / length | dense SDPA (ms) | MSA (ms) | indexer / attention (ms, TFLOP/s) | achieved | "
+          "| case | context / length | dense SDPA (ms) | MSA (ms) | indexer / attention (ms, TFLOP/s); decode: separate ops (ms) | achieved | "
           "speedup vs dense | our dense paged (ms) |",
           "|---|---|---|---|---|---|---|---|", *rows, "", *lines, ""]
     if args.write:

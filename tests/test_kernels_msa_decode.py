@@ -1,0 +1,154 @@
+"""Fused MSA decode path (kernels/msa_decode.py) vs the PyTorch references, on CPU under the Triton
+interpreter.
+
+Tiny preset shapes (spec §7 A: 8 q heads / 2 KV heads / d 32 / block 16 / top-k 4): sparse beyond
+64 tokens. Checks the in-register top-k (exact block ids and order of ``index_topk_ref``), the split
+attention with the last-arrival merge, the route through ``index_topk`` for block tables wider
+than MAX_FUSED_BLOCKS, decode_query_len > 1, mixed decode + prefill steps through ``msa_attention``,
+ties, and that a second call gives the same result (arrival counters re-armed to 0; CUDA-graph
+replays rely on it). fp32 and fp16 only (the interpreter mishandles bf16).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kernels.msa_interpret import interpreted_kernels
+from kernels.msa_reference import index_topk_ref, paged_attention_ref
+from kernels.msa_synthetic import make_paged_batch
+
+interpreted_kernels()  # sets TRITON_INTERPRET=1 and reloads the index/attention kernel modules
+import kernels.msa_decode as _md  # noqa: E402
+
+md = _md if "Interpreted" in type(_md._decode_scores_kernel).__name__ else importlib.reload(_md)
+
+PS, G, NH, D, K = 16, 2, 8, 32, 4
+SCALE = D**-0.5
+# decode rows: 40 (<= K*B = 64, partial block: 3 candidates), 700 (sparse, partial), 63 (block
+# edge - 1), 64 (first token of a new block); then prefill rows: 65 fresh tokens, a 30-token
+# chunk after a 100-token prefix hit.
+MIXED = ([(40, 1), (700, 1), (63, 1), (64, 1), (0, 33), (100, 9)], 4)
+VERIFY = ([(61, 3), (300, 3), (16, 3), (20, 12)], 3)  # speculative verify rows + one prefill chunk
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def _batch(spec, dtype, seed=0, **kw):
+    rows, nd = spec
+    return make_paged_batch(rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D,
+                            dtype=dtype, seed=seed, **kw)
+
+
+def _reference(b, init_blocks=0, local_blocks=1):
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K, init_blocks, local_blocks)
+    return sel, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+
+
+def _decode(b, **kw):
+    td = b.meta.num_decodes * b.meta.decode_query_len
+    ids = torch.full((td, G, K), -7, dtype=torch.int32)
+    out = md.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, ids_out=ids, **kw)
+    return ids, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_decode_matches_reference(dtype):
+    b = _batch(MIXED, dtype)
+    sel, want = _reference(b)
+    ids, got = _decode(b)
+    assert got.shape == (4, NH, D) and got.dtype == dtype
+    assert torch.equal(ids, sel[:4])  # same blocks in the same order, -1 padding
+    assert (ids[0] == -1).sum() == G * (K - 3)  # position 40 -> 3 candidate blocks
+    torch.testing.assert_close(got.float(), want[:4].float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_split_counts_and_repeat_calls_agree(splits):
+    # Each split count merges differently (S = 1: no merge); the second call must equal the first
+    # (the last-arriving split resets its arrival counter to 0).
+    b = _batch(MIXED, torch.float32, seed=1)
+    _, want = _reference(b)
+    sc = md.decode_scores(b.iq, b.ik, b.meta, b.meta.num_decodes)
+    first = md.decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, scores=sc, splits=splits)
+    second = md.decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, scores=sc, splits=splits)
+    torch.testing.assert_close(first, want[:4], atol=ATOL[torch.float32], rtol=0)
+    assert torch.equal(first, second)
+    assert int(md._arrival_counters(1, b.q.device).abs().sum()) == 0
+
+
+def test_verify_rows_forced_init_and_local_blocks():
+    # decode_query_len 3: every query position has its own causal cut-off and selection.
+    b = _batch(VERIFY, torch.float32, seed=3)
+    sel, want = _reference(b, init_blocks=1, local_blocks=2)
+    ids, got = _decode(b, init_blocks=1, local_blocks=2)
+    assert torch.equal(ids, sel[:9])
+    assert ids[3, :, :3].tolist() == [[0, 17, 18]] * G  # position 300: init 0, locals 17 and 18 first
+    torch.testing.assert_close(got, want[:9], atol=ATOL[torch.float32], rtol=0)
+
+
+def test_ties_go_to_lower_block_id():
+    # All index keys equal -> all block scores equal: own block, then the lowest ids.
+    b = _batch(([(200, 1), (90, 1)], 2), torch.float32)
+    b.ik.fill_(1.0)
+    b.iq.copy_(torch.arange(b.iq.numel(), dtype=torch.float32).view_as(b.iq) % 3)
+    ids, _ = _decode(b)
+    assert ids[0].tolist() == [[12, 0, 1, 2]] * G  # position 200 -> own block 12
+    assert ids[1].tolist() == [[5, 0, 1, 2]] * G
+    assert torch.equal(ids, index_topk_ref(b.iq, b.ik, b.meta, K))
+
+
+def test_nan_scores_rank_last():
+    # A NaN index key poisons its block's score: the reference maps it to -1e30 (spec §3.4).
+    b = _batch(([(300, 1)], 1), torch.float32, seed=7)
+    page = int(b.meta.block_tables[0, 3])
+    b.ik[page, 5] = float("nan")
+    ids, _ = _decode(b)
+    assert torch.equal(ids, index_topk_ref(b.iq, b.ik, b.meta, K))
+    assert 3 not in ids.tolist()
+
+
+@pytest.mark.parametrize("forced", [(0, 1), (1, 2)], ids=["local1", "init1_local2"])
+def test_wide_table_route_uses_index_topk(forced):
+    # Block table wider than MAX_FUSED_BLOCKS (4200 tokens = 263 blocks of 16, table 300):
+    # index_topk selects, the fused attention kernel attends and merges.
+    b = _batch(([(4200, 1), (33, 1)], 2), torch.float32, seed=5, table_width=300)
+    sel, want = _reference(b, *forced)
+    ids, got = _decode(b, init_blocks=forced[0], local_blocks=forced[1])
+    assert torch.equal(ids, sel)
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+
+
+def test_verify_rows_through_index_topk_route(monkeypatch):
+    # The same route for q_len 3 rows (forced here by a narrow MAX_FUSED_BLOCKS).
+    monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
+    b = _batch(VERIFY, torch.float32, seed=6)
+    sel, want = _reference(b)
+    ids, got = _decode(b)
+    assert torch.equal(ids, sel[:9])
+    torch.testing.assert_close(got, want[:9], atol=ATOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("spec", [MIXED, VERIFY], ids=["mixed", "verify_q3"])
+def test_msa_attention_whole_step(spec):
+    # Decode rows through the fused path, prefill rows through the prefill kernels.
+    b = _batch(spec, torch.float16, seed=2)
+    _, want = _reference(b)
+    got = md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[torch.float16], rtol=0)
+
+
+def test_prefill_only_and_bad_inputs():
+    b = _batch(([(0, 40), (20, 9)], 0), torch.float32, seed=4)
+    _, want = _reference(b)
+    torch.testing.assert_close(md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K), want,
+                               atol=ATOL[torch.float32], rtol=0)
+    d = _batch(([(20, 1)], 1), torch.float32)
+    with pytest.raises(ValueError, match="topk=65"):
+        md.msa_decode(d.q, d.iq, d.k, d.v, d.ik, d.meta, SCALE, 65)
+    with pytest.raises(ValueError, match="dtypes"):
+        md.msa_decode(d.q, d.iq.half(), d.k, d.v, d.ik, d.meta, SCALE, K)
+    with pytest.raises(ValueError, match="head_dim=24"):
+        md.msa_decode(d.q[..., :24].contiguous(), d.iq, d.k[..., :24].contiguous(), d.v[..., :24].contiguous(),
+                      d.ik, d.meta, SCALE, K)
