@@ -9,6 +9,14 @@ spec §3.6 step 4) and writes it to the row of its (token, slot); a combine kern
 slots of each token. Every buffer size and launch grid depends only on shapes, so the op has no
 host sync and replays under CUDA graphs at fixed decode batch sizes.
 
+Two layouts of the rows (`default_config` picks by rows per expert): decode sizes pad every
+expert to one tile height BLOCK_M (16/32) and gather A rows x[token] per tile; from 32 rows per
+expert on (T=4096 on the real shape: ~128, where padding to 128 would compute 1.47x the real
+rows) ragged tiles (`kernels/moe_ragged.py`: rows padded to 16, 128-row tiles plus a 16..64-row
+tail, weight tiles through TMA). Programs run in groups of row tiles (`tile_coords`) so that all
+row tiles of an expert read each weight tile at nearly the same time (once from HBM) and a
+group's A rows stay in L2.
+
 PyTorch reference: `m3_rollout.model.moe.grouped_experts` (with `swiglu_oai`). Numerics (spec §6):
 bf16/fp16 weights and activations, fp32 accumulation and activation math, the SwiGLU output
 rounded to the activation dtype once (as the reference does), routed rows weighted in fp32 and
@@ -33,17 +41,26 @@ import triton.language as tl
 
 from kernels.moe_align import AlignedAssignments, align_by_expert
 
+try:  # host-side TMA descriptors (triton >= 3.4); without them the pointer-load kernels run
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
 class GemmTile:
-    """Tile of one grouped GEMM: output columns BLOCK_N, reduction step BLOCK_K, launch knobs."""
+    """Tile of one grouped GEMM: output columns BLOCK_N, reduction step BLOCK_K, launch knobs.
+
+    group_m: row tiles per program group (`tile_coords`); 0 = all row tiles in one group.
+    """
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,67 +70,108 @@ class MoEKernelConfig:
     w13: tile of the gate/up GEMM; its block_n counts SwiGLU output columns, so each program
     reads 2 * block_n weight rows (block_n gate rows and the matching up rows).
     w2: tile of the down GEMM (block_n = hidden columns, block_k over I).
+    permute: first gather x into an expert-sorted [P, H] buffer (`moe_permute`) so the gate/up
+      GEMM reads its A rows contiguously (TMA on the ragged path) instead of gathering x[token]
+      per tile.
+    tma: both GEMMs load their A and weight tiles through TMA tensor descriptors (implies
+      permute; needs H and I multiples of 8 and `triton.tools.tensor_descriptor`).
+    ragged: rows padded per expert to 16 only and cut into 128-row tiles plus one 16/32/64/128
+      tail per expert (`moe_ragged`, weights through TMA; A gathered in the GEMM, or from the
+      permuted copy with permute=True). block_m and the tiles also serve the aligned fallback
+      when x/w13/w2 are not TMA-aligned. Large T.
+    fat_tail: with ragged, 0, 32 or 64 (`moe_ragged.FAT_TAIL` = 64 on the default path): a
+      remainder that small rides along with the expert's last full tile (one program, each
+      weight tile loaded once for both MMAs).
     """
 
     block_m: int
     w13: GemmTile
     w2: GemmTile
+    permute: bool = False
+    tma: bool = False
+    ragged: bool = False
+    fat_tail: int = 0
 
 
 def default_config(num_assignments: int, num_local_experts: int, hidden: int, inter: int) -> MoEKernelConfig:
     """Heuristic tiles from the mean rows per local expert (no autotuning: fixed, graph-safe choice).
 
-    NOTE: few rows per expert (decode) is weight-bandwidth bound: smallest legal tile height (16,
-    the tensor-core minimum) and narrow N tiles so there are several programs per SM streaming
-    weights; many rows per expert is compute bound: 128-row tiles, 8 warps, wide N. The wide
-    tiles were the fastest of `bench_moe.py --sweep` at T=4096 on the real shape (H200,
-    2026-11-29; w13 with block_n 256 at block_m 128 does not fit in shared memory).
-    Figures: docs/benchmarks.md.
+    NOTE: few rows per expert (decode, < 32) is weight-bandwidth bound: smallest legal tile
+    height (16, the tensor-core minimum) and narrow N tiles so there are several programs per SM
+    streaming weights (`bench_moe.py --sweep`, H200, 2026-11-29). From 32 rows per expert on, the
+    ragged-tile path (`moe_ragged`, fat tail 64, A rows gathered in the GEMM): padding every
+    expert to one tile height computes up to 1.47x the real rows (T=4096 on the real shape:
+    128 +- 11 rows per expert); ragged tiles compute ~1.2x, read each weight tile once per expert,
+    and run in groups of 4 row tiles (`tile_coords`). Measured on the real shape, H200, CUDA-graph
+    replay (two device rounds, 2026-11-29): T=1024 3.75 ms vs 4.05 (block_m 64) / 4.95 (block_m
+    32); T=2048 3.95 vs 4.70; T=4096 per GEMM: w13 2.89 ms at 4 stages vs 3.01 at 3, w2 with
+    block_n 256 1.34 ms vs 1.63 with 128. Figures: docs/benchmarks.md.
     """
     rows = num_assignments / max(num_local_experts, 1)
     if rows <= 16:
         return MoEKernelConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))
-    if rows <= 48:
+    if rows < 32:
         return MoEKernelConfig(32, GemmTile(64, 64, 4, 4), GemmTile(64, 64, 4, 4))
-    if rows <= 96:
-        return MoEKernelConfig(64, GemmTile(256, 64, 8, 3), GemmTile(256, 64, 8, 3))
-    return MoEKernelConfig(128, GemmTile(128, 64, 8, 4), GemmTile(256, 64, 8, 3))
+    from kernels.moe_ragged import FAT_TAIL
+
+    # block_m / tiles also serve the aligned fallback when H or I is not TMA-aligned
+    return MoEKernelConfig(128, GemmTile(128, 64, 8, 4, 4), GemmTile(256, 64, 8, 4, 4), ragged=True, fat_tail=FAT_TAIL)
+
+
+@triton.jit
+def tile_coords(pid, num_tiles_m, num_tiles_n: tl.constexpr, group_m):
+    # Program id -> (row tile, column tile), row tiles in groups of group_m: a group's programs
+    # sweep every column tile before the next group starts, so the group's A rows stay in L2 and
+    # each weight tile is read once by all row tiles of its expert at nearly the same time.
+    # group_m = num_tiles_m gives plain row-tile-fastest order over the whole grid.
+    per_group = group_m * num_tiles_n
+    first = (pid // per_group) * group_m
+    size = tl.minimum(num_tiles_m - first, group_m)
+    local = pid % per_group
+    return first + local % size, local // size
 
 
 @triton.jit
 def _moe_w13_swiglu_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
-    n_assign, num_tiles_m,
+    n_assign, num_tiles_m, group_m,
     stride_xt, stride_xh,
     stride_we, stride_wn, stride_wh,
     stride_am, stride_ai,
     alpha, limit, beta,
     TOP_K: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, A_SORTED: tl.constexpr,
 ):
     # act[row, n] = SwiGLU-OAI(x[tok] . w13[e, n], x[tok] . w13[e, I + n]) for the rows of one tile.
+    # A_SORTED: x is already the expert-sorted [P, H] buffer of moe_permute (row = tile row, padding 0).
     pid = tl.program_id(0)
-    pid_m = pid % num_tiles_m  # tiles of one expert are neighbours: they share weight tiles in L2
-    pid_n = pid // num_tiles_m
+    pid_m, pid_n = tile_coords(pid, num_tiles_m, tl.cdiv(INTER, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rid = tl.load(sorted_ids_ptr + offs_m)  # [M] flat (token, slot) ids; n_assign = padding
-    row_ok = rid < n_assign
-    tok = (rid // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [M, K_]
+    if A_SORTED:
+        row_ok = offs_m >= 0  # all rows readable; padding rows are zeros
+        a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xh  # [M, K_]
+    else:
+        rid = tl.load(sorted_ids_ptr + offs_m)  # [M] flat (token, slot) ids; n_assign = padding
+        row_ok = rid < n_assign
+        tok = (rid // TOP_K).to(tl.int64)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [M, K_]
     g_ptrs = w13_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wh
     u_ptrs = g_ptrs + INTER * stride_wn  # up rows follow the gate rows (spec §2.2, not interleaved)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            if A_SORTED:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -137,7 +195,7 @@ def _moe_w13_swiglu_kernel(
 @triton.jit
 def _moe_w2_weighted_kernel(
     act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
-    n_assign, num_tiles_m,
+    n_assign, num_tiles_m, group_m,
     stride_am, stride_ai,
     stride_we, stride_wh, stride_wi,
     stride_or, stride_oh,
@@ -147,8 +205,7 @@ def _moe_w2_weighted_kernel(
 ):
     # out[rid, n] = weight[rid] * (act[row] . w2[e, n]) for the rows of one tile, row -> rid.
     pid = tl.program_id(0)
-    pid_m = pid % num_tiles_m
-    pid_n = pid // num_tiles_m
+    pid_m, pid_n = tile_coords(pid, num_tiles_m, tl.cdiv(HIDDEN, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
@@ -176,6 +233,96 @@ def _moe_w2_weighted_kernel(
     acc = acc * w[:, None]
     out_ptrs = out_ptr + rid[:, None].to(tl.int64) * stride_or + offs_n[None, :] * stride_oh
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_permute_kernel(
+    x_ptr, xs_ptr, sorted_ids_ptr, num_rows_ptr,
+    n_assign,
+    stride_xt, stride_xh, stride_st, stride_sh,
+    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # xs[row] = x[sorted_ids[row] // K] for the rows in use; padding rows get zeros.
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R >= tl.load(num_rows_ptr):
+        return
+    rid = tl.load(sorted_ids_ptr + offs_r)
+    row_ok = rid < n_assign
+    tok = (rid // TOP_K).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < HIDDEN
+    v = tl.load(x_ptr + tok[:, None] * stride_xt + offs_h[None, :] * stride_xh,
+                mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+    tl.store(xs_ptr + offs_r[:, None].to(tl.int64) * stride_st + offs_h[None, :] * stride_sh, v, mask=h_ok[None, :])
+
+
+@triton.jit
+def _moe_w13_swiglu_tma_kernel(
+    a_desc, w_desc, act_ptr, tile_expert_ptr, num_rows_ptr,
+    num_tiles_m, group_m,
+    stride_am, stride_ai,
+    alpha, limit, beta,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # As _moe_w13_swiglu_kernel with A_SORTED, tiles through TMA: a_desc over xs [P, H] (block
+    # [M, K_]), w_desc over w13 viewed [E*2I, H] (block [N, K_]). Weight rows past I (ragged N)
+    # belong to the up half or the next expert: their columns are computed and never stored.
+    pid = tl.program_id(0)
+    pid_m, pid_n = tile_coords(pid, num_tiles_m, tl.cdiv(INTER, BLOCK_N), group_m)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(tile_expert_ptr + pid_m)
+    row0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    g_row = e * (2 * INTER) + n0
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        a = a_desc.load([row0, k0])  # [M, K_]; columns past H arrive as zeros
+        g = w_desc.load([g_row, k0])  # [N, K_]
+        u = w_desc.load([g_row + INTER, k0])
+        acc_g = tl.dot(a, g.T, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u.T, acc_u, input_precision=PRECISION)
+    g_c = tl.minimum(acc_g, limit)
+    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_ai
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=offs_n[None, :] < INTER)
+
+
+@triton.jit
+def _moe_w2_weighted_tma_kernel(
+    a_desc, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
+    n_assign, num_tiles_m, group_m,
+    stride_or, stride_oh,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # As _moe_w2_weighted_kernel, tiles through TMA: a_desc over act [P, I] (block [M, K_]),
+    # w_desc over w2 viewed [E*H, I] (block [N, K_]); rows past H are computed and never stored.
+    pid = tl.program_id(0)
+    pid_m, pid_n = tile_coords(pid, num_tiles_m, tl.cdiv(HIDDEN, BLOCK_N), group_m)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(tile_expert_ptr + pid_m)
+    row0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        b = w_desc.load([e * HIDDEN + n0, k0])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    rid = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rid < n_assign
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    w = tl.load(weights_ptr + rid, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    out_ptrs = out_ptr + rid[:, None].to(tl.int64) * stride_or + offs_n[None, :] * stride_oh
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < HIDDEN))
 
 
 @triton.jit
@@ -228,43 +375,99 @@ def _check_inputs(x, ids, weights, w13, w2, expert_range) -> tuple[int, int]:
     return a, b
 
 
+def moe_permute(x: torch.Tensor, aligned, top_k: int) -> torch.Tensor:
+    """Expert-sorted copy of the routed rows: xs [P, H] in x.dtype, xs[r] = x[sorted_ids[r] // K].
+
+    aligned: an AlignedAssignments or moe_ragged.RaggedTiles (uses sorted_ids [P], num_rows [1]).
+    Padding rows inside used tiles are zeros; rows past num_rows are left unwritten (no GEMM
+    tile reads them). One gather pass (T*K rows of H), so the gate/up GEMM reads A contiguously.
+    """
+    t, h = x.shape
+    p = aligned.sorted_ids.numel()
+    xs = torch.empty((p, h), dtype=x.dtype, device=x.device)  # [P, H]
+    block_r = 4
+    block_h = min(1024, triton.next_power_of_2(h))
+    _moe_permute_kernel[(p // block_r, triton.cdiv(h, block_h))](
+        x, xs, aligned.sorted_ids, aligned.num_rows,
+        t * top_k,
+        x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),
+        TOP_K=top_k, HIDDEN=h, BLOCK_R=block_r, BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return xs
+
+
+def launch_group(tile: GemmTile, num_tiles_m: int) -> int:
+    """group_m argument of `tile_coords` for `tile` over num_tiles_m row tiles (0 = one group)."""
+    return tile.group_m if 0 < tile.group_m < num_tiles_m else num_tiles_m
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    # NOTE: TMA needs 16-byte aligned bases and row strides and a contiguous last dimension.
+    return TensorDescriptor is not None and all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )
+
+
 def moe_gate_up(
     x: torch.Tensor, w13: torch.Tensor, aligned: AlignedAssignments, top_k: int, tile: GemmTile,
-    alpha: float, limit: float, beta: float,
+    alpha: float, limit: float, beta: float, *, a_sorted: bool = False, tma: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM 1 + SwiGLU-OAI: act [P, I] in x.dtype, row r = SwiGLU(W13[e] x[sorted_ids[r] // K]).
 
-    x [T, H]; w13 [E, 2I, H]; rows of unused tiles are left unwritten, padding rows hold 0.
+    x [T, H] (gathered per tile), or with a_sorted=True the [P, H] output of `moe_permute`;
+    w13 [E, 2I, H]. tma=True (needs a_sorted and TMA-aligned x/w13) loads tiles through TMA
+    descriptors. Rows of unused tiles are left unwritten; padding rows hold SwiGLU(0) values.
     """
-    t, h = x.shape
+    h = x.shape[1]
     inter = w13.shape[1] // 2
     bm = aligned.block_m
     p = aligned.sorted_ids.numel()
     num_tiles_m = p // bm
+    n_assign = x.shape[0] * top_k  # padding sentinel of sorted_ids (unused when a_sorted)
     act = torch.empty((p, inter), dtype=x.dtype, device=x.device)  # [P, I]
     grid = (num_tiles_m * triton.cdiv(inter, tile.block_n),)
+    if tma:
+        if not a_sorted:
+            raise ValueError("moe_gate_up: tma=True needs the expert-sorted x of moe_permute (a_sorted=True)")
+        w_flat = w13.reshape(-1, h)  # [E*2I, H]
+        a_desc = TensorDescriptor.from_tensor(x, [bm, tile.block_k])
+        w_desc = TensorDescriptor.from_tensor(w_flat, [tile.block_n, tile.block_k])
+        _moe_w13_swiglu_tma_kernel[grid](
+            a_desc, w_desc, act, aligned.tile_expert, aligned.num_rows,
+            num_tiles_m, launch_group(tile, num_tiles_m),
+            act.stride(0), act.stride(1),
+            float(alpha), float(limit), float(beta),
+            INTER=inter, HIDDEN=h,
+            BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION=_precision(x.dtype),
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
+        return act
     _moe_w13_swiglu_kernel[grid](
         x, w13, act, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
-        t * top_k, num_tiles_m,
+        n_assign, num_tiles_m, launch_group(tile, num_tiles_m),
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), act.stride(1),
         float(alpha), float(limit), float(beta),
         TOP_K=top_k, INTER=inter, HIDDEN=h,
         BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype),
+        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype), A_SORTED=a_sorted,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return act
 
 
 def moe_down(
-    act: torch.Tensor, w2: torch.Tensor, aligned: AlignedAssignments, weights: torch.Tensor, tile: GemmTile
+    act: torch.Tensor, w2: torch.Tensor, aligned: AlignedAssignments, weights: torch.Tensor, tile: GemmTile,
+    *, tma: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM 2 + routing weight: rows [T*K, H] in act.dtype, rows[s] = weights[s] * W2[e] act[r].
 
     act [P, I] from `moe_gate_up`; w2 [E, H, I]; weights [T, K] (used in fp32). Row s = t*K + k
     of the output is written only when slot s went to a local expert (moe_combine masks the rest).
+    tma=True loads the act and weight tiles through TMA descriptors (act/w2 must be TMA-aligned).
     """
     n_assign = weights.numel()
     h, inter = w2.shape[1], w2.shape[2]
@@ -273,9 +476,21 @@ def moe_down(
     w_flat = weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
     rows = torch.empty((n_assign, h), dtype=act.dtype, device=act.device)  # [T*K, H]
     grid = (num_tiles_m * triton.cdiv(h, tile.block_n),)
+    if tma:
+        a_desc = TensorDescriptor.from_tensor(act, [bm, tile.block_k])
+        w_desc = TensorDescriptor.from_tensor(w2.reshape(-1, inter), [tile.block_n, tile.block_k])  # [E*H, I]
+        _moe_w2_weighted_tma_kernel[grid](
+            a_desc, w_desc, rows, w_flat, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
+            n_assign, num_tiles_m, launch_group(tile, num_tiles_m),
+            rows.stride(0), rows.stride(1),
+            HIDDEN=h, INTER=inter,
+            BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION=_precision(act.dtype),
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
+        return rows
     _moe_w2_weighted_kernel[grid](
         act, w2, rows, w_flat, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
-        n_assign, num_tiles_m,
+        n_assign, num_tiles_m, launch_group(tile, num_tiles_m),
         act.stride(0), act.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
         rows.stride(0), rows.stride(1),
@@ -337,7 +552,23 @@ def fused_experts(
     if t == 0:
         return torch.empty((0, h), dtype=x.dtype, device=x.device)
     cfg = config or default_config(t * k, e, h, two_i // 2)
+    if cfg.ragged and _tma_ok(x, w13, w2):
+        from kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
+
+        tiles = align_ragged(ids, (a, b), cfg.fat_tail)
+        if cfg.permute:
+            xs = moe_permute(x, tiles, k)  # [P, H] expert-sorted rows
+            act = ragged_gate_up(xs, w13, tiles, cfg.w13, alpha, limit, beta)  # [P, I]
+        else:  # A rows gathered from x inside the GEMM
+            act = ragged_gate_up(x, w13, tiles, cfg.w13, alpha, limit, beta, top_k=k)  # [P, I]
+        rows = ragged_down(act, w2, tiles, weights, cfg.w2)  # [T*K, H]
+        return moe_combine(rows, ids, (a, b))
     aligned = align_by_expert(ids, (a, b), cfg.block_m)
-    act = moe_gate_up(x, w13, aligned, k, cfg.w13, alpha, limit, beta)  # [P, I]
-    rows = moe_down(act, w2, aligned, weights, cfg.w2)  # [T*K, H]
+    tma = cfg.tma and _tma_ok(x, w13, w2)
+    if cfg.permute or tma:
+        xs = moe_permute(x, aligned, k)  # [P, H] expert-sorted rows
+        act = moe_gate_up(xs, w13, aligned, k, cfg.w13, alpha, limit, beta, a_sorted=True, tma=tma)  # [P, I]
+    else:
+        act = moe_gate_up(x, w13, aligned, k, cfg.w13, alpha, limit, beta)  # [P, I]
+    rows = moe_down(act, w2, aligned, weights, cfg.w2, tma=tma)  # [T*K, H]
     return moe_combine(rows, ids, (a, b))  # [T, H]

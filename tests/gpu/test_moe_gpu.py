@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from kernels.fused_moe import fused_experts  # noqa: E402
+from kernels.fused_moe import GemmTile, MoEKernelConfig, default_config, fused_experts  # noqa: E402
 from m3_rollout.model import tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE, grouped_experts, route, swiglu_oai  # noqa: E402
 
@@ -53,9 +53,10 @@ def _routing(t, e, k, h, seed, forced=None):
     return x, ids, weights
 
 
-def _check(x, ids, weights, w13, w2, rng, name):
+def _check(x, ids, weights, w13, w2, rng, name, config=None):
     a, b = rng
-    out = fused_experts(x, ids, weights, w13[a:b], w2[a:b], alpha=ALPHA, limit=LIMIT, beta=BETA, expert_range=rng)
+    out = fused_experts(x, ids, weights, w13[a:b], w2[a:b], alpha=ALPHA, limit=LIMIT, beta=BETA, expert_range=rng,
+                        config=config)
     torch.cuda.synchronize()
     w_local = weights * ((ids >= a) & (ids < b))
     ref32 = grouped_experts(x.float(), ids, w_local, w13.float(), w2.float(), _act)
@@ -78,6 +79,55 @@ def test_real_shapes_h6144_i3072_e128_top4():
         _check(x, ids, weights, w13, w2, (0, e), f"real T={t}")
     x, ids, weights = _routing(96, e, k, h, 7)
     _check(x, ids, weights, w13, w2, (32, 64), "real T=96 EP slice [32,64)")
+
+
+# Large-T kernel paths named explicitly (default_config picks one of them by rows per expert).
+LARGE_PATHS = {
+    "aligned_bm128": MoEKernelConfig(128, GemmTile(128, 64, 8, 4), GemmTile(256, 64, 8, 3)),
+    "tma_bm64": MoEKernelConfig(64, GemmTile(128, 64, 4, 4, 4), GemmTile(256, 64, 8, 4, 4), tma=True),
+    "ragged_permuted": MoEKernelConfig(128, GemmTile(128, 64, 8, 4, 4), GemmTile(256, 64, 8, 3, 4), ragged=True,
+                                       permute=True),
+    "ragged_fat_permuted": MoEKernelConfig(128, GemmTile(128, 64, 8, 3, 4), GemmTile(256, 64, 8, 3, 4),
+                                           ragged=True, fat_tail=64, permute=True),
+    "ragged_fat_gather": MoEKernelConfig(128, GemmTile(128, 64, 8, 3, 4), GemmTile(256, 64, 8, 3, 4), ragged=True,
+                                         fat_tail=64),
+}
+
+
+def test_large_t_paths_real_shape():
+    """T=4096 on the real sizes (~128 rows per expert, tails of every height) through each large-T path."""
+    e, h, inter, k = 128, 6144, 3072, 4
+    w13, w2 = _weights(e, h, inter, 2)
+    x, ids, weights = _routing(4096, e, k, h, 11)
+    print("default at T=4096:", default_config(4096 * k, e, h, inter))
+    for name, cfg in LARGE_PATHS.items():
+        _check(x, ids, weights, w13, w2, (0, e), f"real T=4096 {name}", config=cfg)
+    x, ids, weights = _routing(1500, e, k, h, 12)
+    _check(x, ids, weights, w13, w2, (64, 128), "real T=1500 EP slice [64,128) ragged_fat_gather",
+           config=LARGE_PATHS["ragged_fat_gather"])
+
+
+def test_large_t_path_cuda_graph():
+    """The ragged path (align, permute, TMA GEMMs, combine) replays in a CUDA graph with new routing."""
+    e, h, inter, k = 16, 1024, 512, 4
+    w13, w2 = _weights(e, h, inter, 3)
+    x, ids, weights = _routing(2048, e, k, h, 13)
+    cfg = LARGE_PATHS["ragged_fat_gather"]
+    run = lambda: fused_experts(x, ids, weights, w13, w2, alpha=ALPHA, limit=LIMIT, config=cfg)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+    x2, ids2, weights2 = _routing(2048, e, k, h, 14)
+    x.copy_(x2), ids.copy_(ids2), weights.copy_(weights2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_out, run(), atol=0, rtol=0)
+    _check(x, ids, weights, w13, w2, (0, e), "bench T=2048 graph replay inputs", config=cfg)
 
 
 def test_bench_moe_sizes_match_json():
