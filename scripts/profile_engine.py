@@ -1,14 +1,24 @@
 """Profile the engine's decode steps (GPU or CPU): where a step's time goes.
 
     python scripts/profile_engine.py --device cuda --model-json configs/bench/m3_bench_300m.json --batch 1
+    python scripts/profile_engine.py --device cuda --model-json configs/bench/m3_bench_300m.json \\
+        --batches 1 32 --cuda-graphs --graph-replay 200 --variants pytorch fused --kernel-table --out-json prof.json
 
-Prints the wall time per decode step, the model forward alone, and torch.profiler's top ops by
-self CPU and device time for a few decode steps.
+Prints the wall time per engine decode step (public step() API) and, with ``--profile-ops``,
+torch.profiler's top ops. With ``--cuda-graphs`` on the GPU it first measures the model alone:
+``--batch`` rows of ``--context`` cached tokens, the decode forward (``forward_paged``) captured in
+a CUDA graph and replayed ``--graph-replay`` times between CUDA events = the GPU time of one
+decode step with no host work; ``--kernel-table`` lists the kernels of that forward (count and
+device time per step, eager). ``--variants`` runs everything once per model path in the same
+process (``pytorch``: PyTorch ops; ``fused``: model/fused.py; ``fused+cublas``,
+``fused+router_cublas``: see ``apply_variant``); ``--compare-fused`` = ``--variants pytorch fused``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -17,7 +27,167 @@ import torch
 
 from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.engine.paged_cache import PagedKVCache, PagedMetadata
 from m3_rollout.model import M3Config, M3ForCausalLM, tiny_config
+from m3_rollout.model.fused import set_fused_layers
+
+
+def _kernel_table(fn, steps: int) -> tuple[list[tuple[str, float, float]], float]:
+    """Run ``fn`` ``steps`` times under torch.profiler; return ([(kernel, count/step, us/step)], us/step)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = getattr(e, "self_device_time_total", None)
+            t = e.self_cuda_time_total if t is None else t
+            rows.append((e.key, e.count / steps, t / steps))
+    rows.sort(key=lambda r: -r[2])
+    return rows, sum(r[2] for r in rows)
+
+
+def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool) -> LLMEngine:
+    max_len = prompt + steps * 4 + 64
+    ec = EngineConfig(max_model_len=max_len, max_num_seqs=batch, enable_cuda_graphs=graphs,
+                      cuda_graph_batch_sizes=(batch,), kv_cache_memory_gb=1.0 if graphs else 0.0)
+    eng = LLMEngine(model, ec)
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(3, cfg.vocab_size, (prompt,), generator=g).tolist()
+        eng.add_request(GenerationRequest(f"r{i}", ids, SamplingParams(max_new_tokens=steps * 4, seed=i)))
+    return eng
+
+
+VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas")
+
+
+def apply_variant(name: str) -> None:
+    """Switch the model's GPU path: ``pytorch`` (PyTorch ops), ``fused`` (model/fused.py defaults),
+    ``fused+cublas`` (every projection GEMM on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas``
+    (router GEMM on cuBLAS + top-k kernel)."""
+    if name not in VARIANTS:
+        raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
+    set_fused_layers(name != "pytorch", skinny_gemm=name != "fused+cublas")
+    if name != "pytorch":
+        import kernels.fused_layers as fl
+
+        fl.ROUTER_GEMM_MAX_ELEMS = 0 if "router_cublas" in name else 1 << 22
+
+
+def engine_wall(model, cfg, args, batch: int, variant: str) -> dict:
+    """Wall time per engine decode step through the public step() API (host + GPU)."""
+    dev = torch.device(args.device)
+    apply_variant(variant)
+    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for _ in range(4):  # prefill + warm-up decodes
+        eng.step()
+    sync()
+    t0 = time.perf_counter()
+    n = args.steps // 2
+    for _ in range(n):
+        eng.step()
+    sync()
+    ms = 1000 * (time.perf_counter() - t0) / n
+    print(f"[batch {batch}, {variant}] engine decode step (wall): {ms:.3f} ms", flush=True)
+    if args.profile_ops:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                         if dev.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(4):
+                eng.step()
+            sync()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    del eng
+    gc.collect()
+    return {"wall_ms_per_step": ms}
+
+
+def meta_to(meta: PagedMetadata, dev) -> PagedMetadata:
+    """``meta`` with its tensors on ``dev``."""
+    return PagedMetadata(**{f.name: (v.to(dev) if torch.is_tensor(v) else v)
+                            for f in dataclasses.fields(meta) for v in [getattr(meta, f.name)]})
+
+
+def _decode_batch(cfg, kv: PagedKVCache, batch: int, context: int, max_seq_len: int, dev):
+    """Decode-step inputs of ``batch`` rows that each hold ``context`` tokens in their own pages
+    (row r: pages r*n .. r*n+n-1), plus the prefill inputs that put them there."""
+    ps = kv.page_size
+    n = -(-max_seq_len // ps)
+    bt = torch.arange(batch * n, dtype=torch.int32).view(batch, n)
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(context).repeat(batch)
+    row = torch.arange(batch).repeat_interleave(context)
+    pre = PagedMetadata(pos, bt.long()[row, pos // ps] * ps + pos % ps, bt, torch.zeros(batch, dtype=torch.int32),
+                        torch.full((batch,), context, dtype=torch.int32),
+                        (torch.arange(batch + 1) * context).to(torch.int32), 0, 1, context, context)
+    pre_ids = torch.randint(3, cfg.vocab_size, (batch * context,), generator=g)
+    dpos = torch.full((batch,), context)
+    dec = PagedMetadata(dpos, bt.long()[:, context // ps] * ps + context % ps, bt,
+                        torch.full((batch,), context, dtype=torch.int32),
+                        torch.full((batch,), context + 1, dtype=torch.int32),
+                        torch.arange(batch + 1, dtype=torch.int32), batch, 1, 1, max_seq_len)
+    dec_ids = torch.randint(3, cfg.vocab_size, (batch,), generator=g)
+    return pre_ids.to(dev), meta_to(pre, dev), dec_ids.to(dev), meta_to(dec, dev)
+
+
+@torch.no_grad()
+def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
+    """GPU time of one decode forward (``forward_paged``, no sampler, no host work): prefill
+    ``batch`` rows of ``--context`` tokens, capture the decode forward in a CUDA graph and time
+    ``--graph-replay`` replays with CUDA events; optionally the kernel table of the same forward."""
+    dev = torch.device(args.device)
+    apply_variant(variant)
+    tag = f"batch {batch}, {variant}"
+    max_seq_len = args.max_model_len or args.context + 64
+    n_pages = batch * -(-max_seq_len // cfg.sparse_block_size)
+    kv = PagedKVCache(cfg, n_pages, next(model.lm_head.parameters()).dtype, dev)
+    pre_ids, pre, ids, meta = _decode_batch(cfg, kv, batch, args.context, max_seq_len, dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.forward_paged(pre_ids, pre, kv)
+    torch.cuda.synchronize()
+    res = {"batch": batch, "variant": variant, "context": args.context, "max_seq_len": max_seq_len,
+           "prefill_ms_first_call": 1000 * (time.perf_counter() - t0)}
+    model.forward_paged(pre_ids, pre, kv)  # warm (compiled) prefill
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.forward_paged(pre_ids, pre, kv)
+    torch.cuda.synchronize()
+    res["prefill_ms"] = 1000 * (time.perf_counter() - t0)
+    model.forward_paged(ids, meta, kv)  # warm-up (compile)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.forward_paged(ids, meta, kv)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.graph_replay):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    res["gpu_ms_per_step_graph"] = start.elapsed_time(end) / args.graph_replay
+    print(f"[{tag}] prefill {batch}x{args.context} tokens: {res['prefill_ms']:.2f} ms wall (eager); "
+          f"decode forward GPU time (graph replay x{args.graph_replay}): {res['gpu_ms_per_step_graph']:.4f} ms",
+          flush=True)
+    if args.kernel_table:
+        rows, total = _kernel_table(lambda: model.forward_paged(ids, meta, kv), 3)
+        res["kernels_per_step"] = sum(r[1] for r in rows)
+        res["kernel_us_per_step_eager"] = total
+        res["kernel_table"] = rows[:40]
+        print(f"[{tag}] eager decode forward: {res['kernels_per_step']:.0f} kernels, "
+              f"{total:.1f} us summed kernel time per step", flush=True)
+        for name, c, t in rows[:args.table_rows]:
+            print(f"    {t:8.1f} us  {c:6.1f}x  {name[:110]}")
+    del graph
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
 
 
 def main() -> None:
@@ -25,9 +195,23 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model-json")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batches", type=int, nargs="*", help="several batch sizes (overrides --batch)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--graph-replay", type=int, default=100, help="replays timed per engine (GPU, graphs)")
+    ap.add_argument("--kernel-table", action="store_true", help="kernels of one decode forward (GPU, graphs)")
+    ap.add_argument("--table-rows", type=int, default=25)
+    ap.add_argument("--compare-fused", action="store_true", help="= --variants pytorch fused")
+    ap.add_argument("--variants", nargs="*", default=None, help=f"model paths to run, of {VARIANTS} (default fused)")
+    ap.add_argument("--profile-ops", action="store_true", help="torch.profiler op table (no graphs)")
+    ap.add_argument("--context", type=int, default=192, help="tokens per row before the timed decode step")
+    ap.add_argument("--max-model-len", type=int, default=0, help="max_seq_len the decode graph is captured with "
+                    "(default context + 64)")
+    ap.add_argument("--skip-engine", action="store_true", help="only the model-level GPU timings")
+    ap.add_argument("--skip-model", action="store_true", help="only the engine wall times")
+    ap.add_argument("--out-json")
+    ap.add_argument("--markdown", help="write the GPU-time table (docs/benchmarks.md rows) here")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -40,30 +224,65 @@ def main() -> None:
     with torch.device(dev):
         model = M3ForCausalLM(cfg)
     model = model.cast_for_inference(dtype).eval()
-    max_len = args.prompt + args.steps * 2 + 8
-    eng = LLMEngine(model, EngineConfig(max_model_len=max_len, max_num_seqs=args.batch, enable_cuda_graphs=args.cuda_graphs))
-    g = torch.Generator().manual_seed(0)
-    for i in range(args.batch):
-        ids = torch.randint(3, cfg.vocab_size, (args.prompt,), generator=g).tolist()
-        eng.add_request(GenerationRequest(f"r{i}", ids, SamplingParams(max_new_tokens=args.steps * 2, seed=i)))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for _ in range(4):  # prefill + warm-up decodes
-        eng.step()
-    sync()
-    t0 = time.perf_counter()
-    n = args.steps // 2
-    for _ in range(n):
-        eng.step()
-    sync()
-    print(f"decode step: {1000 * (time.perf_counter() - t0) / n:.2f} ms (batch {args.batch})", flush=True)
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(4):
-            eng.step()
-        sync()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    if dev.type == "cuda":
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    variants = args.variants or (["pytorch", "fused"] if args.compare_fused else ["fused"])
+    results = []
+    batches = args.batches or [args.batch]
+    if dev.type == "cuda" and args.cuda_graphs and not args.skip_model:  # the model's GPU time per step first
+        for batch in batches:
+            for v in variants:
+                try:
+                    results.append(model_step_gpu_time(model, cfg, args, batch, v))
+                except Exception as exc:  # NOTE: keep the other variants' figures
+                    import traceback
+
+                    traceback.print_exc()
+                    results.append({"batch": batch, "variant": v, "error": repr(exc)})
+                if args.out_json:
+                    Path(args.out_json).write_text(json.dumps(results, indent=1))
+                if args.markdown:  # NOTE: after every run, so a time-limited job keeps partial tables
+                    Path(args.markdown).write_text(markdown(results, args))
+            done = {r["variant"]: r["gpu_ms_per_step_graph"] for r in results
+                    if r["batch"] == batch and "gpu_ms_per_step_graph" in r}
+            print(f"batch {batch}: GPU ms per decode step: "
+                  + ", ".join(f"{v} {ms:.4f}" for v, ms in done.items()), flush=True)
+    if not args.skip_engine:
+        for batch in batches:
+            for v in variants:
+                try:
+                    r = engine_wall(model, cfg, args, batch, v)
+                except Exception as exc:  # NOTE: the engine is another helper's; keep the GPU figures
+                    print(f"engine run failed (batch {batch}, {v}): {exc!r}", flush=True)
+                    r = {"error": repr(exc)}
+                results.append({"batch": batch, "variant": v, "engine": r})
+                if args.out_json:
+                    Path(args.out_json).write_text(json.dumps(results, indent=1))
+    apply_variant("fused")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, args))
+
+
+def markdown(results: list[dict], args) -> str:
+    """docs/benchmarks.md rows: GPU time of one graphed decode forward, PyTorch ops vs fused path."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    lines = [f"### Decode step GPU time: fused layer kernels ({gpu}, torch {torch.__version__}, 2026-11-29)", "",
+             f"`scripts/profile_engine.py --cuda-graphs --variants ...`: model {args.model_json or 'tiny'}, bf16 "
+             f"random weights; each row holds {args.context} cached tokens; the decode forward "
+             "(`forward_paged`, no sampler, no host work) captured in a CUDA graph and replayed "
+             f"{args.graph_replay} times between CUDA events. Kernels: eager forward, torch.profiler.", "",
+             "| batch | path | GPU ms / decode step | kernels / step | forward-only tok/s | speed-up | "
+             f"prefill forward ms (batch x {args.context} tokens, eager, wall) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    by = {(r["batch"], r["variant"]): r for r in results if "gpu_ms_per_step_graph" in r}
+    names = {"pytorch": "PyTorch ops (before)", "fused": "fused kernels (default)",
+             "fused+cublas": "fused kernels, all GEMMs cuBLAS"}
+    for (b, v), r in sorted(by.items(), key=lambda kv: (kv[0][0], VARIANTS.index(kv[0][1]))):
+        ms = r["gpu_ms_per_step_graph"]
+        base = by.get((b, "pytorch"))
+        up = f"{base['gpu_ms_per_step_graph'] / ms:.2f}x" if base else "-"
+        k = f"{r['kernels_per_step']:.0f}" if "kernels_per_step" in r else "-"
+        pre = f"{r['prefill_ms']:.2f}" if "prefill_ms" in r else "-"
+        lines.append(f"| {b} | {names.get(v, v)} | {ms:.3f} | {k} | {1000 * b / ms:,.0f} | {up} | {pre} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

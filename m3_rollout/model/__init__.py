@@ -7,6 +7,7 @@ attention      QK-norm + RoPE + GQA, dense causal or block-sparse
 moe            SwiGLU-OAI, dense MLP, sigmoid-routed MoE with shared expert
 kv_cache       contiguous per-row cache, slot == position
 model          decoder layer, M3Model, M3ForCausalLM
+fused          when the paged forward takes the fused GPU path (kernels/fused_layers.py), packed weights
 loading        released / transformers tensor names, safetensors save + load
 """
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from .attention import AttentionInputs, M3Attention
 from .configuration import M3Config
+from .fused import fused_ops, use_fused_layers
 from .kv_cache import KVCache
 from .moe import DenseMLP, M3MoE
 from .norm import GemmaRMSNorm
@@ -87,11 +88,55 @@ class M3Model(nn.Module):
 
     def forward_paged(self, input_ids: torch.Tensor, meta, kv) -> torch.Tensor:
         """See M3ForCausalLM.forward_paged; returns final-normed hidden states [T, H]."""
-        cos, sin = rope_cos_sin(meta.positions, self.config.rotary_dim, self.config.rope_theta)  # [T, r/2]
         h = self.embed_tokens(input_ids)  # [T, H]
+        if use_fused_layers(h):
+            return self._forward_paged_fused(h, meta, kv)
+        cos, sin = rope_cos_sin(meta.positions, self.config.rotary_dim, self.config.rope_theta)  # [T, r/2]
         for layer in self.layers:
             h = layer.forward_paged(h, cos, sin, meta, kv)
         return self.norm(h)
+
+    def rope_tables(self, num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, r/2] fp32 for positions 0..N-1, N >= max(num_positions,
+        max_position_embeddings); built once per device (the same values ``rope_cos_sin`` gives
+        per position) and kept, so a step reads rows instead of recomputing them."""
+        tab = getattr(self, "_rope_tables", None)
+        if tab is None or tab[0].device != device or tab[0].shape[0] < num_positions:
+            n = max(num_positions, self.config.max_position_embeddings)
+            tab = rope_cos_sin(torch.arange(n, device=device), self.config.rotary_dim, self.config.rope_theta)
+            # NOTE: earlier tables stay alive: a captured CUDA graph may still read them.
+            self._old_rope_tables = getattr(self, "_old_rope_tables", []) + [self.__dict__.get("_rope_tables")]
+            self._rope_tables = tab
+        return tab
+
+    def _forward_paged_fused(self, h: torch.Tensor, meta, kv) -> torch.Tensor:
+        """GPU path of forward_paged: the residual stream is carried separately and every
+        "add the sublayer output, then norm" is one ``add_rms_norm`` launch (spec §3.1, §3.2),
+        with the same roundings as the layer-by-layer path; RoPE rows come from cached tables
+        (``rope_tables``; ``meta.max_seq_len`` bounds the positions). h [T, H] (embedding output,
+        updated in place as the residual) -> final-normed [T, H]."""
+        fl = fused_ops()
+        cos, sin = self.rope_tables(meta.max_seq_len, h.device)
+        residual = h
+        f = f2 = None  # previous sublayer output(s), added into the residual by the next norm
+        for i, layer in enumerate(self.layers):
+            norm = layer.input_layernorm
+            if i == 0:
+                x, _ = fl.add_rms_norm(residual, norm.weight, norm.eps)
+            else:
+                x, _ = fl.add_rms_norm(f, norm.weight, norm.eps, residual=residual, x2=f2)
+            a = layer.self_attn.forward_paged(x, cos, sin, meta, kv, rope_table=True)  # [T, H]
+            norm = layer.post_attention_layernorm
+            want32 = layer.is_moe and layer.block_sparse_moe.router_wants_fp32_input(x.shape[0])
+            x, x32 = fl.add_rms_norm(a, norm.weight, norm.eps, residual=residual, want_fp32=want32)
+            if layer.is_moe:
+                f, f2 = layer.block_sparse_moe.forward_fused(x, x32)
+            else:
+                f, f2 = layer.mlp.forward_fused(x), None
+        if f is None:
+            return self.norm(residual)
+        y, _ = fl.add_rms_norm(f, self.norm.weight, self.norm.eps, residual=residual, x2=f2)
+        return y
 
 
 class M3ForCausalLM(nn.Module):
@@ -140,10 +185,24 @@ class M3ForCausalLM(nn.Module):
 
     def cast_for_inference(self, dtype: torch.dtype) -> "M3ForCausalLM":
         """Cast every parameter to `dtype` but keep router gate weights and e_score_correction_bias
-        in at least fp32 (spec §6: released and computed in fp32). Returns self."""
+        in at least fp32 (spec §6: released and computed in fp32). On CUDA also packs the projection
+        weights for the fused GPU path (``pack_fused_weights``). Returns self."""
         self.to(dtype)
         router_dtype = compute_dtype(dtype)
         for moe in self.moe_layers():
             moe.gate.to(router_dtype)
             moe.e_score_correction_bias.data = moe.e_score_correction_bias.data.to(router_dtype)
+        if self.lm_head.weight.is_cuda:
+            self.pack_fused_weights()
+        return self
+
+    def pack_fused_weights(self) -> "M3ForCausalLM":
+        """Pack each layer's q/k/v(/index q/k) and dense/shared gate/up weights into one buffer per
+        group (the parameters become views of it; see model/fused.py) for the GPU path's fused
+        GEMMs. Called by ``cast_for_inference`` on CUDA; weight sync keeps writing the parameters
+        in place. Returns self."""
+        for layer in self.model.layers:
+            layer.self_attn.pack_projections()
+            mlp = layer.block_sparse_moe.shared_experts if layer.is_moe else layer.mlp
+            mlp.pack_projections()
         return self

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration import M3Config
+from .fused import fused_ops, pack_linear_weights, packed_linear, skinny_ok
 from .numerics import compute_dtype
 
 
@@ -52,6 +53,20 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit, self.beta))
+
+    def pack_projections(self) -> None:
+        """Put gate/up weights into one [2I, H] buffer (parameters become views; model/fused.py)."""
+        self._packed_gate_up = pack_linear_weights([self.gate_proj, self.up_proj])
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """GPU path: x [T, H] -> [T, H]: one gate|up GEMM, then either the SwiGLU-OAI kernel and the
+        down GEMM, or (decode-sized, model/fused.skinny_ok) one skinny GEMM computing SwiGLU-OAI on
+        its operand load (same roundings)."""
+        gu = packed_linear(x, getattr(self, "_packed_gate_up", None), [self.gate_proj, self.up_proj])  # [T, 2I]
+        w = self.down_proj.weight
+        if skinny_ok(gu, w):  # decode-sized: SwiGLU-OAI inside the down GEMM's operand load
+            return fused_ops().skinny_linear(gu, w, (self.alpha, self.limit, self.beta))
+        return self.down_proj(fused_ops().swiglu(gu, self.alpha, self.limit, self.beta))
 
 
 def route(
@@ -225,6 +240,33 @@ class M3MoE(nn.Module):
         given = given.to(device=x.device, dtype=torch.long)
         ids = torch.where((given < 0).any(-1, keepdim=True), own, given)  # [T, K]
         return route_given(logits, ids, self.routed_scaling_factor), ids
+
+    def router_wants_fp32_input(self, num_tokens: int) -> bool:
+        """Whether ``forward_fused`` would use an fp32 copy of its input (cuBLAS router GEMM):
+        true unless the step is decode-sized (``kernels.fused_layers.router_gemm_topk_ok``)."""
+        return not fused_ops().router_gemm_topk_ok(num_tokens, self.gate.weight)
+
+    def forward_fused(self, x: torch.Tensor, x32: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """GPU path of ``forward`` for x [T, H] (x32: the same values in fp32, for the router, or None).
+
+        Returns (routed [T, H], shared [T, H]); the caller adds them (``kernels.fused_layers.add_rms_norm``
+        with ``x2``, rounding routed + shared to x.dtype first, as ``forward`` does). Router (same
+        maths as ``route``): without x32 and for few tokens one ``router_gemm_topk`` launch, else an
+        fp32 GEMM and ``router_topk``. With replayed ids pending, or a router weight above fp32,
+        this is ``forward`` (returned as (out, None)).
+        """
+        w = self.gate.weight
+        if self.replay_topk_ids is not None or w.dtype != torch.float32:
+            return self.forward(x), None
+        fl = fused_ops()
+        bias = self.e_score_correction_bias if self.use_routing_bias else None
+        if x32 is None and fl.router_gemm_topk_ok(x.shape[0], w):  # decode-sized: GEMM + top-k in one launch
+            weights, ids = fl.router_gemm_topk(x, w, bias, self.top_k, self.routed_scaling_factor)
+        else:
+            logits = F.linear(x.float() if x32 is None else x32, w)  # [T, E] fp32
+            weights, ids = fl.router_topk(logits, bias, self.top_k, self.routed_scaling_factor)
+        self.last_topk_ids = ids
+        return self.experts(x, ids, weights), self.shared_experts.forward_fused(x)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape

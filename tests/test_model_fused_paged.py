@@ -1,0 +1,119 @@
+"""The model's fused paged path (model/fused.py + kernels/fused_layers.py) == its PyTorch paged path,
+run on CPU with the Triton kernels in the interpreter (fp32); plus packed weights under weight sync.
+
+Tolerance (stated): fp32 logits within 2e-5 absolute, caches within 1e-5 (fp32 reduction order in
+the norms and the router/gemm accumulation order only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fused_interpret import interpreted_fused_layers
+from m3_rollout.engine.model_runner import prepare_inputs
+from m3_rollout.engine.paged_cache import PagedKVCache
+from m3_rollout.model import M3ForCausalLM, tiny_config
+from m3_rollout.model.fused import packed_linear, packed_ok, set_fused_layers
+from m3_rollout.model.loading import load_released_tensor
+
+interpreted_fused_layers()
+PS = 4
+
+
+@pytest.fixture(autouse=True)
+def _fused_off_after():
+    yield
+    set_fused_layers(True, allow_cpu=False)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_config(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      rotary_dim=4, sparse_index_dim=8, dense_intermediate_size=48, intermediate_size=16,
+                      shared_intermediate_size=16, num_local_experts=4, max_position_embeddings=128,
+                      sparse_block_size=PS, sparse_topk_blocks=2)
+    m = M3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3 if p.ndim >= 2 else 0.1)
+    return m.eval()
+
+
+def _steps():
+    """Prefill of two rows (11 and 6 tokens), then a decode step of both rows (sparse: 12 > 2*4)."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, 64, (12,), generator=g).tolist(), torch.randint(0, 64, (7,), generator=g).tolist()
+    bt = [[0, 3, 5], [1, 4]]
+    yield prepare_inputs([a[:11], b[:6]], [0, 0], bt, PS, 0)
+    yield prepare_inputs([a[11:], b[6:]], [11, 6], bt, PS, 2)
+
+
+@torch.no_grad()
+def _run(model, fused):
+    set_fused_layers(True, allow_cpu=fused) if fused else set_fused_layers(False)
+    kv = PagedKVCache(model.config, 8, torch.float32)
+    logits = [model.forward_paged(s.input_ids, s.meta, kv) for s in _steps()]
+    return logits, kv
+
+
+@pytest.mark.parametrize("per_token_router", [True, False])
+def test_fused_paged_forward_matches_pytorch_path(per_token_router, monkeypatch):
+    if not per_token_router:  # the cuBLAS router GEMM + router_topk route (prefill-sized steps)
+        monkeypatch.setattr(interpreted_fused_layers(), "ROUTER_GEMM_MAX_ELEMS", 0)
+    m = _model()
+    want, kv_want = _run(m, fused=False)
+    got, kv_got = _run(m, fused=True)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() < 2e-5
+    for name in ("k_cache", "v_cache", "index_cache"):
+        assert (getattr(kv_got, name) - getattr(kv_want, name)).abs().max().item() < 1e-5
+    moe = m.moe_layers()[0]
+    assert moe.last_topk_ids.shape == (2, m.config.num_experts_per_tok)
+
+
+def test_packed_weights_follow_in_place_weight_sync():
+    m = _model()
+    m.pack_fused_weights()
+    attn = m.model.layers[1].self_attn
+    mlp = m.model.layers[0].mlp
+    assert packed_ok(attn._packed_proj, attn.projection_linears())
+    assert packed_ok(mlp._packed_gate_up, [mlp.gate_proj, mlp.up_proj])
+    # a weight update through the released name lands in the packed buffer (same storage)
+    new_k = torch.randn_like(attn.k_proj.weight)
+    load_released_tensor(m, "model.layers.1.self_attn.k_proj.weight", new_k)
+    off = attn.q_proj.weight.shape[0]
+    assert torch.equal(attn._packed_proj[off:off + new_k.shape[0]], new_k)
+    new_up = torch.randn_like(mlp.up_proj.weight)
+    load_released_tensor(m, "model.layers.0.mlp.up_proj.weight", new_up)
+    assert torch.equal(mlp._packed_gate_up[mlp.gate_proj.weight.shape[0]:], new_up)
+    # fused (packed GEMMs) still equals the PyTorch path after the update
+    want, _ = _run(m, fused=False)
+    got, _ = _run(m, fused=True)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() < 2e-5
+    # re-pointing a parameter breaks the aliasing: detected, and the projection falls back to
+    # per-Linear GEMMs, which see the new storage (a packed GEMM would use the stale buffer)
+    new_v = attn.v_proj.weight.data.clone() + 1.0
+    attn.v_proj.weight.data = new_v
+    assert not packed_ok(attn._packed_proj, attn.projection_linears())
+    x = torch.randn(3, m.config.hidden_size)
+    want_qkv = torch.cat([torch.nn.functional.linear(x, lin.weight) for lin in attn.projection_linears()], -1)
+    assert torch.equal(packed_linear(x, attn._packed_proj, attn.projection_linears()), want_qkv)
+
+
+def test_fused_paged_forward_fp16_with_skinny_gemm():
+    """fp16 (the GPU dtype the Triton skinny GEMM takes): fused path with the decode GEMMs on Triton
+    (decode step: T = 2 <= 32) vs the PyTorch path; tolerance 3e-2 (fp16 roundings in different
+    places: cuBLAS-free fp32 accumulation vs CPU fp16 matmul)."""
+    m = _model().cast_for_inference(torch.float16)
+    want, _ = _run(m, fused=False)
+    set_fused_layers(True, allow_cpu=True, skinny_gemm=True)
+    try:
+        kv = PagedKVCache(m.config, 8, torch.float16)
+        with torch.no_grad():
+            got = [m.forward_paged(s.input_ids, s.meta, kv) for s in _steps()]
+    finally:
+        set_fused_layers(True, skinny_gemm=True)
+    for g, w in zip(got, want):
+        assert (g.float() - w.float()).abs().max().item() < 3e-2
