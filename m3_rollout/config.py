@@ -134,6 +134,9 @@ class GenerationConfig:
     enable_prefix_caching: bool = True
     # Capture decode steps as CUDA graphs (GPU only; ignored on CPU).
     enable_cuda_graphs: bool = False
+    # Launch step N+1 before step N's sampled ids reach the host (EngineConfig.async_scheduling);
+    # null = on for CUDA, off on CPU. Same tokens and logprobs either way.
+    async_scheduling: bool | None = None
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
@@ -141,7 +144,7 @@ class GenerationConfig:
                     kv_cache_memory_fraction=self.kv_cache_memory_fraction,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     enable_prefix_caching=self.enable_prefix_caching,
-                    enable_cuda_graphs=self.enable_cuda_graphs)
+                    enable_cuda_graphs=self.enable_cuda_graphs, async_scheduling=self.async_scheduling)
 
 
 @dataclass

@@ -13,6 +13,10 @@ Loads (one run measures both sides):
   transformers' eager sparse path builds dense [B, G, S, S] masks).
 CUDA also prints the decode step time beside the memory-bandwidth floor: bytes read per decode
 step (weights touched + KV pages read) / 4.4 TB/s (H200 HBM3e).
+With ``--cuda-graphs`` the engine also runs with decode graphs, once per ``--async-modes`` value
+(``EngineConfig.async_scheduling``), same seeds: the async / sync ratio and whether the tokens
+are identical are printed. ``--skip-hf`` drops the transformers run (ratios then against the
+transformers 5.17 anchor figures of issue 3 on CUDA), ``--skip-eager`` the engine run without graphs.
 Appends a table to docs/benchmarks.md with machine and date (``--no-write`` to skip).
 """
 
@@ -36,6 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def machine(device: str) -> str:
     return _machine(device) + ("" if device == "cuda" else f", {torch.get_num_threads()} threads")
 HBM_BYTES_PER_S = 4.4e12
+# transformers 5.17 generate() on one H200, configs/bench/m3_bench_300m.json (issue 3), tok/s by
+# (device, batch, n): the baseline of --skip-hf runs.
+ANCHOR = {("cuda", 1, 1): 46.4, ("cuda", 32, 1): 1530.7}
 DATE = "2026-11-29"
 
 
@@ -67,32 +74,72 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def make_engine(model, prompts: list[list[int]], n: int, device: str, max_len: int, cuda_graphs: bool = False,
+                async_scheduling: bool | None = False, graph_sizes: tuple[int, ...] | None = None) -> LLMEngine:
+    kv_gb = 4.0 if device == "cuda" else 0.0  # explicit: the auto size counts the previous engine's cached pool
+    return LLMEngine(model, EngineConfig(max_model_len=max_len, max_num_seqs=max(len(prompts) * n, 1),
+                                         max_num_batched_tokens=max(8192, max(map(len, prompts))),
+                                         kv_cache_memory_gb=kv_gb, enable_cuda_graphs=cuda_graphs,
+                                         cuda_graph_batch_sizes=graph_sizes, async_scheduling=async_scheduling))
+
+
 def run_engine(model, prompts: list[list[int]], n: int, new: int, device: str, max_len: int,
-               cuda_graphs: bool = False) -> dict:
-    eng = LLMEngine(model, EngineConfig(max_model_len=max_len, max_num_seqs=max(len(prompts) * n, 1),
-                                        max_num_batched_tokens=max(8192, max(map(len, prompts))),
-                                        enable_cuda_graphs=cuda_graphs))
+               cuda_graphs: bool = False, async_scheduling: bool | None = False,
+               graph_sizes: tuple[int, ...] | None = None) -> dict:
+    """Generate ``new`` tokens for every prompt x n on a fresh engine (after a warm-up generation
+    of 4 tokens on it, same prompt lengths); tokens/s and the median decode step.
+
+    A decode step's time is the interval between successive ``step()`` returns (no device sync
+    in between, so async scheduling can overlap host work with the GPU as in real use)."""
+    eng = make_engine(model, prompts, n, device, max_len, cuda_graphs, async_scheduling, graph_sizes)
+    warm = SamplingParams(n=n, max_new_tokens=4, seed=2)
+    for i, p in enumerate(prompts):  # same shapes (kernels compile here), reversed: no prefix-cache hit later
+        eng.add_request(GenerationRequest(f"w{i}", p[::-1], warm))
+    while eng.has_unfinished():
+        eng.step()
+    eng.stats = type(eng.stats)()
     params = SamplingParams(n=n, max_new_tokens=new, seed=1)
-    step_times: list[tuple[int, float]] = []  # (decode rows, seconds) of decode-only steps
+    step_times: list[float] = []  # seconds of decode-only steps
     sync(device)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(GenerationRequest(f"r{i}", p, params))
-    done = 0
+    outs = []
+    ts = time.perf_counter()
     while eng.has_unfinished():
-        ts = time.perf_counter()
-        running = [s for s in eng.scheduler.running if s.num_computed == s.num_tokens - 1]
-        is_decode = not eng.scheduler.waiting and len(running) == len(eng.scheduler.running) > 0
-        done += len(eng.step())
-        sync(device)
+        running = eng.scheduler.running
+        is_decode = not eng.scheduler.waiting and running and all(s.num_computed == s.num_tokens - 1 for s in running)
+        outs += [o for o in eng.step() if hasattr(o, "finish_reason")]
+        te = time.perf_counter()
         if is_decode:
-            step_times.append((len(running), time.perf_counter() - ts))
+            step_times.append(te - ts)
+        ts = te
     sync(device)
     secs = time.perf_counter() - t0
     toks = eng.stats.generated_tokens
-    dec = [t for _, t in step_times]
+    m = eng.metrics()
     return {"tokens": toks, "seconds": secs, "tok_s": toks / secs,
-            "decode_step_ms": 1000 * sorted(dec)[len(dec) // 2] if dec else float("nan")}
+            "decode_step_ms": 1000 * sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
+            "host_ms": {k[len("host_ms_per_step_"):]: v for k, v in m.items() if k.startswith("host_ms_per_step_")},
+            "outputs": {(o.request_id, o.sample_index): (o.output_ids, o.logprobs) for o in outs}}
+
+
+def build_ours(cfg: M3Config, device: str, dtype: torch.dtype):
+    """Our model alone with random weights made on ``device`` (--skip-hf)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        ours = M3ForCausalLM(cfg)
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.normal_(0, 0.02) if p.ndim >= 2 else p.normal_(0, 0.05)
+    return ours.cast_for_inference(dtype).eval()
+
+
+def same_outputs(a: dict, b: dict) -> tuple[bool, float]:
+    """(identical token ids, max |logprob difference|) of two runs' outputs."""
+    same = a.keys() == b.keys() and all(a[k][0] == b[k][0] for k in a)
+    diff = max((abs(p - q) for k in a if k in b for p, q in zip(a[k][1], b[k][1])), default=0.0)
+    return same, diff
 
 
 @torch.no_grad()
@@ -170,6 +217,12 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA: also time the engine with decode CUDA graphs")
+    ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="with --cuda-graphs: EngineConfig.async_scheduling values to time (same seeds; tokens compared)")
+    ap.add_argument("--graph-sizes", type=int, nargs="+", default=None, help="padded decode sizes to capture")
+    ap.add_argument("--skip-hf", action="store_true",
+                    help="no transformers run (ratios against the anchor figures on CUDA; none on CPU)")
+    ap.add_argument("--skip-eager", action="store_true", help="no engine run without CUDA graphs")
     ap.add_argument("--check-len", type=int, default=0,
                     help="first compare engine.score with transformers' forward on a prompt of this length")
     args = ap.parse_args()
@@ -183,7 +236,14 @@ def main() -> None:
         cfg = tiny_config(max_position_embeddings=16384)
     long_len = args.long_len or (8192 if dev == "cuda" else 2048)
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, long_len + args.long_new + 1)
-    ours, hf = build_pair(cfg, dev, dtype)
+    if args.skip_hf:
+        ours, hf = build_ours(cfg, dev, dtype), None
+        if args.check_len:
+            raise SystemExit("--check-len needs the transformers model: drop --skip-hf")
+    else:
+        ours, hf = build_pair(cfg, dev, dtype)
+    if args.graph_sizes:
+        args.graph_sizes = tuple(args.graph_sizes)
     g = torch.Generator().manual_seed(0)
     prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     if args.check_len:
@@ -203,47 +263,81 @@ def main() -> None:
     rows = []
     for name, prompts, n, new, batch in cases:
         max_len = max(map(len, prompts)) + new
-        run_engine(ours, [p[:16] for p in prompts[:2]], 1, 4, dev, max_len)  # warm-up
-        e = run_engine(ours, prompts, n, new, dev, max_len)
-        h = run_hf(hf, prompts, n, new, dev)
-        row = {"case": name, "engine_tok_s": e["tok_s"], "hf_tok_s": h["tok_s"], "ratio": e["tok_s"] / h["tok_s"],
-               "engine_s": e["seconds"], "hf_s": h["seconds"], "decode_step_ms": e["decode_step_ms"]}
+        row = {"case": name}
+        e = h = None
+        if not args.skip_eager:
+            e = run_engine(ours, prompts, n, new, dev, max_len)
+            row.update(engine_tok_s=e["tok_s"], engine_s=e["seconds"], decode_step_ms=e["decode_step_ms"])
+        if hf is not None:
+            h = run_hf(hf, prompts, n, new, dev)
+            row.update(hf_tok_s=h["tok_s"], hf_s=h["seconds"])
+            if e is not None:
+                row["ratio"] = e["tok_s"] / h["tok_s"]
+        base_tok_s, base_name = (h["tok_s"], "transformers in this run") if h else (ANCHOR.get((dev, batch, n)), "transformers anchor")
+        row["baseline"] = base_name
         if args.cuda_graphs and dev == "cuda":
-            run_engine(ours, [p[:16] for p in prompts[:2]], 1, 4, dev, max_len, cuda_graphs=True)  # warm-up
-            eg = run_engine(ours, prompts, n, new, dev, max_len, cuda_graphs=True)
-            row.update(graph_tok_s=eg["tok_s"], graph_ratio=eg["tok_s"] / h["tok_s"], graph_decode_step_ms=eg["decode_step_ms"])
-            print(f"{name}: engine with CUDA graphs {eg['tok_s']:.0f} tok/s, ratio {row['graph_ratio']:.2f}x, "
-                  f"median decode step {eg['decode_step_ms']:.2f} ms", flush=True)
+            graph_runs = {}
+            for mode in args.async_modes:
+                on = mode == "on"
+                graph_runs[mode] = g = run_engine(ours, prompts, n, new, dev, max_len, True, on, args.graph_sizes)
+                key = "graph" if mode == "off" else "graph_async"
+                row.update({f"{key}_tok_s": g["tok_s"], f"{key}_decode_step_ms": g["decode_step_ms"],
+                            f"{key}_host_ms": g["host_ms"]})
+                if base_tok_s:
+                    row[f"{key}_ratio"] = g["tok_s"] / base_tok_s
+                print(f"{name}: engine with CUDA graphs, async scheduling {mode}: {g['tok_s']:.0f} tok/s"
+                      + (f" ({g['tok_s'] / base_tok_s:.2f}x {base_name})" if base_tok_s else "")
+                      + f", median decode step {g['decode_step_ms']:.3f} ms; host ms/step (mean over all steps, prefill included) "
+                      + " ".join(f"{k} {v:.3f}" for k, v in g["host_ms"].items()), flush=True)
+            if len(graph_runs) == 2:
+                same, diff = same_outputs(graph_runs["off"]["outputs"], graph_runs["on"]["outputs"])
+                row.update(async_speedup=graph_runs["on"]["tok_s"] / graph_runs["off"]["tok_s"],
+                           async_same_tokens=same, async_max_logprob_diff=diff)
+                print(f"{name}: async / sync {row['async_speedup']:.2f}x; identical tokens {same}, "
+                      f"max |logprob diff| {diff:.2e}", flush=True)
         if dev == "cuda":
             row["floor_ms"] = decode_floor_ms(cfg, ours, batch, max_len, dtype)
         rows.append(row)
-        print(f"{name}: engine {e['tok_s']:.0f} tok/s ({e['seconds']:.1f} s), transformers {h['tok_s']:.0f} tok/s "
-              f"({h['seconds']:.1f} s), ratio {row['ratio']:.2f}x, median decode step {e['decode_step_ms']:.2f} ms"
-              + (f", bandwidth floor {row['floor_ms']:.3f} ms" if "floor_ms" in row else ""), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine(dev), "rows": rows}, indent=1))
+        if e is not None:
+            print(f"{name}: engine (eager) {e['tok_s']:.0f} tok/s ({e['seconds']:.1f} s)"
+                  + (f", transformers {h['tok_s']:.0f} tok/s ({h['seconds']:.1f} s), ratio {row['ratio']:.2f}x" if h else "")
+                  + f", median decode step {e['decode_step_ms']:.2f} ms"
+                  + (f", bandwidth floor {row['floor_ms']:.3f} ms" if "floor_ms" in row else ""), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"machine": machine(dev), "rows": rows}, indent=1))
     if not args.no_write:
         import transformers
 
         lines = [f"\n## Engine vs transformers generate (bench_engine.py), {DATE}, {machine(dev)}\n",
                  f"Model: {args.model_json or 'tiny_config() (spec §7 preset A)'}, {dtype}, random weights; "
-                 f"torch {torch.__version__}, transformers {transformers.__version__}; sampling at temperature 1.\n",
-                 "| case | engine tok/s | transformers tok/s | ratio | median decode step (ms) |"
-                 + (" bandwidth floor (ms) |" if dev == "cuda" else ""),
-                 "|---|---|---|---|---|" + ("---|" if dev == "cuda" else "")]
+                 f"torch {torch.__version__}, transformers {transformers.__version__}; sampling at temperature 1.\n"]
         if args.check_len:
-            lines.insert(2, f"engine.score vs transformers forward on {chk['length']} random tokens: max |logprob diff| "
-                            f"{chk['max_abs_diff']:.4f}, mean {chk['mean_abs_diff']:.5f}.\n")
-        for r in rows:
-            lines.append(f"| {r['case']} | {r['engine_tok_s']:.0f} | {r['hf_tok_s']:.0f} | {r['ratio']:.2f}x | "
-                         f"{r['decode_step_ms']:.2f} |" + (f" {r['floor_ms']:.3f} |" if dev == "cuda" else ""))
-        if any("graph_tok_s" in r for r in rows):
-            lines.append("\nWith decode CUDA graphs: " + "; ".join(
-                f"{r['case']}: {r['graph_tok_s']:.0f} tok/s ({r['graph_ratio']:.2f}x transformers, median decode step "
-                f"{r['graph_decode_step_ms']:.2f} ms)" for r in rows if "graph_tok_s" in r) + "\n")
+            lines.append(f"engine.score vs transformers forward on {chk['length']} random tokens: max |logprob diff| "
+                         f"{chk['max_abs_diff']:.4f}, mean {chk['mean_abs_diff']:.5f}.\n")
+        if any("engine_tok_s" in r for r in rows):
+            lines += ["| case | engine tok/s | transformers tok/s | ratio | median decode step (ms) |"
+                      + (" bandwidth floor (ms) |" if dev == "cuda" else ""),
+                      "|---|---|---|---|---|" + ("---|" if dev == "cuda" else "")]
+            for r in rows:
+                if "engine_tok_s" in r:
+                    lines.append(f"| {r['case']} | {r['engine_tok_s']:.0f} | {r.get('hf_tok_s', float('nan')):.0f} | "
+                                 f"{r.get('ratio', float('nan')):.2f}x | {r['decode_step_ms']:.2f} |"
+                                 + (f" {r['floor_ms']:.3f} |" if dev == "cuda" else ""))
+        graph_rows = [r for r in rows if "graph_tok_s" in r or "graph_async_tok_s" in r]
+        if graph_rows:
+            nan = float("nan")
+            lines += ["\nWith decode CUDA graphs (forward + sampler captured), async scheduling off / on "
+                      "(ratios against the baseline named in the row):\n",
+                      "| case | sync tok/s | async tok/s | async / sync | median decode step sync / async (ms) | "
+                      "vs baseline (async) | baseline | identical tokens | bandwidth floor (ms) |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for r in graph_rows:
+                lines.append(f"| {r['case']} | {r.get('graph_tok_s', nan):.0f} | {r.get('graph_async_tok_s', nan):.0f} | "
+                             f"{r.get('async_speedup', nan):.2f}x | {r.get('graph_decode_step_ms', nan):.3f} / "
+                             f"{r.get('graph_async_decode_step_ms', nan):.3f} | {r.get('graph_async_ratio', nan):.2f}x | "
+                             f"{r['baseline']} | {r.get('async_same_tokens', '-')} | {r.get('floor_ms', nan):.3f} |")
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
             f.write("\n".join(lines) + "\n")
-
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,14 @@ scheduler for a plan, builds the step's tensors (model_runner), runs exactly one
 sampler call (a group leader's logits row is shared by its n samples), forks children after the
 prompt's prefill, and turns finished sequences into :class:`SampleOutput` records.
 
+A step is launched (forward + sampler + one non-blocking copy of the sampled ids / logprobs to
+the host) and processed (tokens appended, forks, stop checks, outputs) as two phases. Synchronous
+stepping processes a step right after launching it; with ``async_scheduling`` (vLLM-style) step
+N+1 is launched before step N is processed, so the host's bookkeeping runs while the GPU computes:
+a sequence whose step-N token is not on the host yet counts it as *pending* (``Sequence.num_pending``)
+and its step-N+1 input id is taken on the device from the runner's ``last_tokens``. Plain decode
+steps run on captured CUDA graphs (``decode_graph.py``). Host time per phase: ``EngineStats.phase_seconds``.
+
 Step API contract: /work/notes/contracts.md ("Engine step API").
 """
 
@@ -19,14 +27,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
+import numpy as np
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
+from m3_rollout.engine.decode_graph import SAMPLING_ROW
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
-from m3_rollout.engine.model_runner import ModelRunner, meta_to, prepare_inputs
+from m3_rollout.engine.model_runner import ModelRunner, SampleBatch, StepLaunch, meta_to, prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
-from m3_rollout.engine.sampler import SamplingTensors, sample
-from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
+from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling
+from m3_rollout.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from m3_rollout.engine.sequence import Sequence, SeqStatus
 from m3_rollout.model.numerics import compute_dtype
 
@@ -61,7 +71,15 @@ class EngineConfig:
             ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most ``CPU_AUTO_KV_BYTES``.
         num_pages: explicit page count (overrides the memory budget; tests).
         enable_prefix_caching: reuse full pages across requests (GRPO groups, multi-turn).
-        enable_cuda_graphs: capture decode steps on CUDA (GPU-only; ignored elsewhere).
+        enable_cuda_graphs: capture decode steps (forward + sampler) on CUDA (GPU-only; ignored elsewhere).
+            "eager": the same staged decode path with the bodies run eagerly (any device; tests).
+        async_scheduling: launch step N+1 before step N's sampled ids reach the host and process
+            step N's outputs while the device runs N+1 (hides the host's per-step work behind the
+            GPU; same tokens and logprobs as synchronous stepping). None = on for CUDA, off
+            elsewhere (on the CPU nothing overlaps; outputs then come one ``step()`` later).
+        fused_sampler: decode graphs sample with Triton kernels (``engine/sampler_triton.py``,
+            same tokens as the PyTorch sampler) unless a row uses top-k / top-p, and build their
+            inputs with one Triton launch; None = on CUDA.
         eos_token_ids: tokens that end every sample.
     """
 
@@ -72,7 +90,12 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.8
     num_pages: int | None = None
     enable_prefix_caching: bool = True
-    enable_cuda_graphs: bool = False
+    enable_cuda_graphs: bool | str = False
+    # Padded decode batch sizes captured (default 1, 2, 4, 8, 16, 32, 64, 128, 256 and
+    # max_num_seqs, each capped at max_num_seqs); fewer sizes = faster start.
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    async_scheduling: bool | None = None
+    fused_sampler: bool | None = None
     # Routing record (issue 6): SampleOutput.routed_experts = expert ids of every MoE layer for
     # every token, kept per KV page (m3_rollout/parallel/routing_record.py).
     record_routing: bool = False
@@ -115,6 +138,38 @@ class EngineStats:
     batched_tokens: int = 0
     rows: int = 0
     forks: int = 0
+    # Async scheduling: decode rows whose input id was taken on the device (the previous step's
+    # sampled id, not yet on the host), and sampled tokens dropped because their sample had
+    # finished or was aborted while the step ran.
+    device_input_rows: int = 0
+    dropped_tokens: int = 0
+    graph_steps: int = 0  # steps run on the decode graphs
+    # Host seconds per step phase (perf_counter; always on, ~0.1 us per reading): schedule,
+    # prepare (step tensors), forward (launch; includes the graph fill), sample (sampler launch),
+    # sync (waiting for the sampled ids / logprobs on the host), output (bookkeeping, stop checks).
+    phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+
+PHASES = ("schedule", "prepare", "forward", "sample", "sync", "output")
+
+
+@dataclass
+class _Launched:
+    """A step whose forward + sampler were launched: what processing its results needs.
+
+    samples: sequences sampled, in device order (the scheduled rows that sample first, then
+    forked-to-be children); order: processing order (each leader followed by its children);
+    leaders: the scheduled rows that sample; index: seq_id -> position in ``samples`` (a pending
+    row's input for the next step is ``last_tokens[index]``); version: weights that ran it.
+    """
+
+    rows: list[ScheduledRow]
+    samples: list[Sequence]
+    order: list[int]
+    leaders: list[Sequence]
+    index: dict[int, int]
+    result: StepLaunch
+    version: int
 
 
 class LLMEngine:
@@ -142,7 +197,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, config.max_num_seqs, config.max_model_len,
-                                  config.enable_cuda_graphs)
+                                  config.enable_cuda_graphs, config.cuda_graph_batch_sizes,
+                                  config.max_num_batched_tokens, config.fused_sampler)
+        # NOTE: None = on for CUDA (GPU round 1, H200: identical tokens, host time hidden), off on
+        # the CPU (nothing to overlap there; outputs would come one step() later).
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else bool(config.async_scheduling))
+        self._inflight: _Launched | None = None  # async scheduling: the launched, unprocessed step
         self.routing = None  # RoutingCache when config.record_routing (hooks: step, _fork, _routed)
         if config.record_routing:
             from m3_rollout.parallel.routing_record import RoutingCache
@@ -236,6 +297,7 @@ class LLMEngine:
     def abort_all(self) -> list[GenerationRequest]:
         """Drop every unfinished sample; return one n=1 request per sample to re-queue later
         (same prompt, params and sample index: the keyed sampler repeats its tokens)."""
+        self.drain()
         out = []
         for rid in list(self._live):
             for seq in self._live.pop(rid):
@@ -247,7 +309,7 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self._live) or bool(self._pending)
+        return bool(self._live) or bool(self._pending) or self._inflight is not None
 
     def num_unfinished(self) -> int:
         """Unfinished samples (for least-loaded placement)."""
@@ -255,7 +317,9 @@ class LLMEngine:
 
     # ---- control -------------------------------------------------------------------------
     def pause(self) -> None:
-        """No forward runs (except ``step(force_forward=True)``'s empty one) until ``resume``."""
+        """No forward runs (except ``step(force_forward=True)``'s empty one) until ``resume``.
+        The step in flight (async scheduling) is landed first; its outputs come from the next step()."""
+        self.drain()
         self._paused = True
 
     def resume(self) -> None:
@@ -267,6 +331,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every reusable page (after a weight update)."""
+        self.drain()
         self.block_manager.reset_prefix_cache(list(self.scheduler.running))
 
     @property
@@ -280,6 +345,7 @@ class LLMEngine:
         """Preempt every running sequence by recompute: its KV pages are freed and it waits at the
         front of the queue (running order kept) to re-prefill prompt + generated tokens under the
         current weights (weight_sync.recompute_kv_after_update). Returns how many were preempted."""
+        self.drain()
         running = list(self.scheduler.running)
         for seq in reversed(running):
             self.scheduler._preempt(seq, SchedulerOutput())
@@ -291,91 +357,241 @@ class LLMEngine:
 
         ``force_forward=True`` runs exactly one forward even with nothing to schedule (T = 0
         tokens) or while paused, so every EP rank runs every MoE layer once per step.
+
+        With ``async_scheduling`` the step launched here is processed by the NEXT call (or by
+        :meth:`drain`): this call launches step N, then waits for step N-1's sampled ids and turns
+        them into outputs while the device runs step N. Tokens and logprobs equal the synchronous
+        engine's (keyed sampler); a sample that finished at step N-1 has its step-N token dropped.
         """
+        t_start = time.perf_counter()
         outputs, self._pending = self._pending, []
+        ph = self.stats.phase_seconds
         plan = SchedulerOutput() if self._paused else self.scheduler.schedule()
+        ph["schedule"] += time.perf_counter() - t_start
         if plan.is_empty and not force_forward:
+            if self._inflight is not None:
+                outputs.extend(self._finish_inflight())
             return outputs
-        rows = plan.rows
-        inputs = prepare_inputs(
-            [r.seq.token_ids[r.seq.num_computed:r.seq.num_computed + r.num_tokens] for r in rows],
-            [r.seq.num_computed for r in rows], [r.seq.block_table for r in rows],
-            self.kv.page_size, plan.num_decodes, [r.sample for r in rows])
-        t0 = time.perf_counter()
-        logits = self.runner.execute(inputs)  # [N, V] for the sampling rows
-        if self.routing is not None:
-            self.routing.record(inputs.meta.slot_mapping, self.model)
-        st = self.stats
-        st.steps += 1
-        st.rows += len(rows)
-        st.batched_tokens += inputs.meta.num_tokens
-        for r in rows:
-            seq = r.seq
-            st.prompt_tokens_computed += max(0, min(seq.num_computed + r.num_tokens, seq.prompt_len) - seq.num_computed)
-            seq.num_computed += r.num_tokens
-            self.block_manager.register_full_pages(seq)
-        sampling = [r.seq for r in rows if r.sample]
-        if sampling:
-            outputs.extend(self._sample_and_advance(logits, sampling))
-        st.forward_seconds += time.perf_counter() - t0
+        launched = self._launch(plan)
+        if self._inflight is not None:
+            outputs.extend(self._finish_inflight())
+        self._commit(plan)
+        if self.async_scheduling and launched.samples:
+            self._inflight = launched
+            if not self._live:  # only dropped rows left in flight: land them now
+                outputs.extend(self._finish_inflight())
+        else:
+            outputs.extend(self._process(launched))
+        self.stats.forward_seconds += time.perf_counter() - t_start
         return outputs
 
-    def _sample_and_advance(self, logits: torch.Tensor, leaders: list[Sequence]) -> list:
-        seqs, index = [], []
+    def drain(self) -> None:
+        """Land the step in flight (async scheduling); its outputs come out of the next ``step()``."""
+        if self._inflight is not None:
+            self._pending.extend(self._finish_inflight())
+
+    def _finish_inflight(self) -> list:
+        launched, self._inflight = self._inflight, None
+        return self._process(launched)
+
+    def _launch(self, plan: SchedulerOutput) -> "_Launched":
+        """Build the step's inputs and start forward + sampler + result copy on the device."""
+        ph = self.stats.phase_seconds
+        t0 = time.perf_counter()
+        rows = plan.rows
+        prev = self._inflight
+        leaders = [r.seq for r in rows if r.sample]
+        samples, expand, order = list(leaders), None, []
         for i, seq in enumerate(leaders):
-            seqs.append(seq)
-            index.append(i)
+            order.append(i)
+            if seq.num_pending:  # its children were sampled with the step in flight (fork pending)
+                continue
             for child in seq.children:  # the prompt's last logits serve the whole group
-                seqs.append(child)
-                index.append(i)
-        if len(seqs) != len(leaders):
-            logits = logits[torch.tensor(index, device=logits.device)]
-        # NOTE: sample where the logits are (GPU: no [N, V] device-to-host copy); only the N
-        # tokens and logprobs come back to the host.
-        dev = logits.device
-        params = SamplingTensors(
-            temperature=torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64, device=dev),
-            top_k=torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64, device=dev),
-            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev),
-            seeds=torch.tensor([s.params.seed for s in seqs], dtype=torch.int64, device=dev),
-            sample_ids=torch.tensor([s.sample_index for s in seqs], dtype=torch.int64, device=dev))
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev)
-        raw = torch.tensor([s.params.logprobs_mode == "raw" for s in seqs], device=dev)
-        tokens, lps = sample(logits.to(compute_dtype(logits.dtype)), params, positions, raw)
-        tokens, lps = tokens.tolist(), lps.tolist()
-        self.stats.generated_tokens += len(seqs)
-        out: list = []
-        version = self._version
-        for seq, tok, lp in zip(seqs, tokens, lps):
-            seq.token_ids.append(tok)
-            seq.logprobs.append(lp)
-            seq.weight_versions.append(version)
+                order.append(len(samples))
+                samples.append(child)
+                if expand is None:
+                    expand = list(range(len(leaders)))
+                expand.append(i)
+        n_rows = len(rows)
+        size = None
+        if (self.runner.graphs is not None and n_rows and plan.num_decodes == n_rows and expand is None
+                and len(leaders) == n_rows):
+            size = self.runner.graph_size(n_rows)
+        if size is not None:
+            self.stats.graph_steps += 1
+            result, slot_mapping = self._launch_graph(rows, prev, size, samples, t0)
+        else:
+            result, slot_mapping = self._launch_eager(plan, prev, samples, expand, t0)
+        t1 = time.perf_counter()
+        if self.routing is not None:
+            self.routing.record(slot_mapping, self.model)
+        st = self.stats
+        st.device_input_rows += sum(1 for r in rows if r.seq.num_pending)
         for seq in leaders:
-            if seq.children:
+            seq.num_pending += 1
+        st.steps += 1
+        st.rows += n_rows
+        st.batched_tokens += plan.num_batched_tokens
+        ph["forward"] += time.perf_counter() - t1
+        return _Launched(rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result,
+                         self._version)
+
+    @staticmethod
+    def _sampling_columns(samples: list[Sequence]):
+        """(temperature, top_k, top_p, seed, sample_index, position, raw) columns of the sample rows;
+        position = the index the sampled token will take (``num_tokens`` before it)."""
+        temp, top_k, top_p, seed, sid, raw = zip(*[s.sampling_key for s in samples])
+        return temp, top_k, top_p, seed, sid, [s.num_tokens for s in samples], raw
+
+    @staticmethod
+    def _sampling_flags(cols) -> tuple[bool, bool, str]:
+        _, top_k, top_p, _, _, _, raw = cols
+        n_raw = sum(raw)
+        mode = "processed" if n_raw == 0 else "raw" if n_raw == len(raw) else "mixed"
+        return max(top_k) > 0, min(top_p) < 1, mode
+
+    def _launch_graph(self, rows, prev, size: int, samples, t0: float):
+        """Plain decode step on the captured graphs: fill the pinned staging rows, replay."""
+        ph = self.stats.phase_seconds
+        n = len(rows)
+        graphs = self.runner.graphs
+        st, bt, s = graphs.stage_rows(n)
+        ps = self.kv.page_size
+        ids, src, ctx, slot = [], [], [], []
+        for i, r in enumerate(rows):
+            q = r.seq
+            c, table = q.num_computed, q.block_table
+            bt[i, :len(table)] = table
+            if q.num_pending:
+                ids.append(0)
+                src.append(prev.index[q.seq_id])
+            else:
+                ids.append(q.token_ids[c])
+                src.append(-1)
+            ctx.append(c)
+            slot.append(table[c // ps] * ps + c % ps)
+        st[0, :n] = ids
+        st[1, :n] = src
+        st[2, :n] = ctx
+        st[3, :n] = slot
+        st[4, :n] = ctx
+        st[5, :n] = st[4, :n] + 1
+        t1 = time.perf_counter()
+        ph["prepare"] += t1 - t0
+        cols = self._sampling_columns(samples)
+        pack_sampling(st[SAMPLING_ROW:, :n], *cols)
+        need_k, need_p, _ = self._sampling_flags(cols)
+        t2 = time.perf_counter()
+        ph["sample"] += t2 - t1
+        result = self.runner.launch_graph(n, s, need_k, need_p)
+        ph["forward"] += time.perf_counter() - t2
+        return result, graphs.stage[3, :n]
+
+    def _launch_eager(self, plan: SchedulerOutput, prev, samples, expand, t0: float):
+        ph = self.stats.phase_seconds
+        rows = plan.rows
+        chunks, token_src, pending = [], [], False
+        for r in rows:
+            q = r.seq
+            if q.num_pending:  # its input is the previous step's sampled id, still on the device
+                assert r.num_tokens == 1 and prev is not None, f"{q}: pending token outside a decode row"
+                chunks.append([0])
+                token_src.append(prev.index[q.seq_id])
+                pending = True
+            else:
+                chunks.append(q.token_ids[q.num_computed:q.num_computed + r.num_tokens])
+                token_src.extend([-1] * r.num_tokens)
+        inputs = prepare_inputs(chunks, [r.seq.num_computed for r in rows], [r.seq.block_table for r in rows],
+                                self.kv.page_size, plan.num_decodes, [r.sample for r in rows])
+        t1 = time.perf_counter()
+        ph["prepare"] += t1 - t0
+        sampling = None
+        if samples:
+            cols = self._sampling_columns(samples)
+            packed = np.empty((NUM_SAMPLING_FIELDS, len(samples)), dtype=np.int64)
+            pack_sampling(packed, *cols)
+            need_k, need_p, mode = self._sampling_flags(cols)
+            sampling = SampleBatch(packed, expand, need_k, need_p, mode, sum(1 for r in rows if r.sample))
+        t2 = time.perf_counter()
+        ph["sample"] += t2 - t1
+        result = self.runner.launch(inputs, token_src if pending else None, sampling)
+        ph["forward"] += time.perf_counter() - t2
+        return result, inputs.meta.slot_mapping
+
+    def _commit(self, plan: SchedulerOutput) -> None:
+        """Count the launched step's tokens as computed; register newly full pages (their
+        tokens are all on the host by now: the previous step's outputs were processed)."""
+        t0 = time.perf_counter()
+        st = self.stats
+        ps = self.kv.page_size
+        register = self.block_manager.register_full_pages
+        finished = SeqStatus.FINISHED
+        for r in plan.rows:
+            seq = r.seq
+            if seq.status is finished:  # finished / aborted while the step ran
+                continue
+            if seq.num_computed < seq.prompt_len:
+                st.prompt_tokens_computed += min(seq.num_computed + r.num_tokens, seq.prompt_len) - seq.num_computed
+            seq.num_computed += r.num_tokens
+            hashes = seq.page_hashes
+            if hashes is not None and len(hashes) < seq.num_computed // ps:  # a page filled up
+                register(seq)
+        self.stats.phase_seconds["output"] += time.perf_counter() - t0
+
+    def _process(self, launched: "_Launched") -> list:
+        """Wait for a launched step's sampled ids / logprobs; append them, fork, stream, finish."""
+        ph = self.stats.phase_seconds
+        t0 = time.perf_counter()
+        tokens, lps = launched.result.fetch()
+        t1 = time.perf_counter()
+        ph["sync"] += t1 - t0
+        for seq in launched.leaders:
+            seq.num_pending -= 1
+        samples, version = launched.samples, launched.version
+        live: list[Sequence] = []
+        for j in launched.order:
+            seq = samples[j]
+            if seq.status == SeqStatus.FINISHED:  # aborted / finished before this token landed: dropped
+                self.stats.dropped_tokens += 1
+                continue
+            seq.token_ids.append(tokens[j])
+            seq.logprobs.append(lps[j])
+            seq.weight_versions.append(version)
+            live.append(seq)
+        self.stats.generated_tokens += len(live)
+        out: list = []
+        for seq in launched.leaders:
+            if seq.children and seq.status != SeqStatus.FINISHED:
                 self._fork(seq)
-        for seq in seqs:
+        for seq in live:
             if seq.stream:
                 n = seq.num_streamed
                 out.append(StreamDelta(seq.request_id, seq.sample_index, seq.output_ids[n:], seq.logprobs[n:],
                                        seq.weight_versions[n:]))
                 seq.num_streamed = len(seq.logprobs)
+            toks = seq.token_ids
+            if toks[-1] not in seq.stop_set and len(toks) < seq.max_len and not seq.params.stop_strings:
+                continue  # fast path of _finish_reason: still running
             reason = self._finish_reason(seq)
             if reason is not None:
                 routed = self._routed(seq)  # before its pages are freed
                 self.scheduler.remove(seq)
                 seq.finish_reason = reason
-                live = self._live.get(seq.request_id)
-                if live is not None:
-                    live.remove(seq)
-                    if not live:
+                live_seqs = self._live.get(seq.request_id)
+                if live_seqs is not None:
+                    live_seqs.remove(seq)
+                    if not live_seqs:
                         del self._live[seq.request_id]
                 out.append(self._output(seq, routed))
+        ph["output"] += time.perf_counter() - t1
         return out
 
     def _fork(self, leader: Sequence) -> None:
+        # Preempted since its prompt's last chunk was launched (async scheduling): no pages to share.
+        lost = leader.num_computed < leader.prompt_len
         for child in leader.children:
             child.token_ids = leader.token_ids[:leader.prompt_len] + child.token_ids[leader.prompt_len:]
-            copy = self.block_manager.fork(leader, child)
+            copy = False if lost else self.block_manager.fork(leader, child)
             if copy is False:  # no page for the partial copy: prefill it later (prefix-cache hit)
                 child.block_table, child.num_computed, child.page_hashes = [], 0, []
                 self.scheduler.add(child)
@@ -395,7 +611,7 @@ class LLMEngine:
             text = self.detokenize(seq.output_ids)
             if any(s in text for s in seq.params.stop_strings):
                 return "stop"
-        if seq.num_tokens >= seq.max_len:
+        if len(seq.token_ids) >= seq.max_len:
             return "length"
         return None
 
@@ -404,7 +620,7 @@ class LLMEngine:
         never run) while it still holds its pages; None when recording is off."""
         if self.routing is None:
             return None
-        return self.routing.gather(seq.block_table, seq.num_computed, seq.num_tokens)
+        return self.routing.gather(seq.block_table, seq.num_computed, len(seq.token_ids))
 
     def _output(self, seq: Sequence, routed=None) -> SampleOutput:
         versions = list(seq.weight_versions)
@@ -434,6 +650,7 @@ class LLMEngine:
         """
         if not temperature > 0:
             raise ValueError(f"score temperature={temperature}: must be > 0")
+        self.drain()
         ids = list(token_ids)
         req_err = self._check_request(GenerationRequest("score", ids, SamplingParams()))
         if req_err is not None and not (len(ids) == self.config.max_model_len and "max_model_len" in req_err):
@@ -475,10 +692,13 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.hit_rate, "prefix_cache_hit_tokens": bm.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "generated_tokens": st.generated_tokens, "prompt_tokens_computed": st.prompt_tokens_computed,
-            "steps": st.steps, "forks": st.forks,
+            "steps": st.steps, "forks": st.forks, "async_scheduling": self.async_scheduling,
+            "device_input_rows": st.device_input_rows, "dropped_tokens": st.dropped_tokens,
+            "graph_steps": st.graph_steps,
             "generation_tokens_per_s": st.generated_tokens / st.forward_seconds if st.forward_seconds else 0.0,
             "mean_batch_rows_per_step": st.rows / st.steps if st.steps else 0.0,
             "mean_tokens_per_step": st.batched_tokens / st.steps if st.steps else 0.0,
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            **{f"host_ms_per_step_{k}": 1000 * v / st.steps if st.steps else 0.0 for k, v in st.phase_seconds.items()},
         }
 

@@ -1,25 +1,29 @@
-"""Model runner: a scheduled step -> per-step paged metadata -> one model forward -> logits.
+"""Model runner: a scheduled step -> per-step paged metadata -> one forward + sampler on the device.
 
 Governing idea: tensors are made in one place. :func:`prepare_inputs` turns plain lists (token
 ids, context lengths, block tables of the scheduled rows) into the flat varlen
-:class:`PagedMetadata` of ``engine/paged_cache.py``; :class:`ModelRunner` moves it to the device
-and calls ``M3ForCausalLM.forward_paged``, returning the logits of the rows that sample.
+:class:`PagedMetadata` of ``engine/paged_cache.py``; :class:`ModelRunner` moves it to the device,
+calls ``M3ForCausalLM.forward_paged``, samples the rows that sample (``sampler.sample_rows``, no
+host syncs) and starts one non-blocking copy of the sampled ids + logprobs to the host
+(:class:`StepLaunch`; the caller decides when to wait for it: async scheduling waits one step later).
 
 NOTE (context passing): metadata is passed explicitly (``forward_paged(ids, meta, kv)``), not
 through a global context object.
 
-CUDA graphs (GPU only, off by default, untested on this CPU machine): decode steps use
-preallocated buffers sized ``max_num_seqs`` (:class:`DecodeBuffers`), so a captured graph can be
-replayed after copying the step's inputs into them; see :class:`CudaGraphDecode`.
+CUDA graphs (GPU only): plain decode steps replay captured forward + sampler graphs over staged
+inputs (``engine/decode_graph.py``); other steps run eagerly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from m3_rollout.engine.paged_cache import PagedKVCache, PagedMetadata
+from m3_rollout.engine.sampler import sample_rows, unpack_sampling
+from m3_rollout.model.numerics import compute_dtype
 
 
 @dataclass
@@ -93,107 +97,86 @@ def meta_to(meta: PagedMetadata, device: torch.device) -> PagedMetadata:
                          meta.num_decodes, meta.decode_query_len, meta.max_query_len, meta.max_seq_len)
 
 
-class DecodeBuffers:
-    """Preallocated device tensors for decode steps of up to ``max_num_seqs`` rows (stable
-    addresses for CUDA-graph replay). Padding rows: token 0 at position 0, slot -1, context 0,
-    block 0 = the null page, the rest -1 (their outputs are dropped)."""
+@dataclass
+class SampleBatch:
+    """Host description of a step's sampling (N sample rows).
 
-    def __init__(self, max_num_seqs: int, max_pages: int, device: torch.device, null_page: int):
-        n = max_num_seqs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.full((n, max_pages), -1, dtype=torch.int32, device=device)
-        # NOTE: padding rows (seq_len 1) still read their block 0 in the kernels: point it at the
-        # null page (paged_cache.py), where their slot -1 writes also land; outputs are dropped.
-        self.null_page = null_page
-        self.block_tables[:, 0] = null_page
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-
-    def fill(self, inputs: StepInputs, padded_rows: int, max_seq_len: int) -> tuple[torch.Tensor, PagedMetadata]:
-        """Copy a decode step's host inputs into the first rows; return views of ``padded_rows`` rows."""
-        m, r = inputs.meta, inputs.meta.num_rows
-        self.input_ids[:r].copy_(inputs.input_ids)
-        self.positions[:r].copy_(m.positions)
-        self.slot_mapping[:r].copy_(m.slot_mapping)
-        self.slot_mapping[r:padded_rows].fill_(-1)
-        self.block_tables[:padded_rows].fill_(-1)
-        self.block_tables[r:padded_rows, 0] = self.null_page
-        self.block_tables[:r, :m.block_tables.shape[1]].copy_(m.block_tables)
-        self.context_lens[:r].copy_(m.context_lens)
-        self.context_lens[r:padded_rows].zero_()
-        self.seq_lens[:r].copy_(m.seq_lens)
-        self.seq_lens[r:padded_rows].fill_(1)
-        p = padded_rows
-        meta = PagedMetadata(self.positions[:p], self.slot_mapping[:p], self.block_tables[:p], self.context_lens[:p],
-                             self.seq_lens[:p], self.query_start_loc[:p + 1], p, 1, 1, max_seq_len)
-        return self.input_ids[:p], meta
-
-
-class CudaGraphDecode:
-    """GPU-ONLY, EXPERIMENTAL: capture one decode forward per padded batch size and replay it.
-
-    Requires the MSA/MoE ops to be capturable (no host syncs, fixed shapes): true for the Triton
-    kernels of issues 4/5, not for the PyTorch references (which sync on data-dependent shapes).
-    The captured ``max_seq_len`` is the engine's ``max_model_len``, so the graphs stay valid for
-    every step. Capture failures disable the path (eager fallback) with a warning.
+    packed: int64 [NUM_SAMPLING_FIELDS, N] (``sampler.pack_sampling``). expand: logits row of each
+    sample row (a group leader's prompt logits serve its n samples), None = row i -> logits row i.
+    need_top_k / need_top_p: any row filters. raw_mode: "processed", "raw" or "mixed" (per-row
+    flag in ``packed``). num_row_seqs: the first sample rows that are scheduled rows (not forked
+    children); their ids are kept on the device (``ModelRunner.last_tokens``) as the next step's
+    inputs.
     """
 
-    def __init__(self, model, kv: PagedKVCache, buffers: DecodeBuffers, max_num_seqs: int, max_model_len: int):
-        assert kv.device.type == "cuda", "CUDA graphs are GPU-only"
-        self.model, self.kv, self.buffers = model, kv, buffers
-        self.max_model_len = max_model_len
-        self.sizes = sorted({min(s, max_num_seqs) for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, max_num_seqs)})
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+    packed: np.ndarray
+    expand: list[int] | None
+    need_top_k: bool
+    need_top_p: bool
+    raw_mode: str
+    num_row_seqs: int
 
-    def capture(self) -> None:
-        for size in reversed(self.sizes):
-            ids, meta = self.buffers.input_ids[:size], PagedMetadata(
-                self.buffers.positions[:size], self.buffers.slot_mapping[:size], self.buffers.block_tables[:size],
-                self.buffers.context_lens[:size], self.buffers.seq_lens[:size],
-                self.buffers.query_start_loc[:size + 1], size, 1, 1, self.max_model_len)
-            self.model.forward_paged(ids, meta, self.kv)  # warm-up (kernel autotune, allocations)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model.forward_paged(ids, meta, self.kv)
-            self.pool = graph.pool()
-            self.graphs[size] = (graph, out)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Logits [R, V] of a plain decode step, or None when no graph fits (caller runs eager)."""
-        r = inputs.meta.num_rows
-        size = next((s for s in self.sizes if s >= r), None)
-        if size is None or size not in self.graphs:
-            return None
-        self.buffers.fill(inputs, size, self.max_model_len)
-        graph, out = self.graphs[size]
-        graph.replay()
-        return out[:r]
+class StepLaunch:
+    """A launched step's sampled ids and logprobs on their way to the host.
+
+    ``flat``: int64 [2 * width] (ids, then logprobs as float64 bits), host memory (pinned on
+    CUDA, filled by a non-blocking copy that ``event`` follows). :meth:`fetch` waits for it.
+    """
+
+    def __init__(self, flat: torch.Tensor | None, width: int, rows: int, event=None):
+        self.flat, self.width, self.rows, self.event = flat, width, rows, event
+
+    def fetch(self) -> tuple[list[int], list[float]]:
+        """(ids, logprobs) of the ``rows`` sample rows; blocks until the copy has landed."""
+        if self.rows == 0:
+            return [], []
+        if self.event is not None:
+            self.event.synchronize()
+        w, r = self.width, self.rows
+        return self.flat[:r].tolist(), self.flat[w:w + r].view(torch.float64).tolist()
 
 
 class ModelRunner:
-    """Runs ``forward_paged`` for a step and returns the sampled rows' logits.
+    """Runs one step on the device: forward, sampler, and the copy of the results to the host.
 
     Args:
         model: ``M3ForCausalLM`` on its device, eval mode; kv: the page pool.
-        max_num_seqs, max_model_len: sizes of the decode buffers / graphs.
-        enable_cuda_graphs: GPU only; ignored (with eager execution) on other devices.
+        max_num_seqs, max_model_len: sizes of the decode graphs' buffers.
+        enable_cuda_graphs: GPU only; ignored (eager execution) on other devices. "eager": the
+            staged decode path of ``decode_graph.py`` with its bodies run eagerly (any device; tests).
+        cuda_graph_batch_sizes: padded decode sizes to capture (default: powers of two to 256).
+        max_num_batched_tokens: the step token budget (bounds the rows of a step, hence
+            the length of ``last_tokens``).
+        fused_sampler: decode graphs sample with the one-kernel Triton sampler (None = on CUDA).
     """
 
     def __init__(self, model, kv: PagedKVCache, max_num_seqs: int, max_model_len: int,
-                 enable_cuda_graphs: bool = False):
+                 enable_cuda_graphs: bool = False, cuda_graph_batch_sizes: tuple[int, ...] | None = None,
+                 max_num_batched_tokens: int = 0, fused_sampler: bool | None = None):
         self.model, self.kv = model, kv
         self.device = kv.device
         self.page_size = kv.page_size
-        self.graphs: CudaGraphDecode | None = None
-        if enable_cuda_graphs and self.device.type == "cuda":
-            max_pages = -(-max_model_len // self.page_size)
-            buffers = DecodeBuffers(max_num_seqs, max_pages, self.device, kv.null_page)
+        self.cuda = self.device.type == "cuda"
+        cap = max(max_num_seqs, max_num_batched_tokens, 1)
+        # Sampled ids of the last step's scheduled rows (sample-row order), read by the next step
+        # for rows whose input token has not reached the host (async scheduling).
+        self.last_tokens = torch.zeros(cap, dtype=torch.int64, device=self.device)
+        self._out_host: list[torch.Tensor] = []
+        self._out_flip = 0
+        self.graphs = None
+        if enable_cuda_graphs == "eager":  # the staged decode path without graphs (CPU tests)
+            from m3_rollout.engine.decode_graph import CudaGraphDecode
+
+            self.graphs = CudaGraphDecode(model, kv, max_num_seqs, max_model_len, self.last_tokens,
+                                          cuda_graph_batch_sizes, use_graphs=False, fused_sampler=fused_sampler)
+            self.graphs.capture()
+        elif enable_cuda_graphs and self.cuda:
+            from m3_rollout.engine.decode_graph import CudaGraphDecode
+
             try:
-                self.graphs = CudaGraphDecode(model, kv, buffers, max_num_seqs, max_model_len)
+                self.graphs = CudaGraphDecode(model, kv, max_num_seqs, max_model_len, self.last_tokens,
+                                              cuda_graph_batch_sizes, fused_sampler=fused_sampler)
                 with torch.no_grad():
                     self.graphs.capture()
             except Exception as exc:  # NOTE: eager fallback; the references are not capturable
@@ -202,14 +185,62 @@ class ModelRunner:
                 warnings.warn(f"CUDA-graph capture failed, decode runs eagerly: {exc}")
                 self.graphs = None
 
+    # ---- eager path ----------------------------------------------------------------------------
     @torch.no_grad()
+    def forward(self, inputs: StepInputs, token_src: list[int] | None = None) -> torch.Tensor:
+        """Eager forward; logits [N, V] (model dtype) of ``inputs.logits_indices``.
+
+        token_src: per token, -1 (use ``inputs.input_ids``) or an index into ``last_tokens`` (the
+        previous step's sampled id); None = all from the host."""
+        ids = inputs.input_ids.to(self.device, non_blocking=True)
+        if token_src is not None and any(i >= 0 for i in token_src):
+            src = torch.tensor(token_src, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
+        meta = meta_to(inputs.meta, self.device)
+        return self.model.forward_paged(ids, meta, self.kv, inputs.logits_indices.to(self.device, non_blocking=True))
+
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """One model forward; returns logits [N, V] (model dtype) of ``inputs.logits_indices``."""
-        m = inputs.meta
-        if self.graphs is not None and m.num_decodes == m.num_rows > 0 and m.decode_query_len == 1:
-            out = self.graphs.run(inputs)
-            if out is not None:
-                return out[inputs.logits_indices.to(self.device)]
-        meta = meta_to(m, self.device)
-        return self.model.forward_paged(inputs.input_ids.to(self.device), meta, self.kv,
-                                        inputs.logits_indices.to(self.device))
+        """One eager model forward; returns logits [N, V] of ``inputs.logits_indices``."""
+        return self.forward(inputs)
+
+    @torch.no_grad()
+    def launch(self, inputs: StepInputs, token_src: list[int] | None, sampling: SampleBatch | None) -> StepLaunch:
+        """Eager forward + sampler of any step; results come back through :class:`StepLaunch`."""
+        logits = self.forward(inputs, token_src)
+        if sampling is None:
+            return StepLaunch(None, 0, 0)
+        if sampling.expand is not None:
+            logits = logits[torch.tensor(sampling.expand, dtype=torch.int64).to(self.device, non_blocking=True)]
+        packed = torch.from_numpy(sampling.packed).to(self.device, non_blocking=True)
+        params, positions, raw = unpack_sampling(packed)
+        mode = raw if sampling.raw_mode == "mixed" else sampling.raw_mode
+        tokens, lps = sample_rows(logits.to(compute_dtype(logits.dtype)), params, positions, mode,
+                                  sampling.need_top_k, sampling.need_top_p)
+        k = sampling.num_row_seqs
+        self.last_tokens[:k].copy_(tokens[:k])
+        flat = torch.cat([tokens, lps.double().view(torch.int64)])
+        return self._to_host(flat, tokens.shape[0], tokens.shape[0])
+
+    # ---- graph path -------------------------------------------------------------------------------
+    def graph_size(self, rows: int) -> int | None:
+        """Padded decode size for ``rows`` rows, or None when no captured graph fits."""
+        return None if self.graphs is None else self.graphs.size_for(rows)
+
+    @torch.no_grad()
+    def launch_graph(self, rows: int, s: int, need_top_k: bool, need_top_p: bool) -> StepLaunch:
+        """Replay the decode graphs of size ``s`` on the staged inputs (``self.graphs.stage_rows``)."""
+        flat = self.graphs.launch(s, need_top_k, need_top_p)
+        return self._to_host(flat, s, rows)
+
+    def _to_host(self, flat: torch.Tensor, width: int, rows: int) -> StepLaunch:
+        if not self.cuda:  # a copy: ``flat`` may be a static buffer the next step overwrites
+            return StepLaunch(flat.clone(), width, rows)
+        n = flat.shape[0]
+        if not self._out_host or self._out_host[0].shape[0] < n:
+            self._out_host = [torch.empty(max(n, 4096), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._out_flip ^= 1
+        host = self._out_host[self._out_flip][:n]
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepLaunch(host, width, rows, event)

@@ -32,7 +32,8 @@ class NativeBackend(GenerationBackend):
         max_num_seqs: most running samples per step.
         detokenize: optional ``ids -> text`` (stop strings).
         **engine_kwargs: further :class:`EngineConfig` fields (kv_cache_memory_gb,
-            max_num_batched_tokens, enable_prefix_caching, num_pages, enable_cuda_graphs).
+            max_num_batched_tokens, enable_prefix_caching, num_pages, enable_cuda_graphs,
+            async_scheduling).
     """
 
     def __init__(self, model, eos_token_ids: Sequence[int], max_model_len: int | None = None, max_num_seqs: int = 256,
@@ -74,6 +75,7 @@ class NativeBackend(GenerationBackend):
         if problems:
             raise ValueError("weight update rejected, weights unchanged (version "
                              f"{self.weight_version}):\n  " + "\n  ".join(problems))
+        self.engine.drain()  # the step in flight finishes under the old weights and version
         with torch.no_grad():
             for name, t in incoming.items():
                 load_released_tensor(self.model, name, t)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from m3_rollout.model.numerics import compute_dtype
@@ -52,10 +53,22 @@ def keyed_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, positions: torc
     key = _splitmix64(seeds.to(torch.int64))
     key = _splitmix64(key ^ (sample_ids.to(torch.int64) * _SAMPLE_MUL))
     key = _splitmix64(key ^ (positions.to(torch.int64) * _POS_MUL))  # [N]
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=key.device)
-    bits = _splitmix64(key[:, None] ^ _splitmix64(vocab)[None, :])  # [N, V]
+    bits = _splitmix64(key[:, None] ^ vocab_hash(vocab_size, key.device)[None, :])  # [N, V]
     # Top 53 bits -> (0, 1): add half an ulp so neither 0 nor 1 can occur.
     return (_srl(bits, 11).to(torch.float64) + 0.5) / float(1 << 53)
+
+
+_VOCAB_HASH: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``splitmix64(arange(V))`` int64 [V], cached per (V, device) (a constant of the keyed
+    uniforms; call it once before CUDA-graph capture so the cached tensor is not graph memory)."""
+    key = (vocab_size, torch.device(device))
+    h = _VOCAB_HASH.get(key)
+    if h is None:
+        h = _VOCAB_HASH[key] = _splitmix64(torch.arange(vocab_size, dtype=torch.int64, device=device))
+    return h
 
 
 @dataclass
@@ -70,12 +83,16 @@ class SamplingTensors:
 
 
 def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+                   top_p: torch.Tensor, need_top_k: bool | None = None, need_top_p: bool | None = None
+                   ) -> torch.Tensor:
     """Apply temperature, top-k and top-p; masked entries become -inf.
 
     Args:
         logits: [N, V] (any float dtype; computed in fp32).
         temperature: float [N] > 0. top_k: int64 [N], -1 = off. top_p: float [N] in (0, 1].
+        need_top_k / need_top_p: whether any row filters (known on the host from the request
+            parameters); None = find out from the tensors (a device-to-host sync on GPU).
+            Passing False for a batch that filters is wrong (the filter is skipped).
 
     Returns:
         fp32 [N, V] (fp64 for fp64 logits) processed logits; ``log_softmax`` of it is the distribution sampled from.
@@ -86,8 +103,8 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     dtype = compute_dtype(logits.dtype)
     x = logits.to(dtype) / temperature.to(dtype)[:, None]
     n, v = x.shape
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1).any())
+    need_k = bool((top_k > 0).any()) if need_top_k is None else need_top_k
+    need_p = bool((top_p < 1).any()) if need_top_p is None else need_top_p
     if not (need_k or need_p):
         return x
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
@@ -120,20 +137,57 @@ def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tenso
     Returns:
         (tokens int64 [N], logprobs [N] in the processed dtype).
     """
-    processed = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    need_k = bool((params.top_k > 0).any())
+    need_p = bool((params.top_p < 1).any())
+    mode = logprobs_mode
+    if isinstance(logprobs_mode, torch.Tensor):
+        raw_rows = logprobs_mode.to(torch.bool)
+        mode = "processed" if not bool(raw_rows.any()) else "raw" if bool(raw_rows.all()) else raw_rows
+    return sample_rows(logits, params, positions, mode, need_k, need_p)
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tensor,
+                logprobs_mode: str | torch.Tensor, need_top_k: bool, need_top_p: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample` without device-to-host syncs (CUDA-graph capturable): the caller states
+    on the host whether any row filters by top-k / top-p, and ``logprobs_mode`` is "processed",
+    "raw" or a bool [N] tensor (True = raw) used as is (both logprobs computed, then selected).
+    Same values as :func:`sample` for the same rows (it calls this)."""
+    processed = process_logits(logits, params.temperature, params.top_k, params.top_p, need_top_k, need_top_p)
     u = keyed_uniform(params.seeds, params.sample_ids, positions, processed.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     tokens = torch.argmax(processed.double() + gumbel, dim=-1)
     if isinstance(logprobs_mode, torch.Tensor):
         raw_rows = logprobs_mode.to(torch.bool)
-        if not bool(raw_rows.any()):
-            logprobs_mode = "processed"
-        elif bool(raw_rows.all()):
-            logprobs_mode = "raw"
-        else:
-            lp_p = torch.log_softmax(processed, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-            lp_r = torch.log_softmax(logits.to(processed.dtype), dim=-1).gather(1, tokens[:, None]).squeeze(1)
-            return tokens, torch.where(raw_rows.to(lp_p.device), lp_r, lp_p)
+        lp_p = torch.log_softmax(processed, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        lp_r = torch.log_softmax(logits.to(processed.dtype), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        return tokens, torch.where(raw_rows.to(lp_p.device), lp_r, lp_p)
     base = processed if logprobs_mode == "processed" else logits.to(processed.dtype)
     logprobs = torch.log_softmax(base, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
+
+
+# Packed per-row sampling parameters: one int64 [NUM_SAMPLING_FIELDS, N] array per step (floats
+# stored as their float64 bit patterns), so a step moves them to the device in one copy.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "sample_id", "position", "raw")
+NUM_SAMPLING_FIELDS = len(SAMPLING_FIELDS)
+
+
+def pack_sampling(out: np.ndarray, temperature, top_k, top_p, seeds, sample_ids, positions, raw) -> None:
+    """Fill ``out`` (int64 [NUM_SAMPLING_FIELDS, N], e.g. a view of pinned memory) from N-long
+    host sequences: temperature / top_p floats (stored as float64 bits), the rest ints / bools."""
+    out[0].view(np.float64)[:] = temperature
+    out[1] = top_k
+    out[2].view(np.float64)[:] = top_p
+    out[3] = seeds
+    out[4] = sample_ids
+    out[5] = positions
+    out[6] = raw
+
+
+def unpack_sampling(packed: torch.Tensor) -> tuple[SamplingTensors, torch.Tensor, torch.Tensor]:
+    """Device views of a packed int64 [NUM_SAMPLING_FIELDS, N] tensor: (params, positions int64 [N],
+    raw bool [N]); temperature float64 and top_p float32 as :class:`SamplingTensors` expects."""
+    params = SamplingTensors(temperature=packed[0].view(torch.float64), top_k=packed[1],
+                             top_p=packed[2].view(torch.float64).float(), seeds=packed[3], sample_ids=packed[4])
+    return params, packed[5], packed[6] != 0

@@ -18,7 +18,7 @@ from m3_rollout.engine.block_manager import BlockManager
 from m3_rollout.engine.sequence import Sequence, SeqStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRow:
     """``seq`` computes tokens ``seq.num_computed : seq.num_computed + num_tokens`` this step;
     ``sample`` is True when the chunk ends at the sequence's last token (its logits are sampled)."""
@@ -99,9 +99,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         planned: list[ScheduledRow] = []
         queue = deque(self.running)
+        ps = self.bm.page_size
         while queue and budget > 0:
             seq = queue.popleft()
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            total = len(seq.token_ids) + seq.num_pending  # seq.num_tokens, inlined (hot loop)
+            if total >= seq.max_len:
+                continue  # async scheduling: its pending token is its last (finishes "length")
+            n = min(total - seq.num_computed, budget)
+            if seq.num_computed + n <= len(seq.block_table) * ps:  # fast path: its pages suffice
+                planned.append(ScheduledRow(seq, n, seq.num_computed + n == total))
+                budget -= n
+                continue
             while not self.bm.ensure(seq, n):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
@@ -110,12 +118,14 @@ class Scheduler:
             else:
                 planned.append(ScheduledRow(seq, n, seq.num_computed + n == seq.num_tokens))
                 budget -= n
-        if not out.preempted:
+        if not out.preempted and self.waiting:
             rows = self.num_rows()
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
                 if self.running and rows + seq.group_size > self.max_num_seqs:
                     break
+                if seq.num_pending:
+                    break  # preempted while its last token was in flight: admit once it landed
                 self.bm.admit(seq)
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 if not self.bm.ensure(seq, n):

@@ -35,11 +35,16 @@ class Sequence:
         page_hashes: chain hashes of the leading full pages registered so far (prefix cache).
         children: samples to fork from this leader when its prefill completes (empty after).
         stream: the caller wants :class:`StreamDelta` records; num_streamed: tokens sent so far.
+        num_pending: tokens sampled by a launched step whose values have not reached the host yet
+            (async scheduling: 0 or 1). ``num_tokens`` counts them, ``token_ids`` does not; the
+            scheduler plans with ``num_tokens`` (a pending token is the next decode's input, taken
+            on the device from the previous step's sampled ids).
     """
 
     __slots__ = ("seq_id", "request_id", "req_key", "sample_index", "params", "token_ids", "prompt_len",
                  "logprobs", "weight_versions", "num_computed", "block_table", "page_hashes", "status",
-                 "finish_reason", "children", "stream", "num_streamed", "stop_set", "max_len", "num_cached")
+                 "finish_reason", "children", "stream", "num_streamed", "stop_set", "max_len", "num_cached",
+                 "num_pending", "sampling_key")
 
     def __init__(self, seq_id: int, request_id: str, req_key: int, sample_index: int, params: SamplingParams,
                  prompt_ids: Seq[int], stop_set: frozenset, max_len: int, stream: bool = False):
@@ -61,10 +66,16 @@ class Sequence:
         self.stop_set = stop_set
         # Longest total length: prompt + max_new_tokens, capped by the engine's max_model_len.
         self.max_len = max_len
+        self.num_pending = 0
+        # Per-sample sampler inputs that never change: (temperature, top_k, top_p, seed,
+        # sample_index, raw logprobs) (engine: one tuple per row per step, no attribute walks).
+        self.sampling_key = (params.temperature, params.top_k, params.top_p, params.seed, sample_index,
+                             params.logprobs_mode == "raw")
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens including the pending one (see ``num_pending``)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_ids(self) -> list[int]:

@@ -1,0 +1,211 @@
+"""CUDA-graph decode steps: one host-to-device copy in, forward + sampler replayed, one copy out.
+
+Governing idea: a plain decode step (every row one query token, every row samples) has fixed
+shapes once the batch is padded to a captured size, so everything the GPU does for it can be
+replayed from CUDA graphs reading static buffers. The host writes the step's per-row numbers
+into a pinned staging array (:data:`STAGE_FIELDS`, int64 [F, S]) and the block tables (int32
+[S, max_pages]), two views of one byte buffer (stage first, then the block-table rows), so one
+non-blocking copy of its first bytes moves a step to the device; the forward graph's prologue
+derives the model inputs from them (input ids of rows whose last token is still on the device
+are gathered from the runner's ``last_tokens``, written by the previous step's sampler); the
+sampler graph (temperature, keyed Gumbel-max, processed and raw logprobs) writes the sampled ids
+and logprobs into one int64 [2, s] buffer and ``last_tokens``; one non-blocking copy brings that
+back into pinned memory and an event marks it ready. Host staging is double-buffered: with async
+scheduling the host fills step N+1's buffer while step N's copy may still be queued.
+
+Padding rows (``r < row < s``): token 0 at position 0, slot -1 (writes land in the null page),
+block 0 = the null page, context 0, temperature 1; their outputs are never read.
+
+Capture needs CUDA and capturable MSA / MoE ops (the Triton kernels; the PyTorch references
+sync on data-dependent shapes). With ``use_graphs=False`` the same bodies run eagerly on any
+device (tests of the staged path on the CPU). Layout of the metadata: ``engine/paged_cache.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from m3_rollout.engine.paged_cache import PagedKVCache, PagedMetadata
+from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, sample_rows, unpack_sampling, vocab_hash
+from m3_rollout.model.numerics import compute_dtype
+
+# Rows of the int64 staging array; rows SAMPLING_ROW.. hold the packed sampling parameters
+# (sampler.SAMPLING_FIELDS order).
+STAGE_FIELDS = ("host_ids", "token_src", "positions", "slot_mapping", "context_lens", "seq_lens")
+SAMPLING_ROW = len(STAGE_FIELDS)
+NUM_STAGE_ROWS = SAMPLING_ROW + NUM_SAMPLING_FIELDS
+
+
+def _pad_column() -> np.ndarray:
+    """int64 [F, 1]: the staging values of a padding row."""
+    col = np.zeros((NUM_STAGE_ROWS, 1), dtype=np.int64)
+    col[1] = -1  # token_src: host id (0)
+    col[3] = -1  # slot -1: never written
+    col[5] = 1  # seq_len 1
+    s = SAMPLING_ROW
+    col[s + 0].view(np.float64)[:] = 1.0  # temperature
+    col[s + 1] = -1  # top_k off
+    col[s + 2].view(np.float64)[:] = 1.0  # top_p off
+    return col
+
+
+class _EagerReplay:
+    """Stands in for a captured graph: ``replay()`` runs the body (``use_graphs=False``)."""
+
+    def __init__(self, body):
+        self.body, self.result = body, None
+
+    def replay(self) -> None:
+        self.result = self.body()
+
+
+class CudaGraphDecode:
+    """Decode forward + sampler graphs per padded batch size, with their static buffers.
+
+    Args:
+        model: ``M3ForCausalLM`` (eval, on CUDA); kv: the page pool.
+        max_num_seqs: S, rows of the staging buffers (largest size captured).
+        max_model_len: the ``max_seq_len`` the graphs are captured with (valid for every step).
+        last_tokens: int64 [>= S] device buffer of the previous step's sampled ids (runner-owned).
+        sizes: padded batch sizes to capture (default 1, 2, 4, ..., 256 and S, capped at S).
+        use_graphs: False = run the captured bodies eagerly (any device; for tests).
+        fused_sampler: sample with the Triton sampler (``sampler_triton.py``, same tokens) when no
+            row filters by top-k / top-p, and build the inputs with one Triton launch; None = on CUDA.
+    """
+
+    def __init__(self, model, kv: PagedKVCache, max_num_seqs: int, max_model_len: int,
+                 last_tokens: torch.Tensor, sizes: tuple[int, ...] | None = None, use_graphs: bool = True,
+                 fused_sampler: bool | None = None):
+        dev = kv.device
+        self.fused_sampler = dev.type == "cuda" if fused_sampler is None else fused_sampler
+        assert dev.type == "cuda" or not use_graphs, "CUDA graphs are GPU-only"
+        self.use_graphs = use_graphs
+        self.model, self.kv, self.last_tokens = model, kv, last_tokens
+        self.max_model_len = max_model_len
+        self.page_size = kv.page_size
+        sizes = sizes or (1, 2, 4, 8, 16, 32, 64, 128, 256, max_num_seqs)
+        self.sizes = sorted({min(s, max_num_seqs) for s in sizes})
+        n, self.max_pages = max_num_seqs, -(-max_model_len // kv.page_size)
+        self.null_page = kv.null_page
+        self.pad = _pad_column()
+        # One byte buffer per side: stage int64 [F, S], then block tables int32 [S, max_pages].
+        self.stage_bytes = NUM_STAGE_ROWS * n * 8
+        self.row_bytes = self.max_pages * 4
+        nbytes = self.stage_bytes + n * self.row_bytes
+        # Device side (static addresses).
+        self.dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        self.stage, self.block_tables = self._views(self.dev_buf)
+        self.stage.copy_(torch.from_numpy(np.repeat(self.pad, n, axis=1)))
+        self.block_tables.fill_(-1)
+        self.block_tables[:, 0] = self.null_page
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(2 * n, dtype=torch.int64, device=dev)  # size s uses out[:2s] as [2, s]
+        # Host side: pinned, double-buffered.
+        pin = (lambda t: t.pin_memory()) if dev.type == "cuda" else (lambda t: t)  # noqa: E731
+        self.host_buf = [pin(torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(2)]
+        views = [self._views(b) for b in self.host_buf]
+        self.stage_np = [v[0].numpy() for v in views]
+        self.bt_np = [v[1].numpy() for v in views]
+        self.flip = 0
+        # size -> (forward graph, its logits [s, V] (a callable when eager), sampler graph)
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+        vocab_hash(model.config.vocab_size, dev)  # cached outside the graphs' memory
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = (buf.shape[0] - self.stage_bytes) // self.row_bytes
+        stage = buf[:self.stage_bytes].view(torch.int64).view(NUM_STAGE_ROWS, n)
+        bt = buf[self.stage_bytes:].view(torch.int32).view(n, self.max_pages)
+        return stage, bt
+
+    # ---- captured bodies -------------------------------------------------------------------
+    def _forward(self, s: int) -> torch.Tensor:
+        st = self.stage
+        if self.fused_sampler:  # one Triton launch instead of seven small torch kernels
+            from m3_rollout.engine.sampler_triton import decode_prologue
+
+            decode_prologue(st, s, self.last_tokens, self.input_ids, self.context_lens, self.seq_lens)
+        else:
+            src = st[1, :s]
+            ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], st[0, :s])
+            self.input_ids[:s].copy_(ids)
+            self.context_lens[:s].copy_(st[4, :s])
+            self.seq_lens[:s].copy_(st[5, :s])
+        meta = PagedMetadata(st[2, :s], st[3, :s], self.block_tables[:s], self.context_lens[:s], self.seq_lens[:s],
+                             self.query_start_loc[:s + 1], s, 1, 1, self.max_model_len)
+        return self.model.forward_paged(self.input_ids[:s], meta, self.kv)  # [s, V]
+
+    def sample_into_out(self, logits: torch.Tensor, s: int, need_top_k: bool = False,
+                        need_top_p: bool = False) -> torch.Tensor:
+        """Sample rows 0..s-1 of ``logits`` with the staged parameters; write ids + logprob bits
+        into ``out[:2s]`` and ``last_tokens[:s]``; returns the [2, s] int64 view."""
+        out = self.out[:2 * s].view(2, s)
+        if self.fused_sampler and not (need_top_k or need_top_p):
+            from m3_rollout.engine.sampler_triton import keyed_gumbel_sample
+
+            p = self.stage[SAMPLING_ROW:, :s]
+            keyed_gumbel_sample(logits, p[0].view(torch.float64), p[3], p[4], p[5], p[6],
+                                vocab_hash(logits.shape[1], logits.device), self.out[:2 * s], self.last_tokens)
+            return out
+        params, positions, raw = unpack_sampling(self.stage[SAMPLING_ROW:, :s])
+        tokens, lps = sample_rows(logits.to(compute_dtype(logits.dtype)), params, positions, raw,
+                                  need_top_k, need_top_p)
+        out[0].copy_(tokens)
+        out[1].copy_(lps.double().view(torch.int64))
+        self.last_tokens[:s].copy_(tokens)
+        return out
+
+    def capture(self) -> None:
+        """Capture every size (largest first, one shared memory pool)."""
+        if not self.use_graphs:
+            for size in self.sizes:
+                fwd = _EagerReplay(lambda s=size: self._forward(s))
+                samp = _EagerReplay(lambda s=size, f=fwd: self.sample_into_out(f.result, s))
+                self.graphs[size] = (fwd, lambda f=fwd: f.result, samp)
+            return
+        for size in reversed(self.sizes):
+            logits = self._forward(size)  # warm-up (kernel autotune, allocations)
+            self.sample_into_out(logits, size)
+            torch.cuda.synchronize()
+            fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(fwd, pool=self.pool):
+                logits = self._forward(size)
+            self.pool = fwd.pool()
+            samp = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(samp, pool=self.pool):
+                self.sample_into_out(logits, size)
+            self.graphs[size] = (fwd, lambda out=logits: out, samp)
+        torch.cuda.synchronize()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def size_for(self, rows: int) -> int | None:
+        return next((s for s in self.sizes if s >= rows and s in self.graphs), None)
+
+    def stage_rows(self, rows: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Host staging for a step of ``rows`` rows: (stage int64 [F, s] with the padding rows
+        already filled, block tables int32 [s, max_pages] filled with -1 / the null page,
+        padded size s). The caller writes rows 0..rows-1 (all F fields and the block tables)."""
+        s = self.size_for(rows)
+        self.flip ^= 1
+        st, bt = self.stage_np[self.flip][:, :s], self.bt_np[self.flip][:s]
+        st[:, rows:s] = self.pad
+        bt.fill(-1)
+        bt[rows:s, 0] = self.null_page
+        return st, bt, s
+
+    def launch(self, s: int, need_top_k: bool, need_top_p: bool) -> torch.Tensor:
+        """Copy the staged step in and replay size ``s``; returns the device int64 [2 * s]
+        (s sampled ids, then s logprobs as float64 bits; rows past the real ones are padding)."""
+        k = self.stage_bytes + s * self.row_bytes  # stage + the first s block-table rows
+        self.dev_buf[:k].copy_(self.host_buf[self.flip][:k], non_blocking=True)
+        fwd, logits, samp = self.graphs[s]
+        fwd.replay()
+        if need_top_k or need_top_p:  # filtered sampling: eager (rare in RL rollouts)
+            self.sample_into_out(logits(), s, need_top_k, need_top_p)
+        else:
+            samp.replay()
+        return self.out[:2 * s]
