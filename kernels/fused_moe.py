@@ -132,6 +132,14 @@ def tile_coords(pid, num_tiles_m, num_tiles_n: tl.constexpr, group_m):
 
 
 @triton.jit
+def swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta):
+    """SwiGLU-OAI on fp32 gate/up accumulators (spec §3.7): gate clamped above only, up both sides."""
+    g_c = tl.minimum(acc_g, limit)
+    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    return g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+
+
+@triton.jit
 def _moe_w13_swiglu_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
     n_assign, num_tiles_m, group_m,
@@ -184,10 +192,7 @@ def _moe_w13_swiglu_kernel(
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
-    # SwiGLU-OAI on the fp32 accumulators (spec §3.7): gate clamped above only, up both sides.
-    g_c = tl.minimum(acc_g, limit)
-    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+    act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)  # on the fp32 accumulators
     out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_ai
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -284,9 +289,7 @@ def _moe_w13_swiglu_tma_kernel(
         u = w_desc.load([g_row + INTER, k0])
         acc_g = tl.dot(a, g.T, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, u.T, acc_u, input_precision=PRECISION)
-    g_c = tl.minimum(acc_g, limit)
-    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+    act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_ai

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_moe import launch_group, tile_coords
+from kernels.fused_moe import launch_group, swiglu_oai_tile, tile_coords
 from kernels.moe_align import align_by_expert_torch, max_padded_rows
 
 MAX_M, MIN_M = 128, 16
@@ -284,9 +284,7 @@ def _w13_tile(a_desc, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_pt
         u = w_desc.load([g_row + INTER, k0])
         acc_g = tl.dot(a, g.T, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, u.T, acc_u, input_precision=PRECISION)
-    g_c = tl.minimum(acc_g, limit)  # SwiGLU-OAI (spec §3.7) on the fp32 accumulators
-    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+    act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)  # SwiGLU-OAI on the fp32 accumulators
     offs_r = tl.arange(0, BM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ptrs = act_ptr + (row0 + offs_r)[:, None].to(tl.int64) * stride_am + offs_n[None, :]
@@ -321,15 +319,11 @@ def _w13_fat_tile(a_main, a_tail, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_
         acc_ut = tl.dot(at, u, acc_ut, input_precision=PRECISION)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n[None, :] < INTER
-    g_c = tl.minimum(acc_g, limit)
-    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+    act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)
     offs_r = tl.arange(0, BM)
     ptrs = act_ptr + (row0 + offs_r)[:, None].to(tl.int64) * stride_am + offs_n[None, :]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok)
-    g_c = tl.minimum(acc_gt, limit)
-    u_c = tl.minimum(tl.maximum(acc_ut, -limit), limit)
-    act = g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
+    act = swiglu_oai_tile(acc_gt, acc_ut, alpha, limit, beta)
     offs_t = tl.arange(0, TAIL)
     ptrs = act_ptr + (row0 + BM + offs_t)[:, None].to(tl.int64) * stride_am + offs_n[None, :]
     tl.store(ptrs, act.to(act_ptr.dtype.element_ty), mask=(offs_t[:, None] < n_rows - BM) & n_ok)
