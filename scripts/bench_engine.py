@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from benchlib import machine as _machine
+from benchlib import random_model
 from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model import M3Config, M3ForCausalLM, load_hf_state_dict, tiny_config
@@ -122,17 +123,6 @@ def run_engine(model, prompts: list[list[int]], n: int, new: int, device: str, m
             "decode_step_ms": 1000 * sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
             "host_ms": {k[len("host_ms_per_step_"):]: v for k, v in m.items() if k.startswith("host_ms_per_step_")},
             "outputs": {(o.request_id, o.sample_index): (o.output_ids, o.logprobs) for o in outs}}
-
-
-def build_ours(cfg: M3Config, device: str, dtype: torch.dtype):
-    """Our model alone with random weights made on ``device`` (--skip-hf)."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        ours = M3ForCausalLM(cfg)
-        with torch.no_grad():
-            for p in ours.parameters():
-                p.normal_(0, 0.02) if p.ndim >= 2 else p.normal_(0, 0.05)
-    return ours.cast_for_inference(dtype).eval()
 
 
 def same_outputs(a: dict, b: dict) -> tuple[bool, float]:
@@ -237,7 +227,7 @@ def main() -> None:
     long_len = args.long_len or (8192 if dev == "cuda" else 2048)
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, long_len + args.long_new + 1)
     if args.skip_hf:
-        ours, hf = build_ours(cfg, dev, dtype), None
+        ours, hf = random_model(cfg, dev, dtype), None
         if args.check_len:
             raise SystemExit("--check-len needs the transformers model: drop --skip-hf")
     else:

@@ -1,4 +1,5 @@
-"""Shared bits of the benchmark scripts: the machine line every figure in docs/benchmarks.md carries."""
+"""Shared bits of the benchmark scripts: the machine line every figure in docs/benchmarks.md carries,
+and the random-weight M3 model the engine benchmarks time."""
 
 from __future__ import annotations
 
@@ -23,3 +24,19 @@ def machine(device: str = "cpu") -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores"
+
+
+def random_model(cfg, device: str, dtype):
+    """M3ForCausalLM(cfg) with random weights made on ``device`` (normal std 0.02 for matrices, 0.05
+    for vectors, seed 0), cast with ``cast_for_inference(dtype)`` and in eval mode."""
+    import torch
+
+    from m3_rollout.model import M3ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = M3ForCausalLM(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02) if p.ndim >= 2 else p.normal_(0, 0.05)
+    return model.cast_for_inference(dtype).eval()

@@ -27,18 +27,8 @@ import torch
 
 from m3_rollout.engine.engine import PHASES, EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
-from m3_rollout.model import M3Config, M3ForCausalLM, tiny_config
-
-
-def build_model(cfg: M3Config, device: str, dtype: torch.dtype) -> M3ForCausalLM:
-    """Random weights made on ``device`` (normal 0.02 for matrices, 0.05 for vectors), then cast."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = M3ForCausalLM(cfg)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02) if p.ndim >= 2 else p.normal_(0, 0.05)
-    return model.cast_for_inference(dtype).eval()
+from benchlib import random_model
+from m3_rollout.model import M3Config, tiny_config
 
 
 def sync(device: str) -> None:
@@ -143,7 +133,7 @@ def main() -> None:
     else:
         cfg = tiny_config()
     t = time.perf_counter()
-    model = build_model(cfg, dev, dtype)
+    model = random_model(cfg, dev, dtype)
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     g = torch.Generator().manual_seed(0)
     graphs = dev == "cuda" and not args.no_graphs
