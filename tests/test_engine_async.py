@@ -15,24 +15,14 @@ import torch
 from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.model import M3ForCausalLM, tiny_config
+from test_engine_core import _model  # tests/ is on sys.path under pytest
 
 V = 96
 EOS = 3
 STOPS = (7, 11, 19, 23, 42)  # frequent enough that some samples stop early
 
 
-def _model():
-    torch.manual_seed(0)
-    cfg = tiny_config(vocab_size=V, max_position_embeddings=256, sparse_block_size=4, sparse_topk_blocks=3)
-    m = M3ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.15 if p.ndim >= 2 else 0.1)
-    return m.eval()
-
-
-MODEL = _model()
+MODEL = _model()  # the engine-core tests' random tiny M3 (same seed, same weights)
 
 
 def _prompt(n, seed):
