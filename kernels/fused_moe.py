@@ -33,7 +33,7 @@ Shape legend:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -91,6 +91,20 @@ class MoEKernelConfig:
     tma: bool = False
     ragged: bool = False
     fat_tail: int = 0
+
+
+# fp32 tiles take twice the shared memory of bf16 ones: the ragged tiles at 4 stages need 377 KB (w13) /
+# 410 KB (w2) in fp32 against 227 KB per SM on H100/H200, so fp32 (a test / reference dtype) pipelines
+# at most 2 deep (164 / 180 KB; tests/test_kernels_smem.py compiles them for sm_90 and checks).
+FP32_MAX_STAGES = 2
+
+
+def config_for_dtype(cfg: MoEKernelConfig, dtype: torch.dtype) -> MoEKernelConfig:
+    """``cfg`` with the pipelining depth of both GEMM tiles capped at FP32_MAX_STAGES for fp32 inputs."""
+    if dtype != torch.float32:
+        return cfg
+    return replace(cfg, w13=replace(cfg.w13, num_stages=min(cfg.w13.num_stages, FP32_MAX_STAGES)),
+                   w2=replace(cfg.w2, num_stages=min(cfg.w2.num_stages, FP32_MAX_STAGES)))
 
 
 def default_config(num_assignments: int, num_local_experts: int, hidden: int, inter: int) -> MoEKernelConfig:
@@ -554,7 +568,7 @@ def fused_experts(
     e, two_i, h = w13.shape
     if t == 0:
         return torch.empty((0, h), dtype=x.dtype, device=x.device)
-    cfg = config or default_config(t * k, e, h, two_i // 2)
+    cfg = config or config_for_dtype(default_config(t * k, e, h, two_i // 2), x.dtype)
     if cfg.ragged and _tma_ok(x, w13, w2):
         from kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
 

@@ -6,7 +6,11 @@ then packs (score, block id) into one order-preserving int64 key per block and p
 K rounds of max-and-remove, so "score desc, ties to the lower block id" is a single integer max.
 Forced local/init blocks get score +inf (ties among them again go to the lower id), exactly the
 order of ``msa_reference.index_topk_ref``. Long rows are split into chunks (split-K): each chunk
-keeps its own top K keys, a merge kernel picks the final K from the chunk winners.
+keeps its own top K keys, a merge kernel picks the final K from the chunk winners. Prefill-sized
+batches (one chunk per row) run ``_topk_rows_kernel`` instead: 32-bit keys (the order-preserving
+score bits alone) and two 32-bit reductions per pick (max key, then the lowest block id holding
+it; the same order), over a key tile sized on the device to the rows' causal candidates (a causal
+prefill's early tokens scan 1/8 of the table; H200 at 128K: 5.0 -> 2.5 ms).
 
 Scoring tiles ``BLOCK_M`` query tokens x all G index heads against one page of keys per step
 (the single index-key head is shared by all index heads, MQA style), so prefill runs real
@@ -40,8 +44,9 @@ _ID_BIAS = 0x7FFFFFFF  # low 32 bits hold _ID_BIAS - block_id, so lower ids win 
 MAX_TOPK = 64
 TOPK_CHUNK = 256  # blocks per selection chunk (split-K of the top-k)
 # Prefill score kernel on the GPU: unmasked loop over blocks before the tile, masked diagonal; a
-# 128-register cap gives 2 programs per SM (H200: 33 -> 16 ms at 128K, docs/benchmarks.md).
-PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128}
+# 128-register cap gives 2 programs per SM (H200: 33 -> 16 ms at 128K, docs/benchmarks.md); two 64-key
+# sub-tiles per page (nsub) keep the score tile in registers (16.3 -> 15.2 ms).
+PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128, "nsub": 2}
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
 TOPK_ROWS_WARPS = 1
@@ -202,32 +207,61 @@ def _topk_chunk_kernel(
 
 
 @triton.jit
+def _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks, stride_s_t,
+                    stride_s_g, CH: tl.constexpr):
+    """Top-k block ids of ROWS rows whose candidates all lie in blocks [0, CH): int32 keys, two 32-bit
+    reductions per pick (max key, then the lowest block id holding it) instead of one int64 max."""
+    n_cand = n_cand_r[:, None]
+    b = tl.arange(0, CH)[None, :]
+    cand = (b < n_cand) & r_ok[:, None]
+    s = tl.load(score_ptr + t[:, None] * stride_s_t + g[:, None] * stride_s_g + b, mask=cand, other=0.0)
+    s = tl.where(s != s, -1e30, s)  # NaN -> -1e30 as in the reference (the score kernel already does it)
+    forced = cand & ((b >= n_cand - local_blocks) | (b < init_blocks))
+    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0 turns -0.0 into +0.0 (equal in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int (-inf > INT32_MIN)
+    key = tl.where(cand, key, -2147483648)  # INT32_MIN: not a candidate / already picked
+    for k in range(topk):
+        best = tl.max(key, axis=1)  # [ROWS]
+        bid = tl.min(tl.where(key == best[:, None], b, CH), axis=1)  # ties -> the lower block id
+        key = tl.where(b == bid[:, None], -2147483648, key)
+        bid = tl.where(best == -2147483648, -1, bid)
+        tl.store(ids_ptr + rid * topk + k, bid, mask=r_ok)
+
+
+@triton.jit
 def _topk_rows_kernel(
     score_ptr, pos_ptr, ids_ptr, n_rows, topk, init_blocks, local_blocks, stride_s_t, stride_s_g,
     G: tl.constexpr, PS: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """``_topk_chunk_kernel`` (FINAL, one chunk) for ROWS (token, head) rows per program: [ROWS, CHUNK] keys."""
+    """Final top-k of ROWS (token, head) rows per program (one chunk of <= CHUNK blocks per row).
+
+    The key tile is sized to the program's causal candidates: CHUNK/8, /4, /2 or CHUNK blocks
+    (one branch per size, chosen on the device: a causal prefill's early tokens do 1/8 of the work).
+    """
     rid = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # t * G + g
     r_ok = rid < n_rows
     t = rid // G
     g = rid % G
     p = tl.load(pos_ptr + t, mask=r_ok, other=0)
-    n_cand_r = (p // PS + 1).to(tl.int32)  # [ROWS]
-    n_cand = n_cand_r[:, None]
-    b = tl.arange(0, CHUNK)[None, :]
-    cand = (b < n_cand) & r_ok[:, None]
-    s = tl.load(score_ptr + t[:, None] * stride_s_t + g[:, None] * stride_s_g + b, mask=cand, other=float("-inf"))
-    forced = cand & ((b >= n_cand - local_blocks) | (b < init_blocks))
-    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0 turns -0.0 into +0.0 (equal in the reference)
-    bits = s.to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
-    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - b).to(tl.int64)
-    for k in range(topk):
-        best = tl.max(key, axis=1)  # [ROWS]
-        key = tl.where(key == best[:, None], -9223372036854775807 - 1, key)
-        bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
-        bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand_r), -1, bid)
-        tl.store(ids_ptr + rid * topk + k, bid, mask=r_ok)
+    n_cand_r = tl.where(r_ok, p // PS + 1, 0).to(tl.int32)  # [ROWS]
+    n_max = tl.max(n_cand_r, axis=0)
+    if CHUNK >= 64:
+        if n_max <= CHUNK // 8:
+            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
+                            stride_s_t, stride_s_g, CHUNK // 8)
+        elif n_max <= CHUNK // 4:
+            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
+                            stride_s_t, stride_s_g, CHUNK // 4)
+        elif n_max <= CHUNK // 2:
+            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
+                            stride_s_t, stride_s_g, CHUNK // 2)
+        else:
+            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
+                            stride_s_t, stride_s_g, CHUNK)
+    else:
+        _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
+                        stride_s_t, stride_s_g, CHUNK)
 
 
 @triton.jit
@@ -324,7 +358,7 @@ def select_topk_blocks(scores: torch.Tensor, meta: PagedMetadata, topk: int, pag
     """[T, G, K] int32 top-k block ids from ``index_block_scores`` output (forced blocks, ties to lower id).
 
     rows_per_program > 1 (power of two): the one-chunk case with >= TOPK_ROWS_MIN rows runs that many rows per
-    program (one [rows, chunk] key tile, ``num_warps`` warps).
+    program (one [rows, chunk] key tile, ``num_warps`` warps; the tile is sized to the rows' causal candidates).
     """
     t, g, nbp = scores.shape
     out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)
@@ -342,12 +376,14 @@ def select_topk_blocks(scores: torch.Tensor, meta: PagedMetadata, topk: int, pag
     if n_chunks == 1:
         _topk_chunk_kernel[(t * g, 1)](
             scores, meta.positions, out, out, 1, topk, init_blocks, local_blocks,
-            scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=True, num_warps=4)
+            scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=True,
+            num_warps=4)
         return out
     keys = torch.empty(t * g, n_chunks, topk, dtype=torch.int64, device=scores.device)  # chunk winners
     _topk_chunk_kernel[(t * g, n_chunks)](
         scores, meta.positions, keys, out, n_chunks, topk, init_blocks, local_blocks,
-        scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=False, num_warps=4)
+        scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=False,
+        num_warps=4)
     n_keys = n_chunks * topk
     _topk_merge_kernel[(t * g,)](keys, meta.positions, out, n_keys, topk, PS=ps, BLOCK_N=next_pow2(n_keys), G=g,
                                  num_warps=4 if n_keys <= 1024 else 8)

@@ -152,6 +152,44 @@ def test_index_topk_prefill_score_variants(monkeypatch):
     assert torch.equal(mi.select_topk_blocks(scores, b.meta, K, PS, rows_per_program=4), want)
 
 
+def _select_from_scores(scores, positions, k, init_blocks, local_blocks):
+    """Plain-Python selection from a score table (spec §3.4 order): forced blocks by id, then score desc, ties
+    to the lower id, NaN as -1e30, -1 padding."""
+    t_n, g_n, _ = scores.shape
+    out = torch.full((t_n, g_n, k), -1, dtype=torch.int32)
+    for t in range(t_n):
+        n = int(positions[t]) // PS + 1
+        for g in range(g_n):
+            row = scores[t, g].tolist()
+
+            def order(blk):
+                if blk < init_blocks or blk >= n - local_blocks:
+                    return (0, 0.0, blk)
+                v = row[blk]
+                return (1, 1e30 if v != v else -v, blk)
+
+            picked = sorted(range(n), key=order)[:k]
+            out[t, g, :len(picked)] = torch.tensor(picked, dtype=torch.int32)
+    return out
+
+
+def test_topk_rows_kernel_size_tiers_ties_and_nan(monkeypatch):
+    # the prefill top-k program sizes its key tile to its rows' causal candidates (1/8, 1/4, 1/2 or the whole
+    # chunk of 64 blocks here); exact ties, -0.0 vs 0.0 and a NaN score keep the reference order.
+    b = _batch(([(0, 700), (300, 40)], 0), torch.float32, seed=11)
+    scores = mi.index_block_scores(b.iq, b.ik, b.meta)
+    scores[:, :, 3] = scores[:, :, 9]  # exact ties between blocks 3 and 9
+    scores[:, 1, 5] = -0.0
+    scores[:, 1, 6] = 0.0
+    scores[100, 0, 2] = float("nan")
+    want = _select_from_scores(scores, b.meta.positions, K, 1, 2)
+    assert (want[:16] == -1).any() and (want[-1] >= 0).all()  # short rows pad, long rows are full
+    monkeypatch.setattr(mi, "TOPK_ROWS_MIN", 0)
+    for rows in (2, 4):
+        got = mi.select_topk_blocks(scores, b.meta, K, PS, init_blocks=1, local_blocks=2, rows_per_program=rows)
+        assert torch.equal(got, want), rows
+
+
 def test_prefill_union_kernel_lists_and_masks():
     # the per-tile union list: sorted distinct valid blocks, bit i = tile token i selected it;
     # invalid entries (-1, > own block) are dropped. Expectation built in plain Python.
@@ -185,7 +223,8 @@ def test_prefill_union_kernel_lists_and_masks():
                 assert upage[slot * bm * K: slot * bm * K + n].tolist() == [int(bt[r, x]) for x in got_l]
 
 
-@pytest.mark.parametrize("dtype,cfg", [(torch.float32, {"seg": 8, "tok": 2}), (torch.float16, {})])
+@pytest.mark.parametrize("dtype,cfg", [(torch.float32, {"seg": 8, "tok": 2}), (torch.float16, {}),
+                                       (torch.float32, {"seg": 4, "prefetch": False})])
 def test_kv_major_prefill_matches_reference(dtype, cfg):
     # KV-major prefill (bucketed entries, per-page partials, LSE merge) over mixed decode + prefill
     # rows, with token chunks smaller than the prefill part (two chunks) and a duplicated entry.

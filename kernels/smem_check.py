@@ -1,0 +1,85 @@
+"""Static shared memory of the large-tile Triton kernels at their default launch configs, compiled for
+sm_90 (H100/H200) on any machine: ``triton.compile`` with the ptxas shipped in the Triton wheel, no GPU.
+
+``python -m kernels.smem_check`` prints one JSON object {"<kernel>/<dtype>": bytes}; every value must
+be <= SM90_SMEM_BYTES or the launch fails on the GPU with OutOfResources (tests/test_kernels_smem.py).
+Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled): the test starts it as a
+subprocess. Real M3 shapes: MoE 128 experts, H 6144, I 3072, top-4 at T=4096 (the ragged path);
+attention 4 KV heads x 16 q heads, d 128, page 128.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import fused_moe, moe_ragged
+from kernels import msa_sparse_attention as ma
+
+SM90_SMEM_BYTES = 232448  # shared memory one block may use on sm_90 (227 KB opt-in)
+SM90 = GPUTarget("cuda", 90, 32)
+_TT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def shared_bytes(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> int:
+    """Bytes of static shared memory of JIT kernel ``fn`` compiled for sm_90 (sig: Triton type strings)."""
+    sig = dict(sig, **{c: "constexpr" for c in consts})
+    kernel = triton.compile(ASTSource(fn, sig, consts), target=SM90,
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    return int(kernel.metadata.shared)
+
+
+def _ragged_sig(fn, dt: str, block_n: int, block_k: int) -> dict:
+    sig = {n: "i32" for n in fn.arg_names}
+    for m, n in zip((128, 64, 32, 16), ("a128", "a64", "a32", "a16")):
+        sig[n] = f"tensordesc<{dt}[{m}, {block_k}]>"
+    sig["w_desc"] = f"tensordesc<{dt}[{block_n}, {block_k}]>"
+    for n in ("sorted_ids_ptr", "tile_row_ptr", "tile_expert_ptr", "tile_rows_ptr", "num_tiles_ptr"):
+        sig[n] = "*i32"
+    return sig
+
+
+def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
+    """Shared bytes of the ragged w13 / w2 GEMMs with the large-batch default tiles for ``dtype``."""
+    cfg = fused_moe.config_for_dtype(fused_moe.default_config(4096 * 4, 128, 6144, 3072), dtype)
+    dt, prec = _TT[dtype], ("ieee" if dtype == torch.float32 else "tf32")
+    t13, t2 = cfg.w13, cfg.w2
+    sig = _ragged_sig(moe_ragged._moe_w13_ragged_kernel, dt, t13.block_n, t13.block_k)
+    sig.update(x_ptr="*" + dt, act_ptr="*" + dt, alpha="fp32", limit="fp32", beta="fp32")
+    w13 = shared_bytes(moe_ragged._moe_w13_ragged_kernel, sig,
+                       dict(INTER=3072, HIDDEN=6144, BLOCK_N=t13.block_n, BLOCK_K=t13.block_k, PRECISION=prec,
+                            TOP_K=4, GATHER=not cfg.permute, FAT=cfg.fat_tail), t13.num_warps, t13.num_stages)
+    sig = _ragged_sig(moe_ragged._moe_w2_ragged_kernel, dt, t2.block_n, t2.block_k)
+    sig.update(out_ptr="*" + dt, weights_ptr="*fp32")
+    w2 = shared_bytes(moe_ragged._moe_w2_ragged_kernel, sig,
+                      dict(HIDDEN=6144, INTER=3072, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, PRECISION=prec,
+                           FAT=cfg.fat_tail), t2.num_warps, t2.num_stages)
+    return {f"moe_w13_ragged/{dt}": w13, f"moe_w2_ragged/{dt}": w2}
+
+
+def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
+    """Shared bytes of the KV-major sparse-prefill segment kernel (default tile, prefetching) for ``dtype``."""
+    dt = _TT[dtype]
+    sig = {n: "i32" for n in ma._kv_seg_attn_kernel.arg_names}
+    sig.update(q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, opart_ptr="*" + dt, perm_ptr="*i64", lse_ptr="*fp32",
+               epos_ptr="*i32", seg_bkt_ptr="*i32", bkt_start_ptr="*i64", bkt_seg0_ptr="*i64", bkt_end_ptr="*i64",
+               bkt_page_ptr="*i32", qk_scale="fp32")
+    consts = dict(G=4, RH=16, RHP=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, IEEE=dtype == torch.float32,
+                  PREFETCH=True)
+    return {f"kv_major_segment/{dt}": shared_bytes(ma._kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=1)}
+
+
+def main() -> None:
+    out: dict[str, int] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        out.update(ragged_moe(dtype))
+        out.update(kv_major_prefill(dtype))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Shared-memory budget of the large-tile Triton kernels, checked without a GPU.
+
+``python -m kernels.smem_check`` (a subprocess: it must compile, not interpret, the kernels) builds
+each kernel for an sm_90 target with the launch configuration the code picks by default, in bf16 and
+fp32; each must fit the 232,448 bytes of shared memory an H200 SM offers a block. Regression: fp32
+doubles tile bytes, and the ragged MoE tiles at their bf16 pipelining depth (4 stages) needed
+376,888 B in fp32, which the H200 refused at launch (engine GPU test in fp32) before
+``fused_moe.config_for_dtype`` capped fp32 at 2 stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smem() -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-m", "kernels.smem_check"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_default_tiles_fit_h200_shared_memory(smem):
+    from kernels.smem_check import SM90_SMEM_BYTES
+
+    assert set(smem) == {f"{k}/{d}" for k in ("moe_w13_ragged", "moe_w2_ragged", "kv_major_segment")
+                         for d in ("bf16", "fp32")}
+    for name, nbytes in smem.items():
+        assert 0 < nbytes <= SM90_SMEM_BYTES, (name, nbytes)
+
+
+def test_fp32_moe_tiles_are_capped_and_bf16_keeps_its_pipeline(smem):
+    from kernels import fused_moe
+
+    # bf16 keeps 4 stages (>100 KB of shared memory); fp32 runs 2 (the 4-stage fp32 tile needs 376,888 B)
+    assert smem["moe_w13_ragged/bf16"] > 100_000 and smem["moe_w2_ragged/bf16"] > 150_000
+    cfg = fused_moe.config_for_dtype(fused_moe.default_config(4096 * 4, 128, 6144, 3072), fused_moe.torch.float32)
+    assert cfg.w13.num_stages == cfg.w2.num_stages == fused_moe.FP32_MAX_STAGES == 2
