@@ -71,7 +71,7 @@ import os  # noqa: E402
 import time  # noqa: E402
 
 from m3_rollout.config import load_config  # noqa: E402
-from m3_rollout.rollout.environment import Tool, ToolSettings  # noqa: E402
+from m3_rollout.rollout.environment import ToolSettings  # noqa: E402
 from m3_rollout.rollout.environments import build_environment  # noqa: E402
 from m3_rollout.rollout.environments.jsonl_env import JsonlEnvironment, load_reward_fn  # noqa: E402
 from m3_rollout.rollout.environments.tools import convert_units  # noqa: E402

@@ -1,6 +1,5 @@
 """Token-in/token-out multi-turn rollouts: bridges, masks, engine finish reasons, re-scoring."""
 
-import json
 
 import pytest
 import torch

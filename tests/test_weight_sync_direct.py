@@ -4,7 +4,6 @@ atomic rejection of non-finite / overflowing / malformed updates with old weight
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
