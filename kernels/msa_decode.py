@@ -141,13 +141,14 @@ def _load_q_group(q_ptr, t, g, stride_qt, stride_qh, RH: tl.constexpr, RHP: tl.c
 def _attend_split(q, k_ptr, v_ptr, bt_ptr, ids_row, rank, blk, pages, g, row, p, qk_scale, topk, e_lo, e_hi,
                   stride_kp, stride_kg, stride_ko, stride_bt_r,
                   RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NBC: tl.constexpr,
-                  SELECT: tl.constexpr, IEEE: tl.constexpr):
+                  SELECT: tl.constexpr, IEEE: tl.constexpr, KP: tl.constexpr):
     """Online softmax (base 2) of one KV head's query group q [RHP, D] over list slots [e_lo, e_hi).
 
     SELECT: slot e holds the block ``blk`` [NBC] of the lane of rank e (``rank`` [NBC]) whose page
-    is in ``pages`` [NBC] (preloaded); else slot e of the top-k row ``ids_row``. Invalid slots
-    (-1, >= nb, past the candidates) are masked (no branch in the loop, so the K/V loads of the
-    next slot can be issued early). Returns (m [RHP], l [RHP], acc [RHP, D]).
+    is in ``pages`` [NBC] (preloaded); else slot e of the top-k row ``ids_row``, a set: a block id
+    repeated at a later slot counts once (as in the reference). Invalid slots (-1, >= nb, past the
+    candidates) are masked (no branch in the loop, so the K/V loads of the next slot can be issued
+    early). Returns (m [RHP], l [RHP], acc [RHP, D]).
     """
     n_blk = p // PS + 1
     offs_d = tl.arange(0, D)
@@ -159,6 +160,9 @@ def _attend_split(q, k_ptr, v_ptr, bt_ptr, ids_row, rank, blk, pages, g, row, p,
     acc = tl.zeros([RHP, D], tl.float32)
     kg_ptr = k_ptr + g * stride_kg
     vg_ptr = v_ptr + g * stride_kg
+    if not SELECT:
+        offs_k = tl.arange(0, KP)
+        row_ids = tl.load(ids_row + offs_k, mask=offs_k < topk, other=-1)  # [KP] the whole selection
     for e in range(e_lo, e_hi):
         if SELECT:
             hit = rank == e
@@ -167,7 +171,8 @@ def _attend_split(q, k_ptr, v_ptr, bt_ptr, ids_row, rank, blk, pages, g, row, p,
             ok = b >= 0
         else:
             b = tl.load(ids_row + e)
-            ok = (b >= 0) & (b < n_blk)
+            first = tl.sum(tl.where((row_ids == b) & (offs_k < e), 1, 0)) == 0  # not at an earlier slot
+            ok = (b >= 0) & (b < n_blk) & first
             page = tl.load(bt_ptr + row * stride_bt_r + b, mask=ok, other=0)
         koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
         k = tl.load(kg_ptr + koff, mask=ok, other=0.0)  # [PS, D]
@@ -269,7 +274,7 @@ def _decode_select_attend_kernel(
     e_lo = s_id * entries_per_split
     e_hi = tl.minimum(e_lo + entries_per_split, topk)
     m_i, l_i, acc = _attend_split(q, k_ptr, v_ptr, bt_ptr, ids_row, rank, blk, pages, g, row, p, qk_scale, topk, e_lo,
-                                  e_hi, stride_kp, stride_kg, stride_ko, stride_bt_r, RHP, D, PS, NBC, MODE != 0, IEEE)
+                                  e_hi, stride_kp, stride_kg, stride_ko, stride_bt_r, RHP, D, PS, NBC, MODE != 0, IEEE, KP)
     _finish_split(m_i, l_i, acc, o_ptr, opart_ptr, lse_ptr, cnt_ptr, t, g, s_id, tl.num_programs(1),
                   stride_ot, stride_oh, RH, RHP, D, S)
 

@@ -360,6 +360,8 @@ def select_topk_blocks(scores: torch.Tensor, meta: PagedMetadata, topk: int, pag
     rows_per_program > 1 (power of two): the one-chunk case with >= TOPK_ROWS_MIN rows runs that many rows per
     program (one [rows, chunk] key tile, ``num_warps`` warps; the tile is sized to the rows' causal candidates).
     """
+    if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"select_topk_blocks: rows_per_program={rows_per_program}; needs a power of two >= 1")
     t, g, nbp = scores.shape
     out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)
     if t == 0:

@@ -89,9 +89,11 @@ def _decode_attn_kernel(
     stride_qt, stride_qh, stride_kp, stride_kg, stride_ko, stride_bt_r,
     stride_sel_t, stride_sel_g, stride_ot, stride_oh,
     RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    DENSE: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    DENSE: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, KP: tl.constexpr = 2,
 ):
-    """One (decode token, KV head, split): partial softmax over its share of the entries."""
+    """One (decode token, KV head, split): partial softmax over its share of the entries.
+
+    Sparse: the token's KP-padded selection is a set (a block id repeated at a later slot is skipped)."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     s_id = tl.program_id(2)
@@ -115,12 +117,17 @@ def _decode_attn_kernel(
         e_hi = tl.minimum(e_hi, n_blk)
     kg_ptr = k_ptr + g * stride_kg
     vg_ptr = v_ptr + g * stride_kg
+    if not DENSE:
+        offs_k = tl.arange(0, KP)
+        row_ids = tl.load(sel_ptr + t * stride_sel_t + g * stride_sel_g + offs_k, mask=offs_k < n_entries, other=-1)
     for e in range(e_lo, e_hi):
         if DENSE:
             b = e
+            first = True
         else:
             b = tl.load(sel_ptr + t * stride_sel_t + g * stride_sel_g + e)
-        if (b >= 0) & (b < n_blk):
+            first = tl.sum(tl.where((row_ids == b) & (offs_k < e), 1, 0)) == 0  # not at an earlier slot
+        if (b >= 0) & (b < n_blk) & first:
             page = tl.load(bt_ptr + row * stride_bt_r + b)
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, b, h_ok, qpos, qk_scale,
                                           stride_kp, stride_ko, offs_o, offs_d, PS, IEEE)
@@ -528,14 +535,38 @@ def paged_attention(
         _decode_attn_kernel[(t_dec, g, splits)](
             q, k_cache_l, v_cache_l, meta.block_tables, meta.positions, sel, out, opart, lse,
             qk_scale, meta.decode_query_len, n_entries, per, *common,
-            RH=rh, RHP=rhp, D=d, PS=ps, DENSE=dense, SPLIT=split, IEEE=ieee, num_warps=4, num_stages=1 if ieee else 2)
+            RH=rh, RHP=rhp, D=d, PS=ps, DENSE=dense, SPLIT=split, IEEE=ieee, KP=max(next_pow2(topk), 2),
+            num_warps=4, num_stages=1 if ieee else 2)
         if split:
             _decode_merge_kernel[(t_dec, g)](opart, lse, out, out.stride(0), out.stride(1),
                                              RH=rh, RHP=rhp, D=d, S=splits, num_warps=4)
     if r > nd:
         _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee,
-                        prefill_block_m, prefill_config or {})
+                        prefill_block_m, check_prefill_config(prefill_config or {}))
     return out
+
+
+_PREFILL_POW2_KNOBS = ("num_warps", "merge_warps", "tok")
+_PREFILL_POSITIVE_KNOBS = ("num_stages", "maxnreg", "seg", "kv_chunk")
+
+
+def check_prefill_config(cfg: dict) -> dict:
+    """Validate ``paged_attention``'s ``prefill_config`` knobs; returns cfg.
+
+    Raises ValueError naming the knob: unknown key, ``impl`` not in kv/union/loop, a warp count or
+    ``tok`` not a power of two >= 1, or ``num_stages`` / ``maxnreg`` / ``seg`` / ``kv_chunk`` < 1.
+    """
+    allowed = {"impl", "prefetch", *_PREFILL_POW2_KNOBS, *_PREFILL_POSITIVE_KNOBS}
+    for key, val in cfg.items():
+        if key not in allowed:
+            raise ValueError(f"paged_attention: unknown prefill_config key {key!r}; known: {sorted(allowed)}")
+        if key == "impl" and val not in ("kv", "union", "loop"):
+            raise ValueError(f"paged_attention: prefill_config impl={val!r}; use 'kv', 'union' or 'loop'")
+        if key in _PREFILL_POW2_KNOBS and (not isinstance(val, int) or val < 1 or val & (val - 1)):
+            raise ValueError(f"paged_attention: prefill_config {key}={val!r}; needs a power of two >= 1")
+        if key in _PREFILL_POSITIVE_KNOBS and (not isinstance(val, int) or val < 1):
+            raise ValueError(f"paged_attention: prefill_config {key}={val!r}; needs an integer >= 1")
+    return cfg
 
 
 def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee,
@@ -603,6 +634,8 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
     rp = r - nd
     nbp = meta.block_tables.shape[1]
     rhp = next_pow2(rh)
+    if tp == 0:  # only decode rows
+        return
     tok = max(cfg.get("tok", 4), triton.cdiv(16, rhp))
     chunk = min(cfg.get("kv_chunk", KV_CHUNK_TOKENS), tp)
     dev = q.device

@@ -234,3 +234,37 @@ def test_kv_major_prefill_matches_reference(dtype, cfg):
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
     got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "kv_chunk": 64, **cfg})
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+
+
+def test_decode_selection_is_a_set():
+    # decode rows of paged_attention (split-K): a block id repeated at a later slot counts once, as in
+    # the reference and the prefill paths (a double count moved outputs by ~0.2 before).
+    b = _batch(([(40, 1), (700, 1)], 2), torch.float32, seed=1)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    sel[1, 0, 3] = sel[1, 0, 0]
+    sel[0, 0, 3] = sel[0, 0, 0]  # replaces the -1 pad of the short row
+    sel[0, 1, 1] = sel[0, 1, 2] = sel[0, 1, 0]
+    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)
+    torch.testing.assert_close(got, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=ATOL[torch.float32],
+                               rtol=0)
+
+
+def test_prefill_config_errors_name_the_knob_and_empty_prefill_rows_run():
+    b = _batch(([(20, 1), (30, 0), (0, 40)], 1), torch.float32, seed=2)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    for bad, match in (({"kv_chunk": 0}, "kv_chunk=0"), ({"seg": 0}, "seg=0"), ({"tok": 6}, "tok=6"),
+                       ({"impl": "dense"}, "impl='dense'"), ({"chunk": 4}, "unknown prefill_config key 'chunk'")):
+        with pytest.raises(ValueError, match=match):
+            ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", **bad})
+    with pytest.raises(ValueError, match="rows_per_program=3"):
+        mi.select_topk_blocks(mi.index_block_scores(b.iq, b.ik, b.meta), b.meta, K, PS, rows_per_program=3)
+    # a prefill row with no query tokens (between a decode row and a prefill row) on the KV-major path
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv"})
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+    only_dec = _batch(([(20, 1), (30, 0)], 1), torch.float32, seed=2)
+    sel_d = index_topk_ref(only_dec.iq, only_dec.ik, only_dec.meta, K)
+    torch.testing.assert_close(
+        ma.paged_attention(only_dec.q, only_dec.k, only_dec.v, only_dec.meta, SCALE, sel_d, prefill_config={"impl": "kv"}),
+        paged_attention_ref(only_dec.q, only_dec.k, only_dec.v, only_dec.meta, SCALE, sel_d), atol=ATOL[torch.float32],
+        rtol=0)

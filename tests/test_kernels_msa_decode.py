@@ -152,3 +152,20 @@ def test_prefill_only_and_bad_inputs():
     with pytest.raises(ValueError, match="head_dim=24"):
         md.msa_decode(d.q[..., :24].contiguous(), d.iq, d.k[..., :24].contiguous(), d.v[..., :24].contiguous(),
                       d.ik, d.meta, SCALE, K)
+
+
+def test_given_ids_are_a_set_duplicates_count_once():
+    # decode_select_attend on a given selection (the wide-table route): a block id repeated at a later
+    # slot is attended once, as paged_attention_ref treats the selection (a set); -1 stays empty.
+    b = _batch(([(40, 1), (700, 1)], 2), torch.float32, seed=1)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    sel[1, 0, 3] = sel[1, 0, 0]  # long row: one slot repeats the first block
+    sel[0, 1, 3] = sel[0, 1, 1]  # short row: the -1 pad replaced by a repeat
+    sel[1, 1, 2] = -1
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    got = md.decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, topk_ids=sel)
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+    # precondition: the reference treats the selection as a set (dropping the repeat changes nothing)
+    once = sel.clone()
+    once[1, 0, 3] = -1
+    assert (paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, once)[1] - want[1]).abs().max() < 1e-6
