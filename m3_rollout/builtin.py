@@ -112,6 +112,24 @@ def resolve_model(model_name: str, progress: bool = True) -> tuple[Path, dict]:
     return out, {"built": True, "key": spec.key(), **report}
 
 
+def warm_start_warning(model_dir: Path, info: dict) -> str | None:
+    """A warning when a built checkpoint's warm start stopped outside its accuracy window, else None.
+
+    That happens when the build hit ``max_steps`` or ``max_seconds`` (a heavily loaded machine): the GRPO
+    run then starts lower (or higher) than the README's figures. The build stays cached, so the warning
+    is given on every run that uses it, with how to rebuild.
+    """
+    if info.get("in_window", True):
+        return None
+    spec = info.get("spec", {}).get("warm_start") or {}
+    lo, hi = spec.get("target_low", float("nan")), spec.get("target_high", float("nan"))
+    return (f"WARNING: the checkpoint's warm start stopped at step {info.get('warm_start_steps')} after "
+            f"{info.get('build_seconds', float('nan')):.0f} s with held-out accuracy "
+            f"{info.get('heldout_accuracy', float('nan')):.3f}, outside its window [{lo}, {hi}] (step or time cap "
+            f"reached); GRPO starts from it, so accuracies will differ from the README's. To rebuild, delete "
+            f"{model_dir} and run again on a less loaded machine.")
+
+
 def _corpus(template: str, task: ArithmeticTask, env: CalculatorEnvironment,
             count: int) -> list[str]:
     """Rendered full episodes (prompt, call, tool turn, answer) for tokenizer training."""
@@ -166,8 +184,9 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             trajs, _ = run_group_rollouts(backend, chat, env, source.val, settings)
             return sum(t.reward for t in trajs) / len(trajs)
 
-        bar = tqdm(total=spec.warm_start.max_steps, desc="building tiny M3 (SFT warm start)", disable=not progress,
-                   unit="step")
+        ws = spec.warm_start
+        bar = tqdm(total=None, desc=f"building tiny M3 (SFT warm start to held-out accuracy in [{ws.target_low}, "
+                   f"{ws.target_high}])", disable=not progress, unit="step")
 
         def on_progress(step: int, acc: float | None, loss: float) -> None:
             bar.n = step

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from m3_rollout.builtin import warm_start_warning
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.config import ConfigError, LossConfig, MasterConfig, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
@@ -140,6 +141,9 @@ def run(cfg: MasterConfig) -> dict:
     else:
         print(f"using checkpoint {model_dir}" + (f" (cached build of {info['build_seconds']:.1f} s)"
                                                  if "build_seconds" in info else ""))
+    warning = warm_start_warning(model_dir, info)
+    if warning:
+        print(warning, file=sys.stderr)
     train_model = load_checkpoint(model_dir, dtype=getattr(torch, p.precision))
     samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     opt_steps_per_step = max(1, samples_per_step // p.train_global_batch_size)

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the project with CPU torch.
-# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# Create .venv (if missing) and install the project with CPU torch; skipped when .venv already holds
+# this pyproject.toml's install (the project is installed editable, so code changes need no reinstall).
+# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build. Where pip's index
+# serves the CUDA build for torch==2.13.0, set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat .venv/.m3_rollout_installed 2>/dev/null)" = "$stamp" ]; then
+  exit 0
+fi
 pipi() {
   if ! .venv/bin/python -m pip install -q "$@" > .venv/pip.log 2>&1; then
     cat .venv/pip.log; echo "install failed: pip install $*" >&2; exit 1
   fi
 }
-pipi "torch==2.13.0"
+pipi "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 pipi -e ".[test,kernels,plot]"
 .venv/bin/python -c "import torch, transformers, triton; print(f'torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}')"
+echo "$stamp" > .venv/.m3_rollout_installed

@@ -1,5 +1,6 @@
 """End to end: the smoke config runs GRPO on a random-weight tiny M3 and saves a checkpoint."""
 
+import dataclasses
 import json
 
 import pytest
@@ -67,3 +68,14 @@ def test_spec_key_changes_with_spec():
     a = builtin.TinyCheckpointSpec()
     b = builtin.TinyCheckpointSpec(tokenizer_vocab_size=512)
     assert a.key() == builtin.TinyCheckpointSpec().key() != b.key()
+
+
+def test_warm_start_outside_window_warns_with_rebuild_hint(tmp_path):
+    # a build that hit its step/time cap outside the accuracy window is flagged on every use
+    spec = builtin.TinyCheckpointSpec()
+    report = {"in_window": False, "warm_start_steps": 200, "build_seconds": 255.7, "heldout_accuracy": 0.16,
+              "spec": dataclasses.asdict(spec)}
+    msg = builtin.warm_start_warning(tmp_path, report)
+    assert msg is not None and "0.160" in msg and "[0.25, 0.45]" in msg and str(tmp_path) in msg and "step 200" in msg
+    assert builtin.warm_start_warning(tmp_path, dict(report, in_window=True)) is None
+    assert builtin.warm_start_warning(tmp_path, {"built": False}) is None  # a user checkpoint directory

@@ -33,7 +33,7 @@ class WarmStartConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     max_steps: int = 3000
-    max_seconds: float = 240.0
+    max_seconds: float = 900.0  # safety cap: ~180 s on 2 idle Xeon cores; a loaded machine may need 2-3x
     eval_every: int = 50
     target_low: float = 0.25
     target_high: float = 0.45
