@@ -380,10 +380,11 @@ def _kv_seg_attn_kernel(
     koff = page.to(tl.int64) * stride_kp + g * stride_kg + offs_o[:, None] * stride_ko + offs_d[None, :]
     k = tl.load(k_ptr + koff)  # [PS, D], loaded once per segment
     v = tl.load(v_ptr + koff)
-    ei = e_lo + offs_m // RHP
-    m_ok = (ei < e_hi) & (h < RH)
-    e, qpos, q = _kv_seg_load_q(q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt, stride_qh,
-                                G, RH, topk)
+    if PREFETCH:  # the first tile's entries; each iteration then loads the next tile's
+        ei = e_lo + offs_m // RHP
+        m_ok = (ei < e_hi) & (h < RH)
+        e, qpos, q = _kv_seg_load_q(q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt,
+                                    stride_qh, G, RH, topk)
     for c in range(e_lo, e_hi, TOK):
         if PREFETCH:
             ei_n = c + TOK + offs_m // RHP

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-stamp=$(sha256sum pyproject.toml | cut -c1-16)
+stamp=$(.venv/bin/python -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest()[:16])')
 if [ "$(cat .venv/.m3_rollout_installed 2>/dev/null)" = "$stamp" ]; then
   exit 0
 fi
