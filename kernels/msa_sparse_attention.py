@@ -168,6 +168,25 @@ def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, stride_ot, stride_oh,
 
 
 @triton.jit
+def _load_query_tile(q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh,
+                     RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query rows of a prefill tile: BLOCK_M tokens from t0 (cut at q_hi) x KV head g's RH heads, row m =
+    token m // RHP, head m % RHP. Returns (ti [M] token index in the tile, tok [M], head [M], m_ok [M],
+    q [M, D], qpos [M] positions as stored, -1 for masked rows)."""
+    offs_m = tl.arange(0, BLOCK_M * RHP)
+    ti = offs_m // RHP
+    tok = t0 + ti
+    h = offs_m % RHP
+    m_ok = (tok < q_hi) & (h < RH)
+    head = g * RH + h
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0)  # [M, D]
+    qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1)  # [M]
+    return ti, tok, head, m_ok, q, qpos
+
+
+@triton.jit
 def _prefill_attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, pos_ptr, sel_ptr, o_ptr,
     qk_scale, row_offset, n_qtiles, topk,
@@ -186,16 +205,10 @@ def _prefill_attn_kernel(
     t0 = q_lo + qtile * BLOCK_M
     if t0 >= q_hi:
         return
-    offs_m = tl.arange(0, BLOCK_M * RHP)  # row m = token m // RHP, head m % RHP
-    tok = t0 + offs_m // RHP
-    h = offs_m % RHP
-    m_ok = (tok < q_hi) & (h < RH)
-    head = g * RH + h
+    _, tok, head, m_ok, q, qpos = _load_query_tile(q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh, RH, RHP, D,
+                                                   BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_o = tl.arange(0, PS)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)  # [M, D]
-    qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1)  # [M]
     m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
     acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
@@ -303,17 +316,11 @@ def _prefill_union_attn_kernel(
     if t0 >= q_hi:
         return
     slot = tile * tl.num_programs(1) + g
-    offs_m = tl.arange(0, BLOCK_M * RHP)  # row m = token m // RHP, head m % RHP
-    ti = offs_m // RHP
-    tok = t0 + ti
-    h = offs_m % RHP
-    m_ok = (tok < q_hi) & (h < RH)
-    head = g * RH + h
+    ti, tok, head, m_ok, q, qpos = _load_query_tile(q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh, RH, RHP, D,
+                                                    BLOCK_M)
+    qpos = qpos.to(tl.int32)
     offs_d = tl.arange(0, D)
     offs_o = tl.arange(0, PS)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)  # [M, D]
-    qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1).to(tl.int32)  # [M]
     m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
     acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
