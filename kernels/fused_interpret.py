@@ -14,15 +14,16 @@ from types import ModuleType
 
 
 def interpreted_fused_layers() -> ModuleType:
-    """The ``kernels.fused_layers`` module with interpreted kernels; sets TRITON_INTERPRET=1 for the
+    """The ``m3_kernels.fused_layers`` module with interpreted kernels; sets TRITON_INTERPRET=1 for the
     rest of the process (the interpreter reads it at launch time too)."""
     os.environ["TRITON_INTERPRET"] = "1"
-    from kernels.msa_interpret import _patch_numpy_index
     from triton.runtime.interpreter import InterpretedFunction
 
+    from m3_kernels.msa_interpret import _patch_numpy_index
+
     _patch_numpy_index()
-    mod = sys.modules.get("kernels.fused_layers")
-    mod = importlib.import_module("kernels.fused_layers") if mod is None else mod
+    mod = sys.modules.get("m3_kernels.fused_layers")
+    mod = importlib.import_module("m3_kernels.fused_layers") if mod is None else mod
     if not isinstance(mod._add_rms_norm_kernel, InterpretedFunction):
         mod = importlib.reload(mod)
     return mod

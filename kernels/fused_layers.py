@@ -9,7 +9,7 @@ does in several, with the same maths and the same intermediate roundings:
   ``[T, nh*d + 2*G*d (+ Gi*di + di)]`` (q | k | v | index q | index k columns): per-head Gemma
   RMSNorm of q, k (and index q, index k), partial NeoX RoPE on the first ``rotary_dim`` channels,
   K / V / index K written into their pages through ``slot_mapping`` (-1 -> null page), q and
-  index q returned. Spec §3.3, §3.4, §4.2; cache layout engine/paged_cache.py.
+  index q returned. Spec §3.3, §3.4, §4.2; cache layout kernels/paged_layout.py.
 - ``add_rms_norm``: residual add (+ an optional second addend) and Gemma RMSNorm (spec §3.1,
   "fused add+norm"), residual updated in place; optional fp32 copy of the output (router input).
 - ``swiglu``: SwiGLU-OAI over a ``[T, 2I]`` gate|up GEMM output (spec §3.7).
@@ -40,8 +40,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # ----------------------------------------------------------------------------- jit helpers
 @triton.jit
-def _norm_rope_vec(src_ptr, w_ptr, cos_ptr, sin_ptr, eps, act_ptr, N: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _norm_rope_vec(
+    src_ptr, w_ptr, cos_ptr, sin_ptr, eps, act_ptr, N: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr
+):
     """Gemma RMSNorm of one head vector [N] then NeoX RoPE on its first 2*HALF channels.
 
     The normed vector is rounded to the activation dtype (``act_ptr``'s element type) before RoPE
@@ -68,13 +69,34 @@ def _norm_rope_vec(src_ptr, w_ptr, cos_ptr, sin_ptr, eps, act_ptr, N: tl.constex
 
 @triton.jit
 def _qkv_norm_rope_write_kernel(
-    qkv_ptr, stride_t, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    qw_ptr, kw_ptr, iqw_ptr, ikw_ptr,
-    q_out_ptr, iq_out_ptr, k_cache_ptr, v_cache_ptr, idx_cache_ptr,
-    null_slot, eps,
-    NH: tl.constexpr, G: tl.constexpr, NI: tl.constexpr, HAS_INDEX: tl.constexpr,
-    D: tl.constexpr, DI: tl.constexpr, HALF: tl.constexpr, PS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr, ROPE_TABLE: tl.constexpr,
+    qkv_ptr,
+    stride_t,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    qw_ptr,
+    kw_ptr,
+    iqw_ptr,
+    ikw_ptr,
+    q_out_ptr,
+    iq_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    idx_cache_ptr,
+    null_slot,
+    eps,
+    NH: tl.constexpr,
+    G: tl.constexpr,
+    NI: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    D: tl.constexpr,
+    DI: tl.constexpr,
+    HALF: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
+    ROPE_TABLE: tl.constexpr,
 ):
     # grid (T, NH + 2G [+ NI + 1]): program (t, j) handles one head vector of token t.
     t = tl.program_id(0)
@@ -122,9 +144,21 @@ def _qkv_norm_rope_write_kernel(
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, y32_ptr,
-    stride_x, stride_x2, stride_res, stride_y, eps,
-    N: tl.constexpr, HAS_X2: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y32: tl.constexpr,
+    x_ptr,
+    x2_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    y32_ptr,
+    stride_x,
+    stride_x2,
+    stride_res,
+    stride_y,
+    eps,
+    N: tl.constexpr,
+    HAS_X2: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    WRITE_Y32: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -147,8 +181,7 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, out_ptr, stride_gu, stride_out, alpha, limit, beta,
-                   I: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(gu_ptr, out_ptr, stride_gu, stride_out, alpha, limit, beta, I: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -161,9 +194,19 @@ def _swiglu_kernel(gu_ptr, out_ptr, stride_gu, stride_out, alpha, limit, beta,
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scaling,
-                        E: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _router_topk_kernel(
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    stride_l,
+    scaling,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
@@ -172,9 +215,22 @@ def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scaling,
 
 
 @triton.jit
-def _router_gemm_topk_kernel(x_ptr, gate_w_ptr, bias_ptr, w_ptr, ids_ptr, stride_x, scaling,
-                             H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _router_gemm_topk_kernel(
+    x_ptr,
+    gate_w_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    stride_x,
+    scaling,
+    H: tl.constexpr,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # one token per program: fp32 logits = x . W_gate^T over H in BLOCK_H chunks, then top-k
     t = tl.program_id(0).to(tl.int64)
     oe = tl.arange(0, BLOCK_E)
@@ -190,8 +246,19 @@ def _router_gemm_topk_kernel(x_ptr, gate_w_ptr, bias_ptr, w_ptr, ids_ptr, stride
 
 
 @triton.jit
-def _topk_store(z, bias_ptr, w_ptr, ids_ptr, t, scaling, E: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _topk_store(
+    z,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    t,
+    scaling,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Sigmoid, biased top-K choice (ties -> lower id), renormalised scaled weights of one token."""
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
@@ -223,11 +290,23 @@ def _check_act(name: str, x: torch.Tensor) -> None:
 
 
 def qkv_norm_rope_write(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-    q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
-    index_q_norm_w: torch.Tensor | None = None, index_k_norm_w: torch.Tensor | None = None,
-    num_index_heads: int = 0, index_dim: int = 0, index_cache: torch.Tensor | None = None,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    eps: float,
+    index_q_norm_w: torch.Tensor | None = None,
+    index_k_norm_w: torch.Tensor | None = None,
+    num_index_heads: int = 0,
+    index_dim: int = 0,
+    index_cache: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Post-projection work of one attention layer in one launch (spec §3.3, §3.4, §4.2).
@@ -251,11 +330,11 @@ def qkv_norm_rope_write(
     _check_act("qkv", qkv)
     t = qkv.shape[0]
     has_index = index_cache is not None
-    width = num_heads * head_dim + 2 * num_kv_heads * head_dim + (
-        (num_index_heads + 1) * index_dim if has_index else 0)
+    width = num_heads * head_dim + 2 * num_kv_heads * head_dim + ((num_index_heads + 1) * index_dim if has_index else 0)
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"qkv: shape {tuple(qkv.shape)} stride {qkv.stride()}, expected [T, {width}] "
-                         "with a contiguous last dim")
+        raise ValueError(
+            f"qkv: shape {tuple(qkv.shape)} stride {qkv.stride()}, expected [T, {width}] with a contiguous last dim"
+        )
     half = cos.shape[-1]
     if 2 * half > head_dim or (has_index and 2 * half > index_dim):
         raise ValueError(f"rotary_dim {2 * half} exceeds head_dim {head_dim} / index_dim {index_dim}")
@@ -274,22 +353,47 @@ def qkv_norm_rope_write(
     jobs = num_heads + 2 * num_kv_heads + (num_index_heads + 1 if has_index else 0)
     dummy = q_norm_w
     _qkv_norm_rope_write_kernel[(t, jobs)](
-        qkv, qkv.stride(0), cos, sin, positions if positions is not None else slot_mapping, slot_mapping,
-        q_norm_w, k_norm_w, index_q_norm_w if has_index else dummy, index_k_norm_w if has_index else dummy,
-        q, iq if has_index else q, k_cache, v_cache, index_cache if has_index else k_cache,
-        null_slot, eps,
-        NH=num_heads, G=num_kv_heads, NI=num_index_heads if has_index else 0, HAS_INDEX=has_index,
-        D=head_dim, DI=index_dim if has_index else head_dim, HALF=half, PS=ps,
+        qkv,
+        qkv.stride(0),
+        cos,
+        sin,
+        positions if positions is not None else slot_mapping,
+        slot_mapping,
+        q_norm_w,
+        k_norm_w,
+        index_q_norm_w if has_index else dummy,
+        index_k_norm_w if has_index else dummy,
+        q,
+        iq if has_index else q,
+        k_cache,
+        v_cache,
+        index_cache if has_index else k_cache,
+        null_slot,
+        eps,
+        NH=num_heads,
+        G=num_kv_heads,
+        NI=num_index_heads if has_index else 0,
+        HAS_INDEX=has_index,
+        D=head_dim,
+        DI=index_dim if has_index else head_dim,
+        HALF=half,
+        PS=ps,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_DI=triton.next_power_of_2(index_dim if has_index else head_dim), ROPE_TABLE=positions is not None,
+        BLOCK_DI=triton.next_power_of_2(index_dim if has_index else head_dim),
+        ROPE_TABLE=positions is not None,
         num_warps=1,
     )
     return q, iq
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                 x2: torch.Tensor | None = None, want_fp32: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    x2: torch.Tensor | None = None,
+    want_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gemma RMSNorm of ``residual + (x [+ x2])`` with the residual updated IN PLACE (spec §3.1).
 
     x, x2, residual: [T, N], same activation dtype (residual's last dim contiguous; x, x2 are made
@@ -313,11 +417,22 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         return y, y32
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(t,)](
-        x, x2 if x2 is not None else x, residual if residual is not None else x, weight, y,
+        x,
+        x2 if x2 is not None else x,
+        residual if residual is not None else x,
+        weight,
+        y,
         y32 if want_fp32 else y,
-        x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0) if residual is not None else 0,
-        y.stride(0), eps,
-        N=n, HAS_X2=x2 is not None, HAS_RES=residual is not None, WRITE_Y32=want_fp32, BLOCK=block,
+        x.stride(0),
+        x2.stride(0) if x2 is not None else 0,
+        residual.stride(0) if residual is not None else 0,
+        y.stride(0),
+        eps,
+        N=n,
+        HAS_X2=x2 is not None,
+        HAS_RES=residual is not None,
+        WRITE_Y32=want_fp32,
+        BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
     )
     return y, y32
@@ -333,13 +448,15 @@ def swiglu(gate_up: torch.Tensor, alpha: float, limit: float, beta: float = 1.0)
     if t == 0:
         return out
     block = min(1024, triton.next_power_of_2(i))
-    _swiglu_kernel[(t, triton.cdiv(i, block))](gate_up, out, gate_up.stride(0), out.stride(0), alpha, limit, beta,
-                                               I=i, BLOCK=block, num_warps=4)
+    _swiglu_kernel[(t, triton.cdiv(i, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), alpha, limit, beta, I=i, BLOCK=block, num_warps=4
+    )
     return out
 
 
-def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def router_topk(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid top-k routing of ``moe.route`` in one launch (spec §3.6 steps 2-4).
 
     logits: [T, E] fp32; bias: [E] fp32 or None (selection only). Returns (weights [T, K] fp32 =
@@ -347,8 +464,9 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sca
     by descending biased score, ties to the lower expert id).
     """
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected fp32 [T, E] with a contiguous last dim, got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
+        raise ValueError(
+            f"logits: expected fp32 [T, E] with a contiguous last dim, got {logits.dtype} {tuple(logits.shape)}"
+        )
     t, e = logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k={top_k} must be in [1, E={e}]")
@@ -356,9 +474,20 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sca
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t == 0:
         return w, ids
-    _router_topk_kernel[(t,)](logits, bias if bias is not None else logits, w, ids, logits.stride(0), scaling,
-                              E=e, K=top_k, HAS_BIAS=bias is not None, BLOCK_E=triton.next_power_of_2(e),
-                              BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+    _router_topk_kernel[(t,)](
+        logits,
+        bias if bias is not None else logits,
+        w,
+        ids,
+        logits.stride(0),
+        scaling,
+        E=e,
+        K=top_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=1,
+    )
     return w, ids
 
 
@@ -371,13 +500,16 @@ ROUTER_GEMM_MAX_TILE = 1 << 14
 
 def router_gemm_topk_ok(num_tokens: int, gate_weight: torch.Tensor) -> bool:
     """Whether ``router_gemm_topk`` suits this call (few tokens: decode-sized steps; small router)."""
-    return (num_tokens * gate_weight.numel() <= ROUTER_GEMM_MAX_ELEMS
-            and triton.next_power_of_2(gate_weight.shape[0]) * triton.next_power_of_2(gate_weight.shape[1])
-            <= ROUTER_GEMM_MAX_TILE)
+    return (
+        num_tokens * gate_weight.numel() <= ROUTER_GEMM_MAX_ELEMS
+        and triton.next_power_of_2(gate_weight.shape[0]) * triton.next_power_of_2(gate_weight.shape[1])
+        <= ROUTER_GEMM_MAX_TILE
+    )
 
 
-def router_gemm_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def router_gemm_topk(
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (fp32 GEMM of x upcast with the fp32 gate weight) + ``router_topk``, one launch.
 
     x: [T, H] activations (bf16/fp16/fp32, last dim contiguous); gate_weight: [E, H] fp32 contiguous;
@@ -390,24 +522,55 @@ def router_gemm_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Ten
     t, h = x.shape
     e = gate_weight.shape[0]
     if gate_weight.shape[1] != h or not 1 <= top_k <= e:
-        raise ValueError(f"router_gemm_topk: gate_weight {tuple(gate_weight.shape)} vs x {tuple(x.shape)}, "
-                         f"top_k={top_k}")
+        raise ValueError(
+            f"router_gemm_topk: gate_weight {tuple(gate_weight.shape)} vs x {tuple(x.shape)}, top_k={top_k}"
+        )
     w = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
         return w, ids
     block_e = triton.next_power_of_2(e)
     block_h = max(16, min(triton.next_power_of_2(h), ROUTER_GEMM_MAX_TILE // block_e))
-    _router_gemm_topk_kernel[(t,)](x, gate_weight, bias if bias is not None else gate_weight, w, ids, x.stride(0),
-                                   scaling, H=h, E=e, K=top_k, HAS_BIAS=bias is not None, BLOCK_H=block_h,
-                                   BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=8)
+    _router_gemm_topk_kernel[(t,)](
+        x,
+        gate_weight,
+        bias if bias is not None else gate_weight,
+        w,
+        ids,
+        x.stride(0),
+        scaling,
+        H=h,
+        E=e,
+        K=top_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_H=block_h,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=8,
+    )
     return w, ids
 
 
 # ----------------------------------------------------------------------------- skinny GEMM (decode)
 @triton.jit(do_not_specialize=["T"])  # one compile for every decode batch size
-def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_x, stride_w, stride_o, alpha, limit, beta,
-                        SWIGLU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_o,
+    alpha,
+    limit,
+    beta,
+    SWIGLU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # out[T, N] = a[T, K] @ w[N, K]^T, a = x or (SWIGLU) swiglu_oai(x[:, :K], x[:, K:]) rounded to x's dtype.
     # One program per BLOCK_N output columns, all T (<= BLOCK_T) rows: W is streamed once.
     pid = tl.program_id(0)
@@ -430,11 +593,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_x, stride_w, stri
             a = (g * tl.sigmoid(alpha * g) * (u + beta)).to(x_ptr.dtype.element_ty)
         else:
             a = tl.load(xp, mask=xm, other=0.0)
-        w = tl.load(w_ptr + on[None, :].to(tl.int64) * stride_w + kk[:, None], mask=mk[:, None] & mn[None, :],
-                    other=0.0)
+        w = tl.load(
+            w_ptr + on[None, :].to(tl.int64) * stride_w + kk[:, None], mask=mk[:, None] & mn[None, :], other=0.0
+        )
         acc += tl.dot(a, w)
-    tl.store(out_ptr + ot[:, None].to(tl.int64) * stride_o + on[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & mn[None, :])
+    tl.store(
+        out_ptr + ot[:, None].to(tl.int64) * stride_o + on[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mt[:, None] & mn[None, :],
+    )
 
 
 # Measured on the H200 (300M bench model, docs/benchmarks.md): the skinny GEMM beats cuBLAS at 1 token
@@ -446,12 +613,19 @@ SKINNY_BLOCK_K, SKINNY_STAGES = 256, 4  # K tile and software-pipelining depth o
 def skinny_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear`` suits x [T, K] @ weight [N, K]^T: T <= SKINNY_MAX_TOKENS (decode),
     bf16/fp16, contiguous rows."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= SKINNY_MAX_TOKENS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu_params: tuple[float, float, float] | None = None
-                  ) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, swiglu_params: tuple[float, float, float] | None = None
+) -> torch.Tensor:
     """x [T, K'] @ weight [N, K]^T -> [T, N] in x.dtype for few tokens (T <= 32 allowed; the model uses
     it up to ``SKINNY_MAX_TOKENS``), fp32 accumulation.
 
@@ -461,8 +635,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu_params: tuple[fl
     """
     t = x.shape[0]
     n, k = weight.shape
-    ok = (x.dim() == 2 and 0 < t <= 32 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-          and x.stride(1) == 1 and weight.stride(1) == 1)
+    ok = (
+        x.dim() == 2
+        and 0 < t <= 32
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    )
     if not ok or x.shape[1] != (2 * k if swiglu_params else k):
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -470,7 +650,23 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu_params: tuple[fl
     block_n = 16 if n <= 2048 else 32
     alpha, limit, beta = swiglu_params or (1.0, 1.0, 1.0)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, t, n, k, x.stride(0), weight.stride(0), out.stride(0), alpha, limit, beta,
-        SWIGLU=swiglu_params is not None, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=SKINNY_BLOCK_K, num_warps=4,
-        num_stages=SKINNY_STAGES)
+        x,
+        weight,
+        out,
+        t,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        alpha,
+        limit,
+        beta,
+        SWIGLU=swiglu_params is not None,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_K=SKINNY_BLOCK_K,
+        num_warps=4,
+        num_stages=SKINNY_STAGES,
+    )
     return out

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_align import AlignedAssignments, align_by_expert
+from m3_kernels.moe_align import AlignedAssignments, align_by_expert
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them the pointer-load kernels run
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -103,8 +103,11 @@ def config_for_dtype(cfg: MoEKernelConfig, dtype: torch.dtype) -> MoEKernelConfi
     """``cfg`` with the pipelining depth of both GEMM tiles capped at FP32_MAX_STAGES for fp32 inputs."""
     if dtype != torch.float32:
         return cfg
-    return replace(cfg, w13=replace(cfg.w13, num_stages=min(cfg.w13.num_stages, FP32_MAX_STAGES)),
-                   w2=replace(cfg.w2, num_stages=min(cfg.w2.num_stages, FP32_MAX_STAGES)))
+    return replace(
+        cfg,
+        w13=replace(cfg.w13, num_stages=min(cfg.w13.num_stages, FP32_MAX_STAGES)),
+        w2=replace(cfg.w2, num_stages=min(cfg.w2.num_stages, FP32_MAX_STAGES)),
+    )
 
 
 def default_config(num_assignments: int, num_local_experts: int, hidden: int, inter: int) -> MoEKernelConfig:
@@ -126,7 +129,7 @@ def default_config(num_assignments: int, num_local_experts: int, hidden: int, in
         return MoEKernelConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))
     if rows < 32:
         return MoEKernelConfig(32, GemmTile(64, 64, 4, 4), GemmTile(64, 64, 4, 4))
-    from kernels.moe_ragged import FAT_TAIL
+    from m3_kernels.moe_ragged import FAT_TAIL
 
     # block_m / tiles also serve the aligned fallback when H or I is not TMA-aligned
     return MoEKernelConfig(128, GemmTile(128, 64, 8, 4, 4), GemmTile(256, 64, 8, 4, 4), ragged=True, fat_tail=FAT_TAIL)
@@ -155,15 +158,34 @@ def swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta):
 
 @triton.jit
 def _moe_w13_swiglu_kernel(
-    x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
-    n_assign, num_tiles_m, group_m,
-    stride_xt, stride_xh,
-    stride_we, stride_wn, stride_wh,
-    stride_am, stride_ai,
-    alpha, limit, beta,
-    TOP_K: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, A_SORTED: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    tile_expert_ptr,
+    num_rows_ptr,
+    n_assign,
+    num_tiles_m,
+    group_m,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    stride_am,
+    stride_ai,
+    alpha,
+    limit,
+    beta,
+    TOP_K: tl.constexpr,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    A_SORTED: tl.constexpr,
 ):
     # act[row, n] = SwiGLU-OAI(x[tok] . w13[e, n], x[tok] . w13[e, I + n]) for the rows of one tile.
     # A_SORTED: x is already the expert-sorted [P, H] buffer of moe_permute (row = tile row, padding 0).
@@ -213,14 +235,30 @@ def _moe_w13_swiglu_kernel(
 
 @triton.jit
 def _moe_w2_weighted_kernel(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
-    n_assign, num_tiles_m, group_m,
-    stride_am, stride_ai,
-    stride_we, stride_wh, stride_wi,
-    stride_or, stride_oh,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    tile_expert_ptr,
+    num_rows_ptr,
+    n_assign,
+    num_tiles_m,
+    group_m,
+    stride_am,
+    stride_ai,
+    stride_we,
+    stride_wh,
+    stride_wi,
+    stride_or,
+    stride_oh,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # out[rid, n] = weight[rid] * (act[row] . w2[e, n]) for the rows of one tile, row -> rid.
     pid = tl.program_id(0)
@@ -256,10 +294,19 @@ def _moe_w2_weighted_kernel(
 
 @triton.jit
 def _moe_permute_kernel(
-    x_ptr, xs_ptr, sorted_ids_ptr, num_rows_ptr,
+    x_ptr,
+    xs_ptr,
+    sorted_ids_ptr,
+    num_rows_ptr,
     n_assign,
-    stride_xt, stride_xh, stride_st, stride_sh,
-    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_xt,
+    stride_xh,
+    stride_st,
+    stride_sh,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # xs[row] = x[sorted_ids[row] // K] for the rows in use; padding rows get zeros.
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -270,19 +317,32 @@ def _moe_permute_kernel(
     tok = (rid // TOP_K).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < HIDDEN
-    v = tl.load(x_ptr + tok[:, None] * stride_xt + offs_h[None, :] * stride_xh,
-                mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+    v = tl.load(
+        x_ptr + tok[:, None] * stride_xt + offs_h[None, :] * stride_xh, mask=row_ok[:, None] & h_ok[None, :], other=0.0
+    )
     tl.store(xs_ptr + offs_r[:, None].to(tl.int64) * stride_st + offs_h[None, :] * stride_sh, v, mask=h_ok[None, :])
 
 
 @triton.jit
 def _moe_w13_swiglu_tma_kernel(
-    a_desc, w_desc, act_ptr, tile_expert_ptr, num_rows_ptr,
-    num_tiles_m, group_m,
-    stride_am, stride_ai,
-    alpha, limit, beta,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    a_desc,
+    w_desc,
+    act_ptr,
+    tile_expert_ptr,
+    num_rows_ptr,
+    num_tiles_m,
+    group_m,
+    stride_am,
+    stride_ai,
+    alpha,
+    limit,
+    beta,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # As _moe_w13_swiglu_kernel with A_SORTED, tiles through TMA: a_desc over xs [P, H] (block
     # [M, K_]), w_desc over w13 viewed [E*2I, H] (block [N, K_]). Weight rows past I (ragged N)
@@ -312,11 +372,24 @@ def _moe_w13_swiglu_tma_kernel(
 
 @triton.jit
 def _moe_w2_weighted_tma_kernel(
-    a_desc, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
-    n_assign, num_tiles_m, group_m,
-    stride_or, stride_oh,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    a_desc,
+    w_desc,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    tile_expert_ptr,
+    num_rows_ptr,
+    n_assign,
+    num_tiles_m,
+    group_m,
+    stride_or,
+    stride_oh,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # As _moe_w2_weighted_kernel, tiles through TMA: a_desc over act [P, I] (block [M, K_]),
     # w_desc over w2 viewed [E*H, I] (block [N, K_]); rows past H are computed and never stored.
@@ -344,10 +417,18 @@ def _moe_w2_weighted_tma_kernel(
 
 @triton.jit
 def _moe_combine_kernel(
-    rows_ptr, ids_ptr, out_ptr,
-    expert_lo, expert_hi,
-    stride_rr, stride_rh, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+    rows_ptr,
+    ids_ptr,
+    out_ptr,
+    expert_lo,
+    expert_hi,
+    stride_rr,
+    stride_rh,
+    stride_ot,
+    stride_oh,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # out[t, h] = sum over slots k whose expert is local of rows[t*K + k, h], summed in fp32.
     t = tl.program_id(0).to(tl.int64)
@@ -405,10 +486,19 @@ def moe_permute(x: torch.Tensor, aligned, top_k: int) -> torch.Tensor:
     block_r = 4
     block_h = min(1024, triton.next_power_of_2(h))
     _moe_permute_kernel[(p // block_r, triton.cdiv(h, block_h))](
-        x, xs, aligned.sorted_ids, aligned.num_rows,
+        x,
+        xs,
+        aligned.sorted_ids,
+        aligned.num_rows,
         t * top_k,
-        x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),
-        TOP_K=top_k, HIDDEN=h, BLOCK_R=block_r, BLOCK_H=block_h,
+        x.stride(0),
+        x.stride(1),
+        xs.stride(0),
+        xs.stride(1),
+        TOP_K=top_k,
+        HIDDEN=h,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
         num_warps=4,
     )
     return xs
@@ -428,8 +518,17 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def moe_gate_up(
-    x: torch.Tensor, w13: torch.Tensor, aligned: AlignedAssignments, top_k: int, tile: GemmTile,
-    alpha: float, limit: float, beta: float, *, a_sorted: bool = False, tma: bool = False,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    aligned: AlignedAssignments,
+    top_k: int,
+    tile: GemmTile,
+    alpha: float,
+    limit: float,
+    beta: float,
+    *,
+    a_sorted: bool = False,
+    tma: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM 1 + SwiGLU-OAI: act [P, I] in x.dtype, row r = SwiGLU(W13[e] x[sorted_ids[r] // K]).
 
@@ -452,33 +551,71 @@ def moe_gate_up(
         a_desc = TensorDescriptor.from_tensor(x, [bm, tile.block_k])
         w_desc = TensorDescriptor.from_tensor(w_flat, [tile.block_n, tile.block_k])
         _moe_w13_swiglu_tma_kernel[grid](
-            a_desc, w_desc, act, aligned.tile_expert, aligned.num_rows,
-            num_tiles_m, launch_group(tile, num_tiles_m),
-            act.stride(0), act.stride(1),
-            float(alpha), float(limit), float(beta),
-            INTER=inter, HIDDEN=h,
-            BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION=_precision(x.dtype),
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            a_desc,
+            w_desc,
+            act,
+            aligned.tile_expert,
+            aligned.num_rows,
+            num_tiles_m,
+            launch_group(tile, num_tiles_m),
+            act.stride(0),
+            act.stride(1),
+            float(alpha),
+            float(limit),
+            float(beta),
+            INTER=inter,
+            HIDDEN=h,
+            BLOCK_M=bm,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            PRECISION=_precision(x.dtype),
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
         )
         return act
     _moe_w13_swiglu_kernel[grid](
-        x, w13, act, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
-        n_assign, num_tiles_m, launch_group(tile, num_tiles_m),
-        x.stride(0), x.stride(1),
-        w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), act.stride(1),
-        float(alpha), float(limit), float(beta),
-        TOP_K=top_k, INTER=inter, HIDDEN=h,
-        BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype), A_SORTED=a_sorted,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        x,
+        w13,
+        act,
+        aligned.sorted_ids,
+        aligned.tile_expert,
+        aligned.num_rows,
+        n_assign,
+        num_tiles_m,
+        launch_group(tile, num_tiles_m),
+        x.stride(0),
+        x.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        act.stride(0),
+        act.stride(1),
+        float(alpha),
+        float(limit),
+        float(beta),
+        TOP_K=top_k,
+        INTER=inter,
+        HIDDEN=h,
+        BLOCK_M=bm,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        EVEN_K=h % tile.block_k == 0,
+        PRECISION=_precision(x.dtype),
+        A_SORTED=a_sorted,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return act
 
 
 def moe_down(
-    act: torch.Tensor, w2: torch.Tensor, aligned: AlignedAssignments, weights: torch.Tensor, tile: GemmTile,
-    *, tma: bool = False,
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    aligned: AlignedAssignments,
+    weights: torch.Tensor,
+    tile: GemmTile,
+    *,
+    tma: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM 2 + routing weight: rows [T*K, H] in act.dtype, rows[s] = weights[s] * W2[e] act[r].
 
@@ -497,24 +634,55 @@ def moe_down(
         a_desc = TensorDescriptor.from_tensor(act, [bm, tile.block_k])
         w_desc = TensorDescriptor.from_tensor(w2.reshape(-1, inter), [tile.block_n, tile.block_k])  # [E*H, I]
         _moe_w2_weighted_tma_kernel[grid](
-            a_desc, w_desc, rows, w_flat, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
-            n_assign, num_tiles_m, launch_group(tile, num_tiles_m),
-            rows.stride(0), rows.stride(1),
-            HIDDEN=h, INTER=inter,
-            BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION=_precision(act.dtype),
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            a_desc,
+            w_desc,
+            rows,
+            w_flat,
+            aligned.sorted_ids,
+            aligned.tile_expert,
+            aligned.num_rows,
+            n_assign,
+            num_tiles_m,
+            launch_group(tile, num_tiles_m),
+            rows.stride(0),
+            rows.stride(1),
+            HIDDEN=h,
+            INTER=inter,
+            BLOCK_M=bm,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            PRECISION=_precision(act.dtype),
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
         )
         return rows
     _moe_w2_weighted_kernel[grid](
-        act, w2, rows, w_flat, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
-        n_assign, num_tiles_m, launch_group(tile, num_tiles_m),
-        act.stride(0), act.stride(1),
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        rows.stride(0), rows.stride(1),
-        HIDDEN=h, INTER=inter,
-        BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=inter % tile.block_k == 0, PRECISION=_precision(act.dtype),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        act,
+        w2,
+        rows,
+        w_flat,
+        aligned.sorted_ids,
+        aligned.tile_expert,
+        aligned.num_rows,
+        n_assign,
+        num_tiles_m,
+        launch_group(tile, num_tiles_m),
+        act.stride(0),
+        act.stride(1),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        rows.stride(0),
+        rows.stride(1),
+        HIDDEN=h,
+        INTER=inter,
+        BLOCK_M=bm,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        EVEN_K=inter % tile.block_k == 0,
+        PRECISION=_precision(act.dtype),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return rows
 
@@ -526,10 +694,18 @@ def moe_combine(rows: torch.Tensor, ids: torch.Tensor, expert_range: tuple[int, 
     out = torch.empty((t, h), dtype=rows.dtype, device=rows.device)
     block_h = min(1024, triton.next_power_of_2(h))
     _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
-        rows, ids.contiguous(), out,
-        int(expert_range[0]), int(expert_range[1]),
-        rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
-        TOP_K=k, HIDDEN=h, BLOCK_H=block_h,
+        rows,
+        ids.contiguous(),
+        out,
+        int(expert_range[0]),
+        int(expert_range[1]),
+        rows.stride(0),
+        rows.stride(1),
+        out.stride(0),
+        out.stride(1),
+        TOP_K=k,
+        HIDDEN=h,
+        BLOCK_H=block_h,
         num_warps=4,
     )
     return out
@@ -570,7 +746,7 @@ def fused_experts(
         return torch.empty((0, h), dtype=x.dtype, device=x.device)
     cfg = config or config_for_dtype(default_config(t * k, e, h, two_i // 2), x.dtype)
     if cfg.ragged and _tma_ok(x, w13, w2):
-        from kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
+        from m3_kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
 
         tiles = align_ragged(ids, (a, b), cfg.fat_tail)
         if cfg.permute:

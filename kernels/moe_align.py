@@ -148,11 +148,20 @@ def align_by_expert_small(ids: torch.Tensor, expert_range: tuple[int, int], bloc
         num_rows.zero_()
         return AlignedAssignments(sorted_ids, tile_expert, num_rows, block_m)
     _align_small_kernel[(1,)](
-        ids.reshape(-1).contiguous(), sorted_ids, tile_expert, num_rows,
-        n, a,
-        N_LOCAL=n_local, BLOCK_M=block_m, P=p,
-        BLOCK_A=triton.next_power_of_2(n), BLOCK_E=triton.next_power_of_2(n_local + 1),
-        BLOCK_J=16, BLOCK_T=16, BLOCK_P=256,
+        ids.reshape(-1).contiguous(),
+        sorted_ids,
+        tile_expert,
+        num_rows,
+        n,
+        a,
+        N_LOCAL=n_local,
+        BLOCK_M=block_m,
+        P=p,
+        BLOCK_A=triton.next_power_of_2(n),
+        BLOCK_E=triton.next_power_of_2(n_local + 1),
+        BLOCK_J=16,
+        BLOCK_T=16,
+        BLOCK_P=256,
         num_warps=4,
     )
     return AlignedAssignments(sorted_ids, tile_expert, num_rows, block_m)
@@ -162,10 +171,19 @@ if triton is not None:
 
     @triton.jit
     def _align_small_kernel(
-        ids_ptr, sorted_ids_ptr, tile_expert_ptr, num_rows_ptr,
-        n_assign, expert_lo,
-        N_LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr,
-        BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
+        ids_ptr,
+        sorted_ids_ptr,
+        tile_expert_ptr,
+        num_rows_ptr,
+        n_assign,
+        expert_lo,
+        N_LOCAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        P: tl.constexpr,
+        BLOCK_A: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_J: tl.constexpr,
+        BLOCK_T: tl.constexpr,
         BLOCK_P: tl.constexpr,
     ):
         # key = local expert of each flat assignment, N_LOCAL for other ranks' experts and lanes past n.

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_moe import launch_group, swiglu_oai_tile, tile_coords
-from kernels.moe_align import align_by_expert_torch, max_padded_rows
+from m3_kernels.fused_moe import launch_group, swiglu_oai_tile, tile_coords
+from m3_kernels.moe_align import align_by_expert_torch, max_padded_rows
 
 MAX_M, MIN_M = 128, 16
 FAT_TAIL = 64  # rows a full tile may absorb (align_ragged fat_tail): one 64-row wgmma more per weight tile
@@ -158,16 +158,48 @@ def align_ragged_triton(ids: torch.Tensor, expert_range: tuple[int, int], fat_ta
     num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     _align_count_kernel[(n_chunks,)](
-        flat, counts, n, a, N_LOCAL=n_local, BLOCK_A=ALIGN_CHUNK, BLOCK_E=block_e, num_warps=4,
+        flat,
+        counts,
+        n,
+        a,
+        N_LOCAL=n_local,
+        BLOCK_A=ALIGN_CHUNK,
+        BLOCK_E=block_e,
+        num_warps=4,
     )
     _align_plan_kernel[(1,)](
-        counts, base, start, tile_row, tile_expert, tile_rows, num_tiles, num_rows, n_chunks, s, fat_tail,
-        N_LOCAL=n_local, BLOCK_E=block_e, MAX_ROWS=MAX_M, MIN_ROWS=MIN_M, BLOCK_T=64,
-        CHUNKS_P2=triton.next_power_of_2(n_chunks), SLOTS_P2=max(64, triton.next_power_of_2(s)), num_warps=4,
+        counts,
+        base,
+        start,
+        tile_row,
+        tile_expert,
+        tile_rows,
+        num_tiles,
+        num_rows,
+        n_chunks,
+        s,
+        fat_tail,
+        N_LOCAL=n_local,
+        BLOCK_E=block_e,
+        MAX_ROWS=MAX_M,
+        MIN_ROWS=MIN_M,
+        BLOCK_T=64,
+        CHUNKS_P2=triton.next_power_of_2(n_chunks),
+        SLOTS_P2=max(64, triton.next_power_of_2(s)),
+        num_warps=4,
     )
     _align_scatter_kernel[(n_chunks,)](
-        flat, base, start, sorted_ids, n, a,
-        N_LOCAL=n_local, BLOCK_A=ALIGN_CHUNK, BLOCK_E=block_e, BLOCK_J=32, num_warps=8,
+        flat,
+        base,
+        start,
+        sorted_ids,
+        n,
+        a,
+        N_LOCAL=n_local,
+        BLOCK_A=ALIGN_CHUNK,
+        BLOCK_E=block_e,
+        BLOCK_J=32,
+        num_warps=8,
     )
     return RaggedTiles(sorted_ids, tile_row, tile_expert, tile_rows, num_tiles, num_rows, fat_tail)
 
@@ -181,19 +213,35 @@ def _local_key(ids_ptr, offs, n_assign, expert_lo, N_LOCAL: tl.constexpr):
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, n_assign, expert_lo,
-                        N_LOCAL: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(
+    ids_ptr, counts_ptr, n_assign, expert_lo, N_LOCAL: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr
+):
     c = tl.program_id(0)
     key = _local_key(ids_ptr, c * BLOCK_A + tl.arange(0, BLOCK_A), n_assign, expert_lo, N_LOCAL)
     tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(key, BLOCK_E))
 
 
 @triton.jit
-def _align_plan_kernel(counts_ptr, base_ptr, start_ptr, tile_row_ptr, tile_expert_ptr, tile_rows_ptr,
-                       num_tiles_ptr, num_rows_ptr, n_chunks, num_slots, fat_tail,
-                       N_LOCAL: tl.constexpr, BLOCK_E: tl.constexpr, MAX_ROWS: tl.constexpr,
-                       MIN_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, CHUNKS_P2: tl.constexpr,
-                       SLOTS_P2: tl.constexpr):
+def _align_plan_kernel(
+    counts_ptr,
+    base_ptr,
+    start_ptr,
+    tile_row_ptr,
+    tile_expert_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    num_rows_ptr,
+    n_chunks,
+    num_slots,
+    fat_tail,
+    N_LOCAL: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+    MIN_ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
+):
     # NOTE: loop bounds are powers of two >= the run-time counts (masked), so one compiled kernel
     # serves every T between two powers of two instead of one compile per T.
     offs_e = tl.arange(0, BLOCK_E)
@@ -227,9 +275,18 @@ def _align_plan_kernel(counts_ptr, base_ptr, start_ptr, tile_row_ptr, tile_exper
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, base_ptr, start_ptr, sorted_ids_ptr, n_assign, expert_lo,
-                          N_LOCAL: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_J: tl.constexpr):
+def _align_scatter_kernel(
+    ids_ptr,
+    base_ptr,
+    start_ptr,
+    sorted_ids_ptr,
+    n_assign,
+    expert_lo,
+    N_LOCAL: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
     c = tl.program_id(0)
     offs = c * BLOCK_A + tl.arange(0, BLOCK_A)
     key = _local_key(ids_ptr, offs, n_assign, expert_lo, N_LOCAL)
@@ -253,8 +310,7 @@ def _gather_rows(sorted_ids_ptr, first, n_valid, n_assign, TOP_K: tl.constexpr, 
 
 
 @triton.jit
-def _load_a(a_desc, x_ptr, tok, row0, k0, stride_xt, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
-            GATHER: tl.constexpr):
+def _load_a(a_desc, x_ptr, tok, row0, k0, stride_xt, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr):
     # [BM, K_] A tile: TMA from the expert-sorted xs, or gathered from x [T, H] by token
     if GATHER:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -268,10 +324,31 @@ def _load_a(a_desc, x_ptr, tok, row0, k0, stride_xt, HIDDEN: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _w13_tile(a_desc, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows, g_row, n0,
-              stride_am, alpha, limit, beta,
-              INTER: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr, GATHER: tl.constexpr):
+def _w13_tile(
+    a_desc,
+    x_ptr,
+    sorted_ids_ptr,
+    n_assign,
+    stride_xt,
+    w_desc,
+    act_ptr,
+    row0,
+    n_rows,
+    g_row,
+    n0,
+    stride_am,
+    alpha,
+    limit,
+    beta,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr,
+    GATHER: tl.constexpr,
+):
     acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     if GATHER:
@@ -292,11 +369,33 @@ def _w13_tile(a_desc, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_pt
 
 
 @triton.jit
-def _w13_fat_tile(a_main, a_tail, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows,
-                  g_row, n0, stride_am, alpha, limit, beta,
-                  INTER: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr, TAIL: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr,
-                  GATHER: tl.constexpr):
+def _w13_fat_tile(
+    a_main,
+    a_tail,
+    x_ptr,
+    sorted_ids_ptr,
+    n_assign,
+    stride_xt,
+    w_desc,
+    act_ptr,
+    row0,
+    n_rows,
+    g_row,
+    n0,
+    stride_am,
+    alpha,
+    limit,
+    beta,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BM: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr,
+    GATHER: tl.constexpr,
+):
     # BM + TAIL rows in one program: each weight tile feeds a BM-row and a TAIL-row MMA.
     acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
@@ -331,11 +430,34 @@ def _w13_fat_tile(a_main, a_tail, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_
 
 @triton.jit
 def _moe_w13_ragged_kernel(
-    a128, a64, a32, a16, x_ptr, sorted_ids_ptr, w_desc, act_ptr,
-    tile_row_ptr, tile_expert_ptr, tile_rows_ptr, num_tiles_ptr,
-    n_assign, num_slots, group_m, stride_xt, stride_am, alpha, limit, beta,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, TOP_K: tl.constexpr, GATHER: tl.constexpr, FAT: tl.constexpr,
+    a128,
+    a64,
+    a32,
+    a16,
+    x_ptr,
+    sorted_ids_ptr,
+    w_desc,
+    act_ptr,
+    tile_row_ptr,
+    tile_expert_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    n_assign,
+    num_slots,
+    group_m,
+    stride_xt,
+    stride_am,
+    alpha,
+    limit,
+    beta,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr,
+    GATHER: tl.constexpr,
+    FAT: tl.constexpr,
 ):
     # GATHER: A rows gathered from x [T, H] by token (a* descriptors unused), else TMA from xs [P, H].
     # FAT: tail rows (32 or 64) a 128-row tile may carry (align_ragged fat_tail); 0 = none.
@@ -350,31 +472,187 @@ def _moe_w13_ragged_kernel(
     n0 = pid_n * BLOCK_N
     g_row = e * (2 * INTER) + n0
     if FAT == 32 and n_rows > 128:
-        _w13_fat_tile(a128, a32, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows,
-                      g_row, n0, stride_am, alpha, limit, beta, INTER, HIDDEN, 128, 32, BLOCK_N, BLOCK_K,
-                      PRECISION, TOP_K, GATHER)
+        _w13_fat_tile(
+            a128,
+            a32,
+            x_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            stride_xt,
+            w_desc,
+            act_ptr,
+            row0,
+            n_rows,
+            g_row,
+            n0,
+            stride_am,
+            alpha,
+            limit,
+            beta,
+            INTER,
+            HIDDEN,
+            128,
+            32,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+            TOP_K,
+            GATHER,
+        )
     elif FAT == 64 and n_rows > 128:
-        _w13_fat_tile(a128, a64, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows,
-                      g_row, n0, stride_am, alpha, limit, beta, INTER, HIDDEN, 128, 64, BLOCK_N, BLOCK_K,
-                      PRECISION, TOP_K, GATHER)
+        _w13_fat_tile(
+            a128,
+            a64,
+            x_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            stride_xt,
+            w_desc,
+            act_ptr,
+            row0,
+            n_rows,
+            g_row,
+            n0,
+            stride_am,
+            alpha,
+            limit,
+            beta,
+            INTER,
+            HIDDEN,
+            128,
+            64,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+            TOP_K,
+            GATHER,
+        )
     elif n_rows > 64:
-        _w13_tile(a128, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows, g_row, n0,
-                  stride_am, alpha, limit, beta, INTER, HIDDEN, 128, BLOCK_N, BLOCK_K, PRECISION, TOP_K, GATHER)
+        _w13_tile(
+            a128,
+            x_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            stride_xt,
+            w_desc,
+            act_ptr,
+            row0,
+            n_rows,
+            g_row,
+            n0,
+            stride_am,
+            alpha,
+            limit,
+            beta,
+            INTER,
+            HIDDEN,
+            128,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+            TOP_K,
+            GATHER,
+        )
     elif n_rows > 32:
-        _w13_tile(a64, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows, g_row, n0,
-                  stride_am, alpha, limit, beta, INTER, HIDDEN, 64, BLOCK_N, BLOCK_K, PRECISION, TOP_K, GATHER)
+        _w13_tile(
+            a64,
+            x_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            stride_xt,
+            w_desc,
+            act_ptr,
+            row0,
+            n_rows,
+            g_row,
+            n0,
+            stride_am,
+            alpha,
+            limit,
+            beta,
+            INTER,
+            HIDDEN,
+            64,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+            TOP_K,
+            GATHER,
+        )
     elif n_rows > 16:
-        _w13_tile(a32, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows, g_row, n0,
-                  stride_am, alpha, limit, beta, INTER, HIDDEN, 32, BLOCK_N, BLOCK_K, PRECISION, TOP_K, GATHER)
+        _w13_tile(
+            a32,
+            x_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            stride_xt,
+            w_desc,
+            act_ptr,
+            row0,
+            n_rows,
+            g_row,
+            n0,
+            stride_am,
+            alpha,
+            limit,
+            beta,
+            INTER,
+            HIDDEN,
+            32,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+            TOP_K,
+            GATHER,
+        )
     else:
-        _w13_tile(a16, x_ptr, sorted_ids_ptr, n_assign, stride_xt, w_desc, act_ptr, row0, n_rows, g_row, n0,
-                  stride_am, alpha, limit, beta, INTER, HIDDEN, 16, BLOCK_N, BLOCK_K, PRECISION, TOP_K, GATHER)
+        _w13_tile(
+            a16,
+            x_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            stride_xt,
+            w_desc,
+            act_ptr,
+            row0,
+            n_rows,
+            g_row,
+            n0,
+            stride_am,
+            alpha,
+            limit,
+            beta,
+            INTER,
+            HIDDEN,
+            16,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+            TOP_K,
+            GATHER,
+        )
 
 
 @triton.jit
-def _w2_tile(a_desc, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row, n0,
-             stride_or, HIDDEN: tl.constexpr, INTER: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _w2_tile(
+    a_desc,
+    w_desc,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    n_assign,
+    row0,
+    n_rows,
+    w_row,
+    n0,
+    stride_or,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         a = a_desc.load([row0, k0])  # [BM, K_] of act
@@ -392,8 +670,20 @@ def _w2_tile(a_desc, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row
 
 
 @triton.jit
-def _w2_rows_out(acc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, first, n_valid, n0, stride_or,
-                 HIDDEN: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr):
+def _w2_rows_out(
+    acc,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    n_assign,
+    first,
+    n_valid,
+    n0,
+    stride_or,
+    HIDDEN: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     # scale rows [first, first + BM) (the first n_valid of them are real) by their routing weight
     # and write them to their (token, slot) row of out
     offs_r = tl.arange(0, BM)
@@ -407,9 +697,27 @@ def _w2_rows_out(acc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, first, n_v
 
 
 @triton.jit
-def _w2_fat_tile(a_main, a_tail, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row,
-                 n0, stride_or, HIDDEN: tl.constexpr, INTER: tl.constexpr, BM: tl.constexpr, TAIL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _w2_fat_tile(
+    a_main,
+    a_tail,
+    w_desc,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    n_assign,
+    row0,
+    n_rows,
+    w_row,
+    n0,
+    stride_or,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BM: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_t = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
@@ -419,17 +727,46 @@ def _w2_fat_tile(a_main, a_tail, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         acc_t = tl.dot(at, b, acc_t, input_precision=PRECISION)
     _w2_rows_out(acc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, BM, n0, stride_or, HIDDEN, BM, BLOCK_N)
-    _w2_rows_out(acc_t, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0 + BM, n_rows - BM, n0, stride_or,
-                 HIDDEN, TAIL, BLOCK_N)
+    _w2_rows_out(
+        acc_t,
+        out_ptr,
+        weights_ptr,
+        sorted_ids_ptr,
+        n_assign,
+        row0 + BM,
+        n_rows - BM,
+        n0,
+        stride_or,
+        HIDDEN,
+        TAIL,
+        BLOCK_N,
+    )
 
 
 @triton.jit
 def _moe_w2_ragged_kernel(
-    a128, a64, a32, a16, w_desc, out_ptr, weights_ptr, sorted_ids_ptr,
-    tile_row_ptr, tile_expert_ptr, tile_rows_ptr, num_tiles_ptr,
-    n_assign, num_slots, group_m, stride_or,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, FAT: tl.constexpr,
+    a128,
+    a64,
+    a32,
+    a16,
+    w_desc,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    tile_row_ptr,
+    tile_expert_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    n_assign,
+    num_slots,
+    group_m,
+    stride_or,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAT: tl.constexpr,
 ):
     # out[rid, n] = weight[rid] * (act[row] . w2[e, n]) for the rows of one ragged tile, row -> rid.
     pid = tl.program_id(0)
@@ -442,23 +779,129 @@ def _moe_w2_ragged_kernel(
     n0 = pid_n * BLOCK_N
     w_row = e * HIDDEN + n0
     if FAT == 32 and n_rows > 128:
-        _w2_fat_tile(a128, a32, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row,
-                     n0, stride_or, HIDDEN, INTER, 128, 32, BLOCK_N, BLOCK_K, PRECISION)
+        _w2_fat_tile(
+            a128,
+            a32,
+            w_desc,
+            out_ptr,
+            weights_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            row0,
+            n_rows,
+            w_row,
+            n0,
+            stride_or,
+            HIDDEN,
+            INTER,
+            128,
+            32,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
     elif FAT == 64 and n_rows > 128:
-        _w2_fat_tile(a128, a64, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row,
-                     n0, stride_or, HIDDEN, INTER, 128, 64, BLOCK_N, BLOCK_K, PRECISION)
+        _w2_fat_tile(
+            a128,
+            a64,
+            w_desc,
+            out_ptr,
+            weights_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            row0,
+            n_rows,
+            w_row,
+            n0,
+            stride_or,
+            HIDDEN,
+            INTER,
+            128,
+            64,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
     elif n_rows > 64:
-        _w2_tile(a128, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row, n0,
-                 stride_or, HIDDEN, INTER, 128, BLOCK_N, BLOCK_K, PRECISION)
+        _w2_tile(
+            a128,
+            w_desc,
+            out_ptr,
+            weights_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            row0,
+            n_rows,
+            w_row,
+            n0,
+            stride_or,
+            HIDDEN,
+            INTER,
+            128,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
     elif n_rows > 32:
-        _w2_tile(a64, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row, n0,
-                 stride_or, HIDDEN, INTER, 64, BLOCK_N, BLOCK_K, PRECISION)
+        _w2_tile(
+            a64,
+            w_desc,
+            out_ptr,
+            weights_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            row0,
+            n_rows,
+            w_row,
+            n0,
+            stride_or,
+            HIDDEN,
+            INTER,
+            64,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
     elif n_rows > 16:
-        _w2_tile(a32, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row, n0,
-                 stride_or, HIDDEN, INTER, 32, BLOCK_N, BLOCK_K, PRECISION)
+        _w2_tile(
+            a32,
+            w_desc,
+            out_ptr,
+            weights_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            row0,
+            n_rows,
+            w_row,
+            n0,
+            stride_or,
+            HIDDEN,
+            INTER,
+            32,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
     else:
-        _w2_tile(a16, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, n_rows, w_row, n0,
-                 stride_or, HIDDEN, INTER, 16, BLOCK_N, BLOCK_K, PRECISION)
+        _w2_tile(
+            a16,
+            w_desc,
+            out_ptr,
+            weights_ptr,
+            sorted_ids_ptr,
+            n_assign,
+            row0,
+            n_rows,
+            w_row,
+            n0,
+            stride_or,
+            HIDDEN,
+            INTER,
+            16,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
 
 
 def _a_descs(buf: torch.Tensor, block_k: int):
@@ -471,8 +914,17 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def ragged_gate_up(x: torch.Tensor, w13: torch.Tensor, tiles: RaggedTiles, tile, alpha: float, limit: float,
-                   beta: float, *, top_k: int = 0) -> torch.Tensor:
+def ragged_gate_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    tiles: RaggedTiles,
+    tile,
+    alpha: float,
+    limit: float,
+    beta: float,
+    *,
+    top_k: int = 0,
+) -> torch.Tensor:
     """Grouped GEMM 1 + SwiGLU-OAI over ragged tiles: act [P, I] in x.dtype.
 
     x: the expert-sorted rows xs [P, H] (`fused_moe.moe_permute` of `tiles`; A tiles through TMA),
@@ -495,12 +947,33 @@ def ragged_gate_up(x: torch.Tensor, w13: torch.Tensor, tiles: RaggedTiles, tile,
     a_descs = _a_descs(act if gather else x, tile.block_k)  # unused (any valid descriptor) when gathering
     grid = (slots * triton.cdiv(inter, tile.block_n),)
     _moe_w13_ragged_kernel[grid](
-        *a_descs, x, tiles.sorted_ids, w_desc, act,
-        tiles.tile_row, tiles.tile_expert, tiles.tile_rows, tiles.num_tiles,
-        n_assign, slots, launch_group(tile, slots), x.stride(0), act.stride(0), float(alpha), float(limit), float(beta),
-        INTER=inter, HIDDEN=h, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION=_precision(x.dtype),
-        TOP_K=max(top_k, 1), GATHER=gather, FAT=tiles.fat_tail,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        *a_descs,
+        x,
+        tiles.sorted_ids,
+        w_desc,
+        act,
+        tiles.tile_row,
+        tiles.tile_expert,
+        tiles.tile_rows,
+        tiles.num_tiles,
+        n_assign,
+        slots,
+        launch_group(tile, slots),
+        x.stride(0),
+        act.stride(0),
+        float(alpha),
+        float(limit),
+        float(beta),
+        INTER=inter,
+        HIDDEN=h,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        PRECISION=_precision(x.dtype),
+        TOP_K=max(top_k, 1),
+        GATHER=gather,
+        FAT=tiles.fat_tail,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return act
 
@@ -521,11 +994,27 @@ def ragged_down(act: torch.Tensor, w2: torch.Tensor, tiles: RaggedTiles, weights
     w_desc = TensorDescriptor.from_tensor(w2.reshape(-1, inter), [tile.block_n, tile.block_k])  # [E*H, I]
     grid = (slots * triton.cdiv(h, tile.block_n),)
     _moe_w2_ragged_kernel[grid](
-        *_a_descs(act, tile.block_k), w_desc, rows, w_flat, tiles.sorted_ids,
-        tiles.tile_row, tiles.tile_expert, tiles.tile_rows, tiles.num_tiles,
-        n_assign, slots, launch_group(tile, slots), rows.stride(0),
-        HIDDEN=h, INTER=inter, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION=_precision(act.dtype),
-        FAT=tiles.fat_tail, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        *_a_descs(act, tile.block_k),
+        w_desc,
+        rows,
+        w_flat,
+        tiles.sorted_ids,
+        tiles.tile_row,
+        tiles.tile_expert,
+        tiles.tile_rows,
+        tiles.num_tiles,
+        n_assign,
+        slots,
+        launch_group(tile, slots),
+        rows.stride(0),
+        HIDDEN=h,
+        INTER=inter,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        PRECISION=_precision(act.dtype),
+        FAT=tiles.fat_tail,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return rows
 

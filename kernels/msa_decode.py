@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.msa_checks import check_pow2_dim, next_pow2
-from m3_rollout.engine.paged_cache import PagedMetadata
+from m3_kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_kernels.paged_layout import PagedMetadata
 
 LOG2E = 1.4426950408889634
 MAX_FUSED_BLOCKS = 256  # widest block table whose scores are ranked in the attention kernel (32K tokens)
@@ -58,11 +58,27 @@ PDL = True  # chain the two decode launches with programmatic dependent launch o
 
 @triton.jit
 def _decode_scores_kernel(
-    iq_ptr, ik_ptr, bt_ptr, pos_ptr, score_ptr,
-    dql, blocks_per_split,
-    stride_iq_t, stride_iq_g, stride_ik_p, stride_ik_o, stride_bt_r, stride_s_t, stride_s_g,
-    G: tl.constexpr, GP: tl.constexpr, QP: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    iq_ptr,
+    ik_ptr,
+    bt_ptr,
+    pos_ptr,
+    score_ptr,
+    dql,
+    blocks_per_split,
+    stride_iq_t,
+    stride_iq_g,
+    stride_ik_p,
+    stride_ik_o,
+    stride_bt_r,
+    stride_s_t,
+    stride_s_g,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    QP: tl.constexpr,
+    DI: tl.constexpr,
+    PS: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Block-max index scores of one decode row's dql tokens x G heads over one split of blocks."""
     if PDL:  # let the attention kernel (launched with PDL) get scheduled now; it waits for our stores
@@ -76,8 +92,11 @@ def _decode_scores_kernel(
     tok = row * dql + tok_i
     offs_d = tl.arange(0, DI)
     offs_o = tl.arange(0, PS)
-    q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)  # [M, DI]
+    q = tl.load(
+        iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
+        mask=m_ok[:, None],
+        other=0.0,
+    )  # [M, DI]
     qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1)  # [M]
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * blocks_per_split
@@ -121,8 +140,10 @@ def _select_ranks(srow, base, n_blk, init_blocks, local_blocks, NBC: tl.constexp
     for j0 in tl.static_range(0, NBC, RC):
         offs_j = base + j0 + tl.arange(0, RC)
         key_j, cand_j = _rank_keys(srow, offs_j, n_blk, init_blocks, local_blocks)
-        beats = cand_j[None, :] & ((key_j[None, :] > key_b[:, None])
-                                   | ((key_j[None, :] == key_b[:, None]) & (offs_j[None, :] < offs_b[:, None])))
+        beats = cand_j[None, :] & (
+            (key_j[None, :] > key_b[:, None])
+            | ((key_j[None, :] == key_b[:, None]) & (offs_j[None, :] < offs_b[:, None]))
+        )
         rank += tl.sum(beats.to(tl.int32), axis=1)
     return tl.where(cand, rank, NBC + 1)
 
@@ -133,15 +154,40 @@ def _load_q_group(q_ptr, t, g, stride_qt, stride_qh, RH: tl.constexpr, RHP: tl.c
     offs_h = tl.arange(0, RHP)
     offs_d = tl.arange(0, D)
     head = g * RH + offs_h
-    return tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=(offs_h < RH)[:, None],
-                   other=0.0)
+    return tl.load(
+        q_ptr + t * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=(offs_h < RH)[:, None], other=0.0
+    )
 
 
 @triton.jit
-def _attend_split(q, k_ptr, v_ptr, bt_ptr, ids_row, rank, blk, pages, g, row, p, qk_scale, topk, e_lo, e_hi,
-                  stride_kp, stride_kg, stride_ko, stride_bt_r,
-                  RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NBC: tl.constexpr,
-                  SELECT: tl.constexpr, IEEE: tl.constexpr, KP: tl.constexpr):
+def _attend_split(
+    q,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    ids_row,
+    rank,
+    blk,
+    pages,
+    g,
+    row,
+    p,
+    qk_scale,
+    topk,
+    e_lo,
+    e_hi,
+    stride_kp,
+    stride_kg,
+    stride_ko,
+    stride_bt_r,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    NBC: tl.constexpr,
+    SELECT: tl.constexpr,
+    IEEE: tl.constexpr,
+    KP: tl.constexpr,
+):
     """Online softmax (base 2) of one KV head's query group q [RHP, D] over list slots [e_lo, e_hi).
 
     SELECT: slot e holds the block ``blk`` [NBC] of the lane of rank e (``rank`` [NBC]) whose page
@@ -198,8 +244,25 @@ def _attend_split(q, k_ptr, v_ptr, bt_ptr, ids_row, rank, blk, pages, g, row, p,
 
 
 @triton.jit
-def _finish_split(m_i, l_i, acc, o_ptr, opart_ptr, lse_ptr, cnt_ptr, t, g, s_id, n_g, stride_ot, stride_oh,
-                  RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, S: tl.constexpr):
+def _finish_split(
+    m_i,
+    l_i,
+    acc,
+    o_ptr,
+    opart_ptr,
+    lse_ptr,
+    cnt_ptr,
+    t,
+    g,
+    s_id,
+    n_g,
+    stride_ot,
+    stride_oh,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    S: tl.constexpr,
+):
     """Store the output (S == 1) or the split's partial; the last of the S splits to arrive merges
     them (weights exp2(lse_s - max)) and re-arms the (token, head) counter."""
     offs_h = tl.arange(0, RHP)
@@ -221,15 +284,17 @@ def _finish_split(m_i, l_i, acc, o_ptr, opart_ptr, lse_ptr, cnt_ptr, t, g, s_id,
         if arrived == S - 1:  # last split of this (token, head): merge, then re-arm the counter
             tl.atomic_xchg(cnt_ptr + tg, 0, sem="relaxed", scope="gpu")
             offs_s = tl.arange(0, S)
-            lse_all = tl.load(lse_ptr + (tg * S + offs_s[:, None]) * RHP + offs_h[None, :],
-                              cache_modifier=".cg")  # [S, RHP]
+            lse_all = tl.load(
+                lse_ptr + (tg * S + offs_s[:, None]) * RHP + offs_h[None, :], cache_modifier=".cg"
+            )  # [S, RHP]
             m = tl.max(lse_all, axis=0)  # finite: the own block is in some split
             w = tl.exp2(lse_all - m[None, :])
             w = w / tl.sum(w, axis=0)[None, :]
             res = tl.zeros([RHP, D], tl.float32)
             for s in tl.static_range(S):
-                o_s = tl.load(opart_ptr + ((tg * S + s) * RHP + offs_h[:, None]) * D + offs_d[None, :],
-                              cache_modifier=".cg")
+                o_s = tl.load(
+                    opart_ptr + ((tg * S + s) * RHP + offs_h[:, None]) * D + offs_d[None, :], cache_modifier=".cg"
+                )
                 w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # [RHP]
                 res += w_s[:, None] * o_s
             tl.store(o_ptrs, res.to(o_ptr.dtype.element_ty), mask=o_mask)
@@ -237,13 +302,47 @@ def _finish_split(m_i, l_i, acc, o_ptr, opart_ptr, lse_ptr, cnt_ptr, t, g, s_id,
 
 @triton.jit
 def _decode_select_attend_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, score_ptr, ids_ptr, o_ptr, opart_ptr, lse_ptr, cnt_ptr,
-    qk_scale, dql, topk, init_blocks, local_blocks, entries_per_split,
-    stride_qt, stride_qh, stride_kp, stride_kg, stride_ko, stride_bt_r,
-    stride_s_t, stride_s_g, stride_ids_t, stride_ids_g, stride_ot, stride_oh,
-    RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NBC: tl.constexpr,
-    RC: tl.constexpr, KP: tl.constexpr, MODE: tl.constexpr, WRITE_IDS: tl.constexpr, S: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    pos_ptr,
+    score_ptr,
+    ids_ptr,
+    o_ptr,
+    opart_ptr,
+    lse_ptr,
+    cnt_ptr,
+    qk_scale,
+    dql,
+    topk,
+    init_blocks,
+    local_blocks,
+    entries_per_split,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kg,
+    stride_ko,
+    stride_bt_r,
+    stride_s_t,
+    stride_s_g,
+    stride_ids_t,
+    stride_ids_g,
+    stride_ot,
+    stride_oh,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    NBC: tl.constexpr,
+    RC: tl.constexpr,
+    KP: tl.constexpr,
+    MODE: tl.constexpr,
+    WRITE_IDS: tl.constexpr,
+    S: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (decode token, KV head, split): [top-k in registers], partial softmax, last arrival merges.
 
@@ -273,10 +372,53 @@ def _decode_select_attend_kernel(
                 tl.store(ids_row + offs_k, tl.full([KP], -1, tl.int32), mask=(offs_k < topk) & (offs_k >= n_blk))
     e_lo = s_id * entries_per_split
     e_hi = tl.minimum(e_lo + entries_per_split, topk)
-    m_i, l_i, acc = _attend_split(q, k_ptr, v_ptr, bt_ptr, ids_row, rank, blk, pages, g, row, p, qk_scale, topk, e_lo,
-                                  e_hi, stride_kp, stride_kg, stride_ko, stride_bt_r, RHP, D, PS, NBC, MODE != 0, IEEE, KP)
-    _finish_split(m_i, l_i, acc, o_ptr, opart_ptr, lse_ptr, cnt_ptr, t, g, s_id, tl.num_programs(1),
-                  stride_ot, stride_oh, RH, RHP, D, S)
+    m_i, l_i, acc = _attend_split(
+        q,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        ids_row,
+        rank,
+        blk,
+        pages,
+        g,
+        row,
+        p,
+        qk_scale,
+        topk,
+        e_lo,
+        e_hi,
+        stride_kp,
+        stride_kg,
+        stride_ko,
+        stride_bt_r,
+        RHP,
+        D,
+        PS,
+        NBC,
+        MODE != 0,
+        IEEE,
+        KP,
+    )
+    _finish_split(
+        m_i,
+        l_i,
+        acc,
+        o_ptr,
+        opart_ptr,
+        lse_ptr,
+        cnt_ptr,
+        t,
+        g,
+        s_id,
+        tl.num_programs(1),
+        stride_ot,
+        stride_oh,
+        RH,
+        RHP,
+        D,
+        S,
+    )
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -314,9 +456,17 @@ def default_score_blocks(nbp: int, n_rows: int) -> int:
     return max(1, triton.cdiv(nbp * n_rows, 1024))
 
 
-def decode_scores(iq: torch.Tensor, index_cache_l: torch.Tensor, meta: PagedMetadata, n_rows: int, *,
-                  blocks_per_split: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-                  pdl: bool = False) -> torch.Tensor:
+def decode_scores(
+    iq: torch.Tensor,
+    index_cache_l: torch.Tensor,
+    meta: PagedMetadata,
+    n_rows: int,
+    *,
+    blocks_per_split: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    pdl: bool = False,
+) -> torch.Tensor:
     """Block-max index scores of the first ``n_rows`` decode rows (K1; spec §3.4).
 
     iq: [T, G, di] (the decode tokens first); index_cache_l: [P, ps, di]. Returns [Td, G, NBP]
@@ -338,18 +488,51 @@ def decode_scores(iq: torch.Tensor, index_cache_l: torch.Tensor, meta: PagedMeta
     qp = max(next_pow2(dql), triton.cdiv(16, gp))
     ieee = iq.dtype == torch.float32
     _decode_scores_kernel[(n_rows, triton.cdiv(nbp, bps))](
-        iq, index_cache_l, meta.block_tables, meta.positions, scores, dql, bps,
-        iq.stride(0), iq.stride(1), index_cache_l.stride(0), index_cache_l.stride(1), meta.block_tables.stride(0),
-        scores.stride(0), scores.stride(1),
-        G=g, GP=gp, QP=qp, DI=di, PS=ps, IEEE=ieee, PDL=pdl, num_warps=num_warps, num_stages=1 if ieee else num_stages)
+        iq,
+        index_cache_l,
+        meta.block_tables,
+        meta.positions,
+        scores,
+        dql,
+        bps,
+        iq.stride(0),
+        iq.stride(1),
+        index_cache_l.stride(0),
+        index_cache_l.stride(1),
+        meta.block_tables.stride(0),
+        scores.stride(0),
+        scores.stride(1),
+        G=g,
+        GP=gp,
+        QP=qp,
+        DI=di,
+        PS=ps,
+        IEEE=ieee,
+        PDL=pdl,
+        num_warps=num_warps,
+        num_stages=1 if ieee else num_stages,
+    )
     return scores
 
 
-def decode_select_attend(q: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: torch.Tensor, meta: PagedMetadata,
-                         scale: float, topk: int, *, scores: torch.Tensor | None = None,
-                         topk_ids: torch.Tensor | None = None, init_blocks: int = 0, local_blocks: int = 1,
-                         ids_out: torch.Tensor | None = None, splits: int | None = None,
-                         num_warps: int = 8, num_stages: int = 2, pdl: bool = False) -> torch.Tensor:
+def decode_select_attend(
+    q: torch.Tensor,
+    k_cache_l: torch.Tensor,
+    v_cache_l: torch.Tensor,
+    meta: PagedMetadata,
+    scale: float,
+    topk: int,
+    *,
+    scores: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    ids_out: torch.Tensor | None = None,
+    splits: int | None = None,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    pdl: bool = False,
+) -> torch.Tensor:
     """Top-k selection in registers (or given block ids), then sparse attention (K2; spec §3.5).
 
     q: [T, nh, d] with the Td decode tokens first; k_cache_l, v_cache_l: [P, G, ps, d]. Exactly
@@ -372,13 +555,20 @@ def decode_select_attend(q: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: to
     s = splits or default_splits(td, g, topk)
     per = triton.cdiv(topk, s)
     if topk_ids is not None:
-        mode, nbc, srcs, ids = 0, 16, torch.empty(1, 1, 1, dtype=torch.float32, device=q.device), topk_ids.to(torch.int32)
+        mode, nbc, srcs, ids = (
+            0,
+            16,
+            torch.empty(1, 1, 1, dtype=torch.float32, device=q.device),
+            topk_ids.to(torch.int32),
+        )
     else:
         mode, srcs, nbc = 1, scores, max(next_pow2(scores.shape[2]), 16)
         ids = ids_out if ids_out is not None else torch.empty(1, 1, 1, dtype=torch.int32, device=q.device)
         if nbc > MAX_FUSED_BLOCKS:
-            raise ValueError(f"decode_select_attend: block-table width {scores.shape[2]} > {MAX_FUSED_BLOCKS}; "
-                             "pass topk_ids from index_topk instead")
+            raise ValueError(
+                f"decode_select_attend: block-table width {scores.shape[2]} > {MAX_FUSED_BLOCKS}; "
+                "pass topk_ids from index_topk instead"
+            )
     if s > 1:
         opart = torch.empty(td * g * s * rhp * d, dtype=torch.float32, device=q.device)
         lse = torch.empty(td * g * s * rhp, dtype=torch.float32, device=q.device)
@@ -387,14 +577,51 @@ def decode_select_attend(q: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: to
         opart = lse = cnt = out
     ieee = q.dtype == torch.float32
     _decode_select_attend_kernel[(td, g, s)](
-        q, k_cache_l, v_cache_l, meta.block_tables, meta.positions, srcs, ids, out, opart, lse, cnt,
-        float(scale) * LOG2E, meta.decode_query_len, topk, init_blocks, local_blocks, per,
-        q.stride(0), q.stride(1), k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
-        meta.block_tables.stride(0), srcs.stride(0), srcs.stride(1), ids.stride(0), ids.stride(1),
-        out.stride(0), out.stride(1),
-        RH=rh, RHP=rhp, D=d, PS=ps, NBC=nbc, RC=min(RANK_CHUNK, nbc), KP=next_pow2(topk), MODE=mode,
-        WRITE_IDS=mode == 1 and ids_out is not None, S=s, IEEE=ieee, PDL=pdl,
-        num_warps=num_warps, num_stages=1 if ieee else num_stages, **({"launch_pdl": True} if pdl else {}))
+        q,
+        k_cache_l,
+        v_cache_l,
+        meta.block_tables,
+        meta.positions,
+        srcs,
+        ids,
+        out,
+        opart,
+        lse,
+        cnt,
+        float(scale) * LOG2E,
+        meta.decode_query_len,
+        topk,
+        init_blocks,
+        local_blocks,
+        per,
+        q.stride(0),
+        q.stride(1),
+        k_cache_l.stride(0),
+        k_cache_l.stride(1),
+        k_cache_l.stride(2),
+        meta.block_tables.stride(0),
+        srcs.stride(0),
+        srcs.stride(1),
+        ids.stride(0),
+        ids.stride(1),
+        out.stride(0),
+        out.stride(1),
+        RH=rh,
+        RHP=rhp,
+        D=d,
+        PS=ps,
+        NBC=nbc,
+        RC=min(RANK_CHUNK, nbc),
+        KP=next_pow2(topk),
+        MODE=mode,
+        WRITE_IDS=mode == 1 and ids_out is not None,
+        S=s,
+        IEEE=ieee,
+        PDL=pdl,
+        num_warps=num_warps,
+        num_stages=1 if ieee else num_stages,
+        **({"launch_pdl": True} if pdl else {}),
+    )
     return out
 
 
@@ -404,28 +631,50 @@ def check_decode_inputs(q, iq, k_cache_l, v_cache_l, index_cache_l, topk: int) -
     _, g, ps, dk = k_cache_l.shape
     dt = q.dtype
     if dt not in (torch.float32, torch.float16, torch.bfloat16) or any(
-            x.dtype != dt for x in (iq, k_cache_l, v_cache_l, index_cache_l)):
-        raise ValueError(f"msa decode: dtypes q={q.dtype}, iq={iq.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}, "
-                         f"index cache={index_cache_l.dtype}; fp32/fp16/bf16 with equal dtypes are supported")
+        x.dtype != dt for x in (iq, k_cache_l, v_cache_l, index_cache_l)
+    ):
+        raise ValueError(
+            f"msa decode: dtypes q={q.dtype}, iq={iq.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}, "
+            f"index cache={index_cache_l.dtype}; fp32/fp16/bf16 with equal dtypes are supported"
+        )
     check_pow2_dim("head_dim", d)
     check_pow2_dim("page_size (sparse_block_size)", ps)
     check_pow2_dim("sparse_index_dim", iq.shape[2])
     if dk != d or v_cache_l.shape != k_cache_l.shape or index_cache_l.shape[1:] != (ps, iq.shape[2]):
-        raise ValueError(f"msa decode: shapes q {tuple(q.shape)}, k/v {tuple(k_cache_l.shape)}/{tuple(v_cache_l.shape)}, "
-                         f"iq {tuple(iq.shape)}, index cache {tuple(index_cache_l.shape)} do not match")
+        raise ValueError(
+            f"msa decode: shapes q {tuple(q.shape)}, k/v {tuple(k_cache_l.shape)}/{tuple(v_cache_l.shape)}, "
+            f"iq {tuple(iq.shape)}, index cache {tuple(index_cache_l.shape)} do not match"
+        )
     if nh % g or iq.shape[1] != g:
-        raise ValueError(f"msa decode: {nh} q heads / {g} KV heads / {iq.shape[1]} index heads; need nh % G == 0 "
-                         "and one index head per KV head")
+        raise ValueError(
+            f"msa decode: {nh} q heads / {g} KV heads / {iq.shape[1]} index heads; need nh % G == 0 "
+            "and one index head per KV head"
+        )
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"msa decode: topk={topk} unsupported; 1..{MAX_TOPK}")
-    if k_cache_l.stride()[1:] != (ps * d, d, 1) or k_cache_l.stride() != v_cache_l.stride() or q.stride(2) != 1 \
-            or iq.stride(2) != 1 or index_cache_l.stride(2) != 1:
+    if (
+        k_cache_l.stride()[1:] != (ps * d, d, 1)
+        or k_cache_l.stride() != v_cache_l.stride()
+        or q.stride(2) != 1
+        or iq.stride(2) != 1
+        or index_cache_l.stride(2) != 1
+    ):
         raise ValueError("msa decode: caches need the paged_cache.py layout and q/iq a contiguous last dim")
 
 
-def msa_decode(q: torch.Tensor, iq: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: torch.Tensor,
-               index_cache_l: torch.Tensor, meta: PagedMetadata, scale: float, topk: int, init_blocks: int = 0,
-               local_blocks: int = 1, ids_out: torch.Tensor | None = None) -> torch.Tensor:
+def msa_decode(
+    q: torch.Tensor,
+    iq: torch.Tensor,
+    k_cache_l: torch.Tensor,
+    v_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor,
+    meta: PagedMetadata,
+    scale: float,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    ids_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sparse-layer output of the decode tokens (rows 0..num_decodes-1) of ``meta`` (spec §3.4-3.5).
 
     q: [T, nh, d], iq: [T, G, di] (decode tokens first; only the first num_decodes *
@@ -441,9 +690,20 @@ def msa_decode(q: torch.Tensor, iq: torch.Tensor, k_cache_l: torch.Tensor, v_cac
     pdl = q.is_cuda and PDL
     if meta.block_tables.shape[1] <= MAX_FUSED_BLOCKS:
         scores = decode_scores(iq, index_cache_l, meta, nd, pdl=pdl)
-        return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, scores=scores,
-                                    init_blocks=init_blocks, local_blocks=local_blocks, ids_out=ids_out, pdl=pdl)
-    from kernels.msa_index_topk import index_topk
+        return decode_select_attend(
+            q,
+            k_cache_l,
+            v_cache_l,
+            meta,
+            scale,
+            topk,
+            scores=scores,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            ids_out=ids_out,
+            pdl=pdl,
+        )
+    from m3_kernels.msa_index_topk import index_topk
 
     dmeta = decode_part(meta)
     ids = index_topk(iq[:td], index_cache_l, dmeta, topk, init_blocks, local_blocks)
@@ -455,40 +715,74 @@ def msa_decode(q: torch.Tensor, iq: torch.Tensor, k_cache_l: torch.Tensor, v_cac
 def decode_part(meta: PagedMetadata) -> PagedMetadata:
     """Metadata of the decode rows only (device slices, no host sync; max_seq_len kept as a bound)."""
     nd, td = meta.num_decodes, meta.num_decodes * meta.decode_query_len
-    return PagedMetadata(meta.positions[:td], meta.slot_mapping[:td], meta.block_tables[:nd], meta.context_lens[:nd],
-                         meta.seq_lens[:nd], meta.query_start_loc[:nd + 1], nd, meta.decode_query_len,
-                         meta.decode_query_len, meta.max_seq_len)
+    return PagedMetadata(
+        meta.positions[:td],
+        meta.slot_mapping[:td],
+        meta.block_tables[:nd],
+        meta.context_lens[:nd],
+        meta.seq_lens[:nd],
+        meta.query_start_loc[: nd + 1],
+        nd,
+        meta.decode_query_len,
+        meta.decode_query_len,
+        meta.max_seq_len,
+    )
 
 
 def prefill_part(meta: PagedMetadata) -> PagedMetadata:
     """Metadata of the prefill rows only, tokens rebased to 0 (device ops, no host sync)."""
     nd, td = meta.num_decodes, meta.num_decodes * meta.decode_query_len
     qsl = meta.query_start_loc
-    return PagedMetadata(meta.positions[td:], meta.slot_mapping[td:], meta.block_tables[nd:], meta.context_lens[nd:],
-                         meta.seq_lens[nd:], qsl[nd:] - qsl[nd], 0, meta.decode_query_len, meta.max_query_len,
-                         meta.max_seq_len)
+    return PagedMetadata(
+        meta.positions[td:],
+        meta.slot_mapping[td:],
+        meta.block_tables[nd:],
+        meta.context_lens[nd:],
+        meta.seq_lens[nd:],
+        qsl[nd:] - qsl[nd],
+        0,
+        meta.decode_query_len,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
 
 
-def msa_attention(q: torch.Tensor, iq: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: torch.Tensor,
-                  index_cache_l: torch.Tensor, meta: PagedMetadata, scale: float, topk: int, init_blocks: int = 0,
-                  local_blocks: int = 1) -> torch.Tensor:
-    """Triton sparse-layer attention of a whole step (``kernels.msa.msa_attention`` on CUDA).
+def msa_attention(
+    q: torch.Tensor,
+    iq: torch.Tensor,
+    k_cache_l: torch.Tensor,
+    v_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor,
+    meta: PagedMetadata,
+    scale: float,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """Triton sparse-layer attention of a whole step (``m3_kernels.msa.msa_attention`` on CUDA).
 
     Decode rows -> ``msa_decode``; prefill rows -> ``msa_index_topk.index_topk`` +
     ``msa_sparse_attention.paged_attention`` on the prefill part of ``meta``. Returns [T, nh, d].
     """
-    from kernels.msa_index_topk import index_topk
-    from kernels.msa_sparse_attention import paged_attention
+    from m3_kernels.msa_index_topk import index_topk
+    from m3_kernels.msa_sparse_attention import paged_attention
 
     nd, r = meta.num_decodes, meta.num_rows
     if nd == 0 or q.shape[0] == 0:
-        return paged_attention(q, k_cache_l, v_cache_l, meta, scale,
-                               index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks))
+        return paged_attention(
+            q, k_cache_l, v_cache_l, meta, scale, index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
+        )
     dec = msa_decode(q, iq, k_cache_l, v_cache_l, index_cache_l, meta, scale, topk, init_blocks, local_blocks)
     if nd == r:
         return dec
     td = dec.shape[0]
     pmeta = prefill_part(meta)
-    pre = paged_attention(q[td:], k_cache_l, v_cache_l, pmeta, scale,
-                          index_topk(iq[td:], index_cache_l, pmeta, topk, init_blocks, local_blocks))
+    pre = paged_attention(
+        q[td:],
+        k_cache_l,
+        v_cache_l,
+        pmeta,
+        scale,
+        index_topk(iq[td:], index_cache_l, pmeta, topk, init_blocks, local_blocks),
+    )
     return torch.cat([dec, pre])

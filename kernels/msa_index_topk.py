@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.msa_checks import check_pow2_dim, next_pow2
-from m3_rollout.engine.paged_cache import PagedMetadata
+from m3_kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_kernels.paged_layout import PagedMetadata
 
 # Sentinel key: below every real key (the key of a -inf score is > INT64_MIN).
 _KEY_EMPTY = -(2**63)
@@ -58,8 +58,21 @@ def _max_propagate_nan(a, b):
 
 
 @triton.jit
-def _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r, offs_o, offs_d,
-               PS: tl.constexpr, IEEE: tl.constexpr):
+def _block_max(
+    q,
+    qpos,
+    ik_ptr,
+    bt_ptr,
+    row,
+    b,
+    stride_ik_p,
+    stride_ik_o,
+    stride_bt_r,
+    offs_o,
+    offs_d,
+    PS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """[M] max over block b's causal keys of <q_m, ik_u>; NaN -> -1e30, no causal key -> -inf."""
     page = tl.load(bt_ptr + row * stride_bt_r + b)
     k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + offs_o[:, None] * stride_ik_o + offs_d[None, :])
@@ -74,16 +87,29 @@ def _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride
 
 
 @triton.jit
-def _block_max_sub(q, qpos, ik_ptr, page, b, stride_ik_p, stride_ik_o, offs_d,
-                   PS: tl.constexpr, NSUB: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+def _block_max_sub(
+    q,
+    qpos,
+    ik_ptr,
+    page,
+    b,
+    stride_ik_p,
+    stride_ik_o,
+    offs_d,
+    PS: tl.constexpr,
+    NSUB: tl.constexpr,
+    MASK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """``_block_max`` over the page as NSUB key sub-tiles of PS/NSUB keys (smaller score tiles, so more
     query rows fit in registers); MASK=False for blocks wholly before every row's position."""
     PSN: tl.constexpr = PS // NSUB
     offs_n = tl.arange(0, PSN)
     res = tl.full([q.shape[0]], float("-inf"), tl.float32)
     for sub in tl.static_range(NSUB):
-        k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + (sub * PSN + offs_n)[:, None] * stride_ik_o
-                    + offs_d[None, :])
+        k = tl.load(
+            ik_ptr + page.to(tl.int64) * stride_ik_p + (sub * PSN + offs_n)[:, None] * stride_ik_o + offs_d[None, :]
+        )
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -101,21 +127,38 @@ def _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_
     tile = tl.where(offs_j[None, :] == j, smax[:, None], tile)
     b0 = b - j
     flush = (j == STORE_B - 1) | (b == b_hi - 1)
-    tl.store(row_ptr[:, None] + (b0 + offs_j)[None, :], tile,
-             mask=m_valid[:, None] & ((b0 + offs_j) <= b)[None, :] & flush)
+    tl.store(
+        row_ptr[:, None] + (b0 + offs_j)[None, :], tile, mask=m_valid[:, None] & ((b0 + offs_j) <= b)[None, :] & flush
+    )
     return tile
 
 
 @triton.jit
 def _index_scores_kernel(
-    iq_ptr, ik_ptr, bt_ptr, qsl_ptr, pos_ptr, score_ptr,
-    row_offset, n_qtiles, blocks_per_split,
-    stride_iq_t, stride_iq_g,
-    stride_ik_p, stride_ik_o,
+    iq_ptr,
+    ik_ptr,
+    bt_ptr,
+    qsl_ptr,
+    pos_ptr,
+    score_ptr,
+    row_offset,
+    n_qtiles,
+    blocks_per_split,
+    stride_iq_t,
+    stride_iq_g,
+    stride_ik_p,
+    stride_ik_o,
     stride_bt_r,
-    stride_s_t, stride_s_g,
-    G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr,
-    BLOCK_M: tl.constexpr, STORE_B: tl.constexpr, IEEE: tl.constexpr, SPLIT_CAUSAL: tl.constexpr = False,
+    stride_s_t,
+    stride_s_g,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    DI: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    STORE_B: tl.constexpr,
+    IEEE: tl.constexpr,
+    SPLIT_CAUSAL: tl.constexpr = False,
     NSUB: tl.constexpr = 1,
 ):
     """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks."""
@@ -134,8 +177,11 @@ def _index_scores_kernel(
     m_valid = (tok < q_hi) & (head < G)
     offs_d = tl.arange(0, DI)
     offs_o = tl.arange(0, PS)
-    q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
-                mask=m_valid[:, None], other=0.0)  # [M, DI]
+    q = tl.load(
+        iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
+        mask=m_valid[:, None],
+        other=0.0,
+    )  # [M, DI]
     qpos = tl.load(pos_ptr + tok, mask=m_valid, other=-1).to(tl.int32)  # [M]
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * blocks_per_split
@@ -143,8 +189,9 @@ def _index_scores_kernel(
     row_ptr = score_ptr + tok * stride_s_t + head * stride_s_g  # [M]
     if STORE_B == 1:  # decode: few rows, a plain pipelined loop
         for b in range(b_lo, b_hi):
-            smax = _block_max(q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r,
-                              offs_o, offs_d, PS, IEEE)
+            smax = _block_max(
+                q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r, offs_o, offs_d, PS, IEEE
+            )
             tl.store(row_ptr + b, smax, mask=m_valid)
     else:
         # NOTE: prefill: STORE_B blocks' maxima are gathered in registers and written as one
@@ -169,10 +216,21 @@ def _index_scores_kernel(
 
 @triton.jit
 def _topk_chunk_kernel(
-    score_ptr, pos_ptr, key_ptr, ids_ptr,
-    n_chunks, topk, init_blocks, local_blocks,
-    stride_s_t, stride_s_g,
-    G: tl.constexpr, PS: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr, FINAL: tl.constexpr,
+    score_ptr,
+    pos_ptr,
+    key_ptr,
+    ids_ptr,
+    n_chunks,
+    topk,
+    init_blocks,
+    local_blocks,
+    stride_s_t,
+    stride_s_g,
+    G: tl.constexpr,
+    PS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    KP: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
     """Top-k keys of one chunk of one (token, head) row; FINAL (one chunk): write block ids."""
     rid = tl.program_id(0)  # t * G + g
@@ -192,8 +250,11 @@ def _topk_chunk_kernel(
     if not FINAL:
         if chunk * CHUNK >= n_cand:  # chunk past the candidates: empty winners
             offs_k = tl.arange(0, KP)
-            tl.store(key_ptr + (rid * n_chunks + chunk) * topk + offs_k,
-                     tl.full([KP], -9223372036854775807 - 1, tl.int64), mask=offs_k < topk)
+            tl.store(
+                key_ptr + (rid * n_chunks + chunk) * topk + offs_k,
+                tl.full([KP], -9223372036854775807 - 1, tl.int64),
+                mask=offs_k < topk,
+            )
             return
     for k in range(topk):
         best = tl.max(key, axis=0)
@@ -207,8 +268,21 @@ def _topk_chunk_kernel(
 
 
 @triton.jit
-def _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks, stride_s_t,
-                    stride_s_g, CH: tl.constexpr):
+def _topk_rows_tile(
+    score_ptr,
+    ids_ptr,
+    rid,
+    r_ok,
+    t,
+    g,
+    n_cand_r,
+    topk,
+    init_blocks,
+    local_blocks,
+    stride_s_t,
+    stride_s_g,
+    CH: tl.constexpr,
+):
     """Top-k block ids of ROWS rows whose candidates all lie in blocks [0, CH): int32 keys, two 32-bit
     reductions per pick (max key, then the lowest block id holding it) instead of one int64 max."""
     n_cand = n_cand_r[:, None]
@@ -231,8 +305,19 @@ def _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_bl
 
 @triton.jit
 def _topk_rows_kernel(
-    score_ptr, pos_ptr, ids_ptr, n_rows, topk, init_blocks, local_blocks, stride_s_t, stride_s_g,
-    G: tl.constexpr, PS: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    score_ptr,
+    pos_ptr,
+    ids_ptr,
+    n_rows,
+    topk,
+    init_blocks,
+    local_blocks,
+    stride_s_t,
+    stride_s_g,
+    G: tl.constexpr,
+    PS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """Final top-k of ROWS (token, head) rows per program (one chunk of <= CHUNK blocks per row).
 
@@ -248,24 +333,91 @@ def _topk_rows_kernel(
     n_max = tl.max(n_cand_r, axis=0)
     if CHUNK >= 64:
         if n_max <= CHUNK // 8:
-            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
-                            stride_s_t, stride_s_g, CHUNK // 8)
+            _topk_rows_tile(
+                score_ptr,
+                ids_ptr,
+                rid,
+                r_ok,
+                t,
+                g,
+                n_cand_r,
+                topk,
+                init_blocks,
+                local_blocks,
+                stride_s_t,
+                stride_s_g,
+                CHUNK // 8,
+            )
         elif n_max <= CHUNK // 4:
-            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
-                            stride_s_t, stride_s_g, CHUNK // 4)
+            _topk_rows_tile(
+                score_ptr,
+                ids_ptr,
+                rid,
+                r_ok,
+                t,
+                g,
+                n_cand_r,
+                topk,
+                init_blocks,
+                local_blocks,
+                stride_s_t,
+                stride_s_g,
+                CHUNK // 4,
+            )
         elif n_max <= CHUNK // 2:
-            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
-                            stride_s_t, stride_s_g, CHUNK // 2)
+            _topk_rows_tile(
+                score_ptr,
+                ids_ptr,
+                rid,
+                r_ok,
+                t,
+                g,
+                n_cand_r,
+                topk,
+                init_blocks,
+                local_blocks,
+                stride_s_t,
+                stride_s_g,
+                CHUNK // 2,
+            )
         else:
-            _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
-                            stride_s_t, stride_s_g, CHUNK)
+            _topk_rows_tile(
+                score_ptr,
+                ids_ptr,
+                rid,
+                r_ok,
+                t,
+                g,
+                n_cand_r,
+                topk,
+                init_blocks,
+                local_blocks,
+                stride_s_t,
+                stride_s_g,
+                CHUNK,
+            )
     else:
-        _topk_rows_tile(score_ptr, ids_ptr, rid, r_ok, t, g, n_cand_r, topk, init_blocks, local_blocks,
-                        stride_s_t, stride_s_g, CHUNK)
+        _topk_rows_tile(
+            score_ptr,
+            ids_ptr,
+            rid,
+            r_ok,
+            t,
+            g,
+            n_cand_r,
+            topk,
+            init_blocks,
+            local_blocks,
+            stride_s_t,
+            stride_s_g,
+            CHUNK,
+        )
 
 
 @triton.jit
-def _topk_merge_kernel(key_ptr, pos_ptr, ids_ptr, n_keys, topk, PS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+def _topk_merge_kernel(
+    key_ptr, pos_ptr, ids_ptr, n_keys, topk, PS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr
+):
     """Final top-k over the chunk winners of one (token, head) row."""
     rid = tl.program_id(0)
     p = tl.load(pos_ptr + rid // G)
@@ -280,8 +432,17 @@ def _topk_merge_kernel(key_ptr, pos_ptr, ids_ptr, n_keys, topk, PS: tl.constexpr
         tl.store(ids_ptr + rid * topk + k, bid)
 
 
-def _score_launch(iq, index_cache_l, meta, scores, rows: tuple[int, int], block_m: int, n_splits: int, ieee: bool,
-                  cfg: dict | None = None):
+def _score_launch(
+    iq,
+    index_cache_l,
+    meta,
+    scores,
+    rows: tuple[int, int],
+    block_m: int,
+    n_splits: int,
+    ieee: bool,
+    cfg: dict | None = None,
+):
     """Launch the score kernel over rows [r0, r1) with query tiles of block_m tokens (cfg: prefill knobs)."""
     cfg = cfg or {}
     r0, r1 = rows
@@ -298,12 +459,31 @@ def _score_launch(iq, index_cache_l, meta, scores, rows: tuple[int, int], block_
     n_splits = triton.cdiv(nbp, per_split)
     grid = ((r1 - r0) * n_qtiles, n_splits)
     _index_scores_kernel[grid](
-        iq, index_cache_l, meta.block_tables, meta.query_start_loc, meta.positions, scores,
-        r0, n_qtiles, per_split,
-        iq.stride(0), iq.stride(1), index_cache_l.stride(0), index_cache_l.stride(1),
-        meta.block_tables.stride(0), scores.stride(0), scores.stride(1),
-        G=g, GP=gp, DI=di, PS=ps, BLOCK_M=block_m, STORE_B=1 if n_splits > 1 else 16, IEEE=ieee,
-        SPLIT_CAUSAL=cfg.get("split_causal", False), NSUB=cfg.get("nsub", 1),
+        iq,
+        index_cache_l,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.positions,
+        scores,
+        r0,
+        n_qtiles,
+        per_split,
+        iq.stride(0),
+        iq.stride(1),
+        index_cache_l.stride(0),
+        index_cache_l.stride(1),
+        meta.block_tables.stride(0),
+        scores.stride(0),
+        scores.stride(1),
+        G=g,
+        GP=gp,
+        DI=di,
+        PS=ps,
+        BLOCK_M=block_m,
+        STORE_B=1 if n_splits > 1 else 16,
+        IEEE=ieee,
+        SPLIT_CAUSAL=cfg.get("split_causal", False),
+        NSUB=cfg.get("nsub", 1),
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
         num_stages=1 if ieee else cfg.get("num_stages", 3),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
@@ -314,8 +494,10 @@ def _check_inputs(iq, index_cache_l, topk: int) -> None:
     di = iq.shape[2]
     ps = index_cache_l.shape[1]
     if iq.dtype not in (torch.float32, torch.float16, torch.bfloat16) or index_cache_l.dtype != iq.dtype:
-        raise ValueError(f"index_topk: dtype iq={iq.dtype}, index cache={index_cache_l.dtype}; the Triton "
-                         "indexer supports fp32/fp16/bf16 with equal dtypes")
+        raise ValueError(
+            f"index_topk: dtype iq={iq.dtype}, index cache={index_cache_l.dtype}; the Triton "
+            "indexer supports fp32/fp16/bf16 with equal dtypes"
+        )
     check_pow2_dim("page_size (sparse_block_size)", ps)
     check_pow2_dim("sparse_index_dim", di)
     if index_cache_l.shape[2] != di:
@@ -326,8 +508,9 @@ def _check_inputs(iq, index_cache_l, topk: int) -> None:
         raise ValueError("index_topk: iq and index_cache_l need a contiguous last dim")
 
 
-def index_block_scores(iq: torch.Tensor, index_cache_l: torch.Tensor, meta: PagedMetadata,
-                       prefill_config: dict | None = None) -> torch.Tensor:
+def index_block_scores(
+    iq: torch.Tensor, index_cache_l: torch.Tensor, meta: PagedMetadata, prefill_config: dict | None = None
+) -> torch.Tensor:
     """[T, G, NBP] fp32 block-max index scores (spec §3.4); entries past a token's causal blocks are garbage.
 
     Entry [t, g, b] for b <= pos(t) // ps: max over block b's causal keys of <iq[t, g], ik[u]>,
@@ -347,14 +530,22 @@ def index_block_scores(iq: torch.Tensor, index_cache_l: torch.Tensor, meta: Page
         splits = max(1, min(triton.cdiv(nbp, 8), 1024 // nd))
         _score_launch(iq, index_cache_l, meta, scores, (0, nd), next_pow2(max(meta.decode_query_len, 1)), splits, ieee)
     if r > nd:
-        _score_launch(iq, index_cache_l, meta, scores, (nd, r), cfg.get("block_m", 32 if g * 32 <= 128 else 16), 1,
-                      ieee, cfg)
+        _score_launch(
+            iq, index_cache_l, meta, scores, (nd, r), cfg.get("block_m", 32 if g * 32 <= 128 else 16), 1, ieee, cfg
+        )
     return scores
 
 
-def select_topk_blocks(scores: torch.Tensor, meta: PagedMetadata, topk: int, page_size: int, init_blocks: int = 0,
-                       local_blocks: int = 1, rows_per_program: int = TOPK_ROWS,
-                       num_warps: int = TOPK_ROWS_WARPS) -> torch.Tensor:
+def select_topk_blocks(
+    scores: torch.Tensor,
+    meta: PagedMetadata,
+    topk: int,
+    page_size: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    rows_per_program: int = TOPK_ROWS,
+    num_warps: int = TOPK_ROWS_WARPS,
+) -> torch.Tensor:
     """[T, G, K] int32 top-k block ids from ``index_block_scores`` output (forced blocks, ties to lower id).
 
     rows_per_program > 1 (power of two): the one-chunk case with >= TOPK_ROWS_MIN rows runs that many rows per
@@ -372,23 +563,73 @@ def select_topk_blocks(scores: torch.Tensor, meta: PagedMetadata, topk: int, pag
     n_chunks = triton.cdiv(nbp, chunk)
     if n_chunks == 1 and rows_per_program > 1 and t * g >= TOPK_ROWS_MIN:  # prefill-sized; decode: one row each
         _topk_rows_kernel[(triton.cdiv(t * g, rows_per_program),)](
-            scores, meta.positions, out, t * g, topk, init_blocks, local_blocks, scores.stride(0), scores.stride(1),
-            G=g, PS=ps, CHUNK=chunk, ROWS=rows_per_program, num_warps=num_warps)
+            scores,
+            meta.positions,
+            out,
+            t * g,
+            topk,
+            init_blocks,
+            local_blocks,
+            scores.stride(0),
+            scores.stride(1),
+            G=g,
+            PS=ps,
+            CHUNK=chunk,
+            ROWS=rows_per_program,
+            num_warps=num_warps,
+        )
         return out
     if n_chunks == 1:
         _topk_chunk_kernel[(t * g, 1)](
-            scores, meta.positions, out, out, 1, topk, init_blocks, local_blocks,
-            scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=True,
-            num_warps=4)
+            scores,
+            meta.positions,
+            out,
+            out,
+            1,
+            topk,
+            init_blocks,
+            local_blocks,
+            scores.stride(0),
+            scores.stride(1),
+            G=g,
+            PS=ps,
+            CHUNK=chunk,
+            KP=next_pow2(topk),
+            FINAL=True,
+            num_warps=4,
+        )
         return out
     keys = torch.empty(t * g, n_chunks, topk, dtype=torch.int64, device=scores.device)  # chunk winners
     _topk_chunk_kernel[(t * g, n_chunks)](
-        scores, meta.positions, keys, out, n_chunks, topk, init_blocks, local_blocks,
-        scores.stride(0), scores.stride(1), G=g, PS=ps, CHUNK=chunk, KP=next_pow2(topk), FINAL=False,
-        num_warps=4)
+        scores,
+        meta.positions,
+        keys,
+        out,
+        n_chunks,
+        topk,
+        init_blocks,
+        local_blocks,
+        scores.stride(0),
+        scores.stride(1),
+        G=g,
+        PS=ps,
+        CHUNK=chunk,
+        KP=next_pow2(topk),
+        FINAL=False,
+        num_warps=4,
+    )
     n_keys = n_chunks * topk
-    _topk_merge_kernel[(t * g,)](keys, meta.positions, out, n_keys, topk, PS=ps, BLOCK_N=next_pow2(n_keys), G=g,
-                                 num_warps=4 if n_keys <= 1024 else 8)
+    _topk_merge_kernel[(t * g,)](
+        keys,
+        meta.positions,
+        out,
+        n_keys,
+        topk,
+        PS=ps,
+        BLOCK_N=next_pow2(n_keys),
+        G=g,
+        num_warps=4 if n_keys <= 1024 else 8,
+    )
     return out
 
 

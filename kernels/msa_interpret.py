@@ -16,7 +16,7 @@ import os
 import sys
 from types import ModuleType
 
-_KERNEL_MODULES = ("kernels.msa_index_topk", "kernels.msa_sparse_attention")
+_KERNEL_MODULES = ("m3_kernels.msa_index_topk", "m3_kernels.msa_sparse_attention")
 
 
 def _patch_numpy_index() -> None:

@@ -1,4 +1,4 @@
-"""PyTorch references of the MSA ops over the paged caches (spec §3.4-3.5, layout: engine/paged_cache.py).
+"""PyTorch references of the MSA ops over the paged caches (spec §3.4-3.5, layout: kernels/paged_layout.py).
 
 Governing idea: gather each row's pages back into a contiguous ``[R, nb*ps, ...]`` key array in
 which slot u holds position u, pad the flat query tokens to ``[R, max_query_len]``, and reuse the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from m3_rollout.engine.paged_cache import PagedMetadata
+from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.model.attention import masked_gqa_attention
 from m3_rollout.model.indexer import block_scores, select_blocks, selected_key_mask
 from m3_rollout.model.numerics import compute_dtype
@@ -52,8 +52,9 @@ def unpad_queries(x: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
     return x[row, off]
 
 
-def gather_pages(cache_l: torch.Tensor, meta: PagedMetadata, head_axis: bool,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_pages(
+    cache_l: torch.Tensor, meta: PagedMetadata, head_axis: bool, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A layer's pages in logical order per row.
 
     cache_l: [P, G, ps, d] (head_axis=True) or [P, ps, di]. Returns [R, nb*ps, G, d] or
@@ -66,7 +67,9 @@ def gather_pages(cache_l: torch.Tensor, meta: PagedMetadata, head_axis: bool,
     nb = -(-meta.max_seq_len // ps)
     bt = meta.block_tables[:, :nb].long().clamp_min(0)  # [R, nb]
     r = bt.shape[0]
-    pages = cache_l.index_select(0, bt.reshape(-1)).view(r, nb, *cache_l.shape[1:])  # [R, nb, G, ps, d] | [R, nb, ps, di]
+    pages = cache_l.index_select(0, bt.reshape(-1)).view(
+        r, nb, *cache_l.shape[1:]
+    )  # [R, nb, G, ps, d] | [R, nb, ps, di]
     dtype = dtype or cache_l.dtype
     if head_axis:
         g, d = cache_l.shape[1], cache_l.shape[3]
@@ -90,12 +93,30 @@ def split_decodes(meta: PagedMetadata) -> tuple[PagedMetadata, PagedMetadata] | 
     qsl = meta.query_start_loc
     td = nd * meta.decode_query_len
     d_seq, p_seq = meta.seq_lens[:nd], meta.seq_lens[nd:]
-    dec = PagedMetadata(meta.positions[:td], meta.slot_mapping[:td], meta.block_tables[:nd],
-                        meta.context_lens[:nd], d_seq, qsl[:nd + 1], nd, meta.decode_query_len,
-                        meta.decode_query_len, int(d_seq.max()))
-    pre = PagedMetadata(meta.positions[td:], meta.slot_mapping[td:], meta.block_tables[nd:],
-                        meta.context_lens[nd:], p_seq, qsl[nd:] - qsl[nd], 0, meta.decode_query_len,
-                        meta.max_query_len, int(p_seq.max()))
+    dec = PagedMetadata(
+        meta.positions[:td],
+        meta.slot_mapping[:td],
+        meta.block_tables[:nd],
+        meta.context_lens[:nd],
+        d_seq,
+        qsl[: nd + 1],
+        nd,
+        meta.decode_query_len,
+        meta.decode_query_len,
+        int(d_seq.max()),
+    )
+    pre = PagedMetadata(
+        meta.positions[td:],
+        meta.slot_mapping[td:],
+        meta.block_tables[nd:],
+        meta.context_lens[nd:],
+        p_seq,
+        qsl[nd:] - qsl[nd],
+        0,
+        meta.decode_query_len,
+        meta.max_query_len,
+        int(p_seq.max()),
+    )
     return dec, pre
 
 
@@ -116,8 +137,12 @@ def index_topk_ref(
     parts = split_decodes(meta)
     if parts is not None:
         td = parts[0].num_tokens
-        return torch.cat([index_topk_ref(iq[:td], index_cache_l, parts[0], topk, init_blocks, local_blocks),
-                          index_topk_ref(iq[td:], index_cache_l, parts[1], topk, init_blocks, local_blocks)])
+        return torch.cat(
+            [
+                index_topk_ref(iq[:td], index_cache_l, parts[0], topk, init_blocks, local_blocks),
+                index_topk_ref(iq[td:], index_cache_l, parts[1], topk, init_blocks, local_blocks),
+            ]
+        )
     ps = index_cache_l.shape[1]
     q, pos = pad_queries(iq, meta)  # [R, Sq, G, di], [R, Sq]
     keys = gather_pages(index_cache_l, meta, head_axis=False)  # [R, Sk, di]
@@ -143,8 +168,12 @@ def paged_attention_ref(
     if parts is not None:
         td = parts[0].num_tokens
         ids = (None, None) if topk_ids is None else (topk_ids[:td], topk_ids[td:])
-        return torch.cat([paged_attention_ref(q[:td], k_cache_l, v_cache_l, parts[0], scale, ids[0]),
-                          paged_attention_ref(q[td:], k_cache_l, v_cache_l, parts[1], scale, ids[1])])
+        return torch.cat(
+            [
+                paged_attention_ref(q[:td], k_cache_l, v_cache_l, parts[0], scale, ids[0]),
+                paged_attention_ref(q[td:], k_cache_l, v_cache_l, parts[1], scale, ids[1]),
+            ]
+        )
     ps = k_cache_l.shape[2]
     qp, pos = pad_queries(q, meta)  # [R, Sq, nh, d]
     cdt = compute_dtype(q.dtype)

@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.msa_checks import check_pow2_dim, next_pow2
-from m3_rollout.engine.paged_cache import PagedMetadata
+from m3_kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_kernels.paged_layout import PagedMetadata
 
 LOG2E = 1.4426950408889634
 # Sparse prefill path choice (host-known shapes only, graph-safe): the KV-major path (every K/V page
@@ -56,8 +56,25 @@ KV_CHUNK_TOKENS = 16384
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, page, b, row_ok, qpos, qk_scale, stride_kp, stride_ko,
-                  offs_o, offs_d, PS: tl.constexpr, IEEE: tl.constexpr):
+def _attend_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_ptr,
+    v_ptr,
+    page,
+    b,
+    row_ok,
+    qpos,
+    qk_scale,
+    stride_kp,
+    stride_ko,
+    offs_o,
+    offs_d,
+    PS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Online-softmax update of (m_i, l_i, acc) with one page; row_ok [M] masks rows."""
     koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
     k = tl.load(k_ptr + koff)  # [PS, D]
@@ -84,12 +101,37 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, page, b, row_ok, qpos, qk_scal
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, sel_ptr, o_ptr, opart_ptr, lse_ptr,
-    qk_scale, dql, n_entries, entries_per_split,
-    stride_qt, stride_qh, stride_kp, stride_kg, stride_ko, stride_bt_r,
-    stride_sel_t, stride_sel_g, stride_ot, stride_oh,
-    RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    DENSE: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, KP: tl.constexpr = 2,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    pos_ptr,
+    sel_ptr,
+    o_ptr,
+    opart_ptr,
+    lse_ptr,
+    qk_scale,
+    dql,
+    n_entries,
+    entries_per_split,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kg,
+    stride_ko,
+    stride_bt_r,
+    stride_sel_t,
+    stride_sel_g,
+    stride_ot,
+    stride_oh,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    DENSE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    KP: tl.constexpr = 2,
 ):
     """One (decode token, KV head, split): partial softmax over its share of the entries.
 
@@ -129,8 +171,25 @@ def _decode_attn_kernel(
             first = tl.sum(tl.where((row_ids == b) & (offs_k < e), 1, 0)) == 0  # not at an earlier slot
         if (b >= 0) & (b < n_blk) & first:
             page = tl.load(bt_ptr + row * stride_bt_r + b)
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, b, h_ok, qpos, qk_scale,
-                                          stride_kp, stride_ko, offs_o, offs_d, PS, IEEE)
+            m_i, l_i, acc = _attend_block(
+                q,
+                m_i,
+                l_i,
+                acc,
+                kg_ptr,
+                vg_ptr,
+                page,
+                b,
+                h_ok,
+                qpos,
+                qk_scale,
+                stride_kp,
+                stride_ko,
+                offs_o,
+                offs_d,
+                PS,
+                IEEE,
+            )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if SPLIT:
@@ -139,13 +198,25 @@ def _decode_attn_kernel(
         tl.store(lse_ptr + base * RHP + offs_h, lse)
         tl.store(opart_ptr + (base * RHP + offs_h[:, None]) * D + offs_d[None, :], out)
     else:
-        tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(
+            o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=h_ok[:, None],
+        )
 
 
 @triton.jit
-def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, stride_ot, stride_oh,
-                         RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, S: tl.constexpr):
+def _decode_merge_kernel(
+    opart_ptr,
+    lse_ptr,
+    o_ptr,
+    stride_ot,
+    stride_oh,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    S: tl.constexpr,
+):
     """Combine the S splits of one (decode token, KV head): weights exp2(lse_s - max_s lse)."""
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -163,13 +234,27 @@ def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, stride_ot, stride_oh,
         w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # [RHP]
         out += w_s[:, None] * o_s
     head = g * RH + offs_h
-    tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=(offs_h < RH)[:, None])
+    tl.store(
+        o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=(offs_h < RH)[:, None],
+    )
 
 
 @triton.jit
-def _load_query_tile(q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh,
-                     RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _load_query_tile(
+    q_ptr,
+    pos_ptr,
+    t0,
+    q_hi,
+    g,
+    stride_qt,
+    stride_qh,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """Query rows of a prefill tile: BLOCK_M tokens from t0 (cut at q_hi) x KV head g's RH heads, row m =
     token m // RHP, head m % RHP. Returns (ti [M] token index in the tile, tok [M], head [M], m_ok [M],
     q [M, D], qpos [M] positions as stored, -1 for masked rows)."""
@@ -180,20 +265,45 @@ def _load_query_tile(q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh,
     m_ok = (tok < q_hi) & (h < RH)
     head = g * RH + h
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)  # [M, D]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=m_ok[:, None], other=0.0
+    )  # [M, D]
     qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1)  # [M]
     return ti, tok, head, m_ok, q, qpos
 
 
 @triton.jit
 def _prefill_attn_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, pos_ptr, sel_ptr, o_ptr,
-    qk_scale, row_offset, n_qtiles, topk,
-    stride_qt, stride_qh, stride_kp, stride_kg, stride_ko, stride_bt_r,
-    stride_sel_t, stride_sel_g, stride_ot, stride_oh,
-    RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr,
-    KP: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    qsl_ptr,
+    pos_ptr,
+    sel_ptr,
+    o_ptr,
+    qk_scale,
+    row_offset,
+    n_qtiles,
+    topk,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kg,
+    stride_ko,
+    stride_bt_r,
+    stride_sel_t,
+    stride_sel_g,
+    stride_ot,
+    stride_oh,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KP: tl.constexpr,
+    DENSE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """BLOCK_M query tokens x one KV head's group over the union of their selected blocks."""
     pid = tl.program_id(0)
@@ -205,8 +315,9 @@ def _prefill_attn_kernel(
     t0 = q_lo + qtile * BLOCK_M
     if t0 >= q_hi:
         return
-    _, tok, head, m_ok, q, qpos = _load_query_tile(q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh, RH, RHP, D,
-                                                   BLOCK_M)
+    _, tok, head, m_ok, q, qpos = _load_query_tile(
+        q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh, RH, RHP, D, BLOCK_M
+    )
     offs_d = tl.arange(0, D)
     offs_o = tl.arange(0, PS)
     m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
@@ -218,16 +329,39 @@ def _prefill_attn_kernel(
         n_blk = tl.max(qpos, axis=0) // PS + 1
         for b in range(0, n_blk):
             page = tl.load(bt_ptr + row * stride_bt_r + b)
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, b, m_ok, qpos, qk_scale,
-                                          stride_kp, stride_ko, offs_o, offs_d, PS, IEEE)
+            m_i, l_i, acc = _attend_block(
+                q,
+                m_i,
+                l_i,
+                acc,
+                kg_ptr,
+                vg_ptr,
+                page,
+                b,
+                m_ok,
+                qpos,
+                qk_scale,
+                stride_kp,
+                stride_ko,
+                offs_o,
+                offs_d,
+                PS,
+                IEEE,
+            )
     else:
         offs_k = tl.arange(0, KP)
-        sel_rows = tl.load(sel_ptr + tok[:, None] * stride_sel_t + g * stride_sel_g + offs_k[None, :],
-                           mask=m_ok[:, None] & (offs_k[None, :] < topk), other=-1)  # [M, KP]
+        sel_rows = tl.load(
+            sel_ptr + tok[:, None] * stride_sel_t + g * stride_sel_g + offs_k[None, :],
+            mask=m_ok[:, None] & (offs_k[None, :] < topk),
+            other=-1,
+        )  # [M, KP]
         offs_i = tl.arange(0, BLOCK_M)
         tile_tok_ok = (t0 + offs_i) < q_hi
-        sel_tile = tl.load(sel_ptr + (t0 + offs_i)[:, None] * stride_sel_t + g * stride_sel_g + offs_k[None, :],
-                           mask=tile_tok_ok[:, None] & (offs_k[None, :] < topk), other=-1)  # [BLOCK_M, KP]
+        sel_tile = tl.load(
+            sel_ptr + (t0 + offs_i)[:, None] * stride_sel_t + g * stride_sel_g + offs_k[None, :],
+            mask=tile_tok_ok[:, None] & (offs_k[None, :] < topk),
+            other=-1,
+        )  # [BLOCK_M, KP]
         n_tok = tl.minimum(q_hi - t0, BLOCK_M)
         for i in range(0, n_tok):
             p_i = tl.load(pos_ptr + t0 + i)
@@ -238,11 +372,31 @@ def _prefill_attn_kernel(
                 if (b >= 0) & (b <= p_i // PS) & (dup == 0):
                     page = tl.load(bt_ptr + row * stride_bt_r + b)
                     row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
-                    m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, b, row_ok, qpos,
-                                                  qk_scale, stride_kp, stride_ko, offs_o, offs_d, PS, IEEE)
+                    m_i, l_i, acc = _attend_block(
+                        q,
+                        m_i,
+                        l_i,
+                        acc,
+                        kg_ptr,
+                        vg_ptr,
+                        page,
+                        b,
+                        row_ok,
+                        qpos,
+                        qk_scale,
+                        stride_kp,
+                        stride_ko,
+                        offs_o,
+                        offs_d,
+                        PS,
+                        IEEE,
+                    )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    tl.store(
+        o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=m_ok[:, None],
+    )
 
 
 @triton.jit
@@ -252,9 +406,23 @@ def _or_combine(a, b):
 
 @triton.jit
 def _tile_union_kernel(
-    sel_ptr, qsl_ptr, pos_ptr, bt_ptr, ulist_ptr, umask_ptr, upage_ptr, ucount_ptr,
-    row_offset, n_qtiles, topk, stride_sel_t, stride_sel_g, stride_bt_r,
-    PS: tl.constexpr, BLOCK_M: tl.constexpr, KP: tl.constexpr,
+    sel_ptr,
+    qsl_ptr,
+    pos_ptr,
+    bt_ptr,
+    ulist_ptr,
+    umask_ptr,
+    upage_ptr,
+    ucount_ptr,
+    row_offset,
+    n_qtiles,
+    topk,
+    stride_sel_t,
+    stride_sel_g,
+    stride_bt_r,
+    PS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KP: tl.constexpr,
 ):
     """Sorted distinct valid blocks of one prefill tile (BLOCK_M tokens, one KV head) + membership.
 
@@ -294,10 +462,32 @@ def _tile_union_kernel(
 
 @triton.jit
 def _prefill_union_attn_kernel(
-    q_ptr, k_ptr, v_ptr, qsl_ptr, pos_ptr, ulist_ptr, umask_ptr, upage_ptr, ucount_ptr, o_ptr,
-    qk_scale, row_offset, n_qtiles, topk,
-    stride_qt, stride_qh, stride_kp, stride_kg, stride_ko, stride_ot, stride_oh,
-    RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qsl_ptr,
+    pos_ptr,
+    ulist_ptr,
+    umask_ptr,
+    upage_ptr,
+    ucount_ptr,
+    o_ptr,
+    qk_scale,
+    row_offset,
+    n_qtiles,
+    topk,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kg,
+    stride_ko,
+    stride_ot,
+    stride_oh,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """BLOCK_M query tokens x one KV head's group over the tile's union list (``_tile_union_kernel``).
@@ -316,8 +506,9 @@ def _prefill_union_attn_kernel(
     if t0 >= q_hi:
         return
     slot = tile * tl.num_programs(1) + g
-    ti, tok, head, m_ok, q, qpos = _load_query_tile(q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh, RH, RHP, D,
-                                                    BLOCK_M)
+    ti, tok, head, m_ok, q, qpos = _load_query_tile(
+        q_ptr, pos_ptr, t0, q_hi, g, stride_qt, stride_qh, RH, RHP, D, BLOCK_M
+    )
     qpos = qpos.to(tl.int32)
     offs_d = tl.arange(0, D)
     offs_o = tl.arange(0, PS)
@@ -333,33 +524,95 @@ def _prefill_union_attn_kernel(
         bits = tl.load(umask_ptr + base + u)
         page = tl.load(upage_ptr + base + u)
         row_ok = m_ok & (((bits >> ti) & 1) != 0)
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, b, row_ok, qpos, qk_scale,
-                                      stride_kp, stride_ko, offs_o, offs_d, PS, IEEE)
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            kg_ptr,
+            vg_ptr,
+            page,
+            b,
+            row_ok,
+            qpos,
+            qk_scale,
+            stride_kp,
+            stride_ko,
+            offs_o,
+            offs_d,
+            PS,
+            IEEE,
+        )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    tl.store(
+        o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=m_ok[:, None],
+    )
 
 
 @triton.jit
-def _kv_seg_load_q(q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt, stride_qh,
-                   G: tl.constexpr, RH: tl.constexpr, topk):
+def _kv_seg_load_q(
+    q_ptr,
+    perm_ptr,
+    epos_ptr,
+    ei,
+    m_ok,
+    t_base,
+    g,
+    h,
+    offs_d,
+    stride_qt,
+    stride_qh,
+    G: tl.constexpr,
+    RH: tl.constexpr,
+    topk,
+):
     """Entry ids, query positions and [M, D] query rows of the tile's entries ``ei`` (one gather level)."""
     e = tl.load(perm_ptr + ei, mask=m_ok, other=0).to(tl.int32)  # [M] entry (t * G + g) * topk + j
     qpos = tl.load(epos_ptr + ei, mask=m_ok, other=-1)
     t = e // (G * topk)
-    q = tl.load(q_ptr + (t_base + t)[:, None].to(tl.int64) * stride_qt + (g * RH + h)[:, None] * stride_qh
-                + offs_d[None, :], mask=m_ok[:, None], other=0.0)  # [M, D]
+    q = tl.load(
+        q_ptr + (t_base + t)[:, None].to(tl.int64) * stride_qt + (g * RH + h)[:, None] * stride_qh + offs_d[None, :],
+        mask=m_ok[:, None],
+        other=0.0,
+    )  # [M, D]
     return e, qpos, q
 
 
 @triton.jit
 def _kv_seg_attn_kernel(
-    q_ptr, k_ptr, v_ptr, epos_ptr, seg_bkt_ptr, bkt_start_ptr, bkt_seg0_ptr, bkt_end_ptr, bkt_page_ptr,
-    perm_ptr, opart_ptr, lse_ptr,
-    qk_scale, t_base, topk, nbp, bkt_per_head,
-    stride_qt, stride_qh, stride_kp, stride_kg, stride_ko,
-    G: tl.constexpr, RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    TOK: tl.constexpr, SEG: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr = True,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    epos_ptr,
+    seg_bkt_ptr,
+    bkt_start_ptr,
+    bkt_seg0_ptr,
+    bkt_end_ptr,
+    bkt_page_ptr,
+    perm_ptr,
+    opart_ptr,
+    lse_ptr,
+    qk_scale,
+    t_base,
+    topk,
+    nbp,
+    bkt_per_head,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kg,
+    stride_ko,
+    G: tl.constexpr,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    TOK: tl.constexpr,
+    SEG: tl.constexpr,
+    IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr = True,
 ):
     """One segment (up to SEG entries) of one KV-major bucket (KV head g, row, block b).
 
@@ -390,19 +643,22 @@ def _kv_seg_attn_kernel(
     if PREFETCH:  # the first tile's entries; each iteration then loads the next tile's
         ei = e_lo + offs_m // RHP
         m_ok = (ei < e_hi) & (h < RH)
-        e, qpos, q = _kv_seg_load_q(q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt,
-                                    stride_qh, G, RH, topk)
+        e, qpos, q = _kv_seg_load_q(
+            q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt, stride_qh, G, RH, topk
+        )
     for c in range(e_lo, e_hi, TOK):
         if PREFETCH:
             ei_n = c + TOK + offs_m // RHP
             m_ok_n = (ei_n < e_hi) & (h < RH)
-            e_n, qpos_n, q_n = _kv_seg_load_q(q_ptr, perm_ptr, epos_ptr, ei_n, m_ok_n, t_base, g, h, offs_d,
-                                              stride_qt, stride_qh, G, RH, topk)
+            e_n, qpos_n, q_n = _kv_seg_load_q(
+                q_ptr, perm_ptr, epos_ptr, ei_n, m_ok_n, t_base, g, h, offs_d, stride_qt, stride_qh, G, RH, topk
+            )
         else:
             ei = c + offs_m // RHP
             m_ok = (ei < e_hi) & (h < RH)
-            e, qpos, q = _kv_seg_load_q(q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt,
-                                        stride_qh, G, RH, topk)
+            e, qpos, q = _kv_seg_load_q(
+                q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt, stride_qh, G, RH, topk
+            )
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -422,16 +678,32 @@ def _kv_seg_attn_kernel(
         o = o / l_safe[:, None]
         lse = tl.where(l_i > 0, m + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + e * RH + h, lse, mask=m_ok)
-        tl.store(opart_ptr + (e * RH + h)[:, None].to(tl.int64) * D + offs_d[None, :],
-                 o.to(opart_ptr.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(
+            opart_ptr + (e * RH + h)[:, None].to(tl.int64) * D + offs_d[None, :],
+            o.to(opart_ptr.dtype.element_ty),
+            mask=m_ok[:, None],
+        )
         if PREFETCH:
             e, qpos, q, m_ok = e_n, qpos_n, q_n, m_ok_n
 
 
 @triton.jit
 def _kv_major_merge_kernel(
-    opart_ptr, lse_ptr, sel_ptr, pos_ptr, o_ptr, t_base, topk, stride_ot, stride_oh,
-    G: tl.constexpr, RH: tl.constexpr, RHP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, KP: tl.constexpr,
+    opart_ptr,
+    lse_ptr,
+    sel_ptr,
+    pos_ptr,
+    o_ptr,
+    t_base,
+    topk,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    KP: tl.constexpr,
 ):
     """out[t, g's heads] = sum_j w_j opart[(t, g, j)], w = exp2(lse_j - max) / sum, over the valid distinct j."""
     t = tl.program_id(0)
@@ -444,8 +716,11 @@ def _kv_major_merge_kernel(
     b = tl.load(sel_ptr + row + offs_k, mask=offs_k < topk, other=-1)
     dup = tl.sum(tl.where((b[:, None] == b[None, :]) & (offs_k[None, :] < offs_k[:, None]), 1, 0), axis=1)
     ok = (offs_k < topk) & (b >= 0) & (b <= p // PS) & (dup == 0)  # [KP]
-    lse = tl.load(lse_ptr + (row + offs_k[:, None]) * RH + offs_h[None, :], mask=ok[:, None] & (offs_h < RH)[None, :],
-                  other=float("-inf"))  # [KP, RHP]
+    lse = tl.load(
+        lse_ptr + (row + offs_k[:, None]) * RH + offs_h[None, :],
+        mask=ok[:, None] & (offs_h < RH)[None, :],
+        other=float("-inf"),
+    )  # [KP, RHP]
     mx = tl.max(lse, axis=0)  # [RHP]; finite: the own block is always valid
     inv_den = 1.0 / tl.sum(tl.exp2(lse - mx[None, :]), axis=0)  # [RHP]
     # NOTE: the loop re-reads lse_j (cached) and tests a bit mask instead of extracting row j of the
@@ -457,12 +732,18 @@ def _kv_major_merge_kernel(
         ok_j = ((ok_bits >> j) & 1) != 0
         lse_j = tl.load(lse_ptr + (row + j) * RH + offs_h, mask=h_ok & ok_j, other=float("-inf"))
         w_j = tl.exp2(lse_j - mx) * inv_den  # [RHP]
-        o_j = tl.load(opart_ptr + ((row + j) * RH + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :],
-                      mask=h_ok[:, None] & ok_j, other=0.0)
+        o_j = tl.load(
+            opart_ptr + ((row + j) * RH + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :],
+            mask=h_ok[:, None] & ok_j,
+            other=0.0,
+        )
         out += w_j[:, None] * o_j.to(tl.float32)
     head = g * RH + offs_h
-    tl.store(o_ptr + (t_base + t) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=(offs_h < RH)[:, None])
+    tl.store(
+        o_ptr + (t_base + t) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=(offs_h < RH)[:, None],
+    )
 
 
 def _pow2_floor(n: int) -> int:
@@ -503,10 +784,15 @@ def paged_attention(
     """
     t, nh, d = q.shape
     _, g, ps, dk = k_cache_l.shape
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_cache_l.dtype != q.dtype \
-            or v_cache_l.dtype != q.dtype:
-        raise ValueError(f"paged_attention: dtypes q={q.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}; the "
-                         "Triton kernel supports fp32/fp16/bf16 with equal dtypes")
+    if (
+        q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or k_cache_l.dtype != q.dtype
+        or v_cache_l.dtype != q.dtype
+    ):
+        raise ValueError(
+            f"paged_attention: dtypes q={q.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}; the "
+            "Triton kernel supports fp32/fp16/bf16 with equal dtypes"
+        )
     check_pow2_dim("head_dim", d)
     check_pow2_dim("page_size (sparse_block_size)", ps)
     if dk != d or v_cache_l.shape != k_cache_l.shape:
@@ -529,8 +815,18 @@ def paged_attention(
     ieee = q.dtype == torch.float32
     qk_scale = float(scale) * LOG2E
     nbp = meta.block_tables.shape[1]
-    common = (q.stride(0), q.stride(1), k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
-              meta.block_tables.stride(0), ssel[0], ssel[1], out.stride(0), out.stride(1))
+    common = (
+        q.stride(0),
+        q.stride(1),
+        k_cache_l.stride(0),
+        k_cache_l.stride(1),
+        k_cache_l.stride(2),
+        meta.block_tables.stride(0),
+        ssel[0],
+        ssel[1],
+        out.stride(0),
+        out.stride(1),
+    )
     nd, r = meta.num_decodes, meta.num_rows
     t_dec = nd * meta.decode_query_len
     if t_dec > 0:
@@ -541,16 +837,52 @@ def paged_attention(
         opart = torch.empty(t_dec * g * splits * rhp * d if split else 1, dtype=torch.float32, device=q.device)
         lse = torch.empty(t_dec * g * splits * rhp if split else 1, dtype=torch.float32, device=q.device)
         _decode_attn_kernel[(t_dec, g, splits)](
-            q, k_cache_l, v_cache_l, meta.block_tables, meta.positions, sel, out, opart, lse,
-            qk_scale, meta.decode_query_len, n_entries, per, *common,
-            RH=rh, RHP=rhp, D=d, PS=ps, DENSE=dense, SPLIT=split, IEEE=ieee, KP=max(next_pow2(topk), 2),
-            num_warps=4, num_stages=1 if ieee else 2)
+            q,
+            k_cache_l,
+            v_cache_l,
+            meta.block_tables,
+            meta.positions,
+            sel,
+            out,
+            opart,
+            lse,
+            qk_scale,
+            meta.decode_query_len,
+            n_entries,
+            per,
+            *common,
+            RH=rh,
+            RHP=rhp,
+            D=d,
+            PS=ps,
+            DENSE=dense,
+            SPLIT=split,
+            IEEE=ieee,
+            KP=max(next_pow2(topk), 2),
+            num_warps=4,
+            num_stages=1 if ieee else 2,
+        )
         if split:
-            _decode_merge_kernel[(t_dec, g)](opart, lse, out, out.stride(0), out.stride(1),
-                                             RH=rh, RHP=rhp, D=d, S=splits, num_warps=4)
+            _decode_merge_kernel[(t_dec, g)](
+                opart, lse, out, out.stride(0), out.stride(1), RH=rh, RHP=rhp, D=d, S=splits, num_warps=4
+            )
     if r > nd:
-        _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee,
-                        prefill_block_m, check_prefill_config(prefill_config or {}))
+        _prefill_launch(
+            q,
+            k_cache_l,
+            v_cache_l,
+            meta,
+            sel,
+            out,
+            qk_scale,
+            topk,
+            common,
+            rh,
+            dense,
+            ieee,
+            prefill_block_m,
+            check_prefill_config(prefill_config or {}),
+        )
     return out
 
 
@@ -577,8 +909,7 @@ def check_prefill_config(cfg: dict) -> dict:
     return cfg
 
 
-def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee,
-                    block_m, cfg):
+def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee, block_m, cfg):
     """Prefill rows: dense causal walk, union-list tiles (one union pass first) or the KV-major path."""
     nd, r = meta.num_decodes, meta.num_rows
     rhp = next_pow2(rh)
@@ -589,8 +920,11 @@ def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, com
     grid = ((r - nd) * n_qtiles, g)
     warps = cfg.get("num_warps", 4 if bm * rhp <= 64 else 8)
     stages = 1 if ieee else cfg.get("num_stages", 2)
-    impl = "loop" if dense else cfg.get("impl", "kv" if q.shape[0] - nd * meta.decode_query_len >= KV_MAJOR_MIN_TOKENS
-                                         else "union")
+    impl = (
+        "loop"
+        if dense
+        else cfg.get("impl", "kv" if q.shape[0] - nd * meta.decode_query_len >= KV_MAJOR_MIN_TOKENS else "union")
+    )
     if impl == "union":  # H200: one stage (two programs per SM) beats two pipelined stages at 8K..128K
         stages = 1 if ieee else cfg.get("num_stages", 1)
     if impl == "kv":
@@ -598,10 +932,30 @@ def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, com
         return
     if impl == "loop":
         _prefill_attn_kernel[grid](
-            q, k_cache_l, v_cache_l, meta.block_tables, meta.query_start_loc, meta.positions, sel, out,
-            qk_scale, nd, n_qtiles, topk, *common,
-            RH=rh, RHP=rhp, D=q.shape[2], PS=k_cache_l.shape[2], BLOCK_M=bm, KP=max(next_pow2(topk), 2),
-            DENSE=dense, IEEE=ieee, num_warps=warps, num_stages=stages)
+            q,
+            k_cache_l,
+            v_cache_l,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.positions,
+            sel,
+            out,
+            qk_scale,
+            nd,
+            n_qtiles,
+            topk,
+            *common,
+            RH=rh,
+            RHP=rhp,
+            D=q.shape[2],
+            PS=k_cache_l.shape[2],
+            BLOCK_M=bm,
+            KP=max(next_pow2(topk), 2),
+            DENSE=dense,
+            IEEE=ieee,
+            num_warps=warps,
+            num_stages=stages,
+        )
         return
     if bm > 31:
         raise ValueError(f"paged_attention: prefill_block_m={bm} > 31 (the union membership is a 32-bit mask)")
@@ -611,15 +965,54 @@ def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, com
     upage = torch.empty(n_slots * bm * topk, dtype=torch.int32, device=q.device)
     ucount = torch.empty(n_slots, dtype=torch.int32, device=q.device)
     _tile_union_kernel[grid](
-        sel, meta.query_start_loc, meta.positions, meta.block_tables, ulist, umask, upage, ucount, nd, n_qtiles,
-        topk, sel.stride(0), sel.stride(1), meta.block_tables.stride(0),
-        PS=k_cache_l.shape[2], BLOCK_M=bm, KP=next_pow2(topk), num_warps=4)
+        sel,
+        meta.query_start_loc,
+        meta.positions,
+        meta.block_tables,
+        ulist,
+        umask,
+        upage,
+        ucount,
+        nd,
+        n_qtiles,
+        topk,
+        sel.stride(0),
+        sel.stride(1),
+        meta.block_tables.stride(0),
+        PS=k_cache_l.shape[2],
+        BLOCK_M=bm,
+        KP=next_pow2(topk),
+        num_warps=4,
+    )
     qs, ks = common[0:2], common[2:5]
     _prefill_union_attn_kernel[grid](
-        q, k_cache_l, v_cache_l, meta.query_start_loc, meta.positions, ulist, umask, upage, ucount,
-        out, qk_scale, nd, n_qtiles, topk, *qs, *ks, out.stride(0), out.stride(1),
-        RH=rh, RHP=rhp, D=q.shape[2], PS=k_cache_l.shape[2], BLOCK_M=bm, IEEE=ieee,
-        num_warps=warps, num_stages=stages)
+        q,
+        k_cache_l,
+        v_cache_l,
+        meta.query_start_loc,
+        meta.positions,
+        ulist,
+        umask,
+        upage,
+        ucount,
+        out,
+        qk_scale,
+        nd,
+        n_qtiles,
+        topk,
+        *qs,
+        *ks,
+        out.stride(0),
+        out.stride(1),
+        RH=rh,
+        RHP=rhp,
+        D=q.shape[2],
+        PS=k_cache_l.shape[2],
+        BLOCK_M=bm,
+        IEEE=ieee,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg):
@@ -651,8 +1044,9 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
     ar = torch.arange(n_bkt, device=dev)
     bt = meta.block_tables
     bkt_page = bt[nd + (ar // nbp) % rp, ar % nbp].to(torch.int32).contiguous()  # [n_bkt] (-1 = unused)
-    row_of_tok = torch.searchsorted(meta.query_start_loc[nd + 1:].long(), torch.arange(td, t_all, device=dev),
-                                    right=True)  # [Tp] prefill-local row
+    row_of_tok = torch.searchsorted(
+        meta.query_start_loc[nd + 1 :].long(), torch.arange(td, t_all, device=dev), right=True
+    )  # [Tp] prefill-local row
     gi = torch.arange(g, device=dev).view(1, g, 1)
     odt = torch.float32 if ieee else q.dtype
     opart_buf = torch.empty(chunk * g * topk * rh * d, dtype=odt, device=dev)  # partial outputs, reused per pass
@@ -660,20 +1054,38 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
         tc = c1 - c0
-        sel_c = sel[td + c0:td + c1].contiguous()  # [Tc, G, K]
-        pos_c = meta.positions[td + c0:td + c1]
+        sel_c = sel[td + c0 : td + c1].contiguous()  # [Tc, G, K]
+        pos_c = meta.positions[td + c0 : td + c1]
         valid = (sel_c >= 0) & (sel_c.long() <= (pos_c // ps).view(tc, 1, 1))
-        bucket = ((gi * rp + row_of_tok[c0:c1].view(tc, 1, 1)) * nbp + sel_c.long().clamp_min(0))
+        bucket = (gi * rp + row_of_tok[c0:c1].view(tc, 1, 1)) * nbp + sel_c.long().clamp_min(0)
         bucket = torch.where(valid, bucket, n_bkt).view(-1).to(torch.int32)  # [Tc*G*K]; invalid -> n_bkt
         keys, perm = torch.sort(bucket)
         edges = torch.searchsorted(keys, torch.arange(n_bkt + 1, device=dev, dtype=torch.int32))  # [n_bkt + 1]
         start, end = edges[:-1], edges[1:]
-        opart, lse = opart_buf[:tc * g * topk * rh * d], lse_buf[:tc * g * topk * rh]
-        common = (qk_scale, td + c0, topk, nbp, rp * nbp, q.stride(0), q.stride(1), k_cache_l.stride(0),
-                  k_cache_l.stride(1), k_cache_l.stride(2))
-        kw = dict(G=g, RH=rh, RHP=rhp, D=d, PS=ps, TOK=tok, IEEE=ieee,  # noqa: C408
-                  num_warps=cfg.get("num_warps", 4 if tok * rhp <= 64 else 8),
-                  **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+        opart, lse = opart_buf[: tc * g * topk * rh * d], lse_buf[: tc * g * topk * rh]
+        common = (
+            qk_scale,
+            td + c0,
+            topk,
+            nbp,
+            rp * nbp,
+            q.stride(0),
+            q.stride(1),
+            k_cache_l.stride(0),
+            k_cache_l.stride(1),
+            k_cache_l.stride(2),
+        )
+        kw = dict(
+            G=g,
+            RH=rh,
+            RHP=rhp,
+            D=d,
+            PS=ps,
+            TOK=tok,
+            IEEE=ieee,  # noqa: C408
+            num_warps=cfg.get("num_warps", 4 if tok * rhp <= 64 else 8),
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        )
         seg_len = cfg.get("seg", KV_SEGMENT)
         # segments of up to seg_len entries per bucket; one program per segment (fixed grid: a bound)
         n_segs = (end - start + seg_len - 1) // seg_len
@@ -683,9 +1095,39 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
         seg_bkt = torch.where(seg_bkt < n_bkt, seg_bkt, -1).to(torch.int32)
         epos = pos_c[perm // (g * topk)].to(torch.int32)  # [Tc*G*K] query position of each sorted entry
         _kv_seg_attn_kernel[(max_segs,)](
-            q, k_cache_l, v_cache_l, epos, seg_bkt, start, seg_end - n_segs, end, bkt_page,
-            perm, opart, lse, *common, SEG=seg_len, PREFETCH=cfg.get("prefetch", True),
-            num_stages=cfg.get("num_stages", 1), **kw)
+            q,
+            k_cache_l,
+            v_cache_l,
+            epos,
+            seg_bkt,
+            start,
+            seg_end - n_segs,
+            end,
+            bkt_page,
+            perm,
+            opart,
+            lse,
+            *common,
+            SEG=seg_len,
+            PREFETCH=cfg.get("prefetch", True),
+            num_stages=cfg.get("num_stages", 1),
+            **kw,
+        )
         _kv_major_merge_kernel[(tc, g)](
-            opart, lse, sel_c, meta.positions, out, td + c0, topk, out.stride(0), out.stride(1),
-            G=g, RH=rh, RHP=rhp, D=d, PS=ps, KP=max(next_pow2(topk), 2), num_warps=cfg.get("merge_warps", 4))
+            opart,
+            lse,
+            sel_c,
+            meta.positions,
+            out,
+            td + c0,
+            topk,
+            out.stride(0),
+            out.stride(1),
+            G=g,
+            RH=rh,
+            RHP=rhp,
+            D=d,
+            PS=ps,
+            KP=max(next_pow2(topk), 2),
+            num_warps=cfg.get("merge_warps", 4),
+        )

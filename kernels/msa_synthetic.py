@@ -1,4 +1,4 @@
-"""Synthetic paged batches for the MSA kernel tests and benchmark (layout: engine/paged_cache.py).
+"""Synthetic paged batches for the MSA kernel tests and benchmark (layout: kernels/paged_layout.py).
 
 Governing idea: build exactly the tensors the engine hands the ops — one layer's K/V/index-key
 pages in a shuffled physical order, block tables, flat varlen query tokens, decode-first rows —
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3_rollout.engine.paged_cache import PagedMetadata
+from m3_kernels.paged_layout import PagedMetadata
 
 
 @dataclass
@@ -65,19 +65,29 @@ def make_paged_batch(
     bt = torch.full((len(rows), width), -1, dtype=torch.int32)
     at = 0
     for r, n in enumerate(npages):
-        bt[r, :n] = perm[at:at + n].to(torch.int32)
+        bt[r, :n] = perm[at : at + n].to(torch.int32)
         at += n
     positions = torch.cat([torch.arange(c, c + ql) for c, ql in rows])
-    slot = torch.cat([bt[r, torch.arange(c, c + ql) // ps].long() * ps + torch.arange(c, c + ql) % ps
-                      for r, (c, ql) in enumerate(rows)])
+    slot = torch.cat(
+        [
+            bt[r, torch.arange(c, c + ql) // ps].long() * ps + torch.arange(c, c + ql) % ps
+            for r, (c, ql) in enumerate(rows)
+        ]
+    )
     qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor([ql for _, ql in rows]), 0)
     meta = PagedMetadata(
-        positions=positions.to(device), slot_mapping=slot.to(device), block_tables=bt.to(device),
+        positions=positions.to(device),
+        slot_mapping=slot.to(device),
+        block_tables=bt.to(device),
         context_lens=torch.tensor([c for c, _ in rows], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq, dtype=torch.int32, device=device), query_start_loc=qsl.to(device),
-        num_decodes=num_decodes, decode_query_len=dql, max_query_len=max(ql for _, ql in rows),
-        max_seq_len=max(seq))
+        seq_lens=torch.tensor(seq, dtype=torch.int32, device=device),
+        query_start_loc=qsl.to(device),
+        num_decodes=num_decodes,
+        decode_query_len=dql,
+        max_query_len=max(ql for _, ql in rows),
+        max_seq_len=max(seq),
+    )
     t = positions.shape[0]
     dgen = torch.Generator(device=device).manual_seed(seed + 1)
 
@@ -85,6 +95,10 @@ def make_paged_batch(
         return torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
 
     return PagedBatch(
-        q=rnd(t, q_heads, head_dim), iq=rnd(t, kv_heads, index_dim),
-        k=rnd(total, kv_heads, ps, head_dim), v=rnd(total, kv_heads, ps, head_dim),
-        ik=rnd(total, ps, index_dim), meta=meta)
+        q=rnd(t, q_heads, head_dim),
+        iq=rnd(t, kv_heads, index_dim),
+        k=rnd(total, kv_heads, ps, head_dim),
+        v=rnd(total, kv_heads, ps, head_dim),
+        ik=rnd(total, ps, index_dim),
+        meta=meta,
+    )

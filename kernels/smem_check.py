@@ -17,8 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import fused_moe, moe_ragged
-from kernels import msa_sparse_attention as ma
+from m3_kernels import fused_moe, moe_ragged
+from m3_kernels import msa_sparse_attention as ma
 
 SM90_SMEM_BYTES = 232448  # shared memory one block may use on sm_90 (227 KB opt-in)
 SM90 = GPUTarget("cuda", 90, 32)
@@ -28,8 +28,9 @@ _TT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 def shared_bytes(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> int:
     """Bytes of static shared memory of JIT kernel ``fn`` compiled for sm_90 (sig: Triton type strings)."""
     sig = dict(sig, **{c: "constexpr" for c in consts})
-    kernel = triton.compile(ASTSource(fn, sig, consts), target=SM90,
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = triton.compile(
+        ASTSource(fn, sig, consts), target=SM90, options={"num_warps": num_warps, "num_stages": num_stages}
+    )
     return int(kernel.metadata.shared)
 
 
@@ -50,14 +51,31 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
     t13, t2 = cfg.w13, cfg.w2
     sig = _ragged_sig(moe_ragged._moe_w13_ragged_kernel, dt, t13.block_n, t13.block_k)
     sig.update(x_ptr="*" + dt, act_ptr="*" + dt, alpha="fp32", limit="fp32", beta="fp32")
-    w13 = shared_bytes(moe_ragged._moe_w13_ragged_kernel, sig,
-                       dict(INTER=3072, HIDDEN=6144, BLOCK_N=t13.block_n, BLOCK_K=t13.block_k, PRECISION=prec,
-                            TOP_K=4, GATHER=not cfg.permute, FAT=cfg.fat_tail), t13.num_warps, t13.num_stages)
+    w13 = shared_bytes(
+        moe_ragged._moe_w13_ragged_kernel,
+        sig,
+        dict(
+            INTER=3072,
+            HIDDEN=6144,
+            BLOCK_N=t13.block_n,
+            BLOCK_K=t13.block_k,
+            PRECISION=prec,
+            TOP_K=4,
+            GATHER=not cfg.permute,
+            FAT=cfg.fat_tail,
+        ),
+        t13.num_warps,
+        t13.num_stages,
+    )
     sig = _ragged_sig(moe_ragged._moe_w2_ragged_kernel, dt, t2.block_n, t2.block_k)
     sig.update(out_ptr="*" + dt, weights_ptr="*fp32")
-    w2 = shared_bytes(moe_ragged._moe_w2_ragged_kernel, sig,
-                      dict(HIDDEN=6144, INTER=3072, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, PRECISION=prec,
-                           FAT=cfg.fat_tail), t2.num_warps, t2.num_stages)
+    w2 = shared_bytes(
+        moe_ragged._moe_w2_ragged_kernel,
+        sig,
+        dict(HIDDEN=6144, INTER=3072, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, PRECISION=prec, FAT=cfg.fat_tail),
+        t2.num_warps,
+        t2.num_stages,
+    )
     return {f"moe_w13_ragged/{dt}": w13, f"moe_w2_ragged/{dt}": w2}
 
 
@@ -65,11 +83,24 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
     """Shared bytes of the KV-major sparse-prefill segment kernel (default tile, prefetching) for ``dtype``."""
     dt = _TT[dtype]
     sig = {n: "i32" for n in ma._kv_seg_attn_kernel.arg_names}
-    sig.update(q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, opart_ptr="*" + dt, perm_ptr="*i64", lse_ptr="*fp32",
-               epos_ptr="*i32", seg_bkt_ptr="*i32", bkt_start_ptr="*i64", bkt_seg0_ptr="*i64", bkt_end_ptr="*i64",
-               bkt_page_ptr="*i32", qk_scale="fp32")
-    consts = dict(G=4, RH=16, RHP=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, IEEE=dtype == torch.float32,
-                  PREFETCH=True)
+    sig.update(
+        q_ptr="*" + dt,
+        k_ptr="*" + dt,
+        v_ptr="*" + dt,
+        opart_ptr="*" + dt,
+        perm_ptr="*i64",
+        lse_ptr="*fp32",
+        epos_ptr="*i32",
+        seg_bkt_ptr="*i32",
+        bkt_start_ptr="*i64",
+        bkt_seg0_ptr="*i64",
+        bkt_end_ptr="*i64",
+        bkt_page_ptr="*i32",
+        qk_scale="fp32",
+    )
+    consts = dict(
+        G=4, RH=16, RHP=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, IEEE=dtype == torch.float32, PREFETCH=True
+    )
     return {f"kv_major_segment/{dt}": shared_bytes(ma._kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=1)}
 
 

@@ -31,7 +31,7 @@ from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
-from trainers.warm_start import WarmStartConfig, warm_start
+from m3_trainers.warm_start import WarmStartConfig, warm_start
 
 BUILDER_VERSION = 1
 BUILTIN_PREFIX = "builtin:"
@@ -54,8 +54,7 @@ class TinyCheckpointSpec:
         max_len: longest episode the task produces is far below this; max_position_embeddings.
     """
 
-    model_overrides: dict = field(default_factory=lambda: {"sparse_local_block": 2,
-                                                           "max_position_embeddings": 512})
+    model_overrides: dict = field(default_factory=lambda: {"sparse_local_block": 2, "max_position_embeddings": 512})
     tokenizer_vocab_size: int = 1024
     tokenizer_corpus: int = 3000
     task: dict = field(default_factory=lambda: dataclasses.asdict(ArithmeticTask()))
@@ -77,8 +76,10 @@ def builtin_spec(name: str) -> TinyCheckpointSpec:
         return TinyCheckpointSpec()
     if name == "tiny-random":
         return TinyCheckpointSpec(warm_start=None, tokenizer_corpus=500)
-    raise ValueError(f"unknown built-in checkpoint {name!r}; choose one of "
-                     f"{[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]} or give a checkpoint directory path")
+    raise ValueError(
+        f"unknown built-in checkpoint {name!r}; choose one of "
+        f"{[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]} or give a checkpoint directory path"
+    )
 
 
 def cache_root() -> Path:
@@ -99,10 +100,12 @@ def resolve_model(model_name: str, progress: bool = True) -> tuple[Path, dict]:
     if not model_name.startswith(BUILTIN_PREFIX):
         path = Path(model_name).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"policy.model_name={model_name!r}: no config.json there; give a checkpoint "
-                                    f"directory or one of {[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]}")
+            raise FileNotFoundError(
+                f"policy.model_name={model_name!r}: no config.json there; give a checkpoint "
+                f"directory or one of {[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]}"
+            )
         return path, {"built": False}
-    name = model_name[len(BUILTIN_PREFIX):]
+    name = model_name[len(BUILTIN_PREFIX) :]
     spec = builtin_spec(name)
     out = cache_root() / f"{name}-{spec.key()}"
     if (out / "build_report.json").is_file():
@@ -123,24 +126,29 @@ def warm_start_warning(model_dir: Path, info: dict) -> str | None:
         return None
     spec = info.get("spec", {}).get("warm_start") or {}
     lo, hi = spec.get("target_low", float("nan")), spec.get("target_high", float("nan"))
-    return (f"WARNING: the checkpoint's warm start stopped at step {info.get('warm_start_steps')} after "
-            f"{info.get('build_seconds', float('nan')):.0f} s with held-out accuracy "
-            f"{info.get('heldout_accuracy', float('nan')):.3f}, outside its window [{lo}, {hi}] (step or time cap "
-            f"reached); GRPO starts from it, so accuracies will differ from the README's. To rebuild, delete "
-            f"{model_dir} and run again on a less loaded machine.")
+    return (
+        f"WARNING: the checkpoint's warm start stopped at step {info.get('warm_start_steps')} after "
+        f"{info.get('build_seconds', float('nan')):.0f} s with held-out accuracy "
+        f"{info.get('heldout_accuracy', float('nan')):.3f}, outside its window [{lo}, {hi}] (step or time cap "
+        f"reached); GRPO starts from it, so accuracies will differ from the README's. To rebuild, delete "
+        f"{model_dir} and run again on a less loaded machine."
+    )
 
 
-def _corpus(template: str, task: ArithmeticTask, env: CalculatorEnvironment,
-            count: int) -> list[str]:
+def _corpus(template: str, task: ArithmeticTask, env: CalculatorEnvironment, count: int) -> list[str]:
     """Rendered full episodes (prompt, call, tool turn, answer) for tokenizer training."""
     texts = []
     for rec in task.records(seed=12345, count=count):
         messages, _ = env.reset(rec)
-        call = {"type": "function", "function": {"name": "calculator",
-                                                 "arguments": json.dumps({"expression": rec["expression"]})}}
-        convo = messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                            {"role": "tool", "content": rec["answer"]},
-                            {"role": "assistant", "content": rec["answer"]}]
+        call = {
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": rec["expression"]})},
+        }
+        convo = messages + [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": rec["answer"]},
+            {"role": "assistant", "content": rec["answer"]},
+        ]
         texts.append(render(template, convo, tools=env.tool_schemas(), thinking_mode="disabled"))
     return texts
 
@@ -162,8 +170,13 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
     tokenizer.chat_template = template
     chat = ChatFormat(tokenizer, thinking_mode="disabled")
     ids = lambda s: tokenizer.convert_tokens_to_ids(s)  # noqa: E731
-    config = tiny_config(vocab_size=len(tokenizer), bos_token_id=ids("]~!b["), eos_token_id=chat.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **spec.model_overrides)
+    config = tiny_config(
+        vocab_size=len(tokenizer),
+        bos_token_id=ids("]~!b["),
+        eos_token_id=chat.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec.model_overrides,
+    )
     config.validate()
     torch.manual_seed(spec.init_seed)
     model = M3ForCausalLM(config).float()
@@ -185,8 +198,12 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             return sum(t.reward for t in trajs) / len(trajs)
 
         ws = spec.warm_start
-        bar = tqdm(total=None, desc=f"building tiny M3 (SFT warm start to held-out accuracy in [{ws.target_low}, "
-                   f"{ws.target_high}])", disable=not progress, unit="step")
+        bar = tqdm(
+            total=None,
+            desc=f"building tiny M3 (SFT warm start to held-out accuracy in [{ws.target_low}, {ws.target_high}])",
+            disable=not progress,
+            unit="step",
+        )
 
         def on_progress(step: int, acc: float | None, loss: float) -> None:
             bar.n = step
@@ -195,8 +212,12 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
 
         result = warm_start(model, chat, task, env, evaluate, spec.warm_start, exclude=exclude, progress=on_progress)
         bar.close()
-        report.update(warm_start_steps=result.steps, heldout_accuracy=result.accuracy, in_window=result.in_window,
-                      history=result.history)
+        report.update(
+            warm_start_steps=result.steps,
+            heldout_accuracy=result.accuracy,
+            in_window=result.in_window,
+            history=result.history,
+        )
     report["build_seconds"] = round(time.perf_counter() - t0, 1)
     report["spec"] = dataclasses.asdict(spec)
 
@@ -220,7 +241,7 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
 def _init_weights(model: M3ForCausalLM, std: float = 0.02) -> None:
     """GPT-style init: N(0, std) matrices, zero Gemma norm weights (scale 1), zero router bias."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, std)
             else:

@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -69,7 +69,7 @@ class LossConfig:
     # True: loss = sum over all generated tokens / number of generated tokens in the global batch.
     token_level_loss: bool = True
     # Dual clip (for A < 0 the per-token loss is capped at c * |A|); null = off, else > 1.
-    ratio_clip_c: Optional[float] = None
+    ratio_clip_c: float | None = None
     # KL(pi || pi_ref) penalty weight; 0 = off and reference logprobs are not computed.
     reference_policy_kl_penalty: float = 0.0
     reference_policy_kl_type: str = "k3"  # k1 | k2 | k3 (Schulman 2020 estimators)
@@ -140,11 +140,14 @@ class GenerationConfig:
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
-        return dict(kv_cache_memory_gb=self.kv_cache_memory_gb,
-                    kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    enable_prefix_caching=self.enable_prefix_caching,
-                    enable_cuda_graphs=self.enable_cuda_graphs, async_scheduling=self.async_scheduling)
+        return dict(
+            kv_cache_memory_gb=self.kv_cache_memory_gb,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_cuda_graphs=self.enable_cuda_graphs,
+            async_scheduling=self.async_scheduling,
+        )
 
 
 @dataclass
@@ -176,7 +179,7 @@ class DataConfig:
     # "calculator" = the built-in generator of arithmetic prompts; or a JSONL path whose records
     # have "messages" or "prompt" plus "answer".
     source: str = "calculator"
-    path: Optional[str] = None
+    path: str | None = None
     min_digits: int = 2
     max_digits: int = 4
     operations: str = "+-*"
@@ -194,7 +197,7 @@ class JsonlEnvConfig:
     reward_fn: str = "m3_rollout.rollout.environments.jsonl_env.last_number_reward"
     # Built-in tools offered to the model, by name: calculator, convert_units.
     tools: list[str] = field(default_factory=lambda: ["calculator"])
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     timeout_s: float = 1.0
 
 
@@ -238,7 +241,7 @@ class CheckpointingConfig:
     # Save every save_period steps (0 = only the final one); keep the keep_top_k best by
     # metric_name (null = keep all); resume continues from the latest step_* in checkpoint_dir.
     save_period: int = 0
-    keep_top_k: Optional[int] = None
+    keep_top_k: int | None = None
     metric_name: str = "val/accuracy"
     higher_is_better: bool = True
     resume: bool = False
@@ -249,7 +252,7 @@ class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0
     # Ray cluster to join (e.g. "ray://head:10001" or "auto"); null = start Ray locally.
-    ray_address: Optional[str] = None
+    ray_address: str | None = None
     # Rollout worker processes, one per EP rank (m3_rollout/service): "auto" = the in-process
     # engine when policy.generation.expert_parallel_size is 1, otherwise Ray actors when Ray is
     # installed, else torch.multiprocessing; "ray" / "mp" force that launcher (also for EP=1).
@@ -370,111 +373,230 @@ def validate(cfg: MasterConfig) -> None:
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(OmegaConf.structured(cfg), key)
         _check(e, value in choices, key, value, f"must be one of {list(choices)}")
-    for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_rollout_turns",
-                "val_period", "num_val_prompts"):
+    for key in (
+        "num_prompts_per_step",
+        "num_generations_per_prompt",
+        "max_rollout_turns",
+        "val_period",
+        "num_val_prompts",
+    ):
         value = getattr(g, key)
         _check(e, value >= 1, f"grpo.{key}", value, "must be >= 1")
     _check(e, g.max_num_steps >= 0, "grpo.max_num_steps", g.max_num_steps, "must be >= 0")
     _check(e, g.val_temperature > 0, "grpo.val_temperature", g.val_temperature, "must be > 0")
-    _check(e, gen.temperature > 0, "policy.generation.temperature", gen.temperature,
-           "must be > 0 (use a small value such as 1e-3 for near-greedy)")
+    _check(
+        e,
+        gen.temperature > 0,
+        "policy.generation.temperature",
+        gen.temperature,
+        "must be > 0 (use a small value such as 1e-3 for near-greedy)",
+    )
     _check(e, 0 < gen.top_p <= 1, "policy.generation.top_p", gen.top_p, "must be in (0, 1]")
-    _check(e, gen.top_k == -1 or gen.top_k >= 1, "policy.generation.top_k", gen.top_k,
-           "must be -1 (off) or >= 1")
-    _check(e, gen.max_new_tokens >= 1, "policy.generation.max_new_tokens", gen.max_new_tokens,
-           "must be >= 1")
+    _check(e, gen.top_k == -1 or gen.top_k >= 1, "policy.generation.top_k", gen.top_k, "must be -1 (off) or >= 1")
+    _check(e, gen.max_new_tokens >= 1, "policy.generation.max_new_tokens", gen.max_new_tokens, "must be >= 1")
     _check(e, gen.max_num_seqs >= 1, "policy.generation.max_num_seqs", gen.max_num_seqs, "must be >= 1")
-    _check(e, gen.kv_cache_memory_gb >= 0, "policy.generation.kv_cache_memory_gb", gen.kv_cache_memory_gb,
-           "must be >= 0 (0 = size automatically)")
-    _check(e, 0 < gen.kv_cache_memory_fraction <= 1, "policy.generation.kv_cache_memory_fraction",
-           gen.kv_cache_memory_fraction, "must be in (0, 1]")
-    _check(e, gen.max_num_batched_tokens >= 1, "policy.generation.max_num_batched_tokens",
-           gen.max_num_batched_tokens, "must be >= 1")
-    _check(e, gen.expert_parallel_size >= 1, "policy.generation.expert_parallel_size",
-           gen.expert_parallel_size, "must be >= 1 (and divide the model's routed experts per layer)")
+    _check(
+        e,
+        gen.kv_cache_memory_gb >= 0,
+        "policy.generation.kv_cache_memory_gb",
+        gen.kv_cache_memory_gb,
+        "must be >= 0 (0 = size automatically)",
+    )
+    _check(
+        e,
+        0 < gen.kv_cache_memory_fraction <= 1,
+        "policy.generation.kv_cache_memory_fraction",
+        gen.kv_cache_memory_fraction,
+        "must be in (0, 1]",
+    )
+    _check(
+        e,
+        gen.max_num_batched_tokens >= 1,
+        "policy.generation.max_num_batched_tokens",
+        gen.max_num_batched_tokens,
+        "must be >= 1",
+    )
+    _check(
+        e,
+        gen.expert_parallel_size >= 1,
+        "policy.generation.expert_parallel_size",
+        gen.expert_parallel_size,
+        "must be >= 1 (and divide the model's routed experts per layer)",
+    )
     c = cfg.cluster
     n_gpus = c.num_nodes * c.gpus_per_node
-    _check(e, n_gpus == 0 or gen.expert_parallel_size <= n_gpus, "policy.generation.expert_parallel_size",
-           gen.expert_parallel_size, f"needs one GPU per EP rank; the cluster has {n_gpus}")
+    _check(
+        e,
+        n_gpus == 0 or gen.expert_parallel_size <= n_gpus,
+        "policy.generation.expert_parallel_size",
+        gen.expert_parallel_size,
+        f"needs one GPU per EP rank; the cluster has {n_gpus}",
+    )
     _check(e, c.worker_cpus > 0, "cluster.worker_cpus", c.worker_cpus, "must be > 0 (fractions are fine)")
     _check(e, c.collective_timeout_s > 0, "cluster.collective_timeout_s", c.collective_timeout_s, "must be > 0")
     _check(e, c.max_restarts >= 0, "cluster.max_restarts", c.max_restarts, "must be >= 0")
     _check(e, c.steps_per_call >= 1, "cluster.steps_per_call", c.steps_per_call, "must be >= 1")
-    _check(e, p.max_total_sequence_length >= 16, "policy.max_total_sequence_length",
-           p.max_total_sequence_length, "must be >= 16")
-    _check(e, p.train_micro_batch_size >= 1, "policy.train_micro_batch_size",
-           p.train_micro_batch_size, "must be >= 1")
+    _check(
+        e,
+        p.max_total_sequence_length >= 16,
+        "policy.max_total_sequence_length",
+        p.max_total_sequence_length,
+        "must be >= 16",
+    )
+    _check(e, p.train_micro_batch_size >= 1, "policy.train_micro_batch_size", p.train_micro_batch_size, "must be >= 1")
     total = g.num_prompts_per_step * g.num_generations_per_prompt
-    _check(e, p.train_global_batch_size >= 1 and total % p.train_global_batch_size == 0,
-           "policy.train_global_batch_size", p.train_global_batch_size,
-           f"must divide num_prompts_per_step * num_generations_per_prompt = {total}")
+    _check(
+        e,
+        p.train_global_batch_size >= 1 and total % p.train_global_batch_size == 0,
+        "policy.train_global_batch_size",
+        p.train_global_batch_size,
+        f"must divide num_prompts_per_step * num_generations_per_prompt = {total}",
+    )
     _check(e, p.optimizer.lr > 0, "policy.optimizer.lr", p.optimizer.lr, "must be > 0")
     _check(e, p.max_grad_norm > 0, "policy.max_grad_norm", p.max_grad_norm, "must be > 0")
     for key in ("ratio_clip_min", "ratio_clip_max"):
         value = getattr(cfg.loss_fn, key)
         _check(e, 0 <= value < 1, f"loss_fn.{key}", value, "must be in [0, 1)")
     lf = cfg.loss_fn
-    _check(e, lf.reference_policy_kl_penalty >= 0.0, "loss_fn.reference_policy_kl_penalty",
-           lf.reference_policy_kl_penalty, "must be >= 0 (0 = off)")
-    _check(e, lf.ratio_clip_c is None or lf.ratio_clip_c > 1, "loss_fn.ratio_clip_c", lf.ratio_clip_c,
-           "must be null (off) or > 1")
-    _check(e, lf.truncated_importance_sampling_ratio > 0, "loss_fn.truncated_importance_sampling_ratio",
-           lf.truncated_importance_sampling_ratio, "must be > 0")
-    _check(e, 0 <= lf.mis_ratio_min <= 1 <= lf.mis_ratio_max, "loss_fn.mis_ratio_min/mis_ratio_max",
-           (lf.mis_ratio_min, lf.mis_ratio_max), "need 0 <= mis_ratio_min <= 1 <= mis_ratio_max")
-    _check(e, not lf.use_importance_sampling_correction or (gen.top_k == -1 and gen.top_p == 1.0),
-           "loss_fn.use_importance_sampling_correction", lf.use_importance_sampling_correction,
-           "needs policy.generation.top_k=-1 and top_p=1.0: the trainer scores the temperature-only "
-           "distribution, so the weights would compare different distributions")
+    _check(
+        e,
+        lf.reference_policy_kl_penalty >= 0.0,
+        "loss_fn.reference_policy_kl_penalty",
+        lf.reference_policy_kl_penalty,
+        "must be >= 0 (0 = off)",
+    )
+    _check(
+        e,
+        lf.ratio_clip_c is None or lf.ratio_clip_c > 1,
+        "loss_fn.ratio_clip_c",
+        lf.ratio_clip_c,
+        "must be null (off) or > 1",
+    )
+    _check(
+        e,
+        lf.truncated_importance_sampling_ratio > 0,
+        "loss_fn.truncated_importance_sampling_ratio",
+        lf.truncated_importance_sampling_ratio,
+        "must be > 0",
+    )
+    _check(
+        e,
+        0 <= lf.mis_ratio_min <= 1 <= lf.mis_ratio_max,
+        "loss_fn.mis_ratio_min/mis_ratio_max",
+        (lf.mis_ratio_min, lf.mis_ratio_max),
+        "need 0 <= mis_ratio_min <= 1 <= mis_ratio_max",
+    )
+    _check(
+        e,
+        not lf.use_importance_sampling_correction or (gen.top_k == -1 and gen.top_p == 1.0),
+        "loss_fn.use_importance_sampling_correction",
+        lf.use_importance_sampling_correction,
+        "needs policy.generation.top_k=-1 and top_p=1.0: the trainer scores the temperature-only "
+        "distribution, so the weights would compare different distributions",
+    )
     sch = p.scheduler
     _check(e, sch.warmup_steps >= 0, "policy.scheduler.warmup_steps", sch.warmup_steps, "must be >= 0")
     _check(e, 0 <= sch.min_lr_ratio <= 1, "policy.scheduler.min_lr_ratio", sch.min_lr_ratio, "must be in [0, 1]")
     a = g.async_grpo
-    _check(e, a.max_trajectory_age_steps >= 1, "grpo.async_grpo.max_trajectory_age_steps",
-           a.max_trajectory_age_steps, "must be >= 1 (0 would mean synchronous: set grpo.async_grpo.enabled=false)")
+    _check(
+        e,
+        a.max_trajectory_age_steps >= 1,
+        "grpo.async_grpo.max_trajectory_age_steps",
+        a.max_trajectory_age_steps,
+        "must be >= 1 (0 would mean synchronous: set grpo.async_grpo.enabled=false)",
+    )
     _check(e, a.group_timeout_s > 0, "grpo.async_grpo.group_timeout_s", a.group_timeout_s, "must be > 0")
-    _check(e, not (a.enabled and g.use_dynamic_sampling), "grpo.use_dynamic_sampling", g.use_dynamic_sampling,
-           "cannot be combined with grpo.async_grpo.enabled=true (the async queue fixes the groups per "
-           "step); turn one of them off")
-    _check(e, g.dynamic_sampling_max_gen_batches >= 1, "grpo.dynamic_sampling_max_gen_batches",
-           g.dynamic_sampling_max_gen_batches, "must be >= 1")
+    _check(
+        e,
+        not (a.enabled and g.use_dynamic_sampling),
+        "grpo.use_dynamic_sampling",
+        g.use_dynamic_sampling,
+        "cannot be combined with grpo.async_grpo.enabled=true (the async queue fixes the groups per "
+        "step); turn one of them off",
+    )
+    _check(
+        e,
+        g.dynamic_sampling_max_gen_batches >= 1,
+        "grpo.dynamic_sampling_max_gen_batches",
+        g.dynamic_sampling_max_gen_batches,
+        "must be >= 1",
+    )
     ck = cfg.checkpointing
     _check(e, ck.save_period >= 0, "checkpointing.save_period", ck.save_period, "must be >= 0 (0 = final only)")
-    _check(e, ck.keep_top_k is None or ck.keep_top_k >= 1, "checkpointing.keep_top_k", ck.keep_top_k,
-           "must be null (keep all) or >= 1")
+    _check(
+        e,
+        ck.keep_top_k is None or ck.keep_top_k >= 1,
+        "checkpointing.keep_top_k",
+        ck.keep_top_k,
+        "must be null (keep all) or >= 1",
+    )
     d = cfg.data
-    _check(e, d.source in ("calculator", "jsonl"), "data.source", d.source,
-           "must be 'calculator' (built-in generator) or 'jsonl' (with data.path)")
-    _check(e, d.source != "jsonl" or bool(d.path), "data.path", d.path,
-           "must name a JSONL file when data.source=jsonl")
+    _check(
+        e,
+        d.source in ("calculator", "jsonl"),
+        "data.source",
+        d.source,
+        "must be 'calculator' (built-in generator) or 'jsonl' (with data.path)",
+    )
+    _check(e, d.source != "jsonl" or bool(d.path), "data.path", d.path, "must name a JSONL file when data.source=jsonl")
     env = cfg.env
     _check(e, env.name in ("calculator", "jsonl"), "env.name", env.name, "must be 'calculator' or 'jsonl'")
-    _check(e, env.name != "jsonl" or d.source == "jsonl", "env.name", env.name,
-           "env.name=jsonl needs data.source=jsonl and data.path")
+    _check(
+        e,
+        env.name != "jsonl" or d.source == "jsonl",
+        "env.name",
+        env.name,
+        "env.name=jsonl needs data.source=jsonl and data.path",
+    )
     _check(e, env.num_tool_workers >= 1, "env.num_tool_workers", env.num_tool_workers, "must be >= 1")
-    _check(e, env.max_tool_output_chars >= 1, "env.max_tool_output_chars", env.max_tool_output_chars,
-           "must be >= 1")
-    for key, value in (("env.calculator.timeout_s", env.calculator.timeout_s),
-                       ("env.jsonl.timeout_s", env.jsonl.timeout_s)):
+    _check(e, env.max_tool_output_chars >= 1, "env.max_tool_output_chars", env.max_tool_output_chars, "must be >= 1")
+    for key, value in (
+        ("env.calculator.timeout_s", env.calculator.timeout_s),
+        ("env.jsonl.timeout_s", env.jsonl.timeout_s),
+    ):
         _check(e, value > 0, key, value, "must be > 0 (seconds)")
-    _check(e, 1 <= d.min_digits <= d.max_digits <= 9, "data.min_digits/max_digits",
-           (d.min_digits, d.max_digits), "need 1 <= min_digits <= max_digits <= 9")
-    _check(e, bool(d.operations) and set(d.operations) <= set("+-*"), "data.operations",
-           d.operations, "a non-empty subset of '+-*'")
+    _check(
+        e,
+        1 <= d.min_digits <= d.max_digits <= 9,
+        "data.min_digits/max_digits",
+        (d.min_digits, d.max_digits),
+        "need 1 <= min_digits <= max_digits <= 9",
+    )
+    _check(
+        e,
+        bool(d.operations) and set(d.operations) <= set("+-*"),
+        "data.operations",
+        d.operations,
+        "a non-empty subset of '+-*'",
+    )
     rd = cfg.rollout_dump
     _check(e, rd.every_n_steps >= 1, "rollout_dump.every_n_steps", rd.every_n_steps, "must be >= 1")
     _check(e, rd.max_bytes >= 0, "rollout_dump.max_bytes", rd.max_bytes, "must be >= 0 (0 = no limit)")
-    _check(e, rd.keep_last_n_steps >= 0, "rollout_dump.keep_last_n_steps", rd.keep_last_n_steps,
-           "must be >= 0 (0 = keep all)")
+    _check(
+        e,
+        rd.keep_last_n_steps >= 0,
+        "rollout_dump.keep_last_n_steps",
+        rd.keep_last_n_steps,
+        "must be >= 0 (0 = keep all)",
+    )
     _check(e, not rd.enabled or bool(rd.dir), "rollout_dump.dir", rd.dir, "must be set when rollout_dump.enabled")
     ws = cfg.weight_sync
     _check(e, ws.bucket_size_mb > 0, "weight_sync.bucket_size_mb", ws.bucket_size_mb, "must be > 0 (MiB)")
     _check(e, ws.timeout_s > 0, "weight_sync.timeout_s", ws.timeout_s, "must be > 0 (seconds)")
-    _check(e, 0 <= ws.master_port < 65536, "weight_sync.master_port", ws.master_port,
-           "must be 0 (pick a free port) or a TCP port < 65536")
-    _check(e, not ws.recompute_kv_after_update or ws.in_flight == "continue",
-           "weight_sync.recompute_kv_after_update", ws.recompute_kv_after_update,
-           "only applies with weight_sync.in_flight=continue")
+    _check(
+        e,
+        0 <= ws.master_port < 65536,
+        "weight_sync.master_port",
+        ws.master_port,
+        "must be 0 (pick a free port) or a TCP port < 65536",
+    )
+    _check(
+        e,
+        not ws.recompute_kv_after_update or ws.in_flight == "continue",
+        "weight_sync.recompute_kv_after_update",
+        ws.recompute_kv_after_update,
+        "only applies with weight_sync.in_flight=continue",
+    )
     opt = p.optimizer
     for key in ("beta1", "beta2"):
         value = getattr(opt, key)
@@ -489,8 +611,13 @@ def validate(cfg: MasterConfig) -> None:
     from m3_rollout.rollout.environments.tools import TOOL_FACTORIES
 
     bad_tools = [t for t in env.jsonl.tools if t not in TOOL_FACTORIES]
-    _check(e, not bad_tools, "env.jsonl.tools", list(env.jsonl.tools),
-           f"unknown {bad_tools}; choose from {sorted(TOOL_FACTORIES)}")
+    _check(
+        e,
+        not bad_tools,
+        "env.jsonl.tools",
+        list(env.jsonl.tools),
+        f"unknown {bad_tools}; choose from {sorted(TOOL_FACTORIES)}",
+    )
     if e:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
 
@@ -535,7 +662,7 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
 
 
 def _suggest_key(schema, key: str) -> str:
-    """", did you mean 'x.y'?" for the closest existing key of the same section, or ""."""
+    """ ", did you mean 'x.y'?" for the closest existing key of the same section, or ""."""
     import difflib
 
     parent, _, leaf = key.rpartition(".")
@@ -570,13 +697,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 raise ConfigError(f"override {item!r} is not of the form key=value (e.g. grpo.max_num_steps=5)")
             key = item.split("=", 1)[0].strip()
             if OmegaConf.select(schema, key, default="__missing__") == "__missing__":
-                raise ConfigError(f"unknown config key {key!r} in override {item!r}{_suggest_key(schema, key)}; "
-                                  f"see m3_rollout/config.py for the keys")
+                raise ConfigError(
+                    f"unknown config key {key!r} in override {item!r}{_suggest_key(schema, key)}; "
+                    f"see m3_rollout/config.py for the keys"
+                )
         if overrides:
             schema = OmegaConf.merge(schema, OmegaConf.from_dotlist(list(overrides)))
     except ConfigKeyError as exc:
-        raise ConfigError(f"unknown config key: {exc.full_key or exc}; see m3_rollout/config.py "
-                          f"for the keys") from None
+        raise ConfigError(f"unknown config key: {exc.full_key or exc}; see m3_rollout/config.py for the keys") from None
     except ValidationError as exc:
         if exc.full_key:
             raise ConfigError(f"bad value for {exc.full_key}: {str(exc.msg).splitlines()[0]}") from None

@@ -30,12 +30,12 @@ from m3_rollout.model import load_checkpoint
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.rollout.stack import batch_seed, build_policy, build_rollout_stack
 from m3_rollout.rollout.trajectory import Trajectory
-from trainers.advantages import DynamicSampler, group_advantages, overlong_filter_mask
-from trainers.batch import batch_from_trajectories
-from trainers.checkpoint import CheckpointManager
-from trainers.loss import ClippedPGLossFn
-from trainers.policy import mismatch_metrics
-from trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
+from m3_trainers.advantages import DynamicSampler, group_advantages, overlong_filter_mask
+from m3_trainers.batch import batch_from_trajectories
+from m3_trainers.checkpoint import CheckpointManager
+from m3_trainers.loss import ClippedPGLossFn
+from m3_trainers.policy import mismatch_metrics
+from m3_trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
 
 
 def set_seed(seed: int) -> None:
@@ -45,46 +45,70 @@ def set_seed(seed: int) -> None:
 
 def format_sample(t: Trajectory, chat: ChatFormat) -> str:
     """One trajectory as readable text: the generated turns and tool turns after the prompt."""
-    return chat.decode(t.token_ids[t.prompt_len:]).replace("\n", "\\n")
+    return chat.decode(t.token_ids[t.prompt_len :]).replace("\n", "\\n")
 
 
 def evaluate(backend, chat, env, records, cfg: MasterConfig, seed: int) -> dict:
     """Held-out accuracy: one sample per prompt at ``grpo.val_temperature``."""
     gen = cfg.policy.generation
-    settings = RolloutSettings(n=1, max_turns=cfg.grpo.max_rollout_turns,
-                               max_total_len=cfg.policy.max_total_sequence_length,
-                               max_new_tokens=gen.max_new_tokens, temperature=cfg.grpo.val_temperature,
-                               seed=seed, logprobs_mode=gen.logprobs_mode)
+    settings = RolloutSettings(
+        n=1,
+        max_turns=cfg.grpo.max_rollout_turns,
+        max_total_len=cfg.policy.max_total_sequence_length,
+        max_new_tokens=gen.max_new_tokens,
+        temperature=cfg.grpo.val_temperature,
+        seed=seed,
+        logprobs_mode=gen.logprobs_mode,
+    )
     trajs, m = run_group_rollouts(backend, chat, env, records, settings)
-    return {"accuracy": sum(t.reward for t in trajs) / len(trajs),
-            "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / len(trajs),
-            "seconds": m["rollout_seconds"]}
+    return {
+        "accuracy": sum(t.reward for t in trajs) / len(trajs),
+        "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / len(trajs),
+        "seconds": m["rollout_seconds"],
+    }
 
 
 def build_loss_fn(lf: LossConfig) -> ClippedPGLossFn:
     """The loss function described by the ``loss_fn`` config section."""
-    return ClippedPGLossFn(lf.ratio_clip_min, lf.ratio_clip_max, lf.token_level_loss, ratio_clip_c=lf.ratio_clip_c,
-                           reference_policy_kl_penalty=lf.reference_policy_kl_penalty,
-                           reference_policy_kl_type=lf.reference_policy_kl_type,
-                           importance_sampling=lf.importance_sampling_type if lf.use_importance_sampling_correction
-                           else "none",
-                           tis_max=lf.truncated_importance_sampling_ratio, mis_min=lf.mis_ratio_min,
-                           mis_max=lf.mis_ratio_max)
+    return ClippedPGLossFn(
+        lf.ratio_clip_min,
+        lf.ratio_clip_max,
+        lf.token_level_loss,
+        ratio_clip_c=lf.ratio_clip_c,
+        reference_policy_kl_penalty=lf.reference_policy_kl_penalty,
+        reference_policy_kl_type=lf.reference_policy_kl_type,
+        importance_sampling=lf.importance_sampling_type if lf.use_importance_sampling_correction else "none",
+        tis_max=lf.truncated_importance_sampling_ratio,
+        mis_min=lf.mis_ratio_min,
+        mis_max=lf.mis_ratio_max,
+    )
 
 
 def step_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
     """Reward and response statistics of one step's trajectories."""
     n = len(trajs)
-    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if n > 1 else 0.0,
-            "accuracy": float((rewards > 0.5).float().mean()),
-            "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / n,
-            "mean_generated_tokens": sum(t.num_generated for t in trajs) / n,
-            "mean_sequence_length": sum(len(t.token_ids) for t in trajs) / n,
-            "truncated_fraction": sum(1 for t in trajs if t.finish_reason == "length") / n}
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if n > 1 else 0.0,
+        "accuracy": float((rewards > 0.5).float().mean()),
+        "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / n,
+        "mean_generated_tokens": sum(t.num_generated for t in trajs) / n,
+        "mean_sequence_length": sum(len(t.token_ids) for t in trajs) / n,
+        "truncated_fraction": sum(1 for t in trajs if t.finish_reason == "length") / n,
+    }
 
 
-_TOKEN_AVERAGED = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "reference_kl", "is_weight_mean",
-                   "is_dropped_fraction", "entropy", "token_mult_prob_error", "gen_kl_error")
+_TOKEN_AVERAGED = (
+    "ratio_mean",
+    "clip_fraction",
+    "dual_clip_fraction",
+    "reference_kl",
+    "is_weight_mean",
+    "is_dropped_fraction",
+    "entropy",
+    "token_mult_prob_error",
+    "gen_kl_error",
+)
 
 
 def combine_optimizer_steps(steps: list[dict]) -> dict:
@@ -118,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     return run(cfg)
 
 
@@ -136,11 +160,15 @@ def run(cfg: MasterConfig) -> dict:
     model_dir, info, chat = stack.model_dir, stack.build_info, stack.chat
     backend, env, source, settings = stack.backend, stack.env, stack.source, stack.settings
     if info.get("built"):
-        print(f"built checkpoint {model_dir} in {info['build_seconds']:.1f} s "
-              f"(held-out accuracy {info.get('heldout_accuracy', float('nan')):.3f})")
+        print(
+            f"built checkpoint {model_dir} in {info['build_seconds']:.1f} s "
+            f"(held-out accuracy {info.get('heldout_accuracy', float('nan')):.3f})"
+        )
     else:
-        print(f"using checkpoint {model_dir}" + (f" (cached build of {info['build_seconds']:.1f} s)"
-                                                 if "build_seconds" in info else ""))
+        print(
+            f"using checkpoint {model_dir}"
+            + (f" (cached build of {info['build_seconds']:.1f} s)" if "build_seconds" in info else "")
+        )
     warning = warm_start_warning(model_dir, info)
     if warning:
         print(warning, file=sys.stderr)
@@ -172,9 +200,15 @@ def run(cfg: MasterConfig) -> dict:
 
     a = g.async_grpo
     if a.enabled:
-        collector = AsyncCollector(backend, generate, g.num_prompts_per_step, a.max_trajectory_age_steps,
-                                   a.group_timeout_s, next_batch=data_state["next_batch"],
-                                   last_batch=g.max_num_steps)
+        collector = AsyncCollector(
+            backend,
+            generate,
+            g.num_prompts_per_step,
+            a.max_trajectory_age_steps,
+            a.group_timeout_s,
+            next_batch=data_state["next_batch"],
+            last_batch=g.max_num_steps,
+        )
     else:
         collector = SyncCollector(backend, generate, next_batch=data_state["next_batch"])
 
@@ -182,8 +216,10 @@ def run(cfg: MasterConfig) -> dict:
         v = collector.run_exclusive(lambda be: evaluate(be, chat, env, source.val, cfg, val_seed))
         history.append((step, v["accuracy"]))
         logger.log(v, step, prefix="val/")
-        logger.text(f"[val] step {step}: held-out accuracy {v['accuracy']:.3f} "
-                    f"(tool-call rate {v['tool_call_rate']:.2f}, {len(source.val)} prompts, {v['seconds']:.1f} s)")
+        logger.text(
+            f"[val] step {step}: held-out accuracy {v['accuracy']:.3f} "
+            f"(tool-call rate {v['tool_call_rate']:.2f}, {len(source.val)} prompts, {v['seconds']:.1f} s)"
+        )
 
     def save(step: int, metrics: dict) -> Path:
         last_val = {"val/accuracy": history[-1][1]} if history else {}
@@ -196,8 +232,9 @@ def run(cfg: MasterConfig) -> dict:
         if g.val_at_start and resume_from is None:
             validate(0)
         t_loop = time.perf_counter()
-        bar = tqdm(range(start_step, g.max_num_steps + 1), desc="GRPO", unit="step",
-                   disable=not cfg.logger.progress_bar)
+        bar = tqdm(
+            range(start_step, g.max_num_steps + 1), desc="GRPO", unit="step", disable=not cfg.logger.progress_bar
+        )
         stale_total, last_ckpt, warned_no_routes = 0, None, False
         for step in bar:
             t0 = time.perf_counter()
@@ -214,12 +251,16 @@ def run(cfg: MasterConfig) -> dict:
                     sampler.add(more.groups)
                 groups = sampler.result()
                 versions = [step - 1] * len(groups)
-                extra = {"dynamic_sampling_gen_batches": sampler.batches,
-                         "dynamic_sampling_dropped_groups": sampler.dropped_groups}
+                extra = {
+                    "dynamic_sampling_gen_batches": sampler.batches,
+                    "dynamic_sampling_dropped_groups": sampler.dropped_groups,
+                }
             stale_total += got.stale_dropped
             if not groups:
-                logger.text(f"[train] step {step}: no groups arrived within grpo.async_grpo.group_timeout_s="
-                            f"{a.group_timeout_s}; step skipped")
+                logger.text(
+                    f"[train] step {step}: no groups arrived within grpo.async_grpo.group_timeout_s="
+                    f"{a.group_timeout_s}; step skipped"
+                )
                 logger.log({"skipped_no_groups": 1, "stale_groups_dropped": got.stale_dropped}, step, prefix="train/")
                 continue
             # Groups of several prompt batches (dynamic sampling, async) each count group_index
@@ -232,15 +273,22 @@ def run(cfg: MasterConfig) -> dict:
             group_ids = torch.tensor([i for i, grp in enumerate(groups) for _ in grp])
             adv = group_advantages(rewards, group_ids, g.normalize_rewards, g.use_leave_one_out_baseline)
             sample_mask = overlong_filter_mask([t.finish_reason for t in trajs]) if g.overlong_filtering else None
-            batch = batch_from_trajectories(trajs, adv, pad_id=chat.tokenizer.pad_token_id or 0,
-                                            sample_mask=sample_mask, with_routing=p.routing_replay)
+            batch = batch_from_trajectories(
+                trajs,
+                adv,
+                pad_id=chat.tokenizer.pad_token_id or 0,
+                sample_mask=sample_mask,
+                with_routing=p.routing_replay,
+            )
             if p.routing_replay:
                 r = batch.routed_experts
                 extra["routing_replay_coverage"] = 0.0 if r is None else float((r[..., 0, 0] >= 0).float().mean())
                 if r is None and not warned_no_routes:
                     warned_no_routes = True
-                    logger.text("[warn] policy.routing_replay=true but the rollouts carry no routed_experts; "
-                                "the trainer uses its own router (enable routing records in the engine)")
+                    logger.text(
+                        "[warn] policy.routing_replay=true but the rollouts carry no routed_experts; "
+                        "the trainer uses its own router (enable routing records in the engine)"
+                    )
             t_train = time.perf_counter()
             gbs = p.train_global_batch_size
             prev = ref = None
@@ -253,9 +301,16 @@ def run(cfg: MasterConfig) -> dict:
             for s in range(0, len(trajs), gbs):
                 mb = batch.slice(slice(s, s + gbs))
                 l = mb.token_ids.shape[1]
-                per_opt_step.append(policy.train_step(mb, loss_fn, gen.temperature, p.train_micro_batch_size,
-                                                      None if prev is None else prev[s:s + gbs, :l],
-                                                      None if ref is None else ref[s:s + gbs, :l]))
+                per_opt_step.append(
+                    policy.train_step(
+                        mb,
+                        loss_fn,
+                        gen.temperature,
+                        p.train_micro_batch_size,
+                        None if prev is None else prev[s : s + gbs, :l],
+                        None if ref is None else ref[s : s + gbs, :l],
+                    )
+                )
             tm = combine_optimizer_steps(per_opt_step)
             logprob_s = t_lp - t_train + tm["logprob_seconds"]
             train_s, num_tokens = tm["train_seconds"], tm["num_tokens"]
@@ -267,30 +322,47 @@ def run(cfg: MasterConfig) -> dict:
             ages = [step - 1 - v for v in versions]
             gen_tokens = sum(m.get("generated_tokens", 0) for m in gen_metrics)
             step_s = t_end - t0
-            metrics = {**step_metrics(trajs, rewards), **tm, "num_tokens": num_tokens,
-                       "generation_seconds": gen_s, "wait_for_groups_seconds": got.wait_seconds,
-                       "logprob_seconds": logprob_s, "train_seconds": train_s, "weight_sync_seconds": sync_s,
-                       "step_seconds": step_s,
-                       "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
-                       "train_tokens_per_s": float(batch.lengths.sum()) / max(t_sync - t_train, 1e-9),
-                       "step_tokens_per_s": float(batch.lengths.sum()) / max(step_s, 1e-9),
-                       "num_groups": len(groups), "mean_group_age": sum(ages) / len(ages), "max_group_age": max(ages),
-                       "stale_groups_dropped": got.stale_dropped, "stale_groups_dropped_total": stale_total,
-                       "group_wait_timed_out": got.timed_out, **extra}
+            metrics = {
+                **step_metrics(trajs, rewards),
+                **tm,
+                "num_tokens": num_tokens,
+                "generation_seconds": gen_s,
+                "wait_for_groups_seconds": got.wait_seconds,
+                "logprob_seconds": logprob_s,
+                "train_seconds": train_s,
+                "weight_sync_seconds": sync_s,
+                "step_seconds": step_s,
+                "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+                "train_tokens_per_s": float(batch.lengths.sum()) / max(t_sync - t_train, 1e-9),
+                "step_tokens_per_s": float(batch.lengths.sum()) / max(step_s, 1e-9),
+                "num_groups": len(groups),
+                "mean_group_age": sum(ages) / len(ages),
+                "max_group_age": max(ages),
+                "stale_groups_dropped": got.stale_dropped,
+                "stale_groups_dropped_total": stale_total,
+                "group_wait_timed_out": got.timed_out,
+                **extra,
+            }
             # NOTE: kept for dashboards of the first version of this loop.
             metrics["rollout_seconds"] = gen_s
             logger.log(metrics, step, prefix="train/")
             if dumper is not None:
                 dumper.write_step(step, trajs, adv, sampling_params_of(settings, batch_seed(cfg, step)), metrics)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", mult_err=f"{tm['token_mult_prob_error']:.4f}",
-                            gen_kl=f"{tm['gen_kl_error']:.1e}", gnorm=f"{tm['grad_norm']:.2f}",
-                            s=f"{step_s:.1f}")
-            logger.text(f"[train] step {step}: reward {metrics['reward_mean']:.3f}  loss {tm['loss']:+.4f}  "
-                        f"token_mult_prob_error {tm['token_mult_prob_error']:.4f}  gen_kl {tm['gen_kl_error']:.2e}  "
-                        f"clip {tm['clip_fraction']:.3f}  entropy {tm['entropy']:.3f}  grad_norm {tm['grad_norm']:.3f}  "
-                        f"gen {metrics['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
-                        f"(gen {gen_s:.1f} / wait {got.wait_seconds:.1f} / logprobs {logprob_s:.1f} / "
-                        f"train {train_s:.1f} / sync {sync_s:.2f})")
+            bar.set_postfix(
+                reward=f"{metrics['reward_mean']:.3f}",
+                mult_err=f"{tm['token_mult_prob_error']:.4f}",
+                gen_kl=f"{tm['gen_kl_error']:.1e}",
+                gnorm=f"{tm['grad_norm']:.2f}",
+                s=f"{step_s:.1f}",
+            )
+            logger.text(
+                f"[train] step {step}: reward {metrics['reward_mean']:.3f}  loss {tm['loss']:+.4f}  "
+                f"token_mult_prob_error {tm['token_mult_prob_error']:.4f}  gen_kl {tm['gen_kl_error']:.2e}  "
+                f"clip {tm['clip_fraction']:.3f}  entropy {tm['entropy']:.3f}  grad_norm {tm['grad_norm']:.3f}  "
+                f"gen {metrics['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
+                f"(gen {gen_s:.1f} / wait {got.wait_seconds:.1f} / logprobs {logprob_s:.1f} / "
+                f"train {train_s:.1f} / sync {sync_s:.2f})"
+            )
             if cfg.logger.print_sample_every and step % cfg.logger.print_sample_every == 0:
                 t = trajs[0]
                 logger.text(f"[sample] step {step} reward {t.reward:.0f}: {format_sample(t, chat)}")
@@ -311,16 +383,25 @@ def run(cfg: MasterConfig) -> dict:
         last_ckpt = save(g.max_num_steps, {})
     if last_ckpt is not None:
         final_dir = last_ckpt / "policy"
-    summary = {"model_dir": str(model_dir), "build_seconds": info.get("build_seconds"), "built_now": info.get("built"),
-               "grpo_seconds": round(loop_seconds, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
-               "val_history": history, "final_checkpoint": str(final_dir) if final_dir else None,
-               "accuracy_start": history[0][1] if history else None,
-               "accuracy_end": history[-1][1] if history else None,
-               "async": a.enabled, "stale_groups_dropped": stale_total}
+    summary = {
+        "model_dir": str(model_dir),
+        "build_seconds": info.get("build_seconds"),
+        "built_now": info.get("built"),
+        "grpo_seconds": round(loop_seconds, 1),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+        "val_history": history,
+        "final_checkpoint": str(final_dir) if final_dir else None,
+        "accuracy_start": history[0][1] if history else None,
+        "accuracy_end": history[-1][1] if history else None,
+        "async": a.enabled,
+        "stale_groups_dropped": stale_total,
+    }
     if len(history) >= 2:
         summary["accuracy_gain"] = history[-1][1] - history[0][1]
-        logger.text(f"held-out accuracy {history[0][1]:.3f} -> {history[-1][1]:.3f} "
-                    f"(gain {summary['accuracy_gain']:+.3f}) in {loop_seconds:.0f} s of GRPO")
+        logger.text(
+            f"held-out accuracy {history[0][1]:.3f} -> {history[-1][1]:.3f} "
+            f"(gain {summary['accuracy_gain']:+.3f}) in {loop_seconds:.0f} s of GRPO"
+        )
     (Path(cfg.logger.log_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
     return summary
@@ -328,13 +409,13 @@ def run(cfg: MasterConfig) -> dict:
 
 def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
     """Write the trained weights + tokenizer files as a plain model directory ``out_dir/step_{step}``
-    (tmp + rename); training checkpoints with optimizer state use ``trainers.checkpoint``."""
+    (tmp + rename); training checkpoints with optimizer state use ``m3_trainers.checkpoint``."""
     import os
     import shutil
     import tempfile
 
     from m3_rollout.model import save_checkpoint
-    from trainers.checkpoint import copy_tokenizer_files
+    from m3_trainers.checkpoint import copy_tokenizer_files
 
     final = out_dir / f"step_{step}"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,9 @@ from m3_rollout.config import LoggerConfig
 
 class MetricsLogger:
     """Args:
-        cfg: ``logger`` section. ``wandb.mode`` "auto" = online iff ``WANDB_API_KEY`` is set.
-        run_config: the whole job config (stored with the wandb run).
-        write: where step lines go (default: tqdm-safe print).
+    cfg: ``logger`` section. ``wandb.mode`` "auto" = online iff ``WANDB_API_KEY`` is set.
+    run_config: the whole job config (stored with the wandb run).
+    write: where step lines go (default: tqdm-safe print).
     """
 
     def __init__(self, cfg: LoggerConfig, run_config: dict, write=print):
@@ -32,8 +32,9 @@ class MetricsLogger:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, config=run_config, mode=mode,
-                                  dir=str(self.log_dir))
+            self.run = wandb.init(
+                project=cfg.wandb.project, name=cfg.wandb.name, config=run_config, mode=mode, dir=str(self.log_dir)
+            )
             self.wandb_mode = mode
 
     def log(self, metrics: dict, step: int, prefix: str = "") -> None:

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import torch
-
 from benchlib import machine as _machine
 from benchlib import random_model
+
 from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model import M3Config, M3ForCausalLM, load_hf_state_dict, tiny_config
@@ -40,12 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def machine(device: str) -> str:
     return _machine(device) + ("" if device == "cuda" else f", {torch.get_num_threads()} threads")
+
+
 HBM_BYTES_PER_S = 4.4e12
 # transformers 5.17 generate() on one H200, configs/bench/m3_bench_300m.json (issue 3), tok/s by
 # (device, batch, n): the baseline of --skip-hf runs.
 ANCHOR = {("cuda", 1, 1): 46.4, ("cuda", 32, 1): 1530.7}
 DATE = "2026-11-29"
-
 
 
 def build_pair(cfg: M3Config, device: str, dtype: torch.dtype):
@@ -62,7 +63,7 @@ def build_pair(cfg: M3Config, device: str, dtype: torch.dtype):
     with torch.device(device):
         hf = MiniMaxM3VLForCausalLM(hc).to(dtype).eval()
         with torch.no_grad():
-            for name, p in hf.named_parameters():
+            for _name, p in hf.named_parameters():
                 p.normal_(0, 0.02) if p.ndim >= 2 else p.normal_(0, 0.05)
         ours = M3ForCausalLM(cfg)
     load_hf_state_dict(ours, hf.state_dict())
@@ -75,18 +76,42 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make_engine(model, prompts: list[list[int]], n: int, device: str, max_len: int, cuda_graphs: bool = False,
-                async_scheduling: bool | None = False, graph_sizes: tuple[int, ...] | None = None) -> LLMEngine:
+def make_engine(
+    model,
+    prompts: list[list[int]],
+    n: int,
+    device: str,
+    max_len: int,
+    cuda_graphs: bool = False,
+    async_scheduling: bool | None = False,
+    graph_sizes: tuple[int, ...] | None = None,
+) -> LLMEngine:
     kv_gb = 4.0 if device == "cuda" else 0.0  # explicit: the auto size counts the previous engine's cached pool
-    return LLMEngine(model, EngineConfig(max_model_len=max_len, max_num_seqs=max(len(prompts) * n, 1),
-                                         max_num_batched_tokens=max(8192, max(map(len, prompts))),
-                                         kv_cache_memory_gb=kv_gb, enable_cuda_graphs=cuda_graphs,
-                                         cuda_graph_batch_sizes=graph_sizes, async_scheduling=async_scheduling))
+    return LLMEngine(
+        model,
+        EngineConfig(
+            max_model_len=max_len,
+            max_num_seqs=max(len(prompts) * n, 1),
+            max_num_batched_tokens=max(8192, max(map(len, prompts))),
+            kv_cache_memory_gb=kv_gb,
+            enable_cuda_graphs=cuda_graphs,
+            cuda_graph_batch_sizes=graph_sizes,
+            async_scheduling=async_scheduling,
+        ),
+    )
 
 
-def run_engine(model, prompts: list[list[int]], n: int, new: int, device: str, max_len: int,
-               cuda_graphs: bool = False, async_scheduling: bool | None = False,
-               graph_sizes: tuple[int, ...] | None = None) -> dict:
+def run_engine(
+    model,
+    prompts: list[list[int]],
+    n: int,
+    new: int,
+    device: str,
+    max_len: int,
+    cuda_graphs: bool = False,
+    async_scheduling: bool | None = False,
+    graph_sizes: tuple[int, ...] | None = None,
+) -> dict:
     """Generate ``new`` tokens for every prompt x n on a fresh engine (after a warm-up generation
     of 4 tokens on it, same prompt lengths); tokens/s and the median decode step.
 
@@ -119,10 +144,14 @@ def run_engine(model, prompts: list[list[int]], n: int, new: int, device: str, m
     secs = time.perf_counter() - t0
     toks = eng.stats.generated_tokens
     m = eng.metrics()
-    return {"tokens": toks, "seconds": secs, "tok_s": toks / secs,
-            "decode_step_ms": 1000 * sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
-            "host_ms": {k[len("host_ms_per_step_"):]: v for k, v in m.items() if k.startswith("host_ms_per_step_")},
-            "outputs": {(o.request_id, o.sample_index): (o.output_ids, o.logprobs) for o in outs}}
+    return {
+        "tokens": toks,
+        "seconds": secs,
+        "tok_s": toks / secs,
+        "decode_step_ms": 1000 * sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
+        "host_ms": {k[len("host_ms_per_step_") :]: v for k, v in m.items() if k.startswith("host_ms_per_step_")},
+        "outputs": {(o.request_id, o.sample_index): (o.output_ids, o.logprobs) for o in outs},
+    }
 
 
 def same_outputs(a: dict, b: dict) -> tuple[bool, float]:
@@ -137,8 +166,18 @@ def run_hf(hf, prompts: list[list[int]], n: int, new: int, device: str) -> dict:
     ids = torch.tensor([p for p in prompts for _ in range(n)], device=device)
     sync(device)
     t0 = time.perf_counter()
-    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_p=1.0,
-                      top_k=0, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     sync(device)
     secs = time.perf_counter() - t0
     toks = (out.shape[1] - ids.shape[1]) * out.shape[0]
@@ -198,23 +237,42 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-json", help="config.json (either shape); default: tiny_config() on CPU")
-    ap.add_argument("--loads", nargs="*", default=["grpo", "long"], choices=["grpo", "long"],
-                    help="pass no value to run only --check-len")
-    ap.add_argument("--long-len", type=int, default=None, help="long-context prompt tokens (CPU default 2048, CUDA 8192)")
+    ap.add_argument(
+        "--loads",
+        nargs="*",
+        default=["grpo", "long"],
+        choices=["grpo", "long"],
+        help="pass no value to run only --check-len",
+    )
+    ap.add_argument(
+        "--long-len", type=int, default=None, help="long-context prompt tokens (CPU default 2048, CUDA 8192)"
+    )
     ap.add_argument("--long-batch", type=int, default=2)
     ap.add_argument("--long-new", type=int, default=32)
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA: also time the engine with decode CUDA graphs")
-    ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=["off", "on"],
-                    help="with --cuda-graphs: EngineConfig.async_scheduling values to time (same seeds; tokens compared)")
+    ap.add_argument(
+        "--async-modes",
+        nargs="+",
+        default=["off", "on"],
+        choices=["off", "on"],
+        help="with --cuda-graphs: EngineConfig.async_scheduling values to time (same seeds; tokens compared)",
+    )
     ap.add_argument("--graph-sizes", type=int, nargs="+", default=None, help="padded decode sizes to capture")
-    ap.add_argument("--skip-hf", action="store_true",
-                    help="no transformers run (ratios against the anchor figures on CUDA; none on CPU)")
+    ap.add_argument(
+        "--skip-hf",
+        action="store_true",
+        help="no transformers run (ratios against the anchor figures on CUDA; none on CPU)",
+    )
     ap.add_argument("--skip-eager", action="store_true", help="no engine run without CUDA graphs")
-    ap.add_argument("--check-len", type=int, default=0,
-                    help="first compare engine.score with transformers' forward on a prompt of this length")
+    ap.add_argument(
+        "--check-len",
+        type=int,
+        default=0,
+        help="first compare engine.score with transformers' forward on a prompt of this length",
+    )
     args = ap.parse_args()
     dev = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
@@ -238,18 +296,25 @@ def main() -> None:
     prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     if args.check_len:
         chk = check_logprobs(ours, hf, cfg, args.check_len, dev)
-        print(f"logprob check vs transformers, {chk['length']} tokens ({dtype}): max |diff| {chk['max_abs_diff']:.4f}, "
-              f"mean {chk['mean_abs_diff']:.5f}", flush=True)
+        print(
+            f"logprob check vs transformers, {chk['length']} tokens ({dtype}): max |diff| {chk['max_abs_diff']:.4f}, "
+            f"mean {chk['mean_abs_diff']:.5f}",
+            flush=True,
+        )
     cases = []
     if "grpo" in args.loads:
         if dev == "cuda":
-            cases += [("batch 1, 128+128", [prompt(128)], 1, 128, 1), ("batch 32, 128+128", [prompt(128) for _ in range(32)], 1, 128, 32)]
+            cases += [
+                ("batch 1, 128+128", [prompt(128)], 1, 128, 1),
+                ("batch 32, 128+128", [prompt(128) for _ in range(32)], 1, 128, 32),
+            ]
         else:
             cases.append(("GRPO 16x8, 128+128", [prompt(128) for _ in range(16)], 8, 128, 128))
     if "long" in args.loads:
         b = args.long_batch
-        cases.append((f"long {long_len}+{args.long_new}, batch {b}", [prompt(long_len) for _ in range(b)], 1,
-                      args.long_new, b))
+        cases.append(
+            (f"long {long_len}+{args.long_new}, batch {b}", [prompt(long_len) for _ in range(b)], 1, args.long_new, b)
+        )
     rows = []
     for name, prompts, n, new, batch in cases:
         max_len = max(map(len, prompts)) + new
@@ -263,7 +328,9 @@ def main() -> None:
             row.update(hf_tok_s=h["tok_s"], hf_s=h["seconds"])
             if e is not None:
                 row["ratio"] = e["tok_s"] / h["tok_s"]
-        base_tok_s, base_name = (h["tok_s"], "transformers in this run") if h else (ANCHOR.get((dev, batch, n)), "transformers anchor")
+        base_tok_s, base_name = (
+            (h["tok_s"], "transformers in this run") if h else (ANCHOR.get((dev, batch, n)), "transformers anchor")
+        )
         row["baseline"] = base_name
         if args.cuda_graphs and dev == "cuda":
             graph_runs = {}
@@ -271,63 +338,97 @@ def main() -> None:
                 on = mode == "on"
                 graph_runs[mode] = g = run_engine(ours, prompts, n, new, dev, max_len, True, on, args.graph_sizes)
                 key = "graph" if mode == "off" else "graph_async"
-                row.update({f"{key}_tok_s": g["tok_s"], f"{key}_decode_step_ms": g["decode_step_ms"],
-                            f"{key}_host_ms": g["host_ms"]})
+                row.update(
+                    {
+                        f"{key}_tok_s": g["tok_s"],
+                        f"{key}_decode_step_ms": g["decode_step_ms"],
+                        f"{key}_host_ms": g["host_ms"],
+                    }
+                )
                 if base_tok_s:
                     row[f"{key}_ratio"] = g["tok_s"] / base_tok_s
-                print(f"{name}: engine with CUDA graphs, async scheduling {mode}: {g['tok_s']:.0f} tok/s"
-                      + (f" ({g['tok_s'] / base_tok_s:.2f}x {base_name})" if base_tok_s else "")
-                      + f", median decode step {g['decode_step_ms']:.3f} ms; host ms/step (mean over all steps, prefill included) "
-                      + " ".join(f"{k} {v:.3f}" for k, v in g["host_ms"].items()), flush=True)
+                print(
+                    f"{name}: engine with CUDA graphs, async scheduling {mode}: {g['tok_s']:.0f} tok/s"
+                    + (f" ({g['tok_s'] / base_tok_s:.2f}x {base_name})" if base_tok_s else "")
+                    + f", median decode step {g['decode_step_ms']:.3f} ms; host ms/step (mean over all "
+                    "steps, prefill included) " + " ".join(f"{k} {v:.3f}" for k, v in g["host_ms"].items()),
+                    flush=True,
+                )
             if len(graph_runs) == 2:
                 same, diff = same_outputs(graph_runs["off"]["outputs"], graph_runs["on"]["outputs"])
-                row.update(async_speedup=graph_runs["on"]["tok_s"] / graph_runs["off"]["tok_s"],
-                           async_same_tokens=same, async_max_logprob_diff=diff)
-                print(f"{name}: async / sync {row['async_speedup']:.2f}x; identical tokens {same}, "
-                      f"max |logprob diff| {diff:.2e}", flush=True)
+                row.update(
+                    async_speedup=graph_runs["on"]["tok_s"] / graph_runs["off"]["tok_s"],
+                    async_same_tokens=same,
+                    async_max_logprob_diff=diff,
+                )
+                print(
+                    f"{name}: async / sync {row['async_speedup']:.2f}x; identical tokens {same}, "
+                    f"max |logprob diff| {diff:.2e}",
+                    flush=True,
+                )
         if dev == "cuda":
             row["floor_ms"] = decode_floor_ms(cfg, ours, batch, max_len, dtype)
         rows.append(row)
         if e is not None:
-            print(f"{name}: engine (eager) {e['tok_s']:.0f} tok/s ({e['seconds']:.1f} s)"
-                  + (f", transformers {h['tok_s']:.0f} tok/s ({h['seconds']:.1f} s), ratio {row['ratio']:.2f}x" if h else "")
-                  + f", median decode step {e['decode_step_ms']:.2f} ms"
-                  + (f", bandwidth floor {row['floor_ms']:.3f} ms" if "floor_ms" in row else ""), flush=True)
+            print(
+                f"{name}: engine (eager) {e['tok_s']:.0f} tok/s ({e['seconds']:.1f} s)"
+                + (
+                    f", transformers {h['tok_s']:.0f} tok/s ({h['seconds']:.1f} s), ratio {row['ratio']:.2f}x"
+                    if h
+                    else ""
+                )
+                + f", median decode step {e['decode_step_ms']:.2f} ms"
+                + (f", bandwidth floor {row['floor_ms']:.3f} ms" if "floor_ms" in row else ""),
+                flush=True,
+            )
         if args.out:
             Path(args.out).write_text(json.dumps({"machine": machine(dev), "rows": rows}, indent=1))
     if not args.no_write:
         import transformers
 
-        lines = [f"\n## Engine vs transformers generate (bench_engine.py), {DATE}, {machine(dev)}\n",
-                 f"Model: {args.model_json or 'tiny_config() (spec §7 preset A)'}, {dtype}, random weights; "
-                 f"torch {torch.__version__}, transformers {transformers.__version__}; sampling at temperature 1.\n"]
+        lines = [
+            f"\n## Engine vs transformers generate (bench_engine.py), {DATE}, {machine(dev)}\n",
+            f"Model: {args.model_json or 'tiny_config() (spec §7 preset A)'}, {dtype}, random weights; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}; sampling at temperature 1.\n",
+        ]
         if args.check_len:
-            lines.append(f"engine.score vs transformers forward on {chk['length']} random tokens: max |logprob diff| "
-                         f"{chk['max_abs_diff']:.4f}, mean {chk['mean_abs_diff']:.5f}.\n")
+            lines.append(
+                f"engine.score vs transformers forward on {chk['length']} random tokens: max |logprob diff| "
+                f"{chk['max_abs_diff']:.4f}, mean {chk['mean_abs_diff']:.5f}.\n"
+            )
         if any("engine_tok_s" in r for r in rows):
-            lines += ["| case | engine tok/s | transformers tok/s | ratio | median decode step (ms) |"
-                      + (" bandwidth floor (ms) |" if dev == "cuda" else ""),
-                      "|---|---|---|---|---|" + ("---|" if dev == "cuda" else "")]
+            lines += [
+                "| case | engine tok/s | transformers tok/s | ratio | median decode step (ms) |"
+                + (" bandwidth floor (ms) |" if dev == "cuda" else ""),
+                "|---|---|---|---|---|" + ("---|" if dev == "cuda" else ""),
+            ]
             for r in rows:
                 if "engine_tok_s" in r:
-                    lines.append(f"| {r['case']} | {r['engine_tok_s']:.0f} | {r.get('hf_tok_s', float('nan')):.0f} | "
-                                 f"{r.get('ratio', float('nan')):.2f}x | {r['decode_step_ms']:.2f} |"
-                                 + (f" {r['floor_ms']:.3f} |" if dev == "cuda" else ""))
+                    lines.append(
+                        f"| {r['case']} | {r['engine_tok_s']:.0f} | {r.get('hf_tok_s', float('nan')):.0f} | "
+                        f"{r.get('ratio', float('nan')):.2f}x | {r['decode_step_ms']:.2f} |"
+                        + (f" {r['floor_ms']:.3f} |" if dev == "cuda" else "")
+                    )
         graph_rows = [r for r in rows if "graph_tok_s" in r or "graph_async_tok_s" in r]
         if graph_rows:
             nan = float("nan")
-            lines += ["\nWith decode CUDA graphs (forward + sampler captured), async scheduling off / on "
-                      "(ratios against the baseline named in the row):\n",
-                      "| case | sync tok/s | async tok/s | async / sync | median decode step sync / async (ms) | "
-                      "vs baseline (async) | baseline | identical tokens | bandwidth floor (ms) |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "\nWith decode CUDA graphs (forward + sampler captured), async scheduling off / on "
+                "(ratios against the baseline named in the row):\n",
+                "| case | sync tok/s | async tok/s | async / sync | median decode step sync / async (ms) | "
+                "vs baseline (async) | baseline | identical tokens | bandwidth floor (ms) |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in graph_rows:
-                lines.append(f"| {r['case']} | {r.get('graph_tok_s', nan):.0f} | {r.get('graph_async_tok_s', nan):.0f} | "
-                             f"{r.get('async_speedup', nan):.2f}x | {r.get('graph_decode_step_ms', nan):.3f} / "
-                             f"{r.get('graph_async_decode_step_ms', nan):.3f} | {r.get('graph_async_ratio', nan):.2f}x | "
-                             f"{r['baseline']} | {r.get('async_same_tokens', '-')} | {r.get('floor_ms', nan):.3f} |")
+                lines.append(
+                    f"| {r['case']} | {r.get('graph_tok_s', nan):.0f} | {r.get('graph_async_tok_s', nan):.0f} | "
+                    f"{r.get('async_speedup', nan):.2f}x | {r.get('graph_decode_step_ms', nan):.3f} / "
+                    f"{r.get('graph_async_decode_step_ms', nan):.3f} | {r.get('graph_async_ratio', nan):.2f}x | "
+                    f"{r['baseline']} | {r.get('async_same_tokens', '-')} | {r.get('floor_ms', nan):.3f} |"
+                )
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
             f.write("\n".join(lines) + "\n")
+
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchlib import machine  # noqa: E402
+
 from m3_rollout.model.configuration import tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE  # noqa: E402
 from m3_rollout.parallel import EPGroupSpec, destroy_ep_group, free_port, init_ep_group  # noqa: E402
@@ -82,6 +83,7 @@ def _rank(rank: int, spec: EPGroupSpec, tokens: list[int], steps: int, dtype_nam
                         sync()
                         expert_time[0] += time.perf_counter() - t0
                         return y
+
                     moe.experts.forward = timed
             with torch.no_grad():
                 for _ in range(3):
@@ -101,8 +103,15 @@ def _rank(rank: int, spec: EPGroupSpec, tokens: list[int], steps: int, dtype_nam
                     del moe.experts.forward
             s = stats.snapshot()
             expert_s = expert_time[0] if spec.world_size == 1 else s["expert_s"]
-            rows.append({"T": t, "moe_ms": 1e3 * total / steps, "dispatch_ms": 1e3 * s["dispatch_s"] / steps,
-                         "expert_ms": 1e3 * expert_s / steps, "combine_ms": 1e3 * s["combine_s"] / steps})
+            rows.append(
+                {
+                    "T": t,
+                    "moe_ms": 1e3 * total / steps,
+                    "dispatch_ms": 1e3 * s["dispatch_s"] / steps,
+                    "expert_ms": 1e3 * expert_s / steps,
+                    "combine_ms": 1e3 * s["combine_s"] / steps,
+                }
+            )
         out.put((rank, rows))
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         import traceback
@@ -117,8 +126,9 @@ def run(world: int, tokens: list[int], steps: int, dtype: str, device: str) -> l
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     spec = EPGroupSpec(world, "127.0.0.1", free_port(), "nccl" if device == "cuda" else "gloo", timeout_s=120)
-    procs = [ctx.Process(target=_rank, args=(r, spec, tokens, steps, dtype, device, out), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, spec, tokens, steps, dtype, device, out), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = {}
@@ -138,7 +148,6 @@ def run(world: int, tokens: list[int], steps: int, dtype: str, device: str) -> l
     return got[0]
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 1024], help="tokens per rank per step")
@@ -151,24 +160,31 @@ def main() -> None:
         raise SystemExit("--device cuda needs >= 2 GPUs (one per EP rank)")
     base = {r["T"]: r for r in run(1, args.tokens, args.steps, args.dtype, args.device)}
     ep2 = run(2, args.tokens, args.steps, args.dtype, args.device)
-    lines = ["| EP | T / rank | MoE ms/step | dispatch ms | expert ms | combine ms | (dispatch+combine) / expert "
-             "| MoE time vs EP=1 |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| EP | T / rank | MoE ms/step | dispatch ms | expert ms | combine ms | (dispatch+combine) / expert "
+        "| MoE time vs EP=1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in ep2:
         b = base[r["T"]]
         lines.append(f"| 1 | {r['T']} | {b['moe_ms']:.2f} | - | {b['expert_ms']:.2f} | - | - | 1.00x |")
         comm = r["dispatch_ms"] + r["combine_ms"]
-        lines.append(f"| 2 | {r['T']} | {r['moe_ms']:.2f} | {r['dispatch_ms']:.2f} | {r['expert_ms']:.2f} | "
-                     f"{r['combine_ms']:.2f} | {comm / max(r['expert_ms'], 1e-9):.1f}x | "
-                     f"{r['moe_ms'] / max(b['moe_ms'], 1e-9):.2f}x |")
+        lines.append(
+            f"| 2 | {r['T']} | {r['moe_ms']:.2f} | {r['dispatch_ms']:.2f} | {r['expert_ms']:.2f} | "
+            f"{r['combine_ms']:.2f} | {comm / max(r['expert_ms'], 1e-9):.1f}x | "
+            f"{r['moe_ms'] / max(b['moe_ms'], 1e-9):.2f}x |"
+        )
     table = "\n".join(lines)
     print(table)
     if not args.no_write:
         date = datetime.date(2026, 11, 29).isoformat()
-        text = (f"\n## Expert parallelism (bench_ep.py), {date}, {machine(args.device)}\n\n"
-                f"{args.dtype}, {args.steps} steps, 3 MoE layers of the main job's tiny M3 (H 128, E 8, K 2, I 32), "
-                f"T tokens per rank per step, rank 0's times per step summed over the layers; "
-                f"{'gloo, one torch thread per rank' if args.device == 'cpu' else 'NCCL, one GPU per rank'}. "
-                f"EP=1 (same run) is the baseline.\n\n{table}\n")
+        text = (
+            f"\n## Expert parallelism (bench_ep.py), {date}, {machine(args.device)}\n\n"
+            f"{args.dtype}, {args.steps} steps, 3 MoE layers of the main job's tiny M3 (H 128, E 8, K 2, I 32), "
+            f"T tokens per rank per step, rank 0's times per step summed over the layers; "
+            f"{'gloo, one torch thread per rank' if args.device == 'cpu' else 'NCCL, one GPU per rank'}. "
+            f"EP=1 (same run) is the baseline.\n\n{table}\n"
+        )
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
             f.write(text)
 

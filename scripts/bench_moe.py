@@ -25,11 +25,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import machine  # noqa: E402
-from kernels.fused_moe import (  # noqa: E402
-    GemmTile, MoEKernelConfig, default_config, fused_experts, moe_combine, moe_down, moe_gate_up, moe_permute,
+
+from m3_kernels.fused_moe import (  # noqa: E402
+    GemmTile,
+    MoEKernelConfig,
+    default_config,
+    fused_experts,
+    moe_combine,
+    moe_down,
+    moe_gate_up,
+    moe_permute,
 )
-from kernels.moe_align import align_by_expert  # noqa: E402
-from kernels.moe_ragged import align_ragged, mma_rows, ragged_down, ragged_gate_up  # noqa: E402
+from m3_kernels.moe_align import align_by_expert  # noqa: E402
+from m3_kernels.moe_ragged import align_ragged, mma_rows, ragged_down, ragged_gate_up  # noqa: E402
 from m3_rollout.model.moe import grouped_experts, route, swiglu_oai  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 790.0, 4400.0  # H200 measured bf16 dense peak / HBM3e bandwidth (issue 5)
@@ -86,8 +94,10 @@ def act(g, u):
 
 def short_config(cfg: MoEKernelConfig) -> str:
     """One-line tile summary for the tables: path, then w13 / w2 as block_n x block_k, warps, stages, group."""
+
     def tile(t: GemmTile) -> str:
         return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}" + (f" g{t.group_m}" if t.group_m else "")
+
     if cfg.ragged:
         path = f"ragged tiles, fat tail {cfg.fat_tail}, A {'permuted' if cfg.permute else 'gathered'}"
     else:
@@ -124,7 +134,8 @@ def stage_breakdown(x, ids, weights, w13, w2, cfg: MoEKernelConfig) -> dict:
         if a_in is not x:
             out["permute"] = graph_time_ms(lambda: moe_permute(x, al, k))
         out["w13"] = graph_time_ms(
-            lambda: moe_gate_up(a_in, w13, al, k, cfg.w13, ALPHA, LIMIT, BETA, a_sorted=a_in is not x, tma=tma))
+            lambda: moe_gate_up(a_in, w13, al, k, cfg.w13, ALPHA, LIMIT, BETA, a_sorted=a_in is not x, tma=tma)
+        )
         out["w2"] = graph_time_ms(lambda: moe_down(act, w2, al, weights, cfg.w2, tma=tma))
         mma = int(al.num_rows.item())
     out["combine"] = graph_time_ms(lambda: moe_combine(rows, ids, (0, e)))
@@ -149,11 +160,17 @@ def bench_one(shape: str, t: int, w13, w2, sweep: bool, stages: bool = False) ->
     weight_bytes = n_hit * 3 * inter * h * 2
     cfg = default_config(t * k, e, h, inter)
     row = {
-        "shape": shape, "T": t, "experts_hit": n_hit, "max_abs_diff_vs_loop": err,
+        "shape": shape,
+        "T": t,
+        "experts_hit": n_hit,
+        "max_abs_diff_vs_loop": err,
         "max_abs_ref": ref.abs().max().item(),
-        "fused_ms": time_ms(fused), "fused_graph_ms": graph_time_ms(fused),
-        "loop_ms": time_ms(loop, iters=3 if t >= 1024 else 10), "dense_ms": time_ms(dense),
-        "config": str(cfg), "config_short": short_config(cfg),
+        "fused_ms": time_ms(fused),
+        "fused_graph_ms": graph_time_ms(fused),
+        "loop_ms": time_ms(loop, iters=3 if t >= 1024 else 10),
+        "dense_ms": time_ms(dense),
+        "config": str(cfg),
+        "config_short": short_config(cfg),
     }
     best = min(row["fused_ms"], row["fused_graph_ms"])
     row["tflops"] = flops / best / 1e9
@@ -194,11 +211,17 @@ def sweep_tiles(x, ids, weights, w13, w2, k) -> list[dict]:
         tiles = align_ragged(ids, (0, e), fat)
         act_buf = ragged_gate_up(x, w13, tiles, RAGGED_W13[0], ALPHA, LIMIT, BETA, top_k=k)
         for tile in RAGGED_W13:
-            _timed(results, {"gemm": "w13", "path": f"ragged fat_tail={fat}", "tile": str(tile)},
-                   lambda: ragged_gate_up(x, w13, tiles, tile, ALPHA, LIMIT, BETA, top_k=k))
+            _timed(
+                results,
+                {"gemm": "w13", "path": f"ragged fat_tail={fat}", "tile": str(tile)},
+                lambda: ragged_gate_up(x, w13, tiles, tile, ALPHA, LIMIT, BETA, top_k=k),
+            )
         for tile in RAGGED_W2:
-            _timed(results, {"gemm": "w2", "path": f"ragged fat_tail={fat}", "tile": str(tile)},
-                   lambda: ragged_down(act_buf, w2, tiles, weights, tile))
+            _timed(
+                results,
+                {"gemm": "w2", "path": f"ragged fat_tail={fat}", "tile": str(tile)},
+                lambda: ragged_down(act_buf, w2, tiles, weights, tile),
+            )
         return results
     key = min((b for b in SWEEP_BM if rows_per_expert <= b), default=128)
     for bm in SWEEP_BM[key]:
@@ -206,10 +229,16 @@ def sweep_tiles(x, ids, weights, w13, w2, k) -> list[dict]:
         tiles = SMALL_TILES if bm <= 32 else LARGE_TILES
         act_buf = moe_gate_up(x, w13, aligned, k, tiles[0], ALPHA, LIMIT, BETA)
         for tile in tiles:
-            _timed(results, {"gemm": "w13", "block_m": bm, "tile": str(tile)},
-                   lambda: moe_gate_up(x, w13, aligned, k, tile, ALPHA, LIMIT, BETA))
-            _timed(results, {"gemm": "w2", "block_m": bm, "tile": str(tile)},
-                   lambda: moe_down(act_buf, w2, aligned, weights, tile))
+            _timed(
+                results,
+                {"gemm": "w13", "block_m": bm, "tile": str(tile)},
+                lambda: moe_gate_up(x, w13, aligned, k, tile, ALPHA, LIMIT, BETA),
+            )
+            _timed(
+                results,
+                {"gemm": "w2", "block_m": bm, "tile": str(tile)},
+                lambda: moe_down(act_buf, w2, aligned, weights, tile),
+            )
     return results
 
 
@@ -221,7 +250,8 @@ TILE_PROVENANCE = (
     "weights through TMA, A rows gathered in the GEMM, programs in groups of 4 row tiles) with "
     "w13 128x64 / w2 256x64 tiles, 8 warps, 4 stages. Chosen from per-GEMM and end-to-end "
     "CUDA-graph sweeps at T=1024/2048/4096 on the real shape (two device rounds, same machine and "
-    "date; `bench_moe.py --sweep` re-times the tile candidates): at T=4096 padding to 128-row tiles computed 1.47x the real rows, 64-row tiles "
+    "date; `bench_moe.py --sweep` re-times the tile candidates): at T=4096 padding to 128-row tiles "
+    "computed 1.47x the real rows, 64-row tiles "
     "1.23x; grouped program order alone took w13 from 3.61 to 3.06 ms; the fat tail (one program "
     "per expert instead of a separate tail tile) 3.06 -> 2.90 ms; A gathered in the GEMM: w13 3.01 ms "
     "vs 0.08 ms permute pass + 3.09 ms from the permuted copy; 4 stages instead of 3: w13 3.01 -> 2.89, "
@@ -236,7 +266,7 @@ def markdown(rows: list[dict], device: str) -> str:
         f"## Fused MoE (bench_moe.py), {DATE}, {device}",
         "",
         "bf16 weights and activations, fp32 accumulation; random routing (sigmoid top-K of N(0,1) logits, "
-        "renormalised, x2.0). fused = `kernels.fused_moe.fused_experts` with `default_config`, including "
+        "renormalised, x2.0). fused = `m3_kernels.fused_moe.fused_experts` with `default_config`, including "
         "the expert alignment, the gather of x into expert order and the K-slot combine, timed eager and "
         "as CUDA-graph replay (median of 5 x 20 calls, CUDA events); loop = the PyTorch per-expert loop "
         "(`moe.grouped_experts`, eager); dense = one bf16 GEMM [T*K, H] x [H, 3I] with the same FLOPs (it "
@@ -277,8 +307,10 @@ def markdown(rows: list[dict], device: str) -> str:
             parts = [st.get(name) for name in ("align", "permute", "w13", "w2", "combine")]
             total = sum(p for p in parts if p is not None)
             cells = " | ".join("-" if p is None else f"{p:.3f}" for p in parts)
-            lines.append(f"| {r['shape']} | {r['T']} | {r['config_short']} | {cells} | {total:.3f} "
-                         f"| {st['mma_rows_per_real_row']:.2f} |")
+            lines.append(
+                f"| {r['shape']} | {r['T']} | {r['config_short']} | {cells} | {total:.3f} "
+                f"| {st['mma_rows_per_real_row']:.2f} |"
+            )
     lines.append("")
     real = {r["T"]: r for r in rows if r["shape"] == "real"}
     if 4096 in real:
@@ -288,7 +320,8 @@ def markdown(rows: list[dict], device: str) -> str:
         lines.append(
             f"Large-batch target: real shape, T=4096: {min(r['fused_ms'], r['fused_graph_ms']):.2f} "
             f"ms = {tf_:.0f} TFLOP/s = {100 * tf_ / PEAK_TFLOPS:.0f}% of {PEAK_TFLOPS:.0f} "
-            f"(target >= {big_t:.0f}): {verdict}.")
+            f"(target >= {big_t:.0f}): {verdict}."
+        )
         if r.get("copy_gbs"):
             h, inter, _, _ = SHAPES["real"]
             floor = r["experts_hit"] * 3 * inter * h * 2 / r["copy_gbs"] / 1e6
@@ -297,14 +330,16 @@ def markdown(rows: list[dict], device: str) -> str:
                 f"H200 ridge), so the op also has to stream all {r['experts_hit']} experts' weights "
                 f"({r['experts_hit'] * 3 * inter * h * 2 / 1e9:.1f} GB): {floor:.2f} ms at the "
                 f"{r['copy_gbs']:.0f} GB/s a device copy reaches in the same run; the fused op runs at "
-                f"{100 * floor / min(r['fused_ms'], r['fused_graph_ms']):.0f}% of that floor.")
+                f"{100 * floor / min(r['fused_ms'], r['fused_graph_ms']):.0f}% of that floor."
+            )
     small = [r for t, r in real.items() if t <= 256]
     if small:
         low = min(small, key=lambda r: r["gbs"])
         verdict = "MET" if low["gbs"] >= small_t else "NOT MET"
         lines.append(
             f"Small-batch target: real shape, T <= 256: lowest {low['gbs']:.0f} GB/s = "
-            f"{100 * low['gbs'] / PEAK_GBS:.0f}% of {PEAK_GBS:.0f} (T={low['T']}; target >= {small_t:.0f}): {verdict}.")
+            f"{100 * low['gbs'] / PEAK_GBS:.0f}% of {PEAK_GBS:.0f} (T={low['T']}; target >= {small_t:.0f}): {verdict}."
+        )
     lines += [
         "",
         "bench300m (H 1024, 16 experts): its 50 MB of expert weights are about the size of the H200's "
@@ -340,8 +375,14 @@ def main(argv: list[str] | None = None) -> None:
             copy_gbs = 2 * w2.numel() * w2.element_size() / copy_ms / 1e6
             del buf
         for t in args.tokens:
-            row = bench_one(shape, t, w13, w2, args.sweep and shape == "real" and t >= args.sweep_min_tokens,
-                            stages=shape == "real" and t >= 1024)
+            row = bench_one(
+                shape,
+                t,
+                w13,
+                w2,
+                args.sweep and shape == "real" and t >= args.sweep_min_tokens,
+                stages=shape == "real" and t >= 1024,
+            )
             row["copy_gbs"] = copy_gbs
             rows.append(row)
             if args.json:  # partial results survive a run cut short

@@ -3,7 +3,7 @@
 Real M3 attention shapes: 64 q heads / 4 KV heads / d 128 / index dim 128 / block (page) 128 /
 top-k 16, bf16, one layer. Measured in one process:
 - dense decode baseline: torch SDPA (flash backend, enable_gqa) over contiguous [1, 4, S, 128] K/V;
-- MSA decode step = ``kernels.msa.msa_attention`` (the engine's sparse-layer call: indexer + top-k +
+- MSA decode step = ``m3_kernels.msa.msa_attention`` (the engine's sparse-layer call: indexer + top-k +
   sparse attention; the fused decode path of kernels/msa_decode.py), one sequence, at 8K..1M
   context, beside the separate ops (index_topk, then paged_attention); achieved GB/s over the
   bytes the step must read (one-head index keys + the 16 selected K/V blocks of 4 KV heads);
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.msa import msa_attention
-from kernels.msa_index_topk import index_block_scores, index_topk, select_topk_blocks
-from kernels.msa_sparse_attention import KV_MAJOR_MIN_TOKENS, paged_attention
-from kernels.msa_synthetic import make_paged_batch
+from m3_kernels.msa import msa_attention
+from m3_kernels.msa_index_topk import index_block_scores, index_topk, select_topk_blocks
+from m3_kernels.msa_sparse_attention import KV_MAJOR_MIN_TOKENS, paged_attention
+from m3_kernels.msa_synthetic import make_paged_batch
 
 NH, G, D, DI, PS, K = 64, 4, 128, 128, 128, 16
 SCALE = D**-0.5
@@ -104,8 +104,19 @@ def best_dense(timer, q, k, v, causal: bool, **kw) -> tuple[float, str]:
 
 
 def batch(rows, nd, smooth=False, seed=0):
-    b = make_paged_batch(rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=DI,
-                         dtype=torch.bfloat16, device="cuda", seed=seed, spare_pages=0)
+    b = make_paged_batch(
+        rows,
+        nd,
+        page_size=PS,
+        kv_heads=G,
+        q_heads=NH,
+        head_dim=D,
+        index_dim=DI,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=seed,
+        spare_pages=0,
+    )
     if smooth:  # one direction per 64-token span + 0.5x noise (see module docstring)
         t = b.iq.shape[0]
         base = torch.randn((t + 63) // 64, G, DI, device="cuda")
@@ -144,15 +155,30 @@ def decode_bench(ctxs, rows_out):
         dpaged = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, None))
         nbytes = s * DI * ELT + G * min(K, -(-s // PS)) * PS * D * 2 * ELT
         dense_bytes = s * G * D * 2 * ELT
-        r = dict(ctx=s, dense_backend=dbe, dense_sdpa_ms=dense, dense_gbs=dense_bytes / dense * 1e-6, msa_ms=msa_g,
-                 msa_eager_ms=msa_e, two_ops_ms=ops_g, msa_gbs=nbytes / msa_g * 1e-6,
-                 ratio_vs_dense=msa_g / dense, speedup=dense / msa_g, dense_paged_ms=dpaged)
+        r = dict(
+            ctx=s,
+            dense_backend=dbe,
+            dense_sdpa_ms=dense,
+            dense_gbs=dense_bytes / dense * 1e-6,
+            msa_ms=msa_g,
+            msa_eager_ms=msa_e,
+            two_ops_ms=ops_g,
+            msa_gbs=nbytes / msa_g * 1e-6,
+            ratio_vs_dense=msa_g / dense,
+            speedup=dense / msa_g,
+            dense_paged_ms=dpaged,
+        )
         res[s] = r
-        print(f"decode ctx {s:>8}: SDPA dense {dense:.4f} ms ({r['dense_gbs']:.0f} GB/s) | MSA {msa_g:.4f} ms "
-              f"(eager {msa_e:.4f}; separate ops {ops_g:.4f}) {r['msa_gbs']:.0f} GB/s | MSA/dense {msa_g / dense:.2f} | "
-              f"speedup {r['speedup']:.2f}x | our dense paged {dpaged:.4f} ms", flush=True)
-        rows_out.append(f"| decode | {s} | {dense:.4f} ({dbe}) | {msa_g:.4f} ({msa_e:.4f} eager) | separate ops "
-                        f"{ops_g:.4f} | {r['msa_gbs']:.0f} GB/s | {r['speedup']:.2f}x | {dpaged:.4f} |")
+        print(
+            f"decode ctx {s:>8}: SDPA dense {dense:.4f} ms ({r['dense_gbs']:.0f} GB/s) | MSA {msa_g:.4f} ms "
+            f"(eager {msa_e:.4f}; separate ops {ops_g:.4f}) {r['msa_gbs']:.0f} GB/s | MSA/dense {msa_g / dense:.2f} | "
+            f"speedup {r['speedup']:.2f}x | our dense paged {dpaged:.4f} ms",
+            flush=True,
+        )
+        rows_out.append(
+            f"| decode | {s} | {dense:.4f} ({dbe}) | {msa_g:.4f} ({msa_e:.4f} eager) | separate ops "
+            f"{ops_g:.4f} | {r['msa_gbs']:.0f} GB/s | {r['speedup']:.2f}x | {dpaged:.4f} |"
+        )
         del b
         torch.cuda.empty_cache()
     return res
@@ -189,18 +215,35 @@ def prefill_bench(lens, patterns, rows_out):
             att_fl = (keys * NH * D * 4).sum().item()
             uni = union_per_tile(sel)
             impl = "kv-major" if s >= KV_MAJOR_MIN_TOKENS else "union tiles"
-            r = dict(len=s, pattern=pat, dense_backend=dbe, dense_sdpa_ms=dense, dense_tflops=dense_fl / dense * 1e-9,
-                     scores_ms=sc_ms, scores_tflops=idx_fl / sc_ms * 1e-9, topk_ms=tk_ms, attn_ms=att,
-                     attn_tflops=att_fl / att * 1e-9, attn_impl=impl, msa_ms=tot, speedup=dense / tot,
-                     union_over_k=uni)
+            r = dict(
+                len=s,
+                pattern=pat,
+                dense_backend=dbe,
+                dense_sdpa_ms=dense,
+                dense_tflops=dense_fl / dense * 1e-9,
+                scores_ms=sc_ms,
+                scores_tflops=idx_fl / sc_ms * 1e-9,
+                topk_ms=tk_ms,
+                attn_ms=att,
+                attn_tflops=att_fl / att * 1e-9,
+                attn_impl=impl,
+                msa_ms=tot,
+                speedup=dense / tot,
+                union_over_k=uni,
+            )
             res[f"{s}-{pat}"] = r
-            print(f"prefill {s:>7} {pat:>6}: SDPA dense {dense:.2f} ms ({r['dense_tflops']:.0f} TFLOP/s) | MSA "
-                  f"{tot:.2f} ms = scores {sc_ms:.2f} ({r['scores_tflops']:.0f} TFLOP/s) + top-k {tk_ms:.2f} + attn "
-                  f"{att:.2f} ({r['attn_tflops']:.0f} TFLOP/s, {impl}) | speedup {r['speedup']:.2f}x | union/K per "
-                  f"4-token tile {uni:.2f}; dense={dbe}", flush=True)
-            rows_out.append(f"| prefill ({pat} iq) | {s} | {dense:.2f} ({r['dense_tflops']:.0f} TFLOP/s) | {tot:.2f} "
-                            f"| scores {sc_ms:.2f} ({r['scores_tflops']:.0f}) + top-k {tk_ms:.2f} / {att:.2f} "
-                            f"({r['attn_tflops']:.0f}) | attn {impl}, union/K {uni:.2f} | {r['speedup']:.2f}x | |")
+            print(
+                f"prefill {s:>7} {pat:>6}: SDPA dense {dense:.2f} ms ({r['dense_tflops']:.0f} TFLOP/s) | MSA "
+                f"{tot:.2f} ms = scores {sc_ms:.2f} ({r['scores_tflops']:.0f} TFLOP/s) + top-k {tk_ms:.2f} + attn "
+                f"{att:.2f} ({r['attn_tflops']:.0f} TFLOP/s, {impl}) | speedup {r['speedup']:.2f}x | union/K per "
+                f"4-token tile {uni:.2f}; dense={dbe}",
+                flush=True,
+            )
+            rows_out.append(
+                f"| prefill ({pat} iq) | {s} | {dense:.2f} ({r['dense_tflops']:.0f} TFLOP/s) | {tot:.2f} "
+                f"| scores {sc_ms:.2f} ({r['scores_tflops']:.0f}) + top-k {tk_ms:.2f} / {att:.2f} "
+                f"({r['attn_tflops']:.0f}) | attn {impl}, union/K {uni:.2f} | {r['speedup']:.2f}x | |"
+            )
             del b, sel
             torch.cuda.empty_cache()
     return res
@@ -221,13 +264,28 @@ def batched_decode_bench(nseq, ctx, rows_out):
     msa_ms = graph_ms(step, iters=5)
     ops_ms = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, index_topk(b.iq, b.ik, b.meta, K)), iters=5)
     dpaged = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, None), iters=5)
-    r = dict(nseq=nseq, ctx=ctx, dense_backend=dbe, dense_sdpa_ms=dense, msa_ms=msa_ms, two_ops_ms=ops_ms,
-             dense_paged_ms=dpaged, dense_tok_s=nseq / dense * 1e3, msa_tok_s=nseq / msa_ms * 1e3, speedup=dense / msa_ms)
-    print(f"batched decode {nseq}x{ctx}: SDPA dense {dense:.3f} ms ({r['dense_tok_s']:.0f} tok/s) | MSA {msa_ms:.3f} ms "
-          f"({r['msa_tok_s']:.0f} tok/s; separate ops {ops_ms:.3f} ms) | {r['speedup']:.2f}x | our dense paged "
-          f"{dpaged:.3f} ms", flush=True)
-    rows_out.append(f"| batched decode {nseq} seq | {ctx} | {dense:.3f} ({r['dense_tok_s']:.0f} tok/s, {dbe}) | {msa_ms:.3f} "
-                    f"({r['msa_tok_s']:.0f} tok/s) | separate ops {ops_ms:.3f} | | {r['speedup']:.2f}x | {dpaged:.3f} |")
+    r = dict(
+        nseq=nseq,
+        ctx=ctx,
+        dense_backend=dbe,
+        dense_sdpa_ms=dense,
+        msa_ms=msa_ms,
+        two_ops_ms=ops_ms,
+        dense_paged_ms=dpaged,
+        dense_tok_s=nseq / dense * 1e3,
+        msa_tok_s=nseq / msa_ms * 1e3,
+        speedup=dense / msa_ms,
+    )
+    print(
+        f"batched decode {nseq}x{ctx}: SDPA dense {dense:.3f} ms ({r['dense_tok_s']:.0f} tok/s) | MSA {msa_ms:.3f} ms "
+        f"({r['msa_tok_s']:.0f} tok/s; separate ops {ops_ms:.3f} ms) | {r['speedup']:.2f}x | our dense paged "
+        f"{dpaged:.3f} ms",
+        flush=True,
+    )
+    rows_out.append(
+        f"| batched decode {nseq} seq | {ctx} | {dense:.3f} ({r['dense_tok_s']:.0f} tok/s, {dbe}) | {msa_ms:.3f} "
+        f"({r['msa_tok_s']:.0f} tok/s) | separate ops {ops_ms:.3f} | | {r['speedup']:.2f}x | {dpaged:.3f} |"
+    )
     return r
 
 
@@ -255,28 +313,42 @@ def main(argv: list[str] | None = None) -> None:
     dec = out.get("decode", {})
     if 8192 in dec and 1048576 in dec:
         d8, d1m = dec[8192], dec[1048576]
-        lines += [f"- decode 1M: {d1m['speedup']:.2f}x faster than dense (target >= 5x, stretch 6x); "
-                  f"{d1m['msa_gbs']:.0f} GB/s",
-                  f"- decode 8K: MSA / dense = {d8['msa_ms'] / d8['dense_sdpa_ms']:.2f} (target <= 1.5)",
-                  f"- decode growth 8K -> 1M: MSA {d1m['msa_ms'] / d8['msa_ms']:.2f}x (target <= 4x), "
-                  f"dense {d1m['dense_sdpa_ms'] / d8['dense_sdpa_ms']:.1f}x"]
+        lines += [
+            f"- decode 1M: {d1m['speedup']:.2f}x faster than dense (target >= 5x, stretch 6x); "
+            f"{d1m['msa_gbs']:.0f} GB/s",
+            f"- decode 8K: MSA / dense = {d8['msa_ms'] / d8['dense_sdpa_ms']:.2f} (target <= 1.5)",
+            f"- decode growth 8K -> 1M: MSA {d1m['msa_ms'] / d8['msa_ms']:.2f}x (target <= 4x), "
+            f"dense {d1m['dense_sdpa_ms'] / d8['dense_sdpa_ms']:.1f}x",
+        ]
     for pat in ("smooth", "random"):
         p = out.get("prefill", {}).get(f"131072-{pat}")
         if p:
-            lines.append(f"- prefill 128K ({pat} iq): {p['speedup']:.2f}x faster than dense (target >= 8x): "
-                         f"{p['msa_ms']:.1f} ms vs {p['dense_sdpa_ms']:.1f} ms; index scores {p['scores_tflops']:.0f} "
-                         f"TFLOP/s, top-k {p['topk_ms']:.1f} ms, attention ({p['attn_impl']}) "
-                         f"{p['attn_tflops']:.0f} TFLOP/s")
+            lines.append(
+                f"- prefill 128K ({pat} iq): {p['speedup']:.2f}x faster than dense (target >= 8x): "
+                f"{p['msa_ms']:.1f} ms vs {p['dense_sdpa_ms']:.1f} ms; index scores {p['scores_tflops']:.0f} "
+                f"TFLOP/s, top-k {p['topk_ms']:.1f} ms, attention ({p['attn_impl']}) "
+                f"{p['attn_tflops']:.0f} TFLOP/s"
+            )
     if "batched" in out:
-        lines.append(f"- batched decode 64x32K: {out['batched']['msa_tok_s']:.0f} tok/s vs dense "
-                     f"{out['batched']['dense_tok_s']:.0f} tok/s ({out['batched']['speedup']:.2f}x)")
+        lines.append(
+            f"- batched decode 64x32K: {out['batched']['msa_tok_s']:.0f} tok/s vs dense "
+            f"{out['batched']['dense_tok_s']:.0f} tok/s ({out['batched']['speedup']:.2f}x)"
+        )
     print("\n".join(lines))
-    md = [f"\n## MSA attention kernels (bench_msa.py), {DATE}, {dev}, torch {torch.__version__}\n",
-          "One layer, 64 q heads / 4 KV heads / d 128 / block 128 / top-k 16, bf16. Baselines: torch SDPA "
-          "(enable_gqa), the faster of flash and cuDNN per shape, in the same run. Decode times are CUDA-graph replays (eager in brackets).\n",
-          "| case | context / length | dense SDPA (ms) | MSA (ms) | indexer / attention (ms, TFLOP/s); decode: separate ops (ms) | achieved | "
-          "speedup vs dense | our dense paged (ms) |",
-          "|---|---|---|---|---|---|---|---|", *rows, "", *lines, ""]
+    md = [
+        f"\n## MSA attention kernels (bench_msa.py), {DATE}, {dev}, torch {torch.__version__}\n",
+        "One layer, 64 q heads / 4 KV heads / d 128 / block 128 / top-k 16, bf16. Baselines: torch SDPA "
+        "(enable_gqa), the faster of flash and cuDNN per shape, in the same run. Decode times are "
+        "CUDA-graph replays (eager in brackets).\n",
+        "| case | context / length | dense SDPA (ms) | MSA (ms) | indexer / attention (ms, TFLOP/s); "
+        "decode: separate ops (ms) | achieved | "
+        "speedup vs dense | our dense paged (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        *lines,
+        "",
+    ]
     if args.write:
         with args.write.open("a") as f:
             f.write("\n".join(md))

@@ -59,8 +59,14 @@ sys.path.insert(0, ROOT)
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors  # noqa: E402
 from m3_rollout.model.configuration import tiny_config  # noqa: E402
-from m3_rollout.weight_sync import (BroadcastChannel, ColocatedChannel, WeightReceiver,  # noqa: E402
-                                    WeightSender, WeightSyncGroup, plan_buckets)
+from m3_rollout.weight_sync import (  # noqa: E402
+    BroadcastChannel,
+    ColocatedChannel,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncGroup,
+    plan_buckets,
+)
 
 
 def _shaped_config(width: int, moe_layers: int):
@@ -69,12 +75,24 @@ def _shaped_config(width: int, moe_layers: int):
     head_dim 64, vocab 32 * width, expert / shared intermediate = width, dense intermediate = 4 * width."""
     n = 1 + moe_layers
     freq = [0] + [1] * moe_layers
-    return tiny_config(vocab_size=32 * width, hidden_size=width, num_hidden_layers=n,
-                       num_attention_heads=max(width // 64, 2), num_key_value_heads=2, head_dim=64,
-                       intermediate_size=width, shared_intermediate_size=width, dense_intermediate_size=4 * width,
-                       num_local_experts=32, num_experts_per_tok=4, moe_layer_freq=freq,
-                       sparse_attention_freq=freq, sparse_disable_index_value=freq, sparse_index_dim=64,
-                       sparse_num_index_heads=2)
+    return tiny_config(
+        vocab_size=32 * width,
+        hidden_size=width,
+        num_hidden_layers=n,
+        num_attention_heads=max(width // 64, 2),
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=width,
+        shared_intermediate_size=width,
+        dense_intermediate_size=4 * width,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        moe_layer_freq=freq,
+        sparse_attention_freq=freq,
+        sparse_disable_index_value=freq,
+        sparse_index_dim=64,
+        sparse_num_index_heads=2,
+    )
 
 
 def model_bytes(cfg, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -107,8 +125,7 @@ def synthetic_config(gb: float | None = None, dtype: torch.dtype = torch.bfloat1
     raise AssertionError("unreachable")
 
 
-def build_model(seed: int, dtype: torch.dtype, device: str, ep_rank: int | None = None, ep_size: int = 1,
-                cfg=None):
+def build_model(seed: int, dtype: torch.dtype, device: str, ep_rank: int | None = None, ep_size: int = 1, cfg=None):
     """The synthetic model (``cfg``, default ``synthetic_config()``) in ``dtype`` (router fp32) with
     cheap random weights U(-0.02, 0.02) from ``seed``, no fp32 init pass, on ``device``."""
     cfg = cfg if cfg is not None else synthetic_config()
@@ -116,6 +133,7 @@ def build_model(seed: int, dtype: torch.dtype, device: str, ep_rank: int | None 
         model = M3ForCausalLM(cfg)
     if ep_rank is not None and ep_size > 1:
         from m3_rollout.parallel import shard_experts
+
         shard_experts(model, ep_rank, ep_size, None)
     model.cast_for_inference(dtype)
     model.to_empty(device=device)
@@ -141,7 +159,7 @@ def _raw_broadcast(group: WeightSyncGroup, plan, device: str) -> float:
     t0 = time.perf_counter()
     works = []
     for k, b in enumerate(plan):
-        works.append(group.broadcast(bufs[k % 2][:b.wire_bytes], async_op=True))
+        works.append(group.broadcast(bufs[k % 2][: b.wire_bytes], async_op=True))
         if len(works) > 2:
             group.wait(works.pop(0))
     for w in works:
@@ -171,8 +189,9 @@ def _rank_main(rank: int, args, port: int, results) -> None:
         total = sum(b.data_bytes for b in plan)
         out = {"rank": rank, "bytes": total, "buckets": len(plan)}
         if rank == 0:
-            sender = WeightSender(lambda: iter_released_tensors(model), BroadcastChannel(group, True),
-                                  args.bucket_mb, None)
+            sender = WeightSender(
+                lambda: iter_released_tensors(model), BroadcastChannel(group, True), args.bucket_mb, None
+            )
             sender.handshake()
         else:
             rx = WeightReceiver(model, atomic=False, double_buffer=True)
@@ -205,8 +224,11 @@ def _rank_main(rank: int, args, port: int, results) -> None:
                 if rep > 0:
                     times[mode].append(dt)
         for mode in modes:
-            out[mode] = {"seconds": statistics.median(times[mode]), "pause": statistics.median(times[mode]),
-                         "all": times[mode]}
+            out[mode] = {
+                "seconds": statistics.median(times[mode]),
+                "pause": statistics.median(times[mode]),
+                "all": times[mode],
+            }
         results.put(out)
         group.close()
     except Exception:  # noqa: BLE001
@@ -214,8 +236,14 @@ def _rank_main(rank: int, args, port: int, results) -> None:
 
 
 # ---------------------------------------------------------------------------- colocated (one device)
-COLOCATED_MODES = ("raw copy_ per parameter", "raw flat copy", "atomic=false", "atomic=true",
-                   "atomic=false, buckets", "atomic=true, buckets")
+COLOCATED_MODES = (
+    "raw copy_ per parameter",
+    "raw flat copy",
+    "atomic=false",
+    "atomic=true",
+    "atomic=false, buckets",
+    "atomic=true, buckets",
+)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -246,8 +274,7 @@ def _scramble(model: torch.nn.Module, seed: int) -> None:
             p.uniform_(-0.5, 0.5, generator=g)
 
 
-def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb: float, repeats: int,
-                  log=None) -> dict:
+def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb: float, repeats: int, log=None) -> dict:
     """Time colocated full updates ``trainer -> rollout`` (both on the same device) against raw
     copies of the same bytes, then check correctness. Leaves ``rollout`` equal to ``trainer``.
 
@@ -269,8 +296,10 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
     """
     dev = next(trainer.parameters()).device
     if next(rollout.parameters()).device != dev:
-        raise ValueError(f"colocated: trainer on {dev} but rollout on {next(rollout.parameters()).device}; "
-                         "put both on the same device")
+        raise ValueError(
+            f"colocated: trainer on {dev} but rollout on {next(rollout.parameters()).device}; "
+            "put both on the same device"
+        )
     t_params = [p.detach() for p in trainer.parameters()]
     r_params = [p.detach() for p in rollout.parameters()]
     total = sum(p.numel() * p.element_size() for p in t_params)
@@ -281,11 +310,13 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
     flat_dst.fill_(0)
 
     rx = WeightReceiver(rollout, atomic=False, double_buffer=True)
-    sender = WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=True),
-                          bucket_mb, None)
+    sender = WeightSender(
+        lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=True), bucket_mb, None
+    )
     sender.handshake()
-    bucketed = WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=False),
-                            bucket_mb, None)
+    bucketed = WeightSender(
+        lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=False), bucket_mb, None
+    )
     bucketed.handshake()
     ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
     version = 0
@@ -329,11 +360,23 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
         _sync(str(dev))
         bad = sync_mismatches(trainer, rollout)
         moved = [n for n, p in rollout.named_parameters() if p.data_ptr() != ptrs[n]]
-        checks[mode] = {"mismatched_before": before, "mismatched": bad, "moved": moved, "version": rx.version,
-                        "expected_version": version, "valid": rx.valid,
-                        "ok": before > 0 and not bad and not moved and rx.version == version and rx.valid}
-    return {"bytes": total, "buckets": stats.get("buckets", 0), "tensors": len(sender.manifest or []),
-            "seconds": {m: statistics.median(v) for m, v in times.items()}, "all": times, "checks": checks}
+        checks[mode] = {
+            "mismatched_before": before,
+            "mismatched": bad,
+            "moved": moved,
+            "version": rx.version,
+            "expected_version": version,
+            "valid": rx.valid,
+            "ok": before > 0 and not bad and not moved and rx.version == version and rx.valid,
+        }
+    return {
+        "bytes": total,
+        "buckets": stats.get("buckets", 0),
+        "tensors": len(sender.manifest or []),
+        "seconds": {m: statistics.median(v) for m, v in times.items()},
+        "all": times,
+        "checks": checks,
+    }
 
 
 def _colocated_device(name: str) -> torch.device:
@@ -366,26 +409,36 @@ def main_colocated(args) -> None:
     else:
         machine = f"{_cpu_name()}, {os.cpu_count()} cores"
     threads = torch.get_num_threads()
-    head = (f"## Weight sync, colocated (bench_weight_sync.py --method colocated), {datetime.date(2026, 11, 29)}, "
-            f"{machine}, {dev.type}\n\n"
-            f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-            f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
-            f"tensors; trainer copy and rollout copy on one {dev.type} device, update through WeightSender + "
-            f"ColocatedChannel + WeightReceiver: atomic=false/true on the direct path (per-tensor copies, no "
-            f"buckets), '..., buckets' through {r['buckets']} buckets of <= {args.bucket_mb:g} MiB; median of "
-            f"{args.repeats} interleaved repeats after a warm-up, torch threads = {threads}; "
-            "pause = the whole update or copy.\n\n"
-            "| mode | seconds | GB/s | vs raw copy_ per parameter | pause (s) |\n"
-            "|---|---|---|---|---|\n")
-    body = "".join(f"| {m} | {r['seconds'][m]:.4f} | {gb / r['seconds'][m]:.3f} | {base / r['seconds'][m]:.2f} | "
-                   f"{r['seconds'][m]:.4f} |\n" for m in COLOCATED_MODES)
+    head = (
+        f"## Weight sync, colocated (bench_weight_sync.py --method colocated), {datetime.date(2026, 11, 29)}, "
+        f"{machine}, {dev.type}\n\n"
+        f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
+        f"tensors; trainer copy and rollout copy on one {dev.type} device, update through WeightSender + "
+        f"ColocatedChannel + WeightReceiver: atomic=false/true on the direct path (per-tensor copies, no "
+        f"buckets), '..., buckets' through {r['buckets']} buckets of <= {args.bucket_mb:g} MiB; median of "
+        f"{args.repeats} interleaved repeats after a warm-up, torch threads = {threads}; "
+        "pause = the whole update or copy.\n\n"
+        "| mode | seconds | GB/s | vs raw copy_ per parameter | pause (s) |\n"
+        "|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {m} | {r['seconds'][m]:.4f} | {gb / r['seconds'][m]:.3f} | {base / r['seconds'][m]:.2f} | "
+        f"{r['seconds'][m]:.4f} |\n"
+        for m in COLOCATED_MODES
+    )
     ok = all(c["ok"] for c in r["checks"].values())
     n_params = len(list(rollout.parameters()))
-    check_line = "\nCorrectness: " + "; ".join(
-        f"{m}: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} of {n_params} parameters differ "
-        f"after the update, {c['mismatched_before']} before; data_ptr moved: {len(c['moved'])}; "
-        f"version {c['version']}/{c['expected_version']}, valid={c['valid']})"
-        for m, c in r["checks"].items()) + ".\n"
+    check_line = (
+        "\nCorrectness: "
+        + "; ".join(
+            f"{m}: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} of {n_params} parameters differ "
+            f"after the update, {c['mismatched_before']} before; data_ptr moved: {len(c['moved'])}; "
+            f"version {c['version']}/{c['expected_version']}, valid={c['valid']})"
+            for m, c in r["checks"].items()
+        )
+        + ".\n"
+    )
     text = head + body + check_line
     print(text)
     if not ok:
@@ -419,23 +472,42 @@ def _cpu_name() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=("broadcast", "colocated"), default="broadcast",
-                    help="weight_sync.method: broadcast = trainer + rollout processes over a group; "
-                         "colocated = both copies in one process on --device")
-    ap.add_argument("--device", default=None,
-                    help="colocated only: cpu (default) or cuda[:N]; broadcast picks devices from --backend")
-    ap.add_argument("--gb", type=float, default=None,
-                    help="synthetic model size in GB (1e9 bytes) of --dtype; default: the 1.016 GB bf16 model")
+    ap.add_argument(
+        "--method",
+        choices=("broadcast", "colocated"),
+        default="broadcast",
+        help="weight_sync.method: broadcast = trainer + rollout processes over a group; "
+        "colocated = both copies in one process on --device",
+    )
+    ap.add_argument(
+        "--device",
+        default=None,
+        help="colocated only: cpu (default) or cuda[:N]; broadcast picks devices from --backend",
+    )
+    ap.add_argument(
+        "--gb",
+        type=float,
+        default=None,
+        help="synthetic model size in GB (1e9 bytes) of --dtype; default: the 1.016 GB bf16 model",
+    )
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="broadcast only")
     ap.add_argument("--receivers", type=int, default=1, help="broadcast only")
     ap.add_argument("--ep", action="store_true", help="broadcast only: rollout ranks hold EP slices of the experts")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads per process (default 1; colocated on CUDA: torch's default)")
-    ap.add_argument("--write", default=None, metavar="PATH",
-                    help="append the markdown section to PATH instead of docs/benchmarks.md (e.g. $OUT/ws.md)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per process (default 1; colocated on CUDA: torch's default)",
+    )
+    ap.add_argument(
+        "--write",
+        default=None,
+        metavar="PATH",
+        help="append the markdown section to PATH instead of docs/benchmarks.md (e.g. $OUT/ws.md)",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; append nothing")
     args = ap.parse_args()
     if args.method == "colocated":
@@ -471,14 +543,20 @@ def main() -> None:
         for mode in ("raw", "atomic=false", "atomic=true"):
             rate = gb / r[mode]["seconds"]
             rows.append((rank, mode, r[mode]["seconds"], rate, rate / raw, r[mode]["pause"]))
-    machine = (f"{_cpu_name()}, {os.cpu_count()} cores" if args.backend == "gloo"
-               else f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
-    head = (f"## Weight sync (bench_weight_sync.py), {datetime.date(2026, 11, 29)}, {machine}, {args.backend}\n\n"
-            f"Synthetic M3-shaped model: {gb:.3f} GB in {args.dtype} (router fp32), {got[0]['buckets']} buckets of "
-            f"<= {args.bucket_mb:g} MiB, {args.receivers} rollout rank(s){' (EP slices)' if args.ep else ''}, "
-            f"median of {args.repeats} interleaved repeats after a warm-up, torch threads per process = {args.threads or 1}.\n\n"
-            "| rank | mode | seconds | GB/s per receiving rank | vs raw broadcast | pause (s) |\n"
-            "|---|---|---|---|---|---|\n")
+    machine = (
+        f"{_cpu_name()}, {os.cpu_count()} cores"
+        if args.backend == "gloo"
+        else f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    )
+    head = (
+        f"## Weight sync (bench_weight_sync.py), {datetime.date(2026, 11, 29)}, {machine}, {args.backend}\n\n"
+        f"Synthetic M3-shaped model: {gb:.3f} GB in {args.dtype} (router fp32), {got[0]['buckets']} buckets of "
+        f"<= {args.bucket_mb:g} MiB, {args.receivers} rollout rank(s){' (EP slices)' if args.ep else ''}, "
+        f"median of {args.repeats} interleaved repeats after a warm-up, torch threads per process = "
+        f"{args.threads or 1}.\n\n"
+        "| rank | mode | seconds | GB/s per receiving rank | vs raw broadcast | pause (s) |\n"
+        "|---|---|---|---|---|---|\n"
+    )
     body = "".join(f"| {rk} | {m} | {s:.3f} | {g:.3f} | {x:.2f} | {p:.3f} |\n" for rk, m, s, g, x, p in rows)
     text = head + body
     print(text)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def machine(device: str = "cpu") -> str:
-    """"NVIDIA H200" (or "2x NVIDIA H200") on CUDA; the CPU model and core count otherwise."""
+    """ "NVIDIA H200" (or "2x NVIDIA H200") on CUDA; the CPU model and core count otherwise."""
     if device == "cuda":
         import torch
 

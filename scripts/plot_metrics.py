@@ -15,8 +15,12 @@ import argparse
 import json
 from pathlib import Path
 
-PANELS = (("train/reward_mean", "train reward (mean)"), ("val/accuracy", "held-out accuracy"),
-          ("train/token_mult_prob_error", "token_mult_prob_error"), ("train/gen_kl_error", "gen_kl_error"))
+PANELS = (
+    ("train/reward_mean", "train reward (mean)"),
+    ("val/accuracy", "held-out accuracy"),
+    ("train/token_mult_prob_error", "token_mult_prob_error"),
+    ("train/gen_kl_error", "gen_kl_error"),
+)
 
 
 def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -59,8 +63,7 @@ def plot_runs(runs: dict[str, dict[str, list[tuple[int, float]]]], out: str | Pa
         for label, series in runs.items():
             pts = series.get(key, [])
             if pts:
-                ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 40 else None,
-                        label=label)
+                ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 40 else None, label=label)
         ax.set_title(name)
         ax.grid(alpha=0.3)
         ax.set_xlabel("GRPO step")

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
-from m3_rollout.engine.paged_cache import PagedKVCache, PagedMetadata
+from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.model import M3Config, M3ForCausalLM, tiny_config
 from m3_rollout.model.fused import set_fused_layers
 
@@ -50,8 +51,13 @@ def _kernel_table(fn, steps: int) -> tuple[list[tuple[str, float, float]], float
 
 def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool) -> LLMEngine:
     max_len = prompt + steps * 4 + 64
-    ec = EngineConfig(max_model_len=max_len, max_num_seqs=batch, enable_cuda_graphs=graphs,
-                      cuda_graph_batch_sizes=(batch,), kv_cache_memory_gb=1.0 if graphs else 0.0)
+    ec = EngineConfig(
+        max_model_len=max_len,
+        max_num_seqs=batch,
+        enable_cuda_graphs=graphs,
+        cuda_graph_batch_sizes=(batch,),
+        kv_cache_memory_gb=1.0 if graphs else 0.0,
+    )
     eng = LLMEngine(model, ec)
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
@@ -71,7 +77,7 @@ def apply_variant(name: str) -> None:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
     set_fused_layers(name != "pytorch", skinny_gemm=name != "fused+cublas")
     if name != "pytorch":
-        import kernels.fused_layers as fl
+        import m3_kernels.fused_layers as fl
 
         fl.ROUTER_GEMM_MAX_ELEMS = 0 if "router_cublas" in name else 1 << 22
 
@@ -93,8 +99,9 @@ def engine_wall(model, cfg, args, batch: int, variant: str) -> dict:
     ms = 1000 * (time.perf_counter() - t0) / n
     print(f"[batch {batch}, {variant}] engine decode step (wall): {ms:.3f} ms", flush=True)
     if args.profile_ops:
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                         if dev.type == "cuda" else [])
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []
+        )
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(4):
                 eng.step()
@@ -107,8 +114,13 @@ def engine_wall(model, cfg, args, batch: int, variant: str) -> dict:
 
 def meta_to(meta: PagedMetadata, dev) -> PagedMetadata:
     """``meta`` with its tensors on ``dev``."""
-    return PagedMetadata(**{f.name: (v.to(dev) if torch.is_tensor(v) else v)
-                            for f in dataclasses.fields(meta) for v in [getattr(meta, f.name)]})
+    return PagedMetadata(
+        **{
+            f.name: (v.to(dev) if torch.is_tensor(v) else v)
+            for f in dataclasses.fields(meta)
+            for v in [getattr(meta, f.name)]
+        }
+    )
 
 
 def _decode_batch(cfg, kv: PagedKVCache, batch: int, context: int, max_seq_len: int, dev):
@@ -120,15 +132,32 @@ def _decode_batch(cfg, kv: PagedKVCache, batch: int, context: int, max_seq_len: 
     g = torch.Generator().manual_seed(0)
     pos = torch.arange(context).repeat(batch)
     row = torch.arange(batch).repeat_interleave(context)
-    pre = PagedMetadata(pos, bt.long()[row, pos // ps] * ps + pos % ps, bt, torch.zeros(batch, dtype=torch.int32),
-                        torch.full((batch,), context, dtype=torch.int32),
-                        (torch.arange(batch + 1) * context).to(torch.int32), 0, 1, context, context)
+    pre = PagedMetadata(
+        pos,
+        bt.long()[row, pos // ps] * ps + pos % ps,
+        bt,
+        torch.zeros(batch, dtype=torch.int32),
+        torch.full((batch,), context, dtype=torch.int32),
+        (torch.arange(batch + 1) * context).to(torch.int32),
+        0,
+        1,
+        context,
+        context,
+    )
     pre_ids = torch.randint(3, cfg.vocab_size, (batch * context,), generator=g)
     dpos = torch.full((batch,), context)
-    dec = PagedMetadata(dpos, bt.long()[:, context // ps] * ps + context % ps, bt,
-                        torch.full((batch,), context, dtype=torch.int32),
-                        torch.full((batch,), context + 1, dtype=torch.int32),
-                        torch.arange(batch + 1, dtype=torch.int32), batch, 1, 1, max_seq_len)
+    dec = PagedMetadata(
+        dpos,
+        bt.long()[:, context // ps] * ps + context % ps,
+        bt,
+        torch.full((batch,), context, dtype=torch.int32),
+        torch.full((batch,), context + 1, dtype=torch.int32),
+        torch.arange(batch + 1, dtype=torch.int32),
+        batch,
+        1,
+        1,
+        max_seq_len,
+    )
     dec_ids = torch.randint(3, cfg.vocab_size, (batch,), generator=g)
     return pre_ids.to(dev), meta_to(pre, dev), dec_ids.to(dev), meta_to(dec, dev)
 
@@ -149,8 +178,13 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
     t0 = time.perf_counter()
     model.forward_paged(pre_ids, pre, kv)
     torch.cuda.synchronize()
-    res = {"batch": batch, "variant": variant, "context": args.context, "max_seq_len": max_seq_len,
-           "prefill_ms_first_call": 1000 * (time.perf_counter() - t0)}
+    res = {
+        "batch": batch,
+        "variant": variant,
+        "context": args.context,
+        "max_seq_len": max_seq_len,
+        "prefill_ms_first_call": 1000 * (time.perf_counter() - t0),
+    }
     model.forward_paged(pre_ids, pre, kv)  # warm (compiled) prefill
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -172,17 +206,22 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
     end.record()
     torch.cuda.synchronize()
     res["gpu_ms_per_step_graph"] = start.elapsed_time(end) / args.graph_replay
-    print(f"[{tag}] prefill {batch}x{args.context} tokens: {res['prefill_ms']:.2f} ms wall (eager); "
-          f"decode forward GPU time (graph replay x{args.graph_replay}): {res['gpu_ms_per_step_graph']:.4f} ms",
-          flush=True)
+    print(
+        f"[{tag}] prefill {batch}x{args.context} tokens: {res['prefill_ms']:.2f} ms wall (eager); "
+        f"decode forward GPU time (graph replay x{args.graph_replay}): {res['gpu_ms_per_step_graph']:.4f} ms",
+        flush=True,
+    )
     if args.kernel_table:
         rows, total = _kernel_table(lambda: model.forward_paged(ids, meta, kv), 3)
         res["kernels_per_step"] = sum(r[1] for r in rows)
         res["kernel_us_per_step_eager"] = total
         res["kernel_table"] = rows[:40]
-        print(f"[{tag}] eager decode forward: {res['kernels_per_step']:.0f} kernels, "
-              f"{total:.1f} us summed kernel time per step", flush=True)
-        for name, c, t in rows[:args.table_rows]:
+        print(
+            f"[{tag}] eager decode forward: {res['kernels_per_step']:.0f} kernels, "
+            f"{total:.1f} us summed kernel time per step",
+            flush=True,
+        )
+        for name, c, t in rows[: args.table_rows]:
             print(f"    {t:8.1f} us  {c:6.1f}x  {name[:110]}")
     del graph
     gc.collect()
@@ -206,8 +245,12 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=None, help=f"model paths to run, of {VARIANTS} (default fused)")
     ap.add_argument("--profile-ops", action="store_true", help="torch.profiler op table (no graphs)")
     ap.add_argument("--context", type=int, default=192, help="tokens per row before the timed decode step")
-    ap.add_argument("--max-model-len", type=int, default=0, help="max_seq_len the decode graph is captured with "
-                    "(default context + 64)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="max_seq_len the decode graph is captured with (default context + 64)",
+    )
     ap.add_argument("--skip-engine", action="store_true", help="only the model-level GPU timings")
     ap.add_argument("--skip-model", action="store_true", help="only the engine wall times")
     ap.add_argument("--out-json")
@@ -241,10 +284,15 @@ def main() -> None:
                     Path(args.out_json).write_text(json.dumps(results, indent=1))
                 if args.markdown:  # NOTE: after every run, so a time-limited job keeps partial tables
                     Path(args.markdown).write_text(markdown(results, args))
-            done = {r["variant"]: r["gpu_ms_per_step_graph"] for r in results
-                    if r["batch"] == batch and "gpu_ms_per_step_graph" in r}
-            print(f"batch {batch}: GPU ms per decode step: "
-                  + ", ".join(f"{v} {ms:.4f}" for v, ms in done.items()), flush=True)
+            done = {
+                r["variant"]: r["gpu_ms_per_step_graph"]
+                for r in results
+                if r["batch"] == batch and "gpu_ms_per_step_graph" in r
+            }
+            print(
+                f"batch {batch}: GPU ms per decode step: " + ", ".join(f"{v} {ms:.4f}" for v, ms in done.items()),
+                flush=True,
+            )
     if not args.skip_engine:
         for batch in batches:
             for v in variants:
@@ -264,17 +312,24 @@ def main() -> None:
 def markdown(results: list[dict], args) -> str:
     """docs/benchmarks.md rows: GPU time of one graphed decode forward, PyTorch ops vs fused path."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    lines = [f"### Decode step GPU time: fused layer kernels ({gpu}, torch {torch.__version__}, 2026-11-29)", "",
-             f"`scripts/profile_engine.py --cuda-graphs --variants ...`: model {args.model_json or 'tiny'}, bf16 "
-             f"random weights; each row holds {args.context} cached tokens; the decode forward "
-             "(`forward_paged`, no sampler, no host work) captured in a CUDA graph and replayed "
-             f"{args.graph_replay} times between CUDA events. Kernels: eager forward, torch.profiler.", "",
-             "| batch | path | GPU ms / decode step | kernels / step | forward-only tok/s | speed-up | "
-             f"prefill forward ms (batch x {args.context} tokens, eager, wall) |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### Decode step GPU time: fused layer kernels ({gpu}, torch {torch.__version__}, 2026-11-29)",
+        "",
+        f"`scripts/profile_engine.py --cuda-graphs --variants ...`: model {args.model_json or 'tiny'}, bf16 "
+        f"random weights; each row holds {args.context} cached tokens; the decode forward "
+        "(`forward_paged`, no sampler, no host work) captured in a CUDA graph and replayed "
+        f"{args.graph_replay} times between CUDA events. Kernels: eager forward, torch.profiler.",
+        "",
+        "| batch | path | GPU ms / decode step | kernels / step | forward-only tok/s | speed-up | "
+        f"prefill forward ms (batch x {args.context} tokens, eager, wall) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     by = {(r["batch"], r["variant"]): r for r in results if "gpu_ms_per_step_graph" in r}
-    names = {"pytorch": "PyTorch ops (before)", "fused": "fused kernels (default)",
-             "fused+cublas": "fused kernels, all GEMMs cuBLAS"}
+    names = {
+        "pytorch": "PyTorch ops (before)",
+        "fused": "fused kernels (default)",
+        "fused+cublas": "fused kernels, all GEMMs cuBLAS",
+    }
     for (b, v), r in sorted(by.items(), key=lambda kv: (kv[0][0], VARIANTS.index(kv[0][1]))):
         ms = r["gpu_ms_per_step_graph"]
         base = by.get((b, "pytorch"))

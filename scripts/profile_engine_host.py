@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import random_model
 
 from m3_rollout.engine.engine import PHASES, EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
-from benchlib import random_model
 from m3_rollout.model import M3Config, tiny_config
 
 
@@ -39,9 +39,18 @@ def sync(device: str) -> None:
 def make_engine(model, batch: int, max_len: int, graphs: bool, async_mode: bool | None) -> LLMEngine:
     kw = {} if async_mode is None else {"async_scheduling": async_mode}
     pages = 2 * batch * -(-max_len // model.config.sparse_block_size) + 8  # room for the profiled extra run
-    return LLMEngine(model, EngineConfig(max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=8192,
-                                         num_pages=pages, enable_cuda_graphs=graphs, cuda_graph_batch_sizes=(batch,),
-                                         **kw))
+    return LLMEngine(
+        model,
+        EngineConfig(
+            max_model_len=max_len,
+            max_num_seqs=batch,
+            max_num_batched_tokens=8192,
+            num_pages=pages,
+            enable_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=(batch,),
+            **kw,
+        ),
+    )
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], new: int, device: str, seed: int = 1) -> dict:
@@ -66,10 +75,15 @@ def run(eng: LLMEngine, prompts: list[list[int]], new: int, device: str, seed: i
     sync(device)
     secs = time.perf_counter() - t0
     toks = sum(len(o.output_ids) for o in outs)
-    return {"tokens": toks, "seconds": secs, "tok_s": toks / secs, "decode_steps": len(walls),
-            "step_ms_median": 1000 * statistics.median(walls) if walls else float("nan"),
-            "host_ms": {k: 1000 * statistics.mean(v) if v else 0.0 for k, v in phases.items()},
-            "outputs": sorted((o.request_id, o.output_ids, o.logprobs) for o in outs)}
+    return {
+        "tokens": toks,
+        "seconds": secs,
+        "tok_s": toks / secs,
+        "decode_steps": len(walls),
+        "step_ms_median": 1000 * statistics.median(walls) if walls else float("nan"),
+        "host_ms": {k: 1000 * statistics.mean(v) if v else 0.0 for k, v in phases.items()},
+        "outputs": sorted((o.request_id, o.output_ids, o.logprobs) for o in outs),
+    }
 
 
 def gpu_ms_per_decode_step(eng: LLMEngine, prompts: list[list[int]], new: int, steps: int = 6) -> dict:
@@ -120,8 +134,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--async-modes", nargs="*", default=None, choices=["on", "off"],
-                    help="run once per EngineConfig.async_scheduling value (default: the engine default)")
+    ap.add_argument(
+        "--async-modes",
+        nargs="*",
+        default=None,
+        choices=["on", "off"],
+        help="run once per EngineConfig.async_scheduling value (default: the engine default)",
+    )
     ap.add_argument("--profile", action="store_true", help="also torch.profiler a few decode steps (CUDA)")
     ap.add_argument("--out", default=None, help="JSON figures (rewritten after every case)")
     args = ap.parse_args()
@@ -163,11 +182,15 @@ def main() -> None:
             row["logprob_sum"] = sum(sum(o[2]) for o in outputs)
             results.append(row)
             host = " ".join(f"{k} {v:.3f}" for k, v in r["host_ms"].items())
-            print(f"batch {batch} async={mode}: {r['tok_s']:.0f} tok/s, step {r['step_ms_median']:.3f} ms median; "
-                  f"host ms/step: {host} (sum {sum(r['host_ms'].values()):.3f}); graph replay "
-                  f"{row.get('graph_replay_ms', float('nan')):.3f} ms (sampler graph {row.get('sampler_replay_ms', float('nan')):.3f}); profiled GPU "
-                  f"{row.get('gpu_ms_per_step_profiled', float('nan')):.3f} ms/step; setup {setup:.1f} s; tokens "
-                  f"{row['tokens_digest']}, logprob sum {row['logprob_sum']:.4f}", flush=True)
+            print(
+                f"batch {batch} async={mode}: {r['tok_s']:.0f} tok/s, step {r['step_ms_median']:.3f} ms median; "
+                f"host ms/step: {host} (sum {sum(r['host_ms'].values()):.3f}); graph replay "
+                f"{row.get('graph_replay_ms', float('nan')):.3f} ms (sampler graph "
+                f"{row.get('sampler_replay_ms', float('nan')):.3f}); profiled GPU "
+                f"{row.get('gpu_ms_per_step_profiled', float('nan')):.3f} ms/step; setup {setup:.1f} s; tokens "
+                f"{row['tokens_digest']}, logprob sum {row['logprob_sum']:.4f}",
+                flush=True,
+            )
             if args.out:
                 Path(args.out).write_text(json.dumps({"device": dev, "rows": results}, indent=1))
             del eng

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainers.advantages import DynamicSampler, group_advantages, overlong_filter_mask, zero_variance_groups
+from m3_trainers.advantages import DynamicSampler, group_advantages, overlong_filter_mask, zero_variance_groups
 
 
 def test_mean_std_and_leave_one_out_hand_values():

@@ -6,8 +6,12 @@ import pytest
 
 from m3_rollout.rollout.data import PromptSource, load_jsonl
 from m3_rollout.rollout.environment import ModelTurn
-from m3_rollout.rollout.environments.calculator import (ArithmeticTask, CalculatorEnvironment, final_answer,
-                                                        safe_calculate)
+from m3_rollout.rollout.environments.calculator import (
+    ArithmeticTask,
+    CalculatorEnvironment,
+    final_answer,
+    safe_calculate,
+)
 
 
 def test_safe_calculate():
@@ -122,12 +126,21 @@ def _big(n):
 
 
 def test_tool_pool_timeout_kill_crash_and_output_cap():
-    pool = ToolProcessPool({"sleep": _sleepy, "crash": _crash, "big": _big}, num_workers=2, timeout_s=0.5,
-                           max_output_chars=10)
+    pool = ToolProcessPool(
+        {"sleep": _sleepy, "crash": _crash, "big": _big}, num_workers=2, timeout_s=0.5, max_output_chars=10
+    )
     try:
         t0 = time.monotonic()
-        out = pool.run([("sleep", {"seconds": 30}), ("sleep", {"seconds": 0}), ("big", {"n": 25}),
-                        ("crash", {}), ("big", {"n": 3}), ("sleep", {"bad": 1})])
+        out = pool.run(
+            [
+                ("sleep", {"seconds": 30}),
+                ("sleep", {"seconds": 0}),
+                ("big", {"n": 25}),
+                ("crash", {}),
+                ("big", {"n": 3}),
+                ("sleep", {"bad": 1}),
+            ]
+        )
         assert time.monotonic() - t0 < 5  # the 30 s call was killed at its limit
         assert out[0] == "Error: tool 'sleep' timed out after 0.5 s"
         assert out[1] == "woke"
@@ -146,18 +159,21 @@ def test_tool_pool_timeout_kill_crash_and_output_cap():
 def test_validation_turns_bad_calls_into_error_observations():
     env = CalculatorEnvironment(tool_settings=ToolSettings(num_workers=1))
     _, state = env.reset({"prompt": "x", "answer": 1})
-    calls = [{"name": "calculator", "arguments": '{"expression": "6*7"}'},
-             {"name": "calculator", "arguments": '{"expression": 5}'},
-             {"name": "calculator", "arguments": '{"expression": "1", "extra": 1}', "truncated": True},
-             {"name": "calculator", "arguments": "{}", "error": "closing tag 'b' does not match 'a'"},
-             {"name": "nope", "arguments": "{}"}]
+    calls = [
+        {"name": "calculator", "arguments": '{"expression": "6*7"}'},
+        {"name": "calculator", "arguments": '{"expression": 5}'},
+        {"name": "calculator", "arguments": '{"expression": "1", "extra": 1}', "truncated": True},
+        {"name": "calculator", "arguments": "{}", "error": "closing tag 'b' does not match 'a'"},
+        {"name": "nope", "arguments": "{}"},
+    ]
     obs = env.step(state, ModelTurn(None, calls)).observations
     env.close()
     assert obs[0] == "42"
     assert obs[1] == "Error: invalid arguments for calculator at expression: 5 is not of type 'string'"
     assert obs[2] == "Error: the call to 'calculator' was cut off before </invoke>; nothing was run"
-    assert obs[3] == ("Error: malformed tool call to 'calculator' (closing tag 'b' does not match 'a'); "
-                      "nothing was run")
+    assert obs[3] == (
+        "Error: malformed tool call to 'calculator' (closing tag 'b' does not match 'a'); nothing was run"
+    )
     assert obs[4] == "Error: unknown tool 'nope'; available tools: calculator"
     assert state["tool_calls"] == 5
 
@@ -187,8 +203,16 @@ def test_jsonl_environment_reward_by_dotted_path(tmp_path):
     # From the config: env.name=jsonl with the default reward (last integer of the answer).
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
-    cfg = load_config(None, ["env.name=jsonl", "data.source=jsonl", f"data.path={path}",
-                             "env.jsonl.tools=[calculator,convert_units]", "env.max_tool_output_chars=4"])
+    cfg = load_config(
+        None,
+        [
+            "env.name=jsonl",
+            "data.source=jsonl",
+            f"data.path={path}",
+            "env.jsonl.tools=[calculator,convert_units]",
+            "env.max_tool_output_chars=4",
+        ],
+    )
     env = build_environment(cfg.env)
     try:
         _, state = env.reset({"prompt": "1+1", "answer": "2"})
@@ -214,7 +238,7 @@ def test_deep_nesting_is_a_value_error_not_a_recursion_error():
 
 def test_convert_units_huge_integer_is_an_error_text():
     # The parser types a 400-digit "number" as a Python int; float() of it overflows.
-    assert convert_units(10 ** 400, "m", "km") == "Error: value must be finite and at most 1e15 in magnitude"
+    assert convert_units(10**400, "m", "km") == "Error: value must be finite and at most 1e15 in magnitude"
 
 
 def _echo(text):

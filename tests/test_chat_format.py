@@ -150,8 +150,10 @@ def test_needs_a_template(tok):
     bare = train_tokenizer(["abc"], vocab_size=300)
     with pytest.raises(ValueError):
         ChatFormat(bare)
-    assert ChatFormat(bare, chat_template=load_template("m3_short")).render(
-        [{"role": "user", "content": "q"}], add_generation_prompt=True
-    ).endswith("]~b]user\nq[e~[\n]~b]ai\n</mm:think>")
+    assert (
+        ChatFormat(bare, chat_template=load_template("m3_short"))
+        .render([{"role": "user", "content": "q"}], add_generation_prompt=True)
+        .endswith("]~b]user\nq[e~[\n]~b]ai\n</mm:think>")
+    )
     with pytest.raises(ValueError):
         ChatFormat(tok, thinking_mode="auto")

@@ -135,20 +135,28 @@ def test_streaming_enabled_reopened_span_documented_divergence():
 
 @pytest.mark.parametrize("mode", ["enabled", "adaptive"])
 def test_output_parser_finds_call_in_unclosed_think_streaming_and_not(mode):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        }
+    ]
     text = ("" if mode == "enabled" else O) + "need f " + CALL
     whole = parse_model_output(text, mode, tools)
     assert (whole.reasoning, whole.content, whole.truncated, whole.error) == ("need f ", None, False, None)
     assert [(c.name, c.arguments) for c in whole.tool_calls] == [("f", '{"a": 1}')]
-    assert whole.to_message() == {"role": "assistant", "content": None, "reasoning_content": "need f ",
-                                  "tool_calls": [{"id": "call_0", "type": "function",
-                                                  "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    assert whole.to_message() == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "need f ",
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
     p = StreamingOutputParser(mode, tools)
     deltas = [p.feed(ch) for ch in text] + [p.finish()]
     assert "".join(d.reasoning or "" for d in deltas) == "need f "
     assert [tc.to_openai() for d in deltas for tc in d.tool_calls] == [
-        {"index": 0, "id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+        {"index": 0, "id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    ]
     assert p.result() == whole
 
 
@@ -157,8 +165,12 @@ def test_output_parser_result_survives_enabled_reopened_span():
     # `<mm:think>` re-splits it (rule 4) so the content becomes "a</mm:think>b". The reasoning
     # parser re-sends that content whole; the tool parser behind it must start over rather than
     # append it to the "b" it already has, so `result()` equals the non-streaming parse.
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        }
+    ]
     for text in ("a" + C + "b" + O + "c", "a" + C + "b " + CALL + O + "c" + C + "d"):
         whole = parse_model_output(text, "enabled", tools)
         for chunks in ([text], list(text)):

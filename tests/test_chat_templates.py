@@ -148,7 +148,15 @@ def test_to_xml_encoding_rules():
     ns = "]<]minimax[>["
     expected = "".join(
         f"{ns}<{k}>{v}{ns}</{k}>"
-        for k, v in [("s", "a<b>&"), ("t", "true"), ("f", "false"), ("i", "-3"), ("x", "1.5"), ("empty", ""), ("obj", "")]
+        for k, v in [
+            ("s", "a<b>&"),
+            ("t", "true"),
+            ("f", "false"),
+            ("i", "-3"),
+            ("x", "1.5"),
+            ("empty", ""),
+            ("obj", ""),
+        ]
     )
     assert body == expected  # null dropped, strings unescaped
 
@@ -170,8 +178,13 @@ def test_json_string_and_dict_arguments_render_the_same():
 
 
 def _short_prompt(tool_def, question):
-    return render(SHORT, [{"role": "user", "content": question}], tools=[tool_def], add_generation_prompt=True,
-                  thinking_mode="disabled")
+    return render(
+        SHORT,
+        [{"role": "user", "content": question}],
+        tools=[tool_def],
+        add_generation_prompt=True,
+        thinking_mode="disabled",
+    )
 
 
 def _fn(name, desc, **props):
@@ -188,9 +201,16 @@ def test_short_prompt_with_one_tool_is_about_50_tokens():
         _fn("get_stock", "Get a stock price", symbol="string"),
     ]
     questions = [
-        "What is the weather in Paris?", "Who wrote Hamlet?", "What time is it in Tokyo?",
-        "What is 12 plus 30?", "What is the price of AAPL?", "Is it raining in London?",
-        "Find the capital of Peru.", "What time is it in Berlin?", "Add 7 and 5.", "How is MSFT doing?",
+        "What is the weather in Paris?",
+        "Who wrote Hamlet?",
+        "What time is it in Tokyo?",
+        "What is 12 plus 30?",
+        "What is the price of AAPL?",
+        "Is it raining in London?",
+        "Find the capital of Peru.",
+        "What time is it in Berlin?",
+        "Add 7 and 5.",
+        "How is MSFT doing?",
     ]
     corpus = [_short_prompt(t, q) for t in tools for q in questions]
     tok = train_tokenizer(corpus * 3, vocab_size=1000)

@@ -247,7 +247,11 @@ def test_scanner_streaming_chunks_give_same_events():
             merged.append(e)
     assert merged == expected
     assert [(e.kind, e.name) for e in expected] == [
-        ("content", None), ("name", "f"), ("invoke", "f"), ("name", "g"), ("invoke", "g")
+        ("content", None),
+        ("name", "f"),
+        ("invoke", "f"),
+        ("name", "g"),
+        ("invoke", "g"),
     ]
     assert expected[0].text == "pre ]<]mini"
 
@@ -311,22 +315,25 @@ def test_arguments_are_strict_json_even_for_non_finite_values(value):
     # A number that is not finite is rejected by the schema types and by the JSON fallback, so
     # the raw text is kept: `function.arguments` must parse with a strict (RFC 8259) JSON reader.
     tools = [tool("f", {"x": {"type": "integer"}, "o": {"type": "object"}})]
-    out = parse_tool_calls(block(invoke("f", el("x", value) + el("o", '{"k": %s}' % value))), tools)
+    out = parse_tool_calls(block(invoke("f", el("x", value) + el("o", f'{{"k": {value}}}'))), tools)
 
     def strict(name):
         raise ValueError(f"non-standard JSON constant {name}")
 
-    assert json.loads(out.tool_calls[0].arguments, parse_constant=strict) == {"x": value, "o": '{"k": %s}' % value}
+    assert json.loads(out.tool_calls[0].arguments, parse_constant=strict) == {"x": value, "o": f'{{"k": {value}}}'}
 
 
-@pytest.mark.parametrize("schema, want", [
-    ({"type": 5}, "7"),  # junk `type`: no usable type -> default string
-    ({"type": ["integer", ["x"]]}, 7),  # the usable entry still counts
-    ({"enum": 5}, "7"),
-    ({"anyOf": 5}, "7"),
-    ({"oneOf": [5, {"type": "integer"}]}, 7),
-    ({"type": None, "items": 3}, 7),  # `items` implies array; "7" is no array -> JSON fallback
-])
+@pytest.mark.parametrize(
+    "schema, want",
+    [
+        ({"type": 5}, "7"),  # junk `type`: no usable type -> default string
+        ({"type": ["integer", ["x"]]}, 7),  # the usable entry still counts
+        ({"enum": 5}, "7"),
+        ({"anyOf": 5}, "7"),
+        ({"oneOf": [5, {"type": "integer"}]}, 7),
+        ({"type": None, "items": 3}, 7),  # `items` implies array; "7" is no array -> JSON fallback
+    ],
+)
 def test_malformed_schema_does_not_crash_the_parser(schema, want):
     # Schemas come from user environments; junk in them is ignored, the value still converts.
     out = parse_tool_calls(block(invoke("f", el("x", "7"))), [tool("f", {"x": schema})])

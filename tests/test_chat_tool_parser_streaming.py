@@ -23,40 +23,93 @@ def block(*invokes):
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {
-        "-n": {"type": "boolean"},
-        "--max-count": {"type": "integer"},
-        "file.path": {"type": "string"},
-        "pattern": {"type": "string"},
-        "paths": {"type": "array", "items": {"type": "string"}},
-        "grid": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
-        "opts": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"depth": {"type": "integer"}}}]},
-        "none": {"type": "array"},
-        "empty": {"type": "object"},
-        "level": {"oneOf": [{"type": "integer"}, {"type": "boolean"}]},
-        "rows": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-            "type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}}}}]},
-    }}}},
-    {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
-        "k": {"type": "array", "items": {"type": "integer"}}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "grep",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "-n": {"type": "boolean"},
+                    "--max-count": {"type": "integer"},
+                    "file.path": {"type": "string"},
+                    "pattern": {"type": "string"},
+                    "paths": {"type": "array", "items": {"type": "string"}},
+                    "grid": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                    "opts": {
+                        "anyOf": [{"type": "null"}, {"type": "object", "properties": {"depth": {"type": "integer"}}}]
+                    },
+                    "none": {"type": "array"},
+                    "empty": {"type": "object"},
+                    "level": {"oneOf": [{"type": "integer"}, {"type": "boolean"}]},
+                    "rows": {
+                        "oneOf": [
+                            {"type": "string"},
+                            {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
+                                },
+                            },
+                        ]
+                    },
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {"type": "object", "properties": {"k": {"type": "array", "items": {"type": "integer"}}}},
+        },
+    },
 ]
 # Byte-exact string: '<', '&', quotes, newlines, a tag-looking text without the namespace marker, a
 # lone namespace marker (not a tag) and surrounding spaces.
 RAW = '  a<b && "q" \'s\'\n</pattern> <x>&amp; ' + NS + 'x  '
-TEXT = "I will search.\n" + block(
-    invoke("grep", el("-n", "true") + el("--max-count", "3") + el("file.path", "src/a.py")
-           + el("pattern", RAW) + el("paths", el("item", "only"))
-           + el("grid", el("item", el("item", "7"))) + el("opts", el("depth", "2"))
-           + el("none") + el("empty", "\n") + el("level", "TRUE")
-           + el("rows", el("item", el("id", "1") + el("ok", "0")))),
-    invoke("tag", el("k", "1") + el("k", "2")),  # repeated argument name
-    invoke("noargs"),
-) + "\ntext after the block is dropped"
+TEXT = (
+    "I will search.\n"
+    + block(
+        invoke(
+            "grep",
+            el("-n", "true")
+            + el("--max-count", "3")
+            + el("file.path", "src/a.py")
+            + el("pattern", RAW)
+            + el("paths", el("item", "only"))
+            + el("grid", el("item", el("item", "7")))
+            + el("opts", el("depth", "2"))
+            + el("none")
+            + el("empty", "\n")
+            + el("level", "TRUE")
+            + el("rows", el("item", el("id", "1") + el("ok", "0"))),
+        ),
+        invoke("tag", el("k", "1") + el("k", "2")),  # repeated argument name
+        invoke("noargs"),
+    )
+    + "\ntext after the block is dropped"
+)
 EXPECTED_CONTENT = "I will search.\n"
 EXPECTED_CALLS = [
-    ("call_0", "grep", {"-n": True, "--max-count": 3, "file.path": "src/a.py", "pattern": RAW, "paths": ["only"],
-                        "grid": [[7]], "opts": {"depth": 2}, "none": [], "empty": {}, "level": True,
-                        "rows": [{"id": 1, "ok": False}]}),
+    (
+        "call_0",
+        "grep",
+        {
+            "-n": True,
+            "--max-count": 3,
+            "file.path": "src/a.py",
+            "pattern": RAW,
+            "paths": ["only"],
+            "grid": [[7]],
+            "opts": {"depth": 2},
+            "none": [],
+            "empty": {},
+            "level": True,
+            "rows": [{"id": 1, "ok": False}],
+        },
+    ),
     ("call_1", "tag", {"k": [1, 2]}),
     ("call_2", "noargs", {}),
 ]
@@ -117,7 +170,7 @@ def test_namespace_token_split_at_every_offset():
 
 def test_header_after_first_argument_text_and_arguments_at_invoke_close():
     parser = StreamingToolParser(TOOLS)
-    head = "pre" + f"{NS}<tool_call>\n" + '{NS}<invoke name="tag">'.format(NS=NS)
+    head = "pre" + f"{NS}<tool_call>\n" + f'{NS}<invoke name="tag">'
     d = parser.feed(head)
     assert d.content == "pre" and d.tool_calls == []  # no argument text yet
     d = parser.feed(NS[:5])  # could still be the start of `</invoke>`: no header yet
@@ -136,8 +189,12 @@ def test_empty_body_call_sends_name_and_arguments_together():
     deltas = [parser.feed(ch) for ch in block(invoke("noop"))] + [parser.finish()]
     pieces = [tc for d in deltas for tc in d.tool_calls]
     assert pieces == [ToolCallDelta(4, "call_4", "noop", "{}")]
-    assert pieces[0].to_openai() == {"index": 4, "id": "call_4", "type": "function",
-                                     "function": {"name": "noop", "arguments": "{}"}}
+    assert pieces[0].to_openai() == {
+        "index": 4,
+        "id": "call_4",
+        "type": "function",
+        "function": {"name": "noop", "arguments": "{}"},
+    }
 
 
 def test_whitespace_content_before_call_dropped_other_content_kept():
@@ -153,7 +210,14 @@ def test_whitespace_content_before_call_dropped_other_content_kept():
 
 @pytest.mark.parametrize("split", [1, 7, 20])
 def test_truncated_call_closed_at_finish(split):
-    text = "x" + f"{NS}<tool_call>\n" + invoke("tag", el("k", "5")) + f'{NS}<invoke name="tag">' + el("k", "6") + f"{NS}<k>7"
+    text = (
+        "x"
+        + f"{NS}<tool_call>\n"
+        + invoke("tag", el("k", "5"))
+        + f'{NS}<invoke name="tag">'
+        + el("k", "6")
+        + f"{NS}<k>7"
+    )
     chunks = [text[:split], text[split:]]
     (content, calls), result = stream(chunks)
     assert content == "x"
@@ -185,7 +249,7 @@ def test_long_argument_streamed_in_small_chunks_is_linear_time():
     parser = StreamingToolParser(TOOLS)
     t0 = time.perf_counter()
     for i in range(0, len(text), 4):
-        parser.feed(text[i:i + 4])
+        parser.feed(text[i : i + 4])
     parser.finish()
     assert time.perf_counter() - t0 < 5.0
     assert parser.result() == parse_tool_calls(text, TOOLS)

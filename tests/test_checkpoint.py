@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from m3_rollout.model import M3ForCausalLM, load_checkpoint, tiny_config
-from trainers.checkpoint import CheckpointManager
-from trainers.loss import ClippedPGLossFn
-from trainers.policy import Policy
-from trainers.batch import TrainBatch
+from m3_trainers.batch import TrainBatch
+from m3_trainers.checkpoint import CheckpointManager
+from m3_trainers.loss import ClippedPGLossFn
+from m3_trainers.policy import Policy
 
 
 def _policy(seed=0):
@@ -35,8 +35,12 @@ def test_layout_and_loaders_agree(tmp_path):
     policy = _policy()
     _step(policy)
     path = CheckpointManager(tmp_path).save(1, policy, None, {"next_batch": 2}, {"val/accuracy": 0.5})
-    assert sorted(p.name for p in path.iterdir()) == ["optimizer.pt", "policy", "training_info.json",
-                                                      "training_state.pt"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "optimizer.pt",
+        "policy",
+        "training_info.json",
+        "training_state.pt",
+    ]
     cfg = json.loads((path / "policy" / "config.json").read_text())
     assert cfg["model_type"] == "minimax_m3_vl" and "text_config" in cfg
     ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
@@ -52,9 +56,9 @@ def test_layout_and_loaders_agree(tmp_path):
     # NOTE: our checkpoint has no vision tower; shrink the default one (only built, never run).
     hc.vision_config.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     hc.projector_hidden_size = 32
-    hf = hfm.MiniMaxM3SparseForConditionalGeneration.from_pretrained(path / "policy", config=hc,
-                                                                      dtype=torch.float32,
-                                                                      attn_implementation="eager").eval()
+    hf = hfm.MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+        path / "policy", config=hc, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
     assert (theirs - want).abs().max().item() < 1e-4
@@ -113,19 +117,31 @@ class _ParityReward:
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
     import m3_rollout.grpo as grpo
-    from m3_rollout.config import load_config
-
     import m3_rollout.rollout.environments as environments  # build_rollout_stack looks it up there
+    from m3_rollout.config import load_config
 
     orig = environments.build_environment
     monkeypatch.setattr(environments, "build_environment", lambda cfg: _ParityReward(orig(cfg)))
-    common = ["policy.generation.dtype=float32", "grpo.val_period=100", "logger.print_sample_every=0",
-              "grpo.num_val_prompts=4", "policy.optimizer.lr=1e-2", "policy.scheduler.warmup_steps=2"]
+    common = [
+        "policy.generation.dtype=float32",
+        "grpo.val_period=100",
+        "logger.print_sample_every=0",
+        "grpo.num_val_prompts=4",
+        "policy.optimizer.lr=1e-2",
+        "policy.scheduler.warmup_steps=2",
+    ]
 
     def run(name, steps, resume=False):
-        cfg = load_config("configs/grpo_smoke.yaml", common + [
-            f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp_path}/{name}/logs",
-            f"checkpointing.checkpoint_dir={tmp_path}/{name}/ckpt", f"checkpointing.resume={resume}"])
+        cfg = load_config(
+            "configs/grpo_smoke.yaml",
+            common
+            + [
+                f"grpo.max_num_steps={steps}",
+                f"logger.log_dir={tmp_path}/{name}/logs",
+                f"checkpointing.checkpoint_dir={tmp_path}/{name}/ckpt",
+                f"checkpointing.resume={resume}",
+            ],
+        )
         summary = grpo.run(cfg)
         rows = [json.loads(l) for l in (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()]
         return summary, {r["step"]: r for r in rows if "train/loss" in r}

@@ -8,8 +8,9 @@ MAIN = "configs/grpo_bf16_ep.yaml"
 
 
 def test_main_config_loads_with_overrides():
-    cfg = load_config(MAIN, ["grpo.max_num_steps=5", "policy.generation.temperature=0.7",
-                             "policy.model_name=/tmp/ckpt"])
+    cfg = load_config(
+        MAIN, ["grpo.max_num_steps=5", "policy.generation.temperature=0.7", "policy.model_name=/tmp/ckpt"]
+    )
     assert cfg.grpo.max_num_steps == 5
     assert cfg.policy.generation.temperature == pytest.approx(0.7)
     assert cfg.policy.model_name == "/tmp/ckpt"
@@ -17,16 +18,19 @@ def test_main_config_loads_with_overrides():
     assert cfg.policy.generation.dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("grpo.num_prompt_per_step=3", "grpo.num_prompt_per_step"),
-    ("policy.generation.temprature=1", "temprature"),
-    ("grpo.max_num_steps=abc", "grpo.max_num_steps"),
-    ("policy.generation.temperature=0", "policy.generation.temperature"),
-    ("policy.generation.top_p=1.5", "policy.generation.top_p"),
-    ("policy.generation.dtype=int8", "policy.generation.dtype"),
-    ("policy.train_global_batch_size=7", "policy.train_global_batch_size"),
-    ("grpo.max_num_steps", "key=value"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("grpo.num_prompt_per_step=3", "grpo.num_prompt_per_step"),
+        ("policy.generation.temprature=1", "temprature"),
+        ("grpo.max_num_steps=abc", "grpo.max_num_steps"),
+        ("policy.generation.temperature=0", "policy.generation.temperature"),
+        ("policy.generation.top_p=1.5", "policy.generation.top_p"),
+        ("policy.generation.dtype=int8", "policy.generation.dtype"),
+        ("policy.train_global_batch_size=7", "policy.train_global_batch_size"),
+        ("grpo.max_num_steps", "key=value"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(MAIN, [override])
@@ -70,27 +74,40 @@ def test_defaults_cycle_and_missing_parent(tmp_path):
         load_config(tmp_path / "d.yaml")
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["grpo.async_grpo.enabled=true", "grpo.use_dynamic_sampling=true"], "grpo.use_dynamic_sampling"),
-    (["grpo.async_grpo.max_trajectory_age_steps=0"], "max_trajectory_age_steps"),
-    (["loss_fn.ratio_clip_c=1.0"], "loss_fn.ratio_clip_c"),
-    (["loss_fn.reference_policy_kl_type=k7"], "reference_policy_kl_type"),
-    (["loss_fn.use_importance_sampling_correction=true", "policy.generation.top_k=5"],
-     "use_importance_sampling_correction"),
-    (["loss_fn.mis_ratio_min=1.5"], "mis_ratio_min"),
-    (["policy.scheduler.name=step"], "policy.scheduler.name"),
-    (["checkpointing.keep_top_k=0"], "checkpointing.keep_top_k"),
-    (["loss_fn.reference_policy_kl_penalty=-1"], "reference_policy_kl_penalty"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["grpo.async_grpo.enabled=true", "grpo.use_dynamic_sampling=true"], "grpo.use_dynamic_sampling"),
+        (["grpo.async_grpo.max_trajectory_age_steps=0"], "max_trajectory_age_steps"),
+        (["loss_fn.ratio_clip_c=1.0"], "loss_fn.ratio_clip_c"),
+        (["loss_fn.reference_policy_kl_type=k7"], "reference_policy_kl_type"),
+        (
+            ["loss_fn.use_importance_sampling_correction=true", "policy.generation.top_k=5"],
+            "use_importance_sampling_correction",
+        ),
+        (["loss_fn.mis_ratio_min=1.5"], "mis_ratio_min"),
+        (["policy.scheduler.name=step"], "policy.scheduler.name"),
+        (["checkpointing.keep_top_k=0"], "checkpointing.keep_top_k"),
+        (["loss_fn.reference_policy_kl_penalty=-1"], "reference_policy_kl_penalty"),
+    ],
+)
 def test_incompatible_options_are_named(overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(MAIN, overrides)
 
 
 def test_new_options_load():
-    cfg = load_config(MAIN, ["loss_fn.reference_policy_kl_penalty=0.01", "loss_fn.use_importance_sampling_correction=true",
-                             "loss_fn.importance_sampling_type=mis", "policy.freeze.patterns=[lm_head]",
-                             "policy.routing_replay=true", "checkpointing.keep_top_k=3"])
+    cfg = load_config(
+        MAIN,
+        [
+            "loss_fn.reference_policy_kl_penalty=0.01",
+            "loss_fn.use_importance_sampling_correction=true",
+            "loss_fn.importance_sampling_type=mis",
+            "policy.freeze.patterns=[lm_head]",
+            "policy.routing_replay=true",
+            "checkpointing.keep_top_k=3",
+        ],
+    )
     assert cfg.loss_fn.reference_policy_kl_penalty == pytest.approx(0.01)
     assert cfg.policy.freeze.patterns == ["lm_head"] and cfg.policy.routing_replay
     assert cfg.checkpointing.keep_top_k == 3
@@ -99,23 +116,26 @@ def test_new_options_load():
 # --- adversarial review (issue 9) --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("override, needle", [
-    # inf passes every "> 0" check; it makes lr / temperature meaningless and a tool timeout of
-    # inf crashed the tool pool (OverflowError in the wait).
-    ("policy.optimizer.lr=inf", "policy.optimizer.lr"),
-    ("policy.generation.temperature=inf", "policy.generation.temperature"),
-    ("env.calculator.timeout_s=inf", "env.calculator.timeout_s"),
-    ("grpo.async_grpo.group_timeout_s=inf", "grpo.async_grpo.group_timeout_s"),
-    ("policy.max_grad_norm=-inf", "policy.max_grad_norm"),
-    # Values torch.optim.AdamW would reject only after the model is loaded.
-    ("policy.optimizer.beta1=1.5", "policy.optimizer.beta1"),
-    ("policy.optimizer.beta2=-0.1", "policy.optimizer.beta2"),
-    ("policy.optimizer.eps=-1e-8", "policy.optimizer.eps"),
-    ("policy.optimizer.weight_decay=-1", "policy.optimizer.weight_decay"),
-    # Checked at start rather than when the environment / optimizer is built.
-    ("policy.freeze.patterns=['(']", "policy.freeze.patterns"),
-    ("env.jsonl.tools=[calculator,bogus]", "env.jsonl.tools"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        # inf passes every "> 0" check; it makes lr / temperature meaningless and a tool timeout of
+        # inf crashed the tool pool (OverflowError in the wait).
+        ("policy.optimizer.lr=inf", "policy.optimizer.lr"),
+        ("policy.generation.temperature=inf", "policy.generation.temperature"),
+        ("env.calculator.timeout_s=inf", "env.calculator.timeout_s"),
+        ("grpo.async_grpo.group_timeout_s=inf", "grpo.async_grpo.group_timeout_s"),
+        ("policy.max_grad_norm=-inf", "policy.max_grad_norm"),
+        # Values torch.optim.AdamW would reject only after the model is loaded.
+        ("policy.optimizer.beta1=1.5", "policy.optimizer.beta1"),
+        ("policy.optimizer.beta2=-0.1", "policy.optimizer.beta2"),
+        ("policy.optimizer.eps=-1e-8", "policy.optimizer.eps"),
+        ("policy.optimizer.weight_decay=-1", "policy.optimizer.weight_decay"),
+        # Checked at start rather than when the environment / optimizer is built.
+        ("policy.freeze.patterns=['(']", "policy.freeze.patterns"),
+        ("env.jsonl.tools=[calculator,bogus]", "env.jsonl.tools"),
+    ],
+)
 def test_more_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(MAIN, [override])

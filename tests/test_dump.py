@@ -42,27 +42,53 @@ def _traj(group: int, sample: int, seed: int, routed: bool = False) -> Trajector
     """Two model turns with a tool call, reasoning, tool results and a bridge; random logprobs
     (float64, not fp32-representable) and per-token weight versions."""
     rng = np.random.default_rng(seed)
-    t = Trajectory(group_index=group, sample_index=sample, token_ids=[], loss_mask=[], rollout_logprobs=[],
-                   weight_version=[], prompt_len=5)
+    t = Trajectory(
+        group_index=group,
+        sample_index=sample,
+        token_ids=[],
+        loss_mask=[],
+        rollout_logprobs=[],
+        weight_version=[],
+        prompt_len=5,
+    )
     t.append([int(x) for x in rng.integers(0, 1000, 5)], generated=False)
     n1 = int(rng.integers(2, 6))
-    t.append([int(x) for x in rng.integers(0, 1000, n1)], generated=True,
-             logprobs=[float(x) for x in -rng.random(n1) * 3], version=[3] * (n1 - 1) + [4])
+    t.append(
+        [int(x) for x in rng.integers(0, 1000, n1)],
+        generated=True,
+        logprobs=[float(x) for x in -rng.random(n1) * 3],
+        version=[3] * (n1 - 1) + [4],
+    )
     call = ToolCall(id=f"call_{sample}", name="calculator", arguments='{"expression": "12*34"}')
-    r1 = TurnRecord(5, 5 + n1, "stop", True, ParsedTurn("think ü", None, [call]), observations=["408"],
-                    bridge=[int(x) for x in rng.integers(0, 1000, 3)])
+    r1 = TurnRecord(
+        5,
+        5 + n1,
+        "stop",
+        True,
+        ParsedTurn("think ü", None, [call]),
+        observations=["408"],
+        bridge=[int(x) for x in rng.integers(0, 1000, 3)],
+    )
     t.append(r1.bridge, generated=False)
     t.turns.append(r1)
     s2 = len(t.token_ids)
     t.append([7, 8], generated=True, logprobs=[-0.1 - seed * 1e-9, -1e-300], version=4)
     bad = ToolCall(id="call_x", name="calc", arguments="{", truncated=True, error="unterminated <invoke>")
-    r2 = TurnRecord(s2, s2 + 2, "length", False, ParsedTurn(None, "The answer is 408", [bad], True, "cut"),
-                    truncated=True, masked=True)
+    r2 = TurnRecord(
+        s2,
+        s2 + 2,
+        "length",
+        False,
+        ParsedTurn(None, "The answer is 408", [bad], True, "cut"),
+        truncated=True,
+        masked=True,
+    )
     t.turns.append(r2)
     t.mask_span(s2, s2 + 2)
     t.texts += ["<invoke name=calculator>", "The answer is 408"]
-    t.tool_calls += [{**call.to_openai(), "name": call.name, "arguments": call.arguments, "truncated": False,
-                      "error": None}]
+    t.tool_calls += [
+        {**call.to_openai(), "name": call.name, "arguments": call.arguments, "truncated": False, "error": None}
+    ]
     t.finish_reason, t.reward, t.info = "length", 0.25 * sample, {"tool_calls": 1, "nested": {"a": [1, 2]}}
     if routed:
         t.routed_experts = rng.integers(-1, 300, (len(t.token_ids), 3, 2)).astype(np.int16)
@@ -70,11 +96,15 @@ def _traj(group: int, sample: int, seed: int, routed: bool = False) -> Trajector
 
 
 def _write(d, step, trajs=None, adv=None, **kw):
-    w = RolloutDumpWriter(d, run_id="run-a", decode=_decode, checkpoint_hash="sha256:ck", config_hash="sha256:cf",
-                          **kw)
+    w = RolloutDumpWriter(d, run_id="run-a", decode=_decode, checkpoint_hash="sha256:ck", config_hash="sha256:cf", **kw)
     trajs = trajs if trajs is not None else [_traj(0, j, step * 10 + j) for j in range(3)]
-    return w.write_step(step, trajs, [0.5, -0.25, 1e-7][:len(trajs)] if adv is None else adv,
-                        {"temperature": 0.7, "seed": step}, {"token_mult_prob_error": 1.01}), trajs
+    return w.write_step(
+        step,
+        trajs,
+        [0.5, -0.25, 1e-7][: len(trajs)] if adv is None else adv,
+        {"temperature": 0.7, "seed": step},
+        {"token_mult_prob_error": 1.01},
+    ), trajs
 
 
 def _sha(path):
@@ -94,8 +124,9 @@ def test_round_trip_every_field(tmp_path):
         back = trajectory_from_row(row)
         routed = getattr(t, "routed_experts", None)
         if routed is not None:
-            np.testing.assert_array_equal(decode_routed_experts(row["routed_experts"], row["routed_experts_shape"]),
-                                          routed)
+            np.testing.assert_array_equal(
+                decode_routed_experts(row["routed_experts"], row["routed_experts_shape"]), routed
+            )
             if getattr(back, "routed_experts", None) is not None:  # once Trajectory has the field
                 np.testing.assert_array_equal(back.routed_experts, routed)
                 back.routed_experts = None
@@ -105,8 +136,12 @@ def test_round_trip_every_field(tmp_path):
         assert back == t  # every dataclass field, turn records, parse results, tool calls, floats bit-exact
         assert row["rollout_logprobs"] == t.rollout_logprobs
         assert row["advantage"] == float(a)
-        assert (row["run_id"], row["step"], row["group_id"], row["sample_index"]) == ("run-a", 7, t.group_index,
-                                                                                    t.sample_index)
+        assert (row["run_id"], row["step"], row["group_id"], row["sample_index"]) == (
+            "run-a",
+            7,
+            t.group_index,
+            t.sample_index,
+        )
         assert row["prompt_text"] == _decode(t.token_ids[:5])
         assert row["response_text"] == _decode(t.token_ids[5:])
         assert row["reasoning_text"] == "think ü"
@@ -119,8 +154,12 @@ def test_round_trip_every_field(tmp_path):
     df = pd.read_parquet(path)
     assert list(df.columns) == SCHEMA.names and len(df) == 4
     assert list(df["token_ids"][2]) == trajs[2].token_ids
-    raw = pa.decompress(df["routed_experts"][1], decompressed_size=int(np.prod(df["routed_experts_shape"][1])) * 2,
-                        codec="zstd", asbytes=True)
+    raw = pa.decompress(
+        df["routed_experts"][1],
+        decompressed_size=int(np.prod(df["routed_experts_shape"][1])) * 2,
+        codec="zstd",
+        asbytes=True,
+    )
     np.testing.assert_array_equal(np.frombuffer(raw, "<i2").reshape(routed_ref.shape), routed_ref)
     meta = pq.read_schema(path).metadata
     assert meta[S.META_VERSION.encode()] == str(S.SCHEMA_VERSION).encode()
@@ -176,8 +215,9 @@ def test_killed_writer_never_leaves_a_complete_looking_shard(tmp_path):
         RolloutDumpWriter._write_parquet = staticmethod(dying)
         _write({str(tmp_path)!r}, 2)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     names = sorted(f.name for f in tmp_path.iterdir())
     assert names[1] == "step_00000001.parquet" and names[0].startswith(".step_00000002.parquet.tmp-")
@@ -235,7 +275,9 @@ def test_bad_input_names_the_file_and_other_shards_load(tmp_path):
     errors = {e.path.name: e for e in read.errors}
     assert set(errors) == {S.shard_name(3), S.shard_name(4), S.shard_name(5)}
     assert isinstance(errors[S.shard_name(3)], SchemaVersionError)
-    assert "schema version 999" in str(errors[S.shard_name(3)]) and str(d / S.shard_name(3)) in str(errors[S.shard_name(3)])
+    assert "schema version 999" in str(errors[S.shard_name(3)]) and str(d / S.shard_name(3)) in str(
+        errors[S.shard_name(3)]
+    )
     assert "truncated" in str(errors[S.shard_name(4)])
     assert "not a rollout dump shard" in str(errors[S.shard_name(5)])
     with pytest.raises(SchemaVersionError, match="step_00000003.parquet"):
@@ -275,7 +317,6 @@ def test_schema_doc_lists_every_column_and_the_version():
     assert not missing, f"docs/rollout_dump_schema.md lacks columns {missing}"
 
 
-
 def test_pandas_reads_a_dump_directory_skipping_temp_files(tmp_path):
     _write(tmp_path, 1)
     _write(tmp_path, 2)
@@ -290,14 +331,18 @@ def test_pandas_reads_a_dump_directory_skipping_temp_files(tmp_path):
 def test_shard_with_broken_metadata_is_a_named_error_and_others_load(tmp_path):
     good, _ = _write(tmp_path, 1)
     # The version key but nothing else (a half-written foreign tool), and non-UTF-8 metadata.
-    pq.write_table(pa.table({"x": [1]}).replace_schema_metadata({S.META_VERSION.encode(): b"1"}),
-                   tmp_path / S.shard_name(2))
+    pq.write_table(
+        pa.table({"x": [1]}).replace_schema_metadata({S.META_VERSION.encode(): b"1"}), tmp_path / S.shard_name(2)
+    )
     t = pq.read_table(good)
-    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, S.META_STEP.encode(): b"\xff\xfe"}),
-                   tmp_path / S.shard_name(3))
+    pq.write_table(
+        t.replace_schema_metadata({**t.schema.metadata, S.META_STEP.encode(): b"\xff\xfe"}), tmp_path / S.shard_name(3)
+    )
     t = pq.read_table(good)
-    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, S.META_STEP_METRICS.encode(): b"{oops"}),
-                   tmp_path / S.shard_name(4))
+    pq.write_table(
+        t.replace_schema_metadata({**t.schema.metadata, S.META_STEP_METRICS.encode(): b"{oops"}),
+        tmp_path / S.shard_name(4),
+    )
     read = read_dump(tmp_path)
     assert [s.step for s in read.shards] == [1] and read.table.num_rows == 3
     assert sorted(e.path.name for e in read.errors) == [S.shard_name(k) for k in (2, 3, 4)]

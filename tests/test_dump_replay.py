@@ -83,12 +83,19 @@ def test_rescoring_with_generating_checkpoint_equals_stored_logprobs(dump):
 
 
 def test_offline_grpo_steps_from_dump(dump):
-    from trainers.loss import ClippedPGLossFn
-    from trainers.policy import Policy
+    from m3_trainers.loss import ClippedPGLossFn
+    from m3_trainers.policy import Policy
 
     root, trajs = dump
-    cfg = load_config(None, ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
-                             "policy.train_global_batch_size=2", "policy.train_micro_batch_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=2",
+            "policy.train_global_batch_size=2",
+            "policy.train_micro_batch_size=2",
+        ],
+    )
     model = load_checkpoint(root / "ckpt", dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     policy = Policy(model, lr=1e-3, freeze_indexer=True, freeze_router_bias=True)
@@ -106,10 +113,21 @@ def test_grpo_loop_dumps_and_cli(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "dumps"
-    cfg = load_config("configs/grpo_smoke.yaml", [
-        "grpo.max_num_steps=2", "grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.num_prompts_per_step=2",
-        "policy.train_global_batch_size=8", f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false",
-        "rollout_dump.enabled=true", f"rollout_dump.dir={d}", "rollout_dump.every_n_steps=2"])
+    cfg = load_config(
+        "configs/grpo_smoke.yaml",
+        [
+            "grpo.max_num_steps=2",
+            "grpo.val_at_start=false",
+            "grpo.val_at_end=false",
+            "grpo.num_prompts_per_step=2",
+            "policy.train_global_batch_size=8",
+            f"logger.log_dir={tmp_path}/logs",
+            "checkpointing.enabled=false",
+            "rollout_dump.enabled=true",
+            f"rollout_dump.dir={d}",
+            "rollout_dump.every_n_steps=2",
+        ],
+    )
     run(cfg)
     read = read_dump(d)
     assert [s.step for s in read.shards] == [2] and read.table.num_rows == 8
@@ -148,11 +166,22 @@ def test_groups_from_several_prompt_batches_get_distinct_group_ids(tmp_path, mon
 
     monkeypatch.setattr(grpo, "run_group_rollouts", only_group_0_has_signal)
     d = tmp_path / "dumps"
-    cfg = load_config("configs/grpo_smoke.yaml", [
-        "grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.num_prompts_per_step=2",
-        "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2",
-        "policy.train_global_batch_size=8", f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false",
-        "rollout_dump.enabled=true", f"rollout_dump.dir={d}"])
+    cfg = load_config(
+        "configs/grpo_smoke.yaml",
+        [
+            "grpo.max_num_steps=1",
+            "grpo.val_at_start=false",
+            "grpo.val_at_end=false",
+            "grpo.num_prompts_per_step=2",
+            "grpo.use_dynamic_sampling=true",
+            "grpo.dynamic_sampling_max_gen_batches=2",
+            "policy.train_global_batch_size=8",
+            f"logger.log_dir={tmp_path}/logs",
+            "checkpointing.enabled=false",
+            "rollout_dump.enabled=true",
+            f"rollout_dump.dir={d}",
+        ],
+    )
     grpo.run(cfg)
     rows = read_dump(d).table.to_pylist()
     assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [(g, j) for g in (0, 1) for j in range(4)]

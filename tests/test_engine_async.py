@@ -11,11 +11,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_engine_core import _model  # tests/ is on sys.path under pytest
 
 from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
-from test_engine_core import _model  # tests/ is on sys.path under pytest
 
 V = 96
 EOS = 3
@@ -37,10 +37,17 @@ def _grpo_requests():
     """GRPO-like groups with mixed sampling settings, stop tokens, a stop string and lengths."""
     reqs = []
     for i in range(6):
-        p = SamplingParams(n=4, seed=100 + i, max_new_tokens=8 + 6 * i, temperature=(1.0, 0.7, 1.3)[i % 3],
-                           top_k=(-1, 5, -1)[i % 3], top_p=(1.0, 1.0, 0.9)[i % 3],
-                           logprobs_mode=("processed", "raw")[i % 2], stop_token_ids=STOPS,
-                           stop_strings=("5 6 ",) if i == 4 else ())
+        p = SamplingParams(
+            n=4,
+            seed=100 + i,
+            max_new_tokens=8 + 6 * i,
+            temperature=(1.0, 0.7, 1.3)[i % 3],
+            top_k=(-1, 5, -1)[i % 3],
+            top_p=(1.0, 1.0, 0.9)[i % 3],
+            logprobs_mode=("processed", "raw")[i % 2],
+            stop_token_ids=STOPS,
+            stop_strings=("5 6 ",) if i == 4 else (),
+        )
         reqs.append(GenerationRequest(f"g{i}", _prompt(5 + 7 * i, i), p, sample_index=10 * i))
     return reqs
 
@@ -105,9 +112,12 @@ def test_async_equals_sync_on_grpo_batch_with_stops_and_lengths():
 
 
 def test_async_preemption_under_a_tight_pool_equals_ample_sync():
-    reqs = [dataclasses.replace(r, params=dataclasses.replace(r.params, stop_token_ids=(), stop_strings=(),
-                                                               max_new_tokens=30))
-            for r in _grpo_requests()[:4]]
+    reqs = [
+        dataclasses.replace(
+            r, params=dataclasses.replace(r.params, stop_token_ids=(), stop_strings=(), max_new_tokens=30)
+        )
+        for r in _grpo_requests()[:4]
+    ]
     sync = _drive(_engine(False), reqs)
     tight = _engine(True, num_pages=30, max_num_batched_tokens=24)
     asyn = _drive(tight, reqs)
@@ -134,7 +144,7 @@ def test_abort_while_a_step_is_in_flight():
     for o in aborted:  # exactly the tokens that had landed, none from the step in flight
         full = sync[("g2", o.sample_index)]
         assert len(o.output_ids) == state["tokens"].get(o.sample_index, 0)
-        assert o.output_ids == full.output_ids[:len(o.output_ids)]
+        assert o.output_ids == full.output_ids[: len(o.output_ids)]
         assert all(abs(p - q) < 1e-5 for p, q in zip(o.logprobs, full.logprobs))
 
 
@@ -171,7 +181,7 @@ def test_pause_drains_weight_versions_and_abort_all():
 def test_force_forward_runs_one_forward_per_call():
     eng = _engine(True)
     eng.add_request(GenerationRequest("f", _prompt(9, 3), SamplingParams(n=2, seed=4, max_new_tokens=5)))
-    for i in range(12):  # work, then idle: every call runs exactly one forward (EP lockstep)
+    for _i in range(12):  # work, then idle: every call runs exactly one forward (EP lockstep)
         steps = eng.stats.steps
         eng.step(force_forward=True)
         assert eng.stats.steps == steps + 1
@@ -202,8 +212,12 @@ def test_native_backend_async_streams_equal_sync(stream):
         finals = {(o.request_id, o.sample_index): o for o in outs if isinstance(o, SampleOutput)}
         if stream:
             for k, f in finals.items():
-                deltas = [t for d in outs if isinstance(d, StreamDelta) and (d.request_id, d.sample_index) == k
-                          for t in d.token_ids]
+                deltas = [
+                    t
+                    for d in outs
+                    if isinstance(d, StreamDelta) and (d.request_id, d.sample_index) == k
+                    for t in d.token_ids
+                ]
                 assert deltas == f.output_ids
         got[mode] = finals
     _assert_same(got[False], got[True])
@@ -224,8 +238,9 @@ def test_staged_decode_path_equals_plain_path(async_mode):
 
 def test_staged_decode_path_with_the_fused_triton_sampler():
     """The one-kernel keyed sampler (Triton interpreter on the CPU) picks the same tokens."""
-    reqs = [dataclasses.replace(r, params=dataclasses.replace(r.params, top_k=-1, top_p=1.0))
-            for r in _grpo_requests()[:3]]
+    reqs = [
+        dataclasses.replace(r, params=dataclasses.replace(r.params, top_k=-1, top_p=1.0)) for r in _grpo_requests()[:3]
+    ]
     plain = _drive(_engine(False), reqs)
     eng = _engine(True, enable_cuda_graphs="eager", cuda_graph_batch_sizes=(4, 16), fused_sampler=True)
     _assert_same(plain, _drive(eng, reqs))

@@ -13,7 +13,7 @@ from m3_rollout.engine.interface import GenerationRequest, SampleOutput, Samplin
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
-from trainers.policy import token_logprobs
+from m3_trainers.policy import token_logprobs
 
 EOS = 3
 V = 96
@@ -49,7 +49,7 @@ def _prompt(n, seed):
 
 def _plain_logprobs(o, temperature=1.0):
     ids = torch.tensor([o.prompt_ids + o.output_ids])
-    return token_logprobs(MODEL, ids, temperature)[0, len(o.prompt_ids):]
+    return token_logprobs(MODEL, ids, temperature)[0, len(o.prompt_ids) :]
 
 
 def test_group_prefill_computed_once_and_samples_differ():
@@ -87,7 +87,7 @@ def test_processed_logprob_is_log_softmax_of_processed_logits(temperature, top_k
     for o in outs:
         ids = torch.tensor([o.prompt_ids + o.output_ids])
         with torch.no_grad():
-            logits = MODEL(ids)[0, len(o.prompt_ids) - 1:-1] / temperature  # [G, V]
+            logits = MODEL(ids)[0, len(o.prompt_ids) - 1 : -1] / temperature  # [G, V]
         if top_k > 0:
             kth = logits.topk(top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -98,8 +98,9 @@ def test_processed_logprob_is_log_softmax_of_processed_logits(temperature, top_k
 
 
 def test_preemption_repeats_tokens_and_logprobs():
-    reqs = [_req(f"p{i}", _prompt(10 + 3 * i, 20 + i), n=2, seed=i, max_new_tokens=45, stop_token_ids=())
-            for i in range(4)]
+    reqs = [
+        _req(f"p{i}", _prompt(10 + 3 * i, 20 + i), n=2, seed=i, max_new_tokens=45, stop_token_ids=()) for i in range(4)
+    ]
     ample = _backend().generate(reqs)
     tight = _backend(num_pages=28)  # 8 samples x up to 15 pages each do not fit
     outs = tight.generate(reqs)
@@ -130,8 +131,16 @@ def test_multi_turn_continuation_hits_prefix_cache_and_weight_update_resets_it()
 
 def test_bad_requests_fail_alone_with_the_field_named():
     b = _backend(max_model_len=40)
-    outs = b.generate([_req("oov", [1, 999]), _req("ok", [4, 5, 6]), _req("long", list(range(40))),
-                       _req("empty", []), _req("n0", [4], n=0), _req("m0", [4], max_new_tokens=0)])
+    outs = b.generate(
+        [
+            _req("oov", [1, 999]),
+            _req("ok", [4, 5, 6]),
+            _req("long", list(range(40))),
+            _req("empty", []),
+            _req("n0", [4], n=0),
+            _req("m0", [4], max_new_tokens=0),
+        ]
+    )
     by = {o.request_id: o for o in outs}
     assert len(outs) == 6
     assert "prompt_ids" in by["oov"].error and "vocabulary" in by["oov"].error
@@ -193,24 +202,30 @@ def test_score_equals_trainer_logprobs_and_stop_strings():
     want = token_logprobs(MODEL, torch.tensor([ids]), 0.9)[0]
     got = b.score(ids, temperature=0.9)
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
-    assert torch.allclose(b.score(ids, positions=[3, 30]), token_logprobs(MODEL, torch.tensor([ids]))[0, [3, 30]],
-                          atol=1e-5, rtol=0)
+    assert torch.allclose(
+        b.score(ids, positions=[3, 30]), token_logprobs(MODEL, torch.tensor([ids]))[0, [3, 30]], atol=1e-5, rtol=0
+    )
     out = b.generate([_req("s", ids[:9], stop_token_ids=(), max_new_tokens=30)])[0]
     target = out.output_ids[4]
     sb = _backend(detokenize=lambda toks: " ".join(map(str, toks)) + " ")
     stopped = sb.generate([_req("s", ids[:9], stop_token_ids=(), max_new_tokens=30, stop_strings=(f" {target} ",))])[0]
     first = next(i for i, t in enumerate(out.output_ids) if t == target)
-    assert stopped.finish_reason == "stop" and stopped.output_ids == out.output_ids[:first + 1]
+    assert stopped.finish_reason == "stop" and stopped.output_ids == out.output_ids[: first + 1]
     assert _backend().generate([_req("s", [4], stop_strings=("x",))])[0].finish_reason == "error"
 
 
 def test_generation_config_keys_validated():
-    cfg = load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.max_num_batched_tokens=512",
-                                                    "policy.generation.enable_prefix_caching=false"])
+    cfg = load_config(
+        "configs/grpo_bf16_ep.yaml",
+        ["policy.generation.max_num_batched_tokens=512", "policy.generation.enable_prefix_caching=false"],
+    )
     kw = cfg.policy.generation.engine_kwargs()
     assert kw["max_num_batched_tokens"] == 512 and kw["enable_prefix_caching"] is False
-    for bad in ("policy.generation.kv_cache_memory_gb=-1", "policy.generation.max_num_batched_tokens=0",
-                "policy.generation.kv_cache_memory_fraction=1.5"):
+    for bad in (
+        "policy.generation.kv_cache_memory_gb=-1",
+        "policy.generation.max_num_batched_tokens=0",
+        "policy.generation.kv_cache_memory_fraction=1.5",
+    ):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
             load_config("configs/grpo_bf16_ep.yaml", [bad])
     with pytest.raises(ValueError, match="max_model_len"):
@@ -228,8 +243,10 @@ def test_async_callers_get_the_engine_error_instead_of_hanging():
     b = _backend(detokenize=detok)
 
     async def main():
-        calls = [_collect(b.generate_async([_req("a", _prompt(5, 1), stop_strings=("zz",), stop_token_ids=())])),
-                 _collect(b.stream(_req("b", _prompt(7, 2), stop_token_ids=())))]
+        calls = [
+            _collect(b.generate_async([_req("a", _prompt(5, 1), stop_strings=("zz",), stop_token_ids=())])),
+            _collect(b.stream(_req("b", _prompt(7, 2), stop_token_ids=()))),
+        ]
         return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
 
     results = asyncio.run(main())
@@ -256,8 +273,14 @@ def test_non_integer_token_ids_fail_alone_and_integer_likes_are_normalised():
     # Adversarial review: float ids were silently truncated in the forward, str ids raised out of
     # generate() (leaving the other requests behind in the engine), tensor ids came back as tensors.
     b = _backend()
-    outs = b.generate([_req("f", [5.5, 6]), _req("s", ["a", "b"]), _req("t", torch.tensor([5, 6, 7]), stop_token_ids=()),
-                       _req("ok", [5, 6, 7], stop_token_ids=())])
+    outs = b.generate(
+        [
+            _req("f", [5.5, 6]),
+            _req("s", ["a", "b"]),
+            _req("t", torch.tensor([5, 6, 7]), stop_token_ids=()),
+            _req("ok", [5, 6, 7], stop_token_ids=()),
+        ]
+    )
     by = {o.request_id: o for o in outs}
     assert "prompt_ids" in by["f"].error and "integer" in by["f"].error and "prompt_ids" in by["s"].error
     assert by["t"].prompt_ids == [5, 6, 7] and all(type(t) is int for t in by["t"].prompt_ids)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
+from m3_rollout.engine.interface import SamplingParams
 from m3_rollout.engine.model_runner import prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sequence import Sequence
-from m3_rollout.engine.interface import SamplingParams
 from m3_rollout.model import M3ForCausalLM, tiny_config
 
 PS = 4
@@ -48,15 +48,21 @@ class Harness:
         """rows: list of (seq, num_tokens). Returns logits of every query token, per row."""
         for s, n in rows:
             assert self.bm.ensure(s, n)
-        chunks = [s.token_ids[s.num_computed:s.num_computed + n] for s, n in rows]
+        chunks = [s.token_ids[s.num_computed : s.num_computed + n] for s, n in rows]
         if num_decodes is None:
             num_decodes = sum(1 for _, n in rows if n == decode_query_len) if decode_query_len == 1 else 0
-        inp = prepare_inputs(chunks, [s.num_computed for s, _ in rows], [list(s.block_table) for s, _ in rows],
-                             PS, num_decodes, decode_query_len=decode_query_len)
+        inp = prepare_inputs(
+            chunks,
+            [s.num_computed for s, _ in rows],
+            [list(s.block_table) for s, _ in rows],
+            PS,
+            num_decodes,
+            decode_query_len=decode_query_len,
+        )
         logits = self.model.forward_paged(inp.input_ids, inp.meta, self.kv)  # all tokens
         out, start = [], 0
         for s, n in rows:
-            out.append(logits[start:start + n])
+            out.append(logits[start : start + n])
             start += n
             s.num_computed += n
             self.bm.register_full_pages(s)
@@ -69,7 +75,7 @@ def _plain(model, tokens):
 
 
 def _check(model, seq, got, start):
-    want = _plain(model, seq.token_ids)[start:start + got.shape[0]]
+    want = _plain(model, seq.token_ids)[start : start + got.shape[0]]
     assert (got - want).abs().max().item() < TOL
 
 

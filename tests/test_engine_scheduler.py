@@ -10,8 +10,10 @@ PS = 4
 
 def _seq(i, tokens, children=0):
     s = Sequence(i, f"r{i}", i, 0, SamplingParams(), tokens, frozenset(), 10**6)
-    s.children = [Sequence(100 + i * 10 + j, f"r{i}", i, j + 1, SamplingParams(), tokens, frozenset(), 10**6)
-                  for j in range(children)]
+    s.children = [
+        Sequence(100 + i * 10 + j, f"r{i}", i, j + 1, SamplingParams(), tokens, frozenset(), 10**6)
+        for j in range(children)
+    ]
     return s
 
 
@@ -106,7 +108,7 @@ def test_budget_decode_first_and_chunked_prefill():
     _run(sched, plan, new_tokens=9)
     plan = sched.schedule()
     # Decode rows (1 token) come first in the plan.
-    assert plan.num_decodes >= 1 and all(r.num_tokens == 1 for r in plan.rows[:plan.num_decodes])
+    assert plan.num_decodes >= 1 and all(r.num_tokens == 1 for r in plan.rows[: plan.num_decodes])
 
 
 def test_preemption_by_recompute_frees_newest_and_requeues_it_first():

@@ -18,8 +18,15 @@ import torch
 import torch.multiprocessing as mp
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, save_checkpoint, tiny_config
-from m3_rollout.parallel import (EPGroupSpec, destroy_ep_group, expert_range, free_port, init_ep_group,
-                                 load_checkpoint_ep, shard_experts)
+from m3_rollout.parallel import (
+    EPGroupSpec,
+    destroy_ep_group,
+    expert_range,
+    free_port,
+    init_ep_group,
+    load_checkpoint_ep,
+    shard_experts,
+)
 
 TIMEOUT_S = 90
 
@@ -149,13 +156,17 @@ def test_sharded_loader_reads_only_local_experts(tmp_path):
         model, stats, rep = load_checkpoint_ep(tmp_path, rank, 2, group=None)
         a, b = rep.expert_range
         assert (a, b) == (4 * rank, 4 * rank + 4)
-        foreign = sum(t.numel() * 4 for n, t in full_named.items()
-                      if ".experts." in n and not a <= int(n.split(".experts.")[1].split(".")[0]) < b)
+        foreign = sum(
+            t.numel() * 4
+            for n, t in full_named.items()
+            if ".experts." in n and not a <= int(n.split(".experts.")[1].split(".")[0]) < b
+        )
         assert rep.bytes_in_files == total
         assert rep.bytes_read == total - foreign
         named = dict(iter_released_tensors(model, prefix=""))  # global expert names, own range only
-        assert set(named) == {n for n in full_named if ".experts." not in n
-                              or a <= int(n.split(".experts.")[1].split(".")[0]) < b}
+        assert set(named) == {
+            n for n in full_named if ".experts." not in n or a <= int(n.split(".experts.")[1].split(".")[0]) < b
+        }
         for n, t in named.items():
             assert torch.equal(t, full_named[n]), n
         assert model.moe_layers()[0].experts.w13.shape[0] == 4
@@ -205,8 +216,9 @@ def test_config_cluster_keys_and_ep_default():
     with pytest.raises(ConfigError, match=r"cluster.launcher='slurm'"):
         load_config("configs/grpo_bf16_ep.yaml", ["cluster.launcher=slurm"])
     with pytest.raises(ConfigError, match=r"expert_parallel_size=4: needs one GPU per EP rank; the cluster has 2"):
-        load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.expert_parallel_size=4",
-                                                  "cluster.gpus_per_node=2"])
+        load_config(
+            "configs/grpo_bf16_ep.yaml", ["policy.generation.expert_parallel_size=4", "cluster.gpus_per_node=2"]
+        )
     with pytest.raises(ConfigError, match=r"expert_parallel_size=0"):
         load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.expert_parallel_size=0"])
 
@@ -220,5 +232,9 @@ def test_factory_rejects_ep_size_that_does_not_divide_experts(tmp_path):
     cfg = load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.expert_parallel_size=3"])
     with pytest.raises(ValueError, match=r"expert_parallel_size=3: the model has 8 routed experts"):
         build_rollout_service(cfg, tmp_path, [3], 64)
-    assert build_rollout_service(load_config("configs/grpo_bf16_ep.yaml", [
-        "policy.generation.expert_parallel_size=1"]), tmp_path, [3], 64) is None  # in-process engine
+    assert (
+        build_rollout_service(
+            load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.expert_parallel_size=1"]), tmp_path, [3], 64
+        )
+        is None
+    )  # in-process engine

@@ -33,8 +33,9 @@ def _expected(model: M3ForCausalLM, tokens: list[int]) -> np.ndarray:
 
 def test_routing_record_covers_prompt_forks_and_prefix_hits():
     model = _model()
-    backend = NativeBackend(model, (3,), max_model_len=128, max_num_seqs=8, num_pages=32, record_routing=True,
-                            max_num_batched_tokens=24)  # a 40-token prompt is prefilled in 2 chunks
+    backend = NativeBackend(
+        model, (3,), max_model_len=128, max_num_seqs=8, num_pages=32, record_routing=True, max_num_batched_tokens=24
+    )  # a 40-token prompt is prefilled in 2 chunks
     prompt = torch.randint(4, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     outs = backend.generate([GenerationRequest("g", prompt, SamplingParams(n=3, max_new_tokens=6, seed=5))])
     for o in outs:  # samples 1, 2 were forked from the leader (shared pages + copied partial page)

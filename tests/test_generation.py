@@ -8,7 +8,7 @@ from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
-from trainers.policy import token_logprobs
+from m3_trainers.policy import token_logprobs
 
 EOS = 3
 
@@ -50,7 +50,7 @@ def test_logprobs_match_trainer_recompute():
     outs = backend.generate([_req("a", [1, 2, 3, 4, 5, 6], n=4, temperature=0.8)])
     for o in outs:
         ids = torch.tensor([o.prompt_ids + o.output_ids])
-        lp = token_logprobs(model, ids, temperature=0.8)[0, len(o.prompt_ids):]
+        lp = token_logprobs(model, ids, temperature=0.8)[0, len(o.prompt_ids) :]
         assert torch.allclose(lp, torch.tensor(o.logprobs, dtype=lp.dtype), atol=1e-9, rtol=0)
         assert o.finish_reason in ("stop", "length")
         if o.finish_reason == "stop":
@@ -68,8 +68,9 @@ def test_stop_and_length_limits():
 
 def test_bad_requests_fail_alone():
     backend = NativeBackend(_model(), [EOS], max_model_len=32)
-    outs = backend.generate([_req("bad", [1, 999]), _req("good", [1, 2, 3]), _req("long", list(range(40))),
-                             _req("empty", [])])
+    outs = backend.generate(
+        [_req("bad", [1, 999]), _req("good", [1, 2, 3]), _req("long", list(range(40))), _req("empty", [])]
+    )
     assert outs[0].finish_reason == "error" and "vocabulary" in outs[0].error
     assert outs[1].finish_reason in ("stop", "length") and outs[1].output_ids
     assert outs[2].finish_reason == "error" and "max_model_len" in outs[2].error

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from m3_rollout.rollout.trajectory import Trajectory
-from trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
+from m3_trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
 
 
 class FakeBackend:
@@ -106,8 +106,7 @@ def test_stale_groups_are_dropped_and_counted():
 
 def test_slow_group_never_blocks_past_the_timeout():
     backend = FakeBackend()
-    coll = AsyncCollector(backend, make_generate(backend, slow={2: 1.5}), groups_per_step=2, max_age=1,
-                          timeout_s=0.4)
+    coll = AsyncCollector(backend, make_generate(backend, slow={2: 1.5}), groups_per_step=2, max_age=1, timeout_s=0.4)
     try:
         coll.get_groups(1, policy_version=0)
         t0 = time.perf_counter()
@@ -132,8 +131,15 @@ def test_smoke_job_runs_async(tmp_path, monkeypatch):
     from m3_rollout.config import load_config
     from m3_rollout.grpo import run
 
-    cfg = load_config("configs/grpo_smoke.yaml", [f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false",
-                                                  "grpo.async_grpo.enabled=true", "logger.print_sample_every=0"])
+    cfg = load_config(
+        "configs/grpo_smoke.yaml",
+        [
+            f"logger.log_dir={tmp_path}/logs",
+            "checkpointing.enabled=false",
+            "grpo.async_grpo.enabled=true",
+            "logger.print_sample_every=0",
+        ],
+    )
     summary = run(cfg)
     assert summary["async"] is True and summary["final_checkpoint"] is None
     rows = [json.loads(l) for l in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -141,7 +147,21 @@ def test_smoke_job_runs_async(tmp_path, monkeypatch):
     assert [r["step"] for r in train] == [1, 2, 3]
     assert train[0]["train/mean_group_age"] == 0
     assert all(r["train/max_group_age"] <= 1 and r["train/num_groups"] == 4 for r in train)
-    for key in ("token_mult_prob_error", "gen_kl_error", "ratio_mean", "ratio_max", "clip_fraction", "entropy",
-                "grad_norm", "generation_seconds", "logprob_seconds", "train_seconds", "weight_sync_seconds",
-                "step_tokens_per_s", "reward_std", "truncated_fraction", "stale_groups_dropped"):
+    for key in (
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "ratio_mean",
+        "ratio_max",
+        "clip_fraction",
+        "entropy",
+        "grad_norm",
+        "generation_seconds",
+        "logprob_seconds",
+        "train_seconds",
+        "weight_sync_seconds",
+        "step_tokens_per_s",
+        "reward_std",
+        "truncated_fraction",
+        "stale_groups_dropped",
+    ):
         assert f"train/{key}" in train[-1], key

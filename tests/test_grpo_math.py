@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from m3_rollout.rollout.trajectory import Trajectory
-from trainers.advantages import group_advantages
-from trainers.batch import batch_from_trajectories
-from trainers.loss import ClippedPGLossFn
+from m3_trainers.advantages import group_advantages
+from m3_trainers.batch import batch_from_trajectories
+from m3_trainers.loss import ClippedPGLossFn
 
 
 def test_group_advantages_normalised():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     a = group_advantages(r, g)
-    std = math.sqrt(((0.75 ** 2) + 3 * (0.25 ** 2)) / 3)  # unbiased std of group 0
+    std = math.sqrt(((0.75**2) + 3 * (0.25**2)) / 3)  # unbiased std of group 0
     assert a[0].item() == pytest.approx(0.75 / (std + 1e-6), rel=1e-5)
     assert a[1].item() == pytest.approx(-0.25 / (std + 1e-6), rel=1e-5)
     assert torch.equal(a[4:], torch.zeros(4))  # all-equal group: no signal
@@ -64,12 +64,38 @@ def test_batch_from_trajectories_padding_and_validation():
 def test_combine_optimizer_steps_token_weighted():
     from m3_rollout.grpo import combine_optimizer_steps
 
-    base = dict(ratio_mean=1.0, clip_fraction=0.0, dual_clip_fraction=0.0, reference_kl=0.0, is_weight_mean=1.0,
-                is_dropped_fraction=0.0, entropy=2.0, token_mult_prob_error=1.01, gen_kl_error=1e-3,
-                num_tokens=30.0, logprob_seconds=1.0, train_seconds=2.0, ratio_max=1.5, max_logprob_abs_diff=0.1,
-                loss=0.2, pg_loss=0.2, kl_loss=0.0, grad_norm=1.0, lr=1e-3, skipped_step=False)
-    other = {**base, "clip_fraction": 0.4, "entropy": 1.0, "num_tokens": 10.0, "ratio_max": 3.0, "grad_norm": 3.0,
-             "lr": 2e-3, "skipped_step": True}
+    base = dict(
+        ratio_mean=1.0,
+        clip_fraction=0.0,
+        dual_clip_fraction=0.0,
+        reference_kl=0.0,
+        is_weight_mean=1.0,
+        is_dropped_fraction=0.0,
+        entropy=2.0,
+        token_mult_prob_error=1.01,
+        gen_kl_error=1e-3,
+        num_tokens=30.0,
+        logprob_seconds=1.0,
+        train_seconds=2.0,
+        ratio_max=1.5,
+        max_logprob_abs_diff=0.1,
+        loss=0.2,
+        pg_loss=0.2,
+        kl_loss=0.0,
+        grad_norm=1.0,
+        lr=1e-3,
+        skipped_step=False,
+    )
+    other = {
+        **base,
+        "clip_fraction": 0.4,
+        "entropy": 1.0,
+        "num_tokens": 10.0,
+        "ratio_max": 3.0,
+        "grad_norm": 3.0,
+        "lr": 2e-3,
+        "skipped_step": True,
+    }
     m = combine_optimizer_steps([base, other])
     assert m["clip_fraction"] == pytest.approx(0.4 * 10 / 40)
     assert m["entropy"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)

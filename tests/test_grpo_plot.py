@@ -14,11 +14,18 @@ def test_plot_from_log(tmp_path):
     pytest.importorskip("matplotlib")
     log = tmp_path / "logs"
     log.mkdir()
-    rows = [{"step": 0, "val/accuracy": 0.25},
-            {"step": 1, "train/reward_mean": 0.3, "train/token_mult_prob_error": 1.01, "train/gen_kl_error": 1e-3,
-             "train/skipped_step": False},
-            {"step": 2, "train/reward_mean": 0.4, "train/token_mult_prob_error": 1.02, "train/gen_kl_error": 2e-3},
-            {"step": 2, "val/accuracy": 0.5}]
+    rows = [
+        {"step": 0, "val/accuracy": 0.25},
+        {
+            "step": 1,
+            "train/reward_mean": 0.3,
+            "train/token_mult_prob_error": 1.01,
+            "train/gen_kl_error": 1e-3,
+            "train/skipped_step": False,
+        },
+        {"step": 2, "train/reward_mean": 0.4, "train/token_mult_prob_error": 1.02, "train/gen_kl_error": 2e-3},
+        {"step": 2, "val/accuracy": 0.5},
+    ]
     (log / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     series = plot_metrics.read_metrics(log)
     assert series["train/reward_mean"] == [(1, 0.3), (2, 0.4)]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from m3_rollout.model import M3ForCausalLM, tiny_config
-from trainers.batch import TrainBatch
-from trainers.loss import ClippedPGLossFn
-from trainers.policy import Policy, mismatch_metrics, replay_routing, token_logprobs
+from m3_trainers.batch import TrainBatch
+from m3_trainers.loss import ClippedPGLossFn
+from m3_trainers.policy import Policy, mismatch_metrics, replay_routing, token_logprobs
 
 
 def _model(seed=0):
@@ -101,10 +101,12 @@ def test_policy_train_step_with_routing_replay_and_mismatch_with_without():
         assert metrics["grad_norm"] > 0
     _, own = record_routing(trainer, ids)
     flips = float((torch.sort(own, -1).values != torch.sort(routed, -1).values).any(-1).float().mean())
-    print(f"\nrouting flips bf16 vs fp32: {flips:.4f} of (token, layer); "
-          f"without replay: token_mult_prob_error {figures[False]['token_mult_prob_error']:.6f} "
-          f"gen_kl {figures[False]['gen_kl_error']:.3e}; with replay: "
-          f"{figures[True]['token_mult_prob_error']:.6f} gen_kl {figures[True]['gen_kl_error']:.3e}")
+    print(
+        f"\nrouting flips bf16 vs fp32: {flips:.4f} of (token, layer); "
+        f"without replay: token_mult_prob_error {figures[False]['token_mult_prob_error']:.6f} "
+        f"gen_kl {figures[False]['gen_kl_error']:.3e}; with replay: "
+        f"{figures[True]['token_mult_prob_error']:.6f} gen_kl {figures[True]['gen_kl_error']:.3e}"
+    )
     for f in figures.values():
         assert 1.0 < f["token_mult_prob_error"] < 1.2
     # Measured (tiny M3, this seed): 1.4% of (token, layer) routings flip between bf16 and fp32;
@@ -112,4 +114,3 @@ def test_policy_train_step_with_routing_replay_and_mismatch_with_without():
     assert flips > 0
     assert figures[True]["gen_kl_error"] < figures[False]["gen_kl_error"]
     assert figures[True]["token_mult_prob_error"] < figures[False]["token_mult_prob_error"]
-

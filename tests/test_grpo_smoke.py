@@ -20,8 +20,9 @@ def cache(tmp_path, monkeypatch):
 
 def test_smoke_run(cache):
     out = cache / "run"
-    cfg = load_config("configs/grpo_smoke.yaml", [f"logger.log_dir={out}/logs",
-                                                  f"checkpointing.checkpoint_dir={out}/ckpt"])
+    cfg = load_config(
+        "configs/grpo_smoke.yaml", [f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt"]
+    )
     summary = run(cfg)
     assert summary["built_now"] is True
     assert [s for s, _ in summary["val_history"]] == [0, 2, 3]
@@ -73,8 +74,13 @@ def test_spec_key_changes_with_spec():
 def test_warm_start_outside_window_warns_with_rebuild_hint(tmp_path):
     # a build that hit its step/time cap outside the accuracy window is flagged on every use
     spec = builtin.TinyCheckpointSpec()
-    report = {"in_window": False, "warm_start_steps": 200, "build_seconds": 255.7, "heldout_accuracy": 0.16,
-              "spec": dataclasses.asdict(spec)}
+    report = {
+        "in_window": False,
+        "warm_start_steps": 200,
+        "build_seconds": 255.7,
+        "heldout_accuracy": 0.16,
+        "spec": dataclasses.asdict(spec),
+    }
     msg = builtin.warm_start_warning(tmp_path, report)
     assert msg is not None and "0.160" in msg and "[0.25, 0.45]" in msg and str(tmp_path) in msg and "step 200" in msg
     assert builtin.warm_start_warning(tmp_path, dict(report, in_window=True)) is None

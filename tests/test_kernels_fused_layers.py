@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_interpret import interpreted_fused_layers
+from m3_kernels.fused_interpret import interpreted_fused_layers
 from m3_rollout.model.attention import write_paged_kv
 from m3_rollout.model.moe import route, swiglu_oai
 from m3_rollout.model.norm import gemma_rms_norm
@@ -51,17 +51,20 @@ def test_qkv_norm_rope_write_matches_pytorch(dtype, sparse, table):
     # reference: the model's PyTorch ops in forward_paged order
     c, s = cos[:, None, :], sin[:, None, :]
     o = [0, nh * d, nh * d + g * d, nh * d + 2 * g * d, nh * d + 2 * g * d + nidx * di]
-    q_ref = apply_rope(gemma_rms_norm(qkv[:, o[0]:o[1]].reshape(t, nh, d), qw, EPS), c, s)
-    k_ref = apply_rope(gemma_rms_norm(qkv[:, o[1]:o[2]].reshape(t, g, d), kw, EPS), c, s)
-    v_ref = qkv[:, o[2]:o[3]].reshape(t, g, d)
+    q_ref = apply_rope(gemma_rms_norm(qkv[:, o[0] : o[1]].reshape(t, nh, d), qw, EPS), c, s)
+    k_ref = apply_rope(gemma_rms_norm(qkv[:, o[1] : o[2]].reshape(t, g, d), kw, EPS), c, s)
+    v_ref = qkv[:, o[2] : o[3]].reshape(t, g, d)
     iq_ref = ik_ref = None
     if sparse:
-        iq_ref = apply_rope(gemma_rms_norm(qkv[:, o[3]:o[4]].reshape(t, nidx, di), iqw, EPS), c, s)
-        ik_ref = apply_rope(gemma_rms_norm(qkv[:, o[4]:], ikw, EPS), cos, sin)
+        iq_ref = apply_rope(gemma_rms_norm(qkv[:, o[3] : o[4]].reshape(t, nidx, di), iqw, EPS), c, s)
+        ik_ref = apply_rope(gemma_rms_norm(qkv[:, o[4] :], ikw, EPS), cos, sin)
     write_paged_kv(slot, k_ref, v_ref, ik_ref, kc_ref, vc_ref, ic_ref)
 
-    kw_idx = dict(index_q_norm_w=iqw, index_k_norm_w=ikw, num_index_heads=nidx, index_dim=di, index_cache=ic) \
-        if sparse else {}
+    kw_idx = (
+        dict(index_q_norm_w=iqw, index_k_norm_w=ikw, num_index_heads=nidx, index_dim=di, index_cache=ic)
+        if sparse
+        else {}
+    )
     if table:  # cos/sin rows looked up by position in [max_pos, r/2] tables
         kw_idx["positions"] = positions
         cos, sin = rope_cos_sin(torch.arange(24), r, 10000.0)
@@ -76,7 +79,7 @@ def test_qkv_norm_rope_write_matches_pytorch(dtype, sparse, table):
     else:
         assert iq is None
     # rotation really happened on the first r channels only (guards a no-op kernel + no-op reference)
-    plain = gemma_rms_norm(qkv[:, :nh * d].reshape(t, nh, d), qw, EPS)
+    plain = gemma_rms_norm(qkv[:, : nh * d].reshape(t, nh, d), qw, EPS)
     assert (q[1:, :, :r].float() - plain[1:, :, :r].float()).abs().max() > 0.1
     torch.testing.assert_close(q[..., r:].float(), plain[..., r:].float(), atol=tol, rtol=0)
 
@@ -86,8 +89,20 @@ def test_qkv_norm_rope_write_rejects_bad_width():
     cos = torch.zeros(2, 2)
     kc = torch.zeros(2, 1, 2, 4)
     with pytest.raises(ValueError, match="qkv"):
-        fl.qkv_norm_rope_write(qkv, cos, cos, torch.zeros(2, dtype=torch.long), torch.zeros(4), torch.zeros(4),
-                               1, 1, 4, kc, kc.clone(), EPS)
+        fl.qkv_norm_rope_write(
+            qkv,
+            cos,
+            cos,
+            torch.zeros(2, dtype=torch.long),
+            torch.zeros(4),
+            torch.zeros(4),
+            1,
+            1,
+            4,
+            kc,
+            kc.clone(),
+            EPS,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -155,9 +170,20 @@ def test_router_gemm_topk_matches_linear_and_route(dtype):
 
 
 def test_zero_tokens_launch_nothing():
-    q, iq = fl.qkv_norm_rope_write(torch.zeros(0, 3 * 4), torch.zeros(0, 1), torch.zeros(0, 1),
-                                   torch.zeros(0, dtype=torch.long), torch.zeros(4), torch.zeros(4), 1, 1, 4,
-                                   torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4), EPS)
+    q, iq = fl.qkv_norm_rope_write(
+        torch.zeros(0, 3 * 4),
+        torch.zeros(0, 1),
+        torch.zeros(0, 1),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(4),
+        torch.zeros(4),
+        1,
+        1,
+        4,
+        torch.zeros(2, 1, 2, 4),
+        torch.zeros(2, 1, 2, 4),
+        EPS,
+    )
     assert q.shape == (0, 1, 4) and iq is None
     y, _ = fl.add_rms_norm(torch.zeros(0, 8), torch.zeros(8), EPS)
     assert y.shape == (0, 8)

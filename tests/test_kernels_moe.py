@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from kernels.moe_align import align_by_expert, align_by_expert_torch, max_padded_rows
+from m3_kernels.moe_align import align_by_expert, align_by_expert_torch, max_padded_rows
 from m3_rollout.model.moe import grouped_experts, swiglu_oai
 
 ALPHA, LIMIT, BETA = 1.702, 7.0, 1.0
@@ -53,8 +53,12 @@ def test_align_worked_example_from_docstring():
 
 
 ALIGN_CASES = [  # (T, K, E global, expert_range, block_m, seed)
-    (13, 4, 8, (0, 8), 4, 0), (1, 4, 128, (0, 128), 16, 1), (50, 2, 6, (2, 5), 8, 2), (64, 1, 3, (0, 3), 16, 3),
-    (32, 4, 128, (32, 64), 16, 4), (7, 3, 5, (4, 5), 16, 5),
+    (13, 4, 8, (0, 8), 4, 0),
+    (1, 4, 128, (0, 128), 16, 1),
+    (50, 2, 6, (2, 5), 8, 2),
+    (64, 1, 3, (0, 3), 16, 3),
+    (32, 4, 128, (32, 64), 16, 4),
+    (7, 3, 5, (4, 5), 16, 5),
 ]
 
 
@@ -90,7 +94,7 @@ def _ragged_by_loop(ids, a, b):
 
 
 def test_ragged_worked_example_from_docstring():
-    from kernels.moe_ragged import align_ragged
+    from m3_kernels.moe_ragged import align_ragged
 
     ids = torch.tensor([0] * 150 + [1] * 20).reshape(-1, 1)
     for fat, want in ((64, [(0, 160, 0), (160, 32, 1)]), (0, [(0, 128, 0), (128, 32, 0), (160, 32, 1)])):
@@ -105,7 +109,7 @@ RAGGED_CASES = [(300, 2, 4, (0, 4), 0), (97, 4, 16, (4, 12), 1), (1, 1, 3, (0, 3
 
 @pytest.mark.parametrize("t,k,e_global,rng,seed", RAGGED_CASES)
 def test_align_ragged_tiles_match_loop(t, k, e_global, rng, seed):
-    from kernels.moe_ragged import align_ragged, max_tile_slots
+    from m3_kernels.moe_ragged import align_ragged, max_tile_slots
 
     ids = _align_ids(t, k, e_global, seed)
     rt = align_ragged(ids, rng)
@@ -162,47 +166,174 @@ def _make_case(name, dtype, t, k, e_global, h, inter, seed, *, rng=None, forced=
     w13 = torch.randn(e_global, 2 * inter, h, generator=g) * h**-0.5 * 2.0
     w2 = torch.randn(e_global, h, inter, generator=g) * inter**-0.5
     return {
-        "name": name, "dtype": dtype, "x": x.to(dtype), "ids": ids, "weights": weights,
-        "w13": w13.to(dtype), "w2": w2.to(dtype), "range": rng or (0, e_global), "config": config,
+        "name": name,
+        "dtype": dtype,
+        "x": x.to(dtype),
+        "ids": ids,
+        "weights": weights,
+        "w13": w13.to(dtype),
+        "w2": w2.to(dtype),
+        "range": rng or (0, e_global),
+        "config": config,
     }
 
 
 CASES = [
     # random routing, experts 3 and 7 never chosen (no tokens), ragged H / I against the tiles
-    dict(name="fp32_ragged_empty_experts", dtype=torch.float32, t=11, k=2, e_global=8, h=48, inter=24, seed=0,
-         x_scale=3.0, config=_config(16, 16, 32, 32, 16)),
+    dict(
+        name="fp32_ragged_empty_experts",
+        dtype=torch.float32,
+        t=11,
+        k=2,
+        e_global=8,
+        h=48,
+        inter=24,
+        seed=0,
+        x_scale=3.0,
+        config=_config(16, 16, 32, 32, 16),
+    ),
     # every token routes slot 0 to expert 2: one expert spans several row tiles
-    dict(name="fp32_one_expert_gets_all", dtype=torch.float32, t=37, k=3, e_global=5, h=32, inter=16, seed=1,
-         forced=2, config=_config(16, 16, 16, 16, 16)),
+    dict(
+        name="fp32_one_expert_gets_all",
+        dtype=torch.float32,
+        t=37,
+        k=3,
+        e_global=5,
+        h=32,
+        inter=16,
+        seed=1,
+        forced=2,
+        config=_config(16, 16, 16, 16, 16),
+    ),
     # EP local slice [2, 6) of 8 experts
-    dict(name="fp32_local_slice", dtype=torch.float32, t=9, k=4, e_global=8, h=32, inter=32, seed=2,
-         rng=(2, 6), config=_config(16, 32, 16, 16, 32)),
+    dict(
+        name="fp32_local_slice",
+        dtype=torch.float32,
+        t=9,
+        k=4,
+        e_global=8,
+        h=32,
+        inter=32,
+        seed=2,
+        rng=(2, 6),
+        config=_config(16, 32, 16, 16, 32),
+    ),
     # fp16 with the library's default tile choice
     dict(name="fp16_default_config", dtype=torch.float16, t=6, k=2, e_global=4, h=64, inter=32, seed=3, x_scale=2.0),
-    dict(name="fp16_local_slice_forced", dtype=torch.float16, t=20, k=2, e_global=6, h=32, inter=16, seed=4,
-         rng=(3, 6), forced=4, config=_config(32, 16, 32, 32, 16)),
+    dict(
+        name="fp16_local_slice_forced",
+        dtype=torch.float16,
+        t=20,
+        k=2,
+        e_global=6,
+        h=32,
+        inter=16,
+        seed=4,
+        rng=(3, 6),
+        forced=4,
+        config=_config(32, 16, 32, 32, 16),
+    ),
     # expert-sorted x (moe_permute) with grouped program order (groups of 2 / 3 row tiles)
-    dict(name="fp32_permuted_grouped", dtype=torch.float32, t=23, k=2, e_global=5, h=40, inter=24, seed=5,
-         config=_config(16, 16, 16, 16, 16, group=(2, 3), permute=True)),
+    dict(
+        name="fp32_permuted_grouped",
+        dtype=torch.float32,
+        t=23,
+        k=2,
+        e_global=5,
+        h=40,
+        inter=24,
+        seed=5,
+        config=_config(16, 16, 16, 16, 16, group=(2, 3), permute=True),
+    ),
     # TMA descriptor loads; I=24 against block_n 16: the last gate tile reads up rows (never stored)
-    dict(name="fp32_tma_ragged_n", dtype=torch.float32, t=19, k=3, e_global=6, h=48, inter=24, seed=6,
-         rng=(1, 5), config=_config(16, 16, 16, 32, 32, group=(3, 0), tma=True)),
+    dict(
+        name="fp32_tma_ragged_n",
+        dtype=torch.float32,
+        t=19,
+        k=3,
+        e_global=6,
+        h=48,
+        inter=24,
+        seed=6,
+        rng=(1, 5),
+        config=_config(16, 16, 16, 32, 32, group=(3, 0), tma=True),
+    ),
     # H=20 in fp16 is 40-byte rows: not TMA-aligned, the config falls back to pointer loads
-    dict(name="fp16_tma_unaligned_falls_back", dtype=torch.float16, t=9, k=2, e_global=4, h=20, inter=16,
-         seed=7, config=_config(16, 16, 16, 16, 16, tma=True, ragged=True)),
+    dict(
+        name="fp16_tma_unaligned_falls_back",
+        dtype=torch.float16,
+        t=9,
+        k=2,
+        e_global=4,
+        h=20,
+        inter=16,
+        seed=7,
+        config=_config(16, 16, 16, 16, 16, tma=True, ragged=True),
+    ),
     # ragged tiles: expert 2 gets 150 rows (a 128-row tile + a 32-row tail), the others 16/32/64 tails
-    dict(name="fp16_ragged_tiles", dtype=torch.float16, t=150, k=2, e_global=6, h=32, inter=16, seed=8,
-         forced=2, x_scale=2.0, config=_config(16, 16, 16, 16, 16, group=(2, 2), ragged=True)),
+    dict(
+        name="fp16_ragged_tiles",
+        dtype=torch.float16,
+        t=150,
+        k=2,
+        e_global=6,
+        h=32,
+        inter=16,
+        seed=8,
+        forced=2,
+        x_scale=2.0,
+        config=_config(16, 16, 16, 16, 16, group=(2, 2), ragged=True),
+    ),
     # fat tail: expert 1 gets ~150 rows (128 + 22): one program runs a 128-row and a 64-row MMA
-    dict(name="fp32_ragged_fat_tail", dtype=torch.float32, t=150, k=2, e_global=5, h=32, inter=16, seed=10,
-         forced=1, config=_config(16, 16, 32, 16, 16, group=(3, 2), ragged=True, fat_tail=64)),
-    dict(name="fp32_ragged_fat_permuted", dtype=torch.float32, t=150, k=2, e_global=5, h=32, inter=16, seed=11,
-         forced=3, config=_config(16, 16, 16, 32, 16, group=(2, 2), ragged=True, fat_tail=64, permute=True)),
+    dict(
+        name="fp32_ragged_fat_tail",
+        dtype=torch.float32,
+        t=150,
+        k=2,
+        e_global=5,
+        h=32,
+        inter=16,
+        seed=10,
+        forced=1,
+        config=_config(16, 16, 32, 16, 16, group=(3, 2), ragged=True, fat_tail=64),
+    ),
+    dict(
+        name="fp32_ragged_fat_permuted",
+        dtype=torch.float32,
+        t=150,
+        k=2,
+        e_global=5,
+        h=32,
+        inter=16,
+        seed=11,
+        forced=3,
+        config=_config(16, 16, 16, 32, 16, group=(2, 2), ragged=True, fat_tail=64, permute=True),
+    ),
     # fat tail of 32 rows (expert 0 gets ~140 rows: one 128-row + 32-row program)
-    dict(name="fp16_ragged_fat32", dtype=torch.float16, t=140, k=2, e_global=4, h=32, inter=16, seed=12,
-         forced=0, config=_config(16, 16, 16, 16, 16, group=(4, 4), ragged=True, fat_tail=32)),
-    dict(name="fp32_ragged_local_slice", dtype=torch.float32, t=40, k=3, e_global=8, h=24, inter=32, seed=9,
-         rng=(2, 6), config=_config(16, 32, 16, 16, 32, ragged=True)),
+    dict(
+        name="fp16_ragged_fat32",
+        dtype=torch.float16,
+        t=140,
+        k=2,
+        e_global=4,
+        h=32,
+        inter=16,
+        seed=12,
+        forced=0,
+        config=_config(16, 16, 16, 16, 16, group=(4, 4), ragged=True, fat_tail=32),
+    ),
+    dict(
+        name="fp32_ragged_local_slice",
+        dtype=torch.float32,
+        t=40,
+        k=3,
+        e_global=8,
+        h=24,
+        inter=32,
+        seed=9,
+        rng=(2, 6),
+        config=_config(16, 32, 16, 16, 32, ragged=True),
+    ),
 ]
 
 
@@ -210,8 +341,19 @@ def _build_cases():
     out = []
     for c in CASES:
         c = dict(c)
-        out.append(_make_case(c.pop("name"), c.pop("dtype"), c.pop("t"), c.pop("k"), c.pop("e_global"),
-                              c.pop("h"), c.pop("inter"), c.pop("seed"), **c))
+        out.append(
+            _make_case(
+                c.pop("name"),
+                c.pop("dtype"),
+                c.pop("t"),
+                c.pop("k"),
+                c.pop("e_global"),
+                c.pop("h"),
+                c.pop("inter"),
+                c.pop("seed"),
+                **c,
+            )
+        )
     out[0]["ids"][out[0]["ids"] == 3] = 0  # no token for experts 3 and 7 (ids stay distinct per token:
     out[0]["ids"][out[0]["ids"] == 7] = 1  # k=2 rows hit by both maps are fixed just below)
     bad = out[0]["ids"][:, 0] == out[0]["ids"][:, 1]
@@ -230,7 +372,10 @@ def interpreted(tmp_path_factory):
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, __file__, str(d / "in.pt"), str(d / "out.pt")],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
     out = torch.load(d / "out.pt")
@@ -277,13 +422,14 @@ def test_one_launch_align_kernel_matches_torch_path(interpreted, idx):
 @pytest.mark.parametrize("idx", range(3 * len(RAGGED_CASES)))
 def test_triton_ragged_align_matches_torch_path(interpreted, idx):
     """The three-launch Triton alignment (used on CUDA) equals align_ragged_torch exactly."""
-    from kernels.moe_ragged import align_ragged_torch
+    from m3_kernels.moe_ragged import align_ragged_torch
 
     ragged_in, ragged_out = interpreted[4:6]
     ids, rng, fat = ragged_in[idx]
     want = align_ragged_torch(ids, rng, fat)
-    for name, got in zip(("sorted_ids", "tile_row", "tile_expert", "tile_rows", "num_tiles", "num_rows"),
-                         ragged_out[idx]):
+    for name, got in zip(
+        ("sorted_ids", "tile_row", "tile_expert", "tile_rows", "num_tiles", "num_rows"), ragged_out[idx]
+    ):
         assert got.tolist() == getattr(want, name).tolist(), name
 
 
@@ -301,7 +447,7 @@ def test_cases_cover_edges(interpreted):
 
 
 def test_fused_experts_rejects_bad_inputs():
-    from kernels.fused_moe import fused_experts
+    from m3_kernels.fused_moe import fused_experts
 
     x = torch.zeros(3, 16)
     ids = torch.zeros(3, 2, dtype=torch.long)
@@ -319,9 +465,9 @@ def test_fused_experts_rejects_bad_inputs():
 
 def _interpret_worker(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from kernels.fused_moe import GemmTile, MoEKernelConfig, fused_experts
-    from kernels.moe_align import align_by_expert_small
-    from kernels.moe_ragged import align_ragged_triton
+    from m3_kernels.fused_moe import GemmTile, MoEKernelConfig, fused_experts
+    from m3_kernels.moe_align import align_by_expert_small
+    from m3_kernels.moe_ragged import align_ragged_triton
 
     payload = torch.load(in_path)
     aligned = []
@@ -339,9 +485,18 @@ def _interpret_worker(in_path: str, out_path: str) -> None:
         if cfg is not None:
             cfg = MoEKernelConfig(cfg["block_m"], GemmTile(*cfg["w13"]), GemmTile(*cfg["w2"]), **cfg["flags"])
         outs.append(
-            fused_experts(case["x"], case["ids"], case["weights"], case["w13"][a:b].contiguous(),
-                          case["w2"][a:b].contiguous(), alpha=ALPHA, limit=LIMIT, beta=BETA,
-                          expert_range=(a, b), config=cfg)
+            fused_experts(
+                case["x"],
+                case["ids"],
+                case["weights"],
+                case["w13"][a:b].contiguous(),
+                case["w2"][a:b].contiguous(),
+                alpha=ALPHA,
+                limit=LIMIT,
+                beta=BETA,
+                expert_range=(a, b),
+                config=cfg,
+            )
         )
     torch.save({"moe": outs, "align": aligned, "ragged": ragged}, out_path)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.msa_interpret import interpreted_kernels
-from kernels.msa_reference import index_topk_ref, paged_attention_ref
-from kernels.msa_synthetic import make_paged_batch
+from m3_kernels.msa_interpret import interpreted_kernels
+from m3_kernels.msa_reference import index_topk_ref, paged_attention_ref
+from m3_kernels.msa_synthetic import make_paged_batch
 
 mi, ma = interpreted_kernels()
 
@@ -30,8 +30,9 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
 def _batch(spec, dtype, seed=0, **kw):
     rows, nd = spec
-    return make_paged_batch(rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D,
-                            dtype=dtype, seed=seed, **kw)
+    return make_paged_batch(
+        rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, seed=seed, **kw
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -87,8 +88,9 @@ def test_sparse_attention_matches_reference_mixed_batch(dtype):
         return
     # the selection is a set: a permuted list gives the same output (spec invariance 5)
     perm = sel[:, :, torch.tensor([2, 0, 3, 1])]
-    torch.testing.assert_close(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, perm).float(), want.float(),
-                               atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(
+        ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, perm).float(), want.float(), atol=ATOL[dtype], rtol=0
+    )
 
 
 def test_dense_attention_matches_reference_mixed_batch():
@@ -127,8 +129,9 @@ def test_prefill_tile_size_does_not_change_result():
 def test_unsupported_sizes_raise_naming_the_size():
     b = _batch(([(20, 1)], 1), torch.float32)
     with pytest.raises(ValueError, match="head_dim=24"):
-        ma.paged_attention(b.q[..., :24].contiguous(), b.k[..., :24].contiguous(), b.v[..., :24].contiguous(),
-                           b.meta, SCALE)
+        ma.paged_attention(
+            b.q[..., :24].contiguous(), b.k[..., :24].contiguous(), b.v[..., :24].contiguous(), b.meta, SCALE
+        )
     with pytest.raises(ValueError, match="topk=65"):
         mi.index_topk(b.iq, b.ik, b.meta, 65)
     with pytest.raises(ValueError, match="page_size"):
@@ -169,7 +172,7 @@ def _select_from_scores(scores, positions, k, init_blocks, local_blocks):
                 return (1, 1e30 if v != v else -v, blk)
 
             picked = sorted(range(n), key=order)[:k]
-            out[t, g, :len(picked)] = torch.tensor(picked, dtype=torch.int32)
+            out[t, g, : len(picked)] = torch.tensor(picked, dtype=torch.int32)
     return out
 
 
@@ -202,8 +205,25 @@ def test_prefill_union_kernel_lists_and_masks():
     umask, upage = torch.zeros_like(ulist), torch.zeros_like(ulist)
     ucount = torch.zeros(nt * G, dtype=torch.int32)
     bt = b.meta.block_tables
-    ma._tile_union_kernel[(nt, G)](sel, b.meta.query_start_loc, b.meta.positions, bt, ulist, umask, upage, ucount,
-                                   0, n_qtiles, K, sel.stride(0), sel.stride(1), bt.stride(0), PS=PS, BLOCK_M=bm, KP=K)
+    ma._tile_union_kernel[(nt, G)](
+        sel,
+        b.meta.query_start_loc,
+        b.meta.positions,
+        bt,
+        ulist,
+        umask,
+        upage,
+        ucount,
+        0,
+        n_qtiles,
+        K,
+        sel.stride(0),
+        sel.stride(1),
+        bt.stride(0),
+        PS=PS,
+        BLOCK_M=bm,
+        KP=K,
+    )
     qsl, pos = b.meta.query_start_loc.tolist(), b.meta.positions.tolist()
     for r in range(2):
         for qt in range(n_qtiles):
@@ -217,14 +237,16 @@ def test_prefill_union_kernel_lists_and_masks():
                             want[blk] = want.get(blk, 0) | (1 << i)
                 n = int(ucount[slot])
                 assert n == len(want)
-                got_l = ulist[slot * bm * K: slot * bm * K + n].tolist()
+                got_l = ulist[slot * bm * K : slot * bm * K + n].tolist()
                 assert got_l == sorted(want)
-                assert umask[slot * bm * K: slot * bm * K + n].tolist() == [want[x] for x in got_l]
-                assert upage[slot * bm * K: slot * bm * K + n].tolist() == [int(bt[r, x]) for x in got_l]
+                assert umask[slot * bm * K : slot * bm * K + n].tolist() == [want[x] for x in got_l]
+                assert upage[slot * bm * K : slot * bm * K + n].tolist() == [int(bt[r, x]) for x in got_l]
 
 
-@pytest.mark.parametrize("dtype,cfg", [(torch.float32, {"seg": 8, "tok": 2}), (torch.float16, {}),
-                                       (torch.float32, {"seg": 4, "prefetch": False})])
+@pytest.mark.parametrize(
+    "dtype,cfg",
+    [(torch.float32, {"seg": 8, "tok": 2}), (torch.float16, {}), (torch.float32, {"seg": 4, "prefetch": False})],
+)
 def test_kv_major_prefill_matches_reference(dtype, cfg):
     # KV-major prefill (bucketed entries, per-page partials, LSE merge) over mixed decode + prefill
     # rows, with token chunks smaller than the prefill part (two chunks) and a duplicated entry.
@@ -245,15 +267,21 @@ def test_decode_selection_is_a_set():
     sel[0, 0, 3] = sel[0, 0, 0]  # replaces the -1 pad of the short row
     sel[0, 1, 1] = sel[0, 1, 2] = sel[0, 1, 0]
     got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)
-    torch.testing.assert_close(got, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=ATOL[torch.float32],
-                               rtol=0)
+    torch.testing.assert_close(
+        got, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=ATOL[torch.float32], rtol=0
+    )
 
 
 def test_prefill_config_errors_name_the_knob_and_empty_prefill_rows_run():
     b = _batch(([(20, 1), (30, 0), (0, 40)], 1), torch.float32, seed=2)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
-    for bad, match in (({"kv_chunk": 0}, "kv_chunk=0"), ({"seg": 0}, "seg=0"), ({"tok": 6}, "tok=6"),
-                       ({"impl": "dense"}, "impl='dense'"), ({"chunk": 4}, "unknown prefill_config key 'chunk'")):
+    for bad, match in (
+        ({"kv_chunk": 0}, "kv_chunk=0"),
+        ({"seg": 0}, "seg=0"),
+        ({"tok": 6}, "tok=6"),
+        ({"impl": "dense"}, "impl='dense'"),
+        ({"chunk": 4}, "unknown prefill_config key 'chunk'"),
+    ):
         with pytest.raises(ValueError, match=match):
             ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", **bad})
     with pytest.raises(ValueError, match="rows_per_program=3"):
@@ -265,6 +293,10 @@ def test_prefill_config_errors_name_the_knob_and_empty_prefill_rows_run():
     only_dec = _batch(([(20, 1), (30, 0)], 1), torch.float32, seed=2)
     sel_d = index_topk_ref(only_dec.iq, only_dec.ik, only_dec.meta, K)
     torch.testing.assert_close(
-        ma.paged_attention(only_dec.q, only_dec.k, only_dec.v, only_dec.meta, SCALE, sel_d, prefill_config={"impl": "kv"}),
-        paged_attention_ref(only_dec.q, only_dec.k, only_dec.v, only_dec.meta, SCALE, sel_d), atol=ATOL[torch.float32],
-        rtol=0)
+        ma.paged_attention(
+            only_dec.q, only_dec.k, only_dec.v, only_dec.meta, SCALE, sel_d, prefill_config={"impl": "kv"}
+        ),
+        paged_attention_ref(only_dec.q, only_dec.k, only_dec.v, only_dec.meta, SCALE, sel_d),
+        atol=ATOL[torch.float32],
+        rtol=0,
+    )

@@ -16,12 +16,12 @@ import importlib
 import pytest
 import torch
 
-from kernels.msa_interpret import interpreted_kernels
-from kernels.msa_reference import index_topk_ref, paged_attention_ref
-from kernels.msa_synthetic import make_paged_batch
+from m3_kernels.msa_interpret import interpreted_kernels
+from m3_kernels.msa_reference import index_topk_ref, paged_attention_ref
+from m3_kernels.msa_synthetic import make_paged_batch
 
 interpreted_kernels()  # sets TRITON_INTERPRET=1 and reloads the index/attention kernel modules
-import kernels.msa_decode as _md  # noqa: E402
+import m3_kernels.msa_decode as _md  # noqa: E402
 
 md = _md if "Interpreted" in type(_md._decode_scores_kernel).__name__ else importlib.reload(_md)
 
@@ -37,8 +37,9 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
 def _batch(spec, dtype, seed=0, **kw):
     rows, nd = spec
-    return make_paged_batch(rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D,
-                            dtype=dtype, seed=seed, **kw)
+    return make_paged_batch(
+        rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, seed=seed, **kw
+    )
 
 
 def _reference(b, init_blocks=0, local_blocks=1):
@@ -142,16 +143,25 @@ def test_msa_attention_whole_step(spec):
 def test_prefill_only_and_bad_inputs():
     b = _batch(([(0, 40), (20, 9)], 0), torch.float32, seed=4)
     _, want = _reference(b)
-    torch.testing.assert_close(md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K), want,
-                               atol=ATOL[torch.float32], rtol=0)
+    torch.testing.assert_close(
+        md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K), want, atol=ATOL[torch.float32], rtol=0
+    )
     d = _batch(([(20, 1)], 1), torch.float32)
     with pytest.raises(ValueError, match="topk=65"):
         md.msa_decode(d.q, d.iq, d.k, d.v, d.ik, d.meta, SCALE, 65)
     with pytest.raises(ValueError, match="dtypes"):
         md.msa_decode(d.q, d.iq.half(), d.k, d.v, d.ik, d.meta, SCALE, K)
     with pytest.raises(ValueError, match="head_dim=24"):
-        md.msa_decode(d.q[..., :24].contiguous(), d.iq, d.k[..., :24].contiguous(), d.v[..., :24].contiguous(),
-                      d.ik, d.meta, SCALE, K)
+        md.msa_decode(
+            d.q[..., :24].contiguous(),
+            d.iq,
+            d.k[..., :24].contiguous(),
+            d.v[..., :24].contiguous(),
+            d.ik,
+            d.meta,
+            SCALE,
+            K,
+        )
 
 
 def test_given_ids_are_a_set_duplicates_count_once():

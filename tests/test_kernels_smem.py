@@ -1,6 +1,6 @@
 """Shared-memory budget of the large-tile Triton kernels, checked without a GPU.
 
-``python -m kernels.smem_check`` (a subprocess: it must compile, not interpret, the kernels) builds
+``python -m m3_kernels.smem_check`` (a subprocess: it must compile, not interpret, the kernels) builds
 each kernel for an sm_90 target with the launch configuration the code picks by default, in bf16 and
 fp32; each must fit the 232,448 bytes of shared memory an H200 SM offers a block. Regression: fp32
 doubles tile bytes, and the ragged MoE tiles at their bf16 pipelining depth (4 stages) needed
@@ -26,23 +26,25 @@ ROOT = Path(__file__).resolve().parents[1]
 def smem() -> dict[str, int]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-m", "kernels.smem_check"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "m3_kernels.smem_check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def test_default_tiles_fit_h200_shared_memory(smem):
-    from kernels.smem_check import SM90_SMEM_BYTES
+    from m3_kernels.smem_check import SM90_SMEM_BYTES
 
-    assert set(smem) == {f"{k}/{d}" for k in ("moe_w13_ragged", "moe_w2_ragged", "kv_major_segment")
-                         for d in ("bf16", "fp32")}
+    assert set(smem) == {
+        f"{k}/{d}" for k in ("moe_w13_ragged", "moe_w2_ragged", "kv_major_segment") for d in ("bf16", "fp32")
+    }
     for name, nbytes in smem.items():
         assert 0 < nbytes <= SM90_SMEM_BYTES, (name, nbytes)
 
 
 def test_fp32_moe_tiles_are_capped_and_bf16_keeps_its_pipeline(smem):
-    from kernels import fused_moe
+    from m3_kernels import fused_moe
 
     # bf16 keeps 4 stages (>100 KB of shared memory); fp32 runs 2 (the 4-stage fp32 tile needs 376,888 B)
     assert smem["moe_w13_ragged/bf16"] > 100_000 and smem["moe_w2_ragged/bf16"] > 150_000

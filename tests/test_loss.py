@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainers.loss import ClippedPGLossFn, importance_weights, kl_estimate
+from m3_trainers.loss import ClippedPGLossFn, importance_weights, kl_estimate
 
 
 def _lp(*probs):
@@ -24,10 +24,11 @@ def test_dual_clip_caps_negative_advantage_loss():
     assert m["ratio_max"] == pytest.approx(5.0) and m["ratio_sum"] == pytest.approx(7.0)
     loss.backward()
     assert new.grad[0, 0].item() == 0.0  # capped: constant
-    assert new.grad[0, 1].item() == pytest.approx(-(-1.0) * 2.0 / 2)  # d(-r*A)/dlogp = -A*r, / 2
+    assert new.grad[0, 1].item() == pytest.approx(-(-1.0 * 2.0) / 2)  # d(-r*A)/dlogp = -A*r, / 2
     # Without dual clip the first token costs 5.
-    loss2, _ = ClippedPGLossFn(0.2, 0.2)(new.detach(), old, torch.tensor([-1.0], dtype=torch.float64),
-                                         torch.ones(1, 2), 2.0)
+    loss2, _ = ClippedPGLossFn(0.2, 0.2)(
+        new.detach(), old, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2), 2.0
+    )
     assert loss2.item() == pytest.approx((5.0 + 2.0) / 2)
 
 
@@ -52,8 +53,9 @@ def test_kl_estimators_hand_values():
         kl_estimate(lp, ref, "k4")
 
 
-@pytest.mark.parametrize("kind, per_token", [("k1", -math.log(0.5)), ("k2", 0.5 * math.log(0.5) ** 2),
-                                             ("k3", 0.5 - 1 - math.log(0.5))])
+@pytest.mark.parametrize(
+    "kind, per_token", [("k1", -math.log(0.5)), ("k2", 0.5 * math.log(0.5) ** 2), ("k3", 0.5 - 1 - math.log(0.5))]
+)
 def test_kl_penalty_in_loss(kind, per_token):
     fn = ClippedPGLossFn(reference_policy_kl_penalty=0.1, reference_policy_kl_type=kind)
     assert fn.needs_reference
@@ -93,11 +95,11 @@ def test_truncated_and_masked_importance_sampling():
     gen = torch.tensor([[-math.log(3.0), -math.log(1.5)]], dtype=torch.float64)  # w = 3, 1.5
     adv = torch.tensor([1.0], dtype=torch.float64)
     mask = torch.ones(1, 2)
-    tis, m = ClippedPGLossFn(importance_sampling="tis", tis_max=2.0)(lp, prev, adv, mask, 2.0,
-                                                                    generation_logprobs=gen)
+    tis, m = ClippedPGLossFn(importance_sampling="tis", tis_max=2.0)(lp, prev, adv, mask, 2.0, generation_logprobs=gen)
     assert tis.item() == pytest.approx(-(2.0 + 1.5) / 2) and m["is_weight_sum"] == pytest.approx(3.5)
-    mis, m = ClippedPGLossFn(importance_sampling="mis", mis_min=0.5, mis_max=2.0)(lp, prev, adv, mask, 2.0,
-                                                                                 generation_logprobs=gen)
+    mis, m = ClippedPGLossFn(importance_sampling="mis", mis_min=0.5, mis_max=2.0)(
+        lp, prev, adv, mask, 2.0, generation_logprobs=gen
+    )
     assert mis.item() == pytest.approx(-1.5 / 2) and m["is_dropped_sum"] == 1.0
     mis.backward()
     assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() == pytest.approx(-1.5 / 2)
@@ -108,8 +110,9 @@ def test_truncated_and_masked_importance_sampling():
 
 
 def test_masked_nan_and_inf_never_reach_loss_or_grad():
-    kw = dict(ratio_clip_c=3.0, reference_policy_kl_penalty=0.05, reference_policy_kl_type="k3",
-              importance_sampling="tis")
+    kw = dict(
+        ratio_clip_c=3.0, reference_policy_kl_penalty=0.05, reference_policy_kl_type="k3", importance_sampling="tis"
+    )
     fn = ClippedPGLossFn(**kw)
     mask = torch.tensor([[0.0, 1, 1, 0], [0, 1, 0, 0]])
     clean_lp = torch.log(torch.tensor([[0.3, 0.5, 0.2, 0.7], [0.1, 0.6, 0.4, 0.8]], dtype=torch.float64))
@@ -142,7 +145,7 @@ def test_masked_nan_and_inf_never_reach_loss_or_grad():
     # Hand value of the clean loss: per token w*pg + beta*k3, w = min(exp(0.1), 2).
     w = math.exp(0.1)
     total = 0.0
-    for (b, t) in [(0, 1), (0, 2), (1, 1)]:
+    for b, t in [(0, 1), (0, 2), (1, 1)]:
         r = math.exp(clean_lp[b, t].item() - prev[b, t].item())
         a = adv[b].item()
         pg = -min(r * a, min(max(r, 0.8), 1.2) * a)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_interpret import interpreted_fused_layers
+from m3_kernels.fused_interpret import interpreted_fused_layers
 from m3_rollout.engine.model_runner import prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.model import M3ForCausalLM, tiny_config
@@ -29,10 +29,22 @@ def _fused_off_after():
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    cfg = tiny_config(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      rotary_dim=4, sparse_index_dim=8, dense_intermediate_size=48, intermediate_size=16,
-                      shared_intermediate_size=16, num_local_experts=4, max_position_embeddings=128,
-                      sparse_block_size=PS, sparse_topk_blocks=2)
+    cfg = tiny_config(
+        vocab_size=64,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rotary_dim=4,
+        sparse_index_dim=8,
+        dense_intermediate_size=48,
+        intermediate_size=16,
+        shared_intermediate_size=16,
+        num_local_experts=4,
+        max_position_embeddings=128,
+        sparse_block_size=PS,
+        sparse_topk_blocks=2,
+    )
     m = M3ForCausalLM(cfg).float()
     with torch.no_grad():
         for p in m.parameters():
@@ -83,10 +95,10 @@ def test_packed_weights_follow_in_place_weight_sync():
     new_k = torch.randn_like(attn.k_proj.weight)
     load_released_tensor(m, "model.layers.1.self_attn.k_proj.weight", new_k)
     off = attn.q_proj.weight.shape[0]
-    assert torch.equal(attn._packed_proj[off:off + new_k.shape[0]], new_k)
+    assert torch.equal(attn._packed_proj[off : off + new_k.shape[0]], new_k)
     new_up = torch.randn_like(mlp.up_proj.weight)
     load_released_tensor(m, "model.layers.0.mlp.up_proj.weight", new_up)
-    assert torch.equal(mlp._packed_gate_up[mlp.gate_proj.weight.shape[0]:], new_up)
+    assert torch.equal(mlp._packed_gate_up[mlp.gate_proj.weight.shape[0] :], new_up)
     # fused (packed GEMMs) still equals the PyTorch path after the update
     want, _ = _run(m, fused=False)
     got, _ = _run(m, fused=True)

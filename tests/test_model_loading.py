@@ -125,7 +125,7 @@ def test_hf_text_and_vl_names_load_and_skip_vision_and_mtp(tmp_path):
     a = M3ForCausalLM(cfg)
     assert load_hf_state_dict(a, sd) == []
     # transformers' VL naming + vision + MTP tensors, through a checkpoint directory
-    vl = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+    vl = {("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in sd.items()}
     extra = {
         "model.vision_tower.encoder.layers.0.mlp.fc1.weight": torch.zeros(4, 4),
         "model.multi_modal_projector.linear_1.weight": torch.zeros(4, 4),

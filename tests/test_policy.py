@@ -3,9 +3,9 @@
 import torch
 
 from m3_rollout.model import M3ForCausalLM, tiny_config
-from trainers.batch import TrainBatch
-from trainers.loss import ClippedPGLossFn
-from trainers.policy import Policy, token_logprobs
+from m3_trainers.batch import TrainBatch
+from m3_trainers.loss import ClippedPGLossFn
+from m3_trainers.policy import Policy, token_logprobs
 
 
 def _model():
@@ -72,7 +72,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from trainers.policy import frozen_parameter_names, lr_factor, mismatch_metrics  # noqa: E402
+from m3_trainers.policy import frozen_parameter_names, lr_factor, mismatch_metrics  # noqa: E402
 
 
 def _batch(seed=1, b=4, l=10):
@@ -189,8 +189,10 @@ def _generator_batch(gen_dtype: torch.dtype, model):
 
     backend = NativeBackend(gen_model, [49], max_model_len=64, max_num_seqs=8)
     prompts = [[1, 5, 9, 13, 2, 7], [3, 4, 8, 15, 16, 23, 42]]
-    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(n=4, temperature=1.0, max_new_tokens=20, seed=7))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenerationRequest(f"r{i}", p, SamplingParams(n=4, temperature=1.0, max_new_tokens=20, seed=7))
+        for i, p in enumerate(prompts)
+    ]
     outs = backend.generate(reqs)
     rows = [(o.prompt_ids + o.output_ids, len(o.prompt_ids), o.logprobs) for o in outs]
     l = max(len(r[0]) for r in rows)
@@ -199,9 +201,9 @@ def _generator_batch(gen_dtype: torch.dtype, model):
     mask = torch.zeros(b, l)
     lps = torch.zeros(b, l)
     for i, (toks, p, lp) in enumerate(rows):
-        ids[i, :len(toks)] = torch.tensor(toks)
-        mask[i, p:len(toks)] = 1
-        lps[i, p:len(toks)] = torch.tensor(lp)
+        ids[i, : len(toks)] = torch.tensor(toks)
+        mask[i, p : len(toks)] = 1
+        lps[i, p : len(toks)] = torch.tensor(lp)
     return TrainBatch(ids, mask, lps, torch.zeros(b), torch.tensor([len(r[0]) for r in rows]))
 
 
@@ -218,6 +220,8 @@ def test_token_mult_prob_error_is_one_with_same_weights_fp32():
     # bf16 generator, same weights: measurably worse (figure reported in docs/benchmarks.md)
     batch16 = _generator_batch(torch.bfloat16, model)
     m16 = mismatch_metrics(batch16.rollout_logprobs, policy.get_logprobs(batch16, 1.0, 8), batch16.loss_mask)
-    print(f"\nfp32 token_mult_prob_error {m['token_mult_prob_error']:.9f} gen_kl {m['gen_kl_error']:.2e}"
-          f" | bf16 {m16['token_mult_prob_error']:.6f} gen_kl {m16['gen_kl_error']:.2e}")
+    print(
+        f"\nfp32 token_mult_prob_error {m['token_mult_prob_error']:.9f} gen_kl {m['gen_kl_error']:.2e}"
+        f" | bf16 {m16['token_mult_prob_error']:.6f} gen_kl {m16['gen_kl_error']:.2e}"
+    )
     assert 1.0 + 1e-5 < m16["token_mult_prob_error"] < 1.2

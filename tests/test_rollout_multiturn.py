@@ -1,6 +1,5 @@
 """Token-in/token-out multi-turn rollouts: bridges, masks, engine finish reasons, re-scoring."""
 
-
 import pytest
 import torch
 
@@ -11,11 +10,16 @@ from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn
 from m3_rollout.rollout.environments.calculator import CalculatorEnvironment
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
-from trainers.policy import token_logprobs
+from m3_trainers.policy import token_logprobs
 
 MODES = ("enabled", "disabled", "adaptive")
-REC = {"messages": [{"role": "system", "content": "Use the calculator tool for arithmetic."},
-                    {"role": "user", "content": "What is 12 * 34?"}], "answer": "408"}
+REC = {
+    "messages": [
+        {"role": "system", "content": "Use the calculator tool for arithmetic."},
+        {"role": "user", "content": "What is 12 * 34?"},
+    ],
+    "answer": "408",
+}
 CALL = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}
 
 
@@ -25,10 +29,11 @@ def tok():
     tools = CalculatorEnvironment().tool_schemas()
     texts = []
     for i in range(15):
-        convo = REC["messages"] + [{"role": "assistant", "content": f"ok {i}", "reasoning_content": "hm",
-                                    "tool_calls": [CALL]},
-                                   {"role": "tool", "content": str(408 * i)},
-                                   {"role": "assistant", "content": f"It is {408 * i}."}]
+        convo = REC["messages"] + [
+            {"role": "assistant", "content": f"ok {i}", "reasoning_content": "hm", "tool_calls": [CALL]},
+            {"role": "tool", "content": str(408 * i)},
+            {"role": "assistant", "content": f"It is {408 * i}."},
+        ]
         texts += [render(template, convo, tools, True, m) for m in MODES]
     t = train_tokenizer(texts, vocab_size=700)
     t.chat_template = template
@@ -51,8 +56,17 @@ class ScriptedBackend(GenerationBackend):
                 k = self.turn.get(s, 0)
                 self.turn[s] = k + 1
                 ids, finish = self.script[s][k]
-                outs.append(SampleOutput(req.request_id, s, list(req.prompt_ids), list(ids),
-                                         [-0.001 * (i + 1) - k for i in range(len(ids))], finish, 7))
+                outs.append(
+                    SampleOutput(
+                        req.request_id,
+                        s,
+                        list(req.prompt_ids),
+                        list(ids),
+                        [-0.001 * (i + 1) - k for i in range(len(ids))],
+                        finish,
+                        7,
+                    )
+                )
         return outs
 
     @property
@@ -89,8 +103,8 @@ def test_bridge_ids_equal_template_rendering_minus_earlier_tokens(tok, mode):
     assert [list(r.prompt_ids) for r in backend.requests] == [prompt, prompt + turn1 + t.turns[0].bridge]
     # The bridge is exactly what the template renders for the whole conversation after the earlier tokens.
     full = chat.encode(chat.render(convo, tools, add_generation_prompt=True))
-    assert full[:len(prompt) + len(turn1)] == prompt + turn1
-    assert t.turns[0].bridge == full[len(prompt) + len(turn1):]
+    assert full[: len(prompt) + len(turn1)] == prompt + turn1
+    assert t.turns[0].bridge == full[len(prompt) + len(turn1) :]
     suffix = {"enabled": "<mm:think>", "disabled": "</mm:think>", "adaptive": ""}[mode]
     assert chat.decode(t.turns[0].bridge) == "\n]~b]tool\n<response>408</response>[e~[\n]~b]ai\n" + suffix
     # The whole trajectory is the template's rendering of the final conversation, except the "\n"
@@ -105,7 +119,7 @@ def test_bridge_ids_equal_template_rendering_minus_earlier_tokens(tok, mode):
     expect_mask = [0] * p1 + [1] * len(turn1) + [0] * b + [1] * len(turn2)
     assert t.loss_mask == expect_mask
     assert t.turn_spans == [(p1, p1 + len(turn1)), (p1 + len(turn1) + b, len(t.token_ids))]
-    assert t.rollout_logprobs[p1:p1 + 2] == [-0.001, -0.002] and t.rollout_logprobs[p1 - 1] == 0.0
+    assert t.rollout_logprobs[p1 : p1 + 2] == [-0.001, -0.002] and t.rollout_logprobs[p1 - 1] == 0.0
     assert set(v for v, m in zip(t.weight_version, t.loss_mask) if m) == {7}
     assert set(v for v, m in zip(t.weight_version, t.loss_mask) if not m) == {-1}
     # Parse results and tool calls are stored.
@@ -113,7 +127,8 @@ def test_bridge_ids_equal_template_rendering_minus_earlier_tokens(tok, mode):
     assert t.turns[0].parsed.reasoning == (reasoning if mode != "disabled" else None)
     assert t.turns[0].parsed.content == "Let me compute."
     assert [c.to_openai() for c in t.turns[0].parsed.tool_calls] == [
-        {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12*34"}'}}]
+        {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12*34"}'}}
+    ]
     assert t.turns[0].observations == ["408"]
     assert t.tool_calls == [{"name": "calculator", "arguments": '{"expression": "12*34"}'}]
     assert (t.reward, t.finish_reason) == (1.0, "stop")
@@ -151,12 +166,14 @@ def test_flagged_and_unknown_calls_become_error_observations(tok):
     ns = "]<]minimax[>["
     # Turn 1: a call that starts inside the unclosed think span (found), an unknown tool, a
     # malformed call and a schema violation. Turn 2: answer.
-    body = (f"I should call it {ns}<tool_call>\n"
-            f'{ns}<invoke name="calculator">{ns}<expression>12*34{ns}</expression>{ns}</invoke>\n'
-            f'{ns}<invoke name="python">{ns}<code>1{ns}</code>{ns}</invoke>\n'
-            f'{ns}<invoke name="calculator">{ns}<expression>1{ns}</oops>{ns}</invoke>\n'
-            f'{ns}<invoke name="calculator">{ns}<expr>1{ns}</expr>{ns}</invoke>\n'
-            f"{ns}</tool_call>")
+    body = (
+        f"I should call it {ns}<tool_call>\n"
+        f'{ns}<invoke name="calculator">{ns}<expression>12*34{ns}</expression>{ns}</invoke>\n'
+        f'{ns}<invoke name="python">{ns}<code>1{ns}</code>{ns}</invoke>\n'
+        f'{ns}<invoke name="calculator">{ns}<expression>1{ns}</oops>{ns}</invoke>\n'
+        f'{ns}<invoke name="calculator">{ns}<expr>1{ns}</expr>{ns}</invoke>\n'
+        f"{ns}</tool_call>"
+    )
     turn1 = chat.encode(body) + [chat.eos_token_id]
     turn2 = chat.assistant_ids("408", reasoning="ok")
     backend = ScriptedBackend({0: [(turn1, "stop"), (turn2, "stop")]})
@@ -200,10 +217,10 @@ def test_multiturn_rollout_logprobs_match_rescoring(tok):
     assert max(len(t.turns) for t in trajs) == 3  # really multi-turn
     for t in trajs:
         # Ids are the prompt + for each turn (sampled ids + bridge ids), in order.
-        rebuilt = list(t.token_ids[:t.prompt_len])
+        rebuilt = list(t.token_ids[: t.prompt_len])
         for r in t.turns:
-            assert rebuilt == t.token_ids[:r.start]
-            rebuilt += t.token_ids[r.start:r.end] + r.bridge
+            assert rebuilt == t.token_ids[: r.start]
+            rebuilt += t.token_ids[r.start : r.end] + r.bridge
         assert rebuilt == t.token_ids
         assert sum(t.loss_mask) == sum(r.end - r.start for r in t.turns)
         assert all(m == (any(r.start <= i < r.end for r in t.turns)) for i, m in enumerate(t.loss_mask))
@@ -221,7 +238,7 @@ def test_multiturn_trajectory_carries_the_engines_routing_record(tok):
     -> TrainBatch. The record equals a plain forward's expert choice for every recorded token
     (prompt, bridge and sampled tokens), and covers all but at most the last token."""
     from m3_rollout.engine.native_backend import NativeBackend
-    from trainers.batch import batch_from_trajectories
+    from m3_trainers.batch import batch_from_trajectories
 
     chat = ChatFormat(tok, "disabled")
     torch.manual_seed(0)
@@ -230,8 +247,9 @@ def test_multiturn_trajectory_carries_the_engines_routing_record(tok):
     bias[chat.eos_token_id] = 5.0
     model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
     backend = NativeBackend(model, chat.stop_token_ids, record_routing=True)
-    trajs, _ = run_group_rollouts(backend, chat, EchoEnv(), [{}],
-                                  settings(n=2, max_turns=3, max_total_len=300, max_new_tokens=12, seed=3))
+    trajs, _ = run_group_rollouts(
+        backend, chat, EchoEnv(), [{}], settings(n=2, max_turns=3, max_total_len=300, max_new_tokens=12, seed=3)
+    )
     assert max(len(t.turns) for t in trajs) >= 2
     for t in trajs:
         rec = torch.as_tensor(t.routed_experts).long()  # [L', n_moe_layers, K]
@@ -246,4 +264,4 @@ def test_multiturn_trajectory_carries_the_engines_routing_record(tok):
     for i, t in enumerate(trajs):
         rec = torch.as_tensor(t.routed_experts).long()
         assert torch.equal(batch.routed_experts[i, : rec.shape[0]], rec)
-        assert bool((batch.routed_experts[i, rec.shape[0]:] == -1).all())  # padding / unrecorded
+        assert bool((batch.routed_experts[i, rec.shape[0] :] == -1).all())  # padding / unrecorded

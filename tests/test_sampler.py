@@ -8,9 +8,13 @@ from m3_rollout.engine.sampler import SamplingTensors, keyed_uniform, process_lo
 
 
 def _params(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, sample_ids=None):
-    return SamplingTensors(torch.full((n,), temperature), torch.full((n,), top_k, dtype=torch.long),
-                           torch.full((n,), top_p), torch.full((n,), seed, dtype=torch.long),
-                           torch.arange(n) if sample_ids is None else sample_ids)
+    return SamplingTensors(
+        torch.full((n,), temperature),
+        torch.full((n,), top_k, dtype=torch.long),
+        torch.full((n,), top_p),
+        torch.full((n,), seed, dtype=torch.long),
+        torch.arange(n) if sample_ids is None else sample_ids,
+    )
 
 
 def test_uniform_depends_only_on_its_keys():
@@ -75,8 +79,11 @@ def test_rows_are_independent_of_batch_composition():
     p = _params(6, sample_ids=torch.tensor([3, 1, 4, 1, 5, 9]), seed=7)
     pos = torch.tensor([10, 11, 12, 13, 14, 15])
     full, _ = sample(logits, p, pos)
-    part, _ = sample(logits[2:4], SamplingTensors(*(t[2:4] for t in (p.temperature, p.top_k, p.top_p, p.seeds,
-                                                                        p.sample_ids))), pos[2:4])
+    part, _ = sample(
+        logits[2:4],
+        SamplingTensors(*(t[2:4] for t in (p.temperature, p.top_k, p.top_p, p.seeds, p.sample_ids))),
+        pos[2:4],
+    )
     assert torch.equal(full[2:4], part)
 
 
@@ -104,7 +111,8 @@ def test_fused_triton_sampler_equals_torch_sampler():
         params = SamplingTensors(temp, torch.full((n,), -1), torch.ones(n), seeds, sids)
         tok, lp = sample_rows(logits.float(), params, pos, raw != 0, False, False)
         out, last = torch.zeros(2 * n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
-        keyed_gumbel_sample(logits, temp, seeds, sids, pos, raw, vocab_hash(v, torch.device("cpu")), out, last,
-                            block=512)
+        keyed_gumbel_sample(
+            logits, temp, seeds, sids, pos, raw, vocab_hash(v, torch.device("cpu")), out, last, block=512
+        )
         assert out[:n].tolist() == tok.tolist() == last.tolist()
         assert (out[n:].view(torch.float64) - lp.double()).abs().max().item() < 1e-5

@@ -38,20 +38,37 @@ def _requests(tag: str = "") -> list[GenerationRequest]:
 
 
 def _engine_kwargs() -> dict:
-    return {"max_model_len": MAX_LEN, "max_num_seqs": 16, "eos_token_ids": (EOS,), "num_pages": 64,
-            "record_routing": True}
+    return {
+        "max_model_len": MAX_LEN,
+        "max_num_seqs": 16,
+        "eos_token_ids": (EOS,),
+        "num_pages": 64,
+        "record_routing": True,
+    }
 
 
 def _service(model_dir, world: int, **kwargs) -> RolloutService:
-    spec = WorkerSpec(model_dir=str(model_dir), group=EPGroupSpec(world, "127.0.0.1", 0, "gloo", timeout_s=20),
-                      dtype="float32", engine=_engine_kwargs(), **kwargs.pop("spec", {}))
-    return RolloutService(spec, launcher="mp", steps_per_call=kwargs.pop("steps_per_call", 8),
-                          start_timeout_s=120, **kwargs)
+    spec = WorkerSpec(
+        model_dir=str(model_dir),
+        group=EPGroupSpec(world, "127.0.0.1", 0, "gloo", timeout_s=20),
+        dtype="float32",
+        engine=_engine_kwargs(),
+        **kwargs.pop("spec", {}),
+    )
+    return RolloutService(
+        spec, launcher="mp", steps_per_call=kwargs.pop("steps_per_call", 8), start_timeout_s=120, **kwargs
+    )
 
 
 def _reference(model_dir, reqs):
-    backend = NativeBackend(load_checkpoint(model_dir, dtype=torch.float32), (EOS,), max_model_len=MAX_LEN,
-                            max_num_seqs=16, num_pages=64, record_routing=True)
+    backend = NativeBackend(
+        load_checkpoint(model_dir, dtype=torch.float32),
+        (EOS,),
+        max_model_len=MAX_LEN,
+        max_num_seqs=16,
+        num_pages=64,
+        record_routing=True,
+    )
     return backend.generate(reqs)
 
 

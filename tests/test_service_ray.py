@@ -11,7 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from test_service_ep import _key, _reference, _requests, model_dir  # noqa: E402,F401  (fixture reuse)
+from test_service_ep import _key, _reference, _requests, model_dir  # noqa: E402, F401 (fixture reuse)
 
 from m3_rollout.parallel import EPGroupSpec  # noqa: E402
 from m3_rollout.service import RolloutService, WorkerSpec  # noqa: E402
@@ -30,10 +30,14 @@ def ray_local():
 def test_ray_ep2_generation_and_restart(model_dir, ray_local):
     reqs = _requests("r")
     ref = _reference(model_dir, reqs)
-    spec = WorkerSpec(model_dir=str(model_dir), group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=20),
-                      dtype="float32",
-                      engine={"max_model_len": 96, "max_num_seqs": 16, "eos_token_ids": (3,), "num_pages": 64},
-                      fault_after_steps=4, fault_rank=0)
+    spec = WorkerSpec(
+        model_dir=str(model_dir),
+        group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=20),
+        dtype="float32",
+        engine={"max_model_len": 96, "max_num_seqs": 16, "eos_token_ids": (3,), "num_pages": 64},
+        fault_after_steps=4,
+        fault_rank=0,
+    )
     svc = RolloutService(spec, launcher="ray", worker_cpus=0.5, steps_per_call=2, start_timeout_s=120)
     try:
         assert [i["expert_range"] for i in svc.rank_info] == [(0, 4), (4, 8)]

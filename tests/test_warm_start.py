@@ -4,14 +4,14 @@ import json
 
 import torch
 
+from m3_rollout.builtin import _corpus
 from m3_rollout.chat.template import ChatFormat, load_template
 from m3_rollout.chat.tokenizer import train_tokenizer
-from m3_rollout.builtin import _corpus
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
-from trainers.warm_start import demonstration
+from m3_trainers.warm_start import demonstration
 
 
 def _chat():
@@ -26,19 +26,24 @@ def test_demonstration_is_the_rendered_conversation():
     rec = task.records(3, 1)[0]
     ids, mask = demonstration(chat, env, rec)
     messages, _ = env.reset(rec)
-    call = {"type": "function", "function": {"name": "calculator",
-                                             "arguments": json.dumps({"expression": rec["expression"]})}}
-    convo = messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                        {"role": "tool", "content": rec["answer"]}, {"role": "assistant", "content": rec["answer"]}]
+    call = {
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": rec["expression"]})},
+    }
+    convo = messages + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": rec["answer"]},
+        {"role": "assistant", "content": rec["answer"]},
+    ]
     rendered = chat.render(convo, tools=env.tool_schemas())
     assert chat.decode(ids) == rendered.rstrip("\n")
     # Mask = the two assistant turns, each ending with the end-of-message token.
     spans = [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]]
     assert len(spans) == 3  # prompt | call turn | tool turn | answer turn
     assert ids[spans[1] - 1] == chat.eos_token_id and ids[-1] == chat.eos_token_id and mask[-1] == 1
-    turn1 = chat.decode(ids[spans[0]:spans[1]])
+    turn1 = chat.decode(ids[spans[0] : spans[1]])
     assert rec["expression"] in turn1 and "calculator" in turn1
-    assert chat.decode(ids[spans[2]:]) == rec["answer"] + chat.eos_token
+    assert chat.decode(ids[spans[2] :]) == rec["answer"] + chat.eos_token
 
 
 def test_rollout_token_bookkeeping():
@@ -55,7 +60,7 @@ def test_rollout_token_bookkeeping():
         assert sum(t.loss_mask) == sum(e - s for s, e in t.turn_spans) > 0
         assert all(lp <= 0 for lp, m in zip(t.rollout_logprobs, t.loss_mask) if m)
         assert t.finish_reason in ("stop", "length", "max_turns")
-        assert t.token_ids[:t.prompt_len] == trajs[t.group_index * 4].token_ids[:t.prompt_len]
+        assert t.token_ids[: t.prompt_len] == trajs[t.group_index * 4].token_ids[: t.prompt_len]
     assert metrics["generated_tokens"] == sum(t.num_generated for t in trajs)
     again, _ = run_group_rollouts(backend, chat, env, recs, settings)
     assert [t.token_ids for t in again] == [t.token_ids for t in trajs]
@@ -76,15 +81,26 @@ class ScriptedBackend:
             rec = self.records[gi]
             text = self.chat.decode(list(req.prompt_ids))
             if "<response>" not in text:
-                call = {"type": "function", "function": {"name": "calculator",
-                                                         "arguments": json.dumps({"expression": rec["expression"]})}}
+                call = {
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": json.dumps({"expression": rec["expression"]})},
+                }
                 ids = self.chat.assistant_ids(tool_calls=[call])
             else:
                 result = text.rsplit("<response>", 1)[1].split("</response>", 1)[0]
                 ids = self.chat.assistant_ids(content=f"It is {result}.")
             for j in range(req.params.n):
-                outs.append(SampleOutput(req.request_id, req.sample_index + j, list(req.prompt_ids), list(ids),
-                                         [-0.5] * len(ids), "stop", 3))
+                outs.append(
+                    SampleOutput(
+                        req.request_id,
+                        req.sample_index + j,
+                        list(req.prompt_ids),
+                        list(ids),
+                        [-0.5] * len(ids),
+                        "stop",
+                        3,
+                    )
+                )
         self.calls += 1
         return outs
 
@@ -107,12 +123,22 @@ def test_multi_turn_tool_use_loop_matches_demonstration():
         assert t.loss_mask[:n_common] == demo_mask[:n_common]
         assert t.weight_version[t.turn_spans[0][0]] == 3 and t.weight_version[0] == -1
     # Turn limit: with one turn the episode ends after the call, unanswered.
-    one, _ = run_group_rollouts(ScriptedBackend(chat, recs), chat, env, recs,
-                                RolloutSettings(n=1, max_turns=1, max_total_len=400, max_new_tokens=60))
+    one, _ = run_group_rollouts(
+        ScriptedBackend(chat, recs),
+        chat,
+        env,
+        recs,
+        RolloutSettings(n=1, max_turns=1, max_total_len=400, max_new_tokens=60),
+    )
     assert all(t.finish_reason == "max_turns" and t.reward == 0.0 for t in one)
     # Length cap: the tool turn does not fit, the trajectory ends as "length" after the call.
     demo_ids, demo_mask = demonstration(chat, env, recs[0])
     call_end = demo_mask.index(0, demo_mask.index(1))  # first non-assistant token after the call turn
-    short, _ = run_group_rollouts(ScriptedBackend(chat, recs[:1]), chat, env, recs[:1],
-                                  RolloutSettings(n=1, max_turns=3, max_total_len=call_end + 5, max_new_tokens=60))
+    short, _ = run_group_rollouts(
+        ScriptedBackend(chat, recs[:1]),
+        chat,
+        env,
+        recs[:1],
+        RolloutSettings(n=1, max_turns=3, max_total_len=call_end + 5, max_new_tokens=60),
+    )
     assert short[0].finish_reason == "length" and short[0].token_ids == demo_ids[:call_end]

@@ -16,8 +16,15 @@ from m3_rollout.engine.engine import EngineConfig, LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
 from m3_rollout.parallel import shard_experts
-from m3_rollout.weight_sync import (ColocatedChannel, HandshakeError, WeightReceiver, WeightSender,
-                                    WeightUpdateError, plan_buckets, receiver_layout)
+from m3_rollout.weight_sync import (
+    ColocatedChannel,
+    HandshakeError,
+    WeightReceiver,
+    WeightSender,
+    WeightUpdateError,
+    plan_buckets,
+    receiver_layout,
+)
 from m3_rollout.weight_sync.buckets import checksum_ok, pack_bucket
 from m3_rollout.weight_sync.in_flight import update_with_policy
 
@@ -39,8 +46,9 @@ def _params(m):
 
 
 def _sender(trainer, receivers, dtype=None, fault=None, named=None):
-    return WeightSender(named or (lambda: iter_released_tensors(trainer)), ColocatedChannel(receivers),
-                        BUCKET_MB, dtype, fault=fault)
+    return WeightSender(
+        named or (lambda: iter_released_tensors(trainer)), ColocatedChannel(receivers), BUCKET_MB, dtype, fault=fault
+    )
 
 
 def _logits(m, ids):
@@ -84,7 +92,7 @@ def test_bucket_plan_covers_every_element_once_per_dtype():
         assert b.data_bytes <= cap and b.wire_bytes % 8 == 0
         assert all(entries[s.entry][1] == b.dtype for s in b.segments)  # one dtype per bucket
         for s in b.segments:
-            seen[s.entry][s.elem_start:s.elem_start + s.numel] += 1
+            seen[s.entry][s.elem_start : s.elem_start + s.numel] += 1
     assert all(bool((x == 1).all()) for x in seen)
     assert {b.dtype for b in plan} == {torch.bfloat16, torch.float32}  # router stays fp32
     # pack + checksum round trip, and a flipped byte is caught
@@ -161,8 +169,10 @@ def test_handshake_lists_differences():
     with pytest.raises(HandshakeError) as exc:
         _sender(trainer, [rx]).handshake()
     msg = str(exc.value)
-    assert "shape of language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight: trainer [16, 128], " \
-           "rollout [32, 128]" in msg
+    assert (
+        "shape of language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight: trainer [16, 128], "
+        "rollout [32, 128]" in msg
+    )
     assert "experts.7.w2.weight" in msg
 
 
@@ -190,12 +200,17 @@ def _corrupt_cases(trainer):
         if k == 5:
             buf[10] ^= 0x40
 
-    return [("nan", with_nan, None, f"non-finite values in {name_nan}"),
-            ("shape", with_bad_shape, None, f"shape of {name_shape}: update [128, 255], handshake [128, 256]"),
-            ("missing", without_one, None, f"missing from update: {name_missing}"),
-            ("checksum", None, flip, # 0.05 MiB = 13107 fp32 elements per bucket: bucket 5 lies inside embed_tokens (131072 elements)
-             "bucket 5 (torch.float32, 52428 bytes) checksum mismatch; holds "
-             "language_model.model.embed_tokens.weight")]
+    return [
+        ("nan", with_nan, None, f"non-finite values in {name_nan}"),
+        ("shape", with_bad_shape, None, f"shape of {name_shape}: update [128, 255], handshake [128, 256]"),
+        ("missing", without_one, None, f"missing from update: {name_missing}"),
+        (
+            "checksum",
+            None,
+            flip,  # 0.05 MiB = 13107 fp32 elements per bucket: bucket 5 lies inside embed_tokens (131072 elements)
+            "bucket 5 (torch.float32, 52428 bytes) checksum mismatch; holds language_model.model.embed_tokens.weight",
+        ),
+    ]
 
 
 @pytest.mark.parametrize("case", ["nan", "shape", "missing", "checksum"])
@@ -240,8 +255,9 @@ def test_non_atomic_failure_marks_rank_invalid_until_full_update():
 
 # ------------------------------------------------------------------------------ engine integration
 def _engine(model, num_pages=64):
-    return LLMEngine(model, EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
-                                         num_pages=num_pages))
+    return LLMEngine(
+        model, EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512, num_pages=num_pages)
+    )
 
 
 def _run(engine, reqs):
@@ -261,12 +277,12 @@ def _colocated_update(engine, trainer, version):
     def do_update():
         sender.update(version, include_frozen=True)
         return channel.results[0]
+
     return do_update
 
 
 def _req(rid, prompt, n=1, max_new=10, seed=3, sample_index=0):
-    return GenerationRequest(rid, list(prompt), SamplingParams(n=n, max_new_tokens=max_new, seed=seed),
-                             sample_index)
+    return GenerationRequest(rid, list(prompt), SamplingParams(n=n, max_new_tokens=max_new, seed=seed), sample_index)
 
 
 PROMPT = torch.randint(0, 1024, (70,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -347,8 +363,13 @@ def test_in_flight_continue_versions_per_token(recompute):
         assert o.token_weight_versions == [0] * k + [1] * (len(o.output_ids) - k)
     if recompute:  # KV recomputed under the new weights == a fresh new-weights engine continuing the text
         for o in got:
-            cont = _req("c", o.prompt_ids + o.output_ids[:4], max_new=6, seed=o.request_id == "r0" and 1 or 2,
-                        sample_index=o.sample_index)
+            cont = _req(
+                "c",
+                o.prompt_ids + o.output_ids[:4],
+                max_new=6,
+                seed=o.request_id == "r0" and 1 or 2,
+                sample_index=o.sample_index,
+            )
             ref = _run(_engine(copy.deepcopy(trainer)), [cont])[0]
             assert o.output_ids[4:] == ref.output_ids
             assert o.logprobs[4:] == pytest.approx(ref.logprobs, abs=1e-5)
@@ -387,8 +408,8 @@ def test_invalid_rank_refuses_requests_until_full_update():
 
 def test_build_weight_sender_colocated_follows_freeze_config():
     from m3_rollout.config import FreezeConfig, WeightSyncConfig
-    from trainers.policy import Policy
-    from trainers.weight_sender import build_weight_sender
+    from m3_trainers.policy import Policy
+    from m3_trainers.weight_sender import build_weight_sender
 
     trainer, rx_model = _model(1), _model(0)
     bias_before = rx_model.moe_layers()[0].e_score_correction_bias.clone()

@@ -4,7 +4,6 @@ atomic rejection of non-finite / overflowing / malformed updates with old weight
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -33,6 +32,7 @@ def _with(trainer, name, fn):
                 t = t.clone()
                 fn(t)
             yield n, t
+
     return named
 
 
@@ -51,8 +51,9 @@ def test_direct_update_bitwise_in_place_with_expert_rows(atomic, ep):
     stats = _send(trainer, rxs, torch.bfloat16).update(3, include_frozen=True)
     released = list(iter_released_tensors(trainer))
     assert stats["buckets"] == 0
-    assert stats["bytes"] == sum(t.numel() * (4 if "gate.weight" in n or "correction_bias" in n else 2)
-                                 for n, t in released)
+    assert stats["bytes"] == sum(
+        t.numel() * (4 if "gate.weight" in n or "correction_bias" in n else 2) for n, t in released
+    )
     want = dict(trainer.named_parameters())
     for m, rx, ptr in zip(rx_models, rxs, ptrs):
         assert rx.version == 3 and rx.valid
@@ -63,8 +64,10 @@ def test_direct_update_bitwise_in_place_with_expert_rows(atomic, ep):
                 a, b = m.get_submodule(name.rsplit(".", 1)[0]).expert_range if ep > 1 else (0, ref.shape[0])
                 ref = ref[a:b]
             ref = ref.to(p.dtype)  # router stays fp32: exact fp32 bits; the rest rounds once to bf16
-            assert torch.equal(p.view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32),
-                               ref.view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32)), name
+            assert torch.equal(
+                p.view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32),
+                ref.view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32),
+            ), name
     if ep == 2:  # rank 1 holds experts [4, 8): local row 1 = global expert 5, gate rows before up rows
         w13 = rx_models[1].model.layers[2].block_sparse_moe.experts.w13
         inter = w13.shape[1] // 2
@@ -149,7 +152,9 @@ def test_direct_header_errors_and_non_atomic_semantics():
     s2 = _send(trainer, [rx2], named=sender.named_tensors)
     with pytest.raises(WeightUpdateError, match="non-finite values"):
         s2.update(4)
-    assert rx2.valid and rx2.version == 2 and not torch.isnan(rx2_model.model.layers[2].block_sparse_moe.experts.w13).any()
+    assert (
+        rx2.valid and rx2.version == 2 and not torch.isnan(rx2_model.model.layers[2].block_sparse_moe.experts.w13).any()
+    )
 
 
 def test_nonfinite_and_copy_into_against_per_tensor_reference():
@@ -170,4 +175,3 @@ def test_nonfinite_and_copy_into_against_per_tensor_reference():
         assert torch.equal(o.float(), t.to(d).float()) or (torch.isnan(o.float()) == torch.isnan(t)).all()
     with pytest.raises(ValueError, match="destination dtypes"):
         nonfinite(ts, dst[:-1])
-

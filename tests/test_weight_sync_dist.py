@@ -1,7 +1,8 @@
 """Weight sync over a real gloo broadcast group: trainer + rollout ranks in separate processes.
 
 Scenario "ep1": trainer + two EP=1 rollout ranks (rank 1 atomic, rank 2 not). Update 1 is good
-(bitwise weights, logits within 1e-5); update 2 carries a NaN (both ranks check finite values), update 3 a corrupted bucket, and
+(bitwise weights, logits within 1e-5); update 2 carries a NaN (both ranks check finite values), update 3 a
+corrupted bucket, and
 during update 4 the trainer process dies midway. The atomic rank stays on version 1 serving the
 version-1 logits throughout; the non-atomic rank rejects 2 and 3 before touching anything past
 the bad bucket and is marked invalid after the interrupted 4. A restarted trainer then serves
@@ -28,8 +29,7 @@ import torch.multiprocessing as mp
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
 from m3_rollout.parallel import EPGroupSpec, destroy_ep_group, free_port, init_ep_group, shard_experts
-from m3_rollout.weight_sync import (BroadcastChannel, WeightReceiver, WeightSender, WeightSyncGroup,
-                                    WeightUpdateError)
+from m3_rollout.weight_sync import BroadcastChannel, WeightReceiver, WeightSender, WeightSyncGroup, WeightUpdateError
 
 TIMEOUT_S = 120
 GROUP_TIMEOUT_S = 20
@@ -99,6 +99,7 @@ def _trainer_ep1(port: int, results) -> None:
         def die(k, buf):
             if k == 40:  # the trainer dies with half the update sent
                 os._exit(3)
+
         sender.fault = die
         sender.update(4)
     except Exception:  # noqa: BLE001
@@ -130,14 +131,29 @@ def _receiver_ep1(rank: int, port: int, results) -> None:
         log = []
         for _ in range(4):
             r = rx.receive_update(group, int(BUCKET_MB * 2**20))
-            log.append({"ok": r.ok, "version": r.version, "valid": r.valid, "rebuild": r.needs_rebuild,
-                        "errors": r.errors, "bitwise_v1": _bitwise_equal(model, ref1),
-                        "logits_v1": float((_logits(model) - _logits(ref1)).abs().max())})
+            log.append(
+                {
+                    "ok": r.ok,
+                    "version": r.version,
+                    "valid": r.valid,
+                    "rebuild": r.needs_rebuild,
+                    "errors": r.errors,
+                    "bitwise_v1": _bitwise_equal(model, ref1),
+                    "logits_v1": float((_logits(model) - _logits(ref1)).abs().max()),
+                }
+            )
         group.rebuild()  # the trainer was restarted: new store, new token
         rx.handshake(group)
         r = rx.receive_update(group, int(BUCKET_MB * 2**20))
-        log.append({"ok": r.ok, "version": r.version, "valid": r.valid, "bitwise_v2": _bitwise_equal(model, ref2),
-                    "logits_v2": float((_logits(model) - _logits(ref2)).abs().max())})
+        log.append(
+            {
+                "ok": r.ok,
+                "version": r.version,
+                "valid": r.valid,
+                "bitwise_v2": _bitwise_equal(model, ref2),
+                "logits_v2": float((_logits(model) - _logits(ref2)).abs().max()),
+            }
+        )
         results.put({"who": f"rank{rank}", "log": log, "ptrs_same": ptrs == [p.data_ptr() for p in model.parameters()]})
     except Exception:  # noqa: BLE001
         results.put({"who": f"rank{rank}", "error": traceback.format_exc()})
@@ -169,14 +185,13 @@ def _receiver_ep2(rank: int, port: int, ep_spec: EPGroupSpec, results) -> None:
         group = WeightSyncGroup("127.0.0.1", port, rank, 3, "gloo", GROUP_TIMEOUT_S)
         rx.handshake(group)
         out = {"who": f"rank{rank}", "range": model.moe_layers()[0].experts.expert_range, "log": []}
-        for version, atomic, seed in ((1, True, 1), (2, False, 2)):
+        for _version, atomic, seed in ((1, True, 1), (2, False, 2)):
             rx.atomic = atomic
             r = rx.receive_update(group, int(BUCKET_MB * 2**20))
             ref = _model(seed)
             with torch.no_grad():
                 diff = float((model(_ids()) - ref(_ids())).abs().max())  # EP forward (collective)
-            out["log"].append({"ok": r.ok, "version": r.version, "bitwise": _bitwise_equal(model, ref),
-                               "logits": diff})
+            out["log"].append({"ok": r.ok, "version": r.version, "bitwise": _bitwise_equal(model, ref), "logits": diff})
         results.put(out)
     except Exception:  # noqa: BLE001
         results.put({"who": f"rank{rank}", "error": traceback.format_exc()})

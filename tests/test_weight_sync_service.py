@@ -30,9 +30,14 @@ def model_dir(tiny_ep_model_dir):
 
 def _requests():
     gen = torch.Generator().manual_seed(3)
-    return [GenerationRequest(f"g{g}", torch.randint(4, 256, (9 + 7 * g,), generator=gen).tolist(),
-                              SamplingParams(n=2, max_new_tokens=10, seed=10 + g, stop_token_ids=(EOS,)))
-            for g in range(3)]
+    return [
+        GenerationRequest(
+            f"g{g}",
+            torch.randint(4, 256, (9 + 7 * g,), generator=gen).tolist(),
+            SamplingParams(n=2, max_new_tokens=10, seed=10 + g, stop_token_ids=(EOS,)),
+        )
+        for g in range(3)
+    ]
 
 
 def _key(outs):
@@ -41,11 +46,16 @@ def _key(outs):
 
 def test_service_updates_through_broadcast_group(model_dir):
     engine = {"max_model_len": MAX_LEN, "max_num_seqs": 16, "eos_token_ids": (EOS,), "num_pages": 64}
-    spec = WorkerSpec(model_dir=str(model_dir), group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=20),
-                      dtype="float32", engine=engine)
+    spec = WorkerSpec(
+        model_dir=str(model_dir),
+        group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=20),
+        dtype="float32",
+        engine=engine,
+    )
     ws = WeightSyncConfig(bucket_size_mb=0.05, timeout_s=20)
-    svc = RolloutService(spec, launcher="mp", steps_per_call=8, start_timeout_s=120, weight_sync=ws,
-                         freeze=FreezeConfig())
+    svc = RolloutService(
+        spec, launcher="mp", steps_per_call=8, start_timeout_s=120, weight_sync=ws, freeze=FreezeConfig()
+    )
     reqs = _requests()
     try:
         new = load_checkpoint(model_dir, dtype=torch.float32)
@@ -68,7 +78,9 @@ def test_service_updates_through_broadcast_group(model_dir):
         sender = svc._ws_sender
         sender.fault = nan_with_valid_checksum
         worse = load_checkpoint(model_dir, dtype=torch.float32)
-        with pytest.raises(ValueError, match="rank 1: non-finite values in language_model.model.layers.0.self_attn.q_proj.weight"):
+        with pytest.raises(
+            ValueError, match="rank 1: non-finite values in language_model.model.layers.0.self_attn.q_proj.weight"
+        ):
             svc.update_weights(5, iter_released_tensors(worse))
         sender.fault = None
         again = svc.generate(reqs)

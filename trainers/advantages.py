@@ -30,8 +30,13 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torc
     return (gmax == gmin)[inv]
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize: bool = True,
-                     leave_one_out: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    normalize: bool = True,
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Per-sample advantages.
 
     Args:

@@ -27,12 +27,12 @@ from m3_rollout.rollout.trajectory import Trajectory
 @dataclass
 class TrainBatch:
     """Attributes (B samples, L = longest trajectory):
-        token_ids: int64 [B, L], right-padded with ``pad_id``.
-        loss_mask: float32 [B, L], 1 on sampled tokens.
-        rollout_logprobs: float32 [B, L].
-        advantages: float32 [B].
-        lengths: int64 [B].
-        routed_experts: int64 [B, L, n_moe_layers, K] or None (see module docstring).
+    token_ids: int64 [B, L], right-padded with ``pad_id``.
+    loss_mask: float32 [B, L], 1 on sampled tokens.
+    rollout_logprobs: float32 [B, L].
+    advantages: float32 [B].
+    lengths: int64 [B].
+    routed_experts: int64 [B, L, n_moe_layers, K] or None (see module docstring).
     """
 
     token_ids: torch.Tensor
@@ -55,23 +55,36 @@ class TrainBatch:
         pad = torch.arange(l)[None, :] >= self.lengths[:, None]
         if bool((self.loss_mask.bool() & pad).any()):
             raise ValueError("TrainBatch.loss_mask covers padding")
-        if self.routed_experts is not None and (self.routed_experts.ndim != 4
-                                                or tuple(self.routed_experts.shape[:2]) != (b, l)):
-            raise ValueError(f"TrainBatch.routed_experts has shape {tuple(self.routed_experts.shape)}, "
-                             f"expected [B={b}, L={l}, n_moe_layers, top_k]")
+        if self.routed_experts is not None and (
+            self.routed_experts.ndim != 4 or tuple(self.routed_experts.shape[:2]) != (b, l)
+        ):
+            raise ValueError(
+                f"TrainBatch.routed_experts has shape {tuple(self.routed_experts.shape)}, "
+                f"expected [B={b}, L={l}, n_moe_layers, top_k]"
+            )
 
-    def slice(self, idx: slice) -> "TrainBatch":
+    def slice(self, idx: slice) -> TrainBatch:
         """Rows ``idx``, trimmed to their longest length."""
         lengths = self.lengths[idx]
         l = int(lengths.max())
         routed = None if self.routed_experts is None else self.routed_experts[idx, :l]
-        return TrainBatch(self.token_ids[idx, :l], self.loss_mask[idx, :l], self.rollout_logprobs[idx, :l],
-                          self.advantages[idx], lengths, routed)
+        return TrainBatch(
+            self.token_ids[idx, :l],
+            self.loss_mask[idx, :l],
+            self.rollout_logprobs[idx, :l],
+            self.advantages[idx],
+            lengths,
+            routed,
+        )
 
 
-def batch_from_trajectories(trajs: list[Trajectory], advantages: torch.Tensor, pad_id: int = 0,
-                            sample_mask: torch.Tensor | None = None,
-                            with_routing: bool = False) -> TrainBatch:
+def batch_from_trajectories(
+    trajs: list[Trajectory],
+    advantages: torch.Tensor,
+    pad_id: int = 0,
+    sample_mask: torch.Tensor | None = None,
+    with_routing: bool = False,
+) -> TrainBatch:
     """Pad trajectories into a :class:`TrainBatch` (row i = trajs[i]).
 
     Args:

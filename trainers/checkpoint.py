@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import shutil
-import os
 import tempfile
 from pathlib import Path
 
@@ -68,8 +68,13 @@ class CheckpointManager:
         higher_is_better: ranking direction.
     """
 
-    def __init__(self, root: str | Path, keep_top_k: int | None = None, metric_name: str = "val/accuracy",
-                 higher_is_better: bool = True):
+    def __init__(
+        self,
+        root: str | Path,
+        keep_top_k: int | None = None,
+        metric_name: str = "val/accuracy",
+        higher_is_better: bool = True,
+    ):
         self.root = Path(root)
         self.keep_top_k, self.metric_name, self.higher_is_better = keep_top_k, metric_name, higher_is_better
 
@@ -90,7 +95,7 @@ class CheckpointManager:
         """Write ``step_{step}`` (replacing an existing one), then apply retention.
 
         Args:
-            policy: ``trainers.policy.Policy``.
+            policy: ``m3_trainers.policy.Policy``.
             tokenizer_dir: directory whose tokenizer files are copied next to the weights.
             data_state: the rollout collector's state (prompt-batch position).
             metrics: numbers recorded in training_info.json (keep_top_k ranks by ``metric_name``).
@@ -106,10 +111,19 @@ class CheckpointManager:
             save_checkpoint(policy.model, policy.model.config, tmp / "policy")
             if tokenizer_dir is not None:
                 copy_tokenizer_files(tokenizer_dir, tmp / "policy")
-            torch.save({"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict()},
-                       tmp / "optimizer.pt")
-            torch.save({"step": step, "data": dict(data_state), "python_rng": random.getstate(),
-                        "torch_rng": torch.get_rng_state()}, tmp / "training_state.pt")
+            torch.save(
+                {"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict()},
+                tmp / "optimizer.pt",
+            )
+            torch.save(
+                {
+                    "step": step,
+                    "data": dict(data_state),
+                    "python_rng": random.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+                tmp / "training_state.pt",
+            )
             clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
             (tmp / "training_info.json").write_text(json.dumps({"step": step, "metrics": clean}, indent=1))
             if final.exists():

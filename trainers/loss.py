@@ -71,9 +71,15 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
     raise ValueError(f"kl type {kind!r}: must be one of {list(KL_TYPES)}")
 
 
-def importance_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor,
-                       kind: str, tis_max: float = 2.0, mis_min: float = 0.5,
-                       mis_max: float = 2.0) -> torch.Tensor:
+def importance_weights(
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str,
+    tis_max: float = 2.0,
+    mis_min: float = 0.5,
+    mis_max: float = 2.0,
+) -> torch.Tensor:
     """Per-token importance weights trainer/generator, exp(prev - gen), detached.
 
     Args:
@@ -136,10 +142,19 @@ class ClippedPGLossFn:
         ValueError: bad option (named).
     """
 
-    def __init__(self, ratio_clip_min: float = 0.2, ratio_clip_max: float = 0.2, token_level_loss: bool = True,
-                 ratio_clip_c: float | None = None, reference_policy_kl_penalty: float = 0.0,
-                 reference_policy_kl_type: str = "k3", importance_sampling: str = "none",
-                 tis_max: float = 2.0, mis_min: float = 0.5, mis_max: float = 2.0):
+    def __init__(
+        self,
+        ratio_clip_min: float = 0.2,
+        ratio_clip_max: float = 0.2,
+        token_level_loss: bool = True,
+        ratio_clip_c: float | None = None,
+        reference_policy_kl_penalty: float = 0.0,
+        reference_policy_kl_type: str = "k3",
+        importance_sampling: str = "none",
+        tis_max: float = 2.0,
+        mis_min: float = 0.5,
+        mis_max: float = 2.0,
+    ):
         if ratio_clip_c is not None and not ratio_clip_c > 1:
             raise ValueError(f"ratio_clip_c={ratio_clip_c}: must be > 1 (or None = off)")
         if reference_policy_kl_type not in KL_TYPES:
@@ -159,9 +174,16 @@ class ClippedPGLossFn:
         """Whether callers must compute reference-policy logprobs (skipped when beta == 0)."""
         return self.kl_penalty != 0.0
 
-    def __call__(self, logprobs: torch.Tensor, prev_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor, global_normalizer: float, generation_logprobs: torch.Tensor | None = None,
-                 reference_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        prev_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        global_normalizer: float,
+        generation_logprobs: torch.Tensor | None = None,
+        reference_logprobs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """Loss of one micro-batch (see module docstring for the maths).
 
         Args:
@@ -184,8 +206,10 @@ class ClippedPGLossFn:
             ValueError: a required input is missing or shapes disagree.
         """
         if logprobs.shape != prev_logprobs.shape or logprobs.shape != mask.shape:
-            raise ValueError(f"logprobs {tuple(logprobs.shape)}, prev_logprobs {tuple(prev_logprobs.shape)} and "
-                             f"mask {tuple(mask.shape)} must have one shape [B, L]")
+            raise ValueError(
+                f"logprobs {tuple(logprobs.shape)}, prev_logprobs {tuple(prev_logprobs.shape)} and "
+                f"mask {tuple(mask.shape)} must have one shape [B, L]"
+            )
         if advantages.shape != logprobs.shape[:1]:
             raise ValueError(f"advantages shape {tuple(advantages.shape)} != [B] = {tuple(logprobs.shape[:1])}")
         m = mask.bool()
@@ -203,8 +227,9 @@ class ClippedPGLossFn:
         if self.importance_sampling != "none":
             if generation_logprobs is None:
                 raise ValueError(f"importance_sampling={self.importance_sampling!r} needs generation_logprobs")
-            w = importance_weights(prev, generation_logprobs, m, self.importance_sampling, self.tis_max,
-                                   self.mis_min, self.mis_max)
+            w = importance_weights(
+                prev, generation_logprobs, m, self.importance_sampling, self.tis_max, self.mis_min, self.mis_max
+            )
         else:
             w = m.to(lp.dtype)
         per_token = w * pg

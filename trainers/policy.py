@@ -13,16 +13,16 @@ import copy
 import math
 import re
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import torch
 
 from m3_rollout.model import M3ForCausalLM
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.model.numerics import compute_dtype
-from trainers.batch import TrainBatch
-from trainers.loss import ClippedPGLossFn, masked_fill_zero
+from m3_trainers.batch import TrainBatch
+from m3_trainers.loss import ClippedPGLossFn, masked_fill_zero
 
 _INDEXER_KEYS = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -45,8 +45,10 @@ def replay_routing(model: M3ForCausalLM, routed_experts: torch.Tensor | None):
         return
     b, l, n, k = routed_experts.shape
     if n != len(layers) or (layers and k != layers[0].top_k):
-        raise ValueError(f"routed_experts has {n} MoE layers x top_k {k}; the model has {len(layers)} x "
-                         f"{layers[0].top_k if layers else '-'}")
+        raise ValueError(
+            f"routed_experts has {n} MoE layers x top_k {k}; the model has {len(layers)} x "
+            f"{layers[0].top_k if layers else '-'}"
+        )
     try:
         for j, moe in enumerate(layers):
             moe.replay_topk_ids = routed_experts[:, :, j].reshape(b * l, k)  # [T, K], row-major like x
@@ -56,8 +58,13 @@ def replay_routing(model: M3ForCausalLM, routed_experts: torch.Tensor | None):
             moe.replay_topk_ids = None
 
 
-def token_logprobs(model: M3ForCausalLM, token_ids: torch.Tensor, temperature: float = 1.0,
-                   routed_experts: torch.Tensor | None = None, return_entropy: bool = False):
+def token_logprobs(
+    model: M3ForCausalLM,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    routed_experts: torch.Tensor | None = None,
+    return_entropy: bool = False,
+):
     """Logprob of every token given its prefix.
 
     Args:
@@ -87,8 +94,9 @@ def token_logprobs(model: M3ForCausalLM, token_ids: torch.Tensor, temperature: f
     return lp, ent
 
 
-def frozen_parameter_names(model: torch.nn.Module, freeze_indexer: bool, freeze_router_bias: bool,
-                           patterns: Sequence[str] = ()) -> set[str]:
+def frozen_parameter_names(
+    model: torch.nn.Module, freeze_indexer: bool, freeze_router_bias: bool, patterns: Sequence[str] = ()
+) -> set[str]:
     """Names of parameters the freeze policy keeps fixed.
 
     Args:
@@ -102,8 +110,9 @@ def frozen_parameter_names(model: torch.nn.Module, freeze_indexer: bool, freeze_
     names = [n for n, _ in model.named_parameters()]
     frozen = set()
     for n in names:
-        if (freeze_indexer and any(k in n for k in _INDEXER_KEYS)) or \
-                (freeze_router_bias and n.endswith("e_score_correction_bias")):
+        if (freeze_indexer and any(k in n for k in _INDEXER_KEYS)) or (
+            freeze_router_bias and n.endswith("e_score_correction_bias")
+        ):
             frozen.add(n)
     for pat in patterns:
         try:
@@ -112,8 +121,7 @@ def frozen_parameter_names(model: torch.nn.Module, freeze_indexer: bool, freeze_
             raise ValueError(f"policy.freeze.patterns: {pat!r} is not a regular expression ({exc})") from None
         hits = {n for n in names if rx.search(n)}
         if not hits:
-            raise ValueError(f"policy.freeze.patterns: {pat!r} matches no parameter (names look like "
-                             f"{names[1]!r})")
+            raise ValueError(f"policy.freeze.patterns: {pat!r} matches no parameter (names look like {names[1]!r})")
         frozen |= hits
     return frozen
 
@@ -123,8 +131,13 @@ def is_no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim < 2 or "norm" in name or name.endswith("e_score_correction_bias")
 
 
-def split_param_groups(model: M3ForCausalLM, freeze_indexer: bool, freeze_router_bias: bool,
-                       weight_decay: float, patterns: Sequence[str] = ()) -> list[dict]:
+def split_param_groups(
+    model: M3ForCausalLM,
+    freeze_indexer: bool,
+    freeze_router_bias: bool,
+    weight_decay: float,
+    patterns: Sequence[str] = (),
+) -> list[dict]:
     """AdamW parameter groups: no weight decay on norms (1-D weights) and the router bias;
     frozen tensors (``frozen_parameter_names``) get ``requires_grad=False`` and stay out of the
     optimizer (so weight decay never touches them either)."""
@@ -170,18 +183,32 @@ class Policy:
         routing_replay: use ``TrainBatch.routed_experts`` in every trainer forward.
     """
 
-    def __init__(self, model: M3ForCausalLM, lr: float, weight_decay: float = 0.01,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, max_grad_norm: float = 1.0,
-                 freeze_indexer: bool = True, freeze_router_bias: bool = True, freeze_patterns: Sequence[str] = (),
-                 warmup_steps: int = 0, lr_schedule: str = "constant", total_steps: int = 1,
-                 min_lr_ratio: float = 0.0, reference_model: bool = False, routing_replay: bool = False):
+    def __init__(
+        self,
+        model: M3ForCausalLM,
+        lr: float,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        max_grad_norm: float = 1.0,
+        freeze_indexer: bool = True,
+        freeze_router_bias: bool = True,
+        freeze_patterns: Sequence[str] = (),
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        total_steps: int = 1,
+        min_lr_ratio: float = 0.0,
+        reference_model: bool = False,
+        routing_replay: bool = False,
+    ):
         self.model = model.train()
         self.max_grad_norm = max_grad_norm
         self.routing_replay = routing_replay
         groups = split_param_groups(model, freeze_indexer, freeze_router_bias, weight_decay, freeze_patterns)
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps, min_lr_ratio))
+            self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps, min_lr_ratio)
+        )
         self.reference = None
         if reference_model:
             self.reference = copy.deepcopy(model).eval()
@@ -195,8 +222,9 @@ class Policy:
         return mb.routed_experts if self.routing_replay else None
 
     @torch.no_grad()
-    def get_logprobs(self, batch: TrainBatch, temperature: float, micro_batch_size: int,
-                     reference: bool = False) -> torch.Tensor:
+    def get_logprobs(
+        self, batch: TrainBatch, temperature: float, micro_batch_size: int, reference: bool = False
+    ) -> torch.Tensor:
         """float32 [B, L] logprobs of ``batch.token_ids`` under the current (or reference) weights."""
         model = self.reference if reference else self.model
         if model is None:
@@ -204,8 +232,9 @@ class Policy:
         out = torch.zeros(batch.rollout_logprobs.shape, dtype=torch.float64 if self._fp64() else torch.float32)
         for s in range(0, batch.token_ids.shape[0], micro_batch_size):
             mb = batch.slice(slice(s, s + micro_batch_size))
-            out[s:s + micro_batch_size, :mb.token_ids.shape[1]] = token_logprobs(
-                model, mb.token_ids, temperature, self._routes(mb))
+            out[s : s + micro_batch_size, : mb.token_ids.shape[1]] = token_logprobs(
+                model, mb.token_ids, temperature, self._routes(mb)
+            )
         return out
 
     def _fp64(self) -> bool:
@@ -215,9 +244,15 @@ class Policy:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_step(self, batch: TrainBatch, loss_fn: ClippedPGLossFn, temperature: float,
-                   micro_batch_size: int, prev_logprobs: torch.Tensor | None = None,
-                   reference_logprobs: torch.Tensor | None = None) -> dict:
+    def train_step(
+        self,
+        batch: TrainBatch,
+        loss_fn: ClippedPGLossFn,
+        temperature: float,
+        micro_batch_size: int,
+        prev_logprobs: torch.Tensor | None = None,
+        reference_logprobs: torch.Tensor | None = None,
+    ) -> dict:
         """One optimizer step on a global batch (gradients accumulated over micro-batches).
 
         The ratio is taken against ``prev_logprobs``, the current policy's own logprobs before
@@ -243,28 +278,55 @@ class Policy:
         prev = self.get_logprobs(batch, temperature, micro_batch_size) if prev_logprobs is None else prev_logprobs
         ref = None
         if loss_fn.needs_reference:
-            ref = self.get_logprobs(batch, temperature, micro_batch_size, reference=True) \
-                if reference_logprobs is None else reference_logprobs
+            ref = (
+                self.get_logprobs(batch, temperature, micro_batch_size, reference=True)
+                if reference_logprobs is None
+                else reference_logprobs
+            )
         t1 = time.perf_counter()
         metrics = mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask)
         mask = batch.loss_mask
         num_tokens = float(mask.sum())
         normalizer = max(num_tokens, 1.0) if loss_fn.token_level_loss else float(batch.token_ids.shape[0])
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "clip_fraction_sum": 0.0, "dual_clip_fraction_sum": 0.0,
-                "ratio_sum": 0.0, "kl_sum": 0.0, "is_weight_sum": 0.0, "is_dropped_sum": 0.0, "entropy_sum": 0.0}
+        sums = {
+            "loss": 0.0,
+            "pg_loss": 0.0,
+            "kl_loss": 0.0,
+            "clip_fraction_sum": 0.0,
+            "dual_clip_fraction_sum": 0.0,
+            "ratio_sum": 0.0,
+            "kl_sum": 0.0,
+            "is_weight_sum": 0.0,
+            "is_dropped_sum": 0.0,
+            "entropy_sum": 0.0,
+        }
         ratio_max = 0.0
         for s in range(0, batch.token_ids.shape[0], micro_batch_size):
             mb = batch.slice(slice(s, s + micro_batch_size))
             l = mb.token_ids.shape[1]
             lp, ent = token_logprobs(self.model, mb.token_ids, temperature, self._routes(mb), return_entropy=True)
-            loss, m = loss_fn(lp, prev[s:s + micro_batch_size, :l], mb.advantages, mb.loss_mask, normalizer,
-                              generation_logprobs=mb.rollout_logprobs,
-                              reference_logprobs=None if ref is None else ref[s:s + micro_batch_size, :l])
+            loss, m = loss_fn(
+                lp,
+                prev[s : s + micro_batch_size, :l],
+                mb.advantages,
+                mb.loss_mask,
+                normalizer,
+                generation_logprobs=mb.rollout_logprobs,
+                reference_logprobs=None if ref is None else ref[s : s + micro_batch_size, :l],
+            )
             loss.backward()
             sums["loss"] += float(loss.detach())
-            for k in ("pg_loss", "kl_loss", "clip_fraction_sum", "dual_clip_fraction_sum", "ratio_sum", "kl_sum",
-                      "is_weight_sum", "is_dropped_sum"):
+            for k in (
+                "pg_loss",
+                "kl_loss",
+                "clip_fraction_sum",
+                "dual_clip_fraction_sum",
+                "ratio_sum",
+                "kl_sum",
+                "is_weight_sum",
+                "is_dropped_sum",
+            ):
                 sums[k] += m[k]
             sums["entropy_sum"] += float(masked_fill_zero(ent, mb.loss_mask).sum())
             ratio_max = max(ratio_max, m["ratio_max"])
@@ -276,12 +338,24 @@ class Policy:
         self.scheduler.step()
         n = max(num_tokens, 1.0)
         metrics.update(
-            loss=sums["loss"], pg_loss=sums["pg_loss"], kl_loss=sums["kl_loss"], grad_norm=grad_norm, lr=lr,
-            ratio_mean=sums["ratio_sum"] / n, ratio_max=ratio_max, clip_fraction=sums["clip_fraction_sum"] / n,
-            dual_clip_fraction=sums["dual_clip_fraction_sum"] / n, reference_kl=sums["kl_sum"] / n,
-            is_weight_mean=sums["is_weight_sum"] / n, is_dropped_fraction=sums["is_dropped_sum"] / n,
-            entropy=sums["entropy_sum"] / n, num_tokens=num_tokens, skipped_step=not math.isfinite(grad_norm),
-            logprob_seconds=t1 - t0, train_seconds=time.perf_counter() - t1)
+            loss=sums["loss"],
+            pg_loss=sums["pg_loss"],
+            kl_loss=sums["kl_loss"],
+            grad_norm=grad_norm,
+            lr=lr,
+            ratio_mean=sums["ratio_sum"] / n,
+            ratio_max=ratio_max,
+            clip_fraction=sums["clip_fraction_sum"] / n,
+            dual_clip_fraction=sums["dual_clip_fraction_sum"] / n,
+            reference_kl=sums["kl_sum"] / n,
+            is_weight_mean=sums["is_weight_sum"] / n,
+            is_dropped_fraction=sums["is_dropped_sum"] / n,
+            entropy=sums["entropy_sum"] / n,
+            num_tokens=num_tokens,
+            skipped_step=not math.isfinite(grad_norm),
+            logprob_seconds=t1 - t0,
+            train_seconds=time.perf_counter() - t1,
+        )
         return metrics
 
 
@@ -298,6 +372,8 @@ def mismatch_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Ten
     m = mask.bool()
     n = max(float(m.sum()), 1.0)
     d = masked_fill_zero(trainer_logprobs.double() - rollout_logprobs.double(), m)  # log r
-    return {"token_mult_prob_error": float(masked_fill_zero(torch.exp(d.abs()), m).sum() / n) if m.any() else 1.0,
-            "gen_kl_error": float(masked_fill_zero(torch.exp(d) - 1 - d, m).sum() / n),
-            "max_logprob_abs_diff": float(d.abs().max()) if m.any() else 0.0}
+    return {
+        "token_mult_prob_error": float(masked_fill_zero(torch.exp(d.abs()), m).sum() / n) if m.any() else 1.0,
+        "gen_kl_error": float(masked_fill_zero(torch.exp(d) - 1 - d, m).sum() / n),
+        "max_logprob_abs_diff": float(d.abs().max()) if m.any() else 0.0,
+    }

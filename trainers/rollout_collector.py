@@ -21,8 +21,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from m3_rollout.rollout.trajectory import Trajectory
 
@@ -103,8 +103,12 @@ class SyncCollector:
 
     def get_groups(self, step: int, policy_version: int) -> CollectedStep:
         recs, m = self.draw_batch()
-        return CollectedStep([r.trajectories for r in recs], [r.version for r in recs],
-                             generation_seconds=recs[0].generation_seconds if recs else 0.0, metrics=m)
+        return CollectedStep(
+            [r.trajectories for r in recs],
+            [r.version for r in recs],
+            generation_seconds=recs[0].generation_seconds if recs else 0.0,
+            metrics=m,
+        )
 
     def push_weights(self, version: int, named_tensors) -> float:
         """Update the generator now; returns seconds spent."""
@@ -136,8 +140,16 @@ class AsyncCollector(SyncCollector):
             so no generation is wasted past the last step.
     """
 
-    def __init__(self, backend, generate: GenerateFn, groups_per_step: int, max_age: int, timeout_s: float,
-                 next_batch: int = 1, last_batch: int | None = None):
+    def __init__(
+        self,
+        backend,
+        generate: GenerateFn,
+        groups_per_step: int,
+        max_age: int,
+        timeout_s: float,
+        next_batch: int = 1,
+        last_batch: int | None = None,
+    ):
         super().__init__(backend, generate, next_batch)
         if max_age < 1:
             raise ValueError(f"max_trajectory_age_steps={max_age}: must be >= 1 for async GRPO")
@@ -222,10 +234,20 @@ class AsyncCollector(SyncCollector):
             ms, self._metrics = self._metrics, []
         gen_tokens = sum(m.get("generated_tokens", 0) for m in ms)
         gen_s = sum(m.get("rollout_seconds", 0.0) for m in ms)
-        metrics = {"generated_tokens": gen_tokens, "generation_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
-                   "rollout_seconds": gen_s}
-        return CollectedStep([r.trajectories for r in accepted], [r.version for r in accepted], stale, timed_out,
-                             time.perf_counter() - t0, gen_s, metrics)
+        metrics = {
+            "generated_tokens": gen_tokens,
+            "generation_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
+            "rollout_seconds": gen_s,
+        }
+        return CollectedStep(
+            [r.trajectories for r in accepted],
+            [r.version for r in accepted],
+            stale,
+            timed_out,
+            time.perf_counter() - t0,
+            gen_s,
+            metrics,
+        )
 
     def push_weights(self, version: int, named_tensors) -> float:
         """Stage a copy of the weights; the producer applies it before its next batch.
@@ -254,4 +276,3 @@ class AsyncCollector(SyncCollector):
         with self._cond:
             self._cond.notify_all()
         self._thread.join(timeout)
-

@@ -13,15 +13,15 @@ import copy
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.model import M3ForCausalLM
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
-from trainers.policy import split_param_groups, token_logprobs
+from m3_trainers.policy import split_param_groups, token_logprobs
 
 
 @dataclass
@@ -48,8 +48,10 @@ def demonstration(chat: ChatFormat, env: CalculatorEnvironment, record: dict) ->
     """
     messages, _ = env.reset(record)
     prompt = chat.prompt_ids(messages, tools=env.tool_schemas())
-    call = {"type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": record["expression"]})}}
+    call = {
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": record["expression"]})},
+    }
     turn1 = chat.assistant_ids(content="", tool_calls=[call])
     tool = chat.tool_turn_ids([record["answer"]])
     turn2 = chat.assistant_ids(content=record["answer"])
@@ -63,8 +65,8 @@ def _pad(seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.T
     ids_t = torch.zeros((len(seqs), l), dtype=torch.long)
     mask_t = torch.zeros((len(seqs), l))
     for i, (ids, mask) in enumerate(seqs):
-        ids_t[i, :len(ids)] = torch.tensor(ids)
-        mask_t[i, :len(ids)] = torch.tensor(mask, dtype=torch.float32)
+        ids_t[i, : len(ids)] = torch.tensor(ids)
+        mask_t[i, : len(ids)] = torch.tensor(mask, dtype=torch.float32)
     return ids_t, mask_t
 
 
@@ -77,10 +79,16 @@ class WarmStartResult:
     in_window: bool = False
 
 
-def warm_start(model: M3ForCausalLM, chat: ChatFormat, task: ArithmeticTask, env: CalculatorEnvironment,
-               evaluate: Callable[[M3ForCausalLM], float], cfg: WarmStartConfig,
-               exclude: set[str] | frozenset = frozenset(),
-               progress: Callable[[int, float | None, float], None] | None = None) -> WarmStartResult:
+def warm_start(
+    model: M3ForCausalLM,
+    chat: ChatFormat,
+    task: ArithmeticTask,
+    env: CalculatorEnvironment,
+    evaluate: Callable[[M3ForCausalLM], float],
+    cfg: WarmStartConfig,
+    exclude: set[str] | frozenset = frozenset(),
+    progress: Callable[[int, float | None, float], None] | None = None,
+) -> WarmStartResult:
     """Fine-tune ``model`` in place until ``evaluate(model)`` lands in the target window.
 
     Args:
@@ -144,7 +152,11 @@ def warm_start(model: M3ForCausalLM, chat: ChatFormat, task: ArithmeticTask, env
         history.append((step, acc))
         if progress:
             progress(step, acc, loss_val)
-        dist = 0.0 if cfg.target_low <= acc <= cfg.target_high else min(abs(acc - cfg.target_low), abs(acc - cfg.target_high))
+        dist = (
+            0.0
+            if cfg.target_low <= acc <= cfg.target_high
+            else min(abs(acc - cfg.target_low), abs(acc - cfg.target_high))
+        )
         if dist < best[0]:
             best = (dist, step, snapshot(), acc)
         if acc < cfg.target_low:

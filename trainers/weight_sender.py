@@ -8,13 +8,19 @@ semantics; ``ColocatedChannel(direct=True)``: per-tensor copies into the rollout
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from m3_rollout.config import FreezeConfig, WeightSyncConfig
-from m3_rollout.weight_sync import (BroadcastChannel, ColocatedChannel, WeightReceiver, WeightSender,
-                                    WeightSyncGroup, default_frozen)
+from m3_rollout.weight_sync import (
+    BroadcastChannel,
+    ColocatedChannel,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncGroup,
+    default_frozen,
+)
 
 
 def resolve_backend(cfg: WeightSyncConfig, device: torch.device | str) -> str:
@@ -24,9 +30,14 @@ def resolve_backend(cfg: WeightSyncConfig, device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def build_weight_sender(policy, cfg: WeightSyncConfig, generation_dtype: torch.dtype | None,
-                        freeze: FreezeConfig | None = None, group: WeightSyncGroup | None = None,
-                        receivers: Sequence[WeightReceiver] = ()) -> WeightSender:
+def build_weight_sender(
+    policy,
+    cfg: WeightSyncConfig,
+    generation_dtype: torch.dtype | None,
+    freeze: FreezeConfig | None = None,
+    group: WeightSyncGroup | None = None,
+    receivers: Sequence[WeightReceiver] = (),
+) -> WeightSender:
     """A sender for ``policy`` (anything with ``named_released_tensors()``).
 
     ``method=broadcast`` needs ``group`` (this process as rank 0); ``method=colocated`` needs the

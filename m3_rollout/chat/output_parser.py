@@ -92,8 +92,9 @@ class StreamingOutputParser:
         return ParsedTurn(self._reasoning.result()[0], tool.content, tool.tool_calls, tool.truncated, tool.error)
 
 
-def parse_model_output(text: str, thinking_mode: str | None, tools: list[dict] | None = None,
-                       first_index: int = 0) -> ParsedTurn:
+def parse_model_output(
+    text: str, thinking_mode: str | None, tools: list[dict] | None = None, first_index: int = 0
+) -> ParsedTurn:
     """Parse one model turn's decoded text (markers kept, stop token excluded).
 
     Raises:

@@ -35,7 +35,7 @@ def _split(text: str, starts_in_reasoning: bool) -> tuple[str | None, str, str |
     moved out of an unclosed span into it (the streaming parser holds that part back, since a
     later closer would turn it back into reasoning)."""
     if not starts_in_reasoning and text.startswith(THINK_CLOSE):  # rule 1
-        return None, "", text[len(THINK_CLOSE):], False
+        return None, "", text[len(THINK_CLOSE) :], False
     if THINK_OPEN not in text:
         if not starts_in_reasoning:  # rule 3
             return None, text, "", False
@@ -165,5 +165,5 @@ def _added(sent: str, now: str) -> tuple[str | None, str]:
     """(delta to emit, new "sent" state). A split that no longer extends what was sent (the
     enabled-mode re-emitted opener) restarts from the new text: it is emitted whole."""
     if now.startswith(sent):
-        return (now[len(sent):] or None), now
+        return (now[len(sent) :] or None), now
     return (now or None), now

@@ -305,7 +305,7 @@ def _parse_body(body: str, closed: bool) -> tuple[list[tuple[str, _Element | str
         if not body.startswith(_OPEN, pos) or body.startswith(_CLOSE, pos):
             if not closed and INVOKE_CLOSE.startswith(body[pos:]):
                 return params, None  # cut off inside the closing `</invoke>` itself
-            return params, f"unexpected text at offset {pos}: {body[pos:pos + 30]!r}"
+            return params, f"unexpected text at offset {pos}: {body[pos : pos + 30]!r}"
         try:
             name, value_pos = _open_tag(body, pos)
             value, pos = _parse_value(body, value_pos, name, 1)
@@ -662,10 +662,12 @@ class StreamingToolParser:
                     delta.tool_calls.append(ToolCallDelta(self.first_index + len(self._calls), arguments=arguments))
                 else:
                     self._held_ws = ""
-                    delta.tool_calls.append(ToolCallDelta(self.first_index + len(self._calls),
-                                                          self._next_call_id(), event.name, arguments))
-                self._calls.append(ToolCall(self._next_call_id(), event.name, arguments,
-                                            truncated=not event.closed, error=fault))
+                    delta.tool_calls.append(
+                        ToolCallDelta(self.first_index + len(self._calls), self._next_call_id(), event.name, arguments)
+                    )
+                self._calls.append(
+                    ToolCall(self._next_call_id(), event.name, arguments, truncated=not event.closed, error=fault)
+                )
                 self._header_sent = False
 
 

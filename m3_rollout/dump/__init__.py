@@ -34,8 +34,24 @@ from m3_rollout.dump.schema import SCHEMA, SCHEMA_VERSION
 from m3_rollout.dump.writer import RetentionPolicy, RolloutDumpWriter, writer_from_config
 
 __all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "StepContext", "RolloutDumpWriter", "RetentionPolicy", "writer_from_config",
-    "read_dump", "read_shard", "shard_info", "shard_paths", "DumpRead", "ShardInfo", "DumpError",
-    "DumpDirError", "DumpFileError", "SchemaVersionError", "table_from_trajectories", "trajectory_from_row",
-    "encode_routed_experts", "decode_routed_experts",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "StepContext",
+    "RolloutDumpWriter",
+    "RetentionPolicy",
+    "writer_from_config",
+    "read_dump",
+    "read_shard",
+    "shard_info",
+    "shard_paths",
+    "DumpRead",
+    "ShardInfo",
+    "DumpError",
+    "DumpDirError",
+    "DumpFileError",
+    "SchemaVersionError",
+    "table_from_trajectories",
+    "trajectory_from_row",
+    "encode_routed_experts",
+    "decode_routed_experts",
 ]

@@ -32,7 +32,7 @@ def _load_cfg(args):
         return load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 def _errors(lines: list[str]) -> None:
@@ -85,15 +85,29 @@ def cmd_replay(args) -> int:
     model_dir, _ = resolve_model(args.checkpoint or cfg.policy.model_name, progress=cfg.logger.progress_bar)
     model = load_checkpoint(model_dir, dtype=getattr(torch, args.dtype))
     longest = max(len(x) for x in read.table.column("token_ids").to_pylist())
-    scorer, why = make_scorer(model, max(longest, cfg.policy.max_total_sequence_length),
-                              cfg.policy.train_micro_batch_size)
-    print(f"re-scoring {read.table.num_rows} trajectories from {len(read.shards)} shard(s) with {model_dir} "
-          f"({args.dtype}) via {why}")
+    scorer, why = make_scorer(
+        model, max(longest, cfg.policy.max_total_sequence_length), cfg.policy.train_micro_batch_size
+    )
+    print(
+        f"re-scoring {read.table.num_rows} trajectories from {len(read.shards)} shard(s) with {model_dir} "
+        f"({args.dtype}) via {why}"
+    )
     stats, _ = rescore(read, scorer)
-    rows = [[str(s.step), str(s.rows), str(s.tokens), f"{s.mean_abs_diff:.3e}", f"{s.max_abs_diff:.3e}",
-             f"{s.token_mult_prob_error:.6f}"] for s in stats]
-    print_lines(format_table(["step", "rows", "sampled tok", "mean |dlp|", "max |dlp|", "token_mult_prob_error"],
-                             rows), use_rich=not args.plain)
+    rows = [
+        [
+            str(s.step),
+            str(s.rows),
+            str(s.tokens),
+            f"{s.mean_abs_diff:.3e}",
+            f"{s.max_abs_diff:.3e}",
+            f"{s.token_mult_prob_error:.6f}",
+        ]
+        for s in stats
+    ]
+    print_lines(
+        format_table(["step", "rows", "sampled tok", "mean |dlp|", "max |dlp|", "token_mult_prob_error"], rows),
+        use_rich=not args.plain,
+    )
     result = {"checkpoint": str(model_dir), "scorer": scorer.name, "rescore": [vars(s) for s in stats]}
     if args.train:
         result["train"] = _train(args, cfg, read, model_dir)
@@ -113,18 +127,28 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
 
     g, p = cfg.grpo, cfg.policy
     # NOTE: the optimizer and LR schedule as m3_rollout.grpo.run builds them, over the dumped steps.
-    opt_steps = len(read.shards) * max(1, (g.num_prompts_per_step * g.num_generations_per_prompt)
-                                       // p.train_global_batch_size)
+    opt_steps = len(read.shards) * max(
+        1, (g.num_prompts_per_step * g.num_generations_per_prompt) // p.train_global_batch_size
+    )
     policy = build_policy(cfg, load_checkpoint(model_dir, dtype=getattr(torch, p.precision)), opt_steps)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
 
     def log(step, m):
-        print(f"[offline] step {step}: {m['rows']} trajectories, reward {m['reward_mean']:.3f}, "
-              f"loss {m.get('loss', float('nan')):+.4f}, token_mult_prob_error "
-              f"{m.get('token_mult_prob_error', float('nan')):.4f}")
+        print(
+            f"[offline] step {step}: {m['rows']} trajectories, reward {m['reward_mean']:.3f}, "
+            f"loss {m.get('loss', float('nan')):+.4f}, token_mult_prob_error "
+            f"{m.get('token_mult_prob_error', float('nan')):.4f}"
+        )
 
-    history = train_offline(read, cfg, policy, build_loss_fn(cfg.loss_fn), pad_id=tokenizer.pad_token_id or 0,
-                            recompute_advantages=args.recompute_advantages, log=log)
+    history = train_offline(
+        read,
+        cfg,
+        policy,
+        build_loss_fn(cfg.loss_fn),
+        pad_id=tokenizer.pad_token_id or 0,
+        recompute_advantages=args.recompute_advantages,
+        log=log,
+    )
     if args.save:
         out = save_final(policy, Path(model_dir), Path(args.save), max(h["step"] for h in history))
         print(f"saved offline-trained checkpoint to {out}")
@@ -132,8 +156,9 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m m3_rollout.dump", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m m3_rollout.dump", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="roll out and dump without training")
     g.add_argument("--config", default="configs/grpo_bf16_ep.yaml")

@@ -30,26 +30,36 @@ def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None
     from m3_rollout.dump.records import checkpoint_hash, config_hash
     from m3_rollout.rollout.group_rollout import run_group_rollouts
     from m3_rollout.rollout.stack import batch_seed, build_rollout_stack
-    from trainers.advantages import group_advantages
+    from m3_trainers.advantages import group_advantages
 
     g = cfg.grpo
     torch.manual_seed(g.seed)
     stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
     chat, backend, env, source, settings = stack.chat, stack.backend, stack.env, stack.source, stack.settings
     rd = cfg.rollout_dump
-    writer = RolloutDumpWriter(out_dir or rd.dir, run_id=f"generate-{time.strftime('%Y%m%d-%H%M%S')}",
-                               retention=RetentionPolicy(rd.keep_last_n_steps, rd.max_bytes), decode=chat.decode,
-                               checkpoint_hash=checkpoint_hash(stack.model_dir), config_hash=config_hash(to_dict(cfg)))
+    writer = RolloutDumpWriter(
+        out_dir or rd.dir,
+        run_id=f"generate-{time.strftime('%Y%m%d-%H%M%S')}",
+        retention=RetentionPolicy(rd.keep_last_n_steps, rd.max_bytes),
+        decode=chat.decode,
+        checkpoint_hash=checkpoint_hash(stack.model_dir),
+        config_hash=config_hash(to_dict(cfg)),
+    )
     paths = []
     for step in range(1, (g.max_num_steps if num_steps is None else num_steps) + 1):
         seed = batch_seed(cfg, step)  # the GRPO loop's per-step seed
-        trajs, rm = run_group_rollouts(backend, chat, env, source.train_batch(step, g.num_prompts_per_step),
-                                       stack.settings_for(cfg, step))
+        trajs, rm = run_group_rollouts(
+            backend, chat, env, source.train_batch(step, g.num_prompts_per_step), stack.settings_for(cfg, step)
+        )
         rewards = torch.tensor([t.reward for t in trajs])
-        adv = group_advantages(rewards, torch.tensor([t.group_index for t in trajs]), g.normalize_rewards,
-                               g.use_leave_one_out_baseline)
-        metrics = {"reward_mean": float(rewards.mean()), "rollout_seconds": rm["rollout_seconds"],
-                   "generation_tokens_per_s": rm["generation_tokens_per_s"]}
+        adv = group_advantages(
+            rewards, torch.tensor([t.group_index for t in trajs]), g.normalize_rewards, g.use_leave_one_out_baseline
+        )
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "rollout_seconds": rm["rollout_seconds"],
+            "generation_tokens_per_s": rm["generation_tokens_per_s"],
+        }
         paths.append(writer.write_step(step, trajs, adv, sampling_params_of(settings, seed), metrics))
         log(f"step {step}: {len(trajs)} trajectories, reward {metrics['reward_mean']:.3f} -> {paths[-1]}")
     backend.shutdown()

@@ -8,9 +8,9 @@ bad one, each naming the file and what to do; callers print the errors and go on
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -66,7 +66,11 @@ def shard_paths(directory: str | Path) -> list[Path]:
         raise DumpDirError(f"{d}: not a directory; give the dump directory holding step_*.parquet shards")
     shards = sorted((f for f in d.iterdir() if S.SHARD_PATTERN.match(f.name)), key=lambda f: f.name)
     if not shards:
-        hint = " (only temporary files of an interrupted write)" if any(S.TMP_MARKER in f.name for f in d.iterdir()) else ""
+        hint = (
+            " (only temporary files of an interrupted write)"
+            if any(S.TMP_MARKER in f.name for f in d.iterdir())
+            else ""
+        )
         raise DumpDirError(f"{d}: no rollout dump shards (step_XXXXXXXX.parquet){hint}; is this a rollout_dump.dir?")
     return shards
 
@@ -75,14 +79,20 @@ def _metadata(path: Path) -> dict[str, str]:
     try:
         meta = pq.read_schema(path).metadata or {}
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
-        raise DumpFileError(path, f"not a readable Parquet file, probably truncated or corrupt ({exc}); "
-                                  f"delete it or restore it, the other shards still load") from None
+        raise DumpFileError(
+            path,
+            f"not a readable Parquet file, probably truncated or corrupt ({exc}); "
+            f"delete it or restore it, the other shards still load",
+        ) from None
     meta = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in meta.items()}
     if S.META_VERSION not in meta:
         raise DumpFileError(path, f"Parquet file without {S.META_VERSION!r} metadata: not a rollout dump shard")
     if meta[S.META_VERSION] != str(S.SCHEMA_VERSION):
-        raise SchemaVersionError(path, f"schema version {meta[S.META_VERSION]}, this reader reads version "
-                                       f"{S.SCHEMA_VERSION}; read it with the m3_rollout release that wrote it")
+        raise SchemaVersionError(
+            path,
+            f"schema version {meta[S.META_VERSION]}, this reader reads version "
+            f"{S.SCHEMA_VERSION}; read it with the m3_rollout release that wrote it",
+        )
     return meta
 
 
@@ -96,10 +106,15 @@ def shard_info(path: str | Path) -> ShardInfo:
     path = Path(path)
     meta = _metadata(path)
     try:
-        return ShardInfo(path=path, step=int(meta[S.META_STEP]), run_id=meta[S.META_RUN_ID],
-                         num_rows=int(meta[S.META_NUM_ROWS]), size_bytes=path.stat().st_size,
-                         step_metrics=json.loads(meta.get(S.META_STEP_METRICS, "{}")),
-                         absent_fields=json.loads(meta.get(S.META_ABSENT, "[]")))
+        return ShardInfo(
+            path=path,
+            step=int(meta[S.META_STEP]),
+            run_id=meta[S.META_RUN_ID],
+            num_rows=int(meta[S.META_NUM_ROWS]),
+            size_bytes=path.stat().st_size,
+            step_metrics=json.loads(meta.get(S.META_STEP_METRICS, "{}")),
+            absent_fields=json.loads(meta.get(S.META_ABSENT, "[]")),
+        )
     except KeyError as exc:
         raise DumpFileError(path, f"metadata lacks {exc.args[0]!r}: not a complete rollout dump shard") from None
     except ValueError as exc:
@@ -143,8 +158,9 @@ class DumpRead:
     errors: list[DumpFileError]
 
 
-def read_dump(directory: str | Path, steps: Iterable[int] | None = None,
-              columns: Iterable[str] | None = None) -> DumpRead:
+def read_dump(
+    directory: str | Path, steps: Iterable[int] | None = None, columns: Iterable[str] | None = None
+) -> DumpRead:
     """Load the shards of ``directory`` (optionally only ``steps``), skipping bad ones.
 
     Raises:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -22,13 +23,37 @@ from m3_rollout.dump.schema import SCHEMA
 from m3_rollout.rollout.trajectory import Trajectory
 
 #: Trajectory attributes stored in typed columns.
-CORE_FIELDS = ("group_index", "sample_index", "token_ids", "loss_mask", "rollout_logprobs", "weight_version",
-               "prompt_len", "turn_spans", "finish_reason", "tool_calls", "reward", "texts", "info", "turns")
+CORE_FIELDS = (
+    "group_index",
+    "sample_index",
+    "token_ids",
+    "loss_mask",
+    "rollout_logprobs",
+    "weight_version",
+    "prompt_len",
+    "turn_spans",
+    "finish_reason",
+    "tool_calls",
+    "reward",
+    "texts",
+    "info",
+    "turns",
+)
 
 #: Columns filled from ``Trajectory.turns`` (``TurnRecord``s); null when the producer has none.
-TURN_COLUMNS = ("turn_finish_reasons", "turn_stop_sampled", "turn_truncated", "turn_masked", "turn_reasoning",
-                "turn_content", "turn_tool_calls", "turn_parse_truncated", "turn_parse_errors",
-                "turn_tool_results", "turn_bridge_len")
+TURN_COLUMNS = (
+    "turn_finish_reasons",
+    "turn_stop_sampled",
+    "turn_truncated",
+    "turn_masked",
+    "turn_reasoning",
+    "turn_content",
+    "turn_tool_calls",
+    "turn_parse_truncated",
+    "turn_parse_errors",
+    "turn_tool_results",
+    "turn_bridge_len",
+)
 
 #: Optional column -> Trajectory attribute it is read from; a Trajectory without the attribute
 #: gets a null and the column is listed as absent.
@@ -161,12 +186,16 @@ def _turn_columns(t: Trajectory) -> dict | None:
     if turns is None or (not turns and t.turn_spans):
         return None
     if [(r.start, r.end) for r in turns] != [tuple(x) for x in t.turn_spans]:
-        raise ValueError(f"trajectory (group {t.group_index}, sample {t.sample_index}): turns spans "
-                         f"{[(r.start, r.end) for r in turns]} differ from turn_spans {t.turn_spans}")
+        raise ValueError(
+            f"trajectory (group {t.group_index}, sample {t.sample_index}): turns spans "
+            f"{[(r.start, r.end) for r in turns]} differ from turn_spans {t.turn_spans}"
+        )
     for r in turns:
-        if list(t.token_ids[r.end:r.end + len(r.bridge)]) != list(r.bridge):
-            raise ValueError(f"trajectory (group {t.group_index}, sample {t.sample_index}): the bridge of the "
-                             f"turn at {r.start}..{r.end} is not the tokens that follow it")
+        if list(t.token_ids[r.end : r.end + len(r.bridge)]) != list(r.bridge):
+            raise ValueError(
+                f"trajectory (group {t.group_index}, sample {t.sample_index}): the bridge of the "
+                f"turn at {r.start}..{r.end} is not the tokens that follow it"
+            )
     return {
         "turn_finish_reasons": [r.finish_reason for r in turns],
         "turn_stop_sampled": [bool(r.stop_sampled) for r in turns],
@@ -182,27 +211,43 @@ def _turn_columns(t: Trajectory) -> dict | None:
     }
 
 
-def trajectory_row(traj: Trajectory, advantage: float | None, ctx: StepContext,
-                   decode: Callable[[list[int]], str] | None, absent: set[str]) -> dict:
+def trajectory_row(
+    traj: Trajectory,
+    advantage: float | None,
+    ctx: StepContext,
+    decode: Callable[[list[int]], str] | None,
+    absent: set[str],
+) -> dict:
     """One row dict of the schema; adds names of columns the Trajectory cannot fill to ``absent``."""
     t = traj
     t.check()
     row = {
-        "run_id": ctx.run_id, "step": int(ctx.step), "group_id": int(t.group_index),
-        "sample_index": int(t.sample_index), "prompt_len": int(t.prompt_len),
-        "prompt_text": decode(list(t.token_ids[:t.prompt_len])) if decode else None,
-        "response_text": decode(list(t.token_ids[t.prompt_len:])) if decode else None,
-        "token_ids": [int(x) for x in t.token_ids], "loss_mask": [int(x) for x in t.loss_mask],
+        "run_id": ctx.run_id,
+        "step": int(ctx.step),
+        "group_id": int(t.group_index),
+        "sample_index": int(t.sample_index),
+        "prompt_len": int(t.prompt_len),
+        "prompt_text": decode(list(t.token_ids[: t.prompt_len])) if decode else None,
+        "response_text": decode(list(t.token_ids[t.prompt_len :])) if decode else None,
+        "token_ids": [int(x) for x in t.token_ids],
+        "loss_mask": [int(x) for x in t.loss_mask],
         "rollout_logprobs": [float(x) for x in t.rollout_logprobs],
         "weight_versions": [int(x) for x in t.weight_version],
         "turn_token_start": [int(s) for s, _ in t.turn_spans],
         "turn_token_end": [int(e) for _, e in t.turn_spans],
-        "turn_texts": list(t.texts), "tool_turn_texts": _tool_turn_texts(t, decode),
-        "tool_calls": dumps(t.tool_calls), "finish_reason": t.finish_reason,
-        "reward": float(t.reward), "advantage": None if advantage is None else float(advantage),
-        "env_info": dumps(t.info), "sampling_params": dumps(ctx.sampling_params),
-        "checkpoint_hash": ctx.checkpoint_hash, "config_hash": ctx.config_hash,
-        "timings": None, "routed_experts": None, "routed_experts_shape": None,
+        "turn_texts": list(t.texts),
+        "tool_turn_texts": _tool_turn_texts(t, decode),
+        "tool_calls": dumps(t.tool_calls),
+        "finish_reason": t.finish_reason,
+        "reward": float(t.reward),
+        "advantage": None if advantage is None else float(advantage),
+        "env_info": dumps(t.info),
+        "sampling_params": dumps(ctx.sampling_params),
+        "checkpoint_hash": ctx.checkpoint_hash,
+        "config_hash": ctx.config_hash,
+        "timings": None,
+        "routed_experts": None,
+        "routed_experts_shape": None,
     }
     if not decode:
         absent.update(("prompt_text", "response_text", "tool_turn_texts"))
@@ -229,9 +274,12 @@ def trajectory_row(traj: Trajectory, advantage: float | None, ctx: StepContext,
     return row
 
 
-def table_from_trajectories(trajs: Sequence[Trajectory], advantages: Sequence[float] | None,
-                            ctx: StepContext, decode: Callable[[list[int]], str] | None = None
-                            ) -> tuple[pa.Table, list[str]]:
+def table_from_trajectories(
+    trajs: Sequence[Trajectory],
+    advantages: Sequence[float] | None,
+    ctx: StepContext,
+    decode: Callable[[list[int]], str] | None = None,
+) -> tuple[pa.Table, list[str]]:
     """Build one step's Arrow table.
 
     Args:
@@ -243,17 +291,22 @@ def table_from_trajectories(trajs: Sequence[Trajectory], advantages: Sequence[fl
     Returns:
         (table with :data:`SCHEMA`, sorted names of columns left null because the producer lacks them).
     """
-    adv = None if advantages is None else [float(a) for a in (advantages.tolist() if hasattr(advantages, "tolist")
-                                                             else advantages)]
+    adv = (
+        None
+        if advantages is None
+        else [float(a) for a in (advantages.tolist() if hasattr(advantages, "tolist") else advantages)]
+    )
     if adv is not None and len(adv) != len(trajs):
         raise ValueError(f"advantages has {len(adv)} entries for {len(trajs)} trajectories")
     seen: set[tuple[int, int]] = set()
     for t in trajs:
         key = (int(t.group_index), int(t.sample_index))
         if key in seen:
-            raise ValueError(f"two trajectories of step {ctx.step} are (group {key[0]}, sample {key[1]}); "
-                             f"(group_index, sample_index) must be unique within a step (renumber the "
-                             f"groups of a step that come from several prompt batches)")
+            raise ValueError(
+                f"two trajectories of step {ctx.step} are (group {key[0]}, sample {key[1]}); "
+                f"(group_index, sample_index) must be unique within a step (renumber the "
+                f"groups of a step that come from several prompt batches)"
+            )
         seen.add(key)
     absent: set[str] = set()
     rows = [trajectory_row(t, None if adv is None else adv[i], ctx, decode, absent) for i, t in enumerate(trajs)]
@@ -275,14 +328,26 @@ def _turn_records(row: dict, token_ids: list[int]) -> list | None:
 
     out = []
     for k, (start, end) in enumerate(zip(row["turn_token_start"], row["turn_token_end"])):
-        parsed = ParsedTurn(reasoning=row["turn_reasoning"][k], content=row["turn_content"][k],
-                            tool_calls=[ToolCall(**c) for c in json.loads(row["turn_tool_calls"][k])],
-                            truncated=row["turn_parse_truncated"][k], error=row["turn_parse_errors"][k])
-        out.append(TurnRecord(start=start, end=end, finish_reason=row["turn_finish_reasons"][k],
-                              stop_sampled=row["turn_stop_sampled"][k], parsed=parsed,
-                              observations=list(row["turn_tool_results"][k]),
-                              bridge=list(token_ids[end:end + row["turn_bridge_len"][k]]),
-                              truncated=row["turn_truncated"][k], masked=row["turn_masked"][k]))
+        parsed = ParsedTurn(
+            reasoning=row["turn_reasoning"][k],
+            content=row["turn_content"][k],
+            tool_calls=[ToolCall(**c) for c in json.loads(row["turn_tool_calls"][k])],
+            truncated=row["turn_parse_truncated"][k],
+            error=row["turn_parse_errors"][k],
+        )
+        out.append(
+            TurnRecord(
+                start=start,
+                end=end,
+                finish_reason=row["turn_finish_reasons"][k],
+                stop_sampled=row["turn_stop_sampled"][k],
+                parsed=parsed,
+                observations=list(row["turn_tool_results"][k]),
+                bridge=list(token_ids[end : end + row["turn_bridge_len"][k]]),
+                truncated=row["turn_truncated"][k],
+                masked=row["turn_masked"][k],
+            )
+        )
     return out
 
 
@@ -294,12 +359,21 @@ def trajectory_from_row(row: dict) -> Trajectory:
     """
     known = {f.name for f in dataclasses.fields(Trajectory)}
     ids = list(row["token_ids"])
-    t = Trajectory(group_index=row["group_id"], sample_index=row["sample_index"], token_ids=ids,
-                   loss_mask=list(row["loss_mask"]), rollout_logprobs=list(row["rollout_logprobs"]),
-                   weight_version=list(row["weight_versions"]), prompt_len=row["prompt_len"],
-                   turn_spans=list(zip(row["turn_token_start"], row["turn_token_end"])),
-                   finish_reason=row["finish_reason"], tool_calls=json.loads(row["tool_calls"]),
-                   reward=row["reward"], texts=list(row["turn_texts"]), info=json.loads(row["env_info"]))
+    t = Trajectory(
+        group_index=row["group_id"],
+        sample_index=row["sample_index"],
+        token_ids=ids,
+        loss_mask=list(row["loss_mask"]),
+        rollout_logprobs=list(row["rollout_logprobs"]),
+        weight_version=list(row["weight_versions"]),
+        prompt_len=row["prompt_len"],
+        turn_spans=list(zip(row["turn_token_start"], row["turn_token_end"])),
+        finish_reason=row["finish_reason"],
+        tool_calls=json.loads(row["tool_calls"]),
+        reward=row["reward"],
+        texts=list(row["turn_texts"]),
+        info=json.loads(row["env_info"]),
+    )
     turns = _turn_records(row, ids)
     if turns is not None and "turns" in known:
         t.turns = turns

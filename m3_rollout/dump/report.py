@@ -52,19 +52,39 @@ def step_stats(read: DumpRead) -> list[StepStats]:
         n = max(len(idx), 1)
         rewards = [cols["reward"][i] for i in idx]
         totals = [len(cols["token_ids"][i]) for i in idx]
-        out.append(StepStats(
-            step=info.step, rows=len(idx), groups=len({cols["group_id"][i] for i in idx}),
-            reward_mean=sum(rewards) / n, accuracy=sum(r > 0.5 for r in rewards) / n,
-            gen_tokens_mean=sum(sum(cols["loss_mask"][i]) for i in idx) / n,
-            total_tokens_mean=sum(totals) / n, total_tokens_max=max(totals, default=0),
-            truncated=sum(cols["finish_reason"][i] == "length" for i in idx) / n,
-            tool_call_rate=sum(bool(json.loads(cols["tool_calls"][i])) for i in idx) / n,
-            mismatch=info.step_metrics.get("token_mult_prob_error"), size_bytes=info.size_bytes))
+        out.append(
+            StepStats(
+                step=info.step,
+                rows=len(idx),
+                groups=len({cols["group_id"][i] for i in idx}),
+                reward_mean=sum(rewards) / n,
+                accuracy=sum(r > 0.5 for r in rewards) / n,
+                gen_tokens_mean=sum(sum(cols["loss_mask"][i]) for i in idx) / n,
+                total_tokens_mean=sum(totals) / n,
+                total_tokens_max=max(totals, default=0),
+                truncated=sum(cols["finish_reason"][i] == "length" for i in idx) / n,
+                tool_call_rate=sum(bool(json.loads(cols["tool_calls"][i])) for i in idx) / n,
+                mismatch=info.step_metrics.get("token_mult_prob_error"),
+                size_bytes=info.size_bytes,
+            )
+        )
     return out
 
 
-_HEADER = ["step", "rows", "groups", "reward", "accuracy", "gen tok", "total tok", "max tok", "truncated",
-           "tool calls", "mismatch", "size"]
+_HEADER = [
+    "step",
+    "rows",
+    "groups",
+    "reward",
+    "accuracy",
+    "gen tok",
+    "total tok",
+    "max tok",
+    "truncated",
+    "tool calls",
+    "mismatch",
+    "size",
+]
 
 
 def _size(n: int) -> str:
@@ -76,10 +96,23 @@ def _size(n: int) -> str:
 
 
 def stats_rows(stats: list[StepStats]) -> list[list[str]]:
-    return [[str(s.step), str(s.rows), str(s.groups), f"{s.reward_mean:.3f}", f"{s.accuracy:.3f}",
-             f"{s.gen_tokens_mean:.1f}", f"{s.total_tokens_mean:.1f}", str(s.total_tokens_max),
-             f"{s.truncated:.3f}", f"{s.tool_call_rate:.3f}", "-" if s.mismatch is None else f"{s.mismatch:.4f}",
-             _size(s.size_bytes)] for s in stats]
+    return [
+        [
+            str(s.step),
+            str(s.rows),
+            str(s.groups),
+            f"{s.reward_mean:.3f}",
+            f"{s.accuracy:.3f}",
+            f"{s.gen_tokens_mean:.1f}",
+            f"{s.total_tokens_mean:.1f}",
+            str(s.total_tokens_max),
+            f"{s.truncated:.3f}",
+            f"{s.tool_call_rate:.3f}",
+            "-" if s.mismatch is None else f"{s.mismatch:.4f}",
+            _size(s.size_bytes),
+        ]
+        for s in stats
+    ]
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -123,8 +156,12 @@ def _turn_lines(r: dict, k: int) -> list[str]:
     start, end = r["turn_token_start"][k], r["turn_token_end"][k]
     flags = [f for f in ("truncated", "masked") if _item(r, f"turn_{f}", k)]
     fin = _item(r, "turn_finish_reasons", k)
-    out = [f"  turn {k + 1}" + (f" [{fin}]" if fin else "") + f" tokens {start}..{end}"
-           + (f" ({', '.join(flags)})" if flags else "")]
+    out = [
+        f"  turn {k + 1}"
+        + (f" [{fin}]" if fin else "")
+        + f" tokens {start}..{end}"
+        + (f" ({', '.join(flags)})" if flags else "")
+    ]
     reasoning = _item(r, "turn_reasoning", k)
     if reasoning:
         out += ["    reasoning:", _indent(reasoning)]
@@ -160,13 +197,18 @@ def show_lines(directory, step: int, group: int) -> tuple[list[str], list[str]]:
         raise ValueError(f"step {step} has no group {group}; groups are {groups}")
     rows.sort(key=lambda r: r["sample_index"])
     r0 = rows[0]
-    out = [f"step {step} · group {group} · {len(rows)} sample(s) · run {r0['run_id']}",
-           f"sampling {r0['sampling_params']}",
-           f"prompt ({r0['prompt_len']} tokens):", _indent(r0["prompt_text"], "  ")]
+    out = [
+        f"step {step} · group {group} · {len(rows)} sample(s) · run {r0['run_id']}",
+        f"sampling {r0['sampling_params']}",
+        f"prompt ({r0['prompt_len']} tokens):",
+        _indent(r0["prompt_text"], "  "),
+    ]
     for r in rows:
         adv = "-" if r["advantage"] is None else f"{r['advantage']:+.3f}"
-        out.append(f"── sample {r['sample_index']} · reward {r['reward']:.3f} · advantage {adv} · finish "
-                   f"{r['finish_reason']} · {sum(r['loss_mask'])} trained / {len(r['token_ids'])} tokens ──")
+        out.append(
+            f"── sample {r['sample_index']} · reward {r['reward']:.3f} · advantage {adv} · finish "
+            f"{r['finish_reason']} · {sum(r['loss_mask'])} trained / {len(r['token_ids'])} tokens ──"
+        )
         for k in range(len(r["turn_token_start"])):
             out += _turn_lines(r, k)
         if r["routed_experts_shape"]:

@@ -14,9 +14,9 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import pyarrow.parquet as pq
 
@@ -53,9 +53,9 @@ def _pid_alive(pid: int) -> bool:
 @dataclass
 class RetentionPolicy:
     """Attributes:
-        keep_last_n_steps: keep only the newest N shards (0 = keep all).
-        max_bytes: delete the oldest shards while the shards' total size exceeds this (0 = no
-            limit). The newest shard is always kept, even if it alone is larger.
+    keep_last_n_steps: keep only the newest N shards (0 = keep all).
+    max_bytes: delete the oldest shards while the shards' total size exceeds this (0 = no
+        limit). The newest shard is always kept, even if it alone is larger.
     """
 
     keep_last_n_steps: int = 0
@@ -80,10 +80,17 @@ class RolloutDumpWriter:
         NotADirectoryError: ``directory`` exists and is not a directory.
     """
 
-    def __init__(self, directory: str | os.PathLike, run_id: str | None = None, every_n_steps: int = 1,
-                 retention: RetentionPolicy | None = None, decode: Callable[[list[int]], str] | None = None,
-                 checkpoint_hash: str | None = None, config_hash: str | None = None,
-                 keep_existing: bool = False):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        run_id: str | None = None,
+        every_n_steps: int = 1,
+        retention: RetentionPolicy | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        checkpoint_hash: str | None = None,
+        config_hash: str | None = None,
+        keep_existing: bool = False,
+    ):
         self.dir = Path(directory)
         if self.dir.exists() and not self.dir.is_dir():
             raise NotADirectoryError(f"rollout_dump.dir={str(self.dir)!r} exists and is not a directory")
@@ -111,8 +118,14 @@ class RolloutDumpWriter:
     def should_write(self, step: int) -> bool:
         return step % self.every_n_steps == 0
 
-    def write_step(self, step: int, trajs: Sequence[Trajectory], advantages=None, sampling_params: dict | None = None,
-                   step_metrics: dict | None = None) -> Path | None:
+    def write_step(
+        self,
+        step: int,
+        trajs: Sequence[Trajectory],
+        advantages=None,
+        sampling_params: dict | None = None,
+        step_metrics: dict | None = None,
+    ) -> Path | None:
         """Write step ``step``'s shard if ``should_write(step)``, then apply retention.
 
         Args:
@@ -137,14 +150,22 @@ class RolloutDumpWriter:
         if final.exists():
             if self.keep_existing:
                 return None
-            raise FileExistsError(f"{final}: a shard for step {step} already exists and shards are never "
-                                  f"rewritten; use a new rollout_dump.dir for a new run")
+            raise FileExistsError(
+                f"{final}: a shard for step {step} already exists and shards are never "
+                f"rewritten; use a new rollout_dump.dir for a new run"
+            )
         ctx = StepContext(self.run_id, step, sampling_params or {}, self.checkpoint_hash, self.config_hash)
         table, absent = table_from_trajectories(trajs, advantages, ctx, self.decode)
         self.last_absent = absent
-        meta = {S.META_VERSION: str(S.SCHEMA_VERSION), S.META_RUN_ID: self.run_id, S.META_STEP: str(step),
-                S.META_NUM_ROWS: str(table.num_rows), S.META_CREATED: f"{time.time():.3f}",
-                S.META_STEP_METRICS: dumps(step_metrics or {}), S.META_ABSENT: json.dumps(absent)}
+        meta = {
+            S.META_VERSION: str(S.SCHEMA_VERSION),
+            S.META_RUN_ID: self.run_id,
+            S.META_STEP: str(step),
+            S.META_NUM_ROWS: str(table.num_rows),
+            S.META_CREATED: f"{time.time():.3f}",
+            S.META_STEP_METRICS: dumps(step_metrics or {}),
+            S.META_ABSENT: json.dumps(absent),
+        }
         table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in meta.items()})
         tmp = self.dir / S.tmp_name(step, os.getpid())
         try:
@@ -161,8 +182,12 @@ class RolloutDumpWriter:
 
     @staticmethod
     def _write_parquet(table, path: Path) -> None:
-        pq.write_table(table, path, compression=_COMPRESSION,
-                       compression_level={k: ZSTD_LEVEL for k, v in _COMPRESSION.items() if v == "zstd"})
+        pq.write_table(
+            table,
+            path,
+            compression=_COMPRESSION,
+            compression_level={k: ZSTD_LEVEL for k, v in _COMPRESSION.items() if v == "zstd"},
+        )
 
     def apply_retention(self) -> list[Path]:
         """Delete the oldest shards beyond ``keep_last_n_steps`` / ``max_bytes``; returns them."""
@@ -185,8 +210,9 @@ class RolloutDumpWriter:
         return doomed
 
 
-def writer_from_config(cfg, model_dir=None, decode: Callable[[list[int]], str] | None = None,
-                       run_id: str | None = None) -> RolloutDumpWriter | None:
+def writer_from_config(
+    cfg, model_dir=None, decode: Callable[[list[int]], str] | None = None, run_id: str | None = None
+) -> RolloutDumpWriter | None:
     """The GRPO loop's dump writer from ``cfg.rollout_dump`` (None when disabled).
 
     Args:
@@ -200,12 +226,16 @@ def writer_from_config(cfg, model_dir=None, decode: Callable[[list[int]], str] |
     from m3_rollout.config import to_dict
     from m3_rollout.dump.records import checkpoint_hash, config_hash
 
-    return RolloutDumpWriter(d.dir, run_id=run_id or f"{cfg.logger.wandb.name}-" + time.strftime("%Y%m%d-%H%M%S")
-                             + "-" + uuid.uuid4().hex[:6], every_n_steps=d.every_n_steps,
-                             retention=RetentionPolicy(d.keep_last_n_steps, d.max_bytes), decode=decode,
-                             checkpoint_hash=checkpoint_hash(model_dir) if model_dir else None,
-                             config_hash=config_hash(to_dict(cfg)),
-                             keep_existing=bool(getattr(getattr(cfg, "checkpointing", None), "resume", False)))
+    return RolloutDumpWriter(
+        d.dir,
+        run_id=run_id or f"{cfg.logger.wandb.name}-" + time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6],
+        every_n_steps=d.every_n_steps,
+        retention=RetentionPolicy(d.keep_last_n_steps, d.max_bytes),
+        decode=decode,
+        checkpoint_hash=checkpoint_hash(model_dir) if model_dir else None,
+        config_hash=config_hash(to_dict(cfg)),
+        keep_existing=bool(getattr(getattr(cfg, "checkpointing", None), "resume", False)),
+    )
 
 
 def sampling_params_of(settings, step_seed: int | None = None) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-
 from collections import OrderedDict, deque
 
 from m3_rollout.engine.sequence import Sequence
@@ -122,7 +121,7 @@ class BlockManager:
         parent = None
         self.query_tokens += seq.num_tokens
         for b in range((seq.num_tokens - 1) // ps):
-            key = (parent, tuple(toks[b * ps:(b + 1) * ps]))
+            key = (parent, tuple(toks[b * ps : (b + 1) * ps]))
             h = chain_hash(*key)
             page = self.cached.get(h)
             if page is None or self.page_key[page] != key:
@@ -143,7 +142,7 @@ class BlockManager:
         while len(seq.page_hashes) < full:
             b = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else None
-            key = (parent, tuple(toks[b * ps:(b + 1) * ps]))
+            key = (parent, tuple(toks[b * ps : (b + 1) * ps]))
             h = chain_hash(*key)
             seq.page_hashes.append(h)
             page = seq.block_table[b]
@@ -204,7 +203,11 @@ class BlockManager:
     def check(self) -> None:
         """Assert the page-state invariant (module docstring)."""
         in_use = sum(1 for r in self.ref if r > 0)
-        assert in_use + len(self.free) + len(self.evictable) == self.num_pages, \
-            (in_use, len(self.free), len(self.evictable), self.num_pages)
+        assert in_use + len(self.free) + len(self.evictable) == self.num_pages, (
+            in_use,
+            len(self.free),
+            len(self.evictable),
+            self.num_pages,
+        )
         for h, page in self.cached.items():
             assert self.page_hash[page] == h, f"cached hash of page {page} is stale"

@@ -18,7 +18,7 @@ block 0 = the null page, context 0, temperature 1; their outputs are never read.
 
 Capture needs CUDA and capturable MSA / MoE ops (the Triton kernels; the PyTorch references
 sync on data-dependent shapes). With ``use_graphs=False`` the same bodies run eagerly on any
-device (tests of the staged path on the CPU). Layout of the metadata: ``engine/paged_cache.py``.
+device (tests of the staged path on the CPU). Layout of the metadata: ``kernels/paged_layout.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from m3_rollout.engine.paged_cache import PagedKVCache, PagedMetadata
+from m3_kernels.paged_layout import PagedMetadata
+from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, sample_rows, unpack_sampling, vocab_hash
 from m3_rollout.model.numerics import compute_dtype
 
@@ -74,9 +75,17 @@ class CudaGraphDecode:
             row filters by top-k / top-p, and build the inputs with one Triton launch; None = on CUDA.
     """
 
-    def __init__(self, model, kv: PagedKVCache, max_num_seqs: int, max_model_len: int,
-                 last_tokens: torch.Tensor, sizes: tuple[int, ...] | None = None, use_graphs: bool = True,
-                 fused_sampler: bool | None = None):
+    def __init__(
+        self,
+        model,
+        kv: PagedKVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        last_tokens: torch.Tensor,
+        sizes: tuple[int, ...] | None = None,
+        use_graphs: bool = True,
+        fused_sampler: bool | None = None,
+    ):
         dev = kv.device
         self.fused_sampler = dev.type == "cuda" if fused_sampler is None else fused_sampler
         assert dev.type == "cuda" or not use_graphs, "CUDA graphs are GPU-only"
@@ -118,8 +127,8 @@ class CudaGraphDecode:
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = (buf.shape[0] - self.stage_bytes) // self.row_bytes
-        stage = buf[:self.stage_bytes].view(torch.int64).view(NUM_STAGE_ROWS, n)
-        bt = buf[self.stage_bytes:].view(torch.int32).view(n, self.max_pages)
+        stage = buf[: self.stage_bytes].view(torch.int64).view(NUM_STAGE_ROWS, n)
+        bt = buf[self.stage_bytes :].view(torch.int32).view(n, self.max_pages)
         return stage, bt
 
     # ---- captured bodies -------------------------------------------------------------------
@@ -135,25 +144,46 @@ class CudaGraphDecode:
             self.input_ids[:s].copy_(ids)
             self.context_lens[:s].copy_(st[4, :s])
             self.seq_lens[:s].copy_(st[5, :s])
-        meta = PagedMetadata(st[2, :s], st[3, :s], self.block_tables[:s], self.context_lens[:s], self.seq_lens[:s],
-                             self.query_start_loc[:s + 1], s, 1, 1, self.max_model_len)
+        meta = PagedMetadata(
+            st[2, :s],
+            st[3, :s],
+            self.block_tables[:s],
+            self.context_lens[:s],
+            self.seq_lens[:s],
+            self.query_start_loc[: s + 1],
+            s,
+            1,
+            1,
+            self.max_model_len,
+        )
         return self.model.forward_paged(self.input_ids[:s], meta, self.kv)  # [s, V]
 
-    def sample_into_out(self, logits: torch.Tensor, s: int, need_top_k: bool = False,
-                        need_top_p: bool = False) -> torch.Tensor:
+    def sample_into_out(
+        self, logits: torch.Tensor, s: int, need_top_k: bool = False, need_top_p: bool = False
+    ) -> torch.Tensor:
         """Sample rows 0..s-1 of ``logits`` with the staged parameters; write ids + logprob bits
         into ``out[:2s]`` and ``last_tokens[:s]``; returns the [2, s] int64 view."""
-        out = self.out[:2 * s].view(2, s)
+        out = self.out[: 2 * s].view(2, s)
         if self.fused_sampler and not (need_top_k or need_top_p):
             from m3_rollout.engine.sampler_triton import keyed_gumbel_sample
 
             p = self.stage[SAMPLING_ROW:, :s]
-            keyed_gumbel_sample(logits, p[0].view(torch.float64), p[3], p[4], p[5], p[6],
-                                vocab_hash(logits.shape[1], logits.device), self.out[:2 * s], self.last_tokens)
+            keyed_gumbel_sample(
+                logits,
+                p[0].view(torch.float64),
+                p[3],
+                p[4],
+                p[5],
+                p[6],
+                vocab_hash(logits.shape[1], logits.device),
+                self.out[: 2 * s],
+                self.last_tokens,
+            )
             return out
         params, positions, raw = unpack_sampling(self.stage[SAMPLING_ROW:, :s])
-        tokens, lps = sample_rows(logits.to(compute_dtype(logits.dtype)), params, positions, raw,
-                                  need_top_k, need_top_p)
+        tokens, lps = sample_rows(
+            logits.to(compute_dtype(logits.dtype)), params, positions, raw, need_top_k, need_top_p
+        )
         out[0].copy_(tokens)
         out[1].copy_(lps.double().view(torch.int64))
         self.last_tokens[:s].copy_(tokens)
@@ -208,4 +238,4 @@ class CudaGraphDecode:
             self.sample_into_out(logits(), s, need_top_k, need_top_p)
         else:
             samp.replay()
-        return self.out[:2 * s]
+        return self.out[: 2 * s]

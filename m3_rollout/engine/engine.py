@@ -24,8 +24,9 @@ import dataclasses
 import numbers
 import operator
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Callable, Sequence as Seq
 
 import numpy as np
 import torch
@@ -37,9 +38,8 @@ from m3_rollout.engine.model_runner import ModelRunner, SampleBatch, StepLaunch,
 from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
 from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling
 from m3_rollout.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from m3_rollout.engine.sequence import Sequence, SeqStatus
+from m3_rollout.engine.sequence import SeqStatus, Sequence
 from m3_rollout.model.numerics import compute_dtype
-
 
 CPU_AUTO_KV_BYTES = 256 * 2**20  # cap of the automatic CPU page pool (pages are zero-filled up front)
 
@@ -101,7 +101,7 @@ class EngineConfig:
     record_routing: bool = False
     eos_token_ids: tuple[int, ...] = ()
 
-    def validate(self) -> "EngineConfig":
+    def validate(self) -> EngineConfig:
         """Raises ValueError naming the bad field."""
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -191,18 +191,28 @@ class LLMEngine:
         ps = self.model_config.sparse_block_size
         num_pages = config.resolve_num_pages(ps, page_bytes(self.model_config, self.kv_dtype), self.device)
         if num_pages * ps < config.max_model_len:
-            raise ValueError(f"KV cache of {num_pages} pages x {ps} tokens cannot hold one sequence of "
-                             f"max_model_len={config.max_model_len}; raise kv_cache_memory_gb or lower max_model_len")
+            raise ValueError(
+                f"KV cache of {num_pages} pages x {ps} tokens cannot hold one sequence of "
+                f"max_model_len={config.max_model_len}; raise kv_cache_memory_gb or lower max_model_len"
+            )
         self.kv = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.device)
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, config.max_num_seqs, config.max_model_len,
-                                  config.enable_cuda_graphs, config.cuda_graph_batch_sizes,
-                                  config.max_num_batched_tokens, config.fused_sampler)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv,
+            config.max_num_seqs,
+            config.max_model_len,
+            config.enable_cuda_graphs,
+            config.cuda_graph_batch_sizes,
+            config.max_num_batched_tokens,
+            config.fused_sampler,
+        )
         # NOTE: None = on for CUDA (GPU round 1, H200: identical tokens, host time hidden), off on
         # the CPU (nothing to overlap there; outputs would come one step() later).
-        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
-                                 else bool(config.async_scheduling))
+        self.async_scheduling = (
+            self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling)
+        )
         self._inflight: _Launched | None = None  # async scheduling: the launched, unprocessed step
         self.routing = None  # RoutingCache when config.record_routing (hooks: step, _fork, _routed)
         if config.record_routing:
@@ -234,9 +244,11 @@ class LLMEngine:
         except ValueError as exc:
             return str(exc)
         idx = req.sample_index
-        if not isinstance(idx, numbers.Integral) or not -2**63 <= idx <= 2**63 - p.n:
-            return (f"GenerationRequest.sample_index={idx!r}: samples sample_index .. sample_index + n - 1 "
-                    "must be integers in [-2**63, 2**63) (they key the sampler's int64 hash)")
+        if not isinstance(idx, numbers.Integral) or not -(2**63) <= idx <= 2**63 - p.n:
+            return (
+                f"GenerationRequest.sample_index={idx!r}: samples sample_index .. sample_index + n - 1 "
+                "must be integers in [-2**63, 2**63) (they key the sampler's int64 hash)"
+            )
         try:
             ids = _token_ids(req.prompt_ids)
         except TypeError:
@@ -249,15 +261,21 @@ class LLMEngine:
             bad = next(t for t in ids if not 0 <= t < vocab)
             return f"GenerationRequest.prompt_ids: token id {bad} outside the vocabulary [0, {vocab})"
         if len(ids) >= self.config.max_model_len:
-            return (f"GenerationRequest.prompt_ids: prompt of {len(ids)} tokens leaves no room under "
-                    f"max_model_len={self.config.max_model_len}")
+            return (
+                f"GenerationRequest.prompt_ids: prompt of {len(ids)} tokens leaves no room under "
+                f"max_model_len={self.config.max_model_len}"
+            )
         if p.stop_strings and self.detokenize is None:
             return "SamplingParams.stop_strings: this engine has no detokenize callback"
         return None
 
     def _error_outputs(self, req: GenerationRequest, error: str) -> list[SampleOutput]:
-        return [SampleOutput(req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], "error",
-                             self._version, error=error) for j in range(max(req.params.n, 1))]
+        return [
+            SampleOutput(
+                req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], "error", self._version, error=error
+            )
+            for j in range(max(req.params.n, 1))
+        ]
 
     def add_request(self, req: GenerationRequest, stream: bool = False) -> None:
         """Queue ``req`` as ``params.n`` samples (sample_index + j). A bad request does not raise:
@@ -274,8 +292,9 @@ class LLMEngine:
         self._next_req += 1
         seqs = []
         for j in range(p.n):
-            seqs.append(Sequence(self._next_seq, req.request_id, key, req.sample_index + j, p, prompt,
-                                 stops, max_len, stream))
+            seqs.append(
+                Sequence(self._next_seq, req.request_id, key, req.sample_index + j, p, prompt, stops, max_len, stream)
+            )
             self._next_seq += 1
         leader = seqs[0]
         leader.children = seqs[1:]
@@ -304,8 +323,11 @@ class LLMEngine:
                 if self._is_scheduled(seq):
                     self.scheduler.remove(seq)
                 seq.status = SeqStatus.FINISHED
-                out.append(GenerationRequest(rid, seq.token_ids[:seq.prompt_len],
-                                             dataclasses.replace(seq.params, n=1), seq.sample_index))
+                out.append(
+                    GenerationRequest(
+                        rid, seq.token_ids[: seq.prompt_len], dataclasses.replace(seq.params, n=1), seq.sample_index
+                    )
+                )
         return out
 
     def has_unfinished(self) -> bool:
@@ -394,7 +416,7 @@ class LLMEngine:
         launched, self._inflight = self._inflight, None
         return self._process(launched)
 
-    def _launch(self, plan: SchedulerOutput) -> "_Launched":
+    def _launch(self, plan: SchedulerOutput) -> _Launched:
         """Build the step's inputs and start forward + sampler + result copy on the device."""
         ph = self.stats.phase_seconds
         t0 = time.perf_counter()
@@ -414,8 +436,13 @@ class LLMEngine:
                 expand.append(i)
         n_rows = len(rows)
         size = None
-        if (self.runner.graphs is not None and n_rows and plan.num_decodes == n_rows and expand is None
-                and len(leaders) == n_rows):
+        if (
+            self.runner.graphs is not None
+            and n_rows
+            and plan.num_decodes == n_rows
+            and expand is None
+            and len(leaders) == n_rows
+        ):
             size = self.runner.graph_size(n_rows)
         if size is not None:
             self.stats.graph_steps += 1
@@ -433,8 +460,9 @@ class LLMEngine:
         st.rows += n_rows
         st.batched_tokens += plan.num_batched_tokens
         ph["forward"] += time.perf_counter() - t1
-        return _Launched(rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result,
-                         self._version)
+        return _Launched(
+            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, self._version
+        )
 
     @staticmethod
     def _sampling_columns(samples: list[Sequence]):
@@ -461,7 +489,7 @@ class LLMEngine:
         for i, r in enumerate(rows):
             q = r.seq
             c, table = q.num_computed, q.block_table
-            bt[i, :len(table)] = table
+            bt[i, : len(table)] = table
             if q.num_pending:
                 ids.append(0)
                 src.append(prev.index[q.seq_id])
@@ -499,10 +527,16 @@ class LLMEngine:
                 token_src.append(prev.index[q.seq_id])
                 pending = True
             else:
-                chunks.append(q.token_ids[q.num_computed:q.num_computed + r.num_tokens])
+                chunks.append(q.token_ids[q.num_computed : q.num_computed + r.num_tokens])
                 token_src.extend([-1] * r.num_tokens)
-        inputs = prepare_inputs(chunks, [r.seq.num_computed for r in rows], [r.seq.block_table for r in rows],
-                                self.kv.page_size, plan.num_decodes, [r.sample for r in rows])
+        inputs = prepare_inputs(
+            chunks,
+            [r.seq.num_computed for r in rows],
+            [r.seq.block_table for r in rows],
+            self.kv.page_size,
+            plan.num_decodes,
+            [r.sample for r in rows],
+        )
         t1 = time.perf_counter()
         ph["prepare"] += t1 - t0
         sampling = None
@@ -538,7 +572,7 @@ class LLMEngine:
                 register(seq)
         self.stats.phase_seconds["output"] += time.perf_counter() - t0
 
-    def _process(self, launched: "_Launched") -> list:
+    def _process(self, launched: _Launched) -> list:
         """Wait for a launched step's sampled ids / logprobs; append them, fork, stream, finish."""
         ph = self.stats.phase_seconds
         t0 = time.perf_counter()
@@ -566,8 +600,11 @@ class LLMEngine:
         for seq in live:
             if seq.stream:
                 n = seq.num_streamed
-                out.append(StreamDelta(seq.request_id, seq.sample_index, seq.output_ids[n:], seq.logprobs[n:],
-                                       seq.weight_versions[n:]))
+                out.append(
+                    StreamDelta(
+                        seq.request_id, seq.sample_index, seq.output_ids[n:], seq.logprobs[n:], seq.weight_versions[n:]
+                    )
+                )
                 seq.num_streamed = len(seq.logprobs)
             toks = seq.token_ids
             if toks[-1] not in seq.stop_set and len(toks) < seq.max_len and not seq.params.stop_strings:
@@ -590,7 +627,7 @@ class LLMEngine:
         # Preempted since its prompt's last chunk was launched (async scheduling): no pages to share.
         lost = leader.num_computed < leader.prompt_len
         for child in leader.children:
-            child.token_ids = leader.token_ids[:leader.prompt_len] + child.token_ids[leader.prompt_len:]
+            child.token_ids = leader.token_ids[: leader.prompt_len] + child.token_ids[leader.prompt_len :]
             copy = False if lost else self.block_manager.fork(leader, child)
             if copy is False:  # no page for the partial copy: prefill it later (prefix-cache hit)
                 child.block_table, child.num_computed, child.page_hashes = [], 0, []
@@ -624,10 +661,17 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, routed=None) -> SampleOutput:
         versions = list(seq.weight_versions)
-        return SampleOutput(seq.request_id, seq.sample_index, seq.token_ids[:seq.prompt_len], seq.output_ids,
-                            list(seq.logprobs), seq.finish_reason or "abort",
-                            versions[-1] if versions else self._version, token_weight_versions=versions,
-                            routed_experts=routed)
+        return SampleOutput(
+            seq.request_id,
+            seq.sample_index,
+            seq.token_ids[: seq.prompt_len],
+            seq.output_ids,
+            list(seq.logprobs),
+            seq.finish_reason or "abort",
+            versions[-1] if versions else self._version,
+            token_weight_versions=versions,
+            routed_experts=routed,
+        )
 
     # ---- scoring and metrics --------------------------------------------------------------
     @torch.no_grad()
@@ -659,16 +703,19 @@ class LLMEngine:
         seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
         bm = self.block_manager
         if not bm.ensure(seq, len(ids)):
-            raise RuntimeError(f"score: {bm.pages_for(len(ids))} KV pages needed, {bm.num_free_pages} free; "
-                               "call it when fewer requests are running")
+            raise RuntimeError(
+                f"score: {bm.pages_for(len(ids))} KV pages needed, {bm.num_free_pages} free; "
+                "call it when fewer requests are running"
+            )
         try:
             chunks = []
             step = self.config.max_num_batched_tokens
             for start in range(0, len(ids), step):
-                chunk = ids[start:start + step]
+                chunk = ids[start : start + step]
                 inp = prepare_inputs([chunk], [start], [seq.block_table], self.kv.page_size, 0)
-                logits = self.model.forward_paged(inp.input_ids.to(self.device),
-                                                  meta_to(inp.meta, self.device), self.kv)
+                logits = self.model.forward_paged(
+                    inp.input_ids.to(self.device), meta_to(inp.meta, self.device), self.kv
+                )
                 chunks.append(logits.to(compute_dtype(logits.dtype)).cpu())
         finally:
             bm.free_seq(seq)
@@ -687,18 +734,24 @@ class LLMEngine:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step."""
         st, bm = self.stats, self.block_manager
         return {
-            "kv_pages_in_use": bm.num_used_pages, "kv_pages_total": bm.num_pages,
+            "kv_pages_in_use": bm.num_used_pages,
+            "kv_pages_total": bm.num_pages,
             "kv_usage": bm.num_used_pages / bm.num_pages,
-            "prefix_cache_hit_rate": bm.hit_rate, "prefix_cache_hit_tokens": bm.hit_tokens,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "prefix_cache_hit_tokens": bm.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
-            "generated_tokens": st.generated_tokens, "prompt_tokens_computed": st.prompt_tokens_computed,
-            "steps": st.steps, "forks": st.forks, "async_scheduling": self.async_scheduling,
-            "device_input_rows": st.device_input_rows, "dropped_tokens": st.dropped_tokens,
+            "generated_tokens": st.generated_tokens,
+            "prompt_tokens_computed": st.prompt_tokens_computed,
+            "steps": st.steps,
+            "forks": st.forks,
+            "async_scheduling": self.async_scheduling,
+            "device_input_rows": st.device_input_rows,
+            "dropped_tokens": st.dropped_tokens,
             "graph_steps": st.graph_steps,
             "generation_tokens_per_s": st.generated_tokens / st.forward_seconds if st.forward_seconds else 0.0,
             "mean_batch_rows_per_step": st.rows / st.steps if st.steps else 0.0,
             "mean_tokens_per_step": st.batched_tokens / st.steps if st.steps else 0.0,
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             **{f"host_ms_per_step_{k}": 1000 * v / st.steps if st.steps else 0.0 for k, v in st.phase_seconds.items()},
         }
-

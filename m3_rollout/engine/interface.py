@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import abc
 import numbers
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, Sequence
 
 import torch
 
@@ -52,9 +52,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"SamplingParams.logprobs_mode={self.logprobs_mode!r}: 'processed' or 'raw'")
-        if not isinstance(self.seed, numbers.Integral) or not -2**63 <= self.seed < 2**63:
-            raise ValueError(f"SamplingParams.seed={self.seed!r}: must be an integer in [-2**63, 2**63) "
-                             "(it keys the sampler's int64 hash)")
+        if not isinstance(self.seed, numbers.Integral) or not -(2**63) <= self.seed < 2**63:
+            raise ValueError(
+                f"SamplingParams.seed={self.seed!r}: must be an integer in [-2**63, 2**63) "
+                "(it keys the sampler's int64 hash)"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError(f"SamplingParams.stop_strings={self.stop_strings!r}: must be non-empty strings")
 

@@ -2,7 +2,7 @@
 
 Governing idea: tensors are made in one place. :func:`prepare_inputs` turns plain lists (token
 ids, context lengths, block tables of the scheduled rows) into the flat varlen
-:class:`PagedMetadata` of ``engine/paged_cache.py``; :class:`ModelRunner` moves it to the device,
+:class:`PagedMetadata` of ``kernels/paged_layout.py``; :class:`ModelRunner` moves it to the device,
 calls ``M3ForCausalLM.forward_paged``, samples the rows that sample (``sampler.sample_rows``, no
 host syncs) and starts one non-blocking copy of the sampled ids + logprobs to the host
 (:class:`StepLaunch`; the caller decides when to wait for it: async scheduling waits one step later).
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3_rollout.engine.paged_cache import PagedKVCache, PagedMetadata
+from m3_kernels.paged_layout import PagedMetadata
+from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import sample_rows, unpack_sampling
 from m3_rollout.model.numerics import compute_dtype
 
@@ -36,10 +37,16 @@ class StepInputs:
     logits_indices: torch.Tensor
 
 
-def prepare_inputs(chunks: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
-                   page_size: int, num_decodes: int, sample_rows: list[bool] | None = None,
-                   decode_query_len: int = 1) -> StepInputs:
-    """Build the flat varlen inputs of one step (layout: engine/paged_cache.py).
+def prepare_inputs(
+    chunks: list[list[int]],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+    num_decodes: int,
+    sample_rows: list[bool] | None = None,
+    decode_query_len: int = 1,
+) -> StepInputs:
+    """Build the flat varlen inputs of one step (layout: kernels/paged_layout.py).
 
     Args:
         chunks: per row r, the query token ids (decode rows first: ``num_decodes`` rows of
@@ -53,8 +60,9 @@ def prepare_inputs(chunks: list[list[int]], context_lens: list[int], block_table
     """
     r = len(chunks)
     if not (len(context_lens) == len(block_tables) == r):
-        raise ValueError(f"rows disagree: {r} chunks, {len(context_lens)} context_lens, "
-                         f"{len(block_tables)} block tables")
+        raise ValueError(
+            f"rows disagree: {r} chunks, {len(context_lens)} context_lens, {len(block_tables)} block tables"
+        )
     qlens = [len(c) for c in chunks]
     if any(q != decode_query_len for q in qlens[:num_decodes]):
         raise ValueError(f"decode rows must have decode_query_len={decode_query_len} tokens, got {qlens[:num_decodes]}")
@@ -80,10 +88,17 @@ def prepare_inputs(chunks: list[list[int]], context_lens: list[int], block_table
     last = qsl[1:] - 1  # [R]
     logits_indices = last[torch.tensor(sample_rows, dtype=torch.bool)] if r else last
     meta = PagedMetadata(
-        positions=positions, slot_mapping=slot, block_tables=bt,
-        context_lens=ctx_t.to(torch.int32), seq_lens=(ctx_t + qlen_t).to(torch.int32),
-        query_start_loc=qsl.to(torch.int32), num_decodes=num_decodes, decode_query_len=decode_query_len,
-        max_query_len=max(qlens, default=0), max_seq_len=max(seq_lens, default=0))
+        positions=positions,
+        slot_mapping=slot,
+        block_tables=bt,
+        context_lens=ctx_t.to(torch.int32),
+        seq_lens=(ctx_t + qlen_t).to(torch.int32),
+        query_start_loc=qsl.to(torch.int32),
+        num_decodes=num_decodes,
+        decode_query_len=decode_query_len,
+        max_query_len=max(qlens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+    )
     return StepInputs(torch.tensor(flat_ids, dtype=torch.int64), meta, logits_indices)
 
 
@@ -92,9 +107,18 @@ def meta_to(meta: PagedMetadata, device: torch.device) -> PagedMetadata:
     if meta.positions.device == device:
         return meta
     move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-    return PagedMetadata(move(meta.positions), move(meta.slot_mapping), move(meta.block_tables),
-                         move(meta.context_lens), move(meta.seq_lens), move(meta.query_start_loc),
-                         meta.num_decodes, meta.decode_query_len, meta.max_query_len, meta.max_seq_len)
+    return PagedMetadata(
+        move(meta.positions),
+        move(meta.slot_mapping),
+        move(meta.block_tables),
+        move(meta.context_lens),
+        move(meta.seq_lens),
+        move(meta.query_start_loc),
+        meta.num_decodes,
+        meta.decode_query_len,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
 
 
 @dataclass
@@ -134,7 +158,7 @@ class StepLaunch:
         if self.event is not None:
             self.event.synchronize()
         w, r = self.width, self.rows
-        return self.flat[:r].tolist(), self.flat[w:w + r].view(torch.float64).tolist()
+        return self.flat[:r].tolist(), self.flat[w : w + r].view(torch.float64).tolist()
 
 
 class ModelRunner:
@@ -151,9 +175,17 @@ class ModelRunner:
         fused_sampler: decode graphs sample with the one-kernel Triton sampler (None = on CUDA).
     """
 
-    def __init__(self, model, kv: PagedKVCache, max_num_seqs: int, max_model_len: int,
-                 enable_cuda_graphs: bool = False, cuda_graph_batch_sizes: tuple[int, ...] | None = None,
-                 max_num_batched_tokens: int = 0, fused_sampler: bool | None = None):
+    def __init__(
+        self,
+        model,
+        kv: PagedKVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_cuda_graphs: bool = False,
+        cuda_graph_batch_sizes: tuple[int, ...] | None = None,
+        max_num_batched_tokens: int = 0,
+        fused_sampler: bool | None = None,
+    ):
         self.model, self.kv = model, kv
         self.device = kv.device
         self.page_size = kv.page_size
@@ -168,21 +200,36 @@ class ModelRunner:
         if enable_cuda_graphs == "eager":  # the staged decode path without graphs (CPU tests)
             from m3_rollout.engine.decode_graph import CudaGraphDecode
 
-            self.graphs = CudaGraphDecode(model, kv, max_num_seqs, max_model_len, self.last_tokens,
-                                          cuda_graph_batch_sizes, use_graphs=False, fused_sampler=fused_sampler)
+            self.graphs = CudaGraphDecode(
+                model,
+                kv,
+                max_num_seqs,
+                max_model_len,
+                self.last_tokens,
+                cuda_graph_batch_sizes,
+                use_graphs=False,
+                fused_sampler=fused_sampler,
+            )
             self.graphs.capture()
         elif enable_cuda_graphs and self.cuda:
             from m3_rollout.engine.decode_graph import CudaGraphDecode
 
             try:
-                self.graphs = CudaGraphDecode(model, kv, max_num_seqs, max_model_len, self.last_tokens,
-                                              cuda_graph_batch_sizes, fused_sampler=fused_sampler)
+                self.graphs = CudaGraphDecode(
+                    model,
+                    kv,
+                    max_num_seqs,
+                    max_model_len,
+                    self.last_tokens,
+                    cuda_graph_batch_sizes,
+                    fused_sampler=fused_sampler,
+                )
                 with torch.no_grad():
                     self.graphs.capture()
             except Exception as exc:  # NOTE: eager fallback; the references are not capturable
                 import warnings
 
-                warnings.warn(f"CUDA-graph capture failed, decode runs eagerly: {exc}")
+                warnings.warn(f"CUDA-graph capture failed, decode runs eagerly: {exc}", stacklevel=2)
                 self.graphs = None
 
     # ---- eager path ----------------------------------------------------------------------------
@@ -214,8 +261,9 @@ class ModelRunner:
         packed = torch.from_numpy(sampling.packed).to(self.device, non_blocking=True)
         params, positions, raw = unpack_sampling(packed)
         mode = raw if sampling.raw_mode == "mixed" else sampling.raw_mode
-        tokens, lps = sample_rows(logits.to(compute_dtype(logits.dtype)), params, positions, mode,
-                                  sampling.need_top_k, sampling.need_top_p)
+        tokens, lps = sample_rows(
+            logits.to(compute_dtype(logits.dtype)), params, positions, mode, sampling.need_top_k, sampling.need_top_p
+        )
         k = sampling.num_row_seqs
         self.last_tokens[:k].copy_(tokens[:k])
         flat = torch.cat([tokens, lps.double().view(torch.int64)])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from typing import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import torch
 
@@ -36,11 +36,21 @@ class NativeBackend(GenerationBackend):
             async_scheduling).
     """
 
-    def __init__(self, model, eos_token_ids: Sequence[int], max_model_len: int | None = None, max_num_seqs: int = 256,
-                 detokenize: Callable[[list[int]], str] | None = None, **engine_kwargs):
-        cfg = EngineConfig(max_model_len=int(max_model_len or model.config.max_position_embeddings),
-                           max_num_seqs=max_num_seqs, eos_token_ids=tuple(int(t) for t in eos_token_ids),
-                           **engine_kwargs)
+    def __init__(
+        self,
+        model,
+        eos_token_ids: Sequence[int],
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        detokenize: Callable[[list[int]], str] | None = None,
+        **engine_kwargs,
+    ):
+        cfg = EngineConfig(
+            max_model_len=int(max_model_len or model.config.max_position_embeddings),
+            max_num_seqs=max_num_seqs,
+            eos_token_ids=tuple(int(t) for t in eos_token_ids),
+            **engine_kwargs,
+        )
         self.engine = LLMEngine(model, cfg, detokenize)
         self.model = self.engine.model
         self._released = {name: tuple(t.shape) for name, t in iter_released_tensors(self.model)}
@@ -73,8 +83,10 @@ class NativeBackend(GenerationBackend):
             elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 problems.append(f"non-finite values in {name}")
         if problems:
-            raise ValueError("weight update rejected, weights unchanged (version "
-                             f"{self.weight_version}):\n  " + "\n  ".join(problems))
+            raise ValueError(
+                "weight update rejected, weights unchanged (version "
+                f"{self.weight_version}):\n  " + "\n  ".join(problems)
+            )
         self.engine.drain()  # the step in flight finishes under the old weights and version
         with torch.no_grad():
             for name, t in incoming.items():
@@ -97,8 +109,9 @@ class NativeBackend(GenerationBackend):
         for iid in self._internal.get(request_id, []):
             self.engine.abort(iid)
 
-    def score(self, token_ids: Sequence[int], positions: Sequence[int] | None = None,
-              temperature: float = 1.0) -> torch.Tensor:
+    def score(
+        self, token_ids: Sequence[int], positions: Sequence[int] | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
         """See :meth:`LLMEngine.score`."""
         return self.engine.score(token_ids, positions, temperature)
 

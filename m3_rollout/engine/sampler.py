@@ -39,8 +39,9 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
-def keyed_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor,
-                  vocab_size: int) -> torch.Tensor:
+def keyed_uniform(
+    seeds: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     """Uniform numbers in (0, 1) keyed by (seed, sample id, position, token id).
 
     Args:
@@ -82,9 +83,14 @@ class SamplingTensors:
     sample_ids: torch.Tensor  # int64 [N]
 
 
-def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor, need_top_k: bool | None = None, need_top_p: bool | None = None
-                   ) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    need_top_k: bool | None = None,
+    need_top_p: bool | None = None,
+) -> torch.Tensor:
     """Apply temperature, top-k and top-p; masked entries become -inf.
 
     Args:
@@ -121,8 +127,12 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return x.masked_fill(~mask, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tensor,
-           logprobs_mode: str | torch.Tensor = "processed") -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    positions: torch.Tensor,
+    logprobs_mode: str | torch.Tensor = "processed",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return its logprob.
 
     Args:
@@ -146,9 +156,14 @@ def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tenso
     return sample_rows(logits, params, positions, mode, need_k, need_p)
 
 
-def sample_rows(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tensor,
-                logprobs_mode: str | torch.Tensor, need_top_k: bool, need_top_p: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    positions: torch.Tensor,
+    logprobs_mode: str | torch.Tensor,
+    need_top_k: bool,
+    need_top_p: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` without device-to-host syncs (CUDA-graph capturable): the caller states
     on the host whether any row filters by top-k / top-p, and ``logprobs_mode`` is "processed",
     "raw" or a bool [N] tensor (True = raw) used as is (both logprobs computed, then selected).
@@ -188,6 +203,11 @@ def pack_sampling(out: np.ndarray, temperature, top_k, top_p, seeds, sample_ids,
 def unpack_sampling(packed: torch.Tensor) -> tuple[SamplingTensors, torch.Tensor, torch.Tensor]:
     """Device views of a packed int64 [NUM_SAMPLING_FIELDS, N] tensor: (params, positions int64 [N],
     raw bool [N]); temperature float64 and top_p float32 as :class:`SamplingTensors` expects."""
-    params = SamplingTensors(temperature=packed[0].view(torch.float64), top_k=packed[1],
-                             top_p=packed[2].view(torch.float64).float(), seeds=packed[3], sample_ids=packed[4])
+    params = SamplingTensors(
+        temperature=packed[0].view(torch.float64),
+        top_k=packed[1],
+        top_p=packed[2].view(torch.float64).float(),
+        seeds=packed[3],
+        sample_ids=packed[4],
+    )
     return params, packed[5], packed[6] != 0

@@ -64,10 +64,23 @@ def _div32(a, b, USE_LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _keyed_gumbel_chunk_kernel(
-    logits_ptr, stride_l, vhash_ptr, temp_ptr, seed_ptr, sid_ptr, pos_ptr, part_ptr,
-    V: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
-    GOLDEN: tl.constexpr, MIX1: tl.constexpr, MIX2: tl.constexpr, SAMPLE_MUL: tl.constexpr,
-    POS_MUL: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+    logits_ptr,
+    stride_l,
+    vhash_ptr,
+    temp_ptr,
+    seed_ptr,
+    sid_ptr,
+    pos_ptr,
+    part_ptr,
+    V: tl.constexpr,
+    NC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GOLDEN: tl.constexpr,
+    MIX1: tl.constexpr,
+    MIX2: tl.constexpr,
+    SAMPLE_MUL: tl.constexpr,
+    POS_MUL: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
 ):
     """Program (row r, chunk c) over tokens [c*BLOCK, (c+1)*BLOCK): its best Gumbel score and
     token, that token's processed / raw logit, and the chunk's max / sum-exp of both (fp64 [8])."""
@@ -110,8 +123,7 @@ def _keyed_gumbel_chunk_kernel(
 
 
 @triton.jit
-def _keyed_gumbel_combine_kernel(part_ptr, raw_ptr, out_ptr, last_ptr, n_rows,
-                                 NC: tl.constexpr, NC_P2: tl.constexpr):
+def _keyed_gumbel_combine_kernel(part_ptr, raw_ptr, out_ptr, last_ptr, n_rows, NC: tl.constexpr, NC_P2: tl.constexpr):
     """Row r: the first chunk with the best score gives the token; logsumexps merge exactly."""
     r = tl.program_id(0)
     c = tl.arange(0, NC_P2)
@@ -138,10 +150,18 @@ def _keyed_gumbel_combine_kernel(part_ptr, raw_ptr, out_ptr, last_ptr, n_rows,
     tl.store(last_ptr + r, tok)
 
 
-def keyed_gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                        sample_ids: torch.Tensor, positions: torch.Tensor, raw: torch.Tensor,
-                        vocab_hash: torch.Tensor, out: torch.Tensor, last_tokens: torch.Tensor,
-                        block: int = 1024) -> None:
+def keyed_gumbel_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    sample_ids: torch.Tensor,
+    positions: torch.Tensor,
+    raw: torch.Tensor,
+    vocab_hash: torch.Tensor,
+    out: torch.Tensor,
+    last_tokens: torch.Tensor,
+    block: int = 1024,
+) -> None:
     """Sample every row of ``logits`` (temperature only) into ``out`` / ``last_tokens``.
 
     Two launches: chunks of ``block`` tokens per program (grid rows x ceil(V / block)), then one
@@ -163,16 +183,32 @@ def keyed_gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: 
     nc = triton.cdiv(v, block)
     part = torch.empty((n, nc, 8), dtype=torch.float64, device=logits.device)
     _keyed_gumbel_chunk_kernel[(n, nc)](
-        logits, logits.stride(0), vocab_hash, temperature, seeds, sample_ids, positions, part,
-        V=v, NC=nc, BLOCK=block, GOLDEN=_GOLDEN, MIX1=_MIX1, MIX2=_MIX2, SAMPLE_MUL=_SAMPLE_MUL,
-        POS_MUL=_POS_MUL, USE_LIBDEVICE=use_libdevice, num_warps=4)
-    _keyed_gumbel_combine_kernel[(n,)](part, raw, out, last_tokens, n, NC=nc, NC_P2=triton.next_power_of_2(nc),
-                                       num_warps=1)
+        logits,
+        logits.stride(0),
+        vocab_hash,
+        temperature,
+        seeds,
+        sample_ids,
+        positions,
+        part,
+        V=v,
+        NC=nc,
+        BLOCK=block,
+        GOLDEN=_GOLDEN,
+        MIX1=_MIX1,
+        MIX2=_MIX2,
+        SAMPLE_MUL=_SAMPLE_MUL,
+        POS_MUL=_POS_MUL,
+        USE_LIBDEVICE=use_libdevice,
+        num_warps=4,
+    )
+    _keyed_gumbel_combine_kernel[(n,)](
+        part, raw, out, last_tokens, n, NC=nc, NC_P2=triton.next_power_of_2(nc), num_warps=1
+    )
 
 
 @triton.jit
-def _decode_prologue_kernel(stage_ptr, last_ptr, ids_ptr, ctx_ptr, seq_ptr, s, S: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def _decode_prologue_kernel(stage_ptr, last_ptr, ids_ptr, ctx_ptr, seq_ptr, s, S: tl.constexpr, BLOCK: tl.constexpr):
     """Rows i < s of a staged decode step: input id (host id, or ``last_tokens[token_src]`` when the
     id is still on the device) and the int32 context / sequence lengths (decode_graph.STAGE_FIELDS)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -185,8 +221,14 @@ def _decode_prologue_kernel(stage_ptr, last_ptr, ids_ptr, ctx_ptr, seq_ptr, s, S
     tl.store(seq_ptr + i, tl.load(stage_ptr + 5 * S + i, mask=ok, other=1).to(tl.int32), mask=ok)
 
 
-def decode_prologue(stage: torch.Tensor, s: int, last_tokens: torch.Tensor, input_ids: torch.Tensor,
-                    context_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def decode_prologue(
+    stage: torch.Tensor,
+    s: int,
+    last_tokens: torch.Tensor,
+    input_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
     """One launch for the decode graph's input prologue (see ``decode_graph.CudaGraphDecode._forward``).
 
     stage: int64 [F, S] contiguous staging (rows host_ids, token_src, positions, slot_mapping,
@@ -194,5 +236,6 @@ def decode_prologue(stage: torch.Tensor, s: int, last_tokens: torch.Tensor, inpu
     seq_lens int32 [>= s]."""
     S = stage.shape[1]
     block = 128
-    _decode_prologue_kernel[(triton.cdiv(s, block),)](stage, last_tokens, input_ids, context_lens, seq_lens, s,
-                                                      S=S, BLOCK=block, num_warps=1)
+    _decode_prologue_kernel[(triton.cdiv(s, block),)](
+        stage, last_tokens, input_ids, context_lens, seq_lens, s, S=S, BLOCK=block, num_warps=1
+    )

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from m3_rollout.engine.block_manager import BlockManager
-from m3_rollout.engine.sequence import Sequence, SeqStatus
+from m3_rollout.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

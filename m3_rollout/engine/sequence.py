@@ -10,7 +10,7 @@ group computes its prompt once. A sequence's KV state is fully described by ``nu
 from __future__ import annotations
 
 import enum
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from m3_rollout.engine.interface import SamplingParams
 
@@ -41,13 +41,43 @@ class Sequence:
             on the device from the previous step's sampled ids).
     """
 
-    __slots__ = ("seq_id", "request_id", "req_key", "sample_index", "params", "token_ids", "prompt_len",
-                 "logprobs", "weight_versions", "num_computed", "block_table", "page_hashes", "status",
-                 "finish_reason", "children", "stream", "num_streamed", "stop_set", "max_len", "num_cached",
-                 "num_pending", "sampling_key")
+    __slots__ = (
+        "seq_id",
+        "request_id",
+        "req_key",
+        "sample_index",
+        "params",
+        "token_ids",
+        "prompt_len",
+        "logprobs",
+        "weight_versions",
+        "num_computed",
+        "block_table",
+        "page_hashes",
+        "status",
+        "finish_reason",
+        "children",
+        "stream",
+        "num_streamed",
+        "stop_set",
+        "max_len",
+        "num_cached",
+        "num_pending",
+        "sampling_key",
+    )
 
-    def __init__(self, seq_id: int, request_id: str, req_key: int, sample_index: int, params: SamplingParams,
-                 prompt_ids: Seq[int], stop_set: frozenset, max_len: int, stream: bool = False):
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        req_key: int,
+        sample_index: int,
+        params: SamplingParams,
+        prompt_ids: Seq[int],
+        stop_set: frozenset,
+        max_len: int,
+        stream: bool = False,
+    ):
         self.seq_id = seq_id
         self.request_id, self.req_key, self.sample_index = request_id, req_key, sample_index
         self.params = params
@@ -69,8 +99,14 @@ class Sequence:
         self.num_pending = 0
         # Per-sample sampler inputs that never change: (temperature, top_k, top_p, seed,
         # sample_index, raw logprobs) (engine: one tuple per row per step, no attribute walks).
-        self.sampling_key = (params.temperature, params.top_k, params.top_p, params.seed, sample_index,
-                             params.logprobs_mode == "raw")
+        self.sampling_key = (
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.seed,
+            sample_index,
+            params.logprobs_mode == "raw",
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +115,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
     @property
     def group_size(self) -> int:
@@ -87,5 +123,7 @@ class Sequence:
         return 1 + len(self.children)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, sample={self.sample_index}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed}, status={self.status.value})")
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, sample={self.sample_index}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed}, status={self.status.value})"
+        )

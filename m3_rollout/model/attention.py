@@ -139,25 +139,27 @@ class M3Attention(nn.Module):
         out = masked_gqa_attention(q, k, v, mask, self.scale)  # [B, S, nh, d]
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
-    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv,
-                      rope_table: bool = False) -> torch.Tensor:
-        """Paged path over flat query tokens (engine/paged_cache.py layout; spec §4.2 order).
+    def forward_paged(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv, rope_table: bool = False
+    ) -> torch.Tensor:
+        """Paged path over flat query tokens (kernels/paged_layout.py layout; spec §4.2 order).
 
         x: [T, H] (T may be 0); cos, sin: [T, r/2] RoPE tables of ``meta.positions``;
         meta: ``PagedMetadata``; kv: ``PagedKVCache``. K, V (and index K on sparse layers) of the
         step's tokens are written through ``meta.slot_mapping`` first; then the indexer selects
         blocks from the index-key pages and attention reads the K/V pages, both through the
-        ``kernels.msa`` dispatch. Returns [T, H] in x.dtype. ``rope_table`` (fused GPU path only):
+        ``m3_kernels.msa`` dispatch. Returns [T, H] in x.dtype. ``rope_table`` (fused GPU path only):
         cos, sin are [max_pos, r/2] tables indexed by ``meta.positions`` instead of per-token rows.
         """
-        from kernels import msa  # NOTE: lazy: kernels/ imports the engine's layout module
+        from m3_kernels import msa  # NOTE: lazy: kernels/ imports the engine's layout module
 
         t = x.shape[0]
         k_cache, v_cache, index_cache = kv.layer(self.layer_idx)
         if use_fused_layers(x):
             # GPU: one packed projection GEMM + one kernel for norms, RoPE and the cache writes.
-            q, iq = self.fused_qkv_write(x, cos, sin, meta.slot_mapping, k_cache, v_cache, index_cache,
-                                         meta.positions if rope_table else None)
+            q, iq = self.fused_qkv_write(
+                x, cos, sin, meta.slot_mapping, k_cache, v_cache, index_cache, meta.positions if rope_table else None
+            )
         else:
             c, s_ = cos[:, None, :], sin[:, None, :]  # [T, 1, r/2]
             q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), c, s_)  # [T, nh, d]
@@ -165,8 +167,9 @@ class M3Attention(nn.Module):
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, G, d]
             ik = iq = None
             if self.is_sparse:
-                iq = apply_rope(self.index_q_norm(self.index_q_proj(x).view(t, self.num_index_heads, self.index_dim)),
-                                c, s_)  # [T, G, di]
+                iq = apply_rope(
+                    self.index_q_norm(self.index_q_proj(x).view(t, self.num_index_heads, self.index_dim)), c, s_
+                )  # [T, G, di]
                 ik = apply_rope(self.index_k_norm(self.index_k_proj(x)), cos, sin)  # [T, di]
             if t > 0:
                 write_paged_kv(meta.slot_mapping, k, v, ik, k_cache, v_cache, index_cache)
@@ -174,8 +177,9 @@ class M3Attention(nn.Module):
             # Empty step (EP lockstep): no attention work; o_proj keeps the [0, H] shape and dtype.
             return self.o_proj(q.reshape(0, self.num_heads * self.head_dim))
         if self.is_sparse:  # indexer + top-k + sparse attention (fused decode path on CUDA)
-            out = msa.msa_attention(q, iq, k_cache, v_cache, index_cache, meta, self.scale, self.topk,
-                                    self.init_blocks, self.local_blocks)  # [T, nh, d]
+            out = msa.msa_attention(
+                q, iq, k_cache, v_cache, index_cache, meta, self.scale, self.topk, self.init_blocks, self.local_blocks
+            )  # [T, nh, d]
         else:
             out = msa.paged_attention(q, k_cache, v_cache, meta, self.scale, None)  # [T, nh, d]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -191,24 +195,57 @@ class M3Attention(nn.Module):
         """Put q/k/v (+ index q/k) weights into one buffer (parameters become views; model/fused.py)."""
         self._packed_proj = pack_linear_weights(self.projection_linears())
 
-    def fused_qkv_write(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, index_cache: torch.Tensor | None,
-                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def fused_qkv_write(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        index_cache: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """GPU path of forward_paged's pre-attention work: x [T, H] -> (q [T, nh, d], index q [T, G, di]
         or None), K/V/index K written through slot_mapping (kernels/fused_layers.qkv_norm_rope_write;
         with ``positions``, cos/sin are tables indexed by position)."""
         qkv = packed_linear(x, getattr(self, "_packed_proj", None), self.projection_linears())
         index = {}
         if self.is_sparse:
-            index = dict(index_q_norm_w=self.index_q_norm.weight, index_k_norm_w=self.index_k_norm.weight,
-                         num_index_heads=self.num_index_heads, index_dim=self.index_dim, index_cache=index_cache)
+            index = dict(
+                index_q_norm_w=self.index_q_norm.weight,
+                index_k_norm_w=self.index_k_norm.weight,
+                num_index_heads=self.num_index_heads,
+                index_dim=self.index_dim,
+                index_cache=index_cache,
+            )
         return fused_ops().qkv_norm_rope_write(
-            qkv, cos, sin, slot_mapping, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
-            self.head_dim, k_cache, v_cache, self.q_norm.eps, positions=positions, **index)
+            qkv,
+            cos,
+            sin,
+            slot_mapping,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            k_cache,
+            v_cache,
+            self.q_norm.eps,
+            positions=positions,
+            **index,
+        )
 
 
-def write_paged_kv(slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ik: torch.Tensor | None,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, index_cache: torch.Tensor | None) -> None:
+def write_paged_kv(
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ik: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor | None,
+) -> None:
     """Scatter the step's keys into their pages (slot = page * ps + offset; -1 = padding).
 
     slot_mapping: [T] int64; k, v: [T, G, d]; ik: [T, di] or None; k_cache, v_cache:

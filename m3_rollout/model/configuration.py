@@ -133,7 +133,7 @@ class M3Config:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, validate: bool = True) -> "M3Config":
+    def from_dict(cls, d: Mapping[str, Any], *, validate: bool = True) -> M3Config:
         """Parse a config.json dict of either shape (module docstring), nested or not.
 
         Unknown keys (vision_config, training-only keys, ...) are ignored. Raises ValueError when
@@ -230,7 +230,7 @@ class M3Config:
         return cfg
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "M3Config":
+    def from_pretrained(cls, path: str | os.PathLike) -> M3Config:
         """Read `<path>/config.json` (or `path` itself if it is a file) and validate it."""
         p = os.fspath(path)
         if os.path.isdir(p):
@@ -275,7 +275,7 @@ class M3Config:
         }
 
     # ------------------------------------------------------------------ checks
-    def validate(self) -> "M3Config":
+    def validate(self) -> M3Config:
         """Check the model-semantics invariants of spec §6 plus basic sanity; return self.
 
         Kernel limits (block size 128, head size 128, top-k < 64) are NOT checked: they belong to

@@ -29,8 +29,8 @@ def set_fused_layers(enabled: bool, allow_cpu: bool = False, skinny_gemm: bool |
     """Turn the fused path on/off (A/B profiling). ``allow_cpu`` lets it run on CPU tensors too: only
     for tests that run the kernels under the Triton interpreter (TRITON_INTERPRET=1, fp32/fp16).
     ``skinny_gemm`` (None = unchanged; default on): decode-sized bf16/fp16 projections (up to
-    ``kernels.fused_layers.SKINNY_MAX_TOKENS`` tokens) use the Triton skinny GEMM
-    (``kernels.fused_layers.skinny_linear``) instead of cuBLAS."""
+    ``m3_kernels.fused_layers.SKINNY_MAX_TOKENS`` tokens) use the Triton skinny GEMM
+    (``m3_kernels.fused_layers.skinny_linear``) instead of cuBLAS."""
     _STATE["enabled"], _STATE["allow_cpu"] = bool(enabled), bool(allow_cpu)
     if skinny_gemm is not None:
         _STATE["skinny_gemm"] = bool(skinny_gemm)
@@ -69,8 +69,8 @@ def use_fused_layers(x: torch.Tensor) -> bool:
 
 
 def fused_ops():
-    """The ``kernels.fused_layers`` module (imported lazily: CPU-only runs never import triton)."""
-    import kernels.fused_layers as fl
+    """The ``m3_kernels.fused_layers`` module (imported lazily: CPU-only runs never import triton)."""
+    import m3_kernels.fused_layers as fl
 
     return fl
 
@@ -85,15 +85,17 @@ def pack_linear_weights(linears: Sequence[nn.Linear]) -> torch.Tensor:
     if any(lin.bias is not None for lin in linears):
         raise ValueError("pack_linear_weights: Linears with a bias are not packed")
     if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
-        raise ValueError("pack_linear_weights: weights differ in input size, dtype or device: "
-                         f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in ws]}")
+        raise ValueError(
+            "pack_linear_weights: weights differ in input size, dtype or device: "
+            f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in ws]}"
+        )
     buf = torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
     off = 0
     with torch.no_grad():
         for w in ws:
             n = w.shape[0]
-            buf[off:off + n].copy_(w)
-            w.data = buf[off:off + n]
+            buf[off : off + n].copy_(w)
+            w.data = buf[off : off + n]
             off += n
     return buf
 

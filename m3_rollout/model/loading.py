@@ -334,8 +334,7 @@ def save_checkpoint(
     stale = [
         f
         for f in os.listdir(out)
-        if f not in keep
-        and (f in (SINGLE_FILE, INDEX_FILE) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f))
+        if f not in keep and (f in (SINGLE_FILE, INDEX_FILE) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f))
     ]
     for f in stale:
         os.remove(os.path.join(out, f))

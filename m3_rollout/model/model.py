@@ -164,9 +164,10 @@ class M3ForCausalLM(nn.Module):
         """
         return self.lm_head(self.model(input_ids, positions, cache))
 
-    def forward_paged(self, input_ids: torch.Tensor, meta, kv, logits_indices: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """The engine's forward over flat varlen tokens and paged caches (engine/paged_cache.py).
+    def forward_paged(
+        self, input_ids: torch.Tensor, meta, kv, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The engine's forward over flat varlen tokens and paged caches (kernels/paged_layout.py).
 
         input_ids: [T] int64 (T may be 0: an empty EP-lockstep step still runs every layer once);
         meta: ``PagedMetadata`` for those tokens; kv: ``PagedKVCache`` (written in place: each
@@ -183,7 +184,7 @@ class M3ForCausalLM(nn.Module):
         """The MoE blocks in layer order (their `last_topk_ids` form the routing record)."""
         return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
 
-    def cast_for_inference(self, dtype: torch.dtype) -> "M3ForCausalLM":
+    def cast_for_inference(self, dtype: torch.dtype) -> M3ForCausalLM:
         """Cast every parameter to `dtype` but keep router gate weights and e_score_correction_bias
         in at least fp32 (spec §6: released and computed in fp32). On CUDA also packs the projection
         weights for the fused GPU path (``pack_fused_weights``). Returns self."""
@@ -196,7 +197,7 @@ class M3ForCausalLM(nn.Module):
             self.pack_fused_weights()
         return self
 
-    def pack_fused_weights(self) -> "M3ForCausalLM":
+    def pack_fused_weights(self) -> M3ForCausalLM:
         """Pack each layer's q/k/v(/index q/k) and dense/shared gate/up weights into one buffer per
         group (the parameters become views of it; see model/fused.py) for the GPU path's fused
         GEMMs. Called by ``cast_for_inference`` on CUDA; weight sync keeps writing the parameters

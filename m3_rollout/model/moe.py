@@ -160,10 +160,19 @@ class StackedExperts(nn.Module):
         default all); otherwise the PyTorch reference `grouped_experts`.
         """
         if _fused_moe_usable(x, self.w13, self.w2):
-            from kernels.fused_moe import fused_experts
+            from m3_kernels.fused_moe import fused_experts
 
-            return fused_experts(x, ids, weights, self.w13, self.w2, alpha=self.alpha, limit=self.limit,
-                                 beta=self.beta, expert_range=getattr(self, "expert_range", None))
+            return fused_experts(
+                x,
+                ids,
+                weights,
+                self.w13,
+                self.w2,
+                alpha=self.alpha,
+                limit=self.limit,
+                beta=self.beta,
+                expert_range=getattr(self, "expert_range", None),
+            )
         return grouped_experts(x, ids, weights, self.w13, self.w2, self.act)
 
 
@@ -230,8 +239,9 @@ class M3MoE(nn.Module):
     def _replay_router(self, x: torch.Tensor, given: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], given [T, K] int64 (-1 rows = own choice) -> (weights [T, K], ids [T, K])."""
         if tuple(given.shape) != (x.shape[0], self.top_k):
-            raise ValueError(f"replayed expert ids have shape {tuple(given.shape)}, expected "
-                             f"[T={x.shape[0]}, K={self.top_k}]")
+            raise ValueError(
+                f"replayed expert ids have shape {tuple(given.shape)}, expected [T={x.shape[0]}, K={self.top_k}]"
+            )
         w = self.gate.weight
         rdt = torch.promote_types(compute_dtype(x.dtype), compute_dtype(w.dtype))
         logits = F.linear(x.to(rdt), w.to(rdt))  # [T, E]
@@ -243,13 +253,13 @@ class M3MoE(nn.Module):
 
     def router_wants_fp32_input(self, num_tokens: int) -> bool:
         """Whether ``forward_fused`` would use an fp32 copy of its input (cuBLAS router GEMM):
-        true unless the step is decode-sized (``kernels.fused_layers.router_gemm_topk_ok``)."""
+        true unless the step is decode-sized (``m3_kernels.fused_layers.router_gemm_topk_ok``)."""
         return not fused_ops().router_gemm_topk_ok(num_tokens, self.gate.weight)
 
     def forward_fused(self, x: torch.Tensor, x32: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """GPU path of ``forward`` for x [T, H] (x32: the same values in fp32, for the router, or None).
 
-        Returns (routed [T, H], shared [T, H]); the caller adds them (``kernels.fused_layers.add_rms_norm``
+        Returns (routed [T, H], shared [T, H]); the caller adds them (``m3_kernels.fused_layers.add_rms_norm``
         with ``x2``, rounding routed + shared to x.dtype first, as ``forward`` does). Router (same
         maths as ``route``): without x32 and for few tokens one ``router_gemm_topk`` launch, else an
         fp32 GEMM and ``router_topk``. With replayed ids pending, or a router weight above fp32,

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from m3_rollout.model.configuration import M3Config
 from m3_rollout.model import moe as moe_module
+from m3_rollout.model.configuration import M3Config
 from m3_rollout.model.moe import StackedExperts, grouped_experts
 
 
@@ -76,9 +76,14 @@ class EPStats:
 
     def snapshot(self, reset: bool = True) -> dict:
         """Plain-Python copy of the counters (lists / floats), optionally resetting them."""
-        out = {"tokens_per_expert": self.tokens_per_expert.tolist(), "sent_per_rank": self.sent_per_rank.tolist(),
-               "dispatch_s": self.dispatch_s, "expert_s": self.expert_s, "combine_s": self.combine_s,
-               "moe_forwards": self.forwards}
+        out = {
+            "tokens_per_expert": self.tokens_per_expert.tolist(),
+            "sent_per_rank": self.sent_per_rank.tolist(),
+            "dispatch_s": self.dispatch_s,
+            "expert_s": self.expert_s,
+            "combine_s": self.combine_s,
+            "moe_forwards": self.forwards,
+        }
         if reset:
             self.reset()
         return out
@@ -97,8 +102,14 @@ class EPExperts(StackedExperts):
     Parameters ``w13 [E_local, 2I, H]``, ``w2 [E_local, H, I]`` (local row i = global expert a + i).
     """
 
-    def __init__(self, config: M3Config, expert_range: tuple[int, int], group: dist.ProcessGroup | None = None,
-                 stats: EPStats | None = None, layer_slot: int = 0):
+    def __init__(
+        self,
+        config: M3Config,
+        expert_range: tuple[int, int],
+        group: dist.ProcessGroup | None = None,
+        stats: EPStats | None = None,
+        layer_slot: int = 0,
+    ):
         torch.nn.Module.__init__(self)  # not StackedExperts.__init__: that would allocate all E experts
         self.alpha, self.limit, self.beta = config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta
         a, b = int(expert_range[0]), int(expert_range[1])
@@ -106,13 +117,17 @@ class EPExperts(StackedExperts):
         self.expert_range = (a, b)
         self.num_experts = config.num_local_experts
         if e_local < 1 or self.num_experts % e_local != 0 or a % e_local != 0 or b > self.num_experts:
-            raise ValueError(f"expert_range={expert_range}: not an EP shard of E={self.num_experts} experts "
-                             "(need [r*E/P, (r+1)*E/P) with P dividing E)")
+            raise ValueError(
+                f"expert_range={expert_range}: not an EP shard of E={self.num_experts} experts "
+                "(need [r*E/P, (r+1)*E/P) with P dividing E)"
+            )
         self.group = group
         self.world_size = self.num_experts // e_local  # P
         if group is not None and dist.get_world_size(group) != self.world_size:
-            raise ValueError(f"expert_range={expert_range} implies EP size {self.world_size}, but the process "
-                             f"group has {dist.get_world_size(group)} ranks")
+            raise ValueError(
+                f"expert_range={expert_range} implies EP size {self.world_size}, but the process "
+                f"group has {dist.get_world_size(group)} ranks"
+            )
         h, i = config.hidden_size, config.intermediate_size
         # Same layout and init as StackedExperts, at the local size (default device / dtype apply).
         self.w13 = torch.nn.Parameter(torch.empty(e_local, 2 * i, h))
@@ -131,10 +146,19 @@ class EPExperts(StackedExperts):
         """
         ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
         if moe_module._fused_moe_usable(x, self.w13, self.w2):
-            from kernels.fused_moe import fused_experts
+            from m3_kernels.fused_moe import fused_experts
 
-            return fused_experts(x, (local_ids + self.expert_range[0])[:, None], ones, self.w13, self.w2,
-                                 alpha=self.alpha, limit=self.limit, beta=self.beta, expert_range=self.expert_range)
+            return fused_experts(
+                x,
+                (local_ids + self.expert_range[0])[:, None],
+                ones,
+                self.w13,
+                self.w2,
+                alpha=self.alpha,
+                limit=self.limit,
+                beta=self.beta,
+                expert_range=self.expert_range,
+            )
         return grouped_experts(x, local_ids[:, None], ones, self.w13, self.w2, self.act)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -148,12 +172,15 @@ class EPExperts(StackedExperts):
             out = super().forward(x, ids, weights)
             if self.stats is not None:
                 self.stats.tokens_per_expert[self.layer_slot] += torch.bincount(
-                    ids.reshape(-1), minlength=self.num_experts).cpu()
+                    ids.reshape(-1), minlength=self.num_experts
+                ).cpu()
                 self.stats.forwards += 1
             return out
         if self.group is None:
-            raise RuntimeError(f"EPExperts{self.expert_range}: an EP shard (P={self.world_size}) needs a process "
-                               "group to run; pass `group` when sharding")
+            raise RuntimeError(
+                f"EPExperts{self.expert_range}: an EP shard (P={self.world_size}) needs a process "
+                "group to run; pass `group` when sharding"
+            )
         p, e_local, h = self.world_size, self.num_experts // self.world_size, x.shape[-1]
         timing = self.stats is not None and self.stats.timing
         sync = (lambda: torch.cuda.synchronize(x.device)) if (timing and x.is_cuda) else (lambda: None)
@@ -175,7 +202,8 @@ class EPExperts(StackedExperts):
         t1 = time.perf_counter()
         # Received rows are ordered by source rank, then local expert: rebuild their local ids.
         local_ids = torch.repeat_interleave(
-            torch.arange(e_local, device=x.device).repeat(p), recv_counts.view(-1))  # [N]
+            torch.arange(e_local, device=x.device).repeat(p), recv_counts.view(-1)
+        )  # [N]
         y = self.local_experts(recv_x, local_ids)  # [N, H]
         sync()
         t2 = time.perf_counter()

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,16 +43,19 @@ def expert_range(num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
         raise ValueError(f"policy.generation.expert_parallel_size={ep_size}: must be >= 1")
     if num_experts % ep_size != 0:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ValueError(f"policy.generation.expert_parallel_size={ep_size}: the model has {num_experts} routed "
-                         f"experts per layer, which must split evenly over the EP ranks; use one of {divisors}")
+        raise ValueError(
+            f"policy.generation.expert_parallel_size={ep_size}: the model has {num_experts} routed "
+            f"experts per layer, which must split evenly over the EP ranks; use one of {divisors}"
+        )
     if not 0 <= rank < ep_size:
         raise ValueError(f"EP rank {rank}: must be in [0, {ep_size})")
     n = num_experts // ep_size
     return rank * n, (rank + 1) * n
 
 
-def shard_experts(model: M3ForCausalLM, rank: int, ep_size: int, group: dist.ProcessGroup | None,
-                  timing: bool = True) -> EPStats:
+def shard_experts(
+    model: M3ForCausalLM, rank: int, ep_size: int, group: dist.ProcessGroup | None, timing: bool = True
+) -> EPStats:
     """Replace every MoE layer's experts by the local slice, in place; returns the model's EPStats.
 
     If the model's experts hold real weights (not ``meta``), the local rows are copied over, so
@@ -117,8 +120,20 @@ def _local_tensors(files: list[str], a: int, b: int, report: dict) -> Iterator[t
                 yield key, t
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def _numel(shape) -> int:
@@ -141,9 +156,15 @@ def _split_fused(layer: str, which: str, t: torch.Tensor, a: int) -> Iterator[tu
             yield f"{base}{e}.w3.weight", t[i, inter:]
 
 
-def load_checkpoint_ep(path: str | os.PathLike, rank: int, ep_size: int, group: dist.ProcessGroup | None,
-                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                       timing: bool = True) -> tuple[M3ForCausalLM, EPStats, ShardLoadReport]:
+def load_checkpoint_ep(
+    path: str | os.PathLike,
+    rank: int,
+    ep_size: int,
+    group: dist.ProcessGroup | None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    timing: bool = True,
+) -> tuple[M3ForCausalLM, EPStats, ShardLoadReport]:
     """Build rank `rank`'s EP shard of the checkpoint at `path`, reading only its tensors.
 
     Like ``m3_rollout.model.load_checkpoint`` (same namings accepted, router kept >= fp32, eval

@@ -25,7 +25,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def default_backend(device: torch.device | str) -> str:
-    """"nccl" for a CUDA device, "gloo" otherwise."""
+    """ "nccl" for a CUDA device, "gloo" otherwise."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
@@ -77,9 +77,14 @@ def init_ep_group(spec: EPGroupSpec, rank: int, device: torch.device | str = "cp
     if backend == "nccl":
         disable_nvlink_multicast()
         kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{spec.addr}:{spec.port}", rank=rank,
-                            world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s),
-                            **kwargs)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{spec.addr}:{spec.port}",
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+        **kwargs,
+    )
     return dist.group.WORLD
 
 

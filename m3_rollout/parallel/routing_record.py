@@ -23,25 +23,31 @@ class RoutingCache:
     """Paged store of routed expert ids: ``table [num_pages * page_size, n_moe_layers, top_k]`` int16.
 
     Args:
-        num_pages, page_size: the KV page pool's geometry (engine/paged_cache.py).
+        num_pages, page_size: the KV page pool's geometry (kernels/paged_layout.py).
         n_moe_layers, top_k: model geometry (``len(model.moe_layers())``, ``num_experts_per_tok``).
         device: where the forward's expert ids live (the table stays there; reads copy to host).
     Raises ValueError when E does not fit int16 (see :meth:`record`).
     """
 
-    def __init__(self, num_pages: int, page_size: int, n_moe_layers: int, top_k: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, num_pages: int, page_size: int, n_moe_layers: int, top_k: int, device: torch.device | str = "cpu"
+    ):
         self.page_size = int(page_size)
         self.n_moe_layers, self.top_k = int(n_moe_layers), int(top_k)
         self.table = torch.full((num_pages * page_size, n_moe_layers, top_k), -1, dtype=torch.int16, device=device)
 
     @classmethod
-    def for_model(cls, model, num_pages: int, page_size: int) -> "RoutingCache":
+    def for_model(cls, model, num_pages: int, page_size: int) -> RoutingCache:
         """A cache sized for `model` (an ``M3ForCausalLM``) and the engine's page pool."""
         if model.config.num_local_experts > np.iinfo(np.int16).max:
             raise ValueError(f"num_local_experts={model.config.num_local_experts} does not fit the int16 record")
-        return cls(num_pages, page_size, len(model.moe_layers()), model.config.num_experts_per_tok,
-                   device=next(model.parameters()).device)
+        return cls(
+            num_pages,
+            page_size,
+            len(model.moe_layers()),
+            model.config.num_experts_per_tok,
+            device=next(model.parameters()).device,
+        )
 
     def record(self, slot_mapping: torch.Tensor, model) -> None:
         """Store the last forward's expert ids at the step's slots.
@@ -57,12 +63,16 @@ class RoutingCache:
         t = int(slot_mapping.shape[0])
         ids = [m.last_topk_ids for m in moes]
         if any(x is None or x.shape[0] < t for x in ids):
-            raise ValueError(f"routing record: MoE expert ids do not cover the step's {t} tokens "
-                             f"(got {[None if x is None else tuple(x.shape) for x in ids]})")
+            raise ValueError(
+                f"routing record: MoE expert ids do not cover the step's {t} tokens "
+                f"(got {[None if x is None else tuple(x.shape) for x in ids]})"
+            )
         if t == 0:
             return
         # NOTE: a CUDA-graph decode runs padded rows after the T real ones; keep the first T.
-        stacked = torch.stack([x[:t] for x in ids], dim=1).to(device=self.table.device, dtype=torch.int16)  # [T, n_moe, K]
+        stacked = torch.stack([x[:t] for x in ids], dim=1).to(
+            device=self.table.device, dtype=torch.int16
+        )  # [T, n_moe, K]
         slots = slot_mapping.to(self.table.device)
         keep = slots >= 0
         self.table[slots[keep]] = stacked[keep]
@@ -70,7 +80,7 @@ class RoutingCache:
     def copy_page(self, src: int, dst: int) -> None:
         """Copy page `src`'s records into page `dst` (the partial-page copy of a fork)."""
         ps = self.page_size
-        self.table[dst * ps:(dst + 1) * ps] = self.table[src * ps:(src + 1) * ps]
+        self.table[dst * ps : (dst + 1) * ps] = self.table[src * ps : (src + 1) * ps]
 
     def gather(self, block_table: list[int], num_computed: int, length: int) -> np.ndarray:
         """The record of one sequence: int16 [length, n_moe_layers, top_k].

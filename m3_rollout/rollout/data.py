@@ -64,8 +64,10 @@ class PromptSource:
             recs = list(records)
             random.Random(seed).shuffle(recs)
             if len(recs) <= num_val:
-                raise ValueError(f"{len(recs)} records cannot give {num_val} held-out prompts and a training set; "
-                                 f"lower grpo.num_val_prompts")
+                raise ValueError(
+                    f"{len(recs)} records cannot give {num_val} held-out prompts and a training set; "
+                    f"lower grpo.num_val_prompts"
+                )
             self.val = recs[-num_val:]
             self._train = recs[:-num_val]
         else:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import abc
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jsonschema
 
@@ -40,8 +41,10 @@ class Tool:
 
     def schema(self) -> dict:
         """OpenAI ``tools`` entry: {"type": "function", "function": {name, description, parameters}}."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def check_arguments(self, arguments_json: str) -> tuple[dict | None, str | None]:
         """Decode and validate a JSON arguments string: (arguments, None) or (None, error text)."""
@@ -140,8 +143,9 @@ class Environment(abc.ABC):
         """The worker pool, started on first use with the tools defined by then."""
         if self._pool is None:
             s = self.tool_settings
-            self._pool = ToolProcessPool({t.name: t.fn for t in self.tools}, s.num_workers, s.timeout_s,
-                                         s.max_output_chars)
+            self._pool = ToolProcessPool(
+                {t.name: t.fn for t in self.tools}, s.num_workers, s.timeout_s, s.max_output_chars
+            )
         return self._pool
 
     def run_tool_calls(self, calls: list[dict]) -> list[str]:

@@ -53,8 +53,9 @@ class RolloutSettings:
     mask_truncated_turns: bool = False
 
 
-def run_group_rollouts(backend: GenerationBackend, chat: ChatFormat, env: Environment,
-                       records: list[dict], settings: RolloutSettings) -> tuple[list[Trajectory], dict]:
+def run_group_rollouts(
+    backend: GenerationBackend, chat: ChatFormat, env: Environment, records: list[dict], settings: RolloutSettings
+) -> tuple[list[Trajectory], dict]:
     """Roll out ``settings.n`` samples for every record.
 
     Returns:
@@ -76,8 +77,15 @@ def run_group_rollouts(backend: GenerationBackend, chat: ChatFormat, env: Enviro
         prompt = chat.prompt_ids(messages, tools=tools)
         seeds.append(settings.seed * 1_000_003 + gi)
         for j in range(settings.n):
-            t = Trajectory(group_index=gi, sample_index=j, token_ids=[], loss_mask=[], rollout_logprobs=[],
-                           weight_version=[], prompt_len=len(prompt))
+            t = Trajectory(
+                group_index=gi,
+                sample_index=j,
+                token_ids=[],
+                loss_mask=[],
+                rollout_logprobs=[],
+                weight_version=[],
+                prompt_len=len(prompt),
+            )
             t.append(prompt, generated=False)
             trajs.append(t)
             states.append(dict(state))
@@ -93,12 +101,19 @@ def run_group_rollouts(backend: GenerationBackend, chat: ChatFormat, env: Enviro
             idxs = [gi * settings.n + k for k in range(settings.n)] if j is None else [gi * settings.n + j]
             ctx = trajs[idxs[0]].token_ids
             room = settings.max_total_len - len(ctx)
-            params = SamplingParams(n=len(idxs), temperature=settings.temperature, top_p=settings.top_p,
-                                    top_k=settings.top_k, max_new_tokens=max(1, min(settings.max_new_tokens, room)),
-                                    stop_token_ids=tuple(chat.stop_token_ids), seed=seeds[gi],
-                                    logprobs_mode=settings.logprobs_mode)
-            requests.append(GenerationRequest(f"g{gi}-s{j}-t{turn}", list(ctx), params,
-                                              sample_index=0 if j is None else j))
+            params = SamplingParams(
+                n=len(idxs),
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                max_new_tokens=max(1, min(settings.max_new_tokens, room)),
+                stop_token_ids=tuple(chat.stop_token_ids),
+                seed=seeds[gi],
+                logprobs_mode=settings.logprobs_mode,
+            )
+            requests.append(
+                GenerationRequest(f"g{gi}-s{j}-t{turn}", list(ctx), params, sample_index=0 if j is None else j)
+            )
             targets.extend(idxs)
         outputs = backend.generate(requests)
         if len(outputs) != len(targets):
@@ -116,12 +131,24 @@ def run_group_rollouts(backend: GenerationBackend, chat: ChatFormat, env: Enviro
     for t in trajs:
         t.check()
     seconds = time.perf_counter() - t0
-    return trajs, {"rollout_seconds": seconds, "generated_tokens": gen_tokens,
-                   "generation_tokens_per_s": gen_tokens / max(seconds, 1e-9), "turns": turn}
+    return trajs, {
+        "rollout_seconds": seconds,
+        "generated_tokens": gen_tokens,
+        "generation_tokens_per_s": gen_tokens / max(seconds, 1e-9),
+        "turns": turn,
+    }
 
 
-def _model_turn(traj: Trajectory, state: dict, out: SampleOutput, chat: ChatFormat, env: Environment,
-                tools: list[dict], settings: RolloutSettings, turn: int) -> bool:
+def _model_turn(
+    traj: Trajectory,
+    state: dict,
+    out: SampleOutput,
+    chat: ChatFormat,
+    env: Environment,
+    tools: list[dict],
+    settings: RolloutSettings,
+    turn: int,
+) -> bool:
     """Append one sampled turn to ``traj``, step the environment, append the bridge.
 
     Returns True when the trajectory continues with another model turn.
@@ -140,8 +167,10 @@ def _model_turn(traj: Trajectory, state: dict, out: SampleOutput, chat: ChatForm
     parsed = parse_model_output(text, chat.thinking_mode, tools, first_index=len(traj.tool_calls))
     record = TurnRecord(start, len(traj.token_ids), out.finish_reason, stop_sampled, parsed)
     traj.turns.append(record)
-    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments, "truncated": c.truncated, "error": c.error}
-             for c in parsed.tool_calls]
+    calls = [
+        {"id": c.id, "name": c.name, "arguments": c.arguments, "truncated": c.truncated, "error": c.error}
+        for c in parsed.tool_calls
+    ]
     traj.tool_calls.extend({"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls)
     if out.finish_reason != "stop":
         # Cut by a token limit (or aborted): score what is there, no further turns.
@@ -149,14 +178,26 @@ def _model_turn(traj: Trajectory, state: dict, out: SampleOutput, chat: ChatForm
         if record.truncated and settings.mask_truncated_turns:
             traj.mask_span(record.start, record.end)
             record.masked = True
-        result = env.step(state, ModelTurn(content=parsed.content, truncated=True, reasoning=parsed.reasoning,
-                                           finish_reason=out.finish_reason))
+        result = env.step(
+            state,
+            ModelTurn(
+                content=parsed.content, truncated=True, reasoning=parsed.reasoning, finish_reason=out.finish_reason
+            ),
+        )
         traj.reward, traj.finish_reason = result.reward, ("length" if record.truncated else out.finish_reason)
         traj.info.update(result.info)
         return False
-    result = env.step(state, ModelTurn(content=parsed.content, tool_calls=calls, parse_error=parsed.error,
-                                       truncated=parsed.truncated, reasoning=parsed.reasoning,
-                                       finish_reason=out.finish_reason))
+    result = env.step(
+        state,
+        ModelTurn(
+            content=parsed.content,
+            tool_calls=calls,
+            parse_error=parsed.error,
+            truncated=parsed.truncated,
+            reasoning=parsed.reasoning,
+            finish_reason=out.finish_reason,
+        ),
+    )
     traj.reward = result.reward
     traj.info.update(result.info)
     if result.done:

@@ -45,16 +45,26 @@ class RolloutStack:
 
 def build_policy(cfg, model, total_opt_steps: int):
     """The trainer's ``Policy`` as every entry point builds it (optimizer, schedule, freeze policy)."""
-    from trainers.policy import Policy
+    from m3_trainers.policy import Policy
 
     p = cfg.policy
-    return Policy(model, lr=p.optimizer.lr, weight_decay=p.optimizer.weight_decay,
-                  betas=(p.optimizer.beta1, p.optimizer.beta2), eps=p.optimizer.eps,
-                  max_grad_norm=p.max_grad_norm, freeze_indexer=p.freeze.indexer,
-                  freeze_router_bias=p.freeze.router_bias, freeze_patterns=p.freeze.patterns,
-                  warmup_steps=p.scheduler.warmup_steps, lr_schedule=p.scheduler.name,
-                  total_steps=total_opt_steps, min_lr_ratio=p.scheduler.min_lr_ratio,
-                  reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0, routing_replay=p.routing_replay)
+    return Policy(
+        model,
+        lr=p.optimizer.lr,
+        weight_decay=p.optimizer.weight_decay,
+        betas=(p.optimizer.beta1, p.optimizer.beta2),
+        eps=p.optimizer.eps,
+        max_grad_norm=p.max_grad_norm,
+        freeze_indexer=p.freeze.indexer,
+        freeze_router_bias=p.freeze.router_bias,
+        freeze_patterns=p.freeze.patterns,
+        warmup_steps=p.scheduler.warmup_steps,
+        lr_schedule=p.scheduler.name,
+        total_steps=total_opt_steps,
+        min_lr_ratio=p.scheduler.min_lr_ratio,
+        reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
+        routing_replay=p.routing_replay,
+    )
 
 
 def build_rollout_stack(cfg, with_backend: bool = True, model_name: str | None = None) -> RolloutStack:
@@ -84,12 +94,26 @@ def build_rollout_stack(cfg, with_backend: bool = True, model_name: str | None =
         backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
         if backend is None:
             model = load_checkpoint(model_dir, dtype=torch.float32).cast_for_inference(getattr(torch, gen.dtype))
-            backend = NativeBackend(model, chat.stop_token_ids, max_model_len=max_len, max_num_seqs=gen.max_num_seqs,
-                                    detokenize=chat.decode, record_routing=p.routing_replay, **gen.engine_kwargs())
+            backend = NativeBackend(
+                model,
+                chat.stop_token_ids,
+                max_model_len=max_len,
+                max_num_seqs=gen.max_num_seqs,
+                detokenize=chat.decode,
+                record_routing=p.routing_replay,
+                **gen.engine_kwargs(),
+            )
     task = ArithmeticTask(d.min_digits, d.max_digits, d.operations) if d.source == "calculator" else None
     source = PromptSource(task, g.seed, g.num_val_prompts, records=load_jsonl(d.path) if d.source == "jsonl" else None)
-    settings = RolloutSettings(n=g.num_generations_per_prompt, max_turns=g.max_rollout_turns, max_total_len=max_len,
-                               max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                               top_k=gen.top_k, logprobs_mode=gen.logprobs_mode,
-                               mask_truncated_turns=cfg.env.mask_truncated_turns)
+    settings = RolloutSettings(
+        n=g.num_generations_per_prompt,
+        max_turns=g.max_rollout_turns,
+        max_total_len=max_len,
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        logprobs_mode=gen.logprobs_mode,
+        mask_truncated_turns=cfg.env.mask_truncated_turns,
+    )
     return RolloutStack(Path(model_dir), info, chat, max_len, backend, build_environment(cfg.env), source, settings)

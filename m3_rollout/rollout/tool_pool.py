@@ -21,8 +21,8 @@ import re
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Callable
 
 __all__ = ["ToolProcessPool", "cap_output"]
 
@@ -87,7 +87,7 @@ class _Worker:
         self.conn.close()
 
 
-def _close_at_exit(ref: "weakref.ref[ToolProcessPool]") -> None:
+def _close_at_exit(ref: weakref.ref[ToolProcessPool]) -> None:
     pool = ref()
     if pool is not None:
         pool.close()
@@ -107,8 +107,13 @@ class ToolProcessPool:
         ValueError: a non-positive ``num_workers``, ``timeout_s`` or ``max_output_chars``.
     """
 
-    def __init__(self, fns: dict[str, Callable[..., object]], num_workers: int = 2, timeout_s: float = 1.0,
-                 max_output_chars: int = 2048):
+    def __init__(
+        self,
+        fns: dict[str, Callable[..., object]],
+        num_workers: int = 2,
+        timeout_s: float = 1.0,
+        max_output_chars: int = 2048,
+    ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: must be >= 1")
         if not (timeout_s > 0 and math.isfinite(timeout_s)):

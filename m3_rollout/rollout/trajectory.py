@@ -94,8 +94,9 @@ class Trajectory:
     turns: list[TurnRecord] = field(default_factory=list)
     routed_experts: object | None = None
 
-    def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None,
-               version: int | list[int] = -1) -> None:
+    def append(
+        self, ids: list[int], generated: bool, logprobs: list[float] | None = None, version: int | list[int] = -1
+    ) -> None:
         """Append a model turn (``generated``, with its logprobs and the weight version of the
         whole turn or of each token) or a non-sampled span (mask 0, version -1)."""
         start = len(self.token_ids)
@@ -124,5 +125,6 @@ class Trajectory:
     def check(self) -> None:
         """Assert the per-token arrays agree (raised on a bug, not on bad input)."""
         n = len(self.token_ids)
-        assert len(self.loss_mask) == n == len(self.rollout_logprobs) == len(self.weight_version), \
+        assert len(self.loss_mask) == n == len(self.rollout_logprobs) == len(self.weight_version), (
             "trajectory arrays differ in length"
+        )

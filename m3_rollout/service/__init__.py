@@ -11,6 +11,13 @@ from .service import RolloutFailure, RolloutService
 from .worker import RolloutWorker, WorkerSpec
 
 __all__ = [
-    "GroupFailure", "Launcher", "ProcessLauncher", "RayLauncher", "make_launcher",
-    "RolloutFailure", "RolloutService", "RolloutWorker", "WorkerSpec",
+    "GroupFailure",
+    "Launcher",
+    "ProcessLauncher",
+    "RayLauncher",
+    "make_launcher",
+    "RolloutFailure",
+    "RolloutService",
+    "RolloutWorker",
+    "WorkerSpec",
 ]

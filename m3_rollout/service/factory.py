@@ -30,14 +30,31 @@ def build_rollout_service(cfg, model_dir, eos_token_ids, max_model_len: int) -> 
     # E % P != 0 fails here, in the driver, with the key name (not inside every worker).
     expert_range(M3Config.from_pretrained(str(model_dir)).num_local_experts, gen.expert_parallel_size, 0)
     on_gpu = c.gpus_per_node > 0
-    engine = dict(max_model_len=int(max_model_len), max_num_seqs=gen.max_num_seqs,
-                  eos_token_ids=tuple(int(t) for t in eos_token_ids), record_routing=cfg.policy.routing_replay,
-                  **gen.engine_kwargs())
-    spec = WorkerSpec(model_dir=str(model_dir),
-                      group=EPGroupSpec(gen.expert_parallel_size, "127.0.0.1", 0, None, c.collective_timeout_s),
-                      dtype=gen.dtype, engine=engine, device="cuda" if on_gpu else "cpu", num_threads=1,
-                      tokenizer_dir=str(model_dir))
-    return RolloutService(spec, launcher=c.launcher, ray_address=c.ray_address, worker_cpus=c.worker_cpus,
-                          worker_gpus=1.0 if on_gpu else 0.0, steps_per_call=c.steps_per_call,
-                          max_restarts=c.max_restarts, start_timeout_s=max(120.0, c.collective_timeout_s),
-                          weight_sync=cfg.weight_sync, freeze=cfg.policy.freeze)
+    engine = dict(
+        max_model_len=int(max_model_len),
+        max_num_seqs=gen.max_num_seqs,
+        eos_token_ids=tuple(int(t) for t in eos_token_ids),
+        record_routing=cfg.policy.routing_replay,
+        **gen.engine_kwargs(),
+    )
+    spec = WorkerSpec(
+        model_dir=str(model_dir),
+        group=EPGroupSpec(gen.expert_parallel_size, "127.0.0.1", 0, None, c.collective_timeout_s),
+        dtype=gen.dtype,
+        engine=engine,
+        device="cuda" if on_gpu else "cpu",
+        num_threads=1,
+        tokenizer_dir=str(model_dir),
+    )
+    return RolloutService(
+        spec,
+        launcher=c.launcher,
+        ray_address=c.ray_address,
+        worker_cpus=c.worker_cpus,
+        worker_gpus=1.0 if on_gpu else 0.0,
+        steps_per_call=c.steps_per_call,
+        max_restarts=c.max_restarts,
+        start_timeout_s=max(120.0, c.collective_timeout_s),
+        weight_sync=cfg.weight_sync,
+        freeze=cfg.policy.freeze,
+    )

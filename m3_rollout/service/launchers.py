@@ -19,7 +19,8 @@ from __future__ import annotations
 import abc
 import time
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -36,8 +37,9 @@ class GroupFailure(RuntimeError):
 
     def __init__(self, method: str, ranks: list[int], details: dict[int, str]):
         self.method, self.ranks, self.details = method, sorted(ranks), details
-        text = "; ".join(f"rank {r}: {details[r].strip().splitlines()[-1] if details[r].strip() else '?'}"
-                         for r in self.ranks)
+        text = "; ".join(
+            f"rank {r}: {details[r].strip().splitlines()[-1] if details[r].strip() else '?'}" for r in self.ranks
+        )
         super().__init__(f"EP worker group failed during {method!r}: {text}")
 
 
@@ -67,8 +69,11 @@ class Launcher(abc.ABC):
 
     @staticmethod
     def _args(per_rank_args, world: int) -> list[tuple]:
-        if isinstance(per_rank_args, list) and len(per_rank_args) == world and all(
-                isinstance(a, tuple) for a in per_rank_args):
+        if (
+            isinstance(per_rank_args, list)
+            and len(per_rank_args) == world
+            and all(isinstance(a, tuple) for a in per_rank_args)
+        ):
             return per_rank_args
         return [tuple(per_rank_args)] * world
 
@@ -97,7 +102,7 @@ def _process_main(spec: WorkerSpec, rank: int, conn) -> None:
 
 
 def _context():
-    """"forkserver" with the worker module preloaded: the first start pays the imports once, later
+    """ "forkserver" with the worker module preloaded: the first start pays the imports once, later
     starts (restarts after a failure) fork from a clean, already-imported, single-threaded server
     (no CUDA initialised there). "spawn" where forkserver does not exist."""
     try:
@@ -127,8 +132,7 @@ class ProcessLauncher(Launcher):
             disable_nvlink_multicast()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_process_main, args=(spec, rank, child), daemon=True,
-                               name=f"m3-rollout-ep{rank}")
+            proc = ctx.Process(target=_process_main, args=(spec, rank, child), daemon=True, name=f"m3-rollout-ep{rank}")
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -139,8 +143,9 @@ class ProcessLauncher(Launcher):
         args = self._args(per_rank_args, self.world_size)
         if self._broken is not None:
             ranks = list(range(self.world_size))
-            raise GroupFailure(method, ranks, {r: f"group broken by the failed {self._broken!r} call; restart it"
-                                               for r in ranks})
+            raise GroupFailure(
+                method, ranks, {r: f"group broken by the failed {self._broken!r} call; restart it" for r in ranks}
+            )
         failed: dict[int, str] = {}
         for rank, conn in enumerate(self._conns):
             try:
@@ -191,8 +196,11 @@ class ProcessLauncher(Launcher):
         seen dead, so wait briefly for process deaths and report dead ranks first."""
         end = time.monotonic() + grace_s
         while True:
-            dead = {r: f"worker process died (exit code {p.exitcode})" for r, p in enumerate(self._procs)
-                    if not p.is_alive()}
+            dead = {
+                r: f"worker process died (exit code {p.exitcode})"
+                for r, p in enumerate(self._procs)
+                if not p.is_alive()
+            }
             if dead or time.monotonic() > end:
                 break
             time.sleep(_POLL_S)
@@ -245,8 +253,9 @@ class RayLauncher(Launcher):
         try:
             import ray
         except ImportError as exc:  # pragma: no cover - depends on the machine
-            raise ImportError("cluster.launcher=ray needs Ray: pip install 'm3-rollout[ray]' "
-                              "(or set cluster.launcher=mp)") from exc
+            raise ImportError(
+                "cluster.launcher=ray needs Ray: pip install 'm3-rollout[ray]' (or set cluster.launcher=mp)"
+            ) from exc
         self.ray = ray
         if not ray.is_initialized():
             kwargs = {"address": address} if address else {"include_dashboard": False}
@@ -258,9 +267,12 @@ class RayLauncher(Launcher):
         ray = self.ray
         self.world_size = spec.group.world_size
         cls = ray.remote(_RayWorker)
-        self._actors = [cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0,
-                                    max_task_retries=0, name=None).remote(spec, rank)
-                        for rank in range(self.world_size)]
+        self._actors = [
+            cls.options(
+                num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, max_task_retries=0, name=None
+            ).remote(spec, rank)
+            for rank in range(self.world_size)
+        ]
         self.call("info", (), timeout_s)  # waits for every constructor (errors surface here)
 
     def call(self, method: str, per_rank_args=(), timeout_s: float | None = None) -> list:
@@ -285,8 +297,9 @@ class RayLauncher(Launcher):
                 raise GroupFailure(method, late, {r: f"no answer within {timeout_s} s" for r in late})
         return results
 
-    def _failure(self, method: str, errors: dict[int, str], pending: list, rank_of: dict,
-                 grace_s: float = 2.0) -> GroupFailure:
+    def _failure(
+        self, method: str, errors: dict[int, str], pending: list, rank_of: dict, grace_s: float = 2.0
+    ) -> GroupFailure:
         """Name the root cause: prefer ranks whose actor died over peers whose collective failed."""
         ray = self.ray
         dead = {r for r, text in errors.items() if "Died" in text or "ActorError" in text}
@@ -316,7 +329,7 @@ class RayLauncher(Launcher):
 
 
 def make_launcher(kind: str, ray_address: str | None = None, num_cpus: float = 0.5, num_gpus: float = 0.0) -> Launcher:
-    """"ray", "mp", or "auto" (Ray when importable, else processes). Raises ValueError otherwise."""
+    """ "ray", "mp", or "auto" (Ray when importable, else processes). Raises ValueError otherwise."""
     if kind == "auto":
         import importlib.util
 

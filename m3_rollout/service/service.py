@@ -23,13 +23,13 @@ import dataclasses
 import itertools
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
-from m3_rollout.parallel.process_group import EPGroupSpec, free_port
+from m3_rollout.parallel.process_group import free_port
 
 from .launchers import GroupFailure, Launcher, make_launcher
 from .worker import WorkerSpec
@@ -80,10 +80,20 @@ class RolloutService(GenerationBackend):
         call_timeout_s: limit for one ``run`` call (None: the collective timeout bounds it).
     """
 
-    def __init__(self, spec: WorkerSpec, launcher="auto", ray_address: str | None = None,
-                 worker_cpus: float = 0.5, worker_gpus: float = 0.0, steps_per_call: int = 64,
-                 max_restarts: int = 2, start_timeout_s: float = 300.0, call_timeout_s: float | None = None,
-                 weight_sync=None, freeze=None):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        launcher="auto",
+        ray_address: str | None = None,
+        worker_cpus: float = 0.5,
+        worker_gpus: float = 0.0,
+        steps_per_call: int = 64,
+        max_restarts: int = 2,
+        start_timeout_s: float = 300.0,
+        call_timeout_s: float | None = None,
+        weight_sync=None,
+        freeze=None,
+    ):
         self.spec = spec
         self.world_size = spec.group.world_size
         self._launcher_kind = launcher
@@ -130,8 +140,9 @@ class RolloutService(GenerationBackend):
             self._push_weights(*self._last_weights)
 
     def _restart(self, failure: GroupFailure, lost: list[str]) -> None:
-        self.failures.append({"time": time.time(), "ranks": failure.ranks, "error": str(failure),
-                              "lost_request_ids": lost})
+        self.failures.append(
+            {"time": time.time(), "ranks": failure.ranks, "error": str(failure), "lost_request_ids": lost}
+        )
         self.launcher.shutdown(graceful=False)
         self._close_weight_sync()  # the new workers join a new weight-sync group
         self.restarts += 1
@@ -195,15 +206,19 @@ class RolloutService(GenerationBackend):
         while pending:
             t0 = time.perf_counter()
             try:
-                replies = self.launcher.call("run", [(new[r], self.steps_per_call) for r in range(self.world_size)],
-                                             self.call_timeout_s)
+                replies = self.launcher.call(
+                    "run", [(new[r], self.steps_per_call) for r in range(self.world_size)], self.call_timeout_s
+                )
             except GroupFailure as failure:
                 lost = sorted({p.request.request_id for p in pending.values()})
                 restarts_here += 1
                 self._restart(failure, lost)  # the group is usable again either way
                 if restarts_here > self.max_restarts:
-                    raise RolloutFailure(f"{failure}; gave up after {self.max_restarts} restarts in this call; "
-                                         f"lost requests (resubmit them): {lost}", lost) from failure
+                    raise RolloutFailure(
+                        f"{failure}; gave up after {self.max_restarts} restarts in this call; "
+                        f"lost requests (resubmit them): {lost}",
+                        lost,
+                    ) from failure
                 new = self._resubmit(pending)
                 continue
             self._metrics["run_calls"] += 1
@@ -221,8 +236,10 @@ class RolloutService(GenerationBackend):
                     if not p.missing:
                         del pending[out.request_id]
             if pending and all(r["steps"] == 0 for r in replies):
-                raise RuntimeError(f"EP group idle with {len(pending)} requests unfinished "
-                                   f"(paused? call resume()): {[p.request.request_id for p in pending.values()]}")
+                raise RuntimeError(
+                    f"EP group idle with {len(pending)} requests unfinished "
+                    f"(paused? call resume()): {[p.request.request_id for p in pending.values()]}"
+                )
         return [o for outs in results for o in sorted(outs, key=lambda o: o.sample_index)]
 
     def _resubmit(self, pending: dict[str, _Pending]) -> list[list[GenerationRequest]]:
@@ -235,10 +252,12 @@ class RolloutService(GenerationBackend):
             if full:
                 reqs = [req]
             else:  # n=1 per missing sample: its own random stream (sample_index) repeats its tokens
-                reqs = [dataclasses.replace(req, params=dataclasses.replace(req.params, n=1), sample_index=j)
-                        for j in sorted(p.missing)]
+                reqs = [
+                    dataclasses.replace(req, params=dataclasses.replace(req.params, n=1), sample_index=j)
+                    for j in sorted(p.missing)
+                ]
             rank = self._place(reqs[0], load)
-            for r in reqs[1:]:
+            for _r in reqs[1:]:
                 load[rank] += 1
             new[rank].extend(dataclasses.replace(r, request_id=iid) for r in reqs)
         return new
@@ -264,13 +283,20 @@ class RolloutService(GenerationBackend):
         problems = [f"missing: {n}" for n in sorted(everything - set(incoming))]
         problems += [f"unexpected: {n}" for n in sorted(set(incoming) - everything)]
         expected = {n: s for d in self._rank_shapes for n, s in d.items()}
-        problems += [f"shape of {n}: got {tuple(t.shape)}, expected {expected[n]}" for n, t in incoming.items()
-                     if n in expected and tuple(t.shape) != expected[n]]
-        problems += [f"non-finite values in {n}" for n, t in incoming.items()
-                     if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        problems += [
+            f"shape of {n}: got {tuple(t.shape)}, expected {expected[n]}"
+            for n, t in incoming.items()
+            if n in expected and tuple(t.shape) != expected[n]
+        ]
+        problems += [
+            f"non-finite values in {n}"
+            for n, t in incoming.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]
         if problems:
-            raise ValueError(f"weight update rejected, weights unchanged (version {self._version}):\n  "
-                             + "\n  ".join(problems))
+            raise ValueError(
+                f"weight update rejected, weights unchanged (version {self._version}):\n  " + "\n  ".join(problems)
+            )
         try:
             self._push_weights(int(version), incoming)
         except GroupFailure as failure:
@@ -314,8 +340,13 @@ class RolloutService(GenerationBackend):
         The group is created (and the handshake run) on first use and after a restart; the first
         update of a group also sends the frozen tensors. Raises ValueError naming the rank and
         tensor when a rank rejects the update (atomic ranks keep their weights and version)."""
-        from m3_rollout.weight_sync import (BroadcastChannel, WeightSender, WeightSyncGroup, WeightUpdateError,
-                                            default_frozen)
+        from m3_rollout.weight_sync import (
+            BroadcastChannel,
+            WeightSender,
+            WeightSyncGroup,
+            WeightUpdateError,
+            default_frozen,
+        )
 
         ws = self.weight_sync
         first = self._ws_sender is None
@@ -324,34 +355,50 @@ class RolloutService(GenerationBackend):
             port = ws.master_port or free_port(addr)
             backend = ws.backend if ws.backend != "auto" else ("nccl" if self.spec.device == "cuda" else "gloo")
             world = 1 + self.world_size
-            options = dict(bucket_size_mb=ws.bucket_size_mb, atomic=ws.atomic, double_buffer=ws.double_buffer,
-                           in_flight=ws.in_flight, recompute_kv_after_update=ws.recompute_kv_after_update)
+            options = dict(
+                bucket_size_mb=ws.bucket_size_mb,
+                atomic=ws.atomic,
+                double_buffer=ws.double_buffer,
+                in_flight=ws.in_flight,
+                recompute_kv_after_update=ws.recompute_kv_after_update,
+            )
             freeze = self._freeze
 
             def frozen(name: str) -> bool:
-                return (not ws.send_frozen and freeze is not None
-                        and default_frozen(name, freeze.indexer, freeze.router_bias))
+                return (
+                    not ws.send_frozen
+                    and freeze is not None
+                    and default_frozen(name, freeze.indexer, freeze.router_bias)
+                )
 
             def trainer_side():
                 device = "cuda" if backend == "nccl" else "cpu"
                 group = WeightSyncGroup(addr, port, 0, world, backend, ws.timeout_s, device)
-                sender = WeightSender(lambda: incoming.items(), BroadcastChannel(group, ws.double_buffer),
-                                      ws.bucket_size_mb, getattr(torch, self.spec.dtype), frozen)
+                sender = WeightSender(
+                    lambda: incoming.items(),
+                    BroadcastChannel(group, ws.double_buffer),
+                    ws.bucket_size_mb,
+                    getattr(torch, self.spec.dtype),
+                    frozen,
+                )
                 sender.handshake()
                 return sender
 
             self._ws_sender, _ = self._call_beside(
-                "init_weight_sync", (addr, port, world, backend, ws.timeout_s, options), trainer_side)
+                "init_weight_sync", (addr, port, world, backend, ws.timeout_s, options), trainer_side
+            )
         sender = self._ws_sender
         sender.named_tensors = lambda: incoming.items()
         t0 = time.perf_counter()
         try:
-            stats, outs = self._call_beside("receive_weights", (),
-                                            lambda: sender.update(version, include_frozen=first))
+            stats, outs = self._call_beside("receive_weights", (), lambda: sender.update(version, include_frozen=first))
         except WeightUpdateError as exc:
             raise ValueError(str(exc)) from exc
-        self.last_weight_sync = {**stats, "wall_seconds": time.perf_counter() - t0,
-                                 "paused_seconds": max((o["paused_seconds"] for o in outs or []), default=0.0)}
+        self.last_weight_sync = {
+            **stats,
+            "wall_seconds": time.perf_counter() - t0,
+            "paused_seconds": max((o["paused_seconds"] for o in outs or []), default=0.0),
+        }
 
     def _close_weight_sync(self) -> None:
         if self._ws_sender is not None:
@@ -373,18 +420,26 @@ class RolloutService(GenerationBackend):
         self.launcher.call("resume", (), self.start_timeout_s)
 
     def score(self, *args, **kwargs):
-        raise NotImplementedError("RolloutService.score: prompt re-scoring over the EP group is not implemented; "
-                                  "score with the trainer's model (the same code path)")
+        raise NotImplementedError(
+            "RolloutService.score: prompt re-scoring over the EP group is not implemented; "
+            "score with the trainer's model (the same code path)"
+        )
 
     def metrics(self) -> dict:
         """Driver-side counters, restarts / lost requests, and the last ``run`` call's EP stats:
         tokens per expert [n_moe_layers][E] (ranks' local rows concatenated), dispatch /
         expert / combine seconds summed over ranks."""
-        out = dict(self._metrics, restarts=self.restarts, failures=len(self.failures),
-                   lost_requests=sum(len(f["lost_request_ids"]) for f in self.failures))
+        out = dict(
+            self._metrics,
+            restarts=self.restarts,
+            failures=len(self.failures),
+            lost_requests=sum(len(f["lost_request_ids"]) for f in self.failures),
+        )
         if self.last_ep_stats:
-            per_layer = [sum((s["tokens_per_expert"][layer] for s in self.last_ep_stats), [])
-                         for layer in range(len(self.last_ep_stats[0]["tokens_per_expert"]))]
+            per_layer = [
+                sum((s["tokens_per_expert"][layer] for s in self.last_ep_stats), [])
+                for layer in range(len(self.last_ep_stats[0]["tokens_per_expert"]))
+            ]
             out["tokens_per_expert"] = per_layer
             for key in ("dispatch_s", "expert_s", "combine_s"):
                 out[f"ep_{key}"] = sum(s[key] for s in self.last_ep_stats)

@@ -90,7 +90,8 @@ class RolloutWorker:
         self.group = init_ep_group(spec.group, rank, device)
         dtype = _DTYPES[spec.dtype]
         model, self.ep_stats, self.load_report = load_checkpoint_ep(
-            spec.model_dir, rank, self.world_size, self.group, dtype=torch.float32, device=device)
+            spec.model_dir, rank, self.world_size, self.group, dtype=torch.float32, device=device
+        )
         model.cast_for_inference(dtype)
         self.model = model
         self.engine = LLMEngine(model, EngineConfig(**spec.engine), _detokenizer(spec.tokenizer_dir))
@@ -129,14 +130,22 @@ class RolloutWorker:
             steps += 1
             self._steps += 1
             self._maybe_fault()
-        return {"outputs": [o for o in outputs if isinstance(o, SampleOutput)],
-                "unfinished": self.engine.num_unfinished(), "steps": steps,
-                "ep": self.ep_stats.snapshot(reset=True), "seconds": time.perf_counter() - t0}
+        return {
+            "outputs": [o for o in outputs if isinstance(o, SampleOutput)],
+            "unfinished": self.engine.num_unfinished(),
+            "steps": steps,
+            "ep": self.ep_stats.snapshot(reset=True),
+            "seconds": time.perf_counter() - t0,
+        }
 
     def _maybe_fault(self) -> None:
         s = self.spec
-        if (s.fault_after_steps is not None and s.incarnation == 0 and self.rank == s.fault_rank
-                and self._steps >= s.fault_after_steps):
+        if (
+            s.fault_after_steps is not None
+            and s.incarnation == 0
+            and self.rank == s.fault_rank
+            and self._steps >= s.fault_after_steps
+        ):
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like a crashed / OOM-killed rank
 
     # ---- weights and control -----------------------------------------------------------------
@@ -149,11 +158,16 @@ class RolloutWorker:
         """
         problems = [f"missing: {n}" for n in self._released if n not in named_tensors]
         problems += [f"unexpected: {n}" for n in named_tensors if n not in self._released]
-        problems += [f"shape of {n}: got {tuple(t.shape)}, expected {self._released[n]}"
-                     for n, t in named_tensors.items() if n in self._released and tuple(t.shape) != self._released[n]]
+        problems += [
+            f"shape of {n}: got {tuple(t.shape)}, expected {self._released[n]}"
+            for n, t in named_tensors.items()
+            if n in self._released and tuple(t.shape) != self._released[n]
+        ]
         if problems:
-            raise ValueError(f"EP rank {self.rank}: weight update rejected, weights unchanged (version "
-                             f"{self.engine.weight_version}):\n  " + "\n  ".join(problems))
+            raise ValueError(
+                f"EP rank {self.rank}: weight update rejected, weights unchanged (version "
+                f"{self.engine.weight_version}):\n  " + "\n  ".join(problems)
+            )
         with torch.no_grad():
             for name, t in named_tensors.items():
                 load_released_tensor(self.model, name, t)
@@ -183,8 +197,9 @@ class RolloutWorker:
         return self.engine.abort_all()
 
     # ---- weight sync over the trainer's broadcast group (m3_rollout/weight_sync) -------------
-    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
-                         options: dict) -> None:
+    def init_weight_sync(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float, options: dict
+    ) -> None:
         """Join the trainer's weight-sync group as rank ``self.rank + 1`` (its own TCPStore, not
         the EP group) and run the handshake. ``options``: RolloutWeightSync keyword arguments."""
         from m3_rollout.weight_sync.group import WeightSyncGroup
@@ -198,15 +213,28 @@ class RolloutWorker:
         """Receive one broadcast update under the in-flight policy; returns this rank's result."""
         out = self.weight_sync.update()
         r = out.result
-        return {"ok": r.ok, "version": r.version, "valid": r.valid, "errors": r.errors, "seconds": r.seconds,
-                "paused_seconds": out.paused_seconds, "handed_back": out.handed_back}
+        return {
+            "ok": r.ok,
+            "version": r.version,
+            "valid": r.valid,
+            "errors": r.errors,
+            "seconds": r.seconds,
+            "paused_seconds": out.paused_seconds,
+            "handed_back": out.handed_back,
+        }
 
     def info(self) -> dict:
         """pid, rank, expert range, bytes the sharded loader read, engine metrics."""
         r = self.load_report
-        return {"pid": os.getpid(), "rank": self.rank, "expert_range": self.expert_range,
-                "bytes_read": r.bytes_read, "bytes_in_files": r.bytes_in_files,
-                "weight_version": self.engine.weight_version, "engine": self.engine.metrics()}
+        return {
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "expert_range": self.expert_range,
+            "bytes_read": r.bytes_read,
+            "bytes_in_files": r.bytes_in_files,
+            "weight_version": self.engine.weight_version,
+            "engine": self.engine.metrics(),
+        }
 
     def shutdown(self) -> None:
         destroy_ep_group()

@@ -18,7 +18,19 @@ from .receiver import UpdateResult, WeightReceiver
 from .sender import BroadcastChannel, ColocatedChannel, WeightSender, WeightUpdateError
 
 __all__ = [
-    "Bucket", "plan_buckets", "WeightSyncGroup", "WeightSyncTimeout", "HandshakeError", "TensorSpec",
-    "default_frozen", "receiver_layout", "sender_manifest", "UpdateResult", "WeightReceiver",
-    "BroadcastChannel", "ColocatedChannel", "WeightSender", "WeightUpdateError",
+    "Bucket",
+    "plan_buckets",
+    "WeightSyncGroup",
+    "WeightSyncTimeout",
+    "HandshakeError",
+    "TensorSpec",
+    "default_frozen",
+    "receiver_layout",
+    "sender_manifest",
+    "UpdateResult",
+    "WeightReceiver",
+    "BroadcastChannel",
+    "ColocatedChannel",
+    "WeightSender",
+    "WeightUpdateError",
 ]

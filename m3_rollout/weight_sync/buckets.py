@@ -110,28 +110,30 @@ def all_finite(x: torch.Tensor) -> bool:
 
 def write_checksum(buf: torch.Tensor, bucket: Bucket) -> None:
     """Fill the trailer of wire buffer ``buf`` (uint8 [wire_bytes]) with the data checksum."""
-    buf[bucket.padded_bytes:bucket.wire_bytes].view(torch.int64).copy_(checksum(buf[:bucket.padded_bytes]).reshape(1))
+    buf[bucket.padded_bytes : bucket.wire_bytes].view(torch.int64).copy_(
+        checksum(buf[: bucket.padded_bytes]).reshape(1)
+    )
 
 
 def checksum_ok(buf: torch.Tensor, bucket: Bucket) -> bool:
     """True if the trailer of ``buf`` matches its data (one host sync)."""
-    got = checksum(buf[:bucket.padded_bytes])
-    want = buf[bucket.padded_bytes:bucket.wire_bytes].view(torch.int64)[0]
+    got = checksum(buf[: bucket.padded_bytes])
+    want = buf[bucket.padded_bytes : bucket.wire_bytes].view(torch.int64)[0]
     return bool(got == want)
 
 
 def segment_view(buf: torch.Tensor, bucket: Bucket, seg: Segment) -> torch.Tensor:
     """The elements of ``seg`` inside wire buffer ``buf``, as a 1-D tensor of ``bucket.dtype``."""
     item = torch.empty((), dtype=bucket.dtype).element_size()
-    return buf[seg.byte_offset:seg.byte_offset + seg.numel * item].view(bucket.dtype)
+    return buf[seg.byte_offset : seg.byte_offset + seg.numel * item].view(bucket.dtype)
 
 
 def pack_bucket(buf: torch.Tensor, bucket: Bucket, sources: list[torch.Tensor]) -> None:
     """Copy the segments of ``bucket`` from ``sources[entry]`` (any shape/dtype; cast to the wire
     dtype) into ``buf`` (uint8, >= wire_bytes), zero the padding, write the checksum."""
     for seg in bucket.segments:
-        src = sources[seg.entry].reshape(-1)[seg.elem_start:seg.elem_start + seg.numel]
+        src = sources[seg.entry].reshape(-1)[seg.elem_start : seg.elem_start + seg.numel]
         segment_view(buf, bucket, seg).copy_(src)
     if bucket.padded_bytes > bucket.data_bytes:
-        buf[bucket.data_bytes:bucket.padded_bytes].zero_()
+        buf[bucket.data_bytes : bucket.padded_bytes].zero_()
     write_checksum(buf, bucket)

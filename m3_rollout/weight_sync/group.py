@@ -44,8 +44,16 @@ class WeightSyncGroup:
     Raises WeightSyncTimeout when the rendezvous does not complete in time.
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 60.0, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        device: torch.device | str | None = None,
+    ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight_sync backend={backend!r}: must be 'gloo' or 'nccl'")
         if not 0 <= rank < world_size:
@@ -80,8 +88,9 @@ class WeightSyncGroup:
             while True:
                 try:
                     if self._store is None:
-                        self._store = dist.TCPStore(self.host, self.port, None, False, self.timeout,
-                                                    wait_for_workers=False)
+                        self._store = dist.TCPStore(
+                            self.host, self.port, None, False, self.timeout, wait_for_workers=False
+                        )
                     token = self._store.get(_TOKEN_KEY).decode()
                 except (RuntimeError, dist.DistStoreError) as exc:  # store not up yet / went away
                     self._store = None
@@ -91,7 +100,8 @@ class WeightSyncGroup:
                 if time.monotonic() > deadline:
                     raise WeightSyncTimeout(
                         f"weight-sync rank {self.rank}: no new group from the trainer at {self.host}:{self.port} "
-                        f"within {self.timeout.total_seconds():.0f} s" + ("" if token else f" ({err})"))
+                        f"within {self.timeout.total_seconds():.0f} s" + ("" if token else f" ({err})")
+                    )
                 time.sleep(0.05)
         self._token = token
         store = dist.PrefixStore(f"weight_sync/{token}/", self._store)
@@ -106,8 +116,13 @@ class WeightSyncGroup:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self.timeout
             ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-            dev = (dist.ProcessGroupGloo.create_device(interface=ifname) if ifname
-                   else dist.ProcessGroupGloo.create_device(hostname=self.host if self.host in ("127.0.0.1", "localhost") else ""))
+            dev = (
+                dist.ProcessGroupGloo.create_device(interface=ifname)
+                if ifname
+                else dist.ProcessGroupGloo.create_device(
+                    hostname=self.host if self.host in ("127.0.0.1", "localhost") else ""
+                )
+            )
             opts._devices = [dev]
             return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
         torch.cuda.set_device(self.device)
@@ -176,9 +191,9 @@ class WeightSyncGroup:
             self._pg.allgather([sizes], [n]).wait()
             width = int(max(int(s) for s in sizes))
             buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
-            buf[:data.numel()] = data.to(self.device)
+            buf[: data.numel()] = data.to(self.device)
             outs = [torch.empty_like(buf) for _ in range(self.world_size)]
             self._pg.allgather([outs], [buf]).wait()
         except RuntimeError as exc:
             raise WeightSyncTimeout(f"weight-sync rank {self.rank}: status exchange failed: {exc}") from exc
-        return [pickle.loads(o[:int(s)].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+        return [pickle.loads(o[: int(s)].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]

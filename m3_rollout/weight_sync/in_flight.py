@@ -21,8 +21,8 @@ placement elsewhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .receiver import UpdateResult
 
@@ -50,8 +50,13 @@ class InFlightOutcome:
     drain_seconds: float = 0.0
 
 
-def update_with_policy(engine, do_update: Callable[[], UpdateResult], policy: str = "abort",
-                       recompute_kv: bool = False, step: Callable[[], list] | None = None) -> InFlightOutcome:
+def update_with_policy(
+    engine,
+    do_update: Callable[[], UpdateResult],
+    policy: str = "abort",
+    recompute_kv: bool = False,
+    step: Callable[[], list] | None = None,
+) -> InFlightOutcome:
     """Run ``do_update`` on ``engine`` (an ``LLMEngine``) under in-flight ``policy``.
 
     ``step`` is the step function used to drain (default ``engine.step``; EP workers pass their
@@ -82,8 +87,10 @@ def update_with_policy(engine, do_update: Callable[[], UpdateResult], policy: st
             engine.preempt_all()
     handed_back = []
     if not result.valid:
-        engine.refuse_reason = ("weights invalid after a failed weight update (weight_sync.atomic=false); "
-                                "this rank refuses requests until a full update succeeds")
+        engine.refuse_reason = (
+            "weights invalid after a failed weight update (weight_sync.atomic=false); "
+            "this rank refuses requests until a full update succeeds"
+        )
         handed_back = requeue + engine.abort_all()
         engine.reset_prefix_cache()
         requeue = []

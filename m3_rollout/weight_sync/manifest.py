@@ -22,8 +22,8 @@ the handshake before trusting any bucket (wrong shape / missing tensor are caugh
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -89,7 +89,8 @@ def default_frozen(name: str, freeze_indexer: bool = True, freeze_router_bias: b
     """Frozen by default in training (config ``policy.freeze``): the lightning indexer and the
     router bias get no gradient, so updates may leave them out."""
     return (freeze_indexer and any(k in name for k in _INDEXER_KEYS)) or (
-        freeze_router_bias and name.endswith(".e_score_correction_bias"))
+        freeze_router_bias and name.endswith(".e_score_correction_bias")
+    )
 
 
 def wire_dtype(name: str, param_dtype: torch.dtype, generation_dtype: torch.dtype | None) -> torch.dtype:
@@ -106,8 +107,10 @@ def sender_manifest(
     frozen: Callable[[str], bool] = default_frozen,
 ) -> list[TensorSpec]:
     """Trainer-side manifest from (released name, tensor) pairs in ``iter_released_tensors`` order."""
-    return [TensorSpec(n, tuple(t.shape), wire_dtype(n, t.dtype, generation_dtype), bool(frozen(n)))
-            for n, t in named_tensors]
+    return [
+        TensorSpec(n, tuple(t.shape), wire_dtype(n, t.dtype, generation_dtype), bool(frozen(n)))
+        for n, t in named_tensors
+    ]
 
 
 def _expert_range(experts: nn.Module, local_rows: int) -> tuple[int, int]:
@@ -117,8 +120,9 @@ def _expert_range(experts: nn.Module, local_rows: int) -> tuple[int, int]:
     return int(a), int(b)
 
 
-def receiver_layout(model: nn.Module, num_experts: int | None = None,
-                    prefix: str = RELEASED_PREFIX) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
+def receiver_layout(
+    model: nn.Module, num_experts: int | None = None, prefix: str = RELEASED_PREFIX
+) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
     """Rollout-side (spec, destination view or None) for every released tensor, in manifest order.
 
     ``model`` is an ``M3ForCausalLM`` whose ``StackedExperts`` may hold a slice ``[a, b)`` of the
@@ -222,7 +226,7 @@ def decode_header(t: torch.Tensor) -> UpdateHeader:
         idx, code, nd = v[i], v[i + 1], v[i + 2]
         if code not in CODE_DTYPES:
             raise ValueError(f"weight-sync header: unknown dtype code {code}")
-        entries.append((idx, tuple(v[i + 3:i + 3 + nd]), CODE_DTYPES[code]))
+        entries.append((idx, tuple(v[i + 3 : i + 3 + nd]), CODE_DTYPES[code]))
         i += 3 + nd
     if i != len(v):
         raise ValueError("weight-sync header: length does not match its entries")

@@ -13,7 +13,8 @@ header was validated against the handshake (sizes, shapes, dtypes, missing tenso
 bucket; only when EVERY rank reports success are the staged bytes copied into the parameters
 (two-phase: status exchange, then commit). Any failure leaves weights and version untouched.
 ``atomic=False``: each bucket is checksummed (finite values too with ``check_finite``) and
-copied into the parameters as it arrives (no host stage); a failure after the first copy marks the rank ``valid=False`` (it must refuse
+copied into the parameters as it arrives (no host stage); a failure after the first copy marks the rank
+``valid=False`` (it must refuse
 requests) until a later full update succeeds.
 Colocated direct path (``receive_direct``, ``direct.py``): no buckets; the trainer's tensors are
 copied straight into the destination views; atomic validates them all first (fused finite check,
@@ -22,8 +23,8 @@ one host sync) and copies at ``complete``, the trainer tensors serving as the st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -33,8 +34,16 @@ from m3_rollout.model.loading import RELEASED_PREFIX
 from .buckets import Bucket, all_finite, checksum_ok, plan_buckets, segment_view
 from .direct import copy_into, nonfinite
 from .group import WeightSyncGroup, WeightSyncTimeout
-from .manifest import (HandshakeError, TensorSpec, UpdateHeader, check_header, decode_header, diff_manifests,
-                       manifest_from_bytes, receiver_layout)
+from .manifest import (
+    HandshakeError,
+    TensorSpec,
+    UpdateHeader,
+    check_header,
+    decode_header,
+    diff_manifests,
+    manifest_from_bytes,
+    receiver_layout,
+)
 
 _MAX_NAMES = 4  # tensors named per failing bucket
 
@@ -88,9 +97,16 @@ class WeightReceiver:
     Raises ValueError when a destination view is not contiguous (cannot be written flat).
     """
 
-    def __init__(self, model: nn.Module, atomic: bool = True, double_buffer: bool = True, version: int = 0,
-                 on_commit: Callable[[int], None] | None = None, prefix: str = RELEASED_PREFIX,
-                 check_finite: bool | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        atomic: bool = True,
+        double_buffer: bool = True,
+        version: int = 0,
+        on_commit: Callable[[int], None] | None = None,
+        prefix: str = RELEASED_PREFIX,
+        check_finite: bool | None = None,
+    ):
         layout = list(receiver_layout(model, prefix=prefix))
         self.local_manifest: list[TensorSpec] = [s for s, _ in layout]
         self.views: dict[str, torch.Tensor | None] = {s.name: v for s, v in layout}
@@ -185,8 +201,8 @@ class WeightReceiver:
         """The uint8 buffer bucket k should be received into (a stage slot or a scratch buffer)."""
         st = self._states[k]
         if self.atomic and st.fully_owned:
-            return self._stage[st.stage_offset:st.stage_offset + st.bucket.wire_bytes]
-        return self._scratch[k % len(self._scratch)][:st.bucket.wire_bytes]
+            return self._stage[st.stage_offset : st.stage_offset + st.bucket.wire_bytes]
+        return self._scratch[k % len(self._scratch)][: st.bucket.wire_bytes]
 
     def on_bucket(self, k: int, buf: torch.Tensor) -> None:
         """Validate (and stage or apply) bucket k, which has arrived in ``bucket_buffer(k)``."""
@@ -197,16 +213,15 @@ class WeightReceiver:
         if self.atomic and st.fully_owned:
             slot = self.bucket_buffer(k)
             if slot.data_ptr() != buf.data_ptr():  # colocated path: bytes arrive in the sender's buffer
-                slot.copy_(buf[:b.wire_bytes])
+                slot.copy_(buf[: b.wire_bytes])
             buf = slot
         if not checksum_ok(buf, b):
-            self._fail(f"bucket {k} ({b.dtype}, {b.data_bytes} bytes) checksum mismatch; holds "
-                       + self._names(b))
+            self._fail(f"bucket {k} ({b.dtype}, {b.data_bytes} bytes) checksum mismatch; holds " + self._names(b))
             return
         if not self.atomic:
             if self.check_finite:
                 whole = len(st.owned) == len(b.segments)
-                if whole and all_finite(buf[:b.data_bytes].view(b.dtype)):
+                if whole and all_finite(buf[: b.data_bytes].view(b.dtype)):
                     bad = []
                 else:
                     bad = [seg for seg, _ in st.owned if not all_finite(segment_view(buf, b, seg))]
@@ -215,13 +230,13 @@ class WeightReceiver:
                     return
             with torch.no_grad():
                 for seg, dst in st.owned:
-                    dst[seg.elem_start:seg.elem_start + seg.numel].copy_(segment_view(buf, b, seg))
+                    dst[seg.elem_start : seg.elem_start + seg.numel].copy_(segment_view(buf, b, seg))
             self._touched = True
             return
         if not st.fully_owned:
             for (seg, _), off in zip(st.owned, st.stage_offsets):
                 n = seg.numel * b.dtype.itemsize
-                self._stage[off:off + n].copy_(buf[seg.byte_offset:seg.byte_offset + n])
+                self._stage[off : off + n].copy_(buf[seg.byte_offset : seg.byte_offset + n])
         if not self.check_finite or all_finite(self._staged_all(st)):
             return
         bad = [seg for seg, _ in st.owned if not all_finite(self._staged(st, seg))]
@@ -295,8 +310,9 @@ class WeightReceiver:
         self._reset()
         if changed and self.on_commit is not None:
             self.on_commit(self.version)
-        return UpdateResult(ok=ok, version=self.version, errors=errors, valid=self.valid, seconds=seconds,
-                            changed=changed)
+        return UpdateResult(
+            ok=ok, version=self.version, errors=errors, valid=self.valid, seconds=seconds, changed=changed
+        )
 
     def interrupted(self, reason: str) -> UpdateResult:
         """The transport failed mid-update: drop staged bytes; non-atomic ranks that already wrote
@@ -304,8 +320,13 @@ class WeightReceiver:
         if not self.atomic and self._touched:
             self.valid = False
         self._reset()
-        return UpdateResult(ok=False, version=self.version, errors=[f"{self.rank_label}: {reason}"],
-                            valid=self.valid, needs_rebuild=True)
+        return UpdateResult(
+            ok=False,
+            version=self.version,
+            errors=[f"{self.rank_label}: {reason}"],
+            valid=self.valid,
+            needs_rebuild=True,
+        )
 
     # ---------------------------------------------------------------- drivers over a group
     def handshake(self, group: WeightSyncGroup) -> None:
@@ -374,16 +395,16 @@ class WeightReceiver:
 
     def _staged(self, st: _BucketState, seg) -> torch.Tensor:
         if st.fully_owned:
-            return segment_view(self._stage[st.stage_offset:], st.bucket, seg)
+            return segment_view(self._stage[st.stage_offset :], st.bucket, seg)
         off = st.stage_offsets[[s for s, _ in st.owned].index(seg)]
-        return self._stage[off:off + seg.numel * st.bucket.dtype.itemsize].view(st.bucket.dtype)
+        return self._stage[off : off + seg.numel * st.bucket.dtype.itemsize].view(st.bucket.dtype)
 
     def _staged_all(self, st: _BucketState) -> torch.Tensor:
         b = st.bucket
         if st.fully_owned:
-            return self._stage[st.stage_offset:st.stage_offset + b.data_bytes].view(b.dtype)
+            return self._stage[st.stage_offset : st.stage_offset + b.data_bytes].view(b.dtype)
         end = st.stage_offsets[-1] + st.owned[-1][0].numel * b.dtype.itemsize
-        return self._stage[st.stage_offsets[0]:end].view(b.dtype)
+        return self._stage[st.stage_offsets[0] : end].view(b.dtype)
 
     @torch.no_grad()
     def _commit(self) -> None:
@@ -391,6 +412,6 @@ class WeightReceiver:
             copy_into([d for d, _ in self._direct], [s for _, s in self._direct])
         for st in self._states:
             for seg, dst in st.owned:
-                dst[seg.elem_start:seg.elem_start + seg.numel].copy_(self._staged(st, seg), non_blocking=True)
+                dst[seg.elem_start : seg.elem_start + seg.numel].copy_(self._staged(st, seg), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

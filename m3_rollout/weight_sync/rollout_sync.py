@@ -8,7 +8,7 @@ meantime), re-runs the handshake after a rebuild, then receives under the in-fli
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .in_flight import InFlightOutcome, update_with_policy
@@ -26,13 +26,22 @@ class RolloutWeightSync:
         step: lockstep step function for draining under EP (default ``engine.step``).
     """
 
-    def __init__(self, engine, group: WeightSyncGroup, bucket_size_mb: float = 512, atomic: bool = True,
-                 double_buffer: bool = True, in_flight: str = "abort", recompute_kv_after_update: bool = False,
-                 step: Callable[[], list] | None = None):
+    def __init__(
+        self,
+        engine,
+        group: WeightSyncGroup,
+        bucket_size_mb: float = 512,
+        atomic: bool = True,
+        double_buffer: bool = True,
+        in_flight: str = "abort",
+        recompute_kv_after_update: bool = False,
+        step: Callable[[], list] | None = None,
+    ):
         self.engine, self.group = engine, group
         self.bucket_bytes = int(bucket_size_mb * 2**20)
-        self.receiver = WeightReceiver(engine.model, atomic=atomic, double_buffer=double_buffer,
-                                       version=engine.weight_version)
+        self.receiver = WeightReceiver(
+            engine.model, atomic=atomic, double_buffer=double_buffer, version=engine.weight_version
+        )
         self.in_flight, self.recompute_kv, self.step = in_flight, recompute_kv_after_update, step
         self.needs_rebuild = False
         self.last: InFlightOutcome | None = None
@@ -43,6 +52,7 @@ class RolloutWeightSync:
 
     def update(self) -> InFlightOutcome:
         """Receive one update under the in-flight policy; never raises for a bad update."""
+
         def receive() -> UpdateResult:
             if self.needs_rebuild:
                 try:

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from .buckets import Bucket, pack_bucket, plan_buckets
 from .group import WeightSyncGroup, WeightSyncTimeout
-from .manifest import (HandshakeError, TensorSpec, UpdateHeader, default_frozen, encode_header, manifest_to_bytes,
-                       sender_manifest)
+from .manifest import (
+    HandshakeError,
+    TensorSpec,
+    UpdateHeader,
+    default_frozen,
+    encode_header,
+    manifest_to_bytes,
+    sender_manifest,
+)
 from .receiver import WeightReceiver
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -65,7 +72,7 @@ class BroadcastChannel:
             slot = k % len(bufs)
             if works[slot] is not None:
                 self.group.wait(works[slot])
-            buf = bufs[slot][:b.wire_bytes]
+            buf = bufs[slot][: b.wire_bytes]
             pack(k, buf)
             works[slot] = self.group.broadcast(buf, async_op=True)
         for w in works:
@@ -106,8 +113,9 @@ class ColocatedChannel:
     def handshake(self, manifest: list[TensorSpec]) -> list[str]:
         return [f"receiver {i}: {d}" for i, r in enumerate(self.receivers) for d in r.check_handshake(manifest)]
 
-    def send(self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None],
-             bucket_bytes: int = 0) -> list[dict]:
+    def send(
+        self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None], bucket_bytes: int = 0
+    ) -> list[dict]:
         for i, r in enumerate(self.receivers):
             r.rank_label = f"receiver {i}"
             r.begin(header, bucket_bytes)
@@ -118,7 +126,7 @@ class ColocatedChannel:
             else:
                 if scratch is None:
                     scratch = torch.empty(max(x.wire_bytes for x in plan), dtype=torch.uint8, device=self.device)
-                buf = scratch[:b.wire_bytes]
+                buf = scratch[: b.wire_bytes]
             pack(k, buf)
             for r in self.receivers:
                 r.on_bucket(k, buf)
@@ -142,9 +150,15 @@ class WeightSender:
         fault: test hook (``FaultHook``).
     """
 
-    def __init__(self, named_tensors: NamedTensors, channel, bucket_size_mb: float = 512,
-                 generation_dtype: torch.dtype | None = None, frozen: Callable[[str], bool] = default_frozen,
-                 fault: FaultHook | None = None):
+    def __init__(
+        self,
+        named_tensors: NamedTensors,
+        channel,
+        bucket_size_mb: float = 512,
+        generation_dtype: torch.dtype | None = None,
+        frozen: Callable[[str], bool] = default_frozen,
+        fault: FaultHook | None = None,
+    ):
         if not bucket_size_mb > 0:
             raise ValueError(f"weight_sync.bucket_size_mb={bucket_size_mb}: must be > 0")
         self.named_tensors, self.channel = named_tensors, channel
@@ -188,8 +202,13 @@ class WeightSender:
             entries.append((i, tuple(t.shape), self.manifest[i].dtype))
         header = UpdateHeader(int(version), include_frozen, tuple(entries))
         if isinstance(self.channel, ColocatedChannel) and self.channel.direct and self.fault is None:
-            return self._finish(version, self.channel.send_direct(header, sources), t0,
-                                sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries), 0)
+            return self._finish(
+                version,
+                self.channel.send_direct(header, sources),
+                t0,
+                sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries),
+                0,
+            )
         plan = plan_buckets([(shape, dt) for _, shape, dt in entries], self.bucket_bytes)
 
         def pack(k: int, buf: torch.Tensor) -> None:
@@ -211,8 +230,13 @@ class WeightSender:
     def _finish(self, version: int, verdicts: list[dict], t0: float, nbytes: int, buckets: int) -> dict:
         """Record stats (``buckets`` = 0 on the colocated direct path); raise on any rank's error."""
         seconds = time.perf_counter() - t0
-        self.stats = {"version": int(version), "bytes": nbytes, "buckets": buckets, "seconds": seconds,
-                      "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
+        self.stats = {
+            "version": int(version),
+            "bytes": nbytes,
+            "buckets": buckets,
+            "seconds": seconds,
+            "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
+        }
         errors = [e for v in verdicts for e in v["errors"]]
         if errors or not all(v["ok"] for v in verdicts):
             raise WeightUpdateError(f"weight update {version} rejected:\n  " + "\n  ".join(errors))

@@ -41,8 +41,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def _model(dtype=torch.float32, layers=2):
     raw = json.loads((ROOT / "configs/bench/m3_bench_300m.json").read_text())
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-    raw.update(num_hidden_layers=layers, layer_types=raw["layer_types"][:layers],
-               mlp_layer_types=raw["mlp_layer_types"][:layers])
+    raw.update(
+        num_hidden_layers=layers,
+        layer_types=raw["layer_types"][:layers],
+        mlp_layer_types=raw["mlp_layer_types"][:layers],
+    )
     cfg = M3Config.from_dict(raw)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -67,17 +70,31 @@ def _requests():
     reqs = []
     for i in range(6):
         prompt = torch.randint(3, 32000, (100 + 40 * i,), generator=g).tolist()
-        p = SamplingParams(n=(4, 1, 2)[i % 3], seed=11 + i, max_new_tokens=20 + 4 * i,
-                           temperature=(1.0, 0.8, 1.0)[i % 3], top_k=(-1, -1, 50)[i % 3],
-                           logprobs_mode=("processed", "raw")[i % 2], stop_token_ids=(5, 6, 7))
+        p = SamplingParams(
+            n=(4, 1, 2)[i % 3],
+            seed=11 + i,
+            max_new_tokens=20 + 4 * i,
+            temperature=(1.0, 0.8, 1.0)[i % 3],
+            top_k=(-1, -1, 50)[i % 3],
+            logprobs_mode=("processed", "raw")[i % 2],
+            stop_token_ids=(5, 6, 7),
+        )
         reqs.append(GenerationRequest(f"r{i}", prompt, p, sample_index=100 * i))
     return reqs
 
 
 def _run(graphs: bool, async_mode: bool, dtype=torch.float32, reqs=None):
-    eng = LLMEngine(_get_model(dtype), EngineConfig(max_model_len=512, max_num_seqs=16, num_pages=256,
-                                                    enable_cuda_graphs=graphs, cuda_graph_batch_sizes=(8, 16),
-                                                    async_scheduling=async_mode))
+    eng = LLMEngine(
+        _get_model(dtype),
+        EngineConfig(
+            max_model_len=512,
+            max_num_seqs=16,
+            num_pages=256,
+            enable_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=(8, 16),
+            async_scheduling=async_mode,
+        ),
+    )
     for r in reqs or _requests():
         eng.add_request(r)
     outs = {}
@@ -105,8 +122,13 @@ def _requests_bf16():
     reqs = []
     for i in range(16):
         prompt = torch.randint(3, 32000, (100 + 13 * i,), generator=g).tolist()
-        p = SamplingParams(seed=50 + i, max_new_tokens=24, temperature=(1.0, 0.8)[i % 2 if i < 12 else 0],
-                           top_k=50 if i == 3 else -1, logprobs_mode=("processed", "raw")[(i // 2) % 2])
+        p = SamplingParams(
+            seed=50 + i,
+            max_new_tokens=24,
+            temperature=(1.0, 0.8)[i % 2 if i < 12 else 0],
+            top_k=50 if i == 3 else -1,
+            logprobs_mode=("processed", "raw")[(i // 2) % 2],
+        )
         reqs.append(GenerationRequest(f"b{i}", prompt, p, sample_index=i))
     return reqs
 
@@ -124,14 +146,16 @@ def test_bf16_fast_path_equals_sync_graphs_and_plain_path_scores_its_tokens():
         if r.params.temperature != 1.0 or r.params.top_k > 0:
             continue
         o = fast[(r.request_id, r.sample_index)]
-        lp = plain.score(o.prompt_ids + o.output_ids)[len(o.prompt_ids):]
+        lp = plain.score(o.prompt_ids + o.output_ids)[len(o.prompt_ids) :]
         diffs += [abs(a - b) for a, b in zip(o.logprobs, lp.tolist())]
     assert len(diffs) >= 8 * 24
     assert max(diffs) <= 0.25 and sum(diffs) / len(diffs) <= 0.02, (max(diffs), sum(diffs) / len(diffs))
     plain_out, _ = _run(False, False, torch.bfloat16, reqs)
     same = sum(plain_out[k].output_ids == fast[k].output_ids for k in fast)
-    print(f"bf16: {same}/{len(fast)} samples token-identical between the plain and the fast path; "
-          f"fast-path logprobs vs plain re-scoring: max |diff| {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.5f}")
+    print(
+        f"bf16: {same}/{len(fast)} samples token-identical between the plain and the fast path; "
+        f"fast-path logprobs vs plain re-scoring: max |diff| {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.5f}"
+    )
 
 
 def test_graphs_and_async_scheduling_match_the_eager_sync_engine():
@@ -157,7 +181,7 @@ def test_fused_sampler_picks_the_torch_samplers_tokens(dtype):
     for rep in range(2):
         logits = (torch.randn(n, v, device="cuda", generator=g) * 4).to(dtype)
         temp = torch.rand(n, device="cuda", dtype=torch.float64, generator=g) + 0.5
-        seeds = torch.randint(-2**62, 2**62, (n,), device="cuda", generator=g)
+        seeds = torch.randint(-(2**62), 2**62, (n,), device="cuda", generator=g)
         sids = torch.arange(n, device="cuda") + 1000 * rep
         pos = torch.randint(0, 70000, (n,), device="cuda", generator=g)
         raw = (torch.arange(n, device="cuda") % 3 == 0).long()

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 in this process; run tests/gpu alone", allow_module_level=True)
 
-from kernels import fused_layers as fl  # noqa: E402
+from m3_kernels import fused_layers as fl  # noqa: E402
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs  # noqa: E402
 from m3_rollout.engine.paged_cache import PagedKVCache  # noqa: E402
 from m3_rollout.model import M3Config, M3ForCausalLM  # noqa: E402
@@ -69,13 +69,30 @@ def test_qkv_norm_rope_write_matches_pytorch(dtype, t):
     kr, vr, ir = kc.clone(), vc.clone(), ic.clone()
     o = [0, nh * d, nh * d + kvh * d, nh * d + 2 * kvh * d, nh * d + 2 * kvh * d + nidx * di]
     c, s = cos[:, None], sin[:, None]
-    q_ref = apply_rope(gemma_rms_norm(qkv[:, o[0]:o[1]].reshape(t, nh, d), qw, EPS), c, s)
-    k_ref = apply_rope(gemma_rms_norm(qkv[:, o[1]:o[2]].reshape(t, kvh, d), kw, EPS), c, s)
-    iq_ref = apply_rope(gemma_rms_norm(qkv[:, o[3]:o[4]].reshape(t, nidx, di), iqw, EPS), c, s)
-    ik_ref = apply_rope(gemma_rms_norm(qkv[:, o[4]:], ikw, EPS), cos, sin)
-    write_paged_kv(slot, k_ref, qkv[:, o[2]:o[3]].reshape(t, kvh, d), ik_ref, kr, vr, ir)
-    q, iq = fl.qkv_norm_rope_write(qkv, cos, sin, slot, qw, kw, nh, kvh, d, kc, vc, EPS, index_q_norm_w=iqw,
-                                   index_k_norm_w=ikw, num_index_heads=nidx, index_dim=di, index_cache=ic)
+    q_ref = apply_rope(gemma_rms_norm(qkv[:, o[0] : o[1]].reshape(t, nh, d), qw, EPS), c, s)
+    k_ref = apply_rope(gemma_rms_norm(qkv[:, o[1] : o[2]].reshape(t, kvh, d), kw, EPS), c, s)
+    iq_ref = apply_rope(gemma_rms_norm(qkv[:, o[3] : o[4]].reshape(t, nidx, di), iqw, EPS), c, s)
+    ik_ref = apply_rope(gemma_rms_norm(qkv[:, o[4] :], ikw, EPS), cos, sin)
+    write_paged_kv(slot, k_ref, qkv[:, o[2] : o[3]].reshape(t, kvh, d), ik_ref, kr, vr, ir)
+    q, iq = fl.qkv_norm_rope_write(
+        qkv,
+        cos,
+        sin,
+        slot,
+        qw,
+        kw,
+        nh,
+        kvh,
+        d,
+        kc,
+        vc,
+        EPS,
+        index_q_norm_w=iqw,
+        index_k_norm_w=ikw,
+        num_index_heads=nidx,
+        index_dim=di,
+        index_cache=ic,
+    )
     torch.testing.assert_close(q, q_ref, **TOL[dtype])
     torch.testing.assert_close(iq, iq_ref, **TOL[dtype])
     # NOTE: the null page (last) takes every padding token's write, in no defined order: not compared
@@ -103,8 +120,12 @@ def test_add_rms_norm_matches_pytorch(dtype, n):
 def test_swiglu_and_router_match_pytorch(dtype):
     g = torch.Generator(device=DEV).manual_seed(0)
     gu = (torch.randn(32, 2 * 512, device=DEV, generator=g) * 5).to(dtype)
-    torch.testing.assert_close(fl.swiglu(gu, 1.702, 7.0), swiglu_oai(gu[:, :512], gu[:, 512:], 1.702, 7.0),
-                               atol=TOL[dtype]["atol"] * 4, rtol=TOL[dtype]["rtol"] + 1e-5)
+    torch.testing.assert_close(
+        fl.swiglu(gu, 1.702, 7.0),
+        swiglu_oai(gu[:, :512], gu[:, 512:], 1.702, 7.0),
+        atol=TOL[dtype]["atol"] * 4,
+        rtol=TOL[dtype]["rtol"] + 1e-5,
+    )
     for e, k in ((16, 4), (128, 4)):
         logits = torch.randn(64, e, device=DEV, generator=g)
         bias = torch.randn(e, device=DEV, generator=g) * 0.1
@@ -141,10 +162,15 @@ def _paged_logits(model, dtype, fused, dev=DEV):
     try:
         kv = PagedKVCache(model.config, 12, dtype, dev)
         g = torch.Generator().manual_seed(0)
-        a, b = torch.randint(3, 32000, (300,), generator=g).tolist(), torch.randint(3, 32000, (40,), generator=g).tolist()
+        a, b = (
+            torch.randint(3, 32000, (300,), generator=g).tolist(),
+            torch.randint(3, 32000, (40,), generator=g).tolist(),
+        )
         bt = [[0, 5, 7], [2]]
-        steps = [prepare_inputs([a[:299], b[:39]], [0, 0], bt, 128, 0),
-                 prepare_inputs([a[299:], b[39:]], [299, 39], bt, 128, 2)]
+        steps = [
+            prepare_inputs([a[:299], b[:39]], [0, 0], bt, 128, 0),
+            prepare_inputs([a[299:], b[39:]], [299, 39], bt, 128, 2),
+        ]
         out = []
         with torch.no_grad():
             for s in steps:
@@ -191,8 +217,7 @@ def test_weight_sync_writes_through_packed_weights():
     from m3_rollout.model.fused import packed_ok
     from m3_rollout.weight_sync import ColocatedChannel, WeightReceiver, WeightSender
 
-    cfg = tiny_config(sparse_block_size=128, sparse_topk_blocks=16, head_dim=128, rotary_dim=64,
-                      sparse_index_dim=128)
+    cfg = tiny_config(sparse_block_size=128, sparse_topk_blocks=16, head_dim=128, rotary_dim=64, sparse_index_dim=128)
     torch.manual_seed(1)
     trainer = M3ForCausalLM(cfg).to(DEV)
     torch.manual_seed(0)
@@ -201,11 +226,16 @@ def test_weight_sync_writes_through_packed_weights():
     attn = m.model.layers[1].self_attn
     assert packed_ok(attn._packed_proj, attn.projection_linears())
     rx = WeightReceiver(m, atomic=False, version=1)
-    WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx], "cuda", direct=True), 64,
-                 torch.float32).update(2, include_frozen=True)
+    WeightSender(
+        lambda: iter_released_tensors(trainer), ColocatedChannel([rx], "cuda", direct=True), 64, torch.float32
+    ).update(2, include_frozen=True)
     assert packed_ok(attn._packed_proj, attn.projection_linears())
-    torch.testing.assert_close(attn._packed_proj[:attn.q_proj.weight.shape[0]],
-                               trainer.model.layers[1].self_attn.q_proj.weight.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(
+        attn._packed_proj[: attn.q_proj.weight.shape[0]],
+        trainer.model.layers[1].self_attn.q_proj.weight.detach(),
+        atol=0,
+        rtol=0,
+    )
     try:
         outs = []
         for fused in (False, True):

@@ -19,15 +19,16 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from kernels.fused_moe import GemmTile, MoEKernelConfig, default_config, fused_experts  # noqa: E402
+from m3_kernels.fused_moe import GemmTile, MoEKernelConfig, default_config, fused_experts  # noqa: E402
 from m3_rollout.model import tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE, grouped_experts, route, swiglu_oai  # noqa: E402
 
 ALPHA, LIMIT, BETA, SCALING = 1.702, 7.0, 1.0, 2.0
 # MoE sizes of the benchmark model configs/bench/m3_bench_300m.json (a copy of
 # ../shared/bench/m3_bench_300m.json kept in the repo so the GPU machine has it).
-BENCH_MOE = dict(hidden_size=1024, intermediate_size=512, num_local_experts=16, num_experts_per_tok=4,
-                 shared_intermediate_size=512)
+BENCH_MOE = dict(
+    hidden_size=1024, intermediate_size=512, num_local_experts=16, num_experts_per_tok=4, shared_intermediate_size=512
+)
 BENCH_JSON = Path(__file__).resolve().parents[2] / "configs" / "bench" / "m3_bench_300m.json"
 
 
@@ -55,8 +56,9 @@ def _routing(t, e, k, h, seed, forced=None):
 
 def _check(x, ids, weights, w13, w2, rng, name, config=None):
     a, b = rng
-    out = fused_experts(x, ids, weights, w13[a:b], w2[a:b], alpha=ALPHA, limit=LIMIT, beta=BETA, expert_range=rng,
-                        config=config)
+    out = fused_experts(
+        x, ids, weights, w13[a:b], w2[a:b], alpha=ALPHA, limit=LIMIT, beta=BETA, expert_range=rng, config=config
+    )
     torch.cuda.synchronize()
     w_local = weights * ((ids >= a) & (ids < b))
     ref32 = grouped_experts(x.float(), ids, w_local, w13.float(), w2.float(), _act)
@@ -85,12 +87,15 @@ def test_real_shapes_h6144_i3072_e128_top4():
 LARGE_PATHS = {
     "aligned_bm128": MoEKernelConfig(128, GemmTile(128, 64, 8, 4), GemmTile(256, 64, 8, 3)),
     "tma_bm64": MoEKernelConfig(64, GemmTile(128, 64, 4, 4, 4), GemmTile(256, 64, 8, 4, 4), tma=True),
-    "ragged_permuted": MoEKernelConfig(128, GemmTile(128, 64, 8, 4, 4), GemmTile(256, 64, 8, 3, 4), ragged=True,
-                                       permute=True),
-    "ragged_fat_permuted": MoEKernelConfig(128, GemmTile(128, 64, 8, 3, 4), GemmTile(256, 64, 8, 3, 4),
-                                           ragged=True, fat_tail=64, permute=True),
-    "ragged_fat_gather": MoEKernelConfig(128, GemmTile(128, 64, 8, 3, 4), GemmTile(256, 64, 8, 3, 4), ragged=True,
-                                         fat_tail=64),
+    "ragged_permuted": MoEKernelConfig(
+        128, GemmTile(128, 64, 8, 4, 4), GemmTile(256, 64, 8, 3, 4), ragged=True, permute=True
+    ),
+    "ragged_fat_permuted": MoEKernelConfig(
+        128, GemmTile(128, 64, 8, 3, 4), GemmTile(256, 64, 8, 3, 4), ragged=True, fat_tail=64, permute=True
+    ),
+    "ragged_fat_gather": MoEKernelConfig(
+        128, GemmTile(128, 64, 8, 3, 4), GemmTile(256, 64, 8, 3, 4), ragged=True, fat_tail=64
+    ),
 }
 
 
@@ -103,8 +108,16 @@ def test_large_t_paths_real_shape():
     for name, cfg in LARGE_PATHS.items():
         _check(x, ids, weights, w13, w2, (0, e), f"real T=4096 {name}", config=cfg)
     x, ids, weights = _routing(1500, e, k, h, 12)
-    _check(x, ids, weights, w13, w2, (64, 128), "real T=1500 EP slice [64,128) ragged_fat_gather",
-           config=LARGE_PATHS["ragged_fat_gather"])
+    _check(
+        x,
+        ids,
+        weights,
+        w13,
+        w2,
+        (64, 128),
+        "real T=1500 EP slice [64,128) ragged_fat_gather",
+        config=LARGE_PATHS["ragged_fat_gather"],
+    )
 
 
 def test_large_t_path_cuda_graph():

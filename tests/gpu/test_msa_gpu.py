@@ -24,12 +24,14 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 in this process (CPU interpreter tests ran first); run tests/gpu alone",
-                allow_module_level=True)
+    pytest.skip(
+        "TRITON_INTERPRET=1 in this process (CPU interpreter tests ran first); run tests/gpu alone",
+        allow_module_level=True,
+    )
 
-from kernels import msa  # noqa: E402
-from kernels.msa_reference import gather_pages, index_topk_ref, pad_queries, paged_attention_ref  # noqa: E402
-from kernels.msa_synthetic import make_paged_batch  # noqa: E402
+from m3_kernels import msa  # noqa: E402
+from m3_kernels.msa_reference import gather_pages, index_topk_ref, pad_queries, paged_attention_ref  # noqa: E402
+from m3_kernels.msa_synthetic import make_paged_batch  # noqa: E402
 from m3_rollout.model.indexer import block_scores  # noqa: E402
 
 PS, G, NH, D, K = 128, 4, 64, 128, 16
@@ -42,8 +44,9 @@ VERIFY = ([(5000, 4), (130, 4), (20000, 4)], 3)
 
 def _batch(spec, dtype, seed=0):
     rows, nd = spec
-    return make_paged_batch(rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D,
-                            dtype=dtype, device="cuda", seed=seed)
+    return make_paged_batch(
+        rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, device="cuda", seed=seed
+    )
 
 
 def _check_selection(b, got, want):
@@ -52,7 +55,7 @@ def _check_selection(b, got, want):
         return
     q, pos = pad_queries(b.iq, b.meta)
     scores = block_scores(q, gather_pages(b.ik, b.meta, head_axis=False), pos, PS)  # [R, G, Sq, nb]
-    from kernels.msa_reference import _token_rows
+    from m3_kernels.msa_reference import _token_rows
 
     row, off = _token_rows(b.meta)
     s = scores.permute(0, 2, 1, 3)[row, off]  # [T, G, nb]
@@ -109,7 +112,6 @@ def test_decode_step_cuda_graph_replay():
     torch.testing.assert_close(out_g, out_e, rtol=0, atol=0)
 
 
-
 # ---- sparse prefill paths (kernels/msa_sparse_attention.py): union-list tiles and KV-major buckets ----
 PREFILL = ([(0, 2200), (5000, 260), (60, 700)], 0)
 
@@ -118,7 +120,7 @@ PREFILL = ([(0, 2200), (5000, 260), (60, 700)], 0)
 def test_sparse_prefill_paths_real_shapes(impl):
     # bf16 tolerance as above (the KV-major path also rounds each block's normalised partial output
     # to bf16 before the LSE merge: one more 2^-9 relative rounding of a convex combination).
-    from kernels.msa_sparse_attention import paged_attention
+    from m3_kernels.msa_sparse_attention import paged_attention
 
     b = _batch(PREFILL, torch.bfloat16, seed=6)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
@@ -133,8 +135,8 @@ def test_sparse_prefill_paths_real_shapes(impl):
 def test_sparse_prefill_cuda_graph_replay(impl):
     # indexer + sparse prefill captured once; new query / index-query contents written in place,
     # replayed: equals a fresh eager call (no host syncs, fixed grids).
-    from kernels.msa_index_topk import index_topk
-    from kernels.msa_sparse_attention import paged_attention
+    from m3_kernels.msa_index_topk import index_topk
+    from m3_kernels.msa_sparse_attention import paged_attention
 
     b = _batch(([(0, 1500), (3000, 400)], 0), torch.bfloat16, seed=7)
 
@@ -152,8 +154,9 @@ def test_sparse_prefill_cuda_graph_replay(impl):
     graph.replay()
     torch.testing.assert_close(out_g, step(), rtol=0, atol=0)
 
+
 # ---- fused decode path (kernels/msa_decode.py) through msa.msa_attention ----
-from kernels import msa_decode  # noqa: E402
+from m3_kernels import msa_decode  # noqa: E402
 
 WIDE = ([(40000, 1), (3000, 1)], 2)  # block table of 313 pages > MAX_FUSED_BLOCKS: index_topk route
 

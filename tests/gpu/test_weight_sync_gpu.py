@@ -43,15 +43,16 @@ def test_direct_update_cuda_bitwise_in_place_ep2(atomic):
     ms = [_model(0, r).cast_for_inference(torch.bfloat16) for r in range(2)]  # router stays fp32 (spec §6)
     rxs = [WeightReceiver(m, atomic=atomic, version=1) for m in ms]
     ptrs = [{n: p.data_ptr() for n, p in m.named_parameters()} for m in ms]
-    WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel(rxs, "cuda", direct=True), 64,
-                 torch.bfloat16).update(2, include_frozen=True)
+    WeightSender(
+        lambda: iter_released_tensors(trainer), ColocatedChannel(rxs, "cuda", direct=True), 64, torch.bfloat16
+    ).update(2, include_frozen=True)
     t = dict(trainer.named_parameters())
     for r, (m, rx) in enumerate(zip(ms, rxs)):
         assert rx.version == 2 and rx.valid
         for n, p in m.named_parameters():
             ref = t[n].detach()
             if n.endswith(("experts.w13", "experts.w2")):
-                ref = ref[4 * r:4 * r + 4]
+                ref = ref[4 * r : 4 * r + 4]
             assert p.data_ptr() == ptrs[r][n], n
             want = ref.to(p.dtype).contiguous()  # bf16, or fp32 for the router gate and bias
             assert torch.equal(p.detach().contiguous().view(torch.uint8), want.view(torch.uint8)), n

@@ -37,16 +37,19 @@ class ArithmeticTask:
 
     def record(self, rng: random.Random) -> dict:
         """One prompt record: {"messages": [system, user], "answer": str, "expression": str}."""
+
         def operand() -> int:
             d = rng.randint(self.min_digits, self.max_digits)
-            return rng.randint(10 ** (d - 1), 10 ** d - 1)
+            return rng.randint(10 ** (d - 1), 10**d - 1)
 
         a, b, op = operand(), operand(), rng.choice(self.operations)
         expr = f"{a}{op}{b}"
         question = rng.choice(_QUESTIONS).format(e=f"{a} {op} {b}")
-        return {"messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                             {"role": "user", "content": question}],
-                "answer": str(safe_calculate(expr)), "expression": expr}
+        return {
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+            "answer": str(safe_calculate(expr)),
+            "expression": expr,
+        }
 
     def records(self, seed: int, count: int, exclude: set[str] | frozenset = frozenset()) -> list[dict]:
         """``count`` records from ``seed``; questions in ``exclude`` (user texts) are skipped."""
@@ -82,7 +85,10 @@ class CalculatorEnvironment(Environment):
         if "messages" in record:
             messages = [dict(m) for m in record["messages"]]
         elif "prompt" in record:
-            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": str(record["prompt"])}]
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": str(record["prompt"])},
+            ]
         else:
             raise ValueError("a prompt record needs 'messages' or 'prompt' (and 'answer')")
         if "answer" not in record:
@@ -95,7 +101,8 @@ class CalculatorEnvironment(Environment):
             state["tool_calls"] += len(turn.tool_calls)
             return EnvStep(observations, 0.0, False, {"tool_calls": state["tool_calls"]})
         if turn.parse_error:
-            return EnvStep([f"Error: malformed tool call ({turn.parse_error})"], 0.0, False,
-                           {"tool_calls": state["tool_calls"]})
+            return EnvStep(
+                [f"Error: malformed tool call ({turn.parse_error})"], 0.0, False, {"tool_calls": state["tool_calls"]}
+            )
         correct = final_answer(turn.content) == state["answer"]
         return EnvStep([], 1.0 if correct else 0.0, True, {"tool_calls": state["tool_calls"]})

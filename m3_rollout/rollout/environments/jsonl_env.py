@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, ToolSettings
 from m3_rollout.rollout.environments.calculator import final_answer
@@ -68,9 +68,13 @@ class JsonlEnvironment(Environment):
         ValueError: an unknown tool name or a bad reward path.
     """
 
-    def __init__(self, reward_fn: str | RewardFn = "m3_rollout.rollout.environments.jsonl_env.exact_match_reward",
-                 tools: list[str] | tuple[str, ...] = (), system_prompt: str | None = None,
-                 tool_settings: ToolSettings | None = None):
+    def __init__(
+        self,
+        reward_fn: str | RewardFn = "m3_rollout.rollout.environments.jsonl_env.exact_match_reward",
+        tools: list[str] | tuple[str, ...] = (),
+        system_prompt: str | None = None,
+        tool_settings: ToolSettings | None = None,
+    ):
         super().__init__(tool_settings)
         unknown = [t for t in tools if t not in TOOL_FACTORIES]
         if unknown:
@@ -83,8 +87,9 @@ class JsonlEnvironment(Environment):
         if "messages" in record:
             messages = [dict(m) for m in record["messages"]]
         elif "prompt" in record:
-            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
-                       [{"role": "user", "content": str(record["prompt"])}]
+            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+                {"role": "user", "content": str(record["prompt"])}
+            ]
         else:
             raise ValueError("a prompt record needs 'messages' or 'prompt'")
         return messages, {"record": record, "tool_calls": 0}

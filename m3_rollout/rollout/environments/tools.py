@@ -19,8 +19,13 @@ __all__ = ["safe_calculate", "convert_units", "calculator_tool", "convert_units_
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Pow)
 
 
-def safe_calculate(expression: str, max_chars: int = 64, max_operand_digits: int = 18, max_exponent: int = 32,
-                   max_abs_result: int = 10 ** 30) -> int:
+def safe_calculate(
+    expression: str,
+    max_chars: int = 64,
+    max_operand_digits: int = 18,
+    max_exponent: int = 32,
+    max_abs_result: int = 10**30,
+) -> int:
     """Evaluate an integer expression without ``eval``: walks Python's ``ast`` over integer
     constants, unary +/-, ``+ - * // % **`` and parentheses only.
 
@@ -63,11 +68,16 @@ def safe_calculate(expression: str, max_chars: int = 64, max_operand_digits: int
                     raise ValueError(f"exponent {b} outside [0, {max_exponent}]")
                 if a not in (-1, 0, 1) and b * math.log10(abs(a)) > math.log10(max_abs_result):
                     raise ValueError("result too large")
-                return bounded(a ** b)
+                return bounded(a**b)
             if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and b == 0:
                 raise ValueError("division by zero")
-            ops = {ast.Add: a.__add__, ast.Sub: a.__sub__, ast.Mult: a.__mul__, ast.FloorDiv: a.__floordiv__,
-                   ast.Mod: a.__mod__}
+            ops = {
+                ast.Add: a.__add__,
+                ast.Sub: a.__sub__,
+                ast.Mult: a.__mul__,
+                ast.FloorDiv: a.__floordiv__,
+                ast.Mod: a.__mod__,
+            }
             return bounded(ops[type(node.op)](b))
         raise ValueError(f"unsupported syntax in {expression!r}: only integers, + - * // % **, parentheses")
 
@@ -89,22 +99,40 @@ def calculator_tool(max_expression_chars: int = 64) -> Tool:
     return Tool(
         name="calculator",
         description="Evaluate an integer arithmetic expression.",
-        parameters={"type": "object",
-                    "properties": {"expression": {"type": "string", "description": "e.g. 12*34"}},
-                    "required": ["expression"]},
+        parameters={
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 12*34"}},
+            "required": ["expression"],
+        },
         fn=partial(_calculator, max_chars=max_expression_chars),
     )
 
 
 # unit -> (dimension, factor to the SI base unit); temperatures are affine and handled apart.
 UNITS: dict[str, tuple[str, float]] = {
-    "m": ("length", 1.0), "km": ("length", 1000.0), "cm": ("length", 0.01), "mm": ("length", 0.001),
-    "mi": ("length", 1609.344), "yd": ("length", 0.9144), "ft": ("length", 0.3048), "in": ("length", 0.0254),
-    "kg": ("mass", 1.0), "g": ("mass", 1e-3), "mg": ("mass", 1e-6), "lb": ("mass", 0.45359237),
+    "m": ("length", 1.0),
+    "km": ("length", 1000.0),
+    "cm": ("length", 0.01),
+    "mm": ("length", 0.001),
+    "mi": ("length", 1609.344),
+    "yd": ("length", 0.9144),
+    "ft": ("length", 0.3048),
+    "in": ("length", 0.0254),
+    "kg": ("mass", 1.0),
+    "g": ("mass", 1e-3),
+    "mg": ("mass", 1e-6),
+    "lb": ("mass", 0.45359237),
     "oz": ("mass", 0.028349523125),
-    "s": ("time", 1.0), "min": ("time", 60.0), "h": ("time", 3600.0), "day": ("time", 86400.0),
-    "l": ("volume", 1e-3), "ml": ("volume", 1e-6), "gal": ("volume", 3.785411784e-3),
-    "C": ("temperature", 1.0), "F": ("temperature", 1.0), "K": ("temperature", 1.0),
+    "s": ("time", 1.0),
+    "min": ("time", 60.0),
+    "h": ("time", 3600.0),
+    "day": ("time", 86400.0),
+    "l": ("volume", 1e-3),
+    "ml": ("volume", 1e-6),
+    "gal": ("volume", 3.785411784e-3),
+    "C": ("temperature", 1.0),
+    "F": ("temperature", 1.0),
+    "K": ("temperature", 1.0),
 }
 # Temperature unit -> (scale, offset) so that kelvin = value * scale + offset.
 _TO_KELVIN = {"K": (1.0, 0.0), "C": (1.0, 273.15), "F": (5.0 / 9.0, 273.15 - 32.0 * 5.0 / 9.0)}
@@ -134,11 +162,16 @@ def convert_units_tool() -> Tool:
     return Tool(
         name="convert_units",
         description="Convert a value between units (length, mass, time, volume, temperature).",
-        parameters={"type": "object",
-                    "properties": {"value": {"type": "number"},
-                                   "from_unit": {"type": "string", "enum": list(UNITS)},
-                                   "to_unit": {"type": "string", "enum": list(UNITS)}},
-                    "required": ["value", "from_unit", "to_unit"], "additionalProperties": False},
+        parameters={
+            "type": "object",
+            "properties": {
+                "value": {"type": "number"},
+                "from_unit": {"type": "string", "enum": list(UNITS)},
+                "to_unit": {"type": "string", "enum": list(UNITS)},
+            },
+            "required": ["value", "from_unit", "to_unit"],
+            "additionalProperties": False,
+        },
         fn=convert_units,
     )
 
