@@ -5,7 +5,8 @@ import json
 import pytest
 
 from m3_rollout.chat.template import load_template, render
-from m3_rollout.chat.tool_parser import ToolCallScanner, parse_tool_calls
+from m3_rollout.chat.tool_parser import StreamingToolParser, parse_tool_calls
+from m3_rollout.chat.tool_scanner import ToolCallScanner
 
 NS = "]<]minimax[>["
 
@@ -346,3 +347,28 @@ def test_text_cut_right_after_invoke_prefix_is_truncated():
     for tail in ('<invoke name=', '<invoke name="ca'):
         out = parse_tool_calls(f"{NS}<tool_call>\n{NS}{tail}", None)
         assert (out.tool_calls, out.truncated, out.error) == ([], True, None), tail
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [f"{NS}<invoke>", f'{NS}<invoke name="">', f"{NS}<invoke name=>", f'{NS}<invoke tool="calc">'],
+)
+def test_invoke_without_a_name_is_a_flagged_call_not_an_answer(tag):
+    text = "Let me compute." + block(tag + el("expr", "1+2") + f"{NS}</invoke>")
+    out = parse_tool_calls(text, [tool("calc", {"expr": {"type": "string"}})])
+    assert out.content == "Let me compute."
+    assert [(c.name, c.error) for c in out.tool_calls] == [("", "invoke has no name")]
+    assert args_of(out) == {"expr": "1+2"}
+    assert out.error == "invoke has no name"
+    # Chunked one character at a time: the same call and flag.
+    parser = StreamingToolParser()
+    for ch in text:
+        parser.feed(ch)
+    parser.finish()
+    assert parser.result().tool_calls == out.tool_calls and parser.result().error == out.error
+
+
+def test_named_call_after_a_nameless_one_keeps_its_own_flags():
+    out = parse_tool_calls(block(f"{NS}<invoke>{NS}</invoke>", invoke("f", el("a", "1"))), None)
+    assert [(c.name, c.error) for c in out.tool_calls] == [("", "invoke has no name"), ("f", None)]
+    assert parse_tool_calls(block(f"{NS}<invokes>junk"), None).tool_calls == []
