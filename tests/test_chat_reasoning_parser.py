@@ -180,3 +180,28 @@ def test_output_parser_result_survives_enabled_reopened_span():
             p.finish()
             assert p.result() == whole, (text, chunks)
     assert parse_model_output("a" + C + "b" + O + "c", "enabled").content == "a" + C + "b"
+
+
+@pytest.mark.parametrize(
+    "mode,text",
+    [
+        ("disabled", C + C + CALL),
+        ("adaptive", C + C + " " + C + "\n" + CALL),
+        ("enabled", "r" + C + C + C + CALL),
+        ("adaptive", O + "r" + C + C + CALL),
+    ],
+)
+def test_run_of_stray_closers_before_a_tool_block_never_reaches_the_content(mode, text):
+    reasoning, content = split_reasoning(text, mode)
+    assert reasoning == ("r" if text.startswith(("r", O)) else None)
+    assert content.strip() == CALL  # only whitespace between the closers is left before the block
+    for chunks in ([text], list(text)):  # the stream agrees, whatever the chunking
+        assert _stream(mode, chunks)[1] == (reasoning or "", content)
+    turn = parse_model_output(text, mode)
+    assert turn.content is None and [c.name for c in turn.tool_calls] == ["f"]
+
+
+def test_stray_closers_without_a_tool_block_stay_in_the_content():
+    assert split_reasoning(C + C + "answer", "disabled") == (None, C + "answer")
+    assert split_reasoning(C + " " + C, "adaptive") == (None, " " + C)
+    assert _stream("disabled", list(C + " " + C + "x"))[1] == ("", " " + C + "x")

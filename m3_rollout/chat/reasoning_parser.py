@@ -9,7 +9,8 @@ One rule beyond vLLM 0.33: a tool-call block (`]<]minimax[>[<tool_call>`) that s
 think span which is still unclosed at the end of the output ends the reasoning there; the block
 and what follows become content, so the call is found (vLLM returns it all as reasoning). A
 block inside a span that *is* closed later stays reasoning, as in vLLM (the model was thinking
-about a call, then wrote its answer).
+about a call, then wrote its answer). And a run of stray `</mm:think>` right after the span's
+end that a tool-call block follows is dropped whole, as the single closer is (none of it is content).
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ def _check_mode(thinking_mode: str | None) -> None:
         raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
 
 
-def _split(text: str, starts_in_reasoning: bool) -> tuple[str | None, str, str | None, bool]:
-    """(reasoning, content_before, rest_of_content, block_moved).
+def _split(text: str, starts_in_reasoning: bool) -> tuple[str | None, str, str, bool]:
+    """(reasoning, content_before, rest_of_content, hold_rest).
 
-    `rest_of_content` is the part after the think span; `block_moved` says a tool-call block was
-    moved out of an unclosed span into it (the streaming parser holds that part back, since a
-    later closer would turn it back into reasoning)."""
+    `rest_of_content` is the part after the think span. `hold_rest` says the streaming parser
+    must hold that part back because a later chunk may still change it: a tool-call block moved
+    out of an unclosed span (a later closer turns it back into reasoning), or a rest that is so
+    far only stray closers and whitespace (a tool-call block after them drops them)."""
     if not starts_in_reasoning and text.startswith(THINK_CLOSE):  # rule 1
-        return None, "", text[len(THINK_CLOSE) :], False
+        return (None, "", *_drop_closers_before_block(text[len(THINK_CLOSE) :]))
     if THINK_OPEN not in text:
         if not starts_in_reasoning:  # rule 3
             return None, text, "", False
@@ -44,11 +46,37 @@ def _split(text: str, starts_in_reasoning: bool) -> tuple[str | None, str, str |
         before, _, rest = text.partition(THINK_OPEN)  # rule 4
     reasoning, closer, after = rest.partition(THINK_CLOSE)
     if closer:
-        return reasoning, before, after, False
+        return (reasoning, before, *_drop_closers_before_block(after))
     i = reasoning.find(TOOL_CALL_OPEN)
     if i >= 0:  # unclosed span with a tool call inside: the call is content
         return reasoning[:i], before, reasoning[i:], True
     return reasoning, before, "", False
+
+
+def _drop_closers_before_block(rest: str) -> tuple[str, bool]:
+    """(rest, undecided) for the content right after the think span ended.
+
+    A run of stray closers at its start (whitespace between them allowed) that a tool-call block
+    follows is dropped, as the single closer that ended the span was: none of them is content.
+    Without a block after the run the closers stay (spec §5.5 rule 1). `undecided`: `rest` is so
+    far only whitespace and closers, so the streaming parser cannot tell which case it is yet.
+    """
+    pos, closers = 0, []
+    while True:
+        start = pos
+        while pos < len(rest) and rest[pos].isspace():
+            pos += 1
+        if not rest.startswith(THINK_CLOSE, pos):
+            pos = start
+            break
+        closers.append((start, pos))  # whitespace before this closer: rest[start:pos]
+        pos += len(THINK_CLOSE)
+    tail = rest[pos:]
+    if not closers:
+        return rest, not tail.strip()
+    if tail.lstrip().startswith(TOOL_CALL_OPEN):
+        return "".join(rest[a:b] for a, b in closers) + tail, False
+    return rest, not tail.strip()
 
 
 def split_reasoning(text: str, thinking_mode: str | None) -> tuple[str | None, str | None]:
@@ -60,7 +88,9 @@ def split_reasoning(text: str, thinking_mode: str | None) -> tuple[str | None, s
 
     Rules, in order (spec §5.5):
     1. Not starting in reasoning and the output starts with `</mm:think>`: that one closer is
-       dropped -> (None, rest or None). Later stray closers stay in the content.
+       dropped -> (None, rest or None). Later stray closers stay in the content, except a run of
+       them right after the span's end (this closer or the one closing the span of rule 2 / 4)
+       that a tool-call block follows: the whole run is dropped, like a single closer.
     2. Starting in reasoning and no `<mm:think>` in the output: split at the first closer ->
        (before, after or None); without a closer everything is reasoning -> (text, None).
     3. No `<mm:think>` at all -> (None, text).
@@ -111,8 +141,9 @@ class StreamingReasoningParser:
     After each chunk the split of the text so far is recomputed and only the added suffixes are
     emitted. Held back until the next chunk decides them: a trailing partial marker (a prefix of
     `<mm:think>`, `</mm:think>` or the tool-call opener, e.g. a text that is so far only part of
-    the closer emits nothing), and a tool-call block inside a still-unclosed think span (it is
-    content only if the span stays unclosed; `finish` releases it).
+    the closer emits nothing), a tool-call block inside a still-unclosed think span (it is
+    content only if the span stays unclosed; `finish` releases it), and content that is so far
+    only stray closers (dropped if a tool-call block follows them).
 
     The deltas concatenate to `split_reasoning` of the whole text, except in the vLLM edge case
     of enabled mode with a re-emitted `<mm:think>`: the text before it already went out as
@@ -138,8 +169,8 @@ class StreamingReasoningParser:
             raise RuntimeError("StreamingReasoningParser.feed after finish(); make a new parser per output")
         self._text += text
         safe = self._text[: len(self._text) - _partial_marker_len(self._text)]
-        reasoning, before, rest, moved = _split(safe, self._starts_in_reasoning)
-        return self._emit(reasoning or "", before + ("" if moved else rest))
+        reasoning, before, rest, hold = _split(safe, self._starts_in_reasoning)
+        return self._emit(reasoning or "", before + ("" if hold else rest))
 
     def finish(self) -> ReasoningDelta:
         """End of output: release everything held back."""
