@@ -3,9 +3,11 @@
 Governing idea: a tool is model-driven code, so it never runs in the rollout process. A small
 pool of forked workers holds the tool functions (inherited at fork, so nothing is pickled but
 the call's name and JSON arguments); each call gets a deadline, and a worker that misses it is
-SIGKILLed and replaced. Tool output is capped in length inside the worker, before it crosses
-the pipe (lone surrogates, which the tokenizer cannot encode, become U+FFFD); what a tool prints
-goes to /dev/null. Every failure (timeout, exception, a worker that died during or between
+SIGKILLed and replaced together with every process it started: each worker leads its own
+process group and the whole group is killed. Tool output is capped in length inside the worker,
+before it crosses the pipe (lone surrogates, which the tokenizer cannot encode, become U+FFFD);
+what a tool prints goes to /dev/null, and what it writes to stderr reaches the trainer's stderr
+capped the same way, once per call. Every failure (timeout, exception, a worker that died during or between
 calls, arguments that cannot be sent) comes back as an ``Error: ...`` text for the model, never
 as an exception in the rollout loop; a run interrupted from outside (e.g. Ctrl-C) replaces the
 workers it left busy, so no stale reply is ever read as a later call's result.
@@ -14,11 +16,17 @@ workers it left busy, so no stale reply is ever read as a later call's result.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import math
 import multiprocessing as mp
 import os
 import re
+import select
+import signal
+import struct
 import sys
+import termios
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -50,9 +58,76 @@ def _run_one(fns: dict[str, Callable[..., object]], name: str, kwargs: dict, max
     return cap_output(out, max_chars)
 
 
+class _StderrCapture:
+    """Worker side: fd 2 becomes a pipe that a thread drains while a call runs, keeping the first
+    ``4 * max_chars`` bytes (enough for ``max_chars`` characters of UTF-8) and counting the rest,
+    so neither the tool nor a process it started can flood the trainer's stderr or block on a
+    full pipe. ``forward`` writes what one call wrote, capped to ``max_chars`` characters with a
+    marker, to the real stderr. NOTE: output of a worker that dies inside a call is lost."""
+
+    def __init__(self, max_chars: int):
+        self._real = os.dup(2)
+        self._read_fd, write_fd = os.pipe()
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        # Python-level writes go to the pipe too (sys.stderr may not be fd 2, e.g. under pytest).
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+        self._max_chars = max_chars
+        self._kept = bytearray()
+        self._total = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _pending(self) -> int:
+        return struct.unpack("i", fcntl.ioctl(self._read_fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+    def _read_available(self) -> None:
+        """Read what the pipe holds now (the caller holds the lock, so the read never blocks)."""
+        n = self._pending()
+        if n:
+            data = os.read(self._read_fd, min(n, 1 << 16))
+            self._total += len(data)
+            self._kept += data[: max(0, 4 * self._max_chars - len(self._kept))]
+
+    def _drain(self) -> None:
+        while True:
+            select.select([self._read_fd], [], [])
+            with self._lock:
+                self._read_available()
+
+    def forward(self, name: str) -> None:
+        """Write what call ``name`` wrote to stderr, capped, to the real stderr; then start afresh."""
+        sys.stderr.flush()
+        with self._lock:
+            for _ in range(64):  # what the call wrote is in the pipe; a writer left running is cut off
+                if not self._pending():
+                    break
+                self._read_available()
+            kept, total = bytes(self._kept), self._total
+            self._kept.clear()
+            self._total = 0
+        if not total:
+            return
+        text = kept.decode("utf-8", "replace")
+        if len(text) > self._max_chars or total > len(kept):
+            text = text[: self._max_chars] + f"...[truncated: {total} bytes in all]"
+        data = f"[tool {name!r} stderr]\n{text}\n".encode("utf-8", "replace")
+        try:
+            while data:
+                data = data[os.write(self._real, data) :]
+        except OSError:
+            pass
+
+
 def _worker_main(conn: Connection, fns: dict, max_chars: int) -> None:
+    # Own process group, so a timeout kills every process the tool started (the parent also sets
+    # it right after the fork; whichever runs first wins, the other is a no-op).
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     # What a tool prints is not its result: keep it off the trainer's stdout (a chatty tool
-    # would also block on a full pipe and time out). stderr stays for crash tracebacks.
+    # would also block on a full pipe and time out).
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)  # C-level writes
@@ -60,15 +135,16 @@ def _worker_main(conn: Connection, fns: dict, max_chars: int) -> None:
         sys.stdout = open(os.devnull, "w")  # Python-level prints (sys.stdout may not be fd 1)
     except OSError:
         pass
+    stderr = _StderrCapture(max_chars)
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return
-        if msg is None:
-            return
         name, kwargs = msg
-        conn.send(_run_one(fns, name, kwargs, max_chars))
+        result = _run_one(fns, name, kwargs, max_chars)
+        stderr.forward(name)
+        conn.send(result)
 
 
 class _Worker:
@@ -78,10 +154,22 @@ class _Worker:
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, fns, max_chars), daemon=True)
         self.proc.start()
+        try:
+            os.setpgid(self.proc.pid, self.proc.pid)
+        except OSError:  # the worker did it first (or, under spawn, has exec'd: it does it itself)
+            pass
         child.close()
         self.conn = parent
 
+    def kill_group(self) -> None:
+        """SIGKILL every process left in the worker's group (the worker and what its tools started)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill(self) -> None:
+        self.kill_group()
         self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
@@ -100,8 +188,10 @@ class ToolProcessPool:
         fns: tool name -> function called with keyword arguments; must exist before the first
             call (workers are forked on first use and inherit them).
         num_workers: processes; calls beyond that wait for a free worker.
-        timeout_s: wall-clock limit per call (seconds); a worker past it is killed and replaced.
-        max_output_chars: longest output returned (longer is cut, with a marker).
+        timeout_s: wall-clock limit per call (seconds); a worker past it is killed, with every
+            process its tool started, and replaced.
+        max_output_chars: longest output returned, and longest stderr text forwarded per call
+            (longer is cut, with a marker).
 
     Raises:
         ValueError: a non-positive ``num_workers``, ``timeout_s`` or ``max_output_chars``.
@@ -213,15 +303,11 @@ class ToolProcessPool:
         self._workers[slot] = _Worker(self._ctx, self.fns, self.max_output_chars)
 
     def close(self) -> None:
-        """Stop all workers (also run at interpreter exit)."""
+        """Stop all workers and what their tools left running in the background (also run at
+        interpreter exit). NOTE: killed, not asked to exit: a worker holds no state worth a clean
+        exit, and killing its group while it still leads it is what reaches those processes."""
         for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (OSError, ValueError):
-                pass
-            w.proc.join(timeout=0.5)
-            if w.proc.is_alive():
-                w.kill()
+            w.kill()
         self._workers = []
 
     def __del__(self) -> None:
