@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -169,3 +170,70 @@ def test_loader_lists_missing_unexpected_and_misshaped_together():
     assert "2 mis-shaped" in msg
     assert "model.layers.3.mlp.experts.down_proj: shape (8, 128, 31) != expected (8, 128, 32)" in msg
     assert "model.norm.weight: shape (127,) != expected (128,)" in msg
+
+
+# ---------------------------------------------------------------------------- unusable files
+from m3_rollout.model.loading import CheckpointError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(_model(0), tiny_config(), out)
+    return out
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_or_garbage_safetensors_name_the_file(saved_dir, tmp_path):
+    d = _copy(saved_dir, tmp_path / "trunc")
+    weights = d / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="^" + re.escape(str(weights)) + r": not a readable safetensors file"):
+        load_checkpoint(d)
+    weights.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n")  # an LFS pointer
+    with pytest.raises(CheckpointError, match="^" + re.escape(str(weights)) + r": .*re-download"):
+        load_checkpoint(d)
+
+
+@pytest.mark.parametrize(
+    "index_text,what",
+    [("{not json", "not valid JSON"), ('{"metadata": {}}', "no 'weight_map'"), ("\xff\xfe", "not UTF-8")],
+)
+def test_bad_index_file_names_the_file(saved_dir, tmp_path, index_text, what):
+    d = _copy(saved_dir, tmp_path / "idx")
+    index = d / "model.safetensors.index.json"
+    index.write_bytes(index_text.encode("latin-1"))
+    with pytest.raises(CheckpointError, match="^" + re.escape(str(index)) + ": " + what):
+        load_checkpoint(d)
+
+
+def test_index_naming_a_missing_shard_names_it(saved_dir, tmp_path):
+    d = _copy(saved_dir, tmp_path / "missing")
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        load_checkpoint(d)
+
+
+def test_non_finite_weight_is_refused_naming_the_tensor(tmp_path):
+    m = _model(0)
+    with torch.no_grad():
+        m.model.norm.weight[3] = float("nan")
+    save_checkpoint(m, tiny_config(), tmp_path)
+    with pytest.raises(CheckpointError, match=r"'language_model\.model\.norm\.weight' holds 1 non-finite"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("content,what", [(b'{"a": "\xe9"}', "not UTF-8"), (b"{,}", "not valid JSON \\(line 1")])
+def test_unreadable_config_json_names_the_file(saved_dir, tmp_path, content, what):
+    d = _copy(saved_dir, tmp_path / "cfg")
+    (d / "config.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match="^" + re.escape(str(d / "config.json")) + ": " + what):
+        load_checkpoint(d)

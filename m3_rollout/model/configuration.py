@@ -25,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class CheckpointError(ValueError):
+    """A file of a checkpoint directory cannot be used (unreadable, not the expected format, or
+    holding bad values). The message starts with the file's path and says what to do."""
+
+
 def _real_layer_list() -> list[int]:
     # Real model: layers 0..2 dense + full attention, 3..59 MoE + sparse attention.
     return [0, 0, 0] + [1] * 57
@@ -231,12 +236,31 @@ class M3Config:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> M3Config:
-        """Read `<path>/config.json` (or `path` itself if it is a file) and validate it."""
+        """Read `<path>/config.json` (or `path` itself if it is a file) and validate it.
+
+        Raises:
+            FileNotFoundError: no such file.
+            CheckpointError: the file is not UTF-8 text, not JSON, or not a JSON object.
+            ValueError: the config's values are invalid (listed).
+        """
         p = os.fspath(path)
         if os.path.isdir(p):
             p = os.path.join(p, "config.json")
-        with open(p) as f:
-            return cls.from_dict(json.load(f))
+        with open(p, "rb") as f:
+            raw = f.read()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(
+                f"{p}: not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 4]!r}); re-save it as UTF-8 JSON"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(
+                f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix or re-download it"
+            ) from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{p}: the top level must be a JSON object of config keys, got {type(data).__name__}")
+        return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         """A VL-shaped config.json dict that this class, vLLM and transformers all load.

@@ -25,8 +25,21 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .configuration import M3Config
+from .configuration import CheckpointError, M3Config
 from .model import M3ForCausalLM
+
+__all__ = [
+    "CheckpointError",
+    "checkpoint_files",
+    "iter_released_tensors",
+    "load_checkpoint",
+    "load_hf_state_dict",
+    "load_named_tensors",
+    "load_released_tensor",
+    "released_view",
+    "save_checkpoint",
+    "text_tensor_name",
+]
 
 RELEASED_PREFIX = "language_model."
 CONFIG_NAME = "config.json"
@@ -137,7 +150,7 @@ def load_released_tensor(model: M3ForCausalLM, name: str, tensor: torch.Tensor) 
 
 
 # ---------------------------------------------------------------------------- name translation
-def _text_name(name: str) -> str | None:
+def text_tensor_name(name: str) -> str | None:
     """Released text-only-style name of a checkpoint key, or None if it is not a text tensor.
 
     Handles `language_model.` (released VL), `model.language_model.` (transformers VL) and bare
@@ -228,7 +241,7 @@ def load_named_tensors(model: M3ForCausalLM, items: Iterable[tuple[str, torch.Te
     misshaped: list[str] = []
     duplicated: list[str] = []
     for src_name, tensor in items:
-        name = _text_name(src_name)
+        name = text_tensor_name(src_name)
         if name is None:
             skipped.append(src_name)
             continue
@@ -357,12 +370,40 @@ def _atomic(path: str, write) -> None:
             os.remove(tmp)
 
 
-def _checkpoint_files(path: str) -> list[str]:
+def checkpoint_files(path: str) -> list[str]:
+    """Paths of the safetensors files of checkpoint directory `path`, in a fixed order.
+
+    The shards named by `model.safetensors.index.json` (sorted, each once) when the index exists,
+    else `model.safetensors`.
+
+    Raises:
+        FileNotFoundError: neither file is in `path`.
+        CheckpointError: the index is not UTF-8 JSON, has no `weight_map` object of tensor name ->
+            file name, or names a shard that is not in `path`.
+    """
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+        try:
+            with open(index, encoding="utf-8") as f:
+                data = json.load(f)
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{index}: not UTF-8 text; re-save or re-download the checkpoint") from None
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(
+                f"{index}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                "re-save or re-download the checkpoint"
+            ) from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(
+                f"{index}: no 'weight_map' object of tensor name -> shard file name; "
+                f"re-save the checkpoint, or delete the index if the weights are one {SINGLE_FILE}"
+            )
+        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise CheckpointError(f"{index}: names shard files that do not exist: {', '.join(missing)}")
+        return files
     single = os.path.join(path, SINGLE_FILE)
     if os.path.exists(single):
         return [single]
@@ -370,12 +411,35 @@ def _checkpoint_files(path: str) -> list[str]:
 
 
 def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    """(key, tensor) of every tensor of `files`, file by file, keys sorted.
+
+    Each floating-point tensor is checked with `torch.isfinite(t).all()` as it is read: one pass
+    over its elements and a temporary bool tensor of its element count (the largest single
+    tensor, not the checkpoint, bounds the extra memory), cheap next to reading it from disk.
+
+    Raises:
+        CheckpointError: a file that is not a readable safetensors file (truncated, garbage, a
+            Git LFS pointer), or a tensor holding NaN / Inf (named).
+    """
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in sorted(f.keys()):
-                yield key, f.get_tensor(key)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in sorted(f.keys()):
+                    t = f.get_tensor(key)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        bad = int((~torch.isfinite(t)).sum())
+                        raise CheckpointError(
+                            f"{file}: tensor {key!r} holds {bad} non-finite values (NaN / Inf); the checkpoint "
+                            "is corrupt or was saved after training diverged: load an earlier one"
+                        )
+                    yield key, t
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(
+                f"{file}: not a readable safetensors file ({exc}); it is truncated or corrupt: re-save or "
+                "re-download it"
+            ) from None
 
 
 def load_checkpoint(
@@ -388,12 +452,18 @@ def load_checkpoint(
     Reads config.json (either shape, validated), builds the model on `meta` (no init cost),
     casts to `dtype` (router gate/bias stay >= fp32), materialises it on `device`, then loads
     `model.safetensors` or the shards listed in `model.safetensors.index.json`. Any supported
-    naming is accepted (see `load_named_tensors`); vision and MTP tensors are skipped. Raises
-    ValueError listing every missing / unexpected / mis-shaped tensor. Returns the model in eval mode.
+    naming is accepted (see `load_named_tensors`); vision and MTP tensors are skipped. Returns the
+    model in eval mode.
+
+    Raises:
+        FileNotFoundError: no config.json, or no weight file in `path`.
+        CheckpointError: an unreadable config.json, index or safetensors file, or a tensor with
+            NaN / Inf values (the message starts with the file's path).
+        ValueError: an invalid config, or tensors missing / unexpected / mis-shaped (all listed).
     """
     p = os.fspath(path)
     config = M3Config.from_pretrained(p)
-    files = _checkpoint_files(p)
+    files = checkpoint_files(p)
     with torch.device("meta"):
         model = M3ForCausalLM(config)
     model.cast_for_inference(dtype)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from m3_rollout.model.configuration import M3Config
-from m3_rollout.model.loading import _checkpoint_files, _text_name, load_named_tensors
+from m3_rollout.model.loading import checkpoint_files, load_named_tensors, text_tensor_name
 from m3_rollout.model.model import M3ForCausalLM
 
 from .ep_moe import EPExperts, EPStats
@@ -101,7 +101,7 @@ def _local_tensors(files: list[str], a: int, b: int, report: dict) -> Iterator[t
                 shape = sl.get_shape()
                 itemsize = _DTYPE_BYTES[sl.get_dtype()]
                 report["bytes_in_files"] += itemsize * _numel(shape)
-                name = _text_name(key)
+                name = text_tensor_name(key)
                 if name is None:
                     continue  # vision / MTP: never read
                 m = _EXPERT_NAME.match(name)
@@ -179,7 +179,7 @@ def load_checkpoint_ep(
     p = os.fspath(path)
     config = M3Config.from_pretrained(p)
     a, b = expert_range(config.num_local_experts, ep_size, rank)
-    files = _checkpoint_files(p)
+    files = checkpoint_files(p)
     with torch.device("meta"):
         model = M3ForCausalLM(config)
     stats = shard_experts(model, rank, ep_size, group, timing=timing)
