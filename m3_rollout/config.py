@@ -631,8 +631,8 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
 
     Raises:
         FileNotFoundError: the file or a parent does not exist (the chain is named).
-        ConfigError: a cycle in the ``defaults:`` chain, or a ``defaults:`` value that is not a
-            path or list of paths.
+        ConfigError: a file that is not UTF-8 text or not valid YAML (the file is named), a cycle
+            in the ``defaults:`` chain, or a ``defaults:`` value that is not a path or list of paths.
     """
     path = Path(path).resolve()
     if path in _chain:
@@ -646,6 +646,8 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
         data = OmegaConf.to_container(OmegaConf.load(path)) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte offset {exc.start}); save the file as UTF-8") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     parents = data.pop("defaults", None)
