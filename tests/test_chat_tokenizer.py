@@ -2,13 +2,14 @@
 
 import os
 import pathlib
+import re
 
 import pytest
 import transformers
 
 from m3_rollout.chat import markers
-from m3_rollout.chat.template import ChatFormat, load_template, render
-from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
+from m3_rollout.chat.template import ChatFileError, ChatFormat, load_template, render
+from m3_rollout.chat.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 SPECIALS = ["]~!b[", "]~b]", "[e~[", "<mm:think>", "</mm:think>", "<pad>"]
 NS = "]<]minimax[>["
@@ -138,3 +139,35 @@ def test_no_token_id_hard_coded_in_chat_package():
     sources = [p.read_text() for p in package.rglob("*") if p.suffix in (".py", ".jinja")]
     for known_id in ("200034", "200019", "200020", "200059", "200060", "200025", "200026"):
         assert not any(known_id in s for s in sources), known_id
+
+
+# --- files that cannot be used are named -------------------------------------------------------
+
+
+def test_load_tokenizer_round_trips_a_saved_dir(tok, tmp_path):
+    save_tokenizer(tok, tmp_path, load_template("m3_short"))
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.chat_template == load_template("m3_short")
+    assert loaded.encode("]~b]ai\n12") == tok.encode("]~b]ai\n12")
+
+
+def test_missing_or_corrupt_tokenizer_json_is_named(tok, tmp_path):
+    save_tokenizer(tok, tmp_path, load_template("m3_short"))
+    path = tmp_path / "tokenizer.json"
+    path.write_text(path.read_text()[:500])  # cut off mid-file
+    with pytest.raises(ChatFileError, match="^" + re.escape(str(path)) + ": not a readable tokenizers file"):
+        load_tokenizer(tmp_path)
+    path.unlink()
+    with pytest.raises(ChatFileError, match="^" + re.escape(str(path)) + ": missing; save the tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_chat_template_syntax_error_names_file_and_line(tok, tmp_path):
+    broken = load_template("m3_short").replace("{%- endif -%}", "{%- endfi -%}", 1)
+    line = broken[: broken.index("endfi")].count("\n") + 1
+    save_tokenizer(tok, tmp_path, broken)
+    path = tmp_path / "chat_template.jinja"
+    with pytest.raises(ChatFileError, match="^" + re.escape(f"{path}:{line}: chat template syntax error")):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ChatFileError, match=f"^the chat_template argument:{line}: "):
+        ChatFormat(tok, "disabled", chat_template=broken)

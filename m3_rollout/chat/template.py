@@ -18,20 +18,58 @@ import json
 from importlib import resources
 from typing import Any
 
+import jinja2
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from m3_rollout.chat.markers import THINKING_MODES
 
-__all__ = ["ChatFormat", "load_template", "normalize_messages", "render"]
+__all__ = ["ChatFileError", "ChatFormat", "check_template", "load_template", "normalize_messages", "render"]
 
 TEMPLATE_NAMES = ("m3_full", "m3_short")
 
 
+class ChatFileError(ValueError):
+    """A tokenizer or chat-template file cannot be used. The message starts with the file (and,
+    for a template, the line) and says what to do."""
+
+
+def check_template(chat_template: str, origin: str) -> None:
+    """Compile `chat_template` as transformers does, so a syntax error is reported where it is.
+
+    Args:
+        chat_template: template source.
+        origin: where it came from, for the message: a file path, or e.g. "tokenizer_config.json's
+            chat_template" (then the line counts inside that string).
+
+    Raises:
+        ChatFileError: "<origin>:<line>: chat template syntax error: <what>; ..." for a template
+            that does not compile (an error at render time, e.g. `raise_exception`, is not one).
+    """
+    try:
+        # NOTE: an empty conversation through transformers' own environment: the same
+        # extensions and compile cache as `render`, without reaching into transformers' internals.
+        render_jinja_template(conversations=[[]], chat_template=chat_template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatFileError(
+            f"{origin}:{exc.lineno}: chat template syntax error: {exc.message}; fix that line of the template"
+        ) from None
+    except Exception:  # the template compiled; it just does not render an empty conversation
+        pass
+
+
 def load_template(name: str = "m3_full") -> str:
-    """Source text of a packaged template: "m3_full" (spec §5.2) or "m3_short" (compact)."""
+    """Source text of a packaged template: "m3_full" (spec §5.2) or "m3_short" (compact).
+
+    Raises:
+        ValueError: unknown `name`.
+        ChatFileError: the packaged file has a syntax error (file and line named).
+    """
     if name not in TEMPLATE_NAMES:
         raise ValueError(f"unknown template {name!r}; expected one of {TEMPLATE_NAMES}")
-    return resources.files("m3_rollout.chat").joinpath("templates", f"{name}.jinja").read_text("utf-8")
+    file = resources.files("m3_rollout.chat").joinpath("templates", f"{name}.jinja")
+    source = file.read_text("utf-8")
+    check_template(source, str(file))
+    return source
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -98,16 +136,23 @@ class ChatFormat:
         thinking_mode: "enabled" | "disabled" | "adaptive"; applies to every render, including
             the generation prompts inside `tool_turn_ids` / `user_turn_ids`.
         chat_template: template source; defaults to `tokenizer.chat_template`.
+
+    Raises:
+        ValueError: unknown thinking mode, no chat template, or no eos token.
+        ChatFileError: the template does not compile (its line is named; load the tokenizer with
+            `tokenizer.load_tokenizer` to have the file named too).
     """
 
     def __init__(self, tokenizer, thinking_mode: str = "disabled", chat_template: str | None = None):
         if thinking_mode not in THINKING_MODES:
             raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
+        origin = "the chat_template argument" if chat_template is not None else "the tokenizer's chat_template"
         chat_template = chat_template if chat_template is not None else tokenizer.chat_template
         if not chat_template:
             raise ValueError("no chat template: pass chat_template= or use a tokenizer that has one")
         if tokenizer.eos_token is None:
             raise ValueError("tokenizer has no eos token")
+        check_template(chat_template, origin)
         self.tokenizer = tokenizer
         self.thinking_mode = thinking_mode
         self.chat_template = chat_template

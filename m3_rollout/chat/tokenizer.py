@@ -16,8 +16,12 @@ import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from m3_rollout.chat.markers import BOS, EOS, NS, PAD, SPECIAL_TOKENS
+from m3_rollout.chat.template import ChatFileError, check_template
 
-__all__ = ["train_tokenizer", "save_tokenizer"]
+__all__ = ["load_tokenizer", "save_tokenizer", "train_tokenizer"]
+
+TOKENIZER_FILE = "tokenizer.json"
+TEMPLATE_FILE = "chat_template.jinja"
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> transformers.PreTrainedTokenizerFast:
@@ -95,3 +99,47 @@ def save_tokenizer(tok: transformers.PreTrainedTokenizerBase, out_dir: str | os.
     """
     tok.chat_template = chat_template
     tok.save_pretrained(os.fspath(out_dir))
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> transformers.PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained(model_dir)`, with errors that name the file at fault.
+
+    The directory must hold `tokenizer.json` (M3's tokenizers are fast tokenizers); its chat
+    template (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`) is compiled
+    once here, so a syntax error is reported with its file and line before any rollout starts.
+
+    Raises:
+        ChatFileError: `tokenizer.json` is missing or not a tokenizers file, another tokenizer
+            file is unusable, or the chat template has a syntax error (file and line named).
+    """
+    d = os.fspath(model_dir)
+    tokenizer_file = os.path.join(d, TOKENIZER_FILE)
+    if not os.path.isfile(tokenizer_file):
+        raise ChatFileError(
+            f"{tokenizer_file}: missing; save the tokenizer into the model directory (save_tokenizer) "
+            "or copy tokenizer.json, tokenizer_config.json and chat_template.jinja from the source model"
+        )
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(d)
+    except Exception as exc:
+        # Diagnose only on failure, so a good tokenizer.json is parsed once.
+        try:
+            Tokenizer.from_file(tokenizer_file)
+        except Exception as parse_exc:
+            raise ChatFileError(
+                f"{tokenizer_file}: not a readable tokenizers file ({' '.join(str(parse_exc).split())[:200]}); "
+                "it is truncated or corrupt: re-save or re-copy it"
+            ) from None
+        raise ChatFileError(
+            f"{d}: transformers cannot load the tokenizer ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
+            "check tokenizer_config.json and special_tokens_map.json there"
+        ) from None
+    if isinstance(tok.chat_template, str):  # (a dict of named templates is not checked)
+        template_file = os.path.join(d, TEMPLATE_FILE)
+        origin = (
+            template_file
+            if os.path.isfile(template_file)
+            else f"{os.path.join(d, 'tokenizer_config.json')}'s chat_template"
+        )
+        check_template(tok.chat_template, origin)
+    return tok
