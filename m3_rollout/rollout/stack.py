@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from m3_rollout.chat.template import ChatFormat
+from m3_rollout.chat.tokenizer import load_tokenizer
 from m3_rollout.engine.interface import GenerationBackend
 from m3_rollout.rollout.data import PromptSource, load_jsonl
 from m3_rollout.rollout.environment import Environment
@@ -75,8 +76,6 @@ def build_rollout_stack(cfg, with_backend: bool = True, model_name: str | None =
     ``with_backend=False`` none is built (replay / inspection). ``model_name`` overrides
     ``policy.model_name``. Raises ConfigError / ValueError from the pieces on bad settings.
     """
-    from transformers import AutoTokenizer
-
     from m3_rollout.builtin import resolve_model
     from m3_rollout.engine.native_backend import NativeBackend
     from m3_rollout.model import load_checkpoint
@@ -87,7 +86,7 @@ def build_rollout_stack(cfg, with_backend: bool = True, model_name: str | None =
 
     g, p, gen, d = cfg.grpo, cfg.policy, cfg.policy.generation, cfg.data
     model_dir, info = resolve_model(model_name or p.model_name, progress=cfg.logger.progress_bar)
-    chat = ChatFormat(AutoTokenizer.from_pretrained(str(model_dir)), thinking_mode=p.thinking_mode)
+    chat = ChatFormat(load_tokenizer(model_dir), thinking_mode=p.thinking_mode)
     max_len = min(p.max_total_sequence_length, M3Config.from_pretrained(str(model_dir)).max_position_embeddings)
     backend = None
     if with_backend:
