@@ -1,0 +1,129 @@
+"""Start the server: ``python -m m3_rollout.serve --model DIR|builtin:NAME [...]`` (console script
+``m3-rollout-serve``).
+
+Governing idea: build the pieces once (tokenizer + chat template, the generation backend, the
+engine runner, the FastAPI app) and hand the app to uvicorn. ``--expert-parallel-size`` P > 1 serves
+through the expert-parallel ``RolloutService`` (P worker processes); otherwise the in-process
+``NativeBackend`` serves (streaming token by token, abort, weight sync over HTTP, top logprobs).
+Binds to 127.0.0.1 unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from m3_rollout.engine.interface import GenerationBackend
+
+from .openai_api import ServedModel
+from .runner import EngineRunner
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="m3-rollout-serve", description="OpenAI-compatible M3 rollout server")
+    p.add_argument("--model", required=True, help="checkpoint directory or builtin:NAME")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    p.add_argument("--expert-parallel-size", type=int, default=1, help="EP worker processes (1: in-process engine)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="generation dtype (auto: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest context (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.0, help="KV page pool (0: automatic)")
+    p.add_argument(
+        "--record-routing", action="store_true", help="keep routed experts (/generate return_routed_experts)"
+    )
+    p.add_argument("--enable-cuda-graphs", action="store_true")
+    p.add_argument("--log-level", default="warning")
+    args = p.parse_args(argv)
+    if args.expert_parallel_size < 1:
+        p.error(f"--expert-parallel-size={args.expert_parallel_size}: must be >= 1")
+    if not 0 < args.port < 65536:
+        p.error(f"--port={args.port}: must be in 1..65535")
+    return args
+
+
+def _device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def _dtype(name: str, device: str) -> str:
+    return ("bfloat16" if device == "cuda" else "float32") if name == "auto" else name
+
+
+def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int], max_len: int, detokenize: Callable):
+    """The generation backend the arguments ask for (NativeBackend or the EP RolloutService)."""
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    engine = dict(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        enable_cuda_graphs=args.enable_cuda_graphs,
+    )
+    if args.expert_parallel_size > 1:
+        from m3_rollout.config import MasterConfig
+        from m3_rollout.service.factory import build_rollout_service
+
+        cfg = MasterConfig()
+        gen = dataclasses.replace(
+            cfg.policy.generation, dtype=dtype, expert_parallel_size=args.expert_parallel_size,
+            max_num_seqs=args.max_num_seqs, **engine,
+        )  # fmt: skip
+        cfg.policy = dataclasses.replace(cfg.policy, generation=gen, routing_replay=args.record_routing)
+        cfg.cluster = dataclasses.replace(cfg.cluster, gpus_per_node=int(device == "cuda"), launcher="mp")
+        return build_rollout_service(cfg, model_dir, stop_ids, max_len)
+    from m3_rollout.engine.native_backend import NativeBackend
+    from m3_rollout.model import load_checkpoint
+
+    model = load_checkpoint(model_dir, dtype=torch.float32, device=device).cast_for_inference(getattr(torch, dtype))
+    return NativeBackend(
+        model, stop_ids, max_model_len=max_len, max_num_seqs=args.max_num_seqs, detokenize=detokenize,
+        record_routing=args.record_routing, **engine,
+    )  # fmt: skip
+
+
+def build_served(model_dir: Path, name: str, max_model_len: int | None) -> ServedModel:
+    """Tokenizer, chat template and limits of the checkpoint in ``model_dir``."""
+    from transformers import AutoTokenizer
+
+    from m3_rollout.model.configuration import M3Config
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if not tok.chat_template:
+        raise ValueError(f"{model_dir}: the tokenizer has no chat template (chat_template.jinja)")
+    cfg = M3Config.from_pretrained(str(model_dir))
+    limit = cfg.max_position_embeddings
+    if max_model_len is not None and not 1 < max_model_len <= limit:
+        raise ValueError(f"--max-model-len={max_model_len}: must be in 2..{limit} (the model's positions)")
+    return ServedModel(
+        name=name,
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+        stop_token_ids=[tok.convert_tokens_to_ids(tok.eos_token)],
+        max_model_len=max_model_len or limit,
+        vocab_size=cfg.vocab_size,
+    )
+
+
+def serve(args: argparse.Namespace, model_dir: Path) -> None:
+    """Build everything for ``model_dir`` and run uvicorn until interrupted."""
+    import uvicorn
+
+    from .app import build_app
+
+    served = build_served(model_dir, args.served_model_name or args.model, args.max_model_len)
+    backend: GenerationBackend = build_backend(
+        args, model_dir, served.stop_token_ids, served.max_model_len, served.decode
+    )
+    app = build_app(served, EngineRunner(backend), args.api_key)
+    print(f"m3-rollout server: serving {served.name!r} on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

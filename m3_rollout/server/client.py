@@ -1,0 +1,348 @@
+"""Clients of the rollout server: the trainer's control-plane client and a GenerationBackend over HTTP.
+
+Governing idea: the trainer side needs two things from a server in another process. The control
+plane (:class:`RolloutServerClient`): health, pause / resume, abort, prefix-cache reset, and the
+weight-sync calls, which must run *while* the trainer's own side of the collective runs, so they
+also come as ``start_*`` methods returning a future. And generation (:class:`HTTPBackend`):
+the ``GenerationBackend`` contract over ``/generate`` (token-in/token-out), so group rollouts with
+multi-turn tool use run unchanged against a server; its ``update_weights`` hosts the weight-sync
+group in this process (rank 0) and pushes the tensors with a ``WeightSender``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import socket
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import httpx
+import numpy as np
+import torch
+
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
+
+from .metrics import parse_metrics
+
+
+class ServerError(RuntimeError):
+    """A non-2xx answer: ``status`` and the server's OpenAI-shaped ``error`` dict (message, param, code)."""
+
+    def __init__(self, status: int, error: dict):
+        super().__init__(
+            f"HTTP {status}: {error.get('message')}" + (f" (param {error['param']})" if error.get("param") else "")
+        )
+        self.status, self.error = status, error
+
+
+def _raise_for(resp: httpx.Response) -> dict:
+    if resp.status_code // 100 == 2:
+        return resp.json()
+    try:
+        error = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        error = {"message": resp.text}
+    raise ServerError(resp.status_code, error)
+
+
+def decode_routed_experts(obj: dict | None) -> np.ndarray | None:
+    """The ``routed_experts`` JSON of /generate -> int16 array [L, n_moe_layers, top_k] (or None)."""
+    if obj is None:
+        return None
+    return np.frombuffer(base64.b64decode(obj["data"]), dtype="<i2").reshape(obj["shape"]).astype(np.int16)
+
+
+def request_body(req: GenerationRequest, return_routed_experts: bool = False) -> dict:
+    """The /generate body of a GenerationRequest (same sampling fields, same sample index)."""
+    p = req.params
+    return {
+        "input_ids": [int(t) for t in req.prompt_ids],
+        "rid": req.request_id,
+        "sample_index": req.sample_index,
+        "return_routed_experts": return_routed_experts,
+        "sampling_params": {
+            "n": p.n,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "max_new_tokens": p.max_new_tokens,
+            "stop_token_ids": list(p.stop_token_ids),
+            "stop": list(p.stop_strings),
+            "seed": p.seed,
+            "logprobs_mode": p.logprobs_mode,
+        },
+    }
+
+
+def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
+    """SampleOutputs (ordered by sample) of a /generate answer to ``req``."""
+    return [
+        SampleOutput(
+            request_id=req.request_id,
+            sample_index=o["sample_index"],
+            prompt_ids=list(req.prompt_ids),
+            output_ids=o["output_ids"],
+            logprobs=o["logprobs"],
+            finish_reason=o["finish_reason"],
+            weight_version=o["weight_version"],
+            error=o["error"],
+            token_weight_versions=o["token_weight_versions"],
+            routed_experts=decode_routed_experts(o.get("routed_experts")),
+        )
+        for o in body["outputs"]
+    ]
+
+
+def error_outputs(req: GenerationRequest, message: str, version: int) -> list[SampleOutput]:
+    """One "error" record per sample, as the in-process engine gives for a bad request."""
+    return [
+        SampleOutput(
+            req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], "error", version, error=message
+        )
+        for j in range(req.params.n)
+    ]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RolloutServerClient:
+    """Synchronous client of one server's control plane and RL endpoints (httpx).
+
+    Args:
+        base_url: e.g. "http://127.0.0.1:8000".
+        api_key: sent as ``Authorization: Bearer`` when given.
+        timeout_s: per-call limit (generation and weight updates may take long).
+    Every method raises :class:`ServerError` for a non-2xx answer and ``httpx.HTTPError`` when the
+    server cannot be reached.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="m3-server-client")
+
+    def _get(self, path: str) -> dict:
+        return _raise_for(self.http.get(path))
+
+    def _post(self, path: str, body: dict | None = None) -> dict:
+        return _raise_for(self.http.post(path, json=body or {}))
+
+    def health(self) -> dict:
+        return self._get("/health")
+
+    def weight_version(self) -> int:
+        return int(self._get("/weight_version")["weight_version"])
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {metric name: value} (first sample of each name)."""
+        resp = self.http.get("/metrics")
+        if resp.status_code != 200:
+            _raise_for(resp)
+        return parse_metrics(resp.text)
+
+    def pause(self, mode: str = "keep") -> dict:
+        """mode: "abort" (end running requests), "drain" (let them finish), "keep" (freeze them)."""
+        return self._post("/pause", {"mode": mode})
+
+    def resume(self) -> dict:
+        return self._post("/resume")
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
+        return self._post("/abort", {"rid": rid, "abort_all": abort_all})
+
+    def reset_prefix_cache(self) -> dict:
+        return self._post("/reset_prefix_cache")
+
+    def generate(self, req: GenerationRequest, return_routed_experts: bool = False) -> list[SampleOutput]:
+        """Run one request through /generate; raises ServerError (400) for a bad request."""
+        return outputs_of(req, self._post("/generate", request_body(req, return_routed_experts)))
+
+    def tokenize(self, **body) -> list[int]:
+        return self._post("/tokenize", body)["tokens"]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._post("/detokenize", {"tokens": list(tokens)})["prompt"]
+
+    # ---- weight sync: each call runs beside the trainer's side of the collective --------------
+    def init_weight_sync(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offset: int = 1,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+        bucket_size_mb: float = 512.0,
+        atomic: bool = True,
+    ) -> dict:
+        """The server joins the group as rank ``rank_offset`` and runs the handshake; blocks until
+        the trainer (rank 0) did its part (``WeightSender.handshake``): call it with
+        :meth:`start_init_weight_sync` or from another thread."""
+        body = dict(master_address=master_address, master_port=master_port, world_size=world_size,
+                    rank_offset=rank_offset, backend=backend, timeout_s=timeout_s,
+                    bucket_size_mb=bucket_size_mb, atomic=atomic)  # fmt: skip
+        return self._post("/init_weight_sync", body)
+
+    def update_weights(self, version: int | None = None, in_flight: str = "continue") -> dict:
+        """The server receives one update (the trainer calls ``WeightSender.update`` meanwhile).
+        in_flight: "continue" (running requests go on, later tokens on the new version), "drain",
+        "abort". Raises ServerError 400 when the update was rejected, 409 while another runs."""
+        return self._post("/update_weights", {"version": version, "in_flight": in_flight})
+
+    def start_init_weight_sync(self, *args, **kwargs) -> concurrent.futures.Future:
+        """:meth:`init_weight_sync` on a helper thread; returns its future."""
+        return self._pool.submit(self.init_weight_sync, *args, **kwargs)
+
+    def start_update_weights(self, *args, **kwargs) -> concurrent.futures.Future:
+        """:meth:`update_weights` on a helper thread; returns its future."""
+        return self._pool.submit(self.update_weights, *args, **kwargs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self.http.close()
+
+
+class HTTPBackend(GenerationBackend):
+    """The generation contract over a rollout server's ``/generate`` (token-in/token-out).
+
+    Outputs carry the same fields as the in-process engine's (output ids, logprobs, finish
+    reason, weight version of every token, routed experts when ``return_routed_experts``); a request
+    the server refuses (400) becomes one "error" record per sample, as the engine does.
+
+    Args:
+        base_url: the server, e.g. "http://127.0.0.1:8000".
+        api_key: the server's API key, if it has one.
+        timeout_s: limit of one HTTP call.
+        max_concurrency: requests in flight at once (each is one HTTP call; the server batches them).
+        return_routed_experts: ask for the routing record (server started with --record-routing).
+        weight_sync_host: address of this (trainer) process that the server can reach; the
+            weight-sync group's TCPStore is hosted here.
+        weight_sync_backend: "gloo" (CPU tensors) or "nccl".
+        generation_dtype: the server's generation dtype; tensors are cast to it on the wire
+            (None: sent in the trainer's dtypes, right for an fp32 server).
+        bucket_size_mb, weight_sync_timeout_s: weight-sync bucket size and collective timeout.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        return_routed_experts: bool = False,
+        weight_sync_host: str = "127.0.0.1",
+        weight_sync_backend: str = "gloo",
+        generation_dtype: torch.dtype | None = None,
+        bucket_size_mb: float = 512.0,
+        weight_sync_timeout_s: float = 120.0,
+    ):
+        self.client = RolloutServerClient(base_url, api_key, timeout_s)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        self.max_concurrency, self.return_routed_experts = int(max_concurrency), return_routed_experts
+        self.ws_host, self.ws_backend = weight_sync_host, weight_sync_backend
+        self.generation_dtype, self.bucket_size_mb = generation_dtype, bucket_size_mb
+        self.ws_timeout_s = weight_sync_timeout_s
+        self._sender: WeightSender | None = None
+        self._tensors: list[tuple[str, torch.Tensor]] = []
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def _one(self, http: httpx.AsyncClient, sem: asyncio.Semaphore, req: GenerationRequest) -> list[SampleOutput]:
+        async with sem:
+            resp = await http.post("/generate", json=request_body(req, self.return_routed_experts))
+        if resp.status_code == 400:
+            return error_outputs(req, resp.json()["error"]["message"], -1)
+        return outputs_of(req, _raise_for(resp))
+
+    def _async_client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self.timeout_s, limits=limits)
+
+    async def generate_async(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[SampleOutput]:
+        """Yield each request's samples as that request completes (any order)."""
+        sem = asyncio.Semaphore(self.max_concurrency)
+        async with self._async_client() as http:
+            tasks = [asyncio.ensure_future(self._one(http, sem, r)) for r in requests]
+            try:
+                for fut in asyncio.as_completed(tasks):
+                    for out in await fut:
+                        yield out
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[SampleOutput]:
+        """Run all requests concurrently; outputs ordered by request, then sample. Raises
+        ServerError for answers other than 2xx / 400, httpx.HTTPError when unreachable."""
+
+        async def run():
+            sem = asyncio.Semaphore(self.max_concurrency)
+            async with self._async_client() as http:
+                return await asyncio.gather(*(self._one(http, sem, r) for r in requests))
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            per_request = asyncio.run(run())
+        else:  # called from inside an event loop: run ours on a helper thread
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                per_request = pool.submit(asyncio.run, run()).result()
+        return [o for outs in per_request for o in outs]
+
+    # ---- weights and control -------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.client.weight_version()
+
+    def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push a full set of released-name tensors as ``version`` through the weight-sync group.
+
+        The first call hosts the group here (rank 0, a free port on ``weight_sync_host``), has the
+        server join it and runs the handshake; every call then sends the tensors while the server
+        receives (``/update_weights``, in_flight "continue").
+        Raises WeightUpdateError / ServerError when the update is rejected (weights unchanged).
+        """
+        self._tensors = [(n, t.detach()) for n, t in named_tensors]
+        first = self._sender is None
+        if first:
+            port = free_port(self.ws_host)
+            joined = self.client.start_init_weight_sync(
+                self.ws_host, port, 2, 1, self.ws_backend, self.ws_timeout_s, self.bucket_size_mb
+            )
+            try:
+                group = WeightSyncGroup(self.ws_host, port, 0, 2, self.ws_backend, self.ws_timeout_s)
+                sender = WeightSender(
+                    lambda: self._tensors, BroadcastChannel(group), self.bucket_size_mb, self.generation_dtype
+                )
+                sender.handshake()
+            finally:
+                joined.result()
+            self._sender = sender
+        received = self.client.start_update_weights(version)
+        try:
+            self._sender.update(version, include_frozen=first)
+        finally:
+            received.result()
+
+    def pause(self) -> None:
+        self.client.pause("keep")
+
+    def resume(self) -> None:
+        self.client.resume()
+
+    def reset_prefix_cache(self) -> None:
+        self.client.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.channel.group.close()
+            self._sender = None
+        self.client.close()

@@ -1,0 +1,187 @@
+"""The RL control plane: admission, pause / resume, abort, weight updates, and their conflicts.
+
+Governing idea: one object on the HTTP loop owns the serving state (admitting or paused, an
+update running or not, which requests are live) so that every control call sees a consistent
+picture and the rules are in one place: requests wait at the admission gate while the server is
+paused or draining for an update; a control call that would interfere with a running weight
+update is refused with 409; the engine itself is only touched through the :class:`EngineRunner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
+
+from .protocol import APIError, InitWeightSyncRequest, UpdateWeightsRequest
+from .runner import EngineRunner, RefitRecord, WeightSyncError
+
+DRAIN_POLL_S = 0.005
+
+
+class Controller:
+    """Serving state in front of an :class:`EngineRunner` (use from the HTTP event loop only)."""
+
+    def __init__(self, runner: EngineRunner):
+        self.runner = runner
+        self.pause_mode: str | None = None  # "abort" | "drain" | "keep" while paused
+        self.updating = False  # a weight update (or group join) is running
+        self._gate = asyncio.Event()  # set = new requests are admitted
+        self._gate.set()
+        self.live: collections.Counter[str] = collections.Counter()  # request id -> open streams
+        self.waiting = 0  # requests held at the admission gate
+
+    @property
+    def weight_version(self) -> int:
+        return self.runner.weight_version
+
+    async def top_logprobs(self, *args):
+        return await self.runner.top_logprobs(*args)
+
+    async def stream(
+        self, request: GenerationRequest, stream: bool = True
+    ) -> AsyncIterator[SampleOutput | StreamDelta]:
+        """The runner's stream of ``request`` once the admission gate is open; the request counts
+        as live (abortable, drained) until its iteration ends."""
+        if not self._gate.is_set():
+            self.waiting += 1
+            try:
+                await self._gate.wait()
+            finally:
+                self.waiting -= 1
+        rid = request.request_id
+        self.live[rid] += 1
+        try:
+            async for item in self.runner.stream(request, stream):
+                yield item
+        finally:
+            self.live[rid] -= 1
+            if self.live[rid] <= 0:
+                del self.live[rid]
+
+    def _refuse_during_update(self, what: str) -> None:
+        if self.updating:
+            raise APIError(
+                409,
+                f"{what} refused: a weight update is running; retry after it returns (see /health)",
+                None,
+                code="update_in_progress",
+            )
+
+    async def _abort_live(self) -> int:
+        rids = list(self.live)
+        for rid in rids:
+            await self.runner.abort(rid)
+        return len(rids)
+
+    async def _wait_idle(self) -> None:
+        while self.live:
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def pause(self, mode: str) -> dict:
+        """Stop admitting requests. ``abort``: running requests end now with reason "abort";
+        ``drain``: returns once they finished; ``keep``: they stay frozen in the engine (KV kept)
+        and continue at :meth:`resume`. Raises APIError 409 during a weight update."""
+        self._refuse_during_update("/pause")
+        self._gate.clear()
+        self.pause_mode = mode
+        aborted = 0
+        if mode == "abort":
+            aborted = await self._abort_live()
+        elif mode == "drain":
+            await self._wait_idle()
+        if mode == "keep":
+            await self.runner.pause()
+        return {"paused": True, "mode": mode, "aborted": aborted, "running": sum(self.live.values())}
+
+    async def resume(self) -> dict:
+        """Admit requests again and let frozen ones continue. Raises APIError 409 during an update."""
+        self._refuse_during_update("/resume")
+        if self.pause_mode == "keep":
+            await self.runner.resume()
+        self.pause_mode = None
+        self._gate.set()
+        return {"paused": False}
+
+    async def abort(self, rid: str | None, abort_all: bool) -> dict:
+        """Abort one request id (every sample of it) or every live request. Unknown ids are not an
+        error (the request may just have finished): ``aborted`` says how many were found."""
+        if abort_all:
+            return {"aborted": await self._abort_live()}
+        if rid is None:
+            raise APIError(400, "rid: give the request id to abort, or abort_all=true", "rid")
+        if rid not in self.live:
+            return {"aborted": 0}
+        if not await self.runner.abort(rid):
+            raise APIError(501, "this backend cannot abort running requests", "rid")
+        return {"aborted": 1}
+
+    async def reset_prefix_cache(self) -> dict:
+        self._refuse_during_update("/reset_prefix_cache")
+        await self.runner.reset_prefix_cache()
+        return {"success": True}
+
+    async def init_weight_sync(self, req: InitWeightSyncRequest) -> dict:
+        """Join the trainer's weight-sync group (see :meth:`EngineRunner.init_weight_sync`).
+        Raises APIError 409 during an update, 400 when the join or handshake fails."""
+        self._refuse_during_update("/init_weight_sync")
+        if req.rank_offset >= req.world_size:
+            raise APIError(
+                400, f"rank_offset={req.rank_offset}: must be below world_size={req.world_size}", "rank_offset"
+            )
+        self.updating = True
+        try:
+            await self.runner.init_weight_sync(
+                req.master_address,
+                req.master_port,
+                req.world_size,
+                req.rank_offset,
+                req.backend,
+                req.timeout_s,
+                req.bucket_size_mb,
+                req.atomic,
+            )
+        except WeightSyncError as exc:
+            raise APIError(400, str(exc), None, code="weight_sync_failed") from exc
+        finally:
+            self.updating = False
+        return {"success": True, "rank": req.rank_offset, "weight_version": self.weight_version}
+
+    async def update_weights(self, req: UpdateWeightsRequest) -> RefitRecord:
+        """Receive one update from the trainer under the ``in_flight`` policy. Raises APIError 409
+        while another update runs, 400 when no group exists or the update was rejected (the
+        weights and version are then unchanged for an atomic update)."""
+        self._refuse_during_update("/update_weights")
+        if not self.runner.weight_sync_ready:
+            raise APIError(400, "no weight-sync group: call /init_weight_sync first", None, code="weight_sync_failed")
+        self.updating = True
+        gate_was_open = self._gate.is_set()
+        try:
+            if req.in_flight == "abort":
+                await self._abort_live()
+            elif req.in_flight == "drain":
+                self._gate.clear()
+                await self._wait_idle()
+            record = await self.runner.update_weights(keep_paused=self.pause_mode == "keep")
+        except WeightSyncError as exc:
+            raise APIError(400, str(exc), None, code="weight_sync_failed") from exc
+        finally:
+            self.updating = False
+            if gate_was_open and self.pause_mode is None:
+                self._gate.set()
+        if not record.ok:
+            raise APIError(
+                400,
+                f"weight update rejected; serving version {record.version}:\n  " + "\n  ".join(record.errors),
+                None,
+                code="weight_update_rejected",
+            )
+        if req.version is not None and record.version != req.version:
+            raise APIError(
+                400,
+                f"version: the trainer sent version {record.version}, the request announced {req.version}",
+                "version",
+            )
+        return record

@@ -1,0 +1,604 @@
+"""The OpenAI-compatible endpoints: chat completions and completions over the engine runner.
+
+Governing idea: the chat layer already owns the format (``m3_rollout.chat``: the template renders
+the prompt, ``StreamingOutputParser`` splits reasoning / content / tool calls chunk by chunk with
+the same result as the whole-text parse), so this module only maps OpenAI fields onto
+``SamplingParams`` and parser output onto OpenAI shapes. A streamed answer is the same parser fed
+the same decoded text piece by piece, so its deltas concatenate to the non-streamed answer of the
+same seed (the keyed sampler draws the same tokens either way).
+
+``tool_choice``: "auto" parses tool calls, "none" returns the raw text as content, "required" and
+a named function force a call by writing its opening (``]<]minimax[>[<tool_call>`` and the
+invoke tag, with the name for a named choice) after the generation prompt; the model continues
+from there (no grammar: the arguments are the model's). In "enabled" thinking mode the forced
+opening first closes the think span, so such a turn has empty reasoning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from m3_rollout.chat.markers import NS, THINK_CLOSE, THINKING_MODES, TOOL_CALL_OPEN
+from m3_rollout.chat.output_parser import OutputDelta, StreamingOutputParser
+from m3_rollout.chat.reasoning_parser import StreamingReasoningParser
+from m3_rollout.chat.template import render
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
+
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from .control import Controller
+
+
+@dataclass
+class ServedModel:
+    """What the HTTP layer knows about the served checkpoint.
+
+    Attributes:
+        name: model id clients send (``/v1/models``).
+        tokenizer: transformers tokenizer whose vocabulary holds M3's markers.
+        chat_template: Jinja source (the tokenizer's by default).
+        stop_token_ids: ids that end every sample (the end-of-message marker).
+        max_model_len: longest context (prompt + generated), tokens.
+        vocab_size: the model's vocabulary size (token ids must be below it).
+    """
+
+    name: str
+    tokenizer: object
+    chat_template: str
+    stop_token_ids: list[int]
+    max_model_len: int
+    vocab_size: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text with every marker kept (the parsers need them)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def check_token_ids(served: ServedModel, ids: list[int], param: str) -> None:
+    """400 naming ``param`` for an empty list or an id outside [0, vocab_size)."""
+    if not ids:
+        raise APIError(400, f"{param}: empty token list", param)
+    bad = next((t for t in ids if not 0 <= t < served.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"{param}: token id {bad} outside the vocabulary [0, {served.vocab_size})", param)
+
+
+def check_prompt_length(served: ServedModel, n: int, param: str) -> None:
+    if n >= served.max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {served.max_model_len} tokens; the prompt has {n} tokens "
+            "and leaves no room to generate. Shorten the prompt.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def thinking_mode_of(kwargs: dict | None) -> str | None:
+    """The thinking mode of ``chat_template_kwargs``: ``thinking_mode`` ("enabled" | "disabled" |
+    "adaptive") or vLLM's boolean ``enable_thinking``; None (the template's adaptive) when absent."""
+    kwargs = kwargs or {}
+    if "thinking_mode" in kwargs:
+        mode = kwargs["thinking_mode"]
+        if mode not in THINKING_MODES:
+            raise APIError(
+                400,
+                f"chat_template_kwargs.thinking_mode={mode!r}: must be one of {list(THINKING_MODES)}",
+                "chat_template_kwargs.thinking_mode",
+            )
+        return mode
+    if "enable_thinking" in kwargs:
+        flag = kwargs["enable_thinking"]
+        if not isinstance(flag, bool):
+            raise APIError(
+                400, f"chat_template_kwargs.enable_thinking={flag!r}: must be a boolean", "chat_template_kwargs"
+            )
+        return "enabled" if flag else "disabled"
+    return None
+
+
+def sampling_params(
+    served: ServedModel, req: SamplingFields, prompt_len: int, max_tokens: int | None
+) -> SamplingParams:
+    """OpenAI sampling fields -> SamplingParams; 400 naming the field for values the engine refuses.
+
+    temperature 0 is greedy (top_k = 1); top_k 0 or -1 is off; the default ``max_tokens`` is what
+    the context leaves, and a larger one is capped there (the sample then ends with "length").
+    """
+    if req.presence_penalty or req.frequency_penalty:
+        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+        raise APIError(400, f"{param}: penalties are not supported by this server; leave it at 0", param)
+    top_k = -1 if req.top_k in (None, 0, -1) else req.top_k
+    if top_k < 1 and top_k != -1:
+        raise APIError(400, f"top_k={req.top_k}: must be -1 or 0 (off) or >= 1", "top_k")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature == 0:
+        temperature, top_k = 1.0, 1
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop: stop strings must be non-empty", "stop")
+    stop_ids = list(req.stop_token_ids or [])
+    if stop_ids:
+        check_token_ids(served, stop_ids, "stop_token_ids")
+    room = served.max_model_len - prompt_len
+    return SamplingParams(
+        n=req.n,
+        temperature=temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        max_new_tokens=min(max_tokens or room, room),
+        stop_token_ids=tuple(stop_ids),
+        seed=secrets.randbits(62) if req.seed is None else req.seed,
+        logprobs_mode=req.logprobs_mode,
+        stop_strings=tuple(stops),
+    )
+
+
+class TextStream:
+    """Decoded text of one sample's generated ids, piece by piece.
+
+    Held back: text that ends in an incomplete UTF-8 character (U+FFFD at the end of the decode),
+    a trailing stop token (not part of the text), and the longest tail that may still begin a
+    stop string; ``finish`` releases the rest, cut before the first stop string (OpenAI drops
+    the stop string from the text).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop_ids: set[int], stop_strings: tuple[str, ...]):
+        self.decode, self.stop_ids, self.stop_strings = decode, stop_ids, stop_strings
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False  # a stop string was found; nothing more is text
+
+    def _text(self, final: bool) -> str:
+        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
+        text = self.decode(ids)
+        if not final and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        return text
+
+    def push(self, ids: list[int]) -> str:
+        """Add generated ids; return the text they settle."""
+        self.ids.extend(ids)
+        return self._emit(self._text(final=False), final=False)
+
+    def finish(self) -> str:
+        return self._emit(self._text(final=True), final=True)
+
+    def _emit(self, text: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        elif not final:
+            hold = max(
+                (n for s in self.stop_strings for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0
+            )
+            text = text[: len(text) - hold]
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent) :], text
+        return new
+
+
+@dataclass
+class ChatPrompt:
+    """A chat request turned into ids: the prompt ids (generation prompt and any forced tool-call
+    opening included), the thinking mode, the forced text the parser sees first, whether tool
+    calls are parsed, and the tools whose schemas type the arguments."""
+
+    ids: list[int]
+    thinking_mode: str | None
+    forced: str
+    parse_tools: bool
+    tools: list[dict] | None
+
+
+def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
+    """Render and tokenize a chat request; 400 naming the field for messages the template refuses,
+    an unknown named tool or a prompt that fills the context."""
+    mode = thinking_mode_of(req.chat_template_kwargs)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise APIError(400, f"tool_choice={_choice_text(choice)} needs `tools`", "tool_choice")
+    forced = ""
+    if choice == "required" or not isinstance(choice, str):
+        forced = (THINK_CLOSE if mode == "enabled" else "") + TOOL_CALL_OPEN + "\n" + NS + '<invoke name="'
+        if not isinstance(choice, str):
+            name = choice.function.name
+            if name not in [t["function"]["name"] for t in tools]:
+                raise APIError(400, f"tool_choice names function {name!r}, which is not in `tools`", "tool_choice")
+            forced += name + '">'
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        text = render(served.chat_template, messages, tools, add_generation_prompt=True, thinking_mode=mode)
+    except ValueError as exc:
+        raise APIError(400, f"messages: {exc}", "messages") from exc
+    except Exception as exc:  # noqa: BLE001 - jinja's raise_exception and template errors
+        raise APIError(400, f"messages: the chat template cannot render them: {exc}", "messages") from exc
+    ids = served.encode(text + forced)
+    check_prompt_length(served, len(ids), "messages")
+    return ChatPrompt(ids, mode, forced, choice != "none", tools)
+
+
+def _choice_text(choice) -> str:
+    return choice if isinstance(choice, str) else json.dumps(choice.model_dump())
+
+
+def _logprob_entry(served: ServedModel, tid: int, lp: float, top: list[tuple[int, float]] | None) -> dict:
+    tok = served.decode([tid])
+    entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    if top is not None:
+        entry["top_logprobs"] = [
+            {"token": (t := served.decode([i])), "logprob": v, "bytes": list(t.encode("utf-8"))} for i, v in top
+        ]
+    return entry
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _delta_dict(d: OutputDelta) -> dict:
+    out: dict = {}
+    if d.reasoning:
+        out["reasoning_content"] = d.reasoning
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+    return out
+
+
+def _merge(a: OutputDelta, b: OutputDelta) -> OutputDelta:
+    return OutputDelta(
+        reasoning=(a.reasoning or "") + (b.reasoning or "") or None,
+        content=(a.content or "") + (b.content or "") or None,
+        tool_calls=a.tool_calls + b.tool_calls,
+    )
+
+
+class _TurnParser:
+    """Parser of one chat sample: reasoning + tool calls, or reasoning only (tool_choice "none")."""
+
+    def __init__(self, prompt: ChatPrompt):
+        self.full = StreamingOutputParser(prompt.thinking_mode, prompt.tools) if prompt.parse_tools else None
+        self.reasoning = None if prompt.parse_tools else StreamingReasoningParser(prompt.thinking_mode)
+        self.first = self.feed(prompt.forced) if prompt.forced else OutputDelta()
+
+    def feed(self, text: str) -> OutputDelta:
+        if self.full is not None:
+            return self.full.feed(text)
+        d = self.reasoning.feed(text)
+        return OutputDelta(reasoning=d.reasoning, content=d.content)
+
+    def finish(self) -> OutputDelta:
+        if self.full is not None:
+            return self.full.finish()
+        d = self.reasoning.finish()
+        return OutputDelta(reasoning=d.reasoning, content=d.content)
+
+    def message(self) -> dict:
+        if self.full is not None:
+            return self.full.result().to_message()
+        reasoning, content = self.reasoning.result()
+        msg: dict = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        return msg
+
+
+def _finish_reason(out: SampleOutput, has_calls: bool) -> str:
+    if out.finish_reason == "stop" and has_calls:
+        return "tool_calls"
+    return out.finish_reason
+
+
+class OpenAIServing:
+    """Chat completions and completions for one served model; ``runner`` is the
+    :class:`Controller` (admission, pause, abort) in front of the engine runner."""
+
+    def __init__(self, served: ServedModel, runner: Controller):
+        self.served, self.runner = served, runner
+
+    def check_model(self, name: str) -> None:
+        if name != self.served.name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.served.name}` (see /v1/models).",
+                "model",
+                code="model_not_found",
+            )
+
+    def _text_stream(self, params: SamplingParams) -> TextStream:
+        return TextStream(
+            self.served.decode, set(self.served.stop_token_ids) | set(params.stop_token_ids), params.stop_strings
+        )
+
+    async def _tops(self, prompt: list[int], out_ids: list[int], start: int, k: int, params: SamplingParams):
+        """Top-k logprobs of generated tokens ``start ..`` of a sample (engine loop forward)."""
+        temp = 1.0 if params.logprobs_mode == "raw" else params.temperature
+        try:
+            return await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, temp)
+        except NotImplementedError as exc:
+            raise APIError(501, str(exc), "top_logprobs") from exc
+
+    # ---- chat ----------------------------------------------------------------------------------
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:
+        """Validate and build the engine request (400 / 404 on bad input)."""
+        self.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        prompt = chat_prompt(self.served, req)
+        params = sampling_params(self.served, req, len(prompt.ids), req.max_completion_tokens or req.max_tokens)
+        return prompt, GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt.ids, params)
+
+    async def chat(self, req: ChatCompletionRequest, prompt: ChatPrompt, greq: GenerationRequest) -> dict:
+        """Non-streamed chat completion (OpenAI ``chat.completion`` object)."""
+        outs: list[SampleOutput] = []
+        async for item in self.runner.stream(greq, stream=False):
+            if isinstance(item, SampleOutput):
+                outs.append(item)
+        outs.sort(key=lambda o: o.sample_index)
+        choices = []
+        for out in outs:
+            if out.finish_reason == "error":
+                raise APIError(400, out.error or "generation failed", None)
+            text = self._text_stream(greq.params)
+            parser = _TurnParser(prompt)
+            parser.feed(text.push(out.output_ids))
+            parser.feed(text.finish())
+            parser.finish()
+            message = parser.message()
+            choice = {
+                "index": out.sample_index,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": _finish_reason(out, bool(message.get("tool_calls"))),
+                "stop_reason": None,
+            }
+            if req.logprobs:
+                k = req.top_logprobs or 0
+                tops = await self._tops(prompt.ids, out.output_ids, 0, k, greq.params) if k else None
+                choice["logprobs"] = {
+                    "content": [
+                        _logprob_entry(self.served, t, lp, tops[i] if tops else None)
+                        for i, (t, lp) in enumerate(zip(out.output_ids, out.logprobs))
+                    ]
+                }
+            if req.return_token_ids:
+                choice["token_ids"] = out.output_ids
+                choice["token_weight_versions"] = out.token_weight_versions
+            choices.append(choice)
+        body = {
+            "id": greq.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.served.name,
+            "choices": choices,
+            "usage": self._usage(len(prompt.ids), outs),
+            "weight_version": max((o.weight_version for o in outs), default=self.runner.weight_version),
+        }
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt.ids
+        return body
+
+    @staticmethod
+    def _usage(prompt_len: int, outs: list[SampleOutput]) -> dict:
+        completion = sum(len(o.output_ids) for o in outs)
+        return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+
+    async def chat_stream(
+        self, req: ChatCompletionRequest, prompt: ChatPrompt, greq: GenerationRequest
+    ) -> AsyncIterator[str]:
+        """SSE chunks of a streamed chat completion (``chat.completion.chunk``), then ``[DONE]``.
+
+        Per choice: a first chunk with the role, deltas carrying ``reasoning_content``, ``content``
+        and ``tool_calls`` (each call's id and name first, its arguments whole when the call
+        closes), a last chunk with ``finish_reason``; with ``stream_options.include_usage`` a
+        final chunk with empty choices and the usage. ``return_token_ids``: each chunk's choice
+        carries the ids it adds (``token_ids``) and their weight versions; the first one the
+        ``prompt_token_ids``.
+        """
+        created = int(time.time())
+        base = {"id": greq.request_id, "object": "chat.completion.chunk", "created": created, "model": self.served.name}
+        n = greq.params.n
+        texts = [self._text_stream(greq.params) for _ in range(n)]
+        parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
+        has_calls = [False] * n
+        counts = [0] * n
+        outs: list[SampleOutput] = []
+        k = req.top_logprobs or 0
+
+        def chunk(i: int, delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, **(extra or {})}
+            return _sse({**base, "choices": [choice]})
+
+        for i in range(n):
+            first = {"role": "assistant", "content": ""}
+            extra = {"prompt_token_ids": prompt.ids} if req.return_token_ids and i == 0 else None
+            yield chunk(i, {**first, **_delta_dict(parsers[i].first)}, extra=extra)
+            has_calls[i] |= bool(parsers[i].first.tool_calls)
+        try:
+            async for item in self.runner.stream(greq, stream=True):
+                if isinstance(item, StreamDelta):
+                    i = item.sample_index
+                    d = parsers[i].feed(texts[i].push(item.token_ids))
+                    has_calls[i] |= bool(d.tool_calls)
+                    extra = {}
+                    if req.logprobs:
+                        ids_so_far = texts[i].ids
+                        tops = await self._tops(prompt.ids, ids_so_far, counts[i], k, greq.params) if k else None
+                        extra["logprobs"] = {
+                            "content": [
+                                _logprob_entry(self.served, t, lp, tops[j] if tops else None)
+                                for j, (t, lp) in enumerate(zip(item.token_ids, item.logprobs))
+                            ]
+                        }
+                    if req.return_token_ids:
+                        extra["token_ids"] = item.token_ids
+                        extra["token_weight_versions"] = item.weight_versions
+                    counts[i] += len(item.token_ids)
+                    delta = _delta_dict(d)
+                    if delta or extra:
+                        yield chunk(i, delta, extra=extra)
+                elif isinstance(item, SampleOutput):
+                    if item.finish_reason == "error":
+                        raise APIError(400, item.error or "generation failed", None)
+                    i = item.sample_index
+                    outs.append(item)
+                    extra = {}
+                    if len(texts[i].ids) < len(item.output_ids):  # non-streaming backend: one delta at the end
+                        new = item.output_ids[len(texts[i].ids) :]
+                        d = parsers[i].feed(texts[i].push(new))
+                        if req.return_token_ids:
+                            extra["token_ids"] = new
+                            extra["token_weight_versions"] = item.token_weight_versions[-len(new) :]
+                    else:
+                        d = OutputDelta()
+                    d = _merge(d, parsers[i].feed(texts[i].finish()))
+                    d = _merge(d, parsers[i].finish())
+                    has_calls[i] |= bool(d.tool_calls)
+                    yield chunk(i, _delta_dict(d), _finish_reason(item, has_calls[i]), extra)
+        except APIError as exc:
+            yield _sse(exc.body())
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield _sse({**base, "choices": [], "usage": self._usage(len(prompt.ids), outs)})
+        yield "data: [DONE]\n\n"
+
+    # ---- completions ---------------------------------------------------------------------------
+    def prepare_completion(self, req: CompletionRequest) -> list[GenerationRequest]:
+        """One engine request per prompt (a string, token ids, or a list of either)."""
+        self.check_model(req.model)
+        p = req.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise APIError(400, "prompt: empty list", "prompt")
+        reqs = []
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        for j, q in enumerate(prompts):
+            ids = self.served.encode(q) if isinstance(q, str) else list(q)
+            check_token_ids(self.served, ids, "prompt")
+            check_prompt_length(self.served, len(ids), "prompt")
+            params = sampling_params(self.served, req, len(ids), req.max_tokens or 16)
+            reqs.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{j}", ids, params))
+        return reqs
+
+    def _completion_logprobs(self, out: SampleOutput, tops, offset: int) -> dict:
+        toks = [self.served.decode([t]) for t in out.output_ids]
+        offsets, pos = [], offset
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": toks,
+            "token_logprobs": out.logprobs,
+            "top_logprobs": [{self.served.decode([i]): v for i, v in row} for row in tops] if tops else None,
+            "text_offset": offsets,
+        }
+
+    async def completion(self, req: CompletionRequest, reqs: list[GenerationRequest]) -> dict:
+        """Non-streamed completion (OpenAI ``text_completion`` object); choice index = prompt
+        index * n + sample index."""
+        choices, all_outs, prompt_tokens = [], [], 0
+
+        async def run(greq: GenerationRequest) -> list[SampleOutput]:
+            return [o async for o in self.runner.stream(greq, stream=False) if isinstance(o, SampleOutput)]
+
+        per_prompt = await asyncio.gather(*(run(g) for g in reqs))
+        for p, (greq, outs) in enumerate(zip(reqs, per_prompt)):
+            prompt_tokens += len(greq.prompt_ids)
+            for out in sorted(outs, key=lambda o: o.sample_index):
+                if out.finish_reason == "error":
+                    raise APIError(400, out.error or "generation failed", "prompt")
+                ts = self._text_stream(greq.params)
+                text = ts.push(out.output_ids) + ts.finish()
+                prefix = self.served.decode(list(greq.prompt_ids)) if req.echo else ""
+                choice = {
+                    "index": p * greq.params.n + out.sample_index,
+                    "text": prefix + text,
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": None,
+                }
+                if req.logprobs is not None:
+                    k = req.logprobs
+                    tops = await self._tops(list(greq.prompt_ids), out.output_ids, 0, k, greq.params) if k else None
+                    choice["logprobs"] = self._completion_logprobs(out, tops, len(prefix))
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = list(greq.prompt_ids)
+                    choice["token_ids"] = out.output_ids
+                    choice["token_weight_versions"] = out.token_weight_versions
+                choices.append(choice)
+                all_outs.append(out)
+        completion = sum(len(o.output_ids) for o in all_outs)
+        return {
+            "id": reqs[0].request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served.name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        }
+
+    async def completion_stream(self, req: CompletionRequest, reqs: list[GenerationRequest]) -> AsyncIterator[str]:
+        """SSE chunks of a streamed completion, prompts one after another, then ``[DONE]``."""
+        created = int(time.time())
+        outs: list[SampleOutput] = []
+        prompt_tokens = 0
+        for p, greq in enumerate(reqs):
+            n = greq.params.n
+            texts = [self._text_stream(greq.params) for _ in range(n)]
+            prompt_tokens += len(greq.prompt_ids)
+
+            def chunk(i: int, text: str, finish: str | None = None, extra: dict | None = None) -> str:
+                c = {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": finish, **(extra or {})}
+                return _sse({"id": reqs[0].request_id, "object": "text_completion", "created": created,
+                             "model": self.served.name, "choices": [c]})  # fmt: skip
+
+            if req.echo:
+                for i in range(n):
+                    yield chunk(i, self.served.decode(list(greq.prompt_ids)))
+            try:
+                async for item in self.runner.stream(greq, stream=True):
+                    if isinstance(item, StreamDelta):
+                        text = texts[item.sample_index].push(item.token_ids)
+                        extra = {"token_ids": item.token_ids} if req.return_token_ids else {}
+                        if text or extra:
+                            yield chunk(item.sample_index, text, extra=extra)
+                    elif isinstance(item, SampleOutput):
+                        if item.finish_reason == "error":
+                            raise APIError(400, item.error or "generation failed", "prompt")
+                        ts = texts[item.sample_index]
+                        text = ts.push(item.output_ids[len(ts.ids) :]) + ts.finish()
+                        outs.append(item)
+                        yield chunk(item.sample_index, text, item.finish_reason)
+            except APIError as exc:
+                yield _sse(exc.body())
+                break
+        if req.stream_options is not None and req.stream_options.include_usage:
+            completion = sum(len(o.output_ids) for o in outs)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                     "total_tokens": prompt_tokens + completion}  # fmt: skip
+            yield _sse({"id": reqs[0].request_id, "object": "text_completion", "created": created,
+                        "model": self.served.name, "choices": [], "usage": usage})  # fmt: skip
+        yield "data: [DONE]\n\n"

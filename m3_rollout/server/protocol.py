@@ -1,0 +1,199 @@
+"""Request bodies of every endpoint (pydantic, strict types) and the OpenAI-shaped error.
+
+Governing idea: a request is validated completely before anything reaches the engine, and every
+rejection names the field (``error.param``) the way the OpenAI API does:
+``{"error": {"message", "type", "param", "code"}}``. Types are strict (``"2"`` is not an integer,
+``true`` is not a number); fields the server does not know are ignored, as vLLM and SGLang do, so
+clients may send vendor extras.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128  # samples per request
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with HTTP ``status``.
+
+    Args:
+        status: HTTP status (400 bad request, 401 auth, 404 unknown model, 409 conflict, 501 unsupported).
+        message: what is wrong and what to do.
+        param: the request field at fault (dotted path), or None.
+        type: OpenAI error type ("invalid_request_error", "authentication_error", ...).
+        code: OpenAI error code ("model_not_found", "invalid_api_key", ...), or None.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# ---- OpenAI chat -------------------------------------------------------------------------------
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (``name``, ``tool_call_id``) pass through to the template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Sampling fields shared by the OpenAI endpoints (OpenAI names; ``top_k`` / ``stop_token_ids``
+    / ``logprobs_mode`` / ``return_token_ids`` as vLLM names its extensions)."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+    return_token_ids: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    parallel_tool_calls: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+
+# ---- RL extensions -----------------------------------------------------------------------------
+class GenerateSamplingParams(_Body):
+    """SGLang's ``sampling_params`` of ``/generate`` (``max_new_tokens``, ``stop``, ...)."""
+
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    max_new_tokens: int = Field(64, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list)
+    seed: int = Field(0, ge=-(2**63), lt=2**63)
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+
+
+class GenerateRequest(_Body):
+    """Token-in/token-out generation: input ids + sampling params -> output ids, per-token
+    logprobs, finish reason, per-token weight versions (and routed experts on request)."""
+
+    input_ids: list[int] = Field(min_length=1)
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    sample_index: int = 0
+    rid: str | None = None
+    stream: bool = False
+    return_routed_experts: bool = False
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- control plane -----------------------------------------------------------------------------
+class InitWeightSyncRequest(_Body):
+    """The trainer's weight-sync group: where rank 0 hosts its TCPStore, how many ranks, this
+    server's rank, the backend ("gloo" on CPU, "nccl" on GPU)."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    rank_offset: int = Field(1, ge=1)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(120.0, gt=0.0)
+    bucket_size_mb: float = Field(512.0, gt=0.0)
+    atomic: bool = True
+
+
+class UpdateWeightsRequest(_Body):
+    """``version``: the version the trainer sends (checked against the update's header);
+    ``in_flight``: what running requests do (continue with later tokens on the new version,
+    drain them first, or abort them)."""
+
+    version: int | None = None
+    in_flight: Literal["continue", "drain", "abort"] = "continue"
+
+
+class PauseRequest(_Body):
+    """``abort``: running requests end now (reason "abort"); ``drain``: they finish first;
+    ``keep``: they stay in the engine, frozen, and continue at /resume. New requests wait."""
+
+    mode: Literal["abort", "drain", "keep"] = "keep"
+
+
+class AbortRequest(_Body):
+    rid: str | None = None
+    abort_all: bool = False

@@ -1,0 +1,176 @@
+"""Shared pieces of the server tests: a tiny tokenizer + M3 checkpoint, a scripted backend, and a
+server on 127.0.0.1 (a free port) in a background thread of the test process."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from m3_rollout.chat.template import load_template, render
+from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
+from m3_rollout.engine.interface import GenerationBackend, SampleOutput, StreamDelta
+from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
+from m3_rollout.server.app import build_app
+from m3_rollout.server.openai_api import ServedModel
+from m3_rollout.server.runner import EngineRunner
+
+MODES = ("enabled", "disabled", "adaptive")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "description": "Book a trip.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "nights": {"type": "integer"},
+                    "guests": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}},
+                    "options": {"type": "object", "properties": {"breakfast": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}}}},
+                },
+            },
+        },
+    },
+]  # fmt: skip
+MESSAGES = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 12 * 34?"}]
+
+
+def tiny_tokenizer():
+    """A byte-level BPE that knows M3's markers, with the short chat template (~1 s to train)."""
+    template = load_template("m3_short")
+    call = {"function": {"name": "calculator", "arguments": {"expression": "12*34"}}}
+    texts = []
+    for i in range(10):
+        convo = MESSAGES + [
+            {"role": "assistant", "content": f"ok {i}", "reasoning_content": "hm", "tool_calls": [call]},
+            {"role": "tool", "content": str(408 * i)},
+            {"role": "assistant", "content": f"It is {408 * i}."},
+        ]
+        texts += [render(template, convo, TOOLS, True, m) for m in MODES]
+    tok = train_tokenizer(texts, vocab_size=600)
+    tok.chat_template = template
+    return tok
+
+
+def tiny_model(vocab_size: int, seed: int = 0, max_len: int = 512) -> M3ForCausalLM:
+    """A random fp32 tiny M3 (page = MSA block = 16 tokens)."""
+    torch.manual_seed(seed)
+    model = M3ForCausalLM(tiny_config(vocab_size=vocab_size, max_position_embeddings=max_len)).float()
+    return model.eval()
+
+
+def save_tiny_checkpoint(path: Path, tok, model: M3ForCausalLM) -> Path:
+    save_checkpoint(model, model.config, path)
+    save_tokenizer(tok, path, tok.chat_template)
+    return path
+
+
+def served_model(tok, vocab_size: int, max_model_len: int, name: str = "tiny-m3") -> ServedModel:
+    return ServedModel(
+        name=name,
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+        stop_token_ids=[tok.convert_tokens_to_ids(tok.eos_token)],
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+    )
+
+
+def native_backend(model, served: ServedModel, **kw) -> NativeBackend:
+    kw.setdefault("max_num_seqs", 64)
+    return NativeBackend(
+        model, served.stop_token_ids, max_model_len=served.max_model_len, detokenize=served.decode, **kw
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """The app on 127.0.0.1:<free port> in a thread; ``stop()`` shuts it (and its runner) down."""
+
+    def __init__(self, served: ServedModel, backend: GenerationBackend, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = build_app(served, EngineRunner(backend), api_key)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start within 60 s")
+            time.sleep(0.02)
+
+    @property
+    def controller(self):
+        return self.app.state.controller
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+class ScriptedBackend(GenerationBackend):
+    """Streams scripted token ids, one token per delta: sample s gets ``scripts[s % len(scripts)]``
+    (cut at max_new_tokens). Logprobs are -0.01 * (i + 1); every token carries version 5.
+    Implements the streaming protocol (``stream`` + ``abort``)."""
+
+    def __init__(self, scripts: list[list[int]], stop_id: int):
+        self.scripts, self.stop_id = scripts, stop_id
+        self.requests = []
+        self.aborted: set[str] = set()
+
+    def _ids(self, req, j: int) -> list[int]:
+        ids = list(self.scripts[(req.sample_index + j) % len(self.scripts)])
+        return ids[: req.params.max_new_tokens]
+
+    def _out(self, req, j: int) -> SampleOutput:
+        ids = self._ids(req, j)
+        finish = "stop" if ids and ids[-1] == self.stop_id else "length"
+        return SampleOutput(
+            req.request_id, req.sample_index + j, list(req.prompt_ids), ids, [-0.01 * (i + 1) for i in range(len(ids))],
+            finish, 5, token_weight_versions=[5] * len(ids),
+        )  # fmt: skip
+
+    def generate(self, requests):
+        self.requests += list(requests)
+        return [self._out(r, j) for r in requests for j in range(r.params.n)]
+
+    async def stream(self, req):
+        self.requests.append(req)
+        for j in range(req.params.n):
+            for i, t in enumerate(self._ids(req, j)):
+                await asyncio.sleep(0)
+                yield StreamDelta(req.request_id, req.sample_index + j, [t], [-0.01 * (i + 1)], [5])
+            yield self._out(req, j)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    @property
+    def weight_version(self) -> int:
+        return 5
+
+    def update_weights(self, version, named_tensors):
+        raise NotImplementedError("scripted backend")
