@@ -28,7 +28,11 @@ TOOLS = [
         "function": {
             "name": "calculator",
             "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
         },
     },
     {
@@ -41,13 +45,25 @@ TOOLS = [
                 "properties": {
                     "city": {"type": "string"},
                     "nights": {"type": "integer"},
-                    "guests": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}},
-                    "options": {"type": "object", "properties": {"breakfast": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}}}},
+                    "guests": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                        },
+                    },
+                    "options": {
+                        "type": "object",
+                        "properties": {
+                            "breakfast": {"type": "boolean"},
+                            "tags": {"type": "array", "items": {"type": "string"}},
+                        },
+                    },
                 },
             },
         },
     },
-]  # fmt: skip
+]
 MESSAGES = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 12 * 34?"}]
 
 
@@ -149,9 +165,15 @@ class ScriptedBackend(GenerationBackend):
         ids = self._ids(req, j)
         finish = "stop" if ids and ids[-1] == self.stop_id else "length"
         return SampleOutput(
-            req.request_id, req.sample_index + j, list(req.prompt_ids), ids, [-0.01 * (i + 1) for i in range(len(ids))],
-            finish, 5, token_weight_versions=[5] * len(ids),
-        )  # fmt: skip
+            req.request_id,
+            req.sample_index + j,
+            list(req.prompt_ids),
+            ids,
+            [-0.01 * (i + 1) for i in range(len(ids))],
+            finish,
+            5,
+            token_weight_versions=[5] * len(ids),
+        )
 
     def generate(self, requests):
         self.requests += list(requests)

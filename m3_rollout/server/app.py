@@ -156,24 +156,31 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
     # ---- OpenAI --------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
-        card = {"id": served.name, "object": "model", "created": served.created, "owned_by": "m3-rollout",
-                "max_model_len": served.max_model_len}  # fmt: skip
+        card = {
+            "id": served.name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "m3-rollout",
+            "max_model_len": served.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         prompt, greq = oai.prepare_chat(body)
         if body.stream:
-            return StreamingResponse(oai.chat_stream(body, prompt, greq), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)  # fmt: skip
+            return StreamingResponse(
+                oai.chat_stream(body, prompt, greq), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         return await _until_disconnect(request, oai.chat(body, prompt, greq))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         reqs = oai.prepare_completion(body)
         if body.stream:
-            return StreamingResponse(oai.completion_stream(body, reqs), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)  # fmt: skip
+            return StreamingResponse(
+                oai.completion_stream(body, reqs), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         return await _until_disconnect(request, oai.completion(body, reqs))
 
     # ---- RL extensions -------------------------------------------------------------------------
@@ -182,15 +189,17 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
         check_prompt_length(served, len(body.input_ids), "input_ids")
         sp = body.sampling_params
         if sp.top_k not in (-1, 0) and sp.top_k < 1:
-            raise APIError(400, f"sampling_params.top_k={sp.top_k}: must be -1 or 0 (off) or >= 1",
-                           "sampling_params.top_k")  # fmt: skip
+            raise APIError(
+                400, f"sampling_params.top_k={sp.top_k}: must be -1 or 0 (off) or >= 1", "sampling_params.top_k"
+            )
         if sp.stop_token_ids:
             check_token_ids(served, sp.stop_token_ids, "sampling_params.stop_token_ids")
         if any(not s for s in sp.stop):
             raise APIError(400, "sampling_params.stop: stop strings must be non-empty", "sampling_params.stop")
         if body.return_routed_experts and not runner.records_routing:
-            raise APIError(400, "return_routed_experts: start the server with --record-routing",
-                           "return_routed_experts")  # fmt: skip
+            raise APIError(
+                400, "return_routed_experts: start the server with --record-routing", "return_routed_experts"
+            )
         top_k, temperature = (-1 if sp.top_k == 0 else sp.top_k), sp.temperature
         if temperature == 0:
             temperature, top_k = 1.0, 1
@@ -217,8 +226,13 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                 try:
                     async for item in ctl.stream(greq, stream=True):
                         if isinstance(item, StreamDelta):
-                            d = {"rid": greq.request_id, "sample_index": item.sample_index, "token_ids": item.token_ids,
-                                 "logprobs": item.logprobs, "weight_versions": item.weight_versions}  # fmt: skip
+                            d = {
+                                "rid": greq.request_id,
+                                "sample_index": item.sample_index,
+                                "token_ids": item.token_ids,
+                                "logprobs": item.logprobs,
+                                "weight_versions": item.weight_versions,
+                            }
                         else:
                             d = {"rid": greq.request_id, **_sample_dict(item, routed)}
                         yield f"data: {json.dumps(d)}\n\n"
@@ -279,8 +293,12 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsRequest):
         rec = await ctl.update_weights(body)
-        return {"success": True, "weight_version": rec.version, "seconds": rec.seconds,
-                "paused_seconds": rec.paused_seconds}  # fmt: skip
+        return {
+            "success": True,
+            "weight_version": rec.version,
+            "seconds": rec.seconds,
+            "paused_seconds": rec.paused_seconds,
+        }
 
     @app.post("/pause")
     async def pause(body: PauseRequest | None = None):
@@ -304,8 +322,13 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "weight_version": runner.weight_version, "paused": ctl.pause_mode,
-                "updating": ctl.updating, "running": sum(ctl.live.values())}  # fmt: skip
+        return {
+            "status": "ok",
+            "weight_version": runner.weight_version,
+            "paused": ctl.pause_mode,
+            "updating": ctl.updating,
+            "running": sum(ctl.live.values()),
+        }
 
     @app.get("/metrics")
     async def metrics():

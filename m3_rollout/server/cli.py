@@ -75,9 +75,12 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
 
         cfg = MasterConfig()
         gen = dataclasses.replace(
-            cfg.policy.generation, dtype=dtype, expert_parallel_size=args.expert_parallel_size,
-            max_num_seqs=args.max_num_seqs, **engine,
-        )  # fmt: skip
+            cfg.policy.generation,
+            dtype=dtype,
+            expert_parallel_size=args.expert_parallel_size,
+            max_num_seqs=args.max_num_seqs,
+            **engine,
+        )
         cfg.policy = dataclasses.replace(cfg.policy, generation=gen, routing_replay=args.record_routing)
         cfg.cluster = dataclasses.replace(cfg.cluster, gpus_per_node=int(device == "cuda"), launcher="mp")
         return build_rollout_service(cfg, model_dir, stop_ids, max_len)
@@ -86,9 +89,14 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
 
     model = load_checkpoint(model_dir, dtype=torch.float32, device=device).cast_for_inference(getattr(torch, dtype))
     return NativeBackend(
-        model, stop_ids, max_model_len=max_len, max_num_seqs=args.max_num_seqs, detokenize=detokenize,
-        record_routing=args.record_routing, **engine,
-    )  # fmt: skip
+        model,
+        stop_ids,
+        max_model_len=max_len,
+        max_num_seqs=args.max_num_seqs,
+        detokenize=detokenize,
+        record_routing=args.record_routing,
+        **engine,
+    )
 
 
 def build_served(model_dir: Path, name: str, max_model_len: int | None) -> ServedModel:

@@ -186,9 +186,16 @@ class RolloutServerClient:
         """The server joins the group as rank ``rank_offset`` and runs the handshake; blocks until
         the trainer (rank 0) did its part (``WeightSender.handshake``): call it with
         :meth:`start_init_weight_sync` or from another thread."""
-        body = dict(master_address=master_address, master_port=master_port, world_size=world_size,
-                    rank_offset=rank_offset, backend=backend, timeout_s=timeout_s,
-                    bucket_size_mb=bucket_size_mb, atomic=atomic)  # fmt: skip
+        body = dict(
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            rank_offset=rank_offset,
+            backend=backend,
+            timeout_s=timeout_s,
+            bucket_size_mb=bucket_size_mb,
+            atomic=atomic,
+        )
         return self._post("/init_weight_sync", body)
 
     def update_weights(self, version: int | None = None, in_flight: str = "continue") -> dict:

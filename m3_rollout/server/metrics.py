@@ -20,8 +20,12 @@ def render_metrics(ctl: Controller, model_name: str) -> str:
     running = m.get("num_running", sum(ctl.live.values()))
     rows = [
         ("num_requests_running", "gauge", "Samples running in the engine.", running),
-        ("num_requests_waiting", "gauge", "Samples waiting for the engine or the admission gate.",
-         m.get("num_waiting", 0) + ctl.waiting),
+        (
+            "num_requests_waiting",
+            "gauge",
+            "Samples waiting for the engine or the admission gate.",
+            m.get("num_waiting", 0) + ctl.waiting,
+        ),
         ("kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use (0..1).", m.get("kv_usage", 0.0)),
         ("kv_cache_pages_used", "gauge", "KV-cache pages in use.", m.get("kv_pages_in_use", 0)),
         ("kv_cache_pages_total", "gauge", "KV-cache pages in the pool.", m.get("kv_pages_total", 0)),
@@ -29,22 +33,32 @@ def render_metrics(ctl: Controller, model_name: str) -> str:
         ("num_preemptions_total", "counter", "Preemptions by recompute.", m.get("num_preemptions", 0)),
         ("generation_tokens_total", "counter", "Tokens generated through this server.", r.generated_tokens),
         ("prompt_tokens_total", "counter", "Prompt tokens submitted (times samples).", r.prompt_tokens),
-        ("generation_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
-         r.tokens_per_second()),
+        (
+            "generation_tokens_per_second",
+            "gauge",
+            "Generated tokens per second over the last 10 s.",
+            r.tokens_per_second(),
+        ),
         ("weight_version", "gauge", "Version of the weights served.", r.weight_version),
         ("weight_update_in_progress", "gauge", "1 while a weight update runs.", int(ctl.updating)),
         ("paused", "gauge", "1 while the server is paused.", int(ctl.pause_mode is not None)),
-        ("refit_seconds_last", "gauge", "Seconds of the last weight update (receive + commit).",
-         r.last_refit.seconds if r.last_refit else 0.0),
+        (
+            "refit_seconds_last",
+            "gauge",
+            "Seconds of the last weight update (receive + commit).",
+            r.last_refit.seconds if r.last_refit else 0.0,
+        ),
         ("refit_seconds_total", "counter", "Seconds spent in weight updates.", r.refit_seconds_total),
         ("refits_total", "counter", "Weight updates received.", r.refits),
-    ]  # fmt: skip
+    ]
     label = f'model_name="{_escape(model_name)}"'
     lines = []
     for name, kind, doc, value in rows:
         lines += [f"# HELP m3:{name} {doc}", f"# TYPE m3:{name} {kind}", f"m3:{name}{{{label}}} {float(value)}"]
-    lines += ["# HELP m3:request_finished_total Finished samples by finish reason.",
-              "# TYPE m3:request_finished_total counter"]  # fmt: skip
+    lines += [
+        "# HELP m3:request_finished_total Finished samples by finish reason.",
+        "# TYPE m3:request_finished_total counter",
+    ]
     for reason in ("stop", "length", "abort", "error"):
         lines.append(
             f'm3:request_finished_total{{{label},finished_reason="{reason}"}} {float(r.requests_finished[reason])}'

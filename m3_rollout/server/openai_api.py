@@ -30,8 +30,8 @@ from m3_rollout.chat.reasoning_parser import StreamingReasoningParser
 from m3_rollout.chat.template import render
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from .control import Controller
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 @dataclass
@@ -572,8 +572,15 @@ class OpenAIServing:
 
             def chunk(i: int, text: str, finish: str | None = None, extra: dict | None = None) -> str:
                 c = {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": finish, **(extra or {})}
-                return _sse({"id": reqs[0].request_id, "object": "text_completion", "created": created,
-                             "model": self.served.name, "choices": [c]})  # fmt: skip
+                return _sse(
+                    {
+                        "id": reqs[0].request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.served.name,
+                        "choices": [c],
+                    }
+                )
 
             if req.echo:
                 for i in range(n):
@@ -597,8 +604,19 @@ class OpenAIServing:
                 break
         if req.stream_options is not None and req.stream_options.include_usage:
             completion = sum(len(o.output_ids) for o in outs)
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                     "total_tokens": prompt_tokens + completion}  # fmt: skip
-            yield _sse({"id": reqs[0].request_id, "object": "text_completion", "created": created,
-                        "model": self.served.name, "choices": [], "usage": usage})  # fmt: skip
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            }
+            yield _sse(
+                {
+                    "id": reqs[0].request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.served.name,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
         yield "data: [DONE]\n\n"

@@ -1,0 +1,284 @@
+"""The server's OpenAI-compatible API through the real ``openai`` client: chat with tools (single,
+parallel, nested arguments; tool_choice), reasoning in the three thinking modes, streaming deltas
+that concatenate to the non-streamed answer, logprobs, completions. Tool-call output is scripted
+(a random tiny model does not emit calls); everything else runs on the real engine."""
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+from server_util import (  # tests/ is on sys.path under pytest
+    MESSAGES,
+    MODES,
+    TOOLS,
+    LiveServer,
+    ScriptedBackend,
+    native_backend,
+    served_model,
+    tiny_model,
+    tiny_tokenizer,
+)
+
+from m3_rollout.chat.markers import NS
+from m3_rollout.chat.template import ChatFormat
+from m3_trainers.policy import token_logprobs
+
+MAX_LEN = 320
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(len(tok), seed=0, max_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def engine_server(tok, model):
+    served = served_model(tok, len(tok), MAX_LEN)
+    srv = LiveServer(served, native_backend(model, served))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def scripted(tok):
+    served = served_model(tok, len(tok), MAX_LEN)
+    backend = ScriptedBackend([[1]], served.stop_token_ids[0])
+    srv = LiveServer(served, backend)
+    yield srv, backend
+    srv.stop()
+
+
+def _client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _collect(stream):
+    """Concatenate a chat stream: per choice reasoning, content, tool calls (by index), finish
+    reason, token ids; and the usage chunk."""
+    out, usage = {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            d = out.setdefault(c.index, {"reasoning": "", "content": "", "calls": {}, "finish": None, "ids": []})
+            delta = c.delta
+            d["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            d["content"] += delta.content or ""
+            for tc in delta.tool_calls or []:
+                call = d["calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                if tc.function is not None:
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
+            d["ids"] += (c.model_extra or {}).get("token_ids") or []
+            d["finish"] = c.finish_reason or d["finish"]
+    return out, usage
+
+
+def _message_view(msg):
+    calls = [
+        {"id": c.id, "name": c.function.name, "arguments": json.loads(c.function.arguments)}
+        for c in msg.tool_calls or []
+    ]
+    return (msg.model_extra or {}).get("reasoning_content") or "", msg.content or "", calls
+
+
+def _stream_view(d):
+    calls = [{**c, "arguments": json.loads(c["arguments"])} for _, c in sorted(d["calls"].items())]
+    return d["reasoning"], d["content"], calls
+
+
+# ---- real engine -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_stream_concatenates_to_the_non_streamed_answer(engine_server, tok, mode):
+    c = _client(engine_server)
+    kw = dict(
+        model="tiny-m3",
+        messages=MESSAGES,
+        max_tokens=24,
+        seed=11,
+        n=2,
+        temperature=1.0,
+        extra_body={"chat_template_kwargs": {"thinking_mode": mode}, "return_token_ids": True},
+    )
+    full = c.chat.completions.create(**kw)
+    streamed, usage = _collect(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert sorted(streamed) == [0, 1]
+    prompt_ids = full.model_extra["prompt_token_ids"]
+    assert tok.decode(prompt_ids).endswith(
+        {"enabled": "]~b]ai\n<mm:think>", "disabled": "]~b]ai\n</mm:think>", "adaptive": "]~b]ai\n"}[mode]
+    )
+    for choice in full.choices:
+        s = streamed[choice.index]
+        assert s["ids"] == choice.model_extra["token_ids"]
+        assert s["finish"] == choice.finish_reason
+        reasoning, content, calls = _message_view(choice.message)
+        assert (s["reasoning"], s["content"]) == (reasoning, content)
+        assert calls == []
+        if mode == "enabled":  # the prompt opened the think span: the text is reasoning until a closer
+            assert reasoning
+    assert full.choices[0].model_extra["token_ids"] != full.choices[1].model_extra["token_ids"]
+    total = sum(len(ch.model_extra["token_ids"]) for ch in full.choices)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(prompt_ids), total)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), total)
+
+
+def test_logprobs_and_top_logprobs_match_the_model(engine_server, model):
+    c = _client(engine_server)
+    r = c.chat.completions.create(
+        model="tiny-m3",
+        messages=MESSAGES,
+        max_tokens=8,
+        seed=3,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
+    ids = r.model_extra["prompt_token_ids"] + r.choices[0].model_extra["token_ids"]
+    with torch.no_grad():
+        ref = token_logprobs(model, torch.tensor([ids]))[0, len(r.model_extra["prompt_token_ids"]) :]
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == len(ref) == 8
+    for e, want in zip(entries, ref.tolist()):
+        assert e.logprob == pytest.approx(want, abs=1e-4)
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] >= e.logprob - 1e-5
+
+
+def test_greedy_and_stop_strings(engine_server):
+    c = _client(engine_server)
+    a = c.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, seed=1)
+    b = c.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, seed=2)
+    assert a.choices[0].message.content == b.choices[0].message.content  # greedy ignores the seed
+    text = a.choices[0].message.content
+    stop = text[4:6]
+    cut = c.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    streamed, _ = _collect(
+        c.chat.completions.create(
+            model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop], stream=True
+        )
+    )
+    assert streamed[0]["content"] == text[: text.find(stop)]
+
+
+def test_completions_with_text_and_token_ids(engine_server, tok):
+    c = _client(engine_server)
+    ids = tok.encode("What is 12", add_special_tokens=False)
+    by_text = c.completions.create(model="tiny-m3", prompt="What is 12", max_tokens=6, seed=5, logprobs=2)
+    by_ids = c.completions.create(model="tiny-m3", prompt=ids, max_tokens=6, seed=5)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert len(by_text.choices[0].logprobs.token_logprobs) == 6
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(model="tiny-m3", prompt=ids, max_tokens=6, seed=5, stream=True)
+    )
+    assert streamed == by_ids.choices[0].text
+    both = c.completions.create(model="tiny-m3", prompt=[ids, ids[:3]], max_tokens=4, seed=5, n=2)
+    assert [ch.index for ch in both.choices] == [0, 1, 2, 3]
+
+
+def test_tokenize_detokenize_and_models(engine_server, tok):
+    base = engine_server.url
+    r = httpx.post(
+        base + "/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"thinking_mode": "disabled"}}
+    )
+    ids = r.json()["tokens"]
+    assert ids == ChatFormat(tok, "disabled").prompt_ids(MESSAGES)
+    assert httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"] == tok.decode(ids)
+    assert [m.id for m in _client(engine_server).models.list().data] == ["tiny-m3"]
+
+
+# ---- scripted output: the parser path -----------------------------------------------------------
+def _turn(tok, mode, content="", calls=None, reasoning=None):
+    return ChatFormat(tok, mode).assistant_ids(content, calls, reasoning)
+
+
+CALC = {"name": "calculator", "arguments": {"expression": "12*34"}}
+BOOK = {
+    "name": "book",
+    "arguments": {
+        "city": "Paris",
+        "nights": 3,
+        "guests": [{"name": "Ann", "age": 31}, {"name": "Bo", "age": 7}],
+        "options": {"breakfast": True, "tags": ["quiet", "view"]},
+    },
+}
+
+
+@pytest.mark.parametrize("calls", [[CALC], [CALC, BOOK], [BOOK]], ids=["single", "parallel", "nested-object-and-array"])
+@pytest.mark.parametrize("mode", MODES)
+def test_tool_calls_streamed_and_not(scripted, tok, mode, calls):
+    srv, backend = scripted
+    reasoning = None if mode == "disabled" else "I need the tool."
+    backend.scripts = [_turn(tok, mode, "Let me check.", [{"function": c} for c in calls], reasoning)]
+    kw = dict(
+        model="tiny-m3",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=400,
+        extra_body={"chat_template_kwargs": {"thinking_mode": mode}},
+    )
+    full = _client(srv).chat.completions.create(**kw)
+    msg = full.choices[0].message
+    reasoning_got, content, got = _message_view(msg)
+    assert full.choices[0].finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in got] == [(c["name"], c["arguments"]) for c in calls]
+    assert [c["id"] for c in got] == [f"call_{i}" for i in range(len(calls))]
+    assert content == "Let me check."
+    assert reasoning_got == (reasoning or "")
+    streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
+    assert _stream_view(streamed[0]) == (reasoning_got, content, got)
+    assert streamed[0]["finish"] == "tool_calls"
+
+
+def test_tool_choice_none_required_and_named(scripted, tok):
+    srv, backend = scripted
+    c = _client(srv)
+    extra = {"chat_template_kwargs": {"thinking_mode": "disabled"}, "return_token_ids": True}
+    base = dict(model="tiny-m3", messages=MESSAGES, tools=TOOLS, max_tokens=200, extra_body=extra)
+    backend.scripts = [_turn(tok, "disabled", "", [{"function": CALC}])]
+    none = c.chat.completions.create(**base, tool_choice="none")
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "stop"
+    assert NS + "<invoke" in none.choices[0].message.content  # not parsed: the raw text is the answer
+    # Forced call: the opening up to the name is in the prompt; the model writes the rest.
+    rest = f'{NS}<expression>1+1{NS}</expression>{NS}</invoke>\n{NS}</tool_call>'
+    backend.scripts = [tok.encode(rest, add_special_tokens=False) + [srv.app.state.served.stop_token_ids[0]]]
+    named = c.chat.completions.create(**base, tool_choice={"type": "function", "function": {"name": "calculator"}})
+    assert tok.decode(named.model_extra["prompt_token_ids"]).endswith(
+        f'{NS}<tool_call>\n{NS}<invoke name="calculator">'
+    )
+    (call,) = named.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "1+1"})
+    backend.scripts = [tok.encode('calculator">' + rest, add_special_tokens=False) + [backend.stop_id]]
+    required = c.chat.completions.create(**base, tool_choice="required")
+    (call,) = required.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "1+1"})
+    streamed, _ = _collect(c.chat.completions.create(**base, tool_choice="required", stream=True))
+    assert _stream_view(streamed[0])[2] == [{"id": "call_0", "name": "calculator", "arguments": {"expression": "1+1"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**base, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reasoning_split_in_each_thinking_mode(scripted, tok, mode):
+    srv, backend = scripted
+    reasoning = None if mode == "disabled" else "Twelve times thirty-four."
+    backend.scripts = [_turn(tok, mode, "It is 408.", None, reasoning)]
+    kw = dict(
+        model="tiny-m3", messages=MESSAGES, max_tokens=200, extra_body={"chat_template_kwargs": {"thinking_mode": mode}}
+    )
+    msg = _client(srv).chat.completions.create(**kw).choices[0].message
+    assert msg.content == "It is 408."
+    assert (msg.model_extra or {}).get("reasoning_content") == reasoning
+    streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
+    assert (streamed[0]["reasoning"], streamed[0]["content"]) == (reasoning or "", "It is 408.")
