@@ -1,0 +1,134 @@
+"""Bad input gets an OpenAI-shaped 400 (404 unknown model, 401 API key) naming the field, and the
+server goes on serving."""
+
+import httpx
+import openai
+import pytest
+from server_util import (
+    MESSAGES,
+    LiveServer,
+    native_backend,
+    served_model,
+    tiny_model,
+    tiny_tokenizer,
+)  # tests/ on sys.path
+
+MAX_LEN = 128
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = tiny_tokenizer()
+    served = served_model(tok, len(tok), MAX_LEN)
+    model = tiny_model(len(tok), max_len=MAX_LEN)
+    open_srv = LiveServer(served, native_backend(model, served))
+    keyed = LiveServer(served, native_backend(model, served), api_key=KEY)
+    yield open_srv, keyed, len(tok)
+    open_srv.stop()
+    keyed.stop()
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def _chat(**kw) -> dict:
+    return {"model": "tiny-m3", "messages": MESSAGES, "max_tokens": 4, **kw}
+
+
+CASES = [
+    ("/v1/chat/completions", _chat(n=0), "n"),
+    ("/v1/chat/completions", _chat(n="2"), "n"),
+    ("/v1/chat/completions", _chat(max_tokens=-1), "max_tokens"),
+    ("/v1/chat/completions", _chat(temperature="hot"), "temperature"),
+    ("/v1/chat/completions", _chat(top_p=0), "top_p"),
+    ("/v1/chat/completions", _chat(top_k=-5), "top_k"),
+    ("/v1/chat/completions", _chat(stream="yes"), "stream"),
+    ("/v1/chat/completions", _chat(messages=5), "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "robot", "content": "hi"}]), "messages.0.role"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "x " * 400}]), "messages"),
+    ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),
+    ("/v1/chat/completions", _chat(top_logprobs=3), "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        _chat(chat_template_kwargs={"thinking_mode": "sometimes"}),
+        "chat_template_kwargs.thinking_mode",
+    ),
+    ("/v1/chat/completions", _chat(stop=[""]), "stop"),
+    ("/v1/chat/completions", _chat(presence_penalty=0.5), "presence_penalty"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": list(range(4, 4 + MAX_LEN))}, "prompt"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 99999]}, "prompt"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [5, -1]}, "prompt"),
+    ("/generate", {"input_ids": [5, 99999]}, "input_ids"),
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [5], "return_routed_experts": True}, "return_routed_experts"),
+    ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ("/pause", {"mode": "sideways"}, "mode"),
+    ("/abort", {}, "rid"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", CASES, ids=[f"{c[0]}:{c[2]}" for c in CASES])
+def test_bad_field_gets_400_naming_it(setup, path, body, param):
+    srv, _, _ = setup
+    err = _error(httpx.post(srv.url + path, json=body, timeout=60), 400)
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    assert param.split(".")[-1] in err["message"] or param == "messages"
+
+
+def test_malformed_json_unknown_model_and_the_server_goes_on(setup):
+    srv, _, _ = setup
+    err = _error(
+        httpx.post(
+            srv.url + "/v1/chat/completions",
+            content=b'{"model": ',
+            timeout=30,
+            headers={"Content-Type": "application/json"},
+        ),
+        400,
+    )
+    assert "JSON" in err["message"]
+    err = _error(
+        httpx.post(
+            srv.url + "/v1/chat/completions",
+            content=b"[1, 2]",
+            timeout=30,
+            headers={"Content-Type": "application/json"},
+        ),
+        400,
+    )
+    assert "JSON object" in err["message"]
+    err = _error(httpx.post(srv.url + "/v1/chat/completions", json=_chat(model="gpt-4"), timeout=30), 404)
+    assert (err["param"], err["code"]) == ("model", "model_not_found")
+    _error(httpx.post(srv.url + "/no/such/route", json={}, timeout=30), 404)
+    ok = httpx.post(srv.url + "/v1/chat/completions", json=_chat(seed=1), timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+
+
+def test_api_key_guards_every_endpoint(setup):
+    _, keyed, _ = setup
+    for method, path in [
+        ("get", "/v1/models"),
+        ("get", "/health"),
+        ("get", "/metrics"),
+        ("post", "/generate"),
+        ("post", "/pause"),
+        ("post", "/update_weights"),
+    ]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            resp = getattr(httpx, method)(keyed.url + path, headers=headers, timeout=30)
+            assert _error(resp, 401)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0)
+    assert good.models.list().data[0].id == "tiny-m3"
+    r = good.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=3, seed=1)
+    assert r.usage.completion_tokens >= 1

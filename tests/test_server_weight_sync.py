@@ -1,0 +1,246 @@
+"""The server as its own process (``python -m m3_rollout.serve``), driven by a trainer in this process:
+weight sync over gloo through /init_weight_sync + /update_weights (the server's logprobs then equal
+the trainer's), 409 for control calls during an update, 64 concurrent streams across an update, and
+a disconnecting client whose request is aborted and whose KV pages are freed (seen on /metrics)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from server_util import free_port, save_tiny_checkpoint, tiny_model, tiny_tokenizer  # tests/ on sys.path
+
+from m3_rollout.model import load_checkpoint
+from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.server.client import RolloutServerClient, ServerError
+from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
+from m3_trainers.policy import token_logprobs
+
+MAX_LEN = 256
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tok = tiny_tokenizer()
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), tok, tiny_model(len(tok), max_len=MAX_LEN))
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "m3_rollout.serve",
+        "--model",
+        str(path),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny-m3",
+        "--max-num-seqs",
+        "64",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    client = RolloutServerClient(url, timeout_s=120)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            client.health()
+            break
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"server did not start:\n{proc.stdout.read()}") from None
+            time.sleep(0.2)
+    yield url, client, path, tok
+    client.close()
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def trainer(server):
+    """The trainer's model (the checkpoint after a fake training step) and its weight sender, joined
+    to the server's group (rank 0 here, the server rank 1)."""
+    _, client, path, _ = server
+    torch.manual_seed(123)
+    model = load_checkpoint(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    port = free_port()
+    joined = client.start_init_weight_sync("127.0.0.1", port, 2, 1, "gloo", 60.0, bucket_size_mb=0.25)
+    group = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", 60.0)
+    sender = WeightSender(lambda: iter_released_tensors(model), BroadcastChannel(group), bucket_size_mb=0.25)
+    sender.handshake()
+    assert joined.result(timeout=120)["rank"] == 1
+    yield model, sender
+    group.close()
+
+
+def _update(client, sender, version: int, first: bool = False) -> dict:
+    fut = client.start_update_weights(version)
+    sender.update(version, include_frozen=first)
+    return fut.result(timeout=120)
+
+
+def _generate(client, url, prompt, seed, n=2):
+    body = {"input_ids": prompt, "sampling_params": {"n": n, "max_new_tokens": 12, "seed": seed}}
+    return httpx.post(url + "/generate", json=body, timeout=120).json()
+
+
+def _max_diff(model, prompt, outs) -> float:
+    worst = 0.0
+    for o in outs:
+        ids = torch.tensor([prompt + o["output_ids"]])
+        with torch.no_grad():
+            ref = token_logprobs(model, ids)[0, len(prompt) :]
+        worst = max(worst, float((ref - torch.tensor(o["logprobs"])).abs().max()))
+    return worst
+
+
+def test_trainer_updates_the_servers_weights(server, trainer):
+    url, client, _, _ = server
+    model, sender = trainer
+    prompt = list(range(10, 30))
+    before = _generate(client, url, prompt, seed=4)
+    assert before["weight_version"] == 0
+    assert _max_diff(model, prompt, before["outputs"]) > 1e-2  # the trainer's weights differ
+    reply = _update(client, sender, 1, first=True)
+    assert reply["weight_version"] == 1 and client.weight_version() == 1
+    after = _generate(client, url, prompt, seed=4)
+    assert all(o["token_weight_versions"] == [1] * len(o["output_ids"]) for o in after["outputs"])
+    assert _max_diff(model, prompt, after["outputs"]) < 1e-4  # the server's logits are the trainer's
+    # Top logprobs (five logits per position) agree too.
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "tiny-m3",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 6,
+            "seed": 2,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "return_token_ids": True,
+        },
+    ).json()
+    ids = r["prompt_token_ids"] + r["choices"][0]["token_ids"]
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([ids[:-1]]))[0].float(), -1)[len(r["prompt_token_ids"]) - 1 :]
+    tok = server[3]
+    for pos, entry in enumerate(r["choices"][0]["logprobs"]["content"]):
+        for top in entry["top_logprobs"]:
+            tid = tok.encode(top["token"], add_special_tokens=False)
+            if len(tid) == 1:
+                assert top["logprob"] == pytest.approx(float(full[pos, tid[0]]), abs=1e-4)
+    assert "m3:refit_seconds_last" in httpx.get(url + "/metrics").text
+
+
+def test_control_calls_while_an_update_runs_get_409(server, trainer):
+    url, client, _, _ = server
+    _, sender = trainer
+    fut = client.start_update_weights(2)  # the server now waits for the trainer's broadcast
+    deadline = time.monotonic() + 60
+    while not client.health()["updating"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for path, body in [
+        ("/pause", {"mode": "keep"}),
+        ("/resume", {}),
+        ("/update_weights", {}),
+        ("/reset_prefix_cache", {}),
+        ("/init_weight_sync", {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}),
+    ]:
+        resp = httpx.post(url + path, json=body, timeout=30)
+        assert resp.status_code == 409, (path, resp.text)
+        assert resp.json()["error"]["code"] == "update_in_progress"
+    assert client.health()["status"] == "ok"  # serving goes on
+    sender.update(2)
+    assert fut.result(timeout=120)["weight_version"] == 2
+    assert client.pause("keep")["paused"] and not client.resume()["paused"]
+
+
+async def _stream(http, url, prompt, seed, record):
+    body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 40, "seed": seed}}
+    async with http.stream("POST", url + "/generate", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            item = json.loads(line[6:])
+            if "finish_reason" in item:
+                record["final"] = item
+            else:
+                record["ids"] += item["token_ids"]
+                record["versions"] += item["weight_versions"]
+
+
+def test_64_concurrent_streams_across_a_weight_update(server, trainer):
+    url, client, _, _ = server
+    _, sender = trainer
+    v0 = client.weight_version()
+    records = [{"ids": [], "versions": [], "final": None} for _ in range(64)]
+
+    async def main():
+        limits = httpx.Limits(max_connections=80)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            prompts = [[5 + (7 * i + j) % 400 for j in range(8 + i % 5)] for i in range(64)]
+            tasks = [
+                asyncio.ensure_future(_stream(http, url, p, i, r)) for i, (p, r) in enumerate(zip(prompts, records))
+            ]
+            while sum(len(r["ids"]) for r in records) < 64 * 5:
+                await asyncio.sleep(0.01)
+            reply = await asyncio.to_thread(_update, client, sender, v0 + 1)
+            await asyncio.gather(*tasks)
+            return reply
+
+    reply = asyncio.run(asyncio.wait_for(main(), 600))
+    assert reply["weight_version"] == v0 + 1
+    both = 0
+    for r in records:
+        final = r["final"]
+        assert final is not None and final["finish_reason"] in ("stop", "length")  # none lost
+        assert r["ids"] == final["output_ids"] and r["versions"] == final["token_weight_versions"]
+        assert set(r["versions"]) <= {v0, v0 + 1} and r["versions"] == sorted(r["versions"])
+        both += len(set(r["versions"])) == 2
+    assert both > 0  # the update landed while requests were running; they continued on the new version
+
+
+def test_a_client_that_disconnects_aborts_its_request_and_frees_its_pages(server):
+    url, client, _, _ = server
+    body = {"input_ids": list(range(20, 60)), "stream": True, "sampling_params": {"max_new_tokens": 200, "seed": 1}}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "/generate", json=body) as resp:
+            lines = resp.iter_lines()
+            got = 0
+            while got < 3:
+                got += next(lines).startswith("data: ")
+            m = client.metrics()
+            assert m["m3:num_requests_running"] == 1 and m["m3:kv_cache_pages_used"] > 0
+    deadline = time.monotonic() + 60
+    while True:
+        m = client.metrics()
+        if m["m3:num_requests_running"] == 0 and m["m3:kv_cache_pages_used"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    assert client.health()["running"] == 0
+
+
+def test_failed_join_is_a_400_and_unknown_update_without_group(server):
+    url, client, _, _ = server
+    with pytest.raises(ServerError) as e:
+        client.init_weight_sync("127.0.0.1", free_port(), 2, 1, "gloo", timeout_s=1.0)
+    assert e.value.status == 400 and e.value.error["code"] == "weight_sync_failed"
+    with pytest.raises(ServerError) as e:
+        client.init_weight_sync("127.0.0.1", 1234, 2, 2, "gloo")
+    assert e.value.status == 400 and e.value.error["param"] == "rank_offset"
