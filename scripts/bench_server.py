@@ -1,0 +1,254 @@
+"""Tokens/s through the rollout server (streaming /generate over HTTP) vs the in-process engine on
+the same load, with p50 / p99 time to first token and inter-token latency.
+
+    python scripts/bench_server.py                          # CPU, tiny M3, fp32, 32 and 256 concurrent
+    python scripts/bench_server.py --device cuda --model-json configs/bench/m3_bench_300m.json
+
+Load: C concurrent requests (``--concurrency``, default 32 and 256), each a distinct random prompt
+of ``--prompt-len`` tokens and up to ``--new-tokens`` generated tokens (the end-of-message id stops
+a sample on both sides alike), seed i.
+In-process: ``NativeBackend.stream`` for every request in one asyncio loop. Server: the same
+checkpoint served by ``python -m m3_rollout.serve`` in its own process (started after the
+in-process run, so the two never share the CPU), requests as streaming ``/generate`` calls from
+an httpx client in this process. tokens/s = all generated tokens / wall time from the first
+submission to the last token; TTFT = submission to first token of a request; ITL = gaps between
+a request's consecutive token deliveries (a delta of k tokens counts as k gaps of equal size).
+Appends a table to docs/benchmarks.md with machine and date (``--no-write`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from benchlib import machine, random_model
+
+from m3_rollout.chat.template import load_template, render
+from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
+from m3_rollout.engine.interface import GenerationRequest, SamplingParams, StreamDelta
+from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.model import M3Config, save_checkpoint, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tokenizer(vocab_size: int):
+    """A small tokenizer with M3's markers (the server needs one; the load is token ids)."""
+    template = load_template("m3_short")
+    texts = [
+        render(template, [{"role": "user", "content": f"question {i} about {i * 7}"}], None, True) for i in range(50)
+    ]
+    return train_tokenizer(texts, vocab_size=min(vocab_size, 600)), template
+
+
+def requests(c: int, prompt_len: int, new: int, vocab: int) -> list[GenerationRequest]:
+    rng = np.random.default_rng(0)
+    return [
+        GenerationRequest(
+            f"r{i}", rng.integers(4, vocab, prompt_len).tolist(), SamplingParams(max_new_tokens=new, seed=i)
+        )
+        for i in range(c)
+    ]
+
+
+def summary(t0: float, t_end: float, starts: list[float], arrivals: list[list[tuple[float, int]]]) -> dict:
+    """tokens/s, TTFT and ITL percentiles (ms) from per-request (time, tokens) arrivals."""
+    tokens = sum(n for a in arrivals for _, n in a)
+    ttft = [a[0][0] - s for s, a in zip(starts, arrivals)]
+    itl = []
+    for a in arrivals:
+        for (t_prev, _), (t, n) in zip(a, a[1:]):
+            itl += [(t - t_prev) / n] * n
+    pct = lambda xs, q: 1000 * float(np.percentile(xs, q)) if xs else float("nan")
+    return dict(
+        tok_s=tokens / (t_end - t0),
+        tokens=tokens,
+        seconds=t_end - t0,
+        ttft_p50=pct(ttft, 50),
+        ttft_p99=pct(ttft, 99),
+        itl_p50=pct(itl, 50),
+        itl_p99=pct(itl, 99),
+    )
+
+
+async def run_engine(backend: NativeBackend, reqs: list[GenerationRequest]) -> dict:
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in reqs]
+    starts = [0.0] * len(reqs)
+
+    async def one(i: int, req: GenerationRequest) -> None:
+        starts[i] = time.perf_counter()
+        async for item in backend.stream(req):
+            if isinstance(item, StreamDelta) and item.token_ids:
+                arrivals[i].append((time.perf_counter(), len(item.token_ids)))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+    return summary(t0, time.perf_counter(), starts, arrivals)
+
+
+async def run_server(url: str, reqs: list[GenerationRequest]) -> dict:
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in reqs]
+    starts = [0.0] * len(reqs)
+    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+
+    async def one(http: httpx.AsyncClient, i: int, req: GenerationRequest) -> None:
+        p = req.params
+        body = {
+            "input_ids": list(req.prompt_ids),
+            "stream": True,
+            "sampling_params": {"max_new_tokens": p.max_new_tokens, "seed": p.seed},
+        }
+        starts[i] = time.perf_counter()
+        async with http.stream("POST", url + "/generate", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"/generate answered {resp.status_code}: {await resp.aread()}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {") and '"token_ids"' in line:
+                    n = len(json.loads(line[6:])["token_ids"])
+                    if n:
+                        arrivals[i].append((time.perf_counter(), n))
+
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        await http.get(url + "/health")
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(http, i, r) for i, r in enumerate(reqs)))
+        return summary(t0, time.perf_counter(), starts, arrivals)
+
+
+def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "m3_rollout.serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(max(args.concurrency)),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+            return proc
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the server did not start: {proc.stderr.read()}") from None
+            time.sleep(0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--model-json", default=None, help="M3 config.json (default: tiny_config, spec §7 preset A)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.model_json:
+        raw = json.loads(Path(args.model_json).read_text())
+        cfg = M3Config.from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+    else:
+        cfg = tiny_config()
+    tok, template = tokenizer(cfg.vocab_size)
+    cfg.vocab_size = max(cfg.vocab_size, len(tok))
+    cfg.max_position_embeddings = max(cfg.max_position_embeddings, args.prompt_len + args.new_tokens + 16)
+    model = random_model(cfg, args.device, getattr(torch, args.dtype))
+    max_len = cfg.max_position_embeddings
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(model.float(), cfg, tmp)
+        model.cast_for_inference(getattr(torch, args.dtype))
+        save_tokenizer(tok, tmp, template)
+        for c in args.concurrency:
+            # The server stops at the tokenizer's end-of-message id: so does the in-process engine (same
+            # model, seeds and keyed sampler, so both sides generate the same tokens).
+            eos = [tok.convert_tokens_to_ids(tok.eos_token)]
+            backend = NativeBackend(
+                model,
+                eos,
+                max_model_len=max_len,
+                max_num_seqs=max(args.concurrency),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
+            asyncio.run(run_engine(backend, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
+            eng = asyncio.run(run_engine(backend, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
+            backend.shutdown()
+            rows.append({"concurrency": c, "engine": eng})
+            print(f"engine  C={c}: {eng['tok_s']:.0f} tok/s", flush=True)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        port = args.port or _free_port()
+        proc = start_server(tmp, port, args)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for row in rows:
+                c = row["concurrency"]
+                asyncio.run(run_server(url, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
+                srv = asyncio.run(run_server(url, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
+                row["server"] = srv
+                row["ratio"] = srv["tok_s"] / row["engine"]["tok_s"]
+                print(f"server  C={c}: {srv['tok_s']:.0f} tok/s, ratio {row['ratio']:.2f}x", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    dev = machine(args.device)
+    lines = [
+        f"\n## Rollout server vs in-process engine (bench_server.py), {datetime.date.today().isoformat()}, {dev}\n",
+        f"Model: {args.model_json or 'tiny_config() (spec §7 preset A)'}, {args.dtype}, random weights; "
+        f"{args.prompt_len} prompt + up to {args.new_tokens} generated tokens per request, C concurrent "
+        "requests; server = `python -m m3_rollout.serve` in its own process, streaming `/generate` from an httpx "
+        "client; engine = `NativeBackend.stream` in-process. TTFT / ITL in ms (p50 / p99).\n",
+        "| C | engine tok/s | server tok/s | server / engine | TTFT engine | TTFT server | ITL engine | ITL server |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        e, s = r["engine"], r["server"]
+        lines.append(
+            f"| {r['concurrency']} | {e['tok_s']:.0f} | {s['tok_s']:.0f} | {r['ratio']:.2f}x | "
+            f"{e['ttft_p50']:.0f} / {e['ttft_p99']:.0f} | {s['ttft_p50']:.0f} / {s['ttft_p99']:.0f} | "
+            f"{e['itl_p50']:.1f} / {e['itl_p99']:.1f} | {s['itl_p50']:.1f} / {s['itl_p99']:.1f} |"
+        )
+    print("\n".join(lines))
+    if not args.no_write:
+        with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
