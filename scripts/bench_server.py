@@ -7,7 +7,8 @@ the same load, with p50 / p99 time to first token and inter-token latency.
 Load: C concurrent requests (``--concurrency``, default 32 and 256), each a distinct random prompt
 of ``--prompt-len`` tokens and up to ``--new-tokens`` generated tokens (the end-of-message id stops
 a sample on both sides alike), seed i.
-In-process: ``NativeBackend.stream`` for every request in one asyncio loop. Server: the same
+In-process: ``NativeBackend.stream`` for every request in one asyncio loop on a thread of its own
+(as the server's engine thread, same torch thread count). Server: the same
 checkpoint served by ``python -m m3_rollout.serve`` in its own process (started after the
 in-process run, so the two never share the CPU), requests as streaming ``/generate`` calls from
 an httpx client in this process. tokens/s = all generated tokens / wall time from the first
@@ -26,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -126,6 +128,21 @@ async def run_server(url: str, reqs: list[GenerationRequest]) -> dict:
         return summary(t0, time.perf_counter(), starts, arrivals)
 
 
+def in_thread(coro):
+    """Run ``coro`` on a fresh thread with this thread's torch thread count, as the server's engine
+    thread runs (on the CPU a thread's OpenMP team size matters a lot; the two sides must match)."""
+    box, n = {}, torch.get_num_threads()
+
+    def run():
+        torch.set_num_threads(n)
+        box["out"] = asyncio.run(coro)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return box["out"]
+
+
 def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -196,8 +213,8 @@ def main() -> None:
                 max_num_seqs=max(args.concurrency),
                 max_num_batched_tokens=args.max_num_batched_tokens,
             )
-            asyncio.run(run_engine(backend, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
-            eng = asyncio.run(run_engine(backend, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
+            in_thread(run_engine(backend, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
+            eng = in_thread(run_engine(backend, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
             backend.shutdown()
             rows.append({"concurrency": c, "engine": eng})
             print(f"engine  C={c}: {eng['tok_s']:.0f} tok/s", flush=True)

@@ -266,7 +266,8 @@ class HTTPBackend(GenerationBackend):
         async with sem:
             resp = await http.post("/generate", json=request_body(req, self.return_routed_experts))
         if resp.status_code == 400:
-            return error_outputs(req, resp.json()["error"]["message"], -1)
+            version = _raise_for(await http.get("/weight_version"))["weight_version"]
+            return error_outputs(req, resp.json()["error"]["message"], version)
         return outputs_of(req, _raise_for(resp))
 
     def _async_client(self) -> httpx.AsyncClient:

@@ -87,7 +87,7 @@ def thinking_mode_of(kwargs: dict | None) -> str | None:
     """The thinking mode of ``chat_template_kwargs``: ``thinking_mode`` ("enabled" | "disabled" |
     "adaptive") or vLLM's boolean ``enable_thinking``; None (the template's adaptive) when absent."""
     kwargs = kwargs or {}
-    if "thinking_mode" in kwargs:
+    if kwargs.get("thinking_mode") is not None:
         mode = kwargs["thinking_mode"]
         if mode not in THINKING_MODES:
             raise APIError(
@@ -474,6 +474,8 @@ class OpenAIServing:
                     yield chunk(i, _delta_dict(d), _finish_reason(item, has_calls[i]), extra)
         except APIError as exc:
             yield _sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 - the stream has begun: the error is its last event
+            yield _sse(APIError(500, f"generation failed: {exc}", None, type="server_error").body())
         if req.stream_options is not None and req.stream_options.include_usage:
             yield _sse({**base, "choices": [], "usage": self._usage(len(prompt.ids), outs)})
         yield "data: [DONE]\n\n"
@@ -601,6 +603,9 @@ class OpenAIServing:
                         yield chunk(item.sample_index, text, item.finish_reason)
             except APIError as exc:
                 yield _sse(exc.body())
+                break
+            except Exception as exc:  # noqa: BLE001 - the stream has begun: the error is its last event
+                yield _sse(APIError(500, f"generation failed: {exc}", None, type="server_error").body())
                 break
         if req.stream_options is not None and req.stream_options.include_usage:
             completion = sum(len(o.output_ids) for o in outs)

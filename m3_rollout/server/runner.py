@@ -73,14 +73,18 @@ class EngineRunner:
     Args:
         backend: the generation backend (``NativeBackend`` for streaming, abort, weight sync and
             top logprobs; any ``GenerationBackend`` otherwise).
+        num_threads: torch intra-op threads of the engine thread; default the creating thread's
+            ``torch.get_num_threads()`` (a new thread would otherwise run its CPU ops on one
+            OpenMP thread).
     """
 
-    def __init__(self, backend: GenerationBackend):
+    def __init__(self, backend: GenerationBackend, num_threads: int | None = None):
         self.backend = backend
         self.native: NativeBackend | None = backend if isinstance(backend, NativeBackend) else None
         self.streaming = isinstance(backend, StreamingBackend)
+        self.num_threads = int(num_threads or torch.get_num_threads())
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="m3-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="m3-engine-loop", daemon=True)
         self._thread.start()
         self._batch_queue: asyncio.Queue | None = None  # engine loop: (request, put) for non-streaming backends
         self._batch_task: asyncio.Task | None = None
@@ -92,6 +96,10 @@ class EngineRunner:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.requests_finished: collections.Counter[str] = collections.Counter()
+
+    def _run_loop(self) -> None:
+        torch.set_num_threads(self.num_threads)
+        self._loop.run_forever()
 
     # ---- running coroutines on the engine loop -----------------------------------------------
     def _submit(self, coro) -> concurrent.futures.Future:
