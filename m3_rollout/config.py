@@ -195,7 +195,8 @@ class CalculatorEnvConfig:
 class JsonlEnvConfig:
     # Reward function "package.module.function" called as fn(answer_text, record) -> float.
     reward_fn: str = "m3_rollout.rollout.environments.jsonl_env.last_number_reward"
-    # Built-in tools offered to the model, by name: calculator, convert_units.
+    # Built-in tools offered to the model, by name: calculator, convert_units (checked when the
+    # environment is built, m3_rollout/jobs/stack.py).
     tools: list[str] = field(default_factory=lambda: ["calculator"])
     system_prompt: str | None = None
     timeout_s: float = 1.0
@@ -608,16 +609,6 @@ def validate(cfg: MasterConfig) -> None:
             re.compile(pat)
         except re.error as exc:
             _check(e, False, "policy.freeze.patterns", pat, f"is not a regular expression ({exc})")
-    from m3_rollout.rollout.environments.tools import TOOL_FACTORIES
-
-    bad_tools = [t for t in env.jsonl.tools if t not in TOOL_FACTORIES]
-    _check(
-        e,
-        not bad_tools,
-        "env.jsonl.tools",
-        list(env.jsonl.tools),
-        f"unknown {bad_tools}; choose from {sorted(TOOL_FACTORIES)}",
-    )
     if e:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
 

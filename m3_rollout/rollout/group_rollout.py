@@ -21,7 +21,7 @@ from m3_rollout.chat.output_parser import parse_model_output
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.rollout.environment import Environment, ModelTurn
-from m3_rollout.rollout.trajectory import Trajectory, TurnRecord
+from m3_rollout.rollout.trajectory import Trajectory
 
 
 @dataclass
@@ -154,10 +154,9 @@ def _model_turn(
     Returns True when the trajectory continues with another model turn.
     """
     ids = list(out.output_ids)
-    versions = getattr(out, "token_weight_versions", None)
+    versions = out.token_weight_versions
     versions = list(versions) if versions and len(versions) == len(ids) else out.weight_version
-    start = len(traj.token_ids)
-    traj.append(ids, generated=True, logprobs=list(out.logprobs), version=versions)
+    record = traj.append(ids, generated=True, logprobs=list(out.logprobs), version=versions)
     if out.routed_experts is not None:  # routing replay: this turn's record covers prompt + output
         traj.routed_experts = out.routed_experts
     # The finish reason is the engine's; the stop token is in the span only if it was sampled.
@@ -165,8 +164,7 @@ def _model_turn(
     text = chat.decode(ids[:-1] if stop_sampled else ids)
     traj.texts.append(text)
     parsed = parse_model_output(text, chat.thinking_mode, tools, first_index=len(traj.tool_calls))
-    record = TurnRecord(start, len(traj.token_ids), out.finish_reason, stop_sampled, parsed)
-    traj.turns.append(record)
+    record.finish_reason, record.stop_sampled, record.parsed = out.finish_reason, stop_sampled, parsed
     calls = [
         {"id": c.id, "name": c.name, "arguments": c.arguments, "truncated": c.truncated, "error": c.error}
         for c in parsed.tool_calls

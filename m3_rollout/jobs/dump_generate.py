@@ -1,7 +1,7 @@
 """Produce dumps without training: the GRPO loop's rollout phase only, one shard per step.
 
 Governing idea: the same pieces the GRPO loop uses (``resolve_model``, the chat format, the
-native backend, the environment, ``run_group_rollouts``, ``group_advantages``) with the weights
+native backend, the environment, ``run_group_rollouts``, ``trajectory_advantages``) with the weights
 fixed at the checkpoint (weight version 0), so a dump made here has the same schema and meaning
 as one written during training.
 """
@@ -13,10 +13,17 @@ from pathlib import Path
 
 import torch
 
+from m3_rollout.config import MasterConfig, to_dict
+from m3_rollout.dump.records import checkpoint_hash, config_hash
 from m3_rollout.dump.writer import RetentionPolicy, RolloutDumpWriter, sampling_params_of
+from m3_rollout.jobs.stack import batch_seed, build_rollout_stack
+from m3_rollout.rollout.group_rollout import run_group_rollouts
+from m3_trainers.step import trajectory_advantages
 
 
-def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None, log=print) -> list[Path]:
+def generate_dumps(
+    cfg: MasterConfig, out_dir: str | None = None, num_steps: int | None = None, log=print
+) -> list[Path]:
     """Roll out ``num_steps`` (default ``grpo.max_num_steps``) steps and write a shard for each.
 
     Args:
@@ -26,12 +33,6 @@ def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None
     Returns:
         the shard paths written.
     """
-    from m3_rollout.config import to_dict
-    from m3_rollout.dump.records import checkpoint_hash, config_hash
-    from m3_rollout.rollout.group_rollout import run_group_rollouts
-    from m3_rollout.rollout.stack import batch_seed, build_rollout_stack
-    from m3_trainers.advantages import group_advantages
-
     g = cfg.grpo
     torch.manual_seed(g.seed)
     stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
@@ -52,9 +53,7 @@ def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None
             backend, chat, env, source.train_batch(step, g.num_prompts_per_step), stack.settings_for(cfg, step)
         )
         rewards = torch.tensor([t.reward for t in trajs])
-        adv = group_advantages(
-            rewards, torch.tensor([t.group_index for t in trajs]), g.normalize_rewards, g.use_leave_one_out_baseline
-        )
+        adv = trajectory_advantages(trajs, g)
         metrics = {
             "reward_mean": float(rewards.mean()),
             "rollout_seconds": rm["rollout_seconds"],
