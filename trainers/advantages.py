@@ -118,6 +118,26 @@ def overlong_filter_mask(finish_reasons: list[str]) -> torch.Tensor:
     return torch.tensor([0.0 if r == "length" else 1.0 for r in finish_reasons], dtype=torch.float32)
 
 
+def apply_overlong_filter(trajs) -> int:
+    """DAPO overlong filtering on the trajectories themselves: every model turn of a trajectory
+    cut by a token limit (``overlong_filter_mask`` 0) gets loss_mask 0 and ``TurnRecord.masked``,
+    so the trajectory's token counts, the batch built from it and a dump of it agree.
+
+    Args:
+        trajs: ``Trajectory`` records (changed in place).
+
+    Returns:
+        the number of trajectories filtered.
+    """
+    keep = overlong_filter_mask([t.finish_reason for t in trajs])
+    for t, k in zip(trajs, keep.tolist()):
+        if not k:
+            for r in t.turns:
+                t.mask_span(r.start, r.end)
+                r.masked = True
+    return int((keep == 0).sum())
+
+
 class DynamicSampler:
     """DAPO dynamic sampling, bounded: keep drawing prompt batches and keep only groups with
     non-zero reward variance until ``target_groups`` are collected or ``max_batches`` batches have

@@ -18,7 +18,7 @@ import torch
 
 from m3_rollout.config import GRPOConfig, LossConfig, MasterConfig
 from m3_rollout.rollout.trajectory import Trajectory
-from m3_trainers.advantages import group_advantages, overlong_filter_mask
+from m3_trainers.advantages import apply_overlong_filter, group_advantages
 from m3_trainers.batch import TrainBatch, batch_from_trajectories
 from m3_trainers.loss import ClippedPGLossFn
 from m3_trainers.policy import Policy, mismatch_metrics
@@ -71,6 +71,29 @@ def build_loss_fn(lf: LossConfig) -> ClippedPGLossFn:
         tis_max=lf.truncated_importance_sampling_ratio,
         mis_min=lf.mis_ratio_min,
         mis_max=lf.mis_ratio_max,
+    )
+
+
+def truncated_sampling_warning(cfg: MasterConfig) -> str | None:
+    """A warning when rollouts sample with top-p < 1 or top-k > 0, else None.
+
+    The trainer scores the temperature-only distribution (``m3_trainers.policy.token_logprobs``),
+    while the rollout logprobs the step uses (the mismatch metrics, and the importance weights
+    of ``loss_fn.use_importance_sampling_correction``, which ``m3_rollout.config`` refuses with
+    truncated sampling) come from the truncated one, so the two compare different distributions.
+    """
+    gen = cfg.policy.generation
+    keys = [f"policy.generation.top_p={gen.top_p}"] if gen.top_p < 1.0 else []
+    keys += [f"policy.generation.top_k={gen.top_k}"] if gen.top_k > 0 else []
+    if not keys:
+        return None
+    lf = cfg.loss_fn
+    return (
+        f"[warn] {' and '.join(keys)}: the rollout logprobs used in training come from the truncated "
+        f"sampling distribution, the trainer's from the full temperature-scaled one, so "
+        f"token_mult_prob_error / gen_kl_error (and importance weights, "
+        f"loss_fn.use_importance_sampling_correction={lf.use_importance_sampling_correction}) compare "
+        f"different distributions; set top_p=1.0 and top_k=-1 for training rollouts"
     )
 
 
@@ -130,7 +153,8 @@ class StepResult:
         metrics: :func:`combine_optimizer_steps` of the optimizer steps, with ``logprob_seconds``
             including the logprobs computed once before the first update, the mismatch
             (``token_mult_prob_error``, ``gen_kl_error``, ``max_logprob_abs_diff``) over the whole
-            batch when the batch spans several optimizer steps, and ``routing_replay_coverage``
+            batch when the batch spans several optimizer steps, ``overlong_filtered`` (trajectories
+            filtered) with overlong filtering, and ``routing_replay_coverage``
             (fraction of token positions with a recorded route) when routing replay is on.
         seconds: wall time of the training phase (logprobs and optimizer steps), seconds.
     """
@@ -154,7 +178,8 @@ def train_step_on_groups(
 
     Args:
         policy, loss_fn: the trainer (``build_policy``, ``build_loss_fn``).
-        trajs: the step's N trajectories in (group, sample) order.
+        trajs: the step's N trajectories in (group, sample) order; with ``grpo.overlong_filtering``
+            the truncated ones get loss_mask 0 in place (``apply_overlong_filter``).
         cfg: the job config; ``grpo`` (advantages, ``overlong_filtering``) and ``policy``
             (``train_global_batch_size``, ``train_micro_batch_size``, ``routing_replay``) are used.
         temperature: sampling temperature the rollouts used (the trainer scores that distribution).
@@ -170,10 +195,8 @@ def train_step_on_groups(
     """
     g, p = cfg.grpo, cfg.policy
     adv = trajectory_advantages(trajs, g) if advantages is None else advantages.float()
-    sample_mask = overlong_filter_mask([t.finish_reason for t in trajs]) if g.overlong_filtering else None
-    batch = batch_from_trajectories(
-        list(trajs), adv, pad_id=pad_id, sample_mask=sample_mask, with_routing=p.routing_replay
-    )
+    filtered = apply_overlong_filter(trajs) if g.overlong_filtering else 0
+    batch = batch_from_trajectories(list(trajs), adv, pad_id=pad_id, with_routing=p.routing_replay)
     t0 = time.perf_counter()
     gbs = p.train_global_batch_size
     prev = ref = None
@@ -200,6 +223,8 @@ def train_step_on_groups(
     metrics["logprob_seconds"] = t_lp - t0 + metrics["logprob_seconds"]
     if prev is not None:  # mismatch over the whole batch, not the last optimizer step's slice
         metrics.update(mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask))
+    if g.overlong_filtering:
+        metrics["overlong_filtered"] = filtered
     if p.routing_replay:
         r = batch.routed_experts
         metrics["routing_replay_coverage"] = 0.0 if r is None else float((r[..., 0, 0] >= 0).float().mean())

@@ -125,12 +125,15 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
     from m3_rollout.jobs.grpo import save_final
     from m3_rollout.jobs.replay import train_offline
     from m3_rollout.model import load_checkpoint
-    from m3_trainers.step import build_loss_fn, build_policy, total_optimizer_steps
+    from m3_trainers.step import build_loss_fn, build_policy, total_optimizer_steps, truncated_sampling_warning
 
     # NOTE: the optimizer and LR schedule as the GRPO loop builds them, over the dumped steps.
     model = load_checkpoint(model_dir, dtype=getattr(torch, cfg.policy.precision))
     policy = build_policy(cfg, model, total_optimizer_steps(cfg, len(read.shards)))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    warning = truncated_sampling_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr)
 
     def log(step, m):
         print(

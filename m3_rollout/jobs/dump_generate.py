@@ -16,7 +16,8 @@ import torch
 from m3_rollout.config import MasterConfig, to_dict
 from m3_rollout.dump.records import checkpoint_hash, config_hash
 from m3_rollout.dump.writer import RetentionPolicy, RolloutDumpWriter, sampling_params_of
-from m3_rollout.jobs.stack import batch_seed, build_rollout_stack
+from m3_rollout.jobs.outputs import empty_dump_dir
+from m3_rollout.jobs.stack import RolloutStack, batch_seed, build_rollout_stack
 from m3_rollout.rollout.group_rollout import run_group_rollouts
 from m3_trainers.step import trajectory_advantages
 
@@ -28,26 +29,44 @@ def generate_dumps(
 
     Args:
         cfg: ``MasterConfig``; its ``policy``, ``grpo`` sampling knobs, ``data`` and ``env`` are used.
-        out_dir: dump directory (default ``rollout_dump.dir``).
+        out_dir: dump directory (default ``rollout_dump.dir``); must be new or empty.
 
     Returns:
         the shard paths written.
+
+    Raises:
+        ConfigError: the dump directory is not empty or not writable (before anything is
+            generated), or a bad setting found while building the rollout stack.
     """
     g = cfg.grpo
+    rd = cfg.rollout_dump
+    dump_dir = empty_dump_dir(out_dir or rd.dir, "--dir" if out_dir else "rollout_dump.dir")
     torch.manual_seed(g.seed)
     stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
-    chat, backend, env, source, settings = stack.chat, stack.backend, stack.env, stack.source, stack.settings
-    rd = cfg.rollout_dump
     writer = RolloutDumpWriter(
-        out_dir or rd.dir,
+        dump_dir,
         run_id=f"generate-{time.strftime('%Y%m%d-%H%M%S')}",
         retention=RetentionPolicy(rd.keep_last_n_steps, rd.max_bytes),
-        decode=chat.decode,
+        decode=stack.chat.decode,
         checkpoint_hash=checkpoint_hash(stack.model_dir),
         config_hash=config_hash(to_dict(cfg)),
     )
+    try:
+        paths = _roll_out(cfg, stack, writer, g.max_num_steps if num_steps is None else num_steps, log)
+    finally:
+        stack.backend.shutdown()
+        stack.env.close()
+    if writer.last_absent:
+        log(f"columns left null (the Trajectory does not carry them yet): {', '.join(writer.last_absent)}")
+    return paths
+
+
+def _roll_out(cfg: MasterConfig, stack: RolloutStack, writer: RolloutDumpWriter, num_steps: int, log) -> list[Path]:
+    """Steps 1..num_steps: roll out the step's prompt batch, write its shard."""
+    g = cfg.grpo
+    chat, backend, env, source, settings = stack.chat, stack.backend, stack.env, stack.source, stack.settings
     paths = []
-    for step in range(1, (g.max_num_steps if num_steps is None else num_steps) + 1):
+    for step in range(1, num_steps + 1):
         seed = batch_seed(cfg, step)  # the GRPO loop's per-step seed
         trajs, rm = run_group_rollouts(
             backend, chat, env, source.train_batch(step, g.num_prompts_per_step), stack.settings_for(cfg, step)
@@ -61,7 +80,4 @@ def generate_dumps(
         }
         paths.append(writer.write_step(step, trajs, adv, sampling_params_of(settings, seed), metrics))
         log(f"step {step}: {len(trajs)} trajectories, reward {metrics['reward_mean']:.3f} -> {paths[-1]}")
-    backend.shutdown()
-    if writer.last_absent:
-        log(f"columns left null (the Trajectory does not carry them yet): {', '.join(writer.last_absent)}")
     return paths

@@ -27,6 +27,7 @@ from m3_rollout.config import ConfigError, MasterConfig, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
 from m3_rollout.jobs.builtin import warm_start_warning
 from m3_rollout.jobs.metrics_logger import MetricsLogger
+from m3_rollout.jobs.outputs import check_output_dirs
 from m3_rollout.jobs.stack import batch_seed, build_rollout_stack
 from m3_rollout.model import load_checkpoint
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
@@ -34,7 +35,18 @@ from m3_rollout.rollout.trajectory import Trajectory
 from m3_trainers.advantages import DynamicSampler
 from m3_trainers.checkpoint import CheckpointManager
 from m3_trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
-from m3_trainers.step import build_loss_fn, build_policy, total_optimizer_steps, train_step_on_groups
+from m3_trainers.step import (
+    build_loss_fn,
+    build_policy,
+    total_optimizer_steps,
+    train_step_on_groups,
+    truncated_sampling_warning,
+)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot train: every reward of a step failed, or every step's update was skipped
+    (non-finite loss or gradient). ``main`` exits with status 1 and the message."""
 
 
 def set_seed(seed: int) -> None:
@@ -53,8 +65,15 @@ def evaluate(backend, chat, env, records, settings: RolloutSettings) -> dict:
     return {
         "accuracy": sum(t.reward for t in trajs) / len(trajs),
         "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / len(trajs),
+        "reward_errors": len(reward_errors(trajs)),
         "seconds": m["rollout_seconds"],
     }
+
+
+def reward_errors(trajs: list[Trajectory]) -> list[str]:
+    """The reward-function errors of ``trajs`` (``info["reward_error"]``, set by the environment
+    when its reward function raised or returned a non-finite value; those rewards are 0)."""
+    return [t.info["reward_error"] for t in trajs if t.info.get("reward_error")]
 
 
 def step_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
@@ -68,6 +87,7 @@ def step_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
         "mean_generated_tokens": sum(t.num_generated for t in trajs) / n,
         "mean_sequence_length": sum(len(t.token_ids) for t in trajs) / n,
         "truncated_fraction": sum(1 for t in trajs if t.finish_reason == "length") / n,
+        "reward_errors": len(reward_errors(trajs)),
     }
 
 
@@ -76,7 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     Raises:
         SystemExit(2): a configuration error (unknown key, bad value, missing config file, data
-            path, tool or reward function), printed as ``error: ...`` naming the key.
+            path or record, tool, reward function, EP size, unwritable output directory), printed
+            as ``error: ...`` naming the key.
+        SystemExit(1): a ``TrainingError`` (every reward of a step failed; every update skipped).
     """
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/grpo_bf16_ep.yaml", help="YAML config")
@@ -92,12 +114,23 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as exc:  # found while building the run's pieces, before the first step
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def run(cfg: MasterConfig) -> dict:
     """Run the GRPO job described by ``cfg``; returns the run summary (also written to
-    ``<logger.log_dir>/summary.json``)."""
+    ``<logger.log_dir>/summary.json``).
+
+    Raises:
+        ConfigError: bad settings found while building the run (before the first step), including
+            an output directory that cannot be written.
+        TrainingError: every reward of a step failed (the run stops at that step), or every step's
+            optimizer update was skipped for a non-finite loss or gradient (after the summary).
+    """
     t_start = time.perf_counter()
+    check_output_dirs(cfg)
     set_seed(cfg.grpo.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     g, p, gen = cfg.grpo, cfg.policy, cfg.policy.generation
@@ -135,6 +168,9 @@ def run(cfg: MasterConfig) -> dict:
     backend.update_weights(start_step - 1, policy.named_released_tensors())
     loss_fn = build_loss_fn(cfg.loss_fn)
     logger = MetricsLogger(cfg.logger, to_dict(cfg), write=tqdm.write)
+    sampling_warning = truncated_sampling_warning(cfg)
+    if sampling_warning:
+        logger.text(sampling_warning)
     dumper = writer_from_config(cfg, model_dir=model_dir, decode=chat.decode)  # None unless rollout_dump.enabled
     val_settings = stack.validation_settings(cfg)
 
@@ -182,6 +218,7 @@ def run(cfg: MasterConfig) -> dict:
             range(start_step, g.max_num_steps + 1), desc="GRPO", unit="step", disable=not cfg.logger.progress_bar
         )
         stale_total, last_ckpt, warned_no_routes = 0, None, False
+        trained_steps = skipped_steps = 0
         for step in bar:
             t0 = time.perf_counter()
             got = collector.get_groups(step, policy_version=step - 1)
@@ -215,6 +252,17 @@ def run(cfg: MasterConfig) -> dict:
                 for t in grp:
                     t.group_index = i
             trajs = [t for grp in groups for t in grp]
+            errors = reward_errors(trajs)
+            if errors:
+                logger.text(
+                    f"[warn] step {step}: {len(errors)} of {len(trajs)} rewards failed and were scored 0; "
+                    f"first: {errors[0]}"
+                )
+                if len(errors) == len(trajs):
+                    raise TrainingError(
+                        f"step {step}: every reward failed ({errors[0]}); fix the reward function "
+                        f"(env.jsonl.reward_fn={cfg.env.jsonl.reward_fn!r} for env.name=jsonl)"
+                    )
             rewards = torch.tensor([t.reward for t in trajs])
             res = train_step_on_groups(
                 policy, loss_fn, trajs, cfg, gen.temperature, pad_id=chat.tokenizer.pad_token_id or 0
@@ -227,6 +275,13 @@ def run(cfg: MasterConfig) -> dict:
                     "the trainer uses its own router (enable routing records in the engine)"
                 )
             logprob_s, train_s = tm["logprob_seconds"], tm["train_seconds"]
+            trained_steps += 1
+            if tm["skipped_step"]:
+                skipped_steps += 1
+                logger.text(
+                    f"[warn] step {step}: loss {tm['loss']} / grad_norm {tm['grad_norm']} is not finite; "
+                    f"the optimizer update was skipped (weights unchanged)"
+                )
             sync_s = collector.push_weights(step, policy.named_released_tensors())
             t_end = time.perf_counter()
             ages = [step - 1 - v for v in versions]
@@ -248,6 +303,7 @@ def run(cfg: MasterConfig) -> dict:
                 "stale_groups_dropped": got.stale_dropped,
                 "stale_groups_dropped_total": stale_total,
                 "group_wait_timed_out": got.timed_out,
+                "skipped_steps_total": skipped_steps,
                 **extra,
             }
             # NOTE: kept for dashboards of the first version of this loop.
@@ -302,6 +358,8 @@ def run(cfg: MasterConfig) -> dict:
         "accuracy_end": history[-1][1] if history else None,
         "async": a.enabled,
         "stale_groups_dropped": stale_total,
+        "trained_steps": trained_steps,
+        "skipped_steps": skipped_steps,
     }
     if len(history) >= 2:
         summary["accuracy_gain"] = history[-1][1] - history[0][1]
@@ -311,6 +369,12 @@ def run(cfg: MasterConfig) -> dict:
         )
     (Path(cfg.logger.log_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
+    if trained_steps and skipped_steps == trained_steps:
+        raise TrainingError(
+            f"every one of the {trained_steps} GRPO steps skipped its update: the loss or gradient was "
+            f"not finite (see the [warn] lines and train/skipped_step in {cfg.logger.log_dir}/metrics.jsonl); "
+            f"lower policy.optimizer.lr or check the rewards and logprobs"
+        )
     return summary
 
 

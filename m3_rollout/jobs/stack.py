@@ -92,6 +92,7 @@ def build_env(cfg: MasterConfig) -> Environment:
         ConfigError: an unknown tool in ``env.jsonl.tools`` or a bad ``env.jsonl.reward_fn``.
     """
     from m3_rollout.rollout.environments import build_environment
+    from m3_rollout.rollout.environments.jsonl_env import load_reward_fn
     from m3_rollout.rollout.environments.tools import TOOL_FACTORIES
 
     env = cfg.env
@@ -102,6 +103,10 @@ def build_env(cfg: MasterConfig) -> Environment:
                 f"invalid configuration:\n  env.jsonl.tools={list(env.jsonl.tools)!r}: "
                 f"unknown {bad_tools}; choose from {sorted(TOOL_FACTORIES)}"
             )
+        try:
+            load_reward_fn(env.jsonl.reward_fn)
+        except ValueError as exc:  # "reward_fn='x': cannot import ..."
+            raise ConfigError(f"env.jsonl.{exc}") from None
     try:
         return build_environment(env)
     except ValueError as exc:
@@ -118,13 +123,15 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
 
     Raises:
         ConfigError: bad data, environment or checkpoint settings (see ``build_prompt_source``,
-            ``build_env``; a ``policy.model_name`` that is not a checkpoint); ValueError from the
-            engine / service on bad engine settings.
+            ``build_env``; a ``policy.model_name`` that is not a checkpoint; an
+            ``policy.generation.expert_parallel_size`` that does not divide the model's experts);
+            ValueError from the engine / service on bad engine settings.
     """
     from m3_rollout.engine.native_backend import NativeBackend
     from m3_rollout.jobs.builtin import check_model_name, resolve_model
     from m3_rollout.model import load_checkpoint
     from m3_rollout.model.configuration import M3Config
+    from m3_rollout.parallel.expert_sharding import expert_range
     from m3_rollout.service.factory import build_rollout_service
 
     p, gen = cfg.policy, cfg.policy.generation
@@ -138,9 +145,14 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
     try:
         model_dir, info = resolve_model(name, progress=cfg.logger.progress_bar)
         chat = ChatFormat(load_tokenizer(model_dir), thinking_mode=p.thinking_mode)
-        max_len = min(p.max_total_sequence_length, M3Config.from_pretrained(str(model_dir)).max_position_embeddings)
+        model_cfg = M3Config.from_pretrained(str(model_dir))
+        max_len = min(p.max_total_sequence_length, model_cfg.max_position_embeddings)
         backend = None
         if with_backend:
+            try:  # the EP split of the experts, checked before any worker starts
+                expert_range(model_cfg.num_local_experts, gen.expert_parallel_size, 0)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
             backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
             if backend is None:
                 model = load_checkpoint(model_dir, dtype=torch.float32).cast_for_inference(getattr(torch, gen.dtype))
@@ -166,5 +178,6 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
         top_k=gen.top_k,
         logprobs_mode=gen.logprobs_mode,
         mask_truncated_turns=cfg.env.mask_truncated_turns,
+        truncated_turn_reward=cfg.env.truncated_turn_reward,
     )
     return RolloutStack(Path(model_dir), info, chat, max_len, backend, env, source, settings)

@@ -8,8 +8,9 @@ tokens the sampler produced (and the model keeps its own reasoning in context).
 
 Next turn's input = previous input + the sampled ids + the bridge ids (the eos when the engine
 did not sample one, "\n", the tool turn, the next generation prompt; all mask 0). Each turn's
-finish reason is the engine's; a turn that ends by length ends the trajectory, is flagged, and
-is taken out of the loss when ``mask_truncated_turns`` is set.
+finish reason is the engine's; a turn that ends by length ends the trajectory, is flagged, is
+taken out of the loss when ``mask_truncated_turns`` is set, and is scored by the environment or
+given ``truncated_turn_reward``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class RolloutSettings:
         seed: base seed; prompt i of the call uses seed ``seed * 1_000_003 + i``.
         mask_truncated_turns: a turn cut by a length limit gets loss_mask 0 (it is still kept,
             flagged in ``TurnRecord.truncated``); off = train on it like any other turn.
+        truncated_turn_reward: reward of a trajectory whose last turn was cut by a length limit;
+            None = the environment scores what the cut turn said (e.g. an answer already given).
     """
 
     n: int
@@ -51,6 +54,7 @@ class RolloutSettings:
     seed: int = 0
     logprobs_mode: str = "processed"
     mask_truncated_turns: bool = False
+    truncated_turn_reward: float | None = None
 
 
 def run_group_rollouts(
@@ -183,6 +187,8 @@ def _model_turn(
             ),
         )
         traj.reward, traj.finish_reason = result.reward, ("length" if record.truncated else out.finish_reason)
+        if record.truncated and settings.truncated_turn_reward is not None:
+            traj.reward = settings.truncated_turn_reward
         traj.info.update(result.info)
         return False
     result = env.step(

@@ -38,7 +38,8 @@ class TurnRecord:
         observations: the environment's tool results shown after this turn.
         bridge: ids appended after the turn (mask 0); empty for the last turn.
         truncated: the turn ended by a length limit.
-        masked: its tokens were taken out of the loss (``RolloutSettings.mask_truncated_turns``).
+        masked: its tokens were taken out of the loss (``RolloutSettings.mask_truncated_turns``, or
+            the trainer's overlong filtering of the whole trajectory).
     """
 
     start: int
