@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from test_rollout_multiturn import REC, ScriptedBackend, settings, tok  # noqa: F401 (fixture reuse)
 
 import m3_rollout.jobs.grpo as grpo
 from m3_rollout.config import load_config
@@ -14,7 +15,6 @@ from m3_rollout.rollout.environments.calculator import CalculatorEnvironment
 from m3_rollout.rollout.group_rollout import run_group_rollouts
 from m3_trainers.loss import ClippedPGLossFn
 from m3_trainers.step import truncated_sampling_warning
-from test_rollout_multiturn import REC, ScriptedBackend, settings, tok  # noqa: F401 (fixture reuse)
 
 SMOKE = "configs/grpo_smoke.yaml"
 
