@@ -57,7 +57,8 @@ class GRPOConfig:
     # at most dynamic_sampling_max_gen_batches generation batches per step.
     use_dynamic_sampling: bool = False
     dynamic_sampling_max_gen_batches: int = 3
-    # DAPO overlong filtering: trajectories cut by a token limit get no loss.
+    # DAPO overlong filtering: trajectories cut by a token limit get no loss (their loss_mask is
+    # zeroed in the trajectory itself, so token counts and dumps show what was trained).
     overlong_filtering: bool = False
     async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
 
@@ -158,7 +159,7 @@ class PolicyConfig:
     # Truncation policy: a trajectory stops with finish_reason "length" once prompt + generated +
     # tool tokens reach this many tokens; a tool turn that would overflow is cut and the
     # trajectory ends there. Truncated trajectories keep their tokens and get reward 0 unless
-    # they already answered.
+    # they already answered (env.truncated_turn_reward changes that).
     max_total_sequence_length: int = 192
     precision: str = "float32"  # trainer (master weights) dtype
     train_global_batch_size: int = 128
@@ -195,7 +196,8 @@ class CalculatorEnvConfig:
 class JsonlEnvConfig:
     # Reward function "package.module.function" called as fn(answer_text, record) -> float.
     reward_fn: str = "m3_rollout.rollout.environments.jsonl_env.last_number_reward"
-    # Built-in tools offered to the model, by name: calculator, convert_units.
+    # Built-in tools offered to the model, by name: calculator, convert_units (checked when the
+    # environment is built, m3_rollout/jobs/stack.py).
     tools: list[str] = field(default_factory=lambda: ["calculator"])
     system_prompt: str | None = None
     timeout_s: float = 1.0
@@ -212,6 +214,10 @@ class EnvConfig:
     max_tool_output_chars: int = 2048
     # A model turn cut by a token limit is kept (flagged) but gets loss_mask 0.
     mask_truncated_turns: bool = False
+    # Reward of a trajectory whose last model turn was cut by a token limit: null = the environment
+    # scores what the cut turn said (an answer already written counts); a number (e.g. 0.0, or a
+    # negative penalty) replaces that score.
+    truncated_turn_reward: float | None = None
     calculator: CalculatorEnvConfig = field(default_factory=CalculatorEnvConfig)
     jsonl: JsonlEnvConfig = field(default_factory=JsonlEnvConfig)
 
@@ -608,16 +614,6 @@ def validate(cfg: MasterConfig) -> None:
             re.compile(pat)
         except re.error as exc:
             _check(e, False, "policy.freeze.patterns", pat, f"is not a regular expression ({exc})")
-    from m3_rollout.rollout.environments.tools import TOOL_FACTORIES
-
-    bad_tools = [t for t in env.jsonl.tools if t not in TOOL_FACTORIES]
-    _check(
-        e,
-        not bad_tools,
-        "env.jsonl.tools",
-        list(env.jsonl.tools),
-        f"unknown {bad_tools}; choose from {sorted(TOOL_FACTORIES)}",
-    )
     if e:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
 

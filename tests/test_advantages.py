@@ -6,7 +6,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from m3_trainers.advantages import DynamicSampler, group_advantages, overlong_filter_mask, zero_variance_groups
+from m3_trainers.advantages import (
+    DynamicSampler,
+    group_advantages,
+    leave_one_out_std,
+    overlong_filter_mask,
+    zero_variance_groups,
+)
 
 
 def test_mean_std_and_leave_one_out_hand_values():
@@ -30,6 +36,27 @@ def test_all_equal_group_is_exactly_zero(normalize, loo):
     assert a[:3].tolist() == [0.0, 0.0, 0.0]
     assert (a[3:] != 0).all()
     assert zero_variance_groups(r, g).tolist() == [True] * 3 + [False] * 3
+
+
+def test_leave_one_out_normalises_by_the_std_of_the_other_samples():
+    # Rewards binary floating point cannot represent: the three 0.1s agree exactly, but their mean
+    # and variance computed in floating point carry residue that must not count as spread.
+    r = torch.tensor([0.7, 0.1, 0.1, 0.1, 0.3, 0.9, 0.6, 0.2], dtype=torch.float64)
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    a = group_advantages(r, g, normalize=True, leave_one_out=True).double()
+    # The singleton 0.7 among three equal 0.1s: the others have std 0 -> not normalised.
+    assert a[0].item() == pytest.approx(0.7 - 0.1, rel=1e-6)
+    for i in range(8):
+        lo, hi = (0, 4) if i < 4 else (4, 8)
+        others = [r[j].item() for j in range(lo, hi) if j != i]
+        m = sum(others) / len(others)
+        sd = (sum((x - m) ** 2 for x in others) / len(others)) ** 0.5  # population std of the others
+        # (sd of three 0.1s computed this way is ~1e-17, not 0: exactly the residue to ignore)
+        expect = r[i].item() - m if max(others) == min(others) else (r[i].item() - m) / (sd + 1e-6)
+        assert a[i].item() == pytest.approx(expect, rel=1e-5), i
+    # Not the whole group's std: sample 1's others are {0.7, 0.1, 0.1}, std 0.2828..., not 0.3.
+    assert a[1].item() == pytest.approx((0.1 - 0.3) / (0.08**0.5 + 1e-6), rel=1e-5)
+    assert leave_one_out_std(r, g)[0].item() == 0.0
 
 
 def test_non_finite_rewards_rejected():

@@ -116,7 +116,7 @@ class _ParityReward:
 
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
-    import m3_rollout.grpo as grpo
+    import m3_rollout.jobs.grpo as grpo
     import m3_rollout.rollout.environments as environments  # build_rollout_stack looks it up there
     from m3_rollout.config import load_config
 

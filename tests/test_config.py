@@ -133,7 +133,6 @@ def test_new_options_load():
         ("policy.optimizer.weight_decay=-1", "policy.optimizer.weight_decay"),
         # Checked at start rather than when the environment / optimizer is built.
         ("policy.freeze.patterns=['(']", "policy.freeze.patterns"),
-        ("env.jsonl.tools=[calculator,bogus]", "env.jsonl.tools"),
     ],
 )
 def test_more_bad_values_name_the_key(override, needle):
@@ -153,3 +152,17 @@ def test_yaml_errors_are_config_errors_naming_the_file(tmp_path):
         load_config(tmp_path / "interp.yaml")
     with pytest.raises(ConfigError, match="grpo"):
         load_config(MAIN, ["grpo=1"])
+
+
+def test_unknown_tool_is_a_config_error_where_the_environment_is_built(tmp_path):
+    # m3_rollout.config imports no project module: the tool names are checked by the job when it
+    # builds the environment, with the message load_config gave before.
+    from m3_rollout.jobs.stack import build_env
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    cfg = load_config(
+        MAIN, ["env.name=jsonl", "data.source=jsonl", f"data.path={path}", "env.jsonl.tools=[calculator,bogus]"]
+    )
+    with pytest.raises(ConfigError, match=r"env\.jsonl\.tools=\['calculator', 'bogus'\]: unknown \['bogus'\]"):
+        build_env(cfg)

@@ -70,7 +70,7 @@ def _traj(group: int, sample: int, seed: int, routed: bool = False) -> Trajector
         bridge=[int(x) for x in rng.integers(0, 1000, 3)],
     )
     t.append(r1.bridge, generated=False)
-    t.turns.append(r1)
+    t.turns[-1] = r1  # the record append() made for the turn, filled in
     s2 = len(t.token_ids)
     t.append([7, 8], generated=True, logprobs=[-0.1 - seed * 1e-9, -1e-300], version=4)
     bad = ToolCall(id="call_x", name="calc", arguments="{", truncated=True, error="unterminated <invoke>")
@@ -83,7 +83,7 @@ def _traj(group: int, sample: int, seed: int, routed: bool = False) -> Trajector
         truncated=True,
         masked=True,
     )
-    t.turns.append(r2)
+    t.turns[-1] = r2
     t.mask_span(s2, s2 + 2)
     t.texts += ["<invoke name=calculator>", "The answer is 408"]
     t.tool_calls += [

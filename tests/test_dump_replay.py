@@ -11,9 +11,10 @@ import torch
 from m3_rollout.config import load_config
 from m3_rollout.dump import RolloutDumpWriter, read_dump
 from m3_rollout.dump.__main__ import main as dump_main
-from m3_rollout.dump.replay import ForwardScorer, make_scorer, rescore, train_offline
+from m3_rollout.dump.replay import rescore
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.jobs.replay import ForwardScorer, make_scorer, train_offline
 from m3_rollout.model import M3ForCausalLM, load_checkpoint, save_checkpoint, tiny_config
 from m3_rollout.rollout.trajectory import Trajectory
 
@@ -109,7 +110,7 @@ def test_offline_grpo_steps_from_dump(dump):
 
 
 def test_grpo_loop_dumps_and_cli(tmp_path, monkeypatch, capsys):
-    from m3_rollout.grpo import run
+    from m3_rollout.jobs.grpo import run
 
     monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "dumps"
@@ -153,7 +154,7 @@ def test_groups_from_several_prompt_batches_get_distinct_group_ids(tmp_path, mon
     # Dynamic sampling (and async GRPO) fill one step with groups of several prompt batches,
     # whose trajectories all count group_index from 0. The step must renumber them: the dump's
     # (step, group_id, sample_index) key and offline advantages depend on it.
-    import m3_rollout.grpo as grpo
+    import m3_rollout.jobs.grpo as grpo
 
     monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
     real = grpo.run_group_rollouts

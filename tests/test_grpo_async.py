@@ -129,7 +129,7 @@ def test_producer_failure_surfaces_in_the_trainer():
 def test_smoke_job_runs_async(tmp_path, monkeypatch):
     monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
     from m3_rollout.config import load_config
-    from m3_rollout.grpo import run
+    from m3_rollout.jobs.grpo import run
 
     cfg = load_config(
         "configs/grpo_smoke.yaml",

@@ -62,7 +62,7 @@ def test_batch_from_trajectories_padding_and_validation():
 
 
 def test_combine_optimizer_steps_token_weighted():
-    from m3_rollout.grpo import combine_optimizer_steps
+    from m3_trainers.step import combine_optimizer_steps
 
     base = dict(
         ratio_mean=1.0,

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from m3_rollout import builtin
 from m3_rollout.config import load_config
-from m3_rollout.grpo import main, run
+from m3_rollout.jobs import builtin
+from m3_rollout.jobs.grpo import main, run
 from m3_rollout.model import load_checkpoint
 
 

@@ -4,10 +4,10 @@ import json
 
 import torch
 
-from m3_rollout.builtin import _corpus
 from m3_rollout.chat.template import ChatFormat, load_template
 from m3_rollout.chat.tokenizer import train_tokenizer
 from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.jobs.builtin import corpus_texts
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
@@ -16,7 +16,7 @@ from m3_trainers.warm_start import demonstration
 
 def _chat():
     task, env, tpl = ArithmeticTask(), CalculatorEnvironment(), load_template("m3_short")
-    tok = train_tokenizer(_corpus(tpl, task, env, 300), 600)
+    tok = train_tokenizer(corpus_texts(tpl, task, env, 300), 600)
     tok.chat_template = tpl
     return ChatFormat(tok), task, env
 

@@ -3,12 +3,16 @@
 Source: Shao et al. 2024 (DeepSeekMath, GRPO), outcome supervision: A_i = (r_i - mean_g) / std_g
 for every token of sample i. Leave-one-out baseline (RLOO, Ahmadian et al. 2024; NeMo RL's
 ``use_leave_one_out_baseline``): the baseline excludes sample i itself,
-mean_{-i} = (sum_g - r_i) / (n - 1). Dynamic sampling and overlong filtering follow DAPO
-(Yu et al. 2025, §3.2 and §3.4).
+mean_{-i} = (sum_g - r_i) / (n - 1), and so does the normaliser: std_{-i} is the (population)
+standard deviation of the n - 1 other samples, as NeMo RL's ``calculate_baseline_and_std_per_prompt``
+computes it; a sample whose std_{-i} is 0 (the others all agree) is not normalised, so it keeps
+A_i = r_i - mean_{-i} (NeMo RL normalises only where std > 0). Dynamic sampling and overlong
+filtering follow DAPO (Yu et al. 2025, §3.2 and §3.4).
 
 NOTE: a group whose rewards are all equal carries no learning signal; its advantages are set to
 exactly 0 by a max == min test rather than trusting the arithmetic (mean of ten 0.1s is not 0.1
-in floating point, and a division by std + eps would amplify that residue).
+in floating point, and a division by std + eps would amplify that residue). The same holds for the
+others of one sample: std_{-i} is set to exactly 0 when their max equals their min.
 """
 
 from __future__ import annotations
@@ -30,6 +34,32 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torc
     return (gmax == gmin)[inv]
 
 
+def leave_one_out_std(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """float64 [N]: population standard deviation of the OTHER samples of each sample's group.
+
+    Exactly 0 when those others all have one reward (max == min, so floating-point residue never
+    counts as spread) and for groups of size 1 or 2 (at most one other sample).
+
+    Args:
+        rewards: float [N]. group_ids: int64 [N], equal ids form a group.
+    """
+    r = rewards.double()
+    inv, g = _group_index(group_ids)
+    std = torch.zeros_like(r)
+    for k in range(g):
+        idx = (inv == k).nonzero().squeeze(1)
+        n = idx.numel()
+        if n < 3:
+            continue
+        x = r[idx].expand(n, n)  # [n, n], row i = the group's rewards
+        others = ~torch.eye(n, dtype=torch.bool)  # row i: the samples other than i
+        mean = torch.where(others, x, 0.0).sum(1) / (n - 1)  # [n]
+        var = torch.where(others, (x - mean[:, None]) ** 2, 0.0).sum(1) / (n - 1)
+        agree = torch.where(others, x, torch.inf).amin(1) == torch.where(others, x, -torch.inf).amax(1)
+        std[idx] = torch.where(agree, torch.zeros_like(var), var.sqrt())
+    return std
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -42,7 +72,9 @@ def group_advantages(
     Args:
         rewards: float [N].
         group_ids: int64 [N], samples with equal ids form a group.
-        normalize: divide by the group's (unbiased) standard deviation + eps.
+        normalize: divide by the group's (unbiased) standard deviation + eps; with
+            ``leave_one_out``, by the standard deviation of the other samples
+            (``leave_one_out_std``) + eps, and not at all where that is 0.
         leave_one_out: baseline = mean of the other samples of the group (groups of size 1 then
             get advantage 0).
         eps: added to the standard deviation.
@@ -68,7 +100,10 @@ def group_advantages(
     else:
         baseline = mean[inv]
     adv = r - baseline
-    if normalize:
+    if normalize and leave_one_out:
+        std = leave_one_out_std(r, group_ids)
+        adv = torch.where(std > 0, adv / (std + eps), adv)
+    elif normalize:
         sq = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, (r - mean[inv]) ** 2)
         std = torch.sqrt(sq / (count - 1).clamp(min=1))
         adv = adv / (std[inv] + eps)
@@ -81,6 +116,26 @@ def overlong_filter_mask(finish_reasons: list[str]) -> torch.Tensor:
     (finish_reason "length"), 1 otherwise. Truncated samples then neither push nor pull the policy
     (their reward says nothing about an answer they never finished)."""
     return torch.tensor([0.0 if r == "length" else 1.0 for r in finish_reasons], dtype=torch.float32)
+
+
+def apply_overlong_filter(trajs) -> int:
+    """DAPO overlong filtering on the trajectories themselves: every model turn of a trajectory
+    cut by a token limit (``overlong_filter_mask`` 0) gets loss_mask 0 and ``TurnRecord.masked``,
+    so the trajectory's token counts, the batch built from it and a dump of it agree.
+
+    Args:
+        trajs: ``Trajectory`` records (changed in place).
+
+    Returns:
+        the number of trajectories filtered.
+    """
+    keep = overlong_filter_mask([t.finish_reason for t in trajs])
+    for t, k in zip(trajs, keep.tolist()):
+        if not k:
+            for r in t.turns:
+                t.mask_span(r.start, r.end)
+                r.masked = True
+    return int((keep == 0).sum())
 
 
 class DynamicSampler:

@@ -107,13 +107,12 @@ def batch_from_trajectories(
         mask = mask * sample_mask.float()[:, None]
     routed = None
     if with_routing:
-        shapes = [tuple(r.shape[1:]) for t in trajs if (r := getattr(t, "routed_experts", None)) is not None]
+        shapes = [tuple(t.routed_experts.shape[1:]) for t in trajs if t.routed_experts is not None]
         if shapes:
             routed = torch.full((b, l, *shapes[0]), -1, dtype=torch.long)
             for i, t in enumerate(trajs):
-                r = getattr(t, "routed_experts", None)
-                if r is not None:
-                    r = torch.as_tensor(r, dtype=torch.long)[: len(t.token_ids)]
+                if t.routed_experts is not None:
+                    r = torch.as_tensor(t.routed_experts, dtype=torch.long)[: len(t.token_ids)]
                     routed[i, : r.shape[0]] = r
     batch = TrainBatch(ids, mask, lps, advantages.float(), torch.tensor([len(t.token_ids) for t in trajs]), routed)
     batch.validate()

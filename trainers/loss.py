@@ -31,8 +31,6 @@ add up to the loss of the whole global batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 KL_TYPES = ("k1", "k2", "k3")
@@ -102,27 +100,6 @@ def importance_weights(
         else:
             w = torch.where((w >= mis_min) & (w <= mis_max), w, torch.zeros_like(w))
         return masked_fill_zero(w, mask)
-
-
-@dataclass
-class LossInputs:
-    """One micro-batch's tensors for the loss (B samples, L positions).
-
-    Attributes:
-        logprobs: float [B, L] current-policy logprobs (with grad).
-        prev_logprobs: float [B, L] trainer logprobs before the optimizer step (ratio denominator).
-        advantages: float [B].
-        mask: float [B, L], 1 on sampled tokens that count in the loss.
-        generation_logprobs: float [B, L] the rollout engine's logprobs (needed for IS correction).
-        reference_logprobs: float [B, L] reference policy logprobs (needed when the KL penalty > 0).
-    """
-
-    logprobs: torch.Tensor
-    prev_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    generation_logprobs: torch.Tensor | None = None
-    reference_logprobs: torch.Tensor | None = None
 
 
 class ClippedPGLossFn:

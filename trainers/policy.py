@@ -270,7 +270,8 @@ class Policy:
             metrics: loss, pg_loss, kl_loss, grad_norm, lr, token_mult_prob_error, gen_kl_error,
             max_logprob_abs_diff, ratio_mean, ratio_max, clip_fraction, dual_clip_fraction,
             reference_kl, is_weight_mean, is_dropped_fraction, entropy, num_tokens,
-            logprob_seconds, train_seconds, skipped_step.
+            logprob_seconds, train_seconds, skipped_step (the loss or gradient norm was not finite:
+            no update was applied; the LR schedule still advances).
         """
         batch.validate()
         self.model.train()
@@ -333,7 +334,8 @@ class Policy:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         lr = self.lr
-        if math.isfinite(grad_norm):
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(sums["loss"]))
+        if not skipped:
             self.optimizer.step()
         self.scheduler.step()
         n = max(num_tokens, 1.0)
@@ -352,7 +354,7 @@ class Policy:
             is_dropped_fraction=sums["is_dropped_sum"] / n,
             entropy=sums["entropy_sum"] / n,
             num_tokens=num_tokens,
-            skipped_step=not math.isfinite(grad_norm),
+            skipped_step=skipped,
             logprob_seconds=t1 - t0,
             train_seconds=time.perf_counter() - t1,
         )

@@ -5,10 +5,10 @@ records   Trajectory <-> row conversion, routed-experts codec, provenance hashes
 writer    atomic, never-overwriting shard writer with retention; the GRPO loop's hook
 reader    shard listing and loading; bad shards reported by file, the rest still load
 report    ``inspect`` (per-step table) and ``show`` (one group by turn)
-replay    re-scoring with a checkpoint; GRPO steps from the dump without generating
-generate  dumps without training
+replay    re-scoring statistics: stored rollout logprobs against a scorer's
 
-CLI: ``python -m m3_rollout.dump {generate,inspect,show,replay} ...``.
+The jobs on a dump (generate without training, scorers, offline GRPO) and the CLI
+``python -m m3_rollout.dump {generate,inspect,show,replay} ...`` are in ``m3_rollout.jobs``.
 """
 
 from m3_rollout.dump.reader import (

@@ -31,28 +31,12 @@ CORE_FIELDS = (
     "rollout_logprobs",
     "weight_version",
     "prompt_len",
-    "turn_spans",
     "finish_reason",
     "tool_calls",
     "reward",
     "texts",
     "info",
     "turns",
-)
-
-#: Columns filled from ``Trajectory.turns`` (``TurnRecord``s); null when the producer has none.
-TURN_COLUMNS = (
-    "turn_finish_reasons",
-    "turn_stop_sampled",
-    "turn_truncated",
-    "turn_masked",
-    "turn_reasoning",
-    "turn_content",
-    "turn_tool_calls",
-    "turn_parse_truncated",
-    "turn_parse_errors",
-    "turn_tool_results",
-    "turn_bridge_len",
 )
 
 #: Optional column -> Trajectory attribute it is read from; a Trajectory without the attribute
@@ -175,21 +159,14 @@ def _tool_turn_texts(t: Trajectory, decode: Callable[[list[int]], str] | None) -
     return [decode(list(t.token_ids[e:n])) if n > e else "" for e, n in zip(ends, nexts)]
 
 
-def _turn_columns(t: Trajectory) -> dict | None:
-    """The ``turn_*`` record columns of ``t.turns``, or None when it has no turn records.
+def _turn_columns(t: Trajectory) -> dict:
+    """The ``turn_*`` record columns of ``t.turns``.
 
     Raises:
-        ValueError: turn records that disagree with ``turn_spans`` or whose bridge is not the
-            tokens right after the turn (a producer bug: the row could not be restored).
+        ValueError: a turn whose bridge is not the tokens right after it (a producer bug: the row
+            could not be restored).
     """
-    turns = getattr(t, "turns", None)
-    if turns is None or (not turns and t.turn_spans):
-        return None
-    if [(r.start, r.end) for r in turns] != [tuple(x) for x in t.turn_spans]:
-        raise ValueError(
-            f"trajectory (group {t.group_index}, sample {t.sample_index}): turns spans "
-            f"{[(r.start, r.end) for r in turns]} differ from turn_spans {t.turn_spans}"
-        )
+    turns = t.turns
     for r in turns:
         if list(t.token_ids[r.end : r.end + len(r.bridge)]) != list(r.bridge):
             raise ValueError(
@@ -251,11 +228,7 @@ def trajectory_row(
     }
     if not decode:
         absent.update(("prompt_text", "response_text", "tool_turn_texts"))
-    turn_cols = _turn_columns(t)
-    if turn_cols is None:
-        absent.update(TURN_COLUMNS)
-        turn_cols = dict.fromkeys(TURN_COLUMNS)
-    row.update(turn_cols)
+    row.update(_turn_columns(t))
     parts = [r for r in (row["turn_reasoning"] or []) if r]
     row["reasoning_text"] = "\n\n".join(parts) if parts else None
     for column, attr in OPTIONAL_FIELDS.items():
@@ -318,16 +291,18 @@ def table_from_trajectories(
     return table, sorted(absent)
 
 
-def _turn_records(row: dict, token_ids: list[int]) -> list | None:
-    """``TurnRecord``s of a row (None when the row has no turn records)."""
-    if row.get("turn_finish_reasons") is None:
-        return None
+def _turn_records(row: dict, token_ids: list[int]) -> list:
+    """``TurnRecord``s of a row; a row written without turn records (null ``turn_*`` columns) gets
+    records of its turn spans only."""
     from m3_rollout.chat.output_parser import ParsedTurn
     from m3_rollout.chat.tool_parser import ToolCall
     from m3_rollout.rollout.trajectory import TurnRecord
 
+    spans = list(zip(row["turn_token_start"], row["turn_token_end"]))
+    if row.get("turn_finish_reasons") is None:
+        return [TurnRecord(start, end) for start, end in spans]
     out = []
-    for k, (start, end) in enumerate(zip(row["turn_token_start"], row["turn_token_end"])):
+    for k, (start, end) in enumerate(spans):
         parsed = ParsedTurn(
             reasoning=row["turn_reasoning"][k],
             content=row["turn_content"][k],
@@ -367,19 +342,16 @@ def trajectory_from_row(row: dict) -> Trajectory:
         rollout_logprobs=list(row["rollout_logprobs"]),
         weight_version=list(row["weight_versions"]),
         prompt_len=row["prompt_len"],
-        turn_spans=list(zip(row["turn_token_start"], row["turn_token_end"])),
         finish_reason=row["finish_reason"],
         tool_calls=json.loads(row["tool_calls"]),
         reward=row["reward"],
         texts=list(row["turn_texts"]),
         info=json.loads(row["env_info"]),
+        turns=_turn_records(row, ids),
     )
-    turns = _turn_records(row, ids)
-    if turns is not None and "turns" in known:
-        t.turns = turns
     if "timings" in known and row.get("timings") is not None:
         t.timings = json.loads(row["timings"])
-    if "routed_experts" in known and row.get("routed_experts") is not None:
+    if row.get("routed_experts") is not None:
         t.routed_experts = decode_routed_experts(row["routed_experts"], row["routed_experts_shape"])
     if row.get("extra_fields"):
         for name, value in json.loads(row["extra_fields"]).items():

@@ -220,8 +220,8 @@ def writer_from_config(
         model_dir: checkpoint directory the run starts from (hashed for ``checkpoint_hash``).
         decode: the chat format's ``decode``.
     """
-    d = getattr(cfg, "rollout_dump", None)
-    if d is None or not d.enabled:
+    d = cfg.rollout_dump
+    if not d.enabled:
         return None
     from m3_rollout.config import to_dict
     from m3_rollout.dump.records import checkpoint_hash, config_hash
@@ -234,7 +234,7 @@ def writer_from_config(
         decode=decode,
         checkpoint_hash=checkpoint_hash(model_dir) if model_dir else None,
         config_hash=config_hash(to_dict(cfg)),
-        keep_existing=bool(getattr(getattr(cfg, "checkpointing", None), "resume", False)),
+        keep_existing=cfg.checkpointing.resume,
     )
 
 

@@ -8,8 +8,9 @@ tokens the sampler produced (and the model keeps its own reasoning in context).
 
 Next turn's input = previous input + the sampled ids + the bridge ids (the eos when the engine
 did not sample one, "\n", the tool turn, the next generation prompt; all mask 0). Each turn's
-finish reason is the engine's; a turn that ends by length ends the trajectory, is flagged, and
-is taken out of the loss when ``mask_truncated_turns`` is set.
+finish reason is the engine's; a turn that ends by length ends the trajectory, is flagged, is
+taken out of the loss when ``mask_truncated_turns`` is set, and is scored by the environment or
+given ``truncated_turn_reward``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from m3_rollout.chat.output_parser import parse_model_output
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.rollout.environment import Environment, ModelTurn
-from m3_rollout.rollout.trajectory import Trajectory, TurnRecord
+from m3_rollout.rollout.trajectory import Trajectory
 
 
 @dataclass
@@ -39,6 +40,8 @@ class RolloutSettings:
         seed: base seed; prompt i of the call uses seed ``seed * 1_000_003 + i``.
         mask_truncated_turns: a turn cut by a length limit gets loss_mask 0 (it is still kept,
             flagged in ``TurnRecord.truncated``); off = train on it like any other turn.
+        truncated_turn_reward: reward of a trajectory whose last turn was cut by a length limit;
+            None = the environment scores what the cut turn said (e.g. an answer already given).
     """
 
     n: int
@@ -51,6 +54,7 @@ class RolloutSettings:
     seed: int = 0
     logprobs_mode: str = "processed"
     mask_truncated_turns: bool = False
+    truncated_turn_reward: float | None = None
 
 
 def run_group_rollouts(
@@ -154,10 +158,9 @@ def _model_turn(
     Returns True when the trajectory continues with another model turn.
     """
     ids = list(out.output_ids)
-    versions = getattr(out, "token_weight_versions", None)
+    versions = out.token_weight_versions
     versions = list(versions) if versions and len(versions) == len(ids) else out.weight_version
-    start = len(traj.token_ids)
-    traj.append(ids, generated=True, logprobs=list(out.logprobs), version=versions)
+    record = traj.append(ids, generated=True, logprobs=list(out.logprobs), version=versions)
     if out.routed_experts is not None:  # routing replay: this turn's record covers prompt + output
         traj.routed_experts = out.routed_experts
     # The finish reason is the engine's; the stop token is in the span only if it was sampled.
@@ -165,8 +168,7 @@ def _model_turn(
     text = chat.decode(ids[:-1] if stop_sampled else ids)
     traj.texts.append(text)
     parsed = parse_model_output(text, chat.thinking_mode, tools, first_index=len(traj.tool_calls))
-    record = TurnRecord(start, len(traj.token_ids), out.finish_reason, stop_sampled, parsed)
-    traj.turns.append(record)
+    record.finish_reason, record.stop_sampled, record.parsed = out.finish_reason, stop_sampled, parsed
     calls = [
         {"id": c.id, "name": c.name, "arguments": c.arguments, "truncated": c.truncated, "error": c.error}
         for c in parsed.tool_calls
@@ -185,6 +187,8 @@ def _model_turn(
             ),
         )
         traj.reward, traj.finish_reason = result.reward, ("length" if record.truncated else out.finish_reason)
+        if record.truncated and settings.truncated_turn_reward is not None:
+            traj.reward = settings.truncated_turn_reward
         traj.info.update(result.info)
         return False
     result = env.step(

@@ -7,14 +7,14 @@ tokens, final model turn of 2 tokens)::
     loss_mask        0   0   0   1   1   0   0   1   1
     rollout_logprobs 0   0   0   l   l   0   0   l   l     (sampling-distribution logprob)
     weight_version   -1  -1  -1  v   v   -1  -1  v   v
-    turn_spans       [(3, 5), (7, 9)]                     (half-open index ranges of model turns)
+    turns            [TurnRecord(3, 5, ...), TurnRecord(7, 9, ...)]   (half-open spans of model turns)
 
 ``rollout_logprobs[t]`` is log p(token_ids[t] | token_ids[:t]) for generated tokens.
 
 The tool turn T is the *bridge*: "\n" after the model's eos, the tool turn with the results and
 the next generation prompt (plus the eos itself, mask 0, when the engine stopped without
 sampling one). ``turns[i]`` records model turn i: its span, the engine's finish reason, the
-parse result and the bridge that followed it.
+parse result and the bridge that followed it; the span is stored there only (``turn_spans`` reads it).
 """
 
 from __future__ import annotations
@@ -34,17 +34,19 @@ class TurnRecord:
             "length", "abort", ...), never inferred from the last token.
         stop_sampled: the engine sampled the stop token (it is in the span, mask 1).
         parsed: reasoning / content / tool calls / flags of the turn's text.
+        (``Trajectory.append`` creates the record with the span; the rollout fills in the rest.)
         observations: the environment's tool results shown after this turn.
         bridge: ids appended after the turn (mask 0); empty for the last turn.
         truncated: the turn ended by a length limit.
-        masked: its tokens were taken out of the loss (``RolloutSettings.mask_truncated_turns``).
+        masked: its tokens were taken out of the loss (``RolloutSettings.mask_truncated_turns``, or
+            the trainer's overlong filtering of the whole trajectory).
     """
 
     start: int
     end: int
-    finish_reason: str
-    stop_sampled: bool
-    parsed: ParsedTurn
+    finish_reason: str = "stop"
+    stop_sampled: bool = False
+    parsed: ParsedTurn = field(default_factory=lambda: ParsedTurn(None, None))
     observations: list[str] = field(default_factory=list)
     bridge: list[int] = field(default_factory=list)
     truncated: bool = False
@@ -63,12 +65,12 @@ class Trajectory:
         rollout_logprobs: [L] logprob of each sampled token under the sampling distribution, 0
             elsewhere.
         weight_version: [L] weight version that produced each token, -1 for non-generated ones.
-        turn_spans: half-open [start, end) of each model turn in ``token_ids``.
         finish_reason: "stop" (answered), "length" (hit a token limit), "max_turns" (turn limit
             reached while still calling tools), "error" (the backend refused the request).
         tool_calls: every parsed call, {"name", "arguments"} in order (ids and the truncated /
             error flags of each call are in ``turns[i].parsed.tool_calls``).
-        turns: one ``TurnRecord`` per model turn (parse results, engine finish reasons, bridges).
+        turns: one ``TurnRecord`` per model turn: its half-open span [start, end) in ``token_ids``,
+            parse results, engine finish reason, bridge.
         reward: environment reward.
         texts: decoded text of each model turn (for logging).
         prompt_len: number of prompt tokens.
@@ -85,7 +87,6 @@ class Trajectory:
     rollout_logprobs: list[float]
     weight_version: list[int]
     prompt_len: int
-    turn_spans: list[tuple[int, int]] = field(default_factory=list)
     finish_reason: str = "length"
     tool_calls: list[dict] = field(default_factory=list)
     reward: float = 0.0
@@ -96,22 +97,33 @@ class Trajectory:
 
     def append(
         self, ids: list[int], generated: bool, logprobs: list[float] | None = None, version: int | list[int] = -1
-    ) -> None:
+    ) -> TurnRecord | None:
         """Append a model turn (``generated``, with its logprobs and the weight version of the
-        whole turn or of each token) or a non-sampled span (mask 0, version -1)."""
+        whole turn or of each token) or a non-sampled span (mask 0, version -1).
+
+        Returns:
+            the new turn's ``TurnRecord`` (span set, the rest defaults) for a model turn, else None.
+        """
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if generated else 0] * len(ids))
-        if generated:
-            assert logprobs is not None and len(logprobs) == len(ids), "one logprob per sampled token"
-            versions = version if isinstance(version, list) else [version] * len(ids)
-            assert len(versions) == len(ids), "one weight version per sampled token"
-            self.rollout_logprobs.extend(float(x) for x in logprobs)
-            self.weight_version.extend(int(v) for v in versions)
-            self.turn_spans.append((start, len(self.token_ids)))
-        else:
+        if not generated:
             self.rollout_logprobs.extend([0.0] * len(ids))
             self.weight_version.extend([-1] * len(ids))
+            return None
+        assert logprobs is not None and len(logprobs) == len(ids), "one logprob per sampled token"
+        versions = version if isinstance(version, list) else [version] * len(ids)
+        assert len(versions) == len(ids), "one weight version per sampled token"
+        self.rollout_logprobs.extend(float(x) for x in logprobs)
+        self.weight_version.extend(int(v) for v in versions)
+        record = TurnRecord(start, len(self.token_ids))
+        self.turns.append(record)
+        return record
+
+    @property
+    def turn_spans(self) -> list[tuple[int, int]]:
+        """Half-open [start, end) of each model turn in ``token_ids`` (from ``turns``)."""
+        return [(r.start, r.end) for r in self.turns]
 
     def mask_span(self, start: int, end: int) -> None:
         """Take tokens [start, end) out of the loss (e.g. a turn cut by a length limit)."""

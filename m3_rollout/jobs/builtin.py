@@ -86,6 +86,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("M3_ROLLOUT_CACHE", Path.home() / ".cache" / "m3_rollout"))
 
 
+def check_model_name(model_name: str) -> TinyCheckpointSpec | None:
+    """The build spec of a ``builtin:`` name, or None for a checkpoint directory that exists.
+
+    Raises:
+        FileNotFoundError: a path that is not a checkpoint directory (with config.json).
+        ValueError: an unknown ``builtin:`` name.
+    """
+    if model_name.startswith(BUILTIN_PREFIX):
+        return builtin_spec(model_name[len(BUILTIN_PREFIX) :])
+    if not (Path(model_name).expanduser() / "config.json").is_file():
+        raise FileNotFoundError(
+            f"policy.model_name={model_name!r}: no config.json there; give a checkpoint "
+            f"directory or one of {[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]}"
+        )
+    return None
+
+
 def resolve_model(model_name: str, progress: bool = True) -> tuple[Path, dict]:
     """Checkpoint directory for ``policy.model_name``.
 
@@ -97,16 +114,10 @@ def resolve_model(model_name: str, progress: bool = True) -> tuple[Path, dict]:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
         ValueError: an unknown ``builtin:`` name.
     """
-    if not model_name.startswith(BUILTIN_PREFIX):
-        path = Path(model_name).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"policy.model_name={model_name!r}: no config.json there; give a checkpoint "
-                f"directory or one of {[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]}"
-            )
-        return path, {"built": False}
+    spec = check_model_name(model_name)
+    if spec is None:
+        return Path(model_name).expanduser(), {"built": False}
     name = model_name[len(BUILTIN_PREFIX) :]
-    spec = builtin_spec(name)
     out = cache_root() / f"{name}-{spec.key()}"
     if (out / "build_report.json").is_file():
         report = json.loads((out / "build_report.json").read_text())
@@ -135,7 +146,7 @@ def warm_start_warning(model_dir: Path, info: dict) -> str | None:
     )
 
 
-def _corpus(template: str, task: ArithmeticTask, env: CalculatorEnvironment, count: int) -> list[str]:
+def corpus_texts(template: str, task: ArithmeticTask, env: CalculatorEnvironment, count: int) -> list[str]:
     """Rendered full episodes (prompt, call, tool turn, answer) for tokenizer training."""
     texts = []
     for rec in task.records(seed=12345, count=count):
@@ -166,7 +177,7 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
     task = ArithmeticTask(**spec.task)
     env = CalculatorEnvironment()
     template = load_template("m3_short")
-    tokenizer = train_tokenizer(_corpus(template, task, env, spec.tokenizer_corpus), spec.tokenizer_vocab_size)
+    tokenizer = train_tokenizer(corpus_texts(template, task, env, spec.tokenizer_corpus), spec.tokenizer_vocab_size)
     tokenizer.chat_template = template
     chat = ChatFormat(tokenizer, thinking_mode="disabled")
     ids = lambda s: tokenizer.convert_tokens_to_ids(s)  # noqa: E731

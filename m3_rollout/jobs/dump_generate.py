@@ -1,7 +1,7 @@
 """Produce dumps without training: the GRPO loop's rollout phase only, one shard per step.
 
 Governing idea: the same pieces the GRPO loop uses (``resolve_model``, the chat format, the
-native backend, the environment, ``run_group_rollouts``, ``group_advantages``) with the weights
+native backend, the environment, ``run_group_rollouts``, ``trajectory_advantages``) with the weights
 fixed at the checkpoint (weight version 0), so a dump made here has the same schema and meaning
 as one written during training.
 """
@@ -13,48 +13,66 @@ from pathlib import Path
 
 import torch
 
+from m3_rollout.config import MasterConfig, to_dict
+from m3_rollout.dump.records import checkpoint_hash, config_hash
 from m3_rollout.dump.writer import RetentionPolicy, RolloutDumpWriter, sampling_params_of
+from m3_rollout.jobs.outputs import empty_dump_dir
+from m3_rollout.jobs.stack import RolloutStack, batch_seed, build_rollout_stack
+from m3_rollout.rollout.group_rollout import run_group_rollouts
+from m3_trainers.step import trajectory_advantages
 
 
-def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None, log=print) -> list[Path]:
+def generate_dumps(
+    cfg: MasterConfig, out_dir: str | None = None, num_steps: int | None = None, log=print
+) -> list[Path]:
     """Roll out ``num_steps`` (default ``grpo.max_num_steps``) steps and write a shard for each.
 
     Args:
         cfg: ``MasterConfig``; its ``policy``, ``grpo`` sampling knobs, ``data`` and ``env`` are used.
-        out_dir: dump directory (default ``rollout_dump.dir``).
+        out_dir: dump directory (default ``rollout_dump.dir``); must be new or empty.
 
     Returns:
         the shard paths written.
-    """
-    from m3_rollout.config import to_dict
-    from m3_rollout.dump.records import checkpoint_hash, config_hash
-    from m3_rollout.rollout.group_rollout import run_group_rollouts
-    from m3_rollout.rollout.stack import batch_seed, build_rollout_stack
-    from m3_trainers.advantages import group_advantages
 
+    Raises:
+        ConfigError: the dump directory is not empty or not writable (before anything is
+            generated), or a bad setting found while building the rollout stack.
+    """
     g = cfg.grpo
+    rd = cfg.rollout_dump
+    dump_dir = empty_dump_dir(out_dir or rd.dir, "--dir" if out_dir else "rollout_dump.dir")
     torch.manual_seed(g.seed)
     stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
-    chat, backend, env, source, settings = stack.chat, stack.backend, stack.env, stack.source, stack.settings
-    rd = cfg.rollout_dump
     writer = RolloutDumpWriter(
-        out_dir or rd.dir,
+        dump_dir,
         run_id=f"generate-{time.strftime('%Y%m%d-%H%M%S')}",
         retention=RetentionPolicy(rd.keep_last_n_steps, rd.max_bytes),
-        decode=chat.decode,
+        decode=stack.chat.decode,
         checkpoint_hash=checkpoint_hash(stack.model_dir),
         config_hash=config_hash(to_dict(cfg)),
     )
+    try:
+        paths = _roll_out(cfg, stack, writer, g.max_num_steps if num_steps is None else num_steps, log)
+    finally:
+        stack.backend.shutdown()
+        stack.env.close()
+    if writer.last_absent:
+        log(f"columns left null (the Trajectory does not carry them yet): {', '.join(writer.last_absent)}")
+    return paths
+
+
+def _roll_out(cfg: MasterConfig, stack: RolloutStack, writer: RolloutDumpWriter, num_steps: int, log) -> list[Path]:
+    """Steps 1..num_steps: roll out the step's prompt batch, write its shard."""
+    g = cfg.grpo
+    chat, backend, env, source, settings = stack.chat, stack.backend, stack.env, stack.source, stack.settings
     paths = []
-    for step in range(1, (g.max_num_steps if num_steps is None else num_steps) + 1):
+    for step in range(1, num_steps + 1):
         seed = batch_seed(cfg, step)  # the GRPO loop's per-step seed
         trajs, rm = run_group_rollouts(
             backend, chat, env, source.train_batch(step, g.num_prompts_per_step), stack.settings_for(cfg, step)
         )
         rewards = torch.tensor([t.reward for t in trajs])
-        adv = group_advantages(
-            rewards, torch.tensor([t.group_index for t in trajs]), g.normalize_rewards, g.use_leave_one_out_baseline
-        )
+        adv = trajectory_advantages(trajs, g)
         metrics = {
             "reward_mean": float(rewards.mean()),
             "rollout_seconds": rm["rollout_seconds"],
@@ -62,7 +80,4 @@ def generate_dumps(cfg, out_dir: str | None = None, num_steps: int | None = None
         }
         paths.append(writer.write_step(step, trajs, adv, sampling_params_of(settings, seed), metrics))
         log(f"step {step}: {len(trajs)} trajectories, reward {metrics['reward_mean']:.3f} -> {paths[-1]}")
-    backend.shutdown()
-    if writer.last_absent:
-        log(f"columns left null (the Trajectory does not carry them yet): {', '.join(writer.last_absent)}")
     return paths

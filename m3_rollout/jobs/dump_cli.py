@@ -1,0 +1,206 @@
+"""The command line behind ``python -m m3_rollout.dump {generate,inspect,show,replay}``.
+
+  generate --config CFG [key=value ...] [--dir DIR] [--steps N]
+      roll out N steps with the config's checkpoint, no training, one shard per step
+  inspect DIR
+      per-step table: reward, accuracy, lengths, truncation, tool calls, mismatch, shard size
+  show DIR --step S --group G
+      one GRPO group's trajectories laid out by turn (reasoning, text, tool calls, tool results)
+  replay DIR --config CFG [key=value ...] [--checkpoint PATH] [--train] [--save DIR]
+      re-score the stored trajectories with the checkpoint (policy.model_name, or --checkpoint)
+      and report the mismatch against the stored rollout logprobs; with --train, then run GRPO
+      steps on the dumped trajectories without generating, and save the result with --save
+
+Bad shards (truncated, foreign, other schema version) are reported by file on stderr; the other
+shards are still used. Exit status 2 for bad arguments or an unusable directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from m3_rollout.config import ConfigError
+from m3_rollout.dump.reader import DumpError
+
+
+def _load_cfg(args):
+    from m3_rollout.config import load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _errors(lines: list[str]) -> None:
+    for ln in lines:
+        print(ln, file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    from m3_rollout.jobs.dump_generate import generate_dumps
+
+    cfg = _load_cfg(args)
+    generate_dumps(cfg, out_dir=args.dir, num_steps=args.steps)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from m3_rollout.dump.report import inspect_lines, print_lines
+
+    lines, errors = inspect_lines(args.dir)
+    print_lines(lines, use_rich=not args.plain)
+    _errors(errors)
+    return 0
+
+
+def cmd_show(args) -> int:
+    from m3_rollout.dump.report import print_lines, show_lines
+
+    try:
+        lines, errors = show_lines(args.dir, args.step, args.group)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_lines(lines, use_rich=not args.plain)
+    _errors(errors)
+    return 0
+
+
+def cmd_replay(args) -> int:
+    import torch
+
+    from m3_rollout.dump.reader import read_dump
+    from m3_rollout.dump.replay import rescore
+    from m3_rollout.dump.report import format_table, print_lines
+    from m3_rollout.jobs.builtin import resolve_model
+    from m3_rollout.jobs.replay import make_scorer
+    from m3_rollout.model import load_checkpoint
+
+    cfg = _load_cfg(args)
+    read = read_dump(args.dir, steps=args.steps)
+    _errors([f"skipped {e}" for e in read.errors])
+    model_dir, _ = resolve_model(args.checkpoint or cfg.policy.model_name, progress=cfg.logger.progress_bar)
+    model = load_checkpoint(model_dir, dtype=getattr(torch, args.dtype))
+    longest = max(len(x) for x in read.table.column("token_ids").to_pylist())
+    scorer, why = make_scorer(
+        model, max(longest, cfg.policy.max_total_sequence_length), cfg.policy.train_micro_batch_size
+    )
+    print(
+        f"re-scoring {read.table.num_rows} trajectories from {len(read.shards)} shard(s) with {model_dir} "
+        f"({args.dtype}) via {why}"
+    )
+    stats, _ = rescore(read, scorer)
+    rows = [
+        [
+            str(s.step),
+            str(s.rows),
+            str(s.tokens),
+            f"{s.mean_abs_diff:.3e}",
+            f"{s.max_abs_diff:.3e}",
+            f"{s.token_mult_prob_error:.6f}",
+        ]
+        for s in stats
+    ]
+    print_lines(
+        format_table(["step", "rows", "sampled tok", "mean |dlp|", "max |dlp|", "token_mult_prob_error"], rows),
+        use_rich=not args.plain,
+    )
+    result = {"checkpoint": str(model_dir), "scorer": scorer.name, "rescore": [vars(s) for s in stats]}
+    if args.train:
+        result["train"] = _train(args, cfg, read, model_dir)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _train(args, cfg, read, model_dir) -> list[dict]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from m3_rollout.jobs.grpo import save_final
+    from m3_rollout.jobs.replay import train_offline
+    from m3_rollout.model import load_checkpoint
+    from m3_trainers.step import build_loss_fn, build_policy, total_optimizer_steps, truncated_sampling_warning
+
+    # NOTE: the optimizer and LR schedule as the GRPO loop builds them, over the dumped steps.
+    model = load_checkpoint(model_dir, dtype=getattr(torch, cfg.policy.precision))
+    policy = build_policy(cfg, model, total_optimizer_steps(cfg, len(read.shards)))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    warning = truncated_sampling_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr)
+
+    def log(step, m):
+        print(
+            f"[offline] step {step}: {m['rows']} trajectories, reward {m['reward_mean']:.3f}, "
+            f"loss {m['loss']:+.4f}, token_mult_prob_error {m['token_mult_prob_error']:.4f}"
+        )
+
+    history = train_offline(
+        read,
+        cfg,
+        policy,
+        build_loss_fn(cfg.loss_fn),
+        pad_id=tokenizer.pad_token_id or 0,
+        recompute_advantages=args.recompute_advantages,
+        log=log,
+    )
+    if args.save:
+        out = save_final(policy, Path(model_dir), Path(args.save), max(h["step"] for h in history))
+        print(f"saved offline-trained checkpoint to {out}")
+    return history
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m m3_rollout.dump", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="roll out and dump without training")
+    g.add_argument("--config", default="configs/grpo_bf16_ep.yaml")
+    g.add_argument("--dir", help="dump directory (default rollout_dump.dir)")
+    g.add_argument("--steps", type=int, help="steps to roll out (default grpo.max_num_steps)")
+    g.add_argument("overrides", nargs="*", help="key=value config overrides")
+    g.set_defaults(fn=cmd_generate)
+    i = sub.add_parser("inspect", help="per-step table")
+    i.add_argument("dir")
+    i.add_argument("--plain", action="store_true", help="plain print instead of rich")
+    i.set_defaults(fn=cmd_inspect)
+    s = sub.add_parser("show", help="one group's trajectories by turn")
+    s.add_argument("dir")
+    s.add_argument("--step", type=int, required=True)
+    s.add_argument("--group", type=int, required=True)
+    s.add_argument("--plain", action="store_true")
+    s.set_defaults(fn=cmd_show)
+    r = sub.add_parser("replay", help="re-score with a checkpoint; --train for offline GRPO")
+    r.add_argument("dir")
+    r.add_argument("--config", default="configs/grpo_bf16_ep.yaml")
+    r.add_argument("--checkpoint", help="checkpoint dir or builtin: name (default policy.model_name)")
+    r.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    r.add_argument("--steps", type=int, nargs="*", help="only these steps")
+    r.add_argument("--train", action="store_true", help="run GRPO steps on the dump after re-scoring")
+    r.add_argument("--recompute-advantages", action="store_true", help="recompute advantages from rewards")
+    r.add_argument("--save", help="with --train: directory for the trained checkpoint")
+    r.add_argument("--json", help="write the re-scoring (and training) results to this JSON file")
+    r.add_argument("--plain", action="store_true")
+    r.add_argument("overrides", nargs="*", help="key=value config overrides")
+    r.set_defaults(fn=cmd_replay)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (DumpError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Output directories of a job, checked when it starts.
+
+Governing idea: a run that cannot write its logs, checkpoints or dumps should fail in its first
+second, naming the config key, not after its first step (or its last, for the final checkpoint).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from m3_rollout.config import ConfigError, MasterConfig
+
+
+def writable_dir(path: str | Path, key: str) -> Path:
+    """Create ``path`` (and its parents) if needed and check a file can be written in it.
+
+    Raises:
+        ConfigError: naming ``key`` and the path, when it cannot be created or written.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{key}={str(path)!r}: cannot write there ({type(exc).__name__}: {exc.strerror or exc}); "
+            f"give a writable directory"
+        ) from None
+    return path
+
+
+def check_output_dirs(cfg: MasterConfig) -> None:
+    """``logger.log_dir``, and ``checkpointing.checkpoint_dir`` / ``rollout_dump.dir`` when
+    checkpoints / dumps are on, exist and are writable. Raises ConfigError naming the key."""
+    writable_dir(cfg.logger.log_dir, "logger.log_dir")
+    if cfg.checkpointing.enabled:
+        writable_dir(cfg.checkpointing.checkpoint_dir, "checkpointing.checkpoint_dir")
+    if cfg.rollout_dump.enabled:
+        writable_dir(cfg.rollout_dump.dir, "rollout_dump.dir")
+
+
+def empty_dump_dir(path: str | Path, key: str) -> Path:
+    """A writable dump directory that is new or empty (``dump generate`` never mixes two runs' shards).
+
+    Raises:
+        ConfigError: the directory holds files already, or cannot be written.
+    """
+    path = Path(path)
+    if path.is_dir() and any(path.iterdir()):
+        raise ConfigError(
+            f"{key}={str(path)!r}: the directory is not empty ({sum(1 for _ in path.iterdir())} entries); "
+            f"give a new directory or delete this one"
+        )
+    return writable_dir(path, key)

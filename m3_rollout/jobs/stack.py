@@ -1,0 +1,183 @@
+"""The rollout side of a run, built once from the config: checkpoint, chat format, generation
+backend, environment, prompts and sampling settings.
+
+Governing idea: the GRPO loop (``m3_rollout.jobs.grpo``), ``python -m m3_rollout.dump generate`` and
+the offline replay all need the same pieces built the same way (same per-step seed formula, same
+backend choice, same validation settings), so a dump made without training means what one made
+during training does. The cheap, config-driven pieces (prompts, environment) are built first, so a
+bad data path, JSONL record, tool name or reward function is reported before a checkpoint is
+built or a rollout worker started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from m3_rollout.chat.template import ChatFormat
+from m3_rollout.chat.tokenizer import load_tokenizer
+from m3_rollout.config import ConfigError, MasterConfig
+from m3_rollout.engine.interface import GenerationBackend
+from m3_rollout.rollout.data import PromptSource, load_jsonl
+from m3_rollout.rollout.environment import Environment
+from m3_rollout.rollout.group_rollout import RolloutSettings
+
+#: Offset of the validation sampling seed from ``grpo.seed``.
+VAL_SEED_OFFSET = 17
+
+
+def batch_seed(cfg: MasterConfig, b: int) -> int:
+    """Sampling seed of prompt batch ``b`` (the synchronous loop's step b) of a run seeded ``grpo.seed``."""
+    return cfg.grpo.seed * 100_003 + b
+
+
+@dataclass
+class RolloutStack:
+    """What one run generates with. ``settings`` has no seed; use :meth:`settings_for`."""
+
+    model_dir: Path
+    build_info: dict
+    chat: ChatFormat
+    max_len: int
+    backend: GenerationBackend | None
+    env: Environment
+    source: PromptSource
+    settings: RolloutSettings
+
+    def settings_for(self, cfg: MasterConfig, b: int) -> RolloutSettings:
+        """Sampling settings of prompt batch ``b``."""
+        return replace(self.settings, seed=batch_seed(cfg, b))
+
+    def validation_settings(self, cfg: MasterConfig) -> RolloutSettings:
+        """Held-out evaluation: one sample per prompt at ``grpo.val_temperature`` (no top-p / top-k),
+        seed ``grpo.seed + VAL_SEED_OFFSET``, the training turn and length limits."""
+        g, gen = cfg.grpo, cfg.policy.generation
+        return RolloutSettings(
+            n=1,
+            max_turns=g.max_rollout_turns,
+            max_total_len=self.max_len,
+            max_new_tokens=gen.max_new_tokens,
+            temperature=g.val_temperature,
+            seed=g.seed + VAL_SEED_OFFSET,
+            logprobs_mode=gen.logprobs_mode,
+        )
+
+
+def build_prompt_source(cfg: MasterConfig) -> PromptSource:
+    """Train / validation prompts of ``data`` (the arithmetic generator or ``data.path``).
+
+    Raises:
+        ConfigError: ``data.path`` missing or unreadable, a bad JSONL record (file:line named), or
+            too few records for ``grpo.num_val_prompts``.
+    """
+    from m3_rollout.rollout.environments.calculator import ArithmeticTask
+
+    g, d = cfg.grpo, cfg.data
+    if d.source != "jsonl":
+        return PromptSource(ArithmeticTask(d.min_digits, d.max_digits, d.operations), g.seed, g.num_val_prompts)
+    try:
+        return PromptSource(None, g.seed, g.num_val_prompts, records=load_jsonl(d.path))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"data.path={d.path!r}: {exc}; give an existing JSONL file") from None
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"data.path={d.path!r}: {exc}") from None
+
+
+def build_env(cfg: MasterConfig) -> Environment:
+    """The environment of ``env`` (``m3_rollout.rollout.environments.build_environment``).
+
+    Raises:
+        ConfigError: an unknown tool in ``env.jsonl.tools`` or a bad ``env.jsonl.reward_fn``.
+    """
+    from m3_rollout.rollout.environments import build_environment
+    from m3_rollout.rollout.environments.jsonl_env import load_reward_fn
+    from m3_rollout.rollout.environments.tools import TOOL_FACTORIES
+
+    env = cfg.env
+    if env.name == "jsonl":
+        bad_tools = [t for t in env.jsonl.tools if t not in TOOL_FACTORIES]
+        if bad_tools:
+            raise ConfigError(
+                f"invalid configuration:\n  env.jsonl.tools={list(env.jsonl.tools)!r}: "
+                f"unknown {bad_tools}; choose from {sorted(TOOL_FACTORIES)}"
+            )
+        try:
+            load_reward_fn(env.jsonl.reward_fn)
+        except ValueError as exc:  # "reward_fn='x': cannot import ..."
+            raise ConfigError(f"env.jsonl.{exc}") from None
+    try:
+        return build_environment(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name: str | None = None) -> RolloutStack:
+    """Resolve the checkpoint and build the rollout pieces of ``cfg``.
+
+    The backend is the EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a
+    launcher is configured (``m3_rollout/service``), else the in-process native engine; with
+    ``with_backend=False`` none is built (replay / inspection). ``model_name`` overrides
+    ``policy.model_name``.
+
+    Raises:
+        ConfigError: bad data, environment or checkpoint settings (see ``build_prompt_source``,
+            ``build_env``; a ``policy.model_name`` that is not a checkpoint; an
+            ``policy.generation.expert_parallel_size`` that does not divide the model's experts);
+            ValueError from the engine / service on bad engine settings.
+    """
+    from m3_rollout.engine.native_backend import NativeBackend
+    from m3_rollout.jobs.builtin import check_model_name, resolve_model
+    from m3_rollout.model import load_checkpoint
+    from m3_rollout.model.configuration import M3Config
+    from m3_rollout.parallel.expert_sharding import expert_range
+    from m3_rollout.service.factory import build_rollout_service
+
+    p, gen = cfg.policy, cfg.policy.generation
+    name = model_name or p.model_name
+    try:
+        check_model_name(name)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    source = build_prompt_source(cfg)
+    env = build_env(cfg)
+    try:
+        model_dir, info = resolve_model(name, progress=cfg.logger.progress_bar)
+        chat = ChatFormat(load_tokenizer(model_dir), thinking_mode=p.thinking_mode)
+        model_cfg = M3Config.from_pretrained(str(model_dir))
+        max_len = min(p.max_total_sequence_length, model_cfg.max_position_embeddings)
+        backend = None
+        if with_backend:
+            try:  # the EP split of the experts, checked before any worker starts
+                expert_range(model_cfg.num_local_experts, gen.expert_parallel_size, 0)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
+            if backend is None:
+                model = load_checkpoint(model_dir, dtype=torch.float32).cast_for_inference(getattr(torch, gen.dtype))
+                backend = NativeBackend(
+                    model,
+                    chat.stop_token_ids,
+                    max_model_len=max_len,
+                    max_num_seqs=gen.max_num_seqs,
+                    detokenize=chat.decode,
+                    record_routing=p.routing_replay,
+                    **gen.engine_kwargs(),
+                )
+    except BaseException:
+        env.close()
+        raise
+    settings = RolloutSettings(
+        n=cfg.grpo.num_generations_per_prompt,
+        max_turns=cfg.grpo.max_rollout_turns,
+        max_total_len=max_len,
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        logprobs_mode=gen.logprobs_mode,
+        mask_truncated_turns=cfg.env.mask_truncated_turns,
+        truncated_turn_reward=cfg.env.truncated_turn_reward,
+    )
+    return RolloutStack(Path(model_dir), info, chat, max_len, backend, env, source, settings)

@@ -1,0 +1,192 @@
+"""The GRPO job's failure modes: non-finite steps, broken reward functions, unwritable outputs,
+config errors found at start (exit 2 naming the key), overlong filtering's token counts, the
+truncated-turn reward and the warning for truncated-sampling logprobs."""
+
+import json
+
+import pytest
+import torch
+from test_rollout_multiturn import REC, ScriptedBackend, settings, tok  # noqa: F401 (fixture reuse)
+
+import m3_rollout.jobs.grpo as grpo
+from m3_rollout.config import load_config
+from m3_rollout.jobs.dump_cli import main as dump_main
+from m3_rollout.rollout.environments.calculator import CalculatorEnvironment
+from m3_rollout.rollout.group_rollout import run_group_rollouts
+from m3_trainers.loss import ClippedPGLossFn
+from m3_trainers.step import truncated_sampling_warning
+
+SMOKE = "configs/grpo_smoke.yaml"
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def _args(tmp_path, *extra):
+    """Smoke job, in-process engine (no worker processes), no validation or checkpoints."""
+    return [
+        "--config",
+        SMOKE,
+        "policy.generation.expert_parallel_size=1",
+        "cluster.launcher=auto",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "grpo.val_period=100",
+        "logger.print_sample_every=0",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={tmp_path}/logs",
+        *extra,
+    ]
+
+
+def _metrics(tmp_path):
+    rows = [json.loads(l) for l in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "train/loss" in r]
+
+
+class _NaNLoss(ClippedPGLossFn):
+    def __call__(self, *args, **kw):
+        loss, m = super().__call__(*args, **kw)
+        return loss * float("nan"), m
+
+
+def test_non_finite_steps_are_reported_and_an_all_skipped_run_exits_1(cache, monkeypatch, capsys):
+    monkeypatch.setattr(grpo, "build_loss_fn", lambda lf: _NaNLoss())
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, "grpo.max_num_steps=2"))
+    assert exc.value.code == 1
+    out = capsys.readouterr()
+    assert out.out.count("is not finite; the optimizer update was skipped") == 2
+    assert "every one of the 2 GRPO steps skipped its update" in out.err
+    train = _metrics(cache)
+    assert [r["train/skipped_step"] for r in train] == [True, True]
+    assert train[-1]["train/skipped_steps_total"] == 2
+    assert json.loads((cache / "logs" / "summary.json").read_text())["skipped_steps"] == 2
+
+
+def test_reward_errors_are_counted_and_a_step_where_all_failed_stops_the_run(cache, monkeypatch, capsys):
+    real = grpo.run_group_rollouts
+
+    def failing_rewards(backend, chat, env, records, settings):
+        trajs, m = real(backend, chat, env, records, settings)
+        step = settings.seed % 100_003  # the batch index (jobs.stack.batch_seed)
+        for t in trajs:
+            if step == 2 or t.sample_index == 0:
+                t.reward, t.info["reward_error"] = 0.0, "ZeroDivisionError: division by zero"
+        return trajs, m
+
+    monkeypatch.setattr(grpo, "run_group_rollouts", failing_rewards)
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, "grpo.max_num_steps=3"))
+    assert exc.value.code == 1
+    out = capsys.readouterr()
+    assert "[warn] step 1: 4 of 16 rewards failed and were scored 0; first: ZeroDivisionError" in out.out
+    assert "step 2: every reward failed (ZeroDivisionError: division by zero)" in out.err
+    assert [(r["step"], r["train/reward_errors"]) for r in _metrics(cache)] == [(1, 4)]  # step 2 never trained
+
+
+def test_unwritable_output_directory_is_found_at_start(cache, capsys):
+    (cache / "afile").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={cache}/afile/ckpt"))
+    assert exc.value.code == 2
+    assert "checkpointing.checkpoint_dir=" in capsys.readouterr().err
+    assert not (cache / "logs" / "metrics.jsonl").exists()  # before the first step
+    assert not (cache / "cache").exists()  # before the checkpoint is even built
+
+
+def test_dump_generate_refuses_a_non_empty_directory(cache, capsys):
+    d = cache / "dumps"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep me")
+    assert dump_main(["generate", "--config", SMOKE, "--dir", str(d), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--dir=" in err and "not empty" in err
+    assert [p.name for p in d.iterdir()] == ["notes.txt"]
+    assert not (cache / "cache").exists()  # nothing was built or generated
+
+
+def _jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, key",
+    [
+        ("ep", "policy.generation.expert_parallel_size"),
+        ("missing_data", "data.path"),
+        ("bad_record", "bad.jsonl:2"),
+        ("reward_fn", "env.jsonl.reward_fn"),
+        ("tool", "env.jsonl.tools"),
+    ],
+)
+def test_config_errors_found_when_building_exit_2_naming_the_key(cache, capsys, case, key):
+    good = _jsonl(cache / "d.jsonl", [json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) for i in range(20)])
+    bad = _jsonl(cache / "bad.jsonl", [json.dumps({"prompt": "1+1", "answer": "2"}), json.dumps({"prompt": "2+2"})])
+    jsonl = ["env.name=jsonl", "data.source=jsonl", "grpo.num_val_prompts=4"]
+    extra = {
+        "ep": ["policy.generation.expert_parallel_size=3", "cluster.launcher=mp"],
+        "missing_data": [*jsonl, f"data.path={cache}/nope.jsonl"],
+        "bad_record": [*jsonl, f"data.path={bad}"],
+        "reward_fn": [*jsonl, f"data.path={good}", "env.jsonl.reward_fn=no_such_pkg.score"],
+        "tool": [*jsonl, f"data.path={good}", "env.jsonl.tools=[calculator,shell]"],
+    }[case]
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, *extra))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and key in err and "Traceback" not in err
+
+
+def test_overlong_filtering_token_counts_agree_with_the_batch(cache):
+    # Random weights rarely sample eos within 24 tokens: most trajectories are cut ("length").
+    summary = grpo.main(_args(cache, "grpo.max_num_steps=1", "grpo.overlong_filtering=true"))
+    assert summary["trained_steps"] == 1
+    (r,) = _metrics(cache)
+    assert r["train/overlong_filtered"] > 0
+    n = 16  # num_prompts_per_step * num_generations_per_prompt
+    assert r["train/mean_generated_tokens"] * n == pytest.approx(r["train/num_tokens"])
+
+
+@pytest.mark.parametrize("reward", [None, -1.0])
+def test_truncated_turn_reward_is_a_config_choice(tok, reward):  # noqa: F811
+    from m3_rollout.chat.template import ChatFormat
+
+    chat = ChatFormat(tok, "disabled")
+    backend = ScriptedBackend({0: [(chat.assistant_ids("The answer is 408"), "length")]})
+    (t,), _ = run_group_rollouts(backend, chat, CalculatorEnvironment(), [REC], settings(truncated_turn_reward=reward))
+    assert t.finish_reason == "length"
+    assert t.reward == (1.0 if reward is None else reward)  # None: the env scores what the cut turn said
+    cfg = load_config(SMOKE, [] if reward is None else [f"env.truncated_turn_reward={reward}"])
+    assert cfg.env.truncated_turn_reward == reward
+
+
+def test_truncated_sampling_logprobs_get_a_warning_naming_the_keys():
+    assert truncated_sampling_warning(load_config(SMOKE)) is None
+    w = truncated_sampling_warning(load_config(SMOKE, ["policy.generation.top_p=0.9", "policy.generation.top_k=20"]))
+    assert "policy.generation.top_p=0.9" in w and "policy.generation.top_k=20" in w
+    assert "loss_fn.use_importance_sampling_correction=False" in w
+
+
+def test_offline_replay_combines_every_optimizer_step(cache):
+    # dump replay --train and the live loop share one step: its metrics cover the whole batch, not
+    # the last optimizer step's slice.
+    from m3_rollout.jobs.replay import train_offline
+    from m3_rollout.model import load_checkpoint
+    from m3_trainers.step import build_loss_fn, build_policy
+
+    d = cache / "dumps"
+    args = [*_args(cache)[2:], "grpo.max_num_steps=1", "rollout_dump.enabled=true", f"rollout_dump.dir={d}"]
+    summary = grpo.run(load_config(SMOKE, args))
+    from m3_rollout.dump import read_dump
+
+    read = read_dump(d)
+    cfg = load_config(SMOKE, ["policy.train_global_batch_size=4"])
+    policy = build_policy(cfg, load_checkpoint(summary["model_dir"], dtype=torch.float32), 4)
+    (h,) = train_offline(read, cfg, policy, build_loss_fn(cfg.loss_fn))
+    sampled = sum(sum(m) for m in read.table.column("loss_mask").to_pylist())
+    assert h["rows"] == 16 and h["num_tokens"] == sampled

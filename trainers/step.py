@@ -1,0 +1,231 @@
+"""One GRPO training step on a step's trajectories, and the trainer pieces it runs with, from config.
+
+Governing idea: the live GRPO loop (``m3_rollout.jobs.grpo``) and the offline replay
+(``python -m m3_rollout.dump replay --train``) train through this one function, so a step means the
+same thing in both: advantages (design.md §2 step 4) -> overlong-filter sample mask -> padded
+``TrainBatch`` -> logprobs before the first update (and the reference's) when the batch spans
+several optimizer steps -> one ``Policy.train_step`` per ``policy.train_global_batch_size`` slice
+-> the slices' metrics combined by :func:`combine_optimizer_steps`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from m3_rollout.config import GRPOConfig, LossConfig, MasterConfig
+from m3_rollout.rollout.trajectory import Trajectory
+from m3_trainers.advantages import apply_overlong_filter, group_advantages
+from m3_trainers.batch import TrainBatch, batch_from_trajectories
+from m3_trainers.loss import ClippedPGLossFn
+from m3_trainers.policy import Policy, mismatch_metrics
+
+
+def optimizer_steps_per_grpo_step(cfg: MasterConfig) -> int:
+    """Optimizer steps of one GRPO step: samples per step / ``policy.train_global_batch_size`` (>= 1)."""
+    g = cfg.grpo
+    return max(1, (g.num_prompts_per_step * g.num_generations_per_prompt) // cfg.policy.train_global_batch_size)
+
+
+def total_optimizer_steps(cfg: MasterConfig, num_grpo_steps: int) -> int:
+    """Optimizer steps of ``num_grpo_steps`` GRPO steps: the LR schedule's ``total_steps``."""
+    return num_grpo_steps * optimizer_steps_per_grpo_step(cfg)
+
+
+def build_policy(cfg: MasterConfig, model, total_opt_steps: int) -> Policy:
+    """The trainer's ``Policy`` for ``model`` (optimizer, LR schedule over ``total_opt_steps``
+    optimizer steps, freeze policy, reference copy when the KL penalty is on)."""
+    p = cfg.policy
+    return Policy(
+        model,
+        lr=p.optimizer.lr,
+        weight_decay=p.optimizer.weight_decay,
+        betas=(p.optimizer.beta1, p.optimizer.beta2),
+        eps=p.optimizer.eps,
+        max_grad_norm=p.max_grad_norm,
+        freeze_indexer=p.freeze.indexer,
+        freeze_router_bias=p.freeze.router_bias,
+        freeze_patterns=p.freeze.patterns,
+        warmup_steps=p.scheduler.warmup_steps,
+        lr_schedule=p.scheduler.name,
+        total_steps=total_opt_steps,
+        min_lr_ratio=p.scheduler.min_lr_ratio,
+        reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
+        routing_replay=p.routing_replay,
+    )
+
+
+def build_loss_fn(lf: LossConfig) -> ClippedPGLossFn:
+    """The loss function described by the ``loss_fn`` config section."""
+    return ClippedPGLossFn(
+        lf.ratio_clip_min,
+        lf.ratio_clip_max,
+        lf.token_level_loss,
+        ratio_clip_c=lf.ratio_clip_c,
+        reference_policy_kl_penalty=lf.reference_policy_kl_penalty,
+        reference_policy_kl_type=lf.reference_policy_kl_type,
+        importance_sampling=lf.importance_sampling_type if lf.use_importance_sampling_correction else "none",
+        tis_max=lf.truncated_importance_sampling_ratio,
+        mis_min=lf.mis_ratio_min,
+        mis_max=lf.mis_ratio_max,
+    )
+
+
+def truncated_sampling_warning(cfg: MasterConfig) -> str | None:
+    """A warning when rollouts sample with top-p < 1 or top-k > 0, else None.
+
+    The trainer scores the temperature-only distribution (``m3_trainers.policy.token_logprobs``),
+    while the rollout logprobs the step uses (the mismatch metrics, and the importance weights
+    of ``loss_fn.use_importance_sampling_correction``, which ``m3_rollout.config`` refuses with
+    truncated sampling) come from the truncated one, so the two compare different distributions.
+    """
+    gen = cfg.policy.generation
+    keys = [f"policy.generation.top_p={gen.top_p}"] if gen.top_p < 1.0 else []
+    keys += [f"policy.generation.top_k={gen.top_k}"] if gen.top_k > 0 else []
+    if not keys:
+        return None
+    lf = cfg.loss_fn
+    return (
+        f"[warn] {' and '.join(keys)}: the rollout logprobs used in training come from the truncated "
+        f"sampling distribution, the trainer's from the full temperature-scaled one, so "
+        f"token_mult_prob_error / gen_kl_error (and importance weights, "
+        f"loss_fn.use_importance_sampling_correction={lf.use_importance_sampling_correction}) compare "
+        f"different distributions; set top_p=1.0 and top_k=-1 for training rollouts"
+    )
+
+
+def trajectory_advantages(trajs: Sequence[Trajectory], g: GRPOConfig) -> torch.Tensor:
+    """float32 [N] advantages of ``trajs`` grouped by ``group_index``, as ``grpo`` configures them
+    (``normalize_rewards``, ``use_leave_one_out_baseline``)."""
+    return group_advantages(
+        torch.tensor([t.reward for t in trajs]),
+        torch.tensor([t.group_index for t in trajs]),
+        g.normalize_rewards,
+        g.use_leave_one_out_baseline,
+    )
+
+
+_TOKEN_AVERAGED = (
+    "ratio_mean",
+    "clip_fraction",
+    "dual_clip_fraction",
+    "reference_kl",
+    "is_weight_mean",
+    "is_dropped_fraction",
+    "entropy",
+    "token_mult_prob_error",
+    "gen_kl_error",
+)
+
+
+def combine_optimizer_steps(steps: list[dict]) -> dict:
+    """Metrics of one GRPO step from its optimizer steps' (``Policy.train_step``) metrics:
+    token-weighted means of per-token figures, sums of tokens and seconds, max of maxima, mean of
+    loss and grad norm; lr of the first optimizer step; skipped if any optimizer step was."""
+    if len(steps) == 1:
+        return dict(steps[0])
+    out = dict(steps[-1])
+    w = [m["num_tokens"] for m in steps]
+    total = sum(w)
+    for k in _TOKEN_AVERAGED:
+        out[k] = sum(m[k] * n for m, n in zip(steps, w)) / total if total else steps[-1][k]
+    for k in ("num_tokens", "logprob_seconds", "train_seconds"):
+        out[k] = sum(m[k] for m in steps)
+    for k in ("ratio_max", "max_logprob_abs_diff"):
+        out[k] = max(m[k] for m in steps)
+    for k in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+        out[k] = sum(m[k] for m in steps) / len(steps)
+    out["lr"] = steps[0]["lr"]
+    out["skipped_step"] = any(m["skipped_step"] for m in steps)
+    return out
+
+
+@dataclass
+class StepResult:
+    """What :func:`train_step_on_groups` did.
+
+    Attributes:
+        batch: the padded batch trained on (row i = trajs[i]; overlong-filtered rows have mask 0).
+        advantages: float32 [N] advantages used.
+        metrics: :func:`combine_optimizer_steps` of the optimizer steps, with ``logprob_seconds``
+            including the logprobs computed once before the first update, the mismatch
+            (``token_mult_prob_error``, ``gen_kl_error``, ``max_logprob_abs_diff``) over the whole
+            batch when the batch spans several optimizer steps, ``overlong_filtered`` (trajectories
+            filtered) with overlong filtering, and ``routing_replay_coverage``
+            (fraction of token positions with a recorded route) when routing replay is on.
+        seconds: wall time of the training phase (logprobs and optimizer steps), seconds.
+    """
+
+    batch: TrainBatch
+    advantages: torch.Tensor
+    metrics: dict
+    seconds: float
+
+
+def train_step_on_groups(
+    policy: Policy,
+    loss_fn: ClippedPGLossFn,
+    trajs: Sequence[Trajectory],
+    cfg: MasterConfig,
+    temperature: float,
+    pad_id: int = 0,
+    advantages: torch.Tensor | None = None,
+) -> StepResult:
+    """Train one GRPO step on ``trajs`` (all groups of the step, ``group_index`` naming each group).
+
+    Args:
+        policy, loss_fn: the trainer (``build_policy``, ``build_loss_fn``).
+        trajs: the step's N trajectories in (group, sample) order; with ``grpo.overlong_filtering``
+            the truncated ones get loss_mask 0 in place (``apply_overlong_filter``).
+        cfg: the job config; ``grpo`` (advantages, ``overlong_filtering``) and ``policy``
+            (``train_global_batch_size``, ``train_micro_batch_size``, ``routing_replay``) are used.
+        temperature: sampling temperature the rollouts used (the trainer scores that distribution).
+        pad_id: token id of padding.
+        advantages: float [N] to train with (e.g. the values stored in a dump); None = computed
+            from the rewards by :func:`trajectory_advantages`.
+
+    Returns:
+        :class:`StepResult`.
+
+    Raises:
+        ValueError: non-finite rewards (from ``group_advantages``) or an inconsistent batch.
+    """
+    g, p = cfg.grpo, cfg.policy
+    adv = trajectory_advantages(trajs, g) if advantages is None else advantages.float()
+    filtered = apply_overlong_filter(trajs) if g.overlong_filtering else 0
+    batch = batch_from_trajectories(list(trajs), adv, pad_id=pad_id, with_routing=p.routing_replay)
+    t0 = time.perf_counter()
+    gbs = p.train_global_batch_size
+    prev = ref = None
+    if gbs < len(trajs):  # several optimizer steps: ratios against the rollout-time policy
+        prev = policy.get_logprobs(batch, temperature, p.train_micro_batch_size)
+        if loss_fn.needs_reference:
+            ref = policy.get_logprobs(batch, temperature, p.train_micro_batch_size, reference=True)
+    t_lp = time.perf_counter()
+    per_opt_step = []
+    for s in range(0, len(trajs), gbs):
+        mb = batch.slice(slice(s, s + gbs))
+        l = mb.token_ids.shape[1]
+        per_opt_step.append(
+            policy.train_step(
+                mb,
+                loss_fn,
+                temperature,
+                p.train_micro_batch_size,
+                None if prev is None else prev[s : s + gbs, :l],
+                None if ref is None else ref[s : s + gbs, :l],
+            )
+        )
+    metrics = combine_optimizer_steps(per_opt_step)
+    metrics["logprob_seconds"] = t_lp - t0 + metrics["logprob_seconds"]
+    if prev is not None:  # mismatch over the whole batch, not the last optimizer step's slice
+        metrics.update(mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask))
+    if g.overlong_filtering:
+        metrics["overlong_filtered"] = filtered
+    if p.routing_replay:
+        r = batch.routed_experts
+        metrics["routing_replay_coverage"] = 0.0 if r is None else float((r[..., 0, 0] >= 0).float().mean())
+    return StepResult(batch, adv, metrics, time.perf_counter() - t0)
