@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from m3_rollout.builtin import resolve_model
+    from m3_rollout.jobs.builtin import resolve_model
     from m3_rollout.server.cli import parse_args, serve
 
     args = parse_args(argv)
