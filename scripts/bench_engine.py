@@ -31,7 +31,8 @@ import torch
 from benchlib import machine as _machine
 from benchlib import random_model
 
-from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model import M3Config, M3ForCausalLM, load_hf_state_dict, tiny_config
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from m3_kernels.paged_layout import PagedMetadata
-from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.model import M3Config, M3ForCausalLM, tiny_config

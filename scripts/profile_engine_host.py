@@ -26,8 +26,10 @@ from pathlib import Path
 import torch
 from benchlib import random_model
 
-from m3_rollout.engine.engine import PHASES, EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.engine.stats import PHASES
 from m3_rollout.model import M3Config, tiny_config
 
 

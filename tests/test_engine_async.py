@@ -13,7 +13,8 @@ import pytest
 import torch
 from test_engine_core import _model  # tests/ is on sys.path under pytest
 
-from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
 
@@ -132,8 +133,8 @@ def test_abort_while_a_step_is_in_flight():
 
     def abort_g2(eng, calls):
         if calls == 6:
-            assert eng._inflight is not None  # a launched step holds g2's next token
-            state["tokens"] = {s.sample_index: len(s.token_ids) - s.prompt_len for s in eng._live["g2"]}
+            assert eng.step_in_flight  # a launched step holds g2's next token
+            state["tokens"] = {s.sample_index: len(s.token_ids) - s.prompt_len for s in eng.unfinished_samples("g2")}
             eng.abort("g2")
 
     asyn = _drive(_engine(True), reqs, abort_g2)
@@ -162,19 +163,19 @@ def test_pause_drains_weight_versions_and_abort_all():
         eng.add_request(r)
     for _ in range(4):
         eng.step()
-    assert eng._inflight is not None
+    assert eng.step_in_flight
     eng.pause()  # lands the step in flight; nothing runs until resume
-    assert eng._inflight is None and all(s.num_pending == 0 for s in eng.scheduler.running)
+    assert not eng.step_in_flight and all(s.num_pending == 0 for s in eng.scheduler.running)
     steps = eng.stats.steps
     eng.step()
     assert eng.stats.steps == steps and eng.step() == []
     eng.step(force_forward=True)  # EP lockstep: exactly one (empty) forward while paused
-    assert eng.stats.steps == steps + 1 and eng._inflight is None
+    assert eng.stats.steps == steps + 1 and not eng.step_in_flight
     eng.resume()
     eng.step()
-    assert eng._inflight is not None
+    assert eng.step_in_flight
     requeue = eng.abort_all()
-    assert eng._inflight is None and not eng.has_unfinished() and eng.metrics()["kv_pages_in_use"] == 0
+    assert not eng.step_in_flight and not eng.has_unfinished() and eng.metrics()["kv_pages_in_use"] == 0
     assert sum(r.params.n for r in requeue) == len(requeue) and len(requeue) > 0
 
 

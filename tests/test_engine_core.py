@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from m3_rollout.config import ConfigError, load_config
-from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config

@@ -12,7 +12,8 @@ import copy
 import pytest
 import torch
 
-from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
 from m3_rollout.parallel import shard_experts

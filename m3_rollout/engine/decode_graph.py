@@ -3,7 +3,7 @@
 Governing idea: a plain decode step (every row one query token, every row samples) has fixed
 shapes once the batch is padded to a captured size, so everything the GPU does for it can be
 replayed from CUDA graphs reading static buffers. The host writes the step's per-row numbers
-into a pinned staging array (:data:`STAGE_FIELDS`, int64 [F, S]) and the block tables (int32
+into the named fields of a pinned staging array (:class:`DecodeStage`, int64 [F, S]) and the block tables (int32
 [S, max_pages]), two views of one byte buffer (stage first, then the block-table rows), so one
 non-blocking copy of its first bytes moves a step to the device; the forward graph's prologue
 derives the model inputs from them (input ids of rows whose last token is still on the device
@@ -23,31 +23,66 @@ device (tests of the staged path on the CPU). Layout of the metadata: ``kernels/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.paged_cache import PagedKVCache
-from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, sample_rows, unpack_sampling, vocab_hash
+from m3_rollout.engine.sampler import (
+    NUM_SAMPLING_FIELDS,
+    pack_sampling,
+    sample_rows,
+    sampling_fields,
+    unpack_sampling,
+    vocab_hash,
+)
 from m3_rollout.model.numerics import compute_dtype
 
-# Rows of the int64 staging array; rows SAMPLING_ROW.. hold the packed sampling parameters
-# (sampler.SAMPLING_FIELDS order).
+# Fields of the int64 staging array, one row each, in this order; then the packed sampling
+# parameters (sampler.SAMPLING_FIELDS). Code reads them through DecodeStage, never by row number.
 STAGE_FIELDS = ("host_ids", "token_src", "positions", "slot_mapping", "context_lens", "seq_lens")
-SAMPLING_ROW = len(STAGE_FIELDS)
-NUM_STAGE_ROWS = SAMPLING_ROW + NUM_SAMPLING_FIELDS
+NUM_STAGE_ROWS = len(STAGE_FIELDS) + NUM_SAMPLING_FIELDS
+
+
+@dataclass
+class DecodeStage:
+    """Named views of the first s columns of a staging array (numpy on the host, torch on the
+    device); every field int64 [s].
+
+    host_ids: input id when it is on the host. token_src: -1 (use host_ids) or the index into the
+    runner's ``last_tokens`` holding the input id (sampled by the previous step, still on the
+    device). positions: the query token's position (= context_lens). slot_mapping: KV slot the
+    token is written to (-1 = nowhere). context_lens / seq_lens: tokens in the pages before / after
+    this step. sampling: int64 [NUM_SAMPLING_FIELDS, s], the packed sampling parameters
+    (``sampler.pack_sampling``).
+    """
+
+    host_ids: np.ndarray | torch.Tensor
+    token_src: np.ndarray | torch.Tensor
+    positions: np.ndarray | torch.Tensor
+    slot_mapping: np.ndarray | torch.Tensor
+    context_lens: np.ndarray | torch.Tensor
+    seq_lens: np.ndarray | torch.Tensor
+    sampling: np.ndarray | torch.Tensor
+
+    @classmethod
+    def of(cls, stage, s: int) -> DecodeStage:
+        """Views of ``stage`` (int64 [NUM_STAGE_ROWS, >= s]) columns 0..s-1."""
+        k = len(STAGE_FIELDS)
+        return cls(*(stage[i, :s] for i in range(k)), stage[k:, :s])
 
 
 def _pad_column() -> np.ndarray:
-    """int64 [F, 1]: the staging values of a padding row."""
+    """int64 [NUM_STAGE_ROWS, 1]: the staging values of a padding row (token 0 from the host at
+    position 0, written nowhere, seq_len 1, temperature 1, no top-k / top-p)."""
     col = np.zeros((NUM_STAGE_ROWS, 1), dtype=np.int64)
-    col[1] = -1  # token_src: host id (0)
-    col[3] = -1  # slot -1: never written
-    col[5] = 1  # seq_len 1
-    s = SAMPLING_ROW
-    col[s + 0].view(np.float64)[:] = 1.0  # temperature
-    col[s + 1] = -1  # top_k off
-    col[s + 2].view(np.float64)[:] = 1.0  # top_p off
+    pad = DecodeStage.of(col, 1)
+    pad.token_src[:] = -1
+    pad.slot_mapping[:] = -1
+    pad.seq_lens[:] = 1
+    pack_sampling(pad.sampling, [1.0], [-1], [1.0], [0], [0], [0], [False])
     return col
 
 
@@ -133,28 +168,37 @@ class CudaGraphDecode:
 
     # ---- captured bodies -------------------------------------------------------------------
     def _forward(self, s: int) -> torch.Tensor:
-        st = self.stage
+        st = DecodeStage.of(self.stage, s)
         if self.fused_sampler:  # one Triton launch instead of seven small torch kernels
             from m3_rollout.engine.sampler_triton import decode_prologue
 
-            decode_prologue(st, s, self.last_tokens, self.input_ids, self.context_lens, self.seq_lens)
+            decode_prologue(
+                st.host_ids,
+                st.token_src,
+                st.context_lens,
+                st.seq_lens,
+                self.last_tokens,
+                self.input_ids,
+                self.context_lens,
+                self.seq_lens,
+            )
         else:
-            src = st[1, :s]
-            ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], st[0, :s])
+            src = st.token_src
+            ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], st.host_ids)
             self.input_ids[:s].copy_(ids)
-            self.context_lens[:s].copy_(st[4, :s])
-            self.seq_lens[:s].copy_(st[5, :s])
+            self.context_lens[:s].copy_(st.context_lens)
+            self.seq_lens[:s].copy_(st.seq_lens)
         meta = PagedMetadata(
-            st[2, :s],
-            st[3, :s],
-            self.block_tables[:s],
-            self.context_lens[:s],
-            self.seq_lens[:s],
-            self.query_start_loc[: s + 1],
-            s,
-            1,
-            1,
-            self.max_model_len,
+            positions=st.positions,
+            slot_mapping=st.slot_mapping,
+            block_tables=self.block_tables[:s],
+            context_lens=self.context_lens[:s],
+            seq_lens=self.seq_lens[:s],
+            query_start_loc=self.query_start_loc[: s + 1],
+            num_decodes=s,
+            decode_query_len=1,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
         )
         return self.model.forward_paged(self.input_ids[:s], meta, self.kv)  # [s, V]
 
@@ -167,20 +211,20 @@ class CudaGraphDecode:
         if self.fused_sampler and not (need_top_k or need_top_p):
             from m3_rollout.engine.sampler_triton import keyed_gumbel_sample
 
-            p = self.stage[SAMPLING_ROW:, :s]
+            p = sampling_fields(DecodeStage.of(self.stage, s).sampling)
             keyed_gumbel_sample(
                 logits,
-                p[0].view(torch.float64),
-                p[3],
-                p[4],
-                p[5],
-                p[6],
+                p.temperature.view(torch.float64),
+                p.seed,
+                p.sample_id,
+                p.position,
+                p.raw,
                 vocab_hash(logits.shape[1], logits.device),
                 self.out[: 2 * s],
                 self.last_tokens,
             )
             return out
-        params, positions, raw = unpack_sampling(self.stage[SAMPLING_ROW:, :s])
+        params, positions, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
         tokens, lps = sample_rows(
             logits.to(compute_dtype(logits.dtype)), params, positions, raw, need_top_k, need_top_p
         )
@@ -215,17 +259,22 @@ class CudaGraphDecode:
     def size_for(self, rows: int) -> int | None:
         return next((s for s in self.sizes if s >= rows and s in self.graphs), None)
 
-    def stage_rows(self, rows: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """Host staging for a step of ``rows`` rows: (stage int64 [F, s] with the padding rows
-        already filled, block tables int32 [s, max_pages] filled with -1 / the null page,
-        padded size s). The caller writes rows 0..rows-1 (all F fields and the block tables)."""
+    def stage_rows(self, rows: int) -> tuple[DecodeStage, np.ndarray, int]:
+        """Host staging for a step of ``rows`` rows, padded to a captured size s (padding rows
+        already filled): (the stage fields of rows 0..rows-1, their block tables int32
+        [rows, max_pages] filled with -1, s). The caller fills every field and the block tables
+        (``model_runner.prepare_decode``, ``sampler.pack_sampling``)."""
         s = self.size_for(rows)
         self.flip ^= 1
         st, bt = self.stage_np[self.flip][:, :s], self.bt_np[self.flip][:s]
         st[:, rows:s] = self.pad
         bt.fill(-1)
         bt[rows:s, 0] = self.null_page
-        return st, bt, s
+        return DecodeStage.of(st, rows), bt[:rows], s
+
+    def device_stage(self, rows: int) -> DecodeStage:
+        """Device views of the staged fields of rows 0..rows-1 (valid once the step is launched)."""
+        return DecodeStage.of(self.stage, rows)
 
     def launch(self, s: int, need_top_k: bool, need_top_p: bool) -> torch.Tensor:
         """Copy the staged step in and replay size ``s``; returns the device int64 [2 * s]

@@ -1,11 +1,11 @@
 """LLMEngine: requests in, one model forward per ``step()``, sampled tokens out.
 
-Governing idea: the engine core loop of vLLM v1 / nano-vllm in one place. ``add_request``
-validates and expands a request into sequences (leader + children to fork); ``step`` asks the
-scheduler for a plan, builds the step's tensors (model_runner), runs exactly one
-``forward_paged``, samples every row whose chunk reached its last token in one vectorised
-sampler call (a group leader's logits row is shared by its n samples), forks children after the
-prompt's prefill, and turns finished sequences into :class:`SampleOutput` records.
+Governing idea: the engine core loop of vLLM v1 / nano-vllm. ``add_request`` validates a request
+once (``requests.py``) and expands it into sequences (leader + children to fork); ``step`` asks
+the scheduler for a plan, launches exactly one ``forward_paged`` + sampler call for it
+(``launch.py``; a group leader's logits row is shared by its n samples), forks children after the
+prompt's prefill, and turns finished sequences into :class:`SampleOutput` records. Sizes:
+``config.py``; counters and ``metrics()``: ``stats.py``; re-scoring: ``score.py``.
 
 A step is launched (forward + sampler + one non-blocking copy of the sampled ids / logprobs to
 the host) and processed (tokens appended, forks, stop checks, outputs) as two phases. Synchronous
@@ -21,155 +21,24 @@ Step API contract: /work/notes/contracts.md ("Engine step API").
 from __future__ import annotations
 
 import dataclasses
-import numbers
-import operator
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
-from m3_rollout.engine.decode_graph import SAMPLING_ROW
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
-from m3_rollout.engine.model_runner import ModelRunner, SampleBatch, StepLaunch, meta_to, prepare_inputs
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.engine.launch import LaunchedStep, StepLauncher
+from m3_rollout.engine.model_runner import ModelRunner
 from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
-from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling
-from m3_rollout.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
+from m3_rollout.engine.requests import CheckedRequest, check_prompt, check_request, error_outputs, sample_groups
+from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
+from m3_rollout.engine.score import check_score_temperature, score_tokens
 from m3_rollout.engine.sequence import SeqStatus, Sequence
+from m3_rollout.engine.stats import EngineStats, engine_metrics
 from m3_rollout.model.numerics import compute_dtype
-
-CPU_AUTO_KV_BYTES = 256 * 2**20  # cap of the automatic CPU page pool (pages are zero-filled up front)
-
-
-def _is_index(t) -> bool:
-    try:
-        operator.index(t)
-        return True
-    except TypeError:
-        return False
-
-
-def _token_ids(ids) -> list[int]:
-    """Token ids as plain ints (Python / numpy ints, 0-d integer tensors); TypeError for floats,
-    strings and other non-integers (never silently truncated)."""
-    return [operator.index(t) for t in ids]
-
-
-@dataclass
-class EngineConfig:
-    """Engine sizes and switches.
-
-    Attributes:
-        max_model_len: longest sequence (prompt + generated), tokens.
-        max_num_seqs: most running samples per step.
-        max_num_batched_tokens: per-step token budget (decodes + prefill chunks).
-        kv_cache_memory_gb: KV page pool size in GiB; 0 = automatic: on CUDA
-            ``kv_cache_memory_fraction`` of the free device memory, elsewhere room for
-            ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most ``CPU_AUTO_KV_BYTES``.
-        num_pages: explicit page count (overrides the memory budget; tests).
-        enable_prefix_caching: reuse full pages across requests (GRPO groups, multi-turn).
-        enable_cuda_graphs: capture decode steps (forward + sampler) on CUDA (GPU-only; ignored elsewhere).
-            "eager": the same staged decode path with the bodies run eagerly (any device; tests).
-        async_scheduling: launch step N+1 before step N's sampled ids reach the host and process
-            step N's outputs while the device runs N+1 (hides the host's per-step work behind the
-            GPU; same tokens and logprobs as synchronous stepping). None = on for CUDA, off
-            elsewhere (on the CPU nothing overlaps; outputs then come one ``step()`` later).
-        fused_sampler: decode graphs sample with Triton kernels (``engine/sampler_triton.py``,
-            same tokens as the PyTorch sampler) unless a row uses top-k / top-p, and build their
-            inputs with one Triton launch; None = on CUDA.
-        eos_token_ids: tokens that end every sample.
-    """
-
-    max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    kv_cache_memory_gb: float = 0.0
-    kv_cache_memory_fraction: float = 0.8
-    num_pages: int | None = None
-    enable_prefix_caching: bool = True
-    enable_cuda_graphs: bool | str = False
-    # Padded decode batch sizes captured (default 1, 2, 4, 8, 16, 32, 64, 128, 256 and
-    # max_num_seqs, each capped at max_num_seqs); fewer sizes = faster start.
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    async_scheduling: bool | None = None
-    fused_sampler: bool | None = None
-    # Routing record (issue 6): SampleOutput.routed_experts = expert ids of every MoE layer for
-    # every token, kept per KV page (m3_rollout/parallel/routing_record.py).
-    record_routing: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-
-    def validate(self) -> EngineConfig:
-        """Raises ValueError naming the bad field."""
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)}: must be >= 1")
-        if self.kv_cache_memory_gb < 0:
-            raise ValueError(f"EngineConfig.kv_cache_memory_gb={self.kv_cache_memory_gb}: must be >= 0 (0 = auto)")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: in (0, 1]")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"EngineConfig.num_pages={self.num_pages}: must be >= 1")
-        return self
-
-    def resolve_num_pages(self, page_size: int, bytes_per_page: int, device: torch.device) -> int:
-        if self.num_pages is not None:
-            return self.num_pages
-        if self.kv_cache_memory_gb > 0:
-            return int(self.kv_cache_memory_gb * 2**30 // bytes_per_page)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * self.kv_cache_memory_fraction // bytes_per_page)
-        want = self.max_num_seqs * -(-self.max_model_len // page_size)
-        floor = -(-self.max_model_len // page_size)  # one full-length sequence
-        return max(floor, min(want, CPU_AUTO_KV_BYTES // bytes_per_page))
-
-
-@dataclass
-class EngineStats:
-    """Counters behind :meth:`LLMEngine.metrics` (host numbers only)."""
-
-    steps: int = 0
-    forward_seconds: float = 0.0
-    generated_tokens: int = 0
-    prompt_tokens_computed: int = 0  # prompt positions whose K/V were computed (not prefix hits)
-    batched_tokens: int = 0
-    rows: int = 0
-    forks: int = 0
-    # Async scheduling: decode rows whose input id was taken on the device (the previous step's
-    # sampled id, not yet on the host), and sampled tokens dropped because their sample had
-    # finished or was aborted while the step ran.
-    device_input_rows: int = 0
-    dropped_tokens: int = 0
-    graph_steps: int = 0  # steps run on the decode graphs
-    # Host seconds per step phase (perf_counter; always on, ~0.1 us per reading): schedule,
-    # prepare (step tensors), forward (launch; includes the graph fill), sample (sampler launch),
-    # sync (waiting for the sampled ids / logprobs on the host), output (bookkeeping, stop checks).
-    phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-
-
-PHASES = ("schedule", "prepare", "forward", "sample", "sync", "output")
-
-
-@dataclass
-class _Launched:
-    """A step whose forward + sampler were launched: what processing its results needs.
-
-    samples: sequences sampled, in device order (the scheduled rows that sample first, then
-    forked-to-be children); order: processing order (each leader followed by its children);
-    leaders: the scheduled rows that sample; index: seq_id -> position in ``samples`` (a pending
-    row's input for the next step is ``last_tokens[index]``); version: weights that ran it.
-    """
-
-    rows: list[ScheduledRow]
-    samples: list[Sequence]
-    order: list[int]
-    leaders: list[Sequence]
-    index: dict[int, int]
-    result: StepLaunch
-    version: int
 
 
 class LLMEngine:
@@ -188,6 +57,7 @@ class LLMEngine:
         self.model_config = model.config
         weight = model.lm_head.weight
         self.device, self.kv_dtype = weight.device, weight.dtype
+        self.sampler_dtype = compute_dtype(self.kv_dtype)  # what the sampler divides logits in
         ps = self.model_config.sparse_block_size
         num_pages = config.resolve_num_pages(ps, page_bytes(self.model_config, self.kv_dtype), self.device)
         if num_pages * ps < config.max_model_len:
@@ -213,8 +83,8 @@ class LLMEngine:
         self.async_scheduling = (
             self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling)
         )
-        self._inflight: _Launched | None = None  # async scheduling: the launched, unprocessed step
-        self.routing = None  # RoutingCache when config.record_routing (hooks: step, _fork, _routed)
+        self._inflight: LaunchedStep | None = None  # async scheduling: the launched, unprocessed step
+        self.routing = None  # RoutingCache when config.record_routing (hooks: launch, _fork, _routed)
         if config.record_routing:
             from m3_rollout.parallel.routing_record import RoutingCache
 
@@ -231,61 +101,32 @@ class LLMEngine:
         self._next_seq = 0
         self._next_req = 0
         self.stats = EngineStats()
-        self._t0 = time.perf_counter()
+        self.launcher = StepLauncher(self.runner, self.stats, self.routing)
 
     # ---- requests ------------------------------------------------------------------------
-    def _check_request(self, req: GenerationRequest) -> str | None:
-        """Error text naming the bad field, or None."""
+    def check_request(self, req: GenerationRequest) -> CheckedRequest:
+        """Validate ``req`` for this engine (``requests.check_request``; refused while
+        ``refuse_reason`` is set). Raises ValueError naming the bad field."""
         if self.refuse_reason is not None:
-            return self.refuse_reason
-        p = req.params
-        try:
-            p.validate()
-        except ValueError as exc:
-            return str(exc)
-        idx = req.sample_index
-        if not isinstance(idx, numbers.Integral) or not -(2**63) <= idx <= 2**63 - p.n:
-            return (
-                f"GenerationRequest.sample_index={idx!r}: samples sample_index .. sample_index + n - 1 "
-                "must be integers in [-2**63, 2**63) (they key the sampler's int64 hash)"
-            )
-        try:
-            ids = _token_ids(req.prompt_ids)
-        except TypeError:
-            bad = next(t for t in req.prompt_ids if not _is_index(t))
-            return f"GenerationRequest.prompt_ids: token ids must be integers, got {bad!r}"
-        vocab = self.model_config.vocab_size
-        if not ids:
-            return "GenerationRequest.prompt_ids: empty prompt"
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            return f"GenerationRequest.prompt_ids: token id {bad} outside the vocabulary [0, {vocab})"
-        if len(ids) >= self.config.max_model_len:
-            return (
-                f"GenerationRequest.prompt_ids: prompt of {len(ids)} tokens leaves no room under "
-                f"max_model_len={self.config.max_model_len}"
-            )
-        if p.stop_strings and self.detokenize is None:
-            return "SamplingParams.stop_strings: this engine has no detokenize callback"
-        return None
-
-    def _error_outputs(self, req: GenerationRequest, error: str) -> list[SampleOutput]:
-        return [
-            SampleOutput(
-                req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], "error", self._version, error=error
-            )
-            for j in range(max(req.params.n, 1))
-        ]
+            raise ValueError(self.refuse_reason)
+        return check_request(
+            req,
+            self.model_config.vocab_size,
+            self.config.max_model_len,
+            self.sampler_dtype,
+            self.detokenize is not None,
+        )
 
     def add_request(self, req: GenerationRequest, stream: bool = False) -> None:
-        """Queue ``req`` as ``params.n`` samples (sample_index + j). A bad request does not raise:
-        its error records (one per sample, one if n < 1) come out of the next ``step()``."""
-        error = self._check_request(req)
-        if error is not None:
-            self._pending.extend(self._error_outputs(req, error))
+        """Queue ``req`` as ``params.n`` samples (sample_index + j), in groups of at most
+        ``max_num_seqs`` (``requests.sample_groups``). A bad request does not raise: its error
+        records (one per sample, one if n is not a valid count) come out of the next ``step()``."""
+        try:
+            checked = self.check_request(req)
+        except ValueError as exc:
+            self._pending.extend(error_outputs(req, str(exc), self._version))
             return
-        p = req.params
-        prompt = _token_ids(req.prompt_ids)  # plain ints (numpy / 0-d tensor ids normalised)
+        p, prompt = checked.params, checked.prompt_ids
         max_len = min(len(prompt) + p.max_new_tokens, self.config.max_model_len)
         stops = self.eos | frozenset(p.stop_token_ids)
         key = self._next_req
@@ -293,13 +134,16 @@ class LLMEngine:
         seqs = []
         for j in range(p.n):
             seqs.append(
-                Sequence(self._next_seq, req.request_id, key, req.sample_index + j, p, prompt, stops, max_len, stream)
+                Sequence(
+                    self._next_seq, req.request_id, key, checked.sample_index + j, p, prompt, stops, max_len, stream
+                )
             )
             self._next_seq += 1
-        leader = seqs[0]
-        leader.children = seqs[1:]
         self._live.setdefault(req.request_id, []).extend(seqs)
-        self.scheduler.add(leader)
+        for group in sample_groups(p.n, self.config.max_num_seqs):
+            leader = seqs[group.start]
+            leader.children = seqs[group.start + 1 : group.stop]
+            self.scheduler.add(leader)
 
     def abort(self, request_id: str) -> None:
         """Stop every sample of ``request_id``; each yields a finish_reason "abort" record next step."""
@@ -329,6 +173,15 @@ class LLMEngine:
                     )
                 )
         return out
+
+    def unfinished_samples(self, request_id: str) -> list[Sequence]:
+        """The unfinished sequences of ``request_id`` (empty when none)."""
+        return list(self._live.get(request_id, ()))
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step's results are not processed yet (async scheduling)."""
+        return self._inflight is not None
 
     def has_unfinished(self) -> bool:
         return bool(self._live) or bool(self._pending) or self._inflight is not None
@@ -370,7 +223,7 @@ class LLMEngine:
         self.drain()
         running = list(self.scheduler.running)
         for seq in reversed(running):
-            self.scheduler._preempt(seq, SchedulerOutput())
+            self.scheduler.preempt(seq)
         return len(running)
 
     # ---- the step ------------------------------------------------------------------------
@@ -394,7 +247,7 @@ class LLMEngine:
             if self._inflight is not None:
                 outputs.extend(self._finish_inflight())
             return outputs
-        launched = self._launch(plan)
+        launched = self.launcher.launch(plan, self._inflight, self._version)
         if self._inflight is not None:
             outputs.extend(self._finish_inflight())
         self._commit(plan)
@@ -416,142 +269,6 @@ class LLMEngine:
         launched, self._inflight = self._inflight, None
         return self._process(launched)
 
-    def _launch(self, plan: SchedulerOutput) -> _Launched:
-        """Build the step's inputs and start forward + sampler + result copy on the device."""
-        ph = self.stats.phase_seconds
-        t0 = time.perf_counter()
-        rows = plan.rows
-        prev = self._inflight
-        leaders = [r.seq for r in rows if r.sample]
-        samples, expand, order = list(leaders), None, []
-        for i, seq in enumerate(leaders):
-            order.append(i)
-            if seq.num_pending:  # its children were sampled with the step in flight (fork pending)
-                continue
-            for child in seq.children:  # the prompt's last logits serve the whole group
-                order.append(len(samples))
-                samples.append(child)
-                if expand is None:
-                    expand = list(range(len(leaders)))
-                expand.append(i)
-        n_rows = len(rows)
-        size = None
-        if (
-            self.runner.graphs is not None
-            and n_rows
-            and plan.num_decodes == n_rows
-            and expand is None
-            and len(leaders) == n_rows
-        ):
-            size = self.runner.graph_size(n_rows)
-        if size is not None:
-            self.stats.graph_steps += 1
-            result, slot_mapping = self._launch_graph(rows, prev, size, samples, t0)
-        else:
-            result, slot_mapping = self._launch_eager(plan, prev, samples, expand, t0)
-        t1 = time.perf_counter()
-        if self.routing is not None:
-            self.routing.record(slot_mapping, self.model)
-        st = self.stats
-        st.device_input_rows += sum(1 for r in rows if r.seq.num_pending)
-        for seq in leaders:
-            seq.num_pending += 1
-        st.steps += 1
-        st.rows += n_rows
-        st.batched_tokens += plan.num_batched_tokens
-        ph["forward"] += time.perf_counter() - t1
-        return _Launched(
-            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, self._version
-        )
-
-    @staticmethod
-    def _sampling_columns(samples: list[Sequence]):
-        """(temperature, top_k, top_p, seed, sample_index, position, raw) columns of the sample rows;
-        position = the index the sampled token will take (``num_tokens`` before it)."""
-        temp, top_k, top_p, seed, sid, raw = zip(*[s.sampling_key for s in samples])
-        return temp, top_k, top_p, seed, sid, [s.num_tokens for s in samples], raw
-
-    @staticmethod
-    def _sampling_flags(cols) -> tuple[bool, bool, str]:
-        _, top_k, top_p, _, _, _, raw = cols
-        n_raw = sum(raw)
-        mode = "processed" if n_raw == 0 else "raw" if n_raw == len(raw) else "mixed"
-        return max(top_k) > 0, min(top_p) < 1, mode
-
-    def _launch_graph(self, rows, prev, size: int, samples, t0: float):
-        """Plain decode step on the captured graphs: fill the pinned staging rows, replay."""
-        ph = self.stats.phase_seconds
-        n = len(rows)
-        graphs = self.runner.graphs
-        st, bt, s = graphs.stage_rows(n)
-        ps = self.kv.page_size
-        ids, src, ctx, slot = [], [], [], []
-        for i, r in enumerate(rows):
-            q = r.seq
-            c, table = q.num_computed, q.block_table
-            bt[i, : len(table)] = table
-            if q.num_pending:
-                ids.append(0)
-                src.append(prev.index[q.seq_id])
-            else:
-                ids.append(q.token_ids[c])
-                src.append(-1)
-            ctx.append(c)
-            slot.append(table[c // ps] * ps + c % ps)
-        st[0, :n] = ids
-        st[1, :n] = src
-        st[2, :n] = ctx
-        st[3, :n] = slot
-        st[4, :n] = ctx
-        st[5, :n] = st[4, :n] + 1
-        t1 = time.perf_counter()
-        ph["prepare"] += t1 - t0
-        cols = self._sampling_columns(samples)
-        pack_sampling(st[SAMPLING_ROW:, :n], *cols)
-        need_k, need_p, _ = self._sampling_flags(cols)
-        t2 = time.perf_counter()
-        ph["sample"] += t2 - t1
-        result = self.runner.launch_graph(n, s, need_k, need_p)
-        ph["forward"] += time.perf_counter() - t2
-        return result, graphs.stage[3, :n]
-
-    def _launch_eager(self, plan: SchedulerOutput, prev, samples, expand, t0: float):
-        ph = self.stats.phase_seconds
-        rows = plan.rows
-        chunks, token_src, pending = [], [], False
-        for r in rows:
-            q = r.seq
-            if q.num_pending:  # its input is the previous step's sampled id, still on the device
-                assert r.num_tokens == 1 and prev is not None, f"{q}: pending token outside a decode row"
-                chunks.append([0])
-                token_src.append(prev.index[q.seq_id])
-                pending = True
-            else:
-                chunks.append(q.token_ids[q.num_computed : q.num_computed + r.num_tokens])
-                token_src.extend([-1] * r.num_tokens)
-        inputs = prepare_inputs(
-            chunks,
-            [r.seq.num_computed for r in rows],
-            [r.seq.block_table for r in rows],
-            self.kv.page_size,
-            plan.num_decodes,
-            [r.sample for r in rows],
-        )
-        t1 = time.perf_counter()
-        ph["prepare"] += t1 - t0
-        sampling = None
-        if samples:
-            cols = self._sampling_columns(samples)
-            packed = np.empty((NUM_SAMPLING_FIELDS, len(samples)), dtype=np.int64)
-            pack_sampling(packed, *cols)
-            need_k, need_p, mode = self._sampling_flags(cols)
-            sampling = SampleBatch(packed, expand, need_k, need_p, mode, sum(1 for r in rows if r.sample))
-        t2 = time.perf_counter()
-        ph["sample"] += t2 - t1
-        result = self.runner.launch(inputs, token_src if pending else None, sampling)
-        ph["forward"] += time.perf_counter() - t2
-        return result, inputs.meta.slot_mapping
-
     def _commit(self, plan: SchedulerOutput) -> None:
         """Count the launched step's tokens as computed; register newly full pages (their
         tokens are all on the host by now: the previous step's outputs were processed)."""
@@ -572,7 +289,7 @@ class LLMEngine:
                 register(seq)
         self.stats.phase_seconds["output"] += time.perf_counter() - t0
 
-    def _process(self, launched: _Launched) -> list:
+    def _process(self, launched: LaunchedStep) -> list:
         """Wait for a launched step's sampled ids / logprobs; append them, fork, stream, finish."""
         ph = self.stats.phase_seconds
         t0 = time.perf_counter()
@@ -674,55 +391,32 @@ class LLMEngine:
         )
 
     # ---- scoring and metrics --------------------------------------------------------------
-    @torch.no_grad()
     def score(self, token_ids: Seq[int], positions: Seq[int] | None = None, temperature: float = 1.0) -> torch.Tensor:
         """Prompt logprobs of a stored trajectory under the served weights (re-scoring).
 
         Runs the sequence through the paged path in chunks of ``max_num_batched_tokens`` on
         pages borrowed for the call (call between steps; no prefix reuse, every position's
-        logits are needed).
+        logits are needed; ``score.py``).
 
         Args:
-            token_ids: [L] ints. positions: optional indices i (1 <= i < L) to return; default all.
+            token_ids: [L] ints. positions: optional indices i (0 <= i < L) to return; default all.
             temperature: logits are divided by it (the trainer's convention).
         Returns:
             fp32 (fp64 for an fp64 model) [L] with entry 0 = 0 and entry i = log p(token_i | tokens_<i)
             or, with ``positions``, [len(positions)] of those entries.
         Raises:
-            ValueError: empty / too long / out-of-vocabulary ids, bad positions or temperature <= 0;
+            ValueError: empty / too long / out-of-vocabulary ids, bad positions, or a temperature
+            that is not finite, <= 0 or so small that logits / temperature overflows;
             RuntimeError: not enough free KV pages now.
         """
-        if not temperature > 0:
-            raise ValueError(f"score temperature={temperature}: must be > 0")
+        temperature = check_score_temperature(temperature, self.sampler_dtype)
         self.drain()
-        ids = list(token_ids)
-        req_err = self._check_request(GenerationRequest("score", ids, SamplingParams()))
-        if req_err is not None and not (len(ids) == self.config.max_model_len and "max_model_len" in req_err):
-            raise ValueError(req_err.replace("GenerationRequest.prompt_ids", "score token_ids"))
-        ids = _token_ids(ids)
-        seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
-        bm = self.block_manager
-        if not bm.ensure(seq, len(ids)):
-            raise RuntimeError(
-                f"score: {bm.pages_for(len(ids))} KV pages needed, {bm.num_free_pages} free; "
-                "call it when fewer requests are running"
-            )
-        try:
-            chunks = []
-            step = self.config.max_num_batched_tokens
-            for start in range(0, len(ids), step):
-                chunk = ids[start : start + step]
-                inp = prepare_inputs([chunk], [start], [seq.block_table], self.kv.page_size, 0)
-                logits = self.model.forward_paged(
-                    inp.input_ids.to(self.device), meta_to(inp.meta, self.device), self.kv
-                )
-                chunks.append(logits.to(compute_dtype(logits.dtype)).cpu())
-        finally:
-            bm.free_seq(seq)
-        logits = torch.cat(chunks) / temperature  # [L, V]
-        tgt = torch.tensor(ids[1:], dtype=torch.int64)
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, tgt[:, None]).squeeze(1)
-        lp = torch.cat([torch.zeros(1, dtype=lp.dtype), lp])  # [L]
+        if self.refuse_reason is not None:
+            raise ValueError(self.refuse_reason)
+        ids = check_prompt(
+            token_ids, self.model_config.vocab_size, self.config.max_model_len, "score token_ids", room_for_output=False
+        )
+        lp = score_tokens(self.model, self.kv, self.block_manager, ids, self.config.max_num_batched_tokens, temperature)
         if positions is None:
             return lp
         pos = torch.tensor(list(positions), dtype=torch.int64)
@@ -731,27 +425,6 @@ class LLMEngine:
         return lp[pos]
 
     def metrics(self) -> dict:
-        """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step."""
-        st, bm = self.stats, self.block_manager
-        return {
-            "kv_pages_in_use": bm.num_used_pages,
-            "kv_pages_total": bm.num_pages,
-            "kv_usage": bm.num_used_pages / bm.num_pages,
-            "prefix_cache_hit_rate": bm.hit_rate,
-            "prefix_cache_hit_tokens": bm.hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "generated_tokens": st.generated_tokens,
-            "prompt_tokens_computed": st.prompt_tokens_computed,
-            "steps": st.steps,
-            "forks": st.forks,
-            "async_scheduling": self.async_scheduling,
-            "device_input_rows": st.device_input_rows,
-            "dropped_tokens": st.dropped_tokens,
-            "graph_steps": st.graph_steps,
-            "generation_tokens_per_s": st.generated_tokens / st.forward_seconds if st.forward_seconds else 0.0,
-            "mean_batch_rows_per_step": st.rows / st.steps if st.steps else 0.0,
-            "mean_tokens_per_step": st.batched_tokens / st.steps if st.steps else 0.0,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            **{f"host_ms_per_step_{k}": 1000 * v / st.steps if st.steps else 0.0 for k, v in st.phase_seconds.items()},
-        }
+        """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step
+        (``stats.engine_metrics``)."""
+        return engine_metrics(self.stats, self.block_manager, self.scheduler, self.async_scheduling)

@@ -10,11 +10,62 @@ NCCL weight-sync path uses.
 from __future__ import annotations
 
 import abc
+import math
 import numbers
+import operator
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+# NOTE (temperature floor): the sampler divides the logits by the temperature in its compute
+# dtype (fp32; fp64 for an fp64 model). A trained model's logits stay far below MAX_ABS_LOGIT, so
+# a temperature >= MAX_ABS_LOGIT / finfo(dtype).max keeps logits / temperature finite; a smaller
+# one can overflow to inf, and inf - inf makes the step's logprobs NaN (and the sampled id padding).
+MAX_ABS_LOGIT = 2.0**20
+
+
+def min_temperature(dtype: torch.dtype) -> float:
+    """Smallest temperature the sampler can divide logits of magnitude <= ``MAX_ABS_LOGIT`` by in
+    ``dtype`` without overflow (fp32: ~3.1e-33, fp64: ~5.8e-303)."""
+    return MAX_ABS_LOGIT / torch.finfo(dtype).max
+
+
+def as_int(value) -> int:
+    """``value`` as a plain int: Python / numpy integers and 0-d integer tensors.
+
+    Raises TypeError for bools (True is not a count or a token id), floats (never truncated),
+    strings and anything else.
+    """
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{value!r} is a bool, not an integer")
+    return operator.index(value)
+
+
+def _int_field(name: str, value, low: int, why: str = "") -> int:
+    """``value`` as an int in [low, 2**63) (the sampler packs int64) or ValueError naming
+    ``SamplingParams.<name>``."""
+    try:
+        v = as_int(value)
+    except TypeError:
+        v = None
+    if v is None or not low <= v < 2**63:
+        bound = "in [-2**63, 2**63)" if low == -(2**63) else f">= {low} and < 2**63"
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be an integer {bound}{why}")
+    return v
+
+
+def _float_field(name: str, value) -> float:
+    """``value`` as a finite float (ints and numpy floats accepted) or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be a finite real number")
+    return float(value)
+
+
+def _tuple_field(name: str, value, what: str) -> tuple:
+    if not isinstance(value, (tuple, list)):
+        raise ValueError(f"SamplingParams.{name}={value!r}: must be a tuple of {what}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -23,7 +74,8 @@ class SamplingParams:
 
     ``seed`` and the sample index key all randomness: sample j of a request draws position p's
     token from uniforms keyed by (seed, sample_index + j, p), so reruns repeat and the n samples
-    of a group differ.
+    of a group differ. :meth:`validate` checks every field's type and range (the engine calls it
+    once per request; a bad field fails that request alone).
     """
 
     n: int = 1
@@ -38,27 +90,67 @@ class SamplingParams:
     # callback); the tokens that completed the string are kept.
     stop_strings: tuple[str, ...] = ()
 
-    def validate(self) -> None:
-        """Raises ValueError naming the bad field."""
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n={self.n}: must be >= 1")
-        if not self.temperature > 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be > 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be -1 (off) or >= 1")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: must be >= 1")
+    @property
+    def num_outputs(self) -> int:
+        """Output records a request with these params yields: ``n``, or 1 (its one error record)
+        when ``n`` is not a valid count."""
+        try:
+            return max(as_int(self.n), 1)
+        except TypeError:
+            return 1
+
+    def validate(self, compute_dtype: torch.dtype | None = None) -> SamplingParams:
+        """Check every field once; return a copy holding plain Python values (int, float, tuple).
+
+        Integers must be integers (bools, floats and strings are not), floats finite and in range.
+        ``compute_dtype``: the sampler's dtype (fp32, or fp64 for an fp64 model); when given, a
+        temperature below :func:`min_temperature` of it is rejected (logits / temperature would
+        overflow it).
+
+        Raises:
+            ValueError naming the field, its value and the accepted range.
+        """
+        n = _int_field("n", self.n, 1)
+        temperature = _float_field("temperature", self.temperature)
+        if not temperature > 0:
+            raise ValueError(
+                f"SamplingParams.temperature={self.temperature!r}: must be > 0 (this engine has no greedy "
+                "temperature=0 mode; a small temperature such as 1e-4 samples the argmax token)"
+            )
+        if compute_dtype is not None and temperature < min_temperature(compute_dtype):
+            floor = min_temperature(compute_dtype)
+            raise ValueError(
+                f"SamplingParams.temperature={self.temperature!r}: logits / temperature overflows the sampler's "
+                f"{compute_dtype} (NaN logprobs); the smallest usable temperature is {floor:.3g}. This engine has "
+                "no greedy temperature=0 mode: for greedy decoding use a small temperature such as 1e-4"
+            )
+        top_p = _float_field("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
+        top_k = _int_field("top_k", self.top_k, -1, why=" (-1 = off)")
+        if top_k == 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k!r}: must be -1 (off) or >= 1")
+        max_new_tokens = _int_field("max_new_tokens", self.max_new_tokens, 1)
+        stop_ids = _tuple_field("stop_token_ids", self.stop_token_ids, "integer token ids")
+        for t in stop_ids:
+            _int_field("stop_token_ids", t, 0, why=f" token id (in {self.stop_token_ids!r})")
+        seed = _int_field("seed", self.seed, -(2**63), why=" (it keys the sampler's int64 hash)")
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"SamplingParams.logprobs_mode={self.logprobs_mode!r}: 'processed' or 'raw'")
-        if not isinstance(self.seed, numbers.Integral) or not -(2**63) <= self.seed < 2**63:
-            raise ValueError(
-                f"SamplingParams.seed={self.seed!r}: must be an integer in [-2**63, 2**63) "
-                "(it keys the sampler's int64 hash)"
-            )
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+        stop_strings = _tuple_field("stop_strings", self.stop_strings, "non-empty strings")
+        if any(not isinstance(s, str) or not s for s in stop_strings):
             raise ValueError(f"SamplingParams.stop_strings={self.stop_strings!r}: must be non-empty strings")
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=tuple(as_int(t) for t in stop_ids),
+            seed=seed,
+            logprobs_mode=str(self.logprobs_mode),
+            stop_strings=stop_strings,
+        )
 
 
 @dataclass
@@ -78,6 +170,16 @@ class GenerationRequest:
     prompt_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     sample_index: int = 0
+
+    def output_indices(self) -> list:
+        """``sample_index`` of each output record this request yields: sample_index + j for
+        j < ``params.num_outputs``, or ``[sample_index]`` as given (one error record) when it is not
+        an integer."""
+        try:
+            first = as_int(self.sample_index)
+        except TypeError:
+            return [self.sample_index]
+        return [first + j for j in range(self.params.num_outputs)]
 
 
 @dataclass

@@ -10,13 +10,15 @@ host syncs) and starts one non-blocking copy of the sampled ids + logprobs to th
 NOTE (context passing): metadata is passed explicitly (``forward_paged(ids, meta, kv)``), not
 through a global context object.
 
-CUDA graphs (GPU only): plain decode steps replay captured forward + sampler graphs over staged
-inputs (``engine/decode_graph.py``); other steps run eagerly.
+CUDA graphs (GPU only): plain decode steps replay captured forward + sampler graphs over inputs
+that :func:`prepare_decode` writes into the graphs' fixed staging buffers (``engine/decode_graph.py``);
+other steps run eagerly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +27,9 @@ from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import sample_rows, unpack_sampling
 from m3_rollout.model.numerics import compute_dtype
+
+if TYPE_CHECKING:
+    from m3_rollout.engine.decode_graph import DecodeStage
 
 
 @dataclass
@@ -100,6 +105,41 @@ def prepare_inputs(
         max_seq_len=max(seq_lens, default=0),
     )
     return StepInputs(torch.tensor(flat_ids, dtype=torch.int64), meta, logits_indices)
+
+
+def prepare_decode(
+    stage: DecodeStage,
+    block_tables_out: np.ndarray,
+    input_ids: list[int],
+    token_src: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+) -> None:
+    """Write a plain decode step of R rows (one query token each) into a decode graph's host
+    staging (``decode_graph.CudaGraphDecode.stage_rows``): the captured-graph counterpart of
+    :func:`prepare_inputs`, filling fixed pinned buffers with plain numpy writes (no tensors
+    built; the host-time-critical path).
+
+    Args:
+        stage: the named staging fields of the R rows (int64 [R] each).
+        block_tables_out: int32 [R, max_pages], -1 filled; row r gets ``block_tables[r]``.
+        input_ids: per row, the query token id (ignored where ``token_src[r] >= 0``).
+        token_src: per row, -1 or the index into the runner's ``last_tokens`` holding the id.
+        context_lens: per row, tokens already in the pages (the query token's position).
+        block_tables: per row, physical pages covering at least ``context_len + 1`` tokens.
+        page_size: ps.
+    """
+    slots = []
+    for i, (c, table) in enumerate(zip(context_lens, block_tables)):
+        block_tables_out[i, : len(table)] = table
+        slots.append(table[c // page_size] * page_size + c % page_size)
+    stage.host_ids[:] = input_ids
+    stage.token_src[:] = token_src
+    stage.positions[:] = context_lens
+    stage.slot_mapping[:] = slots
+    stage.context_lens[:] = context_lens
+    stage.seq_lens[:] = stage.context_lens + 1
 
 
 def meta_to(meta: PagedMetadata, device: torch.device) -> PagedMetadata:
@@ -245,10 +285,6 @@ class ModelRunner:
             ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
         meta = meta_to(inputs.meta, self.device)
         return self.model.forward_paged(ids, meta, self.kv, inputs.logits_indices.to(self.device, non_blocking=True))
-
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """One eager model forward; returns logits [N, V] of ``inputs.logits_indices``."""
-        return self.forward(inputs)
 
     @torch.no_grad()
     def launch(self, inputs: StepInputs, token_src: list[int] | None, sampling: SampleBatch | None) -> StepLaunch:

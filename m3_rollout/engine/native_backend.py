@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import torch
 
-from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.model.loading import iter_released_tensors, load_released_tensor
 
@@ -132,10 +133,6 @@ class NativeBackend(GenerationBackend):
             if not ids:
                 del self._internal[req.request_id]
 
-    @staticmethod
-    def _expected(req: GenerationRequest) -> int:
-        return max(req.params.n, 1)
-
     def generate(self, requests: Sequence[GenerationRequest]) -> list[SampleOutput]:
         """Run all requests to completion; outputs ordered by request, then sample.
 
@@ -149,7 +146,7 @@ class NativeBackend(GenerationBackend):
         iids = [self._add(req, stream=False) for req in requests]
         pos = {iid: i for i, iid in enumerate(iids)}
         results: list[list[SampleOutput]] = [[] for _ in requests]
-        remaining = sum(self._expected(r) for r in requests)
+        remaining = sum(r.params.num_outputs for r in requests)
         while remaining:
             for out in self.engine.step():
                 if isinstance(out, SampleOutput) and out.request_id in pos:
@@ -187,7 +184,7 @@ class NativeBackend(GenerationBackend):
         iid = self._add(req, stream)
         self._queues[iid] = q
         self._ensure_driver()
-        remaining = self._expected(req)
+        remaining = req.params.num_outputs
         try:
             while remaining:
                 out = await q.get()
@@ -235,8 +232,6 @@ class NativeBackend(GenerationBackend):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[SampleOutput | StreamDelta]:
         """Stream one request: :class:`StreamDelta` records as tokens arrive, then each sample's
         final :class:`SampleOutput`. Raises ValueError (naming the field) for a bad request."""
-        error = self.engine._check_request(request)
-        if error is not None:
-            raise ValueError(error)
+        self.engine.check_request(request)
         async for out in self._run(request, stream=True):
             yield out

@@ -13,6 +13,7 @@ Shapes: N rows (one per running sample), V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,11 +21,11 @@ import torch
 from m3_rollout.model.numerics import compute_dtype
 
 # splitmix64 constants, written as signed int64 (torch has no uint64 arithmetic).
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-_SAMPLE_MUL = 0x2545F4914F6CDD1D
-_POS_MUL = 0x5851F42D4C957F2D & 0x7FFFFFFFFFFFFFFF
+GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+SAMPLE_MUL = 0x2545F4914F6CDD1D
+POS_MUL = 0x5851F42D4C957F2D & 0x7FFFFFFFFFFFFFFF
 
 
 def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -33,9 +34,9 @@ def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    x = x + _GOLDEN
-    x = (x ^ _srl(x, 30)) * _MIX1
-    x = (x ^ _srl(x, 27)) * _MIX2
+    x = x + GOLDEN
+    x = (x ^ _srl(x, 30)) * MIX1
+    x = (x ^ _srl(x, 27)) * MIX2
     return x ^ _srl(x, 31)
 
 
@@ -52,8 +53,8 @@ def keyed_uniform(
         float64 [N, V], each entry a deterministic function of its four keys only.
     """
     key = _splitmix64(seeds.to(torch.int64))
-    key = _splitmix64(key ^ (sample_ids.to(torch.int64) * _SAMPLE_MUL))
-    key = _splitmix64(key ^ (positions.to(torch.int64) * _POS_MUL))  # [N]
+    key = _splitmix64(key ^ (sample_ids.to(torch.int64) * SAMPLE_MUL))
+    key = _splitmix64(key ^ (positions.to(torch.int64) * POS_MUL))  # [N]
     bits = _splitmix64(key[:, None] ^ vocab_hash(vocab_size, key.device)[None, :])  # [N, V]
     # Top 53 bits -> (0, 1): add half an ulp so neither 0 nor 1 can occur.
     return (_srl(bits, 11).to(torch.float64) + 0.5) / float(1 << 53)
@@ -183,31 +184,52 @@ def sample_rows(
 
 
 # Packed per-row sampling parameters: one int64 [NUM_SAMPLING_FIELDS, N] array per step (floats
-# stored as their float64 bit patterns), so a step moves them to the device in one copy.
+# stored as their float64 bit patterns), so a step moves them to the device in one copy. Rows are
+# read and written by name through sampling_fields.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "sample_id", "position", "raw")
 NUM_SAMPLING_FIELDS = len(SAMPLING_FIELDS)
+
+
+class PackedSampling(NamedTuple):
+    """Named row views of a packed int64 [NUM_SAMPLING_FIELDS, N] array (numpy or torch; no
+    copies): temperature / top_p hold float64 bit patterns, raw is 0 / 1."""
+
+    temperature: np.ndarray | torch.Tensor
+    top_k: np.ndarray | torch.Tensor
+    top_p: np.ndarray | torch.Tensor
+    seed: np.ndarray | torch.Tensor
+    sample_id: np.ndarray | torch.Tensor
+    position: np.ndarray | torch.Tensor
+    raw: np.ndarray | torch.Tensor
+
+
+def sampling_fields(packed) -> PackedSampling:
+    """The rows of ``packed`` (int64 [NUM_SAMPLING_FIELDS, N]) by name, in SAMPLING_FIELDS order."""
+    return PackedSampling(*(packed[i] for i in range(NUM_SAMPLING_FIELDS)))
 
 
 def pack_sampling(out: np.ndarray, temperature, top_k, top_p, seeds, sample_ids, positions, raw) -> None:
     """Fill ``out`` (int64 [NUM_SAMPLING_FIELDS, N], e.g. a view of pinned memory) from N-long
     host sequences: temperature / top_p floats (stored as float64 bits), the rest ints / bools."""
-    out[0].view(np.float64)[:] = temperature
-    out[1] = top_k
-    out[2].view(np.float64)[:] = top_p
-    out[3] = seeds
-    out[4] = sample_ids
-    out[5] = positions
-    out[6] = raw
+    f = sampling_fields(out)
+    f.temperature.view(np.float64)[:] = temperature
+    f.top_k[:] = top_k
+    f.top_p.view(np.float64)[:] = top_p
+    f.seed[:] = seeds
+    f.sample_id[:] = sample_ids
+    f.position[:] = positions
+    f.raw[:] = raw
 
 
 def unpack_sampling(packed: torch.Tensor) -> tuple[SamplingTensors, torch.Tensor, torch.Tensor]:
     """Device views of a packed int64 [NUM_SAMPLING_FIELDS, N] tensor: (params, positions int64 [N],
     raw bool [N]); temperature float64 and top_p float32 as :class:`SamplingTensors` expects."""
+    f = sampling_fields(packed)
     params = SamplingTensors(
-        temperature=packed[0].view(torch.float64),
-        top_k=packed[1],
-        top_p=packed[2].view(torch.float64).float(),
-        seeds=packed[3],
-        sample_ids=packed[4],
+        temperature=f.temperature.view(torch.float64),
+        top_k=f.top_k,
+        top_p=f.top_p.view(torch.float64).float(),
+        seeds=f.seed,
+        sample_ids=f.sample_id,
     )
-    return params, packed[5], packed[6] != 0
+    return params, f.position, f.raw != 0

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3_rollout.engine.sampler import _GOLDEN, _MIX1, _MIX2, _POS_MUL, _SAMPLE_MUL
+from m3_rollout.engine.sampler import GOLDEN, MIX1, MIX2, POS_MUL, SAMPLE_MUL
 
 try:  # libdevice's fp64 log (the CUDA math library's, which torch's CUDA ``log`` calls)
     from triton.language.extra.cuda import libdevice as _libdevice
@@ -194,11 +194,11 @@ def keyed_gumbel_sample(
         V=v,
         NC=nc,
         BLOCK=block,
-        GOLDEN=_GOLDEN,
-        MIX1=_MIX1,
-        MIX2=_MIX2,
-        SAMPLE_MUL=_SAMPLE_MUL,
-        POS_MUL=_POS_MUL,
+        GOLDEN=GOLDEN,
+        MIX1=MIX1,
+        MIX2=MIX2,
+        SAMPLE_MUL=SAMPLE_MUL,
+        POS_MUL=POS_MUL,
         USE_LIBDEVICE=use_libdevice,
         num_warps=4,
     )
@@ -208,22 +208,26 @@ def keyed_gumbel_sample(
 
 
 @triton.jit
-def _decode_prologue_kernel(stage_ptr, last_ptr, ids_ptr, ctx_ptr, seq_ptr, s, S: tl.constexpr, BLOCK: tl.constexpr):
+def _decode_prologue_kernel(
+    host_ptr, src_ptr, st_ctx_ptr, st_seq_ptr, last_ptr, ids_ptr, ctx_ptr, seq_ptr, s, BLOCK: tl.constexpr
+):
     """Rows i < s of a staged decode step: input id (host id, or ``last_tokens[token_src]`` when the
-    id is still on the device) and the int32 context / sequence lengths (decode_graph.STAGE_FIELDS)."""
+    id is still on the device) and the int32 context / sequence lengths (decode_graph.DecodeStage)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < s
-    host = tl.load(stage_ptr + i, mask=ok, other=0)
-    src = tl.load(stage_ptr + S + i, mask=ok, other=-1)
+    host = tl.load(host_ptr + i, mask=ok, other=0)
+    src = tl.load(src_ptr + i, mask=ok, other=-1)
     dev = tl.load(last_ptr + tl.maximum(src, 0), mask=ok & (src >= 0), other=0)
     tl.store(ids_ptr + i, tl.where(src >= 0, dev, host), mask=ok)
-    tl.store(ctx_ptr + i, tl.load(stage_ptr + 4 * S + i, mask=ok, other=0).to(tl.int32), mask=ok)
-    tl.store(seq_ptr + i, tl.load(stage_ptr + 5 * S + i, mask=ok, other=1).to(tl.int32), mask=ok)
+    tl.store(ctx_ptr + i, tl.load(st_ctx_ptr + i, mask=ok, other=0).to(tl.int32), mask=ok)
+    tl.store(seq_ptr + i, tl.load(st_seq_ptr + i, mask=ok, other=1).to(tl.int32), mask=ok)
 
 
 def decode_prologue(
-    stage: torch.Tensor,
-    s: int,
+    host_ids: torch.Tensor,
+    token_src: torch.Tensor,
+    staged_context_lens: torch.Tensor,
+    staged_seq_lens: torch.Tensor,
     last_tokens: torch.Tensor,
     input_ids: torch.Tensor,
     context_lens: torch.Tensor,
@@ -231,11 +235,21 @@ def decode_prologue(
 ) -> None:
     """One launch for the decode graph's input prologue (see ``decode_graph.CudaGraphDecode._forward``).
 
-    stage: int64 [F, S] contiguous staging (rows host_ids, token_src, positions, slot_mapping,
-    context_lens, seq_lens, ...); s: rows to fill; writes input_ids int64 [>= s], context_lens /
-    seq_lens int32 [>= s]."""
-    S = stage.shape[1]
+    host_ids, token_src, staged_context_lens, staged_seq_lens: int64 [s] contiguous staged fields
+    (``decode_graph.DecodeStage``); writes input_ids int64 [>= s] (``last_tokens[token_src]`` where
+    token_src >= 0, else host_ids) and context_lens / seq_lens int32 [>= s]."""
+    s = host_ids.shape[0]
     block = 128
     _decode_prologue_kernel[(triton.cdiv(s, block),)](
-        stage, last_tokens, input_ids, context_lens, seq_lens, s, S=S, BLOCK=block, num_warps=1
+        host_ids,
+        token_src,
+        staged_context_lens,
+        staged_seq_lens,
+        last_tokens,
+        input_ids,
+        context_lens,
+        seq_lens,
+        s,
+        BLOCK=block,
+        num_warps=1,
     )

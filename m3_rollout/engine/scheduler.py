@@ -62,6 +62,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` (a group leader with its unforked children, or a lone sample)."""
+        assert seq.group_size <= self.max_num_seqs, (
+            f"{seq}: a group of {seq.group_size} samples cannot run within max_num_seqs={self.max_num_seqs}; "
+            "split it (requests.sample_groups)"
+        )
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -79,19 +84,19 @@ class Scheduler:
         self.bm.free_seq(seq)
         seq.status = SeqStatus.FINISHED
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def num_rows(self) -> int:
         return sum(s.group_size for s in self.running)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def preempt(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
+        """Preempt running ``seq`` by recompute: free its pages, put it at the front of the
+        waiting queue (listed in ``out.preempted`` when a plan is being built)."""
         self.running.remove(seq)
         self.bm.free_seq(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        out.preempted.append(seq)
+        if out is not None:
+            out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Never exceeds the token budget, ``max_num_seqs`` or the page pool."""
@@ -112,7 +117,7 @@ class Scheduler:
                 continue
             while not self.bm.ensure(seq, n):
                 victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
+                self.preempt(victim, out)
                 if victim is seq:
                     break
             else:
@@ -143,6 +148,7 @@ class Scheduler:
         # End-of-step invariants.
         assert out.num_batched_tokens <= self.max_num_batched_tokens, "token budget exceeded"
         assert len({id(r.seq) for r in out.rows}) == len(out.rows), "a sequence scheduled twice"
+        assert self.num_rows() <= self.max_num_seqs, f"{self.num_rows()} rows > max_num_seqs={self.max_num_seqs}"
         for r in out.rows:
             assert r.seq.status == SeqStatus.RUNNING and r.num_tokens >= 1
             assert len(r.seq.block_table) * self.bm.page_size >= r.seq.num_computed + r.num_tokens

@@ -103,7 +103,8 @@ def make_scorer(
     if not prefer_engine:
         return fallback, "model forward (asked for)"
     try:
-        from m3_rollout.engine.engine import EngineConfig, LLMEngine
+        from m3_rollout.engine.config import EngineConfig
+        from m3_rollout.engine.engine import LLMEngine
     except ImportError as exc:
         return fallback, f"model forward (engine scoring API not available: {exc})"
     if not hasattr(LLMEngine, "score"):

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from m3_rollout.engine.engine import EngineConfig, LLMEngine
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput
 from m3_rollout.model.loading import iter_released_tensors, load_released_tensor
 from m3_rollout.parallel.expert_sharding import expert_range, load_checkpoint_ep

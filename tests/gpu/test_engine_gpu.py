@@ -31,7 +31,8 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 in this process; run tests/gpu alone", allow_module_level=True)
 
-from m3_rollout.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from m3_rollout.engine.config import EngineConfig  # noqa: E402
+from m3_rollout.engine.engine import LLMEngine  # noqa: E402
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams  # noqa: E402
 from m3_rollout.model import M3Config, M3ForCausalLM  # noqa: E402
 

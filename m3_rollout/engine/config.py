@@ -1,0 +1,85 @@
+"""EngineConfig: the engine's sizes and switches, and how the KV page pool is sized from them.
+
+Governing idea: one typed record the caller fills and :meth:`EngineConfig.validate` checks
+before anything is allocated; the engine's other modules get their sizes from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CPU_AUTO_KV_BYTES = 256 * 2**20  # cap of the automatic CPU page pool (pages are zero-filled up front)
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizes and switches.
+
+    Attributes:
+        max_model_len: longest sequence (prompt + generated), tokens.
+        max_num_seqs: most running samples per step.
+        max_num_batched_tokens: per-step token budget (decodes + prefill chunks).
+        kv_cache_memory_gb: KV page pool size in GiB; 0 = automatic: on CUDA
+            ``kv_cache_memory_fraction`` of the free device memory, elsewhere room for
+            ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most ``CPU_AUTO_KV_BYTES``.
+        num_pages: explicit page count (overrides the memory budget; tests).
+        enable_prefix_caching: reuse full pages across requests (GRPO groups, multi-turn).
+        enable_cuda_graphs: capture decode steps (forward + sampler) on CUDA (GPU-only; ignored elsewhere).
+            "eager": the same staged decode path with the bodies run eagerly (any device; tests).
+        async_scheduling: launch step N+1 before step N's sampled ids reach the host and process
+            step N's outputs while the device runs N+1 (hides the host's per-step work behind the
+            GPU; same tokens and logprobs as synchronous stepping). None = on for CUDA, off
+            elsewhere (on the CPU nothing overlaps; outputs then come one ``step()`` later).
+        fused_sampler: decode graphs sample with Triton kernels (``engine/sampler_triton.py``,
+            same tokens as the PyTorch sampler) unless a row uses top-k / top-p, and build their
+            inputs with one Triton launch; None = on CUDA.
+        eos_token_ids: tokens that end every sample.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    kv_cache_memory_gb: float = 0.0
+    kv_cache_memory_fraction: float = 0.8
+    num_pages: int | None = None
+    enable_prefix_caching: bool = True
+    enable_cuda_graphs: bool | str = False
+    # Padded decode batch sizes captured (default 1, 2, 4, 8, 16, 32, 64, 128, 256 and
+    # max_num_seqs, each capped at max_num_seqs); fewer sizes = faster start.
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    async_scheduling: bool | None = None
+    fused_sampler: bool | None = None
+    # Routing record (issue 6): SampleOutput.routed_experts = expert ids of every MoE layer for
+    # every token, kept per KV page (m3_rollout/parallel/routing_record.py).
+    record_routing: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> EngineConfig:
+        """Raises ValueError naming the bad field."""
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.kv_cache_memory_gb < 0:
+            raise ValueError(f"EngineConfig.kv_cache_memory_gb={self.kv_cache_memory_gb}: must be >= 0 (0 = auto)")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: in (0, 1]")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"EngineConfig.num_pages={self.num_pages}: must be >= 1")
+        return self
+
+    def resolve_num_pages(self, page_size: int, bytes_per_page: int, device: torch.device) -> int:
+        """KV pages to allocate: ``num_pages``, else the memory budget (GiB, or a fraction of the
+        free CUDA memory) divided by ``bytes_per_page``, else (CPU) room for ``max_num_seqs``
+        full-length sequences capped at ``CPU_AUTO_KV_BYTES`` but never below one sequence."""
+        if self.num_pages is not None:
+            return self.num_pages
+        if self.kv_cache_memory_gb > 0:
+            return int(self.kv_cache_memory_gb * 2**30 // bytes_per_page)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * self.kv_cache_memory_fraction // bytes_per_page)
+        want = self.max_num_seqs * -(-self.max_model_len // page_size)
+        floor = -(-self.max_model_len // page_size)  # one full-length sequence
+        return max(floor, min(want, CPU_AUTO_KV_BYTES // bytes_per_page))

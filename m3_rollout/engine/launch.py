@@ -1,0 +1,177 @@
+"""Step launch: a scheduler plan -> one forward + sampler started on the device (no waiting).
+
+Governing idea: launching a step is separate from processing its results, so async scheduling
+can launch step N+1 before step N's sampled ids reach the host. :meth:`StepLauncher.launch`
+decides which sequences sample (a group leader's last prompt logits row serves its n samples),
+hands plain per-row lists to the runner's input builders (``model_runner.prepare_inputs`` for
+eager steps, ``model_runner.prepare_decode`` for the captured decode graphs) and returns a
+:class:`LaunchedStep`, everything processing the step later needs.
+
+A sequence whose previous token is still on the device (``Sequence.num_pending``) takes its input
+id from the runner's ``last_tokens`` at index ``prev.index[seq_id]``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m3_rollout.engine.model_runner import ModelRunner, SampleBatch, StepLaunch, prepare_decode, prepare_inputs
+from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling
+from m3_rollout.engine.scheduler import ScheduledRow, SchedulerOutput
+from m3_rollout.engine.sequence import Sequence
+from m3_rollout.engine.stats import EngineStats
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward + sampler were launched: what processing its results needs.
+
+    rows: the scheduled rows. samples: sequences sampled, in device order (the scheduled rows
+    that sample first, then forked-to-be children). order: processing order (each leader
+    followed by its children). leaders: the scheduled rows that sample. index: seq_id ->
+    position in ``samples`` (a pending row's input for the next step is ``last_tokens[index]``).
+    result: the sampled ids / logprobs on their way to the host. version: weights that ran it.
+    """
+
+    rows: list[ScheduledRow]
+    samples: list[Sequence]
+    order: list[int]
+    leaders: list[Sequence]
+    index: dict[int, int]
+    result: StepLaunch
+    version: int
+
+
+def sampling_columns(samples: list[Sequence]):
+    """(temperature, top_k, top_p, seed, sample_index, position, raw) columns of the sample rows;
+    position = the index the sampled token will take (``num_tokens`` before it)."""
+    temp, top_k, top_p, seed, sid, raw = zip(*[s.sampling_key for s in samples])
+    return temp, top_k, top_p, seed, sid, [s.num_tokens for s in samples], raw
+
+
+def sampling_flags(cols) -> tuple[bool, bool, str]:
+    """(any row top-k, any row top-p, logprobs mode "processed" / "raw" / "mixed") of the columns."""
+    _, top_k, top_p, _, _, _, raw = cols
+    n_raw = sum(raw)
+    mode = "processed" if n_raw == 0 else "raw" if n_raw == len(raw) else "mixed"
+    return max(top_k) > 0, min(top_p) < 1, mode
+
+
+class StepLauncher:
+    """Launches scheduled steps on ``runner``; adds to ``stats`` (steps, rows, host phase times)
+    and records routing (``routing.record``, when recording is on) of every launched step."""
+
+    def __init__(self, runner: ModelRunner, stats: EngineStats, routing=None):
+        self.runner, self.stats, self.routing = runner, stats, routing
+        self.page_size = runner.page_size
+
+    def launch(self, plan: SchedulerOutput, prev: LaunchedStep | None, version: int) -> LaunchedStep:
+        """Build the step's inputs and start forward + sampler + result copy on the device.
+        ``prev``: the launched, unprocessed previous step (async scheduling) or None."""
+        ph = self.stats.phase_seconds
+        t0 = time.perf_counter()
+        rows = plan.rows
+        leaders = [r.seq for r in rows if r.sample]
+        samples, expand, order = list(leaders), None, []
+        for i, seq in enumerate(leaders):
+            order.append(i)
+            if seq.num_pending:  # its children were sampled with the step in flight (fork pending)
+                continue
+            for child in seq.children:  # the prompt's last logits serve the whole group
+                order.append(len(samples))
+                samples.append(child)
+                if expand is None:
+                    expand = list(range(len(leaders)))
+                expand.append(i)
+        n_rows = len(rows)
+        size = None
+        if n_rows and plan.num_decodes == n_rows and expand is None and len(leaders) == n_rows:
+            size = self.runner.graph_size(n_rows)
+        if size is not None:
+            self.stats.graph_steps += 1
+            result, slot_mapping = self._launch_graph(rows, prev, samples, t0)
+        else:
+            result, slot_mapping = self._launch_eager(plan, prev, samples, expand, t0)
+        t1 = time.perf_counter()
+        if self.routing is not None:
+            self.routing.record(slot_mapping, self.runner.model)
+        st = self.stats
+        st.device_input_rows += sum(1 for r in rows if r.seq.num_pending)
+        for seq in leaders:
+            seq.num_pending += 1
+        st.steps += 1
+        st.rows += n_rows
+        st.batched_tokens += plan.num_batched_tokens
+        ph["forward"] += time.perf_counter() - t1
+        return LaunchedStep(
+            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, version
+        )
+
+    def _launch_graph(self, rows, prev, samples, t0: float) -> tuple[StepLaunch, torch.Tensor]:
+        """Plain decode step on the captured graphs: fill the pinned staging fields, replay."""
+        ph = self.stats.phase_seconds
+        graphs = self.runner.graphs
+        stage, block_tables, s = graphs.stage_rows(len(rows))
+        ids, src, ctx, tables = [], [], [], []
+        for r in rows:
+            q = r.seq
+            if q.num_pending:
+                ids.append(0)
+                src.append(prev.index[q.seq_id])
+            else:
+                ids.append(q.token_ids[q.num_computed])
+                src.append(-1)
+            ctx.append(q.num_computed)
+            tables.append(q.block_table)
+        prepare_decode(stage, block_tables, ids, src, ctx, tables, self.page_size)
+        t1 = time.perf_counter()
+        ph["prepare"] += t1 - t0
+        cols = sampling_columns(samples)
+        pack_sampling(stage.sampling, *cols)
+        need_k, need_p, _ = sampling_flags(cols)
+        t2 = time.perf_counter()
+        ph["sample"] += t2 - t1
+        result = self.runner.launch_graph(len(rows), s, need_k, need_p)
+        ph["forward"] += time.perf_counter() - t2
+        return result, graphs.device_stage(len(rows)).slot_mapping
+
+    def _launch_eager(self, plan: SchedulerOutput, prev, samples, expand, t0: float) -> tuple[StepLaunch, torch.Tensor]:
+        ph = self.stats.phase_seconds
+        rows = plan.rows
+        chunks, token_src, pending = [], [], False
+        for r in rows:
+            q = r.seq
+            if q.num_pending:  # its input is the previous step's sampled id, still on the device
+                assert r.num_tokens == 1 and prev is not None, f"{q}: pending token outside a decode row"
+                chunks.append([0])
+                token_src.append(prev.index[q.seq_id])
+                pending = True
+            else:
+                chunks.append(q.token_ids[q.num_computed : q.num_computed + r.num_tokens])
+                token_src.extend([-1] * r.num_tokens)
+        inputs = prepare_inputs(
+            chunks,
+            [r.seq.num_computed for r in rows],
+            [r.seq.block_table for r in rows],
+            self.page_size,
+            plan.num_decodes,
+            [r.sample for r in rows],
+        )
+        t1 = time.perf_counter()
+        ph["prepare"] += t1 - t0
+        sampling = None
+        if samples:
+            cols = sampling_columns(samples)
+            packed = np.empty((NUM_SAMPLING_FIELDS, len(samples)), dtype=np.int64)
+            pack_sampling(packed, *cols)
+            need_k, need_p, mode = sampling_flags(cols)
+            sampling = SampleBatch(packed, expand, need_k, need_p, mode, sum(1 for r in rows if r.sample))
+        t2 = time.perf_counter()
+        ph["sample"] += t2 - t1
+        result = self.runner.launch(inputs, token_src if pending else None, sampling)
+        ph["forward"] += time.perf_counter() - t2
+        return result, inputs.meta.slot_mapping
