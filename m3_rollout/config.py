@@ -125,7 +125,7 @@ class GenerationConfig:
     dtype: str = "bfloat16"
     expert_parallel_size: int = 1
     max_num_seqs: int = 256
-    # Native engine (m3_rollout/engine/engine.py EngineConfig). KV page pool in GiB; 0 = auto
+    # Native engine (m3_rollout/engine/config.py EngineConfig). KV page pool in GiB; 0 = auto
     # (CUDA: kv_cache_memory_fraction of free memory; CPU: room for max_num_seqs full sequences).
     kv_cache_memory_gb: float = 0.0
     kv_cache_memory_fraction: float = 0.8

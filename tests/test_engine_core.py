@@ -286,3 +286,132 @@ def test_non_integer_token_ids_fail_alone_and_integer_likes_are_normalised():
     assert "prompt_ids" in by["f"].error and "integer" in by["f"].error and "prompt_ids" in by["s"].error
     assert by["t"].prompt_ids == [5, 6, 7] and all(type(t) is int for t in by["t"].prompt_ids)
     assert by["t"].output_ids == by["ok"].output_ids and not b.engine.has_unfinished()
+
+
+# ---- sampling-parameter validation: a bad field fails its request alone -------------------------
+
+
+def _with_params(rid, prompt, **fields):
+    """A request whose SamplingParams hold exactly ``fields`` (bypassing _req's defaults)."""
+    return GenerationRequest(rid, list(prompt), SamplingParams(**fields))
+
+
+def test_sampling_params_of_the_wrong_type_or_range_fail_alone():
+    # Issue: a non-integer n raised out of generate() (TypeError), losing every valid request of
+    # the call; bools passed as ints and non-finite floats reached the sampler.
+    prompt = _prompt(6, 4)
+    bad = {
+        "n_float": dict(n=2.5),
+        "n_str": dict(n="2"),
+        "n_bool": dict(n=True),
+        "t_nan": dict(temperature=float("nan")),
+        "t_inf": dict(temperature=float("inf")),
+        "t_neg": dict(temperature=-1.0),
+        "t_bool": dict(temperature=True),
+        "p_nan": dict(top_p=float("nan")),
+        "k_float": dict(top_k=2.0),
+        "k_bool": dict(top_k=True),
+        "m_float": dict(max_new_tokens=3.0),
+        "seed_float": dict(seed=1.5),
+        "seed_bool": dict(seed=False),
+        "stop_float": dict(stop_token_ids=(3.0,)),
+        "stop_bool": dict(stop_token_ids=(True,)),
+        "stop_str": dict(stop_token_ids="3"),
+    }
+    ok = _req("ok", _prompt(5, 1), n=2, stop_token_ids=())
+    b = _backend()
+    outs = b.generate([_with_params(rid, prompt, **f) for rid, f in bad.items()] + [ok])
+    by: dict[str, list[SampleOutput]] = {}
+    for o in outs:
+        by.setdefault(o.request_id, []).append(o)
+    for rid, fields in bad.items():
+        (name,) = fields
+        assert len(by[rid]) == 1 and by[rid][0].finish_reason == "error", rid
+        assert f"SamplingParams.{name}=" in by[rid][0].error, (rid, by[rid][0].error)
+    alone = _backend().generate([ok])
+    assert [o.output_ids for o in by["ok"]] == [o.output_ids for o in alone] and not b.engine.has_unfinished()
+    with pytest.raises(ValueError, match="SamplingParams.n"):
+        asyncio.run(_collect(b.stream(_with_params("bad", prompt, n=2.5))))
+
+
+def test_bad_sample_index_type_fails_alone():
+    b = _backend()
+    ok = _req("ok", _prompt(5, 1), stop_token_ids=())
+    outs = b.generate([_req("b", _prompt(5, 2), sample_index=True), _req("f", _prompt(5, 2), sample_index=1.0), ok])
+    by = {o.request_id: o for o in outs}
+    assert "sample_index" in by["b"].error and "sample_index" in by["f"].error
+    assert by["ok"].output_ids == _backend().generate([ok])[0].output_ids
+
+
+def _model64():
+    return _model().double()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "too_small", "usable"),
+    [(torch.float32, 1e-40, 1e-30), (torch.float64, 1e-310, 1e-40)],
+)
+def test_temperature_below_the_sampler_dtype_floor_is_rejected(dtype, too_small, usable):
+    # Issue: a temperature so small that logits / temperature overflowed the compute dtype sampled
+    # padding (token 0, 1, ...) with NaN logprobs. Now: rejected, naming the smallest usable value.
+    from m3_rollout.engine.interface import min_temperature
+
+    model = MODEL if dtype == torch.float32 else _model64()
+    b = NativeBackend(model, [EOS], max_model_len=80, max_num_seqs=16)
+    prompt = _prompt(7, 5)
+    ok = _req("ok", prompt, stop_token_ids=(), max_new_tokens=6)
+    outs = b.generate(
+        [
+            _req("tiny", prompt, n=2, temperature=too_small, max_new_tokens=6),
+            ok,
+            _req("small", prompt, stop_token_ids=(), temperature=usable, max_new_tokens=6),
+        ]
+    )
+    by: dict[str, list[SampleOutput]] = {}
+    for o in outs:
+        by.setdefault(o.request_id, []).append(o)
+    floor = min_temperature(dtype)
+    assert usable > floor > too_small
+    assert [o.finish_reason for o in by["tiny"]] == ["error", "error"]
+    err = by["tiny"][0].error
+    assert "SamplingParams.temperature" in err and f"{floor:.3g}" in err and "greedy" in err
+    assert by["ok"][0].output_ids == b.generate([ok])[0].output_ids
+    # A usable tiny temperature samples the argmax token (logprob 0 under the sharpened softmax).
+    small = by["small"][0]
+    ids = torch.tensor([small.prompt_ids + small.output_ids])
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1 : -1]
+    assert small.output_ids == logits.argmax(-1).tolist() and small.logprobs == [0.0] * 6
+
+
+def test_score_temperature_must_be_finite_positive_and_usable():
+    b = _backend()
+    ids = _prompt(6, 3)
+    for bad in (float("nan"), float("inf"), -1.0, 1e-40, True):
+        with pytest.raises(ValueError, match="score temperature"):
+            b.score(ids, temperature=bad)
+    assert torch.equal(b.score(ids, temperature=2), b.score(ids, temperature=2.0))
+
+
+def test_n_larger_than_max_num_seqs_is_queued_in_groups_within_the_row_limit():
+    # Known gap: a group of n > max_num_seqs was admitted whole when nothing else ran, then forked
+    # into n running rows. vLLM queues a request's samples; here they run as groups of max_num_seqs.
+    prompt = _prompt(9, 6)
+    big = _req("big", prompt, n=10, stop_token_ids=(), max_new_tokens=12)
+    ok = _req("ok", _prompt(5, 7), stop_token_ids=(), max_new_tokens=12)
+    eng = LLMEngine(MODEL, EngineConfig(max_model_len=80, max_num_seqs=4, eos_token_ids=(EOS,)))
+    eng.add_request(big)
+    eng.add_request(ok)
+    outs, most = [], 0
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if isinstance(o, SampleOutput)]
+        most = max(most, len(eng.scheduler.running), eng.scheduler.num_rows())
+    assert most == 4
+    got = sorted((o for o in outs if o.request_id == "big"), key=lambda o: o.sample_index)
+    ample = _backend().generate([big])  # max_num_seqs=16: one group
+    assert [o.sample_index for o in got] == list(range(10)) and all(o.finish_reason == "length" for o in got)
+    assert [o.output_ids for o in got] == [o.output_ids for o in ample]
+    for x, y in zip(got, ample):
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+    assert [o.output_ids for o in outs if o.request_id == "ok"] == [o.output_ids for o in _backend().generate([ok])]
+    assert eng.metrics()["prefix_cache_hit_tokens"] > 0  # later groups reuse the prompt's full pages

@@ -181,7 +181,7 @@ class RolloutService(GenerationBackend):
             n = len(req.prompt_ids)
             self._prefix_owner[(n, hash(tuple(req.prompt_ids)))] = rank
             self._prefix_lengths.add(n)
-        load[rank] += max(req.params.n, 1)
+        load[rank] += req.params.num_outputs
         return rank
 
     # ---- generation --------------------------------------------------------------------------
@@ -199,8 +199,7 @@ class RolloutService(GenerationBackend):
         for i, req in enumerate(requests):
             iid = f"{next(self._ids)}:{req.request_id}"
             rank = self._place(req, load)
-            n = max(req.params.n, 1)
-            pending[iid] = _Pending(i, req, set(range(req.sample_index, req.sample_index + n)), rank)
+            pending[iid] = _Pending(i, req, set(req.output_indices()), rank)
             new[rank].append(dataclasses.replace(req, request_id=iid))
         restarts_here = 0
         while pending:
@@ -248,7 +247,7 @@ class RolloutService(GenerationBackend):
         new: list[list[GenerationRequest]] = [[] for _ in range(self.world_size)]
         for iid, p in pending.items():
             req = p.request
-            full = len(p.missing) == max(req.params.n, 1)
+            full = len(p.missing) == req.params.num_outputs
             if full:
                 reqs = [req]
             else:  # n=1 per missing sample: its own random stream (sample_index) repeats its tokens
