@@ -415,3 +415,13 @@ def test_n_larger_than_max_num_seqs_is_queued_in_groups_within_the_row_limit():
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
     assert [o.output_ids for o in outs if o.request_id == "ok"] == [o.output_ids for o in _backend().generate([ok])]
     assert eng.metrics()["prefix_cache_hit_tokens"] > 0  # later groups reuse the prompt's full pages
+
+
+def test_validate_returns_plain_python_values():
+    import numpy as np
+
+    p = SamplingParams(n=np.int64(2), temperature=1, top_k=torch.tensor(5), stop_token_ids=[np.int64(3)]).validate()
+    assert (p.n, p.temperature, p.top_k, p.stop_token_ids) == (2, 1.0, 5, (3,))
+    assert type(p.n) is int and type(p.temperature) is float and type(p.top_k) is int
+    assert type(p.stop_token_ids[0]) is int
+    assert SamplingParams(n="2").num_outputs == 1 and SamplingParams(n=3).num_outputs == 3

@@ -1,5 +1,7 @@
 """Block manager and scheduler, driven by hand with no model (no tensors involved)."""
 
+import pytest
+
 from m3_rollout.engine.block_manager import BlockManager
 from m3_rollout.engine.interface import SamplingParams
 from m3_rollout.engine.scheduler import Scheduler
@@ -136,3 +138,13 @@ def test_group_counts_as_n_rows_for_max_num_seqs():
     sched.add(_seq(2, [4, 5, 6], children=2))
     plan = sched.schedule()
     assert [r.seq.seq_id for r in plan.rows] == [1]  # 3 + 3 rows > 4: the second group waits
+
+
+def test_sample_groups_split_n_at_max_num_seqs_and_wider_groups_are_refused():
+    from m3_rollout.engine.requests import sample_groups
+
+    assert sample_groups(10, 4) == [range(0, 4), range(4, 8), range(8, 10)]
+    assert sample_groups(3, 4) == [range(0, 3)]
+    sched = Scheduler(BlockManager(16, PS, True), max_num_seqs=4, max_num_batched_tokens=64)
+    with pytest.raises(AssertionError, match="max_num_seqs=4"):
+        sched.add(_seq(1, [1, 2, 3], children=4))
