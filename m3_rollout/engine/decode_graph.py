@@ -30,6 +30,7 @@ from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, sample_rows, unpack_sampling, vocab_hash
 from m3_rollout.model.numerics import compute_dtype
+from m3_rollout.model.paged_ops import PagedOps
 
 # Rows of the int64 staging array; rows SAMPLING_ROW.. hold the packed sampling parameters
 # (sampler.SAMPLING_FIELDS order).
@@ -65,7 +66,8 @@ class CudaGraphDecode:
     """Decode forward + sampler graphs per padded batch size, with their static buffers.
 
     Args:
-        model: ``M3ForCausalLM`` (eval, on CUDA); kv: the page pool.
+        model: ``M3ForCausalLM`` (eval, on CUDA); kv: the page pool; ops: the fast-op table the
+            forward runs with (``engine/ops.py``; the runner's).
         max_num_seqs: S, rows of the staging buffers (largest size captured).
         max_model_len: the ``max_seq_len`` the graphs are captured with (valid for every step).
         last_tokens: int64 [>= S] device buffer of the previous step's sampled ids (runner-owned).
@@ -79,6 +81,7 @@ class CudaGraphDecode:
         self,
         model,
         kv: PagedKVCache,
+        ops: PagedOps,
         max_num_seqs: int,
         max_model_len: int,
         last_tokens: torch.Tensor,
@@ -90,7 +93,7 @@ class CudaGraphDecode:
         self.fused_sampler = dev.type == "cuda" if fused_sampler is None else fused_sampler
         assert dev.type == "cuda" or not use_graphs, "CUDA graphs are GPU-only"
         self.use_graphs = use_graphs
-        self.model, self.kv, self.last_tokens = model, kv, last_tokens
+        self.model, self.kv, self.ops, self.last_tokens = model, kv, ops, last_tokens
         self.max_model_len = max_model_len
         self.page_size = kv.page_size
         sizes = sizes or (1, 2, 4, 8, 16, 32, 64, 128, 256, max_num_seqs)
@@ -156,7 +159,7 @@ class CudaGraphDecode:
             1,
             self.max_model_len,
         )
-        return self.model.forward_paged(self.input_ids[:s], meta, self.kv)  # [s, V]
+        return self.model.forward_paged(self.input_ids[:s], meta, self.kv, self.ops)  # [s, V]
 
     def sample_into_out(
         self, logits: torch.Tensor, s: int, need_top_k: bool = False, need_top_p: bool = False

@@ -714,7 +714,7 @@ class LLMEngine:
                 chunk = ids[start : start + step]
                 inp = prepare_inputs([chunk], [start], [seq.block_table], self.kv.page_size, 0)
                 logits = self.model.forward_paged(
-                    inp.input_ids.to(self.device), meta_to(inp.meta, self.device), self.kv
+                    inp.input_ids.to(self.device), meta_to(inp.meta, self.device), self.kv, self.runner.ops
                 )
                 chunks.append(logits.to(compute_dtype(logits.dtype)).cpu())
         finally:
