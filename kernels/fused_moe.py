@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 
 from m3_kernels.moe_align import AlignedAssignments, align_by_expert
+from m3_kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
+from m3_kernels.moe_tiles import FAT_TAIL, GemmTile, dot_precision, launch_group, swiglu_oai_tile, tile_coords
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them the pointer-load kernels run
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -47,20 +49,6 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class GemmTile:
-    """Tile of one grouped GEMM: output columns BLOCK_N, reduction step BLOCK_K, launch knobs.
-
-    group_m: row tiles per program group (`tile_coords`); 0 = all row tiles in one group.
-    """
-
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-    group_m: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,7 @@ class MoEKernelConfig:
       tail per expert (`moe_ragged`, weights through TMA; A gathered in the GEMM, or from the
       permuted copy with permute=True). block_m and the tiles also serve the aligned fallback
       when x/w13/w2 are not TMA-aligned. Large T.
-    fat_tail: with ragged, 0, 32 or 64 (`moe_ragged.FAT_TAIL` = 64 on the default path): a
+    fat_tail: with ragged, 0, 32 or 64 (`moe_tiles.FAT_TAIL` = 64 on the default path): a
       remainder that small rides along with the expert's last full tile (one program, each
       weight tile loaded once for both MMAs).
     """
@@ -129,31 +117,8 @@ def default_config(num_assignments: int, num_local_experts: int, hidden: int, in
         return MoEKernelConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))
     if rows < 32:
         return MoEKernelConfig(32, GemmTile(64, 64, 4, 4), GemmTile(64, 64, 4, 4))
-    from m3_kernels.moe_ragged import FAT_TAIL
-
     # block_m / tiles also serve the aligned fallback when H or I is not TMA-aligned
     return MoEKernelConfig(128, GemmTile(128, 64, 8, 4, 4), GemmTile(256, 64, 8, 4, 4), ragged=True, fat_tail=FAT_TAIL)
-
-
-@triton.jit
-def tile_coords(pid, num_tiles_m, num_tiles_n: tl.constexpr, group_m):
-    # Program id -> (row tile, column tile), row tiles in groups of group_m: a group's programs
-    # sweep every column tile before the next group starts, so the group's A rows stay in L2 and
-    # each weight tile is read once by all row tiles of its expert at nearly the same time.
-    # group_m = num_tiles_m gives plain row-tile-fastest order over the whole grid.
-    per_group = group_m * num_tiles_n
-    first = (pid // per_group) * group_m
-    size = tl.minimum(num_tiles_m - first, group_m)
-    local = pid % per_group
-    return first + local % size, local // size
-
-
-@triton.jit
-def swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta):
-    """SwiGLU-OAI on fp32 gate/up accumulators (spec §3.7): gate clamped above only, up both sides."""
-    g_c = tl.minimum(acc_g, limit)
-    u_c = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    return g_c * tl.sigmoid(alpha * g_c) * (u_c + beta)
 
 
 @triton.jit
@@ -504,11 +469,6 @@ def moe_permute(x: torch.Tensor, aligned, top_k: int) -> torch.Tensor:
     return xs
 
 
-def launch_group(tile: GemmTile, num_tiles_m: int) -> int:
-    """group_m argument of `tile_coords` for `tile` over num_tiles_m row tiles (0 = one group)."""
-    return tile.group_m if 0 < tile.group_m < num_tiles_m else num_tiles_m
-
-
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     # NOTE: TMA needs 16-byte aligned bases and row strides and a contiguous last dimension.
     return TensorDescriptor is not None and all(
@@ -568,7 +528,7 @@ def moe_gate_up(
             BLOCK_M=bm,
             BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k,
-            PRECISION=_precision(x.dtype),
+            PRECISION=dot_precision(x.dtype),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
         )
@@ -600,7 +560,7 @@ def moe_gate_up(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         EVEN_K=h % tile.block_k == 0,
-        PRECISION=_precision(x.dtype),
+        PRECISION=dot_precision(x.dtype),
         A_SORTED=a_sorted,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
@@ -651,7 +611,7 @@ def moe_down(
             BLOCK_M=bm,
             BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k,
-            PRECISION=_precision(act.dtype),
+            PRECISION=dot_precision(act.dtype),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
         )
@@ -680,7 +640,7 @@ def moe_down(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         EVEN_K=inter % tile.block_k == 0,
-        PRECISION=_precision(act.dtype),
+        PRECISION=dot_precision(act.dtype),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -709,11 +669,6 @@ def moe_combine(rows: torch.Tensor, ids: torch.Tensor, expert_range: tuple[int, 
         num_warps=4,
     )
     return out
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # NOTE: fp32 inputs get exact fp32 products (the CPU-test and reference dtype); 16-bit ignore it.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def fused_experts(
@@ -746,8 +701,6 @@ def fused_experts(
         return torch.empty((0, h), dtype=x.dtype, device=x.device)
     cfg = config or config_for_dtype(default_config(t * k, e, h, two_i // 2), x.dtype)
     if cfg.ragged and _tma_ok(x, w13, w2):
-        from m3_kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
-
         tiles = align_ragged(ids, (a, b), cfg.fat_tail)
         if cfg.permute:
             xs = moe_permute(x, tiles, k)  # [P, H] expert-sorted rows

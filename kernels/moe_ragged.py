@@ -10,7 +10,7 @@ one program loads each weight tile once and feeds a 128-row and a 32/64-row MMA 
 every weight tile is read once per expert (weights are most of the traffic at T=4096: 14.5 GB).
 Weight tiles come through TMA descriptors; A rows either through TMA from an expert-sorted copy
 of x (`fused_moe.moe_permute`) or gathered by token inside the GEMM (no copy). Programs run in
-groups of row tiles (`fused_moe.tile_coords`) so a group's weights and rows stay in L2.
+groups of row tiles (`moe_tiles.tile_coords`) so a group's weights and rows stay in L2.
 
 Tiles are described by three int32 arrays (shape-derived sizes, no host sync, graph-safe):
   tile_row [S]   first row of the tile in the [P, .] expert-sorted buffers
@@ -39,11 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from m3_kernels.fused_moe import launch_group, swiglu_oai_tile, tile_coords
 from m3_kernels.moe_align import align_by_expert_torch, max_padded_rows
+from m3_kernels.moe_tiles import dot_precision, launch_group, swiglu_oai_tile, tile_coords
 
 MAX_M, MIN_M = 128, 16
-FAT_TAIL = 64  # rows a full tile may absorb (align_ragged fat_tail): one 64-row wgmma more per weight tile
 
 
 @dataclass
@@ -429,7 +428,7 @@ def _w13_fat_tile(
 
 
 @triton.jit
-def _moe_w13_ragged_kernel(
+def moe_w13_ragged_kernel(
     a128,
     a64,
     a32,
@@ -744,7 +743,7 @@ def _w2_fat_tile(
 
 
 @triton.jit
-def _moe_w2_ragged_kernel(
+def moe_w2_ragged_kernel(
     a128,
     a64,
     a32,
@@ -910,10 +909,6 @@ def _a_descs(buf: torch.Tensor, block_k: int):
     return [TensorDescriptor.from_tensor(buf, [m, block_k]) for m in (128, 64, 32, 16)]
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def ragged_gate_up(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -946,7 +941,7 @@ def ragged_gate_up(
     n_assign = x.shape[0] * top_k if gather else p
     a_descs = _a_descs(act if gather else x, tile.block_k)  # unused (any valid descriptor) when gathering
     grid = (slots * triton.cdiv(inter, tile.block_n),)
-    _moe_w13_ragged_kernel[grid](
+    moe_w13_ragged_kernel[grid](
         *a_descs,
         x,
         tiles.sorted_ids,
@@ -968,7 +963,7 @@ def ragged_gate_up(
         HIDDEN=h,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        PRECISION=_precision(x.dtype),
+        PRECISION=dot_precision(x.dtype),
         TOP_K=max(top_k, 1),
         GATHER=gather,
         FAT=tiles.fat_tail,
@@ -993,7 +988,7 @@ def ragged_down(act: torch.Tensor, w2: torch.Tensor, tiles: RaggedTiles, weights
     slots = tiles.tile_row.numel()
     w_desc = TensorDescriptor.from_tensor(w2.reshape(-1, inter), [tile.block_n, tile.block_k])  # [E*H, I]
     grid = (slots * triton.cdiv(h, tile.block_n),)
-    _moe_w2_ragged_kernel[grid](
+    moe_w2_ragged_kernel[grid](
         *_a_descs(act, tile.block_k),
         w_desc,
         rows,
@@ -1011,7 +1006,7 @@ def ragged_down(act: torch.Tensor, w2: torch.Tensor, tiles: RaggedTiles, weights
         INTER=inter,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        PRECISION=_precision(act.dtype),
+        PRECISION=dot_precision(act.dtype),
         FAT=tiles.fat_tail,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,

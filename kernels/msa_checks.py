@@ -17,5 +17,5 @@ def check_pow2_dim(name: str, value: int, lo: int = 16, hi: int = 256) -> None:
     if value < lo or value > hi or value & (value - 1):
         raise ValueError(
             f"MSA Triton kernels: {name}={value} is unsupported; it must be a power of two in "
-            f"[{lo}, {hi}] (use the PyTorch reference kernels/msa_reference.py for other sizes)"
+            f"[{lo}, {hi}] (other sizes run on the PyTorch references of m3_rollout/engine/reference_ops.py)"
         )

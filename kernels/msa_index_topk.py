@@ -5,7 +5,7 @@ every (query token, index head) into a scratch ``[T, G, NBP]`` fp32 buffer; a se
 then packs (score, block id) into one order-preserving int64 key per block and picks the top K by
 K rounds of max-and-remove, so "score desc, ties to the lower block id" is a single integer max.
 Forced local/init blocks get score +inf (ties among them again go to the lower id), exactly the
-order of ``msa_reference.index_topk_ref``. Long rows are split into chunks (split-K): each chunk
+order of ``m3_rollout.engine.reference_ops.index_topk_ref``. Long rows are split into chunks (split-K): each chunk
 keeps its own top K keys, a merge kernel picks the final K from the chunk winners. Prefill-sized
 batches (one chunk per row) run ``_topk_rows_kernel`` instead: 32-bit keys (the order-preserving
 score bits alone) and two 32-bit reductions per pick (max key, then the lowest block id holding
@@ -642,7 +642,7 @@ def index_topk(
     local_blocks: int = 1,
     prefill_config: dict | None = None,
 ) -> torch.Tensor:
-    """Triton version of ``msa_reference.index_topk_ref`` (same arguments, same output, spec §3.4).
+    """Triton version of ``m3_rollout.engine.reference_ops.index_topk_ref`` (same arguments, same output, spec §3.4).
 
     iq: [T, G, di] fp32/fp16/bf16 index queries; index_cache_l: [P, ps, di] same dtype, page-major
     contiguous pages. Returns [T, G, K] int32 block ids: forced blocks first (lower id first), then

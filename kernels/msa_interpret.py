@@ -5,8 +5,9 @@ kernel modules must be (re)imported after ``TRITON_INTERPRET=1`` is set — also
 module already imported triton or these modules. Returns fresh interpreted module objects.
 
 NOTE: triton 3.6's interpreter converts loop bounds with ``int(ndarray)``, which numpy >= 2.3
-rejects for the 1-element arrays that program ids and scalar loads are; ``_patch_numpy_index``
-makes that conversion take the single element (test-only shim, applied once).
+rejects for the 1-element arrays that program ids and scalar loads are; ``patch_numpy_index``
+makes that conversion take the single element (test-only shim, applied once; it wraps a private
+hook of ``triton.runtime.interpreter``, the only place the conversion can be changed).
 """
 
 from __future__ import annotations
@@ -15,11 +16,22 @@ import importlib
 import os
 import sys
 from types import ModuleType
+from typing import NamedTuple
 
-_KERNEL_MODULES = ("m3_kernels.msa_index_topk", "m3_kernels.msa_sparse_attention")
+# Reload order matters: msa_fused_decode imports the other two at call time.
+_KERNEL_MODULES = ("m3_kernels.msa_index_topk", "m3_kernels.msa_paged_attention", "m3_kernels.msa_fused_decode")
 
 
-def _patch_numpy_index() -> None:
+class InterpretedMSA(NamedTuple):
+    """The three MSA kernel modules with interpreted kernels."""
+
+    index_topk: ModuleType  # m3_kernels.msa_index_topk
+    paged_attention: ModuleType  # m3_kernels.msa_paged_attention
+    fused_decode: ModuleType  # m3_kernels.msa_fused_decode
+
+
+def patch_numpy_index() -> None:
+    """Make the interpreter's tensors convert to int through their single element (see module NOTE)."""
     from triton.runtime import interpreter
 
     if getattr(interpreter, "_msa_index_patched", False):
@@ -34,26 +46,29 @@ def _patch_numpy_index() -> None:
     interpreter._msa_index_patched = True
 
 
-def interpreted_kernels() -> tuple[ModuleType, ModuleType]:
-    """(msa_index_topk, msa_sparse_attention) modules whose kernels run in the Triton interpreter.
+def interpreted_module(name: str) -> ModuleType:
+    """Module ``name`` (e.g. ``"m3_kernels.fused_layers"``) with its Triton kernels interpreted.
+
+    Imports it, or reloads it when an earlier import compiled its kernels for the GPU (judged by
+    the first module attribute whose name ends in ``_kernel``). Needs TRITON_INTERPRET=1 set.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    patch_numpy_index()
+    mod = sys.modules.get(name)
+    mod = importlib.import_module(name) if mod is None else mod
+    kern = next(v for k, v in vars(mod).items() if k.endswith("_kernel"))
+    if not isinstance(kern, InterpretedFunction):
+        mod = importlib.reload(mod)
+    return mod
+
+
+def interpreted_kernels() -> InterpretedMSA:
+    """(msa_index_topk, msa_paged_attention, msa_fused_decode) modules whose kernels run in the
+    Triton interpreter.
 
     Sets TRITON_INTERPRET=1 for the rest of the process: the interpreter also reads it at launch
     time, so it cannot be restored afterwards (kernels decorated later are interpreted too).
     """
     os.environ["TRITON_INTERPRET"] = "1"
-    return _load_interpreted()
-
-
-def _load_interpreted() -> tuple[ModuleType, ModuleType]:
-    _patch_numpy_index()
-    mods = []
-    for name in _KERNEL_MODULES:
-        mod = sys.modules.get(name)
-        mod = importlib.import_module(name) if mod is None else mod
-        from triton.runtime.interpreter import InterpretedFunction
-
-        kern = next(v for k, v in vars(mod).items() if k.endswith("_kernel"))
-        if not isinstance(kern, InterpretedFunction):
-            mod = importlib.reload(mod)
-        mods.append(mod)
-    return mods[0], mods[1]
+    return InterpretedMSA(*(interpreted_module(name) for name in _KERNEL_MODULES))

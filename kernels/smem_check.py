@@ -1,7 +1,7 @@
 """Static shared memory of the large-tile Triton kernels at their default launch configs, compiled for
 sm_90 (H100/H200) on any machine: ``triton.compile`` with the ptxas shipped in the Triton wheel, no GPU.
 
-``python -m kernels.smem_check`` prints one JSON object {"<kernel>/<dtype>": bytes}; every value must
+``python -m m3_kernels.smem_check`` prints one JSON object {"<kernel>/<dtype>": bytes}; every value must
 be <= SM90_SMEM_BYTES or the launch fails on the GPU with OutOfResources (tests/test_kernels_smem.py).
 Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled): the test starts it as a
 subprocess. Real M3 shapes: MoE 128 experts, H 6144, I 3072, top-4 at T=4096 (the ragged path);
@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from m3_kernels import fused_moe, moe_ragged
-from m3_kernels import msa_sparse_attention as ma
+from m3_kernels import msa_paged_attention as ma
 
 SM90_SMEM_BYTES = 232448  # shared memory one block may use on sm_90 (227 KB opt-in)
 SM90 = GPUTarget("cuda", 90, 32)
@@ -49,10 +49,10 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
     cfg = fused_moe.config_for_dtype(fused_moe.default_config(4096 * 4, 128, 6144, 3072), dtype)
     dt, prec = _TT[dtype], ("ieee" if dtype == torch.float32 else "tf32")
     t13, t2 = cfg.w13, cfg.w2
-    sig = _ragged_sig(moe_ragged._moe_w13_ragged_kernel, dt, t13.block_n, t13.block_k)
+    sig = _ragged_sig(moe_ragged.moe_w13_ragged_kernel, dt, t13.block_n, t13.block_k)
     sig.update(x_ptr="*" + dt, act_ptr="*" + dt, alpha="fp32", limit="fp32", beta="fp32")
     w13 = shared_bytes(
-        moe_ragged._moe_w13_ragged_kernel,
+        moe_ragged.moe_w13_ragged_kernel,
         sig,
         dict(
             INTER=3072,
@@ -67,10 +67,10 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
         t13.num_warps,
         t13.num_stages,
     )
-    sig = _ragged_sig(moe_ragged._moe_w2_ragged_kernel, dt, t2.block_n, t2.block_k)
+    sig = _ragged_sig(moe_ragged.moe_w2_ragged_kernel, dt, t2.block_n, t2.block_k)
     sig.update(out_ptr="*" + dt, weights_ptr="*fp32")
     w2 = shared_bytes(
-        moe_ragged._moe_w2_ragged_kernel,
+        moe_ragged.moe_w2_ragged_kernel,
         sig,
         dict(HIDDEN=6144, INTER=3072, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, PRECISION=prec, FAT=cfg.fat_tail),
         t2.num_warps,
@@ -82,7 +82,7 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
 def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
     """Shared bytes of the KV-major sparse-prefill segment kernel (default tile, prefetching) for ``dtype``."""
     dt = _TT[dtype]
-    sig = {n: "i32" for n in ma._kv_seg_attn_kernel.arg_names}
+    sig = {n: "i32" for n in ma.kv_seg_attn_kernel.arg_names}
     sig.update(
         q_ptr="*" + dt,
         k_ptr="*" + dt,
@@ -101,7 +101,7 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
     consts = dict(
         G=4, RH=16, RHP=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, IEEE=dtype == torch.float32, PREFETCH=True
     )
-    return {f"kv_major_segment/{dt}": shared_bytes(ma._kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=1)}
+    return {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=1)}
 
 
 def main() -> None:

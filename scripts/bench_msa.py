@@ -3,8 +3,8 @@
 Real M3 attention shapes: 64 q heads / 4 KV heads / d 128 / index dim 128 / block (page) 128 /
 top-k 16, bf16, one layer. Measured in one process:
 - dense decode baseline: torch SDPA (flash backend, enable_gqa) over contiguous [1, 4, S, 128] K/V;
-- MSA decode step = ``m3_kernels.msa.msa_attention`` (the engine's sparse-layer call: indexer + top-k +
-  sparse attention; the fused decode path of kernels/msa_decode.py), one sequence, at 8K..1M
+- MSA decode step = ``m3_kernels.msa_fused_decode.msa_attention`` (the engine's sparse-layer call: indexer + top-k +
+  sparse attention; the fused decode path of kernels/msa_fused_decode.py), one sequence, at 8K..1M
   context, beside the separate ops (index_topk, then paged_attention); achieved GB/s over the
   bytes the step must read (one-head index keys + the 16 selected K/V blocks of 4 KV heads);
 - dense causal prefill baseline (SDPA flash) vs MSA prefill (indexer + top-k + sparse attention, one
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from m3_kernels.msa import msa_attention
+from m3_kernels.msa_fused_decode import msa_attention
 from m3_kernels.msa_index_topk import index_block_scores, index_topk, select_topk_blocks
-from m3_kernels.msa_sparse_attention import KV_MAJOR_MIN_TOKENS, paged_attention
+from m3_kernels.msa_paged_attention import KV_MAJOR_MIN_TOKENS, paged_attention
 from m3_kernels.msa_synthetic import make_paged_batch
 
 NH, G, D, DI, PS, K = 64, 4, 128, 128, 128, 16
@@ -143,7 +143,7 @@ def decode_bench(ctxs, rows_out):
         dense, dbe = best_dense(graph_ms, qd, kd, vd, False)
         del kd, vd
 
-        def step():  # the engine's sparse-layer call (fused decode path of kernels/msa_decode.py)
+        def step():  # the engine's sparse-layer call (fused decode path of kernels/msa_fused_decode.py)
             return msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
 
         def two_ops():  # the separate ops: index_topk, then paged_attention

@@ -10,8 +10,8 @@ torch.profiler's top ops. With ``--cuda-graphs`` on the GPU it first measures th
 a CUDA graph and replayed ``--graph-replay`` times between CUDA events = the GPU time of one
 decode step with no host work; ``--kernel-table`` lists the kernels of that forward (count and
 device time per step, eager). ``--variants`` runs everything once per model path in the same
-process (``pytorch``: PyTorch ops; ``fused``: model/fused.py; ``fused+cublas``,
-``fused+router_cublas``: see ``apply_variant``); ``--compare-fused`` = ``--variants pytorch fused``.
+process (``pytorch``: PyTorch ops; ``fused``: the engine's default table, engine/ops.py; ``fused+cublas``,
+``fused+router_cublas``: see ``variant_ops``); ``--compare-fused`` = ``--variants pytorch fused``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.engine.ops import paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.model import M3Config, M3ForCausalLM, tiny_config
-from m3_rollout.model.fused import set_fused_layers
+from m3_rollout.model.paged_ops import PagedOps
 
 
 def _kernel_table(fn, steps: int) -> tuple[list[tuple[str, float, float]], float]:
@@ -50,7 +51,7 @@ def _kernel_table(fn, steps: int) -> tuple[list[tuple[str, float, float]], float
     return rows, sum(r[2] for r in rows)
 
 
-def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool) -> LLMEngine:
+def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool, ops: PagedOps) -> LLMEngine:
     max_len = prompt + steps * 4 + 64
     ec = EngineConfig(
         max_model_len=max_len,
@@ -59,7 +60,7 @@ def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool) -> LL
         cuda_graph_batch_sizes=(batch,),
         kv_cache_memory_gb=1.0 if graphs else 0.0,
     )
-    eng = LLMEngine(model, ec)
+    eng = LLMEngine(model, ec, ops=ops)
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         ids = torch.randint(3, cfg.vocab_size, (prompt,), generator=g).tolist()
@@ -70,24 +71,25 @@ def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool) -> LL
 VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas")
 
 
-def apply_variant(name: str) -> None:
-    """Switch the model's GPU path: ``pytorch`` (PyTorch ops), ``fused`` (model/fused.py defaults),
-    ``fused+cublas`` (every projection GEMM on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas``
-    (router GEMM on cuBLAS + top-k kernel)."""
+def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps:
+    """The paged forward's ops table of a model path: ``pytorch`` (PyTorch layer ops; MSA and MoE
+    kernels stay), ``fused`` (the engine's default table), ``fused+cublas`` (every projection GEMM
+    on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas`` (router GEMM on cuBLAS + top-k
+    kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time)."""
     if name not in VARIANTS:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
-    set_fused_layers(name != "pytorch", skinny_gemm=name != "fused+cublas")
-    if name != "pytorch":
+    if device.type == "cuda":
         import m3_kernels.fused_layers as fl
 
         fl.ROUTER_GEMM_MAX_ELEMS = 0 if "router_cublas" in name else 1 << 22
+    return paged_ops_for(device, dtype, fused_layers=name != "pytorch", skinny_gemm=name != "fused+cublas")
 
 
 def engine_wall(model, cfg, args, batch: int, variant: str) -> dict:
     """Wall time per engine decode step through the public step() API (host + GPU)."""
     dev = torch.device(args.device)
-    apply_variant(variant)
-    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs)
+    ops = variant_ops(variant, dev, model.model.embed_tokens.weight.dtype)
+    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs, ops)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(4):  # prefill + warm-up decodes
         eng.step()
@@ -169,7 +171,7 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
     ``batch`` rows of ``--context`` tokens, capture the decode forward in a CUDA graph and time
     ``--graph-replay`` replays with CUDA events; optionally the kernel table of the same forward."""
     dev = torch.device(args.device)
-    apply_variant(variant)
+    ops = variant_ops(variant, dev, model.model.embed_tokens.weight.dtype)
     tag = f"batch {batch}, {variant}"
     max_seq_len = args.max_model_len or args.context + 64
     n_pages = batch * -(-max_seq_len // cfg.sparse_block_size)
@@ -177,7 +179,7 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
     pre_ids, pre, ids, meta = _decode_batch(cfg, kv, batch, args.context, max_seq_len, dev)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    model.forward_paged(pre_ids, pre, kv)
+    model.forward_paged(pre_ids, pre, kv, ops)
     torch.cuda.synchronize()
     res = {
         "batch": batch,
@@ -186,17 +188,17 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
         "max_seq_len": max_seq_len,
         "prefill_ms_first_call": 1000 * (time.perf_counter() - t0),
     }
-    model.forward_paged(pre_ids, pre, kv)  # warm (compiled) prefill
+    model.forward_paged(pre_ids, pre, kv, ops)  # warm (compiled) prefill
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    model.forward_paged(pre_ids, pre, kv)
+    model.forward_paged(pre_ids, pre, kv, ops)
     torch.cuda.synchronize()
     res["prefill_ms"] = 1000 * (time.perf_counter() - t0)
-    model.forward_paged(ids, meta, kv)  # warm-up (compile)
+    model.forward_paged(ids, meta, kv, ops)  # warm-up (compile)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        model.forward_paged(ids, meta, kv)
+        model.forward_paged(ids, meta, kv, ops)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
@@ -213,7 +215,7 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
         flush=True,
     )
     if args.kernel_table:
-        rows, total = _kernel_table(lambda: model.forward_paged(ids, meta, kv), 3)
+        rows, total = _kernel_table(lambda: model.forward_paged(ids, meta, kv, ops), 3)
         res["kernels_per_step"] = sum(r[1] for r in rows)
         res["kernel_us_per_step_eager"] = total
         res["kernel_table"] = rows[:40]
@@ -305,7 +307,7 @@ def main() -> None:
                 results.append({"batch": batch, "variant": v, "engine": r})
                 if args.out_json:
                     Path(args.out_json).write_text(json.dumps(results, indent=1))
-    apply_variant("fused")
+    variant_ops("fused", torch.device(args.device), torch.float32)  # router threshold back to the default
     if args.markdown:
         Path(args.markdown).write_text(markdown(results, args))
 

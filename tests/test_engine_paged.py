@@ -10,12 +10,14 @@ import torch
 from m3_rollout.engine.block_manager import BlockManager
 from m3_rollout.engine.interface import SamplingParams
 from m3_rollout.engine.model_runner import prepare_inputs
+from m3_rollout.engine.ops import paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sequence import Sequence
 from m3_rollout.model import M3ForCausalLM, tiny_config
 
 PS = 4
 TOL = 2e-5  # fp32 max |logits difference|; measured ~1e-6
+OPS = paged_ops_for("cpu", torch.float32)  # the engine's CPU table (PyTorch references)
 
 
 def _model(seed=0):
@@ -59,7 +61,7 @@ class Harness:
             num_decodes,
             decode_query_len=decode_query_len,
         )
-        logits = self.model.forward_paged(inp.input_ids, inp.meta, self.kv)  # all tokens
+        logits = self.model.forward_paged(inp.input_ids, inp.meta, self.kv, OPS)  # all tokens
         out, start = [], 0
         for s, n in rows:
             out.append(logits[start : start + n])
@@ -170,7 +172,7 @@ def test_empty_step_runs_every_layer():
     h = Harness(m)
     inp = prepare_inputs([], [], [], PS, 0)
     with torch.no_grad():
-        out = m.forward_paged(inp.input_ids, inp.meta, h.kv)
+        out = m.forward_paged(inp.input_ids, inp.meta, h.kv, OPS)
     assert out.shape == (0, 96)
     # Every MoE layer ran (EP lockstep needs its collectives once per step), on zero tokens.
     assert all(moe.last_topk_ids is not None and moe.last_topk_ids.shape[0] == 0 for moe in m.moe_layers())

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from m3_kernels.msa_interpret import interpreted_kernels
-from m3_kernels.msa_reference import index_topk_ref, paged_attention_ref
 from m3_kernels.msa_synthetic import make_paged_batch
+from m3_rollout.engine.reference_ops import index_topk_ref, paged_attention_ref
 
-mi, ma = interpreted_kernels()
+mi, ma, _ = interpreted_kernels()
 
 PS, G, NH, D, K = 16, 2, 8, 32, 4
 SCALE = D**-0.5
@@ -205,7 +205,7 @@ def test_prefill_union_kernel_lists_and_masks():
     umask, upage = torch.zeros_like(ulist), torch.zeros_like(ulist)
     ucount = torch.zeros(nt * G, dtype=torch.int32)
     bt = b.meta.block_tables
-    ma._tile_union_kernel[(nt, G)](
+    ma.tile_union_kernel[(nt, G)](
         sel,
         b.meta.query_start_loc,
         b.meta.positions,

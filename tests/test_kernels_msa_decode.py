@@ -1,4 +1,4 @@
-"""Fused MSA decode path (kernels/msa_decode.py) vs the PyTorch references, on CPU under the Triton
+"""Fused MSA decode path (kernels/msa_fused_decode.py) vs the PyTorch references, on CPU under the Triton
 interpreter.
 
 Tiny preset shapes (spec §7 A: 8 q heads / 2 KV heads / d 32 / block 16 / top-k 4): sparse beyond
@@ -11,19 +11,14 @@ replays rely on it). fp32 and fp16 only (the interpreter mishandles bf16).
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from m3_kernels.msa_interpret import interpreted_kernels
-from m3_kernels.msa_reference import index_topk_ref, paged_attention_ref
 from m3_kernels.msa_synthetic import make_paged_batch
+from m3_rollout.engine.reference_ops import index_topk_ref, paged_attention_ref
 
-interpreted_kernels()  # sets TRITON_INTERPRET=1 and reloads the index/attention kernel modules
-import m3_kernels.msa_decode as _md  # noqa: E402
-
-md = _md if "Interpreted" in type(_md._decode_scores_kernel).__name__ else importlib.reload(_md)
+md = interpreted_kernels().fused_decode  # sets TRITON_INTERPRET=1 and (re)loads the kernel modules
 
 PS, G, NH, D, K = 16, 2, 8, 32, 4
 SCALE = D**-0.5
@@ -76,7 +71,7 @@ def test_split_counts_and_repeat_calls_agree(splits):
     second = md.decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, scores=sc, splits=splits)
     torch.testing.assert_close(first, want[:4], atol=ATOL[torch.float32], rtol=0)
     assert torch.equal(first, second)
-    assert int(md._arrival_counters(1, b.q.device).abs().sum()) == 0
+    assert int(md.arrival_counters(1, b.q.device).abs().sum()) == 0
 
 
 def test_verify_rows_forced_init_and_local_blocks():

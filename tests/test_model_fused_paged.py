@@ -1,5 +1,6 @@
-"""The model's fused paged path (model/fused.py + kernels/fused_layers.py) == its PyTorch paged path,
-run on CPU with the Triton kernels in the interpreter (fp32); plus packed weights under weight sync.
+"""The model's fused paged path (model/fused.py + kernels/fused_layers.py, handed in through
+``engine.ops.interpreted_paged_ops``) == its PyTorch paged path, run on CPU with the Triton kernels
+in the interpreter (fp32); plus packed weights under weight sync.
 
 Tolerance (stated): fp32 logits within 2e-5 absolute, caches within 1e-5 (fp32 reduction order in
 the norms and the router/gemm accumulation order only).
@@ -12,19 +13,15 @@ import torch
 
 from m3_kernels.fused_interpret import interpreted_fused_layers
 from m3_rollout.engine.model_runner import prepare_inputs
+from m3_rollout.engine.ops import interpreted_paged_ops, paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.model import M3ForCausalLM, tiny_config
-from m3_rollout.model.fused import packed_linear, packed_ok, set_fused_layers
+from m3_rollout.model.fused import packed_linear, packed_ok
 from m3_rollout.model.loading import load_released_tensor
 
-interpreted_fused_layers()
+FUSED = interpreted_paged_ops()  # fused layer ops under the Triton interpreter (CPU)
+PYTORCH = paged_ops_for("cpu", torch.float32)  # the engine's CPU table: PyTorch path
 PS = 4
-
-
-@pytest.fixture(autouse=True)
-def _fused_off_after():
-    yield
-    set_fused_layers(True, allow_cpu=False)
 
 
 def _model(seed=0):
@@ -63,9 +60,9 @@ def _steps():
 
 @torch.no_grad()
 def _run(model, fused):
-    set_fused_layers(True, allow_cpu=fused) if fused else set_fused_layers(False)
+    assert not PYTORCH.fused_layers and FUSED.fused_layers
     kv = PagedKVCache(model.config, 8, torch.float32)
-    logits = [model.forward_paged(s.input_ids, s.meta, kv) for s in _steps()]
+    logits = [model.forward_paged(s.input_ids, s.meta, kv, FUSED if fused else PYTORCH) for s in _steps()]
     return logits, kv
 
 
@@ -89,16 +86,16 @@ def test_packed_weights_follow_in_place_weight_sync():
     m.pack_fused_weights()
     attn = m.model.layers[1].self_attn
     mlp = m.model.layers[0].mlp
-    assert packed_ok(attn._packed_proj, attn.projection_linears())
-    assert packed_ok(mlp._packed_gate_up, [mlp.gate_proj, mlp.up_proj])
+    assert packed_ok(attn.packed_proj, attn.projection_linears())
+    assert packed_ok(mlp.packed_gate_up, [mlp.gate_proj, mlp.up_proj])
     # a weight update through the released name lands in the packed buffer (same storage)
     new_k = torch.randn_like(attn.k_proj.weight)
     load_released_tensor(m, "model.layers.1.self_attn.k_proj.weight", new_k)
     off = attn.q_proj.weight.shape[0]
-    assert torch.equal(attn._packed_proj[off : off + new_k.shape[0]], new_k)
+    assert torch.equal(attn.packed_proj[off : off + new_k.shape[0]], new_k)
     new_up = torch.randn_like(mlp.up_proj.weight)
     load_released_tensor(m, "model.layers.0.mlp.up_proj.weight", new_up)
-    assert torch.equal(mlp._packed_gate_up[mlp.gate_proj.weight.shape[0] :], new_up)
+    assert torch.equal(mlp.packed_gate_up[mlp.gate_proj.weight.shape[0] :], new_up)
     # fused (packed GEMMs) still equals the PyTorch path after the update
     want, _ = _run(m, fused=False)
     got, _ = _run(m, fused=True)
@@ -108,10 +105,10 @@ def test_packed_weights_follow_in_place_weight_sync():
     # per-Linear GEMMs, which see the new storage (a packed GEMM would use the stale buffer)
     new_v = attn.v_proj.weight.data.clone() + 1.0
     attn.v_proj.weight.data = new_v
-    assert not packed_ok(attn._packed_proj, attn.projection_linears())
+    assert not packed_ok(attn.packed_proj, attn.projection_linears())
     x = torch.randn(3, m.config.hidden_size)
     want_qkv = torch.cat([torch.nn.functional.linear(x, lin.weight) for lin in attn.projection_linears()], -1)
-    assert torch.equal(packed_linear(x, attn._packed_proj, attn.projection_linears()), want_qkv)
+    assert torch.equal(packed_linear(x, attn.packed_proj, attn.projection_linears()), want_qkv)
 
 
 def test_fused_paged_forward_fp16_with_skinny_gemm():
@@ -120,12 +117,9 @@ def test_fused_paged_forward_fp16_with_skinny_gemm():
     places: cuBLAS-free fp32 accumulation vs CPU fp16 matmul)."""
     m = _model().cast_for_inference(torch.float16)
     want, _ = _run(m, fused=False)
-    set_fused_layers(True, allow_cpu=True, skinny_gemm=True)
-    try:
-        kv = PagedKVCache(m.config, 8, torch.float16)
-        with torch.no_grad():
-            got = [m.forward_paged(s.input_ids, s.meta, kv) for s in _steps()]
-    finally:
-        set_fused_layers(True, skinny_gemm=True)
+    assert FUSED.skinny_linear is not None
+    kv = PagedKVCache(m.config, 8, torch.float16)
+    with torch.no_grad():
+        got = [m.forward_paged(s.input_ids, s.meta, kv, FUSED) for s in _steps()]
     for g, w in zip(got, want):
         assert (g.float() - w.float()).abs().max().item() < 3e-2

@@ -293,3 +293,35 @@ def test_real_config_shapes_and_parameter_count():
     assert "model.layers.2.self_attn.index_q_proj.weight" not in shapes
     total = sum(math.prod(s) for s in shapes.values())
     assert 420e9 < total < 432e9, total  # spec §1.3: ~426B text parameters
+
+
+def test_paged_ops_table_checks_its_groups_and_routes_the_experts():
+    """PagedOps refuses a partial fused-layer group / a lone skinny GEMM; the MoE calls the table's
+    fused_experts (same result here: it is grouped_experts) only when autograd is not recording."""
+    from m3_rollout.model.moe import grouped_experts
+    from m3_rollout.model.paged_ops import PagedOps
+
+    def attn(*args):
+        raise AssertionError("not called")
+
+    with pytest.raises(ValueError, match="missing"):
+        PagedOps(attn, attn, add_rms_norm=attn)
+    with pytest.raises(ValueError, match="skinny_linear"):
+        PagedOps(attn, attn, skinny_linear=attn)
+    assert not PagedOps(attn, attn).fused_layers
+    calls = []
+
+    def fused(x, ids, weights, w13, w2, *, alpha, limit, beta, expert_range):
+        calls.append(x.shape[0])
+        return grouped_experts(x, ids, weights, w13, w2, lambda g, u: swiglu_oai(g, u, alpha, limit, beta))
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    moe = M3MoE(cfg)
+    x = torch.randn(5, cfg.hidden_size)
+    with torch.no_grad():
+        want = moe(x)
+        got = moe(x, fused_experts=fused)
+    assert calls == [5] and torch.equal(got, want)
+    moe(x, fused_experts=fused).sum().backward()  # parameters require grad: the PyTorch path
+    assert calls == [5] and moe.experts.w13.grad is not None

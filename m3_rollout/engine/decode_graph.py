@@ -39,6 +39,7 @@ from m3_rollout.engine.sampler import (
     vocab_hash,
 )
 from m3_rollout.model.numerics import compute_dtype
+from m3_rollout.model.paged_ops import PagedOps
 
 # Fields of the int64 staging array, one row each, in this order; then the packed sampling
 # parameters (sampler.SAMPLING_FIELDS). Code reads them through DecodeStage, never by row number.
@@ -100,7 +101,8 @@ class CudaGraphDecode:
     """Decode forward + sampler graphs per padded batch size, with their static buffers.
 
     Args:
-        model: ``M3ForCausalLM`` (eval, on CUDA); kv: the page pool.
+        model: ``M3ForCausalLM`` (eval, on CUDA); kv: the page pool; ops: the fast-op table the
+            forward runs with (``engine/ops.py``; the runner's).
         max_num_seqs: S, rows of the staging buffers (largest size captured).
         max_model_len: the ``max_seq_len`` the graphs are captured with (valid for every step).
         last_tokens: int64 [>= S] device buffer of the previous step's sampled ids (runner-owned).
@@ -114,6 +116,7 @@ class CudaGraphDecode:
         self,
         model,
         kv: PagedKVCache,
+        ops: PagedOps,
         max_num_seqs: int,
         max_model_len: int,
         last_tokens: torch.Tensor,
@@ -125,7 +128,7 @@ class CudaGraphDecode:
         self.fused_sampler = dev.type == "cuda" if fused_sampler is None else fused_sampler
         assert dev.type == "cuda" or not use_graphs, "CUDA graphs are GPU-only"
         self.use_graphs = use_graphs
-        self.model, self.kv, self.last_tokens = model, kv, last_tokens
+        self.model, self.kv, self.ops, self.last_tokens = model, kv, ops, last_tokens
         self.max_model_len = max_model_len
         self.page_size = kv.page_size
         sizes = sizes or (1, 2, 4, 8, 16, 32, 64, 128, 256, max_num_seqs)
@@ -200,7 +203,7 @@ class CudaGraphDecode:
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
-        return self.model.forward_paged(self.input_ids[:s], meta, self.kv)  # [s, V]
+        return self.model.forward_paged(self.input_ids[:s], meta, self.kv, self.ops)  # [s, V]
 
     def sample_into_out(
         self, logits: torch.Tensor, s: int, need_top_k: bool = False, need_top_p: bool = False

@@ -39,6 +39,7 @@ from m3_rollout.engine.score import check_score_temperature, score_tokens
 from m3_rollout.engine.sequence import SeqStatus, Sequence
 from m3_rollout.engine.stats import EngineStats, engine_metrics
 from m3_rollout.model.numerics import compute_dtype
+from m3_rollout.model.paged_ops import PagedOps
 
 
 class LLMEngine:
@@ -51,7 +52,13 @@ class LLMEngine:
     Raises ValueError when the page pool cannot hold one ``max_model_len`` sequence.
     """
 
-    def __init__(self, model, config: EngineConfig, detokenize: Callable[[list[int]], str] | None = None):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        detokenize: Callable[[list[int]], str] | None = None,
+        ops: PagedOps | None = None,
+    ):
         self.config = config.validate()
         self.model = model.eval()
         self.model_config = model.config
@@ -77,6 +84,7 @@ class LLMEngine:
             config.cuda_graph_batch_sizes,
             config.max_num_batched_tokens,
             config.fused_sampler,
+            ops,
         )
         # NOTE: None = on for CUDA (GPU round 1, H200: identical tokens, host time hidden), off on
         # the CPU (nothing to overlap there; outputs would come one step() later).
@@ -416,7 +424,15 @@ class LLMEngine:
         ids = check_prompt(
             token_ids, self.model_config.vocab_size, self.config.max_model_len, "score token_ids", room_for_output=False
         )
-        lp = score_tokens(self.model, self.kv, self.block_manager, ids, self.config.max_num_batched_tokens, temperature)
+        lp = score_tokens(
+            self.model,
+            self.runner.ops,
+            self.kv,
+            self.block_manager,
+            ids,
+            self.config.max_num_batched_tokens,
+            temperature,
+        )
         if positions is None:
             return lp
         pos = torch.tensor(list(positions), dtype=torch.int64)

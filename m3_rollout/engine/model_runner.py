@@ -7,8 +7,9 @@ calls ``M3ForCausalLM.forward_paged``, samples the rows that sample (``sampler.s
 host syncs) and starts one non-blocking copy of the sampled ids + logprobs to the host
 (:class:`StepLaunch`; the caller decides when to wait for it: async scheduling waits one step later).
 
-NOTE (context passing): metadata is passed explicitly (``forward_paged(ids, meta, kv)``), not
-through a global context object.
+NOTE (context passing): metadata and the fast-op table are passed explicitly
+(``forward_paged(ids, meta, kv, ops)``; ``ops`` from ``engine/ops.py``), not through a global
+context object.
 
 CUDA graphs (GPU only): plain decode steps replay captured forward + sampler graphs over inputs
 that :func:`prepare_decode` writes into the graphs' fixed staging buffers (``engine/decode_graph.py``);
@@ -24,9 +25,11 @@ import numpy as np
 import torch
 
 from m3_kernels.paged_layout import PagedMetadata
+from m3_rollout.engine.ops import paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import sample_rows, unpack_sampling
 from m3_rollout.model.numerics import compute_dtype
+from m3_rollout.model.paged_ops import PagedOps
 
 if TYPE_CHECKING:
     from m3_rollout.engine.decode_graph import DecodeStage
@@ -213,6 +216,8 @@ class ModelRunner:
         max_num_batched_tokens: the step token budget (bounds the rows of a step, hence
             the length of ``last_tokens``).
         fused_sampler: decode graphs sample with the one-kernel Triton sampler (None = on CUDA).
+        ops: the fast-op table of the model's paged forward (``self.ops``); None =
+            ``paged_ops_for(kv.device, <the model's activation dtype>)``.
     """
 
     def __init__(
@@ -225,9 +230,11 @@ class ModelRunner:
         cuda_graph_batch_sizes: tuple[int, ...] | None = None,
         max_num_batched_tokens: int = 0,
         fused_sampler: bool | None = None,
+        ops: PagedOps | None = None,
     ):
         self.model, self.kv = model, kv
         self.device = kv.device
+        self.ops = paged_ops_for(self.device, model.model.embed_tokens.weight.dtype) if ops is None else ops
         self.page_size = kv.page_size
         self.cuda = self.device.type == "cuda"
         cap = max(max_num_seqs, max_num_batched_tokens, 1)
@@ -243,6 +250,7 @@ class ModelRunner:
             self.graphs = CudaGraphDecode(
                 model,
                 kv,
+                self.ops,
                 max_num_seqs,
                 max_model_len,
                 self.last_tokens,
@@ -258,6 +266,7 @@ class ModelRunner:
                 self.graphs = CudaGraphDecode(
                     model,
                     kv,
+                    self.ops,
                     max_num_seqs,
                     max_model_len,
                     self.last_tokens,
@@ -284,7 +293,8 @@ class ModelRunner:
             src = torch.tensor(token_src, dtype=torch.int64).to(self.device, non_blocking=True)
             ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
         meta = meta_to(inputs.meta, self.device)
-        return self.model.forward_paged(ids, meta, self.kv, inputs.logits_indices.to(self.device, non_blocking=True))
+        logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
+        return self.model.forward_paged(ids, meta, self.kv, self.ops, logits_indices)
 
     @torch.no_grad()
     def launch(self, inputs: StepInputs, token_src: list[int] | None, sampling: SampleBatch | None) -> StepLaunch:

@@ -16,6 +16,7 @@ from m3_rollout.engine.model_runner import meta_to, prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sequence import Sequence
 from m3_rollout.model.numerics import compute_dtype
+from m3_rollout.model.paged_ops import PagedOps
 
 
 def check_score_temperature(temperature, dtype: torch.dtype) -> float:
@@ -31,6 +32,7 @@ def check_score_temperature(temperature, dtype: torch.dtype) -> float:
 @torch.no_grad()
 def score_tokens(
     model,
+    ops: PagedOps,
     kv: PagedKVCache,
     block_manager: BlockManager,
     ids: list[int],
@@ -40,6 +42,7 @@ def score_tokens(
     """Logprobs of ``ids`` [L] (checked plain ints) under ``model``.
 
     Args:
+        ops: the engine's fast-op table (``LLMEngine.runner.ops``).
         chunk_tokens: tokens per forward (the step budget). temperature: logits are divided by it.
     Returns:
         fp32 (fp64 for an fp64 model) [L]: entry 0 = 0, entry i = log p(token_i | tokens_<i).
@@ -58,7 +61,7 @@ def score_tokens(
         for start in range(0, len(ids), chunk_tokens):
             chunk = ids[start : start + chunk_tokens]
             inp = prepare_inputs([chunk], [start], [seq.block_table], kv.page_size, 0)
-            logits = model.forward_paged(inp.input_ids.to(device), meta_to(inp.meta, device), kv)
+            logits = model.forward_paged(inp.input_ids.to(device), meta_to(inp.meta, device), kv, ops)
             chunks.append(logits.to(compute_dtype(logits.dtype)).cpu())
     finally:
         block_manager.free_seq(seq)

@@ -7,7 +7,8 @@ attention      QK-norm + RoPE + GQA, dense causal or block-sparse
 moe            SwiGLU-OAI, dense MLP, sigmoid-routed MoE with shared expert
 kv_cache       contiguous per-row cache, slot == position
 model          decoder layer, M3Model, M3ForCausalLM
-fused          when the paged forward takes the fused GPU path (kernels/fused_layers.py), packed weights
+paged_ops      PagedOps: the table of fast ops the paged forward calls (built by the engine, engine/ops.py)
+fused          packed projection weights and GEMM helpers of the fused paged path
 loading        released / transformers tensor names, safetensors save + load
 """
 

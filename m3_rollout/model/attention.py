@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from .configuration import M3Config
-from .fused import DecodeLinear, fused_ops, pack_linear_weights, packed_linear, use_fused_layers
+from .fused import fused_linear, pack_linear_weights, packed_linear
 from .indexer import block_scores, select_blocks, selected_key_mask
 from .kv_cache import KVCache
 from .norm import GemmaRMSNorm
 from .numerics import compute_dtype
+from .paged_ops import PagedOps
 from .rope import apply_rope
 
 
@@ -90,11 +91,12 @@ class M3Attention(nn.Module):
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = DecodeLinear(self.num_heads * d, h, bias=False)  # nn.Linear; fused GPU decode GEMM
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         # per_head QK norm: one [d] weight shared by all heads (spec §3.3)
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.is_sparse = config.is_sparse_layer(layer_idx)
+        self.packed_proj: torch.Tensor | None = None  # q|k|v(|index q|index k) buffer (pack_projections)
         if self.is_sparse:
             di = config.sparse_index_dim
             self.num_index_heads, self.index_dim = config.sparse_num_index_heads, di
@@ -140,25 +142,25 @@ class M3Attention(nn.Module):
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
     def forward_paged(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv, rope_table: bool = False
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv, ops: PagedOps, fused: bool = False
     ) -> torch.Tensor:
         """Paged path over flat query tokens (kernels/paged_layout.py layout; spec §4.2 order).
 
-        x: [T, H] (T may be 0); cos, sin: [T, r/2] RoPE tables of ``meta.positions``;
-        meta: ``PagedMetadata``; kv: ``PagedKVCache``. K, V (and index K on sparse layers) of the
-        step's tokens are written through ``meta.slot_mapping`` first; then the indexer selects
-        blocks from the index-key pages and attention reads the K/V pages, both through the
-        ``m3_kernels.msa`` dispatch. Returns [T, H] in x.dtype. ``rope_table`` (fused GPU path only):
-        cos, sin are [max_pos, r/2] tables indexed by ``meta.positions`` instead of per-token rows.
+        x: [T, H] (T may be 0); cos, sin: [T, r/2] RoPE rows of ``meta.positions``, or with
+        ``fused`` [max_pos, r/2] tables indexed by ``meta.positions``; meta: ``PagedMetadata``;
+        kv: ``PagedKVCache``; ops: the engine's ``PagedOps``. K, V (and index K on sparse layers) of
+        the step's tokens are written through ``meta.slot_mapping`` first; then the indexer selects
+        blocks from the index-key pages and attention reads the K/V pages, both through
+        ``ops.msa_attention`` (sparse layers) / ``ops.paged_attention`` (dense layers). ``fused``
+        (``ops.fused_layers`` only): one packed projection GEMM + ``ops.qkv_norm_rope_write`` for
+        norms, RoPE and the cache writes, the output projection through ``fused_linear``.
+        Returns [T, H] in x.dtype.
         """
-        from m3_kernels import msa  # NOTE: lazy: kernels/ imports the engine's layout module
-
         t = x.shape[0]
         k_cache, v_cache, index_cache = kv.layer(self.layer_idx)
-        if use_fused_layers(x):
-            # GPU: one packed projection GEMM + one kernel for norms, RoPE and the cache writes.
+        if fused:
             q, iq = self.fused_qkv_write(
-                x, cos, sin, meta.slot_mapping, k_cache, v_cache, index_cache, meta.positions if rope_table else None
+                x, cos, sin, meta.slot_mapping, k_cache, v_cache, index_cache, meta.positions, ops
             )
         else:
             c, s_ = cos[:, None, :], sin[:, None, :]  # [T, 1, r/2]
@@ -177,12 +179,13 @@ class M3Attention(nn.Module):
             # Empty step (EP lockstep): no attention work; o_proj keeps the [0, H] shape and dtype.
             return self.o_proj(q.reshape(0, self.num_heads * self.head_dim))
         if self.is_sparse:  # indexer + top-k + sparse attention (fused decode path on CUDA)
-            out = msa.msa_attention(
+            out = ops.msa_attention(
                 q, iq, k_cache, v_cache, index_cache, meta, self.scale, self.topk, self.init_blocks, self.local_blocks
             )  # [T, nh, d]
         else:
-            out = msa.paged_attention(q, k_cache, v_cache, meta, self.scale, None)  # [T, nh, d]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+            out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, None)  # [T, nh, d]
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        return fused_linear(out, self.o_proj.weight, ops) if fused else self.o_proj(out)
 
     def projection_linears(self) -> list[nn.Linear]:
         """The Linears that read the layer input, in packed-column order: q, k, v (+ index q, index k)."""
@@ -192,8 +195,8 @@ class M3Attention(nn.Module):
         return linears
 
     def pack_projections(self) -> None:
-        """Put q/k/v (+ index q/k) weights into one buffer (parameters become views; model/fused.py)."""
-        self._packed_proj = pack_linear_weights(self.projection_linears())
+        """Put q/k/v (+ index q/k) weights into ``packed_proj`` (parameters become views; model/fused.py)."""
+        self.packed_proj = pack_linear_weights(self.projection_linears())
 
     def fused_qkv_write(
         self,
@@ -204,12 +207,14 @@ class M3Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         index_cache: torch.Tensor | None,
-        positions: torch.Tensor | None = None,
+        positions: torch.Tensor,
+        ops: PagedOps,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """GPU path of forward_paged's pre-attention work: x [T, H] -> (q [T, nh, d], index q [T, G, di]
-        or None), K/V/index K written through slot_mapping (kernels/fused_layers.qkv_norm_rope_write;
-        with ``positions``, cos/sin are tables indexed by position)."""
-        qkv = packed_linear(x, getattr(self, "_packed_proj", None), self.projection_linears())
+        """Fused path of forward_paged's pre-attention work: x [T, H] -> (q [T, nh, d], index q
+        [T, G, di] or None), K/V/index K written through slot_mapping [T] (``ops.qkv_norm_rope_write``,
+        the signature of kernels/fused_layers.py; cos/sin are [max_pos, r/2] tables indexed by
+        ``positions`` [T])."""
+        qkv = packed_linear(x, self.packed_proj, self.projection_linears(), ops)
         index = {}
         if self.is_sparse:
             index = dict(
@@ -219,7 +224,7 @@ class M3Attention(nn.Module):
                 index_dim=self.index_dim,
                 index_cache=index_cache,
             )
-        return fused_ops().qkv_norm_rope_write(
+        return ops.qkv_norm_rope_write(
             qkv,
             cos,
             sin,

@@ -1,11 +1,12 @@
-"""When the model's paged forward takes the fused GPU path, and the packed projection weights it uses.
+"""Packed projection weights for the fused paged path, and its GEMM helpers.
 
-Governing idea: on CUDA, inference (no autograd) runs the small per-layer ops through the Triton
-kernels of ``kernels/fused_layers.py`` and one GEMM per group of projections that read the same
-input (q|k|v|index q|index k; gate|up), over a weight buffer that the individual ``nn.Linear``
-parameters are views of. Weight sync and checkpoint loading keep writing the individual
-parameters in place (contracts.md), which writes the packed buffer too. Everywhere else (CPU, fp64,
-autograd) the plain PyTorch path runs, unchanged.
+Governing idea: on the fused paged path (``PagedOps.fused_layers``, the engine's table on CUDA)
+one GEMM runs per group of projections that read the same input (q|k|v|index q|index k;
+gate|up), over a weight buffer that the individual ``nn.Linear`` parameters are views of. Weight
+sync and checkpoint loading keep writing the individual parameters in place (contracts.md),
+which writes the packed buffer too. Decode-sized GEMMs take the table's skinny GEMM when it has
+one (``PagedOps.skinny_ok``). Everywhere else (the training forward, the layer-by-layer paged
+path) the plain ``nn.Linear`` runs, unchanged.
 
 Packing happens once, in ``M3ForCausalLM.cast_for_inference`` on CUDA (or ``pack_fused_weights()``),
 after the dtype cast: anything that later re-points a parameter's storage (``.to()``, assigning
@@ -15,64 +16,20 @@ and that layer then falls back to separate GEMMs (concatenated) - slower, never 
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-_STATE = {"enabled": True, "allow_cpu": False, "skinny_gemm": True}
+from .paged_ops import PagedOps
 
 
-def set_fused_layers(enabled: bool, allow_cpu: bool = False, skinny_gemm: bool | None = None) -> None:
-    """Turn the fused path on/off (A/B profiling). ``allow_cpu`` lets it run on CPU tensors too: only
-    for tests that run the kernels under the Triton interpreter (TRITON_INTERPRET=1, fp32/fp16).
-    ``skinny_gemm`` (None = unchanged; default on): decode-sized bf16/fp16 projections (up to
-    ``m3_kernels.fused_layers.SKINNY_MAX_TOKENS`` tokens) use the Triton skinny GEMM
-    (``m3_kernels.fused_layers.skinny_linear``) instead of cuBLAS."""
-    _STATE["enabled"], _STATE["allow_cpu"] = bool(enabled), bool(allow_cpu)
-    if skinny_gemm is not None:
-        _STATE["skinny_gemm"] = bool(skinny_gemm)
-
-
-def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused path's GEMM of x [T, K] with weight [N, K] takes the Triton skinny GEMM."""
-    return _STATE["skinny_gemm"] and use_fused_layers(x) and fused_ops().skinny_linear_ok(x, weight)
-
-
-class DecodeLinear(nn.Linear):
-    """``nn.Linear`` (same parameter, same name) whose forward takes the Triton skinny GEMM for
-    decode-sized inputs on the fused GPU path (``skinny_ok``); ``F.linear`` otherwise."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and x.dim() == 2 and skinny_ok(x, self.weight):
-            return fused_ops().skinny_linear(x, self.weight)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_fused_layers(x: torch.Tensor) -> bool:
-    """Whether a paged forward on activations ``x`` takes the fused path: enabled, CUDA (or the
-    interpreter test switch), bf16/fp16/fp32, and nothing for autograd to differentiate."""
-    if not _STATE["enabled"] or not (x.is_cuda or _STATE["allow_cpu"]):
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if torch.is_grad_enabled() and x.requires_grad:
-        return False
-    return _triton_importable()
-
-
-def fused_ops():
-    """The ``m3_kernels.fused_layers`` module (imported lazily: CPU-only runs never import triton)."""
-    import m3_kernels.fused_layers as fl
-
-    return fl
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, ops: PagedOps) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T -> [T, N] on the fused path: the table's skinny GEMM for
+    decode-sized inputs (``ops.skinny_ok``), else ``F.linear``."""
+    if ops.skinny_ok(x, weight):
+        return ops.skinny_linear(x, weight)
+    return torch.nn.functional.linear(x, weight)
 
 
 def pack_linear_weights(linears: Sequence[nn.Linear]) -> torch.Tensor:
@@ -114,11 +71,12 @@ def packed_ok(buf: torch.Tensor | None, linears: Sequence[nn.Linear]) -> bool:
     return ptr == buf.data_ptr() + buf.shape[0] * row_bytes
 
 
-def packed_linear(x: torch.Tensor, buf: torch.Tensor | None, linears: Sequence[nn.Linear]) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, buf: torch.Tensor | None, linears: Sequence[nn.Linear], ops: PagedOps | None = None
+) -> torch.Tensor:
     """x [T, in] @ concat(weights).T -> [T, sum(out_i)]: one GEMM on the packed buffer when the
-    aliasing holds, else one GEMM per Linear, concatenated."""
+    aliasing holds (the table's skinny GEMM when ``ops`` has one that suits), else one GEMM per
+    Linear, concatenated."""
     if packed_ok(buf, linears):
-        if skinny_ok(x, buf):
-            return fused_ops().skinny_linear(x, buf)
-        return torch.nn.functional.linear(x, buf)
+        return torch.nn.functional.linear(x, buf) if ops is None else fused_linear(x, buf, ops)
     return torch.cat([torch.nn.functional.linear(x, lin.weight) for lin in linears], dim=-1)

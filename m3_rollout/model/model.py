@@ -14,11 +14,11 @@ from torch import nn
 
 from .attention import AttentionInputs, M3Attention
 from .configuration import M3Config
-from .fused import fused_ops, use_fused_layers
 from .kv_cache import KVCache
 from .moe import DenseMLP, M3MoE
 from .norm import GemmaRMSNorm
 from .numerics import compute_dtype
+from .paged_ops import PagedOps, needs_autograd
 from .rope import rope_cos_sin
 
 
@@ -42,11 +42,16 @@ class M3DecoderLayer(nn.Module):
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         return h + ffn(self.post_attention_layernorm(h))
 
-    def forward_paged(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv) -> torch.Tensor:
-        """Paged path: h [T, H] -> [T, H] (see M3Attention.forward_paged)."""
-        h = h + self.self_attn.forward_paged(self.input_layernorm(h), cos, sin, meta, kv)
-        ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return h + ffn(self.post_attention_layernorm(h))
+    def forward_paged(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv, ops: PagedOps
+    ) -> torch.Tensor:
+        """Layer-by-layer paged path: h [T, H] -> [T, H] (see M3Attention.forward_paged); the routed
+        experts take ``ops.fused_experts`` when given."""
+        h = h + self.self_attn.forward_paged(self.input_layernorm(h), cos, sin, meta, kv, ops)
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            return h + self.block_sparse_moe(x, fused_experts=ops.fused_experts)
+        return h + self.mlp(x)
 
 
 class M3Model(nn.Module):
@@ -58,6 +63,8 @@ class M3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(M3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_tables
+        self._old_rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(
         self,
@@ -86,56 +93,56 @@ class M3Model(nn.Module):
             h = layer(h, inputs)
         return self.norm(h)
 
-    def forward_paged(self, input_ids: torch.Tensor, meta, kv) -> torch.Tensor:
+    def forward_paged(self, input_ids: torch.Tensor, meta, kv, ops: PagedOps) -> torch.Tensor:
         """See M3ForCausalLM.forward_paged; returns final-normed hidden states [T, H]."""
         h = self.embed_tokens(input_ids)  # [T, H]
-        if use_fused_layers(h):
-            return self._forward_paged_fused(h, meta, kv)
+        if ops.fused_layers and not needs_autograd(h):
+            return self._forward_paged_fused(h, meta, kv, ops)
         cos, sin = rope_cos_sin(meta.positions, self.config.rotary_dim, self.config.rope_theta)  # [T, r/2]
         for layer in self.layers:
-            h = layer.forward_paged(h, cos, sin, meta, kv)
+            h = layer.forward_paged(h, cos, sin, meta, kv, ops)
         return self.norm(h)
 
     def rope_tables(self, num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, r/2] fp32 for positions 0..N-1, N >= max(num_positions,
         max_position_embeddings); built once per device (the same values ``rope_cos_sin`` gives
         per position) and kept, so a step reads rows instead of recomputing them."""
-        tab = getattr(self, "_rope_tables", None)
+        tab = self._rope_tables
         if tab is None or tab[0].device != device or tab[0].shape[0] < num_positions:
             n = max(num_positions, self.config.max_position_embeddings)
             tab = rope_cos_sin(torch.arange(n, device=device), self.config.rotary_dim, self.config.rope_theta)
             # NOTE: earlier tables stay alive: a captured CUDA graph may still read them.
-            self._old_rope_tables = getattr(self, "_old_rope_tables", []) + [self.__dict__.get("_rope_tables")]
+            if self._rope_tables is not None:
+                self._old_rope_tables.append(self._rope_tables)
             self._rope_tables = tab
         return tab
 
-    def _forward_paged_fused(self, h: torch.Tensor, meta, kv) -> torch.Tensor:
-        """GPU path of forward_paged: the residual stream is carried separately and every
-        "add the sublayer output, then norm" is one ``add_rms_norm`` launch (spec §3.1, §3.2),
-        with the same roundings as the layer-by-layer path; RoPE rows come from cached tables
-        (``rope_tables``; ``meta.max_seq_len`` bounds the positions). h [T, H] (embedding output,
-        updated in place as the residual) -> final-normed [T, H]."""
-        fl = fused_ops()
+    def _forward_paged_fused(self, h: torch.Tensor, meta, kv, ops: PagedOps) -> torch.Tensor:
+        """Fused paged path (``ops.fused_layers``): the residual stream is carried separately and
+        every "add the sublayer output, then norm" is one ``ops.add_rms_norm`` launch (spec §3.1,
+        §3.2), with the same roundings as the layer-by-layer path; RoPE rows come from cached
+        tables (``rope_tables``; ``meta.max_seq_len`` bounds the positions). h [T, H] (embedding
+        output, updated in place as the residual) -> final-normed [T, H]."""
         cos, sin = self.rope_tables(meta.max_seq_len, h.device)
         residual = h
         f = f2 = None  # previous sublayer output(s), added into the residual by the next norm
         for i, layer in enumerate(self.layers):
             norm = layer.input_layernorm
             if i == 0:
-                x, _ = fl.add_rms_norm(residual, norm.weight, norm.eps)
+                x, _ = ops.add_rms_norm(residual, norm.weight, norm.eps)
             else:
-                x, _ = fl.add_rms_norm(f, norm.weight, norm.eps, residual=residual, x2=f2)
-            a = layer.self_attn.forward_paged(x, cos, sin, meta, kv, rope_table=True)  # [T, H]
+                x, _ = ops.add_rms_norm(f, norm.weight, norm.eps, residual=residual, x2=f2)
+            a = layer.self_attn.forward_paged(x, cos, sin, meta, kv, ops, fused=True)  # [T, H]
             norm = layer.post_attention_layernorm
-            want32 = layer.is_moe and layer.block_sparse_moe.router_wants_fp32_input(x.shape[0])
-            x, x32 = fl.add_rms_norm(a, norm.weight, norm.eps, residual=residual, want_fp32=want32)
+            want32 = layer.is_moe and layer.block_sparse_moe.router_wants_fp32_input(x.shape[0], ops)
+            x, x32 = ops.add_rms_norm(a, norm.weight, norm.eps, residual=residual, want_fp32=want32)
             if layer.is_moe:
-                f, f2 = layer.block_sparse_moe.forward_fused(x, x32)
+                f, f2 = layer.block_sparse_moe.forward_fused(x, x32, ops)
             else:
-                f, f2 = layer.mlp.forward_fused(x), None
+                f, f2 = layer.mlp.forward_fused(x, ops), None
         if f is None:
             return self.norm(residual)
-        y, _ = fl.add_rms_norm(f, self.norm.weight, self.norm.eps, residual=residual, x2=f2)
+        y, _ = ops.add_rms_norm(f, self.norm.weight, self.norm.eps, residual=residual, x2=f2)
         return y
 
 
@@ -165,17 +172,20 @@ class M3ForCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids, positions, cache))
 
     def forward_paged(
-        self, input_ids: torch.Tensor, meta, kv, logits_indices: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, meta, kv, ops: PagedOps, logits_indices: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The engine's forward over flat varlen tokens and paged caches (kernels/paged_layout.py).
 
         input_ids: [T] int64 (T may be 0: an empty EP-lockstep step still runs every layer once);
         meta: ``PagedMetadata`` for those tokens; kv: ``PagedKVCache`` (written in place: each
-        token's K/V/index-K land at ``meta.slot_mapping``). logits_indices: optional [N] int64
-        token indices whose logits are wanted (default all T). Returns logits [N or T, V] in the
-        model dtype. Equals ``forward`` on the same tokens with their cached prefix (tests).
+        token's K/V/index-K land at ``meta.slot_mapping``); ops: the fast ops the engine picked
+        for this device and dtype (``PagedOps``, model/paged_ops.py; built by
+        ``m3_rollout.engine.ops.paged_ops_for``): attention over the pages always, the fused layer
+        path and the fused MoE when given. logits_indices: optional [N] int64 token indices whose
+        logits are wanted (default all T). Returns logits [N or T, V] in the model dtype. Equals
+        ``forward`` on the same tokens with their cached prefix (tests).
         """
-        h = self.model.forward_paged(input_ids, meta, kv)  # [T, H]
+        h = self.model.forward_paged(input_ids, meta, kv, ops)  # [T, H]
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)  # [N, H]
         return self.lm_head(h)
@@ -187,7 +197,7 @@ class M3ForCausalLM(nn.Module):
     def cast_for_inference(self, dtype: torch.dtype) -> M3ForCausalLM:
         """Cast every parameter to `dtype` but keep router gate weights and e_score_correction_bias
         in at least fp32 (spec §6: released and computed in fp32). On CUDA also packs the projection
-        weights for the fused GPU path (``pack_fused_weights``). Returns self."""
+        weights for the fused paged path (``pack_fused_weights``). Returns self."""
         self.to(dtype)
         router_dtype = compute_dtype(dtype)
         for moe in self.moe_layers():
@@ -199,7 +209,7 @@ class M3ForCausalLM(nn.Module):
 
     def pack_fused_weights(self) -> M3ForCausalLM:
         """Pack each layer's q/k/v(/index q/k) and dense/shared gate/up weights into one buffer per
-        group (the parameters become views of it; see model/fused.py) for the GPU path's fused
+        group (the parameters become views of it; see model/fused.py) for the fused paged path's
         GEMMs. Called by ``cast_for_inference`` on CUDA; weight sync keeps writing the parameters
         in place. Returns self."""
         for layer in self.model.layers:

@@ -12,16 +12,16 @@ Shape legend:
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .configuration import M3Config
-from .fused import fused_ops, pack_linear_weights, packed_linear, skinny_ok
+from .fused import pack_linear_weights, packed_linear
 from .numerics import compute_dtype
+from .paged_ops import PagedOps, needs_autograd
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, beta: float = 1.0) -> torch.Tensor:
@@ -50,23 +50,24 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(h, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, h, bias=False)
         self.alpha, self.limit, self.beta = config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta
+        self.packed_gate_up: torch.Tensor | None = None  # [2I, H] gate|up buffer (pack_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit, self.beta))
 
     def pack_projections(self) -> None:
-        """Put gate/up weights into one [2I, H] buffer (parameters become views; model/fused.py)."""
-        self._packed_gate_up = pack_linear_weights([self.gate_proj, self.up_proj])
+        """Put gate/up weights into ``packed_gate_up`` [2I, H] (parameters become views; model/fused.py)."""
+        self.packed_gate_up = pack_linear_weights([self.gate_proj, self.up_proj])
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """GPU path: x [T, H] -> [T, H]: one gate|up GEMM, then either the SwiGLU-OAI kernel and the
-        down GEMM, or (decode-sized, model/fused.skinny_ok) one skinny GEMM computing SwiGLU-OAI on
-        its operand load (same roundings)."""
-        gu = packed_linear(x, getattr(self, "_packed_gate_up", None), [self.gate_proj, self.up_proj])  # [T, 2I]
+    def forward_fused(self, x: torch.Tensor, ops: PagedOps) -> torch.Tensor:
+        """Fused paged path (``ops.fused_layers``): x [T, H] -> [T, H]: one gate|up GEMM, then either
+        ``ops.swiglu`` and the down GEMM, or (decode-sized, ``ops.skinny_ok``) one skinny GEMM
+        computing SwiGLU-OAI on its operand load (same roundings)."""
+        gu = packed_linear(x, self.packed_gate_up, [self.gate_proj, self.up_proj], ops)  # [T, 2I]
         w = self.down_proj.weight
-        if skinny_ok(gu, w):  # decode-sized: SwiGLU-OAI inside the down GEMM's operand load
-            return fused_ops().skinny_linear(gu, w, (self.alpha, self.limit, self.beta))
-        return self.down_proj(fused_ops().swiglu(gu, self.alpha, self.limit, self.beta))
+        if ops.skinny_ok(gu, w):  # decode-sized: SwiGLU-OAI inside the down GEMM's operand load
+            return ops.skinny_linear(gu, w, (self.alpha, self.limit, self.beta))
+        return self.down_proj(ops.swiglu(gu, self.alpha, self.limit, self.beta))
 
 
 def route(
@@ -152,16 +153,20 @@ class StackedExperts(nn.Module):
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return swiglu_oai(gate, up, self.alpha, self.limit, self.beta)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        fused_experts: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """x [T, H], ids/weights [T, K] -> [T, H].
 
-        On CUDA with triton importable and no autograd needed, the fused Triton MoE
-        (kernels/fused_moe.py, same maths) runs on the experts in `expert_range` (EP, contracts.md;
-        default all); otherwise the PyTorch reference `grouped_experts`.
+        With ``fused_experts`` (``PagedOps.fused_experts``: the engine's Triton MoE on CUDA, same
+        maths) and no autograd needed, that op runs on the experts in `expert_range` (EP,
+        contracts.md; default all); otherwise the PyTorch reference `grouped_experts`.
         """
-        if _fused_moe_usable(x, self.w13, self.w2):
-            from m3_kernels.fused_moe import fused_experts
-
+        if fused_experts is not None and not needs_autograd(x, self.w13, self.w2):
             return fused_experts(
                 x,
                 ids,
@@ -174,26 +179,6 @@ class StackedExperts(nn.Module):
                 expert_range=getattr(self, "expert_range", None),
             )
         return grouped_experts(x, ids, weights, self.w13, self.w2, self.act)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _fused_moe_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether StackedExperts may take the fused Triton path for this call.
-
-    NOTE: the kernel has no backward, so any call that autograd must differentiate (trainer
-    logprobs with grad) stays on the PyTorch path; fp64 also stays there.
-    """
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad):
-        return False
-    return _triton_importable()
 
 
 class M3MoE(nn.Module):
@@ -251,34 +236,43 @@ class M3MoE(nn.Module):
         ids = torch.where((given < 0).any(-1, keepdim=True), own, given)  # [T, K]
         return route_given(logits, ids, self.routed_scaling_factor), ids
 
-    def router_wants_fp32_input(self, num_tokens: int) -> bool:
+    def router_wants_fp32_input(self, num_tokens: int, ops: PagedOps) -> bool:
         """Whether ``forward_fused`` would use an fp32 copy of its input (cuBLAS router GEMM):
-        true unless the step is decode-sized (``m3_kernels.fused_layers.router_gemm_topk_ok``)."""
-        return not fused_ops().router_gemm_topk_ok(num_tokens, self.gate.weight)
+        true unless the step is decode-sized (``ops.router_gemm_topk_ok``)."""
+        return not ops.router_gemm_topk_ok(num_tokens, self.gate.weight)
 
-    def forward_fused(self, x: torch.Tensor, x32: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """GPU path of ``forward`` for x [T, H] (x32: the same values in fp32, for the router, or None).
+    def forward_fused(
+        self, x: torch.Tensor, x32: torch.Tensor | None, ops: PagedOps
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fused paged path of ``forward`` for x [T, H] (x32: the same values in fp32, for the router,
+        or None; ops: a table with ``fused_layers``).
 
-        Returns (routed [T, H], shared [T, H]); the caller adds them (``m3_kernels.fused_layers.add_rms_norm``
-        with ``x2``, rounding routed + shared to x.dtype first, as ``forward`` does). Router (same
-        maths as ``route``): without x32 and for few tokens one ``router_gemm_topk`` launch, else an
-        fp32 GEMM and ``router_topk``. With replayed ids pending, or a router weight above fp32,
-        this is ``forward`` (returned as (out, None)).
+        Returns (routed [T, H], shared [T, H]); the caller adds them (``ops.add_rms_norm`` with
+        ``x2``, rounding routed + shared to x.dtype first, as ``forward`` does). Router (same maths
+        as ``route``): without x32 and for few tokens one ``ops.router_gemm_topk`` launch, else an
+        fp32 GEMM and ``ops.router_topk``. With replayed ids pending, or a router weight above
+        fp32, this is ``forward`` (returned as (out, None)).
         """
         w = self.gate.weight
         if self.replay_topk_ids is not None or w.dtype != torch.float32:
-            return self.forward(x), None
-        fl = fused_ops()
+            return self.forward(x, fused_experts=ops.fused_experts), None
         bias = self.e_score_correction_bias if self.use_routing_bias else None
-        if x32 is None and fl.router_gemm_topk_ok(x.shape[0], w):  # decode-sized: GEMM + top-k in one launch
-            weights, ids = fl.router_gemm_topk(x, w, bias, self.top_k, self.routed_scaling_factor)
+        if x32 is None and ops.router_gemm_topk_ok(x.shape[0], w):  # decode-sized: GEMM + top-k in one launch
+            weights, ids = ops.router_gemm_topk(x, w, bias, self.top_k, self.routed_scaling_factor)
         else:
             logits = F.linear(x.float() if x32 is None else x32, w)  # [T, E] fp32
-            weights, ids = fl.router_topk(logits, bias, self.top_k, self.routed_scaling_factor)
+            weights, ids = ops.router_topk(logits, bias, self.top_k, self.routed_scaling_factor)
         self.last_topk_ids = ids
-        return self.experts(x, ids, weights), self.shared_experts.forward_fused(x)
+        return self.experts(x, ids, weights, ops.fused_experts), self.shared_experts.forward_fused(x, ops)
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor | None = None,
+        fused_experts: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x [..., H] -> [..., H]; ``fused_experts``: the routed experts' fast op (paged path only,
+        ``PagedOps.fused_experts``; None = ``grouped_experts``)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
         given = topk_ids if topk_ids is not None else self.replay_topk_ids
@@ -287,5 +281,5 @@ class M3MoE(nn.Module):
         else:
             weights, ids = self._replay_router(x2, given)
         self.last_topk_ids = ids.detach()
-        out = self.experts(x2, ids, weights) + self.shared_experts(x2)  # [T, H]
+        out = self.experts(x2, ids, weights, fused_experts) + self.shared_experts(x2)  # [T, H]
         return out.view(shape)

@@ -12,7 +12,8 @@ added locally, and only the call ``self.experts(x, ids, weights)`` becomes distr
    so every rank knows how many rows it receives from each peer for each of its local experts;
 3. dispatch: ``all_to_all_single`` of the token rows [T·K, H] with those split sizes;
 4. the received rows run through the local ``StackedExperts`` (grouped by local expert: one GEMM
-   pair per expert, no per-token loop; the fused MoE kernel hooks in there) with weight 1;
+   pair per expert, no per-token loop; on the engine's paged path the table's fused MoE,
+   ``PagedOps.fused_experts``, runs there instead) with weight 1;
 5. combine: the reverse ``all_to_all_single`` brings each pair's expert output home, where it is
    weighted by the routing weight and summed per token exactly as ``grouped_experts`` does
    (y in x.dtype -> weight dtype, × w, -> x.dtype, index_add in expert order).
@@ -28,14 +29,15 @@ E_local = E / P, N rows received for the local experts.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from m3_rollout.model import moe as moe_module
 from m3_rollout.model.configuration import M3Config
 from m3_rollout.model.moe import StackedExperts, grouped_experts
+from m3_rollout.model.paged_ops import needs_autograd
 
 
 @dataclass
@@ -137,17 +139,18 @@ class EPExperts(StackedExperts):
         self.stats = stats
         self.layer_slot = layer_slot
 
-    def local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    def local_experts(
+        self, x: torch.Tensor, local_ids: torch.Tensor, fused_experts: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Rows x [N, H] through their local expert local_ids [N] (int64), unweighted -> [N, H] x.dtype.
 
         The same two paths as ``StackedExperts.forward`` with K = 1 and weight 1.0 (exact for
-        ``grouped_experts``: y -> fp32 -> ×1 -> x.dtype returns y unchanged): the fused Triton
-        kernel (CUDA; it takes GLOBAL ids and ``expert_range``) or ``grouped_experts`` (local rows).
+        ``grouped_experts``: y -> fp32 -> ×1 -> x.dtype returns y unchanged): ``fused_experts``
+        (``PagedOps.fused_experts``, no autograd; it takes GLOBAL ids and ``expert_range``) or
+        ``grouped_experts`` (local rows).
         """
         ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
-        if moe_module._fused_moe_usable(x, self.w13, self.w2):
-            from m3_kernels.fused_moe import fused_experts
-
+        if fused_experts is not None and not needs_autograd(x, self.w13, self.w2):
             return fused_experts(
                 x,
                 (local_ids + self.expert_range[0])[:, None],
@@ -161,15 +164,22 @@ class EPExperts(StackedExperts):
             )
         return grouped_experts(x, local_ids[:, None], ones, self.w13, self.w2, self.act)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        fused_experts: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """x [T, H], ids [T, K] int64 GLOBAL expert ids, weights [T, K] -> routed output [T, H] in x.dtype.
 
-        T may be 0. Collective: every rank of the group must call this the same number of times
-        in the same layer order. Raises RuntimeError (from the backend) if a peer is gone or
+        T may be 0. fused_experts: the local experts' fast op (``StackedExperts.forward``).
+        Collective: every rank of the group must call this the same number of times in the same
+        layer order. Raises RuntimeError (from the backend) if a peer is gone or
         the group timeout passes.
         """
         if self.world_size == 1:
-            out = super().forward(x, ids, weights)
+            out = super().forward(x, ids, weights, fused_experts)
             if self.stats is not None:
                 self.stats.tokens_per_expert[self.layer_slot] += torch.bincount(
                     ids.reshape(-1), minlength=self.num_experts
@@ -204,7 +214,7 @@ class EPExperts(StackedExperts):
         local_ids = torch.repeat_interleave(
             torch.arange(e_local, device=x.device).repeat(p), recv_counts.view(-1)
         )  # [N]
-        y = self.local_experts(recv_x, local_ids)  # [N, H]
+        y = self.local_experts(recv_x, local_ids, fused_experts)  # [N, H]
         sync()
         t2 = time.perf_counter()
         back = x.new_empty(flat.shape[0], h)  # [T*K, H], aligned with `order`

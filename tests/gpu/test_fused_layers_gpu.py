@@ -32,10 +32,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from m3_kernels import fused_layers as fl  # noqa: E402
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs  # noqa: E402
+from m3_rollout.engine.ops import paged_ops_for  # noqa: E402
 from m3_rollout.engine.paged_cache import PagedKVCache  # noqa: E402
 from m3_rollout.model import M3Config, M3ForCausalLM  # noqa: E402
 from m3_rollout.model.attention import write_paged_kv  # noqa: E402
-from m3_rollout.model.fused import set_fused_layers  # noqa: E402
 from m3_rollout.model.moe import route, swiglu_oai  # noqa: E402
 from m3_rollout.model.norm import gemma_rms_norm  # noqa: E402
 from m3_rollout.model.rope import apply_rope, rope_cos_sin  # noqa: E402
@@ -157,27 +157,24 @@ def test_skinny_linear_matches_cublas(t):
     torch.testing.assert_close(fl.skinny_linear(gu, w, (1.702, 7.0, 1.0)).float(), ref, atol=5e-2, rtol=2**-7)
 
 
-def _paged_logits(model, dtype, fused, dev=DEV):
-    set_fused_layers(fused)
-    try:
-        kv = PagedKVCache(model.config, 12, dtype, dev)
-        g = torch.Generator().manual_seed(0)
-        a, b = (
-            torch.randint(3, 32000, (300,), generator=g).tolist(),
-            torch.randint(3, 32000, (40,), generator=g).tolist(),
-        )
-        bt = [[0, 5, 7], [2]]
-        steps = [
-            prepare_inputs([a[:299], b[:39]], [0, 0], bt, 128, 0),
-            prepare_inputs([a[299:], b[39:]], [299, 39], bt, 128, 2),
-        ]
-        out = []
-        with torch.no_grad():
-            for s in steps:
-                out.append(model.forward_paged(s.input_ids.to(dev), meta_to(s.meta, torch.device(dev)), kv).float())
-        return torch.cat(out).to(DEV)
-    finally:
-        set_fused_layers(True)
+def _paged_logits(model, dtype, fused, dev=DEV, skinny=True):
+    ops = paged_ops_for(dev, dtype, fused_layers=fused, skinny_gemm=skinny)
+    kv = PagedKVCache(model.config, 12, dtype, dev)
+    g = torch.Generator().manual_seed(0)
+    a, b = (
+        torch.randint(3, 32000, (300,), generator=g).tolist(),
+        torch.randint(3, 32000, (40,), generator=g).tolist(),
+    )
+    bt = [[0, 5, 7], [2]]
+    steps = [
+        prepare_inputs([a[:299], b[:39]], [0, 0], bt, 128, 0),
+        prepare_inputs([a[299:], b[39:]], [299, 39], bt, 128, 2),
+    ]
+    out = []
+    with torch.no_grad():
+        for s in steps:
+            out.append(model.forward_paged(s.input_ids.to(dev), meta_to(s.meta, torch.device(dev)), kv, ops).float())
+    return torch.cat(out).to(DEV)
 
 
 def test_fused_model_matches_pytorch_path():
@@ -200,11 +197,7 @@ def test_fused_model_matches_pytorch_path():
     m16 = m16.cast_for_inference(torch.bfloat16).eval()
     err = {"unfused": (_paged_logits(m16, torch.bfloat16, fused=False) - ref32).abs().max().item()}
     for name, skinny in (("fused_cublas", False), ("fused_skinny", True)):
-        set_fused_layers(True, skinny_gemm=skinny)
-        try:
-            err[name] = (_paged_logits(m16, torch.bfloat16, fused=True) - ref32).abs().max().item()
-        finally:
-            set_fused_layers(True, skinny_gemm=True)
+        err[name] = (_paged_logits(m16, torch.bfloat16, fused=True, skinny=skinny) - ref32).abs().max().item()
     print(f"bf16 max logit error vs the fp32 CPU path (max |logit| {ref32.abs().max().item():.3g}): {err}")
     assert err["fused_cublas"] <= 1.5 * err["unfused"] + 1e-3
     assert err["fused_skinny"] <= 1.5 * err["unfused"] + 1e-3
@@ -224,26 +217,23 @@ def test_weight_sync_writes_through_packed_weights():
     with torch.device(DEV):
         m = M3ForCausalLM(cfg).cast_for_inference(torch.float32).eval()
     attn = m.model.layers[1].self_attn
-    assert packed_ok(attn._packed_proj, attn.projection_linears())
+    assert packed_ok(attn.packed_proj, attn.projection_linears())
     rx = WeightReceiver(m, atomic=False, version=1)
     WeightSender(
         lambda: iter_released_tensors(trainer), ColocatedChannel([rx], "cuda", direct=True), 64, torch.float32
     ).update(2, include_frozen=True)
-    assert packed_ok(attn._packed_proj, attn.projection_linears())
+    assert packed_ok(attn.packed_proj, attn.projection_linears())
     torch.testing.assert_close(
-        attn._packed_proj[: attn.q_proj.weight.shape[0]],
+        attn.packed_proj[: attn.q_proj.weight.shape[0]],
         trainer.model.layers[1].self_attn.q_proj.weight.detach(),
         atol=0,
         rtol=0,
     )
-    try:
-        outs = []
-        for fused in (False, True):
-            set_fused_layers(fused)
-            kv = PagedKVCache(cfg, 4, torch.float32, DEV)
-            s = prepare_inputs([list(range(3, 40))], [0], [[0]], 128, 0)
-            with torch.no_grad():
-                outs.append(m.forward_paged(s.input_ids.to(DEV), meta_to(s.meta, torch.device(DEV)), kv))
-        assert (outs[0] - outs[1]).abs().max().item() < 1e-3
-    finally:
-        set_fused_layers(True)
+    outs = []
+    for fused in (False, True):
+        ops = paged_ops_for(DEV, torch.float32, fused_layers=fused)
+        kv = PagedKVCache(cfg, 4, torch.float32, DEV)
+        s = prepare_inputs([list(range(3, 40))], [0], [[0]], 128, 0)
+        with torch.no_grad():
+            outs.append(m.forward_paged(s.input_ids.to(DEV), meta_to(s.meta, torch.device(DEV)), kv, ops))
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-3

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from m3_kernels.fused_moe import GemmTile, MoEKernelConfig, default_config, fused_experts  # noqa: E402
+from m3_rollout.engine.ops import paged_ops_for  # noqa: E402
 from m3_rollout.model import tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE, grouped_experts, route, swiglu_oai  # noqa: E402
 
@@ -30,6 +31,8 @@ BENCH_MOE = dict(
     hidden_size=1024, intermediate_size=512, num_local_experts=16, num_experts_per_tok=4, shared_intermediate_size=512
 )
 BENCH_JSON = Path(__file__).resolve().parents[2] / "configs" / "bench" / "m3_bench_300m.json"
+
+OPS = paged_ops_for("cuda", torch.bfloat16)  # the engine table: fused_experts = the Triton MoE
 
 
 def _act(g, u):
@@ -176,11 +179,12 @@ def _bench_moe_module():
 
 
 def test_module_hook_and_cuda_graph_decode():
-    """StackedExperts takes the fused path on CUDA; router + align + kernels capture in a CUDA graph."""
+    """M3MoE with the fused op handed in (the engine's ``PagedOps.fused_experts`` on CUDA) takes the
+    fused path; router + align + kernels capture in a CUDA graph."""
     moe, h = _bench_moe_module()
     x = torch.randn(4, h, device="cuda").bfloat16()
     with torch.no_grad():
-        out = moe(x)
+        out = moe(x, fused_experts=OPS.fused_experts)
         weights, ids = moe.router(x)
         ref = grouped_experts(x, ids, weights, moe.experts.w13, moe.experts.w2, moe.experts.act) + moe.shared_experts(x)
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
@@ -189,15 +193,15 @@ def test_module_hook_and_cuda_graph_decode():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            moe(static_x)  # warm-up: compiles the kernels outside the capture
+            moe(static_x, fused_experts=OPS.fused_experts)  # warm-up: compiles the kernels outside the capture
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # raises if anything in the path syncs with the host
-            static_out = moe(static_x)
+            static_out = moe(static_x, fused_experts=OPS.fused_experts)
         new_x = torch.randn(4, h, device="cuda").bfloat16() * 3
         static_x.copy_(new_x)
         graph.replay()
         torch.cuda.synchronize()
-        eager = moe(new_x)
+        eager = moe(new_x, fused_experts=OPS.fused_experts)
         assert not torch.equal(eager, out)  # the new input routes differently / gives new values
         torch.testing.assert_close(static_out, eager, atol=0, rtol=0)

@@ -29,9 +29,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         allow_module_level=True,
     )
 
-from m3_kernels import msa  # noqa: E402
-from m3_kernels.msa_reference import gather_pages, index_topk_ref, pad_queries, paged_attention_ref  # noqa: E402
+from m3_kernels import msa_fused_decode, msa_index_topk, msa_paged_attention  # noqa: E402
 from m3_kernels.msa_synthetic import make_paged_batch  # noqa: E402
+from m3_rollout.engine.reference_ops import (  # noqa: E402
+    gather_pages,
+    index_topk_ref,
+    pad_queries,
+    paged_attention_ref,
+    token_rows,
+)
 from m3_rollout.model.indexer import block_scores  # noqa: E402
 
 PS, G, NH, D, K = 128, 4, 64, 128, 16
@@ -55,9 +61,7 @@ def _check_selection(b, got, want):
         return
     q, pos = pad_queries(b.iq, b.meta)
     scores = block_scores(q, gather_pages(b.ik, b.meta, head_axis=False), pos, PS)  # [R, G, Sq, nb]
-    from m3_kernels.msa_reference import _token_rows
-
-    row, off = _token_rows(b.meta)
+    row, off = token_rows(b.meta)
     s = scores.permute(0, 2, 1, 3)[row, off]  # [T, G, nb]
     bad = (got != want).any(-1)  # [T, G]
     assert bad.float().mean() < 0.01, f"{int(bad.sum())} of {bad.numel()} selections differ"
@@ -70,7 +74,7 @@ def _check_selection(b, got, want):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_index_topk_real_shapes(spec, dtype):
     b = _batch(spec, dtype)
-    got = msa.index_topk(b.iq, b.ik, b.meta, K)
+    got = msa_index_topk.index_topk(b.iq, b.ik, b.meta, K)
     _check_selection(b, got, index_topk_ref(b.iq, b.ik, b.meta, K))
 
 
@@ -81,7 +85,7 @@ def test_attention_real_shapes(spec, dtype):
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for ids in (sel, None):
-        got = msa.paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+        got = msa_paged_attention.paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
         want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, ids)
         err = (got.float() - want.float()).abs().max().item()
         print(f"{dtype} {'sparse' if ids is not None else 'dense'} max abs err {err:.3e}")
@@ -95,8 +99,8 @@ def test_decode_step_cuda_graph_replay():
     m = b.meta
 
     def step():
-        sel = msa.index_topk(b.iq, b.ik, m, K)
-        return sel, msa.paged_attention(b.q, b.k, b.v, m, SCALE, sel)
+        sel = msa_index_topk.index_topk(b.iq, b.ik, m, K)
+        return sel, msa_paged_attention.paged_attention(b.q, b.k, b.v, m, SCALE, sel)
 
     step()
     torch.cuda.synchronize()
@@ -112,7 +116,7 @@ def test_decode_step_cuda_graph_replay():
     torch.testing.assert_close(out_g, out_e, rtol=0, atol=0)
 
 
-# ---- sparse prefill paths (kernels/msa_sparse_attention.py): union-list tiles and KV-major buckets ----
+# ---- sparse prefill paths (kernels/msa_paged_attention.py): union-list tiles and KV-major buckets ----
 PREFILL = ([(0, 2200), (5000, 260), (60, 700)], 0)
 
 
@@ -120,7 +124,7 @@ PREFILL = ([(0, 2200), (5000, 260), (60, 700)], 0)
 def test_sparse_prefill_paths_real_shapes(impl):
     # bf16 tolerance as above (the KV-major path also rounds each block's normalised partial output
     # to bf16 before the LSE merge: one more 2^-9 relative rounding of a convex combination).
-    from m3_kernels.msa_sparse_attention import paged_attention
+    from m3_kernels.msa_paged_attention import paged_attention
 
     b = _batch(PREFILL, torch.bfloat16, seed=6)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
@@ -136,7 +140,7 @@ def test_sparse_prefill_cuda_graph_replay(impl):
     # indexer + sparse prefill captured once; new query / index-query contents written in place,
     # replayed: equals a fresh eager call (no host syncs, fixed grids).
     from m3_kernels.msa_index_topk import index_topk
-    from m3_kernels.msa_sparse_attention import paged_attention
+    from m3_kernels.msa_paged_attention import paged_attention
 
     b = _batch(([(0, 1500), (3000, 400)], 0), torch.bfloat16, seed=7)
 
@@ -155,8 +159,7 @@ def test_sparse_prefill_cuda_graph_replay(impl):
     torch.testing.assert_close(out_g, step(), rtol=0, atol=0)
 
 
-# ---- fused decode path (kernels/msa_decode.py) through msa.msa_attention ----
-from m3_kernels import msa_decode  # noqa: E402
+# ---- fused decode path (kernels/msa_fused_decode.py) through msa_fused_decode.msa_attention ----
 
 WIDE = ([(40000, 1), (3000, 1)], 2)  # block table of 313 pages > MAX_FUSED_BLOCKS: index_topk route
 
@@ -169,20 +172,20 @@ def test_msa_attention_fused_decode_real_shapes(spec):
     td = b.meta.num_decodes * b.meta.decode_query_len
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
     ids = torch.full((td, G, K), -7, dtype=torch.int32, device="cuda")
-    dec = msa_decode.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, ids_out=ids)
-    dmeta = msa_decode.decode_part(b.meta)
+    dec = msa_fused_decode.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, ids_out=ids)
+    dmeta = msa_fused_decode.decode_part(b.meta)
     # selections compared as sets (near-tie rule of _check_selection)
     ids_set, sel_set = ids.sort(-1).values, sel[:td].sort(-1).values
     _check_selection(_DecodeView(b, dmeta, td), ids_set, sel_set)
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
     if torch.equal(ids_set, sel_set):
         assert (dec.float() - want[:td].float()).abs().max().item() <= 2e-2
-    got = msa.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
+    got = msa_fused_decode.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
     same_sel = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, torch.cat([ids, sel[td:]]))
     err = (got.float() - same_sel.float()).abs().max().item()
     print(f"msa_attention {spec[0][:2]}: max abs err {err:.3e}")
     assert err <= 2e-2
-    assert torch.equal(got, msa.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K))
+    assert torch.equal(got, msa_fused_decode.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K))
 
 
 class _DecodeView:
@@ -201,7 +204,7 @@ def test_msa_attention_cuda_graph_replay():
         m = bb.meta
 
         def step():
-            return msa.msa_attention(bb.q, bb.iq, bb.k, bb.v, bb.ik, m, SCALE, K)
+            return msa_fused_decode.msa_attention(bb.q, bb.iq, bb.k, bb.v, bb.ik, m, SCALE, K)
 
         step()
         torch.cuda.synchronize()

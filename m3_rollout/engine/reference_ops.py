@@ -3,7 +3,8 @@
 Governing idea: gather each row's pages back into a contiguous ``[R, nb*ps, ...]`` key array in
 which slot u holds position u, pad the flat query tokens to ``[R, max_query_len]``, and reuse the
 model's own block-scoring, selection and masked-attention functions. Exact, simple, and the CPU
-path of the engine; the Triton kernels beside this file must match it.
+path of the engine (``engine/ops.py`` puts ``paged_attention_ref`` / ``msa_attention_ref`` into the
+``PagedOps`` table off CUDA); the Triton kernels of kernels/msa_*.py must match it.
 
 Shape legend: T query tokens, R rows, P pages, ps page size, G KV heads (= index heads),
 nh query heads, d head dim, di index dim, K top-k blocks.
@@ -19,7 +20,7 @@ from m3_rollout.model.indexer import block_scores, select_blocks, selected_key_m
 from m3_rollout.model.numerics import compute_dtype
 
 
-def _token_rows(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def token_rows(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """(row [T], offset inside the row's query chunk [T]) of every flat query token."""
     qsl = meta.query_start_loc.long()
     lens = qsl[1:] - qsl[:-1]  # [R]
@@ -35,7 +36,7 @@ def pad_queries(x: torch.Tensor, meta: PagedMetadata) -> tuple[torch.Tensor, tor
     """
     if meta.num_tokens == meta.num_rows * meta.max_query_len == meta.num_rows:  # plain decode: no padding
         return x[:, None], meta.positions.long()[:, None]
-    row, off = _token_rows(meta)
+    row, off = token_rows(meta)
     sq = meta.max_query_len
     out = x.new_zeros((meta.num_rows, sq) + tuple(x.shape[1:]))
     out[row, off] = x
@@ -48,7 +49,7 @@ def unpad_queries(x: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
     """Padded [R, Sq, ...] -> flat [T, ...]."""
     if meta.num_tokens == meta.num_rows * meta.max_query_len == meta.num_rows:
         return x[:, 0]
-    row, off = _token_rows(meta)
+    row, off = token_rows(meta)
     return x[row, off]
 
 
@@ -189,3 +190,26 @@ def paged_attention_ref(
         mask = selected_key_mask(sel, pos, sk, ps)  # [R, G, Sq, Sk]
     out = masked_gqa_attention(qp, k, v, mask, scale)  # [R, Sq, nh, d]
     return unpad_queries(out, meta)
+
+
+def msa_attention_ref(
+    q: torch.Tensor,
+    iq: torch.Tensor,
+    k_cache_l: torch.Tensor,
+    v_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor,
+    meta: PagedMetadata,
+    scale: float,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """Sparse-layer MSA attention: indexer + top-k + sparse GQA attention in one call (spec §3.4-3.5).
+
+    q: [T, nh, d]; iq: [T, G, di]; k_cache_l, v_cache_l: [P, G, ps, d]; index_cache_l: [P, ps, di]
+    (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first). Returns
+    [T, nh, d] in q.dtype: ``paged_attention_ref(q, ..., index_topk_ref(iq, ...))``, the reference
+    of ``m3_kernels.msa_fused_decode.msa_attention``.
+    """
+    sel = index_topk_ref(iq, index_cache_l, meta, topk, init_blocks, local_blocks)  # [T, G, K]
+    return paged_attention_ref(q, k_cache_l, v_cache_l, meta, scale, sel)

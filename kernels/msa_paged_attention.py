@@ -1,4 +1,12 @@
-"""Triton sparse (and dense causal) GQA attention over the paged K/V cache (spec §3.5, §4.3).
+"""Triton GQA attention over the paged K/V cache, for given block ids (sparse) or all causal keys (dense).
+
+Which path is this: attention only (spec §3.5, §4.3), the block ids already chosen
+(``msa_index_topk.index_topk``) or none (dense layers: every causal key). Decode rows run a split-K
+kernel over the selected entries / blocks plus a merge launch; prefill rows run the tiled prefill
+kernels below. The sparse layers' decode step normally takes the fused path instead
+(``msa_fused_decode.py``: index scores + in-register top-k + attention + merge in two launches);
+this module's decode kernel serves the dense layers, and the sparse decode rows when the block ids
+are given.
 
 Governing idea: one program owns one KV head's whole GQA group (all R = nh/G query heads share
 the group's selected blocks), walks pages through the block table and keeps an online softmax in
@@ -405,7 +413,7 @@ def _or_combine(a, b):
 
 
 @triton.jit
-def _tile_union_kernel(
+def tile_union_kernel(
     sel_ptr,
     qsl_ptr,
     pos_ptr,
@@ -490,7 +498,7 @@ def _prefill_union_attn_kernel(
     BLOCK_M: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """BLOCK_M query tokens x one KV head's group over the tile's union list (``_tile_union_kernel``).
+    """BLOCK_M query tokens x one KV head's group over the tile's union list (``tile_union_kernel``).
 
     A branch-free loop over the distinct blocks (row r attends block u iff its token's bit is set
     in umask), so the K/V page loads software-pipeline.
@@ -581,7 +589,7 @@ def _kv_seg_load_q(
 
 
 @triton.jit
-def _kv_seg_attn_kernel(
+def kv_seg_attn_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -768,7 +776,7 @@ def paged_attention(
     prefill_block_m: int | None = None,
     prefill_config: dict | None = None,
 ) -> torch.Tensor:
-    """Triton version of ``msa_reference.paged_attention_ref`` (same arguments and output, spec §3.5).
+    """Triton version of ``m3_rollout.engine.reference_ops.paged_attention_ref`` (same arguments and output, spec §3.5).
 
     q: [T, nh, d]; k_cache_l, v_cache_l: [P, G, ps, d] (contiguous pages), same dtype as q
     (fp32/fp16/bf16); topk_ids: [T, G, K] int32 block ids (-1 = empty) or None for dense causal.
@@ -964,7 +972,7 @@ def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, com
     umask = torch.empty(n_slots * bm * topk, dtype=torch.int32, device=q.device)
     upage = torch.empty(n_slots * bm * topk, dtype=torch.int32, device=q.device)
     ucount = torch.empty(n_slots, dtype=torch.int32, device=q.device)
-    _tile_union_kernel[grid](
+    tile_union_kernel[grid](
         sel,
         meta.query_start_loc,
         meta.positions,
@@ -1094,7 +1102,7 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
         seg_bkt = torch.searchsorted(seg_end, torch.arange(max_segs, device=dev), right=True)
         seg_bkt = torch.where(seg_bkt < n_bkt, seg_bkt, -1).to(torch.int32)
         epos = pos_c[perm // (g * topk)].to(torch.int32)  # [Tc*G*K] query position of each sorted entry
-        _kv_seg_attn_kernel[(max_segs,)](
+        kv_seg_attn_kernel[(max_segs,)](
             q,
             k_cache_l,
             v_cache_l,

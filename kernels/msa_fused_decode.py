@@ -1,4 +1,11 @@
-"""Fused MSA decode step in two Triton launches: index block scores, then top-k + sparse attention.
+"""Fused sparse-layer MSA decode step in two Triton launches: index block scores, then top-k + attention.
+
+Which decode path is this: the SPARSE layers' whole decode step (lightning-indexer scores, the
+top-k block choice in registers, the attention over the chosen blocks and the split merge) for
+the decode rows of a step; ``msa_attention`` (the engine's sparse-layer op on CUDA) runs it and
+sends prefill rows to ``msa_index_topk.index_topk`` + ``msa_paged_attention.paged_attention``.
+The other decode path, the split-K attention over GIVEN block ids or over all causal keys (dense
+layers), is ``msa_paged_attention.paged_attention``.
 
 Governing idea (spec §3.4-3.5, §4.3): a decode step at short context is latency-bound (a few
 microseconds per launch, little data) and at long context bound by reading the index keys, so
@@ -10,7 +17,7 @@ the step runs as
   top-k blocks in registers, attends to its share of them and merges.
   Selection keys: +inf for forced (local/init) blocks, else the score; rank(i) = #{candidates
   j beating i}, j beats i iff key_j > key_i or (key_j == key_i and j < i); rank < K is the
-  selection and the rank is the slot, i.e. exactly ``msa_reference.index_topk_ref``'s list
+  selection and the rank is the slot, i.e. exactly ``m3_rollout.engine.reference_ops.index_topk_ref``'s list
   (forced first, lower id first among them, then score desc, ties to the lower id).
 Block tables wider than ``MAX_FUSED_BLOCKS`` (long contexts, bound by reading the index keys)
 take the block ids from ``msa_index_topk.index_topk`` and run K2 on them (the merge launch saved).
@@ -132,7 +139,7 @@ def _select_ranks(srow, base, n_blk, init_blocks, local_blocks, NBC: tl.constexp
     """[NBC] rank of blocks base..base+NBC-1 in the selection order (NBC + 1 past the candidates).
 
     j beats i iff key_j > key_i or (key_j == key_i and j < i): forced blocks first (lower id
-    first), then score desc, ties to the lower id (``msa_reference.index_topk_ref``'s order).
+    first), then score desc, ties to the lower id (``m3_rollout.engine.reference_ops.index_topk_ref``'s order).
     """
     offs_b = base + tl.arange(0, NBC)
     key_b, cand = _rank_keys(srow, offs_b, n_blk, init_blocks, local_blocks)
@@ -424,7 +431,7 @@ def _decode_select_attend_kernel(
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     """A zeroed int32 buffer of >= n counters on ``device``, kept for the process lifetime.
 
     Every launch leaves its counters at 0 again, so one buffer serves every layer and step.
@@ -572,7 +579,7 @@ def decode_select_attend(
     if s > 1:
         opart = torch.empty(td * g * s * rhp * d, dtype=torch.float32, device=q.device)
         lse = torch.empty(td * g * s * rhp, dtype=torch.float32, device=q.device)
-        cnt = _arrival_counters(td * g, q.device)
+        cnt = arrival_counters(td * g, q.device)
     else:
         opart = lse = cnt = out
     ieee = q.dtype == torch.float32
@@ -759,13 +766,18 @@ def msa_attention(
     init_blocks: int = 0,
     local_blocks: int = 1,
 ) -> torch.Tensor:
-    """Triton sparse-layer attention of a whole step (``m3_kernels.msa.msa_attention`` on CUDA).
+    """Triton sparse-layer attention of a whole step (the engine's ``PagedOps.msa_attention`` on CUDA;
+    ``m3_rollout.engine.reference_ops.msa_attention_ref`` is the PyTorch version).
 
+    q: [T, nh, d]; iq: [T, G, di]; k_cache_l, v_cache_l: [P, G, ps, d]; index_cache_l: [P, ps, di]
+    (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first).
     Decode rows -> ``msa_decode``; prefill rows -> ``msa_index_topk.index_topk`` +
-    ``msa_sparse_attention.paged_attention`` on the prefill part of ``meta``. Returns [T, nh, d].
+    ``msa_paged_attention.paged_attention`` on the prefill part of ``meta``. Returns [T, nh, d]
+    in q.dtype. Raises ValueError for unsupported sizes or dtypes (naming the field).
     """
+    # NOTE: imported at call time so the interpreter tests' reloaded modules (msa_interpret) are used.
     from m3_kernels.msa_index_topk import index_topk
-    from m3_kernels.msa_sparse_attention import paged_attention
+    from m3_kernels.msa_paged_attention import paged_attention
 
     nd, r = meta.num_decodes, meta.num_rows
     if nd == 0 or q.shape[0] == 0:

@@ -1,0 +1,89 @@
+"""The table of fast ops the paged forward calls (``M3ForCausalLM.forward_paged``); built by the engine.
+
+Governing idea: the model is plain single-device PyTorch and imports no kernels. Its paged path
+(the engine's forward over flat varlen tokens and paged KV caches) needs ops the model does not
+own: attention over the page pool, and on the GPU the Triton versions of its small per-layer
+ops. The engine hands them in as one frozen ``PagedOps`` (``m3_rollout/engine/ops.py``:
+``paged_ops_for`` picks Triton kernels on CUDA, PyTorch references elsewhere); the model only
+calls its fields. The training forward (``M3ForCausalLM.forward``) never sees a table.
+
+Fields fall in three groups:
+- attention (always given; the model has no paged attention of its own):
+  ``paged_attention(q [T, nh, d], k_cache_l, v_cache_l [P, G, ps, d], meta, scale, topk_ids [T, G, K] | None)
+  -> [T, nh, d]`` (dense causal when topk_ids is None) and
+  ``msa_attention(q, iq [T, G, di], k_cache_l, v_cache_l, index_cache_l [P, ps, di], meta, scale, topk,
+  init_blocks, local_blocks) -> [T, nh, d]`` (indexer + top-k + sparse attention of a sparse layer);
+- routed experts: ``fused_experts(x [T, H], ids [T, K], weights [T, K], w13, w2, *, alpha, limit, beta,
+  expert_range) -> [T, H]``; None = ``moe.grouped_experts``;
+- the fused layer path (all six given, or none = the layer-by-layer PyTorch path):
+  ``add_rms_norm``, ``qkv_norm_rope_write``, ``swiglu``, ``router_topk``, ``router_gemm_topk`` and its
+  predicate ``router_gemm_topk_ok``, with the signatures of kernels/fused_layers.py; plus, optional
+  within it, the decode-sized GEMM ``skinny_linear`` with its predicate ``skinny_linear_ok``.
+
+The ops have no backward: the model takes the ``fused_experts`` and fused-layer fields only for
+calls that autograd does not differentiate (``needs_autograd``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+FUSED_LAYER_FIELDS = (
+    "add_rms_norm",
+    "qkv_norm_rope_write",
+    "swiglu",
+    "router_topk",
+    "router_gemm_topk",
+    "router_gemm_topk_ok",
+)
+
+
+@dataclass(frozen=True)
+class PagedOps:
+    """Fast ops of the paged forward (see the module docstring for each field's contract).
+
+    Raises ValueError at construction when the fused-layer fields are only partly given, when
+    ``skinny_linear`` and ``skinny_linear_ok`` are not given together, or when the skinny GEMM is
+    given without the fused layer path (it only runs there).
+    """
+
+    paged_attention: Callable[..., torch.Tensor]
+    msa_attention: Callable[..., torch.Tensor]
+    fused_experts: Callable[..., torch.Tensor] | None = None
+    add_rms_norm: Callable | None = None
+    qkv_norm_rope_write: Callable | None = None
+    swiglu: Callable[..., torch.Tensor] | None = None
+    router_topk: Callable | None = None
+    router_gemm_topk: Callable | None = None
+    router_gemm_topk_ok: Callable[[int, torch.Tensor], bool] | None = None
+    skinny_linear: Callable[..., torch.Tensor] | None = None
+    skinny_linear_ok: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+
+    def __post_init__(self) -> None:
+        given = {f.name: getattr(self, f.name) is not None for f in fields(self)}
+        fused = [given[n] for n in FUSED_LAYER_FIELDS]
+        if any(fused) and not all(fused):
+            missing = [n for n in FUSED_LAYER_FIELDS if not given[n]]
+            raise ValueError(f"PagedOps: the fused layer path needs all of {FUSED_LAYER_FIELDS}; missing {missing}")
+        if given["skinny_linear"] != given["skinny_linear_ok"]:
+            raise ValueError("PagedOps: give skinny_linear and skinny_linear_ok together (or neither)")
+        if given["skinny_linear"] and not all(fused):
+            raise ValueError("PagedOps: skinny_linear runs on the fused layer path only; give its fields too")
+
+    @property
+    def fused_layers(self) -> bool:
+        """Whether the table carries the fused layer path (``add_rms_norm`` and the others)."""
+        return self.add_rms_norm is not None
+
+    def skinny_ok(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether x [T, K] @ weight [N, K]^T takes ``skinny_linear`` (given, and it suits the call)."""
+        return self.skinny_linear is not None and self.skinny_linear_ok(x, weight)
+
+
+def needs_autograd(*tensors: torch.Tensor) -> bool:
+    """True when autograd records this call: grad mode on and any of ``tensors`` requires grad.
+    The paged ops have no backward, so such calls stay on the PyTorch path."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
