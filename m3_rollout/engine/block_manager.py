@@ -196,6 +196,19 @@ class BlockManager:
         self.page_hash = [None] * self.num_pages
         self.page_key = [None] * self.num_pages
 
+    def reset(self) -> None:
+        """Back to the fresh state (every page free in id order, nothing cached) once no sequence
+        holds a page: the pages' contents are about to be dropped (engine sleep). The hit counters
+        keep counting. Raises RuntimeError naming the pages still in use."""
+        used = [p for p, r in enumerate(self.ref) if r]
+        if used:
+            raise RuntimeError(f"BlockManager.reset: {len(used)} pages still in use (first: {used[:8]})")
+        self.free = deque(range(self.num_pages))
+        self.evictable.clear()
+        self.cached.clear()
+        self.page_hash = [None] * self.num_pages
+        self.page_key = [None] * self.num_pages
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

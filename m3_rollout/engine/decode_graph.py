@@ -143,9 +143,7 @@ class CudaGraphDecode:
         # Device side (static addresses).
         self.dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         self.stage, self.block_tables = self._views(self.dev_buf)
-        self.stage.copy_(torch.from_numpy(np.repeat(self.pad, n, axis=1)))
-        self.block_tables.fill_(-1)
-        self.block_tables[:, 0] = self.null_page
+        self._pad_device_stage()
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
@@ -168,6 +166,12 @@ class CudaGraphDecode:
         stage = buf[: self.stage_bytes].view(torch.int64).view(NUM_STAGE_ROWS, n)
         bt = buf[self.stage_bytes :].view(torch.int32).view(n, self.max_pages)
         return stage, bt
+
+    def _pad_device_stage(self) -> None:
+        """Every device staging row a padding row (what capture's warm-up runs on)."""
+        self.stage.copy_(torch.from_numpy(np.repeat(self.pad, self.stage.shape[1], axis=1)))
+        self.block_tables.fill_(-1)
+        self.block_tables[:, 0] = self.null_page
 
     # ---- captured bodies -------------------------------------------------------------------
     def _forward(self, s: int) -> torch.Tensor:
@@ -237,7 +241,9 @@ class CudaGraphDecode:
         return out
 
     def capture(self) -> None:
-        """Capture every size (largest first, one shared memory pool)."""
+        """Capture every size (largest first, one shared memory pool) over the current addresses of
+        the model's weights and the page pool (again after an engine wake-up: ``sleep.py``)."""
+        self._pad_device_stage()  # the last step's rows would write real pages during warm-up
         if not self.use_graphs:
             for size in self.sizes:
                 fwd = _EagerReplay(lambda s=size: self._forward(s))
@@ -257,6 +263,12 @@ class CudaGraphDecode:
                 self.sample_into_out(logits, size)
             self.graphs[size] = (fwd, lambda out=logits: out, samp)
         torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Drop every graph and their memory pool (engine sleep: the addresses they replay are about
+        to be freed). ``capture`` makes them again."""
+        self.graphs.clear()
+        self.pool = None
 
     # ---- one step ----------------------------------------------------------------------------
     def size_for(self, rows: int) -> int | None:

@@ -21,6 +21,7 @@ Step API contract: /work/notes/contracts.md ("Engine step API").
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -37,6 +38,7 @@ from m3_rollout.engine.requests import CheckedRequest, check_prompt, check_reque
 from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
 from m3_rollout.engine.score import check_score_temperature, score_tokens
 from m3_rollout.engine.sequence import SeqStatus, Sequence
+from m3_rollout.engine.sleep import MemoryHandoff, Resize, resize_storage
 from m3_rollout.engine.stats import EngineStats, engine_metrics
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
@@ -49,6 +51,9 @@ class LLMEngine:
         model: ``M3ForCausalLM`` in the generation dtype on its device (KV dtype = lm_head dtype).
         config: :class:`EngineConfig`.
         detokenize: optional ``ids -> text`` callback, needed for ``stop_strings``.
+        ops: the paged forward's fast-op table (``engine/ops.py``); None = the runner's choice.
+        resize: the allocation function of sleep / wake-up (``sleep.resize_storage``; CPU tests
+            inject a counting fake).
     Raises ValueError when the page pool cannot hold one ``max_model_len`` sequence.
     """
 
@@ -58,6 +63,7 @@ class LLMEngine:
         config: EngineConfig,
         detokenize: Callable[[list[int]], str] | None = None,
         ops: PagedOps | None = None,
+        resize: Resize = resize_storage,
     ):
         self.config = config.validate()
         self.model = model.eval()
@@ -110,11 +116,24 @@ class LLMEngine:
         self._next_req = 0
         self.stats = EngineStats()
         self.launcher = StepLauncher(self.runner, self.stats, self.routing)
+        caches = [self.kv.k_cache, self.kv.v_cache, self.kv.index_cache]
+        self.memory = MemoryHandoff(
+            caches + ([self.routing.table] if self.routing is not None else []),
+            self._weight_tensors,
+            self.runner.release_graphs,
+            self.runner.capture_graphs,
+            self.device,
+            f"lower policy.generation.kv_cache_memory_gb (EngineConfig.kv_cache_memory_gb={config.kv_cache_memory_gb}"
+            f"{'; 0 = sized at start-up from kv_cache_memory_fraction' if not config.kv_cache_memory_gb else ''}; "
+            f"the KV cache has {num_pages} pages)",
+            resize,
+        )
 
     # ---- requests ------------------------------------------------------------------------
     def check_request(self, req: GenerationRequest) -> CheckedRequest:
         """Validate ``req`` for this engine (``requests.check_request``; refused while
-        ``refuse_reason`` is set). Raises ValueError naming the bad field."""
+        ``refuse_reason`` is set). Raises ValueError naming the bad field; RuntimeError while asleep."""
+        self.check_awake("add a request")
         if self.refuse_reason is not None:
             raise ValueError(self.refuse_reason)
         return check_request(
@@ -128,7 +147,9 @@ class LLMEngine:
     def add_request(self, req: GenerationRequest, stream: bool = False) -> None:
         """Queue ``req`` as ``params.n`` samples (sample_index + j), in groups of at most
         ``max_num_seqs`` (``requests.sample_groups``). A bad request does not raise: its error
-        records (one per sample, one if n is not a valid count) come out of the next ``step()``."""
+        records (one per sample, one if n is not a valid count) come out of the next ``step()``.
+        Raises RuntimeError while asleep (``check_awake``)."""
+        self.check_awake("add a request")
         try:
             checked = self.check_request(req)
         except ValueError as exc:
@@ -234,6 +255,59 @@ class LLMEngine:
             self.scheduler.preempt(seq)
         return len(running)
 
+    # ---- sleep / wake-up (sleep.py) ------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """Release device memory for another phase (training): level 1 frees the KV cache, the
+        index-key cache, the routing records and the decode graphs, and empties the prefix cache
+        (the pages' contents are gone); level 2 also moves the weights to host memory (pinned on
+        CUDA). Parameters and every view of them keep their identity (``sleep.py``).
+
+        Sleeping while asleep deepens to ``level`` if it is higher (else frees nothing).
+        NOTE: refused, not drained, with samples unfinished: a drain could run for a whole
+        generation phase, and the RL loop sleeps only once its rollouts are collected, so an
+        unfinished sample means a caller bug (``abort_all`` hands them back for re-queueing).
+        Outputs already made (e.g. abort records) wait for the first step after wake-up.
+
+        Returns {"level", "gb_freed" (GiB), "seconds"} for the step metrics.
+        Raises:
+            RuntimeError: samples are unfinished or a step is in flight.
+            ValueError: level not 1 or 2, or a tensor that cannot be released in place.
+        """
+        if self._live or self._inflight is not None:
+            raise RuntimeError(
+                f"sleep: {self.num_unfinished()} samples are unfinished; finish them, or abort them "
+                "(abort_all() returns them as requests to re-queue after wake_up) before sleeping"
+            )
+        if not self.memory.level:
+            self.block_manager.reset()  # every page free, no prefix hits: the contents are dropped
+        return self.memory.sleep(level)
+
+    def wake_up(self) -> dict:
+        """Re-allocate what ``sleep`` released (same shapes; caches zeroed, weights copied back in
+        place) and re-capture the decode graphs. A no-op when awake.
+
+        Returns {"level" (woken from; 0 = was awake), "gb_restored" (GiB), "seconds",
+        "graph_capture_seconds"} for the step metrics.
+        Raises sleep.WakeUpError (naming policy.generation.kv_cache_memory_gb) when out of
+        memory; the engine then stays asleep and wake_up may be retried.
+        """
+        return self.memory.wake_up()
+
+    @property
+    def asleep(self) -> bool:
+        return self.memory.level > 0
+
+    def check_awake(self, what: str) -> None:
+        """Raises RuntimeError when asleep (the page pool, and at level 2 the weights, have no memory)."""
+        if self.memory.level:
+            raise RuntimeError(f"engine is asleep (level {self.memory.level}): call wake_up() before you {what}")
+
+    def _weight_tensors(self):
+        """The model's parameters and buffers on the engine's device (what sleep level 2 offloads)."""
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            if t.device == self.device:
+                yield t
+
     # ---- the step ------------------------------------------------------------------------
     def step(self, force_forward: bool = False) -> list[SampleOutput | StreamDelta]:
         """Run at most one model forward; return finished samples, errors and stream deltas.
@@ -245,7 +319,9 @@ class LLMEngine:
         :meth:`drain`): this call launches step N, then waits for step N-1's sampled ids and turns
         them into outputs while the device runs step N. Tokens and logprobs equal the synchronous
         engine's (keyed sampler); a sample that finished at step N-1 has its step-N token dropped.
+        Raises RuntimeError while asleep (``check_awake``).
         """
+        self.check_awake("step")
         t_start = time.perf_counter()
         outputs, self._pending = self._pending, []
         ph = self.stats.phase_seconds
@@ -415,8 +491,9 @@ class LLMEngine:
         Raises:
             ValueError: empty / too long / out-of-vocabulary ids, bad positions, or a temperature
             that is not finite, <= 0 or so small that logits / temperature overflows;
-            RuntimeError: not enough free KV pages now.
+            RuntimeError: not enough free KV pages now, or the engine is asleep.
         """
+        self.check_awake("score")
         temperature = check_score_temperature(temperature, self.sampler_dtype)
         self.drain()
         if self.refuse_reason is not None:
@@ -442,5 +519,8 @@ class LLMEngine:
 
     def metrics(self) -> dict:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step
-        (``stats.engine_metrics``)."""
-        return engine_metrics(self.stats, self.block_manager, self.scheduler, self.async_scheduling)
+        (``stats.engine_metrics``); sleep level and the last sleep / wake-up (``sleep.MemoryHandoff``)."""
+        return {
+            **engine_metrics(self.stats, self.block_manager, self.scheduler, self.async_scheduling),
+            **self.memory.metrics(),
+        }

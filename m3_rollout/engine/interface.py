@@ -259,5 +259,16 @@ class GenerationBackend(abc.ABC):
     def reset_prefix_cache(self) -> None:
         """Drop reusable cached prefixes (no-op for backends without a prefix cache)."""
 
+    def sleep(self, level: int = 1) -> dict:
+        """Release device memory between generation phases (level 1: KV cache; level 2: also the
+        weights, to host memory) and return {"level", "gb_freed" (GiB), "seconds"}. Base version:
+        frees nothing (backends whose memory is not the trainer's to share)."""
+        return {"level": 0, "gb_freed": 0.0, "seconds": 0.0}
+
+    def wake_up(self) -> dict:
+        """Take back what ``sleep`` released; return {"level" (woken from), "gb_restored" (GiB),
+        "seconds", "graph_capture_seconds"}. Base version: nothing to take back."""
+        return {"level": 0, "gb_restored": 0.0, "seconds": 0.0, "graph_capture_seconds": 0.0}
+
     def shutdown(self) -> None:
         """Release resources."""

@@ -281,6 +281,18 @@ class ModelRunner:
                 warnings.warn(f"CUDA-graph capture failed, decode runs eagerly: {exc}", stacklevel=2)
                 self.graphs = None
 
+    # ---- sleep / wake-up ---------------------------------------------------------------------
+    def release_graphs(self) -> None:
+        """Drop the captured decode graphs and their memory pool (engine sleep; no-op without graphs)."""
+        if self.graphs is not None:
+            self.graphs.release()
+
+    def capture_graphs(self) -> None:
+        """Re-capture the decode graphs over the current tensor addresses (engine wake-up)."""
+        if self.graphs is not None:
+            with torch.no_grad():
+                self.graphs.capture()
+
     # ---- eager path ----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, inputs: StepInputs, token_src: list[int] | None = None) -> torch.Tensor:

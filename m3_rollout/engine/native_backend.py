@@ -74,7 +74,13 @@ class NativeBackend(GenerationBackend):
 
         Raises:
             ValueError: listing missing / unexpected / mis-shaped / non-finite tensors.
+            RuntimeError: the weights are offloaded (sleep level 2): wake up first.
         """
+        if self.engine.memory.weights_offloaded:
+            raise RuntimeError(
+                "update_weights: the engine sleeps at level 2 (weights offloaded to host memory); "
+                "call wake_up() first, then update the weights"
+            )
         incoming = dict(named_tensors)
         problems = [f"missing: {n}" for n in self._released if n not in incoming]
         problems += [f"unexpected: {n}" for n in incoming if n not in self._released]
@@ -104,6 +110,14 @@ class NativeBackend(GenerationBackend):
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> dict:
+        """See :meth:`LLMEngine.sleep` (refused while generate / generate_async callers are active)."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> dict:
+        """See :meth:`LLMEngine.wake_up`."""
+        return self.engine.wake_up()
 
     def abort(self, request_id: str) -> None:
         """Abort every sample of the caller's ``request_id`` (finish_reason "abort")."""
@@ -137,8 +151,9 @@ class NativeBackend(GenerationBackend):
         """Run all requests to completion; outputs ordered by request, then sample.
 
         Bad requests give error records (finish_reason "error"), the rest go on.
-        Raises RuntimeError when called while paused.
+        Raises RuntimeError when called while paused or asleep.
         """
+        self.engine.check_awake("generate")
         if self.engine.paused:
             raise RuntimeError("generate() while paused: call resume() first")
         if self._driver is not None:
@@ -180,6 +195,7 @@ class NativeBackend(GenerationBackend):
             self._driver = asyncio.get_running_loop().create_task(self._drive())
 
     async def _run(self, req: GenerationRequest, stream: bool) -> AsyncIterator[SampleOutput | StreamDelta]:
+        self.engine.check_awake("generate")
         q: asyncio.Queue = asyncio.Queue()
         iid = self._add(req, stream)
         self._queues[iid] = q
@@ -202,7 +218,8 @@ class NativeBackend(GenerationBackend):
     async def generate_async(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[SampleOutput]:
         """Yield each sample's :class:`SampleOutput` as it finishes (any order); bad requests
         yield error records. Many concurrent callers share the engine's batches. An exception
-        raised by an engine step is re-raised in every waiting caller (none is left hanging)."""
+        raised by an engine step is re-raised in every waiting caller (none is left hanging).
+        Raises RuntimeError while the engine is asleep."""
         merged: asyncio.Queue = asyncio.Queue()
         done = object()
 
@@ -231,7 +248,8 @@ class NativeBackend(GenerationBackend):
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[SampleOutput | StreamDelta]:
         """Stream one request: :class:`StreamDelta` records as tokens arrive, then each sample's
-        final :class:`SampleOutput`. Raises ValueError (naming the field) for a bad request."""
+        final :class:`SampleOutput`. Raises ValueError (naming the field) for a bad request,
+        RuntimeError while the engine is asleep."""
         self.engine.check_request(request)
         async for out in self._run(request, stream=True):
             yield out
