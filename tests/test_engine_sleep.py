@@ -125,7 +125,7 @@ def test_sleep_level2_offloads_weights_keeping_identity_views_and_values():
     params = {n: p for n, p in model.named_parameters()}
     values = {n: p.detach().clone() for n, p in params.items()}
     cached_view = linears[0].weight.detach()[0]  # a view taken earlier (as weight sync caches them)
-    assert packed_ok(attn._packed_proj, linears)
+    assert packed_ok(attn.packed_proj, linears)
     total = _cache_bytes(eng) + _weight_bytes(model)
     rec = eng.sleep(2)
     assert rec["level"] == 2 and rec["gb_freed"] == total / GIB and alloc.net == -total
@@ -136,7 +136,7 @@ def test_sleep_level2_offloads_weights_keeping_identity_views_and_values():
     assert {n: p for n, p in model.named_parameters()} == params  # the same Parameter objects
     for n, p in model.named_parameters():
         assert torch.equal(p, values[n]), n  # restored bitwise
-    assert packed_ok(attn._packed_proj, linears)  # still views of the packed buffer
+    assert packed_ok(attn.packed_proj, linears)  # still views of the packed buffer
     with torch.no_grad():
         cached_view.fill_(0.25)  # the earlier view writes the parameter's new memory
     assert bool((linears[0].weight[0] == 0.25).all())
