@@ -130,7 +130,7 @@ def test_sleep_level2_offloads_weights_keeping_identity_views_and_values():
     rec = eng.sleep(2)
     assert rec["level"] == 2 and rec["gb_freed"] == total / GIB and alloc.net == -total
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
-    assert eng.memory.weights_offloaded
+    assert eng.weights_offloaded
     rec = eng.wake_up()
     assert rec["level"] == 2 and rec["gb_restored"] == total / GIB and alloc.net == 0
     assert {n: p for n, p in model.named_parameters()} == params  # the same Parameter objects
@@ -225,7 +225,7 @@ def test_out_of_memory_at_wake_up_names_the_setting_and_stays_asleep():
     with pytest.raises(WakeUpError, match="lower policy.generation.kv_cache_memory_gb") as err:
         eng.wake_up()
     assert "re-allocating the KV cache" in str(err.value) and "level 2" in str(err.value)
-    assert eng.memory.level == 2 and eng.memory.weights_offloaded and alloc.net == -(kv + w)
+    assert eng.memory.level == 2 and eng.weights_offloaded and alloc.net == -(kv + w)
     assert all(p.untyped_storage().nbytes() == 0 for p in eng.model.parameters())
     alloc.budget = -kv - w + 8  # not even the weights
     with pytest.raises(WakeUpError, match="re-allocating the weights"):

@@ -297,6 +297,12 @@ class LLMEngine:
     def asleep(self) -> bool:
         return self.memory.level > 0
 
+    @property
+    def weights_offloaded(self) -> bool:
+        """Asleep at level 2: the parameters have no device memory, so nothing may read or write
+        them (weight sync included: its cached views would write freed memory) until ``wake_up``."""
+        return self.memory.weights_offloaded
+
     def check_awake(self, what: str) -> None:
         """Raises RuntimeError when asleep (the page pool, and at level 2 the weights, have no memory)."""
         if self.memory.level:

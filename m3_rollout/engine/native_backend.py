@@ -76,7 +76,7 @@ class NativeBackend(GenerationBackend):
             ValueError: listing missing / unexpected / mis-shaped / non-finite tensors.
             RuntimeError: the weights are offloaded (sleep level 2): wake up first.
         """
-        if self.engine.memory.weights_offloaded:
+        if self.engine.weights_offloaded:
             raise RuntimeError(
                 "update_weights: the engine sleeps at level 2 (weights offloaded to host memory); "
                 "call wake_up() first, then update the weights"
