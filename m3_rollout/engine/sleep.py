@@ -223,7 +223,6 @@ class MemoryHandoff:
             return self.last_wake
         parts = [r for r in (self._weights, self._caches) if r is not None]
         done: list[ReleasedStorages] = []
-        failed = "decode graphs"
         try:
             for r in parts:
                 failed = f"{r.what} ({r.total_bytes / GIB:.3f} GiB)"
