@@ -371,11 +371,11 @@ def real_shapes(args) -> list[str]:
         "refit",
         "raw flat copy",
     ):
-        lines.append(f"| {name} | {fmt(clock.seconds.get(name))} | {fmt(clock.peak_gb.get(name), '.1f')} |")
+        lines.append(f"| {name} | {fmt(clock.seconds.get(name), '.4g')} | {fmt(clock.peak_gb.get(name), '.1f')} |")
     lines += [
         "",
         f"Generated tokens/s: {tokens / clock.seconds['generation']:,.0f} ({tokens} tokens). "
-        f"Refit {gbps['refit']:.1f} GB/s vs raw flat copy {gbps['raw flat copy']:.1f} GB/s of the same "
+        f"Refit {gbps['refit']:.3g} GB/s vs raw flat copy {gbps['raw flat copy']:.3g} GB/s of the same "
         f"{rollout_bytes / 1e9:.2f} GB: {gbps['refit'] / gbps['raw flat copy']:.2f}x "
         "(bytes written to the rollout weights per second; the refit reads the fp32 masters).",
     ]
