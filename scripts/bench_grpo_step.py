@@ -277,7 +277,8 @@ def real_shapes(args) -> list[str]:
     trainer, rollout = clock.run("build (trainer fp32 + rollout bf16)", build)
     n_params = sum(p.numel() for p in trainer.parameters())
     groups = split_param_groups(trainer, freeze_indexer=True, freeze_router_bias=True, weight_decay=0.01)
-    opt = torch.optim.AdamW(groups, lr=1e-5)
+    # fused on CUDA: no foreach temporaries the size of the parameters (4.7 B x 4 B here)
+    opt = torch.optim.AdamW(groups, lr=1e-5, fused=device.type == "cuda")
     pages = b * -(-(p_len + g_len) // cfg.sparse_block_size) + 8
     backend = NativeBackend(
         rollout,

@@ -2,12 +2,16 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 from m3_rollout.jobs import builtin
 from m3_rollout.model import M3ForCausalLM, load_checkpoint, tiny_config
 from m3_trainers.warm_start import WarmStartConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def test_cpu_presets_keep_their_cache_keys():
@@ -68,3 +72,31 @@ def test_gpu_preset_pipeline_builds_on_cpu(tmp_path):
     model = load_checkpoint(tmp_path / "ckpt", dtype=torch.float32)
     assert model.config.sparse_block_size == 64
     assert "<thinking_instructions>" in (tmp_path / "ckpt" / "chat_template.jinja").read_text()
+
+
+def test_gpu_config_matches_the_preset():
+    from m3_rollout.config import ClusterConfig, load_config
+    from m3_rollout.rollout.environments import build_task
+
+    if "device" not in ClusterConfig.__dataclass_fields__:
+        pytest.skip("configs/grpo_h200.yaml sets cluster.device, which the trainer-on-device work adds")
+    cfg = load_config(CONFIGS / "grpo_h200.yaml", ["grpo.seed=43"])
+    spec = builtin.builtin_spec(cfg.policy.model_name.removeprefix("builtin:"), cfg.cluster.device)
+    # GRPO's prompts come from the task the checkpoint was warm-started on.
+    assert build_task(cfg.data) == spec.make_task()
+    assert cfg.grpo.seed == 43 and cfg.cluster.device == "cuda" and spec.device == "cuda"
+    assert cfg.grpo.max_rollout_turns == spec.eval_max_turns == 4
+    assert cfg.policy.max_total_sequence_length == spec.eval_max_total_len
+    assert cfg.policy.generation.expert_parallel_size == 1 and cfg.policy.generation.max_new_tokens == 48
+    # Inherited from the main job through defaults: (the loss and its clipping).
+    assert cfg.loss_fn.ratio_clip_max == 0.2 and cfg.env.calculator.max_expression_chars == 64
+
+
+def test_multi_step_needs_a_turn_per_call():
+    from m3_rollout.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"grpo.max_rollout_turns=2: must be > data.max_tool_calls=3"):
+        load_config(CONFIGS / "grpo_bf16_ep.yaml", ["data.max_tool_calls=3"])
+    with pytest.raises(ConfigError, match="data.step_min_digits/step_max_digits"):
+        load_config(CONFIGS / "grpo_bf16_ep.yaml", ["data.step_min_digits=3"])
+    assert load_config(CONFIGS / "grpo_bf16_ep.yaml", ["data.max_tool_calls=3", "grpo.max_rollout_turns=4"])
