@@ -184,6 +184,12 @@ class DataConfig:
     min_digits: int = 2
     max_digits: int = 4
     operations: str = "+-*"
+    # Calculator calls an episode needs: 1 = the single-step task (a op b); n > 1 = chains of 1..n
+    # operations, each call carrying the previous result (rollout/environments/multistep.py), the
+    # later operands of step_min_digits..step_max_digits digits. Needs grpo.max_rollout_turns > n.
+    max_tool_calls: int = 1
+    step_min_digits: int = 1
+    step_max_digits: int = 2
 
 
 @dataclass
@@ -567,6 +573,21 @@ def validate(cfg: MasterConfig) -> None:
         "data.min_digits/max_digits",
         (d.min_digits, d.max_digits),
         "need 1 <= min_digits <= max_digits <= 9",
+    )
+    _check(
+        e,
+        1 <= d.step_min_digits <= d.step_max_digits <= 9,
+        "data.step_min_digits/step_max_digits",
+        (d.step_min_digits, d.step_max_digits),
+        "need 1 <= step_min_digits <= step_max_digits <= 9",
+    )
+    _check(e, d.max_tool_calls >= 1, "data.max_tool_calls", d.max_tool_calls, "must be >= 1")
+    _check(
+        e,
+        d.source != "calculator" or g.max_rollout_turns > d.max_tool_calls,
+        "grpo.max_rollout_turns",
+        g.max_rollout_turns,
+        f"must be > data.max_tool_calls={d.max_tool_calls} (one turn per call, then the answer)",
     )
     _check(
         e,

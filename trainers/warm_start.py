@@ -1,4 +1,4 @@
-"""Supervised warm start of the embedded tiny M3 on calculator demonstrations.
+"""Supervised warm start of an embedded M3 on calculator demonstrations (single- or multi-step).
 
 Governing idea: GRPO needs a policy that succeeds sometimes, not always. We fine-tune a randomly
 initialised tiny M3 on perfect demonstrations (tool call -> tool result -> answer) and stop as
@@ -14,13 +14,15 @@ import json
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.model import M3ForCausalLM
-from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
+from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment, tool_steps
+from m3_rollout.rollout.environments.multistep import MultiStepArithmeticTask
 from m3_trainers.policy import split_param_groups, token_logprobs
 
 
@@ -41,23 +43,29 @@ class WarmStartConfig:
 
 
 def demonstration(chat: ChatFormat, env: CalculatorEnvironment, record: dict) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask of one perfect episode: call the calculator, then answer.
+    """Token ids and loss mask of one perfect episode: one calculator call per step, then the answer.
+
+    A single-step record gives prompt, call, tool turn, answer; a multi-step record
+    (``multistep.MultiStepArithmeticTask``) one call + tool turn per operation, each call's
+    expression carrying the previous tool result (``calculator.tool_steps``).
 
     Returns:
-        (ids [L], mask [L]) with mask 1 on the assistant's tokens (both turns, eos included).
+        (ids [L], mask [L]) with mask 1 on the assistant's tokens (every turn, eos included).
     """
     messages, _ = env.reset(record)
-    prompt = chat.prompt_ids(messages, tools=env.tool_schemas())
-    call = {
-        "type": "function",
-        "function": {"name": "calculator", "arguments": json.dumps({"expression": record["expression"]})},
-    }
-    turn1 = chat.assistant_ids(content="", tool_calls=[call])
-    tool = chat.tool_turn_ids([record["answer"]])
-    turn2 = chat.assistant_ids(content=record["answer"])
-    ids = prompt + turn1 + tool + turn2
-    mask = [0] * len(prompt) + [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
-    return ids, mask
+    ids = chat.prompt_ids(messages, tools=env.tool_schemas())
+    mask = [0] * len(ids)
+    for expression, result in tool_steps(record):
+        call = {
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+        }
+        turn = chat.assistant_ids(content="", tool_calls=[call])
+        tool = chat.tool_turn_ids([result])
+        ids += turn + tool
+        mask += [1] * len(turn) + [0] * len(tool)
+    answer = chat.assistant_ids(content=str(record["answer"]))
+    return ids + answer, mask + [1] * len(answer)
 
 
 def _pad(seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,17 +80,31 @@ def _pad(seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.T
 
 @dataclass
 class WarmStartResult:
+    """Outcome of :func:`warm_start`.
+
+    Attributes:
+        steps: SFT steps of the returned model.
+        accuracy: its held-out sampled success.
+        history: (step, accuracy) of every evaluation, in order.
+        seconds: wall time of the whole warm start (training and evaluations).
+        in_window: the accuracy is inside the target window (False: step or time cap reached).
+        step_seconds: mean wall time of one SFT step (batch building included), seconds.
+        eval_seconds: total wall time of the evaluations, seconds.
+    """
+
     steps: int
     accuracy: float
     history: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     in_window: bool = False
+    step_seconds: float = 0.0
+    eval_seconds: float = 0.0
 
 
 def warm_start(
     model: M3ForCausalLM,
     chat: ChatFormat,
-    task: ArithmeticTask,
+    task: ArithmeticTask | MultiStepArithmeticTask,
     env: CalculatorEnvironment,
     evaluate: Callable[[M3ForCausalLM], float],
     cfg: WarmStartConfig,
@@ -91,19 +113,27 @@ def warm_start(
 ) -> WarmStartResult:
     """Fine-tune ``model`` in place until ``evaluate(model)`` lands in the target window.
 
+    Trains on the model's device. On CUDA the forward runs under bf16 autocast (fp32 master
+    weights and optimizer) and the next batch's demonstrations are rendered on a thread while the
+    GPU trains; the batches, and so the CPU results, are the same either way.
+
     Args:
-        model: fp32 ``M3ForCausalLM`` (trained in place).
+        model: fp32 ``M3ForCausalLM`` on its training device (trained in place).
+        task: the record generator (``ArithmeticTask`` or ``MultiStepArithmeticTask``).
         evaluate: returns sampled success in [0, 1] on the held-out prompts.
         exclude: held-out user texts never used as demonstrations.
         progress: called as progress(step, accuracy or None, loss).
 
     Returns:
         :class:`WarmStartResult`; ``in_window`` False if the step/time budget ran out first (the
-        model is then the snapshot whose accuracy was closest to the window).
+        model is then the snapshot whose accuracy was closest to the window). ``cfg.max_seconds``
+        is checked after every step; one evaluation may follow it.
     """
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
     groups = split_param_groups(model, freeze_indexer=False, freeze_router_bias=True, weight_decay=cfg.weight_decay)
     opt = torch.optim.AdamW(groups, lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
@@ -116,57 +146,100 @@ def warm_start(
         opt.load_state_dict(snap[1])
         sched.load_state_dict(snap[2])
 
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        recs = []
+        while len(recs) < cfg.batch_size:
+            r = task.record(rng)
+            if r["messages"][-1]["content"] not in exclude:
+                recs.append(r)
+        ids, mask = _pad([demonstration(chat, env, r) for r in recs])
+        return (ids.pin_memory(), mask.pin_memory()) if cuda else (ids, mask)
+
+    prefetch = ThreadPoolExecutor(1) if cuda else None
+    pending = prefetch.submit(next_batch) if prefetch else None
+
+    def take_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal pending
+        if prefetch is None:
+            return next_batch()
+        ids, mask = pending.result()
+        pending = prefetch.submit(next_batch)
+        return ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+
     history: list[tuple[int, float]] = []
-    model.eval()
-    acc = evaluate(model)
-    history.append((0, acc))
-    best = (abs(acc - (cfg.target_low + cfg.target_high) / 2), 0, snapshot(), acc)
-    below = (0, snapshot())  # last snapshot known to be below the window
-    eval_every, step = cfg.eval_every, 0
-    while not (cfg.target_low <= acc <= cfg.target_high):
-        if step >= cfg.max_steps or time.perf_counter() - t0 > cfg.max_seconds:
-            restore(best[2])
-            return WarmStartResult(best[1], best[3], history, time.perf_counter() - t0, False)
-        model.train()
-        loss_val = 0.0
-        for _ in range(eval_every):
-            recs = []
-            while len(recs) < cfg.batch_size:
-                r = task.record(rng)
-                if r["messages"][-1]["content"] not in exclude:
-                    recs.append(r)
-            ids, mask = _pad([demonstration(chat, env, r) for r in recs])
-            lp = token_logprobs(model, ids)
-            loss = -(lp * mask).sum() / mask.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            loss_val = float(loss.detach())
-            if progress:
-                progress(step, None, loss_val)
+    timing = {"steps": 0, "train": 0.0, "eval": 0.0}
+
+    def timed_eval() -> float:
         model.eval()
-        acc = evaluate(model)
-        history.append((step, acc))
-        if progress:
-            progress(step, acc, loss_val)
-        dist = (
-            0.0
-            if cfg.target_low <= acc <= cfg.target_high
-            else min(abs(acc - cfg.target_low), abs(acc - cfg.target_high))
+        te = time.perf_counter()
+        a = evaluate(model)
+        timing["eval"] += time.perf_counter() - te
+        return a
+
+    def result(steps: int, a: float, in_window: bool) -> WarmStartResult:
+        return WarmStartResult(
+            steps,
+            a,
+            history,
+            time.perf_counter() - t0,
+            in_window,
+            timing["train"] / max(timing["steps"], 1),
+            timing["eval"],
         )
-        if dist < best[0]:
-            best = (dist, step, snapshot(), acc)
-        if acc < cfg.target_low:
-            below = (step, snapshot())
-        elif acc > cfg.target_high:
-            if eval_every == 1:  # cannot refine further: keep the closest snapshot
+
+    try:
+        acc = timed_eval()
+        history.append((0, acc))
+        best = (abs(acc - (cfg.target_low + cfg.target_high) / 2), 0, snapshot(), acc)
+        below = (0, snapshot())  # last snapshot known to be below the window
+        eval_every, step = cfg.eval_every, 0
+        while not (cfg.target_low <= acc <= cfg.target_high):
+            if step >= cfg.max_steps or time.perf_counter() - t0 > cfg.max_seconds:
                 restore(best[2])
-                return WarmStartResult(best[1], best[3], history, time.perf_counter() - t0, False)
-            # Overshot: go back to the last point below the window and evaluate 4x as often.
-            restore(below[1])
-            step = below[0]
-            eval_every = max(1, eval_every // 4)
-    return WarmStartResult(step, acc, history, time.perf_counter() - t0, True)
+                return result(best[1], best[3], False)
+            model.train()
+            loss_val = 0.0
+            for _ in range(eval_every):
+                ts = time.perf_counter()
+                ids, mask = take_batch()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    lp = token_logprobs(model, ids)
+                loss = -(lp * mask).sum() / mask.sum()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                step += 1
+                loss_val = float(loss.detach())
+                timing["steps"] += 1
+                timing["train"] += time.perf_counter() - ts
+                if progress:
+                    progress(step, None, loss_val)
+                if time.perf_counter() - t0 > cfg.max_seconds:
+                    break
+            acc = timed_eval()
+            history.append((step, acc))
+            if progress:
+                progress(step, acc, loss_val)
+            dist = (
+                0.0
+                if cfg.target_low <= acc <= cfg.target_high
+                else min(abs(acc - cfg.target_low), abs(acc - cfg.target_high))
+            )
+            if dist < best[0]:
+                best = (dist, step, snapshot(), acc)
+            if acc < cfg.target_low:
+                below = (step, snapshot())
+            elif acc > cfg.target_high:
+                if eval_every == 1:  # cannot refine further: keep the closest snapshot
+                    restore(best[2])
+                    return result(best[1], best[3], False)
+                # Overshot: go back to the last point below the window and evaluate 4x as often.
+                restore(below[1])
+                step = below[0]
+                eval_every = max(1, eval_every // 4)
+        return result(step, acc, True)
+    finally:
+        if prefetch is not None:
+            prefetch.shutdown(wait=True, cancel_futures=True)

@@ -1,9 +1,15 @@
-"""The embedded default checkpoint: a tiny M3 that has been warm-started on the calculator task.
+"""The embedded checkpoints: M3s built here and warm-started on a calculator task.
 
 ``resolve_model("builtin:tiny-calculator")`` returns a checkpoint directory (config.json,
 safetensors, tokenizer files, chat template) from the cache, building it on first use. The cache
-key is a hash of the builder's full spec (model sizes, tokenizer, task, warm-start knobs and a
-builder version), so changing any of them builds a new checkpoint instead of reusing a stale one.
+key is a hash of the builder's full spec (model sizes, tokenizer, template, task, warm-start knobs,
+the device it is trained on and a builder version), so changing any of them builds a new
+checkpoint instead of reusing a stale one.
+
+Presets: ``tiny-calculator`` (~0.95 M parameters, short template, single-step task; the CPU main
+job), ``tiny-random`` (same, random weights; smoke runs) and ``m3-gpu-small`` (~165 M parameters,
+MSA block 64 / top-4 blocks, the full M3 chat template with the tool list, the multi-step task of
+``multistep.py``; the GPU job ``configs/grpo_h200.yaml``).
 
 Cache root: ``$M3_ROLLOUT_CACHE`` or ``~/.cache/m3_rollout``.
 """
@@ -29,13 +35,21 @@ from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
-from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment
+from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment, tool_steps
+from m3_rollout.rollout.environments.multistep import MultiStepArithmeticTask
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_trainers.warm_start import WarmStartConfig, warm_start
 
 BUILDER_VERSION = 1
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_NAMES = ("tiny-calculator", "tiny-random")
+BUILTIN_NAMES = ("tiny-calculator", "tiny-random", "m3-gpu-small")
+#: Task generators a spec names (``TinyCheckpointSpec.task_name``).
+TASKS = {"calculator": ArithmeticTask, "multistep": MultiStepArithmeticTask}
+
+
+def default_device() -> str:
+    """The device a build trains on when the caller names none: "cuda" when available, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -48,10 +62,14 @@ class TinyCheckpointSpec:
             indexer stays frozen at its random initialisation.
         tokenizer_vocab_size / tokenizer_corpus: BPE size and number of rendered episodes it is
             trained on.
-        task: the arithmetic generator's knobs.
+        task: the task generator's knobs (``TASKS[task_name]`` fields).
         val_seed, num_val: the held-out set (same as GRPO's default ``grpo.seed`` / size).
         warm_start: SFT knobs; ``None`` = random weights (the smoke checkpoint).
-        max_len: longest episode the task produces is far below this; max_position_embeddings.
+        template: packaged chat template ("m3_short" or "m3_full", ``chat.template.load_template``).
+        task_name: key of ``TASKS``.
+        eval_max_turns / eval_max_total_len / eval_max_new_tokens: the warm start's held-out
+            rollouts (model turns incl. tool calls, tokens per trajectory, tokens per turn).
+        device: what the warm start trains on ("cpu", "cuda", ...); set by :func:`resolve_model`.
     """
 
     model_overrides: dict = field(default_factory=lambda: {"sparse_local_block": 2, "max_position_embeddings": 512})
@@ -64,37 +82,123 @@ class TinyCheckpointSpec:
     warm_start: WarmStartConfig | None = field(default_factory=WarmStartConfig)
     init_seed: int = 0
     builder_version: int = BUILDER_VERSION
+    template: str = "m3_short"
+    task_name: str = "calculator"
+    eval_max_turns: int = 2
+    eval_max_total_len: int = 192
+    eval_max_new_tokens: int = 48
+    device: str = "cpu"
 
     def key(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """16 hex digits of the spec's hash. Fields added after builder version 1 (``LATER_FIELDS``)
+        count only when they differ from their default, so checkpoints built before they existed
+        keep their key."""
+        spec = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in LATER_FIELDS and spec[f.name] == f.default:
+                del spec[f.name]
+        blob = json.dumps(spec, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def make_task(self) -> ArithmeticTask | MultiStepArithmeticTask:
+        """The task generator of ``task_name`` with ``task``'s knobs."""
+        return TASKS[self.task_name](**self.task)
 
-def builtin_spec(name: str) -> TinyCheckpointSpec:
-    """Spec of a built-in checkpoint name ("tiny-calculator" or "tiny-random")."""
-    if name == "tiny-calculator":
-        return TinyCheckpointSpec()
-    if name == "tiny-random":
-        return TinyCheckpointSpec(warm_start=None, tokenizer_corpus=500)
-    raise ValueError(
-        f"unknown built-in checkpoint {name!r}; choose one of "
-        f"{[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]} or give a checkpoint directory path"
+
+LATER_FIELDS = ("template", "task_name", "eval_max_turns", "eval_max_total_len", "eval_max_new_tokens", "device")
+
+
+def gpu_small_spec() -> TinyCheckpointSpec:
+    """``m3-gpu-small``: a 165 M-parameter M3 (64 M active per token) for one GPU.
+
+    8 layers: layer 0 full attention + dense MLP (2048), layers 1-7 MSA sparse attention + MoE
+    (16 experts of 512, top-4, one shared expert of 512); hidden 768, 8 query / 2 KV heads of 128
+    (index heads = KV heads, index dim = head dim, RoPE on half the channels), block 64, top-4
+    blocks, 1 local block. Rendered with the full M3 template (system block with the thinking
+    instructions, developer block with the tool list): prompts are 185-232 tokens, perfect 2- and
+    3-call episodes 281-378, so every episode with a second call runs past top-k x block = 256
+    tokens and the sparse layers select. Warm start (on the build's device) to held-out accuracy
+    in [0.2, 0.4] on the multi-step task, capped at 150 s.
+    """
+    model = {
+        "hidden_size": 768,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "partial_rotary_factor": 0.5,
+        "intermediate_size": 512,
+        "shared_intermediate_size": 512,
+        "dense_intermediate_size": 2048,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_layer_freq": [0] + [1] * 7,
+        "sparse_attention_freq": [0] + [1] * 7,
+        "sparse_disable_index_value": [0] + [1] * 7,
+        "sparse_index_dim": 128,
+        "sparse_num_index_heads": 2,
+        "sparse_block_size": 64,
+        "sparse_topk_blocks": 4,
+        "sparse_local_block": 1,
+        "max_position_embeddings": 1024,
+    }
+    ws = WarmStartConfig(
+        batch_size=64,
+        lr=1e-3,
+        warmup_steps=30,
+        max_steps=2000,
+        max_seconds=150.0,
+        eval_every=25,
+        target_low=0.2,
+        target_high=0.4,
     )
+    return TinyCheckpointSpec(
+        model_overrides=model,
+        task=dataclasses.asdict(MultiStepArithmeticTask()),
+        warm_start=ws,
+        template="m3_full",
+        task_name="multistep",
+        eval_max_turns=4,
+        eval_max_total_len=512,
+        eval_max_new_tokens=48,
+    )
+
+
+def builtin_spec(name: str, device: str = "cpu") -> TinyCheckpointSpec:
+    """Spec of a built-in checkpoint name (one of ``BUILTIN_NAMES``) trained on ``device``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "tiny-calculator":
+        spec = TinyCheckpointSpec()
+    elif name == "tiny-random":
+        spec = TinyCheckpointSpec(warm_start=None, tokenizer_corpus=500)
+    elif name == "m3-gpu-small":
+        spec = gpu_small_spec()
+    else:
+        raise ValueError(
+            f"unknown built-in checkpoint {name!r}; choose one of "
+            f"{[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]} or give a checkpoint directory path"
+        )
+    # NOTE: random weights do not depend on the device (initialised on the CPU), so neither does the key.
+    return spec if spec.warm_start is None else dataclasses.replace(spec, device=torch.device(device).type)
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("M3_ROLLOUT_CACHE", Path.home() / ".cache" / "m3_rollout"))
 
 
-def check_model_name(model_name: str) -> TinyCheckpointSpec | None:
-    """The build spec of a ``builtin:`` name, or None for a checkpoint directory that exists.
+def check_model_name(model_name: str, device: str | None = None) -> TinyCheckpointSpec | None:
+    """The build spec of a ``builtin:`` name (trained on ``device``, default :func:`default_device`),
+    or None for a checkpoint directory that exists.
 
     Raises:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
         ValueError: an unknown ``builtin:`` name.
     """
     if model_name.startswith(BUILTIN_PREFIX):
-        return builtin_spec(model_name[len(BUILTIN_PREFIX) :])
+        return builtin_spec(model_name[len(BUILTIN_PREFIX) :], device or default_device())
     if not (Path(model_name).expanduser() / "config.json").is_file():
         raise FileNotFoundError(
             f"policy.model_name={model_name!r}: no config.json there; give a checkpoint "
@@ -103,8 +207,9 @@ def check_model_name(model_name: str) -> TinyCheckpointSpec | None:
     return None
 
 
-def resolve_model(model_name: str, progress: bool = True) -> tuple[Path, dict]:
-    """Checkpoint directory for ``policy.model_name``.
+def resolve_model(model_name: str, progress: bool = True, device: str | None = None) -> tuple[Path, dict]:
+    """Checkpoint directory for ``policy.model_name``; a ``builtin:`` checkpoint that is not cached
+    yet is built, its warm start on ``device`` (default :func:`default_device`).
 
     Returns:
         (directory, info) where info has "built" (bool), "build_seconds", "key" and the build
@@ -114,7 +219,7 @@ def resolve_model(model_name: str, progress: bool = True) -> tuple[Path, dict]:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
         ValueError: an unknown ``builtin:`` name.
     """
-    spec = check_model_name(model_name)
+    spec = check_model_name(model_name, device)
     if spec is None:
         return Path(model_name).expanduser(), {"built": False}
     name = model_name[len(BUILTIN_PREFIX) :]
@@ -147,19 +252,18 @@ def warm_start_warning(model_dir: Path, info: dict) -> str | None:
 
 
 def corpus_texts(template: str, task: ArithmeticTask, env: CalculatorEnvironment, count: int) -> list[str]:
-    """Rendered full episodes (prompt, call, tool turn, answer) for tokenizer training."""
+    """Rendered full episodes (prompt, one call + tool turn per step, answer) for tokenizer training."""
     texts = []
     for rec in task.records(seed=12345, count=count):
         messages, _ = env.reset(rec)
-        call = {
-            "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": rec["expression"]})},
-        }
-        convo = messages + [
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": rec["answer"]},
-            {"role": "assistant", "content": rec["answer"]},
-        ]
+        convo = list(messages)
+        for expression, result in tool_steps(rec):
+            call = {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+            }
+            convo += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": result}]
+        convo.append({"role": "assistant", "content": rec["answer"]})
         texts.append(render(template, convo, tools=env.tool_schemas(), thinking_mode="disabled"))
     return texts
 
@@ -174,9 +278,9 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
         history and final held-out accuracy.
     """
     t0 = time.perf_counter()
-    task = ArithmeticTask(**spec.task)
+    task = spec.make_task()
     env = CalculatorEnvironment()
-    template = load_template("m3_short")
+    template = load_template(spec.template)
     tokenizer = train_tokenizer(corpus_texts(template, task, env, spec.tokenizer_corpus), spec.tokenizer_vocab_size)
     tokenizer.chat_template = template
     chat = ChatFormat(tokenizer, thinking_mode="disabled")
@@ -195,13 +299,30 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
     report: dict = {"parameters": sum(p.numel() for p in model.parameters())}
 
     if spec.warm_start is not None:
+        device = torch.device(spec.device)
+        model.to(device)
         source = PromptSource(task, seed=spec.val_seed, num_val=spec.num_val)
         exclude = {r["messages"][-1]["content"] for r in source.val}
-        gen_model = M3ForCausalLM(config).float()
+        gen_model = M3ForCausalLM(config).float().to(device)
         gen_model.load_state_dict(model.state_dict())
         gen_model.cast_for_inference(getattr(torch, spec.gen_dtype))
-        settings = RolloutSettings(n=1, max_turns=2, max_total_len=192, max_new_tokens=48, seed=spec.val_seed)
-        backend = NativeBackend(gen_model, chat.stop_token_ids, max_model_len=settings.max_total_len)
+        settings = RolloutSettings(
+            n=1,
+            max_turns=spec.eval_max_turns,
+            max_total_len=spec.eval_max_total_len,
+            max_new_tokens=spec.eval_max_new_tokens,
+            seed=spec.val_seed,
+        )
+        # Room for every held-out prompt at full length at once (also on CUDA, where the engine
+        # would otherwise take a fraction of the free memory that GRPO needs afterwards).
+        pages = spec.num_val * -(-settings.max_total_len // config.sparse_block_size)
+        backend = NativeBackend(
+            gen_model,
+            chat.stop_token_ids,
+            max_model_len=settings.max_total_len,
+            max_num_seqs=spec.num_val,
+            num_pages=pages,
+        )
 
         def evaluate(m: M3ForCausalLM) -> float:
             backend.update_weights(backend.weight_version + 1, iter_released_tensors(m))
@@ -211,7 +332,8 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
         ws = spec.warm_start
         bar = tqdm(
             total=None,
-            desc=f"building tiny M3 (SFT warm start to held-out accuracy in [{ws.target_low}, {ws.target_high}])",
+            desc=f"building M3 on {device.type} (SFT warm start to held-out accuracy in "
+            f"[{ws.target_low}, {ws.target_high}])",
             disable=not progress,
             unit="step",
         )
@@ -221,12 +343,22 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             bar.set_postfix(loss=f"{loss:.3f}", **({"heldout_acc": f"{acc:.3f}"} if acc is not None else {}))
             bar.refresh()
 
-        result = warm_start(model, chat, task, env, evaluate, spec.warm_start, exclude=exclude, progress=on_progress)
-        bar.close()
+        try:
+            result = warm_start(model, chat, task, env, evaluate, ws, exclude=exclude, progress=on_progress)
+        finally:
+            bar.close()
+            env.close()
+            del backend, gen_model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        model.cpu()
         report.update(
             warm_start_steps=result.steps,
             heldout_accuracy=result.accuracy,
             in_window=result.in_window,
+            warm_start_seconds=round(result.seconds, 1),
+            step_seconds=round(result.step_seconds, 4),
+            eval_seconds=round(result.eval_seconds, 2),
             history=result.history,
         )
     report["build_seconds"] = round(time.perf_counter() - t0, 1)

@@ -72,11 +72,11 @@ def build_prompt_source(cfg: MasterConfig) -> PromptSource:
         ConfigError: ``data.path`` missing or unreadable, a bad JSONL record (file:line named), or
             too few records for ``grpo.num_val_prompts``.
     """
-    from m3_rollout.rollout.environments.calculator import ArithmeticTask
+    from m3_rollout.rollout.environments import build_task
 
     g, d = cfg.grpo, cfg.data
     if d.source != "jsonl":
-        return PromptSource(ArithmeticTask(d.min_digits, d.max_digits, d.operations), g.seed, g.num_val_prompts)
+        return PromptSource(build_task(d), g.seed, g.num_val_prompts)
     try:
         return PromptSource(None, g.seed, g.num_val_prompts, records=load_jsonl(d.path))
     except FileNotFoundError as exc:

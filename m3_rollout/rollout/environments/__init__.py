@@ -1,8 +1,26 @@
-"""Environments (design.md §3) and ``build_environment``, which picks one from the ``env`` config."""
+"""Environments (design.md §3): ``build_environment`` picks one from the ``env`` config,
+``build_task`` the calculator prompt generator from the ``data`` config."""
 
 from __future__ import annotations
 
 from m3_rollout.rollout.environment import Environment, ToolSettings
+from m3_rollout.rollout.environments.calculator import ArithmeticTask
+from m3_rollout.rollout.environments.multistep import MultiStepArithmeticTask
+
+
+def build_task(data_cfg) -> ArithmeticTask | MultiStepArithmeticTask:
+    """The calculator prompt generator of ``data_cfg`` (an ``m3_rollout.config.DataConfig``):
+    the single-step task when ``max_tool_calls`` is 1, else chains of 1..max_tool_calls calls.
+
+    Raises:
+        ValueError: digit ranges or operations the task refuses.
+    """
+    d = data_cfg
+    if d.max_tool_calls == 1:
+        return ArithmeticTask(d.min_digits, d.max_digits, d.operations)
+    return MultiStepArithmeticTask(
+        1, d.max_tool_calls, d.min_digits, d.max_digits, d.step_min_digits, d.step_max_digits, d.operations
+    )
 
 
 def build_environment(env_cfg) -> Environment:

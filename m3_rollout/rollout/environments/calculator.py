@@ -62,6 +62,20 @@ class ArithmeticTask:
         return out
 
 
+def tool_steps(record: dict) -> list[tuple[str, str]]:
+    """The calculator calls a perfect episode of ``record`` makes, as (expression, result) pairs.
+
+    A multi-step record (``calls`` and ``results``, see ``multistep.MultiStepArithmeticTask``) gives
+    one pair per operation; a single-step record gives ``[(expression, answer)]``.
+
+    Raises:
+        KeyError: a record with neither ``calls``/``results`` nor ``expression``/``answer``.
+    """
+    if "calls" in record:
+        return list(zip(record["calls"], record["results"], strict=True))
+    return [(record["expression"], str(record["answer"]))]
+
+
 def final_answer(text: str | None) -> str | None:
     """The last integer in an answer text (commas inside numbers ignored), or None."""
     if not text:

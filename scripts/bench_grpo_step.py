@@ -1,0 +1,422 @@
+"""Time GRPO steps on one GPU: the GPU main job's per-step split, or one step at real M3 layer shapes.
+
+    python scripts/bench_grpo_step.py [--seeds 42 43] [--steps N] [key=value ...]
+    python scripts/bench_grpo_step.py --real-shapes [--layers 3] [--experts 32]
+    python scripts/bench_grpo_step.py --device cpu --tiny [--real-shapes] --doc /tmp/bench.md   (CPU test)
+
+Main job (default): runs ``python -m m3_rollout.grpo --config configs/grpo_h200.yaml`` once per seed
+in a subprocess and reads its ``metrics.jsonl``: per-step wall time split into generation, logprob
+recomputation, training, refit and sleep/wake (whichever of those timing keys the step metrics
+carry; a missing one is reported as "-"), generated tokens/s and the run's learning curve (held-out
+accuracy at every validation). Step 1 (CUDA graph capture, kernel compilation) is left out of the
+medians. ``--tiny`` runs the same config with the random tiny checkpoint and a few prompts (CPU test).
+
+``--real-shapes``: one process builds a random-weight M3 at the released model's layer shapes
+(hidden 6144, 64 query / 4 KV heads of 128, experts of width 3072 top-4, MSA block 128 / top-16)
+with ``--layers`` layers (layer 0 dense, the others sparse attention + MoE) of ``--experts`` experts
+and a 32768-token vocabulary, so that the trainer (fp32 master weights + AdamW: 16 B/param), the
+rollout engine's bf16 copy and its KV cache fit on one H200: the default 3 layers x 32 experts are
+4.7 B parameters, 75 GB of trainer state and 9.4 GB of rollout weights. The full 128 experts do not
+fit even in one layer (7.4 B parameters x 18 B = 134 GB). It times one step (generation, logprob
+recomputation, training, refit, sleep/wake) after one warm-up step, the refit against a raw flat
+device copy of the same bytes in the same run, and peak memory per phase
+(``torch.cuda.max_memory_allocated``).
+
+Figures go to ``docs/benchmarks.md`` (or ``--doc``) with the machine and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchlib import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "configs/grpo_h200.yaml"
+
+#: (label, metric-key pattern) of the step phases, matched against the ``train/`` keys of a step.
+PHASES = (
+    ("generation", r"generation_seconds"),
+    ("logprob recomputation", r"logprob_seconds"),
+    ("training", r"train_seconds"),
+    ("refit", r"(refit|weight_sync)_seconds"),
+    ("sleep", r"sleep\w*_seconds"),
+    ("wake", r"wake\w*_seconds"),
+)
+
+#: Overrides of ``--tiny``: the random tiny checkpoint, a few prompts, CPU-sized engine.
+TINY_OVERRIDES = (
+    "policy.model_name=builtin:tiny-random",
+    "policy.precision=float32",
+    "grpo.num_prompts_per_step=2",
+    "grpo.num_generations_per_prompt=2",
+    "grpo.val_period=1",
+    "grpo.num_val_prompts=4",
+    "policy.train_global_batch_size=4",
+    "policy.train_micro_batch_size=4",
+    "policy.generation.max_new_tokens=16",
+    "policy.generation.max_num_seqs=8",
+    "policy.generation.kv_cache_memory_gb=0",
+    "policy.generation.enable_cuda_graphs=false",
+    "env.num_tool_workers=1",
+)
+
+
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def step_split(rows: list[dict], skip_first: bool = True) -> dict:
+    """Median seconds of each phase over the train rows of one run's ``metrics.jsonl``.
+
+    Args:
+        rows: the ``metrics.jsonl`` records with ``train/step_seconds`` (one per GRPO step).
+        skip_first: leave step 1 out (start-up work) when there are later steps.
+
+    Returns:
+        {"phases": {label: median seconds or None when no key matched}, "keys": {label: matched
+        keys}, "step": median step seconds, "other": median of step - sum of the phases,
+        "tokens_per_s": median generated tokens/s, "steps": number of steps used}.
+    """
+    used = rows[1:] if skip_first and len(rows) > 1 else rows
+    out: dict = {"phases": {}, "keys": {}, "steps": len(used)}
+    others = [r["train/step_seconds"] for r in used]
+    for label, pattern in PHASES:
+        keys = sorted({k for r in used for k in r if re.fullmatch(rf"train/{pattern}", k)})
+        out["keys"][label] = keys
+        if not keys:
+            out["phases"][label] = None
+            continue
+        per_step = [sum(float(r.get(k, 0.0)) for k in keys) for r in used]
+        out["phases"][label] = statistics.median(per_step)
+        others = [o - p for o, p in zip(others, per_step)]
+    out["step"] = statistics.median(r["train/step_seconds"] for r in used)
+    out["other"] = statistics.median(others)
+    out["tokens_per_s"] = statistics.median(r.get("train/generation_tokens_per_s", 0.0) for r in used)
+    return out
+
+
+def run_main_job(seed: int, device: str, steps: int | None, tiny: bool, overrides: list[str]) -> dict:
+    """One GRPO run of ``CONFIG`` in a subprocess; returns its summary, metrics rows and wall time."""
+    log_dir = Path(tempfile.mkdtemp(prefix="m3bench-grpo-"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "m3_rollout.grpo",
+        "--config",
+        CONFIG,
+        f"grpo.seed={seed}",
+        f"cluster.device={device}",
+        f"logger.log_dir={log_dir}",
+        "logger.wandb.mode=disabled",
+        "logger.progress_bar=false",
+        "checkpointing.enabled=false",
+        *(TINY_OVERRIDES if tiny else ()),
+        *([f"grpo.max_num_steps={steps}"] if steps is not None else []),
+        *overrides,
+    ]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {
+        "seed": seed,
+        "summary": json.loads((log_dir / "summary.json").read_text()),
+        "train": [r for r in rows if "train/step_seconds" in r],
+        "val": [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r],
+        "wall_s": wall,
+    }
+
+
+def main_job_section(runs: list[dict], device: str, tiny: bool, overrides: list[str]) -> list[str]:
+    """Markdown lines of the main-job figures (one split row and one learning curve per seed)."""
+    what = "tiny CPU check (builtin:tiny-random)" if tiny else "builtin:m3-gpu-small"
+    lines = [
+        f"\n## GRPO step split, GPU main job (bench_grpo_step.py), {datetime.date.today()}, {machine(device)}\n",
+        f"`python -m m3_rollout.grpo --config {CONFIG}` ({what}); overrides: {' '.join(overrides) or 'none'}. "
+        "Medians over the steps after step 1, seconds; '-' = the step metrics have no such timing key.\n",
+        "| seed | steps | step | " + " | ".join(label for label, _ in PHASES) + " | other | generated tok/s |",
+        "|---|---|---|" + "---|" * len(PHASES) + "---|---|",
+    ]
+    for r in runs:
+        s = step_split(r["train"])
+        cells = " | ".join(fmt(s["phases"][label]) for label, _ in PHASES)
+        lines.append(
+            f"| {r['seed']} | {s['steps']} | {fmt(s['step'])} | {cells} | {fmt(s['other'])} | "
+            f"{fmt(s['tokens_per_s'], ',.0f')} |"
+        )
+    lines += [
+        "",
+        "| seed | checkpoint build (s) | GRPO loop (s) | wall (s) | learning curve (step: held-out accuracy) |",
+    ]
+    lines.append("|---|---|---|---|---|")
+    for r in runs:
+        sm = r["summary"]
+        build = fmt(sm.get("build_seconds"), ".0f") if sm.get("built_now") else "cached"
+        curve = ", ".join(f"{step}: {acc:.3f}" for step, acc in r["val"])
+        lines.append(f"| {r['seed']} | {build} | {fmt(sm.get('grpo_seconds'), '.0f')} | {r['wall_s']:.0f} | {curve} |")
+    keys = step_split(runs[0]["train"])["keys"]
+    lines.append(
+        "\nTiming keys read: "
+        + "; ".join(f"{label}: {', '.join(k) if k else '-'}" for label, k in keys.items())
+        + ". Other = step time outside those phases (batching, advantages, logging, validation)."
+    )
+    return lines
+
+
+# ---- real shapes ---------------------------------------------------------------------------------
+
+REAL_SHAPES = "hidden 6144, 64 q / 4 KV heads x 128, experts 3072 wide top-4, MSA block 128 / top-16"
+
+
+def real_shapes_config(layers: int, experts: int, tiny: bool):
+    """M3Config at the released layer shapes (or a CPU-sized one with ``tiny``): layer 0 dense,
+    layers 1.. MSA sparse attention + MoE."""
+    from m3_rollout.model import tiny_config
+
+    flags = [0] + [1] * (layers - 1)
+    if tiny:
+        return tiny_config(
+            num_hidden_layers=layers,
+            num_local_experts=experts,
+            moe_layer_freq=flags,
+            sparse_attention_freq=flags,
+            sparse_disable_index_value=flags,
+            vocab_size=256,
+            max_position_embeddings=256,
+        )
+    return tiny_config(
+        vocab_size=32768,
+        hidden_size=6144,
+        num_hidden_layers=layers,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=8192,
+        intermediate_size=3072,
+        shared_intermediate_size=3072,
+        dense_intermediate_size=12288,
+        num_local_experts=experts,
+        num_experts_per_tok=4,
+        moe_layer_freq=flags,
+        sparse_index_dim=128,
+        sparse_num_index_heads=4,
+        sparse_topk_blocks=16,
+        sparse_block_size=128,
+        sparse_local_block=1,
+        sparse_attention_freq=flags,
+        sparse_disable_index_value=flags,
+    )
+
+
+class PhaseClock:
+    """Wall time (device-synchronised) and peak device memory of named phases."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.device, self.cuda = torch, device, device.type == "cuda"
+        self.seconds: dict[str, float] = {}
+        self.peak_gb: dict[str, float | None] = {}
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def run(self, name: str, fn):
+        """``fn()`` timed as phase ``name``; returns its result."""
+        self.sync()
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        self.seconds[name] = time.perf_counter() - t0
+        self.peak_gb[name] = self.torch.cuda.max_memory_allocated(self.device) / 1e9 if self.cuda else None
+        return out
+
+
+def real_shapes(args) -> list[str]:
+    """One timed GRPO-shaped step at real layer shapes; returns the markdown lines."""
+    import torch
+
+    from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+    from m3_rollout.engine.native_backend import NativeBackend
+    from m3_rollout.model import M3ForCausalLM
+    from m3_rollout.model.loading import iter_released_tensors
+    from m3_trainers.policy import split_param_groups, token_logprobs
+
+    device = torch.device(args.device)
+    cfg = real_shapes_config(args.layers, args.experts, args.tiny)
+    b, p_len, g_len = (2, 24, 8) if args.tiny else (args.batch, args.prompt_len, args.gen_len)
+    micro = min(b, 2 if args.tiny else args.micro_batch)
+    clock = PhaseClock(device)
+    torch.manual_seed(0)
+
+    def build():
+        with torch.device(device):
+            trainer = M3ForCausalLM(cfg)
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.normal_(0, 0.02) if p.ndim >= 2 else p.zero_()
+            rollout = M3ForCausalLM(cfg).cast_for_inference(torch.bfloat16).eval()
+        return trainer, rollout
+
+    trainer, rollout = clock.run("build (trainer fp32 + rollout bf16)", build)
+    n_params = sum(p.numel() for p in trainer.parameters())
+    groups = split_param_groups(trainer, freeze_indexer=True, freeze_router_bias=True, weight_decay=0.01)
+    # fused on CUDA: no foreach temporaries the size of the parameters (4.7 B x 4 B here)
+    opt = torch.optim.AdamW(groups, lr=1e-5, fused=device.type == "cuda")
+    pages = b * -(-(p_len + g_len) // cfg.sparse_block_size) + 8
+    backend = NativeBackend(
+        rollout,
+        [],
+        max_model_len=p_len + g_len,
+        max_num_seqs=b,
+        num_pages=pages,
+        enable_cuda_graphs=device.type == "cuda",
+    )
+    rollout_bytes = sum(t.numel() * t.element_size() for _, t in iter_released_tensors(backend.model))
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).tolist()
+    version = 0
+
+    def refit() -> None:
+        nonlocal version
+        version += 1
+        backend.update_weights(version, iter_released_tensors(trainer))
+
+    def generate() -> torch.Tensor:
+        params = SamplingParams(max_new_tokens=g_len, seed=version)
+        outs = backend.generate([GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)])
+        seqs = [o.prompt_ids + o.output_ids + [0] * (g_len - len(o.output_ids)) for o in outs]
+        return torch.tensor(seqs, dtype=torch.long, device=device)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def logprobs(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), autocast():
+            return torch.cat([token_logprobs(trainer, ids[s : s + micro]) for s in range(0, b, micro)])
+
+    def train(ids: torch.Tensor, prev: torch.Tensor) -> None:
+        adv = torch.randn(b, 1, device=device, generator=torch.Generator(device).manual_seed(2))
+        mask = torch.zeros_like(prev)
+        mask[:, p_len:] = 1.0
+        opt.zero_grad(set_to_none=True)
+        for s in range(0, b, micro):
+            with autocast():
+                lp = token_logprobs(trainer, ids[s : s + micro])
+            ratio = torch.exp(lp - prev[s : s + micro])
+            loss = -(ratio * adv[s : s + micro] * mask[s : s + micro]).sum() / mask.sum()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
+        opt.step()
+
+    def sleep_wake(phase: str) -> None:
+        # NOTE: engine sleep / wake arrive with the backends' sleep() / wake_up(); absent = "-".
+        if hasattr(backend, "sleep"):
+            clock.run(phase, backend.sleep if phase == "sleep" else backend.wake_up)
+
+    clock.run("initial refit", refit)
+    for _ in range(2):  # step 1 warms up (CUDA graphs, autotuning, AdamW states); step 2 is reported
+        ids = clock.run("generation", generate)
+        sleep_wake("sleep")
+        prev = clock.run("logprob recomputation", lambda: logprobs(ids))
+        clock.run("training", lambda: train(ids, prev))
+        sleep_wake("wake")
+        clock.run("refit", refit)
+
+    # Raw flat copy of the refit's bytes, same device, same run: the ceiling a refit can reach.
+    n = rollout_bytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst.copy_(src)
+    clock.run("raw flat copy", lambda: dst.copy_(src))
+    del src, dst
+    gbps = {k: rollout_bytes / 1e9 / clock.seconds[k] for k in ("refit", "raw flat copy")}
+
+    tokens = b * g_len
+    lines = [
+        f"\n## GRPO step at real M3 layer shapes (bench_grpo_step.py --real-shapes), {datetime.date.today()}, "
+        f"{machine(args.device)}\n",
+        f"Random weights; {'tiny CPU shapes' if args.tiny else REAL_SHAPES}; {cfg.num_hidden_layers} layers "
+        f"(layer 0 dense, then sparse attention + MoE) x {cfg.num_local_experts} experts, "
+        f"vocab {cfg.vocab_size}: {n_params / 1e6:,.1f} M parameters = {n_params * 16 / 1e9:.2f} GB trainer "
+        f"(fp32 master + grad + AdamW, 16 B/param) + {rollout_bytes / 1e9:.2f} GB rollout weights. "
+        f"Batch {b} x ({p_len} prompt + {g_len} generated) tokens, micro-batch {micro}, bf16 autocast on CUDA. "
+        "Second step of two (the first warms up); seconds after a device synchronize.\n",
+        "| phase | seconds | peak memory (GB) |",
+        "|---|---|---|",
+    ]
+    for name in (
+        "build (trainer fp32 + rollout bf16)",
+        "initial refit",
+        "generation",
+        "sleep",
+        "logprob recomputation",
+        "training",
+        "wake",
+        "refit",
+        "raw flat copy",
+    ):
+        lines.append(f"| {name} | {fmt(clock.seconds.get(name), '.4g')} | {fmt(clock.peak_gb.get(name), '.1f')} |")
+    lines += [
+        "",
+        f"Generated tokens/s: {tokens / clock.seconds['generation']:,.0f} ({tokens} tokens). "
+        f"Refit {gbps['refit']:.3g} GB/s vs raw flat copy {gbps['raw flat copy']:.3g} GB/s of the same "
+        f"{rollout_bytes / 1e9:.2f} GB: {gbps['refit'] / gbps['raw flat copy']:.2f}x "
+        "(bytes written to the rollout weights per second; the refit reads the fp32 masters).",
+    ]
+    backend.shutdown()
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    """Command line; returns the markdown lines it wrote (or would write with ``--no-write``)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized model and batches (tests)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43], help="main job: one run per seed")
+    ap.add_argument("--steps", type=int, default=None, help="main job: grpo.max_num_steps (default: the config's)")
+    ap.add_argument("--real-shapes", action="store_true", help="one step at real M3 layer shapes, random weights")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="main job: key=value overrides")
+    args = ap.parse_args(argv)
+    if args.real_shapes:
+        lines = real_shapes(args)
+    else:
+        runs = [run_main_job(s, args.device, args.steps, args.tiny, args.overrides) for s in args.seeds]
+        lines = main_job_section(runs, args.device, args.tiny, args.overrides)
+    print("\n".join(lines))
+    if not args.no_write:
+        doc = Path(args.doc)
+        if not doc.exists():
+            doc.write_text("# Benchmarks\n")
+        with doc.open("a") as f:
+            f.write("\n".join(lines) + "\n")
+    return lines
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    main()

@@ -1,0 +1,82 @@
+"""scripts/bench_grpo_step.py on the CPU at tiny sizes: both modes write their figures into a docs file."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPTS))  # the script imports benchlib from beside it
+    spec = importlib.util.spec_from_file_location("bench_grpo_step", SCRIPTS / "bench_grpo_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(SCRIPTS))
+
+
+def test_step_split_reads_the_timing_keys_there_are(bench):
+    rows = [
+        {"train/step_seconds": 9.0, "train/generation_seconds": 5.0, "train/generation_tokens_per_s": 1.0},
+        {
+            "train/step_seconds": 4.0,
+            "train/generation_seconds": 2.0,
+            "train/logprob_seconds": 0.5,
+            "train/train_seconds": 1.0,
+            "train/weight_sync_seconds": 0.25,
+            "train/sleep_seconds": 0.125,
+            "train/generation_tokens_per_s": 300.0,
+        },
+    ]
+    s = bench.step_split(rows)  # step 1 left out
+    assert s["steps"] == 1 and s["step"] == 4.0
+    assert s["phases"] == {
+        "generation": 2.0,
+        "logprob recomputation": 0.5,
+        "training": 1.0,
+        "refit": 0.25,
+        "sleep": 0.125,
+        "wake": None,
+    }
+    assert s["other"] == pytest.approx(0.125) and s["tokens_per_s"] == 300.0
+    assert s["keys"]["refit"] == ["train/weight_sync_seconds"] and s["keys"]["wake"] == []
+
+
+def test_real_shapes_tiny_writes_phases_memory_and_refit_ratio(bench, tmp_path):
+    doc = tmp_path / "bench.md"
+    argv = ["--real-shapes", "--device", "cpu", "--tiny", "--layers", "2", "--experts", "4", "--doc", str(doc)]
+    lines = bench.main(argv)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n") and "\n".join(lines) in text
+    assert "bench_grpo_step.py --real-shapes" in text and "2 layers" in text and "x 4 experts" in text
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+    for phase in ("generation", "logprob recomputation", "training", "refit", "raw flat copy"):
+        seconds = rows[phase].split(" | ")[1]
+        assert float(seconds) > 0, rows[phase]
+        assert rows[phase].endswith("| - |")  # no CUDA memory figures on the CPU
+    assert "Refit " in text and "vs raw flat copy" in text and "Generated tokens/s: " in text
+
+
+def test_main_job_tiny_writes_split_and_learning_curve(bench, tmp_path, monkeypatch):
+    from m3_rollout.config import ClusterConfig
+
+    if "device" not in ClusterConfig.__dataclass_fields__:
+        pytest.skip("configs/grpo_h200.yaml sets cluster.device, which the trainer-on-device work adds")
+    monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    doc = tmp_path / "bench.md"
+    argv = ["--device", "cpu", "--tiny", "--seeds", "7", "--steps", "1", "--doc", str(doc)]
+    lines = bench.main([*argv, "grpo.num_val_prompts=2", "policy.generation.max_new_tokens=8"])
+    text = doc.read_text()
+    assert "GRPO step split, GPU main job" in text and "configs/grpo_h200.yaml" in text
+    split = next(line for line in lines if line.startswith("| 7 | 1 |"))
+    cells = [c.strip() for c in split.strip("|").split("|")]
+    # seed, steps, step, generation, logprobs, training, refit, sleep, wake, other, tok/s
+    assert len(cells) == 11 and all(float(c) > 0 for c in cells[2:7])
+    curve = next(line for line in lines if line.startswith("| 7 |") and "0: 0." in line)
+    assert curve.rstrip(" |").endswith("1: 0.000") or ", 1: " in curve  # step 0 and the final validation
+    build, loop = (c.strip() for c in curve.strip("|").split("|")[1:3])
+    assert build != "cached" and float(loop) > 0  # a fresh cache: the checkpoint was built in this run

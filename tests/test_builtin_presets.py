@@ -1,0 +1,102 @@
+"""Built-in checkpoint presets: stable cache keys, the GPU preset's shape, a CPU build of its pipeline."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from m3_rollout.jobs import builtin
+from m3_rollout.model import M3ForCausalLM, load_checkpoint, tiny_config
+from m3_trainers.warm_start import WarmStartConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_cpu_presets_keep_their_cache_keys():
+    # Keys of the builds made before the template / task / device fields existed: the CPU main job
+    # keeps using its cached checkpoint (and its accuracies).
+    assert builtin.builtin_spec("tiny-calculator", "cpu").key() == "2a33a638673bc974"
+    assert builtin.builtin_spec("tiny-random", "cpu").key() == "e654ede72c36b0be"
+    # Random weights do not depend on the device; a warm start does.
+    assert builtin.builtin_spec("tiny-random", "cuda").key() == "e654ede72c36b0be"
+    assert builtin.builtin_spec("tiny-calculator", "cuda:0").key() != "2a33a638673bc974"
+    assert builtin.builtin_spec("tiny-calculator", "cuda:0").device == "cuda"
+
+
+def test_gpu_preset_shape():
+    spec = builtin.builtin_spec("m3-gpu-small", "cuda")
+    assert spec.template == "m3_full" and spec.task_name == "multistep" and spec.device == "cuda"
+    assert spec.key() != builtin.builtin_spec("m3-gpu-small", "cpu").key()
+    cfg = tiny_config(vocab_size=1024, **spec.model_overrides)
+    assert [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)] == [False] + [True] * 7
+    assert (cfg.sparse_block_size, cfg.sparse_topk_blocks, cfg.num_local_experts, cfg.num_experts_per_tok) == (
+        64,
+        4,
+        16,
+        4,
+    )
+    with torch.device("meta"):
+        n = sum(p.numel() for p in M3ForCausalLM(cfg).parameters())
+    assert 150e6 < n < 180e6  # 164.6 M with the preset's ~1,024-token vocabulary
+    assert spec.warm_start.max_seconds <= 150 and spec.eval_max_turns == 4
+
+
+def test_gpu_preset_pipeline_builds_on_cpu(tmp_path):
+    # The m3-gpu-small build (full template, multi-step task, 4-turn held-out rollouts) at CPU size:
+    # two SFT steps towards an unreachable window, so it stops at max_steps.
+    spec = dataclasses.replace(
+        builtin.gpu_small_spec(),
+        model_overrides={
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "moe_layer_freq": [0, 1],
+            "sparse_attention_freq": [0, 1],
+            "sparse_disable_index_value": [0, 1],
+            "sparse_block_size": 64,
+            "max_position_embeddings": 1024,
+        },
+        tokenizer_vocab_size=512,
+        tokenizer_corpus=300,
+        num_val=4,
+        warm_start=WarmStartConfig(batch_size=2, max_steps=2, eval_every=1, target_low=0.99, target_high=1.0),
+        eval_max_new_tokens=8,
+        device="cpu",
+    )
+    report = builtin.build_checkpoint(spec, tmp_path / "ckpt", progress=False)
+    assert report["warm_start_steps"] <= 2 and not report["in_window"]
+    assert [s for s, _ in report["history"]] == [0, 1, 2]
+    assert report["step_seconds"] > 0 and report["eval_seconds"] > 0
+    assert json.loads((tmp_path / "ckpt" / "build_report.json").read_text())["spec"]["task_name"] == "multistep"
+    model = load_checkpoint(tmp_path / "ckpt", dtype=torch.float32)
+    assert model.config.sparse_block_size == 64
+    assert "<thinking_instructions>" in (tmp_path / "ckpt" / "chat_template.jinja").read_text()
+
+
+def test_gpu_config_matches_the_preset():
+    from m3_rollout.config import ClusterConfig, load_config
+    from m3_rollout.rollout.environments import build_task
+
+    if "device" not in ClusterConfig.__dataclass_fields__:
+        pytest.skip("configs/grpo_h200.yaml sets cluster.device, which the trainer-on-device work adds")
+    cfg = load_config(CONFIGS / "grpo_h200.yaml", ["grpo.seed=43"])
+    spec = builtin.builtin_spec(cfg.policy.model_name.removeprefix("builtin:"), cfg.cluster.device)
+    # GRPO's prompts come from the task the checkpoint was warm-started on.
+    assert build_task(cfg.data) == spec.make_task()
+    assert cfg.grpo.seed == 43 and cfg.cluster.device == "cuda" and spec.device == "cuda"
+    assert cfg.grpo.max_rollout_turns == spec.eval_max_turns == 4
+    assert cfg.policy.max_total_sequence_length == spec.eval_max_total_len
+    assert cfg.policy.generation.expert_parallel_size == 1 and cfg.policy.generation.max_new_tokens == 48
+    # Inherited from the main job through defaults: (the loss and its clipping).
+    assert cfg.loss_fn.ratio_clip_max == 0.2 and cfg.env.calculator.max_expression_chars == 64
+
+
+def test_multi_step_needs_a_turn_per_call():
+    from m3_rollout.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"grpo.max_rollout_turns=2: must be > data.max_tool_calls=3"):
+        load_config(CONFIGS / "grpo_bf16_ep.yaml", ["data.max_tool_calls=3"])
+    with pytest.raises(ConfigError, match="data.step_min_digits/step_max_digits"):
+        load_config(CONFIGS / "grpo_bf16_ep.yaml", ["data.step_min_digits=3"])
+    assert load_config(CONFIGS / "grpo_bf16_ep.yaml", ["data.max_tool_calls=3", "grpo.max_rollout_turns=4"])
