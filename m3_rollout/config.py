@@ -161,13 +161,22 @@ class PolicyConfig:
     # trajectory ends there. Truncated trajectories keep their tokens and get reward 0 unless
     # they already answered (env.truncated_turn_reward changes that).
     max_total_sequence_length: int = 192
-    precision: str = "float32"  # trainer (master weights) dtype
+    # Trainer numerics. float32: fp32 weights, AdamW states and compute (the CPU main job).
+    # bfloat16: fp32 master weights and AdamW states; forward and backward run in a bf16 copy cast
+    # as the generator casts (router and norms in fp32, spec §6), gradients accumulate in fp32 and
+    # the optimizer steps the fp32 masters (the copy is refreshed from them). float64: tests.
+    precision: str = "float32"
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them
+    # (torch.utils.checkpoint): less activation memory for about one more forward of compute.
+    activation_checkpointing: bool = False
     train_global_batch_size: int = 128
     train_micro_batch_size: int = 64
     max_grad_norm: float = 1.0
     thinking_mode: str = "disabled"
     # Routing replay: the trainer's MoE layers use the experts the rollout engine chose
-    # (SampleOutput.routed_experts) instead of their own router's top-k.
+    # (SampleOutput.routed_experts) instead of their own router's top-k. The step metrics then also
+    # hold the mismatch without replay (token_mult_prob_error_without_replay, ...; one more scoring
+    # forward per step).
     routing_replay: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -277,6 +286,11 @@ class ClusterConfig:
     max_restarts: int = 2
     # Lockstep engine steps per driver round trip.
     steps_per_call: int = 64
+    # Device of the trainer and of the in-process engine (policy.generation.expert_parallel_size=1),
+    # which share it and take turns (colocated): "cpu", "cuda" (= cuda:0) or "cuda:N". Checked at
+    # start against the machine (check_devices): no CUDA, or an index past the device count, stops
+    # the job naming the key.
+    device: str = "cpu"
 
 
 @dataclass
@@ -330,7 +344,7 @@ _CHOICES = {
     "policy.generation.backend": ("native",),
     "policy.generation.logprobs_mode": ("processed", "raw"),
     "policy.generation.dtype": ("float32", "bfloat16", "float16"),
-    "policy.precision": ("float32", "float64"),
+    "policy.precision": ("float32", "bfloat16", "float64"),
     "policy.thinking_mode": ("disabled", "enabled", "adaptive"),
     "policy.optimizer.name": ("adamw",),
     "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
@@ -443,6 +457,13 @@ def validate(cfg: MasterConfig) -> None:
         "policy.generation.expert_parallel_size",
         gen.expert_parallel_size,
         f"needs one GPU per EP rank; the cluster has {n_gpus}",
+    )
+    _check(
+        e,
+        re.fullmatch(r"cpu|cuda(:\d+)?", c.device) is not None,
+        "cluster.device",
+        c.device,
+        "must be 'cpu', 'cuda' or 'cuda:N' (N = device index)",
     )
     _check(e, c.worker_cpus > 0, "cluster.worker_cpus", c.worker_cpus, "must be > 0 (fractions are fine)")
     _check(e, c.collective_timeout_s > 0, "cluster.collective_timeout_s", c.collective_timeout_s, "must be > 0")
@@ -635,6 +656,38 @@ def validate(cfg: MasterConfig) -> None:
             re.compile(pat)
         except re.error as exc:
             _check(e, False, "policy.freeze.patterns", pat, f"is not a regular expression ({exc})")
+    if e:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
+
+
+def check_devices(cfg: MasterConfig, cuda_available: bool, cuda_device_count: int) -> None:
+    """Check ``cluster.device`` and ``cluster.gpus_per_node`` against this machine (at job start).
+
+    Args:
+        cfg: a validated config.
+        cuda_available: ``torch.cuda.is_available()``.
+        cuda_device_count: ``torch.cuda.device_count()``.
+
+    Raises:
+        ConfigError: CUDA asked for (``cluster.device=cuda[:N]`` or ``cluster.gpus_per_node > 0``)
+            on a machine without it, a device index past the device count, or more GPUs per node
+            than this machine has; each names the key and the devices present.
+    """
+    c, e = cfg.cluster, []
+    count = cuda_device_count if cuda_available else 0
+    have = f"this machine has {count} CUDA device(s)"
+    if not cuda_available:
+        have += " (torch.cuda.is_available() is False)"
+    if c.device.startswith("cuda"):
+        index = int(c.device.partition(":")[2] or 0)
+        _check(e, index < count, "cluster.device", c.device, f"{have}; use cluster.device=cpu or an index < {count}")
+    _check(
+        e,
+        c.gpus_per_node <= count,
+        "cluster.gpus_per_node",
+        c.gpus_per_node,
+        f"{have}; use at most {count} (0 = CPU rollout workers)",
+    )
     if e:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
 

@@ -77,6 +77,9 @@ def test_combine_optimizer_steps_token_weighted():
         num_tokens=30.0,
         logprob_seconds=1.0,
         train_seconds=2.0,
+        train_flops=6e12,
+        logprob_flops=1e12,
+        train_tflops_per_s=3.0,
         ratio_max=1.5,
         max_logprob_abs_diff=0.1,
         loss=0.2,
@@ -91,6 +94,7 @@ def test_combine_optimizer_steps_token_weighted():
         "clip_fraction": 0.4,
         "entropy": 1.0,
         "num_tokens": 10.0,
+        "train_flops": 2e12,
         "ratio_max": 3.0,
         "grad_norm": 3.0,
         "lr": 2e-3,
@@ -101,3 +105,5 @@ def test_combine_optimizer_steps_token_weighted():
     assert m["entropy"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)
     assert m["num_tokens"] == 40 and m["train_seconds"] == 4.0 and m["ratio_max"] == 3.0
     assert m["grad_norm"] == 2.0 and m["lr"] == 1e-3 and m["skipped_step"] is True
+    # throughput of the whole step: summed FLOPs over summed seconds, not a mean of rates
+    assert m["train_flops"] == 8e12 and m["logprob_flops"] == 2e12 and m["train_tflops_per_s"] == pytest.approx(2.0)

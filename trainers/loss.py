@@ -161,6 +161,27 @@ class ClippedPGLossFn:
         generation_logprobs: torch.Tensor | None = None,
         reference_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict]:
+        """:meth:`loss_and_stats` with the metrics read back as Python floats (one device sync).
+
+        Returns:
+            (scalar loss to backpropagate, {name: float}) with the names of :meth:`loss_and_stats`.
+        """
+        loss, stats = self.loss_and_stats(
+            logprobs, prev_logprobs, advantages, mask, global_normalizer, generation_logprobs, reference_logprobs
+        )
+        values = torch.stack([v.double() for v in stats.values()]).tolist()
+        return loss, dict(zip(stats, values))
+
+    def loss_and_stats(
+        self,
+        logprobs: torch.Tensor,
+        prev_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        global_normalizer: float,
+        generation_logprobs: torch.Tensor | None = None,
+        reference_logprobs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """Loss of one micro-batch (see module docstring for the maths).
 
         Args:
@@ -174,10 +195,12 @@ class ClippedPGLossFn:
             reference_logprobs: float [B, L]; required when the KL penalty != 0, ignored otherwise.
 
         Returns:
-            (scalar loss to backpropagate, metrics) where metrics hold sums over this
+            (scalar loss to backpropagate, metrics) where metrics are detached 0-d tensors on the
+            inputs' device (no host sync; ``__call__`` reads them back): sums over this
             micro-batch's sampled tokens ("*_sum", divide by the token count) and maxima
-            ("ratio_max"): clip_fraction_sum, dual_clip_fraction_sum, ratio_sum, ratio_max,
-            kl_sum, is_weight_sum, is_dropped_sum, pg_loss (scalar contribution), kl_loss.
+            ("ratio_max", 0 without sampled tokens): clip_fraction_sum, dual_clip_fraction_sum,
+            ratio_sum, ratio_max, kl_sum, is_weight_sum, is_dropped_sum, pg_loss (scalar
+            contribution), kl_loss.
 
         Raises:
             ValueError: a required input is missing or shapes disagree.
@@ -227,14 +250,14 @@ class ClippedPGLossFn:
         with torch.no_grad():
             outside = (ratio < 1 - self.eps_min) | (ratio > 1 + self.eps_max)
             metrics = {
-                "clip_fraction_sum": float(masked_sum(outside.float(), m)),
-                "dual_clip_fraction_sum": float(masked_sum(dual.float(), m)),
-                "ratio_sum": float(masked_sum(ratio, m)),
-                "ratio_max": float(masked_fill_zero(ratio, m).max()) if m.any() else 0.0,
-                "kl_sum": float(masked_sum(kl, m)),
-                "is_weight_sum": float(masked_sum(w, m)),
-                "is_dropped_sum": float(masked_sum((w == 0).float(), m)),
-                "pg_loss": float(pg_part),
-                "kl_loss": float(loss - pg_part),
+                "clip_fraction_sum": masked_sum(outside.to(lp.dtype), m),
+                "dual_clip_fraction_sum": masked_sum(dual.to(lp.dtype), m),
+                "ratio_sum": masked_sum(ratio, m),
+                "ratio_max": masked_fill_zero(ratio, m).amax(),  # ratio > 0: 0 only without sampled tokens
+                "kl_sum": masked_sum(kl, m),
+                "is_weight_sum": masked_sum(w, m),
+                "is_dropped_sum": masked_sum((w == 0).to(lp.dtype), m),
+                "pg_loss": pg_part.detach(),
+                "kl_loss": (loss - pg_part).detach(),
             }
         return loss, metrics

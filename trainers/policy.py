@@ -1,15 +1,25 @@
-"""The trainer's policy: fp32 master weights, logprob scoring and one GRPO optimizer step.
+"""The trainer's policy: master weights on a device, logprob scoring and one GRPO optimizer step.
 
 NeMo RL's split: ``get_logprobs`` recomputes token logprobs with the same model code path the
-generator runs (here the same ``M3ForCausalLM`` module, in fp32), ``train_step`` runs the loss
-over micro-batches with one global normaliser (gradient accumulation) and steps AdamW once per
-global batch, after clipping the global gradient norm; the learning rate follows
-``lr_factor`` (linear warmup, then constant / linear / cosine decay).
+generator runs (here the same ``M3ForCausalLM`` module), ``train_step`` runs the loss over
+micro-batches with one global normaliser (gradient accumulation) and steps AdamW once per global
+batch, after clipping the global gradient norm; the learning rate follows ``lr_factor`` (linear
+warmup, then constant / linear / cosine decay).
+
+Device and precision: the master model, its gradients and the AdamW states live on
+``Policy.device`` in the master dtype (fp32; fp64 in tests). With ``compute_dtype`` below it
+(bf16), forward and backward run in a copy cast exactly as the generator casts
+(``M3ForCausalLM.cast_for_inference``: router and norms stay fp32, spec §6) rather than under
+``torch.autocast`` (which would run the fp32 router GEMM in bf16 and so route differently from the
+engine); its gradients are added into fp32 master gradients after every micro-batch and the copy is
+refreshed from the masters before every scoring / training call. Logprobs, the loss and every
+metric stay on the device; a step reads its metrics back once (``train_step``).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import time
@@ -17,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from m3_rollout.model import M3ForCausalLM
 from m3_rollout.model.loading import iter_released_tensors
@@ -170,17 +181,95 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int, min
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
+def active_parameter_count(model: M3ForCausalLM) -> int:
+    """Parameters one token's forward multiplies with: every weight except the embedding table
+    (a lookup), the routed experts counted at ``num_experts_per_tok / num_local_experts`` of their
+    size (the experts a token is routed to), the shared expert and lm_head in full."""
+    cfg = model.config
+    routed_share = cfg.num_experts_per_tok / cfg.num_local_experts
+    total = 0.0
+    for name, p in model.named_parameters():
+        if name.startswith("model.embed_tokens."):
+            continue
+        total += p.numel() * (routed_share if ".experts.w" in name else 1.0)
+    return int(total)
+
+
+def checkpointed_layer_forward(layer: torch.nn.Module, forward, h: torch.Tensor, inputs) -> torch.Tensor:
+    """``forward(h, inputs)`` of one decoder layer under activation checkpointing.
+
+    With autograd recording, the layer keeps only its input ``h`` [B, S, H] and recomputes its
+    activations in the backward pass (``torch.utils.checkpoint``, ``use_reentrant=False``). The
+    routing-replay ids set on the layer's MoE for this forward (``replay_routing``) are captured
+    now and set again for the recomputation, which runs after ``replay_routing`` has cleared them.
+    Without autograd it is plain ``forward``.
+    """
+    if not torch.is_grad_enabled():
+        return forward(h, inputs)
+    moe = layer.block_sparse_moe if layer.is_moe else None
+    routes = None if moe is None else moe.replay_topk_ids
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if moe is None:
+            return forward(x, inputs)
+        outer, moe.replay_topk_ids = moe.replay_topk_ids, routes
+        try:
+            return forward(x, inputs)
+        finally:
+            moe.replay_topk_ids = outer
+
+    return checkpoint(run, h, use_reentrant=False)
+
+
+def enable_activation_checkpointing(model: M3ForCausalLM) -> None:
+    """Make every decoder layer of ``model`` run through :func:`checkpointed_layer_forward`
+    (an instance-level ``forward``; parameter names and state_dict are unchanged)."""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(checkpointed_layer_forward, layer, type(layer).forward.__get__(layer))
+
+
+def batch_to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """``batch`` with its tensors on ``device`` (no copy where already there), except ``lengths``,
+    which stays on the host so micro-batch slicing (``TrainBatch.slice``) never waits for the device."""
+    routed = batch.routed_experts
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return TrainBatch(
+        move(batch.token_ids),
+        move(batch.loss_mask),
+        move(batch.rollout_logprobs),
+        move(batch.advantages),
+        batch.lengths.cpu(),
+        None if routed is None else move(routed),
+    )
+
+
 class Policy:
-    """Owns the fp32 master model, its optimizer and LR scheduler, and the optional reference model.
+    """Owns the master model, its optimizer and LR scheduler, the compute copy and the optional
+    reference model, all on one device.
 
     Args:
-        model: ``M3ForCausalLM`` in fp32 (or fp64 for tests).
-        lr, weight_decay, betas, eps: AdamW.
+        model: ``M3ForCausalLM`` in the master dtype, fp32 (fp64 for tests); moved to ``device``.
+        lr, weight_decay, betas, eps: AdamW (states in the master dtype, on the device).
         max_grad_norm: global gradient-norm clip.
         freeze_indexer, freeze_router_bias, freeze_patterns: see ``frozen_parameter_names``.
         warmup_steps, lr_schedule, total_steps, min_lr_ratio: see ``lr_factor`` (in optimizer steps).
-        reference_model: keep a frozen copy of the initial weights for the KL penalty.
+        reference_model: keep a frozen copy of the initial weights (in the compute dtype) for the
+            KL penalty.
         routing_replay: use ``TrainBatch.routed_experts`` in every trainer forward.
+        device: where the model, optimizer, logprobs and loss live; None = the model's device.
+        compute_dtype: dtype forward and backward run in; None or the master dtype = the master
+            model itself; lower (torch.bfloat16) = a cast copy (module docstring).
+        activation_checkpointing: recompute each decoder layer's activations in the backward pass
+            (``enable_activation_checkpointing``).
+
+    Attributes:
+        model: the master model (what checkpoints save and weight sync sends).
+        compute: the model forward and backward run in (``model`` itself at full precision).
+        device: ``torch.device``.
+        flops_per_token: 6 x ``active_parameter_count`` (forward + backward FLOPs of one token).
     """
 
     def __init__(
@@ -200,8 +289,12 @@ class Policy:
         min_lr_ratio: float = 0.0,
         reference_model: bool = False,
         routing_replay: bool = False,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype | None = None,
+        activation_checkpointing: bool = False,
     ):
-        self.model = model.train()
+        self.device = torch.device(device) if device is not None else model.lm_head.weight.device
+        self.model = model.to(self.device).train()
         self.max_grad_norm = max_grad_norm
         self.routing_replay = routing_replay
         groups = split_param_groups(model, freeze_indexer, freeze_router_bias, weight_decay, freeze_patterns)
@@ -209,36 +302,88 @@ class Policy:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps, min_lr_ratio)
         )
+        master_dtype = model.lm_head.weight.dtype
+        self.compute = model
+        if compute_dtype is not None and compute_dtype != master_dtype:
+            self.compute = copy.deepcopy(model).cast_for_inference(compute_dtype).train()
+            for pc, pm in zip(self.compute.parameters(), model.parameters()):
+                pc.requires_grad_(pm.requires_grad)
+        self._pairs = [  # (master, compute) of every trainable parameter, when they differ
+            (pm, pc) for pm, pc in zip(model.parameters(), self.compute.parameters()) if pm.requires_grad
+        ]
         self.reference = None
         if reference_model:
-            self.reference = copy.deepcopy(model).eval()
+            self.reference = copy.deepcopy(self.compute).eval()
             self.reference.requires_grad_(False)
+        if activation_checkpointing:
+            enable_activation_checkpointing(self.compute)
+        self.flops_per_token = 6 * active_parameter_count(model)
 
     def named_released_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Weights in released checkpoint naming (what weight sync sends)."""
+        """Master weights in released checkpoint naming, on the device (what weight sync sends)."""
         return iter_released_tensors(self.model)
 
-    def _routes(self, mb: TrainBatch) -> torch.Tensor | None:
-        return mb.routed_experts if self.routing_replay else None
+    def _routes(self, mb: TrainBatch, replay: bool) -> torch.Tensor | None:
+        return mb.routed_experts if replay else None
 
-    @torch.no_grad()
+    def _refresh_compute(self) -> None:
+        """Copy the master weights into the compute copy (a no-op at full precision). Run before
+        every scoring / training call, so weights loaded into ``model`` (a resumed checkpoint)
+        always reach the copy."""
+        if self.compute is self.model:
+            return
+        with torch.no_grad():
+            for pc, pm in zip(self.compute.parameters(), self.model.parameters()):
+                pc.copy_(pm)
+
+    def elapsed(self, t0: float) -> float:
+        """Seconds since ``t0`` once the device's queued work is done (one sync on CUDA)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _logprob_dtype(self) -> torch.dtype:
+        return torch.float64 if self.model.lm_head.weight.dtype == torch.float64 else torch.float32
+
     def get_logprobs(
-        self, batch: TrainBatch, temperature: float, micro_batch_size: int, reference: bool = False
+        self,
+        batch: TrainBatch,
+        temperature: float,
+        micro_batch_size: int,
+        reference: bool = False,
+        routing_replay: bool | None = None,
     ) -> torch.Tensor:
-        """float32 [B, L] logprobs of ``batch.token_ids`` under the current (or reference) weights."""
-        model = self.reference if reference else self.model
+        """Logprobs of ``batch.token_ids`` under the current (or reference) weights.
+
+        The policy's own logprobs run with autograd recording (then detached) so that every
+        trainer forward takes the same kernels: on CUDA a no-grad forward would pick the fused
+        Triton MoE (no backward), which rounds differently from the differentiable path the loss
+        uses, so the first optimizer step's ratio would not start at 1.
+
+        Args:
+            batch: on the host or the device (``batch_to_device``).
+            reference: score with the frozen reference model.
+            routing_replay: use the batch's routes (None = ``Policy.routing_replay``).
+
+        Returns:
+            float32 (float64 for an fp64 master) [B, L] on ``Policy.device``, 0 past each row's length.
+
+        Raises:
+            ValueError: ``reference=True`` without a reference model.
+        """
+        model = self.reference if reference else self.compute
         if model is None:
             raise ValueError("no reference model: construct Policy(reference_model=True) for a KL penalty")
-        out = torch.zeros(batch.rollout_logprobs.shape, dtype=torch.float64 if self._fp64() else torch.float32)
-        for s in range(0, batch.token_ids.shape[0], micro_batch_size):
-            mb = batch.slice(slice(s, s + micro_batch_size))
-            out[s : s + micro_batch_size, : mb.token_ids.shape[1]] = token_logprobs(
-                model, mb.token_ids, temperature, self._routes(mb)
-            )
+        self._refresh_compute()
+        replay = self.routing_replay if routing_replay is None else routing_replay
+        batch = batch_to_device(batch, self.device)
+        out = torch.zeros(batch.rollout_logprobs.shape, dtype=self._logprob_dtype(), device=self.device)
+        with torch.no_grad() if reference else torch.enable_grad():
+            for s in range(0, batch.token_ids.shape[0], micro_batch_size):
+                mb = batch.slice(slice(s, s + micro_batch_size))
+                lp = token_logprobs(model, mb.token_ids, temperature, self._routes(mb, replay))
+                out[s : s + micro_batch_size, : mb.token_ids.shape[1]] = lp.detach()
         return out
-
-    def _fp64(self) -> bool:
-        return self.model.lm_head.weight.dtype == torch.float64
 
     @property
     def lr(self) -> float:
@@ -266,48 +411,67 @@ class Policy:
           gen_kl_error          = mean (r - 1 - log r), r = exp(prev_lp - rollout_lp)
                                   (k3 estimate of KL(generator || trainer) per token, >= 0)
 
+        Every per-micro-batch figure is accumulated on the device; the metrics are read back
+        once, after the gradient clip (the skip decision needs them), before the optimizer step.
+
+        Throughput: FLOPs are counted, not measured: ``flops_per_token`` (6 x active parameters,
+        the routed experts at top_k / E) x the tokens the forward computes (padded micro-batch
+        B x L, prompt tokens included); attention-score FLOPs (quadratic in L) and the recompute
+        of activation checkpointing are not counted. Scoring forwards count 2 x active parameters.
+
+        Args:
+            batch: a host (or device) batch; validated here.
+            prev_logprobs, reference_logprobs: optional float [B, L] (any device).
+
         Returns:
-            metrics: loss, pg_loss, kl_loss, grad_norm, lr, token_mult_prob_error, gen_kl_error,
-            max_logprob_abs_diff, ratio_mean, ratio_max, clip_fraction, dual_clip_fraction,
-            reference_kl, is_weight_mean, is_dropped_fraction, entropy, num_tokens,
-            logprob_seconds, train_seconds, skipped_step (the loss or gradient norm was not finite:
-            no update was applied; the LR schedule still advances).
+            metrics (Python numbers): loss, pg_loss, kl_loss, grad_norm, lr, token_mult_prob_error,
+            gen_kl_error, max_logprob_abs_diff, ratio_mean, ratio_max, clip_fraction,
+            dual_clip_fraction, reference_kl, is_weight_mean, is_dropped_fraction, entropy,
+            num_tokens, logprob_seconds, train_seconds (device work included), train_flops and
+            logprob_flops (counted as above), train_tflops_per_s (forward + backward TFLOP/s of the
+            optimizer step), skipped_step (the loss or gradient norm was not finite: no update
+            was applied; the LR schedule still advances).
         """
         batch.validate()
         self.model.train()
+        self.compute.train()
         t0 = time.perf_counter()
-        prev = self.get_logprobs(batch, temperature, micro_batch_size) if prev_logprobs is None else prev_logprobs
+        dev = batch_to_device(batch, self.device)
+        flop2 = self.flops_per_token // 3  # forward only
+        scored = 0
+        if prev_logprobs is None:
+            prev = self.get_logprobs(dev, temperature, micro_batch_size)
+            scored += dev.token_ids.numel()
+        else:
+            prev = prev_logprobs.to(self.device)
         ref = None
         if loss_fn.needs_reference:
-            ref = (
-                self.get_logprobs(batch, temperature, micro_batch_size, reference=True)
-                if reference_logprobs is None
-                else reference_logprobs
-            )
+            if reference_logprobs is None:
+                ref = self.get_logprobs(dev, temperature, micro_batch_size, reference=True)
+                scored += dev.token_ids.numel()
+            else:
+                ref = reference_logprobs.to(self.device)
+        self._refresh_compute()
+        logprob_seconds = self.elapsed(t0)
         t1 = time.perf_counter()
-        metrics = mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask)
-        mask = batch.loss_mask
-        num_tokens = float(mask.sum())
+        stats = mismatch_stats(dev.rollout_logprobs, prev, dev.loss_mask)
+        num_tokens = float(batch.loss_mask.sum())  # host batch: no device sync
         normalizer = max(num_tokens, 1.0) if loss_fn.token_level_loss else float(batch.token_ids.shape[0])
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {
-            "loss": 0.0,
-            "pg_loss": 0.0,
-            "kl_loss": 0.0,
-            "clip_fraction_sum": 0.0,
-            "dual_clip_fraction_sum": 0.0,
-            "ratio_sum": 0.0,
-            "kl_sum": 0.0,
-            "is_weight_sum": 0.0,
-            "is_dropped_sum": 0.0,
-            "entropy_sum": 0.0,
-        }
-        ratio_max = 0.0
-        for s in range(0, batch.token_ids.shape[0], micro_batch_size):
-            mb = batch.slice(slice(s, s + micro_batch_size))
+        self.compute.zero_grad(set_to_none=True)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)  # sums in fp64, as Python floats were
+        keys = ("pg_loss", "kl_loss", "clip_fraction_sum", "dual_clip_fraction_sum", "ratio_sum", "kl_sum")
+        keys += ("is_weight_sum", "is_dropped_sum")
+        sums = {k: zero.clone() for k in ("loss", "entropy_sum", "ratio_max", *keys)}
+        computed = 0
+        for s in range(0, dev.token_ids.shape[0], micro_batch_size):
+            mb = dev.slice(slice(s, s + micro_batch_size))
             l = mb.token_ids.shape[1]
-            lp, ent = token_logprobs(self.model, mb.token_ids, temperature, self._routes(mb), return_entropy=True)
-            loss, m = loss_fn(
+            computed += mb.token_ids.numel()
+            lp, ent = token_logprobs(
+                self.compute, mb.token_ids, temperature, self._routes(mb, self.routing_replay), return_entropy=True
+            )
+            loss, m = loss_fn.loss_and_stats(
                 lp,
                 prev[s : s + micro_batch_size, :l],
                 mb.advantages,
@@ -317,65 +481,90 @@ class Policy:
                 reference_logprobs=None if ref is None else ref[s : s + micro_batch_size, :l],
             )
             loss.backward()
-            sums["loss"] += float(loss.detach())
-            for k in (
-                "pg_loss",
-                "kl_loss",
-                "clip_fraction_sum",
-                "dual_clip_fraction_sum",
-                "ratio_sum",
-                "kl_sum",
-                "is_weight_sum",
-                "is_dropped_sum",
-            ):
+            self._accumulate_master_grads()
+            sums["loss"] += loss.detach()
+            for k in keys:
                 sums[k] += m[k]
-            sums["entropy_sum"] += float(masked_fill_zero(ent, mb.loss_mask).sum())
-            ratio_max = max(ratio_max, m["ratio_max"])
+            sums["entropy_sum"] += masked_fill_zero(ent, mb.loss_mask).sum()
+            sums["ratio_max"] = torch.maximum(sums["ratio_max"], m["ratio_max"])
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm).to(zero.dtype)
+        both = {**stats, **sums}
+        # the one readback of the step
+        host = dict(zip(both, torch.stack([v.double() for v in both.values()]).tolist()))
         lr = self.lr
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(sums["loss"]))
+        skipped = not (math.isfinite(host["grad_norm"]) and math.isfinite(host["loss"]))
         if not skipped:
             self.optimizer.step()
         self.scheduler.step()
+        train_seconds = self.elapsed(t1)
         n = max(num_tokens, 1.0)
-        metrics.update(
-            loss=sums["loss"],
-            pg_loss=sums["pg_loss"],
-            kl_loss=sums["kl_loss"],
-            grad_norm=grad_norm,
-            lr=lr,
-            ratio_mean=sums["ratio_sum"] / n,
-            ratio_max=ratio_max,
-            clip_fraction=sums["clip_fraction_sum"] / n,
-            dual_clip_fraction=sums["dual_clip_fraction_sum"] / n,
-            reference_kl=sums["kl_sum"] / n,
-            is_weight_mean=sums["is_weight_sum"] / n,
-            is_dropped_fraction=sums["is_dropped_sum"] / n,
-            entropy=sums["entropy_sum"] / n,
-            num_tokens=num_tokens,
-            skipped_step=skipped,
-            logprob_seconds=t1 - t0,
-            train_seconds=time.perf_counter() - t1,
-        )
-        return metrics
+        train_flops = float(self.flops_per_token * computed)
+        return {
+            "token_mult_prob_error": host["token_mult_prob_error"],
+            "gen_kl_error": host["gen_kl_error"],
+            "max_logprob_abs_diff": host["max_logprob_abs_diff"],
+            "loss": host["loss"],
+            "pg_loss": host["pg_loss"],
+            "kl_loss": host["kl_loss"],
+            "grad_norm": host["grad_norm"],
+            "lr": lr,
+            "ratio_mean": host["ratio_sum"] / n,
+            "ratio_max": host["ratio_max"],
+            "clip_fraction": host["clip_fraction_sum"] / n,
+            "dual_clip_fraction": host["dual_clip_fraction_sum"] / n,
+            "reference_kl": host["kl_sum"] / n,
+            "is_weight_mean": host["is_weight_sum"] / n,
+            "is_dropped_fraction": host["is_dropped_sum"] / n,
+            "entropy": host["entropy_sum"] / n,
+            "num_tokens": num_tokens,
+            "skipped_step": skipped,
+            "logprob_seconds": logprob_seconds,
+            "train_seconds": train_seconds,
+            "train_flops": train_flops,
+            "logprob_flops": float(flop2 * scored),
+            "train_tflops_per_s": train_flops / max(train_seconds, 1e-9) / 1e12,
+        }
+
+    def _accumulate_master_grads(self) -> None:
+        """Add the compute copy's gradients into the fp32 master gradients and free them (after
+        every micro-batch, so accumulation over micro-batches happens in the master dtype)."""
+        if self.compute is self.model:
+            return
+        with torch.no_grad():
+            for pm, pc in self._pairs:
+                if pc.grad is None:
+                    continue
+                if pm.grad is None:
+                    pm.grad = pc.grad.to(pm.dtype)
+                else:
+                    pm.grad.add_(pc.grad)
+                pc.grad = None
+
+
+def mismatch_stats(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """:func:`mismatch_metrics` as 0-d fp64 tensors on the inputs' device (no host sync)."""
+    m = mask.bool()
+    count = m.sum()
+    n = count.clamp(min=1).double()
+    d = masked_fill_zero(trainer_logprobs.double() - rollout_logprobs.double(), m)  # log r
+    one = torch.ones((), dtype=torch.float64, device=d.device)
+    return {
+        "token_mult_prob_error": torch.where(count > 0, masked_fill_zero(torch.exp(d.abs()), m).sum() / n, one),
+        "gen_kl_error": masked_fill_zero(torch.exp(d) - 1 - d, m).sum() / n,
+        "max_logprob_abs_diff": d.abs().amax(),  # masked positions are 0
+    }
 
 
 def mismatch_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
     """Train/inference mismatch over sampled tokens (see ``Policy.train_step``).
 
     Args:
-        rollout_logprobs, trainer_logprobs: float [B, L]; mask: [B, L] sampled tokens.
+        rollout_logprobs, trainer_logprobs: float [B, L] on one device; mask: [B, L] sampled tokens.
 
     Returns:
-        {"token_mult_prob_error", "gen_kl_error", "max_logprob_abs_diff"} (1.0 / 0.0 / 0.0 when
-        no token is sampled). Computed in fp64.
+        {"token_mult_prob_error", "gen_kl_error", "max_logprob_abs_diff"} as floats (1.0 / 0.0 /
+        0.0 when no token is sampled), computed in fp64 on the inputs' device, read back once.
     """
-    m = mask.bool()
-    n = max(float(m.sum()), 1.0)
-    d = masked_fill_zero(trainer_logprobs.double() - rollout_logprobs.double(), m)  # log r
-    return {
-        "token_mult_prob_error": float(masked_fill_zero(torch.exp(d.abs()), m).sum() / n) if m.any() else 1.0,
-        "gen_kl_error": float(masked_fill_zero(torch.exp(d) - 1 - d, m).sum() / n),
-        "max_logprob_abs_diff": float(d.abs().max()) if m.any() else 0.0,
-    }
+    stats = mismatch_stats(rollout_logprobs, trainer_logprobs, mask)
+    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3_rollout.config import GRPOConfig, LossConfig, MasterConfig
+from m3_rollout.config import GRPOConfig, LossConfig, MasterConfig, check_devices
 from m3_rollout.rollout.trajectory import Trajectory
 from m3_trainers.advantages import apply_overlong_filter, group_advantages
 from m3_trainers.batch import TrainBatch, batch_from_trajectories
@@ -35,9 +35,35 @@ def total_optimizer_steps(cfg: MasterConfig, num_grpo_steps: int) -> int:
     return num_grpo_steps * optimizer_steps_per_grpo_step(cfg)
 
 
+def trainer_device(cfg: MasterConfig) -> torch.device:
+    """``cluster.device`` after checking it against this machine (``m3_rollout.config.check_devices``).
+
+    Raises:
+        ConfigError: CUDA asked for where there is none, or a device index / GPU count past what exists.
+    """
+    check_devices(cfg, torch.cuda.is_available(), torch.cuda.device_count())
+    return torch.device(cfg.cluster.device)
+
+
+def master_dtype(cfg: MasterConfig) -> torch.dtype:
+    """dtype of the trainer's master weights and AdamW states: float64 for ``policy.precision=float64``,
+    else float32 (``bfloat16`` computes in a bf16 copy of fp32 masters)."""
+    return torch.float64 if cfg.policy.precision == "float64" else torch.float32
+
+
+def load_trainer_model(cfg: MasterConfig, model_dir):
+    """The checkpoint in ``model_dir`` as the trainer's master model: ``master_dtype`` on
+    ``trainer_device`` (raises what those and ``m3_rollout.model.load_checkpoint`` raise)."""
+    from m3_rollout.model import load_checkpoint
+
+    return load_checkpoint(model_dir, dtype=master_dtype(cfg), device=trainer_device(cfg))
+
+
 def build_policy(cfg: MasterConfig, model, total_opt_steps: int) -> Policy:
     """The trainer's ``Policy`` for ``model`` (optimizer, LR schedule over ``total_opt_steps``
-    optimizer steps, freeze policy, reference copy when the KL penalty is on)."""
+    optimizer steps, freeze policy, reference copy when the KL penalty is on) on ``cluster.device``
+    (checked, ``trainer_device``), computing in bf16 for ``policy.precision=bfloat16``, with
+    ``policy.activation_checkpointing``."""
     p = cfg.policy
     return Policy(
         model,
@@ -55,6 +81,9 @@ def build_policy(cfg: MasterConfig, model, total_opt_steps: int) -> Policy:
         min_lr_ratio=p.scheduler.min_lr_ratio,
         reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
         routing_replay=p.routing_replay,
+        device=trainer_device(cfg),
+        compute_dtype=torch.bfloat16 if p.precision == "bfloat16" else None,
+        activation_checkpointing=p.activation_checkpointing,
     )
 
 
@@ -123,8 +152,9 @@ _TOKEN_AVERAGED = (
 
 def combine_optimizer_steps(steps: list[dict]) -> dict:
     """Metrics of one GRPO step from its optimizer steps' (``Policy.train_step``) metrics:
-    token-weighted means of per-token figures, sums of tokens and seconds, max of maxima, mean of
-    loss and grad norm; lr of the first optimizer step; skipped if any optimizer step was."""
+    token-weighted means of per-token figures, sums of tokens, seconds and FLOPs (TFLOP/s = summed
+    train FLOPs / summed train seconds), max of maxima, mean of loss and grad norm; lr of the first
+    optimizer step; skipped if any optimizer step was."""
     if len(steps) == 1:
         return dict(steps[0])
     out = dict(steps[-1])
@@ -132,8 +162,9 @@ def combine_optimizer_steps(steps: list[dict]) -> dict:
     total = sum(w)
     for k in _TOKEN_AVERAGED:
         out[k] = sum(m[k] * n for m, n in zip(steps, w)) / total if total else steps[-1][k]
-    for k in ("num_tokens", "logprob_seconds", "train_seconds"):
+    for k in ("num_tokens", "logprob_seconds", "train_seconds", "train_flops", "logprob_flops"):
         out[k] = sum(m[k] for m in steps)
+    out["train_tflops_per_s"] = out["train_flops"] / max(out["train_seconds"], 1e-9) / 1e12
     for k in ("ratio_max", "max_logprob_abs_diff"):
         out[k] = max(m[k] for m in steps)
     for k in ("loss", "pg_loss", "kl_loss", "grad_norm"):
@@ -154,8 +185,13 @@ class StepResult:
             including the logprobs computed once before the first update, the mismatch
             (``token_mult_prob_error``, ``gen_kl_error``, ``max_logprob_abs_diff``) over the whole
             batch when the batch spans several optimizer steps, ``overlong_filtered`` (trajectories
-            filtered) with overlong filtering, and ``routing_replay_coverage``
-            (fraction of token positions with a recorded route) when routing replay is on.
+            filtered) with overlong filtering, ``routing_replay_coverage``
+            (fraction of token positions with a recorded route) when routing replay is on and,
+            when the batch carries routes, the mismatch of the trainer with its own router before
+            the update (``token_mult_prob_error_without_replay``, ``gen_kl_error_without_replay``,
+            ``max_logprob_abs_diff_without_replay``; one more scoring forward), besides the
+            replayed figures; ``train_step_seconds`` (= ``seconds``), FLOPs and TFLOP/s
+            (``Policy.train_step``).
         seconds: wall time of the training phase (logprobs and optimizer steps), seconds.
     """
 
@@ -198,13 +234,20 @@ def train_step_on_groups(
     filtered = apply_overlong_filter(trajs) if g.overlong_filtering else 0
     batch = batch_from_trajectories(list(trajs), adv, pad_id=pad_id, with_routing=p.routing_replay)
     t0 = time.perf_counter()
-    gbs = p.train_global_batch_size
-    prev = ref = None
+    gbs, mbs = p.train_global_batch_size, p.train_micro_batch_size
+    prev = ref = own = None
+    scored = 0  # tokens of the forwards run here, before the optimizer steps
     if gbs < len(trajs):  # several optimizer steps: ratios against the rollout-time policy
-        prev = policy.get_logprobs(batch, temperature, p.train_micro_batch_size)
+        prev = policy.get_logprobs(batch, temperature, mbs)
+        scored += batch.token_ids.numel()
         if loss_fn.needs_reference:
-            ref = policy.get_logprobs(batch, temperature, p.train_micro_batch_size, reference=True)
-    t_lp = time.perf_counter()
+            ref = policy.get_logprobs(batch, temperature, mbs, reference=True)
+            scored += batch.token_ids.numel()
+    replayed = p.routing_replay and batch.routed_experts is not None
+    if replayed:  # the trainer's own routing, before the update: the mismatch routing replay removes
+        own = policy.get_logprobs(batch, temperature, mbs, routing_replay=False)
+        scored += batch.token_ids.numel()
+    lp_seconds = policy.elapsed(t0)
     per_opt_step = []
     for s in range(0, len(trajs), gbs):
         mb = batch.slice(slice(s, s + gbs))
@@ -220,12 +263,19 @@ def train_step_on_groups(
             )
         )
     metrics = combine_optimizer_steps(per_opt_step)
-    metrics["logprob_seconds"] = t_lp - t0 + metrics["logprob_seconds"]
+    metrics["logprob_seconds"] = lp_seconds + metrics["logprob_seconds"]
+    metrics["logprob_flops"] += float(policy.flops_per_token // 3 * scored)
+    rollout_lp, mask = batch.rollout_logprobs.to(policy.device), batch.loss_mask.to(policy.device)
     if prev is not None:  # mismatch over the whole batch, not the last optimizer step's slice
-        metrics.update(mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask))
+        metrics.update(mismatch_metrics(rollout_lp, prev, mask))
+    if replayed:
+        m = mismatch_metrics(rollout_lp, own, mask)
+        metrics.update({f"{k}_without_replay": v for k, v in m.items()})
     if g.overlong_filtering:
         metrics["overlong_filtered"] = filtered
     if p.routing_replay:
         r = batch.routed_experts
         metrics["routing_replay_coverage"] = 0.0 if r is None else float((r[..., 0, 0] >= 0).float().mean())
-    return StepResult(batch, adv, metrics, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    metrics["train_step_seconds"] = seconds
+    return StepResult(batch, adv, metrics, seconds)

@@ -119,16 +119,20 @@ def cmd_replay(args) -> int:
 
 
 def _train(args, cfg, read, model_dir) -> list[dict]:
-    import torch
     from transformers import AutoTokenizer
 
     from m3_rollout.jobs.grpo import save_final
     from m3_rollout.jobs.replay import train_offline
-    from m3_rollout.model import load_checkpoint
-    from m3_trainers.step import build_loss_fn, build_policy, total_optimizer_steps, truncated_sampling_warning
+    from m3_trainers.step import (
+        build_loss_fn,
+        build_policy,
+        load_trainer_model,
+        total_optimizer_steps,
+        truncated_sampling_warning,
+    )
 
     # NOTE: the optimizer and LR schedule as the GRPO loop builds them, over the dumped steps.
-    model = load_checkpoint(model_dir, dtype=getattr(torch, cfg.policy.precision))
+    model = load_trainer_model(cfg, model_dir)
     policy = build_policy(cfg, model, total_optimizer_steps(cfg, len(read.shards)))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     warning = truncated_sampling_warning(cfg)

@@ -28,8 +28,7 @@ from m3_rollout.dump.writer import sampling_params_of, writer_from_config
 from m3_rollout.jobs.builtin import warm_start_warning
 from m3_rollout.jobs.metrics_logger import MetricsLogger
 from m3_rollout.jobs.outputs import check_output_dirs
-from m3_rollout.jobs.stack import batch_seed, build_rollout_stack
-from m3_rollout.model import load_checkpoint
+from m3_rollout.jobs.stack import batch_seed, build_generation_backend, build_rollout_stack
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.rollout.trajectory import Trajectory
 from m3_trainers.advantages import DynamicSampler
@@ -38,8 +37,10 @@ from m3_trainers.rollout_collector import AsyncCollector, SyncCollector, split_g
 from m3_trainers.step import (
     build_loss_fn,
     build_policy,
+    load_trainer_model,
     total_optimizer_steps,
     train_step_on_groups,
+    trainer_device,
     truncated_sampling_warning,
 )
 
@@ -131,15 +132,16 @@ def run(cfg: MasterConfig) -> dict:
     """
     t_start = time.perf_counter()
     check_output_dirs(cfg)
+    trainer_device(cfg)  # a device this machine lacks stops the job here, before anything is built
     set_seed(cfg.grpo.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     g, p, gen = cfg.grpo, cfg.policy, cfg.policy.generation
 
-    # Checkpoint, chat format, backend (EP rollout service or in-process engine), environment,
-    # prompts, sampling settings: built the same way for `python -m m3_rollout.dump generate`.
-    stack = build_rollout_stack(cfg)
+    # Checkpoint, chat format, environment, prompts, sampling settings: built the same way for
+    # `python -m m3_rollout.dump generate`; the backend comes after the trainer (below).
+    stack = build_rollout_stack(cfg, with_backend=False)
     model_dir, info, chat = stack.model_dir, stack.build_info, stack.chat
-    backend, env, source, settings = stack.backend, stack.env, stack.source, stack.settings
+    env, source, settings = stack.env, stack.source, stack.settings
     if info.get("built"):
         print(
             f"built checkpoint {model_dir} in {info['build_seconds']:.1f} s "
@@ -153,8 +155,14 @@ def run(cfg: MasterConfig) -> dict:
     warning = warm_start_warning(model_dir, info)
     if warning:
         print(warning, file=sys.stderr)
-    train_model = load_checkpoint(model_dir, dtype=getattr(torch, p.precision))
-    policy = build_policy(cfg, train_model, total_optimizer_steps(cfg, g.max_num_steps))
+    # Trainer first, then the backend (EP rollout service, or the in-process engine on the
+    # trainer's device): a colocated CUDA engine sizes its KV pool from the memory left free.
+    try:
+        policy = build_policy(cfg, load_trainer_model(cfg, model_dir), total_optimizer_steps(cfg, g.max_num_steps))
+        stack.backend = backend = build_generation_backend(cfg, model_dir, chat, stack.max_len)
+    except BaseException:
+        env.close()
+        raise
     ck = cfg.checkpointing
     ckpts = CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, ck.metric_name, ck.higher_is_better)
     start_step, data_state, history = 1, {"next_batch": 1}, []
@@ -324,7 +332,7 @@ def run(cfg: MasterConfig) -> dict:
                 f"clip {tm['clip_fraction']:.3f}  entropy {tm['entropy']:.3f}  grad_norm {tm['grad_norm']:.3f}  "
                 f"gen {metrics['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
                 f"(gen {gen_s:.1f} / wait {got.wait_seconds:.1f} / logprobs {logprob_s:.1f} / "
-                f"train {train_s:.1f} / sync {sync_s:.2f})"
+                f"train {train_s:.1f} at {tm['train_tflops_per_s']:.2f} TFLOP/s / sync {sync_s:.2f})"
             )
             if cfg.logger.print_sample_every and step % cfg.logger.print_sample_every == 0:
                 t = trajs[0]

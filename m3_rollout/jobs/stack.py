@@ -18,7 +18,7 @@ import torch
 
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.chat.tokenizer import load_tokenizer
-from m3_rollout.config import ConfigError, MasterConfig
+from m3_rollout.config import ConfigError, MasterConfig, check_devices
 from m3_rollout.engine.interface import GenerationBackend
 from m3_rollout.rollout.data import PromptSource, load_jsonl
 from m3_rollout.rollout.environment import Environment
@@ -113,26 +113,74 @@ def build_env(cfg: MasterConfig) -> Environment:
         raise ConfigError(str(exc)) from None
 
 
-def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name: str | None = None) -> RolloutStack:
-    """Resolve the checkpoint and build the rollout pieces of ``cfg``.
-
-    The backend is the EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a
-    launcher is configured (``m3_rollout/service``), else the in-process native engine; with
-    ``with_backend=False`` none is built (replay / inspection). ``model_name`` overrides
-    ``policy.model_name``.
+def generation_device(cfg: MasterConfig) -> torch.device:
+    """Device of the in-process engine: ``cluster.device`` (colocated with the trainer), checked
+    against this machine (``m3_rollout.config.check_devices``).
 
     Raises:
-        ConfigError: bad data, environment or checkpoint settings (see ``build_prompt_source``,
-            ``build_env``; a ``policy.model_name`` that is not a checkpoint; an
-            ``policy.generation.expert_parallel_size`` that does not divide the model's experts);
-            ValueError from the engine / service on bad engine settings.
+        ConfigError: CUDA asked for where there is none, or a device index / GPU count past what exists.
+    """
+    check_devices(cfg, torch.cuda.is_available(), torch.cuda.device_count())
+    return torch.device(cfg.cluster.device)
+
+
+def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatFormat, max_len: int) -> GenerationBackend:
+    """The generation backend of ``cfg`` for the checkpoint in ``model_dir``.
+
+    The EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a launcher is
+    configured (``m3_rollout/service``), else the in-process native engine on ``cluster.device``
+    in ``policy.generation.dtype`` (cast as ``M3ForCausalLM.cast_for_inference`` casts: on CUDA
+    with the fused-layer weights packed; CUDA graphs and async scheduling per
+    ``policy.generation``). On CUDA the engine sizes its KV pool from the memory free at this
+    call (``policy.generation.kv_cache_memory_fraction``), so a colocated job builds its trainer
+    first.
+
+    Raises:
+        ConfigError: an ``expert_parallel_size`` that does not divide the model's experts, or a
+            device this machine lacks; ValueError from the engine / service on bad engine settings.
     """
     from m3_rollout.engine.native_backend import NativeBackend
-    from m3_rollout.jobs.builtin import check_model_name, resolve_model
     from m3_rollout.model import load_checkpoint
     from m3_rollout.model.configuration import M3Config
     from m3_rollout.parallel.expert_sharding import expert_range
     from m3_rollout.service.factory import build_rollout_service
+
+    p, gen = cfg.policy, cfg.policy.generation
+    device = generation_device(cfg)
+    try:  # the EP split of the experts, checked before any worker starts
+        expert_range(M3Config.from_pretrained(str(model_dir)).num_local_experts, gen.expert_parallel_size, 0)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
+    if backend is not None:
+        return backend
+    model = load_checkpoint(model_dir, dtype=torch.float32, device=device).cast_for_inference(getattr(torch, gen.dtype))
+    return NativeBackend(
+        model,
+        chat.stop_token_ids,
+        max_model_len=max_len,
+        max_num_seqs=gen.max_num_seqs,
+        detokenize=chat.decode,
+        record_routing=p.routing_replay,
+        **gen.engine_kwargs(),
+    )
+
+
+def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name: str | None = None) -> RolloutStack:
+    """Resolve the checkpoint and build the rollout pieces of ``cfg``.
+
+    The backend is :func:`build_generation_backend`'s; with ``with_backend=False`` none is built
+    (replay / inspection, or a colocated job that builds its trainer first and then sets
+    ``RolloutStack.backend``). ``model_name`` overrides ``policy.model_name``.
+
+    Raises:
+        ConfigError: bad data, environment, device or checkpoint settings (see
+            ``build_prompt_source``, ``build_env``, ``generation_device``; a ``policy.model_name``
+            that is not a checkpoint; an ``policy.generation.expert_parallel_size`` that does not
+            divide the model's experts); ValueError from the engine / service on bad engine settings.
+    """
+    from m3_rollout.jobs.builtin import check_model_name, resolve_model
+    from m3_rollout.model.configuration import M3Config
 
     p, gen = cfg.policy, cfg.policy.generation
     name = model_name or p.model_name
@@ -140,6 +188,8 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
         check_model_name(name)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    if with_backend:
+        generation_device(cfg)  # before a checkpoint is built
     source = build_prompt_source(cfg)
     env = build_env(cfg)
     try:
@@ -147,24 +197,7 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
         chat = ChatFormat(load_tokenizer(model_dir), thinking_mode=p.thinking_mode)
         model_cfg = M3Config.from_pretrained(str(model_dir))
         max_len = min(p.max_total_sequence_length, model_cfg.max_position_embeddings)
-        backend = None
-        if with_backend:
-            try:  # the EP split of the experts, checked before any worker starts
-                expert_range(model_cfg.num_local_experts, gen.expert_parallel_size, 0)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
-            if backend is None:
-                model = load_checkpoint(model_dir, dtype=torch.float32).cast_for_inference(getattr(torch, gen.dtype))
-                backend = NativeBackend(
-                    model,
-                    chat.stop_token_ids,
-                    max_model_len=max_len,
-                    max_num_seqs=gen.max_num_seqs,
-                    detokenize=chat.decode,
-                    record_routing=p.routing_replay,
-                    **gen.engine_kwargs(),
-                )
+        backend = build_generation_backend(cfg, Path(model_dir), chat, max_len) if with_backend else None
     except BaseException:
         env.close()
         raise
