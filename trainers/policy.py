@@ -308,6 +308,9 @@ class Policy:
             self.compute = copy.deepcopy(model).cast_for_inference(compute_dtype).train()
             for pc, pm in zip(self.compute.parameters(), model.parameters()):
                 pc.requires_grad_(pm.requires_grad)
+            # NOTE: casting a loaded model rounds the router gate and bias through the low dtype
+            # on their way back to fp32; the masters' exact values go in before the reference copy.
+            self._refresh_compute()
         self._pairs = [  # (master, compute) of every trainable parameter, when they differ
             (pm, pc) for pm, pc in zip(model.parameters(), self.compute.parameters()) if pm.requires_grad
         ]

@@ -129,8 +129,8 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
 
     The EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a launcher is
     configured (``m3_rollout/service``), else the in-process native engine on ``cluster.device``
-    in ``policy.generation.dtype`` (cast as ``M3ForCausalLM.cast_for_inference`` casts: on CUDA
-    with the fused-layer weights packed; CUDA graphs and async scheduling per
+    in ``policy.generation.dtype`` (router in fp32, spec §6; on CUDA with the fused-layer weights
+    packed, ``M3ForCausalLM.pack_fused_weights``; CUDA graphs and async scheduling per
     ``policy.generation``). On CUDA the engine sizes its KV pool from the memory free at this
     call (``policy.generation.kv_cache_memory_fraction``), so a colocated job builds its trainer
     first.
@@ -154,7 +154,11 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
     backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
     if backend is not None:
         return backend
-    model = load_checkpoint(model_dir, dtype=torch.float32, device=device).cast_for_inference(getattr(torch, gen.dtype))
+    # Cast on load (router gate and bias read from the file in fp32): casting a loaded fp32 model
+    # would round them through the generation dtype, and the frozen bias is never refit.
+    model = load_checkpoint(model_dir, dtype=getattr(torch, gen.dtype), device=device)
+    if model.lm_head.weight.is_cuda:
+        model.pack_fused_weights()
     return NativeBackend(
         model,
         chat.stop_token_ids,
