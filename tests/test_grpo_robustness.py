@@ -48,8 +48,8 @@ def _metrics(tmp_path):
 
 
 class _NaNLoss(ClippedPGLossFn):
-    def __call__(self, *args, **kw):
-        loss, m = super().__call__(*args, **kw)
+    def loss_and_stats(self, *args, **kw):
+        loss, m = super().loss_and_stats(*args, **kw)
         return loss * float("nan"), m
 
 

@@ -332,7 +332,7 @@ def run(cfg: MasterConfig) -> dict:
                 f"clip {tm['clip_fraction']:.3f}  entropy {tm['entropy']:.3f}  grad_norm {tm['grad_norm']:.3f}  "
                 f"gen {metrics['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
                 f"(gen {gen_s:.1f} / wait {got.wait_seconds:.1f} / logprobs {logprob_s:.1f} / "
-                f"train {train_s:.1f} at {tm['train_tflops_per_s']:.2f} TFLOP/s / sync {sync_s:.2f})"
+                f"train {train_s:.1f} at {tm['train_tflops_per_s']:.3g} TFLOP/s / sync {sync_s:.2f})"
             )
             if cfg.logger.print_sample_every and step % cfg.logger.print_sample_every == 0:
                 t = trajs[0]
