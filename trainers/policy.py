@@ -348,6 +348,7 @@ class Policy:
     def _logprob_dtype(self) -> torch.dtype:
         return torch.float64 if self.model.lm_head.weight.dtype == torch.float64 else torch.float32
 
+    @torch.no_grad()
     def get_logprobs(
         self,
         batch: TrainBatch,
@@ -356,12 +357,9 @@ class Policy:
         reference: bool = False,
         routing_replay: bool | None = None,
     ) -> torch.Tensor:
-        """Logprobs of ``batch.token_ids`` under the current (or reference) weights.
-
-        The policy's own logprobs run with autograd recording (then detached) so that every
-        trainer forward takes the same kernels: on CUDA a no-grad forward would pick the fused
-        Triton MoE (no backward), which rounds differently from the differentiable path the loss
-        uses, so the first optimizer step's ratio would not start at 1.
+        """Logprobs of ``batch.token_ids`` under the current (or reference) weights, without autograd
+        (the plain forward takes the same PyTorch ops with or without it: the engine's fused
+        kernels are only handed to its paged forward).
 
         Args:
             batch: on the host or the device (``batch_to_device``).
@@ -381,11 +379,10 @@ class Policy:
         replay = self.routing_replay if routing_replay is None else routing_replay
         batch = batch_to_device(batch, self.device)
         out = torch.zeros(batch.rollout_logprobs.shape, dtype=self._logprob_dtype(), device=self.device)
-        with torch.no_grad() if reference else torch.enable_grad():
-            for s in range(0, batch.token_ids.shape[0], micro_batch_size):
-                mb = batch.slice(slice(s, s + micro_batch_size))
-                lp = token_logprobs(model, mb.token_ids, temperature, self._routes(mb, replay))
-                out[s : s + micro_batch_size, : mb.token_ids.shape[1]] = lp.detach()
+        for s in range(0, batch.token_ids.shape[0], micro_batch_size):
+            mb = batch.slice(slice(s, s + micro_batch_size))
+            lp = token_logprobs(model, mb.token_ids, temperature, self._routes(mb, replay))
+            out[s : s + micro_batch_size, : mb.token_ids.shape[1]] = lp
         return out
 
     @property
