@@ -311,7 +311,7 @@ class Policy:
             # NOTE: casting a loaded model rounds the router gate and bias through the low dtype
             # on their way back to fp32; the masters' exact values go in before the reference copy.
             self._refresh_compute()
-        self._pairs = [  # (master, compute) of every trainable parameter, when they differ
+        self._pairs = [  # (master, compute) of every trainable parameter (used when they differ)
             (pm, pc) for pm, pc in zip(model.parameters(), self.compute.parameters()) if pm.requires_grad
         ]
         self.reference = None
