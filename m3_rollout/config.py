@@ -138,6 +138,10 @@ class GenerationConfig:
     # Launch step N+1 before step N's sampled ids reach the host (EngineConfig.async_scheduling);
     # null = on for CUDA, off on CPU. Same tokens and logprobs either way.
     async_scheduling: bool | None = None
+    # Colocated memory handoff (LLMEngine.sleep / wake_up): 0 = off; 1 = the engine frees its KV
+    # cache while the trainer trains; 2 = also moves its weights to pinned host memory. The
+    # in-process engine only (expert_parallel_size=1), synchronous GRPO only.
+    sleep_level: int = 0
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
@@ -553,6 +557,16 @@ def validate(cfg: MasterConfig) -> None:
         "grpo.dynamic_sampling_max_gen_batches",
         g.dynamic_sampling_max_gen_batches,
         "must be >= 1",
+    )
+    gen = p.generation
+    _check(e, gen.sleep_level in (0, 1, 2), "policy.generation.sleep_level", gen.sleep_level, "must be 0, 1 or 2")
+    _check(
+        e,
+        not (gen.sleep_level and (a.enabled or gen.expert_parallel_size > 1)),
+        "policy.generation.sleep_level",
+        gen.sleep_level,
+        "needs synchronous GRPO (grpo.async_grpo.enabled=false) and the in-process engine "
+        "(policy.generation.expert_parallel_size=1): the engine cannot sleep while it generates",
     )
     ck = cfg.checkpointing
     _check(e, ck.save_period >= 0, "checkpointing.save_period", ck.save_period, "must be >= 0 (0 = final only)")

@@ -50,6 +50,18 @@ class TrainingError(RuntimeError):
     (non-finite loss or gradient). ``main`` exits with status 1 and the message."""
 
 
+def sleep_metrics(phase: str, record: dict) -> dict:
+    """Step metrics of one memory-handoff transition (``LLMEngine.sleep`` / ``wake_up`` records):
+    ``timing/sleep_seconds``, ``memory/sleep_gb_freed``, ``timing/wake_seconds``, ``memory/wake_gb_restored``, ..."""
+    out = {f"timing/{phase}_seconds": record.get("seconds", 0.0)}
+    for k, v in record.items():
+        if k.startswith("gb_"):
+            out[f"memory/{phase}_{k}"] = v
+        elif k.endswith("_seconds"):
+            out[f"timing/{phase}_{k}"] = v
+    return out
+
+
 def set_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -272,6 +284,9 @@ def run(cfg: MasterConfig) -> dict:
                         f"(env.jsonl.reward_fn={cfg.env.jsonl.reward_fn!r} for env.name=jsonl)"
                     )
             rewards = torch.tensor([t.reward for t in trajs])
+            handoff = {}
+            if gen.sleep_level:  # colocated: the engine gives its memory to the trainer while it trains
+                handoff.update(sleep_metrics("sleep", collector.run_exclusive(lambda be: be.sleep(gen.sleep_level))))
             res = train_step_on_groups(
                 policy, loss_fn, trajs, cfg, gen.temperature, pad_id=chat.tokenizer.pad_token_id or 0
             )
@@ -290,6 +305,8 @@ def run(cfg: MasterConfig) -> dict:
                     f"[warn] step {step}: loss {tm['loss']} / grad_norm {tm['grad_norm']} is not finite; "
                     f"the optimizer update was skipped (weights unchanged)"
                 )
+            if gen.sleep_level:  # weights and caches back before the refit writes into them
+                handoff.update(sleep_metrics("wake", collector.run_exclusive(lambda be: be.wake_up())))
             sync_s = collector.push_weights(step, policy.named_released_tensors())
             t_end = time.perf_counter()
             ages = [step - 1 - v for v in versions]
@@ -298,6 +315,7 @@ def run(cfg: MasterConfig) -> dict:
             metrics = {
                 **step_metrics(trajs, rewards),
                 **tm,
+                **handoff,
                 "generation_seconds": gen_s,
                 "wait_for_groups_seconds": got.wait_seconds,
                 "weight_sync_seconds": sync_s,
