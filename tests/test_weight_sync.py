@@ -27,7 +27,7 @@ from m3_rollout.weight_sync import (
     receiver_layout,
 )
 from m3_rollout.weight_sync.buckets import checksum_ok, pack_bucket
-from m3_rollout.weight_sync.in_flight import update_with_policy
+from m3_rollout.weight_sync.rollout_sync import engine_receiver
 
 BUCKET_MB = 0.05  # ~52 KB: the tiny model (4.2 MB fp32) spans ~80 buckets, tensors split across them
 
@@ -270,16 +270,13 @@ def _run(engine, reqs):
     return sorted(outs, key=lambda o: (o.request_id, o.sample_index))
 
 
-def _colocated_update(engine, trainer, version):
-    rx = WeightReceiver(engine.model, atomic=True, version=engine.weight_version)
-    channel = ColocatedChannel([rx])
-    sender = WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB)
-
-    def do_update():
-        sender.update(version, include_frozen=True)
-        return channel.results[0]
-
-    return do_update
+def _colocated_update(engine, trainer, version, policy="abort", recompute_kv=False):
+    """One bucketed colocated update through the engine's receiver (its in-flight policy)."""
+    rx = engine_receiver(engine, atomic=True, in_flight=policy, recompute_kv_after_update=recompute_kv)
+    WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx]), BUCKET_MB).update(
+        version, include_frozen=True
+    )
+    return rx.in_flight.last
 
 
 def _req(rid, prompt, n=1, max_new=10, seed=3, sample_index=0):
@@ -296,7 +293,7 @@ def test_prefix_shared_with_pre_update_request_equals_fresh_engine():
 
     eng = _engine(_model(0))
     _run(eng, [_req("a", PROMPT, max_new=4)])  # caches PROMPT's 4 full pages under the old weights
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "abort")
+    out = _colocated_update(eng, trainer, 1, "abort")
     assert out.result.ok and eng.weight_version == 1
     got = _run(eng, [follow])
     assert got[0].output_ids == fresh[0].output_ids
@@ -306,7 +303,8 @@ def test_prefix_shared_with_pre_update_request_equals_fresh_engine():
     # control: swapping weights WITHOUT the prefix-cache reset reuses stale pages and differs
     stale = _engine(_model(0))
     _run(stale, [_req("a", PROMPT, max_new=4)])
-    _colocated_update(stale, trainer, 1)()
+    bare = WeightReceiver(stale.model)  # no in-flight policy: the engine is not told
+    _sender(trainer, [bare]).update(1, include_frozen=True)
     bad = _run(stale, [follow])
     assert bad[0].logprobs != pytest.approx(fresh[0].logprobs, abs=1e-6)
 
@@ -328,7 +326,7 @@ def test_in_flight_abort_requeues_from_prompt_on_new_weights():
     fresh = _run(_engine(copy.deepcopy(trainer)), REQS)
     eng = _engine(_model(0))
     early = _start(eng, REQS, 4)
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "abort")
+    out = _colocated_update(eng, trainer, 1, "abort")
     assert out.requeued == 3 and not early
     got = _run(eng, [])
     assert [o.output_ids for o in got] == [o.output_ids for o in fresh]
@@ -340,7 +338,7 @@ def test_in_flight_drain_finishes_on_old_weights():
     ref_old = _run(_engine(copy.deepcopy(old)), REQS)
     eng = _engine(old)
     early = _start(eng, REQS, 4)
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "drain")
+    out = _colocated_update(eng, trainer, 1, "drain")
     got = sorted(early + out.outputs, key=lambda o: (o.request_id, o.sample_index))
     assert [o.output_ids for o in got] == [o.output_ids for o in ref_old]
     assert all(o.token_weight_versions == [0] * len(o.output_ids) for o in got)
@@ -354,7 +352,7 @@ def test_in_flight_continue_versions_per_token(recompute):
     eng = _engine(_model(0))
     _start(eng, REQS, 4)  # prefill + 3 decode steps: 4 tokens each on version 0
     before = {(s.request_id, s.sample_index): list(s.output_ids) for v in eng._live.values() for s in v}
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "continue", recompute_kv=recompute)
+    out = _colocated_update(eng, trainer, 1, "continue", recompute_kv=recompute)
     assert out.result.ok
     got = _run(eng, [])
     for o in got:
@@ -380,28 +378,22 @@ def test_invalid_rank_refuses_requests_until_full_update():
     trainer = _model(1)
     eng = _engine(_model(0))
     _start(eng, REQS, 2)
-    rx = WeightReceiver(eng.model, atomic=False)
+    rx = engine_receiver(eng, atomic=False, in_flight="continue")
     channel = ColocatedChannel([rx])
 
     def flip(k, buf):
         if k == 30:
             buf[0] ^= 1
 
-    def bad_update():
-        with pytest.raises(WeightUpdateError):
-            WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB, fault=flip).update(1)
-        return channel.results[0]
-
-    out = update_with_policy(eng, bad_update, "continue")
+    with pytest.raises(WeightUpdateError):
+        WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB, fault=flip).update(1)
+    out = rx.in_flight.last
     assert not out.result.valid and len(out.handed_back) == 3 and not eng._live
     refused = _run(eng, [_req("x", PROMPT[:20])])
     assert refused[0].finish_reason == "error" and "refuses requests" in refused[0].error
 
-    def good_update():
-        WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB).update(2, include_frozen=True)
-        return channel.results[0]
-
-    out = update_with_policy(eng, good_update, "continue")
+    WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB).update(2, include_frozen=True)
+    out = rx.in_flight.last
     assert out.result.valid and eng.weight_version == 2
     served = _run(eng, [_req("x", PROMPT[:20])])
     assert served[0].finish_reason in ("stop", "length") and served[0].token_weight_versions[0] == 2
@@ -421,7 +413,7 @@ def test_build_weight_sender_colocated_follows_freeze_config():
     assert torch.equal(rx_model.moe_layers()[0].e_score_correction_bias, bias_before)  # frozen: not sent
     assert torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight)
     with pytest.raises(ValueError, match="weight_sync.method=broadcast needs a WeightSyncGroup"):
-        build_weight_sender(Policy(trainer, lr=1e-3), WeightSyncConfig(), None)
+        build_weight_sender(Policy(trainer, lr=1e-3), WeightSyncConfig(method="broadcast"), None)
 
 
 # ------------------------------------------------------------------------------ bench, colocated mode

@@ -132,7 +132,7 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
     from m3_rollout.model import load_checkpoint
     from m3_rollout.model.configuration import M3Config
     from m3_rollout.parallel.expert_sharding import expert_range
-    from m3_rollout.service.factory import build_rollout_service
+    from m3_rollout.service.factory import attach_local_weight_sync, build_rollout_service
 
     p, gen = cfg.policy, cfg.policy.generation
     name = model_name or p.model_name
@@ -165,6 +165,7 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
                     record_routing=p.routing_replay,
                     **gen.engine_kwargs(),
                 )
+                attach_local_weight_sync(backend, cfg.weight_sync, p.freeze)
     except BaseException:
         env.close()
         raise
