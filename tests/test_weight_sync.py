@@ -481,3 +481,92 @@ def test_bench_synthetic_config_scales_to_target_size():
     assert cfg.moe_layer_freq[0] == 0 and all(cfg.moe_layer_freq[1:])  # dense layer 0, MoE after
     with pytest.raises(ValueError, match="--gb"):
         bench.synthetic_config(0)
+
+
+# ------------------------------------------------------------------------------ versions, consistency, probe
+def test_versions_only_increase_unless_the_update_replaces():
+    trainer, rx_model = _model(1), _model(0)
+    rx = WeightReceiver(rx_model, version=0)
+    sender = _sender(trainer, [rx])
+    sender.update(0, include_frozen=True)  # a fresh receiver's first update may carry its own version
+    sender.update(5)
+    for bad, why in ((5, "this rank holds version 5"), (4, "this rank holds version 5"), (-1, "versions are >= 0")):
+        with pytest.raises(WeightUpdateError, match=f"update version {bad} refused: {why}"):
+            sender.update(bad)
+        assert rx.version == 5 and rx.valid
+    sender.update(5, replace=True)  # explicitly re-sending the version held is allowed
+    assert rx.version == 5
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_non_atomic_failure_on_one_rank_moves_no_rank(direct):
+    """EP=2, non-atomic: the NaN sits in an expert only receiver 1 owns. Receiver 0 must not end on
+    the new version while receiver 1 stays on the old one."""
+    trainer = _model(1)
+    ms, rxs = [], []
+    for r in range(2):
+        m = _model(0)
+        shard_experts(m, r, 2, None)
+        ms.append(m)
+        rxs.append(WeightReceiver(m, atomic=False, version=1))
+    name = "language_model.model.layers.2.block_sparse_moe.experts.6.w1.weight"
+
+    def named():
+        for n, t in iter_released_tensors(trainer):
+            yield n, (t.clone().fill_(float("nan")) if n == name else t)
+
+    sender = WeightSender(named, ColocatedChannel(rxs, direct=direct), BUCKET_MB)
+    with pytest.raises(WeightUpdateError, match=f"receiver 1: non-finite values in {name.replace('.', '[.]')}"):
+        sender.update(2, include_frozen=True)
+    results = sender.channel.results
+    assert [r.version for r in results] == [1, 1] and [rx.version for rx in rxs] == [1, 1]
+    assert not any(r.ok for r in results)
+    assert not rxs[0].valid  # it wrote the update's bytes: it refuses requests until a full update
+    _sender(trainer, rxs).update(3, include_frozen=True)
+    assert [rx.version for rx in rxs] == [3, 3] and all(rx.valid for rx in rxs)
+
+
+def _permute_experts(rx) -> None:
+    """A deliberately wrong expert layout: experts 2 / 5 of layer 1 and 0 / 7 of layer 2 land in
+    each other's slots (every byte is intact, so checksums and finite checks pass). Twice = undone."""
+    for layer, a, b in ((1, 2, 5), (2, 0, 7)):
+        stem = f"language_model.model.layers.{layer}.block_sparse_moe.experts"
+        for w in ("w1", "w2", "w3"):
+            na, nb = f"{stem}.{a}.{w}.weight", f"{stem}.{b}.{w}.weight"
+            rx.views[na], rx.views[nb] = rx.views[nb], rx.views[na]
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_probe_catches_a_permuted_expert(atomic):
+    from m3_rollout.weight_sync import ProbeSettings, model_scorer
+
+    trainer = _model(1)
+    eng = _engine(_model(0))
+    rx = engine_receiver(eng, atomic=atomic)
+    probe = ProbeSettings(num_prompts=2, num_tokens=24, threshold=1e-3)
+    sender = WeightSender(
+        lambda: iter_released_tensors(trainer),
+        ColocatedChannel([rx], direct=True),
+        probe=probe,
+        reference=model_scorer(trainer),
+    )
+    stats = sender.update(1, include_frozen=True)
+    assert stats["probe_drift"] is not None and stats["probe_drift"] < 1e-5  # fp32 both ends
+    assert rx.in_flight.last.result.probe_drift == stats["probe_drift"]
+    good = _params(eng.model)
+    # the next update is written with two expert pairs swapped
+    with torch.no_grad():
+        trainer.lm_head.weight.mul_(1.5)
+    _permute_experts(rx)
+    with pytest.raises(WeightUpdateError, match=r"probe drift .* > weight_sync.probe.threshold=0.001") as exc:
+        sender.update(2)
+    drift = float(str(exc.value).split("probe drift ")[1].split(" ")[0])
+    assert drift > 1e-3
+    if atomic:  # rolled back: the weights and version of update 1
+        assert rx.version == 1 and rx.valid and eng.weight_version == 1 and eng.refuse_reason is None
+        assert all(torch.equal(p, good[n]) for n, p in eng.model.named_parameters())
+    else:  # written in place: the rank is invalid and refuses requests
+        assert rx.version == 1 and not rx.valid and eng.refuse_reason is not None
+    _permute_experts(rx)  # the layout fixed, the update goes through
+    stats = sender.update(3)
+    assert rx.version == 3 and rx.valid and stats["probe_drift"] < 1e-5 and eng.refuse_reason is None
