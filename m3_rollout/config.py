@@ -309,25 +309,99 @@ class RolloutDumpConfig:
 
 
 @dataclass
+class WeightProbeConfig:
+    # Post-update probe (m3_rollout/weight_sync/probe.py): after every refit each rollout rank
+    # re-scores num_prompts fixed sequences of num_tokens ids and compares them with the trainer's
+    # logprobs; beyond threshold (largest per-prompt mean |logprob difference|, nats per token)
+    # the update fails (atomic: rolled back) or the rank is marked invalid.
+    enabled: bool = False
+    num_prompts: int = 2
+    num_tokens: int = 16
+    threshold: float = 0.1
+
+
+@dataclass
 class WeightSyncConfig:
-    # Trainer -> rollout refit (m3_rollout/weight_sync, design.md §3). broadcast: a private
-    # trainer + rollout-ranks group (gloo on CPU, NCCL on GPU); colocated: trainer and rollout
-    # share a process / device, in-process copy behind the same interface.
-    method: str = "broadcast"
+    # Trainer -> rollout refit (m3_rollout/weight_sync, design.md §3); every backend receives
+    # through the same WeightReceiver. broadcast: a private trainer + rollout-ranks group (gloo on
+    # CPU, NCCL on GPU) to the EP workers; colocated: the in-process engine, per-tensor copies;
+    # auto: colocated for the in-process engine, broadcast for rollout workers.
+    method: str = "auto"
+    # broadcast only (rejected with the in-process engine unless left at the default):
     backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
     bucket_size_mb: float = 512.0
-    # true: stage, validate every bucket, commit only if every rank succeeded (old weights and
-    # version stay on failure); false: copy per bucket (fastest), a failure marks the rank invalid.
-    atomic: bool = True
     double_buffer: bool = True
+    timeout_s: float = 60.0
+    master_port: int = 0  # 0 = pick a free port
+    # true: stage, validate, commit only if every rank succeeded (old weights and version stay on
+    # failure); false: copy as validated (no stage), a failure marks ranks that wrote bytes
+    # invalid. Finite values are checked either way.
+    atomic: bool = True
     # Running requests at an update: abort (re-queue from the prompt) | drain (finish on the old
     # weights first) | continue (pause, swap, resume; later tokens carry the new version).
     in_flight: str = "abort"
     recompute_kv_after_update: bool = False
-    # Send the frozen tensors (policy.freeze: indexer, router bias) too.
+    # Send the frozen tensors (policy.freeze: indexer, router bias) with every update, not only
+    # the first one a rollout receives.
     send_frozen: bool = False
-    timeout_s: float = 60.0
-    master_port: int = 0  # 0 = pick a free port
+    probe: WeightProbeConfig = field(default_factory=WeightProbeConfig)
+
+
+_BROADCAST_ONLY = ("backend", "bucket_size_mb", "double_buffer", "timeout_s", "master_port")
+
+
+def _check_weight_sync(e: list[str], cfg: MasterConfig) -> None:
+    """weight_sync keys: ranges, and every key must take effect in the resolved mode."""
+    ws = cfg.weight_sync
+    _check(e, ws.bucket_size_mb > 0, "weight_sync.bucket_size_mb", ws.bucket_size_mb, "must be > 0 (MiB)")
+    _check(e, ws.timeout_s > 0, "weight_sync.timeout_s", ws.timeout_s, "must be > 0 (seconds)")
+    _check(
+        e,
+        0 <= ws.master_port < 65536,
+        "weight_sync.master_port",
+        ws.master_port,
+        "must be 0 (pick a free port) or a TCP port < 65536",
+    )
+    _check(
+        e,
+        not ws.recompute_kv_after_update or ws.in_flight == "continue",
+        "weight_sync.recompute_kv_after_update",
+        ws.recompute_kv_after_update,
+        "only applies with weight_sync.in_flight=continue",
+    )
+    pr = ws.probe
+    _check(e, pr.num_prompts >= 1, "weight_sync.probe.num_prompts", pr.num_prompts, "must be >= 1")
+    _check(e, pr.num_tokens >= 2, "weight_sync.probe.num_tokens", pr.num_tokens, "must be >= 2")
+    _check(e, pr.threshold > 0, "weight_sync.probe.threshold", pr.threshold, "must be > 0 (nats per token)")
+    in_process = cfg.policy.generation.expert_parallel_size == 1 and cfg.cluster.launcher == "auto"
+    if in_process:
+        _check(
+            e,
+            ws.method in ("auto", "colocated"),
+            "weight_sync.method",
+            ws.method,
+            "the in-process engine (expert_parallel_size=1, cluster.launcher=auto) is refit in-process: "
+            "use auto or colocated, or set cluster.launcher=mp|ray for rollout workers",
+        )
+        defaults = WeightSyncConfig()
+        for key in _BROADCAST_ONLY:
+            value = getattr(ws, key)
+            _check(
+                e,
+                value == getattr(defaults, key),
+                f"weight_sync.{key}",
+                value,
+                "only applies to the broadcast group of rollout workers; the in-process engine is refit "
+                "by per-tensor copies (leave it at its default)",
+            )
+    else:
+        _check(
+            e,
+            ws.method in ("auto", "broadcast"),
+            "weight_sync.method",
+            ws.method,
+            "rollout workers are separate processes: refit goes through the broadcast group (use auto or broadcast)",
+        )
 
 
 @dataclass
@@ -356,7 +430,7 @@ _CHOICES = {
     "loss_fn.reference_policy_kl_type": ("k1", "k2", "k3"),
     "loss_fn.importance_sampling_type": ("tis", "mis"),
     "policy.scheduler.name": ("constant", "linear", "cosine"),
-    "weight_sync.method": ("broadcast", "colocated"),
+    "weight_sync.method": ("auto", "broadcast", "colocated"),
     "weight_sync.backend": ("auto", "gloo", "nccl"),
     "weight_sync.in_flight": ("abort", "drain", "continue"),
 }
@@ -642,23 +716,7 @@ def validate(cfg: MasterConfig) -> None:
         "must be >= 0 (0 = keep all)",
     )
     _check(e, not rd.enabled or bool(rd.dir), "rollout_dump.dir", rd.dir, "must be set when rollout_dump.enabled")
-    ws = cfg.weight_sync
-    _check(e, ws.bucket_size_mb > 0, "weight_sync.bucket_size_mb", ws.bucket_size_mb, "must be > 0 (MiB)")
-    _check(e, ws.timeout_s > 0, "weight_sync.timeout_s", ws.timeout_s, "must be > 0 (seconds)")
-    _check(
-        e,
-        0 <= ws.master_port < 65536,
-        "weight_sync.master_port",
-        ws.master_port,
-        "must be 0 (pick a free port) or a TCP port < 65536",
-    )
-    _check(
-        e,
-        not ws.recompute_kv_after_update or ws.in_flight == "continue",
-        "weight_sync.recompute_kv_after_update",
-        ws.recompute_kv_after_update,
-        "only applies with weight_sync.in_flight=continue",
-    )
+    _check_weight_sync(e, cfg)
     opt = p.optimizer
     for key in ("beta1", "beta2"):
         value = getattr(opt, key)

@@ -14,6 +14,7 @@ from m3_rollout.engine.interface import GenerationRequest, SampleOutput, Samplin
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.weight_sync import LocalWeightSync
 from m3_trainers.policy import token_logprobs
 
 EOS = 3
@@ -36,7 +37,9 @@ MODEL = _model()
 def _backend(**kw):
     kw.setdefault("max_model_len", 80)
     kw.setdefault("max_num_seqs", 16)
-    return NativeBackend(MODEL, [EOS], **kw)
+    backend = NativeBackend(MODEL, [EOS], **kw)
+    backend.weight_sync = LocalWeightSync(backend.engine)
+    return backend
 
 
 def _req(rid, prompt, n=1, seed=1, sample_index=0, **kw):

@@ -19,6 +19,7 @@ from m3_rollout.engine.sleep import GIB, WakeUpError, unique_storages
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.fused import packed_ok
 from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.weight_sync import LocalWeightSync
 
 EOS = 3
 V = 96
@@ -165,6 +166,7 @@ def test_double_sleep_deepens_or_frees_nothing_and_wake_when_awake_is_a_noop():
 def test_everything_that_touches_tensors_is_refused_while_asleep():
     model = _model()
     b = NativeBackend(model, [EOS], max_model_len=64, max_num_seqs=8, num_pages=40)
+    b.weight_sync = LocalWeightSync(b.engine)
     req = GenerationRequest("r", _prompt(7, 2), SamplingParams(max_new_tokens=4))
     released = dict(iter_released_tensors(model))  # views: made while the weights have memory
     b.sleep(2)

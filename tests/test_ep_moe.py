@@ -10,12 +10,12 @@ rows, as ``step(force_forward=True)`` does); every token routed to the last rank
 from __future__ import annotations
 
 import copy
-import queue
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from mp_results import get_results, put_result
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, save_checkpoint, tiny_config
 from m3_rollout.parallel import (
@@ -81,9 +81,9 @@ def _ep_rank(rank: int, spec: EPGroupSpec, results) -> None:
         out["diff_uneven"] = float((a - b).abs().max())
         out["uneven_load"] = stats.tokens_per_expert.tolist()
         out["uneven_ids_max"] = min(int(m.last_topk_ids.min()) for m in ep.moe_layers())
-        results.put(out)
+        put_result(results, out)
     except Exception:  # noqa: BLE001 - report to the parent, which fails the test
-        results.put({"rank": rank, "error": traceback.format_exc()})
+        put_result(results, {"rank": rank, "error": traceback.format_exc()})
     finally:
         destroy_ep_group()
 
@@ -96,20 +96,14 @@ def _run_ranks(fn, world: int, *args) -> list[dict]:
     procs = [ctx.Process(target=fn, args=(r, spec, results, *args), daemon=True) for r in range(world)]
     for pr in procs:
         pr.start()
-    got = []
     try:
-        for _ in range(world):
-            got.append(results.get(timeout=TIMEOUT_S))
-    except queue.Empty:
-        pytest.fail(f"only {len(got)} of {world} ranks answered within {TIMEOUT_S} s")
+        got = get_results(results, world, TIMEOUT_S, "rank")
     finally:
         for pr in procs:
             pr.join(timeout=10)
             if pr.is_alive():
                 pr.kill()
-    errors = [g["error"] for g in got if "error" in g]
-    assert not errors, "\n".join(errors)
-    return sorted(got, key=lambda g: g["rank"])
+    return [got[r] for r in range(world)]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -8,6 +8,7 @@ from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.weight_sync import LocalWeightSync
 from m3_trainers.policy import token_logprobs
 
 EOS = 3
@@ -87,6 +88,9 @@ def test_update_weights_in_place_and_all_or_nothing():
     gen = _model(torch.float32, seed=0)
     src = _model(torch.float32, seed=1)
     backend = NativeBackend(gen, [EOS])
+    with pytest.raises(RuntimeError, match="no weight receiver attached"):
+        backend.update_weights(1, iter_released_tensors(src))
+    backend.weight_sync = LocalWeightSync(backend.engine)  # what the job's stack builder attaches
     ptrs = {n: t.data_ptr() for n, t in gen.state_dict().items()}
     named = list(iter_released_tensors(src))
     bad = [(n, t.clone()) for n, t in named]
@@ -104,3 +108,5 @@ def test_update_weights_in_place_and_all_or_nothing():
         assert t.data_ptr() == ptrs[n], n
         assert torch.equal(t, src.state_dict()[n]), n
     assert backend.generate([_req("a", [1, 2])])[0].weight_version == 7
+    with pytest.raises(ValueError, match="update version 7 refused: this rank holds version 7"):
+        backend.update_weights(7, named)

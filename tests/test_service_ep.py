@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.config import WeightSyncConfig
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import iter_released_tensors, load_checkpoint
 from m3_rollout.parallel import EPGroupSpec
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec
-from m3_rollout.service.launchers import GroupFailure
+from m3_rollout.service.launchers import GroupFailure, Launcher
 
 EOS = 3
 MAX_LEN = 96
@@ -56,7 +57,12 @@ def _service(model_dir, world: int, **kwargs) -> RolloutService:
         **kwargs.pop("spec", {}),
     )
     return RolloutService(
-        spec, launcher="mp", steps_per_call=kwargs.pop("steps_per_call", 8), start_timeout_s=120, **kwargs
+        spec,
+        launcher=kwargs.pop("launcher", "mp"),
+        steps_per_call=kwargs.pop("steps_per_call", 8),
+        start_timeout_s=120,
+        weight_sync=kwargs.pop("weight_sync", WeightSyncConfig(timeout_s=20)),
+        **kwargs,
     )
 
 
@@ -105,8 +111,11 @@ def test_ep2_tokens_equal_ep1_and_weights_update(model_dir):
         outs2 = svc.generate(reqs[:2])
         assert _key(outs2) == _key(ref2)
         assert svc.weight_version == 5 and all(o.weight_version == 5 for o in outs2)
-        with pytest.raises(ValueError, match="missing"):
+        with pytest.raises(ValueError, match="missing from update: language_model.lm_head.weight"):
             svc.update_weights(6, [(n, t) for n, t in iter_released_tensors(model) if "lm_head" not in n])
+        with pytest.raises(ValueError, match="update version 5 refused: this rank holds version 5"):
+            svc.update_weights(5, iter_released_tensors(model))
+        assert svc.weight_version == 5
     finally:
         svc.shutdown()
 
@@ -137,48 +146,137 @@ def test_gives_up_after_max_restarts_with_lost_requests(model_dir):
         with pytest.raises(RolloutFailure) as info:
             svc.generate(reqs)
         assert info.value.lost_request_ids == ["xg0", "xg1"]
-        assert svc.restarts == 1  # the service already restarted the group
-        # the caller resubmits: the restarted group (incarnation 1 does not fault) completes them
+        assert "rank 0: worker process died (exit code -9)" in str(info.value)
+        events = svc.drain_events()
+        assert [(e["recovered"], e["lost_request_ids"]) for e in events] == [(False, ["xg0", "xg1"])]
+        assert svc.restarts == 0 and svc.metrics()["failures"] == 1
+        # the caller resubmits: a fresh group (second incarnation: no fault) completes them
         assert _key(svc.generate(reqs)) == _key(_reference(model_dir, reqs))
     finally:
         svc.shutdown()
 
 
-def test_mis_shaped_expert_update_is_rejected_before_any_rank_changes(model_dir):
-    # Adversarial review: experts.5.* live on rank 1 only. A wrong shape there used to reach the
-    # ranks: rank 0 took the update, rank 1 refused it (a GroupFailure, not a ValueError), the
-    # group kept serving with mixed weights, and rank 0's stale pipe reply broke the next call.
+def test_bad_checkpoint_reports_the_workers_traceback(tmp_path):
+    # A rank that cannot load its checkpoint sends its traceback, then exits with code 0: the
+    # failure used to say only "worker process died (exit code 0)".
+    spec = WorkerSpec(
+        model_dir=str(tmp_path / "missing"),
+        group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=20),
+        dtype="float32",
+        engine=_engine_kwargs(),
+    )
+    with pytest.raises(RolloutFailure) as info:
+        RolloutService(spec, launcher="mp", max_restarts=0, start_timeout_s=120, weight_sync=WeightSyncConfig())
+    text = str(info.value)
+    assert "during 'start'" in text and "missing" in text and "Error" in text, text
+    assert "exit code 0)" not in text.split(": ", 2)[-1].split(";")[0]  # the cause, not the exit code
+
+
+class _FakeLauncher(Launcher):
+    """In-process stand-in for the worker group: ``run`` fails ``run_failures`` times, every start
+    after the first fails while ``start_failures`` lasts (no processes; failure paths only)."""
+
+    def __init__(self, log: dict):
+        self.log = log
+        self.world_size = 2
+
+    def start(self, spec, timeout_s):
+        self.log["starts"] += 1
+        if self.log["starts"] > 1 and self.log["start_failures"] > 0:
+            self.log["start_failures"] -= 1
+            raise GroupFailure("start", [1], {1: "Traceback (most recent call last):\nOSError: disk gone"})
+
+    def call(self, method, per_rank_args=(), timeout_s=None):
+        if method == "info":
+            return [{"pid": r, "rank": r} for r in range(2)]
+        if method == "run":
+            if self.log["run_failures"] > 0:
+                self.log["run_failures"] -= 1
+                raise GroupFailure("run", [0], {0: "RuntimeError: peer died"})
+            reqs = per_rank_args[0][0] + per_rank_args[1][0]
+            outs = [
+                SampleOutput(q.request_id, q.sample_index + j, list(q.prompt_ids), [5], [-0.1], "length", 0)
+                for q in reqs
+                for j in range(q.params.n)
+            ]
+            ep = {"tokens_per_expert": [], "dispatch_s": 0.0, "expert_s": 0.0, "combine_s": 0.0}
+            return [{"outputs": outs, "steps": 1, "ep": ep}, {"outputs": [], "steps": 1, "ep": ep}]
+        if method == "shutdown":
+            raise GroupFailure("shutdown", [0], {0: "group broken"})
+        raise AssertionError(method)
+
+    def pids(self):
+        return [0, 1]
+
+    def shutdown(self, graceful=True):
+        self.log["shutdowns"] += 1
+
+
+def _fake_service(run_failures: int, start_failures: int, max_restarts: int = 2):
+    log = {"starts": 0, "shutdowns": 0, "run_failures": run_failures, "start_failures": start_failures}
+    spec = WorkerSpec(model_dir="unused", group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=5))
+    svc = RolloutService(
+        spec, launcher=lambda: _FakeLauncher(log), max_restarts=max_restarts, weight_sync=WeightSyncConfig()
+    )
+    return svc, log
+
+
+def test_failures_during_restart_count_and_end_in_rolloutfailure(capsys):
+    svc, log = _fake_service(run_failures=1, start_failures=5, max_restarts=2)
+    reqs = [GenerationRequest("a", [1, 2], SamplingParams(n=2)), GenerationRequest("b", [3], SamplingParams())]
+    with pytest.raises(RolloutFailure) as info:
+        svc.generate(reqs)
+    assert info.value.lost_request_ids == ["a", "b"]
+    assert "OSError: disk gone" in str(info.value) and "cluster.max_restarts" in str(info.value)
+    events = svc.drain_events()
+    assert [e["recovered"] for e in events] == [True, True, False]  # run, restart 1, restart 2
+    assert log["starts"] == 3 and svc.metrics()["failures"] == 3 and svc.metrics()["recovered_failures"] == 2
+    svc.shutdown()  # never raises over the original error (it used to: IndexError)
+    svc.shutdown()
+    assert "[rollout] EP worker group failed during 'run'" in capsys.readouterr().out
+
+
+def test_recovered_failure_is_an_event_and_the_call_completes():
+    svc, log = _fake_service(run_failures=1, start_failures=1, max_restarts=2)
+    outs = svc.generate([GenerationRequest("a", [1, 2], SamplingParams(n=2))])
+    assert [(o.request_id, o.sample_index) for o in outs] == [("a", 0), ("a", 1)]
+    events = svc.drain_events()
+    assert [(e["recovered"], e["lost_request_ids"]) for e in events] == [(True, ["a"]), (True, ["a"])]
+    assert svc.drain_events() == [] and svc.metrics()["recovered_failures"] == 2 and svc.restarts == 2
+    svc.shutdown()
+
+
+def test_mis_shaped_and_non_finite_updates_leave_every_rank_on_one_version(model_dir):
+    # experts.5.* live on rank 1 only. A wrong shape there is refused by the handshake of every
+    # rank's receiver; a NaN there (non-atomic ranks) must not leave rank 0 on the new version
+    # beside rank 1 on the old one: no rank moves, and the service repairs the ranks that wrote
+    # bytes by re-sending the last good weights.
     reqs = _requests("s")[:2]
-    ref = _reference(model_dir, reqs)
-    svc = _service(model_dir, 2)
+    svc = _service(model_dir, 2, weight_sync=WeightSyncConfig(timeout_s=20, atomic=False))
     try:
         model = load_checkpoint(model_dir, dtype=torch.float32)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(-1.0)  # a change rank 0 would apply if the update went through
         bad_name = next(n for n, _ in iter_released_tensors(model) if ".experts.5.w1" in n)
         tensors = [(n, t[:-1] if n == bad_name else t) for n, t in iter_released_tensors(model)]
-        with pytest.raises(ValueError, match=f"shape of {bad_name.replace('.', '[.]')}"):
+        with pytest.raises(ValueError, match=f"rank 2: shape of {bad_name.replace('.', '[.]')}"):
             svc.update_weights(3, tensors)
         assert svc.weight_version == 0
-        outs = svc.generate(reqs)  # both ranks still serve the old weights
-        assert _key(outs) == _key(ref) and all(o.weight_version == 0 for o in outs if o.finish_reason != "error")
-        # Past the service's check (here: the service's copy of the shapes is made to agree with
-        # the bad tensor; in general, a rank refusing for any reason): the group restarts on the
-        # last good weights instead of serving rank 0's new lm_head beside rank 1's old one.
-        for shapes in svc._rank_shapes:
-            if bad_name in shapes:
-                shapes[bad_name] = tuple(dict(tensors)[bad_name].shape)
-        with pytest.raises(GroupFailure, match="update_weights"):
-            svc.update_weights(3, tensors)
-        assert svc.weight_version == 0
-        assert svc.restarts == 1 and _key(svc.generate(reqs)) == _key(ref)
-        # A launcher call that failed on one rank leaves the other rank's reply in its pipe: the
-        # launcher refuses further calls (generate restarts the group) instead of reading it.
-        good = dict(iter_released_tensors(load_checkpoint(model_dir, dtype=torch.float32)))
-        per_rank = [(7, {n: good[n] for n in names}) for names in svc._rank_names]
-        per_rank[1] = (7, {bad_name: good[bad_name]})  # rank 1: "missing ..." ValueError
-        with pytest.raises(GroupFailure):
-            svc.launcher.call("update_weights", per_rank, 60.0)
-        assert _key(svc.generate(reqs)) == _key(ref) and svc.restarts == 2
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)
+        svc.update_weights(3, iter_released_tensors(model))
+        ref = NativeBackend(model, (EOS,), max_model_len=MAX_LEN, max_num_seqs=16, num_pages=64).generate(reqs)
+        worse = [(n, t.clone()) for n, t in iter_released_tensors(model)]
+        for n, t in worse:
+            if n == bad_name:
+                t[0, 0] = float("nan")
+            elif n.endswith("lm_head.weight"):
+                t.mul_(2.0)
+        with pytest.raises(ValueError, match=f"rank 2: non-finite values in {bad_name.replace('.', '[.]')}"):
+            svc.update_weights(4, worse)
+        assert svc.weight_version == 3
+        assert [r["valid"] for r in svc.last_weight_sync["ranks"]] == [True, True]  # repaired (replace)
+        assert [r["version"] for r in svc.last_weight_sync["ranks"]] == [3, 3]
+        outs = svc.generate(reqs)
+        assert _key(outs) == _key(ref)
+        assert all(o.token_weight_versions == [3] * len(o.output_ids) for o in outs if o.finish_reason != "error")
     finally:
         svc.shutdown()

@@ -13,8 +13,9 @@ ray = pytest.importorskip("ray")
 
 from test_service_ep import _key, _reference, _requests, model_dir  # noqa: E402, F401 (fixture reuse)
 
+from m3_rollout.config import WeightSyncConfig  # noqa: E402
 from m3_rollout.parallel import EPGroupSpec  # noqa: E402
-from m3_rollout.service import RolloutService, WorkerSpec  # noqa: E402
+from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,14 @@ def test_ray_ep2_generation_and_restart(model_dir, ray_local):
         fault_after_steps=4,
         fault_rank=0,
     )
-    svc = RolloutService(spec, launcher="ray", worker_cpus=0.5, steps_per_call=2, start_timeout_s=120)
+    svc = RolloutService(
+        spec,
+        launcher="ray",
+        worker_cpus=0.5,
+        steps_per_call=2,
+        start_timeout_s=120,
+        weight_sync=WeightSyncConfig(timeout_s=20),
+    )
     try:
         assert [i["expert_range"] for i in svc.rank_info] == [(0, 4), (4, 8)]
         outs = svc.generate(reqs)  # rank 0 SIGKILLs itself after 4 steps; the actor group restarts
@@ -46,3 +54,16 @@ def test_ray_ep2_generation_and_restart(model_dir, ray_local):
         assert svc.restarts == 1 and 0 in svc.failures[0]["ranks"] and svc.failures[0]["lost_request_ids"]
     finally:
         svc.shutdown()
+
+
+def test_ray_bad_checkpoint_reports_the_workers_error(tmp_path, ray_local):
+    spec = WorkerSpec(
+        model_dir=str(tmp_path / "missing"),
+        group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=20),
+        dtype="float32",
+        engine={"max_model_len": 96, "max_num_seqs": 16, "eos_token_ids": (3,), "num_pages": 64},
+    )
+    with pytest.raises(RolloutFailure) as info:
+        RolloutService(spec, launcher="ray", max_restarts=0, start_timeout_s=120, weight_sync=WeightSyncConfig())
+    cause = str(info.value).split(": rank ", 1)[1].split(";")[0]  # the first failed rank's cause line
+    assert "missing" in cause and "Error" in cause, str(info.value)

@@ -27,7 +27,7 @@ from m3_rollout.weight_sync import (
     receiver_layout,
 )
 from m3_rollout.weight_sync.buckets import checksum_ok, pack_bucket
-from m3_rollout.weight_sync.in_flight import update_with_policy
+from m3_rollout.weight_sync.rollout_sync import engine_receiver
 
 BUCKET_MB = 0.05  # ~52 KB: the tiny model (4.2 MB fp32) spans ~80 buckets, tensors split across them
 
@@ -270,16 +270,13 @@ def _run(engine, reqs):
     return sorted(outs, key=lambda o: (o.request_id, o.sample_index))
 
 
-def _colocated_update(engine, trainer, version):
-    rx = WeightReceiver(engine.model, atomic=True, version=engine.weight_version)
-    channel = ColocatedChannel([rx])
-    sender = WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB)
-
-    def do_update():
-        sender.update(version, include_frozen=True)
-        return channel.results[0]
-
-    return do_update
+def _colocated_update(engine, trainer, version, policy="abort", recompute_kv=False):
+    """One bucketed colocated update through the engine's receiver (its in-flight policy)."""
+    rx = engine_receiver(engine, atomic=True, in_flight=policy, recompute_kv_after_update=recompute_kv)
+    WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx]), BUCKET_MB).update(
+        version, include_frozen=True
+    )
+    return rx.in_flight.last
 
 
 def _req(rid, prompt, n=1, max_new=10, seed=3, sample_index=0):
@@ -296,7 +293,7 @@ def test_prefix_shared_with_pre_update_request_equals_fresh_engine():
 
     eng = _engine(_model(0))
     _run(eng, [_req("a", PROMPT, max_new=4)])  # caches PROMPT's 4 full pages under the old weights
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "abort")
+    out = _colocated_update(eng, trainer, 1, "abort")
     assert out.result.ok and eng.weight_version == 1
     got = _run(eng, [follow])
     assert got[0].output_ids == fresh[0].output_ids
@@ -306,7 +303,8 @@ def test_prefix_shared_with_pre_update_request_equals_fresh_engine():
     # control: swapping weights WITHOUT the prefix-cache reset reuses stale pages and differs
     stale = _engine(_model(0))
     _run(stale, [_req("a", PROMPT, max_new=4)])
-    _colocated_update(stale, trainer, 1)()
+    bare = WeightReceiver(stale.model)  # no in-flight policy: the engine is not told
+    _sender(trainer, [bare]).update(1, include_frozen=True)
     bad = _run(stale, [follow])
     assert bad[0].logprobs != pytest.approx(fresh[0].logprobs, abs=1e-6)
 
@@ -328,7 +326,7 @@ def test_in_flight_abort_requeues_from_prompt_on_new_weights():
     fresh = _run(_engine(copy.deepcopy(trainer)), REQS)
     eng = _engine(_model(0))
     early = _start(eng, REQS, 4)
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "abort")
+    out = _colocated_update(eng, trainer, 1, "abort")
     assert out.requeued == 3 and not early
     got = _run(eng, [])
     assert [o.output_ids for o in got] == [o.output_ids for o in fresh]
@@ -340,7 +338,7 @@ def test_in_flight_drain_finishes_on_old_weights():
     ref_old = _run(_engine(copy.deepcopy(old)), REQS)
     eng = _engine(old)
     early = _start(eng, REQS, 4)
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "drain")
+    out = _colocated_update(eng, trainer, 1, "drain")
     got = sorted(early + out.outputs, key=lambda o: (o.request_id, o.sample_index))
     assert [o.output_ids for o in got] == [o.output_ids for o in ref_old]
     assert all(o.token_weight_versions == [0] * len(o.output_ids) for o in got)
@@ -354,7 +352,7 @@ def test_in_flight_continue_versions_per_token(recompute):
     eng = _engine(_model(0))
     _start(eng, REQS, 4)  # prefill + 3 decode steps: 4 tokens each on version 0
     before = {(s.request_id, s.sample_index): list(s.output_ids) for v in eng._live.values() for s in v}
-    out = update_with_policy(eng, _colocated_update(eng, trainer, 1), "continue", recompute_kv=recompute)
+    out = _colocated_update(eng, trainer, 1, "continue", recompute_kv=recompute)
     assert out.result.ok
     got = _run(eng, [])
     for o in got:
@@ -380,28 +378,22 @@ def test_invalid_rank_refuses_requests_until_full_update():
     trainer = _model(1)
     eng = _engine(_model(0))
     _start(eng, REQS, 2)
-    rx = WeightReceiver(eng.model, atomic=False)
+    rx = engine_receiver(eng, atomic=False, in_flight="continue")
     channel = ColocatedChannel([rx])
 
     def flip(k, buf):
         if k == 30:
             buf[0] ^= 1
 
-    def bad_update():
-        with pytest.raises(WeightUpdateError):
-            WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB, fault=flip).update(1)
-        return channel.results[0]
-
-    out = update_with_policy(eng, bad_update, "continue")
+    with pytest.raises(WeightUpdateError):
+        WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB, fault=flip).update(1)
+    out = rx.in_flight.last
     assert not out.result.valid and len(out.handed_back) == 3 and not eng._live
     refused = _run(eng, [_req("x", PROMPT[:20])])
     assert refused[0].finish_reason == "error" and "refuses requests" in refused[0].error
 
-    def good_update():
-        WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB).update(2, include_frozen=True)
-        return channel.results[0]
-
-    out = update_with_policy(eng, good_update, "continue")
+    WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB).update(2, include_frozen=True)
+    out = rx.in_flight.last
     assert out.result.valid and eng.weight_version == 2
     served = _run(eng, [_req("x", PROMPT[:20])])
     assert served[0].finish_reason in ("stop", "length") and served[0].token_weight_versions[0] == 2
@@ -421,7 +413,7 @@ def test_build_weight_sender_colocated_follows_freeze_config():
     assert torch.equal(rx_model.moe_layers()[0].e_score_correction_bias, bias_before)  # frozen: not sent
     assert torch.equal(rx_model.lm_head.weight, trainer.lm_head.weight)
     with pytest.raises(ValueError, match="weight_sync.method=broadcast needs a WeightSyncGroup"):
-        build_weight_sender(Policy(trainer, lr=1e-3), WeightSyncConfig(), None)
+        build_weight_sender(Policy(trainer, lr=1e-3), WeightSyncConfig(method="broadcast"), None)
 
 
 # ------------------------------------------------------------------------------ bench, colocated mode
@@ -489,3 +481,92 @@ def test_bench_synthetic_config_scales_to_target_size():
     assert cfg.moe_layer_freq[0] == 0 and all(cfg.moe_layer_freq[1:])  # dense layer 0, MoE after
     with pytest.raises(ValueError, match="--gb"):
         bench.synthetic_config(0)
+
+
+# ------------------------------------------------------------------------------ versions, consistency, probe
+def test_versions_only_increase_unless_the_update_replaces():
+    trainer, rx_model = _model(1), _model(0)
+    rx = WeightReceiver(rx_model, version=0)
+    sender = _sender(trainer, [rx])
+    sender.update(0, include_frozen=True)  # a fresh receiver's first update may carry its own version
+    sender.update(5)
+    for bad, why in ((5, "this rank holds version 5"), (4, "this rank holds version 5"), (-1, "versions are >= 0")):
+        with pytest.raises(WeightUpdateError, match=f"update version {bad} refused: {why}"):
+            sender.update(bad)
+        assert rx.version == 5 and rx.valid
+    sender.update(5, replace=True)  # explicitly re-sending the version held is allowed
+    assert rx.version == 5
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_non_atomic_failure_on_one_rank_moves_no_rank(direct):
+    """EP=2, non-atomic: the NaN sits in an expert only receiver 1 owns. Receiver 0 must not end on
+    the new version while receiver 1 stays on the old one."""
+    trainer = _model(1)
+    ms, rxs = [], []
+    for r in range(2):
+        m = _model(0)
+        shard_experts(m, r, 2, None)
+        ms.append(m)
+        rxs.append(WeightReceiver(m, atomic=False, version=1))
+    name = "language_model.model.layers.2.block_sparse_moe.experts.6.w1.weight"
+
+    def named():
+        for n, t in iter_released_tensors(trainer):
+            yield n, (t.clone().fill_(float("nan")) if n == name else t)
+
+    sender = WeightSender(named, ColocatedChannel(rxs, direct=direct), BUCKET_MB)
+    with pytest.raises(WeightUpdateError, match=f"receiver 1: non-finite values in {name.replace('.', '[.]')}"):
+        sender.update(2, include_frozen=True)
+    results = sender.channel.results
+    assert [r.version for r in results] == [1, 1] and [rx.version for rx in rxs] == [1, 1]
+    assert not any(r.ok for r in results)
+    assert not rxs[0].valid  # it wrote the update's bytes: it refuses requests until a full update
+    _sender(trainer, rxs).update(3, include_frozen=True)
+    assert [rx.version for rx in rxs] == [3, 3] and all(rx.valid for rx in rxs)
+
+
+def _permute_experts(rx) -> None:
+    """A deliberately wrong expert layout: experts 2 / 5 of layer 1 and 0 / 7 of layer 2 land in
+    each other's slots (every byte is intact, so checksums and finite checks pass). Twice = undone."""
+    for layer, a, b in ((1, 2, 5), (2, 0, 7)):
+        stem = f"language_model.model.layers.{layer}.block_sparse_moe.experts"
+        for w in ("w1", "w2", "w3"):
+            na, nb = f"{stem}.{a}.{w}.weight", f"{stem}.{b}.{w}.weight"
+            rx.views[na], rx.views[nb] = rx.views[nb], rx.views[na]
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_probe_catches_a_permuted_expert(atomic):
+    from m3_rollout.weight_sync import ProbeSettings, model_scorer
+
+    trainer = _model(1)
+    eng = _engine(_model(0))
+    rx = engine_receiver(eng, atomic=atomic)
+    probe = ProbeSettings(num_prompts=2, num_tokens=24, threshold=1e-3)
+    sender = WeightSender(
+        lambda: iter_released_tensors(trainer),
+        ColocatedChannel([rx], direct=True),
+        probe=probe,
+        reference=model_scorer(trainer),
+    )
+    stats = sender.update(1, include_frozen=True)
+    assert stats["probe_drift"] is not None and stats["probe_drift"] < 1e-5  # fp32 both ends
+    assert rx.in_flight.last.result.probe_drift == stats["probe_drift"]
+    good = _params(eng.model)
+    # the next update is written with two expert pairs swapped
+    with torch.no_grad():
+        trainer.lm_head.weight.mul_(1.5)
+    _permute_experts(rx)
+    with pytest.raises(WeightUpdateError, match=r"probe drift .* > weight_sync.probe.threshold=0.001") as exc:
+        sender.update(2)
+    drift = float(str(exc.value).split("probe drift ")[1].split(" ")[0])
+    assert drift > 1e-3
+    if atomic:  # rolled back: the weights and version of update 1
+        assert rx.version == 1 and rx.valid and eng.weight_version == 1 and eng.refuse_reason is None
+        assert all(torch.equal(p, good[n]) for n, p in eng.model.named_parameters())
+    else:  # written in place: the rank is invalid and refuses requests
+        assert rx.version == 1 and not rx.valid and eng.refuse_reason is not None
+    _permute_experts(rx)  # the layout fixed, the update goes through
+    stats = sender.update(3)
+    assert rx.version == 3 and rx.valid and stats["probe_drift"] < 1e-5 and eng.refuse_reason is None

@@ -20,12 +20,11 @@ independently of the wire.
 from __future__ import annotations
 
 import os
-import queue
 import traceback
 
-import pytest
 import torch
 import torch.multiprocessing as mp
+from mp_results import get_results, put_result
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
 from m3_rollout.parallel import EPGroupSpec, destroy_ep_group, free_port, init_ep_group, shard_experts
@@ -94,7 +93,7 @@ def _trainer_ep1(port: int, results) -> None:
             except WeightUpdateError as exc:
                 errors.append(str(exc))
             sender.named_tensors = lambda: iter_released_tensors(model)
-        results.put({"who": "trainer", "errors": errors})
+        put_result(results, {"who": "trainer", "errors": errors})
 
         def die(k, buf):
             if k == 40:  # the trainer dies with half the update sent
@@ -103,7 +102,7 @@ def _trainer_ep1(port: int, results) -> None:
         sender.fault = die
         sender.update(4)
     except Exception:  # noqa: BLE001
-        results.put({"who": "trainer", "error": traceback.format_exc()})
+        put_result(results, {"who": "trainer", "error": traceback.format_exc()})
 
 
 def _restarted_trainer(port: int, results) -> None:
@@ -114,9 +113,9 @@ def _restarted_trainer(port: int, results) -> None:
         sender = WeightSender(lambda: iter_released_tensors(model), BroadcastChannel(group), BUCKET_MB)
         sender.handshake()
         stats = sender.update(5, include_frozen=True)
-        results.put({"who": "trainer2", "stats": stats})
+        put_result(results, {"who": "trainer2", "stats": stats})
     except Exception:  # noqa: BLE001
-        results.put({"who": "trainer2", "error": traceback.format_exc()})
+        put_result(results, {"who": "trainer2", "error": traceback.format_exc()})
 
 
 def _receiver_ep1(rank: int, port: int, results) -> None:
@@ -125,7 +124,7 @@ def _receiver_ep1(rank: int, port: int, results) -> None:
         model = _model(0)
         ref1, ref2 = _model(1), _model(2)
         ptrs = [p.data_ptr() for p in model.parameters()]
-        rx = WeightReceiver(model, atomic=(rank == 1), check_finite=True)
+        rx = WeightReceiver(model, atomic=(rank == 1))
         group = WeightSyncGroup("127.0.0.1", port, rank, 3, "gloo", GROUP_TIMEOUT_S)
         rx.handshake(group)
         log = []
@@ -154,9 +153,11 @@ def _receiver_ep1(rank: int, port: int, results) -> None:
                 "logits_v2": float((_logits(model) - _logits(ref2)).abs().max()),
             }
         )
-        results.put({"who": f"rank{rank}", "log": log, "ptrs_same": ptrs == [p.data_ptr() for p in model.parameters()]})
+        put_result(
+            results, {"who": f"rank{rank}", "log": log, "ptrs_same": ptrs == [p.data_ptr() for p in model.parameters()]}
+        )
     except Exception:  # noqa: BLE001
-        results.put({"who": f"rank{rank}", "error": traceback.format_exc()})
+        put_result(results, {"who": f"rank{rank}", "error": traceback.format_exc()})
 
 
 # ---------------------------------------------------------------------------------- ep2 scenario
@@ -170,9 +171,9 @@ def _trainer_ep2(port: int, results) -> None:
         with torch.no_grad():
             model.load_state_dict(_model(2).state_dict())
         sender.update(2, include_frozen=True)
-        results.put({"who": "trainer"})
+        put_result(results, {"who": "trainer"})
     except Exception:  # noqa: BLE001
-        results.put({"who": "trainer", "error": traceback.format_exc()})
+        put_result(results, {"who": "trainer", "error": traceback.format_exc()})
 
 
 def _receiver_ep2(rank: int, port: int, ep_spec: EPGroupSpec, results) -> None:
@@ -192,23 +193,15 @@ def _receiver_ep2(rank: int, port: int, ep_spec: EPGroupSpec, results) -> None:
             with torch.no_grad():
                 diff = float((model(_ids()) - ref(_ids())).abs().max())  # EP forward (collective)
             out["log"].append({"ok": r.ok, "version": r.version, "bitwise": _bitwise_equal(model, ref), "logits": diff})
-        results.put(out)
+        put_result(results, out)
     except Exception:  # noqa: BLE001
-        results.put({"who": f"rank{rank}", "error": traceback.format_exc()})
+        put_result(results, {"who": f"rank{rank}", "error": traceback.format_exc()})
     finally:
         destroy_ep_group()
 
 
 def _collect(results, n):
-    got = {}
-    for _ in range(n):
-        try:
-            r = results.get(timeout=TIMEOUT_S)
-        except queue.Empty:
-            pytest.fail(f"timed out waiting for results; got {sorted(got)}")
-        assert "error" not in r, f"{r['who']} failed:\n{r['error']}"
-        got[r["who"]] = r
-    return got
+    return get_results(results, n, TIMEOUT_S, "who")
 
 
 def _join(procs):

@@ -2,8 +2,10 @@
 
 The trainer is rank 0 of the weight-sync group (it hosts the group's TCPStore); rollout workers
 join as ranks 1..N. With ``weight_sync.method=colocated`` the rollout receivers live in this
-process and get an in-process copy instead of a broadcast (same sender, same version / validity
-semantics; ``ColocatedChannel(direct=True)``: per-tensor copies into the rollout's views, no buckets).
+process and get an in-process copy instead of a broadcast (same sender, same receiver, same
+version / validity semantics; ``ColocatedChannel(direct=True)``: per-tensor copies into the
+rollout's views, no buckets). With ``weight_sync.probe.enabled`` the sender scores the probe ids
+with the policy's model (``probe.model_scorer``) as the reference every rank is compared with.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from m3_rollout.weight_sync import (
     WeightSyncGroup,
     default_frozen,
 )
+from m3_rollout.weight_sync.probe import ProbeSettings, model_scorer
 
 
 def resolve_backend(cfg: WeightSyncConfig, device: torch.device | str) -> str:
@@ -38,14 +41,16 @@ def build_weight_sender(
     group: WeightSyncGroup | None = None,
     receivers: Sequence[WeightReceiver] = (),
 ) -> WeightSender:
-    """A sender for ``policy`` (anything with ``named_released_tensors()``).
+    """A sender for ``policy`` (anything with ``named_released_tensors()`` and ``model``).
 
-    ``method=broadcast`` needs ``group`` (this process as rank 0); ``method=colocated`` needs the
-    in-process ``receivers``. Frozen tensors (``policy.freeze``) are left out of updates unless
-    ``weight_sync.send_frozen``. Raises ValueError when the needed group / receivers are missing.
+    ``group`` given: broadcast to the rollout workers (this process as rank 0); else the
+    in-process ``receivers`` (colocated; ``weight_sync.method`` auto resolves by which is given).
+    Frozen tensors (``policy.freeze``) are left out of updates unless ``weight_sync.send_frozen``.
+    Raises ValueError when the method's group / receivers are missing (naming the key).
     """
     freeze = freeze or FreezeConfig()
-    if cfg.method == "broadcast":
+    method = cfg.method if cfg.method != "auto" else ("broadcast" if group is not None else "colocated")
+    if method == "broadcast":
         if group is None:
             raise ValueError("weight_sync.method=broadcast needs a WeightSyncGroup (the trainer as rank 0)")
         channel = BroadcastChannel(group, cfg.double_buffer)
@@ -58,4 +63,14 @@ def build_weight_sender(
     def frozen(name: str) -> bool:
         return not cfg.send_frozen and default_frozen(name, freeze.indexer, freeze.router_bias)
 
-    return WeightSender(policy.named_released_tensors, channel, cfg.bucket_size_mb, generation_dtype, frozen)
+    pr = cfg.probe
+    probe = ProbeSettings(pr.num_prompts, pr.num_tokens, pr.threshold) if pr.enabled else None
+    return WeightSender(
+        policy.named_released_tensors,
+        channel,
+        cfg.bucket_size_mb,
+        generation_dtype,
+        frozen,
+        probe=probe,
+        reference=model_scorer(policy.model) if probe is not None else None,
+    )

@@ -19,7 +19,6 @@ import torch
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
-from m3_rollout.model.loading import iter_released_tensors, load_released_tensor
 
 
 class NativeBackend(GenerationBackend):
@@ -54,7 +53,9 @@ class NativeBackend(GenerationBackend):
         )
         self.engine = LLMEngine(model, cfg, detokenize)
         self.model = self.engine.model
-        self._released = {name: tuple(t.shape) for name, t in iter_released_tensors(self.model)}
+        # The weight receiver (``update_weights``): attached by the job layer, which may import
+        # m3_rollout.weight_sync (the engine may not).
+        self.weight_sync = None
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}  # internal id -> caller's queue
         self._internal: dict[str, list[str]] = {}  # caller id -> internal ids (abort)
@@ -66,40 +67,48 @@ class NativeBackend(GenerationBackend):
         return self.engine.weight_version
 
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a full set of released-name tensors into the model's existing storage, in place.
+        """Copy a full set of released-name tensors into the model's existing storage, in place,
+        through the attached weight receiver (``weight_sync``: the job layer attaches a
+        ``m3_rollout.weight_sync.LocalWeightSync`` over ``self.engine``; every check, the version
+        rule, ``weight_sync.atomic`` / ``in_flight`` and the probe live there, once for every
+        backend). The receiver resets the prefix cache once and sets the version.
 
-        All-or-nothing: every name, shape and value (finite) is checked before the first copy.
-        Then the prefix cache is reset (cached pages hold old-weight K/V) and the version set.
-        Running samples keep going; their later tokens carry the new version.
+        Outputs finished while draining (``in_flight=drain``) go to their async callers; requests a
+        failed update handed back are re-added here, where the refusal turns them into error
+        records (one rank: nowhere else to place them).
 
         Raises:
-            ValueError: listing missing / unexpected / mis-shaped / non-finite tensors.
-            RuntimeError: the weights are offloaded (sleep level 2): wake up first.
+            RuntimeError: no weight receiver attached, or the weights are offloaded (sleep level 2):
+                wake up first.
+            ValueError: the update was rejected (names the tensors / versions; see the receiver).
         """
+        if self.weight_sync is None:
+            raise RuntimeError(
+                "NativeBackend.update_weights: no weight receiver attached; set backend.weight_sync = "
+                "m3_rollout.weight_sync.LocalWeightSync(backend.engine, ...) (the job's stack builder does)"
+            )
         if self.engine.weights_offloaded:
             raise RuntimeError(
                 "update_weights: the engine sleeps at level 2 (weights offloaded to host memory); "
                 "call wake_up() first, then update the weights"
             )
-        incoming = dict(named_tensors)
-        problems = [f"missing: {n}" for n in self._released if n not in incoming]
-        problems += [f"unexpected: {n}" for n in incoming if n not in self._released]
-        for name, t in incoming.items():
-            if name in self._released and tuple(t.shape) != self._released[name]:
-                problems.append(f"shape of {name}: got {tuple(t.shape)}, expected {self._released[name]}")
-            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                problems.append(f"non-finite values in {name}")
-        if problems:
-            raise ValueError(
-                "weight update rejected, weights unchanged (version "
-                f"{self.weight_version}):\n  " + "\n  ".join(problems)
-            )
-        self.engine.drain()  # the step in flight finishes under the old weights and version
-        with torch.no_grad():
-            for name, t in incoming.items():
-                load_released_tensor(self.model, name, t)
-        self.engine.reset_prefix_cache()
-        self.engine.set_weight_version(version)
+        policy = self.weight_sync.receiver.in_flight
+        policy.last = None
+        try:
+            self.weight_sync.update_weights(version, named_tensors)
+        finally:
+            outcome = policy.last
+            if outcome is not None:
+                for out in outcome.outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                for req in outcome.handed_back:
+                    self.engine.add_request(req)
+
+    def set_probe_reference(self, reference: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The trainer's probe scorer for ``weight_sync.probe`` (passed to the attached receiver)."""
+        self.weight_sync.set_probe_reference(reference)
 
     # ---- control -------------------------------------------------------------------------
     def pause(self) -> None:

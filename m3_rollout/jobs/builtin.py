@@ -38,6 +38,7 @@ from m3_rollout.rollout.data import PromptSource
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment, tool_steps
 from m3_rollout.rollout.environments.multistep import MultiStepArithmeticTask
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
+from m3_rollout.weight_sync import LocalWeightSync
 from m3_trainers.warm_start import WarmStartConfig, warm_start
 
 BUILDER_VERSION = 1
@@ -323,6 +324,7 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             max_num_seqs=spec.num_val,
             num_pages=pages,
         )
+        backend.weight_sync = LocalWeightSync(backend.engine)
 
         def evaluate(m: M3ForCausalLM) -> float:
             backend.update_weights(backend.weight_version + 1, iter_released_tensors(m))

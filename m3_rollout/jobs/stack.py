@@ -143,7 +143,7 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
     from m3_rollout.model import load_checkpoint
     from m3_rollout.model.configuration import M3Config
     from m3_rollout.parallel.expert_sharding import expert_range
-    from m3_rollout.service.factory import build_rollout_service
+    from m3_rollout.service.factory import attach_local_weight_sync, build_rollout_service
 
     p, gen = cfg.policy, cfg.policy.generation
     device = generation_device(cfg)
@@ -159,7 +159,7 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
     model = load_checkpoint(model_dir, dtype=getattr(torch, gen.dtype), device=device)
     if model.lm_head.weight.is_cuda:
         model.pack_fused_weights()
-    return NativeBackend(
+    backend = NativeBackend(
         model,
         chat.stop_token_ids,
         max_model_len=max_len,
@@ -168,6 +168,8 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
         record_routing=p.routing_replay,
         **gen.engine_kwargs(),
     )
+    attach_local_weight_sync(backend, cfg.weight_sync, p.freeze)
+    return backend
 
 
 def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name: str | None = None) -> RolloutStack:

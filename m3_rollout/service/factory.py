@@ -2,15 +2,34 @@
 
 Governing idea: the loop asks for a backend; with ``policy.generation.expert_parallel_size``
 P > 1 or an explicit ``cluster.launcher`` ("ray" / "mp") it gets a :class:`RolloutService` of P
-worker processes, otherwise None and it builds the in-process engine itself.
+worker processes, otherwise None and it builds the in-process engine itself, then gives it its
+weight receiver with ``attach_local_weight_sync`` (the same receiver the workers use).
 """
 
 from __future__ import annotations
 
 from m3_rollout.parallel.process_group import EPGroupSpec
+from m3_rollout.weight_sync import LocalWeightSync, ProbeSettings, default_frozen
 
 from .service import RolloutService
 from .worker import WorkerSpec
+
+
+def attach_local_weight_sync(backend, ws, freeze=None) -> LocalWeightSync:
+    """Give an in-process ``NativeBackend`` its weight receiver from the ``weight_sync`` config
+    section ``ws`` (atomic, in_flight, recompute_kv_after_update, probe) and ``policy.freeze``
+    (frozen tensors go with the first update only, unless ``weight_sync.send_frozen``). The probe's
+    reference scorer is the trainer's: ``backend.set_probe_reference(...)``. Returns it."""
+    pr = ws.probe
+    probe = ProbeSettings(pr.num_prompts, pr.num_tokens, pr.threshold) if pr.enabled else None
+
+    def frozen(name: str) -> bool:
+        return not ws.send_frozen and freeze is not None and default_frozen(name, freeze.indexer, freeze.router_bias)
+
+    backend.weight_sync = LocalWeightSync(
+        backend.engine, ws.atomic, ws.in_flight, ws.recompute_kv_after_update, probe=probe, frozen=frozen
+    )
+    return backend.weight_sync
 
 
 def build_rollout_service(cfg, model_dir, eos_token_ids, max_model_len: int) -> RolloutService | None:

@@ -7,8 +7,12 @@ them. A worker that dies (process gone / actor died) or raises turns into one
 :class:`GroupFailure` naming the ranks, raised as soon as it is seen (polling, never a blocking
 wait without a deadline), so the service can tear the group down and restart it.
 
-- :class:`ProcessLauncher`: ``torch.multiprocessing`` "spawn" processes, one ``Pipe`` each
-  (tensors travel through shared memory). For machines without Ray (the GPU test machines).
+- :class:`ProcessLauncher`: ``torch.multiprocessing`` forkserver processes, one ``Pipe`` each.
+  Messages cross BY VALUE (plain pickle bytes: a tensor's data is in the message, never a
+  shared-memory handle that dies with the process that sent it, e.g. a worker that replies and
+  exits). For machines without Ray (the GPU test machines). A worker's traceback survives its
+  death: a rank that fails (e.g. loading its checkpoint) sends the traceback before it exits,
+  and the failure reports it rather than the exit code.
 - :class:`RayLauncher` (default where Ray is installed): one actor per rank asking for
   ``num_cpus`` (fractional: two workers + a trainer fit on two cores) and, on GPU, one GPU;
   ``ray.init()`` locally or ``ray.init(address=...)`` to join a cluster.
@@ -17,6 +21,8 @@ wait without a deadline), so the service can tear the group down and restart it.
 from __future__ import annotations
 
 import abc
+import pickle
+import re
 import time
 import traceback
 from collections.abc import Sequence
@@ -29,17 +35,26 @@ from .worker import RolloutWorker, WorkerSpec
 _POLL_S = 0.01
 
 
+def cause_line(text: str) -> str:
+    """The line of a traceback / error text that names the cause: the last ``SomeError: ...``
+    line (Ray wraps the worker's traceback in text of its own), else the last line; '?' if empty."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "?"
+    causes = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", ln)]
+    return causes[-1] if causes else lines[-1]
+
+
 class GroupFailure(RuntimeError):
     """A worker died, raised, or did not answer in time; the EP group must be restarted.
 
-    Attributes: ``ranks`` (the failed ranks), ``method`` (the call), ``details`` (per-rank text).
+    Attributes: ``ranks`` (the failed ranks), ``method`` (the call), ``details`` (per-rank text,
+    e.g. the worker's traceback); the message names each rank's cause (``cause_line``).
     """
 
     def __init__(self, method: str, ranks: list[int], details: dict[int, str]):
         self.method, self.ranks, self.details = method, sorted(ranks), details
-        text = "; ".join(
-            f"rank {r}: {details[r].strip().splitlines()[-1] if details[r].strip() else '?'}" for r in self.ranks
-        )
+        text = "; ".join(f"rank {r}: {cause_line(details.get(r, ''))}" for r in self.ranks)
         super().__init__(f"EP worker group failed during {method!r}: {text}")
 
 
@@ -79,24 +94,34 @@ class Launcher(abc.ABC):
 
 
 # ---------------------------------------------------------------------------- processes
+def send_by_value(conn, obj) -> None:
+    """Send ``obj`` through a ``Connection`` as plain pickle bytes (tensors by value)."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_by_value(conn):
+    """Receive what ``send_by_value`` sent. Raises EOFError / OSError when the peer is gone."""
+    return pickle.loads(conn.recv_bytes())
+
+
 def _process_main(spec: WorkerSpec, rank: int, conn) -> None:
     """Body of one worker process: construct the worker, then serve (method, args) messages."""
     try:
         worker = RolloutWorker(spec, rank)
-        conn.send(("ok", None))
+        send_by_value(conn, ("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        conn.send(("error", traceback.format_exc()))
+        send_by_value(conn, ("error", traceback.format_exc()))
         return
     while True:
         try:
-            method, args = conn.recv()
+            method, args = recv_by_value(conn)
         except (EOFError, OSError):
             break  # parent went away
         try:
             result = getattr(worker, method)(*args)
-            conn.send(("ok", result))
+            send_by_value(conn, ("ok", result))
         except BaseException:  # noqa: BLE001 - reported to the parent, which restarts the group
-            conn.send(("error", traceback.format_exc()))
+            send_by_value(conn, ("error", traceback.format_exc()))
         if method == "shutdown":
             break
 
@@ -140,6 +165,9 @@ class ProcessLauncher(Launcher):
         self._collect("start", timeout_s)
 
     def call(self, method: str, per_rank_args=(), timeout_s: float | None = None) -> list:
+        if not self._procs:
+            ranks = list(range(self.world_size))
+            raise GroupFailure(method, ranks, {r: "the group is shut down; start it again" for r in ranks})
         args = self._args(per_rank_args, self.world_size)
         if self._broken is not None:
             ranks = list(range(self.world_size))
@@ -149,7 +177,7 @@ class ProcessLauncher(Launcher):
         failed: dict[int, str] = {}
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send((method, args[rank]))
+                send_by_value(conn, (method, args[rank]))
             except (BrokenPipeError, OSError) as exc:
                 failed[rank] = f"worker process gone ({exc})"
         if failed:
@@ -168,19 +196,16 @@ class ProcessLauncher(Launcher):
         errors: dict[int, str] = {}
         while pending:
             for rank in sorted(pending):
-                conn, proc = self._conns[rank], self._procs[rank]
-                if conn.poll():
-                    try:
-                        status, value = conn.recv()
-                    except (EOFError, OSError):
-                        errors[rank] = f"worker process exited (code {proc.exitcode})"
-                        pending.discard(rank)
-                        continue
+                proc = self._procs[rank]
+                alive = proc.is_alive()  # before the poll: a reply sent before death is then seen
+                got = self._reply(rank)
+                if got is not None:
+                    status, value = got
                     if status != "ok":
                         errors[rank] = value
                     results[rank] = value
                     pending.discard(rank)
-                elif not proc.is_alive():
+                elif not alive:
                     errors[rank] = f"worker process died (exit code {proc.exitcode})"
                     pending.discard(rank)
             if errors:
@@ -191,21 +216,35 @@ class ProcessLauncher(Launcher):
                 time.sleep(_POLL_S)
         return results
 
+    def _reply(self, rank: int):
+        """The (status, value) reply waiting in rank's pipe, or None (nothing there / pipe gone)."""
+        conn = self._conns[rank]
+        try:
+            if conn.poll():
+                return recv_by_value(conn)
+        except (EOFError, OSError):
+            pass
+        return None
+
     def _failure(self, method: str, errors: dict[int, str], grace_s: float = 1.0) -> GroupFailure:
         """Name the root cause: a peer's collective error often arrives before the dead rank is
-        seen dead, so wait briefly for process deaths and report dead ranks first."""
+        seen dead, so wait briefly for process deaths and report dead ranks first. A dead rank's
+        own message (the traceback it sent before exiting) is kept, with the exit code added."""
         end = time.monotonic() + grace_s
         while True:
-            dead = {
-                r: f"worker process died (exit code {p.exitcode})"
-                for r, p in enumerate(self._procs)
-                if not p.is_alive()
-            }
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
             if dead or time.monotonic() > end:
                 break
             time.sleep(_POLL_S)
-        details = {**errors, **dead}
-        return GroupFailure(method, list(dead) or list(errors), details)
+        details = dict(errors)
+        for r in dead:
+            code = f"worker process died (exit code {self._procs[r].exitcode})"
+            if r not in errors:
+                got = self._reply(r)
+                if got is not None and got[0] != "ok":
+                    details[r] = got[1]
+            details[r] = f"{code}\n{details[r]}" if r in details and details[r] != code else code
+        return GroupFailure(method, dead or list(errors), details)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
@@ -214,7 +253,7 @@ class ProcessLauncher(Launcher):
         for conn, proc in zip(self._conns, self._procs):
             if graceful and proc.is_alive():
                 try:
-                    conn.send(("shutdown", ()))
+                    send_by_value(conn, ("shutdown", ()))
                 except (BrokenPipeError, OSError):
                     pass
         deadline = time.monotonic() + (3.0 if graceful else 0.0)

@@ -11,9 +11,15 @@ Failure (design.md §6): a dead or failing rank breaks the group's collectives. 
 reports it within the collective timeout; the service records which requests were lost, tears
 the whole group down, starts it again (fresh rendezvous port, last weights re-applied) and
 resubmits the lost samples, whose tokens repeat exactly (randomness is keyed by seed, sample
-index and position). After more than ``max_restarts`` failures within one call it restarts the
-group once more and raises :class:`RolloutFailure` with the lost request ids, which the caller
-may resubmit.
+index and position). Every failure counts against ``max_restarts`` within one call, a failure
+while restarting too; past it the service raises :class:`RolloutFailure` with the lost request
+ids (the caller may resubmit them) and the last cause. Each failure is kept as an event
+(``drain_events()``) and counted in ``metrics()`` for the job to log.
+
+Weights (design.md §3): the driver is rank 0 of a weight-sync group with the workers
+(m3_rollout/weight_sync); every update goes through the workers' ``WeightReceiver``, the same
+receiver the in-process engine uses, so names, shapes, finite values, versions, atomicity, the
+in-flight policy and the probe are checked in one place.
 """
 
 from __future__ import annotations
@@ -78,6 +84,11 @@ class RolloutService(GenerationBackend):
         max_restarts: group restarts allowed within one ``generate`` call.
         start_timeout_s: limit for bringing the group up (imports, rendezvous, shard loading).
         call_timeout_s: limit for one ``run`` call (None: the collective timeout bounds it).
+        weight_sync: the ``weight_sync`` config section (a ``WeightSyncConfig``).
+        freeze: ``policy.freeze`` (frozen tensors are sent with a group's first update only,
+            unless ``weight_sync.send_frozen``); None: nothing frozen.
+        probe_reference: the trainer's probe scorer (``weight_sync.probe``; the job sets it).
+    Raises RolloutFailure when the group does not start within ``max_restarts`` attempts.
     """
 
     def __init__(
@@ -91,8 +102,10 @@ class RolloutService(GenerationBackend):
         max_restarts: int = 2,
         start_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
-        weight_sync=None,
+        *,
+        weight_sync,
         freeze=None,
+        probe_reference=None,
     ):
         self.spec = spec
         self.world_size = spec.group.world_size
@@ -108,57 +121,102 @@ class RolloutService(GenerationBackend):
         self._prefix_owner: dict[tuple[int, int], int] = {}  # (prompt length, hash) -> rank
         self._prefix_lengths: set[int] = set()
         self.restarts = 0
-        self.failures: list[dict] = []  # {"time", "ranks", "error", "lost_request_ids"}
+        self._starts = 0  # group starts so far (the workers' incarnation)
+        self.failures: list[dict] = []  # {"time", "ranks", "error", "lost_request_ids", "recovered"}
+        self._events: list[dict] = []  # failures not yet handed to the job (drain_events)
         self.last_ep_stats: list[dict] = []
         self._metrics = {"run_calls": 0, "lockstep_steps": 0, "run_seconds": 0.0}
         self._lock = threading.RLock()  # one launcher call at a time (async GRPO's producer thread)
-        # weight_sync (a WeightSyncConfig) with method=broadcast: updates go through the trainer ->
-        # workers weight-sync group (m3_rollout/weight_sync) instead of launcher RPC.
-        self.weight_sync, self._freeze = weight_sync, freeze
+        self.weight_sync, self._freeze, self.probe_reference = weight_sync, freeze, probe_reference
         self._ws_sender = None
         self.last_weight_sync: dict = {}
-        self._start()
+        self._start_with_retries(None, [])
         atexit.register(self.shutdown)
 
     # ---- group lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
+        """Start a fresh group (new rendezvous port) and re-apply the last weights. Raises
+        GroupFailure (the launcher is shut down and dropped first)."""
         group = dataclasses.replace(self.spec.group, port=free_port(self.spec.group.addr))
-        spec = dataclasses.replace(self.spec, group=group, incarnation=self.restarts)
+        spec = dataclasses.replace(self.spec, group=group, incarnation=self._starts)
+        self._starts += 1
         kind = self._launcher_kind
         self.launcher = kind() if callable(kind) else make_launcher(kind, *self._launcher_args)
         try:
             self.launcher.start(spec, self.start_timeout_s)
             infos = self.launcher.call("info", (), self.start_timeout_s)
-            shapes = self.launcher.call("released_shapes", (), self.start_timeout_s)
+            self.rank_info = infos
+            if self._last_weights is not None:
+                self._push_weights(*self._last_weights)
         except BaseException:
-            self.launcher.shutdown()
+            self._close_weight_sync()
+            self.launcher.shutdown(graceful=False)
+            self.launcher = None
             raise
-        self.rank_info = infos
-        self._rank_shapes = [{n: tuple(s) for n, s in d.items()} for d in shapes]
-        self._rank_names = [set(d) for d in self._rank_shapes]
-        if self._last_weights is not None:
-            self._push_weights(*self._last_weights)
 
-    def _restart(self, failure: GroupFailure, lost: list[str]) -> None:
-        self.failures.append(
-            {"time": time.time(), "ranks": failure.ranks, "error": str(failure), "lost_request_ids": lost}
-        )
-        self.launcher.shutdown(graceful=False)
-        self._close_weight_sync()  # the new workers join a new weight-sync group
-        self.restarts += 1
-        self._prefix_owner.clear()
-        self._prefix_lengths.clear()
-        self._start()
+    def _record(self, failure: GroupFailure, lost: list[str], recovered: bool) -> None:
+        event = {
+            "time": time.time(),
+            "ranks": failure.ranks,
+            "error": str(failure),
+            "lost_request_ids": lost,
+            "recovered": recovered,
+        }
+        self.failures.append(event)
+        self._events.append(event)
+        then = "restarting the group" if recovered else f"giving up (cluster.max_restarts={self.max_restarts})"
+        print(f"[rollout] {failure}; {len(lost)} requests to resubmit; {then}", flush=True)
+
+    def _start_with_retries(self, failure: GroupFailure | None, lost: list[str], used: int = 0) -> int:
+        """(Re)start the group after ``failure`` (None: the first start). A failure while starting
+        counts like any other; ``used`` restarts were already spent in this call. Returns the
+        restarts used in all. Raises RolloutFailure (with ``lost`` and the last cause) past
+        ``max_restarts``."""
+        while True:
+            if failure is not None:
+                self._close_weight_sync()  # the new workers join a new weight-sync group
+                if self.launcher is not None:
+                    self.launcher.shutdown(graceful=False)
+                    self.launcher = None
+                if used >= self.max_restarts:
+                    self._record(failure, lost, recovered=False)
+                    raise RolloutFailure(
+                        f"{failure}; gave up after {self.max_restarts} restarts (cluster.max_restarts); "
+                        f"lost requests (resubmit them): {lost}",
+                        lost,
+                    ) from failure
+                self._record(failure, lost, recovered=True)
+                used += 1
+                self.restarts += 1
+                self._prefix_owner.clear()
+                self._prefix_lengths.clear()
+            try:
+                self._start()
+                return used
+            except GroupFailure as again:
+                failure = again
 
     @_locked
     def shutdown(self) -> None:
-        if self.launcher is not None:
-            try:
-                self.launcher.call("shutdown", (), 10.0)
-            except GroupFailure:
-                pass
-            self.launcher.shutdown()
-            self.launcher = None
+        """End the workers. Never raises: it runs after failures (and at exit) and must not
+        hide them."""
+        launcher, self.launcher = self.launcher, None
+        if launcher is None:
+            return
+        try:
+            launcher.call("shutdown", (), 10.0)
+        except GroupFailure:
+            pass
+        finally:
+            self._close_weight_sync()
+            launcher.shutdown()
+
+    @_locked
+    def drain_events(self) -> list[dict]:
+        """Worker failures since the last call (recovered or not), oldest first: {"time",
+        "ranks", "error", "lost_request_ids", "recovered"}; the job logs them."""
+        out, self._events = self._events, []
+        return out
 
     @_locked
     def worker_pids(self) -> list[int]:
@@ -190,8 +248,11 @@ class RolloutService(GenerationBackend):
         """Run all requests to completion on the EP group; outputs ordered by request, then sample.
 
         Bad requests give error records. Raises RolloutFailure when the group fails more than
-        ``max_restarts`` times during this call.
+        ``max_restarts`` times during this call (failures while restarting included); the next
+        call starts a fresh group.
         """
+        if self.launcher is None:
+            self._start_with_retries(None, [])
         results: list[list[SampleOutput]] = [[] for _ in requests]
         pending: dict[str, _Pending] = {}
         load = [0] * self.world_size
@@ -210,14 +271,7 @@ class RolloutService(GenerationBackend):
                 )
             except GroupFailure as failure:
                 lost = sorted({p.request.request_id for p in pending.values()})
-                restarts_here += 1
-                self._restart(failure, lost)  # the group is usable again either way
-                if restarts_here > self.max_restarts:
-                    raise RolloutFailure(
-                        f"{failure}; gave up after {self.max_restarts} restarts in this call; "
-                        f"lost requests (resubmit them): {lost}",
-                        lost,
-                    ) from failure
+                restarts_here = self._start_with_retries(failure, lost, restarts_here)
                 new = self._resubmit(pending)
                 continue
             self._metrics["run_calls"] += 1
@@ -268,49 +322,32 @@ class RolloutService(GenerationBackend):
 
     @_locked
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Send every rank its tensors (replicated ones + its experts; released names), in place.
+        """Send every rank the update over the weight-sync group (each rank keeps the tensors it
+        holds: replicated ones + its experts; released names), in place.
 
         The tensors are copied to host once and kept, so a restarted group gets the same weights.
-        All-or-nothing across ranks: names, shapes and finite values are checked against every
-        rank's tensor list before anything is sent; if a rank still fails, the group is restarted
+        Every check is the ranks' receiver's (receiver.py): a rejected update leaves atomic ranks
+        on their weights and version; ranks a non-atomic failure left invalid are repaired by
+        re-sending the last good weights (``replace``). A rank dying mid-update restarts the group
         on the last good weights.
-        Raises ValueError listing missing / unexpected / mis-shaped / non-finite tensors;
+        Raises ValueError naming the rank and tensors / versions of a rejected update;
         GroupFailure when a rank failed during the update (after the restart).
         """
         incoming = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors}
-        everything = set().union(*self._rank_names)
-        problems = [f"missing: {n}" for n in sorted(everything - set(incoming))]
-        problems += [f"unexpected: {n}" for n in sorted(set(incoming) - everything)]
-        expected = {n: s for d in self._rank_shapes for n, s in d.items()}
-        problems += [
-            f"shape of {n}: got {tuple(t.shape)}, expected {expected[n]}"
-            for n, t in incoming.items()
-            if n in expected and tuple(t.shape) != expected[n]
-        ]
-        problems += [
-            f"non-finite values in {n}"
-            for n, t in incoming.items()
-            if t.is_floating_point() and not bool(torch.isfinite(t).all())
-        ]
-        if problems:
-            raise ValueError(
-                f"weight update rejected, weights unchanged (version {self._version}):\n  " + "\n  ".join(problems)
-            )
+        if self.launcher is None:
+            self._start_with_retries(None, [])
         try:
             self._push_weights(int(version), incoming)
         except GroupFailure as failure:
-            # Some ranks may hold the new weights, others the old: restart the whole group, which
-            # re-applies the last good weights (all-or-nothing across ranks), then report.
-            self._restart(failure, [])
+            self._start_with_retries(failure, [])  # back on the last good weights
+            raise
+        except ValueError:
+            ranks = self.last_weight_sync.get("ranks", [])
+            if self._last_weights is not None and any(not o["valid"] for o in ranks):
+                self._push_weights(*self._last_weights, replace=True)
             raise
         self._last_weights = (int(version), incoming)
         self._version = int(version)
-
-    def _push_weights(self, version: int, incoming: dict[str, torch.Tensor]) -> None:
-        if self.weight_sync is not None and self.weight_sync.method == "broadcast":
-            return self._push_weights_broadcast(version, incoming)
-        per_rank = [(version, {n: incoming[n] for n in names}) for names in self._rank_names]
-        self.launcher.call("update_weights", per_rank, self.start_timeout_s)
 
     def _call_beside(self, method: str, args: tuple, fn):
         """Run ``launcher.call(method, args)`` in a thread while ``fn()`` runs here (both ends of a
@@ -327,20 +364,26 @@ class RolloutService(GenerationBackend):
         t.start()
         try:
             res = fn()
-        finally:
+        except BaseException:
             t.join(self.start_timeout_s + 60.0)
+            if "exc" in box:  # a rank failed: that is the cause, the trainer side only timed out
+                raise box["exc"] from None
+            raise
+        t.join(self.start_timeout_s + 60.0)
         if "exc" in box:
             raise box["exc"]
         return res, box.get("out")
 
-    def _push_weights_broadcast(self, version: int, incoming: dict[str, torch.Tensor]) -> None:
-        """Weight update over the trainer -> workers weight-sync group (this process is rank 0).
+    def _push_weights(self, version: int, incoming: dict[str, torch.Tensor], replace: bool = False) -> None:
+        """One update over the trainer -> workers weight-sync group (this process is rank 0).
 
         The group is created (and the handshake run) on first use and after a restart; the first
         update of a group also sends the frozen tensors. Raises ValueError naming the rank and
-        tensor when a rank rejects the update (atomic ranks keep their weights and version)."""
+        tensor when a rank rejects the update, GroupFailure when a rank fails."""
         from m3_rollout.weight_sync import (
             BroadcastChannel,
+            HandshakeError,
+            ProbeSettings,
             WeightSender,
             WeightSyncGroup,
             WeightUpdateError,
@@ -348,6 +391,7 @@ class RolloutService(GenerationBackend):
         )
 
         ws = self.weight_sync
+        self.last_weight_sync = {}
         first = self._ws_sender is None
         if first:
             addr = self.spec.group.addr
@@ -362,6 +406,8 @@ class RolloutService(GenerationBackend):
                 recompute_kv_after_update=ws.recompute_kv_after_update,
             )
             freeze = self._freeze
+            pr = ws.probe
+            probe = ProbeSettings(pr.num_prompts, pr.num_tokens, pr.threshold) if pr.enabled else None
 
             def frozen(name: str) -> bool:
                 return (
@@ -379,25 +425,48 @@ class RolloutService(GenerationBackend):
                     ws.bucket_size_mb,
                     getattr(torch, self.spec.dtype),
                     frozen,
+                    probe=probe,
+                    reference=self.probe_reference,
                 )
-                sender.handshake()
+                try:
+                    sender.handshake()
+                except HandshakeError:
+                    group.close()
+                    raise
                 return sender
 
-            self._ws_sender, _ = self._call_beside(
-                "init_weight_sync", (addr, port, world, backend, ws.timeout_s, options), trainer_side
-            )
+            try:
+                self._ws_sender, _ = self._call_beside(
+                    "init_weight_sync", (addr, port, world, backend, ws.timeout_s, options), trainer_side
+                )
+            except HandshakeError as exc:
+                raise ValueError(f"weight update rejected, weights unchanged (version {self._version}): {exc}") from exc
         sender = self._ws_sender
         sender.named_tensors = lambda: incoming.items()
         t0 = time.perf_counter()
-        try:
-            stats, outs = self._call_beside("receive_weights", (), lambda: sender.update(version, include_frozen=first))
-        except WeightUpdateError as exc:
-            raise ValueError(str(exc)) from exc
+        box: dict = {}
+
+        def send():
+            try:
+                box["stats"] = sender.update(version, include_frozen=first, replace=replace)
+            except WeightUpdateError as exc:
+                box["error"] = exc
+
+        _, outs = self._call_beside("receive_weights", (), send)
         self.last_weight_sync = {
-            **stats,
+            **box.get("stats", sender.stats),
             "wall_seconds": time.perf_counter() - t0,
-            "paused_seconds": max((o["paused_seconds"] for o in outs or []), default=0.0),
+            "paused_seconds": max((o["paused_seconds"] for o in outs), default=0.0),
+            "ranks": [{k: o[k] for k in ("ok", "version", "valid", "probe_drift")} for o in outs],
         }
+        if "error" in box:
+            raise ValueError(str(box["error"])) from box["error"]
+
+    def set_probe_reference(self, reference) -> None:
+        """The trainer's probe scorer (``weight_sync.probe``; ``weight_sync.probe.model_scorer``)."""
+        self.probe_reference = reference
+        if self._ws_sender is not None:
+            self._ws_sender.reference = reference
 
     def _close_weight_sync(self) -> None:
         if self._ws_sender is not None:
@@ -425,13 +494,14 @@ class RolloutService(GenerationBackend):
         )
 
     def metrics(self) -> dict:
-        """Driver-side counters, restarts / lost requests, and the last ``run`` call's EP stats:
-        tokens per expert [n_moe_layers][E] (ranks' local rows concatenated), dispatch /
+        """Driver-side counters, restarts / failures (recovered ones too) / lost requests, and the
+        last ``run`` call's EP stats: tokens per expert [n_moe_layers][E] (ranks' local rows concatenated), dispatch /
         expert / combine seconds summed over ranks."""
         out = dict(
             self._metrics,
             restarts=self.restarts,
             failures=len(self.failures),
+            recovered_failures=sum(f["recovered"] for f in self.failures),
             lost_requests=sum(len(f["lost_request_ids"]) for f in self.failures),
         )
         if self.last_ep_stats:

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput
-from m3_rollout.model.loading import iter_released_tensors, load_released_tensor
 from m3_rollout.parallel.expert_sharding import expert_range, load_checkpoint_ep
 from m3_rollout.parallel.process_group import EPGroupSpec, destroy_ep_group, init_ep_group
 
@@ -48,7 +47,7 @@ class WorkerSpec:
             SIGKILLs itself after that many lockstep steps; ``fault_rank`` picks the rank.
         tokenizer_dir: optional directory with the tokenizer; gives the engine a detokenize
             callback (``SamplingParams.stop_strings``), markers kept, as ``ChatFormat.decode``.
-        incarnation: how many times the group was restarted before this start.
+        incarnation: how many times the group was started before this start.
     """
 
     model_dir: str
@@ -97,7 +96,6 @@ class RolloutWorker:
         self.model = model
         self.engine = LLMEngine(model, EngineConfig(**spec.engine), _detokenizer(spec.tokenizer_dir))
         self.expert_range = expert_range(model.config.num_local_experts, self.world_size, rank)
-        self._released = {n: tuple(t.shape) for n, t in iter_released_tensors(model)}
         self._steps = 0
         self._flag = torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -150,41 +148,6 @@ class RolloutWorker:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like a crashed / OOM-killed rank
 
     # ---- weights and control -----------------------------------------------------------------
-    def update_weights(self, version: int, named_tensors: dict[str, torch.Tensor]) -> int:
-        """Copy this rank's tensors (replicated ones + its experts, released names) in place.
-
-        All-or-nothing: names and shapes are checked before the first copy. Then the prefix cache
-        is reset and the version set. Returns the number of tensors copied.
-        Raises ValueError listing missing / unexpected / mis-shaped tensors.
-        """
-        problems = [f"missing: {n}" for n in self._released if n not in named_tensors]
-        problems += [f"unexpected: {n}" for n in named_tensors if n not in self._released]
-        problems += [
-            f"shape of {n}: got {tuple(t.shape)}, expected {self._released[n]}"
-            for n, t in named_tensors.items()
-            if n in self._released and tuple(t.shape) != self._released[n]
-        ]
-        if problems:
-            raise ValueError(
-                f"EP rank {self.rank}: weight update rejected, weights unchanged (version "
-                f"{self.engine.weight_version}):\n  " + "\n  ".join(problems)
-            )
-        with torch.no_grad():
-            for name, t in named_tensors.items():
-                load_released_tensor(self.model, name, t)
-        self.engine.reset_prefix_cache()
-        self.engine.set_weight_version(version)
-        return len(named_tensors)
-
-    def released_names(self) -> list[str]:
-        """Released names of the tensors this rank holds (its experts: global ids in its range)."""
-        return list(self._released)
-
-    def released_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Released name -> shape of every tensor this rank holds (the service checks updates
-        against it before sending anything, so no rank applies an update another rank refuses)."""
-        return dict(self._released)
-
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
@@ -200,15 +163,24 @@ class RolloutWorker:
     # ---- weight sync over the trainer's broadcast group (m3_rollout/weight_sync) -------------
     def init_weight_sync(
         self, host: str, port: int, world_size: int, backend: str, timeout_s: float, options: dict
-    ) -> None:
+    ) -> list[str]:
         """Join the trainer's weight-sync group as rank ``self.rank + 1`` (its own TCPStore, not
-        the EP group) and run the handshake. ``options``: RolloutWeightSync keyword arguments."""
-        from m3_rollout.weight_sync.group import WeightSyncGroup
-        from m3_rollout.weight_sync.rollout_sync import RolloutWeightSync
+        the EP group) and run the handshake. Returns the handshake's problems ([] = joined; the
+        trainer side raises with the same list). ``options``: RolloutWeightSync keyword arguments.
+        Drains under ``in_flight=drain`` step in lockstep with the peers (``run`` until no rank
+        has work)."""
+        from m3_rollout.weight_sync import HandshakeError, RolloutWeightSync, WeightSyncGroup
 
         group = WeightSyncGroup(host, port, self.rank + 1, world_size, backend, timeout_s, self.device)
-        self.weight_sync = RolloutWeightSync(self.engine, group, **options)
-        self.weight_sync.handshake()
+        self.weight_sync = RolloutWeightSync(
+            self.engine, group, drain=lambda: self.run([], 2**62)["outputs"], **options
+        )
+        try:
+            self.weight_sync.handshake()
+        except HandshakeError as exc:
+            group.close()
+            return str(exc).splitlines()[1:]
+        return []
 
     def receive_weights(self) -> dict:
         """Receive one broadcast update under the in-flight policy; returns this rank's result."""
@@ -220,8 +192,10 @@ class RolloutWorker:
             "valid": r.valid,
             "errors": r.errors,
             "seconds": r.seconds,
+            "probe_drift": r.probe_drift,
             "paused_seconds": out.paused_seconds,
             "handed_back": out.handed_back,
+            "outputs": [o for o in out.outputs if isinstance(o, SampleOutput)],
         }
 
     def info(self) -> dict:

@@ -3,18 +3,22 @@
 manifest   ordered (released name, shape, dtype) lists, EP-aware destination views, update header
 buckets    per-dtype bucket plan, packing, checksums
 group      the private trainer + rollout-ranks process group (TCPStore, gloo / NCCL, rebuild)
-receiver   rollout side: validate, stage (atomic) or apply per bucket, commit in place
+receiver   the ONE rollout-side receiver: checks, version rule, stage (atomic) or apply, commit
 sender     trainer side: broadcast or colocated (in-process) channel
 direct     colocated direct path: fused finite check + per-tensor copies, no buckets
 in_flight  what happens to running requests at an update (abort / drain / continue)
-rollout_sync  a rollout rank's endpoint: group + receiver + engine + in-flight policy
+probe      post-update probe: re-score fixed ids, compare with the trainer's logprobs
+rollout_sync  an engine's endpoint: receiver + in-flight policy + scorer (EP worker / in-process)
 Trainer glue: trainers/weight_sender.py. Service wiring: RolloutService(weight_sync=...).
 """
 
 from .buckets import Bucket, plan_buckets
 from .group import WeightSyncGroup, WeightSyncTimeout
+from .in_flight import InFlightOutcome, InFlightPolicy
 from .manifest import HandshakeError, TensorSpec, default_frozen, receiver_layout, sender_manifest
+from .probe import ProbeSettings, model_scorer
 from .receiver import UpdateResult, WeightReceiver
+from .rollout_sync import LocalWeightSync, RolloutWeightSync, engine_receiver
 from .sender import BroadcastChannel, ColocatedChannel, WeightSender, WeightUpdateError
 
 __all__ = [
@@ -22,13 +26,20 @@ __all__ = [
     "plan_buckets",
     "WeightSyncGroup",
     "WeightSyncTimeout",
+    "InFlightOutcome",
+    "InFlightPolicy",
     "HandshakeError",
     "TensorSpec",
     "default_frozen",
     "receiver_layout",
     "sender_manifest",
+    "ProbeSettings",
+    "model_scorer",
     "UpdateResult",
     "WeightReceiver",
+    "LocalWeightSync",
+    "RolloutWeightSync",
+    "engine_receiver",
     "BroadcastChannel",
     "ColocatedChannel",
     "WeightSender",

@@ -1,8 +1,10 @@
 """What running requests do when new weights arrive (``weight_sync.in_flight``, design.md §2).
 
-Governing idea: the update itself is a callable; this module only wraps it in the engine's
-pause / resume / abort_all so that every generated token is stamped with the version of the
-weights that produced it (the engine stamps ``engine.weight_version`` at sampling time):
+Governing idea: the receiver owns an ``InFlightPolicy`` and brackets every update with it
+(``begin`` before the first byte is applied, ``end`` with the update's result), whatever the
+channel (colocated copy, broadcast to N EP ranks); the policy wraps the engine's pause / resume /
+abort_all so that every generated token is stamped with the version of the weights that produced
+it (the engine stamps ``engine.weight_version`` at sampling time):
 
 - ``abort``: drop every unfinished sample and re-queue it from its prompt after the swap (all of
   its tokens carry the new version; the keyed sampler keeps its randomness stream).
@@ -12,10 +14,9 @@ weights that produced it (the engine stamps ``engine.weight_version`` at samplin
   (default) or recomputed under the new ones (``recompute_kv_after_update``: every running
   sample is preempted and re-prefilled).
 
-After a successful swap the prefix cache is reset (no page computed under the old weights is
-reused) and the engine's version is set. A rank left invalid by a failed non-atomic update
-refuses new requests (``engine.refuse_reason``) and hands its unfinished samples back for
-placement elsewhere.
+After a successful swap the prefix cache is reset once (no page computed under the old weights
+is reused) and the engine's version is set. A rank left invalid by a failed update refuses new
+requests (``engine.refuse_reason``) and hands its unfinished samples back for placement elsewhere.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .receiver import UpdateResult
-
 POLICIES = ("abort", "drain", "continue")
+
+INVALID_REASON = (
+    "weights invalid after a failed weight update (weight_sync.atomic=false); "
+    "this rank refuses requests until a full update succeeds"
+)
 
 
 @dataclass
@@ -42,7 +46,7 @@ class InFlightOutcome:
         drain_seconds: time spent finishing in-flight work on the old weights.
     """
 
-    result: UpdateResult
+    result: object
     outputs: list = field(default_factory=list)
     requeued: int = 0
     handed_back: list = field(default_factory=list)
@@ -50,53 +54,87 @@ class InFlightOutcome:
     drain_seconds: float = 0.0
 
 
-def update_with_policy(
-    engine,
-    do_update: Callable[[], UpdateResult],
-    policy: str = "abort",
-    recompute_kv: bool = False,
-    step: Callable[[], list] | None = None,
-) -> InFlightOutcome:
-    """Run ``do_update`` on ``engine`` (an ``LLMEngine``) under in-flight ``policy``.
+class InFlightPolicy:
+    """The engine side of an update: ``begin()`` -> (weights change) -> ``end(result)``.
 
-    ``step`` is the step function used to drain (default ``engine.step``; EP workers pass their
-    lockstep step). Raises ValueError for an unknown policy (naming ``weight_sync.in_flight``).
+    Args:
+        engine: an ``LLMEngine`` (duck-typed: pause / resume / abort_all / add_request / step /
+            has_unfinished / reset_prefix_cache / set_weight_version / preempt_all / refuse_reason).
+        policy: one of ``POLICIES`` (``weight_sync.in_flight``).
+        recompute_kv: ``weight_sync.recompute_kv_after_update`` (only with ``continue``).
+        drain: finishes every unfinished sample and returns the outputs (default: ``engine.step``
+            until nothing is unfinished; EP workers pass their lockstep loop, whose collectives
+            need every rank stepping until no rank has work).
+    Raises ValueError for an unknown policy or recompute_kv without ``continue`` (naming the key).
     """
-    if policy not in POLICIES:
-        raise ValueError(f"weight_sync.in_flight={policy!r}: must be one of {list(POLICIES)}")
-    step = step or engine.step
-    outputs: list = []
-    t_drain = time.perf_counter()
-    if policy == "drain":
-        while engine.has_unfinished():
-            outputs += step()
-    t0 = time.perf_counter()
-    engine.pause()
-    requeue = engine.abort_all() if policy == "abort" else []
-    try:
-        result = do_update()
-    except BaseException:
-        for req in requeue:  # the update raised (a bug, not a bad update): keep serving as before
-            engine.add_request(req)
-        engine.resume()
-        raise
-    if result.changed:
-        engine.reset_prefix_cache()
-        engine.set_weight_version(result.version)
-        if policy == "continue" and recompute_kv:
-            engine.preempt_all()
-    handed_back = []
-    if not result.valid:
-        engine.refuse_reason = (
-            "weights invalid after a failed weight update (weight_sync.atomic=false); "
-            "this rank refuses requests until a full update succeeds"
+
+    def __init__(
+        self, engine, policy: str = "abort", recompute_kv: bool = False, drain: Callable[[], list] | None = None
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"weight_sync.in_flight={policy!r}: must be one of {list(POLICIES)}")
+        if recompute_kv and policy != "continue":
+            raise ValueError(
+                f"weight_sync.recompute_kv_after_update=true only applies with weight_sync.in_flight=continue "
+                f"(got {policy!r})"
+            )
+        self.engine, self.policy, self.recompute_kv = engine, policy, bool(recompute_kv)
+        self.drain = drain or self._drain_local
+        self.active = False
+        self.last: InFlightOutcome | None = None
+
+    def begin(self) -> None:
+        """Bring the engine to a state where weights may change (drain / pause / abort)."""
+        if self.active:
+            return
+        eng = self.engine
+        self._outputs: list = []
+        self._t_drain = time.perf_counter()
+        if self.policy == "drain":
+            self._outputs = list(self.drain())
+        self._t0 = time.perf_counter()
+        eng.pause()
+        self._requeue = eng.abort_all() if self.policy == "abort" else []
+        self.active = True
+
+    def _drain_local(self) -> list:
+        outputs: list = []
+        while self.engine.has_unfinished():
+            outputs += self.engine.step()
+        return outputs
+
+    def cancel(self) -> None:
+        """The update raised (a bug, not a bad update): keep serving as before."""
+        if not self.active:
+            return
+        for req in self._requeue:
+            self.engine.add_request(req)
+        self.engine.resume()
+        self.active = False
+
+    def end(self, result) -> InFlightOutcome:
+        """Finish the update with ``result`` (an ``UpdateResult``): reset the prefix cache and set
+        the version when the weights changed, refuse requests when the rank is invalid, resume."""
+        eng = self.engine
+        requeue = self._requeue
+        if result.changed and result.valid:
+            eng.reset_prefix_cache()
+            eng.set_weight_version(result.version)
+            if self.policy == "continue" and self.recompute_kv:
+                eng.preempt_all()
+        handed_back = []
+        if not result.valid:
+            eng.refuse_reason = INVALID_REASON
+            handed_back = requeue + eng.abort_all()
+            eng.reset_prefix_cache()
+            requeue = []
+        else:
+            eng.refuse_reason = None
+        for req in requeue:
+            eng.add_request(req)
+        eng.resume()
+        self.active = False
+        self.last = InFlightOutcome(
+            result, self._outputs, len(requeue), handed_back, time.perf_counter() - self._t0, self._t0 - self._t_drain
         )
-        handed_back = requeue + engine.abort_all()
-        engine.reset_prefix_cache()
-        requeue = []
-    else:
-        engine.refuse_reason = None
-    for req in requeue:
-        engine.add_request(req)
-    engine.resume()
-    return InFlightOutcome(result, outputs, len(requeue), handed_back, time.perf_counter() - t0, t0 - t_drain)
+        return self.last

@@ -14,8 +14,9 @@ the same on every rank), but only owned ones resolve to a destination view (row 
 of parameter storage, so copying into them never changes ``data_ptr``.
 
 The per-update header (``encode_header`` / ``decode_header``) is an int64 tensor
-``[MAGIC, version, include_frozen, n, (index, dtype_code, ndim, *shape) * n]`` listing the manifest
-entries an update carries, with the shapes the trainer holds *now*; receivers check it against
+``[MAGIC, version, flags, n, (index, dtype_code, ndim, *shape) * n]`` (flags: bit 0 include_frozen,
+bit 1 replace, bit 2 a probe follows) listing the manifest entries an update carries, with the
+shapes the trainer holds *now*; receivers check it against
 the handshake before trusting any bucket (wrong shape / missing tensor are caught here).
 """
 
@@ -201,16 +202,22 @@ def manifest_from_bytes(data: bytes) -> list[TensorSpec]:
 
 @dataclass(frozen=True)
 class UpdateHeader:
-    """What one update carries: ``entries`` = (manifest index, shape, dtype) in send order."""
+    """What one update carries: ``entries`` = (manifest index, shape, dtype) in send order.
+
+    ``replace``: the update re-sends the version the ranks hold (allowed only when asked for:
+    versions otherwise only increase). ``probe``: a post-update probe (``probe.py``) follows."""
 
     version: int
     include_frozen: bool
     entries: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
+    replace: bool = False
+    probe: bool = False
 
 
 def encode_header(h: UpdateHeader) -> torch.Tensor:
     """int64 [4 + sum(3 + ndim)] tensor (module docstring)."""
-    vals = [HEADER_MAGIC, int(h.version), int(h.include_frozen), len(h.entries)]
+    flags = int(h.include_frozen) | int(h.replace) << 1 | int(h.probe) << 2
+    vals = [HEADER_MAGIC, int(h.version), flags, len(h.entries)]
     for idx, shape, dtype in h.entries:
         vals += [idx, DTYPE_CODES[dtype], len(shape), *shape]
     return torch.tensor(vals, dtype=torch.int64)
@@ -230,7 +237,7 @@ def decode_header(t: torch.Tensor) -> UpdateHeader:
         i += 3 + nd
     if i != len(v):
         raise ValueError("weight-sync header: length does not match its entries")
-    return UpdateHeader(v[1], bool(v[2]), tuple(entries))
+    return UpdateHeader(v[1], bool(v[2] & 1), tuple(entries), bool(v[2] & 2), bool(v[2] & 4))
 
 
 def check_header(h: UpdateHeader, manifest: list[TensorSpec]) -> list[str]:

@@ -1,29 +1,40 @@
-"""Rollout-rank side of weight sync: handshake, receive buckets, validate, commit in place.
+"""Rollout-rank side of weight sync: the ONE receiver every backend refits through.
 
 Governing idea: a small state machine (``check_handshake`` -> ``begin`` -> ``on_bucket`` * n ->
-``status`` -> ``complete``) that knows nothing about the transport; ``handshake(group)`` /
-``receive_update(group)`` drive it over a ``WeightSyncGroup`` broadcast, and the colocated path
-(``transport.ColocatedSender``) calls the same methods in-process. Nothing here allocates new
-parameter storage: every write goes through a view of an existing parameter (``data_ptr`` fixed).
+``status`` -> ``apply`` -> ``finish``) that knows nothing about the transport; ``handshake(group)``
+/ ``receive_update(group)`` drive it over a ``WeightSyncGroup`` broadcast (EP workers), and
+``ColocatedChannel`` drives the same methods in-process (the in-process engine), with buckets or
+with the direct per-tensor copy (``receive_direct``). So the checks below exist once, for one
+rank and for N: the header against the handshake (names, shapes, dtypes, missing tensors), the
+version rule, finite values, the two-phase verdict, the in-flight policy and the probe. Nothing
+here allocates new parameter storage: every write goes through a view of an existing parameter
+(``data_ptr`` fixed).
 
+Versions only increase: an update whose version is negative, older than the rank's, or equal to
+it is refused (both versions in the message) unless its header says ``replace`` (re-send the
+version held, e.g. to repair ranks a failed non-atomic update left invalid). A fresh receiver's
+first update may carry the version it was built with (the checkpoint it loaded is no update).
+
+Finite values are checked on the device on every path (one aminmax pass per bucket, or the fused
+direct check): ``atomic`` decides staging, not validation.
 ``atomic=True``: every owned byte is staged in host memory (on CPU a fully owned bucket is
 received straight into its stage slot; on GPU through at most one or two device wire buffers),
-each bucket is validated as it arrives (checksum, then finite values of the owned tensors), the
-header was validated against the handshake (sizes, shapes, dtypes, missing tensors) before any
-bucket; only when EVERY rank reports success are the staged bytes copied into the parameters
-(two-phase: status exchange, then commit). Any failure leaves weights and version untouched.
-``atomic=False``: each bucket is checksummed (finite values too with ``check_finite``) and
-copied into the parameters as it arrives (no host stage); a failure after the first copy marks the rank
-``valid=False`` (it must refuse
-requests) until a later full update succeeds.
-Colocated direct path (``receive_direct``, ``direct.py``): no buckets; the trainer's tensors are
-copied straight into the destination views; atomic validates them all first (fused finite check,
-one host sync) and copies at ``complete``, the trainer tensors serving as the stage.
+each bucket is validated as it arrives; only when EVERY rank reports success are the staged bytes
+copied into the parameters (two-phase: status exchange, then commit). Any failure leaves weights
+and version untouched. The direct path validates every tensor first and copies at commit, the
+trainer tensors serving as the stage.
+``atomic=False``: each bucket (each tensor on the direct path) is copied into the parameters as
+soon as it is validated (no stage). When any rank fails, no rank moves to the new version: a rank
+that already overwrote bytes is marked ``valid=False`` (it refuses requests) until a later full
+update succeeds, so every rank ends on one version or the update failed everywhere.
+
+Probe (``probe.py``): when the update carries one, every rank re-scores the probe ids with the new
+weights after the commit and reports its drift in a second verdict exchange; atomic ranks keep a
+copy of the weights they overwrote and roll back when any rank's drift is beyond the threshold.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +45,7 @@ from m3_rollout.model.loading import RELEASED_PREFIX
 from .buckets import Bucket, all_finite, checksum_ok, plan_buckets, segment_view
 from .direct import copy_into, nonfinite
 from .group import WeightSyncGroup, WeightSyncTimeout
+from .in_flight import InFlightPolicy
 from .manifest import (
     HandshakeError,
     TensorSpec,
@@ -44,6 +56,7 @@ from .manifest import (
     manifest_from_bytes,
     receiver_layout,
 )
+from .probe import ProbeData, Scorer, probe_drift
 
 _MAX_NAMES = 4  # tensors named per failing bucket
 
@@ -54,12 +67,13 @@ class UpdateResult:
 
     Attributes:
         ok: this rank's weights now equal the trainer's update ``version``.
-        version: weight version served after the call (unchanged on failure for atomic ranks).
+        version: weight version served after the call (unchanged on failure).
         errors: what went wrong, naming tensors ("rank r: ...").
         valid: False when the rank holds a partial update and must refuse requests.
         needs_rebuild: the group broke (peer died / timeout); rebuild before the next update.
-        changed: this rank's parameters were overwritten with the update (prefix cache must go).
+        changed: this rank's parameters were overwritten (the prefix cache must go).
         seconds: wall time of the receive + commit.
+        probe_drift: this rank's probe figure (nats per token), None without a probe.
     """
 
     ok: bool
@@ -69,6 +83,7 @@ class UpdateResult:
     needs_rebuild: bool = False
     seconds: float = 0.0
     changed: bool = False
+    probe_drift: float | None = None
 
 
 @dataclass
@@ -89,11 +104,11 @@ class WeightReceiver:
         atomic: see module docstring.
         double_buffer: post the receive of bucket k+1 before processing bucket k.
         version: weight version the model holds now.
-        on_commit: called with the new version after the weights changed (engine hooks:
-            reset the prefix cache, set the weight version).
         prefix: released-name prefix; must match the trainer's.
-        check_finite: reject buckets with NaN / inf in owned tensors; default: on when atomic,
-            off otherwise (``atomic=False`` is the fast path: checksum only).
+        in_flight: the engine's ``InFlightPolicy``; it brackets every update (pause / abort /
+            drain before, prefix-cache reset + version + resume after). None: a bare model.
+        scorer: re-scores probe ids with this rank's weights (``probe.Scorer``; e.g. the engine's
+            ``score``); needed when updates carry a probe.
     Raises ValueError when a destination view is not contiguous (cannot be written flat).
     """
 
@@ -103,9 +118,9 @@ class WeightReceiver:
         atomic: bool = True,
         double_buffer: bool = True,
         version: int = 0,
-        on_commit: Callable[[int], None] | None = None,
         prefix: str = RELEASED_PREFIX,
-        check_finite: bool | None = None,
+        in_flight: InFlightPolicy | None = None,
+        scorer: Scorer | None = None,
     ):
         layout = list(receiver_layout(model, prefix=prefix))
         self.local_manifest: list[TensorSpec] = [s for s, _ in layout]
@@ -115,19 +130,16 @@ class WeightReceiver:
                 raise ValueError(f"{name}: destination view is not contiguous; cannot receive it in place")
         self.device = next(model.parameters()).device
         self.atomic, self.double_buffer = atomic, double_buffer
-        self._check_finite = check_finite
         self.version = int(version)
+        self.received = False  # no update applied yet: the first may carry ``version`` itself
         self.valid = True
-        self.on_commit = on_commit
+        self.in_flight, self.scorer = in_flight, scorer
         self.rank_label = "rollout"
         self.manifest: list[TensorSpec] | None = None
         self._stage_cache: torch.Tensor | None = None
         self._scratch_cache: list[torch.Tensor] = []
+        self._backup_cache: torch.Tensor | None = None
         self._reset()
-
-    @property
-    def check_finite(self) -> bool:
-        return self.atomic if self._check_finite is None else bool(self._check_finite)
 
     def _reset(self) -> None:
         self._header: UpdateHeader | None = None
@@ -137,6 +149,10 @@ class WeightReceiver:
         self._stage: torch.Tensor | None = None
         self._scratch: list[torch.Tensor] = []
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # colocated: (dst view, src)
+        self._probe: ProbeData | None = None
+        self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dst view, copy of its old bytes)
+        self._committed = False
+        self._drift: float | None = None
 
     # ---------------------------------------------------------------- protocol steps
     def check_handshake(self, manifest: list[TensorSpec]) -> list[str]:
@@ -145,16 +161,36 @@ class WeightReceiver:
         self.manifest = None if diffs else list(manifest)
         return diffs
 
-    def begin(self, header: UpdateHeader, bucket_bytes: int) -> list[Bucket]:
-        """Start an update; returns the bucket plan (the same the sender computes).
-
-        Header problems (shape, dtype, missing / repeated tensor) are recorded as errors; the
-        buckets must still be consumed to stay in step with the group, but nothing is applied."""
+    def _start(self, header: UpdateHeader, probe: ProbeData | None) -> None:
+        """Checks shared by both paths (header vs handshake, version rule, probe), then the
+        in-flight policy's ``begin``."""
         if self.manifest is None:
             raise RuntimeError("weight update before a successful handshake")
         self._reset()
         self._header = header
         self._errors = [f"{self.rank_label}: {p}" for p in check_header(header, self.manifest)]
+        v, cur = int(header.version), self.version
+        if v < 0:
+            self._fail(f"update version {v} refused: versions are >= 0 (this rank holds version {cur})")
+        elif v < cur or (v == cur and self.received and not header.replace):
+            self._fail(
+                f"update version {v} refused: this rank holds version {cur}; versions only increase "
+                "(an update that re-sends the version held must say replace=True)"
+            )
+        if header.probe != (probe is not None):
+            self._fail("update header and probe data disagree (sender and receiver out of step?)")
+        elif probe is not None and self.scorer is None:
+            self._fail("update carries a probe (weight_sync.probe) but this rank has no scorer")
+        self._probe = probe
+        if self.in_flight is not None:
+            self.in_flight.begin()
+
+    def begin(self, header: UpdateHeader, bucket_bytes: int, probe: ProbeData | None = None) -> list[Bucket]:
+        """Start a bucketed update; returns the bucket plan (the same the sender computes).
+
+        Header problems (shape, dtype, missing / repeated tensor, version) are recorded as errors;
+        the buckets must still be consumed to stay in step with the group, but nothing is applied."""
+        self._start(header, probe)
         plan = plan_buckets([(shape, dt) for _, shape, dt in header.entries], bucket_bytes)
         stage_bytes = 0
         for b in plan:
@@ -194,8 +230,8 @@ class WeightReceiver:
         return plan
 
     def release_buffers(self) -> None:
-        """Free the cached host stage and wire buffers (they are reallocated by the next update)."""
-        self._stage_cache, self._scratch_cache = None, []
+        """Free the cached host stage, wire and probe-backup buffers (reallocated when needed)."""
+        self._stage_cache, self._scratch_cache, self._backup_cache = None, [], None
 
     def bucket_buffer(self, k: int) -> torch.Tensor:
         """The uint8 buffer bucket k should be received into (a stage slot or a scratch buffer)."""
@@ -205,7 +241,8 @@ class WeightReceiver:
         return self._scratch[k % len(self._scratch)][: st.bucket.wire_bytes]
 
     def on_bucket(self, k: int, buf: torch.Tensor) -> None:
-        """Validate (and stage or apply) bucket k, which has arrived in ``bucket_buffer(k)``."""
+        """Validate (checksum, finite values) and stage or apply bucket k, which has arrived in
+        ``bucket_buffer(k)``."""
         st = self._states[k]
         b = st.bucket
         if self._errors or not st.owned:
@@ -219,14 +256,12 @@ class WeightReceiver:
             self._fail(f"bucket {k} ({b.dtype}, {b.data_bytes} bytes) checksum mismatch; holds " + self._names(b))
             return
         if not self.atomic:
-            if self.check_finite:
-                whole = len(st.owned) == len(b.segments)
-                if whole and all_finite(buf[: b.data_bytes].view(b.dtype)):
-                    bad = []
-                else:
-                    bad = [seg for seg, _ in st.owned if not all_finite(segment_view(buf, b, seg))]
+            whole = len(st.owned) == len(b.segments)
+            if not (whole and all_finite(buf[: b.data_bytes].view(b.dtype))):
+                bad = [seg for seg, _ in st.owned if not all_finite(segment_view(buf, b, seg))]
+                for seg in bad[:_MAX_NAMES]:
+                    self._fail(f"non-finite values in {self._seg_name(seg)}")
                 if bad:
-                    self._fail(f"non-finite values in {self._seg_name(bad[0])}")
                     return
             with torch.no_grad():
                 for seg, dst in st.owned:
@@ -237,29 +272,24 @@ class WeightReceiver:
             for (seg, _), off in zip(st.owned, st.stage_offsets):
                 n = seg.numel * b.dtype.itemsize
                 self._stage[off : off + n].copy_(buf[seg.byte_offset : seg.byte_offset + n])
-        if not self.check_finite or all_finite(self._staged_all(st)):
+        if all_finite(self._staged_all(st)):
             return
         bad = [seg for seg, _ in st.owned if not all_finite(self._staged(st, seg))]
         for seg in bad[:_MAX_NAMES]:
             self._fail(f"non-finite values in {self._seg_name(seg)}")
 
     # ---------------------------------------------------------------- colocated direct path
-    def receive_direct(self, header: UpdateHeader, sources: list[torch.Tensor]) -> None:
+    def receive_direct(self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None) -> None:
         """In-process update without buckets (``direct.py``): ``sources[k]`` is the trainer tensor
         of ``header.entries[k]`` (trainer dtype, any device; cast on copy).
 
-        Checks the header against the handshake, then: ``atomic=False`` copies every owned tensor
-        into its destination view now (after the fused finite check when ``check_finite``);
-        ``atomic=True`` only validates (fused finite check of the cast values, one host sync) and
-        keeps the pairs for ``complete`` to copy when every receiver succeeded; the trainer tensors
-        are the stage, so they must not change before ``complete`` (the channel calls both in one
-        go). Follow with ``status`` / ``complete`` as for buckets.
+        The shared checks (``_start``), then the fused finite check of the cast values (one host
+        sync); ``atomic=False`` copies every owned tensor into its destination view now,
+        ``atomic=True`` keeps the pairs for ``apply`` to copy when every receiver succeeded (the
+        trainer tensors are the stage, so they must not change before ``apply``; the channel
+        calls both in one go). Follow with ``status`` / ``apply`` / ``finish`` as for buckets.
         """
-        if self.manifest is None:
-            raise RuntimeError("weight update before a successful handshake")
-        self._reset()
-        self._header = header
-        self._errors = [f"{self.rank_label}: {p}" for p in check_header(header, self.manifest)]
+        self._start(header, probe)
         if len(sources) != len(header.entries):
             self._fail(f"update carries {len(sources)} tensors for {len(header.entries)} header entries")
         if self._errors:
@@ -270,63 +300,115 @@ class WeightReceiver:
             if view is not None:
                 pairs.append((view, src))
                 names.append(self.manifest[idx].name)
-        if self.check_finite:
-            bad = nonfinite([s for _, s in pairs], [d.dtype for d, _ in pairs])
-            for i in bad[:_MAX_NAMES]:
-                self._fail(f"non-finite values in {names[i]}")
-            if bad:
-                return
+        bad = nonfinite([s for _, s in pairs], [d.dtype for d, _ in pairs])
+        for i in bad[:_MAX_NAMES]:
+            self._fail(f"non-finite values in {names[i]}")
+        if bad:
+            return
         if self.atomic:
             self._direct = pairs
             return
         copy_into([d for d, _ in pairs], [s for _, s in pairs])
         self._touched = True
 
+    # ---------------------------------------------------------------- verdicts and commit
     def status(self) -> dict:
-        """This rank's verdict for the status exchange."""
+        """This rank's verdict for the first exchange (received and validated)."""
         return {"ok": not self._errors, "errors": list(self._errors)}
 
-    def complete(self, all_ok: bool, seconds: float = 0.0) -> UpdateResult:
-        """Commit (atomic, when every rank succeeded) or discard; set version / validity."""
-        h = self._header
-        assert h is not None, "complete() without begin()"
+    def apply(self, all_ok: bool) -> dict:
+        """Second phase: commit the staged update when every rank validated it (atomic), then run
+        the probe when the update carries one. Returns this rank's probe verdict
+        ``{"ok", "errors", "drift"}`` for the second exchange (ok without a probe)."""
+        assert self._header is not None, "apply() without begin() / receive_direct()"
         mine_ok = not self._errors
-        changed = False
-        if self.atomic:
-            if all_ok and mine_ok:
-                self._commit()
-                changed = True
-        else:
-            if mine_ok:
-                changed = True
-            elif self._touched:
-                self.valid = False
-        if changed:
-            self.version, self.valid = int(h.version), True
-        ok = changed and (all_ok or not self.atomic)
-        errors = list(self._errors)
-        if not all_ok and mine_ok and self.atomic:
-            errors.append(f"{self.rank_label}: update {h.version} not applied: another rank failed")
-        self._reset()
-        if changed and self.on_commit is not None:
-            self.on_commit(self.version)
-        return UpdateResult(
-            ok=ok, version=self.version, errors=errors, valid=self.valid, seconds=seconds, changed=changed
+        if self.atomic and all_ok and mine_ok:
+            if self._probe is not None:
+                self._take_backup()
+            self._commit()
+            self._committed = True
+        elif not self.atomic and all_ok and mine_ok:
+            self._committed = True
+        if not (self._committed and self._probe is not None):
+            return {"ok": True, "errors": [], "drift": None}
+        try:
+            self._drift = probe_drift(self._probe, self.scorer)
+        except (RuntimeError, ValueError) as exc:  # scoring failed on this rank: the probe fails
+            self._drift = float("inf")
+            return {"ok": False, "errors": [f"{self.rank_label}: probe could not score: {exc}"], "drift": None}
+        if self._drift <= self._probe.threshold:
+            return {"ok": True, "errors": [], "drift": self._drift}
+        msg = (
+            f"{self.rank_label}: probe drift {self._drift:.4g} nats/token > weight_sync.probe.threshold="
+            f"{self._probe.threshold:g} after update {self._header.version} (wrong expert layout, stale or "
+            "corrupted weights?)"
         )
+        return {"ok": False, "errors": [msg], "drift": self._drift}
+
+    def finish(self, all_ok: bool, probe_ok: bool = True, seconds: float = 0.0) -> UpdateResult:
+        """Last step: ``all_ok`` = every rank's ``status`` was ok, ``probe_ok`` = every rank's
+        ``apply`` verdict was ok. Sets version / validity, rolls an atomic rank back on a failed
+        probe, ends the in-flight policy."""
+        h = self._header
+        assert h is not None, "finish() without begin() / receive_direct()"
+        errors = list(self._errors)
+        changed = False
+        if self._committed and probe_ok:
+            self.version, self.valid, self.received = int(h.version), True, True
+            changed = True
+        elif self._committed and self.atomic:  # the probe failed somewhere: back to the old weights
+            self._restore_backup()
+            errors.append(f"{self.rank_label}: update {h.version} rolled back: the probe failed")
+        elif self._committed or self._touched:  # non-atomic: bytes written, update not accepted everywhere
+            self.valid, changed = False, True
+            errors.append(f"{self.rank_label}: update {h.version} failed after weights were written: rank invalid")
+        if not all_ok and not self._errors:
+            errors.append(f"{self.rank_label}: update {h.version} not applied: another rank failed")
+        ok = changed and self.valid
+        drift = self._drift
+        self._reset()
+        result = UpdateResult(
+            ok=ok,
+            version=self.version,
+            errors=errors,
+            valid=self.valid,
+            seconds=seconds,
+            changed=changed,
+            probe_drift=drift,
+        )
+        if self.in_flight is not None:
+            self.in_flight.end(result)
+        return result
+
+    def complete(self, all_ok: bool, seconds: float = 0.0) -> UpdateResult:
+        """``apply`` + ``finish`` for a receiver alone (no other rank to exchange verdicts with)."""
+        verdict = self.apply(all_ok)
+        return self.finish(all_ok, verdict["ok"], seconds)
 
     def interrupted(self, reason: str) -> UpdateResult:
-        """The transport failed mid-update: drop staged bytes; non-atomic ranks that already wrote
-        bytes become invalid."""
-        if not self.atomic and self._touched:
+        """The transport failed mid-update: drop staged bytes (an atomic rank that committed
+        before a failed probe exchange rolls back); non-atomic ranks that wrote bytes become invalid."""
+        if self._committed and self.atomic and self._backup:
+            self._restore_backup()
+        elif self._touched or self._committed:
             self.valid = False
         self._reset()
-        return UpdateResult(
+        result = UpdateResult(
             ok=False,
             version=self.version,
             errors=[f"{self.rank_label}: {reason}"],
             valid=self.valid,
             needs_rebuild=True,
         )
+        if self.in_flight is not None and self.in_flight.active:
+            self.in_flight.end(result)
+        return result
+
+    def abandon(self) -> None:
+        """The update raised (a bug, not a bad update): drop it, keep serving as before."""
+        self._reset()
+        if self.in_flight is not None:
+            self.in_flight.cancel()
 
     # ---------------------------------------------------------------- drivers over a group
     def handshake(self, group: WeightSyncGroup) -> None:
@@ -345,7 +427,7 @@ class WeightReceiver:
             raise HandshakeError("weight-sync handshake failed:\n  " + "\n  ".join(problems))
 
     def receive_update(self, group: WeightSyncGroup, bucket_bytes: int) -> UpdateResult:
-        """Receive one update (header, buckets, status exchange) and commit or discard.
+        """Receive one update (header, probe, buckets, verdict exchanges) and commit or discard.
 
         Never raises for a bad update: the result says what happened. On a transport failure
         (sender killed, timeout) the result has ``needs_rebuild=True``."""
@@ -354,31 +436,38 @@ class WeightReceiver:
         t0 = time.perf_counter()
         self.rank_label = f"rank {group.rank}"
         try:
-            n = torch.zeros(1, dtype=torch.int64, device=group.device)
-            group.broadcast(n)
-            hdr = torch.empty(int(n), dtype=torch.int64, device=group.device)
-            group.broadcast(hdr)
-            plan = self.begin(decode_header(hdr.cpu()), bucket_bytes)
-            pending = None
-            for k in range(len(plan)):
-                buf = self.bucket_buffer(k)
-                work = group.broadcast(buf, async_op=True)
+            try:
+                n = torch.zeros(1, dtype=torch.int64, device=group.device)
+                group.broadcast(n)
+                hdr = torch.empty(int(n), dtype=torch.int64, device=group.device)
+                group.broadcast(hdr)
+                header = decode_header(hdr.cpu())
+                probe = group.exchange_objects(None)[0] if header.probe else None
+                plan = self.begin(header, bucket_bytes, probe)
+                pending = None
+                for k in range(len(plan)):
+                    buf = self.bucket_buffer(k)
+                    work = group.broadcast(buf, async_op=True)
+                    if pending is not None:
+                        group.wait(pending[1])
+                        self.on_bucket(pending[0], pending[2])
+                    if not self.double_buffer:
+                        group.wait(work)
+                        self.on_bucket(k, buf)
+                        work = None
+                    pending = (k, work, buf) if work is not None else None
                 if pending is not None:
                     group.wait(pending[1])
                     self.on_bucket(pending[0], pending[2])
-                if not self.double_buffer:
-                    group.wait(work)
-                    self.on_bucket(k, buf)
-                    work = None
-                pending = (k, work, buf) if work is not None else None
-            if pending is not None:
-                group.wait(pending[1])
-                self.on_bucket(pending[0], pending[2])
-            verdicts = group.exchange_objects(self.status())
-        except (WeightSyncTimeout, ValueError) as exc:
-            return self.interrupted(f"update interrupted: {exc}")
-        all_ok = all(v["ok"] for v in verdicts)
-        return self.complete(all_ok, time.perf_counter() - t0)
+                all_ok = all(v["ok"] for v in group.exchange_objects(self.status()))
+                verdict = self.apply(all_ok)
+                probe_ok = all(v["ok"] for v in group.exchange_objects(verdict)) if header.probe else verdict["ok"]
+            except (WeightSyncTimeout, ValueError) as exc:
+                return self.interrupted(f"update interrupted: {exc}")
+        except BaseException:
+            self.abandon()
+            raise
+        return self.finish(all_ok, probe_ok, time.perf_counter() - t0)
 
     # ---------------------------------------------------------------- helpers
     def _fail(self, msg: str) -> None:
@@ -405,6 +494,34 @@ class WeightReceiver:
             return self._stage[st.stage_offset : st.stage_offset + b.data_bytes].view(b.dtype)
         end = st.stage_offsets[-1] + st.owned[-1][0].numel * b.dtype.itemsize
         return self._stage[st.stage_offsets[0] : end].view(b.dtype)
+
+    def _targets(self) -> list[torch.Tensor]:
+        """Every destination region the pending commit overwrites (1-D views)."""
+        if self._direct is not None:
+            return [d.reshape(-1) for d, _ in self._direct]
+        return [dst[seg.elem_start : seg.elem_start + seg.numel] for st in self._states for seg, dst in st.owned]
+
+    @torch.no_grad()
+    def _take_backup(self) -> None:
+        """Copy the bytes the commit will overwrite into a cached buffer (probe rollback)."""
+        targets = self._targets()
+        need = sum(t.numel() * t.element_size() for t in targets)
+        if self._backup_cache is None or self._backup_cache.numel() < need:
+            self._backup_cache = None
+            self._backup_cache = torch.empty(need, dtype=torch.uint8, device=self.device)
+        off, self._backup = 0, []
+        for t in targets:
+            n = t.numel() * t.element_size()
+            slot = self._backup_cache[off : off + n].view(t.dtype)
+            slot.copy_(t)
+            self._backup.append((t, slot))
+            off += n
+
+    @torch.no_grad()
+    def _restore_backup(self) -> None:
+        for t, slot in self._backup:
+            t.copy_(slot)
+        self._backup = []
 
     @torch.no_grad()
     def _commit(self) -> None:

@@ -5,8 +5,10 @@ order) each update, casts them to the wire dtype while packing per-dtype buckets
 buckets through a channel: ``BroadcastChannel`` (one ``WeightSyncGroup`` broadcast per bucket, the
 next bucket packed while the previous one is on the wire) or ``ColocatedChannel`` (receivers in
 the same process: in-process copy into their buffers, the path for a trainer and rollout sharing
-one device, where NCCL cannot put two ranks). Both end with a status exchange; any rank's failure
-raises ``WeightUpdateError`` on the trainer naming the tensors.
+one device, where NCCL cannot put two ranks). Either way the other end is a ``WeightReceiver``,
+which runs every check (receiver.py). Both end with the verdict exchanges (status; the probe's
+when the update carries one); any rank's failure raises ``WeightUpdateError`` on the trainer
+naming the rank and tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .manifest import (
     manifest_to_bytes,
     sender_manifest,
 )
+from .probe import ProbeData, ProbeSettings, Scorer, build_probe
 from .receiver import WeightReceiver
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -57,10 +60,16 @@ class BroadcastChannel:
         verdicts = self.group.exchange_objects([])
         return [d for v in verdicts for d in v]
 
-    def send(self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None]) -> list[dict]:
+    def send(
+        self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None], probe=None
+    ) -> list[dict]:
+        """Header, probe, buckets, then the verdict exchanges; returns the ranks' verdicts
+        (status, and the probe's when there is one)."""
         hdr = encode_header(header).to(self.device)
         self.group.broadcast(torch.tensor([hdr.numel()], dtype=torch.int64, device=self.device))
         self.group.broadcast(hdr)
+        if header.probe:
+            self.group.exchange_objects(probe)
         wire = max((b.wire_bytes for b in plan), default=8)
         n = 2 if self.double_buffer else 1
         if len(self._bufs) != n or self._bufs[0].numel() < wire:  # kept between updates (no page faults)
@@ -78,7 +87,10 @@ class BroadcastChannel:
         for w in works:
             if w is not None:
                 self.group.wait(w)
-        return self.group.exchange_objects({"ok": True, "errors": []})[1:]
+        verdicts = self.group.exchange_objects({"ok": True, "errors": []})[1:]
+        if header.probe:
+            verdicts += self.group.exchange_objects({"ok": True, "errors": [], "drift": None})[1:]
+        return verdicts
 
 
 class ColocatedChannel:
@@ -99,41 +111,65 @@ class ColocatedChannel:
         self.direct = bool(direct)
         self.needs_rebuild = False
 
-    def send_direct(self, header: UpdateHeader, sources: list[torch.Tensor]) -> list[dict]:
+    def send_direct(
+        self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None
+    ) -> list[dict]:
         """Direct update: every receiver validates / copies ``sources`` (header order), then all
-        commit or all discard (atomic receivers). Returns each receiver's verdict."""
-        for i, r in enumerate(self.receivers):
-            r.rank_label = f"receiver {i}"
-            r.receive_direct(header, sources)
-        verdicts = [r.status() for r in self.receivers]
-        all_ok = all(v["ok"] for v in verdicts)
-        self.results = [r.complete(all_ok) for r in self.receivers]
-        return verdicts
+        commit or all discard. Returns each receiver's verdicts."""
+
+        def receive_all() -> None:
+            for r in self.receivers:
+                r.receive_direct(header, sources, probe)
+
+        return self._run(receive_all)
 
     def handshake(self, manifest: list[TensorSpec]) -> list[str]:
         return [f"receiver {i}: {d}" for i, r in enumerate(self.receivers) for d in r.check_handshake(manifest)]
 
     def send(
-        self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None], bucket_bytes: int = 0
+        self,
+        header: UpdateHeader,
+        plan: list[Bucket],
+        pack: Callable[[int, torch.Tensor], None],
+        bucket_bytes: int = 0,
+        probe: ProbeData | None = None,
     ) -> list[dict]:
-        for i, r in enumerate(self.receivers):
-            r.rank_label = f"receiver {i}"
-            r.begin(header, bucket_bytes)
-        scratch = None
-        for k, b in enumerate(plan):
-            if len(self.receivers) == 1:
-                buf = self.receivers[0].bucket_buffer(k)
-            else:
-                if scratch is None:
-                    scratch = torch.empty(max(x.wire_bytes for x in plan), dtype=torch.uint8, device=self.device)
-                buf = scratch[: b.wire_bytes]
-            pack(k, buf)
+        """Bucketed update in memory (design.md §3 format); returns each receiver's verdicts."""
+
+        def receive_all() -> None:
             for r in self.receivers:
-                r.on_bucket(k, buf)
-        verdicts = [r.status() for r in self.receivers]
-        all_ok = all(v["ok"] for v in verdicts)
-        self.results = [r.complete(all_ok) for r in self.receivers]
-        return verdicts
+                r.begin(header, bucket_bytes, probe)
+            scratch = None
+            for k, b in enumerate(plan):
+                if len(self.receivers) == 1:
+                    buf = self.receivers[0].bucket_buffer(k)
+                else:
+                    if scratch is None:
+                        scratch = torch.empty(max(x.wire_bytes for x in plan), dtype=torch.uint8, device=self.device)
+                    buf = scratch[: b.wire_bytes]
+                pack(k, buf)
+                for r in self.receivers:
+                    r.on_bucket(k, buf)
+
+        return self._run(receive_all)
+
+    def _run(self, receive_all: Callable[[], None]) -> list[dict]:
+        """``receive_all()``, then the two verdict phases over every receiver."""
+        t0 = time.perf_counter()
+        try:
+            for i, r in enumerate(self.receivers):
+                r.rank_label = f"receiver {i}"
+            receive_all()
+            verdicts = [r.status() for r in self.receivers]
+            all_ok = all(v["ok"] for v in verdicts)
+            probes = [r.apply(all_ok) for r in self.receivers]
+        except BaseException:
+            for r in self.receivers:
+                r.abandon()
+            raise
+        probe_ok = all(v["ok"] for v in probes)
+        self.results = [r.finish(all_ok, probe_ok, time.perf_counter() - t0) for r in self.receivers]
+        return verdicts + probes
 
 
 class WeightSender:
@@ -148,6 +184,10 @@ class WeightSender:
             None = send in the trainer's dtypes.
         frozen: names left out of updates unless ``include_frozen``.
         fault: test hook (``FaultHook``).
+        probe: ``weight_sync.probe`` settings (None: no probe); needs ``reference`` by the first update.
+        reference: the trainer's scorer for the probe ids (``probe.model_scorer(trainer model)``),
+            called with the weights being sent.
+    Raises ValueError for bucket_size_mb <= 0.
     """
 
     def __init__(
@@ -158,12 +198,15 @@ class WeightSender:
         generation_dtype: torch.dtype | None = None,
         frozen: Callable[[str], bool] = default_frozen,
         fault: FaultHook | None = None,
+        probe: ProbeSettings | None = None,
+        reference: Scorer | None = None,
     ):
         if not bucket_size_mb > 0:
             raise ValueError(f"weight_sync.bucket_size_mb={bucket_size_mb}: must be > 0")
         self.named_tensors, self.channel = named_tensors, channel
         self.bucket_bytes = int(bucket_size_mb * 2**20)
         self.generation_dtype, self.frozen, self.fault = generation_dtype, frozen, fault
+        self.probe, self.reference = probe, reference
         self.manifest: list[TensorSpec] | None = None
         self.stats: dict = {}
 
@@ -175,15 +218,31 @@ class WeightSender:
             raise HandshakeError("weight-sync handshake failed:\n  " + "\n  ".join(problems))
         self.manifest = manifest
 
-    def update(self, version: int, include_frozen: bool = False) -> dict:
-        """Send the current weights as ``version``. Returns stats (bytes, seconds, GB/s).
+    def _probe_data(self) -> ProbeData | None:
+        if self.probe is None:
+            return None
+        if self.reference is None:
+            raise WeightUpdateError(
+                "weight_sync.probe.enabled=true needs the trainer's reference scorer: set it with "
+                "set_probe_reference(m3_rollout.weight_sync.probe.model_scorer(trainer_model)) (the job does)"
+            )
+        vocab = next((s.shape[0] for s in self.manifest if s.name.endswith("embed_tokens.weight")), None)
+        if vocab is None:
+            raise WeightUpdateError("weight_sync.probe: no embed_tokens.weight in the manifest to size the probe ids")
+        return build_probe(vocab, self.probe, self.reference)
 
-        Raises:
-            WeightUpdateError: some rank rejected the update (atomic ranks keep their old weights
-                and version) or the transport failed (the channel then needs a rebuild, done at the
+    def update(self, version: int, include_frozen: bool = False, replace: bool = False) -> dict:
+        """Send the current weights as ``version``. Returns stats (bytes, seconds, GB/s,
+        ``probe_drift``: the largest rank's probe figure or None).
+
+        ``version`` must exceed the ranks' version; ``replace=True`` re-sends the version they
+        hold (receiver.py). Raises:
+            WeightUpdateError: some rank rejected the update (bad version, tensors, probe; atomic
+                ranks keep their old weights and version, non-atomic ones that wrote bytes turn
+                invalid) or the transport failed (the channel then needs a rebuild, done at the
                 start of the next update).
         """
-        if getattr(self.channel, "needs_rebuild", False):
+        if self.channel.needs_rebuild:
             self.channel.group.rebuild()
             self.channel.needs_rebuild = False
             self.manifest = None
@@ -200,11 +259,12 @@ class WeightSender:
                 continue
             sources.append(t.detach())
             entries.append((i, tuple(t.shape), self.manifest[i].dtype))
-        header = UpdateHeader(int(version), include_frozen, tuple(entries))
+        probe = self._probe_data()
+        header = UpdateHeader(int(version), include_frozen, tuple(entries), bool(replace), probe is not None)
         if isinstance(self.channel, ColocatedChannel) and self.channel.direct and self.fault is None:
             return self._finish(
                 version,
-                self.channel.send_direct(header, sources),
+                self.channel.send_direct(header, sources, probe),
                 t0,
                 sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries),
                 0,
@@ -219,9 +279,9 @@ class WeightSender:
 
         try:
             if isinstance(self.channel, ColocatedChannel):
-                verdicts = self.channel.send(header, plan, pack, self.bucket_bytes)
+                verdicts = self.channel.send(header, plan, pack, self.bucket_bytes, probe)
             else:
-                verdicts = self.channel.send(header, plan, pack)
+                verdicts = self.channel.send(header, plan, pack, probe)
         except WeightSyncTimeout as exc:
             self.channel.needs_rebuild = True
             raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
@@ -230,12 +290,14 @@ class WeightSender:
     def _finish(self, version: int, verdicts: list[dict], t0: float, nbytes: int, buckets: int) -> dict:
         """Record stats (``buckets`` = 0 on the colocated direct path); raise on any rank's error."""
         seconds = time.perf_counter() - t0
+        drifts = [v["drift"] for v in verdicts if v.get("drift") is not None]
         self.stats = {
             "version": int(version),
             "bytes": nbytes,
             "buckets": buckets,
             "seconds": seconds,
             "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
+            "probe_drift": max(drifts) if drifts else None,
         }
         errors = [e for v in verdicts for e in v["errors"]]
         if errors or not all(v["ok"] for v in verdicts):

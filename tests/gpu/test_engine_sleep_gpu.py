@@ -28,6 +28,7 @@ from m3_rollout.engine.sleep import GIB, WakeUpError, unique_storages  # noqa: E
 from m3_rollout.model import M3Config, M3ForCausalLM  # noqa: E402
 from m3_rollout.model.fused import packed_ok  # noqa: E402
 from m3_rollout.model.loading import iter_released_tensors  # noqa: E402
+from m3_rollout.weight_sync import LocalWeightSync  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,7 @@ def _model(layers=2):
 
 
 def _backend(model):
-    return NativeBackend(
+    backend = NativeBackend(
         model,
         [],
         max_model_len=512,
@@ -61,6 +62,8 @@ def _backend(model):
         cuda_graph_batch_sizes=(8, 16),
         async_scheduling=True,
     )
+    backend.weight_sync = LocalWeightSync(backend.engine)
+    return backend
 
 
 def _requests():
