@@ -270,5 +270,11 @@ class GenerationBackend(abc.ABC):
         "seconds", "graph_capture_seconds"}. Base version: nothing to take back."""
         return {"level": 0, "gb_restored": 0.0, "seconds": 0.0, "graph_capture_seconds": 0.0}
 
+    def drain_events(self) -> list[dict]:
+        """Worker failures since the last call, oldest first ({"time", "ranks", "error",
+        "lost_request_ids", "recovered"}); the job logs them. Base version: a backend without
+        workers has none."""
+        return []
+
     def shutdown(self) -> None:
         """Release resources."""

@@ -31,6 +31,7 @@ from m3_rollout.jobs.outputs import check_output_dirs
 from m3_rollout.jobs.stack import batch_seed, build_generation_backend, build_rollout_stack
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.rollout.trajectory import Trajectory
+from m3_rollout.weight_sync.probe import model_scorer
 from m3_trainers.advantages import DynamicSampler
 from m3_trainers.checkpoint import CheckpointManager
 from m3_trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
@@ -172,6 +173,8 @@ def run(cfg: MasterConfig) -> dict:
     try:
         policy = build_policy(cfg, load_trainer_model(cfg, model_dir), total_optimizer_steps(cfg, g.max_num_steps))
         stack.backend = backend = build_generation_backend(cfg, model_dir, chat, stack.max_len)
+        if cfg.weight_sync.probe.enabled:  # after each refit the rollout re-scores fixed ids against the trainer
+            backend.set_probe_reference(model_scorer(policy.model))
     except BaseException:
         env.close()
         raise
@@ -308,6 +311,15 @@ def run(cfg: MasterConfig) -> dict:
             if gen.sleep_level:  # weights and caches back before the refit writes into them
                 handoff.update(sleep_metrics("wake", collector.run_exclusive(lambda be: be.wake_up())))
             sync_s = collector.push_weights(step, policy.named_released_tensors())
+            failures = backend.drain_events()
+            for ev in failures:
+                logger.text(
+                    f"[warn] step {step}: rollout ranks {ev['ranks']} failed ({ev['error']}); "
+                    f"{'recovered' if ev['recovered'] else 'not recovered'}, "
+                    f"{len(ev['lost_request_ids'])} requests resubmitted"
+                )
+            handoff["worker_failures"] = len(failures)
+            handoff["worker_failures_recovered"] = sum(bool(ev["recovered"]) for ev in failures)
             t_end = time.perf_counter()
             ages = [step - 1 - v for v in versions]
             gen_tokens = sum(m.get("generated_tokens", 0) for m in gen_metrics)
