@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the model's small per-layer ops on the GPU (issue 3, decode/prefill speed).
+"""Fused Triton kernels for the model's small per-layer ops on the GPU (decode / prefill speed; design.md §4.4).
 
 Governing idea: a decode step of a small model is dominated by launches of tiny element-wise
 kernels (norm, RoPE, casts, cache scatters). Each op here does, in ONE launch, what the PyTorch

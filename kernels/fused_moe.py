@@ -1,4 +1,4 @@
-"""Fused routed-expert MoE for the GPU: two Triton grouped GEMMs and a weighted combine (issue 5).
+"""Fused routed-expert MoE for the GPU: two Triton grouped GEMMs and a weighted combine (spec §3.6-3.7).
 
 Governing idea: after `moe_align.align_by_expert` lays the (token, slot) assignments out in
 expert-contiguous, tile-padded rows, one grouped GEMM over the stacked gate/up weights computes
@@ -22,7 +22,7 @@ bf16/fp16 weights and activations, fp32 accumulation and activation math, the Sw
 rounded to the activation dtype once (as the reference does), routed rows weighted in fp32 and
 rounded once, the K-slot sum in fp32.
 
-Expert parallelism (contracts.md): the weights may hold only the local experts [a, b) of E;
+Expert parallelism (design.md §3.5): the weights may hold only the local experts [a, b) of E;
 `expert_range=(a, b)` maps global id e to local row e - a, and assignments outside [a, b)
 contribute nothing (the EP combine adds other ranks' parts).
 

@@ -1,4 +1,4 @@
-"""Sort/align top-k expert assignments by expert for the grouped MoE GEMMs (issue 5).
+"""Sort/align top-k expert assignments by expert for the grouped MoE GEMMs (spec §3.6).
 
 Governing idea: every (token, slot) assignment whose expert lies in the local slice [a, b) gets a
 row in one flat buffer where each local expert owns a contiguous run of rows padded up to a

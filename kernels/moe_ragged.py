@@ -1,4 +1,4 @@
-"""Grouped MoE GEMMs over ragged row tiles: 128-row tiles plus short tails, chosen per tile (issue 5).
+"""Grouped MoE GEMMs over ragged row tiles: 128-row tiles plus short tails, chosen per tile (spec §3.6).
 
 Governing idea: at large T every local expert gets about T*K/E rows (128 on the real shape at
 T=4096, +-11). Padding each expert to a multiple of one tile height M wastes about M/2 rows per

@@ -16,7 +16,7 @@ step (weights touched + KV pages read) / 4.4 TB/s (H200 HBM3e).
 With ``--cuda-graphs`` the engine also runs with decode graphs, once per ``--async-modes`` value
 (``EngineConfig.async_scheduling``), same seeds: the async / sync ratio and whether the tokens
 are identical are printed. ``--skip-hf`` drops the transformers run (ratios then against the
-transformers 5.17 anchor figures of issue 3 on CUDA), ``--skip-eager`` the engine run without graphs.
+transformers 5.17 anchor figures ``ANCHOR``, measured on CUDA), ``--skip-eager`` the engine run without graphs.
 Appends a table to docs/benchmarks.md with machine and date (``--no-write`` to skip).
 """
 
@@ -44,7 +44,7 @@ def machine(device: str) -> str:
 
 
 HBM_BYTES_PER_S = 4.4e12
-# transformers 5.17 generate() on one H200, configs/bench/m3_bench_300m.json (issue 3), tok/s by
+# transformers 5.17 generate() on one H200, configs/bench/m3_bench_300m.json, tok/s by
 # (device, batch, n): the baseline of --skip-hf runs.
 ANCHOR = {("cuda", 1, 1): 46.4, ("cuda", 32, 1): 1530.7}
 DATE = "2026-11-29"

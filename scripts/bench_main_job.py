@@ -5,7 +5,7 @@
 Runs ``python -m m3_rollout.grpo --config configs/grpo_bf16_ep.yaml`` once per seed in a
 subprocess (so the timing includes start-up) and appends a table row per run to
 ``docs/benchmarks.md`` with machine and date. ``--fresh`` builds the checkpoint in a new cache
-directory first, so the build time is measured too. Budgets of issue 2 on 2 CPU cores: build
+directory first, so the build time is measured too. The main job's budgets on 2 CPU cores: build
 <= 300 s, GRPO <= 600 s, accuracy gain >= 0.2.
 """
 

@@ -1,4 +1,4 @@
-"""Benchmark the fused MoE (kernels/fused_moe.py, issue 5) on one GPU; rows into docs/benchmarks.md.
+"""Benchmark the fused MoE (kernels/fused_moe.py) on one GPU; rows into docs/benchmarks.md.
 
 For each token count T: the fused op (default tiles; eager and CUDA-graph replay), the PyTorch
 per-expert loop (`moe.grouped_experts`, the reference path), and one dense bf16 GEMM of the same
@@ -40,11 +40,11 @@ from m3_kernels.moe_align import align_by_expert  # noqa: E402
 from m3_kernels.moe_ragged import align_ragged, mma_rows, ragged_down, ragged_gate_up  # noqa: E402
 from m3_rollout.model.moe import grouped_experts, route, swiglu_oai  # noqa: E402
 
-PEAK_TFLOPS, PEAK_GBS = 790.0, 4400.0  # H200 measured bf16 dense peak / HBM3e bandwidth (issue 5)
+PEAK_TFLOPS, PEAK_GBS = 790.0, 4400.0  # H200 measured bf16 dense peak / HBM3e bandwidth
 ALPHA, LIMIT, BETA, SCALING = 1.702, 7.0, 1.0, 2.0
 SHAPES = {  # (H, I, E, K)
     "real": (6144, 3072, 128, 4),  # spec §1.2
-    "bench300m": (1024, 512, 16, 4),  # ../shared/bench/m3_bench_300m.json
+    "bench300m": (1024, 512, 16, 4),  # configs/bench/m3_bench_300m.json
 }
 DATE = "2026-11-29"
 
@@ -273,7 +273,7 @@ def markdown(rows: list[dict], device: str) -> str:
         "reads only one expert's worth of weights, so it is a compute reference, not a bound). TFLOP/s "
         "counts useful FLOPs 2*T*K*3*I*H (no padding) over the better of eager / graph; weight GB/s "
         "counts each hit expert's w13 + w2 once (3*I*H*2 bytes). max err = max |fused - loop| "
-        "(both bf16). Targets (issue 5): "
+        "(both bf16). Targets: "
         f">= {big_t:.0f} TFLOP/s (50% of the {PEAK_TFLOPS:.0f} TFLOP/s measured bf16 peak) at T=4096; "
         f">= {small_t:.0f} GB/s (60% of {PEAK_GBS:.0f}) at small T.",
         "",

@@ -1,4 +1,4 @@
-"""Benchmark the MSA Triton kernels (issue 4) on one GPU against SDPA flash baselines of the same run.
+"""Benchmark the MSA Triton kernels on one GPU against SDPA flash baselines of the same run.
 
 Real M3 attention shapes: 64 q heads / 4 KV heads / d 128 / index dim 128 / block (page) 128 /
 top-k 16, bf16, one layer. Measured in one process:

@@ -19,7 +19,7 @@ GB/s = update bytes / receiver wall time; "pause" = the receiver's receive + com
 time generation is stopped under ``weight_sync.in_flight=continue`` (for raw: the bare transfer).
 Each figure is the median of --repeats updates after one warm-up, the modes interleaved.
 
---method colocated (weight_sync.method=colocated, issue 7/11): trainer and rollout share one
+--method colocated (weight_sync.method=colocated): trainer and rollout share one
 device (NCCL cannot put two ranks on one GPU), so both model copies live in this one process on
 --device and the update goes through WeightSender + ColocatedChannel + WeightReceiver. Measured in
 the same run, on the same bytes:

@@ -1,4 +1,4 @@
-"""Host vs GPU time of the engine's decode steps (issue 3, host side), per step phase.
+"""Host vs GPU time of the engine's decode steps (host side), per step phase.
 
     python scripts/profile_engine_host.py --device cuda --model-json configs/bench/m3_bench_300m.json \
         --batches 1 32 --out /tmp/host_profile.json

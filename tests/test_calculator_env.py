@@ -225,7 +225,7 @@ def test_jsonl_environment_reward_by_dotted_path(tmp_path):
         load_config(None, ["env.name=jsonl"])
 
 
-# --- adversarial review (issue 8) --------------------------------------------------------------
+# --- adversarial review ------------------------------------------------------------------------
 
 
 def test_deep_nesting_is_a_value_error_not_a_recursion_error():

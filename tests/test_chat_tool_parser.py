@@ -308,7 +308,7 @@ def test_round_trip_through_template_to_xml(template):
     assert args_of(out, 1) == {}
 
 
-# --- adversarial review (issue 8) --------------------------------------------------------------
+# --- adversarial review ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])

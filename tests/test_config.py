@@ -113,7 +113,7 @@ def test_new_options_load():
     assert cfg.checkpointing.keep_top_k == 3
 
 
-# --- adversarial review (issue 9) --------------------------------------------------------------
+# --- adversarial review ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

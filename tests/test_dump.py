@@ -325,7 +325,7 @@ def test_pandas_reads_a_dump_directory_skipping_temp_files(tmp_path):
     assert sorted(df["step"].unique()) == [1, 2] and len(df) == 6
 
 
-# --- adversarial review (issue 10) -------------------------------------------------------------
+# --- adversarial review ------------------------------------------------------------------------
 
 
 def test_shard_with_broken_metadata_is_a_named_error_and_others_load(tmp_path):

@@ -1,4 +1,4 @@
-"""Fused MoE kernels (issue 5) on CPU: alignment in plain torch, Triton kernels under TRITON_INTERPRET=1.
+"""Fused MoE kernels on CPU: alignment in plain torch, Triton kernels under TRITON_INTERPRET=1.
 
 Triton picks interpreter or compiler when a kernel is *defined*, so once any test has imported
 triton without TRITON_INTERPRET the kernels in this process would compile for a GPU. The kernel

@@ -51,7 +51,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     async_scheduling: bool | None = None
     fused_sampler: bool | None = None
-    # Routing record (issue 6): SampleOutput.routed_experts = expert ids of every MoE layer for
+    # Routing record (design.md §2.3): SampleOutput.routed_experts = expert ids of every MoE layer for
     # every token, kept per KV page (m3_rollout/parallel/routing_record.py).
     record_routing: bool = False
     eos_token_ids: tuple[int, ...] = ()

@@ -15,7 +15,7 @@ a sequence whose step-N token is not on the host yet counts it as *pending* (``S
 and its step-N+1 input id is taken on the device from the runner's ``last_tokens``. Plain decode
 steps run on captured CUDA graphs (``decode_graph.py``). Host time per phase: ``EngineStats.phase_seconds``.
 
-Step API contract: /work/notes/contracts.md ("Engine step API").
+Step API contract: docs/design.md §3.2 (the engine step API).
 """
 
 from __future__ import annotations

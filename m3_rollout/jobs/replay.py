@@ -7,7 +7,7 @@ temperature and compares it with the stored rollout logprobs on sampled tokens. 
 feeds each dumped step, in step order, through the GRPO loop's own training step
 (``m3_trainers.step.train_step_on_groups``).
 
-Scoring path: the engine's scoring API (``LLMEngine.score``, contracts.md) when the engine
+Scoring path: the engine's scoring API (``LLMEngine.score``, design.md §3.2) when the engine
 package provides it, else the model forward the trainer uses (``m3_trainers.policy.token_logprobs``).
 Both return the same quantity; the report names the one used.
 """
@@ -60,7 +60,7 @@ class ForwardScorer:
 
 
 class EngineScorer:
-    """Token logprobs through the engine's scoring API (contracts.md):
+    """Token logprobs through the engine's scoring API (design.md §3.2):
     ``engine.score(token_ids, temperature=T) -> [L]`` (entry 0 = 0), one sequence per call on
     pages borrowed for the call. An engine whose ``score`` takes no temperature is used at
     temperature 1 only; other temperatures go to ``fallback``.

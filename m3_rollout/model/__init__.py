@@ -1,4 +1,4 @@
-"""MiniMax-M3 text model in plain PyTorch (spec: docs/m3_architecture.md §1-3, §6-7).
+"""MiniMax-M3 text model in plain PyTorch (spec: docs/m3_spec.md §1-3, §6-7).
 
 configuration  M3Config (both config.json shapes), tiny_config (spec §7 preset A)
 norm / rope    Gemma RMSNorm, partial NeoX RoPE

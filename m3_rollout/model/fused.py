@@ -3,7 +3,7 @@
 Governing idea: on the fused paged path (``PagedOps.fused_layers``, the engine's table on CUDA)
 one GEMM runs per group of projections that read the same input (q|k|v|index q|index k;
 gate|up), over a weight buffer that the individual ``nn.Linear`` parameters are views of. Weight
-sync and checkpoint loading keep writing the individual parameters in place (contracts.md),
+sync and checkpoint loading keep writing the individual parameters in place (design.md §3.6),
 which writes the packed buffer too. Decode-sized GEMMs take the table's skinny GEMM when it has
 one (``PagedOps.skinny_ok``). Everywhere else (the training forward, the layer-by-layer paged
 path) the plain ``nn.Linear`` runs, unchanged.

@@ -88,7 +88,7 @@ def route(
 
 
 def route_given(logits: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Routing replay (issue 9): weights for externally given expert ids.
+    """Routing replay (design.md §2.3): weights for externally given expert ids.
 
     logits: [T, E] router logits of THIS model; ids: [T, K] int64 (e.g. recorded by the rollout
     engine). Returns weights [T, K] in logits.dtype = this model's unbiased sigmoid scores at
@@ -164,7 +164,7 @@ class StackedExperts(nn.Module):
 
         With ``fused_experts`` (``PagedOps.fused_experts``: the engine's Triton MoE on CUDA, same
         maths) and no autograd needed, that op runs on the experts in `expert_range` (EP,
-        contracts.md; default all); otherwise the PyTorch reference `grouped_experts`.
+        design.md §3.5; default all); otherwise the PyTorch reference `grouped_experts`.
         """
         if fused_experts is not None and not needs_autograd(x, self.w13, self.w2):
             return fused_experts(

@@ -1,4 +1,4 @@
-"""Expert parallelism for the rollout engine (design.md §4-5, issue 6).
+"""Expert parallelism for the rollout engine (design.md §3.5, §4-5).
 
 process_group     EP process groups (gloo on CPU, NCCL on GPU), free ports, short timeouts
 ep_moe            EPExperts: all-to-all dispatch -> local grouped experts -> all-to-all combine; EPStats

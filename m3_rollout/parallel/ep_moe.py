@@ -1,6 +1,6 @@
 """Expert-parallel routed experts: all-to-all dispatch -> local grouped experts -> all-to-all combine.
 
-Governing idea (design.md §4, contracts.md "Expert-parallel model representation"): under EP size
+Governing idea (design.md §3.5 "Expert-parallel model representation", §4.5): under EP size
 P, rank r holds the routed experts [a, b) = [r·E/P, (r+1)·E/P) of every MoE layer as an ordinary
 ``StackedExperts`` whose rows are the local slice (``expert_range = (a, b)``). ``M3MoE.forward``
 is unchanged: the router runs on every rank over that rank's own tokens, the shared expert is

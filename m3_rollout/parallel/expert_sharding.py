@@ -1,6 +1,6 @@
 """Sharded experts: rank r of an EP group of size P holds experts [r·E/P, (r+1)·E/P) of every MoE layer.
 
-Governing idea (contracts.md "Expert-parallel model representation"): attention, router, shared
+Governing idea (design.md §3.5, "Expert-parallel model representation"): attention, router, shared
 expert, embeddings and lm_head are replicated; each MoE layer's ``experts`` module becomes an
 :class:`~m3_rollout.parallel.ep_moe.EPExperts` holding only the local rows, with
 ``expert_range = (a, b)``. Released tensor names stay per GLOBAL expert

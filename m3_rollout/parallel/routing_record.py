@@ -1,6 +1,6 @@
 """Routing record: the expert ids every MoE layer chose for every token, kept per KV page.
 
-Governing idea (design.md §2 step 3, issue 6): the trainer replays routing for the whole
+Governing idea (design.md §2 step 3): the trainer replays routing for the whole
 trajectory (prompt and tool-output tokens too), so the record must cover every token the engine
 ran, including tokens whose K/V came from the prefix cache. The record therefore lives beside
 the KV cache in the same paged layout: ``table[slot]`` with ``slot = page * page_size + offset``,

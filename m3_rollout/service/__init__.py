@@ -1,4 +1,4 @@
-"""Rollout processes (design.md §5-6, issue 6).
+"""Rollout processes (design.md §5-6).
 
 worker     RolloutWorker: one EP rank (expert shard + LLMEngine), lockstep ``run``
 launchers  Ray actors (default where Ray is installed) or torch.multiprocessing processes

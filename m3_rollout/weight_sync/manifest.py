@@ -8,7 +8,7 @@ trainer sends its list once (the handshake); every rollout rank compares it with
 builds from its own parameters and both sides fail with the list of differences.
 
 Under expert parallelism a rank's ``StackedExperts`` holds only experts ``[a, b)`` (attribute
-``expert_range``; contracts.md): its manifest still lists all E experts (shapes are per expert,
+``expert_range``; design.md §3.5): its manifest still lists all E experts (shapes are per expert,
 the same on every rank), but only owned ones resolve to a destination view (row ``e - a`` of
 ``w13`` / ``w2``; ``w1`` = gate rows ``:I``, ``w3`` = up rows ``I:``). Views are in-place aliases
 of parameter storage, so copying into them never changes ``data_ptr``.

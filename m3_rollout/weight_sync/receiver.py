@@ -100,7 +100,7 @@ class WeightReceiver:
 
     Args:
         model: the rollout ``M3ForCausalLM`` (its StackedExperts may hold experts [a, b) with
-            ``expert_range``; contracts.md).
+            ``expert_range``; design.md §3.5).
         atomic: see module docstring.
         double_buffer: post the receive of bucket k+1 before processing bucket k.
         version: weight version the model holds now.

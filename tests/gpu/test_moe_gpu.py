@@ -1,6 +1,6 @@
-"""Fused MoE (issue 5) on a CUDA GPU, bf16, real shapes; skipped without CUDA.
+"""Fused MoE on a CUDA GPU, bf16, real shapes; skipped without CUDA.
 
-Tolerance (flash-attention style, style.md §5): against an fp32 PyTorch reference (same bf16
+Tolerance (flash-attention style error budget): against an fp32 PyTorch reference (same bf16
 inputs, weights upcast, `grouped_experts` in fp32), the kernel's max abs error must be at most
 2x the max abs error of the same reference computed in bf16 by PyTorch, plus 1e-3 of the output
 scale (max |ref|). The kernel accumulates in fp32 and rounds fewer intermediates than the bf16
@@ -25,8 +25,7 @@ from m3_rollout.model import tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE, grouped_experts, route, swiglu_oai  # noqa: E402
 
 ALPHA, LIMIT, BETA, SCALING = 1.702, 7.0, 1.0, 2.0
-# MoE sizes of the benchmark model configs/bench/m3_bench_300m.json (a copy of
-# ../shared/bench/m3_bench_300m.json kept in the repo so the GPU machine has it).
+# MoE sizes of the benchmark model configs/bench/m3_bench_300m.json.
 BENCH_MOE = dict(
     hidden_size=1024, intermediate_size=512, num_local_experts=16, num_experts_per_tok=4, shared_intermediate_size=512
 )
