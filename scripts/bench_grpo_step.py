@@ -252,10 +252,12 @@ def real_shapes(args) -> list[str]:
     """One timed GRPO-shaped step at real layer shapes; returns the markdown lines."""
     import torch
 
+    from m3_rollout.config import FreezeConfig, WeightSyncConfig
     from m3_rollout.engine.interface import GenerationRequest, SamplingParams
     from m3_rollout.engine.native_backend import NativeBackend
     from m3_rollout.model import M3ForCausalLM
     from m3_rollout.model.loading import iter_released_tensors
+    from m3_rollout.service.factory import attach_local_weight_sync
     from m3_trainers.policy import split_param_groups, token_logprobs
 
     device = torch.device(args.device)
@@ -288,6 +290,8 @@ def real_shapes(args) -> list[str]:
         num_pages=pages,
         enable_cuda_graphs=device.type == "cuda",
     )
+    # the job's receiver (weight_sync defaults: non-atomic, in-place, device-side finite check)
+    attach_local_weight_sync(backend, WeightSyncConfig(), FreezeConfig())
     rollout_bytes = sum(t.numel() * t.element_size() for _, t in iter_released_tensors(backend.model))
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).tolist()
