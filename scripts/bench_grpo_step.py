@@ -51,8 +51,8 @@ PHASES = (
     ("logprob recomputation", r"logprob_seconds"),
     ("training", r"train_seconds"),
     ("refit", r"(refit|weight_sync)_seconds"),
-    ("sleep", r"sleep\w*_seconds"),
-    ("wake", r"wake\w*_seconds"),
+    ("sleep", r"(timing/)?sleep_seconds"),
+    ("wake", r"(timing/)?wake_seconds"),
 )
 
 #: Overrides of ``--tiny``: the random tiny checkpoint, a few prompts, CPU-sized engine.
