@@ -22,8 +22,26 @@ _QUESTIONS = ("What is {e}?", "Compute {e}.", "Calculate {e}.", "{e} = ?")
 _INT = re.compile(r"-?\d+")
 
 
+class RecordTask:
+    """Base of the task generators: a subclass draws one prompt record with ``record(rng)``
+    ({"messages", "answer", ...}); :meth:`records` draws a reproducible set of distinct ones."""
+
+    def record(self, rng: random.Random) -> dict:
+        raise NotImplementedError
+
+    def records(self, seed: int, count: int, exclude: set[str] | frozenset = frozenset()) -> list[dict]:
+        """``count`` records from ``seed``; questions in ``exclude`` (user texts) are skipped."""
+        rng = random.Random(seed)
+        out: list[dict] = []
+        while len(out) < count:
+            rec = self.record(rng)
+            if rec["messages"][-1]["content"] not in exclude:
+                out.append(rec)
+        return out
+
+
 @dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(RecordTask):
     """Generator of ``{"messages", "answer"}`` records from a seed.
 
     Args:
@@ -50,16 +68,6 @@ class ArithmeticTask:
             "answer": str(safe_calculate(expr)),
             "expression": expr,
         }
-
-    def records(self, seed: int, count: int, exclude: set[str] | frozenset = frozenset()) -> list[dict]:
-        """``count`` records from ``seed``; questions in ``exclude`` (user texts) are skipped."""
-        rng = random.Random(seed)
-        out: list[dict] = []
-        while len(out) < count:
-            rec = self.record(rng)
-            if rec["messages"][-1]["content"] not in exclude:
-                out.append(rec)
-        return out
 
 
 def tool_steps(record: dict) -> list[tuple[str, str]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from m3_rollout.rollout.environments.calculator import RecordTask
 from m3_rollout.rollout.environments.tools import safe_calculate
 
 SYSTEM_PROMPT = "Use the calculator tool for every arithmetic step, one call per step, then give the final result."
@@ -27,7 +28,7 @@ _END = (".", ". What is the result?", ". What do you get?")
 
 
 @dataclass(frozen=True)
-class MultiStepArithmeticTask:
+class MultiStepArithmeticTask(RecordTask):
     """Generator of multi-step ``{"messages", "answer", "expression", "calls", "results"}`` records.
 
     A record's chain has ``c`` operations, ``c`` uniform in [min_calls, max_calls]: the first is
@@ -100,13 +101,3 @@ class MultiStepArithmeticTask:
             "calls": calls,
             "results": results,
         }
-
-    def records(self, seed: int, count: int, exclude: set[str] | frozenset = frozenset()) -> list[dict]:
-        """``count`` records from ``seed``; questions in ``exclude`` (user texts) are skipped."""
-        rng = random.Random(seed)
-        out: list[dict] = []
-        while len(out) < count:
-            rec = self.record(rng)
-            if rec["messages"][-1]["content"] not in exclude:
-                out.append(rec)
-        return out
