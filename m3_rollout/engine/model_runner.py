@@ -244,26 +244,12 @@ class ModelRunner:
         self._out_host: list[torch.Tensor] = []
         self._out_flip = 0
         self.graphs = None
-        if enable_cuda_graphs == "eager":  # the staged decode path without graphs (CPU tests)
-            from m3_rollout.engine.decode_graph import CudaGraphDecode
-
-            self.graphs = CudaGraphDecode(
-                model,
-                kv,
-                self.ops,
-                max_num_seqs,
-                max_model_len,
-                self.last_tokens,
-                cuda_graph_batch_sizes,
-                use_graphs=False,
-                fused_sampler=fused_sampler,
-            )
-            self.graphs.capture()
-        elif enable_cuda_graphs and self.cuda:
+        staged_only = enable_cuda_graphs == "eager"  # the staged decode path without graphs (CPU tests)
+        if staged_only or (enable_cuda_graphs and self.cuda):
             from m3_rollout.engine.decode_graph import CudaGraphDecode
 
             try:
-                self.graphs = CudaGraphDecode(
+                graphs = CudaGraphDecode(
                     model,
                     kv,
                     self.ops,
@@ -271,15 +257,18 @@ class ModelRunner:
                     max_model_len,
                     self.last_tokens,
                     cuda_graph_batch_sizes,
+                    use_graphs=not staged_only,
                     fused_sampler=fused_sampler,
                 )
                 with torch.no_grad():
-                    self.graphs.capture()
+                    graphs.capture()
+                self.graphs = graphs
             except Exception as exc:  # NOTE: eager fallback; the references are not capturable
+                if staged_only:
+                    raise
                 import warnings
 
                 warnings.warn(f"CUDA-graph capture failed, decode runs eagerly: {exc}", stacklevel=2)
-                self.graphs = None
 
     # ---- sleep / wake-up ---------------------------------------------------------------------
     def release_graphs(self) -> None:
