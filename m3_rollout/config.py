@@ -114,7 +114,22 @@ class SchedulerConfig:
 
 @dataclass
 class GenerationConfig:
+    # native: the engine runs in this process (expert_parallel_size=1, cluster.launcher=auto) or in
+    # rollout worker processes (EP service). http: generation goes to a rollout server's /generate
+    # (m3_rollout/server, HTTPBackend) and each refit goes through the server's weight-sync group
+    # (weight_sync.backend / bucket_size_mb / timeout_s apply; running requests continue on the new
+    # weights). Needs expert_parallel_size=1, sleep_level=0, cluster.launcher=auto and no
+    # weight_sync.probe (the server refits without them).
     backend: str = "native"
+    # backend=http: the server's address, e.g. "http://127.0.0.1:8000"; it must serve this run's
+    # checkpoint in `dtype` (the weight sync casts to it). null: the job starts a server itself
+    # (`python -m m3_rollout.serve` on 127.0.0.1, a free port, with this section's engine settings
+    # and cluster.device; log in logger.log_dir/rollout_server.log) and stops it at the end.
+    http_base_url: str | None = None
+    # backend=http: sent as "Authorization: Bearer KEY" (and given to a job-started server).
+    http_api_key: str | None = None
+    # backend=http, job-started server: seconds to wait for its /health before the job fails.
+    http_startup_timeout_s: float = 300.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
@@ -373,7 +388,11 @@ def _check_weight_sync(e: list[str], cfg: MasterConfig) -> None:
     _check(e, pr.num_prompts >= 1, "weight_sync.probe.num_prompts", pr.num_prompts, "must be >= 1")
     _check(e, pr.num_tokens >= 2, "weight_sync.probe.num_tokens", pr.num_tokens, "must be >= 2")
     _check(e, pr.threshold > 0, "weight_sync.probe.threshold", pr.threshold, "must be > 0 (nats per token)")
-    in_process = cfg.policy.generation.expert_parallel_size == 1 and cfg.cluster.launcher == "auto"
+    gen = cfg.policy.generation
+    if gen.backend == "http":
+        _check_http_weight_sync(e, ws)
+        return
+    in_process = gen.expert_parallel_size == 1 and cfg.cluster.launcher == "auto"
     if in_process:
         _check(
             e,
@@ -404,6 +423,93 @@ def _check_weight_sync(e: list[str], cfg: MasterConfig) -> None:
         )
 
 
+#: weight_sync keys the rollout server's refit does not take (HTTPBackend): left at their defaults.
+_HTTP_FIXED = ("master_port", "double_buffer", "atomic", "recompute_kv_after_update", "send_frozen")
+
+
+def _check_http_weight_sync(e: list[str], ws: WeightSyncConfig) -> None:
+    """weight_sync keys with policy.generation.backend=http: the server's group takes backend,
+    bucket_size_mb and timeout_s; the rest must stay at their defaults."""
+    _check(
+        e,
+        ws.method in ("auto", "broadcast"),
+        "weight_sync.method",
+        ws.method,
+        "policy.generation.backend=http refits the server through its weight-sync group (use auto or broadcast)",
+    )
+    defaults = WeightSyncConfig()
+    for key in _HTTP_FIXED:
+        value = getattr(ws, key)
+        _check(
+            e,
+            value == getattr(defaults, key),
+            f"weight_sync.{key}",
+            value,
+            "is not configurable with policy.generation.backend=http (the server's refit is atomic, "
+            "on a free port, frozen tensors with the first update only); leave it at its default",
+        )
+    _check(
+        e,
+        not ws.probe.enabled,
+        "weight_sync.probe.enabled",
+        ws.probe.enabled,
+        "the rollout server has no post-update probe; use policy.generation.backend=native for it",
+    )
+
+
+def _check_http_backend(e: list[str], cfg: MasterConfig) -> None:
+    """policy.generation keys of the HTTP backend, and what it cannot do."""
+    gen = cfg.policy.generation
+    if gen.backend != "http":
+        for key in ("http_base_url", "http_api_key"):
+            value = getattr(gen, key)
+            _check(
+                e,
+                value is None,
+                f"policy.generation.{key}",
+                value,
+                "only applies with policy.generation.backend=http; remove it or set the backend",
+            )
+        return
+    url = gen.http_base_url
+    _check(
+        e,
+        url is None or re.fullmatch(r"https?://[^/\s]+(/\S*)?", url) is not None,
+        "policy.generation.http_base_url",
+        url,
+        "must be null (the job starts a server) or an http(s) URL such as 'http://127.0.0.1:8000'",
+    )
+    _check(
+        e,
+        gen.http_startup_timeout_s > 0,
+        "policy.generation.http_startup_timeout_s",
+        gen.http_startup_timeout_s,
+        "must be > 0 (seconds)",
+    )
+    _check(
+        e,
+        gen.expert_parallel_size == 1,
+        "policy.generation.expert_parallel_size",
+        gen.expert_parallel_size,
+        "must be 1 with policy.generation.backend=http: an expert-parallel server cannot be refit over HTTP "
+        "(use backend=native for the EP rollout service)",
+    )
+    _check(
+        e,
+        gen.sleep_level == 0,
+        "policy.generation.sleep_level",
+        gen.sleep_level,
+        "must be 0 with policy.generation.backend=http: the server's engine cannot sleep / wake up on request",
+    )
+    _check(
+        e,
+        cfg.cluster.launcher == "auto",
+        "cluster.launcher",
+        cfg.cluster.launcher,
+        "must be auto with policy.generation.backend=http (the server is the rollout; no workers are launched)",
+    )
+
+
 @dataclass
 class MasterConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -419,7 +525,7 @@ class MasterConfig:
 
 
 _CHOICES = {
-    "policy.generation.backend": ("native",),
+    "policy.generation.backend": ("native", "http"),
     "policy.generation.logprobs_mode": ("processed", "raw"),
     "policy.generation.dtype": ("float32", "bfloat16", "float16"),
     "policy.precision": ("float32", "bfloat16", "float64"),
@@ -716,6 +822,7 @@ def validate(cfg: MasterConfig) -> None:
         "must be >= 0 (0 = keep all)",
     )
     _check(e, not rd.enabled or bool(rd.dir), "rollout_dump.dir", rd.dir, "must be set when rollout_dump.enabled")
+    _check_http_backend(e, cfg)
     _check_weight_sync(e, cfg)
     opt = p.optimizer
     for key in ("beta1", "beta2"):

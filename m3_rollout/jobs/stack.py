@@ -11,6 +11,10 @@ built or a rollout worker started.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from m3_rollout.engine.interface import GenerationBackend
 from m3_rollout.rollout.data import PromptSource, load_jsonl
 from m3_rollout.rollout.environment import Environment
 from m3_rollout.rollout.group_rollout import RolloutSettings
+from m3_rollout.server.client import HTTPBackend, free_port
 
 #: Offset of the validation sampling seed from ``grpo.seed``.
 VAL_SEED_OFFSET = 17
@@ -124,10 +129,147 @@ def generation_device(cfg: MasterConfig) -> torch.device:
     return torch.device(cfg.cluster.device)
 
 
+def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) -> list[str]:
+    """argv of the rollout server a ``policy.generation.backend=http`` job starts for ``model_dir``
+    (``http_base_url`` null): ``python -m m3_rollout.serve`` on 127.0.0.1:``port`` with the
+    generation dtype, device, context limit and engine settings the in-process engine would get."""
+    gen = cfg.policy.generation
+    cmd = [sys.executable, "-m", "m3_rollout.serve", "--model", str(model_dir), "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--dtype", gen.dtype, "--device", cfg.cluster.device]
+    cmd += ["--max-model-len", str(max_len), "--max-num-seqs", str(gen.max_num_seqs)]
+    cmd += ["--max-num-batched-tokens", str(gen.max_num_batched_tokens)]
+    cmd += ["--kv-cache-memory-gb", str(gen.kv_cache_memory_gb)]
+    cmd += ["--kv-cache-memory-fraction", str(gen.kv_cache_memory_fraction)]
+    cmd += ["--async-scheduling", {None: "auto", True: "on", False: "off"}[gen.async_scheduling]]
+    if not gen.enable_prefix_caching:
+        cmd.append("--no-prefix-caching")
+    if gen.enable_cuda_graphs:
+        cmd.append("--enable-cuda-graphs")
+    if cfg.policy.routing_replay:
+        cmd.append("--record-routing")
+    if gen.http_api_key:
+        cmd += ["--api-key", gen.http_api_key]
+    return cmd
+
+
+def _stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM (uvicorn shuts the engine down), then SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class ServerProcess:
+    """A rollout server subprocess the job owns: started by :meth:`start`, stopped by :meth:`stop`
+    (also when this object is collected or the interpreter exits, so an error path cannot leave
+    it running)."""
+
+    def __init__(self, cmd: list[str], log_path: Path):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc)
+
+    def log_tail(self, n_chars: int = 2000) -> str:
+        return self.log_path.read_text(errors="replace")[-n_chars:]
+
+    def wait_healthy(self, base_url: str, api_key: str | None, timeout_s: float) -> None:
+        """Poll ``/health`` until it answers 200.
+
+        Raises:
+            RuntimeError: the process exited, or no healthy answer within ``timeout_s`` (the
+                process is stopped); both quote the end of the server's log.
+        """
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the rollout server exited with status {self.proc.returncode} before it was healthy; "
+                    f"end of {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{base_url}/health", headers=headers, timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the rollout server at {base_url} was not healthy within "
+                    f"policy.generation.http_startup_timeout_s={timeout_s}; end of {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+class OwnedServerBackend(HTTPBackend):
+    """An :class:`HTTPBackend` whose server this job started: ``shutdown`` also stops the server."""
+
+    def __init__(self, server: ServerProcess, base_url: str, **kwargs):
+        super().__init__(base_url, **kwargs)
+        self.server = server
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self.server.stop()
+
+
+def build_http_backend(cfg: MasterConfig, model_dir: Path, max_len: int) -> HTTPBackend:
+    """The ``policy.generation.backend=http`` backend: a client of ``http_base_url``, or of a
+    server started here for ``model_dir`` (:func:`server_command`, its log in
+    ``logger.log_dir/rollout_server.log``) once its ``/health`` answers.
+
+    Weight updates cast to ``policy.generation.dtype`` on the wire (router >= fp32, as the
+    in-process refit copies), over ``weight_sync.backend`` (auto: NCCL when ``cluster.device`` is
+    CUDA, else gloo); the first ``update_weights`` hosts the group here and has the server join.
+
+    Raises:
+        RuntimeError: a job-started server that exits or is not healthy within
+            ``policy.generation.http_startup_timeout_s`` (it is stopped; its log tail is quoted).
+    """
+    gen, ws = cfg.policy.generation, cfg.weight_sync
+    sync_backend = ws.backend if ws.backend != "auto" else ("nccl" if cfg.cluster.device.startswith("cuda") else "gloo")
+    kwargs = dict(
+        api_key=gen.http_api_key,
+        max_concurrency=gen.max_num_seqs,
+        return_routed_experts=cfg.policy.routing_replay,
+        weight_sync_backend=sync_backend,
+        generation_dtype=getattr(torch, gen.dtype),
+        bucket_size_mb=ws.bucket_size_mb,
+        weight_sync_timeout_s=ws.timeout_s,
+    )
+    if gen.http_base_url is not None:
+        return HTTPBackend(gen.http_base_url, **kwargs)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(
+        server_command(cfg, model_dir, max_len, port), Path(cfg.logger.log_dir) / "rollout_server.log"
+    )
+    try:
+        server.wait_healthy(base_url, gen.http_api_key, gen.http_startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return OwnedServerBackend(server, base_url, **kwargs)
+
+
 def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatFormat, max_len: int) -> GenerationBackend:
     """The generation backend of ``cfg`` for the checkpoint in ``model_dir``.
 
-    The EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a launcher is
+    ``policy.generation.backend=http``: :func:`build_http_backend` (a rollout server). Otherwise
+    the EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a launcher is
     configured (``m3_rollout/service``), else the in-process native engine on ``cluster.device``
     in ``policy.generation.dtype`` (router in fp32, spec §6; on CUDA with the fused-layer weights
     packed, ``M3ForCausalLM.pack_fused_weights``; CUDA graphs and async scheduling per
@@ -137,7 +279,8 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
 
     Raises:
         ConfigError: an ``expert_parallel_size`` that does not divide the model's experts, or a
-            device this machine lacks; ValueError from the engine / service on bad engine settings.
+            device this machine lacks; ValueError from the engine / service on bad engine settings;
+            RuntimeError from :func:`build_http_backend` when a job-started server does not come up.
     """
     from m3_rollout.engine.native_backend import NativeBackend
     from m3_rollout.model import load_checkpoint
@@ -151,6 +294,8 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
         expert_range(M3Config.from_pretrained(str(model_dir)).num_local_experts, gen.expert_parallel_size, 0)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if gen.backend == "http":
+        return build_http_backend(cfg, model_dir, max_len)
     backend = build_rollout_service(cfg, model_dir, chat.stop_token_ids, max_len)
     if backend is not None:
         return backend

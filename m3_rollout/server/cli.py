@@ -40,6 +40,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.0, help="KV page pool (0: automatic)")
     p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.8,
+        help="automatic KV pool on CUDA: this fraction of the free device memory (default 0.8)",
+    )
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse full KV pages across requests (on by default)"
+    )
+    p.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="launch step N+1 before step N's ids reach the host (auto: on for CUDA, off on CPU)",
+    )
+    p.add_argument(
         "--record-routing", action="store_true", help="keep routed experts (/generate return_routed_experts)"
     )
     p.add_argument("--enable-cuda-graphs", action="store_true")
@@ -47,6 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.expert_parallel_size < 1:
         p.error(f"--expert-parallel-size={args.expert_parallel_size}: must be >= 1")
+    if not 0 < args.kv_cache_memory_fraction <= 1:
+        p.error(f"--kv-cache-memory-fraction={args.kv_cache_memory_fraction}: must be in (0, 1]")
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port}: must be in 1..65535")
     return args
@@ -67,7 +84,10 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
     engine = dict(
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        enable_prefix_caching=not args.no_prefix_caching,
         enable_cuda_graphs=args.enable_cuda_graphs,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
     if args.expert_parallel_size > 1:
         from m3_rollout.config import MasterConfig
