@@ -98,6 +98,19 @@ def test_unwritable_output_directory_is_found_at_start(cache, capsys):
     assert not (cache / "cache").exists()  # before the checkpoint is even built
 
 
+def test_a_fresh_run_refuses_a_dump_directory_holding_an_earlier_runs_shards(cache, capsys):
+    d = cache / "dumps"
+    d.mkdir()
+    (d / "step_00000001.parquet").write_bytes(b"an earlier run's shard")
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, "rollout_dump.enabled=true", f"rollout_dump.dir={d}"))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"rollout_dump.dir={str(d)!r} already holds 1 step shards" in err and "checkpointing.resume=true" in err
+    assert (d / "step_00000001.parquet").read_bytes() == b"an earlier run's shard"
+    assert not (cache / "cache").exists()  # found before the checkpoint is built
+
+
 def test_dump_generate_refuses_a_non_empty_directory(cache, capsys):
     d = cache / "dumps"
     d.mkdir()

@@ -183,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_show)
     r = sub.add_parser("replay", help="re-score with a checkpoint; --train for offline GRPO")
     r.add_argument("dir")
-    r.add_argument("--config", default="configs/grpo_bf16_ep.yaml")
+    r.add_argument(
+        "--config",
+        default="configs/grpo_bf16_ep.yaml",
+        help="the config the dump was generated with (its policy.model_name is the default checkpoint); "
+        "default: configs/grpo_bf16_ep.yaml",
+    )
     r.add_argument("--checkpoint", help="checkpoint dir or builtin: name (default policy.model_name)")
     r.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     r.add_argument("--steps", type=int, nargs="*", help="only these steps")

@@ -33,12 +33,20 @@ def writable_dir(path: str | Path, key: str) -> Path:
 
 def check_output_dirs(cfg: MasterConfig) -> None:
     """``logger.log_dir``, and ``checkpointing.checkpoint_dir`` / ``rollout_dump.dir`` when
-    checkpoints / dumps are on, exist and are writable. Raises ConfigError naming the key."""
+    checkpoints / dumps are on, exist and are writable, and a fresh run's dump directory holds no
+    step shards of another run. Raises ConfigError naming the key."""
     writable_dir(cfg.logger.log_dir, "logger.log_dir")
     if cfg.checkpointing.enabled:
         writable_dir(cfg.checkpointing.checkpoint_dir, "checkpointing.checkpoint_dir")
     if cfg.rollout_dump.enabled:
-        writable_dir(cfg.rollout_dump.dir, "rollout_dump.dir")
+        dump_dir = writable_dir(cfg.rollout_dump.dir, "rollout_dump.dir")
+        shards = sorted(dump_dir.glob("step_*.parquet"))
+        if shards and not cfg.checkpointing.resume:  # a fresh run would collide with step 1's shard
+            raise ConfigError(
+                f"rollout_dump.dir={str(dump_dir)!r} already holds {len(shards)} step shards of an earlier run "
+                f"({shards[0].name} ...); give a new rollout_dump.dir, delete the old shards, or resume that "
+                "run with checkpointing.resume=true"
+            )
 
 
 def empty_dump_dir(path: str | Path, key: str) -> Path:
