@@ -132,3 +132,17 @@ def test_api_key_guards_every_endpoint(setup):
     assert good.models.list().data[0].id == "tiny-m3"
     r = good.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=3, seed=1)
     assert r.usage.completion_tokens >= 1
+
+
+def test_a_second_pause_in_another_mode_is_refused_and_resume_always_resumes(setup):
+    """A keep pause followed by a drain / abort pause used to leave the engine frozen after /resume."""
+    srv, _, _ = setup
+    assert httpx.post(srv.url + "/pause", json={"mode": "keep"}, timeout=30).json()["mode"] == "keep"
+    for other in ("drain", "abort"):
+        err = _error(httpx.post(srv.url + "/pause", json={"mode": other}, timeout=30), 409)
+        assert err["param"] == "mode" and "already paused with mode='keep'" in err["message"]
+    assert httpx.post(srv.url + "/pause", json={"mode": "keep"}, timeout=30).json()["paused"]  # same mode: no-op
+    assert httpx.post(srv.url + "/resume", timeout=30).json() == {"paused": False}
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "seed": 0}}
+    out = httpx.post(srv.url + "/generate", json=body, timeout=30).json()["outputs"][0]
+    assert len(out["output_ids"]) == 3 and out["finish_reason"] in ("length", "stop")

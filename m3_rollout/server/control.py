@@ -83,8 +83,20 @@ class Controller:
     async def pause(self, mode: str) -> dict:
         """Stop admitting requests. ``abort``: running requests end now with reason "abort";
         ``drain``: returns once they finished; ``keep``: they stay frozen in the engine (KV kept)
-        and continue at :meth:`resume`. Raises APIError 409 during a weight update."""
+        and continue at :meth:`resume`. A second ``/pause`` with the mode in force is a no-op; with
+        another mode it is refused (the frozen or draining requests would be stranded). Raises
+        APIError 409 during a weight update or a pause in another mode."""
         self._refuse_during_update("/pause")
+        if self.pause_mode is not None:
+            if mode != self.pause_mode:
+                raise APIError(
+                    409,
+                    f"already paused with mode={self.pause_mode!r}; call /resume before pausing with mode={mode!r}",
+                    "mode",
+                    type="invalid_request_error",
+                    code="already_paused",
+                )
+            return {"paused": True, "mode": mode, "aborted": 0, "running": sum(self.live.values())}
         self._gate.clear()
         self.pause_mode = mode
         aborted = 0
