@@ -269,3 +269,21 @@ def test_routing_records_are_released_and_work_after_wake_up():
     rec = outs[0].routed_experts
     assert rec.shape[0] == 9 + 5
     assert (rec[: 9 + 4] >= 0).all()  # every token run after wake-up recorded into the new memory
+
+
+def test_a_weight_receiver_refuses_to_write_into_offloaded_weights():
+    """The receiver itself (not only NativeBackend) refuses an update at sleep level 2: the
+    parameters' device memory is freed, and a copy into it used to crash the process."""
+    model = _model()
+    eng, _ = _engine(model)
+    sync = LocalWeightSync(eng)
+    released = {n: t.clone() for n, t in iter_released_tensors(model)}
+    sync.update_weights(1, released.items())
+    eng.sleep(2)
+    with pytest.raises(ValueError, match=r"weights offloaded \(sleep level 2\): call wake_up\(\) first"):
+        sync.update_weights(2, {n: t + 0.01 for n, t in released.items()}.items())
+    eng.wake_up()
+    assert eng.weight_version == 1 and all(torch.equal(t, released[n]) for n, t in iter_released_tensors(model))
+    new = {n: t + 0.01 for n, t in released.items()}
+    sync.update_weights(2, new.items())
+    assert eng.weight_version == 2 and all(torch.equal(t, new[n]) for n, t in iter_released_tensors(model))

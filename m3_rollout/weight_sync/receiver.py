@@ -182,6 +182,9 @@ class WeightReceiver:
         elif probe is not None and self.scorer is None:
             self._fail("update carries a probe (weight_sync.probe) but this rank has no scorer")
         self._probe = probe
+        if self.in_flight is not None and self.in_flight.engine.weights_offloaded:
+            # sleep(2) freed the parameters' device memory: a write would land in freed memory
+            self._fail("the engine is asleep with its weights offloaded (sleep level 2): call wake_up() first")
         if self.in_flight is not None:
             self.in_flight.begin()
 
