@@ -307,6 +307,9 @@ def test_sampling_params_of_the_wrong_type_or_range_fail_alone():
         "n_float": dict(n=2.5),
         "n_str": dict(n="2"),
         "n_bool": dict(n=True),
+        "n_huge": dict(n=10**30),  # one error record, not one per sample (that exhausted the host's memory)
+        "n_over_cap": dict(n=2**16 + 1),
+        "t_huge_int": dict(temperature=10**400),  # raised OverflowError out of generate()
         "t_nan": dict(temperature=float("nan")),
         "t_inf": dict(temperature=float("inf")),
         "t_neg": dict(temperature=-1.0),
@@ -323,7 +326,8 @@ def test_sampling_params_of_the_wrong_type_or_range_fail_alone():
     }
     ok = _req("ok", _prompt(5, 1), n=2, stop_token_ids=())
     b = _backend()
-    outs = b.generate([_with_params(rid, prompt, **f) for rid, f in bad.items()] + [ok])
+    no_params = GenerationRequest("no_params", prompt, None)  # raised AttributeError out of generate()
+    outs = b.generate([_with_params(rid, prompt, **f) for rid, f in bad.items()] + [no_params, ok])
     by: dict[str, list[SampleOutput]] = {}
     for o in outs:
         by.setdefault(o.request_id, []).append(o)
@@ -331,6 +335,7 @@ def test_sampling_params_of_the_wrong_type_or_range_fail_alone():
         (name,) = fields
         assert len(by[rid]) == 1 and by[rid][0].finish_reason == "error", rid
         assert f"SamplingParams.{name}=" in by[rid][0].error, (rid, by[rid][0].error)
+    assert len(by["no_params"]) == 1 and "GenerationRequest.params=None" in by["no_params"][0].error
     alone = _backend().generate([ok])
     assert [o.output_ids for o in by["ok"]] == [o.output_ids for o in alone] and not b.engine.has_unfinished()
     with pytest.raises(ValueError, match="SamplingParams.n"):

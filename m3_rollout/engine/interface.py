@@ -23,6 +23,9 @@ import torch
 # a temperature >= MAX_ABS_LOGIT / finfo(dtype).max keeps logits / temperature finite; a smaller
 # one can overflow to inf, and inf - inf makes the step's logprobs NaN (and the sampled id padding).
 MAX_ABS_LOGIT = 2.0**20
+#: Samples one request may ask for (``SamplingParams.n``): a GRPO group is tens; the bound keeps a
+#: typo from allocating one output record per sample.
+MAX_SAMPLES_PER_REQUEST = 2**16
 
 
 def min_temperature(dtype: torch.dtype) -> float:
@@ -57,8 +60,12 @@ def _int_field(name: str, value, low: int, why: str = "") -> int:
 
 def _float_field(name: str, value) -> float:
     """``value`` as a finite float (ints and numpy floats accepted) or ValueError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"SamplingParams.{name}={value!r}: must be a finite real number")
+    try:  # an int beyond the float range overflows in isfinite
+        finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise ValueError(f"SamplingParams.{name}={value!r:.80}: must be a finite real number")
     return float(value)
 
 
@@ -95,9 +102,10 @@ class SamplingParams:
         """Output records a request with these params yields: ``n``, or 1 (its one error record)
         when ``n`` is not a valid count."""
         try:
-            return max(as_int(self.n), 1)
+            n = as_int(self.n)
         except TypeError:
             return 1
+        return n if 1 <= n <= MAX_SAMPLES_PER_REQUEST else 1
 
     def validate(self, compute_dtype: torch.dtype | None = None) -> SamplingParams:
         """Check every field once; return a copy holding plain Python values (int, float, tuple).
@@ -111,6 +119,11 @@ class SamplingParams:
             ValueError naming the field, its value and the accepted range.
         """
         n = _int_field("n", self.n, 1)
+        if n > MAX_SAMPLES_PER_REQUEST:
+            raise ValueError(
+                f"SamplingParams.n={n}: at most {MAX_SAMPLES_PER_REQUEST} samples per request; split it into "
+                "several requests"
+            )
         temperature = _float_field("temperature", self.temperature)
         if not temperature > 0:
             raise ValueError(
@@ -179,6 +192,8 @@ class GenerationRequest:
             first = as_int(self.sample_index)
         except TypeError:
             return [self.sample_index]
+        if not isinstance(self.params, SamplingParams):
+            return [first]
         return [first + j for j in range(self.params.num_outputs)]
 
 

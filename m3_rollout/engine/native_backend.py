@@ -170,7 +170,7 @@ class NativeBackend(GenerationBackend):
         iids = [self._add(req, stream=False) for req in requests]
         pos = {iid: i for i, iid in enumerate(iids)}
         results: list[list[SampleOutput]] = [[] for _ in requests]
-        remaining = sum(r.params.num_outputs for r in requests)
+        remaining = sum(len(r.output_indices()) for r in requests)
         while remaining:
             for out in self.engine.step():
                 if isinstance(out, SampleOutput) and out.request_id in pos:
@@ -209,7 +209,7 @@ class NativeBackend(GenerationBackend):
         iid = self._add(req, stream)
         self._queues[iid] = q
         self._ensure_driver()
-        remaining = req.params.num_outputs
+        remaining = len(req.output_indices())
         try:
             while remaining:
                 out = await q.get()

@@ -68,6 +68,8 @@ def check_request(
     Raises:
         ValueError naming the bad field (the request's error text).
     """
+    if not isinstance(req.params, SamplingParams):
+        raise ValueError(f"GenerationRequest.params={req.params!r:.80}: must be a SamplingParams")
     params = req.params.validate(compute_dtype)
     idx = req.sample_index
     try:

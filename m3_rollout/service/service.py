@@ -239,7 +239,7 @@ class RolloutService(GenerationBackend):
             n = len(req.prompt_ids)
             self._prefix_owner[(n, hash(tuple(req.prompt_ids)))] = rank
             self._prefix_lengths.add(n)
-        load[rank] += req.params.num_outputs
+        load[rank] += len(req.output_indices())
         return rank
 
     # ---- generation --------------------------------------------------------------------------
@@ -301,7 +301,7 @@ class RolloutService(GenerationBackend):
         new: list[list[GenerationRequest]] = [[] for _ in range(self.world_size)]
         for iid, p in pending.items():
             req = p.request
-            full = len(p.missing) == req.params.num_outputs
+            full = len(p.missing) == len(req.output_indices())
             if full:
                 reqs = [req]
             else:  # n=1 per missing sample: its own random stream (sample_index) repeats its tokens
