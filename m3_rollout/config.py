@@ -848,9 +848,10 @@ def check_devices(cfg: MasterConfig, cuda_available: bool, cuda_device_count: in
         cuda_device_count: ``torch.cuda.device_count()``.
 
     Raises:
-        ConfigError: CUDA asked for (``cluster.device=cuda[:N]`` or ``cluster.gpus_per_node > 0``)
-            on a machine without it, a device index past the device count, or more GPUs per node
-            than this machine has; each names the key and the devices present.
+        ConfigError: CUDA asked for (``cluster.device=cuda[:N]``, ``cluster.gpus_per_node > 0`` or
+            ``weight_sync.backend=nccl``) on a machine without it, a device index past the device
+            count, or more GPUs per node than this machine has; each names the key and the devices
+            present.
     """
     c, e = cfg.cluster, []
     count = cuda_device_count if cuda_available else 0
@@ -866,6 +867,13 @@ def check_devices(cfg: MasterConfig, cuda_available: bool, cuda_device_count: in
         "cluster.gpus_per_node",
         c.gpus_per_node,
         f"{have}; use at most {count} (0 = CPU rollout workers)",
+    )
+    _check(
+        e,
+        cfg.weight_sync.backend != "nccl" or count > 0,
+        "weight_sync.backend",
+        cfg.weight_sync.backend,
+        f"NCCL needs CUDA devices and {have}; use weight_sync.backend=gloo (or auto)",
     )
     if e:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))

@@ -57,6 +57,8 @@ def test_device_and_precision_keys_load_and_bad_values_name_the_key():
         (["cluster.device=cuda:2"], True, 2, r"cluster.device='cuda:2': this machine has 2 CUDA"),
         (["cluster.gpus_per_node=4"], True, 1, r"cluster.gpus_per_node=4: this machine has 1 CUDA"),
         (["cluster.gpus_per_node=2"], False, 0, r"cluster.gpus_per_node=2: this machine has 0"),
+        # started the EP workers, then died in their NCCL init with a traceback (exit 1)
+        (["weight_sync.backend=nccl"], False, 0, r"weight_sync.backend='nccl': NCCL needs CUDA devices"),
     ],
 )
 def test_check_devices_names_the_key(overrides, available, count, needle):
