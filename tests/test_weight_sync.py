@@ -496,6 +496,25 @@ def test_versions_only_increase_unless_the_update_replaces():
         assert rx.version == 5 and rx.valid
     sender.update(5, replace=True)  # explicitly re-sending the version held is allowed
     assert rx.version == 5
+    for bad in (6.5, True, "7", 2**70):  # 6.5 became 6, True became 1, 2**70 locked later versions out
+        with pytest.raises(WeightUpdateError, match=r"must be an integer below 2\*\*62"):
+            sender.update(bad)
+        assert rx.version == 5 and rx.valid
+
+
+def test_a_non_float_trainer_tensor_is_refused_naming_it():
+    """An int32 tensor used to be cast into the float parameter (truncated to zeros) and accepted."""
+    trainer, rx_model = _model(1), _model(0)
+    rx = WeightReceiver(rx_model, version=0)
+    name = "language_model.model.layers.0.self_attn.v_proj.weight"
+    tensors = dict(iter_released_tensors(trainer))
+    sender = WeightSender(lambda: tensors.items(), ColocatedChannel([rx]), BUCKET_MB)
+    sender.update(1, include_frozen=True)
+    before = {n: t.clone() for n, t in iter_released_tensors(rx_model)}
+    tensors[name] = (tensors[name] * 10).to(torch.int32)
+    with pytest.raises(WeightUpdateError, match=f"trainer tensor {name.replace('.', '[.]')}: dtype torch.int32"):
+        sender.update(2)
+    assert rx.version == 1 and all(torch.equal(t, before[n]) for n, t in iter_released_tensors(rx_model))
 
 
 @pytest.mark.parametrize("direct", [True, False])

@@ -242,6 +242,10 @@ class WeightSender:
                 invalid) or the transport failed (the channel then needs a rebuild, done at the
                 start of the next update).
         """
+        if isinstance(version, bool) or not isinstance(version, int) or version >= 2**62:
+            # 2.5 was truncated to 2, True read as 1, and 2**70 locked every later version out
+            # (negative versions reach the receivers, which refuse them with their own rule)
+            raise WeightUpdateError(f"weight version {version!r}: must be an integer below 2**62")
         if self.channel.needs_rebuild:
             self.channel.group.rebuild()
             self.channel.needs_rebuild = False
@@ -257,6 +261,9 @@ class WeightSender:
                 raise WeightUpdateError(f"trainer tensor {name} is not in the handshake list; re-handshake")
             if self.manifest[i].frozen and not include_frozen:
                 continue
+            if not (t.is_floating_point() and not t.is_complex()):
+                # an int tensor was cast into the float parameter (truncating it) without a word
+                raise WeightUpdateError(f"trainer tensor {name}: dtype {t.dtype} is not a real floating-point dtype")
             sources.append(t.detach())
             entries.append((i, tuple(t.shape), self.manifest[i].dtype))
         probe = self._probe_data()
