@@ -742,7 +742,7 @@ def validate(cfg: MasterConfig) -> None:
     _check(e, gen.sleep_level in (0, 1, 2), "policy.generation.sleep_level", gen.sleep_level, "must be 0, 1 or 2")
     _check(
         e,
-        not (gen.sleep_level and (a.enabled or gen.expert_parallel_size > 1)),
+        not (gen.sleep_level in (1, 2) and (a.enabled or gen.expert_parallel_size > 1)),
         "policy.generation.sleep_level",
         gen.sleep_level,
         "needs synchronous GRPO (grpo.async_grpo.enabled=false) and the in-process engine "

@@ -166,3 +166,20 @@ def test_unknown_tool_is_a_config_error_where_the_environment_is_built(tmp_path)
     )
     with pytest.raises(ConfigError, match=r"env\.jsonl\.tools=\['calculator', 'bogus'\]: unknown \['bogus'\]"):
         build_env(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["policy.generation.sleep_level=3"], "policy.generation.sleep_level=3: must be 0, 1 or 2"),
+        (
+            ["policy.generation.sleep_level=1", "grpo.async_grpo.enabled=true"],
+            "policy.generation.sleep_level=1: needs synchronous GRPO",
+        ),
+    ],
+)
+def test_sleep_level_is_checked_with_one_message_naming_it(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.expert_parallel_size=1", *overrides])
+    lines = [ln for ln in str(exc.value).splitlines() if "sleep_level" in ln]
+    assert len(lines) == 1 and message in lines[0], str(exc.value)
