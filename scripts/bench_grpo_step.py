@@ -165,7 +165,7 @@ def main_job_section(runs: list[dict], device: str, tiny: bool, overrides: list[
         sm = r["summary"]
         build = fmt(sm.get("build_seconds"), ".0f") if sm.get("built_now") else "cached"
         curve = ", ".join(f"{step}: {acc:.3f}" for step, acc in r["val"])
-        lines.append(f"| {r['seed']} | {build} | {fmt(sm.get('grpo_seconds'), '.0f')} | {r['wall_s']:.0f} | {curve} |")
+        lines.append(f"| {r['seed']} | {build} | {fmt(sm.get('grpo_seconds'), '.1f')} | {r['wall_s']:.0f} | {curve} |")
     keys = step_split(runs[0]["train"])["keys"]
     lines.append(
         "\nTiming keys read: "
