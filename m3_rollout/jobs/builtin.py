@@ -323,6 +323,9 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             max_model_len=settings.max_total_len,
             max_num_seqs=spec.num_val,
             num_pages=pages,
+            # On CUDA the held-out rollouts decode through CUDA graphs with a large prefill budget
+            # (measured on an H200: 0.5 s per evaluation instead of 2.3 s eager).
+            **({"enable_cuda_graphs": True, "max_num_batched_tokens": 16384} if device.type == "cuda" else {}),
         )
         backend.weight_sync = LocalWeightSync(backend.engine)
 
