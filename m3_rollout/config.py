@@ -920,6 +920,49 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
     return OmegaConf.merge(merged, OmegaConf.create(data))
 
 
+def packaged_configs_dir() -> Path:
+    """The directory of the configs that ship with the package.
+
+    An installed wheel holds them in ``m3_rollout/configs`` (pyproject.toml maps the repository's
+    top-level ``configs/`` there, so that folder stays the one source); a source checkout or an
+    editable install reads the repository's ``configs/`` itself.
+    """
+    here = Path(__file__).resolve().parent
+    installed = here / "configs"
+    return installed if installed.is_dir() else here.parent / "configs"
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """The YAML file that ``--config path`` means.
+
+    A file at ``path`` (relative to the working directory) wins. Otherwise a relative path is
+    looked up among the packaged configs (``packaged_configs_dir``), a leading ``configs/`` dropped
+    and ``.yaml`` added when the name has no suffix, so ``configs/grpo_bf16_ep.yaml``,
+    ``grpo_bf16_ep.yaml`` and ``grpo_bf16_ep`` all name the shipped main-job config when the
+    package is installed without a clone. ``defaults:`` inside a packaged config then resolve
+    next to it.
+
+    Raises:
+        FileNotFoundError: neither exists; the message lists the packaged config names.
+    """
+    given = Path(path).expanduser()
+    if given.is_file():
+        return given
+    packaged = packaged_configs_dir()
+    if not given.is_absolute():
+        parts = given.parts[1:] if given.parts[:1] == ("configs",) else given.parts
+        candidate = packaged.joinpath(*parts) if parts else packaged
+        if candidate.suffix == "":
+            candidate = candidate.with_suffix(".yaml")
+        if candidate.is_file():
+            return candidate
+    names = sorted(p.relative_to(packaged).as_posix() for p in packaged.rglob("*.yaml")) if packaged.is_dir() else []
+    raise FileNotFoundError(
+        f"config file not found: {given.resolve()} (nor among the packaged configs in {packaged}: "
+        f"{', '.join(names) or 'none'}); give a YAML path or one of those names"
+    )
+
+
 def _suggest_key(schema, key: str) -> str:
     """ ", did you mean 'x.y'?" for the closest existing key of the same section, or ""."""
     import difflib
@@ -937,7 +980,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
     Args:
         path: YAML file in the layout of :class:`MasterConfig` (may inherit others through
-            ``defaults:``, see ``load_yaml_with_defaults``); None starts from the defaults.
+            ``defaults:``, see ``load_yaml_with_defaults``), found as ``resolve_config_path``
+            says (a packaged config by name when no such file exists); None starts from the
+            defaults.
         overrides: dotted ``key=value`` strings, e.g. ``grpo.max_num_steps=5``.
 
     Returns:
@@ -945,12 +990,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
     Raises:
         ConfigError: unknown key, wrong type, malformed override or out-of-range value.
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` is neither a file nor a packaged config name.
     """
     schema = OmegaConf.structured(MasterConfig)
     try:
         if path is not None:
-            schema = OmegaConf.merge(schema, load_yaml_with_defaults(path))
+            schema = OmegaConf.merge(schema, load_yaml_with_defaults(resolve_config_path(path)))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value (e.g. grpo.max_num_steps=5)")

@@ -17,6 +17,7 @@ pipi() {
   fi
 }
 pipi "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-pipi -e ".[test,kernels,plot]"
+# The package declares ranges (pyproject.toml); CI installs the one set it is tested with.
+pipi -e ".[test,kernels,plot]" "transformers==5.24.0" "triton==3.6.0"
 .venv/bin/python -c "import torch, transformers, triton; print(f'torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}')"
 echo "$stamp" > .venv/.m3_rollout_installed

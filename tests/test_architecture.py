@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("entry", "m3_rollout.grpo", ("*",)),
     ("entry", "m3_rollout.serve", ("*",)),
     ("entry", "m3_rollout.dump.__main__", ("*",)),
+    ("entry", "m3_rollout.export", ("*",)),
+    ("entry", "m3_rollout.cli", ("*",)),
     ("kernels", "m3_kernels", ()),
     ("config", "m3_rollout.config", ()),
     ("chat", "m3_rollout.chat", ()),

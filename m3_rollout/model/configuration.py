@@ -298,6 +298,20 @@ class M3Config:
             "text_config": tc,
         }
 
+    def to_transformers_text_dict(self) -> dict[str, Any]:
+        """A flat config.json dict for transformers' text class (`model_type: minimax_m3_vl_text`).
+
+        `AutoConfig` reads it as `MiniMaxM3VLTextConfig` and `AutoModelForCausalLM` builds
+        `MiniMaxM3VLForCausalLM` (no vision tower) from it. The keys are `to_dict()`'s
+        `text_config` (both the raw and the flattened spellings), so this class reads the file
+        back as well (spec §1.2, §2.2b).
+        """
+        return {
+            "model_type": "minimax_m3_vl_text",
+            "architectures": ["MiniMaxM3VLForCausalLM"],
+            **self.to_dict()["text_config"],
+        }
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> M3Config:
         """Check the model-semantics invariants of spec §6 plus basic sanity; return self.

@@ -14,6 +14,8 @@ Naming map for transformers (spec §2.2b), per layer:
   mlp.experts.gate_up_proj [E, 2I, H]             -> block_sparse_moe.experts.{e}.w1 (rows :I) / w3 (rows I:)
   mlp.experts.down_proj [E, H, I]                 -> block_sparse_moe.experts.{e}.w2
   mlp.shared_experts.{gate_up_proj, down_proj}    -> block_sparse_moe.shared_experts.{gate_proj + up_proj, down_proj}
+`iter_transformers_text_tensors` runs the same map backwards, so `save_checkpoint(...,
+layout="transformers-text")` writes what transformers' text class loads with no renaming.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ import torch
 from .configuration import CheckpointError, M3Config
 from .model import M3ForCausalLM
 
+LAYOUTS = ("released", "transformers-text")
+
 __all__ = [
+    "LAYOUTS",
     "CheckpointError",
     "checkpoint_files",
     "iter_released_tensors",
+    "iter_transformers_text_tensors",
     "load_checkpoint",
     "load_hf_state_dict",
     "load_named_tensors",
@@ -63,7 +69,27 @@ _HF_GATE_UP = {
     "mlp.gate_up_proj.weight": "mlp.",
     "mlp.shared_experts.gate_up_proj.weight": "block_sparse_moe.shared_experts.",
 }
-_ROUTER_SUFFIXES = (".block_sparse_moe.gate.weight", ".block_sparse_moe.e_score_correction_bias")
+_ROUTER_SUFFIXES = (
+    ".block_sparse_moe.gate.weight",
+    ".block_sparse_moe.e_score_correction_bias",
+    ".mlp.gate.weight",  # transformers' names of the same two tensors
+    ".mlp.gate.e_score_correction_bias",
+)
+# released suffix -> transformers suffix of the tensors that are renamed one to one
+_TO_HF = {released: hf for hf, released in _HF_INDEXER.items()}
+# released gate suffix -> (released up suffix, transformers' fused gate_up suffix)
+_TO_HF_GATE_UP = {
+    "mlp.gate_proj.weight": ("mlp.up_proj.weight", "mlp.gate_up_proj.weight"),
+    "block_sparse_moe.shared_experts.gate_proj.weight": (
+        "block_sparse_moe.shared_experts.up_proj.weight",
+        "mlp.shared_experts.gate_up_proj.weight",
+    ),
+}
+_TO_HF_UP = {up for up, _ in _TO_HF_GATE_UP.values()}
+_TO_HF_EXPERTS = {
+    "block_sparse_moe.experts.w13": "mlp.experts.gate_up_proj",  # [E, 2I, H], w1 rows then w3 rows
+    "block_sparse_moe.experts.w2": "mlp.experts.down_proj",  # [E, H, I]
+}
 
 
 # ---------------------------------------------------------------------------- released names
@@ -147,6 +173,44 @@ def load_released_tensor(model: M3ForCausalLM, name: str, tensor: torch.Tensor) 
         raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point dtype")
     with torch.no_grad():
         dst.copy_(tensor)
+
+
+def iter_transformers_text_tensors(model: M3ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) under transformers' text-class names (`MiniMaxM3VLForCausalLM`, spec §2.2b).
+
+    The module docstring's map, backwards: indexer and router tensors renamed; dense and
+    shared-expert gate + up concatenated into `gate_up_proj` [2I, H] (gate rows first, new
+    tensors); the stacked experts are already transformers' `mlp.experts.gate_up_proj` [E, 2I, H]
+    and `mlp.experts.down_proj` [E, H, I] (views). Other tensors keep their released names.
+
+    Raises:
+        ValueError: `model` holds only an expert-parallel slice of some layer's experts.
+    """
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        m = _LAYER_RE.match(name)
+        if not m:
+            yield name, p.detach()
+            continue
+        layer, rest = m.groups()
+        if rest in _TO_HF:
+            yield layer + _TO_HF[rest], p.detach()
+        elif rest in _TO_HF_GATE_UP:
+            up, fused = _TO_HF_GATE_UP[rest]
+            yield layer + fused, torch.cat([p.detach(), params[layer + up].detach()], dim=0)
+        elif rest in _TO_HF_UP:
+            continue  # written inside the fused tensor above
+        elif rest in _TO_HF_EXPERTS:
+            experts = name.rsplit(".", 1)[0]
+            first, end = _expert_range(model, experts)
+            if (first, end) != (0, model.config.num_local_experts):
+                raise ValueError(
+                    f"{experts} holds experts [{first}, {end}) of {model.config.num_local_experts}: "
+                    "export a full model (expert_parallel_size=1), not one EP rank's slice"
+                )
+            yield layer + _TO_HF_EXPERTS[rest], p.detach()
+        else:
+            yield name, p.detach()
 
 
 # ---------------------------------------------------------------------------- name translation
@@ -306,20 +370,45 @@ def save_checkpoint(
     config: M3Config,
     out_dir: str | os.PathLike,
     max_shard_bytes: int = 5 * 1024**3,
+    layout: str = "released",
 ) -> list[str]:
-    """Write config.json + safetensors under the released VL names (`language_model.…`).
+    """Write config.json + safetensors in one of two layouts (`LAYOUTS`).
 
-    One `model.safetensors` when everything fits in `max_shard_bytes`, else
-    `model-0000k-of-0000n.safetensors` shards (greedy, in `iter_released_tensors` order) plus
-    `model.safetensors.index.json`. Router gate weight and bias are stored fp32; other tensors in
-    the model dtype. Every file is written under a temporary name then renamed; stale weight files
-    of an earlier save in `out_dir` are removed afterwards. Returns the weight file names.
+    - "released" (the default, every checkpoint the project writes): the released VL names
+      (`language_model.…`, per-expert `w1/w2/w3`) and a VL-shaped config.json (`M3Config.to_dict`);
+      vLLM and transformers' VL class load it.
+    - "transformers-text": transformers' text-class names (`iter_transformers_text_tensors`) and a
+      flat `minimax_m3_vl_text` config.json (`M3Config.to_transformers_text_dict`), which
+      `AutoModelForCausalLM` loads as `MiniMaxM3VLForCausalLM` with no missing or unexpected keys.
+      transformers has no MSA init blocks (spec §2.2b), so a config with `sparse_init_block > 0`
+      is refused rather than written as a model that computes different logits there.
+
+    This code loads both back (`load_checkpoint`). One `model.safetensors` when everything fits in
+    `max_shard_bytes`, else `model-0000k-of-0000n.safetensors` shards (greedy, in iteration order)
+    plus `model.safetensors.index.json`. Router gate weight and bias are stored fp32; other tensors
+    in the model dtype. Every file is written under a temporary name then renamed; stale weight
+    files of an earlier save in `out_dir` are removed afterwards. Returns the weight file names.
+
+    Raises:
+        ValueError: an unknown `layout`; "transformers-text" with `sparse_init_block > 0` or with
+            an expert-parallel slice of the experts.
     """
     from safetensors.torch import save_file
 
+    if layout == "released":
+        tensors_iter, config_dict = iter_released_tensors(model, RELEASED_PREFIX), config.to_dict()
+    elif layout == "transformers-text":
+        if config.sparse_init_block > 0:
+            raise ValueError(
+                f"sparse_init_block={config.sparse_init_block}: transformers' minimax_m3_vl has no MSA init "
+                "blocks (spec §2.2b), so its logits would differ from this model's; keep the released layout"
+            )
+        tensors_iter, config_dict = iter_transformers_text_tensors(model), config.to_transformers_text_dict()
+    else:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
-    entries = [(n, t, _save_dtype(n, t)) for n, t in iter_released_tensors(model, RELEASED_PREFIX)]
+    entries = [(n, t, _save_dtype(n, t)) for n, t in tensors_iter]
     shards: list[list[tuple[str, torch.Tensor, torch.dtype]]] = [[]]
     size = 0
     for entry in entries:
@@ -339,7 +428,7 @@ def save_checkpoint(
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         _atomic(os.path.join(out, fname), lambda p, ts=tensors: save_file(ts, p, metadata={"format": "pt"}))
         weight_map.update({name: fname for name in tensors})
-    _atomic(os.path.join(out, CONFIG_NAME), lambda p: _write_json(p, config.to_dict()))
+    _atomic(os.path.join(out, CONFIG_NAME), lambda p: _write_json(p, config_dict))
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _atomic(os.path.join(out, INDEX_FILE), lambda p: _write_json(p, index))

@@ -1,0 +1,63 @@
+"""``m3-rollout {grpo,serve,dump,export} ...``: the console command of an installed package.
+
+Each subcommand hands the rest of the command line to the job-layer entry it names, the same code
+as ``python -m m3_rollout.grpo`` / ``.serve`` / ``.dump`` / ``.export``; ``m3-rollout SUBCOMMAND
+--help`` lists its options. ``--config`` finds the packaged configs by name when the working
+directory has no such file (``m3_rollout.config.resolve_config_path``), so an installed package
+runs the main job without a clone: ``m3-rollout grpo --config configs/grpo_bf16_ep.yaml``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS = {
+    "grpo": "GRPO job: --config YAML [key=value ...] (python -m m3_rollout.grpo)",
+    "serve": "rollout server: --model DIR|builtin:NAME [...] (python -m m3_rollout.serve)",
+    "dump": "rollout dumps: {generate,inspect,show,replay} (python -m m3_rollout.dump)",
+    "export": "checkpoint export: --model ... --out DIR [--format transformers-text] (python -m m3_rollout.export)",
+}
+
+
+def usage() -> str:
+    lines = ["usage: m3-rollout {" + ",".join(SUBCOMMANDS) + "} [args ...]", "", "subcommands:"]
+    lines += [f"  {name:<8} {text}" for name, text in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; returns its exit status (2 with the usage for an unknown one).
+
+    Raises:
+        SystemExit: as the subcommand raises it (``grpo``: 2 for a config error, 1 for a training
+            error; argparse's own exits for ``--help`` and bad options).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "grpo":
+        from m3_rollout.jobs.grpo import main as grpo_main
+
+        grpo_main(rest)  # returns the run summary; failures exit through SystemExit
+        return 0
+    if command == "serve":
+        from m3_rollout.serve import main as serve_main
+
+        return serve_main(rest)
+    if command == "dump":
+        from m3_rollout.jobs.dump_cli import main as dump_main
+
+        return dump_main(rest)
+    if command == "export":
+        from m3_rollout.jobs.export import main as export_main
+
+        return export_main(rest)
+    print(f"error: unknown subcommand {command!r}\n{usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""``m3-rollout export --model DIR|builtin:NAME --out DIR [--format F] [--dtype D]``: a checkpoint for other tools.
+
+Which class loads which layout (docs/checkpoints.md has the table):
+
+- ``--format released`` (default; what every checkpoint this project writes looks like): the
+  released VL names (``language_model.…``, per-expert ``w1/w2/w3``) and a VL-shaped config.json.
+  vLLM loads it; in transformers only the VL class ``MiniMaxM3SparseForConditionalGeneration``
+  does, and it builds a randomly initialised vision tower beside the language model.
+- ``--format transformers-text``: a text-only checkpoint in transformers' own layout
+  (``model_type: minimax_m3_vl_text``, fused ``gate_up_proj`` tensors, indexer under
+  ``self_attn.indexer``), which ``AutoModelForCausalLM`` loads as ``MiniMaxM3VLForCausalLM`` with
+  no missing or unexpected keys and the same logits (spec §2.2b lists where transformers' M3
+  differs from the spec; a model using MSA init blocks is refused).
+
+The tokenizer files and chat template of the source are copied next to the weights, so
+``AutoTokenizer`` and ``apply_chat_template`` work on the exported directory. Exit status 2 for a
+bad argument or an unusable checkpoint, naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from m3_rollout.model.loading import LAYOUTS, load_checkpoint, save_checkpoint
+
+#: Files copied from the source checkpoint when present (tokenizer, chat template, generation defaults).
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_checkpoint(
+    model_dir: str | Path, out_dir: str | Path, layout: str = "released", dtype: torch.dtype = torch.float32
+) -> list[str]:
+    """Load the checkpoint in ``model_dir`` and write it to ``out_dir`` in ``layout`` (``LAYOUTS``).
+
+    Weights are cast to ``dtype`` (router gate and bias stay fp32, spec §2.2); files listed in
+    ``SIDE_FILES`` are copied as they are. Returns the sorted file names in ``out_dir`` afterwards.
+
+    Raises:
+        ValueError: ``out_dir`` is ``model_dir``; an unknown layout; a model that the layout cannot
+            represent (``save_checkpoint``); or a checkpoint whose tensors do not match its config.
+        FileNotFoundError: no config.json or weight file in ``model_dir``.
+        CheckpointError: an unreadable config, index or weight file (named).
+    """
+    src, out = Path(model_dir).expanduser(), Path(out_dir).expanduser()
+    if out.resolve() == src.resolve():
+        raise ValueError(f"--out {out} is the source checkpoint itself; give a new directory")
+    if layout not in LAYOUTS:
+        raise ValueError(f"format {layout!r}: expected one of {LAYOUTS}")
+    model = load_checkpoint(src, dtype=dtype)
+    save_checkpoint(model, model.config, out, layout=layout)
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return sorted(p.name for p in out.iterdir())
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="m3-rollout export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", required=True, help="checkpoint directory or builtin:NAME (built on first use)")
+    p.add_argument("--out", required=True, help="directory to write (created; earlier weight files there replaced)")
+    p.add_argument("--format", choices=LAYOUTS, default="released", help="tensor and config layout (default released)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype (default float32)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line of the export; returns the exit status (0, or 2 with ``error: ...`` on stderr)."""
+    from m3_rollout.jobs.builtin import resolve_model
+
+    args = parse_args(argv)
+    try:
+        model_dir, _ = resolve_model(args.model)
+        files = export_checkpoint(model_dir, args.out, args.format, DTYPES[args.dtype])
+    except (FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    loader = "AutoModelForCausalLM" if args.format == "transformers-text" else "vLLM / the project's load_checkpoint"
+    print(f"wrote {args.out} ({args.format}, {args.dtype}; load with {loader}): {', '.join(files)}")
+    return 0
