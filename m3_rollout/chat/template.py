@@ -73,31 +73,54 @@ def load_template(name: str = "m3_full") -> str:
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copy `messages` into the shape the templates expect.
+    """OpenAI-shaped messages -> the shape M3's chat templates take; the one place that does it.
 
-    - keys whose value is None are dropped (OpenAI clients send `content=None` next to
-      tool calls; transformers' `apply_chat_template` does the same);
-    - tool-call arguments given as a JSON string (OpenAI style) are parsed into a dict, because
-      Jinja has no `fromjson` and the templates' `to_xml` needs the structure. Both the
-      `{"function": {"name", "arguments"}}` and the flat `{"name", "arguments"}` forms are accepted.
+    Use it before any rendering of a conversation with tool calls, ours (`render`, `ChatFormat`)
+    or transformers' own on an exported checkpoint's tokenizer:
+
+        tokenizer.apply_chat_template(normalize_messages(messages), tools=tools, tokenize=False)
+
+    Returns a deep copy (the input is not changed) where:
+
+    - keys whose value is None are dropped (OpenAI clients send `content=None` next to tool calls;
+      transformers' `apply_chat_template` does the same);
+    - each tool call's `arguments`, a JSON string in the OpenAI shape, is decoded into the dict
+      the templates need (Jinja has no `fromjson`, and the templates' `to_xml` walks the
+      structure: nested objects and arrays are kept as they are). An empty string is `{}`; a dict
+      passes unchanged. Both the `{"id", "type", "function": {"name", "arguments"}}` and the flat
+      `{"name", "arguments"}` forms are accepted.
 
     Raises:
-        ValueError: arguments that are not valid JSON or do not decode to an object.
+        ValueError: a tool call whose arguments are not valid JSON, do not decode to an object,
+            or are neither a string nor a dict; the message names the call
+            (`messages[i].tool_calls[j]`, its id and function name) and shows the arguments.
     """
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         message = {k: copy.deepcopy(v) for k, v in message.items() if v is not None}
-        for call in message.get("tool_calls") or ():
+        for j, call in enumerate(message.get("tool_calls") or ()):
             fn = call["function"] if "function" in call else call
             args = fn.get("arguments")
-            if isinstance(args, str):
-                try:
-                    parsed = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"tool call {fn.get('name')!r}: arguments are not valid JSON: {e}") from e
-                if not isinstance(parsed, dict):
-                    raise ValueError(f"tool call {fn.get('name')!r}: arguments must be a JSON object, got {args!r}")
-                fn["arguments"] = parsed
+            if args is None or isinstance(args, dict):
+                continue
+            where = f"messages[{i}].tool_calls[{j}] (id {call.get('id')!r}, function {fn.get('name')!r})"
+            if not isinstance(args, str):
+                raise ValueError(
+                    f"{where}: arguments must be a JSON object string or a dict, got {type(args).__name__} {args!r}"
+                )
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{where}: arguments are not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+                    f"{args!r}; send one JSON object, e.g. '{{\"expression\": \"1+2\"}}'"
+                ) from None
+            if not isinstance(parsed, dict):
+                raise ValueError(
+                    f"{where}: arguments must decode to a JSON object (named parameters), got "
+                    f"{type(parsed).__name__} from {args!r}"
+                )
+            fn["arguments"] = parsed
         out.append(message)
     return out
 
