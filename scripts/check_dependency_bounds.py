@@ -2,7 +2,8 @@
 
     python scripts/check_dependency_bounds.py                      # transformers, lower bound (CI)
     python scripts/check_dependency_bounds.py transformers:upper   # the newest release in the range
-    python scripts/check_dependency_bounds.py triton:upper         # by hand: a ~300 MB download
+    python scripts/check_dependency_bounds.py triton:upper         # by hand: a large download
+    python scripts/check_dependency_bounds.py triton:3.8.0         # one given release
 
 For each PACKAGE:BOUND the script installs that release with `pip install --no-deps --target` into a
 throwaway directory, adds the requirements of it that the current environment does not satisfy
@@ -64,7 +65,10 @@ def pip(*args: str) -> subprocess.CompletedProcess:
 
 
 def bound_version(req: Requirement, bound: str) -> str:
-    """The release at `bound` ("lower" or "upper") of `req`'s range."""
+    """The release at `bound` ("lower" or "upper") of `req`'s range, or `bound` itself when it is a
+    version (to try one release, e.g. ``triton:3.8.0``)."""
+    if bound not in ("lower", "upper"):
+        return bound
     if bound == "lower":
         lows = [s.version for s in req.specifier if s.operator == ">="]
         if not lows:
@@ -102,7 +106,7 @@ def unmet_requirements(target: Path, package: str) -> list[str]:
 def check(package: str, bound: str, tests: list[str]) -> bool:
     req = declared(package)
     version = bound_version(req, bound)
-    print(f"== {package} {bound} bound of {req.specifier}: {version}", flush=True)
+    print(f"== {package} {version} ({bound}; pyproject.toml declares {req.specifier})", flush=True)
     with tempfile.TemporaryDirectory(prefix=f"bounds-{package}-") as tmp:
         target = Path(tmp) / "site"
         res = pip("install", "-q", "--no-deps", "--target", str(target), f"{package}=={version}")
@@ -134,14 +138,17 @@ def check(package: str, bound: str, tests: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checks", nargs="*", default=["transformers:lower"], help="PACKAGE:BOUND, BOUND lower|upper")
+    p.add_argument("checks", nargs="*", default=["transformers:lower"], help="PACKAGE:lower|upper|VERSION")
     p.add_argument("--tests", nargs="+", default=None, help="test files to run instead of the package's list")
     args = p.parse_args(argv)
     runs = []
     for item in args.checks:
         package, _, bound = item.partition(":")
-        if package not in TESTS or bound not in ("lower", "upper"):
-            print(f"error: {item!r}: expected PACKAGE:lower|upper with PACKAGE one of {sorted(TESTS)}", file=sys.stderr)
+        if package not in TESTS or not (bound in ("lower", "upper") or bound[:1].isdigit()):
+            print(
+                f"error: {item!r}: expected PACKAGE:lower|upper|VERSION with PACKAGE one of {sorted(TESTS)}",
+                file=sys.stderr,
+            )
             return 2
         runs.append((item, check(package, bound, args.tests or TESTS[package])))
     for item, ok in runs:

@@ -8,4 +8,5 @@ metrics_logger  step metrics to stdout, metrics.jsonl and Weights & Biases
 dump_generate   dumps without training (``python -m m3_rollout.dump generate``)
 replay          re-scoring and offline GRPO on a dump (``python -m m3_rollout.dump replay``)
 dump_cli        the ``python -m m3_rollout.dump`` command line
+export          checkpoints for other tools (``m3-rollout export``, ``python -m m3_rollout.export``)
 """
