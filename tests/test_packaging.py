@@ -137,3 +137,16 @@ def test_installed_wheel_runs_configs_by_name(wheel, tmp_path):
     lines = res.stdout.splitlines()
     assert lines[:2] == ["True 16 3", "builtin:tiny-calculator"]
     assert "grpo" in lines[2] and "export" in lines[2]
+
+
+def test_console_command_hands_over_to_each_entry(capsys):
+    from m3_rollout import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["grpo", "--config", "grpo_smoke", "grpo.no_such_key=1"])  # a packaged config by name
+    assert exc.value.code == 2 and "grpo.no_such_key" in capsys.readouterr().err
+    for command, option in (("serve", "--expert-parallel-size"), ("dump", "replay"), ("export", "transformers-text")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, "--help"])
+        assert exc.value.code == 0 and option in capsys.readouterr().out, command
+    assert cli.main([]) == 2 and "usage: m3-rollout" in capsys.readouterr().err
