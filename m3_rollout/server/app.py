@@ -328,6 +328,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             "paused": ctl.pause_mode,
             "updating": ctl.updating,
             "running": sum(ctl.live.values()),
+            "weight_sync_ranks": runner.weight_sync_ranks,
         }
 
     @app.get("/metrics")

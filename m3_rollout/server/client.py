@@ -183,7 +183,8 @@ class RolloutServerClient:
         bucket_size_mb: float = 512.0,
         atomic: bool = True,
     ) -> dict:
-        """The server joins the group as rank ``rank_offset`` and runs the handshake; blocks until
+        """The server joins the group as ranks ``rank_offset ..`` (one per EP worker: ``/health``'s
+        ``weight_sync_ranks``) and runs the handshake; blocks until
         the trainer (rank 0) did its part (``WeightSender.handshake``): call it with
         :meth:`start_init_weight_sync` or from another thread."""
         body = dict(
@@ -314,7 +315,8 @@ class HTTPBackend(GenerationBackend):
         """Push a full set of released-name tensors as ``version`` through the weight-sync group.
 
         The first call hosts the group here (rank 0, a free port on ``weight_sync_host``), has the
-        server join it and runs the handshake; every call then sends the tensors while the server
+        server join it (one rank per EP worker, ``/health``'s ``weight_sync_ranks``) and runs the
+        handshake; every call then sends the tensors while the server
         receives (``/update_weights``, in_flight "continue").
         Raises WeightUpdateError / ServerError when the update is rejected (weights unchanged).
         """
@@ -322,11 +324,12 @@ class HTTPBackend(GenerationBackend):
         first = self._sender is None
         if first:
             port = free_port(self.ws_host)
+            world = 1 + self.client.health()["weight_sync_ranks"]  # the trainer + one rank per EP worker
             joined = self.client.start_init_weight_sync(
-                self.ws_host, port, 2, 1, self.ws_backend, self.ws_timeout_s, self.bucket_size_mb
+                self.ws_host, port, world, 1, self.ws_backend, self.ws_timeout_s, self.bucket_size_mb
             )
             try:
-                group = WeightSyncGroup(self.ws_host, port, 0, 2, self.ws_backend, self.ws_timeout_s)
+                group = WeightSyncGroup(self.ws_host, port, 0, world, self.ws_backend, self.ws_timeout_s)
                 sender = WeightSender(
                     lambda: self._tensors, BroadcastChannel(group), self.bucket_size_mb, self.generation_dtype
                 )

@@ -126,8 +126,7 @@ class Controller:
             raise APIError(400, "rid: give the request id to abort, or abort_all=true", "rid")
         if rid not in self.live:
             return {"aborted": 0}
-        if not await self.runner.abort(rid):
-            raise APIError(501, "this backend cannot abort running requests", "rid")
+        await self.runner.abort(rid)
         return {"aborted": 1}
 
     async def reset_prefix_cache(self) -> dict:
@@ -139,9 +138,13 @@ class Controller:
         """Join the trainer's weight-sync group (see :meth:`EngineRunner.init_weight_sync`).
         Raises APIError 409 during an update, 400 when the join or handshake fails."""
         self._refuse_during_update("/init_weight_sync")
-        if req.rank_offset >= req.world_size:
+        ranks = self.runner.weight_sync_ranks
+        if req.rank_offset + ranks > req.world_size:
             raise APIError(
-                400, f"rank_offset={req.rank_offset}: must be below world_size={req.world_size}", "rank_offset"
+                400,
+                f"rank_offset={req.rank_offset}: this server takes {ranks} rank(s) from rank_offset on, which must "
+                f"be below world_size={req.world_size}",
+                "rank_offset",
             )
         self.updating = True
         try:

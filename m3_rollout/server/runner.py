@@ -3,19 +3,22 @@
 Governing idea: the HTTP loop must stay responsive (SSE flushes, /health, /metrics, control calls)
 while the engine steps, and a weight update must land *between* two engine steps. So the backend
 lives on a dedicated thread with its own asyncio loop (the "engine loop"). Everything that touches
-the engine runs there as a coroutine: a request is one task iterating the backend's stream, and a
-weight update is one coroutine that blocks the engine loop while it receives, which is exactly
-"between steps" (the backend's driver only runs when the engine loop is free). Results cross back
-with ``call_soon_threadsafe`` into a per-request queue of the HTTP loop.
+the engine runs there: one driver task steps it, and a weight update is one coroutine that blocks
+the engine loop while it receives, which is exactly "between steps".
+
+Per-token cost is what limits a server in front of a fast engine, so the hand-over is batched:
+the driver steps the engine itself (the in-process ``LLMEngine`` behind ``NativeBackend``, or the
+expert-parallel ``RolloutService``, which offers the same add_request / abort / step calls) and
+hands ALL outputs of one step to the HTTP loop in one ``call_soon_threadsafe``; there each
+request's inbox collects them and wakes its handler once; a handler that fell behind takes
+everything queued at once, with a sample's consecutive deltas merged into one (so it writes one
+SSE event for them). No task per request runs on the engine loop.
 
 Backends:
-- streaming backends (:class:`StreamingBackend`: ``stream`` + ``abort``, e.g. ``NativeBackend``):
-  token deltas as they are sampled, abort by request id, cancellation frees the request's KV pages;
-- any other ``GenerationBackend`` (e.g. the expert-parallel ``RolloutService``): requests that
-  arrive together are batched into one blocking ``generate`` call; streams then carry one delta
-  per sample at its end.
-Weight sync over a trainer's group (``init_weight_sync`` / ``update_weights``) needs the
-in-process engine (``NativeBackend``).
+- ``NativeBackend`` and ``RolloutService``: stepped by the driver as above (streaming, abort,
+  pause, weight sync over a trainer's group; top logprobs need the in-process model);
+- any other :class:`StreamingBackend` (``stream`` + ``abort``; e.g. a scripted test backend):
+  one task per request iterates its ``stream`` on the engine loop.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -34,16 +39,17 @@ import torch
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model.numerics import compute_dtype
+from m3_rollout.service import GroupFailure, RolloutService
 from m3_rollout.weight_sync import HandshakeError, WeightSyncGroup, WeightSyncTimeout
 from m3_rollout.weight_sync.rollout_sync import RolloutWeightSync
 
-_END = object()
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics' tokens/s is measured
+PAUSED_POLL_S = 0.002  # driver sleep while the engine is paused (abort records still come out)
 
 
 @runtime_checkable
 class StreamingBackend(Protocol):
-    """A backend that streams token deltas and aborts by request id (``NativeBackend`` is one)."""
+    """A backend that streams token deltas and aborts by request id."""
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[SampleOutput | StreamDelta]: ...
 
@@ -67,28 +73,117 @@ class RefitRecord:
     errors: list[str]
 
 
+class Inbox:
+    """One request's outputs on the HTTP loop: filled by :meth:`EngineRunner._deliver` (HTTP
+    loop), emptied by the request's handler, which sleeps on ``waiter`` while it is empty."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+
+    async def take(self) -> list:
+        """Everything queued (waits for at least one item)."""
+        if not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+@dataclass
+class _Sink:
+    """Engine-loop record of one request in the engine: its inbox, the output records still to
+    come (finished samples), and whether its handler went away (outputs are then dropped)."""
+
+    inbox: Inbox
+    remaining: int
+    dropped: bool = False
+
+
+def coalesce(items: list) -> list:
+    """Merge each sample's consecutive :class:`StreamDelta` records (up to its final record) into
+    one; the order of records within a sample is kept."""
+    out: list = []
+    open_delta: dict[int, int] = {}  # sample index -> position of its open merged delta in out
+    for item in items:
+        if isinstance(item, StreamDelta):
+            j = open_delta.get(item.sample_index)
+            if j is None:
+                open_delta[item.sample_index] = len(out)
+                out.append(item)
+            else:
+                d = out[j]
+                out[j] = StreamDelta(
+                    d.request_id,
+                    d.sample_index,
+                    d.token_ids + item.token_ids,
+                    d.logprobs + item.logprobs,
+                    d.weight_versions + item.weight_versions,
+                )
+        else:
+            if isinstance(item, SampleOutput):
+                open_delta.pop(item.sample_index, None)
+            out.append(item)
+    return out
+
+
+def _deliver(batch: list[tuple[Inbox, object]]) -> None:
+    """HTTP loop: append each item to its inbox and wake each inbox's handler once."""
+    touched = []
+    for inbox, item in batch:
+        if not inbox.items:
+            touched.append(inbox)
+        inbox.items.append(item)
+    for inbox in touched:
+        w = inbox.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
 class EngineRunner:
     """Hosts ``backend`` on an engine thread; every public coroutine is awaited from the HTTP loop.
 
     Args:
-        backend: the generation backend (``NativeBackend`` for streaming, abort, weight sync and
-            top logprobs; any ``GenerationBackend`` otherwise).
+        backend: ``NativeBackend`` (streaming, abort, weight sync, top logprobs),
+            ``RolloutService`` (expert-parallel: streaming, abort, weight sync) or any
+            :class:`StreamingBackend`.
         num_threads: torch intra-op threads of the engine thread; default the creating thread's
             ``torch.get_num_threads()`` (a new thread would otherwise run its CPU ops on one
             OpenMP thread).
+
+    Raises:
+        TypeError: a backend of none of these kinds.
     """
 
     def __init__(self, backend: GenerationBackend, num_threads: int | None = None):
         self.backend = backend
         self.native: NativeBackend | None = backend if isinstance(backend, NativeBackend) else None
-        self.streaming = isinstance(backend, StreamingBackend)
+        self.ep: RolloutService | None = backend if isinstance(backend, RolloutService) else None
+        # What the driver steps: add_request / abort / step / has_unfinished / paused.
+        self._stepper = self.native.engine if self.native is not None else self.ep
+        if self._stepper is None and not isinstance(backend, StreamingBackend):
+            raise TypeError(
+                f"EngineRunner: {type(backend).__name__} is neither NativeBackend, RolloutService nor a "
+                "streaming backend (stream + abort)"
+            )
         self.num_threads = int(num_threads or torch.get_num_threads())
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="m3-engine-loop", daemon=True)
         self._thread.start()
-        self._batch_queue: asyncio.Queue | None = None  # engine loop: (request, put) for non-streaming backends
-        self._batch_task: asyncio.Task | None = None
+        # Engine loop state: requests in the engine by internal id, internal ids by caller id.
+        self._ids = itertools.count()
+        self._sinks: dict[str, _Sink] = {}
+        self._by_rid: dict[str, list[str]] = {}
+        self._tasks: dict[str, asyncio.Task] = {}  # generic streaming backends: one task per request
+        self._driver: asyncio.Task | None = None
         self._weight_sync: RolloutWeightSync | None = None
+        self._ep_sync_ready = False
         self.last_refit: RefitRecord | None = None
         self.refit_seconds_total = 0.0
         self.refits = 0
@@ -117,41 +212,39 @@ class EngineRunner:
     async def stream(
         self, request: GenerationRequest, stream: bool = True
     ) -> AsyncIterator[SampleOutput | StreamDelta]:
-        """Yield the request's :class:`StreamDelta` records (``stream=True``, streaming backends)
-        and then one :class:`SampleOutput` per sample. Leaving the iteration early (a client that
-        disconnected) cancels the request on the engine, which frees its KV pages.
+        """Yield the request's :class:`StreamDelta` records (``stream=True``; a handler that fell
+        behind gets a sample's queued deltas merged into one) and then one :class:`SampleOutput`
+        per sample. Leaving the iteration early (a client that disconnected) aborts the request
+        on the engine, which frees its KV pages.
 
         Raises:
             Exception: whatever the backend raised for this request (e.g. an engine step failure).
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def put(item) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
+        inbox = Inbox(asyncio.get_running_loop())
+        iid = f"{next(self._ids)}:{request.request_id}"
+        remaining = len(request.output_indices())
         self.prompt_tokens += len(request.prompt_ids) * request.params.n
-        fut = self._submit(self._forward(request, put, stream))
-        done = False
+        self._loop.call_soon_threadsafe(self._add, iid, request, stream, inbox)
         try:
-            while True:
-                item = await queue.get()
-                if item is _END:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if isinstance(item, StreamDelta):
-                    self._count_tokens(len(item.token_ids))
-                elif isinstance(item, SampleOutput):
-                    self.requests_finished[item.finish_reason] += 1
-                    if not (stream and self.streaming):
-                        self._count_tokens(len(item.output_ids))
-                yield item
+            while remaining:
+                for item in coalesce(await inbox.take()):
+                    if isinstance(item, BaseException):
+                        remaining = 0
+                        raise item
+                    if isinstance(item, StreamDelta):
+                        if not stream:
+                            continue
+                        self._count_tokens(len(item.token_ids))
+                    elif isinstance(item, SampleOutput):
+                        remaining -= 1
+                        self.requests_finished[item.finish_reason] += 1
+                        if not stream:
+                            self._count_tokens(len(item.output_ids))
+                        item = dataclasses.replace(item, request_id=request.request_id)
+                    yield item
         finally:
-            if not done:
-                fut.cancel()  # cancels the forwarding task on the engine loop (frees the request)
+            if remaining:
+                self._loop.call_soon_threadsafe(self._cancel, iid)
 
     def _count_tokens(self, n: int) -> None:
         now = time.monotonic()
@@ -165,55 +258,100 @@ class EngineRunner:
         now = time.monotonic()
         return sum(n for t, n in self._token_times if t >= now - TOKENS_PER_S_WINDOW) / TOKENS_PER_S_WINDOW
 
-    async def _forward(self, request: GenerationRequest, put, stream: bool) -> None:
-        """Engine loop: iterate the backend for ``request`` and hand every item to ``put``."""
+    # engine loop ------------------------------------------------------------------------------
+    def _add(self, iid: str, request: GenerationRequest, stream: bool, inbox: Inbox) -> None:
+        self._sinks[iid] = _Sink(inbox, len(request.output_indices()))
+        self._by_rid.setdefault(request.request_id, []).append(iid)
+        req = dataclasses.replace(request, request_id=iid)
+        if self._stepper is None:
+            self._tasks[iid] = self._loop.create_task(self._pump(iid, req, stream))
+            return
         try:
-            if self.streaming:
-                source = self.backend.stream(request) if stream else self.backend.generate_async([request])
-                async for item in source:
-                    put(item)
-            else:
-                outs: asyncio.Queue = asyncio.Queue()
-                if self._batch_queue is None:
-                    self._batch_queue = asyncio.Queue()
-                    self._batch_task = asyncio.ensure_future(self._batch_loop())
-                self._batch_queue.put_nowait((request, outs.put_nowait))
-                for _ in range(request.params.n):
-                    item = await outs.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    put(item)
-            put(_END)
+            self._stepper.add_request(req, stream=stream)
+        except Exception as exc:  # noqa: BLE001 - e.g. the EP group does not start: the caller's error
+            self._post([(iid, exc)])
+            return
+        if self._driver is None:
+            self._driver = self._loop.create_task(self._drive())
+
+    def _forget(self, iid: str) -> None:
+        del self._sinks[iid]
+        rid = iid.split(":", 1)[1]
+        ids = self._by_rid[rid]
+        ids.remove(iid)
+        if not ids:
+            del self._by_rid[rid]
+
+    def _cancel(self, iid: str) -> None:
+        """The handler of ``iid`` went away: abort it (its final records are awaited, then dropped)."""
+        sink = self._sinks.get(iid)
+        if sink is None:
+            return
+        sink.dropped = True
+        if self._stepper is not None:
+            self._stepper.abort(iid)
+        else:
+            self._tasks.pop(iid).cancel()
+            self._forget(iid)
+
+    def _post(self, outputs: Sequence) -> None:
+        """Hand one step's outputs to their inboxes: one ``call_soon_threadsafe`` per HTTP loop.
+        ``outputs``: records with an internal ``request_id``, or (internal id, exception) pairs."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            iid, item = out if isinstance(out, tuple) else (out.request_id, out)
+            sink = self._sinks.get(iid)
+            if sink is None:
+                continue
+            if isinstance(item, BaseException):
+                sink.remaining = 0
+            elif isinstance(item, SampleOutput):
+                sink.remaining -= 1
+            if sink.remaining <= 0:
+                self._forget(iid)
+            if not sink.dropped:
+                batches.setdefault(sink.inbox.loop, []).append((sink.inbox, item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
+
+    async def _drive(self) -> None:
+        """Step the engine while any request is in it; hand each step's outputs over at once."""
+        st = self._stepper
+        try:
+            while self._sinks or st.has_unfinished():
+                outs = st.step()
+                if outs:
+                    self._post(outs)
+                await asyncio.sleep(PAUSED_POLL_S if st.paused else 0)
+        except Exception as exc:  # noqa: BLE001 - handed to every waiting request, none may hang
+            self._post([(iid, exc) for iid in list(self._sinks)])
+        finally:
+            self._driver = None
+
+    async def _pump(self, iid: str, req: GenerationRequest, stream: bool) -> None:
+        """Generic streaming backends: iterate the backend's stream for one request."""
+        try:
+            source = self.backend.stream(req) if stream else self.backend.generate_async([req])
+            async for item in source:
+                self._post([item])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the waiting HTTP handler
-            put(exc)
+            self._post([(iid, exc)])
+        finally:
+            self._tasks.pop(iid, None)
 
-    async def _batch_loop(self) -> None:
-        """Engine loop, non-streaming backends: every request that is waiting goes into one blocking
-        ``generate`` call; outputs are routed back by request id."""
-        while True:
-            batch = [await self._batch_queue.get()]
-            while not self._batch_queue.empty():
-                batch.append(self._batch_queue.get_nowait())
-            sinks = {req.request_id: put for req, put in batch}
-            try:
-                outs = self.backend.generate([req for req, _ in batch])
-            except Exception as exc:  # noqa: BLE001 - every request of the batch gets the error
-                for put in sinks.values():
-                    put(exc)
-                continue
-            for out in outs:
-                sinks[out.request_id](out)
-            await asyncio.sleep(0)
-
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> None:
         """Abort every sample of ``request_id`` (they finish with reason "abort" and the output so
-        far). Returns False when the backend cannot abort (non-streaming backends)."""
-        if not self.streaming:
-            return False
-        await self.call(self.backend.abort, request_id)
-        return True
+        far)."""
+        await self.call(self._abort_rid, request_id)
+
+    def _abort_rid(self, request_id: str) -> None:
+        for iid in self._by_rid.get(request_id, []):
+            if self._stepper is not None:
+                self._stepper.abort(iid)
+            else:
+                self.backend.abort(iid)
 
     # ---- control -----------------------------------------------------------------------------
     async def pause(self) -> None:
@@ -233,12 +371,16 @@ class EngineRunner:
     @property
     def records_routing(self) -> bool:
         """Outputs carry the routing record (the engine was built with ``record_routing``)."""
-        return self.native is not None and self.native.engine.config.record_routing
+        if self.native is not None:
+            return self.native.engine.config.record_routing
+        return self.ep is not None and bool(self.ep.spec.engine.get("record_routing"))
 
     def engine_metrics(self) -> dict:
-        """The engine's counters (empty for backends without one). Read from the HTTP thread: plain
-        integer and length reads, consistent enough for monitoring."""
-        return self.native.metrics() if self.native is not None else {}
+        """The engine's counters (the EP ranks' summed; empty for other backends). Read from the
+        HTTP thread: plain integer and length reads, consistent enough for monitoring."""
+        if self.native is not None:
+            return self.native.metrics()
+        return self.ep.engine_metrics() if self.ep is not None else {}
 
     # ---- top logprobs --------------------------------------------------------------------------
     async def top_logprobs(
@@ -267,7 +409,12 @@ class EngineRunner:
     # ---- weight sync ---------------------------------------------------------------------------
     @property
     def weight_sync_ready(self) -> bool:
-        return self._weight_sync is not None
+        return self._weight_sync is not None or self._ep_sync_ready
+
+    @property
+    def weight_sync_ranks(self) -> int:
+        """Ranks this server takes in a trainer's weight-sync group (one per EP worker)."""
+        return self.ep.world_size if self.ep is not None else 1
 
     async def init_weight_sync(
         self,
@@ -280,18 +427,25 @@ class EngineRunner:
         bucket_size_mb: float,
         atomic: bool,
     ) -> None:
-        """Join the trainer's weight-sync group as rank ``rank_offset`` and run the handshake
-        (the trainer builds the group as rank 0 and calls ``WeightSender.handshake`` meanwhile).
-        Runs on a side thread: the engine keeps stepping.
+        """Join the trainer's weight-sync group as ranks ``rank_offset .. rank_offset +
+        weight_sync_ranks - 1`` and run the handshake (the trainer builds the group as rank 0 and
+        calls ``WeightSender.handshake`` meanwhile). The in-process engine joins on a side thread
+        and keeps stepping; the EP workers join between two steps (the group waits meanwhile).
 
         Raises:
-            WeightSyncError: no in-process engine, rendezvous timeout, or manifest mismatch.
+            WeightSyncError: a backend without an engine, rendezvous timeout, or manifest mismatch.
         """
+        if self.ep is not None:
+            args = (host, port, world_size, rank_offset, backend, timeout_s, bucket_size_mb, atomic)
+            self._ep_sync_ready = False
+            try:
+                await self.call(self.ep.join_weight_sync, *args)
+            except (ValueError, GroupFailure) as exc:
+                raise WeightSyncError(str(exc)) from exc
+            self._ep_sync_ready = True
+            return
         if self.native is None:
-            raise WeightSyncError(
-                "weight sync over HTTP needs the in-process engine; with --expert-parallel-size > 1 the "
-                "rollout workers join the trainer's group through RolloutService(weight_sync=...)"
-            )
+            raise WeightSyncError(f"weight sync over HTTP needs an engine; {type(self.backend).__name__} has none")
         engine = self.native.engine
 
         def join() -> RolloutWeightSync:
@@ -319,20 +473,34 @@ class EngineRunner:
         new version. ``keep_paused``: the engine stays paused afterwards (a ``/pause`` in force).
 
         Raises:
-            WeightSyncError: no group yet (call init_weight_sync first).
+            WeightSyncError: no group yet (call init_weight_sync first), or an EP rank failed.
         """
-        if self._weight_sync is None:
+        if not self.weight_sync_ready:
             raise WeightSyncError("no weight-sync group: call /init_weight_sync first")
-        sync = self._weight_sync
+        if self.ep is not None:
+            ep = self.ep
 
-        def receive() -> RefitRecord:
-            outcome = sync.update()
-            if keep_paused:
-                self.backend.pause()
-            r = outcome.result
-            return RefitRecord(r.version, r.ok, r.seconds, outcome.paused_seconds, list(r.errors))
+            def receive() -> RefitRecord:
+                r = ep.receive_weight_update()
+                if keep_paused:
+                    ep.pause()  # the ranks' in-flight policy resumed their engines
+                return RefitRecord(r["version"], r["ok"], r["seconds"], r["paused_seconds"], r["errors"])
 
-        record = await self.call(receive)
+        else:
+            sync = self._weight_sync
+
+            def receive() -> RefitRecord:
+                outcome = sync.update()
+                if keep_paused:
+                    self.backend.pause()
+                r = outcome.result
+                return RefitRecord(r.version, r.ok, r.seconds, outcome.paused_seconds, list(r.errors))
+
+        try:
+            record = await self.call(receive)
+        except GroupFailure as exc:
+            self._ep_sync_ready = False
+            raise WeightSyncError(f"{exc}; the EP group was restarted: call /init_weight_sync again") from exc
         self.last_refit = record
         self.refits += 1
         self.refit_seconds_total += record.seconds
@@ -343,7 +511,7 @@ class EngineRunner:
         if self._weight_sync is not None:
             self._weight_sync.group.close()
         try:
-            self._submit(self._stop()).result(timeout=30)
+            self._submit(self._stop()).result(timeout=60)
         except (concurrent.futures.TimeoutError, RuntimeError):
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.engine.requests import error_outputs
 from m3_rollout.parallel.process_group import free_port
 
 from .launchers import GroupFailure, Launcher, make_launcher
@@ -84,6 +85,8 @@ class RolloutService(GenerationBackend):
         max_restarts: group restarts allowed within one ``generate`` call.
         start_timeout_s: limit for bringing the group up (imports, rendezvous, shard loading).
         call_timeout_s: limit for one ``run`` call (None: the collective timeout bounds it).
+        stream_steps_per_call: lockstep steps per :meth:`step` (the streaming API; deltas carry
+            up to that many tokens).
         weight_sync: the ``weight_sync`` config section (a ``WeightSyncConfig``).
         freeze: ``policy.freeze`` (frozen tensors are sent with a group's first update only,
             unless ``weight_sync.send_frozen``); None: nothing frozen.
@@ -102,6 +105,7 @@ class RolloutService(GenerationBackend):
         max_restarts: int = 2,
         start_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
+        stream_steps_per_call: int = 4,
         *,
         weight_sync,
         freeze=None,
@@ -130,6 +134,14 @@ class RolloutService(GenerationBackend):
         self.weight_sync, self._freeze, self.probe_reference = weight_sync, freeze, probe_reference
         self._ws_sender = None
         self.last_weight_sync: dict = {}
+        # The step API (add_request / abort / step): requests by id, and what the next step sends.
+        self.stream_steps_per_call = int(stream_steps_per_call)
+        self._live: dict[str, _Pending] = {}
+        self._to_add: list[list[tuple[GenerationRequest, bool]]] = []  # per rank: (request, stream)
+        self._to_abort: list[list[str]] = []
+        self._paused = False
+        self._rank_engine: list[dict] = []  # each rank's engine metrics after its last reply
+        self._ready: list[SampleOutput] = []  # error records of requests a group failure lost
         self._start_with_retries(None, [])
         atexit.register(self.shutdown)
 
@@ -146,6 +158,10 @@ class RolloutService(GenerationBackend):
             self.launcher.start(spec, self.start_timeout_s)
             infos = self.launcher.call("info", (), self.start_timeout_s)
             self.rank_info = infos
+            self._rank_engine = []
+            self._to_add = [[] for _ in range(self.world_size)]
+            self._to_abort = [[] for _ in range(self.world_size)]
+            self._paused = False
             if self._last_weights is not None:
                 self._push_weights(*self._last_weights)
         except BaseException:
@@ -251,6 +267,10 @@ class RolloutService(GenerationBackend):
         ``max_restarts`` times during this call (failures while restarting included); the next
         call starts a fresh group.
         """
+        if self._live:
+            raise RuntimeError(
+                f"generate() while {len(self._live)} requests of the step API (add_request / step) are unfinished"
+            )
         if self.launcher is None:
             self._start_with_retries(None, [])
         results: list[list[SampleOutput]] = [[] for _ in requests]
@@ -314,6 +334,180 @@ class RolloutService(GenerationBackend):
                 load[rank] += 1
             new[rank].extend(dataclasses.replace(r, request_id=iid) for r in reqs)
         return new
+
+    # ---- the step API (the rollout server) ---------------------------------------------------
+    # The engine's own contract (design.md §3.2) over the EP group, for a caller that interleaves
+    # arrivals, aborts and control calls with generation (the HTTP server's engine loop): requests
+    # are placed at once and reach their rank with the next ``step``, which runs one ``run`` call
+    # of ``stream_steps_per_call`` lockstep steps on every rank.
+    @_locked
+    def add_request(self, req: GenerationRequest, stream: bool = False) -> None:
+        """Place ``req`` (its ``request_id`` must be unique among the unfinished ones) on a rank;
+        it starts with the next :meth:`step`. ``stream``: its :class:`StreamDelta` records come out
+        of ``step`` too. A bad request yields error records, as the engine's."""
+        if req.request_id in self._live:
+            raise ValueError(f"request_id={req.request_id!r}: a request with this id is still unfinished")
+        if self.launcher is None:
+            self._start_with_retries(None, [])
+        load = [0] * self.world_size
+        for p in self._live.values():
+            load[p.rank] += len(p.missing)
+        rank = self._place(req, load)
+        self._live[req.request_id] = _Pending(0, req, set(req.output_indices()), rank)
+        self._to_add[rank].append((req, stream))
+
+    @_locked
+    def abort(self, request_id: str) -> None:
+        """Stop every sample of ``request_id``: each comes out of the next :meth:`step` with
+        finish_reason "abort" (its KV pages are freed there). Unknown ids are ignored."""
+        p = self._live.get(request_id)
+        if p is not None:
+            self._to_abort[p.rank].append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live or self._ready)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @_locked
+    def step(self) -> list[SampleOutput | StreamDelta]:
+        """Send the new requests and aborts to their ranks and run ``stream_steps_per_call``
+        lockstep steps (none while paused: only abort records come back); return the finished
+        samples, error records and stream deltas.
+
+        A group failure does not raise: the group restarts (as in :meth:`generate`) and every
+        unfinished request gets error records naming the failure (streamed tokens cannot be
+        taken back, so they are not resubmitted).
+        """
+        outputs: list[SampleOutput | StreamDelta] = self._ready
+        self._ready = []
+        if not self._live:
+            return outputs
+        steps = 0 if self._paused else self.stream_steps_per_call
+        args = [
+            ([req for req, _ in new], steps, aborts, {req.request_id for req, stream in new if stream})
+            for new, aborts in zip(self._to_add, self._to_abort)
+        ]
+        self._to_add = [[] for _ in range(self.world_size)]
+        self._to_abort = [[] for _ in range(self.world_size)]
+        t0 = time.perf_counter()
+        try:
+            replies = self.launcher.call("run", args, self.call_timeout_s)
+        except GroupFailure as failure:
+            self._fail_live(failure)
+            outputs, self._ready = outputs + self._ready, []
+            return outputs
+        self._metrics["run_calls"] += 1
+        self._metrics["run_seconds"] += time.perf_counter() - t0
+        self._metrics["lockstep_steps"] += replies[0]["steps"]
+        self.last_ep_stats = [r["ep"] for r in replies]
+        self._rank_engine = [r["engine"] for r in replies]
+        for reply in replies:
+            for out in reply["outputs"]:
+                p = self._live.get(out.request_id)
+                if p is None:
+                    continue
+                if isinstance(out, SampleOutput):
+                    p.missing.discard(out.sample_index)
+                    if not p.missing:
+                        del self._live[out.request_id]
+                outputs.append(out)
+        return outputs
+
+    def _fail_live(self, failure: GroupFailure) -> None:
+        """Error records (out of the next :meth:`step`) for every unfinished request of the step
+        API after ``failure``; restarts the group (a failed restart leaves it stopped: the next
+        ``add_request`` starts it)."""
+        lost = sorted(self._live)
+        message = f"{failure}; the request was lost (resubmit it)"
+        self._ready += [
+            o
+            for p in self._live.values()
+            for o in error_outputs(p.request, message, self._version)
+            if o.sample_index in p.missing
+        ]
+        self._live.clear()
+        try:
+            self._start_with_retries(failure, lost)
+        except RolloutFailure:
+            pass  # recorded; the launcher is None and the next add_request starts a group
+
+    def engine_metrics(self) -> dict:
+        """The ranks' engine counters after their last reply, summed (pages, running / waiting
+        samples, preemptions; usage = pages in use / pages; hit rate = mean over ranks)."""
+        ranks = self._rank_engine
+        if not ranks:
+            return {}
+        out = {k: sum(m[k] for m in ranks) for k in ("kv_pages_in_use", "kv_pages_total", "num_running", "num_waiting")}
+        out["num_preemptions"] = sum(m["num_preemptions"] for m in ranks)
+        out["kv_usage"] = out["kv_pages_in_use"] / max(1, out["kv_pages_total"])
+        out["prefix_cache_hit_rate"] = sum(m["prefix_cache_hit_rate"] for m in ranks) / len(ranks)
+        return out
+
+    # ---- weight sync hosted by another process (the rollout server's trainer) ------------------
+    @_locked
+    def join_weight_sync(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        timeout_s: float,
+        bucket_size_mb: float,
+        atomic: bool,
+    ) -> None:
+        """Every rank joins a weight-sync group hosted elsewhere (a trainer at rank 0) as rank
+        ``rank_offset + rank`` and runs the handshake; updates then arrive with
+        :meth:`receive_weight_update` (in-flight policy "continue": running requests go on, their
+        later tokens stamped with the new version). Weights received this way are not kept for a
+        group restart (the restarted group serves the checkpoint's or the last
+        :meth:`update_weights` weights).
+
+        Raises:
+            ValueError: the ranks do not fit in ``world_size`` or the handshake found differences.
+            GroupFailure: a rank failed to join (e.g. the rendezvous timed out); the group is
+                restarted and the unfinished requests of the step API get error records.
+        """
+        if rank_offset < 1 or rank_offset + self.world_size > world_size:
+            raise ValueError(
+                f"rank_offset={rank_offset}, world_size={world_size}: the {self.world_size} EP ranks need ranks "
+                f"{rank_offset}..{rank_offset + self.world_size - 1} below world_size (rank 0 is the trainer)"
+            )
+        options = dict(bucket_size_mb=bucket_size_mb, atomic=atomic, in_flight="continue")
+        args = (host, port, world_size, backend, timeout_s, options, rank_offset)
+        try:
+            problems = self.launcher.call("init_weight_sync", args, timeout_s + self.start_timeout_s)
+        except GroupFailure as failure:
+            self._fail_live(failure)
+            raise
+        bad = [f"rank {r}: {p}" for r, ps in enumerate(problems) for p in ps]
+        if bad:
+            raise ValueError("weight-sync handshake failed:\n  " + "\n  ".join(bad))
+
+    @_locked
+    def receive_weight_update(self) -> dict:
+        """Receive one update on every rank of the group joined with :meth:`join_weight_sync`
+        (the trainer sends meanwhile). Returns {"ok", "version", "seconds", "paused_seconds",
+        "errors"} over the ranks; the served version changes only when every rank applied it.
+        Raises GroupFailure when a rank failed (the group is restarted)."""
+        try:
+            outs = self.launcher.call("receive_weights", (), self.start_timeout_s)
+        except GroupFailure as failure:
+            self._fail_live(failure)
+            raise
+        ok = all(o["ok"] for o in outs)
+        if ok:
+            self._version = max(o["version"] for o in outs)
+        return {
+            "ok": ok,
+            "version": self._version,
+            "seconds": max(o["seconds"] for o in outs),
+            "paused_seconds": max(o["paused_seconds"] for o in outs),
+            "errors": [f"rank {r}: {e}" for r, o in enumerate(outs) for e in o["errors"]],
+        }
 
     # ---- weights and control -----------------------------------------------------------------
     @property
@@ -482,10 +676,12 @@ class RolloutService(GenerationBackend):
     @_locked
     def pause(self) -> None:
         self.launcher.call("pause", (), self.start_timeout_s)
+        self._paused = True
 
     @_locked
     def resume(self) -> None:
         self.launcher.call("resume", (), self.start_timeout_s)
+        self._paused = False
 
     def score(self, *args, **kwargs):
         raise NotImplementedError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.parallel.expert_sharding import expert_range, load_checkpoint_ep
 from m3_rollout.parallel.process_group import EPGroupSpec, destroy_ep_group, init_ep_group
 
@@ -98,21 +99,38 @@ class RolloutWorker:
         self.expert_range = expert_range(model.config.num_local_experts, self.world_size, rank)
         self._steps = 0
         self._flag = torch.zeros(1, dtype=torch.int64, device=device)
+        self.weight_sync = None  # set by init_weight_sync
 
     # ---- lockstep generation ---------------------------------------------------------------
-    def run(self, requests: list[GenerationRequest], max_steps: int) -> dict:
-        """Add `requests`, then step in lockstep with the peers for at most `max_steps` steps or
-        until no rank has work. Every rank must call this with the same `max_steps`.
+    def run(
+        self,
+        requests: list[GenerationRequest],
+        max_steps: int,
+        aborts: Sequence[str] = (),
+        stream: Collection[str] = (),
+    ) -> dict:
+        """Add `requests` (those whose id is in `stream` streamed: their :class:`StreamDelta`
+        records come back too), abort the requests named in `aborts` (their samples come back
+        with finish_reason "abort"), then step in lockstep with the peers for at most `max_steps`
+        steps or until no rank has work. Every rank must call this with the same `max_steps`.
+        While the engine is paused (every rank is: the service pauses them together) no forward
+        runs: only records that are ready (abort records) come back.
 
-        Returns {"outputs": [SampleOutput], "unfinished": samples still running here,
-        "steps": lockstep steps run, "ep": EPStats snapshot, "seconds": wall time}.
+        Returns {"outputs": [SampleOutput | StreamDelta], "unfinished": samples still running here,
+        "steps": lockstep steps run, "ep": EPStats snapshot, "engine": engine metrics,
+        "seconds": wall time}.
         Raises RuntimeError when a peer died or the group timeout passed (the group is then
         broken; the service restarts it).
         """
         t0 = time.perf_counter()
         for req in requests:
-            self.engine.add_request(req)
-        outputs: list[SampleOutput] = []
+            self.engine.add_request(req, stream=req.request_id in stream)
+        for rid in aborts:
+            self.engine.abort(rid)
+        outputs: list[SampleOutput | StreamDelta] = []
+        if self.engine.paused:
+            outputs.extend(self.engine.step())  # paused: no forward, only the ready records
+            max_steps = 0
         steps = 0
         while steps < max_steps:
             mine = self.engine.has_unfinished()
@@ -130,10 +148,11 @@ class RolloutWorker:
             self._steps += 1
             self._maybe_fault()
         return {
-            "outputs": [o for o in outputs if isinstance(o, SampleOutput)],
+            "outputs": outputs,
             "unfinished": self.engine.num_unfinished(),
             "steps": steps,
             "ep": self.ep_stats.snapshot(reset=True),
+            "engine": self.engine.metrics(),
             "seconds": time.perf_counter() - t0,
         }
 
@@ -162,16 +181,26 @@ class RolloutWorker:
 
     # ---- weight sync over the trainer's broadcast group (m3_rollout/weight_sync) -------------
     def init_weight_sync(
-        self, host: str, port: int, world_size: int, backend: str, timeout_s: float, options: dict
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        options: dict,
+        rank_offset: int = 1,
     ) -> list[str]:
-        """Join the trainer's weight-sync group as rank ``self.rank + 1`` (its own TCPStore, not
-        the EP group) and run the handshake. Returns the handshake's problems ([] = joined; the
+        """Join the trainer's weight-sync group as rank ``rank_offset + self.rank`` (its own
+        TCPStore, not the EP group) and run the handshake. Returns the handshake's problems ([] = joined; the
         trainer side raises with the same list). ``options``: RolloutWeightSync keyword arguments.
         Drains under ``in_flight=drain`` step in lockstep with the peers (``run`` until no rank
         has work)."""
         from m3_rollout.weight_sync import HandshakeError, RolloutWeightSync, WeightSyncGroup
 
-        group = WeightSyncGroup(host, port, self.rank + 1, world_size, backend, timeout_s, self.device)
+        if self.weight_sync is not None:  # a new group replaces the last one
+            self.weight_sync.group.close()
+            self.weight_sync = None
+        group = WeightSyncGroup(host, port, rank_offset + self.rank, world_size, backend, timeout_s, self.device)
         self.weight_sync = RolloutWeightSync(
             self.engine, group, drain=lambda: self.run([], 2**62)["outputs"], **options
         )

@@ -1,0 +1,251 @@
+"""The expert-parallel server (``python -m m3_rollout.serve --expert-parallel-size 2``: two EP worker
+processes over gloo) does what the in-process one does: streamed tokens equal /generate's, /abort and
+a disconnecting client end the request and free its KV pages (seen on /metrics), /pause in each mode
+and /resume, and a trainer's weight update over HTTP after which the server's logprobs are the
+trainer's, with concurrent streams carrying both versions across the update."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from server_util import free_port, save_tiny_checkpoint, tiny_model, tiny_tokenizer  # tests/ on sys.path
+
+from m3_rollout.model import load_checkpoint
+from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.server.client import RolloutServerClient
+from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
+from m3_trainers.policy import token_logprobs
+
+MAX_LEN = 256
+EP = 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = list(range(20, 52))  # two KV pages
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tok = tiny_tokenizer()
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), tok, tiny_model(len(tok), max_len=MAX_LEN))
+    port = free_port()
+    cmd = [sys.executable, "-m", "m3_rollout.serve", "--model", str(path), "--port", str(port)]
+    cmd += ["--expert-parallel-size", str(EP), "--max-num-seqs", "16", "--served-model-name", "tiny-m3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    client = RolloutServerClient(url, timeout_s=120)
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            client.health()
+            break
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"server did not start:\n{proc.stdout.read()}") from None
+            time.sleep(0.2)
+    yield url, client, path
+    client.close()
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _body(seed: int, new: int, stream: bool = True, rid: str | None = None) -> dict:
+    body = {"input_ids": PROMPT, "stream": stream, "sampling_params": {"max_new_tokens": new, "seed": seed}}
+    return {**body, "rid": rid} if rid else body
+
+
+def _events(resp):
+    """The JSON events of an SSE /generate stream, up to [DONE]."""
+    for line in resp.iter_lines():
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+def _wait_freed(client) -> dict:
+    deadline = time.monotonic() + 60
+    while True:
+        m = client.metrics()
+        if m["m3:num_requests_running"] == 0 and m["m3:kv_cache_pages_used"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+def _stream_until(http, url, body, n_events: int):
+    """Open a stream, read ``n_events`` token events; returns (response context, events iterator, ids)."""
+    ctx = http.stream("POST", url + "/generate", json=body)
+    resp = ctx.__enter__()
+    assert resp.status_code == 200
+    events = _events(resp)
+    ids = []
+    for _ in range(n_events):
+        ids += next(events)["token_ids"]
+    return ctx, events, ids
+
+
+def _rest(events, ids: list) -> dict:
+    """Read a stream to its final record; ``ids`` collects the streamed tokens."""
+    for e in events:
+        if "finish_reason" in e:
+            return e
+        ids += e["token_ids"]
+    raise AssertionError("stream ended without a final record")
+
+
+def test_ep_stream_equals_generate_and_abort_frees_pages(server):
+    url, client, _ = server
+    ref = httpx.post(url + "/generate", json=_body(3, 24, stream=False), timeout=120).json()["outputs"][0]
+    assert len(ref["output_ids"]) == 24 and ref["finish_reason"] == "length"
+    with httpx.Client(timeout=120) as http:
+        # Streamed = non-streamed (same seed; keyed sampler), token by token.
+        ctx, events, ids = _stream_until(http, url, _body(3, 24), 1)
+        final = _rest(events, ids)
+        ctx.__exit__(None, None, None)
+        assert ids == final["output_ids"] == ref["output_ids"] and final["logprobs"] == pytest.approx(ref["logprobs"])
+        # /abort by request id: the stream ends with "abort" and the output so far.
+        ctx, events, ids = _stream_until(http, url, _body(4, 200, rid="ep-abort"), 2)
+        m = client.metrics()
+        assert m["m3:num_requests_running"] == 1 and m["m3:kv_cache_pages_used"] > 0
+        assert client.abort("ep-abort") == {"aborted": 1}
+        final = _rest(events, ids)
+        ctx.__exit__(None, None, None)
+        assert final["finish_reason"] == "abort" and final["output_ids"][: len(ids)] == ids and len(ids) < 200
+        _wait_freed(client)
+        # A client that goes away: its request is aborted on the EP ranks and its pages freed.
+        ctx, events, _ = _stream_until(http, url, _body(5, 200), 2)
+        assert client.metrics()["m3:kv_cache_pages_used"] > 0
+        ctx.__exit__(None, None, None)
+    _wait_freed(client)
+    assert client.health()["running"] == 0
+
+
+def test_ep_pause_modes_and_resume(server):
+    url, client, _ = server
+    ref = httpx.post(url + "/generate", json=_body(7, 30, stream=False), timeout=120).json()["outputs"][0]
+    with httpx.Client(timeout=120) as http:
+        # keep: the request stays in the engine (KV kept) and continues at /resume, tokens unchanged.
+        ctx, events, ids = _stream_until(http, url, _body(7, 30), 1)
+        assert client.pause("keep")["mode"] == "keep"
+        assert client.metrics()["m3:kv_cache_pages_used"] > 0 and client.health()["paused"] == "keep"
+        assert client.resume() == {"paused": False}
+        final = _rest(events, ids)
+        ctx.__exit__(None, None, None)
+        assert final["finish_reason"] == "length" and ids == final["output_ids"] == ref["output_ids"]
+        # abort: the running request ends now.
+        ctx, events, ids = _stream_until(http, url, _body(8, 200), 1)
+        assert client.pause("abort")["aborted"] == 1
+        assert _rest(events, ids)["finish_reason"] == "abort"
+        ctx.__exit__(None, None, None)
+        client.resume()
+        # drain: /pause returns once the running request finished.
+        ctx, events, ids = _stream_until(http, url, _body(9, 20), 1)
+        assert client.pause("drain")["running"] == 0
+        assert _rest(events, ids)["finish_reason"] == "length" and len(ids) == 20
+        ctx.__exit__(None, None, None)
+        client.resume()
+    _wait_freed(client)
+
+
+@pytest.fixture(scope="module")
+def trainer(server):
+    """The trainer's model (the checkpoint after a fake training step) and its weight sender, rank 0
+    of a group with the server's two EP ranks (ranks 1 and 2)."""
+    _, client, path = server
+    torch.manual_seed(123)
+    model = load_checkpoint(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    port = free_port()
+    world = 1 + client.health()["weight_sync_ranks"]
+    assert world == 1 + EP
+    joined = client.start_init_weight_sync("127.0.0.1", port, world, 1, "gloo", 60.0, bucket_size_mb=0.25)
+    group = WeightSyncGroup("127.0.0.1", port, 0, world, "gloo", 60.0)
+    sender = WeightSender(lambda: iter_released_tensors(model), BroadcastChannel(group), bucket_size_mb=0.25)
+    sender.handshake()
+    assert joined.result(timeout=120)["rank"] == 1
+    yield model, sender
+    group.close()
+
+
+def _update(client, sender, version: int, first: bool = False) -> dict:
+    fut = client.start_update_weights(version)
+    sender.update(version, include_frozen=first)
+    return fut.result(timeout=120)
+
+
+def _max_diff(model, prompt, outs) -> float:
+    worst = 0.0
+    for o in outs:
+        with torch.no_grad():
+            ref = token_logprobs(model, torch.tensor([prompt + o["output_ids"]]))[0, len(prompt) :]
+        worst = max(worst, float((ref - torch.tensor(o["logprobs"])).abs().max()))
+    return worst
+
+
+def test_ep_weight_update_over_http_gives_the_trainers_logits(server, trainer):
+    url, client, _ = server
+    model, sender = trainer
+    body = {"input_ids": PROMPT, "sampling_params": {"n": 2, "max_new_tokens": 10, "seed": 4}}
+    before = httpx.post(url + "/generate", json=body, timeout=120).json()
+    assert before["weight_version"] == 0 and _max_diff(model, PROMPT, before["outputs"]) > 1e-2
+    assert _update(client, sender, 1, first=True)["weight_version"] == 1 and client.weight_version() == 1
+    after = httpx.post(url + "/generate", json=body, timeout=120).json()
+    assert all(o["token_weight_versions"] == [1] * 10 for o in after["outputs"])
+    assert _max_diff(model, PROMPT, after["outputs"]) < 1e-4  # both EP ranks serve the trainer's weights
+    assert client.metrics()["m3:refits_total"] == 1
+
+
+def test_ep_concurrent_streams_across_a_weight_update(server, trainer):
+    url, client, _ = server
+    _, sender = trainer
+    v0 = client.weight_version()
+    records = [{"ids": [], "versions": [], "final": None} for _ in range(6)]
+
+    async def one(http, i, r):
+        body = {"input_ids": PROMPT[i:], "stream": True, "sampling_params": {"max_new_tokens": 60, "seed": i}}
+        async with http.stream("POST", url + "/generate", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    e = json.loads(line[6:])
+                    if "finish_reason" in e:
+                        r["final"] = e
+                    else:
+                        r["ids"] += e["token_ids"]
+                        r["versions"] += e["weight_versions"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            tasks = [asyncio.ensure_future(one(http, i, r)) for i, r in enumerate(records)]
+            while not all(r["ids"] for r in records):
+                await asyncio.sleep(0.01)
+            # Freeze them (KV kept), update under them, let them continue: every stream has
+            # tokens of both versions whatever the machine's speed.
+            await asyncio.to_thread(client.pause, "keep")
+            running = sum(r["final"] is None for r in records)
+            reply = await asyncio.to_thread(_update, client, sender, v0 + 1)
+            await asyncio.to_thread(client.resume)
+            await asyncio.gather(*tasks)
+            return reply, running
+
+    reply, running = asyncio.run(asyncio.wait_for(main(), 300))
+    assert reply["weight_version"] == v0 + 1 and running > 0
+    both = 0
+    for r in records:
+        final = r["final"]
+        assert final is not None and final["finish_reason"] in ("stop", "length")  # none lost
+        assert r["ids"] == final["output_ids"] and r["versions"] == final["token_weight_versions"]
+        assert set(r["versions"]) <= {v0, v0 + 1} and r["versions"] == sorted(r["versions"])
+        both += len(set(r["versions"])) == 2
+    assert both > 0  # requests running at the update continued on the new version
