@@ -1,6 +1,8 @@
 """Bad input gets an OpenAI-shaped 400 (404 unknown model, 401 API key) naming the field, and the
 server goes on serving."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -146,3 +148,37 @@ def test_a_second_pause_in_another_mode_is_refused_and_resume_always_resumes(set
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "seed": 0}}
     out = httpx.post(srv.url + "/generate", json=body, timeout=30).json()["outputs"][0]
     assert len(out["output_ids"]) == 3 and out["finish_reason"] in ("length", "stop")
+
+
+ENGINE_CASES = [
+    # Values the request schema accepts and the engine refuses: the error names the client's field.
+    ("/v1/chat/completions", _chat(temperature=1e-45), "temperature"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 6], "max_tokens": 2, "top_k": 2**63}, "top_k"),
+    (
+        "/generate",
+        {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2**63}},
+        "sampling_params.max_new_tokens",
+    ),
+    ("/generate", {"input_ids": [5, 6], "sampling_params": {"temperature": 1e-45}}, "sampling_params.temperature"),
+    ("/generate", {"input_ids": [5, 6], "sample_index": 2**63}, "sample_index"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", ENGINE_CASES, ids=[f"{c[0]}:{c[2]}" for c in ENGINE_CASES])
+def test_engine_errors_name_the_public_field(setup, path, body, param):
+    """The engine's own names (SamplingParams.max_new_tokens, GenerationRequest.sample_index) used
+    to reach the client, with param null."""
+    srv, _, _ = setup
+    err = _error(httpx.post(srv.url + path, json=body, timeout=60), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(param) and "SamplingParams" not in err["message"]
+    assert "GenerationRequest" not in err["message"]
+
+
+def test_engine_error_in_a_stream_names_the_public_field(setup):
+    srv, _, _ = setup
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=_chat(temperature=1e-45, stream=True)) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    err = next(json.loads(e)["error"] for e in events if e.startswith('{"error"'))
+    assert err["param"] == "temperature" and err["message"].startswith("temperature=")
+    assert events[-1] == "[DONE]"

@@ -36,7 +36,15 @@ from m3_rollout.engine.interface import GenerationRequest, SampleOutput, Samplin
 
 from .control import Controller
 from .metrics import CONTENT_TYPE, render_metrics
-from .openai_api import OpenAIServing, ServedModel, check_prompt_length, check_token_ids, thinking_mode_of
+from .openai_api import (
+    GENERATE_FIELDS,
+    OpenAIServing,
+    ServedModel,
+    check_prompt_length,
+    check_token_ids,
+    engine_error,
+    thinking_mode_of,
+)
 from .protocol import (
     AbortRequest,
     APIError,
@@ -246,7 +254,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             outs = [o async for o in ctl.stream(greq, stream=False) if isinstance(o, SampleOutput)]
             errors = [o.error for o in outs if o.finish_reason == "error"]
             if errors:
-                raise APIError(400, errors[0] or "generation failed", None)
+                raise engine_error(errors[0], GENERATE_FIELDS)
             outs.sort(key=lambda o: o.sample_index)
             return {
                 "rid": greq.request_id,

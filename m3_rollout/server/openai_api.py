@@ -17,7 +17,9 @@ opening first closes the think span, so such a turn has empty reasoning.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import re
 import secrets
 import time
 import uuid
@@ -83,6 +85,36 @@ def check_prompt_length(served: ServedModel, n: int, param: str) -> None:
         )
 
 
+# Engine field names (``SamplingParams.<name>``, ``GenerationRequest.<name>``) -> the request field a
+# client sent, per endpoint; names not listed are the same on both sides (temperature, top_p, ...).
+CHAT_FIELDS = {"prompt_ids": "messages", "max_new_tokens": "max_tokens", "stop_strings": "stop"}
+COMPLETION_FIELDS = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "stop_strings": "stop"}
+GENERATE_FIELDS = {
+    "prompt_ids": "input_ids",
+    "sample_index": "sample_index",
+    "stop_strings": "sampling_params.stop",
+    **{
+        f: f"sampling_params.{f}"
+        for f in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed", "logprobs_mode")
+    },
+}
+_ENGINE_FIELD = re.compile(r"(?:SamplingParams|GenerationRequest)\.(\w+)")
+
+
+def engine_error(message: str | None, fields: dict[str, str]) -> APIError:
+    """The 400 for an engine error record (``finish_reason == "error"``). The engine names its own
+    field first (``SamplingParams.temperature=1e-50: ...``); the error names the client's field
+    instead (``fields`` maps engine names to request names, e.g. :data:`GENERATE_FIELDS`), in the
+    message and as ``param``. An error about no field (weights invalid after a failed update, a
+    request lost with a failed EP rank) keeps its message, with ``param`` None."""
+    message = message or "generation failed"
+    m = _ENGINE_FIELD.match(message)
+    if m is None:
+        return APIError(400, message, None)
+    param = fields.get(m.group(1), m.group(1))
+    return APIError(400, param + message[m.end() :], param)
+
+
 def thinking_mode_of(kwargs: dict | None) -> str | None:
     """The thinking mode of ``chat_template_kwargs``: ``thinking_mode`` ("enabled" | "disabled" |
     "adaptive") or vLLM's boolean ``enable_thinking``; None (the template's adaptive) when absent."""
@@ -143,51 +175,110 @@ def sampling_params(
     )
 
 
-class TextStream:
-    """Decoded text of one sample's generated ids, piece by piece.
+class StopMatcher:
+    """Where one stop string occurs in text fed piece by piece (Knuth-Morris-Pratt): ``matched``
+    is the length of the longest prefix of the stop string that ends the text so far, which is
+    exactly what must be held back for it. Work per fed character is amortised O(1); building
+    the failure table is O(len(stop))."""
 
-    Held back: text that ends in an incomplete UTF-8 character (U+FFFD at the end of the decode),
-    a trailing stop token (not part of the text), and the longest tail that may still begin a
-    stop string; ``finish`` releases the rest, cut before the first stop string (OpenAI drops
-    the stop string from the text).
+    def __init__(self, stop: str):
+        self.stop = stop
+        fail = [0] * len(stop)  # fail[i]: longest proper border of stop[: i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            c = stop[i]
+            while k and stop[k] != c:
+                k = fail[k - 1]
+            if stop[k] == c:
+                k += 1
+            fail[i] = k
+        self.fail = fail
+        self.matched = 0
+
+    def feed(self, text: str) -> int:
+        """Advance over ``text``; return the index in ``text`` just after the stop string's first
+        complete occurrence (then stop reading), or -1."""
+        stop, fail, k, n = self.stop, self.fail, self.matched, len(self.stop)
+        for i, c in enumerate(text):
+            while k and stop[k] != c:
+                k = fail[k - 1]
+            if stop[k] == c:
+                k += 1
+                if k == n:
+                    self.matched = k
+                    return i + 1
+        self.matched = k
+        return -1
+
+
+class TextStream:
+    """Decoded text of one sample's generated ids, piece by piece, in time linear in the output.
+
+    Detokenization is incremental: a push decodes the ids since the last settled point with the
+    previous push's ids as left context (a token's text may depend on its neighbour) and takes
+    what the new ids add. Held back: text that ends in an incomplete UTF-8 character (U+FFFD at
+    the end of the decode), a trailing stop token (not part of the text), and the longest tail
+    that may still begin a stop string (at most ``max(len(stop)) - 1`` characters, found by one
+    :class:`StopMatcher` per stop string over the new text only); ``finish`` releases the rest.
+    The text is cut before the first stop string (OpenAI drops it).
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stop_ids: set[int], stop_strings: tuple[str, ...]):
-        self.decode, self.stop_ids, self.stop_strings = decode, stop_ids, stop_strings
+        self.decode, self.stop_ids = decode, stop_ids
+        self.matchers = [StopMatcher(s) for s in stop_strings]
         self.ids: list[int] = []
-        self.sent = ""
+        self._prefix = 0  # ids[_prefix:_read] were decoded last time: the left context
+        self._read = 0  # ids before this index are text already
+        self._held: collections.deque[str] = collections.deque()  # unreleased text, in pieces
+        self.held_chars = 0  # characters held back (the pieces' total length)
         self.stopped = False  # a stop string was found; nothing more is text
-
-    def _text(self, final: bool) -> str:
-        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
-        text = self.decode(ids)
-        if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        return text
 
     def push(self, ids: list[int]) -> str:
         """Add generated ids; return the text they settle."""
         self.ids.extend(ids)
-        return self._emit(self._text(final=False), final=False)
+        return self._emit(self._new_text(final=False), final=False)
 
     def finish(self) -> str:
-        return self._emit(self._text(final=True), final=True)
+        return self._emit(self._new_text(final=True), final=True)
 
-    def _emit(self, text: str, final: bool) -> str:
-        if self.stopped:
+    def _new_text(self, final: bool) -> str:
+        ids = self.ids
+        end = len(ids) - 1 if ids and ids[-1] in self.stop_ids else len(ids)
+        if end <= self._read or self.stopped:
             return ""
-        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
-        if cut >= 0:
-            text, self.stopped = text[:cut], True
-        elif not final:
-            hold = max(
-                (n for s in self.stop_strings for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0
-            )
-            text = text[: len(text) - hold]
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+        context = self.decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        text = self.decode(ids[self._prefix : end])
+        if not final and text.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the ids that complete it
+        self._prefix, self._read = self._read, end
+        return text[len(context) :]
+
+    def _emit(self, new: str, final: bool) -> str:
+        if self.stopped or not (new or final):
             return ""
-        new, self.sent = text[len(self.sent) :], text
-        return new
+        ends = [(e, len(m.stop)) for m in self.matchers if (e := m.feed(new)) >= 0]
+        if ends:  # cut before the earliest-starting stop string (it may begin in the held text)
+            cut = self.held_chars + min(e - n for e, n in ends)
+            self.stopped = True
+            return ("".join(self._held) + new)[:cut]
+        if new:
+            self._held.append(new)
+            self.held_chars += len(new)
+        hold = 0 if final else max((m.matched for m in self.matchers), default=0)
+        return self._release(self.held_chars - hold)
+
+    def _release(self, n: int) -> str:
+        """The first ``n`` held characters (taken off the held pieces)."""
+        out = []
+        while n > 0:
+            piece = self._held.popleft()
+            if len(piece) > n:
+                self._held.appendleft(piece[n:])
+                piece = piece[:n]
+            out.append(piece)
+            n -= len(piece)
+            self.held_chars -= len(piece)
+        return "".join(out)
 
 
 @dataclass
@@ -322,6 +413,10 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
+    @staticmethod
+    def _chat_fields(req: ChatCompletionRequest) -> dict[str, str]:
+        return {**CHAT_FIELDS, "max_new_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
+
     def _text_stream(self, params: SamplingParams) -> TextStream:
         return TextStream(
             self.served.decode, set(self.served.stop_token_ids) | set(params.stop_token_ids), params.stop_strings
@@ -355,7 +450,7 @@ class OpenAIServing:
         choices = []
         for out in outs:
             if out.finish_reason == "error":
-                raise APIError(400, out.error or "generation failed", None)
+                raise engine_error(out.error, self._chat_fields(req))
             text = self._text_stream(greq.params)
             parser = _TurnParser(prompt)
             parser.feed(text.push(out.output_ids))
@@ -456,22 +551,12 @@ class OpenAIServing:
                         yield chunk(i, delta, extra=extra)
                 elif isinstance(item, SampleOutput):
                     if item.finish_reason == "error":
-                        raise APIError(400, item.error or "generation failed", None)
+                        raise engine_error(item.error, self._chat_fields(req))
                     i = item.sample_index
                     outs.append(item)
-                    extra = {}
-                    if len(texts[i].ids) < len(item.output_ids):  # non-streaming backend: one delta at the end
-                        new = item.output_ids[len(texts[i].ids) :]
-                        d = parsers[i].feed(texts[i].push(new))
-                        if req.return_token_ids:
-                            extra["token_ids"] = new
-                            extra["token_weight_versions"] = item.token_weight_versions[-len(new) :]
-                    else:
-                        d = OutputDelta()
-                    d = _merge(d, parsers[i].feed(texts[i].finish()))
-                    d = _merge(d, parsers[i].finish())
+                    d = _merge(parsers[i].feed(texts[i].finish()), parsers[i].finish())
                     has_calls[i] |= bool(d.tool_calls)
-                    yield chunk(i, _delta_dict(d), _finish_reason(item, has_calls[i]), extra)
+                    yield chunk(i, _delta_dict(d), _finish_reason(item, has_calls[i]))
         except APIError as exc:
             yield _sse(exc.body())
         except Exception as exc:  # noqa: BLE001 - the stream has begun: the error is its last event
@@ -527,7 +612,7 @@ class OpenAIServing:
             prompt_tokens += len(greq.prompt_ids)
             for out in sorted(outs, key=lambda o: o.sample_index):
                 if out.finish_reason == "error":
-                    raise APIError(400, out.error or "generation failed", "prompt")
+                    raise engine_error(out.error, COMPLETION_FIELDS)
                 ts = self._text_stream(greq.params)
                 text = ts.push(out.output_ids) + ts.finish()
                 prefix = self.served.decode(list(greq.prompt_ids)) if req.echo else ""
@@ -596,9 +681,9 @@ class OpenAIServing:
                             yield chunk(item.sample_index, text, extra=extra)
                     elif isinstance(item, SampleOutput):
                         if item.finish_reason == "error":
-                            raise APIError(400, item.error or "generation failed", "prompt")
+                            raise engine_error(item.error, COMPLETION_FIELDS)
                         ts = texts[item.sample_index]
-                        text = ts.push(item.output_ids[len(ts.ids) :]) + ts.finish()
+                        text = ts.finish()
                         outs.append(item)
                         yield chunk(item.sample_index, text, item.finish_reason)
             except APIError as exc:

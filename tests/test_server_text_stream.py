@@ -1,0 +1,102 @@
+"""The server's TextStream: incremental text equals the whole decode cut at the first stop string,
+in work linear in the output (a 200 KB stop string, thousands of pushes) and holding back only
+the tail that may still begin a stop string."""
+
+import random
+
+import pytest
+from server_util import tiny_tokenizer  # tests/ on sys.path
+
+from m3_rollout.server.openai_api import StopMatcher, TextStream
+
+
+class CountingStr(str):
+    """A str that counts character lookups (``s[k]``): the stop-string scan's unit of work."""
+
+    lookups = 0
+
+    def __getitem__(self, key):
+        CountingStr.lookups += 1
+        return str.__getitem__(self, key)
+
+
+def _reference(decode, ids, stop_ids, stops) -> str:
+    ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
+    text = decode(ids)
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_text_equals_the_whole_decode_cut_at_the_first_stop(tok, seed):
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    rng = random.Random(seed)
+    # Byte-level tokens (multi-byte characters split over several ids) and ordinary ones.
+    pool = tok.encode("é ü 12 * 34 = 408 — naïve café ✓ It is 408.", add_special_tokens=False) + list(range(3, 300))
+    ids = [rng.choice(pool) for _ in range(120)]
+    whole = decode(ids)
+    stops = (whole[len(whole) // 2 : len(whole) // 2 + 3], "zzq") if seed % 2 else ("zzq",)
+    stop_id = {ids[-1]} if seed % 3 == 0 else set()
+    ts = TextStream(decode, stop_id, stops)
+    out, i = "", 0
+    while i < len(ids):
+        k = rng.randint(1, 4)
+        out += ts.push(ids[i : i + k])
+        i += k
+    out += ts.finish()
+    assert out == _reference(decode, ids, stop_id, stops)
+
+
+def test_a_200kb_stop_string_costs_linear_work_and_holds_back_only_its_prefix():
+    stop = CountingStr("ab" * 100_000 + "!")  # 200 KB
+    decoded = {"n": 0}
+
+    def decode(ids):
+        decoded["n"] += len(ids)
+        return "".join("ab" if t == 1 else "x" for t in ids)
+
+    CountingStr.lookups = 0
+    ts = TextStream(decode, set(), (stop,))
+    build = CountingStr.lookups
+    assert build <= 4 * len(stop)  # the failure table: linear in the stop string
+    released = ts.push([2])  # "x" can begin no stop string: released at once
+    assert released == "x" and ts.held_chars == 0
+    pushes = 3000
+    for _ in range(pushes):  # "abab...": every character may still begin the stop string
+        assert ts.push([1]) == ""
+    assert ts.held_chars == 2 * pushes  # held back: exactly the prefix of the stop string seen so far
+    assert ts.push([2]) == "ab" * pushes + "x" and ts.held_chars == 0  # mismatch: all of it released
+    for _ in range(pushes):
+        ts.push([1, 2])
+    assert ts.finish() == "" and not ts.stopped
+    chars = 1 + 2 * pushes + 1 + 3 * pushes
+    # Work: a few lookups per character of text, and each id decoded at most three times (as new,
+    # then twice as the next push's left context), not a scan of the 200 KB stop string or of the
+    # whole output per push.
+    assert CountingStr.lookups - build <= 4 * chars
+    assert decoded["n"] <= 3 * (1 + pushes + 1 + 2 * pushes)
+
+
+def test_the_stop_string_ends_the_text_even_when_it_begins_in_held_text():
+    ts = TextStream(lambda ids: "".join(chr(t) for t in ids), set(), ("</answer>", "wer"))
+    got = ts.push([ord(c) for c in "42 </ans"])
+    assert got == "42 " and ts.held_chars == len("</ans")
+    got += ts.push([ord(c) for c in "wer> more"])
+    assert got == "42 " and ts.stopped  # "</answer>" starts before "wer": the earliest start wins
+    assert ts.push([ord("x")]) == "" and ts.finish() == ""
+
+
+def test_stop_matcher_reports_the_first_occurrence_across_pieces():
+    m = StopMatcher("aab")
+    assert m.feed("xaa") == -1 and m.matched == 2
+    assert m.feed("aab") == 3  # "xaa" + "aab": the occurrence ends at the last character
+    m = StopMatcher("abab")
+    assert m.feed("ababab") == 4
