@@ -99,12 +99,59 @@ async def run_engine(backend: NativeBackend, reqs: list[GenerationRequest]) -> d
     return summary(t0, time.perf_counter(), starts, arrivals)
 
 
-async def run_server(url: str, reqs: list[GenerationRequest]) -> dict:
+def count_tokens(events: bytes) -> int:
+    """Tokens in a block of /generate SSE events: the entries of every ``"token_ids": [...]`` list
+    (delta events; the final record lists ``output_ids``)."""
+    n, at = 0, events.find(TOKEN_IDS)
+    while at >= 0:
+        start = at + len(TOKEN_IDS)
+        stop = events.index(b"]", start)
+        if stop > start:
+            n += events.count(b",", start, stop) + 1
+        at = events.find(TOKEN_IDS, stop)
+    return n
+
+
+TOKEN_IDS = b'"token_ids": ['
+
+
+async def stream_generate(port: int, body: dict, arrivals: list[tuple[float, int]]) -> None:
+    """One streaming /generate call over a plain asyncio connection (HTTP/1.1, ``Connection:
+    close``); appends (arrival time, tokens) per socket read that completed token events. A
+    light client on purpose: on a small CPU machine an httpx client's per-line parsing takes the
+    cores the server needs, and the load generator, not the server, is then measured."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(
+        b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    if head.split(b" ", 2)[1] != b"200":
+        raise RuntimeError(f"/generate answered {head!r}: {await reader.read()}")
+    buf = b""
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            break
+        buf += data
+        cut = buf.rfind(b"\n\n")  # events end with a blank line; chunk framing never holds one
+        if cut < 0:
+            continue
+        events, buf = buf[:cut], buf[cut + 2 :]
+        n = count_tokens(events)
+        if n:
+            arrivals.append((time.perf_counter(), n))
+        if b"data: [DONE]" in events:
+            break
+    writer.close()
+
+
+async def run_server(port: int, reqs: list[GenerationRequest]) -> dict:
     arrivals: list[list[tuple[float, int]]] = [[] for _ in reqs]
     starts = [0.0] * len(reqs)
-    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
 
-    async def one(http: httpx.AsyncClient, i: int, req: GenerationRequest) -> None:
+    async def one(i: int, req: GenerationRequest) -> None:
         p = req.params
         body = {
             "input_ids": list(req.prompt_ids),
@@ -112,20 +159,11 @@ async def run_server(url: str, reqs: list[GenerationRequest]) -> dict:
             "sampling_params": {"max_new_tokens": p.max_new_tokens, "seed": p.seed},
         }
         starts[i] = time.perf_counter()
-        async with http.stream("POST", url + "/generate", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"/generate answered {resp.status_code}: {await resp.aread()}")
-            async for line in resp.aiter_lines():
-                if line.startswith("data: {") and '"token_ids"' in line:
-                    n = len(json.loads(line[6:])["token_ids"])
-                    if n:
-                        arrivals[i].append((time.perf_counter(), n))
+        await stream_generate(port, body, arrivals[i])
 
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
-        await http.get(url + "/health")
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(http, i, r) for i, r in enumerate(reqs)))
-        return summary(t0, time.perf_counter(), starts, arrivals)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+    return summary(t0, time.perf_counter(), starts, arrivals)
 
 
 def in_thread(coro):
@@ -143,7 +181,9 @@ def in_thread(coro):
     return box["out"]
 
 
-def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
+def start_server(model_dir: str, port: int, args, mode: str) -> subprocess.Popen:
+    """``python -m m3_rollout.serve`` for ``model_dir``; ``mode`` "thread" (the engine on a thread of
+    the server process) or "process" (``--engine-process``). Returns once /health answers."""
     cmd = [
         sys.executable,
         "-m",
@@ -160,8 +200,9 @@ def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
         str(max(args.concurrency)),
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ] + (["--engine-process"] if mode == "process" else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.device == "cpu" else None
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while True:
         try:
@@ -183,10 +224,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument(
+        "--server-modes",
+        nargs="+",
+        choices=("thread", "process"),
+        default=["thread", "process"],
+        help="engine on a thread of the server process, and/or in a process of its own (--engine-process)",
+    )
     ap.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # as every server-side engine here (OMP_NUM_THREADS=1; an EP worker's one)
     if args.model_json:
         raw = json.loads(Path(args.model_json).read_text())
         cfg = M3Config.from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
@@ -197,7 +247,9 @@ def main() -> None:
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, args.prompt_len + args.new_tokens + 16)
     model = random_model(cfg, args.device, getattr(torch, args.dtype))
     max_len = cfg.max_position_embeddings
+    engine: dict[int, dict] = {}
     rows = []
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(model.float(), cfg, tmp)
         model.cast_for_inference(getattr(torch, args.dtype))
@@ -214,42 +266,44 @@ def main() -> None:
                 max_num_batched_tokens=args.max_num_batched_tokens,
             )
             in_thread(run_engine(backend, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
-            eng = in_thread(run_engine(backend, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
+            engine[c] = in_thread(run_engine(backend, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
             backend.shutdown()
-            rows.append({"concurrency": c, "engine": eng})
-            print(f"engine  C={c}: {eng['tok_s']:.0f} tok/s", flush=True)
-        del model
+            print(f"engine  C={c}: {engine[c]['tok_s']:.0f} tok/s", flush=True)
+        del model, backend
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        port = args.port or _free_port()
-        proc = start_server(tmp, port, args)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            for row in rows:
-                c = row["concurrency"]
-                asyncio.run(run_server(url, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
-                srv = asyncio.run(run_server(url, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
-                row["server"] = srv
-                row["ratio"] = srv["tok_s"] / row["engine"]["tok_s"]
-                print(f"server  C={c}: {srv['tok_s']:.0f} tok/s, ratio {row['ratio']:.2f}x", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-    dev = machine(args.device)
+        for mode in args.server_modes:
+            port = args.port or _free_port()
+            proc = start_server(tmp, port, args, mode)
+            try:
+                for c in args.concurrency:
+                    asyncio.run(run_server(port, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
+                    srv = asyncio.run(run_server(port, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
+                    rows.append({"concurrency": c, "mode": mode, "engine": engine[c], "server": srv})
+                    ratio = srv["tok_s"] / engine[c]["tok_s"]
+                    print(f"server ({mode}) C={c}: {srv['tok_s']:.0f} tok/s, ratio {ratio:.2f}x", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"\n## Rollout server vs in-process engine (bench_server.py), {datetime.date.today().isoformat()}, {dev}\n",
+        f"\n## Rollout server vs in-process engine (bench_server.py), {stamp}, {machine(args.device)}\n",
         f"Model: {args.model_json or 'tiny_config() (spec §7 preset A)'}, {args.dtype}, random weights; "
         f"{args.prompt_len} prompt + up to {args.new_tokens} generated tokens per request, C concurrent "
-        "requests; server = `python -m m3_rollout.serve` in its own process, streaming `/generate` from an httpx "
-        "client; engine = `NativeBackend.stream` in-process. TTFT / ITL in ms (p50 / p99).\n",
-        "| C | engine tok/s | server tok/s | server / engine | TTFT engine | TTFT server | ITL engine | ITL server |",
-        "|---|---|---|---|---|---|---|---|",
+        "requests; server = `python -m m3_rollout.serve` in its own process (engine on a thread of it, or in a "
+        "process of its own with `--engine-process`), streaming `/generate` from a plain asyncio client; "
+        "engine = `NativeBackend.stream` in-process. TTFT / ITL in ms (p50 / p99). "
+        f"Whole run {time.perf_counter() - t_start:.0f} s.\n",
+        "| C | server engine | engine tok/s | server tok/s | server / engine | TTFT engine | TTFT server "
+        "| ITL engine | ITL server |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         e, s = r["engine"], r["server"]
+        ratio = s["tok_s"] / e["tok_s"]
         lines.append(
-            f"| {r['concurrency']} | {e['tok_s']:.0f} | {s['tok_s']:.0f} | {r['ratio']:.2f}x | "
-            f"{e['ttft_p50']:.0f} / {e['ttft_p99']:.0f} | {s['ttft_p50']:.0f} / {s['ttft_p99']:.0f} | "
+            f"| {r['concurrency']} | {r['mode']} | {e['tok_s']:.0f} | {s['tok_s']:.0f} | {ratio:.2f}x "
+            f"| {e['ttft_p50']:.0f} / {e['ttft_p99']:.0f} | {s['ttft_p50']:.0f} / {s['ttft_p99']:.0f} | "
             f"{e['itl_p50']:.1f} / {e['itl_p99']:.1f} | {s['itl_p50']:.1f} / {s['itl_p99']:.1f} |"
         )
     print("\n".join(lines))

@@ -2,9 +2,10 @@
 ``m3-rollout-serve``).
 
 Governing idea: build the pieces once (tokenizer + chat template, the generation backend, the
-engine runner, the FastAPI app) and hand the app to uvicorn. ``--expert-parallel-size`` P > 1 serves
-through the expert-parallel ``RolloutService`` (P worker processes); otherwise the in-process
-``NativeBackend`` serves (streaming token by token, abort, weight sync over HTTP, top logprobs).
+engine runner, the FastAPI app) and hand the app to uvicorn. ``--expert-parallel-size`` P > 1 (or
+``--engine-process``: P = 1 in a process of its own) serves through the expert-parallel
+``RolloutService`` (P worker processes: streaming, abort, weight sync over HTTP); otherwise the
+in-process ``NativeBackend`` serves on a thread of this process (the same, plus top logprobs).
 Binds to 127.0.0.1 unless ``--host`` says otherwise.
 """
 
@@ -33,6 +34,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
     p.add_argument("--expert-parallel-size", type=int, default=1, help="EP worker processes (1: in-process engine)")
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="with --expert-parallel-size 1: run the engine in a worker process of its own (the EP service with "
+        "one rank), so HTTP work never holds the engine's GIL; no top logprobs",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="generation dtype (auto: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--max-model-len", type=int, default=None, help="longest context (default: the model's)")
@@ -89,7 +96,7 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         enable_cuda_graphs=args.enable_cuda_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
-    if args.expert_parallel_size > 1:
+    if args.expert_parallel_size > 1 or args.engine_process:
         from m3_rollout.config import MasterConfig
         from m3_rollout.service.factory import build_rollout_service
 

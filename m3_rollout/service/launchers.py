@@ -26,6 +26,7 @@ import re
 import time
 import traceback
 from collections.abc import Sequence
+from multiprocessing.connection import wait as wait_ready
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -213,7 +214,9 @@ class ProcessLauncher(Launcher):
             if pending:
                 if deadline is not None and time.monotonic() > deadline:
                     raise GroupFailure(method, sorted(pending), {r: f"no answer within {timeout_s} s" for r in pending})
-                time.sleep(_POLL_S)
+                # Sleep until a reply or a death (or the poll interval for the deadline): a reply
+                # is read as soon as it is sent, not up to a poll interval later.
+                wait_ready([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending], _POLL_S)
         return results
 
     def _reply(self, rank: int):
