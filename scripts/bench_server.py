@@ -265,7 +265,7 @@ def main() -> None:
                 max_num_seqs=max(args.concurrency),
                 max_num_batched_tokens=args.max_num_batched_tokens,
             )
-            in_thread(run_engine(backend, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
+            in_thread(run_engine(backend, requests(c, args.prompt_len, 4, cfg.vocab_size)))  # warm-up
             engine[c] = in_thread(run_engine(backend, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
             backend.shutdown()
             print(f"engine  C={c}: {engine[c]['tok_s']:.0f} tok/s", flush=True)
@@ -277,7 +277,7 @@ def main() -> None:
             proc = start_server(tmp, port, args, mode)
             try:
                 for c in args.concurrency:
-                    asyncio.run(run_server(port, requests(min(c, 8), args.prompt_len, 4, cfg.vocab_size)))  # warm-up
+                    asyncio.run(run_server(port, requests(c, args.prompt_len, 4, cfg.vocab_size)))  # warm-up
                     srv = asyncio.run(run_server(port, requests(c, args.prompt_len, args.new_tokens, cfg.vocab_size)))
                     rows.append({"concurrency": c, "mode": mode, "engine": engine[c], "server": srv})
                     ratio = srv["tok_s"] / engine[c]["tok_s"]
