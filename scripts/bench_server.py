@@ -2,19 +2,23 @@
 the same load, with p50 / p99 time to first token and inter-token latency.
 
     python scripts/bench_server.py                          # CPU, tiny M3, fp32, 32 and 256 concurrent
-    python scripts/bench_server.py --device cuda --model-json configs/bench/m3_bench_300m.json
+    python scripts/bench_server.py --device cuda --model-json configs/bench/m3_bench_300m.json \
+        --prompt-len 128 --new-tokens 128                   # one GPU, the 300M benchmark model, bf16
 
 Load: C concurrent requests (``--concurrency``, default 32 and 256), each a distinct random prompt
 of ``--prompt-len`` tokens and up to ``--new-tokens`` generated tokens (the end-of-message id stops
-a sample on both sides alike), seed i.
+a sample on both sides alike), seed i; every measured run follows a warm-up of C 4-token requests.
 In-process: ``NativeBackend.stream`` for every request in one asyncio loop on a thread of its own
-(as the server's engine thread, same torch thread count). Server: the same
-checkpoint served by ``python -m m3_rollout.serve`` in its own process (started after the
-in-process run, so the two never share the CPU), requests as streaming ``/generate`` calls from
-an httpx client in this process. tokens/s = all generated tokens / wall time from the first
-submission to the last token; TTFT = submission to first token of a request; ITL = gaps between
-a request's consecutive token deliveries (a delta of k tokens counts as k gaps of equal size).
-Appends a table to docs/benchmarks.md with machine and date (``--no-write`` to skip).
+(as the server's engine thread, same torch thread count; 1 on the CPU). Server: the same checkpoint
+served by ``python -m m3_rollout.serve`` in its own process, started after the in-process runs (the
+two never share the machine), once per ``--server-modes`` entry: "thread" (the engine on a thread of
+the server process) and "process" (``--engine-process``: the engine in a worker process of its
+own). Requests are streaming ``/generate`` calls from a plain asyncio client in this process (an
+httpx client's per-line parsing costs more CPU than the server's work per token). tokens/s = all
+generated tokens / wall time from the first submission to the last token; TTFT = submission to
+first token of a request; ITL = gaps between a request's consecutive token deliveries (a delivery
+of k tokens counts as k gaps of equal size).
+Appends a table to docs/benchmarks.md with machine and UTC time (``--no-write`` to skip).
 """
 
 from __future__ import annotations

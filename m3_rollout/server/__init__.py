@@ -2,7 +2,8 @@
 plane over HTTP (``python -m m3_rollout.serve``).
 
 protocol    request bodies (strict pydantic) and the OpenAI-shaped error
-runner      EngineRunner: the backend on its own thread + event loop; streams, abort, weight sync
+runner      EngineRunner: the backend on its own thread + event loop; one driver per engine, streams,
+            abort, weight sync
 control     Controller: admission gate, pause / resume, abort, weight updates, 409 rules
 openai_api  /v1/chat/completions and /v1/completions (template, parsers, SSE)
 metrics     /metrics in the Prometheus text format
