@@ -40,6 +40,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --expert-parallel-size 1: run the engine in a worker process of its own (the EP service with "
         "one rank), so HTTP work never holds the engine's GIL; no top logprobs",
     )
+    p.add_argument(
+        "--worker-steps-per-call",
+        type=int,
+        default=4,
+        help="EP / --engine-process: engine steps per call to the workers (a stream gets up to this many tokens "
+        "at once; a new request waits up to this many steps)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="generation dtype (auto: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--max-model-len", type=int, default=None, help="longest context (default: the model's)")
@@ -69,6 +76,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.expert_parallel_size < 1:
         p.error(f"--expert-parallel-size={args.expert_parallel_size}: must be >= 1")
+    if args.worker_steps_per_call < 1:
+        p.error(f"--worker-steps-per-call={args.worker_steps_per_call}: must be >= 1")
     if not 0 < args.kv_cache_memory_fraction <= 1:
         p.error(f"--kv-cache-memory-fraction={args.kv_cache_memory_fraction}: must be in (0, 1]")
     if not 0 < args.port < 65536:
@@ -110,7 +119,9 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         )
         cfg.policy = dataclasses.replace(cfg.policy, generation=gen, routing_replay=args.record_routing)
         cfg.cluster = dataclasses.replace(cfg.cluster, gpus_per_node=int(device == "cuda"), launcher="mp")
-        return build_rollout_service(cfg, model_dir, stop_ids, max_len)
+        service = build_rollout_service(cfg, model_dir, stop_ids, max_len)
+        service.stream_steps_per_call = args.worker_steps_per_call
+        return service
     from m3_rollout.engine.native_backend import NativeBackend
     from m3_rollout.model import load_checkpoint
 
