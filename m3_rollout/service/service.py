@@ -353,7 +353,7 @@ class RolloutService(GenerationBackend):
         for p in self._live.values():
             load[p.rank] += len(p.missing)
         rank = self._place(req, load)
-        self._live[req.request_id] = _Pending(0, req, set(req.output_indices()), rank)
+        self._live[req.request_id] = _Pending(0, req, set(req.output_indices()), rank)  # index: unused here
         self._to_add[rank].append((req, stream))
 
     @_locked
