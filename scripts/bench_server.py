@@ -253,7 +253,7 @@ def main() -> None:
     max_len = cfg.max_position_embeddings
     engine: dict[int, dict] = {}
     rows = []
-    t_start = time.perf_counter()
+    t_start, load = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(model.float(), cfg, tmp)
         model.cast_for_inference(getattr(torch, args.dtype))
@@ -297,7 +297,7 @@ def main() -> None:
         "requests; server = `python -m m3_rollout.serve` in its own process (engine on a thread of it, or in a "
         "process of its own with `--engine-process`), streaming `/generate` from a plain asyncio client; "
         "engine = `NativeBackend.stream` in-process. TTFT / ITL in ms (p50 / p99). "
-        f"Whole run {time.perf_counter() - t_start:.0f} s.\n",
+        f"Whole run {time.perf_counter() - t_start:.0f} s; load average {load:.1f} at its start.\n",
         "| C | server engine | engine tok/s | server tok/s | server / engine | TTFT engine | TTFT server "
         "| ITL engine | ITL server |",
         "|---|---|---|---|---|---|---|---|---|",

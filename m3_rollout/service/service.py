@@ -86,7 +86,7 @@ class RolloutService(GenerationBackend):
         start_timeout_s: limit for bringing the group up (imports, rendezvous, shard loading).
         call_timeout_s: limit for one ``run`` call (None: the collective timeout bounds it).
         stream_steps_per_call: lockstep steps per :meth:`step` (the streaming API; deltas carry
-            up to that many tokens).
+            up to that many tokens) when no new request goes out with it.
         weight_sync: the ``weight_sync`` config section (a ``WeightSyncConfig``).
         freeze: ``policy.freeze`` (frozen tensors are sent with a group's first update only,
             unless ``weight_sync.send_frozen``); None: nothing frozen.
@@ -374,8 +374,8 @@ class RolloutService(GenerationBackend):
     @_locked
     def step(self) -> list[SampleOutput | StreamDelta]:
         """Send the new requests and aborts to their ranks and run ``stream_steps_per_call``
-        lockstep steps (none while paused: only abort records come back); return the finished
-        samples, error records and stream deltas.
+        lockstep steps (one when new requests go out; none while paused: only abort records come
+        back); return the finished samples, error records and stream deltas.
 
         A group failure does not raise: the group restarts (as in :meth:`generate`) and every
         unfinished request gets error records naming the failure (streamed tokens cannot be
@@ -385,7 +385,9 @@ class RolloutService(GenerationBackend):
         self._ready = []
         if not self._live:
             return outputs
-        steps = 0 if self._paused else self.stream_steps_per_call
+        # One step while requests arrive (their first tokens come back at once and the next
+        # arrivals join sooner), stream_steps_per_call once the batch is settled.
+        steps = 0 if self._paused else 1 if any(self._to_add) else self.stream_steps_per_call
         args = [
             ([req for req, _ in new], steps, aborts, {req.request_id for req, stream in new if stream})
             for new, aborts in zip(self._to_add, self._to_abort)
