@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchlib import run_date
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from m3_kernels.msa_fused_decode import msa_attention
@@ -41,7 +42,6 @@ from m3_kernels.msa_synthetic import make_paged_batch
 
 NH, G, D, DI, PS, K = 64, 4, 128, 128, 128, 16
 SCALE = D**-0.5
-DATE = "2026-11-29"
 ELT = 2  # bf16 bytes
 
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.cuda.get_device_name()
     parts = args.parts.split(",")
     rows: list[str] = []
-    out = {"device": dev, "date": DATE, "torch": torch.__version__}
+    out = {"device": dev, "date": run_date(), "torch": torch.__version__}
     ctxs = [8192, 131072] if args.quick else [8192, 32768, 131072, 524288, 1048576]
     if "decode" in parts:
         out["decode"] = decode_bench(ctxs, rows)
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print("\n".join(lines))
     md = [
-        f"\n## MSA attention kernels (bench_msa.py), {DATE}, {dev}, torch {torch.__version__}\n",
+        f"\n## MSA attention kernels (bench_msa.py), {run_date()}, {dev}, torch {torch.__version__}\n",
         "One layer, 64 q heads / 4 KV heads / d 128 / block 128 / top-k 16, bf16. Baselines: torch SDPA "
         "(enable_gqa), the faster of flash and cuDNN per shape, in the same run. Decode times are "
         "CUDA-graph replays (eager in brackets).\n",
