@@ -155,3 +155,39 @@ def test_fp8_cache_rejects_wrong_scale_dtype():
     bad = FP8IndexCache(cache.keys, cache.scales.half())
     with pytest.raises(ValueError, match="FP8 index cache"):
         mi.index_topk(b.iq, bad, b.meta, K)
+
+
+def test_engine_with_fp8_index_keys_on_cpu():
+    # The engine's page pool with FP8 index keys (PyTorch write path + reference ops on CPU): page bytes,
+    # layer views, fork copies and the scored logprobs: equal to the bf16-cache engine while every block
+    # is selected (<= K x B = 12 tokens), close after (selection on the dequantized keys).
+    from m3_rollout.engine.config import EngineConfig
+    from m3_rollout.engine.engine import LLMEngine
+    from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+
+    cfg = tiny_config(vocab_size=96, max_position_embeddings=256, sparse_block_size=4, sparse_topk_blocks=3)
+    torch.manual_seed(0)
+    model = M3ForCausalLM(cfg).float().eval()
+    n_sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    assert page_bytes(cfg, torch.float32) - page_bytes(cfg, torch.float32, "fp8_e4m3") == n_sparse * 4 * (
+        cfg.sparse_index_dim * 4 - cfg.sparse_index_dim - 4
+    )
+    kv = PagedKVCache(cfg, 4, torch.float32, index_cache_dtype="fp8_e4m3")
+    layer = next(iter(kv.sparse_slot))
+    view = kv.layer(layer)[2]
+    assert isinstance(view, FP8IndexCache) and view.keys.dtype == torch.float8_e4m3fn
+    kv.index_scale[:, 1] = 2.0
+    kv.copy_page(1, 3)
+    assert (kv.index_scale[:, 3] == 2.0).all() and len(kv.tensors()) == 4
+    with pytest.raises(ValueError, match="index_cache_dtype"):
+        EngineConfig(max_model_len=64, index_cache_dtype="fp8").validate()
+
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    lp = {}
+    for dt in ("bfloat16", "fp8_e4m3"):
+        eng = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, num_pages=24, index_cache_dtype=dt))
+        lp[dt] = eng.score(ids)
+    d = (lp["bfloat16"] - lp["fp8_e4m3"]).abs()
+    assert d[:13].max() < 1e-5  # dense-equivalent positions: the index keys choose nothing
+    assert 0 < d.max() < 0.5
