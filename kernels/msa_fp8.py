@@ -116,5 +116,3 @@ def split_index_cache(index_cache_l) -> tuple[torch.Tensor, torch.Tensor | None,
             "and fp32 [P, ps] (kernels/paged_layout.py)"
         )
     return keys, scales, index_cache_l.quantize_queries
-
-
