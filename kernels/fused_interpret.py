@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from m3_kernels.msa_interpret import interpreted_module
+from m3_kernels.msa_interpret import FP8_HELPERS, interpreted_module
 
 
 def interpreted_fused_layers() -> ModuleType:
     """The ``m3_kernels.fused_layers`` module with interpreted kernels; sets TRITON_INTERPRET=1 for the
     rest of the process (the interpreter reads it at launch time too)."""
     os.environ["TRITON_INTERPRET"] = "1"
+    interpreted_module(FP8_HELPERS)  # the write kernel quantizes FP8 index keys with them
     return interpreted_module("m3_kernels.fused_layers")

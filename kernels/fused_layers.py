@@ -9,7 +9,8 @@ does in several, with the same maths and the same intermediate roundings:
   ``[T, nh*d + 2*G*d (+ Gi*di + di)]`` (q | k | v | index q | index k columns): per-head Gemma
   RMSNorm of q, k (and index q, index k), partial NeoX RoPE on the first ``rotary_dim`` channels,
   K / V / index K written into their pages through ``slot_mapping`` (-1 -> null page), q and
-  index q returned. Spec §3.3, §3.4, §4.2; cache layout kernels/paged_layout.py.
+  index q returned; FP8 index keys quantized on the way (e4m3 codes + a per-token scale, bit for
+  bit ``paged_layout.quantize_index_keys``). Spec §3.3, §3.4, §4.2; cache layout kernels/paged_layout.py.
 - ``add_rms_norm``: residual add (+ an optional second addend) and Gemma RMSNorm (spec §3.1,
   "fused add+norm"), residual updated in place; optional fp32 copy of the output (router input).
 - ``swiglu``: SwiGLU-OAI over a ``[T, 2I]`` gate|up GEMM output (spec §3.7).
@@ -34,6 +35,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from m3_kernels.msa_fp8 import e4m3_round, e4m3_scale, split_index_cache
+from m3_kernels.paged_layout import FP8IndexCache
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -84,12 +88,14 @@ def _qkv_norm_rope_write_kernel(
     k_cache_ptr,
     v_cache_ptr,
     idx_cache_ptr,
+    idx_scale_ptr,
     null_slot,
     eps,
     NH: tl.constexpr,
     G: tl.constexpr,
     NI: tl.constexpr,
     HAS_INDEX: tl.constexpr,
+    INDEX_FP8: tl.constexpr,
     D: tl.constexpr,
     DI: tl.constexpr,
     HALF: tl.constexpr,
@@ -139,7 +145,15 @@ def _qkv_norm_rope_write_kernel(
         else:
             y = _norm_rope_vec(base + NI * DI, ikw_ptr, cs, sn, eps, q_out_ptr, DI, HALF, BLOCK_DI)
             dst = idx_cache_ptr + (page * PS + off) * DI
-            tl.store(dst + oi, y.to(ACT).to(idx_cache_ptr.dtype.element_ty), mask=mi)
+            if INDEX_FP8:  # e4m3 codes + one power-of-two scale per token (kernels/paged_layout.py)
+                y = y.to(ACT).to(tl.float32)
+                amax = tl.max(tl.where(mi, tl.abs(y), 0.0), axis=0)
+                amax = tl.where(tl.sum(tl.where(mi & (y != y), 1, 0), axis=0) > 0, float("nan"), amax)
+                scale, inv = e4m3_scale(amax)
+                tl.store(dst + oi, e4m3_round(y * inv).to(tl.float8e4nv), mask=mi)
+                tl.store(idx_scale_ptr + page * PS + off, scale)
+            else:
+                tl.store(dst + oi, y.to(ACT).to(idx_cache_ptr.dtype.element_ty), mask=mi)
 
 
 @triton.jit
@@ -306,7 +320,7 @@ def qkv_norm_rope_write(
     index_k_norm_w: torch.Tensor | None = None,
     num_index_heads: int = 0,
     index_dim: int = 0,
-    index_cache: torch.Tensor | None = None,
+    index_cache: torch.Tensor | FP8IndexCache | None = None,
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Post-projection work of one attention layer in one launch (spec §3.3, §3.4, §4.2).
@@ -321,7 +335,8 @@ def qkv_norm_rope_write(
             the last page of the caches, offset 0).
         q_norm_w, k_norm_w ([d]), index_q_norm_w, index_k_norm_w ([di]): raw Gemma weights (scale 1 + w).
         k_cache, v_cache: [P + 1, G, ps, d] contiguous (one layer's pages); index_cache [P + 1, ps, di]
-            for a sparse layer (index weights given), else None.
+            (or an ``FP8IndexCache``: keys quantized as ``paged_layout.quantize_index_keys``, scales
+            stored) for a sparse layer (index weights given), else None.
     Returns:
         (q [T, nh, d], index q [T, Gi, di] or None) in qkv.dtype, normed and rotated. K (normed,
         rotated), raw V and the index K are written into the caches (cast to the cache dtype).
@@ -340,6 +355,9 @@ def qkv_norm_rope_write(
         raise ValueError(f"rotary_dim {2 * half} exceeds head_dim {head_dim} / index_dim {index_dim}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache / v_cache must be contiguous [P + 1, G, ps, d] page views")
+    index_keys, index_scales, _ = split_index_cache(index_cache)
+    if index_scales is not None and not (index_keys.is_contiguous() and index_scales.is_contiguous()):
+        raise ValueError("FP8 index cache: keys [P + 1, ps, di] and scales [P + 1, ps] must be contiguous page views")
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     iq = torch.empty(t, num_index_heads, index_dim, dtype=qkv.dtype, device=qkv.device) if has_index else None
     if t == 0:
@@ -367,13 +385,15 @@ def qkv_norm_rope_write(
         iq if has_index else q,
         k_cache,
         v_cache,
-        index_cache if has_index else k_cache,
+        index_keys if has_index else k_cache,
+        index_scales if index_scales is not None else k_cache,
         null_slot,
         eps,
         NH=num_heads,
         G=num_kv_heads,
         NI=num_index_heads if has_index else 0,
         HAS_INDEX=has_index,
+        INDEX_FP8=index_scales is not None,
         D=head_dim,
         DI=index_dim if has_index else head_dim,
         HALF=half,

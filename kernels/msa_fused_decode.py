@@ -54,7 +54,8 @@ import triton
 import triton.language as tl
 
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
-from m3_kernels.paged_layout import PagedMetadata
+from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
+from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
 LOG2E = 1.4426950408889634
 MAX_FUSED_BLOCKS = 256  # widest block table whose scores are ranked in the attention kernel (32K tokens)
@@ -67,6 +68,7 @@ PDL = True  # chain the two decode launches with programmatic dependent launch o
 def _decode_scores_kernel(
     iq_ptr,
     ik_ptr,
+    iks_ptr,
     bt_ptr,
     pos_ptr,
     score_ptr,
@@ -76,6 +78,7 @@ def _decode_scores_kernel(
     stride_iq_g,
     stride_ik_p,
     stride_ik_o,
+    stride_iks_p,
     stride_bt_r,
     stride_s_t,
     stride_s_g,
@@ -84,10 +87,15 @@ def _decode_scores_kernel(
     QP: tl.constexpr,
     DI: tl.constexpr,
     PS: tl.constexpr,
-    IEEE: tl.constexpr,
+    KSCALE: tl.constexpr,
+    QFP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Block-max index scores of one decode row's dql tokens x G heads over one split of blocks."""
+    """Block-max index scores of one decode row's dql tokens x G heads over one split of blocks.
+
+    KSCALE: FP8 keys with per-token scales (iks_ptr); QFP8: queries quantized to e4m3 here, one
+    scale per (token, head) row applied to its block maxima (kernels/paged_layout.py format).
+    """
     if PDL:  # let the attention kernel (launched with PDL) get scheduled now; it waits for our stores
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -104,6 +112,9 @@ def _decode_scores_kernel(
         mask=m_ok[:, None],
         other=0.0,
     )  # [M, DI]
+    q_scale = tl.full([QP * GP], 1.0, tl.float32)
+    if QFP8:
+        q, q_scale = quantize_rows_e4m3(q)
     qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1)  # [M]
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * blocks_per_split
@@ -112,16 +123,17 @@ def _decode_scores_kernel(
     for b in range(b_lo, b_hi):
         page = tl.load(bt_ptr + row * stride_bt_r + b)
         k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + offs_o[:, None] * stride_ik_o + offs_d[None, :])
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, PS] fp32
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = index_dot(q, k)  # [M, PS] fp32
+        if KSCALE:
+            s = s * tl.load(iks_ptr + page.to(tl.int64) * stride_iks_p + offs_o)[None, :]
         causal = (b * PS + offs_o)[None, :] <= qpos[:, None]
         s = tl.where(causal, s, float("-inf"))
         smax = tl.max(s, axis=1)
         # NaN anywhere in the block -> -1e30 (the reference's amax propagates NaN, spec §3.4)
         has_nan = tl.max(tl.where(s != s, 1, 0), axis=1) > 0
         smax = tl.where(has_nan, -1e30, smax)
+        if QFP8:
+            smax = smax * q_scale
         tl.store(out_ptr + b, smax, mask=m_ok)
 
 
@@ -465,7 +477,7 @@ def default_score_blocks(nbp: int, n_rows: int) -> int:
 
 def decode_scores(
     iq: torch.Tensor,
-    index_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor | FP8IndexCache,
     meta: PagedMetadata,
     n_rows: int,
     *,
@@ -476,13 +488,15 @@ def decode_scores(
 ) -> torch.Tensor:
     """Block-max index scores of the first ``n_rows`` decode rows (K1; spec §3.4).
 
-    iq: [T, G, di] (the decode tokens first); index_cache_l: [P, ps, di]. Returns [Td, G, NBP]
-    fp32 with Td = n_rows * decode_query_len; entry [t, g, b] is valid for b <= pos(t) // ps
-    (other entries are unwritten). NaN block scores become -1e30. pdl: the next kernel is
-    launched with programmatic dependent launch (signal it early; GPU only).
+    iq: [T, G, di] (the decode tokens first); index_cache_l: [P, ps, di] or an ``FP8IndexCache``
+    (scores of the dequantized keys / queries). Returns [Td, G, NBP] fp32 with Td = n_rows *
+    decode_query_len; entry [t, g, b] is valid for b <= pos(t) // ps (other entries are unwritten).
+    NaN block scores become -1e30. pdl: the next kernel is launched with programmatic dependent
+    launch (signal it early; GPU only).
     """
+    keys, kscales, qfp8 = split_index_cache(index_cache_l)
     _, g, di = iq.shape
-    ps = index_cache_l.shape[1]
+    ps = keys.shape[1]
     dql = meta.decode_query_len
     nbp = meta.block_tables.shape[1]
     td = n_rows * dql
@@ -493,10 +507,11 @@ def decode_scores(
     num_warps = num_warps or (8 if bps == 1 else 4)
     gp = next_pow2(g)
     qp = max(next_pow2(dql), triton.cdiv(16, gp))
-    ieee = iq.dtype == torch.float32
+    ieee = iq.dtype == torch.float32 and not qfp8
     _decode_scores_kernel[(n_rows, triton.cdiv(nbp, bps))](
         iq,
-        index_cache_l,
+        keys,
+        keys if kscales is None else kscales,
         meta.block_tables,
         meta.positions,
         scores,
@@ -504,8 +519,9 @@ def decode_scores(
         bps,
         iq.stride(0),
         iq.stride(1),
-        index_cache_l.stride(0),
-        index_cache_l.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        0 if kscales is None else kscales.stride(0),
         meta.block_tables.stride(0),
         scores.stride(0),
         scores.stride(1),
@@ -514,7 +530,8 @@ def decode_scores(
         QP=qp,
         DI=di,
         PS=ps,
-        IEEE=ieee,
+        KSCALE=kscales is not None,
+        QFP8=qfp8,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=1 if ieee else num_stages,
@@ -633,16 +650,21 @@ def decode_select_attend(
 
 
 def check_decode_inputs(q, iq, k_cache_l, v_cache_l, index_cache_l, topk: int) -> None:
-    """Raise ValueError naming the field for inputs the fused decode kernels do not support."""
+    """Raise ValueError naming the field for inputs the fused decode kernels do not support
+    (index_cache_l: a [P, ps, di] tensor or an ``FP8IndexCache``)."""
+    index_cache_l, kscales, _ = split_index_cache(index_cache_l)
     _, nh, d = q.shape
     _, g, ps, dk = k_cache_l.shape
     dt = q.dtype
-    if dt not in (torch.float32, torch.float16, torch.bfloat16) or any(
-        x.dtype != dt for x in (iq, k_cache_l, v_cache_l, index_cache_l)
+    if (
+        dt not in (torch.float32, torch.float16, torch.bfloat16)
+        or any(x.dtype != dt for x in (iq, k_cache_l, v_cache_l))
+        or (kscales is None and index_cache_l.dtype != dt)
     ):
         raise ValueError(
             f"msa decode: dtypes q={q.dtype}, iq={iq.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}, "
-            f"index cache={index_cache_l.dtype}; fp32/fp16/bf16 with equal dtypes are supported"
+            f"index cache={index_cache_l.dtype}; fp32/fp16/bf16 with equal dtypes are supported (index keys "
+            "also as an FP8IndexCache)"
         )
     check_pow2_dim("head_dim", d)
     check_pow2_dim("page_size (sparse_block_size)", ps)
@@ -674,7 +696,7 @@ def msa_decode(
     iq: torch.Tensor,
     k_cache_l: torch.Tensor,
     v_cache_l: torch.Tensor,
-    index_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor | FP8IndexCache,
     meta: PagedMetadata,
     scale: float,
     topk: int,
@@ -685,7 +707,8 @@ def msa_decode(
     """Sparse-layer output of the decode tokens (rows 0..num_decodes-1) of ``meta`` (spec §3.4-3.5).
 
     q: [T, nh, d], iq: [T, G, di] (decode tokens first; only the first num_decodes *
-    decode_query_len are read); caches in the paged_cache.py layout. Block tables up to
+    decode_query_len are read); caches in the paged_cache.py layout (index keys: a tensor or an
+    ``FP8IndexCache``). Block tables up to
     MAX_FUSED_BLOCKS pages: 2 launches (scores; top-k + attention + merge). Wider:
     ``msa_index_topk.index_topk`` on the decode rows, then the fused attention + merge launch.
     ids_out: optional [Td, G, K] int32 receiving the selection (tests; see decode_select_attend).
@@ -759,7 +782,7 @@ def msa_attention(
     iq: torch.Tensor,
     k_cache_l: torch.Tensor,
     v_cache_l: torch.Tensor,
-    index_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor | FP8IndexCache,
     meta: PagedMetadata,
     scale: float,
     topk: int,
@@ -770,7 +793,7 @@ def msa_attention(
     ``m3_rollout.engine.reference_ops.msa_attention_ref`` is the PyTorch version).
 
     q: [T, nh, d]; iq: [T, G, di]; k_cache_l, v_cache_l: [P, G, ps, d]; index_cache_l: [P, ps, di]
-    (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first).
+    or an ``FP8IndexCache`` (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first).
     Decode rows -> ``msa_decode``; prefill rows -> ``msa_index_topk.index_topk`` +
     ``msa_paged_attention.paged_attention`` on the prefill part of ``meta``. Returns [T, nh, d]
     in q.dtype. Raises ValueError for unsupported sizes or dtypes (naming the field).

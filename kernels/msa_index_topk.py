@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
 from m3_kernels.paged_layout import PagedMetadata
 
 # Sentinel key: below every real key (the key of a -inf score is > INT64_MIN).
@@ -62,24 +63,26 @@ def _block_max(
     q,
     qpos,
     ik_ptr,
+    iks_ptr,
     bt_ptr,
     row,
     b,
     stride_ik_p,
     stride_ik_o,
+    stride_iks_p,
     stride_bt_r,
     offs_o,
     offs_d,
     PS: tl.constexpr,
-    IEEE: tl.constexpr,
+    KSCALE: tl.constexpr,
 ):
-    """[M] max over block b's causal keys of <q_m, ik_u>; NaN -> -1e30, no causal key -> -inf."""
+    """[M] max over block b's causal keys of <q_m, ik_u> (x the key's scale with KSCALE); NaN ->
+    -1e30, no causal key -> -inf."""
     page = tl.load(bt_ptr + row * stride_bt_r + b)
     k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + offs_o[:, None] * stride_ik_o + offs_d[None, :])
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, PS] fp32
-    else:
-        s = tl.dot(q, tl.trans(k))  # [M, PS] fp32
+    s = index_dot(q, k)  # [M, PS] fp32
+    if KSCALE:
+        s = s * tl.load(iks_ptr + page.to(tl.int64) * stride_iks_p + offs_o)[None, :]
     causal = (b * PS + offs_o)[None, :] <= qpos[:, None]
     smax = tl.reduce(tl.where(causal, s, float("-inf")), 1, _max_propagate_nan)  # [M]
     # the reference's amax propagates NaN and then replaces it by -1e30 (spec §3.4)
@@ -91,15 +94,17 @@ def _block_max_sub(
     q,
     qpos,
     ik_ptr,
+    iks_ptr,
     page,
     b,
     stride_ik_p,
     stride_ik_o,
+    stride_iks_p,
     offs_d,
     PS: tl.constexpr,
     NSUB: tl.constexpr,
     MASK: tl.constexpr,
-    IEEE: tl.constexpr,
+    KSCALE: tl.constexpr,
 ):
     """``_block_max`` over the page as NSUB key sub-tiles of PS/NSUB keys (smaller score tiles, so more
     query rows fit in registers); MASK=False for blocks wholly before every row's position."""
@@ -110,10 +115,9 @@ def _block_max_sub(
         k = tl.load(
             ik_ptr + page.to(tl.int64) * stride_ik_p + (sub * PSN + offs_n)[:, None] * stride_ik_o + offs_d[None, :]
         )
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = index_dot(q, k)
+        if KSCALE:
+            s = s * tl.load(iks_ptr + page.to(tl.int64) * stride_iks_p + sub * PSN + offs_n)[None, :]
         if MASK:
             s = tl.where((b * PS + sub * PSN + offs_n)[None, :] <= qpos[:, None], s, float("-inf"))
         res = _max_propagate_nan(res, tl.reduce(s, 1, _max_propagate_nan))
@@ -137,6 +141,7 @@ def _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_
 def _index_scores_kernel(
     iq_ptr,
     ik_ptr,
+    iks_ptr,
     bt_ptr,
     qsl_ptr,
     pos_ptr,
@@ -148,6 +153,7 @@ def _index_scores_kernel(
     stride_iq_g,
     stride_ik_p,
     stride_ik_o,
+    stride_iks_p,
     stride_bt_r,
     stride_s_t,
     stride_s_g,
@@ -157,11 +163,16 @@ def _index_scores_kernel(
     PS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     STORE_B: tl.constexpr,
-    IEEE: tl.constexpr,
+    KSCALE: tl.constexpr,
+    QFP8: tl.constexpr,
     SPLIT_CAUSAL: tl.constexpr = False,
     NSUB: tl.constexpr = 1,
 ):
-    """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks."""
+    """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks.
+
+    KSCALE: FP8 keys with per-token scales (iks_ptr); QFP8: the query rows are quantized to e4m3
+    here (one scale per row, applied to the row's block maxima). Format: kernels/paged_layout.py.
+    """
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = row_offset + pid // n_qtiles
@@ -182,6 +193,9 @@ def _index_scores_kernel(
         mask=m_valid[:, None],
         other=0.0,
     )  # [M, DI]
+    q_scale = tl.full([BLOCK_M * GP], 1.0, tl.float32)
+    if QFP8:
+        q, q_scale = quantize_rows_e4m3(q)
     qpos = tl.load(pos_ptr + tok, mask=m_valid, other=-1).to(tl.int32)  # [M]
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * blocks_per_split
@@ -190,8 +204,24 @@ def _index_scores_kernel(
     if STORE_B == 1:  # decode: few rows, a plain pipelined loop
         for b in range(b_lo, b_hi):
             smax = _block_max(
-                q, qpos, ik_ptr, bt_ptr, row, b, stride_ik_p, stride_ik_o, stride_bt_r, offs_o, offs_d, PS, IEEE
+                q,
+                qpos,
+                ik_ptr,
+                iks_ptr,
+                bt_ptr,
+                row,
+                b,
+                stride_ik_p,
+                stride_ik_o,
+                stride_iks_p,
+                stride_bt_r,
+                offs_o,
+                offs_d,
+                PS,
+                KSCALE,
             )
+            if QFP8:
+                smax = smax * q_scale
             tl.store(row_ptr + b, smax, mask=m_valid)
     else:
         # NOTE: prefill: STORE_B blocks' maxima are gathered in registers and written as one
@@ -206,11 +236,45 @@ def _index_scores_kernel(
             b_mid = tl.minimum(tl.maximum((p_min + 1) // PS, b_lo), b_hi)
             for b in range(b_lo, b_mid):
                 page = tl.load(bt_ptr + row * stride_bt_r + b)
-                smax = _block_max_sub(q, qpos, ik_ptr, page, b, stride_ik_p, stride_ik_o, offs_d, PS, NSUB, False, IEEE)
+                smax = _block_max_sub(
+                    q,
+                    qpos,
+                    ik_ptr,
+                    iks_ptr,
+                    page,
+                    b,
+                    stride_ik_p,
+                    stride_ik_o,
+                    stride_iks_p,
+                    offs_d,
+                    PS,
+                    NSUB,
+                    False,
+                    KSCALE,
+                )
+                if QFP8:
+                    smax = smax * q_scale
                 tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
         for b in range(b_mid, b_hi):
             page = tl.load(bt_ptr + row * stride_bt_r + b)
-            smax = _block_max_sub(q, qpos, ik_ptr, page, b, stride_ik_p, stride_ik_o, offs_d, PS, NSUB, True, IEEE)
+            smax = _block_max_sub(
+                q,
+                qpos,
+                ik_ptr,
+                iks_ptr,
+                page,
+                b,
+                stride_ik_p,
+                stride_ik_o,
+                stride_iks_p,
+                offs_d,
+                PS,
+                NSUB,
+                True,
+                KSCALE,
+            )
+            if QFP8:
+                smax = smax * q_scale
             tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
 
 
@@ -440,7 +504,6 @@ def _score_launch(
     rows: tuple[int, int],
     block_m: int,
     n_splits: int,
-    ieee: bool,
     cfg: dict | None = None,
 ):
     """Launch the score kernel over rows [r0, r1) with query tiles of block_m tokens (cfg: prefill knobs)."""
@@ -448,8 +511,10 @@ def _score_launch(
     r0, r1 = rows
     if r1 <= r0:
         return
+    keys, kscales, qfp8 = split_index_cache(index_cache_l)
+    ieee = iq.dtype == torch.float32 and not qfp8
     t_g, g, di = iq.shape
-    ps = index_cache_l.shape[1]
+    ps = keys.shape[1]
     nbp = meta.block_tables.shape[1]
     gp = next_pow2(g)
     block_m = max(block_m, 16 // gp if gp < 16 else 1)
@@ -460,7 +525,8 @@ def _score_launch(
     grid = ((r1 - r0) * n_qtiles, n_splits)
     _index_scores_kernel[grid](
         iq,
-        index_cache_l,
+        keys,
+        keys if kscales is None else kscales,
         meta.block_tables,
         meta.query_start_loc,
         meta.positions,
@@ -470,8 +536,9 @@ def _score_launch(
         per_split,
         iq.stride(0),
         iq.stride(1),
-        index_cache_l.stride(0),
-        index_cache_l.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        0 if kscales is None else kscales.stride(0),
         meta.block_tables.stride(0),
         scores.stride(0),
         scores.stride(1),
@@ -481,7 +548,8 @@ def _score_launch(
         PS=ps,
         BLOCK_M=block_m,
         STORE_B=1 if n_splits > 1 else 16,
-        IEEE=ieee,
+        KSCALE=kscales is not None,
+        QFP8=qfp8,
         SPLIT_CAUSAL=cfg.get("split_causal", False),
         NSUB=cfg.get("nsub", 1),
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
@@ -491,48 +559,47 @@ def _score_launch(
 
 
 def _check_inputs(iq, index_cache_l, topk: int) -> None:
+    keys, kscales, _ = split_index_cache(index_cache_l)
     di = iq.shape[2]
-    ps = index_cache_l.shape[1]
-    if iq.dtype not in (torch.float32, torch.float16, torch.bfloat16) or index_cache_l.dtype != iq.dtype:
+    ps = keys.shape[1]
+    if iq.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (kscales is None and keys.dtype != iq.dtype):
         raise ValueError(
-            f"index_topk: dtype iq={iq.dtype}, index cache={index_cache_l.dtype}; the Triton "
-            "indexer supports fp32/fp16/bf16 with equal dtypes"
+            f"index_topk: dtype iq={iq.dtype}, index cache={keys.dtype}; the Triton "
+            "indexer supports fp32/fp16/bf16 queries with keys of the same dtype or an FP8IndexCache"
         )
     check_pow2_dim("page_size (sparse_block_size)", ps)
     check_pow2_dim("sparse_index_dim", di)
-    if index_cache_l.shape[2] != di:
-        raise ValueError(f"index_topk: iq dim {di} != index cache dim {index_cache_l.shape[2]}")
+    if keys.shape[2] != di:
+        raise ValueError(f"index_topk: iq dim {di} != index cache dim {keys.shape[2]}")
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"index_topk: topk={topk} unsupported; the Triton top-k handles 1..{MAX_TOPK}")
-    if iq.stride(2) != 1 or index_cache_l.stride(2) != 1:
+    if iq.stride(2) != 1 or keys.stride(2) != 1:
         raise ValueError("index_topk: iq and index_cache_l need a contiguous last dim")
 
 
 def index_block_scores(
-    iq: torch.Tensor, index_cache_l: torch.Tensor, meta: PagedMetadata, prefill_config: dict | None = None
+    iq: torch.Tensor, index_cache_l, meta: PagedMetadata, prefill_config: dict | None = None
 ) -> torch.Tensor:
     """[T, G, NBP] fp32 block-max index scores (spec §3.4); entries past a token's causal blocks are garbage.
 
     Entry [t, g, b] for b <= pos(t) // ps: max over block b's causal keys of <iq[t, g], ik[u]>,
-    NaN -> -1e30. prefill_config: benchmark knobs of the prefill score kernel (``block_m``,
-    ``num_warps``, ``num_stages``, ``split_causal``).
+    NaN -> -1e30; for an ``FP8IndexCache`` ik[u] is the dequantized key (and iq[t, g] the
+    dequantized query when it quantizes queries). prefill_config: benchmark knobs of the prefill
+    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``).
     """
     t, g, di = iq.shape
     nbp = meta.block_tables.shape[1]
     scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device)  # [T, G, NBP] scratch
     if t == 0:
         return scores
-    ieee = iq.dtype == torch.float32
     nd, r = meta.num_decodes, meta.num_rows
     cfg = dict(PREFILL_SCORE_CONFIG if iq.is_cuda else {}, **(prefill_config or {}))
     if nd > 0:
         # Split-K over blocks: ~1024 programs in all, >= 8 blocks each (fixed by shape).
         splits = max(1, min(triton.cdiv(nbp, 8), 1024 // nd))
-        _score_launch(iq, index_cache_l, meta, scores, (0, nd), next_pow2(max(meta.decode_query_len, 1)), splits, ieee)
+        _score_launch(iq, index_cache_l, meta, scores, (0, nd), next_pow2(max(meta.decode_query_len, 1)), splits)
     if r > nd:
-        _score_launch(
-            iq, index_cache_l, meta, scores, (nd, r), cfg.get("block_m", 32 if g * 32 <= 128 else 16), 1, ieee, cfg
-        )
+        _score_launch(iq, index_cache_l, meta, scores, (nd, r), cfg.get("block_m", 32 if g * 32 <= 128 else 16), 1, cfg)
     return scores
 
 
@@ -635,7 +702,7 @@ def select_topk_blocks(
 
 def index_topk(
     iq: torch.Tensor,
-    index_cache_l: torch.Tensor,
+    index_cache_l,
     meta: PagedMetadata,
     topk: int,
     init_blocks: int = 0,
@@ -645,12 +712,16 @@ def index_topk(
     """Triton version of ``m3_rollout.engine.reference_ops.index_topk_ref`` (same arguments, same output, spec §3.4).
 
     iq: [T, G, di] fp32/fp16/bf16 index queries; index_cache_l: [P, ps, di] same dtype, page-major
-    contiguous pages. Returns [T, G, K] int32 block ids: forced blocks first (lower id first), then
-    by block-max score desc with ties to the lower id; -1 past min(K, nb(t)).
+    contiguous pages, or a ``paged_layout.FP8IndexCache`` (e4m3 keys + per-token scales; scores
+    on the dequantized keys, and queries, when it quantizes them). Returns [T, G, K] int32 block
+    ids: forced blocks first (lower id first), then by block-max score desc with ties to the lower
+    id; -1 past min(K, nb(t)).
     prefill_config: benchmark knobs of the prefill score kernel (see ``index_block_scores``).
     Raises ValueError for an unsupported dtype, ps/di not a power of two in [16, 256], topk outside
     [1, 64], or iq heads/dim not matching the cache.
     """
     _check_inputs(iq, index_cache_l, topk)
     scores = index_block_scores(iq, index_cache_l, meta, prefill_config)
-    return select_topk_blocks(scores, meta, topk, index_cache_l.shape[1], init_blocks, local_blocks)
+    return select_topk_blocks(
+        scores, meta, topk, split_index_cache(index_cache_l)[0].shape[1], init_blocks, local_blocks
+    )

@@ -18,8 +18,10 @@ import sys
 from types import ModuleType
 from typing import NamedTuple
 
-# Reload order matters: msa_fused_decode imports the other two at call time.
+# Reload order matters: the FP8 helpers are imported by the score kernels' modules at import time,
+# msa_fused_decode imports the other two at call time.
 _KERNEL_MODULES = ("m3_kernels.msa_index_topk", "m3_kernels.msa_paged_attention", "m3_kernels.msa_fused_decode")
+FP8_HELPERS = "m3_kernels.msa_fp8"
 
 
 class InterpretedMSA(NamedTuple):
@@ -50,14 +52,21 @@ def interpreted_module(name: str) -> ModuleType:
     """Module ``name`` (e.g. ``"m3_kernels.fused_layers"``) with its Triton kernels interpreted.
 
     Imports it, or reloads it when an earlier import compiled its kernels for the GPU (judged by
-    the first module attribute whose name ends in ``_kernel``). Needs TRITON_INTERPRET=1 set.
+    the first Triton function defined in the module). Needs TRITON_INTERPRET=1 set.
+    NOTE: a module's jit helpers imported from another module must be interpreted too (an
+    interpreted kernel cannot call a compiled helper): load the helpers' module first.
     """
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     patch_numpy_index()
     mod = sys.modules.get(name)
     mod = importlib.import_module(name) if mod is None else mod
-    kern = next(v for k, v in vars(mod).items() if k.endswith("_kernel"))
+    kern = next(
+        v
+        for v in vars(mod).values()
+        if isinstance(v, (InterpretedFunction, JITFunction)) and v.fn.__module__ == mod.__name__
+    )
     if not isinstance(kern, InterpretedFunction):
         mod = importlib.reload(mod)
     return mod
@@ -71,4 +80,5 @@ def interpreted_kernels() -> InterpretedMSA:
     time, so it cannot be restored afterwards (kernels decorated later are interpreted too).
     """
     os.environ["TRITON_INTERPRET"] = "1"
+    interpreted_module(FP8_HELPERS)
     return InterpretedMSA(*(interpreted_module(name) for name in _KERNEL_MODULES))

@@ -28,6 +28,10 @@ CPU), allocated once; per-layer views never move (CUDA-graph safe).
 - ``index_cache``: ``[Ls, P, ps, di]``; the post-norm, post-RoPE index key (one head) of the
   i-th sparse layer in layer order (``PagedKVCache.sparse_slot`` maps layer -> i).
   Strides: ``(P*ps*di, ps*di, di, 1)``.
+- FP8 index keys (``policy.generation.index_cache_dtype: fp8_e4m3``): ``index_cache`` is
+  ``float8_e4m3fn`` and ``index_scale`` ``[Ls, P, ps]`` fp32 holds one scale per token; a sparse
+  layer's view is an :class:`FP8IndexCache` (keys ``[P, ps, di]``, scales ``[P, ps]``) in place of
+  the ``[P, ps, di]`` tensor, accepted by every op that reads or writes index keys. Format below.
 
 Per-step metadata (:class:`PagedMetadata`), flat "varlen" token layout
 --------------------------------------------------------------------
@@ -57,6 +61,26 @@ Ops over this layout (same signatures for the PyTorch references and the Triton 
 - ``paged_attention(q [T, nh, d], k_cache_l [P, G, ps, d], v_cache_l, meta, scale, topk_ids=None)
   -> [T, nh, d]``: exact softmax over the keys of the selected blocks (``topk_ids`` [T, G, K]) or,
   with ``topk_ids=None``, all causal keys (dense layers); causal cut at each query's position.
+
+FP8 index-key format (e4m3, one power-of-two scale per token)
+-------------------------------------------------------------
+Key u (its ``di`` values already rounded to the activation dtype) is stored as codes
+``c_u = RNE_e4m3(k_u / s_u)`` with ``s_u = 2**(E_u - 8)``, ``E_u = ceil(log2(max_i |k_u[i]|))``
+(clamped to fp32's normal range; an all-zero key gets ``2**-126``), so the largest code lies in
+(128, 256] (e4m3's largest finite value is 448); ``k_u ~= c_u * s_u``.
+- Per token, not per block: a decode step writes one token of a page at a time, and a block scale
+  fixed by the page's first token would clip later, larger keys (or the page would have to be
+  re-quantized on every write). One fp32 per 128-byte key is 3% more bytes read.
+- Power-of-two scales: ``k / s`` and ``c * s`` are exact, so the Triton write kernel, the PyTorch
+  reference and every reader agree bit for bit (the rounding is the only inexact step, and the
+  kernels round in integer arithmetic, independent of the backend's fp8 conversion), and a score
+  ``s_u * <q, c_u>`` equals ``<q, c_u * s_u>`` up to fp32 summation order. e4m3 is a float format,
+  so a power-of-two scale costs no relative precision: error <= 2**-4 |k| per element (>= 2**-6 s
+  in magnitude; smaller elements <= 2**-10 s absolute).
+- Queries (``FP8IndexCache.quantize_queries``): each (token, index head) query row is quantized
+  the same way inside the score kernels (fp8 x fp8 tensor-core dots); otherwise queries stay in the
+  activation dtype and the keys are converted to it in registers.
+- Non-finite keys: NaN stays NaN (the block's score becomes -1e30, as with bf16 keys).
 """
 
 from __future__ import annotations
@@ -88,3 +112,61 @@ class PagedMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+E4M3_SCALE_SHIFT = 8  # s = 2**(ceil(log2(amax)) - 8): the largest code of a key lies in (128, 256]
+
+
+@dataclass(frozen=True)
+class FP8IndexCache:
+    """One sparse layer's FP8 index-key pages (format: module docstring).
+
+    keys: [P, ps, di] float8_e4m3fn codes; scales: [P, ps] fp32 (one power of two per token);
+    quantize_queries: the score kernels quantize the index queries the same way (fp8 x fp8 dots).
+    """
+
+    keys: torch.Tensor
+    scales: torch.Tensor
+    quantize_queries: bool = False
+
+    @property
+    def page_size(self) -> int:
+        return int(self.keys.shape[1])
+
+    def write(self, page: torch.Tensor, off: torch.Tensor, ik: torch.Tensor) -> None:
+        """Quantize ik [T, di] and store it at (page [T], offset [T]) (the PyTorch write path)."""
+        codes, scales = quantize_index_keys(ik)
+        self.keys[page, off] = codes
+        self.scales[page, off] = scales
+
+
+def e4m3_pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 power-of-two scales 2**(ceil(log2 amax) - 8) of amax [...] >= 0 (clamped to [2**-126, 2**126]).
+
+    Exact integer arithmetic on the fp32 bits (ceil(log2) of the exponent and mantissa fields); NaN
+    amax gives a finite scale (the codes stay NaN).
+    """
+    bits = amax.float().contiguous().view(torch.int32)
+    e_ceil = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # biased exponent of 2**ceil(log2 amax)
+    e_ceil = torch.where(amax.isnan(), 255, e_ceil)
+    se = (e_ceil - E4M3_SCALE_SHIFT).clamp(1, 253)
+    return (se << 23).view(torch.float32)
+
+
+def quantize_index_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference FP8 quantization of index keys (or index query rows), module docstring format.
+
+    x: [..., di] any float dtype (values taken as they are). Returns (codes [..., di]
+    float8_e4m3fn, scales [...] fp32); ``codes.float() * scales[..., None]`` ~= x.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)  # NaN propagates (its row's codes stay NaN)
+    scales = e4m3_pow2_scales(amax)
+    return (xf / scales[..., None]).to(torch.float8_e4m3fn), scales
+
+
+def dequantize_index_keys(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """codes [..., di] float8_e4m3fn, scales [...] fp32 -> [..., di] values in ``dtype`` (exact for fp32)."""
+    return (codes.float() * scales[..., None]).to(dtype)

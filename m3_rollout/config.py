@@ -157,6 +157,10 @@ class GenerationConfig:
     # cache while the trainer trains; 2 = also moves its weights to pinned host memory. The
     # in-process engine only (expert_parallel_size=1), synchronous GRPO only.
     sleep_level: int = 0
+    # Sparse layers' index-key cache: bfloat16 (the KV dtype) or fp8_e4m3 (e4m3 codes + one fp32
+    # scale per token; about half the bytes a long-context decode step reads; the block choice is
+    # made on the dequantized keys, so it can differ from bfloat16's near ties: docs/benchmarks.md).
+    index_cache_dtype: str = "bfloat16"
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
@@ -167,6 +171,7 @@ class GenerationConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             enable_cuda_graphs=self.enable_cuda_graphs,
             async_scheduling=self.async_scheduling,
+            index_cache_dtype=self.index_cache_dtype,
         )
 
 
@@ -611,6 +616,13 @@ def validate(cfg: MasterConfig) -> None:
         "policy.generation.kv_cache_memory_gb",
         gen.kv_cache_memory_gb,
         "must be >= 0 (0 = size automatically)",
+    )
+    _check(
+        e,
+        gen.index_cache_dtype in ("bfloat16", "fp8_e4m3"),
+        "policy.generation.index_cache_dtype",
+        gen.index_cache_dtype,
+        "must be bfloat16 or fp8_e4m3",
     )
     _check(
         e,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from benchlib import machine as _machine
-from benchlib import random_model
+from benchlib import random_model, run_date
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
@@ -47,7 +47,6 @@ HBM_BYTES_PER_S = 4.4e12
 # transformers 5.17 generate() on one H200, configs/bench/m3_bench_300m.json, tok/s by
 # (device, batch, n): the baseline of --skip-hf runs.
 ANCHOR = {("cuda", 1, 1): 46.4, ("cuda", 32, 1): 1530.7}
-DATE = "2026-11-29"
 
 
 def build_pair(cfg: M3Config, device: str, dtype: torch.dtype):
@@ -388,7 +387,7 @@ def main() -> None:
         import transformers
 
         lines = [
-            f"\n## Engine vs transformers generate (bench_engine.py), {DATE}, {machine(dev)}\n",
+            f"\n## Engine vs transformers generate (bench_engine.py), {run_date()}, {machine(dev)}\n",
             f"Model: {args.model_json or 'tiny_config() (spec §7 preset A)'}, {dtype}, random weights; "
             f"torch {torch.__version__}, transformers {transformers.__version__}; sampling at temperature 1.\n",
         ]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import machine  # noqa: E402
+from benchlib import machine, run_date  # noqa: E402
 
 from m3_kernels.fused_moe import (  # noqa: E402
     GemmTile,
@@ -46,7 +46,6 @@ SHAPES = {  # (H, I, E, K)
     "real": (6144, 3072, 128, 4),  # spec §1.2
     "bench300m": (1024, 512, 16, 4),  # configs/bench/m3_bench_300m.json
 }
-DATE = "2026-11-29"
 
 
 def time_ms(fn, iters: int = 20, reps: int = 5) -> float:
@@ -263,7 +262,7 @@ def markdown(rows: list[dict], device: str) -> str:
     """The complete docs/benchmarks.md section: setup, table, stage breakdown, targets met or not."""
     big_t, small_t = 0.5 * PEAK_TFLOPS, 0.6 * PEAK_GBS
     lines = [
-        f"## Fused MoE (bench_moe.py), {DATE}, {device}",
+        f"## Fused MoE (bench_moe.py), {run_date()}, {device}",
         "",
         "bf16 weights and activations, fp32 accumulation; random routing (sigmoid top-K of N(0,1) logits, "
         "renormalised, x2.0). fused = `m3_kernels.fused_moe.fused_experts` with `default_config`, including "
@@ -386,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             row["copy_gbs"] = copy_gbs
             rows.append(row)
             if args.json:  # partial results survive a run cut short
-                args.json.write_text(json.dumps({"device": device, "date": DATE, "rows": rows}, indent=1))
+                args.json.write_text(json.dumps({"device": device, "date": run_date(), "rows": rows}, indent=1))
             print(json.dumps({key: v for key, v in row.items() if key != "sweep"}), flush=True)
             for s in row.get("sweep", []):
                 print("   sweep", json.dumps(s), flush=True)
@@ -395,11 +394,11 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(rows, device)
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "date": DATE, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"device": device, "date": run_date(), "rows": rows}, indent=1))
     if args.write:
         with args.write.open("a") as f:
             f.write("\n" + table)
-    print(f"written {DATE} {datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(f"written {run_date()} {datetime.datetime.now().isoformat(timespec='seconds')}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,15 @@ and the random-weight M3 model the engine benchmarks time."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 from pathlib import Path
+
+
+def run_date() -> str:
+    """Today's date from the machine's clock, ISO format (the date a benchmark figure was measured)."""
+    return datetime.date.today().isoformat()
 
 
 def machine(device: str = "cpu") -> str:

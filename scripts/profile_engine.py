@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import run_date
 
 from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.config import EngineConfig
@@ -316,7 +317,7 @@ def markdown(results: list[dict], args) -> str:
     """docs/benchmarks.md rows: GPU time of one graphed decode forward, PyTorch ops vs fused path."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     lines = [
-        f"### Decode step GPU time: fused layer kernels ({gpu}, torch {torch.__version__}, 2026-11-29)",
+        f"### Decode step GPU time: fused layer kernels ({gpu}, torch {torch.__version__}, {run_date()})",
         "",
         f"`scripts/profile_engine.py --cuda-graphs --variants ...`: model {args.model_json or 'tiny'}, bf16 "
         f"random weights; each row holds {args.context} cached tokens; the decode forward "

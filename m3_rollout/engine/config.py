@@ -36,6 +36,11 @@ class EngineConfig:
             same tokens as the PyTorch sampler) unless a row uses top-k / top-p, and build their
             inputs with one Triton launch; None = on CUDA.
         eos_token_ids: tokens that end every sample.
+        index_cache_dtype: the sparse layers' index-key cache: "bfloat16" = the KV dtype (as K/V);
+            "fp8_e4m3" = e4m3 codes with one power-of-two fp32 scale per token (kernels/paged_layout.py;
+            ~half the bytes the long-context decode step reads; block choice on the dequantized keys).
+        quantize_index_queries: with fp8_e4m3 index keys, the score kernels quantize the index queries
+            the same way (fp8 x fp8 tensor-core dots) instead of keeping them in the activation dtype.
     """
 
     max_model_len: int
@@ -55,6 +60,8 @@ class EngineConfig:
     # every token, kept per KV page (m3_rollout/parallel/routing_record.py).
     record_routing: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    index_cache_dtype: str = "bfloat16"
+    quantize_index_queries: bool = False
 
     def validate(self) -> EngineConfig:
         """Raises ValueError naming the bad field."""
@@ -67,6 +74,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: in (0, 1]")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages}: must be >= 1")
+        if self.index_cache_dtype not in ("bfloat16", "fp8_e4m3"):
+            raise ValueError(f"EngineConfig.index_cache_dtype={self.index_cache_dtype!r}: use 'bfloat16' or 'fp8_e4m3'")
+        if self.quantize_index_queries and self.index_cache_dtype != "fp8_e4m3":
+            raise ValueError("EngineConfig.quantize_index_queries=True needs index_cache_dtype='fp8_e4m3'")
         return self
 
     def resolve_num_pages(self, page_size: int, bytes_per_page: int, device: torch.device) -> int:

@@ -72,13 +72,22 @@ class LLMEngine:
         self.device, self.kv_dtype = weight.device, weight.dtype
         self.sampler_dtype = compute_dtype(self.kv_dtype)  # what the sampler divides logits in
         ps = self.model_config.sparse_block_size
-        num_pages = config.resolve_num_pages(ps, page_bytes(self.model_config, self.kv_dtype), self.device)
+        num_pages = config.resolve_num_pages(
+            ps, page_bytes(self.model_config, self.kv_dtype, config.index_cache_dtype), self.device
+        )
         if num_pages * ps < config.max_model_len:
             raise ValueError(
                 f"KV cache of {num_pages} pages x {ps} tokens cannot hold one sequence of "
                 f"max_model_len={config.max_model_len}; raise kv_cache_memory_gb or lower max_model_len"
             )
-        self.kv = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.device)
+        self.kv = PagedKVCache(
+            self.model_config,
+            num_pages,
+            self.kv_dtype,
+            self.device,
+            config.index_cache_dtype,
+            config.quantize_index_queries,
+        )
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(
@@ -116,7 +125,7 @@ class LLMEngine:
         self._next_req = 0
         self.stats = EngineStats()
         self.launcher = StepLauncher(self.runner, self.stats, self.routing)
-        caches = [self.kv.k_cache, self.kv.v_cache, self.kv.index_cache]
+        caches = self.kv.tensors()
         self.memory = MemoryHandoff(
             caches + ([self.routing.table] if self.routing is not None else []),
             self._weight_tensors,

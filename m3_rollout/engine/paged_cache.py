@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import torch
 
+from m3_kernels.paged_layout import FP8IndexCache
 from m3_rollout.model.configuration import M3Config
 
+INDEX_CACHE_DTYPES = ("bfloat16", "fp8_e4m3")  # policy.generation.index_cache_dtype / EngineConfig
 
-def page_bytes(config: M3Config, dtype: torch.dtype) -> int:
-    """Bytes one page costs over all layers (main K/V + index keys of the sparse layers)."""
+
+def page_bytes(config: M3Config, dtype: torch.dtype, index_cache_dtype: str = "bfloat16") -> int:
+    """Bytes one page costs over all layers (main K/V + index keys of the sparse layers; with
+    ``fp8_e4m3`` index keys 1 byte per element plus one fp32 scale per token)."""
     elt = torch.empty((), dtype=dtype).element_size()
     ps = config.sparse_block_size
     n_sparse = sum(config.is_sparse_layer(i) for i in range(config.num_hidden_layers))
-    main = config.num_hidden_layers * 2 * config.num_key_value_heads * ps * config.head_dim
-    index = n_sparse * ps * config.sparse_index_dim
-    return (main + index) * elt
+    main = config.num_hidden_layers * 2 * config.num_key_value_heads * ps * config.head_dim * elt
+    if index_cache_dtype == "fp8_e4m3":
+        return main + n_sparse * ps * (config.sparse_index_dim + 4)
+    return main + n_sparse * ps * config.sparse_index_dim * elt
 
 
 class PagedKVCache:
@@ -31,15 +36,29 @@ class PagedKVCache:
         config: model config (page size = ``sparse_block_size``).
         num_pages: P, pages allocated.
         dtype, device: KV dtype and device.
-    Raises ValueError for num_pages < 1.
+        index_cache_dtype: "bfloat16" = index keys in the KV dtype (``index_cache`` [Ls, P+1, ps, di]);
+            "fp8_e4m3" = e4m3 codes in ``index_cache`` plus ``index_scale`` [Ls, P+1, ps] fp32 (one
+            scale per token; kernels/paged_layout.py), a layer's view being an ``FP8IndexCache``.
+        quantize_index_queries: (fp8_e4m3 only) the score kernels quantize the index queries too.
+    Raises ValueError for num_pages < 1 or an unknown index_cache_dtype.
     """
 
-    def __init__(self, config: M3Config, num_pages: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: M3Config,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        index_cache_dtype: str = "bfloat16",
+        quantize_index_queries: bool = False,
+    ):
         if num_pages < 1:
             raise ValueError(
                 f"num_pages={num_pages}: the KV cache needs at least one page; raise "
                 "policy.generation.kv_cache_memory_gb"
             )
+        if index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise ValueError(f"index_cache_dtype={index_cache_dtype!r}: use one of {INDEX_CACHE_DTYPES}")
         self.config = config
         self.num_pages, self.page_size = num_pages, config.sparse_block_size
         self.dtype, self.device = dtype, torch.device(device)
@@ -52,22 +71,46 @@ class PagedKVCache:
         self.null_page = num_pages  # scratch page for padding (see the module docstring)
         self.k_cache = torch.zeros(nl, num_pages + 1, g, ps, d, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(nl, num_pages + 1, g, ps, d, dtype=dtype, device=self.device)
+        fp8 = index_cache_dtype == "fp8_e4m3"
+        n_idx = max(len(self.sparse_slot), 1)
         self.index_cache = torch.zeros(
-            max(len(self.sparse_slot), 1), num_pages + 1, ps, config.sparse_index_dim, dtype=dtype, device=self.device
+            n_idx,
+            num_pages + 1,
+            ps,
+            config.sparse_index_dim,
+            dtype=torch.float8_e4m3fn if fp8 else dtype,
+            device=self.device,
         )
+        self.index_scale = (
+            torch.zeros(n_idx, num_pages + 1, ps, dtype=torch.float32, device=self.device) if fp8 else None
+        )
+        self.quantize_index_queries = fp8 and quantize_index_queries
 
     @staticmethod
-    def pages_for_budget(config: M3Config, dtype: torch.dtype, memory_bytes: int) -> int:
+    def pages_for_budget(
+        config: M3Config, dtype: torch.dtype, memory_bytes: int, index_cache_dtype: str = "bfloat16"
+    ) -> int:
         """How many usable pages fit in ``memory_bytes`` (floor; the null page counted)."""
-        return int(memory_bytes // page_bytes(config, dtype)) - 1
+        return int(memory_bytes // page_bytes(config, dtype, index_cache_dtype)) - 1
 
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(k [P, G, ps, d], v [P, G, ps, d], index_k [P, ps, di] or None) views of one layer."""
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the pool (K, V, index keys, and the FP8 index scales when present)."""
+        return [self.k_cache, self.v_cache, self.index_cache] + (
+            [self.index_scale] if self.index_scale is not None else []
+        )
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FP8IndexCache | None]:
+        """(k [P, G, ps, d], v [P, G, ps, d], index keys or None) views of one layer; the index keys are
+        [P, ps, di] or, with FP8 index keys, an ``FP8IndexCache`` (codes [P, ps, di], scales [P, ps])."""
         s = self.sparse_slot.get(layer_idx)
-        return self.k_cache[layer_idx], self.v_cache[layer_idx], None if s is None else self.index_cache[s]
+        if s is None:
+            return self.k_cache[layer_idx], self.v_cache[layer_idx], None
+        if self.index_scale is None:
+            return self.k_cache[layer_idx], self.v_cache[layer_idx], self.index_cache[s]
+        index = FP8IndexCache(self.index_cache[s], self.index_scale[s], self.quantize_index_queries)
+        return self.k_cache[layer_idx], self.v_cache[layer_idx], index
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy every layer's content of page ``src`` into page ``dst`` (partial-page copy on fork)."""
-        self.k_cache[:, dst].copy_(self.k_cache[:, src])
-        self.v_cache[:, dst].copy_(self.v_cache[:, src])
-        self.index_cache[:, dst].copy_(self.index_cache[:, src])
+        for t in self.tensors():
+            t[:, dst].copy_(t[:, src])

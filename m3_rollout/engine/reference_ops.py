@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from m3_kernels.paged_layout import PagedMetadata
+from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata, dequantize_index_keys, quantize_index_keys
 from m3_rollout.model.attention import masked_gqa_attention
 from m3_rollout.model.indexer import block_scores, select_blocks, selected_key_mask
 from m3_rollout.model.numerics import compute_dtype
@@ -121,9 +121,19 @@ def split_decodes(meta: PagedMetadata) -> tuple[PagedMetadata, PagedMetadata] | 
     return dec, pre
 
 
+def gather_index_keys(index_cache_l: torch.Tensor | FP8IndexCache, meta: PagedMetadata, dtype: torch.dtype):
+    """[R, nb*ps, di] index keys per row in logical order (``gather_pages``), in ``dtype``; an
+    ``FP8IndexCache``'s keys dequantized (codes x per-token scale, exact in fp32)."""
+    if not isinstance(index_cache_l, FP8IndexCache):
+        return gather_pages(index_cache_l, meta, head_axis=False, dtype=dtype)
+    codes = gather_pages(index_cache_l.keys, meta, head_axis=False)  # [R, Sk, di] float8_e4m3fn
+    scales = gather_pages(index_cache_l.scales[..., None], meta, head_axis=False)[..., 0]  # [R, Sk]
+    return dequantize_index_keys(codes, scales, dtype)
+
+
 def index_topk_ref(
     iq: torch.Tensor,
-    index_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor | FP8IndexCache,
     meta: PagedMetadata,
     topk: int,
     init_blocks: int = 0,
@@ -132,8 +142,10 @@ def index_topk_ref(
     """Lightning-indexer block selection over the paged index-key cache (spec §3.4).
 
     iq: [T, G, di] post-norm post-RoPE index queries; index_cache_l: [P, ps, di] (already holding
-    this step's keys). Returns [T, G, K] int32: per query token and index head the selected block
-    ids (forced local/init blocks first, then by score desc, ties to the lower id), -1 padding.
+    this step's keys), or an ``FP8IndexCache``: scores over the dequantized keys, and over the
+    dequantized queries (each (token, head) row quantized as a key) when it quantizes queries.
+    Returns [T, G, K] int32: per query token and index head the selected block ids (forced
+    local/init blocks first, then by score desc, ties to the lower id), -1 padding.
     """
     parts = split_decodes(meta)
     if parts is not None:
@@ -144,9 +156,12 @@ def index_topk_ref(
                 index_topk_ref(iq[td:], index_cache_l, parts[1], topk, init_blocks, local_blocks),
             ]
         )
-    ps = index_cache_l.shape[1]
+    ps = index_cache_l.shape[1] if isinstance(index_cache_l, torch.Tensor) else index_cache_l.page_size
+    cdt = compute_dtype(iq.dtype)
+    if isinstance(index_cache_l, FP8IndexCache) and index_cache_l.quantize_queries:
+        iq = dequantize_index_keys(*quantize_index_keys(iq), cdt)
     q, pos = pad_queries(iq, meta)  # [R, Sq, G, di], [R, Sq]
-    keys = gather_pages(index_cache_l, meta, head_axis=False)  # [R, Sk, di]
+    keys = gather_index_keys(index_cache_l, meta, cdt)  # [R, Sk, di]
     scores = block_scores(q, keys, pos, ps)  # [R, G, Sq, nb]
     sel = select_blocks(scores, pos, topk, ps, init_blocks, local_blocks)  # [R, G, Sq, K]
     return unpad_queries(sel.permute(0, 2, 1, 3), meta).to(torch.int32)  # [T, G, K]
@@ -197,7 +212,7 @@ def msa_attention_ref(
     iq: torch.Tensor,
     k_cache_l: torch.Tensor,
     v_cache_l: torch.Tensor,
-    index_cache_l: torch.Tensor,
+    index_cache_l: torch.Tensor | FP8IndexCache,
     meta: PagedMetadata,
     scale: float,
     topk: int,
@@ -207,7 +222,7 @@ def msa_attention_ref(
     """Sparse-layer MSA attention: indexer + top-k + sparse GQA attention in one call (spec §3.4-3.5).
 
     q: [T, nh, d]; iq: [T, G, di]; k_cache_l, v_cache_l: [P, G, ps, d]; index_cache_l: [P, ps, di]
-    (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first). Returns
+    or an ``FP8IndexCache`` (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first). Returns
     [T, nh, d] in q.dtype: ``paged_attention_ref(q, ..., index_topk_ref(iq, ...))``, the reference
     of ``m3_kernels.msa_fused_decode.msa_attention``.
     """

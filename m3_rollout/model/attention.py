@@ -249,13 +249,15 @@ def write_paged_kv(
     ik: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    index_cache: torch.Tensor | None,
+    index_cache,
 ) -> None:
     """Scatter the step's keys into their pages (slot = page * ps + offset; -1 = padding).
 
     slot_mapping: [T] int64; k, v: [T, G, d]; ik: [T, di] or None; k_cache, v_cache:
-    [P + 1, G, ps, d]; index_cache: [P + 1, ps, di] or None. Padding tokens go to the last
-    (null) page, so there is no data-dependent branch and no host sync (CUDA-graph safe).
+    [P + 1, G, ps, d]; index_cache: [P + 1, ps, di], None, or an engine-owned quantized index
+    cache whose ``write(page [T], offset [T], ik)`` quantizes and stores (the FP8 index keys of
+    kernels/paged_layout.py). Padding tokens go to the last (null) page, so there is no
+    data-dependent branch and no host sync (CUDA-graph safe).
     """
     ps = k_cache.shape[2]
     slot = slot_mapping.long()
@@ -265,4 +267,7 @@ def write_paged_kv(
     v_cache[page, :, off] = v.to(v_cache.dtype)
     if ik is not None:
         assert index_cache is not None, "sparse layer without an index-key cache"
-        index_cache[page, off] = ik.to(index_cache.dtype)
+        if isinstance(index_cache, torch.Tensor):
+            index_cache[page, off] = ik.to(index_cache.dtype)
+        else:
+            index_cache.write(page, off, ik)

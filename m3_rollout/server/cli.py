@@ -60,6 +60,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="automatic KV pool on CUDA: this fraction of the free device memory (default 0.8)",
     )
     p.add_argument(
+        "--index-cache-dtype",
+        choices=("bfloat16", "fp8_e4m3"),
+        default="bfloat16",
+        help="sparse layers' index-key cache (fp8_e4m3: e4m3 codes + a scale per token)",
+    )
+    p.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse full KV pages across requests (on by default)"
     )
     p.add_argument(
@@ -104,6 +110,7 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         enable_prefix_caching=not args.no_prefix_caching,
         enable_cuda_graphs=args.enable_cuda_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        index_cache_dtype=args.index_cache_dtype,
     )
     if args.expert_parallel_size > 1 or args.engine_process:
         from m3_rollout.config import MasterConfig

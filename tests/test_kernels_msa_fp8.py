@@ -1,0 +1,193 @@
+"""FP8 (e4m3) index-key cache: format, quantization kernels and the score kernels that read it, on CPU.
+
+The format and its PyTorch reference are ``m3_kernels.paged_layout`` (quantize_index_keys,
+FP8IndexCache); the Triton kernels (kernels/msa_fp8.py helpers, the fused write kernel, the decode
+and prefill index-score kernels) run under the Triton interpreter, which loads, converts and
+multiplies fp8 exactly (its own float -> fp8 rounding is not used: the kernels round in integer
+arithmetic). Tiny preset shapes as tests/test_kernels_msa*.py (8 q heads / 2 KV heads / d 32 /
+block 16 / top-k 4). fp32 queries (the interpreter mishandles bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from m3_kernels.fused_interpret import interpreted_fused_layers
+from m3_kernels.msa_interpret import interpreted_kernels, interpreted_module
+from m3_kernels.msa_synthetic import make_paged_batch
+from m3_kernels.paged_layout import FP8IndexCache, dequantize_index_keys, e4m3_pow2_scales, quantize_index_keys
+from m3_rollout.engine.reference_ops import index_topk_ref, paged_attention_ref
+from m3_rollout.model.attention import write_paged_kv
+
+mi, _, md = interpreted_kernels()  # sets TRITON_INTERPRET=1 (the test kernel below is interpreted too)
+f8 = interpreted_module("m3_kernels.msa_fp8")
+fl = interpreted_fused_layers()
+
+PS, G, NH, D, K = 16, 2, 8, 32, 4
+SCALE = D**-0.5
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, c_ptr, s_ptr, M: tl.constexpr, N: tl.constexpr):
+    om = tl.arange(0, M)
+    on = tl.arange(0, N)
+    codes, scales = f8.quantize_rows_e4m3(tl.load(x_ptr + om[:, None] * N + on[None, :]))
+    tl.store(c_ptr + om[:, None] * N + on[None, :], codes)
+    tl.store(s_ptr + om, scales)
+
+
+def _fp8_batch(rows, nd, quantize_queries, seed=0, **kw):
+    b = make_paged_batch(
+        rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.float32, seed=seed, **kw
+    )
+    return b, FP8IndexCache(*quantize_index_keys(b.ik), quantize_queries)
+
+
+def test_round_trip_error_bound_and_scales():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 128, generator=gen) * torch.logspace(-6, 6, 512)[:, None]
+    x[0] = 0.0
+    codes, scales = quantize_index_keys(x)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (512,)
+    back = dequantize_index_keys(codes, scales)
+    # e4m3 keeps 3 mantissa bits: half an ulp is <= 2**-4 of |x| (normal codes), 2**-10 s below 2**-6 s
+    bound = torch.maximum(x.abs() * 2**-4, scales[:, None] * 2**-10)
+    assert ((back - x).abs() <= bound).all()
+    assert (back - x).abs().max() > 0  # lossy: the comparison is not vacuous
+    assert torch.equal(back[0], x[0])  # an all-zero key stays zero
+    assert torch.equal(torch.log2(scales).round().exp2(), scales)  # powers of two
+    ratio = x[1:].abs().amax(-1) / scales[1:]
+    assert (ratio > 128).all() and (ratio <= 256).all()  # largest code in (128, 256]
+    assert e4m3_pow2_scales(torch.tensor([1.0, 256.0, 257.0])).tolist() == [2.0**-8, 1.0, 2.0]
+
+
+def test_kernel_quantization_equals_reference_bitwise():
+    # Ties to even at both ends of e4m3 (normal 2.125 -> 2.0, 2.375 -> 2.5; subnormal 1.5 * 2**-9 -> 2**-8),
+    # values just above a tie, signed zeros, and rows spanning 1e-6 .. 1e6. (A NaN key's codes are checked
+    # on the GPU, tests/gpu/test_msa_gpu.py: the interpreter converts a NaN float to the fp8 value 384.)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 32, generator=gen) * torch.logspace(-6, 6, 16)[:, None]
+    x[0, :9] = torch.tensor([256.0, 2.125, 2.375, -2.125, 1.5 * 2**-9, 2.5 * 2**-9, 2**-10 * 1.001, 0.0, -0.0])
+    x[0, 9:] = 0.0  # row 0: amax 256 -> scale 1, the codes are the values themselves
+    codes = torch.empty(16, 32, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(16)
+    _quantize_rows_kernel[(1,)](x, codes, scales, M=16, N=32)
+    want_c, want_s = quantize_index_keys(x)
+    assert torch.equal(scales, want_s)
+    assert scales[0] == 1.0
+    assert codes[0, :7].float().tolist() == [256.0, 2.0, 2.5, -2.0, 2**-8, 2**-8, 2**-9]
+    assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8))
+
+
+def test_fused_write_kernel_quantizes_as_reference():
+    # The fused norm + RoPE + cache-write kernel stores the same codes and scales as the PyTorch path.
+    from m3_rollout.model.norm import gemma_rms_norm
+    from m3_rollout.model.rope import apply_rope, rope_cos_sin
+
+    gen = torch.Generator().manual_seed(2)
+    nh, g, d, di, r, ps, pages, t = 4, 2, 16, 16, 8, 4, 5, 6
+    width = nh * d + 2 * g * d + (g + 1) * di
+    qkv = torch.randn(t, width, generator=gen) * 2
+    slot = torch.tensor([2, 9, -1, 11, 17, 0])
+    cos, sin = rope_cos_sin(torch.tensor([0, 5, 6, 7, 19, 3]), r, 10000.0)
+    w = [torch.randn(n, generator=gen) * 0.3 for n in (d, d, di, di)]
+    kc, vc = torch.zeros(pages + 1, g, ps, d), torch.zeros(pages + 1, g, ps, d)
+    cache = FP8IndexCache(torch.zeros(pages + 1, ps, di, dtype=torch.float8_e4m3fn), torch.zeros(pages + 1, ps))
+    ref = FP8IndexCache(cache.keys.clone(), cache.scales.clone())
+    kw = dict(index_q_norm_w=w[2], index_k_norm_w=w[3], num_index_heads=g, index_dim=di, index_cache=cache)
+    fl.qkv_norm_rope_write(qkv, cos, sin, slot, w[0], w[1], nh, g, d, kc, vc, 1e-6, **kw)
+    ik = apply_rope(gemma_rms_norm(qkv[:, -di:], w[3], 1e-6), cos, sin)  # [T, di]
+    write_paged_kv(slot, torch.zeros(t, g, d), torch.zeros(t, g, d), ik, kc.clone(), vc.clone(), ref)
+    assert torch.equal(cache.scales, ref.scales) and ref.scales.count_nonzero() == t
+    assert torch.equal(cache.keys.view(torch.uint8), ref.keys.view(torch.uint8))
+
+
+@pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
+def test_index_topk_on_fp8_cache_matches_reference(quantize_queries):
+    # Decode rows (split-K score kernel), a prefill row (tiled score kernel); selection equal to the
+    # reference's on the same quantized keys (and queries).
+    b, cache = _fp8_batch([(40, 1), (300, 1), (0, 33)], 2, quantize_queries)
+    got = mi.index_topk(b.iq, cache, b.meta, K)
+    want = index_topk_ref(b.iq, cache, b.meta, K)
+    assert torch.equal(got, want)
+    # the scores themselves: the reference's block maxima on the dequantized keys (fp32 order only)
+    keys = dequantize_index_keys(cache.keys, cache.scales)
+    iq = dequantize_index_keys(*quantize_index_keys(b.iq)) if quantize_queries else b.iq
+    scores = mi.index_block_scores(b.iq, cache, b.meta)
+    page = b.meta.block_tables[1, :19].long()
+    ref = torch.einsum("gd,bpd->gbp", iq[1], keys[page]).amax(-1)  # position 300 = block 18, offset 12
+    ref[:, 18] = torch.einsum("gd,pd->gp", iq[1], keys[page[18], :13]).amax(-1)
+    torch.testing.assert_close(scores[1, :, :19], ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
+def test_fused_decode_on_fp8_cache_matches_reference(quantize_queries, monkeypatch):
+    b, cache = _fp8_batch([(40, 1), (300, 1), (63, 1)], 3, quantize_queries, seed=4)
+    sel = index_topk_ref(b.iq, cache, b.meta, K)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    ids = torch.full((3, G, K), -7, dtype=torch.int32)
+    got = md.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)  # scores + in-register top-k
+    assert torch.equal(ids, sel)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    # the long-context route (block table wider than MAX_FUSED_BLOCKS: index_topk's split-K scores)
+    monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
+    ids.fill_(-7)
+    got = md.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
+    assert torch.equal(ids, sel)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_fp8_selection_close_to_full_precision():
+    # Quantization changes block maxima by ~2**-4 relative at most, so most selections survive it (the
+    # benchmark measures the match rate at real shapes; here a sanity floor on random data).
+    b, cache = _fp8_batch([(700, 1), (500, 1)], 2, False, seed=6)
+    full = index_topk_ref(b.iq, b.ik, b.meta, K)
+    fp8 = mi.index_topk(b.iq, cache, b.meta, K)
+    match = sum(len(set(a.tolist()) & set(c.tolist())) for a, c in zip(full.view(-1, K), fp8.view(-1, K), strict=True))
+    assert match / full.numel() >= 0.75
+
+
+def test_fp8_cache_rejects_wrong_scale_dtype():
+    b, cache = _fp8_batch([(40, 1)], 1, False)
+    bad = FP8IndexCache(cache.keys, cache.scales.half())
+    with pytest.raises(ValueError, match="FP8 index cache"):
+        mi.index_topk(b.iq, bad, b.meta, K)
+
+
+def test_engine_with_fp8_index_keys_on_cpu():
+    # The engine's page pool with FP8 index keys (PyTorch write path + reference ops on CPU): page bytes,
+    # layer views, fork copies and the scored logprobs: equal to the bf16-cache engine while every block
+    # is selected (<= K x B = 12 tokens), close after (selection on the dequantized keys).
+    from m3_rollout.engine.config import EngineConfig
+    from m3_rollout.engine.engine import LLMEngine
+    from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+
+    cfg = tiny_config(vocab_size=96, max_position_embeddings=256, sparse_block_size=4, sparse_topk_blocks=3)
+    torch.manual_seed(0)
+    model = M3ForCausalLM(cfg).float().eval()
+    n_sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    assert page_bytes(cfg, torch.float32) - page_bytes(cfg, torch.float32, "fp8_e4m3") == n_sparse * 4 * (
+        cfg.sparse_index_dim * 4 - cfg.sparse_index_dim - 4
+    )
+    kv = PagedKVCache(cfg, 4, torch.float32, index_cache_dtype="fp8_e4m3")
+    layer = next(iter(kv.sparse_slot))
+    view = kv.layer(layer)[2]
+    assert isinstance(view, FP8IndexCache) and view.keys.dtype == torch.float8_e4m3fn
+    kv.index_scale[:, 1] = 2.0
+    kv.copy_page(1, 3)
+    assert (kv.index_scale[:, 3] == 2.0).all() and len(kv.tensors()) == 4
+    with pytest.raises(ValueError, match="index_cache_dtype"):
+        EngineConfig(max_model_len=64, index_cache_dtype="fp8").validate()
+
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    lp = {}
+    for dt in ("bfloat16", "fp8_e4m3"):
+        eng = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, num_pages=24, index_cache_dtype=dt))
+        lp[dt] = eng.score(ids)
+    d = (lp["bfloat16"] - lp["fp8_e4m3"]).abs()
+    assert d[:13].max() < 1e-5  # dense-equivalent positions: the index keys choose nothing
+    assert 0 < d.max() < 0.5
