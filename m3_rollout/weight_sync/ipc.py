@@ -295,7 +295,9 @@ class IpcRolloutSync:
                 return
             except (OSError, EOFError) as exc:
                 if time.monotonic() > deadline:
-                    raise WeightSyncTimeout(f"weight-sync IPC: trainer at {self.endpoint[0]} unreachable: {exc}")
+                    raise WeightSyncTimeout(
+                        f"weight-sync IPC: trainer at {self.endpoint[0]} unreachable: {exc}"
+                    ) from exc
                 time.sleep(0.05)
 
     def _handshake(self, data: bytes) -> None:
