@@ -202,3 +202,36 @@ def test_copy_plan_merges_contiguous_runs_and_copies_bitwise():
     assert plan.bad_members() == sorted(big.members)  # the run is flagged; direct.nonfinite names the tensor
     with pytest.raises(ValueError, match="pair 0 has 3 source and 2 destination elements"):
         CopyPlan([torch.zeros(2)], [torch.zeros(3)])
+
+
+def test_copy_plan_kernel_under_the_interpreter_matches_torch():
+    """The Triton path (TRITON_INTERPRET=1 on CPU, tests/conftest.py): aligned and unaligned runs,
+    chunks past CHUNK, copy-only, check-only and copy+check; same-dtype pairs (the interpreter's
+    fp32 -> bf16 cast truncates, so the rounding is checked on the GPU, tests/gpu)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py before triton is imported)")
+    from m3_rollout.weight_sync.copy_plan import CHUNK
+
+    g = torch.Generator().manual_seed(0)
+    src16 = torch.randn(CHUNK + 37, generator=g).to(torch.bfloat16)
+    big_src = torch.randn(3, 8, generator=g)
+    dst16 = torch.zeros(CHUNK + 40, dtype=torch.bfloat16)
+    big_dst = torch.zeros(3, 8)
+    pairs = [
+        (dst16[3 : CHUNK + 40], src16),  # unaligned destination (6 bytes in), spans two chunks
+        (big_dst[0], big_src[0]),
+        (big_dst[1:], big_src[1:]),  # merges with the row before: one aligned fp32 run
+    ]
+    plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs], kernel=True)
+    assert plan.triton and len(plan.runs) == 2
+    plan.check()
+    assert plan.bad_runs() == [] and torch.count_nonzero(dst16) == 0  # check only: nothing written
+    plan.copy()
+    assert torch.equal(dst16[3 : CHUNK + 40].view(torch.int16), src16.view(torch.int16))
+    assert torch.count_nonzero(dst16[:3]) == 0 and torch.equal(big_dst, big_src)
+    src16[CHUNK + 5] = float("-inf")
+    big_src[2, 7] = float("nan")
+    plan.copy_check()
+    assert plan.bad_members() == [0, 1, 2] and torch.isnan(big_dst[2, 7])

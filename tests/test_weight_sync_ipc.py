@@ -150,3 +150,16 @@ def test_ipc_refit_two_processes_bitwise_refusal_and_worker_restart():
             p.join(TIMEOUT_S)
             if p.is_alive():
                 p.kill()
+
+
+def test_ipc_channel_has_no_bucket_path_for_a_fault_hook():
+    torch.manual_seed(1)
+    trainer = M3ForCausalLM(tiny_config()).float().eval()
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=5)
+    try:
+        with pytest.raises(ValueError, match="IpcChannel moves no buckets"):
+            WeightSender(lambda: ReleasedTensors(trainer), channel, fault=lambda k, buf: None)
+        with pytest.raises(WeightUpdateError, match="0 of 1 rollout workers connected"):
+            WeightSender(lambda: ReleasedTensors(trainer), IpcChannel(1, "cpu", timeout_s=0.2)).update(1)
+    finally:
+        channel.close()

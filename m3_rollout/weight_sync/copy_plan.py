@@ -14,7 +14,8 @@ of the same structure merge to about one run per parameter storage). Each update
   bf16 counts). Modes: copy + check (non-atomic), check only (atomic: validate before any write),
   copy only (atomic commit after a clean check). Offsets are element offsets from one anchor
   tensor of the group's dtype; when every run starts on 16 bytes they are stored in units of
-  ``ALIGN`` elements so the compiler can prove 16-byte vector loads / stores.
+  16 bytes (``SALIGN`` / ``DALIGN`` elements) so the compiler can prove 16-byte vector loads and
+  stores. Chunk starts are multiples of ``CHUNK`` elements, so they keep that alignment.
 - CPU (or CUDA without Triton): the same runs through torch (``aminmax`` flags, ``copy_``); the
   runs are few, so the loop is over storages, not tensors.
 
@@ -105,19 +106,20 @@ if triton is not None:
         dst,
         table,
         flags,
-        ALIGN: tl.constexpr,
+        SALIGN: tl.constexpr,
+        DALIGN: tl.constexpr,
         STORE: tl.constexpr,
         CHECK: tl.constexpr,
         DOWNCAST: tl.constexpr,
         CHUNK: tl.constexpr,
         TILE: tl.constexpr,
     ):
-        """One program = one chunk row of ``table`` (int64 [n_chunks, 4]: src offset / ALIGN,
-        dst offset / ALIGN, length <= CHUNK, run index); offsets in elements from ``src`` /
+        """One program = one chunk row of ``table`` (int64 [n_chunks, 4]: src offset / SALIGN,
+        dst offset / DALIGN, length <= CHUNK, run index); offsets in elements from ``src`` /
         ``dst``. STORE: write the cast values; CHECK: flags[run] |= any non-finite cast value."""
         row = table + tl.program_id(0) * 4
-        s0 = tl.load(row) * ALIGN
-        d0 = tl.load(row + 1) * ALIGN
+        s0 = tl.load(row) * SALIGN  # the multiplication tells the compiler the 16-byte alignment
+        d0 = tl.load(row + 1) * DALIGN
         n = tl.load(row + 2)
         bad = tl.zeros([TILE], dtype=tl.int32)
         for i in tl.static_range(0, CHUNK, TILE):
@@ -142,7 +144,8 @@ class _Group:
     src_anchor: torch.Tensor
     dst_anchor: torch.Tensor
     table: torch.Tensor  # int64 [n_chunks, 4] on the device
-    align: int
+    salign: int  # elements per 16 bytes of the source dtype (1: unaligned group)
+    dalign: int
     downcast: bool
 
 
@@ -156,13 +159,15 @@ class CopyPlan:
     Args:
         dsts: destination tensors (contiguous views of rollout parameters or of a stage).
         srcs: sources, same element counts, on the destinations' device (any float dtype).
+        kernel: run the Triton kernel (None: on CUDA when triton is there; True on CPU only under
+            ``TRITON_INTERPRET=1``, which the tests use).
     The plan keeps references to every tensor (their storage cannot be freed or reused while it
     lives). ``check`` / ``copy`` / ``copy_check`` launch the work without a host sync;
     ``bad_runs`` syncs once and returns the flagged runs. Raises ValueError when the pairs span
     devices.
     """
 
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], kernel: bool | None = None):
         devices = {t.device for t in dsts} | {t.device for t in srcs}
         if len(devices) > 1:
             raise ValueError(f"copy plan: tensors on several devices {sorted(map(str, devices))}")
@@ -171,7 +176,9 @@ class CopyPlan:
         self.runs = build_runs(dsts, srcs)
         self.flags = torch.zeros(max(len(self.runs), 1), dtype=torch.int32, device=self.device)
         self.nbytes = sum(r.dst.numel() * r.dst.element_size() for r in self.runs)
-        self.triton = _use_triton(self.device)
+        if kernel and triton is None:
+            raise ValueError("copy plan: kernel=True needs triton")
+        self.triton = _use_triton(self.device) if kernel is None else bool(kernel)
         self._torch_runs = list(range(len(self.runs)))
         self._groups: list[_Group] = []
         if self.triton:
@@ -184,12 +191,15 @@ class CopyPlan:
             if not r.src.is_contiguous():
                 torch_runs.append(k)
                 continue
-            vec = 16 // min(r.src.element_size(), r.dst.element_size())
             aligned = r.src.data_ptr() % 16 == 0 and r.dst.data_ptr() % 16 == 0
-            by_key.setdefault((r.src.dtype, r.dst.dtype, vec if aligned else 1), []).append(k)
+            by_key.setdefault((r.src.dtype, r.dst.dtype, aligned), []).append(k)
         self._torch_runs = torch_runs
-        for (sdt, ddt, align), members in by_key.items():
+        for (sdt, ddt, aligned), members in by_key.items():
             s_anchor, d_anchor = self.runs[members[0]].src, self.runs[members[0]].dst
+            # every run of an aligned group starts on 16 bytes, so offsets from the anchor are
+            # whole multiples of 16 bytes: stored divided, multiplied back in the kernel
+            salign = 16 // sdt.itemsize if aligned else 1
+            dalign = 16 // ddt.itemsize if aligned else 1
             rows = []
             for k in members:
                 r = self.runs[k]
@@ -199,8 +209,8 @@ class CopyPlan:
                 starts = torch.arange(0, n, CHUNK, dtype=torch.int64)
                 block = torch.stack(
                     [
-                        (s_off + starts) // align,
-                        (d_off + starts) // align,
+                        (s_off + starts) // salign,
+                        (d_off + starts) // dalign,
                         torch.clamp(n - starts, max=CHUNK),
                         torch.full_like(starts, k),
                     ],
@@ -209,7 +219,7 @@ class CopyPlan:
                 rows.append(block)
             table = torch.cat(rows).to(self.device)
             downcast = torch.finfo(ddt).bits < torch.finfo(sdt).bits
-            self._groups.append(_Group(s_anchor, d_anchor, table, align, downcast))
+            self._groups.append(_Group(s_anchor, d_anchor, table, salign, dalign, downcast))
 
     # ------------------------------------------------------------------ execution
     def _launch(self, store: bool, check: bool) -> None:
@@ -219,7 +229,8 @@ class CopyPlan:
                 g.dst_anchor,
                 g.table,
                 self.flags,
-                ALIGN=g.align,
+                SALIGN=g.salign,
+                DALIGN=g.dalign,
                 STORE=store,
                 CHECK=check,
                 DOWNCAST=g.downcast,

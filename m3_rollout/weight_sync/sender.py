@@ -291,7 +291,11 @@ class WeightSender:
             self.channel.needs_rebuild = False
             self.manifest = None
         if self.manifest is None:
-            self.handshake()
+            try:
+                self.handshake()
+            except WeightSyncTimeout as exc:  # a peer missing or gone: rebuild at the next update
+                self.channel.needs_rebuild = True
+                raise WeightUpdateError(f"weight update {version}: handshake failed: {exc}") from exc
         t0 = time.perf_counter()
         sources, entries, nbytes = self._sources(include_frozen)
         probe = self._probe_data()
