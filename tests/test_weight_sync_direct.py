@@ -235,3 +235,19 @@ def test_copy_plan_kernel_under_the_interpreter_matches_torch():
     big_src[2, 7] = float("nan")
     plan.copy_check()
     assert plan.bad_members() == [0, 1, 2] and torch.isnan(big_dst[2, 7])
+    # a destination storage freed and grown again (engine sleep level 2 / wake_up) moves: the
+    # kernel tables follow it instead of writing to the old address
+    a_src, b_src = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    a_dst, b_dst = torch.zeros(64), torch.zeros(64)
+    plan = CopyPlan([a_dst, b_dst], [a_src, b_src], kernel=True)
+    assert len(plan.runs) == 2
+    moving = plan.runs[-1].dst  # not the group's anchor (the first run), so its offset is in the table
+    storage = moving.untyped_storage()
+    old_ptr = storage.data_ptr()
+    storage.resize_(0)
+    keep = torch.zeros(1 << 16)  # takes the freed memory, so the regrown storage lands elsewhere
+    storage.resize_(64 * 4)
+    assert storage.data_ptr() != old_ptr
+    moving.zero_()
+    plan.copy()
+    assert torch.equal(a_dst, a_src) and torch.equal(b_dst, b_src) and torch.count_nonzero(keep) == 0
