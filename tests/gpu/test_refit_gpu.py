@@ -26,8 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: mp_resul
 import torch.multiprocessing as mp  # noqa: E402
 from mp_results import get_results, put_result  # noqa: E402
 
-from m3_rollout.config import load_config  # noqa: E402
-from m3_rollout.jobs.stack import build_generation_backend, build_rollout_stack  # noqa: E402
 from m3_rollout.model import iter_released_tensors  # noqa: E402
 from m3_rollout.rollout.group_rollout import run_group_rollouts  # noqa: E402
 from m3_rollout.weight_sync import (  # noqa: E402
@@ -42,11 +40,30 @@ from m3_rollout.weight_sync import (  # noqa: E402
 from m3_rollout.weight_sync.copy_plan import CHUNK, CopyPlan  # noqa: E402
 from m3_rollout.weight_sync.direct import nonfinite  # noqa: E402
 from m3_trainers.batch import TrainBatch  # noqa: E402
-from m3_trainers.step import build_loss_fn, build_policy, load_trainer_model, train_step_on_groups  # noqa: E402
-from m3_trainers.weight_sender import build_weight_sender  # noqa: E402
 
 TIMEOUT_S = 300.0
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _job_imports():
+    """The job / config layer (omegaconf): imported by the GRPO-step tests only, so the kernel and
+    direct-path tests run on a device without omegaconf; those tests skip there."""
+    pytest.importorskip("omegaconf")
+    from m3_rollout.config import load_config
+    from m3_rollout.jobs.stack import build_generation_backend, build_rollout_stack
+    from m3_trainers.step import build_loss_fn, build_policy, load_trainer_model, train_step_on_groups
+    from m3_trainers.weight_sender import build_weight_sender
+
+    return (
+        load_config,
+        build_generation_backend,
+        build_rollout_stack,
+        build_loss_fn,
+        build_policy,
+        load_trainer_model,
+        train_step_on_groups,
+        build_weight_sender,
+    )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -143,6 +160,16 @@ def _assert_engine_is_trainer_cast(engine_tensors, master: dict) -> None:
 
 
 def test_grpo_step_in_process_refit_after_sleep_wake_is_bitwise(out):
+    (
+        load_config,
+        build_generation_backend,
+        build_rollout_stack,
+        build_loss_fn,
+        build_policy,
+        load_trainer_model,
+        train_step_on_groups,
+        build_weight_sender,
+    ) = _job_imports()
     cfg = load_config(str(ROOT / "configs/grpo_smoke.yaml"), _overrides(out))
     stack = build_rollout_stack(cfg, with_backend=False)
     backend = None
@@ -179,6 +206,9 @@ def _engine_worker(overrides: list[str], endpoint, tag: str, updates: int, resul
     trainer's IPC stage by the engine's own receiver; sleeps (level 2) and wakes between updates;
     reports each update with its engine weights (copied to the host) by value."""
     try:
+        from m3_rollout.config import load_config
+        from m3_rollout.jobs.stack import build_rollout_stack
+
         cfg = load_config(str(ROOT / "configs/grpo_smoke.yaml"), overrides)
         stack = build_rollout_stack(cfg)
         backend = stack.backend
@@ -223,6 +253,16 @@ def _policy_step(policy, step: int) -> None:
 
 
 def test_grpo_step_two_processes_ipc_refit_bitwise_and_worker_restart(out):
+    (
+        load_config,
+        build_generation_backend,
+        build_rollout_stack,
+        build_loss_fn,
+        build_policy,
+        load_trainer_model,
+        train_step_on_groups,
+        build_weight_sender,
+    ) = _job_imports()
     overrides = _overrides(out)
     cfg = load_config(str(ROOT / "configs/grpo_smoke.yaml"), overrides)
     stack = build_rollout_stack(cfg, with_backend=False)  # builds the cached checkpoint first
