@@ -258,6 +258,7 @@ def real_shapes(args) -> list[str]:
     from m3_rollout.model import M3ForCausalLM
     from m3_rollout.model.loading import iter_released_tensors
     from m3_rollout.service.factory import attach_local_weight_sync
+    from m3_rollout.weight_sync import ReleasedTensors
     from m3_trainers.policy import split_param_groups, token_logprobs
 
     device = torch.device(args.device)
@@ -296,11 +297,12 @@ def real_shapes(args) -> list[str]:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).tolist()
     version = 0
+    released = ReleasedTensors(trainer)  # what Policy.named_released_tensors hands the job's refit
 
     def refit() -> None:
         nonlocal version
         version += 1
-        backend.update_weights(version, iter_released_tensors(trainer))
+        backend.update_weights(version, released)  # resolved once, then the cached copy plan
 
     def generate() -> torch.Tensor:
         params = SamplingParams(max_new_tokens=g_len, seed=version)

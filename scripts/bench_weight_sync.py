@@ -62,6 +62,9 @@ from m3_rollout.model.configuration import tiny_config  # noqa: E402
 from m3_rollout.weight_sync import (  # noqa: E402
     BroadcastChannel,
     ColocatedChannel,
+    IpcChannel,
+    IpcRolloutSync,
+    ReleasedTensors,
     WeightReceiver,
     WeightSender,
     WeightSyncGroup,
@@ -251,13 +254,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def sync_mismatches(trainer: torch.nn.Module, rollout: torch.nn.Module) -> list[str]:
+def sync_mismatches(trainer: torch.nn.Module, rollout) -> list[str]:
     """Names of the rollout parameters whose bytes differ from the trainer's same-named parameter
-    (shape or dtype differences count too). [] = bitwise equal. Both models must have the same
-    parameter names (the same config, no EP slicing)."""
+    (shape or dtype differences count too). [] = bitwise equal. ``rollout``: a module with the
+    same parameter names (the same config, no EP slicing) or a {name: tensor} dict of them (an
+    IPC worker's parameters, shared back by handle)."""
     t_params = dict(trainer.named_parameters())
     bad = []
-    for name, p in rollout.named_parameters():
+    items = rollout.items() if isinstance(rollout, dict) else rollout.named_parameters()
+    for name, p in items:
         q = t_params.get(name)
         if q is None or q.shape != p.shape or q.dtype != p.dtype or not torch.equal(_bits(p), _bits(q)):
             bad.append(name)
@@ -310,9 +315,8 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
     flat_dst.fill_(0)
 
     rx = WeightReceiver(rollout, atomic=False, double_buffer=True)
-    sender = WeightSender(
-        lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=True), bucket_mb, None
-    )
+    source = ReleasedTensors(trainer)  # what Policy.named_released_tensors gives: resolved once, then cached
+    sender = WeightSender(lambda: source, ColocatedChannel([rx], dev, direct=True), bucket_mb, None)
     sender.handshake()
     bucketed = WeightSender(
         lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=False), bucket_mb, None
@@ -392,59 +396,177 @@ def _colocated_device(name: str) -> torch.device:
     return dev
 
 
+IPC_MODES = ("atomic=false", "atomic=true")
+
+
+def _ipc_worker(endpoint, cfg, dtype: torch.dtype, device: str, params_q, done, results) -> None:
+    """Rollout worker of ``run_ipc``: its own rollout copy on ``device`` (the trainer's), refit
+    through ``IpcRolloutSync``; alternates atomic=false (odd versions) / atomic=true (even). At
+    the trainer's close it shares its parameters back by handle (``params_q``), waits for
+    ``done`` and reports per-update figures by value."""
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        torch.set_num_threads(1)
+        model = build_model(0, dtype, device, cfg=cfg)
+        rx = WeightReceiver(model, atomic=False, version=0)
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        log = []
+
+        def on_update(outcome) -> None:
+            r = outcome.result
+            log.append(
+                {"version": r.version, "ok": r.ok, "atomic": rx.atomic, "seconds": r.seconds, "errors": r.errors}
+            )
+            rx.atomic = (r.version + 1) % 2 == 0
+
+        IpcRolloutSync(rx, endpoint, timeout_s=600).serve(on_update)
+        moved = [p.data_ptr() for p in model.parameters()] != ptrs
+        params_q.put({n: p.detach() for n, p in model.named_parameters()})
+        done.wait(600)
+        results.put({"log": log, "moved": moved, "version": rx.version})
+    except Exception:  # noqa: BLE001
+        results.put({"error": traceback.format_exc()})
+
+
+def run_ipc(trainer: torch.nn.Module, cfg, dtype: torch.dtype, repeats: int, log=None) -> dict:
+    """Time IPC updates (weight_sync/ipc.py) from ``trainer`` to a rollout worker PROCESS on the
+    same device, then check its weights bitwise (shared back by handle).
+
+    Returns {"seconds": {mode: median whole update s (trainer side: fill + worker refit + acks)},
+    "fill": {mode: median trainer fill s}, "refit": {mode: median worker receive-to-finish s},
+    "ok": bool, "mismatched": [names], "moved": bool (a worker data_ptr changed)}.
+    Raises RuntimeError with the worker's traceback when it fails.
+    """
+    dev = next(trainer.parameters()).device
+    ctx = mp.get_context("spawn")
+    params_q, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    channel = IpcChannel(1, dev, timeout_s=600)
+    proc = ctx.Process(target=_ipc_worker, args=(channel.endpoint, cfg, dtype, str(dev), params_q, done, results))
+    proc.start()
+    source = ReleasedTensors(trainer)
+    sender = WeightSender(lambda: source, channel, 512, None)
+    times = {m: [] for m in IPC_MODES}
+    fills = {m: [] for m in IPC_MODES}
+    version = 0
+    try:
+        for rep in range(repeats + 1):
+            for mode in IPC_MODES:  # the worker alternates atomic=false / atomic=true by version
+                version += 1
+                _sync(str(dev))
+                t0 = time.perf_counter()
+                sender.update(version, include_frozen=True)
+                _sync(str(dev))
+                dt = time.perf_counter() - t0
+                if rep > 0:
+                    times[mode].append(dt)
+                    fills[mode].append(channel.stats["fill_seconds"])
+                if log is not None:
+                    log(f"ipc repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s")
+        _scramble(trainer, 4242)  # a last update of new values, checked bitwise on the worker
+        version += 1
+        sender.update(version, include_frozen=True)
+        channel.close()
+        try:
+            shared = params_q.get(timeout=600)
+            mismatched = sync_mismatches(trainer, shared)
+            del shared
+        finally:
+            done.set()
+        got = results.get(timeout=600)
+    finally:
+        done.set()
+        proc.join(600)
+        if proc.is_alive():
+            proc.kill()
+    if "error" in got:
+        raise RuntimeError(f"IPC worker failed:\n{got['error']}")
+    refit = {m: [] for m in IPC_MODES}
+    for e in got["log"][2:-1]:  # skip the warm-up pair and the final checked update
+        refit["atomic=true" if e["atomic"] else "atomic=false"].append(e["seconds"])
+    return {
+        "seconds": {m: statistics.median(v) for m, v in times.items()},
+        "fill": {m: statistics.median(v) for m, v in fills.items()},
+        "refit": {m: statistics.median(v) for m, v in refit.items()},
+        "ok": not mismatched and not got["moved"] and got["version"] == version and all(e["ok"] for e in got["log"]),
+        "mismatched": mismatched,
+        "moved": got["moved"],
+    }
+
+
+def colocated_report(r: dict, ipc: dict | None, cfg, args, machine: str, device_type: str) -> str:
+    """The markdown section of a colocated run (``run_colocated`` + optional ``run_ipc``)."""
+    gb = r["bytes"] / 1e9
+    flat = r["seconds"]["raw flat copy"]
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    rows = [(m, r["seconds"][m]) for m in COLOCATED_MODES]
+    if ipc is not None:
+        for m in IPC_MODES:
+            rows.append((f"ipc {m}, two processes: whole update", ipc["seconds"][m]))
+            rows.append((f"ipc {m}: trainer fill (cast + flags into the stage)", ipc["fill"][m]))
+            rows.append((f"ipc {m}: worker refit (stage -> parameters)", ipc["refit"][m]))
+    head = (
+        f"## Weight sync, colocated refit (bench_weight_sync.py --method colocated), {now}, {machine}, "
+        f"{device_type}\n\n"
+        f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
+        f"tensors; trainer and rollout copies on one {device_type} device. atomic=false/true: the direct path "
+        "(WeightSender(ReleasedTensors) + ColocatedChannel + WeightReceiver, copy plan: fused check pass, then "
+        f"fused copy); '..., buckets': the bucketed broadcast pipeline in loopback ({r['buckets']} buckets of "
+        f"<= {args.bucket_mb:g} MiB, packing + checksums + staging in one process); 'ipc': a rollout worker "
+        "process on the same device refit from the trainer's shared stage (weight_sync/ipc.py). Median of "
+        f"{args.repeats} repeats after a warm-up; ratio = GB/s over the raw flat copy's.\n\n"
+        "| mode | seconds | GB/s | vs raw flat copy |\n|---|---|---|---|\n"
+    )
+    body = "".join(f"| {m} | {t:.4f} | {gb / t:.1f} | {flat / t:.2f} |\n" for m, t in rows)
+    n_params = r["n_params"]
+    checks = "; ".join(
+        f"{m}: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} of {n_params} parameters differ after the "
+        f"update, {c['mismatched_before']} before; data_ptr moved: {len(c['moved'])}; version "
+        f"{c['version']}/{c['expected_version']}, valid={c['valid']})"
+        for m, c in r["checks"].items()
+    )
+    if ipc is not None:
+        checks += (
+            f"; ipc: {'pass' if ipc['ok'] else 'FAIL'} ({len(ipc['mismatched'])} of {n_params} worker parameters "
+            f"differ from the trainer's after the last update; data_ptr moved: {ipc['moved']})"
+        )
+    return head + body + "\nCorrectness (bitwise): " + checks + ".\n"
+
+
 def main_colocated(args) -> None:
-    """--method colocated: both copies in this process on --device; prints (and appends) the table."""
+    """--method colocated: both copies in this process on --device (plus an IPC worker process
+    unless --no-ipc); prints (and appends) the table."""
     dev = _colocated_device(args.device or "cpu")
     if args.threads or dev.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     dtype = getattr(torch, args.dtype)
-    cfg = synthetic_config(args.gb, dtype)
+    gb = args.gb if args.gb is not None or dev.type != "cuda" else 8.0  # real M3-shaped size on a GPU
+    cfg = synthetic_config(gb, dtype)
+    t_start = time.perf_counter()
     trainer = build_model(1, dtype, str(dev), cfg=cfg)
     rollout = build_model(0, dtype, str(dev), cfg=cfg)
-    r = run_colocated(trainer, rollout, args.bucket_mb, args.repeats, log=lambda m: print(m, flush=True))
-    gb = r["bytes"] / 1e9
-    base = r["seconds"]["raw copy_ per parameter"]
+    log = lambda m: print(f"[{time.perf_counter() - t_start:6.1f} s] {m}", flush=True)  # noqa: E731
+    r = run_colocated(trainer, rollout, args.bucket_mb, args.repeats, log=log)
+    r["n_params"] = len(list(rollout.parameters()))
+    del rollout
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    ipc = None if args.no_ipc else run_ipc(trainer, cfg, dtype, args.repeats, log=log)
     if dev.type == "cuda":
         machine = f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
     else:
-        machine = f"{_cpu_name()}, {os.cpu_count()} cores"
-    threads = torch.get_num_threads()
-    head = (
-        f"## Weight sync, colocated (bench_weight_sync.py --method colocated), {datetime.date(2026, 11, 29)}, "
-        f"{machine}, {dev.type}\n\n"
-        f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
-        f"tensors; trainer copy and rollout copy on one {dev.type} device, update through WeightSender + "
-        f"ColocatedChannel + WeightReceiver: atomic=false/true on the direct path (per-tensor copies, no "
-        f"buckets), '..., buckets' through {r['buckets']} buckets of <= {args.bucket_mb:g} MiB; median of "
-        f"{args.repeats} interleaved repeats after a warm-up, torch threads = {threads}; "
-        "pause = the whole update or copy.\n\n"
-        "| mode | seconds | GB/s | vs raw copy_ per parameter | pause (s) |\n"
-        "|---|---|---|---|---|\n"
-    )
-    body = "".join(
-        f"| {m} | {r['seconds'][m]:.4f} | {gb / r['seconds'][m]:.3f} | {base / r['seconds'][m]:.2f} | "
-        f"{r['seconds'][m]:.4f} |\n"
-        for m in COLOCATED_MODES
-    )
-    ok = all(c["ok"] for c in r["checks"].values())
-    n_params = len(list(rollout.parameters()))
-    check_line = (
-        "\nCorrectness: "
-        + "; ".join(
-            f"{m}: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} of {n_params} parameters differ "
-            f"after the update, {c['mismatched_before']} before; data_ptr moved: {len(c['moved'])}; "
-            f"version {c['version']}/{c['expected_version']}, valid={c['valid']})"
-            for m, c in r["checks"].items()
-        )
-        + ".\n"
-    )
-    text = head + body + check_line
+        machine = f"{_cpu_name()}, {os.cpu_count()} cores, torch threads = {torch.get_num_threads()}"
+    text = colocated_report(r, ipc, cfg, args, machine, dev.type)
     print(text)
+    log("done")
+    ok = all(c["ok"] for c in r["checks"].values()) and (ipc is None or ipc["ok"])
     if not ok:
         for m, c in r["checks"].items():
             if not c["ok"]:
                 print(f"{m}: mismatched {c['mismatched'][:8]}, moved {c['moved'][:8]}", file=sys.stderr)
+        if ipc is not None and not ipc["ok"]:
+            print(f"ipc: mismatched {ipc['mismatched'][:8]}, moved {ipc['moved']}", file=sys.stderr)
         raise SystemExit("colocated weight sync correctness check FAILED; nothing written to docs/benchmarks.md")
     _append(args, text)
 
@@ -488,7 +610,8 @@ def main() -> None:
         "--gb",
         type=float,
         default=None,
-        help="synthetic model size in GB (1e9 bytes) of --dtype; default: the 1.016 GB bf16 model",
+        help="synthetic model size in GB (1e9 bytes) of --dtype; default: 8 for --method colocated on a GPU "
+        "(a real M3-shaped refit), else the 1.016 GB bf16 model",
     )
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="broadcast only")
     ap.add_argument("--receivers", type=int, default=1, help="broadcast only")
@@ -509,12 +632,17 @@ def main() -> None:
         help="append the markdown section to PATH instead of docs/benchmarks.md (e.g. $OUT/ws.md)",
     )
     ap.add_argument("--no-write", action="store_true", help="print only; append nothing")
+    ap.add_argument(
+        "--no-ipc", action="store_true", help="colocated only: skip the two-process IPC refit (a spawned worker)"
+    )
     args = ap.parse_args()
     if args.method == "colocated":
         if args.receivers != 1 or args.ep or args.backend != "gloo":
             ap.error("--receivers/--ep/--backend are for --method broadcast; colocated runs one rollout copy")
         main_colocated(args)
         return
+    if args.no_ipc:
+        ap.error("--no-ipc is for --method colocated")
     if args.device is not None:
         ap.error("--device is for --method colocated; broadcast picks devices from --backend (nccl = cuda:rank)")
     from m3_rollout.parallel import free_port

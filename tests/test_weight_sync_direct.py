@@ -10,7 +10,8 @@ import torch
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
 from m3_rollout.parallel import shard_experts
 from m3_rollout.weight_sync import ColocatedChannel, WeightReceiver, WeightSender, WeightUpdateError
-from m3_rollout.weight_sync.direct import copy_into, nonfinite
+from m3_rollout.weight_sync.copy_plan import CopyPlan, build_runs
+from m3_rollout.weight_sync.direct import nonfinite
 
 EXPERT = "language_model.model.layers.2.block_sparse_moe.experts.{}.w3.weight"
 
@@ -152,7 +153,7 @@ def test_direct_header_errors_and_non_atomic_semantics():
     assert all(torch.equal(p, old[n]) for n, p in rx_model.named_parameters())
 
 
-def test_nonfinite_and_copy_into_against_per_tensor_reference():
+def test_nonfinite_and_copy_plan_against_per_tensor_reference():
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(n, generator=g) * 100 for n in (5, 0, 17, 3, 9, 1)]
     dst = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.float32]
@@ -165,8 +166,88 @@ def test_nonfinite_and_copy_into_against_per_tensor_reference():
     assert want == [2, 4, 5]
     assert nonfinite(ts, dst) == want
     outs = [torch.empty(t.shape, dtype=d) for t, d in zip(ts, dst)]
-    copy_into(outs, ts)
+    plan = CopyPlan(outs, ts)
+    plan.check()
+    assert sorted(set(plan.bad_members()) & set(want)) == want  # flagged runs hold every bad tensor
+    assert nonfinite([ts[i] for i in plan.bad_members()], [dst[i] for i in plan.bad_members()]) != []
+    plan.copy()
     for o, t, d in zip(outs, ts, dst):
         assert torch.equal(o.float(), t.to(d).float()) or (torch.isnan(o.float()) == torch.isnan(t)).all()
     with pytest.raises(ValueError, match="destination dtypes"):
         nonfinite(ts, dst[:-1])
+
+
+def test_copy_plan_merges_contiguous_runs_and_copies_bitwise():
+    """Expert rows of one stacked buffer on both sides merge into one run (destination order),
+    a non-contiguous source stays alone; the copy equals per-tensor ``copy_`` bitwise."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(4, 6, 3, generator=g)  # 4 "experts", rows 0:3 = w1, 3:6 = w3
+    dst = torch.zeros(4, 6, 3, dtype=torch.bfloat16)
+    other_src, other_dst = torch.randn(5, 2, generator=g).t(), torch.zeros(2, 5, dtype=torch.bfloat16)
+    # manifest order interleaves w1 / w3 per expert, plus the non-contiguous pair in the middle
+    pairs = [(dst[e, :3], src[e, :3]) for e in range(4)] + [(other_dst, other_src)]
+    pairs += [(dst[e, 3:], src[e, 3:]) for e in range(4)]
+    runs = build_runs([d for d, _ in pairs], [s for _, s in pairs])
+    assert sorted(len(r.members) for r in runs) == [1, 8]
+    big = next(r for r in runs if len(r.members) == 8)
+    assert big.members == [0, 5, 1, 6, 2, 7, 3, 8] and big.dst.numel() == dst.numel()
+    plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs])
+    plan.check()
+    assert plan.bad_runs() == []
+    plan.copy()
+    assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(other_dst.view(torch.int16), other_src.to(torch.bfloat16).view(torch.int16))
+    src[2, 4, 1] = float("inf")
+    plan.check()
+    assert plan.bad_members() == sorted(big.members)  # the run is flagged; direct.nonfinite names the tensor
+    with pytest.raises(ValueError, match="pair 0 has 3 source and 2 destination elements"):
+        CopyPlan([torch.zeros(2)], [torch.zeros(3)])
+
+
+def test_copy_plan_kernel_under_the_interpreter_matches_torch():
+    """The Triton path (TRITON_INTERPRET=1 on CPU, tests/conftest.py): aligned and unaligned runs,
+    chunks past CHUNK, copy-only, check-only and copy+check; same-dtype pairs (the interpreter's
+    fp32 -> bf16 cast truncates, so the rounding is checked on the GPU, tests/gpu)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py before triton is imported)")
+    from m3_rollout.weight_sync.copy_plan import CHUNK
+
+    g = torch.Generator().manual_seed(0)
+    src16 = torch.randn(CHUNK + 37, generator=g).to(torch.bfloat16)
+    big_src = torch.randn(3, 8, generator=g)
+    dst16 = torch.zeros(CHUNK + 40, dtype=torch.bfloat16)
+    big_dst = torch.zeros(3, 8)
+    pairs = [
+        (dst16[3 : CHUNK + 40], src16),  # unaligned destination (6 bytes in), spans two chunks
+        (big_dst[0], big_src[0]),
+        (big_dst[1:], big_src[1:]),  # merges with the row before: one aligned fp32 run
+    ]
+    plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs], kernel=True)
+    assert plan.triton and len(plan.runs) == 2
+    plan.check()
+    assert plan.bad_runs() == [] and torch.count_nonzero(dst16) == 0  # check only: nothing written
+    plan.copy()
+    assert torch.equal(dst16[3 : CHUNK + 40].view(torch.int16), src16.view(torch.int16))
+    assert torch.count_nonzero(dst16[:3]) == 0 and torch.equal(big_dst, big_src)
+    src16[CHUNK + 5] = float("-inf")
+    big_src[2, 7] = float("nan")
+    plan.copy_check()
+    assert plan.bad_members() == [0, 1, 2] and torch.isnan(big_dst[2, 7])
+    # a destination storage freed and grown again (engine sleep level 2 / wake_up) moves: the
+    # kernel tables follow it instead of writing to the old address
+    a_src, b_src = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    a_dst, b_dst = torch.zeros(64), torch.zeros(64)
+    plan = CopyPlan([a_dst, b_dst], [a_src, b_src], kernel=True)
+    assert len(plan.runs) == 2
+    moving = plan.runs[-1].dst  # not the group's anchor (the first run), so its offset is in the table
+    storage = moving.untyped_storage()
+    old_ptr = storage.data_ptr()
+    storage.resize_(0)
+    keep = torch.zeros(1 << 16)  # takes the freed memory, so the regrown storage lands elsewhere
+    storage.resize_(64 * 4)
+    assert storage.data_ptr() != old_ptr
+    moving.zero_()
+    plan.copy()
+    assert torch.equal(a_dst, a_src) and torch.equal(b_dst, b_src) and torch.count_nonzero(keep) == 0

@@ -5,7 +5,9 @@ buckets    per-dtype bucket plan, packing, checksums
 group      the private trainer + rollout-ranks process group (TCPStore, gloo / NCCL, rebuild)
 receiver   the ONE rollout-side receiver: checks, version rule, stage (atomic) or apply, commit
 sender     trainer side: broadcast or colocated (in-process) channel
-direct     colocated direct path: fused finite check + per-tensor copies, no buckets
+copy_plan  the direct refit's hot path: contiguous runs, one fused check / copy pass per dtype pair
+direct     per-tensor finite check naming the tensors of a failed direct update
+ipc        separate processes on one device: the trainer's stage shared once (CUDA IPC / shm)
 in_flight  what happens to running requests at an update (abort / drain / continue)
 probe      post-update probe: re-score fixed ids, compare with the trainer's logprobs
 rollout_sync  an engine's endpoint: receiver + in-flight policy + scorer (EP worker / in-process)
@@ -15,11 +17,12 @@ Trainer glue: trainers/weight_sender.py. Service wiring: RolloutService(weight_s
 from .buckets import Bucket, plan_buckets
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .in_flight import InFlightOutcome, InFlightPolicy
+from .ipc import IpcChannel, IpcRolloutSync
 from .manifest import HandshakeError, TensorSpec, default_frozen, receiver_layout, sender_manifest
 from .probe import ProbeSettings, model_scorer
 from .receiver import UpdateResult, WeightReceiver
 from .rollout_sync import LocalWeightSync, RolloutWeightSync, engine_receiver
-from .sender import BroadcastChannel, ColocatedChannel, WeightSender, WeightUpdateError
+from .sender import BroadcastChannel, ColocatedChannel, ReleasedTensors, WeightSender, WeightUpdateError
 
 __all__ = [
     "Bucket",
@@ -28,6 +31,8 @@ __all__ = [
     "WeightSyncTimeout",
     "InFlightOutcome",
     "InFlightPolicy",
+    "IpcChannel",
+    "IpcRolloutSync",
     "HandshakeError",
     "TensorSpec",
     "default_frozen",
@@ -42,6 +47,7 @@ __all__ = [
     "engine_receiver",
     "BroadcastChannel",
     "ColocatedChannel",
+    "ReleasedTensors",
     "WeightSender",
     "WeightUpdateError",
 ]

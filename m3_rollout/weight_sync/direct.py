@@ -1,11 +1,8 @@
-"""Direct in-process refit for colocated receivers: per-tensor copies, one fused validity check.
+"""Per-tensor finite check of a direct (bucket-free) refit: names the tensors a failed update holds.
 
-Governing idea: when the trainer and a rollout rank share a process (``weight_sync.method=
-colocated``), the bucket wire format buys nothing: no bytes cross a transport, so there is
-nothing for a checksum to guard and packing is an extra full pass. The direct path copies each
-trainer tensor straight into the receiver's destination view (``dst.copy_(src)``, cast to the
-rollout dtype; expert rows under EP) and, where validation is asked for, checks every tensor
-first with a few fused device reductions and ONE host sync for the whole update.
+Governing idea: the refit's hot path (``copy_plan.CopyPlan``) flags whole runs of tensors; when
+a run is flagged, this check finds the exact tensors to name in the error. It only runs on a
+failed update, so it may take a few reductions per dtype group and one host sync.
 
 Finite check (``nonfinite``): a value is bad when it is NaN / +-inf in the source or overflows
 to +-inf when cast to the destination dtype (fp32 -> bf16 / fp16 rounding near the top of the
@@ -54,17 +51,3 @@ def nonfinite(sources: list[torch.Tensor], dst_dtypes: list[torch.dtype]) -> lis
     if not bool(flags.any()):
         return []
     return sorted(order[j] for j in flags.nonzero().flatten().tolist())
-
-
-@torch.no_grad()
-def copy_into(dsts: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``dsts[i].copy_(sources[i])`` for every i (casting to the destination dtype), fused with
-    ``torch._foreach_copy_`` when all tensors share one device; shapes must already match."""
-    if not dsts:
-        return
-    dev = dsts[0].device
-    if all(t.device == dev for t in dsts) and all(t.device == dev for t in sources):
-        torch._foreach_copy_(dsts, sources)
-        return
-    for d, s in zip(dsts, sources):
-        d.copy_(s, non_blocking=True)

@@ -43,7 +43,8 @@ from torch import nn
 from m3_rollout.model.loading import RELEASED_PREFIX
 
 from .buckets import Bucket, all_finite, checksum_ok, plan_buckets, segment_view
-from .direct import copy_into, nonfinite
+from .copy_plan import CopyPlan
+from .direct import nonfinite
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .in_flight import InFlightPolicy
 from .manifest import (
@@ -139,6 +140,10 @@ class WeightReceiver:
         self._stage_cache: torch.Tensor | None = None
         self._scratch_cache: list[torch.Tensor] = []
         self._backup_cache: torch.Tensor | None = None
+        # direct path: (header entries, sources, pairs, names, CopyPlan) of the last update; a
+        # sender that resends the same objects (WeightSender's source cache) reuses the plan
+        self._plan_cache: tuple | None = None
+        self._header_cache: tuple | None = None  # (entries, manifest, problems)
         self._reset()
 
     def _reset(self) -> None:
@@ -149,6 +154,7 @@ class WeightReceiver:
         self._stage: torch.Tensor | None = None
         self._scratch: list[torch.Tensor] = []
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # colocated: (dst view, src)
+        self._direct_plan: CopyPlan | None = None
         self._probe: ProbeData | None = None
         self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dst view, copy of its old bytes)
         self._committed = False
@@ -168,7 +174,7 @@ class WeightReceiver:
             raise RuntimeError("weight update before a successful handshake")
         self._reset()
         self._header = header
-        self._errors = [f"{self.rank_label}: {p}" for p in check_header(header, self.manifest)]
+        self._errors = [f"{self.rank_label}: {p}" for p in self._header_problems(header)]
         v, cur = int(header.version), self.version
         if v < 0:
             self._fail(f"update version {v} refused: versions are >= 0 (this rank holds version {cur})")
@@ -282,37 +288,91 @@ class WeightReceiver:
             self._fail(f"non-finite values in {self._seg_name(seg)}")
 
     # ---------------------------------------------------------------- colocated direct path
-    def receive_direct(self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None) -> None:
-        """In-process update without buckets (``direct.py``): ``sources[k]`` is the trainer tensor
-        of ``header.entries[k]`` (trainer dtype, any device; cast on copy).
+    def receive_direct(
+        self,
+        header: UpdateHeader,
+        sources: list[torch.Tensor],
+        probe: ProbeData | None = None,
+        checked: list[int] | None = None,
+    ) -> None:
+        """Update without buckets (``copy_plan.py``): ``sources[k]`` is the tensor of
+        ``header.entries[k]`` on this rank's device (the trainer's own tensor in process, cast on
+        copy; a view of the shared stage under IPC, already in the wire dtype).
 
-        The shared checks (``_start``), then the fused finite check of the cast values (one host
-        sync); ``atomic=False`` copies every owned tensor into its destination view now,
-        ``atomic=True`` keeps the pairs for ``apply`` to copy when every receiver succeeded (the
-        trainer tensors are the stage, so they must not change before ``apply``; the channel
-        calls both in one go). Follow with ``status`` / ``apply`` / ``finish`` as for buckets.
+        The shared checks (``_start``), then the finite check of the values as cast, on the
+        device, before any write, with ONE host sync (a fused check-only pass): ``atomic=True``
+        keeps the plan for ``apply`` to copy once every receiver succeeded (the sources are the
+        stage, so they must not change before ``apply``; the channel calls both in one go);
+        ``atomic=False`` copies now (a non-finite tensor is refused before any byte moves, so
+        such a failure leaves the rank valid on its old weights).
+        ``checked``: the sources were validated where they were produced (the IPC stage's fill
+        pass flags non-finite values in the same pass that writes them); it lists the header
+        positions that hold non-finite values, and no second pass runs here.
+        The (dst, src) pairs, the runs and the kernel tables are built once and reused while the
+        sender passes the same ``header.entries`` and ``sources`` objects (``WeightSender`` does
+        while the trainer's parameters stay where they are). Follow with ``status`` / ``apply`` /
+        ``finish`` as for buckets.
         """
         self._start(header, probe)
         if len(sources) != len(header.entries):
             self._fail(f"update carries {len(sources)} tensors for {len(header.entries)} header entries")
         if self._errors:
             return
+        pairs, names, plan = self._plan_for(header, sources)
+        if checked is not None:
+            pos = {n: i for i, n in enumerate(names)} if checked else {}
+            flagged = (self.manifest[header.entries[p][0]].name for p in checked if 0 <= p < len(header.entries))
+            bad = [pos[n] for n in flagged if n in pos]
+        else:
+            plan.check()
+            bad = self._refine(plan, pairs)
+        for i in sorted(bad)[:_MAX_NAMES]:
+            self._fail(f"non-finite values in {names[i]}")
+        if bad:
+            return
+        self._direct = pairs
+        if self.atomic:
+            self._direct_plan = plan
+        else:
+            plan.copy()
+            self._touched = True
+
+    def _plan_for(self, header: UpdateHeader, sources: list[torch.Tensor]):
+        """(pairs, names, CopyPlan) of this update's owned tensors, cached by object identity."""
+        c = self._plan_cache
+        if c is not None and c[0] is header.entries and c[1] is sources:
+            return c[2], c[3], c[4]
+        self._plan_cache = None
         pairs, names = [], []
         for (idx, _, _), src in zip(header.entries, sources):
             view = self.views.get(self.manifest[idx].name)
             if view is not None:
+                if src.device != view.device:
+                    src = src.to(view.device)
                 pairs.append((view, src))
                 names.append(self.manifest[idx].name)
-        bad = nonfinite([s for _, s in pairs], [d.dtype for d, _ in pairs])
-        for i in bad[:_MAX_NAMES]:
-            self._fail(f"non-finite values in {names[i]}")
-        if bad:
-            return
-        if self.atomic:
-            self._direct = pairs
-            return
-        copy_into([d for d, _ in pairs], [s for _, s in pairs])
-        self._touched = True
+        plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs])
+        self._plan_cache = (header.entries, sources, pairs, names, plan)
+        return pairs, names, plan
+
+    @staticmethod
+    def _refine(plan: CopyPlan, pairs: list) -> list[int]:
+        """Pair indices holding non-finite values: the plan's flags (the one host sync), then the
+        exact tensors of the flagged runs (the slow per-tensor check runs only on failure)."""
+        members = plan.bad_members()
+        if not members:
+            return []
+        hits = nonfinite([pairs[i][1] for i in members], [pairs[i][0].dtype for i in members])
+        return [members[j] for j in hits]
+
+    def _header_problems(self, header: UpdateHeader) -> list[str]:
+        """``check_header`` against the handshake, cached for a header whose entries object repeats."""
+        c = self._header_cache
+        if c is not None and c[0] is header.entries and c[1] is self.manifest:
+            return list(c[2])
+        problems = check_header(header, self.manifest)
+        self._header_cache = (header.entries, self.manifest, problems)
+        return list(problems)
 
     # ---------------------------------------------------------------- verdicts and commit
     def status(self) -> dict:
@@ -528,8 +588,9 @@ class WeightReceiver:
 
     @torch.no_grad()
     def _commit(self) -> None:
-        if self._direct is not None:
-            copy_into([d for d, _ in self._direct], [s for _, s in self._direct])
+        if self._direct_plan is not None:
+            self._direct_plan.copy()  # same stream as the engine's next step: no host sync needed
+            return
         for st in self._states:
             for seg, dst in st.owned:
                 dst[seg.elem_start : seg.elem_start + seg.numel].copy_(self._staged(st, seg), non_blocking=True)

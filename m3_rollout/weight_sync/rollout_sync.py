@@ -23,7 +23,7 @@ from .in_flight import InFlightOutcome, InFlightPolicy
 from .manifest import HandshakeError
 from .probe import ProbeSettings, Scorer
 from .receiver import UpdateResult, WeightReceiver
-from .sender import ColocatedChannel, WeightSender, WeightUpdateError
+from .sender import ColocatedChannel, ReleasedTensors, WeightSender, WeightUpdateError
 
 
 def engine_scorer(engine) -> Scorer:
@@ -153,7 +153,8 @@ class LocalWeightSync:
         deliver. Raises ValueError naming the rank and tensors when the update is rejected
         (missing / unexpected / mis-shaped / non-finite tensors, a version that does not
         increase, a failed probe)."""
-        self._tensors = list(named_tensors)
+        # a ReleasedTensors passes through unexpanded: the sender resolves it once, not per refit
+        self._tensors = named_tensors if isinstance(named_tensors, ReleasedTensors) else list(named_tensors)
         first = not self.receiver.received
         try:
             self.sender.update(version, include_frozen=first)

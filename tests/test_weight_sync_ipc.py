@@ -1,0 +1,165 @@
+"""IPC refit between two processes (weight_sync/ipc.py) over CPU shared memory: the protocol a
+CUDA IPC stage runs on a GPU. A spawned worker holds a bf16 rollout copy behind a WeightReceiver;
+the trainer (this process) updates it through WeightSender + IpcChannel. Checked: the worker's
+weights equal the trainer's cast bitwise after each update (digests cross by value), a non-finite
+update is refused naming the tensor with the old weights and version kept, in-place trainer
+changes reach the worker through the cached plan, and a worker killed between updates fails the
+next update, after which a restarted worker re-opens the stage and is refit."""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from mp_results import get_results, put_result
+
+from m3_rollout.model import M3ForCausalLM, tiny_config
+from m3_rollout.weight_sync import (
+    IpcChannel,
+    IpcRolloutSync,
+    ReleasedTensors,
+    WeightReceiver,
+    WeightSender,
+    WeightUpdateError,
+    default_frozen,
+)
+from m3_rollout.weight_sync.ipc import stage_layout, stage_views
+from m3_rollout.weight_sync.manifest import TensorSpec
+
+TIMEOUT_S = 120.0
+NAME = "language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight"
+
+
+def _rollout_model() -> M3ForCausalLM:
+    torch.manual_seed(0)
+    return M3ForCausalLM(tiny_config()).cast_for_inference(torch.bfloat16).eval()
+
+
+def digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes in named_parameters order."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _worker(endpoint, tag: str, results) -> None:
+    try:
+        torch.set_num_threads(1)
+        model = _rollout_model()
+        rx = WeightReceiver(model, atomic=True, version=0)
+        ptrs = [p.data_ptr() for p in model.parameters()]
+
+        def report(outcome) -> None:
+            r = outcome.result
+            moved = [p.data_ptr() for p in model.parameters()] != ptrs
+            put_result(
+                results,
+                {
+                    "tag": tag,
+                    "version": r.version,
+                    "ok": r.ok,
+                    "valid": r.valid,
+                    "errors": r.errors,
+                    "digest": digest(model),
+                    "moved": moved,
+                },
+            )
+
+        IpcRolloutSync(rx, endpoint, timeout_s=TIMEOUT_S).serve(on_update=report)
+    except Exception:  # noqa: BLE001
+        put_result(results, {"tag": tag, "error": traceback.format_exc()})
+
+
+def _expected(trainer: M3ForCausalLM) -> str:
+    ref = _rollout_model()
+    t = dict(trainer.named_parameters())
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(t[n])
+    return digest(ref)
+
+
+def test_stage_layout_aligns_entries_in_the_given_order():
+    specs = [
+        TensorSpec("a", (3,), torch.bfloat16),
+        TensorSpec("b", (5,), torch.float32),
+        TensorSpec("c", (8,), torch.bfloat16),
+    ]
+    offsets, total = stage_layout(specs, [2, 0])
+    assert offsets == [16, 32, 0] and total == 64  # c (16 B), a (6 -> 16 B), then b (20 -> 32 B)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    views = stage_views(buf, offsets, ((1, (5,), torch.float32), (2, (2, 4), torch.bfloat16)))
+    views[0].fill_(1.5)
+    assert views[1].shape == (2, 4) and buf[32:52].view(torch.float32).tolist() == [1.5] * 5
+
+
+def test_ipc_refit_two_processes_bitwise_refusal_and_worker_restart():
+    torch.manual_seed(1)
+    trainer = M3ForCausalLM(tiny_config()).float().eval()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=TIMEOUT_S)
+    sender = WeightSender(lambda: ReleasedTensors(trainer), channel, generation_dtype=torch.bfloat16)
+    procs = [ctx.Process(target=_worker, args=(channel.endpoint, "first", results))]
+    procs[0].start()
+    try:
+        sender.update(1, include_frozen=True)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert got["ok"] and got["version"] == 1 and not got["moved"]
+        assert got["digest"] == _expected(trainer)
+
+        w2 = dict(trainer.named_parameters())["model.layers.2.block_sparse_moe.experts.w2"]
+        keep = w2.detach()[5, 0, 0].item()
+        with torch.no_grad():
+            w2[5, 0, 0] = float("nan")
+        with pytest.raises(WeightUpdateError, match=f"non-finite values in {NAME.replace('.', '[.]')}"):
+            sender.update(2)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert not got["ok"] and got["version"] == 1 and got["valid"]
+        with torch.no_grad():
+            w2[5, 0, 0] = keep
+            for n, p in trainer.named_parameters():
+                if not default_frozen("language_model." + n):  # frozen ones travel with include_frozen only
+                    p.mul_(1.5)  # in place: the cached plan must read the new values
+        before = got["digest"]
+        sender.update(3)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert got["ok"] and got["version"] == 3 and got["digest"] == _expected(trainer) != before
+
+        procs[0].kill()
+        procs[0].join(TIMEOUT_S)
+        with pytest.raises(WeightUpdateError, match="went away|interrupted"):
+            sender.update(4)
+        assert channel.needs_rebuild
+        procs.append(ctx.Process(target=_worker, args=(channel.endpoint, "restarted", results)))
+        procs[1].start()
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(0.25)
+        sender.update(5, include_frozen=True)  # a fresh worker needs the frozen tensors too
+        got = get_results(results, 1, TIMEOUT_S, "tag")["restarted"]
+        assert got["ok"] and got["version"] == 5 and got["digest"] == _expected(trainer)
+    finally:
+        channel.close()
+        for p in procs:
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+
+
+def test_ipc_channel_has_no_bucket_path_for_a_fault_hook():
+    torch.manual_seed(1)
+    trainer = M3ForCausalLM(tiny_config()).float().eval()
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=5)
+    try:
+        with pytest.raises(ValueError, match="IpcChannel moves no buckets"):
+            WeightSender(lambda: ReleasedTensors(trainer), channel, fault=lambda k, buf: None)
+        with pytest.raises(WeightUpdateError, match="0 of 1 rollout workers connected"):
+            WeightSender(lambda: ReleasedTensors(trainer), IpcChannel(1, "cpu", timeout_s=0.2)).update(1)
+    finally:
+        channel.close()
