@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .configuration import M3Config
 from .fused import pack_linear_weights, packed_linear
@@ -135,35 +134,6 @@ def grouped_experts(
     return out
 
 
-def dense_experts(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    act,
-) -> torch.Tensor:
-    """The same sum as `grouped_experts`, computed for every expert on every token and masked.
-
-    Shapes as in `grouped_experts`. Each token's unselected experts get weight 0, so the result
-    equals the routed sum up to the order of its (at most K nonzero) fp32 additions. Costs E/K
-    times the routed FLOPs and an [E, T, 2I] intermediate, but runs a fixed 3 GEMMs + 1 activation
-    per layer with no host sync and no per-expert loop: on a GPU with few small experts (the GPU
-    preset: 16 experts, top-4) the per-expert loop is bound by kernel launches, not FLOPs.
-    Returns [T, H] in x.dtype.
-    """
-    inter = w2.shape[-1]
-    gate = torch.zeros(ids.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device)
-    gate = gate.scatter(1, ids, weights)  # [T, E]; zeros for unselected experts
-    h = torch.matmul(x, w13.transpose(1, 2))  # [E, T, 2I]
-    y = torch.matmul(act(h[..., :inter], h[..., inter:]), w2.transpose(1, 2))  # [E, T, H]
-    return (y.to(gate.dtype) * gate.t()[..., None]).sum(0).to(x.dtype)
-
-
-#: `StackedExperts` uses `dense_experts` on CUDA when E <= DENSE_EXPERTS_MAX_RATIO x K.
-DENSE_EXPERTS_MAX_RATIO = 4
-
-
 class StackedExperts(nn.Module):
     """Routed expert weights stacked per layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
 
@@ -194,9 +164,7 @@ class StackedExperts(nn.Module):
 
         With ``fused_experts`` (``PagedOps.fused_experts``: the engine's Triton MoE on CUDA, same
         maths) and no autograd needed, that op runs on the experts in `expert_range` (EP,
-        design.md §3.5; default all); otherwise the PyTorch reference: `dense_experts` on CUDA
-        when there are at most ``DENSE_EXPERTS_MAX_RATIO`` x K experts (the training forward of
-        the GPU preset, where the per-expert loop is launch-bound), else `grouped_experts`.
+        design.md §3.5; default all); otherwise the PyTorch reference `grouped_experts`.
         """
         if fused_experts is not None and not needs_autograd(x, self.w13, self.w2):
             return fused_experts(
@@ -210,12 +178,6 @@ class StackedExperts(nn.Module):
                 beta=self.beta,
                 expert_range=getattr(self, "expert_range", None),
             )
-        if x.is_cuda and self.w13.shape[0] <= DENSE_EXPERTS_MAX_RATIO * ids.shape[1]:
-            if not needs_autograd(x, weights, self.w13, self.w2):
-                return dense_experts(x, ids, weights, self.w13, self.w2, self.act)
-            # Recomputed in the backward: the [E, T, 2I] intermediates of every layer kept for
-            # the backward would take ~100 GB at 48K tokens (measured on an H200).
-            return checkpoint(dense_experts, x, ids, weights, self.w13, self.w2, self.act, use_reentrant=False)
         return grouped_experts(x, ids, weights, self.w13, self.w2, self.act)
 
 
