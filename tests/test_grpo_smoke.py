@@ -85,3 +85,6 @@ def test_warm_start_outside_window_warns_with_rebuild_hint(tmp_path):
     assert msg is not None and "0.160" in msg and "[0.25, 0.45]" in msg and str(tmp_path) in msg and "step 200" in msg
     assert builtin.warm_start_warning(tmp_path, dict(report, in_window=True)) is None
     assert builtin.warm_start_warning(tmp_path, {"built": False}) is None  # a user checkpoint directory
+    assert "step cap reached" in msg
+    capped = builtin.warm_start_warning(tmp_path, dict(report, time_capped=True))
+    assert "warm_start.max_seconds=900.0" in capped and "step cap" not in capped

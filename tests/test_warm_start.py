@@ -142,3 +142,34 @@ def test_multi_turn_tool_use_loop_matches_demonstration():
         RolloutSettings(n=1, max_turns=3, max_total_len=call_end + 5, max_new_tokens=60),
     )
     assert short[0].finish_reason == "length" and short[0].token_ids == demo_ids[:call_end]
+
+
+class _Clock:
+    """A perf_counter that advances one second per call (stands in for a slow, loaded machine)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_time_cap_never_splits_an_eval_interval(monkeypatch):
+    # The cap is hit during the first interval; the warm start still trains the whole interval and
+    # evaluates at the scheduled step (3), so a capped build is a point of the step schedule, flagged.
+    from m3_trainers import warm_start as ws
+
+    chat, task, env = _chat()
+    torch.manual_seed(0)
+    model = M3ForCausalLM(tiny_config(vocab_size=len(chat.tokenizer), max_position_embeddings=256))
+    monkeypatch.setattr(ws, "time", _Clock())
+    cfg = ws.WarmStartConfig(batch_size=2, max_steps=30, max_seconds=5.0, eval_every=3)
+    result = ws.warm_start(model, chat, task, env, lambda m: 0.0, cfg)
+    assert [s for s, _ in result.history] == [0, 3]
+    assert result.time_capped and not result.in_window and result.steps == 3
+    # The step cap alone is not a time cap.
+    monkeypatch.setattr(ws, "time", _Clock())
+    cfg = ws.WarmStartConfig(batch_size=2, max_steps=3, max_seconds=1e9, eval_every=3)
+    result = ws.warm_start(model, chat, task, env, lambda m: 0.0, cfg)
+    assert [s for s, _ in result.history] == [0, 3] and not result.time_capped

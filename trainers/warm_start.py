@@ -35,7 +35,10 @@ class WarmStartConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     max_steps: int = 3000
-    max_seconds: float = 900.0  # safety cap: ~180 s on 2 idle Xeon cores; a loaded machine may need 2-3x
+    # Safety net, not a budget: checked only between evaluation intervals, so the trained steps follow
+    # max_steps / eval_every alone; hitting it ends the build outside its window with a warning
+    # (~180 s on 2 idle Xeon cores; a loaded machine may need 2-3x).
+    max_seconds: float = 900.0
     eval_every: int = 50
     target_low: float = 0.25
     target_high: float = 0.45
@@ -90,6 +93,8 @@ class WarmStartResult:
         in_window: the accuracy is inside the target window (False: step or time cap reached).
         step_seconds: mean wall time of one SFT step (batch building included), seconds.
         eval_seconds: total wall time of the evaluations, seconds.
+        time_capped: the wall-clock safety cap ``max_seconds`` ended the warm start (a loaded
+            machine); the model is then not the one the step schedule reaches.
     """
 
     steps: int
@@ -99,6 +104,7 @@ class WarmStartResult:
     in_window: bool = False
     step_seconds: float = 0.0
     eval_seconds: float = 0.0
+    time_capped: bool = False
 
 
 def warm_start(
@@ -127,7 +133,9 @@ def warm_start(
     Returns:
         :class:`WarmStartResult`; ``in_window`` False if the step/time budget ran out first (the
         model is then the snapshot whose accuracy was closest to the window). ``cfg.max_seconds``
-        is checked after every step; one evaluation may follow it.
+        is checked only before each interval of ``eval_every`` steps, never inside one, so the
+        steps trained and evaluated are those of the step schedule whatever the machine's speed;
+        a run it stops has ``time_capped`` True.
     """
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -176,7 +184,7 @@ def warm_start(
         timing["eval"] += time.perf_counter() - te
         return a
 
-    def result(steps: int, a: float, in_window: bool) -> WarmStartResult:
+    def result(steps: int, a: float, in_window: bool, time_capped: bool = False) -> WarmStartResult:
         return WarmStartResult(
             steps,
             a,
@@ -185,6 +193,7 @@ def warm_start(
             in_window,
             timing["train"] / max(timing["steps"], 1),
             timing["eval"],
+            time_capped,
         )
 
     try:
@@ -194,9 +203,10 @@ def warm_start(
         below = (0, snapshot())  # last snapshot known to be below the window
         eval_every, step = cfg.eval_every, 0
         while not (cfg.target_low <= acc <= cfg.target_high):
-            if step >= cfg.max_steps or time.perf_counter() - t0 > cfg.max_seconds:
+            time_capped = time.perf_counter() - t0 > cfg.max_seconds
+            if step >= cfg.max_steps or time_capped:
                 restore(best[2])
-                return result(best[1], best[3], False)
+                return result(best[1], best[3], False, time_capped and step < cfg.max_steps)
             model.train()
             loss_val = 0.0
             for _ in range(eval_every):
@@ -216,8 +226,6 @@ def warm_start(
                 timing["train"] += time.perf_counter() - ts
                 if progress:
                     progress(step, None, loss_val)
-                if time.perf_counter() - t0 > cfg.max_seconds:
-                    break
             acc = timed_eval()
             history.append((step, acc))
             if progress:

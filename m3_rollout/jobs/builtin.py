@@ -235,19 +235,27 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
 def warm_start_warning(model_dir: Path, info: dict) -> str | None:
     """A warning when a built checkpoint's warm start stopped outside its accuracy window, else None.
 
-    That happens when the build hit ``max_steps`` or ``max_seconds`` (a heavily loaded machine): the GRPO
-    run then starts lower (or higher) than the README's figures. The build stays cached, so the warning
-    is given on every run that uses it, with how to rebuild.
+    That happens when the build hit ``max_steps`` or the wall-clock safety cap ``max_seconds`` (a
+    heavily loaded machine; ``time_capped`` in the report): the GRPO run then starts lower (or
+    higher) than the README's figures. The build stays cached, so the warning is given on every run
+    that uses it, with how to rebuild.
     """
     if info.get("in_window", True):
         return None
     spec = info.get("spec", {}).get("warm_start") or {}
     lo, hi = spec.get("target_low", float("nan")), spec.get("target_high", float("nan"))
+    if info.get("time_capped"):
+        cause = (
+            f"the wall-clock safety cap warm_start.max_seconds={spec.get('max_seconds')} ended it before its "
+            f"step schedule did (a loaded machine)"
+        )
+    else:
+        cause = "step cap reached"
     return (
         f"WARNING: the checkpoint's warm start stopped at step {info.get('warm_start_steps')} after "
         f"{info.get('build_seconds', float('nan')):.0f} s with held-out accuracy "
-        f"{info.get('heldout_accuracy', float('nan')):.3f}, outside its window [{lo}, {hi}] (step or time cap "
-        f"reached); GRPO starts from it, so accuracies will differ from the README's. To rebuild, delete "
+        f"{info.get('heldout_accuracy', float('nan')):.3f}, outside its window [{lo}, {hi}] ({cause}); "
+        f"GRPO starts from it, so accuracies will differ from the README's. To rebuild, delete "
         f"{model_dir} and run again on a less loaded machine."
     )
 
@@ -361,6 +369,7 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             warm_start_steps=result.steps,
             heldout_accuracy=result.accuracy,
             in_window=result.in_window,
+            time_capped=result.time_capped,
             warm_start_seconds=round(result.seconds, 1),
             step_seconds=round(result.step_seconds, 4),
             eval_seconds=round(result.eval_seconds, 2),
