@@ -285,9 +285,11 @@ class CheckpointingConfig:
     save_final: bool = True
     # Save every save_period steps (0 = only the final one); keep the keep_top_k best by
     # metric_name (null = keep all); resume continues from the latest step_* in checkpoint_dir.
+    # metric_name: a metric the run logs (docs/metrics.md: "validation/accuracy", "train/reward",
+    # ...) or NeMo RL's "val:accuracy" / "train:reward"; a name no step logs stops the job at start.
     save_period: int = 0
     keep_top_k: int | None = None
-    metric_name: str = "val/accuracy"
+    metric_name: str = "validation/accuracy"
     higher_is_better: bool = True
     resume: bool = False
 

@@ -34,7 +34,7 @@ def _step(policy):
 def test_layout_and_loaders_agree(tmp_path):
     policy = _policy()
     _step(policy)
-    path = CheckpointManager(tmp_path).save(1, policy, None, {"next_batch": 2}, {"val/accuracy": 0.5})
+    path = CheckpointManager(tmp_path).save(1, policy, None, {"next_batch": 2}, {"validation/accuracy": 0.5})
     assert sorted(p.name for p in path.iterdir()) == [
         "optimizer.pt",
         "policy",
@@ -92,7 +92,7 @@ def test_keep_top_k(tmp_path, higher, kept):
     policy = _policy()
     mgr = CheckpointManager(tmp_path, keep_top_k=2, higher_is_better=higher)
     for step, acc in [(1, 0.5), (2, 0.9), (3, 0.1), (4, 0.3)]:
-        mgr.save(step, policy, None, {}, {"val/accuracy": acc})
+        mgr.save(step, policy, None, {}, {"validation/accuracy": acc})
     # best two by the metric + the newest (resume point)
     assert mgr.steps() == kept
     assert not any(p.name.startswith("step_1.tmp") for p in tmp_path.iterdir())
@@ -152,7 +152,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     assert sorted(split_rows) == [1, 2, 3, 4] and sorted(full_rows) == [1, 2, 3, 4]
     assert any(full_rows[s]["train/grad_norm"] > 0 for s in (3, 4)), "the test needs real gradients"
     for s in (3, 4):
-        for key in ("train/loss", "train/reward_mean", "train/token_mult_prob_error", "train/grad_norm", "train/lr"):
+        for key in ("train/loss", "train/reward", "train/token_mult_prob_error", "train/grad_norm", "train/lr"):
             assert split_rows[s][key] == full_rows[s][key], (s, key)
     a = load_checkpoint(full["final_checkpoint"]).state_dict()
     b = load_checkpoint(resumed["final_checkpoint"]).state_dict()
