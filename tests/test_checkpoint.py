@@ -2,6 +2,8 @@
 keep_top_k retention, and resume == uninterrupted run (CPU, fp32, sync)."""
 
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -131,10 +133,27 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
         "policy.scheduler.warmup_steps=2",
     ]
 
+    inits = []  # wandb.init calls, through a stand-in wandb module
+
+    class FakeRun:
+        def __init__(self, **kwargs):
+            inits.append(kwargs)
+            self.id = kwargs.get("id", f"run{len(inits)}")
+
+        def log(self, metrics, step):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: FakeRun(**kw)))
+
     def run(name, steps, resume=False):
+        wandb = ["logger.wandb.mode=offline", "logger.wandb.entity=team", "logger.wandb.tags=[m3,ci]"]
         cfg = load_config(
             "configs/grpo_smoke.yaml",
             common
+            + (wandb if name == "split" else [])
             + [
                 f"grpo.max_num_steps={steps}",
                 f"logger.log_dir={tmp_path}/{name}/logs",
@@ -158,3 +177,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     b = load_checkpoint(resumed["final_checkpoint"]).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert [s for s, _ in resumed["val_history"]] == [0, 2, 4]
+    # the resumed run continued the wandb run its checkpoint recorded
+    first, second = inits
+    assert first["entity"] == "team" and first["tags"] == ["m3", "ci"] and "id" not in first
+    assert second["id"] == "run1" and second["resume"] == "allow"
+    state = torch.load(tmp_path / "split" / "ckpt" / "step_4" / "training_state.pt", weights_only=False)
+    assert state["data"]["wandb_run_id"] == "run1"

@@ -164,7 +164,12 @@ def run(cfg: MasterConfig) -> dict:
     # generator == trainer weights (step 0, or the resumed step's)
     backend.update_weights(start_step - 1, policy.named_released_tensors())
     loss_fn = build_loss_fn(cfg.loss_fn)
-    logger = MetricsLogger(cfg.logger, to_dict(cfg), write=tqdm.write)
+    try:  # a resumed run continues the wandb run its checkpoint recorded
+        logger = MetricsLogger(cfg.logger, to_dict(cfg), tqdm.write, data_state.get("wandb_run_id"))
+    except BaseException:
+        env.close()
+        backend.shutdown()
+        raise
     sampling_warning = truncated_sampling_warning(cfg)
     if sampling_warning:
         logger.text(sampling_warning)
@@ -207,7 +212,7 @@ def run(cfg: MasterConfig) -> dict:
 
     def save(step: int, metrics: dict) -> Path:
         """``metrics``: the step's logged metrics (full names); the last validation's are added."""
-        state = {**collector.state(), "val_history": [list(h) for h in history]}
+        state = {**collector.state(), "val_history": [list(h) for h in history], "wandb_run_id": logger.run_id}
         path = ckpts.save(step, policy, model_dir, state, {**last_val, **metrics})
         logger.text(f"saved checkpoint {path}")
         return path

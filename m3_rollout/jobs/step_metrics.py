@@ -175,7 +175,7 @@ def logged_metric_names(cfg: MasterConfig) -> set[str]:
         train |= {"memory/sleep_gb_freed", "memory/wake_gb_restored"}
     names = {f"train/{k}" for k in train} | {f"timing/train/{k}" for k in timing}
     names |= {f"performance/{k}" for k in _PERFORMANCE}
-    if g.val_at_start or g.val_at_end or g.val_period <= g.max_num_steps:
+    if g.val_at_start or (g.val_at_end and g.max_num_steps > 0) or g.val_period < g.max_num_steps:
         names |= set(_VALIDATION)
     return names
 
@@ -183,6 +183,9 @@ def logged_metric_names(cfg: MasterConfig) -> set[str]:
 def resolve_metric_name(cfg: MasterConfig) -> str:
     """``checkpointing.metric_name`` as a logged name: NeMo RL's ``val:NAME`` / ``train:NAME``
     become ``validation/NAME`` / ``train/NAME``.
+
+    A validation metric of a run that never validates is accepted while nothing ranks by it
+    (``keep_top_k`` null); NeMo RL warns at the first save in that case.
 
     Raises:
         ConfigError: the name is not one this configuration logs (``logged_metric_names``); the
@@ -196,6 +199,14 @@ def resolve_metric_name(cfg: MasterConfig) -> str:
     if name in names:
         return name
     key = f"checkpointing.metric_name={cfg.checkpointing.metric_name!r}"
+    if name in _VALIDATION:  # a validation metric of a run that never validates
+        if cfg.checkpointing.keep_top_k is None:
+            return name  # recorded in no checkpoint, and nothing ranks by it
+        raise ConfigError(
+            f"{key}: this run never validates (grpo.val_at_start, val_at_end false and grpo.val_period > "
+            f"max_num_steps), so checkpointing.keep_top_k={cfg.checkpointing.keep_top_k} could not rank by it; "
+            f"validate, or rank by a train/ metric"
+        )
     if name in RENAMED:
         raise ConfigError(f"{key}: that metric is now logged as {RENAMED[name]!r} (docs/metrics.md)")
     import difflib
