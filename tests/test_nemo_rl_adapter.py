@@ -164,6 +164,8 @@ def test_refusals_name_the_problem():
     gen.prepare_refit_info(info)
     with pytest.raises(ValueError, match="names differ from prepare_refit_info"):
         gen.update_weights_via_ipc(iter_released_tensors(model, prefix=""))
+    # a backend other than the in-process engine: the shapes come from the config (a meta-device copy)
+    NemoRLGeneration(gen.backend, CONFIG, model_config=model.config).prepare_refit_info(info)
     with pytest.raises(ValueError, match="_pad_token_id"):
         NemoRLGeneration(gen.backend, {k: v for k, v in CONFIG.items() if k != "_pad_token_id"})
 

@@ -2,6 +2,7 @@
 checkpointing.metric_name checked against the logged names, wandb entity/group/tags and the resume
 rule (a stand-in wandb module), and the advantage metrics' definition."""
 
+import copy
 import sys
 import types
 from pathlib import Path
@@ -74,20 +75,29 @@ def test_double_plus_overrides_like_a_plain_override():
 
 
 def test_checkpoint_metric_name_must_be_a_logged_name():
-    cfg = load_config(MAIN, ["checkpointing.metric_name=val:accuracy"])  # NeMo RL's form
-    assert resolve_metric_name(cfg) == "validation/accuracy"
-    assert resolve_metric_name(load_config(MAIN, ["checkpointing.metric_name=train:reward"])) == "train/reward"
+    base = load_config(MAIN, ["checkpointing.metric_name=val:accuracy"])  # NeMo RL's form
+
+    def cfg(metric_name=None, keep_top_k=None, validates=True, sleep_level=0):
+        c = copy.deepcopy(base)
+        c.checkpointing.metric_name = metric_name or c.checkpointing.metric_name
+        c.checkpointing.keep_top_k = keep_top_k
+        c.grpo.val_at_start = c.grpo.val_at_end = validates
+        c.grpo.val_period = c.grpo.val_period if validates else 1000
+        c.policy.generation.sleep_level = sleep_level
+        return c
+
+    assert resolve_metric_name(cfg()) == "validation/accuracy"
+    assert resolve_metric_name(cfg("train:reward")) == "train/reward"
     with pytest.raises(ConfigError, match="now logged as 'validation/accuracy'"):
-        resolve_metric_name(load_config(MAIN, ["checkpointing.metric_name=val/accuracy"]))
+        resolve_metric_name(cfg("val/accuracy"))
     with pytest.raises(ConfigError, match="did you mean 'train/reward'"):
-        resolve_metric_name(load_config(MAIN, ["checkpointing.metric_name=train/rewrd"]))
-    no_val = ["grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=1000"]
-    assert "validation/accuracy" not in logged_metric_names(load_config(MAIN, no_val))
-    assert resolve_metric_name(load_config(MAIN, no_val)) == "validation/accuracy"  # nothing ranks by it
+        resolve_metric_name(cfg("train/rewrd"))
+    assert "validation/accuracy" not in logged_metric_names(cfg(validates=False))
+    assert resolve_metric_name(cfg(validates=False)) == "validation/accuracy"  # nothing ranks by it
     with pytest.raises(ConfigError, match="never validates"):
-        resolve_metric_name(load_config(MAIN, [*no_val, "checkpointing.keep_top_k=2"]))
-    sleeping = load_config(MAIN, ["policy.generation.sleep_level=1", "policy.generation.expert_parallel_size=1"])
-    assert "timing/train/finish_generation" in logged_metric_names(sleeping)
+        resolve_metric_name(cfg(keep_top_k=2, validates=False))
+    assert "timing/train/finish_generation" in logged_metric_names(cfg(sleep_level=1))
+    assert "timing/train/finish_generation" not in logged_metric_names(cfg())
 
 
 def test_advantage_metrics_weight_each_sample_by_its_trained_tokens():
@@ -125,9 +135,9 @@ def test_wandb_fields_and_resume_rule(tmp_path, monkeypatch):
         "logger.wandb.group=sweep",
         "logger.wandb.tags=[a]",
     ]
-    cfg = load_config(MAIN, [*wandb, f"logger.log_dir={tmp_path}"])
+    cfg = load_config(MAIN, [*wandb, f"logger.log_dir={tmp_path}"]).logger
     run_config = {"checkpointing": {"resume": False}}
-    fresh = MetricsLogger(cfg.logger, run_config, resume_run_id="ignored-for-a-fresh-run")
+    fresh = MetricsLogger(cfg, run_config, resume_run_id="ignored-for-a-fresh-run")
     assert fresh.run_id == "fresh-id"
     assert (calls[0]["entity"], calls[0]["group"], calls[0]["tags"], calls[0]["mode"]) == (
         "lab",
@@ -138,15 +148,15 @@ def test_wandb_fields_and_resume_rule(tmp_path, monkeypatch):
     assert "id" not in calls[0]
     fresh.close()
     resumed = {"checkpointing": {"resume": True}}
-    assert MetricsLogger(cfg.logger, resumed, resume_run_id="abc").run_id == "abc"
+    assert MetricsLogger(cfg, resumed, resume_run_id="abc").run_id == "abc"
     assert calls[1]["id"] == "abc" and calls[1]["resume"] == "allow"
-    must = load_config(MAIN, [*wandb, f"logger.log_dir={tmp_path}", "logger.wandb.resume=must"])
-    MetricsLogger(must.logger, resumed, resume_run_id="abc")
+    cfg.wandb.resume = "must"
+    MetricsLogger(cfg, resumed, resume_run_id="abc")
     assert calls[2]["resume"] == "must"
     with pytest.raises(ConfigError, match="records no wandb run id"):
-        MetricsLogger(must.logger, resumed, resume_run_id=None)
-    never = load_config(MAIN, [*wandb, f"logger.log_dir={tmp_path}", "logger.wandb.resume=never"])
-    MetricsLogger(never.logger, resumed, resume_run_id="abc")
+        MetricsLogger(cfg, resumed, resume_run_id=None)
+    cfg.wandb.resume = "never"
+    MetricsLogger(cfg, resumed, resume_run_id="abc")
     assert "id" not in calls[3]
     with pytest.raises(ConfigError, match="logger.wandb.resume"):
         load_config(MAIN, ["logger.wandb.resume=sometimes"])

@@ -57,8 +57,8 @@ class NemoRLGeneration:
         config: NeMo RL's ``policy.generation`` dict: ``max_new_tokens``, ``temperature``,
             ``top_p``, ``top_k`` (None = off) and ``_pad_token_id`` are read; ``stop_token_ids``,
             ``stop_strings`` and ``colocated.enabled`` (default True) when present.
-        model_config: the served model's ``M3Config`` (its shapes check refit names); default
-            the ``NativeBackend``'s model's.
+        model_config: the served model's ``M3Config`` (its shapes check refit names, through a
+            meta-device copy); default: the ``NativeBackend``'s model itself.
         sleep_level: what ``finish_generation`` releases when colocated: 1 = the KV cache, 2 =
             also the weights (to host memory). NOTE: vLLM's level 1 offloads weights too.
         seed: base of the sampling seed; call k of ``generate`` / ``generate_async`` samples with
@@ -96,9 +96,10 @@ class NemoRLGeneration:
         if model_config is None:
             if not isinstance(backend, NativeBackend):
                 raise ValueError(f"NemoRLGeneration: pass model_config for a {type(backend).__name__}")
-            model_config = backend.model.config
-        with torch.device("meta"):  # shapes only: no memory
-            self._shapes = M3ForCausalLM(model_config)
+            self._shapes = backend.model  # the served model itself (all experts: one in-process engine)
+        else:
+            with torch.device("meta"):  # shapes only: no memory
+                self._shapes = M3ForCausalLM(model_config)
         self._calls = 0
         self._asleep = False
         self._refit_names: set[str] | None = None
