@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,15 @@ class WandbConfig:
     name: str = "grpo-tiny-m3"
     # auto: online when WANDB_API_KEY is set, offline otherwise; "disabled" turns wandb off.
     mode: str = "auto"
+    # The wandb team / user the run belongs to (null = the key's default), the group runs are
+    # gathered under, and the run's tags.
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    # A resumed run (checkpointing.resume) continues the wandb run its checkpoint recorded:
+    # "allow" (continue it, or start a new one when the checkpoint has none) or "must" (the
+    # checkpoint must name one); "never": always a new run.
+    resume: str = "allow"
 
 
 @dataclass
@@ -285,9 +295,11 @@ class CheckpointingConfig:
     save_final: bool = True
     # Save every save_period steps (0 = only the final one); keep the keep_top_k best by
     # metric_name (null = keep all); resume continues from the latest step_* in checkpoint_dir.
+    # metric_name: a metric the run logs (docs/metrics.md: "validation/accuracy", "train/reward",
+    # ...) or NeMo RL's "val:accuracy" / "train:reward"; a name no step logs stops the job at start.
     save_period: int = 0
     keep_top_k: int | None = None
-    metric_name: str = "val/accuracy"
+    metric_name: str = "validation/accuracy"
     higher_is_better: bool = True
     resume: bool = False
 
@@ -537,6 +549,7 @@ _CHOICES = {
     "policy.thinking_mode": ("disabled", "enabled", "adaptive"),
     "policy.optimizer.name": ("adamw",),
     "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
+    "logger.wandb.resume": ("allow", "must", "never"),
     "cluster.launcher": ("auto", "ray", "mp"),
     "loss_fn.reference_policy_kl_type": ("k1", "k2", "k3"),
     "loss_fn.importance_sampling_type": ("tis", "mis"),
@@ -920,6 +933,7 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     parents = data.pop("defaults", None)
+    data = _nest(translate_nemo_rl(_flatten(data)))  # NeMo RL's keys -> this schema's
     if parents is None:
         parents = []
     elif isinstance(parents, str):
@@ -987,6 +1001,217 @@ def _suggest_key(schema, key: str) -> str:
     return f", did you mean {(parent + '.' if parent else '') + close[0]!r}?" if close else ""
 
 
+# ------------------------------------------------------------------------ NeMo RL's keys
+def _rejected(why: str) -> Callable[[Any], list[tuple[str, Any]]]:
+    def reject(value: Any) -> list[tuple[str, Any]]:
+        raise ConfigError(why)
+
+    return reject
+
+
+def _rename(key: str, convert: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], list[tuple[str, Any]]]:
+    return lambda value: [(key, convert(value))]
+
+
+def _is_type(value: Any) -> list[tuple[str, Any]]:
+    kinds = {"tis": "tis", "icepop": "mis"}
+    if value not in kinds:
+        raise ConfigError(
+            f"loss_fn.truncated_importance_sampling_type={value!r}: this loss has 'tis' (clamp above "
+            f"loss_fn.truncated_importance_sampling_ratio) and 'icepop' (= loss_fn.importance_sampling_type=mis, "
+            f"tokens outside [mis_ratio_min, mis_ratio_max] dropped); no untruncated or sequence-level weights"
+        )
+    return [("loss_fn.importance_sampling_type", kinds[value])]
+
+
+def _betas(value: Any) -> list[tuple[str, Any]]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(f"policy.optimizer.kwargs.betas={value!r}: must be [beta1, beta2]")
+    return [("policy.optimizer.beta1", value[0]), ("policy.optimizer.beta2", value[1])]
+
+
+def _logprobs_mode(value: Any) -> list[tuple[str, Any]]:
+    modes = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
+    if value not in modes:
+        raise ConfigError(
+            f"policy.generation.vllm_cfg.logprobs_mode={value!r}: 'processed_logprobs' or 'raw_logprobs' "
+            "(policy.generation.logprobs_mode=processed | raw)"
+        )
+    return [("policy.generation.logprobs_mode", modes[value])]
+
+
+#: NeMo RL's config keys for the concepts both have (``docs/metrics.md`` lists them): each maps the
+#: value to this schema's (key, value) pairs, or raises ConfigError naming the key to use instead.
+#: Applied to every YAML file and to the command-line overrides before the schema sees them.
+NEMO_RL_KEYS: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
+    "grpo.max_val_samples": _rename("grpo.num_val_prompts"),
+    "grpo.val_batch_size": _rejected(
+        "grpo.val_batch_size: held-out prompts are generated in one batch; grpo.num_val_prompts sets how many"
+    ),
+    "grpo.max_num_epochs": _rejected(
+        "grpo.max_num_epochs: prompt batches are drawn without epochs; grpo.max_num_steps ends the run"
+    ),
+    "policy.refit_buffer_size_gb": _rename("weight_sync.bucket_size_mb", lambda gb: float(gb) * 1024),
+    "policy.dtensor_cfg.activation_checkpointing": _rename("policy.activation_checkpointing"),
+    "policy.optimizer.kwargs.lr": _rename("policy.optimizer.lr"),
+    "policy.optimizer.kwargs.weight_decay": _rename("policy.optimizer.weight_decay"),
+    "policy.optimizer.kwargs.eps": _rename("policy.optimizer.eps"),
+    "policy.optimizer.kwargs.betas": _betas,
+    "policy.generation.vllm_cfg.enforce_eager": _rename("policy.generation.enable_cuda_graphs", lambda v: not v),
+    "policy.generation.vllm_cfg.max_model_len": _rename("policy.max_total_sequence_length"),
+    "policy.generation.vllm_cfg.expert_parallel_size": _rename("policy.generation.expert_parallel_size"),
+    "policy.generation.vllm_cfg.precision": _rename("policy.generation.dtype"),
+    "policy.generation.vllm_cfg.logprobs_mode": _logprobs_mode,
+    "policy.generation.vllm_cfg.gpu_memory_utilization": _rejected(
+        "policy.generation.vllm_cfg.gpu_memory_utilization: this engine sizes only its KV cache, after the "
+        "weights are loaded: policy.generation.kv_cache_memory_fraction (of the free memory) or "
+        "policy.generation.kv_cache_memory_gb"
+    ),
+    "policy.generation.vllm_cfg.tensor_parallel_size": _rejected(
+        "policy.generation.vllm_cfg.tensor_parallel_size: the engine has no tensor parallelism; it shards the "
+        "experts: policy.generation.expert_parallel_size"
+    ),
+    "policy.generation.colocated.enabled": _rejected(
+        "policy.generation.colocated.enabled: the engine is colocated with the trainer when it runs in the "
+        "trainer's process (policy.generation.expert_parallel_size=1, cluster.launcher=auto); "
+        "policy.generation.sleep_level hands its memory to the trainer"
+    ),
+    "loss_fn.truncated_importance_sampling_type": _is_type,
+    "loss_fn.kl_input_clamp_value": _rejected(
+        "loss_fn.kl_input_clamp_value: the KL estimate is not clamped here (loss_fn.reference_policy_kl_type)"
+    ),
+    "loss_fn.kl_output_clamp_value": _rejected(
+        "loss_fn.kl_output_clamp_value: the KL estimate is not clamped here (loss_fn.reference_policy_kl_type)"
+    ),
+}
+
+
+def translate_nemo_rl(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """(dotted key, value) pairs of one source (a YAML file or the overrides) with NeMo RL's keys
+    (``NEMO_RL_KEYS``) replaced by this schema's; other pairs pass unchanged, in order.
+
+    NeMo RL's truncated importance sampling reads two keys together: with
+    ``truncated_importance_sampling_type=icepop`` in the same source, its
+    ``truncated_importance_sampling_ratio`` / ``_ratio_min`` are the band (``mis_ratio_max`` /
+    ``mis_ratio_min``); with ``tis`` the lower bound must be 0 or null (this TIS only clamps above).
+
+    Raises:
+        ConfigError: a NeMo RL key this schema rejects, naming the key to use.
+    """
+    return [(k, v) for _, k, v in _translate(items)]
+
+
+def _translate(items: list[tuple[str, Any]]) -> list[tuple[int, str, Any]]:
+    """``translate_nemo_rl`` with the index of the input pair each output pair came from."""
+    given = dict(items)
+    icepop = given.get("loss_fn.truncated_importance_sampling_type") == "icepop"
+    out: list[tuple[int, str, Any]] = []
+    for i, (key, value) in enumerate(items):
+        if key == "loss_fn.truncated_importance_sampling_ratio" and icepop:
+            out.append((i, "loss_fn.mis_ratio_max", value))
+        elif key == "loss_fn.truncated_importance_sampling_ratio_min":
+            if icepop:
+                out.append((i, "loss_fn.mis_ratio_min", value))
+            elif value not in (None, 0, 0.0):
+                raise ConfigError(
+                    f"loss_fn.truncated_importance_sampling_ratio_min={value!r}: TIS here clamps above only; for a "
+                    "band use loss_fn.importance_sampling_type=mis with loss_fn.mis_ratio_min / mis_ratio_max"
+                )
+        elif key in NEMO_RL_KEYS:
+            out += [(i, k, v) for k, v in NEMO_RL_KEYS[key](value)]
+        else:
+            out.append((i, key, value))
+    return out
+
+
+def _flatten(node: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, leaf value) pairs of a nested mapping; an empty mapping is a leaf."""
+    out: list[tuple[str, Any]] = []
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out += _flatten(v, key + ".")
+        else:
+            out.append((key, v))
+    return out
+
+
+def _nest(items: list[tuple[str, Any]]) -> dict:
+    """The nested mapping of (dotted key, value) pairs (inverse of ``_flatten``)."""
+    root: dict = {}
+    for key, value in items:
+        *parents, leaf = key.split(".")
+        node = root
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {key!r}: {p!r} is a value, not a section")
+        node[leaf] = value
+    return root
+
+
+def _override_value(text: str) -> Any:
+    """An override's value as OmegaConf's command-line grammar reads it (true -> True, 1e-3 ->
+    0.001, [a, b] -> a list, null -> None, anything else a string)."""
+    return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+
+
+def _override_text(value: Any) -> str:
+    """``value`` written back in OmegaConf's command-line grammar (inverse of ``_override_value``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_text(v) for v in value) + "]"
+    return str(value)
+
+
+def parse_overrides(schema, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """``key=value`` overrides, Hydra-style, as plain ``key=value`` strings for ``schema``.
+
+    ``key=value`` sets an existing key; ``++key=value`` sets it too (Hydra: add or override);
+    ``+key=value`` adds a key that must not exist yet: every key of this typed schema exists with
+    its default, so ``+`` of a known key is an error (use ``key=`` or ``++key=``) and ``+`` of an
+    unknown key is the unknown-key error (a typed schema takes no new keys). ``~key`` (Hydra's
+    delete) is refused the same way. NeMo RL's keys are translated first (``translate_nemo_rl``).
+
+    Raises:
+        ConfigError: a malformed override, an unknown key (with the closest key), ``+`` of an
+            existing key, ``~``, or a rejected NeMo RL key.
+    """
+    parsed: list[tuple[str, str, Any]] = []  # (mode, key, value)
+    for item in overrides:
+        mode = "++" if item.startswith("++") else "+" if item.startswith("+") else "~" if item.startswith("~") else ""
+        body = item[len(mode) :]
+        if mode == "~":
+            raise ConfigError(
+                f"override {item!r}: keys cannot be deleted from this typed schema; set the key to the value you want"
+            )
+        if "=" not in body:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. grpo.max_num_steps=5)")
+        key, text = body.split("=", 1)
+        parsed.append((mode, key.strip(), text))
+    out = []
+    for i, k, v in _translate([(key, _override_value(text)) for _, key, text in parsed]):
+        mode, key, text = parsed[i]
+        exists = OmegaConf.select(schema, k, default="__missing__") != "__missing__"
+        item = f"{mode}{key}={text}"
+        if not exists:
+            why = "; a typed schema takes no new keys (+ and ++ add none)" if mode else ""
+            raise ConfigError(
+                f"unknown config key {k!r} in override {item!r}{_suggest_key(schema, k)}{why}; "
+                f"see m3_rollout/config.py for the keys"
+            )
+        if mode == "+":
+            raise ConfigError(
+                f"override {item!r}: '+' adds a key that must not exist, and {k!r} exists (every key of this "
+                f"typed schema does, with its default): use {k}=... or ++{k}=..."
+            )
+        out.append(f"{k}={text}" if k == key else f"{k}={_override_text(v)}")  # a key of ours: as written
+    return out
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
     """Load a YAML config, apply ``key=value`` overrides, type-check and validate.
 
@@ -1008,15 +1233,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     try:
         if path is not None:
             schema = OmegaConf.merge(schema, load_yaml_with_defaults(resolve_config_path(path)))
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value (e.g. grpo.max_num_steps=5)")
-            key = item.split("=", 1)[0].strip()
-            if OmegaConf.select(schema, key, default="__missing__") == "__missing__":
-                raise ConfigError(
-                    f"unknown config key {key!r} in override {item!r}{_suggest_key(schema, key)}; "
-                    f"see m3_rollout/config.py for the keys"
-                )
+        overrides = parse_overrides(schema, overrides)
         if overrides:
             schema = OmegaConf.merge(schema, OmegaConf.from_dotlist(list(overrides)))
     except ConfigKeyError as exc:

@@ -75,7 +75,7 @@ def main() -> None:
     rows = {}
     for name, r in (("sync", sync), ("async (age 1)", asyn)):
         s, series = r["summary"], r["series"]
-        rewards = [v for _, v in curve(series, "train/reward_mean")]
+        rewards = [v for _, v in curve(series, "train/reward")]
         stale = s.get("stale_groups_dropped", 0)
         ages = [v for _, v in curve(series, "train/mean_group_age")]
         rows[name] = {

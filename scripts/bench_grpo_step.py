@@ -45,15 +45,17 @@ from benchlib import machine
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/grpo_h200.yaml"
 
-#: (label, metric-key pattern) of the step phases, matched against the ``train/`` keys of a step.
+#: (label, metric-key pattern) of the step phases, matched against the keys of a step's row
+#: (NeMo RL's ``timing/train/`` names, docs/metrics.md).
 PHASES = (
-    ("generation", r"generation_seconds"),
-    ("logprob recomputation", r"logprob_seconds"),
-    ("training", r"train_seconds"),
-    ("refit", r"(refit|weight_sync)_seconds"),
-    ("sleep", r"(timing/)?sleep_seconds"),
-    ("wake", r"(timing/)?wake_seconds"),
+    ("generation", r"timing/train/generation"),
+    ("logprob recomputation", r"timing/train/policy_and_reference_logprobs"),
+    ("training", r"timing/train/policy_training"),
+    ("refit", r"timing/train/prepare_for_generation/transfer_and_update_weights"),
+    ("sleep", r"timing/train/finish_generation"),
+    ("wake", r"timing/train/prepare_for_generation/wake_up"),
 )
+STEP = "timing/train/total_step_time"
 
 #: Overrides of ``--tiny``: the random tiny checkpoint, a few prompts, CPU-sized engine.
 TINY_OVERRIDES = (
@@ -81,7 +83,7 @@ def step_split(rows: list[dict], skip_first: bool = True) -> dict:
     """Median seconds of each phase over the train rows of one run's ``metrics.jsonl``.
 
     Args:
-        rows: the ``metrics.jsonl`` records with ``train/step_seconds`` (one per GRPO step).
+        rows: the ``metrics.jsonl`` records with ``timing/train/total_step_time`` (one per GRPO step).
         skip_first: leave step 1 out (start-up work) when there are later steps.
 
     Returns:
@@ -91,9 +93,9 @@ def step_split(rows: list[dict], skip_first: bool = True) -> dict:
     """
     used = rows[1:] if skip_first and len(rows) > 1 else rows
     out: dict = {"phases": {}, "keys": {}, "steps": len(used)}
-    others = [r["train/step_seconds"] for r in used]
+    others = [r[STEP] for r in used]
     for label, pattern in PHASES:
-        keys = sorted({k for r in used for k in r if re.fullmatch(rf"train/{pattern}", k)})
+        keys = sorted({k for r in used for k in r if re.fullmatch(pattern, k)})
         out["keys"][label] = keys
         if not keys:
             out["phases"][label] = None
@@ -101,9 +103,9 @@ def step_split(rows: list[dict], skip_first: bool = True) -> dict:
         per_step = [sum(float(r.get(k, 0.0)) for k in keys) for r in used]
         out["phases"][label] = statistics.median(per_step)
         others = [o - p for o, p in zip(others, per_step)]
-    out["step"] = statistics.median(r["train/step_seconds"] for r in used)
+    out["step"] = statistics.median(r[STEP] for r in used)
     out["other"] = statistics.median(others)
-    out["tokens_per_s"] = statistics.median(r.get("train/generation_tokens_per_s", 0.0) for r in used)
+    out["tokens_per_s"] = statistics.median(r.get("performance/generation_tokens_per_s", 0.0) for r in used)
     return out
 
 
@@ -133,8 +135,8 @@ def run_main_job(seed: int, device: str, steps: int | None, tiny: bool, override
     return {
         "seed": seed,
         "summary": json.loads((log_dir / "summary.json").read_text()),
-        "train": [r for r in rows if "train/step_seconds" in r],
-        "val": [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r],
+        "train": [r for r in rows if STEP in r],
+        "val": [(r["step"], r["validation/accuracy"]) for r in rows if "validation/accuracy" in r],
         "wall_s": wall,
     }
 

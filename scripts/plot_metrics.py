@@ -5,7 +5,8 @@
 
 Each argument is a run: a ``logger.log_dir`` (its ``metrics.jsonl`` is read) or the JSONL file
 itself, optionally prefixed with ``label=``. Panels: train reward mean, held-out accuracy,
-``token_mult_prob_error`` and ``gen_kl_error`` per step. Needs matplotlib (``pip install
+``token_mult_prob_error`` and ``gen_kl_error`` per step (NeMo RL's names, docs/metrics.md; logs of
+runs before the renaming are read under their old names). Needs matplotlib (``pip install
 m3-rollout[plot]``).
 """
 
@@ -15,11 +16,12 @@ import argparse
 import json
 from pathlib import Path
 
+#: (metric names, the first present is drawn: current, then the name of older logs; panel title)
 PANELS = (
-    ("train/reward_mean", "train reward (mean)"),
-    ("val/accuracy", "held-out accuracy"),
-    ("train/token_mult_prob_error", "token_mult_prob_error"),
-    ("train/gen_kl_error", "gen_kl_error"),
+    (("train/reward", "train/reward_mean"), "train reward (mean)"),
+    (("validation/accuracy", "val/accuracy"), "held-out accuracy"),
+    (("train/token_mult_prob_error",), "token_mult_prob_error"),
+    (("train/gen_kl_error",), "gen_kl_error"),
 )
 
 
@@ -46,6 +48,11 @@ def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def panel_points(series: dict[str, list[tuple[int, float]]], keys: tuple[str, ...]) -> list[tuple[int, float]]:
+    """The points of the first of ``keys`` (a PANELS entry) that ``series`` has, else []."""
+    return next((series[k] for k in keys if k in series), [])
+
+
 def parse_run(arg: str) -> tuple[str, Path]:
     label, sep, path = arg.partition("=")
     return (label, Path(path)) if sep else (Path(arg).name or arg, Path(arg))
@@ -59,9 +66,9 @@ def plot_runs(runs: dict[str, dict[str, list[tuple[int, float]]]], out: str | Pa
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (key, name) in zip(axes.flat, PANELS):
+    for ax, (keys, name) in zip(axes.flat, PANELS):
         for label, series in runs.items():
-            pts = series.get(key, [])
+            pts = panel_points(series, keys)
             if pts:
                 ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 40 else None, label=label)
         ax.set_title(name)

@@ -55,6 +55,17 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
         ),
     ),
     (
+        "integrations",
+        "m3_rollout.integrations",
+        (
+            "m3_rollout.engine",
+            "m3_rollout.service",
+            "m3_rollout.weight_sync",
+            "m3_rollout.parallel",
+            "m3_rollout.model",
+        ),
+    ),
+    (
         "trainers",
         "m3_trainers",
         (

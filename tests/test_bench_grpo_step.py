@@ -21,15 +21,20 @@ def bench():
 
 def test_step_split_reads_the_timing_keys_there_are(bench):
     rows = [
-        {"train/step_seconds": 9.0, "train/generation_seconds": 5.0, "train/generation_tokens_per_s": 1.0},
         {
-            "train/step_seconds": 4.0,
-            "train/generation_seconds": 2.0,
-            "train/logprob_seconds": 0.5,
-            "train/train_seconds": 1.0,
-            "train/weight_sync_seconds": 0.25,
-            "train/sleep_seconds": 0.125,
-            "train/generation_tokens_per_s": 300.0,
+            "timing/train/total_step_time": 9.0,
+            "timing/train/generation": 5.0,
+            "performance/generation_tokens_per_s": 1.0,
+        },
+        {
+            "timing/train/total_step_time": 4.0,
+            "timing/train/generation": 2.0,
+            "timing/train/policy_and_reference_logprobs": 0.5,
+            "timing/train/policy_training": 1.0,
+            "timing/train/prepare_for_generation/transfer_and_update_weights": 0.25,
+            "timing/train/finish_generation": 0.125,
+            "timing/train/prepare_for_generation/graph_capture": 0.0625,  # part of wake_up: not a phase
+            "performance/generation_tokens_per_s": 300.0,
         },
     ]
     s = bench.step_split(rows)  # step 1 left out
@@ -43,7 +48,8 @@ def test_step_split_reads_the_timing_keys_there_are(bench):
         "wake": None,
     }
     assert s["other"] == pytest.approx(0.125) and s["tokens_per_s"] == 300.0
-    assert s["keys"]["refit"] == ["train/weight_sync_seconds"] and s["keys"]["wake"] == []
+    assert s["keys"]["refit"] == ["timing/train/prepare_for_generation/transfer_and_update_weights"]
+    assert s["keys"]["wake"] == []
 
 
 def test_real_shapes_tiny_writes_phases_memory_and_refit_ratio(bench, tmp_path):

@@ -2,6 +2,8 @@
 keep_top_k retention, and resume == uninterrupted run (CPU, fp32, sync)."""
 
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ def _step(policy):
 def test_layout_and_loaders_agree(tmp_path):
     policy = _policy()
     _step(policy)
-    path = CheckpointManager(tmp_path).save(1, policy, None, {"next_batch": 2}, {"val/accuracy": 0.5})
+    path = CheckpointManager(tmp_path).save(1, policy, None, {"next_batch": 2}, {"validation/accuracy": 0.5})
     assert sorted(p.name for p in path.iterdir()) == [
         "optimizer.pt",
         "policy",
@@ -92,7 +94,7 @@ def test_keep_top_k(tmp_path, higher, kept):
     policy = _policy()
     mgr = CheckpointManager(tmp_path, keep_top_k=2, higher_is_better=higher)
     for step, acc in [(1, 0.5), (2, 0.9), (3, 0.1), (4, 0.3)]:
-        mgr.save(step, policy, None, {}, {"val/accuracy": acc})
+        mgr.save(step, policy, None, {}, {"validation/accuracy": acc})
     # best two by the metric + the newest (resume point)
     assert mgr.steps() == kept
     assert not any(p.name.startswith("step_1.tmp") for p in tmp_path.iterdir())
@@ -131,10 +133,27 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
         "policy.scheduler.warmup_steps=2",
     ]
 
+    inits = []  # wandb.init calls, through a stand-in wandb module
+
+    class FakeRun:
+        def __init__(self, **kwargs):
+            inits.append(kwargs)
+            self.id = kwargs.get("id", f"run{len(inits)}")
+
+        def log(self, metrics, step):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: FakeRun(**kw)))
+
     def run(name, steps, resume=False):
+        wandb = ["logger.wandb.mode=offline", "logger.wandb.entity=team", "logger.wandb.tags=[m3,ci]"]
         cfg = load_config(
             "configs/grpo_smoke.yaml",
             common
+            + (wandb if name == "split" else [])
             + [
                 f"grpo.max_num_steps={steps}",
                 f"logger.log_dir={tmp_path}/{name}/logs",
@@ -152,9 +171,15 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     assert sorted(split_rows) == [1, 2, 3, 4] and sorted(full_rows) == [1, 2, 3, 4]
     assert any(full_rows[s]["train/grad_norm"] > 0 for s in (3, 4)), "the test needs real gradients"
     for s in (3, 4):
-        for key in ("train/loss", "train/reward_mean", "train/token_mult_prob_error", "train/grad_norm", "train/lr"):
+        for key in ("train/loss", "train/reward", "train/token_mult_prob_error", "train/grad_norm", "train/lr"):
             assert split_rows[s][key] == full_rows[s][key], (s, key)
     a = load_checkpoint(full["final_checkpoint"]).state_dict()
     b = load_checkpoint(resumed["final_checkpoint"]).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert [s for s, _ in resumed["val_history"]] == [0, 2, 4]
+    # the resumed run continued the wandb run its checkpoint recorded
+    first, second = inits
+    assert first["entity"] == "team" and first["tags"] == ["m3", "ci"] and "id" not in first
+    assert second["id"] == "run1" and second["resume"] == "allow"
+    state = torch.load(tmp_path / "split" / "ckpt" / "step_4" / "training_state.pt", weights_only=False)
+    assert state["data"]["wandb_run_id"] == "run1"

@@ -150,18 +150,22 @@ def test_smoke_job_runs_async(tmp_path, monkeypatch):
     for key in (
         "token_mult_prob_error",
         "gen_kl_error",
-        "ratio_mean",
-        "ratio_max",
+        "probs_ratio",
+        "probs_ratio_max",
         "clip_fraction",
         "entropy",
         "grad_norm",
-        "generation_seconds",
-        "logprob_seconds",
-        "train_seconds",
-        "weight_sync_seconds",
-        "step_tokens_per_s",
         "reward_std",
-        "truncated_fraction",
+        "truncation_rate",
         "stale_groups_dropped",
     ):
         assert f"train/{key}" in train[-1], key
+    for key in (
+        "timing/train/generation",
+        "timing/train/exposed_generation",
+        "timing/train/policy_and_reference_logprobs",
+        "timing/train/policy_training",
+        "timing/train/prepare_for_generation/transfer_and_update_weights",
+        "performance/step_tokens_per_s",
+    ):
+        assert key in train[-1], key

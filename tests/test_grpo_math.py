@@ -65,22 +65,27 @@ def test_combine_optimizer_steps_token_weighted():
     from m3_trainers.step import combine_optimizer_steps
 
     base = dict(
-        ratio_mean=1.0,
+        probs_ratio=1.0,
+        probs_ratio_clamped=1.0,
         clip_fraction=0.0,
         dual_clip_fraction=0.0,
-        reference_kl=0.0,
-        is_weight_mean=1.0,
-        is_dropped_fraction=0.0,
+        kl_penalty=0.0,
+        sampling_importance_ratio=1.0,
+        is_oob_ratio=0.0,
+        approx_entropy=2.0,
         entropy=2.0,
         token_mult_prob_error=1.01,
         gen_kl_error=1e-3,
+        policy_kl_error=1e-3,
+        js_divergence_error=1e-4,
         num_tokens=30.0,
         logprob_seconds=1.0,
         train_seconds=2.0,
         train_flops=6e12,
         logprob_flops=1e12,
         train_tflops_per_s=3.0,
-        ratio_max=1.5,
+        probs_ratio_max=1.5,
+        probs_ratio_min=0.8,
         max_logprob_abs_diff=0.1,
         loss=0.2,
         pg_loss=0.2,
@@ -95,7 +100,8 @@ def test_combine_optimizer_steps_token_weighted():
         "entropy": 1.0,
         "num_tokens": 10.0,
         "train_flops": 2e12,
-        "ratio_max": 3.0,
+        "probs_ratio_max": 3.0,
+        "probs_ratio_min": 0.5,
         "grad_norm": 3.0,
         "lr": 2e-3,
         "skipped_step": True,
@@ -103,7 +109,8 @@ def test_combine_optimizer_steps_token_weighted():
     m = combine_optimizer_steps([base, other])
     assert m["clip_fraction"] == pytest.approx(0.4 * 10 / 40)
     assert m["entropy"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)
-    assert m["num_tokens"] == 40 and m["train_seconds"] == 4.0 and m["ratio_max"] == 3.0
+    assert m["num_tokens"] == 40 and m["train_seconds"] == 4.0 and m["probs_ratio_max"] == 3.0
+    assert m["probs_ratio_min"] == 0.5
     assert m["grad_norm"] == 2.0 and m["lr"] == 1e-3 and m["skipped_step"] is True
     # throughput of the whole step: summed FLOPs over summed seconds, not a mean of rates
     assert m["train_flops"] == 8e12 and m["logprob_flops"] == 2e12 and m["train_tflops_per_s"] == pytest.approx(2.0)

@@ -162,7 +162,7 @@ def test_overlong_filtering_token_counts_agree_with_the_batch(cache):
     (r,) = _metrics(cache)
     assert r["train/overlong_filtered"] > 0
     n = 16  # num_prompts_per_step * num_generations_per_prompt
-    assert r["train/mean_generated_tokens"] * n == pytest.approx(r["train/num_tokens"])
+    assert r["train/mean_gen_tokens_per_sample"] * n == pytest.approx(r["train/num_tokens"])
 
 
 @pytest.mark.parametrize("reward", [None, -1.0])

@@ -9,6 +9,7 @@ import torch
 from m3_rollout.config import load_config
 from m3_rollout.jobs import builtin
 from m3_rollout.jobs.grpo import main, run
+from m3_rollout.jobs.step_metrics import logged_metric_names
 from m3_rollout.model import load_checkpoint
 
 
@@ -36,6 +37,13 @@ def test_smoke_run(cache):
         # Random weights never earn a reward, so advantages (and gradients) are 0 here;
         # tests/test_policy.py checks learning with non-zero advantages.
         assert r["train/num_tokens"] > 0 and r["train/grad_norm"] >= 0
+        assert r["train/advantages/min"] <= r["train/advantages/mean"] <= r["train/advantages/max"]
+        assert r["timing/train/total_step_time"] >= r["timing/train/generation"] > 0
+    # the names the loop logs are the ones step_metrics promises (checkpointing.metric_name is checked
+    # against that list at start), NeMo RL's among them
+    logged = {k for r in rows for k in r if k != "step"}
+    assert logged == logged_metric_names(cfg), logged ^ logged_metric_names(cfg)
+    assert {"train/reward", "validation/accuracy", "train/policy_kl_error", "train/js_divergence_error"} <= logged
     ckpt = load_checkpoint(summary["final_checkpoint"])
     from transformers import AutoTokenizer
 

@@ -96,11 +96,13 @@ def test_truncated_and_masked_importance_sampling():
     adv = torch.tensor([1.0], dtype=torch.float64)
     mask = torch.ones(1, 2)
     tis, m = ClippedPGLossFn(importance_sampling="tis", tis_max=2.0)(lp, prev, adv, mask, 2.0, generation_logprobs=gen)
-    assert tis.item() == pytest.approx(-(2.0 + 1.5) / 2) and m["is_weight_sum"] == pytest.approx(3.5)
+    assert tis.item() == pytest.approx(-(2.0 + 1.5) / 2) and m["is_ratio_sum"] == pytest.approx(3.5)
+    assert m["is_oob_sum"] == 1.0  # w = 3 > tis_max
     mis, m = ClippedPGLossFn(importance_sampling="mis", mis_min=0.5, mis_max=2.0)(
         lp, prev, adv, mask, 2.0, generation_logprobs=gen
     )
-    assert mis.item() == pytest.approx(-1.5 / 2) and m["is_dropped_sum"] == 1.0
+    assert mis.item() == pytest.approx(-1.5 / 2) and m["is_oob_sum"] == 1.0
+    assert m["is_ratio_sum"] == pytest.approx(1.5)  # the dropped token counts 0
     mis.backward()
     assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() == pytest.approx(-1.5 / 2)
     w = importance_weights(prev, gen, mask, "none")

@@ -162,7 +162,14 @@ def test_entropy_and_ratio_metrics():
     metrics = policy.train_step(batch, ClippedPGLossFn(), 1.0, 4)
     mask = batch.loss_mask.bool()
     assert metrics["entropy"] == pytest.approx(float(ent[mask].mean()), rel=1e-9)
-    assert metrics["ratio_mean"] == pytest.approx(1.0) and metrics["ratio_max"] == pytest.approx(1.0)
+    assert metrics["probs_ratio"] == pytest.approx(1.0) and metrics["probs_ratio_max"] == pytest.approx(1.0)
+    assert metrics["probs_ratio_min"] == pytest.approx(1.0) and metrics["probs_ratio_clamped"] == pytest.approx(1.0)
+    # NeMo RL's estimates from the generator's samples (rollout logprobs = gen)
+    gen = batch.rollout_logprobs.double()
+    w = torch.exp(lp - gen)[mask]
+    assert metrics["approx_entropy"] == pytest.approx(float(-(w * lp[mask]).mean()), rel=1e-9)
+    assert metrics["sampling_importance_ratio"] == pytest.approx(float(w.mean()), rel=1e-9)  # reported, IS off
+    assert metrics["is_oob_ratio"] == 0.0
 
 
 def test_mismatch_metrics_hand_values():
@@ -173,6 +180,12 @@ def test_mismatch_metrics_hand_values():
     assert m["token_mult_prob_error"] == pytest.approx((math.exp(0.5) + math.exp(1.0)) / 2)
     d1, d2 = -0.5, 1.0  # log r = train - rollout
     assert m["gen_kl_error"] == pytest.approx(((math.exp(d1) - 1 - d1) + (math.exp(d2) - 1 - d2)) / 2)
+    assert m["policy_kl_error"] == pytest.approx(((math.exp(-d1) - 1 + d1) + (math.exp(-d2) - 1 + d2)) / 2)
+    jsd = 0.0
+    for p, q in ((-1.5, -1.0), (-1.0, -2.0)):  # (trainer, rollout) logprobs of the sampled tokens
+        mix = math.log((math.exp(p) + math.exp(q)) / 2)
+        jsd += 0.5 * (math.exp(p - mix) - 1 - (p - mix)) + 0.5 * (math.exp(q - mix) - 1 - (q - mix))
+    assert m["js_divergence_error"] == pytest.approx(jsd / 2)
     assert m["max_logprob_abs_diff"] == pytest.approx(1.0)
 
 

@@ -64,7 +64,7 @@ class CheckpointManager:
     Args:
         root: ``checkpointing.checkpoint_dir``.
         keep_top_k: None = keep all.
-        metric_name: key in the metrics given to ``save`` (e.g. "val/accuracy").
+        metric_name: key in the metrics given to ``save`` (e.g. "validation/accuracy").
         higher_is_better: ranking direction.
     """
 
@@ -72,7 +72,7 @@ class CheckpointManager:
         self,
         root: str | Path,
         keep_top_k: int | None = None,
-        metric_name: str = "val/accuracy",
+        metric_name: str = "validation/accuracy",
         higher_is_better: bool = True,
     ):
         self.root = Path(root)

@@ -24,6 +24,15 @@ Per sampled token t of a sample with advantage A (Schulman et al. 2017, PPO; Sha
               MIS: w_t = w_t if mis_min <= w_t <= mis_max else 0   (token dropped)
     loss_t    = w_t * pg_t + beta * kl_t
 
+Diagnostics (NeMo RL's names and definitions, ``docs/metrics.md``), per sampled token, with
+w_raw_t = exp(prev_t - gen_t) (gen = prev when no generation logprobs are given):
+    sampling_importance_ratio = mean of w_t as truncated by the configured TIS / MIS (w_raw_t
+                                when importance sampling is off: it is reported, not applied)
+    is_oob_ratio              = fraction of tokens whose w_raw_t lies outside the truncation
+                                bounds (TIS: > tis_max; MIS: outside [mis_min, mis_max]; off: 0)
+    approx_entropy            = mean of -exp(logp_t - gen_t) * logp_t (entropy of the current
+                                policy estimated from the generator's samples)
+
 Token-level mean: sum over the global batch's sampled tokens / their count. Sequence-level mean:
 per-sample mean over its sampled tokens, summed, / global sample count. Micro-batches therefore
 add up to the loss of the whole global batch.
@@ -83,13 +92,14 @@ def importance_weights(
     Args:
         prev_logprobs, generation_logprobs: float [B, L].
         mask: [B, L] sampled tokens; weights are 0 outside it.
-        kind: "none" (all 1), "tis" (truncated at ``tis_max``), "mis" (0 outside [mis_min, mis_max]).
+        kind: "none" (all 1), "raw" (exp(prev - gen) as is), "tis" (truncated at ``tis_max``),
+            "mis" (0 outside [mis_min, mis_max]).
 
     Returns:
         float [B, L], no grad.
     """
-    if kind not in IS_TYPES:
-        raise ValueError(f"importance sampling type {kind!r}: must be one of {list(IS_TYPES)}")
+    if kind not in (*IS_TYPES, "raw"):
+        raise ValueError(f"importance sampling type {kind!r}: must be one of {[*IS_TYPES, 'raw']}")
     with torch.no_grad():
         diff = masked_fill_zero(prev_logprobs - generation_logprobs, mask)
         w = torch.exp(diff)
@@ -97,7 +107,7 @@ def importance_weights(
             w = torch.ones_like(w)
         elif kind == "tis":
             w = w.clamp(max=tis_max)
-        else:
+        elif kind == "mis":
             w = torch.where((w >= mis_min) & (w <= mis_max), w, torch.zeros_like(w))
         return masked_fill_zero(w, mask)
 
@@ -198,9 +208,10 @@ class ClippedPGLossFn:
             (scalar loss to backpropagate, metrics) where metrics are detached 0-d tensors on the
             inputs' device (no host sync; ``__call__`` reads them back): sums over this
             micro-batch's sampled tokens ("*_sum", divide by the token count) and maxima
-            ("ratio_max", 0 without sampled tokens): clip_fraction_sum, dual_clip_fraction_sum,
-            ratio_sum, ratio_max, kl_sum, is_weight_sum, is_dropped_sum, pg_loss (scalar
-            contribution), kl_loss.
+            ("ratio_max", 0 without sampled tokens) and minima ("ratio_min", +inf without sampled
+            tokens): clip_fraction_sum, dual_clip_fraction_sum, ratio_sum, clamped_ratio_sum,
+            ratio_max, ratio_min, kl_sum, is_ratio_sum (sampling_importance_ratio), is_oob_sum,
+            approx_entropy_sum, pg_loss (scalar contribution), kl_loss.
 
         Raises:
             ValueError: a required input is missing or shapes disagree.
@@ -224,14 +235,14 @@ class ClippedPGLossFn:
             cap = -self.ratio_clip_c * adv  # positive where A < 0
             dual = (adv < 0) & (pg > cap)
             pg = torch.where(dual, cap.expand_as(pg), pg)
-        if self.importance_sampling != "none":
-            if generation_logprobs is None:
-                raise ValueError(f"importance_sampling={self.importance_sampling!r} needs generation_logprobs")
-            w = importance_weights(
-                prev, generation_logprobs, m, self.importance_sampling, self.tis_max, self.mis_min, self.mis_max
-            )
-        else:
-            w = m.to(lp.dtype)
+        if self.importance_sampling != "none" and generation_logprobs is None:
+            raise ValueError(f"importance_sampling={self.importance_sampling!r} needs generation_logprobs")
+        gen = prev if generation_logprobs is None else masked_fill_zero(generation_logprobs, m)
+        kind = self.importance_sampling
+        w_report = importance_weights(
+            prev, gen, m, kind if kind != "none" else "raw", self.tis_max, self.mis_min, self.mis_max
+        )
+        w = w_report if kind != "none" else m.to(lp.dtype)
         per_token = w * pg
         kl = torch.zeros_like(lp)
         if self.needs_reference:
@@ -249,14 +260,24 @@ class ClippedPGLossFn:
             pg_part = (masked_fill_zero(w * pg, m).sum(-1) / count).sum() / global_normalizer
         with torch.no_grad():
             outside = (ratio < 1 - self.eps_min) | (ratio > 1 + self.eps_max)
+            w_raw = torch.exp(prev - gen)  # 1 at masked positions (both 0 there)
+            if kind == "tis":
+                oob = w_raw > self.tis_max
+            elif kind == "mis":
+                oob = (w_raw < self.mis_min) | (w_raw > self.mis_max)
+            else:
+                oob = torch.zeros_like(m)
             metrics = {
                 "clip_fraction_sum": masked_sum(outside.to(lp.dtype), m),
                 "dual_clip_fraction_sum": masked_sum(dual.to(lp.dtype), m),
                 "ratio_sum": masked_sum(ratio, m),
+                "clamped_ratio_sum": masked_sum(clipped_ratio, m),
                 "ratio_max": masked_fill_zero(ratio, m).amax(),  # ratio > 0: 0 only without sampled tokens
+                "ratio_min": torch.where(m, ratio, torch.full_like(ratio, float("inf"))).amin(),
                 "kl_sum": masked_sum(kl, m),
-                "is_weight_sum": masked_sum(w, m),
-                "is_dropped_sum": masked_sum((w == 0).to(lp.dtype), m),
+                "is_ratio_sum": masked_sum(w_report, m),
+                "is_oob_sum": masked_sum(oob.to(lp.dtype), m),
+                "approx_entropy_sum": -masked_sum(torch.exp(lp - gen) * lp, m),
                 "pg_loss": pg_part.detach(),
                 "kl_loss": (loss - pg_part).detach(),
             }

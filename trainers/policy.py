@@ -408,10 +408,13 @@ class Policy:
         so the later steps are clipped against the rollout-time policy). Reference logprobs are
         computed only when ``loss_fn.needs_reference``.
 
-        Train/inference mismatch over sampled tokens (rollout lp = ``batch.rollout_logprobs``):
-          token_mult_prob_error = mean exp(|rollout_lp - prev_lp|)      (1.0 = identical)
-          gen_kl_error          = mean (r - 1 - log r), r = exp(prev_lp - rollout_lp)
-                                  (k3 estimate of KL(generator || trainer) per token, >= 0)
+        Train/inference mismatch over sampled tokens (rollout lp = ``batch.rollout_logprobs``;
+        NeMo RL's names and definitions, docs/metrics.md), with d = prev_lp - rollout_lp:
+          token_mult_prob_error = mean exp(|d|)                       (1.0 = identical)
+          gen_kl_error          = mean (e^d - 1 - d)   (k3 estimate of KL(generator || trainer), >= 0)
+          policy_kl_error       = mean (e^-d - 1 + d)  (k3 estimate of KL(trainer || generator), >= 0)
+          js_divergence_error   = mean of 1/2 f(prev_lp - m) + 1/2 f(rollout_lp - m), f(x) = e^x - 1 - x,
+                                  m = log((e^prev_lp + e^rollout_lp) / 2) (Jensen-Shannon, per token)
 
         Every per-micro-batch figure is accumulated on the device; the metrics are read back
         once, after the gradient clip (the skip decision needs them), before the optimizer step.
@@ -427,8 +430,11 @@ class Policy:
 
         Returns:
             metrics (Python numbers): loss, pg_loss, kl_loss, grad_norm, lr, token_mult_prob_error,
-            gen_kl_error, max_logprob_abs_diff, ratio_mean, ratio_max, clip_fraction,
-            dual_clip_fraction, reference_kl, is_weight_mean, is_dropped_fraction, entropy,
+            gen_kl_error, policy_kl_error, js_divergence_error, max_logprob_abs_diff, probs_ratio,
+            probs_ratio_clamped, probs_ratio_min / _max (0 without sampled tokens), clip_fraction,
+            dual_clip_fraction, kl_penalty (mean KL estimate to the reference, before the penalty
+            weight), sampling_importance_ratio, is_oob_ratio, approx_entropy (``m3_trainers.loss``),
+            entropy (exact entropy of the trainer's distribution, mean over sampled tokens),
             num_tokens, logprob_seconds, train_seconds (device work included), train_flops and
             logprob_flops (counted as above), train_tflops_per_s (forward + backward TFLOP/s of the
             optimizer step), skipped_step (the loss or gradient norm was not finite: no update
@@ -463,8 +469,9 @@ class Policy:
         self.compute.zero_grad(set_to_none=True)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)  # sums in fp64, as Python floats were
         keys = ("pg_loss", "kl_loss", "clip_fraction_sum", "dual_clip_fraction_sum", "ratio_sum", "kl_sum")
-        keys += ("is_weight_sum", "is_dropped_sum")
+        keys += ("clamped_ratio_sum", "is_ratio_sum", "is_oob_sum", "approx_entropy_sum")
         sums = {k: zero.clone() for k in ("loss", "entropy_sum", "ratio_max", *keys)}
+        sums["ratio_min"] = torch.full((), float("inf"), dtype=torch.float64, device=self.device)
         computed = 0
         for s in range(0, dev.token_ids.shape[0], micro_batch_size):
             mb = dev.slice(slice(s, s + micro_batch_size))
@@ -489,6 +496,7 @@ class Policy:
                 sums[k] += m[k]
             sums["entropy_sum"] += masked_fill_zero(ent, mb.loss_mask).sum()
             sums["ratio_max"] = torch.maximum(sums["ratio_max"], m["ratio_max"])
+            sums["ratio_min"] = torch.minimum(sums["ratio_min"], m["ratio_min"].double())
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm).to(zero.dtype)
         both = {**stats, **sums}
@@ -503,21 +511,22 @@ class Policy:
         n = max(num_tokens, 1.0)
         train_flops = float(self.flops_per_token * computed)
         return {
-            "token_mult_prob_error": host["token_mult_prob_error"],
-            "gen_kl_error": host["gen_kl_error"],
-            "max_logprob_abs_diff": host["max_logprob_abs_diff"],
+            **{k: host[k] for k in stats},  # token_mult_prob_error, gen_kl_error, policy_kl_error, ...
             "loss": host["loss"],
             "pg_loss": host["pg_loss"],
             "kl_loss": host["kl_loss"],
             "grad_norm": host["grad_norm"],
             "lr": lr,
-            "ratio_mean": host["ratio_sum"] / n,
-            "ratio_max": host["ratio_max"],
+            "probs_ratio": host["ratio_sum"] / n,
+            "probs_ratio_clamped": host["clamped_ratio_sum"] / n,
+            "probs_ratio_max": host["ratio_max"],
+            "probs_ratio_min": host["ratio_min"] if math.isfinite(host["ratio_min"]) else 0.0,
             "clip_fraction": host["clip_fraction_sum"] / n,
             "dual_clip_fraction": host["dual_clip_fraction_sum"] / n,
-            "reference_kl": host["kl_sum"] / n,
-            "is_weight_mean": host["is_weight_sum"] / n,
-            "is_dropped_fraction": host["is_dropped_sum"] / n,
+            "kl_penalty": host["kl_sum"] / n,
+            "sampling_importance_ratio": host["is_ratio_sum"] / n,
+            "is_oob_ratio": host["is_oob_sum"] / n,
+            "approx_entropy": host["approx_entropy_sum"] / n,
             "entropy": host["entropy_sum"] / n,
             "num_tokens": num_tokens,
             "skipped_step": skipped,
@@ -551,9 +560,16 @@ def mismatch_stats(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tenso
     n = count.clamp(min=1).double()
     d = masked_fill_zero(trainer_logprobs.double() - rollout_logprobs.double(), m)  # log r
     one = torch.ones((), dtype=torch.float64, device=d.device)
+    prev = masked_fill_zero(trainer_logprobs.double(), m)
+    gen = masked_fill_zero(rollout_logprobs.double(), m)
+    mix = torch.logaddexp(prev, gen) - math.log(2.0)  # log of the mixture (p + q) / 2
+    a, b = prev - mix, gen - mix
+    jsd = 0.5 * (torch.exp(a) - 1 - a) + 0.5 * (torch.exp(b) - 1 - b)
     return {
         "token_mult_prob_error": torch.where(count > 0, masked_fill_zero(torch.exp(d.abs()), m).sum() / n, one),
         "gen_kl_error": masked_fill_zero(torch.exp(d) - 1 - d, m).sum() / n,
+        "policy_kl_error": masked_fill_zero(torch.exp(-d) - 1 + d, m).sum() / n,
+        "js_divergence_error": masked_fill_zero(jsd, m).sum() / n,
         "max_logprob_abs_diff": d.abs().amax(),  # masked positions are 0
     }
 
@@ -565,8 +581,9 @@ def mismatch_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Ten
         rollout_logprobs, trainer_logprobs: float [B, L] on one device; mask: [B, L] sampled tokens.
 
     Returns:
-        {"token_mult_prob_error", "gen_kl_error", "max_logprob_abs_diff"} as floats (1.0 / 0.0 /
-        0.0 when no token is sampled), computed in fp64 on the inputs' device, read back once.
+        {"token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+        "max_logprob_abs_diff"} as floats (1.0 / 0.0 / 0.0 / 0.0 / 0.0 when no token is sampled),
+        computed in fp64 on the inputs' device, read back once.
     """
     stats = mismatch_stats(rollout_logprobs, trainer_logprobs, mask)
     return dict(zip(stats, torch.stack(list(stats.values())).tolist()))

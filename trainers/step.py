@@ -138,23 +138,28 @@ def trajectory_advantages(trajs: Sequence[Trajectory], g: GRPOConfig) -> torch.T
 
 
 _TOKEN_AVERAGED = (
-    "ratio_mean",
+    "probs_ratio",
+    "probs_ratio_clamped",
     "clip_fraction",
     "dual_clip_fraction",
-    "reference_kl",
-    "is_weight_mean",
-    "is_dropped_fraction",
+    "kl_penalty",
+    "sampling_importance_ratio",
+    "is_oob_ratio",
+    "approx_entropy",
     "entropy",
     "token_mult_prob_error",
     "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
 )
 
 
 def combine_optimizer_steps(steps: list[dict]) -> dict:
     """Metrics of one GRPO step from its optimizer steps' (``Policy.train_step``) metrics:
     token-weighted means of per-token figures, sums of tokens, seconds and FLOPs (TFLOP/s = summed
-    train FLOPs / summed train seconds), max of maxima, mean of loss and grad norm; lr of the first
-    optimizer step; skipped if any optimizer step was."""
+    train FLOPs / summed train seconds), max of maxima, min of minima (over optimizer steps with
+    sampled tokens), mean of loss and grad norm; lr of the first optimizer step; skipped if any
+    optimizer step was."""
     if len(steps) == 1:
         return dict(steps[0])
     out = dict(steps[-1])
@@ -165,8 +170,10 @@ def combine_optimizer_steps(steps: list[dict]) -> dict:
     for k in ("num_tokens", "logprob_seconds", "train_seconds", "train_flops", "logprob_flops"):
         out[k] = sum(m[k] for m in steps)
     out["train_tflops_per_s"] = out["train_flops"] / max(out["train_seconds"], 1e-9) / 1e12
-    for k in ("ratio_max", "max_logprob_abs_diff"):
+    for k in ("probs_ratio_max", "max_logprob_abs_diff"):
         out[k] = max(m[k] for m in steps)
+    with_tokens = [m for m in steps if m["num_tokens"]]  # probs_ratio_min is 0 for a step without tokens
+    out["probs_ratio_min"] = min(m["probs_ratio_min"] for m in with_tokens) if with_tokens else 0.0
     for k in ("loss", "pg_loss", "kl_loss", "grad_norm"):
         out[k] = sum(m[k] for m in steps) / len(steps)
     out["lr"] = steps[0]["lr"]
@@ -183,13 +190,13 @@ class StepResult:
         advantages: float32 [N] advantages used.
         metrics: :func:`combine_optimizer_steps` of the optimizer steps, with ``logprob_seconds``
             including the logprobs computed once before the first update, the mismatch
-            (``token_mult_prob_error``, ``gen_kl_error``, ``max_logprob_abs_diff``) over the whole
+            (``token_mult_prob_error``, ``gen_kl_error``, ``policy_kl_error``,
+            ``js_divergence_error``, ``max_logprob_abs_diff``) over the whole
             batch when the batch spans several optimizer steps, ``overlong_filtered`` (trajectories
             filtered) with overlong filtering, ``routing_replay_coverage``
             (fraction of token positions with a recorded route) when routing replay is on and,
             when the batch carries routes, the mismatch of the trainer with its own router before
-            the update (``token_mult_prob_error_without_replay``, ``gen_kl_error_without_replay``,
-            ``max_logprob_abs_diff_without_replay``; one more scoring forward), besides the
+            the update (the mismatch names + ``_without_replay``; one more scoring forward), besides the
             replayed figures; ``train_step_seconds`` (= ``seconds``), FLOPs and TFLOP/s
             (``Policy.train_step``).
         seconds: wall time of the training phase (logprobs and optimizer steps), seconds.

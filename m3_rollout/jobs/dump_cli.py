@@ -141,7 +141,7 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
 
     def log(step, m):
         print(
-            f"[offline] step {step}: {m['rows']} trajectories, reward {m['reward_mean']:.3f}, "
+            f"[offline] step {step}: {m['rows']} trajectories, reward {m['reward']:.3f}, "
             f"loss {m['loss']:+.4f}, token_mult_prob_error {m['token_mult_prob_error']:.4f}"
         )
 

@@ -74,10 +74,10 @@ def _roll_out(cfg: MasterConfig, stack: RolloutStack, writer: RolloutDumpWriter,
         rewards = torch.tensor([t.reward for t in trajs])
         adv = trajectory_advantages(trajs, g)
         metrics = {
-            "reward_mean": float(rewards.mean()),
-            "rollout_seconds": rm["rollout_seconds"],
-            "generation_tokens_per_s": rm["generation_tokens_per_s"],
+            "reward": float(rewards.mean()),  # the GRPO loop's names (docs/metrics.md)
+            "timing/train/generation": rm["rollout_seconds"],
+            "performance/generation_tokens_per_s": rm["generation_tokens_per_s"],
         }
         paths.append(writer.write_step(step, trajs, adv, sampling_params_of(settings, seed), metrics))
-        log(f"step {step}: {len(trajs)} trajectories, reward {metrics['reward_mean']:.3f} -> {paths[-1]}")
+        log(f"step {step}: {len(trajs)} trajectories, reward {metrics['reward']:.3f} -> {paths[-1]}")
     return paths

@@ -29,6 +29,16 @@ from m3_rollout.jobs.builtin import warm_start_warning
 from m3_rollout.jobs.metrics_logger import MetricsLogger
 from m3_rollout.jobs.outputs import check_output_dirs
 from m3_rollout.jobs.stack import batch_seed, build_generation_backend, build_rollout_stack
+from m3_rollout.jobs.step_metrics import (
+    TRAINER_PERFORMANCE,
+    TRAINER_TIMINGS,
+    advantage_metrics,
+    handoff_metrics,
+    resolve_metric_name,
+    reward_errors,
+    rollout_metrics,
+    validation_metrics,
+)
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.rollout.trajectory import Trajectory
 from m3_rollout.weight_sync.probe import model_scorer
@@ -51,18 +61,6 @@ class TrainingError(RuntimeError):
     (non-finite loss or gradient). ``main`` exits with status 1 and the message."""
 
 
-def sleep_metrics(phase: str, record: dict) -> dict:
-    """Step metrics of one memory-handoff transition (``LLMEngine.sleep`` / ``wake_up`` records):
-    ``timing/sleep_seconds``, ``memory/sleep_gb_freed``, ``timing/wake_seconds``, ``memory/wake_gb_restored``, ..."""
-    out = {f"timing/{phase}_seconds": record.get("seconds", 0.0)}
-    for k, v in record.items():
-        if k.startswith("gb_"):
-            out[f"memory/{phase}_{k}"] = v
-        elif k.endswith("_seconds"):
-            out[f"timing/{phase}_{k}"] = v
-    return out
-
-
 def set_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -74,35 +72,10 @@ def format_sample(t: Trajectory, chat: ChatFormat) -> str:
 
 
 def evaluate(backend, chat, env, records, settings: RolloutSettings) -> dict:
-    """Held-out accuracy of ``records`` under ``settings`` (``RolloutStack.validation_settings``)."""
+    """Held-out metrics of ``records`` under ``settings`` (``RolloutStack.validation_settings``):
+    ``step_metrics.validation_metrics`` (``validation/accuracy``, ...)."""
     trajs, m = run_group_rollouts(backend, chat, env, records, settings)
-    return {
-        "accuracy": sum(t.reward for t in trajs) / len(trajs),
-        "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / len(trajs),
-        "reward_errors": len(reward_errors(trajs)),
-        "seconds": m["rollout_seconds"],
-    }
-
-
-def reward_errors(trajs: list[Trajectory]) -> list[str]:
-    """The reward-function errors of ``trajs`` (``info["reward_error"]``, set by the environment
-    when its reward function raised or returned a non-finite value; those rewards are 0)."""
-    return [t.info["reward_error"] for t in trajs if t.info.get("reward_error")]
-
-
-def step_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
-    """Reward and response statistics of one step's trajectories."""
-    n = len(trajs)
-    return {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if n > 1 else 0.0,
-        "accuracy": float((rewards > 0.5).float().mean()),
-        "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / n,
-        "mean_generated_tokens": sum(t.num_generated for t in trajs) / n,
-        "mean_sequence_length": sum(len(t.token_ids) for t in trajs) / n,
-        "truncated_fraction": sum(1 for t in trajs if t.finish_reason == "length") / n,
-        "reward_errors": len(reward_errors(trajs)),
-    }
+    return validation_metrics(trajs, m["rollout_seconds"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -144,6 +117,7 @@ def run(cfg: MasterConfig) -> dict:
             optimizer update was skipped for a non-finite loss or gradient (after the summary).
     """
     t_start = time.perf_counter()
+    metric_name = resolve_metric_name(cfg)  # a name no step logs stops the run here
     check_output_dirs(cfg)
     trainer_device(cfg)  # a device this machine lacks stops the job here, before anything is built
     set_seed(cfg.grpo.seed)
@@ -179,7 +153,7 @@ def run(cfg: MasterConfig) -> dict:
         env.close()
         raise
     ck = cfg.checkpointing
-    ckpts = CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, ck.metric_name, ck.higher_is_better)
+    ckpts = CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, metric_name, ck.higher_is_better)
     start_step, data_state, history = 1, {"next_batch": 1}, []
     resume_from = ckpts.latest() if ck.resume else None
     if resume_from is not None:
@@ -190,7 +164,12 @@ def run(cfg: MasterConfig) -> dict:
     # generator == trainer weights (step 0, or the resumed step's)
     backend.update_weights(start_step - 1, policy.named_released_tensors())
     loss_fn = build_loss_fn(cfg.loss_fn)
-    logger = MetricsLogger(cfg.logger, to_dict(cfg), write=tqdm.write)
+    try:  # a resumed run continues the wandb run its checkpoint recorded
+        logger = MetricsLogger(cfg.logger, to_dict(cfg), tqdm.write, data_state.get("wandb_run_id"))
+    except BaseException:
+        env.close()
+        backend.shutdown()
+        raise
     sampling_warning = truncated_sampling_warning(cfg)
     if sampling_warning:
         logger.text(sampling_warning)
@@ -217,18 +196,23 @@ def run(cfg: MasterConfig) -> dict:
     else:
         collector = SyncCollector(backend, generate, next_batch=data_state["next_batch"])
 
+    last_val: dict = {}
+
     def validate(step: int) -> None:
         v = collector.run_exclusive(lambda be: evaluate(be, chat, env, source.val, val_settings))
-        history.append((step, v["accuracy"]))
-        logger.log(v, step, prefix="val/")
+        history.append((step, v["validation/accuracy"]))
+        last_val.clear()
+        last_val.update(v)
+        logger.log(v, step)
         logger.text(
-            f"[val] step {step}: held-out accuracy {v['accuracy']:.3f} "
-            f"(tool-call rate {v['tool_call_rate']:.2f}, {len(source.val)} prompts, {v['seconds']:.1f} s)"
+            f"[val] step {step}: held-out accuracy {v['validation/accuracy']:.3f} "
+            f"(tool-call rate {v['validation/tool_call_rate']:.2f}, {len(source.val)} prompts, "
+            f"{v['timing/validation/total_validation_time']:.1f} s)"
         )
 
     def save(step: int, metrics: dict) -> Path:
-        last_val = {"val/accuracy": history[-1][1]} if history else {}
-        state = {**collector.state(), "val_history": [list(h) for h in history]}
+        """``metrics``: the step's logged metrics (full names); the last validation's are added."""
+        state = {**collector.state(), "val_history": [list(h) for h in history], "wandb_run_id": logger.run_id}
         path = ckpts.save(step, policy, model_dir, state, {**last_val, **metrics})
         logger.text(f"saved checkpoint {path}")
         return path
@@ -240,7 +224,7 @@ def run(cfg: MasterConfig) -> dict:
         bar = tqdm(
             range(start_step, g.max_num_steps + 1), desc="GRPO", unit="step", disable=not cfg.logger.progress_bar
         )
-        stale_total, last_ckpt, warned_no_routes = 0, None, False
+        stale_total, last_ckpt, warned_no_routes, metrics = 0, None, False, {}
         trained_steps = skipped_steps = 0
         for step in bar:
             t0 = time.perf_counter()
@@ -268,6 +252,7 @@ def run(cfg: MasterConfig) -> dict:
                     f"{a.group_timeout_s}; step skipped"
                 )
                 logger.log({"skipped_no_groups": 1, "stale_groups_dropped": got.stale_dropped}, step, prefix="train/")
+                # NOTE: a step without groups logs only these two: no checkpoint metric comes from it.
                 continue
             # Groups of several prompt batches (dynamic sampling, async) each count group_index
             # from 0: renumber so a (step, group, sample) names one trajectory (dumps, logs).
@@ -287,9 +272,12 @@ def run(cfg: MasterConfig) -> dict:
                         f"(env.jsonl.reward_fn={cfg.env.jsonl.reward_fn!r} for env.name=jsonl)"
                     )
             rewards = torch.tensor([t.reward for t in trajs])
-            handoff = {}
+            handoff, timing = {}, {}
             if gen.sleep_level:  # colocated: the engine gives its memory to the trainer while it trains
-                handoff.update(sleep_metrics("sleep", collector.run_exclusive(lambda be: be.sleep(gen.sleep_level))))
+                record = collector.run_exclusive(lambda be: be.sleep(gen.sleep_level))
+                t_sleep, m_sleep = handoff_metrics("sleep", record)
+                timing.update(t_sleep)
+                handoff.update(m_sleep)
             res = train_step_on_groups(
                 policy, loss_fn, trajs, cfg, gen.temperature, pad_id=chat.tokenizer.pad_token_id or 0
             )
@@ -309,7 +297,9 @@ def run(cfg: MasterConfig) -> dict:
                     f"the optimizer update was skipped (weights unchanged)"
                 )
             if gen.sleep_level:  # weights and caches back before the refit writes into them
-                handoff.update(sleep_metrics("wake", collector.run_exclusive(lambda be: be.wake_up())))
+                t_wake, m_wake = handoff_metrics("wake", collector.run_exclusive(lambda be: be.wake_up()))
+                timing.update(t_wake)
+                handoff.update(m_wake)
             sync_s = collector.push_weights(step, policy.named_released_tensors())
             failures = backend.drain_events()
             for ev in failures:
@@ -324,17 +314,11 @@ def run(cfg: MasterConfig) -> dict:
             ages = [step - 1 - v for v in versions]
             gen_tokens = sum(m.get("generated_tokens", 0) for m in gen_metrics)
             step_s = t_end - t0
-            metrics = {
-                **step_metrics(trajs, rewards),
-                **tm,
+            train = {
+                **rollout_metrics(trajs, rewards),
+                **advantage_metrics(adv, batch.loss_mask),
+                **{k: v for k, v in tm.items() if k not in TRAINER_TIMINGS and k not in TRAINER_PERFORMANCE},
                 **handoff,
-                "generation_seconds": gen_s,
-                "wait_for_groups_seconds": got.wait_seconds,
-                "weight_sync_seconds": sync_s,
-                "step_seconds": step_s,
-                "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
-                "train_tokens_per_s": float(batch.lengths.sum()) / max(res.seconds, 1e-9),
-                "step_tokens_per_s": float(batch.lengths.sum()) / max(step_s, 1e-9),
                 "num_groups": len(groups),
                 "mean_group_age": sum(ages) / len(ages),
                 "max_group_age": max(ages),
@@ -344,23 +328,42 @@ def run(cfg: MasterConfig) -> dict:
                 "skipped_steps_total": skipped_steps,
                 **extra,
             }
-            # NOTE: kept for dashboards of the first version of this loop.
-            metrics["rollout_seconds"] = gen_s
-            logger.log(metrics, step, prefix="train/")
+            timing = {
+                "total_step_time": step_s,
+                "generation": gen_s,
+                "exposed_generation": got.wait_seconds,
+                **{name: tm[k] for k, name in TRAINER_TIMINGS.items()},
+                "prepare_for_generation/transfer_and_update_weights": sync_s,
+                **timing,
+            }
+            performance = {
+                **{name: tm[k] for k, name in TRAINER_PERFORMANCE.items()},
+                "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+                "train_tokens_per_s": float(batch.lengths.sum()) / max(res.seconds, 1e-9),
+                "step_tokens_per_s": float(batch.lengths.sum()) / max(step_s, 1e-9),
+            }
+            metrics = {
+                **{f"train/{k}": v for k, v in train.items()},
+                **{f"timing/train/{k}": v for k, v in timing.items()},
+                **{f"performance/{k}": v for k, v in performance.items()},
+            }
+            logger.log(metrics, step)
             if dumper is not None:
-                dumper.write_step(step, trajs, adv, sampling_params_of(settings, batch_seed(cfg, step)), metrics)
+                # the step's metrics, the train/ group without its prefix (the dump schema's step_metrics)
+                dumped = {**train, **{k: v for k, v in metrics.items() if not k.startswith("train/")}}
+                dumper.write_step(step, trajs, adv, sampling_params_of(settings, batch_seed(cfg, step)), dumped)
             bar.set_postfix(
-                reward=f"{metrics['reward_mean']:.3f}",
+                reward=f"{train['reward']:.3f}",
                 mult_err=f"{tm['token_mult_prob_error']:.4f}",
                 gen_kl=f"{tm['gen_kl_error']:.1e}",
                 gnorm=f"{tm['grad_norm']:.2f}",
                 s=f"{step_s:.1f}",
             )
             logger.text(
-                f"[train] step {step}: reward {metrics['reward_mean']:.3f}  loss {tm['loss']:+.4f}  "
+                f"[train] step {step}: reward {train['reward']:.3f}  loss {tm['loss']:+.4f}  "
                 f"token_mult_prob_error {tm['token_mult_prob_error']:.4f}  gen_kl {tm['gen_kl_error']:.2e}  "
                 f"clip {tm['clip_fraction']:.3f}  entropy {tm['entropy']:.3f}  grad_norm {tm['grad_norm']:.3f}  "
-                f"gen {metrics['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
+                f"gen {performance['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
                 f"(gen {gen_s:.1f} / wait {got.wait_seconds:.1f} / logprobs {logprob_s:.1f} / "
                 f"train {train_s:.1f} at {tm['train_tflops_per_s']:.3g} TFLOP/s / sync {sync_s:.2f})"
             )
@@ -370,7 +373,7 @@ def run(cfg: MasterConfig) -> dict:
             if step % g.val_period == 0 and step != g.max_num_steps:
                 validate(step)
             if ck.enabled and ck.save_period and step % ck.save_period == 0 and step != g.max_num_steps:
-                last_ckpt = save(step, {"train/reward_mean": metrics["reward_mean"]})
+                last_ckpt = save(step, metrics)
         bar.close()
         if g.val_at_end and g.max_num_steps > 0 and (not history or history[-1][0] != g.max_num_steps):
             validate(g.max_num_steps)
@@ -381,7 +384,7 @@ def run(cfg: MasterConfig) -> dict:
         backend.shutdown()  # EP rollout workers (no-op for the in-process engine)
     final_dir = None
     if ck.enabled and ck.save_final and g.max_num_steps > 0:
-        last_ckpt = save(g.max_num_steps, {})
+        last_ckpt = save(g.max_num_steps, metrics)  # the last trained step's metrics
     if last_ckpt is not None:
         final_dir = last_ckpt / "policy"
     summary = {

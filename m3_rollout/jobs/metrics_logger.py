@@ -6,17 +6,27 @@ import json
 import os
 from pathlib import Path
 
-from m3_rollout.config import LoggerConfig
+from m3_rollout.config import ConfigError, LoggerConfig
 
 
 class MetricsLogger:
     """Args:
-    cfg: ``logger`` section. ``wandb.mode`` "auto" = online iff ``WANDB_API_KEY`` is set.
+    cfg: ``logger`` section. ``wandb.mode`` "auto" = online iff ``WANDB_API_KEY`` is set;
+        ``wandb.entity`` / ``group`` / ``tags`` go to ``wandb.init``.
     run_config: the whole job config (stored with the wandb run).
     write: where step lines go (default: tqdm-safe print).
+    resume_run_id: the wandb run id a resumed run's checkpoint recorded (None: a fresh run, or a
+        checkpoint without one). With ``wandb.resume`` "allow" / "must" the run continues that
+        wandb run (``wandb.init(id=..., resume=...)``); "never" starts a new one.
+
+    Attributes:
+        run_id: the wandb run's id (stored in every checkpoint), None without wandb.
+
+    Raises:
+        ConfigError: ``wandb.resume=must`` for a resumed run whose checkpoint names no wandb run.
     """
 
-    def __init__(self, cfg: LoggerConfig, run_config: dict, write=print):
+    def __init__(self, cfg: LoggerConfig, run_config: dict, write=print, resume_run_id: str | None = None):
         self.cfg, self.write = cfg, write
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -25,17 +35,38 @@ class MetricsLogger:
         resume = bool(run_config.get("checkpointing", {}).get("resume", False))
         self._jsonl = open(self.log_dir / "metrics.jsonl", "a" if resume else "w")
         self.run = None
-        mode = cfg.wandb.mode
+        self.run_id: str | None = None
+        w = cfg.wandb
+        mode = w.mode
         if cfg.wandb_enabled and mode != "disabled":
             if mode == "auto":
                 mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            continuing = {}
+            if resume and w.resume != "never":
+                if resume_run_id is not None:
+                    continuing = {"id": resume_run_id, "resume": w.resume}
+                elif w.resume == "must":
+                    self._jsonl.close()
+                    raise ConfigError(
+                        "logger.wandb.resume=must: the checkpoint this run resumes from records no wandb run id "
+                        "(it was written without wandb); use logger.wandb.resume=allow to start a new wandb run"
+                    )
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(
-                project=cfg.wandb.project, name=cfg.wandb.name, config=run_config, mode=mode, dir=str(self.log_dir)
+                project=w.project,
+                name=w.name,
+                entity=w.entity,
+                group=w.group,
+                tags=list(w.tags),
+                config=run_config,
+                mode=mode,
+                dir=str(self.log_dir),
+                **continuing,
             )
             self.wandb_mode = mode
+            self.run_id = self.run.id
 
     def log(self, metrics: dict, step: int, prefix: str = "") -> None:
         """Record ``metrics`` (numbers) for ``step`` under ``prefix`` (e.g. "train/")."""

@@ -138,7 +138,8 @@ def train_offline(
     combined metrics as configured), trained at the temperature stored in the rows' sampling params.
 
     Returns:
-        per-step metrics dicts (numbers only, with "step", "rows" and "reward_mean").
+        per-step metrics dicts (numbers only, with "step", "rows" and "reward", the trainer's
+        metric names of docs/metrics.md).
     """
     gen = cfg.policy.generation
     steps: dict[int, list[dict]] = {}
@@ -156,7 +157,7 @@ def train_offline(
         metrics = {
             "step": step,
             "rows": len(trajs),
-            "reward_mean": float(sum(t.reward for t in trajs) / len(trajs)),
+            "reward": float(sum(t.reward for t in trajs) / len(trajs)),
             **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))},
         }
         history.append(metrics)

@@ -42,6 +42,7 @@ __all__ = [
     "load_hf_state_dict",
     "load_named_tensors",
     "load_released_tensor",
+    "released_pairs",
     "released_view",
     "save_checkpoint",
     "text_tensor_name",
@@ -52,6 +53,7 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
+_STACKED_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w13|w2)$")
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _LAYER_RE = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 # transformers' VL class keeps these modules beside `model.language_model`.
@@ -287,6 +289,55 @@ class _FusedShapeError(ValueError):
 def _check_fused(name: str, t: torch.Tensor, want: tuple[int, ...], covers: list[str]) -> None:
     if tuple(t.shape) != tuple(want):
         raise _FusedShapeError(f"{name}: shape {tuple(t.shape)} != expected {tuple(want)}", covers)
+
+
+def released_pairs(
+    model: M3ForCausalLM, items: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(released text-only name, tensor) for (name, tensor) pairs in any naming of this model's tensors.
+
+    Accepted namings: released VL (``language_model.``) and text-only names; transformers' text and
+    VL names (fused ``gate_up_proj`` / stacked ``mlp.experts.*`` split into views, module
+    docstring); and the model's own parameter names (``named_parameters``), whose stacked experts
+    ``...experts.w13`` [E, 2I, H] / ``...experts.w2`` [E, H, I] become per-expert ``w1`` / ``w3`` /
+    ``w2`` views. Vision and MTP keys are skipped. ``model`` must hold every expert (not an EP
+    shard): its shapes decide the splits. Works on meta tensors (shape-only checks).
+
+    Raises:
+        KeyError: a name that no naming maps to a tensor of this model.
+        ValueError: a fused or stacked tensor whose shape does not match this model (names it).
+    """
+    expected = {name: tuple(t.shape) for name, t in iter_released_tensors(model, prefix="")}
+    for src_name, tensor in items:
+        m = _STACKED_RE.match(src_name.removeprefix(RELEASED_PREFIX))
+        if m:
+            base, which = m.groups()
+            w1 = expected.get(base + ".0.w1.weight")
+            if w1 is None:
+                raise KeyError(f"{src_name!r} is not a tensor of this model")
+            n_exp = sum(1 for k in expected if k.startswith(base + ".") and k.endswith(".w1.weight"))
+            inter, hidden = w1
+            want = (n_exp, 2 * inter, hidden) if which == "w13" else (n_exp, hidden, inter)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"{src_name}: shape {tuple(tensor.shape)} != expected {want}")
+            for e in range(n_exp):
+                if which == "w2":
+                    yield f"{base}.{e}.w2.weight", tensor[e]
+                else:
+                    yield f"{base}.{e}.w1.weight", tensor[e, :inter]
+                    yield f"{base}.{e}.w3.weight", tensor[e, inter:]
+            continue
+        name = text_tensor_name(src_name)
+        if name is None:
+            continue
+        try:
+            pairs = _split_hf(name, tensor, expected)
+        except KeyError:
+            raise KeyError(f"{src_name!r} is not a tensor of this model") from None
+        for rname, t in pairs:
+            if rname not in expected:
+                raise KeyError(f"{src_name!r} is not a tensor of this model")
+            yield rname, t
 
 
 def load_named_tensors(model: M3ForCausalLM, items: Iterable[tuple[str, torch.Tensor]]) -> list[str]:

@@ -130,7 +130,7 @@ def test_job_command_one_step_on_cuda_logs_mismatch_and_throughput(out):
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     (train,) = [r for r in rows if "train/loss" in r]
     assert 1.0 <= train["train/token_mult_prob_error"] < 1.5 and train["train/gen_kl_error"] >= 0.0
-    assert train["train/train_tflops_per_s"] > 0 and train["train/generation_tokens_per_s"] > 0
+    assert train["performance/train_flops_per_gpu"] > 0 and train["performance/generation_tokens_per_s"] > 0
 
 
 def test_device_index_past_the_count_exits_2_naming_the_key(out, capsys):

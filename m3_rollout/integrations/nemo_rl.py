@@ -1,0 +1,385 @@
+"""NeMo RL's generation interface over this project's engine, without importing nemo_rl.
+
+Governing idea: NeMo RL's GRPO loop talks to its generator in batched, right-padded tensors and
+drives the generator's memory and weights through a few calls (``GenerationInterface`` in
+``nemo_rl/models/generation/interfaces.py``). :class:`NemoRLGeneration` has those methods and
+turns each into the ``GenerationBackend`` contract (design.md §3): one token-in request per row,
+the engine's sleep / wake-up (``m3_rollout/engine/sleep.py``) for the colocated memory handoff,
+and the weight receiver (``m3_rollout/weight_sync``) for refits. nemo_rl is not imported (its
+published package is a placeholder); a ``BatchedDataDict`` passed in comes back as one, since the
+output container is built with the input's type from a plain dict.
+
+Data (NeMo RL's ``GenerationDatumSpec`` in, ``GenerationOutputSpec`` out), for B rows:
+  in   input_ids             int [B, S], row i's L_i prompt tokens, then the pad id
+       input_lengths         int [B] (L_i)
+       stop_strings          optional, per row: a list of strings or None (added to the config's)
+  out  output_ids            [B, S + G_max] (input_ids' dtype): the prompt INCLUDED, then row i's G_i
+                             generated tokens at L_i .. L_i + G_i - 1, then the pad id
+       logprobs              float32, same shape: 0 at prompt and pad positions, generated token j's
+                             logprob at L_i + j (the engine's ``logprobs_mode``)
+       generation_lengths    int64 [B] (G_i)
+       unpadded_sequence_lengths  int64 [B] (L_i + G_i)
+       truncated             bool [B]: stopped by the token limit (finish_reason "length")
+  ``generate_async`` yields (row index, one-row dict of width L_i + G_i) as each row finishes.
+
+GRPO call order (colocated, as NeMo RL's ``grpo.py`` drives it; ``tests/test_nemo_rl_adapter.py``):
+  prepare_for_generation -> generate -> finish_generation (the engine sleeps, the trainer trains)
+  -> prepare_for_generation (wake-up) -> update_weights_via_ipc (or update_weights_from_collective)
+  -> invalidate_kv_cache -> generate with the new weights.
+
+Refit names: the trainer may name tensors as its in-memory model does (transformers' text / VL
+names, or this project's stacked ``experts.w13`` / ``experts.w2``) or by the released names;
+``m3_rollout.model.loading.released_pairs`` maps each to released-name views.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.model import M3Config, M3ForCausalLM
+from m3_rollout.model.loading import RELEASED_PREFIX, iter_released_tensors, released_pairs
+from m3_rollout.weight_sync import RolloutWeightSync, WeightSyncGroup
+
+
+class NemoRLGeneration:
+    """NeMo RL's ``GenerationInterface`` methods over a ``GenerationBackend``.
+
+    Args:
+        backend: the generator; a ``NativeBackend`` (the in-process engine, with its
+            ``LocalWeightSync`` attached) supports every method, other backends all but the
+            collective refit (``init_collective``).
+        config: NeMo RL's ``policy.generation`` dict: ``max_new_tokens``, ``temperature``,
+            ``top_p``, ``top_k`` (None = off) and ``_pad_token_id`` are read; ``stop_token_ids``,
+            ``stop_strings`` and ``colocated.enabled`` (default True) when present.
+        model_config: the served model's ``M3Config`` (its shapes check refit names, through a
+            meta-device copy); default: the ``NativeBackend``'s model itself.
+        sleep_level: what ``finish_generation`` releases when colocated: 1 = the KV cache, 2 =
+            also the weights (to host memory). NOTE: vLLM's level 1 offloads weights too.
+        seed: base of the sampling seed; call k of ``generate`` / ``generate_async`` samples with
+            seed + k and row i with sample index i, so calls and rows draw different tokens.
+
+    Raises:
+        ValueError: a config key is missing, or a sampling value is out of range (named).
+    """
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        config: Mapping,
+        model_config: M3Config | None = None,
+        sleep_level: int = 1,
+        seed: int = 0,
+    ):
+        missing = [k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "_pad_token_id") if k not in config]
+        if missing:
+            raise ValueError(f"NemoRLGeneration: the generation config lacks {missing} (NeMo RL's policy.generation)")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"NemoRLGeneration: sleep_level={sleep_level!r}: must be 1 or 2")
+        self.backend = backend
+        self.pad_id = int(config["_pad_token_id"])
+        self.params = SamplingParams(
+            temperature=config["temperature"],
+            top_p=config["top_p"],
+            top_k=-1 if config["top_k"] is None else config["top_k"],
+            max_new_tokens=config["max_new_tokens"],
+            stop_token_ids=tuple(config.get("stop_token_ids") or ()),
+            stop_strings=tuple(config.get("stop_strings") or ()),
+        ).validate()
+        self.colocated = bool(config.get("colocated", {}).get("enabled", True))
+        self.sleep_level, self.seed = sleep_level, seed
+        if model_config is None:
+            if not isinstance(backend, NativeBackend):
+                raise ValueError(f"NemoRLGeneration: pass model_config for a {type(backend).__name__}")
+            self._shapes = backend.model  # the served model itself (all experts: one in-process engine)
+        else:
+            with torch.device("meta"):  # shapes only: no memory
+                self._shapes = M3ForCausalLM(model_config)
+        self._calls = 0
+        self._asleep = False
+        self._refit_names: set[str] | None = None
+        self._collective: RolloutWeightSync | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemo-rl-refit")
+        self._logger_metrics: dict[str, float] = {}
+
+    # ---- generation -------------------------------------------------------------------------
+    def _requests(self, data: Mapping, greedy: bool) -> tuple[torch.Tensor, list[int], list[GenerationRequest]]:
+        """Check a ``GenerationDatumSpec`` batch; one n=1 request per row."""
+        ids, lengths = data["input_ids"], data["input_lengths"]
+        if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"input_ids: must be an integer tensor [B, S], got {ids.dtype} {tuple(ids.shape)}")
+        lens = [int(x) for x in lengths.tolist()]
+        if len(lens) != ids.shape[0]:
+            raise ValueError(f"input_lengths has {len(lens)} entries for {ids.shape[0]} rows of input_ids")
+        for i, n in enumerate(lens):
+            if not 1 <= n <= ids.shape[1]:
+                raise ValueError(f"input_lengths[{i}]={n}: must be in [1, {ids.shape[1]}] (the padded width)")
+            if bool((ids[i, n:] != self.pad_id).any()):
+                raise ValueError(
+                    f"input_ids row {i} is not right-padded with the pad id {self.pad_id} after its "
+                    f"{n} tokens (NeMo RL's GenerationDatumSpec: right padding)"
+                )
+        stops = data.get("stop_strings") or [None] * len(lens)
+        call, self._calls = self._calls, self._calls + 1
+        reqs = []
+        for i, n in enumerate(lens):
+            extra = tuple(s for s in (stops[i] or ()) if s not in self.params.stop_strings)
+            params = SamplingParams(
+                temperature=self.params.temperature,
+                top_p=self.params.top_p,
+                top_k=1 if greedy else self.params.top_k,  # top-1: exactly the argmax token
+                max_new_tokens=self.params.max_new_tokens,
+                stop_token_ids=self.params.stop_token_ids,
+                seed=self.seed + call,
+                stop_strings=self.params.stop_strings + extra,
+            )
+            reqs.append(GenerationRequest(f"nemo-rl-{call}-{i}", ids[i, :n].tolist(), params, sample_index=i))
+        return ids, lens, reqs
+
+    def _pack(self, container: type, ids: torch.Tensor, lens: list[int], outs: list[SampleOutput]) -> Mapping:
+        """``GenerationOutputSpec`` of rows ``ids`` / ``lens`` and their outputs (module docstring)."""
+        for o in outs:
+            if o.finish_reason == "error":
+                raise RuntimeError(f"generation failed for request {o.request_id}: {o.error}")
+        width = ids.shape[1] + max((len(o.output_ids) for o in outs), default=0)
+        out_ids = torch.full((len(outs), width), self.pad_id, dtype=ids.dtype)
+        logprobs = torch.zeros((len(outs), width), dtype=torch.float32)
+        for i, (n, o) in enumerate(zip(lens, outs)):
+            g = len(o.output_ids)
+            out_ids[i, :n] = ids[i, :n].cpu()
+            out_ids[i, n : n + g] = torch.tensor(o.output_ids, dtype=ids.dtype)
+            logprobs[i, n : n + g] = torch.tensor(o.logprobs, dtype=torch.float32)
+        gen = torch.tensor([len(o.output_ids) for o in outs], dtype=torch.long)
+        return container(
+            {
+                "output_ids": out_ids.to(ids.device),
+                "logprobs": logprobs.to(ids.device),
+                "generation_lengths": gen.to(ids.device),
+                "unpadded_sequence_lengths": (torch.tensor(lens, dtype=torch.long) + gen).to(ids.device),
+                "truncated": torch.tensor([o.finish_reason == "length" for o in outs], device=ids.device),
+            }
+        )
+
+    def generate(self, data: Mapping, greedy: bool = False) -> Mapping:
+        """Generate one continuation per row of a ``GenerationDatumSpec`` batch.
+
+        ``greedy``: sample the most likely token (top-k 1). Returns the ``GenerationOutputSpec``
+        (module docstring) in ``type(data)``.
+
+        Raises:
+            ValueError: a batch that is not right-padded integer ids with lengths in [1, S].
+            RuntimeError: the engine failed a row (names the request and the reason).
+        """
+        if data["input_ids"].shape[0] == 0:
+            return self._pack(type(data), data["input_ids"], [], [])
+        ids, lens, reqs = self._requests(data, greedy)
+        return self._pack(type(data), ids, lens, self.backend.generate(reqs))
+
+    async def generate_async(self, data: Mapping, greedy: bool = False) -> AsyncIterator[tuple[int, Mapping]]:
+        """Yield (row index, one-row ``GenerationOutputSpec`` of width L_i + G_i) as rows finish
+        (NeMo RL's per-sample streaming). Raises what :meth:`generate` raises."""
+        if data["input_ids"].shape[0] == 0:
+            return
+        ids, lens, reqs = self._requests(data, greedy)
+        row_of = {r.request_id: i for i, r in enumerate(reqs)}
+        async for out in self.backend.generate_async(reqs):
+            i = row_of[out.request_id]
+            yield i, self._pack(type(data), ids[i : i + 1, : lens[i]], [lens[i]], [out])
+
+    # ---- memory handoff ---------------------------------------------------------------------
+    def prepare_for_generation(self, *args, **kwargs) -> bool:
+        """Wake the engine if ``finish_generation`` put it to sleep (idempotent: a no-op when
+        awake). NeMo RL's ``tags`` ("weights", "kv_cache") are accepted; one wake-up restores both.
+        Returns True. Raises the engine's ``WakeUpError`` when out of memory."""
+        if self._asleep:
+            rec = self.backend.wake_up()
+            self._asleep = False
+            self._logger_metrics.update(wake_seconds=rec["seconds"], wake_gb_restored=rec["gb_restored"])
+        return True
+
+    def finish_generation(self, *args, release_gpu: bool = True, **kwargs) -> bool:
+        """End a generation phase. Colocated and ``release_gpu``: the engine sleeps at
+        ``sleep_level`` (its memory goes to the trainer); otherwise the prefix cache is reset and the
+        engine keeps serving. Returns True. Raises RuntimeError when samples are unfinished."""
+        if self.colocated and release_gpu:
+            if not self._asleep:
+                rec = self.backend.sleep(self.sleep_level)
+                self._asleep = True
+                self._logger_metrics.update(sleep_seconds=rec["seconds"], sleep_gb_freed=rec["gb_freed"])
+        else:
+            self.backend.reset_prefix_cache()
+        return True
+
+    def blocks_training(self) -> bool:
+        """Whether the engine must stand down before a training step: True when colocated."""
+        return self.colocated
+
+    def wake_carries_weight_updates(self) -> bool:
+        """False: waking up does not load new weights; the loop refits explicitly."""
+        return False
+
+    @property
+    def requires_kv_scale_sync(self) -> bool:
+        """False: no FP8 KV-cache scales to synchronise."""
+        return False
+
+    def invalidate_kv_cache(self) -> bool:
+        """Drop every reusable cached prefix (computed with the old weights). Returns True."""
+        self.backend.reset_prefix_cache()
+        return True
+
+    def get_logger_metrics(self) -> dict[str, float]:
+        """Seconds and GiB of the last sleep / wake-up (``sleep_seconds``, ``sleep_gb_freed``,
+        ``wake_seconds``, ``wake_gb_restored``) since :meth:`clear_logger_metrics`."""
+        return dict(self._logger_metrics)
+
+    def clear_logger_metrics(self) -> None:
+        self._logger_metrics.clear()
+
+    # ---- refit ------------------------------------------------------------------------------
+    def prepare_refit_info(self, state_dict_info: Mapping[str, tuple]) -> None:
+        """Check the trainer's tensor list once: ``{name: (shape, dtype)}`` (NeMo RL's
+        ``policy.prepare_refit_info()``) in any naming of the module docstring must cover every
+        tensor of the served model exactly once with its shape. Later updates must send these names.
+
+        Raises:
+            ValueError: listing the unknown, missing, duplicated and mis-shaped tensors.
+        """
+        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, (s, d) in state_dict_info.items()]
+        self._released(metas)
+        self._refit_names = set(state_dict_info)
+
+    def _released(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Released-name (``language_model.``, the wire naming) views of ``items`` in the model's
+        order (the receiver's handshake order); ValueError unless they cover the model exactly once."""
+        try:
+            pairs = list(released_pairs(self._shapes, items))
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"refit tensors do not match the served model: {exc.args[0]}") from None
+        want = {n: tuple(t.shape) for n, t in iter_released_tensors(self._shapes, prefix="")}
+        count = Counter(n for n, _ in pairs)
+        problems = [f"missing {n}" for n in want if n not in count]
+        problems += [f"given {count[n]} times: {n}" for n in count if count[n] > 1]
+        problems += [f"{n}: shape {tuple(t.shape)} != {want[n]}" for n, t in pairs if tuple(t.shape) != want[n]]
+        if problems:
+            raise ValueError(
+                f"refit tensors do not match the served model ({len(problems)} problems):\n  "
+                + "\n  ".join(problems[:20])
+            )
+        by_name = dict(pairs)
+        return [(RELEASED_PREFIX + n, by_name[n]) for n in want]
+
+    def update_weights_via_ipc(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> bool:
+        """Refit from tensors in this process (NeMo RL's ``update_weights_via_ipc_zmq`` counterpart
+        for a colocated trainer): names as in :meth:`prepare_refit_info`, copied in place through
+        the backend's weight receiver (``update_weights``: its checks, ``atomic``, version rule).
+        ``version``: default the served version + 1. Returns True.
+
+        Raises:
+            ValueError: names differ from ``prepare_refit_info``'s, or the receiver rejected the
+                update (names the tensors; nothing changed with ``weight_sync.atomic``).
+            RuntimeError: the engine sleeps at level 2 (call prepare_for_generation first).
+        """
+        items = list(named_tensors)
+        if self._refit_names is not None:
+            got = {n for n, _ in items}
+            if got != self._refit_names:
+                extra, lost = sorted(got - self._refit_names), sorted(self._refit_names - got)
+                raise ValueError(
+                    f"update_weights_via_ipc: names differ from prepare_refit_info's: "
+                    f"{len(extra)} new {extra[:5]}, {len(lost)} missing {lost[:5]}"
+                )
+        pairs = self._released(items)
+        self.backend.update_weights(self.backend.weight_version + 1 if version is None else version, pairs)
+        return True
+
+    def init_collective(
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        *,
+        train_world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        bucket_size_mb: float = 512,
+    ) -> list[Future]:
+        """Join the trainer's weight-sync group (``m3_rollout.weight_sync.WeightSyncGroup``: the
+        trainer is rank 0 and hosts the store at ``ip:port``; this engine is rank 1) and run the
+        handshake. Non-blocking like NeMo RL's: returns one future (True when joined) while the
+        trainer builds its side (``WeightSender.handshake``). ``bucket_size_mb`` must equal the
+        sender's.
+
+        Raises:
+            NotImplementedError: the backend is not the in-process engine.
+            ValueError: ``train_world_size`` != 1 or ``world_size`` != 2 (one trainer rank sends,
+                this engine receives); the future raises WeightSyncTimeout / HandshakeError.
+        """
+        if not isinstance(self.backend, NativeBackend):
+            raise NotImplementedError(
+                f"init_collective needs the in-process engine (NativeBackend), not {type(self.backend).__name__}; "
+                "EP rollout workers join the trainer's group through RolloutService(weight_sync=...)"
+            )
+        if train_world_size != 1 or world_size != 2:
+            raise ValueError(
+                f"init_collective(world_size={world_size}, train_world_size={train_world_size}): the weight-sync "
+                "group is one trainer rank (0, the sender) and this engine (1): use world_size=2, train_world_size=1"
+            )
+        engine = self.backend.engine
+
+        def join() -> bool:
+            device = engine.model.lm_head.weight.device
+            group = WeightSyncGroup(ip, port, train_world_size, world_size, backend, timeout_s, device)
+            sync = RolloutWeightSync(engine, group, bucket_size_mb)
+            try:
+                sync.handshake()
+            except BaseException:
+                group.close()
+                raise
+            self._close_collective()
+            self._collective = sync
+            return True
+
+        return [self._pool.submit(join)]
+
+    def update_weights_from_collective(self) -> list[Future]:
+        """Receive one update broadcast by the trainer (``WeightSender.update``, called while the
+        future runs). Returns one future: True when committed; it raises ValueError naming the
+        receiver's errors when the update was rejected.
+
+        Raises:
+            RuntimeError: no group (call init_collective first), or the weights are offloaded
+                (sleep level 2: call prepare_for_generation first).
+        """
+        if self._collective is None:
+            raise RuntimeError("update_weights_from_collective: no weight-sync group; call init_collective first")
+        if self._asleep and self.sleep_level == 2:
+            raise RuntimeError("update_weights_from_collective: the weights are offloaded; call prepare_for_generation")
+        sync = self._collective
+
+        def receive() -> bool:
+            result = sync.update().result
+            if not result.ok:
+                raise ValueError(f"weight update rejected (version {result.version}): {'; '.join(result.errors)}")
+            return True
+
+        return [self._pool.submit(receive)]
+
+    def _close_collective(self) -> None:
+        if self._collective is not None:
+            self._collective.group.close()
+            self._collective = None
+
+    def shutdown(self) -> bool:
+        """Leave the weight-sync group and shut the backend down; safe to call again. Returns True."""
+        self._close_collective()
+        self._pool.shutdown(wait=True)
+        self.backend.shutdown()
+        return True

@@ -1,0 +1,203 @@
+"""NemoRLGeneration (m3_rollout/integrations/nemo_rl.py) driven the way NeMo RL's colocated GRPO loop
+drives its generator: prepare_for_generation -> generate -> finish_generation (sleep) ->
+prepare_for_generation (wake) -> prepare_refit_info -> update weights -> invalidate_kv_cache ->
+generate again, whose logprobs are then the trainer's new ones. Also the collective refit over a
+gloo weight-sync group, per-row streaming, and the refusals (bad padding, wrong refit names)."""
+
+import asyncio
+import collections
+import copy
+import socket
+
+import pytest
+import torch
+
+from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.integrations import NemoRLGeneration
+from m3_rollout.model import M3ForCausalLM, tiny_config
+from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.weight_sync import BroadcastChannel, LocalWeightSync, WeightSender, WeightSyncGroup
+from m3_trainers.policy import token_logprobs
+
+V, EOS, PAD = 96, 1, 0
+CONFIG = {
+    "max_new_tokens": 5,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": None,
+    "stop_token_ids": None,
+    "stop_strings": None,
+    "_pad_token_id": PAD,
+    "colocated": {"enabled": True},
+}
+
+
+def _model(seed=0) -> M3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = tiny_config(vocab_size=V, max_position_embeddings=64, sparse_block_size=4, sparse_topk_blocks=3)
+    m = M3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.15 if p.ndim >= 2 else 0.1)
+    return m.eval()
+
+
+def _generation(model) -> NemoRLGeneration:
+    backend = NativeBackend(copy.deepcopy(model), [EOS], max_model_len=48, max_num_seqs=8)
+    backend.weight_sync = LocalWeightSync(backend.engine)
+    return NemoRLGeneration(backend, CONFIG, seed=3)
+
+
+def _batch(container=dict):
+    """Three right-padded prompts of lengths 4, 7 and 2 (ids >= 2: neither pad nor EOS)."""
+    rows = [[5, 9, 14, 3], [7, 7, 30, 41, 2, 60, 11], [88, 4]]
+    ids = torch.full((3, 7), PAD, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    return container({"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])})
+
+
+def _transformers_named(model):
+    """The trainer's in-memory tensors under transformers' VL names (fused experts)."""
+    for name, p in model.named_parameters():
+        name = name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+        name = name.replace("block_sparse_moe.experts.w13", "mlp.experts.gate_up_proj")
+        yield name.replace("block_sparse_moe.experts.w2", "mlp.experts.down_proj"), p.detach()
+
+
+def _check_output(out, batch, model):
+    """GenerationOutputSpec layout, and logprobs equal to ``model``'s; returns the max |diff|."""
+    ids, lens = batch["input_ids"], batch["input_lengths"].tolist()
+    assert out["output_ids"].dtype == torch.long and out["logprobs"].dtype == torch.float32
+    assert out["generation_lengths"].dtype == torch.long and out["truncated"].dtype == torch.bool
+    gen = out["generation_lengths"].tolist()
+    assert out["output_ids"].shape == out["logprobs"].shape == (3, 7 + max(gen))
+    assert out["unpadded_sequence_lengths"].tolist() == [n + g for n, g in zip(lens, gen)]
+    worst = 0.0
+    for i, (n, g) in enumerate(zip(lens, gen)):
+        row, lp = out["output_ids"][i], out["logprobs"][i]
+        assert torch.equal(row[:n], ids[i, :n])  # the prompt is included
+        assert (row[n + g :] == PAD).all() and (lp[:n] == 0).all() and (lp[n + g :] == 0).all()
+        generated = row[n : n + g].tolist()
+        assert bool(out["truncated"][i]) == (g == CONFIG["max_new_tokens"] and EOS not in generated)
+        with torch.no_grad():
+            ref = token_logprobs(model, row[None, : n + g])[0, n : n + g]
+        worst = max(worst, float((ref - lp[n : n + g]).abs().max()))
+    return worst
+
+
+def test_grpo_loop_order_refits_and_changes_logprobs():
+    model = _model()
+    gen = _generation(model)
+    batch = _batch()
+    assert gen.prepare_for_generation() is True
+    first = gen.generate(batch)
+    assert _check_output(first, batch, model) < 1e-4
+    assert gen.finish_generation() is True and gen.backend.engine.asleep  # the trainer gets the memory
+    trainer = copy.deepcopy(model)  # one "training step"
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    assert gen.prepare_for_generation(tags=["weights"]) and not gen.backend.engine.asleep
+    assert gen.prepare_for_generation(tags=["kv_cache"])  # idempotent
+    assert set(gen.get_logger_metrics()) == {"sleep_seconds", "sleep_gb_freed", "wake_seconds", "wake_gb_restored"}
+    gen.prepare_refit_info({n: (t.shape, t.dtype) for n, t in _transformers_named(trainer)})
+    assert gen.update_weights_via_ipc(_transformers_named(trainer)) is True
+    assert gen.invalidate_kv_cache() is True
+    assert gen.backend.weight_version == 1
+    second = gen.generate(batch)
+    assert _check_output(second, batch, trainer) < 1e-4  # the new weights serve
+    assert _check_output(second, batch, model) > 1e-2  # ... and differ from the old ones
+    # the trainer's own in-memory names (stacked experts.w13 / w2) refit too
+    gen.prepare_refit_info({n: (p.shape, p.dtype) for n, p in model.named_parameters()})
+    gen.update_weights_via_ipc((n, p.detach()) for n, p in model.named_parameters())
+    assert gen.backend.weight_version == 2
+    assert _check_output(gen.generate(batch), batch, model) < 1e-4
+    assert gen.shutdown() and gen.shutdown()
+
+
+class FakeBatchedDataDict(collections.UserDict):
+    """Stands in for nemo_rl's BatchedDataDict (a UserDict built from a dict)."""
+
+
+def test_generate_async_rows_and_container_type():
+    model = _model()
+    gen = _generation(model)
+    batch = _batch(FakeBatchedDataDict)
+    whole = gen.generate(batch)
+    assert isinstance(whole, FakeBatchedDataDict)
+
+    async def collect():
+        return [item async for item in gen.generate_async(batch)]
+
+    rows = asyncio.run(collect())
+    assert sorted(i for i, _ in rows) == [0, 1, 2]
+    for i, one in rows:
+        n, g = int(batch["input_lengths"][i]), int(one["generation_lengths"][0])
+        assert isinstance(one, FakeBatchedDataDict) and one["output_ids"].shape == (1, n + g)
+        assert int(one["unpadded_sequence_lengths"][0]) == n + g
+        assert torch.equal(one["output_ids"][0, :n], batch["input_ids"][i, :n])
+    empty = gen.generate({"input_ids": torch.zeros((0, 0), dtype=torch.long), "input_lengths": torch.zeros(0)})
+    assert empty["output_ids"].shape == (0, 0) and empty["truncated"].shape == (0,)
+
+
+def test_refusals_name_the_problem():
+    model = _model()
+    gen = _generation(model)
+    bad = _batch()
+    bad["input_ids"][2, 5] = 17  # a token after the row's length: not right-padded
+    with pytest.raises(ValueError, match="row 2 is not right-padded"):
+        gen.generate(bad)
+    info = {n: (t.shape, t.dtype) for n, t in _transformers_named(model)}
+    lost = next(n for n in info if n.endswith("layers.1.input_layernorm.weight"))
+    del info[lost]
+    with pytest.raises(ValueError, match=r"missing model\.layers\.1\.input_layernorm\.weight"):
+        gen.prepare_refit_info(info)
+    info[lost] = (torch.Size([3]), torch.float32)
+    with pytest.raises(ValueError, match=r"shape \(3,\) != \(128,\)"):
+        gen.prepare_refit_info(info)
+    info[lost] = (torch.Size([128]), torch.float32)
+    info["model.language_model.layers.0.mlp.experts.gate_up_proj"] = (torch.Size([8, 64, 128]), torch.float32)
+    with pytest.raises(ValueError, match="gate_up_proj"):  # layer 0 is dense: no experts
+        gen.prepare_refit_info(info)
+    del info["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    gen.prepare_refit_info(info)
+    with pytest.raises(ValueError, match="names differ from prepare_refit_info"):
+        gen.update_weights_via_ipc(iter_released_tensors(model, prefix=""))
+    # a backend other than the in-process engine: the shapes come from the config (a meta-device copy)
+    NemoRLGeneration(gen.backend, CONFIG, model_config=model.config).prepare_refit_info(info)
+    with pytest.raises(ValueError, match="_pad_token_id"):
+        NemoRLGeneration(gen.backend, {k: v for k, v in CONFIG.items() if k != "_pad_token_id"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_collective_refit_over_a_weight_sync_group():
+    model = _model()
+    gen = _generation(model)
+    trainer = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(0.9)
+    port = _free_port()
+    joined = gen.init_collective("127.0.0.1", port, 2, train_world_size=1, timeout_s=60.0, bucket_size_mb=0.25)
+    group = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", 60.0)
+    try:
+        sender = WeightSender(lambda: iter_released_tensors(trainer), BroadcastChannel(group), bucket_size_mb=0.25)
+        sender.handshake()
+        assert all(f.result(timeout=60) for f in joined)
+        received = gen.update_weights_from_collective()
+        sender.update(1, include_frozen=True)
+        assert all(f.result(timeout=60) for f in received)
+        assert gen.backend.weight_version == 1
+        gen.invalidate_kv_cache()
+        assert _check_output(gen.generate(_batch()), _batch(), trainer) < 1e-4
+    finally:
+        gen.shutdown()
+        group.close()
+    with pytest.raises(ValueError, match="world_size=2, train_world_size=1"):
+        _generation(model).init_collective("127.0.0.1", port, 3, train_world_size=2)
