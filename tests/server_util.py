@@ -4,11 +4,16 @@ server on 127.0.0.1 (a free port) in a background thread of the test process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import torch
 import uvicorn
 
@@ -18,6 +23,7 @@ from m3_rollout.engine.interface import GenerationBackend, SampleOutput, StreamD
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
 from m3_rollout.server.app import build_app
+from m3_rollout.server.client import RolloutServerClient
 from m3_rollout.server.openai_api import ServedModel
 from m3_rollout.server.runner import EngineRunner
 
@@ -196,3 +202,41 @@ class ScriptedBackend(GenerationBackend):
 
     def update_weights(self, version, named_tensors):
         raise NotImplementedError("scripted backend")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def serve_subprocess(model_dir: Path, args: list[str], startup_timeout_s: float, stop_timeout_s: float):
+    """``python -m m3_rollout.serve --model model_dir --port <free> *args`` in its own process
+    (OMP_NUM_THREADS=1), waited for on /health. Yields (url, client); on exit the client closes and
+    the server gets SIGTERM, then SIGKILL after ``stop_timeout_s``.
+
+    Raises: RuntimeError with the server's output when it exits or is not healthy within
+    ``startup_timeout_s`` seconds."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "m3_rollout.serve", "--model", str(model_dir), "--port", str(port), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    client = RolloutServerClient(url, timeout_s=120)
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        try:
+            client.health()
+            break
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"server did not start:\n{proc.stdout.read()}") from None
+            time.sleep(0.2)
+    try:
+        yield url, client
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()

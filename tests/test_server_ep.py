@@ -6,25 +6,26 @@ trainer's, with concurrent streams carrying both versions across the update."""
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import torch
-from server_util import free_port, save_tiny_checkpoint, tiny_model, tiny_tokenizer  # tests/ on sys.path
+from server_util import (  # tests/ on sys.path
+    free_port,
+    save_tiny_checkpoint,
+    serve_subprocess,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from m3_rollout.model import load_checkpoint
 from m3_rollout.model.loading import iter_released_tensors
-from m3_rollout.server.client import RolloutServerClient
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 from m3_trainers.policy import token_logprobs
 
 MAX_LEN = 256
 EP = 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = list(range(20, 52))  # two KV pages
 
 
@@ -32,30 +33,9 @@ PROMPT = list(range(20, 52))  # two KV pages
 def server(tmp_path_factory):
     tok = tiny_tokenizer()
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), tok, tiny_model(len(tok), max_len=MAX_LEN))
-    port = free_port()
-    cmd = [sys.executable, "-m", "m3_rollout.serve", "--model", str(path), "--port", str(port)]
-    cmd += ["--expert-parallel-size", str(EP), "--max-num-seqs", "16", "--served-model-name", "tiny-m3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    client = RolloutServerClient(url, timeout_s=120)
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            client.health()
-            break
-        except httpx.HTTPError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"server did not start:\n{proc.stdout.read()}") from None
-            time.sleep(0.2)
-    yield url, client, path
-    client.close()
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = ["--expert-parallel-size", str(EP), "--max-num-seqs", "16", "--served-model-name", "tiny-m3"]
+    with serve_subprocess(path, args, startup_timeout_s=240, stop_timeout_s=60) as (url, client):
+        yield url, client, path
 
 
 def _body(seed: int, new: int, stream: bool = True, rid: str | None = None) -> dict:

@@ -5,65 +5,35 @@ a disconnecting client whose request is aborted and whose KV pages are freed (se
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import torch
-from server_util import free_port, save_tiny_checkpoint, tiny_model, tiny_tokenizer  # tests/ on sys.path
+from server_util import (  # tests/ on sys.path
+    free_port,
+    save_tiny_checkpoint,
+    serve_subprocess,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from m3_rollout.model import load_checkpoint
 from m3_rollout.model.loading import iter_released_tensors
-from m3_rollout.server.client import RolloutServerClient, ServerError
+from m3_rollout.server.client import ServerError
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 from m3_trainers.policy import token_logprobs
 
 MAX_LEN = 256
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tok = tiny_tokenizer()
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), tok, tiny_model(len(tok), max_len=MAX_LEN))
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "m3_rollout.serve",
-        "--model",
-        str(path),
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny-m3",
-        "--max-num-seqs",
-        "64",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    client = RolloutServerClient(url, timeout_s=120)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            client.health()
-            break
-        except httpx.HTTPError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"server did not start:\n{proc.stdout.read()}") from None
-            time.sleep(0.2)
-    yield url, client, path, tok
-    client.close()
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = ["--served-model-name", "tiny-m3", "--max-num-seqs", "64"]
+    with serve_subprocess(path, args, startup_timeout_s=180, stop_timeout_s=30) as (url, client):
+        yield url, client, path, tok
 
 
 @pytest.fixture(scope="module")
