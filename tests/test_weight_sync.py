@@ -732,3 +732,49 @@ def test_bucket_update_reads_its_verdict_on_the_host_once(monkeypatch, atomic):
     with pytest.raises(WeightUpdateError, match="bucket 7 .* checksum mismatch"):
         _sender(trainer, [rx]).update(version + 1)
     assert len(reads) == 1
+
+
+def test_bucket_pack_and_unpack_through_the_copy_kernel_under_the_interpreter(monkeypatch):
+    """The fused passes as they run on a GPU (copy_plan's Triton kernel, here under
+    TRITON_INTERPRET=1 in fp32 / fp16): odd-sized tensors split across buckets at unaligned byte
+    offsets, fp32 sources cast to an fp16 wire, partial ownership (an EP rank); the packed bytes
+    equal the reference packing, the owned destinations equal the sources as cast, and a value
+    that overflows fp16 is named."""
+    import os
+
+    from m3_rollout.weight_sync import copy_plan
+    from m3_rollout.weight_sync.buckets import BucketPacker
+    from m3_rollout.weight_sync.ring import BucketRing
+    from m3_rollout.weight_sync.unpack import BucketUnpack
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or copy_plan.triton is None:
+        pytest.skip("runs the Triton kernel under the interpreter (CPU machines)")
+    kernel_plans = []
+    monkeypatch.setattr(copy_plan, "_use_triton", lambda device: kernel_plans.append(device) or True)
+    g = torch.Generator().manual_seed(0)
+    sizes = [37, 5000, 3, 20001, 777]
+    sources = [torch.randn(n, generator=g) for n in sizes]
+    plan = plan_buckets([((n,), torch.float16) for n in sizes], 2 * 9001)  # 9001 fp16 elements per bucket
+    assert len(plan) == 3 and any(s.byte_offset % 16 for b in plan for s in b.segments)
+    ring = BucketRing("cpu", 3)
+    ring.reserve(max(b.wire_bytes for b in plan))
+    packer = BucketPacker(plan, sources)
+    ref = torch.empty(max(b.wire_bytes for b in plan), dtype=torch.uint8)
+    dests = [torch.zeros(n, dtype=torch.float16) if i != 2 else None for i, n in enumerate(sizes)]  # 2: not ours
+    unpack = BucketUnpack(plan, dests, [f"t{i}" for i in range(len(sizes))], ring)
+    for bad in (False, True):
+        if bad:
+            sources[3][12345] = 1e6  # finite in fp32, +inf in fp16
+        unpack.start(atomic=False, stage=None)
+        for k, b in enumerate(plan):
+            buf = ring.buffer(k, b.wire_bytes)
+            packer.pack(k, buf)
+            pack_bucket(ref, b, sources)
+            assert torch.equal(buf, ref[: b.wire_bytes].view(torch.uint8)), k
+            unpack.receive(k, buf)
+        bad_sums, names = unpack.verdict()
+        assert bad_sums == [] and names == (["t3"] if bad else [])
+        assert len(kernel_plans) == 2 * len(plan)  # one pack and one unpack pass per bucket, built once
+        for i, d in enumerate(dests):
+            if d is not None:
+                assert torch.equal(d.view(torch.int16), sources[i].to(torch.float16).view(torch.int16)), i
