@@ -362,6 +362,8 @@ class WeightSyncConfig:
     # broadcast only (rejected with the in-process engine unless left at the default):
     backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
     bucket_size_mb: float = 512.0
+    # a ring of three wire buffers per end (pack k+1 / send k / unpack k-1 overlap, on side
+    # streams on GPU); false: one buffer, one bucket at a time (less memory)
     double_buffer: bool = True
     timeout_s: float = 60.0
     master_port: int = 0  # 0 = pick a free port

@@ -26,15 +26,25 @@ the same run, on the same bytes:
   raw copy_ per parameter   rollout_param.copy_(trainer_param) for every parameter: the floor of an
             in-process refit (no packing, checksum, validation or staging);
   raw flat copy             one copy_ of a flat buffer of the same bytes: the device copy ceiling;
+  raw bucket copies   the update's wire buckets copied buffer to buffer through a ring of three
+            slots, one device copy per bucket: the loopback's stand-in for the broadcast, alone;
   atomic=false / atomic=true   full colocated updates on the direct path (ColocatedChannel(direct=True),
             as build_weight_sender sets up): per-tensor copies into the rollout's views, no buckets;
             atomic first runs one fused finite check of every tensor, then commits;
-  ..., buckets   the same updates through the bucket wire format in memory (direct=False: packing,
-            checksums; atomic stages in host memory on GPU, in the stage buffer on CPU), for comparison.
+  ..., buckets   the bucketed broadcast pipeline in loopback (ColocatedChannel(direct=False)): the
+            sender packs each bucket (fused cast + copy, checksum trailer) into a ring of three wire
+            buffers on its side stream; a device-to-device copy on a transfer stream STANDS IN FOR
+            THE BROADCAST into the receiver's ring; the receiver checksums, flags non-finite values
+            and unpacks (non-atomic: into the parameters; atomic: into the pinned host stage, then
+            commits) on its own side stream; events order the three; the verdict is read on the
+            host once per update.
 GB/s = update bytes / wall time (CUDA synchronized before and after); pause = the whole update (the
-rollout engine shares the process and device, so it is stopped throughout). Correctness, checked
-after timing for each atomic mode: the rollout copy is scrambled, updated, then every parameter is
-bitwise equal to the trainer's with data_ptr unchanged and the receiver on the new version.
+rollout engine shares the process and device, so it is stopped throughout). On CUDA, one more
+bucketed update per atomic mode runs under torch.cuda.set_sync_debug_mode("warn") and the report
+gives its count of synchronizing CUDA calls (the pipeline's target: the one verdict read).
+Correctness, checked after timing for each atomic mode: the rollout copy is scrambled, updated,
+then every parameter is bitwise equal to the trainer's with data_ptr unchanged and the receiver on
+the new version.
 
 Appends a section to docs/benchmarks.md (or --write PATH) unless --no-write; colocated writes
 nothing when a correctness check fails.
@@ -43,19 +53,20 @@ nothing when a correctness check fails.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from benchlib import machine, run_date  # noqa: E402
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors  # noqa: E402
 from m3_rollout.model.configuration import tiny_config  # noqa: E402
@@ -192,9 +203,8 @@ def _rank_main(rank: int, args, port: int, results) -> None:
         total = sum(b.data_bytes for b in plan)
         out = {"rank": rank, "bytes": total, "buckets": len(plan)}
         if rank == 0:
-            sender = WeightSender(
-                lambda: iter_released_tensors(model), BroadcastChannel(group, True), args.bucket_mb, None
-            )
+            source = ReleasedTensors(model)  # what Policy.named_released_tensors gives
+            sender = WeightSender(lambda: source, BroadcastChannel(group, True), args.bucket_mb, None)
             sender.handshake()
         else:
             rx = WeightReceiver(model, atomic=False, double_buffer=True)
@@ -242,6 +252,7 @@ def _rank_main(rank: int, args, port: int, results) -> None:
 COLOCATED_MODES = (
     "raw copy_ per parameter",
     "raw flat copy",
+    "raw bucket copies",
     "atomic=false",
     "atomic=true",
     "atomic=false, buckets",
@@ -293,10 +304,12 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
         dict with ``bytes`` (update bytes = every parameter incl. frozen ones), ``buckets`` (of the
         ``..., buckets`` modes; the direct modes use none),
         ``tensors`` (released tensors sent), ``seconds`` {mode: median s}, ``all`` {mode: [s]},
-        ``checks`` {"atomic=false"/"atomic=true": {"mismatched_before": int (parameters differing
-        before the checked update, > 0 or the check proves nothing), "mismatched": [names],
-        "moved": [names whose data_ptr changed], "version": receiver version, "expected_version",
-        "valid": bool, "ok": bool}}.
+        ``checks`` {"atomic=false"/"atomic=true"/"atomic=false, buckets"/"atomic=true, buckets":
+        {"mismatched_before": int (parameters differing before the checked update, > 0 or the
+        check proves nothing), "mismatched": [names], "moved": [names whose data_ptr changed],
+        "version": receiver version, "expected_version", "valid": bool, "ok": bool}},
+        ``syncs`` {"atomic=false, buckets"/"atomic=true, buckets": synchronizing CUDA calls in one
+        bucketed update (torch.cuda.set_sync_debug_mode), or None on CPU}.
     Raises ValueError when the two models do not share one device.
     """
     dev = next(trainer.parameters()).device
@@ -318,10 +331,13 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
     source = ReleasedTensors(trainer)  # what Policy.named_released_tensors gives: resolved once, then cached
     sender = WeightSender(lambda: source, ColocatedChannel([rx], dev, direct=True), bucket_mb, None)
     sender.handshake()
-    bucketed = WeightSender(
-        lambda: iter_released_tensors(trainer), ColocatedChannel([rx], dev, direct=False), bucket_mb, None
-    )
+    bucketed = WeightSender(lambda: source, ColocatedChannel([rx], dev, direct=False), bucket_mb, None)
     bucketed.handshake()
+    # raw bucket copies: the same wire buckets through a ring of three slot pairs (outside timing)
+    plan = plan_buckets([(tuple(t.shape), t.dtype) for _, t in source], int(bucket_mb * 2**20))
+    wire = max(b.wire_bytes for b in plan)
+    ring_src = [torch.ones(wire, dtype=torch.uint8, device=dev) for _ in range(3)]
+    ring_dst = [torch.zeros(wire, dtype=torch.uint8, device=dev) for _ in range(3)]
     ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
     version = 0
 
@@ -340,6 +356,9 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
                     d.copy_(src)
         elif mode == "raw flat copy":
             flat_dst.copy_(flat_src)
+        elif mode == "raw bucket copies":
+            for k, b in enumerate(plan):
+                ring_dst[k % 3][: b.wire_bytes].copy_(ring_src[k % 3][: b.wire_bytes])
         else:
             update(mode.startswith("atomic=true"), mode.endswith("buckets"))
         _sync(str(dev))
@@ -354,13 +373,27 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
             if log is not None:
                 log(f"repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s")
     stats = dict(bucketed.stats)
-    del flat_src, flat_dst
+    del flat_src, flat_dst, ring_src, ring_dst
+
+    syncs = {}
+    for mode in ("atomic=false, buckets", "atomic=true, buckets"):
+        syncs[mode] = None
+        if dev.type == "cuda":
+            _sync(str(dev))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    update(mode.startswith("atomic=true"), buckets=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs[mode] = sum("synchroniz" in str(w.message) for w in caught)
 
     checks = {}
-    for k, mode in enumerate(("atomic=false", "atomic=true")):
+    for k, mode in enumerate(("atomic=false", "atomic=true", "atomic=false, buckets", "atomic=true, buckets")):
         _scramble(rollout, 1000 + k)
         before = len(sync_mismatches(trainer, rollout))
-        update(mode == "atomic=true")
+        update(mode.startswith("atomic=true"), mode.endswith("buckets"))
         _sync(str(dev))
         bad = sync_mismatches(trainer, rollout)
         moved = [n for n, p in rollout.named_parameters() if p.data_ptr() != ptrs[n]]
@@ -380,6 +413,7 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
         "seconds": {m: statistics.median(v) for m, v in times.items()},
         "all": times,
         "checks": checks,
+        "syncs": syncs,
     }
 
 
@@ -494,11 +528,12 @@ def run_ipc(trainer: torch.nn.Module, cfg, dtype: torch.dtype, repeats: int, log
     }
 
 
-def colocated_report(r: dict, ipc: dict | None, cfg, args, machine: str, device_type: str) -> str:
-    """The markdown section of a colocated run (``run_colocated`` + optional ``run_ipc``)."""
+def colocated_report(r: dict, ipc: dict | None, cfg, args, where: str, device_type: str) -> str:
+    """The markdown section of a colocated run (``run_colocated`` + optional ``run_ipc``);
+    ``where``: the machine line."""
     gb = r["bytes"] / 1e9
     flat = r["seconds"]["raw flat copy"]
-    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    stand_in = r["seconds"]["raw bucket copies"]
     rows = [(m, r["seconds"][m]) for m in COLOCATED_MODES]
     if ipc is not None:
         for m in IPC_MODES:
@@ -506,19 +541,29 @@ def colocated_report(r: dict, ipc: dict | None, cfg, args, machine: str, device_
             rows.append((f"ipc {m}: trainer fill (cast + flags into the stage)", ipc["fill"][m]))
             rows.append((f"ipc {m}: worker refit (stage -> parameters)", ipc["refit"][m]))
     head = (
-        f"## Weight sync, colocated refit (bench_weight_sync.py --method colocated), {now}, {machine}, "
+        f"## Weight sync, colocated refit (bench_weight_sync.py --method colocated), {run_date()}, {where}, "
         f"{device_type}\n\n"
         f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
         f"tensors; trainer and rollout copies on one {device_type} device. atomic=false/true: the direct path "
         "(WeightSender(ReleasedTensors) + ColocatedChannel + WeightReceiver, copy plan: fused check pass, then "
         f"fused copy); '..., buckets': the bucketed broadcast pipeline in loopback ({r['buckets']} buckets of "
-        f"<= {args.bucket_mb:g} MiB, packing + checksums + staging in one process); 'ipc': a rollout worker "
+        f"<= {args.bucket_mb:g} MiB; sender packs on its side stream into a ring of 3 wire buffers, a "
+        "device-to-device copy on a transfer stream stands in for the NCCL broadcast, the receiver checksums, "
+        "flags non-finite values and unpacks on its own side stream, one host read of the verdict per update; "
+        "atomic stages in pinned host memory and commits after the verdict); 'raw bucket copies': that "
+        "stand-in transfer alone (the same buckets, one device copy each); 'ipc': a rollout worker "
         "process on the same device refit from the trainer's shared stage (weight_sync/ipc.py). Median of "
-        f"{args.repeats} repeats after a warm-up; ratio = GB/s over the raw flat copy's.\n\n"
-        "| mode | seconds | GB/s | vs raw flat copy |\n|---|---|---|---|\n"
+        f"{args.repeats} repeats after a warm-up; ratios = GB/s over the raw flat copy's and, for the bucket "
+        "rows, over the raw bucket copies'.\n\n"
+        "| mode | seconds | GB/s | vs raw flat copy | vs raw bucket copies |\n|---|---|---|---|---|\n"
     )
-    body = "".join(f"| {m} | {t:.4f} | {gb / t:.1f} | {flat / t:.2f} |\n" for m, t in rows)
+    body = "".join(
+        f"| {m} | {t:.4f} | {gb / t:.1f} | {flat / t:.2f} | "
+        + (f"{stand_in / t:.2f}" if m.endswith("buckets") else "-")
+        + " |\n"
+        for m, t in rows
+    )
     n_params = r["n_params"]
     checks = "; ".join(
         f"{m}: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} of {n_params} parameters differ after the "
@@ -531,7 +576,13 @@ def colocated_report(r: dict, ipc: dict | None, cfg, args, machine: str, device_
             f"; ipc: {'pass' if ipc['ok'] else 'FAIL'} ({len(ipc['mismatched'])} of {n_params} worker parameters "
             f"differ from the trainer's after the last update; data_ptr moved: {ipc['moved']})"
         )
-    return head + body + "\nCorrectness (bitwise): " + checks + ".\n"
+    syncs = ""
+    if any(v is not None for v in r.get("syncs", {}).values()):
+        syncs = (
+            "\nSynchronizing CUDA calls in one bucketed update (torch.cuda.set_sync_debug_mode('warn'); the "
+            "pipeline's one is the verdict read): " + ", ".join(f"{m}: {v}" for m, v in r["syncs"].items()) + ".\n"
+        )
+    return head + body + "\nCorrectness (bitwise): " + checks + ".\n" + syncs
 
 
 def main_colocated(args) -> None:
@@ -553,11 +604,10 @@ def main_colocated(args) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     ipc = None if args.no_ipc else run_ipc(trainer, cfg, dtype, args.repeats, log=log)
-    if dev.type == "cuda":
-        machine = f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
-    else:
-        machine = f"{_cpu_name()}, {os.cpu_count()} cores, torch threads = {torch.get_num_threads()}"
-    text = colocated_report(r, ipc, cfg, args, machine, dev.type)
+    where = f"{machine(dev.type)}, torch {torch.__version__}"
+    if dev.type != "cuda":
+        where += f", torch threads = {torch.get_num_threads()}"
+    text = colocated_report(r, ipc, cfg, args, where, dev.type)
     print(text)
     log("done")
     ok = all(c["ok"] for c in r["checks"].values()) and (ipc is None or ipc["ok"])
@@ -579,17 +629,6 @@ def _append(args, text: str) -> None:
     with open(path, "a") as f:
         f.write("\n" + text)
     print(f"appended to {path}")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -671,13 +710,9 @@ def main() -> None:
         for mode in ("raw", "atomic=false", "atomic=true"):
             rate = gb / r[mode]["seconds"]
             rows.append((rank, mode, r[mode]["seconds"], rate, rate / raw, r[mode]["pause"]))
-    machine = (
-        f"{_cpu_name()}, {os.cpu_count()} cores"
-        if args.backend == "gloo"
-        else f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    )
+    where = machine("cpu" if args.backend == "gloo" else "cuda")
     head = (
-        f"## Weight sync (bench_weight_sync.py), {datetime.date(2026, 11, 29)}, {machine}, {args.backend}\n\n"
+        f"## Weight sync (bench_weight_sync.py), {run_date()}, {where}, {args.backend}\n\n"
         f"Synthetic M3-shaped model: {gb:.3f} GB in {args.dtype} (router fp32), {got[0]['buckets']} buckets of "
         f"<= {args.bucket_mb:g} MiB, {args.receivers} rollout rank(s){' (EP slices)' if args.ep else ''}, "
         f"median of {args.repeats} interleaved repeats after a warm-up, torch threads per process = "

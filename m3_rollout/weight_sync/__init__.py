@@ -1,7 +1,9 @@
 """Trainer -> rollout weight sync (refit): handshake, bucketed versioned updates, in place.
 
 manifest   ordered (released name, shape, dtype) lists, EP-aware destination views, update header
-buckets    per-dtype bucket plan, packing, checksums
+buckets    per-dtype bucket plan, packing (fused, cached per bucket), checksums
+ring       the bucket pipeline's ring of wire buffers and side stream (pack / transfer / unpack overlap)
+unpack     receiver half of the bucket path: device-side checksums and finite flags, one host read
 group      the private trainer + rollout-ranks process group (TCPStore, gloo / NCCL, rebuild)
 receiver   the ONE rollout-side receiver: checks, version rule, stage (atomic) or apply, commit
 sender     trainer side: broadcast or colocated (in-process) channel

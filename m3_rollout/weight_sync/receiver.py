@@ -15,18 +15,21 @@ it is refused (both versions in the message) unless its header says ``replace`` 
 version held, e.g. to repair ranks a failed non-atomic update left invalid). A fresh receiver's
 first update may carry the version it was built with (the checkpoint it loaded is no update).
 
-Finite values are checked on the device on every path (one aminmax pass per bucket, or the fused
-direct check): ``atomic`` decides staging, not validation.
+Finite values and checksums are checked on the device on every path (the bucket path's fused
+unpack pass and checksum table, unpack.py; the fused direct check) and read on the host once per
+update: ``atomic`` decides staging, not validation.
 ``atomic=True``: every owned byte is staged in host memory (on CPU a fully owned bucket is
-received straight into its stage slot; on GPU through at most one or two device wire buffers),
-each bucket is validated as it arrives; only when EVERY rank reports success are the staged bytes
-copied into the parameters (two-phase: status exchange, then commit). Any failure leaves weights
-and version untouched. The direct path validates every tensor first and copies at commit, the
-trainer tensors serving as the stage.
-``atomic=False``: each bucket (each tensor on the direct path) is copied into the parameters as
-soon as it is validated (no stage). When any rank fails, no rank moves to the new version: a rank
-that already overwrote bytes is marked ``valid=False`` (it refuses requests) until a later full
-update succeeds, so every rank ends on one version or the update failed everywhere.
+received straight into its stage slot; on GPU through the ring of device wire buffers, ring.py),
+each bucket is validated on the device as it arrives; only when EVERY rank reports success are the
+staged bytes copied into the parameters (two-phase: status exchange, then commit). Any failure
+leaves weights and version untouched. The direct path validates every tensor first and copies at
+commit, the trainer tensors serving as the stage.
+``atomic=False``: on the bucket path each bucket is copied into the parameters by the same pass
+that validates it (no stage; the verdict is read once, after the last bucket, so the bytes of a
+bad bucket land too); on the direct path each tensor is validated before any byte is copied.
+When any rank fails, no rank moves to the new version: a rank that already overwrote bytes is
+marked ``valid=False`` (it refuses requests) until a later full update succeeds, so every rank
+ends on one version or the update failed everywhere.
 
 Probe (``probe.py``): when the update carries one, every rank re-scores the probe ids with the new
 weights after the commit and reports its drift in a second verdict exchange; atomic ranks keep a
@@ -35,6 +38,8 @@ copy of the weights they overwrote and roll back when any rank's drift is beyond
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +47,7 @@ from torch import nn
 
 from m3_rollout.model.loading import RELEASED_PREFIX
 
-from .buckets import Bucket, all_finite, checksum_ok, plan_buckets, segment_view
+from .buckets import Bucket, plan_buckets
 from .copy_plan import CopyPlan
 from .direct import nonfinite
 from .group import WeightSyncGroup, WeightSyncTimeout
@@ -58,6 +63,8 @@ from .manifest import (
     receiver_layout,
 )
 from .probe import ProbeData, Scorer, probe_drift
+from .ring import BucketRing
+from .unpack import BucketUnpack
 
 _MAX_NAMES = 4  # tensors named per failing bucket
 
@@ -87,15 +94,6 @@ class UpdateResult:
     probe_drift: float | None = None
 
 
-@dataclass
-class _BucketState:
-    bucket: Bucket
-    owned: list  # [(Segment, dst view)] of segments this rank keeps
-    fully_owned: bool
-    stage_offset: int = 0  # byte offset of this bucket's owned bytes in the host stage
-    stage_offsets: tuple = ()  # per owned segment (partial buckets)
-
-
 class WeightReceiver:
     """Receives weight updates into ``model`` in place.
 
@@ -103,7 +101,9 @@ class WeightReceiver:
         model: the rollout ``M3ForCausalLM`` (its StackedExperts may hold experts [a, b) with
             ``expert_range``; design.md §3.5).
         atomic: see module docstring.
-        double_buffer: post the receive of bucket k+1 before processing bucket k.
+        double_buffer: pipeline the buckets through a ring of three wire buffers (bucket k+1 on
+            the wire while k is validated and unpacked on the ring's side stream); False: one
+            buffer, one bucket at a time.
         version: weight version the model holds now.
         prefix: released-name prefix; must match the trainer's.
         in_flight: the engine's ``InFlightPolicy``; it brackets every update (pause / abort /
@@ -138,8 +138,11 @@ class WeightReceiver:
         self.rank_label = "rollout"
         self.manifest: list[TensorSpec] | None = None
         self._stage_cache: torch.Tensor | None = None
-        self._scratch_cache: list[torch.Tensor] = []
+        self._ring = BucketRing(self.device, 3 if double_buffer else 1)
+        self._unpack_cache: tuple | None = None  # (entries, bucket bytes, manifest, BucketUnpack)
         self._backup_cache: torch.Tensor | None = None
+        # Test hook: called as fault(k, wire_buffer) when bucket k has arrived, before it is validated.
+        self.fault: Callable[[int, torch.Tensor], None] | None = None
         # direct path: (header entries, sources, pairs, names, CopyPlan) of the last update; a
         # sender that resends the same objects (WeightSender's source cache) reuses the plan
         self._plan_cache: tuple | None = None
@@ -148,11 +151,11 @@ class WeightReceiver:
 
     def _reset(self) -> None:
         self._header: UpdateHeader | None = None
-        self._states: list[_BucketState] = []
+        self._buckets: BucketUnpack | None = None  # this update's bucket path (None: direct / no buckets to apply)
+        self._bucket_plan: list[Bucket] = []
+        self._verdict_read = False
         self._errors: list[str] = []
         self._touched = False  # non-atomic: some parameter bytes were overwritten this update
-        self._stage: torch.Tensor | None = None
-        self._scratch: list[torch.Tensor] = []
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # colocated: (dst view, src)
         self._direct_plan: CopyPlan | None = None
         self._probe: ProbeData | None = None
@@ -198,94 +201,105 @@ class WeightReceiver:
         """Start a bucketed update; returns the bucket plan (the same the sender computes).
 
         Header problems (shape, dtype, missing / repeated tensor, version) are recorded as errors;
-        the buckets must still be consumed to stay in step with the group, but nothing is applied."""
+        the buckets must still be consumed to stay in step with the group, but nothing is applied.
+        The plan, the owned segments, the stage layout and the fused passes are built once per
+        (header entries, bucket size, handshake) and reused by later updates."""
         self._start(header, probe)
-        plan = plan_buckets([(shape, dt) for _, shape, dt in header.entries], bucket_bytes)
-        stage_bytes = 0
-        for b in plan:
-            owned = []
-            for seg in b.segments:
-                idx = header.entries[seg.entry][0]
-                view = self.views.get(self.manifest[idx].name) if 0 <= idx < len(self.manifest) else None
-                if view is not None and not self._errors:
-                    owned.append((seg, view.reshape(-1)))
-            full = len(owned) == len(b.segments) and self.device.type == "cpu"
-            st = _BucketState(b, owned, full)
-            if self.atomic and owned:
-                st.stage_offset = stage_bytes
-                if full:
-                    stage_bytes += b.wire_bytes
-                else:
-                    offs, n = [], 0
-                    for seg, _ in owned:
-                        offs.append(stage_bytes + n)
-                        n += seg.numel * b.dtype.itemsize
-                    st.stage_offsets = tuple(offs)
-                    stage_bytes += (n + 7) // 8 * 8
-            self._states.append(st)
-        # NOTE: stage and wire buffers are kept between updates (same plan each time): fresh host
-        # allocations page-fault on first touch, which cost more than the copies themselves.
-        if self.atomic:
-            if self._stage_cache is None or self._stage_cache.numel() < stage_bytes:
-                self._stage_cache = None
-                self._stage_cache = torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-            self._stage = self._stage_cache[:stage_bytes]
-        wire = max((b.wire_bytes for b in plan), default=8)
-        n = 2 if self.double_buffer else 1
-        if len(self._scratch_cache) != n or self._scratch_cache[0].numel() < wire:
-            self._scratch_cache = []
-            self._scratch_cache = [torch.empty(wire, dtype=torch.uint8, device=self.device) for _ in range(n)]
-        self._scratch = self._scratch_cache
-        return plan
+        c = self._unpack_cache
+        hit = (
+            c is not None
+            and c[1] == bucket_bytes
+            and c[2] is self.manifest
+            and (c[0] is header.entries or c[0] == header.entries)
+        )
+        if hit:
+            unpack = c[3]
+        elif not self._errors:  # a header that passed the checks: every destination fits its entry
+            self._unpack_cache = None
+            plan = plan_buckets([(shape, dt) for _, shape, dt in header.entries], bucket_bytes)
+            dests, names = [], []
+            for idx, _, _ in header.entries:
+                view = self.views.get(self.manifest[idx].name)
+                dests.append(view.reshape(-1) if view is not None else None)
+                names.append(self.manifest[idx].name)
+            unpack = BucketUnpack(plan, dests, names, self._ring)
+            self._unpack_cache = (header.entries, bucket_bytes, self.manifest, unpack)
+        else:
+            unpack = None
+        self._bucket_plan = (
+            unpack.plan
+            if unpack is not None
+            else plan_buckets([(shape, dt) for _, shape, dt in header.entries], bucket_bytes)
+        )
+        self._ring.reserve(max((b.wire_bytes for b in self._bucket_plan), default=8))
+        self._ring.start()
+        if unpack is not None and not self._errors:  # otherwise consume the buckets, apply nothing
+            unpack.start(self.atomic, self._stage_for)
+            self._buckets = unpack
+        return self._bucket_plan
+
+    def _stage_for(self, nbytes: int) -> torch.Tensor:
+        """The host stage (pinned on CUDA), kept between updates: fresh host allocations
+        page-fault on first touch, which costs more than the copies themselves."""
+        if self._stage_cache is None or self._stage_cache.numel() < nbytes:
+            self._stage_cache = None
+            self._stage_cache = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return self._stage_cache[:nbytes]
 
     def release_buffers(self) -> None:
-        """Free the cached host stage, wire and probe-backup buffers (reallocated when needed)."""
-        self._stage_cache, self._scratch_cache, self._backup_cache = None, [], None
+        """Free the cached host stage, wire ring and probe-backup buffers (reallocated when needed)."""
+        self._unpack_cache, self._buckets = None, None
+        self._ring.free()
+        self._stage_cache, self._backup_cache = None, None
 
     def bucket_buffer(self, k: int) -> torch.Tensor:
-        """The uint8 buffer bucket k should be received into (a stage slot or a scratch buffer)."""
-        st = self._states[k]
-        if self.atomic and st.fully_owned:
-            return self._stage[st.stage_offset : st.stage_offset + st.bucket.wire_bytes]
-        return self._scratch[k % len(self._scratch)][: st.bucket.wire_bytes]
+        """The uint8 buffer bucket k should be received into (a stage slot or a ring slot)."""
+        if self._buckets is not None:
+            return self._buckets.buffer(k)
+        return self._ring.buffer(k, self._bucket_plan[k].wire_bytes)
 
-    def on_bucket(self, k: int, buf: torch.Tensor) -> None:
+    def wait_buffer_free(self, k: int) -> None:
+        """The current stream waits until ``bucket_buffer(k)`` is no longer read by the unpack
+        of bucket k - slots (for a transfer on another stream; a no-op on CPU)."""
+        self._ring.acquire(k)
+
+    def on_bucket(self, k: int, buf: torch.Tensor, ready=None) -> None:
         """Validate (checksum, finite values) and stage or apply bucket k, which has arrived in
-        ``bucket_buffer(k)``."""
-        st = self._states[k]
-        b = st.bucket
-        if self._errors or not st.owned:
-            return  # update already failed here, or nothing of ours in this bucket (skip the read)
-        if self.atomic and st.fully_owned:
-            slot = self.bucket_buffer(k)
-            if slot.data_ptr() != buf.data_ptr():  # colocated path: bytes arrive in the sender's buffer
-                slot.copy_(buf[: b.wire_bytes])
-            buf = slot
-        if not checksum_ok(buf, b):
+        ``buf`` (normally ``bucket_buffer(k)``). The work is issued on the ring's side stream after
+        ``ready.wait()`` (a CUDA event recorded after the transfer, None: the bytes are there) and
+        is not read on the host here: ``status`` reads every bucket's verdict at once."""
+        with self._ring.side():
+            if ready is not None:
+                ready.wait()
+            u = self._buckets
+            if u is not None:
+                slot = u.buffer(k)
+                if slot.data_ptr() != buf.data_ptr():  # arrived elsewhere: bring it where the layout reads it
+                    slot.copy_(buf[: slot.numel()])
+                if self.fault is not None:
+                    self.fault(k, slot)
+                self._touched |= u.receive(k, slot)
+            self._ring.release(k)
+
+    def _read_bucket_verdict(self) -> None:
+        """After the last bucket: the update's one host read of the bucket checks; records errors
+        naming the buckets / tensors."""
+        u = self._buckets
+        if u is None or self._verdict_read:
+            return
+        self._verdict_read = True
+        with self._ring.side():
+            bad_sums, nonfinite_names = u.verdict()
+        self._ring.finish()
+        for k in bad_sums[:_MAX_NAMES]:
+            b = u.plan[k]
             self._fail(f"bucket {k} ({b.dtype}, {b.data_bytes} bytes) checksum mismatch; holds " + self._names(b))
-            return
-        if not self.atomic:
-            whole = len(st.owned) == len(b.segments)
-            if not (whole and all_finite(buf[: b.data_bytes].view(b.dtype))):
-                bad = [seg for seg, _ in st.owned if not all_finite(segment_view(buf, b, seg))]
-                for seg in bad[:_MAX_NAMES]:
-                    self._fail(f"non-finite values in {self._seg_name(seg)}")
-                if bad:
-                    return
-            with torch.no_grad():
-                for seg, dst in st.owned:
-                    dst[seg.elem_start : seg.elem_start + seg.numel].copy_(segment_view(buf, b, seg))
-            self._touched = True
-            return
-        if not st.fully_owned:
-            for (seg, _), off in zip(st.owned, st.stage_offsets):
-                n = seg.numel * b.dtype.itemsize
-                self._stage[off : off + n].copy_(buf[seg.byte_offset : seg.byte_offset + n])
-        if all_finite(self._staged_all(st)):
-            return
-        bad = [seg for seg, _ in st.owned if not all_finite(self._staged(st, seg))]
-        for seg in bad[:_MAX_NAMES]:
-            self._fail(f"non-finite values in {self._seg_name(seg)}")
+        if len(bad_sums) > _MAX_NAMES:
+            self._fail(f"checksum mismatch in {len(bad_sums) - _MAX_NAMES} more buckets")
+        for name in nonfinite_names[:_MAX_NAMES]:
+            self._fail(f"non-finite values in {name}")
+        if len(nonfinite_names) > _MAX_NAMES:
+            self._fail(f"non-finite values in {len(nonfinite_names) - _MAX_NAMES} more tensors")
 
     # ---------------------------------------------------------------- colocated direct path
     def receive_direct(
@@ -377,6 +391,7 @@ class WeightReceiver:
     # ---------------------------------------------------------------- verdicts and commit
     def status(self) -> dict:
         """This rank's verdict for the first exchange (received and validated)."""
+        self._read_bucket_verdict()
         return {"ok": not self._errors, "errors": list(self._errors)}
 
     def apply(self, all_ok: bool) -> dict:
@@ -384,6 +399,7 @@ class WeightReceiver:
         the probe when the update carries one. Returns this rank's probe verdict
         ``{"ok", "errors", "drift"}`` for the second exchange (ok without a probe)."""
         assert self._header is not None, "apply() without begin() / receive_direct()"
+        self._read_bucket_verdict()
         mine_ok = not self._errors
         if self.atomic and all_ok and mine_ok:
             if self._probe is not None:
@@ -507,21 +523,18 @@ class WeightReceiver:
                 header = decode_header(hdr.cpu())
                 probe = group.exchange_objects(None)[0] if header.probe else None
                 plan = self.begin(header, bucket_bytes, probe)
-                pending = None
+                # NOTE: a ring of slots; the receive of bucket k is posted after the unpack of
+                # bucket k - slots was issued on the side stream, and posted FROM that stream, so
+                # NCCL writes the slot only once that unpack is done (gloo: the host did it)
+                pending: deque = deque()
                 for k in range(len(plan)):
+                    if len(pending) == self._ring.slots:
+                        self._arrived(group, *pending.popleft())
                     buf = self.bucket_buffer(k)
-                    work = group.broadcast(buf, async_op=True)
-                    if pending is not None:
-                        group.wait(pending[1])
-                        self.on_bucket(pending[0], pending[2])
-                    if not self.double_buffer:
-                        group.wait(work)
-                        self.on_bucket(k, buf)
-                        work = None
-                    pending = (k, work, buf) if work is not None else None
-                if pending is not None:
-                    group.wait(pending[1])
-                    self.on_bucket(pending[0], pending[2])
+                    with self._ring.side():
+                        pending.append((k, group.broadcast(buf, async_op=True), buf))
+                while pending:
+                    self._arrived(group, *pending.popleft())
                 all_ok = all(v["ok"] for v in group.exchange_objects(self.status()))
                 verdict = self.apply(all_ok)
                 probe_ok = all(v["ok"] for v in group.exchange_objects(verdict)) if header.probe else verdict["ok"]
@@ -531,6 +544,13 @@ class WeightReceiver:
             self.abandon()
             raise
         return self.finish(all_ok, probe_ok, time.perf_counter() - t0)
+
+    def _arrived(self, group: WeightSyncGroup, k: int, work, buf: torch.Tensor) -> None:
+        """Bucket k's broadcast ``work`` was posted: order its unpack after it (NCCL: the side
+        stream waits, the host does not; gloo: the host waits), then unpack."""
+        with self._ring.side():
+            group.wait(work)
+        self.on_bucket(k, buf)
 
     # ---------------------------------------------------------------- helpers
     def _fail(self, msg: str) -> None:
@@ -545,24 +565,11 @@ class WeightReceiver:
         more = len(b.segments) - len(names)
         return ", ".join(names) + (f" and {more} more" if more > 0 else "")
 
-    def _staged(self, st: _BucketState, seg) -> torch.Tensor:
-        if st.fully_owned:
-            return segment_view(self._stage[st.stage_offset :], st.bucket, seg)
-        off = st.stage_offsets[[s for s, _ in st.owned].index(seg)]
-        return self._stage[off : off + seg.numel * st.bucket.dtype.itemsize].view(st.bucket.dtype)
-
-    def _staged_all(self, st: _BucketState) -> torch.Tensor:
-        b = st.bucket
-        if st.fully_owned:
-            return self._stage[st.stage_offset : st.stage_offset + b.data_bytes].view(b.dtype)
-        end = st.stage_offsets[-1] + st.owned[-1][0].numel * b.dtype.itemsize
-        return self._stage[st.stage_offsets[0] : end].view(b.dtype)
-
     def _targets(self) -> list[torch.Tensor]:
         """Every destination region the pending commit overwrites (1-D views)."""
         if self._direct is not None:
             return [d.reshape(-1) for d, _ in self._direct]
-        return [dst[seg.elem_start : seg.elem_start + seg.numel] for st in self._states for seg, dst in st.owned]
+        return self._buckets.targets() if self._buckets is not None else []
 
     @torch.no_grad()
     def _take_backup(self) -> None:
@@ -591,8 +598,7 @@ class WeightReceiver:
         if self._direct_plan is not None:
             self._direct_plan.copy()  # same stream as the engine's next step: no host sync needed
             return
-        for st in self._states:
-            for seg, dst in st.owned:
-                dst[seg.elem_start : seg.elem_start + seg.numel].copy_(self._staged(st, seg), non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._buckets is not None:
+            # on the caller's stream too: the engine's next step is ordered after it, and the next
+            # update's staging waits for it (its ring.start()), so no host sync
+            self._buckets.commit()

@@ -2,26 +2,29 @@
 
 Governing idea: the sender reads the trainer's live tensors (released names, iter_released_tensors
 order) each update, casts them to the wire dtype while packing per-dtype buckets, and pushes the
-buckets through a channel: ``BroadcastChannel`` (one ``WeightSyncGroup`` broadcast per bucket, the
-next bucket packed while the previous one is on the wire) or ``ColocatedChannel`` (receivers in
-the same process: in-process copy into their buffers, the path for a trainer and rollout sharing
-one device, where NCCL cannot put two ranks). Either way the other end is a ``WeightReceiver``,
-which runs every check (receiver.py). Both end with the verdict exchanges (status; the probe's
-when the update carries one); any rank's failure raises ``WeightUpdateError`` on the trainer
-naming the rank and tensors.
+buckets through a channel: ``BroadcastChannel`` (one ``WeightSyncGroup`` broadcast per bucket,
+packed on a side stream into a ring of three wire buffers, so bucket k+1 is packed while k is on
+the wire; ring.py) or ``ColocatedChannel`` (receivers in the same process: the direct copy plan,
+or the same bucket pipeline in loopback with a device copy standing in for the broadcast; the
+path for a trainer and rollout sharing one device, where NCCL cannot put two ranks). Either way
+the other end is a ``WeightReceiver``, which runs every check (receiver.py). Both end with the
+verdict exchanges (status; the probe's when the update carries one); any rank's failure raises
+``WeightUpdateError`` on the trainer naming the rank and tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import torch
 
 from m3_rollout.model.loading import RELEASED_PREFIX, iter_released_tensors
 
-from .buckets import Bucket, pack_bucket, plan_buckets
+from .buckets import Bucket, BucketPacker, plan_buckets
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .manifest import (
     HandshakeError,
@@ -34,9 +37,11 @@ from .manifest import (
 )
 from .probe import ProbeData, ProbeSettings, Scorer, build_probe
 from .receiver import WeightReceiver
+from .ring import BucketRing, recorded_event
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
-# Test hook: called as fault(k, wire_buffer) after bucket k is packed and checksummed, before it is sent.
+# Test hook: called as fault(k, wire_buffer) after bucket k is packed and checksummed, before it is
+# sent (on the packing stream).
 FaultHook = Callable[[int, torch.Tensor], None]
 
 
@@ -67,7 +72,10 @@ class ReleasedTensors:
 
 
 class BroadcastChannel:
-    """Sender end over a ``WeightSyncGroup`` (trainer = rank 0)."""
+    """Sender end over a ``WeightSyncGroup`` (trainer = rank 0).
+
+    ``double_buffer``: a ring of three wire buffers (pack k+1 while k is on the wire and k-1 is
+    still being received); False: one buffer, one bucket at a time."""
 
     def __init__(self, group: WeightSyncGroup, double_buffer: bool = True):
         if group.rank != 0:
@@ -76,7 +84,7 @@ class BroadcastChannel:
         self.direct = self.direct_only = False  # buckets over the group
         self.device = group.device
         self.needs_rebuild = False
-        self._bufs: list[torch.Tensor] = []
+        self._ring = BucketRing(self.device, 3 if double_buffer else 1)
 
     def rebuild(self) -> None:
         """Rebuild the broken group (a new rendezvous token); the sender re-runs the handshake."""
@@ -99,23 +107,24 @@ class BroadcastChannel:
         self.group.broadcast(hdr)
         if header.probe:
             self.group.exchange_objects(probe)
-        wire = max((b.wire_bytes for b in plan), default=8)
-        n = 2 if self.double_buffer else 1
-        if len(self._bufs) != n or self._bufs[0].numel() < wire:  # kept between updates (no page faults)
-            self._bufs = []
-            self._bufs = [torch.empty(wire, dtype=torch.uint8, device=self.device) for _ in range(n)]
-        bufs = self._bufs
-        works: list = [None] * len(bufs)
-        for k, b in enumerate(plan):
-            slot = k % len(bufs)
-            if works[slot] is not None:
-                self.group.wait(works[slot])
-            buf = bufs[slot][: b.wire_bytes]
-            pack(k, buf)
-            works[slot] = self.group.broadcast(buf, async_op=True)
-        for w in works:
-            if w is not None:
-                self.group.wait(w)
+        ring = self._ring
+        ring.reserve(max((b.wire_bytes for b in plan), default=8))  # kept between updates
+        ring.start()  # the pack reads the trainer's tensors after its last writes
+        pending: deque = deque()
+        try:
+            for k, b in enumerate(plan):
+                with ring.side():
+                    if len(pending) == ring.slots:  # the slot's last broadcast (bucket k - slots) is done
+                        self.group.wait(pending.popleft())  # NCCL: a stream wait; gloo: the host waits
+                    buf = ring.buffer(k, b.wire_bytes)
+                    pack(k, buf)
+                    # issued from the side stream: NCCL's stream waits for the pack, the host does not
+                    pending.append(self.group.broadcast(buf, async_op=True))
+            with ring.side():
+                while pending:
+                    self.group.wait(pending.popleft())
+        finally:
+            ring.finish()  # the trainer's next writes wait for the packs and the sends
         verdicts = self.group.exchange_objects({"ok": True, "errors": []})[1:]
         if header.probe:
             verdicts += self.group.exchange_objects({"ok": True, "errors": [], "drift": None})[1:]
@@ -130,15 +139,18 @@ class ColocatedChannel:
     receiver's destination view (``WeightReceiver.receive_direct``, ``direct.py``): no packing,
     no checksum (nothing crosses a transport), a fused finite check before committing when
     atomic. ``direct=False`` (and whenever the sender has a ``fault`` hook, which works on wire
-    buffers): the bucket path (design.md §3 format in memory), each bucket packed straight into
-    the receiver's own receive buffer when there is one receiver, else into a scratch buffer the
-    receivers copy from.
+    buffers): the broadcast pipeline in loopback (design.md §3 format in memory): each bucket
+    is packed into this channel's ring on its side stream, copied into every receiver's
+    ``bucket_buffer`` on a transfer stream (the stand-in for the broadcast), and validated and
+    unpacked on each receiver's side stream, ordered by events only.
     """
 
     def __init__(self, receivers: list[WeightReceiver], device: torch.device | str = "cpu", direct: bool = False):
         self.receivers, self.device = list(receivers), torch.device(device)
         self.direct, self.direct_only = bool(direct), False
         self.needs_rebuild = False
+        self._ring = BucketRing(self.device, 3)
+        self._transfer = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def send_direct(
         self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None
@@ -171,17 +183,32 @@ class ColocatedChannel:
         def receive_all() -> None:
             for r in self.receivers:
                 r.begin(header, bucket_bytes, probe)
-            scratch = None
+            ring = self._ring
+            ring.reserve(max((b.wire_bytes for b in plan), default=8))
+            ring.start()
+            transfer = torch.cuda.stream(self._transfer) if self._transfer is not None else contextlib.nullcontext()
             for k, b in enumerate(plan):
-                if len(self.receivers) == 1:
-                    buf = self.receivers[0].bucket_buffer(k)
-                else:
-                    if scratch is None:
-                        scratch = torch.empty(max(x.wire_bytes for x in plan), dtype=torch.uint8, device=self.device)
-                    buf = scratch[: b.wire_bytes]
-                pack(k, buf)
-                for r in self.receivers:
-                    r.on_bucket(k, buf)
+                src = ring.buffer(k, b.wire_bytes)
+                with ring.side():
+                    ring.acquire(k)  # the copy out of this slot (bucket k - slots) is done
+                    pack(k, src)
+                    packed = recorded_event(self.device)
+                dsts = []
+                with transfer:
+                    if packed is not None:
+                        packed.wait()
+                    for r in self.receivers:
+                        dst = r.bucket_buffer(k)
+                        r.wait_buffer_free(k)  # its unpack of bucket k - slots is done
+                        dst.copy_(src)
+                        dsts.append(dst)
+                    ring.release(k)
+                    arrived = recorded_event(self.device)
+                for r, dst in zip(self.receivers, dsts):
+                    r.on_bucket(k, dst, ready=arrived)
+            ring.finish()
+            if self._transfer is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._transfer)
 
         return self._run(receive_all)
 
@@ -246,6 +273,7 @@ class WeightSender:
         self.manifest: list[TensorSpec] | None = None
         self.stats: dict = {}
         self._source_cache: dict[tuple, tuple] = {}  # (include_frozen, manifest id, fingerprint) -> _sources()
+        self._packer: tuple | None = None  # (entries, bucket bytes, source addresses, BucketPacker)
 
     def handshake(self) -> None:
         """Send the manifest; raises HandshakeError listing every rank's differences."""
@@ -307,11 +335,12 @@ class WeightSender:
                 self.channel.needs_rebuild = True
                 raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
             return self._finish(version, verdicts, t0, nbytes, 0)
-        plan = plan_buckets([(shape, dt) for _, shape, dt in entries], self.bucket_bytes)
+        packer = self._packer_for(entries, sources)
+        plan = packer.plan
 
         def pack(k: int, buf: torch.Tensor) -> None:
             with torch.no_grad():
-                pack_bucket(buf, plan[k], sources)
+                packer.pack(k, buf)
             if self.fault is not None:
                 self.fault(k, buf)
 
@@ -324,6 +353,23 @@ class WeightSender:
             self.channel.needs_rebuild = True
             raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
         return self._finish(version, verdicts, t0, sum(b.data_bytes for b in plan), len(plan))
+
+    def _packer_for(self, entries: tuple, sources: list[torch.Tensor]) -> BucketPacker:
+        """The bucket plan and packer of ``entries`` / ``sources``, reused (with its fused passes)
+        while the header entries and the sources' devices, addresses, dtypes and strides stay the
+        same (the cached views then alias the same live storages)."""
+        c = self._packer
+        if c is not None and c[1] == self.bucket_bytes and c[0] is entries and c[3].sources is sources:
+            return c[3]  # the source cache handed back the same objects (ReleasedTensors)
+        addresses = tuple((t.device, t.data_ptr(), t.dtype, t.stride()) for t in sources)
+        if c is not None and c[1] == self.bucket_bytes and c[2] == addresses and c[0] == entries:
+            c[3].sources = sources  # read by the per-segment fallback (non-contiguous sources)
+            return c[3]
+        self._packer = None
+        plan = plan_buckets([(shape, dt) for _, shape, dt in entries], self.bucket_bytes)
+        packer = BucketPacker(plan, sources)
+        self._packer = (entries, self.bucket_bytes, addresses, packer)
+        return packer
 
     def _sources(self, include_frozen: bool) -> tuple[list[torch.Tensor], tuple, int]:
         """(source tensors, header entries, wire bytes) of an update, in manifest order.
