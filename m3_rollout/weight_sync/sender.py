@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from m3_rollout.model.loading import RELEASED_PREFIX, iter_released_tensors
-
 from .buckets import Bucket, pack_bucket, plan_buckets
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .manifest import (
@@ -34,6 +32,7 @@ from .manifest import (
 )
 from .probe import ProbeData, ProbeSettings, Scorer, build_probe
 from .receiver import WeightReceiver
+from .released import ReleasedTensors
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 # Test hook: called as fault(k, wire_buffer) after bucket k is packed and checksummed, before it is sent.
@@ -42,28 +41,6 @@ FaultHook = Callable[[int, torch.Tensor], None]
 
 class WeightUpdateError(RuntimeError):
     """An update was rejected or interrupted; the message names the rank and tensor(s)."""
-
-
-class ReleasedTensors:
-    """The (released name, tensor) pairs of ``model`` (``iter_released_tensors``), re-iterable,
-    with a cheap fingerprint: the parameters' addresses.
-
-    A ``WeightSender`` whose ``named_tensors()`` returns one resolves the pairs (4,195 views at
-    M3 shapes, milliseconds of Python) once and reuses them, the update header and the
-    receivers' copy plans for as long as the fingerprint is unchanged: the trainer updates its
-    parameters in place, and a re-pointed parameter (a new storage) changes the fingerprint.
-    The cached views keep the old storages alive, so an address cannot be reused meanwhile.
-    """
-
-    def __init__(self, model: torch.nn.Module, prefix: str = RELEASED_PREFIX):
-        self.model, self.prefix = model, prefix
-
-    def __iter__(self):
-        return iter_released_tensors(self.model, self.prefix)
-
-    def fingerprint(self) -> tuple:
-        """(id of the model, every parameter's data_ptr); O(parameters), not O(released tensors)."""
-        return (id(self.model), tuple(p.data_ptr() for p in self.model.parameters()))
 
 
 class BroadcastChannel:
@@ -141,14 +118,15 @@ class ColocatedChannel:
         self.needs_rebuild = False
 
     def send_direct(
-        self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None
+        self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None, attestation=None
     ) -> list[dict]:
         """Direct update: every receiver validates / copies ``sources`` (header order), then all
-        commit or all discard. Returns each receiver's verdicts."""
+        commit or all discard. ``attestation``: the ``CastCopy`` that wrote ``sources`` (the
+        receivers validate from its flags when it is current). Returns each receiver's verdicts."""
 
         def receive_all() -> None:
             for r in self.receivers:
-                r.receive_direct(header, sources, probe)
+                r.receive_direct(header, sources, probe, attested=attestation)
 
         return self._run(receive_all)
 
@@ -245,7 +223,7 @@ class WeightSender:
         self.probe, self.reference = probe, reference
         self.manifest: list[TensorSpec] | None = None
         self.stats: dict = {}
-        self._source_cache: dict[tuple, tuple] = {}  # (include_frozen, manifest id, fingerprint) -> _sources()
+        self._source_cache: dict[tuple, tuple] = {}  # (include_frozen, manifest id, fingerprint) -> _resolve()
 
     def handshake(self) -> None:
         """Send the manifest; raises HandshakeError listing every rank's differences."""
@@ -297,12 +275,13 @@ class WeightSender:
                 self.channel.needs_rebuild = True
                 raise WeightUpdateError(f"weight update {version}: handshake failed: {exc}") from exc
         t0 = time.perf_counter()
-        sources, entries, nbytes = self._sources(include_frozen)
+        direct = self.channel.direct and (self.fault is None or self.channel.direct_only)
+        sources, entries, nbytes, cast = self._sources(include_frozen, direct)
         probe = self._probe_data()
         header = UpdateHeader(int(version), include_frozen, entries, bool(replace), probe is not None)
-        if self.channel.direct and (self.fault is None or self.channel.direct_only):
+        if direct:
             try:
-                verdicts = self.channel.send_direct(header, sources, probe)
+                verdicts = self.channel.send_direct(header, sources, probe, cast)
             except WeightSyncTimeout as exc:
                 self.channel.needs_rebuild = True
                 raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
@@ -325,15 +304,33 @@ class WeightSender:
             raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
         return self._finish(version, verdicts, t0, sum(b.data_bytes for b in plan), len(plan))
 
-    def _sources(self, include_frozen: bool) -> tuple[list[torch.Tensor], tuple, int]:
-        """(source tensors, header entries, wire bytes) of an update, in manifest order.
+    def _sources(self, include_frozen: bool, direct: bool = False) -> tuple[list[torch.Tensor], tuple, int, object]:
+        """(source tensors, header entries, wire bytes, attestation) of an update, in manifest order.
 
-        Resolved once per (``include_frozen``, fingerprint) when ``named_tensors()`` returns a
-        ``ReleasedTensors`` (the same list and tuple objects each update, so receivers reuse their
-        copy plans); otherwise every update. Raises WeightUpdateError for a tensor outside the
-        handshake or of a non-float dtype."""
+        ``direct`` and a ``ReleasedTensors`` with a cast copy that holds every tensor in its wire
+        dtype (the trainer computes in the generation dtype): the copy, refreshed if the masters
+        moved on, and the ``CastCopy`` as the attestation the receivers validate from
+        (``cast_copy.py``). Otherwise the tensors themselves and None."""
         named = self.named_tensors()
-        key = (include_frozen, id(self.manifest), named.fingerprint()) if isinstance(named, ReleasedTensors) else None
+        cast = named.cast if direct and isinstance(named, ReleasedTensors) else None
+        if cast is not None:
+            cast.refresh()  # checks the layout too: the fingerprint of the copy is its layout count
+            key = (id(cast.copy), cast.layouts)
+            sources, entries, nbytes, in_wire_dtypes = self._resolve(cast.released, include_frozen, key)
+            if in_wire_dtypes:
+                return sources, entries, nbytes, cast
+        fingerprint = named.fingerprint() if isinstance(named, ReleasedTensors) else None
+        sources, entries, nbytes, _ = self._resolve(named, include_frozen, fingerprint)
+        return sources, entries, nbytes, None
+
+    def _resolve(self, named, include_frozen: bool, fingerprint) -> tuple[list[torch.Tensor], tuple, int, bool]:
+        """(source tensors, header entries, wire bytes, every tensor already in its wire dtype).
+
+        Resolved once per (``include_frozen``, ``fingerprint``: (id of the model, its layout),
+        None = resolve every update) and reused while it repeats (the same list and tuple objects
+        each update, so receivers reuse their copy plans). Raises WeightUpdateError for a tensor
+        outside the handshake or of a non-float dtype."""
+        key = None if fingerprint is None else (include_frozen, id(self.manifest), fingerprint)
         if key is not None and key in self._source_cache:
             return self._source_cache[key]
         index = {s.name: i for i, s in enumerate(self.manifest)}
@@ -349,9 +346,12 @@ class WeightSender:
                 raise WeightUpdateError(f"trainer tensor {name}: dtype {t.dtype} is not a real floating-point dtype")
             sources.append(t.detach())
             entries.append((i, tuple(t.shape), self.manifest[i].dtype))
-        out = (sources, tuple(entries), sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries))
-        if key is not None:
-            self._source_cache = {k: v for k, v in self._source_cache.items() if k[0] != include_frozen}
+        in_wire = all(s.dtype == dt for s, (_, _, dt) in zip(sources, entries))
+        out = (sources, tuple(entries), sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries), in_wire)
+        if key is not None:  # one entry per (include_frozen, model): a moved layout replaces its own
+            self._source_cache = {
+                k: v for k, v in self._source_cache.items() if not (k[0] == include_frozen and k[2][0] == key[2][0])
+            }
             self._source_cache[key] = out
         return out
 
