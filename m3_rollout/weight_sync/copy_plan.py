@@ -156,8 +156,19 @@ def keeps_finite(src: torch.dtype, dst: torch.dtype) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile(src, dst, s0, d0, offs, n, STORE: tl.constexpr, CHECK: tl.constexpr, DOWNCAST: tl.constexpr,
-              MASKED: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    def _tile(
+        src,
+        dst,
+        s0,
+        d0,
+        offs,
+        n,
+        STORE: tl.constexpr,
+        CHECK: tl.constexpr,
+        DOWNCAST: tl.constexpr,
+        MASKED: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
         """Move ``src[s0 + offs]`` -> ``dst[d0 + offs]`` (masked to ``offs < n`` when MASKED);
         returns int32 scalar, 1 when a stored value is non-finite (CHECK), else 0."""
         if MASKED:
@@ -181,10 +192,25 @@ if triton is not None:
         return bad
 
     @triton.jit
-    def _chunk(src, dst, table, flags, c, n_runs, SALIGN: tl.constexpr, DALIGN: tl.constexpr,
-               STORE: tl.constexpr, CHECK: tl.constexpr, DOWNCAST: tl.constexpr, BLOCK: tl.constexpr,
-               TILE: tl.constexpr, MTILE: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
-               EVICT: tl.constexpr):  # fmt: skip
+    def _chunk(
+        src,
+        dst,
+        table,
+        flags,
+        c,
+        n_runs,
+        SALIGN: tl.constexpr,
+        DALIGN: tl.constexpr,
+        STORE: tl.constexpr,
+        CHECK: tl.constexpr,
+        DOWNCAST: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILE: tl.constexpr,
+        MTILE: tl.constexpr,
+        VEC: tl.constexpr,
+        FAST: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
         """Chunk ``c`` of the table, then its flags. FAST: a full chunk unmasked; a short one (a
         run's tail) masked on its length rounded down to VEC elements (16 bytes: the mask stays
         constant over each vector, so the accesses stay vectors), then its last < VEC elements.
@@ -216,10 +242,27 @@ if triton is not None:
                 tl.atomic_max(flags + n_runs, bad)
 
     @triton.jit(do_not_specialize=["n_chunks", "n_runs", "n_programs"])
-    def runs_kernel(src, dst, table, flags, n_chunks, n_runs, n_programs, SALIGN: tl.constexpr, DALIGN: tl.constexpr,
-                    STORE: tl.constexpr, CHECK: tl.constexpr, DOWNCAST: tl.constexpr, BLOCK: tl.constexpr,
-                    TILE: tl.constexpr, MTILE: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
-                    PERSISTENT: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    def runs_kernel(
+        src,
+        dst,
+        table,
+        flags,
+        n_chunks,
+        n_runs,
+        n_programs,
+        SALIGN: tl.constexpr,
+        DALIGN: tl.constexpr,
+        STORE: tl.constexpr,
+        CHECK: tl.constexpr,
+        DOWNCAST: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILE: tl.constexpr,
+        MTILE: tl.constexpr,
+        VEC: tl.constexpr,
+        FAST: tl.constexpr,
+        PERSISTENT: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
         """``table``: int64 [n_chunks, 4] rows (src offset / SALIGN, dst offset / DALIGN, length
         <= BLOCK, run index), offsets in elements from ``src`` / ``dst``. STORE: write the cast
         values; CHECK: flags[run] and flags[n_runs] (= any) |= some cast value is non-finite.
@@ -227,12 +270,46 @@ if triton is not None:
         if PERSISTENT:
             c = tl.program_id(0)
             while c < n_chunks:
-                _chunk(src, dst, table, flags, c, n_runs, SALIGN, DALIGN, STORE, CHECK, DOWNCAST, BLOCK, TILE, MTILE,
-                       VEC, FAST, EVICT)  # fmt: skip
+                _chunk(
+                    src,
+                    dst,
+                    table,
+                    flags,
+                    c,
+                    n_runs,
+                    SALIGN,
+                    DALIGN,
+                    STORE,
+                    CHECK,
+                    DOWNCAST,
+                    BLOCK,
+                    TILE,
+                    MTILE,
+                    VEC,
+                    FAST,
+                    EVICT,
+                )
                 c += n_programs
         else:
-            _chunk(src, dst, table, flags, tl.program_id(0), n_runs, SALIGN, DALIGN, STORE, CHECK, DOWNCAST, BLOCK,
-                   TILE, MTILE, VEC, FAST, EVICT)  # fmt: skip
+            _chunk(
+                src,
+                dst,
+                table,
+                flags,
+                tl.program_id(0),
+                n_runs,
+                SALIGN,
+                DALIGN,
+                STORE,
+                CHECK,
+                DOWNCAST,
+                BLOCK,
+                TILE,
+                MTILE,
+                VEC,
+                FAST,
+                EVICT,
+            )
 
 
 @dataclass
@@ -383,14 +460,14 @@ class CopyPlan:
 
     def _torch_run(self, k: int, store: bool, check: bool) -> None:
         r = self.runs[k]
-        if check:
-            vals = r.src if r.src.dtype == r.dst.dtype else r.src.to(r.dst.dtype)
+        if store:
+            r.dst.copy_(r.src)
+        if check:  # the values as stored: the destination once written, else the cast source
+            vals = r.dst if store else r.src if r.src.dtype == r.dst.dtype else r.src.to(r.dst.dtype)
             lo, hi = torch.aminmax(vals)
             bad = (~(torch.isfinite(lo.float()) & torch.isfinite(hi.float()))).to(torch.int32).reshape(1)
             self.flags[k : k + 1].copy_(torch.maximum(self.flags[k : k + 1], bad))
             self.flags[-1:].copy_(torch.maximum(self.flags[-1:], bad))
-        if store:
-            r.dst.copy_(r.src)
 
     @torch.no_grad()
     def check(self) -> None:
