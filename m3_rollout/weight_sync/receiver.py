@@ -109,7 +109,7 @@ class _DirectPlan:
     names: list[str]
     plan: CopyPlan
     generation: int  # the engine's weight_storage_generation the tables were built at
-    covered: tuple = (None, False)  # ((id(cast), cast layouts), the cast covers every source)
+    covered: tuple = (None, False)  # ((cast, its layouts), the cast covers every source)
 
 
 class WeightReceiver:
@@ -159,7 +159,9 @@ class WeightReceiver:
         # direct path: the plan of the last update; a sender that resends the same objects
         # (WeightSender's source cache) reuses it
         self._plan_cache: _DirectPlan | None = None
-        self.last_verdict = ""  # direct path: "attested" or "checked" (how the last verdict was reached)
+        # direct path: how the last verdict was reached: "sent" (positions the producer flagged,
+        # IPC), "attested" (the cast's flags) or "checked" (this receiver's own check pass)
+        self.last_verdict = ""
         self._header_cache: tuple | None = None  # (entries, manifest, problems)
         self._reset()
 
@@ -343,6 +345,7 @@ class WeightReceiver:
             return
         pairs, names, plan = self._plan_for(header, sources)
         if checked is not None:
+            self.last_verdict = "sent"
             pos = {n: i for i, n in enumerate(names)} if checked else {}
             flagged = (self.manifest[header.entries[p][0]].name for p in checked if 0 <= p < len(header.entries))
             bad = [pos[n] for n in flagged if n in pos]
@@ -395,7 +398,7 @@ class WeightReceiver:
         """The attestation vouches for this plan's sources (``cast_copy.py``, guarantees 1-3):
         current (O(parameters) reads), and, checked once per (plan, cast layout), covering."""
         c = self._plan_cache
-        key = (id(cast), cast.layouts)
+        key = (cast, cast.layouts)  # holds the cast: its identity cannot be reused meanwhile
         if c.covered[0] != key:
             c.covered = (key, plan.keeps_finite and cast.covers([r.src for r in plan.runs]))
         return c.covered[1] and cast.current()

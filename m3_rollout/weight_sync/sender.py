@@ -314,8 +314,8 @@ class WeightSender:
         named = self.named_tensors()
         cast = named.cast if direct and isinstance(named, ReleasedTensors) else None
         if cast is not None:
-            cast.refresh()  # checks the layout too: the fingerprint of the copy is its layout count
-            key = (id(cast.copy), cast.layouts)
+            cast.refresh()  # reads the layout too: the copy's fingerprint is the cast (held) and its count
+            key = (cast, cast.layouts)
             sources, entries, nbytes, in_wire_dtypes = self._resolve(cast.released, include_frozen, key)
             if in_wire_dtypes:
                 return sources, entries, nbytes, cast
@@ -326,7 +326,7 @@ class WeightSender:
     def _resolve(self, named, include_frozen: bool, fingerprint) -> tuple[list[torch.Tensor], tuple, int, bool]:
         """(source tensors, header entries, wire bytes, every tensor already in its wire dtype).
 
-        Resolved once per (``include_frozen``, ``fingerprint``: (id of the model, its layout),
+        Resolved once per (``include_frozen``, ``fingerprint``: (the model's identity, its layout),
         None = resolve every update) and reused while it repeats (the same list and tuple objects
         each update, so receivers reuse their copy plans). Raises WeightUpdateError for a tensor
         outside the handshake or of a non-float dtype."""
@@ -348,7 +348,7 @@ class WeightSender:
             entries.append((i, tuple(t.shape), self.manifest[i].dtype))
         in_wire = all(s.dtype == dt for s, (_, _, dt) in zip(sources, entries))
         out = (sources, tuple(entries), sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries), in_wire)
-        if key is not None:  # one entry per (include_frozen, model): a moved layout replaces its own
+        if key is not None:  # one entry per (include_frozen, model): a moved layout replaces its entry
             self._source_cache = {
                 k: v for k, v in self._source_cache.items() if not (k[0] == include_frozen and k[2][0] == key[2][0])
             }
