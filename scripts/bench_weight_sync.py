@@ -4,6 +4,7 @@
     python scripts/bench_weight_sync.py --receivers 2 --ep   # 2 rollout ranks, EP=2 expert slices
     python scripts/bench_weight_sync.py --backend nccl       # GPUs: rank i on cuda:i (trainer cuda:0)
     python scripts/bench_weight_sync.py --method colocated --device cuda   # trainer + rollout on one GPU
+    python scripts/bench_weight_sync.py --method colocated --device cuda --sweep-kernel --kernel best
     python scripts/bench_weight_sync.py --gb 10 ...          # scale the synthetic model (default ~1 GB)
 
 --method broadcast (default):
@@ -20,31 +21,42 @@ time generation is stopped under ``weight_sync.in_flight=continue`` (for raw: th
 Each figure is the median of --repeats updates after one warm-up, the modes interleaved.
 
 --method colocated (weight_sync.method=colocated): trainer and rollout share one
-device (NCCL cannot put two ranks on one GPU), so both model copies live in this one process on
---device and the update goes through WeightSender + ColocatedChannel + WeightReceiver. Measured in
-the same run, on the same bytes:
-  raw copy_ per parameter   rollout_param.copy_(trainer_param) for every parameter: the floor of an
-            in-process refit (no packing, checksum, validation or staging);
-  raw flat copy             one copy_ of a flat buffer of the same bytes: the device copy ceiling;
+device (NCCL cannot put two ranks on one GPU), so both live in this one process on --device. The
+trainer is what ``Policy`` holds at policy.precision=bfloat16: fp32 masters and their bf16 compute
+copy, refreshed by the attested cast (``weight_sync.cast_copy.CastCopy``). Measured in the same
+run, on the same bytes (the compute copy's), modes interleaved:
+  raw flat copy             one copy_ of a flat buffer of the same bytes: the device copy ceiling
+            (every ratio is against it);
+  raw copy_ per parameter   rollout_param.copy_(trainer_param) for every parameter;
+  direct atomic=false / atomic=true, attested   WeightSender(ReleasedTensors with the cast) +
+            ColocatedChannel(direct=True) + WeightReceiver: the compute copy is sent and validated
+            from the cast's flags (one 4-byte read), then one fused copy pass (copy_plan.py);
+  direct ..., check pass    the same bytes without the attestation: a fused check pass, then copy;
   raw bucket copies   the update's wire buckets copied buffer to buffer through a ring of three
             slots, one device copy per bucket: the loopback's stand-in for the broadcast, alone;
-  atomic=false / atomic=true   full colocated updates on the direct path (ColocatedChannel(direct=True),
-            as build_weight_sender sets up): per-tensor copies into the rollout's views, no buckets;
-            atomic first runs one fused finite check of every tensor, then commits;
   ..., buckets   the bucketed broadcast pipeline in loopback (ColocatedChannel(direct=False)): the
             sender packs each bucket (fused cast + copy, checksum trailer) into a ring of three wire
             buffers on its side stream; a device-to-device copy on a transfer stream STANDS IN FOR
             THE BROADCAST into the receiver's ring; the receiver checksums, flags non-finite values
             and unpacks (non-atomic: into the parameters; atomic: into the pinned host stage, then
             commits) on its own side stream; events order the three; the verdict is read on the
-            host once per update.
-GB/s = update bytes / wall time (CUDA synchronized before and after); pause = the whole update (the
-rollout engine shares the process and device, so it is stopped throughout). On CUDA, one more
-bucketed update per atomic mode runs under torch.cuda.set_sync_debug_mode("warn") and the report
-gives its count of synchronizing CUDA calls (the pipeline's target: the one verdict read).
-Correctness, checked after timing for each atomic mode: the rollout copy is scrambled, updated,
-then every parameter is bitwise equal to the trainer's with data_ptr unchanged and the receiver on
-the new version.
+            host once per update. On CUDA one more bucketed update per atomic mode runs under
+            torch.cuda.set_sync_debug_mode("warn") and the report gives its count of synchronizing
+            CUDA calls (the pipeline's target: the one verdict read);
+  ipc ...   a rollout worker PROCESS on the same device refit from the trainer's shared stage
+            (weight_sync/ipc.py): whole update, trainer fill, worker refit (unless --no-ipc);
+  the trainer's cast (fp32 masters -> bf16 copy + flags, once per optimizer step): the fused pass
+            against the per-parameter copy_ it replaced.
+host ms = until update() returned (the rest is device time: the copy is asynchronous). GB/s =
+update bytes / wall time (CUDA synchronized before and after). Correctness, checked after timing
+for each direct mode: the rollout is scrambled, updated, then every parameter is bitwise equal
+to the trainer's copy with data_ptr unchanged, the receiver on the new version and validated the
+expected way (attested / checked); the copy itself is bitwise torch's cast of the masters.
+
+--sweep-kernel (with --method colocated --device cuda): first times every copy-plan kernel
+variant (copy_plan.KERNELS, or --variants a,b) on the refit's own pairs against a flat copy of the
+same bytes (CUDA events): copy, check (reads only), cast (fp32 -> bf16 + flags), plus
+torch._foreach_copy_ over the same runs; --kernel best then runs the rest with the fastest copy.
 
 Appends a section to docs/benchmarks.md (or --write PATH) unless --no-write; colocated writes
 nothing when a correctness check fails.
@@ -53,6 +65,7 @@ nothing when a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import sys
@@ -65,13 +78,15 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # benchlib, also when imported from a test
+
 from benchlib import machine, run_date  # noqa: E402
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors  # noqa: E402
 from m3_rollout.model.configuration import tiny_config  # noqa: E402
 from m3_rollout.weight_sync import (  # noqa: E402
     BroadcastChannel,
+    CastCopy,
     ColocatedChannel,
     IpcChannel,
     IpcRolloutSync,
@@ -79,8 +94,10 @@ from m3_rollout.weight_sync import (  # noqa: E402
     WeightReceiver,
     WeightSender,
     WeightSyncGroup,
+    copy_plan,
     plan_buckets,
 )
+from m3_rollout.weight_sync.copy_plan import CopyPlan  # noqa: E402
 
 
 def _shaped_config(width: int, moe_layers: int):
@@ -249,15 +266,22 @@ def _rank_main(rank: int, args, port: int, results) -> None:
 
 
 # ---------------------------------------------------------------------------- colocated (one device)
+DIRECT_MODES = (
+    "direct atomic=false, attested",
+    "direct atomic=true, attested",
+    "direct atomic=false, check pass",
+    "direct atomic=true, check pass",
+)
 COLOCATED_MODES = (
-    "raw copy_ per parameter",
     "raw flat copy",
+    "raw copy_ per parameter",
     "raw bucket copies",
-    "atomic=false",
-    "atomic=true",
+    *DIRECT_MODES,
     "atomic=false, buckets",
     "atomic=true, buckets",
 )
+# the trainer's cast fp32 masters -> bf16 copy (once per optimizer step, not part of a refit)
+CAST_MODES = ("trainer cast: fused copy + flags (CastCopy)", "trainer cast: copy_ per parameter (before)")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -290,86 +314,122 @@ def _scramble(model: torch.nn.Module, seed: int) -> None:
             p.uniform_(-0.5, 0.5, generator=g)
 
 
-def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb: float, repeats: int, log=None) -> dict:
-    """Time colocated full updates ``trainer -> rollout`` (both on the same device) against raw
-    copies of the same bytes, then check correctness. Leaves ``rollout`` equal to ``trainer``.
+def trainer_pair(cfg, dtype: torch.dtype, device: str):
+    """The trainer as ``Policy`` holds it at ``policy.precision=bfloat16``: fp32 masters (seed 1),
+    their ``dtype`` compute copy and the ``CastCopy`` between them, refreshed once."""
+    master = build_model(1, torch.float32, device, cfg=cfg)
+    compute = build_model(2, dtype, device, cfg=cfg)
+    cast = CastCopy(master, compute)
+    cast.refresh()
+    return master, cast
+
+
+def run_colocated(cast: CastCopy, rollout: torch.nn.Module, bucket_mb: float, repeats: int, log=None) -> dict:
+    """Time colocated full updates trainer -> ``rollout`` (one device) against raw copies of the
+    same bytes, then check correctness. Leaves ``rollout`` equal to the trainer's copy.
 
     Args:
-        trainer, rollout: M3ForCausalLM copies with the same config and dtypes on one device
-            (``rollout`` unsharded: EP=1).
-        bucket_mb: weight_sync.bucket_size_mb.
+        cast: the trainer (``trainer_pair``): ``cast.master`` fp32 masters, ``cast.copy`` their
+            compute copy in the rollout's dtypes (the bytes every mode moves).
+        rollout: M3ForCausalLM with the same config and dtypes on the same device (EP=1).
+        bucket_mb: weight_sync.bucket_size_mb of the ``..., buckets`` modes.
         repeats: timed repeats per mode (after one warm-up), modes interleaved.
         log: optional callable(str) for progress lines.
     Returns:
         dict with ``bytes`` (update bytes = every parameter incl. frozen ones), ``buckets`` (of the
-        ``..., buckets`` modes; the direct modes use none),
-        ``tensors`` (released tensors sent), ``seconds`` {mode: median s}, ``all`` {mode: [s]},
-        ``checks`` {"atomic=false"/"atomic=true"/"atomic=false, buckets"/"atomic=true, buckets":
-        {"mismatched_before": int (parameters differing before the checked update, > 0 or the
-        check proves nothing), "mismatched": [names], "moved": [names whose data_ptr changed],
-        "version": receiver version, "expected_version", "valid": bool, "ok": bool}},
-        ``syncs`` {"atomic=false, buckets"/"atomic=true, buckets": synchronizing CUDA calls in one
-        bucketed update (torch.cuda.set_sync_debug_mode), or None on CPU}.
-    Raises ValueError when the two models do not share one device.
+        ``..., buckets`` modes), ``tensors`` (released tensors sent), ``seconds`` {mode: median
+        wall s} over COLOCATED_MODES + CAST_MODES, ``host`` {direct mode: median s until
+        ``update`` returned (the rest is device time)}, ``all`` {mode: [s]}, ``checks`` {direct
+        mode, and "cast": {"mismatched_before": int (> 0 or the check proves nothing),
+        "mismatched": [names], "moved": [names whose data_ptr changed], "version",
+        "expected_version", "valid", "verdict" (how the receiver validated), "ok"}}.
+    Raises ValueError when the models do not share one device.
     """
+    master, trainer = cast.master, cast.copy
     dev = next(trainer.parameters()).device
     if next(rollout.parameters()).device != dev:
         raise ValueError(
             f"colocated: trainer on {dev} but rollout on {next(rollout.parameters()).device}; "
             "put both on the same device"
         )
+    dtype = trainer.lm_head.weight.dtype
     t_params = [p.detach() for p in trainer.parameters()]
     r_params = [p.detach() for p in rollout.parameters()]
+    m_params = [p.detach() for p in master.parameters()]
     total = sum(p.numel() * p.element_size() for p in t_params)
     # raw flat copy: one buffer of the same bytes copied into another (allocated once, outside timing)
     flat_src = torch.empty(total, dtype=torch.uint8, device=dev)
     flat_dst = torch.empty_like(flat_src)
     flat_src.fill_(1)
     flat_dst.fill_(0)
+    fused_cast = CopyPlan(r_params, m_params)  # CastCopy's pass, written into the rollout (no attestation moves)
 
-    rx = WeightReceiver(rollout, atomic=False, double_buffer=True)
-    source = ReleasedTensors(trainer)  # what Policy.named_released_tensors gives: resolved once, then cached
-    sender = WeightSender(lambda: source, ColocatedChannel([rx], dev, direct=True), bucket_mb, None)
-    sender.handshake()
-    bucketed = WeightSender(lambda: source, ColocatedChannel([rx], dev, direct=False), bucket_mb, None)
-    bucketed.handshake()
+    # one receiver per source list, so each keeps its cached plan (both write the same rollout)
+    rx_att = WeightReceiver(rollout, atomic=False)
+    rx_chk = WeightReceiver(rollout, atomic=False)
+    named = ReleasedTensors(master, cast=cast)  # what Policy.named_released_tensors gives
+    attested = WeightSender(lambda: named, ColocatedChannel([rx_att], dev, direct=True), bucket_mb, dtype)
+    checked = WeightSender(lambda: cast.released, ColocatedChannel([rx_chk], dev, direct=True), bucket_mb, dtype)
+    bucketed = WeightSender(
+        lambda: iter_released_tensors(trainer), ColocatedChannel([rx_chk], dev, direct=False), bucket_mb, None
+    )
+    for s in (attested, checked, bucketed):
+        s.handshake()
     # raw bucket copies: the same wire buckets through a ring of three slot pairs (outside timing)
-    plan = plan_buckets([(tuple(t.shape), t.dtype) for _, t in source], int(bucket_mb * 2**20))
+    plan = plan_buckets([(tuple(t.shape), t.dtype) for _, t in iter_released_tensors(trainer)], int(bucket_mb * 2**20))
     wire = max(b.wire_bytes for b in plan)
     ring_src = [torch.ones(wire, dtype=torch.uint8, device=dev) for _ in range(3)]
     ring_dst = [torch.zeros(wire, dtype=torch.uint8, device=dev) for _ in range(3)]
     ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
     version = 0
 
-    def update(atomic: bool, buckets: bool = False) -> None:
+    def update(mode: str) -> WeightReceiver:
         nonlocal version
         version += 1
-        rx.atomic = atomic
-        (bucketed if buckets else sender).update(version, include_frozen=True)  # raises WeightUpdateError
+        if mode.endswith("buckets"):
+            sender, rx = bucketed, rx_chk
+        else:
+            sender, rx = (attested, rx_att) if mode.endswith("attested") else (checked, rx_chk)
+        rx.atomic = "atomic=true" in mode
+        sender.update(version, include_frozen=True)  # raises WeightUpdateError
+        return rx
 
-    def timed(mode: str) -> float:
+    host: dict[str, list[float]] = {m: [] for m in DIRECT_MODES}
+
+    def timed(mode: str) -> tuple[float, float]:
+        """(wall seconds, seconds until the host was done: ``update`` returned)."""
         _sync(str(dev))
         t0 = time.perf_counter()
-        if mode == "raw copy_ per parameter":
-            with torch.no_grad():
+        t_host = None
+        with torch.no_grad():
+            if mode == "raw copy_ per parameter":
                 for d, src in zip(r_params, t_params):
                     d.copy_(src)
-        elif mode == "raw flat copy":
-            flat_dst.copy_(flat_src)
-        elif mode == "raw bucket copies":
-            for k, b in enumerate(plan):
-                ring_dst[k % 3][: b.wire_bytes].copy_(ring_src[k % 3][: b.wire_bytes])
-        else:
-            update(mode.startswith("atomic=true"), mode.endswith("buckets"))
+            elif mode == "raw flat copy":
+                flat_dst.copy_(flat_src)
+            elif mode == "raw bucket copies":
+                for k, b in enumerate(plan):
+                    ring_dst[k % 3][: b.wire_bytes].copy_(ring_src[k % 3][: b.wire_bytes])
+            elif mode == CAST_MODES[0]:
+                fused_cast.copy_check()
+            elif mode == CAST_MODES[1]:
+                for d, src in zip(r_params, m_params):
+                    d.copy_(src)
+            else:
+                update(mode)
+                t_host = time.perf_counter() - t0
         _sync(str(dev))
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, t_host
 
-    times: dict[str, list[float]] = {m: [] for m in COLOCATED_MODES}
+    modes = COLOCATED_MODES + CAST_MODES
+    times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(repeats + 1):  # rep 0 = warm-up (allocations, stage pinning, kernels)
-        for mode in COLOCATED_MODES:
-            dt = timed(mode)
+        for mode in modes:
+            dt, t_host = timed(mode)
             if rep > 0:
                 times[mode].append(dt)
+                if mode in host:
+                    host[mode].append(t_host)
             if log is not None:
                 log(f"repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s")
     stats = dict(bucketed.stats)
@@ -384,19 +444,21 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    update(mode.startswith("atomic=true"), buckets=True)
+                    update(mode)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs[mode] = sum("synchroniz" in str(w.message) for w in caught)
 
     checks = {}
-    for k, mode in enumerate(("atomic=false", "atomic=true", "atomic=false, buckets", "atomic=true, buckets")):
+    for k, mode in enumerate(DIRECT_MODES + ("atomic=false, buckets", "atomic=true, buckets")):
         _scramble(rollout, 1000 + k)
         before = len(sync_mismatches(trainer, rollout))
-        update(mode.startswith("atomic=true"), mode.endswith("buckets"))
+        rx = update(mode)
         _sync(str(dev))
         bad = sync_mismatches(trainer, rollout)
         moved = [n for n, p in rollout.named_parameters() if p.data_ptr() != ptrs[n]]
+        want = "attested" if mode.endswith("attested") else "checked"
+        verdict_ok = mode.endswith("buckets") or rx.last_verdict == want
         checks[mode] = {
             "mismatched_before": before,
             "mismatched": bad,
@@ -404,13 +466,28 @@ def run_colocated(trainer: torch.nn.Module, rollout: torch.nn.Module, bucket_mb:
             "version": rx.version,
             "expected_version": version,
             "valid": rx.valid,
-            "ok": before > 0 and not bad and not moved and rx.version == version and rx.valid,
+            "verdict": rx.last_verdict,
+            "ok": before > 0 and not bad and not moved and rx.version == version and rx.valid and verdict_ok,
         }
+    # the copy the attested modes send is the masters' cast, bit for bit (torch's rounding)
+    m = dict(master.named_parameters())
+    bad = [n for n, p in trainer.named_parameters() if not torch.equal(_bits(p), _bits(m[n].to(p.dtype)))]
+    checks["cast"] = {
+        "mismatched_before": len(m),
+        "mismatched": bad,
+        "moved": [],
+        "version": 0,
+        "expected_version": 0,
+        "valid": True,
+        "verdict": "",
+        "ok": not bad,
+    }
     return {
         "bytes": total,
         "buckets": stats.get("buckets", 0),
-        "tensors": len(sender.manifest or []),
+        "tensors": len(attested.manifest or []),
         "seconds": {m: statistics.median(v) for m, v in times.items()},
+        "host": {m: statistics.median(v) for m, v in host.items()},
         "all": times,
         "checks": checks,
         "syncs": syncs,
@@ -430,15 +507,113 @@ def _colocated_device(name: str) -> torch.device:
     return dev
 
 
+# ---------------------------------------------------------------------------- copy-plan kernel sweep
+def _event_ms(fn, repeats: int) -> float:
+    """Median device milliseconds of ``fn()`` over ``repeats`` runs (CUDA events), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def run_kernel_sweep(cast: CastCopy, rollout: torch.nn.Module, variants: list[str], repeats: int, log=None) -> dict:
+    """Time every copy-plan variant on the refit's own pairs (``cast.copy``'s released tensors into
+    ``rollout``'s views, the receiver's plan) against a flat copy of the same bytes, each variant
+    next to its own flat-copy figure. Modes: copy (the attested refit, the IPC worker), check
+    (the fallback's validation pass: reads only), cast (CastCopy's copy + check from the fp32
+    masters). Plus ``torch._foreach_copy_`` over the same runs as a reference.
+
+    Returns {"bytes": update bytes, "tensors", "runs" (of the plan), "flat_ms": median, "rows":
+    {variant: {"copy_ms", "check_ms", "cast_ms", "flat_ms"}}, "foreach_ms": float}. CUDA only."""
+    rx = WeightReceiver(rollout)
+    src = dict(cast.released)
+    pairs = [(v, src[n]) for n, v in rx.views.items() if v is not None]
+    dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
+    c_params = [p.detach() for p in cast.copy.parameters()]
+    m_params = [p.detach() for p in cast.master.parameters()]
+    total = sum(d.numel() * d.element_size() for d in dsts)
+    flat_src = torch.ones(total, dtype=torch.uint8, device=dsts[0].device)
+    flat_dst = torch.zeros_like(flat_src)
+    rows, flats = {}, []
+    for name in variants:
+        plan = CopyPlan(dsts, srcs, config=name)
+        cast_plan = CopyPlan(c_params, m_params, config=name)
+        row = {
+            "flat_ms": _event_ms(lambda: flat_dst.copy_(flat_src), repeats),
+            "copy_ms": _event_ms(plan.copy, repeats),
+            "check_ms": _event_ms(plan.check, repeats),
+            "cast_ms": _event_ms(cast_plan.copy_check, repeats),
+        }
+        assert not plan.any_bad() and not cast_plan.any_bad(), "the sweep's weights are finite"
+        rows[name] = row
+        flats.append(row["flat_ms"])
+        if log is not None:
+            log(f"sweep {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
+        del plan, cast_plan  # (the casts rewrote the copy with the bits it held: same masters, same rounding)
+    ref = CopyPlan(dsts, srcs)
+    run_dsts, run_srcs = [r.dst for r in ref.runs], [r.src for r in ref.runs]
+    foreach = _event_ms(lambda: torch._foreach_copy_(run_dsts, run_srcs), repeats)
+    return {
+        "bytes": total,
+        "tensors": len(pairs),
+        "runs": len(ref.runs),
+        "flat_ms": statistics.median(flats),
+        "rows": rows,
+        "foreach_ms": foreach,
+    }
+
+
+def sweep_report(sw: dict, cfg) -> str:
+    """The markdown section of ``run_kernel_sweep``: bandwidth = bytes read + written per second,
+    ratio = that over the flat copy's (the check pass reads only, the cast reads 4 B and writes 2 B
+    per bf16 element)."""
+    gb = sw["bytes"] / 1e9
+    head = (
+        f"## Copy-plan kernel sweep (bench_weight_sync.py --sweep-kernel), {run_date()}, {machine('cuda')}, "
+        f"torch {torch.__version__}\n\n"
+        f"The refit's own pairs: {gb:.3f} GB, {sw['tensors']} released tensors in {sw['runs']} runs of an M3-shaped "
+        f"model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}); device time (CUDA events), median, "
+        f"each variant beside its own flat copy of the same bytes (median flat copy {sw['flat_ms']:.3f} ms = "
+        f"{2 * gb / sw['flat_ms']:.0f} GB/s read + written). x = achieved bandwidth / the flat copy's. copy: the "
+        "attested refit and the IPC worker; check: the fallback's validation pass (reads only); cast: CastCopy's "
+        "fp32 -> bf16 copy + flags (reads 4 B, writes 2 B per element). Variants: copy_plan.KERNELS.\n\n"
+        "| variant | copy ms | copy x | check ms | check x | cast ms | cast x |\n|---|---|---|---|---|---|---|\n"
+    )
+    body = ""
+    for name, r in sw["rows"].items():
+        f = r["flat_ms"]
+        body += (
+            f"| {name}{' (default)' if name == copy_plan.DEFAULT_KERNEL else ''} | {r['copy_ms']:.3f} | "
+            f"{f / r['copy_ms']:.2f} | {r['check_ms']:.3f} | {f / (2 * r['check_ms']):.2f} | {r['cast_ms']:.3f} | "
+            f"{1.5 * f / r['cast_ms']:.2f} |\n"
+        )
+    body += f"| torch._foreach_copy_ over the runs (reference) | {sw['foreach_ms']:.3f} | "
+    body += f"{sw['flat_ms'] / sw['foreach_ms']:.2f} | | | | |\n"
+    return head + body
+
+
+def best_variant(sw: dict) -> str:
+    """The variant with the best copy ratio (the refit's hot path)."""
+    return max(sw["rows"], key=lambda n: sw["rows"][n]["flat_ms"] / sw["rows"][n]["copy_ms"])
+
+
+# ---------------------------------------------------------------------------- IPC (two processes)
 IPC_MODES = ("atomic=false", "atomic=true")
 
 
-def _ipc_worker(endpoint, cfg, dtype: torch.dtype, device: str, params_q, done, results) -> None:
+def _ipc_worker(endpoint, cfg, dtype: torch.dtype, device: str, kernel: str, params_q, done, results) -> None:
     """Rollout worker of ``run_ipc``: its own rollout copy on ``device`` (the trainer's), refit
-    through ``IpcRolloutSync``; alternates atomic=false (odd versions) / atomic=true (even). At
-    the trainer's close it shares its parameters back by handle (``params_q``), waits for
-    ``done`` and reports per-update figures by value."""
+    through ``IpcRolloutSync`` with copy-plan variant ``kernel``; alternates atomic=false (odd
+    versions) / atomic=true (even). At the trainer's close it shares its parameters back by
+    handle (``params_q``), waits for ``done`` and reports per-update figures by value."""
     try:
+        copy_plan.DEFAULT_KERNEL = kernel
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         torch.set_num_threads(1)
@@ -463,23 +638,27 @@ def _ipc_worker(endpoint, cfg, dtype: torch.dtype, device: str, params_q, done, 
         results.put({"error": traceback.format_exc()})
 
 
-def run_ipc(trainer: torch.nn.Module, cfg, dtype: torch.dtype, repeats: int, log=None) -> dict:
-    """Time IPC updates (weight_sync/ipc.py) from ``trainer`` to a rollout worker PROCESS on the
-    same device, then check its weights bitwise (shared back by handle).
+def run_ipc(cast: CastCopy, cfg, repeats: int, log=None) -> dict:
+    """Time IPC updates (weight_sync/ipc.py) from the trainer (``trainer_pair``: the sender sends
+    its attested compute copy) to a rollout worker PROCESS on the same device, then check its
+    weights bitwise against the trainer's cast (shared back by handle).
 
     Returns {"seconds": {mode: median whole update s (trainer side: fill + worker refit + acks)},
     "fill": {mode: median trainer fill s}, "refit": {mode: median worker receive-to-finish s},
     "ok": bool, "mismatched": [names], "moved": bool (a worker data_ptr changed)}.
     Raises RuntimeError with the worker's traceback when it fails.
     """
+    master, trainer = cast.master, cast.copy
     dev = next(trainer.parameters()).device
+    dtype = trainer.lm_head.weight.dtype
     ctx = mp.get_context("spawn")
     params_q, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     channel = IpcChannel(1, dev, timeout_s=600)
-    proc = ctx.Process(target=_ipc_worker, args=(channel.endpoint, cfg, dtype, str(dev), params_q, done, results))
+    args = (channel.endpoint, cfg, dtype, str(dev), copy_plan.DEFAULT_KERNEL, params_q, done, results)
+    proc = ctx.Process(target=_ipc_worker, args=args)
     proc.start()
-    source = ReleasedTensors(trainer)
-    sender = WeightSender(lambda: source, channel, 512, None)
+    named = ReleasedTensors(master, cast=cast)
+    sender = WeightSender(lambda: named, channel, 512, dtype)
     times = {m: [] for m in IPC_MODES}
     fills = {m: [] for m in IPC_MODES}
     version = 0
@@ -497,7 +676,7 @@ def run_ipc(trainer: torch.nn.Module, cfg, dtype: torch.dtype, repeats: int, log
                     fills[mode].append(channel.stats["fill_seconds"])
                 if log is not None:
                     log(f"ipc repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s")
-        _scramble(trainer, 4242)  # a last update of new values, checked bitwise on the worker
+        _scramble(master, 4242)  # new masters: the sender re-casts, the worker is checked bitwise
         version += 1
         sender.update(version, include_frozen=True)
         channel.close()
@@ -528,48 +707,64 @@ def run_ipc(trainer: torch.nn.Module, cfg, dtype: torch.dtype, repeats: int, log
     }
 
 
-def colocated_report(r: dict, ipc: dict | None, cfg, args, where: str, device_type: str) -> str:
-    """The markdown section of a colocated run (``run_colocated`` + optional ``run_ipc``);
-    ``where``: the machine line."""
+def colocated_report(r: dict, ipc: dict | None, cfg, args, device_type: str) -> str:
+    """The markdown section of a colocated run (``run_colocated`` + optional ``run_ipc``)."""
     gb = r["bytes"] / 1e9
     flat = r["seconds"]["raw flat copy"]
+    now = f"{run_date()} {datetime.datetime.now().strftime('%H:%M')}"
+    where = f"{machine(device_type)}, torch {torch.__version__}"
     stand_in = r["seconds"]["raw bucket copies"]
-    rows = [(m, r["seconds"][m]) for m in COLOCATED_MODES]
+    rows = [(m, r["seconds"][m], r["host"].get(m)) for m in COLOCATED_MODES]
     if ipc is not None:
         for m in IPC_MODES:
-            rows.append((f"ipc {m}, two processes: whole update", ipc["seconds"][m]))
-            rows.append((f"ipc {m}: trainer fill (cast + flags into the stage)", ipc["fill"][m]))
-            rows.append((f"ipc {m}: worker refit (stage -> parameters)", ipc["refit"][m]))
+            rows.append((f"ipc {m}, two processes: whole update", ipc["seconds"][m], None))
+            rows.append((f"ipc {m}: trainer fill (copy + flags into the stage)", ipc["fill"][m], None))
+            rows.append((f"ipc {m}: worker refit (stage -> parameters)", ipc["refit"][m], None))
     head = (
-        f"## Weight sync, colocated refit (bench_weight_sync.py --method colocated), {run_date()}, {where}, "
-        f"{device_type}\n\n"
+        f"## Weight sync, colocated refit (bench_weight_sync.py --method colocated), {now}, {where}, "
+        f"{device_type}, copy-plan kernel {copy_plan.DEFAULT_KERNEL}\n\n"
         f"Synthetic M3-shaped model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_local_experts} experts): {gb:.3f} GB in {args.dtype} (router fp32), {r['tensors']} released "
-        f"tensors; trainer and rollout copies on one {device_type} device. atomic=false/true: the direct path "
-        "(WeightSender(ReleasedTensors) + ColocatedChannel + WeightReceiver, copy plan: fused check pass, then "
-        f"fused copy); '..., buckets': the bucketed broadcast pipeline in loopback ({r['buckets']} buckets of "
+        f"tensors; trainer (fp32 masters + their {args.dtype} compute copy, as Policy at policy.precision="
+        f"{args.dtype}) and rollout on one {device_type} device. 'direct ..., attested': WeightSender("
+        "Policy-style ReleasedTensors with its CastCopy) + ColocatedChannel + WeightReceiver: the compute copy is "
+        "sent, validated from the flags of the cast that wrote it (one 4-byte read), then one fused copy pass; "
+        "'direct ..., check pass': the same bytes without the attestation (check pass, then copy pass); "
+        f"'..., buckets': the bucketed broadcast pipeline in loopback ({r['buckets']} buckets of "
         f"<= {args.bucket_mb:g} MiB; sender packs on its side stream into a ring of 3 wire buffers, a "
         "device-to-device copy on a transfer stream stands in for the NCCL broadcast, the receiver checksums, "
         "flags non-finite values and unpacks on its own side stream, one host read of the verdict per update; "
         "atomic stages in pinned host memory and commits after the verdict); 'raw bucket copies': that "
-        "stand-in transfer alone (the same buckets, one device copy each); 'ipc': a rollout worker "
-        "process on the same device refit from the trainer's shared stage (weight_sync/ipc.py). Median of "
-        f"{args.repeats} repeats after a warm-up; ratios = GB/s over the raw flat copy's and, for the bucket "
-        "rows, over the raw bucket copies'.\n\n"
-        "| mode | seconds | GB/s | vs raw flat copy | vs raw bucket copies |\n|---|---|---|---|---|\n"
+        "stand-in transfer alone (the same buckets, one device copy each); 'ipc': a rollout worker process on "
+        "the same device refit from the "
+        "trainer's shared stage (weight_sync/ipc.py; the fill copies the attested compute copy). host ms = until "
+        f"update() returned (the rest is device time). Median of {args.repeats} repeats after a warm-up; "
+        "ratios = GB/s over the raw flat copy's and, for the bucket rows, over the raw bucket copies'.\n\n"
+        "| mode | seconds | host ms | GB/s | vs raw flat copy | vs raw bucket copies |\n"
+        "|---|---|---|---|---|---|\n"
     )
     body = "".join(
-        f"| {m} | {t:.4f} | {gb / t:.1f} | {flat / t:.2f} | "
+        f"| {m} | {t:.4f} | {'' if h is None else f'{h * 1e3:.2f}'} | {gb / t:.1f} | {flat / t:.2f} | "
         + (f"{stand_in / t:.2f}" if m.endswith("buckets") else "-")
         + " |\n"
-        for m, t in rows
+        for m, t, h in rows
     )
+    # the trainer's cast moves 6 bytes per bf16 element (reads fp32, writes bf16): 1.5x the flat copy's
+    body += "\nThe trainer's cast of its masters (once per optimizer step, not part of a refit; x = read + write "
+    body += "bandwidth over the flat copy's):\n\n| cast | seconds | x flat copy |\n|---|---|---|\n"
+    body += "".join(f"| {m} | {r['seconds'][m]:.4f} | {1.5 * flat / r['seconds'][m]:.2f} |\n" for m in CAST_MODES)
     n_params = r["n_params"]
     checks = "; ".join(
         f"{m}: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} of {n_params} parameters differ after the "
         f"update, {c['mismatched_before']} before; data_ptr moved: {len(c['moved'])}; version "
-        f"{c['version']}/{c['expected_version']}, valid={c['valid']})"
+        f"{c['version']}/{c['expected_version']}, valid={c['valid']}"
+        + (f", verdict {c['verdict']})" if c["verdict"] else ")")
         for m, c in r["checks"].items()
+        if m != "cast"
+    )
+    c = r["checks"]["cast"]
+    checks += (
+        f"; compute copy = torch cast of the masters: {'pass' if c['ok'] else 'FAIL'} ({len(c['mismatched'])} differ)"
     )
     if ipc is not None:
         checks += (
@@ -586,39 +781,59 @@ def colocated_report(r: dict, ipc: dict | None, cfg, args, where: str, device_ty
 
 
 def main_colocated(args) -> None:
-    """--method colocated: both copies in this process on --device (plus an IPC worker process
-    unless --no-ipc); prints (and appends) the table."""
+    """--method colocated: trainer and rollout in this process on --device (plus an IPC worker
+    process unless --no-ipc; first the kernel sweep with --sweep-kernel); prints (and appends)
+    the tables."""
     dev = _colocated_device(args.device or "cpu")
     if args.threads or dev.type == "cpu":
         torch.set_num_threads(args.threads or 1)
+    if args.sweep_kernel and dev.type != "cuda":
+        raise SystemExit("--sweep-kernel times the Triton kernel: it needs --device cuda")
+    if args.kernel == "best" and not args.sweep_kernel:
+        raise SystemExit("--kernel best picks the sweep's fastest variant: add --sweep-kernel")
+    if args.kernel not in ("best", *copy_plan.KERNELS):
+        raise SystemExit(f"--kernel {args.kernel}: one of best, {', '.join(copy_plan.KERNELS)}")
     dtype = getattr(torch, args.dtype)
     gb = args.gb if args.gb is not None or dev.type != "cuda" else 8.0  # real M3-shaped size on a GPU
     cfg = synthetic_config(gb, dtype)
     t_start = time.perf_counter()
-    trainer = build_model(1, dtype, str(dev), cfg=cfg)
-    rollout = build_model(0, dtype, str(dev), cfg=cfg)
     log = lambda m: print(f"[{time.perf_counter() - t_start:6.1f} s] {m}", flush=True)  # noqa: E731
-    r = run_colocated(trainer, rollout, args.bucket_mb, args.repeats, log=log)
+    master, cast = trainer_pair(cfg, dtype, str(dev))
+    rollout = build_model(0, dtype, str(dev), cfg=cfg)
+    texts = []
+    if args.sweep_kernel:
+        variants = list(copy_plan.KERNELS) if not args.variants else args.variants.split(",")
+        sw = run_kernel_sweep(cast, rollout, variants, max(args.repeats, 5), log=log)
+        texts.append(sweep_report(sw, cfg))
+        print(texts[-1])
+        if args.kernel == "best":
+            args.kernel = best_variant(sw)
+            log(f"best copy variant: {args.kernel}")
+    copy_plan.DEFAULT_KERNEL = args.kernel if args.kernel != "best" else copy_plan.DEFAULT_KERNEL
+    cast = CastCopy(master, cast.copy)  # its plan in the chosen variant
+    cast.refresh()
+    r = run_colocated(cast, rollout, args.bucket_mb, args.repeats, log=log)
     r["n_params"] = len(list(rollout.parameters()))
     del rollout
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    ipc = None if args.no_ipc else run_ipc(trainer, cfg, dtype, args.repeats, log=log)
-    where = f"{machine(dev.type)}, torch {torch.__version__}"
-    if dev.type != "cuda":
-        where += f", torch threads = {torch.get_num_threads()}"
-    text = colocated_report(r, ipc, cfg, args, where, dev.type)
-    print(text)
+    ipc = None if args.no_ipc else run_ipc(cast, cfg, args.repeats, log=log)
+    texts.append(colocated_report(r, ipc, cfg, args, dev.type))
+    print(texts[-1])
     log("done")
     ok = all(c["ok"] for c in r["checks"].values()) and (ipc is None or ipc["ok"])
     if not ok:
         for m, c in r["checks"].items():
             if not c["ok"]:
-                print(f"{m}: mismatched {c['mismatched'][:8]}, moved {c['moved'][:8]}", file=sys.stderr)
+                print(
+                    f"{m}: mismatched {c['mismatched'][:8]}, moved {c['moved'][:8]}, verdict {c['verdict']}",
+                    file=sys.stderr,
+                )
         if ipc is not None and not ipc["ok"]:
             print(f"ipc: mismatched {ipc['mismatched'][:8]}, moved {ipc['moved']}", file=sys.stderr)
         raise SystemExit("colocated weight sync correctness check FAILED; nothing written to docs/benchmarks.md")
-    _append(args, text)
+    for text in texts:
+        _append(args, text)
 
 
 def _append(args, text: str) -> None:
@@ -674,14 +889,27 @@ def main() -> None:
     ap.add_argument(
         "--no-ipc", action="store_true", help="colocated only: skip the two-process IPC refit (a spawned worker)"
     )
+    ap.add_argument(
+        "--sweep-kernel",
+        action="store_true",
+        help="colocated on CUDA: first time every copy-plan kernel variant (copy_plan.KERNELS) against a flat "
+        "copy on the refit's own pairs, print and append the table",
+    )
+    ap.add_argument("--variants", default=None, help="--sweep-kernel: comma-separated variant names (default all)")
+    ap.add_argument(
+        "--kernel",
+        default=copy_plan.DEFAULT_KERNEL,
+        help="colocated: the copy-plan variant every plan of the run uses (a copy_plan.KERNELS name, or best = "
+        "the sweep's fastest copy; default copy_plan.DEFAULT_KERNEL)",
+    )
     args = ap.parse_args()
     if args.method == "colocated":
         if args.receivers != 1 or args.ep or args.backend != "gloo":
             ap.error("--receivers/--ep/--backend are for --method broadcast; colocated runs one rollout copy")
         main_colocated(args)
         return
-    if args.no_ipc:
-        ap.error("--no-ipc is for --method colocated")
+    if args.no_ipc or args.sweep_kernel:
+        ap.error("--no-ipc / --sweep-kernel are for --method colocated")
     if args.device is not None:
         ap.error("--device is for --method colocated; broadcast picks devices from --backend (nccl = cuda:rank)")
     from m3_rollout.parallel import free_port

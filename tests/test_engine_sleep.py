@@ -287,3 +287,44 @@ def test_a_weight_receiver_refuses_to_write_into_offloaded_weights():
     new = {n: t + 0.01 for n, t in released.items()}
     sync.update_weights(2, new.items())
     assert eng.weight_version == 2 and all(torch.equal(t, new[n]) for n, t in iter_released_tensors(model))
+
+
+def test_a_cached_refit_plan_follows_the_weights_to_their_new_storage_after_wake_up(monkeypatch):
+    """The copy plan's kernel tables hold raw addresses; a level-2 wake-up re-allocates every
+    weight storage (``weight_storage_generation`` counts it) and the receiver re-derives the tables
+    before its next copy (the Triton path under TRITON_INTERPRET=1, forced on for this CPU engine)."""
+    import os
+
+    from m3_rollout.weight_sync import ReleasedTensors
+    from m3_rollout.weight_sync import copy_plan as copy_plan_module
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py)")
+    monkeypatch.setattr(copy_plan_module, "_use_triton", lambda device: True)
+    model = _model()
+    eng, _ = _engine(model)
+    sync = LocalWeightSync(eng)
+    trainer = _model(seed=1)
+    source = ReleasedTensors(trainer)
+    sync.update_weights(1, source)
+    sync.update_weights(2, source)  # the first update sends the frozen tensors too: another plan
+    plan = sync.receiver._plan_cache.plan
+    assert plan.triton and eng.weight_storage_generation == 0
+    calls = []
+    relocate = plan.relocate
+    monkeypatch.setattr(plan, "relocate", lambda: calls.append(1) or relocate())
+    eng.sleep(1)
+    eng.wake_up()  # caches only: the weights stayed where they were
+    assert eng.weight_storage_generation == 0
+    eng.sleep(2)
+    eng.wake_up()
+    assert eng.weight_storage_generation == 1
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1.5)
+    sync.update_weights(3, source)
+    assert calls == [1] and sync.receiver._plan_cache.plan is plan  # same plan, tables re-derived once
+    want = dict(iter_released_tensors(trainer))
+    assert eng.weight_version == 3 and all(torch.equal(t, want[n]) for n, t in iter_released_tensors(model))
+    sync.update_weights(4, source)
+    assert calls == [1]

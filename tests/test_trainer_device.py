@@ -127,6 +127,29 @@ def test_bf16_compute_copy_is_the_masters_cast_and_steps_the_masters():
         assert torch.equal(pc, pm.to(pc.dtype)), n
 
 
+def test_the_compute_copy_is_cast_once_per_optimizer_step_with_flags_a_refit_can_trust():
+    """The refresh is one fused cast (weight_sync.CastCopy) right after each optimizer step, skipped
+    while the masters are unchanged, redone when something else wrote them (a checkpoint load);
+    its flags are current for the copy the refit sends."""
+    m = _model()
+    policy = Policy(m, lr=1e-2, compute_dtype=torch.bfloat16)
+    released = policy.named_released_tensors()
+    cast = released.cast
+    assert policy.named_released_tensors() is released and cast.master is m and cast.copy is policy.compute
+    assert cast.casts == 1 and cast.current() and not cast.any_bad()
+    policy.train_step(_batch(), ClippedPGLossFn(), 1.0, 2)
+    assert cast.casts == 2 and cast.current()  # after the step; the step's own scoring cast nothing
+    for (n, pm), pc in zip(m.named_parameters(), policy.compute.parameters()):
+        assert torch.equal(pc, pm.to(pc.dtype)), n
+    policy.get_logprobs(_batch(), 1.0, 4)
+    assert cast.casts == 2
+    with torch.no_grad():
+        m.lm_head.weight.mul_(0.5)  # the masters written outside the optimizer (a checkpoint load)
+    policy.get_logprobs(_batch(), 1.0, 4)
+    assert cast.casts == 3 and torch.equal(policy.compute.lm_head.weight, m.lm_head.weight.to(torch.bfloat16))
+    assert Policy(_model(), lr=1e-2).named_released_tensors().cast is None  # full precision: no copy
+
+
 def test_bf16_gradient_is_close_to_the_fp32_one_and_accumulates_in_fp32():
     grads = {}
     for dtype, mbs in ((None, 4), (torch.bfloat16, 4), (torch.bfloat16, 1)):

@@ -437,19 +437,23 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_bench_colocated_update_bitwise_in_place_on_cpu():
     bench = _bench_module()
     cfg = tiny_config()
-    trainer = bench.build_model(1, torch.bfloat16, "cpu", cfg=cfg)  # bf16, router fp32: two bucket dtypes
+    master, cast = bench.trainer_pair(cfg, torch.bfloat16, "cpu")  # fp32 masters + bf16 copy (router fp32)
+    trainer = cast.copy
     rollout = bench.build_model(0, torch.bfloat16, "cpu", cfg=cfg)
     ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
     bucket_mb = 0.25
-    r = bench.run_colocated(trainer, rollout, bucket_mb, repeats=1)
+    r = bench.run_colocated(cast, rollout, bucket_mb, repeats=1)
 
     for name, p in rollout.named_parameters():  # independent check of what run_colocated reports
         assert _bits_equal(p, dict(trainer.named_parameters())[name]), name
+        assert _bits_equal(p, dict(master.named_parameters())[name].to(p.dtype)), name
         assert p.data_ptr() == ptrs[name], name
     n_params = len(ptrs)
-    for mode in ("atomic=false", "atomic=true"):
+    for mode in bench.DIRECT_MODES:
         c = r["checks"][mode]
         assert c["ok"] and c["mismatched"] == [] and c["moved"] == [] and c["mismatched_before"] == n_params
+        assert c["verdict"] == ("attested" if mode.endswith("attested") else "checked")
+    assert r["checks"]["cast"]["ok"]
     released = list(iter_released_tensors(trainer))
     assert r["tensors"] == len(released)
     assert r["bytes"] == sum(t.numel() * t.element_size() for _, t in released)
@@ -459,7 +463,9 @@ def test_bench_colocated_update_bitwise_in_place_on_cpu():
         per_dtype[t.dtype] = per_dtype.get(t.dtype, 0) + t.numel() * t.element_size()
     assert set(per_dtype) == {torch.bfloat16, torch.float32}
     assert r["buckets"] == sum(-(-n // cap) for n in per_dtype.values())
-    assert all(len(r["all"][m]) == 1 and r["seconds"][m] > 0 for m in bench.COLOCATED_MODES)
+    modes = bench.COLOCATED_MODES + bench.CAST_MODES
+    assert all(len(r["all"][m]) == 1 and r["seconds"][m] > 0 for m in modes)
+    assert set(r["host"]) == set(bench.DIRECT_MODES) and all(0 < r["host"][m] <= r["seconds"][m] for m in r["host"])
 
     # the bitwise check catches a sign-of-zero flip in one element (torch.equal on values would not)
     w = rollout.lm_head.weight

@@ -10,7 +10,7 @@ import torch
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
 from m3_rollout.parallel import shard_experts
 from m3_rollout.weight_sync import ColocatedChannel, WeightReceiver, WeightSender, WeightUpdateError
-from m3_rollout.weight_sync.copy_plan import CopyPlan, build_runs
+from m3_rollout.weight_sync.copy_plan import KERNELS, CopyPlan, build_runs
 from m3_rollout.weight_sync.direct import nonfinite
 
 EXPERT = "language_model.model.layers.2.block_sparse_moe.experts.{}.w3.weight"
@@ -204,39 +204,60 @@ def test_copy_plan_merges_contiguous_runs_and_copies_bitwise():
         CopyPlan([torch.zeros(2)], [torch.zeros(3)])
 
 
-def test_copy_plan_kernel_under_the_interpreter_matches_torch():
-    """The Triton path (TRITON_INTERPRET=1 on CPU, tests/conftest.py): aligned and unaligned runs,
-    chunks past CHUNK, copy-only, check-only and copy+check; same-dtype pairs (the interpreter's
-    fp32 -> bf16 cast truncates, so the rounding is checked on the GPU, tests/gpu)."""
+def _interpreter():
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py before triton is imported)")
-    from m3_rollout.weight_sync.copy_plan import CHUNK
 
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("variant", sorted(KERNELS))
+def test_copy_plan_kernel_variants_under_the_interpreter_match_torch_bitwise(variant):
+    """Every kernel variant (TRITON_INTERPRET=1 on CPU, tests/conftest.py) against torch: full
+    chunks (unmasked path), a run's tail (vectorised part + last elements), an unaligned group,
+    fp32 -> fp16 casts (the interpreter's bf16 is wrong; bf16 rounding is checked on the GPU,
+    tests/gpu), check-only writes nothing, copy + check flags exactly the runs holding a NaN / inf /
+    fp16 overflow and sets the ``any`` flag."""
+    _interpreter()
+    block = KERNELS[variant].block
     g = torch.Generator().manual_seed(0)
-    src16 = torch.randn(CHUNK + 37, generator=g).to(torch.bfloat16)
-    big_src = torch.randn(3, 8, generator=g)
-    dst16 = torch.zeros(CHUNK + 40, dtype=torch.bfloat16)
-    big_dst = torch.zeros(3, 8)
-    pairs = [
-        (dst16[3 : CHUNK + 40], src16),  # unaligned destination (6 bytes in), spans two chunks
-        (big_dst[0], big_src[0]),
-        (big_dst[1:], big_src[1:]),  # merges with the row before: one aligned fp32 run
-    ]
-    plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs], kernel=True)
-    assert plan.triton and len(plan.runs) == 2
+    n = 2 * block + 37  # two full chunks, then a tail of 32 vectorised elements + 5 more
+    a_src, a_dst = torch.randn(n, generator=g), torch.zeros(n + 8)
+    h_src, h_dst = torch.randn(block + 9, generator=g) * 100, torch.zeros(block + 9, dtype=torch.float16)
+    u_src, u_dst = torch.randn(301, generator=g).half(), torch.zeros(304, dtype=torch.float16)
+    pairs = [(a_dst[:n], a_src), (h_dst, h_src), (u_dst[3:], u_src)]  # u: 6 bytes in, an unaligned group
+    plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs], kernel=True, config=variant)
+    assert plan.triton and len(plan.runs) == 3 and plan.config == KERNELS[variant]
     plan.check()
-    assert plan.bad_runs() == [] and torch.count_nonzero(dst16) == 0  # check only: nothing written
+    assert not plan.any_bad() and plan.bad_runs() == [] and all(torch.count_nonzero(d) == 0 for d, _ in pairs)
     plan.copy()
-    assert torch.equal(dst16[3 : CHUNK + 40].view(torch.int16), src16.view(torch.int16))
-    assert torch.count_nonzero(dst16[:3]) == 0 and torch.equal(big_dst, big_src)
-    src16[CHUNK + 5] = float("-inf")
-    big_src[2, 7] = float("nan")
-    plan.copy_check()
-    assert plan.bad_members() == [0, 1, 2] and torch.isnan(big_dst[2, 7])
-    # a destination storage freed and grown again (engine sleep level 2 / wake_up) moves: the
-    # kernel tables follow it instead of writing to the old address
+    for d, s in pairs:
+        assert torch.equal(d.view(torch.uint8), s.to(d.dtype).view(torch.uint8))
+    assert torch.count_nonzero(a_dst[n:]) == 0 and torch.count_nonzero(u_dst[:3]) == 0
+    k_a, k_h, k_u = (next(k for k, r in enumerate(plan.runs) if r.dst.data_ptr() == d.data_ptr()) for d, _ in pairs)
+    for dst, src, i, value, run in (
+        (a_dst, a_src, block - 1, float("nan"), k_a),  # last element of a full chunk
+        (a_dst, a_src, 2 * block + 3, float("-inf"), k_a),  # vectorised part of the tail
+        (a_dst, a_src, n - 1, float("nan"), k_a),  # the tail's last elements
+        (h_dst, h_src, 5, 7e4, k_h),  # finite in fp32, +inf in fp16
+        (u_dst, u_src, 300, float("inf"), k_u),
+    ):
+        keep = src[i].item()
+        src[i] = value
+        plan.copy_check()
+        assert plan.any_bad() and plan.bad_runs() == [run], (i, plan.flags.tolist())
+        assert not torch.isfinite(dst.float()).all()  # copy + check writes the values it flags
+        src[i] = keep
+    plan.check()
+    assert not plan.any_bad()
+
+
+def test_copy_plan_relocate_follows_a_moved_storage():
+    """A destination storage freed and grown again in place (engine sleep level 2 / wake_up)
+    moves; after ``relocate()`` the kernel writes the new address, not the old one."""
+    _interpreter()
+    g = torch.Generator().manual_seed(0)
     a_src, b_src = torch.randn(64, generator=g), torch.randn(64, generator=g)
     a_dst, b_dst = torch.zeros(64), torch.zeros(64)
     plan = CopyPlan([a_dst, b_dst], [a_src, b_src], kernel=True)
@@ -249,5 +270,6 @@ def test_copy_plan_kernel_under_the_interpreter_matches_torch():
     storage.resize_(64 * 4)
     assert storage.data_ptr() != old_ptr
     moving.zero_()
+    plan.relocate()
     plan.copy()
     assert torch.equal(a_dst, a_src) and torch.equal(b_dst, b_src) and torch.count_nonzero(keep) == 0

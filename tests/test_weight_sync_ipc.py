@@ -28,6 +28,7 @@ from m3_rollout.weight_sync import (
 )
 from m3_rollout.weight_sync.ipc import stage_layout, stage_views
 from m3_rollout.weight_sync.manifest import TensorSpec
+from m3_rollout.weight_sync.probe import ProbeSettings, model_scorer
 
 TIMEOUT_S = 120.0
 NAME = "language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight"
@@ -47,11 +48,11 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _worker(endpoint, tag: str, results) -> None:
+def _worker(endpoint, tag: str, results, probe: bool = False) -> None:
     try:
         torch.set_num_threads(1)
         model = _rollout_model()
-        rx = WeightReceiver(model, atomic=True, version=0)
+        rx = WeightReceiver(model, atomic=True, version=0, scorer=model_scorer(model) if probe else None)
         ptrs = [p.data_ptr() for p in model.parameters()]
 
         def report(outcome) -> None:
@@ -67,6 +68,7 @@ def _worker(endpoint, tag: str, results) -> None:
                     "errors": r.errors,
                     "digest": digest(model),
                     "moved": moved,
+                    "drift": r.probe_drift,
                 },
             )
 
@@ -150,6 +152,48 @@ def test_ipc_refit_two_processes_bitwise_refusal_and_worker_restart():
             p.join(TIMEOUT_S)
             if p.is_alive():
                 p.kill()
+
+
+def test_ipc_refit_with_a_probe_exchanges_its_verdict_and_rolls_back():
+    """An update carrying a probe takes the second verdict exchange (an update without one skips
+    it); a drift over the threshold rolls the atomic worker back to its old weights and version."""
+    torch.manual_seed(1)
+    trainer = M3ForCausalLM(tiny_config()).float().eval()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=TIMEOUT_S)
+    released = ReleasedTensors(trainer)
+    sender = WeightSender(
+        lambda: released,
+        channel,
+        generation_dtype=torch.bfloat16,
+        probe=ProbeSettings(threshold=5.0),
+        reference=model_scorer(trainer),
+    )
+    proc = ctx.Process(target=_worker, args=(channel.endpoint, "probed", results, True))
+    proc.start()
+    try:
+        stats = sender.update(1, include_frozen=True)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["probed"]
+        assert got["ok"] and got["version"] == 1 and got["digest"] == _expected(trainer)
+        assert got["drift"] is not None and 0 < got["drift"] < 5.0 and stats["probe_drift"] == got["drift"]
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.mul_(1.5)
+        sender.probe = ProbeSettings(threshold=1e-9)  # bf16 vs fp32 logprobs always drift more
+        with pytest.raises(WeightUpdateError, match="probe drift"):
+            sender.update(2, include_frozen=True)
+        after = get_results(results, 1, TIMEOUT_S, "tag")["probed"]
+        assert not after["ok"] and after["version"] == 1 and after["digest"] == got["digest"]
+        sender.probe = None
+        sender.update(3, include_frozen=True)  # no probe: one exchange fewer, same result
+        got = get_results(results, 1, TIMEOUT_S, "tag")["probed"]
+        assert got["ok"] and got["version"] == 3 and got["drift"] is None and got["digest"] == _expected(trainer)
+    finally:
+        channel.close()
+        proc.join(TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_ipc_channel_has_no_bucket_path_for_a_fault_hook():

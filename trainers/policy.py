@@ -11,9 +11,12 @@ Device and precision: the master model, its gradients and the AdamW states live 
 (bf16), forward and backward run in a copy cast exactly as the generator casts
 (``M3ForCausalLM.cast_for_inference``: router and norms stay fp32, spec §6) rather than under
 ``torch.autocast`` (which would run the fp32 router GEMM in bf16 and so route differently from the
-engine); its gradients are added into fp32 master gradients after every micro-batch and the copy is
-refreshed from the masters before every scoring / training call. Logprobs, the loss and every
-metric stay on the device; a step reads its metrics back once (``train_step``).
+engine); its gradients are added into fp32 master gradients after every micro-batch. The copy is
+refreshed from the masters right after every optimizer step, and again before a scoring / training
+call if the masters changed meanwhile (a loaded checkpoint), by one fused cast that also leaves
+finite flags on the device (``weight_sync.cast_copy.CastCopy``): a refit in the compute dtype sends
+this copy and validates from those flags instead of re-reading the bytes. Logprobs, the loss and
+every metric stay on the device; a step reads its metrics back once (``train_step``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from m3_rollout.model import M3ForCausalLM
 from m3_rollout.model.numerics import compute_dtype
-from m3_rollout.weight_sync.sender import ReleasedTensors
+from m3_rollout.weight_sync.cast_copy import CastCopy
+from m3_rollout.weight_sync.released import ReleasedTensors
 from m3_trainers.batch import TrainBatch
 from m3_trainers.loss import ClippedPGLossFn, masked_fill_zero
 
@@ -304,13 +308,16 @@ class Policy:
         )
         master_dtype = model.lm_head.weight.dtype
         self.compute = model
+        self._cast: CastCopy | None = None
         if compute_dtype is not None and compute_dtype != master_dtype:
             self.compute = copy.deepcopy(model).cast_for_inference(compute_dtype).train()
             for pc, pm in zip(self.compute.parameters(), model.parameters()):
                 pc.requires_grad_(pm.requires_grad)
             # NOTE: casting a loaded model rounds the router gate and bias through the low dtype
             # on their way back to fp32; the masters' exact values go in before the reference copy.
+            self._cast = CastCopy(model, self.compute)
             self._refresh_compute()
+        self._released = ReleasedTensors(model, cast=self._cast)
         self._pairs = [  # (master, compute) of every trainable parameter (used when they differ)
             (pm, pc) for pm, pc in zip(model.parameters(), self.compute.parameters()) if pm.requires_grad
         ]
@@ -325,21 +332,21 @@ class Policy:
     def named_released_tensors(self) -> ReleasedTensors:
         """Master weights in released checkpoint naming, on the device (what weight sync sends):
         a re-iterable of (name, tensor) whose fingerprint lets the sender resolve the 4,195 views
-        of an M3-shaped model once instead of every refit (``weight_sync.ReleasedTensors``)."""
-        return ReleasedTensors(self.model)
+        of an M3-shaped model once instead of every refit (``weight_sync.ReleasedTensors``), with
+        the compute copy's attested cast (``cast``) that a direct refit in the compute dtype sends
+        instead. The same object every call."""
+        return self._released
 
     def _routes(self, mb: TrainBatch, replay: bool) -> torch.Tensor | None:
         return mb.routed_experts if replay else None
 
     def _refresh_compute(self) -> None:
-        """Copy the master weights into the compute copy (a no-op at full precision). Run before
-        every scoring / training call, so weights loaded into ``model`` (a resumed checkpoint)
-        always reach the copy."""
-        if self.compute is self.model:
-            return
-        with torch.no_grad():
-            for pc, pm in zip(self.compute.parameters(), self.model.parameters()):
-                pc.copy_(pm)
+        """Cast the master weights into the compute copy when they changed since the last cast (a
+        no-op at full precision or when nothing changed). Run after every optimizer step and
+        before every scoring / training call, so weights loaded into ``model`` (a resumed
+        checkpoint) always reach the copy."""
+        if self._cast is not None:
+            self._cast.refresh()
 
     def elapsed(self, t0: float) -> float:
         """Seconds since ``t0`` once the device's queued work is done (one sync on CUDA)."""
@@ -506,6 +513,7 @@ class Policy:
         skipped = not (math.isfinite(host["grad_norm"]) and math.isfinite(host["loss"]))
         if not skipped:
             self.optimizer.step()
+            self._refresh_compute()  # now, while the masters are hot: the refit reads an attested copy
         self.scheduler.step()
         train_seconds = self.elapsed(t1)
         n = max(num_tokens, 1.0)

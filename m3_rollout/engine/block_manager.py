@@ -189,8 +189,7 @@ class BlockManager:
         """
         for seq in in_flight:
             seq.page_hashes = None
-        for page in list(self.evictable):
-            self.free.append(page)
+        self.free.extend(self.evictable)  # C-level: this runs inside every weight update
         self.evictable.clear()
         self.cached.clear()
         self.page_hash = [None] * self.num_pages

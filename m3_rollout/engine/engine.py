@@ -312,6 +312,13 @@ class LLMEngine:
         them (weight sync included: its cached views would write freed memory) until ``wake_up``."""
         return self.memory.weights_offloaded
 
+    @property
+    def weight_storage_generation(self) -> int:
+        """How many wake-ups re-allocated the weights (level 2): each moved every weight storage to
+        a new address (the views followed). Raw addresses cached elsewhere (weight sync's copy
+        plan) must be re-read when this changes."""
+        return self.memory.weight_generation
+
     def check_awake(self, what: str) -> None:
         """Raises RuntimeError when asleep (the page pool, and at level 2 the weights, have no memory)."""
         if self.memory.level:

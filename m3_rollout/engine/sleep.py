@@ -165,6 +165,7 @@ class MemoryHandoff:
         self.release_graphs, self.capture_graphs = release_graphs, capture_graphs
         self.device, self.oom_hint, self.resize = device, oom_hint, resize
         self.level = 0
+        self.weight_generation = 0  # wake-ups that re-allocated the weights (new addresses)
         self._caches: ReleasedStorages | None = None
         self._weights: ReleasedStorages | None = None
         self.last_sleep: dict | None = None
@@ -246,6 +247,7 @@ class MemoryHandoff:
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the restores are queued; the record times them
         restored = sum(r.total_bytes for r in parts)
+        self.weight_generation += self._weights is not None
         self._weights = self._caches = None
         self.level = 0
         end = time.perf_counter()

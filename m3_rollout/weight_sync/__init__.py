@@ -8,6 +8,8 @@ group      the private trainer + rollout-ranks process group (TCPStore, gloo / N
 receiver   the ONE rollout-side receiver: checks, version rule, stage (atomic) or apply, commit
 sender     trainer side: broadcast or colocated (in-process) channel
 copy_plan  the direct refit's hot path: contiguous runs, one fused check / copy pass per dtype pair
+released   the trainer's tensors as the sender reads them (cached, fingerprinted by address)
+cast_copy  the trainer's low-precision copy, refreshed by a fused cast whose flags attest it
 direct     per-tensor finite check naming the tensors of a failed direct update
 ipc        separate processes on one device: the trainer's stage shared once (CUDA IPC / shm)
 in_flight  what happens to running requests at an update (abort / drain / continue)
@@ -17,18 +19,21 @@ Trainer glue: trainers/weight_sender.py. Service wiring: RolloutService(weight_s
 """
 
 from .buckets import Bucket, plan_buckets
+from .cast_copy import CastCopy
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .in_flight import InFlightOutcome, InFlightPolicy
 from .ipc import IpcChannel, IpcRolloutSync
 from .manifest import HandshakeError, TensorSpec, default_frozen, receiver_layout, sender_manifest
 from .probe import ProbeSettings, model_scorer
 from .receiver import UpdateResult, WeightReceiver
+from .released import ReleasedTensors
 from .rollout_sync import LocalWeightSync, RolloutWeightSync, engine_receiver
-from .sender import BroadcastChannel, ColocatedChannel, ReleasedTensors, WeightSender, WeightUpdateError
+from .sender import BroadcastChannel, ColocatedChannel, WeightSender, WeightUpdateError
 
 __all__ = [
     "Bucket",
     "plan_buckets",
+    "CastCopy",
     "WeightSyncGroup",
     "WeightSyncTimeout",
     "InFlightOutcome",

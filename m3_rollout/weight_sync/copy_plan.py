@@ -1,31 +1,38 @@
 """Refit at memory speed: a copy plan of contiguous runs, executed as one fused pass per dtype pair.
 
 Governing idea: an update moves the same (source, destination) pairs every time (the trainer's
-parameters are updated in place, the rollout's are never re-pointed, design.md §3.6), so the
-per-tensor work is done ONCE, when the plan is built: pairs are sorted by destination address and
+parameters are updated in place, the rollout's are never re-pointed, design.md §3.6), so ALL the
+per-tensor work is done once, when the plan is built: pairs are sorted by destination address and
 merged into *runs* wherever the destination and the source both continue contiguously (the
 experts' ``w1`` / ``w3`` rows of one stacked ``w13`` on both sides merge into one run; two models
-of the same structure merge to about one run per parameter storage). Each update then runs:
+of the same structure merge to about one run per parameter storage), and the runs are cut into a
+device table of fixed-size chunks. An update then costs O(dtype groups) kernel launches and no
+Python work per tensor or per run:
 
 - CUDA: ``runs_kernel`` (Triton), ONE launch per (source dtype, destination dtype, alignment)
-  group over a table of fixed-size chunks ``(src offset, dst offset, length, run)`` built once
-  and kept on the device. In the same pass it casts (round to nearest even), stores, and ORs a
-  per-run non-finite flag (NaN / +-inf of the value *as stored*, so an fp32 value that overflows
-  bf16 counts). Modes: copy + check (non-atomic), check only (atomic: validate before any write),
-  copy only (atomic commit after a clean check). Offsets are element offsets from one anchor
-  tensor of the group's dtype; when every run starts on 16 bytes they are stored in units of
-  16 bytes (``SALIGN`` / ``DALIGN`` elements) so the compiler can prove 16-byte vector loads and
-  stores. Chunk starts are multiples of ``CHUNK`` elements, so they keep that alignment.
-- CPU (or CUDA without Triton): the same runs through torch (``aminmax`` flags, ``copy_``); the
-  runs are few, so the loop is over storages, not tensors.
+  group over its table of chunks ``(src offset, dst offset, length, run)``. In the same pass it
+  casts (round to nearest even), stores, and ORs a per-run non-finite flag (NaN / +-inf of the
+  value *as stored*, so an fp32 value that overflows bf16 counts); a flagged chunk also sets the
+  last flag, ``any``, so the verdict is one 4-byte read. Modes: copy + check, check only (validate
+  before any write), copy only. Offsets are element offsets from one anchor tensor of the group's
+  dtype; when every run starts on 16 bytes they are stored in units of 16 bytes (``SALIGN`` /
+  ``DALIGN`` elements) so the compiler can prove 16-byte vector loads and stores, and a full chunk
+  takes an unmasked path (a mask on a loaded length would split every access into scalar ones).
+  The kernel variant (chunk size, warps, tiles, persistent grid, cache hint) is a ``KernelConfig``
+  (``KERNELS``; ``scripts/bench_weight_sync.py --sweep-kernel`` times them on a GPU).
+- CPU (or CUDA without Triton, or float64 narrowed to 16 bits, which Triton rounds twice): the
+  same runs through torch (``aminmax`` flags, ``copy_``); the runs are few, so the loop is over
+  storages, not tensors.
 
-The tables hold raw addresses, so every launch first compares the runs' ``data_ptr``s with the
-ones the tables were built from and rebuilds them when a storage moved (``engine/sleep.py`` frees
-and regrows storages in place at a new address; the views follow, the tables would not).
+The tables hold raw addresses, fixed when the plan is built. A storage that is freed and grown
+again *in place* (``engine/sleep.py``: level-2 sleep, then ``wake_up``) gets a new address while
+every view follows it; whoever moves storages must call ``relocate()`` before the next launch
+(the receiver does, when the engine's ``weight_storage_generation`` changed). Nothing is re-read
+per update: walking every run's ``data_ptr`` cost more host time than the launches.
 
-The flags stay on the device; ``bad_runs()`` reads them (the one host sync of an update) and the
-caller names the tensors of a flagged run with the slow per-tensor check (``direct.nonfinite``),
-which only runs on failure.
+The flags stay on the device; ``any_bad()`` reads the ``any`` flag (the one host sync of an
+update) and only when it is set does ``bad_runs()`` look further; the caller names the tensors of
+a flagged run with the slow per-tensor check (``direct.nonfinite``), which only runs on failure.
 """
 
 from __future__ import annotations
@@ -41,8 +48,47 @@ try:  # Triton is a GPU-only accelerator here; without it (or on CPU) the torch 
 except ImportError:  # pragma: no cover - triton ships with the project's torch builds
     triton = None
 
-CHUNK = 16384  # elements per kernel program (8 tiles of 2048)
-_TILE = 2048
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One variant of ``runs_kernel``.
+
+    Attributes:
+        block: elements per chunk (one table row, one program unless ``persistent``).
+        num_warps: warps per program.
+        tile: elements loaded per step inside a chunk (0 = ``block``: the whole chunk is loaded
+            before anything is stored, the most bytes in flight per thread).
+        fast: full chunks take an unmasked path (vector loads / stores); False masks every access.
+        persistent: 0 = one program per chunk; k > 0 = k programs per SM looping over the chunks.
+        evict_first: hint loads and stores to leave L2 first (the bytes are touched once).
+    """
+
+    block: int = 8192
+    num_warps: int = 8
+    tile: int = 0
+    fast: bool = True
+    persistent: int = 0
+    evict_first: bool = False
+
+    @property
+    def tile_elems(self) -> int:
+        return self.tile or self.block
+
+
+# The variants ``--sweep-kernel`` times; "masked16k" is the kernel of 2026-12-02 (0.2x a flat copy).
+KERNELS: dict[str, KernelConfig] = {
+    "masked16k": KernelConfig(block=16384, num_warps=4, tile=2048, fast=False),
+    "t2k16k-w4": KernelConfig(block=16384, num_warps=4, tile=2048),
+    "b2k-w4": KernelConfig(block=2048, num_warps=4),
+    "b4k-w4": KernelConfig(block=4096, num_warps=4),
+    "b8k-w8": KernelConfig(block=8192, num_warps=8),
+    "b16k-w8": KernelConfig(block=16384, num_warps=8),
+    "b8k-w8-ef": KernelConfig(block=8192, num_warps=8, evict_first=True),
+    "b8k-w8-p4": KernelConfig(block=8192, num_warps=8, persistent=4),
+}
+# NOTE: chosen without a GPU run (the variant with the most bytes in flight per thread at
+# 8 warps); the sweep decides, then this line changes.
+DEFAULT_KERNEL = "b8k-w8"
 
 
 @dataclass
@@ -102,45 +148,168 @@ def build_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> list[Run]:
     return runs
 
 
+def keeps_finite(src: torch.dtype, dst: torch.dtype) -> bool:
+    """A finite ``src`` value stays finite cast to ``dst`` (same dtype, or widening to fp32 / fp64)."""
+    return src == dst or (dst in (torch.float32, torch.float64) and src.itemsize <= dst.itemsize)
+
+
 if triton is not None:
 
     @triton.jit
-    def runs_kernel(
+    def _tile(
+        src,
+        dst,
+        s0,
+        d0,
+        offs,
+        n,
+        STORE: tl.constexpr,
+        CHECK: tl.constexpr,
+        DOWNCAST: tl.constexpr,
+        MASKED: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
+        """Move ``src[s0 + offs]`` -> ``dst[d0 + offs]`` (masked to ``offs < n`` when MASKED);
+        returns int32 scalar, 1 when a stored value is non-finite (CHECK), else 0."""
+        if MASKED:
+            m = offs < n
+            x = tl.load(src + s0 + offs, mask=m, other=0.0, eviction_policy=EVICT)
+        else:
+            x = tl.load(src + s0 + offs, eviction_policy=EVICT)
+        if DOWNCAST:
+            y = x.to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
+        else:
+            y = x.to(dst.dtype.element_ty)
+        if STORE:
+            if MASKED:
+                tl.store(dst + d0 + offs, y, mask=m, eviction_policy=EVICT)
+            else:
+                tl.store(dst + d0 + offs, y, eviction_policy=EVICT)
+        bad = tl.full([], 0, tl.int32)
+        if CHECK:
+            yf = y.to(tl.float32)
+            bad = tl.max(((yf != yf) | (yf == float("inf")) | (yf == -float("inf"))).to(tl.int32), axis=0)
+        return bad
+
+    @triton.jit
+    def _chunk(
         src,
         dst,
         table,
         flags,
+        c,
+        n_runs,
         SALIGN: tl.constexpr,
         DALIGN: tl.constexpr,
         STORE: tl.constexpr,
         CHECK: tl.constexpr,
         DOWNCAST: tl.constexpr,
-        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
         TILE: tl.constexpr,
+        MTILE: tl.constexpr,
+        VEC: tl.constexpr,
+        FAST: tl.constexpr,
+        EVICT: tl.constexpr,
     ):
-        """One program = one chunk row of ``table`` (int64 [n_chunks, 4]: src offset / SALIGN,
-        dst offset / DALIGN, length <= CHUNK, run index); offsets in elements from ``src`` /
-        ``dst``. STORE: write the cast values; CHECK: flags[run] |= any non-finite cast value."""
-        row = table + tl.program_id(0) * 4
+        """Chunk ``c`` of the table, then its flags. FAST: a full chunk unmasked; a short one (a
+        run's tail) masked on its length rounded down to VEC elements (16 bytes: the mask stays
+        constant over each vector, so the accesses stay vectors), then its last < VEC elements.
+        Not FAST: every access masked on the length (scalar accesses: the kernel before tuning)."""
+        row = table + c * 4
         s0 = tl.load(row) * SALIGN  # the multiplication tells the compiler the 16-byte alignment
         d0 = tl.load(row + 1) * DALIGN
         n = tl.load(row + 2)
-        bad = tl.zeros([TILE], dtype=tl.int32)
-        for i in tl.static_range(0, CHUNK, TILE):
-            offs = i + tl.arange(0, TILE)
-            m = offs < n
-            x = tl.load(src + s0 + offs, mask=m, other=0.0)
-            if DOWNCAST:
-                y = x.to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
+        bad = tl.full([], 0, tl.int32)
+        if FAST:
+            if n == BLOCK:
+                for i in tl.static_range(0, BLOCK, TILE):
+                    full = i + tl.arange(0, TILE)
+                    bad = bad | _tile(src, dst, s0, d0, full, n, STORE, CHECK, DOWNCAST, False, EVICT)
             else:
-                y = x.to(dst.dtype.element_ty)
-            if STORE:
-                tl.store(dst + d0 + offs, y, mask=m)
-            if CHECK:
-                yf = y.to(tl.float32)
-                bad = bad | ((yf != yf) | (yf == float("inf")) | (yf == -float("inf"))).to(tl.int32)
+                nv = n // VEC * VEC
+                for i in tl.static_range(0, BLOCK, MTILE):
+                    vecs = i + tl.arange(0, MTILE)
+                    bad = bad | _tile(src, dst, s0, d0, vecs, nv, STORE, CHECK, DOWNCAST, True, EVICT)
+                rest = nv + tl.arange(0, VEC)
+                bad = bad | _tile(src, dst, s0, d0, rest, n, STORE, CHECK, DOWNCAST, True, EVICT)
+        else:
+            for i in tl.static_range(0, BLOCK, TILE):
+                offs = i + tl.arange(0, TILE)
+                bad = bad | _tile(src, dst, s0, d0, offs, n, STORE, CHECK, DOWNCAST, True, EVICT)
         if CHECK:
-            tl.atomic_max(flags + tl.load(row + 3), tl.max(bad, axis=0))
+            if bad > 0:  # atomics only where something is wrong (not one per chunk)
+                tl.atomic_max(flags + tl.load(row + 3), bad)
+                tl.atomic_max(flags + n_runs, bad)
+
+    @triton.jit(do_not_specialize=["n_chunks", "n_runs", "n_programs"])
+    def runs_kernel(
+        src,
+        dst,
+        table,
+        flags,
+        n_chunks,
+        n_runs,
+        n_programs,
+        SALIGN: tl.constexpr,
+        DALIGN: tl.constexpr,
+        STORE: tl.constexpr,
+        CHECK: tl.constexpr,
+        DOWNCAST: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILE: tl.constexpr,
+        MTILE: tl.constexpr,
+        VEC: tl.constexpr,
+        FAST: tl.constexpr,
+        PERSISTENT: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
+        """``table``: int64 [n_chunks, 4] rows (src offset / SALIGN, dst offset / DALIGN, length
+        <= BLOCK, run index), offsets in elements from ``src`` / ``dst``. STORE: write the cast
+        values; CHECK: flags[run] and flags[n_runs] (= any) |= some cast value is non-finite.
+        One program per chunk, or (PERSISTENT) ``n_programs`` programs striding over the chunks."""
+        if PERSISTENT:
+            c = tl.program_id(0)
+            while c < n_chunks:
+                _chunk(
+                    src,
+                    dst,
+                    table,
+                    flags,
+                    c,
+                    n_runs,
+                    SALIGN,
+                    DALIGN,
+                    STORE,
+                    CHECK,
+                    DOWNCAST,
+                    BLOCK,
+                    TILE,
+                    MTILE,
+                    VEC,
+                    FAST,
+                    EVICT,
+                )
+                c += n_programs
+        else:
+            _chunk(
+                src,
+                dst,
+                table,
+                flags,
+                tl.program_id(0),
+                n_runs,
+                SALIGN,
+                DALIGN,
+                STORE,
+                CHECK,
+                DOWNCAST,
+                BLOCK,
+                TILE,
+                MTILE,
+                VEC,
+                FAST,
+                EVICT,
+            )
 
 
 @dataclass
@@ -151,10 +320,17 @@ class _Group:
     salign: int  # elements per 16 bytes of the source dtype (1: unaligned group)
     dalign: int
     downcast: bool
+    grid: int  # programs per launch
 
 
 def _use_triton(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _kernel_runs(r: Run) -> bool:
+    """The kernel moves this run (else torch: a non-contiguous source, or fp64 narrowed to 16 bits)."""
+    narrow64 = r.src.dtype == torch.float64 and r.dst.dtype.itemsize < 4
+    return r.src.is_contiguous() and not narrow64
 
 
 class CopyPlan:
@@ -165,44 +341,63 @@ class CopyPlan:
         srcs: sources, same element counts, on the destinations' device (any float dtype).
         kernel: run the Triton kernel (None: on CUDA when triton is there; True on CPU only under
             ``TRITON_INTERPRET=1``, which the tests use).
+        config: the kernel variant, a ``KERNELS`` name or a ``KernelConfig`` (None: ``DEFAULT_KERNEL``).
     The plan keeps references to every tensor (their storage cannot be freed or reused while it
-    lives). ``check`` / ``copy`` / ``copy_check`` launch the work without a host sync;
-    ``bad_runs`` syncs once and returns the flagged runs. Raises ValueError when the pairs span
-    devices.
+    lives). ``check`` / ``copy`` / ``copy_check`` launch the work without a host sync; ``any_bad``
+    syncs once; ``relocate`` after a storage moved. ``same_dtype`` / ``keeps_finite``: every pair
+    copies without a cast / without a cast that can overflow. Raises ValueError when the pairs
+    span devices or for an unknown variant name.
     """
 
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], kernel: bool | None = None):
+    def __init__(
+        self,
+        dsts: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        kernel: bool | None = None,
+        config: str | KernelConfig | None = None,
+    ):
         devices = {t.device for t in dsts} | {t.device for t in srcs}
         if len(devices) > 1:
             raise ValueError(f"copy plan: tensors on several devices {sorted(map(str, devices))}")
+        name = DEFAULT_KERNEL if config is None else config
+        if isinstance(name, str) and name not in KERNELS:
+            raise ValueError(f"copy plan: unknown kernel variant {name!r}; one of {sorted(KERNELS)}")
+        self.config = KERNELS[name] if isinstance(name, str) else name
         self.device = devices.pop() if devices else torch.device("cpu")
         self.n_pairs = len(dsts)
         self.runs = build_runs(dsts, srcs)
-        self.flags = torch.zeros(max(len(self.runs), 1), dtype=torch.int32, device=self.device)
+        self.flags = torch.zeros(len(self.runs) + 1, dtype=torch.int32, device=self.device)  # [-1] = any
         self.nbytes = sum(r.dst.numel() * r.dst.element_size() for r in self.runs)
+        self.keeps_finite = all(keeps_finite(r.src.dtype, r.dst.dtype) for r in self.runs)
         if kernel and triton is None:
             raise ValueError("copy plan: kernel=True needs triton")
         self.triton = _use_triton(self.device) if kernel is None else bool(kernel)
         self._torch_runs = list(range(len(self.runs)))
         self._groups: list[_Group] = []
         if self.triton:
-            self._build_groups()
+            self.relocate()
 
-    def _addresses(self) -> list[int]:
-        return [t.data_ptr() for r in self.runs for t in (r.src, r.dst)]
-
-    def _build_groups(self) -> None:
-        self._built_at = self._addresses()
+    def relocate(self) -> None:
+        """Re-derive the kernel tables from the tensors' current addresses (call after a storage
+        of the plan was freed and grown again in place: engine sleep level 2 + ``wake_up``)."""
+        if not self.triton:
+            return
+        cfg = self.config
         self._groups = []
         by_key: dict[tuple, list[int]] = {}
         torch_runs = []
         for k, r in enumerate(self.runs):
-            if not r.src.is_contiguous():
+            if not _kernel_runs(r):
                 torch_runs.append(k)
                 continue
             aligned = r.src.data_ptr() % 16 == 0 and r.dst.data_ptr() % 16 == 0
             by_key.setdefault((r.src.dtype, r.dst.dtype, aligned), []).append(k)
         self._torch_runs = torch_runs
+        programs = 0
+        if cfg.persistent and self.device.type == "cuda":
+            programs = torch.cuda.get_device_properties(self.device).multi_processor_count * cfg.persistent
+        elif cfg.persistent:
+            programs = 4 * cfg.persistent  # the interpreter: a few programs, each looping
         for (sdt, ddt, aligned), members in by_key.items():
             s_anchor, d_anchor = self.runs[members[0]].src, self.runs[members[0]].dst
             # every run of an aligned group starts on 16 bytes, so offsets from the anchor are
@@ -215,12 +410,12 @@ class CopyPlan:
                 s_off = (r.src.data_ptr() - s_anchor.data_ptr()) // r.src.element_size()
                 d_off = (r.dst.data_ptr() - d_anchor.data_ptr()) // r.dst.element_size()
                 n = r.dst.numel()
-                starts = torch.arange(0, n, CHUNK, dtype=torch.int64)
+                starts = torch.arange(0, n, cfg.block, dtype=torch.int64)
                 block = torch.stack(
                     [
                         (s_off + starts) // salign,
                         (d_off + starts) // dalign,
-                        torch.clamp(n - starts, max=CHUNK),
+                        torch.clamp(n - starts, max=cfg.block),
                         torch.full_like(starts, k),
                     ],
                     dim=1,
@@ -229,76 +424,88 @@ class CopyPlan:
             table = torch.cat(rows).to(self.device)
             # explicit round-to-nearest-even where Triton accepts a rounding mode (fp32 -> 16 bit)
             downcast = sdt == torch.float32 and ddt in (torch.bfloat16, torch.float16)
-            self._groups.append(_Group(s_anchor, d_anchor, table, salign, dalign, downcast))
+            n_chunks = table.shape[0]
+            grid = min(n_chunks, programs) if programs else n_chunks
+            self._groups.append(_Group(s_anchor, d_anchor, table, salign, dalign, downcast, grid))
 
     # ------------------------------------------------------------------ execution
     def _launch(self, store: bool, check: bool) -> None:
-        # The tables hold raw addresses. A storage that was freed and grown again in place (engine
-        # sleep level 2 -> wake_up, engine/sleep.py) has a new one while every view follows it:
-        # re-derive the tables then (~0.1 ms of data_ptr reads per update otherwise).
-        if self._addresses() != self._built_at:
-            self._build_groups()
+        cfg = self.config
+        evict = "evict_first" if cfg.evict_first else ""
         for g in self._groups:
-            runs_kernel[(g.table.shape[0],)](
+            runs_kernel[(g.grid,)](
                 g.src_anchor,
                 g.dst_anchor,
                 g.table,
                 self.flags,
+                g.table.shape[0],
+                len(self.runs),
+                g.grid,
                 SALIGN=g.salign,
                 DALIGN=g.dalign,
                 STORE=store,
                 CHECK=check,
                 DOWNCAST=g.downcast,
-                CHUNK=CHUNK,
-                TILE=_TILE,
+                BLOCK=cfg.block,
+                TILE=cfg.tile_elems,
+                MTILE=min(cfg.tile_elems, cfg.num_warps * 32 * 8),
+                VEC=min(g.salign, g.dalign),
+                FAST=cfg.fast,
+                PERSISTENT=cfg.persistent > 0,
+                EVICT=evict,
+                num_warps=cfg.num_warps,
             )
         for k in self._torch_runs:
             self._torch_run(k, store, check)
 
     def _torch_run(self, k: int, store: bool, check: bool) -> None:
         r = self.runs[k]
-        if check:
-            vals = r.src if r.src.dtype == r.dst.dtype else r.src.to(r.dst.dtype)
-            lo, hi = torch.aminmax(vals)
-            bad = ~(torch.isfinite(lo.float()) & torch.isfinite(hi.float()))
-            self.flags[k : k + 1].copy_(torch.maximum(self.flags[k : k + 1], bad.to(torch.int32).reshape(1)))
         if store:
             r.dst.copy_(r.src)
+        if check:  # the values as stored: the destination once written, else the cast source
+            vals = r.dst if store else r.src if r.src.dtype == r.dst.dtype else r.src.to(r.dst.dtype)
+            lo, hi = torch.aminmax(vals)
+            bad = (~(torch.isfinite(lo.float()) & torch.isfinite(hi.float()))).to(torch.int32).reshape(1)
+            self.flags[k : k + 1].copy_(torch.maximum(self.flags[k : k + 1], bad))
+            self.flags[-1:].copy_(torch.maximum(self.flags[-1:], bad))
 
     @torch.no_grad()
     def check(self) -> None:
         """Flag every run holding a value that is non-finite in the destination dtype (no write)."""
         self.flags.zero_()
-        if self.triton:
-            self._launch(store=False, check=True)
-        else:
-            for k in range(len(self.runs)):
-                self._torch_run(k, store=False, check=True)
+        self._run(store=False, check=True)
 
     @torch.no_grad()
     def copy(self) -> None:
         """Copy every run (cast to the destination dtype); flags untouched."""
+        self._run(store=True, check=False)
+
+    @torch.no_grad()
+    def copy_check(self) -> None:
+        """Copy and flag in one pass (bytes land before the verdict: a stage, a cast copy)."""
+        self.flags.zero_()
+        self._run(store=True, check=True)
+
+    def _run(self, store: bool, check: bool) -> None:
         if self.triton:
-            self._launch(store=True, check=False)
+            self._launch(store, check)
+        elif check:
+            for k in range(len(self.runs)):
+                self._torch_run(k, store, check)
         else:
             for r in self.runs:
                 r.dst.copy_(r.src)
 
-    @torch.no_grad()
-    def copy_check(self) -> None:
-        """Copy and flag in one pass (the non-atomic refit: bytes land before the verdict)."""
-        self.flags.zero_()
-        if self.triton:
-            self._launch(store=True, check=True)
-        else:
-            for k in range(len(self.runs)):
-                self._torch_run(k, store=True, check=True)
+    def any_bad(self) -> bool:
+        """Whether the last ``check`` / ``copy_check`` flagged anything (one host sync, 4 bytes)."""
+        return bool(self.flags[-1].item())
 
     def bad_runs(self) -> list[int]:
-        """Indices of the runs flagged by the last ``check`` / ``copy_check`` (one host sync)."""
-        if not self.runs:
+        """Indices of the runs flagged by the last ``check`` / ``copy_check`` (one host sync when
+        none is; a second, and a ``nonzero``, only on failure)."""
+        if not self.runs or not self.any_bad():
             return []
-        return self.flags.nonzero().flatten().tolist()
+        return self.flags[:-1].nonzero().flatten().tolist()
 
     def bad_members(self) -> list[int]:
         """Pair indices of the flagged runs (every member of each; refine with ``direct.nonfinite``)."""

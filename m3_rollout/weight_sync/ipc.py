@@ -10,7 +10,8 @@ made with ``share_memory_()``, which is how CI runs the same protocol without a 
 
     trainer (IpcChannel.send_direct)                 worker (IpcRolloutSync.update)
       fill: one fused pass casts the trainer's
-        tensors into the stage and flags the
+        tensors (its attested bf16 copy when it
+        keeps one) into the stage and flags the
         non-finite runs (copy_plan), one host sync
       "update": version, flags, entries (the
         first time / when they change), the
@@ -21,8 +22,9 @@ made with ``share_memory_()``, which is how CI runs the same protocol without a 
       all_ok (every worker's status)             ->   apply: atomic commit = one fused copy
                                                         stage -> parameters; device sync (the
                                                         stage may be overwritten after the ack)
-                                                 <-   probe verdict
-      probe_ok                                   ->   finish: version, validity, in-flight end
+                                                 <-   probe verdict   } only when the update
+      probe_ok                                   ->                      } carries a probe
+                                                      finish: version, validity, in-flight end
                                                  <-   ack {version, ok}
 
 Everything but the weights crosses by value over a ``multiprocessing.connection`` pair (pickled
@@ -212,10 +214,13 @@ class IpcChannel:
         views, srcs = f[3], f[4]
         return [members[j] for j in nonfinite([srcs[i] for i in members], [views[i].dtype for i in members])]
 
-    def send_direct(self, header: UpdateHeader, sources: list[torch.Tensor], probe=None) -> list[dict]:
+    def send_direct(
+        self, header: UpdateHeader, sources: list[torch.Tensor], probe=None, attestation=None
+    ) -> list[dict]:
         """One update to every worker (module docstring); returns the workers' verdicts (status,
-        then the probe's when the update carries one). Raises WeightSyncTimeout when a worker
-        dies or does not answer in time (``needs_rebuild`` is then set by the sender)."""
+        then the probe's when the update carries one). ``attestation`` is not needed: the fill
+        flags what it writes in the same pass. Raises WeightSyncTimeout when a worker dies or
+        does not answer in time (``needs_rebuild`` is then set by the sender)."""
         t0 = time.perf_counter()
         self._ensure_stage(header, sources)
         bad = self._fill_stage(header, sources)
@@ -231,12 +236,13 @@ class IpcChannel:
         statuses = self._gather("status")
         all_ok = all(v["ok"] for v in statuses)
         self._broadcast(("all_ok", all_ok))
-        verdicts = self._gather("apply")
-        probe_ok = all(v["ok"] for v in verdicts)
-        self._broadcast(("probe_ok", probe_ok))
+        verdicts = []
+        if header.probe:  # without a probe the second exchange carries nothing: skip its round trip
+            verdicts = self._gather("apply")
+            self._broadcast(("probe_ok", all(v["ok"] for v in verdicts)))
         acks = self._gather("ack")
         self.stats = {"fill_seconds": t_fill, "seconds": time.perf_counter() - t0, "acks": acks}
-        return statuses + (verdicts if header.probe else [])
+        return statuses + verdicts
 
     def _broadcast(self, msg) -> None:
         for w, c in enumerate(self.conns):
@@ -362,8 +368,11 @@ class IpcRolloutSync:
                 verdict = rx.apply(all_ok)
                 if self.stage.is_cuda:
                     torch.cuda.synchronize(self.stage.device)  # the trainer may refill the stage after the ack
-                _send(self.conn, ("apply", verdict), "the trainer")
-                probe_ok = _recv(self.conn, self.timeout_s, "the trainer")[1]
+                if probe is not None:
+                    _send(self.conn, ("apply", verdict), "the trainer")
+                    probe_ok = _recv(self.conn, self.timeout_s, "the trainer")[1]
+                else:
+                    probe_ok = verdict["ok"]
             except WeightSyncTimeout as exc:
                 self.conn = None
                 return rx.interrupted(f"update interrupted: {exc}")

@@ -15,9 +15,11 @@ it is refused (both versions in the message) unless its header says ``replace`` 
 version held, e.g. to repair ranks a failed non-atomic update left invalid). A fresh receiver's
 first update may carry the version it was built with (the checkpoint it loaded is no update).
 
-Finite values and checksums are checked on the device on every path (the bucket path's fused
-unpack pass and checksum table, unpack.py; the fused direct check) and read on the host once per
-update: ``atomic`` decides staging, not validation.
+Finite values and checksums are checked on the device on every path and read on the host once per
+update: the bucket path's fused unpack pass and checksum table (unpack.py); on the direct path the
+flags of the pass that wrote the sources, before any byte reaches the parameters (the trainer's
+attested cast, ``cast_copy.py``, or the IPC fill; else a fused check pass). ``atomic`` decides
+staging, not validation.
 ``atomic=True``: every owned byte is staged in host memory (on CPU a fully owned bucket is
 received straight into its stage slot; on GPU through the ring of device wire buffers, ring.py),
 each bucket is validated on the device as it arrives; only when EVERY rank reports success are the
@@ -48,6 +50,7 @@ from torch import nn
 from m3_rollout.model.loading import RELEASED_PREFIX
 
 from .buckets import Bucket, plan_buckets
+from .cast_copy import CastCopy
 from .copy_plan import CopyPlan
 from .direct import nonfinite
 from .group import WeightSyncGroup, WeightSyncTimeout
@@ -92,6 +95,19 @@ class UpdateResult:
     seconds: float = 0.0
     changed: bool = False
     probe_drift: float | None = None
+
+
+@dataclass
+class _DirectPlan:
+    """The direct path's cached plan: built for these (identical) header entries and sources."""
+
+    entries: tuple
+    sources: list
+    pairs: list  # [(dst view, src)] of the owned tensors
+    names: list[str]
+    plan: CopyPlan
+    generation: int  # the engine's weight_storage_generation the tables were built at
+    covered: tuple = (None, False)  # ((cast, its layouts), the cast covers every source)
 
 
 class WeightReceiver:
@@ -143,9 +159,12 @@ class WeightReceiver:
         self._backup_cache: torch.Tensor | None = None
         # Test hook: called as fault(k, wire_buffer) when bucket k has arrived, before it is validated.
         self.fault: Callable[[int, torch.Tensor], None] | None = None
-        # direct path: (header entries, sources, pairs, names, CopyPlan) of the last update; a
-        # sender that resends the same objects (WeightSender's source cache) reuses the plan
-        self._plan_cache: tuple | None = None
+        # direct path: the plan of the last update; a sender that resends the same objects
+        # (WeightSender's source cache) reuses it
+        self._plan_cache: _DirectPlan | None = None
+        # direct path: how the last verdict was reached: "sent" (positions the producer flagged,
+        # IPC), "attested" (the cast's flags) or "checked" (this receiver's own check pass)
+        self.last_verdict = ""
         self._header_cache: tuple | None = None  # (entries, manifest, problems)
         self._reset()
 
@@ -308,24 +327,30 @@ class WeightReceiver:
         sources: list[torch.Tensor],
         probe: ProbeData | None = None,
         checked: list[int] | None = None,
+        attested: CastCopy | None = None,
     ) -> None:
         """Update without buckets (``copy_plan.py``): ``sources[k]`` is the tensor of
-        ``header.entries[k]`` on this rank's device (the trainer's own tensor in process, cast on
-        copy; a view of the shared stage under IPC, already in the wire dtype).
+        ``header.entries[k]`` on this rank's device (the trainer's own tensor or its cast copy in
+        process; a view of the shared stage under IPC, already in the wire dtype).
 
-        The shared checks (``_start``), then the finite check of the values as cast, on the
-        device, before any write, with ONE host sync (a fused check-only pass): ``atomic=True``
-        keeps the plan for ``apply`` to copy once every receiver succeeded (the sources are the
-        stage, so they must not change before ``apply``; the channel calls both in one go);
-        ``atomic=False`` copies now (a non-finite tensor is refused before any byte moves, so
-        such a failure leaves the rank valid on its old weights).
-        ``checked``: the sources were validated where they were produced (the IPC stage's fill
-        pass flags non-finite values in the same pass that writes them); it lists the header
-        positions that hold non-finite values, and no second pass runs here.
-        The (dst, src) pairs, the runs and the kernel tables are built once and reused while the
-        sender passes the same ``header.entries`` and ``sources`` objects (``WeightSender`` does
-        while the trainer's parameters stay where they are). Follow with ``status`` / ``apply`` /
-        ``finish`` as for buckets.
+        The shared checks (``_start``), then the finite verdict on the values as they will be
+        stored, on the device, before any write, with at most ONE host sync; then ``atomic=True``
+        keeps the plan for ``apply`` to copy once every receiver succeeded (the sources must not
+        change before ``apply``; the channel calls both in one go), ``atomic=False`` copies now
+        (either way a non-finite tensor is refused before any byte moves, so such a failure
+        leaves the rank valid on its old weights). The verdict comes from, in this order:
+        - ``checked``: the sources were validated where they were produced (the IPC stage's fill
+          pass flags non-finite values in the pass that writes them); the header positions that
+          hold non-finite values. No pass, no sync here.
+        - ``attested``: the ``CastCopy`` whose cast wrote the sources, trusted when it is current,
+          covers every source and no pair's cast can overflow (``cast_copy.py``): its flags, one
+          4-byte read. No pass.
+        - otherwise a fused check-only pass over the sources, then its flags (one read).
+        The (dst, src) pairs, the runs, the kernel tables and the attestation's coverage are
+        built once and reused while the sender passes the same ``header.entries`` and ``sources``
+        objects (``WeightSender`` does while the trainer's parameters stay where they are); the
+        tables are re-derived when the engine re-allocated its weights (sleep level 2, wake-up).
+        Follow with ``status`` / ``apply`` / ``finish`` as for buckets.
         """
         self._start(header, probe)
         if len(sources) != len(header.entries):
@@ -334,10 +359,15 @@ class WeightReceiver:
             return
         pairs, names, plan = self._plan_for(header, sources)
         if checked is not None:
+            self.last_verdict = "sent"
             pos = {n: i for i, n in enumerate(names)} if checked else {}
             flagged = (self.manifest[header.entries[p][0]].name for p in checked if 0 <= p < len(header.entries))
             bad = [pos[n] for n in flagged if n in pos]
+        elif attested is not None and self._trusts(attested, plan):
+            self.last_verdict = "attested"
+            bad = self._refine_all(pairs) if attested.any_bad() else []
         else:
+            self.last_verdict = "checked"
             plan.check()
             bad = self._refine(plan, pairs)
         for i in sorted(bad)[:_MAX_NAMES]:
@@ -351,11 +381,20 @@ class WeightReceiver:
             plan.copy()
             self._touched = True
 
+    def _storage_generation(self) -> int:
+        """The engine's count of weight re-allocations (0 for a bare model, which never moves)."""
+        return self.in_flight.engine.weight_storage_generation if self.in_flight is not None else 0
+
     def _plan_for(self, header: UpdateHeader, sources: list[torch.Tensor]):
-        """(pairs, names, CopyPlan) of this update's owned tensors, cached by object identity."""
+        """(pairs, names, CopyPlan) of this update's owned tensors, cached by object identity;
+        the kernel tables follow storages the engine re-allocated since the last update."""
         c = self._plan_cache
-        if c is not None and c[0] is header.entries and c[1] is sources:
-            return c[2], c[3], c[4]
+        if c is not None and c.entries is header.entries and c.sources is sources:
+            generation = self._storage_generation()
+            if generation != c.generation:
+                c.plan.relocate()
+                c.generation = generation
+            return c.pairs, c.names, c.plan
         self._plan_cache = None
         pairs, names = [], []
         for (idx, _, _), src in zip(header.entries, sources):
@@ -366,8 +405,17 @@ class WeightReceiver:
                 pairs.append((view, src))
                 names.append(self.manifest[idx].name)
         plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs])
-        self._plan_cache = (header.entries, sources, pairs, names, plan)
+        self._plan_cache = _DirectPlan(header.entries, sources, pairs, names, plan, self._storage_generation())
         return pairs, names, plan
+
+    def _trusts(self, cast: CastCopy, plan: CopyPlan) -> bool:
+        """The attestation vouches for this plan's sources (``cast_copy.py``, guarantees 1-3):
+        current (O(parameters) reads), and, checked once per (plan, cast layout), covering."""
+        c = self._plan_cache
+        key = (cast, cast.layouts)  # holds the cast: its identity cannot be reused meanwhile
+        if c.covered[0] != key:
+            c.covered = (key, plan.keeps_finite and cast.covers([r.src for r in plan.runs]))
+        return c.covered[1] and cast.current()
 
     @staticmethod
     def _refine(plan: CopyPlan, pairs: list) -> list[int]:
@@ -378,6 +426,10 @@ class WeightReceiver:
             return []
         hits = nonfinite([pairs[i][1] for i in members], [pairs[i][0].dtype for i in members])
         return [members[j] for j in hits]
+
+    def _refine_all(self, pairs: list) -> list[int]:
+        """Pair indices holding non-finite values, by the per-tensor check (failure path only)."""
+        return nonfinite([s for _, s in pairs], [d.dtype for d, _ in pairs])
 
     def _header_problems(self, header: UpdateHeader) -> list[str]:
         """``check_header`` against the handshake, cached for a header whose entries object repeats."""

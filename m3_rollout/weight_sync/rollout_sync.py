@@ -23,7 +23,8 @@ from .in_flight import InFlightOutcome, InFlightPolicy
 from .manifest import HandshakeError
 from .probe import ProbeSettings, Scorer
 from .receiver import UpdateResult, WeightReceiver
-from .sender import ColocatedChannel, ReleasedTensors, WeightSender, WeightUpdateError
+from .released import ReleasedTensors
+from .sender import ColocatedChannel, WeightSender, WeightUpdateError
 
 
 def engine_scorer(engine) -> Scorer:

@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from m3_rollout.model.loading import RELEASED_PREFIX, iter_released_tensors
-
 from .buckets import Bucket, BucketPacker, plan_buckets
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .manifest import (
@@ -37,6 +35,7 @@ from .manifest import (
 )
 from .probe import ProbeData, ProbeSettings, Scorer, build_probe
 from .receiver import WeightReceiver
+from .released import ReleasedTensors
 from .ring import BucketRing, recorded_event
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -47,28 +46,6 @@ FaultHook = Callable[[int, torch.Tensor], None]
 
 class WeightUpdateError(RuntimeError):
     """An update was rejected or interrupted; the message names the rank and tensor(s)."""
-
-
-class ReleasedTensors:
-    """The (released name, tensor) pairs of ``model`` (``iter_released_tensors``), re-iterable,
-    with a cheap fingerprint: the parameters' addresses.
-
-    A ``WeightSender`` whose ``named_tensors()`` returns one resolves the pairs (4,195 views at
-    M3 shapes, milliseconds of Python) once and reuses them, the update header and the
-    receivers' copy plans for as long as the fingerprint is unchanged: the trainer updates its
-    parameters in place, and a re-pointed parameter (a new storage) changes the fingerprint.
-    The cached views keep the old storages alive, so an address cannot be reused meanwhile.
-    """
-
-    def __init__(self, model: torch.nn.Module, prefix: str = RELEASED_PREFIX):
-        self.model, self.prefix = model, prefix
-
-    def __iter__(self):
-        return iter_released_tensors(self.model, self.prefix)
-
-    def fingerprint(self) -> tuple:
-        """(id of the model, every parameter's data_ptr); O(parameters), not O(released tensors)."""
-        return (id(self.model), tuple(p.data_ptr() for p in self.model.parameters()))
 
 
 class BroadcastChannel:
@@ -153,14 +130,15 @@ class ColocatedChannel:
         self._transfer = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def send_direct(
-        self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None
+        self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None, attestation=None
     ) -> list[dict]:
         """Direct update: every receiver validates / copies ``sources`` (header order), then all
-        commit or all discard. Returns each receiver's verdicts."""
+        commit or all discard. ``attestation``: the ``CastCopy`` that wrote ``sources`` (the
+        receivers validate from its flags when it is current). Returns each receiver's verdicts."""
 
         def receive_all() -> None:
             for r in self.receivers:
-                r.receive_direct(header, sources, probe)
+                r.receive_direct(header, sources, probe, attested=attestation)
 
         return self._run(receive_all)
 
@@ -272,7 +250,7 @@ class WeightSender:
         self.probe, self.reference = probe, reference
         self.manifest: list[TensorSpec] | None = None
         self.stats: dict = {}
-        self._source_cache: dict[tuple, tuple] = {}  # (include_frozen, manifest id, fingerprint) -> _sources()
+        self._source_cache: dict[tuple, tuple] = {}  # (include_frozen, manifest id, fingerprint) -> _resolve()
         self._packer: tuple | None = None  # (entries, bucket bytes, source addresses, BucketPacker)
 
     def handshake(self) -> None:
@@ -325,12 +303,13 @@ class WeightSender:
                 self.channel.needs_rebuild = True
                 raise WeightUpdateError(f"weight update {version}: handshake failed: {exc}") from exc
         t0 = time.perf_counter()
-        sources, entries, nbytes = self._sources(include_frozen)
+        direct = self.channel.direct and (self.fault is None or self.channel.direct_only)
+        sources, entries, nbytes, cast = self._sources(include_frozen, direct)
         probe = self._probe_data()
         header = UpdateHeader(int(version), include_frozen, entries, bool(replace), probe is not None)
-        if self.channel.direct and (self.fault is None or self.channel.direct_only):
+        if direct:
             try:
-                verdicts = self.channel.send_direct(header, sources, probe)
+                verdicts = self.channel.send_direct(header, sources, probe, cast)
             except WeightSyncTimeout as exc:
                 self.channel.needs_rebuild = True
                 raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
@@ -371,15 +350,33 @@ class WeightSender:
         self._packer = (entries, self.bucket_bytes, addresses, packer)
         return packer
 
-    def _sources(self, include_frozen: bool) -> tuple[list[torch.Tensor], tuple, int]:
-        """(source tensors, header entries, wire bytes) of an update, in manifest order.
+    def _sources(self, include_frozen: bool, direct: bool = False) -> tuple[list[torch.Tensor], tuple, int, object]:
+        """(source tensors, header entries, wire bytes, attestation) of an update, in manifest order.
 
-        Resolved once per (``include_frozen``, fingerprint) when ``named_tensors()`` returns a
-        ``ReleasedTensors`` (the same list and tuple objects each update, so receivers reuse their
-        copy plans); otherwise every update. Raises WeightUpdateError for a tensor outside the
-        handshake or of a non-float dtype."""
+        ``direct`` and a ``ReleasedTensors`` with a cast copy that holds every tensor in its wire
+        dtype (the trainer computes in the generation dtype): the copy, refreshed if the masters
+        moved on, and the ``CastCopy`` as the attestation the receivers validate from
+        (``cast_copy.py``). Otherwise the tensors themselves and None."""
         named = self.named_tensors()
-        key = (include_frozen, id(self.manifest), named.fingerprint()) if isinstance(named, ReleasedTensors) else None
+        cast = named.cast if direct and isinstance(named, ReleasedTensors) else None
+        if cast is not None:
+            cast.refresh()  # reads the layout too: the copy's fingerprint is the cast (held) and its count
+            key = (cast, cast.layouts)
+            sources, entries, nbytes, in_wire_dtypes = self._resolve(cast.released, include_frozen, key)
+            if in_wire_dtypes:
+                return sources, entries, nbytes, cast
+        fingerprint = named.fingerprint() if isinstance(named, ReleasedTensors) else None
+        sources, entries, nbytes, _ = self._resolve(named, include_frozen, fingerprint)
+        return sources, entries, nbytes, None
+
+    def _resolve(self, named, include_frozen: bool, fingerprint) -> tuple[list[torch.Tensor], tuple, int, bool]:
+        """(source tensors, header entries, wire bytes, every tensor already in its wire dtype).
+
+        Resolved once per (``include_frozen``, ``fingerprint``: (the model's identity, its layout),
+        None = resolve every update) and reused while it repeats (the same list and tuple objects
+        each update, so receivers reuse their copy plans). Raises WeightUpdateError for a tensor
+        outside the handshake or of a non-float dtype."""
+        key = None if fingerprint is None else (include_frozen, id(self.manifest), fingerprint)
         if key is not None and key in self._source_cache:
             return self._source_cache[key]
         index = {s.name: i for i, s in enumerate(self.manifest)}
@@ -395,9 +392,12 @@ class WeightSender:
                 raise WeightUpdateError(f"trainer tensor {name}: dtype {t.dtype} is not a real floating-point dtype")
             sources.append(t.detach())
             entries.append((i, tuple(t.shape), self.manifest[i].dtype))
-        out = (sources, tuple(entries), sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries))
-        if key is not None:
-            self._source_cache = {k: v for k, v in self._source_cache.items() if k[0] != include_frozen}
+        in_wire = all(s.dtype == dt for s, (_, _, dt) in zip(sources, entries))
+        out = (sources, tuple(entries), sum(math.prod(shape) * dt.itemsize for _, shape, dt in entries), in_wire)
+        if key is not None:  # one entry per (include_frozen, model): a moved layout replaces its entry
+            self._source_cache = {
+                k: v for k, v in self._source_cache.items() if not (k[0] == include_frozen and k[2][0] == key[2][0])
+            }
             self._source_cache[key] = out
         return out
 

@@ -1,8 +1,10 @@
 """Refit on one CUDA GPU (weight_sync/copy_plan.py, weight_sync/ipc.py). Skipped without CUDA.
 
-Checks: the Triton copy plan rounds fp32 -> bf16 exactly like torch and flags an overflow in the
-same pass; the direct in-process update through ``ReleasedTensors`` (cached plan, reused across
-updates) is bitwise and in place, and refuses a NaN keeping the old weights; one GRPO step with
+Checks: every Triton copy-plan variant (``copy_plan.KERNELS``) rounds fp32 -> bf16 exactly like
+torch and flags an overflow in the same pass; the direct in-process update through
+``ReleasedTensors`` (cached plan, reused across updates) is bitwise and in place, and refuses a NaN
+keeping the old weights, from the masters (check pass) and from an attested bf16 cast copy
+(``CastCopy``: no check pass; a NaN in the master refused from the cast's flags); one GRPO step with
 the in-process engine where the engine sleeps at level 2 while the trainer trains and the refit
 after ``wake_up`` is bitwise equal to the trainer's cast; the same in two processes on the GPU
 (the engine in a spawned worker refit through the trainer's CUDA IPC stage, after its own
@@ -29,6 +31,7 @@ from mp_results import get_results, put_result  # noqa: E402
 from m3_rollout.model import iter_released_tensors  # noqa: E402
 from m3_rollout.rollout.group_rollout import run_group_rollouts  # noqa: E402
 from m3_rollout.weight_sync import (  # noqa: E402
+    CastCopy,
     ColocatedChannel,
     IpcChannel,
     IpcRolloutSync,
@@ -37,7 +40,7 @@ from m3_rollout.weight_sync import (  # noqa: E402
     WeightSender,
     WeightUpdateError,
 )
-from m3_rollout.weight_sync.copy_plan import CHUNK, CopyPlan  # noqa: E402
+from m3_rollout.weight_sync.copy_plan import KERNELS, CopyPlan  # noqa: E402
 from m3_rollout.weight_sync.direct import nonfinite  # noqa: E402
 from m3_trainers.batch import TrainBatch  # noqa: E402
 
@@ -70,22 +73,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def test_copy_plan_kernel_rounds_like_torch_and_flags_overflow():
+@pytest.mark.parametrize("variant", sorted(KERNELS))
+def test_copy_plan_kernel_rounds_like_torch_and_flags_overflow(variant):
     g = torch.Generator(device="cuda").manual_seed(0)
-    srcs = [torch.randn(n, device="cuda", generator=g) * 3 for n in (3 * CHUNK + 5, 7, 4096)]
+    block = KERNELS[variant].block
+    srcs = [torch.randn(n, device="cuda", generator=g) * 3 for n in (3 * block + 5, 7, 4096)]
     srcs.append(torch.randn(1000, device="cuda", generator=g).to(torch.bfloat16))
-    buf = torch.zeros(3 * CHUNK + 5 + 3 + 4096 + 1000, dtype=torch.bfloat16, device="cuda")
+    buf = torch.zeros(3 * block + 5 + 3 + 4096 + 1000, dtype=torch.bfloat16, device="cuda")
     router = torch.zeros(7, device="cuda")  # an fp32 destination (router tensors stay fp32)
-    o = 3 * CHUNK + 5
+    o = 3 * block + 5
     dsts = [buf[:o], router, buf[o + 3 : o + 3 + 4096], buf[o + 3 + 4096 :]]  # one starts unaligned
-    plan = CopyPlan(dsts, srcs)
+    plan = CopyPlan(dsts, srcs, config=variant)
     assert plan.triton
     plan.check()
     assert plan.bad_runs() == [] and torch.count_nonzero(buf) == 0
     plan.copy()
     for d, s in zip(dsts, srcs):
         assert torch.equal(_bits(d), _bits(s.to(d.dtype)))
-    srcs[0][2 * CHUNK + 1] = 3.4e38  # finite in fp32 (max 3.403e38), rounds to +inf in bf16 (max 3.390e38)
+    srcs[0][2 * block + 1] = 3.4e38  # finite in fp32 (max 3.403e38), rounds to +inf in bf16 (max 3.390e38)
     plan.copy_check()
     members = plan.bad_members()
     assert 0 in members and [
@@ -126,6 +131,36 @@ def test_direct_update_with_cached_plan_bitwise_in_place_and_refuses_nan(atomic)
     with pytest.raises(WeightUpdateError, match=r"non-finite values in .*layers\.1\.block_sparse_moe\.experts\.3\.w1"):
         sender.update(3, include_frozen=True)
     assert rx.version == 2 and rx.valid
+    assert all(torch.equal(_bits(p), _bits(old[n])) for n, p in rollout.named_parameters())
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_attested_direct_update_is_bitwise_and_refuses_a_nan_in_the_master(atomic):
+    bench = _bench()
+    cfg = bench.synthetic_config(0.2)
+    master = bench.build_model(1, torch.float32, "cuda", cfg=cfg)
+    compute = bench.build_model(2, torch.bfloat16, "cuda", cfg=cfg)  # the trainer's bf16 copy
+    cast = CastCopy(master, compute)
+    rollout = bench.build_model(0, torch.bfloat16, "cuda", cfg=cfg)
+    rx = WeightReceiver(rollout, atomic=atomic)
+    named = ReleasedTensors(master, cast=cast)
+    sender = WeightSender(lambda: named, ColocatedChannel([rx], "cuda", direct=True), 64, torch.bfloat16)
+    ptrs = {n: p.data_ptr() for n, p in rollout.named_parameters()}
+    t = dict(master.named_parameters())
+    for version in (1, 2):
+        sender.update(version, include_frozen=True)
+        assert rx.last_verdict == "attested" and cast.casts == version
+        for n, p in rollout.named_parameters():
+            assert p.data_ptr() == ptrs[n] and torch.equal(_bits(p), _bits(t[n].to(p.dtype))), n
+        with torch.no_grad():
+            for q in master.parameters():
+                q.mul_(-1.25)  # an optimizer step: the next update re-casts
+    old = {n: p.detach().clone() for n, p in rollout.named_parameters()}
+    with torch.no_grad():
+        t["model.layers.1.block_sparse_moe.experts.w13"][3, 0, 0] = float("nan")
+    with pytest.raises(WeightUpdateError, match=r"non-finite values in .*layers\.1\.block_sparse_moe\.experts\.3\.w1"):
+        sender.update(3, include_frozen=True)
+    assert rx.last_verdict == "attested" and rx.version == 2 and rx.valid
     assert all(torch.equal(_bits(p), _bits(old[n])) for n, p in rollout.named_parameters())
 
 
@@ -191,6 +226,7 @@ def test_grpo_step_in_process_refit_after_sleep_wake_is_bitwise(out):
         backend.wake_up()
         ptrs = [p.data_ptr() for p in engine.model.parameters()]
         backend.update_weights(1, policy.named_released_tensors())
+        assert backend.weight_sync.receiver.last_verdict == "attested"  # the policy's bf16 copy, from its flags
         assert [p.data_ptr() for p in engine.model.parameters()] == ptrs
         _assert_engine_is_trainer_cast(iter_released_tensors(engine.model), dict(policy.named_released_tensors()))
         again, _ = run_group_rollouts(backend, stack.chat, stack.env, records[:1], stack.settings_for(cfg, 2))
