@@ -29,10 +29,10 @@ from m3_rollout.service import RolloutService
 
 RUN = [
     "policy.generation.expert_parallel_size=1",
-    "grpo.num_prompts_per_step=2",
+    "grpo.num_prompts_per_step=1",
     "grpo.num_generations_per_prompt=4",
-    "policy.train_global_batch_size=8",
-    "policy.train_micro_batch_size=8",
+    "policy.train_global_batch_size=4",
+    "policy.train_micro_batch_size=4",
     "policy.generation.max_new_tokens=8",
     "policy.generation.dtype=float32",  # bf16 matmuls are slow on CPU; test_weight_sync_ipc.py casts to bf16
     "policy.generation.sleep_level=2",  # weights to host while the trainer trains: the refit follows a wake-up
@@ -153,6 +153,20 @@ def test_killed_worker_is_restarted_on_the_stage_and_the_next_refit_works(cache,
     assert step1["train/worker_failures"] == 0
     assert step2["train/worker_failures"] == 2 and step2["train/worker_failures_recovered"] == 2
     assert step2["train/memory/wake_gb_restored"] == 0.0 < step1["train/memory/wake_gb_restored"]
+
+
+def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process):
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        worker = _run(cache / "ray", ["cluster.launcher=ray", "policy.generation.colocated_placement=worker_process"])
+    finally:
+        if started:
+            ray.shutdown()
+    # the actor is no child of the trainer: it fetches the CPU stage's file descriptor all the same
+    _assert_same_figures(in_process, worker)
 
 
 @pytest.mark.parametrize(

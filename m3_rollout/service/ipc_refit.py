@@ -13,6 +13,7 @@ while the trainer trained is found by the wake-up call, before the next refit fi
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Iterable
 
 import torch
@@ -59,6 +60,10 @@ class IpcRefit:
             in_flight=ws.in_flight,
             recompute_kv_after_update=ws.recompute_kv_after_update,
             timeout_s=ws.timeout_s,
+            # A CPU stage's handle is a file descriptor, which the worker fetches from this
+            # process's multiprocessing resource sharer; that connection authenticates with the
+            # process authkey, which a torch.multiprocessing child inherits but a Ray actor lacks.
+            process_authkey=bytes(multiprocessing.current_process().authkey),
         )
         # The version whose bytes the stage holds, accepted by every worker (None: nothing yet, or
         # the last fill was not accepted everywhere).

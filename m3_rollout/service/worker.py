@@ -230,11 +230,16 @@ class RolloutWorker:
         """Connect to the trainer's ``IpcChannel`` at ``endpoint`` (``weight_sync/ipc.py``): updates
         then arrive with :meth:`receive_weights`, copied on the device from the stage the trainer
         shares (its handle comes with the first update of each connection). ``options``: atomic,
-        in_flight, recompute_kv_after_update, timeout_s (the ``weight_sync`` section). Returns []
-        (the handshake runs with the first update). Raises WeightSyncTimeout when the trainer
-        does not answer within ``timeout_s``."""
+        in_flight, recompute_kv_after_update, timeout_s (the ``weight_sync`` section) and
+        process_authkey (the trainer's: this process takes it, as a child of the trainer would,
+        so the file descriptor of a CPU stage can be fetched from the trainer under any launcher).
+        Returns [] (the handshake runs with the first update). Raises WeightSyncTimeout when the
+        trainer does not answer within ``timeout_s``."""
+        import multiprocessing
+
         from m3_rollout.weight_sync import IpcRolloutSync, engine_receiver
 
+        multiprocessing.current_process().authkey = options["process_authkey"]
         receiver = engine_receiver(
             self.engine,
             options["atomic"],
