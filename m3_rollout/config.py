@@ -156,8 +156,17 @@ class GenerationConfig:
     async_scheduling: bool | None = None
     # Colocated memory handoff (LLMEngine.sleep / wake_up): 0 = off; 1 = the engine frees its KV
     # cache while the trainer trains; 2 = also moves its weights to pinned host memory. The
-    # in-process engine only (expert_parallel_size=1), synchronous GRPO only.
+    # colocated engine only (expert_parallel_size=1, either colocated_placement), synchronous GRPO only.
     sleep_level: int = 0
+    # Where the colocated engine (expert_parallel_size=1, on cluster.device beside the trainer) runs:
+    # in_process: in the trainer's process (cluster.launcher=auto; refit = a direct in-place copy);
+    # worker_process: in one rollout worker process on cluster.device (cluster.launcher auto | mp |
+    # ray: the shape of one rollout actor per GPU beside the trainer), refit through a stage the
+    # trainer shares once (weight_sync/ipc.py: CUDA IPC on a GPU, shared memory on CPU; no host
+    # round trip, no NCCL), its sleep / wake-up forwarded to the worker; a dead worker is restarted
+    # (cluster.max_restarts) on the stage's weights. Needs backend=native, weight_sync.method=auto
+    # (weight_sync.timeout_s bounds each wait) and no cluster.gpus_per_node with cluster.device=cpu.
+    colocated_placement: str = "in_process"
     # Sparse layers' index-key cache: bfloat16 (the KV dtype) or fp8_e4m3 (e4m3 codes + one fp32
     # scale per token; about half the bytes a long-context decode step reads; the block choice is
     # made on the dequantized keys, so it can differ from bfloat16's near ties: docs/benchmarks.md).
@@ -311,8 +320,10 @@ class ClusterConfig:
     # Ray cluster to join (e.g. "ray://head:10001" or "auto"); null = start Ray locally.
     ray_address: str | None = None
     # Rollout worker processes, one per EP rank (m3_rollout/service): "auto" = the in-process
-    # engine when policy.generation.expert_parallel_size is 1, otherwise Ray actors when Ray is
-    # installed, else torch.multiprocessing; "ray" / "mp" force that launcher (also for EP=1).
+    # engine when policy.generation.expert_parallel_size is 1 (and colocated_placement=in_process),
+    # otherwise Ray actors when Ray is installed, else torch.multiprocessing; "ray" / "mp" force
+    # that launcher (also for EP=1: with colocated_placement=in_process that is one worker refit
+    # over the broadcast group, not colocated; with worker_process the worker on cluster.device).
     launcher: str = "auto"
     # CPUs each Ray actor asks for (fractional: 2 workers + the trainer share a 2-core machine).
     worker_cpus: float = 0.5
@@ -322,8 +333,9 @@ class ClusterConfig:
     max_restarts: int = 2
     # Lockstep engine steps per driver round trip.
     steps_per_call: int = 64
-    # Device of the trainer and of the in-process engine (policy.generation.expert_parallel_size=1),
-    # which share it and take turns (colocated): "cpu", "cuda" (= cuda:0) or "cuda:N". Checked at
+    # Device of the trainer and of the colocated engine (policy.generation.expert_parallel_size=1,
+    # in its process or in its worker process: policy.generation.colocated_placement), which share
+    # it and take turns: "cpu", "cuda" (= cuda:0) or "cuda:N". Checked at
     # start against the machine (check_devices): no CUDA, or an index past the device count, stops
     # the job naming the key.
     device: str = "cpu"
@@ -411,6 +423,27 @@ def _check_weight_sync(e: list[str], cfg: MasterConfig) -> None:
     if gen.backend == "http":
         _check_http_weight_sync(e, ws)
         return
+    if gen.colocated_placement == "worker_process":
+        _check(
+            e,
+            ws.method == "auto",
+            "weight_sync.method",
+            ws.method,
+            "policy.generation.colocated_placement=worker_process refits its worker through the trainer's shared "
+            "stage (CUDA IPC / shared memory); leave weight_sync.method=auto",
+        )
+        defaults = WeightSyncConfig()
+        for key in _BROADCAST_ONLY:
+            value = getattr(ws, key)
+            _check(
+                e,
+                key == "timeout_s" or value == getattr(defaults, key),
+                f"weight_sync.{key}",
+                value,
+                "only applies to the broadcast group of rollout workers; colocated_placement=worker_process "
+                "moves the weights through the trainer's shared stage (leave it at its default)",
+            )
+        return
     in_process = gen.expert_parallel_size == 1 and cfg.cluster.launcher == "auto"
     if in_process:
         _check(
@@ -473,6 +506,38 @@ def _check_http_weight_sync(e: list[str], ws: WeightSyncConfig) -> None:
         "weight_sync.probe.enabled",
         ws.probe.enabled,
         "the rollout server has no post-update probe; use policy.generation.backend=native for it",
+    )
+
+
+def _check_worker_process(e: list[str], cfg: MasterConfig) -> None:
+    """policy.generation.colocated_placement=worker_process: one rollout worker process on the
+    trainer's device (cluster.device), which rules out EP, the HTTP backend and GPU workers beside a
+    CPU trainer."""
+    gen, c = cfg.policy.generation, cfg.cluster
+    if gen.colocated_placement != "worker_process":
+        return
+    _check(
+        e,
+        gen.backend == "native",
+        "policy.generation.colocated_placement",
+        gen.colocated_placement,
+        "needs policy.generation.backend=native (a rollout server is a process of its own, refit over HTTP)",
+    )
+    _check(
+        e,
+        gen.expert_parallel_size == 1,
+        "policy.generation.expert_parallel_size",
+        gen.expert_parallel_size,
+        "must be 1 with policy.generation.colocated_placement=worker_process: one rollout worker shares the "
+        "trainer's device (EP ranks need one device each: use colocated_placement=in_process and the EP service)",
+    )
+    _check(
+        e,
+        not (c.device == "cpu" and c.gpus_per_node > 0),
+        "cluster.gpus_per_node",
+        c.gpus_per_node,
+        "must be 0 with policy.generation.colocated_placement=worker_process and cluster.device=cpu: the "
+        "rollout worker runs on the trainer's device (cluster.device), not on a GPU of its own",
     )
 
 
@@ -545,6 +610,7 @@ class MasterConfig:
 
 _CHOICES = {
     "policy.generation.backend": ("native", "http"),
+    "policy.generation.colocated_placement": ("in_process", "worker_process"),
     "policy.generation.logprobs_mode": ("processed", "raw"),
     "policy.generation.dtype": ("float32", "bfloat16", "float16"),
     "policy.precision": ("float32", "bfloat16", "float64"),
@@ -772,7 +838,7 @@ def validate(cfg: MasterConfig) -> None:
         not (gen.sleep_level in (1, 2) and (a.enabled or gen.expert_parallel_size > 1)),
         "policy.generation.sleep_level",
         gen.sleep_level,
-        "needs synchronous GRPO (grpo.async_grpo.enabled=false) and the in-process engine "
+        "needs synchronous GRPO (grpo.async_grpo.enabled=false) and the colocated engine "
         "(policy.generation.expert_parallel_size=1): the engine cannot sleep while it generates",
     )
     ck = cfg.checkpointing
@@ -850,6 +916,7 @@ def validate(cfg: MasterConfig) -> None:
     )
     _check(e, not rd.enabled or bool(rd.dir), "rollout_dump.dir", rd.dir, "must be set when rollout_dump.enabled")
     _check_http_backend(e, cfg)
+    _check_worker_process(e, cfg)
     _check_weight_sync(e, cfg)
     opt = p.optimizer
     for key in ("beta1", "beta2"):
@@ -1074,8 +1141,9 @@ NEMO_RL_KEYS: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
         "experts: policy.generation.expert_parallel_size"
     ),
     "policy.generation.colocated.enabled": _rejected(
-        "policy.generation.colocated.enabled: the engine is colocated with the trainer when it runs in the "
-        "trainer's process (policy.generation.expert_parallel_size=1, cluster.launcher=auto); "
+        "policy.generation.colocated.enabled: the engine is colocated with the trainer when "
+        "policy.generation.expert_parallel_size=1 (with cluster.launcher=auto, or "
+        "policy.generation.colocated_placement=worker_process for a worker process on cluster.device); "
         "policy.generation.sleep_level hands its memory to the trainer"
     ),
     "loss_fn.truncated_importance_sampling_type": _is_type,

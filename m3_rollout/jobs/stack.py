@@ -271,12 +271,15 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
 
     ``policy.generation.backend=http``: :func:`build_http_backend` (a rollout server). Otherwise
     the EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a launcher is
-    configured (``m3_rollout/service``), else the in-process native engine on ``cluster.device``
-    in ``policy.generation.dtype`` (router in fp32, spec §6; on CUDA with the fused-layer weights
-    packed, ``M3ForCausalLM.pack_fused_weights``; CUDA graphs and async scheduling per
-    ``policy.generation``). On CUDA the engine sizes its KV pool from the memory free at this
-    call (``policy.generation.kv_cache_memory_fraction``), so a colocated job builds its trainer
-    first.
+    configured (``m3_rollout/service``); with ``policy.generation.colocated_placement=
+    worker_process`` that service is one rollout worker process on ``cluster.device`` beside the
+    trainer, refit through the trainer's CUDA IPC stage (shared memory on CPU), its sleep / wake-up
+    and restarts (``cluster.max_restarts``) handled by the service; else the in-process native
+    engine on ``cluster.device`` in ``policy.generation.dtype`` (router in fp32, spec §6; on CUDA
+    with the fused-layer weights packed, ``M3ForCausalLM.pack_fused_weights``; CUDA graphs and
+    async scheduling per ``policy.generation``). On CUDA the engine (in either placement) sizes
+    its KV pool from the memory free at this call (``policy.generation.kv_cache_memory_fraction``),
+    so a colocated job builds its trainer first.
 
     Raises:
         ConfigError: an ``expert_parallel_size`` that does not divide the model's experts, or a

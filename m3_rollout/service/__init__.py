@@ -3,6 +3,7 @@
 worker     RolloutWorker: one EP rank (expert shard + LLMEngine), lockstep ``run``
 launchers  Ray actors (default where Ray is installed) or torch.multiprocessing processes
 service    RolloutService: P workers behind one GenerationBackend; placement, restart on failure
+ipc_refit  the driver's end of the refit of a worker on its own device (colocated_placement=worker_process)
 factory    build the service from the job config (used by m3_rollout.grpo)
 """
 

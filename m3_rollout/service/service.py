@@ -19,7 +19,12 @@ ids (the caller may resubmit them) and the last cause. Each failure is kept as a
 Weights (design.md §3): the driver is rank 0 of a weight-sync group with the workers
 (m3_rollout/weight_sync); every update goes through the workers' ``WeightReceiver``, the same
 receiver the in-process engine uses, so names, shapes, finite values, versions, atomicity, the
-in-flight policy and the probe are checked in one place.
+in-flight policy and the probe are checked in one place. With ``refit="ipc"`` the workers sit on
+the driver's own device (``policy.generation.colocated_placement=worker_process``) and the
+transport is the driver's shared stage instead of a group (``ipc_refit.py``): no host copy, a
+restarted worker is given the stage's weights, a worker lost during a refit is restarted and the
+refit repeated; ``sleep`` / ``wake_up`` reach the workers' engines (generation and training take
+turns on the device).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, Sa
 from m3_rollout.engine.requests import error_outputs
 from m3_rollout.parallel.process_group import free_port
 
+from .ipc_refit import IpcRefit
 from .launchers import GroupFailure, Launcher, make_launcher
 from .worker import WorkerSpec
 
@@ -60,6 +66,27 @@ class RolloutFailure(RuntimeError):
     def __init__(self, message: str, lost_request_ids: list[str]):
         super().__init__(message)
         self.lost_request_ids = lost_request_ids
+
+
+def refit_rules(ws, freeze) -> tuple:
+    """(frozen-name predicate, probe settings or None) of the ``weight_sync`` section ``ws`` and
+    ``policy.freeze`` (None: nothing frozen): frozen tensors go with a worker's first update only,
+    unless ``weight_sync.send_frozen``."""
+    from m3_rollout.weight_sync import ProbeSettings, default_frozen
+
+    pr = ws.probe
+    probe = ProbeSettings(pr.num_prompts, pr.num_tokens, pr.threshold) if pr.enabled else None
+
+    def frozen(name: str) -> bool:
+        return not ws.send_frozen and freeze is not None and default_frozen(name, freeze.indexer, freeze.router_bias)
+
+    return frozen, probe
+
+
+def _merge_records(records: list[dict]) -> dict:
+    """One sleep / wake-up record from the ranks': GiB figures summed, the rest (level, seconds)
+    the largest."""
+    return {k: (sum if k.startswith("gb_") else max)(r[k] for r in records) for k in records[0]}
 
 
 @dataclass
@@ -91,7 +118,11 @@ class RolloutService(GenerationBackend):
         freeze: ``policy.freeze`` (frozen tensors are sent with a group's first update only,
             unless ``weight_sync.send_frozen``); None: nothing frozen.
         probe_reference: the trainer's probe scorer (``weight_sync.probe``; the job sets it).
-    Raises RolloutFailure when the group does not start within ``max_restarts`` attempts.
+        refit: "broadcast" (a weight-sync group with the workers; tensors kept on the host for a
+            restarted group) or "ipc" (the workers are on this process's device, ``spec.device``:
+            refit through the stage this process shares with them, ``ipc_refit.py``).
+    Raises RolloutFailure when the group does not start within ``max_restarts`` attempts;
+    ValueError for another ``refit``.
     """
 
     def __init__(
@@ -110,8 +141,11 @@ class RolloutService(GenerationBackend):
         weight_sync,
         freeze=None,
         probe_reference=None,
+        refit: str = "broadcast",
     ):
-        self.spec = spec
+        if refit not in ("broadcast", "ipc"):
+            raise ValueError(f"RolloutService: refit={refit!r} must be 'broadcast' or 'ipc'")
+        self.spec, self.refit = spec, refit
         self.world_size = spec.group.world_size
         self._launcher_kind = launcher
         self._launcher_args = (ray_address, worker_cpus, worker_gpus)
@@ -133,6 +167,9 @@ class RolloutService(GenerationBackend):
         self._lock = threading.RLock()  # one launcher call at a time (async GRPO's producer thread)
         self.weight_sync, self._freeze, self.probe_reference = weight_sync, freeze, probe_reference
         self._ws_sender = None
+        self._ipc: IpcRefit | None = None  # refit="ipc": channel + sender, kept across restarts (the stage)
+        self._sleep_level = 0  # the workers' engines sleep at this level (sleep / wake_up)
+        self._weights_lost = False  # refit="ipc": restarted workers could not be given the served weights
         self.last_weight_sync: dict = {}
         # The step API (add_request / abort / step): requests by id, and what the next step sends.
         self.stream_steps_per_call = int(stream_steps_per_call)
@@ -162,7 +199,12 @@ class RolloutService(GenerationBackend):
             self._to_add = [[] for _ in range(self.world_size)]
             self._to_abort = [[] for _ in range(self.world_size)]
             self._paused = False
-            if self._last_weights is not None:
+            self._sleep_level = 0  # fresh workers are awake
+            if self.refit == "ipc":
+                self.launcher.call("init_ipc_sync", self._ipc_refit().worker_args, self.start_timeout_s)
+                if self._last_weights is not None:
+                    self._reapply_ipc()
+            elif self._last_weights is not None:
                 self._push_weights(*self._last_weights)
         except BaseException:
             self._close_weight_sync()
@@ -224,7 +266,7 @@ class RolloutService(GenerationBackend):
         except GroupFailure:
             pass
         finally:
-            self._close_weight_sync()
+            self._close_weight_sync(final=True)
             launcher.shutdown()
 
     @_locked
@@ -271,6 +313,11 @@ class RolloutService(GenerationBackend):
             raise RuntimeError(
                 f"generate() while {len(self._live)} requests of the step API (add_request / step) are unfinished"
             )
+        if self._sleep_level:
+            raise RuntimeError(
+                f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you generate"
+            )
+        self._check_weights_served([r.request_id for r in requests])
         if self.launcher is None:
             self._start_with_retries(None, [])
         results: list[list[SampleOutput]] = [[] for _ in requests]
@@ -292,6 +339,7 @@ class RolloutService(GenerationBackend):
             except GroupFailure as failure:
                 lost = sorted({p.request.request_id for p in pending.values()})
                 restarts_here = self._start_with_retries(failure, lost, restarts_here)
+                self._check_weights_served(lost)
                 new = self._resubmit(pending)
                 continue
             self._metrics["run_calls"] += 1
@@ -529,6 +577,8 @@ class RolloutService(GenerationBackend):
         Raises ValueError naming the rank and tensors / versions of a rejected update;
         GroupFailure when a rank failed during the update (after the restart).
         """
+        if self.refit == "ipc":
+            return self._update_ipc(int(version), named_tensors)
         incoming = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors}
         if self.launcher is None:
             self._start_with_retries(None, [])
@@ -579,11 +629,9 @@ class RolloutService(GenerationBackend):
         from m3_rollout.weight_sync import (
             BroadcastChannel,
             HandshakeError,
-            ProbeSettings,
             WeightSender,
             WeightSyncGroup,
             WeightUpdateError,
-            default_frozen,
         )
 
         ws = self.weight_sync
@@ -601,16 +649,7 @@ class RolloutService(GenerationBackend):
                 in_flight=ws.in_flight,
                 recompute_kv_after_update=ws.recompute_kv_after_update,
             )
-            freeze = self._freeze
-            pr = ws.probe
-            probe = ProbeSettings(pr.num_prompts, pr.num_tokens, pr.threshold) if pr.enabled else None
-
-            def frozen(name: str) -> bool:
-                return (
-                    not ws.send_frozen
-                    and freeze is not None
-                    and default_frozen(name, freeze.indexer, freeze.router_bias)
-                )
+            frozen, probe = refit_rules(ws, self._freeze)
 
             def trainer_side():
                 device = "cuda" if backend == "nccl" else "cpu"
@@ -663,11 +702,145 @@ class RolloutService(GenerationBackend):
         self.probe_reference = reference
         if self._ws_sender is not None:
             self._ws_sender.reference = reference
+        if self._ipc is not None:
+            self._ipc.sender.reference = reference
 
-    def _close_weight_sync(self) -> None:
+    def _close_weight_sync(self, final: bool = False) -> None:
+        """Drop the broadcast group (a restarted group builds a new one). The IPC refit keeps its
+        channel and stage across restarts (the new workers connect to it), unless ``final``."""
         if self._ws_sender is not None:
             self._ws_sender.channel.group.close()
             self._ws_sender = None
+        if self._ipc is not None:
+            if final:
+                self._ipc.close()
+                self._ipc = None
+            else:
+                self._ipc.lost_workers()
+
+    # ---- refit through the shared stage (refit="ipc": workers on this process's device) --------
+    def _ipc_refit(self) -> IpcRefit:
+        """The IPC refit, built on the first start (the channel must listen before workers connect)."""
+        if self._ipc is None:
+            frozen, probe = refit_rules(self.weight_sync, self._freeze)
+            dtype = getattr(torch, self.spec.dtype)
+            self._ipc = IpcRefit(
+                self.weight_sync, self.world_size, self.spec.device, dtype, frozen, probe, self.probe_reference
+            )
+        return self._ipc
+
+    def _update_ipc(self, version: int, named_tensors) -> None:
+        """``update_weights`` with ``refit="ipc"``: the stage is filled from the trainer's tensors
+        where they are (no host copy). A worker lost during the update restarts the group
+        (``max_restarts`` within this call) and the update is repeated; a rejected update raises
+        ValueError (atomic workers keep their weights; the stage then holds no accepted version,
+        so workers restarted before the next accepted update cannot be given the served weights:
+        ``generate`` refuses, naming this, until an update is accepted). RuntimeError at sleep
+        level 2 (wake up first)."""
+        if self._sleep_level >= 2:
+            raise RuntimeError(
+                "update_weights: the rollout workers sleep at level 2 (weights offloaded to host memory); "
+                "call wake_up() first, then update the weights"
+            )
+        from m3_rollout.weight_sync import ReleasedTensors
+
+        named = named_tensors if isinstance(named_tensors, ReleasedTensors) else list(named_tensors)
+        used = 0
+        if self.launcher is None:
+            used = self._start_with_retries(None, [])
+        while True:
+            try:
+                self._push_ipc(version, named)
+                break
+            except GroupFailure as failure:
+                used = self._start_with_retries(failure, [], used)
+        self._last_weights = (version, None)
+        self._version, self._weights_lost = version, False
+
+    def _check_weights_served(self, request_ids: list[str]) -> None:
+        """Raises RolloutFailure (with ``request_ids``) when restarted workers could not be given
+        the served weights (``_reapply_ipc``): they would generate with the checkpoint's."""
+        if self._weights_lost:
+            raise RolloutFailure(
+                f"the restarted rollout workers hold the checkpoint's weights, not the served version {self._version}: "
+                "a rejected update had overwritten the trainer's stage; call update_weights first, then resubmit",
+                sorted(request_ids),
+            )
+
+    def _reapply_ipc(self) -> None:
+        """At a restart: give the new workers the served weights, which the stage holds. When it
+        does not (a rejected or interrupted update overwrote it) the workers hold the
+        checkpoint's weights and ``generate`` refuses until the next accepted update."""
+        self._weights_lost = self._ipc.stage_version != self._version
+        if not self._weights_lost:
+            self._push_ipc(self._version, None)
+
+    def _push_ipc(self, version: int, named) -> None:
+        """One update through the stage while every worker receives it (``named`` None: resend
+        the stage as it stands). Raises ValueError when a worker rejects it, GroupFailure when a
+        worker fails."""
+        from m3_rollout.weight_sync import HandshakeError, WeightUpdateError
+
+        ipc = self._ipc
+        self.last_weight_sync = {}
+        t0 = time.perf_counter()
+        box: dict = {}
+
+        def send():
+            try:
+                box["stats"] = ipc.resend() if named is None else ipc.send(version, named)
+            except (WeightUpdateError, HandshakeError) as exc:
+                box["error"] = exc
+
+        _, outs = self._call_beside("receive_weights", (), send)
+        self.last_weight_sync = {
+            **box.get("stats", ipc.sender.stats),
+            "wall_seconds": time.perf_counter() - t0,
+            "paused_seconds": max((o["paused_seconds"] for o in outs), default=0.0),
+            "ranks": [{k: o[k] for k in ("ok", "version", "valid", "probe_drift")} for o in outs],
+            "stage_device": str(ipc.channel.stage.device) if ipc.channel.stage is not None else None,
+        }
+        if "error" in box:
+            raise ValueError(str(box["error"])) from box["error"]
+
+    # ---- memory handoff (policy.generation.sleep_level: workers on the trainer's device) -------
+    def _call_restarting(self, method: str, args: tuple) -> list:
+        """``launcher.call(method, args)`` on every rank; a failed group is restarted (on the last
+        weights, ``max_restarts`` within this call) and the call repeated."""
+        used = 0
+        if self.launcher is None:
+            used = self._start_with_retries(None, [])
+        while True:
+            try:
+                return self.launcher.call(method, args, self.start_timeout_s)
+            except GroupFailure as failure:
+                used = self._start_with_retries(failure, [], used)
+
+    @_locked
+    def sleep(self, level: int = 1) -> dict:
+        """Every worker's ``LLMEngine.sleep(level)`` (the trainer trains on their device meanwhile).
+        Returns {"level", "gb_freed" (GiB, summed over ranks), "seconds" (the slowest rank)}.
+        A lost worker restarts the group, which then sleeps. Raises RolloutFailure past
+        ``max_restarts``."""
+        records = self._call_restarting("sleep", (int(level),))
+        self._sleep_level = max(r["level"] for r in records)
+        return _merge_records(records)
+
+    @_locked
+    def wake_up(self) -> dict:
+        """Every worker's ``LLMEngine.wake_up()``; returns {"level", "gb_restored" (summed),
+        "seconds", "graph_capture_seconds" (the slowest rank)}. A worker lost meanwhile restarts
+        the group (awake, on the stage's / last weights). Raises RolloutFailure past
+        ``max_restarts``."""
+        records = self._call_restarting("wake_up", ())
+        self._sleep_level = 0
+        return _merge_records(records)
+
+    @_locked
+    def weight_digests(self) -> list[dict[str, tuple[str, str]]]:
+        """Each rank's {released name: (dtype, sha256 of the bytes)} (``RolloutWorker.weight_digests``):
+        a bitwise check of a refit without moving the weights."""
+        return self.launcher.call("weight_digests", (), self.start_timeout_s)
 
     @_locked
     def reset_prefix_cache(self) -> None:

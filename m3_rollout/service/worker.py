@@ -14,6 +14,7 @@ The worker is a plain class; a launcher (``launchers.py``) hosts it in a Ray act
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.parallel.expert_sharding import expert_range, load_checkpoint_ep
 from m3_rollout.parallel.process_group import EPGroupSpec, destroy_ep_group, init_ep_group
 
@@ -41,7 +43,11 @@ class WorkerSpec:
         group: where the EP group meets (world_size = EP size).
         dtype: generation dtype name ("bfloat16", "float32", ...); the router stays >= fp32.
         engine: ``EngineConfig`` fields (max_model_len, max_num_seqs, eos_token_ids, ...).
-        device: "cpu", or "cuda" (rank r uses cuda:r % device_count).
+        device: "cpu", "cuda" (rank r uses cuda:r % device_count) or "cuda:N" (every rank on
+            cuda:N: the one worker beside the trainer, ``colocated_placement=worker_process``).
+        device_uuid: the UUID the worker's CUDA device must have (the trainer's GPU, for a refit
+            through its CUDA IPC stage); checked at start, since a launcher that remaps
+            ``CUDA_VISIBLE_DEVICES`` (Ray) could give "cuda:N" another meaning. None: unchecked.
         num_threads: torch intra-op threads per worker (1: two workers on two cores must not
             oversubscribe them).
         fault_after_steps: TESTS ONLY: the first incarnation (``incarnation == 0``) of this rank
@@ -56,6 +62,7 @@ class WorkerSpec:
     dtype: str = "bfloat16"
     engine: dict = field(default_factory=dict)
     device: str = "cpu"
+    device_uuid: str | None = None
     num_threads: int = 1
     tokenizer_dir: str | None = None
     fault_after_steps: int | None = None
@@ -85,8 +92,15 @@ class RolloutWorker:
         self.world_size = spec.group.world_size
         device = torch.device(spec.device)
         if device.type == "cuda":
-            device = torch.device("cuda", rank % torch.cuda.device_count())
+            if device.index is None:
+                device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            if spec.device_uuid is not None and uuid != spec.device_uuid:
+                raise RuntimeError(
+                    f"rollout worker: {device} is GPU {uuid} here, not the trainer's GPU {spec.device_uuid} "
+                    "(the launcher changed CUDA_VISIBLE_DEVICES); the worker must run on cluster.device"
+                )
         self.device = device
         self.group = init_ep_group(spec.group, rank, device)
         dtype = _DTYPES[spec.dtype]
@@ -211,9 +225,42 @@ class RolloutWorker:
             return str(exc).splitlines()[1:]
         return []
 
+    # ---- weight sync through the trainer's shared stage (one worker on the trainer's device) ----
+    def init_ipc_sync(self, endpoint: tuple[str, bytes], options: dict) -> list[str]:
+        """Connect to the trainer's ``IpcChannel`` at ``endpoint`` (``weight_sync/ipc.py``): updates
+        then arrive with :meth:`receive_weights`, copied on the device from the stage the trainer
+        shares (its handle comes with the first update of each connection). ``options``: atomic,
+        in_flight, recompute_kv_after_update, timeout_s (the ``weight_sync`` section) and
+        process_authkey (the trainer's: this process takes it, as a child of the trainer would,
+        so the file descriptor of a CPU stage can be fetched from the trainer under any launcher).
+        Returns [] (the handshake runs with the first update). Raises WeightSyncTimeout when the
+        trainer does not answer within ``timeout_s``."""
+        import multiprocessing
+
+        from m3_rollout.weight_sync import IpcRolloutSync, engine_receiver
+
+        multiprocessing.current_process().authkey = options["process_authkey"]
+        receiver = engine_receiver(
+            self.engine,
+            options["atomic"],
+            True,
+            options["in_flight"],
+            options["recompute_kv_after_update"],
+            drain=lambda: self.run([], 2**62)["outputs"],
+        )
+        self.weight_sync = IpcRolloutSync(receiver, endpoint, options["timeout_s"])
+        self.weight_sync.connect()
+        return []
+
     def receive_weights(self) -> dict:
-        """Receive one broadcast update under the in-flight policy; returns this rank's result."""
+        """Receive one update (broadcast group or IPC stage) under the in-flight policy; returns
+        this rank's result. Raises RuntimeError while the weights are offloaded (sleep level 2)
+        or when the trainer closed the IPC channel."""
+        if self.engine.weights_offloaded:
+            raise RuntimeError("receive_weights: the engine sleeps at level 2 (weights offloaded); wake_up() first")
         out = self.weight_sync.update()
+        if out is None:
+            raise RuntimeError("receive_weights: the trainer closed the weight-sync channel")
         r = out.result
         return {
             "ok": r.ok,
@@ -226,6 +273,27 @@ class RolloutWorker:
             "handed_back": out.handed_back,
             "outputs": [o for o in out.outputs if isinstance(o, SampleOutput)],
         }
+
+    # ---- memory handoff (policy.generation.sleep_level) ------------------------------------
+    def sleep(self, level: int) -> dict:
+        """``LLMEngine.sleep``: free the KV cache (and at level 2 move the weights to host memory)
+        while the trainer trains on this device; returns its record."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> dict:
+        """``LLMEngine.wake_up``; returns its record."""
+        return self.engine.wake_up()
+
+    def weight_digests(self) -> dict[str, tuple[str, str]]:
+        """{released name: (dtype, sha256 of the bytes)} of this rank's weights: a bitwise check
+        of a refit against the trainer's cast without moving the weights (diagnostics, tests)."""
+        self.engine.check_awake("read the weights")
+        out = {}
+        for name, t in iter_released_tensors(self.model):
+            # a copy: .numpy() of the parameter's own storage would mark it not resizable (sleep frees it in place)
+            data = t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes()
+            out[name] = (str(t.dtype), hashlib.sha256(data).hexdigest())
+        return out
 
     def info(self) -> dict:
         """pid, rank, expert range, bytes the sharded loader read, engine metrics."""
@@ -241,4 +309,7 @@ class RolloutWorker:
         }
 
     def shutdown(self) -> None:
+        conn = getattr(self.weight_sync, "conn", None)  # the IPC connection (IpcRolloutSync)
+        if conn is not None:
+            conn.close()
         destroy_ep_group()

@@ -114,7 +114,9 @@ class IpcChannel:
         address: AF_UNIX socket path to listen on (default: a fresh one in the temp dir).
     ``endpoint`` = (address, authkey) is what a worker needs (``IpcRolloutSync``). Use with
     ``WeightSender`` (``direct_only``: no bucket path). ``close()`` stops listening and tells the
-    workers to stop serving.
+    workers to stop serving. ``resend_stage``: set it before an update to send the stage as it
+    stands, without filling it (a restarted worker gets the bytes the others were last given; the
+    caller knows they are an update every worker accepted, so nothing in them is flagged).
     """
 
     direct = direct_only = True
@@ -138,6 +140,7 @@ class IpcChannel:
         self._shared: set[int] = set()  # ids of connections that hold the stage handle
         self._sent_entries: dict[int, object] = {}  # id(conn) -> the entries tuple it holds
         self._fill: tuple | None = None  # (entries, sources, CopyPlan) of the last fill
+        self.resend_stage = False
         self.stats: dict = {}
 
     @property
@@ -172,6 +175,20 @@ class IpcChannel:
             c.close()
         self.conns, self._shared, self._sent_entries = [], set(), {}
         self.connect()
+
+    def discard_connections(self) -> None:
+        """Close every connection, the accepted ones and those still queued (their workers were
+        lost: a restart ends every worker of the group), and mark the channel for a rebuild: the
+        next update waits for the new workers' connections. The stage is kept."""
+        for c in self.conns:
+            c.close()
+        while True:
+            try:
+                self._pending.get_nowait().close()
+            except queue.Empty:
+                break
+        self.conns, self._shared, self._sent_entries = [], set(), {}
+        self.needs_rebuild = True
 
     def handshake(self, manifest: list[TensorSpec]) -> list[str]:
         """Send the manifest to every worker; returns their differences (named by worker)."""
@@ -222,8 +239,12 @@ class IpcChannel:
         flags what it writes in the same pass. Raises WeightSyncTimeout when a worker dies or
         does not answer in time (``needs_rebuild`` is then set by the sender)."""
         t0 = time.perf_counter()
-        self._ensure_stage(header, sources)
-        bad = self._fill_stage(header, sources)
+        resend, self.resend_stage = self.resend_stage, False
+        if resend and self.stage is None:
+            raise RuntimeError("weight-sync IPC: resend_stage with no stage filled yet")
+        if not resend:
+            self._ensure_stage(header, sources)
+        bad = [] if resend else self._fill_stage(header, sources)
         t_fill = time.perf_counter() - t0
         for w, c in enumerate(self.conns):
             if id(c) not in self._shared:

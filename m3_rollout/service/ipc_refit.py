@@ -1,0 +1,115 @@
+"""Driver side of the refit of rollout workers on the trainer's own device (``RolloutService``
+with ``refit="ipc"``: ``policy.generation.colocated_placement=worker_process``).
+
+Governing idea: a worker beside the trainer on its GPU cannot join an NCCL group with it (one
+rank per GPU), and a host round trip would cost two PCIe transfers of the model, so the driver
+(the trainer's process) owns an ``IpcChannel`` whose stage the workers open once
+(``weight_sync/ipc.py``) and a ``WeightSender`` that reads the trainer's live tensors: no host
+copy. The stage doubles as the record of the weights the workers accepted last: a restarted
+worker is given the stage as it stands (``IpcChannel.resend_stage``), which holds exactly the
+bytes its lost predecessor had accepted, even when the trainer has trained since (a worker lost
+while the trainer trained is found by the wake-up call, before the next refit fills the stage).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterable
+
+import torch
+
+from m3_rollout.weight_sync import IpcChannel, ProbeSettings, ReleasedTensors, WeightSender
+
+
+class IpcRefit:
+    """The trainer end of one group's IPC refit: channel, sender, and which version the stage holds.
+
+    Args:
+        ws: the ``weight_sync`` config section (atomic, in_flight, recompute_kv_after_update and
+            timeout_s reach the workers; timeout_s bounds every wait).
+        n_workers: workers that connect (the group's world size).
+        device: the stage's device = the workers' = the trainer's (CUDA IPC; cpu: shared memory).
+        generation_dtype: the workers' dtype (wire dtype; router >= fp32).
+        frozen: names sent with a worker's first update only.
+        probe / reference: ``weight_sync.probe`` settings and the trainer's scorer (None: off).
+    """
+
+    def __init__(
+        self,
+        ws,
+        n_workers: int,
+        device: torch.device | str,
+        generation_dtype: torch.dtype,
+        frozen: Callable[[str], bool],
+        probe: ProbeSettings | None = None,
+        reference=None,
+    ):
+        self.channel = IpcChannel(n_workers, device, ws.timeout_s)
+        self._named: Iterable = []  # the trainer's (name, tensor) pairs of the last update
+        self.sender = WeightSender(
+            lambda: self._named,
+            self.channel,
+            ws.bucket_size_mb,
+            generation_dtype,
+            frozen,
+            probe=probe,
+            reference=reference,
+        )
+        self.options = dict(
+            atomic=ws.atomic,
+            in_flight=ws.in_flight,
+            recompute_kv_after_update=ws.recompute_kv_after_update,
+            timeout_s=ws.timeout_s,
+            # A CPU stage's handle is a file descriptor, which the worker fetches from this
+            # process's multiprocessing resource sharer; that connection authenticates with the
+            # process authkey, which a torch.multiprocessing child inherits but a Ray actor lacks.
+            process_authkey=bytes(multiprocessing.current_process().authkey),
+        )
+        # The version whose bytes the stage holds, accepted by every worker (None: nothing yet, or
+        # the last fill was not accepted everywhere).
+        self.stage_version: int | None = None
+        self.fresh = True  # the connected workers have had no update: the next one carries the frozen tensors
+
+    @property
+    def worker_args(self) -> tuple:
+        """``RolloutWorker.init_ipc_sync`` arguments: (endpoint, options)."""
+        return (self.channel.endpoint, self.options)
+
+    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], replace: bool = False) -> dict:
+        """Fill the stage from ``named_tensors`` (released names, on any device; a
+        ``ReleasedTensors`` is resolved once and reused) and update every worker. Returns the
+        sender's stats plus ``fill_seconds``. Raises WeightUpdateError / HandshakeError (the
+        stage then holds no accepted version)."""
+        self._named = named_tensors if isinstance(named_tensors, ReleasedTensors) else list(named_tensors)
+        self.stage_version = None  # the fill overwrites it
+        stats = self.sender.update(version, include_frozen=self.fresh, replace=replace)
+        self.fresh, self.stage_version = False, int(version)
+        return {**stats, "fill_seconds": self.channel.stats.get("fill_seconds", 0.0)}
+
+    def resend(self) -> dict:
+        """Give freshly connected workers the stage as it stands (``stage_version``, frozen tensors
+        included), without refilling it from the trainer, which may have trained since. No probe:
+        its reference would score the trainer's newer weights. Raises RuntimeError when the
+        stage holds no accepted version, WeightUpdateError / HandshakeError as ``send``."""
+        if self.stage_version is None:
+            raise RuntimeError("IpcRefit.resend: the stage holds no version every worker accepted")
+        probe, self.sender.probe = self.sender.probe, None
+        self.channel.resend_stage = True
+        try:
+            stats = self.sender.update(self.stage_version, include_frozen=True)
+        finally:
+            self.sender.probe, self.channel.resend_stage = probe, False
+        self.fresh = False
+        return {**stats, "fill_seconds": 0.0}
+
+    def lost_workers(self) -> None:
+        """The group is being restarted: drop the connections (the stage stays); the new workers
+        connect, and the next update re-runs the handshake and hands them the stage."""
+        self.channel.discard_connections()
+        self.sender.manifest = None
+        self.fresh = True
+
+    def close(self) -> None:
+        """Tell the workers to stop serving and stop listening (the service's shutdown)."""
+        self.channel.close()
+        self._named = []
