@@ -580,7 +580,7 @@ def sweep_report(sw: dict, cfg) -> str:
         f"The refit's own pairs: {gb:.3f} GB, {sw['tensors']} released tensors in {sw['runs']} runs of an M3-shaped "
         f"model ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}); device time (CUDA events), median, "
         f"each variant beside its own flat copy of the same bytes (median flat copy {sw['flat_ms']:.3f} ms = "
-        f"{2 * gb / sw['flat_ms']:.0f} GB/s read + written). x = achieved bandwidth / the flat copy's. copy: the "
+        f"{2e3 * gb / sw['flat_ms']:.0f} GB/s read + written). x = achieved bandwidth / the flat copy's. copy: the "
         "attested refit and the IPC worker; check: the fallback's validation pass (reads only); cast: CastCopy's "
         "fp32 -> bf16 copy + flags (reads 4 B, writes 2 B per element). Variants: copy_plan.KERNELS.\n\n"
         "| variant | copy ms | copy x | check ms | check x | cast ms | cast x |\n|---|---|---|---|---|---|---|\n"

@@ -86,9 +86,10 @@ KERNELS: dict[str, KernelConfig] = {
     "b8k-w8-ef": KernelConfig(block=8192, num_warps=8, evict_first=True),
     "b8k-w8-p4": KernelConfig(block=8192, num_warps=8, persistent=4),
 }
-# NOTE: chosen without a GPU run (the variant with the most bytes in flight per thread at
-# 8 warps); the sweep decides, then this line changes.
-DEFAULT_KERNEL = "b8k-w8"
+# Chosen by the sweep on an H200 (2026-12-02, docs/benchmarks.md "Copy-plan kernel sweep"): b2k-w4 was
+# the fastest copy (0.97x a flat copy of the same 8 GB) and cast (1.01x); every vectorised variant
+# was within 10 % of it, the old masked kernel at 0.30x.
+DEFAULT_KERNEL = "b2k-w4"
 
 
 @dataclass
