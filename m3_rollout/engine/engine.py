@@ -511,13 +511,14 @@ class LLMEngine:
     def _selection(self, seq: Sequence) -> SelectionRecord | None:
         """The block-selection record of ``seq`` from ``seq.record_from`` while it still holds its
         pages (None when recording is off): positions run by the steps processed so far, at most
-        up to the last sampled token (never run; with async scheduling it may be in flight). The
-        prompt part is one segment shared by the request's samples when theirs are equal."""
+        up to the last sampled token (never run; with async scheduling it may be in flight). With
+        n > 1 the prompt part is a segment of its own, one object shared by the request's samples
+        when theirs are equal."""
         if self.selection is None:
             return None
         start = min(seq.record_from, seq.num_computed)
         end = max(start, min(seq.num_computed, len(seq.token_ids) - 1))
-        p_end = min(max(seq.prompt_len, start), end)
+        p_end = min(max(seq.prompt_len, start), end) if seq.params.n > 1 else start  # n = 1: one segment
         segs = []
         if p_end > start:
             rows = self.selection.gather(seq.block_table, start, p_end)

@@ -175,3 +175,17 @@ class SelectionRecord:
 
     def __repr__(self) -> str:
         return f"SelectionRecord({list(self.segments)})"
+
+
+def share_segments(records: Sequence[SelectionRecord | None]) -> list[SelectionRecord | None]:
+    """The records with equal segments (same start and coded bytes) made one object: what a GRPO
+    group's samples hold after crossing a process boundary in separate messages (their prompt
+    segment, equal but unpickled twice). None entries stay None."""
+    seen: dict[tuple[int, bytes], SelectionSegment] = {}
+    out = []
+    for rec in records:
+        if rec is None:
+            out.append(None)
+            continue
+        out.append(SelectionRecord([seen.setdefault((s.start, s.to_bytes()), s) for s in rec.segments]))
+    return out
