@@ -266,3 +266,39 @@ def test_grpo_step_logs_agreement_and_mismatch_with_and_without_replay():
     assert m["msa_selection_agreement"] == pytest.approx(sum(per_layer) / len(per_layer))
     assert m["gen_kl_error"] < m["gen_kl_error_without_replay"]
     assert m["token_mult_prob_error"] < m["token_mult_prob_error_without_replay"]
+
+
+def test_record_dump_replay_round_trip(tmp_path):
+    """Engine record (a forked group) -> Trajectory -> rollout dump -> trajectories_from_rows ->
+    TrainBatch -> replay: the shared prompt segment comes back shared, and replaying it gives the
+    logprobs of the trainer's own choice bit for bit (CPU fp32: the engine's is the same)."""
+    from m3_rollout.dump import RolloutDumpWriter, read_dump, trajectories_from_rows
+    from m3_rollout.rollout.trajectory import Trajectory
+    from m3_trainers.batch import batch_from_trajectories
+
+    m = _model(7).eval()
+    be = NativeBackend(
+        m, (95,), max_model_len=128, num_pages=48, max_num_batched_tokens=16, record_block_selection=True
+    )
+    prompt = IDS[1, :26].tolist()
+    outs = be.generate([GenerationRequest("g", prompt, SamplingParams(n=3, max_new_tokens=14, seed=4))])
+    trajs = []
+    for o in outs:
+        t = Trajectory(0, o.sample_index, list(prompt), [0] * 26, [0.0] * 26, [-1] * 26, 26)
+        t.append(list(o.output_ids), True, list(o.logprobs), 0)
+        t.block_selection = o.block_selection
+        trajs.append(t)
+    RolloutDumpWriter(tmp_path, run_id="r").write_step(1, trajs, [0.0, 0.0, 0.0], {}, {})
+    back = trajectories_from_rows(read_dump(tmp_path).table.to_pylist())
+    assert back[0].block_selection.segments[0] is back[2].block_selection.segments[0]
+    batch = batch_from_trajectories(back, torch.zeros(3), with_block_selection=True)
+    assert (batch.block_selection[:, -1] == -1).all()  # the last token was never run
+    with torch.no_grad():
+        agree = SelectionAgreement(m, "cpu")
+        replayed = token_logprobs(m, batch.token_ids, block_selection=batch.block_selection, index_replay=True)
+        own = token_logprobs(m, batch.token_ids, block_selection=batch.block_selection, agreement=agree)
+    assert torch.equal(replayed, own)
+    assert agree.metrics()["msa_selection_agreement"] == 1.0
+    torch.testing.assert_close(
+        own[:, 26:], torch.tensor([o.logprobs for o in outs]), atol=1e-5, rtol=0
+    )  # and both are the engine's logprobs
