@@ -288,11 +288,10 @@ def test_block_selection_stored_once_per_group_and_read_back_shared(tmp_path):
     assert trajectory_from_row(rows[0]).block_selection.end == len(trajs[0].token_ids) - 1
     assert "block selection: 2 segments (1 stored with another sample)" in "\n".join(show_lines(tmp_path, 2, 0)[0])
     # Without this package: the coded segment format of docs/rollout_dump_schema.md.
-    import zlib
-
     blob = pd.read_parquet(path)["block_selection"][0][0]
     start, n, s, g, k = np.frombuffer(blob[4:18], "<u4", 2).tolist() + np.frombuffer(blob[12:18], "<u2").tolist()
-    d = np.frombuffer(zlib.decompress(blob[18:]), "<u2").reshape(n, s, g, k)
+    raw = pa.decompress(blob[18:], decompressed_size=2 * n * s * g * k, codec="zstd", asbytes=True)
+    d = np.frombuffer(raw, "<u2").reshape(n, s, g, k)
     rows0 = np.cumsum(d, axis=0, dtype=np.uint16).view(np.int16)
     assert (blob[:4], start, n) == (b"MSB1", 0, 5)
     np.testing.assert_array_equal(rows0, canonical_rows(prompt_rows))

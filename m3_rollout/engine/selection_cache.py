@@ -156,7 +156,10 @@ class SelectionCache:
     # ---- internals ---------------------------------------------------------------------------
     def _scatter(self, slots: np.ndarray, rows: np.ndarray) -> None:
         keep = slots >= 0
-        self.table[slots[keep]] = rows[keep]
+        if keep.all():  # the usual case: no padding rows, no masked copies
+            self.table[slots] = rows
+        else:
+            self.table[slots[keep]] = rows[keep]
 
     def _copy_rows(self, src: int, dst: int) -> None:
         ps = self.page_size

@@ -17,28 +17,30 @@ similar-scoring blocks changes from token to token and would cost more than the 
 
 Coded segment (version 1, little endian; ``docs/rollout_dump_schema.md`` has a reader)::
 
-    magic b"MSB1" | start u32 | n u32 | S u16 | G u16 | K u16 | zlib(D)
+    magic b"MSB1" | start u32 | n u32 | S u16 | G u16 | K u16 | zstd(D)
 
     Y = canonical_rows(rows) viewed as uint16 (so -1 = 65535 sorts last)   [n, S, G, K]
     D[0] = Y[0];  D[t] = Y[t] - Y[t-1] (mod 2**16)                          delta over tokens
 
-Consecutive tokens mostly share blocks, so D is mostly zeros and zlib shrinks it; decoding is a
-cumulative sum over tokens. Encoding and decoding are vectorized numpy (no loop over tokens or
-layers) and run lazily: a segment made in the engine keeps its raw rows and codes them only when
-it is pickled (EP workers, ``__reduce__``) or written; one read from bytes decodes on first use.
+Consecutive tokens mostly share blocks, so D is mostly zeros and zstd (pyarrow's, a project
+dependency; level 1) shrinks it; decoding is a cumulative sum over tokens. Encoding and decoding
+are vectorized numpy (no loop over tokens or layers) and run lazily: a segment made in the
+engine keeps its raw rows and codes them only when it is pickled (EP workers, ``__reduce__``) or
+written; one read from bytes decodes on first use.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
 
 MAGIC = b"MSB1"
 _HEADER = struct.Struct("<4sIIHHH")
-ZLIB_LEVEL = 1  # measured (scripts/bench_engine.py --part block-record): level 6 saves ~4 % for 3x the time
+# NOTE: zstd level 1 measured 5x faster than zlib level 1 on M3-shaped records, and smaller (it
+# also finds repeats across layers); higher levels gain little (scripts/bench_engine.py --block-record).
+ZSTD_LEVEL = 1
 
 
 def canonical_rows(rows: np.ndarray) -> np.ndarray:
@@ -118,12 +120,20 @@ def _encode(rows: np.ndarray, start: int) -> bytes:
         np.subtract(y[1:], y[:-1], out=d[1:])  # wraps mod 2**16
     n, s, g, k = rows.shape
     head = _HEADER.pack(MAGIC, start, n, s, g, k)
-    return head + zlib.compress(d.astype("<u2", copy=False).tobytes(), ZLIB_LEVEL)
+    return head + _zstd().compress(d.astype("<u2", copy=False).tobytes(), asbytes=True)
 
 
 def _decode(buf: bytes, n: int, dims: tuple[int, int, int]) -> np.ndarray:
-    d = np.frombuffer(zlib.decompress(buf[_HEADER.size :]), dtype="<u2").reshape(n, *dims)
+    size = 2 * n * int(np.prod(dims))
+    raw = _zstd().decompress(buf[_HEADER.size :], decompressed_size=size, asbytes=True)
+    d = np.frombuffer(raw, dtype="<u2").reshape(n, *dims)
     return np.cumsum(d, axis=0, dtype=np.uint16).view(np.int16)
+
+
+def _zstd():
+    import pyarrow as pa  # NOTE: imported on first coding only: the model itself never needs it
+
+    return pa.Codec("zstd", compression_level=ZSTD_LEVEL)
 
 
 class SelectionRecord:
