@@ -562,7 +562,8 @@ def decode_select_attend(
     q: [T, nh, d] with the Td decode tokens first; k_cache_l, v_cache_l: [P, G, ps, d]. Exactly
     one selection source: scores [Td, G, NBP] fp32 from ``decode_scores`` (NBP <=
     MAX_FUSED_BLOCKS) or topk_ids [Td, G, K] int32 (-1 = empty). ids_out: optional [Td, G, K]
-    int32 that receives the selection from scores in the reference's order, -1 padding.
+    int32 or int16 (unit stride over K) that receives the selection from scores in the reference's
+    order, -1 padding.
     pdl: launch with programmatic dependent launch (GPU only; the kernel waits for the previous
     kernel before reading its inputs). Returns [Td, nh, d] in q.dtype.
     """
@@ -588,6 +589,8 @@ def decode_select_attend(
     else:
         mode, srcs, nbc = 1, scores, max(next_pow2(scores.shape[2]), 16)
         ids = ids_out if ids_out is not None else torch.empty(1, 1, 1, dtype=torch.int32, device=q.device)
+        if ids_out is not None and (ids_out.stride(2) != 1 or ids_out.dtype not in (torch.int16, torch.int32)):
+            raise ValueError("decode_select_attend: ids_out must be int16 / int32 with unit stride over K")
         if nbc > MAX_FUSED_BLOCKS:
             raise ValueError(
                 f"decode_select_attend: block-table width {scores.shape[2]} > {MAX_FUSED_BLOCKS}; "
@@ -711,7 +714,7 @@ def msa_decode(
     ``FP8IndexCache``). Block tables up to
     MAX_FUSED_BLOCKS pages: 2 launches (scores; top-k + attention + merge). Wider:
     ``msa_index_topk.index_topk`` on the decode rows, then the fused attention + merge launch.
-    ids_out: optional [Td, G, K] int32 receiving the selection (tests; see decode_select_attend).
+    ids_out: optional [Td, G, K] int32 / int16 receiving the selection (see decode_select_attend).
     Returns [Td, nh, d] in q.dtype.
     """
     check_decode_inputs(q, iq, k_cache_l, v_cache_l, index_cache_l, topk)
@@ -788,6 +791,7 @@ def msa_attention(
     topk: int,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    sel_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton sparse-layer attention of a whole step (the engine's ``PagedOps.msa_attention`` on CUDA;
     ``m3_rollout.engine.reference_ops.msa_attention_ref`` is the PyTorch version).
@@ -797,6 +801,11 @@ def msa_attention(
     Decode rows -> ``msa_decode``; prefill rows -> ``msa_index_topk.index_topk`` +
     ``msa_paged_attention.paged_attention`` on the prefill part of ``meta``. Returns [T, nh, d]
     in q.dtype. Raises ValueError for unsupported sizes or dtypes (naming the field).
+
+    sel_out: optional [T, G, K] integer tensor (int16 / int32, unit stride over K; the engine's
+    block-selection record) that receives the selection in ``index_topk_ref``'s order: the fused
+    decode kernel stores its in-register choice there (no extra launch, CUDA-graph safe); prefill
+    rows (and decode rows of tables wider than MAX_FUSED_BLOCKS) copy the ``index_topk`` result in.
     """
     # NOTE: imported at call time so the interpreter tests' reloaded modules (msa_interpret) are used.
     from m3_kernels.msa_index_topk import index_topk
@@ -804,20 +813,29 @@ def msa_attention(
 
     nd, r = meta.num_decodes, meta.num_rows
     if nd == 0 or q.shape[0] == 0:
-        return paged_attention(
-            q, k_cache_l, v_cache_l, meta, scale, index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
-        )
-    dec = msa_decode(q, iq, k_cache_l, v_cache_l, index_cache_l, meta, scale, topk, init_blocks, local_blocks)
-    if nd == r:
-        return dec
-    td = dec.shape[0]
-    pmeta = prefill_part(meta)
-    pre = paged_attention(
-        q[td:],
+        ids = index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
+        if sel_out is not None:
+            sel_out.copy_(ids)
+        return paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids)
+    td = nd * meta.decode_query_len
+    dec = msa_decode(
+        q,
+        iq,
         k_cache_l,
         v_cache_l,
-        pmeta,
+        index_cache_l,
+        meta,
         scale,
-        index_topk(iq[td:], index_cache_l, pmeta, topk, init_blocks, local_blocks),
+        topk,
+        init_blocks,
+        local_blocks,
+        ids_out=None if sel_out is None else sel_out[:td],
     )
+    if nd == r:
+        return dec
+    pmeta = prefill_part(meta)
+    ids = index_topk(iq[td:], index_cache_l, pmeta, topk, init_blocks, local_blocks)
+    if sel_out is not None:
+        sel_out[td:].copy_(ids)
+    pre = paged_attention(q[td:], k_cache_l, v_cache_l, pmeta, scale, ids)
     return torch.cat([dec, pre])

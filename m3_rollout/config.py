@@ -171,6 +171,11 @@ class GenerationConfig:
     # scale per token; about half the bytes a long-context decode step reads; the block choice is
     # made on the dequantized keys, so it can differ from bfloat16's near ties: docs/benchmarks.md).
     index_cache_dtype: str = "bfloat16"
+    # Block-selection record (design.md §2.3): the engine records every sparse layer's selected KV
+    # blocks per token and KV head (prompt, tool and sampled tokens); the trajectories carry it to
+    # the trainer (policy.index_replay, the train/msa_selection_agreement metric) and the dumps.
+    # Costs one copy of an int16 [tokens, sparse layers, KV heads, top-k] buffer per engine step.
+    record_block_selection: bool = False
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
@@ -182,6 +187,7 @@ class GenerationConfig:
             enable_cuda_graphs=self.enable_cuda_graphs,
             async_scheduling=self.async_scheduling,
             index_cache_dtype=self.index_cache_dtype,
+            record_block_selection=self.record_block_selection,
         )
 
 
@@ -212,6 +218,11 @@ class PolicyConfig:
     # hold the mismatch without replay (token_mult_prob_error_without_replay, ...; one more scoring
     # forward per step).
     routing_replay: bool = False
+    # Block-selection (index) replay: the trainer's sparse layers attend the KV blocks the rollout
+    # engine selected (policy.generation.record_block_selection, which it needs) instead of their
+    # own indexer's top-k; tokens without a record keep the trainer's own choice. The step metrics
+    # then also hold the mismatch without any replay (*_without_replay, one more scoring forward).
+    index_replay: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
@@ -918,6 +929,13 @@ def validate(cfg: MasterConfig) -> None:
     _check_http_backend(e, cfg)
     _check_worker_process(e, cfg)
     _check_weight_sync(e, cfg)
+    _check(
+        e,
+        not p.index_replay or p.generation.record_block_selection,
+        "policy.index_replay",
+        p.index_replay,
+        "needs policy.generation.record_block_selection=true (the selection to replay)",
+    )
     opt = p.optimizer
     for key in ("beta1", "beta2"):
         value = getattr(opt, key)

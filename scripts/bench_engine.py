@@ -18,6 +18,19 @@ With ``--cuda-graphs`` the engine also runs with decode graphs, once per ``--asy
 are identical are printed. ``--skip-hf`` drops the transformers run (ratios then against the
 transformers 5.17 anchor figures ``ANCHOR``, measured on CUDA), ``--skip-eager`` the engine run without graphs.
 Appends a table to docs/benchmarks.md with machine and date (``--no-write`` to skip).
+
+``--block-record``: only the cost of the MSA block-selection record (EngineConfig.record_block_selection,
+design.md §2.3.1), each engine built once per setting and the runs alternated (record off / on,
+``--record-reps`` times, medians): decode tokens/s and median decode step at batch 32 (128 + 256
+tokens; on CUDA with decode graphs and async scheduling, as the engine runs), and one long prefill
+(``--long-len``, default 131072 on CUDA, in chunks of ``--record-chunk`` tokens, the step budget).
+Then the payload per token at M3 shapes (57 sparse layers x 4 KV heads x top-16 blocks of 128
+tokens) on ``--record-payload-len`` tokens of the MSA benchmark's smooth and random index data
+(``scripts/bench_msa.py``; block choice by the index top-k kernel on CUDA, its reference on CPU):
+raw int16, the coded segment (sets: sorted rows, token delta, zstd), and what keeping the engine's
+order within a row would cost; host encode / decode time per token.
+
+    python scripts/bench_engine.py --device cuda --model-json configs/bench/m3_bench_300m.json --block-record
 """
 
 from __future__ import annotations
@@ -85,18 +98,21 @@ def make_engine(
     cuda_graphs: bool = False,
     async_scheduling: bool | None = False,
     graph_sizes: tuple[int, ...] | None = None,
+    **config,
 ) -> LLMEngine:
+    """A fresh engine sized for ``prompts`` x n (``config``: further EngineConfig fields)."""
     kv_gb = 4.0 if device == "cuda" else 0.0  # explicit: the auto size counts the previous engine's cached pool
+    config.setdefault("max_num_batched_tokens", max(8192, max(map(len, prompts))))
     return LLMEngine(
         model,
         EngineConfig(
             max_model_len=max_len,
             max_num_seqs=max(len(prompts) * n, 1),
-            max_num_batched_tokens=max(8192, max(map(len, prompts))),
             kv_cache_memory_gb=kv_gb,
             enable_cuda_graphs=cuda_graphs,
             cuda_graph_batch_sizes=graph_sizes,
             async_scheduling=async_scheduling,
+            **config,
         ),
     )
 
@@ -233,6 +249,205 @@ def decode_floor_ms(cfg: M3Config, model, batch: int, ctx: int, dtype: torch.dty
     return 1000 * (weight_bytes + batch * kv) / HBM_BYTES_PER_S
 
 
+# ---- --block-record ------------------------------------------------------------------------
+M3_SELECTION_DIMS = (57, 4, 16)  # sparse layers, KV heads, top-k blocks (spec: layers 3..59, 128-token blocks)
+
+
+def timed_generate(eng: LLMEngine, prompts: list[list[int]], new: int, device: str, tag: str) -> dict:
+    """Run ``prompts`` (n=1 each) to ``new`` tokens on ``eng`` (prefix cache emptied first): wall
+    seconds, generated tokens/s, median decode step (ms) and the outputs."""
+    eng.reset_prefix_cache()
+    params = SamplingParams(n=1, max_new_tokens=new, seed=1)
+    sync(device)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(GenerationRequest(f"{tag}{i}", p, params))
+    outs, steps, ts = [], [], time.perf_counter()
+    while eng.has_unfinished():
+        running = eng.scheduler.running
+        decode = not eng.scheduler.waiting and running and all(q.num_computed == q.num_tokens - 1 for q in running)
+        outs += [o for o in eng.step() if hasattr(o, "finish_reason")]
+        te = time.perf_counter()
+        if decode:
+            steps.append(te - ts)
+        ts = te
+    sync(device)
+    secs = time.perf_counter() - t0
+    toks = sum(len(o.output_ids) for o in outs)
+    step_ms = 1000 * sorted(steps)[len(steps) // 2] if steps else float("nan")
+    return {"seconds": secs, "tok_s": toks / secs, "decode_step_ms": step_ms, "outputs": outs}
+
+
+def selection_data(n_tokens: int, smooth: bool, device: str, dims=M3_SELECTION_DIMS, seed: int = 0) -> torch.Tensor:
+    """int16 [n_tokens, S, G, K]: each of S layers' block choice on its own synthetic index data
+    (``m3_kernels.msa_synthetic`` pages, 128-token blocks, index dim 128; bench_msa.py's "smooth"
+    queries: one direction per 64-token span + 0.5x noise, else i.i.d.), one prefill of n_tokens."""
+    from m3_kernels.msa_synthetic import make_paged_batch
+    from m3_rollout.engine.reference_ops import index_topk_ref
+
+    s, g, k = dims
+    if device == "cuda":
+        from m3_kernels.msa_index_topk import index_topk
+    else:
+        index_topk = index_topk_ref
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    out = torch.empty(n_tokens, s, g, k, dtype=torch.int16, device=device)
+    for j in range(s):
+        b = make_paged_batch(
+            [(0, n_tokens)],
+            0,
+            page_size=128,
+            kv_heads=g,
+            q_heads=g,
+            head_dim=16,
+            index_dim=128,
+            dtype=dt,
+            device=device,
+            seed=seed + j,
+            spare_pages=0,
+        )
+        if smooth:
+            gen = torch.Generator(device=device).manual_seed(seed + 1000 + j)
+            base = torch.randn((n_tokens + 63) // 64, g, 128, generator=gen, device=device)
+            b.iq.copy_((base.repeat_interleave(64, 0)[:n_tokens] + 0.5 * b.iq.float()).to(dt))
+        out[:, j] = index_topk(b.iq, b.ik, b.meta, k, 0, 1)
+    return out.cpu()
+
+
+def payload_figures(rows: torch.Tensor) -> dict:
+    """Bytes per token of a record (int16 [n, S, G, K] in the engine's order): raw, coded segment,
+    and coded keeping the order within rows (same delta + zstd without the sort); encode / decode
+    microseconds per token on this host (one thread of numpy + zstd)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from m3_rollout.model.selection_record import ZSTD_LEVEL, SelectionSegment, canonical_rows
+
+    arr = rows.numpy()
+    n = arr.shape[0]
+    t0 = time.perf_counter()
+    coded = SelectionSegment.from_rows(0, arr).to_bytes()
+    t1 = time.perf_counter()
+    back = SelectionSegment.from_bytes(coded).rows
+    t2 = time.perf_counter()
+    assert np.array_equal(back, canonical_rows(arr)), "coded segment does not round-trip"
+    y = arr.view(np.uint16)
+    d = np.concatenate([y[:1], y[1:] - y[:-1]])
+    ordered = len(pa.Codec("zstd", compression_level=ZSTD_LEVEL).compress(d.tobytes(), asbytes=True))
+    return {
+        "raw_b_per_token": arr.nbytes / n,
+        "coded_b_per_token": len(coded) / n,
+        "ordered_b_per_token": ordered / n,
+        "encode_us_per_token": 1e6 * (t1 - t0) / n,
+        "decode_us_per_token": 1e6 * (t2 - t1) / n,
+        "set_equal_next_token": float((canonical_rows(arr)[1:] == canonical_rows(arr)[:-1]).all(-1).mean()),
+    }
+
+
+def payload_line(p: dict, pattern: str, n_tokens: int) -> str:
+    s, g, k = M3_SELECTION_DIMS
+    return (
+        f"payload, M3 shapes ({s} layers x {g} KV heads x top-{k}), {pattern} index data, {n_tokens} tokens: "
+        f"raw {p['raw_b_per_token']:.0f} B/token, coded {p['coded_b_per_token']:.0f} B/token "
+        f"({p['raw_b_per_token'] / p['coded_b_per_token']:.1f}x), keeping the row order "
+        f"{p['ordered_b_per_token']:.0f} B/token; encode {p['encode_us_per_token']:.1f} us/token, decode "
+        f"{p['decode_us_per_token']:.1f} us/token (host); next token selects the same set in "
+        f"{100 * p['set_equal_next_token']:.1f} % of (layer, head) rows"
+    )
+
+
+def block_record_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) -> list[str]:
+    """The ``--block-record`` mode (module docstring). Returns the docs/benchmarks.md lines."""
+    import statistics
+
+    g = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    batch, plen, new = args.record_batch, 128, args.record_new
+    long_len = args.long_len or (131072 if dev == "cuda" else 2048)
+    decode_prompts, long_prompt = [prompt(plen) for _ in range(batch)], [prompt(long_len)]
+    cuda = dev == "cuda"
+    # Decode engines sized for the decode load (block tables <= MAX_FUSED_BLOCKS wide: the fused decode
+    # kernel stores the record from registers), prefill engines for the long prompt (no graphs).
+    engines = {}
+    for rec in (False, True):
+        engines[rec, "decode"] = eng = make_engine(
+            model,
+            decode_prompts,
+            1,
+            dev,
+            plen + new + 1,
+            cuda_graphs=cuda,
+            async_scheduling=None,
+            graph_sizes=(batch,),
+            record_block_selection=rec,
+        )
+        timed_generate(eng, [p[::-1] for p in decode_prompts], 8, dev, "w")  # compile / warm up
+        engines[rec, "prefill"] = eng = make_engine(
+            model,
+            long_prompt,
+            1,
+            dev,
+            long_len + 2,
+            async_scheduling=None,
+            max_num_batched_tokens=args.record_chunk,
+            record_block_selection=rec,
+        )
+        timed_generate(eng, [long_prompt[0][: 2 * args.record_chunk]], 1, dev, "w")
+    runs = {(rec, part): [] for rec in (False, True) for part in ("decode", "prefill")}
+    for rep in range(args.record_reps):
+        for rec in (False, True) if rep % 2 == 0 else (True, False):
+            runs[rec, "decode"].append(timed_generate(engines[rec, "decode"], decode_prompts, new, dev, f"d{rep}"))
+            runs[rec, "prefill"].append(timed_generate(engines[rec, "prefill"], long_prompt, 1, dev, f"p{rep}"))
+    outs = runs[True, "prefill"][-1]["outputs"][0]
+    assert outs.block_selection.end == long_len, "the prefill's record does not cover the prompt"
+    med = lambda rec, part, key: statistics.median(r[key] for r in runs[rec, part])  # noqa: E731
+    dec_off, dec_on = med(False, "decode", "tok_s"), med(True, "decode", "tok_s")
+    step_off, step_on = med(False, "decode", "decode_step_ms"), med(True, "decode", "decode_step_ms")
+    pre_off, pre_on = med(False, "prefill", "seconds"), med(True, "prefill", "seconds")
+    mode = "CUDA graphs + async scheduling" if cuda else "eager"
+    row_bytes = engines[True, "prefill"].selection.row_bytes
+    res = [
+        f"decode, batch {batch}, {plen}+{new} tokens ({mode}): {dec_off:.0f} -> {dec_on:.0f} tok/s with the record "
+        f"({100 * (dec_off / dec_on - 1):+.1f} % time); median decode step {step_off:.3f} -> {step_on:.3f} ms "
+        f"({100 * (step_on / step_off - 1):+.1f} %)",
+        f"prefill {long_len} tokens in {args.record_chunk}-token chunks: {pre_off:.3f} -> {pre_on:.3f} s "
+        f"({100 * (pre_on / pre_off - 1):+.1f} %); record {long_len * row_bytes / 2**20:.0f} MiB",
+    ]
+    for line in res:
+        print(line, flush=True)
+    payload = {}
+    try:
+        import pyarrow  # noqa: F401 - the coded segments' zstd
+    except ImportError:
+        args.record_payload_len = []
+        res.append("payload: skipped, pyarrow (zstd) is not installed here")
+        print(res[-1], flush=True)
+    for n_tok in args.record_payload_len:
+        for pat in ("smooth", "random"):
+            payload[f"{pat}_{n_tok}"] = p = payload_figures(selection_data(n_tok, pat == "smooth", dev))
+            res.append(payload_line(p, pat, n_tok))
+            print(res[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "machine": machine(dev),
+                    "decode_tok_s": [dec_off, dec_on],
+                    "decode_step_ms": [step_off, step_on],
+                    "prefill_s": [pre_off, pre_on],
+                    "payload": payload,
+                },
+                indent=1,
+            )
+        )
+    return [
+        f"\n## MSA block-selection record cost (bench_engine.py --block-record), {run_date()}, {machine(dev)}\n",
+        f"Model: {args.model_json or 'tiny_config()'}, {dtype}, random weights; record off vs on, medians of "
+        f"{args.record_reps} alternated runs per setting; torch {torch.__version__}.\n",
+        *[f"- {line}" for line in res],
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -268,6 +483,18 @@ def main() -> None:
     )
     ap.add_argument("--skip-eager", action="store_true", help="no engine run without CUDA graphs")
     ap.add_argument(
+        "--block-record",
+        action="store_true",
+        help="only the block-selection record's cost and payload (module docstring)",
+    )
+    ap.add_argument("--record-batch", type=int, default=32)
+    ap.add_argument("--record-new", type=int, default=256, help="--block-record: decode tokens per row")
+    ap.add_argument("--record-chunk", type=int, default=16384, help="--block-record: prefill chunk (step budget)")
+    ap.add_argument("--record-reps", type=int, default=3)
+    ap.add_argument(
+        "--record-payload-len", type=int, nargs="+", default=[8192, 32768], help="--block-record: payload data tokens"
+    )
+    ap.add_argument(
         "--check-len",
         type=int,
         default=0,
@@ -283,6 +510,9 @@ def main() -> None:
     else:
         cfg = tiny_config(max_position_embeddings=16384)
     long_len = args.long_len or (8192 if dev == "cuda" else 2048)
+    if args.block_record:
+        long_len = args.long_len or (131072 if dev == "cuda" else 2048)
+        args.skip_hf = True
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, long_len + args.long_new + 1)
     if args.skip_hf:
         ours, hf = random_model(cfg, dev, dtype), None
@@ -290,6 +520,12 @@ def main() -> None:
             raise SystemExit("--check-len needs the transformers model: drop --skip-hf")
     else:
         ours, hf = build_pair(cfg, dev, dtype)
+    if args.block_record:
+        lines = block_record_bench(args, cfg, ours, dev, dtype)
+        if not args.no_write:
+            with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+                f.write("\n".join(lines) + "\n")
+        return
     if args.graph_sizes:
         args.graph_sizes = tuple(args.graph_sizes)
     g = torch.Generator().manual_seed(0)

@@ -39,7 +39,11 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
         ("m3_rollout.engine", "m3_rollout.parallel", "m3_rollout.weight_sync", "m3_rollout.model", "m3_rollout.chat"),
     ),
     ("rollout", "m3_rollout.rollout", ("m3_rollout.chat", "m3_rollout.engine.interface", "m3_rollout.model")),
-    ("dump", "m3_rollout.dump", ("m3_rollout.rollout", "m3_rollout.chat", "m3_rollout.config")),
+    (
+        "dump",
+        "m3_rollout.dump",
+        ("m3_rollout.rollout", "m3_rollout.chat", "m3_rollout.config", "m3_rollout.model.selection_record"),
+    ),
     (
         "server",
         "m3_rollout.server",

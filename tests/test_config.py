@@ -29,6 +29,7 @@ def test_main_config_loads_with_overrides():
         ("policy.generation.dtype=int8", "policy.generation.dtype"),
         ("policy.train_global_batch_size=7", "policy.train_global_batch_size"),
         ("grpo.max_num_steps", "key=value"),
+        ("policy.index_replay=true", "policy.index_replay"),  # without record_block_selection
     ],
 )
 def test_bad_overrides_name_the_key(override, needle):

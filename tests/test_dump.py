@@ -252,6 +252,61 @@ def test_every_n_steps_and_retention(tmp_path):
     assert [s.step for s in read_dump(tmp_path / "one").shards] == [1]
 
 
+def _selection_group(seed: int):
+    """3 trajectories of group 0 whose block-selection records share one prompt segment object."""
+    from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
+
+    rng = np.random.default_rng(seed)
+    trajs = [_traj(0, j, seed + j) for j in range(3)]
+    n = len(trajs[0].token_ids)
+    prompt = SelectionSegment.from_rows(0, rng.integers(-1, 40, (5, 3, 2, 4)).astype(np.int16))
+    for t in trajs:
+        own = SelectionSegment.from_rows(5, rng.integers(-1, 40, (n - 6, 3, 2, 4)).astype(np.int16))
+        t.block_selection = SelectionRecord([prompt, own])
+    return trajs
+
+
+def test_block_selection_stored_once_per_group_and_read_back_shared(tmp_path):
+    from m3_rollout.dump import trajectories_from_rows
+    from m3_rollout.model.selection_record import canonical_rows
+
+    trajs = _selection_group(3)
+    prompt_rows = trajs[0].block_selection.segments[0].rows
+    path, _ = _write(tmp_path, 2, trajs)
+    rows = read_dump(tmp_path).table.to_pylist()
+    assert [len(r["block_selection"]) for r in rows] == [2, 1, 1]  # the prompt segment is in row 0 only
+    assert rows[2]["block_selection_index"] == [[0, 0], [2, 0]]
+    back = trajectories_from_rows(rows)
+    assert back[1].block_selection.segments[0] is back[2].block_selection.segments[0]
+    for a, b in zip(trajs, back):
+        end = a.block_selection.end
+        np.testing.assert_array_equal(b.block_selection.dense(end), canonical_rows(a.block_selection.dense(end)))
+        b.block_selection = a.block_selection = None
+        assert a == b
+    with pytest.raises(ValueError, match="trajectories_from_rows"):
+        trajectory_from_row(rows[1])  # its prompt segment lives in row 0
+    assert trajectory_from_row(rows[0]).block_selection.end == len(trajs[0].token_ids) - 1
+    assert "block selection: 2 segments (1 stored with another sample)" in "\n".join(show_lines(tmp_path, 2, 0)[0])
+    # Without this package: the coded segment format of docs/rollout_dump_schema.md.
+    blob = pd.read_parquet(path)["block_selection"][0][0]
+    start, n, s, g, k = np.frombuffer(blob[4:18], "<u4", 2).tolist() + np.frombuffer(blob[12:18], "<u2").tolist()
+    raw = pa.decompress(blob[18:], decompressed_size=2 * n * s * g * k, codec="zstd", asbytes=True)
+    d = np.frombuffer(raw, "<u2").reshape(n, s, g, k)
+    rows0 = np.cumsum(d, axis=0, dtype=np.uint16).view(np.int16)
+    assert (blob[:4], start, n) == (b"MSB1", 0, 5)
+    np.testing.assert_array_equal(rows0, canonical_rows(prompt_rows))
+
+
+def test_version_1_shards_read_with_null_block_selection(tmp_path):
+    path, _ = _write(tmp_path, 1)
+    t = pq.read_table(path).drop_columns(list(S.ADDED_COLUMNS[2]))
+    meta = {**t.schema.metadata, S.META_VERSION.encode(): b"1"}
+    pq.write_table(t.replace_schema_metadata(meta), path)
+    read = read_dump(tmp_path)
+    assert not read.errors and read.table.column("block_selection").null_count == 3
+    assert read_dump(tmp_path, columns=["token_ids", "block_selection_index"]).table.num_rows == 3
+
+
 def test_bad_input_names_the_file_and_other_shards_load(tmp_path):
     with pytest.raises(DumpDirError, match="does not exist"):
         read_dump(tmp_path / "missing")

@@ -135,6 +135,22 @@ def test_msa_attention_whole_step(spec):
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[torch.float16], rtol=0)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["fused", "wide_table"])
+def test_msa_attention_writes_the_block_selection_record(wide, monkeypatch):
+    # The engine's record: each sparse layer writes its [T, G, K] choice into an int16 view of
+    # the step buffer [T, S, G, K] (stride S*G*K over tokens): the fused decode kernel from its
+    # registers (or, wide tables, index_topk's ids), the prefill rows index_topk's; same output.
+    if wide:
+        monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
+    b = _batch(MIXED, torch.float32, seed=7)
+    sel, want = _reference(b)
+    buf = torch.full((sel.shape[0] + 2, 3, G, K), -9, dtype=torch.int16)
+    got = md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=buf[: sel.shape[0], 1])
+    assert torch.equal(buf[: sel.shape[0], 1].int(), sel)
+    assert (buf[:, 0] == -9).all() and (buf[:, 2] == -9).all() and (buf[sel.shape[0] :] == -9).all()
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+
+
 def test_prefill_only_and_bad_inputs():
     b = _batch(([(0, 40), (20, 9)], 0), torch.float32, seed=4)
     _, want = _reference(b)

@@ -265,3 +265,39 @@ def test_multiturn_trajectory_carries_the_engines_routing_record(tok):
         rec = torch.as_tensor(t.routed_experts).long()
         assert torch.equal(batch.routed_experts[i, : rec.shape[0]], rec)
         assert bool((batch.routed_experts[i, rec.shape[0] :] == -1).all())  # padding / unrecorded
+
+
+def test_multiturn_trajectory_carries_the_block_selection_record(tok):
+    """Block-selection wiring: engine (record_block_selection) -> SampleOutput.block_selection (each
+    turn only its new tokens: GenerationRequest.block_selection_from) -> Trajectory -> TrainBatch.
+    The record equals a plain forward's block choice for every position but the last (never run);
+    the group's samples share their prompt's segment."""
+    from m3_rollout.engine.native_backend import NativeBackend
+    from m3_trainers.batch import batch_from_trajectories
+
+    chat = ChatFormat(tok, "disabled")
+    torch.manual_seed(0)
+    model = M3ForCausalLM(tiny_config(vocab_size=len(tok), max_position_embeddings=512)).float().eval()
+    bias = torch.zeros(len(tok))
+    bias[chat.eos_token_id] = 5.0
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
+    backend = NativeBackend(model, chat.stop_token_ids, record_block_selection=True)
+    trajs, _ = run_group_rollouts(
+        backend, chat, EchoEnv(), [{}], settings(n=2, max_turns=3, max_total_len=300, max_new_tokens=12, seed=3)
+    )
+    assert max(len(t.turns) for t in trajs) >= 2
+    assert trajs[0].block_selection.segments[0] is trajs[1].block_selection.segments[0]  # the shared prompt
+    for t in trajs:
+        rec = t.block_selection
+        assert rec.segments[0].start == 0 and rec.end == len(t.token_ids) - 1
+        assert len(rec.segments) == 1 + len(t.turns)  # prompt, then each turn's new tokens
+        with torch.no_grad():
+            model(torch.tensor([t.token_ids]))
+        want = torch.stack([a.last_selected_blocks[0].permute(1, 0, 2) for a in model.sparse_attention_layers()], 1)
+        assert torch.equal(torch.from_numpy(rec.dense(rec.end)).long(), want[: rec.end])
+    batch = batch_from_trajectories(trajs, torch.zeros(len(trajs)), with_block_selection=True)
+    assert batch.block_selection.dtype == torch.int16 and batch.block_selection.shape[2:] == (3, 2, 4)
+    for i, t in enumerate(trajs):
+        end = t.block_selection.end
+        assert torch.equal(batch.block_selection[i, :end], torch.from_numpy(t.block_selection.dense(end)))
+        assert bool((batch.block_selection[i, end:] == -1).all())  # the last token, padding

@@ -11,6 +11,7 @@ from test_rollout_multiturn import EchoEnv
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.model.selection_record import canonical_rows
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.server.client import HTTPBackend
 
@@ -26,7 +27,7 @@ def setup():
     bias = torch.zeros(len(tok))
     bias[served.stop_token_ids[0]] = 4.0
     model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
-    srv = LiveServer(served, native_backend(model, served, record_routing=True))
+    srv = LiveServer(served, native_backend(model, served, record_routing=True, record_block_selection=True))
     yield tok, served, model, srv
     srv.stop()
 
@@ -42,9 +43,9 @@ def _rollouts(backend, tok):
 
 def test_group_rollouts_over_http_equal_the_in_process_engine(setup):
     tok, served, model, srv = setup
-    http = HTTPBackend(srv.url, return_routed_experts=True)
+    http = HTTPBackend(srv.url, return_routed_experts=True, return_block_selection=True)
     over_http = _rollouts(http, tok)
-    local = _rollouts(native_backend(model, served, record_routing=True), tok)
+    local = _rollouts(native_backend(model, served, record_routing=True, record_block_selection=True), tok)
     assert len(over_http) == len(local) == 12
     assert max(len(t.turns) for t in over_http) >= 2  # really multi-turn
     for a, b in zip(over_http, local):
@@ -53,6 +54,16 @@ def test_group_rollouts_over_http_equal_the_in_process_engine(setup):
         assert a.weight_version == b.weight_version
         assert [r.finish_reason for r in a.turns] == [r.finish_reason for r in b.turns]
         assert np.array_equal(np.asarray(a.routed_experts), np.asarray(b.routed_experts))
+        # block selections: per turn only the new tokens, coded over the wire (sets: canonical order)
+        end = b.block_selection.end
+        assert a.block_selection.end == end == len(b.token_ids) - 1
+        assert [s.start for s in a.block_selection.segments] == [s.start for s in b.block_selection.segments]
+        assert np.array_equal(a.block_selection.dense(end), canonical_rows(b.block_selection.dense(end)))
+    for g in range(3):  # a group's samples share the prompt segment (sent once per response)
+        assert all(
+            t.block_selection.segments[0] is over_http[4 * g].block_selection.segments[0]
+            for t in over_http[4 * g : 4 * g + 4]
+        )
     http.shutdown()
 
 

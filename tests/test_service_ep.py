@@ -7,6 +7,7 @@ With randomness keyed by (seed, sample index, position), tokens must be identica
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from m3_rollout.config import WeightSyncConfig
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import iter_released_tensors, load_checkpoint
+from m3_rollout.model.selection_record import canonical_rows
 from m3_rollout.parallel import EPGroupSpec
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec
 from m3_rollout.service.launchers import GroupFailure, Launcher
@@ -45,6 +47,7 @@ def _engine_kwargs() -> dict:
         "eos_token_ids": (EOS,),
         "num_pages": 64,
         "record_routing": True,
+        "record_block_selection": True,
     }
 
 
@@ -74,6 +77,7 @@ def _reference(model_dir, reqs):
         max_num_seqs=16,
         num_pages=64,
         record_routing=True,
+        record_block_selection=True,
     )
     return backend.generate(reqs)
 
@@ -96,6 +100,14 @@ def test_ep2_tokens_equal_ep1_and_weights_update(model_dir):
             if a.finish_reason != "error":  # routing records agree too (global expert ids on every rank)
                 assert a.routed_experts.shape == (len(a.prompt_ids) + len(a.output_ids), 3, 2)
                 assert (a.routed_experts == b.routed_experts).all()
+                # the block-selection record crossed the process boundary coded (sets: canonical order)
+                end = len(a.prompt_ids) + len(a.output_ids) - 1
+                assert a.block_selection.end == end and a.block_selection.dims == (3, 2, 4)
+                want = canonical_rows(b.block_selection.dense(end))
+                np.testing.assert_array_equal(a.block_selection.dense(end), want)
+        for g in range(5):  # a group's samples still share one prompt segment after the transport
+            segs = [o.block_selection.segments[0] for o in outs if o.request_id == f"g{g}"]
+            assert len(segs) == 3 and all(s is segs[0] for s in segs)
         assert [o.finish_reason for o in outs if o.request_id == "bad"] == ["error", "error"]
         m = svc.metrics()
         assert m["restarts"] == 0 and len(m["tokens_per_expert"][0]) == 8

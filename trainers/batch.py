@@ -13,6 +13,12 @@ Routing records (routing replay, optional): ``routed_experts[b, t, j, k]`` is th
 rollout engine chose for token t of row b at the j-th MoE layer, for EVERY token (prompt and tool
 tokens too, since the trainer routes them all); -1 = not recorded (the trainer's own router
 decides that token), padding rows are -1.
+
+Block-selection records (index replay and the selection-agreement metric, optional):
+``block_selection[b, t, j, g, :]`` are the KV blocks the rollout engine's j-th sparse layer selected
+for token t of row b and KV head g (a set; -1 = empty slot). A row that is all -1 (padding, tokens
+the engine never ran, trajectories without a record) is not recorded: the trainer's own indexer
+decides it, and the agreement metric skips it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class TrainBatch:
     advantages: float32 [B].
     lengths: int64 [B].
     routed_experts: int64 [B, L, n_moe_layers, K] or None (see module docstring).
+    block_selection: int16 [B, L, S, G, K] or None (S sparse layers, G KV heads, K top-k blocks;
+        see module docstring).
     """
 
     token_ids: torch.Tensor
@@ -41,6 +49,7 @@ class TrainBatch:
     advantages: torch.Tensor
     lengths: torch.Tensor
     routed_experts: torch.Tensor | None = None
+    block_selection: torch.Tensor | None = None
 
     def validate(self) -> None:
         """Raises ValueError on inconsistent shapes or a loss mask on position 0 / padding."""
@@ -62,12 +71,18 @@ class TrainBatch:
                 f"TrainBatch.routed_experts has shape {tuple(self.routed_experts.shape)}, "
                 f"expected [B={b}, L={l}, n_moe_layers, top_k]"
             )
+        sel = self.block_selection
+        if sel is not None and (sel.ndim != 5 or tuple(sel.shape[:2]) != (b, l)):
+            raise ValueError(
+                f"TrainBatch.block_selection has shape {tuple(sel.shape)}, expected [B={b}, L={l}, S, G, K]"
+            )
 
     def slice(self, idx: slice) -> TrainBatch:
         """Rows ``idx``, trimmed to their longest length."""
         lengths = self.lengths[idx]
         l = int(lengths.max())
         routed = None if self.routed_experts is None else self.routed_experts[idx, :l]
+        sel = None if self.block_selection is None else self.block_selection[idx, :l]
         return TrainBatch(
             self.token_ids[idx, :l],
             self.loss_mask[idx, :l],
@@ -75,6 +90,7 @@ class TrainBatch:
             self.advantages[idx],
             lengths,
             routed,
+            sel,
         )
 
 
@@ -84,6 +100,7 @@ def batch_from_trajectories(
     pad_id: int = 0,
     sample_mask: torch.Tensor | None = None,
     with_routing: bool = False,
+    with_block_selection: bool = False,
 ) -> TrainBatch:
     """Pad trajectories into a :class:`TrainBatch` (row i = trajs[i]).
 
@@ -93,6 +110,8 @@ def batch_from_trajectories(
         with_routing: fill ``routed_experts`` from each trajectory's ``routed_experts`` array
             ([len, n_moe_layers, K], filled by the rollout when routing records are on); a
             trajectory without one (or a shorter one) gets -1 rows (own router).
+        with_block_selection: fill ``block_selection`` from each trajectory's ``block_selection``
+            record (``SelectionRecord``); None when no trajectory has one; unrecorded positions -1.
     """
     b, l = len(trajs), max(len(t.token_ids) for t in trajs)
     ids = torch.full((b, l), pad_id, dtype=torch.long)
@@ -114,6 +133,15 @@ def batch_from_trajectories(
                 if t.routed_experts is not None:
                     r = torch.as_tensor(t.routed_experts, dtype=torch.long)[: len(t.token_ids)]
                     routed[i, : r.shape[0]] = r
-    batch = TrainBatch(ids, mask, lps, advantages.float(), torch.tensor([len(t.token_ids) for t in trajs]), routed)
+    sel = None
+    recs = [t.block_selection for t in trajs] if with_block_selection else []
+    dims = next((r.dims for r in recs if r is not None and r.dims is not None), None)
+    if dims is not None:
+        sel = torch.full((b, l, *dims), -1, dtype=torch.int16)
+        for i, (t, r) in enumerate(zip(trajs, recs)):
+            if r is not None and r.dims is not None:
+                sel[i, : len(t.token_ids)] = torch.from_numpy(r.dense(len(t.token_ids)))
+    lengths = torch.tensor([len(t.token_ids) for t in trajs])
+    batch = TrainBatch(ids, mask, lps, advantages.float(), lengths, routed, sel)
     batch.validate()
     return batch

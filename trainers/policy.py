@@ -22,6 +22,7 @@ every metric stay on the device; a step reads its metrics back once (``train_ste
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import re
@@ -38,6 +39,7 @@ from m3_rollout.weight_sync.cast_copy import CastCopy
 from m3_rollout.weight_sync.released import ReleasedTensors
 from m3_trainers.batch import TrainBatch
 from m3_trainers.loss import ClippedPGLossFn, masked_fill_zero
+from m3_trainers.selection_replay import SelectionAgreement, replay_block_selection
 
 _INDEXER_KEYS = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -79,6 +81,9 @@ def token_logprobs(
     temperature: float = 1.0,
     routed_experts: torch.Tensor | None = None,
     return_entropy: bool = False,
+    block_selection: torch.Tensor | None = None,
+    index_replay: bool = False,
+    agreement: SelectionAgreement | None = None,
 ):
     """Logprob of every token given its prefix.
 
@@ -90,12 +95,15 @@ def token_logprobs(
         routed_experts: optional int64 [B, L, n_moe_layers, K] for routing replay.
         return_entropy: also return the entropy (nats) of the predictive distribution at every
             position (no grad), column 0 = 0.
+        block_selection: optional int [B, L, S, G, K] block-selection record
+            (``m3_trainers.selection_replay``): replayed when ``index_replay``, and measured into
+            ``agreement`` when given.
 
     Returns:
         float32 [B, L] (float64 for a float64 model); column 0 is 0 (no prefix), column t =
         log p(token_t | tokens_<t). With ``return_entropy``: (logprobs, entropy [B, L]).
     """
-    with replay_routing(model, routed_experts):
+    with replay_routing(model, routed_experts), replay_block_selection(model, block_selection, index_replay, agreement):
         logits = model(token_ids)
     logits = logits.to(compute_dtype(logits.dtype)) / temperature  # [B, L, V], fp32 (fp64 for fp64 models)
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # [B, L-1, V]
@@ -204,23 +212,34 @@ def checkpointed_layer_forward(layer: torch.nn.Module, forward, h: torch.Tensor,
 
     With autograd recording, the layer keeps only its input ``h`` [B, S, H] and recomputes its
     activations in the backward pass (``torch.utils.checkpoint``, ``use_reentrant=False``). The
-    routing-replay ids set on the layer's MoE for this forward (``replay_routing``) are captured
-    now and set again for the recomputation, which runs after ``replay_routing`` has cleared them.
+    routing-replay ids set on the layer's MoE for this forward (``replay_routing``) and the
+    block-selection replay of its attention (``replay_block_selection``) are captured now and set
+    again for the recomputation, which runs after those blocks have cleared them (the
+    recomputation adds no agreement counts a second time).
     Without autograd it is plain ``forward``.
     """
     if not torch.is_grad_enabled():
         return forward(h, inputs)
     moe = layer.block_sparse_moe if layer.is_moe else None
+    attn = layer.self_attn
     routes = None if moe is None else moe.replay_topk_ids
+    blocks = attn.block_replay
+    calls = []
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        if moe is None:
-            return forward(x, inputs)
-        outer, moe.replay_topk_ids = moe.replay_topk_ids, routes
+        outer_r = None if moe is None else moe.replay_topk_ids
+        outer_b = attn.block_replay
+        if moe is not None:
+            moe.replay_topk_ids = routes
+        if blocks is not None:  # counted on the first call only
+            attn.block_replay = blocks if not calls else dataclasses.replace(blocks, stats=None)
+        calls.append(1)
         try:
             return forward(x, inputs)
         finally:
-            moe.replay_topk_ids = outer
+            if moe is not None:
+                moe.replay_topk_ids = outer_r
+            attn.block_replay = outer_b
 
     return checkpoint(run, h, use_reentrant=False)
 
@@ -235,7 +254,7 @@ def enable_activation_checkpointing(model: M3ForCausalLM) -> None:
 def batch_to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """``batch`` with its tensors on ``device`` (no copy where already there), except ``lengths``,
     which stays on the host so micro-batch slicing (``TrainBatch.slice``) never waits for the device."""
-    routed = batch.routed_experts
+    routed, sel = batch.routed_experts, batch.block_selection
 
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
@@ -247,6 +266,7 @@ def batch_to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
         move(batch.advantages),
         batch.lengths.cpu(),
         None if routed is None else move(routed),
+        None if sel is None else move(sel),
     )
 
 
@@ -263,6 +283,8 @@ class Policy:
         reference_model: keep a frozen copy of the initial weights (in the compute dtype) for the
             KL penalty.
         routing_replay: use ``TrainBatch.routed_experts`` in every trainer forward.
+        index_replay: use ``TrainBatch.block_selection`` in every trainer forward (block-selection
+            replay, ``m3_trainers.selection_replay``).
         device: where the model, optimizer, logprobs and loss live; None = the model's device.
         compute_dtype: dtype forward and backward run in; None or the master dtype = the master
             model itself; lower (torch.bfloat16) = a cast copy (module docstring).
@@ -294,6 +316,7 @@ class Policy:
         reference_model: bool = False,
         routing_replay: bool = False,
         device: torch.device | str | None = None,
+        index_replay: bool = False,
         compute_dtype: torch.dtype | None = None,
         activation_checkpointing: bool = False,
     ):
@@ -301,6 +324,7 @@ class Policy:
         self.model = model.to(self.device).train()
         self.max_grad_norm = max_grad_norm
         self.routing_replay = routing_replay
+        self.index_replay = index_replay
         groups = split_param_groups(model, freeze_indexer, freeze_router_bias, weight_decay, freeze_patterns)
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -365,6 +389,8 @@ class Policy:
         micro_batch_size: int,
         reference: bool = False,
         routing_replay: bool | None = None,
+        index_replay: bool | None = None,
+        agreement: SelectionAgreement | None = None,
     ) -> torch.Tensor:
         """Logprobs of ``batch.token_ids`` under the current (or reference) weights, without autograd
         (the plain forward takes the same PyTorch ops with or without it: the engine's fused
@@ -374,6 +400,9 @@ class Policy:
             batch: on the host or the device (``batch_to_device``).
             reference: score with the frozen reference model.
             routing_replay: use the batch's routes (None = ``Policy.routing_replay``).
+            index_replay: use the batch's block selections (None = ``Policy.index_replay``).
+            agreement: add the sparse layers' selection-agreement counts against the batch's
+                block selections here (``SelectionAgreement``; None = not measured).
 
         Returns:
             float32 (float64 for an fp64 master) [B, L] on ``Policy.device``, 0 past each row's length.
@@ -386,11 +415,20 @@ class Policy:
             raise ValueError("no reference model: construct Policy(reference_model=True) for a KL penalty")
         self._refresh_compute()
         replay = self.routing_replay if routing_replay is None else routing_replay
+        blocks = self.index_replay if index_replay is None else index_replay
         batch = batch_to_device(batch, self.device)
         out = torch.zeros(batch.rollout_logprobs.shape, dtype=self._logprob_dtype(), device=self.device)
         for s in range(0, batch.token_ids.shape[0], micro_batch_size):
             mb = batch.slice(slice(s, s + micro_batch_size))
-            lp = token_logprobs(model, mb.token_ids, temperature, self._routes(mb, replay))
+            lp = token_logprobs(
+                model,
+                mb.token_ids,
+                temperature,
+                self._routes(mb, replay),
+                block_selection=mb.block_selection,
+                index_replay=blocks,
+                agreement=agreement,
+            )
             out[s : s + micro_batch_size, : mb.token_ids.shape[1]] = lp
         return out
 
@@ -485,7 +523,13 @@ class Policy:
             l = mb.token_ids.shape[1]
             computed += mb.token_ids.numel()
             lp, ent = token_logprobs(
-                self.compute, mb.token_ids, temperature, self._routes(mb, self.routing_replay), return_entropy=True
+                self.compute,
+                mb.token_ids,
+                temperature,
+                self._routes(mb, self.routing_replay),
+                return_entropy=True,
+                block_selection=mb.block_selection,
+                index_replay=self.index_replay,
             )
             loss, m = loss_fn.loss_and_stats(
                 lp,

@@ -22,6 +22,7 @@ from m3_trainers.advantages import apply_overlong_filter, group_advantages
 from m3_trainers.batch import TrainBatch, batch_from_trajectories
 from m3_trainers.loss import ClippedPGLossFn
 from m3_trainers.policy import Policy, mismatch_metrics
+from m3_trainers.selection_replay import SelectionAgreement
 
 
 def optimizer_steps_per_grpo_step(cfg: MasterConfig) -> int:
@@ -81,6 +82,7 @@ def build_policy(cfg: MasterConfig, model, total_opt_steps: int) -> Policy:
         min_lr_ratio=p.scheduler.min_lr_ratio,
         reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
         routing_replay=p.routing_replay,
+        index_replay=p.index_replay,
         device=trainer_device(cfg),
         compute_dtype=torch.bfloat16 if p.precision == "bfloat16" else None,
         activation_checkpointing=p.activation_checkpointing,
@@ -195,10 +197,15 @@ class StepResult:
             batch when the batch spans several optimizer steps, ``overlong_filtered`` (trajectories
             filtered) with overlong filtering, ``routing_replay_coverage``
             (fraction of token positions with a recorded route) when routing replay is on and,
-            when the batch carries routes, the mismatch of the trainer with its own router before
-            the update (the mismatch names + ``_without_replay``; one more scoring forward), besides the
-            replayed figures; ``train_step_seconds`` (= ``seconds``), FLOPs and TFLOP/s
-            (``Policy.train_step``).
+            when the batch carries routes (or, with index replay, block selections), the mismatch
+            of the trainer with its own router and indexer before the update (the mismatch names +
+            ``_without_replay``; one more scoring forward), besides the replayed figures;
+            with block-selection records (``policy.generation.record_block_selection``)
+            ``msa_selection_coverage`` (fraction of token positions with a record) and the
+            selection agreement of the trainer's own top-k with the rollout's before the update
+            (``SelectionAgreement.metrics``: ``msa_selection_agreement``, ``msa_selection_overlap``
+            and per layer), measured in a scoring forward the step runs anyway;
+            ``train_step_seconds`` (= ``seconds``), FLOPs and TFLOP/s (``Policy.train_step``).
         seconds: wall time of the training phase (logprobs and optimizer steps), seconds.
     """
 
@@ -239,20 +246,33 @@ def train_step_on_groups(
     g, p = cfg.grpo, cfg.policy
     adv = trajectory_advantages(trajs, g) if advantages is None else advantages.float()
     filtered = apply_overlong_filter(trajs) if g.overlong_filtering else 0
-    batch = batch_from_trajectories(list(trajs), adv, pad_id=pad_id, with_routing=p.routing_replay)
+    batch = batch_from_trajectories(
+        list(trajs),
+        adv,
+        pad_id=pad_id,
+        with_routing=p.routing_replay,
+        with_block_selection=p.generation.record_block_selection,
+    )
     t0 = time.perf_counter()
     gbs, mbs = p.train_global_batch_size, p.train_micro_batch_size
     prev = ref = own = None
     scored = 0  # tokens of the forwards run here, before the optimizer steps
-    if gbs < len(trajs):  # several optimizer steps: ratios against the rollout-time policy
-        prev = policy.get_logprobs(batch, temperature, mbs)
+    selections = batch.block_selection is not None
+    replayed = (p.routing_replay and batch.routed_experts is not None) or (p.index_replay and selections)
+    agreement = SelectionAgreement(policy.compute, policy.device) if selections else None
+    # NOTE: the agreement is measured in a no-replay scoring forward the step runs anyway: the
+    # "own" forward when replaying, else the pre-update logprobs (otherwise computed inside
+    # train_step, on the same weights).
+    if gbs < len(trajs) or (selections and not replayed):  # ratios against the rollout-time policy
+        prev = policy.get_logprobs(batch, temperature, mbs, agreement=None if replayed else agreement)
         scored += batch.token_ids.numel()
-        if loss_fn.needs_reference:
-            ref = policy.get_logprobs(batch, temperature, mbs, reference=True)
-            scored += batch.token_ids.numel()
-    replayed = p.routing_replay and batch.routed_experts is not None
-    if replayed:  # the trainer's own routing, before the update: the mismatch routing replay removes
-        own = policy.get_logprobs(batch, temperature, mbs, routing_replay=False)
+    if gbs < len(trajs) and loss_fn.needs_reference:
+        ref = policy.get_logprobs(batch, temperature, mbs, reference=True)
+        scored += batch.token_ids.numel()
+    if replayed:  # the trainer's own routing and blocks, before the update: the mismatch replay removes
+        own = policy.get_logprobs(
+            batch, temperature, mbs, routing_replay=False, index_replay=False, agreement=agreement
+        )
         scored += batch.token_ids.numel()
     lp_seconds = policy.elapsed(t0)
     per_opt_step = []
@@ -283,6 +303,13 @@ def train_step_on_groups(
     if p.routing_replay:
         r = batch.routed_experts
         metrics["routing_replay_coverage"] = 0.0 if r is None else float((r[..., 0, 0] >= 0).float().mean())
+    if p.generation.record_block_selection:
+        sel = batch.block_selection
+        real = torch.arange(batch.token_ids.shape[1])[None, :] < batch.lengths[:, None]  # [B, L] not padding
+        hit = torch.zeros_like(real) if sel is None else (sel >= 0).flatten(2).any(dim=-1)
+        metrics["msa_selection_coverage"] = float((hit & real).sum()) / max(int(real.sum()), 1)
+        if agreement is not None:
+            metrics.update(agreement.metrics())
     seconds = time.perf_counter() - t0
     metrics["train_step_seconds"] = seconds
     return StepResult(batch, adv, metrics, seconds)

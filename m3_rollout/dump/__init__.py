@@ -1,7 +1,7 @@
 """Offline rollout dumps (design.md §2 step 7, §6): Parquet shards of GRPO trajectories.
 
 schema    the versioned Arrow schema (one row per trajectory) and file naming
-records   Trajectory <-> row conversion, routed-experts codec, provenance hashes
+records   Trajectory <-> row conversion, routed-experts codec, block-selection placement, provenance hashes
 writer    atomic, never-overwriting shard writer with retention; the GRPO loop's hook
 reader    shard listing and loading; bad shards reported by file, the rest still load
 report    ``inspect`` (per-step table) and ``show`` (one group by turn)
@@ -28,6 +28,7 @@ from m3_rollout.dump.records import (
     decode_routed_experts,
     encode_routed_experts,
     table_from_trajectories,
+    trajectories_from_rows,
     trajectory_from_row,
 )
 from m3_rollout.dump.schema import SCHEMA, SCHEMA_VERSION
@@ -52,6 +53,7 @@ __all__ = [
     "SchemaVersionError",
     "table_from_trajectories",
     "trajectory_from_row",
+    "trajectories_from_rows",
     "encode_routed_experts",
     "decode_routed_experts",
 ]

@@ -87,13 +87,18 @@ def _metadata(path: Path) -> dict[str, str]:
     meta = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in meta.items()}
     if S.META_VERSION not in meta:
         raise DumpFileError(path, f"Parquet file without {S.META_VERSION!r} metadata: not a rollout dump shard")
-    if meta[S.META_VERSION] != str(S.SCHEMA_VERSION):
+    if meta[S.META_VERSION] not in {str(v) for v in S.READABLE_VERSIONS}:
         raise SchemaVersionError(
             path,
-            f"schema version {meta[S.META_VERSION]}, this reader reads version "
-            f"{S.SCHEMA_VERSION}; read it with the m3_rollout release that wrote it",
+            f"schema version {meta[S.META_VERSION]}, this reader reads versions "
+            f"{', '.join(map(str, S.READABLE_VERSIONS))}; read it with the m3_rollout release that wrote it",
         )
     return meta
+
+
+def _added_since(version: int) -> list[str]:
+    """Columns a shard of ``version`` lacks (added by later versions)."""
+    return [c for v, cols in S.ADDED_COLUMNS.items() if v > version for c in cols]
 
 
 def shard_info(path: str | Path) -> ShardInfo:
@@ -130,14 +135,19 @@ def read_shard(path: str | Path, columns: Iterable[str] | None = None) -> pa.Tab
     """
     path = Path(path)
     meta = _metadata(path)
+    version = int(meta[S.META_VERSION])
+    want = list(columns) if columns is not None else S.COLUMN_NAMES
+    later = set(_added_since(version))
     try:
-        table = pq.read_table(path, columns=list(columns) if columns is not None else None)
+        table = pq.read_table(path, columns=None if columns is None else [c for c in want if c not in later])
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, KeyError) as exc:
         raise DumpFileError(path, f"cannot read its data ({exc}); the file is corrupt or truncated") from None
-    want = list(columns) if columns is not None else S.COLUMN_NAMES
+    for c in _added_since(version):  # an older shard: the columns it predates are null
+        if c in want and c not in table.column_names:
+            table = table.append_column(S.SCHEMA.field(c), pa.nulls(table.num_rows, S.SCHEMA.field(c).type))
     missing = [c for c in want if c not in table.column_names]
     if missing:
-        raise DumpFileError(path, f"missing columns {missing} for schema version {S.SCHEMA_VERSION}")
+        raise DumpFileError(path, f"missing columns {missing} for schema version {version}")
     if table.num_rows != int(meta.get(S.META_NUM_ROWS, -1)):
         raise DumpFileError(path, f"{table.num_rows} rows but the metadata says {meta[S.META_NUM_ROWS]}")
     return table

@@ -1,10 +1,16 @@
-"""Trajectory <-> dump row conversion, and the routed-experts codec.
+"""Trajectory <-> dump row conversion, the routed-experts codec, block-selection placement.
 
 Governing idea: the dump stores a ``Trajectory`` losslessly. Fields with a column are written
 there (typed lists for the per-token arrays, per-turn lists, JSON text for free-form dicts); a
 dataclass field this schema has no column for goes into ``extra_fields`` (JSON) so it still
 round-trips. Optional fields the producer's ``Trajectory`` does not have yet are written as null
 and reported by :func:`table_from_trajectories` as absent.
+
+Block-selection records (``Trajectory.block_selection``) are stored as their coded segments
+(``m3_rollout.model.selection_record``), each ONCE per step and group: a segment the group's
+samples share (their prompt's) sits in the first row that holds it and the others point at it
+(``block_selection_index``), so rebuilding a row's record needs its group's rows:
+:func:`trajectories_from_rows`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from m3_rollout.dump.schema import SCHEMA
+from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.rollout.trajectory import Trajectory
 
 #: Trajectory attributes stored in typed columns.
@@ -41,7 +48,7 @@ CORE_FIELDS = (
 
 #: Optional column -> Trajectory attribute it is read from; a Trajectory without the attribute
 #: gets a null and the column is listed as absent.
-OPTIONAL_FIELDS = {"timings": "timings", "routed_experts": "routed_experts"}
+OPTIONAL_FIELDS = {"timings": "timings", "routed_experts": "routed_experts", "block_selection": "block_selection"}
 
 INT16_MAX = np.iinfo(np.int16).max
 
@@ -188,14 +195,38 @@ def _turn_columns(t: Trajectory) -> dict:
     }
 
 
+def selection_columns(trajs: Sequence[Trajectory]) -> list[tuple[list[bytes], list[list[int]]] | None]:
+    """Per trajectory, its ``(block_selection, block_selection_index)`` column values (None without
+    a record): each distinct segment object of a group is stored by the first row holding it."""
+    home: dict[tuple[int, int], tuple[int, int]] = {}  # (group, id(segment)) -> (sample_index, item)
+    out = []
+    for t in trajs:
+        rec = getattr(t, "block_selection", None)
+        if rec is None:
+            out.append(None)
+            continue
+        blobs, index = [], []
+        for seg in rec.segments:
+            key = (int(t.group_index), id(seg))
+            if key not in home:
+                home[key] = (int(t.sample_index), len(blobs))
+                blobs.append(seg.to_bytes())
+            index.append(list(home[key]))
+        out.append((blobs, index))
+    return out
+
+
 def trajectory_row(
     traj: Trajectory,
     advantage: float | None,
     ctx: StepContext,
     decode: Callable[[list[int]], str] | None,
     absent: set[str],
+    selection: tuple[list[bytes], list[list[int]]] | None = None,
 ) -> dict:
-    """One row dict of the schema; adds names of columns the Trajectory cannot fill to ``absent``."""
+    """One row dict of the schema; adds names of columns the Trajectory cannot fill to ``absent``.
+    ``selection``: the row's block-selection columns from :func:`selection_columns` (None: the
+    row stores its whole record itself)."""
     t = traj
     t.check()
     row = {
@@ -225,6 +256,8 @@ def trajectory_row(
         "timings": None,
         "routed_experts": None,
         "routed_experts_shape": None,
+        "block_selection": None,
+        "block_selection_index": None,
     }
     if not decode:
         absent.update(("prompt_text", "response_text", "tool_turn_texts"))
@@ -240,6 +273,8 @@ def trajectory_row(
             continue
         if column == "routed_experts":
             row["routed_experts"], row["routed_experts_shape"] = encode_routed_experts(value, len(t.token_ids))
+        elif column == "block_selection":
+            row["block_selection"], row["block_selection_index"] = selection or selection_columns([t])[0]
         else:
             row[column] = dumps(value)
     fields = {f.name for f in dataclasses.fields(t)} - set(CORE_FIELDS) - set(OPTIONAL_FIELDS.values())
@@ -282,11 +317,16 @@ def table_from_trajectories(
             )
         seen.add(key)
     absent: set[str] = set()
-    rows = [trajectory_row(t, None if adv is None else adv[i], ctx, decode, absent) for i, t in enumerate(trajs)]
+    sel = selection_columns(trajs)
+    rows = [
+        trajectory_row(t, None if adv is None else adv[i], ctx, decode, absent, sel[i]) for i, t in enumerate(trajs)
+    ]
     if adv is None:
         absent.add("advantage")
     if all(r["routed_experts"] is None for r in rows):
         absent.add("routed_experts")
+    if all(r["block_selection"] is None for r in rows):
+        absent.update(("block_selection", "block_selection_index"))
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
     return table, sorted(absent)
 
@@ -326,11 +366,47 @@ def _turn_records(row: dict, token_ids: list[int]) -> list:
     return out
 
 
-def trajectory_from_row(row: dict) -> Trajectory:
+def trajectories_from_rows(rows: Sequence[dict]) -> list[Trajectory]:
+    """:func:`trajectory_from_row` of every row, block-selection records resolved across the rows of
+    each (step, group): a segment the group's samples share comes back as ONE object they all hold.
+
+    Raises:
+        ValueError: a row points at a segment of a row that is not among ``rows``.
+    """
+    stored: dict[tuple[int, int, int], list[SelectionSegment]] = {}
+    for r in rows:
+        if r.get("block_selection") is not None:
+            key = (int(r["step"]), int(r["group_id"]), int(r["sample_index"]))
+            stored[key] = [SelectionSegment.from_bytes(b) for b in r["block_selection"]]
+    return [trajectory_from_row(r, stored) for r in rows]
+
+
+def _row_segments(row: dict, stored: dict) -> list[SelectionSegment]:
+    """The segments of a row's block-selection record, in position order."""
+    step, group, sample = int(row["step"]), int(row["group_id"]), int(row["sample_index"])
+    own = stored.get((step, group, sample)) or [SelectionSegment.from_bytes(b) for b in row["block_selection"] or []]
+    out = []
+    for s_idx, item in row["block_selection_index"]:
+        segs = own if s_idx == sample else stored.get((step, group, s_idx))
+        if segs is None:
+            raise ValueError(
+                f"step {step} group {group} sample {sample}: its block-selection record uses a segment of "
+                f"sample {s_idx}; read the group's rows together (trajectories_from_rows)"
+            )
+        out.append(segs[item])
+    return out
+
+
+def trajectory_from_row(row: dict, stored: dict | None = None) -> Trajectory:
     """Rebuild the ``Trajectory`` a row was written from (row = one ``Table.to_pylist()`` item).
 
     Optional fields come back when the ``Trajectory`` class has them; routed experts as an int16
-    numpy array [L, n_moe_layers, top_k]; ``extra_fields`` entries as their JSON values.
+    numpy array [L, n_moe_layers, top_k]; the block-selection record as a ``SelectionRecord``;
+    ``extra_fields`` entries as their JSON values.
+
+    stored: (step, group_id, sample_index) -> that row's decoded ``block_selection`` segments
+    (:func:`trajectories_from_rows` builds it); needed when the row's record points into another
+    row (its group's shared prompt segment), else a ValueError says so.
     """
     known = {f.name for f in dataclasses.fields(Trajectory)}
     ids = list(row["token_ids"])
@@ -353,6 +429,8 @@ def trajectory_from_row(row: dict) -> Trajectory:
         t.timings = json.loads(row["timings"])
     if row.get("routed_experts") is not None:
         t.routed_experts = decode_routed_experts(row["routed_experts"], row["routed_experts_shape"])
+    if row.get("block_selection_index") is not None:
+        t.block_selection = SelectionRecord(_row_segments(row, stored or {}))
     if row.get("extra_fields"):
         for name, value in json.loads(row["extra_fields"]).items():
             if name in known:

@@ -213,6 +213,13 @@ def show_lines(directory, step: int, group: int) -> tuple[list[str], list[str]]:
             out += _turn_lines(r, k)
         if r["routed_experts_shape"]:
             out.append(f"  routed experts: {r['routed_experts_shape']} (int16, zstd {len(r['routed_experts'])} bytes)")
+        if r.get("block_selection_index"):
+            own = sum(len(b) for b in r["block_selection"] or [])
+            shared = sum(1 for s, _ in r["block_selection_index"] if s != r["sample_index"])
+            out.append(
+                f"  block selection: {len(r['block_selection_index'])} segments ({shared} stored with another "
+                f"sample), {own} bytes coded in this row"
+            )
         info = json.loads(r["env_info"])
         if info:
             out.append(f"  env info: {json.dumps(info)}")

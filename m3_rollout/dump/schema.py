@@ -1,10 +1,11 @@
-"""The rollout dump's on-disk schema (version 1): one Parquet row per trajectory.
+"""The rollout dump's on-disk schema (version 2): one Parquet row per trajectory.
 
 Governing idea: this module is the single source of the schema. The Arrow schema below fixes
 every column's type; ``docs/rollout_dump_schema.md`` explains each column for readers that do not
 import this package (pandas, pyarrow, ``datasets``). A change to a column's name, type or meaning
 bumps :data:`SCHEMA_VERSION`; readers refuse shards of another version with an error naming the
-file.
+file, except the older versions in :data:`READABLE_VERSIONS`, whose missing columns
+(:data:`ADDED_COLUMNS`) read as nulls.
 
 Shard layout: ``<dump dir>/step_<step:08d>.parquet``, written under a hidden temporary name
 (``.step_<step:08d>.parquet.tmp-<pid>``) and renamed, so a name matching :data:`SHARD_PATTERN`
@@ -18,7 +19,7 @@ import re
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: File-metadata keys (bytes in Parquet; values are UTF-8 strings, JSON where noted).
 META_VERSION = "m3_rollout.dump.schema_version"
@@ -111,8 +112,25 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
         "zstd-compressed little-endian int16 array [L, n_moe_layers, top_k] of routed expert ids",
     ),
     ("routed_experts_shape", pa.list_(pa.int32()), True, "shape of routed_experts: [L, n_moe_layers, top_k]"),
+    (
+        "block_selection",
+        pa.list_(pa.binary()),
+        True,
+        "coded block-selection segments this row stores (KV blocks per token, sparse layer and KV head)",
+    ),
+    (
+        "block_selection_index",
+        pa.list_(pa.list_(pa.int32())),
+        True,
+        "the row's block-selection record in position order: [sample_index, k] = item k of block_selection "
+        "of this step's row of the same group with that sample_index",
+    ),
     ("extra_fields", pa.string(), True, "JSON object of Trajectory fields this schema has no column for"),
 ]
+
+#: Versions this reader reads, and the (nullable) columns each version added: an older shard gets them as nulls.
+READABLE_VERSIONS = (1, 2)
+ADDED_COLUMNS = {2: ("block_selection", "block_selection_index")}
 
 SCHEMA = pa.schema([pa.field(name, typ, nullable=nullable) for name, typ, nullable, _ in COLUMNS])
 COLUMN_NAMES = [c[0] for c in COLUMNS]

@@ -26,7 +26,8 @@ from m3_rollout.rollout.trajectory import Trajectory
 
 #: Parquet writer settings. Routed experts are already zstd-compressed per row.
 ZSTD_LEVEL = 3
-_COMPRESSION = {name: ("none" if name == "routed_experts" else "zstd") for name in S.COLUMN_NAMES}
+# routed_experts and block_selection are compressed per row already (zstd)
+_COMPRESSION = {name: ("none" if name in ("routed_experts", "block_selection") else "zstd") for name in S.COLUMN_NAMES}
 
 
 def _fsync_dir(path: Path) -> None:

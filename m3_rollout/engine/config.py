@@ -59,6 +59,9 @@ class EngineConfig:
     # Routing record (design.md §2.3): SampleOutput.routed_experts = expert ids of every MoE layer for
     # every token, kept per KV page (m3_rollout/parallel/routing_record.py).
     record_routing: bool = False
+    # Block-selection record (design.md §2.3): SampleOutput.block_selection = every sparse layer's
+    # selected KV blocks per token and KV head (m3_rollout/engine/selection_cache.py).
+    record_block_selection: bool = False
     eos_token_ids: tuple[int, ...] = ()
     index_cache_dtype: str = "bfloat16"
     quantize_index_queries: bool = False

@@ -110,6 +110,8 @@ class CudaGraphDecode:
         use_graphs: False = run the captured bodies eagerly (any device; for tests).
         fused_sampler: sample with the Triton sampler (``sampler_triton.py``, same tokens) when no
             row filters by top-k / top-p, and build the inputs with one Triton launch; None = on CUDA.
+        selection_buffer: the block-selection record's step buffer (int16 [>= S rows, ...]); the
+            captured forward of size s writes rows 0..s-1 (padding rows too; their slots are -1).
     """
 
     def __init__(
@@ -123,8 +125,10 @@ class CudaGraphDecode:
         sizes: tuple[int, ...] | None = None,
         use_graphs: bool = True,
         fused_sampler: bool | None = None,
+        selection_buffer: torch.Tensor | None = None,
     ):
         dev = kv.device
+        self.selection_buffer = selection_buffer
         self.fused_sampler = dev.type == "cuda" if fused_sampler is None else fused_sampler
         assert dev.type == "cuda" or not use_graphs, "CUDA graphs are GPU-only"
         self.use_graphs = use_graphs
@@ -207,7 +211,9 @@ class CudaGraphDecode:
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
-        return self.model.forward_paged(self.input_ids[:s], meta, self.kv, self.ops)  # [s, V]
+        return self.model.forward_paged(
+            self.input_ids[:s], meta, self.kv, self.ops, selection_out=self.selection_buffer
+        )  # [s, V]
 
     def sample_into_out(
         self, logits: torch.Tensor, s: int, need_top_k: bool = False, need_top_p: bool = False

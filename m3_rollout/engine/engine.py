@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
@@ -37,11 +38,13 @@ from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
 from m3_rollout.engine.requests import CheckedRequest, check_prompt, check_request, error_outputs, sample_groups
 from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
 from m3_rollout.engine.score import check_score_temperature, score_tokens
+from m3_rollout.engine.selection_cache import SelectionCache
 from m3_rollout.engine.sequence import SeqStatus, Sequence
 from m3_rollout.engine.sleep import MemoryHandoff, Resize, resize_storage
 from m3_rollout.engine.stats import EngineStats, engine_metrics
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
+from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 
 
 class LLMEngine:
@@ -90,6 +93,12 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # Block-selection record (hooks: launcher, _process, _fork, _selection); its step buffer is
+        # written by every forward, the decode graphs included.
+        self.selection: SelectionCache | None = None
+        if config.record_block_selection:
+            cap = max(config.max_num_seqs, config.max_num_batched_tokens, 1)
+            self.selection = SelectionCache.for_model(self.model, num_pages, ps, cap)
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -100,6 +109,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.fused_sampler,
             ops,
+            None if self.selection is None else self.selection.step_buffer,
         )
         # NOTE: None = on for CUDA (GPU round 1, H200: identical tokens, host time hidden), off on
         # the CPU (nothing to overlap there; outputs would come one step() later).
@@ -124,10 +134,12 @@ class LLMEngine:
         self._next_seq = 0
         self._next_req = 0
         self.stats = EngineStats()
-        self.launcher = StepLauncher(self.runner, self.stats, self.routing)
+        self.launcher = StepLauncher(self.runner, self.stats, self.routing, self.selection)
         caches = self.kv.tensors()
         self.memory = MemoryHandoff(
-            caches + ([self.routing.table] if self.routing is not None else []),
+            caches
+            + ([self.routing.table] if self.routing is not None else [])
+            + ([self.selection.step_buffer] if self.selection is not None else []),
             self._weight_tensors,
             self.runner.release_graphs,
             self.runner.capture_graphs,
@@ -170,10 +182,21 @@ class LLMEngine:
         key = self._next_req
         self._next_req += 1
         seqs = []
+        box = [None]  # the request's shared prompt segment of the block-selection record
         for j in range(p.n):
             seqs.append(
                 Sequence(
-                    self._next_seq, req.request_id, key, checked.sample_index + j, p, prompt, stops, max_len, stream
+                    self._next_seq,
+                    req.request_id,
+                    key,
+                    checked.sample_index + j,
+                    p,
+                    prompt,
+                    stops,
+                    max_len,
+                    stream,
+                    checked.block_selection_from,
+                    box,
                 )
             )
             self._next_seq += 1
@@ -185,12 +208,14 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop every sample of ``request_id``; each yields a finish_reason "abort" record next step."""
+        if self.selection is not None and request_id in self._live:
+            self.selection.land(self.selection.last_serial)  # aborts are rare: wait for every step
         for seq in self._live.pop(request_id, []):
-            routed = self._routed(seq)  # before its pages are freed
+            routed, selected = self._routed(seq), self._selection(seq)  # before its pages are freed
             if self._is_scheduled(seq):  # unforked children hold no pages and sit in no queue
                 self.scheduler.remove(seq)
             seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
-            self._pending.append(self._output(seq, routed))
+            self._pending.append(self._output(seq, routed, selected))
 
     def _is_scheduled(self, seq: Sequence) -> bool:
         return seq in self.scheduler.running or seq in self.scheduler.waiting
@@ -207,7 +232,11 @@ class LLMEngine:
                 seq.status = SeqStatus.FINISHED
                 out.append(
                     GenerationRequest(
-                        rid, seq.token_ids[: seq.prompt_len], dataclasses.replace(seq.params, n=1), seq.sample_index
+                        rid,
+                        seq.token_ids[: seq.prompt_len],
+                        dataclasses.replace(seq.params, n=1),
+                        seq.sample_index,
+                        seq.record_from,
                     )
                 )
         return out
@@ -400,6 +429,8 @@ class LLMEngine:
         ph = self.stats.phase_seconds
         t0 = time.perf_counter()
         tokens, lps = launched.result.fetch()
+        if self.selection is not None:  # a sampling step was waited for: its record copy is queued right behind
+            self.selection.land(launched.serial if launched.samples else None)
         t1 = time.perf_counter()
         ph["sync"] += t1 - t0
         for seq in launched.leaders:
@@ -434,7 +465,7 @@ class LLMEngine:
                 continue  # fast path of _finish_reason: still running
             reason = self._finish_reason(seq)
             if reason is not None:
-                routed = self._routed(seq)  # before its pages are freed
+                routed, selected = self._routed(seq), self._selection(seq)  # before its pages are freed
                 self.scheduler.remove(seq)
                 seq.finish_reason = reason
                 live_seqs = self._live.get(seq.request_id)
@@ -442,7 +473,7 @@ class LLMEngine:
                     live_seqs.remove(seq)
                     if not live_seqs:
                         del self._live[seq.request_id]
-                out.append(self._output(seq, routed))
+                out.append(self._output(seq, routed, selected))
         ph["output"] += time.perf_counter() - t1
         return out
 
@@ -460,6 +491,8 @@ class LLMEngine:
                 self.kv.copy_page(*copy)
                 if self.routing is not None:
                     self.routing.copy_page(*copy)
+                if self.selection is not None:
+                    self.selection.copy_page(*copy)
             self.scheduler.add_running(child)
             self.stats.forks += 1
         leader.children = []
@@ -482,7 +515,32 @@ class LLMEngine:
             return None
         return self.routing.gather(seq.block_table, seq.num_computed, len(seq.token_ids))
 
-    def _output(self, seq: Sequence, routed=None) -> SampleOutput:
+    def _selection(self, seq: Sequence) -> SelectionRecord | None:
+        """The block-selection record of ``seq`` from ``seq.record_from`` while it still holds its
+        pages (None when recording is off): positions run by the steps processed so far, at most
+        up to the last sampled token (never run; with async scheduling it may be in flight). With
+        n > 1 the prompt part is a segment of its own, one object shared by the request's samples
+        when theirs are equal."""
+        if self.selection is None:
+            return None
+        start = min(seq.record_from, seq.num_computed)
+        end = max(start, min(seq.num_computed, len(seq.token_ids) - 1))
+        p_end = min(max(seq.prompt_len, start), end) if seq.params.n > 1 else start  # n = 1: one segment
+        segs = []
+        if p_end > start:
+            rows = self.selection.gather(seq.block_table, start, p_end)
+            shared = seq.selection_box[0]
+            if shared is not None and shared.start == start and np.array_equal(shared.rows, rows):
+                segs.append(shared)
+            else:
+                segs.append(SelectionSegment.from_rows(start, rows))
+                if shared is None:
+                    seq.selection_box[0] = segs[-1]
+        if end > p_end:
+            segs.append(SelectionSegment.from_rows(p_end, self.selection.gather(seq.block_table, p_end, end)))
+        return SelectionRecord(segs)
+
+    def _output(self, seq: Sequence, routed=None, selected=None) -> SampleOutput:
         versions = list(seq.weight_versions)
         return SampleOutput(
             seq.request_id,
@@ -494,6 +552,7 @@ class LLMEngine:
             versions[-1] if versions else self._version,
             token_weight_versions=versions,
             routed_experts=routed,
+            block_selection=selected,
         )
 
     # ---- scoring and metrics --------------------------------------------------------------

@@ -177,12 +177,17 @@ class GenerationRequest:
         sample_index: index of the first sample in the randomness key; sample j uses
             ``sample_index + j``. A multi-turn continuation of sample j passes n=1 and
             sample_index=j so it keeps its own random stream.
+        block_selection_from: first position whose block-selection record the outputs carry
+            (engines that record it; 0..len(prompt_ids)): a later turn passes the end of what the
+            earlier turns' outputs recorded (``SelectionRecord.end``), so each turn sends only
+            new tokens.
     """
 
     request_id: str
     prompt_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     sample_index: int = 0
+    block_selection_from: int = 0
 
     def output_indices(self) -> list:
         """``sample_index`` of each output record this request yields: sample_index + j for
@@ -214,6 +219,10 @@ class SampleOutput:
         token_weight_versions: [G] version that produced each generated token.
         routed_experts: optional int16 array [prompt + output len, n_moe_layers, top_k] (routing
             replay; filled by the routing-record work).
+        block_selection: optional ``m3_rollout.model.selection_record.SelectionRecord``: the blocks
+            every sparse layer selected for positions ``[request.block_selection_from, E)``, E =
+            every position the engine ran (prompt + output length - 1: the last sampled token is
+            never run); the samples of one request share the prompt's segment object.
     """
 
     request_id: str
@@ -226,6 +235,7 @@ class SampleOutput:
     error: str | None = None
     token_weight_versions: list[int] = field(default_factory=list)
     routed_experts: object | None = None
+    block_selection: object | None = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ class LaunchedStep:
     followed by its children). leaders: the scheduled rows that sample. index: seq_id ->
     position in ``samples`` (a pending row's input for the next step is ``last_tokens[index]``).
     result: the sampled ids / logprobs on their way to the host. version: weights that ran it.
+    serial: the step's number (``EngineStats.steps`` after it; the block-selection record lands by it).
     """
 
     rows: list[ScheduledRow]
@@ -44,6 +45,7 @@ class LaunchedStep:
     index: dict[int, int]
     result: StepLaunch
     version: int
+    serial: int = 0
 
 
 def sampling_columns(samples: list[Sequence]):
@@ -63,10 +65,11 @@ def sampling_flags(cols) -> tuple[bool, bool, str]:
 
 class StepLauncher:
     """Launches scheduled steps on ``runner``; adds to ``stats`` (steps, rows, host phase times)
-    and records routing (``routing.record``, when recording is on) of every launched step."""
+    and records routing (``routing.record``) and block selections (``selection.launch``: the
+    step's one copy of its rows to the host) of every launched step, when recording is on."""
 
-    def __init__(self, runner: ModelRunner, stats: EngineStats, routing=None):
-        self.runner, self.stats, self.routing = runner, stats, routing
+    def __init__(self, runner: ModelRunner, stats: EngineStats, routing=None, selection=None):
+        self.runner, self.stats, self.routing, self.selection = runner, stats, routing, selection
         self.page_size = runner.page_size
 
     def launch(self, plan: SchedulerOutput, prev: LaunchedStep | None, version: int) -> LaunchedStep:
@@ -93,12 +96,15 @@ class StepLauncher:
             size = self.runner.graph_size(n_rows)
         if size is not None:
             self.stats.graph_steps += 1
-            result, slot_mapping = self._launch_graph(rows, prev, samples, t0)
+            result, slot_mapping, host_slots = self._launch_graph(rows, prev, samples, t0)
         else:
-            result, slot_mapping = self._launch_eager(plan, prev, samples, expand, t0)
+            result, slot_mapping, host_slots = self._launch_eager(plan, prev, samples, expand, t0)
         t1 = time.perf_counter()
         if self.routing is not None:
             self.routing.record(slot_mapping, self.runner.model)
+        serial = self.stats.steps + 1
+        if self.selection is not None:
+            self.selection.launch(serial, host_slots)
         st = self.stats
         st.device_input_rows += sum(1 for r in rows if r.seq.num_pending)
         for seq in leaders:
@@ -108,11 +114,12 @@ class StepLauncher:
         st.batched_tokens += plan.num_batched_tokens
         ph["forward"] += time.perf_counter() - t1
         return LaunchedStep(
-            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, version
+            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, version, serial
         )
 
-    def _launch_graph(self, rows, prev, samples, t0: float) -> tuple[StepLaunch, torch.Tensor]:
-        """Plain decode step on the captured graphs: fill the pinned staging fields, replay."""
+    def _launch_graph(self, rows, prev, samples, t0: float) -> tuple[StepLaunch, torch.Tensor, np.ndarray]:
+        """Plain decode step on the captured graphs: fill the pinned staging fields, replay.
+        Returns (result, the device slot mapping, the host slot mapping [rows])."""
         ph = self.stats.phase_seconds
         graphs = self.runner.graphs
         stage, block_tables, s = graphs.stage_rows(len(rows))
@@ -137,9 +144,11 @@ class StepLauncher:
         ph["sample"] += t2 - t1
         result = self.runner.launch_graph(len(rows), s, need_k, need_p)
         ph["forward"] += time.perf_counter() - t2
-        return result, graphs.device_stage(len(rows)).slot_mapping
+        return result, graphs.device_stage(len(rows)).slot_mapping, stage.slot_mapping
 
-    def _launch_eager(self, plan: SchedulerOutput, prev, samples, expand, t0: float) -> tuple[StepLaunch, torch.Tensor]:
+    def _launch_eager(
+        self, plan: SchedulerOutput, prev, samples, expand, t0: float
+    ) -> tuple[StepLaunch, torch.Tensor, np.ndarray]:
         ph = self.stats.phase_seconds
         rows = plan.rows
         chunks, token_src, pending = [], [], False
@@ -174,4 +183,4 @@ class StepLauncher:
         ph["sample"] += t2 - t1
         result = self.runner.launch(inputs, token_src if pending else None, sampling)
         ph["forward"] += time.perf_counter() - t2
-        return result, inputs.meta.slot_mapping
+        return result, inputs.meta.slot_mapping, inputs.meta.slot_mapping.numpy()

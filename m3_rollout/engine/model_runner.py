@@ -218,6 +218,9 @@ class ModelRunner:
         fused_sampler: decode graphs sample with the one-kernel Triton sampler (None = on CUDA).
         ops: the fast-op table of the model's paged forward (``self.ops``); None =
             ``paged_ops_for(kv.device, <the model's activation dtype>)``.
+        selection_buffer: the block-selection record's step buffer (int16 [>= tokens of a step,
+            S, G, K], ``selection_cache.SelectionCache.step_buffer``) every forward writes its
+            sparse layers' choices into; None = not recorded.
     """
 
     def __init__(
@@ -231,8 +234,10 @@ class ModelRunner:
         max_num_batched_tokens: int = 0,
         fused_sampler: bool | None = None,
         ops: PagedOps | None = None,
+        selection_buffer: torch.Tensor | None = None,
     ):
         self.model, self.kv = model, kv
+        self.selection_buffer = selection_buffer
         self.device = kv.device
         self.ops = paged_ops_for(self.device, model.model.embed_tokens.weight.dtype) if ops is None else ops
         self.page_size = kv.page_size
@@ -259,6 +264,7 @@ class ModelRunner:
                     cuda_graph_batch_sizes,
                     use_graphs=not staged_only,
                     fused_sampler=fused_sampler,
+                    selection_buffer=selection_buffer,
                 )
                 with torch.no_grad():
                     graphs.capture()
@@ -295,7 +301,9 @@ class ModelRunner:
             ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
         meta = meta_to(inputs.meta, self.device)
         logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
-        return self.model.forward_paged(ids, meta, self.kv, self.ops, logits_indices)
+        return self.model.forward_paged(
+            ids, meta, self.kv, self.ops, logits_indices, selection_out=self.selection_buffer
+        )
 
     @torch.no_grad()
     def launch(self, inputs: StepInputs, token_src: list[int] | None, sampling: SampleBatch | None) -> StepLaunch:

@@ -218,13 +218,17 @@ def msa_attention_ref(
     topk: int,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    sel_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse-layer MSA attention: indexer + top-k + sparse GQA attention in one call (spec §3.4-3.5).
 
     q: [T, nh, d]; iq: [T, G, di]; k_cache_l, v_cache_l: [P, G, ps, d]; index_cache_l: [P, ps, di]
     or an ``FP8IndexCache`` (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first). Returns
     [T, nh, d] in q.dtype: ``paged_attention_ref(q, ..., index_topk_ref(iq, ...))``, the reference
-    of ``m3_kernels.msa_fused_decode.msa_attention``.
+    of ``m3_kernels.msa_fused_decode.msa_attention``. sel_out: optional [T, G, K] integer tensor
+    (any strides; the engine's block-selection record) that receives the selection.
     """
     sel = index_topk_ref(iq, index_cache_l, meta, topk, init_blocks, local_blocks)  # [T, G, K]
+    if sel_out is not None:
+        sel_out.copy_(sel)
     return paged_attention_ref(q, k_cache_l, v_cache_l, meta, scale, sel)

@@ -20,12 +20,14 @@ from m3_rollout.engine.interface import GenerationRequest, SampleOutput, Samplin
 @dataclass(frozen=True)
 class CheckedRequest:
     """A validated request: ``prompt_ids`` plain ints [P], ``params`` plain values
-    (``SamplingParams.validate``), ``sample_index`` an int with sample_index + n - 1 < 2**63."""
+    (``SamplingParams.validate``), ``sample_index`` an int with sample_index + n - 1 < 2**63,
+    ``block_selection_from`` an int in [0, P]."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     sample_index: int
+    block_selection_from: int = 0
 
 
 def check_prompt(ids, vocab_size: int, max_model_len: int, name: str, room_for_output: bool = True) -> list[int]:
@@ -84,7 +86,17 @@ def check_request(
     prompt = check_prompt(req.prompt_ids, vocab_size, max_model_len, "GenerationRequest.prompt_ids")
     if params.stop_strings and not can_detokenize:
         raise ValueError("SamplingParams.stop_strings: this engine has no detokenize callback")
-    return CheckedRequest(req.request_id, prompt, params, first)
+    frm = req.block_selection_from
+    try:
+        frm = as_int(frm)
+    except TypeError:
+        frm = -1
+    if not 0 <= frm <= len(prompt):
+        raise ValueError(
+            f"GenerationRequest.block_selection_from={req.block_selection_from!r}: must be an integer in "
+            f"[0, {len(prompt)}] (the prompt's length)"
+        )
+    return CheckedRequest(req.request_id, prompt, params, first, frm)
 
 
 def error_outputs(req: GenerationRequest, error: str, weight_version: int) -> list[SampleOutput]:

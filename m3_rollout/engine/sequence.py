@@ -39,6 +39,11 @@ class Sequence:
             (async scheduling: 0 or 1). ``num_tokens`` counts them, ``token_ids`` does not; the
             scheduler plans with ``num_tokens`` (a pending token is the next decode's input, taken
             on the device from the previous step's sampled ids).
+        record_from: first position whose block-selection record the output carries
+            (``GenerationRequest.block_selection_from``).
+        selection_box: one-element list shared by the samples of a request: the first finished
+            sample's prompt segment of the block-selection record, reused by the others when
+            theirs is equal (a GRPO group's prompt is one object).
     """
 
     __slots__ = (
@@ -64,6 +69,8 @@ class Sequence:
         "num_cached",
         "num_pending",
         "sampling_key",
+        "record_from",
+        "selection_box",
     )
 
     def __init__(
@@ -77,6 +84,8 @@ class Sequence:
         stop_set: frozenset,
         max_len: int,
         stream: bool = False,
+        record_from: int = 0,
+        selection_box: list | None = None,
     ):
         self.seq_id = seq_id
         self.request_id, self.req_key, self.sample_index = request_id, req_key, sample_index
@@ -97,6 +106,8 @@ class Sequence:
         # Longest total length: prompt + max_new_tokens, capped by the engine's max_model_len.
         self.max_len = max_len
         self.num_pending = 0
+        self.record_from = record_from
+        self.selection_box = [None] if selection_box is None else selection_box
         # Per-sample sampler inputs that never change: (temperature, top_k, top_p, seed,
         # sample_index, raw logprobs) (engine: one tuple per row per step, no attribute walks).
         self.sampling_key = (

@@ -225,6 +225,7 @@ def run(cfg: MasterConfig) -> dict:
             range(start_step, g.max_num_steps + 1), desc="GRPO", unit="step", disable=not cfg.logger.progress_bar
         )
         stale_total, last_ckpt, warned_no_routes, metrics = 0, None, False, {}
+        warned_no_blocks = False
         trained_steps = skipped_steps = 0
         for step in bar:
             t0 = time.perf_counter()
@@ -287,6 +288,13 @@ def run(cfg: MasterConfig) -> dict:
                 logger.text(
                     "[warn] policy.routing_replay=true but the rollouts carry no routed_experts; "
                     "the trainer uses its own router (enable routing records in the engine)"
+                )
+            if gen.record_block_selection and batch.block_selection is None and not warned_no_blocks:
+                warned_no_blocks = True
+                logger.text(
+                    "[warn] policy.generation.record_block_selection=true but the rollouts carry no block "
+                    "selections (a rollout server started without --record-block-selection?); no index replay "
+                    "and no train/msa_selection_agreement"
                 )
             logprob_s, train_s = tm["logprob_seconds"], tm["train_seconds"]
             trained_steps += 1
@@ -363,7 +371,12 @@ def run(cfg: MasterConfig) -> dict:
                 f"[train] step {step}: reward {train['reward']:.3f}  loss {tm['loss']:+.4f}  "
                 f"token_mult_prob_error {tm['token_mult_prob_error']:.4f}  gen_kl {tm['gen_kl_error']:.2e}  "
                 f"clip {tm['clip_fraction']:.3f}  entropy {tm['entropy']:.3f}  grad_norm {tm['grad_norm']:.3f}  "
-                f"gen {performance['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
+                + (
+                    f"msa_selection_agreement {tm['msa_selection_agreement']:.4f}  "
+                    if "msa_selection_agreement" in tm
+                    else ""
+                )
+                + f"gen {performance['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "
                 f"(gen {gen_s:.1f} / wait {got.wait_seconds:.1f} / logprobs {logprob_s:.1f} / "
                 f"train {train_s:.1f} at {tm['train_tflops_per_s']:.3g} TFLOP/s / sync {sync_s:.2f})"
             )

@@ -21,7 +21,7 @@ import torch
 
 from m3_rollout.config import MasterConfig
 from m3_rollout.dump.reader import DumpRead
-from m3_rollout.dump.records import trajectory_from_row
+from m3_rollout.dump.records import trajectories_from_rows
 from m3_rollout.model import M3ForCausalLM
 from m3_trainers.loss import ClippedPGLossFn
 from m3_trainers.policy import Policy, token_logprobs
@@ -148,7 +148,7 @@ def train_offline(
     history = []
     for step in sorted(steps):
         srows = sorted(steps[step], key=lambda r: (r["group_id"], r["sample_index"]))
-        trajs = [trajectory_from_row(r) for r in srows]
+        trajs = trajectories_from_rows(srows)
         temperature = float(json.loads(srows[0]["sampling_params"]).get("temperature", gen.temperature))
         stored = None
         if not recompute_advantages and all(r["advantage"] is not None for r in srows):

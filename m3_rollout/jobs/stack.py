@@ -148,6 +148,8 @@ def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) 
         cmd.append("--enable-cuda-graphs")
     if cfg.policy.routing_replay:
         cmd.append("--record-routing")
+    if gen.record_block_selection:
+        cmd.append("--record-block-selection")
     if gen.http_api_key:
         cmd += ["--api-key", gen.http_api_key]
     return cmd
@@ -246,6 +248,7 @@ def build_http_backend(cfg: MasterConfig, model_dir: Path, max_len: int) -> HTTP
         api_key=gen.http_api_key,
         max_concurrency=gen.max_num_seqs,
         return_routed_experts=cfg.policy.routing_replay,
+        return_block_selection=gen.record_block_selection,
         weight_sync_backend=sync_backend,
         generation_dtype=getattr(torch, gen.dtype),
         bucket_size_mb=ws.bucket_size_mb,

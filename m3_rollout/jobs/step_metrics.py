@@ -165,6 +165,12 @@ def logged_metric_names(cfg: MasterConfig) -> set[str]:
         train.add("overlong_filtered")
     if cfg.policy.routing_replay:
         train |= {"routing_replay_coverage", *(f"{k}_without_replay" for k in _MISMATCH)}
+    if cfg.policy.index_replay:
+        train |= {f"{k}_without_replay" for k in _MISMATCH}
+    if gen.record_block_selection:
+        # also msa_selection_agreement/layer_{i} and msa_selection_overlap/layer_{i} per sparse
+        # layer i of the model (not listed: they depend on the checkpoint, not on cfg)
+        train |= {"msa_selection_coverage", "msa_selection_agreement", "msa_selection_overlap"}
     if g.use_dynamic_sampling:
         train |= {"dynamic_sampling_gen_batches", "dynamic_sampling_dropped_groups"}
     if g.async_grpo.enabled:

@@ -20,7 +20,7 @@ from torch import nn
 
 from .configuration import M3Config
 from .fused import fused_linear, pack_linear_weights, packed_linear
-from .indexer import block_scores, select_blocks, selected_key_mask
+from .indexer import block_scores, replayed_blocks, select_blocks, selected_key_mask, selection_agreement
 from .kv_cache import KVCache
 from .norm import GemmaRMSNorm
 from .numerics import compute_dtype
@@ -47,6 +47,24 @@ class AttentionInputs:
     cache: KVCache | None = None
     num_slots: int = 0
     key_positions: torch.Tensor | None = None
+
+
+@dataclass
+class BlockReplay:
+    """A recorded block selection handed to one sparse layer for the next training forward.
+
+    NOTE: set on the module (``M3Attention.block_replay``) by the trainer around a forward, as
+    routing replay sets ``M3MoE.replay_topk_ids``; the forward's signature stays the model's.
+    recorded: int [B, S, G, K] block ids per (row, token, KV head), -1 = empty slot; an all -1
+        row has no record (the layer's own choice stands).
+    replay: attend the recorded blocks (``indexer.replayed_blocks``); False = only measure.
+    stats: optional float64 [3] accumulator on the layer's device; the forward adds
+        ``indexer.selection_agreement(own choice, recorded)`` to it in place.
+    """
+
+    recorded: torch.Tensor
+    replay: bool = True
+    stats: torch.Tensor | None = None
 
 
 def masked_gqa_attention(
@@ -96,6 +114,12 @@ class M3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.is_sparse = config.is_sparse_layer(layer_idx)
+        # Position among the sparse layers (the S axis of a block-selection record).
+        self.sparse_index = sum(config.is_sparse_layer(i) for i in range(layer_idx)) if self.is_sparse else -1
+        self.block_replay: BlockReplay | None = None  # trainer-side replay / agreement (BlockReplay)
+        # The last training forward's own block choice [B, G, S, K] (before replay; tests and the
+        # engine-record checks read it, as M3MoE.last_topk_ids).
+        self.last_selected_blocks: torch.Tensor | None = None
         self.packed_proj: torch.Tensor | None = None  # q|k|v(|index q|index k) buffer (pack_projections)
         if self.is_sparse:
             di = config.sparse_index_dim
@@ -134,6 +158,9 @@ class M3Attention(nn.Module):
         if self.is_sparse:
             scores = block_scores(iq, ik, pos, self.block_size, k_pos)  # [B, G, S, nb]
             sel = select_blocks(scores, pos, self.topk, self.block_size, self.init_blocks, self.local_blocks)
+            self.last_selected_blocks = sel
+            if self.block_replay is not None:
+                sel = self._replay(sel, pos)  # [B, G, S, K'] the recorded blocks where recorded
             mask = selected_key_mask(sel, pos, sk, self.block_size, k_pos)  # [B, G, S, Sk]
         else:
             kp = torch.arange(sk, device=x.device)[None, :] if k_pos is None else k_pos  # [1|B, Sk]
@@ -141,13 +168,38 @@ class M3Attention(nn.Module):
         out = masked_gqa_attention(q, k, v, mask, self.scale)  # [B, S, nh, d]
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
+    def _replay(self, own: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Apply ``block_replay`` to the layer's own choice own [B, G, S, K] (positions pos [B, S])."""
+        br = self.block_replay
+        rec = br.recorded.permute(0, 2, 1, 3)  # [B, G, S, K]
+        if tuple(rec.shape) != tuple(own.shape):
+            raise ValueError(
+                f"layer {self.layer_idx}: recorded blocks {tuple(br.recorded.shape)} do not match {own.shape}"
+            )
+        if br.stats is not None:
+            with torch.no_grad():
+                br.stats += selection_agreement(own, rec)
+        if not br.replay:
+            return own
+        return replayed_blocks(own, rec, pos, self.block_size, self.init_blocks, self.local_blocks)
+
     def forward_paged(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv, ops: PagedOps, fused: bool = False
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta,
+        kv,
+        ops: PagedOps,
+        fused: bool = False,
+        selection_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Paged path over flat query tokens (kernels/paged_layout.py layout; spec §4.2 order).
 
         x: [T, H] (T may be 0); cos, sin: [T, r/2] RoPE rows of ``meta.positions``, or with
         ``fused`` [max_pos, r/2] tables indexed by ``meta.positions``; meta: ``PagedMetadata``;
+        selection_out: optional int16 [>= T, S, G, K] block-selection record buffer (engine-owned);
+        a sparse layer writes its choice of the step's tokens into ``selection_out[:T, sparse_index]``;
         kv: ``PagedKVCache``; ops: the engine's ``PagedOps``. K, V (and index K on sparse layers) of
         the step's tokens are written through ``meta.slot_mapping`` first; then the indexer selects
         blocks from the index-key pages and attention reads the K/V pages, both through
@@ -179,8 +231,19 @@ class M3Attention(nn.Module):
             # Empty step (EP lockstep): no attention work; o_proj keeps the [0, H] shape and dtype.
             return self.o_proj(q.reshape(0, self.num_heads * self.head_dim))
         if self.is_sparse:  # indexer + top-k + sparse attention (fused decode path on CUDA)
+            sel_out = None if selection_out is None else selection_out[:t, self.sparse_index]  # [T, G, K]
             out = ops.msa_attention(
-                q, iq, k_cache, v_cache, index_cache, meta, self.scale, self.topk, self.init_blocks, self.local_blocks
+                q,
+                iq,
+                k_cache,
+                v_cache,
+                index_cache,
+                meta,
+                self.scale,
+                self.topk,
+                self.init_blocks,
+                self.local_blocks,
+                sel_out=sel_out,
             )  # [T, nh, d]
         else:
             out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, None)  # [T, nh, d]

@@ -131,3 +131,60 @@ def selected_key_mask(
     kp = torch.arange(sk, device=selected.device)[None, :] if k_pos is None else k_pos  # [1|B, Sk]
     causal = kp[:, None, None, :] <= q_pos[:, None, :, None]  # [B, 1, Sq, Sk]
     return in_block & causal
+
+
+def forced_blocks(q_pos: torch.Tensor, block_size: int, init_blocks: int, local_blocks: int) -> torch.Tensor:
+    """The blocks every query must keep (spec §3.4): [B, Sq, local_blocks + init_blocks] int64 ids,
+    the local ones (own block first, going back) then the init ones, -1 where a block does not
+    exist (before block 0, or an init block past the query's own block)."""
+    n_cand = (q_pos // block_size + 1)[..., None]  # [B, Sq, 1]
+    local = n_cand - 1 - torch.arange(local_blocks, device=q_pos.device)  # [B, Sq, local]
+    init = torch.arange(init_blocks, device=q_pos.device).expand(*q_pos.shape, init_blocks)  # [B, Sq, init]
+    ids = torch.cat([local, init], dim=-1)
+    return ids.masked_fill((ids < 0) | (ids >= n_cand), -1)
+
+
+def replayed_blocks(
+    own: torch.Tensor,
+    recorded: torch.Tensor,
+    q_pos: torch.Tensor,
+    block_size: int,
+    init_blocks: int,
+    local_blocks: int,
+) -> torch.Tensor:
+    """The block choice of a replaying layer: the recorded blocks where a record exists.
+
+    own: [B, G, Sq, K] from ``select_blocks``; recorded: [B, G, Sq, K] int block ids of another
+    computation (the rollout engine's), -1 = empty slot; a row that is all -1 has no record and
+    keeps ``own``. Recorded ids that are not causal candidates of the query (>= q_pos //
+    block_size + 1) are dropped, and the forced local / init blocks are added, so replay can
+    neither look ahead nor lose the forced blocks (for a record the engine made, both changes are
+    no-ops). Returns [B, G, Sq, K + local_blocks + init_blocks] int64 block ids, -1 padding (a set:
+    a repeated id counts once in ``selected_key_mask``).
+    """
+    rec = recorded.long()
+    has = (rec >= 0).any(dim=-1, keepdim=True)  # [B, G, Sq, 1]
+    n_cand = (q_pos // block_size + 1)[:, None, :, None]  # [B, 1, Sq, 1]
+    rec = rec.masked_fill(rec >= n_cand, -1)
+    forced = forced_blocks(q_pos, block_size, init_blocks, local_blocks)[:, None].expand(-1, rec.shape[1], -1, -1)
+    replay = torch.cat([rec, forced], dim=-1)  # [B, G, Sq, K + F]
+    pad = torch.nn.functional.pad(own.long(), (0, forced.shape[-1]), value=-1)
+    return torch.where(has, replay, pad)
+
+
+def selection_agreement(own: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """How often a layer's own top-k equals a recorded one (the agreement metric's counts).
+
+    own, recorded: [..., K] int block ids, -1 = empty slot; rows of ``recorded`` that are all -1
+    are not counted. Returns float64 [3]: (rows compared, rows whose block SETS are equal, sum
+    over those rows of |own ∩ recorded| / |recorded|).
+    """
+    rec = recorded.long()
+    valid = (rec >= 0).any(dim=-1)  # [...]
+    o = torch.sort(own.long().masked_fill(own < 0, 1 << 40), dim=-1).values
+    r = torch.sort(rec.masked_fill(rec < 0, 1 << 40), dim=-1).values
+    equal = (o == r).all(dim=-1) & valid
+    hit = ((rec[..., :, None] == own.long()[..., None, :]).any(dim=-1) & (rec >= 0)).sum(dim=-1)  # [...]
+    size = (rec >= 0).sum(dim=-1).clamp(min=1)
+    overlap = torch.where(valid, hit.double() / size.double(), 0.0)
+    return torch.stack([valid.sum().double(), equal.sum().double(), overlap.sum()])

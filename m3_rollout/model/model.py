@@ -43,11 +43,20 @@ class M3DecoderLayer(nn.Module):
         return h + ffn(self.post_attention_layernorm(h))
 
     def forward_paged(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv, ops: PagedOps
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta,
+        kv,
+        ops: PagedOps,
+        selection_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer-by-layer paged path: h [T, H] -> [T, H] (see M3Attention.forward_paged); the routed
         experts take ``ops.fused_experts`` when given."""
-        h = h + self.self_attn.forward_paged(self.input_layernorm(h), cos, sin, meta, kv, ops)
+        h = h + self.self_attn.forward_paged(
+            self.input_layernorm(h), cos, sin, meta, kv, ops, selection_out=selection_out
+        )
         x = self.post_attention_layernorm(h)
         if self.is_moe:
             return h + self.block_sparse_moe(x, fused_experts=ops.fused_experts)
@@ -93,14 +102,16 @@ class M3Model(nn.Module):
             h = layer(h, inputs)
         return self.norm(h)
 
-    def forward_paged(self, input_ids: torch.Tensor, meta, kv, ops: PagedOps) -> torch.Tensor:
+    def forward_paged(
+        self, input_ids: torch.Tensor, meta, kv, ops: PagedOps, selection_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """See M3ForCausalLM.forward_paged; returns final-normed hidden states [T, H]."""
         h = self.embed_tokens(input_ids)  # [T, H]
         if ops.fused_layers and not needs_autograd(h):
-            return self._forward_paged_fused(h, meta, kv, ops)
+            return self._forward_paged_fused(h, meta, kv, ops, selection_out)
         cos, sin = rope_cos_sin(meta.positions, self.config.rotary_dim, self.config.rope_theta)  # [T, r/2]
         for layer in self.layers:
-            h = layer.forward_paged(h, cos, sin, meta, kv, ops)
+            h = layer.forward_paged(h, cos, sin, meta, kv, ops, selection_out)
         return self.norm(h)
 
     def rope_tables(self, num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +128,9 @@ class M3Model(nn.Module):
             self._rope_tables = tab
         return tab
 
-    def _forward_paged_fused(self, h: torch.Tensor, meta, kv, ops: PagedOps) -> torch.Tensor:
+    def _forward_paged_fused(
+        self, h: torch.Tensor, meta, kv, ops: PagedOps, selection_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Fused paged path (``ops.fused_layers``): the residual stream is carried separately and
         every "add the sublayer output, then norm" is one ``ops.add_rms_norm`` launch (spec §3.1,
         §3.2), with the same roundings as the layer-by-layer path; RoPE rows come from cached
@@ -132,7 +145,7 @@ class M3Model(nn.Module):
                 x, _ = ops.add_rms_norm(residual, norm.weight, norm.eps)
             else:
                 x, _ = ops.add_rms_norm(f, norm.weight, norm.eps, residual=residual, x2=f2)
-            a = layer.self_attn.forward_paged(x, cos, sin, meta, kv, ops, fused=True)  # [T, H]
+            a = layer.self_attn.forward_paged(x, cos, sin, meta, kv, ops, fused=True, selection_out=selection_out)
             norm = layer.post_attention_layernorm
             want32 = layer.is_moe and layer.block_sparse_moe.router_wants_fp32_input(x.shape[0], ops)
             x, x32 = ops.add_rms_norm(a, norm.weight, norm.eps, residual=residual, want_fp32=want32)
@@ -172,7 +185,13 @@ class M3ForCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids, positions, cache))
 
     def forward_paged(
-        self, input_ids: torch.Tensor, meta, kv, ops: PagedOps, logits_indices: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        meta,
+        kv,
+        ops: PagedOps,
+        logits_indices: torch.Tensor | None = None,
+        selection_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The engine's forward over flat varlen tokens and paged caches (kernels/paged_layout.py).
 
@@ -182,13 +201,24 @@ class M3ForCausalLM(nn.Module):
         for this device and dtype (``PagedOps``, model/paged_ops.py; built by
         ``m3_rollout.engine.ops.paged_ops_for``): attention over the pages always, the fused layer
         path and the fused MoE when given. logits_indices: optional [N] int64 token indices whose
-        logits are wanted (default all T). Returns logits [N or T, V] in the model dtype. Equals
-        ``forward`` on the same tokens with their cached prefix (tests).
+        logits are wanted (default all T). selection_out: optional int16 [>= T, S, G, K] buffer
+        (``selection_dims``) that receives every sparse layer's block choice of the T tokens (the
+        engine's block-selection record; rows past T untouched). Returns logits [N or T, V] in the
+        model dtype. Equals ``forward`` on the same tokens with their cached prefix (tests).
         """
-        h = self.model.forward_paged(input_ids, meta, kv, ops)  # [T, H]
+        h = self.model.forward_paged(input_ids, meta, kv, ops, selection_out)  # [T, H]
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)  # [N, H]
         return self.lm_head(h)
+
+    def sparse_attention_layers(self) -> list[M3Attention]:
+        """The sparse (MSA) attention modules in layer order: the S axis of a block-selection record."""
+        return [layer.self_attn for layer in self.model.layers if layer.self_attn.is_sparse]
+
+    def selection_dims(self) -> tuple[int, int, int]:
+        """(S sparse layers, G KV heads, K top-k blocks) of a block-selection record row."""
+        c = self.config
+        return len(self.sparse_attention_layers()), c.num_key_value_heads, c.sparse_topk_blocks
 
     def moe_layers(self) -> list[M3MoE]:
         """The MoE blocks in layer order (their `last_topk_ids` form the routing record)."""

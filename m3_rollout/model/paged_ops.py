@@ -12,7 +12,9 @@ Fields fall in three groups:
   ``paged_attention(q [T, nh, d], k_cache_l, v_cache_l [P, G, ps, d], meta, scale, topk_ids [T, G, K] | None)
   -> [T, nh, d]`` (dense causal when topk_ids is None) and
   ``msa_attention(q, iq [T, G, di], k_cache_l, v_cache_l, index_cache_l [P, ps, di], meta, scale, topk,
-  init_blocks, local_blocks) -> [T, nh, d]`` (indexer + top-k + sparse attention of a sparse layer);
+  init_blocks, local_blocks, sel_out=None) -> [T, nh, d]`` (indexer + top-k + sparse attention of a
+  sparse layer; ``sel_out``, an optional [T, G, K] integer view, receives the block choice: the
+  engine's block-selection record);
 - routed experts: ``fused_experts(x [T, H], ids [T, K], weights [T, K], w13, w2, *, alpha, limit, beta,
   expert_range) -> [T, H]``; None = ``moe.grouped_experts``;
 - the fused layer path (all six given, or none = the layer-by-layer PyTorch path):

@@ -115,8 +115,15 @@ def run_group_rollouts(
                 seed=seeds[gi],
                 logprobs_mode=settings.logprobs_mode,
             )
+            rec = trajs[idxs[0]].block_selection  # turn 2+: only the new tokens' record comes back
             requests.append(
-                GenerationRequest(f"g{gi}-s{j}-t{turn}", list(ctx), params, sample_index=0 if j is None else j)
+                GenerationRequest(
+                    f"g{gi}-s{j}-t{turn}",
+                    list(ctx),
+                    params,
+                    sample_index=0 if j is None else j,
+                    block_selection_from=0 if rec is None else rec.end,
+                )
             )
             targets.extend(idxs)
         outputs = backend.generate(requests)
@@ -163,6 +170,10 @@ def _model_turn(
     record = traj.append(ids, generated=True, logprobs=list(out.logprobs), version=versions)
     if out.routed_experts is not None:  # routing replay: this turn's record covers prompt + output
         traj.routed_experts = out.routed_experts
+    if out.block_selection is not None:  # this turn's new tokens (the request's block_selection_from on)
+        traj.block_selection = (
+            out.block_selection if traj.block_selection is None else traj.block_selection.then(out.block_selection)
+        )
     # The finish reason is the engine's; the stop token is in the span only if it was sampled.
     stop_sampled = out.finish_reason == "stop" and bool(ids) and ids[-1] in chat.stop_token_ids
     text = chat.decode(ids[:-1] if stop_sampled else ids)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from m3_rollout.chat.output_parser import ParsedTurn
+from m3_rollout.model.selection_record import SelectionRecord
 
 
 @dataclass
@@ -78,6 +79,11 @@ class Trajectory:
             engine chose for tokens 0..L'-1 (prompt, tool and generated tokens; the latest turn's
             record, which covers every earlier token); None when the engine did not record
             routing. L' may be < L (a token appended after the last forward); -1 = not recorded.
+        block_selection: optional ``m3_rollout.model.selection_record.SelectionRecord``: the KV
+            blocks every sparse layer selected for positions 0..E-1 (prompt, tool and generated
+            tokens; each turn appends the segment of its new tokens, the group's samples share
+            the prompt's segment); E <= L (the last token is never run). None when the engine did
+            not record it.
     """
 
     group_index: int
@@ -94,6 +100,7 @@ class Trajectory:
     info: dict = field(default_factory=dict)
     turns: list[TurnRecord] = field(default_factory=list)
     routed_experts: object | None = None
+    block_selection: SelectionRecord | None = None
 
     def append(
         self, ids: list[int], generated: bool, logprobs: list[float] | None = None, version: int | list[int] = -1

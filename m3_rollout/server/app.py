@@ -91,6 +91,29 @@ def encode_routed_experts(arr: np.ndarray) -> dict:
     return {"shape": list(a.shape), "dtype": "int16", "data": base64.b64encode(a.tobytes()).decode()}
 
 
+def encode_block_selections(outs: list[SampleOutput]) -> tuple[list[str], list[list[int] | None]]:
+    """Block-selection records of a response's samples as JSON: (table: base64 of each distinct
+    coded segment, ``m3_rollout.model.selection_record`` format; per sample the indices of its
+    segments in position order, or None). Equal segments (a group's prompt) are sent once."""
+    table: list[str] = []
+    at: dict[tuple[int, bytes], int] = {}
+    per = []
+    for o in outs:
+        rec = o.block_selection
+        if rec is None:
+            per.append(None)
+            continue
+        idx = []
+        for seg in rec.segments:
+            key = (seg.start, seg.to_bytes())
+            if key not in at:
+                at[key] = len(table)
+                table.append(base64.b64encode(key[1]).decode())
+            idx.append(at[key])
+        per.append(idx)
+    return table, per
+
+
 def _sample_dict(out: SampleOutput, routed: bool) -> dict:
     d = {
         "sample_index": out.sample_index,
@@ -208,6 +231,18 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             raise APIError(
                 400, "return_routed_experts: start the server with --record-routing", "return_routed_experts"
             )
+        if body.return_block_selection and not runner.records_block_selection:
+            raise APIError(
+                400,
+                "return_block_selection: start the server with --record-block-selection",
+                "return_block_selection",
+            )
+        if body.block_selection_from > len(body.input_ids):
+            raise APIError(
+                400,
+                f"block_selection_from={body.block_selection_from}: past the {len(body.input_ids)} input ids",
+                "block_selection_from",
+            )
         top_k, temperature = (-1 if sp.top_k == 0 else sp.top_k), sp.temperature
         if temperature == 0:
             temperature, top_k = 1.0, 1
@@ -222,12 +257,14 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             logprobs_mode=sp.logprobs_mode,
             stop_strings=tuple(sp.stop),
         )
-        return GenerationRequest(body.rid or f"gen-{uuid.uuid4().hex}", body.input_ids, params, body.sample_index)
+        return GenerationRequest(
+            body.rid or f"gen-{uuid.uuid4().hex}", body.input_ids, params, body.sample_index, body.block_selection_from
+        )
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         greq = generate_request(body)
-        routed = body.return_routed_experts
+        routed, selections = body.return_routed_experts, body.return_block_selection
         if body.stream:
 
             async def events():
@@ -243,6 +280,9 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                             }
                         else:
                             d = {"rid": greq.request_id, **_sample_dict(item, routed)}
+                            if selections:
+                                table, (idx,) = encode_block_selections([item])
+                                d.update(block_selection_segments=table, block_selection=idx)
                         yield f"data: {json.dumps(d)}\n\n"
                 except Exception as exc:  # noqa: BLE001 - reported in the stream, which has begun
                     yield f"data: {json.dumps(APIError(500, str(exc)).body())}\n\n"
@@ -256,12 +296,18 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             if errors:
                 raise engine_error(errors[0], GENERATE_FIELDS)
             outs.sort(key=lambda o: o.sample_index)
-            return {
+            body = {
                 "rid": greq.request_id,
                 "prompt_tokens": len(greq.prompt_ids),
                 "outputs": [_sample_dict(o, routed) for o in outs],
                 "weight_version": max(o.weight_version for o in outs),
             }
+            if selections:
+                table, per = encode_block_selections(outs)
+                body["block_selection_segments"] = table
+                for d, idx in zip(body["outputs"], per):
+                    d["block_selection"] = idx
+            return body
 
         return await _until_disconnect(request, run())
 

@@ -77,6 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--record-routing", action="store_true", help="keep routed experts (/generate return_routed_experts)"
     )
+    p.add_argument(
+        "--record-block-selection",
+        action="store_true",
+        help="record each sparse layer's KV blocks per token (/generate return_block_selection)",
+    )
     p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -111,6 +116,7 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         enable_cuda_graphs=args.enable_cuda_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         index_cache_dtype=args.index_cache_dtype,
+        record_block_selection=args.record_block_selection,
     )
     if args.expert_parallel_size > 1 or args.engine_process:
         from m3_rollout.config import MasterConfig

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
 from .metrics import parse_metrics
@@ -54,7 +55,16 @@ def decode_routed_experts(obj: dict | None) -> np.ndarray | None:
     return np.frombuffer(base64.b64decode(obj["data"]), dtype="<i2").reshape(obj["shape"]).astype(np.int16)
 
 
-def request_body(req: GenerationRequest, return_routed_experts: bool = False) -> dict:
+def decode_block_selection(indices: list[int] | None, table: list) -> SelectionRecord | None:
+    """An output's ``block_selection`` indices into the response's decoded segment table
+    (``SelectionSegment`` s; one object per distinct segment, so a group's samples share their
+    prompt's) -> its ``SelectionRecord`` (or None)."""
+    return None if indices is None else SelectionRecord([table[i] for i in indices])
+
+
+def request_body(
+    req: GenerationRequest, return_routed_experts: bool = False, return_block_selection: bool = False
+) -> dict:
     """The /generate body of a GenerationRequest (same sampling fields, same sample index)."""
     p = req.params
     return {
@@ -62,6 +72,8 @@ def request_body(req: GenerationRequest, return_routed_experts: bool = False) ->
         "rid": req.request_id,
         "sample_index": req.sample_index,
         "return_routed_experts": return_routed_experts,
+        "return_block_selection": return_block_selection,
+        "block_selection_from": int(req.block_selection_from),
         "sampling_params": {
             "n": p.n,
             "temperature": p.temperature,
@@ -78,6 +90,7 @@ def request_body(req: GenerationRequest, return_routed_experts: bool = False) ->
 
 def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
     """SampleOutputs (ordered by sample) of a /generate answer to ``req``."""
+    table = [SelectionSegment.from_bytes(base64.b64decode(b)) for b in body.get("block_selection_segments", [])]
     return [
         SampleOutput(
             request_id=req.request_id,
@@ -90,6 +103,7 @@ def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
             error=o["error"],
             token_weight_versions=o["token_weight_versions"],
             routed_experts=decode_routed_experts(o.get("routed_experts")),
+            block_selection=decode_block_selection(o.get("block_selection"), table),
         )
         for o in body["outputs"]
     ]
@@ -161,9 +175,12 @@ class RolloutServerClient:
     def reset_prefix_cache(self) -> dict:
         return self._post("/reset_prefix_cache")
 
-    def generate(self, req: GenerationRequest, return_routed_experts: bool = False) -> list[SampleOutput]:
+    def generate(
+        self, req: GenerationRequest, return_routed_experts: bool = False, return_block_selection: bool = False
+    ) -> list[SampleOutput]:
         """Run one request through /generate; raises ServerError (400) for a bad request."""
-        return outputs_of(req, self._post("/generate", request_body(req, return_routed_experts)))
+        body = request_body(req, return_routed_experts, return_block_selection)
+        return outputs_of(req, self._post("/generate", body))
 
     def tokenize(self, **body) -> list[int]:
         return self._post("/tokenize", body)["tokens"]
@@ -231,6 +248,8 @@ class HTTPBackend(GenerationBackend):
         timeout_s: limit of one HTTP call.
         max_concurrency: requests in flight at once (each is one HTTP call; the server batches them).
         return_routed_experts: ask for the routing record (server started with --record-routing).
+        return_block_selection: ask for the block-selection record (server started with
+            --record-block-selection); each request sends its ``block_selection_from``.
         weight_sync_host: address of this (trainer) process that the server can reach; the
             weight-sync group's TCPStore is hosted here.
         weight_sync_backend: "gloo" (CPU tensors) or "nccl".
@@ -246,6 +265,7 @@ class HTTPBackend(GenerationBackend):
         timeout_s: float = 600.0,
         max_concurrency: int = 64,
         return_routed_experts: bool = False,
+        return_block_selection: bool = False,
         weight_sync_host: str = "127.0.0.1",
         weight_sync_backend: str = "gloo",
         generation_dtype: torch.dtype | None = None,
@@ -256,6 +276,7 @@ class HTTPBackend(GenerationBackend):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
         self.max_concurrency, self.return_routed_experts = int(max_concurrency), return_routed_experts
+        self.return_block_selection = return_block_selection
         self.ws_host, self.ws_backend = weight_sync_host, weight_sync_backend
         self.generation_dtype, self.bucket_size_mb = generation_dtype, bucket_size_mb
         self.ws_timeout_s = weight_sync_timeout_s
@@ -265,7 +286,8 @@ class HTTPBackend(GenerationBackend):
     # ---- generation ----------------------------------------------------------------------------
     async def _one(self, http: httpx.AsyncClient, sem: asyncio.Semaphore, req: GenerationRequest) -> list[SampleOutput]:
         async with sem:
-            resp = await http.post("/generate", json=request_body(req, self.return_routed_experts))
+            body = request_body(req, self.return_routed_experts, self.return_block_selection)
+            resp = await http.post("/generate", json=body)
         if resp.status_code == 400:
             version = _raise_for(await http.get("/weight_version"))["weight_version"]
             return error_outputs(req, resp.json()["error"]["message"], version)

@@ -138,7 +138,7 @@ class GenerateSamplingParams(_Body):
 
 class GenerateRequest(_Body):
     """Token-in/token-out generation: input ids + sampling params -> output ids, per-token
-    logprobs, finish reason, per-token weight versions (and routed experts on request)."""
+    logprobs, finish reason, per-token weight versions (and routed experts, block selections on request)."""
 
     input_ids: list[int] = Field(min_length=1)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
@@ -146,6 +146,11 @@ class GenerateRequest(_Body):
     rid: str | None = None
     stream: bool = False
     return_routed_experts: bool = False
+    # Block-selection record (server started with --record-block-selection): each output carries
+    # the indices of its segments in the response's block_selection_segments (base64 of coded
+    # segments, m3_rollout/model/selection_record.py), for positions block_selection_from on.
+    return_block_selection: bool = False
+    block_selection_from: int = Field(0, ge=0)
 
 
 class TokenizeRequest(_Body):

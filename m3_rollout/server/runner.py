@@ -375,6 +375,13 @@ class EngineRunner:
             return self.native.engine.config.record_routing
         return self.ep is not None and bool(self.ep.spec.engine.get("record_routing"))
 
+    @property
+    def records_block_selection(self) -> bool:
+        """Outputs carry the block-selection record (engine built with ``record_block_selection``)."""
+        if self.native is not None:
+            return self.native.engine.config.record_block_selection
+        return self.ep is not None and bool(self.ep.spec.engine.get("record_block_selection"))
+
     def engine_metrics(self) -> dict:
         """The engine's counters (the EP ranks' summed; empty for other backends). Read from the
         HTTP thread: plain integer and length reads, consistent enough for monitoring."""

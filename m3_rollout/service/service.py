@@ -41,11 +41,20 @@ import torch
 
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.requests import error_outputs
+from m3_rollout.model.selection_record import share_segments
 from m3_rollout.parallel.process_group import free_port
 
 from .ipc_refit import IpcRefit
 from .launchers import GroupFailure, Launcher, make_launcher
 from .worker import WorkerSpec
+
+
+def _share_prompt_records(outs: list[SampleOutput]) -> None:
+    """Make the block-selection segments a request's samples share (their prompt's) one object
+    again: samples finished in different ``run`` calls were unpickled separately."""
+    if any(o.block_selection is not None for o in outs):
+        for i, rec in enumerate(share_segments([o.block_selection for o in outs])):
+            outs[i] = dataclasses.replace(outs[i], block_selection=rec)
 
 
 def _locked(method):
@@ -356,6 +365,7 @@ class RolloutService(GenerationBackend):
                     results[p.index].append(dataclasses.replace(out, request_id=p.request.request_id))
                     if not p.missing:
                         del pending[out.request_id]
+                        _share_prompt_records(results[p.index])
             if pending and all(r["steps"] == 0 for r in replies):
                 raise RuntimeError(
                     f"EP group idle with {len(pending)} requests unfinished "

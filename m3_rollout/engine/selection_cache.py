@@ -1,0 +1,175 @@
+"""Block-selection record, engine side: the kernels write it on the device, one copy per step takes it home.
+
+Governing idea (design.md §2.3, "Block-selection replay"): every sparse layer's block choice
+already exists on the device in every path, so recording is a store, not a computation. Each
+sparse layer's MSA op writes its [T, G, K] choice into ``step_buffer[:T, j]`` (int16, one fixed
+buffer: the decode graphs capture the stores; the fused decode kernel stores from registers, no
+extra launch). After the step is launched, ONE non-blocking copy moves ``step_buffer[:T]`` into a
+pinned host buffer behind the step's other outputs. When that copy has landed, the rows are
+scattered into a host table laid out like the KV pages (``table[slot]``, slot = page *
+page_size + offset), so a prefix-cache hit reads the record of the earlier computation with its
+K/V, a fork's partial-page copy copies it, and preemption by recompute rewrites it — exactly what
+the K/V in the pages came from.
+
+Nothing here blocks the step loop: :meth:`SelectionCache.land` scatters the copies that have
+completed (polled) and waits only for steps whose sampled ids the host has already waited for
+(their copy was queued right behind), which is what forks and finishing samples read. Host-side
+operations run in step order (a page copy is queued behind the copies launched before it), so a
+step still in flight can never overwrite rows a later fork copied. On the CPU the copy is
+synchronous and everything lands at once.
+
+Shapes: T tokens of a step, S sparse layers, G KV heads, K top-k blocks; ps page size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_PENDING_COPIES = 3  # pinned staging buffers; a fourth step in flight waits for the oldest copy
+
+
+@dataclass
+class _StepCopy:
+    """A launched step's rows on their way to the host (``event`` follows the copy)."""
+
+    serial: int
+    slots: np.ndarray  # int64 [T], -1 = padding
+    host: torch.Tensor  # int16 [T, S, G, K] view of ``buf``
+    buf: torch.Tensor  # the pinned buffer, returned to the pool once landed
+    event: torch.cuda.Event
+
+
+@dataclass
+class _PageCopy:
+    """A fork's partial-page copy (``src`` -> ``dst``), applied in step order."""
+
+    serial: int
+    src: int
+    dst: int
+
+
+class SelectionCache:
+    """Paged host store of the block-selection record plus the device step buffer the kernels write.
+
+    Args:
+        dims: (S, G, K) (``M3ForCausalLM.selection_dims``).
+        num_pages, page_size: the KV page pool's geometry.
+        capacity: most tokens of one step (rows of ``step_buffer``).
+        device: the model's device.
+
+    Attributes:
+        step_buffer: int16 [capacity, S, G, K] on ``device`` (-1 filled at start).
+        table: int16 [num_pages * page_size, S, G, K] host array (``np.empty``: the OS commits
+            only the pages that are written).
+    """
+
+    def __init__(
+        self, dims: tuple[int, int, int], num_pages: int, page_size: int, capacity: int, device: torch.device | str
+    ):
+        self.dims, self.page_size, self.capacity = tuple(dims), int(page_size), int(capacity)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.step_buffer = torch.full((self.capacity, *self.dims), -1, dtype=torch.int16, device=self.device)
+        self.table = np.empty((num_pages * self.page_size, *self.dims), dtype=np.int16)
+        self._queue: deque[_StepCopy | _PageCopy] = deque()
+        self._free: list[torch.Tensor] = []
+        self._num_buffers = 0
+        self._serial = 0  # serial of the last launched step
+
+    @classmethod
+    def for_model(cls, model, num_pages: int, page_size: int, capacity: int) -> SelectionCache:
+        """A cache for ``model`` (``M3ForCausalLM``) on its device and the engine's page pool."""
+        return cls(model.selection_dims(), num_pages, page_size, capacity, next(model.parameters()).device)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's record (S * G * K int16)."""
+        return int(np.prod(self.dims)) * 2
+
+    # ---- per step ----------------------------------------------------------------------------
+    def launch(self, serial: int, slots: np.ndarray) -> None:
+        """Take step ``serial``'s rows home; call right after the step's forward was enqueued.
+
+        slots: int64 [T] the step's slot mapping on the host (-1 = padding row, not stored); the
+        forward wrote ``step_buffer[:T]``. CUDA: one non-blocking copy into a pinned buffer
+        (landed later); elsewhere the rows are stored now.
+        """
+        self._serial = serial
+        t = len(slots)
+        if t == 0:
+            return
+        if t > self.capacity:
+            raise ValueError(f"block-selection record: a step of {t} tokens exceeds the buffer of {self.capacity}")
+        if not self.cuda:
+            self._scatter(slots, self.step_buffer[:t].numpy())
+            return
+        buf = self._take_buffer()
+        host = buf[:t]
+        host.copy_(self.step_buffer[:t], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._queue.append(_StepCopy(serial, np.array(slots, dtype=np.int64), host, buf, event))
+
+    def land(self, upto: int | None = None) -> None:
+        """Apply queued work in step order: everything of steps ``<= upto`` (waiting for their
+        copies), then whatever follows whose copy is already done. ``upto`` None: no waiting;
+        ``last_serial``: everything launched."""
+        while self._queue:
+            op = self._queue[0]
+            if isinstance(op, _StepCopy):
+                if not (upto is not None and op.serial <= upto) and not op.event.query():
+                    return
+                op.event.synchronize()
+                self._scatter(op.slots, op.host.numpy())
+                self._free.append(op.buf)
+            else:
+                self._copy_rows(op.src, op.dst)
+            self._queue.popleft()
+
+    @property
+    def last_serial(self) -> int:
+        return self._serial
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page ``src``'s rows to page ``dst`` (a fork's partial page), after every step
+        launched so far has landed (queued, never blocking)."""
+        if self._queue:
+            self._queue.append(_PageCopy(self._serial, src, dst))
+        else:
+            self._copy_rows(src, dst)
+
+    def gather(self, block_table: list[int], start: int, end: int) -> np.ndarray:
+        """int16 [end - start, S, G, K]: the rows of positions [start, end) of a sequence whose
+        logical page b is physical page ``block_table[b]`` (a copy). Call :meth:`land` first for
+        the steps that computed those positions. Raises ValueError when the pages do not cover ``end``."""
+        ps = self.page_size
+        if end > len(block_table) * ps:
+            raise ValueError(f"block-selection record: {len(block_table)} pages cannot hold position {end - 1}")
+        pos = np.arange(start, end)
+        slots = np.asarray(block_table, dtype=np.int64)[pos // ps] * ps + pos % ps
+        return self.table[slots]
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _scatter(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        keep = slots >= 0
+        if keep.all():  # the usual case: no padding rows, no masked copies
+            self.table[slots] = rows
+        else:
+            self.table[slots[keep]] = rows[keep]
+
+    def _copy_rows(self, src: int, dst: int) -> None:
+        ps = self.page_size
+        self.table[dst * ps : (dst + 1) * ps] = self.table[src * ps : (src + 1) * ps]
+
+    def _take_buffer(self) -> torch.Tensor:
+        if not self._free and self._num_buffers >= MAX_PENDING_COPIES:
+            oldest = next(op for op in self._queue if isinstance(op, _StepCopy))
+            self.land(oldest.serial)
+        if self._free:
+            return self._free.pop()
+        self._num_buffers += 1
+        return torch.empty((self.capacity, *self.dims), dtype=torch.int16).pin_memory()
