@@ -311,32 +311,38 @@ class NemoRLGeneration:
         timeout_s: float = 60.0,
         bucket_size_mb: float = 512,
     ) -> list[Future]:
-        """Join the trainer's weight-sync group (``m3_rollout.weight_sync.WeightSyncGroup``: the
-        trainer is rank 0 and hosts the store at ``ip:port``; this engine is rank 1) and run the
-        handshake. Non-blocking like NeMo RL's: returns one future (True when joined) while the
-        trainer builds its side (``WeightSender.handshake``). ``bucket_size_mb`` must equal the
+        """Join the refit group the trainer's ranks and this engine form
+        (``m3_rollout.weight_sync.WeightSyncGroup``), as NeMo RL's generation workers do: the
+        trainer's ranks are 0 .. train_world_size - 1 (rank 0 hosts the store at ``ip:port`` and is
+        the source of every tensor; every trainer rank runs ``WeightSender.update`` over a
+        ``BroadcastChannel`` of its own rank), this engine the rank after them. Runs the handshake.
+        Non-blocking like NeMo RL's: returns one future (True when joined) while the trainer's
+        ranks build their side (``WeightSender.handshake``). ``bucket_size_mb`` must equal the
         sender's.
 
         Raises:
             NotImplementedError: the backend is not the in-process engine.
-            ValueError: ``train_world_size`` != 1 or ``world_size`` != 2 (one trainer rank sends,
-                this engine receives); the future raises WeightSyncTimeout / HandshakeError.
+            ValueError: ``world_size`` != ``train_world_size`` + 1 (this engine is the one
+                generation rank) or ``train_world_size`` < 1; the future raises
+                WeightSyncTimeout / HandshakeError.
         """
         if not isinstance(self.backend, NativeBackend):
             raise NotImplementedError(
                 f"init_collective needs the in-process engine (NativeBackend), not {type(self.backend).__name__}; "
                 "EP rollout workers join the trainer's group through RolloutService(weight_sync=...)"
             )
-        if train_world_size != 1 or world_size != 2:
+        if train_world_size < 1 or world_size != train_world_size + 1:
             raise ValueError(
-                f"init_collective(world_size={world_size}, train_world_size={train_world_size}): the weight-sync "
-                "group is one trainer rank (0, the sender) and this engine (1): use world_size=2, train_world_size=1"
+                f"init_collective(world_size={world_size}, train_world_size={train_world_size}): the refit group is "
+                "the trainer's ranks (0 .. train_world_size - 1) and this engine (one generation rank): use "
+                f"world_size = train_world_size + 1 with train_world_size >= 1"
             )
         engine = self.backend.engine
 
         def join() -> bool:
             device = engine.model.lm_head.weight.device
-            group = WeightSyncGroup(ip, port, train_world_size, world_size, backend, timeout_s, device)
+            rank = train_world_size  # the generation ranks follow the trainer's
+            group = WeightSyncGroup(ip, port, rank, world_size, backend, timeout_s, device, train_world_size)
             sync = RolloutWeightSync(engine, group, bucket_size_mb)
             try:
                 sync.handshake()
@@ -350,8 +356,8 @@ class NemoRLGeneration:
         return [self._pool.submit(join)]
 
     def update_weights_from_collective(self) -> list[Future]:
-        """Receive one update broadcast by the trainer (``WeightSender.update``, called while the
-        future runs). Returns one future: True when committed; it raises ValueError naming the
+        """Receive one update broadcast by trainer rank 0 (``WeightSender.update`` on every trainer
+        rank, called while the future runs). Returns one future: True when committed; it raises ValueError naming the
         receiver's errors when the update was rejected.
 
         Raises:
