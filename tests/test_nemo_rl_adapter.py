@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from mp_results import get_results, put_result
 
 from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.integrations import NemoRLGeneration
+from m3_rollout.integrations import NemoRLGeneration, ReleasedNaming
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.parallel import free_port
@@ -221,23 +221,25 @@ def _trained(seed=0) -> M3ForCausalLM:
 
 
 def _sharded_trainer_rank(rank: int, port: int, train_port: int, results) -> None:
-    """Trainer rank ``rank`` of two: holds half of every tensor (flattened rows, as an FSDP shard),
-    gathers the full tensors with the other trainer rank inside ``named_tensors()`` (so rank 0 can
-    only send while rank 1 refits with it), and joins the refit group at its own rank. Update 1 is
-    good; update 2 has rank 1 disagreeing on the version, which must fail it on every rank."""
+    """Trainer rank ``rank`` of two: holds half of every tensor of its in-memory model under
+    transformers' VL names (flattened, as an FSDP shard), gathers the full tensors with the other
+    trainer rank inside ``named_tensors()`` (so rank 0 can only send while rank 1 refits with it),
+    maps them to released names (``ReleasedNaming``) and joins the refit group at its own rank.
+    Update 1 is good; in update 2 rank 1 disagrees on the version, which must fail it everywhere."""
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{train_port}", rank=rank, world_size=TRAIN_RANKS)
-        full = list(iter_released_tensors(_trained()))
+        trained = _trained()
+        naming = ReleasedNaming(trained.config)
         shards = []
-        for name, t in full:
-            flat = t.detach().flatten()
+        for name, t in _transformers_named(trained):
+            flat = t.flatten()
             half = -(-flat.numel() // TRAIN_RANKS)
             padded = torch.cat([flat, flat.new_zeros(half * TRAIN_RANKS - flat.numel())])
             shards.append((name, tuple(t.shape), padded[rank * half : (rank + 1) * half].clone()))
-        del full
+        del trained
         gathers = []
 
         def named_tensors():
@@ -248,7 +250,7 @@ def _sharded_trainer_rank(rank: int, port: int, train_port: int, results) -> Non
                 yield name, torch.cat(parts)[: torch.Size(shape).numel()].view(shape)
 
         group = WeightSyncGroup("127.0.0.1", port, rank, TRAIN_RANKS + 1, "gloo", GROUP_TIMEOUT_S, None, TRAIN_RANKS)
-        sender = WeightSender(named_tensors, BroadcastChannel(group), bucket_size_mb=0.25)
+        sender = WeightSender(lambda: naming(named_tensors()), BroadcastChannel(group), bucket_size_mb=0.25)
         sender.handshake()
         stats = sender.update(1, include_frozen=True)
         try:
@@ -266,10 +268,10 @@ def _sharded_trainer_rank(rank: int, port: int, train_port: int, results) -> Non
 
 
 def test_collective_refit_from_a_trainer_of_two_ranks():
-    """NeMo RL's refit group: trainer ranks 0 and 1 (separate processes) and this engine as rank 2;
-    rank 0 broadcasts every tensor, rank 1 takes part in each collective. The engine ends with the
-    trainer's weights bitwise; a trainer rank that disagrees with rank 0 fails the update everywhere
-    and the engine keeps those weights."""
+    """NeMo RL's refit group: trainer ranks 0 and 1 (separate processes, transformers' tensor names)
+    and this engine as rank 2; rank 0 broadcasts every tensor, rank 1 takes part in each collective.
+    The engine ends with the trainer's weights bitwise; a trainer rank that disagrees with rank 0
+    fails the update everywhere and the engine keeps those weights."""
     model = _model()
     gen = _generation(model)
     ctx = mp.get_context("spawn")
@@ -307,6 +309,7 @@ def test_collective_refit_from_a_trainer_of_two_ranks():
     assert gen.backend.weight_version == 1  # the refused update changed nothing
     assert _check_output(gen.generate(_batch()), _batch(), trainer) < 1e-4
     for r in range(TRAIN_RANKS):
-        assert got[r]["stats"]["version"] == 1 and got[r]["gathers"] == 3 * len(pairs)  # handshake + 2 updates
+        n_hf = len(list(_transformers_named(trainer)))
+        assert got[r]["stats"]["version"] == 1 and got[r]["gathers"] == 3 * n_hf  # handshake + 2 updates
         assert "trainer rank 1: its update (version 3" in got[r]["mismatch_error"]
         assert "differs from trainer rank 0's (version 2" in got[r]["mismatch_error"]
