@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
             as ``error: ...`` naming the key.
         SystemExit(1): a ``TrainingError`` (every reward of a step failed; every update skipped).
     """
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="m3-rollout grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default="configs/grpo_bf16_ep.yaml", help="YAML config")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=5")
     args = parser.parse_args(argv)
