@@ -296,10 +296,11 @@ class CheckpointingConfig:
     # Save every save_period steps (0 = only the final one); keep the keep_top_k best by
     # metric_name (null = keep all); resume continues from the latest step_* in checkpoint_dir.
     # metric_name: a metric the run logs (docs/metrics.md: "validation/accuracy", "train/reward",
-    # ...) or NeMo RL's "val:accuracy" / "train:reward"; a name no step logs stops the job at start.
+    # ...) or NeMo RL's "val:accuracy" / "train:reward"; a name no step logs stops the job at start;
+    # null (as in NeMo RL): keep_top_k keeps the newest checkpoints.
     save_period: int = 0
     keep_top_k: int | None = None
-    metric_name: str = "validation/accuracy"
+    metric_name: str | None = "validation/accuracy"
     higher_is_better: bool = True
     resume: bool = False
 

@@ -120,6 +120,8 @@ def test_checkpoint_metric_name_must_be_a_logged_name():
         resolve_metric_name(cfg(keep_top_k=2, validates=False))
     assert "timing/train/finish_generation" in logged_metric_names(cfg(sleep_level=1))
     assert "timing/train/finish_generation" not in logged_metric_names(cfg())
+    # NeMo RL's null: no metric to rank by (keep_top_k keeps the newest); was a type error of the schema
+    assert resolve_metric_name(load_config(MAIN, ["checkpointing.metric_name=null"])) is None
 
 
 def test_advantage_metrics_weight_each_sample_by_its_trained_tokens():
