@@ -316,10 +316,11 @@ class CheckpointingConfig:
     # Save every save_period steps (0 = only the final one); keep the keep_top_k best by
     # metric_name (null = keep all); resume continues from the latest step_* in checkpoint_dir.
     # metric_name: a metric the run logs (docs/metrics.md: "validation/accuracy", "train/reward",
-    # ...) or NeMo RL's "val:accuracy" / "train:reward"; a name no step logs stops the job at start.
+    # ...) or NeMo RL's "val:accuracy" / "train:reward"; a name no step logs stops the job at start;
+    # null (as in NeMo RL): keep_top_k keeps the newest checkpoints.
     save_period: int = 0
     keep_top_k: int | None = None
-    metric_name: str = "validation/accuracy"
+    metric_name: str | None = "validation/accuracy"
     higher_is_better: bool = True
     resume: bool = False
 
@@ -1182,6 +1183,8 @@ def translate_nemo_rl(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     ``truncated_importance_sampling_type=icepop`` in the same source, its
     ``truncated_importance_sampling_ratio`` / ``_ratio_min`` are the band (``mis_ratio_max`` /
     ``mis_ratio_min``); with ``tis`` the lower bound must be 0 or null (this TIS only clamps above).
+    A null ratio (NeMo RL: no truncation; the type is then ignored, so a null type is too) is
+    accepted only beside ``use_importance_sampling_correction: false`` in the same source.
 
     Raises:
         ConfigError: a NeMo RL key this schema rejects, naming the key to use.
@@ -1193,9 +1196,23 @@ def _translate(items: list[tuple[str, Any]]) -> list[tuple[int, str, Any]]:
     """``translate_nemo_rl`` with the index of the input pair each output pair came from."""
     given = dict(items)
     icepop = given.get("loss_fn.truncated_importance_sampling_type") == "icepop"
+    # NeMo RL's null ratio = no truncation, and then it ignores the type: with the correction off in
+    # the same source (its default loss_fn section) there is nothing to translate
+    no_truncation = "loss_fn.truncated_importance_sampling_ratio" in given and (
+        given["loss_fn.truncated_importance_sampling_ratio"] is None
+    )
     out: list[tuple[int, str, Any]] = []
     for i, (key, value) in enumerate(items):
-        if key == "loss_fn.truncated_importance_sampling_ratio" and icepop:
+        if key == "loss_fn.truncated_importance_sampling_ratio" and value is None:
+            if given.get("loss_fn.use_importance_sampling_correction") is not False:
+                raise ConfigError(
+                    "loss_fn.truncated_importance_sampling_ratio=null (NeMo RL: untruncated importance weights): "
+                    "this loss always truncates them: give a ratio > 0 (default 2.0), or set "
+                    "loss_fn.use_importance_sampling_correction=false next to it (the weights are then only reported)"
+                )
+        elif key == "loss_fn.truncated_importance_sampling_type" and value is None and no_truncation:
+            pass
+        elif key == "loss_fn.truncated_importance_sampling_ratio" and icepop:
             out.append((i, "loss_fn.mis_ratio_max", value))
         elif key == "loss_fn.truncated_importance_sampling_ratio_min":
             if icepop:

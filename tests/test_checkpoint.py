@@ -100,6 +100,15 @@ def test_keep_top_k(tmp_path, higher, kept):
     assert not any(p.name.startswith("step_1.tmp") for p in tmp_path.iterdir())
 
 
+def test_keep_top_k_without_a_metric_keeps_the_newest(tmp_path):
+    """checkpointing.metric_name: null (NeMo RL's setting): keep_top_k keeps the newest checkpoints."""
+    policy = _policy()
+    mgr = CheckpointManager(tmp_path, keep_top_k=2, metric_name=None)
+    for step, acc in [(1, 0.5), (2, 0.9), (3, 0.1), (4, 0.3)]:
+        mgr.save(step, policy, None, {}, {"validation/accuracy": acc})
+    assert mgr.steps() == [3, 4]
+
+
 class _ParityReward:
     """Wraps the environment: reward = parity of the answer's length, so a random-weight model
     earns rewards and GRPO steps have non-zero gradients."""

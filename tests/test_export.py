@@ -156,6 +156,20 @@ def test_cli_exports_a_builtin_checkpoint(cache, capsys):
         AutoModelForCausalLM.from_pretrained(released)  # why the text export exists
 
 
+def test_cli_warns_about_a_build_outside_its_window(cache, capsys):
+    """A builtin build whose warm start stopped outside its accuracy window (a loaded machine's
+    time cap) warned only in the GRPO job; an export of it said nothing."""
+    assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "a")]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    (src,) = (cache / "cache").iterdir()
+    report = json.loads((src / "build_report.json").read_text())
+    report.update(in_window=False, time_capped=True, warm_start_steps=100, heldout_accuracy=0.0)
+    (src / "build_report.json").write_text(json.dumps(report))
+    assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: the checkpoint's warm start stopped at step 100" in err and f"delete {src}" in err
+
+
 def test_cli_errors_exit_2(cache, capsys):
     assert cli.main(["export", "--model", str(cache / "nope"), "--out", str(cache / "x")]) == 2
     assert "no config.json" in capsys.readouterr().err

@@ -8,15 +8,19 @@ import asyncio
 import collections
 import copy
 import socket
+import traceback
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from mp_results import get_results, put_result
 
 from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.integrations import NemoRLGeneration
+from m3_rollout.integrations import NemoRLGeneration, ReleasedNaming
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.loading import iter_released_tensors
-from m3_rollout.weight_sync import BroadcastChannel, LocalWeightSync, WeightSender, WeightSyncGroup
+from m3_rollout.parallel import free_port
+from m3_rollout.weight_sync import BroadcastChannel, LocalWeightSync, WeightSender, WeightSyncGroup, WeightUpdateError
 from m3_trainers.policy import token_logprobs
 
 V, EOS, PAD = 96, 1, 0
@@ -199,5 +203,113 @@ def test_collective_refit_over_a_weight_sync_group():
     finally:
         gen.shutdown()
         group.close()
-    with pytest.raises(ValueError, match="world_size=2, train_world_size=1"):
-        _generation(model).init_collective("127.0.0.1", port, 3, train_world_size=2)
+    with pytest.raises(ValueError, match=r"use world_size = train_world_size \+ 1"):
+        _generation(model).init_collective("127.0.0.1", port, 4, train_world_size=2)
+
+
+# ------------------------------------------------------------- a trainer of two ranks (NeMo RL's layout)
+TRAIN_RANKS, GROUP_TIMEOUT_S, RESULT_TIMEOUT_S = 2, 60.0, 180.0
+
+
+def _trained(seed=0) -> M3ForCausalLM:
+    """The trainer's weights after "a training step": every process rebuilds them from the seed."""
+    model = _model(seed)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.mul_(0.9).add_(0.01 * (i % 7))
+    return model
+
+
+def _sharded_trainer_rank(rank: int, port: int, train_port: int, results) -> None:
+    """Trainer rank ``rank`` of two: holds half of every tensor of its in-memory model under
+    transformers' VL names (flattened, as an FSDP shard), gathers the full tensors with the other
+    trainer rank inside ``named_tensors()`` (so rank 0 can only send while rank 1 refits with it),
+    maps them to released names (``ReleasedNaming``) and joins the refit group at its own rank.
+    Update 1 is good; in update 2 rank 1 disagrees on the version, which must fail it everywhere."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{train_port}", rank=rank, world_size=TRAIN_RANKS)
+        trained = _trained()
+        naming = ReleasedNaming(trained.config)
+        shards = []
+        for name, t in _transformers_named(trained):
+            flat = t.flatten()
+            half = -(-flat.numel() // TRAIN_RANKS)
+            padded = torch.cat([flat, flat.new_zeros(half * TRAIN_RANKS - flat.numel())])
+            shards.append((name, tuple(t.shape), padded[rank * half : (rank + 1) * half].clone()))
+        del trained
+        gathers = []
+
+        def named_tensors():
+            for name, shape, shard in shards:
+                parts = [torch.empty_like(shard) for _ in range(TRAIN_RANKS)]
+                dist.all_gather(parts, shard)  # a collective of the trainer's ranks, like DTensor.full_tensor()
+                gathers.append(name)
+                yield name, torch.cat(parts)[: torch.Size(shape).numel()].view(shape)
+
+        group = WeightSyncGroup("127.0.0.1", port, rank, TRAIN_RANKS + 1, "gloo", GROUP_TIMEOUT_S, None, TRAIN_RANKS)
+        sender = WeightSender(lambda: naming(named_tensors()), BroadcastChannel(group), bucket_size_mb=0.25)
+        sender.handshake()
+        stats = sender.update(1, include_frozen=True)
+        try:
+            sender.update(2 if rank == 0 else 3, include_frozen=True)
+            error = None
+        except WeightUpdateError as exc:
+            error = str(exc)
+        group.close()
+        put_result(results, {"rank": rank, "stats": stats, "mismatch_error": error, "gathers": len(gathers)})
+    except Exception:  # noqa: BLE001
+        put_result(results, {"rank": rank, "error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_collective_refit_from_a_trainer_of_two_ranks():
+    """NeMo RL's refit group: trainer ranks 0 and 1 (separate processes, transformers' tensor names)
+    and this engine as rank 2; rank 0 broadcasts every tensor, rank 1 takes part in each collective.
+    The engine ends with the trainer's weights bitwise; a trainer rank that disagrees with rank 0
+    fails the update everywhere and the engine keeps those weights."""
+    model = _model()
+    gen = _generation(model)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port, train_port = free_port(), free_port()
+    procs = [ctx.Process(target=_sharded_trainer_rank, args=(r, port, train_port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        joined = gen.init_collective(
+            "127.0.0.1",
+            port,
+            TRAIN_RANKS + 1,
+            train_world_size=TRAIN_RANKS,
+            timeout_s=GROUP_TIMEOUT_S,
+            bucket_size_mb=0.25,
+        )
+        assert all(f.result(timeout=RESULT_TIMEOUT_S) for f in joined)
+        assert all(f.result(timeout=RESULT_TIMEOUT_S) for f in gen.update_weights_from_collective())
+        refused = gen.update_weights_from_collective()
+        with pytest.raises(ValueError, match="weight update rejected"):
+            refused[0].result(timeout=RESULT_TIMEOUT_S)
+        got = get_results(results, TRAIN_RANKS, RESULT_TIMEOUT_S, "rank")
+    finally:
+        for p in procs:
+            p.join(timeout=RESULT_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+        gen.shutdown()
+    trainer = _trained()
+    pairs = list(zip(iter_released_tensors(gen.backend.model), iter_released_tensors(trainer)))
+    assert len(pairs) == len(list(iter_released_tensors(model))) > 20
+    for (name, served), (want_name, want) in pairs:
+        assert name == want_name and torch.equal(served, want), name
+    assert gen.backend.weight_version == 1  # the refused update changed nothing
+    assert _check_output(gen.generate(_batch()), _batch(), trainer) < 1e-4
+    for r in range(TRAIN_RANKS):
+        n_hf = len(list(_transformers_named(trainer)))
+        assert got[r]["stats"]["version"] == 1 and got[r]["gathers"] == 3 * n_hf  # handshake + 2 updates
+        assert "trainer rank 1: its update (version 3" in got[r]["mismatch_error"]
+        assert "differs from trainer rank 0's (version 2" in got[r]["mismatch_error"]

@@ -70,6 +70,28 @@ def test_refused_keys_and_hydra_prefixes_name_what_to_use(override, needle):
     assert needle in str(exc.value)
 
 
+def test_nemo_rl_default_loss_section_without_truncation(tmp_path):
+    """NeMo RL's default loss_fn section (correction off, ratio and type null) is accepted; a null
+    ratio with the correction on or unset (untruncated weights, which this loss lacks) is refused."""
+    child = tmp_path / "nemo_loss.yaml"
+    child.write_text(
+        f"defaults: {Path(MAIN).resolve()}\n"
+        "loss_fn:\n  use_importance_sampling_correction: false\n  truncated_importance_sampling_ratio: null\n"
+        "  truncated_importance_sampling_type: null\n  truncated_importance_sampling_ratio_min: null\n"
+    )
+    lf = load_config(child).loss_fn
+    assert lf.use_importance_sampling_correction is False
+    assert (lf.importance_sampling_type, lf.truncated_importance_sampling_ratio) == ("tis", 2.0)
+    for overrides in (
+        ["loss_fn.truncated_importance_sampling_ratio=null"],
+        ["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_ratio=null"],
+    ):
+        with pytest.raises(ConfigError, match="use_importance_sampling_correction=false next to it"):
+            load_config(MAIN, overrides)
+    with pytest.raises(ConfigError, match="no untruncated or sequence-level weights"):
+        load_config(MAIN, ["loss_fn.truncated_importance_sampling_type=null"])  # a ratio is set: type needed
+
+
 def test_double_plus_overrides_like_a_plain_override():
     assert load_config(MAIN, ["++grpo.max_num_steps=7"]).grpo.max_num_steps == 7
 
@@ -98,6 +120,8 @@ def test_checkpoint_metric_name_must_be_a_logged_name():
         resolve_metric_name(cfg(keep_top_k=2, validates=False))
     assert "timing/train/finish_generation" in logged_metric_names(cfg(sleep_level=1))
     assert "timing/train/finish_generation" not in logged_metric_names(cfg())
+    # NeMo RL's null: no metric to rank by (keep_top_k keeps the newest); was a type error of the schema
+    assert resolve_metric_name(load_config(MAIN, ["checkpointing.metric_name=null"])) is None
 
 
 def test_advantage_metrics_weight_each_sample_by_its_trained_tokens():

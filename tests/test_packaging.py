@@ -145,8 +145,15 @@ def test_console_command_hands_over_to_each_entry(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["grpo", "--config", "grpo_smoke", "grpo.no_such_key=1"])  # a packaged config by name
     assert exc.value.code == 2 and "grpo.no_such_key" in capsys.readouterr().err
-    for command, option in (("serve", "--expert-parallel-size"), ("dump", "replay"), ("export", "transformers-text")):
+    for command, option in (
+        ("grpo", "--config"),
+        ("serve", "--expert-parallel-size"),
+        ("dump", "replay"),
+        ("export", "transformers-text"),
+    ):
         with pytest.raises(SystemExit) as exc:
             cli.main([command, "--help"])
-        assert exc.value.code == 0 and option in capsys.readouterr().out, command
+        out = capsys.readouterr().out
+        assert exc.value.code == 0 and option in out, command
+        assert out.startswith(f"usage: m3-rollout {command} "), out[:80]  # the usage line runs as printed
     assert cli.main([]) == 2 and "usage: m3-rollout" in capsys.readouterr().err

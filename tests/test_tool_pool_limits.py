@@ -71,6 +71,40 @@ def test_timeout_kills_the_processes_a_tool_started(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+POOL_KILLED_FROM_OUTSIDE = """
+import os, signal, subprocess, sys
+from m3_rollout.rollout.tool_pool import ToolProcessPool
+
+def spawn():
+    return f"{os.getpid()} {subprocess.Popen(['sleep', '60']).pid}"  # the worker, and a process its tool started
+
+pool = ToolProcessPool({"spawn": spawn}, num_workers=2, timeout_s=30.0)
+with open(sys.argv[1], "w") as f:
+    f.write(" ".join(pool.run([("spawn", {}), ("spawn", {})])))
+os.kill(os.getpid(), signal.SIGKILL)  # no atexit hook runs: the pool never closes its workers
+"""
+
+
+def test_workers_end_when_the_pool_process_is_killed(tmp_path):
+    """A trainer killed from outside (SIGKILL, OOM, ``timeout``'s SIGTERM) left its idle tool
+    workers, and what their tools started, running forever, holding its stdout / stderr open."""
+    script, pid_file = tmp_path / "pool.py", tmp_path / "pids"
+    script.write_text(POOL_KILLED_FROM_OUTSIDE)
+    # stdout / stderr not captured: an orphaned worker holding the pipes would block the run
+    proc = subprocess.run([sys.executable, str(script), str(pid_file)], stdout=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    pids = [int(p) for p in pid_file.read_text().split()]
+    workers, tool_children = pids[0::2], pids[1::2]
+    assert len(set(workers)) == 2 and len(tool_children) == 2
+    try:
+        for pid in pids:
+            assert _wait_gone(pid, limit_s=30.0), f"process {pid} outlived the killed pool process"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_tool_stderr_is_capped_like_its_output(capfd):
     pool = ToolProcessPool({"loud": _loud}, num_workers=1, timeout_s=30.0, max_output_chars=50)
     try:

@@ -64,7 +64,8 @@ class CheckpointManager:
     Args:
         root: ``checkpointing.checkpoint_dir``.
         keep_top_k: None = keep all.
-        metric_name: key in the metrics given to ``save`` (e.g. "validation/accuracy").
+        metric_name: key in the metrics given to ``save`` (e.g. "validation/accuracy"); None:
+            keep the newest ``keep_top_k``.
         higher_is_better: ranking direction.
     """
 
@@ -72,7 +73,7 @@ class CheckpointManager:
         self,
         root: str | Path,
         keep_top_k: int | None = None,
-        metric_name: str = "validation/accuracy",
+        metric_name: str | None = "validation/accuracy",
         higher_is_better: bool = True,
     ):
         self.root = Path(root)
@@ -140,7 +141,7 @@ class CheckpointManager:
             info = json.loads((self.path(step) / "training_info.json").read_text())
         except (OSError, ValueError):
             return None
-        v = info.get("metrics", {}).get(self.metric_name)
+        v = info.get("metrics", {}).get(self.metric_name) if self.metric_name is not None else None
         return None if v is None else float(v)
 
     def prune(self) -> list[int]:

@@ -29,7 +29,8 @@ GRPO call order (colocated, as NeMo RL's ``grpo.py`` drives it; ``tests/test_nem
 
 Refit names: the trainer may name tensors as its in-memory model does (transformers' text / VL
 names, or this project's stacked ``experts.w13`` / ``experts.w2``) or by the released names;
-``m3_rollout.model.loading.released_pairs`` maps each to released-name views.
+``ReleasedNaming`` (over ``m3_rollout.model.loading.released_pairs``) maps each to released-name
+views, here for the in-process refit and on each trainer rank for the collective one.
 """
 
 from __future__ import annotations
@@ -45,6 +46,53 @@ from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3Config, M3ForCausalLM
 from m3_rollout.model.loading import RELEASED_PREFIX, iter_released_tensors, released_pairs
 from m3_rollout.weight_sync import RolloutWeightSync, WeightSyncGroup
+
+
+class ReleasedNaming:
+    """The trainer's tensors, in any naming of the module docstring, as the released-name views the
+    weight receiver takes, in the served model's order; the one place both refit paths map names.
+
+    ``NemoRLGeneration`` uses it for ``prepare_refit_info`` / ``update_weights_via_ipc``; a trainer
+    rank feeding the collective refit wraps its tensors with it, so the ``WeightSender`` on every
+    trainer rank sends released names whatever its model calls them::
+
+        naming = ReleasedNaming(model_config)
+        sender = WeightSender(lambda: naming(policy.model.named_parameters()), BroadcastChannel(group))
+
+    Args:
+        model: the served model's ``M3Config`` (shapes only: a meta-device copy is built once) or an
+            ``M3ForCausalLM`` holding every expert.
+
+    ``__call__(items)`` takes (name, tensor) pairs (meta tensors for shape checks) and returns
+    [(``language_model.``-prefixed released name, view)] covering the model exactly once. Raises
+    ValueError listing unknown, missing, duplicated and mis-shaped tensors.
+    """
+
+    def __init__(self, model: M3Config | M3ForCausalLM):
+        if isinstance(model, M3Config):
+            with torch.device("meta"):  # shapes only: no memory
+                model = M3ForCausalLM(model)
+        self.model = model
+        self.want = {n: tuple(t.shape) for n, t in iter_released_tensors(model, prefix="")}
+
+    def __call__(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        try:
+            pairs = list(released_pairs(self.model, ((n, t.detach()) for n, t in items)))
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"refit tensors do not match the served model: {exc.args[0]}") from None
+        count = Counter(n for n, _ in pairs)
+        problems = [f"missing {n}" for n in self.want if n not in count]
+        problems += [f"given {count[n]} times: {n}" for n in count if count[n] > 1]
+        problems += [
+            f"{n}: shape {tuple(t.shape)} != {self.want[n]}" for n, t in pairs if tuple(t.shape) != self.want[n]
+        ]
+        if problems:
+            raise ValueError(
+                f"refit tensors do not match the served model ({len(problems)} problems):\n  "
+                + "\n  ".join(problems[:20])
+            )
+        by_name = dict(pairs)
+        return [(RELEASED_PREFIX + n, by_name[n]) for n in self.want]
 
 
 class NemoRLGeneration:
@@ -93,13 +141,10 @@ class NemoRLGeneration:
         ).validate()
         self.colocated = bool(config.get("colocated", {}).get("enabled", True))
         self.sleep_level, self.seed = sleep_level, seed
-        if model_config is None:
-            if not isinstance(backend, NativeBackend):
-                raise ValueError(f"NemoRLGeneration: pass model_config for a {type(backend).__name__}")
-            self._shapes = backend.model  # the served model itself (all experts: one in-process engine)
-        else:
-            with torch.device("meta"):  # shapes only: no memory
-                self._shapes = M3ForCausalLM(model_config)
+        if model_config is None and not isinstance(backend, NativeBackend):
+            raise ValueError(f"NemoRLGeneration: pass model_config for a {type(backend).__name__}")
+        # the served model itself when in process (all experts: one engine), else a meta-device copy
+        self._naming = ReleasedNaming(backend.model if model_config is None else model_config)
         self._calls = 0
         self._asleep = False
         self._refit_names: set[str] | None = None
@@ -251,28 +296,8 @@ class NemoRLGeneration:
             ValueError: listing the unknown, missing, duplicated and mis-shaped tensors.
         """
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, (s, d) in state_dict_info.items()]
-        self._released(metas)
+        self._naming(metas)
         self._refit_names = set(state_dict_info)
-
-    def _released(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Released-name (``language_model.``, the wire naming) views of ``items`` in the model's
-        order (the receiver's handshake order); ValueError unless they cover the model exactly once."""
-        try:
-            pairs = list(released_pairs(self._shapes, items))
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"refit tensors do not match the served model: {exc.args[0]}") from None
-        want = {n: tuple(t.shape) for n, t in iter_released_tensors(self._shapes, prefix="")}
-        count = Counter(n for n, _ in pairs)
-        problems = [f"missing {n}" for n in want if n not in count]
-        problems += [f"given {count[n]} times: {n}" for n in count if count[n] > 1]
-        problems += [f"{n}: shape {tuple(t.shape)} != {want[n]}" for n, t in pairs if tuple(t.shape) != want[n]]
-        if problems:
-            raise ValueError(
-                f"refit tensors do not match the served model ({len(problems)} problems):\n  "
-                + "\n  ".join(problems[:20])
-            )
-        by_name = dict(pairs)
-        return [(RELEASED_PREFIX + n, by_name[n]) for n in want]
 
     def update_weights_via_ipc(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
@@ -296,7 +321,7 @@ class NemoRLGeneration:
                     f"update_weights_via_ipc: names differ from prepare_refit_info's: "
                     f"{len(extra)} new {extra[:5]}, {len(lost)} missing {lost[:5]}"
                 )
-        pairs = self._released(items)
+        pairs = self._naming(items)
         self.backend.update_weights(self.backend.weight_version + 1 if version is None else version, pairs)
         return True
 
@@ -311,32 +336,38 @@ class NemoRLGeneration:
         timeout_s: float = 60.0,
         bucket_size_mb: float = 512,
     ) -> list[Future]:
-        """Join the trainer's weight-sync group (``m3_rollout.weight_sync.WeightSyncGroup``: the
-        trainer is rank 0 and hosts the store at ``ip:port``; this engine is rank 1) and run the
-        handshake. Non-blocking like NeMo RL's: returns one future (True when joined) while the
-        trainer builds its side (``WeightSender.handshake``). ``bucket_size_mb`` must equal the
+        """Join the refit group the trainer's ranks and this engine form
+        (``m3_rollout.weight_sync.WeightSyncGroup``), as NeMo RL's generation workers do: the
+        trainer's ranks are 0 .. train_world_size - 1 (rank 0 hosts the store at ``ip:port`` and is
+        the source of every tensor; every trainer rank runs ``WeightSender.update`` over a
+        ``BroadcastChannel`` of its own rank), this engine the rank after them. Runs the handshake.
+        Non-blocking like NeMo RL's: returns one future (True when joined) while the trainer's
+        ranks build their side (``WeightSender.handshake``). ``bucket_size_mb`` must equal the
         sender's.
 
         Raises:
             NotImplementedError: the backend is not the in-process engine.
-            ValueError: ``train_world_size`` != 1 or ``world_size`` != 2 (one trainer rank sends,
-                this engine receives); the future raises WeightSyncTimeout / HandshakeError.
+            ValueError: ``world_size`` != ``train_world_size`` + 1 (this engine is the one
+                generation rank) or ``train_world_size`` < 1; the future raises
+                WeightSyncTimeout / HandshakeError.
         """
         if not isinstance(self.backend, NativeBackend):
             raise NotImplementedError(
                 f"init_collective needs the in-process engine (NativeBackend), not {type(self.backend).__name__}; "
                 "EP rollout workers join the trainer's group through RolloutService(weight_sync=...)"
             )
-        if train_world_size != 1 or world_size != 2:
+        if train_world_size < 1 or world_size != train_world_size + 1:
             raise ValueError(
-                f"init_collective(world_size={world_size}, train_world_size={train_world_size}): the weight-sync "
-                "group is one trainer rank (0, the sender) and this engine (1): use world_size=2, train_world_size=1"
+                f"init_collective(world_size={world_size}, train_world_size={train_world_size}): the refit group is "
+                "the trainer's ranks (0 .. train_world_size - 1) and this engine (one generation rank): use "
+                f"world_size = train_world_size + 1 with train_world_size >= 1"
             )
         engine = self.backend.engine
 
         def join() -> bool:
             device = engine.model.lm_head.weight.device
-            group = WeightSyncGroup(ip, port, train_world_size, world_size, backend, timeout_s, device)
+            rank = train_world_size  # the generation ranks follow the trainer's
+            group = WeightSyncGroup(ip, port, rank, world_size, backend, timeout_s, device, train_world_size)
             sync = RolloutWeightSync(engine, group, bucket_size_mb)
             try:
                 sync.handshake()
@@ -350,8 +381,8 @@ class NemoRLGeneration:
         return [self._pool.submit(join)]
 
     def update_weights_from_collective(self) -> list[Future]:
-        """Receive one update broadcast by the trainer (``WeightSender.update``, called while the
-        future runs). Returns one future: True when committed; it raises ValueError naming the
+        """Receive one update broadcast by trainer rank 0 (``WeightSender.update`` on every trainer
+        rank, called while the future runs). Returns one future: True when committed; it raises ValueError naming the
         receiver's errors when the update was rejected.
 
         Raises:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -214,7 +215,9 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
 
     Returns:
         (directory, info) where info has "built" (bool), "build_seconds", "key" and the build
-        report when one exists.
+        report when one exists. A build whose warm start ended outside its accuracy window prints
+        :func:`warm_start_warning` to stderr here, so every command that uses it (grpo, export,
+        serve, dump) says so.
 
     Raises:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
@@ -226,10 +229,13 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
     name = model_name[len(BUILTIN_PREFIX) :]
     out = cache_root() / f"{name}-{spec.key()}"
     if (out / "build_report.json").is_file():
-        report = json.loads((out / "build_report.json").read_text())
-        return out, {"built": False, "key": spec.key(), **report}
-    report = build_checkpoint(spec, out, progress=progress)
-    return out, {"built": True, "key": spec.key(), **report}
+        info = {"built": False, "key": spec.key(), **json.loads((out / "build_report.json").read_text())}
+    else:
+        info = {"built": True, "key": spec.key(), **build_checkpoint(spec, out, progress=progress)}
+    warning = warm_start_warning(out, info)
+    if warning:
+        print(warning, file=sys.stderr)
+    return out, info
 
 
 def warm_start_warning(model_dir: Path, info: dict) -> str | None:

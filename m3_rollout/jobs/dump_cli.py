@@ -162,7 +162,7 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m m3_rollout.dump", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="m3-rollout dump", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="roll out and dump without training")

@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.config import ConfigError, MasterConfig, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
-from m3_rollout.jobs.builtin import warm_start_warning
 from m3_rollout.jobs.metrics_logger import MetricsLogger
 from m3_rollout.jobs.outputs import check_output_dirs
 from m3_rollout.jobs.stack import batch_seed, build_generation_backend, build_rollout_stack
@@ -87,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
             as ``error: ...`` naming the key.
         SystemExit(1): a ``TrainingError`` (every reward of a step failed; every update skipped).
     """
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="m3-rollout grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default="configs/grpo_bf16_ep.yaml", help="YAML config")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=5")
     args = parser.parse_args(argv)
@@ -139,9 +140,6 @@ def run(cfg: MasterConfig) -> dict:
             f"using checkpoint {model_dir}"
             + (f" (cached build of {info['build_seconds']:.1f} s)" if "build_seconds" in info else "")
         )
-    warning = warm_start_warning(model_dir, info)
-    if warning:
-        print(warning, file=sys.stderr)
     # Trainer first, then the backend (EP rollout service, or the in-process engine on the
     # trainer's device): a colocated CUDA engine sizes its KV pool from the memory left free.
     try:

@@ -186,9 +186,10 @@ def logged_metric_names(cfg: MasterConfig) -> set[str]:
     return names
 
 
-def resolve_metric_name(cfg: MasterConfig) -> str:
+def resolve_metric_name(cfg: MasterConfig) -> str | None:
     """``checkpointing.metric_name`` as a logged name: NeMo RL's ``val:NAME`` / ``train:NAME``
-    become ``validation/NAME`` / ``train/NAME``.
+    become ``validation/NAME`` / ``train/NAME``; None stays None (``keep_top_k`` keeps the newest
+    checkpoints, as NeMo RL does).
 
     A validation metric of a run that never validates is accepted while nothing ranks by it
     (``keep_top_k`` null); NeMo RL warns at the first save in that case.
@@ -198,6 +199,8 @@ def resolve_metric_name(cfg: MasterConfig) -> str:
             message says what an old name is called now, or lists the close names.
     """
     name = cfg.checkpointing.metric_name
+    if name is None:
+        return None
     prefix, sep, rest = name.partition(":")
     if sep and prefix in ("val", "train"):
         name = ("validation/" if prefix == "val" else "train/") + rest

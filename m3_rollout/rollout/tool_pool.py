@@ -10,7 +10,9 @@ what a tool prints goes to /dev/null, and what it writes to stderr reaches the t
 capped the same way, once per call. Every failure (timeout, exception, a worker that died during or between
 calls, arguments that cannot be sent) comes back as an ``Error: ...`` text for the model, never
 as an exception in the rollout loop; a run interrupted from outside (e.g. Ctrl-C) replaces the
-workers it left busy, so no stale reply is ever read as a later call's result.
+workers it left busy, so no stale reply is ever read as a later call's result. An idle worker
+whose pool process died without closing it (SIGKILL, a ``timeout``'s SIGTERM) ends itself and its
+process group within a second.
 """
 
 from __future__ import annotations
@@ -119,7 +121,21 @@ class _StderrCapture:
             pass
 
 
-def _worker_main(conn: Connection, fns: dict, max_chars: int) -> None:
+def _exit_if_orphaned(pool_pid: int) -> None:
+    """End this worker, and what its tools left running, once the pool's process is gone.
+
+    A pool process killed from outside (SIGKILL, the OOM killer, the SIGTERM of ``timeout``) runs
+    no exit hook, and the far end of this worker's pipe stays open in this and later-forked workers
+    (inherited at fork), so ``recv`` never sees EOF: without this check the workers live on, holding
+    whatever the pool's stdout / stderr were (a shell pipeline reading them never ends)."""
+    if os.getppid() == pool_pid:
+        return
+    if os.getpgid(0) == os.getpid():  # leads its own group: the group is this worker and its tools
+        os.killpg(0, signal.SIGKILL)
+    os._exit(1)
+
+
+def _worker_main(conn: Connection, fns: dict, max_chars: int, pool_pid: int) -> None:
     # Own process group, so a timeout kills every process the tool started (the parent also sets
     # it right after the fork; whichever runs first wins, the other is a no-op).
     try:
@@ -138,6 +154,8 @@ def _worker_main(conn: Connection, fns: dict, max_chars: int) -> None:
     stderr = _StderrCapture(max_chars)
     while True:
         try:
+            while not conn.poll(1.0):  # idle: check once a second that the pool's process lives
+                _exit_if_orphaned(pool_pid)
             msg = conn.recv()
         except (EOFError, OSError):
             return
@@ -152,7 +170,7 @@ class _Worker:
 
     def __init__(self, ctx, fns: dict, max_chars: int):
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, fns, max_chars), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, fns, max_chars, os.getpid()), daemon=True)
         self.proc.start()
         try:
             os.setpgid(self.proc.pid, self.proc.pid)

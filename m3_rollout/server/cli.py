@@ -27,7 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="m3-rollout-serve", description="OpenAI-compatible M3 rollout server")
+    p = argparse.ArgumentParser(prog="m3-rollout serve", description="OpenAI-compatible M3 rollout server")
     p.add_argument("--model", required=True, help="checkpoint directory or builtin:NAME")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

@@ -1,4 +1,4 @@
-"""The weight-sync process group: trainer rank 0 + every rollout rank (design.md §3, §5).
+"""The weight-sync process group: the trainer's ranks + every rollout rank (design.md §3, §5).
 
 Governing idea: a group of its own that never touches the ranks' default or EP groups. It is
 built directly from a ``TCPStore`` on its own port (hosted by the trainer, rank 0) and a backend
@@ -8,8 +8,11 @@ store and prefixes the group's rendezvous keys with it, so a rebuild after a fai
 killed midway, a receive timeout) never reads stale keys, whether the trainer survived or was
 restarted with a new store.
 
-Rank layout: 0 = trainer (source of every broadcast), 1..N = rollout ranks (any order the
-launcher chooses; it passes each worker its rank).
+Rank layout: 0 .. T-1 = the trainer's ranks (``train_world_size`` T, 1 unless the trainer is
+data-parallel: NeMo RL's policy workers all join the group), rank 0 the store host and the source
+of every broadcast; T .. W-1 = rollout ranks (any order the launcher chooses; it passes each
+worker its rank). Trainer ranks 1 .. T-1 take part in every collective (a broadcast from rank 0
+lands in their buffers too) and report a verdict like any rank (``sender.BroadcastChannel``).
 """
 
 from __future__ import annotations
@@ -36,12 +39,15 @@ class WeightSyncGroup:
     Args:
         host, port: where rank 0 hosts the TCPStore (port must be free there; not the port of
             the ranks' own default group).
-        rank, world_size: 0 = trainer; world_size = 1 + number of rollout ranks.
+        rank, world_size: ranks below ``train_world_size`` are the trainer's (0: the source);
+            world_size = train_world_size + number of rollout ranks.
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors; one rank per GPU).
         timeout_s: limit for every collective and for the rendezvous.
         device: where this rank's wire buffers live (cpu for gloo; its GPU for nccl).
+        train_world_size: how many of the ranks are the trainer's (>= 1, < world_size).
 
-    Raises WeightSyncTimeout when the rendezvous does not complete in time.
+    Raises WeightSyncTimeout when the rendezvous does not complete in time; ValueError for a
+    rank or train_world_size outside its range.
     """
 
     def __init__(
@@ -53,12 +59,19 @@ class WeightSyncGroup:
         backend: str = "gloo",
         timeout_s: float = 60.0,
         device: torch.device | str | None = None,
+        train_world_size: int = 1,
     ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight_sync backend={backend!r}: must be 'gloo' or 'nccl'")
         if not 0 <= rank < world_size:
             raise ValueError(f"weight-sync rank {rank} outside [0, {world_size})")
+        if not 1 <= train_world_size < world_size:
+            raise ValueError(
+                f"weight-sync train_world_size={train_world_size}: must be in [1, {world_size}) "
+                f"(world_size={world_size} counts the trainer's ranks and at least one rollout rank)"
+            )
         self.host, self.port, self.rank, self.world_size = host, int(port), int(rank), int(world_size)
+        self.train_world_size = int(train_world_size)
         self.backend = backend
         if backend == "nccl":
             from m3_rollout.parallel.process_group import disable_nvlink_multicast

@@ -2,9 +2,10 @@
 
 Governing idea: the sender reads the trainer's live tensors (released names, iter_released_tensors
 order) each update, casts them to the wire dtype while packing per-dtype buckets, and pushes the
-buckets through a channel: ``BroadcastChannel`` (one ``WeightSyncGroup`` broadcast per bucket,
-packed on a side stream into a ring of three wire buffers, so bucket k+1 is packed while k is on
-the wire; ring.py) or ``ColocatedChannel`` (receivers in the same process: the direct copy plan,
+buckets through a channel: ``BroadcastChannel`` (one ``WeightSyncGroup`` broadcast per bucket
+from trainer rank 0, packed on a side stream into a ring of three wire buffers, so bucket k+1 is
+packed while k is on the wire; ring.py; a data-parallel trainer's other ranks take part without
+packing) or ``ColocatedChannel`` (receivers in the same process: the direct copy plan,
 or the same bucket pipeline in loopback with a device copy standing in for the broadcast; the
 path for a trainer and rollout sharing one device, where NCCL cannot put two ranks). Either way
 the other end is a ``WeightReceiver``, which runs every check (receiver.py). Both end with the
@@ -28,8 +29,10 @@ from .manifest import (
     HandshakeError,
     TensorSpec,
     UpdateHeader,
+    decode_header,
     default_frozen,
     encode_header,
+    manifest_from_bytes,
     manifest_to_bytes,
     sender_manifest,
 )
@@ -49,41 +52,87 @@ class WeightUpdateError(RuntimeError):
 
 
 class BroadcastChannel:
-    """Sender end over a ``WeightSyncGroup`` (trainer = rank 0).
+    """Sender end over a ``WeightSyncGroup``, on any of the trainer's ranks (``group.rank`` below
+    ``group.train_world_size``).
+
+    Trainer rank 0 is the source of every tensor: it packs the buckets and broadcasts them. A
+    data-parallel trainer's other ranks (NeMo RL's policy workers all join the refit group) run the
+    same ``WeightSender.update`` with their own copy of the weights, so collective gathers inside
+    ``named_tensors()`` (a sharded trainer's full tensors) happen on every trainer rank in step, and
+    take part in each collective: the manifest, header and buckets broadcast from rank 0 land in
+    their buffers (they pack nothing). Each checks that rank 0's manifest and header equal its own
+    and reports a difference in its verdict, which fails the update on every rank.
 
     ``double_buffer``: a ring of three wire buffers (pack k+1 while k is on the wire and k-1 is
     still being received); False: one buffer, one bucket at a time."""
 
     def __init__(self, group: WeightSyncGroup, double_buffer: bool = True):
-        if group.rank != 0:
-            raise ValueError(f"the weight sender must be rank 0 of the weight-sync group, not {group.rank}")
+        if not 0 <= group.rank < group.train_world_size:
+            raise ValueError(
+                f"the weight sender must be one of the trainer's ranks [0, {group.train_world_size}) of the "
+                f"weight-sync group, not rank {group.rank}"
+            )
         self.group, self.double_buffer = group, double_buffer
         self.direct = self.direct_only = False  # buckets over the group
         self.device = group.device
         self.needs_rebuild = False
         self._ring = BucketRing(self.device, 3 if double_buffer else 1)
 
+    @property
+    def source(self) -> bool:
+        """Whether this rank's tensors go on the wire (trainer rank 0)."""
+        return self.group.rank == 0
+
     def rebuild(self) -> None:
         """Rebuild the broken group (a new rendezvous token); the sender re-runs the handshake."""
         self.group.rebuild()
 
+    def _from_source(self, mine: torch.Tensor) -> torch.Tensor:
+        """Broadcast the 1-D tensor ``mine`` from trainer rank 0; returns rank 0's tensor on every
+        rank. The length goes first, so a rank whose own tensor differs in size still receives it."""
+        n = torch.tensor([mine.numel()], dtype=torch.int64, device=self.device)
+        self.group.broadcast(n)
+        out = mine.to(self.device) if self.source else torch.empty(int(n), dtype=mine.dtype, device=self.device)
+        self.group.broadcast(out)
+        return out
+
     def handshake(self, manifest: list[TensorSpec]) -> list[str]:
         data = manifest_to_bytes(manifest)
-        self.group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device))
-        self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
-        verdicts = self.group.exchange_objects([])
+        sent = self._from_source(torch.frombuffer(bytearray(data), dtype=torch.uint8)).cpu().numpy().tobytes()
+        mine = []
+        if sent != data:
+            theirs = manifest_from_bytes(sent)
+            i = next((i for i, (a, b) in enumerate(zip(theirs, manifest)) if a != b), min(len(theirs), len(manifest)))
+            at = [m[i] if i < len(m) else "(end of list)" for m in (theirs, manifest)]
+            mine = [
+                f"trainer rank {self.group.rank}: its tensor list differs from trainer rank 0's at entry {i}: "
+                f"rank 0 {at[0]}, this rank {at[1]}"
+            ]
+        verdicts = self.group.exchange_objects(mine)
         return [d for v in verdicts for d in v]
 
     def send(
-        self, header: UpdateHeader, plan: list[Bucket], pack: Callable[[int, torch.Tensor], None], probe=None
+        self,
+        header: UpdateHeader,
+        plan: list[Bucket],
+        pack: Callable[[int, torch.Tensor], None],
+        bucket_bytes: int = 0,
+        probe=None,
     ) -> list[dict]:
-        """Header, probe, buckets, then the verdict exchanges; returns the ranks' verdicts
-        (status, and the probe's when there is one)."""
-        hdr = encode_header(header).to(self.device)
-        self.group.broadcast(torch.tensor([hdr.numel()], dtype=torch.int64, device=self.device))
-        self.group.broadcast(hdr)
-        if header.probe:
-            self.group.exchange_objects(probe)
+        """Header, probe, buckets, then the verdict exchanges; returns the verdicts of every rank
+        but trainer rank 0 (status, and the probe's when there is one). ``bucket_bytes`` (the
+        sender's) re-plans the buckets on a trainer rank whose header differs from rank 0's."""
+        errors: list[str] = []
+        got = self._from_source(encode_header(header))
+        sent = header if self.source else decode_header(got.cpu())
+        if sent != header:
+            errors.append(
+                f"trainer rank {self.group.rank}: its update (version {header.version}, {len(header.entries)} "
+                f"tensors) differs from trainer rank 0's (version {sent.version}, {len(sent.entries)} tensors)"
+            )
+            plan = plan_buckets([(shape, dt) for _, shape, dt in sent.entries], bucket_bytes)
+        if sent.probe:
+            self.group.exchange_objects(probe if self.source else None)
         ring = self._ring
         ring.reserve(max((b.wire_bytes for b in plan), default=8))  # kept between updates
         ring.start()  # the pack reads the trainer's tensors after its last writes
@@ -94,7 +143,8 @@ class BroadcastChannel:
                     if len(pending) == ring.slots:  # the slot's last broadcast (bucket k - slots) is done
                         self.group.wait(pending.popleft())  # NCCL: a stream wait; gloo: the host waits
                     buf = ring.buffer(k, b.wire_bytes)
-                    pack(k, buf)
+                    if self.source:  # the other trainer ranks receive (and drop) rank 0's bucket
+                        pack(k, buf)
                     # issued from the side stream: NCCL's stream waits for the pack, the host does not
                     pending.append(self.group.broadcast(buf, async_op=True))
             with ring.side():
@@ -102,8 +152,8 @@ class BroadcastChannel:
                     self.group.wait(pending.popleft())
         finally:
             ring.finish()  # the trainer's next writes wait for the packs and the sends
-        verdicts = self.group.exchange_objects({"ok": True, "errors": []})[1:]
-        if header.probe:
+        verdicts = self.group.exchange_objects({"ok": not errors, "errors": errors})[1:]
+        if sent.probe:
             verdicts += self.group.exchange_objects({"ok": True, "errors": [], "drift": None})[1:]
         return verdicts
 
@@ -324,10 +374,7 @@ class WeightSender:
                 self.fault(k, buf)
 
         try:
-            if isinstance(self.channel, ColocatedChannel):
-                verdicts = self.channel.send(header, plan, pack, self.bucket_bytes, probe)
-            else:
-                verdicts = self.channel.send(header, plan, pack, probe)
+            verdicts = self.channel.send(header, plan, pack, self.bucket_bytes, probe)
         except WeightSyncTimeout as exc:
             self.channel.needs_rebuild = True
             raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
