@@ -370,9 +370,8 @@ def run_colocated(cast: CastCopy, rollout: torch.nn.Module, bucket_mb: float, re
     named = ReleasedTensors(master, cast=cast)  # what Policy.named_released_tensors gives
     attested = WeightSender(lambda: named, ColocatedChannel([rx_att], dev, direct=True), bucket_mb, dtype)
     checked = WeightSender(lambda: cast.released, ColocatedChannel([rx_chk], dev, direct=True), bucket_mb, dtype)
-    bucketed = WeightSender(
-        lambda: iter_released_tensors(trainer), ColocatedChannel([rx_chk], dev, direct=False), bucket_mb, None
-    )
+    # the compute copy's ReleasedTensors (as Policy hands them over): resolved once, not per update
+    bucketed = WeightSender(lambda: cast.released, ColocatedChannel([rx_chk], dev, direct=False), bucket_mb, None)
     for s in (attested, checked, bucketed):
         s.handshake()
     # raw bucket copies: the same wire buckets through a ring of three slot pairs (outside timing)
