@@ -40,8 +40,8 @@ Launch cost: the bucket pipeline launches a plan per bucket, so the host time of
 After a group's first launch through Triton's ``JITFunction`` (argument binding, specialization,
 cache lookup: tens of microseconds of Python), the compiled kernel and the group's fixed arguments
 are kept and later launches call the compiled kernel's launcher directly (``_FastLaunch``), as
-Triton's own ``run`` ends up doing; with Triton's launch hooks set (profilers) every launch takes
-the full path.
+Triton's own ``run`` ends up doing (without its launch-hook calls); while a Triton launch hook is
+set (a profiler) every launch takes the full path.
 """
 
 from __future__ import annotations
@@ -334,34 +334,57 @@ class _Group:
     fast: dict = field(default_factory=dict)  # (store, check) -> _FastLaunch, or None: the full path
 
 
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None) if triton is not None else None
+
+
+def _fast_launch_device(device: torch.device) -> bool:
+    """Whether launches on ``device`` may call the compiled kernel directly (a GPU; the
+    interpreter's function has no compiled kernel)."""
+    return device.type == "cuda"
+
+
+def _raw_stream(index: int) -> int:
+    """The current stream of device ``index`` as Triton's driver reads it (a raw handle)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 class _FastLaunch:
     """A group's compiled kernel for one (store, check) mode with its fixed arguments: a launch is
     one call of the compiled kernel's launcher (no argument binding, specialization or cache
     lookup). Built from what ``JITFunction.run`` returned after a full launch; ``make`` returns
     None when that object does not look like Triton's ``CompiledKernel`` (another Triton, a stub)
-    or when launch hooks are set."""
+    or when a launch hook is set."""
 
     def __init__(self, kernel, grid: int, args: tuple, device_index: int):
         self.kernel, self.grid, self.args, self.device_index = kernel, grid, args, device_index
-        self.stream = torch._C._cuda_getCurrentRawStream  # what Triton's driver reads the stream with
 
     @staticmethod
     def make(kernel, grid: int, args: tuple, device: torch.device):
         if triton is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
             return None
-        knobs = getattr(triton, "knobs", None)
-        runtime = getattr(knobs, "runtime", None)
-        if runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+        if kernel.function is None or not _FastLaunch.hooks_idle():
             return None
-        if kernel.function is None:
-            return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _FastLaunch(kernel, grid, args, index)
+        return _FastLaunch(kernel, grid, args, device.index or 0)
+
+    @staticmethod
+    def hooks_idle() -> bool:
+        """No Triton launch hook is set (a profiler's): the launcher may be called without them.
+        Triton 3.6 keeps them as (empty) ``HookChain`` objects, older ones as None."""
+        r = _RUNTIME
+        if r is None:
+            return False
+        enter, leave = r.launch_enter_hook, r.launch_exit_hook
+        return (enter is None or not getattr(enter, "calls", True)) and (
+            leave is None or not getattr(leave, "calls", True)
+        )
 
     def __call__(self) -> None:
         k = self.kernel
-        stream = self.stream(self.device_index)
-        k.run(self.grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *self.args)
+        # what JITFunction.run passes: grid, stream, function, packed metadata, launch metadata and
+        # the two hooks (None: none set), then every kernel parameter in order
+        k.run(
+            self.grid, 1, 1, _raw_stream(self.device_index), k.function, k.packed_metadata, None, None, None, *self.args
+        )
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -487,7 +510,7 @@ class CopyPlan:
     def _launch(self, store: bool, check: bool) -> None:
         for g in self._groups:
             fast = g.fast.get((store, check), False)
-            if fast:
+            if fast and _FastLaunch.hooks_idle():
                 fast()
                 continue
             cfg = self.config
@@ -515,7 +538,7 @@ class CopyPlan:
                 EVICT="evict_first" if cfg.evict_first else "",
             )
             kernel = runs_kernel[(g.grid,)](*args, **constexprs, num_warps=cfg.num_warps)
-            if fast is False and self.device.type == "cuda":  # first launch of this mode: keep the compiled kernel
+            if fast is False and _fast_launch_device(self.device):  # first launch of this mode: keep the kernel
                 every = args + tuple(constexprs.values())  # the kernel's parameters in order
                 g.fast[(store, check)] = _FastLaunch.make(kernel, g.grid, every, self.device)
         if self._torch_runs:
