@@ -43,8 +43,10 @@ run, on the same bytes (the compute copy's), modes interleaved:
             host once per update. On CUDA one more bucketed update per atomic mode runs under
             torch.cuda.set_sync_debug_mode("warn") and the report gives its count of synchronizing
             CUDA calls (the pipeline's target: the one verdict read);
-  ipc ...   a rollout worker PROCESS on the same device refit from the trainer's shared stage
-            (weight_sync/ipc.py): whole update, trainer fill, worker refit (unless --no-ipc);
+  ipc ...   a rollout worker PROCESS on the same device (weight_sync/ipc.py) refit from the
+            trainer's attested compute copy itself ('copy': one device copy per update) and from the
+            stage the trainer fills first ('stage', the fallback): whole update, the trainer's part
+            before the worker reads, worker refit (unless --no-ipc);
   the trainer's cast (fp32 masters -> bf16 copy + flags, once per optimizer step): the fused pass
             against the per-parameter copy_ it replaced.
 host ms = until update() returned (the rest is device time: the copy is asynchronous). GB/s =
@@ -370,9 +372,8 @@ def run_colocated(cast: CastCopy, rollout: torch.nn.Module, bucket_mb: float, re
     named = ReleasedTensors(master, cast=cast)  # what Policy.named_released_tensors gives
     attested = WeightSender(lambda: named, ColocatedChannel([rx_att], dev, direct=True), bucket_mb, dtype)
     checked = WeightSender(lambda: cast.released, ColocatedChannel([rx_chk], dev, direct=True), bucket_mb, dtype)
-    bucketed = WeightSender(
-        lambda: iter_released_tensors(trainer), ColocatedChannel([rx_chk], dev, direct=False), bucket_mb, None
-    )
+    # the compute copy's ReleasedTensors (as Policy hands them over): resolved once, not per update
+    bucketed = WeightSender(lambda: cast.released, ColocatedChannel([rx_chk], dev, direct=False), bucket_mb, None)
     for s in (attested, checked, bucketed):
         s.handshake()
     # raw bucket copies: the same wire buckets through a ring of three slot pairs (outside timing)
@@ -604,7 +605,9 @@ def best_variant(sw: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- IPC (two processes)
-IPC_MODES = ("atomic=false", "atomic=true")
+# (source, atomic) of the IPC rows: the worker reads the trainer's compute copy (one device copy per
+# update), or the stage the trainer fills first (the fallback: two); the worker alternates atomic
+IPC_MODES = ("copy, atomic=false", "copy, atomic=true", "stage, atomic=false", "stage, atomic=true")
 
 
 def _ipc_worker(endpoint, cfg, dtype: torch.dtype, device: str, kernel: str, params_q, done, results) -> None:
@@ -640,20 +643,24 @@ def _ipc_worker(endpoint, cfg, dtype: torch.dtype, device: str, kernel: str, par
 
 def run_ipc(cast: CastCopy, cfg, repeats: int, log=None) -> dict:
     """Time IPC updates (weight_sync/ipc.py) from the trainer (``trainer_pair``: the sender sends
-    its attested compute copy) to a rollout worker PROCESS on the same device, then check its
-    weights bitwise against the trainer's cast (shared back by handle).
+    its attested compute copy) to a rollout worker PROCESS on the same device, from both sources
+    (``IPC_MODES``: the worker reads the compute copy itself, or the stage the trainer fills, the
+    channel's ``share_copy`` switched between updates), then check its weights bitwise against the
+    trainer's cast (shared back by handle).
 
-    Returns {"seconds": {mode: median whole update s (trainer side: fill + worker refit + acks)},
-    "fill": {mode: median trainer fill s}, "refit": {mode: median worker receive-to-finish s},
-    "ok": bool, "mismatched": [names], "moved": bool (a worker data_ptr changed)}.
-    Raises RuntimeError with the worker's traceback when it fails.
+    Returns {"seconds": {mode: median whole update s (trainer side: flags / fill + worker refit +
+    acks)}, "fill": {mode: median trainer s before the workers are told (copy: the cast's flags
+    and its completion; stage: the fill)}, "refit": {mode: median worker receive-to-finish s},
+    "sources": {mode: the source the channel reported}, "ok": bool, "mismatched": [names],
+    "moved": bool (a worker data_ptr changed)}. Raises RuntimeError with the worker's traceback
+    when it fails.
     """
     master, trainer = cast.master, cast.copy
     dev = next(trainer.parameters()).device
     dtype = trainer.lm_head.weight.dtype
     ctx = mp.get_context("spawn")
     params_q, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-    channel = IpcChannel(1, dev, timeout_s=600)
+    channel = IpcChannel(1, dev, timeout_s=600, share_copy=True)
     args = (channel.endpoint, cfg, dtype, str(dev), copy_plan.DEFAULT_KERNEL, params_q, done, results)
     proc = ctx.Process(target=_ipc_worker, args=args)
     proc.start()
@@ -661,23 +668,27 @@ def run_ipc(cast: CastCopy, cfg, repeats: int, log=None) -> dict:
     sender = WeightSender(lambda: named, channel, 512, dtype)
     times = {m: [] for m in IPC_MODES}
     fills = {m: [] for m in IPC_MODES}
+    sources = {}
     version = 0
     try:
         for rep in range(repeats + 1):
             for mode in IPC_MODES:  # the worker alternates atomic=false / atomic=true by version
                 version += 1
+                channel.share_copy = mode.startswith("copy")
                 _sync(str(dev))
                 t0 = time.perf_counter()
                 sender.update(version, include_frozen=True)
                 _sync(str(dev))
                 dt = time.perf_counter() - t0
+                sources[mode] = channel.stats["source"]
                 if rep > 0:
                     times[mode].append(dt)
                     fills[mode].append(channel.stats["fill_seconds"])
                 if log is not None:
-                    log(f"ipc repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s")
+                    log(f"ipc repeat {rep}{' (warm-up)' if rep == 0 else ''}: {mode} {dt:.4f} s ({sources[mode]})")
         _scramble(master, 4242)  # new masters: the sender re-casts, the worker is checked bitwise
         version += 1
+        channel.share_copy = True
         sender.update(version, include_frozen=True)
         channel.close()
         try:
@@ -695,13 +706,19 @@ def run_ipc(cast: CastCopy, cfg, repeats: int, log=None) -> dict:
     if "error" in got:
         raise RuntimeError(f"IPC worker failed:\n{got['error']}")
     refit = {m: [] for m in IPC_MODES}
-    for e in got["log"][2:-1]:  # skip the warm-up pair and the final checked update
-        refit["atomic=true" if e["atomic"] else "atomic=false"].append(e["seconds"])
+    for i, e in enumerate(got["log"][len(IPC_MODES) : -1]):  # skip the warm-up round and the final checked update
+        refit[IPC_MODES[i % len(IPC_MODES)]].append(e["seconds"])
+    expected = {m: m.split(",")[0] for m in IPC_MODES}
     return {
         "seconds": {m: statistics.median(v) for m, v in times.items()},
         "fill": {m: statistics.median(v) for m, v in fills.items()},
         "refit": {m: statistics.median(v) for m, v in refit.items()},
-        "ok": not mismatched and not got["moved"] and got["version"] == version and all(e["ok"] for e in got["log"]),
+        "sources": sources,
+        "ok": not mismatched
+        and not got["moved"]
+        and got["version"] == version
+        and all(e["ok"] for e in got["log"])
+        and sources == expected,
         "mismatched": mismatched,
         "moved": got["moved"],
     }
@@ -717,9 +734,11 @@ def colocated_report(r: dict, ipc: dict | None, cfg, args, device_type: str) -> 
     rows = [(m, r["seconds"][m], r["host"].get(m)) for m in COLOCATED_MODES]
     if ipc is not None:
         for m in IPC_MODES:
+            src = m.split(",")[0]
+            before = "the cast's flags + its completion" if src == "copy" else "fill: copy + flags into the stage"
             rows.append((f"ipc {m}, two processes: whole update", ipc["seconds"][m], None))
-            rows.append((f"ipc {m}: trainer fill (copy + flags into the stage)", ipc["fill"][m], None))
-            rows.append((f"ipc {m}: worker refit (stage -> parameters)", ipc["refit"][m], None))
+            rows.append((f"ipc {m}: trainer, before the worker reads ({before})", ipc["fill"][m], None))
+            rows.append((f"ipc {m}: worker refit ({src} -> parameters)", ipc["refit"][m], None))
     head = (
         f"## Weight sync, colocated refit (bench_weight_sync.py --method colocated), {now}, {where}, "
         f"{device_type}, copy-plan kernel {copy_plan.DEFAULT_KERNEL}\n\n"
@@ -736,8 +755,9 @@ def colocated_report(r: dict, ipc: dict | None, cfg, args, device_type: str) -> 
         "flags non-finite values and unpacks on its own side stream, one host read of the verdict per update; "
         "atomic stages in pinned host memory and commits after the verdict); 'raw bucket copies': that "
         "stand-in transfer alone (the same buckets, one device copy each); 'ipc': a rollout worker process on "
-        "the same device refit from the "
-        "trainer's shared stage (weight_sync/ipc.py; the fill copies the attested compute copy). host ms = until "
+        "the same device (weight_sync/ipc.py) refit from the trainer's attested compute copy itself ('copy': "
+        "opened once by CUDA IPC handle, validated from the cast's flags, one device copy per update) or from "
+        "the stage the trainer fills from that copy first ('stage', the fallback: two copies). host ms = until "
         f"update() returned (the rest is device time). Median of {args.repeats} repeats after a warm-up; "
         "ratios = GB/s over the raw flat copy's and, for the bucket rows, over the raw bucket copies'.\n\n"
         "| mode | seconds | host ms | GB/s | vs raw flat copy | vs raw bucket copies |\n"

@@ -21,6 +21,7 @@ from m3_rollout.parallel import shard_experts
 from m3_rollout.weight_sync import (
     ColocatedChannel,
     HandshakeError,
+    ReleasedTensors,
     WeightReceiver,
     WeightSender,
     WeightUpdateError,
@@ -691,6 +692,10 @@ def test_nan_and_overflow_are_refused_naming_the_tensors(atomic):
         assert all(torch.equal(p, old[n]) for n, p in rx_model.named_parameters())
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 @contextlib.contextmanager
 def _no_host_reads():
     """Any tensor -> host read inside the block raises (item, tolist, bool, int, float, cpu, numpy)."""
@@ -784,3 +789,126 @@ def test_bucket_pack_and_unpack_through_the_copy_kernel_under_the_interpreter(mo
         for i, d in enumerate(dests):
             if d is not None:
                 assert torch.equal(d.view(torch.int16), sources[i].to(torch.float16).view(torch.int16)), i
+
+
+# ------------------------------------------------------------------ the pipeline's CUDA branches, faked on a CPU
+def _loopback(trainer, rx_model, atomic, bucket_mb, dtype=None, version=0):
+    rx = WeightReceiver(rx_model, atomic=atomic, version=version)
+    source = ReleasedTensors(trainer)
+    sender = WeightSender(lambda: source, ColocatedChannel([rx]), bucket_mb, dtype)
+    return rx, sender
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_cuda_branches_of_the_loopback_pipeline_bitwise_with_fixed_work_per_bucket(monkeypatch, atomic):
+    """The pipeline as it runs on a GPU (side / transfer streams, one reusable event per slot, the
+    copy kernel, here Triton's interpreter on fp32 -> fp16): the rollout equals the trainer's cast
+    bitwise, twice (the second update on every cached pass); a steady update creates no event,
+    synchronizes no stream, reads the verdict once, and its stream / event work grows by the same
+    amount per bucket (nothing per update beyond a constant)."""
+    import os
+
+    from fake_cuda import fake_pipeline
+
+    from m3_rollout.weight_sync import unpack
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the copy kernel under Triton's interpreter (CPU machines)")
+    fake = fake_pipeline(monkeypatch)
+    reads = []
+    real_read = unpack.read_verdict
+    monkeypatch.setattr(unpack, "read_verdict", lambda t: reads.append(t.numel()) or real_read(t))
+    trainer = _model(1)
+    per_config = []
+    for bucket_mb in (BUCKET_MB, 1.0):
+        rx_model = _model(0).cast_for_inference(torch.float16)  # router stays fp32
+        rx, sender = _loopback(trainer, rx_model, atomic, bucket_mb, torch.float16)
+        for version in (1, 2):
+            fake.calls.clear()
+            reads.clear()
+            stats = sender.update(version, include_frozen=True)
+            assert rx.version == version and rx.valid and len(reads) == 1
+            want = dict(trainer.named_parameters())
+            for n, p in rx_model.named_parameters():
+                assert torch.equal(_bits(p), _bits(want[n].to(p.dtype))), n
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.mul_(-0.5)
+        assert fake.calls["event_created"] == 0 and fake.calls["stream_synchronize"] == 0
+        per_config.append((stats["buckets"], dict(fake.calls)))
+    (n1, c1), (n2, c2) = per_config
+    assert n1 > 3 * n2 > 0
+    for op in ("record", "wait_event", "switch"):
+        per_bucket = (c1[op] - c2[op]) / (n1 - n2)
+        assert per_bucket == int(per_bucket) and c1[op] - per_bucket * n1 < 12, (op, c1[op], c2[op])
+
+
+_HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("pipeline", ["cuda branches", "host"])
+def test_no_host_read_in_a_bucketed_update_but_the_verdict(monkeypatch, atomic, pipeline):
+    """A guard for the one-sync rule: during a whole bucketed update (sender, loopback channel,
+    receiver: every bucket, the status and the commit) no tensor is read on the host except by
+    the verdict (``BucketUnpack.verdict``: its ``read_verdict``, then the host copy), for many
+    buckets and few, on the host path and on the CUDA branches (faked streams, stub kernel).
+    Any ``item`` / ``tolist`` / ``bool`` / ``cpu`` / ``nonzero`` / ``.to("cpu")`` elsewhere raises."""
+    from fake_cuda import fake_pipeline
+
+    from m3_rollout.weight_sync import unpack
+
+    if pipeline == "cuda branches":
+        fake_pipeline(monkeypatch, kernel="stub")
+    allowed = {"depth": 0}
+    reads = []
+    real_read, real_verdict = unpack.read_verdict, unpack.BucketUnpack.verdict
+
+    def verdict(self):
+        allowed["depth"] += 1
+        try:
+            return real_verdict(self)
+        finally:
+            allowed["depth"] -= 1
+
+    def counted_read(t):
+        reads.append(t.numel())
+        return real_read(t)
+
+    monkeypatch.setattr(unpack.BucketUnpack, "verdict", verdict)
+    monkeypatch.setattr(unpack, "read_verdict", counted_read)
+    trainer, rx_model = _model(1), _model(0)
+    rx = WeightReceiver(rx_model, atomic=atomic, version=0)
+    source = ReleasedTensors(trainer)
+
+    def guarded(name, real):
+        def method(self, *args, **kwargs):
+            if guard["on"] and not allowed["depth"]:
+                raise AssertionError(f"host read Tensor.{name} during a bucketed update")
+            return real(self, *args, **kwargs)
+
+        return method
+
+    def guarded_to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if guard["on"] and not allowed["depth"] and str(target).startswith("cpu"):
+            raise AssertionError("host read Tensor.to('cpu') during a bucketed update")
+        return real_to(self, *args, **kwargs)
+
+    guard = {"on": False}
+    real_to = torch.Tensor.to
+    for name in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, guarded(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.Tensor, "to", guarded_to)
+    version, counts = 0, []
+    for bucket_mb in (BUCKET_MB, 1.0, BUCKET_MB):
+        sender = WeightSender(lambda: source, ColocatedChannel([rx]), bucket_mb)
+        for _ in range(2):  # the first builds the layout (not guarded), the second is a steady update
+            version += 1
+            reads.clear()
+            guard["on"] = _ == 1
+            stats = sender.update(version, include_frozen=True)
+            guard["on"] = False
+            assert len(reads) == 1 and rx.version == version
+        counts.append(stats["buckets"])
+    assert counts[0] > 50 and counts[1] < 10

@@ -228,3 +228,29 @@ def test_update_host_work_is_independent_of_the_tensor_count(attested, monkeypat
         assert mode.calls["data_ptr"] + mode.calls["__get__"] <= 4 * n_params + 8
         seen[experts] = (len(sender.manifest), dict(mode.calls))
     assert seen[8][0] < seen[32][0] and seen[8][1] == seen[32][1]
+
+
+def test_the_cast_refuses_to_write_a_copy_lent_to_a_reader():
+    """The ordering rule of a copy another process reads (ipc.py): while lent, a refresh that
+    would cast raises and leaves the copy as it was; a refresh with nothing to cast is fine;
+    once reclaimed the cast runs. ``share_memory`` moves the storages in place: the copy's
+    released views follow and are still covered by the cast's ranges."""
+    master, compute, cast = _trainer()
+    cast.refresh()
+    before = {n: _bits(p).clone() for n, p in compute.named_parameters()}
+    cast.lend("a test reader")
+    assert not cast.pending() and cast.refresh() is False  # nothing to cast: no write, no error
+    with torch.no_grad():
+        next(master.parameters()).add_(1.0)
+    assert cast.pending()
+    with pytest.raises(RuntimeError, match="lent to a test reader"):
+        cast.refresh()
+    assert all(torch.equal(_bits(p), before[n]) for n, p in compute.named_parameters())
+    cast.reclaim()
+    assert cast.refresh() and not cast.pending() and _cast_of(master, compute)
+    views = [t for _, t in cast.released]
+    ptrs = [t.data_ptr() for t in views]
+    cast.share_memory()
+    assert all(p.is_shared() for p in compute.parameters())
+    assert [t.data_ptr() for t in views] != ptrs and cast.covers(views) and cast.current()
+    assert _cast_of(master, compute)

@@ -273,3 +273,74 @@ def test_copy_plan_relocate_follows_a_moved_storage():
     plan.relocate()
     plan.copy()
     assert torch.equal(a_dst, a_src) and torch.equal(b_dst, b_src) and torch.count_nonzero(keep) == 0
+
+
+class _Compiled:
+    """Stands in for Triton's ``CompiledKernel``: records ``run`` calls."""
+
+    def __init__(self):
+        self.function, self.packed_metadata, self.runs = "fn", "meta", []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Jit:
+    """Stands in for ``runs_kernel``: records each full launch (parameters by name) and returns
+    one compiled kernel per mode, as ``JITFunction.run`` does."""
+
+    def __init__(self, arg_names):
+        self.arg_names, self.calls, self.kernels = arg_names, [], {}
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **constexprs):
+            params = dict(zip(self.arg_names, args)) | constexprs
+            self.calls.append((grid, params))
+            return self.kernels.setdefault((params["STORE"], params["CHECK"]), _Compiled())
+
+        return launch
+
+
+def test_copy_plan_launches_the_compiled_kernel_directly_after_its_first_launch(monkeypatch):
+    """After a group's first launch of a mode through Triton's JIT function, later launches call
+    the compiled kernel's launcher with what ``JITFunction.run`` passes (grid, stream, function,
+    packed metadata, no launch metadata, no hooks, then every kernel parameter in signature
+    order); binding the flags elsewhere or a launch hook being set takes the full path again."""
+    from m3_rollout.weight_sync import copy_plan
+
+    if copy_plan.triton is None:
+        pytest.skip("needs triton")
+    names = list(copy_plan.runs_kernel.arg_names)
+    jit = _Jit(names)
+    monkeypatch.setattr(copy_plan, "runs_kernel", jit)
+    monkeypatch.setattr(copy_plan, "_use_triton", lambda device: True)
+    monkeypatch.setattr(copy_plan, "_fast_launch_device", lambda device: True)
+    monkeypatch.setattr(copy_plan, "_raw_stream", lambda index: 777)
+    srcs = [torch.randn(300), torch.randn(5, 7).half()]
+    dsts = [torch.empty(300, dtype=torch.bfloat16), torch.empty(35)]
+    plan = CopyPlan(dsts, srcs)
+    groups = len(plan._groups)
+    assert groups == 2
+    for _ in range(3):
+        plan.copy()
+        plan.copy_check()
+    assert len(jit.calls) == 2 * groups  # one full launch per (group, mode)
+    for (store, check), kernel in jit.kernels.items():
+        full = [p for _, p in jit.calls if (p["STORE"], p["CHECK"]) == (store, check)]
+        assert len(kernel.runs) == 2 * groups
+        for k, call in enumerate(kernel.runs):
+            params = full[k % groups]  # the launches of an update go over the groups in order
+            assert call[:9] == (params["n_programs"], 1, 1, 777, "fn", "meta", None, None, None)
+            assert len(call[9:]) == len(names)
+            assert all(a is params[n] for a, n in zip(call[9:], names)), k
+    flags = torch.zeros_like(plan.flags)
+    plan.bind_flags(flags)
+    plan.copy_check()
+    assert len(jit.calls) == 3 * groups and jit.calls[-1][1]["flags"] is flags
+    hook = lambda metadata: None  # noqa: E731
+    copy_plan._RUNTIME.launch_enter_hook.add(hook)
+    try:
+        plan.copy_check()
+        assert len(jit.calls) == 4 * groups  # a profiler's hook: the full path, which calls it
+    finally:
+        copy_plan._RUNTIME.launch_enter_hook.remove(hook)

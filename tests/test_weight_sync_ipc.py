@@ -8,6 +8,7 @@ next update, after which a restarted worker re-opens the stage and is refit."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import traceback
 
@@ -18,6 +19,7 @@ from mp_results import get_results, put_result
 
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.weight_sync import (
+    CastCopy,
     IpcChannel,
     IpcRolloutSync,
     ReleasedTensors,
@@ -207,3 +209,89 @@ def test_ipc_channel_has_no_bucket_path_for_a_fault_hook():
             WeightSender(lambda: ReleasedTensors(trainer), IpcChannel(1, "cpu", timeout_s=0.2)).update(1)
     finally:
         channel.close()
+
+
+def _policy_pair():
+    """(fp32 masters, their bf16 compute copy, the CastCopy between them) as ``Policy`` holds them
+    at policy.precision=bfloat16, the copy cast once."""
+    torch.manual_seed(1)
+    master = M3ForCausalLM(tiny_config()).float().eval()
+    compute = copy.deepcopy(master).cast_for_inference(torch.bfloat16)
+    cast = CastCopy(master, compute)
+    cast.refresh()
+    return master, compute, cast
+
+
+def test_ipc_refit_reads_the_trainers_compute_copy_and_never_casts_under_a_reader():
+    """share_copy: the worker opens the trainer's attested bf16 copy (here moved into shared
+    memory; a CUDA IPC handle on a GPU) and refits straight from it: no stage, bitwise the masters'
+    cast, a NaN refused from the cast's flags with the old weights kept. The cast refuses to run
+    while the copy is lent to an update a worker has not acknowledged (a worker killed mid-way),
+    until the channel is rebuilt for the restarted worker; a copy written since its cast falls
+    back to the stage for that update, and the next cast goes back to the copy."""
+    master, compute, cast = _policy_pair()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=TIMEOUT_S, share_copy=True)
+    named = ReleasedTensors(master, cast=cast)  # what Policy.named_released_tensors gives
+    sender = WeightSender(lambda: named, channel, generation_dtype=torch.bfloat16)
+    procs = [ctx.Process(target=_worker, args=(channel.endpoint, "first", results))]
+    procs[0].start()
+    try:
+        sender.update(1, include_frozen=True)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert got["ok"] and got["version"] == 1 and not got["moved"] and got["digest"] == _expected(master)
+        assert channel.stats["source"] == "copy" and channel.stage is None and cast.lent_to is None
+        assert all(p.is_shared() for p in compute.parameters())  # moved once, in place
+        assert channel.can_resend()
+        first = got["digest"]
+
+        w2 = dict(master.named_parameters())["model.layers.2.block_sparse_moe.experts.w2"]
+        with torch.no_grad():
+            w2[5, 0, 0] = float("nan")  # an optimizer step gone wrong: the next cast flags it
+        assert not channel.can_resend()  # the masters moved on: the copy will be cast again
+        with pytest.raises(WeightUpdateError, match=f"non-finite values in {NAME.replace('.', '[.]')}"):
+            sender.update(2)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert not got["ok"] and got["version"] == 1 and got["valid"] and got["digest"] == first
+        assert channel.stats["source"] == "copy" and cast.lent_to is None
+
+        with torch.no_grad():
+            w2[5, 0, 0] = 0.5
+            for p in master.parameters():
+                p.mul_(1.5)
+        sender.update(3, include_frozen=True)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert got["ok"] and got["version"] == 3 and got["digest"] == _expected(master)
+
+        with torch.no_grad():  # a write into the copy after its cast: its flags no longer vouch for it
+            next(compute.parameters()).mul_(1.0)
+        sender.update(4)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert got["ok"] and got["version"] == 4 and channel.stats["source"] == "stage"
+        assert got["digest"] == _expected(master) and channel.stage is not None
+
+        procs[0].kill()
+        procs[0].join(TIMEOUT_S)
+        with torch.no_grad():
+            for p in master.parameters():
+                p.add_(0.25)
+        with pytest.raises(WeightUpdateError, match="went away|interrupted"):
+            sender.update(5)  # cast (nothing reads the copy yet), lent, then the worker is gone
+        assert channel.needs_rebuild and cast.lent_to is not None
+        with torch.no_grad():
+            next(master.parameters()).mul_(0.5)
+        with pytest.raises(RuntimeError, match="lent to the IPC refit to version 5"):
+            cast.refresh()  # the trainer's next optimizer step: refused while a reader may be reading
+        procs.append(ctx.Process(target=_worker, args=(channel.endpoint, "restarted", results)))
+        procs[1].start()
+        sender.update(6, include_frozen=True)  # rebuild (the worker is back: reclaimed), cast, copy
+        got = get_results(results, 1, TIMEOUT_S, "tag")["restarted"]
+        assert got["ok"] and got["version"] == 6 and got["digest"] == _expected(master)
+        assert channel.stats["source"] == "copy" and cast.lent_to is None
+    finally:
+        channel.close()
+        for p in procs:
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()

@@ -3,12 +3,16 @@ with ``refit="ipc"``: ``policy.generation.colocated_placement=worker_process``).
 
 Governing idea: a worker beside the trainer on its GPU cannot join an NCCL group with it (one
 rank per GPU), and a host round trip would cost two PCIe transfers of the model, so the driver
-(the trainer's process) owns an ``IpcChannel`` whose stage the workers open once
-(``weight_sync/ipc.py``) and a ``WeightSender`` that reads the trainer's live tensors: no host
-copy. The stage doubles as the record of the weights the workers accepted last: a restarted
-worker is given the stage as it stands (``IpcChannel.resend_stage``), which holds exactly the
-bytes its lost predecessor had accepted, even when the trainer has trained since (a worker lost
-while the trainer trained is found by the wake-up call, before the next refit fills the stage).
+(the trainer's process) owns an ``IpcChannel`` whose source the workers open once
+(``weight_sync/ipc.py``: the trainer's attested compute copy on a GPU when the trainer computes
+in the generation dtype, else a stage the trainer fills) and a ``WeightSender`` that reads the
+trainer's live tensors: no host copy. The source doubles as the record of the weights the
+workers accepted last: a restarted worker is given the source as it stands
+(``IpcChannel.resend_stage``), which holds exactly the bytes its lost predecessor had accepted
+while it is not rewritten: the stage until the next refit fills it, even when the trainer has
+trained since; the compute copy until the trainer's next cast (its next optimizer step). A worker
+lost after that cannot be handed the served weights (``holds``): the service then refuses
+``generate`` until the next refit, which the GRPO loop runs right after training anyway.
 """
 
 from __future__ import annotations
@@ -86,13 +90,19 @@ class IpcRefit:
         self.fresh, self.stage_version = False, int(version)
         return {**stats, "fill_seconds": self.channel.stats.get("fill_seconds", 0.0)}
 
+    def holds(self, version: int) -> bool:
+        """Whether the source still holds ``version`` as every worker accepted it (``resend``
+        can hand it to restarted workers)."""
+        return self.stage_version == version and self.channel.can_resend()
+
     def resend(self) -> dict:
-        """Give freshly connected workers the stage as it stands (``stage_version``, frozen tensors
-        included), without refilling it from the trainer, which may have trained since. No probe:
-        its reference would score the trainer's newer weights. Raises RuntimeError when the
-        stage holds no accepted version, WeightUpdateError / HandshakeError as ``send``."""
-        if self.stage_version is None:
-            raise RuntimeError("IpcRefit.resend: the stage holds no version every worker accepted")
+        """Give freshly connected workers the source as it stands (``stage_version``, frozen
+        tensors included), without refilling it from the trainer, which may have trained since.
+        No probe: its reference would score the trainer's newer weights. Raises RuntimeError
+        when the source holds no accepted version (``holds``), WeightUpdateError /
+        HandshakeError as ``send``."""
+        if self.stage_version is None or not self.holds(self.stage_version):
+            raise RuntimeError("IpcRefit.resend: the source holds no version every worker accepted")
         probe, self.sender.probe = self.sender.probe, None
         self.channel.resend_stage = True
         try:

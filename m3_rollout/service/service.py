@@ -21,8 +21,9 @@ Weights (design.md §3): the driver is rank 0 of a weight-sync group with the wo
 receiver the in-process engine uses, so names, shapes, finite values, versions, atomicity, the
 in-flight policy and the probe are checked in one place. With ``refit="ipc"`` the workers sit on
 the driver's own device (``policy.generation.colocated_placement=worker_process``) and the
-transport is the driver's shared stage instead of a group (``ipc_refit.py``): no host copy, a
-restarted worker is given the stage's weights, a worker lost during a refit is restarted and the
+transport is trainer memory the workers open by handle instead of a group (``ipc_refit.py``: the
+trainer's compute copy, or a stage it fills): no host copy, a restarted worker is given the
+source's weights while it still holds them, a worker lost during a refit is restarted and the
 refit repeated; ``sleep`` / ``wake_up`` reach the workers' engines (generation and training take
 turns on the device).
 """
@@ -773,21 +774,23 @@ class RolloutService(GenerationBackend):
         if self._weights_lost:
             raise RolloutFailure(
                 f"the restarted rollout workers hold the checkpoint's weights, not the served version {self._version}: "
-                "a rejected update had overwritten the trainer's stage; call update_weights first, then resubmit",
+                "the trainer's IPC source no longer holds it (a rejected update overwrote the stage, or the trainer "
+                "cast its compute copy again since); call update_weights first, then resubmit",
                 sorted(request_ids),
             )
 
     def _reapply_ipc(self) -> None:
-        """At a restart: give the new workers the served weights, which the stage holds. When it
-        does not (a rejected or interrupted update overwrote it) the workers hold the
-        checkpoint's weights and ``generate`` refuses until the next accepted update."""
-        self._weights_lost = self._ipc.stage_version != self._version
+        """At a restart: give the new workers the served weights, which the IPC source holds. When
+        it does not (a rejected or interrupted update overwrote the stage; the trainer cast its
+        compute copy again since) the workers hold the checkpoint's weights and ``generate``
+        refuses until the next accepted update."""
+        self._weights_lost = not self._ipc.holds(self._version)
         if not self._weights_lost:
             self._push_ipc(self._version, None)
 
     def _push_ipc(self, version: int, named) -> None:
-        """One update through the stage while every worker receives it (``named`` None: resend
-        the stage as it stands). Raises ValueError when a worker rejects it, GroupFailure when a
+        """One update through the IPC source while every worker receives it (``named`` None: resend
+        the source as it stands). Raises ValueError when a worker rejects it, GroupFailure when a
         worker fails."""
         from m3_rollout.weight_sync import HandshakeError, WeightUpdateError
 
@@ -808,7 +811,8 @@ class RolloutService(GenerationBackend):
             "wall_seconds": time.perf_counter() - t0,
             "paused_seconds": max((o["paused_seconds"] for o in outs), default=0.0),
             "ranks": [{k: o[k] for k in ("ok", "version", "valid", "probe_drift")} for o in outs],
-            "stage_device": str(ipc.channel.stage.device) if ipc.channel.stage is not None else None,
+            "stage_device": str(ipc.channel.source_device) if ipc.channel.source_device is not None else None,
+            "ipc_source": ipc.channel.stats.get("source"),
         }
         if "error" in box:
             raise ValueError(str(box["error"])) from box["error"]

@@ -11,7 +11,7 @@ copy_plan  the direct refit's hot path: contiguous runs, one fused check / copy 
 released   the trainer's tensors as the sender reads them (cached, fingerprinted by address)
 cast_copy  the trainer's low-precision copy, refreshed by a fused cast whose flags attest it
 direct     per-tensor finite check naming the tensors of a failed direct update
-ipc        separate processes on one device: the trainer's stage shared once (CUDA IPC / shm)
+ipc        separate processes on one device: the trainer's compute copy (or a stage) shared once (CUDA IPC / shm)
 in_flight  what happens to running requests at an update (abort / drain / continue)
 probe      post-update probe: re-score fixed ids, compare with the trainer's logprobs
 rollout_sync  an engine's endpoint: receiver + in-flight policy + scorer (EP worker / in-process)

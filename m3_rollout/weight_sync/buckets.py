@@ -146,38 +146,57 @@ def pack_bucket(buf: torch.Tensor, bucket: Bucket, sources: list[torch.Tensor]) 
     finish_wire(buf, bucket)
 
 
+@dataclass
+class _Packing:
+    """Bucket k's packing into one wire buffer, cut once: the fused pass (None: per-segment
+    fallback), int64 views of the data region (checksum in) and the trailer (checksum out), the
+    padding bytes to zero (None: the data fills whole words)."""
+
+    address: int
+    fused: CopyPlan | None
+    data: torch.Tensor
+    trailer: torch.Tensor
+    pad: torch.Tensor | None
+
+
 class BucketPacker:
     """Packs the buckets of ``plan`` from ``sources`` (header order) into wire buffers.
 
     Per bucket one fused cast + copy pass (``copy_plan.CopyPlan``: one Triton launch per dtype
     pair on CUDA, a few merged runs on CPU), then the padding and the checksum trailer: a handful
-    of launches per bucket, no host sync. The pass of bucket k is built for the buffer it was
-    first packed into and reused while bucket k keeps landing in that buffer (a ring slot), so
-    the sources must be updated in place between updates (the trainer's parameters are); a
-    bucket with a non-contiguous source or a source on another device is packed by
-    ``pack_bucket`` every time.
+    of launches per bucket, no host sync, no Python objects made. The packing of bucket k (pass
+    and views) is cut for the buffer it was first packed into and reused while bucket k keeps
+    landing in that buffer (a ring slot), so the sources must be updated in place between updates
+    (the trainer's parameters are); a bucket with a non-contiguous source or a source on another
+    device is packed segment by segment (``pack_bucket``'s copies) every time.
     """
 
     def __init__(self, plan: list[Bucket], sources: list[torch.Tensor]):
         self.plan, self.sources = plan, sources
-        self._passes: dict[int, tuple[int, CopyPlan | None]] = {}  # k -> (buffer address, pass)
+        self._packings: dict[int, _Packing] = {}
+
+    def _packing(self, k: int, buf: torch.Tensor) -> _Packing:
+        b = self.plan[k]
+        fused = all(
+            self.sources[s.entry].is_contiguous() and self.sources[s.entry].device == buf.device for s in b.segments
+        )
+        p = None
+        if fused:
+            dsts = [segment_view(buf, b, s) for s in b.segments]
+            p = CopyPlan(dsts, [source_slice(self.sources, s) for s in b.segments])
+        pad = buf[b.data_bytes : b.padded_bytes] if b.padded_bytes > b.data_bytes else None
+        return _Packing(buf.data_ptr(), p, buf[: b.padded_bytes].view(torch.int64), trailer(buf, b), pad)
 
     def pack(self, k: int, buf: torch.Tensor) -> None:
         """Pack bucket k into ``buf`` (uint8, >= wire_bytes) on the current stream."""
-        b = self.plan[k]
-        cached = self._passes.get(k)
-        if cached is None or cached[0] != buf.data_ptr():
-            fused = all(
-                self.sources[s.entry].is_contiguous() and self.sources[s.entry].device == buf.device for s in b.segments
-            )
-            p = None
-            if fused:
-                p = CopyPlan(
-                    [segment_view(buf, b, s) for s in b.segments], [source_slice(self.sources, s) for s in b.segments]
-                )
-            cached = self._passes[k] = (buf.data_ptr(), p)
-        if cached[1] is None:
-            pack_bucket(buf, b, self.sources)
-            return
-        cached[1].copy()
-        finish_wire(buf, b)
+        p = self._packings.get(k)
+        if p is None or p.address != buf.data_ptr():
+            p = self._packings[k] = self._packing(k, buf)
+        if p.fused is None:
+            for seg in self.plan[k].segments:
+                segment_view(buf, self.plan[k], seg).copy_(source_slice(self.sources, seg))
+        else:
+            p.fused.launch(store=True, check=False)
+        if p.pad is not None:
+            p.pad.zero_()
+        torch.sum(p.data, 0, out=p.trailer)

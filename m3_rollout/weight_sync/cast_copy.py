@@ -24,6 +24,14 @@ If any of these fails the receiver falls back to the check pass over what it rea
 or missing attestation costs time, never safety. Version counters see every in-place write made
 through torch; writes through ``.data`` or raw pointers (a kernel of one's own) are not seen:
 the copy is the trainer's, written only by this cast.
+
+Lending (the IPC refit, ipc.py): a rollout worker in another process may read the copy itself
+(shared once by handle), which no version counter of this process sees. Ordering rule: the copy
+is written only by ``refresh``'s cast, and the cast never runs while the copy is lent to a refit
+that has not been acknowledged: ``lend(reader)`` before the readers are told to read, ``reclaim()``
+once every reader acknowledged (its reads are complete on the device) or was dropped; a
+``refresh`` that would cast meanwhile raises RuntimeError instead of writing under a reader. The
+readers wait for the cast itself through ``wait_written`` (the cast is asynchronous on a GPU).
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ class CastCopy:
         self._master_version = self._copy_version = -1
         self._verdict = (-1, False)  # (casts, any flag set) read back once per cast
         self._ranges: list[tuple[int, int]] = []  # sorted (start, end) byte ranges the cast writes
+        self.lent_to: str | None = None  # the unacknowledged reader of the copy (``lend``)
+        self._written = None  # CUDA event recorded after the last cast
 
     def _build(self) -> None:
         masters, copies = self._master.params(), self._copy.params()
@@ -76,11 +86,14 @@ class CastCopy:
             if m.shape != c.shape or m.device != c.device:
                 raise ValueError(f"CastCopy: parameter {i}: master {list(m.shape)} on {m.device}, copy {list(c.shape)}")
         self.plan = CopyPlan([c.detach() for c in copies], [m.detach() for m in masters])
+        self._read_ranges()
+        self._layout = self._master.addresses()
+        self.layouts += 1
+
+    def _read_ranges(self) -> None:
         self._ranges = sorted(
             (r.dst.data_ptr(), r.dst.data_ptr() + r.dst.numel() * r.dst.element_size()) for r in self.plan.runs
         )
-        self._layout = self._master.addresses()
-        self.layouts += 1
 
     def refresh(self) -> bool:
         """Cast the masters into the copy (fused copy + finite flags, no host sync) unless they are
@@ -90,16 +103,63 @@ class CastCopy:
         never re-pointed; were it, a refit would still be safe: sources outside the ranges the
         cast writes fail ``covers`` and are checked instead)."""
         moved = self._master.addresses() != self._layout
-        if moved:
-            self._build()
         version = self._master.version()
         if not moved and version == self._master_version:
             return False
+        if self.lent_to is not None:
+            raise RuntimeError(
+                f"CastCopy: the compute copy is lent to {self.lent_to}, which has not acknowledged its reads; "
+                "the cast may not overwrite it before (rebuild the channel, or drop its workers, first)"
+            )
+        if moved:
+            self._build()
         self.plan.copy_check()
         self.casts += 1
         self._master_version = version  # the cast reads the masters, never writes them
         self._copy_version = self._copy.version()  # after the cast (the torch path counts its own writes)
+        if self.plan.device.type == "cuda":
+            if self._written is None:
+                self._written = torch.cuda.Event()
+            self._written.record(torch.cuda.current_stream(self.plan.device))
         return True
+
+    def pending(self) -> bool:
+        """Whether ``refresh`` would cast: a master moved or was written since the last cast (or
+        none ran). Two O(parameters) C-level reads."""
+        return self._master.addresses() != self._layout or self._master.version() != self._master_version
+
+    # ------------------------------------------------------------------ sharing with a reader process
+    def lend(self, reader: str) -> None:
+        """The copy is about to be read by ``reader`` (another process): no cast until ``reclaim``."""
+        self.lent_to = reader
+
+    def reclaim(self) -> None:
+        """Every reader acknowledged (or was dropped): the cast may run again."""
+        self.lent_to = None
+
+    def wait_written(self) -> None:
+        """Block the host until the last cast is complete on the device (a reader in another process
+        is not ordered after this process's streams). A no-op on CPU or when it is done."""
+        if self._written is not None:
+            self._written.synchronize()
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The distinct storages of the copy's parameters, in parameter order (what a reader
+        process opens: every released tensor of the copy is a view of one of them)."""
+        seen: dict[int, torch.UntypedStorage] = {}
+        for p in self._copy.params():
+            st = p.untyped_storage()
+            seen.setdefault(st.data_ptr(), st)
+        return list(seen.values())
+
+    def share_memory(self) -> None:
+        """Move the copy's storages into shared memory (CPU; CUDA storages are shared by handle as
+        they are). In place: every view follows, the addresses change (the ranges are re-read)."""
+        for st in self.storages():
+            if st.device.type == "cpu" and not st.is_shared():
+                st.share_memory_()
+        if self.plan is not None:
+            self._read_ranges()
 
     # ------------------------------------------------------------------ the attestation
     def current(self) -> bool:

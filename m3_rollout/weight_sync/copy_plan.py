@@ -33,12 +33,21 @@ per update: walking every run's ``data_ptr`` cost more host time than the launch
 The flags stay on the device; ``any_bad()`` reads the ``any`` flag (the one host sync of an
 update) and only when it is set does ``bad_runs()`` look further; the caller names the tensors of
 a flagged run with the slow per-tensor check (``direct.nonfinite``), which only runs on failure.
+A caller that runs many plans per update (the bucket pipeline: one plan per bucket) binds each
+plan's flags to a slice of one buffer it zeroes once (``bind_flags``, ``launch``) and reads once.
+
+Launch cost: the bucket pipeline launches a plan per bucket, so the host time of a launch counts.
+After a group's first launch through Triton's ``JITFunction`` (argument binding, specialization,
+cache lookup: tens of microseconds of Python), the compiled kernel and the group's fixed arguments
+are kept and later launches call the compiled kernel's launcher directly (``_FastLaunch``), as
+Triton's own ``run`` ends up doing (without its launch-hook calls); while a Triton launch hook is
+set (a profiler) every launch takes the full path.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -322,6 +331,60 @@ class _Group:
     dalign: int
     downcast: bool
     grid: int  # programs per launch
+    fast: dict = field(default_factory=dict)  # (store, check) -> _FastLaunch, or None: the full path
+
+
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None) if triton is not None else None
+
+
+def _fast_launch_device(device: torch.device) -> bool:
+    """Whether launches on ``device`` may call the compiled kernel directly (a GPU; the
+    interpreter's function has no compiled kernel)."""
+    return device.type == "cuda"
+
+
+def _raw_stream(index: int) -> int:
+    """The current stream of device ``index`` as Triton's driver reads it (a raw handle)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+class _FastLaunch:
+    """A group's compiled kernel for one (store, check) mode with its fixed arguments: a launch is
+    one call of the compiled kernel's launcher (no argument binding, specialization or cache
+    lookup). Built from what ``JITFunction.run`` returned after a full launch; ``make`` returns
+    None when that object does not look like Triton's ``CompiledKernel`` (another Triton, a stub)
+    or when a launch hook is set."""
+
+    def __init__(self, kernel, grid: int, args: tuple, device_index: int):
+        self.kernel, self.grid, self.args, self.device_index = kernel, grid, args, device_index
+
+    @staticmethod
+    def make(kernel, grid: int, args: tuple, device: torch.device):
+        if triton is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+            return None
+        if kernel.function is None or not _FastLaunch.hooks_idle():
+            return None
+        return _FastLaunch(kernel, grid, args, device.index or 0)
+
+    @staticmethod
+    def hooks_idle() -> bool:
+        """No Triton launch hook is set (a profiler's): the launcher may be called without them.
+        Triton 3.6 keeps them as (empty) ``HookChain`` objects, older ones as None."""
+        r = _RUNTIME
+        if r is None:
+            return False
+        enter, leave = r.launch_enter_hook, r.launch_exit_hook
+        return (enter is None or not getattr(enter, "calls", True)) and (
+            leave is None or not getattr(leave, "calls", True)
+        )
+
+    def __call__(self) -> None:
+        k = self.kernel
+        # what JITFunction.run passes: grid, stream, function, packed metadata, launch metadata and
+        # the two hooks (None: none set), then every kernel parameter in order
+        k.run(
+            self.grid, 1, 1, _raw_stream(self.device_index), k.function, k.packed_metadata, None, None, None, *self.args
+        )
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -344,8 +407,9 @@ class CopyPlan:
             ``TRITON_INTERPRET=1``, which the tests use).
         config: the kernel variant, a ``KERNELS`` name or a ``KernelConfig`` (None: ``DEFAULT_KERNEL``).
     The plan keeps references to every tensor (their storage cannot be freed or reused while it
-    lives). ``check`` / ``copy`` / ``copy_check`` launch the work without a host sync; ``any_bad``
-    syncs once; ``relocate`` after a storage moved. ``same_dtype`` / ``keeps_finite``: every pair
+    lives). ``check`` / ``copy`` / ``copy_check`` launch the work without a host sync (``launch``:
+    the same without zeroing the flags first); ``any_bad`` syncs once; ``relocate`` after a storage
+    moved; ``bind_flags`` points the flags at a caller's buffer. ``same_dtype`` / ``keeps_finite``: every pair
     copies without a cast / without a cast that can overflow. Raises ValueError when the pairs
     span devices or for an unknown variant name.
     """
@@ -429,12 +493,28 @@ class CopyPlan:
             grid = min(n_chunks, programs) if programs else n_chunks
             self._groups.append(_Group(s_anchor, d_anchor, table, salign, dalign, downcast, grid))
 
+    def bind_flags(self, flags: torch.Tensor) -> None:
+        """Write the flags into ``flags`` (int32 [len(runs) + 1] on the plan's device, e.g. a slice
+        of one buffer shared by many plans) from now on. Raises ValueError for another size,
+        dtype or device."""
+        if flags.shape != self.flags.shape or flags.dtype != torch.int32 or flags.device != self.device:
+            raise ValueError(
+                f"copy plan: flags must be int32 {list(self.flags.shape)} on {self.device}, "
+                f"not {flags.dtype} {list(flags.shape)} on {flags.device}"
+            )
+        self.flags = flags
+        for g in self._groups:
+            g.fast.clear()  # the fixed launch arguments hold the flags tensor
+
     # ------------------------------------------------------------------ execution
     def _launch(self, store: bool, check: bool) -> None:
-        cfg = self.config
-        evict = "evict_first" if cfg.evict_first else ""
         for g in self._groups:
-            runs_kernel[(g.grid,)](
+            fast = g.fast.get((store, check), False)
+            if fast and _FastLaunch.hooks_idle():
+                fast()
+                continue
+            cfg = self.config
+            args = (
                 g.src_anchor,
                 g.dst_anchor,
                 g.table,
@@ -442,6 +522,8 @@ class CopyPlan:
                 g.table.shape[0],
                 len(self.runs),
                 g.grid,
+            )
+            constexprs = dict(
                 SALIGN=g.salign,
                 DALIGN=g.dalign,
                 STORE=store,
@@ -453,11 +535,16 @@ class CopyPlan:
                 VEC=min(g.salign, g.dalign),
                 FAST=cfg.fast,
                 PERSISTENT=cfg.persistent > 0,
-                EVICT=evict,
-                num_warps=cfg.num_warps,
+                EVICT="evict_first" if cfg.evict_first else "",
             )
-        for k in self._torch_runs:
-            self._torch_run(k, store, check)
+            kernel = runs_kernel[(g.grid,)](*args, **constexprs, num_warps=cfg.num_warps)
+            if fast is False and _fast_launch_device(self.device):  # first launch of this mode: keep the kernel
+                every = args + tuple(constexprs.values())  # the kernel's parameters in order
+                g.fast[(store, check)] = _FastLaunch.make(kernel, g.grid, every, self.device)
+        if self._torch_runs:
+            with torch.no_grad():
+                for k in self._torch_runs:
+                    self._torch_run(k, store, check)
 
     def _torch_run(self, k: int, store: bool, check: bool) -> None:
         r = self.runs[k]
@@ -470,32 +557,34 @@ class CopyPlan:
             self.flags[k : k + 1].copy_(torch.maximum(self.flags[k : k + 1], bad))
             self.flags[-1:].copy_(torch.maximum(self.flags[-1:], bad))
 
-    @torch.no_grad()
     def check(self) -> None:
         """Flag every run holding a value that is non-finite in the destination dtype (no write)."""
         self.flags.zero_()
-        self._run(store=False, check=True)
+        self.launch(store=False, check=True)
 
-    @torch.no_grad()
     def copy(self) -> None:
         """Copy every run (cast to the destination dtype); flags untouched."""
-        self._run(store=True, check=False)
+        self.launch(store=True, check=False)
 
-    @torch.no_grad()
     def copy_check(self) -> None:
         """Copy and flag in one pass (bytes land before the verdict: a stage, a cast copy)."""
         self.flags.zero_()
-        self._run(store=True, check=True)
+        self.launch(store=True, check=True)
 
-    def _run(self, store: bool, check: bool) -> None:
+    def launch(self, store: bool, check: bool) -> None:
+        """Issue the pass on the current stream: ``store`` the cast values, ``check`` OR the flags
+        of runs holding a non-finite stored value into ``flags`` (not zeroed first: the caller
+        zeroed them, e.g. one buffer for many plans). No host sync."""
         if self.triton:
             self._launch(store, check)
-        elif check:
-            for k in range(len(self.runs)):
-                self._torch_run(k, store, check)
-        else:
-            for r in self.runs:
-                r.dst.copy_(r.src)
+            return
+        with torch.no_grad():
+            if check:
+                for k in range(len(self.runs)):
+                    self._torch_run(k, store, check)
+            else:
+                for r in self.runs:
+                    r.dst.copy_(r.src)
 
     def any_bad(self) -> bool:
         """Whether the last ``check`` / ``copy_check`` flagged anything (one host sync, 4 bytes)."""

@@ -1,40 +1,67 @@
-"""Refit across processes on ONE device: the trainer's stage shared once, opened by each worker.
+"""Refit across processes on ONE device: the trainer's weights shared once, opened by each worker.
 
 Governing idea: a rollout worker beside the trainer on the same GPU (one worker actor per GPU in
 a Ray deployment) cannot join an NCCL group with it (NCCL puts one rank on a GPU), and a host
-round trip would cost two PCIe transfers of the whole model. Instead the trainer keeps a *stage*
-— one flat uint8 buffer on its device holding every manifest tensor in its wire dtype at a
-16-byte aligned offset — and hands each worker a handle to it ONCE (``torch.multiprocessing``'s
-reductions: a CUDA IPC handle for a CUDA buffer, a shared-memory file descriptor for a CPU buffer
-made with ``share_memory_()``, which is how CI runs the same protocol without a GPU). Per update:
+round trip would cost two PCIe transfers of the whole model. Instead the worker opens trainer
+memory by handle ONCE (``torch.multiprocessing``'s reductions: a CUDA IPC handle for a CUDA
+buffer, a shared-memory file descriptor for a CPU buffer in shared memory, which is how CI runs
+the same protocol without a GPU) and copies from it on the device at every update. What it
+opens, the *source*:
+
+- the trainer's compute copy (``source = copy``): a trainer computing in the generation dtype
+  keeps a low-precision copy of its masters, re-cast after every optimizer step by an attested
+  cast (``cast_copy.CastCopy``) that leaves finite flags. The worker opens the copy's storages
+  and reads the update straight from them: ONE device copy per update (copy -> worker
+  parameters), validated from the cast's flags, sent by value. Used when the sender hands over
+  the copy with its ``CastCopy`` and the copy is current (``share_copy``: on CUDA by default);
+- a *stage* (``source = stage``, the fallback: an fp32 trainer, a generation dtype the trainer
+  does not compute in, a copy written since its cast, CPU by default): one flat uint8 buffer on
+  the trainer's device holding every manifest tensor in its wire dtype at a 16-byte aligned
+  offset, filled per update by one fused pass that casts and flags (two device copies per
+  update: fill, then the worker's).
+
+Per update:
 
     trainer (IpcChannel.send_direct)                 worker (IpcRolloutSync.update)
-      fill: one fused pass casts the trainer's
-        tensors (its attested bf16 copy when it
-        keeps one) into the stage and flags the
+      copy: the cast's flags (one 4-byte read per
+        cast), the cast complete on the device,
+        the copy lent (no cast until the acks)
+      stage: one fused pass casts the trainer's
+        tensors into the stage and flags the
         non-finite runs (copy_plan), one host sync
-      "update": version, flags, entries (the
-        first time / when they change), the
-        non-finite header positions, probe       ->   WeightReceiver.receive_direct(header, stage
+      "update": version, flags, entries and where
+        they lie (the first time / when they
+        change), the non-finite header positions,
+        probe                                    ->   WeightReceiver.receive_direct(header, source
                                                         views, checked=positions): header vs
                                                         handshake, version rule, finite verdict
                                                  <-   status
       all_ok (every worker's status)             ->   apply: atomic commit = one fused copy
-                                                        stage -> parameters; device sync (the
-                                                        stage may be overwritten after the ack)
+                                                        source -> parameters; device sync (the
+                                                        source may be rewritten after the ack)
                                                  <-   probe verdict   } only when the update
       probe_ok                                   ->                      } carries a probe
                                                       finish: version, validity, in-flight end
                                                  <-   ack {version, ok}
+      copy: reclaimed (the cast may run again)
+
+With one worker and no probe the worker's own status decides (every worker's verdict is its
+own): it applies without the all_ok round trip and its ack carries the status.
+
+Ordering rule: the source is written only while no worker reads it. The stage is refilled only
+by the next update, after every worker acknowledged the last (each syncs its device before the
+ack); the copy is written only by the trainer's cast, which refuses to run while the copy is lent
+to an update some worker has not acknowledged (``CastCopy.lend``: an interrupted update keeps it
+lent until the channel is rebuilt or its workers dropped: a worker reconnects only once its own
+update call has returned, its reads done).
 
 Everything but the weights crosses by value over a ``multiprocessing.connection`` pair (pickled
 messages, bounded waits: a dead or silent peer is a ``WeightSyncTimeout`` after ``timeout_s``).
 The trainer listens on an AF_UNIX address with an auth key (``IpcChannel.endpoint``); workers
 connect to it. A worker that dies or restarts is answered like a broken group: the update fails
 on the trainer (``WeightUpdateError``, the channel needs a rebuild), the next update accepts the
-worker's new connection, repeats the handshake and sends the stage handle again (the restarted
-worker re-opens it), then updates as usual. The stage is written only between a worker's ack
-and the next update, so a worker never reads a half-filled stage.
+worker's new connection, repeats the handshake and sends the handles again (the restarted worker
+re-opens them), then updates as usual.
 """
 
 from __future__ import annotations
@@ -52,6 +79,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions with ForkingPickler)
 
+from .cast_copy import CastCopy
 from .copy_plan import CopyPlan
 from .direct import nonfinite
 from .group import WeightSyncTimeout
@@ -60,6 +88,7 @@ from .manifest import HandshakeError, TensorSpec, UpdateHeader, manifest_from_by
 from .receiver import UpdateResult, WeightReceiver
 
 _ALIGN = 16  # bytes: every stage entry starts on a 16-byte boundary (vector loads / stores)
+_STAGE = ("stage",)  # the source of an update read from the stage
 
 
 def stage_layout(manifest: list[TensorSpec], order: list[int]) -> tuple[list[int], int]:
@@ -88,6 +117,40 @@ def stage_views(
     return out
 
 
+def copy_places(
+    sources: list[torch.Tensor], storages: list[torch.UntypedStorage]
+) -> list[tuple[int, int, tuple[int, ...]]] | None:
+    """Where each of ``sources`` lies in ``storages``: (storage index, storage offset in elements,
+    stride), or None when some source lies in none of them."""
+    index = {st.data_ptr(): i for i, st in enumerate(storages)}
+    places = []
+    for t in sources:
+        i = index.get(t.untyped_storage().data_ptr())
+        if i is None:
+            return None
+        places.append((i, t.storage_offset(), tuple(t.stride())))
+    return places
+
+
+def copy_views(
+    flats: list[torch.Tensor],
+    places: list[tuple[int, int, tuple[int, ...]]],
+    entries: tuple[tuple[int, tuple[int, ...], torch.dtype], ...],
+) -> list[torch.Tensor]:
+    """The tensors of header ``entries`` inside the shared storages ``flats`` (uint8 tensors over
+    whole storages) at ``places`` (``copy_places``), in their shapes and wire dtypes (views).
+    Raises RuntimeError (torch) when a place runs past its storage."""
+    return [
+        flats[i].view(dtype).as_strided(shape, stride, offset)
+        for (i, offset, stride), (_, shape, dtype) in zip(places, entries)
+    ]
+
+
+def _flat(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole ``storage`` (what crosses to the workers, by handle)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def _send(conn: Connection, msg, who: str) -> None:
     try:
         conn.send_bytes(ForkingPickler.dumps(msg))
@@ -109,22 +172,35 @@ class IpcChannel:
 
     Args:
         n_workers: rollout worker processes that connect (one per device beside the trainer).
-        device: where the stage lives: the trainer's GPU (CUDA IPC), or cpu (shared memory).
+        device: where the workers' source lives: the trainer's GPU (CUDA IPC), or cpu (shared memory).
         timeout_s: bound on every wait (connections, verdicts).
         address: AF_UNIX socket path to listen on (default: a fresh one in the temp dir).
+        share_copy: read the trainer's attested compute copy itself (module docstring) when the
+            sender hands it over: None = on CUDA (a CPU copy would have to move into shared
+            memory), True = also on CPU (the copy's storages move into shared memory once, in
+            place), False = always fill the stage.
     ``endpoint`` = (address, authkey) is what a worker needs (``IpcRolloutSync``). Use with
     ``WeightSender`` (``direct_only``: no bucket path). ``close()`` stops listening and tells the
-    workers to stop serving. ``resend_stage``: set it before an update to send the stage as it
+    workers to stop serving. ``resend_stage``: set it before an update to send the source as it
     stands, without filling it (a restarted worker gets the bytes the others were last given; the
-    caller knows they are an update every worker accepted, so nothing in them is flagged).
+    caller knows they are an update every worker accepted, so nothing in them is flagged; check
+    ``can_resend()`` first: a copy cast again since holds other bytes).
     """
 
     direct = direct_only = True
 
-    def __init__(self, n_workers: int = 1, device: torch.device | str = "cpu", timeout_s: float = 60.0, address=None):
+    def __init__(
+        self,
+        n_workers: int = 1,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 60.0,
+        address=None,
+        share_copy: bool | None = None,
+    ):
         if n_workers < 1:
             raise ValueError(f"IpcChannel: n_workers={n_workers} must be >= 1")
         self.n_workers, self.device, self.timeout_s = int(n_workers), torch.device(device), float(timeout_s)
+        self.share_copy = share_copy
         if address is None:
             address = os.path.join(tempfile.mkdtemp(prefix="m3_ipc_"), "refit.sock")
         self.authkey = secrets.token_bytes(16)
@@ -139,7 +215,13 @@ class IpcChannel:
         self.offsets: list[int] | None = None
         self._shared: set[int] = set()  # ids of connections that hold the stage handle
         self._sent_entries: dict[int, object] = {}  # id(conn) -> the entries tuple it holds
+        self._sent_copy: dict[int, tuple] = {}  # id(conn) -> the copy layout whose handles it holds
+        self._sent_source: dict[int, object] = {}  # id(conn) -> the source (places) it reads from
         self._fill: tuple | None = None  # (entries, sources, CopyPlan) of the last fill
+        # the compute copy shared: (layout key, flat uint8 tensors over its storages, storages)
+        self._copy_layout: tuple | None = None
+        self._places: tuple | None = None  # (entries, sources, layout key, places or None)
+        self._last: tuple | None = None  # what the last update sent: _STAGE / ("copy", cast, its cast count)
         self.resend_stage = False
         self.stats: dict = {}
 
@@ -147,6 +229,13 @@ class IpcChannel:
     def endpoint(self) -> tuple[str, bytes]:
         """(address, authkey) for the workers (picklable)."""
         return self.address, self.authkey
+
+    @property
+    def source_device(self) -> torch.device | None:
+        """The device the workers read the last update from (None before any)."""
+        if self._last is None:
+            return None
+        return self._last[1].plan.device if self._last[0] == "copy" else self.stage.device
 
     def _accept(self) -> None:
         while self._accepting:
@@ -168,18 +257,30 @@ class IpcChannel:
                     f"{self.address} within {self.timeout_s:g} s"
                 ) from None
 
+    def _forget_connections(self) -> None:
+        self.conns, self._shared, self._sent_entries, self._sent_copy, self._sent_source = [], set(), {}, {}, {}
+
+    def _reclaim(self) -> None:
+        """No worker reads the copy any more: the trainer's cast may run again."""
+        if self._last is not None and self._last[0] == "copy":
+            self._last[1].reclaim()
+
     def rebuild(self) -> None:
         """Drop every connection (one broke) and wait for the workers to connect again; the
-        sender repeats the handshake, and the stage handle goes out again with the next update."""
+        sender repeats the handshake, and the handles go out again with the next update. A
+        worker connects only once its last update call returned (its reads done), so the copy
+        is reclaimed once every worker is back."""
         for c in self.conns:
             c.close()
-        self.conns, self._shared, self._sent_entries = [], set(), {}
+        self._forget_connections()
         self.connect()
+        self._reclaim()
 
     def discard_connections(self) -> None:
         """Close every connection, the accepted ones and those still queued (their workers were
         lost: a restart ends every worker of the group), and mark the channel for a rebuild: the
-        next update waits for the new workers' connections. The stage is kept."""
+        next update waits for the new workers' connections. The stage is kept; the copy is
+        reclaimed (no worker of the group is left to read it)."""
         for c in self.conns:
             c.close()
         while True:
@@ -187,8 +288,9 @@ class IpcChannel:
                 self._pending.get_nowait().close()
             except queue.Empty:
                 break
-        self.conns, self._shared, self._sent_entries = [], set(), {}
+        self._forget_connections()
         self.needs_rebuild = True
+        self._reclaim()
 
     def handshake(self, manifest: list[TensorSpec]) -> list[str]:
         """Send the manifest to every worker; returns their differences (named by worker)."""
@@ -201,8 +303,47 @@ class IpcChannel:
             diffs += [f"worker {w}: {d}" for d in _recv(c, self.timeout_s, f"rollout worker {w}")]
         if self.stage is not None and (self.offsets is None or len(self.offsets) != len(manifest)):
             self.stage = None  # another model: a new stage
+            if self._last is _STAGE:
+                self._last = None
         self._manifest = manifest
         return diffs
+
+    # ---------------------------------------------------------------- the source
+    def _shared_copy(self, header: UpdateHeader, sources: list[torch.Tensor], cast) -> tuple | None:
+        """(cast, layout key, places) when this update can be read from the trainer's compute copy
+        itself: a ``CastCopy`` handed over with the sources, copy sharing on for this device, the
+        copy not written since its cast, every source inside it. None: fill the stage."""
+        if not isinstance(cast, CastCopy) or self.share_copy is False:
+            return None
+        if (self.share_copy is None and self.device.type != "cuda") or cast.plan is None:
+            return None
+        if cast.plan.device != self.device or not cast.current():
+            return None
+        c = self._copy_layout
+        if c is None or c[0][0] is not cast or c[0][1] != cast.layouts:
+            # the copy's storages never move (the trainer's cast writes them in place), but a new
+            # cast layout re-reads them anyway (cheap, and a moved copy would be caught here)
+            if self.device.type == "cpu":
+                cast.share_memory()  # in place, once: the workers open the storages by file descriptor
+            storages = cast.storages()
+            self._copy_layout = c = ((cast, cast.layouts), [_flat(st) for st in storages], storages)
+        f = self._places
+        if f is None or f[0] is not header.entries or f[1] is not sources or f[2] is not c[0]:
+            places = copy_places(sources, c[2])
+            if places is not None and not cast.covers(sources):
+                places = None
+            self._places = f = (header.entries, sources, c[0], places)
+        return None if f[3] is None else (cast, c[0], f[3])
+
+    def can_resend(self) -> bool:
+        """Whether the source still holds what the last update sent (``resend_stage``): the stage
+        does until the next fill; the copy until its next cast (or a write into it)."""
+        if self._last is None:
+            return False
+        if self._last is _STAGE:
+            return self.stage is not None
+        cast, casts = self._last[1], self._last[2]
+        return cast.casts == casts and cast.current() and not cast.pending()
 
     def _ensure_stage(self, header: UpdateHeader, sources: list[torch.Tensor]) -> None:
         if self.stage is not None:
@@ -231,38 +372,89 @@ class IpcChannel:
         views, srcs = f[3], f[4]
         return [members[j] for j in nonfinite([srcs[i] for i in members], [views[i].dtype for i in members])]
 
+    @staticmethod
+    def _copy_verdict(header: UpdateHeader, sources: list[torch.Tensor], cast: CastCopy) -> list[int]:
+        """The header positions holding non-finite values, from the cast's flags (one 4-byte read
+        per cast; the per-tensor check only when a flag is set); then the host waits for the cast
+        to be complete on the device (the workers' streams are not ordered after this process's)."""
+        bad = nonfinite(sources, [dt for _, _, dt in header.entries]) if cast.any_bad() else []
+        cast.wait_written()
+        return bad
+
+    # ---------------------------------------------------------------- one update
     def send_direct(
         self, header: UpdateHeader, sources: list[torch.Tensor], probe=None, attestation=None
     ) -> list[dict]:
         """One update to every worker (module docstring); returns the workers' verdicts (status,
-        then the probe's when the update carries one). ``attestation`` is not needed: the fill
-        flags what it writes in the same pass. Raises WeightSyncTimeout when a worker dies or
-        does not answer in time (``needs_rebuild`` is then set by the sender)."""
+        then the probe's when the update carries one). ``attestation``: the ``CastCopy`` whose
+        cast wrote ``sources`` (the copy is then the source, when ``_shared_copy`` allows; else the
+        stage's fill flags what it writes in the same pass). Raises WeightSyncTimeout when a worker
+        dies or does not answer in time (``needs_rebuild`` is then set by the sender; the copy
+        stays lent until the rebuild), RuntimeError for ``resend_stage`` when ``can_resend`` is
+        False."""
         t0 = time.perf_counter()
         resend, self.resend_stage = self.resend_stage, False
-        if resend and self.stage is None:
-            raise RuntimeError("weight-sync IPC: resend_stage with no stage filled yet")
-        if not resend:
-            self._ensure_stage(header, sources)
-        bad = [] if resend else self._fill_stage(header, sources)
+        if resend:
+            copy = self._last is not None and self._last is not _STAGE
+            shared = self._shared_copy(header, sources, attestation) if copy else None
+            if not self.can_resend() or (copy and (shared is None or shared[0] is not self._last[1])):
+                raise RuntimeError(
+                    "weight-sync IPC: resend_stage, but the source does not hold the last update any more "
+                    "(none sent yet, or the compute copy was cast again since)"
+                )
+            bad = []
+        else:
+            shared = self._shared_copy(header, sources, attestation)
+            if shared is not None:
+                bad = self._copy_verdict(header, sources, shared[0])
+                self._last = ("copy", shared[0], shared[0].casts)
+            else:
+                self._ensure_stage(header, sources)
+                bad = self._fill_stage(header, sources)
+                self._last = _STAGE
         t_fill = time.perf_counter() - t0
+        if shared is not None:
+            shared[0].lend(f"the IPC refit to version {header.version}")
+            source = ("copy", shared[2])
+        else:
+            source = _STAGE
+        solo = len(self.conns) == 1 and not header.probe
         for w, c in enumerate(self.conns):
-            if id(c) not in self._shared:
-                _send(c, ("stage", self.stage, self.offsets), f"rollout worker {w}")
+            who = f"rollout worker {w}"
+            if shared is not None and self._sent_copy.get(id(c)) is not shared[1]:
+                _send(c, ("copy", self._copy_layout[1]), who)
+                self._sent_copy[id(c)] = shared[1]
+            if shared is None and id(c) not in self._shared:
+                _send(c, ("stage", self.stage, self.offsets), who)
                 self._shared.add(id(c))
             entries = None if self._sent_entries.get(id(c)) is header.entries else header.entries
-            msg = ("update", header.version, header.include_frozen, header.replace, entries, bad, probe)
-            _send(c, msg, f"rollout worker {w}")
-            self._sent_entries[id(c)] = header.entries
-        statuses = self._gather("status")
-        all_ok = all(v["ok"] for v in statuses)
-        self._broadcast(("all_ok", all_ok))
+            key = source[1] if shared is not None else _STAGE  # the places list, or the stage
+            src = None if entries is None and self._sent_source.get(id(c)) is key else source
+            msg = ("update", header.version, header.include_frozen, header.replace, entries, bad, probe, src, solo)
+            _send(c, msg, who)
+            self._sent_entries[id(c)], self._sent_source[id(c)] = header.entries, key
         verdicts = []
-        if header.probe:  # without a probe the second exchange carries nothing: skip its round trip
-            verdicts = self._gather("apply")
-            self._broadcast(("probe_ok", all(v["ok"] for v in verdicts)))
-        acks = self._gather("ack")
-        self.stats = {"fill_seconds": t_fill, "seconds": time.perf_counter() - t0, "acks": acks}
+        if solo:  # one worker, no probe: its own status is the update's verdict, its ack carries it
+            acks = self._gather("ack")
+            statuses = [a.pop("status", None) for a in acks]
+            if None in statuses:
+                raise WeightSyncTimeout("weight-sync IPC: the rollout worker's ack carries no status")
+        else:
+            statuses = self._gather("status")
+            all_ok = all(v["ok"] for v in statuses)
+            self._broadcast(("all_ok", all_ok))
+            if header.probe:  # without a probe the second exchange carries nothing: skip its round trip
+                verdicts = self._gather("apply")
+                self._broadcast(("probe_ok", all(v["ok"] for v in verdicts)))
+            acks = self._gather("ack")
+        if shared is not None:
+            shared[0].reclaim()
+        self.stats = {
+            "fill_seconds": t_fill,
+            "seconds": time.perf_counter() - t0,
+            "acks": acks,
+            "source": source[0],
+        }
         return statuses + verdicts
 
     def _broadcast(self, msg) -> None:
@@ -289,14 +481,16 @@ class IpcChannel:
             c.close()
         self.conns = []
         self._listener.close()
+        self._reclaim()
 
 
 class IpcRolloutSync:
-    """Worker end of the IPC refit: a ``WeightReceiver`` fed from the trainer's shared stage.
+    """Worker end of the IPC refit: a ``WeightReceiver`` fed from the trainer's shared source
+    (its compute copy, or the stage; module docstring).
 
     Args:
         receiver: this worker's receiver (``engine_receiver(engine, ...)`` for an engine, or a
-            bare ``WeightReceiver`` over a model); its model lives on the stage's device.
+            bare ``WeightReceiver`` over a model); its model lives on the source's device.
         endpoint: ``IpcChannel.endpoint`` of the trainer.
         timeout_s: bound on every wait.
     ``update()`` serves messages until one update finished (the driver calls it while the trainer
@@ -308,8 +502,10 @@ class IpcRolloutSync:
         self.conn: Connection | None = None
         self.stage: torch.Tensor | None = None
         self.offsets: list[int] | None = None
+        self.copy: list[torch.Tensor] | None = None  # the trainer's compute copy: uint8 tensors over its storages
         self._entries = None
-        self._views: tuple | None = None  # (entries, views) of the stage
+        self._source = None  # what the updates read: _STAGE, or ("copy", places)
+        self._views: tuple | None = None  # (entries, source, views)
         self.closed = False
         self.last: InFlightOutcome | None = None
 
@@ -330,7 +526,7 @@ class IpcRolloutSync:
     def _handshake(self, data: bytes) -> None:
         diffs = self.receiver.check_handshake(manifest_from_bytes(data))
         _send(self.conn, diffs, "the trainer")
-        self.stage, self._views = None, None
+        self.stage, self.copy, self._source, self._views = None, None, None, None
         if diffs:
             raise HandshakeError("weight-sync handshake failed:\n  " + "\n  ".join(diffs))
 
@@ -362,6 +558,8 @@ class IpcRolloutSync:
                 self._handshake(msg[1])
             elif kind == "stage":
                 self.stage, self.offsets, self._views = msg[1], msg[2], None
+            elif kind == "copy":
+                self.copy, self._views = msg[1], None
             elif kind == "update":
                 result = self._receive(*msg[1:])
                 policy = self.receiver.in_flight
@@ -371,24 +569,46 @@ class IpcRolloutSync:
             else:
                 raise WeightSyncTimeout(f"weight-sync IPC: unexpected message {kind!r} from the trainer")
 
-    def _receive(self, version, include_frozen, replace, entries, bad, probe) -> UpdateResult:
+    def _source_views(self) -> list[torch.Tensor]:
+        """The header entries' tensors in the source the trainer named (built once per entries and
+        source)."""
+        v = self._views
+        if v is not None and v[0] is self._entries and v[1] is self._source:
+            return v[2]
+        if self._source[0] == "copy":
+            if self.copy is None:
+                raise WeightSyncTimeout("weight-sync IPC: an update from the compute copy arrived before its handles")
+            views = copy_views(self.copy, self._source[1], self._entries)
+        else:
+            if self.stage is None:
+                raise WeightSyncTimeout("weight-sync IPC: an update from the stage arrived before its handle")
+            views = stage_views(self.stage, self.offsets, self._entries)
+        self._views = (self._entries, self._source, views)
+        return views
+
+    def _receive(self, version, include_frozen, replace, entries, bad, probe, source, solo) -> UpdateResult:
         rx = self.receiver
         t0 = time.perf_counter()
         if entries is not None:
             self._entries = entries
-        if self._entries is None or self.stage is None:
-            raise WeightSyncTimeout("weight-sync IPC: an update arrived before the stage and its entries")
+        if source is not None:
+            self._source = source
+        if self._entries is None or self._source is None:
+            raise WeightSyncTimeout("weight-sync IPC: an update arrived before its entries and source")
         header = UpdateHeader(int(version), bool(include_frozen), self._entries, bool(replace), probe is not None)
-        if self._views is None or self._views[0] is not self._entries:
-            self._views = (self._entries, stage_views(self.stage, self.offsets, self._entries))
+        views = self._source_views()
         try:
             try:
-                rx.receive_direct(header, self._views[1], probe, checked=list(bad))
-                _send(self.conn, ("status", rx.status()), "the trainer")
-                all_ok = _recv(self.conn, self.timeout_s, "the trainer")[1]
+                rx.receive_direct(header, views, probe, checked=list(bad))
+                status = rx.status()
+                if solo:  # the only worker: every worker's verdict is this one (it travels with the ack)
+                    all_ok = status["ok"]
+                else:
+                    _send(self.conn, ("status", status), "the trainer")
+                    all_ok = _recv(self.conn, self.timeout_s, "the trainer")[1]
                 verdict = rx.apply(all_ok)
-                if self.stage.is_cuda:
-                    torch.cuda.synchronize(self.stage.device)  # the trainer may refill the stage after the ack
+                if views and views[0].is_cuda:
+                    torch.cuda.synchronize(views[0].device)  # the trainer may rewrite the source after the ack
                 if probe is not None:
                     _send(self.conn, ("apply", verdict), "the trainer")
                     probe_ok = _recv(self.conn, self.timeout_s, "the trainer")[1]
@@ -402,7 +622,10 @@ class IpcRolloutSync:
             raise
         result = rx.finish(all_ok, probe_ok, time.perf_counter() - t0)
         try:
-            _send(self.conn, ("ack", {"version": result.version, "ok": result.ok}), "the trainer")
+            ack = {"version": result.version, "ok": result.ok}
+            if solo:
+                ack["status"] = status
+            _send(self.conn, ("ack", ack), "the trainer")
         except WeightSyncTimeout:
             self.conn = None
         return result

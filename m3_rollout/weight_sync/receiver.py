@@ -231,11 +231,13 @@ class WeightReceiver:
             and c[2] is self.manifest
             and (c[0] is header.entries or c[0] == header.entries)
         )
+        plan = c[3].plan if hit else plan_buckets([(shape, dt) for _, shape, dt in header.entries], bucket_bytes)
+        self._bucket_plan = plan
+        self._ring.reserve(max((b.wire_bytes for b in plan), default=8))  # before the layout: it cuts the slots
         if hit:
             unpack = c[3]
         elif not self._errors:  # a header that passed the checks: every destination fits its entry
             self._unpack_cache = None
-            plan = plan_buckets([(shape, dt) for _, shape, dt in header.entries], bucket_bytes)
             dests, names = [], []
             for idx, _, _ in header.entries:
                 view = self.views.get(self.manifest[idx].name)
@@ -245,12 +247,6 @@ class WeightReceiver:
             self._unpack_cache = (header.entries, bucket_bytes, self.manifest, unpack)
         else:
             unpack = None
-        self._bucket_plan = (
-            unpack.plan
-            if unpack is not None
-            else plan_buckets([(shape, dt) for _, shape, dt in header.entries], bucket_bytes)
-        )
-        self._ring.reserve(max((b.wire_bytes for b in self._bucket_plan), default=8))
         self._ring.start()
         if unpack is not None and not self._errors:  # otherwise consume the buckets, apply nothing
             unpack.start(self.atomic, self._stage_for)
@@ -277,19 +273,20 @@ class WeightReceiver:
             return self._buckets.buffer(k)
         return self._ring.buffer(k, self._bucket_plan[k].wire_bytes)
 
-    def wait_buffer_free(self, k: int) -> None:
-        """The current stream waits until ``bucket_buffer(k)`` is no longer read by the unpack
-        of bucket k - slots (for a transfer on another stream; a no-op on CPU)."""
-        self._ring.acquire(k)
+    def wait_buffer_free(self, k: int, stream=None) -> None:
+        """``stream`` (default: the current one) waits until ``bucket_buffer(k)`` is no longer
+        read by the unpack of bucket k - slots (for a transfer on another stream; a no-op on CPU)."""
+        self._ring.acquire(k, stream)
 
     def on_bucket(self, k: int, buf: torch.Tensor, ready=None) -> None:
         """Validate (checksum, finite values) and stage or apply bucket k, which has arrived in
         ``buf`` (normally ``bucket_buffer(k)``). The work is issued on the ring's side stream after
         ``ready.wait()`` (a CUDA event recorded after the transfer, None: the bytes are there) and
         is not read on the host here: ``status`` reads every bucket's verdict at once."""
-        with self._ring.side():
-            if ready is not None:
-                ready.wait()
+        ring = self._ring
+        if ready is not None:
+            ring.stream.wait_event(ready)
+        with ring.side():
             u = self._buckets
             if u is not None:
                 slot = u.buffer(k)
@@ -298,7 +295,7 @@ class WeightReceiver:
                 if self.fault is not None:
                     self.fault(k, slot)
                 self._touched |= u.receive(k, slot)
-            self._ring.release(k)
+        ring.release(k, ring.stream)
 
     def _read_bucket_verdict(self) -> None:
         """After the last bucket: the update's one host read of the bucket checks; records errors

@@ -7,6 +7,11 @@ side stream, never on the caller's, and orders the stages with CUDA events and s
 only: nothing here makes the host wait for the device. On CPU (gloo) the same calls run inline:
 there is no stream, and a slot is free once the host has finished with it.
 
+Per-bucket host cost: everything a bucket needs is made once and reused (the events are one per
+slot and re-recorded, the wire views are cut once per (slot, size), the stream switch reads and
+sets raw stream ids), so the pipeline's host time per bucket is a few tens of microseconds of
+launches, not object churn.
+
 Ordering rules the users follow (sender.py, receiver.py):
 - ``start()`` before the first bucket: the side stream waits for the caller's stream (the
   trainer's parameters, the rollout's parameters, the host stage were last touched there);
@@ -22,13 +27,74 @@ import contextlib
 import torch
 
 
-def recorded_event(device: torch.device) -> torch.cuda.Event | None:
-    """A CUDA event recorded on the current stream of ``device`` (None on CPU: nothing to wait for)."""
-    if device.type != "cuda":
-        return None
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
-    return ev
+def pipelined(device: torch.device) -> bool:
+    """Whether ``device`` runs the bucket pipeline on side streams ordered by events (CUDA); else
+    every step runs inline on the host (CPU, gloo)."""
+    return device.type == "cuda"
+
+
+class SlotEvents:
+    """One reusable CUDA event per ring slot (none on a host device).
+
+    ``record(k, stream)`` marks the point bucket k's step reached on ``stream``; ``wait(k, stream)``
+    makes ``stream`` wait for bucket k's last record (a no-op before the slot's first record). An
+    event is re-recorded by bucket k + slots only after every wait on bucket k's record was issued
+    (each user waits before it records again), so one event per slot suffices.
+    """
+
+    def __init__(self, device: torch.device, slots: int):
+        self.slots = slots
+        self.events = [torch.cuda.Event() for _ in range(slots)] if pipelined(device) else None
+        self.recorded = [False] * slots
+
+    def record(self, k: int, stream) -> None:
+        if self.events is not None:
+            self.events[k % self.slots].record(stream)
+            self.recorded[k % self.slots] = True
+
+    def wait(self, k: int, stream) -> None:
+        if self.events is not None and self.recorded[k % self.slots]:
+            stream.wait_event(self.events[k % self.slots])
+
+    def event(self, k: int):
+        """Bucket k's event (None on a host device): hand it to a waiter on another object."""
+        return self.events[k % self.slots] if self.events is not None else None
+
+    def reset(self) -> None:
+        self.recorded = [False] * self.slots
+
+
+class StreamSwitch:
+    """Context manager making ``stream`` current on its device and restoring the stream that was
+    current before (a no-op for None). Reuse one per stream: it reads and sets raw stream ids
+    (what ``torch.cuda.stream`` does, without building ``Stream`` objects on every entry)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._saved: list[tuple[int, int, int]] = []
+        if stream is not None:
+            self._ids = (stream.stream_id, stream.device_index, stream.device_type)
+
+    def __enter__(self):
+        if self.stream is None:
+            return self
+        if torch._C._cuda_getDevice() != self._ids[1]:  # another current device: the full context
+            ctx = torch.cuda.stream(self.stream)
+            ctx.__enter__()
+            self._saved.append(ctx)
+            return self
+        self._saved.append(torch._C._cuda_getCurrentStream(self._ids[1]))
+        torch._C._cuda_setStream(stream_id=self._ids[0], device_index=self._ids[1], device_type=self._ids[2])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is None:
+            return
+        saved = self._saved.pop()
+        if isinstance(saved, tuple):
+            torch._C._cuda_setStream(stream_id=saved[0], device_index=saved[1], device_type=saved[2])
+        else:
+            saved.__exit__(*exc)
 
 
 class BucketRing:
@@ -43,9 +109,13 @@ class BucketRing:
         if slots < 1:
             raise ValueError(f"bucket ring needs at least one slot, not {slots}")
         self.device, self.slots = torch.device(device), int(slots)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.buffers: list[torch.Tensor] = []
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._released: list[torch.cuda.Event | None] = [None] * self.slots
+        self.stream = torch.cuda.Stream(self.device) if pipelined(self.device) else None
+        self._side = StreamSwitch(self.stream)
+        self.released = SlotEvents(self.device, self.slots)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
 
     def reserve(self, nbytes: int) -> None:
         """Make every slot hold at least ``nbytes`` (reallocated only when too small: fresh host
@@ -56,19 +126,26 @@ class BucketRing:
         self.buffers = [torch.empty(max(nbytes, 8), dtype=torch.uint8, device=self.device) for _ in range(self.slots)]
 
     def free(self) -> None:
-        """Drop the buffers (after the side stream's pending work on them)."""
+        """Drop the buffers. No host sync: the caller's stream first waits for the side stream, so
+        the allocator (which reuses a block on the stream it was allocated on, the caller's)
+        cannot hand the memory out while queued work still reads or writes it."""
         if self.stream is not None and self.buffers:
-            self.stream.synchronize()
+            self.finish()
         self.buffers = []
-        self._released = [None] * self.slots
+        self._views = {}
+        self.released.reset()
 
     def buffer(self, k: int, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of bucket k's slot (``reserve`` first)."""
-        return self.buffers[k % self.slots][:nbytes]
+        """The first ``nbytes`` of bucket k's slot (``reserve`` first); the view is cut once."""
+        key = (k % self.slots, nbytes)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.buffers[key[0]][:nbytes]
+        return view
 
     def side(self):
         """Context that makes the side stream current (a no-op on CPU)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return self._side if self.stream is not None else contextlib.nullcontext()
 
     def start(self) -> None:
         """The side stream waits for the caller's current stream."""
@@ -80,12 +157,13 @@ class BucketRing:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def release(self, k: int) -> None:
-        """Bucket k's last use of its slot has been issued on the current stream."""
-        self._released[k % self.slots] = recorded_event(self.device)
+    def release(self, k: int, stream=None) -> None:
+        """Bucket k's last use of its slot has been issued on ``stream`` (default: the current one)."""
+        if self.stream is not None:
+            self.released.record(k, stream if stream is not None else torch.cuda.current_stream(self.device))
 
-    def acquire(self, k: int) -> None:
-        """The current stream waits until bucket k's slot was released by bucket k - slots."""
-        ev = self._released[k % self.slots]
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+    def acquire(self, k: int, stream=None) -> None:
+        """``stream`` (default: the current one) waits until bucket k's slot was released by
+        bucket k - slots."""
+        if self.stream is not None:
+            self.released.wait(k, stream if stream is not None else torch.cuda.current_stream(self.device))

@@ -15,7 +15,6 @@ verdict exchanges (status; the probe's when the update carries one); any rank's 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import deque
@@ -39,7 +38,7 @@ from .manifest import (
 from .probe import ProbeData, ProbeSettings, Scorer, build_probe
 from .receiver import WeightReceiver
 from .released import ReleasedTensors
-from .ring import BucketRing, recorded_event
+from .ring import BucketRing, SlotEvents, StreamSwitch, pipelined
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 # Test hook: called as fault(k, wire_buffer) after bucket k is packed and checksummed, before it is
@@ -177,7 +176,11 @@ class ColocatedChannel:
         self.direct, self.direct_only = bool(direct), False
         self.needs_rebuild = False
         self._ring = BucketRing(self.device, 3)
-        self._transfer = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._transfer = torch.cuda.Stream(self._ring.device) if pipelined(self.device) else None
+        self._on_transfer = StreamSwitch(self._transfer)
+        # bucket k packed (side stream) / copied into every receiver (transfer stream): one event per slot
+        self._packed = SlotEvents(self.device, 3)
+        self._arrived = SlotEvents(self.device, 3)
 
     def send_direct(
         self, header: UpdateHeader, sources: list[torch.Tensor], probe: ProbeData | None = None, attestation=None
@@ -211,32 +214,34 @@ class ColocatedChannel:
         def receive_all() -> None:
             for r in self.receivers:
                 r.begin(header, bucket_bytes, probe)
-            ring = self._ring
+            ring, transfer = self._ring, self._transfer
             ring.reserve(max((b.wire_bytes for b in plan), default=8))
             ring.start()
-            transfer = torch.cuda.stream(self._transfer) if self._transfer is not None else contextlib.nullcontext()
-            for k, b in enumerate(plan):
-                src = ring.buffer(k, b.wire_bytes)
-                with ring.side():
-                    ring.acquire(k)  # the copy out of this slot (bucket k - slots) is done
-                    pack(k, src)
-                    packed = recorded_event(self.device)
-                dsts = []
-                with transfer:
-                    if packed is not None:
-                        packed.wait()
-                    for r in self.receivers:
-                        dst = r.bucket_buffer(k)
-                        r.wait_buffer_free(k)  # its unpack of bucket k - slots is done
-                        dst.copy_(src)
-                        dsts.append(dst)
-                    ring.release(k)
-                    arrived = recorded_event(self.device)
-                for r, dst in zip(self.receivers, dsts):
-                    r.on_bucket(k, dst, ready=arrived)
-            ring.finish()
-            if self._transfer is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self._transfer)
+            side = ring.stream
+            try:
+                for k, b in enumerate(plan):
+                    src = ring.buffer(k, b.wire_bytes)
+                    ring.acquire(k, side)  # the copy out of this slot (bucket k - slots) is done
+                    with ring.side():
+                        pack(k, src)
+                    self._packed.record(k, side)
+                    self._packed.wait(k, transfer)
+                    dsts = []
+                    with self._on_transfer:
+                        for r in self.receivers:
+                            dst = r.bucket_buffer(k)
+                            r.wait_buffer_free(k, transfer)  # its unpack of bucket k - slots is done
+                            dst.copy_(src)
+                            dsts.append(dst)
+                    ring.release(k, transfer)
+                    self._arrived.record(k, transfer)
+                    arrived = self._arrived.event(k)
+                    for r, dst in zip(self.receivers, dsts):
+                        r.on_bucket(k, dst, ready=arrived)
+            finally:
+                ring.finish()
+                if transfer is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(transfer)
 
         return self._run(receive_all)
 
@@ -366,15 +371,16 @@ class WeightSender:
             return self._finish(version, verdicts, t0, nbytes, 0)
         packer = self._packer_for(entries, sources)
         plan = packer.plan
+        pack = packer.pack
+        if self.fault is not None:
 
-        def pack(k: int, buf: torch.Tensor) -> None:
-            with torch.no_grad():
+            def pack(k: int, buf: torch.Tensor) -> None:
                 packer.pack(k, buf)
-            if self.fault is not None:
                 self.fault(k, buf)
 
         try:
-            verdicts = self.channel.send(header, plan, pack, self.bucket_bytes, probe)
+            with torch.no_grad():
+                verdicts = self.channel.send(header, plan, pack, self.bucket_bytes, probe)
         except WeightSyncTimeout as exc:
             self.channel.needs_rebuild = True
             raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc

@@ -3,12 +3,13 @@ read the verdict once per update.
 
 Governing idea: nothing a bucket's checks produce is read on the host while buckets arrive. Per
 bucket, on the receiver's side stream (ring.py), a handful of launches: the checksum of the
-bytes as received and the sender's trailer go into two columns of a device table; one fused
+bytes as received and the sender's trailer go into two slots of a device table; one fused
 pass (``copy_plan.CopyPlan`` over the bucket's owned segments) flags non-finite values of the
 values as stored, and writes them into the parameters (``atomic=False``) or only checks them
-(``atomic=True``, which then copies the owned bytes into the host stage). After the last
-bucket, ``verdict`` compares the table, gathers the flags and reads them on the host: the
-update's ONE host sync, whatever the number of buckets. Only on failure does it look closer
+(``atomic=True``, which then copies the owned bytes into the host stage). The table and every
+bucket's flags are slices of ONE device buffer (``verdict``), zeroed once per update; after the
+last bucket ``verdict()`` reads that buffer on the host: the update's ONE host sync, whatever the
+number of buckets, and the comparisons happen on the host. Only on failure does it look closer
 (per-tensor finite check, ``direct.nonfinite``) to name the tensors.
 
 ``read_verdict`` is that one read; tests count its calls.
@@ -16,27 +17,33 @@ update's ONE host sync, whatever the number of buckets. Only on failure does it 
 Layout (built once per (header entries, bucket size, handshake) and reused): for every bucket
 its owned segments and their destinations (flat slices of the receiver's parameter views), and
 where the owned bytes sit in the host stage: the owned segments merged into byte runs, each run
-at a 16-byte aligned stage offset. On CPU a bucket this rank owns entirely is received straight
-into its stage slot (``in_stage``: the stage slot is the wire buffer, trailer included), which
-saves a host copy per bucket.
+at a 16-byte aligned stage offset. Per (bucket, buffer) the work is cut once (``_Work``: the
+checksum views, the fused pass, the stage copies), so a bucket costs its launches and no Python
+objects. On a host device a bucket this rank owns entirely is received straight into its stage
+slot (``in_stage``: the stage slot is the wire buffer, trailer included), which saves a host copy
+per bucket.
+
+Verdict buffer (uint8 on the device): ``[checks: int64 [n, 2] | flags: int32 [F]]``; row k of
+``checks`` = (checksum of bucket k as received, the sender's trailer), (0, 0) for a bucket this
+rank owns nothing of; ``flags`` holds each owned bucket's pass flags (its runs, then its ``any``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .buckets import Bucket, Segment, checksum_into, segment_view, trailer
+from .buckets import Bucket, Segment, segment_view, trailer
 from .copy_plan import CopyPlan, build_runs
 from .direct import nonfinite
-from .ring import BucketRing
+from .ring import BucketRing, pipelined
 
 
-def read_verdict(flags: torch.Tensor) -> torch.Tensor:
-    """The update's one host read: ``flags`` (int32 [n], on the device) copied to the host."""
-    return flags.to("cpu")
+def read_verdict(verdict: torch.Tensor) -> torch.Tensor:
+    """The update's one host read: ``verdict`` (uint8 [nbytes], on the device) copied to the host."""
+    return verdict.to("cpu")
 
 
 @dataclass
@@ -49,13 +56,29 @@ class OwnedBucket:
             parameter view (the bucket's wire dtype or the parameter's, cast on copy).
         runs: ((wire start, wire end, stage offset), ...): owned byte ranges and where they sit
             in the host stage (atomic).
-        in_stage: received straight into the stage slot at ``runs[0][2]`` (CPU, fully owned).
+        in_stage: received straight into the stage slot at ``runs[0][2]`` (host device, fully owned).
     """
 
     bucket: Bucket
     pairs: list[tuple[Segment, torch.Tensor]]
     runs: tuple[tuple[int, int, int], ...]
     in_stage: bool
+
+
+@dataclass
+class _Work:
+    """Bucket k's work for one wire buffer, cut once: int64 views of the buffer's data region and
+    trailer, the fused pass over the owned segments (flags bound to the
+    bucket's slice of the verdict buffer), and, for the atomic device path, the (stage slice, wire
+    slice) copies of the owned runs for the stage at ``stage_address``."""
+
+    data: torch.Tensor
+    trailer: torch.Tensor
+    fused: CopyPlan
+    check: torch.Tensor  # int64 0-d views of the bucket's row of the checks table:
+    sent: torch.Tensor  # (checksum as received, the trailer as received)
+    stage_address: int = -1
+    stage_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def _align16(n: int) -> int:
@@ -69,7 +92,8 @@ class BucketUnpack:
         plan: the update's buckets (``plan_buckets`` of the header).
         destinations: per header entry, the flat destination view on this rank or None (not owned).
         names: per header entry, the released name (for errors).
-        ring: the receiver's ``BucketRing`` (slots reserved for the plan's largest bucket).
+        ring: the receiver's ``BucketRing``, reserved for the plan's largest bucket (each owned
+            bucket's pass over its ring slot is built here: it fixes the bucket's flag slots).
     Raises ValueError (from ``CopyPlan``) when a destination and its segments differ in size.
     """
 
@@ -82,6 +106,7 @@ class BucketUnpack:
     ):
         self.plan, self.names, self.ring = plan, names, ring
         self.device = ring.device
+        host = not pipelined(self.device)
         self.owned: list[OwnedBucket] = []
         stage = 0
         for b in plan:
@@ -90,7 +115,7 @@ class BucketUnpack:
                 dst = destinations[seg.entry]
                 if dst is not None:
                     pairs.append((seg, dst[seg.elem_start : seg.elem_start + seg.numel]))
-            full = bool(pairs) and len(pairs) == len(b.segments) and self.device.type == "cpu"
+            full = bool(pairs) and len(pairs) == len(b.segments) and host
             runs: list[tuple[int, int, int]] = []
             if full:
                 runs.append((0, b.wire_bytes, stage))
@@ -105,24 +130,61 @@ class BucketUnpack:
                     stage = _align16(runs[-1][2] + runs[-1][1] - runs[-1][0])
             self.owned.append(OwnedBucket(b, pairs, tuple(runs), full))
         self.stage_bytes = stage
-        # int64 [n, 2]: (checksum of the bytes as received, the sender's trailer); a bucket this
-        # rank skips (owns nothing of) keeps (0, 0)
-        self.checks = torch.zeros(len(plan), 2, dtype=torch.int64, device=self.device)
-        self._passes: dict[int, tuple[int, CopyPlan]] = {}  # k -> (buffer address, fused pass)
+        n = len(plan)
+        self._works: dict[tuple[int, int], _Work] = {}  # (k, buffer address) -> work
+        # the pass over each owned bucket's ring slot: its runs fix the bucket's flag slots (the
+        # same for every buffer: the segments are adjacent in any wire buffer)
+        self._canon: dict[int, CopyPlan] = {}
+        for k, o in enumerate(self.owned):
+            if o.pairs:
+                self._canon[k] = self._pass(k, ring.buffer(k, o.bucket.wire_bytes))
+        self._flag_at: dict[int, int] = {}  # k -> first flag slot
+        self._flag_owner: list[tuple[int, int]] = []  # flag slot -> (k, run index; -1 = the bucket's any)
+        for k, p in self._canon.items():
+            self._flag_at[k] = len(self._flag_owner)
+            self._flag_owner += [(k, r) for r in range(len(p.runs))] + [(k, -1)]
+        self._check_bytes = 16 * n
+        nbytes = self._check_bytes + 4 * len(self._flag_owner)
+        self.verdict_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.checks = self.verdict_bytes[: self._check_bytes].view(torch.int64).view(n, 2)
+        self._flags = self.verdict_bytes[self._check_bytes :].view(torch.int32)
+        for k, p in self._canon.items():
+            p.bind_flags(self._flag_slice(k, p))
+            buf = ring.buffer(k, self.owned[k].bucket.wire_bytes)
+            self._works[(k, buf.data_ptr())] = self._work(k, buf, p)
         self._commit_runs: tuple[int, list] | None = None  # (stage address, copy_plan runs)
         self.stage: torch.Tensor | None = None
         self.atomic = True
-        self._used: list[tuple[int, CopyPlan]] = []
+
+    def _flag_slice(self, k: int, p: CopyPlan) -> torch.Tensor:
+        at = self._flag_at[k]
+        return self._flags[at : at + len(p.runs) + 1]
+
+    def _pass(self, k: int, buf: torch.Tensor) -> CopyPlan:
+        """Bucket k's fused check (+ copy) pass reading wire buffer ``buf``."""
+        o = self.owned[k]
+        return CopyPlan([d for _, d in o.pairs], [segment_view(buf, o.bucket, s) for s, _ in o.pairs])
+
+    def _work(self, k: int, buf: torch.Tensor, fused: CopyPlan | None = None) -> _Work:
+        """Bucket k's work for wire buffer ``buf`` (the pass built unless given), flags bound to
+        the bucket's slots."""
+        b = self.owned[k].bucket
+        if fused is None:
+            fused = self._pass(k, buf)
+            if len(fused.runs) != len(self._canon[k].runs):
+                raise AssertionError(f"bucket {k}: {len(fused.runs)} runs in this buffer, {len(self._canon[k].runs)}")
+            fused.bind_flags(self._flag_slice(k, fused))
+        row = self.checks[k]
+        return _Work(buf[: b.padded_bytes].view(torch.int64), trailer(buf, b), fused, row[0], row[1])
 
     # ------------------------------------------------------------------ one update
     def start(self, atomic: bool, stage: Callable[[int], torch.Tensor] | None) -> None:
-        """Begin an update (on the side stream): reset the checks table; ``stage(nbytes)`` gives
-        the host stage when atomic."""
+        """Begin an update (on the side stream): zero the verdict buffer (checks and flags);
+        ``stage(nbytes)`` gives the host stage when atomic."""
         self.atomic = atomic
         self.stage = stage(self.stage_bytes) if atomic else None
-        self._used = []
         with self.ring.side():
-            self.checks.zero_()
+            self.verdict_bytes.zero_()
 
     def buffer(self, k: int) -> torch.Tensor:
         """Where bucket k must arrive: its stage slot (``in_stage``, atomic) or its ring slot."""
@@ -139,49 +201,38 @@ class BucketUnpack:
         o = self.owned[k]
         if not o.pairs:
             return False  # nothing of ours: skip the read (the checks row stays equal)
-        b = o.bucket
-        checksum_into(buf, b, self.checks[k, 0])
-        self.checks[k, 1].copy_(trailer(buf, b))
-        fused = self._pass(k, buf)
-        self._used.append((k, fused))
+        key = (k, buf.data_ptr())
+        w = self._works.get(key)
+        if w is None:
+            w = self._works[key] = self._work(k, buf)
+        torch.sum(w.data, 0, out=w.check)
+        w.sent.copy_(w.trailer)
         if not self.atomic:
-            fused.copy_check()
+            w.fused.launch(store=True, check=True)
             return True
-        fused.check()
+        w.fused.launch(store=False, check=True)
         if not o.in_stage:
-            for lo, hi, at in o.runs:
-                self.stage[at : at + hi - lo].copy_(buf[lo:hi], non_blocking=True)
+            if w.stage_address != self.stage.data_ptr():
+                w.stage_address = self.stage.data_ptr()
+                w.stage_copies = [(self.stage[at : at + hi - lo], buf[lo:hi]) for lo, hi, at in o.runs]
+            for dst, src in w.stage_copies:
+                dst.copy_(src, non_blocking=True)
         return False
-
-    def _pass(self, k: int, buf: torch.Tensor) -> CopyPlan:
-        """Bucket k's fused check (+ copy) pass for ``buf``, built once per buffer address."""
-        cached = self._passes.get(k)
-        if cached is None or cached[0] != buf.data_ptr():
-            b = self.owned[k].bucket
-            pairs = self.owned[k].pairs
-            cached = self._passes[k] = (
-                buf.data_ptr(),
-                CopyPlan([d for _, d in pairs], [segment_view(buf, b, s) for s, _ in pairs]),
-            )
-        return cached[1]
 
     def verdict(self) -> tuple[list[int], list[str]]:
         """(buckets whose checksum differs, names of tensors holding non-finite values), after the
-        last ``receive``; call on the side stream. One host read (``read_verdict``); the
-        per-tensor check that names the tensors runs only when a flag is set."""
-        parts = [(self.checks[:, 0] != self.checks[:, 1]).to(torch.int32)]
-        parts += [p.flags for _, p in self._used]
-        host = read_verdict(torch.cat(parts))
-        n = len(self.plan)
-        bad_sums = host[:n].nonzero().flatten().tolist()
+        last ``receive``; call on the side stream. One host read (``read_verdict``) of the verdict
+        buffer; the comparisons run on the host; the per-tensor check that names the tensors runs
+        only when a flag is set."""
+        host = read_verdict(self.verdict_bytes)
+        sums = host[: self._check_bytes].view(torch.int64).view(-1, 2)
+        bad_sums = (sums[:, 0] != sums[:, 1]).nonzero().flatten().tolist()
         skip = set(bad_sums)  # a torn bucket's values are not worth naming: its checksum already failed
         flagged: list[tuple[int, int]] = []
-        at = n
-        for k, p in self._used:
-            runs = host[at : at + p.flags.numel()].nonzero().flatten().tolist()
-            at += p.flags.numel()
-            if k not in skip:
-                flagged += [(k, i) for r in runs if r < len(p.runs) for i in p.runs[r].members]
+        for at in host[self._check_bytes :].view(torch.int32).nonzero().flatten().tolist():
+            k, r = self._flag_owner[at]
+            if r >= 0 and k not in skip:
+                flagged += [(k, i) for i in self._canon[k].runs[r].members]
         return bad_sums, self._name_nonfinite(flagged)
 
     def _name_nonfinite(self, flagged: list[tuple[int, int]]) -> list[str]:

@@ -36,9 +36,12 @@ from m3_rollout.weight_sync import (  # noqa: E402
     WeightSender,
     WeightSyncGroup,
     WeightUpdateError,
+    plan_buckets,
+    unpack,
 )
+from m3_rollout.weight_sync.manifest import wire_dtype  # noqa: E402
 
-BUCKET_MB = 0.05  # ~52 KB: the tiny model spans ~40 bf16 / ~80 fp32 buckets
+BUCKET_MB = 0.05  # ~52 KB: the tiny model spans ~40 bf16 / ~80 fp32 buckets (expected_buckets)
 NAN_NAME = "language_model.model.layers.2.block_sparse_moe.experts.6.w3.weight"
 
 
@@ -48,6 +51,13 @@ def _model(seed: int, ep_rank: int | None = None) -> M3ForCausalLM:
     if ep_rank is not None:
         shard_experts(m, ep_rank, 2, None)
     return m.cuda().eval()
+
+
+def expected_buckets(trainer: M3ForCausalLM, bucket_mb: float, dtype: torch.dtype | None = None) -> int:
+    """Buckets of an update carrying every released tensor of ``trainer`` (frozen ones included)
+    on a ``dtype`` wire (router >= fp32): the plan both ends derive from the header."""
+    entries = [(tuple(t.shape), wire_dtype(n, t.dtype, dtype)) for n, t in iter_released_tensors(trainer)]
+    return len(plan_buckets(entries, int(bucket_mb * 2**20)))
 
 
 def _bitwise(trainer: M3ForCausalLM, m: M3ForCausalLM, ep_rank: int | None = None) -> list[str]:
@@ -74,9 +84,11 @@ def test_loopback_pipeline_bitwise_in_place_ep2(atomic):
     ptrs = [{n: p.data_ptr() for n, p in m.named_parameters()} for m in ms]
     source = ReleasedTensors(trainer)
     sender = WeightSender(lambda: source, ColocatedChannel(rxs, "cuda", direct=False), BUCKET_MB, torch.bfloat16)
+    want = expected_buckets(trainer, BUCKET_MB, torch.bfloat16)
+    assert want > 20  # many buckets: tensors split across them, every ring slot reused
     for version in (2, 3):
         stats = sender.update(version, include_frozen=True)
-        assert stats["buckets"] > 50
+        assert stats["buckets"] == want
         for r, (m, rx) in enumerate(zip(ms, rxs)):
             assert rx.version == version and rx.valid
             assert _bitwise(trainer, m, r) == []
@@ -99,22 +111,58 @@ def _count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def _verdict_reads_under_error_mode(fn, monkeypatch) -> int:
+    """Run ``fn()`` with every synchronizing CUDA call an error except the verdict read
+    (``unpack.read_verdict``, run in the default mode and counted): any other sync raises where
+    it happens, so a failure names the call. Returns the number of verdict reads."""
+    reads = []
+    real_read = unpack.read_verdict
+
+    def read(t):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            reads.append(t.numel())
+            return real_read(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(unpack, "read_verdict", read)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.setattr(unpack, "read_verdict", real_read)
+    return len(reads)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("atomic", [True, False])
-def test_loopback_update_syncs_the_host_once_whatever_the_bucket_count(atomic):
-    trainer, m = _model(1), _model(0)
+def test_loopback_update_syncs_the_host_once_whatever_the_bucket_count(atomic, dtype, monkeypatch):
+    """One synchronizing CUDA call per bucketed update (the verdict read), for many buckets and
+    few, atomic or not, on an fp32 or a bf16 wire; the updates after a layout change included
+    (their first update builds the layout: ring, stage, passes). Any other sync fails the
+    error-mode run at the call that made it."""
+    trainer = _model(1)
+    m = _model(0) if dtype is None else _model(0).cast_for_inference(dtype)
     rx = WeightReceiver(m, atomic=atomic, version=0)
     source = ReleasedTensors(trainer)
     counts, buckets, version = [], [], 0
-    for bucket_mb in (BUCKET_MB, 1.0):
-        sender = WeightSender(lambda: source, ColocatedChannel([rx], "cuda", direct=False), bucket_mb)
+    for bucket_mb in (BUCKET_MB, 1.0, BUCKET_MB):
+        sender = WeightSender(lambda: source, ColocatedChannel([rx], "cuda", direct=False), bucket_mb, dtype)
         version += 1
         sender.update(version, include_frozen=True)  # builds the layout and the passes (tables go to the device)
         version += 1
+        reads = _verdict_reads_under_error_mode(lambda v=version: sender.update(v, include_frozen=True), monkeypatch)
+        assert reads == 1
+        version += 1
         counts.append(_count_syncs(lambda v=version: sender.update(v, include_frozen=True)))
         buckets.append(sender.stats["buckets"])
+        assert buckets[-1] == expected_buckets(trainer, bucket_mb, dtype)
         assert rx.version == version and _bitwise(trainer, m) == []
-    assert buckets[0] > 50 and buckets[1] < 10
-    assert counts == [1, 1]  # the verdict read, and nothing per bucket
+    assert buckets[0] > 20 and buckets[1] < 10
+    assert counts == [1, 1, 1]  # the verdict read, and nothing per bucket
 
 
 @pytest.mark.parametrize("atomic", [True, False])
@@ -215,4 +263,4 @@ def test_gloo_cuda_tensors_two_processes_one_gpu():
     assert not log[1]["ok"] and log[1]["version"] == 1 and log[1]["bad"] == []  # atomic: old weights kept
     assert "rank 1: bucket 20 " in got["trainer"]["error_2"] and "checksum mismatch" in got["trainer"]["error_2"]
     assert log[2]["ok"] and log[2]["version"] == 3 and log[2]["bad"] == []
-    assert got["trainer"]["buckets"] > 50
+    assert got["trainer"]["buckets"] == expected_buckets(_model(1), BUCKET_MB) > 20

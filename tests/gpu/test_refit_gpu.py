@@ -8,7 +8,9 @@ keeping the old weights, from the masters (check pass) and from an attested bf16
 the in-process engine where the engine sleeps at level 2 while the trainer trains and the refit
 after ``wake_up`` is bitwise equal to the trainer's cast; the same in two processes on the GPU
 (the engine in a spawned worker refit through the trainer's CUDA IPC stage, after its own
-sleep / wake-up), with the worker killed and restarted mid-run. About a minute on an H200.
+sleep / wake-up), with the worker killed and restarted mid-run; a worker refit from the trainer's
+attested compute copy itself, opened by CUDA IPC handle (no stage), with the cast refused while
+the copy is lent to an unacknowledged update. About a minute on an H200.
 """
 
 from __future__ import annotations
@@ -334,6 +336,111 @@ def test_grpo_step_two_processes_ipc_refit_bitwise_and_worker_restart(out):
         got = get_results(results, 1, TIMEOUT_S, "tag")["again0"]
         assert got["ok"] and got["version"] == 4 and got["generated"] > 0
         _assert_engine_is_trainer_cast(got["weights"].items(), dict(policy.named_released_tensors()))
+    finally:
+        channel.close()
+        for p in procs:
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+
+
+# ------------------------------------------------------------------ IPC from the trainer's compute copy
+def _copy_worker(endpoint, tag: str, results) -> None:
+    """A rollout worker process on this GPU: a bare bf16 receiver refit by IPC; reports each
+    update with its weights copied to the host (by value)."""
+    try:
+        from m3_rollout.model import M3ForCausalLM, tiny_config
+
+        torch.manual_seed(0)
+        model = M3ForCausalLM(tiny_config()).cast_for_inference(torch.bfloat16).cuda().eval()
+        rx = WeightReceiver(model, atomic=tag.endswith("atomic"), version=0)
+        ptrs = [p.data_ptr() for p in model.parameters()]
+
+        def report(outcome) -> None:
+            r = outcome.result
+            put_result(
+                results,
+                {
+                    "tag": tag,
+                    "ok": r.ok,
+                    "version": r.version,
+                    "valid": r.valid,
+                    "errors": r.errors,
+                    "moved": [p.data_ptr() for p in model.parameters()] != ptrs,
+                    "weights": {n: p.detach().cpu() for n, p in model.named_parameters()},
+                },
+            )
+
+        IpcRolloutSync(rx, endpoint, timeout_s=TIMEOUT_S).serve(on_update=report)
+    except Exception:  # noqa: BLE001
+        put_result(results, {"tag": tag, "error": traceback.format_exc()})
+
+
+def _is_cast_of(weights: dict, master) -> bool:
+    m = dict(master.named_parameters())
+    return all(torch.equal(_bits(w), _bits(m[n].detach().to(w.dtype).cpu())) for n, w in weights.items())
+
+
+def test_ipc_refit_reads_the_trainers_compute_copy_by_cuda_ipc():
+    """The worker opens the trainer's attested bf16 compute copy by CUDA IPC handle and refits
+    straight from it (no stage on the GPU): bitwise the masters' cast; a NaN in a master refused
+    from the cast's flags, old weights kept; the cast refuses to run while the copy is lent to an
+    update the (killed) worker never acknowledged, until the channel is rebuilt for the restarted
+    worker, which is refit bitwise. The first worker is non-atomic, the restarted one atomic."""
+    import copy
+
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+
+    torch.manual_seed(1)
+    master = M3ForCausalLM(tiny_config()).float().cuda()
+    cast = CastCopy(master, copy.deepcopy(master).cast_for_inference(torch.bfloat16))
+    cast.refresh()
+    named = ReleasedTensors(master, cast=cast)
+    channel = IpcChannel(n_workers=1, device="cuda", timeout_s=60.0)
+    sender = WeightSender(lambda: named, channel, generation_dtype=torch.bfloat16)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_copy_worker, args=(channel.endpoint, "first-direct", results))]
+    procs[0].start()
+    try:
+        sender.update(1, include_frozen=True)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first-direct"]
+        assert got["ok"] and got["version"] == 1 and not got["moved"] and _is_cast_of(got["weights"], master)
+        assert channel.stats["source"] == "copy" and channel.stage is None and cast.lent_to is None
+        w2 = dict(master.named_parameters())["model.layers.2.block_sparse_moe.experts.w2"]
+        with torch.no_grad():
+            w2[5, 0, 0] = float("nan")
+        with pytest.raises(WeightUpdateError, match="non-finite values in language_model.model.layers.2"):
+            sender.update(2)
+        bad = get_results(results, 1, TIMEOUT_S, "tag")["first-direct"]
+        assert not bad["ok"] and bad["version"] == 1 and bad["valid"]
+        assert all(torch.equal(bad["weights"][n], w) for n, w in got["weights"].items())
+        with torch.no_grad():
+            w2[5, 0, 0] = 0.5
+            for p in master.parameters():
+                p.mul_(-1.5)
+        sender.update(3, include_frozen=True)  # every parameter moved, the frozen ones too
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first-direct"]
+        assert got["ok"] and got["version"] == 3 and _is_cast_of(got["weights"], master)
+
+        procs[0].kill()
+        procs[0].join(TIMEOUT_S)
+        with torch.no_grad():
+            for p in master.parameters():
+                p.add_(0.125)
+        with pytest.raises(WeightUpdateError):
+            sender.update(4)
+        assert cast.lent_to is not None
+        with torch.no_grad():
+            next(master.parameters()).mul_(0.5)
+        with pytest.raises(RuntimeError, match="lent to the IPC refit to version 4"):
+            cast.refresh()
+        procs.append(ctx.Process(target=_copy_worker, args=(channel.endpoint, "again-atomic", results)))
+        procs[1].start()
+        sender.update(5, include_frozen=True)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["again-atomic"]
+        assert got["ok"] and got["version"] == 5 and _is_cast_of(got["weights"], master)
+        assert channel.stats["source"] == "copy" and cast.lent_to is None
     finally:
         channel.close()
         for p in procs:
