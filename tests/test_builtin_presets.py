@@ -40,7 +40,7 @@ def test_gpu_preset_shape():
     with torch.device("meta"):
         n = sum(p.numel() for p in M3ForCausalLM(cfg).parameters())
     assert 150e6 < n < 180e6  # 164.6 M with the preset's ~1,024-token vocabulary
-    assert spec.warm_start.max_seconds <= 150 and spec.eval_max_turns == 4
+    assert spec.warm_start.max_seconds <= 300 and spec.eval_max_turns == 4
 
 
 def test_gpu_preset_pipeline_builds_on_cpu(tmp_path):
