@@ -295,3 +295,29 @@ def test_ipc_refit_reads_the_trainers_compute_copy_and_never_casts_under_a_reade
             p.join(TIMEOUT_S)
             if p.is_alive():
                 p.kill()
+
+
+def test_a_channel_on_cuda_without_an_index_shares_a_copy_on_the_current_gpu(monkeypatch):
+    """``IpcChannel(device="cuda")`` (what ``cluster.device=cuda`` gives) names the current GPU; the
+    copy's cast plan says ``cuda:N``. The two must compare equal, or the channel would fill the
+    stage for a compute copy it could share. CPU stand-in: the current GPU is 0, and the cast's plan
+    reports ``cuda:0`` (the copy's tensors stay on the CPU; no handle is opened here)."""
+    from m3_rollout.weight_sync.manifest import UpdateHeader
+    from m3_rollout.weight_sync.sender import sender_manifest
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    master, compute, cast = _policy_pair()
+    cast.refresh()
+    channel = IpcChannel(n_workers=1, device="cuda", timeout_s=1.0)
+    try:
+        assert channel.device == torch.device("cuda", 0)
+        cast.plan.device = torch.device("cuda", 0)  # where a copy on the GPU was cast
+        named = ReleasedTensors(master, cast=cast)
+        sender = WeightSender(lambda: named, channel, generation_dtype=torch.bfloat16)
+        sender.manifest = sender_manifest(named, torch.bfloat16, sender.frozen)
+        sources, entries, _, attestation = sender._sources(True, direct=True)
+        assert attestation is cast
+        shared = channel._shared_copy(UpdateHeader(1, True, entries), sources, attestation)
+        assert shared is not None and shared[0] is cast and len(shared[2]) == len(sources)
+    finally:
+        channel.close()

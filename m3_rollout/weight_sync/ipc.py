@@ -200,6 +200,9 @@ class IpcChannel:
         if n_workers < 1:
             raise ValueError(f"IpcChannel: n_workers={n_workers} must be >= 1")
         self.n_workers, self.device, self.timeout_s = int(n_workers), torch.device(device), float(timeout_s)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" names the current device; tensors say "cuda:N", and the copy's device must match
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.share_copy = share_copy
         if address is None:
             address = os.path.join(tempfile.mkdtemp(prefix="m3_ipc_"), "refit.sock")
