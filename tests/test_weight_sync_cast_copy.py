@@ -171,6 +171,36 @@ def test_flags_are_trusted_only_for_sources_they_cover_and_copies_that_cannot_ov
     assert not CopyPlan([x16], [xb]).keeps_finite and not CopyPlan([xb], [x32]).keeps_finite
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_packed_copy_and_packed_rollout_are_attested(atomic, monkeypatch):
+    """On CUDA ``cast_for_inference`` packs q/k/v (+ index q/k) and gate/up into one buffer each,
+    in the trainer's compute copy and in the rollout model alike, while the fp32 masters stay
+    separate storages: the cast writes q, k, v as separate runs, the refit merges them into one
+    run. Adjacent written ranges cover it: the refit is attested (no check pass)."""
+    torch.manual_seed(1)
+    master = M3ForCausalLM(_config()).float()
+    compute = copy.deepcopy(master).cast_for_inference(torch.bfloat16).pack_fused_weights()
+    cast = CastCopy(master, compute)
+    rollout = _rollout().pack_fused_weights()
+    rx = WeightReceiver(rollout, atomic=atomic)
+    named = ReleasedTensors(master, cast=cast)
+    sender = WeightSender(lambda: named, ColocatedChannel([rx], direct=True), 1, torch.bfloat16)
+    checks = _CountChecks(monkeypatch)
+    sender.update(1, include_frozen=True)
+    q = compute.model.layers[0].self_attn.q_proj.weight
+    assert (
+        q.untyped_storage().data_ptr() == compute.model.layers[0].self_attn.k_proj.weight.untyped_storage().data_ptr()
+    )
+    assert any(len(r.members) > 1 for r in rx._plan_cache.plan.runs)  # the refit merged packed views
+    assert rx.last_verdict == "attested" and checks.n == 0 and _cast_of(master, rollout)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(-1.5)
+    sender.update(2)  # without the frozen tensors, as every refit after the first
+    assert rx.last_verdict == "attested" and checks.n == 0 and cast.casts == 2 and rx.version == 2
+    assert not cast.covers([torch.empty(8, dtype=torch.bfloat16)])  # memory the cast never wrote
+
+
 class _Calls(TorchFunctionMode):
     """Counts torch API calls (tensor methods included) made while active."""
 

@@ -17,9 +17,9 @@ The guarantee (what ``current()`` and ``covers()`` establish before the flags ar
      optimizer step, a checkpoint load, any in-place write through torch);
   2. nothing wrote the copy since (its parameters' version counters are those recorded right
      after the cast);
-  3. every tensor the receiver reads lies inside a range the cast wrote (checked once per source
-     list), and its copy into the destination cannot overflow (same dtype or widening;
-     ``CopyPlan.keeps_finite``).
+  3. every tensor the receiver reads lies inside the bytes the cast wrote (adjacent written ranges
+     count as one; checked once per source list), and its copy into the destination cannot
+     overflow (same dtype or widening; ``CopyPlan.keeps_finite``).
 If any of these fails the receiver falls back to the check pass over what it reads, so a stale
 or missing attestation costs time, never safety. Version counters see every in-place write made
 through torch; writes through ``.data`` or raw pointers (a kernel of one's own) are not seen:
@@ -91,9 +91,19 @@ class CastCopy:
         self.layouts += 1
 
     def _read_ranges(self) -> None:
-        self._ranges = sorted(
+        """The byte ranges the cast writes, sorted, with touching or overlapping ranges merged: a
+        reader's run may span several cast runs (packed views, e.g. q/k/v of one buffer, are
+        adjacent in the copy but cast from separate master storages, so they are separate cast
+        runs while a rollout model packed the same way merges them into one run)."""
+        merged: list[list[int]] = []
+        for start, end in sorted(
             (r.dst.data_ptr(), r.dst.data_ptr() + r.dst.numel() * r.dst.element_size()) for r in self.plan.runs
-        )
+        ):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self._ranges = [(a, b) for a, b in merged]
 
     def refresh(self) -> bool:
         """Cast the masters into the copy (fused copy + finite flags, no host sync) unless they are

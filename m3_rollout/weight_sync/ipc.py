@@ -200,6 +200,9 @@ class IpcChannel:
         if n_workers < 1:
             raise ValueError(f"IpcChannel: n_workers={n_workers} must be >= 1")
         self.n_workers, self.device, self.timeout_s = int(n_workers), torch.device(device), float(timeout_s)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" names the current device; tensors say "cuda:N", and the copy's device must match
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.share_copy = share_copy
         if address is None:
             address = os.path.join(tempfile.mkdtemp(prefix="m3_ipc_"), "refit.sock")
@@ -505,7 +508,7 @@ class IpcRolloutSync:
         self.copy: list[torch.Tensor] | None = None  # the trainer's compute copy: uint8 tensors over its storages
         self._entries = None
         self._source = None  # what the updates read: _STAGE, or ("copy", places)
-        self._views: tuple | None = None  # (entries, source, views)
+        self._views: dict = {}  # source kind ("copy" / "stage") -> (entries, source, views)
         self.closed = False
         self.last: InFlightOutcome | None = None
 
@@ -526,7 +529,7 @@ class IpcRolloutSync:
     def _handshake(self, data: bytes) -> None:
         diffs = self.receiver.check_handshake(manifest_from_bytes(data))
         _send(self.conn, diffs, "the trainer")
-        self.stage, self.copy, self._source, self._views = None, None, None, None
+        self.stage, self.copy, self._source, self._views = None, None, None, {}
         if diffs:
             raise HandshakeError("weight-sync handshake failed:\n  " + "\n  ".join(diffs))
 
@@ -557,9 +560,11 @@ class IpcRolloutSync:
             if kind == "handshake":
                 self._handshake(msg[1])
             elif kind == "stage":
-                self.stage, self.offsets, self._views = msg[1], msg[2], None
+                self.stage, self.offsets = msg[1], msg[2]
+                self._views.pop("stage", None)
             elif kind == "copy":
-                self.copy, self._views = msg[1], None
+                self.copy = msg[1]
+                self._views.pop("copy", None)
             elif kind == "update":
                 result = self._receive(*msg[1:])
                 policy = self.receiver.in_flight
@@ -571,10 +576,15 @@ class IpcRolloutSync:
 
     def _source_views(self) -> list[torch.Tensor]:
         """The header entries' tensors in the source the trainer named (built once per entries and
-        source)."""
-        v = self._views
-        if v is not None and v[0] is self._entries and v[1] is self._source:
-            return v[2]
+        source; one set per source kind, so a trainer alternating between its compute copy and the
+        stage hands the receiver the same view lists, whose copy plans it keeps)."""
+        kind = self._source[0]
+        v = self._views.get(kind)
+        if v is not None and v[0] is self._entries:
+            if v[1] is not self._source and v[1] == self._source:  # the same places, sent again
+                self._source = v[1]
+            if v[1] is self._source:
+                return v[2]
         if self._source[0] == "copy":
             if self.copy is None:
                 raise WeightSyncTimeout("weight-sync IPC: an update from the compute copy arrived before its handles")
@@ -583,7 +593,7 @@ class IpcRolloutSync:
             if self.stage is None:
                 raise WeightSyncTimeout("weight-sync IPC: an update from the stage arrived before its handle")
             views = stage_views(self.stage, self.offsets, self._entries)
-        self._views = (self._entries, self._source, views)
+        self._views[kind] = (self._entries, self._source, views)
         return views
 
     def _receive(self, version, include_frozen, replace, entries, bad, probe, source, solo) -> UpdateResult:

@@ -162,6 +162,7 @@ class WeightReceiver:
         # direct path: the plan of the last update; a sender that resends the same objects
         # (WeightSender's source cache) reuses it
         self._plan_cache: _DirectPlan | None = None
+        self._plan_spare: _DirectPlan | None = None  # the plan before, for the same entries (another source)
         # direct path: how the last verdict was reached: "sent" (positions the producer flagged,
         # IPC), "attested" (the cast's flags) or "checked" (this receiver's own check pass)
         self.last_verdict = ""
@@ -384,15 +385,22 @@ class WeightReceiver:
 
     def _plan_for(self, header: UpdateHeader, sources: list[torch.Tensor]):
         """(pairs, names, CopyPlan) of this update's owned tensors, cached by object identity;
-        the kernel tables follow storages the engine re-allocated since the last update."""
-        c = self._plan_cache
+        the kernel tables follow storages the engine re-allocated since the last update. The plan
+        before is kept too while the entries are the same: an IPC worker whose source alternates
+        (the trainer's compute copy / the stage) reuses both plans instead of rebuilding one per
+        switch (O(tensors) Python and table uploads)."""
+        c, spare = self._plan_cache, self._plan_spare
+        if spare is not None and spare.entries is header.entries and spare.sources is sources:
+            c, self._plan_spare = spare, c
+            self._plan_cache = c
         if c is not None and c.entries is header.entries and c.sources is sources:
             generation = self._storage_generation()
             if generation != c.generation:
                 c.plan.relocate()
                 c.generation = generation
             return c.pairs, c.names, c.plan
-        self._plan_cache = None
+        keep = c is not None and c.entries is header.entries
+        self._plan_cache, self._plan_spare = None, c if keep else None
         pairs, names = [], []
         for (idx, _, _), src in zip(header.entries, sources):
             view = self.views.get(self.manifest[idx].name)
