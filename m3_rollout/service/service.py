@@ -689,21 +689,31 @@ class RolloutService(GenerationBackend):
                 raise ValueError(f"weight update rejected, weights unchanged (version {self._version}): {exc}") from exc
         sender = self._ws_sender
         sender.named_tensors = lambda: incoming.items()
+        self._refit_beside(
+            lambda: sender.update(version, include_frozen=first, replace=replace), (WeightUpdateError,), sender
+        )
+
+    def _refit_beside(self, send, errors: tuple, sender, extra=None) -> None:
+        """Run ``send()`` (the trainer side of one update) while every worker runs
+        ``receive_weights``; record ``last_weight_sync`` (the sender's stats, wall and pause
+        seconds, each rank's verdict, plus ``extra()``). Raises ValueError when ``send`` raised one
+        of ``errors`` (a rank rejected the update), GroupFailure when a worker failed."""
         t0 = time.perf_counter()
         box: dict = {}
 
-        def send():
+        def trainer_side():
             try:
-                box["stats"] = sender.update(version, include_frozen=first, replace=replace)
-            except WeightUpdateError as exc:
+                box["stats"] = send()
+            except errors as exc:
                 box["error"] = exc
 
-        _, outs = self._call_beside("receive_weights", (), send)
+        _, outs = self._call_beside("receive_weights", (), trainer_side)
         self.last_weight_sync = {
             **box.get("stats", sender.stats),
             "wall_seconds": time.perf_counter() - t0,
             "paused_seconds": max((o["paused_seconds"] for o in outs), default=0.0),
             "ranks": [{k: o[k] for k in ("ok", "version", "valid", "probe_drift")} for o in outs],
+            **(extra() if extra is not None else {}),
         }
         if "error" in box:
             raise ValueError(str(box["error"])) from box["error"]
@@ -796,26 +806,15 @@ class RolloutService(GenerationBackend):
 
         ipc = self._ipc
         self.last_weight_sync = {}
-        t0 = time.perf_counter()
-        box: dict = {}
-
-        def send():
-            try:
-                box["stats"] = ipc.resend() if named is None else ipc.send(version, named)
-            except (WeightUpdateError, HandshakeError) as exc:
-                box["error"] = exc
-
-        _, outs = self._call_beside("receive_weights", (), send)
-        self.last_weight_sync = {
-            **box.get("stats", ipc.sender.stats),
-            "wall_seconds": time.perf_counter() - t0,
-            "paused_seconds": max((o["paused_seconds"] for o in outs), default=0.0),
-            "ranks": [{k: o[k] for k in ("ok", "version", "valid", "probe_drift")} for o in outs],
-            "stage_device": str(ipc.channel.source_device) if ipc.channel.source_device is not None else None,
-            "ipc_source": ipc.channel.stats.get("source"),
-        }
-        if "error" in box:
-            raise ValueError(str(box["error"])) from box["error"]
+        self._refit_beside(
+            lambda: ipc.resend() if named is None else ipc.send(version, named),
+            (WeightUpdateError, HandshakeError),
+            ipc.sender,
+            lambda: {
+                "stage_device": str(ipc.channel.source_device) if ipc.channel.source_device is not None else None,
+                "ipc_source": ipc.channel.stats.get("source"),
+            },
+        )
 
     # ---- memory handoff (policy.generation.sleep_level: workers on the trainer's device) -------
     def _call_restarting(self, method: str, args: tuple) -> list:
