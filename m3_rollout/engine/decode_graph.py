@@ -162,6 +162,10 @@ class CudaGraphDecode:
         self.flip = 0
         # size -> (forward graph, its logits [s, V] (a callable when eager), sampler graph)
         self.graphs: dict[int, tuple] = {}
+        # size -> each MoE layer's expert ids [s, K] as that size's graph writes them (the routing
+        # record reads ``M3MoE.last_topk_ids``; after capture those name the last captured size's
+        # tensors, so a replay of another size must point them at its own outputs).
+        self.topk_ids: dict[int, list[torch.Tensor | None]] = {}
         self.pool = None
         vocab_hash(model.config.vocab_size, dev)  # cached outside the graphs' memory
 
@@ -263,6 +267,7 @@ class CudaGraphDecode:
             fwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(fwd, pool=self.pool):
                 logits = self._forward(size)
+            self.topk_ids[size] = [m.last_topk_ids for m in self.model.moe_layers()]
             self.pool = fwd.pool()
             samp = torch.cuda.CUDAGraph()
             with torch.cuda.graph(samp, pool=self.pool):
@@ -274,6 +279,7 @@ class CudaGraphDecode:
         """Drop every graph and their memory pool (engine sleep: the addresses they replay are about
         to be freed). ``capture`` makes them again."""
         self.graphs.clear()
+        self.topk_ids.clear()
         self.pool = None
 
     # ---- one step ----------------------------------------------------------------------------
@@ -304,6 +310,8 @@ class CudaGraphDecode:
         self.dev_buf[:k].copy_(self.host_buf[self.flip][:k], non_blocking=True)
         fwd, logits, samp = self.graphs[s]
         fwd.replay()
+        for moe, ids in zip(self.model.moe_layers(), self.topk_ids.get(s, ())):
+            moe.last_topk_ids = ids  # this size's static outputs, not the last captured size's
         if need_top_k or need_top_p:  # filtered sampling: eager (rare in RL rollouts)
             self.sample_into_out(logits(), s, need_top_k, need_top_p)
         else:

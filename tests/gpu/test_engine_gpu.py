@@ -247,3 +247,57 @@ def test_block_selection_record_through_graphs_and_async_scheduling():
         agree, total = agree + int(same.sum()), total + same.size
     print(f"block-selection record vs plain fp32 forward: {agree}/{total} rows equal")
     assert agree >= 0.999 * total
+
+
+def test_routing_record_through_graphs_of_several_sizes_and_async_scheduling():
+    """The routing record on the GPU path. Graphs of sizes 1, 2, 4 and 8 are captured (largest
+    first, so after capture every MoE layer's ``last_topk_ids`` names the size-1 graph's output, and
+    each eager prefill step renames it); decode steps replay other sizes. fp32, a forked group and
+    single samples, so the batch shrinks through several sizes as samples stop: the record of the
+    graphs + async engine equals the eager synchronous engine's on every run token (as sets of
+    expert ids), and a plain PyTorch forward's choice on >= 99.9 % of (token, layer) rows."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    reqs = [
+        GenerationRequest(
+            f"q{i}", torch.randint(3, 32000, (60 + 45 * i,), generator=g).tolist(), SamplingParams(**p, seed=i)
+        )
+        for i, p in enumerate([dict(n=4, max_new_tokens=36), dict(max_new_tokens=13), dict(n=2, max_new_tokens=25)])
+    ]
+    model = _get_model(torch.float32)
+    recs = {}
+    for graphs, async_mode in ((True, True), (False, False)):
+        eng = LLMEngine(
+            model,
+            EngineConfig(
+                max_model_len=512,
+                max_num_seqs=8,
+                num_pages=64,
+                enable_cuda_graphs=graphs,
+                cuda_graph_batch_sizes=(1, 2, 4, 8),
+                async_scheduling=async_mode,
+                record_routing=True,
+            ),
+        )
+        for r in reqs:
+            eng.add_request(r)
+        outs = {}
+        while eng.has_unfinished():
+            outs.update({(o.request_id, o.sample_index): o for o in eng.step() if isinstance(o, SampleOutput)})
+        recs[graphs] = outs
+        assert not graphs or eng.stats.graph_steps > 0
+    assert len(recs[True]) == 7
+    agree = total = 0
+    for k, o in recs[True].items():
+        n = len(o.prompt_ids) + len(o.output_ids) - 1  # the last sampled token never ran
+        got = np.sort(np.asarray(o.routed_experts)[:n], axis=-1)
+        assert got.shape[1:] == (1, 4) and (got >= 0).all(), k
+        assert np.array_equal(got, np.sort(np.asarray(recs[False][k].routed_experts)[:n], axis=-1)), k
+        with torch.no_grad():
+            model(torch.tensor([o.prompt_ids + o.output_ids], device="cuda"))
+        want = torch.stack([m.last_topk_ids for m in model.moe_layers()], 1)[:n].sort(-1).values.cpu().numpy()
+        same = (got == want).all(-1)
+        agree, total = agree + int(same.sum()), total + same.size
+    print(f"routing record vs plain fp32 forward: {agree}/{total} rows equal")
+    assert agree >= 0.999 * total
