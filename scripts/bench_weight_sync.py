@@ -40,9 +40,10 @@ run, on the same bytes (the compute copy's), modes interleaved:
             THE BROADCAST into the receiver's ring; the receiver checksums, flags non-finite values
             and unpacks (non-atomic: into the parameters; atomic: into the pinned host stage, then
             commits) on its own side stream; events order the three; the verdict is read on the
-            host once per update. On CUDA one more bucketed update per atomic mode runs under
-            torch.cuda.set_sync_debug_mode("warn") and the report gives its count of synchronizing
-            CUDA calls (the pipeline's target: the one verdict read);
+            host once per update. On CUDA two more bucketed updates per atomic mode run under
+            torch.cuda.set_sync_debug_mode("warn") (the first after the other mode, then a steady
+            one) and the report gives their counts of synchronizing CUDA calls with the source
+            line of each (the pipeline's target: the one verdict read);
   ipc ...   a rollout worker PROCESS on the same device (weight_sync/ipc.py) refit from the
             trainer's attested compute copy itself ('copy': one device copy per update) and from the
             stage the trainer fills first ('stage', the fallback): whole update, the trainer's part
@@ -436,19 +437,17 @@ def run_colocated(cast: CastCopy, rollout: torch.nn.Module, bucket_mb: float, re
     stats = dict(bucketed.stats)
     del flat_src, flat_dst, ring_src, ring_dst
 
-    syncs = {}
-    for mode in ("atomic=false, buckets", "atomic=true, buckets"):
-        syncs[mode] = None
-        if dev.type == "cuda":
-            _sync(str(dev))
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    update(mode)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs[mode] = sum("synchroniz" in str(w.message) for w in caught)
+    syncs, sync_sites = {}, {}
+    # the first update of a mode after the other mode (the receiver alternates modes and paths in
+    # the timing loop), then a steady one; every sync with the line that made it
+    first = " (first after atomic={})"
+    if dev.type == "cuda":
+        update("atomic=true, buckets")
+    for mode, other in (("atomic=false, buckets", "true"), ("atomic=true, buckets", "false")):
+        for label in (mode + first.format(other), mode):
+            syncs[label] = None
+            if dev.type == "cuda":
+                syncs[label], sync_sites[label] = count_syncs(lambda m=mode: update(m), str(dev))
 
     checks = {}
     for k, mode in enumerate(DIRECT_MODES + ("atomic=false, buckets", "atomic=true, buckets")):
@@ -492,7 +491,23 @@ def run_colocated(cast: CastCopy, rollout: torch.nn.Module, bucket_mb: float, re
         "all": times,
         "checks": checks,
         "syncs": syncs,
+        "sync_sites": sync_sites,
     }
+
+
+def count_syncs(fn, device: str) -> tuple[int, list[str]]:
+    """(synchronizing CUDA calls made by ``fn()``, where each was made: 'file:line' of the Python
+    line that called into torch), by torch.cuda.set_sync_debug_mode("warn")."""
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = [f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return len(sites), sites
 
 
 def _colocated_device(name: str) -> torch.device:
@@ -793,9 +808,15 @@ def colocated_report(r: dict, ipc: dict | None, cfg, args, device_type: str) -> 
         )
     syncs = ""
     if any(v is not None for v in r.get("syncs", {}).values()):
+        sites = r.get("sync_sites", {})
+
+        def where(m: str) -> str:
+            return f" ({', '.join(sites[m])})" if sites.get(m) else ""
+
         syncs = (
-            "\nSynchronizing CUDA calls in one bucketed update (torch.cuda.set_sync_debug_mode('warn'); the "
-            "pipeline's one is the verdict read): " + ", ".join(f"{m}: {v}" for m, v in r["syncs"].items()) + ".\n"
+            "\nSynchronizing CUDA calls in one bucketed update (torch.cuda.set_sync_debug_mode('warn'), with "
+            "the line that made each; the pipeline's one is the verdict read, weight_sync/unpack.py "
+            "read_verdict): " + ", ".join(f"{m}: {v}{where(m)}" for m, v in r["syncs"].items()) + ".\n"
         )
     return head + body + "\nCorrectness (bitwise): " + checks + ".\n" + syncs
 

@@ -912,3 +912,62 @@ def test_no_host_read_in_a_bucketed_update_but_the_verdict(monkeypatch, atomic, 
             assert len(reads) == 1 and rx.version == version
         counts.append(stats["buckets"])
     assert counts[0] > 50 and counts[1] < 10
+
+
+NAN_NAME = "language_model.model.layers.2.block_sparse_moe.experts.6.w3.weight"
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_one_host_sync_per_bucketed_update_whatever_the_outcome(monkeypatch, atomic):
+    """The one-sync rule counted as a GPU would see it (``fake_cuda.HostSyncs``: the CPU tensors
+    stand for device memory, the pinned stage for host memory), on the pipeline's CUDA branches
+    (fake streams, the copy plans' torch path, real bytes): a steady update, an update with a
+    non-finite value (named) and an update torn on the receiver (the bucket named) each
+    synchronize the host exactly once, the verdict read, on either atomic setting. A failure is
+    named from that same read (per-segment flags), not by a second look at the device: before,
+    a non-atomic rank re-checked the parameters it had written (three more syncs)."""
+    from fake_cuda import HostSyncs, fake_pipeline
+
+    fake = fake_pipeline(monkeypatch, kernel="torch")
+    syncs = HostSyncs(monkeypatch, fake)
+    trainer, rx_model = _model(1), _model(0)
+    rx, sender = _loopback(trainer, rx_model, atomic, BUCKET_MB)
+    before = _params(rx_model)
+    sender.update(1, include_frozen=True)  # builds the layout and the passes (not counted)
+    with syncs:
+        stats = sender.update(2, include_frozen=True)
+    assert syncs.count == 1, syncs.sites
+    assert stats["buckets"] > 50 and rx.version == 2 and rx.valid
+    assert all(torch.equal(p, trainer.get_parameter(n)) for n, p in rx_model.named_parameters())
+    assert not all(torch.equal(p, before[n]) for n, p in rx_model.named_parameters())
+
+    target = dict(iter_released_tensors(trainer))[NAN_NAME]
+    with torch.no_grad():
+        target.view(-1)[3] = float("nan")  # in place: the sender's cached sources see it
+    kept = _params(rx_model)
+    with syncs, pytest.raises(WeightUpdateError) as exc:
+        sender.update(3, include_frozen=True)
+    assert syncs.count == 1, syncs.sites
+    msg = str(exc.value)
+    assert f"receiver 0: non-finite values in {NAN_NAME}" in msg and msg.count("non-finite") == 1
+    assert "checksum" not in msg
+    assert rx.version == 2 and rx.valid == atomic
+    if atomic:
+        assert all(torch.equal(p, kept[n]) for n, p in rx_model.named_parameters())
+    else:  # the bad bucket's bytes landed: this rank says so and refuses requests
+        errors = sender.channel.results[0].errors
+        assert "receiver 0: update 3 failed after weights were written: rank invalid" in errors
+    with torch.no_grad():
+        target.view(-1)[3] = 0.5
+
+    rx.fault = lambda k, buf: buf[10:11].bitwise_xor_(0x40) if k == 7 else None
+    with syncs, pytest.raises(WeightUpdateError, match="receiver 0: bucket 7 .* checksum mismatch; holds "):
+        sender.update(4, include_frozen=True)
+    assert syncs.count == 1, syncs.sites
+    assert rx.version == 2 and rx.valid == atomic
+    rx.fault = None
+    with syncs:
+        sender.update(5, include_frozen=True)
+    assert syncs.count == 1, syncs.sites
+    assert rx.version == 5 and rx.valid
+    assert all(torch.equal(p, trainer.get_parameter(n)) for n, p in rx_model.named_parameters())

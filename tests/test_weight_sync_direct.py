@@ -200,6 +200,12 @@ def test_copy_plan_merges_contiguous_runs_and_copies_bitwise():
     src[2, 4, 1] = float("inf")
     plan.check()
     assert plan.bad_members() == sorted(big.members)  # the run is flagged; direct.nonfinite names the tensor
+    # merge=False (the bucket pipeline's passes): one run per pair, so the flag names the pair itself
+    single = CopyPlan([d for d, _ in pairs], [s for _, s in pairs], merge=False)
+    assert sorted(m for r in single.runs for m in r.members) == list(range(9))
+    assert all(len(r.members) == 1 for r in single.runs)
+    single.check()
+    assert single.bad_members() == [7]  # expert 2's w3 rows
     with pytest.raises(ValueError, match="pair 0 has 3 source and 2 destination elements"):
         CopyPlan([torch.zeros(2)], [torch.zeros(3)])
 

@@ -34,7 +34,9 @@ The flags stay on the device; ``any_bad()`` reads the ``any`` flag (the one host
 update) and only when it is set does ``bad_runs()`` look further; the caller names the tensors of
 a flagged run with the slow per-tensor check (``direct.nonfinite``), which only runs on failure.
 A caller that runs many plans per update (the bucket pipeline: one plan per bucket) binds each
-plan's flags to a slice of one buffer it zeroes once (``bind_flags``, ``launch``) and reads once.
+plan's flags to a slice of one buffer it zeroes once (``bind_flags``, ``launch``) and reads once;
+built with ``merge=False`` (one run per pair) those flags name the pairs themselves, so a failure
+is named from that one read, without the per-tensor check.
 
 Launch cost: the bucket pipeline launches a plan per bucket, so the host time of a launch counts.
 After a group's first launch through Triton's ``JITFunction`` (argument binding, specialization,
@@ -111,12 +113,13 @@ class Run:
     members: list[int]
 
 
-def build_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> list[Run]:
+def build_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor], merge: bool = True) -> list[Run]:
     """Merge the pairs ``dsts[i] <- srcs[i]`` (same numel; destinations contiguous) into runs.
 
     Pairs are sorted by (destination dtype, source dtype, destination address); consecutive pairs
     merge when both destination and source continue exactly where the previous ended (same
-    storage). A non-contiguous source stays a run of its own, copied through torch.
+    storage). A non-contiguous source stays a run of its own, copied through torch. ``merge=False``:
+    every non-empty pair is a run of its own (a run's flag then names exactly one pair).
     Raises ValueError for a pair whose element counts differ.
     """
     order = sorted(
@@ -136,7 +139,8 @@ def build_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> list[Run]:
         s_end = s.data_ptr() + s.numel() * s.element_size() if contiguous else None
         d_st, s_st = d.untyped_storage().data_ptr(), s.untyped_storage().data_ptr()
         if (
-            prev is not None
+            merge
+            and prev is not None
             and contiguous
             and prev[2] is not None
             and prev[0].dst.dtype == d.dtype
@@ -406,6 +410,8 @@ class CopyPlan:
         kernel: run the Triton kernel (None: on CUDA when triton is there; True on CPU only under
             ``TRITON_INTERPRET=1``, which the tests use).
         config: the kernel variant, a ``KERNELS`` name or a ``KernelConfig`` (None: ``DEFAULT_KERNEL``).
+        merge: merge adjacent pairs into runs (``build_runs``); False: one run (and one flag) per
+            pair, so the flags name the pairs without a second look (the bucket pipeline's verdict).
     The plan keeps references to every tensor (their storage cannot be freed or reused while it
     lives). ``check`` / ``copy`` / ``copy_check`` launch the work without a host sync (``launch``:
     the same without zeroing the flags first); ``any_bad`` syncs once; ``relocate`` after a storage
@@ -420,6 +426,7 @@ class CopyPlan:
         srcs: list[torch.Tensor],
         kernel: bool | None = None,
         config: str | KernelConfig | None = None,
+        merge: bool = True,
     ):
         devices = {t.device for t in dsts} | {t.device for t in srcs}
         if len(devices) > 1:
@@ -430,7 +437,7 @@ class CopyPlan:
         self.config = KERNELS[name] if isinstance(name, str) else name
         self.device = devices.pop() if devices else torch.device("cpu")
         self.n_pairs = len(dsts)
-        self.runs = build_runs(dsts, srcs)
+        self.runs = build_runs(dsts, srcs, merge)
         self.flags = torch.zeros(len(self.runs) + 1, dtype=torch.int32, device=self.device)  # [-1] = any
         self.nbytes = sum(r.dst.numel() * r.dst.element_size() for r in self.runs)
         self.keeps_finite = all(keeps_finite(r.src.dtype, r.dst.dtype) for r in self.runs)

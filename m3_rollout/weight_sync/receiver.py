@@ -16,7 +16,8 @@ version held, e.g. to repair ranks a failed non-atomic update left invalid). A f
 first update may carry the version it was built with (the checkpoint it loaded is no update).
 
 Finite values and checksums are checked on the device on every path and read on the host once per
-update: the bucket path's fused unpack pass and checksum table (unpack.py); on the direct path the
+update, whether it succeeds or fails (a failure is named from that same read): the bucket path's
+fused unpack pass (one flag per owned segment) and checksum table (unpack.py); on the direct path the
 flags of the pass that wrote the sources, before any byte reaches the parameters (the trainer's
 attested cast, ``cast_copy.py``, or the IPC fill; else a fused check pass). ``atomic`` decides
 staging, not validation.
@@ -29,6 +30,10 @@ commit, the trainer tensors serving as the stage.
 ``atomic=False``: on the bucket path each bucket is copied into the parameters by the same pass
 that validates it (no stage; the verdict is read once, after the last bucket, so the bytes of a
 bad bucket land too); on the direct path each tensor is validated before any byte is copied.
+A bad bucket is reported from that one read, as on an atomic rank: "bucket k (dtype, bytes)
+checksum mismatch; holds <tensors>" for torn bytes, "non-finite values in <tensor>" for each
+tensor (up to four, then a count) whose stored values hold a NaN / inf (an overflowing cast
+included); the result adds "update v failed after weights were written: rank invalid".
 When any rank fails, no rank moves to the new version: a rank that already overwrote bytes is
 marked ``valid=False`` (it refuses requests) until a later full update succeeds, so every rank
 ends on one version or the update failed everywhere.
@@ -299,8 +304,9 @@ class WeightReceiver:
         ring.release(k, ring.stream)
 
     def _read_bucket_verdict(self) -> None:
-        """After the last bucket: the update's one host read of the bucket checks; records errors
-        naming the buckets / tensors."""
+        """After the last bucket: the update's one host read of the bucket checks (``status`` and
+        ``apply`` both ask; the first reads), whatever the outcome and the atomic setting; records
+        errors naming the buckets / tensors from that read alone."""
         u = self._buckets
         if u is None or self._verdict_read:
             return

@@ -9,10 +9,14 @@ values as stored, and writes them into the parameters (``atomic=False``) or only
 (``atomic=True``, which then copies the owned bytes into the host stage). The table and every
 bucket's flags are slices of ONE device buffer (``verdict``), zeroed once per update; after the
 last bucket ``verdict()`` reads that buffer on the host: the update's ONE host sync, whatever the
-number of buckets, and the comparisons happen on the host. Only on failure does it look closer
-(per-tensor finite check, ``direct.nonfinite``) to name the tensors.
+number of buckets and whatever the outcome, and the comparisons happen on the host. A failure is
+named from that same read: each bucket's pass has one run, so one flag, per owned segment
+(``CopyPlan(merge=False)``), so a set flag names its tensor; nothing looks at the device again
+(before, a flagged run of several tensors was re-checked tensor by tensor, ``direct.nonfinite``:
+on a non-atomic rank, whose values sit in the parameters, three more syncs per failed update).
 
-``read_verdict`` is that one read; tests count its calls.
+``read_verdict`` is that one read (the one device -> host transfer of an update); tests count its
+calls, and ``tests/fake_cuda.HostSyncs`` counts every other host sync an update would make.
 
 Layout (built once per (header entries, bucket size, handshake) and reused): for every bucket
 its owned segments and their destinations (flat slices of the receiver's parameter views), and
@@ -25,7 +29,9 @@ per bucket.
 
 Verdict buffer (uint8 on the device): ``[checks: int64 [n, 2] | flags: int32 [F]]``; row k of
 ``checks`` = (checksum of bucket k as received, the sender's trailer), (0, 0) for a bucket this
-rank owns nothing of; ``flags`` holds each owned bucket's pass flags (its runs, then its ``any``).
+rank owns nothing of; ``flags`` holds each owned bucket's pass flags (one per owned segment, in
+the pass's run order, then its ``any``): 16 bytes per bucket + 4 per owned segment (tens of KB
+for thousands of tensors), read in one transfer.
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ import torch
 
 from .buckets import Bucket, Segment, segment_view, trailer
 from .copy_plan import CopyPlan, build_runs
-from .direct import nonfinite
 from .ring import BucketRing, pipelined
 
 
@@ -161,9 +166,10 @@ class BucketUnpack:
         return self._flags[at : at + len(p.runs) + 1]
 
     def _pass(self, k: int, buf: torch.Tensor) -> CopyPlan:
-        """Bucket k's fused check (+ copy) pass reading wire buffer ``buf``."""
+        """Bucket k's fused check (+ copy) pass reading wire buffer ``buf``: one run per owned
+        segment (unmerged), so each flag names one segment's tensor."""
         o = self.owned[k]
-        return CopyPlan([d for _, d in o.pairs], [segment_view(buf, o.bucket, s) for s, _ in o.pairs])
+        return CopyPlan([d for _, d in o.pairs], [segment_view(buf, o.bucket, s) for s, _ in o.pairs], merge=False)
 
     def _work(self, k: int, buf: torch.Tensor, fused: CopyPlan | None = None) -> _Work:
         """Bucket k's work for wire buffer ``buf`` (the pass built unless given), flags bound to
@@ -220,36 +226,22 @@ class BucketUnpack:
         return False
 
     def verdict(self) -> tuple[list[int], list[str]]:
-        """(buckets whose checksum differs, names of tensors holding non-finite values), after the
-        last ``receive``; call on the side stream. One host read (``read_verdict``) of the verdict
-        buffer; the comparisons run on the host; the per-tensor check that names the tensors runs
-        only when a flag is set."""
+        """(buckets whose checksum differs, names of tensors holding non-finite values, in bucket
+        order, each once), after the last ``receive``; call on the side stream. The update's one
+        host read (``read_verdict``) of the verdict buffer, success or failure; the comparisons
+        and the naming run on that host copy (a set flag is one segment's: its tensor's name). A
+        bucket whose checksum failed is not searched for non-finite values (its bytes are torn)."""
         host = read_verdict(self.verdict_bytes)
         sums = host[: self._check_bytes].view(torch.int64).view(-1, 2)
         bad_sums = (sums[:, 0] != sums[:, 1]).nonzero().flatten().tolist()
-        skip = set(bad_sums)  # a torn bucket's values are not worth naming: its checksum already failed
-        flagged: list[tuple[int, int]] = []
+        skip = set(bad_sums)
+        names: dict[str, None] = {}
         for at in host[self._check_bytes :].view(torch.int32).nonzero().flatten().tolist():
             k, r = self._flag_owner[at]
             if r >= 0 and k not in skip:
-                flagged += [(k, i) for i in self._canon[k].runs[r].members]
-        return bad_sums, self._name_nonfinite(flagged)
-
-    def _name_nonfinite(self, flagged: list[tuple[int, int]]) -> list[str]:
-        """Names of the flagged (bucket, pair) segments that hold a non-finite value, in order,
-        each once. Reads the staged bytes (atomic) or the parameters (non-atomic)."""
-        if not flagged:
-            return []
-        data, dtypes, names = [], [], []
-        for k, i in flagged:
-            seg, dst = self.owned[k].pairs[i]
-            data.append(self.staged(k, i) if self.atomic else dst)
-            dtypes.append(dst.dtype)
-            names.append(self.names[seg.entry])
-        hits = nonfinite(data, dtypes)
-        # the fused flags and the exact check should agree; if not, name every flagged tensor
-        chosen = [names[j] for j in hits] if hits else names
-        return list(dict.fromkeys(chosen))
+                for i in self._canon[k].runs[r].members:  # one member: the runs are unmerged
+                    names[self.names[self.owned[k].pairs[i][0].entry]] = None
+        return bad_sums, list(names)
 
     # ------------------------------------------------------------------ atomic commit
     def staged(self, k: int, i: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The bucketed weight-sync pipeline on a CUDA GPU (ring.py, unpack.py, buckets.BucketPacker):
 pack / transfer / unpack on their own streams, checksums and finite flags on the device, one
-host sync per update; skipped without CUDA.
+host sync per update, a refused one included; skipped without CUDA.
 
 In one process the pipeline runs in loopback (``ColocatedChannel(direct=False)``: a device copy
 on a transfer stream stands in for the broadcast). The real process-group path runs with two
@@ -163,6 +163,46 @@ def test_loopback_update_syncs_the_host_once_whatever_the_bucket_count(atomic, d
         assert rx.version == version and _bitwise(trainer, m) == []
     assert buckets[0] > 20 and buckets[1] < 10
     assert counts == [1, 1, 1]  # the verdict read, and nothing per bucket
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_loopback_refused_update_syncs_the_host_once(atomic, monkeypatch):
+    """A refused update synchronizes the host once too, atomic or not: the verdict read names the
+    tensor holding a NaN (written into the trainer in place, so the sender's cached passes carry
+    it) or the bucket torn on the receiver; nothing re-reads the parameters a non-atomic rank
+    wrote. Any other sync fails the error-mode run at the call that made it."""
+    trainer = _model(1)
+    m = _model(0).cast_for_inference(torch.bfloat16)
+    rx = WeightReceiver(m, atomic=atomic, version=0)
+    source = ReleasedTensors(trainer)
+    sender = WeightSender(lambda: source, ColocatedChannel([rx], "cuda", direct=False), BUCKET_MB, torch.bfloat16)
+    sender.update(1, include_frozen=True)  # builds the layout and the passes
+    sender.update(2, include_frozen=True)  # every pass launched once (compiled-kernel fast path from now on)
+
+    def refused(match: str):
+        def run() -> None:
+            with pytest.raises(WeightUpdateError, match=match):
+                sender.update(3, include_frozen=True)
+
+        return run
+
+    target = dict(iter_released_tensors(trainer))[NAN_NAME]
+    with torch.no_grad():
+        target.view(-1)[7] = float("nan")
+    nan = f"non-finite values in {NAN_NAME.replace('.', '[.]')}"
+    assert _verdict_reads_under_error_mode(refused(nan), monkeypatch) == 1
+    assert _count_syncs(refused(nan)) == 1
+    assert rx.version == 2 and rx.valid == atomic
+    with torch.no_grad():
+        target.view(-1)[7] = 0.25
+    rx.fault = lambda k, buf: buf[10:11].bitwise_xor_(0x40) if k == 5 else None
+    torn = "bucket 5 .* checksum mismatch; holds "
+    assert _verdict_reads_under_error_mode(refused(torn), monkeypatch) == 1
+    assert _count_syncs(refused(torn)) == 1
+    assert rx.version == 2 and rx.valid == atomic
+    rx.fault = None
+    assert _count_syncs(lambda: sender.update(3, include_frozen=True)) == 1
+    assert rx.version == 3 and rx.valid and _bitwise(trainer, m) == []
 
 
 @pytest.mark.parametrize("atomic", [True, False])
