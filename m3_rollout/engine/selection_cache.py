@@ -63,8 +63,9 @@ class SelectionCache:
 
     Attributes:
         step_buffer: int16 [capacity, S, G, K] on ``device`` (-1 filled at start).
-        table: int16 [num_pages * page_size, S, G, K] host array (``np.empty``: the OS commits
-            only the pages that are written).
+        table: int16 [num_pages * page_size, S, G, K] host array, filled with -1 at construction
+            (committed up front: first-touch page faults inside the step loop cost ~10x the copy
+            itself, 178 ms vs 16 ms for 112 MiB of rows on a Xeon; -1 = never recorded).
     """
 
     def __init__(
@@ -74,7 +75,8 @@ class SelectionCache:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.step_buffer = torch.full((self.capacity, *self.dims), -1, dtype=torch.int16, device=self.device)
-        self.table = np.empty((num_pages * self.page_size, *self.dims), dtype=np.int16)
+        self.table = np.full((num_pages * self.page_size, *self.dims), -1, dtype=np.int16)
+        self._pages = self.table.reshape(num_pages, self.page_size, -1)  # [P, ps, S*G*K] view
         self._queue: deque[_StepCopy | _PageCopy] = deque()
         self._free: list[torch.Tensor] = []
         self._num_buffers = 0
@@ -155,8 +157,15 @@ class SelectionCache:
 
     # ---- internals ---------------------------------------------------------------------------
     def _scatter(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        ps = self.page_size
+        t = len(slots)
+        if t >= ps and t % ps == 0:  # a prefill of whole pages: copy page by page (memcpy speed)
+            heads = slots[::ps]
+            if (heads % ps == 0).all() and np.array_equal(slots, (heads[:, None] + np.arange(ps)).reshape(-1)):
+                self._pages[heads // ps] = rows.reshape(t // ps, ps, -1)
+                return
         keep = slots >= 0
-        if keep.all():  # the usual case: no padding rows, no masked copies
+        if keep.all():  # decode steps, partial pages: one row per slot
             self.table[slots] = rows
         else:
             self.table[slots[keep]] = rows[keep]

@@ -1,0 +1,43 @@
+"""SelectionCache's host table on the CPU: every step's rows land at their slots whatever the shape
+of the step (whole aligned pages take the page-copy path, partial pages, padding rows and
+decode-sized steps the row path), unrecorded slots read -1, and a fork's page copy follows."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from m3_rollout.engine.selection_cache import SelectionCache
+
+
+def _step(cache: SelectionCache, serial: int, slots: list[int], rng: np.random.Generator) -> np.ndarray:
+    rows = rng.integers(0, 500, size=(len(slots), *cache.dims)).astype(np.int16)
+    cache.step_buffer[: len(slots)] = torch.from_numpy(rows)
+    cache.launch(serial, np.asarray(slots, dtype=np.int64))
+    return rows
+
+
+def test_rows_land_at_their_slots_through_page_and_row_paths():
+    ps, pages = 4, 8
+    cache = SelectionCache((2, 3, 5), pages, ps, capacity=64, device="cpu")
+    assert (cache.table == -1).all()
+    want = np.full_like(cache.table, -1)
+    rng = np.random.default_rng(0)
+    steps = [
+        [12, 13, 14, 15, 4, 5, 6, 7],  # pages 3 and 1, whole and aligned: page copies
+        [20, 21, 22, 23, 24, 25, 26, 27, 0, 1, 2, 3],  # three whole pages
+        [8, 9, 10, 11, 17, 18, 19, 16],  # page 2 whole, page 4 rotated: not a page copy
+        [28, 29, -1, -1],  # padding rows: skipped
+        [30],  # a decode step
+        [31, 30, 29, 28],  # four slots of one page, reversed
+    ]
+    for serial, slots in enumerate(steps, 1):
+        rows = _step(cache, serial, slots, rng)
+        for s, r in zip(slots, rows):
+            if s >= 0:
+                want[s] = r
+        assert np.array_equal(cache.table, want), serial
+    cache.copy_page(3, 5)  # a fork's partial page
+    want[20:24] = want[12:16]
+    assert np.array_equal(cache.table, want)
+    assert np.array_equal(cache.gather([3, 1, 5], 2, 10), want[[14, 15, 4, 5, 6, 7, 20, 21]])
