@@ -325,3 +325,36 @@ def test_paged_ops_table_checks_its_groups_and_routes_the_experts():
     assert calls == [5] and torch.equal(got, want)
     moe(x, fused_experts=fused).sum().backward()  # parameters require grad: the PyTorch path
     assert calls == [5] and moe.experts.w13.grad is not None
+
+
+def test_grouped_gemm_experts_equal_the_per_expert_loop_with_gradients():
+    """``grouped_experts_gemm`` (two ``torch._grouped_mm`` over the expert-sorted pairs, no host
+    sync) against the per-expert loop ``grouped_experts``, fp32 on the CPU: outputs and the
+    gradients of x, the routing weights, w13 and w2 agree to fp32 rounding, with experts that get no
+    token (empty groups) and one that gets most. The CPU jobs keep the loop (``use_grouped_gemm``)."""
+    from m3_rollout.model.moe import StackedExperts, grouped_experts, grouped_experts_gemm, use_grouped_gemm
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    ex = StackedExperts(cfg)
+    t, k, e = 37, cfg.num_experts_per_tok, cfg.num_local_experts
+    ids = torch.stack([torch.randperm(e - 1)[:k] for _ in range(t)])  # expert e-1 gets nothing
+    has1 = (ids[:20] == 1).any(-1)
+    ids[:20, 0] = torch.where(has1, ids[:20, 0], 1)  # expert 1 takes a large group (ids stay distinct)
+    assert all(len(set(r.tolist())) == k for r in ids) and (ids[:20] == 1).any(-1).all()
+    x0 = torch.randn(t, cfg.hidden_size)
+    w0 = torch.rand(t, k)
+    outs, grads = [], []
+    for fn in (grouped_experts, grouped_experts_gemm):
+        ex.zero_grad()
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, ids, w, ex.w13, ex.w2, ex.act)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y.detach())
+        grads.append([x.grad, w.grad, ex.w13.grad.clone(), ex.w2.grad.clone()])
+    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+    assert use_grouped_gemm(x0) is None  # CPU: the loop

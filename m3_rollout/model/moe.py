@@ -12,6 +12,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -134,6 +135,59 @@ def grouped_experts(
     return out
 
 
+def grouped_experts_gemm(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The maths of :func:`grouped_experts` as two grouped GEMMs (``torch._grouped_mm``) over the
+    (token, slot) pairs sorted by expert: no host sync, no loop over experts, a fixed number of
+    launches whatever E (the per-expert loop runs ~20 ops per expert, and the training step of a
+    small MoE is bound by their launch cost; measured op counts in docs/benchmarks.md).
+
+    x: [T, H]; ids: [T, K] int64 (no -1); weights: [T, K]; w13: [E, 2I, H]; w2: [E, H, I]; act as
+    in :func:`grouped_experts`; dtype: the GEMMs' input dtype (None = x.dtype; bf16 under CUDA
+    autocast, which does not cover ``_grouped_mm``). Returns [T, H] in x.dtype; differentiable in
+    x, weights, w13 and w2 (``_grouped_mm`` has a backward). Same roundings as the loop: each
+    expert's GEMMs in ``dtype`` with fp32 accumulation, the routing weight applied in
+    weights.dtype, the combine by index_add in x.dtype; only the GEMM kernels differ.
+    """
+    t, k = ids.shape
+    inter = w2.shape[-1]
+    dt = dtype or x.dtype
+    flat = ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat, stable=True)  # [T*K]
+    token = order // k  # [T*K]
+    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)  # [E] group ends
+    h = torch._grouped_mm(x[token].to(dt), w13.to(dt).transpose(1, 2), offs=offs)  # [T*K, 2I]
+    y = torch._grouped_mm(act(h[:, :inter], h[:, inter:]), w2.to(dt).transpose(1, 2), offs=offs)  # [T*K, H]
+    y = (y.to(weights.dtype) * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def use_grouped_gemm(x: torch.Tensor) -> torch.dtype | None:
+    """The GEMM dtype :class:`StackedExperts` runs :func:`grouped_experts_gemm` in for ``x``, or
+    None for the per-expert loop: bf16 on a CUDA device of compute capability >= 9.0 (where
+    ``torch._grouped_mm`` has its kernel) when x is bf16 or CUDA autocast asks for bf16; the loop
+    everywhere else (the CPU jobs keep their exact results)."""
+    if not x.is_cuda or not hasattr(torch, "_grouped_mm") or not _GROUPED_GEMM_OK:
+        return None
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return None
+    if x.dtype == torch.bfloat16:
+        return torch.bfloat16
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
+        return torch.bfloat16
+    return None
+
+
+_GROUPED_GEMM_OK = True  # cleared (with a warning) if torch._grouped_mm ever refuses a call
+
+
 class StackedExperts(nn.Module):
     """Routed expert weights stacked per layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
 
@@ -178,6 +232,16 @@ class StackedExperts(nn.Module):
                 beta=self.beta,
                 expert_range=getattr(self, "expert_range", None),
             )
+        dt = use_grouped_gemm(x)
+        if dt is not None:
+            try:
+                return grouped_experts_gemm(x, ids, weights, self.w13, self.w2, self.act, dt)
+            except RuntimeError as e:  # a torch build whose kernel refuses these shapes: keep training
+                global _GROUPED_GEMM_OK
+                _GROUPED_GEMM_OK = False
+                warnings.warn(
+                    f"torch._grouped_mm failed ({e}); routed experts fall back to the per-expert loop", stacklevel=2
+                )
         return grouped_experts(x, ids, weights, self.w13, self.w2, self.act)
 
 
