@@ -792,6 +792,7 @@ def msa_attention(
     init_blocks: int = 0,
     local_blocks: int = 1,
     sel_out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton sparse-layer attention of a whole step (the engine's ``PagedOps.msa_attention`` on CUDA;
     ``m3_rollout.engine.reference_ops.msa_attention_ref`` is the PyTorch version).
@@ -806,6 +807,8 @@ def msa_attention(
     block-selection record) that receives the selection in ``index_topk_ref``'s order: the fused
     decode kernel stores its in-register choice there (no extra launch, CUDA-graph safe); prefill
     rows (and decode rows of tables wider than MAX_FUSED_BLOCKS) copy the ``index_topk`` result in.
+    scratch: the KV-major prefill's buffer, handed to ``paged_attention`` (its ``scratch``; the
+    engine binds its own, kernels/paged_layout.py); decode rows never touch it.
     """
     # NOTE: imported at call time so the interpreter tests' reloaded modules (msa_interpret) are used.
     from m3_kernels.msa_index_topk import index_topk
@@ -816,7 +819,7 @@ def msa_attention(
         ids = index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
         if sel_out is not None:
             sel_out.copy_(ids)
-        return paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids)
+        return paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch)
     td = nd * meta.decode_query_len
     dec = msa_decode(
         q,
@@ -837,5 +840,5 @@ def msa_attention(
     ids = index_topk(iq[td:], index_cache_l, pmeta, topk, init_blocks, local_blocks)
     if sel_out is not None:
         sel_out[td:].copy_(ids)
-    pre = paged_attention(q[td:], k_cache_l, v_cache_l, pmeta, scale, ids)
+    pre = paged_attention(q[td:], k_cache_l, v_cache_l, pmeta, scale, ids, scratch=scratch)
     return torch.cat([dec, pre])

@@ -32,7 +32,10 @@ base 2 (scale pre-multiplied by log2 e) with fp32 accumulation.
     writing per entry a block-normalised partial
     output and its base-2 LSE; a merge kernel combines each token's K partials with weights
     exp2(lse - max) (the decode split-K rule). Cost: the partials ([tokens, G, K, RH, d] in the
-    input dtype, prefill processed in chunks of ``kv_chunk`` tokens) go through device memory.
+    input dtype, prefill processed in passes of ``kv_chunk`` tokens) go through device memory: a
+    scratch buffer the caller hands in (``scratch=``: the engine's, allocated once inside its memory
+    budget; layout and size in kernels/paged_layout.py) or, without one, a buffer of
+    KV_CHUNK_TOKENS tokens allocated per call.
 Invalid entries (-1 or >= nb(t)) contribute nothing. Empty splits give lse = -inf.
 NOTE: fp32 inputs use ``input_precision="ieee"`` (no tf32); bf16/fp16 inputs cast the softmax
 probabilities to the input dtype for the PV tensor-core dot (flash-attention practice); the
@@ -49,18 +52,23 @@ import triton
 import triton.language as tl
 
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
-from m3_kernels.paged_layout import PagedMetadata
+from m3_kernels.paged_layout import (
+    KV_CHUNK_TOKENS,
+    KV_MAJOR_MIN_TOKENS,
+    PagedMetadata,
+    kv_major_partial_dtype,
+    kv_major_token_bytes,
+)
 
 LOG2E = 1.4426950408889634
 # Sparse prefill path choice (host-known shapes only, graph-safe): the KV-major path (every K/V page
-# read once per segment of entries, partial outputs merged by LSE) from this many prefill tokens on,
-# the union-list tiles below it. Figures: docs/benchmarks.md (MSA attention kernels).
-KV_MAJOR_MIN_TOKENS = 16384
+# read once per segment of entries, partial outputs merged by LSE) from KV_MAJOR_MIN_TOKENS prefill
+# tokens on, the union-list tiles below it. Figures: docs/benchmarks.md (MSA attention kernels).
+# Prefill tokens per KV-major pass without a caller's scratch: KV_CHUNK_TOKENS (the partial-output
+# scratch [chunk, G, K, nh/G, d], one buffer reused by every pass: 4160 MiB at M3 shapes in bf16;
+# H200, 128K: 32K-token passes 41.1 ms (8.6 GB), 16K 42.2 ms, 8K 44.7 ms (2.1 GB)). Both constants
+# live in kernels/paged_layout.py (the engine sizes its scratch from them without importing Triton).
 KV_SEGMENT = 128  # entries per KV-major program (the page's K/V tile is loaded once per segment)
-# Prefill tokens per KV-major pass: bounds the partial-output scratch ([chunk, G, K, nh/G, d], one buffer
-# reused by every pass) to 4.3 GB at M3 shapes in bf16. H200, 128K: 32K-token passes 41.1 ms (8.6 GB),
-# 16K 42.2 ms, 8K 44.7 ms (2.1 GB).
-KV_CHUNK_TOKENS = 16384
 
 
 @triton.jit
@@ -766,6 +774,14 @@ def decode_splits(n_tokens: int, n_kv_heads: int, n_entries: int) -> int:
     return _pow2_floor(min(n_entries, max(1, 256 // max(1, n_tokens * n_kv_heads))))
 
 
+def kv_major_capacity(scratch: torch.Tensor | None, num_heads: int, head_dim: int, topk: int, dtype) -> int | None:
+    """Prefill tokens one KV-major pass can hold in ``scratch`` at these shapes (layout:
+    kernels/paged_layout.py); None when no scratch is given (the pass allocates its own)."""
+    if scratch is None:
+        return None
+    return scratch.numel() // max(kv_major_token_bytes(num_heads, head_dim, topk, dtype), 1)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache_l: torch.Tensor,
@@ -775,6 +791,7 @@ def paged_attention(
     topk_ids: torch.Tensor | None = None,
     prefill_block_m: int | None = None,
     prefill_config: dict | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of ``m3_rollout.engine.reference_ops.paged_attention_ref`` (same arguments and output, spec §3.5).
 
@@ -784,11 +801,22 @@ def paged_attention(
     prefill_config: benchmark knobs of the sparse prefill: ``impl`` ("kv" KV-major, "union" tiles,
     "loop" = the older per-entry loop; default by prefill token count, see KV_MAJOR_MIN_TOKENS),
     ``num_warps``, ``num_stages``, ``maxnreg``; KV-major only: ``tok`` (tokens per tile), ``seg``
-    (entries per program), ``kv_chunk`` (tokens per bucketing pass), ``merge_warps``, ``prefetch``
-    (load the next tile's query rows before this tile's dots; default on: H200 128K 43.5 -> 40.9 ms).
+    (entries per program), ``kv_chunk`` (tokens per bucketing pass, at most the scratch's
+    capacity), ``merge_warps``, ``prefetch`` (load the next tile's query rows before this tile's
+    dots; default on: H200 128K 43.5 -> 40.9 ms).
+    scratch: the KV-major path's partial outputs and log-sum-exps (uint8 [bytes], contiguous, on
+    q's device; layout: kernels/paged_layout.py; the engine's buffer, allocated once inside its
+    memory budget). Its passes then hold ``kv_major_capacity`` tokens each (however many prefill
+    tokens the call has; the pass size changes which entries share a tile, not what an entry
+    computes: the same output up to the rounding of a row's dot at another tile place) and
+    allocate no partials of their own. A scratch that holds no token at these shapes (e.g.
+    empty) turns the KV-major path off: sparse prefill takes the union-list tiles at every length.
+    None: passes of KV_CHUNK_TOKENS tokens in a buffer allocated per call. Ignored by decode rows
+    and dense layers.
     Returns [T, nh, d] in q.dtype.
     Raises ValueError for an unsupported dtype, d/ps not a power of two in [16, 256], nh not a
-    multiple of G, or topk_ids of the wrong shape.
+    multiple of G, topk_ids of the wrong shape, a scratch that is not a contiguous uint8 vector on
+    q's device, or ``impl="kv"`` with a scratch that holds no token.
     """
     t, nh, d = q.shape
     _, g, ps, dk = k_cache_l.shape
@@ -811,6 +839,13 @@ def paged_attention(
         raise ValueError("paged_attention: k/v caches must have the paged_cache.py layout (contiguous pages)")
     if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != (t, g)):
         raise ValueError(f"paged_attention: topk_ids shape {tuple(topk_ids.shape)}, expected [T={t}, G={g}, K]")
+    if scratch is not None and (
+        scratch.dtype != torch.uint8 or scratch.dim() != 1 or not scratch.is_contiguous() or scratch.device != q.device
+    ):
+        raise ValueError(
+            f"paged_attention: scratch must be a contiguous uint8 vector on {q.device}, got {scratch.dtype} "
+            f"{tuple(scratch.shape)} on {scratch.device}"
+        )
     out = torch.empty_like(q)
     if t == 0:
         return out
@@ -890,6 +925,7 @@ def paged_attention(
             ieee,
             prefill_block_m,
             check_prefill_config(prefill_config or {}),
+            scratch,
         )
     return out
 
@@ -917,8 +953,11 @@ def check_prefill_config(cfg: dict) -> dict:
     return cfg
 
 
-def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee, block_m, cfg):
-    """Prefill rows: dense causal walk, union-list tiles (one union pass first) or the KV-major path."""
+def _prefill_launch(
+    q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee, block_m, cfg, scratch
+):
+    """Prefill rows: dense causal walk, union-list tiles (one union pass first) or the KV-major path
+    (from KV_MAJOR_MIN_TOKENS prefill tokens on, unless ``scratch`` holds no token)."""
     nd, r = meta.num_decodes, meta.num_rows
     rhp = next_pow2(rh)
     bm = block_m or (4 if not dense else 8)
@@ -928,15 +967,18 @@ def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, com
     grid = ((r - nd) * n_qtiles, g)
     warps = cfg.get("num_warps", 4 if bm * rhp <= 64 else 8)
     stages = 1 if ieee else cfg.get("num_stages", 2)
-    impl = (
-        "loop"
-        if dense
-        else cfg.get("impl", "kv" if q.shape[0] - nd * meta.decode_query_len >= KV_MAJOR_MIN_TOKENS else "union")
-    )
+    cap = None if dense else kv_major_capacity(scratch, q.shape[1], q.shape[2], topk, q.dtype)
+    long = q.shape[0] - nd * meta.decode_query_len >= KV_MAJOR_MIN_TOKENS
+    impl = "loop" if dense else cfg.get("impl", "kv" if long and cap != 0 else "union")
+    if impl == "kv" and cap == 0:
+        raise ValueError(
+            f"paged_attention: prefill_config impl='kv' with a scratch of {scratch.numel()} bytes, which holds no "
+            f"token of the KV-major path ({kv_major_token_bytes(q.shape[1], q.shape[2], topk, q.dtype)} bytes each)"
+        )
     if impl == "union":  # H200: one stage (two programs per SM) beats two pipelined stages at 8K..128K
         stages = 1 if ieee else cfg.get("num_stages", 1)
     if impl == "kv":
-        _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg)
+        _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap)
         return
     if impl == "loop":
         _prefill_attn_kernel[grid](
@@ -1023,16 +1065,22 @@ def _prefill_launch(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, com
     )
 
 
-def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg):
+def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap):
     """KV-major sparse prefill: bucket the (token, slot) entries by (KV head, row, block), attend each page
     once per segment of up to ``seg`` entries, ``tok`` tokens per tile (every row of a tile useful),
     then merge each token's K partials by LSE.
 
     Sync-free torch glue (sort, searchsorted, cumsum) builds the buckets; grids are fixed by the shape
-    (an upper bound of segments; spare programs exit). Prefill tokens run in chunks of
-    ``cfg["kv_chunk"]`` tokens (default KV_CHUNK_TOKENS) to bound the partial-output scratch
-    ([chunk, G, K, nh/G, d] in the input dtype, fp32 for fp32: 4.3 GB at M3 shapes in bf16 for
-    16K tokens; one buffer serves every pass, stream-ordered).
+    (an upper bound of segments; spare programs exit). Prefill tokens run in passes of
+    min(``cfg["kv_chunk"]``, ``cap``) tokens (defaults: KV_CHUNK_TOKENS; ``cap`` = the scratch's
+    capacity, None without one) to bound the partial-output scratch ([chunk, G, K, nh/G, d] in the
+    input dtype, fp32 for fp32, + [chunk, G, K, nh/G] fp32 LSEs: 4160 MiB at M3 shapes in bf16 for
+    16K tokens; one buffer serves every pass, stream-ordered): ``scratch`` (the caller's, uint8)
+    or, when None, one allocated here. Every entry's partial and every token's merge are computed
+    alone, so the pass size only regroups entries into tiles (equal passes: equal bits; other
+    passes: within rounding; tests/test_kernels_msa.py). The per-pass glue (bucket ids, sort
+    permutation, positions: a few tens of bytes per (token, KV head, slot) entry, 1-2 % of the
+    partials' bytes at M3 shapes) is allocated per pass as before.
     """
     nd, r = meta.num_decodes, meta.num_rows
     t_all = q.shape[0]
@@ -1046,7 +1094,10 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
     if tp == 0:  # only decode rows
         return
     tok = max(cfg.get("tok", 4), triton.cdiv(16, rhp))
-    chunk = min(cfg.get("kv_chunk", KV_CHUNK_TOKENS), tp)
+    if cap is None:
+        chunk = min(cfg.get("kv_chunk", KV_CHUNK_TOKENS), tp)
+    else:  # the scratch bounds the pass; a kv_chunk knob may only shorten it
+        chunk = min(cfg.get("kv_chunk", cap), cap, tp)
     dev = q.device
     n_bkt = g * rp * nbp
     ar = torch.arange(n_bkt, device=dev)
@@ -1056,9 +1107,15 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
         meta.query_start_loc[nd + 1 :].long(), torch.arange(td, t_all, device=dev), right=True
     )  # [Tp] prefill-local row
     gi = torch.arange(g, device=dev).view(1, g, 1)
-    odt = torch.float32 if ieee else q.dtype
-    opart_buf = torch.empty(chunk * g * topk * rh * d, dtype=odt, device=dev)  # partial outputs, reused per pass
-    lse_buf = torch.empty(chunk * g * topk * rh, dtype=torch.float32, device=dev)
+    odt = kv_major_partial_dtype(q.dtype)
+    n_opart, n_lse = chunk * g * topk * rh * d, chunk * g * topk * rh
+    if scratch is None:  # partial outputs and LSEs, reused by every pass
+        opart_buf = torch.empty(n_opart, dtype=odt, device=dev)
+        lse_buf = torch.empty(n_lse, dtype=torch.float32, device=dev)
+    else:  # the caller's buffer (layout: kernels/paged_layout.py); d >= 16 keeps the LSE offset 4-byte aligned
+        o_bytes = n_opart * odt.itemsize
+        opart_buf = scratch[:o_bytes].view(odt)
+        lse_buf = scratch[o_bytes : o_bytes + n_lse * 4].view(torch.float32)
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
         tc = c1 - c0

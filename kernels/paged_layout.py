@@ -81,6 +81,21 @@ Key u (its ``di`` values already rounded to the activation dtype) is stored as c
   the same way inside the score kernels (fp8 x fp8 tensor-core dots); otherwise queries stay in the
   activation dtype and the keys are converted to it in registers.
 - Non-finite keys: NaN stays NaN (the block's score becomes -1e30, as with bf16 keys).
+
+KV-major sparse prefill scratch (``kernels/msa_paged_attention.py``)
+-------------------------------------------------------------------
+From ``KV_MAJOR_MIN_TOKENS`` prefill tokens on, the sparse prefill attends page by page and writes
+one block-normalised partial output per (token, KV head, slot j) before a per-token merge; it runs
+in passes of at most ``chunk`` prefill tokens over one scratch buffer reused by every pass. Per
+token of a pass the scratch holds (``kv_major_token_bytes``):
+- partial outputs ``[G, K, nh/G, d]`` in the partial dtype (``kv_major_partial_dtype``: fp32 for
+  fp32 inputs, else the input dtype), then
+- their base-2 log-sum-exps ``[G, K, nh/G]`` fp32,
+so ``nh * K * (d * elt + 4)`` bytes: 266,240 at M3 shapes in bf16 (nh 64, K 16, d 128), i.e.
+4160 MiB for a ``KV_CHUNK_TOKENS`` = 16,384-token pass. The scratch is one uint8 buffer; a pass
+of ``c`` tokens uses its first ``c * nh * K * d * elt`` bytes for the partials and the next
+``c * nh * K * 4`` for the log-sum-exps. The engine allocates it once, inside its memory budget
+(``policy.generation.msa_prefill_scratch_mb``; ``m3_rollout/engine/paged_cache.py``).
 """
 
 from __future__ import annotations
@@ -88,6 +103,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# KV-major sparse prefill (see the module docstring): the path is taken from this many prefill tokens
+# on (below it: union-list tiles, no scratch); prefill tokens per pass by default (the kernel's own
+# buffer, or the engine's automatic scratch size); engine-sized passes are whole multiples of
+# KV_CHUNK_MIN_TOKENS (H200, 128K prefill: 16K-token passes 42.2 ms, 8K 44.7 ms, 4K 48.3 ms of
+# attention; shorter passes pay the per-pass bucketing more often; docs/benchmarks.md).
+KV_MAJOR_MIN_TOKENS = 16384
+KV_CHUNK_TOKENS = 16384
+KV_CHUNK_MIN_TOKENS = 1024
+
+
+def kv_major_partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the KV-major partial outputs for inputs of ``dtype``: fp32 stays fp32, else the input dtype."""
+    return torch.float32 if dtype == torch.float32 else dtype
+
+
+def kv_major_token_bytes(num_heads: int, head_dim: int, topk: int, dtype: torch.dtype) -> int:
+    """Scratch bytes one prefill token of a KV-major pass needs: nh * K * (d * elt + 4) (module docstring).
+
+    num_heads: nh query heads (all KV heads' groups); topk: K selected blocks per (token, KV head);
+    dtype: the attention inputs' dtype.
+    """
+    elt = torch.empty((), dtype=kv_major_partial_dtype(dtype)).element_size()
+    return num_heads * topk * (head_dim * elt + 4)
 
 
 @dataclass

@@ -141,10 +141,18 @@ class GenerationConfig:
     dtype: str = "bfloat16"
     expert_parallel_size: int = 1
     max_num_seqs: int = 256
-    # Native engine (m3_rollout/engine/config.py EngineConfig). KV page pool in GiB; 0 = auto
-    # (CUDA: kv_cache_memory_fraction of free memory; CPU: room for max_num_seqs full sequences).
+    # Native engine (m3_rollout/engine/config.py EngineConfig). Cache memory in GiB: the KV page pool
+    # plus the MSA prefill scratch below (the pool gets the rest); 0 = auto (CUDA:
+    # kv_cache_memory_fraction of free memory, scratch included; CPU: room for max_num_seqs full sequences).
     kv_cache_memory_gb: float = 0.0
     kv_cache_memory_fraction: float = 0.8
+    # MiB bound of the sparse prefill's KV-major scratch (partial outputs of one pass of prefill tokens;
+    # kernels/paged_layout.py), allocated once inside the cache memory above, on CUDA, and only when
+    # max_num_batched_tokens reaches the KV-major path (16384 prefill tokens). null = passes of
+    # min(16384, max_num_batched_tokens) tokens (4160 MiB at M3 shapes in bf16); a number = the longest
+    # pass (a multiple of 1024 tokens) that fits (same outputs up to rounding, another speed). 0 = no
+    # scratch, the KV-major path off (union-list tiles). A value below one 1024-token pass is refused.
+    msa_prefill_scratch_mb: float | None = None
     # Per-step token budget (decode tokens + prefill chunks); a longer prompt is chunked.
     max_num_batched_tokens: int = 4096
     # Reuse full KV pages across requests (a GRPO group's prompt, earlier turns).
@@ -182,6 +190,7 @@ class GenerationConfig:
         return dict(
             kv_cache_memory_gb=self.kv_cache_memory_gb,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            msa_prefill_scratch_mb=self.msa_prefill_scratch_mb,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             enable_cuda_graphs=self.enable_cuda_graphs,
@@ -723,6 +732,13 @@ def validate(cfg: MasterConfig) -> None:
         "policy.generation.kv_cache_memory_fraction",
         gen.kv_cache_memory_fraction,
         "must be in (0, 1]",
+    )
+    _check(
+        e,
+        gen.msa_prefill_scratch_mb is None or gen.msa_prefill_scratch_mb >= 0,
+        "policy.generation.msa_prefill_scratch_mb",
+        gen.msa_prefill_scratch_mb,
+        "must be null (one 16384-token pass) or >= 0 MiB (0 = KV-major prefill off)",
     )
     _check(
         e,

@@ -23,12 +23,16 @@ compared with bf16's ("sel match": the fraction of bf16's selected blocks the va
 logprobs (log-softmax of the logits at the scored token) is printed. ``--parts prefill1m``: one
 1M-token causal prefill, dense SDPA vs MSA (the MSA side in 128K-token chunks over the growing
 context, as the engine's chunked prefill; its index-score scratch of a whole 1M pass would be 128 GiB).
+``--parts scratch``: the KV-major prefill attention in a caller's scratch (the engine's buffer,
+``policy.generation.msa_prefill_scratch_mb``: default 4160 MiB = 16K-token passes, then 2080, 1040,
+260 MiB) at the ``--lens`` lengths from 16K on: tokens per pass, attention ms, the call's peak device
+memory beyond its output, and whether the output equals the kernel's own 16K-token passes bit for bit.
 Index queries: "random" = i.i.d. N(0, 1) per token (neighbouring tokens select unrelated blocks;
 worst case for the prefill tile that walks the union of its tokens' blocks) and "smooth" = one
 direction per 64-token span plus 0.5x noise (neighbouring tokens select mostly the same blocks, as
 in trained models); the mean union size per 4-token prefill tile is printed.
 
-Usage: python scripts/bench_msa.py [--quick] [--parts decode,prefill,batched,quality,prefill1m]
+Usage: python scripts/bench_msa.py [--quick] [--parts decode,prefill,batched,quality,prefill1m,scratch]
        [--index bf16,fp8,fp8q] [--write docs/benchmarks.md] [--json out.json]
 """
 
@@ -49,7 +53,14 @@ from m3_kernels.msa_fused_decode import MAX_FUSED_BLOCKS, decode_part, decode_se
 from m3_kernels.msa_index_topk import index_block_scores, index_topk, select_topk_blocks
 from m3_kernels.msa_paged_attention import KV_MAJOR_MIN_TOKENS, paged_attention
 from m3_kernels.msa_synthetic import make_paged_batch
-from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata, quantize_index_keys
+from m3_kernels.paged_layout import (
+    KV_CHUNK_MIN_TOKENS,
+    KV_CHUNK_TOKENS,
+    FP8IndexCache,
+    PagedMetadata,
+    kv_major_token_bytes,
+    quantize_index_keys,
+)
 
 NH, G, D, DI, PS, K = 64, 4, 128, 128, 128, 16
 SCALE = D**-0.5
@@ -304,6 +315,56 @@ def prefill_bench(lens, patterns, rows_out, variants=("bf16",)):
     return res
 
 
+def scratch_bench(lens, budgets_mb=(None, 2080.0, 1040.0, 260.0)):
+    """KV-major prefill attention in an engine-style scratch per budget (module docstring, ``--parts scratch``).
+
+    Pass size as the engine derives it (m3_rollout/engine/paged_cache.py prefill_scratch_bytes): None =
+    KV_CHUNK_TOKENS tokens, else the largest multiple of KV_CHUNK_MIN_TOKENS tokens that fits."""
+    per = kv_major_token_bytes(NH, D, K, torch.bfloat16)
+    res = {}
+    for s in [n for n in lens if n >= KV_MAJOR_MIN_TOKENS]:
+        b = batch([(0, s)], 0, smooth=True, seed=1)
+        sel = index_topk(b.iq, b.ik, b.meta, K)
+        ref = paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel)  # the kernel's own buffer: 16K-token passes
+        for mb in budgets_mb:
+            tokens = (
+                KV_CHUNK_TOKENS if mb is None else int(mb * 2**20 // per) // KV_CHUNK_MIN_TOKENS * KV_CHUNK_MIN_TOKENS
+            )
+            scratch = torch.empty(tokens * per, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, scratch=scratch)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+            same = torch.equal(out, ref)
+            diff = (out.float() - ref.float()).abs().max().item()
+            del out
+            ms = time_ms(
+                lambda scratch=scratch: paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, scratch=scratch), 1, 3
+            )
+            name = "default" if mb is None else f"{mb:.0f}"
+            res[f"{s}-{name}"] = dict(
+                len=s,
+                scratch_mb=tokens * per / 2**20,
+                pass_tokens=tokens,
+                attn_ms=ms,
+                peak_beyond_output_mb=extra / 2**20,
+                bit_equal_to_16k_passes=same,
+                max_abs_diff=diff,
+            )
+            print(
+                f"scratch {s:>7} msa_prefill_scratch_mb={name}: {tokens} tokens/pass ({tokens * per / 2**20:.0f} MiB), "
+                f"attn {ms:.2f} ms, peak beyond the output {extra / 2**20:.1f} MiB, bit-equal to 16K passes {same} "
+                f"(max |diff| {diff:.2e})",
+                flush=True,
+            )
+            del scratch
+        del b, sel, ref
+        torch.cuda.empty_cache()
+    return res
+
+
 def prefill_1m_bench(rows_out, variants=("bf16",), total=1 << 20, chunk=1 << 17):
     """One ``total``-token causal prefill: dense SDPA in one call vs MSA in ``chunk``-token chunks, each
     scoring and attending over the whole cached prefix (the engine's chunked prefill), smooth queries."""
@@ -462,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
     ap.add_argument("--write", type=Path, default=None, help="append a markdown section to this file")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--parts", default="decode,prefill,batched", help="also: quality, prefill1m")
+    ap.add_argument("--parts", default="decode,prefill,batched", help="also: quality, prefill1m, scratch")
     ap.add_argument("--index", default="bf16,fp8,fp8q", help="index-key variants: bf16, fp8, fp8q")
     ap.add_argument("--ctxs", default=None, help="decode contexts (comma list; default 8K..1M)")
     ap.add_argument("--lens", default=None, help="prefill lengths (comma list; default 8K,32K,128K)")
@@ -486,6 +547,8 @@ def main(argv: list[str] | None = None) -> None:
         out["prefill"] = prefill_bench(lens, ["smooth", "random"], rows, variants)
     if "prefill1m" in parts:
         out["prefill1m"] = prefill_1m_bench(rows, variants)
+    if "scratch" in parts:
+        out["scratch"] = scratch_bench(lens)
     if "batched" in parts:
         out["batched"] = batched_decode_bench(64, 32768, rows)
     if "quality" in parts:

@@ -221,12 +221,19 @@ def test_score_equals_trainer_logprobs_and_stop_strings():
 def test_generation_config_keys_validated():
     cfg = load_config(
         "configs/grpo_bf16_ep.yaml",
-        ["policy.generation.max_num_batched_tokens=512", "policy.generation.enable_prefix_caching=false"],
+        [
+            "policy.generation.max_num_batched_tokens=512",
+            "policy.generation.enable_prefix_caching=false",
+            "policy.generation.msa_prefill_scratch_mb=1040",
+        ],
     )
     kw = cfg.policy.generation.engine_kwargs()
     assert kw["max_num_batched_tokens"] == 512 and kw["enable_prefix_caching"] is False
+    assert kw["msa_prefill_scratch_mb"] == 1040
+    assert load_config("configs/grpo_bf16_ep.yaml").policy.generation.engine_kwargs()["msa_prefill_scratch_mb"] is None
     for bad in (
         "policy.generation.kv_cache_memory_gb=-1",
+        "policy.generation.msa_prefill_scratch_mb=-1",
         "policy.generation.max_num_batched_tokens=0",
         "policy.generation.kv_cache_memory_fraction=1.5",
     ):

@@ -76,6 +76,7 @@ def test_server_command_carries_engine_settings(cache):
             "policy.generation.enable_prefix_caching=false",
             "policy.generation.http_api_key=k",
             "policy.routing_replay=true",
+            "policy.generation.msa_prefill_scratch_mb=1040",
         ],
     )
     cmd = server_command(cfg, cache / "model", 192, 1234)
@@ -85,6 +86,9 @@ def test_server_command_carries_engine_settings(cache):
     assert (args.dtype, args.device, args.max_model_len, args.max_num_seqs) == ("bfloat16", "cpu", 192, 256)
     assert (args.max_num_batched_tokens, args.kv_cache_memory_fraction, args.async_scheduling) == (4096, 0.8, "auto")
     assert args.no_prefix_caching and args.record_routing and args.api_key == "k"
+    assert args.msa_prefill_scratch_mb == 1040.0
+    default = server_command(load_config("configs/grpo_smoke.yaml", [*SMOKE]), cache / "model", 192, 1234)
+    assert "--msa-prefill-scratch-mb" not in default and parse_args(default[3:]).msa_prefill_scratch_mb is None
 
 
 @pytest.mark.parametrize(

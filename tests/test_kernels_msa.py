@@ -13,9 +13,12 @@ import torch
 
 from m3_kernels.msa_interpret import interpreted_kernels
 from m3_kernels.msa_synthetic import make_paged_batch
+from m3_kernels.paged_layout import kv_major_token_bytes
+from m3_rollout.engine.ops import bind_prefill_scratch
 from m3_rollout.engine.reference_ops import index_topk_ref, paged_attention_ref
+from m3_rollout.model.paged_ops import PagedOps
 
-mi, ma, _ = interpreted_kernels()
+mi, ma, md = interpreted_kernels()
 
 PS, G, NH, D, K = 16, 2, 8, 32, 4
 SCALE = D**-0.5
@@ -300,3 +303,86 @@ def test_prefill_config_errors_name_the_knob_and_empty_prefill_rows_run():
         atol=ATOL[torch.float32],
         rtol=0,
     )
+
+
+# ---- the KV-major path in a caller's scratch (the engine's buffer; kernels/paged_layout.py) ----
+SENTINEL = 0x5A
+
+
+def _scratch(tokens: int, dtype, extra: int = 0) -> torch.Tensor:
+    """uint8 scratch holding ``tokens`` prefill tokens of a KV-major pass (+ ``extra`` bytes), sentinel-filled."""
+    return torch.full((tokens * kv_major_token_bytes(NH, D, K, dtype) + extra,), SENTINEL, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_major_scratch_passes_equal_one_pass(dtype, monkeypatch):
+    # The automatic path choice with the threshold lowered: 95 prefill tokens take the KV-major path.
+    # A scratch of 16 tokens (6 passes) gives the output of one that holds every prefill token (1 pass)
+    # within the module's tolerance (the interpreter's numpy dots may round a row differently at
+    # another place in a tile: 1 ulp here); the same passes in the kernel's own per-call buffer (None,
+    # or the kv_chunk knob) give it bit for bit; the passes write only the first capacity x
+    # bytes-per-token of the scratch.
+    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 32)
+    b = _batch(MIXED, dtype, seed=9)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    tp = b.meta.num_tokens - b.meta.num_decodes
+    assert tp == 95
+    outs = {}
+    for cap in (tp, 16):
+        scratch = _scratch(cap, dtype, extra=64)
+        outs[cap] = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, scratch=scratch)
+        assert ma.kv_major_capacity(scratch, NH, D, K, dtype) == cap
+        assert (scratch[:-64] != SENTINEL).any() and (scratch[-64:] == SENTINEL).all()
+    assert torch.equal(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel), outs[tp])  # one pass of its own
+    assert torch.equal(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"kv_chunk": 16}), outs[16])
+    torch.testing.assert_close(outs[16].float(), outs[tp].float(), atol=ATOL[dtype], rtol=0)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    torch.testing.assert_close(outs[16].float(), want.float(), atol=ATOL[dtype], rtol=0)
+    if dtype == torch.float32:  # a kv_chunk knob shorter than the scratch shortens the passes; a longer one is cut
+        twelve = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"kv_chunk": 12})
+        for chunk, same in ((12, twelve), (1000, outs[16])):
+            cfg = {"kv_chunk": chunk}
+            got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config=cfg, scratch=_scratch(16, dtype))
+            assert torch.equal(got, same)
+
+
+def test_kv_major_scratch_that_holds_no_token_takes_union_tiles(monkeypatch):
+    # An empty scratch (EngineConfig.msa_prefill_scratch_mb=0) turns the KV-major path off at every
+    # length: the union-list tiles run; forcing impl="kv" into it is refused; a malformed scratch too.
+    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 32)
+    b = _batch(MIXED, torch.float32, seed=9)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    empty = torch.empty(0, dtype=torch.uint8)
+    short = _scratch(0, torch.float32, extra=kv_major_token_bytes(NH, D, K, torch.float32) - 1)  # < one token
+    union = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "union"})
+    for scratch in (empty, short):
+        assert torch.equal(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, scratch=scratch), union)
+    assert (short == SENTINEL).all()
+    with pytest.raises(ValueError, match="holds no token of the KV-major path"):
+        ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv"}, scratch=empty)
+    for bad in (torch.empty(64, dtype=torch.float32), torch.empty(8, 8, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="scratch must be a contiguous uint8 vector"):
+            ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, scratch=bad)
+    torch.testing.assert_close(union, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=2e-5, rtol=0)
+
+
+def test_engine_table_binds_the_scratch_into_both_attention_ops(monkeypatch):
+    # The engine's binding (engine/ops.py bind_prefill_scratch) over the Triton ops: msa_attention of a
+    # mixed step (fused decode rows + KV-major prefill rows in passes of the bound scratch's 16 tokens)
+    # equals the unbound call (one pass) and the reference; the dense op ignores the scratch.
+    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 32)
+    ops = PagedOps(paged_attention=ma.paged_attention, msa_attention=md.msa_attention, takes_prefill_scratch=True)
+    scratch = _scratch(16, torch.float32)
+    bound = bind_prefill_scratch(ops, scratch)
+    assert not bound.takes_prefill_scratch
+    with pytest.raises(ValueError, match="take no scratch"):
+        bind_prefill_scratch(bound, scratch)
+    b = _batch(MIXED, torch.float32, seed=4)
+    got = bound.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
+    assert (scratch != SENTINEL).any()  # the prefill rows' passes ran in the bound buffer
+    unbound = md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
+    torch.testing.assert_close(got, unbound, atol=2e-5, rtol=0)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    torch.testing.assert_close(got, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=2e-5, rtol=0)
+    dense = bound.paged_attention(b.q, b.k, b.v, b.meta, SCALE, None)
+    torch.testing.assert_close(dense, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, None), atol=2e-5, rtol=0)

@@ -21,10 +21,23 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + generated), tokens.
         max_num_seqs: most running samples per step.
         max_num_batched_tokens: per-step token budget (decodes + prefill chunks).
-        kv_cache_memory_gb: KV page pool size in GiB; 0 = automatic: on CUDA
-            ``kv_cache_memory_fraction`` of the free device memory, elsewhere room for
-            ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most ``CPU_AUTO_KV_BYTES``.
-        num_pages: explicit page count (overrides the memory budget; tests).
+        kv_cache_memory_gb: the engine's cache memory in GiB: KV page pool + the MSA prefill
+            scratch (``msa_prefill_scratch_mb``), the pool getting what the scratch leaves; 0 =
+            automatic: on CUDA ``kv_cache_memory_fraction`` of the free device memory (scratch
+            included the same way), elsewhere room for ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens, at most ``CPU_AUTO_KV_BYTES`` (the scratch, if any, on top).
+        num_pages: explicit page count (overrides the memory budget; any scratch comes on top; tests).
+        msa_prefill_scratch_mb: MiB bound of the sparse prefill's KV-major scratch (partial outputs
+            of up to ``KV_CHUNK_TOKENS`` prefill tokens per pass; kernels/paged_layout.py), allocated
+            once by the engine inside the memory budget above, only when the attention ops take one
+            (the Triton kernels, CUDA), the model has sparse layers and a step's prefill can reach
+            ``KV_MAJOR_MIN_TOKENS`` (``max_num_batched_tokens`` >= it). None = passes of
+            min(KV_CHUNK_TOKENS, max_num_batched_tokens) tokens (the kernels' own default; 4160 MiB
+            at M3 shapes in bf16); a number = passes of the largest multiple of
+            ``KV_CHUNK_MIN_TOKENS`` tokens that fits (at most max_num_batched_tokens; other passes
+            give the same output up to rounding, at another speed); 0 = no scratch, the KV-major path off
+            (union-list tiles at every prefill length). A value below one ``KV_CHUNK_MIN_TOKENS``
+            pass is refused at engine construction (``paged_cache.prefill_scratch_bytes``).
         enable_prefix_caching: reuse full pages across requests (GRPO groups, multi-turn).
         enable_cuda_graphs: capture decode steps (forward + sampler) on CUDA (GPU-only; ignored elsewhere).
             "eager": the same staged decode path with the bodies run eagerly (any device; tests).
@@ -49,6 +62,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 0.0
     kv_cache_memory_fraction: float = 0.8
     num_pages: int | None = None
+    msa_prefill_scratch_mb: float | None = None
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool | str = False
     # Padded decode batch sizes captured (default 1, 2, 4, 8, 16, 32, 64, 128, 256 and
@@ -75,6 +89,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_memory_gb={self.kv_cache_memory_gb}: must be >= 0 (0 = auto)")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: in (0, 1]")
+        scratch = self.msa_prefill_scratch_mb
+        if scratch is not None and not (0 <= scratch < float("inf")):
+            raise ValueError(f"EngineConfig.msa_prefill_scratch_mb={scratch}: must be None (auto) or a finite MiB >= 0")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages}: must be >= 1")
         if self.index_cache_dtype not in ("bfloat16", "fp8_e4m3"):
@@ -83,17 +100,21 @@ class EngineConfig:
             raise ValueError("EngineConfig.quantize_index_queries=True needs index_cache_dtype='fp8_e4m3'")
         return self
 
-    def resolve_num_pages(self, page_size: int, bytes_per_page: int, device: torch.device) -> int:
+    def resolve_num_pages(
+        self, page_size: int, bytes_per_page: int, device: torch.device, reserved_bytes: int = 0
+    ) -> int:
         """KV pages to allocate: ``num_pages``, else the memory budget (GiB, or a fraction of the
-        free CUDA memory) divided by ``bytes_per_page``, else (CPU) room for ``max_num_seqs``
-        full-length sequences capped at ``CPU_AUTO_KV_BYTES`` but never below one sequence."""
+        free CUDA memory) less ``reserved_bytes`` (the MSA prefill scratch) divided by
+        ``bytes_per_page`` (0 or less when the reserve takes it all), else (CPU) room for
+        ``max_num_seqs`` full-length sequences capped at ``CPU_AUTO_KV_BYTES`` but never below one
+        sequence."""
         if self.num_pages is not None:
             return self.num_pages
         if self.kv_cache_memory_gb > 0:
-            return int(self.kv_cache_memory_gb * 2**30 // bytes_per_page)
+            return int((self.kv_cache_memory_gb * 2**30 - reserved_bytes) // bytes_per_page)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            return int(free * self.kv_cache_memory_fraction // bytes_per_page)
+            return int((free * self.kv_cache_memory_fraction - reserved_bytes) // bytes_per_page)
         want = self.max_num_seqs * -(-self.max_model_len // page_size)
         floor = -(-self.max_model_len // page_size)  # one full-length sequence
         return max(floor, min(want, CPU_AUTO_KV_BYTES // bytes_per_page))

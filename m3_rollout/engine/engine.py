@@ -34,13 +34,14 @@ from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.launch import LaunchedStep, StepLauncher
 from m3_rollout.engine.model_runner import ModelRunner
-from m3_rollout.engine.paged_cache import PagedKVCache, page_bytes
+from m3_rollout.engine.ops import bind_prefill_scratch, paged_ops_for
+from m3_rollout.engine.paged_cache import MIB, PagedKVCache, page_bytes, prefill_scratch_bytes
 from m3_rollout.engine.requests import CheckedRequest, check_prompt, check_request, error_outputs, sample_groups
 from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
 from m3_rollout.engine.score import check_score_temperature, score_tokens
 from m3_rollout.engine.selection_cache import SelectionCache
 from m3_rollout.engine.sequence import SeqStatus, Sequence
-from m3_rollout.engine.sleep import MemoryHandoff, Resize, resize_storage
+from m3_rollout.engine.sleep import GIB, MemoryHandoff, Resize, resize_storage
 from m3_rollout.engine.stats import EngineStats, engine_metrics
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
@@ -54,10 +55,19 @@ class LLMEngine:
         model: ``M3ForCausalLM`` in the generation dtype on its device (KV dtype = lm_head dtype).
         config: :class:`EngineConfig`.
         detokenize: optional ``ids -> text`` callback, needed for ``stop_strings``.
-        ops: the paged forward's fast-op table (``engine/ops.py``); None = the runner's choice.
+        ops: the paged forward's fast-op table (``engine/ops.py``); None = ``paged_ops_for`` the
+            model's device and activation dtype. A table that ``takes_prefill_scratch`` gets the
+            engine's KV-major prefill scratch bound (``prefill_scratch``).
         resize: the allocation function of sleep / wake-up (``sleep.resize_storage``; CPU tests
             inject a counting fake).
-    Raises ValueError when the page pool cannot hold one ``max_model_len`` sequence.
+
+    Memory: the page pool and ``prefill_scratch`` (uint8 [bytes]: the sparse prefill's KV-major
+    partial outputs, sized by ``msa_prefill_scratch_mb``, ``paged_cache.prefill_scratch_bytes``;
+    empty when the table takes none or the path cannot run) share the cache budget
+    (``kv_cache_memory_gb`` or the CUDA fraction): pages = (budget - scratch) // page bytes. Both
+    are released by ``sleep`` and restored by ``wake_up``; ``metrics()`` reports both.
+    Raises ValueError when the page pool cannot hold one ``max_model_len`` sequence, or for a
+    ``msa_prefill_scratch_mb`` below one KV-major pass.
     """
 
     def __init__(
@@ -75,14 +85,31 @@ class LLMEngine:
         self.device, self.kv_dtype = weight.device, weight.dtype
         self.sampler_dtype = compute_dtype(self.kv_dtype)  # what the sampler divides logits in
         ps = self.model_config.sparse_block_size
+        ops = paged_ops_for(self.device, model.model.embed_tokens.weight.dtype) if ops is None else ops
+        scratch_bytes = 0
+        if ops.takes_prefill_scratch:  # the attention inputs (q, K/V pages) are in the KV dtype
+            scratch_bytes = prefill_scratch_bytes(
+                self.model_config, self.kv_dtype, config.msa_prefill_scratch_mb, config.max_num_batched_tokens
+            )
         num_pages = config.resolve_num_pages(
-            ps, page_bytes(self.model_config, self.kv_dtype, config.index_cache_dtype), self.device
+            ps, page_bytes(self.model_config, self.kv_dtype, config.index_cache_dtype), self.device, scratch_bytes
+        )
+        scratch_note = (
+            f" after the MSA prefill scratch of {scratch_bytes / MIB:.1f} MiB (msa_prefill_scratch_mb)"
+            if scratch_bytes
+            else ""
         )
         if num_pages * ps < config.max_model_len:
             raise ValueError(
-                f"KV cache of {num_pages} pages x {ps} tokens cannot hold one sequence of "
+                f"KV cache of {num_pages} pages x {ps} tokens{scratch_note} cannot hold one sequence of "
                 f"max_model_len={config.max_model_len}; raise kv_cache_memory_gb or lower max_model_len"
             )
+        # The KV-major prefill's partial outputs: one buffer inside the budget, bound into the attention
+        # ops (an empty one keeps the kernels from allocating their own: the path is then off).
+        self.prefill_scratch: torch.Tensor | None = None
+        if ops.takes_prefill_scratch:
+            self.prefill_scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=self.device)
+            ops = bind_prefill_scratch(ops, self.prefill_scratch)
         self.kv = PagedKVCache(
             self.model_config,
             num_pages,
@@ -91,6 +118,8 @@ class LLMEngine:
             config.index_cache_dtype,
             config.quantize_index_queries,
         )
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv.tensors())  # as allocated
+        self.prefill_scratch_bytes = scratch_bytes
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # Block-selection record (hooks: launcher, _process, _fork, _selection); its step buffer is
@@ -139,14 +168,15 @@ class LLMEngine:
         self.memory = MemoryHandoff(
             caches
             + ([self.routing.table] if self.routing is not None else [])
-            + ([self.selection.step_buffer] if self.selection is not None else []),
+            + ([self.selection.step_buffer] if self.selection is not None else [])
+            + ([self.prefill_scratch] if scratch_bytes else []),
             self._weight_tensors,
             self.runner.release_graphs,
             self.runner.capture_graphs,
             self.device,
             f"lower policy.generation.kv_cache_memory_gb (EngineConfig.kv_cache_memory_gb={config.kv_cache_memory_gb}"
             f"{'; 0 = sized at start-up from kv_cache_memory_fraction' if not config.kv_cache_memory_gb else ''}; "
-            f"the KV cache has {num_pages} pages)",
+            f"the KV cache has {num_pages} pages{scratch_note})",
             resize,
         )
 
@@ -296,9 +326,9 @@ class LLMEngine:
     # ---- sleep / wake-up (sleep.py) ------------------------------------------------------
     def sleep(self, level: int = 1) -> dict:
         """Release device memory for another phase (training): level 1 frees the KV cache, the
-        index-key cache, the routing records and the decode graphs, and empties the prefix cache
-        (the pages' contents are gone); level 2 also moves the weights to host memory (pinned on
-        CUDA). Parameters and every view of them keep their identity (``sleep.py``).
+        index-key cache, the routing records, the MSA prefill scratch and the decode graphs, and
+        empties the prefix cache (the pages' contents are gone); level 2 also moves the weights to
+        host memory (pinned on CUDA). Parameters and every view of them keep their identity (``sleep.py``).
 
         Sleeping while asleep deepens to ``level`` if it is higher (else frees nothing).
         NOTE: refused, not drained, with samples unfinished: a drain could run for a whole
@@ -600,8 +630,12 @@ class LLMEngine:
 
     def metrics(self) -> dict:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step
-        (``stats.engine_metrics``); sleep level and the last sleep / wake-up (``sleep.MemoryHandoff``)."""
+        (``stats.engine_metrics``); the cache memory: ``kv_cache_gb`` (page pool: K, V, index keys)
+        and ``msa_prefill_scratch_gb`` (the KV-major prefill scratch), GiB as allocated at start-up;
+        sleep level and the last sleep / wake-up (``sleep.MemoryHandoff``)."""
         return {
             **engine_metrics(self.stats, self.block_manager, self.scheduler, self.async_scheduling),
+            "kv_cache_gb": self.kv_cache_bytes / GIB,
+            "msa_prefill_scratch_gb": self.prefill_scratch_bytes / GIB,
             **self.memory.metrics(),
         }

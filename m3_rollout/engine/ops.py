@@ -16,10 +16,14 @@ Selection rules (same as before the table existed):
   activation dtype of bf16 / fp16 / fp32; the model still keeps calls that autograd differentiates
   on its PyTorch path (the kernels have no backward).
 - skinny decode GEMM: with the fused layers, unless turned off (A/B profiling: ``skinny_gemm=False``).
+- KV-major prefill scratch: the Triton attention table says ``takes_prefill_scratch``; the engine sizes
+  the buffer (``paged_cache.prefill_scratch_bytes``), allocates it and binds it with
+  :func:`bind_prefill_scratch`, so the kernels never allocate their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -80,6 +84,24 @@ def paged_ops_for(
         msa_attention=msa_attention,
         fused_experts=fused_experts if kernels else None,
         **(_fused_layer_fields(fl, skinny_gemm) if kernels and fused_layers else {}),
+        takes_prefill_scratch=True,
+    )
+
+
+def bind_prefill_scratch(ops: PagedOps, scratch: torch.Tensor) -> PagedOps:
+    """``ops`` with ``scratch`` (uint8 [bytes] on the engine's device; kernels/paged_layout.py) bound
+    as the ``scratch=`` of both attention ops; the result says ``takes_prefill_scratch=False``.
+
+    An empty scratch turns the KV-major prefill path off (union-list tiles at every length).
+    Raises ValueError when ``ops`` does not take a scratch.
+    """
+    if not ops.takes_prefill_scratch:
+        raise ValueError("bind_prefill_scratch: this PagedOps table's attention ops take no scratch")
+    return dataclasses.replace(
+        ops,
+        paged_attention=functools.partial(ops.paged_attention, scratch=scratch),
+        msa_attention=functools.partial(ops.msa_attention, scratch=scratch),
+        takes_prefill_scratch=False,
     )
 
 

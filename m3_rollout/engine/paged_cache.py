@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from m3_kernels.paged_layout import FP8IndexCache
+from m3_kernels.paged_layout import (
+    KV_CHUNK_MIN_TOKENS,
+    KV_CHUNK_TOKENS,
+    KV_MAJOR_MIN_TOKENS,
+    FP8IndexCache,
+    kv_major_token_bytes,
+)
 from m3_rollout.model.configuration import M3Config
 
 INDEX_CACHE_DTYPES = ("bfloat16", "fp8_e4m3")  # policy.generation.index_cache_dtype / EngineConfig
+MIB = 2**20
 
 
 def page_bytes(config: M3Config, dtype: torch.dtype, index_cache_dtype: str = "bfloat16") -> int:
@@ -27,6 +34,45 @@ def page_bytes(config: M3Config, dtype: torch.dtype, index_cache_dtype: str = "b
     if index_cache_dtype == "fp8_e4m3":
         return main + n_sparse * ps * (config.sparse_index_dim + 4)
     return main + n_sparse * ps * config.sparse_index_dim * elt
+
+
+def prefill_scratch_bytes(
+    config: M3Config,
+    dtype: torch.dtype,
+    scratch_mb: float | None,
+    max_num_batched_tokens: int,
+    min_tokens: int = KV_MAJOR_MIN_TOKENS,
+    granule: int = KV_CHUNK_MIN_TOKENS,
+) -> int:
+    """Bytes of the KV-major sparse prefill scratch the engine allocates (layout: kernels/paged_layout.py;
+    ``EngineConfig.msa_prefill_scratch_mb`` / ``policy.generation.msa_prefill_scratch_mb``).
+
+    One pass of c prefill tokens needs c * ``kv_major_token_bytes`` (the sparse layers' shapes in
+    ``dtype``, the attention inputs' dtype). c = min(KV_CHUNK_TOKENS, max_num_batched_tokens) when
+    ``scratch_mb`` is None (the kernels' default pass); for scratch_mb > 0 the largest multiple of
+    ``granule`` tokens whose bytes fit in scratch_mb MiB, at most max_num_batched_tokens. 0 bytes
+    when ``scratch_mb`` is 0 (the path off), the model has no sparse layer, or a step's prefill
+    (at most max_num_batched_tokens tokens) stays below ``min_tokens`` (the path never runs).
+    Raises ValueError, naming the key, the minimum in MiB and 0 (off), when 0 < scratch_mb <
+    one ``granule``-token pass (checked whenever the model has sparse layers).
+    """
+    if scratch_mb == 0 or not any(config.is_sparse_layer(i) for i in range(config.num_hidden_layers)):
+        return 0
+    per_token = kv_major_token_bytes(config.num_attention_heads, config.head_dim, config.sparse_topk_blocks, dtype)
+    if scratch_mb is None:
+        tokens = KV_CHUNK_TOKENS
+    else:
+        tokens = int(scratch_mb * MIB // per_token) // granule * granule
+        if tokens < granule:
+            raise ValueError(
+                f"policy.generation.msa_prefill_scratch_mb={scratch_mb} (EngineConfig.msa_prefill_scratch_mb) "
+                f"holds no KV-major prefill pass: the minimum is {granule * per_token / MIB:.2f} MiB ({granule} "
+                f"tokens x {per_token} bytes at this model's shapes in {dtype}); use 0 to turn the KV-major "
+                "path off (union-list tiles at every prefill length) or null (None) for the default pass"
+            )
+    if max_num_batched_tokens < min_tokens:
+        return 0
+    return min(tokens, max_num_batched_tokens) * per_token
 
 
 class PagedKVCache:

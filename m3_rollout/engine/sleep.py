@@ -15,10 +15,11 @@ about what the engine's start-up spent on them (``wake_up``'s record reports it 
 (cuMemMap remapping, as vLLM's CuMemAllocator does); re-capture is the simpler correct choice.
 
 Levels (``MemoryHandoff.sleep``): 1 drops the page pool's contents (KV, index keys, routing
-records) and the decode graphs; 2 also copies the weights to host memory (pinned on CUDA) and
-frees their device copies. While asleep, NOTHING may read or write a released tensor: its
-storage has no memory (an access is a segfault / illegal address, not an exception). The
-engine refuses steps, scoring and requests; weight updates must wait for ``wake_up`` at level 2.
+records), the MSA prefill scratch (contents never outlive a call) and the decode graphs; 2 also
+copies the weights to host memory (pinned on CUDA) and frees their device copies. While asleep,
+NOTHING may read or write a released tensor: its storage has no memory (an access is a segfault /
+illegal address, not an exception). The engine refuses steps, scoring and requests; weight updates
+must wait for ``wake_up`` at level 2.
 """
 
 from __future__ import annotations

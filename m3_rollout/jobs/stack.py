@@ -140,6 +140,8 @@ def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) 
     cmd += ["--max-num-batched-tokens", str(gen.max_num_batched_tokens)]
     cmd += ["--kv-cache-memory-gb", str(gen.kv_cache_memory_gb)]
     cmd += ["--kv-cache-memory-fraction", str(gen.kv_cache_memory_fraction)]
+    if gen.msa_prefill_scratch_mb is not None:
+        cmd += ["--msa-prefill-scratch-mb", str(gen.msa_prefill_scratch_mb)]
     cmd += ["--index-cache-dtype", gen.index_cache_dtype]
     cmd += ["--async-scheduling", {None: "auto", True: "on", False: "off"}[gen.async_scheduling]]
     if not gen.enable_prefix_caching:

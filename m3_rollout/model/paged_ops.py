@@ -15,6 +15,10 @@ Fields fall in three groups:
   init_blocks, local_blocks, sel_out=None) -> [T, nh, d]`` (indexer + top-k + sparse attention of a
   sparse layer; ``sel_out``, an optional [T, G, K] integer view, receives the block choice: the
   engine's block-selection record);
+  ``takes_prefill_scratch``: both accept a ``scratch=`` keyword, the buffer of their sparse prefill's
+  KV-major path (the Triton kernels: layout and size in kernels/paged_layout.py). The engine then
+  allocates that buffer once, inside its memory budget, and binds it into the two fields
+  (``engine/ops.py bind_prefill_scratch``); the model never passes it;
 - routed experts: ``fused_experts(x [T, H], ids [T, K], weights [T, K], w13, w2, *, alpha, limit, beta,
   expert_range) -> [T, H]``; None = ``moe.grouped_experts``;
 - the fused layer path (all six given, or none = the layer-by-layer PyTorch path):
@@ -63,6 +67,8 @@ class PagedOps:
     router_gemm_topk_ok: Callable[[int, torch.Tensor], bool] | None = None
     skinny_linear: Callable[..., torch.Tensor] | None = None
     skinny_linear_ok: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+    # The attention ops accept scratch= (see the module docstring); False once the engine bound it.
+    takes_prefill_scratch: bool = False
 
     def __post_init__(self) -> None:
         given = {f.name: getattr(self, f.name) is not None for f in fields(self)}

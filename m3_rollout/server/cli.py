@@ -52,7 +52,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None, help="longest context (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=0.0, help="KV page pool (0: automatic)")
+    p.add_argument(
+        "--kv-cache-memory-gb", type=float, default=0.0, help="KV page pool + MSA prefill scratch (0: automatic)"
+    )
+    p.add_argument(
+        "--msa-prefill-scratch-mb",
+        type=float,
+        default=None,
+        help="KV-major sparse prefill scratch in MiB, inside the cache memory (default: one 16384-token pass; "
+        "0: the KV-major path off)",
+    )
     p.add_argument(
         "--kv-cache-memory-fraction",
         type=float,
@@ -89,6 +98,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--expert-parallel-size={args.expert_parallel_size}: must be >= 1")
     if args.worker_steps_per_call < 1:
         p.error(f"--worker-steps-per-call={args.worker_steps_per_call}: must be >= 1")
+    if args.msa_prefill_scratch_mb is not None and not 0 <= args.msa_prefill_scratch_mb < float("inf"):
+        p.error(f"--msa-prefill-scratch-mb={args.msa_prefill_scratch_mb}: must be a finite MiB >= 0")
     if not 0 < args.kv_cache_memory_fraction <= 1:
         p.error(f"--kv-cache-memory-fraction={args.kv_cache_memory_fraction}: must be in (0, 1]")
     if not 0 < args.port < 65536:
@@ -112,6 +123,7 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        msa_prefill_scratch_mb=args.msa_prefill_scratch_mb,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_cuda_graphs=args.enable_cuda_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],

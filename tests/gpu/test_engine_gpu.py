@@ -301,3 +301,74 @@ def test_routing_record_through_graphs_of_several_sizes_and_async_scheduling():
         agree, total = agree + int(same.sum()), total + same.size
     print(f"routing record vs plain fp32 forward: {agree}/{total} rows equal")
     assert agree >= 0.999 * total
+
+
+def test_msa_prefill_scratch_inside_the_cache_budget_and_a_long_prefill():
+    """policy.generation.msa_prefill_scratch_mb on the GPU (bf16, 16 q heads x top-16 x d 128: 66,560
+    scratch bytes per prefill token): the default scratch is one 16K-token pass (1040 MiB) inside
+    kv_cache_memory_gb (pages = (budget - scratch) // page bytes); an 18,000-token prompt prefilled in
+    one step takes the KV-major path and gives the tokens and logprobs of the kernels' own per-call
+    buffer (the engine before the scratch was counted) bit for bit; 4096-token passes the same tokens
+    (logprobs within bf16 rounding); 0 (union tiles) runs. Sleep level 1 frees the scratch, wake-up
+    restores it."""
+    import dataclasses
+
+    from m3_rollout.engine.ops import paged_ops_for
+    from m3_rollout.engine.paged_cache import page_bytes
+
+    model = _get_model(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 32000, (18000,), generator=g).tolist()
+    req = GenerationRequest("long", prompt, SamplingParams(seed=9, max_new_tokens=4))
+    budget = 2 * 2**30
+    per_page = page_bytes(model.config, torch.bfloat16)
+
+    def run(scratch_mb, ops=None):
+        cfg = EngineConfig(
+            max_model_len=18432,
+            max_num_seqs=2,
+            max_num_batched_tokens=20480,
+            kv_cache_memory_gb=budget / 2**30,
+            msa_prefill_scratch_mb=scratch_mb,
+        )
+        eng = LLMEngine(model, cfg, ops=ops)
+        eng.add_request(req)
+        outs = []
+        while eng.has_unfinished():
+            outs += [o for o in eng.step() if isinstance(o, SampleOutput)]
+        return outs[0], eng
+
+    own_table = dataclasses.replace(paged_ops_for("cuda", torch.bfloat16), takes_prefill_scratch=False)
+    before, e0 = run(None, own_table)  # no scratch: the kernels allocate their own, as before
+    assert e0.prefill_scratch is None and e0.block_manager.num_pages == budget // per_page
+    default, ed = run(None)
+    assert ed.prefill_scratch.numel() == 16384 * 66560 == 1040 * 2**20
+    assert ed.block_manager.num_pages == (budget - 1040 * 2**20) // per_page
+    assert ed.metrics()["msa_prefill_scratch_gb"] == 1040 / 1024
+    assert default.output_ids == before.output_ids and default.logprobs == before.logprobs
+    short, es = run(260)  # 4096-token passes
+    assert es.prefill_scratch.numel() == 4096 * 66560
+    assert short.output_ids == default.output_ids
+    diff = max(abs(a - b) for a, b in zip(short.logprobs, default.logprobs))
+    assert diff <= 0.25
+    union, eu = run(0)
+    assert eu.prefill_scratch.numel() == 0 and eu.block_manager.num_pages == budget // per_page
+    assert len(union.output_ids) == 4
+    print(
+        f"long prefill: 4096-token passes logprob max |diff| {diff:.2e} "
+        f"(bit-equal {short.logprobs == default.logprobs}); "
+        f"union tiles same tokens {union.output_ids == default.output_ids}"
+    )
+    del e0, es, eu
+    buf = ed.prefill_scratch
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    ed.sleep(1)
+    assert buf.untyped_storage().nbytes() == 0 and torch.cuda.memory_allocated() <= held - buf.numel()
+    ed.wake_up()
+    assert buf.untyped_storage().nbytes() == buf.numel()
+    ed.add_request(dataclasses.replace(req, request_id="again"))
+    again = []
+    while ed.has_unfinished():
+        again += [o for o in ed.step() if isinstance(o, SampleOutput)]
+    assert again[0].output_ids == default.output_ids

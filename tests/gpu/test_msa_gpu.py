@@ -135,6 +135,42 @@ def test_sparse_prefill_paths_real_shapes(impl):
     assert err <= 2e-2
 
 
+def test_kv_major_in_a_caller_scratch_real_shapes():
+    # The engine's scratch (policy.generation.msa_prefill_scratch_mb): passes of the scratch's capacity.
+    # A scratch of the kernel's own pass size gives its output bit for bit (the engine's default is
+    # today's output); shorter passes stay within the bf16 tolerance (printed: whether bit-equal too);
+    # with a scratch the call allocates no partial outputs (its peak beyond the output is the glue).
+    from m3_kernels.msa_paged_attention import kv_major_capacity, paged_attention
+    from m3_kernels.paged_layout import kv_major_token_bytes
+
+    b = _batch(PREFILL, torch.bfloat16, seed=6)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    tp = b.meta.num_tokens  # 3160 prefill tokens
+    per = kv_major_token_bytes(NH, D, K, torch.bfloat16)
+    assert per == 266240
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel).float()
+    own = paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv"})  # one pass of its own
+    for cap in (tp, 1024, 256):
+        scratch = torch.empty(cap * per, dtype=torch.uint8, device="cuda")
+        assert kv_major_capacity(scratch, NH, D, K, torch.bfloat16) == cap
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        got = paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv"}, scratch=scratch)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base - got.numel() * got.element_size()
+        mine = paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "kv_chunk": cap})
+        assert torch.equal(got, mine)  # the same passes in the kernel's own buffer
+        err = (got.float() - want).abs().max().item()
+        print(
+            f"scratch of {cap} tokens: bit-equal to one pass {torch.equal(got, own)}, max abs err {err:.3e}, "
+            f"peak beyond the output {extra / 2**20:.1f} MiB (a pass's partials: {cap * per / 2**20:.1f} MiB)"
+        )
+        assert err <= 2e-2 and extra < 0.1 * cap * per
+        if cap == tp:
+            assert torch.equal(got, own)
+
+
 @pytest.mark.parametrize("impl", ["union", "kv"])
 def test_sparse_prefill_cuda_graph_replay(impl):
     # indexer + sparse prefill captured once; new query / index-query contents written in place,
