@@ -1,4 +1,5 @@
-"""Load kernels/fused_layers.py with its kernels running in the Triton interpreter (CPU tests only).
+"""Load kernels/fused_layers.py (and kernels/invariant_ops.py) with their kernels running in the Triton
+interpreter (CPU tests only).
 
 Same mechanism as kernels/msa_interpret.py (``interpreted_module``, with its numpy shim):
 ``triton.jit`` decides at decoration time whether a kernel is interpreted, so the module is
@@ -20,3 +21,16 @@ def interpreted_fused_layers() -> ModuleType:
     os.environ["TRITON_INTERPRET"] = "1"
     interpreted_module(FP8_HELPERS)  # the write kernel quantizes FP8 index keys with them
     return interpreted_module("m3_kernels.fused_layers")
+
+
+# invariant_ops calls the fused MoE, whose kernels call the jit helpers of moe_tiles: helpers first.
+_INVARIANT_DEPS = ("m3_kernels.moe_tiles", "m3_kernels.moe_align", "m3_kernels.moe_ragged", "m3_kernels.fused_moe")
+
+
+def interpreted_invariant_ops() -> ModuleType:
+    """The ``m3_kernels.invariant_ops`` module with interpreted kernels, over interpreted
+    ``fused_layers`` and fused-MoE modules; sets TRITON_INTERPRET=1 for the rest of the process."""
+    interpreted_fused_layers()
+    for name in _INVARIANT_DEPS:
+        interpreted_module(name)
+    return interpreted_module("m3_kernels.invariant_ops")

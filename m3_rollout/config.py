@@ -184,6 +184,11 @@ class GenerationConfig:
     # the trainer (policy.index_replay, the train/msa_selection_agreement metric) and the dumps.
     # Costs one copy of an int16 [tokens, sparse layers, KV heads, top-k] buffer per engine step.
     record_block_selection: bool = False
+    # Batch-invariant mode (issue 24, design.md §4.6): the engine's kernels reduce every token in one
+    # fixed order, so its logits and logprobs do not depend on the batch, the other sequences or the
+    # chunking. CUDA only; slower (fixed GEMM / MoE tiles, no skinny GEMM, PyTorch sampler in the
+    # decode graphs). Attention and the trainer's forward are not invariant yet.
+    batch_invariant: bool = False
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
@@ -197,6 +202,7 @@ class GenerationConfig:
             async_scheduling=self.async_scheduling,
             index_cache_dtype=self.index_cache_dtype,
             record_block_selection=self.record_block_selection,
+            batch_invariant=self.batch_invariant,
         )
 
 

@@ -54,6 +54,12 @@ class EngineConfig:
             ~half the bytes the long-context decode step reads; block choice on the dequantized keys).
         quantize_index_queries: with fp8_e4m3 index keys, the score kernels quantize the index queries
             the same way (fp8 x fp8 tensor-core dots) instead of keeping them in the activation dtype.
+        batch_invariant: batch-invariant mode (design.md §4.6): the paged forward runs the fixed-order
+            kernels of ``kernels/invariant_ops.py`` (``engine.ops.paged_ops_for(..., batch_invariant=True)``;
+            no skinny GEMM, one MoE tile config, one router route) and the sampler's logprobs one
+            fixed-order op in eager and graph steps, so a token's logits and logprob do not depend on
+            the rest of the batch. CUDA only (elsewhere a warning and the usual ops); attention is not
+            invariant yet; an ``ops`` table handed to the engine is used as given.
     """
 
     max_model_len: int
@@ -79,6 +85,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     index_cache_dtype: str = "bfloat16"
     quantize_index_queries: bool = False
+    batch_invariant: bool = False
 
     def validate(self) -> EngineConfig:
         """Raises ValueError naming the bad field."""

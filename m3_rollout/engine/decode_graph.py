@@ -112,6 +112,10 @@ class CudaGraphDecode:
             row filters by top-k / top-p, and build the inputs with one Triton launch; None = on CUDA.
         selection_buffer: the block-selection record's step buffer (int16 [>= S rows, ...]); the
             captured forward of size s writes rows 0..s-1 (padding rows too; their slots are -1).
+        token_logprobs: the sampler's batch-invariant logprob op (``sampler.sample_rows``); when
+            given, the PyTorch sampler runs (with it) instead of the fused Triton sampler, whose
+            logprob reduction differs from the eager steps' (batch-invariant mode: one logprob
+            order for every step).
     """
 
     def __init__(
@@ -126,9 +130,11 @@ class CudaGraphDecode:
         use_graphs: bool = True,
         fused_sampler: bool | None = None,
         selection_buffer: torch.Tensor | None = None,
+        token_logprobs=None,
     ):
         dev = kv.device
         self.selection_buffer = selection_buffer
+        self.token_logprobs = token_logprobs
         self.fused_sampler = dev.type == "cuda" if fused_sampler is None else fused_sampler
         assert dev.type == "cuda" or not use_graphs, "CUDA graphs are GPU-only"
         self.use_graphs = use_graphs
@@ -225,7 +231,7 @@ class CudaGraphDecode:
         """Sample rows 0..s-1 of ``logits`` with the staged parameters; write ids + logprob bits
         into ``out[:2s]`` and ``last_tokens[:s]``; returns the [2, s] int64 view."""
         out = self.out[: 2 * s].view(2, s)
-        if self.fused_sampler and not (need_top_k or need_top_p):
+        if self.fused_sampler and self.token_logprobs is None and not (need_top_k or need_top_p):
             from m3_rollout.engine.sampler_triton import keyed_gumbel_sample
 
             p = sampling_fields(DecodeStage.of(self.stage, s).sampling)
@@ -243,7 +249,7 @@ class CudaGraphDecode:
             return out
         params, positions, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
         tokens, lps = sample_rows(
-            logits.to(compute_dtype(logits.dtype)), params, positions, raw, need_top_k, need_top_p
+            logits.to(compute_dtype(logits.dtype)), params, positions, raw, need_top_k, need_top_p, self.token_logprobs
         )
         out[0].copy_(tokens)
         out[1].copy_(lps.double().view(torch.int64))

@@ -34,7 +34,7 @@ from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.launch import LaunchedStep, StepLauncher
 from m3_rollout.engine.model_runner import ModelRunner
-from m3_rollout.engine.ops import bind_prefill_scratch, paged_ops_for
+from m3_rollout.engine.ops import bind_prefill_scratch, invariant_token_logprobs, paged_ops_for
 from m3_rollout.engine.paged_cache import MIB, PagedKVCache, page_bytes, prefill_scratch_bytes
 from m3_rollout.engine.requests import CheckedRequest, check_prompt, check_request, error_outputs, sample_groups
 from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
@@ -128,6 +128,11 @@ class LLMEngine:
         if config.record_block_selection:
             cap = max(config.max_num_seqs, config.max_num_batched_tokens, 1)
             self.selection = SelectionCache.for_model(self.model, num_pages, ps, cap)
+        token_logprobs = None
+        if config.batch_invariant:  # design.md §4.6: fixed-order kernels for the forward and the logprobs
+            act_dtype = self.model.model.embed_tokens.weight.dtype
+            ops = paged_ops_for(self.device, act_dtype, batch_invariant=True) if ops is None else ops
+            token_logprobs = invariant_token_logprobs(self.device)
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -139,6 +144,7 @@ class LLMEngine:
             config.fused_sampler,
             ops,
             None if self.selection is None else self.selection.step_buffer,
+            token_logprobs,
         )
         # NOTE: None = on for CUDA (GPU round 1, H200: identical tokens, host time hidden), off on
         # the CPU (nothing to overlap there; outputs would come one step() later).
@@ -620,6 +626,7 @@ class LLMEngine:
             ids,
             self.config.max_num_batched_tokens,
             temperature,
+            self.runner.token_logprobs,
         )
         if positions is None:
             return lp

@@ -221,6 +221,9 @@ class ModelRunner:
         selection_buffer: the block-selection record's step buffer (int16 [>= tokens of a step,
             S, G, K], ``selection_cache.SelectionCache.step_buffer``) every forward writes its
             sparse layers' choices into; None = not recorded.
+        token_logprobs: the sampler's logprob op for every step, eager and graph (batch-invariant
+            mode: ``engine.ops.invariant_token_logprobs``); None = ``torch.log_softmax`` (and the
+            fused Triton sampler in the decode graphs).
     """
 
     def __init__(
@@ -235,9 +238,11 @@ class ModelRunner:
         fused_sampler: bool | None = None,
         ops: PagedOps | None = None,
         selection_buffer: torch.Tensor | None = None,
+        token_logprobs=None,
     ):
         self.model, self.kv = model, kv
         self.selection_buffer = selection_buffer
+        self.token_logprobs = token_logprobs
         self.device = kv.device
         self.ops = paged_ops_for(self.device, model.model.embed_tokens.weight.dtype) if ops is None else ops
         self.page_size = kv.page_size
@@ -265,6 +270,7 @@ class ModelRunner:
                     use_graphs=not staged_only,
                     fused_sampler=fused_sampler,
                     selection_buffer=selection_buffer,
+                    token_logprobs=token_logprobs,
                 )
                 with torch.no_grad():
                     graphs.capture()
@@ -317,7 +323,13 @@ class ModelRunner:
         params, positions, raw = unpack_sampling(packed)
         mode = raw if sampling.raw_mode == "mixed" else sampling.raw_mode
         tokens, lps = sample_rows(
-            logits.to(compute_dtype(logits.dtype)), params, positions, mode, sampling.need_top_k, sampling.need_top_p
+            logits.to(compute_dtype(logits.dtype)),
+            params,
+            positions,
+            mode,
+            sampling.need_top_k,
+            sampling.need_top_p,
+            self.token_logprobs,
         )
         k = sampling.num_row_seqs
         self.last_tokens[:k].copy_(tokens[:k])

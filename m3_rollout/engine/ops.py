@@ -19,6 +19,12 @@ Selection rules (same as before the table existed):
 - KV-major prefill scratch: the Triton attention table says ``takes_prefill_scratch``; the engine sizes
   the buffer (``paged_cache.prefill_scratch_bytes``), allocates it and binds it with
   :func:`bind_prefill_scratch`, so the kernels never allocate their own.
+- batch-invariant mode (``batch_invariant=True``, ``EngineConfig.batch_invariant``; design.md §4.6):
+  on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
+  for every projection, the router logits and lm_head; ``fused_experts`` with one tile config; the
+  router never takes the T-dependent per-token route), no skinny GEMM; attention from
+  ``invariant_attention_fields`` (NOT yet invariant, see there). Elsewhere the reference table
+  (with a warning: the PyTorch ops are not batch-invariant).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import warnings
 
 import torch
 
@@ -61,17 +68,67 @@ def _fused_layer_fields(fl, skinny_gemm: bool) -> dict:
     return out
 
 
+def invariant_attention_fields(device: torch.device | str) -> dict:
+    """HOOK for the batch-invariant attention (issue 24, branch binv_attn: ``kernels/invariant_attention.py``):
+    the ``paged_attention`` / ``msa_attention`` fields of the invariant table.
+
+    NOT YET INVARIANT: until that module lands this returns the fast-mode ops (Triton on CUDA, the
+    PyTorch references elsewhere), whose split counts and tiles follow the batch (number of rows,
+    query lengths, max sequence length), so logits are bitwise batch-invariant only up to the
+    attention outputs. Replace the body with the invariant kernels; nothing else changes.
+    """
+    if torch.device(device).type == "cuda" and triton_importable():
+        from m3_kernels.msa_fused_decode import msa_attention
+        from m3_kernels.msa_paged_attention import paged_attention
+
+        return dict(paged_attention=paged_attention, msa_attention=msa_attention)
+    return dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref)
+
+
+def invariant_fields(fl, inv) -> dict:
+    """The non-attention fields of the batch-invariant table from the ``m3_kernels.fused_layers``
+    and ``m3_kernels.invariant_ops`` module objects: the fused layer path (its per-row kernels are
+    invariant as they are, see invariant_ops' docstring) with the router's per-token GEMM route
+    turned off, the fixed-config GEMM and MoE, no skinny GEMM."""
+    fields = _fused_layer_fields(fl, skinny_gemm=False)
+    fields.update(
+        router_gemm_topk_ok=inv.router_gemm_topk_never,
+        linear=inv.linear,
+        fused_experts=inv.fused_experts,
+    )
+    return fields
+
+
 def paged_ops_for(
-    device: torch.device | str, dtype: torch.dtype, fused_layers: bool = True, skinny_gemm: bool = True
+    device: torch.device | str,
+    dtype: torch.dtype,
+    fused_layers: bool = True,
+    skinny_gemm: bool = True,
+    batch_invariant: bool = False,
 ) -> PagedOps:
     """The ops table for a model whose activations are ``dtype`` on ``device``.
 
     fused_layers: take the fused layer path where it applies (False: the layer-by-layer PyTorch
     ops, for A/B profiling; attention and MoE kernels stay). skinny_gemm: decode-sized bf16/fp16
     projections (up to ``m3_kernels.fused_layers.SKINNY_MAX_TOKENS`` tokens) on the fused path use
-    the Triton skinny GEMM instead of cuBLAS. Imports triton (and the kernels) only on CUDA.
+    the Triton skinny GEMM instead of cuBLAS. batch_invariant: the batch-invariant table
+    (``invariant_fields`` + ``invariant_attention_fields``; overrides fused_layers / skinny_gemm);
+    needs CUDA, triton and a bf16 / fp16 / fp32 model, else warns and returns the fast-mode table.
+    Imports triton (and the kernels) only on CUDA.
     """
-    if torch.device(device).type != "cuda" or not triton_importable():
+    cuda = torch.device(device).type == "cuda" and triton_importable()
+    if batch_invariant:
+        if cuda and dtype in KERNEL_DTYPES:
+            import m3_kernels.fused_layers as fl
+            import m3_kernels.invariant_ops as inv
+
+            return PagedOps(**invariant_attention_fields(device), **invariant_fields(fl, inv))
+        warnings.warn(
+            f"batch_invariant: needs CUDA with triton and a bf16/fp16/fp32 model (got {device}, {dtype}); "
+            "the PyTorch / fast-mode ops used instead are not batch-invariant",
+            stacklevel=2,
+        )
+    if not cuda:
         return reference_paged_ops()
     import m3_kernels.fused_layers as fl
     from m3_kernels.fused_moe import fused_experts
@@ -105,13 +162,26 @@ def bind_prefill_scratch(ops: PagedOps, scratch: torch.Tensor) -> PagedOps:
     )
 
 
-def interpreted_paged_ops(skinny_gemm: bool = True) -> PagedOps:
+def invariant_token_logprobs(device: torch.device | str):
+    """The sampler's batch-invariant logprob op (``m3_kernels.invariant_ops.token_logprobs``:
+    logits [N, V], tokens [N] -> fp32 [N]) on CUDA with triton; None elsewhere (the sampler's
+    ``torch.log_softmax``)."""
+    if torch.device(device).type == "cuda" and triton_importable():
+        from m3_kernels.invariant_ops import token_logprobs
+
+        return token_logprobs
+    return None
+
+
+def interpreted_paged_ops(skinny_gemm: bool = True, batch_invariant: bool = False) -> PagedOps:
     """Tests only: the fused layer path with ``m3_kernels.fused_layers`` run by the Triton interpreter
     on CPU tensors (fp32 / fp16; sets TRITON_INTERPRET=1 for the rest of the process, see
-    kernels/fused_interpret.py), reference MSA attention, PyTorch routed experts."""
-    from m3_kernels.fused_interpret import interpreted_fused_layers
+    kernels/fused_interpret.py), reference MSA attention, PyTorch routed experts. batch_invariant:
+    the invariant table's non-attention fields (``invariant_fields``) interpreted, reference attention."""
+    from m3_kernels.fused_interpret import interpreted_fused_layers, interpreted_invariant_ops
 
     fl = interpreted_fused_layers()
-    return PagedOps(
-        paged_attention=paged_attention_ref, msa_attention=msa_attention_ref, **_fused_layer_fields(fl, skinny_gemm)
-    )
+    attention = dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref)
+    if batch_invariant:
+        return PagedOps(**attention, **invariant_fields(fl, interpreted_invariant_ops()))
+    return PagedOps(**attention, **_fused_layer_fields(fl, skinny_gemm))

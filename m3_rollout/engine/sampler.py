@@ -7,11 +7,17 @@ from a counter-based hash of (seed, sample, position, token id) and take the Gum
 processed logits: argmax(logits / T + g) with g = -log(-log(u)) is an exact sample from
 softmax(logits / T) (Gumbel-max trick), restricted to the top-k / top-p support.
 
+Logprobs: ``torch.log_softmax`` of the row, or, in batch-invariant mode (design.md §4.6), the
+caller's ``token_logprobs`` op (``m3_kernels.invariant_ops.token_logprobs``: one fixed reduction
+order per row, the same in the eager step and the decode graphs). Tokens need no such op: the
+Gumbel-max argmax is exact given the logits.
+
 Shapes: N rows (one per running sample), V vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,6 +25,9 @@ import numpy as np
 import torch
 
 from m3_rollout.model.numerics import compute_dtype
+
+# logits [N, V], tokens [N] -> log_softmax(logits)[r, tokens[r]] [N] (fp32)
+TokenLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # splitmix64 constants, written as signed int64 (torch has no uint64 arithmetic).
 GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -133,6 +142,7 @@ def sample(
     params: SamplingTensors,
     positions: torch.Tensor,
     logprobs_mode: str | torch.Tensor = "processed",
+    token_logprobs: TokenLogprobs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return its logprob.
 
@@ -144,6 +154,7 @@ def sample(
         logprobs_mode: "processed" = logprob under the distribution actually sampled from
             (after temperature/top-k/top-p); "raw" = under the model's plain softmax; or a bool
             [N] tensor, True where a row wants "raw" (mixed batches of the engine).
+        token_logprobs: the logprob op (None = ``torch.log_softmax``; see the module docstring).
 
     Returns:
         (tokens int64 [N], logprobs [N] in the processed dtype).
@@ -154,7 +165,7 @@ def sample(
     if isinstance(logprobs_mode, torch.Tensor):
         raw_rows = logprobs_mode.to(torch.bool)
         mode = "processed" if not bool(raw_rows.any()) else "raw" if bool(raw_rows.all()) else raw_rows
-    return sample_rows(logits, params, positions, mode, need_k, need_p)
+    return sample_rows(logits, params, positions, mode, need_k, need_p, token_logprobs)
 
 
 def sample_rows(
@@ -164,23 +175,33 @@ def sample_rows(
     logprobs_mode: str | torch.Tensor,
     need_top_k: bool,
     need_top_p: bool,
+    token_logprobs: TokenLogprobs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` without device-to-host syncs (CUDA-graph capturable): the caller states
     on the host whether any row filters by top-k / top-p, and ``logprobs_mode`` is "processed",
     "raw" or a bool [N] tensor (True = raw) used as is (both logprobs computed, then selected).
-    Same values as :func:`sample` for the same rows (it calls this)."""
+    Same values as :func:`sample` for the same rows (it calls this). token_logprobs: as :func:`sample`."""
     processed = process_logits(logits, params.temperature, params.top_k, params.top_p, need_top_k, need_top_p)
     u = keyed_uniform(params.seeds, params.sample_ids, positions, processed.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     tokens = torch.argmax(processed.double() + gumbel, dim=-1)
     if isinstance(logprobs_mode, torch.Tensor):
         raw_rows = logprobs_mode.to(torch.bool)
-        lp_p = torch.log_softmax(processed, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        lp_r = torch.log_softmax(logits.to(processed.dtype), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        lp_p = gather_logprobs(processed, tokens, token_logprobs)
+        lp_r = gather_logprobs(logits.to(processed.dtype), tokens, token_logprobs)
         return tokens, torch.where(raw_rows.to(lp_p.device), lp_r, lp_p)
     base = processed if logprobs_mode == "processed" else logits.to(processed.dtype)
-    logprobs = torch.log_softmax(base, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    return tokens, gather_logprobs(base, tokens, token_logprobs)
+
+
+def gather_logprobs(
+    base: torch.Tensor, tokens: torch.Tensor, token_logprobs: TokenLogprobs | None = None
+) -> torch.Tensor:
+    """log_softmax(base [N, V])[r, tokens[r]] -> [N] in base.dtype: ``torch.log_softmax`` or the
+    given batch-invariant op (its fp32 result cast to base.dtype)."""
+    if token_logprobs is None:
+        return torch.log_softmax(base, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return token_logprobs(base, tokens).to(base.dtype)
 
 
 # Packed per-row sampling parameters: one int64 [NUM_SAMPLING_FIELDS, N] array per step (floats

@@ -14,6 +14,7 @@ from m3_rollout.engine.block_manager import BlockManager
 from m3_rollout.engine.interface import SamplingParams
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
+from m3_rollout.engine.sampler import TokenLogprobs, gather_logprobs
 from m3_rollout.engine.sequence import Sequence
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
@@ -38,12 +39,15 @@ def score_tokens(
     ids: list[int],
     chunk_tokens: int,
     temperature: float,
+    token_logprobs: TokenLogprobs | None = None,
 ) -> torch.Tensor:
     """Logprobs of ``ids`` [L] (checked plain ints) under ``model``.
 
     Args:
         ops: the engine's fast-op table (``LLMEngine.runner.ops``).
         chunk_tokens: tokens per forward (the step budget). temperature: logits are divided by it.
+        token_logprobs: the sampler's logprob op (``LLMEngine.runner.token_logprobs``; batch-invariant
+            mode), run on the model's device; None = ``torch.log_softmax`` on the host.
     Returns:
         fp32 (fp64 for an fp64 model) [L]: entry 0 = 0, entry i = log p(token_i | tokens_<i).
     Raises:
@@ -67,5 +71,8 @@ def score_tokens(
         block_manager.free_seq(seq)
     logits = torch.cat(chunks) / temperature  # [L, V]
     tgt = torch.tensor(ids[1:], dtype=torch.int64)
-    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, tgt[:, None]).squeeze(1)
+    if token_logprobs is None:
+        lp = gather_logprobs(logits[:-1], tgt)
+    else:
+        lp = gather_logprobs(logits[:-1].to(device), tgt.to(device), token_logprobs).cpu()
     return torch.cat([torch.zeros(1, dtype=lp.dtype), lp])  # [L]

@@ -152,6 +152,8 @@ def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) 
         cmd.append("--record-routing")
     if gen.record_block_selection:
         cmd.append("--record-block-selection")
+    if gen.batch_invariant:
+        cmd.append("--batch-invariant")
     if gen.http_api_key:
         cmd += ["--api-key", gen.http_api_key]
     return cmd

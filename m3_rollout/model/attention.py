@@ -205,7 +205,8 @@ class M3Attention(nn.Module):
         blocks from the index-key pages and attention reads the K/V pages, both through
         ``ops.msa_attention`` (sparse layers) / ``ops.paged_attention`` (dense layers). ``fused``
         (``ops.fused_layers`` only): one packed projection GEMM + ``ops.qkv_norm_rope_write`` for
-        norms, RoPE and the cache writes, the output projection through ``fused_linear``.
+        norms, RoPE and the cache writes, the output projection through ``fused_linear``. Every
+        projection goes through ``ops.linear`` when the table has one (``PagedOps.project``).
         Returns [T, H] in x.dtype.
         """
         t = x.shape[0]
@@ -216,15 +217,17 @@ class M3Attention(nn.Module):
             )
         else:
             c, s_ = cos[:, None, :], sin[:, None, :]  # [T, 1, r/2]
-            q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), c, s_)  # [T, nh, d]
-            k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), c, s_)  # [T, G, d]
-            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, G, d]
+            proj = ops.project  # lin(x), or the table's linear
+            nh, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+            q = apply_rope(self.q_norm(proj(self.q_proj, x).view(t, nh, d)), c, s_)  # [T, nh, d]
+            k = apply_rope(self.k_norm(proj(self.k_proj, x).view(t, g, d)), c, s_)  # [T, G, d]
+            v = proj(self.v_proj, x).view(t, g, d)  # [T, G, d]
             ik = iq = None
             if self.is_sparse:
                 iq = apply_rope(
-                    self.index_q_norm(self.index_q_proj(x).view(t, self.num_index_heads, self.index_dim)), c, s_
+                    self.index_q_norm(proj(self.index_q_proj, x).view(t, self.num_index_heads, self.index_dim)), c, s_
                 )  # [T, G, di]
-                ik = apply_rope(self.index_k_norm(self.index_k_proj(x)), cos, sin)  # [T, di]
+                ik = apply_rope(self.index_k_norm(proj(self.index_k_proj, x)), cos, sin)  # [T, di]
             if t > 0:
                 write_paged_kv(meta.slot_mapping, k, v, ik, k_cache, v_cache, index_cache)
         if t == 0:
@@ -248,7 +251,7 @@ class M3Attention(nn.Module):
         else:
             out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, None)  # [T, nh, d]
         out = out.reshape(t, self.num_heads * self.head_dim)
-        return fused_linear(out, self.o_proj.weight, ops) if fused else self.o_proj(out)
+        return fused_linear(out, self.o_proj.weight, ops) if fused else ops.project(self.o_proj, out)
 
     def projection_linears(self) -> list[nn.Linear]:
         """The Linears that read the layer input, in packed-column order: q, k, v (+ index q, index k)."""

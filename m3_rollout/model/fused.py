@@ -5,8 +5,9 @@ one GEMM runs per group of projections that read the same input (q|k|v|index q|i
 gate|up), over a weight buffer that the individual ``nn.Linear`` parameters are views of. Weight
 sync and checkpoint loading keep writing the individual parameters in place (design.md §3.6),
 which writes the packed buffer too. Decode-sized GEMMs take the table's skinny GEMM when it has
-one (``PagedOps.skinny_ok``). Everywhere else (the training forward, the layer-by-layer paged
-path) the plain ``nn.Linear`` runs, unchanged.
+one (``PagedOps.skinny_ok``); a table with ``linear`` (batch-invariant mode) runs every GEMM
+through it. Everywhere else (the training forward, the layer-by-layer paged path) the plain
+``nn.Linear`` runs, unchanged.
 
 Packing happens once, in ``M3ForCausalLM.cast_for_inference`` on CUDA (or ``pack_fused_weights()``),
 after the dtype cast: anything that later re-points a parameter's storage (``.to()``, assigning
@@ -25,8 +26,10 @@ from .paged_ops import PagedOps
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, ops: PagedOps) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T -> [T, N] on the fused path: the table's skinny GEMM for
-    decode-sized inputs (``ops.skinny_ok``), else ``F.linear``."""
+    """x [T, K] @ weight [N, K]^T -> [T, N] on the fused path: the table's ``linear`` when it has one,
+    else its skinny GEMM for decode-sized inputs (``ops.skinny_ok``), else ``F.linear``."""
+    if ops.linear is not None:
+        return ops.linear(x, weight)
     if ops.skinny_ok(x, weight):
         return ops.skinny_linear(x, weight)
     return torch.nn.functional.linear(x, weight)
@@ -75,8 +78,10 @@ def packed_linear(
     x: torch.Tensor, buf: torch.Tensor | None, linears: Sequence[nn.Linear], ops: PagedOps | None = None
 ) -> torch.Tensor:
     """x [T, in] @ concat(weights).T -> [T, sum(out_i)]: one GEMM on the packed buffer when the
-    aliasing holds (the table's skinny GEMM when ``ops`` has one that suits), else one GEMM per
-    Linear, concatenated."""
+    aliasing holds (through ``fused_linear`` when ``ops`` is given), else one GEMM per Linear
+    (``ops.matmul``: the table's ``linear`` when it has one), concatenated."""
     if packed_ok(buf, linears):
         return torch.nn.functional.linear(x, buf) if ops is None else fused_linear(x, buf, ops)
+    if ops is not None:
+        return torch.cat([ops.matmul(x, lin.weight) for lin in linears], dim=-1)
     return torch.cat([torch.nn.functional.linear(x, lin.weight) for lin in linears], dim=-1)

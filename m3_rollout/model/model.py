@@ -53,14 +53,14 @@ class M3DecoderLayer(nn.Module):
         selection_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer-by-layer paged path: h [T, H] -> [T, H] (see M3Attention.forward_paged); the routed
-        experts take ``ops.fused_experts`` when given."""
+        experts take ``ops.fused_experts`` when given, the GEMMs ``ops.linear`` when given."""
         h = h + self.self_attn.forward_paged(
             self.input_layernorm(h), cos, sin, meta, kv, ops, selection_out=selection_out
         )
         x = self.post_attention_layernorm(h)
         if self.is_moe:
-            return h + self.block_sparse_moe(x, fused_experts=ops.fused_experts)
-        return h + self.mlp(x)
+            return h + self.block_sparse_moe(x, fused_experts=ops.fused_experts, ops=ops)
+        return h + self.mlp(x, ops)
 
 
 class M3Model(nn.Module):
@@ -204,12 +204,13 @@ class M3ForCausalLM(nn.Module):
         logits are wanted (default all T). selection_out: optional int16 [>= T, S, G, K] buffer
         (``selection_dims``) that receives every sparse layer's block choice of the T tokens (the
         engine's block-selection record; rows past T untouched). Returns logits [N or T, V] in the
-        model dtype. Equals ``forward`` on the same tokens with their cached prefix (tests).
+        model dtype (lm_head through ``ops.linear`` when the table has one). Equals ``forward`` on
+        the same tokens with their cached prefix (tests).
         """
         h = self.model.forward_paged(input_ids, meta, kv, ops, selection_out)  # [T, H]
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)  # [N, H]
-        return self.lm_head(h)
+        return ops.project(self.lm_head, h)
 
     def sparse_attention_layers(self) -> list[M3Attention]:
         """The sparse (MSA) attention modules in layer order: the S axis of a block-selection record."""

@@ -53,7 +53,12 @@ class DenseMLP(nn.Module):
         self.alpha, self.limit, self.beta = config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta
         self.packed_gate_up: torch.Tensor | None = None  # [2I, H] gate|up buffer (pack_projections)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: PagedOps | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]; ``ops`` (paged path only): the three GEMMs through ``ops.project``
+        (the table's ``linear`` when it has one)."""
+        if ops is not None and ops.linear is not None:
+            gate, up = ops.project(self.gate_proj, x), ops.project(self.up_proj, x)
+            return ops.project(self.down_proj, swiglu_oai(gate, up, self.alpha, self.limit, self.beta))
         return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit, self.beta))
 
     def pack_projections(self) -> None:
@@ -63,12 +68,13 @@ class DenseMLP(nn.Module):
     def forward_fused(self, x: torch.Tensor, ops: PagedOps) -> torch.Tensor:
         """Fused paged path (``ops.fused_layers``): x [T, H] -> [T, H]: one gate|up GEMM, then either
         ``ops.swiglu`` and the down GEMM, or (decode-sized, ``ops.skinny_ok``) one skinny GEMM
-        computing SwiGLU-OAI on its operand load (same roundings)."""
+        computing SwiGLU-OAI on its operand load (same roundings). Both GEMMs through ``ops.linear``
+        when the table has one."""
         gu = packed_linear(x, self.packed_gate_up, [self.gate_proj, self.up_proj], ops)  # [T, 2I]
         w = self.down_proj.weight
         if ops.skinny_ok(gu, w):  # decode-sized: SwiGLU-OAI inside the down GEMM's operand load
             return ops.skinny_linear(gu, w, (self.alpha, self.limit, self.beta))
-        return self.down_proj(ops.swiglu(gu, self.alpha, self.limit, self.beta))
+        return ops.project(self.down_proj, ops.swiglu(gu, self.alpha, self.limit, self.beta))
 
 
 def route(
@@ -277,23 +283,30 @@ class M3MoE(nn.Module):
         self.last_topk_ids: torch.Tensor | None = None
         self.replay_topk_ids: torch.Tensor | None = None
 
-    def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, K], ids [T, K]); logits in max(fp32, weight dtype)."""
+    def router_logits(self, x: torch.Tensor, ops: PagedOps | None = None) -> torch.Tensor:
+        """x [T, H] -> router logits [T, E] in max(fp32, weight dtype); the GEMM through
+        ``ops.matmul`` when a table is given (paged path)."""
         w = self.gate.weight
         rdt = torch.promote_types(compute_dtype(x.dtype), compute_dtype(w.dtype))
-        logits = F.linear(x.to(rdt), w.to(rdt))  # [T, E]
+        if ops is not None:
+            return ops.matmul(x.to(rdt), w.to(rdt))
+        return F.linear(x.to(rdt), w.to(rdt))  # [T, E]
+
+    def router(self, x: torch.Tensor, ops: PagedOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, K], ids [T, K]); logits in max(fp32, weight dtype)."""
+        logits = self.router_logits(x, ops)  # [T, E]
         bias = self.e_score_correction_bias if self.use_routing_bias else None
         return route(logits, bias, self.top_k, self.routed_scaling_factor)
 
-    def _replay_router(self, x: torch.Tensor, given: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay_router(
+        self, x: torch.Tensor, given: torch.Tensor, ops: PagedOps | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], given [T, K] int64 (-1 rows = own choice) -> (weights [T, K], ids [T, K])."""
         if tuple(given.shape) != (x.shape[0], self.top_k):
             raise ValueError(
                 f"replayed expert ids have shape {tuple(given.shape)}, expected [T={x.shape[0]}, K={self.top_k}]"
             )
-        w = self.gate.weight
-        rdt = torch.promote_types(compute_dtype(x.dtype), compute_dtype(w.dtype))
-        logits = F.linear(x.to(rdt), w.to(rdt))  # [T, E]
+        logits = self.router_logits(x, ops)  # [T, E]
         bias = self.e_score_correction_bias if self.use_routing_bias else None
         _, own = route(logits, bias, self.top_k, self.routed_scaling_factor)
         given = given.to(device=x.device, dtype=torch.long)
@@ -315,16 +328,16 @@ class M3MoE(nn.Module):
         ``x2``, rounding routed + shared to x.dtype first, as ``forward`` does). Router (same maths
         as ``route``): without x32 and for few tokens one ``ops.router_gemm_topk`` launch, else an
         fp32 GEMM and ``ops.router_topk``. With replayed ids pending, or a router weight above
-        fp32, this is ``forward`` (returned as (out, None)).
+        fp32, this is ``forward`` (returned as (out, None)). GEMMs through ``ops.linear`` when given.
         """
         w = self.gate.weight
         if self.replay_topk_ids is not None or w.dtype != torch.float32:
-            return self.forward(x, fused_experts=ops.fused_experts), None
+            return self.forward(x, fused_experts=ops.fused_experts, ops=ops), None
         bias = self.e_score_correction_bias if self.use_routing_bias else None
         if x32 is None and ops.router_gemm_topk_ok(x.shape[0], w):  # decode-sized: GEMM + top-k in one launch
             weights, ids = ops.router_gemm_topk(x, w, bias, self.top_k, self.routed_scaling_factor)
         else:
-            logits = F.linear(x.float() if x32 is None else x32, w)  # [T, E] fp32
+            logits = ops.matmul(x.float() if x32 is None else x32, w)  # [T, E] fp32
             weights, ids = ops.router_topk(logits, bias, self.top_k, self.routed_scaling_factor)
         self.last_topk_ids = ids
         return self.experts(x, ids, weights, ops.fused_experts), self.shared_experts.forward_fused(x, ops)
@@ -334,16 +347,18 @@ class M3MoE(nn.Module):
         x: torch.Tensor,
         topk_ids: torch.Tensor | None = None,
         fused_experts: Callable[..., torch.Tensor] | None = None,
+        ops: PagedOps | None = None,
     ) -> torch.Tensor:
         """x [..., H] -> [..., H]; ``fused_experts``: the routed experts' fast op (paged path only,
-        ``PagedOps.fused_experts``; None = ``grouped_experts``)."""
+        ``PagedOps.fused_experts``; None = ``grouped_experts``); ``ops`` (paged path only): the
+        router and shared-expert GEMMs through the table's ``linear`` when it has one."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
         given = topk_ids if topk_ids is not None else self.replay_topk_ids
         if given is None:
-            weights, ids = self.router(x2)  # [T, K] each
+            weights, ids = self.router(x2, ops)  # [T, K] each
         else:
-            weights, ids = self._replay_router(x2, given)
+            weights, ids = self._replay_router(x2, given, ops)
         self.last_topk_ids = ids.detach()
-        out = self.experts(x2, ids, weights, fused_experts) + self.shared_experts(x2)  # [T, H]
+        out = self.experts(x2, ids, weights, fused_experts) + self.shared_experts(x2, ops)  # [T, H]
         return out.view(shape)

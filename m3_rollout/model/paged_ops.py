@@ -7,7 +7,7 @@ ops. The engine hands them in as one frozen ``PagedOps`` (``m3_rollout/engine/op
 ``paged_ops_for`` picks Triton kernels on CUDA, PyTorch references elsewhere); the model only
 calls its fields. The training forward (``M3ForCausalLM.forward``) never sees a table.
 
-Fields fall in three groups:
+Fields fall in four groups:
 - attention (always given; the model has no paged attention of its own):
   ``paged_attention(q [T, nh, d], k_cache_l, v_cache_l [P, G, ps, d], meta, scale, topk_ids [T, G, K] | None)
   -> [T, nh, d]`` (dense causal when topk_ids is None) and
@@ -24,10 +24,16 @@ Fields fall in three groups:
 - the fused layer path (all six given, or none = the layer-by-layer PyTorch path):
   ``add_rms_norm``, ``qkv_norm_rope_write``, ``swiglu``, ``router_topk``, ``router_gemm_topk`` and its
   predicate ``router_gemm_topk_ok``, with the signatures of kernels/fused_layers.py; plus, optional
-  within it, the decode-sized GEMM ``skinny_linear`` with its predicate ``skinny_linear_ok``.
+  within it, the decode-sized GEMM ``skinny_linear`` with its predicate ``skinny_linear_ok``;
+- the projection GEMM ``linear(x [T, K], weight [N, K], bias=None) -> [T, N]`` in x.dtype: when given
+  (the batch-invariant table, design.md §4.6), every GEMM of the paged forward calls it instead of
+  ``F.linear`` / an ``nn.Linear`` / the skinny GEMM: q/k/v(/index q/k) (packed or not), o_proj, the
+  dense MLP and shared expert, the router logits (fp32) and lm_head; None = today's GEMMs.
+  Exclusive with ``skinny_linear``.
 
 The ops have no backward: the model takes the ``fused_experts`` and fused-layer fields only for
-calls that autograd does not differentiate (``needs_autograd``).
+calls that autograd does not differentiate (``needs_autograd``); ``linear`` is only handed to the
+paged forward (the training forward never sees a table).
 """
 
 from __future__ import annotations
@@ -52,8 +58,8 @@ class PagedOps:
     """Fast ops of the paged forward (see the module docstring for each field's contract).
 
     Raises ValueError at construction when the fused-layer fields are only partly given, when
-    ``skinny_linear`` and ``skinny_linear_ok`` are not given together, or when the skinny GEMM is
-    given without the fused layer path (it only runs there).
+    ``skinny_linear`` and ``skinny_linear_ok`` are not given together, when the skinny GEMM is
+    given without the fused layer path (it only runs there), or with ``linear`` (which replaces it).
     """
 
     paged_attention: Callable[..., torch.Tensor]
@@ -69,6 +75,7 @@ class PagedOps:
     skinny_linear_ok: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
     # The attention ops accept scratch= (see the module docstring); False once the engine bound it.
     takes_prefill_scratch: bool = False
+    linear: Callable[..., torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         given = {f.name: getattr(self, f.name) is not None for f in fields(self)}
@@ -80,11 +87,25 @@ class PagedOps:
             raise ValueError("PagedOps: give skinny_linear and skinny_linear_ok together (or neither)")
         if given["skinny_linear"] and not all(fused):
             raise ValueError("PagedOps: skinny_linear runs on the fused layer path only; give its fields too")
+        if given["skinny_linear"] and given["linear"]:
+            raise ValueError("PagedOps: linear replaces every GEMM of the paged forward; give no skinny_linear with it")
 
     @property
     def fused_layers(self) -> bool:
         """Whether the table carries the fused layer path (``add_rms_norm`` and the others)."""
         return self.add_rms_norm is not None
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, K] @ weight [N, K]^T -> [T, N]: ``linear`` when given, else ``F.linear``."""
+        if self.linear is not None:
+            return self.linear(x, weight)
+        return torch.nn.functional.linear(x, weight)
+
+    def project(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` (an ``nn.Linear``, e.g. o_proj, lm_head), through ``linear`` when given."""
+        if self.linear is not None:
+            return self.linear(x, module.weight, module.bias)
+        return module(x)
 
     def skinny_ok(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether x [T, K] @ weight [N, K]^T takes ``skinny_linear`` (given, and it suits the call)."""

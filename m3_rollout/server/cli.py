@@ -91,6 +91,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="record each sparse layer's KV blocks per token (/generate return_block_selection)",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="fixed-order kernels: logits / logprobs independent of the batch (CUDA; slower; attention pending)",
+    )
     p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -129,6 +134,7 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         index_cache_dtype=args.index_cache_dtype,
         record_block_selection=args.record_block_selection,
+        batch_invariant=args.batch_invariant,
     )
     if args.expert_parallel_size > 1 or args.engine_process:
         from m3_rollout.config import MasterConfig

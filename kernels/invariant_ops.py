@@ -1,0 +1,287 @@
+"""Batch-invariant non-attention ops of the paged forward and the sampler (issue 24, design.md §4.6).
+
+Governing idea: a token's result is bitwise the same whatever else is in the step (batch size,
+other sequences, chunk boundaries, prefix-cache hits, CUDA-graph padding) when every reduction
+that produces it runs in one fixed order. A GPU kernel's reduction order is fixed by its compiled
+code: tile sizes, warps, MMA instruction shape and the sequence of K steps. So each op here has
+ONE launch configuration per activation dtype, chosen without looking at the number of rows T:
+no autotuning, no heuristic keyed on T, no split-K (the K axis is walked by one program from 0 to
+K in BLOCK_K steps, accumulated in fp32), no atomics. A row then meets the same instructions in
+the same order whether it is alone or row 17 of 300, in whichever tile position: tiles never
+mix rows (each output element is the dot product of its own row with its own column), and rows
+past T are masked loads that only feed outputs which are never stored.
+
+The configuration does not depend on N (the output width) either, so a packed q|k|v or gate|up
+GEMM gives each column the bits a GEMM over that projection alone gives (the trainer runs the
+projections unpacked).
+
+Ops:
+- ``linear(x [T, K], weight [N, K], bias=None) -> [T, N]`` in x.dtype: every projection, the dense
+  MLP and shared expert, lm_head, and (fp32 x / weight, exact fp32 products) the router GEMM.
+- ``fused_experts``: ``m3_kernels.fused_moe.fused_experts`` with one fixed tile config
+  (``INVARIANT_MOE_CONFIG``) instead of ``default_config``, which picks tile heights and the ragged
+  128-row + tail layout from T (a row's MMA shape then depends on the batch). The aligned layout
+  is row-independent (each tile row is one (token, slot) pair; padding rows are never stored)
+  and its combine sums a token's K slots in slot order k = 0..K-1 in fp32 (no atomics).
+- ``rms_norm`` / ``add_rms_norm``: ``m3_kernels.fused_layers.add_rms_norm`` itself. It is already
+  invariant: one program per row, the row read in one BLOCK = next_pow2(N) vector, one ``tl.sum``
+  tree and num_warps both fixed by N alone; nothing is duplicated here. The same holds (and the
+  invariant table reuses them) for ``qkv_norm_rope_write`` (one program per (token, head), block
+  next_pow2(head dim)), ``swiglu`` (element-wise) and ``router_topk`` (one program per row).
+  Its sibling ``router_gemm_topk`` is row-invariant too, but the model takes it only for
+  decode-sized steps (``router_gemm_topk_ok(T, ...)``), so the choice between it and a GEMM +
+  ``router_topk`` depends on T: the invariant table answers ``router_gemm_topk_never`` and the
+  router logits always come from ``linear`` in fp32.
+- ``token_logprobs(logits [N, V], tokens [N]) -> fp32 [N]``: log_softmax(row)[token], one program
+  per row, the vocabulary walked in fixed LOGPROB_BLOCK chunks (max, then sum of exp), the same
+  in the eager sampler, the decode graphs and (later) the trainer's loss.
+
+Cost: fixed tiles are the compromise between decode (few rows: a 64-row tile is mostly masked,
+the GEMM is bound by streaming the weights) and prefill (many rows: smaller tiles than cuBLAS
+picks); the MoE pads every expert to 64 rows. Not yet measured on the GPU: the issue's target is
+<= 15% slower than the fast mode.
+
+Not here: attention (the other half of issue 24, ``kernels/invariant_attention.py``), the EP
+combine across ranks, and the trainer's use of these ops.
+
+Shape legend: T rows (tokens), K reduction width, N output width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from m3_kernels import fused_layers as fl
+from m3_kernels import fused_moe as fm
+from m3_kernels.moe_tiles import GemmTile, dot_precision
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """The one launch configuration of ``linear`` for an activation dtype (no field depends on T or N)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# NOTE: untuned first choice (no GPU yet). 16-bit: 64-row tiles = one Hopper wgmma row block per
+# warpgroup; fp32 ("ieee" products, FMA units): smaller tiles keep the fp32 operands in registers.
+LINEAR_CONFIGS = {
+    torch.bfloat16: LinearConfig(64, 64, 64, 4, 4),
+    torch.float16: LinearConfig(64, 64, 64, 4, 4),
+    torch.float32: LinearConfig(32, 32, 32, 4, 2),
+}
+
+# The routed experts' tiles: aligned layout (every local expert padded to 64 rows), no TMA, no
+# permuted copy, no ragged tiles. Untuned first choice, see the module docstring.
+INVARIANT_MOE_CONFIG = fm.MoEKernelConfig(64, GemmTile(64, 64, 4, 3, 4), GemmTile(64, 64, 4, 3, 4))
+
+LOGPROB_BLOCK = 1024  # vocabulary chunk of token_logprobs
+
+
+def linear_config(dtype: torch.dtype) -> LinearConfig:
+    """``LINEAR_CONFIGS[dtype]``; raises ValueError for dtypes the kernel does not take."""
+    if dtype not in LINEAR_CONFIGS:
+        raise ValueError(f"invariant linear: dtype {dtype} not supported (bf16 / fp16 / fp32)")
+    return LINEAR_CONFIGS[dtype]
+
+
+def moe_config(dtype: torch.dtype) -> fm.MoEKernelConfig:
+    """The fused-MoE config of ``fused_experts`` for activations of ``dtype`` (fp32 pipelines less deep)."""
+    return fm.config_for_dtype(INVARIANT_MOE_CONFIG, dtype)
+
+
+# ----------------------------------------------------------------------------- GEMM
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every T: no specialisation on the row count
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]): program (row tile, column tile), K walked 0 -> K
+    # in BLOCK_K steps by this one program (fp32 accumulator), then rounded once to out's dtype.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = tl.arange(0, BLOCK_K)
+    mm = om < M
+    mn = on < N
+    x_ptrs = x_ptr + om[:, None].to(tl.int64) * stride_xm + ok[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + on[None, :].to(tl.int64) * stride_wn + ok[:, None]  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mk = ok < K - k0
+        a = tl.load(x_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + om[:, None].to(tl.int64) * stride_om + on[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear``: x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x.dtype.
+
+    x, weight: one dtype of bf16 / fp16 / fp32, last dim contiguous (row strides free); bias any
+    float dtype, added in fp32 before the one rounding. fp32 inputs use exact fp32 products
+    ("ieee", no TF32): the router GEMM. T may be 0. Row t of the result depends only on x[t] and
+    the weights (module docstring); it equals ``F.linear`` up to fp32 summation order.
+    Raises ValueError on shape / dtype / layout mismatches.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"invariant linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [T, K], [N, K]"
+        )
+    if weight.dtype != x.dtype:
+        raise ValueError(f"invariant linear: weight dtype {weight.dtype} != x dtype {x.dtype}")
+    cfg = linear_config(x.dtype)
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("invariant linear: x and weight need a contiguous last dim")
+    t, k = x.shape
+    n = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"invariant linear: bias {tuple(bias.shape)}, expected [{n}]")
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(t, n))
+    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _linear_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        t,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- norms, router
+add_rms_norm = fl.add_rms_norm  # already row-invariant (module docstring): the same function
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm of x [T, N] (scale 1 + weight [N]) -> [T, N] in x.dtype: ``add_rms_norm``
+    without residual; one program per row (invariant, see the module docstring)."""
+    return fl.add_rms_norm(x, weight, eps)[0]
+
+
+def router_gemm_topk_never(num_tokens: int, gate_weight: torch.Tensor) -> bool:
+    """``PagedOps.router_gemm_topk_ok`` of the invariant table: always False, so every step takes
+    the same router route (fp32 ``linear`` + ``router_topk``) whatever its number of tokens."""
+    return False
+
+
+# ----------------------------------------------------------------------------- routed experts
+def fused_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    alpha: float,
+    limit: float,
+    beta: float = 1.0,
+    expert_range: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``m3_kernels.fused_moe.fused_experts`` (same arguments, shapes and maths: x [T, H], ids /
+    weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype) with the fixed tile config
+    ``moe_config(x.dtype)``: token t's output depends only on x[t], its ids and weights (module
+    docstring). Cost: every local expert with rows is padded to 64 rows."""
+    return fm.fused_experts(
+        x,
+        ids,
+        weights,
+        w13,
+        w2,
+        alpha=alpha,
+        limit=limit,
+        beta=beta,
+        expert_range=expert_range,
+        config=moe_config(x.dtype),
+    )
+
+
+# ----------------------------------------------------------------------------- log-softmax
+@triton.jit
+def _token_logprob_kernel(x_ptr, tok_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr):
+    # out[r] = x[r, tok[r]] - (max_r + log(sum_v exp(x[r, v] - max_r))) in fp32; chunks of BLOCK
+    # in order, per-lane partial sums, one tl.sum tree at the end.
+    r = tl.program_id(0).to(tl.int64)
+    row = x_ptr + r * stride_x
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        xv = tl.load(row + v0 + offs, mask=offs < V - v0, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, xv)
+    mx = tl.max(m, axis=0)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        xv = tl.load(row + v0 + offs, mask=offs < V - v0, other=float("-inf")).to(tl.float32)
+        s += tl.exp(xv - mx)
+    lse = mx + tl.log(tl.sum(s, axis=0))
+    tok = tl.load(tok_ptr + r).to(tl.int64)
+    tl.store(out_ptr + r, tl.load(row + tok).to(tl.float32) - lse)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits[r])[tokens[r]] for every row r, batch-invariant.
+
+    logits: [N, V] bf16 / fp16 / fp32 (upcast to fp32 in the kernel), last dim contiguous;
+    tokens: [N] integer ids in [0, V) (not checked on the device). Returns fp32 [N]. One program
+    per row walks the vocabulary in LOGPROB_BLOCK chunks in order (max pass, then sum-of-exp
+    pass), so a row's value does not depend on N; equals ``torch.log_softmax(...).gather(...)``
+    up to fp32 summation order. Raises ValueError on bad shapes / dtypes.
+    """
+    if logits.dim() != 2 or logits.dtype not in _DTYPES or logits.stride(1) != 1:
+        raise ValueError(
+            f"token_logprobs: logits must be [N, V] bf16/fp16/fp32 with a contiguous last dim, "
+            f"got {tuple(logits.shape)} {logits.dtype}"
+        )
+    n, v = logits.shape
+    if tuple(tokens.shape) != (n,) or tokens.dtype.is_floating_point:
+        raise ValueError(f"token_logprobs: tokens must be integer [{n}], got {tuple(tokens.shape)} {tokens.dtype}")
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return out
+    _token_logprob_kernel[(n,)](logits, tokens.contiguous(), out, logits.stride(0), v, BLOCK=LOGPROB_BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,280 @@
+"""Batch-invariant ops (kernels/invariant_ops.py) on CPU under the Triton interpreter, fp32 and fp16.
+
+For each op:
+(a) it equals the PyTorch reference (stated tolerances: fp32 ~1e-5 relative to O(1) values, fp32
+    reduction order only; fp16 outputs one fp16 rounding (2e-3) of an fp32-accumulated result);
+(b) batch invariance, bitwise (``torch.equal``): target rows computed alone (one call per row), in a
+    batch of 3, at random positions of a batch of 32 and of all rows mixed give identical bits;
+(c) the check has teeth: ``invariance_failures`` reports a linear whose reduction order depends on
+    the batch (split-K above 8 rows), and the dispatch launches ONE configuration (kernel
+    constexprs, warps, stages, MoE tile config) for every number of rows.
+
+The interpreter's ``tl.dot`` runs here one tile row at a time (tests/interpreter_dot.py: numpy's
+BLAS gives a row position-dependent bits, a CPU artifact); so (b) checks the kernels' structure (no
+cross-row or T-dependent reduction, masks, configs); the GPU test (tests/gpu/test_invariant_ops_gpu.py)
+checks the compiled bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreter_dot import row_wise_dot  # tests/ on sys.path
+from invariant_util import invariance_failures
+
+from m3_kernels.fused_interpret import interpreted_invariant_ops
+from m3_rollout.model.moe import grouped_experts, route, swiglu_oai
+from m3_rollout.model.norm import gemma_rms_norm
+
+inv = interpreted_invariant_ops()
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+ALPHA, LIMIT, BETA = 1.702, 7.0, 1.0
+N_ROWS = 40  # rows 0..N_TARGET-1 are the targets, the rest the "other sequences" (invariant_util)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def per_row_dot():
+    with row_wise_dot():
+        yield
+
+
+def _rand(*shape, gen, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------- linear
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [96, 70])  # 70: the last K block is partial
+def test_linear_matches_reference(dtype, k):
+    g = torch.Generator().manual_seed(1)
+    x, w = _rand(37, k, gen=g, dtype=dtype), _rand(50, k, gen=g, dtype=dtype, scale=k**-0.5)
+    bias = _rand(50, gen=g, dtype=dtype)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    torch.testing.assert_close(inv.linear(x, w).double(), ref, **TOL[dtype])
+    torch.testing.assert_close(inv.linear(x, w, bias).double(), ref + bias.double(), **TOL[dtype])
+    assert inv.linear(x, w).dtype == dtype
+    assert inv.linear(x[:0], w).shape == (0, 50)
+
+
+def test_linear_router_fp32_and_strided_rows():
+    """The fp32 router GEMM (exact fp32 products) on a row-strided view equals F.linear in fp64."""
+    g = torch.Generator().manual_seed(2)
+    x = _rand(9, 2 * 64, gen=g, dtype=torch.float32)[:, :64]  # row stride 128
+    w = _rand(16, 64, gen=g, dtype=torch.float32)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    torch.testing.assert_close(inv.linear(x, w).double(), ref, rtol=1e-6, atol=1e-5)
+
+
+def test_linear_rejects_bad_inputs():
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="dtype"):
+        inv.linear(x, torch.zeros(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"\[T, K\]"):
+        inv.linear(x, torch.zeros(4, 9))
+    with pytest.raises(ValueError, match="contiguous"):
+        inv.linear(x, torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="not supported"):
+        inv.linear(x.double(), torch.zeros(4, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_is_batch_invariant(dtype):
+    g = torch.Generator().manual_seed(3)
+    x, w = _rand(N_ROWS, 96, gen=g, dtype=dtype), _rand(70, 96, gen=g, dtype=dtype, scale=0.1)
+    assert invariance_failures(lambda xs: inv.linear(xs, w), (x,)) == []
+    # packed weights (q|k|v): each column gets the bits of the GEMM over its own block of rows
+    w1, w2 = w[:30], w[30:]
+    assert torch.equal(inv.linear(x, w), torch.cat([inv.linear(x, w1), inv.linear(x, w2)], -1))
+
+
+def test_invariance_check_catches_a_batch_dependent_reduction():
+    """(c): a GEMM that splits K in two halves once the batch reaches 8 rows (a split-K heuristic
+    keyed on T, as cuBLAS / autotuned kernels have) fails the check; same kernel otherwise."""
+    g = torch.Generator().manual_seed(4)
+    x, w = _rand(N_ROWS, 128, gen=g, dtype=torch.float32), _rand(64, 128, gen=g, dtype=torch.float32)
+
+    def split_k_when_large(xs):
+        if xs.shape[0] < 8:
+            return inv.linear(xs, w)
+        return inv.linear(xs[:, :64].contiguous(), w[:, :64].contiguous()) + inv.linear(
+            xs[:, 64:].contiguous(), w[:, 64:].contiguous()
+        )
+
+    assert set(invariance_failures(split_k_when_large, (x,))) == {"batch32", "mixed_all"}
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel: records (constexprs + launch options, grid) and forwards."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((tuple(sorted(kwargs.items())), grid))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_dispatch_has_one_config_for_every_batch(dtype, monkeypatch):
+    """(c): the launch options do not depend on T (nor on N: a packed and a split weight agree)."""
+    spy = LaunchSpy(inv._linear_kernel)
+    monkeypatch.setattr(inv, "_linear_kernel", spy)
+    g = torch.Generator().manual_seed(5)
+    w = _rand(80, 48, gen=g, dtype=dtype)
+    for t in (1, 3, 32, 300):
+        inv.linear(_rand(t, 48, gen=g, dtype=dtype), w)
+        inv.linear(_rand(t, 48, gen=g, dtype=dtype), w[:16])
+    configs = {c[0] for c in spy.calls}
+    assert len(spy.calls) == 8 and len(configs) == 1
+    assert dict(next(iter(configs)))["BLOCK_M"] == inv.linear_config(dtype).block_m
+
+
+# ----------------------------------------------------------------------------- routed experts
+def _moe_case(dtype, t=N_ROWS, e=6, h=32, inter=16, k=2, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(t, e, generator=g).topk(k, -1).indices
+    weights = torch.rand(t, k, generator=g) + 0.1
+    weights = weights / weights.sum(-1, keepdim=True) * 2.0
+    x = _rand(t, h, gen=g, dtype=dtype, scale=2.0)
+    w13 = _rand(e, 2 * inter, h, gen=g, dtype=dtype, scale=2 * h**-0.5)
+    w2 = _rand(e, h, inter, gen=g, dtype=dtype, scale=inter**-0.5)
+    return x, ids, weights, w13, w2
+
+
+def _experts(x, ids, weights, w13, w2, expert_range=None):
+    return inv.fused_experts(x, ids, weights, w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA, expert_range=expert_range)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_experts_matches_reference(dtype):
+    x, ids, weights, w13, w2 = _moe_case(dtype)
+    act = lambda g, u: swiglu_oai(g, u, ALPHA, LIMIT, BETA)  # noqa: E731
+    ref = grouped_experts(x.double(), ids, weights.double(), w13.double(), w2.double(), act)
+    got = _experts(x, ids, weights, w13, w2)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    # EP local slice: slots routed to other ranks add nothing
+    local = _experts(x, ids, weights, w13[2:5], w2[2:5], expert_range=(2, 5))
+    inside = ((ids >= 2) & (ids < 5)).double()
+    ref_local = grouped_experts(x.double(), ids, weights.double() * inside, w13.double(), w2.double(), act)
+    torch.testing.assert_close(local.double(), ref_local, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_experts_is_batch_invariant(dtype):
+    x, ids, weights, w13, w2 = _moe_case(dtype)
+    fn = lambda xs, i, w: _experts(xs, i, w, w13, w2)  # noqa: E731
+    assert invariance_failures(fn, (x, ids, weights)) == []
+    fn_local = lambda xs, i, w: _experts(xs, i, w, w13[1:4], w2[1:4], expert_range=(1, 4))  # noqa: E731
+    assert invariance_failures(fn_local, (x, ids, weights)) == []
+
+
+def test_fused_experts_dispatch_has_one_config_for_every_batch(monkeypatch):
+    """(c): the stock heuristic picks tiles (and the ragged layout) by rows per expert; the
+    invariant entry passes one aligned config whatever T is, and the combine runs in slot order."""
+    seen = []
+    stock = inv.fm.fused_experts
+
+    def spy(*args, config=None, **kwargs):
+        seen.append(config)
+        return stock(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(inv.fm, "fused_experts", spy)
+    for t in (1, 3, 32, 300):
+        x, ids, weights, w13, w2 = _moe_case(torch.float16, t=t, e=4)
+        _experts(x, ids, weights, w13, w2)
+    assert len(seen) == 4 and len(set(seen)) == 1
+    cfg = seen[0]
+    assert cfg == inv.moe_config(torch.float16) and not (cfg.ragged or cfg.tma or cfg.permute)
+    stock_configs = {inv.fm.default_config(t * 2, 4, 32, 16) for t in (1, 3, 32, 300)}
+    assert len(stock_configs) > 1  # why the invariant entry exists
+
+
+# ----------------------------------------------------------------------------- norms, router
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_are_batch_invariant(dtype):
+    """rms_norm / add_rms_norm (fused_layers' kernel, reused): the reference, and bitwise per row
+    with a residual and a second addend (the residual written in place is per row too)."""
+    g = torch.Generator().manual_seed(7)
+    n = 48
+    x, x2, res = (_rand(N_ROWS, n, gen=g, dtype=dtype) for _ in range(3))
+    w = _rand(n, gen=g, dtype=dtype, scale=0.3)
+    torch.testing.assert_close(inv.rms_norm(x, w, 1e-6), gemma_rms_norm(x, w, 1e-6), **TOL[dtype])
+    assert invariance_failures(lambda xs: inv.rms_norm(xs, w, 1e-6), (x,)) == []
+
+    def add_norm(xs, x2s, rs):
+        r = rs.clone()
+        y, y32 = inv.add_rms_norm(xs, w, 1e-6, residual=r, x2=x2s, want_fp32=True)
+        return torch.cat([y.float(), y32, r.float()], -1)
+
+    assert invariance_failures(add_norm, (x, x2, res)) == []
+
+
+def test_router_route_is_batch_invariant():
+    """fp32 router logits through the invariant linear, then router_topk: ids and weights per row;
+    the per-token GEMM route is never taken (its choice depends on T)."""
+    from m3_kernels.fused_interpret import interpreted_fused_layers
+
+    fl = interpreted_fused_layers()
+    g = torch.Generator().manual_seed(8)
+    x, gate = _rand(N_ROWS, 64, gen=g, dtype=torch.float32), _rand(8, 64, gen=g, dtype=torch.float32)
+    bias = _rand(8, gen=g, dtype=torch.float32, scale=0.1)
+
+    def router(xs):
+        w, ids = fl.router_topk(inv.linear(xs, gate), bias, 2, 2.5)
+        return torch.cat([w, ids.float()], -1)
+
+    assert invariance_failures(router, (x,)) == []
+    w_ref, ids_ref = route(torch.nn.functional.linear(x, gate), bias, 2, 2.5)
+    out = router(x)
+    assert torch.equal(out[:, 2:].long(), ids_ref)
+    torch.testing.assert_close(out[:, :2], w_ref, rtol=1e-5, atol=1e-6)
+    assert not any(inv.router_gemm_topk_never(t, gate) for t in (1, 8, 4096))
+
+
+# ----------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [300, 2500])  # one partial chunk; three chunks of LOGPROB_BLOCK
+def test_token_logprobs(dtype, v):
+    g = torch.Generator().manual_seed(9)
+    logits = _rand(N_ROWS, v, gen=g, dtype=dtype, scale=3.0)
+    tokens = torch.randint(0, v, (N_ROWS,), generator=g)
+    ref = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
+    got = inv.token_logprobs(logits, tokens)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=2e-5)
+    assert invariance_failures(inv.token_logprobs, (logits, tokens)) == []
+    masked = logits.float().masked_fill(torch.rand(N_ROWS, v, generator=g) < 0.5, float("-inf"))
+    masked[torch.arange(N_ROWS), tokens] = 1.0  # a top-k / top-p masked row, the token kept
+    ref_m = torch.log_softmax(masked.double(), -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(inv.token_logprobs(masked, tokens).double(), ref_m, rtol=1e-5, atol=2e-5)
+
+
+def test_sampler_uses_the_logprob_op():
+    """sample_rows with the op: same tokens as without (the argmax needs no op), logprobs from
+    the op (bitwise per row), within fp32 order of torch's log_softmax."""
+    from m3_rollout.engine.sampler import SamplingTensors, sample_rows
+
+    g = torch.Generator().manual_seed(10)
+    n, v = 6, 1500
+    logits = _rand(n, v, gen=g, dtype=torch.float32, scale=2.0)
+    params = SamplingTensors(
+        temperature=torch.full((n,), 0.7, dtype=torch.float64),
+        top_k=torch.full((n,), -1),
+        top_p=torch.ones(n),
+        seeds=torch.arange(n),
+        sample_ids=torch.arange(n),
+    )
+    pos = torch.arange(n) + 5
+    raw = torch.tensor([True, False] * 3)
+    tok_ref, lp_ref = sample_rows(logits, params, pos, raw, False, False)
+    tok, lp = sample_rows(logits, params, pos, raw, False, False, inv.token_logprobs)
+    assert torch.equal(tok, tok_ref)
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=2e-5)
+    x = logits / params.temperature.float()[:, None]
+    want = torch.where(raw, inv.token_logprobs(logits, tok), inv.token_logprobs(x, tok))
+    assert torch.equal(lp, want)
