@@ -16,6 +16,9 @@ Selection rules (same as before the table existed):
   activation dtype of bf16 / fp16 / fp32; the model still keeps calls that autograd differentiates
   on its PyTorch path (the kernels have no backward).
 - skinny decode GEMM: with the fused layers, unless turned off (A/B profiling: ``skinny_gemm=False``).
+- batch-invariant mode (issue 24): ``invariant_attention_fields`` gives the attention fields
+  (``m3_kernels.invariant_attention``: one kernel and tile shape for decode and prefill, no
+  split-K) for the batch-invariant table.
 """
 
 from __future__ import annotations
@@ -93,3 +96,20 @@ def interpreted_paged_ops(skinny_gemm: bool = True) -> PagedOps:
     return PagedOps(
         paged_attention=paged_attention_ref, msa_attention=msa_attention_ref, **_fused_layer_fields(fl, skinny_gemm)
     )
+
+
+def invariant_attention_fields(interpret: bool = False) -> dict:
+    """The attention fields of a batch-invariant ``PagedOps`` (issue 24): ``{"paged_attention": ...,
+    "msa_attention": ...}`` from ``m3_kernels.invariant_attention`` (one reduction order per token
+    whatever the batch, chunking, prefix hits or graph padding; decode and prefill give the same bits).
+
+    interpret: run the kernels in the Triton interpreter on CPU tensors (tests; sets
+    TRITON_INTERPRET=1 for the rest of the process). Otherwise the compiled kernels (CUDA tensors).
+    """
+    if interpret:
+        from m3_kernels.msa_interpret import interpreted_invariant_attention
+
+        ia = interpreted_invariant_attention()
+    else:
+        import m3_kernels.invariant_attention as ia
+    return {"paged_attention": ia.invariant_paged_attention, "msa_attention": ia.invariant_msa_attention}
