@@ -8,13 +8,19 @@ NOTE: triton 3.6's interpreter converts loop bounds with ``int(ndarray)``, which
 rejects for the 1-element arrays that program ids and scalar loads are; ``patch_numpy_index``
 makes that conversion take the single element (test-only shim, applied once; it wraps a private
 hook of ``triton.runtime.interpreter``, the only place the conversion can be changed).
+NOTE: the interpreter's ``tl.dot`` is ``numpy.matmul`` (BLAS), whose result for one row of the left
+operand depends on the row's place in the tile (BLAS micro-kernels); a GPU tensor-core dot of a
+fixed shape does not. ``fixed_order_dot`` swaps in a dot that sums over k in order, element by
+element (row-invariant like the hardware), for the batch-invariance tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import NamedTuple
 
@@ -82,3 +88,48 @@ def interpreted_kernels() -> InterpretedMSA:
     os.environ["TRITON_INTERPRET"] = "1"
     interpreted_module(FP8_HELPERS)
     return InterpretedMSA(*(interpreted_module(name) for name in _KERNEL_MODULES))
+
+
+INVARIANT_ATTENTION = "m3_kernels.invariant_attention"
+
+
+def interpreted_invariant_attention() -> ModuleType:
+    """The ``m3_kernels.invariant_attention`` module (batch-invariant MSA attention) with interpreted
+    kernels; sets TRITON_INTERPRET=1 for the rest of the process (see ``interpreted_kernels``)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    interpreted_module(FP8_HELPERS)  # its score kernel calls the FP8 helpers
+    return interpreted_module(INVARIANT_ATTENTION)
+
+
+@contextlib.contextmanager
+def fixed_order_dot() -> Iterator[None]:
+    """Within the block, the interpreter's 2-D ``tl.dot`` sums a[m, k] * b[k, n] over k = 0, 1, ... in the
+    accumulator's dtype, one rounding per product and per add: row m's result depends on row m of a
+    alone, as on the GPU (module NOTE). fp8 operands go through fp16 as in the interpreter's own dot.
+    Tests only; restores the interpreter's dot on exit."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data = a.data, b.data
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():
+            a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+        if b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+            b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        dt = d.data.dtype
+        a_data, b_data = a_data.astype(dt), b_data.astype(dt)
+        prod = a_data[:, :, None] * b_data[None, :, :]  # [M, K, N], one rounding per product
+        out = np.cumsum(prod, axis=1, dtype=dt)[:, -1, :]  # running sum: k = 0, 1, ... in order
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = original

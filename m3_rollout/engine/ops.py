@@ -23,7 +23,8 @@ Selection rules (same as before the table existed):
   on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
   for every projection, the router logits and lm_head; ``fused_experts`` with one tile config; the
   router never takes the T-dependent per-token route), no skinny GEMM; attention from
-  ``invariant_attention_fields`` (NOT yet invariant, see there). Elsewhere the reference table
+  ``invariant_attention_fields`` (``m3_kernels.invariant_attention``: one kernel and tile shape for decode and
+  prefill, pages in ascending order, no split over the KV). Elsewhere the reference table
   (with a warning: the PyTorch ops are not batch-invariant).
 """
 
@@ -68,21 +69,25 @@ def _fused_layer_fields(fl, skinny_gemm: bool) -> dict:
     return out
 
 
-def invariant_attention_fields(device: torch.device | str) -> dict:
-    """HOOK for the batch-invariant attention (issue 24, branch binv_attn: ``kernels/invariant_attention.py``):
-    the ``paged_attention`` / ``msa_attention`` fields of the invariant table.
+def invariant_attention_fields(device: torch.device | str = "cuda", interpret: bool = False) -> dict:
+    """The ``paged_attention`` / ``msa_attention`` fields of the batch-invariant table (issue 24):
+    ``m3_kernels.invariant_attention`` (one reduction order per token whatever the batch, chunking,
+    prefix hits or graph padding; decode and prefill give the same bits; design.md §4.6).
 
-    NOT YET INVARIANT: until that module lands this returns the fast-mode ops (Triton on CUDA, the
-    PyTorch references elsewhere), whose split counts and tiles follow the batch (number of rows,
-    query lengths, max sequence length), so logits are bitwise batch-invariant only up to the
-    attention outputs. Replace the body with the invariant kernels; nothing else changes.
+    device: the model's device: compiled kernels on CUDA with triton; elsewhere the PyTorch
+    references, which are NOT batch-invariant (``paged_ops_for`` warns). interpret: the kernels
+    under the Triton interpreter on CPU tensors (tests; sets TRITON_INTERPRET=1 for the rest of the
+    process).
     """
-    if torch.device(device).type == "cuda" and triton_importable():
-        from m3_kernels.msa_fused_decode import msa_attention
-        from m3_kernels.msa_paged_attention import paged_attention
+    if interpret:
+        from m3_kernels.msa_interpret import interpreted_invariant_attention
 
-        return dict(paged_attention=paged_attention, msa_attention=msa_attention)
-    return dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref)
+        ia = interpreted_invariant_attention()
+    elif torch.device(device).type == "cuda" and triton_importable():
+        import m3_kernels.invariant_attention as ia
+    else:
+        return dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref)
+    return {"paged_attention": ia.invariant_paged_attention, "msa_attention": ia.invariant_msa_attention}
 
 
 def invariant_fields(fl, inv) -> dict:

@@ -1,0 +1,203 @@
+"""Batch-invariant MSA attention (kernels/invariant_attention.py) on a CUDA GPU at real M3 shapes
+(64 q heads / 4 KV heads / d 128 / block 128 / top-k 16); skipped without CUDA.
+
+What only the GPU can check: that a fixed-shape tensor-core dot gives a row the same bits wherever
+the row sits in the tile and whatever the other rows hold (the CPU tests replace the interpreter's
+BLAS dot by a fixed-order one), so that the kernels' rule (decode rows padded into the prefill
+tile, one compiled kernel for both) makes decode and prefill bitwise equal in bf16.
+
+Bitwise (``torch.equal``) checks, bf16 and fp32: a decode step of position p vs row p of a prefill
+(contexts below and above top_k x block = 2048, so the sparse path selects); chunked prefill vs
+one chunk; a sequence in decode batches of 1 / 3 / 32 rows, beside prefill rows and CUDA-graph
+padding rows, with another block-table width; a CUDA-graph replay vs eager; a 20K-token context.
+Tolerances vs the PyTorch references (stated as in tests/gpu/test_msa_gpu.py): bf16 attention
+<= 2e-2 max abs, fp32 <= 1e-4; selections equal except near-ties (< 1e-3 apart, summation order).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip(
+        "TRITON_INTERPRET=1 in this process (CPU interpreter tests ran first); run tests/gpu alone",
+        allow_module_level=True,
+    )
+
+from m3_kernels import invariant_attention as ia  # noqa: E402
+from m3_kernels.msa_synthetic import make_paged_batch, make_step_batch, random_sequences  # noqa: E402
+from m3_rollout.engine.reference_ops import (  # noqa: E402
+    gather_pages,
+    index_topk_ref,
+    pad_queries,
+    paged_attention_ref,
+    token_rows,
+)
+from m3_rollout.model.indexer import block_scores  # noqa: E402
+
+PS, G, NH, D, K = 128, 4, 64, 128, 16
+SCALE = D**-0.5
+LENS = {"a": 5000, "b": 1500, "c": 3000, "d": 20000}  # a: 40 blocks (sparse), b: 12 blocks (<= K)
+DTYPES = [torch.bfloat16, torch.float32]
+SEQS: dict = {}
+ALONE: dict = {}
+
+
+def seqs(dtype):
+    if dtype not in SEQS:
+        SEQS[dtype] = random_sequences(
+            LENS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, device="cuda", seed=0
+        )
+    return SEQS[dtype]
+
+
+def step(dtype, rows, num_decodes, **kw):
+    return make_step_batch(seqs(dtype), rows, num_decodes, page_size=PS, **kw)
+
+
+def run(b, sparse):
+    if not sparse:
+        return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE), None
+    sel = torch.full((b.meta.num_tokens, G, K), -7, dtype=torch.int32, device="cuda")
+    return ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel), sel
+
+
+def alone(dtype, name, sparse):
+    key = (dtype, name, sparse)
+    if key not in ALONE:
+        ALONE[key] = run(step(dtype, [(name, 0, LENS[name])], 0), sparse)
+    return ALONE[key]
+
+
+def slices(b):
+    qsl = b.meta.query_start_loc.tolist()
+    return [slice(x, y) for x, y in zip(qsl[:-1], qsl[1:], strict=True)]
+
+
+def assert_equal(got, want, what):
+    assert torch.equal(got, want), f"{what}: {int((got != want).sum())} of {got.numel()} elements differ"
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_step_equals_prefill_row(dtype, sparse):
+    want, want_sel = alone(dtype, "a", sparse)
+    pos = [0, 127, 128, 2047, 2048, 2049, 3333, 4999]
+    got, sel = run(step(dtype, [("a", p, 1) for p in pos], len(pos), seed=1), sparse)
+    assert_equal(got, want[pos], "decode vs prefill output")
+    if sparse:
+        assert_equal(sel, want_sel[pos], "decode vs prefill selection")
+        assert (sel[-1] >= 0).all()  # 40 candidate blocks: K selected
+    got, sel = run(step(dtype, [("a", 3000, 4), ("a", 4990, 4)], 2, seed=2), sparse)  # verify rows
+    idx = [3000, 3001, 3002, 3003, 4990, 4991, 4992, 4993]
+    assert_equal(got, want[idx], "verify vs prefill output")
+    if sparse:
+        assert_equal(sel, want_sel[idx], "verify vs prefill selection")
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_equals_one_chunk(dtype, sparse):
+    want, want_sel = alone(dtype, "a", sparse)
+    rows = [("a", 0, 1000), ("a", 1000, 1048), ("a", 2048, 2000), ("a", 4048, 952)]  # edges in / on blocks
+    got, sel = run(step(dtype, rows, 0, seed=3), sparse)
+    assert_equal(got, want, "chunked vs one chunk")
+    if sparse:
+        assert_equal(sel, want_sel, "chunked vs one chunk selection")
+    # the same chunks as four separate steps
+    for i, row in enumerate(rows):
+        got, sel = run(step(dtype, [row], 0, seed=10 + i), sparse)
+        assert_equal(got, want[row[1] : row[1] + row[2]], f"chunk {i} alone")
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_sizes_mixed_steps_and_padding(dtype, sparse):
+    want, want_sel = alone(dtype, "a", sparse)
+    others = [("b", 1499, 1), ("c", 2999, 1), ("c", 2100, 1), ("b", 700, 1)]
+    for n in (1, 3, 32):
+        rows = ([("a", 4999, 1)] + (others * 8)[: n - 1])[::-1]  # a's row last
+        for pad, width in ((0, None), (5, 64)):
+            got, sel = run(step(dtype, rows, n, pad_rows=pad, table_width=width, seed=n + pad), sparse)
+            assert_equal(got[n - 1], want[4999], f"batch {n}, {pad} padding rows")
+            if sparse:
+                assert_equal(sel[n - 1], want_sel[4999], f"selection, batch {n}, {pad} padding rows")
+    rows = [("c", 2999, 1), ("a", 4999, 1), ("b", 0, 1500), ("a", 4000, 1000), ("c", 0, 600)]
+    b = step(dtype, rows, 2, table_width=80, seed=5)
+    got, sel = run(b, sparse)
+    sl = slices(b)
+    assert_equal(got[sl[1]], want[4999:5000], "a's decode row in a mixed step")
+    assert_equal(got[sl[3]], want[4000:5000], "a's chunk after a prefix hit in a mixed step")
+    assert_equal(got[sl[2]], alone(dtype, "b", sparse)[0], "b in a mixed step")
+    if sparse:
+        assert_equal(sel[sl[3]], want_sel[4000:5000], "a's chunk selection in a mixed step")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_with_every_block_equals_dense(dtype):
+    out_sparse, sel = alone(dtype, "b", True)  # 12 blocks <= K: every causal block selected
+    assert_equal(out_sparse, alone(dtype, "b", False)[0], "sparse (all blocks) vs dense")
+
+
+def test_long_context_decode_equals_prefill():
+    want, want_sel = alone(torch.bfloat16, "d", True)
+    pos = [19999, 16384, 9000]
+    got, sel = run(step(torch.bfloat16, [("d", p, 1) for p in pos], 3, seed=6), True)
+    assert_equal(got, want[pos], "20K decode vs prefill")
+    assert_equal(sel, want_sel[pos], "20K decode vs prefill selection")
+
+
+def test_cuda_graph_replay_equals_eager():
+    b = step(torch.bfloat16, [("a", 4999, 1), ("c", 2999, 1), ("b", 900, 1)], 3, pad_rows=1, seed=7)
+    run(b, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, sel_g = run(b, True)
+    b.q.copy_(torch.randn_like(b.q))
+    b.iq.copy_(torch.randn_like(b.iq))
+    graph.replay()
+    out_e, sel_e = run(b, True)
+    assert_equal(out_g, out_e, "graph replay vs eager")
+    assert_equal(sel_g, sel_e, "graph replay vs eager selection")
+
+
+# ------------------------------------------------------------------------------- vs the references
+
+MIXED = ([(999, 1), (2047, 1), (8999, 1), (0, 2500), (4096, 300)], 3)
+
+
+def _check_selection(b, got, want):
+    """Equal, except near-ties whose scores differ by < 1e-3 (summation order)."""
+    if torch.equal(got, want):
+        return
+    q, pos = pad_queries(b.iq, b.meta)
+    scores = block_scores(q, gather_pages(b.ik, b.meta, head_axis=False), pos, PS)  # [R, G, Sq, nb]
+    row, off = token_rows(b.meta)
+    s = scores.permute(0, 2, 1, 3)[row, off]  # [T, G, nb]
+    bad = (got != want).any(-1)
+    assert bad.float().mean() < 0.01, f"{int(bad.sum())} of {bad.numel()} selections differ"
+    sg = s.gather(-1, got.long().clamp_min(0)).sort(-1).values
+    sw = s.gather(-1, want.long().clamp_min(0)).sort(-1).values
+    assert (sg - sw)[bad].abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_real_shapes(dtype):
+    b = make_paged_batch(
+        MIXED[0], MIXED[1], page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, device="cuda"
+    )
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    _check_selection(b, ia.invariant_index_topk(b.iq, b.ik, b.meta, K), sel)
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for ids in (sel, None):
+        got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+        err = (got.float() - paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, ids).float()).abs().max().item()
+        print(f"{dtype} {'sparse' if ids is not None else 'dense'} max abs err {err:.3e}")
+        assert err <= atol

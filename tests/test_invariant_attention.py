@@ -1,0 +1,265 @@
+"""Batch-invariant MSA attention (kernels/invariant_attention.py) on CPU under the Triton interpreter.
+
+Two kinds of checks, tiny preset shapes (spec §7 A: 8 q heads / 2 KV heads / d 32 / block 16 /
+top-k 4, sparse beyond 64 tokens; one case at d 64 / block 32), fp32 and fp16 (the interpreter
+mishandles bf16):
+- against the PyTorch references (``index_topk_ref`` exactly, attention within tolerance);
+- bitwise (``torch.equal``) invariance of a position's output and block choice: a decode step at
+  position p vs row p of a prefill; one chunk vs several; a sequence alone vs beside other
+  sequences (decode and prefill rows, other lengths, another block-table width); CUDA-graph padding
+  rows present vs absent; a sparse layer selecting every block vs the dense layer.
+Each step's caches are built as the engine leaves them: every row has its own physical pages (in a
+shuffled order) holding its sequence's keys up to the end of its query chunk, zeros after (the
+slots a later token will write), so a decode step really sees a half-written page. The fast
+kernels (msa_paged_attention) fail the decode-vs-prefill check: it is not vacuous.
+NOTE: the interpreter's own dot (numpy matmul) is not row-invariant (BLAS micro-kernels), so this
+module runs with ``msa_interpret.fixed_order_dot``; that a fixed-shape tensor-core dot is (and the
+rule "decode padded into the prefill tile shape") is checked by tests/gpu/test_invariant_attention_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3_kernels.msa_interpret import fixed_order_dot, interpreted_invariant_attention, interpreted_kernels
+from m3_kernels.msa_synthetic import PagedBatch, SequenceContents, make_paged_batch, make_step_batch, random_sequences
+from m3_kernels.paged_layout import FP8IndexCache, quantize_index_keys
+from m3_rollout.engine.ops import invariant_attention_fields
+from m3_rollout.engine.reference_ops import index_topk_ref, msa_attention_ref, paged_attention_ref
+from m3_rollout.model.paged_ops import PagedOps
+
+ia = interpreted_invariant_attention()
+_, fast_attn, _ = interpreted_kernels()
+
+PS, G, NH, D, K = 16, 2, 8, 32, 4
+SCALE = D**-0.5
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}  # fp16: probabilities rounded for the PV dot
+DTYPES = [torch.float32, torch.float16]
+LENS = {"a": 150, "b": 45, "c": 100}  # a: sparse (10 blocks > K), b: dense-equal, c: 7 blocks
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def make_seqs(dtype: torch.dtype, seed: int = 0) -> SequenceContents:
+    return random_sequences(LENS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, seed=seed)
+
+
+def make_step(seqs: SequenceContents, rows: list, num_decodes: int, **kw) -> PagedBatch:
+    """``make_step_batch``: every row on private pages holding its sequence up to the end of its chunk."""
+    return make_step_batch(seqs, rows, num_decodes, page_size=PS, **kw)
+
+
+def run(step: PagedBatch, sparse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(attention output [T, nh, d], block choice [T, G, K] or None) of one step."""
+    if not sparse:
+        return ia.invariant_paged_attention(step.q, step.k, step.v, step.meta, SCALE), None
+    sel = torch.full((step.meta.num_tokens, G, K), -7, dtype=torch.int32)
+    out = ia.invariant_msa_attention(step.q, step.iq, step.k, step.v, step.ik, step.meta, SCALE, K, sel_out=sel)
+    return out, sel
+
+
+def token_slices(step: PagedBatch) -> list[slice]:
+    qsl = step.meta.query_start_loc.tolist()
+    return [slice(a, b) for a, b in zip(qsl[:-1], qsl[1:], strict=True)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _row_invariant_dot():
+    """The interpreter's dot made row-invariant like the GPU's (msa_interpret.fixed_order_dot)."""
+    with fixed_order_dot():
+        yield
+
+
+_ALONE: dict = {}
+
+
+def alone(dtype: torch.dtype, name: str, sparse: bool):
+    """Output and choice of sequence ``name`` prefilled alone in one chunk (cached per test session)."""
+    key = (dtype, name, sparse)
+    if key not in _ALONE:
+        _ALONE[key] = run(make_step(make_seqs(dtype), [(name, 0, LENS[name])], 0), sparse)
+    return _ALONE[key]
+
+
+def assert_rows_equal(got, want, what: str) -> None:
+    assert torch.equal(got, want), f"{what}: {int((got != want).sum())} elements differ"
+
+
+# ------------------------------------------------------------------------------- vs the references
+
+MIXED = ([(40, 1), (700, 1), (63, 1), (0, 65), (100, 30)], 3)  # as tests/test_kernels_msa.py
+VERIFY = ([(61, 3), (300, 3), (16, 3), (20, 45)], 3)
+
+
+def _batch(spec, dtype, seed=0, **kw):
+    rows, nd = spec
+    return make_paged_batch(
+        rows, nd, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, seed=seed, **kw
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_msa_attention_matches_reference(dtype):
+    b = _batch(MIXED, dtype, seed=1)
+    sel = torch.zeros(b.meta.num_tokens, 3, G, K, dtype=torch.int16)[:, 1]  # strided int16, as the engine's record
+    got = ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel)
+    want_sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    want = msa_attention_ref(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
+    assert torch.equal(sel.int(), want_sel)
+    assert (want_sel[1] >= 0).all() and (want_sel[0] == -1).sum() == G * (K - 3)  # sparse and padded rows
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    dense = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE)
+    torch.testing.assert_close(
+        dense.float(), paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE).float(), atol=ATOL[dtype], rtol=0
+    )
+
+
+def test_index_topk_forced_blocks_verify_rows_and_wide_table():
+    b = _batch(VERIFY, torch.float32, seed=3, table_width=40)
+    got = ia.invariant_index_topk(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+    assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2))
+    assert got[3, :, :3].tolist() == [[0, 17, 18]] * G  # position 300: init 0, then locals 17, 18
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+def test_index_topk_ties_go_to_lower_block_id_and_nan_blocks_lose():
+    b = _batch(([(200, 1), (90, 1)], 2), torch.float32)
+    b.ik.fill_(1.0)
+    b.iq.copy_(torch.arange(b.iq.numel(), dtype=torch.float32).view_as(b.iq) % 3)
+    got = ia.invariant_index_topk(b.iq, b.ik, b.meta, K)
+    assert got[0].tolist() == [[12, 0, 1, 2]] * G  # own block 12, then the lowest ids
+    assert got[1].tolist() == [[5, 0, 1, 2]] * G
+    b.ik[b.meta.block_tables[0, 1]] = float("nan")  # block 1 of row 0: its score becomes -1e30
+    got = ia.invariant_index_topk(b.iq, b.ik, b.meta, K)
+    assert got[0].tolist() == [[12, 0, 2, 3]] * G
+    assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
+
+
+def test_fp8_index_cache_matches_reference_and_is_invariant():
+    seqs = make_seqs(torch.float32, seed=5)
+    one = make_step(seqs, [("a", 0, LENS["a"])], 0)
+    dec = make_step(seqs, [("a", p, 1) for p in (149, 64, 17)], 3)
+    got = {}
+    for name, st in (("one", one), ("dec", dec)):
+        cache = FP8IndexCache(*quantize_index_keys(st.ik), quantize_queries=True)
+        got[name] = ia.invariant_index_topk(st.iq, cache, st.meta, K)
+        assert torch.equal(got[name], index_topk_ref(st.iq, cache, st.meta, K))
+    assert_rows_equal(got["dec"], got["one"][[149, 64, 17]], "fp8 selection, decode vs prefill")
+
+
+def test_head_dim_64_block_32_and_errors_name_the_field():
+    b = make_paged_batch(
+        [(70, 1), (0, 40)], 1, page_size=32, kv_heads=G, q_heads=NH, head_dim=64, index_dim=64, dtype=torch.float32
+    )
+    sel = index_topk_ref(b.iq, b.ik, b.meta, 2)
+    assert torch.equal(ia.invariant_index_topk(b.iq, b.ik, b.meta, 2), sel)
+    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, 0.125, sel)
+    torch.testing.assert_close(got, paged_attention_ref(b.q, b.k, b.v, b.meta, 0.125, sel), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="head_dim"):
+        ia.invariant_paged_attention(b.q[..., :24], b.k[..., :24], b.v[..., :24], b.meta, 0.1)
+    with pytest.raises(ValueError, match="topk"):
+        ia.invariant_index_topk(b.iq, b.ik, b.meta, 65)
+    with pytest.raises(ValueError, match="dtypes"):
+        ia.invariant_paged_attention(b.q.half(), b.k, b.v, b.meta, 0.1)
+
+
+def test_paged_ops_fields():
+    fields = invariant_attention_fields(interpret=True)
+    ops = PagedOps(**fields)
+    assert ops.paged_attention.__name__ == "invariant_paged_attention"
+    assert ops.msa_attention.__name__ == "invariant_msa_attention"
+
+
+# ------------------------------------------------------------------------------ bitwise invariance
+
+DECODE_POS = [0, 15, 16, 63, 64, 65, 100, 149]  # block edges, K*B edge, sparse positions
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_step_equals_prefill_row(dtype, sparse):
+    seqs = make_seqs(dtype)
+    want, want_sel = alone(dtype, "a", sparse)
+    # one decode row per position, each with its own half-written pages (as the engine's step p)
+    step = make_step(seqs, [("a", p, 1) for p in DECODE_POS], len(DECODE_POS), seed=1)
+    got, sel = run(step, sparse)
+    assert_rows_equal(got, want[DECODE_POS], "decode vs prefill output")
+    if sparse:
+        assert_rows_equal(sel, want_sel[DECODE_POS], "decode vs prefill selection")
+        assert (sel[-1] >= 0).all() and (want_sel[149] >= 0).all()  # the sparse case selects K of 10 blocks
+    # speculative-verify rows (3 query tokens each) give the same bits too
+    step = make_step(seqs, [("a", 61, 3), ("a", 120, 3)], 2, seed=2)
+    got, sel = run(step, sparse)
+    idx = [61, 62, 63, 120, 121, 122]
+    assert_rows_equal(got, want[idx], "verify vs prefill output")
+    if sparse:
+        assert_rows_equal(sel, want_sel[idx], "verify vs prefill selection")
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_equals_one_chunk(dtype, sparse):
+    # chunk edges inside a block (40), on a block edge (64) and past K*B; each chunk is its own step
+    # (its pages hold only the tokens written so far), here three rows of one launch
+    want, want_sel = alone(dtype, "a", sparse)
+    step = make_step(make_seqs(dtype), [("a", 0, 40), ("a", 40, 24), ("a", 64, 86)], 0, seed=3)
+    got, sel = run(step, sparse)
+    assert_rows_equal(got, want, "chunked vs one chunk output")
+    if sparse:
+        assert_rows_equal(sel, want_sel, "chunked vs one chunk selection")
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sequence_alone_equals_batched_with_others(dtype, sparse):
+    seqs = make_seqs(dtype)
+    want, want_sel = alone(dtype, "a", sparse)
+    # a mixed step: decode rows of c and a, then prefill chunks of b (fresh), a (after a 100-token
+    # prefix hit) and c; a wider block table than any row needs
+    rows = [("c", 99, 1), ("a", 149, 1), ("b", 0, 45), ("a", 100, 50), ("c", 0, 60)]
+    step = make_step(seqs, rows, 2, table_width=16, seed=4)
+    got, sel = run(step, sparse)
+    sl = token_slices(step)
+    assert_rows_equal(got[sl[1]], want[149:150], "a's decode row in a mixed batch")
+    assert_rows_equal(got[sl[3]], want[100:150], "a's prefill chunk in a mixed batch")
+    b_out, b_sel = alone(dtype, "b", sparse)
+    assert_rows_equal(got[sl[2]], b_out, "b in a mixed batch")
+    if sparse:
+        assert_rows_equal(sel[sl[1]], want_sel[149:150], "selection of a's decode row")
+        assert_rows_equal(sel[sl[3]], want_sel[100:150], "selection of a's chunk")
+        assert_rows_equal(sel[sl[2]], b_sel, "selection of b")
+    # the same decode rows as a plain decode step, with and without CUDA-graph padding rows
+    dec_rows = [("c", 99, 1), ("a", 149, 1), ("b", 44, 1)]
+    plain, plain_sel = run(make_step(seqs, dec_rows, 3, seed=5), sparse)
+    padded, padded_sel = run(make_step(seqs, dec_rows, 3, pad_rows=2, table_width=12, seed=6), sparse)
+    assert_rows_equal(padded[:3], plain, "decode with vs without padding rows")
+    assert_rows_equal(plain[:2], torch.cat([got[sl[0]], got[sl[1]]]), "plain vs mixed")
+    assert_rows_equal(plain[2:3], b_out[44:45], "b's decode vs its prefill row")
+    if sparse:
+        assert_rows_equal(padded_sel[:3], plain_sel, "selection with vs without padding rows")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_with_every_block_selected_equals_dense(dtype):
+    # sequence b (45 tokens, 3 blocks <= K): the MSA layer selects every causal block, and its bits
+    # equal the dense layer's (same pages in the same order, spec invariance 1 made bitwise)
+    out_sparse, sel = alone(dtype, "b", True)
+    out_dense, _ = alone(dtype, "b", False)
+    assert (sel >= 0).sum() == sum(min(K, p // PS + 1) for p in range(LENS["b"])) * G
+    assert_rows_equal(out_sparse, out_dense, "sparse (all blocks) vs dense")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_fast_kernels_fail_the_decode_check():
+    # the same decode-vs-prefill comparison on the fast dense kernel (split-K decode + merge): not
+    # bitwise equal, so the invariance tests above can fail
+    seqs = make_seqs(torch.float32)
+    one = make_step(seqs, [("a", 0, LENS["a"])], 0)
+    dec = make_step(seqs, [("a", p, 1) for p in (100, 149)], 2, seed=1)
+    want = fast_attn.paged_attention(one.q, one.k, one.v, one.meta, SCALE)
+    got = fast_attn.paged_attention(dec.q, dec.k, dec.v, dec.meta, SCALE)
+    torch.testing.assert_close(got, want[[100, 149]], atol=2e-5, rtol=0)
+    assert not torch.equal(got, want[[100, 149]])
