@@ -11,7 +11,7 @@ result, atol 2e-2 / rtol 2^-7 at |y| ~ 1; fp32: 1e-4 relative to ~sqrt(K) magnit
 Model level: the bench model (2 layers, bf16) with ``paged_ops_for(..., batch_invariant=True)`` and
 the reference attention run per row (invariant by construction; the invariant attention kernels
 are the other half of the issue): a sequence's logits alone == beside other sequences, bitwise.
-Engine level (xfail until the invariant attention lands): graphs + async scheduling, a request
+Engine level (with the invariant attention kernels): graphs + async scheduling, a request
 alone vs among 31 others, identical tokens and logprobs.
 """
 
@@ -163,7 +163,6 @@ def test_model_logits_of_a_sequence_do_not_depend_on_the_batch():
     assert torch.equal(dec1, dec3)
 
 
-@pytest.mark.xfail(reason="attention is not batch-invariant yet (kernels/invariant_attention.py pending)", strict=False)
 def test_engine_logprobs_do_not_depend_on_the_batch():
     """Graphs + async scheduling: request a alone (decode graph of size 1) vs among 31 others (size
     32, prefills batched with theirs): identical tokens and logprobs (bitwise)."""
