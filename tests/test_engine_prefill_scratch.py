@@ -109,6 +109,15 @@ def test_too_small_or_too_large_a_scratch_is_refused_naming_the_key():
         _engine(3.0)
     with pytest.raises(ValueError, match="msa_prefill_scratch_mb=-1"):
         EngineConfig(max_model_len=64, msa_prefill_scratch_mb=-1).validate()
+    # Not a number (a bool would pass as 1 MiB, a string failed with a bare TypeError): refused by name.
+    for bad in (True, "64", float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="EngineConfig.msa_prefill_scratch_mb="):
+            EngineConfig(max_model_len=64, msa_prefill_scratch_mb=bad).validate()
+    with pytest.raises(ValueError, match="EngineConfig.batch_invariant='yes'"):
+        EngineConfig(max_model_len=64, batch_invariant="yes").validate()
+    # A finite bound too large to scale to bytes (x MIB = inf) is one step's prefill, like any large bound.
+    m3 = M3Config()
+    assert prefill_scratch_bytes(m3, torch.bfloat16, 1e308, 20000) == 20000 * 266240
     # A scratch that leaves the pool too few pages for one sequence: the page error names the scratch.
     tight = (_pass_bytes(KV_CHUNK_TOKENS) + 10 * page_bytes(_model().config, torch.float32)) / GIB  # 40 tokens left
     with pytest.raises(ValueError, match=r"10 pages x 4 tokens after the MSA prefill scratch of 49\.5 MiB"):

@@ -218,6 +218,29 @@ def test_engine_batch_invariant_generation():
     assert alone.logprobs == mixed.logprobs  # bitwise (python floats of the fp32 values)
 
 
+def test_engine_without_ops_builds_the_invariant_table(monkeypatch):
+    """EngineConfig.batch_invariant with no ``ops`` handed in: the engine asks ``paged_ops_for`` for
+    the invariant table (regression: the merge with the prefill scratch built the fast table first,
+    so the later ``ops is None`` check never took the invariant one; on CPU no warning either)."""
+    import m3_rollout.engine.engine as engine_mod
+    from m3_rollout.engine.config import EngineConfig
+
+    asked = []
+
+    def spy(device, dtype, *args, **kwargs):
+        asked.append(kwargs.get("batch_invariant", False))
+        return paged_ops_for(device, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "paged_ops_for", spy)
+    cfg = EngineConfig(max_model_len=32, max_num_seqs=2, num_pages=16, batch_invariant=True)
+    with pytest.warns(UserWarning, match="batch_invariant"):  # CPU: the mode is unavailable, said so
+        engine_mod.LLMEngine(_model(), cfg)
+    assert asked == [True]
+    asked.clear()
+    engine_mod.LLMEngine(_model(), dataclasses.replace(cfg, batch_invariant=False))
+    assert asked == [False]
+
+
 def test_config_key_reaches_the_engine_config_and_the_server(tmp_path):
     """policy.generation.batch_invariant: off in the main job config, threaded like the other
     engine keys (engine_kwargs -> EngineConfig, also the EP workers' dict) and to the server's CLI."""

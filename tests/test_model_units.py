@@ -358,3 +358,41 @@ def test_grouped_gemm_experts_equal_the_per_expert_loop_with_gradients():
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
     assert use_grouped_gemm(x0) is None  # CPU: the loop
+
+
+def test_grouped_gemm_edge_shapes_and_out_of_memory_not_swallowed(monkeypatch):
+    """``grouped_experts_gemm`` vs the loop on the CPU at the edges: no tokens, every pair on one
+    expert (the last; all other groups empty), K = 1, int32 ids, a non-contiguous x. And
+    ``StackedExperts``: an out-of-memory error of the grouped GEMM is raised, not taken as a kernel
+    that refuses the shapes (regression: it switched the process to the loop for good)."""
+    import m3_rollout.model.moe as moe
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    ex = moe.StackedExperts(cfg).requires_grad_(False)
+    e, k, h = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    x = torch.randn(h, 9).t()  # [9, H], not contiguous
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(9)])
+    w = torch.rand(9, k)
+    cases = [
+        (torch.randn(0, h), ids[:0], w[:0]),
+        (x, torch.full((9, 1), e - 1), w[:, :1]),
+        (x, ids[:, :1], w[:, :1]),
+        (x, ids.to(torch.int32), w),
+    ]
+    for xs, i, ws in cases:
+        want = moe.grouped_experts(xs, i.long(), ws, ex.w13, ex.w2, ex.act)
+        got = moe.grouped_experts_gemm(xs, i, ws, ex.w13, ex.w2, ex.act)
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(moe, "use_grouped_gemm", lambda x: torch.float32)
+    monkeypatch.setattr(moe, "grouped_experts_gemm", oom)
+    monkeypatch.setattr(moe, "_GROUPED_GEMM_OK", True)
+    with pytest.raises(torch.OutOfMemoryError):
+        ex(x, ids, w)
+    assert moe._GROUPED_GEMM_OK

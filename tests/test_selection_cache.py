@@ -41,3 +41,36 @@ def test_rows_land_at_their_slots_through_page_and_row_paths():
     want[20:24] = want[12:16]
     assert np.array_equal(cache.table, want)
     assert np.array_equal(cache.gather([3, 1, 5], 2, 10), want[[14, 15, 4, 5, 6, 7, 20, 21]])
+
+
+def test_page_path_is_not_fooled_by_padding_duplicates_or_misalignment():
+    """Slot patterns of T a multiple of the page size that must not take (or must survive) the page
+    copy: -1 padding inside whole pages, a page size of 1 (every slot, -1 included, is a "page
+    head"; regression: padding rows were written to the last page), pages out of order, a page
+    twice, whole-length runs that start mid-page. The table must equal a plain per-row scatter
+    (padding skipped, a later row winning a repeated slot)."""
+    rng = np.random.default_rng(1)
+    for ps in (1, 2, 4):
+        pages = 6
+        cache = SelectionCache((1, 2, 3), pages, ps, capacity=32, device="cpu")
+        want = np.full_like(cache.table, -1)
+        n = pages * ps
+
+        def page(p):
+            return list(range(p * ps, (p + 1) * ps))
+
+        steps = [
+            [-1] * ps,  # one padded page
+            page(2) + [-1] * ps,  # a whole page then a padded one
+            page(5) + page(0),  # out of order
+            page(3) + page(3),  # the same page twice
+            [(s + 1) % n for s in range(2 * ps)],  # a 2-page run starting mid-page (ps > 1)
+            page(4)[:-1] + [-1] + page(1),  # padding inside a page
+            [n - 1] + [-1] * (ps - 1) + page(2),
+        ]
+        for serial, slots in enumerate(steps, 1):
+            rows = _step(cache, serial, slots, rng)
+            for s, r in zip(slots, rows):
+                if s >= 0:
+                    want[s] = r
+            assert np.array_equal(cache.table, want), (ps, serial, slots)

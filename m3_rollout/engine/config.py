@@ -97,8 +97,13 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: in (0, 1]")
         scratch = self.msa_prefill_scratch_mb
-        if scratch is not None and not (0 <= scratch < float("inf")):
-            raise ValueError(f"EngineConfig.msa_prefill_scratch_mb={scratch}: must be None (auto) or a finite MiB >= 0")
+        number = isinstance(scratch, (int, float)) and not isinstance(scratch, bool)
+        if scratch is not None and not (number and 0 <= scratch < float("inf")):
+            raise ValueError(
+                f"EngineConfig.msa_prefill_scratch_mb={scratch!r}: must be None (auto) or a finite MiB >= 0 (a number)"
+            )
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"EngineConfig.batch_invariant={self.batch_invariant!r}: must be True or False")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages}: must be >= 1")
         if self.index_cache_dtype not in ("bfloat16", "fp8_e4m3"):

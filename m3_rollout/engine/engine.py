@@ -85,7 +85,10 @@ class LLMEngine:
         self.device, self.kv_dtype = weight.device, weight.dtype
         self.sampler_dtype = compute_dtype(self.kv_dtype)  # what the sampler divides logits in
         ps = self.model_config.sparse_block_size
-        ops = paged_ops_for(self.device, model.model.embed_tokens.weight.dtype) if ops is None else ops
+        if ops is None:  # batch_invariant: the fixed-order table (design.md §4.6; CPU: warns, fast table)
+            ops = paged_ops_for(
+                self.device, model.model.embed_tokens.weight.dtype, batch_invariant=config.batch_invariant
+            )
         scratch_bytes = 0
         if ops.takes_prefill_scratch:  # the attention inputs (q, K/V pages) are in the KV dtype
             scratch_bytes = prefill_scratch_bytes(
@@ -129,9 +132,7 @@ class LLMEngine:
             cap = max(config.max_num_seqs, config.max_num_batched_tokens, 1)
             self.selection = SelectionCache.for_model(self.model, num_pages, ps, cap)
         token_logprobs = None
-        if config.batch_invariant:  # design.md §4.6: fixed-order kernels for the forward and the logprobs
-            act_dtype = self.model.model.embed_tokens.weight.dtype
-            ops = paged_ops_for(self.device, act_dtype, batch_invariant=True) if ops is None else ops
+        if config.batch_invariant:  # design.md §4.6: the fixed-order logprob op (the forward's table: above)
             token_logprobs = invariant_token_logprobs(self.device)
         self.runner = ModelRunner(
             self.model,

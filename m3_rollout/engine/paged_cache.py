@@ -62,7 +62,8 @@ def prefill_scratch_bytes(
     if scratch_mb is None:
         tokens = KV_CHUNK_TOKENS
     else:
-        tokens = int(scratch_mb * MIB // per_token) // granule * granule
+        # capped at 2**80 bytes: a finite scratch_mb near the float maximum times MIB is inf (inf // n = nan)
+        tokens = int(min(scratch_mb * MIB, 2.0**80) // per_token) // granule * granule
         if tokens < granule:
             raise ValueError(
                 f"policy.generation.msa_prefill_scratch_mb={scratch_mb} (EngineConfig.msa_prefill_scratch_mb) "

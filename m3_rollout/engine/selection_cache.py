@@ -160,8 +160,9 @@ class SelectionCache:
         ps = self.page_size
         t = len(slots)
         if t >= ps and t % ps == 0:  # a prefill of whole pages: copy page by page (memcpy speed)
-            heads = slots[::ps]
-            if (heads % ps == 0).all() and np.array_equal(slots, (heads[:, None] + np.arange(ps)).reshape(-1)):
+            heads = slots[::ps]  # >= 0: with ps = 1 a -1 padding row would pass as page -1 (the last)
+            aligned = (heads >= 0).all() and (heads % ps == 0).all()
+            if aligned and np.array_equal(slots, (heads[:, None] + np.arange(ps)).reshape(-1)):
                 self._pages[heads // ps] = rows.reshape(t // ps, ps, -1)
                 return
         keep = slots >= 0

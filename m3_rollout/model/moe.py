@@ -243,6 +243,8 @@ class StackedExperts(nn.Module):
             try:
                 return grouped_experts_gemm(x, ids, weights, self.w13, self.w2, self.act, dt)
             except RuntimeError as e:  # a torch build whose kernel refuses these shapes: keep training
+                if isinstance(e, torch.OutOfMemoryError):  # memory, not the kernel: do not disable it for good
+                    raise
                 global _GROUPED_GEMM_OK
                 _GROUPED_GEMM_OK = False
                 warnings.warn(
