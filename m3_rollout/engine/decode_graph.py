@@ -286,6 +286,8 @@ class CudaGraphDecode:
         to be freed). ``capture`` makes them again."""
         self.graphs.clear()
         self.topk_ids.clear()
+        for moe in self.model.moe_layers():  # they may name outputs in the pool being freed
+            moe.last_topk_ids = None
         self.pool = None
 
     # ---- one step ----------------------------------------------------------------------------
