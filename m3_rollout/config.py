@@ -187,7 +187,8 @@ class GenerationConfig:
     # Batch-invariant mode (issue 24, design.md §4.6): the engine's kernels reduce every token in one
     # fixed order, so its logits and logprobs do not depend on the batch, the other sequences or the
     # chunking. CUDA only; slower (fixed GEMM / MoE tiles, no skinny GEMM, PyTorch sampler in the
-    # decode graphs). Attention and the trainer's forward are not invariant yet.
+    # decode graphs). The trainer's prev logprobs then go through the same paged forward
+    # (jobs/invariant_scoring.py); the loss's differentiable forward is not invariant yet.
     batch_invariant: bool = False
 
     def engine_kwargs(self) -> dict:

@@ -27,7 +27,7 @@ import functools
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -43,6 +43,11 @@ from m3_trainers.selection_replay import SelectionAgreement, replay_block_select
 
 _INDEXER_KEYS = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+
+# scorer(model, token ids [L] as ints, temperature) -> logprobs [L] on the model's device (entry 0 = 0,
+# entry i = log p(token_i | tokens_<i)), no autograd: the engine's paged forward, built by the job
+# layer (``m3_rollout.engine.score.PagedScorer``; the trainers may not import the engine).
+SequenceScorer = Callable[[M3ForCausalLM, list, float], torch.Tensor]
 
 
 @contextmanager
@@ -290,6 +295,10 @@ class Policy:
             model itself; lower (torch.bfloat16) = a cast copy (module docstring).
         activation_checkpointing: recompute each decoder layer's activations in the backward pass
             (``enable_activation_checkpointing``).
+        scorer: batch-invariant mode (design.md §4.6): ``get_logprobs`` (the prev logprobs compared
+            with the rollout's, and the reference's) scores each sequence with it on the compute copy
+            instead of the training forward (``SequenceScorer``); the loss's differentiable forward
+            is unchanged. None = the training forward.
 
     Attributes:
         model: the master model (what checkpoints save and weight sync sends).
@@ -319,7 +328,9 @@ class Policy:
         index_replay: bool = False,
         compute_dtype: torch.dtype | None = None,
         activation_checkpointing: bool = False,
+        scorer: SequenceScorer | None = None,
     ):
+        self.scorer = scorer
         self.device = torch.device(device) if device is not None else model.lm_head.weight.device
         self.model = model.to(self.device).train()
         self.max_grad_norm = max_grad_norm
@@ -404,6 +415,10 @@ class Policy:
             agreement: add the sparse layers' selection-agreement counts against the batch's
                 block selections here (``SelectionAgreement``; None = not measured).
 
+        With ``Policy.scorer`` every row's first ``lengths[b]`` tokens go through the scorer one
+        sequence at a time (``micro_batch_size`` unused); routing / index replay and the agreement
+        do not apply there (the invariant forward routes and selects as the engine did, bit for bit).
+
         Returns:
             float32 (float64 for an fp64 master) [B, L] on ``Policy.device``, 0 past each row's length.
 
@@ -418,6 +433,11 @@ class Policy:
         blocks = self.index_replay if index_replay is None else index_replay
         batch = batch_to_device(batch, self.device)
         out = torch.zeros(batch.rollout_logprobs.shape, dtype=self._logprob_dtype(), device=self.device)
+        if self.scorer is not None:
+            rows = batch.token_ids.cpu().tolist()  # one host copy of the ids
+            for b, n in enumerate(batch.lengths.tolist()):
+                out[b, :n] = self.scorer(model, rows[b][:n], temperature)
+            return out
         for s in range(0, batch.token_ids.shape[0], micro_batch_size):
             mb = batch.slice(slice(s, s + micro_batch_size))
             lp = token_logprobs(

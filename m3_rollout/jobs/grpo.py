@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.config import ConfigError, MasterConfig, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
+from m3_rollout.jobs.invariant_scoring import invariant_scorer
 from m3_rollout.jobs.metrics_logger import MetricsLogger
 from m3_rollout.jobs.outputs import check_output_dirs
 from m3_rollout.jobs.stack import batch_seed, build_generation_backend, build_rollout_stack
@@ -144,6 +145,7 @@ def run(cfg: MasterConfig) -> dict:
     # trainer's device): a colocated CUDA engine sizes its KV pool from the memory left free.
     try:
         policy = build_policy(cfg, load_trainer_model(cfg, model_dir), total_optimizer_steps(cfg, g.max_num_steps))
+        policy.scorer = invariant_scorer(cfg, policy.compute, stack.max_len)  # None unless batch_invariant
         stack.backend = backend = build_generation_backend(cfg, model_dir, chat, stack.max_len)
         if cfg.weight_sync.probe.enabled:  # after each refit the rollout re-scores fixed ids against the trainer
             backend.set_probe_reference(model_scorer(policy.model))

@@ -1,0 +1,133 @@
+"""The trainer's prev logprobs through the engine's batch-invariant paged forward (issue 24; design.md §4.6).
+
+On CPU (fp32, Triton interpreter): the engine in batch-invariant mode (invariant table with the
+interpreted invariant attention, the invariant logprob op) generates several prompts at once,
+n > 1 samples each, prompts of different lengths, prefills chunked by a small step budget; the
+trainer's ``Policy.get_logprobs`` with the job layer's ``PagedScorer`` (same table, another chunk
+size, one sequence at a time) gives every sampled token's logprob bitwise equal to the engine's
+recorded one, so the trainer's mismatch metrics read exactly 1.0 / 0.0. The interpreter's
+``tl.dot`` runs in a fixed per-row order (``msa_interpret.fixed_order_dot``: numpy's BLAS is
+position-dependent on the CPU, the GPU is not).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from m3_kernels.fused_interpret import interpreted_invariant_ops
+from m3_kernels.msa_interpret import fixed_order_dot
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.engine.ops import interpreted_paged_ops, invariant_attention_fields
+from m3_rollout.engine.score import PagedScorer
+from m3_rollout.model import M3ForCausalLM, tiny_config
+from m3_trainers.batch import TrainBatch
+from m3_trainers.loss import ClippedPGLossFn
+from m3_trainers.policy import Policy, mismatch_metrics
+
+PS = 16  # the invariant attention's smallest page / head dim
+TEMPERATURE = 0.9
+
+
+@pytest.fixture(autouse=True, scope="module")
+def per_row_dot():
+    with fixed_order_dot():
+        yield
+
+
+def _model() -> M3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = tiny_config(
+        vocab_size=96,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        sparse_index_dim=16,
+        dense_intermediate_size=48,
+        intermediate_size=16,
+        shared_intermediate_size=16,
+        num_local_experts=4,
+        max_position_embeddings=128,
+        sparse_block_size=PS,
+        sparse_topk_blocks=2,
+    )
+    m = M3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3 if p.ndim >= 2 else 0.1)
+    return m
+
+
+def _table():
+    return dataclasses.replace(
+        interpreted_paged_ops(batch_invariant=True), **invariant_attention_fields(interpret=True)
+    )
+
+
+def _generate(model, ops, token_logprobs):
+    """Three prompts (lengths 31, 6, 18; 31 + 3 > top-k 2 x block 16, so sparse layers select) x
+    n=2, prefill chunked by 16 tokens; returns [(ids, generated from, recorded logprobs)]."""
+    g = torch.Generator().manual_seed(5)
+    prompts = {name: torch.randint(0, 96, (n,), generator=g).tolist() for name, n in (("a", 31), ("b", 6), ("c", 18))}
+    cfg = EngineConfig(max_model_len=40, max_num_seqs=6, num_pages=20, max_num_batched_tokens=16, batch_invariant=True)
+    engine = LLMEngine(model, cfg, ops=ops)
+    engine.runner.token_logprobs = token_logprobs  # CPU: the engine leaves torch's (CUDA only)
+    for name, ids in prompts.items():
+        engine.add_request(
+            GenerationRequest(name, ids, SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=3, seed=3))
+        )
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if isinstance(o, SampleOutput)]
+    return [(o.prompt_ids + o.output_ids, len(o.prompt_ids), o.logprobs) for o in outs]
+
+
+def _batch(samples) -> TrainBatch:
+    b, l = len(samples), max(len(ids) for ids, _, _ in samples)
+    tok, mask, lp = torch.zeros(b, l, dtype=torch.int64), torch.zeros(b, l), torch.zeros(b, l)
+    for r, (ids, p, rec) in enumerate(samples):
+        tok[r, : len(ids)] = torch.tensor(ids)
+        mask[r, p : len(ids)] = 1
+        lp[r, p : len(ids)] = torch.tensor(rec, dtype=torch.float32)
+    lengths = torch.tensor([len(ids) for ids, _, _ in samples])
+    return TrainBatch(tok, mask, lp, torch.linspace(-1, 1, b), lengths)
+
+
+def test_trainer_prev_logprobs_equal_the_engines_bitwise():
+    ops, inv = _table(), interpreted_invariant_ops()
+    master = _model()
+    samples = _generate(copy.deepcopy(master), ops, inv.token_logprobs)
+    assert len(samples) == 6 and len({len(s[0]) for s in samples}) >= 3
+    batch = _batch(samples)
+    scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
+    policy = Policy(master, lr=1e-3, scorer=scorer)
+    prev = policy.get_logprobs(batch, TEMPERATURE, micro_batch_size=4)
+    m = batch.loss_mask.bool()
+    assert torch.equal(prev[m], batch.rollout_logprobs[m])
+    got = mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask)
+    assert got["token_mult_prob_error"] == 1.0 and got["gen_kl_error"] == 0.0
+    assert got["max_logprob_abs_diff"] == 0.0
+    # the training forward (not on the invariant ops) agrees only to rounding
+    plain = Policy(copy.deepcopy(master), lr=1e-3).get_logprobs(batch, TEMPERATURE, micro_batch_size=4)
+    assert (plain[m] - prev[m]).abs().max() < 1e-4
+    # train_step recomputes the prev logprobs through the scorer and reports the exact metrics
+    step = policy.train_step(batch, ClippedPGLossFn(0.2, 0.2, True), TEMPERATURE, micro_batch_size=4)
+    assert step["token_mult_prob_error"] == 1.0 and step["gen_kl_error"] == 0.0
+
+
+def test_paged_scorer_errors():
+    ops = _table()
+    m = _model()
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        PagedScorer(m.config, ops, 32, 0, torch.float32, "cpu")
+    scorer = PagedScorer(m.config, ops, 8, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="max_model_len=8"):
+        scorer(m, list(range(9)), 1.0)
+    assert torch.equal(scorer(m, [3], 1.0), torch.zeros(1))
