@@ -101,11 +101,12 @@ import torch
 import triton
 import triton.language as tl
 
-from m3_kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_kernels.msa_checks import next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
+from m3_kernels.msa_index_topk import MAX_TOPK, check_index_inputs
+from m3_kernels.msa_paged_attention import LOG2E, attend_block, check_attention_inputs
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
-LOG2E = 1.4426950408889634
 # Dot rows per program (tokens x heads). Fixed by the model's shapes only; 64 = the smallest M of a
 # Hopper warpgroup MMA, so decode (padded) and prefill tiles run one instruction shape.
 ATTN_TILE_ROWS = 64
@@ -113,7 +114,6 @@ INDEX_TILE_ROWS = 64
 SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depends on another block)
 TOPK_CHUNK = 128  # blocks merged per step of the streaming top-k
 TOPK_ROWS = 32  # (token, head) rows per top-k program
-MAX_TOPK = 64
 _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every block id)
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
@@ -271,53 +271,6 @@ def _inv_topk_kernel(
     )
 
 
-@triton.jit
-def _inv_attend_page(
-    q,
-    m_i,
-    l_i,
-    acc,
-    kg_ptr,
-    vg_ptr,
-    page,
-    b,
-    row_ok,
-    qpos,
-    qk_scale,
-    stride_kp,
-    stride_ko,
-    offs_o,
-    offs_d,
-    PS: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """One online-softmax step of (m_i, l_i, acc) [M], [M], [M, D] over page ``page`` = block b.
-
-    Key u of the page enters row m iff row_ok[m] and b * PS + u <= qpos[m]; a row with no such key
-    is left bit-for-bit unchanged (module docstring)."""
-    koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
-    k = tl.load(kg_ptr + koff)  # [PS, D]
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))  # [M, PS] fp32
-    s = s * qk_scale
-    keep = row_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vg_ptr + koff)
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r"])
 def _inv_attn_kernel(
     q_ptr,
@@ -387,7 +340,7 @@ def _inv_attn_kernel(
         n_blk = tl.max(qpos, axis=0) // PS + 1
         for b in range(0, n_blk):
             page = tl.load(bt_row + b)
-            m_i, l_i, acc = _inv_attend_page(
+            m_i, l_i, acc = attend_block(
                 q,
                 m_i,
                 l_i,
@@ -428,7 +381,7 @@ def _inv_attn_kernel(
         for _u in range(0, n_u):
             page = tl.load(bt_row + b)
             row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
-            m_i, l_i, acc = _inv_attend_page(
+            m_i, l_i, acc = attend_block(
                 q,
                 m_i,
                 l_i,
@@ -470,33 +423,10 @@ def _row_ranges(meta: PagedMetadata) -> list[tuple[int, int, int]]:
 
 
 def _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids) -> None:
-    t, nh, d = q.shape
-    _, g, ps, dk = k_cache_l.shape
-    dt = q.dtype
-    if dt not in (torch.float32, torch.float16, torch.bfloat16) or k_cache_l.dtype != dt or v_cache_l.dtype != dt:
-        raise ValueError(
-            f"invariant_paged_attention: dtypes q={q.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}; "
-            "fp32/fp16/bf16 with equal dtypes are supported"
-        )
-    check_pow2_dim("head_dim", d)
-    check_pow2_dim("page_size (sparse_block_size)", ps)
-    if dk != d or v_cache_l.shape != k_cache_l.shape:
-        raise ValueError(
-            f"invariant_paged_attention: q head_dim {d} vs caches {tuple(k_cache_l.shape)}/{tuple(v_cache_l.shape)}"
-        )
-    if nh % g:
-        raise ValueError(f"invariant_paged_attention: num_attention_heads={nh} is not a multiple of G={g}")
-    if k_cache_l.stride()[1:] != (ps * d, d, 1) or k_cache_l.stride() != v_cache_l.stride() or q.stride(2) != 1:
-        raise ValueError(
-            "invariant_paged_attention: k/v caches need the paged_layout.py layout, q a contiguous last dim"
-        )
-    if topk_ids is not None:
-        if topk_ids.dim() != 3 or tuple(topk_ids.shape[:2]) != (t, g):
-            raise ValueError(
-                f"invariant_paged_attention: topk_ids shape {tuple(topk_ids.shape)}, expected [T={t}, G={g}, K]"
-            )
-        if not 1 <= topk_ids.shape[2] <= MAX_TOPK:
-            raise ValueError(f"invariant_paged_attention: top-k width {topk_ids.shape[2]}; 1..{MAX_TOPK} supported")
+    """``check_attention_inputs`` of the fast op, plus the top-k width this kernel's sort holds."""
+    check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids, op="invariant_paged_attention")
+    if topk_ids is not None and not 1 <= topk_ids.shape[2] <= MAX_TOPK:
+        raise ValueError(f"invariant_paged_attention: top-k width {topk_ids.shape[2]}; 1..{MAX_TOPK} supported")
 
 
 def invariant_paged_attention(
@@ -568,24 +498,6 @@ def invariant_paged_attention(
             num_stages=1 if ieee else 2,
         )
     return out
-
-
-def _check_index_inputs(iq, index_cache_l, topk: int) -> None:
-    keys, kscales, _ = split_index_cache(index_cache_l)
-    di = iq.shape[2]
-    if iq.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (kscales is None and keys.dtype != iq.dtype):
-        raise ValueError(
-            f"invariant_index_topk: dtypes iq={iq.dtype}, index cache={keys.dtype}; fp32/fp16/bf16 queries "
-            "with keys of the same dtype or an FP8IndexCache are supported"
-        )
-    check_pow2_dim("page_size (sparse_block_size)", keys.shape[1])
-    check_pow2_dim("sparse_index_dim", di)
-    if keys.shape[2] != di:
-        raise ValueError(f"invariant_index_topk: iq dim {di} != index cache dim {keys.shape[2]}")
-    if not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"invariant_index_topk: topk={topk} unsupported; 1..{MAX_TOPK}")
-    if iq.stride(2) != 1 or keys.stride(2) != 1:
-        raise ValueError("invariant_index_topk: iq and the index cache need a contiguous last dim")
 
 
 def invariant_index_scores(iq: torch.Tensor, index_cache_l, meta: PagedMetadata) -> torch.Tensor:
@@ -686,7 +598,7 @@ def invariant_index_topk(
     same dtype (already holding this step's keys) or an ``FP8IndexCache``. Raises ValueError for
     unsupported dtypes or sizes, naming the field.
     """
-    _check_index_inputs(iq, index_cache_l, topk)
+    check_index_inputs(iq, index_cache_l, topk, op="invariant_index_topk")
     scores = invariant_index_scores(iq, index_cache_l, meta)
     ps = split_index_cache(index_cache_l)[0].shape[1]
     return invariant_select_blocks(scores, meta, topk, ps, init_blocks, local_blocks)

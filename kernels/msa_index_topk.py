@@ -558,23 +558,27 @@ def _score_launch(
     )
 
 
-def _check_inputs(iq, index_cache_l, topk: int) -> None:
+def check_index_inputs(iq, index_cache_l, topk: int, op: str = "index_topk") -> None:
+    """The input rules of an index top-k op (``index_topk``; the batch-invariant one names itself
+    with ``op``): fp32/fp16/bf16 queries iq [T, G, di] with keys [P, ps, di] of the same dtype or an
+    ``FP8IndexCache``, ps and di powers of two in [16, 256], topk in 1..MAX_TOPK, contiguous last
+    dims. Raises ValueError naming ``op`` and the offending field."""
     keys, kscales, _ = split_index_cache(index_cache_l)
     di = iq.shape[2]
     ps = keys.shape[1]
     if iq.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (kscales is None and keys.dtype != iq.dtype):
         raise ValueError(
-            f"index_topk: dtype iq={iq.dtype}, index cache={keys.dtype}; the Triton "
+            f"{op}: dtype iq={iq.dtype}, index cache={keys.dtype}; the Triton "
             "indexer supports fp32/fp16/bf16 queries with keys of the same dtype or an FP8IndexCache"
         )
     check_pow2_dim("page_size (sparse_block_size)", ps)
     check_pow2_dim("sparse_index_dim", di)
     if keys.shape[2] != di:
-        raise ValueError(f"index_topk: iq dim {di} != index cache dim {keys.shape[2]}")
+        raise ValueError(f"{op}: iq dim {di} != index cache dim {keys.shape[2]}")
     if not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"index_topk: topk={topk} unsupported; the Triton top-k handles 1..{MAX_TOPK}")
+        raise ValueError(f"{op}: topk={topk} unsupported; the Triton top-k handles 1..{MAX_TOPK}")
     if iq.stride(2) != 1 or keys.stride(2) != 1:
-        raise ValueError("index_topk: iq and index_cache_l need a contiguous last dim")
+        raise ValueError(f"{op}: iq and index_cache_l need a contiguous last dim")
 
 
 def index_block_scores(
@@ -720,7 +724,7 @@ def index_topk(
     Raises ValueError for an unsupported dtype, ps/di not a power of two in [16, 256], topk outside
     [1, 64], or iq heads/dim not matching the cache.
     """
-    _check_inputs(iq, index_cache_l, topk)
+    check_index_inputs(iq, index_cache_l, topk)
     scores = index_block_scores(iq, index_cache_l, meta, prefill_config)
     return select_topk_blocks(
         scores, meta, topk, split_index_cache(index_cache_l)[0].shape[1], init_blocks, local_blocks

@@ -72,7 +72,7 @@ KV_SEGMENT = 128  # entries per KV-major program (the page's K/V tile is loaded 
 
 
 @triton.jit
-def _attend_block(
+def attend_block(
     q,
     m_i,
     l_i,
@@ -91,7 +91,10 @@ def _attend_block(
     PS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Online-softmax update of (m_i, l_i, acc) with one page; row_ok [M] masks rows."""
+    """Online-softmax update of (m_i, l_i, acc) [M], [M], [M, D] with page ``page`` = block b: key u
+    of the page enters row m iff row_ok[m] and b * PS + u <= qpos[m]; a row with no such key is left
+    bit-for-bit unchanged (alpha = 1, p = 0). Shared by these kernels and the batch-invariant ones
+    (kernels/invariant_attention.py)."""
     koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
     k = tl.load(k_ptr + koff)  # [PS, D]
     if IEEE:
@@ -187,7 +190,7 @@ def _decode_attn_kernel(
             first = tl.sum(tl.where((row_ids == b) & (offs_k < e), 1, 0)) == 0  # not at an earlier slot
         if (b >= 0) & (b < n_blk) & first:
             page = tl.load(bt_ptr + row * stride_bt_r + b)
-            m_i, l_i, acc = _attend_block(
+            m_i, l_i, acc = attend_block(
                 q,
                 m_i,
                 l_i,
@@ -345,7 +348,7 @@ def _prefill_attn_kernel(
         n_blk = tl.max(qpos, axis=0) // PS + 1
         for b in range(0, n_blk):
             page = tl.load(bt_ptr + row * stride_bt_r + b)
-            m_i, l_i, acc = _attend_block(
+            m_i, l_i, acc = attend_block(
                 q,
                 m_i,
                 l_i,
@@ -388,7 +391,7 @@ def _prefill_attn_kernel(
                 if (b >= 0) & (b <= p_i // PS) & (dup == 0):
                     page = tl.load(bt_ptr + row * stride_bt_r + b)
                     row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
-                    m_i, l_i, acc = _attend_block(
+                    m_i, l_i, acc = attend_block(
                         q,
                         m_i,
                         l_i,
@@ -540,7 +543,7 @@ def _prefill_union_attn_kernel(
         bits = tl.load(umask_ptr + base + u)
         page = tl.load(upage_ptr + base + u)
         row_ok = m_ok & (((bits >> ti) & 1) != 0)
-        m_i, l_i, acc = _attend_block(
+        m_i, l_i, acc = attend_block(
             q,
             m_i,
             l_i,
@@ -782,6 +785,34 @@ def kv_major_capacity(scratch: torch.Tensor | None, num_heads: int, head_dim: in
     return scratch.numel() // max(kv_major_token_bytes(num_heads, head_dim, topk, dtype), 1)
 
 
+def check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids, op: str = "paged_attention") -> None:
+    """The input rules of a paged attention op (``paged_attention``; the batch-invariant one names
+    itself with ``op``): q [T, nh, d] and k/v caches [P, G, ps, d] of one fp32/fp16/bf16 dtype in
+    the paged_layout.py layout, d and ps powers of two in [16, 256], nh a multiple of G, topk_ids
+    None or [T, G, K]. Raises ValueError naming ``op`` and the offending field."""
+    t, nh, d = q.shape
+    _, g, ps, dk = k_cache_l.shape
+    if (
+        q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or k_cache_l.dtype != q.dtype
+        or v_cache_l.dtype != q.dtype
+    ):
+        raise ValueError(
+            f"{op}: dtypes q={q.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}; the "
+            "Triton kernel supports fp32/fp16/bf16 with equal dtypes"
+        )
+    check_pow2_dim("head_dim", d)
+    check_pow2_dim("page_size (sparse_block_size)", ps)
+    if dk != d or v_cache_l.shape != k_cache_l.shape:
+        raise ValueError(f"{op}: q head_dim {d} vs caches {tuple(k_cache_l.shape)}/{tuple(v_cache_l.shape)}")
+    if nh % g:
+        raise ValueError(f"{op}: num_attention_heads={nh} is not a multiple of num_key_value_heads={g}")
+    if k_cache_l.stride()[1:] != (ps * d, d, 1) or k_cache_l.stride() != v_cache_l.stride() or q.stride(2) != 1:
+        raise ValueError(f"{op}: k/v caches must have the paged_cache.py layout (contiguous pages)")
+    if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != (t, g)):
+        raise ValueError(f"{op}: topk_ids shape {tuple(topk_ids.shape)}, expected [T={t}, G={g}, K]")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache_l: torch.Tensor,
@@ -818,27 +849,9 @@ def paged_attention(
     multiple of G, topk_ids of the wrong shape, a scratch that is not a contiguous uint8 vector on
     q's device, or ``impl="kv"`` with a scratch that holds no token.
     """
+    check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
     t, nh, d = q.shape
-    _, g, ps, dk = k_cache_l.shape
-    if (
-        q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-        or k_cache_l.dtype != q.dtype
-        or v_cache_l.dtype != q.dtype
-    ):
-        raise ValueError(
-            f"paged_attention: dtypes q={q.dtype}, k={k_cache_l.dtype}, v={v_cache_l.dtype}; the "
-            "Triton kernel supports fp32/fp16/bf16 with equal dtypes"
-        )
-    check_pow2_dim("head_dim", d)
-    check_pow2_dim("page_size (sparse_block_size)", ps)
-    if dk != d or v_cache_l.shape != k_cache_l.shape:
-        raise ValueError(f"paged_attention: q head_dim {d} vs caches {tuple(k_cache_l.shape)}/{tuple(v_cache_l.shape)}")
-    if nh % g:
-        raise ValueError(f"paged_attention: num_attention_heads={nh} is not a multiple of num_key_value_heads={g}")
-    if k_cache_l.stride()[1:] != (ps * d, d, 1) or k_cache_l.stride() != v_cache_l.stride() or q.stride(2) != 1:
-        raise ValueError("paged_attention: k/v caches must have the paged_cache.py layout (contiguous pages)")
-    if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != (t, g)):
-        raise ValueError(f"paged_attention: topk_ids shape {tuple(topk_ids.shape)}, expected [T={t}, G={g}, K]")
+    g, ps = k_cache_l.shape[1], k_cache_l.shape[2]
     if scratch is not None and (
         scratch.dtype != torch.uint8 or scratch.dim() != 1 or not scratch.is_contiguous() or scratch.device != q.device
     ):
