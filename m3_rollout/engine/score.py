@@ -8,6 +8,8 @@ No sampling, no prefix reuse, no scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
@@ -28,6 +30,28 @@ def check_score_temperature(temperature, dtype: torch.dtype) -> float:
         return SamplingParams(temperature=temperature).validate(dtype).temperature
     except ValueError as exc:
         raise ValueError(str(exc).replace("SamplingParams.temperature", "score temperature")) from None
+
+
+def paged_chunk_logits(
+    model, ops: PagedOps, kv: PagedKVCache, block_manager: BlockManager, ids: list[int], chunk_tokens: int, hint: str
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The paged forward over ``ids`` [L] in prefill chunks of ``chunk_tokens`` on pages borrowed
+    from ``block_manager`` for the call (freed when the iteration ends or is abandoned): yields
+    (start, logits [chunk, V] in the model dtype on ``kv``'s device) per chunk, as generation
+    computes them. Raises RuntimeError, ending with ``hint``, when the pool lacks free pages."""
+    seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
+    if not block_manager.ensure(seq, len(ids)):
+        raise RuntimeError(
+            f"score: {block_manager.pages_for(len(ids))} KV pages needed, {block_manager.num_free_pages} free; {hint}"
+        )
+    device = kv.device
+    try:
+        for start in range(0, len(ids), chunk_tokens):
+            chunk = ids[start : start + chunk_tokens]
+            inp = prepare_inputs([chunk], [start], [seq.block_table], kv.page_size, 0)
+            yield start, model.forward_paged(inp.input_ids.to(device), meta_to(inp.meta, device), kv, ops)
+    finally:
+        block_manager.free_seq(seq)
 
 
 @torch.no_grad()
@@ -53,22 +77,13 @@ def score_tokens(
     Raises:
         RuntimeError: not enough free KV pages now.
     """
-    seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
-    if not block_manager.ensure(seq, len(ids)):
-        raise RuntimeError(
-            f"score: {block_manager.pages_for(len(ids))} KV pages needed, {block_manager.num_free_pages} free; "
-            "call it when fewer requests are running"
-        )
     device = kv.device
-    try:
-        chunks = []
-        for start in range(0, len(ids), chunk_tokens):
-            chunk = ids[start : start + chunk_tokens]
-            inp = prepare_inputs([chunk], [start], [seq.block_table], kv.page_size, 0)
-            logits = model.forward_paged(inp.input_ids.to(device), meta_to(inp.meta, device), kv, ops)
-            chunks.append(logits.to(compute_dtype(logits.dtype)).cpu())
-    finally:
-        block_manager.free_seq(seq)
+    chunks = [
+        logits.to(compute_dtype(logits.dtype)).cpu()
+        for _, logits in paged_chunk_logits(
+            model, ops, kv, block_manager, ids, chunk_tokens, "call it when fewer requests are running"
+        )
+    ]
     logits = torch.cat(chunks) / temperature  # [L, V]
     tgt = torch.tensor(ids[1:], dtype=torch.int64)
     if token_logprobs is None:
@@ -144,16 +159,13 @@ class PagedScorer:
         if not 1 <= len(ids) <= self.max_model_len:
             raise ValueError(f"PagedScorer: {len(ids)} tokens, max_model_len={self.max_model_len}")
         device = self.kv.device
-        seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
-        if not self.block_manager.ensure(seq, len(ids)):  # the pool is this scorer's: never short
-            raise RuntimeError("PagedScorer: scratch pool exhausted")
         lps = []
+        # the pool is this scorer's and holds max_model_len tokens: never short
+        hint = "the PagedScorer pool is sized for max_model_len: a bug"
+        chunks = paged_chunk_logits(model, self.ops, self.kv, self.block_manager, ids, self.chunk_tokens, hint)
         try:
-            for start in range(0, len(ids), self.chunk_tokens):
-                chunk = ids[start : start + self.chunk_tokens]
-                inp = prepare_inputs([chunk], [start], [seq.block_table], self.kv.page_size, 0)
-                logits = model.forward_paged(inp.input_ids.to(device), meta_to(inp.meta, device), self.kv, self.ops)
-                tgt = ids[start + 1 : start + 1 + len(chunk)]  # the next token of each position (last: none)
+            for start, logits in chunks:
+                tgt = ids[start + 1 : start + 1 + logits.shape[0]]  # the next token of each position (last: none)
                 n = len(tgt)
                 if n == 0:
                     break
@@ -165,6 +177,6 @@ class PagedScorer:
                 tokens = torch.tensor(tgt, dtype=torch.int64, device=device)
                 lps.append(gather_logprobs(processed, tokens, self.token_logprobs))
         finally:
-            self.block_manager.free_seq(seq)
+            chunks.close()  # the pages go back now, also after the break
         head = torch.zeros(1, dtype=lps[0].dtype if lps else compute_dtype(self.kv.dtype), device=device)
         return torch.cat([head, *lps])  # [L]
