@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_model_util import small_paged_model  # tests/ on sys.path
 
 from m3_kernels.fused_interpret import interpreted_fused_layers
 from m3_rollout.engine.model_runner import prepare_inputs
 from m3_rollout.engine.ops import interpreted_paged_ops, paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
-from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.fused import packed_linear, packed_ok
 from m3_rollout.model.loading import load_released_tensor
 
@@ -25,28 +25,7 @@ PS = 4
 
 
 def _model(seed=0):
-    torch.manual_seed(seed)
-    cfg = tiny_config(
-        vocab_size=64,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rotary_dim=4,
-        sparse_index_dim=8,
-        dense_intermediate_size=48,
-        intermediate_size=16,
-        shared_intermediate_size=16,
-        num_local_experts=4,
-        max_position_embeddings=128,
-        sparse_block_size=PS,
-        sparse_topk_blocks=2,
-    )
-    m = M3ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3 if p.ndim >= 2 else 0.1)
-    return m.eval()
+    return small_paged_model(seed, vocab_size=64, page_size=PS)
 
 
 def _steps():

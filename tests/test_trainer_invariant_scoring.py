@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+from paged_model_util import small_paged_model  # tests/ on sys.path
 
 from m3_kernels.fused_interpret import interpreted_invariant_ops
 from m3_kernels.msa_interpret import fixed_order_dot
@@ -25,7 +26,7 @@ from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.engine.ops import interpreted_paged_ops, invariant_attention_fields
 from m3_rollout.engine.score import PagedScorer
-from m3_rollout.model import M3ForCausalLM, tiny_config
+from m3_rollout.model import M3ForCausalLM
 from m3_trainers.batch import TrainBatch
 from m3_trainers.loss import ClippedPGLossFn
 from m3_trainers.policy import Policy, mismatch_metrics
@@ -41,28 +42,7 @@ def per_row_dot():
 
 
 def _model() -> M3ForCausalLM:
-    torch.manual_seed(0)
-    cfg = tiny_config(
-        vocab_size=96,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rotary_dim=8,
-        sparse_index_dim=16,
-        dense_intermediate_size=48,
-        intermediate_size=16,
-        shared_intermediate_size=16,
-        num_local_experts=4,
-        max_position_embeddings=128,
-        sparse_block_size=PS,
-        sparse_topk_blocks=2,
-    )
-    m = M3ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3 if p.ndim >= 2 else 0.1)
-    return m
+    return small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS)
 
 
 def _table():
