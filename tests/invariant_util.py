@@ -4,7 +4,7 @@ import (the GPU tests import it too: nothing here sets TRITON_INTERPRET).
 
 - ``invariance_failures``: the bitwise batch-invariance check of a row-wise op.
 - ``row_meta`` / ``per_row_attention``: the reference paged attention run one row at a time, a
-  stand-in for the (pending) invariant attention kernels, so the model-level tests check every
+  stand-in for the invariant attention kernels (tested on their own), so the model-level tests check every
   other op of the paged forward.
 """
 
