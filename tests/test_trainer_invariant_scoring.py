@@ -111,3 +111,34 @@ def test_paged_scorer_errors():
     with pytest.raises(ValueError, match="max_model_len=8"):
         scorer(m, list(range(9)), 1.0)
     assert torch.equal(scorer(m, [3], 1.0), torch.zeros(1))
+
+
+def test_loss_numerator_takes_the_invariant_value_and_the_training_gradient():
+    """The ratio's numerator in ``train_step`` is the scorer's value (so against the rollout's own
+    logprobs the ratio is exactly 1 on every token, where the training forward's is 1 only to
+    rounding), and its gradient is the training forward's (the update equals the plain policy's
+    to rounding)."""
+    ops, inv = _table(), interpreted_invariant_ops()
+    master = _model()
+    batch = _batch(_generate(copy.deepcopy(master), ops, inv.token_logprobs))
+    scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
+    fn = ClippedPGLossFn(0.2, 0.2, True)
+    policies = {"invariant": Policy(copy.deepcopy(master), lr=1e-2, scorer=scorer)}
+    policies["plain"] = Policy(copy.deepcopy(master), lr=1e-2)
+    got = {}
+    for name, policy in policies.items():
+        # prev = the rollout's logprobs, not on these weights' scoring: train_step scores the numerator itself
+        got[name] = policy.train_step(batch, fn, TEMPERATURE, 4, prev_logprobs=batch.rollout_logprobs.clone())
+    inv_m, plain_m = got["invariant"], got["plain"]
+    assert inv_m["probs_ratio_min"] == 1.0 and inv_m["probs_ratio_max"] == 1.0
+    assert inv_m["token_mult_prob_error"] == 1.0 and inv_m["clip_fraction"] == 0.0
+    assert (plain_m["probs_ratio_min"], plain_m["probs_ratio_max"]) != (1.0, 1.0)  # rounding shows there
+    assert abs(plain_m["probs_ratio_max"] - 1.0) < 1e-4 and abs(plain_m["probs_ratio_min"] - 1.0) < 1e-4
+    assert inv_m["grad_norm"] > 0 and abs(inv_m["grad_norm"] - plain_m["grad_norm"]) < 1e-3 * plain_m["grad_norm"]
+    grads = {
+        name: [p.grad for p in pol.model.parameters() if p.requires_grad and p.grad is not None]
+        for name, pol in policies.items()
+    }
+    assert len(grads["invariant"]) == len(grads["plain"]) > 0
+    for gi, gp in zip(grads["invariant"], grads["plain"]):  # the gradient is the training forward's
+        torch.testing.assert_close(gi, gp, rtol=1e-3, atol=1e-6 * plain_m["grad_norm"])

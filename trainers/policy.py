@@ -50,6 +50,25 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 SequenceScorer = Callable[[M3ForCausalLM, list, float], torch.Tensor]
 
 
+class _InvariantValue(torch.autograd.Function):
+    """Forward: the batch-invariant logprobs (``value``, no autograd); backward: the gradient goes to
+    the training forward's logprobs (``differentiable``) unchanged, as a straight-through estimator.
+
+    The loss then sees the bits the engine's invariant kernels give (the ratio's numerator equals the
+    prev logprobs and the rollout's exactly on the step's first update) while the gradient is that of
+    the training forward, the same function rounded differently (issue 24: the backward need not be
+    invariant). Shapes: both float [B, L], same dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, differentiable: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 @contextmanager
 def replay_routing(model: M3ForCausalLM, routed_experts: torch.Tensor | None):
     """Within the block, every MoE layer of ``model`` uses the given expert ids (routing replay).
@@ -297,8 +316,9 @@ class Policy:
             (``enable_activation_checkpointing``).
         scorer: batch-invariant mode (design.md §4.6): ``get_logprobs`` (the prev logprobs compared
             with the rollout's, and the reference's) scores each sequence with it on the compute copy
-            instead of the training forward (``SequenceScorer``); the loss's differentiable forward
-            is unchanged. None = the training forward.
+            instead of the training forward (``SequenceScorer``), and ``train_step``'s ratio numerator
+            takes its value from it too (the gradient still flows through the training forward).
+            None = the training forward.
 
     Attributes:
         model: the master model (what checkpoints save and weight sync sends).
@@ -464,6 +484,7 @@ class Policy:
         micro_batch_size: int,
         prev_logprobs: torch.Tensor | None = None,
         reference_logprobs: torch.Tensor | None = None,
+        prev_on_current_weights: bool = False,
     ) -> dict:
         """One optimizer step on a global batch (gradients accumulated over micro-batches).
 
@@ -489,9 +510,18 @@ class Policy:
         B x L, prompt tokens included); attention-score FLOPs (quadratic in L) and the recompute
         of activation checkpointing are not counted. Scoring forwards count 2 x active parameters.
 
+        Batch-invariant mode (``Policy.scorer``): the loss's logprobs (the ratio's numerator) take
+        their value from the scorer, the engine's invariant paged forward, and their gradient from
+        the training forward (``_InvariantValue``). On the current weights the scorer's output is the
+        prev logprobs themselves (same kernels, same weights: the same bits), so it is reused when
+        they were computed here or ``prev_on_current_weights`` says so; otherwise (a later optimizer
+        step of a split rollout batch) the batch is scored again first.
+
         Args:
             batch: a host (or device) batch; validated here.
             prev_logprobs, reference_logprobs: optional float [B, L] (any device).
+            prev_on_current_weights: ``prev_logprobs`` were computed on the weights this step
+                starts from (the first optimizer step of a GRPO step).
 
         Returns:
             metrics (Python numbers): loss, pg_loss, kl_loss, grad_norm, lr, token_mult_prob_error,
@@ -524,6 +554,13 @@ class Policy:
                 scored += dev.token_ids.numel()
             else:
                 ref = reference_logprobs.to(self.device)
+        numerator = None  # batch-invariant mode: the loss logprobs' value
+        if self.scorer is not None:
+            if prev_logprobs is None or prev_on_current_weights:
+                numerator = prev
+            else:
+                numerator = self.get_logprobs(dev, temperature, micro_batch_size)
+                scored += dev.token_ids.numel()
         self._refresh_compute()
         logprob_seconds = self.elapsed(t0)
         t1 = time.perf_counter()
@@ -551,6 +588,8 @@ class Policy:
                 block_selection=mb.block_selection,
                 index_replay=self.index_replay,
             )
+            if numerator is not None:
+                lp = _InvariantValue.apply(lp, numerator[s : s + micro_batch_size, :l].to(lp.dtype))
             loss, m = loss_fn.loss_and_stats(
                 lp,
                 prev[s : s + micro_batch_size, :l],

@@ -287,6 +287,7 @@ def train_step_on_groups(
                 p.train_micro_batch_size,
                 None if prev is None else prev[s : s + gbs, :l],
                 None if ref is None else ref[s : s + gbs, :l],
+                prev_on_current_weights=s == 0,
             )
         )
     metrics = combine_optimizer_steps(per_opt_step)

@@ -296,6 +296,8 @@ def run(cfg: MasterConfig) -> dict:
                     "selections (a rollout server started without --record-block-selection?); no index replay "
                     "and no train/msa_selection_agreement"
                 )
+            if gen.batch_invariant:  # issue 24: equal, not close
+                tm["bitwise_on_policy"] = float(tm["token_mult_prob_error"] == 1.0 and tm["gen_kl_error"] == 0.0)
             logprob_s, train_s = tm["logprob_seconds"], tm["train_seconds"]
             trained_steps += 1
             if tm["skipped_step"]:
@@ -374,6 +376,11 @@ def run(cfg: MasterConfig) -> dict:
                 + (
                     f"msa_selection_agreement {tm['msa_selection_agreement']:.4f}  "
                     if "msa_selection_agreement" in tm
+                    else ""
+                )
+                + (
+                    ("bitwise on-policy: yes  " if tm["bitwise_on_policy"] else "bitwise on-policy: NO  ")
+                    if "bitwise_on_policy" in tm
                     else ""
                 )
                 + f"gen {performance['generation_tokens_per_s']:.0f} tok/s  step {step_s:.1f} s "

@@ -171,6 +171,8 @@ def logged_metric_names(cfg: MasterConfig) -> set[str]:
         # also msa_selection_agreement/layer_{i} and msa_selection_overlap/layer_{i} per sparse
         # layer i of the model (not listed: they depend on the checkpoint, not on cfg)
         train |= {"msa_selection_coverage", "msa_selection_agreement", "msa_selection_overlap"}
+    if gen.batch_invariant:
+        train.add("bitwise_on_policy")
     if g.use_dynamic_sampling:
         train |= {"dynamic_sampling_gen_batches", "dynamic_sampling_dropped_groups"}
     if g.async_grpo.enabled:
