@@ -31,6 +31,23 @@ raw int16, the coded segment (sets: sorted rows, token delta, zstd), and what ke
 order within a row would cost; host encode / decode time per token.
 
     python scripts/bench_engine.py --device cuda --model-json configs/bench/m3_bench_300m.json --block-record
+
+``--batch-invariant``: batch-invariant mode (``EngineConfig.batch_invariant``, design.md §4.6) against
+the fast mode in the same run, on the same weights: per mode one decode engine (CUDA: decode graphs
+for batch 1 and ``--record-batch``, async scheduling, as the engine runs) and one prefill engine, built
+once and the runs alternated (fast / invariant, ``--record-reps`` times, medians): decode tokens/s and
+median decode step at batch 1 and batch ``--record-batch`` (default 32; 128 prompt + ``--invariant-new``
+tokens, default 128 on CUDA, 16 on CPU, no early stop, seed 1 at temperature 1) and one prefill of
+``--long-len`` tokens (default 32768 on CUDA, 1024 on CPU) in chunks of ``--record-chunk`` (the step
+budget; default 16384 on CUDA, a quarter of the prompt on CPU): seconds and tokens/s; the
+invariant / fast slowdown per case (issue 24's target: <= 15 %). Then two token checks: how many of
+the large-batch run's tokens differ between the two modes (they may: the invariant kernels round
+differently), and for each mode whether the first 4 sequences of that run give bitwise the same
+logprobs (and tokens) run alone at batch 1 with the same seed (the invariant mode's promise; the fast
+mode's figure is the contrast). On the CPU ``paged_ops_for`` warns and the "invariant" engine runs
+the same PyTorch ops as the fast one: the run only exercises the script (the output says so).
+
+    python scripts/bench_engine.py --device cuda --model-json configs/bench/m3_bench_300m.json --batch-invariant
 """
 
 from __future__ import annotations
@@ -448,7 +465,172 @@ def block_record_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype)
     ]
 
 
-def main() -> None:
+# ---- --batch-invariant ---------------------------------------------------------------------
+def bitwise_equal(a: list[float], b: list[float]) -> bool:
+    """Whether two logprob lists (fp32 values as Python floats) hold the same bits, position by position."""
+    as_bits = lambda x: torch.tensor(x, dtype=torch.float64).view(torch.int64)  # noqa: E731
+    return len(a) == len(b) and bool(torch.equal(as_bits(a), as_bits(b)))
+
+
+def token_diff(a: list, b: list) -> tuple[int, int, int]:
+    """Two runs' outputs (``timed_generate``'s, same prompts in the same order): (differing token
+    positions, counting a length difference as differing; sequences with identical tokens; the
+    earliest differing position, -1 if none)."""
+    by_id = lambda outs: {o.request_id.split("-", 1)[1]: o.output_ids for o in outs}  # noqa: E731
+    ta, tb = by_id(a), by_id(b)
+    differ, same, first = 0, 0, -1
+    for k, x in ta.items():
+        y = tb[k]
+        bad = [i for i, (p, q) in enumerate(zip(x, y)) if p != q] + list(
+            range(min(len(x), len(y)), max(len(x), len(y)))
+        )
+        differ += len(bad)
+        same += not bad
+        if bad and (first < 0 or bad[0] < first):
+            first = bad[0]
+    return differ, same, first
+
+
+def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) -> list[str]:
+    """The ``--batch-invariant`` mode (module docstring) on ``model`` (weights on ``dev`` in ``dtype``).
+
+    Reads args.record_batch / record_reps / record_chunk / long_len / invariant_new / model_json / out.
+    Prints the table (throughputs in tok/s, prefill in s, slowdown = invariant time / fast time - 1 in
+    %) and the token checks; writes the figures as JSON to args.out when given. Returns the
+    docs/benchmarks.md lines (the caller appends them unless --no-write). Off CUDA the engine's
+    fallback warning is caught and reported as a "NOT batch-invariant here" line.
+    """
+    import statistics
+    import warnings
+
+    g = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    cuda = dev == "cuda"
+    batch, plen, reps = args.record_batch, 128, args.record_reps
+    new = args.invariant_new or (128 if cuda else 16)
+    long_len = args.long_len or (32768 if cuda else 1024)
+    chunk = args.record_chunk or (16384 if cuda else max(long_len // 4, 1))
+    decode_prompts, long_prompt = [prompt(plen) for _ in range(batch)], [prompt(long_len)]
+    engines, fallback = {}, set()
+    for inv in (False, True):
+        with warnings.catch_warnings(record=True) as caught:  # paged_ops_for's fallback off CUDA
+            warnings.simplefilter("always")
+            engines[inv, "decode"] = eng = make_engine(
+                model,
+                decode_prompts,
+                1,
+                dev,
+                plen + new + 1,
+                cuda_graphs=cuda,
+                async_scheduling=None,
+                graph_sizes=tuple(sorted({1, batch})),
+                batch_invariant=inv,
+            )
+            engines[inv, "prefill"] = pre = make_engine(
+                model,
+                long_prompt,
+                1,
+                dev,
+                long_len + 2,
+                async_scheduling=None,
+                max_num_batched_tokens=chunk,
+                batch_invariant=inv,
+            )
+        fallback |= {str(w.message) for w in caught if "batch_invariant" in str(w.message)}
+        # compile / warm up every shape the timed runs meet (reversed prompts: no prefix-cache hit)
+        timed_generate(eng, [p[::-1] for p in decode_prompts], 4, dev, "wb-")
+        timed_generate(eng, [decode_prompts[0][::-1]], 4, dev, "w1-")
+        timed_generate(pre, [long_prompt[0][::-1][: 2 * chunk]], 1, dev, "wp-")
+    runs = {(inv, case): [] for inv in (False, True) for case in ("b1", "bN", "prefill")}
+    for rep in range(reps):
+        for inv in (False, True) if rep % 2 == 0 else (True, False):
+            dec, pre = engines[inv, "decode"], engines[inv, "prefill"]
+            runs[inv, "b1"].append(timed_generate(dec, decode_prompts[:1], new, dev, f"a{rep}-"))
+            runs[inv, "bN"].append(timed_generate(dec, decode_prompts, new, dev, f"b{rep}-"))
+            runs[inv, "prefill"].append(timed_generate(pre, long_prompt, 1, dev, f"p{rep}-"))
+    med = lambda inv, case, key: statistics.median(r[key] for r in runs[inv, case])  # noqa: E731
+    mode = "CUDA graphs + async scheduling" if cuda else "eager"
+    figures, table = {}, []
+    verdict = lambda slow: "met" if slow <= 15 else "not met"  # noqa: E731 - issue 24: <= 15 % slower
+    for case, label in (
+        ("b1", f"decode, batch 1, {plen} + {new} tokens ({mode})"),
+        ("bN", f"decode, batch {batch}, {plen} + {new} tokens ({mode})"),
+    ):
+        fast, inv = med(False, case, "tok_s"), med(True, case, "tok_s")
+        step_f, step_i = med(False, case, "decode_step_ms"), med(True, case, "decode_step_ms")
+        figures[case] = {"tok_s": [fast, inv], "decode_step_ms": [step_f, step_i]}
+        slow = 100 * (fast / inv - 1)
+        table.append(
+            f"| {label} | {fast:,.0f} tok/s | {inv:,.0f} tok/s | {inv / fast:.3f} | {slow:+.1f} % | {verdict(slow)} | "
+            f"{step_f:.3f} -> {step_i:.3f} ms |"
+        )
+    fast, inv = med(False, "prefill", "seconds"), med(True, "prefill", "seconds")
+    figures["prefill"] = {"seconds": [fast, inv], "tok_s": [long_len / fast, long_len / inv]}
+    slow = 100 * (inv / fast - 1)
+    table.append(
+        f"| prefill {long_len} tokens in {chunk}-token chunks | {fast:.3f} s ({long_len / fast:,.0f} tok/s) | "
+        f"{inv:.3f} s ({long_len / inv:,.0f} tok/s) | {fast / inv:.3f} | {slow:+.1f} % | {verdict(slow)} | - |"
+    )
+    header = [
+        "| case | fast | invariant | invariant / fast (throughput) | slowdown (time) | target <= 15 % | "
+        "median decode step fast -> invariant |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for line in header + table:
+        print(line, flush=True)
+    differ, same, first = token_diff(runs[False, "bN"][-1]["outputs"], runs[True, "bN"][-1]["outputs"])
+    notes = [
+        f"batch-{batch} tokens, fast vs invariant (same seeds): {differ} of {batch * new} differ, {same} of "
+        f"{batch} sequences identical" + (f", first difference at generated token {first}" if first >= 0 else "")
+    ]
+    print(notes[-1], flush=True)
+    alone = {}
+    n_cmp = min(4, batch)
+    for inv in (False, True):
+        dec = engines[inv, "decode"]
+        big = {o.request_id: o for o in runs[inv, "bN"][-1]["outputs"]}
+        equal, same_ids, max_diff = 0, 0, 0.0
+        for i in range(n_cmp):
+            solo = timed_generate(dec, [decode_prompts[i]], new, dev, f"s{i}-")["outputs"][0]
+            ref = big[f"b{reps - 1}-{i}"]
+            same, diff = same_outputs({0: (solo.output_ids, solo.logprobs)}, {0: (ref.output_ids, ref.logprobs)})
+            equal += same and bitwise_equal(solo.logprobs, ref.logprobs)
+            same_ids, max_diff = same_ids + same, max(max_diff, diff)
+        name = "invariant" if inv else "fast"
+        alone[name] = {"bitwise_equal": equal, "same_tokens": same_ids, "compared": n_cmp, "max_abs_diff": max_diff}
+        notes.append(
+            f"{name} mode, batch {batch} vs each sequence alone at batch 1 (same seed), first {n_cmp} sequences: "
+            f"{equal} of {n_cmp} bitwise-equal (tokens and logprobs); same tokens {same_ids} of {n_cmp}, "
+            f"max |logprob diff| {max_diff:.2e} (over the positions both ran)"
+        )
+        print(notes[-1], flush=True)
+    for msg in sorted(fallback):
+        notes.append(f"NOT batch-invariant here: the engine warned: {msg}")
+        print(notes[-1], flush=True)
+    try:
+        import triton
+
+        versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    except ImportError:
+        versions = f"torch {torch.__version__}"
+    lines = [
+        f"\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), {run_date()}, {machine(dev)}\n",
+        f"Model: {args.model_json or 'tiny_config()'}, {dtype}, random weights; `EngineConfig.batch_invariant` off vs "
+        f"on on the same weights, medians of {reps} alternated runs per mode; target <= 15 % slower; {versions}.\n",
+        *header,
+        *table,
+        "",
+        *[f"- {line}" for line in notes],
+    ]
+    if args.out:
+        out = {"machine": machine(dev), "reps": reps, **figures, "batch_tokens_differ": differ, "alone": alone}
+        Path(args.out).write_text(json.dumps({**out, "fallback": sorted(fallback), "lines": lines}, indent=1))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[str] | None:
+    """Parse ``argv`` (default: sys.argv), run the chosen mode; the --block-record and --batch-invariant
+    modes return their docs/benchmarks.md lines (also when not written)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-json", help="config.json (either shape); default: tiny_config() on CPU")
@@ -460,7 +642,11 @@ def main() -> None:
         help="pass no value to run only --check-len",
     )
     ap.add_argument(
-        "--long-len", type=int, default=None, help="long-context prompt tokens (CPU default 2048, CUDA 8192)"
+        "--long-len",
+        type=int,
+        default=None,
+        help="long-context prompt tokens (default CPU 2048, CUDA 8192; --block-record: CUDA 131072; "
+        "--batch-invariant: CUDA 32768, CPU 1024)",
     )
     ap.add_argument("--long-batch", type=int, default=2)
     ap.add_argument("--long-new", type=int, default=32)
@@ -487,10 +673,24 @@ def main() -> None:
         action="store_true",
         help="only the block-selection record's cost and payload (module docstring)",
     )
-    ap.add_argument("--record-batch", type=int, default=32)
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="only batch-invariant vs fast mode: decode, prefill, token checks (module docstring)",
+    )
+    ap.add_argument("--record-batch", type=int, default=32, help="--block-record / --batch-invariant: decode batch")
     ap.add_argument("--record-new", type=int, default=256, help="--block-record: decode tokens per row")
-    ap.add_argument("--record-chunk", type=int, default=16384, help="--block-record: prefill chunk (step budget)")
-    ap.add_argument("--record-reps", type=int, default=3)
+    ap.add_argument(
+        "--invariant-new", type=int, default=None, help="--batch-invariant: decode tokens per row (CUDA 128, CPU 16)"
+    )
+    ap.add_argument(
+        "--record-chunk",
+        type=int,
+        default=None,
+        help="--block-record / --batch-invariant: prefill chunk (step budget; default 16384, --batch-invariant "
+        "on CPU a quarter of --long-len)",
+    )
+    ap.add_argument("--record-reps", type=int, default=3, help="--block-record / --batch-invariant: runs per setting")
     ap.add_argument(
         "--record-payload-len", type=int, nargs="+", default=[8192, 32768], help="--block-record: payload data tokens"
     )
@@ -500,7 +700,7 @@ def main() -> None:
         default=0,
         help="first compare engine.score with transformers' forward on a prompt of this length",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
     if args.model_json:
@@ -510,8 +710,14 @@ def main() -> None:
     else:
         cfg = tiny_config(max_position_embeddings=16384)
     long_len = args.long_len or (8192 if dev == "cuda" else 2048)
+    if args.block_record and args.batch_invariant:
+        raise SystemExit("--block-record and --batch-invariant are separate runs: pass one")
     if args.block_record:
         long_len = args.long_len or (131072 if dev == "cuda" else 2048)
+        args.record_chunk = args.record_chunk or 16384
+        args.skip_hf = True
+    if args.batch_invariant:
+        long_len = args.long_len or (32768 if dev == "cuda" else 1024)
         args.skip_hf = True
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, long_len + args.long_new + 1)
     if args.skip_hf:
@@ -520,12 +726,13 @@ def main() -> None:
             raise SystemExit("--check-len needs the transformers model: drop --skip-hf")
     else:
         ours, hf = build_pair(cfg, dev, dtype)
-    if args.block_record:
-        lines = block_record_bench(args, cfg, ours, dev, dtype)
+    if args.block_record or args.batch_invariant:
+        bench = block_record_bench if args.block_record else invariant_bench
+        lines = bench(args, cfg, ours, dev, dtype)
         if not args.no_write:
             with open(ROOT / "docs" / "benchmarks.md", "a") as f:
                 f.write("\n".join(lines) + "\n")
-        return
+        return lines
     if args.graph_sizes:
         args.graph_sizes = tuple(args.graph_sizes)
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,78 @@
+"""scripts/bench_engine.py --batch-invariant on the CPU at tiny sizes: the whole mode runs and prints its table.
+
+On the CPU ``paged_ops_for`` warns and the "invariant" engine runs the fast (PyTorch) ops, so the
+figures only show that the script measures and compares; the GPU run is what answers issue 24.
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPTS))  # the script imports benchlib from beside it
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPTS / "bench_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(SCRIPTS))
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def number(cell: str) -> float:
+    """The first number of a table cell ("1,234 tok/s", "+3.1 %", "0.042 s (6,028 tok/s)")."""
+    return float(cell.split()[0].replace(",", ""))
+
+
+def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "ROOT", tmp_path)  # no docs/ there: a write despite --no-write would fail
+    out = tmp_path / "inv.json"
+    argv = ["--batch-invariant", "--device", "cpu", "--no-write", "--out", str(out)]
+    sizes = ["--record-batch", "6", "--invariant-new", "6", "--long-len", "192", "--record-reps", "2"]
+    lines = bench.main(argv + sizes)
+    assert lines[0].startswith("\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), ")
+    assert "tiny_config()" in lines[1] and "medians of 2 alternated runs" in lines[1]
+    rows = {cells(line)[0]: cells(line) for line in lines if line.startswith("| ") and not line.startswith("| case")}
+    assert set(rows) == {
+        "decode, batch 1, 128 + 6 tokens (eager)",
+        "decode, batch 6, 128 + 6 tokens (eager)",
+        "prefill 192 tokens in 48-token chunks",
+    }
+    figures = json.loads(out.read_text())
+    assert figures["lines"] == lines and figures["reps"] == 2
+    for name, row in rows.items():
+        fast, inv, ratio, slowdown, verdict = number(row[1]), number(row[2]), number(row[3]), number(row[4]), row[5]
+        assert all(math.isfinite(x) and x > 0 for x in (fast, inv, ratio)), row
+        assert math.isfinite(slowdown) and verdict == ("met" if slowdown <= 15 else "not met"), row
+        if name.startswith("decode"):  # throughputs: ratio invariant / fast, slowdown in time
+            f, i = figures["b1" if "batch 1," in name else "bN"]["tok_s"]
+            assert ratio == pytest.approx(i / f, abs=6e-4) and slowdown == pytest.approx(100 * (f / i - 1), abs=0.06)
+            steps = row[6].removesuffix(" ms").split(" -> ")
+            assert all(float(s) > 0 for s in steps), row
+        else:  # seconds
+            f, i = figures["prefill"]["seconds"]
+            assert ratio == pytest.approx(f / i, abs=6e-4) and slowdown == pytest.approx(100 * (i / f - 1), abs=0.06)
+    notes = [line for line in lines if line.startswith("- ")]
+    differ = next(n for n in notes if n.startswith("- batch-6 tokens, fast vs invariant"))
+    # the CPU runs the same ops in both engines: same seeds give the same tokens
+    assert "0 of 36 differ, 6 of 6 sequences identical" in differ
+    for mode in ("fast", "invariant"):
+        alone = next(n for n in notes if n.startswith(f"- {mode} mode, batch 6 vs each sequence alone"))
+        assert "first 4 sequences: " in alone and " of 4 bitwise-equal" in alone
+        equal = int(alone.split("first 4 sequences: ")[1].split()[0])
+        assert 0 <= equal <= 4
+    assert any(n.startswith("- NOT batch-invariant here: the engine warned: batch_invariant:") for n in notes)
+    assert figures["batch_tokens_differ"] == 0
+    assert all(x > 0 for case in ("b1", "bN") for x in figures[case]["tok_s"])
+    assert all(x > 0 for x in figures["prefill"]["seconds"]) and figures["fallback"]
+    assert set(figures["alone"]) == {"fast", "invariant"} and figures["alone"]["fast"]["compared"] == 4
