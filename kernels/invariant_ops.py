@@ -41,8 +41,11 @@ the GEMM is bound by streaming the weights) and prefill (many rows: smaller tile
 picks); the MoE pads every expert to 64 rows. Not yet measured on the GPU: the issue's target is
 <= 15% slower than the fast mode.
 
-Not here: attention (the other half of issue 24, ``kernels/invariant_attention.py``), the EP
-combine across ranks, and the trainer's use of these ops.
+Not here: attention (the other half of issue 24, ``kernels/invariant_attention.py``); the EP
+combine across ranks (``m3_rollout/parallel/ep_moe.py``: each rank runs ``fused_experts`` on its
+received pairs with K = 1 and their routing weights, the owning rank sums the slots in slot order
+in fp32 as ``moe_combine`` does); the sampler's top-k / top-p (``m3_rollout/engine/sampler.py``,
+PyTorch ops with a fixed order); the trainer's use of these ops.
 
 Shape legend: T rows (tokens), K reduction width, N output width, V vocabulary.
 """

@@ -56,10 +56,13 @@ class EngineConfig:
             the same way (fp8 x fp8 tensor-core dots) instead of keeping them in the activation dtype.
         batch_invariant: batch-invariant mode (design.md §4.6): the paged forward runs the fixed-order
             kernels of ``kernels/invariant_ops.py`` (``engine.ops.paged_ops_for(..., batch_invariant=True)``;
-            no skinny GEMM, one MoE tile config, one router route) and the sampler's logprobs one
-            fixed-order op in eager and graph steps, so a token's logits and logprob do not depend on
-            the rest of the batch. CUDA only (elsewhere a warning and the usual ops); attention is not
-            invariant yet; an ``ops`` table handed to the engine is used as given.
+            no skinny GEMM, one MoE tile config, one router route, the invariant attention), the
+            sampler's logprobs one fixed-order op in eager and graph steps and its top-k / top-p
+            supports a function of the row alone (``sampler.process_logits``), so a token's logits and
+            logprob do not depend on the rest of the batch; under EP the workers' engines get the flag
+            and the expert combine gives the single-rank bits (``parallel/ep_moe.py``). The kernels:
+            CUDA only (elsewhere a warning and the usual ops; the sampler part applies on any
+            device); an ``ops`` table handed to the engine is used as given.
     """
 
     max_model_len: int

@@ -116,6 +116,8 @@ class CudaGraphDecode:
             given, the PyTorch sampler runs (with it) instead of the fused Triton sampler, whose
             logprob reduction differs from the eager steps' (batch-invariant mode: one logprob
             order for every step).
+        batch_invariant: filtered steps sample with row-invariant top-k / top-p supports
+            (``sampler.process_logits``).
     """
 
     def __init__(
@@ -131,10 +133,12 @@ class CudaGraphDecode:
         fused_sampler: bool | None = None,
         selection_buffer: torch.Tensor | None = None,
         token_logprobs=None,
+        batch_invariant: bool = False,
     ):
         dev = kv.device
         self.selection_buffer = selection_buffer
         self.token_logprobs = token_logprobs
+        self.batch_invariant = batch_invariant
         self.fused_sampler = dev.type == "cuda" if fused_sampler is None else fused_sampler
         assert dev.type == "cuda" or not use_graphs, "CUDA graphs are GPU-only"
         self.use_graphs = use_graphs
@@ -249,7 +253,14 @@ class CudaGraphDecode:
             return out
         params, positions, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
         tokens, lps = sample_rows(
-            logits.to(compute_dtype(logits.dtype)), params, positions, raw, need_top_k, need_top_p, self.token_logprobs
+            logits.to(compute_dtype(logits.dtype)),
+            params,
+            positions,
+            raw,
+            need_top_k,
+            need_top_p,
+            self.token_logprobs,
+            self.batch_invariant,
         )
         out[0].copy_(tokens)
         out[1].copy_(lps.double().view(torch.int64))

@@ -146,6 +146,7 @@ class LLMEngine:
             ops,
             None if self.selection is None else self.selection.step_buffer,
             token_logprobs,
+            config.batch_invariant,  # top-k / top-p per row (sampler.process_logits); any device
         )
         # NOTE: None = on for CUDA (GPU round 1, H200: identical tokens, host time hidden), off on
         # the CPU (nothing to overlap there; outputs would come one step() later).

@@ -224,6 +224,8 @@ class ModelRunner:
         token_logprobs: the sampler's logprob op for every step, eager and graph (batch-invariant
             mode: ``engine.ops.invariant_token_logprobs``); None = ``torch.log_softmax`` (and the
             fused Triton sampler in the decode graphs).
+        batch_invariant: the sampler's top-k / top-p supports depend on each row alone
+            (``sampler.process_logits``; ``EngineConfig.batch_invariant``), eager and graph steps.
     """
 
     def __init__(
@@ -239,10 +241,12 @@ class ModelRunner:
         ops: PagedOps | None = None,
         selection_buffer: torch.Tensor | None = None,
         token_logprobs=None,
+        batch_invariant: bool = False,
     ):
         self.model, self.kv = model, kv
         self.selection_buffer = selection_buffer
         self.token_logprobs = token_logprobs
+        self.batch_invariant = batch_invariant
         self.device = kv.device
         self.ops = paged_ops_for(self.device, model.model.embed_tokens.weight.dtype) if ops is None else ops
         self.page_size = kv.page_size
@@ -271,6 +275,7 @@ class ModelRunner:
                     fused_sampler=fused_sampler,
                     selection_buffer=selection_buffer,
                     token_logprobs=token_logprobs,
+                    batch_invariant=batch_invariant,
                 )
                 with torch.no_grad():
                     graphs.capture()
@@ -330,6 +335,7 @@ class ModelRunner:
             sampling.need_top_k,
             sampling.need_top_p,
             self.token_logprobs,
+            self.batch_invariant,
         )
         k = sampling.num_row_seqs
         self.last_tokens[:k].copy_(tokens[:k])

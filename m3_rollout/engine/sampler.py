@@ -10,7 +10,12 @@ softmax(logits / T) (Gumbel-max trick), restricted to the top-k / top-p support.
 Logprobs: ``torch.log_softmax`` of the row, or, in batch-invariant mode (design.md §4.6), the
 caller's ``token_logprobs`` op (``m3_kernels.invariant_ops.token_logprobs``: one fixed reduction
 order per row, the same in the eager step and the decode graphs). Tokens need no such op: the
-Gumbel-max argmax is exact given the logits.
+Gumbel-max argmax is exact given the logits. The top-k / top-p support does: in batch-invariant
+mode (``batch_invariant=True``) the sort is stable (ties ordered by token id) and top-p's mass
+comes from :func:`prefix_sums` (elementwise adds in an order fixed per position) over
+exp(logit - row max) instead of ``torch.softmax`` + ``torch.cumsum``, whose reductions the
+library may order by the tensor's shape (CUDA ``cumsum`` of a single row takes another scan than
+of several rows).
 
 Shapes: N rows (one per running sample), V vocabulary.
 """
@@ -93,6 +98,45 @@ class SamplingTensors:
     sample_ids: torch.Tensor  # int64 [N]
 
 
+def prefix_sums(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive prefix sums of x [..., L] along the last dim with a fixed association.
+
+    Doubling scan (Hillis-Steele): ceil(log2 L) passes, pass j adds to every position i >= 2^j the
+    value 2^j places earlier. Each output s[..., i] is a fixed tree of additions of x[..., 0..i]
+    whose shape depends on i alone: not on L, the leading dims (the number of rows) or the device;
+    only elementwise IEEE adds in x.dtype, so the same bits on the CPU and the GPU and for a row
+    alone or in any batch. Error O(log L) roundings (a sequential sum: O(L)). Cost: ceil(log2 L)
+    elementwise passes over x.
+    """
+    s = x
+    d = 1
+    n = x.shape[-1]
+    while d < n:
+        s = torch.cat([s[..., :d], s[..., d:] + s[..., :-d]], dim=-1)
+        d *= 2
+    return s
+
+
+def top_p_keep_invariant(sorted_x: torch.Tensor, keep: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant top-p over one sorted row per row: bool [N, V], True where the mass of the
+    higher-ranked kept tokens is below top_p.
+
+    sorted_x: [N, V] processed logits sorted descending (column 0 = the row max); keep: bool [N, V]
+    the support so far (top-k), a prefix of each row; top_p: [N]. The mass before position i is
+    S[i - 1] / S[V - 1] with S = :func:`prefix_sums` of e = exp(sorted_x - row max) (0 outside
+    ``keep``), all in sorted_x.dtype: elementwise ops and one fixed-order scan, so a row's result
+    depends on that row alone (no library reduction whose order may follow the batch shape).
+    Same rule as the fast path (the token that crosses top_p is kept), other roundings. A row with
+    top_p >= 1 keeps every token (rounding cannot drop its tail), so it gets the same support
+    whether or not another row of the batch makes the sampler filter (``need_top_p``).
+    """
+    e = torch.exp(sorted_x - sorted_x[:, :1]).masked_fill(~keep, 0.0)  # [N, V], e[:, 0] = 1
+    s = prefix_sums(e)  # [N, V] inclusive
+    before = torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)  # [N, V] exclusive
+    p = top_p.to(s.dtype)[:, None]  # [N, 1]
+    return (before / s[:, -1:] < p) | (p >= 1)
+
+
 def process_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -100,6 +144,7 @@ def process_logits(
     top_p: torch.Tensor,
     need_top_k: bool | None = None,
     need_top_p: bool | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Apply temperature, top-k and top-p; masked entries become -inf.
 
@@ -109,6 +154,9 @@ def process_logits(
         need_top_k / need_top_p: whether any row filters (known on the host from the request
             parameters); None = find out from the tensors (a device-to-host sync on GPU).
             Passing False for a batch that filters is wrong (the filter is skipped).
+        batch_invariant: a row's support depends on that row alone, bitwise (design.md §4.6):
+            stable sort (tied logits ranked by token id, also at the top-k boundary) and
+            :func:`top_p_keep_invariant` instead of ``torch.softmax`` + ``torch.cumsum``.
 
     Returns:
         fp32 [N, V] (fp64 for fp64 logits) processed logits; ``log_softmax`` of it is the distribution sampled from.
@@ -123,12 +171,14 @@ def process_logits(
     need_p = bool((top_p < 1).any()) if need_top_p is None else need_top_p
     if not (need_k or need_p):
         return x
-    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=batch_invariant)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
     if need_k:
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).clamp(max=v)
         keep &= torch.arange(v, device=x.device)[None, :] < k[:, None]
-    if need_p:
+    if need_p and batch_invariant:
+        keep &= top_p_keep_invariant(sorted_x, keep, top_p)
+    elif need_p:
         probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         keep &= mass_before < top_p.float()[:, None]
@@ -143,6 +193,7 @@ def sample(
     positions: torch.Tensor,
     logprobs_mode: str | torch.Tensor = "processed",
     token_logprobs: TokenLogprobs | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return its logprob.
 
@@ -155,6 +206,7 @@ def sample(
             (after temperature/top-k/top-p); "raw" = under the model's plain softmax; or a bool
             [N] tensor, True where a row wants "raw" (mixed batches of the engine).
         token_logprobs: the logprob op (None = ``torch.log_softmax``; see the module docstring).
+        batch_invariant: top-k / top-p supports that depend on the row alone (``process_logits``).
 
     Returns:
         (tokens int64 [N], logprobs [N] in the processed dtype).
@@ -165,7 +217,7 @@ def sample(
     if isinstance(logprobs_mode, torch.Tensor):
         raw_rows = logprobs_mode.to(torch.bool)
         mode = "processed" if not bool(raw_rows.any()) else "raw" if bool(raw_rows.all()) else raw_rows
-    return sample_rows(logits, params, positions, mode, need_k, need_p, token_logprobs)
+    return sample_rows(logits, params, positions, mode, need_k, need_p, token_logprobs, batch_invariant)
 
 
 def sample_rows(
@@ -176,12 +228,16 @@ def sample_rows(
     need_top_k: bool,
     need_top_p: bool,
     token_logprobs: TokenLogprobs | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` without device-to-host syncs (CUDA-graph capturable): the caller states
     on the host whether any row filters by top-k / top-p, and ``logprobs_mode`` is "processed",
     "raw" or a bool [N] tensor (True = raw) used as is (both logprobs computed, then selected).
-    Same values as :func:`sample` for the same rows (it calls this). token_logprobs: as :func:`sample`."""
-    processed = process_logits(logits, params.temperature, params.top_k, params.top_p, need_top_k, need_top_p)
+    Same values as :func:`sample` for the same rows (it calls this). token_logprobs, batch_invariant:
+    as :func:`sample`."""
+    processed = process_logits(
+        logits, params.temperature, params.top_k, params.top_p, need_top_k, need_top_p, batch_invariant
+    )
     u = keyed_uniform(params.seeds, params.sample_ids, positions, processed.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     tokens = torch.argmax(processed.double() + gumbel, dim=-1)

@@ -10,17 +10,28 @@ added locally, and only the call ``self.experts(x, ids, weights)`` becomes distr
    does); since rank r owns a contiguous id range, this also groups them by destination rank;
 2. counts exchange: ``all_to_all_single`` of the per-expert counts [P·E_local] (E_local per peer),
    so every rank knows how many rows it receives from each peer for each of its local experts;
-3. dispatch: ``all_to_all_single`` of the token rows [T·K, H] with those split sizes;
-4. the received rows run through the local ``StackedExperts`` (grouped by local expert: one GEMM
-   pair per expert, no per-token loop; on the engine's paged path the table's fused MoE,
-   ``PagedOps.fused_experts``, runs there instead) with weight 1;
-5. combine: the reverse ``all_to_all_single`` brings each pair's expert output home, where it is
-   weighted by the routing weight and summed per token exactly as ``grouped_experts`` does
-   (y in x.dtype -> weight dtype, × w, -> x.dtype, index_add in expert order).
+3. dispatch: ``all_to_all_single`` of the token rows [T·K, H] with those split sizes (on the fused
+   path each row carries its pair's routing weight as fp32 bits in 16 extra columns, so the
+   weights travel in the same collective);
+4. the received rows run through the local experts: on the engine's paged path the table's fused
+   MoE (``PagedOps.fused_experts``, K = 1, weighted by the received routing weight inside its down
+   GEMM, as the single-rank op weights each slot); otherwise ``StackedExperts``' reference
+   ``grouped_experts`` (one GEMM pair per local expert) with weight 1;
+5. combine: the reverse ``all_to_all_single`` brings each pair's expert output home. Fused path:
+   the pairs are put back in (token, slot) layout and each token sums its K slots in slot order
+   k = 0..K-1 in fp32 from zero, then rounds once to x.dtype: the fused op's own combine
+   (``m3_kernels.fused_moe.moe_combine``). Reference path: weighted and summed per token as
+   ``grouped_experts`` does (y in x.dtype -> weight dtype, × w, -> x.dtype, index_add in expert
+   order).
 
-So EP=P equals EP=1 up to the GEMMs seeing different row batches. Every rank must call every MoE
-layer once per model forward, with T = 0 tokens if it has none (the engine's
-``step(force_forward=True)``); otherwise its peers' collectives wait until the group timeout.
+So on the fused path a token's routed output is computed with the single-rank fused op's roundings
+(each slot's expert output = round(fp32 accumulator × fp32 weight) to x.dtype, the K slots summed
+in slot order in fp32): with the batch-invariant table (``kernels/invariant_ops.py``, whose rows
+do not depend on the other rows of the GEMM) EP=P gives the bits of EP=1, whatever the batch or
+the other ranks' tokens (design.md §4.6). With the fast table, and on the reference path, EP=P
+equals EP=1 up to the GEMMs seeing different row batches. Every rank must call every MoE layer
+once per model forward, with T = 0 tokens if it has none (the engine's ``step(force_forward=True)``);
+otherwise its peers' collectives wait until the group timeout.
 
 Shape legend: T tokens on this rank, K experts per token, H hidden, E experts, P EP size,
 E_local = E / P, N rows received for the local experts.
@@ -140,21 +151,28 @@ class EPExperts(StackedExperts):
         self.layer_slot = layer_slot
 
     def local_experts(
-        self, x: torch.Tensor, local_ids: torch.Tensor, fused_experts: Callable[..., torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        local_ids: torch.Tensor,
+        fused_experts: Callable[..., torch.Tensor] | None = None,
+        weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows x [N, H] through their local expert local_ids [N] (int64), unweighted -> [N, H] x.dtype.
+        """Rows x [N, H] through their local expert local_ids [N] (int64) -> [N, H] x.dtype.
 
-        The same two paths as ``StackedExperts.forward`` with K = 1 and weight 1.0 (exact for
-        ``grouped_experts``: y -> fp32 -> ×1 -> x.dtype returns y unchanged): ``fused_experts``
-        (``PagedOps.fused_experts``, no autograd; it takes GLOBAL ids and ``expert_range``) or
-        ``grouped_experts`` (local rows).
+        ``fused_experts`` given (``PagedOps.fused_experts``, no autograd; it takes GLOBAL ids and
+        ``expert_range``): that op with K = 1 and the pairs' routing ``weights`` [N] (any float
+        dtype, used in fp32; None = 1.0), so row n = round(W2 act(W13 x[n]) × weights[n]) to
+        x.dtype, the bits the single-rank op gives that (token, slot) before its combine (its one-slot
+        combine is exact). Otherwise ``grouped_experts`` on the local rows with weight 1 (exact:
+        y -> fp32 -> ×1 -> x.dtype returns y unchanged); ``weights`` must then be None.
         """
-        ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        n = local_ids.shape[0]
+        w = torch.ones(n, dtype=torch.float32, device=x.device) if weights is None else weights
         if fused_experts is not None and not needs_autograd(x, self.w13, self.w2):
             return fused_experts(
                 x,
                 (local_ids + self.expert_range[0])[:, None],
-                ones,
+                w[:, None],
                 self.w13,
                 self.w2,
                 alpha=self.alpha,
@@ -162,7 +180,9 @@ class EPExperts(StackedExperts):
                 beta=self.beta,
                 expert_range=self.expert_range,
             )
-        return grouped_experts(x, local_ids[:, None], ones, self.w13, self.w2, self.act)
+        if weights is not None:
+            raise ValueError("EPExperts.local_experts: routing weights are applied here on the fused path only")
+        return grouped_experts(x, local_ids[:, None], w[:, None], self.w13, self.w2, self.act)
 
     def forward(
         self,
@@ -195,7 +215,9 @@ class EPExperts(StackedExperts):
         timing = self.stats is not None and self.stats.timing
         sync = (lambda: torch.cuda.synchronize(x.device)) if (timing and x.is_cuda) else (lambda: None)
         t0 = time.perf_counter()
-        k = ids.shape[1]
+        t, k = ids.shape
+        # The fused path weights each pair where its expert runs and combines in slot order (module doc).
+        fused = fused_experts is not None and not needs_autograd(x, self.w13, self.w2)
         flat = ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat, stable=True)  # [T*K], grouped by expert hence by rank
         token = order // k  # [T*K] source token of each sorted pair
@@ -206,21 +228,26 @@ class EPExperts(StackedExperts):
         send_splits = send_counts.view(p, e_local).sum(1).tolist()  # NOTE: host sync (split sizes)
         recv_counts_host = recv_counts.view(p, e_local).cpu()
         recv_splits = recv_counts_host.sum(1).tolist()
-        recv_x = x.new_empty(sum(recv_splits), h)  # [N, H]
-        dist.all_to_all_single(recv_x, x[token], recv_splits, send_splits, group=self.group)
+        send = with_weight_columns(x[token], w_sorted) if fused else x[token]  # [T*K, H (+ C)]
+        recv = x.new_empty(sum(recv_splits), send.shape[1])  # [N, H (+ C)]
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        recv_x, recv_w = split_weight_columns(recv, h) if fused else (recv, None)  # [N, H], fp32 [N]
         sync()
         t1 = time.perf_counter()
         # Received rows are ordered by source rank, then local expert: rebuild their local ids.
         local_ids = torch.repeat_interleave(
             torch.arange(e_local, device=x.device).repeat(p), recv_counts.view(-1)
         )  # [N]
-        y = self.local_experts(recv_x, local_ids, fused_experts)  # [N, H]
+        y = self.local_experts(recv_x, local_ids, fused_experts if fused else None, recv_w)  # [N, H]
         sync()
         t2 = time.perf_counter()
         back = x.new_empty(flat.shape[0], h)  # [T*K, H], aligned with `order`
         dist.all_to_all_single(back, y, send_splits, recv_splits, group=self.group)
-        out = torch.zeros_like(x)
-        out.index_add_(0, token, (back.to(w_sorted.dtype) * w_sorted[:, None]).to(x.dtype))
+        if fused:
+            out = combine_slots(back, order, t, k)
+        else:
+            out = torch.zeros_like(x)
+            out.index_add_(0, token, (back.to(w_sorted.dtype) * w_sorted[:, None]).to(x.dtype))
         sync()
         t3 = time.perf_counter()
         if self.stats is not None:
@@ -232,3 +259,44 @@ class EPExperts(StackedExperts):
             s.combine_s += t3 - t2
             s.forwards += 1
         return out
+
+
+WEIGHT_COLUMNS = 16  # columns appended per dispatched row: the row stride keeps H's divisibility by 16
+
+
+def with_weight_columns(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """rows [M, H] (bf16 / fp16 / fp32) with weights [M] appended as fp32 bit patterns: [M, H + 16] in
+    rows.dtype (the fp32 bits in the first 4 bytes of the 16 columns, then zeros), so one dispatch
+    collective carries both, and the received rows' stride stays a multiple of 16 elements when H
+    is (the kernels' aligned loads, TMA). Inverse: :func:`split_weight_columns`. Raises ValueError
+    for 8-byte row dtypes."""
+    if rows.element_size() > 4:
+        raise ValueError(f"with_weight_columns: rows of {rows.dtype} cannot carry fp32 weight bits")
+    bits = torch.zeros(
+        rows.shape[0], WEIGHT_COLUMNS * rows.element_size() // 4, dtype=torch.float32, device=rows.device
+    )
+    bits[:, 0] = weights.reshape(-1)  # cast to fp32, as the fused op reads its weights
+    return torch.cat([rows, bits.view(rows.dtype)], dim=1)
+
+
+def split_weight_columns(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed [N, H + C] from :func:`with_weight_columns` -> (rows [N, H], a view of packed;
+    fp32 weights [N])."""
+    return packed[:, :hidden], packed[:, hidden:].contiguous().view(torch.float32)[:, 0]
+
+
+def combine_slots(back: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """The fused MoE's combine over weighted pair outputs that came home from the expert ranks.
+
+    back: [T*K, H] (x.dtype), row i = the weighted expert output of pair order[i] = t*K + k
+    (``order``: int64 [T*K], a permutation). Returns [T, H] in back.dtype: out[t] = round(sum over
+    k = 0..K-1 in that order, in fp32 from 0.0, of back[pair t*K + k]) — one fp32 add per slot and
+    one rounding, as ``m3_kernels.fused_moe.moe_combine`` does (elementwise IEEE adds, so the same
+    bits on any device and for any T).
+    """
+    h = back.shape[1]
+    rows = torch.empty_like(back).index_copy_(0, order, back).view(t, k, h)  # [T, K, H] slot layout
+    acc = torch.zeros(t, h, dtype=torch.float32, device=back.device)  # [T, H]
+    for j in range(k):
+        acc += rows[:, j]  # upcast exactly, one fp32 rounding per slot
+    return acc.to(back.dtype)
