@@ -232,3 +232,34 @@ def test_factory_rejects_ep_size_that_does_not_divide_experts(tmp_path):
         )
         is None
     )  # in-process engine
+
+
+def test_ep_size_one_counts_experts_on_the_device_without_host_syncs(monkeypatch):
+    """The worker beside the trainer holds every expert (EP size 1). Its load counters used to copy
+    a bincount to the host in every MoE forward, which made its CUDA-graph capture fail (the
+    worker then decoded eagerly, ~8x slower on the H200, 2026-12-02). They now accumulate on the
+    device: no host sync in the forward, and the snapshot still reports every pair."""
+    from fake_cuda import HostSyncs
+
+    from m3_rollout.parallel.ep_moe import EPExperts, EPStats
+
+    cfg = tiny_config()
+    e, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    stats = EPStats(n_moe_layers=2, num_local_experts=e, world_size=1)
+    ex = EPExperts(cfg, (0, e), None, stats=stats, layer_slot=1).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(9)])
+    x, w = torch.randn(9, cfg.hidden_size, generator=g), torch.rand(9, k, generator=g)
+
+    def fused(x, ids, weights, w13, w2, **kw):  # the engine's op, on the device: nothing to read back
+        return torch.zeros_like(x)
+
+    syncs = HostSyncs(monkeypatch)
+    with syncs:
+        ex(x, ids, w, fused)
+        ex(x, ids[:4], w[:4], fused)
+    assert syncs.count == 0, syncs.sites
+    want = torch.bincount(ids.reshape(-1), minlength=e) + torch.bincount(ids[:4].reshape(-1), minlength=e)
+    snap = stats.snapshot()
+    assert snap["tokens_per_expert"] == [[0] * e, want.tolist()] and snap["moe_forwards"] == 2
+    assert stats.snapshot()["tokens_per_expert"] == [[0] * e] * 2  # reset zeroed the device counter in place

@@ -98,13 +98,15 @@ def test_top_p_one_row_keeps_everything_when_another_row_filters():
     assert torch.equal(batch[:1], alone) and torch.isfinite(alone).all()
     assert torch.isinf(batch[1]).any()  # row 1 did filter
     fast = process_logits(x, p.temperature, p.top_k, p.top_p)
-    assert torch.isinf(fast[0]).any()  # the fast path drops row 0's tail by rounding
+    fast_alone = process_logits(x[:1], p.temperature[:1], p.top_k[:1], p.top_p[:1])
+    # the fast path too: its rounded mass reaches 1.0 before row 0's tail, which it used to drop
+    assert torch.equal(fast[:1], fast_alone) and torch.isfinite(fast[0]).all() and torch.isinf(fast[1]).any()
 
 
 def test_invariant_top_p_keeps_the_fast_paths_rule():
     """Same rule as the fast path (smallest prefix whose mass reaches top_p, the crossing token
-    kept): equal supports on random rows with top_p < 1 (no mass within rounding of top_p; a
-    top_p = 1 row differs: see the test above), and the worked example."""
+    kept): equal supports on random rows with top_p < 1 (no mass within rounding of top_p), and the
+    worked example."""
     x, p = _rows(seed=3), _params(7)
     inv = process_logits(x, p.temperature, p.top_k, p.top_p, batch_invariant=True)
     fast = process_logits(x, p.temperature, p.top_k, p.top_p)

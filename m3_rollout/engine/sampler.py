@@ -181,7 +181,9 @@ def process_logits(
     elif need_p:
         probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep &= mass_before < top_p.float()[:, None]
+        # a top_p >= 1 row keeps its whole support: the rounded mass can reach 1.0 before its tail,
+        # which would drop that tail only when another row of the batch makes the step filter
+        keep &= (mass_before < top_p.float()[:, None]) | (top_p >= 1)[:, None]
     keep[:, 0] = True
     mask = torch.zeros_like(keep).scatter(1, order, keep)
     return x.masked_fill(~mask, float("-inf"))

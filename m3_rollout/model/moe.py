@@ -12,6 +12,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 
@@ -168,7 +169,9 @@ def grouped_experts_gemm(
     flat = ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)  # [T*K]
     token = order // k  # [T*K]
-    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)  # [E] group ends
+    # [E] group ends = pairs with id <= e; searchsorted, not bincount (whose CUDA kernel reads the max id on the host)
+    experts = torch.arange(w13.shape[0], device=flat.device, dtype=flat.dtype)
+    offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
     h = torch._grouped_mm(x[token].to(dt), w13.to(dt).transpose(1, 2), offs=offs)  # [T*K, 2I]
     y = torch._grouped_mm(act(h[:, :inter], h[:, inter:]), w2.to(dt).transpose(1, 2), offs=offs)  # [T*K, H]
     y = (y.to(weights.dtype) * weights.reshape(-1)[order, None]).to(x.dtype)
@@ -179,8 +182,11 @@ def use_grouped_gemm(x: torch.Tensor) -> torch.dtype | None:
     """The GEMM dtype :class:`StackedExperts` runs :func:`grouped_experts_gemm` in for ``x``, or
     None for the per-expert loop: bf16 on a CUDA device of compute capability >= 9.0 (where
     ``torch._grouped_mm`` has its kernel) when x is bf16 or CUDA autocast asks for bf16; the loop
-    everywhere else (the CPU jobs keep their exact results)."""
-    if not x.is_cuda or not hasattr(torch, "_grouped_mm") or not _GROUPED_GEMM_OK:
+    everywhere else (the CPU jobs keep their exact results), and with the environment variable
+    ``M3_ROLLOUT_GROUPED_GEMM=0`` (a diagnostic switch: the per-expert loop on the GPU too, to
+    compare training runs; give such a run its own ``M3_ROLLOUT_CACHE`` so it builds its own
+    checkpoint)."""
+    if not x.is_cuda or not hasattr(torch, "_grouped_mm") or not _GROUPED_GEMM_OK or not _GROUPED_GEMM_ENV:
         return None
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return None
@@ -192,6 +198,7 @@ def use_grouped_gemm(x: torch.Tensor) -> torch.dtype | None:
 
 
 _GROUPED_GEMM_OK = True  # cleared (with a warning) if torch._grouped_mm ever refuses a call
+_GROUPED_GEMM_ENV = os.environ.get("M3_ROLLOUT_GROUPED_GEMM", "1") != "0"
 
 
 class StackedExperts(nn.Module):

@@ -63,7 +63,12 @@ class EPStats:
         dispatch_s / expert_s / combine_s: wall seconds in counts exchange + token all-to-all,
             in the local experts, in the reverse all-to-all + weighted sum (synchronised on CUDA
             only when ``timing`` is on).
-        forwards: MoE-layer calls counted.
+        forwards: MoE-layer calls counted (eager calls: a CUDA-graph replay runs no Python).
+
+    At EP size 1 (one rank holds every expert, e.g. the worker beside the trainer) the counts of
+    ``tokens_per_expert`` accumulate on the device (:meth:`count_local`: no host copy, so a decode
+    step can be captured in a CUDA graph, and its replays count too) and join the host counters
+    at :meth:`snapshot`.
     """
 
     n_moe_layers: int
@@ -76,12 +81,32 @@ class EPStats:
     expert_s: float = 0.0
     combine_s: float = 0.0
     forwards: int = 0
+    _device_counts: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.reset()
 
+    def count_local(self, layer_slot: int, ids: torch.Tensor) -> None:
+        """Add the (token, slot) pairs of ``ids`` (int64 [T, K] expert ids < ``num_local_experts``)
+        to layer ``layer_slot``'s counts on the ids' device, with no host sync. The device counter
+        is made (zeroed) at the first call outside a CUDA-graph capture; a capture that comes
+        before any eager call is not counted (zeroing inside it would re-zero at every replay)."""
+        acc = self._device_counts
+        if acc is None or acc.device != ids.device:
+            if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+                return
+            acc = self._device_counts = torch.zeros(
+                self.n_moe_layers, self.num_local_experts, dtype=torch.int64, device=ids.device
+            )
+        flat = ids.reshape(-1)
+        acc[layer_slot].scatter_add_(0, flat, torch.ones_like(flat))
+        if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.forwards += 1
+
     def reset(self) -> None:
-        """Zero every counter."""
+        """Zero every counter (the device counter in place: captured graphs keep adding into it)."""
+        if self._device_counts is not None:
+            self._device_counts.zero_()
         self.tokens_per_expert = torch.zeros(self.n_moe_layers, self.num_local_experts, dtype=torch.int64)
         self.sent_per_rank = torch.zeros(self.world_size, dtype=torch.int64)
         self.dispatch_s = self.expert_s = self.combine_s = 0.0
@@ -89,8 +114,11 @@ class EPStats:
 
     def snapshot(self, reset: bool = True) -> dict:
         """Plain-Python copy of the counters (lists / floats), optionally resetting them."""
+        counts = self.tokens_per_expert
+        if self._device_counts is not None:
+            counts = counts + self._device_counts.cpu()
         out = {
-            "tokens_per_expert": self.tokens_per_expert.tolist(),
+            "tokens_per_expert": counts.tolist(),
             "sent_per_rank": self.sent_per_rank.tolist(),
             "dispatch_s": self.dispatch_s,
             "expert_s": self.expert_s,
@@ -201,10 +229,7 @@ class EPExperts(StackedExperts):
         if self.world_size == 1:
             out = super().forward(x, ids, weights, fused_experts)
             if self.stats is not None:
-                self.stats.tokens_per_expert[self.layer_slot] += torch.bincount(
-                    ids.reshape(-1), minlength=self.num_experts
-                ).cpu()
-                self.stats.forwards += 1
+                self.stats.count_local(self.layer_slot, ids)
             return out
         if self.group is None:
             raise RuntimeError(

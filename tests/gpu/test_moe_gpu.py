@@ -212,7 +212,8 @@ def test_training_experts_take_the_grouped_gemm_without_host_syncs():
     ``torch._grouped_mm``), which makes no host sync (CUDA sync-debug mode 'error' raises on one),
     and its output and gradients match the per-expert loop within bf16 rounding (relative 2e-2 of
     each tensor's max)."""
-    from m3_rollout.model.moe import StackedExperts, use_grouped_gemm
+    import m3_rollout.model.moe as moe
+    from m3_rollout.model.moe import StackedExperts, grouped_experts_gemm, use_grouped_gemm
 
     cfg = tiny_config(**BENCH_MOE)
     torch.manual_seed(0)
@@ -230,10 +231,12 @@ def test_training_experts_take_the_grouped_gemm_without_host_syncs():
             if gemm:
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
-                try:
-                    y = ex(x, ids, w)
+                try:  # the op itself (a sync raises here, not inside StackedExperts' fallback)
+                    y = grouped_experts_gemm(x, ids, w, ex.w13, ex.w2, ex.act, torch.bfloat16)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
+                with torch.no_grad():  # and StackedExperts takes it (same bits as the op)
+                    assert torch.equal(ex(x, ids, w), y) and moe._GROUPED_GEMM_OK
             else:
                 y = grouped_experts(x, ids, w, ex.w13, ex.w2, ex.act)
         (y.float() * torch.linspace(-1, 1, y.numel(), device="cuda").view_as(y)).sum().backward()
