@@ -5,9 +5,11 @@ other sequences, chunk boundaries, prefix-cache hits, CUDA-graph padding) when e
 that produces it runs in one fixed order. A GPU kernel's reduction order is fixed by its compiled
 code: tile sizes, warps, MMA instruction shape and the sequence of K steps. So each op here has
 ONE launch configuration per activation dtype, chosen without looking at the number of rows T:
-no autotuning, no heuristic keyed on T, no split-K (the K axis is walked by one program from 0 to
-K in BLOCK_K steps, accumulated in fp32), no atomics. A row then meets the same instructions in
-the same order whether it is alone or row 17 of 300, in whichever tile position: tiles never
+no autotuning, no heuristic keyed on T, no split-K whose split depends on T, no atomics (``linear``
+sums K in fixed chunks whose partials are added in chunk order, by one program or, for
+decode-sized launches, by separate programs and a combine pass: the same additions either way).
+A row then meets the same instructions in the same order whether it is alone or row 17 of 300,
+in whichever tile position: tiles never
 mix rows (each output element is the dot product of its own row with its own column), and rows
 past T are masked loads that only feed outputs which are never stored.
 
@@ -67,22 +69,35 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """The one launch configuration of ``linear`` for an activation dtype (no field depends on T or N)."""
+    """The one launch configuration of ``linear`` for an activation dtype (no field depends on T or N).
+
+    k_chunk: the K axis is summed in chunks of this many columns (a multiple of 2 x block_k): each
+    chunk's partial dot product starts from zero and the partials are added in chunk order in
+    fp32. That fixed association lets a launch with few output tiles (decode) run the chunks as
+    separate programs and add their partials afterwards (split-K) with the same bits as one
+    program walking all chunks (prefill): the split changes where a partial is added, never the
+    order.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    k_chunk: int
 
 
-# NOTE: untuned first choice (no GPU yet). 16-bit: 64-row tiles = one Hopper wgmma row block per
-# warpgroup; fp32 ("ieee" products, FMA units): smaller tiles keep the fp32 operands in registers.
+# NOTE: untuned first choice. 16-bit: 64-row tiles = one Hopper wgmma row block per warpgroup;
+# fp32 ("ieee" products, FMA units): smaller tiles keep the fp32 operands in registers.
 LINEAR_CONFIGS = {
-    torch.bfloat16: LinearConfig(64, 64, 64, 4, 4),
-    torch.float16: LinearConfig(64, 64, 64, 4, 4),
-    torch.float32: LinearConfig(32, 32, 32, 4, 2),
+    torch.bfloat16: LinearConfig(64, 64, 64, 4, 4, 256),
+    torch.float16: LinearConfig(64, 64, 64, 4, 4, 256),
+    torch.float32: LinearConfig(32, 32, 32, 4, 2, 64),
 }
+# Split the K chunks over programs when the (row tile, column tile) grid has fewer programs than
+# this (decode-sized steps: a 1-row x 1024-wide projection is 16 programs otherwise). The choice
+# depends on T; the bits do not (LinearConfig.k_chunk).
+SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
 
 # The routed experts' tiles: aligned layout (every local expert padded to 64 rows), no TMA, no
 # permuted copy, no ragged tiles. Untuned first choice, see the module docstring.
@@ -104,12 +119,42 @@ def moe_config(dtype: torch.dtype) -> fm.MoEKernelConfig:
 
 
 # ----------------------------------------------------------------------------- GEMM
+@triton.jit
+def _chunk_dot(
+    x_ptrs,
+    w_ptrs,
+    mm,
+    mn,
+    ok,
+    k_lo,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # sum over k in [k_lo, min(k_lo + K_CHUNK, K)) of x[m, k] * w[n, k], from zero, in BLOCK_K steps
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_ptrs += k_lo
+    w_ptrs += k_lo
+    for k0 in range(k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K):
+        mk = ok < K - k0
+        a = tl.load(x_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        part = tl.dot(a, b, part, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return part
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every T: no specialisation on the row count
 def _linear_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
     out_ptr,
+    part_ptr,
     M,
     N,
     K,
@@ -120,10 +165,14 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]): program (row tile, column tile), K walked 0 -> K
-    # in BLOCK_K steps by this one program (fp32 accumulator), then rounded once to out's dtype.
+    # out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]). Program (row tile, column tile[, K chunk]).
+    # SPLIT=False: this program sums every K chunk's partial (each from zero) in chunk order into
+    # an fp32 accumulator, adds the bias, rounds once. SPLIT=True: it stores its one chunk's
+    # partial (fp32) to part_ptr[chunk, m, n]; _linear_combine_kernel then does the same additions.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,18 +182,36 @@ def _linear_kernel(
     mn = on < N
     x_ptrs = x_ptr + om[:, None].to(tl.int64) * stride_xm + ok[None, :]  # [BM, BK]
     w_ptrs = w_ptr + on[None, :].to(tl.int64) * stride_wn + ok[:, None]  # [BK, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mk = ok < K - k0
-        a = tl.load(x_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if SPLIT:
+        c = tl.program_id(2)
+        part = _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
+        p_ptrs = part_ptr + (c.to(tl.int64) * M + om[:, None].to(tl.int64)) * N + on[None, :]
+        tl.store(p_ptrs, part, mask=mm[:, None] & mn[None, :])
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_lo in range(0, K, K_CHUNK):
+            acc += _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + om[:, None].to(tl.int64) * stride_om + on[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_combine_kernel(
+    part_ptr, b_ptr, out_ptr, M, N, n_chunks, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    # out[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ... (+ b[n]), rounded once: the additions
+    # _linear_kernel makes without SPLIT, in the same order. One program per BLOCK elements of row m.
+    m = tl.program_id(0).to(tl.int64)
+    on = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mn = on < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, n_chunks):
+        acc += tl.load(part_ptr + (c * M + m) * N + on, mask=mn, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + om[:, None].to(tl.int64) * stride_om + on[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+        acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=mn)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,7 +220,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x, weight: one dtype of bf16 / fp16 / fp32, last dim contiguous (row strides free); bias any
     float dtype, added in fp32 before the one rounding. fp32 inputs use exact fp32 products
     ("ieee", no TF32): the router GEMM. T may be 0. Row t of the result depends only on x[t] and
-    the weights (module docstring); it equals ``F.linear`` up to fp32 summation order.
+    the weights (module docstring); it equals ``F.linear`` up to fp32 summation order. A launch of
+    fewer than ``SPLIT_K_BELOW_PROGRAMS`` output tiles with more than one K chunk runs its chunks
+    as separate programs (fp32 partials [chunks, T, N], then ``_linear_combine_kernel``): the
+    same additions in the same order, so the same bits (``LinearConfig.k_chunk``).
     Raises ValueError on shape / dtype / layout mismatches.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -174,12 +244,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(t, n))
-    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    _linear_kernel[grid](
+    tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    chunks = triton.cdiv(k, cfg.k_chunk)
+    split = chunks > 1 and tiles[0] * tiles[1] < SPLIT_K_BELOW_PROGRAMS
+    part = torch.empty(chunks, t, n, dtype=torch.float32, device=x.device) if split else out
+    _linear_kernel[(*tiles, chunks) if split else tiles](
         x,
         weight,
         bias if bias is not None else weight,
         out,
+        part,
         t,
         n,
         k,
@@ -190,10 +264,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        K_CHUNK=cfg.k_chunk,
+        SPLIT=split,
         PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if split:
+        block = 1024
+        _linear_combine_kernel[(t, triton.cdiv(n, block))](
+            part, bias if bias is not None else part, out, t, n, chunks, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 

@@ -89,7 +89,7 @@ def test_linear_is_batch_invariant(dtype):
 
 
 def test_invariance_check_catches_a_batch_dependent_reduction():
-    """(c): a GEMM that splits K in two halves once the batch reaches 8 rows (a split-K heuristic
+    """(c): a GEMM that splits K in two parts once the batch reaches 8 rows (a split-K heuristic
     keyed on T, as cuBLAS / autotuned kernels have) fails the check; same kernel otherwise."""
     g = torch.Generator().manual_seed(4)
     x, w = _rand(N_ROWS, 128, gen=g, dtype=torch.float32), _rand(64, 128, gen=g, dtype=torch.float32)
@@ -97,8 +97,9 @@ def test_invariance_check_catches_a_batch_dependent_reduction():
     def split_k_when_large(xs):
         if xs.shape[0] < 8:
             return inv.linear(xs, w)
-        return inv.linear(xs[:, :64].contiguous(), w[:, :64].contiguous()) + inv.linear(
-            xs[:, 64:].contiguous(), w[:, 64:].contiguous()
+        # split at 32: not a k_chunk (64) boundary, so the association really differs
+        return inv.linear(xs[:, :32].contiguous(), w[:, :32].contiguous()) + inv.linear(
+            xs[:, 32:].contiguous(), w[:, 32:].contiguous()
         )
 
     assert set(invariance_failures(split_k_when_large, (x,))) == {"batch32", "mixed_all"}
@@ -120,7 +121,9 @@ class LaunchSpy:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_dispatch_has_one_config_for_every_batch(dtype, monkeypatch):
-    """(c): the launch options do not depend on T (nor on N: a packed and a split weight agree)."""
+    """(c): the tile configuration does not depend on T (nor on N: a packed and a split weight
+    agree); only SPLIT (K chunks as separate programs for launches of few tiles) does, and its bits
+    equal the unsplit launch's (next test)."""
     spy = LaunchSpy(inv._linear_kernel)
     monkeypatch.setattr(inv, "_linear_kernel", spy)
     g = torch.Generator().manual_seed(5)
@@ -128,9 +131,33 @@ def test_linear_dispatch_has_one_config_for_every_batch(dtype, monkeypatch):
     for t in (1, 3, 32, 300):
         inv.linear(_rand(t, 48, gen=g, dtype=dtype), w)
         inv.linear(_rand(t, 48, gen=g, dtype=dtype), w[:16])
-    configs = {c[0] for c in spy.calls}
+    configs = {tuple(kv for kv in c[0] if kv[0] != "SPLIT") for c in spy.calls}
     assert len(spy.calls) == 8 and len(configs) == 1
     assert dict(next(iter(configs)))["BLOCK_M"] == inv.linear_config(dtype).block_m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
+    """A decode-sized launch runs its K chunks as separate programs plus a combine pass; a large
+    one runs them in one program. Same rows, both ways, with and without bias, K not a multiple of
+    the chunk: bitwise equal, and both launches really ran (the spy sees SPLIT True and False)."""
+    import m3_kernels.invariant_ops as io
+
+    spy = LaunchSpy(inv._linear_kernel)
+    monkeypatch.setattr(inv, "_linear_kernel", spy)
+    g = torch.Generator().manual_seed(8)
+    k = 3 * inv.linear_config(dtype).k_chunk + 40
+    x, w = _rand(5, k, gen=g, dtype=dtype), _rand(70, k, gen=g, dtype=dtype, scale=0.1)
+    bias = torch.randn(70, generator=g)
+    got = {}
+    for below in (0, 10**9):  # never split / always split (when there are >= 2 chunks)
+        monkeypatch.setattr(io, "SPLIT_K_BELOW_PROGRAMS", below)
+        got[below] = (inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[2:3], w))
+    assert {dict(c[0])["SPLIT"] for c in spy.calls} == {True, False}
+    for a, b in zip(got[0], got[10**9]):
+        assert torch.equal(a, b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    torch.testing.assert_close(got[0][1].double(), ref, **TOL[dtype])
 
 
 # ----------------------------------------------------------------------------- routed experts

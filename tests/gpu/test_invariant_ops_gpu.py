@@ -73,6 +73,24 @@ def test_linear_bits_do_not_depend_on_the_batch(dtype, n, k):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(2560, 1024), (1024, 2048), (6144, 3072)])
+def test_linear_split_k_gives_the_unsplit_bits(dtype, n, k, monkeypatch):
+    """Compiled: the K chunks run as separate programs + the combine pass (decode-sized launches)
+    give the bits of one program walking every chunk (prefill-sized launches), with and without
+    bias, for 1 and 64 rows (the threshold forced both ways)."""
+    g = torch.Generator(device=DEV).manual_seed(n + 2 * k)
+    x = _rand(64, k, gen=g, dtype=dtype)
+    w = _rand(n, k, gen=g, dtype=dtype, scale=k**-0.5)
+    bias = torch.randn(n, generator=g, device=DEV)
+    got = {}
+    for below in (0, 10**9):
+        monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
+        got[below] = [inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[5:6], w)]
+    for a, b in zip(got[0], got[10**9]):
+        assert torch.equal(a, b)
+
+
 def test_fused_experts_bits_do_not_depend_on_the_batch():
     g = torch.Generator(device=DEV).manual_seed(1)
     t, e, h, i, k = 2048, 16, 1024, 512, 4
