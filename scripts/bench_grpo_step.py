@@ -1,7 +1,7 @@
 """Time GRPO steps on one GPU: the GPU main job's per-step split, or one step at real M3 layer shapes.
 
     python scripts/bench_grpo_step.py [--seeds 42 43] [--steps N] [key=value ...]
-    python scripts/bench_grpo_step.py --real-shapes [--layers 3] [--experts 32]
+    python scripts/bench_grpo_step.py --real-shapes [--layers 3] [--experts 24]
     python scripts/bench_grpo_step.py --device cpu --tiny [--real-shapes] --doc /tmp/bench.md   (CPU test)
 
 Main job (default): runs ``python -m m3_rollout.grpo --config configs/grpo_h200.yaml`` once per seed
@@ -14,13 +14,31 @@ medians. ``--tiny`` runs the same config with the random tiny checkpoint and a f
 ``--real-shapes``: one process builds a random-weight M3 at the released model's layer shapes
 (hidden 6144, 64 query / 4 KV heads of 128, experts of width 3072 top-4, MSA block 128 / top-16)
 with ``--layers`` layers (layer 0 dense, the others sparse attention + MoE) of ``--experts`` experts
-and a 32768-token vocabulary, so that the trainer (fp32 master weights + AdamW: 16 B/param), the
-rollout engine's bf16 copy and its KV cache fit on one H200: the default 3 layers x 32 experts are
-4.7 B parameters, 75 GB of trainer state and 9.4 GB of rollout weights. The full 128 experts do not
-fit even in one layer (7.4 B parameters x 18 B = 134 GB). It times one step (generation, logprob
-recomputation, training, refit, sleep/wake) after one warm-up step, the refit against a raw flat
-device copy of the same bytes in the same run, and peak memory per phase
+and a 32768-token vocabulary, and trains it the way the GPU main job does: the fp32 model goes into
+the job's trainer, ``m3_trainers.step.build_policy`` on ``configs/grpo_h200.yaml`` (``Policy``:
+fp32 masters + AdamW, forward and backward in a bf16 compute copy refreshed by one fused cast after
+every optimizer step, ``weight_sync.cast_copy.CastCopy``), the job's loss
+(``build_loss_fn(cfg.loss_fn)``) and the job's receiver settings (``cfg.weight_sync``). A step:
+generation in the in-process engine (bf16), sleep (level 1), logprob recomputation
+(``Policy.get_logprobs``), training (``Policy.train_step`` on a ``TrainBatch`` of the generated
+ids: loss mask over the generated tokens, rollout logprobs = the engine's sampled-token logprobs,
+advantages drawn once from a fixed seed), wake-up, refit from ``Policy.named_released_tensors()``
+(the job's call): the refit sends the attested bf16 compute copy and the receiver validates from the
+cast's flags instead of re-reading the bytes (its verdict, "attested" / "checked", is reported). It
+times one step after one warm-up step, the refit against a raw flat device copy of the same bytes
+(the update's wire bytes) in the same run, and peak memory per phase
 (``torch.cuda.max_memory_allocated``).
+
+Memory (why 24 experts by default): the trainer holds 16 + 4 B/param (fp32 master, fp32 gradient,
+two AdamW moments; bf16 compute copy and its bf16 gradients), plus, at the optimizer step, one
+4 B/param temporary of the default (foreach) AdamW while the bf16 gradients are already freed.
+3 layers x 24 experts are 3.79 B parameters: 75.8 GB of trainer state (what 3 x 32 experts took at
+16 B/param before the compute copy) + 7.6 GB of rollout weights + the KV cache, so the training
+peak stays near the 112-121 GB measured at 3 x 32 experts with the earlier autocast trainer. At
+3 x 32 experts (4.70 B parameters: 93.9 GB of trainer state) the estimate is that peak + 18.8 GB,
+131-140 GB of the H200's ~150 GB (139.8 GiB), too little room for allocator fragmentation to count
+on (``--experts 32`` to try). The full 128 experts do not fit even in one layer (7.4 B parameters x
+22 B, trainer 20 + rollout 2: 163 GB).
 
 Figures go to ``docs/benchmarks.md`` (or ``--doc``) with the machine and the date.
 """
@@ -179,6 +197,7 @@ def main_job_section(runs: list[dict], device: str, tiny: bool, overrides: list[
 
 # ---- real shapes ---------------------------------------------------------------------------------
 
+BUILD = "build (Policy: fp32 masters + bf16 copy; rollout bf16)"
 REAL_SHAPES = "hidden 6144, 64 q / 4 KV heads x 128, experts 3072 wide top-4, MSA block 128 / top-16"
 
 
@@ -251,19 +270,26 @@ class PhaseClock:
 
 
 def real_shapes(args) -> list[str]:
-    """One timed GRPO-shaped step at real layer shapes; returns the markdown lines."""
+    """One timed GRPO-shaped step at real layer shapes through the GPU main job's trainer and refit
+    (module docstring); returns the markdown lines.
+
+    Raises:
+        ValueError: the refit was rejected (from ``NativeBackend.update_weights``).
+    """
     import torch
 
-    from m3_rollout.config import FreezeConfig, WeightSyncConfig
+    from m3_rollout.config import load_config
     from m3_rollout.engine.interface import GenerationRequest, SamplingParams
     from m3_rollout.engine.native_backend import NativeBackend
     from m3_rollout.model import M3ForCausalLM
     from m3_rollout.model.loading import iter_released_tensors
     from m3_rollout.service.factory import attach_local_weight_sync
-    from m3_rollout.weight_sync import ReleasedTensors
-    from m3_trainers.policy import split_param_groups, token_logprobs
+    from m3_trainers.batch import TrainBatch
+    from m3_trainers.step import build_loss_fn, build_policy, total_optimizer_steps
 
+    job = load_config(CONFIG, [f"cluster.device={args.device}"])  # the GPU main job's trainer settings
     device = torch.device(args.device)
+    temperature = job.policy.generation.temperature
     cfg = real_shapes_config(args.layers, args.experts, args.tiny)
     b, p_len, g_len = (2, 24, 8) if args.tiny else (args.batch, args.prompt_len, args.gen_len)
     micro = min(b, 2 if args.tiny else args.micro_batch)
@@ -276,14 +302,15 @@ def real_shapes(args) -> list[str]:
             with torch.no_grad():
                 for p in trainer.parameters():
                     p.normal_(0, 0.02) if p.ndim >= 2 else p.zero_()
+        # the job's Policy: fp32 masters + AdamW, bf16 compute copy (precision bfloat16)
+        policy = build_policy(job, trainer, total_optimizer_steps(job, job.grpo.max_num_steps))
+        with torch.device(device):
             rollout = M3ForCausalLM(cfg).cast_for_inference(torch.bfloat16).eval()
-        return trainer, rollout
+        return policy, rollout
 
-    trainer, rollout = clock.run("build (trainer fp32 + rollout bf16)", build)
-    n_params = sum(p.numel() for p in trainer.parameters())
-    groups = split_param_groups(trainer, freeze_indexer=True, freeze_router_bias=True, weight_decay=0.01)
-    # fused on CUDA: no foreach temporaries the size of the parameters (4.7 B x 4 B here)
-    opt = torch.optim.AdamW(groups, lr=1e-5, fused=device.type == "cuda")
+    policy, rollout = clock.run(BUILD, build)
+    loss_fn = build_loss_fn(job.loss_fn)
+    n_params = sum(p.numel() for p in policy.model.parameters())
     pages = b * -(-(p_len + g_len) // cfg.sparse_block_size) + 8
     backend = NativeBackend(
         rollout,
@@ -293,100 +320,96 @@ def real_shapes(args) -> list[str]:
         num_pages=pages,
         enable_cuda_graphs=device.type == "cuda",
     )
-    # the job's receiver (weight_sync defaults: non-atomic, in-place, device-side finite check)
-    attach_local_weight_sync(backend, WeightSyncConfig(), FreezeConfig())
+    # the job's receiver (its weight_sync section: atomic, in-flight policy; its freeze policy)
+    sync = attach_local_weight_sync(backend, job.weight_sync, job.policy.freeze)
     rollout_bytes = sum(t.numel() * t.element_size() for _, t in iter_released_tensors(backend.model))
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).tolist()
+    advantages = torch.randn(b, generator=torch.Generator().manual_seed(2))  # one draw, both steps
     version = 0
-    released = ReleasedTensors(trainer)  # what Policy.named_released_tensors hands the job's refit
+    verdicts: dict[str, str] = {}
 
-    def refit() -> None:
+    def refit(phase: str) -> None:
         nonlocal version
         version += 1
-        backend.update_weights(version, released)  # resolved once, then the cached copy plan
+        backend.update_weights(version, policy.named_released_tensors())  # as the job refits
+        verdicts[phase] = sync.receiver.last_verdict
 
-    def generate() -> torch.Tensor:
-        params = SamplingParams(max_new_tokens=g_len, seed=version)
-        outs = backend.generate([GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)])
-        seqs = [o.prompt_ids + o.output_ids + [0] * (g_len - len(o.output_ids)) for o in outs]
-        return torch.tensor(seqs, dtype=torch.long, device=device)
+    def generate():
+        params = SamplingParams(max_new_tokens=g_len, temperature=temperature, seed=version)
+        return backend.generate([GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)])
 
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def logprobs(ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), autocast():
-            return torch.cat([token_logprobs(trainer, ids[s : s + micro]) for s in range(0, b, micro)])
-
-    def train(ids: torch.Tensor, prev: torch.Tensor) -> None:
-        adv = torch.randn(b, 1, device=device, generator=torch.Generator(device).manual_seed(2))
-        mask = torch.zeros_like(prev)
-        mask[:, p_len:] = 1.0
-        opt.zero_grad(set_to_none=True)
-        for s in range(0, b, micro):
-            with autocast():
-                lp = token_logprobs(trainer, ids[s : s + micro])
-            ratio = torch.exp(lp - prev[s : s + micro])
-            loss = -(ratio * adv[s : s + micro] * mask[s : s + micro]).sum() / mask.sum()
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
-        opt.step()
+    def train_batch(outs) -> TrainBatch:
+        """Host batch of the generated rows: loss mask and rollout logprobs on the generated tokens."""
+        ids = torch.zeros(b, p_len + g_len, dtype=torch.long)
+        mask = torch.zeros(b, p_len + g_len)
+        rollout_lp = torch.zeros(b, p_len + g_len)
+        for i, o in enumerate(outs):
+            n = p_len + len(o.output_ids)
+            ids[i, :n] = torch.tensor(o.prompt_ids + o.output_ids)
+            mask[i, p_len:n] = 1.0
+            rollout_lp[i, p_len:n] = torch.tensor(o.logprobs)
+        lengths = torch.tensor([p_len + len(o.output_ids) for o in outs])
+        return TrainBatch(ids, mask, rollout_lp, advantages, lengths)
 
     def sleep_wake(phase: str) -> None:
         # NOTE: engine sleep / wake arrive with the backends' sleep() / wake_up(); absent = "-".
         if hasattr(backend, "sleep"):
             clock.run(phase, backend.sleep if phase == "sleep" else backend.wake_up)
 
-    clock.run("initial refit", refit)
+    clock.run("initial refit", lambda: refit("initial refit"))
     for _ in range(2):  # step 1 warms up (CUDA graphs, autotuning, AdamW states); step 2 is reported
-        ids = clock.run("generation", generate)
+        batch = train_batch(clock.run("generation", generate))
         sleep_wake("sleep")
-        prev = clock.run("logprob recomputation", lambda: logprobs(ids))
-        clock.run("training", lambda: train(ids, prev))
+        prev = clock.run("logprob recomputation", lambda: policy.get_logprobs(batch, temperature, micro))
+        metrics = clock.run(
+            "training",
+            lambda: policy.train_step(batch, loss_fn, temperature, micro, prev, prev_on_current_weights=True),
+        )
         sleep_wake("wake")
-        clock.run("refit", refit)
+        clock.run("refit", lambda: refit("refit"))
+    refit_bytes = sync.sender.stats["bytes"]  # the update's wire bytes (frozen tensors went with the first only)
 
     # Raw flat copy of the refit's bytes, same device, same run: the ceiling a refit can reach.
-    n = rollout_bytes // 2
+    n = refit_bytes // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst.copy_(src)
     clock.run("raw flat copy", lambda: dst.copy_(src))
     del src, dst
-    gbps = {k: rollout_bytes / 1e9 / clock.seconds[k] for k in ("refit", "raw flat copy")}
+    gbps = {k: refit_bytes / 1e9 / clock.seconds[k] for k in ("refit", "raw flat copy")}
 
     tokens = b * g_len
+    total = f" of {torch.cuda.get_device_properties(device).total_memory / 1e9:.1f} GB" if device.type == "cuda" else ""
     lines = [
         f"\n## GRPO step at real M3 layer shapes (bench_grpo_step.py --real-shapes), {datetime.date.today()}, "
         f"{machine(args.device)}\n",
         f"Random weights; {'tiny CPU shapes' if args.tiny else REAL_SHAPES}; {cfg.num_hidden_layers} layers "
         f"(layer 0 dense, then sparse attention + MoE) x {cfg.num_local_experts} experts, "
-        f"vocab {cfg.vocab_size}: {n_params / 1e6:,.1f} M parameters = {n_params * 16 / 1e9:.2f} GB trainer "
-        f"(fp32 master + grad + AdamW, 16 B/param) + {rollout_bytes / 1e9:.2f} GB rollout weights. "
-        f"Batch {b} x ({p_len} prompt + {g_len} generated) tokens, micro-batch {micro}, bf16 autocast on CUDA. "
-        "Second step of two (the first warms up); seconds after a device synchronize.\n",
+        f"vocab {cfg.vocab_size}: {n_params / 1e6:,.1f} M parameters = {n_params * 20 / 1e9:.2f} GB trainer "
+        f"(fp32 master + grad + AdamW 16 B/param, bf16 compute copy + its grads 4 B/param) + "
+        f"{rollout_bytes / 1e9:.2f} GB rollout weights. The GPU main job's trainer ({CONFIG}: "
+        f"build_policy, precision {job.policy.precision}, build_loss_fn, weight_sync atomic="
+        f"{str(job.weight_sync.atomic).lower()}); batch {b} x ({p_len} prompt + {g_len} generated) tokens, "
+        f"micro-batch {micro}, rollout logprobs from the engine, advantages random (fixed seed). "
+        "Second step of two (the first warms up); seconds after a device synchronize; "
+        f"peak memory = max_memory_allocated{total}.\n",
         "| phase | seconds | peak memory (GB) |",
         "|---|---|---|",
     ]
-    for name in (
-        "build (trainer fp32 + rollout bf16)",
-        "initial refit",
-        "generation",
-        "sleep",
-        "logprob recomputation",
-        "training",
-        "wake",
-        "refit",
-        "raw flat copy",
-    ):
+    phases = (BUILD, "initial refit", "generation", "sleep", "logprob recomputation", "training", "wake")
+    for name in (*phases, "refit", "raw flat copy"):
         lines.append(f"| {name} | {fmt(clock.seconds.get(name), '.4g')} | {fmt(clock.peak_gb.get(name), '.1f')} |")
     lines += [
         "",
         f"Generated tokens/s: {tokens / clock.seconds['generation']:,.0f} ({tokens} tokens). "
         f"Refit {gbps['refit']:.3g} GB/s vs raw flat copy {gbps['raw flat copy']:.3g} GB/s of the same "
-        f"{rollout_bytes / 1e9:.2f} GB: {gbps['refit'] / gbps['raw flat copy']:.2f}x "
-        "(bytes written to the rollout weights per second; the refit reads the fp32 masters).",
+        f"{refit_bytes / 1e9:.2f} GB: {gbps['refit'] / gbps['raw flat copy']:.2f}x "
+        "(bytes written to the rollout weights per second; the refit sends the attested bf16 compute copy). "
+        f"Refit verdict: {verdicts['refit']} (initial refit: {verdicts['initial refit']}).",
+        f"Trainer (second step): token_mult_prob_error {metrics['token_mult_prob_error']:.4g}, "
+        f"grad_norm {metrics['grad_norm']:.3g}, {metrics['train_tflops_per_s']:.3g} TFLOP/s counted, "
+        f"skipped_step {metrics['skipped_step']}.",
     ]
     backend.shutdown()
     return lines
@@ -401,7 +424,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     ap.add_argument("--steps", type=int, default=None, help="main job: grpo.max_num_steps (default: the config's)")
     ap.add_argument("--real-shapes", action="store_true", help="one step at real M3 layer shapes, random weights")
     ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument(
+        "--experts", type=int, default=24, help="real shapes: experts per MoE layer (24: memory, see the description)"
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=512)

@@ -65,6 +65,9 @@ def test_real_shapes_tiny_writes_phases_memory_and_refit_ratio(bench, tmp_path):
         assert float(seconds) > 0, rows[phase]
         assert rows[phase].endswith("| - |")  # no CUDA memory figures on the CPU
     assert "Refit " in text and "vs raw flat copy" in text and "Generated tokens/s: " in text
+    # the job's trainer: the refit sent the bf16 compute copy and the receiver trusted the cast's flags
+    assert "precision bfloat16" in text and "Refit verdict: attested (initial refit: attested)" in text
+    assert "skipped_step False" in text
 
 
 def test_main_job_tiny_writes_split_and_learning_curve(bench, tmp_path, monkeypatch):
