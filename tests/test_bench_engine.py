@@ -4,25 +4,17 @@ On the CPU ``paged_ops_for`` warns and the "invariant" engine runs the fast (PyT
 figures only show that the script measures and compares; the GPU run is what answers issue 24.
 """
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from script_loader import script_module  # tests/ on sys.path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))  # the script imports benchlib from beside it
-    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPTS / "bench_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(SCRIPTS))
+    with script_module("bench_engine") as module:
+        yield module
 
 
 def cells(line: str) -> list[str]:

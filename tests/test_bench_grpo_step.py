@@ -1,22 +1,13 @@
 """scripts/bench_grpo_step.py on the CPU at tiny sizes: both modes write their figures into a docs file."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from script_loader import script_module  # tests/ on sys.path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))  # the script imports benchlib from beside it
-    spec = importlib.util.spec_from_file_location("bench_grpo_step", SCRIPTS / "bench_grpo_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(SCRIPTS))
+    with script_module("bench_grpo_step") as module:
+        yield module
 
 
 def test_step_split_reads_the_timing_keys_there_are(bench):
