@@ -4,8 +4,9 @@ On CPU (fp32, Triton interpreter): the engine in batch-invariant mode (invariant
 interpreted invariant attention, the invariant logprob op) generates several prompts at once,
 n > 1 samples each, prompts of different lengths, prefills chunked by a small step budget; the
 trainer's ``Policy.get_logprobs`` with the job layer's ``PagedScorer`` (same table, another chunk
-size, one sequence at a time) gives every sampled token's logprob bitwise equal to the engine's
-recorded one, so the trainer's mismatch metrics read exactly 1.0 / 0.0. The interpreter's
+size, the batch's sequences packed into its forwards) gives every sampled token's logprob bitwise
+equal to the engine's recorded one, so the trainer's mismatch metrics read exactly 1.0 / 0.0; a
+sequence scored alone, or packed with others in another order, gives the same bits. The interpreter's
 ``tl.dot`` runs in a fixed per-row order (``msa_interpret.fixed_order_dot``: numpy's BLAS is
 position-dependent on the CPU, the GPU is not).
 """
@@ -80,6 +81,18 @@ def _batch(samples) -> TrainBatch:
     return TrainBatch(tok, mask, lp, torch.linspace(-1, 1, b), lengths)
 
 
+def _count_forwards(model) -> list[list[int]]:
+    """Wrap ``model.forward_paged`` to record each forward's query lengths (tokens per sequence)."""
+    seen, inner = [], model.forward_paged
+
+    def forward_paged(input_ids, meta, *args):
+        seen.append(meta.query_start_loc.diff().tolist())
+        return inner(input_ids, meta, *args)
+
+    model.forward_paged = forward_paged
+    return seen
+
+
 def test_trainer_prev_logprobs_equal_the_engines_bitwise():
     ops, inv = _table(), interpreted_invariant_ops()
     master = _model()
@@ -88,9 +101,17 @@ def test_trainer_prev_logprobs_equal_the_engines_bitwise():
     batch = _batch(samples)
     scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
     policy = Policy(master, lr=1e-3, scorer=scorer)
+    forwards = _count_forwards(policy.compute)
     prev = policy.get_logprobs(batch, TEMPERATURE, micro_batch_size=4)
+    # packed: forwards of at most 11 tokens, some holding several sequences, long ones split
+    assert max(sum(f) for f in forwards) == 11 and max(len(f) for f in forwards) >= 2
+    assert sum(map(sum, forwards)) == sum(len(ids) - 1 for ids, _, _ in samples)  # each token once, last not run
     m = batch.loss_mask.bool()
     assert torch.equal(prev[m], batch.rollout_logprobs[m])
+    # a sequence alone (a batch of one) gives the packed bits, at every position
+    for r in (0, 2, 4):
+        ids = samples[r][0]
+        assert torch.equal(scorer(policy.compute, [ids], TEMPERATURE)[0], prev[r, : len(ids)])
     got = mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask)
     assert got["token_mult_prob_error"] == 1.0 and got["gen_kl_error"] == 0.0
     assert got["max_logprob_abs_diff"] == 0.0
@@ -109,8 +130,34 @@ def test_paged_scorer_errors():
         PagedScorer(m.config, ops, 32, 0, torch.float32, "cpu")
     scorer = PagedScorer(m.config, ops, 8, 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="max_model_len=8"):
-        scorer(m, list(range(9)), 1.0)
-    assert torch.equal(scorer(m, [3], 1.0), torch.zeros(1))
+        scorer(m, [[1, 2], list(range(9))], 1.0)
+    with pytest.raises(ValueError, match="0 tokens"):
+        scorer(m, [[]], 1.0)
+    forwards = _count_forwards(m)
+    got = scorer(m, [[3], [5]], 1.0)  # a single token predicts nothing: no forward
+    assert len(got) == 2 and all(torch.equal(g, torch.zeros(1)) for g in got) and not forwards
+    assert scorer(m, [], 1.0) == []
+
+
+def test_packed_rows_score_as_alone():
+    """Sequences of different contents and lengths (split across forwards, sharing forwards, one
+    of a single token) packed in two different orders: each row's logprobs are bitwise its own
+    alone, so no row's logits or targets were taken from another's; the pages all go back."""
+    ops, inv = _table(), interpreted_invariant_ops()
+    m = _model()
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (24, 5, 1, 9, 14)]
+    scorer = PagedScorer(m.config, ops, 32, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
+    alone = [scorer(m, [ids], TEMPERATURE)[0] for ids in rows]
+    forwards = _count_forwards(m)
+    orders = {"in order": list(range(len(rows))), "shuffled": [3, 0, 4, 2, 1]}
+    for name, order in orders.items():
+        got = scorer(m, [rows[i] for i in order], TEMPERATURE)
+        for i, lp in zip(order, got):
+            assert lp.shape == (len(rows[i]),) and lp[0] == 0, name
+            assert torch.equal(lp, alone[i]), f"{name}: row {i}"
+    assert max(len(f) for f in forwards) >= 2  # several rows in one forward
+    assert scorer.block_manager.num_free_pages == scorer.block_manager.num_pages
 
 
 def test_loss_numerator_takes_the_invariant_value_and_the_training_gradient():

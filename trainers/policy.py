@@ -44,10 +44,11 @@ from m3_trainers.selection_replay import SelectionAgreement, replay_block_select
 _INDEXER_KEYS = ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
-# scorer(model, token ids [L] as ints, temperature) -> logprobs [L] on the model's device (entry 0 = 0,
-# entry i = log p(token_i | tokens_<i)), no autograd: the engine's paged forward, built by the job
-# layer (``m3_rollout.engine.score.PagedScorer``; the trainers may not import the engine).
-SequenceScorer = Callable[[M3ForCausalLM, list, float], torch.Tensor]
+# scorer(model, rows: token ids [L_i] as ints per row, temperature) -> per row logprobs [L_i] on the
+# model's device (entry 0 = 0, entry i = log p(token_i | tokens_<i)), no autograd: the engine's paged
+# forward with the rows packed into its forwards, built by the job layer
+# (``m3_rollout.engine.score.PagedScorer``; the trainers may not import the engine).
+SequenceScorer = Callable[[M3ForCausalLM, list[list[int]], float], list[torch.Tensor]]
 
 
 class _InvariantValue(torch.autograd.Function):
@@ -435,9 +436,10 @@ class Policy:
             agreement: add the sparse layers' selection-agreement counts against the batch's
                 block selections here (``SelectionAgreement``; None = not measured).
 
-        With ``Policy.scorer`` every row's first ``lengths[b]`` tokens go through the scorer one
-        sequence at a time (``micro_batch_size`` unused); routing / index replay and the agreement
-        do not apply there (the invariant forward routes and selects as the engine did, bit for bit).
+        With ``Policy.scorer`` the rows' first ``lengths[b]`` tokens go through the scorer in one
+        call (it packs them into its forwards; ``micro_batch_size`` unused); routing / index replay
+        and the agreement do not apply there (the invariant forward routes and selects as the engine
+        did, bit for bit).
 
         Returns:
             float32 (float64 for an fp64 master) [B, L] on ``Policy.device``, 0 past each row's length.
@@ -454,9 +456,10 @@ class Policy:
         batch = batch_to_device(batch, self.device)
         out = torch.zeros(batch.rollout_logprobs.shape, dtype=self._logprob_dtype(), device=self.device)
         if self.scorer is not None:
-            rows = batch.token_ids.cpu().tolist()  # one host copy of the ids
-            for b, n in enumerate(batch.lengths.tolist()):
-                out[b, :n] = self.scorer(model, rows[b][:n], temperature)
+            lengths = batch.lengths.tolist()
+            rows = [row[:n] for row, n in zip(batch.token_ids.cpu().tolist(), lengths)]  # one host copy
+            for b, lp in enumerate(self.scorer(model, rows, temperature)):
+                out[b, : lengths[b]] = lp
             return out
         for s in range(0, batch.token_ids.shape[0], micro_batch_size):
             mb = batch.slice(slice(s, s + micro_batch_size))

@@ -1,9 +1,10 @@
 """Re-scoring: per-token logprobs of a stored trajectory under the served weights.
 
 Governing idea: scoring reuses the generation path exactly (the paged forward of
-``model_runner.prepare_inputs`` chunks on KV pages borrowed from the pool for the call, every
-position's logits kept), so a re-scored token's logprob is the one generation would give it.
-No sampling, no prefix reuse, no scheduler.
+``model_runner.prepare_inputs`` prefill chunks — one sequence's, or several sequences' packed into
+one forward — on KV pages borrowed from the pool for the call, every position's logits kept), so a
+re-scored token's logprob is the one generation would give it. No sampling, no prefix reuse, no
+scheduler.
 """
 
 from __future__ import annotations
@@ -32,26 +33,81 @@ def check_score_temperature(temperature, dtype: torch.dtype) -> float:
         raise ValueError(str(exc).replace("SamplingParams.temperature", "score temperature")) from None
 
 
-def paged_chunk_logits(
-    model, ops: PagedOps, kv: PagedKVCache, block_manager: BlockManager, ids: list[int], chunk_tokens: int, hint: str
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """The paged forward over ``ids`` [L] in prefill chunks of ``chunk_tokens`` on pages borrowed
-    from ``block_manager`` for the call (freed when the iteration ends or is abandoned): yields
-    (start, logits [chunk, V] in the model dtype on ``kv``'s device) per chunk, as generation
-    computes them. Raises RuntimeError, ending with ``hint``, when the pool lacks free pages."""
-    seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
-    if not block_manager.ensure(seq, len(ids)):
-        raise RuntimeError(
-            f"score: {block_manager.pages_for(len(ids))} KV pages needed, {block_manager.num_free_pages} free; {hint}"
-        )
+def paged_packed_logits(
+    model,
+    ops: PagedOps,
+    kv: PagedKVCache,
+    block_manager: BlockManager,
+    rows: list[list[int]],
+    chunk_tokens: int,
+    hint: str,
+) -> Iterator[tuple[list[tuple[int, int, int]], torch.Tensor]]:
+    """The paged forward over ``rows`` (token ids [L_r] each, plain ints; an empty row is skipped)
+    packed into prefill forwards of at most ``chunk_tokens`` tokens, as the engine's scheduler packs
+    several sequences' prefill chunks into one step: rows in order, each forward filled up to
+    ``chunk_tokens``, a row split where the budget ends and continued at the head of the next
+    forward (its chunk k+1 always runs in a later forward than its chunk k).
+
+    Pages: a row's pages (``pages_for(L_r)``) are taken from ``block_manager`` when its first token
+    joins a pack — when they are not free, the pack so far is run first (a shorter forward), which
+    gives back every row it finishes — and a row's pages go back right after the forward that ran
+    its last token; all of them when the iteration ends or is abandoned.
+
+    Yields:
+        per forward (pieces, logits): pieces = [(r, start, n)] in the logits' row order (row r's
+        tokens start .. start + n - 1), logits [sum n, V] in the model dtype on ``kv``'s device, the
+        positions' logits as generation computes them.
+    Raises:
+        RuntimeError (ending with ``hint``): a row's pages are not free with no other row of the
+        call holding any.
+    """
     device = kv.device
+    live: dict[int, Sequence] = {}  # row -> its pages, from its first piece to its last forward
+
+    def forward(pack: list[tuple[int, int, int]]) -> torch.Tensor:
+        inp = prepare_inputs(
+            [rows[r][s : s + n] for r, s, n in pack],
+            [s for _, s, _ in pack],
+            [live[r].block_table for r, _, _ in pack],
+            kv.page_size,
+            0,
+        )
+        logits = model.forward_paged(inp.input_ids.to(device), meta_to(inp.meta, device), kv, ops)  # [T, V]
+        for r, s, n in pack:
+            if s + n == len(rows[r]):
+                block_manager.free_seq(live.pop(r))
+        return logits
+
+    pack: list[tuple[int, int, int]] = []
+    used = 0
     try:
-        for start in range(0, len(ids), chunk_tokens):
-            chunk = ids[start : start + chunk_tokens]
-            inp = prepare_inputs([chunk], [start], [seq.block_table], kv.page_size, 0)
-            yield start, model.forward_paged(inp.input_ids.to(device), meta_to(inp.meta, device), kv, ops)
+        for r, ids in enumerate(rows):
+            if not ids:
+                continue
+            seq = Sequence(-1, "score", -1, 0, SamplingParams(), ids, frozenset(), len(ids))
+            if not block_manager.ensure(seq, len(ids)):
+                if pack:
+                    yield pack, forward(pack)  # gives back the pages of every row it finishes
+                    pack, used = [], 0
+                if not block_manager.ensure(seq, len(ids)):
+                    raise RuntimeError(
+                        f"score: {block_manager.pages_for(len(ids))} KV pages needed, "
+                        f"{block_manager.num_free_pages} free; {hint}"
+                    )
+            live[r] = seq
+            start = 0
+            while start < len(ids):
+                n = min(len(ids) - start, chunk_tokens - used)
+                pack.append((r, start, n))
+                start, used = start + n, used + n
+                if used == chunk_tokens:
+                    yield pack, forward(pack)
+                    pack, used = [], 0
+        if pack:
+            yield pack, forward(pack)
     finally:
-        block_manager.free_seq(seq)
+        for seq in live.values():
+            block_manager.free_seq(seq)
 
 
 @torch.no_grad()
@@ -80,8 +136,8 @@ def score_tokens(
     device = kv.device
     chunks = [
         logits.to(compute_dtype(logits.dtype)).cpu()
-        for _, logits in paged_chunk_logits(
-            model, ops, kv, block_manager, ids, chunk_tokens, "call it when fewer requests are running"
+        for _, logits in paged_packed_logits(
+            model, ops, kv, block_manager, [ids], chunk_tokens, "call it when fewer requests are running"
         )
     ]
     logits = torch.cat(chunks) / temperature  # [L, V]
@@ -95,26 +151,33 @@ def score_tokens(
 
 class PagedScorer:
     """The trainer's no-grad logprob scoring through the engine's paged forward (batch-invariant
-    mode, design.md §4.6): per sequence, prefill chunks of ``chunk_tokens`` on a scratch page pool
-    of its own, logits kept on the model's device, each target's logprob taken exactly as the
-    engine's sampler takes a sampled token's ("processed": logits in the compute dtype divided by
-    the temperature in that dtype, ``sampler.process_logits``; then ``sampler.gather_logprobs``
-    with ``token_logprobs``). With the invariant ``ops`` / ``token_logprobs`` of the engine and
-    the same weights (the trainer's compute copy = what the refit sends) a token's logprob is
-    bitwise the one the engine recorded for it, whatever the engine batched it with.
+    mode, design.md §4.6): a batch of sequences packed into prefill forwards of at most
+    ``chunk_tokens`` tokens (``paged_packed_logits``) on a scratch page pool of its own, logits
+    kept on the model's device, each target's logprob taken exactly as the engine's sampler takes
+    a sampled token's ("processed": logits in the compute dtype divided by the temperature in that
+    dtype, ``sampler.process_logits``; then ``sampler.gather_logprobs`` with ``token_logprobs``).
+    With the invariant ``ops`` / ``token_logprobs`` of the engine and the same weights (the
+    trainer's compute copy = what the refit sends) a token's logprob is bitwise the one the engine
+    recorded for it, whatever the engine batched it with — and whatever this scorer packs it with:
+    a sequence alone or among others, split anywhere, gives the same bits.
 
     Args:
         config: the model's ``M3Config`` (page size = ``sparse_block_size``).
         ops: the engine's ``PagedOps`` table (``engine.ops.paged_ops_for(..., batch_invariant=True)``);
             tables that take a prefill scratch are refused (the invariant one takes none).
-        max_model_len: the longest sequence scored (tokens); the pool holds one such sequence.
-        chunk_tokens: tokens per forward (the engine's ``max_num_batched_tokens``; the invariant
-            kernels make the chunking irrelevant to the bits).
+        max_model_len: the longest sequence scored (tokens).
+        chunk_tokens: tokens per forward (the engine's ``max_num_batched_tokens``; the logits of one
+            forward are [chunk_tokens, V]).
         dtype, device: the KV dtype (the compute copy's weight dtype) and the model's device.
         index_cache_dtype, quantize_index_queries: as the engine's ``EngineConfig`` (the block
             selection reads the index-key cache: it must be coded as the engine's).
         token_logprobs: the sampler's logprob op (``engine.ops.invariant_token_logprobs``); None =
             ``torch.log_softmax``.
+
+    The pool: max(pages of one ``max_model_len`` sequence, 2 x pages of ``chunk_tokens``) — one
+    forward's tokens plus a partial page for each of up to ``chunk_tokens / page_size`` sequences
+    (sequences of a page or more on average); a pack that does not fit is run early (a shorter
+    forward, the same bits).
 
     Raises:
         ValueError: ``chunk_tokens`` or ``max_model_len`` < 1, or ``ops`` takes a prefill scratch.
@@ -139,44 +202,42 @@ class PagedScorer:
                 "PagedScorer: the ops table takes a prefill scratch (bind one, or use the invariant table)"
             )
         ps = config.sparse_block_size
-        pages = -(-max_model_len // ps)
+        pages = max(-(-max_model_len // ps), 2 * -(-chunk_tokens // ps))
         self.ops, self.chunk_tokens, self.max_model_len = ops, chunk_tokens, max_model_len
         self.token_logprobs = token_logprobs
         self.kv = PagedKVCache(config, pages, dtype, device, index_cache_dtype, quantize_index_queries)
         self.block_manager = BlockManager(pages, ps, enable_prefix_caching=False)
 
     @torch.no_grad()
-    def __call__(self, model, ids: list[int], temperature: float) -> torch.Tensor:
-        """Logprobs of ``ids`` [L] (plain ints, 1 <= L <= max_model_len) under ``model`` (on the
-        scorer's device, weights in its KV dtype).
+    def __call__(self, model, rows: list[list[int]], temperature: float) -> list[torch.Tensor]:
+        """Logprobs of each row of ``rows`` (token ids [L_i], plain ints, 1 <= L_i <= max_model_len)
+        under ``model`` (on the scorer's device, weights in its KV dtype). A row's last token is
+        not run (its logits predict nothing): the forwards carry sum(L_i - 1) tokens.
 
         Returns:
-            [L] in the logits' compute dtype (fp32; fp64 for an fp64 model) on the device: entry 0 = 0,
-            entry i = log p(token_i | tokens_<i) at ``temperature``.
+            per row, [L_i] in the logits' compute dtype (fp32; fp64 for an fp64 model) on the device:
+            entry 0 = 0, entry i = log p(token_i | tokens_<i) at ``temperature``.
         Raises:
-            ValueError: L outside [1, max_model_len].
+            ValueError: some L_i outside [1, max_model_len] (nothing is run).
         """
-        if not 1 <= len(ids) <= self.max_model_len:
-            raise ValueError(f"PagedScorer: {len(ids)} tokens, max_model_len={self.max_model_len}")
-        device = self.kv.device
-        lps = []
-        # the pool is this scorer's and holds max_model_len tokens: never short
+        for ids in rows:
+            if not 1 <= len(ids) <= self.max_model_len:
+                raise ValueError(f"PagedScorer: {len(ids)} tokens, max_model_len={self.max_model_len}")
+        device, dtype = self.kv.device, compute_dtype(self.kv.dtype)
+        parts: list[list[torch.Tensor]] = [[torch.zeros(1, dtype=dtype, device=device)] for _ in rows]
+        # the pool is this scorer's and holds a max_model_len row: never short
         hint = "the PagedScorer pool is sized for max_model_len: a bug"
-        chunks = paged_chunk_logits(model, self.ops, self.kv, self.block_manager, ids, self.chunk_tokens, hint)
-        try:
-            for start, logits in chunks:
-                tgt = ids[start + 1 : start + 1 + logits.shape[0]]  # the next token of each position (last: none)
-                n = len(tgt)
-                if n == 0:
-                    break
-                logits = logits[:n].to(compute_dtype(logits.dtype))  # [n, V], what the runner hands the sampler
-                temp = torch.full((n,), float(temperature), dtype=torch.float64, device=device)
-                processed = process_logits(
-                    logits, temp, torch.full((n,), -1, device=device), torch.ones(n, device=device), False, False
-                )
-                tokens = torch.tensor(tgt, dtype=torch.int64, device=device)
-                lps.append(gather_logprobs(processed, tokens, self.token_logprobs))
-        finally:
-            chunks.close()  # the pages go back now, also after the break
-        head = torch.zeros(1, dtype=lps[0].dtype if lps else compute_dtype(self.kv.dtype), device=device)
-        return torch.cat([head, *lps])  # [L]
+        inputs = [ids[:-1] for ids in rows]  # position i's target is token i + 1
+        for pieces, logits in paged_packed_logits(
+            model, self.ops, self.kv, self.block_manager, inputs, self.chunk_tokens, hint
+        ):
+            t = logits.shape[0]  # [T, V] in the model dtype, what the runner hands the sampler
+            temp = torch.full((t,), float(temperature), dtype=torch.float64, device=device)
+            processed = process_logits(
+                logits, temp, torch.full((t,), -1, device=device), torch.ones(t, device=device), False, False
+            )
+            tgt = [tok for r, s, n in pieces for tok in rows[r][s + 1 : s + 1 + n]]
+            lp = gather_logprobs(processed, torch.tensor(tgt, dtype=torch.int64, device=device), self.token_logprobs)
+            for (r, _, _), piece in zip(pieces, lp.split([n for _, _, n in pieces])):
+                parts[r].append(piece)  # [n]; a row's pieces come in order
+        return [torch.cat(p) for p in parts]  # [L_i] each

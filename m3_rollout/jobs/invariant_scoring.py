@@ -19,8 +19,9 @@ def invariant_scorer(cfg: MasterConfig, compute_model, max_model_len: int) -> Pa
     ``policy.generation.batch_invariant`` is on, else None.
 
     The ops table, the logprob op, the chunk (``max_num_batched_tokens``) and the index-key cache
-    coding are the engine's for the same config (``LLMEngine.__init__``); the scratch pool holds one
-    sequence of ``max_model_len`` tokens on the model's device in its weight dtype. Off CUDA the
+    coding are the engine's for the same config (``LLMEngine.__init__``); the scratch pool (one
+    forward's sequences, at least one of ``max_model_len`` tokens) is on the model's device in its
+    weight dtype. Off CUDA the
     tables are the fast ones (``paged_ops_for`` warns): the scoring then only matches to rounding.
     """
     gen = cfg.policy.generation
