@@ -149,6 +149,9 @@ def score_tokens(
     return torch.cat([torch.zeros(1, dtype=lp.dtype), lp])  # [L]
 
 
+SCORER_LOGITS_BYTES = 1 << 30  # fp32 logits of one PagedScorer forward, at most
+
+
 class PagedScorer:
     """The trainer's no-grad logprob scoring through the engine's paged forward (batch-invariant
     mode, design.md §4.6): a batch of sequences packed into prefill forwards of at most
@@ -166,8 +169,8 @@ class PagedScorer:
         ops: the engine's ``PagedOps`` table (``engine.ops.paged_ops_for(..., batch_invariant=True)``);
             tables that take a prefill scratch are refused (the invariant one takes none).
         max_model_len: the longest sequence scored (tokens).
-        chunk_tokens: tokens per forward (the engine's ``max_num_batched_tokens``; the logits of one
-            forward are [chunk_tokens, V]).
+        chunk_tokens: tokens per forward (the engine's ``max_num_batched_tokens``), lowered so one
+            forward's fp32 logits [chunk_tokens, V] stay under ``SCORER_LOGITS_BYTES``.
         dtype, device: the KV dtype (the compute copy's weight dtype) and the model's device.
         index_cache_dtype, quantize_index_queries: as the engine's ``EngineConfig`` (the block
             selection reads the index-key cache: it must be coded as the engine's).
@@ -202,6 +205,9 @@ class PagedScorer:
                 "PagedScorer: the ops table takes a prefill scratch (bind one, or use the invariant table)"
             )
         ps = config.sparse_block_size
+        # one forward's fp32 logits stay under SCORER_LOGITS_BYTES (M3's 200K vocabulary: 1,342
+        # tokens); any pack size gives the same bits, so the cap only bounds memory
+        chunk_tokens = max(1, min(chunk_tokens, SCORER_LOGITS_BYTES // (4 * config.vocab_size)))
         pages = max(-(-max_model_len // ps), 2 * -(-chunk_tokens // ps))
         self.ops, self.chunk_tokens, self.max_model_len = ops, chunk_tokens, max_model_len
         self.token_logprobs = token_logprobs
