@@ -52,7 +52,9 @@ def _kernel_table(fn, steps: int) -> tuple[list[tuple[str, float, float]], float
     return rows, sum(r[2] for r in rows)
 
 
-def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool, ops: PagedOps) -> LLMEngine:
+def _engine(
+    model, cfg, batch: int, prompt: int, steps: int, graphs: bool, ops: PagedOps, batch_invariant: bool = False
+) -> LLMEngine:
     max_len = prompt + steps * 4 + 64
     ec = EngineConfig(
         max_model_len=max_len,
@@ -60,6 +62,7 @@ def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool, ops: 
         enable_cuda_graphs=graphs,
         cuda_graph_batch_sizes=(batch,),
         kv_cache_memory_gb=1.0 if graphs else 0.0,
+        batch_invariant=batch_invariant,
     )
     eng = LLMEngine(model, ec, ops=ops)
     g = torch.Generator().manual_seed(0)
@@ -69,16 +72,19 @@ def _engine(model, cfg, batch: int, prompt: int, steps: int, graphs: bool, ops: 
     return eng
 
 
-VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas")
+VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invariant")
 
 
 def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps:
     """The paged forward's ops table of a model path: ``pytorch`` (PyTorch layer ops; MSA and MoE
     kernels stay), ``fused`` (the engine's default table), ``fused+cublas`` (every projection GEMM
     on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas`` (router GEMM on cuBLAS + top-k
-    kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time)."""
+    kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time), ``invariant`` (the
+    batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6)."""
     if name not in VARIANTS:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
+    if name == "invariant":
+        return paged_ops_for(device, dtype, batch_invariant=True)
     if device.type == "cuda":
         import m3_kernels.fused_layers as fl
 
@@ -90,7 +96,7 @@ def engine_wall(model, cfg, args, batch: int, variant: str) -> dict:
     """Wall time per engine decode step through the public step() API (host + GPU)."""
     dev = torch.device(args.device)
     ops = variant_ops(variant, dev, model.model.embed_tokens.weight.dtype)
-    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs, ops)
+    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs, ops, variant == "invariant")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(4):  # prefill + warm-up decodes
         eng.step()
