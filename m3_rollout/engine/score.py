@@ -205,7 +205,7 @@ class PagedScorer:
                 "PagedScorer: the ops table takes a prefill scratch (bind one, or use the invariant table)"
             )
         ps = config.sparse_block_size
-        # one forward's fp32 logits stay under SCORER_LOGITS_BYTES (M3's 200K vocabulary: 1,342
+        # one forward's fp32 logits stay under SCORER_LOGITS_BYTES (M3's 200K vocabulary: 1,341
         # tokens); any pack size gives the same bits, so the cap only bounds memory
         chunk_tokens = max(1, min(chunk_tokens, SCORER_LOGITS_BYTES // (4 * config.vocab_size)))
         pages = max(-(-max_model_len // ps), 2 * -(-chunk_tokens // ps))

@@ -113,7 +113,9 @@ class SelectionCache:
         host = buf[:t]
         host.copy_(self.step_buffer[:t], non_blocking=True)
         event.record()
-        self._queue.append(_StepCopy(serial, np.asarray(slots, dtype=np.int64), host, buf, event))
+        # a copy: the caller's slots may be a view of its reused decode staging (stage_rows), which
+        # a later step overwrites before this one lands
+        self._queue.append(_StepCopy(serial, np.array(slots, dtype=np.int64), host, buf, event))
 
     def land(self, upto: int | None = None) -> None:
         """Apply queued work in step order: everything of steps ``<= upto`` (waiting for their

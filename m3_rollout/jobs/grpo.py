@@ -33,6 +33,7 @@ from m3_rollout.jobs.step_metrics import (
     TRAINER_PERFORMANCE,
     TRAINER_TIMINGS,
     advantage_metrics,
+    bitwise_on_policy,
     handoff_metrics,
     resolve_metric_name,
     reward_errors,
@@ -297,7 +298,7 @@ def run(cfg: MasterConfig) -> dict:
                     "and no train/msa_selection_agreement"
                 )
             if gen.batch_invariant:  # issue 24: equal, not close
-                tm["bitwise_on_policy"] = float(tm["token_mult_prob_error"] == 1.0 and tm["gen_kl_error"] == 0.0)
+                tm["bitwise_on_policy"] = bitwise_on_policy(tm)
             logprob_s, train_s = tm["logprob_seconds"], tm["train_seconds"]
             trained_steps += 1
             if tm["skipped_step"]:

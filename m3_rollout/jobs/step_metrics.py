@@ -101,6 +101,18 @@ def advantage_metrics(advantages: torch.Tensor, loss_mask: torch.Tensor) -> dict
     }
 
 
+def bitwise_on_policy(train_metrics: dict) -> float:
+    """``train/bitwise_on_policy`` (batch-invariant mode, issue 24: equal, not close): 1.0 when the
+    trainer's prev logprobs equal the rollout's at every sampled token, else 0.0.
+
+    Read from ``max_logprob_abs_diff`` (an exact max of |prev - rollout|, NaN when either is NaN),
+    not from ``token_mult_prob_error`` == 1 / ``gen_kl_error`` == 0: those are fp64 means whose
+    sums absorb a one-ulp difference of a near-certain token (|d| ~ 1e-13 at logprob -1e-6 vanishes
+    against a few thousand tokens' 1.0 terms, and exp(d) - 1 - d rounds to 0 for |d| < ~1e-8).
+    """
+    return float(train_metrics["max_logprob_abs_diff"] == 0.0 and train_metrics["token_mult_prob_error"] == 1.0)
+
+
 def handoff_metrics(phase: str, record: dict) -> tuple[dict, dict]:
     """(``timing/train/`` seconds, ``train/`` memory figures) of one memory-handoff transition
     (``LLMEngine.sleep`` / ``wake_up`` records). Sleep is NeMo RL's ``finish_generation``; wake-up
