@@ -183,9 +183,9 @@ def use_grouped_gemm(x: torch.Tensor) -> torch.dtype | None:
     None for the per-expert loop: bf16 on a CUDA device of compute capability >= 9.0 (where
     ``torch._grouped_mm`` has its kernel) when x is bf16 or CUDA autocast asks for bf16; the loop
     everywhere else (the CPU jobs keep their exact results), and with the environment variable
-    ``M3_ROLLOUT_GROUPED_GEMM=0`` (a diagnostic switch: the per-expert loop on the GPU too, to
-    compare training runs; give such a run its own ``M3_ROLLOUT_CACHE`` so it builds its own
-    checkpoint)."""
+    ``M3_ROLLOUT_GROUPED_GEMM=0`` (exactly "0", read once when this module is imported: a
+    diagnostic switch for the per-expert loop on the GPU too, to compare training runs; give such a
+    run its own ``M3_ROLLOUT_CACHE`` so it builds its own checkpoint)."""
     if not x.is_cuda or not hasattr(torch, "_grouped_mm") or not _GROUPED_GEMM_OK or not _GROUPED_GEMM_ENV:
         return None
     if torch.cuda.get_device_capability(x.device) < (9, 0):
