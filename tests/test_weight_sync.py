@@ -420,14 +420,9 @@ def test_build_weight_sender_colocated_follows_freeze_config():
 
 # ------------------------------------------------------------------------------ bench, colocated mode
 def _bench_module():
-    import importlib.util
-    from pathlib import Path
+    from script_loader import load_script  # tests/ on sys.path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_weight_sync.py"
-    spec = importlib.util.spec_from_file_location("bench_weight_sync", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_weight_sync")
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
