@@ -11,16 +11,21 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from m3_rollout.jobs.builtin import resolve_model
-    from m3_rollout.server.cli import parse_args, serve
+    from m3_rollout.jobs.builtin import BUILTIN_PREFIX, resolve_model
+    from m3_rollout.server.cli import default_template_kwargs, parse_args, serve
 
     args = parse_args(argv)
+    try:
+        kwargs = default_template_kwargs(args.default_chat_template_kwargs, args.model.startswith(BUILTIN_PREFIX))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         model_dir, _ = resolve_model(args.model)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: --model: {exc}", file=sys.stderr)
         return 2
-    serve(args, model_dir)
+    serve(args, model_dir, kwargs)
     return 0
 
 

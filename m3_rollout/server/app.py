@@ -320,7 +320,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
         if body.prompt is not None:
             ids = served.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            mode = thinking_mode_of(body.chat_template_kwargs)
+            mode = thinking_mode_of(served.template_kwargs(body.chat_template_kwargs))
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import torch
 
 from m3_rollout.engine.interface import GenerationBackend
 
-from .openai_api import ServedModel
+from .openai_api import ServedModel, thinking_mode_of
+from .protocol import APIError
 from .runner import EngineRunner
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -96,6 +98,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="fixed-order kernels: logits / logprobs independent of the batch (CUDA; slower; attention pending)",
     )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        help='JSON object applied under every chat request\'s chat_template_kwargs, e.g. \'{"thinking_mode": '
+        '"disabled"}\' (default: that for builtin: checkpoints, which are trained in that mode; else none)',
+    )
     p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -168,7 +176,29 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
     )
 
 
-def build_served(model_dir: Path, name: str, max_model_len: int | None) -> ServedModel:
+def default_template_kwargs(text: str | None, builtin: bool = False) -> dict:
+    """``--default-chat-template-kwargs`` parsed (a JSON object; its thinking mode checked), or
+    ``{"thinking_mode": "disabled"}`` for a ``builtin:`` checkpoint when not given (their warm
+    start and GRPO render prompts in that mode; the template's own default, adaptive, is a prompt
+    they never saw), else ``{}``. Raises ValueError naming the flag."""
+    if text is None:
+        return {"thinking_mode": "disabled"} if builtin else {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--default-chat-template-kwargs: not JSON ({exc})") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--default-chat-template-kwargs: must be a JSON object, got {text!r}")
+    try:
+        thinking_mode_of(kwargs)
+    except APIError as exc:
+        raise ValueError(f"--default-chat-template-kwargs: {exc.message}") from None
+    return kwargs
+
+
+def build_served(
+    model_dir: Path, name: str, max_model_len: int | None, default_chat_template_kwargs: dict | None = None
+) -> ServedModel:
     """Tokenizer, chat template and limits of the checkpoint in ``model_dir``."""
     from transformers import AutoTokenizer
 
@@ -188,16 +218,23 @@ def build_served(model_dir: Path, name: str, max_model_len: int | None) -> Serve
         stop_token_ids=[tok.convert_tokens_to_ids(tok.eos_token)],
         max_model_len=max_model_len or limit,
         vocab_size=cfg.vocab_size,
+        default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
 
 
-def serve(args: argparse.Namespace, model_dir: Path) -> None:
-    """Build everything for ``model_dir`` and run uvicorn until interrupted."""
+def serve(args: argparse.Namespace, model_dir: Path, template_kwargs: dict | None = None) -> None:
+    """Build everything for ``model_dir`` and run uvicorn until interrupted. template_kwargs: the
+    default chat-template kwargs (:func:`default_template_kwargs`; None = parsed from ``args``)."""
     import uvicorn
 
     from .app import build_app
 
-    served = build_served(model_dir, args.served_model_name or args.model, args.max_model_len)
+    served = build_served(
+        model_dir,
+        args.served_model_name or args.model,
+        args.max_model_len,
+        default_template_kwargs(args.default_chat_template_kwargs) if template_kwargs is None else template_kwargs,
+    )
     backend: GenerationBackend = build_backend(
         args, model_dir, served.stop_token_ids, served.max_model_len, served.decode
     )

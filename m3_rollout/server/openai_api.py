@@ -47,6 +47,9 @@ class ServedModel:
         stop_token_ids: ids that end every sample (the end-of-message marker).
         max_model_len: longest context (prompt + generated), tokens.
         vocab_size: the model's vocabulary size (token ids must be below it).
+        default_chat_template_kwargs: applied under every request's ``chat_template_kwargs`` (the
+            request's keys win); e.g. ``{"thinking_mode": "disabled"}`` for a checkpoint trained
+            in that mode (``--default-chat-template-kwargs``).
     """
 
     name: str
@@ -56,6 +59,18 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     created: int = field(default_factory=lambda: int(time.time()))
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+
+    def template_kwargs(self, request_kwargs: dict | None) -> dict:
+        """The server's default chat-template kwargs overlaid with a request's (a request that
+        names a thinking mode either way, ``thinking_mode`` or ``enable_thinking``, drops both
+        defaults)."""
+        req = request_kwargs or {}
+        base = dict(self.default_chat_template_kwargs)
+        if req.keys() & THINKING_KEYS:
+            for key in THINKING_KEYS:
+                base.pop(key, None)
+        return {**base, **req}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -113,6 +128,9 @@ def engine_error(message: str | None, fields: dict[str, str]) -> APIError:
         return APIError(400, message, None)
     param = fields.get(m.group(1), m.group(1))
     return APIError(400, param + message[m.end() :], param)
+
+
+THINKING_KEYS = frozenset({"thinking_mode", "enable_thinking"})
 
 
 def thinking_mode_of(kwargs: dict | None) -> str | None:
@@ -297,7 +315,7 @@ class ChatPrompt:
 def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
     """Render and tokenize a chat request; 400 naming the field for messages the template refuses,
     an unknown named tool or a prompt that fills the context."""
-    mode = thinking_mode_of(req.chat_template_kwargs)
+    mode = thinking_mode_of(served.template_kwargs(req.chat_template_kwargs))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     if choice is None:
