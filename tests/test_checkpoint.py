@@ -192,3 +192,24 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     assert second["id"] == "run1" and second["resume"] == "allow"
     state = torch.load(tmp_path / "split" / "ckpt" / "step_4" / "training_state.pt", weights_only=False)
     assert state["data"]["wandb_run_id"] == "run1"
+
+
+def test_resume_past_the_last_step_stops_at_start(tmp_path):
+    """Resuming from a checkpoint at or past grpo.max_num_steps has nothing to train: the job stops
+    before building anything, naming both keys (it used to validate the loaded weights and save them
+    as a smaller step, reporting a gain it had not trained)."""
+    from m3_rollout.config import ConfigError, load_config
+    from m3_rollout.jobs.grpo import check_resume
+
+    (tmp_path / "step_5").mkdir()
+
+    def cfg(resume: bool, steps: int):
+        over = [f"checkpointing.checkpoint_dir={tmp_path}", f"checkpointing.resume={resume}", f"grpo.max_num_steps={steps}"]
+        return load_config("configs/grpo_bf16_ep.yaml", over)
+
+    with pytest.raises(ConfigError, match=r"step 5.*grpo.max_num_steps=3"):
+        check_resume(cfg(True, 3))
+    with pytest.raises(ConfigError, match="step 5"):  # equal to the last step: nothing left either
+        check_resume(cfg(True, 5))
+    check_resume(cfg(True, 6))  # steps left: resumes
+    check_resume(cfg(False, 3))  # a new run: not this check's business

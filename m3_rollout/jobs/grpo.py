@@ -109,6 +109,26 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(1) from None
 
 
+def check_resume(cfg: MasterConfig) -> None:
+    """With ``checkpointing.resume``, stop before anything is built when the latest checkpoint is
+    already at or past ``grpo.max_num_steps`` (there is nothing to train; a run would only validate
+    and save the loaded weights under a smaller step's name).
+
+    Raises:
+        ConfigError: naming both keys and the checkpoint found.
+    """
+    ck = cfg.checkpointing
+    if not ck.resume:
+        return
+    steps = CheckpointManager(ck.checkpoint_dir).steps()
+    if steps and steps[-1] >= cfg.grpo.max_num_steps:
+        raise ConfigError(
+            f"checkpointing.resume=true: the latest checkpoint in {ck.checkpoint_dir} is step {steps[-1]}, "
+            f"already at or past grpo.max_num_steps={cfg.grpo.max_num_steps}; raise grpo.max_num_steps to "
+            "train further, or give another checkpointing.checkpoint_dir (or resume=false) for a new run"
+        )
+
+
 def run(cfg: MasterConfig) -> dict:
     """Run the GRPO job described by ``cfg``; returns the run summary (also written to
     ``<logger.log_dir>/summary.json``).
@@ -122,6 +142,7 @@ def run(cfg: MasterConfig) -> dict:
     t_start = time.perf_counter()
     metric_name = resolve_metric_name(cfg)  # a name no step logs stops the run here
     check_output_dirs(cfg)
+    check_resume(cfg)
     trainer_device(cfg)  # a device this machine lacks stops the job here, before anything is built
     set_seed(cfg.grpo.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
