@@ -204,7 +204,8 @@ def test_resume_past_the_last_step_stops_at_start(tmp_path):
     (tmp_path / "step_5").mkdir()
 
     def cfg(resume: bool, steps: int):
-        over = [f"checkpointing.checkpoint_dir={tmp_path}", f"checkpointing.resume={resume}", f"grpo.max_num_steps={steps}"]
+        over = [f"checkpointing.checkpoint_dir={tmp_path}", f"checkpointing.resume={resume}"]
+        over.append(f"grpo.max_num_steps={steps}")
         return load_config("configs/grpo_bf16_ep.yaml", over)
 
     with pytest.raises(ConfigError, match=r"step 5.*grpo.max_num_steps=3"):
