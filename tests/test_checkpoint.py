@@ -194,7 +194,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     assert state["data"]["wandb_run_id"] == "run1"
 
 
-def test_resume_past_the_last_step_stops_at_start(tmp_path):
+def test_resume_past_the_last_step_stops_at_start(tmp_path, capsys):
     """Resuming from a checkpoint at or past grpo.max_num_steps has nothing to train: the job stops
     before building anything, naming both keys (it used to validate the loaded weights and save them
     as a smaller step, reporting a gain it had not trained)."""
@@ -213,4 +213,6 @@ def test_resume_past_the_last_step_stops_at_start(tmp_path):
     with pytest.raises(ConfigError, match="step 5"):  # equal to the last step: nothing left either
         check_resume(cfg(True, 5))
     check_resume(cfg(True, 6))  # steps left: resumes
-    check_resume(cfg(False, 3))  # a new run: not this check's business
+    assert "[warn]" not in capsys.readouterr().err
+    check_resume(cfg(False, 3))  # a new run beside an earlier run's checkpoints: a warning naming the key
+    assert "checkpointing.checkpoint_dir" in capsys.readouterr().err

@@ -112,15 +112,23 @@ def main(argv: list[str] | None = None) -> dict:
 def check_resume(cfg: MasterConfig) -> None:
     """With ``checkpointing.resume``, stop before anything is built when the latest checkpoint is
     already at or past ``grpo.max_num_steps`` (there is nothing to train; a run would only validate
-    and save the loaded weights under a smaller step's name).
+    and save the loaded weights under a smaller step's name). Without it, warn (stderr) when the
+    checkpoint directory already holds an earlier run's checkpoints.
 
     Raises:
         ConfigError: naming both keys and the checkpoint found.
     """
     ck = cfg.checkpointing
+    steps = CheckpointManager(ck.checkpoint_dir).steps() if ck.enabled else []
     if not ck.resume:
+        if steps:  # a new run beside an earlier run's checkpoints: say so, the next resume would mix them
+            print(
+                f"[warn] checkpointing.checkpoint_dir={ck.checkpoint_dir} holds checkpoints of an earlier run "
+                f"(steps {steps[0]}..{steps[-1]}); this run saves beside them and a later checkpointing.resume=true "
+                "picks the highest step of either: give a new directory to keep runs apart",
+                file=sys.stderr,
+            )
         return
-    steps = CheckpointManager(ck.checkpoint_dir).steps()
     if steps and steps[-1] >= cfg.grpo.max_num_steps:
         raise ConfigError(
             f"checkpointing.resume=true: the latest checkpoint in {ck.checkpoint_dir} is step {steps[-1]}, "
