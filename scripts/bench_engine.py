@@ -134,6 +134,25 @@ def make_engine(
     )
 
 
+def decode_and_prefill_engines(
+    model, decode_prompts, long_prompt, dev: str, new: int, graph_sizes: tuple[int, ...], chunk, **config
+) -> tuple[LLMEngine, LLMEngine]:
+    """One A/B setting's two engines: a decode engine sized for ``decode_prompts`` + ``new`` tokens
+    (CUDA graphs of ``graph_sizes`` and async scheduling on CUDA, as the engine runs) and a
+    prefill engine for ``long_prompt`` in chunks of ``chunk`` tokens (no graphs); ``config``:
+    the EngineConfig field under test."""
+    plen, cuda = len(decode_prompts[0]), dev == "cuda"
+    decode = make_engine(
+        model, decode_prompts, 1, dev, plen + new + 1, cuda_graphs=cuda, async_scheduling=None,
+        graph_sizes=graph_sizes, **config,
+    )  # fmt: skip
+    prefill = make_engine(
+        model, long_prompt, 1, dev, len(long_prompt[0]) + 2, async_scheduling=None,
+        max_num_batched_tokens=chunk, **config,
+    )  # fmt: skip
+    return decode, prefill
+
+
 def run_engine(
     model,
     prompts: list[list[int]],
@@ -387,29 +406,12 @@ def block_record_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype)
     # kernel stores the record from registers), prefill engines for the long prompt (no graphs).
     engines = {}
     for rec in (False, True):
-        engines[rec, "decode"] = eng = make_engine(
-            model,
-            decode_prompts,
-            1,
-            dev,
-            plen + new + 1,
-            cuda_graphs=cuda,
-            async_scheduling=None,
-            graph_sizes=(batch,),
-            record_block_selection=rec,
+        eng, pre = decode_and_prefill_engines(
+            model, decode_prompts, long_prompt, dev, new, (batch,), args.record_chunk, record_block_selection=rec
         )
+        engines[rec, "decode"], engines[rec, "prefill"] = eng, pre
         timed_generate(eng, [p[::-1] for p in decode_prompts], 8, dev, "w")  # compile / warm up
-        engines[rec, "prefill"] = eng = make_engine(
-            model,
-            long_prompt,
-            1,
-            dev,
-            long_len + 2,
-            async_scheduling=None,
-            max_num_batched_tokens=args.record_chunk,
-            record_block_selection=rec,
-        )
-        timed_generate(eng, [long_prompt[0][: 2 * args.record_chunk]], 1, dev, "w")
+        timed_generate(pre, [long_prompt[0][: 2 * args.record_chunk]], 1, dev, "w")
     runs = {(rec, part): [] for rec in (False, True) for part in ("decode", "prefill")}
     for rep in range(args.record_reps):
         for rec in (False, True) if rep % 2 == 0 else (True, False):
@@ -515,27 +517,10 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
     for inv in (False, True):
         with warnings.catch_warnings(record=True) as caught:  # paged_ops_for's fallback off CUDA
             warnings.simplefilter("always")
-            engines[inv, "decode"] = eng = make_engine(
-                model,
-                decode_prompts,
-                1,
-                dev,
-                plen + new + 1,
-                cuda_graphs=cuda,
-                async_scheduling=None,
-                graph_sizes=tuple(sorted({1, batch})),
-                batch_invariant=inv,
+            eng, pre = decode_and_prefill_engines(
+                model, decode_prompts, long_prompt, dev, new, tuple(sorted({1, batch})), chunk, batch_invariant=inv
             )
-            engines[inv, "prefill"] = pre = make_engine(
-                model,
-                long_prompt,
-                1,
-                dev,
-                long_len + 2,
-                async_scheduling=None,
-                max_num_batched_tokens=chunk,
-                batch_invariant=inv,
-            )
+            engines[inv, "decode"], engines[inv, "prefill"] = eng, pre
         fallback |= {str(w.message) for w in caught if "batch_invariant" in str(w.message)}
         # compile / warm up every shape the timed runs meet (reversed prompts: no prefix-cache hit)
         timed_generate(eng, [p[::-1] for p in decode_prompts], 4, dev, "wb-")
