@@ -64,6 +64,7 @@ def plot_runs(runs: dict[str, dict[str, list[tuple[int, float]]]], out: str | Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (keys, name) in zip(axes.flat, PANELS):
@@ -74,6 +75,7 @@ def plot_runs(runs: dict[str, dict[str, list[tuple[int, float]]]], out: str | Pa
         ax.set_title(name)
         ax.grid(alpha=0.3)
         ax.set_xlabel("GRPO step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also in short runs
     axes.flat[0].legend()
     if title:
         fig.suptitle(title)
