@@ -90,17 +90,21 @@ class EPStats:
         """Add the (token, slot) pairs of ``ids`` (int64 [T, K] expert ids < ``num_local_experts``)
         to layer ``layer_slot``'s counts on the ids' device, with no host sync. The device counter
         is made (zeroed) at the first call outside a CUDA-graph capture; a capture that comes
-        before any eager call is not counted (zeroing inside it would re-zero at every replay)."""
+        before any eager call is not counted (zeroing inside it would re-zero at every replay).
+        Ids on another device than the counter's move its counts into the host counters first."""
+        capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
         acc = self._device_counts
         if acc is None or acc.device != ids.device:
-            if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing:
                 return
+            if acc is not None:  # another device: keep what the old counter holds
+                self.tokens_per_expert += acc.cpu()
             acc = self._device_counts = torch.zeros(
                 self.n_moe_layers, self.num_local_experts, dtype=torch.int64, device=ids.device
             )
         flat = ids.reshape(-1)
         acc[layer_slot].scatter_add_(0, flat, torch.ones_like(flat))
-        if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not capturing:
             self.forwards += 1
 
     def reset(self) -> None:
