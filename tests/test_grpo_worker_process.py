@@ -161,7 +161,9 @@ def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process):
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        worker = _run(cache / "ray", ["cluster.launcher=ray", "policy.generation.colocated_placement=worker_process"])
+        # the start limit is max(120 s, collective_timeout_s): Ray actors took longer on 2 loaded cores
+        ray_run = ["cluster.launcher=ray", "policy.generation.colocated_placement=worker_process"]
+        worker = _run(cache / "ray", [*ray_run, "cluster.collective_timeout_s=300"])
     finally:
         if started:
             ray.shutdown()
