@@ -307,6 +307,18 @@ def test_sft_steps_on_the_gpu_preset_take_the_same_path_with_grouped_gemm_and_lo
     print("first-step gradient relative difference, worst 5:", worst)
     print("losses grouped:", [round(x, 4) for x in la])
     print("losses loop:   ", [round(x, 4) for x in lb])
+    # the GRPO trainer's forward: the bf16 compute copy (no autocast), logprobs loop vs grouped
+    lps = {}
+    try:
+        for grouped in (True, False):
+            moe._GROUPED_GEMM_ENV = grouped
+            with torch.no_grad():
+                lps[grouped] = token_logprobs(copy.deepcopy(base).bfloat16(), batches[0][0])
+    finally:
+        moe._GROUPED_GEMM_ENV = old
+    d = (lps[True] - lps[False]).abs()
+    print(f"bf16 logprobs, grouped vs loop: max |d| {d.max().item():.3e}, mean |d| {d.mean().item():.3e}")
     assert worst[0][1] <= 3e-2, worst
     for a, b in zip(la, lb):
         assert abs(a - b) <= 5e-2 * abs(b), (la, lb)
+    assert d.mean().item() <= 2e-2, d.mean().item()
