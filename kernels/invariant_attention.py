@@ -38,12 +38,18 @@ Ops
      ``SCORE_SPLIT_BLOCKS`` consecutive blocks; per block one ``[M, di] x [di, ps]`` dot (fp32
      accumulation; IEEE for fp32), causal mask, max over the block's keys (NaN propagates, then
      -1e30). Writes a ``[T, G, NBP]`` fp32 scratch (only each token's causal blocks are written).
-   - ``_inv_topk_kernel``: ``TOPK_ROWS`` (token, head) rows per program; per row the candidates
-     ``0..pos // ps``, key = order-preserving int of (+inf for forced local/init blocks, else the
-     score) << 32 | (bias - block id), so one int64 max = "forced first, score desc, ties to the
-     lower block id"; the
-     blocks stream in chunks of ``TOPK_CHUNK``, each merged into the running top K by K rounds of
-     max-and-remove. Output ``[T, G, K]`` int32, -1 padded: exactly ``index_topk_ref``'s list.
+   - ``_inv_topk_kernel``: ``TOPK_ROWS`` (token, head) rows per program (4 = one token x 4 heads
+     at M3 shapes, 4 warps); per row the candidates ``0..pos // ps``, key = order-preserving
+     int of (+inf for forced local/init blocks, else the score) << 32 | (bias - block id), so a
+     larger int64 = "forced first, score desc, ties to the lower block id", and the keys of a row
+     are distinct. The blocks stream in chunks of ``TOPK_CHUNK`` (128; the next chunk's scores load
+     while this one is merged). A chunk where no row has a key above its own K-th kept key is skipped;
+     otherwise ``tl.topk`` (a bitonic network: exact compare-exchanges) takes the chunk's KP
+     largest keys in descending order, and they merge into the row's running KP (descending) by
+     one bitonic split (elementwise max against the reversed chunk list: the KP largest of the
+     union) and one bitonic merge (log2 KP steps). Every step is an exact integer compare, so the
+     result is the KP largest keys in order whatever the chunking or the neighbouring rows. Output
+     ``[T, G, K]`` int32, -1 padded: exactly ``index_topk_ref``'s list.
 2. ``invariant_paged_attention`` (one kernel, ``_inv_attn_kernel``, launched once for the decode
    rows and once for the prefill rows with the same constants): a program takes ``BLOCK_M``
    consecutive query tokens of one row x the RH query heads of one KV head (``ATTN_TILE_ROWS`` = 64
@@ -88,7 +94,18 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
 - The MSA decode step is three launches (scores, top-k, attention) instead of the fused two with
   programmatic dependent launch, and the score kernel has no unmasked fast loop, register cap or
   key sub-tiles: a few microseconds per sparse layer and decode step.
-- The [T, G, NBP] fp32 score scratch goes through memory for decode as for prefill.
+- The [T, G, NBP] fp32 score scratch goes through memory for decode as for prefill. Score programs
+  of a split past the tile's causal blocks return before loading anything (at decode most of the
+  ``cdiv(NBP, SCORE_SPLIT_BLOCKS)`` splits).
+- Top-k: a chunk costs a fixed network of ~27 compare-exchange steps on a [4, 128] int64 tile
+  (22 for ``tl.topk`` of KP = 16 from 128, 5 for the merge; 4 keys per thread, each step a
+  register swap or a warp shuffle, if the compiler keeps a row in one warp), independent of the batch. Decode at
+  short contexts (one chunk per row, one program per token): expected ~2-4 us per launch at batch
+  1 and 32 alike (the earlier kernel, K serial rounds of two cross-warp max-reductions over a
+  [32, 128] tile, took ~90 us on the H200). Long rows: 1M context = 8192 blocks at ps 128 is 64
+  chunks per row, mostly skipped after the first ones when scores are random, expected tens of us
+  per launch (one program per token; rows are not split over programs). Prefill: one program per
+  token, cost ~ sum over tokens of ceil((pos // ps + 1) / 128) chunk steps.
 
 Shape legend: T query tokens, R rows, P pages, ps page (= block) size, G KV heads (= index heads),
 nh query heads, RH = nh / G, d head dim, di index dim, K top-k blocks, NBP block-table width.
@@ -112,8 +129,9 @@ from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 ATTN_TILE_ROWS = 64
 INDEX_TILE_ROWS = 64
 SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depends on another block)
-TOPK_CHUNK = 128  # blocks merged per step of the streaming top-k
-TOPK_ROWS = 32  # (token, head) rows per top-k program
+TOPK_CHUNK = 128  # blocks per step of the streaming top-k (one bitonic top-KP of [rows, TOPK_CHUNK] keys)
+TOPK_ROWS = 4  # (token, head) rows per top-k program: one warp per row, 4 keys per thread
+TOPK_WARPS = 4
 _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every block id)
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
@@ -175,6 +193,12 @@ def _inv_scores_kernel(
     tok = t0 + offs_m // GP
     head = offs_m % GP
     m_ok = (tok < q_hi) & (head < G)
+    qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1).to(tl.int32)  # [M]
+    n_blk = tl.max(qpos, axis=0) // PS + 1
+    b_lo = split * SPLIT_B
+    b_hi = tl.minimum(b_lo + SPLIT_B, n_blk)
+    if b_lo >= b_hi:
+        return  # a split past the tile's causal blocks (most of the grid at decode): no query load
     offs_d = tl.arange(0, DI)
     offs_o = tl.arange(0, PS)
     q = tl.load(
@@ -185,10 +209,6 @@ def _inv_scores_kernel(
     q_scale = tl.full([BLOCK_M * GP], 1.0, tl.float32)
     if QFP8:
         q, q_scale = quantize_rows_e4m3(q)
-    qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1).to(tl.int32)  # [M]
-    n_blk = tl.max(qpos, axis=0) // PS + 1
-    b_lo = split * SPLIT_B
-    b_hi = tl.minimum(b_lo + SPLIT_B, n_blk)
     srow = score_ptr + tok.to(tl.int64) * stride_s_t + head * stride_s_g  # [M]
     for b in range(b_lo, b_hi):
         page = tl.load(bt_ptr + row * stride_bt_r + b).to(tl.int64)
@@ -203,6 +223,21 @@ def _inv_scores_kernel(
         # a NaN among the causal keys poisons the block (reference: amax propagates NaN, then -1e30)
         smax = tl.where(tl.max((s != s).to(tl.int32), axis=1) > 0, -1e30, smax)
         tl.store(srow + b, smax, mask=m_ok & (b <= qpos // PS))
+
+
+@triton.jit
+def _inv_topk_chunk_keys(s, b, cand, n_cand, init_blocks, local_blocks):
+    """[R, CH] int64 keys of candidate blocks b ([CH] ids, ``cand`` [R, CH] = b < n_cand): the
+    order-preserving int32 of the score (+inf for forced blocks, NaN -> -1e30, -0.0 -> +0.0) << 32
+    | (0x7FFFFFFF - b), so a larger key = forced first, then score desc, ties to the lower id;
+    ``_KEY_EMPTY`` (below every key) where not a candidate."""
+    s = tl.where(s != s, -1e30, s)  # the score kernel already did it; NaN must never reach a key
+    forced = cand & ((b[None, :] >= n_cand[:, None] - local_blocks) | (b < init_blocks)[None, :])
+    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0: -0.0 -> +0.0 (equal in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
+    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - b).to(tl.int64)[None, :]
+    return tl.where(cand, key, _KEY_EMPTY)
 
 
 @triton.jit(do_not_specialize=["n_tok"])
@@ -225,10 +260,14 @@ def _inv_topk_kernel(
 ):
     """Top-k block ids of TOK tokens x their G heads (row r = token r // GP, head r % GP) from the scores.
 
-    Keys: (order-preserving int32 of +inf (forced) / the score) << 32 | (0x7FFFFFFF - block id): the
-    int64 max is the reference's order. Each row's running top K (slots 0..K-1, descending) is
-    merged with each chunk of CH candidates by K rounds of max-and-remove (a chunk below every
-    row's K-th key is skipped). Exact integer work: the rows sharing a program change nothing.
+    Each row's candidates 0..pos // PS stream in chunks of CH blocks (the next chunk's scores are
+    loaded while this one is merged). Per chunk: int64 keys (``_inv_topk_chunk_keys``); a chunk where
+    no row has a key above its own K-th kept key is skipped; else the chunk's KP largest keys
+    (``tl.topk``: bitonic, sorted descending) are merged with the row's running KP largest (sorted
+    descending) by one bitonic split (elementwise max against the reversed list = the KP largest
+    of the union) and one bitonic merge (log2 KP compare-exchange steps). Integer keys are
+    distinct per row (the block id is in them) and every step is an exact compare: the result is
+    the KP largest keys in order, whatever the chunking or the rows sharing the program.
     Writes ids[t, g, 0..K-1], -1 past the row's candidates.
     """
     offs_r = tl.arange(0, TOK * GP)
@@ -239,29 +278,20 @@ def _inv_topk_kernel(
     n_cand = tl.where(r_ok, p // PS + 1, 0)  # [R]
     offs_k = tl.arange(0, KP)
     offs_c = tl.arange(0, CH)
-    best = tl.full([TOK * GP, KP], _KEY_EMPTY, tl.int64)
+    best = tl.full([TOK * GP, KP], _KEY_EMPTY, tl.int64)  # running top KP keys, descending
     srow = score_ptr + t.to(tl.int64) * stride_s_t + g * stride_s_g  # [R]
+    nxt = tl.load(srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0)
     for c0 in range(0, tl.max(n_cand, axis=0), CH):
         b = c0 + offs_c
         cand = b[None, :] < n_cand[:, None]  # [R, CH]
-        s = tl.load(srow[:, None] + b[None, :], mask=cand, other=0.0)
-        s = tl.where(s != s, -1e30, s)  # the score kernel already did it; NaN must never reach a key
-        forced = cand & ((b[None, :] >= n_cand[:, None] - local_blocks) | (b < init_blocks)[None, :])
-        s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0: -0.0 -> +0.0 (equal in the reference)
-        bits = s.to(tl.int32, bitcast=True)
-        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
-        key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - b).to(tl.int64)[None, :]
-        key = tl.where(cand, key, _KEY_EMPTY)
-        kth = tl.min(tl.where((offs_k < topk)[None, :], best, 9223372036854775807), axis=1)  # [R]
-        if tl.max((tl.max(key, axis=1) > kth).to(tl.int32), axis=0) > 0:
-            cur = best
-            new = tl.full([TOK * GP, KP], _KEY_EMPTY, tl.int64)
-            for k in range(topk):
-                top = tl.maximum(tl.max(cur, axis=1), tl.max(key, axis=1))  # [R]
-                new = tl.where((offs_k == k)[None, :], top[:, None], new)
-                cur = tl.where(cur == top[:, None], _KEY_EMPTY, cur)
-                key = tl.where(key == top[:, None], _KEY_EMPTY, key)
-            best = new
+        s = nxt
+        nb = b + CH
+        nxt = tl.load(srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0)
+        key = _inv_topk_chunk_keys(s, b, cand, n_cand, init_blocks, local_blocks)
+        kth = tl.max(tl.where((offs_k == topk - 1)[None, :], best, _KEY_EMPTY), axis=1)  # [R]
+        if tl.max(tl.max((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+            top = tl.topk(key, KP)  # [R, KP] descending
+            best = tl.bitonic_merge(tl.maximum(best, tl.flip(top, 1)), descending=True)
     bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
     bid = tl.where(best == _KEY_EMPTY, -1, bid)
     tl.store(
@@ -563,6 +593,7 @@ def invariant_select_blocks(
         return out
     gp = next_pow2(g)
     tok = max(1, TOPK_ROWS // gp)
+    kp = max(next_pow2(topk), 2)
     _inv_topk_kernel[(triton.cdiv(t, tok),)](
         scores,
         meta.positions,
@@ -577,9 +608,9 @@ def invariant_select_blocks(
         GP=gp,
         TOK=tok,
         PS=page_size,
-        CH=TOPK_CHUNK,
-        KP=max(next_pow2(topk), 2),
-        num_warps=4,
+        CH=max(TOPK_CHUNK, kp),
+        KP=kp,
+        num_warps=TOPK_WARPS,
     )
     return out
 

@@ -19,6 +19,8 @@ rule "decode padded into the prefill tile shape") is checked by tests/gpu/test_i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ from m3_kernels.msa_synthetic import PagedBatch, SequenceContents, make_paged_ba
 from m3_kernels.paged_layout import FP8IndexCache, quantize_index_keys
 from m3_rollout.engine.ops import invariant_attention_fields
 from m3_rollout.engine.reference_ops import index_topk_ref, msa_attention_ref, paged_attention_ref
+from m3_rollout.model.indexer import select_blocks
 from m3_rollout.model.paged_ops import PagedOps
 
 ia = interpreted_invariant_attention()
@@ -136,6 +139,53 @@ def test_index_topk_ties_go_to_lower_block_id_and_nan_blocks_lose():
     got = ia.invariant_index_topk(b.iq, b.ik, b.meta, K)
     assert got[0].tolist() == [[12, 0, 2, 3]] * G
     assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
+
+
+def _engineered_scores(g: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [T, g, nb] fp32, positions [T] int32) for the select-only test below: block edges,
+    rows with fewer candidates than K, rows over 1..5 chunks of 128 blocks, many ties (-0.0 and
+    +0.0 among them), NaN / +-inf scores, ascending / descending / constant rows, NaN garbage past
+    a row's candidates."""
+    g_ = torch.Generator().manual_seed(7)
+    pos = torch.tensor([0, 5, 16, 47, 243, 256, 2047, 2048, 4807, 9599, 7000, 9000], dtype=torch.int32)
+    t = len(pos)
+    s = torch.randint(-3, 3, (t, g, nb), generator=g_).float()
+    zero = s == 0
+    s[zero] = torch.where(torch.rand(int(zero.sum()), generator=g_) < 0.5, -0.0, 0.0)
+    s[0, 0, 0] = float("nan")
+    s[9, :, ::7] = float("nan")
+    s[9, :, 5], s[9, :, 9], s[9, :, 300] = float("-inf"), float("inf"), float("inf")
+    s[3, :, 3:] = float("nan")  # past position 47's 3 candidates: never read
+    s[10] = torch.arange(nb, dtype=torch.float32)  # ascending: every chunk merges
+    s[11] = -torch.arange(nb, dtype=torch.float32)  # descending: every later chunk is skipped
+    s[8] = 1.0  # constant: all ties, the lowest ids win
+    s[8, 1, 250] = 1.5  # ... but for one late block of one head
+    return s, pos
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize(("g", "k", "init", "local"), [(4, 16, 1, 2), (2, 5, 2, 3)])
+def test_select_blocks_order_matches_reference_on_ties_and_long_rows(g, k, init, local):
+    # the top-k kernel alone, against the model's select_blocks on the same scores (NaN -> -1e30 as
+    # the score kernel writes them); 600 blocks = 5 chunks, mixed positions in one launch
+    scores, pos = _engineered_scores(g, 600)
+    got = ia.invariant_select_blocks(scores, SimpleNamespace(positions=pos), k, PS, init, local)
+    want = select_blocks(
+        scores.nan_to_num(nan=-1e30, posinf=float("inf"), neginf=float("-inf"))[:, :, None],
+        pos[:, None].long(),
+        k,
+        PS,
+        init,
+        local,
+    )[:, :, 0]
+    assert got.dtype == torch.int32 and got.shape == (len(pos), g, k)
+    assert torch.equal(got, want.int()), f"{int((got != want).any(-1).sum())} rows differ"
+    assert got[0, :, 1:].eq(-1).all() and got[2, :, 2:].eq(-1).all()  # 1 and 2 candidates: -1 padded
+    n8 = 4807 // PS + 1  # constant row: forced (ascending ids), then the lowest ids (ties)
+    forced = list(range(init)) + list(range(n8 - local, n8))
+    rest = [i for i in range(n8) if i not in forced and i != 250]
+    assert got[8, 0].tolist() == (forced + sorted(rest + [250]))[:k]
+    assert got[8, 1].tolist() == (forced + [250] + rest)[:k]  # its one higher score right after the forced
 
 
 def test_fp8_index_cache_matches_reference_and_is_invariant():

@@ -10,6 +10,9 @@ Bitwise (``torch.equal``) checks, bf16 and fp32: a decode step of position p vs 
 (contexts below and above top_k x block = 2048, so the sparse path selects); chunked prefill vs
 one chunk; a sequence in decode batches of 1 / 3 / 32 rows, beside prefill rows and CUDA-graph
 padding rows, with another block-table width; a CUDA-graph replay vs eager; a 20K-token context.
+The top-k kernel alone at M3 shapes: exactly ``select_blocks``'s order on engineered scores up to
+1M context (8192 blocks: ties, forced blocks, fewer candidates than K, NaN, -0.0 / +0.0), and a
+row's ids the same at batch 1 and among 32 rows (prints us per launch; no timing assertion).
 Tolerances vs the PyTorch references (stated as in tests/gpu/test_msa_gpu.py): bf16 attention
 <= 2e-2 max abs, fp32 <= 1e-4; selections equal except near-ties (< 1e-3 apart, summation order).
 """
@@ -17,6 +20,7 @@ Tolerances vs the PyTorch references (stated as in tests/gpu/test_msa_gpu.py): b
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,7 +43,7 @@ from m3_rollout.engine.reference_ops import (  # noqa: E402
     paged_attention_ref,
     token_rows,
 )
-from m3_rollout.model.indexer import block_scores  # noqa: E402
+from m3_rollout.model.indexer import block_scores, select_blocks  # noqa: E402
 
 PS, G, NH, D, K = 128, 4, 64, 128, 16
 SCALE = D**-0.5
@@ -201,3 +205,63 @@ def test_matches_reference_real_shapes(dtype):
         err = (got.float() - paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, ids).float()).abs().max().item()
         print(f"{dtype} {'sparse' if ids is not None else 'dense'} max abs err {err:.3e}")
         assert err <= atol
+
+
+# ------------------------------------------------------------------------------------ top-k alone
+
+
+def _topk_scores(t: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [t, G, nb] fp32, positions [t] int32): positions from 0 to 1M - 1 (8192 blocks), few
+    distinct values (ties, -0.0 / +0.0), NaN, ascending and constant rows."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    pos = torch.randint(0, nb * PS, (t,), generator=gen, device="cuda", dtype=torch.int32)
+    pos[:8] = torch.tensor([0, 127, 128, 300, 2047, 2048, nb * PS - 1, nb * PS - 128], dtype=torch.int32)
+    s = torch.randint(-4, 4, (t, G, nb), generator=gen, device="cuda").float()
+    s = torch.where(s == 0, torch.where(torch.rand(s.shape, generator=gen, device="cuda") < 0.5, -0.0, 0.0), s)
+    s[1::5, :, ::11] = float("nan")
+    s[2] = torch.arange(nb, device="cuda", dtype=torch.float32)  # ascending: every chunk merges
+    s[3] = 1.0  # constant: all ties
+    s[4] = torch.randn(G, nb, generator=gen, device="cuda")
+    return s, pos
+
+
+def _select_ref(s, pos, init, local):
+    s = s.nan_to_num(nan=-1e30, posinf=float("inf"), neginf=float("-inf"))  # as the score kernel writes NaN
+    return select_blocks(s[:, :, None], pos[:, None].long(), K, PS, init, local)[:, :, 0].int()
+
+
+@pytest.mark.parametrize(("init", "local"), [(0, 1), (1, 2)])
+def test_select_blocks_exact_order_to_1m_context(init, local):
+    s, pos = _topk_scores(64, 8192)
+    got = ia.invariant_select_blocks(s, SimpleNamespace(positions=pos), K, PS, init, local)
+    assert_equal(got, _select_ref(s, pos, init, local), "top-k vs select_blocks")
+    # a row alone, and among 32 rows of other positions: the same ids
+    for i in (6, 2, 4, 9):
+        one = ia.invariant_select_blocks(s[i : i + 1], SimpleNamespace(positions=pos[i : i + 1]), K, PS, init, local)
+        assert_equal(one[0], got[i], f"row {i} alone vs in the batch")
+
+
+def test_select_blocks_launch_time_printout():
+    # informational: us per launch of the top-k alone (CUDA-graph replays of 20 launches), decode sizes
+    cases = [(ctx, nb, n, "random") for ctx, nb in ((320, 512), (32768, 512), (1 << 20, 8192)) for n in (1, 32)]
+    for ctx, nb, n, kind in cases + [(1 << 20, 8192, 1, "ascending")]:  # ascending: every chunk merges
+        if kind == "ascending":
+            s = torch.arange(nb, device="cuda", dtype=torch.float32).expand(n, G, nb).contiguous()
+        else:
+            s = torch.randn(n, G, nb, device="cuda")
+        meta = SimpleNamespace(positions=torch.full((n,), ctx - 1, dtype=torch.int32, device="cuda"))
+        ia.invariant_select_blocks(s, meta, K, PS)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                ia.invariant_select_blocks(s, meta, K, PS)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 1e3 / 200
+        print(f"top-k ctx {ctx} batch {n} {kind} scores: {us:.1f} us per launch")
