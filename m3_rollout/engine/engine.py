@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-import numpy as np
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
@@ -558,24 +557,28 @@ class LLMEngine:
         pages (None when recording is off): positions run by the steps processed so far, at most
         up to the last sampled token (never run; with async scheduling it may be in flight). With
         n > 1 the prompt part is a segment of its own, one object shared by the request's samples
-        when theirs are equal."""
-        if self.selection is None:
+        when theirs are equal (compared in the table, no copy). The rows are copied off the table on
+        the cache's worker thread (``SelectionCache.gather_later``); a segment waits for its copy
+        on first use."""
+        sel = self.selection
+        if sel is None:
             return None
         start = min(seq.record_from, seq.num_computed)
         end = max(start, min(seq.num_computed, len(seq.token_ids) - 1))
         p_end = min(max(seq.prompt_len, start), end) if seq.params.n > 1 else start  # n = 1: one segment
         segs = []
         if p_end > start:
-            rows = self.selection.gather(seq.block_table, start, p_end)
             shared = seq.selection_box[0]
-            if shared is not None and shared.start == start and np.array_equal(shared.rows, rows):
+            if shared is not None and shared.start == start and sel.equals(seq.block_table, start, p_end, shared.rows):
                 segs.append(shared)
             else:
-                segs.append(SelectionSegment.from_rows(start, rows))
+                fut = sel.gather_later(seq.block_table, start, p_end)
+                segs.append(SelectionSegment.from_future(start, p_end - start, sel.dims, fut))
                 if shared is None:
                     seq.selection_box[0] = segs[-1]
         if end > p_end:
-            segs.append(SelectionSegment.from_rows(p_end, self.selection.gather(seq.block_table, p_end, end)))
+            fut = sel.gather_later(seq.block_table, p_end, end)
+            segs.append(SelectionSegment.from_future(p_end, end - p_end, sel.dims, fut))
         return SelectionRecord(segs)
 
     def _output(self, seq: Sequence, routed=None, selected=None) -> SampleOutput:

@@ -18,18 +18,28 @@ operations run in step order (a page copy is queued behind the copies launched b
 step still in flight can never overwrite rows a later fork copied. On the CPU the copy is
 synchronous and everything lands at once.
 
+A finishing sample's rows leave the table on a worker thread (:meth:`SelectionCache.gather_later`:
+numpy copies release the GIL, and the copy into fresh memory is mostly page faults, ~10x the
+memcpy), so the step loop only hands the copy off; the sample's segment waits for it on first use.
+Until such a copy is done, a write into one of the pages it reads (a later step's rows landing,
+a fork's page copy) waits for it.
+
 Shapes: T tokens of a step, S sparse layers, G KV heads, K top-k blocks; ps page size.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 MAX_PENDING_COPIES = 3  # pinned staging buffers; a fourth step in flight waits for the oldest copy
+# NOTE: a gather smaller than this is copied inline; handing it to the worker costs more than the copy.
+INLINE_GATHER_BYTES = 64 * 1024
 
 
 @dataclass
@@ -81,6 +91,10 @@ class SelectionCache:
         self._free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._num_buffers = 0
         self._serial = 0  # serial of the last launched step
+        self._dev_rows: dict[int, torch.Tensor] = {}  # T -> step_buffer[:T] (one view per step size)
+        self._worker: ThreadPoolExecutor | None = None  # gather_later's thread, made on first use
+        self._gathers: list[tuple[Future, np.ndarray]] = []  # copies not seen done, with the pages they read
+        self._busy = np.zeros(num_pages, dtype=np.int32)  # per page: copies of _gathers reading it
 
     @classmethod
     def for_model(cls, model, num_pages: int, page_size: int, capacity: int) -> SelectionCache:
@@ -110,21 +124,27 @@ class SelectionCache:
             self._scatter(slots, self.step_buffer[:t].numpy())
             return
         buf, event = self._take_buffer()
+        rows = self._dev_rows.get(t)
+        if rows is None:
+            rows = self._dev_rows[t] = self.step_buffer[:t]
         host = buf[:t]
-        host.copy_(self.step_buffer[:t], non_blocking=True)
+        host.copy_(rows, non_blocking=True)
         event.record()
         # a copy: the caller's slots may be a view of its reused decode staging (stage_rows), which
         # a later step overwrites before this one lands
         self._queue.append(_StepCopy(serial, np.array(slots, dtype=np.int64), host, buf, event))
 
     def land(self, upto: int | None = None) -> None:
-        """Apply queued work in step order: everything of steps ``<= upto`` (waiting for their
-        copies), then whatever follows whose copy is already done. ``upto`` None: no waiting;
-        ``last_serial``: everything launched."""
+        """Apply queued work in step order: ``upto`` given, everything of steps ``<= upto`` (waiting
+        for their copies; ``last_serial``: everything launched); None, whatever is done (polled,
+        no waiting). A step after ``upto`` is left for a later call: with async scheduling it is
+        the step in flight, and polling it would cost a query on every step."""
         while self._queue:
             op = self._queue[0]
+            if upto is not None and op.serial > upto:
+                return
             if isinstance(op, _StepCopy):
-                if not (upto is not None and op.serial <= upto) and not op.event.query():
+                if upto is None and not op.event.query():
                     return
                 op.event.synchronize()
                 self._scatter(op.slots, op.host.numpy())
@@ -149,37 +169,95 @@ class SelectionCache:
         """int16 [end - start, S, G, K]: the rows of positions [start, end) of a sequence whose
         logical page b is physical page ``block_table[b]`` (a copy). Call :meth:`land` first for
         the steps that computed those positions. Raises ValueError when the pages do not cover ``end``."""
+        return self._copy_out(self._pieces(block_table, start, end), end - start)
+
+    def gather_later(self, block_table: list[int], start: int, end: int) -> Future:
+        """:meth:`gather` on the worker thread: a Future of the rows (done at once for fewer than
+        ``INLINE_GATHER_BYTES``). Until it is done, writes into the pages it reads wait for it
+        (:meth:`_before_write`), so the rows are the table's as of this call. Same errors as gather."""
+        pieces, n = self._pieces(block_table, start, end), end - start
+        if n * self.row_bytes < INLINE_GATHER_BYTES:
+            fut = Future()
+            fut.set_result(self._copy_out(pieces, n))
+            return fut
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="selection-gather")
+        pages = np.array([lo // self.page_size for lo, _ in pieces], dtype=np.int64)  # distinct pages
+        self._busy[pages] += 1
+        fut = self._worker.submit(self._copy_out, pieces, n)
+        self._gathers.append((fut, pages))
+        return fut
+
+    def equals(self, block_table: list[int], start: int, end: int, rows: np.ndarray) -> bool:
+        """``rows`` (int16 [n, S, G, K]) equals ``gather(block_table, start, end)``, compared in place
+        (no copy). Raises ValueError as gather."""
+        pieces = self._pieces(block_table, start, end)
+        if rows.shape != (end - start, *self.dims):
+            return False
+        i = 0
+        for lo, hi in pieces:
+            if not np.array_equal(rows[i : i + hi - lo], self.table[lo:hi]):
+                return False
+            i += hi - lo
+        return True
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _pieces(self, block_table: list[int], start: int, end: int) -> list[tuple[int, int]]:
+        """Table row ranges [lo, hi) holding positions [start, end) in order, one per page."""
         ps = self.page_size
         if end > len(block_table) * ps:
             raise ValueError(f"block-selection record: {len(block_table)} pages cannot hold position {end - 1}")
-        if end <= start:
-            return self.table[:0].copy()
-        # page by page: contiguous slices (a per-position fancy index took 2x as long for 32
-        # sequences of 384 tokens on the Xeon; this runs in the step loop as samples finish)
-        parts = []
-        for b in range(start // ps, (end - 1) // ps + 1):
+        pieces = []
+        for b in range(start // ps, (end - 1) // ps + 1) if end > start else ():
             base = block_table[b] * ps
-            parts.append(self.table[base + max(start - b * ps, 0) : base + min(end - b * ps, ps)])
-        return np.concatenate(parts)
+            pieces.append((base + max(start - b * ps, 0), base + min(end - b * ps, ps)))
+        return pieces
 
-    # ---- internals ---------------------------------------------------------------------------
+    def _copy_out(self, pieces: list[tuple[int, int]], n: int) -> np.ndarray:
+        # page by page: contiguous slices (a per-position fancy index took 2x as long for 32
+        # sequences of 384 tokens on the Xeon)
+        out = np.empty((n, *self.dims), dtype=np.int16)
+        i = 0
+        for lo, hi in pieces:
+            out[i : i + hi - lo] = self.table[lo:hi]
+            i += hi - lo
+        return out
+
+    def _before_write(self, pages) -> None:
+        """Wait for the worker's copies that read any of ``pages`` (page ids: int or int array;
+        -1 may stand for a padding row: a needless wait at most) before the table is written there."""
+        if not self._gathers:
+            return
+        if self._busy[pages].any():
+            wait_all([fut for fut, _ in self._gathers])  # in order on one thread: as long as the last
+        still = []
+        for fut, pages_read in self._gathers:
+            if fut.done():
+                self._busy[pages_read] -= 1
+            else:
+                still.append((fut, pages_read))
+        self._gathers = still
+
     def _scatter(self, slots: np.ndarray, rows: np.ndarray) -> None:
         ps = self.page_size
         t = len(slots)
+        if self._gathers:
+            self._before_write(slots // ps)
         if t >= ps and t % ps == 0:  # a prefill of whole pages: copy page by page (memcpy speed)
             heads = slots[::ps]  # >= 0: with ps = 1 a -1 padding row would pass as page -1 (the last)
             aligned = (heads >= 0).all() and (heads % ps == 0).all()
             if aligned and np.array_equal(slots, (heads[:, None] + np.arange(ps)).reshape(-1)):
                 self._pages[heads // ps] = rows.reshape(t // ps, ps, -1)
                 return
-        keep = slots >= 0
-        if keep.all():  # decode steps, partial pages: one row per slot
+        if slots.min() >= 0:  # decode steps, partial pages: one row per slot
             self.table[slots] = rows
         else:
+            keep = slots >= 0
             self.table[slots[keep]] = rows[keep]
 
     def _copy_rows(self, src: int, dst: int) -> None:
         ps = self.page_size
+        self._before_write(dst)
         self.table[dst * ps : (dst + 1) * ps] = self.table[src * ps : (src + 1) * ps]
 
     def _take_buffer(self) -> tuple[torch.Tensor, torch.cuda.Event]:

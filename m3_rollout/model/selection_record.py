@@ -26,7 +26,9 @@ Consecutive tokens mostly share blocks, so D is mostly zeros and zstd (pyarrow's
 dependency; level 1) shrinks it; decoding is a running sum over tokens. Encoding and decoding
 are vectorized numpy (no loop over tokens or layers) and run lazily: a segment made in the
 engine keeps its raw rows and codes them only when it is pickled (EP workers, ``__reduce__``) or
-written; one read from bytes decodes on first use.
+written; one read from bytes decodes on first use. The engine may also hand out a segment whose
+rows are still being copied off its host table by a worker thread (:meth:`SelectionSegment.from_future`):
+the first use of ``rows`` waits for that copy.
 """
 
 from __future__ import annotations
@@ -52,12 +54,13 @@ def canonical_rows(rows: np.ndarray) -> np.ndarray:
 class SelectionSegment:
     """Selected blocks of the positions ``[start, start + length)`` of one sequence.
 
-    Make one with :meth:`from_rows` (raw int16 ``[n, S, G, K]``, any order within a row) or
-    :meth:`from_bytes` (a coded segment). ``rows`` and ``to_bytes()`` convert on first use and keep
-    the result. Immutable by convention: never write into ``rows``. Pickles as its coded bytes.
+    Make one with :meth:`from_rows` (raw int16 ``[n, S, G, K]``, any order within a row),
+    :meth:`from_future` (rows still being copied) or :meth:`from_bytes` (a coded segment). ``rows``
+    and ``to_bytes()`` convert on first use and keep the result. Immutable by convention: never
+    write into ``rows``. Pickles as its coded bytes.
     """
 
-    __slots__ = ("start", "length", "dims", "_rows", "_coded")
+    __slots__ = ("start", "length", "dims", "_rows", "_coded", "_future")
 
     def __init__(
         self,
@@ -69,6 +72,7 @@ class SelectionSegment:
     ):
         self.start, self.length, self.dims = int(start), int(length), tuple(int(d) for d in dims)
         self._rows, self._coded = rows, coded
+        self._future = None  # .result() -> the rows (from_future)
 
     @classmethod
     def from_rows(cls, start: int, rows: np.ndarray) -> SelectionSegment:
@@ -77,6 +81,14 @@ class SelectionSegment:
         if rows.ndim != 4 or rows.dtype != np.int16:
             raise ValueError(f"selection rows must be int16 [n, S, G, K], got {rows.dtype} {rows.shape}")
         return cls(start, rows.shape[0], rows.shape[1:], rows=rows)
+
+    @classmethod
+    def from_future(cls, start: int, length: int, dims: tuple[int, int, int], future) -> SelectionSegment:
+        """A segment whose int16 [length, *dims] rows ``future.result()`` returns (a
+        ``concurrent.futures.Future``: waited for on first use of ``rows``, its error raised there)."""
+        seg = cls(start, length, dims)
+        seg._future = future
+        return seg
 
     @classmethod
     def from_bytes(cls, buf: bytes) -> SelectionSegment:
@@ -95,8 +107,9 @@ class SelectionSegment:
     @property
     def rows(self) -> np.ndarray:
         """int16 [length, S, G, K] (-1 = empty slot)."""
-        if self._rows is None:
-            self._rows = _decode(self._coded, self.length, self.dims)
+        if self._rows is None:  # the future is kept: another thread may be reading it right now
+            fut = self._future
+            self._rows = fut.result() if fut is not None else _decode(self._coded, self.length, self.dims)
         return self._rows
 
     def to_bytes(self) -> bytes:
