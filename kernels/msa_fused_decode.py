@@ -19,12 +19,19 @@ the step runs as
   j beating i}, j beats i iff key_j > key_i or (key_j == key_i and j < i); rank < K is the
   selection and the rank is the slot, i.e. exactly ``m3_rollout.engine.reference_ops.index_topk_ref``'s list
   (forced first, lower id first among them, then score desc, ties to the lower id).
-Block tables wider than ``MAX_FUSED_BLOCKS`` (long contexts, bound by reading the index keys)
-take the block ids from ``msa_index_topk.index_topk`` and run K2 on them (the merge launch saved).
+Block tables of at least ``SCORE_TOPK_MIN_BLOCKS`` pages (long contexts, bound by reading the index
+keys; the "score_topk" path) run K1 as ``msa_score_topk._decode_score_topk_kernel``: each score
+program keeps the top-k selection keys of its slice of blocks in registers and writes only those
+([Td, G, S, KP] int64 instead of [Td, G, NBP] fp32 scores); K2 (MODE 2) merges the S x K
+candidates of its (token, head) in its prologue (K rounds of max-and-remove) and attends. Same
+order and padding as the reference; design and cost model in kernels/msa_score_topk.py. The
+previous long-context route (``msa_index_topk.index_topk``: split-K scores, chunk top-k, merge;
+then K2 on the ids) stays reachable as ``decode_path="index_topk"`` for comparison.
 NOTE (H200, 2026-11-29): ranking in registers costs O(NBP^2) compares; per-chunk top-k in the
-score kernel with the winners ranked in K2 was measured for wide tables and lost to index_topk
+score kernel with the winners RANKED (O(n^2)) in K2 was measured for wide tables and lost to index_topk
 (1M context: 227 us vs 87 us per step), as did a one-launch variant whose programs wait for each
-other at 8K (14.5 us vs 12.5 us): neither is kept.
+other at 8K (14.5 us vs 12.5 us): neither is kept. The score_topk path differs: the merge is K
+rounds of max-and-remove over <= MAX_MERGE_CANDIDATES keys, O(K x n).
   Each split attends to slots [s*E, (s+1)*E) with an online softmax in base 2 (all RH query
   heads of the group together), writes its normalised partial output and base-2 LSE, and bumps a
   per-(token, head) arrival counter; the last split to arrive merges the S partials with weights
@@ -55,6 +62,7 @@ import triton.language as tl
 
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
+from m3_kernels.msa_score_topk import decode_score_topk, merge_candidates
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
 LOG2E = 1.4426950408889634
@@ -62,6 +70,12 @@ MAX_FUSED_BLOCKS = 256  # widest block table whose scores are ranked in the atte
 MAX_TOPK = 64
 RANK_CHUNK = 32  # candidates compared per step of the in-register ranking
 PDL = True  # chain the two decode launches with programmatic dependent launch on CUDA (~1 us less at 8K)
+# Block tables at least this wide take the "score_topk" path (fused score + partial top-k, merge in K2);
+# narrower ones the "rank" path (scores, in-register rank in K2; H200 8K: 12.5 us per step). The rank
+# path needs <= MAX_FUSED_BLOCKS pages. bench_msa.py times both paths at every decode context: the
+# switch point is to be set from its 8K / 32K rows (GPU session).
+SCORE_TOPK_MIN_BLOCKS = MAX_FUSED_BLOCKS + 1
+DECODE_PATHS = ("rank", "score_topk", "index_topk")
 
 
 @triton.jit
@@ -338,6 +352,8 @@ def _decode_select_attend_kernel(
     init_blocks,
     local_blocks,
     entries_per_split,
+    cand_splits,
+    cand_blocks,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -362,11 +378,15 @@ def _decode_select_attend_kernel(
     S: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    NCAND: tl.constexpr = 16,
 ):
     """One (decode token, KV head, split): [top-k in registers], partial softmax, last arrival merges.
 
     MODE 0: block ids from a top-k buffer (ids_ptr); 1: rank selection from the scores
-    (score_ptr [T, G, NBP]) in the reference's order (written to ids_ptr when WRITE_IDS).
+    (score_ptr [T, G, NBP]) in the reference's order; 2: merge of the score programs' candidate
+    keys (score_ptr [T, G, cand_splits, KP] int64 from ``msa_score_topk.decode_score_topk``, lists
+    of cand_blocks blocks; NCAND = next_pow2(cand_splits) x KP, NBC = KP). MODE 1 / 2 write the
+    selection to ids_ptr when WRITE_IDS.
     """
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -389,6 +409,15 @@ def _decode_select_attend_kernel(
                 tl.store(ids_row + rank, blk, mask=rank < topk)
                 offs_k = tl.arange(0, KP)
                 tl.store(ids_row + offs_k, tl.full([KP], -1, tl.int32), mask=(offs_k < topk) & (offs_k >= n_blk))
+    if MODE == 2:  # slot e = rank e: the merged selection in registers (NBC == KP)
+        blk = merge_candidates(
+            score_ptr + t * stride_s_t + g * stride_s_g, cand_splits, cand_blocks, n_blk, topk, NCAND, KP
+        )
+        rank = tl.arange(0, NBC)
+        pages = tl.load(bt_ptr + row * stride_bt_r + blk, mask=blk >= 0, other=0)
+        if WRITE_IDS:
+            if s_id == 0:
+                tl.store(ids_row + rank, blk, mask=rank < topk)
     e_lo = s_id * entries_per_split
     e_hi = tl.minimum(e_lo + entries_per_split, topk)
     m_i, l_i, acc = _attend_split(
@@ -549,6 +578,7 @@ def decode_select_attend(
     *,
     scores: torch.Tensor | None = None,
     topk_ids: torch.Tensor | None = None,
+    cands: tuple[torch.Tensor, int] | None = None,
     init_blocks: int = 0,
     local_blocks: int = 1,
     ids_out: torch.Tensor | None = None,
@@ -561,15 +591,17 @@ def decode_select_attend(
 
     q: [T, nh, d] with the Td decode tokens first; k_cache_l, v_cache_l: [P, G, ps, d]. Exactly
     one selection source: scores [Td, G, NBP] fp32 from ``decode_scores`` (NBP <=
-    MAX_FUSED_BLOCKS) or topk_ids [Td, G, K] int32 (-1 = empty). ids_out: optional [Td, G, K]
-    int32 or int16 (unit stride over K) that receives the selection from scores in the reference's
-    order, -1 padding.
+    MAX_FUSED_BLOCKS), topk_ids [Td, G, K] int32 (-1 = empty), or cands = (candidate keys
+    [Td, G, S, KP] int64, blocks per split) from ``msa_score_topk.decode_score_topk`` with the same
+    topk / init_blocks / local_blocks (merged in the kernel's prologue). ids_out: optional
+    [Td, G, K] int32 or int16 (unit stride over K) that receives the selection from scores or
+    cands in the reference's order, -1 padding.
     pdl: launch with programmatic dependent launch (GPU only; the kernel waits for the previous
     kernel before reading its inputs). Returns [Td, nh, d] in q.dtype.
     """
-    if (scores is None) == (topk_ids is None):
-        raise ValueError("decode_select_attend: pass exactly one of scores / topk_ids")
-    td = (scores if scores is not None else topk_ids).shape[0]
+    if sum(x is not None for x in (scores, topk_ids, cands)) != 1:
+        raise ValueError("decode_select_attend: pass exactly one of scores / topk_ids / cands")
+    td = (scores if scores is not None else topk_ids if topk_ids is not None else cands[0]).shape[0]
     _, nh, d = q.shape
     _, g, ps, _ = k_cache_l.shape
     out = torch.empty(td, nh, d, dtype=q.dtype, device=q.device)
@@ -579,6 +611,8 @@ def decode_select_attend(
     rhp = max(next_pow2(rh), 16)
     s = splits or default_splits(td, g, topk)
     per = triton.cdiv(topk, s)
+    kp = next_pow2(topk)
+    n_splits, c_blocks, ncand = 1, 1, 16
     if topk_ids is not None:
         mode, nbc, srcs, ids = (
             0,
@@ -587,10 +621,20 @@ def decode_select_attend(
             topk_ids.to(torch.int32),
         )
     else:
-        mode, srcs, nbc = 1, scores, max(next_pow2(scores.shape[2]), 16)
         ids = ids_out if ids_out is not None else torch.empty(1, 1, 1, dtype=torch.int32, device=q.device)
         if ids_out is not None and (ids_out.stride(2) != 1 or ids_out.dtype not in (torch.int16, torch.int32)):
             raise ValueError("decode_select_attend: ids_out must be int16 / int32 with unit stride over K")
+    if cands is not None:
+        srcs, c_blocks = cands
+        mode, nbc, n_splits = 2, kp, srcs.shape[2]
+        ncand = next_pow2(n_splits) * kp
+        if srcs.dtype != torch.int64 or srcs.shape[3] != kp or srcs.stride(3) != 1 or srcs.stride(2) != kp:
+            raise ValueError(
+                f"decode_select_attend: cands {srcs.dtype} {tuple(srcs.shape)} strides {srcs.stride()}; need "
+                f"int64 [Td, G, S, {kp}] with contiguous lists (msa_score_topk.decode_score_topk)"
+            )
+    elif scores is not None:
+        mode, srcs, nbc = 1, scores, max(next_pow2(scores.shape[2]), 16)
         if nbc > MAX_FUSED_BLOCKS:
             raise ValueError(
                 f"decode_select_attend: block-table width {scores.shape[2]} > {MAX_FUSED_BLOCKS}; "
@@ -621,6 +665,8 @@ def decode_select_attend(
         init_blocks,
         local_blocks,
         per,
+        n_splits,
+        c_blocks,
         q.stride(0),
         q.stride(1),
         k_cache_l.stride(0),
@@ -639,12 +685,13 @@ def decode_select_attend(
         PS=ps,
         NBC=nbc,
         RC=min(RANK_CHUNK, nbc),
-        KP=next_pow2(topk),
+        KP=kp,
         MODE=mode,
-        WRITE_IDS=mode == 1 and ids_out is not None,
+        WRITE_IDS=mode != 0 and ids_out is not None,
         S=s,
         IEEE=ieee,
         PDL=pdl,
+        NCAND=ncand,
         num_warps=num_warps,
         num_stages=1 if ieee else num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -706,22 +753,30 @@ def msa_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     ids_out: torch.Tensor | None = None,
+    decode_path: str | None = None,
 ) -> torch.Tensor:
     """Sparse-layer output of the decode tokens (rows 0..num_decodes-1) of ``meta`` (spec §3.4-3.5).
 
     q: [T, nh, d], iq: [T, G, di] (decode tokens first; only the first num_decodes *
     decode_query_len are read); caches in the paged_cache.py layout (index keys: a tensor or an
-    ``FP8IndexCache``). Block tables up to
-    MAX_FUSED_BLOCKS pages: 2 launches (scores; top-k + attention + merge). Wider:
-    ``msa_index_topk.index_topk`` on the decode rows, then the fused attention + merge launch.
+    ``FP8IndexCache``). Two launches on every path (``select_decode_path``): "rank" (block tables
+    narrower than SCORE_TOPK_MIN_BLOCKS: scores; top-k in registers + attention + merge),
+    "score_topk" (wider: scores with a partial top-k per program; candidate merge + attention +
+    merge); "index_topk" (only when asked: ``msa_index_topk.index_topk`` on the decode rows, then
+    the attention + merge launch). decode_path: None (by width) or one of DECODE_PATHS.
     ids_out: optional [Td, G, K] int32 / int16 receiving the selection (see decode_select_attend).
-    Returns [Td, nh, d] in q.dtype.
+    Returns [Td, nh, d] in q.dtype. Raises ValueError for an unknown path or "rank" on a table
+    wider than MAX_FUSED_BLOCKS.
     """
     check_decode_inputs(q, iq, k_cache_l, v_cache_l, index_cache_l, topk)
     nd = meta.num_decodes
     td = nd * meta.decode_query_len
     pdl = q.is_cuda and PDL
-    if meta.block_tables.shape[1] <= MAX_FUSED_BLOCKS:
+    path = select_decode_path(meta.block_tables.shape[1], decode_path)
+    if path == "score_topk":
+        cands = decode_score_topk(iq, index_cache_l, meta, nd, topk, init_blocks, local_blocks, pdl=pdl)
+        return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, cands=cands, ids_out=ids_out, pdl=pdl)
+    if path == "rank":
         scores = decode_scores(iq, index_cache_l, meta, nd, pdl=pdl)
         return decode_select_attend(
             q,
@@ -743,6 +798,19 @@ def msa_decode(
     if ids_out is not None:
         ids_out.copy_(ids)
     return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, topk_ids=ids, pdl=pdl)
+
+
+def select_decode_path(nbp: int, decode_path: str | None = None) -> str:
+    """The decode path for a block table of ``nbp`` pages: ``decode_path`` when given (checked),
+    else "rank" below SCORE_TOPK_MIN_BLOCKS (and within MAX_FUSED_BLOCKS), "score_topk" from there.
+    Raises ValueError for a path not in DECODE_PATHS or "rank" on a table wider than MAX_FUSED_BLOCKS."""
+    if decode_path is None:
+        return "rank" if nbp < SCORE_TOPK_MIN_BLOCKS and nbp <= MAX_FUSED_BLOCKS else "score_topk"
+    if decode_path not in DECODE_PATHS:
+        raise ValueError(f"msa decode: decode_path={decode_path!r}; one of {DECODE_PATHS} or None")
+    if decode_path == "rank" and nbp > MAX_FUSED_BLOCKS:
+        raise ValueError(f"msa decode: decode_path='rank' needs a block table <= {MAX_FUSED_BLOCKS} pages, got {nbp}")
+    return decode_path
 
 
 def decode_part(meta: PagedMetadata) -> PagedMetadata:
@@ -793,6 +861,7 @@ def msa_attention(
     local_blocks: int = 1,
     sel_out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    decode_path: str | None = None,
 ) -> torch.Tensor:
     """Triton sparse-layer attention of a whole step (the engine's ``PagedOps.msa_attention`` on CUDA;
     ``m3_rollout.engine.reference_ops.msa_attention_ref`` is the PyTorch version).
@@ -805,8 +874,9 @@ def msa_attention(
 
     sel_out: optional [T, G, K] integer tensor (int16 / int32, unit stride over K; the engine's
     block-selection record) that receives the selection in ``index_topk_ref``'s order: the fused
-    decode kernel stores its in-register choice there (no extra launch, CUDA-graph safe); prefill
-    rows (and decode rows of tables wider than MAX_FUSED_BLOCKS) copy the ``index_topk`` result in.
+    decode kernel stores its in-register choice there (no extra launch, CUDA-graph safe; "rank" and
+    "score_topk" paths); prefill rows (and decode rows on the "index_topk" path) copy the
+    ``index_topk`` result in. decode_path: the decode rows' path (``msa_decode``; None = by width).
     scratch: the KV-major prefill's buffer, handed to ``paged_attention`` (its ``scratch``; the
     engine binds its own, kernels/paged_layout.py); decode rows never touch it.
     """
@@ -833,6 +903,7 @@ def msa_attention(
         init_blocks,
         local_blocks,
         ids_out=None if sel_out is None else sel_out[:td],
+        decode_path=decode_path,
     )
     if nd == r:
         return dec

@@ -25,9 +25,11 @@ from types import ModuleType
 from typing import NamedTuple
 
 # Reload order matters: the FP8 helpers are imported by the score kernels' modules at import time,
-# msa_fused_decode imports the other two at call time.
+# msa_score_topk (its jit merge helper) by msa_fused_decode at import time; msa_fused_decode imports
+# the index_topk and paged_attention modules at call time.
 _KERNEL_MODULES = ("m3_kernels.msa_index_topk", "m3_kernels.msa_paged_attention", "m3_kernels.msa_fused_decode")
 FP8_HELPERS = "m3_kernels.msa_fp8"
+SCORE_TOPK = "m3_kernels.msa_score_topk"
 
 
 class InterpretedMSA(NamedTuple):
@@ -87,6 +89,7 @@ def interpreted_kernels() -> InterpretedMSA:
     """
     os.environ["TRITON_INTERPRET"] = "1"
     interpreted_module(FP8_HELPERS)
+    interpreted_module(SCORE_TOPK)  # msa_fused_decode's K2 calls its merge helper
     return InterpretedMSA(*(interpreted_module(name) for name in _KERNEL_MODULES))
 
 

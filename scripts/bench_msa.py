@@ -6,7 +6,13 @@ top-k 16, bf16, one layer. Measured in one process:
 - MSA decode step = ``m3_kernels.msa_fused_decode.msa_attention`` (the engine's sparse-layer call: indexer + top-k +
   sparse attention; the fused decode path of kernels/msa_fused_decode.py), one sequence, at 8K..1M
   context, beside the separate ops (index_topk, then paged_attention); achieved GB/s over the
-  bytes the step must read (one-head index keys + the 16 selected K/V blocks of 4 KV heads);
+  bytes the step must read (one-head index keys + the 16 selected K/V blocks of 4 KV heads).
+  The headline path is the engine's choice by block-table width (``--decode-path auto``: "rank"
+  below ``SCORE_TOPK_MIN_BLOCKS`` pages, "score_topk" from there: score kernel with a top-k per
+  program, merge in the attention kernel, kernels/msa_score_topk.py) or the one named; every other
+  decode path that runs at that width is timed beside it ("paths"), with the score_topk path's two
+  launches alone ("score_topk parts") and whether its ids equal index_topk's on the same keys;
+  ``--topk-sweep``: the score_topk path's split count / warps / stages at contexts >= 128K;
 - dense causal prefill baseline (SDPA flash) vs MSA prefill (indexer + top-k + sparse attention, one
   timed call sequence) at 8K/32K/128K, with the parts timed alone: index scores and attention with
   achieved TFLOP/s (useful FLOPs: causal keys only), top-k in ms;
@@ -33,7 +39,8 @@ direction per 64-token span plus 0.5x noise (neighbouring tokens select mostly t
 in trained models); the mean union size per 4-token prefill tile is printed.
 
 Usage: python scripts/bench_msa.py [--quick] [--parts decode,prefill,batched,quality,prefill1m,scratch]
-       [--index bf16,fp8,fp8q] [--write docs/benchmarks.md] [--json out.json]
+       [--index bf16,fp8,fp8q] [--ctxs 8192,131072,1048576] [--decode-path auto|rank|score_topk|index_topk]
+       [--topk-sweep] [--write docs/benchmarks.md] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,9 +56,17 @@ import torch.nn.functional as F
 from benchlib import run_date
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from m3_kernels.msa_fused_decode import MAX_FUSED_BLOCKS, decode_part, decode_select_attend, msa_attention
+from m3_kernels.msa_fused_decode import (
+    DECODE_PATHS,
+    MAX_FUSED_BLOCKS,
+    decode_part,
+    decode_select_attend,
+    msa_attention,
+    select_decode_path,
+)
 from m3_kernels.msa_index_topk import index_block_scores, index_topk, select_topk_blocks
 from m3_kernels.msa_paged_attention import KV_MAJOR_MIN_TOKENS, paged_attention
+from m3_kernels.msa_score_topk import decode_score_topk, score_topk_splits
 from m3_kernels.msa_synthetic import make_paged_batch
 from m3_kernels.paged_layout import (
     KV_CHUNK_MIN_TOKENS,
@@ -171,7 +186,41 @@ def union_per_tile(sel: torch.Tensor, tile: int = 4) -> float:
     return distinct.float().mean().item() / K
 
 
-def decode_bench(ctxs, rows_out, variants=("bf16",)):
+def decode_paths(nbp: int) -> list[str]:
+    """The decode paths that run on a block table of nbp pages (the rank path needs <= MAX_FUSED_BLOCKS)."""
+    return [p for p in DECODE_PATHS if p != "rank" or nbp <= MAX_FUSED_BLOCKS]
+
+
+def score_topk_sweep(b, ic, var, out):
+    """Time the score_topk path's score launch and whole step (graph replays) over split counts, warps
+    and stages (the launch knobs of ``decode_score_topk``; defaults: kernels/msa_score_topk.py)."""
+    nbp = b.meta.block_tables.shape[1]
+    default = score_topk_splits(nbp, 1, K)
+    for splits in sorted({default // 2, default, 2 * default} & {s for s in (32, 64, 128, 256) if s <= nbp}):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                kw = dict(splits=splits, num_warps=warps, num_stages=stages)
+
+                def score(kw=kw):
+                    return decode_score_topk(b.iq, ic, b.meta, 1, K, **kw)
+
+                def full(kw=kw):
+                    c = decode_score_topk(b.iq, ic, b.meta, 1, K, pdl=True, **kw)
+                    return decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, cands=c, pdl=True)
+
+                sc, st = graph_ms(score), graph_ms(full)
+                key = f"{b.meta.positions[0].item() + 1}-{var}-s{splits}-w{warps}-st{stages}"
+                out[key] = dict(score_ms=sc, step_ms=st, splits=splits, num_warps=warps, num_stages=stages)
+                print(
+                    f"  sweep {key}: score+top-k launch {sc * 1e3:.1f} us, step {st * 1e3:.1f} us"
+                    f"{' (default)' if splits == default and warps == 4 and stages == 3 else ''}",
+                    flush=True,
+                )
+
+
+def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=None):
+    """Decode rows (module docstring). decode_path: the headline path (None = the engine's choice by
+    width); sweep: a dict that receives ``score_topk_sweep`` results at contexts >= 128K (None: off)."""
     res = {}
     for s in ctxs:
         b = batch([(s - 1, 1)], 1)
@@ -184,11 +233,13 @@ def decode_bench(ctxs, rows_out, variants=("bf16",)):
         dpaged = graph_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, None))
         dense_bytes = s * G * D * 2 * ELT
         ref_ids = index_topk(b.iq, b.ik, b.meta, K)
+        nbp = b.meta.block_tables.shape[1]
+        path = select_decode_path(nbp, decode_path if decode_path in decode_paths(nbp) else None)
         for var in variants:
             ic = index_cache(b.ik, var)
 
-            def step(ic=ic):  # the engine's sparse-layer call (fused decode path of kernels/msa_fused_decode.py)
-                return msa_attention(b.q, b.iq, b.k, b.v, ic, b.meta, SCALE, K)
+            def step(ic=ic, path=path):  # the engine's sparse-layer call (kernels/msa_fused_decode.py)
+                return msa_attention(b.q, b.iq, b.k, b.v, ic, b.meta, SCALE, K, decode_path=path)
 
             def two_ops(ic=ic):  # the separate ops: index_topk, then paged_attention
                 return paged_attention(b.q, b.k, b.v, b.meta, SCALE, index_topk(b.iq, ic, b.meta, K))
@@ -197,8 +248,28 @@ def decode_bench(ctxs, rows_out, variants=("bf16",)):
             msa_e = time_ms(step)
             ops_g = graph_ms(two_ops)
             ids = index_topk(b.iq, ic, b.meta, K)
+            paths_ms = {path: msa_g}
+            for alt in decode_paths(nbp):
+                if alt != path:
+                    paths_ms[alt] = graph_ms(
+                        lambda ic=ic, alt=alt: msa_attention(b.q, b.iq, b.k, b.v, ic, b.meta, SCALE, K, decode_path=alt)
+                    )
+            sel = {}  # each path's own choice (the block-selection record it writes)
+            for p in ("score_topk", path):
+                sel[p] = torch.full_like(ids, -7)
+                msa_attention(b.q, b.iq, b.k, b.v, ic, b.meta, SCALE, K, sel_out=sel[p], decode_path=p)
+            st_same = torch.equal(sel["score_topk"], ids)  # the score_topk path's choice == index_topk's, same keys
+            cands = decode_score_topk(b.iq, ic, b.meta, 1, K)
+            p_stk = graph_ms(lambda ic=ic: decode_score_topk(b.iq, ic, b.meta, 1, K))
+            p_sat = graph_ms(lambda c=cands: decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, cands=c))
+            del cands
+            paths = "paths: " + ", ".join(f"{p} {ms * 1e3:.1f} us" for p, ms in paths_ms.items())
+            paths += (
+                f"; score_topk parts: score+top-k {p_stk * 1e3:.1f} + merge+attn {p_sat * 1e3:.1f} us "
+                f"({score_topk_splits(nbp, 1, K)} programs), ids == index_topk: {st_same}"
+            )
             parts = ""
-            if b.meta.block_tables.shape[1] > MAX_FUSED_BLOCKS:  # long route: where the step's time goes
+            if nbp > MAX_FUSED_BLOCKS:  # index_topk route: where its time goes
                 dm = decode_part(b.meta)
                 sc = index_block_scores(b.iq, ic, dm)
                 p_sc = graph_ms(lambda ic=ic, dm=dm: index_block_scores(b.iq, ic, dm))
@@ -209,6 +280,10 @@ def decode_bench(ctxs, rows_out, variants=("bf16",)):
             r = dict(
                 ctx=s,
                 index=var,
+                path=path,
+                paths_ms=paths_ms,
+                score_topk_parts_ms=dict(score_topk=p_stk, select_attend=p_sat),
+                score_topk_ids_equal_index_topk=st_same,
                 dense_backend=dbe,
                 dense_sdpa_ms=dense,
                 dense_gbs=dense_bytes / dense * 1e-6,
@@ -220,21 +295,23 @@ def decode_bench(ctxs, rows_out, variants=("bf16",)):
                 ratio_vs_dense=msa_g / dense,
                 speedup=dense / msa_g,
                 dense_paged_ms=dpaged,
-                sel_match=sel_match(ids, ref_ids),
+                sel_match=sel_match(sel[path], ref_ids),  # the headline path's choice vs index_topk on bf16 keys
             )
             res[f"{s}-{var}"] = r
             print(
-                f"decode ctx {s:>8} {var:>4}: SDPA dense {dense:.4f} ms ({r['dense_gbs']:.0f} GB/s) | MSA {msa_g:.4f} "
-                f"ms (eager {msa_e:.4f}; separate ops {ops_g:.4f}) {r['msa_gbs']:.0f} GB/s | MSA/dense "
+                f"decode ctx {s:>8} {var:>4} [{path}]: SDPA dense {dense:.4f} ms ({r['dense_gbs']:.0f} GB/s) | MSA "
+                f"{msa_g:.4f} ms (eager {msa_e:.4f}; separate ops {ops_g:.4f}) {r['msa_gbs']:.0f} GB/s | MSA/dense "
                 f"{msa_g / dense:.2f} | speedup {r['speedup']:.2f}x (bytes floor {r['bytes_floor_speedup']:.1f}x) | "
-                f"sel match {r['sel_match']:.3f} | our dense paged {dpaged:.4f} ms{parts}",
+                f"sel match {r['sel_match']:.3f} | our dense paged {dpaged:.4f} ms | {paths}{parts}",
                 flush=True,
             )
             rows_out.append(
-                f"| decode, {var} index | {s} | {dense:.4f} ({dbe}) | {msa_g:.4f} ({msa_e:.4f} eager) | separate ops "
-                f"{ops_g:.4f}{parts}; sel match {r['sel_match']:.3f} | {r['msa_gbs']:.0f} GB/s | {r['speedup']:.2f}x "
-                f"(floor {r['bytes_floor_speedup']:.1f}x) | {dpaged:.4f} |"
+                f"| decode, {var} index, {path} path | {s} | {dense:.4f} ({dbe}) | {msa_g:.4f} ({msa_e:.4f} eager) | "
+                f"separate ops {ops_g:.4f}; {paths}{parts}; sel match {r['sel_match']:.3f} | {r['msa_gbs']:.0f} GB/s "
+                f"| {r['speedup']:.2f}x (floor {r['bytes_floor_speedup']:.1f}x) | {dpaged:.4f} |"
             )
+            if sweep is not None and s >= 131072:
+                score_topk_sweep(b, ic, var, sweep)
             del ic
         del b
         torch.cuda.empty_cache()
@@ -527,6 +604,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--index", default="bf16,fp8,fp8q", help="index-key variants: bf16, fp8, fp8q")
     ap.add_argument("--ctxs", default=None, help="decode contexts (comma list; default 8K..1M)")
     ap.add_argument("--lens", default=None, help="prefill lengths (comma list; default 8K,32K,128K)")
+    ap.add_argument(
+        "--decode-path",
+        default="auto",
+        choices=["auto", *DECODE_PATHS],
+        help="headline decode path (auto: the engine's choice by block-table width; rank only where it runs)",
+    )
+    ap.add_argument("--topk-sweep", action="store_true", help="sweep the score_topk launch knobs at >= 128K")
     args = ap.parse_args(argv)
     variants = args.index.split(",")
     if any(v not in ("bf16", "fp8", "fp8q") for v in variants) or "bf16" not in variants:
@@ -542,7 +626,11 @@ def main(argv: list[str] | None = None) -> None:
     lens = [8192] if args.quick else [8192, 32768, 131072]
     lens = [int(n) for n in args.lens.split(",")] if args.lens else lens
     if "decode" in parts:
-        out["decode"] = decode_bench(ctxs, rows, variants)
+        sweep = {} if args.topk_sweep else None
+        path = None if args.decode_path == "auto" else args.decode_path
+        out["decode"] = decode_bench(ctxs, rows, variants, path, sweep)
+        if sweep is not None:
+            out["score_topk_sweep"] = sweep
     if "prefill" in parts:
         out["prefill"] = prefill_bench(lens, ["smooth", "random"], rows, variants)
     if "prefill1m" in parts:
@@ -560,9 +648,12 @@ def main(argv: list[str] | None = None) -> None:
         d8, d1m = dec.get(f"8192-{var}"), dec.get(f"1048576-{var}")
         if d1m:
             lines.append(
-                f"- decode 1M, {var} index keys: {d1m['speedup']:.2f}x faster than dense (target >= "
-                f"{targets[var]}x, bytes floor {d1m['bytes_floor_speedup']:.1f}x); {d1m['msa_gbs']:.0f} GB/s; "
-                f"sel match {d1m['sel_match']:.3f}"
+                f"- decode 1M, {var} index keys ({d1m['path']} path): {d1m['speedup']:.2f}x faster than dense (target "
+                f">= {targets[var]}x, bytes floor {d1m['bytes_floor_speedup']:.1f}x); {d1m['msa_gbs']:.0f} GB/s; "
+                f"sel match {d1m['sel_match']:.3f}; "
+                + ", ".join(
+                    f"{p} {d1m['dense_sdpa_ms'] / ms:.2f}x" for p, ms in d1m["paths_ms"].items() if p != d1m["path"]
+                )
             )
         if d8:
             lines.append(

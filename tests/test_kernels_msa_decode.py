@@ -3,8 +3,9 @@ interpreter.
 
 Tiny preset shapes (spec §7 A: 8 q heads / 2 KV heads / d 32 / block 16 / top-k 4): sparse beyond
 64 tokens. Checks the in-register top-k (exact block ids and order of ``index_topk_ref``), the split
-attention with the last-arrival merge, the route through ``index_topk`` for block tables wider
-than MAX_FUSED_BLOCKS, decode_query_len > 1, mixed decode + prefill steps through ``msa_attention``,
+attention with the last-arrival merge, the long-context routes for wide block tables (score_topk by
+default, tests/test_kernels_msa_score_topk.py in depth; index_topk when asked), decode_query_len > 1,
+mixed decode + prefill steps through ``msa_attention``,
 ties, and that a second call gives the same result (arrival counters re-armed to 0; CUDA-graph
 replays rely on it). fp32 and fp16 only (the interpreter mishandles bf16).
 """
@@ -105,23 +106,26 @@ def test_nan_scores_rank_last():
     assert 3 not in ids.tolist()
 
 
+@pytest.mark.parametrize("path", [None, "index_topk"], ids=["score_topk", "index_topk"])
 @pytest.mark.parametrize("forced", [(0, 1), (1, 2)], ids=["local1", "init1_local2"])
-def test_wide_table_route_uses_index_topk(forced):
-    # Block table wider than MAX_FUSED_BLOCKS (4200 tokens = 263 blocks of 16, table 300):
-    # index_topk selects, the fused attention kernel attends and merges.
+def test_wide_table_routes(forced, path):
+    # Block table wider than MAX_FUSED_BLOCKS (4200 tokens = 263 blocks of 16, table 300): by default
+    # the score kernel keeps a top-k per program and the attention kernel merges them; with
+    # decode_path="index_topk", index_topk selects. The fused attention kernel attends and merges.
     b = _batch(([(4200, 1), (33, 1)], 2), torch.float32, seed=5, table_width=300)
     sel, want = _reference(b, *forced)
-    ids, got = _decode(b, init_blocks=forced[0], local_blocks=forced[1])
+    ids, got = _decode(b, init_blocks=forced[0], local_blocks=forced[1], decode_path=path)
     assert torch.equal(ids, sel)
     torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
 
 
-def test_verify_rows_through_index_topk_route(monkeypatch):
-    # The same route for q_len 3 rows (forced here by a narrow MAX_FUSED_BLOCKS).
+@pytest.mark.parametrize("path", [None, "index_topk"], ids=["score_topk", "index_topk"])
+def test_verify_rows_through_the_wide_table_routes(monkeypatch, path):
+    # The same routes for q_len 3 rows (forced here by a narrow MAX_FUSED_BLOCKS).
     monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
     b = _batch(VERIFY, torch.float32, seed=6)
     sel, want = _reference(b)
-    ids, got = _decode(b)
+    ids, got = _decode(b, decode_path=path)
     assert torch.equal(ids, sel[:9])
     torch.testing.assert_close(got, want[:9], atol=ATOL[torch.float32], rtol=0)
 
@@ -139,7 +143,8 @@ def test_msa_attention_whole_step(spec):
 def test_msa_attention_writes_the_block_selection_record(wide, monkeypatch):
     # The engine's record: each sparse layer writes its [T, G, K] choice into an int16 view of
     # the step buffer [T, S, G, K] (stride S*G*K over tokens): the fused decode kernel from its
-    # registers (or, wide tables, index_topk's ids), the prefill rows index_topk's; same output.
+    # registers (rank path, or the candidate merge of the score_topk path on wide tables), the
+    # prefill rows index_topk's; same output.
     if wide:
         monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
     b = _batch(MIXED, torch.float32, seed=7)

@@ -24,6 +24,7 @@ from m3_rollout.model.attention import write_paged_kv
 
 mi, _, md = interpreted_kernels()  # sets TRITON_INTERPRET=1 (the test kernel below is interpreted too)
 f8 = interpreted_module("m3_kernels.msa_fp8")
+st = interpreted_module("m3_kernels.msa_score_topk")
 fl = interpreted_fused_layers()
 
 PS, G, NH, D, K = 16, 2, 8, 32, 4
@@ -132,12 +133,30 @@ def test_fused_decode_on_fp8_cache_matches_reference(quantize_queries, monkeypat
     got = md.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)  # scores + in-register top-k
     assert torch.equal(ids, sel)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
-    # the long-context route (block table wider than MAX_FUSED_BLOCKS: index_topk's split-K scores)
+    # the long-context routes (block table wider than MAX_FUSED_BLOCKS): score kernel with a top-k per
+    # program + merge in the attention kernel (default), and index_topk's split-K scores
     monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
-    ids.fill_(-7)
-    got = md.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
-    assert torch.equal(ids, sel)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    for path in (None, "index_topk"):
+        ids.fill_(-7)
+        got = md.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids, decode_path=path)
+        assert torch.equal(ids, sel), path
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
+def test_score_topk_on_fp8_cache_several_programs_and_lengths(quantize_queries):
+    # FP8 keys (and queries) through the score kernel with a top-k per program: rows of 700 / 40 (fewer
+    # blocks than k) / 300 tokens, 1, 5 and 44 programs per row, forced init + local blocks; the
+    # selection equals the reference's on the dequantized keys (and queries).
+    b, cache = _fp8_batch([(700, 1), (40, 1), (300, 1)], 3, quantize_queries, seed=8)
+    sel = index_topk_ref(b.iq, cache, b.meta, K, 1, 2)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    for splits in (1, 5, 44):
+        cands = st.decode_score_topk(b.iq, cache, b.meta, 3, K, 1, 2, splits=splits)
+        ids = torch.full((3, G, K), -7, dtype=torch.int32)
+        got = md.decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, cands=cands, ids_out=ids)
+        assert torch.equal(ids, sel), splits
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
 def test_fp8_selection_close_to_full_precision():

@@ -131,7 +131,7 @@ def test_fp8_index_topk_and_decode_real_shapes(quantize_queries):
 @pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
 def test_fp8_msa_attention_cuda_graph_replay(quantize_queries):
     # As test_msa_gpu.py: capture the sparse-layer decode call, advance every row in place, replay
-    # twice; equal to a fresh eager call. Wide table (index_topk route) and short table (fused route).
+    # twice; equal to a fresh eager call. Wide table (score_topk route) and short table (rank route).
     for spec, seed in ((([(6000, 1), (3000, 1), (70000, 1)], 3), 2), (([(6000, 1), (3000, 1), (7000, 1)], 3), 5)):
         b, cache = _batch(spec, quantize_queries, seed)
         m = b.meta
@@ -198,3 +198,23 @@ def test_engine_fp8_index_keys_greedy_tokens():
     other = fp8.score(prompt + a[: i + 1], positions=[len(prompt) + i])[0].item()
     print(f"step {i}: fp8 engine logprob of its token {own:.4f}, of the bf16 engine's token {other:.4f}")
     assert own - other < NEAR_TIE
+
+
+@pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
+def test_fp8_score_topk_decode_real_shapes(quantize_queries):
+    # The long-context decode path on FP8 keys: rows of 300K / 40K / 3K / 130 tokens in one launch;
+    # selection vs the reference on the dequantized keys and vs index_topk on the same cache (near-tie
+    # rule; equality printed), output vs the reference on the path's own selection.
+    b, cache = _batch(([(300000, 1), (40000, 1), (3000, 1), (130, 1)], 4), quantize_queries, seed=7)
+    assert msa_fused_decode.select_decode_path(b.meta.block_tables.shape[1]) == "score_topk"
+    want = index_topk_ref(b.iq, cache, b.meta, K)
+    tri = msa_index_topk.index_topk(b.iq, cache, b.meta, K)
+    ids = torch.full((4, G, K), -7, dtype=torch.int32, device="cuda")
+    out = msa_fused_decode.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
+    print(f"fp8 score_topk: ids == index_topk {torch.equal(ids, tri)}, == reference {torch.equal(ids, want)}")
+    _check_selection(b, cache, ids, want)
+    _check_selection(b, cache, ids, tri)
+    ref = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, ids)
+    err = (out.float() - ref.float()).abs().max().item()
+    print(f"  max abs err {err:.3e}")
+    assert err <= 2e-2
