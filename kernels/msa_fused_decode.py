@@ -20,7 +20,8 @@ the step runs as
   selection and the rank is the slot, i.e. exactly ``m3_rollout.engine.reference_ops.index_topk_ref``'s list
   (forced first, lower id first among them, then score desc, ties to the lower id).
 Block tables of at least ``SCORE_TOPK_MIN_BLOCKS`` pages (long contexts, bound by reading the index
-keys; the "score_topk" path) run K1 as ``msa_score_topk._decode_score_topk_kernel``: each score
+keys) take ``LONG_DECODE_PATH`` by default: "index_topk" (below) until the "score_topk" path is
+measured on the GPU. The "score_topk" path runs K1 as ``msa_score_topk._decode_score_topk_kernel``: each score
 program keeps the top-k selection keys of its slice of blocks in registers and writes only those
 ([Td, G, S, KP] int64 instead of [Td, G, NBP] fp32 scores); K2 (MODE 2) merges the S x K
 candidates of its (token, head) in its prologue (K rounds of max-and-remove) and attends. Same
@@ -76,6 +77,10 @@ PDL = True  # chain the two decode launches with programmatic dependent launch o
 # switch point is to be set from its 8K / 32K rows (GPU session).
 SCORE_TOPK_MIN_BLOCKS = MAX_FUSED_BLOCKS + 1
 DECODE_PATHS = ("rank", "score_topk", "index_topk")
+# NOTE: the default route of tables from SCORE_TOPK_MIN_BLOCKS pages. "index_topk" is the path the
+# H200 measured (1M: 5.56x dense); "score_topk" is tested on the CPU interpreter only (2026-12-02)
+# and becomes the default once tests/gpu/test_msa_gpu.py passes and bench_msa.py shows it faster.
+LONG_DECODE_PATH = "index_topk"
 
 
 @triton.jit
@@ -802,10 +807,10 @@ def msa_decode(
 
 def select_decode_path(nbp: int, decode_path: str | None = None) -> str:
     """The decode path for a block table of ``nbp`` pages: ``decode_path`` when given (checked),
-    else "rank" below SCORE_TOPK_MIN_BLOCKS (and within MAX_FUSED_BLOCKS), "score_topk" from there.
+    else "rank" below SCORE_TOPK_MIN_BLOCKS (and within MAX_FUSED_BLOCKS), LONG_DECODE_PATH from there.
     Raises ValueError for a path not in DECODE_PATHS or "rank" on a table wider than MAX_FUSED_BLOCKS."""
     if decode_path is None:
-        return "rank" if nbp < SCORE_TOPK_MIN_BLOCKS and nbp <= MAX_FUSED_BLOCKS else "score_topk"
+        return "rank" if nbp < SCORE_TOPK_MIN_BLOCKS and nbp <= MAX_FUSED_BLOCKS else LONG_DECODE_PATH
     if decode_path not in DECODE_PATHS:
         raise ValueError(f"msa decode: decode_path={decode_path!r}; one of {DECODE_PATHS} or None")
     if decode_path == "rank" and nbp > MAX_FUSED_BLOCKS:

@@ -106,7 +106,7 @@ def test_nan_scores_rank_last():
     assert 3 not in ids.tolist()
 
 
-@pytest.mark.parametrize("path", [None, "index_topk"], ids=["score_topk", "index_topk"])
+@pytest.mark.parametrize("path", ["score_topk", "index_topk"])
 @pytest.mark.parametrize("forced", [(0, 1), (1, 2)], ids=["local1", "init1_local2"])
 def test_wide_table_routes(forced, path):
     # Block table wider than MAX_FUSED_BLOCKS (4200 tokens = 263 blocks of 16, table 300): by default
@@ -119,7 +119,7 @@ def test_wide_table_routes(forced, path):
     torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
 
 
-@pytest.mark.parametrize("path", [None, "index_topk"], ids=["score_topk", "index_topk"])
+@pytest.mark.parametrize("path", ["score_topk", "index_topk"])
 def test_verify_rows_through_the_wide_table_routes(monkeypatch, path):
     # The same routes for q_len 3 rows (forced here by a narrow MAX_FUSED_BLOCKS).
     monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)

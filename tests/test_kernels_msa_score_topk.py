@@ -148,7 +148,8 @@ def test_routing_by_table_width():
     # Narrow tables: the rank path; from SCORE_TOPK_MIN_BLOCKS pages: score_topk; "rank" refused on
     # tables wider than MAX_FUSED_BLOCKS; the index_topk route stays callable and agrees.
     assert md.select_decode_path(md.SCORE_TOPK_MIN_BLOCKS - 1) == "rank"
-    assert md.select_decode_path(md.SCORE_TOPK_MIN_BLOCKS) == "score_topk"
+    assert md.select_decode_path(md.SCORE_TOPK_MIN_BLOCKS) == md.LONG_DECODE_PATH
+    assert md.select_decode_path(md.SCORE_TOPK_MIN_BLOCKS, "score_topk") == "score_topk"
     with pytest.raises(ValueError, match="rank"):
         md.select_decode_path(md.MAX_FUSED_BLOCKS + 1, "rank")
     with pytest.raises(ValueError, match="decode_path"):
