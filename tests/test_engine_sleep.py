@@ -8,8 +8,10 @@ Model: the tiny fp32 M3 of test_engine_core (page = block = 4 tokens).
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
+from test_block_selection_record import plain_selection
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
@@ -269,6 +271,28 @@ def test_routing_records_are_released_and_work_after_wake_up():
     rec = outs[0].routed_experts
     assert rec.shape[0] == 9 + 5
     assert (rec[: 9 + 4] >= 0).all()  # every token run after wake-up recorded into the new memory
+
+
+def test_block_selection_record_sleeps_after_steps_and_records_after_wake_up():
+    # the CPU engine scattered each step's rows through a numpy view of the step buffer, which
+    # made its storage non-resizable: sleep failed after the first step with the record on
+    model = _model()
+    eng, alloc = _engine(model, record_block_selection=True)
+    buf = eng.selection.step_buffer
+    buf_bytes = buf.untyped_storage().nbytes()
+    for tag in ("1", "2"):
+        eng.add_request(GenerationRequest("r" + tag, _prompt(9, int(tag)), SamplingParams(max_new_tokens=5)))
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+        tokens = outs[0].prompt_ids + outs[0].output_ids
+        rec = outs[0].block_selection
+        assert rec.end == len(tokens) - 1
+        np.testing.assert_array_equal(rec.dense(rec.end), plain_selection(model, tokens)[: rec.end])
+        eng.sleep(1)
+        assert buf.untyped_storage().nbytes() == 0
+        eng.wake_up()
+        assert buf.untyped_storage().nbytes() == buf_bytes and alloc.net == 0
 
 
 def test_a_weight_receiver_refuses_to_write_into_offloaded_weights():

@@ -188,6 +188,34 @@ def test_select_blocks_order_matches_reference_on_ties_and_long_rows(g, k, init,
     assert got[8, 1].tolist() == (forced + [250] + rest)[:k]  # its one higher score right after the forced
 
 
+def _odd_scores(g: int, nb: int, pos: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [T, g, nb] fp32 with many ties, positions [T] int32); rows 0..2 all equal, all -inf,
+    all +inf (where T allows)."""
+    s = torch.randint(-2, 2, (len(pos), g, nb), generator=torch.Generator().manual_seed(seed)).float()
+    for i, v in enumerate((1.0, float("-inf"), float("inf"))[: len(pos)]):
+        s[i] = v
+    return s, torch.tensor(pos, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("g", "k", "init", "local", "nb", "pos"),
+    [
+        # 3 heads (padded to 4: one token per program); forced blocks overlapping each other and
+        # outnumbering the candidates of the early positions; positions on block edges
+        (3, 3, 2, 3, 40, [0, 15, 16, 31, 32, 63, 64, 639]),
+        # 1 head: 4 tokens per program and 5 tokens (one program half empty); K = 12, no forced block
+        (1, 12, 0, 0, 300, [4799, 0, 2047, 2048, 191]),
+        # K = 130 > one chunk of 128 (KP = 256 = the chunk), 2 chunks
+        (1, 130, 1, 1, 256, [4095, 4000, 2100]),
+    ],
+)
+def test_select_blocks_odd_k_heads_and_forced_blocks_match_reference(g, k, init, local, nb, pos):
+    scores, p = _odd_scores(g, nb, pos, seed=k)
+    got = ia.invariant_select_blocks(scores, SimpleNamespace(positions=p), k, PS, init, local)
+    want = select_blocks(scores[:, :, None], p[:, None].long(), k, PS, init, local)[:, :, 0]
+    assert torch.equal(got, want.int()), f"{int((got != want).any(-1).sum())} rows differ"
+
+
 def test_fp8_index_cache_matches_reference_and_is_invariant():
     seqs = make_seqs(torch.float32, seed=5)
     one = make_step(seqs, [("a", 0, LENS["a"])], 0)

@@ -14,6 +14,7 @@ import threading
 from collections import Counter
 
 import numpy as np
+import pytest
 import torch
 from test_block_selection_record import _check, _model, _prompt
 
@@ -132,3 +133,44 @@ def test_a_decode_step_costs_one_event_wait_and_no_poll(monkeypatch):
     assert per == {"record": n, "synchronize": n, "query": 0}
     while eng.has_unfinished():
         eng.step()
+
+
+def test_a_child_finishing_in_its_fork_step_reads_its_copied_page(monkeypatch):
+    # async scheduling on the staged (CUDA) path: the fork's partial-page copy used to be only
+    # queued behind the step in flight, so a child that finished in the step that forked it
+    # (max_new_tokens=1) was gathered from its still-uncopied page: a wrong record
+    _fake_cuda(monkeypatch)
+    m = _model(3)
+    be = NativeBackend(
+        m, (95,), max_model_len=96, max_num_seqs=8, num_pages=64, max_num_batched_tokens=64,
+        record_block_selection=True, async_scheduling=True,
+    )  # fmt: skip
+    eng = be.engine
+    eng.selection.cuda = True
+    eng.add_request(GenerationRequest("g", _prompt(23, 1), SamplingParams(n=3, max_new_tokens=1, seed=2)))
+    # another request keeps a step in flight past the fork
+    eng.add_request(GenerationRequest("x", _prompt(23, 5), SamplingParams(max_new_tokens=6, seed=2)))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert eng.stats.forks == 2 and len(outs) == 4
+    for o in outs:
+        _check(m, o)
+    group = [o.block_selection.segments[0] for o in outs if o.request_id == "g"]
+    assert all(s is group[0] for s in group)  # the children's prompt rows equal the leader's: shared
+
+
+def test_a_refused_worker_copy_marks_no_page_busy(monkeypatch):
+    # a submit the executor refuses (interpreter shutting down) raises to the caller and leaves no
+    # page marked as read by a copy that will never run
+    monkeypatch.setattr(selection_cache, "INLINE_GATHER_BYTES", 0)
+    cache = SelectionCache((1, 2, 3), num_pages=8, page_size=4, capacity=8, device="cpu")
+
+    class _Refusing:
+        def submit(self, *args):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    cache._worker = _Refusing()
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        cache.gather_later([5, 2], 1, 7)
+    assert not cache._busy.any() and not cache._gathers

@@ -14,7 +14,7 @@ the K/V in the pages came from.
 Nothing here blocks the step loop: :meth:`SelectionCache.land` scatters the copies that have
 completed (polled) and waits only for steps whose sampled ids the host has already waited for
 (their copy was queued right behind), which is what forks and finishing samples read. Host-side
-operations run in step order (a page copy is queued behind the copies launched before it), so a
+operations run in step order (a page copy is also queued behind the copies launched before it), so a
 step still in flight can never overwrite rows a later fork copied. On the CPU the copy is
 synchronous and everything lands at once.
 
@@ -121,7 +121,9 @@ class SelectionCache:
         if t > self.capacity:
             raise ValueError(f"block-selection record: a step of {t} tokens exceeds the buffer of {self.capacity}")
         if not self.cuda:
-            self._scatter(slots, self.step_buffer[:t].numpy())
+            # a copy: a numpy view would make the buffer's storage non-resizable for good, and
+            # sleep() releases it in place (sleep.check_resizable)
+            self._scatter(slots, self.step_buffer[:t].clone().numpy())
             return
         buf, event = self._take_buffer()
         rows = self._dev_rows.get(t)
@@ -158,12 +160,16 @@ class SelectionCache:
         return self._serial
 
     def copy_page(self, src: int, dst: int) -> None:
-        """Copy page ``src``'s rows to page ``dst`` (a fork's partial page), after every step
-        launched so far has landed (queued, never blocking)."""
+        """Copy page ``src``'s rows to page ``dst`` (a fork's partial page): now, and while steps are
+        still queued, once more after every step launched so far has landed (queued, never blocking).
+
+        The copy now carries the rows landed so far: the leader's prompt, which a child finishing
+        in the step that forked it reads at once (a group with max_new_tokens=1, or a first token
+        that stops), while the step in flight is still queued. The queued copy keeps host-side
+        operations in step order, so a step in flight can never overwrite rows the fork copied."""
+        self._copy_rows(src, dst)
         if self._queue:
             self._queue.append(_PageCopy(self._serial, src, dst))
-        else:
-            self._copy_rows(src, dst)
 
     def gather(self, block_table: list[int], start: int, end: int) -> np.ndarray:
         """int16 [end - start, S, G, K]: the rows of positions [start, end) of a sequence whose
@@ -183,8 +189,8 @@ class SelectionCache:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="selection-gather")
         pages = np.array([lo // self.page_size for lo, _ in pieces], dtype=np.int64)  # distinct pages
+        fut = self._worker.submit(self._copy_out, pieces, n)  # first: a refused submit marks no page busy
         self._busy[pages] += 1
-        fut = self._worker.submit(self._copy_out, pieces, n)
         self._gathers.append((fut, pages))
         return fut
 
