@@ -49,10 +49,15 @@ def _w13_chunk(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k_lo, HIDDEN, BLOCK
     g_ptrs += k_lo
     u_ptrs += k_lo
     for k0 in range(k_lo, tl.minimum(k_lo + K_CHUNK, HIDDEN), BLOCK_K):
-        k_ok = offs_k < HIDDEN - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if HIDDEN % BLOCK_K == 0:  # no K mask (masks zero what lies past H: the same sums)
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < HIDDEN - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         part_g = tl.dot(a, g, part_g, input_precision=PRECISION)
         part_u = tl.dot(a, u, part_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -149,9 +154,13 @@ def _w2_chunk(a_ptrs, b_ptrs, n_ok, offs_k, k_lo, INTER, BLOCK_M, BLOCK_N, BLOCK
     a_ptrs += k_lo
     b_ptrs += k_lo
     for k0 in range(k_lo, tl.minimum(k_lo + K_CHUNK, INTER), BLOCK_K):
-        k_ok = offs_k < INTER - k0
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)  # padding rows: finite SwiGLU(0) values
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if INTER % BLOCK_K == 0:  # no K mask
+            a = tl.load(a_ptrs)  # padding rows: finite SwiGLU(0) values
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < INTER - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         part = tl.dot(a, b, part, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K

@@ -60,14 +60,14 @@ def _counters_zero() -> bool:
     return buf is not None and int(buf.abs().sum()) == 0
 
 
-def _moe_case(dtype, t=40, seed=11):
+def _moe_case(dtype, t=40, seed=11, h=H, inter=INTER):
     g = torch.Generator().manual_seed(seed)
     ids = torch.rand(t, E, generator=g).topk(TOP_K, -1).indices
     weights = torch.rand(t, TOP_K, generator=g) + 0.1
     weights = weights / weights.sum(-1, keepdim=True) * 2.0
-    x = (torch.randn(t, H, generator=g) * 2.0).to(dtype)
-    w13 = (torch.randn(E, 2 * INTER, H, generator=g) * 2 * H**-0.5).to(dtype)
-    w2 = (torch.randn(E, H, INTER, generator=g) * INTER**-0.5).to(dtype)
+    x = (torch.randn(t, h, generator=g) * 2.0).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, h, generator=g) * 2 * h**-0.5).to(dtype)
+    w2 = (torch.randn(E, h, inter, generator=g) * inter**-0.5).to(dtype)
     return x, ids, weights, w13, w2
 
 
@@ -99,6 +99,19 @@ def test_fused_experts_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
     ref = grouped_experts(x[:33].double(), ids[:33], weights[:33].double(), w13.double(), w2.double(), act)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)  # fp16: act rounded
     torch.testing.assert_close(got[10**9].double(), ref, **tol)
+
+
+def test_fused_experts_split_k_whole_blocks(monkeypatch):
+    """(a) with H and I multiples of BLOCK_K (the loads without K masks): H = 512, I = 512, 3 tokens."""
+    x, ids, weights, w13, w2 = _moe_case(torch.float32, t=3, h=512, inter=512)
+    got = []
+    for below in (0, 10**9):
+        _set_moe_split_below(monkeypatch, below)
+        got.append(_experts(x, ids, weights, w13, w2))
+    assert torch.equal(got[0], got[1])
+    act = lambda g, u: swiglu_oai(g, u, ALPHA, LIMIT, BETA)  # noqa: E731
+    ref = grouped_experts(x.double(), ids, weights.double(), w13.double(), w2.double(), act)
+    torch.testing.assert_close(got[1].double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_experts_bits_do_not_depend_on_the_split_choice(monkeypatch):
