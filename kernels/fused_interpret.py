@@ -24,7 +24,14 @@ def interpreted_fused_layers() -> ModuleType:
 
 
 # invariant_ops calls the fused MoE, whose kernels call the jit helpers of moe_tiles: helpers first.
-_INVARIANT_DEPS = ("m3_kernels.moe_tiles", "m3_kernels.moe_align", "m3_kernels.moe_ragged", "m3_kernels.fused_moe")
+_INVARIANT_DEPS = (
+    "m3_kernels.moe_tiles",
+    "m3_kernels.moe_align",
+    "m3_kernels.moe_ragged",
+    "m3_kernels.split_k",
+    "m3_kernels.moe_chunked",
+    "m3_kernels.fused_moe",
+)
 
 
 def interpreted_invariant_ops() -> ModuleType:

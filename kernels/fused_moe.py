@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from m3_kernels.moe_align import AlignedAssignments, align_by_expert
+from m3_kernels.moe_chunked import chunked_down, chunked_gate_up
 from m3_kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
 from m3_kernels.moe_tiles import FAT_TAIL, GemmTile, dot_precision, launch_group, swiglu_oai_tile, tile_coords
 
@@ -70,6 +71,11 @@ class MoEKernelConfig:
     fat_tail: with ragged, 0, 32 or 64 (`moe_tiles.FAT_TAIL` = 64 on the default path): a
       remainder that small rides along with the expert's last full tile (one program, each
       weight tile loaded once for both MMAs).
+    k_chunk: 0, or both GEMMs sum K in fixed chunks of this many columns (a multiple of 2 x
+      block_k) whose fp32 partials are added in chunk order (`moe_chunked`; aligned layout only,
+      no permute / TMA / ragged): the batch-invariant config (kernels/invariant_ops.py).
+    split_k_below: with k_chunk, a GEMM whose grid has fewer tiles than this runs its K chunks as
+      separate programs (decode sizes; the bits do not change, `moe_chunked`).
     """
 
     block_m: int
@@ -79,6 +85,8 @@ class MoEKernelConfig:
     tma: bool = False
     ragged: bool = False
     fat_tail: int = 0
+    k_chunk: int = 0
+    split_k_below: int = 0
 
 
 # fp32 tiles take twice the shared memory of bf16 ones: the ragged tiles at 4 stages need 377 KB (w13) /
@@ -700,6 +708,13 @@ def fused_experts(
     if t == 0:
         return torch.empty((0, h), dtype=x.dtype, device=x.device)
     cfg = config or config_for_dtype(default_config(t * k, e, h, two_i // 2), x.dtype)
+    if cfg.k_chunk:
+        if cfg.ragged or cfg.tma or cfg.permute:
+            raise ValueError(f"k_chunk needs the plain aligned layout (no ragged / tma / permute), got {cfg}")
+        aligned = align_by_expert(ids, (a, b), cfg.block_m)
+        act = chunked_gate_up(x, w13, aligned, k, cfg.w13, cfg.k_chunk, cfg.split_k_below, alpha, limit, beta)
+        rows = chunked_down(act, w2, aligned, weights, cfg.w2, cfg.k_chunk, cfg.split_k_below)  # [T*K, H]
+        return moe_combine(rows, ids, (a, b))
     if cfg.ragged and _tma_ok(x, w13, w2):
         tiles = align_ragged(ids, (a, b), cfg.fat_tail)
         if cfg.permute:

@@ -5,9 +5,11 @@ other sequences, chunk boundaries, prefix-cache hits, CUDA-graph padding) when e
 that produces it runs in one fixed order. A GPU kernel's reduction order is fixed by its compiled
 code: tile sizes, warps, MMA instruction shape and the sequence of K steps. So each op here has
 ONE launch configuration per activation dtype, chosen without looking at the number of rows T:
-no autotuning, no heuristic keyed on T, no split-K whose split depends on T, no atomics (``linear``
-sums K in fixed chunks whose partials are added in chunk order, by one program or, for
-decode-sized launches, by separate programs and a combine pass: the same additions either way).
+no autotuning, no heuristic keyed on T, no split-K whose split depends on T, no atomic adds of
+values. ``linear`` and the routed experts' GEMMs sum K in fixed chunks whose fp32 partials are
+added in chunk order, by one program or, for decode-sized launches, by separate programs whose
+partials the last program of the output tile to finish adds up (kernels/split_k.py: an atomic
+ticket decides WHO combines, never the order): the same additions either way.
 A row then meets the same instructions in the same order whether it is alone or row 17 of 300,
 in whichever tile position: tiles never
 mix rows (each output element is the dot product of its own row with its own column), and rows
@@ -23,8 +25,9 @@ Ops:
 - ``fused_experts``: ``m3_kernels.fused_moe.fused_experts`` with one fixed tile config
   (``INVARIANT_MOE_CONFIG``) instead of ``default_config``, which picks tile heights and the ragged
   128-row + tail layout from T (a row's MMA shape then depends on the batch). The aligned layout
-  is row-independent (each tile row is one (token, slot) pair; padding rows are never stored)
-  and its combine sums a token's K slots in slot order k = 0..K-1 in fp32 (no atomics).
+  is row-independent (each tile row is one (token, slot) pair; padding rows are never stored),
+  both GEMMs sum K in chunks (``k_chunk``, split over programs at decode sizes:
+  kernels/moe_chunked.py) and the combine sums a token's K slots in slot order k = 0..K-1 in fp32.
 - ``rms_norm`` / ``add_rms_norm``: ``m3_kernels.fused_layers.add_rms_norm`` itself. It is already
   invariant: one program per row, the row read in one BLOCK = next_pow2(N) vector, one ``tl.sum``
   tree and num_warps both fixed by N alone; nothing is duplicated here. The same holds (and the
@@ -40,8 +43,10 @@ Ops:
 
 Cost: fixed tiles are the compromise between decode (few rows: a 64-row tile is mostly masked,
 the GEMM is bound by streaming the weights) and prefill (many rows: smaller tiles than cuBLAS
-picks); the MoE pads every expert to 64 rows. Not yet measured on the GPU: the issue's target is
-<= 15% slower than the fast mode.
+picks); the MoE pads every expert to 64 rows. H200, bench model (300M) decode, before the MoE
+split-K and the in-kernel linear combine: MoE GEMMs 108.5 us (batch 1) / 166.5 us (batch 32) per
+step vs the fast mode's 68.7 / 146.1; linear 265 / 280 us vs 167 + cuBLAS / ~170 us (issue 24
+target: <= 15% slower than the fast mode). Not yet re-measured after them.
 
 Not here: attention (the other half of issue 24, ``kernels/invariant_attention.py``); the EP
 combine across ranks (``m3_rollout/parallel/ep_moe.py``: each rank runs ``fused_experts`` on its
@@ -63,6 +68,7 @@ import triton.language as tl
 from m3_kernels import fused_layers as fl
 from m3_kernels import fused_moe as fm
 from m3_kernels.moe_tiles import GemmTile, dot_precision
+from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -98,10 +104,24 @@ LINEAR_CONFIGS = {
 # this (decode-sized steps: a 1-row x 1024-wide projection is 16 programs otherwise). The choice
 # depends on T; the bits do not (LinearConfig.k_chunk).
 SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
+# The split launch combines its chunk partials itself: the last program of each output tile to
+# finish adds them in chunk order (kernels/split_k.py), saving the combine launch (~1.9 us each,
+# 39 per bench-model decode step). False (or no counter buffer: first call inside a CUDA-graph
+# capture): a separate _linear_combine_kernel pass. Same bits every way.
+SPLIT_K_FUSED_COMBINE = True
 
 # The routed experts' tiles: aligned layout (every local expert padded to 64 rows), no TMA, no
-# permuted copy, no ragged tiles. Untuned first choice, see the module docstring.
-INVARIANT_MOE_CONFIG = fm.MoEKernelConfig(64, GemmTile(64, 64, 4, 3, 4), GemmTile(64, 64, 4, 3, 4))
+# permuted copy, no ragged tiles; K summed in chunks of 256 (H 1024: 4 chunks, I 512: 2), split
+# over programs below SPLIT_K_BELOW_PROGRAMS tiles (decode: 4 active 64-row tiles at T=1 would
+# give the gate/up GEMM 32 programs), same bits either way (kernels/moe_chunked.py). Untuned first
+# choice, see the module docstring.
+INVARIANT_MOE_CONFIG = fm.MoEKernelConfig(
+    64,
+    GemmTile(64, 64, 4, 3, 4),
+    GemmTile(64, 64, 4, 3, 4),
+    k_chunk=256,
+    split_k_below=SPLIT_K_BELOW_PROGRAMS,
+)
 
 LOGPROB_BLOCK = 1024  # vocabulary chunk of token_logprobs
 
@@ -155,6 +175,7 @@ def _linear_kernel(
     b_ptr,
     out_ptr,
     part_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -167,12 +188,14 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     K_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]). Program (row tile, column tile[, K chunk]).
     # SPLIT=False: this program sums every K chunk's partial (each from zero) in chunk order into
     # an fp32 accumulator, adds the bias, rounds once. SPLIT=True: it stores its one chunk's
-    # partial (fp32) to part_ptr[chunk, m, n]; _linear_combine_kernel then does the same additions.
+    # partial (fp32) to part_ptr[chunk, m, n]; then the same additions are made by the tile's last
+    # program to finish (FUSED_COMBINE, kernels/split_k.py) or by _linear_combine_kernel.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -182,18 +205,30 @@ def _linear_kernel(
     mn = on < N
     x_ptrs = x_ptr + om[:, None].to(tl.int64) * stride_xm + ok[None, :]  # [BM, BK]
     w_ptrs = w_ptr + on[None, :].to(tl.int64) * stride_wn + ok[:, None]  # [BK, BN]
+    o_ptrs = out_ptr + om[:, None].to(tl.int64) * stride_om + on[None, :]
     if SPLIT:
         c = tl.program_id(2)
         part = _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
-        p_ptrs = part_ptr + (c.to(tl.int64) * M + om[:, None].to(tl.int64)) * N + on[None, :]
-        tl.store(p_ptrs, part, mask=mm[:, None] & mn[None, :])
+        p_ptrs = part_ptr + om[:, None].to(tl.int64) * N + on[None, :]  # chunk 0's [BM, BN] block
+        tl.store(p_ptrs + c.to(tl.int64) * M * N, part, mask=mm[:, None] & mn[None, :])
+        if FUSED_COMBINE:
+            n_chunks = tl.cdiv(K, K_CHUNK)
+            tile = pid_m * tl.num_programs(1) + pid_n
+            if last_to_arrive(count_ptr + tile, n_chunks):
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for cc in range(0, n_chunks):  # chunk order, whichever program came last
+                    p_c = p_ptrs + (cc * M).to(tl.int64) * N
+                    acc += tl.load(p_c, mask=mm[:, None] & mn[None, :], other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
+                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+                reset_counter(count_ptr + tile)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_lo in range(0, K, K_CHUNK):
             acc += _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
-        o_ptrs = out_ptr + om[:, None].to(tl.int64) * stride_om + on[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
@@ -222,8 +257,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ("ieee", no TF32): the router GEMM. T may be 0. Row t of the result depends only on x[t] and
     the weights (module docstring); it equals ``F.linear`` up to fp32 summation order. A launch of
     fewer than ``SPLIT_K_BELOW_PROGRAMS`` output tiles with more than one K chunk runs its chunks
-    as separate programs (fp32 partials [chunks, T, N], then ``_linear_combine_kernel``): the
-    same additions in the same order, so the same bits (``LinearConfig.k_chunk``).
+    as separate programs (fp32 partials [chunks, T, N]; the last program of each output tile to
+    finish adds them, or ``_linear_combine_kernel`` without ``SPLIT_K_FUSED_COMBINE``): the same
+    additions in the same order, so the same bits (``LinearConfig.k_chunk``).
     Raises ValueError on shape / dtype / layout mismatches.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -248,12 +284,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     chunks = triton.cdiv(k, cfg.k_chunk)
     split = chunks > 1 and tiles[0] * tiles[1] < SPLIT_K_BELOW_PROGRAMS
     part = torch.empty(chunks, t, n, dtype=torch.float32, device=x.device) if split else out
+    counters = tile_counters(x.device, tiles[0] * tiles[1]) if split and SPLIT_K_FUSED_COMBINE else None
     _linear_kernel[(*tiles, chunks) if split else tiles](
         x,
         weight,
         bias if bias is not None else weight,
         out,
         part,
+        counters if counters is not None else part,
         t,
         n,
         k,
@@ -266,11 +304,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         BLOCK_K=cfg.block_k,
         K_CHUNK=cfg.k_chunk,
         SPLIT=split,
+        FUSED_COMBINE=counters is not None,
         PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split:
+    if split and counters is None:
         block = 1024
         _linear_combine_kernel[(t, triton.cdiv(n, block))](
             part, bias if bias is not None else part, out, t, n, chunks, out.stride(0),
@@ -311,7 +350,8 @@ def fused_experts(
     """``m3_kernels.fused_moe.fused_experts`` (same arguments, shapes and maths: x [T, H], ids /
     weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype) with the fixed tile config
     ``moe_config(x.dtype)``: token t's output depends only on x[t], its ids and weights (module
-    docstring). Cost: every local expert with rows is padded to 64 rows."""
+    docstring), whichever way the K chunks run (one program, or split at decode sizes).
+    Cost: every local expert with rows is padded to 64 rows."""
     return fm.fused_experts(
         x,
         ids,

@@ -110,6 +110,95 @@ def test_fused_experts_bits_do_not_depend_on_the_batch():
     torch.testing.assert_close(fn(x[:64], ids[:64], w[:64]).float(), ref, atol=3e-2, rtol=2e-2)
 
 
+def _bench_moe(dtype, t=2048, seed=5):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    e, h, i, k = 16, 1024, 512, 4
+    x = _rand(t, h, gen=g, dtype=dtype)
+    ids = torch.rand(t, e, generator=g, device=DEV).topk(k, -1).indices
+    w = torch.rand(t, k, generator=g, device=DEV) + 0.1
+    w = w / w.sum(-1, keepdim=True) * 2.0
+    w13 = _rand(e, 2 * i, h, gen=g, dtype=dtype, scale=2 * h**-0.5)
+    w2 = _rand(e, h, i, gen=g, dtype=dtype, scale=i**-0.5)
+    return x, ids, w, w13, w2
+
+
+def _counters_zero() -> bool:
+    buf = inv.tile_counters(DEV, 1)
+    return buf is not None and int(buf.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_experts_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
+    """Compiled: the routed experts' K chunks split over programs (the last program of each tile
+    combining them in chunk order, kernels/moe_chunked.py) give the bits of one program walking
+    every chunk, for 1, 3, 32 and 33 tokens; 20 repeats of the split launch give identical bits
+    (no race in the ticket protocol); the tile counters are zero afterwards."""
+    import dataclasses
+
+    x, ids, w, w13, w2 = _bench_moe(dtype, t=64)
+
+    def fn(t):
+        return inv.fused_experts(x[:t], ids[:t], w[:t], w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA)
+
+    for t in (1, 3, 32, 33):
+        got = {}
+        for below in (0, 10**9):
+            cfg = dataclasses.replace(inv.INVARIANT_MOE_CONFIG, split_k_below=below)
+            monkeypatch.setattr(inv, "INVARIANT_MOE_CONFIG", cfg)
+            got[below] = fn(t)
+        assert torch.equal(got[0], got[10**9]), t
+        for _ in range(20):
+            assert torch.equal(fn(t), got[10**9]), t
+    torch.cuda.synchronize()
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_in_kernel_combine_equals_the_combine_pass(dtype, monkeypatch):
+    """Compiled: split launches combining in the kernel (last program per tile) == the separate
+    combine pass == the unsplit launch, 1 and 32 rows, with bias; 20 repeats identical."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = _rand(32, 2048, gen=g, dtype=dtype)
+    w = _rand(1024, 2048, gen=g, dtype=dtype, scale=2048**-0.5)
+    bias = torch.randn(1024, generator=g, device=DEV)
+    got = []
+    for below, fused in ((10**9, True), (10**9, False), (0, True)):
+        monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
+        monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", fused)
+        got.append((inv.linear(x, w, bias), inv.linear(x[:1], w)))
+        if fused and below:
+            for _ in range(20):
+                assert torch.equal(inv.linear(x, w, bias), got[-1][0])
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            assert torch.equal(a, b)
+    torch.cuda.synchronize()
+    assert _counters_zero()
+
+
+def test_split_k_under_cuda_graph_replay():
+    """Decode-sized linear + routed experts (both split, in-kernel combine) captured in a CUDA graph
+    after an eager warm-up: every replay gives the eager bits (the counters reset themselves)."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    x, ids, w, w13, w2 = _bench_moe(torch.bfloat16, t=4)
+    wl = _rand(2560, 1024, gen=g, dtype=torch.bfloat16, scale=1024**-0.5)
+
+    def step():
+        y = inv.linear(x, wl)
+        return y, inv.fused_experts(x, ids, w, w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA)
+
+    want = step()  # eager warm-up: creates the counter buffer
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert _counters_zero()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norm_router_and_logprob_bits_do_not_depend_on_the_batch(dtype):
     g = torch.Generator(device=DEV).manual_seed(2)

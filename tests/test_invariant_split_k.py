@@ -1,0 +1,165 @@
+"""Split-K of the batch-invariant GEMMs (kernels/split_k.py, kernels/moe_chunked.py, the linear of
+kernels/invariant_ops.py) on CPU under the Triton interpreter.
+
+The reduction is defined as an fp32 partial per fixed K chunk, then a left-to-right sum of the
+chunk partials. Checked here, bitwise (``torch.equal``):
+(a) the routed-expert GEMMs give the same bits with their K chunks split over programs (the
+    tile's last program combining them) as with one program walking every chunk, for 1, 3 and
+    33 tokens, K spanning full and partial chunks and partial BLOCK_K steps; both launch kinds
+    really ran for both GEMMs;
+(b) with a split threshold that makes one token split and a batch not, a token's bits alone
+    equal its bits in batches of 3 and 32 and among all rows (``invariance_failures``);
+(c) the linear's in-kernel combine equals the separate combine pass;
+(d) every split launch hands its tile counters back at zero (the next launch / graph replay
+    starts from zeros), and the configs keep k_chunk a multiple of 2 x block_k.
+
+The interpreter's ``tl.dot`` runs one tile row at a time (tests/interpreter_dot.py); the GPU test
+(tests/gpu/test_invariant_ops_gpu.py) checks the compiled bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from interpreter_dot import row_wise_dot  # tests/ on sys.path
+from invariant_util import invariance_failures
+
+from m3_kernels.fused_interpret import interpreted_invariant_ops
+from m3_rollout.model.moe import grouped_experts, swiglu_oai
+
+inv = interpreted_invariant_ops()
+ALPHA, LIMIT, BETA = 1.702, 7.0, 1.0
+H, INTER, E, TOP_K = 556, 288, 6, 2  # chunks of 256: H = 2 x 256 + 44, I = 256 + 32 (partial BLOCK_K steps)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def per_row_dot():
+    with row_wise_dot():
+        yield
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel: records the SPLIT constexpr of each launch and forwards."""
+
+    def __init__(self, kernel):
+        self.kernel, self.splits = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.splits.append(kwargs["SPLIT"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _counters_zero() -> bool:
+    buf = inv.tile_counters(torch.device("cpu"), 1)
+    return buf is not None and int(buf.abs().sum()) == 0
+
+
+def _moe_case(dtype, t=40, seed=11, h=H, inter=INTER):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(t, E, generator=g).topk(TOP_K, -1).indices
+    weights = torch.rand(t, TOP_K, generator=g) + 0.1
+    weights = weights / weights.sum(-1, keepdim=True) * 2.0
+    x = (torch.randn(t, h, generator=g) * 2.0).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, h, generator=g) * 2 * h**-0.5).to(dtype)
+    w2 = (torch.randn(E, h, inter, generator=g) * inter**-0.5).to(dtype)
+    return x, ids, weights, w13, w2
+
+
+def _experts(x, ids, weights, w13, w2):
+    return inv.fused_experts(x, ids, weights, w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA)
+
+
+def _set_moe_split_below(monkeypatch, below: int) -> None:
+    monkeypatch.setattr(inv, "INVARIANT_MOE_CONFIG", dataclasses.replace(inv.INVARIANT_MOE_CONFIG, split_k_below=below))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_experts_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
+    """(a) + reference: never split vs always split (>= 2 chunks), 1 / 3 / 33 tokens."""
+    mc = sys.modules["m3_kernels.moe_chunked"]  # the interpreted module fused_moe calls into
+    spies = {name: LaunchSpy(getattr(mc, name)) for name in ("_moe_w13_chunked_kernel", "_moe_w2_chunked_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(mc, name, spy)
+    x, ids, weights, w13, w2 = _moe_case(dtype)
+    for t in (1, 3, 33):
+        got = {}
+        for below in (0, 10**9):
+            _set_moe_split_below(monkeypatch, below)
+            got[below] = _experts(x[:t], ids[:t], weights[:t], w13, w2)
+        assert torch.equal(got[0], got[10**9]), t
+        assert _counters_zero()
+    assert all(set(spy.splits) == {True, False} for spy in spies.values())
+    act = lambda g, u: swiglu_oai(g, u, ALPHA, LIMIT, BETA)  # noqa: E731
+    ref = grouped_experts(x[:33].double(), ids[:33], weights[:33].double(), w13.double(), w2.double(), act)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)  # fp16: act rounded
+    torch.testing.assert_close(got[10**9].double(), ref, **tol)
+
+
+def test_fused_experts_split_k_whole_blocks(monkeypatch):
+    """(a) with H and I multiples of BLOCK_K (the loads without K masks): H = 512, I = 512, 3 tokens."""
+    x, ids, weights, w13, w2 = _moe_case(torch.float32, t=3, h=512, inter=512)
+    got = []
+    for below in (0, 10**9):
+        _set_moe_split_below(monkeypatch, below)
+        got.append(_experts(x, ids, weights, w13, w2))
+    assert torch.equal(got[0], got[1])
+    act = lambda g, u: swiglu_oai(g, u, ALPHA, LIMIT, BETA)  # noqa: E731
+    ref = grouped_experts(x.double(), ids, weights.double(), w13.double(), w2.double(), act)
+    torch.testing.assert_close(got[1].double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_experts_bits_do_not_depend_on_the_split_choice(monkeypatch):
+    """(b): split below 20 tiles: a token alone splits (3 row tiles x 5 column tiles), a batch of 3
+    or more does not (7+ row tiles); its bits are the same everywhere. Also with an EP slice."""
+    _set_moe_split_below(monkeypatch, 20)
+    x, ids, weights, w13, w2 = _moe_case(torch.float32)
+    fn = lambda xs, i, w: _experts(xs, i, w, w13, w2)  # noqa: E731
+    assert invariance_failures(fn, (x, ids, weights)) == []
+
+    def fn_local(xs, i, w):
+        return inv.fused_experts(xs, i, w, w13[1:4], w2[1:4], alpha=ALPHA, limit=LIMIT, beta=BETA, expert_range=(1, 4))
+
+    assert invariance_failures(fn_local, (x, ids, weights)) == []
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_linear_fused_combine_equals_the_combine_pass(dtype, monkeypatch):
+    """(c): split launches combine in the kernel (default) or in _linear_combine_kernel: same bits,
+    and the unsplit launch's; with and without bias."""
+    g = torch.Generator().manual_seed(12)
+    k = 3 * inv.linear_config(dtype).k_chunk + 40
+    x = torch.randn(5, k, generator=g).to(dtype)
+    w = (torch.randn(70, k, generator=g) * 0.1).to(dtype)
+    bias = torch.randn(70, generator=g)
+    got = []
+    for below, fused in ((10**9, True), (10**9, False), (0, True)):
+        monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
+        monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", fused)
+        got.append((inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[3:4], w, bias)))
+        assert _counters_zero()
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            assert torch.equal(a, b)
+
+
+def test_chunk_sizes_and_layout_checks():
+    """(d): k_chunk a multiple of 2 x block_k everywhere (a one-step chunk may be folded into the
+    accumulator's dot by the compiler); k_chunk refuses the ragged / TMA layouts."""
+    for cfg in inv.LINEAR_CONFIGS.values():
+        assert cfg.k_chunk % (2 * cfg.block_k) == 0
+    for dtype in (torch.bfloat16, torch.float32):
+        cfg = inv.moe_config(dtype)
+        assert cfg.k_chunk and all(cfg.k_chunk % (2 * tile.block_k) == 0 for tile in (cfg.w13, cfg.w2))
+    with pytest.raises(ValueError, match="2 x block_k"):
+        sys.modules["m3_kernels.moe_chunked"].check_k_chunk(64, inv.INVARIANT_MOE_CONFIG.w13)
+    x, ids, weights, w13, w2 = _moe_case(torch.float32, t=2)
+    bad = dataclasses.replace(inv.INVARIANT_MOE_CONFIG, ragged=True)
+    with pytest.raises(ValueError, match="aligned layout"):
+        inv.fm.fused_experts(x, ids, weights, w13, w2, alpha=ALPHA, limit=LIMIT, config=bad)
