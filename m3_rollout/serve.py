@@ -15,8 +15,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from m3_rollout.server.cli import default_template_kwargs, parse_args, serve
 
     args = parse_args(argv)
-    try:
-        kwargs = default_template_kwargs(args.default_chat_template_kwargs, args.model.startswith(BUILTIN_PREFIX))
+    try:  # the flag first: a bad value stops before a builtin build
+        default_template_kwargs(args.default_chat_template_kwargs)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -24,6 +24,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir, _ = resolve_model(args.model)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: --model: {exc}", file=sys.stderr)
+        return 2
+    try:
+        builtin = args.model.startswith(BUILTIN_PREFIX)
+        kwargs = default_template_kwargs(args.default_chat_template_kwargs, builtin, model_dir)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     serve(args, model_dir, kwargs)
     return 0

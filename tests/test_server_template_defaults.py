@@ -55,3 +55,40 @@ def test_requests_render_with_the_default_unless_they_name_a_mode():
         assert r.status_code == 200 and r.json()["tokens"] == disabled
     finally:
         server.stop()
+
+
+def test_a_checkpoint_names_its_own_default(tmp_path):
+    """A checkpoint's ``chat_template_kwargs.json`` (the builtin builds and the GRPO job's saved
+    policies write it: the rendering they trained in) is the server's default when the flag is not
+    given; the flag wins; a released checkpoint (no file) keeps the template's default; a broken
+    file is an error naming it."""
+    from m3_rollout.chat.template import CHAT_DEFAULTS_FILE, write_chat_defaults
+
+    assert default_template_kwargs(None, model_dir=tmp_path) == {}
+    write_chat_defaults(tmp_path, {"thinking_mode": "enabled"})
+    assert default_template_kwargs(None, model_dir=tmp_path) == {"thinking_mode": "enabled"}
+    assert default_template_kwargs(None, builtin=True, model_dir=tmp_path) == {"thinking_mode": "enabled"}
+    flag = '{"thinking_mode": "disabled"}'
+    assert default_template_kwargs(flag, model_dir=tmp_path) == {"thinking_mode": "disabled"}
+    (tmp_path / CHAT_DEFAULTS_FILE).write_text('{"thinking_mode": "often"}')
+    with pytest.raises(ValueError, match=CHAT_DEFAULTS_FILE):
+        default_template_kwargs(None, model_dir=tmp_path)
+    with pytest.raises(ValueError, match="thinking_mode"):
+        write_chat_defaults(tmp_path, {"thinking_mode": "often"})
+
+
+def test_the_grpo_jobs_checkpoint_carries_the_mode_it_trained_in(tmp_path):
+    """CheckpointManager.save writes the run's chat-template kwargs next to the policy's weights."""
+    import torch
+
+    from m3_rollout.chat.template import read_chat_defaults
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+    from m3_trainers.checkpoint import CheckpointManager
+
+    class _Policy:  # what save reads: the model, optimizer and scheduler
+        model = M3ForCausalLM(tiny_config())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    path = CheckpointManager(tmp_path / "ckpt").save(3, _Policy(), None, {}, {}, {"thinking_mode": "disabled"})
+    assert read_chat_defaults(path / "policy") == {"thinking_mode": "disabled"}

@@ -32,10 +32,17 @@ from pathlib import Path
 
 import torch
 
+from m3_rollout.chat.template import CHAT_DEFAULTS_FILE, write_chat_defaults
 from m3_rollout.model import save_checkpoint
 from m3_rollout.model.loading import INDEX_FILE, SINGLE_FILE, load_named_tensors
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    CHAT_DEFAULTS_FILE,
+)
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -92,12 +99,23 @@ class CheckpointManager:
         steps = self.steps()
         return self.path(steps[-1]) if steps else None
 
-    def save(self, step: int, policy, tokenizer_dir: Path | None, data_state: dict, metrics: dict) -> Path:
+    def save(
+        self,
+        step: int,
+        policy,
+        tokenizer_dir: Path | None,
+        data_state: dict,
+        metrics: dict,
+        chat_template_kwargs: dict | None = None,
+    ) -> Path:
         """Write ``step_{step}`` (replacing an existing one), then apply retention.
 
         Args:
             policy: ``m3_trainers.policy.Policy``.
             tokenizer_dir: directory whose tokenizer files are copied next to the weights.
+            chat_template_kwargs: the rendering the run trained in (e.g. its thinking mode), written
+                as the policy's ``CHAT_DEFAULTS_FILE`` so a server renders requests the same way
+                (None: the file copied from ``tokenizer_dir``, if any).
             data_state: the rollout collector's state (prompt-batch position).
             metrics: numbers recorded in training_info.json (keep_top_k ranks by ``metric_name``).
 
@@ -112,6 +130,8 @@ class CheckpointManager:
             save_checkpoint(policy.model, policy.model.config, tmp / "policy")
             if tokenizer_dir is not None:
                 copy_tokenizer_files(tokenizer_dir, tmp / "policy")
+            if chat_template_kwargs is not None:
+                write_chat_defaults(tmp / "policy", chat_template_kwargs)
             torch.save(
                 {"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict()},
                 tmp / "optimizer.pt",

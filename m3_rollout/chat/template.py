@@ -23,9 +23,22 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from m3_rollout.chat.markers import THINKING_MODES
 
-__all__ = ["ChatFileError", "ChatFormat", "check_template", "load_template", "normalize_messages", "render"]
+__all__ = [
+    "CHAT_DEFAULTS_FILE",
+    "ChatFileError",
+    "ChatFormat",
+    "check_template",
+    "load_template",
+    "normalize_messages",
+    "read_chat_defaults",
+    "render",
+    "write_chat_defaults",
+]
 
 TEMPLATE_NAMES = ("m3_full", "m3_short")
+# A checkpoint's default chat-template kwargs: the rendering its prompts were trained in (the
+# builtin builds and the GRPO job's checkpoints write it; a released M3 checkpoint has none).
+CHAT_DEFAULTS_FILE = "chat_template_kwargs.json"
 
 
 class ChatFileError(ValueError):
@@ -276,3 +289,35 @@ class ChatFormat:
         """Ids to append after the model's eos for a follow-up user turn (+ generation prompt)."""
         before = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
         return self.encode(self._delta(before, [{"role": "user", "content": text}]))
+
+
+def write_chat_defaults(model_dir, kwargs: dict) -> None:
+    """Write ``kwargs`` (e.g. ``{"thinking_mode": "disabled"}``) as ``model_dir``'s
+    ``CHAT_DEFAULTS_FILE``: the chat-template kwargs its training rendered prompts with, which a
+    server applies under every request's own. Raises ValueError for an unknown thinking mode."""
+    from pathlib import Path
+
+    mode = kwargs.get("thinking_mode")
+    if mode is not None and mode not in THINKING_MODES:
+        raise ValueError(f"chat defaults: thinking_mode must be one of {THINKING_MODES}, got {mode!r}")
+    (Path(model_dir) / CHAT_DEFAULTS_FILE).write_text(json.dumps(kwargs, indent=1) + "\n")
+
+
+def read_chat_defaults(model_dir) -> dict:
+    """``model_dir``'s ``CHAT_DEFAULTS_FILE`` as a dict, or {} when it has none. Raises
+    ChatFileError naming the file when it is not a JSON object with a known thinking mode."""
+    from pathlib import Path
+
+    path = Path(model_dir) / CHAT_DEFAULTS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        kwargs = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ChatFileError(f"{path}: not JSON ({exc}); delete it or fix it") from None
+    mode = kwargs.get("thinking_mode") if isinstance(kwargs, dict) else None
+    if not isinstance(kwargs, dict) or (mode is not None and mode not in THINKING_MODES):
+        raise ChatFileError(
+            f"{path}: must be a JSON object whose thinking_mode is one of {THINKING_MODES}; delete it or fix it"
+        )
+    return kwargs

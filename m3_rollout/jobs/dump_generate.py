@@ -57,7 +57,11 @@ def generate_dumps(
         stack.backend.shutdown()
         stack.env.close()
     if writer.last_absent:
-        log(f"columns left null (the Trajectory does not carry them yet): {', '.join(writer.last_absent)}")
+        log(
+            f"columns left null (not recorded in this run): {', '.join(writer.last_absent)}; routed_experts "
+            "is recorded with policy.routing_replay=true, block_selection with "
+            "policy.generation.record_block_selection=true"
+        )
     return paths
 
 

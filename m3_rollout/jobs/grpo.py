@@ -243,7 +243,9 @@ def run(cfg: MasterConfig) -> dict:
     def save(step: int, metrics: dict) -> Path:
         """``metrics``: the step's logged metrics (full names); the last validation's are added."""
         state = {**collector.state(), "val_history": [list(h) for h in history], "wandb_run_id": logger.run_id}
-        path = ckpts.save(step, policy, model_dir, state, {**last_val, **metrics})
+        path = ckpts.save(
+            step, policy, model_dir, state, {**last_val, **metrics}, {"thinking_mode": cfg.policy.thinking_mode}
+        )
         logger.text(f"saved checkpoint {path}")
         return path
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from m3_rollout.chat.template import read_chat_defaults
 from m3_rollout.engine.interface import GenerationBackend
 
 from .openai_api import ServedModel, thinking_mode_of
@@ -176,12 +177,17 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
     )
 
 
-def default_template_kwargs(text: str | None, builtin: bool = False) -> dict:
-    """``--default-chat-template-kwargs`` parsed (a JSON object; its thinking mode checked), or
-    ``{"thinking_mode": "disabled"}`` for a ``builtin:`` checkpoint when not given (their warm
-    start and GRPO render prompts in that mode; the template's own default, adaptive, is a prompt
-    they never saw), else ``{}``. Raises ValueError naming the flag."""
+def default_template_kwargs(text: str | None, builtin: bool = False, model_dir: Path | None = None) -> dict:
+    """``--default-chat-template-kwargs`` parsed (a JSON object; its thinking mode checked). When not
+    given: the checkpoint's own ``chat_template_kwargs.json`` (``model_dir``; written by the builtin
+    builds and the GRPO job's checkpoints: the rendering their prompts were trained in, as a
+    released checkpoint's template default is its own), else ``{"thinking_mode": "disabled"}`` for
+    a ``builtin:`` checkpoint built before that file existed, else ``{}``. Raises ValueError naming
+    the flag or the file."""
     if text is None:
+        found = read_chat_defaults(model_dir) if model_dir is not None else {}
+        if found:
+            return found
         return {"thinking_mode": "disabled"} if builtin else {}
     try:
         kwargs = json.loads(text)
@@ -233,7 +239,11 @@ def serve(args: argparse.Namespace, model_dir: Path, template_kwargs: dict | Non
         model_dir,
         args.served_model_name or args.model,
         args.max_model_len,
-        default_template_kwargs(args.default_chat_template_kwargs) if template_kwargs is None else template_kwargs,
+        (
+            default_template_kwargs(args.default_chat_template_kwargs, model_dir=model_dir)
+            if template_kwargs is None
+            else template_kwargs
+        ),
     )
     backend: GenerationBackend = build_backend(
         args, model_dir, served.stop_token_ids, served.max_model_len, served.decode
