@@ -112,6 +112,11 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   kernel also counted the tile's distinct blocks with a [E, E] comparison (E = BLOCK_M x KP = 256
   entries for the 300M bench model, 64K integer compares per program); the walk now stops on
   "no entry left" instead, and programs with nothing to do return before loading the query tile.
+  The page loop itself spilled at 4 warps (sm_90 ptxas at bench shapes, bf16: 255 registers,
+  ~540 local loads and ~2.6K instructions per thread per page; ~650 with the split's second
+  accumulator); at ``ATTN_WARPS`` = 8 (d >= 128) ~90 local loads and ~1.8K instructions. Expected:
+  most of the per-page latency at batch 1; whether 8 warps also win for long prefills (one CTA
+  per SM instead of two) is for the H200 benchmark to say.
 - Decode tiles are padded to the prefill shape: 64 dot rows for 16 useful (attention) and for 4
   useful (scores); the tensor-core work grows 4x / 16x, but decode is bound by reading K/V and index
   keys, so this should cost little.
@@ -121,9 +126,10 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   prefills are expected ~1.5-2x slower in attention.
 - Dense prefill: 4-token tiles (64 rows) where the fast kernel takes 8 (128 rows), so every K/V page
   is read twice as often; expected up to ~1.5x slower on dense layers' long prefills.
-- The MSA decode step is three launches (scores, top-k, attention) instead of the fused two with
-  programmatic dependent launch, and the score kernel has no unmasked fast loop, register cap or
-  key sub-tiles: a few microseconds per sparse layer and decode step.
+- The MSA decode step is three launches (scores, top-k, attention) plus the merge (PDL-chained to
+  the attention) instead of the fused two with programmatic dependent launch, and the score
+  kernel has no unmasked fast loop, register cap or key sub-tiles: a few microseconds per sparse
+  layer and decode step.
 - The [T, G, NBP] fp32 score scratch goes through memory for decode as for prefill. Score programs
   of a split past the tile's causal blocks return before loading anything (at decode most of the
   ``cdiv(NBP, SCORE_SPLIT_BLOCKS)`` splits).
@@ -162,6 +168,10 @@ INDEX_TILE_ROWS = 64
 # split's online softmax folded into the total in ascending split order, for decode (one program per
 # split + ``_inv_merge_kernel``) and prefill (in registers) alike. A constant, never from the batch.
 ATTN_SPLIT_BLOCKS = 8
+# Warps of the attention kernel for head dims >= 128 (decode and prefill launches alike: a compile
+# constant). sm_90 ptxas, bench/M3 shapes, bf16: 4 warps spill in the page loop (~650 local loads and
+# ~2.7K instructions per thread per page), 8 warps ~90 and ~1.8K; the earlier kernel used 4.
+ATTN_WARPS = 8
 PDL = True  # CUDA: launch the decode merge with programmatic dependent launch (hides its launch latency)
 DECODE_PROGRAMS = 256  # decode attention programs aimed at (tiles x KV heads x splits); work split only
 SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depends on another block)
@@ -841,7 +851,7 @@ def invariant_paged_attention(
             DENSE=dense,
             IEEE=ieee,
             PDL=pdl,
-            num_warps=4 if d <= 128 else 8,
+            num_warps=ATTN_WARPS if d >= 128 else 4,
             num_stages=1 if ieee else 2,
         )
         if decode and merge:  # before the prefill launch: PDL chains it to the decode launch
