@@ -108,10 +108,13 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   engine's graphs use max_model_len / ps wide tables, so at every decode step). Prefill pays one
   fold of a [64, d] accumulator per 8 pages (negligible).
 - Short contexts (the profile of issue 24: 2-3 pages at ps 128, one split): a program is latency-
-  bound on its serial pages (block-table load -> K load -> dot -> softmax -> V dot). The earlier
+  bound on its serial pages (block-table load -> K load -> dot -> softmax -> V load -> dot). The earlier
   kernel also counted the tile's distinct blocks with a [E, E] comparison (E = BLOCK_M x KP = 256
   entries for the 300M bench model, 64K integer compares per program); the walk now stops on
   "no entry left" instead, and programs with nothing to do return before loading the query tile.
+  Each page step now issues the K and V loads together and the next page's block-table entry
+  before its dots (the sparse walk used to load V after the QK dot and softmax, and every step
+  loaded its page id first): about one memory round trip per page instead of two or three.
   The page loop itself spilled at 4 warps (sm_90 ptxas at bench shapes, bf16: 255 registers,
   ~540 local loads and ~2.6K instructions per thread per page; ~650 with the split's second
   accumulator); at ``ATTN_WARPS`` = 8 (d >= 128) ~90 local loads and ~1.8K instructions. Expected:
@@ -157,7 +160,7 @@ import triton.language as tl
 from m3_kernels.msa_checks import next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
 from m3_kernels.msa_index_topk import MAX_TOPK, check_index_inputs
-from m3_kernels.msa_paged_attention import LOG2E, attend_block, check_attention_inputs
+from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
 # Dot rows per program (tokens x heads). Fixed by the model's shapes only; 64 = the smallest M of a
@@ -370,6 +373,39 @@ def _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s):
 
 
 @triton.jit
+def _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d):
+    """K and V tiles [PS, D] of one page of a KV head, both loads issued before any math (the V load
+    overlaps the QK dot and the softmax instead of following them)."""
+    koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
+    return tl.load(kg_ptr + koff), tl.load(vg_ptr + koff)
+
+
+@triton.jit
+def _attend_kv(q, m_i, l_i, acc, k, v, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr, IEEE: tl.constexpr):
+    """``attend_block``'s online-softmax update (msa_paged_attention, the same operations in the same
+    order) on K / V tiles already loaded: key u of block b enters row m iff row_ok[m] and
+    b * PS + u <= qpos[m]; a row with no such key is left bit-for-bit unchanged."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # [M, PS] fp32
+    s = s * qk_scale
+    keep = row_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _next_split(ev, b, SPLIT_B: tl.constexpr):
     """The smallest entry of ``ev`` in a later split than block b (_BIG_ID: none)."""
     return tl.min(tl.where(ev >= (b // SPLIT_B + 1) * SPLIT_B, ev, _BIG_ID), axis=0)
@@ -540,27 +576,12 @@ def _inv_attn_kernel(
             m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
             acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
-            for b in range(s * SPLIT_B, tl.minimum(s * SPLIT_B + SPLIT_B, n_blk)):
-                page = tl.load(bt_row + b)
-                m_i, l_i, acc = attend_block(
-                    q,
-                    m_i,
-                    l_i,
-                    acc,
-                    kg_ptr,
-                    vg_ptr,
-                    page,
-                    b,
-                    m_ok,
-                    qpos,
-                    qk_scale,
-                    stride_kp,
-                    stride_ko,
-                    offs_o,
-                    offs_d,
-                    PS,
-                    IEEE,
-                )
+            b_end = tl.minimum(s * SPLIT_B + SPLIT_B, n_blk)
+            page = tl.load(bt_row + s * SPLIT_B)
+            for b in range(s * SPLIT_B, b_end):
+                k, v = _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d)
+                page = tl.load(bt_row + b + 1, mask=b + 1 < b_end, other=0)  # next page id, under this page
+                m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, b, m_ok, qpos, qk_scale, offs_o, PS, IEEE)
             if partial != 0:
                 slot = tl.where(s <= row_last, s, _BIG_ID)
                 _store_split(
@@ -593,29 +614,14 @@ def _inv_attn_kernel(
             m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
             acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
+            page = tl.load(bt_row + b)
             while b < s * SPLIT_B + SPLIT_B:  # the split's blocks of the union, ascending
-                page = tl.load(bt_row + b)
+                k, v = _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d)
+                nb = tl.min(tl.where(ev > b, ev, _BIG_ID), axis=0)  # next larger block id
+                page = tl.load(bt_row + nb, mask=nb < _BIG_ID, other=0)  # its page id, under this page
                 row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
-                m_i, l_i, acc = attend_block(
-                    q,
-                    m_i,
-                    l_i,
-                    acc,
-                    kg_ptr,
-                    vg_ptr,
-                    page,
-                    b,
-                    row_ok,
-                    qpos,
-                    qk_scale,
-                    stride_kp,
-                    stride_ko,
-                    offs_o,
-                    offs_d,
-                    PS,
-                    IEEE,
-                )
-                b = tl.min(tl.where(ev > b, ev, _BIG_ID), axis=0)  # next larger block id
+                m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, b, row_ok, qpos, qk_scale, offs_o, PS, IEEE)
+                b = nb
             if partial != 0:
                 # a row's slot for split s: its first selection slot holding a block of s
                 slot = tl.min(tl.where(sel_split == s, offs_k[None, :], _BIG_ID), axis=1)
