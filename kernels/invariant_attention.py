@@ -18,15 +18,26 @@ the launch:
   of the left operand alone, in an order fixed by the shape: other rows of the tile (other tokens
   of a prefill chunk, or zero padding rows of a decode step) cannot change it. A decode token is
   therefore padded into the prefill tile shape (``BLOCK_M`` tokens), never run in a smaller tile;
-- no reduction crosses a row boundary or a launch: no split-K over the KV (so no merge whose
-  weights or count depend on the batch), no cross-program combine;
+- no reduction crosses a row boundary, and the KV reduction of a row is split at FIXED points:
+  blocks are grouped in splits of ``ATTN_SPLIT_BLOCKS`` (split = block id // ATTN_SPLIT_BLOCKS, a
+  constant), each split runs a fresh online softmax over the row's keys in it (ascending block
+  id), and the splits are folded into the total in ascending split order by one formula
+  (``_merge_split``, explicit fma). The split points and the fold order depend only on the row's
+  own blocks, never on the batch, the chunk or the launch; which program computes a split does
+  not change its bits: a prefill tile folds its splits in registers, a decode tile spreads them
+  over programs (a work split, ``DECODE_PROGRAMS``), each writing fp32 (m, l, acc) partials
+  that ``_inv_merge_kernel`` folds in the same order with the same formula (exactly the values
+  the prefill tile holds in registers: fp32 stores are exact);
 - reductions whose order does not matter are free to be split: a block's index score is a max
   (exact), and each block's score is computed by one program from that block alone, so the score
   kernel splits blocks over programs; the top-k compares integer keys (exact).
 Rows that share a tile but not a KV page: a tile walks the union of what its rows need; a row that
 does not need a step's page sees only masked keys, and an online-softmax update with all keys
 masked is an exact no-op (m unchanged, alpha = exp2(0) = 1, p = 0, acc + 0, l + 0), so each row's
-effective sequence of updates is its own keys, page by page, in ascending block id.
+effective sequence of updates is its own keys, page by page, in ascending block id. Likewise a
+split in which a row has no key folds in as an exact no-op (``_merge_split`` keeps the total when
+the split's max is -inf), and a row's first non-empty split becomes its total as is, so a row whose
+keys lie in one split gets the unsplit walk's bits and the decode kernel may write it directly.
 NOTE: that no-op needs finite K/V in the masked slots a row reads (0 x inf = NaN); the engine
 zero-fills its pages and only writes finite keys, the same assumption the fast kernels make.
 
@@ -50,17 +61,27 @@ Ops
      union) and one bitonic merge (log2 KP steps). Every step is an exact integer compare, so the
      result is the KP largest keys in order whatever the chunking or the neighbouring rows. Output
      ``[T, G, K]`` int32, -1 padded: exactly ``index_topk_ref``'s list.
-2. ``invariant_paged_attention`` (one kernel, ``_inv_attn_kernel``, launched once for the decode
-   rows and once for the prefill rows with the same constants): a program takes ``BLOCK_M``
-   consecutive query tokens of one row x the RH query heads of one KV head (``ATTN_TILE_ROWS`` = 64
-   dot rows at M3 shapes: 4 tokens x 16 heads; a decode row = 1 token + 3 zero tokens). It walks
-   one page (= block, ``ps`` keys) per step in ascending block id: dense layers every block up to
-   the tile's last position; sparse layers the sorted distinct valid blocks the tile's tokens
-   selected (the union), each row masked to its own token's set and causal cut. Online softmax in
-   base 2 (scale x log2 e), fp32 m / l / acc; fp16/bf16 inputs round the probabilities to the
+2. ``invariant_paged_attention`` (``_inv_attn_kernel``, launched once for the decode rows and once
+   for the prefill rows with the same constants, then ``_inv_merge_kernel`` for the decode tokens
+   whose keys span several splits): a program takes ``BLOCK_M`` consecutive query tokens of one row
+   x the RH query heads of one KV head (``ATTN_TILE_ROWS`` = 64 dot rows: 4 tokens x 16 heads at M3
+   shapes, 16 x 4 for the 300M bench model; a decode row = 1 token + zero tokens). It walks one page
+   (= block, ``ps`` keys) per step in ascending block id, split by split (``ATTN_SPLIT_BLOCKS``
+   blocks): dense layers every block up to the tile's last position; sparse layers the sorted
+   distinct valid blocks the tile's tokens selected (the union, walked by repeated min-reductions
+   over the tile's entries), each row masked to its own token's set and causal cut. Online softmax
+   in base 2 (scale x log2 e), fp32 m / l / acc; fp16/bf16 inputs round the probabilities to the
    input dtype for the PV dot (as the fast kernels do); fp32 inputs use IEEE dots.
-3. ``invariant_msa_attention``: 1 then 2 (three launches for any mix of decode and prefill rows),
-   the choice copied into ``sel_out``.
+   - prefill launch: one program per tile walks all its splits, folding each into the total.
+   - decode launch: grid axis 2 = up to ``DECODE_PROGRAMS`` / (tiles x G) programs per tile, program z
+     taking the tile's non-empty splits z, z + Z, ...; per split, a row whose keys all lie in it
+     writes its output, a row with keys in several writes the split's fp32 (m, l, acc) to a
+     per-call scratch ([decode tokens, nh, slots] with slots = the table's splits, dense, or K,
+     sparse: a split's slot is the first selection slot holding one of its blocks); the merge
+     kernel (grid decode tokens x G) folds a token's non-empty splits in ascending order. Launched
+     only when the block table spans more than one split (else every token is written directly).
+3. ``invariant_msa_attention``: 1 then 2 (three or four launches for any mix of decode and prefill
+   rows), the choice copied into ``sel_out``.
 
 Consequences (what the CPU tests check bitwise, and the GPU tests at M3 shapes): the output and the
 selection of a position are identical whether it is the last token of a decode step (also of a
@@ -75,13 +96,30 @@ the second rule above) is checked only by tests/gpu/test_invariant_attention_gpu
 
 Cost against the fast kernels (expected; measure on the H200, issue 24's benchmark)
 -----------------------------------------------------------------------------------
-- Decode attention has no split-K: one program per (token, KV head) walks its K selected pages
-  (sparse) or every causal page (dense) serially, where ``msa_paged_attention`` / the fused decode
-  split the walk over up to 256 / (tokens x G) programs and merge. At batch 1 (4 programs) a sparse
-  layer's step is latency-bound on 16 sequential page steps (a few x the fused kernel's time);
-  a dense layer at 32K context walks 256 pages in one program (the worst case; 3 of M3's 60 layers).
-  At batch >= 32 there are enough programs and the gap mostly closes. If it is over budget, split
-  by a FIXED number of pages (say 16 per split, merged in ascending split order): still invariant.
+- Decode attention splits a token's keys at fixed ``ATTN_SPLIT_BLOCKS`` (8) block boundaries, one
+  program per non-empty split (while fewer than ``DECODE_PROGRAMS`` programs in all), plus a merge
+  launch. A program's serial walk is at most 8 pages: at batch 1, 8K context (64 blocks), a dense
+  layer runs 4 x 8 programs of 8 pages instead of 4 of 64, a sparse layer (16 selected blocks,
+  usually spread over the 8 splits) 4 x <= 8 programs of ~2 pages instead of 4 of 16. The fast
+  kernels split finer (up to 256 / (tokens x G) programs, chosen from the batch), so at batch 1
+  they keep an edge on long dense walks. Added cost: fp32 partials ([RH, d] per token, head
+  group and split: ~1/30 of the split's K/V bytes at ps 128) written and read back, and the merge
+  launch (a few us in a CUDA graph) whenever the block table spans more than one split (the
+  engine's graphs use max_model_len / ps wide tables, so at every decode step). Prefill pays one
+  fold of a [64, d] accumulator per 8 pages (negligible).
+- Short contexts (the profile of issue 24: 2-3 pages at ps 128, one split): a program is latency-
+  bound on its serial pages (block-table load -> K load -> dot -> softmax -> V load -> dot). The earlier
+  kernel also counted the tile's distinct blocks with a [E, E] comparison (E = BLOCK_M x KP = 256
+  entries for the 300M bench model, 64K integer compares per program); the walk now stops on
+  "no entry left" instead, and programs with nothing to do return before loading the query tile.
+  Each page step now issues the K and V loads together and the next page's block-table entry
+  before its dots (the sparse walk used to load V after the QK dot and softmax, and every step
+  loaded its page id first): about one memory round trip per page instead of two or three.
+  The page loop itself spilled at 4 warps (sm_90 ptxas at bench shapes, bf16: 255 registers,
+  ~540 local loads and ~2.6K instructions per thread per page; ~650 with the split's second
+  accumulator); at ``ATTN_WARPS`` = 8 (d >= 128) ~90 local loads and ~1.8K instructions. Expected:
+  most of the per-page latency at batch 1; whether 8 warps also win for long prefills (one CTA
+  per SM instead of two) is for the H200 benchmark to say.
 - Decode tiles are padded to the prefill shape: 64 dot rows for 16 useful (attention) and for 4
   useful (scores); the tensor-core work grows 4x / 16x, but decode is bound by reading K/V and index
   keys, so this should cost little.
@@ -91,9 +129,10 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   prefills are expected ~1.5-2x slower in attention.
 - Dense prefill: 4-token tiles (64 rows) where the fast kernel takes 8 (128 rows), so every K/V page
   is read twice as often; expected up to ~1.5x slower on dense layers' long prefills.
-- The MSA decode step is three launches (scores, top-k, attention) instead of the fused two with
-  programmatic dependent launch, and the score kernel has no unmasked fast loop, register cap or
-  key sub-tiles: a few microseconds per sparse layer and decode step.
+- The MSA decode step is three launches (scores, top-k, attention) plus the merge (PDL-chained to
+  the attention) instead of the fused two with programmatic dependent launch, and the score
+  kernel has no unmasked fast loop, register cap or key sub-tiles: a few microseconds per sparse
+  layer and decode step.
 - The [T, G, NBP] fp32 score scratch goes through memory for decode as for prefill. Score programs
   of a split past the tile's causal blocks return before loading anything (at decode most of the
   ``cdiv(NBP, SCORE_SPLIT_BLOCKS)`` splits).
@@ -121,13 +160,23 @@ import triton.language as tl
 from m3_kernels.msa_checks import next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
 from m3_kernels.msa_index_topk import MAX_TOPK, check_index_inputs
-from m3_kernels.msa_paged_attention import LOG2E, attend_block, check_attention_inputs
+from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
 # Dot rows per program (tokens x heads). Fixed by the model's shapes only; 64 = the smallest M of a
 # Hopper warpgroup MMA, so decode (padded) and prefill tiles run one instruction shape.
 ATTN_TILE_ROWS = 64
 INDEX_TILE_ROWS = 64
+# Blocks (= pages) per attention split: a token's keys are attended split by split (ascending), each
+# split's online softmax folded into the total in ascending split order, for decode (one program per
+# split + ``_inv_merge_kernel``) and prefill (in registers) alike. A constant, never from the batch.
+ATTN_SPLIT_BLOCKS = 8
+# Warps of the attention kernel for head dims >= 128 (decode and prefill launches alike: a compile
+# constant). sm_90 ptxas, bench/M3 shapes, bf16: 4 warps spill in the page loop (~650 local loads and
+# ~2.7K instructions per thread per page), 8 warps ~90 and ~1.8K; the earlier kernel used 4.
+ATTN_WARPS = 8
+PDL = True  # CUDA: launch the decode merge with programmatic dependent launch (hides its launch latency)
+DECODE_PROGRAMS = 256  # decode attention programs aimed at (tiles x KV heads x splits); work split only
 SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depends on another block)
 TOPK_CHUNK = 128  # blocks per step of the streaming top-k (one bitonic top-KP of [rows, TOPK_CHUNK] keys)
 TOPK_ROWS = 4  # (token, head) rows per top-k program: one warp per row, 4 keys per thread
@@ -301,7 +350,109 @@ def _inv_topk_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r"])
+@triton.jit
+def _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s):
+    """Fold one split's partial softmax (m_s, l_s, acc_s) [M], [M], [M, D] into the running total
+    (m_t, l_t, acc_t); base-2 maxima. Exact cases: a row whose split is empty (m_s = -inf) keeps its
+    total bit for bit; the first non-empty split of a row (m_t = -inf) becomes the total as is. Else
+    l = fma(l_s, 2^(m_s - m), l_t 2^(m_t - m)), acc likewise, m = max(m_t, m_s) (explicit fma: the
+    same rounding in the attention kernel and in ``_inv_merge_kernel``)."""
+    has = m_s > float("-inf")
+    first = m_t == float("-inf")
+    m_new = tl.maximum(m_t, m_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m_t - m_use)
+    c = tl.exp2(m_s - m_use)
+    l_new = tl.where(first, l_s, tl.fma(l_s, c, l_t * a))
+    acc_new = tl.where(first[:, None], acc_s, tl.fma(acc_s, c[:, None], acc_t * a[:, None]))
+    return (
+        tl.where(has, m_new, m_t),
+        tl.where(has, l_new, l_t),
+        tl.where(has[:, None], acc_new, acc_t),
+    )
+
+
+@triton.jit
+def _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d):
+    """K and V tiles [PS, D] of one page of a KV head, both loads issued before any math (the V load
+    overlaps the QK dot and the softmax instead of following them)."""
+    koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
+    return tl.load(kg_ptr + koff), tl.load(vg_ptr + koff)
+
+
+@triton.jit
+def _attend_kv(q, m_i, l_i, acc, k, v, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr, IEEE: tl.constexpr):
+    """``attend_block``'s online-softmax update (msa_paged_attention, the same operations in the same
+    order) on K / V tiles already loaded: key u of block b enters row m iff row_ok[m] and
+    b * PS + u <= qpos[m]; a row with no such key is left bit-for-bit unchanged."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # [M, PS] fp32
+    s = s * qk_scale
+    keep = row_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _next_split(ev, b, SPLIT_B: tl.constexpr):
+    """The smallest entry of ``ev`` in a later split than block b (_BIG_ID: none)."""
+    return tl.min(tl.where(ev >= (b // SPLIT_B + 1) * SPLIT_B, ev, _BIG_ID), axis=0)
+
+
+@triton.jit
+def _store_split(
+    o_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    m_i,
+    l_i,
+    acc,
+    s,
+    tok,
+    head,
+    m_ok,
+    row_first,
+    row_last,
+    slot,
+    n_slots,
+    stride_ot,
+    stride_oh,
+    offs_d,
+    NH: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Decode: split s's partial of each row. A row whose keys all lie in split s writes its output
+    (``_merge_split`` of one split is the split itself, so these are the bits the merge would give); a
+    row with keys in several splits writes (m, l, acc) to slot ``slot`` [M] (_BIG_ID: the row has no
+    key in split s) of pm / pl / pacc[token, head, slot] for ``_inv_merge_kernel``."""
+    one = m_ok & (row_first == s) & (row_last == s)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=one[:, None],
+    )
+    p_rows = m_ok & (row_first < row_last) & (slot != _BIG_ID)
+    pidx = (tok.to(tl.int64) * NH + head) * n_slots + slot  # [M]
+    tl.store(pm_ptr + pidx, m_i, mask=p_rows)
+    tl.store(pl_ptr + pidx, l_i, mask=p_rows)
+    tl.store(pacc_ptr + pidx[:, None] * D + offs_d[None, :], acc, mask=p_rows[:, None])
+
+
+@triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r", "split_step", "n_slots", "partial"])
 def _inv_attn_kernel(
     q_ptr,
     k_ptr,
@@ -311,10 +462,16 @@ def _inv_attn_kernel(
     pos_ptr,
     sel_ptr,
     o_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
     qk_scale,
     row_offset,
     n_qtiles,
     topk,
+    split_step,
+    n_slots,
+    partial,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -325,21 +482,36 @@ def _inv_attn_kernel(
     stride_sel_g,
     stride_ot,
     stride_oh,
+    NH: tl.constexpr,
     RH: tl.constexpr,
     RHP: tl.constexpr,
     D: tl.constexpr,
     PS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KP: tl.constexpr,
+    SPLIT_B: tl.constexpr,
     DENSE: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_M query tokens of one row x KV head g's RH query heads (row m = token m // RHP, head
-    m % RHP), one page per step in ascending block id: every block up to the tile's last position
-    (DENSE), else the sorted distinct valid blocks of the tokens' selections, row m masked to its
-    token's set. Decode and prefill rows alike."""
+    m % RHP). The tile's keys are walked one page per step in ascending block id: every block up to
+    the tile's last position (DENSE), else the sorted distinct valid blocks of the tokens' selections,
+    row m masked to its token's set. Blocks are grouped in splits of SPLIT_B (split = block // SPLIT_B);
+    each split runs a fresh online softmax. Decode and prefill rows alike.
+
+    partial = 0 (prefill launch, split_step = 1, one program per tile): the splits are folded into the
+    total in ascending order in registers (``_merge_split``), then o is written. partial = 1 (decode
+    launch, grid axis 2 = split_step programs per tile): program z takes the tile's non-empty splits
+    z, z + split_step, ... (a work split only: a split's bits do not depend on its program) and
+    writes each through ``_store_split``; a sparse row with no valid block gets zeros from z = 0.
+    PDL (CUDA, both launches: one compiled kernel): let ``_inv_merge_kernel`` (launched with
+    programmatic dependent launch) be scheduled now; it waits for this grid's stores."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     g = tl.program_id(1)
+    z = tl.program_id(2)
     row = row_offset + pid // n_qtiles
     qtile = n_qtiles - 1 - pid % n_qtiles  # NOTE: latest (longest) tiles first: scheduling only
     q_lo = tl.load(qsl_ptr + row)
@@ -351,44 +523,15 @@ def _inv_attn_kernel(
     tok = t0 + offs_m // RHP
     h = offs_m % RHP
     m_ok = (tok < q_hi) & (h < RH)
-    head = g * RH + h
-    offs_d = tl.arange(0, D)
-    offs_o = tl.arange(0, PS)
-    q = tl.load(
-        q_ptr + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=m_ok[:, None],
-        other=0.0,
-    )  # [M, D]
     qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1).to(tl.int32)  # [M]
-    m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
-    acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
-    kg_ptr = k_ptr + g * stride_kg
-    vg_ptr = v_ptr + g * stride_kg
     bt_row = bt_ptr + row * stride_bt_r
+    offs_k = tl.arange(0, KP)
     if DENSE:
         n_blk = tl.max(qpos, axis=0) // PS + 1
-        for b in range(0, n_blk):
-            page = tl.load(bt_row + b)
-            m_i, l_i, acc = attend_block(
-                q,
-                m_i,
-                l_i,
-                acc,
-                kg_ptr,
-                vg_ptr,
-                page,
-                b,
-                m_ok,
-                qpos,
-                qk_scale,
-                stride_kp,
-                stride_ko,
-                offs_o,
-                offs_d,
-                PS,
-                IEEE,
-            )
+        if z * SPLIT_B >= n_blk:
+            return  # a decode program past the tile's splits (z = 0 never is)
+        row_first = tl.zeros([BLOCK_M * RHP], tl.int32)
+        row_last = tl.where(m_ok, qpos, 0) // PS // SPLIT_B
     else:
         # the tile's (token, slot) entries: valid = 0 <= id <= pos // PS
         offs_e = tl.arange(0, BLOCK_M * KP)
@@ -399,43 +542,202 @@ def _inv_attn_kernel(
         epos = tl.load(pos_ptr + etok, mask=e_ok, other=-1).to(tl.int32)
         e_ok = e_ok & (eb >= 0) & (eb <= epos // PS)
         ev = tl.where(e_ok, eb, _BIG_ID)
-        earlier = tl.sum(tl.where((ev[:, None] == ev[None, :]) & (offs_e[None, :] < offs_e[:, None]), 1, 0), axis=1)
-        n_u = tl.sum((e_ok & (earlier == 0)).to(tl.int32), axis=0)  # distinct valid blocks of the tile
-        offs_k = tl.arange(0, KP)
+        b = tl.min(ev, axis=0)  # the tile's first block, then skip to its z-th non-empty split
+        u = 0
+        while (u < z) & (b < _BIG_ID):
+            b = _next_split(ev, b, SPLIT_B)
+            u += 1
+        if (b == _BIG_ID) & (z > 0):
+            return  # a decode program past the tile's non-empty splits
         sel_rows = tl.load(
             sel_ptr + tok[:, None].to(tl.int64) * stride_sel_t + g * stride_sel_g + offs_k[None, :],
             mask=m_ok[:, None] & (offs_k[None, :] < topk),
             other=-1,
         )  # [M, KP] each row's own token's selection
-        b = tl.min(ev, axis=0)
-        for _u in range(0, n_u):
+        sel_ok = (sel_rows >= 0) & (sel_rows <= (qpos // PS)[:, None])
+        sel_split = tl.where(sel_ok, sel_rows // SPLIT_B, _BIG_ID)  # [M, KP]
+        row_first = tl.min(sel_split, axis=1)  # _BIG_ID: no valid block
+        row_last = tl.max(tl.where(sel_ok, sel_rows // SPLIT_B, -1), axis=1)
+    head = g * RH + h
+    offs_d = tl.arange(0, D)
+    offs_o = tl.arange(0, PS)
+    q = tl.load(
+        q_ptr + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=m_ok[:, None],
+        other=0.0,
+    )  # [M, D]
+    m_t = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
+    l_t = tl.zeros([BLOCK_M * RHP], tl.float32)
+    acc_t = tl.zeros([BLOCK_M * RHP, D], tl.float32)
+    kg_ptr = k_ptr + g * stride_kg
+    vg_ptr = v_ptr + g * stride_kg
+    if DENSE:
+        for s in range(z, tl.cdiv(n_blk, SPLIT_B), split_step):
+            m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
+            acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
+            b_end = tl.minimum(s * SPLIT_B + SPLIT_B, n_blk)
+            page = tl.load(bt_row + s * SPLIT_B)
+            for b in range(s * SPLIT_B, b_end):
+                k, v = _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d)
+                page = tl.load(bt_row + b + 1, mask=b + 1 < b_end, other=0)  # next page id, under this page
+                m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, b, m_ok, qpos, qk_scale, offs_o, PS, IEEE)
+            if partial != 0:
+                slot = tl.where(s <= row_last, s, _BIG_ID)
+                _store_split(
+                    o_ptr,
+                    pm_ptr,
+                    pl_ptr,
+                    pacc_ptr,
+                    m_i,
+                    l_i,
+                    acc,
+                    s,
+                    tok,
+                    head,
+                    m_ok,
+                    row_first,
+                    row_last,
+                    slot,
+                    n_slots,
+                    stride_ot,
+                    stride_oh,
+                    offs_d,
+                    NH,
+                    D,
+                )
+            else:
+                m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_i, l_i, acc)
+    else:
+        while b < _BIG_ID:  # one non-empty split of the tile per iteration
+            s = b // SPLIT_B
+            m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
+            acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
             page = tl.load(bt_row + b)
-            row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
-            m_i, l_i, acc = attend_block(
-                q,
-                m_i,
-                l_i,
-                acc,
-                kg_ptr,
-                vg_ptr,
-                page,
-                b,
-                row_ok,
-                qpos,
-                qk_scale,
-                stride_kp,
-                stride_ko,
-                offs_o,
-                offs_d,
-                PS,
-                IEEE,
-            )
-            b = tl.min(tl.where(ev > b, ev, _BIG_ID), axis=0)  # next larger block id
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            while b < s * SPLIT_B + SPLIT_B:  # the split's blocks of the union, ascending
+                k, v = _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d)
+                nb = tl.min(tl.where(ev > b, ev, _BIG_ID), axis=0)  # next larger block id
+                page = tl.load(bt_row + nb, mask=nb < _BIG_ID, other=0)  # its page id, under this page
+                row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
+                m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, b, row_ok, qpos, qk_scale, offs_o, PS, IEEE)
+                b = nb
+            if partial != 0:
+                # a row's slot for split s: its first selection slot holding a block of s
+                slot = tl.min(tl.where(sel_split == s, offs_k[None, :], _BIG_ID), axis=1)
+                _store_split(
+                    o_ptr,
+                    pm_ptr,
+                    pl_ptr,
+                    pacc_ptr,
+                    m_i,
+                    l_i,
+                    acc,
+                    s,
+                    tok,
+                    head,
+                    m_ok,
+                    row_first,
+                    row_last,
+                    slot,
+                    n_slots,
+                    stride_ot,
+                    stride_oh,
+                    offs_d,
+                    NH,
+                    D,
+                )
+                u = 1
+                while (u < split_step) & (b < _BIG_ID):  # skip the other programs' splits
+                    b = _next_split(ev, b, SPLIT_B)
+                    u += 1
+            else:
+                m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_i, l_i, acc)
+    # prefill: every row; decode: the rows without any valid block (zeros), once
+    o_rows = m_ok
+    if partial != 0:
+        o_rows = m_ok & (row_first == _BIG_ID) & (z == 0)
+    out = acc_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
     tl.store(
         o_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         out.to(o_ptr.dtype.element_ty),
-        mask=m_ok[:, None],
+        mask=o_rows[:, None],
+    )
+
+
+@triton.jit(do_not_specialize=["topk", "n_slots"])
+def _inv_merge_kernel(
+    pos_ptr,
+    sel_ptr,
+    o_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    topk,
+    n_slots,
+    stride_sel_t,
+    stride_sel_g,
+    stride_ot,
+    stride_oh,
+    NH: tl.constexpr,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    KP: tl.constexpr,
+    SPLIT_B: tl.constexpr,
+    DENSE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One decode token t x KV head g's RH heads: fold the partials of the token's non-empty splits
+    in ascending split order (``_merge_split``, as a prefill tile does in registers) and write o.
+    Tokens whose keys lie in one split (or none) were written by the attention kernel: skipped.
+    PDL: launched before the attention kernel finished: wait for its stores first."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    p = tl.load(pos_ptr + t).to(tl.int32)
+    offs_k = tl.arange(0, KP)
+    if DENSE:
+        sid = offs_k  # unused
+        first = 0
+        last = p // PS // SPLIT_B
+    else:
+        ids = tl.load(sel_ptr + t.to(tl.int64) * stride_sel_t + g * stride_sel_g + offs_k, mask=offs_k < topk, other=-1)
+        ok = (ids >= 0) & (ids <= p // PS)
+        sid = tl.where(ok, ids // SPLIT_B, _BIG_ID)  # [KP]
+        first = tl.min(sid, axis=0)
+        last = tl.max(tl.where(ok, ids // SPLIT_B, -1), axis=0)
+    if first >= last:
+        return
+    offs_h = tl.arange(0, RHP)
+    offs_d = tl.arange(0, D)
+    h_ok = offs_h < RH
+    head = g * RH + offs_h
+    pbase = (t.to(tl.int64) * NH + head) * n_slots  # [RHP]
+    m_t = tl.full([RHP], float("-inf"), tl.float32)
+    l_t = tl.zeros([RHP], tl.float32)
+    acc_t = tl.zeros([RHP, D], tl.float32)
+    s = first
+    while s <= last:
+        if DENSE:
+            slot = s
+        else:
+            slot = tl.min(tl.where(sid == s, offs_k, _BIG_ID), axis=0)
+        m_s = tl.load(pm_ptr + pbase + slot, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(pl_ptr + pbase + slot, mask=h_ok, other=0.0)
+        acc_s = tl.load(pacc_ptr + (pbase + slot)[:, None] * D + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+        m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s)
+        if DENSE:
+            s += 1
+        else:
+            s = tl.min(tl.where(sid > s, sid, _BIG_ID), axis=0)
+    out = acc_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
+    tl.store(
+        o_ptr + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=h_ok[:, None],
     )
 
 
@@ -450,6 +752,14 @@ def _row_ranges(meta: PagedMetadata) -> list[tuple[int, int, int]]:
     if r > nd:
         out.append((nd, r, max(meta.max_query_len, 1)))
     return out
+
+
+def _decode_split_programs(n_splits: int, n_tiles: int, max_sparse_splits: int) -> int:
+    """Programs per decode tile (grid axis 2): enough for about ``DECODE_PROGRAMS`` in all, at most
+    the table's splits (and, sparse, the tile's ``max_sparse_splits`` non-empty ones; 0 = dense).
+    A work split only: which program computes a split never changes its bits."""
+    z = min(n_splits, max(1, triton.cdiv(DECODE_PROGRAMS, n_tiles)))
+    return min(z, max_sparse_splits) if max_sparse_splits > 0 else z
 
 
 def _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids) -> None:
@@ -490,10 +800,24 @@ def invariant_paged_attention(
     rh = nh // g
     rhp = next_pow2(rh)
     bm = attn_block_m(rh)
+    kp = max(next_pow2(topk), 2)
     ieee = q.dtype == torch.float32
+    pdl = q.is_cuda and PDL
+    n_splits = triton.cdiv(meta.block_tables.shape[1], ATTN_SPLIT_BLOCKS)
+    n_slots = n_splits if dense else topk  # partial slots per (decode token, head)
+    t_dec = min(t, meta.num_decodes * meta.decode_query_len)
+    merge = t_dec > 0 and n_splits > 1  # with one split every decode token is written directly
+    if merge:
+        pm = torch.empty(t_dec * nh * n_slots, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(t_dec * nh * n_slots * d, dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = pacc = torch.empty(1, dtype=torch.float32, device=q.device)
     for r0, r1, qlen in _row_ranges(meta):
         n_qtiles = triton.cdiv(qlen, bm)
-        _inv_attn_kernel[((r1 - r0) * n_qtiles, g)](
+        decode = r0 < meta.num_decodes
+        z = _decode_split_programs(n_splits, (r1 - r0) * n_qtiles * g, topk * min(qlen, bm)) if decode else 1
+        _inv_attn_kernel[((r1 - r0) * n_qtiles, g, z)](
             q,
             k_cache_l,
             v_cache_l,
@@ -502,10 +826,16 @@ def invariant_paged_attention(
             meta.positions,
             sel,
             out,
+            pm,
+            pl,
+            pacc,
             float(scale) * LOG2E,
             r0,
             n_qtiles,
             topk,
+            z,
+            n_slots,
+            1 if decode else 0,
             q.stride(0),
             q.stride(1),
             k_cache_l.stride(0),
@@ -516,17 +846,46 @@ def invariant_paged_attention(
             sel.stride(1),
             out.stride(0),
             out.stride(1),
+            NH=nh,
             RH=rh,
             RHP=rhp,
             D=d,
             PS=ps,
             BLOCK_M=bm,
-            KP=max(next_pow2(topk), 2),
+            KP=kp,
+            SPLIT_B=ATTN_SPLIT_BLOCKS,
             DENSE=dense,
             IEEE=ieee,
-            num_warps=4 if d <= 128 else 8,
+            PDL=pdl,
+            num_warps=ATTN_WARPS if d >= 128 else 4,
             num_stages=1 if ieee else 2,
         )
+        if decode and merge:  # before the prefill launch: PDL chains it to the decode launch
+            _inv_merge_kernel[(t_dec, g)](
+                meta.positions,
+                sel,
+                out,
+                pm,
+                pl,
+                pacc,
+                topk,
+                n_slots,
+                sel.stride(0),
+                sel.stride(1),
+                out.stride(0),
+                out.stride(1),
+                NH=nh,
+                RH=rh,
+                RHP=rhp,
+                D=d,
+                PS=ps,
+                KP=kp,
+                SPLIT_B=ATTN_SPLIT_BLOCKS,
+                DENSE=dense,
+                PDL=pdl,
+                num_warps=4,
+                **({"launch_pdl": True} if pdl else {}),
+            )
     return out
 
 

@@ -93,8 +93,8 @@ def attend_block(
 ):
     """Online-softmax update of (m_i, l_i, acc) [M], [M], [M, D] with page ``page`` = block b: key u
     of the page enters row m iff row_ok[m] and b * PS + u <= qpos[m]; a row with no such key is left
-    bit-for-bit unchanged (alpha = 1, p = 0). Shared by these kernels and the batch-invariant ones
-    (kernels/invariant_attention.py)."""
+    bit-for-bit unchanged (alpha = 1, p = 0). kernels/invariant_attention.py runs the same update on
+    K / V tiles it loads itself (``_attend_kv``)."""
     koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
     k = tl.load(k_ptr + koff)  # [PS, D]
     if IEEE:
