@@ -159,23 +159,29 @@ def grouped_experts_gemm(
     x: [T, H]; ids: [T, K] int64 (no -1); weights: [T, K]; w13: [E, 2I, H]; w2: [E, H, I]; act as
     in :func:`grouped_experts`; dtype: the GEMMs' input dtype (None = x.dtype; bf16 under CUDA
     autocast, which does not cover ``_grouped_mm``). Returns [T, H] in x.dtype; differentiable in
-    x, weights, w13 and w2 (``_grouped_mm`` has a backward). Same roundings as the loop: each
+    x, weights, w13 and w2 (``_grouped_mm`` has a backward). The loop's roundings: each
     expert's GEMMs in ``dtype`` with fp32 accumulation, the routing weight applied in
-    weights.dtype, the combine by index_add in x.dtype; only the GEMM kernels differ.
+    weights.dtype, the K slots summed in x.dtype (in slot order; the loop adds them in expert order).
+    Deterministic run to run (no atomics in the gathers' backward or in the combine).
     """
     t, k = ids.shape
     inter = w2.shape[-1]
     dt = dtype or x.dtype
     flat = ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)  # [T*K]
-    token = order // k  # [T*K]
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=order.device)  # [T*K] inverse permutation
     # [E] group ends = pairs with id <= e; searchsorted, not bincount (whose CUDA kernel reads the max id on the host)
     experts = torch.arange(w13.shape[0], device=flat.device, dtype=flat.dtype)
     offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
-    h = torch._grouped_mm(x[token].to(dt), w13.to(dt).transpose(1, 2), offs=offs)  # [T*K, 2I]
+    # Run-to-run deterministic, forward and backward: every gather below reads each source row once
+    # (its backward writes each row once), and the K slots of a token add up in a fixed order (sum
+    # over a dim) - an index_add over the token ids would add them with atomics in arrival order.
+    xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, x.shape[-1])[order]  # [T*K, H]; grad: sum of K
+    h = torch._grouped_mm(xs.to(dt), w13.to(dt).transpose(1, 2), offs=offs)  # [T*K, 2I]
     y = torch._grouped_mm(act(h[:, :inter], h[:, inter:]), w2.to(dt).transpose(1, 2), offs=offs)  # [T*K, H]
     y = (y.to(weights.dtype) * weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    return y[unsort].view(t, k, y.shape[-1]).sum(dim=1)
 
 
 def use_grouped_gemm(x: torch.Tensor) -> torch.dtype | None:

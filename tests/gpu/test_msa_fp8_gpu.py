@@ -201,10 +201,11 @@ def test_engine_fp8_index_keys_greedy_tokens():
 
 
 @pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
-def test_fp8_score_topk_decode_real_shapes(quantize_queries):
+def test_fp8_score_topk_decode_real_shapes(quantize_queries, monkeypatch):
     # The long-context decode path on FP8 keys: rows of 300K / 40K / 3K / 130 tokens in one launch;
     # selection vs the reference on the dequantized keys and vs index_topk on the same cache (near-tie
     # rule; equality printed), output vs the reference on the path's own selection.
+    monkeypatch.setattr(msa_fused_decode, "LONG_DECODE_PATH", "score_topk")  # not the default yet (bench_msa)
     b, cache = _batch(([(300000, 1), (40000, 1), (3000, 1), (130, 1)], 4), quantize_queries, seed=7)
     assert msa_fused_decode.select_decode_path(b.meta.block_tables.shape[1]) == "score_topk"
     want = index_topk_ref(b.iq, cache, b.meta, K)

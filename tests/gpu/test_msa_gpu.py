@@ -268,10 +268,11 @@ LONG_VERIFY = ([(200000, 4), (5000, 4)], 2)
     ("spec", "forced"), [(LONG, (0, 1)), (MANY, (0, 1)), (LONG_VERIFY, (1, 2))], ids=["long", "many", "verify_q4"]
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_score_topk_decode_real_shapes(spec, forced, dtype):
+def test_score_topk_decode_real_shapes(spec, forced, dtype, monkeypatch):
     # Selection vs the reference (near-tie rule of _check_selection) and vs index_topk on the same keys
     # (same rule; equality printed); output vs the reference on the path's own selection (bf16 2e-2,
     # fp32 1e-4); a repeated call is bit-identical (arrival counters re-armed).
+    monkeypatch.setattr(msa_fused_decode, "LONG_DECODE_PATH", "score_topk")  # not the default yet (bench_msa)
     b = _batch(spec, dtype, seed=4)
     td = b.meta.num_decodes * b.meta.decode_query_len
     assert msa_fused_decode.select_decode_path(b.meta.block_tables.shape[1]) == "score_topk"
