@@ -93,6 +93,7 @@ def test_job_asking_for_a_gpu_without_one_exits_2_naming_the_key(tmp_path, capsy
     err = capsys.readouterr().err
     assert "cluster.device='cuda'" in err and "torch.cuda.is_available() is False" in err
     assert not (tmp_path / "cache").exists()  # stopped before a checkpoint was built
+    assert not out.exists()  # and before the output directories were created
 
 
 def test_build_policy_follows_the_config():

@@ -149,9 +149,9 @@ def run(cfg: MasterConfig) -> dict:
     """
     t_start = time.perf_counter()
     metric_name = resolve_metric_name(cfg)  # a name no step logs stops the run here
+    trainer_device(cfg)  # a device this machine lacks stops the job here, before anything is made
     check_output_dirs(cfg)
     check_resume(cfg)
-    trainer_device(cfg)  # a device this machine lacks stops the job here, before anything is built
     set_seed(cfg.grpo.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     g, p, gen = cfg.grpo, cfg.policy, cfg.policy.generation

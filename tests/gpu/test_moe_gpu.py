@@ -310,6 +310,7 @@ def test_sft_steps_on_the_gpu_preset_take_the_same_path_with_grouped_gemm_and_lo
                 opt.step()
                 losses.append(loss.item())
             runs[grouped] = (losses, first_grads)
+            assert moe._GROUPED_GEMM_OK  # the grouped run did not fall back to the loop
     finally:
         moe._GROUPED_GEMM_ENV = old
     (la, ga), (lb, gb) = runs[True], runs[False]
@@ -340,3 +341,60 @@ def test_sft_steps_on_the_gpu_preset_take_the_same_path_with_grouped_gemm_and_lo
     for a, b in zip(la, lb):
         assert abs(a - b) <= 5e-2 * abs(b), (la, lb)
     assert d.mean().item() <= 2e-2, d.mean().item()
+
+
+def test_first_step_gradients_with_only_the_combine_swapped(monkeypatch):
+    """Which part of the grouped GEMM moves the preset's first-step gradients away from the loop's:
+    the same model and batch, bf16 autocast over fp32 weights, through (a) the loop, (b)
+    ``grouped_experts_gemm`` (slot-order sum), (c) the same grouped GEMMs with the combine swapped
+    for one index_add over all pairs (the code before 2026-12-02, which on the H200 gave 0.18 % at
+    most against the loop). (c) vs (a) must stay within 3e-2 of every parameter's norm; (b) vs (a)
+    and (b) vs (c) are printed: large (b) differences with a small (c) one put them on the
+    summation order of the combine, amplified by router top-k flips."""
+    import copy
+
+    import m3_rollout.model.moe as moe
+    from m3_rollout.jobs.builtin import gpu_small_spec
+    from m3_rollout.model import M3ForCausalLM
+    from m3_trainers.policy import token_logprobs
+
+    cfg = tiny_config(**gpu_small_spec().model_overrides)
+    torch.manual_seed(0)
+    base = M3ForCausalLM(cfg).cuda().float()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (32, 300), generator=gen).cuda()
+    slot_order = moe.grouped_experts_gemm
+
+    def index_add_combine(x, ids_, weights, w13, w2, act, dtype=None):
+        t, k = ids_.shape
+        inter, dt = w2.shape[-1], dtype or x.dtype
+        flat = ids_.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        experts = torch.arange(w13.shape[0], device=flat.device, dtype=flat.dtype)
+        offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+        h = torch._grouped_mm(x[token].to(dt), w13.to(dt).transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(act(h[:, :inter], h[:, inter:]), w2.to(dt).transpose(1, 2), offs=offs)
+        y = (y.to(weights.dtype) * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def first_grads(env, fn):
+        monkeypatch.setattr(moe, "_GROUPED_GEMM_ENV", env)
+        monkeypatch.setattr(moe, "grouped_experts_gemm", fn)
+        model = copy.deepcopy(base)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = -token_logprobs(model, ids).mean()
+        loss.backward()
+        assert moe._GROUPED_GEMM_OK
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loop, slots, added = first_grads(False, slot_order), first_grads(True, slot_order), first_grads(True, index_add_combine)
+
+    def worst(a, b):
+        rel = {n: ((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in b}
+        return sorted(rel.items(), key=lambda kv: -kv[1])[:3]
+
+    print("slot-order combine vs loop:", worst(slots, loop))
+    print("index_add combine vs loop:", worst(added, loop))
+    print("slot-order vs index_add combine:", worst(slots, added))
+    assert worst(added, loop)[0][1] <= 3e-2

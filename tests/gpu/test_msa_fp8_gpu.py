@@ -128,13 +128,19 @@ def test_fp8_index_topk_and_decode_real_shapes(quantize_queries):
     assert err <= 2e-2
 
 
+@pytest.mark.parametrize("long_path", ["index_topk", "score_topk"])
 @pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
-def test_fp8_msa_attention_cuda_graph_replay(quantize_queries):
+def test_fp8_msa_attention_cuda_graph_replay(quantize_queries, long_path, monkeypatch):
     # As test_msa_gpu.py: capture the sparse-layer decode call, advance every row in place, replay
-    # twice; equal to a fresh eager call. Wide table (score_topk route) and short table (rank route).
-    for spec, seed in ((([(6000, 1), (3000, 1), (70000, 1)], 3), 2), (([(6000, 1), (3000, 1), (7000, 1)], 3), 5)):
+    # twice; equal to a fresh eager call. Wide table (long_path: the default index_topk, and
+    # score_topk) and short table (rank route).
+    monkeypatch.setattr(msa_fused_decode, "LONG_DECODE_PATH", long_path)
+    for (spec, seed), path in zip(
+        ((([(6000, 1), (3000, 1), (70000, 1)], 3), 2), (([(6000, 1), (3000, 1), (7000, 1)], 3), 5)), (long_path, "rank")
+    ):
         b, cache = _batch(spec, quantize_queries, seed)
         m = b.meta
+        assert msa_fused_decode.select_decode_path(m.block_tables.shape[1]) == path
 
         def step(b=b, cache=cache, m=m):
             return msa_fused_decode.msa_attention(b.q, b.iq, b.k, b.v, cache, m, SCALE, K)

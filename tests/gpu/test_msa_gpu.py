@@ -197,13 +197,16 @@ def test_sparse_prefill_cuda_graph_replay(impl):
 
 # ---- fused decode path (kernels/msa_fused_decode.py) through msa_fused_decode.msa_attention ----
 
-WIDE = ([(40000, 1), (3000, 1)], 2)  # block table of 313 pages > MAX_FUSED_BLOCKS: score_topk route
+WIDE = ([(40000, 1), (3000, 1)], 2)  # block table of 313 pages > MAX_FUSED_BLOCKS: the long-context path
+LONG_PATHS = ["index_topk", "score_topk"]  # LONG_DECODE_PATH: the default, and the fused one still being measured
 
 
+@pytest.mark.parametrize("long_path", LONG_PATHS)
 @pytest.mark.parametrize("spec", [MIXED, VERIFY, WIDE], ids=["mixed", "verify_q4", "wide_table"])
-def test_msa_attention_fused_decode_real_shapes(spec):
+def test_msa_attention_fused_decode_real_shapes(spec, long_path, monkeypatch):
     # Selection: same rule as test_index_topk_real_shapes; output vs the reference on the reference's
     # own selection (bf16 tolerance above), and a repeated call is bit-identical (counters re-armed).
+    monkeypatch.setattr(msa_fused_decode, "LONG_DECODE_PATH", long_path)
     b = _batch(spec, torch.bfloat16, seed=3)
     td = b.meta.num_decodes * b.meta.decode_query_len
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
@@ -231,12 +234,16 @@ class _DecodeView:
         self.iq, self.ik, self.meta = b.iq[:td], b.ik, meta
 
 
-def test_msa_attention_cuda_graph_replay():
+@pytest.mark.parametrize("long_path", LONG_PATHS)
+def test_msa_attention_cuda_graph_replay(long_path, monkeypatch):
     # Capture the engine's sparse-layer call for a decode batch, advance every row in place and
     # replay (twice: counters re-armed in the graph); the replay equals a fresh eager call.
+    monkeypatch.setattr(msa_fused_decode, "LONG_DECODE_PATH", long_path)
     b = _batch(([(6000, 1), (3000, 1), (70000, 1)], 3), torch.bfloat16, seed=2)
     b2 = _batch(([(6000, 1), (3000, 1), (7000, 1)], 3), torch.bfloat16, seed=5)
-    for bb in (b, b2):  # wide table (score_topk route) and short table (rank route)
+    assert msa_fused_decode.select_decode_path(b.meta.block_tables.shape[1]) == long_path
+    assert msa_fused_decode.select_decode_path(b2.meta.block_tables.shape[1]) == "rank"
+    for bb in (b, b2):  # wide table (long_path) and short table (rank route)
         m = bb.meta
 
         def step():
