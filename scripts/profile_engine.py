@@ -201,6 +201,12 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
     model.forward_paged(pre_ids, pre, kv, ops)
     torch.cuda.synchronize()
     res["prefill_ms"] = 1000 * (time.perf_counter() - t0)
+    if args.prefill_kernel_table:
+        rows, total = _kernel_table(lambda: model.forward_paged(pre_ids, pre, kv, ops), 1)
+        res["prefill_kernel_table"] = rows[:40]
+        print(f"[{tag}] eager prefill forward ({batch}x{args.context} tokens): {total:.1f} us summed kernel time")
+        for name, c, t in rows[: args.table_rows]:
+            print(f"    {t:10.1f} us  {c:6.1f}x  {name[:110]}")
     model.forward_paged(ids, meta, kv, ops)  # warm-up (compile)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -251,6 +257,9 @@ def main() -> None:
     ap.add_argument("--graph-replay", type=int, default=100, help="replays timed per engine (GPU, graphs)")
     ap.add_argument("--kernel-table", action="store_true", help="kernels of one decode forward (GPU, graphs)")
     ap.add_argument("--table-rows", type=int, default=25)
+    ap.add_argument(
+        "--prefill-kernel-table", action="store_true", help="kernels of the prefill forward of --context tokens per row (GPU)"
+    )
     ap.add_argument("--compare-fused", action="store_true", help="= --variants pytorch fused")
     ap.add_argument("--variants", nargs="*", default=None, help=f"model paths to run, of {VARIANTS} (default fused)")
     ap.add_argument("--profile-ops", action="store_true", help="torch.profiler op table (no graphs)")
