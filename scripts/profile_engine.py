@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument("--kernel-table", action="store_true", help="kernels of one decode forward (GPU, graphs)")
     ap.add_argument("--table-rows", type=int, default=25)
     ap.add_argument(
-        "--prefill-kernel-table", action="store_true", help="kernels of the prefill forward of --context tokens per row (GPU)"
+        "--prefill-kernel-table", action="store_true", help="kernels of the prefill forward (--context tokens per row)"
     )
     ap.add_argument("--compare-fused", action="store_true", help="= --variants pytorch fused")
     ap.add_argument("--variants", nargs="*", default=None, help=f"model paths to run, of {VARIANTS} (default fused)")
