@@ -177,7 +177,8 @@ def grouped_experts_gemm(
     # Run-to-run deterministic, forward and backward: every gather below reads each source row once
     # (its backward writes each row once), and the K slots of a token add up in a fixed order (sum
     # over a dim) - an index_add over the token ids would add them with atomics in arrival order.
-    xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, x.shape[-1])[order]  # [T*K, H]; grad: sum of K
+    # [T*K, H] gathered from the [T, K, H] view (no [T*K, H] copy first); grad: the K slots summed
+    xs = x.unsqueeze(1).expand(t, k, x.shape[-1])[order // k, order % k]
     h = torch._grouped_mm(xs.to(dt), w13.to(dt).transpose(1, 2), offs=offs)  # [T*K, 2I]
     y = torch._grouped_mm(act(h[:, :inter], h[:, inter:]), w2.to(dt).transpose(1, 2), offs=offs)  # [T*K, H]
     y = (y.to(weights.dtype) * weights.reshape(-1)[order, None]).to(x.dtype)
