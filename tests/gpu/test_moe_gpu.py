@@ -222,25 +222,31 @@ def test_training_experts_take_the_grouped_gemm_without_host_syncs():
     ids = torch.stack([torch.randperm(e - 1)[:k] for _ in range(t)]).cuda()  # one expert gets nothing
     x0 = torch.randn(t, cfg.hidden_size, device="cuda")
     w0 = torch.rand(t, k, device="cuda")
-    res = []
-    for gemm in (True, False):
+
+    def run(experts):  # experts(x, w) -> y under bf16 autocast; y and every gradient
         ex.zero_grad()
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             assert use_grouped_gemm(x) == torch.bfloat16
-            if gemm:
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:  # the op itself (a sync raises here, not inside StackedExperts' fallback)
-                    y = grouped_experts_gemm(x, ids, w, ex.w13, ex.w2, ex.act, torch.bfloat16)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                with torch.no_grad():  # and StackedExperts takes it (same bits as the op)
-                    assert torch.equal(ex(x, ids, w), y) and moe._GROUPED_GEMM_OK
-            else:
-                y = grouped_experts(x, ids, w, ex.w13, ex.w2, ex.act)
+            y = experts(x, w)
         (y.float() * torch.linspace(-1, 1, y.numel(), device="cuda").view_as(y)).sum().backward()
-        res.append([y.detach().float(), x.grad, w.grad, ex.w13.grad.clone(), ex.w2.grad.clone()])
+        return [y.detach().float(), x.grad, w.grad, ex.w13.grad.clone(), ex.w2.grad.clone()]
+
+    def gemm(x, w):
+        return grouped_experts_gemm(x, ids, w, ex.w13, ex.w2, ex.act, torch.bfloat16)
+
+    def gemm_checked(x, w):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:  # the op itself (a sync raises here, not inside StackedExperts' fallback)
+            y = gemm(x, w)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with torch.no_grad():  # and StackedExperts takes it (same bits as the op)
+            assert torch.equal(ex(x, ids, w), y) and moe._GROUPED_GEMM_OK
+        return y
+
+    res = [run(gemm_checked), run(lambda x, w: grouped_experts(x, ids, w, ex.w13, ex.w2, ex.act))]
     for a, b in zip(*res):
         err = (a - b).abs().max().item()
         assert err <= 2e-2 * b.abs().max().item(), err
@@ -248,17 +254,23 @@ def test_training_experts_take_the_grouped_gemm_without_host_syncs():
         assert torch.count_nonzero(a[e - 1]) == 0 and torch.count_nonzero(b[e - 1]) == 0  # the expert with no tokens
         per_expert = (a[: e - 1] - b[: e - 1]).abs().amax(dim=(1, 2)) / b[: e - 1].abs().amax(dim=(1, 2))
         assert per_expert.max().item() <= 2e-2, per_expert.max().item()
+    # run to run deterministic: output and every gradient bitwise equal
+    assert all(torch.equal(a, b) for a, b in zip(res[0], run(gemm)))
 
-    def grouped_once():  # run to run deterministic: output and every gradient bitwise equal
-        ex.zero_grad()
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = grouped_experts_gemm(x, ids, w, ex.w13, ex.w2, ex.act, torch.bfloat16)
-        (y.float() * torch.linspace(-1, 1, y.numel(), device="cuda").view_as(y)).sum().backward()
-        return [y.detach(), x.grad, w.grad, ex.w13.grad.clone(), ex.w2.grad.clone()]
 
-    first, second = grouped_once(), grouped_once()
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+def _gpu_preset_model():
+    """(config, fp32 CUDA model) of builtin:m3-gpu-small's shapes, seed 0."""
+    from m3_rollout.jobs.builtin import gpu_small_spec
+    from m3_rollout.model import M3ForCausalLM
+
+    cfg = tiny_config(**gpu_small_spec().model_overrides)
+    torch.manual_seed(0)
+    return cfg, M3ForCausalLM(cfg).cuda().float()
+
+
+def _relative_diffs(a: dict, b: dict) -> dict:
+    """{name: |a - b| / |b|} over b's tensors (Frobenius norms)."""
+    return {n: ((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in b}
 
 
 def test_sft_steps_on_the_gpu_preset_take_the_same_path_with_grouped_gemm_and_loop():
@@ -273,13 +285,9 @@ def test_sft_steps_on_the_gpu_preset_take_the_same_path_with_grouped_gemm_and_lo
     import copy
 
     import m3_rollout.model.moe as moe
-    from m3_rollout.jobs.builtin import gpu_small_spec
-    from m3_rollout.model import M3ForCausalLM
     from m3_trainers.policy import token_logprobs
 
-    cfg = tiny_config(**gpu_small_spec().model_overrides)
-    torch.manual_seed(0)
-    base = M3ForCausalLM(cfg).cuda().float()
+    cfg, base = _gpu_preset_model()
     gen = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(20):
@@ -315,7 +323,7 @@ def test_sft_steps_on_the_gpu_preset_take_the_same_path_with_grouped_gemm_and_lo
         moe._GROUPED_GEMM_ENV = old
     (la, ga), (lb, gb) = runs[True], runs[False]
     assert ga.keys() == gb.keys()
-    rel = {n: ((ga[n] - gb[n]).norm() / gb[n].norm().clamp_min(1e-30)).item() for n in gb}
+    rel = _relative_diffs(ga, gb)
     worst = sorted(rel.items(), key=lambda kv: -kv[1])[:5]
     print("first-step gradient relative difference, worst 5:", worst)
     print("losses grouped:", [round(x, 4) for x in la])
@@ -354,13 +362,9 @@ def test_first_step_gradients_with_only_the_combine_swapped(monkeypatch):
     import copy
 
     import m3_rollout.model.moe as moe
-    from m3_rollout.jobs.builtin import gpu_small_spec
-    from m3_rollout.model import M3ForCausalLM
     from m3_trainers.policy import token_logprobs
 
-    cfg = tiny_config(**gpu_small_spec().model_overrides)
-    torch.manual_seed(0)
-    base = M3ForCausalLM(cfg).cuda().float()
+    cfg, base = _gpu_preset_model()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, cfg.vocab_size, (32, 300), generator=gen).cuda()
     slot_order = moe.grouped_experts_gemm
@@ -392,8 +396,7 @@ def test_first_step_gradients_with_only_the_combine_swapped(monkeypatch):
     added = first_grads(True, index_add_combine)
 
     def worst(a, b):
-        rel = {n: ((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in b}
-        return sorted(rel.items(), key=lambda kv: -kv[1])[:3]
+        return sorted(_relative_diffs(a, b).items(), key=lambda kv: -kv[1])[:3]
 
     print("slot-order combine vs loop:", worst(slots, loop))
     print("index_add combine vs loop:", worst(added, loop))
