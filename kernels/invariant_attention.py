@@ -64,8 +64,9 @@ Ops
 2. ``invariant_paged_attention`` (``_inv_attn_kernel``, launched once for the decode rows and once
    for the prefill rows with the same constants, then ``_inv_merge_kernel`` for the decode tokens
    whose keys span several splits): a program takes ``BLOCK_M`` consecutive query tokens of one row
-   x the RH query heads of one KV head (``ATTN_TILE_ROWS`` = 64 dot rows: 4 tokens x 16 heads at M3
-   shapes, 16 x 4 for the 300M bench model; a decode row = 1 token + zero tokens). It walks one page
+   x the RH query heads of one KV head (``SPARSE_TILE_ROWS`` = 64 dot rows for sparse layers: 4
+   tokens x 16 heads at M3 shapes, 16 x 4 for the 300M bench model; ``DENSE_TILE_ROWS`` = 128 for
+   dense layers; a decode row = 1 token + zero tokens). It walks one page
    (= block, ``ps`` keys) per step in ascending block id, split by split (``ATTN_SPLIT_BLOCKS``
    blocks): dense layers every block up to the tile's last position; sparse layers the sorted
    distinct valid blocks the tile's tokens selected (the union, walked by repeated min-reductions
@@ -117,9 +118,10 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   loaded its page id first): about one memory round trip per page instead of two or three.
   The page loop itself spilled at 4 warps (sm_90 ptxas at bench shapes, bf16: 255 registers,
   ~540 local loads and ~2.6K instructions per thread per page; ~650 with the split's second
-  accumulator); at ``ATTN_WARPS`` = 8 (d >= 128) ~90 local loads and ~1.8K instructions. Expected:
-  most of the per-page latency at batch 1; whether 8 warps also win for long prefills (one CTA
-  per SM instead of two) is for the H200 benchmark to say.
+  accumulator); at 8 warps (d >= 128) ~90 local loads and ~1.8K instructions. Expected:
+  most of the per-page latency at batch 1. Measured (2026-12-03, tile sweep): sparse layers are
+  faster at 4 warps after all (two CTAs per SM outweigh the spills: 16K prefill 4.1 vs 6.8 ms,
+  decode batch 32 0.10 vs 0.12 ms), dense layers at 128 rows x 8 warps (``DENSE_TILE_ROWS``).
 - Decode tiles are padded to the prefill shape: 64 dot rows for 16 useful (attention) and for 4
   useful (scores); the tensor-core work grows 4x / 16x, but decode is bound by reading K/V and index
   keys, so this should cost little.
@@ -127,8 +129,8 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   union of its tile's blocks, ~1-3x the selected work); the fast kernel switches to the KV-major
   path (each page read once per segment of entries) from 16K prefill tokens, so long sparse
   prefills are expected ~1.5-2x slower in attention.
-- Dense prefill: 4-token tiles (64 rows) where the fast kernel takes 8 (128 rows), so every K/V page
-  is read twice as often; expected up to ~1.5x slower on dense layers' long prefills.
+- Dense prefill: 128-row tiles (``DENSE_TILE_ROWS``: 8 tokens x 16 heads at M3 shapes), as many
+  rows as the fast kernel's, so each K/V page is read as often; decode pads one token into them.
 - The MSA decode step is three launches (scores, top-k, attention) plus the merge (PDL-chained to
   the attention) instead of the fused two with programmatic dependent launch, and the score
   kernel has no unmasked fast loop, register cap or key sub-tiles: a few microseconds per sparse
@@ -163,18 +165,25 @@ from m3_kernels.msa_index_topk import MAX_TOPK, check_index_inputs
 from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
-# Dot rows per program (tokens x heads). Fixed by the model's shapes only; 64 = the smallest M of a
-# Hopper warpgroup MMA, so decode (padded) and prefill tiles run one instruction shape.
-ATTN_TILE_ROWS = 64
+# Dot rows per program (tokens x heads). Fixed by the model's shapes and the layer kind only; 64 = the
+# smallest M of a Hopper warpgroup MMA, so decode (padded) and prefill tiles run one instruction shape.
+ATTN_TILE_ROWS = 64  # attn_block_m's default
+# Per layer kind (a layer keeps its kind's tile for decode and prefill, so its bits stay one function
+# of the row; the kinds never mix in one layer). H200, 16K-token prefill of one layer, bf16
+# (scripts/bench_invariant_attention.py --tile-sweep, 2026-12-03), 16 / 64 query heads: dense
+# 128 rows x 8 warps 3.5 / 12.6 ms vs 64 x 8 6.2 / 19.8 ms (each K/V page read by half as many
+# tiles); sparse 64 x 4 4.1 / 9.9 ms vs 64 x 8 6.8 / 15.7 ms (a bigger tile walks a bigger union
+# of its rows' blocks; at 4 warps two programs share an SM). Decode at 8K, batch 32: dense 0.29 vs
+# 0.26 ms, sparse 0.10 vs 0.12 ms.
+DENSE_TILE_ROWS = 128
+DENSE_WARPS = 8
+SPARSE_TILE_ROWS = 64
+SPARSE_WARPS = 4
 INDEX_TILE_ROWS = 64
 # Blocks (= pages) per attention split: a token's keys are attended split by split (ascending), each
 # split's online softmax folded into the total in ascending split order, for decode (one program per
 # split + ``_inv_merge_kernel``) and prefill (in registers) alike. A constant, never from the batch.
 ATTN_SPLIT_BLOCKS = 8
-# Warps of the attention kernel for head dims >= 128 (decode and prefill launches alike: a compile
-# constant). sm_90 ptxas, bench/M3 shapes, bf16: 4 warps spill in the page loop (~650 local loads and
-# ~2.7K instructions per thread per page), 8 warps ~90 and ~1.8K; the earlier kernel used 4.
-ATTN_WARPS = 8
 PDL = True  # CUDA: launch the decode merge with programmatic dependent launch (hides its launch latency)
 DECODE_PROGRAMS = 256  # decode attention programs aimed at (tiles x KV heads x splits); work split only
 SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depends on another block)
@@ -185,9 +194,9 @@ _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every 
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
 
-def attn_block_m(rh: int) -> int:
-    """Query tokens per attention tile for RH query heads per KV head: ATTN_TILE_ROWS // next_pow2(RH), >= 1."""
-    return max(1, ATTN_TILE_ROWS // next_pow2(rh))
+def attn_block_m(rh: int, tile_rows: int = ATTN_TILE_ROWS) -> int:
+    """Query tokens per attention tile for RH query heads per KV head: tile_rows // next_pow2(RH), >= 1."""
+    return max(1, tile_rows // next_pow2(rh))
 
 
 def index_block_m(g: int) -> int:
@@ -776,6 +785,8 @@ def invariant_paged_attention(
     meta: PagedMetadata,
     scale: float,
     topk_ids: torch.Tensor | None = None,
+    tile_rows: int | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant ``paged_attention`` (PagedOps field; reference ``paged_attention_ref``, spec §3.5).
 
@@ -786,7 +797,10 @@ def invariant_paged_attention(
     bits depend only on its own query, position, block ids and the K/V it attends (module
     docstring). CUDA-graph safe (grids from host ints and shapes, no host sync).
     Raises ValueError for unsupported dtypes or sizes (d, ps powers of two in [16, 256], nh % G,
-    K in 1..64), naming the field.
+    K in 1..64), naming the field. tile_rows / warps: another tile height (dot rows) / warp count
+    than the layer kind's ``DENSE_TILE_ROWS`` / ``SPARSE_TILE_ROWS`` and ``DENSE_WARPS`` / ``SPARSE_WARPS``
+    (scripts/bench_invariant_attention.py --tile-sweep; a layer must keep one choice for decode and
+    prefill, the engine never passes one).
     """
     _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
     t, nh, d = q.shape
@@ -799,7 +813,7 @@ def invariant_paged_attention(
     topk = 0 if dense else int(topk_ids.shape[2])
     rh = nh // g
     rhp = next_pow2(rh)
-    bm = attn_block_m(rh)
+    bm = attn_block_m(rh, tile_rows or (DENSE_TILE_ROWS if dense else SPARSE_TILE_ROWS))
     kp = max(next_pow2(topk), 2)
     ieee = q.dtype == torch.float32
     pdl = q.is_cuda and PDL
@@ -857,7 +871,7 @@ def invariant_paged_attention(
             DENSE=dense,
             IEEE=ieee,
             PDL=pdl,
-            num_warps=ATTN_WARPS if d >= 128 else 4,
+            num_warps=warps or ((DENSE_WARPS if dense else SPARSE_WARPS) if d >= 128 else 4),
             num_stages=1 if ieee else 2,
         )
         if decode and merge:  # before the prefill launch: PDL chains it to the decode launch

@@ -3,11 +3,14 @@
 Governing idea: a token's result is bitwise the same whatever else is in the step (batch size,
 other sequences, chunk boundaries, prefix-cache hits, CUDA-graph padding) when every reduction
 that produces it runs in one fixed order. A GPU kernel's reduction order is fixed by its compiled
-code: tile sizes, warps, MMA instruction shape and the sequence of K steps. So each op here has
-ONE launch configuration per activation dtype, chosen without looking at the number of rows T:
-no autotuning, no heuristic keyed on T, no split-K whose split depends on T, no atomic adds of
-values. ``linear`` and the routed experts' GEMMs sum K in fixed chunks whose fp32 partials are
-added in chunk order, by one program or, for decode-sized launches, by separate programs whose
+code: tile sizes, warps, MMA instruction shape and the sequence of K steps. So each op here fixes
+the sequence of additions that makes an output element per activation dtype, whatever the number
+of rows T: no autotuning, no split-K whose split depends on T, no atomic adds of values. Where a
+launch configuration does follow T (``linear``'s three row bands: 16-row tiles for decode, 128-row
+tiles with one pipelined K loop for prefill), the configurations differ only in how many rows and
+columns share a program, and a row's bits are the same under each (checked on the H200).
+``linear`` and the routed experts' GEMMs sum K in fixed chunks whose fp32 partials are added in
+chunk order, by one program or, for decode-sized launches, by separate programs whose
 partials the last program of the output tile to finish adds up (kernels/split_k.py: an atomic
 ticket decides WHO combines, never the order): the same additions either way.
 A row then meets the same instructions in the same order whether it is alone or row 17 of 300,
@@ -41,12 +44,12 @@ Ops:
   per row, the vocabulary walked in fixed LOGPROB_BLOCK chunks (max, then sum of exp), the same
   in the eager sampler, the decode graphs and (later) the trainer's loss.
 
-Cost: fixed tiles are the compromise between decode (few rows: a 64-row tile is mostly masked,
-the GEMM is bound by streaming the weights) and prefill (many rows: smaller tiles than cuBLAS
-picks); the MoE pads every expert to 64 rows. H200, bench model (300M) decode, before the MoE
-split-K and the in-kernel linear combine: MoE GEMMs 108.5 us (batch 1) / 166.5 us (batch 32) per
-step vs the fast mode's 68.7 / 146.1; linear 265 / 280 us vs 167 + cuBLAS / ~170 us (issue 24
-target: <= 15% slower than the fast mode). Not yet re-measured after them.
+Cost: fixed tiles are the compromise between decode (few rows: the GEMM is bound by streaming the
+weights) and prefill (many rows); the MoE pads every expert to 64 rows. H200, 300M bench model
+(2026-12-03, profile_engine.py): decode step linear 221 / 261 us (batch 1 / 32, 40 launches) vs
+the fast mode's skinny GEMM + cuBLAS 186 / 144 us; MoE GEMMs 108 / 193 vs 69 / 145 us; 16K-token
+prefill linear 9.0 ms vs cuBLAS 4.3 ms (12.8 ms before the row bands; issue 24 target for the
+whole step: <= 15% slower than the fast mode).
 
 Not here: attention (the other half of issue 24, ``kernels/invariant_attention.py``); the EP
 combine across ranks (``m3_rollout/parallel/ep_moe.py``: each rank runs ``fused_experts`` on its
@@ -75,7 +78,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """The one launch configuration of ``linear`` for an activation dtype (no field depends on T or N).
+    """A launch configuration of ``linear`` (``linear_config`` picks one from the dtype and T's band;
+    no field depends on N). block_m / block_n: output tile; block_k: K step of the dot; flat: one
+    software-pipelined K loop whose chunk partials fold into the accumulator at chunk ends (else
+    one loop per chunk, nested); the same additions either way.
 
     k_chunk: the K axis is summed in chunks of this many columns (a multiple of 2 x block_k): each
     chunk's partial dot product starts from zero and the partials are added in chunk order in
@@ -91,15 +97,38 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     k_chunk: int
+    flat: bool = False
 
 
-# NOTE: untuned first choice. 16-bit: 64-row tiles = one Hopper wgmma row block per warpgroup;
-# fp32 ("ieee" products, FMA units): smaller tiles keep the fp32 operands in registers.
-LINEAR_CONFIGS = {
+# The launch configuration by row count T (``linear_config``). Every one of them sums an output
+# element in the same sequence: K chunks of ``k_chunk`` from zero, each chunk in BLOCK_K = 64 steps of
+# the tensor-core dot (16-element MMA steps inside), chunk partials added in chunk order, so the
+# bits do not depend on which one a step takes. What differs is how many rows and columns share a
+# program (and with it the MMA instruction: Hopper mma.sync for 16-row tiles, wgmma for 64 / 128)
+# and whether the K loop is one pipelined loop (``flat``). That a row's bits are the same under
+# every tile shape is a property of the hardware's MMA (one fixed order per output element), checked
+# on the H200 by tests/gpu/test_invariant_ops_gpu.py and scripts/bench_invariant_linear.py (all
+# candidate shapes: same bits on 4,096 random rows, 2026-12-03).
+# H200, bench shapes (scripts/bench_invariant_linear.py, 2026-12-03): 16-row tiles take 25-45 %
+# less time than 64-row ones at T = 1 and 32 (decode: the weights stream either way, more programs
+# in flight); at 16,384 rows 128x128 tiles with the flat loop take 1.7-2.0x cuBLAS's time where
+# the 64x64 nested loop took 2.6-3.2x. fp32 (exact "ieee" products, FMA units; the router GEMM):
+# one small tile for every T.
+LINEAR_CONFIGS = {  # middle row counts
     torch.bfloat16: LinearConfig(64, 64, 64, 4, 4, 256),
     torch.float16: LinearConfig(64, 64, 64, 4, 4, 256),
     torch.float32: LinearConfig(32, 32, 32, 4, 2, 64),
 }
+LINEAR_DECODE_CONFIGS = {  # T <= LINEAR_DECODE_ROWS
+    torch.bfloat16: LinearConfig(16, 64, 64, 4, 4, 256),
+    torch.float16: LinearConfig(16, 64, 64, 4, 4, 256),
+}
+LINEAR_PREFILL_CONFIGS = {  # T >= LINEAR_PREFILL_ROWS
+    torch.bfloat16: LinearConfig(128, 128, 64, 8, 4, 256, flat=True),
+    torch.float16: LinearConfig(128, 128, 64, 8, 4, 256, flat=True),
+}
+LINEAR_DECODE_ROWS = 32
+LINEAR_PREFILL_ROWS = 512
 # Split the K chunks over programs when the (row tile, column tile) grid has fewer programs than
 # this (decode-sized steps: a 1-row x 1024-wide projection is 16 programs otherwise). The choice
 # depends on T; the bits do not (LinearConfig.k_chunk).
@@ -126,10 +155,18 @@ INVARIANT_MOE_CONFIG = fm.MoEKernelConfig(
 LOGPROB_BLOCK = 1024  # vocabulary chunk of token_logprobs
 
 
-def linear_config(dtype: torch.dtype) -> LinearConfig:
-    """``LINEAR_CONFIGS[dtype]``; raises ValueError for dtypes the kernel does not take."""
+def linear_config(dtype: torch.dtype, t: int | None = None) -> LinearConfig:
+    """The launch configuration of ``linear`` for activations of ``dtype`` and ``t`` rows (None: the
+    middle one, whose ``k_chunk`` every configuration of the dtype shares): ``LINEAR_DECODE_CONFIGS``
+    up to ``LINEAR_DECODE_ROWS`` rows, ``LINEAR_PREFILL_CONFIGS`` from ``LINEAR_PREFILL_ROWS``,
+    ``LINEAR_CONFIGS`` between (same bits every way, see above). Raises ValueError for dtypes the
+    kernel does not take."""
     if dtype not in LINEAR_CONFIGS:
         raise ValueError(f"invariant linear: dtype {dtype} not supported (bf16 / fp16 / fp32)")
+    if t is not None and t <= LINEAR_DECODE_ROWS and dtype in LINEAR_DECODE_CONFIGS:
+        return LINEAR_DECODE_CONFIGS[dtype]
+    if t is not None and t >= LINEAR_PREFILL_ROWS and dtype in LINEAR_PREFILL_CONFIGS:
+        return LINEAR_PREFILL_CONFIGS[dtype]
     return LINEAR_CONFIGS[dtype]
 
 
@@ -190,6 +227,7 @@ def _linear_kernel(
     SPLIT: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     PRECISION: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]). Program (row tile, column tile[, K chunk]).
     # SPLIT=False: this program sums every K chunk's partial (each from zero) in chunk order into
@@ -225,8 +263,22 @@ def _linear_kernel(
                 reset_counter(count_ptr + tile)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_lo in range(0, K, K_CHUNK):
-            acc += _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
+        if FLAT:
+            # one software-pipelined loop over BLOCK_K steps; at each chunk end the chunk's partial
+            # (from zero) is added to acc and restarts from zero: the nested loop's additions, in its
+            # order, without a pipeline drain at every chunk (H200: ~1.2-1.5x faster at 16K rows)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mk = ok < K - k0
+                a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
+                b = tl.load(w_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+                part = tl.dot(a, b, part, input_precision=PRECISION)
+                if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):
+                    acc += part
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            for k_lo in range(0, K, K_CHUNK):
+                acc += _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
@@ -249,7 +301,9 @@ def _linear_combine_kernel(
     tl.store(out_ptr + m * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=mn)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cfg: LinearConfig | None = None
+) -> torch.Tensor:
     """Batch-invariant ``F.linear``: x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x.dtype.
 
     x, weight: one dtype of bf16 / fp16 / fp32, last dim contiguous (row strides free); bias any
@@ -260,7 +314,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     as separate programs (fp32 partials [chunks, T, N]; the last program of each output tile to
     finish adds them, or ``_linear_combine_kernel`` without ``SPLIT_K_FUSED_COMBINE``): the same
     additions in the same order, so the same bits (``LinearConfig.k_chunk``).
-    Raises ValueError on shape / dtype / layout mismatches.
+    cfg: a launch configuration other than the dtype's (scripts/bench_invariant_linear.py sweeps
+    them; the engine never passes one). Raises ValueError on shape / dtype / layout mismatches.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -268,7 +323,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         )
     if weight.dtype != x.dtype:
         raise ValueError(f"invariant linear: weight dtype {weight.dtype} != x dtype {x.dtype}")
-    cfg = linear_config(x.dtype)
+    cfg = cfg or linear_config(x.dtype, x.shape[0])
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("invariant linear: x and weight need a contiguous last dim")
     t, k = x.shape
@@ -306,6 +361,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         SPLIT=split,
         FUSED_COMBINE=counters is not None,
         PRECISION=dot_precision(x.dtype),
+        FLAT=cfg.flat,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 
-from bench_msa import SCALE, K, batch, graph_ms, time_ms
+import torch
+from bench_msa import DI, SCALE, K, batch, graph_ms, time_ms
 
-from m3_kernels.invariant_attention import invariant_msa_attention, invariant_paged_attention
+from m3_kernels.invariant_attention import invariant_index_topk, invariant_msa_attention, invariant_paged_attention
 from m3_kernels.msa_fused_decode import msa_attention
 from m3_kernels.msa_paged_attention import paged_attention
+from m3_kernels.msa_synthetic import make_paged_batch
 
 
 def pair(b, timer) -> list[tuple[str, float, float]]:
@@ -34,10 +36,47 @@ def pair(b, timer) -> list[tuple[str, float, float]]:
     return [("sparse", *sparse), ("dense", *dense)]
 
 
+def tile_sweep() -> None:
+    """Attention tile height (dot rows) x warps of the invariant kernel: prefill of 16K tokens and
+    decode at 8K context (batch 1 / 32), dense and sparse (top-16 of the invariant selection), for
+    the 300M bench model's heads (16 q / 4 KV) and M3's (64 / 4)."""
+    print(
+        f"{'heads':6s} {'layer':7s} {'tile x warps':13s} {'prefill 16K ms':>15s} {'dec b1 ms':>10s} {'dec b32 ms':>11s}"
+    )
+    for nh in (16, 64):
+        mk = dict(page_size=128, kv_heads=4, q_heads=nh, head_dim=128, index_dim=DI, dtype=torch.bfloat16)
+        pre = make_paged_batch([(0, 16384)], 0, device="cuda", seed=0, spare_pages=0, **mk)
+        decs = [make_paged_batch([(8191, 1)] * n, n, device="cuda", seed=1, spare_pages=0, **mk) for n in (1, 32)]
+        sels = {id(b): invariant_index_topk(b.iq, b.ik, b.meta, K) for b in (pre, *decs)}
+        for dense in (True, False):
+            kind = "dense" if dense else "sparse"
+            for rows, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8), (128, 4)):
+
+                def call(b, rows=rows, warps=warps, dense=dense):
+                    ids = None if dense else sels[id(b)]
+                    return invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, tile_rows=rows, warps=warps)
+
+                try:
+                    t = (
+                        time_ms(lambda: call(pre), iters=3, reps=3),
+                        graph_ms(lambda: call(decs[0])),
+                        graph_ms(lambda: call(decs[1])),
+                    )
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result too
+                    print(f"{nh:<6d} {kind:7s} {rows:>4d} x {warps:<6d} failed: {type(e).__name__}")
+                    continue
+                ms = f"{t[0]:15.3f} {t[1]:10.4f} {t[2]:11.4f}"
+                print(f"{nh:<6d} {kind:7s} {rows:>4d} x {warps:<6d} {ms}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="decode at 8K only, prefill of 8K tokens")
+    ap.add_argument("--tile-sweep", action="store_true", help="only the attention tile x warps sweep")
     args = ap.parse_args(argv)
+    if args.tile_sweep:
+        tile_sweep()
+        return
     print(f"{'case':34s} {'layer':7s} {'fast ms':>9s} {'invariant ms':>13s} {'ratio':>6s}")
     ctxs = (8192,) if args.quick else (8192, 32768)
     for n in (1, 32):

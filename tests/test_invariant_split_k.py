@@ -152,8 +152,10 @@ def test_linear_fused_combine_equals_the_combine_pass(dtype, monkeypatch):
 def test_chunk_sizes_and_layout_checks():
     """(d): k_chunk a multiple of 2 x block_k everywhere (a one-step chunk may be folded into the
     accumulator's dot by the compiler); k_chunk refuses the ragged / TMA layouts."""
-    for cfg in inv.LINEAR_CONFIGS.values():
-        assert cfg.k_chunk % (2 * cfg.block_k) == 0
+    for table in (inv.LINEAR_CONFIGS, inv.LINEAR_DECODE_CONFIGS, inv.LINEAR_PREFILL_CONFIGS):
+        for dtype, cfg in table.items():  # every row band sums the dtype's chunks (same bits)
+            assert cfg.k_chunk == inv.LINEAR_CONFIGS[dtype].k_chunk and cfg.block_k == inv.LINEAR_CONFIGS[dtype].block_k
+            assert cfg.k_chunk % (2 * cfg.block_k) == 0
     for dtype in (torch.bfloat16, torch.float32):
         cfg = inv.moe_config(dtype)
         assert cfg.k_chunk and all(cfg.k_chunk % (2 * tile.block_k) == 0 for tile in (cfg.w13, cfg.w2))

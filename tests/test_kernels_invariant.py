@@ -120,20 +120,29 @@ class LaunchSpy:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_dispatch_has_one_config_for_every_batch(dtype, monkeypatch):
-    """(c): the tile configuration does not depend on T (nor on N: a packed and a split weight
-    agree); only SPLIT (K chunks as separate programs for launches of few tiles) does, and its bits
-    equal the unsplit launch's (next test)."""
+def test_linear_config_depends_on_the_row_band_only_and_not_the_bits(dtype, monkeypatch):
+    """(c): the tile configuration is chosen from T's band alone (decode <= LINEAR_DECODE_ROWS,
+    prefill >= LINEAR_PREFILL_ROWS, middle between; fp32 one tile for all), never from N (a packed
+    and a split weight agree), and every band's configuration gives a row the bits of every other
+    (the same K chunks in the same order; SPLIT too, next test): rows 0..2 alone, among 32, 300 and
+    600 rows are bitwise equal."""
     spy = LaunchSpy(inv._linear_kernel)
     monkeypatch.setattr(inv, "_linear_kernel", spy)
     g = torch.Generator().manual_seed(5)
-    w = _rand(80, 48, gen=g, dtype=dtype)
-    for t in (1, 3, 32, 300):
-        inv.linear(_rand(t, 48, gen=g, dtype=dtype), w)
-        inv.linear(_rand(t, 48, gen=g, dtype=dtype), w[:16])
-    configs = {tuple(kv for kv in c[0] if kv[0] != "SPLIT") for c in spy.calls}
-    assert len(spy.calls) == 8 and len(configs) == 1
-    assert dict(next(iter(configs)))["BLOCK_M"] == inv.linear_config(dtype).block_m
+    k = 2 * inv.linear_config(dtype).k_chunk + 16  # two chunks and a tail
+    w = _rand(80, k, gen=g, dtype=dtype, scale=k**-0.5)
+    x = _rand(600, k, gen=g, dtype=dtype)
+    outs = {t: inv.linear(x[:t], w) for t in (3, 32, 300, 600)}
+    for t in (3, 32, 300, 600):
+        inv.linear(x[:t], w[:16])
+    blocks = [(dict(c[0])["BLOCK_M"], dict(c[0])["BLOCK_N"], dict(c[0])["FLAT"]) for c in spy.calls]
+    want = [inv.linear_config(dtype, t) for t in (3, 32, 300, 600)] * 2
+    assert blocks == [(c.block_m, c.block_n, c.flat) for c in want]
+    if dtype != torch.float32:  # three different tiles really ran
+        assert len(set(blocks)) == 3 and (True in {f for *_, f in blocks})
+    for t in (3, 32, 300):
+        assert torch.equal(outs[t][:3], outs[600][:3])
+    torch.testing.assert_close(outs[600].double(), torch.nn.functional.linear(x.double(), w.double()), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
