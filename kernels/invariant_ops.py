@@ -47,7 +47,7 @@ Ops:
 Cost: fixed tiles are the compromise between decode (few rows: the GEMM is bound by streaming the
 weights) and prefill (many rows); the MoE pads every expert to 64 rows. H200, 300M bench model
 (2026-12-03, profile_engine.py): decode step linear 221 / 261 us (batch 1 / 32, 40 launches) vs
-the fast mode's skinny GEMM + cuBLAS 186 / 144 us; MoE GEMMs 108 / 193 vs 69 / 145 us; 16K-token
+the fast mode's skinny GEMM + cuBLAS 186 / 163 us; MoE GEMMs 108 / 193 vs 69 / 145 us; 16K-token
 prefill linear 9.0 ms vs cuBLAS 4.3 ms (12.8 ms before the row bands; issue 24 target for the
 whole step: <= 15% slower than the fast mode).
 
