@@ -778,6 +778,15 @@ def _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids) -> None:
         raise ValueError(f"invariant_paged_attention: top-k width {topk_ids.shape[2]}; 1..{MAX_TOPK} supported")
 
 
+def _check_tile_choice(tile_rows: int | None, warps: int | None) -> None:
+    """Raises ValueError unless tile_rows is None or a power of two >= 16 (the smallest dot M) and
+    warps None or a power of two in 1..16 (``invariant_paged_attention``'s keywords)."""
+    if tile_rows is not None and (tile_rows < 16 or tile_rows & (tile_rows - 1)):
+        raise ValueError(f"invariant_paged_attention: tile_rows {tile_rows}; a power of two >= 16")
+    if warps is not None and warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"invariant_paged_attention: warps {warps}; 1, 2, 4, 8 or 16")
+
+
 def invariant_paged_attention(
     q: torch.Tensor,
     k_cache_l: torch.Tensor,
@@ -797,12 +806,14 @@ def invariant_paged_attention(
     bits depend only on its own query, position, block ids and the K/V it attends (module
     docstring). CUDA-graph safe (grids from host ints and shapes, no host sync).
     Raises ValueError for unsupported dtypes or sizes (d, ps powers of two in [16, 256], nh % G,
-    K in 1..64), naming the field. tile_rows / warps: another tile height (dot rows) / warp count
+    K in 1..64, tile_rows / warps below), naming the field. tile_rows / warps: another tile height
+    (dot rows, a power of two >= 16) / warp count (a power of two <= 16)
     than the layer kind's ``DENSE_TILE_ROWS`` / ``SPARSE_TILE_ROWS`` and ``DENSE_WARPS`` / ``SPARSE_WARPS``
     (scripts/bench_invariant_attention.py --tile-sweep; a layer must keep one choice for decode and
     prefill, the engine never passes one).
     """
     _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
+    _check_tile_choice(tile_rows, warps)
     t, nh, d = q.shape
     g, ps = k_cache_l.shape[1], k_cache_l.shape[2]
     out = torch.empty_like(q)

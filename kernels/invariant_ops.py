@@ -13,7 +13,7 @@ columns share a program, and a row's bits are the same under each (checked on th
 chunk order, by one program or, for decode-sized launches, by separate programs whose
 partials the last program of the output tile to finish adds up (kernels/split_k.py: an atomic
 ticket decides WHO combines, never the order): the same additions either way.
-A row then meets the same instructions in the same order whether it is alone or row 17 of 300,
+A row then meets the same additions in the same order whether it is alone or row 17 of 300,
 in whichever tile position: tiles never
 mix rows (each output element is the dot product of its own row with its own column), and rows
 past T are masked loads that only feed outputs which are never stored.
@@ -301,6 +301,17 @@ def _linear_combine_kernel(
     tl.store(out_ptr + m * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=mn)
 
 
+def _check_linear_config(cfg: LinearConfig, dtype: torch.dtype) -> None:
+    """Raises ValueError unless ``cfg`` sums K as every band's configuration of ``dtype`` does (same
+    k_chunk, same block_k; ``linear``'s cfg argument)."""
+    own = linear_config(dtype)
+    if cfg.k_chunk != own.k_chunk or cfg.block_k != own.block_k:
+        raise ValueError(
+            f"invariant linear: cfg k_chunk {cfg.k_chunk} / block_k {cfg.block_k}; {dtype} sums K in chunks "
+            f"of {own.k_chunk} in steps of {own.block_k} (other values change the bits)"
+        )
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cfg: LinearConfig | None = None
 ) -> torch.Tensor:
@@ -315,7 +326,10 @@ def linear(
     finish adds them, or ``_linear_combine_kernel`` without ``SPLIT_K_FUSED_COMBINE``): the same
     additions in the same order, so the same bits (``LinearConfig.k_chunk``).
     cfg: a launch configuration other than the dtype's (scripts/bench_invariant_linear.py sweeps
-    them; the engine never passes one). Raises ValueError on shape / dtype / layout mismatches.
+    them; the engine never passes one); its k_chunk and block_k must be the dtype's (they fix the
+    additions: another K chunk or K step gives other bits, and a k_chunk that is not a multiple of
+    block_k would sum a chunk's overhang twice). Raises ValueError on shape / dtype / layout
+    mismatches and on such a cfg.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -323,7 +337,10 @@ def linear(
         )
     if weight.dtype != x.dtype:
         raise ValueError(f"invariant linear: weight dtype {weight.dtype} != x dtype {x.dtype}")
-    cfg = cfg or linear_config(x.dtype, x.shape[0])
+    if cfg is None:
+        cfg = linear_config(x.dtype, x.shape[0])
+    else:
+        _check_linear_config(cfg, x.dtype)
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("invariant linear: x and weight need a contiguous last dim")
     t, k = x.shape

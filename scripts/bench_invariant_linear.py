@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         "## Batch-invariant linear launch configurations (bench_invariant_linear.py), "
         f"{run_date()}, {machine('cuda')}\n\n"
         f"bf16, K chunk {base.k_chunk}; same bits = every output equal to the "
-        f"{base.block_m}x{base.block_n} configuration's on 4,096 rows, and on 1 and 32 rows alone (split-K); "
+        "configuration linear picks (4,096 rows: the prefill band's; 1 and 32 rows alone: the decode band's, split-K); "
         "T=1 / 32 CUDA-graph replays, T=16384 eager.\n\n"
     )
     text = head + "\n".join(rows) + "\n"

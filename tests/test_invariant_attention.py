@@ -330,6 +330,24 @@ def test_sparse_with_every_block_selected_equals_dense(dtype):
     assert_rows_equal(out_sparse, out_dense, "sparse (all blocks) vs dense")
 
 
+def test_tile_choice_keeps_the_bits_and_bad_choices_name_the_field():
+    """``tile_rows`` / ``warps`` (the tile sweep): another power-of-two tile gives the same bits here
+    (the GPU test checks the compiled ones); a tile that is no power of two, below one 16-row dot
+    or 0, and a warp count that is no power of two, raise ValueError naming the keyword (they
+    failed inside the kernel, or 0 / negative silently took another tile)."""
+    want, _ = alone(torch.float32, "b", False)
+    b = make_step(make_seqs(torch.float32), [("b", 0, LENS["b"])], 0)
+    assert_rows_equal(
+        ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, tile_rows=16, warps=2), want, "16 rows"
+    )
+    for rows in (48, 0, 8, -64):
+        with pytest.raises(ValueError, match="tile_rows"):
+            ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, tile_rows=rows)
+    for warps in (3, 0, 32):
+        with pytest.raises(ValueError, match="warps"):
+            ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, warps=warps)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
 def test_fast_kernels_fail_the_decode_check():
     # the same decode-vs-prefill comparison on the fast dense kernel (split-K decode + merge): not

@@ -6,8 +6,9 @@ For each op:
 (b) batch invariance, bitwise (``torch.equal``): target rows computed alone (one call per row), in a
     batch of 3, at random positions of a batch of 32 and of all rows mixed give identical bits;
 (c) the check has teeth: ``invariance_failures`` reports a linear whose reduction order depends on
-    the batch (split-K above 8 rows), and the dispatch launches ONE configuration (kernel
-    constexprs, warps, stages, MoE tile config) for every number of rows.
+    the batch (split-K above 8 rows), and the dispatch picks its configuration from T's band only
+    (linear: decode / middle / prefill tiles, same K chunks and steps, same bits; the MoE one tile
+    config for every number of rows).
 
 The interpreter's ``tl.dot`` runs here one tile row at a time (tests/interpreter_dot.py: numpy's
 BLAS gives a row position-dependent bits, a CPU artifact); so (b) checks the kernels' structure (no
@@ -167,6 +168,48 @@ def test_linear_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
         assert torch.equal(a, b)
     ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
     torch.testing.assert_close(got[0][1].double(), ref, **TOL[dtype])
+
+
+def test_linear_flat_prefill_loop_gives_the_nested_and_split_bits(monkeypatch):
+    """The prefill band's flat K loop really runs (no split: the band test's few-tile launches
+    split, which skips it) and gives rows the bits of the middle band's nested loop and of the
+    decode band's split launch, at the band edges (511 / 512, 32 / 33 rows), with two chunks and a
+    tail chunk, with K below one K step, with and without bias (fp16: fp32 has one band)."""
+    dtype = torch.float16
+    spy = LaunchSpy(inv._linear_kernel)
+    monkeypatch.setattr(inv, "_linear_kernel", spy)
+    g = torch.Generator().manual_seed(12)
+    cfg = inv.linear_config(dtype)
+    for k in (2 * cfg.k_chunk + 16, cfg.block_k - 24):
+        x, w = _rand(512, k, gen=g, dtype=dtype), _rand(24, k, gen=g, dtype=dtype, scale=k**-0.5)
+        bias = _rand(24, gen=g, dtype=dtype)
+        for b in (None, bias):
+            monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", 0)  # never split: flat / nested loops
+            flat, nested, mid = inv.linear(x, w, b), inv.linear(x[:511], w, b), inv.linear(x[:33], w, b)
+            monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", 10**9)  # always split (>= 2 chunks)
+            dec, split = inv.linear(x[:32], w, b), inv.linear(x, w, b)
+            for other in (nested, mid, dec, split):
+                assert torch.equal(other, flat[: other.shape[0]])
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            torch.testing.assert_close(flat.double(), ref, **TOL[dtype])
+    ran = {(dict(c[0])["FLAT"], dict(c[0])["SPLIT"]) for c in spy.calls}
+    assert (True, False) in ran and (False, False) in ran and (False, True) in ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cfg_must_sum_k_as_the_dtype_does(dtype):
+    """``linear(cfg=...)`` (the launch-configuration sweep) takes any tile but refuses another K
+    chunk or K step: a k_chunk that is not a multiple of block_k summed a chunk's overhang twice
+    (wrong results, silently), another multiple gave other bits."""
+    g = torch.Generator().manual_seed(13)
+    own = inv.linear_config(dtype)
+    k = 3 * own.k_chunk + 8
+    x, w = _rand(5, k, gen=g, dtype=dtype), _rand(24, k, gen=g, dtype=dtype, scale=k**-0.5)
+    other_tile = inv.LinearConfig(16, 32, own.block_k, 4, 2, own.k_chunk, flat=True)
+    assert torch.equal(inv.linear(x, w, cfg=other_tile), inv.linear(x, w))
+    for kc, bk in ((own.k_chunk + own.block_k // 2, own.block_k), (2 * own.k_chunk, own.block_k), (own.k_chunk, 16)):
+        with pytest.raises(ValueError, match="k_chunk"):
+            inv.linear(x, w, cfg=inv.LinearConfig(16, 32, bk, 4, 2, kc))
 
 
 # ----------------------------------------------------------------------------- routed experts
