@@ -252,9 +252,11 @@ def test_fused_experts_is_batch_invariant(dtype):
     assert invariance_failures(fn_local, (x, ids, weights)) == []
 
 
-def test_fused_experts_dispatch_has_one_config_for_every_batch(monkeypatch):
+def test_fused_experts_dispatch_has_one_config_per_band(monkeypatch):
     """(c): the stock heuristic picks tiles (and the ragged layout) by rows per expert; the
-    invariant entry passes one aligned config whatever T is, and the combine runs in slot order."""
+    invariant entry passes one aligned config per band of T (16-row tiles up to MOE_DECODE_ROWS
+    tokens, 64 above; the same K chunks and steps), and the combine runs in slot order. A token's
+    output is the same in either band (bitwise, below)."""
     seen = []
     stock = inv.fm.fused_experts
 
@@ -266,9 +268,14 @@ def test_fused_experts_dispatch_has_one_config_for_every_batch(monkeypatch):
     for t in (1, 3, 32, 300):
         x, ids, weights, w13, w2 = _moe_case(torch.float16, t=t, e=4)
         _experts(x, ids, weights, w13, w2)
-    assert len(seen) == 4 and len(set(seen)) == 1
-    cfg = seen[0]
-    assert cfg == inv.moe_config(torch.float16) and not (cfg.ragged or cfg.tma or cfg.permute)
+    assert len(seen) == 4 and seen[0] == seen[1] == seen[2] != seen[3]
+    assert [c.block_m for c in seen] == [inv.MOE_DECODE_BLOCK_M] * 3 + [inv.INVARIANT_MOE_CONFIG.block_m]
+    for cfg, t in zip(seen, (1, 3, 32, 300)):
+        assert cfg == inv.moe_config(torch.float16, t) and not (cfg.ragged or cfg.tma or cfg.permute)
+        assert (cfg.k_chunk, cfg.w13, cfg.w2) == (inv.INVARIANT_MOE_CONFIG.k_chunk, seen[3].w13, seen[3].w2)
+    x, ids, weights, w13, w2 = _moe_case(torch.float16, t=300, e=4)
+    whole = _experts(x, ids, weights, w13, w2)  # middle band
+    assert torch.equal(_experts(x[5:8], ids[5:8], weights[5:8], w13, w2), whole[5:8])  # decode band
     stock_configs = {inv.fm.default_config(t * 2, 4, 32, 16) for t in (1, 3, 32, 300)}
     assert len(stock_configs) > 1  # why the invariant entry exists
 
