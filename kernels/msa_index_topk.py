@@ -51,6 +51,10 @@ PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128, "nsub": 2}
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
 TOPK_ROWS_WARPS = 1
+# Decode-sized selection (chunk + merge kernels): one tl.topk bitonic network per chunk and for the
+# merge instead of K rounds of a block-wide max (16 serial reductions at K = 16). Same keys, same
+# order (the keys of a row are distinct). False: the rounds (kept for the A/B of bench_msa.py).
+TOPK_NETWORK = True
 
 
 @triton.jit
@@ -295,8 +299,10 @@ def _topk_chunk_kernel(
     CHUNK: tl.constexpr,
     KP: tl.constexpr,
     FINAL: tl.constexpr,
+    NET: tl.constexpr = False,
 ):
-    """Top-k keys of one chunk of one (token, head) row; FINAL (one chunk): write block ids."""
+    """Top-k keys of one chunk of one (token, head) row; FINAL (one chunk): write block ids. NET:
+    ``tl.topk`` (needs KP <= CHUNK) instead of K rounds of max-and-remove; the same keys, in order."""
     rid = tl.program_id(0)  # t * G + g
     chunk = tl.program_id(1)
     t = rid // G
@@ -320,15 +326,25 @@ def _topk_chunk_kernel(
                 mask=offs_k < topk,
             )
             return
-    for k in range(topk):
-        best = tl.max(key, axis=0)
-        key = tl.where(key == best, -9223372036854775807 - 1, key)
+    if NET:  # one bitonic top-KP network (keys are distinct: the block id is in them), sorted descending
+        top = tl.topk(key, KP)
+        offs_k = tl.arange(0, KP)
         if FINAL:
-            bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
-            bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
-            tl.store(ids_ptr + rid * topk + k, bid)
+            bid = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
+            bid = tl.where((top == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
+            tl.store(ids_ptr + rid * topk + offs_k, bid, mask=offs_k < topk)
         else:
-            tl.store(key_ptr + (rid * n_chunks + chunk) * topk + k, best)
+            tl.store(key_ptr + (rid * n_chunks + chunk) * topk + offs_k, top, mask=offs_k < topk)
+    else:  # K rounds of max-and-remove
+        for k in range(topk):
+            best = tl.max(key, axis=0)
+            key = tl.where(key == best, -9223372036854775807 - 1, key)
+            if FINAL:
+                bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
+                bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
+                tl.store(ids_ptr + rid * topk + k, bid)
+            else:
+                tl.store(key_ptr + (rid * n_chunks + chunk) * topk + k, best)
 
 
 @triton.jit
@@ -480,14 +496,30 @@ def _topk_rows_kernel(
 
 @triton.jit
 def _topk_merge_kernel(
-    key_ptr, pos_ptr, ids_ptr, n_keys, topk, PS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr
+    key_ptr,
+    pos_ptr,
+    ids_ptr,
+    n_keys,
+    topk,
+    PS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    KP: tl.constexpr = 16,
+    NET: tl.constexpr = False,
 ):
-    """Final top-k over the chunk winners of one (token, head) row."""
+    """Final top-k over the chunk winners of one (token, head) row (NET: one ``tl.topk`` network)."""
     rid = tl.program_id(0)
     p = tl.load(pos_ptr + rid // G)
     n_cand = p // PS + 1
     offs = tl.arange(0, BLOCK_N)
     key = tl.load(key_ptr + rid * n_keys + offs, mask=offs < n_keys, other=-9223372036854775807 - 1)
+    if NET:
+        top = tl.topk(key, KP)
+        offs_k = tl.arange(0, KP)
+        bid = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
+        bid = tl.where((top == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
+        tl.store(ids_ptr + rid * topk + offs_k, bid, mask=offs_k < topk)
+        return
     for k in range(topk):
         best = tl.max(key, axis=0)
         key = tl.where(key == best, -9223372036854775807 - 1, key)
@@ -667,6 +699,7 @@ def select_topk_blocks(
             CHUNK=chunk,
             KP=next_pow2(topk),
             FINAL=True,
+            NET=TOPK_NETWORK and next_pow2(topk) <= chunk,
             num_warps=4,
         )
         return out
@@ -687,6 +720,7 @@ def select_topk_blocks(
         CHUNK=chunk,
         KP=next_pow2(topk),
         FINAL=False,
+        NET=TOPK_NETWORK and next_pow2(topk) <= chunk,
         num_warps=4,
     )
     n_keys = n_chunks * topk
@@ -699,6 +733,8 @@ def select_topk_blocks(
         PS=ps,
         BLOCK_N=next_pow2(n_keys),
         G=g,
+        KP=next_pow2(topk),
+        NET=TOPK_NETWORK and next_pow2(topk) <= next_pow2(n_keys),
         num_warps=4 if n_keys <= 1024 else 8,
     )
     return out

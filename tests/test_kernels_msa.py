@@ -59,9 +59,12 @@ def test_index_topk_forced_init_local_and_verify_rows():
     assert got[3, :, :3].tolist() == [[0, 17, 18]] * G
 
 
-def test_index_topk_ties_go_to_lower_block_id():
+@pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
+def test_index_topk_ties_go_to_lower_block_id(network, monkeypatch):
     # Every index key equal -> every block score equal: the selection is forced local block, then
-    # the lowest ids (independent expectation, exact integer arithmetic).
+    # the lowest ids (independent expectation, exact integer arithmetic); the bitonic network and
+    # the K rounds of max-and-remove alike.
+    monkeypatch.setattr(mi, "TOPK_NETWORK", network)
     b = _batch(([(200, 1), (90, 1)], 2), torch.float32)
     b.ik.fill_(1.0)
     b.iq.copy_(torch.arange(b.iq.numel(), dtype=torch.float32).view_as(b.iq) % 3)
@@ -71,12 +74,17 @@ def test_index_topk_ties_go_to_lower_block_id():
     assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
 
 
-def test_index_topk_split_k_chunks_and_wide_table():
+@pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
+def test_index_topk_split_k_chunks_and_wide_table(network, monkeypatch):
     # 4200 context -> 263 blocks: the top-k runs in two chunks plus the merge kernel; the
-    # block table is wider than any row (graph-style fixed width).
+    # block table is wider than any row (graph-style fixed width). Both selection networks.
+    monkeypatch.setattr(mi, "TOPK_NETWORK", network)
     b = _batch(([(4200, 1), (33, 1)], 2), torch.float32, seed=5, table_width=300)
     got = mi.index_topk(b.iq, b.ik, b.meta, K)
     assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
+    b.ik.fill_(1.0)  # all scores equal: ties across chunks go to the lower id in the merge too
+    got = mi.index_topk(b.iq, b.ik, b.meta, K)
+    assert got[0, 0].tolist() == [4200 // 16, 0, 1, 2] and torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

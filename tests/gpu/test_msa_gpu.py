@@ -316,3 +316,33 @@ def test_score_topk_split_counts_agree_real_shapes():
         assert torch.equal(ids, msa_score_topk.candidate_block_ids(*cands, b.meta.positions, PS, K))
         base = ids if base is None else base
         assert torch.equal(ids, base), splits
+
+
+@pytest.mark.parametrize("ctx", [40_000, 1 << 20])
+def test_topk_network_equals_the_rounds_at_long_decode(ctx, monkeypatch):
+    """The decode selection's chunk + merge kernels: one tl.topk network per chunk and merge
+    (``TOPK_NETWORK``) give exactly the ids of K rounds of max-and-remove, on random scores and on
+    scores with many ties (a few distinct values), for 4 rows x 4 heads at ``ctx`` tokens."""
+    t, nbp = 4, ctx // PS + 1
+    g = torch.Generator(device="cuda").manual_seed(ctx)
+    pos = torch.tensor([ctx - 1, ctx // 2, 5000, 130], device="cuda")
+    b = make_paged_batch(
+        [(int(p), 1) for p in pos], t, page_size=PS, kv_heads=G, q_heads=G, head_dim=16, index_dim=16,
+        dtype=torch.float32, device="cuda", seed=3, spare_pages=0, table_width=nbp,
+    )  # fmt: skip
+    for scores in (
+        torch.randn(t, G, nbp, generator=g, device="cuda"),
+        torch.randint(0, 4, (t, G, nbp), generator=g, device="cuda").float(),
+    ):
+        got = {}
+        for net in (True, False):
+            monkeypatch.setattr(msa_index_topk, "TOPK_NETWORK", net)
+            got[net] = msa_index_topk.select_topk_blocks(scores, b.meta, K, PS, 0, 1)
+        assert torch.equal(got[True], got[False])
+        for r in range(t):  # independent: own block first, then score desc, ties to the lower id
+            n = int(pos[r]) // PS + 1
+            for h in range(G):
+                vals = scores[r, h, :n].tolist()
+                vals[n - 1] = float("inf")
+                order = sorted(range(n), key=lambda i: (-vals[i], i))[:K]
+                assert got[True][r, h].tolist() == order + [-1] * (K - len(order)), (r, h)
