@@ -330,9 +330,9 @@ def _topk_chunk_kernel(
         top = tl.topk(key, KP)
         offs_k = tl.arange(0, KP)
         if FINAL:
-            bid = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
-            bid = tl.where((top == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
-            tl.store(ids_ptr + rid * topk + offs_k, bid, mask=offs_k < topk)
+            top_ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
+            top_ids = tl.where((top == -9223372036854775807 - 1) | (top_ids >= n_cand), -1, top_ids)
+            tl.store(ids_ptr + rid * topk + offs_k, top_ids, mask=offs_k < topk)
         else:
             tl.store(key_ptr + (rid * n_chunks + chunk) * topk + offs_k, top, mask=offs_k < topk)
     else:  # K rounds of max-and-remove
@@ -516,16 +516,16 @@ def _topk_merge_kernel(
     if NET:
         top = tl.topk(key, KP)
         offs_k = tl.arange(0, KP)
-        bid = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
-        bid = tl.where((top == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
-        tl.store(ids_ptr + rid * topk + offs_k, bid, mask=offs_k < topk)
-        return
-    for k in range(topk):
-        best = tl.max(key, axis=0)
-        key = tl.where(key == best, -9223372036854775807 - 1, key)
-        bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
-        bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
-        tl.store(ids_ptr + rid * topk + k, bid)
+        top_ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
+        top_ids = tl.where((top == -9223372036854775807 - 1) | (top_ids >= n_cand), -1, top_ids)
+        tl.store(ids_ptr + rid * topk + offs_k, top_ids, mask=offs_k < topk)
+    else:
+        for k in range(topk):
+            best = tl.max(key, axis=0)
+            key = tl.where(key == best, -9223372036854775807 - 1, key)
+            bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
+            bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
+            tl.store(ids_ptr + rid * topk + k, bid)
 
 
 def _score_launch(

@@ -118,7 +118,8 @@ def make_engine(
     **config,
 ) -> LLMEngine:
     """A fresh engine sized for ``prompts`` x n (``config``: further EngineConfig fields)."""
-    kv_gb = 4.0 if device == "cuda" else 0.0  # explicit: the auto size counts the previous engine's cached pool
+    # explicit: the auto size counts the previous engine's cached pool; a caller may pass its own
+    kv_gb = config.pop("kv_cache_memory_gb", 4.0 if device == "cuda" else 0.0)
     config.setdefault("max_num_batched_tokens", max(8192, max(map(len, prompts))))
     return LLMEngine(
         model,

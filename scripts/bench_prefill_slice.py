@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     ]
     flops = prefill_flops(model, cfg, [len(p) for p in prompts])
 
-    eng = make_engine(model, prompts, 1, dev, args.prompt_len + 2, max_num_batched_tokens=args.chunk)
+    kv_gb = 12.0 if dev == "cuda" else 0.0  # the KV pages plus the MSA prefill scratch (4160 MiB by default)
+    eng = make_engine(
+        model, prompts, 1, dev, args.prompt_len + 2, max_num_batched_tokens=args.chunk, kv_cache_memory_gb=kv_gb
+    )
     timed_generate(eng, prompts, 1, dev, "warm")
     secs = statistics.median(timed_generate(eng, prompts, 1, dev, f"r{r}-")["seconds"] for r in range(args.reps))
     del eng
@@ -136,7 +139,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     )
     dfloor = decode_floor_ms(cfg, model, 1, args.decode_prompt + args.decode_new, dtype)
 
-    src = args.model_json or "tiny_config()"
+    src = "tiny_config()"
+    if args.model_json:
+        path = Path(args.model_json).resolve()
+        src = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else args.model_json
     lines = [
         f"\n## Engine prefill at real M3 layer shapes (bench_prefill_slice.py), {run_date()}, {machine(dev)}\n",
         f"Model: {src} ({cfg.num_hidden_layers} layers, {params / 1e9:.2f} B parameters, random {dtype}); "
