@@ -2,8 +2,9 @@
 
 Governing idea (spec §3.4, §4.3): one kernel writes the block-max score of every causal block for
 every (query token, index head) into a scratch ``[T, G, NBP]`` fp32 buffer; a selection kernel
-then packs (score, block id) into one order-preserving int64 key per block and picks the top K by
-K rounds of max-and-remove, so "score desc, ties to the lower block id" is a single integer max.
+then packs (score, block id) into one order-preserving int64 key per block and picks the top K
+(one ``tl.topk`` bitonic network per chunk, ``TOPK_NETWORK``; or K rounds of max-and-remove), so
+"score desc, ties to the lower block id" is a plain integer order.
 Forced local/init blocks get score +inf (ties among them again go to the lower id), exactly the
 order of ``m3_rollout.engine.reference_ops.index_topk_ref``. Long rows are split into chunks (split-K): each chunk
 keeps its own top K keys, a merge kernel picks the final K from the chunk winners. Prefill-sized
