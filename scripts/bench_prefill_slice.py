@@ -12,7 +12,9 @@ FLOPs (``prefill_flops``, multiply-adds counted as 2):
   shared expert) + 2 x top-k / E of the routed experts' matrices; the lm_head for each prompt's
   last token only (the rest need no logits);
 - attention: 4 x head_dim x q heads per (query, key) pair attended: dense layers the causal keys
-  (pos + 1), sparse layers min(pos + 1, top-k blocks x block) (spec §3.5: the top-k blocks);
+  (pos + 1), sparse layers the top-k blocks' causal keys: pos + 1 below top-k x block, else
+  (top-k - 1) x block + pos % block + 1, the own block being one of the top-k (spec §3.4 / §3.5;
+  ``sparse_attention_pairs``);
 - index scores (sparse layers): 2 x index dim x index heads per (query, causal key) (spec §3.4).
 Floor = FLOPs / ``--peak`` (600 TFLOP/s: the issue's figure for a dense bf16 GEMM on the H200,
 whose spec peak is 989). ``rate vs floor`` = floor seconds / measured seconds (target >= 50 %).
@@ -70,10 +72,21 @@ def attention_pairs(length: int, cap: int | None) -> int:
     return cap * (cap + 1) // 2 + (length - cap) * cap
 
 
+def sparse_attention_pairs(length: int, topk: int, block: int) -> int:
+    """Keys attended over positions p = 0..length-1 of an MSA layer (spec §3.4 / §3.5): every causal key
+    below ``topk`` x ``block`` (all candidates selected), from there ``topk`` - 1 whole past blocks plus
+    the own (local) block's p % block + 1 causal keys (the local block is one of the top-k)."""
+    dense = min(length, topk * block)
+    pairs = dense * (dense + 1) // 2
+    rest = length - dense  # positions from topk x block on, which is block-aligned
+    full, tail = divmod(rest, block)
+    pairs += rest * (topk - 1) * block + full * (block * (block + 1) // 2) + tail * (tail + 1) // 2
+    return pairs
+
+
 def prefill_flops(model, cfg: M3Config, lengths: list[int]) -> dict[str, float]:
     """FLOPs of prefilling prompts of ``lengths`` tokens, by part (module docstring)."""
     d, nh = cfg.head_dim, cfg.num_attention_heads
-    sel = cfg.sparse_topk_blocks * cfg.sparse_block_size
     parts = {"weights": 0.0, "attention": 0.0, "index scores": 0.0, "lm_head": 0.0}
     per_tok = weight_flops_per_token(model, cfg)
     for n in lengths:
@@ -81,7 +94,12 @@ def prefill_flops(model, cfg: M3Config, lengths: list[int]) -> dict[str, float]:
         parts["lm_head"] += 2.0 * cfg.vocab_size * cfg.hidden_size
         for i in range(cfg.num_hidden_layers):
             sparse = cfg.is_sparse_layer(i)
-            parts["attention"] += 4.0 * d * nh * attention_pairs(n, sel if sparse else None)
+            pairs = (
+                sparse_attention_pairs(n, cfg.sparse_topk_blocks, cfg.sparse_block_size)
+                if sparse
+                else attention_pairs(n, None)
+            )
+            parts["attention"] += 4.0 * d * nh * pairs
             if sparse:
                 parts["index scores"] += (
                     2.0 * cfg.sparse_index_dim * cfg.sparse_num_index_heads * attention_pairs(n, None)

@@ -21,6 +21,15 @@ def test_attention_pairs_counts_causal_and_capped_keys(bench):
     assert bench.attention_pairs(3, 8) == 6  # cap above the length: plain causal
 
 
+def test_sparse_attention_pairs_count_the_own_block_causally(bench):
+    """Spec §3.4 / §3.5: K blocks include the own (local) block, whose keys stop at the query, so a
+    query at p >= K x B attends (K - 1) x B + p % B + 1 keys, not K x B; below K x B plain causal."""
+    for length, k, block in ((5, 2, 2), (37, 3, 4), (64, 4, 16), (100, 4, 16), (4, 4, 16)):
+        want = sum(min(p + 1, (k - 1) * block + p % block + 1) for p in range(length))
+        assert bench.sparse_attention_pairs(length, k, block) == want, (length, k, block)
+    assert bench.sparse_attention_pairs(5, 2, 2) == 1 + 2 + 3 + 3 + 4
+
+
 def test_prefill_flops_by_hand_on_the_real_slice_shapes(bench):
     """The real slice's config on the meta device: weights per token by hand from the layer shapes,
     and the total of 4 x 32K tokens at 600 TFLOP/s ~0.64 s (the issue's ~0.65 s)."""
@@ -37,7 +46,9 @@ def test_prefill_flops_by_hand_on_the_real_slice_shapes(bench):
     want = 2 * (3 * attn + 2 * index + dense_mlp + 2 * moe)
     assert bench.weight_flops_per_token(model, cfg) == pytest.approx(want, rel=1e-9)
     flops = bench.prefill_flops(model, cfg, [32768] * 4)
-    pairs_dense, pairs_sparse = 32768 * 32769 // 2, 2048 * 2049 // 2 + (32768 - 2048) * 2048
+    pairs_dense = 32768 * 32769 // 2
+    # from 2048 on: 15 past blocks + the own block's causal keys (240 whole blocks of positions)
+    pairs_sparse = 2048 * 2049 // 2 + (32768 - 2048) * 15 * 128 + 240 * (128 * 129 // 2)
     assert flops["attention"] == pytest.approx(4 * 4 * d * nh * (pairs_dense + 2 * pairs_sparse), rel=1e-12)
     assert flops["index scores"] == pytest.approx(4 * 2 * 2 * 128 * 4 * pairs_dense, rel=1e-12)
     assert flops["total"] / 600e12 == pytest.approx(0.644, abs=0.005)
