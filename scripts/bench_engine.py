@@ -58,8 +58,8 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import bench_config, random_model, run_date
 from benchlib import machine as _machine
-from benchlib import random_model, run_date
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
@@ -690,9 +690,7 @@ def main(argv: list[str] | None = None) -> list[str] | None:
     dev = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
     if args.model_json:
-        raw = json.loads(Path(args.model_json).read_text())
-        raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-        cfg = M3Config.from_dict(raw)
+        cfg = bench_config(args.model_json)
     else:
         cfg = tiny_config(max_position_embeddings=16384)
     long_len = args.long_len or (8192 if dev == "cuda" else 2048)

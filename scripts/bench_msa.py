@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchlib import run_date
+from benchlib import bench_config, run_date
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from m3_kernels.msa_fused_decode import (
@@ -511,11 +511,8 @@ def quality_bench(variants=("fp8", "fp8q"), n_tokens=3000):
 
     from m3_rollout.engine.config import EngineConfig
     from m3_rollout.engine.engine import LLMEngine
-    from m3_rollout.model import M3Config
 
-    root = Path(__file__).resolve().parents[1]
-    raw = json.loads((root / "configs/bench/m3_bench_300m.json").read_text())
-    cfg = M3Config.from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+    cfg = bench_config(Path(__file__).resolve().parents[1] / "configs/bench/m3_bench_300m.json")
     model = random_model(cfg, "cuda", torch.bfloat16)
     ids = torch.randint(3, cfg.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     dense_upto = cfg.sparse_topk_blocks * cfg.sparse_block_size  # positions below this attend to every block

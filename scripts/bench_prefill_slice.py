@@ -31,13 +31,12 @@ CPU (CI): --device cpu --model-json '' (tiny_config) runs the same code at tiny 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 import torch
 from bench_engine import decode_floor_ms, make_engine, timed_generate
-from benchlib import machine, random_model, run_date
+from benchlib import bench_config, machine, random_model, run_date
 
 from m3_rollout.model import M3Config, tiny_config
 
@@ -49,8 +48,7 @@ def load_config(path: str) -> M3Config:
     """M3Config from a config JSON (keys starting with "_" ignored), or tiny_config() for ""."""
     if not path:
         return tiny_config(max_position_embeddings=4096)
-    raw = {k: v for k, v in json.loads(Path(path).read_text()).items() if not k.startswith("_")}
-    return M3Config.from_dict(raw)
+    return bench_config(path)
 
 
 def weight_flops_per_token(model, cfg: M3Config) -> float:

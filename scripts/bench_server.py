@@ -38,13 +38,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
-from benchlib import machine, random_model
+from benchlib import bench_config, machine, random_model
 
 from m3_rollout.chat.template import load_template, render
 from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.model import M3Config, save_checkpoint, tiny_config
+from m3_rollout.model import save_checkpoint, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,8 +242,7 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)  # as every server-side engine here (OMP_NUM_THREADS=1; an EP worker's one)
     if args.model_json:
-        raw = json.loads(Path(args.model_json).read_text())
-        cfg = M3Config.from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+        cfg = bench_config(args.model_json)
     else:
         cfg = tiny_config()
     tok, template = tokenizer(cfg.vocab_size)

@@ -32,6 +32,17 @@ def machine(device: str = "cpu") -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
+def bench_config(path: str | Path):
+    """``M3Config`` from a benchmark config JSON (configs/bench/*.json; either config shape), keys
+    starting with "_" (comments) dropped. Raises what ``M3Config.from_dict`` raises on bad keys."""
+    import json
+
+    from m3_rollout.model import M3Config
+
+    raw = json.loads(Path(path).read_text())
+    return M3Config.from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+
+
 def random_model(cfg, device: str, dtype):
     """M3ForCausalLM(cfg) with random weights made on ``device`` (normal std 0.02 for matrices, 0.05
     for vectors, seed 0), cast with ``cast_for_inference(dtype)`` and in eval mode."""

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import run_date
+from benchlib import bench_config, run_date
 
 from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.config import EngineConfig
@@ -32,7 +32,7 @@ from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.ops import paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
-from m3_rollout.model import M3Config, M3ForCausalLM, tiny_config
+from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.model.paged_ops import PagedOps
 
 
@@ -278,8 +278,7 @@ def main() -> None:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.model_json:
-        raw = {k: v for k, v in json.loads(Path(args.model_json).read_text()).items() if not k.startswith("_")}
-        cfg = M3Config.from_dict(raw)
+        cfg = bench_config(args.model_json)
     else:
         cfg = tiny_config()
     torch.manual_seed(0)

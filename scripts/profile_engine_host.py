@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import random_model
+from benchlib import bench_config, random_model
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.stats import PHASES
-from m3_rollout.model import M3Config, tiny_config
+from m3_rollout.model import tiny_config
 
 
 def sync(device: str) -> None:
@@ -149,8 +149,7 @@ def main() -> None:
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     if args.model_json:
-        raw = json.loads(Path(args.model_json).read_text())
-        cfg = M3Config.from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+        cfg = bench_config(args.model_json)
     else:
         cfg = tiny_config()
     t = time.perf_counter()
