@@ -165,11 +165,9 @@ from m3_kernels.msa_index_topk import MAX_TOPK, check_index_inputs
 from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
-# Dot rows per program (tokens x heads). Fixed by the model's shapes and the layer kind only; 64 = the
-# smallest M of a Hopper warpgroup MMA, so decode (padded) and prefill tiles run one instruction shape.
-ATTN_TILE_ROWS = 64  # attn_block_m's default
-# Per layer kind (a layer keeps its kind's tile for decode and prefill, so its bits stay one function
-# of the row; the kinds never mix in one layer). H200, 16K-token prefill of one layer, bf16
+# Dot rows per program (tokens x heads), fixed by the model's shapes and the layer kind only: a layer
+# keeps its kind's tile for decode (padded) and prefill, so its bits stay one function of the row;
+# the kinds never mix in one layer. H200, 16K-token prefill of one layer, bf16
 # (scripts/bench_invariant_attention.py --tile-sweep, 2026-12-03), 16 / 64 query heads: dense
 # 128 rows x 8 warps 3.5 / 12.6 ms vs 64 x 8 6.2 / 19.8 ms (each K/V page read by half as many
 # tiles); sparse 64 x 4 4.1 / 9.9 ms vs 64 x 8 6.8 / 15.7 ms (a bigger tile walks a bigger union
@@ -194,7 +192,7 @@ _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every 
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
 
-def attn_block_m(rh: int, tile_rows: int = ATTN_TILE_ROWS) -> int:
+def attn_block_m(rh: int, tile_rows: int) -> int:
     """Query tokens per attention tile for RH query heads per KV head: tile_rows // next_pow2(RH), >= 1."""
     return max(1, tile_rows // next_pow2(rh))
 

@@ -25,12 +25,13 @@ projections unpacked).
 Ops:
 - ``linear(x [T, K], weight [N, K], bias=None) -> [T, N]`` in x.dtype: every projection, the dense
   MLP and shared expert, lm_head, and (fp32 x / weight, exact fp32 products) the router GEMM.
-- ``fused_experts``: ``m3_kernels.fused_moe.fused_experts`` with one fixed tile config
-  (``INVARIANT_MOE_CONFIG``) instead of ``default_config``, which picks tile heights and the ragged
-  128-row + tail layout from T (a row's MMA shape then depends on the batch). The aligned layout
-  is row-independent (each tile row is one (token, slot) pair; padding rows are never stored),
-  both GEMMs sum K in chunks (``k_chunk``, split over programs at decode sizes:
-  kernels/moe_chunked.py) and the combine sums a token's K slots in slot order k = 0..K-1 in fp32.
+- ``fused_experts``: ``m3_kernels.fused_moe.fused_experts`` with the fixed tile config
+  ``INVARIANT_MOE_CONFIG`` (16-row tiles up to ``MOE_DECODE_ROWS`` tokens) instead of
+  ``default_config``, which picks tile heights and the ragged 128-row + tail layout from T (a
+  row's MMA shape then depends on the batch). The aligned layout is row-independent (each tile
+  row is one (token, slot) pair; padding rows are never stored), both GEMMs sum K in chunks
+  (``k_chunk``, split over programs at decode sizes: kernels/moe_chunked.py) and the combine sums a
+  token's K slots in slot order k = 0..K-1 in fp32.
 - ``rms_norm`` / ``add_rms_norm``: ``m3_kernels.fused_layers.add_rms_norm`` itself. It is already
   invariant: one program per row, the row read in one BLOCK = next_pow2(N) vector, one ``tl.sum``
   tree and num_warps both fixed by N alone; nothing is duplicated here. The same holds (and the
@@ -45,7 +46,7 @@ Ops:
   in the eager sampler, the decode graphs and (later) the trainer's loss.
 
 Cost: fixed tiles are the compromise between decode (few rows: the GEMM is bound by streaming the
-weights) and prefill (many rows); the MoE pads every expert to 64 rows. H200, 300M bench model
+weights) and prefill (many rows); the MoE pads every expert to 64 rows (16 in its decode band). H200, 300M bench model
 (2026-12-03, profile_engine.py): decode step linear 221 / 261 us (batch 1 / 32, 40 launches) vs
 the fast mode's skinny GEMM + cuBLAS 186 / 163 us; MoE GEMMs 108 / 193 vs 69 / 145 us; 16K-token
 prefill linear 9.0 ms vs cuBLAS 4.3 ms (12.8 ms before the row bands; issue 24 target for the
@@ -435,8 +436,8 @@ def fused_experts(
     expert_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``m3_kernels.fused_moe.fused_experts`` (same arguments, shapes and maths: x [T, H], ids /
-    weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype) with the fixed tile config
-    ``moe_config(x.dtype)``: token t's output depends only on x[t], its ids and weights (module
+    weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype) with the tile config
+    ``moe_config(x.dtype, T)``: token t's output depends only on x[t], its ids and weights (module
     docstring), whichever way the K chunks run (one program, or split at decode sizes).
     Cost: every local expert with rows is padded to 64 rows (16 up to ``MOE_DECODE_ROWS`` tokens)."""
     return fm.fused_experts(
