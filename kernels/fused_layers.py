@@ -627,7 +627,22 @@ def _skinny_gemm_kernel(
 # Measured on the H200 (300M bench model, docs/benchmarks.md): the skinny GEMM beats cuBLAS at 1 token
 # (decode step 0.498 -> 0.423 ms GPU) and loses at 32 (0.599 -> 0.634 ms): used up to one 16-row tile.
 SKINNY_MAX_TOKENS = 16
-SKINNY_BLOCK_K, SKINNY_STAGES = 256, 4  # K tile and software-pipelining depth of skinny_linear
+
+
+def skinny_config(n: int, k: int, swiglu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of ``skinny_linear`` for weight [n, k].
+
+    From a sweep of 3 x 2 x 2 x 3 configurations at the M3 layer shapes and the 300M bench model's,
+    1 and 16 tokens (H200, docs/benchmarks.md 2026-12-03). The SwiGLU down projections recompute the
+    activation in every program: 128-wide K tiles on 8 warps keep its fp32 tiles in registers (M3 MLP
+    down, 12288 -> 6144: 123 -> 69 us; shared expert down 31.6 -> 18.1 us); wide outputs take 64
+    columns per program (fewer, longer weight streams: o_proj 27.4 -> 26.6 us).
+    """
+    if swiglu:
+        return (16 if n <= 2048 else 64), 128, 8, 4
+    if n <= 2048:
+        return 16, 256, 4, 4
+    return 64, (128 if n > 8192 else 256), 4, 4
 
 
 def skinny_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -667,7 +682,7 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block_t = 16 if t <= 16 else 32
-    block_n = 16 if n <= 2048 else 32
+    block_n, block_k, warps, stages = skinny_config(n, k, swiglu_params is not None)
     alpha, limit, beta = swiglu_params or (1.0, 1.0, 1.0)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -685,8 +700,8 @@ def skinny_linear(
         SWIGLU=swiglu_params is not None,
         BLOCK_T=block_t,
         BLOCK_N=block_n,
-        BLOCK_K=SKINNY_BLOCK_K,
-        num_warps=4,
-        num_stages=SKINNY_STAGES,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out

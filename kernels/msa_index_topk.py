@@ -2,9 +2,8 @@
 
 Governing idea (spec §3.4, §4.3): one kernel writes the block-max score of every causal block for
 every (query token, index head) into a scratch ``[T, G, NBP]`` fp32 buffer; a selection kernel
-then packs (score, block id) into one order-preserving int64 key per block and picks the top K
-(one ``tl.topk`` bitonic network per chunk, ``TOPK_NETWORK``; or K rounds of max-and-remove), so
-"score desc, ties to the lower block id" is a plain integer order.
+then packs (score, block id) into one order-preserving int64 key per block and picks the top K by
+K rounds of max-and-remove, so "score desc, ties to the lower block id" is a single integer max.
 Forced local/init blocks get score +inf (ties among them again go to the lower id), exactly the
 order of ``m3_rollout.engine.reference_ops.index_topk_ref``. Long rows are split into chunks (split-K): each chunk
 keeps its own top K keys, a merge kernel picks the final K from the chunk winners. Prefill-sized
@@ -35,6 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
@@ -56,6 +56,14 @@ TOPK_ROWS_WARPS = 1
 # merge instead of K rounds of a block-wide max (16 serial reductions at K = 16). Same keys, same
 # order (the keys of a row are distinct). False: the rounds (kept for the A/B of bench_msa.py).
 TOPK_NETWORK = True
+# Decode score launches on CUDA (bf16/fp16 queries): keys through TMA (one bulk copy per page), and per
+# index-key format (programs in all, num_warps, num_stages), from a sweep of 4 program counts x 3 warp
+# counts x 4 depths, with and without TMA, 1 sequence at 128K and 1M (H200, docs/benchmarks.md
+# 2026-12-03): bf16 1M 65.4 -> 63.8 us, 128K 11.1 -> 6.8; fp8 59.5 -> 49.9, 14.8 -> 8.3; fp8q
+# 43.9 -> 38.5, 10.1 -> 7.3. FP8 keys with bf16 queries convert every key in registers (more work per
+# byte): many short programs; the others: fewer, deeper-pipelined ones.
+DECODE_SCORE_TMA = True
+DECODE_SCORE_CONFIGS = {"bf16": (264, 4, 6), "fp8": (2048, 4, 2), "fp8q": (528, 4, 6)}
 
 
 @triton.jit
@@ -80,11 +88,16 @@ def _block_max(
     offs_d,
     PS: tl.constexpr,
     KSCALE: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """[M] max over block b's causal keys of <q_m, ik_u> (x the key's scale with KSCALE); NaN ->
-    -1e30, no causal key -> -inf."""
+    -1e30, no causal key -> -inf. TMA: ik_ptr is a tensor descriptor over the [P * ps, di] keys
+    (one bulk copy per page)."""
     page = tl.load(bt_ptr + row * stride_bt_r + b)
-    k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + offs_o[:, None] * stride_ik_o + offs_d[None, :])
+    if TMA:
+        k = ik_ptr.load([page * PS, 0])
+    else:
+        k = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + offs_o[:, None] * stride_ik_o + offs_d[None, :])
     s = index_dot(q, k)  # [M, PS] fp32
     if KSCALE:
         s = s * tl.load(iks_ptr + page.to(tl.int64) * stride_iks_p + offs_o)[None, :]
@@ -172,11 +185,13 @@ def _index_scores_kernel(
     QFP8: tl.constexpr,
     SPLIT_CAUSAL: tl.constexpr = False,
     NSUB: tl.constexpr = 1,
+    TMA: tl.constexpr = False,
 ):
     """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks.
 
     KSCALE: FP8 keys with per-token scales (iks_ptr); QFP8: the query rows are quantized to e4m3
     here (one scale per row, applied to the row's block maxima). Format: kernels/paged_layout.py.
+    TMA (decode launches on CUDA): ik_ptr is a tensor descriptor of the keys (``_block_max``).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -205,7 +220,8 @@ def _index_scores_kernel(
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, n_blk)
-    row_ptr = score_ptr + tok * stride_s_t + head * stride_s_g  # [M]
+    # NOTE: int64 offsets: a 128K-token chunk at 1M context has T x G x NBP = 2**32 scores
+    row_ptr = score_ptr + tok.to(tl.int64) * stride_s_t + head * stride_s_g  # [M]
     if STORE_B == 1:  # decode: few rows, a plain pipelined loop
         for b in range(b_lo, b_hi):
             smax = _block_max(
@@ -224,6 +240,7 @@ def _index_scores_kernel(
                 offs_d,
                 PS,
                 KSCALE,
+                TMA,
             )
             if QFP8:
                 smax = smax * q_scale
@@ -284,6 +301,14 @@ def _index_scores_kernel(
 
 
 @triton.jit
+def _key_block_ids(key, n_cand):
+    """Block ids of selection keys (any shape, int64: score bits << 32 | _ID_BIAS - id); -1 for the
+    empty key and for ids past the row's n_cand candidates."""
+    ids = 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32)
+    return tl.where((key == -9223372036854775807 - 1) | (ids >= n_cand), -1, ids)
+
+
+@triton.jit
 def _topk_chunk_kernel(
     score_ptr,
     pos_ptr,
@@ -312,7 +337,8 @@ def _topk_chunk_kernel(
     n_cand = p // PS + 1
     b = chunk * CHUNK + tl.arange(0, CHUNK)
     cand = b < n_cand
-    s = tl.load(score_ptr + t * stride_s_t + g * stride_s_g + b, mask=cand, other=float("-inf"))
+    s = tl.load(score_ptr + t.to(tl.int64) * stride_s_t + g * stride_s_g + b, mask=cand, other=float("-inf"))
+    s = tl.where(s != s, -1e30, s)  # NaN -> -1e30 (spec §3.4; a NaN's bits would sort above the forced +inf)
     forced = cand & ((b >= n_cand - local_blocks) | (b < init_blocks))
     s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0 turns -0.0 into +0.0 (equal in the reference)
     bits = s.to(tl.int32, bitcast=True)
@@ -331,9 +357,7 @@ def _topk_chunk_kernel(
         top = tl.topk(key, KP)
         offs_k = tl.arange(0, KP)
         if FINAL:
-            top_ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
-            top_ids = tl.where((top == -9223372036854775807 - 1) | (top_ids >= n_cand), -1, top_ids)
-            tl.store(ids_ptr + rid * topk + offs_k, top_ids, mask=offs_k < topk)
+            tl.store(ids_ptr + rid * topk + offs_k, _key_block_ids(top, n_cand), mask=offs_k < topk)
         else:
             tl.store(key_ptr + (rid * n_chunks + chunk) * topk + offs_k, top, mask=offs_k < topk)
     else:  # K rounds of max-and-remove
@@ -341,9 +365,7 @@ def _topk_chunk_kernel(
             best = tl.max(key, axis=0)
             key = tl.where(key == best, -9223372036854775807 - 1, key)
             if FINAL:
-                bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
-                bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
-                tl.store(ids_ptr + rid * topk + k, bid)
+                tl.store(ids_ptr + rid * topk + k, _key_block_ids(best, n_cand))
             else:
                 tl.store(key_ptr + (rid * n_chunks + chunk) * topk + k, best)
 
@@ -369,7 +391,7 @@ def _topk_rows_tile(
     n_cand = n_cand_r[:, None]
     b = tl.arange(0, CH)[None, :]
     cand = (b < n_cand) & r_ok[:, None]
-    s = tl.load(score_ptr + t[:, None] * stride_s_t + g[:, None] * stride_s_g + b, mask=cand, other=0.0)
+    s = tl.load(score_ptr + t[:, None].to(tl.int64) * stride_s_t + g[:, None] * stride_s_g + b, mask=cand, other=0.0)
     s = tl.where(s != s, -1e30, s)  # NaN -> -1e30 as in the reference (the score kernel already does it)
     forced = cand & ((b >= n_cand - local_blocks) | (b < init_blocks))
     s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0 turns -0.0 into +0.0 (equal in the reference)
@@ -517,16 +539,12 @@ def _topk_merge_kernel(
     if NET:
         top = tl.topk(key, KP)
         offs_k = tl.arange(0, KP)
-        top_ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
-        top_ids = tl.where((top == -9223372036854775807 - 1) | (top_ids >= n_cand), -1, top_ids)
-        tl.store(ids_ptr + rid * topk + offs_k, top_ids, mask=offs_k < topk)
+        tl.store(ids_ptr + rid * topk + offs_k, _key_block_ids(top, n_cand), mask=offs_k < topk)
     else:
         for k in range(topk):
             best = tl.max(key, axis=0)
             key = tl.where(key == best, -9223372036854775807 - 1, key)
-            bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
-            bid = tl.where((best == -9223372036854775807 - 1) | (bid >= n_cand), -1, bid)
-            tl.store(ids_ptr + rid * topk + k, bid)
+            tl.store(ids_ptr + rid * topk + k, _key_block_ids(best, n_cand))
 
 
 def _score_launch(
@@ -548,6 +566,9 @@ def _score_launch(
     ieee = iq.dtype == torch.float32 and not qfp8
     t_g, g, di = iq.shape
     ps = keys.shape[1]
+    ik = keys
+    if cfg.get("tma"):  # decode on CUDA: a descriptor over the [P * ps, di] keys, one [ps, di] box per page
+        ik = TensorDescriptor.from_tensor(keys.view(-1, di), [ps, di])
     nbp = meta.block_tables.shape[1]
     gp = next_pow2(g)
     block_m = max(block_m, 16 // gp if gp < 16 else 1)
@@ -558,7 +579,7 @@ def _score_launch(
     grid = ((r1 - r0) * n_qtiles, n_splits)
     _index_scores_kernel[grid](
         iq,
-        keys,
+        ik,
         keys if kscales is None else kscales,
         meta.block_tables,
         meta.query_start_loc,
@@ -585,6 +606,7 @@ def _score_launch(
         QFP8=qfp8,
         SPLIT_CAUSAL=cfg.get("split_causal", False),
         NSUB=cfg.get("nsub", 1),
+        TMA=bool(cfg.get("tma")),
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
         num_stages=1 if ieee else cfg.get("num_stages", 3),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
@@ -614,6 +636,17 @@ def check_index_inputs(iq, index_cache_l, topk: int, op: str = "index_topk") -> 
         raise ValueError(f"{op}: iq and index_cache_l need a contiguous last dim")
 
 
+def decode_score_config(iq: torch.Tensor, index_cache_l) -> dict:
+    """Launch knobs of the decode score launch: on CUDA with fp16/bf16 queries and page-contiguous
+    keys, TMA plus the format's ``DECODE_SCORE_CONFIGS`` entry (programs, num_warps, num_stages);
+    otherwise {} (the pointer loads and the default split)."""
+    keys, kscales, qfp8 = split_index_cache(index_cache_l)
+    if not (iq.is_cuda and DECODE_SCORE_TMA and iq.dtype != torch.float32 and keys.is_contiguous()):
+        return {}
+    programs, warps, stages = DECODE_SCORE_CONFIGS["bf16" if kscales is None else "fp8q" if qfp8 else "fp8"]
+    return {"tma": True, "programs": programs, "num_warps": warps, "num_stages": stages}
+
+
 def index_block_scores(
     iq: torch.Tensor, index_cache_l, meta: PagedMetadata, prefill_config: dict | None = None
 ) -> torch.Tensor:
@@ -632,9 +665,15 @@ def index_block_scores(
     nd, r = meta.num_decodes, meta.num_rows
     cfg = dict(PREFILL_SCORE_CONFIG if iq.is_cuda else {}, **(prefill_config or {}))
     if nd > 0:
-        # Split-K over blocks: ~1024 programs in all, >= 8 blocks each (fixed by shape).
-        splits = max(1, min(triton.cdiv(nbp, 8), 1024 // nd))
-        _score_launch(iq, index_cache_l, meta, scores, (0, nd), next_pow2(max(meta.decode_query_len, 1)), splits)
+        # Split-K over blocks (fixed by shape): on CUDA the format's DECODE_SCORE_CONFIGS program count,
+        # elsewhere ~1024 programs in all with >= 8 blocks each.
+        dcfg = decode_score_config(iq, index_cache_l)
+        if dcfg:
+            splits = max(1, min(nbp, dcfg["programs"] // nd))
+        else:
+            splits = max(1, min(triton.cdiv(nbp, 8), 1024 // nd))
+        bm = next_pow2(max(meta.decode_query_len, 1))
+        _score_launch(iq, index_cache_l, meta, scores, (0, nd), bm, splits, dcfg)
     if r > nd:
         _score_launch(iq, index_cache_l, meta, scores, (nd, r), cfg.get("block_m", 32 if g * 32 <= 128 else 16), 1, cfg)
     return scores

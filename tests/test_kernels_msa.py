@@ -204,6 +204,28 @@ def test_topk_rows_kernel_size_tiers_ties_and_nan(monkeypatch):
         assert torch.equal(got, want), rows
 
 
+@pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
+def test_decode_topk_nan_scores_and_topk_not_a_power_of_two(network, monkeypatch):
+    # Decode-sized selection (chunk kernel, one chunk of 64 blocks and two chunks of 256 + merge):
+    # a NaN block score counts as -1e30 (spec §3.4; it must not outrank the forced local block),
+    # K = 3 / 5 / 12 (the network sorts next_pow2(K) keys and stores the first K), init and
+    # several local blocks, -inf scores and exact ties across chunks; the same ids as the
+    # plain-Python selection, the bitonic network and the rounds alike.
+    monkeypatch.setattr(mi, "TOPK_NETWORK", network)
+    g = torch.Generator().manual_seed(7)
+    for nbp, positions in ((40, [600, 5, 100, 639]), (300, [4700, 40, 3000])):
+        pos = torch.tensor(positions, dtype=torch.int32)
+        meta = type("Meta", (), {"positions": pos})()
+        scores = torch.randn(len(positions), G, nbp, generator=g)
+        scores[..., 7] = float("nan")
+        scores[..., 11::5] = float("-inf")
+        scores[..., nbp - 20 :] = scores[..., 2:22]  # exact ties (across the two chunks at 300)
+        for k, init, local in ((3, 0, 1), (5, 1, 2), (12, 2, 3)):
+            want = _select_from_scores(scores, pos, k, init, local)
+            got = mi.select_topk_blocks(scores, meta, k, PS, init_blocks=init, local_blocks=local)
+            assert torch.equal(got, want), (nbp, k)
+
+
 def test_prefill_union_kernel_lists_and_masks():
     # the per-tile union list: sorted distinct valid blocks, bit i = tile token i selected it;
     # invalid entries (-1, > own block) are dropped. Expectation built in plain Python.

@@ -225,3 +225,65 @@ def test_fp8_score_topk_decode_real_shapes(quantize_queries, monkeypatch):
     err = (out.float() - ref.float()).abs().max().item()
     print(f"  max abs err {err:.3e}")
     assert err <= 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8q"])
+@pytest.mark.parametrize(
+    "spec",
+    [([(300000, 1), (40000, 1), (3000, 1), (130, 1)], 4), ([(200000, 4), (5000, 4)], 2)],
+    ids=["rows", "verify_q4"],
+)
+def test_decode_scores_tma_equal_pointer_loads(fmt, spec, monkeypatch):
+    # The decode score launch on CUDA reads keys through TMA with the format's DECODE_SCORE_CONFIGS
+    # split; the block maxima must be the bits of the pointer-load launch (same dot per block, same
+    # max), on every causal block of every (token, head), rows of different lengths and 4-token rows.
+    b = make_paged_batch(
+        *spec, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.bfloat16, device="cuda"
+    )
+    cache = b.ik if fmt == "bf16" else FP8IndexCache(*quantize_index_keys(b.ik), fmt == "fp8q")
+    assert msa_index_topk.decode_score_config(b.iq, cache)["tma"]
+    got = msa_index_topk.index_block_scores(b.iq, cache, b.meta)
+    monkeypatch.setattr(msa_index_topk, "DECODE_SCORE_TMA", False)
+    assert msa_index_topk.decode_score_config(b.iq, cache) == {}
+    want = msa_index_topk.index_block_scores(b.iq, cache, b.meta)
+    nb = (b.meta.positions.long() // PS + 1)[:, None, None]  # causal blocks per token
+    causal = torch.arange(got.shape[2], device="cuda")[None, None, :] < nb
+    assert torch.equal(torch.where(causal, got, 0.0), torch.where(causal, want, 0.0))
+
+
+def test_prefill_chunk_past_2_31_scores_selects_like_a_small_chunk():
+    # A 72K-token prefill chunk at the end of a 1M-token row: T x G x NBP = 72K x 4 x 8192 > 2**31
+    # scratch scores (int64 offsets in the score and top-k kernels). Its last 16 tokens must select
+    # what a 16-token chunk at the same positions selects (per-row math, same kernels).
+    total, n = 1 << 20, 72 * 1024
+    b = make_paged_batch(
+        [(total - n, n)],
+        0,
+        page_size=PS,
+        kv_heads=G,
+        q_heads=NH,
+        head_dim=D,
+        index_dim=D,
+        dtype=torch.bfloat16,
+        device="cuda",
+        spare_pages=0,
+    )
+    m = b.meta
+    assert n * G * m.block_tables.shape[1] > 2**31
+    big = msa_index_topk.index_topk(b.iq, b.ik, m, K)
+    t0 = n - 16
+    small_meta = type(m)(
+        m.positions[t0:],
+        m.slot_mapping[t0:],
+        m.block_tables,
+        m.context_lens + t0,
+        m.seq_lens,
+        torch.tensor([0, 16], dtype=m.query_start_loc.dtype, device="cuda"),
+        0,
+        1,
+        16,
+        m.max_seq_len,
+    )
+    small = msa_index_topk.index_topk(b.iq[t0:], b.ik, small_meta, K)
+    assert torch.equal(big[t0:], small)
+    assert (big[:, :, 0] >= 0).all()
