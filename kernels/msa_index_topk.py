@@ -56,6 +56,7 @@ TOPK_ROWS_WARPS = 1
 # Decode-sized selection (chunk + merge kernels): one tl.topk bitonic network per chunk and for the
 # merge instead of K rounds of a block-wide max (16 serial reductions at K = 16). Same keys, same
 # order (the keys of a row are distinct). False: the rounds (kept for the A/B of bench_msa.py).
+# NOTE: K = 1 always takes the one round: tl.topk(x, 1) reduces to a scalar and fails to build.
 TOPK_NETWORK = True
 # Decode score launches on CUDA (bf16/fp16 queries): keys through TMA (one bulk copy per page), and per
 # index-key format (programs in all, num_warps, num_stages), from a sweep of 4 program counts x 3 warp
@@ -748,7 +749,7 @@ def select_topk_blocks(
             CHUNK=chunk,
             KP=next_pow2(topk),
             FINAL=True,
-            NET=TOPK_NETWORK and next_pow2(topk) <= chunk,
+            NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= chunk,
             num_warps=4,
         )
         return out
@@ -769,7 +770,7 @@ def select_topk_blocks(
         CHUNK=chunk,
         KP=next_pow2(topk),
         FINAL=False,
-        NET=TOPK_NETWORK and next_pow2(topk) <= chunk,
+        NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= chunk,
         num_warps=4,
     )
     n_keys = n_chunks * topk
@@ -783,7 +784,7 @@ def select_topk_blocks(
         BLOCK_N=next_pow2(n_keys),
         G=g,
         KP=next_pow2(topk),
-        NET=TOPK_NETWORK and next_pow2(topk) <= next_pow2(n_keys),
+        NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= next_pow2(n_keys),
         num_warps=4 if n_keys <= 1024 else 8,
     )
     return out

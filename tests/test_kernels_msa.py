@@ -260,6 +260,22 @@ def test_decode_topk_nan_scores_and_topk_not_a_power_of_two(network, monkeypatch
             assert torch.equal(got, want), (nbp, k)
 
 
+@pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
+def test_decode_topk_of_one_block(network, monkeypatch):
+    # K = 1 (check_index_inputs allows 1..64): tl.topk(x, 1) reduces its hypercube to a scalar and
+    # fails to build (triton 3.6 sort_impl; a front-end error, the GPU's too), so K = 1 takes the
+    # one round. One chunk of 2 and of 64 blocks, two chunks + merge; local_blocks 0 and 1.
+    monkeypatch.setattr(mi, "TOPK_NETWORK", network)
+    g = torch.Generator().manual_seed(3)
+    for nbp, positions in ((2, [20, 3]), (40, [600, 100]), (300, [4700, 40])):
+        pos = torch.tensor(positions, dtype=torch.int32)
+        meta = type("Meta", (), {"positions": pos})()
+        scores = torch.randn(len(positions), G, nbp, generator=g)
+        for local in (0, 1):
+            got = mi.select_topk_blocks(scores, meta, 1, PS, local_blocks=local)
+            assert torch.equal(got, _select_from_scores(scores, pos, 1, 0, local)), (nbp, local)
+
+
 def test_prefill_union_kernel_lists_and_masks():
     # the per-tile union list: sorted distinct valid blocks, bit i = tile token i selected it;
     # invalid entries (-1, > own block) are dropped. Expectation built in plain Python.
