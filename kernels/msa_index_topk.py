@@ -2,8 +2,9 @@
 
 Governing idea (spec §3.4, §4.3): one kernel writes the block-max score of every causal block for
 every (query token, index head) into a scratch ``[T, G, NBP]`` fp32 buffer; a selection kernel
-then packs (score, block id) into one order-preserving int64 key per block and picks the top K by
-K rounds of max-and-remove, so "score desc, ties to the lower block id" is a single integer max.
+then packs (score, block id) into one order-preserving int64 key per block and picks the top K
+(one ``tl.topk`` bitonic network per chunk, ``TOPK_NETWORK``; or K rounds of max-and-remove), so
+"score desc, ties to the lower block id" is a plain integer order.
 Forced local/init blocks get score +inf (ties among them again go to the lower id), exactly the
 order of ``m3_rollout.engine.reference_ops.index_topk_ref``. Long rows are split into chunks (split-K): each chunk
 keeps its own top K keys, a merge kernel picks the final K from the chunk winners. Prefill-sized
@@ -55,6 +56,7 @@ TOPK_ROWS_WARPS = 1
 # Decode-sized selection (chunk + merge kernels): one tl.topk bitonic network per chunk and for the
 # merge instead of K rounds of a block-wide max (16 serial reductions at K = 16). Same keys, same
 # order (the keys of a row are distinct). False: the rounds (kept for the A/B of bench_msa.py).
+# NOTE: K = 1 always takes the one round: tl.topk(x, 1) reduces to a scalar and fails to build.
 TOPK_NETWORK = True
 # Decode score launches on CUDA (bf16/fp16 queries): keys through TMA (one bulk copy per page), and per
 # index-key format (programs in all, num_warps, num_stages), from a sweep of 4 program counts x 3 warp
@@ -601,7 +603,9 @@ def _score_launch(
         DI=di,
         PS=ps,
         BLOCK_M=block_m,
-        STORE_B=1 if n_splits > 1 else 16,
+        # NOTE: a descriptor (TMA) takes the plain decode loop also with one split (a one-page table, or
+        # more decode rows than the format's programs): the tile loop does pointer arithmetic on ik_ptr
+        STORE_B=1 if n_splits > 1 or cfg.get("tma") else 16,
         KSCALE=kscales is not None,
         QFP8=qfp8,
         SPLIT_CAUSAL=cfg.get("split_causal", False),
@@ -636,12 +640,18 @@ def check_index_inputs(iq, index_cache_l, topk: int, op: str = "index_topk") -> 
         raise ValueError(f"{op}: iq and index_cache_l need a contiguous last dim")
 
 
+def tma_keys_ok(keys: torch.Tensor) -> bool:
+    """Whether index keys [P, ps, di] can be read through a [P * ps, di] tensor descriptor: contiguous
+    pages at a 16-byte aligned base (rows are di * elt >= 16 bytes: di >= 16, elt >= 1)."""
+    return keys.is_contiguous() and keys.data_ptr() % 16 == 0
+
+
 def decode_score_config(iq: torch.Tensor, index_cache_l) -> dict:
-    """Launch knobs of the decode score launch: on CUDA with fp16/bf16 queries and page-contiguous
-    keys, TMA plus the format's ``DECODE_SCORE_CONFIGS`` entry (programs, num_warps, num_stages);
-    otherwise {} (the pointer loads and the default split)."""
+    """Launch knobs of the decode score launch: on CUDA with fp16/bf16 queries and keys that pass
+    ``tma_keys_ok``, TMA plus the format's ``DECODE_SCORE_CONFIGS`` entry (programs, num_warps,
+    num_stages); otherwise {} (the pointer loads and the default split)."""
     keys, kscales, qfp8 = split_index_cache(index_cache_l)
-    if not (iq.is_cuda and DECODE_SCORE_TMA and iq.dtype != torch.float32 and keys.is_contiguous()):
+    if not (iq.is_cuda and DECODE_SCORE_TMA and iq.dtype != torch.float32 and tma_keys_ok(keys)):
         return {}
     programs, warps, stages = DECODE_SCORE_CONFIGS["bf16" if kscales is None else "fp8q" if qfp8 else "fp8"]
     return {"tma": True, "programs": programs, "num_warps": warps, "num_stages": stages}
@@ -739,7 +749,7 @@ def select_topk_blocks(
             CHUNK=chunk,
             KP=next_pow2(topk),
             FINAL=True,
-            NET=TOPK_NETWORK and next_pow2(topk) <= chunk,
+            NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= chunk,
             num_warps=4,
         )
         return out
@@ -760,7 +770,7 @@ def select_topk_blocks(
         CHUNK=chunk,
         KP=next_pow2(topk),
         FINAL=False,
-        NET=TOPK_NETWORK and next_pow2(topk) <= chunk,
+        NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= chunk,
         num_warps=4,
     )
     n_keys = n_chunks * topk
@@ -774,7 +784,7 @@ def select_topk_blocks(
         BLOCK_N=next_pow2(n_keys),
         G=g,
         KP=next_pow2(topk),
-        NET=TOPK_NETWORK and next_pow2(topk) <= next_pow2(n_keys),
+        NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= next_pow2(n_keys),
         num_warps=4 if n_keys <= 1024 else 8,
     )
     return out

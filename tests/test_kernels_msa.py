@@ -187,6 +187,40 @@ def _select_from_scores(scores, positions, k, init_blocks, local_blocks):
     return out
 
 
+def test_decode_scores_through_tma_descriptor_one_split(monkeypatch):
+    # The CUDA decode launch reads keys through a TensorDescriptor (``decode_score_config``; forced
+    # here, the interpreter runs descriptors). It must give the pointer loads' block maxima also when
+    # the decode rows get one split: a one-page table (contexts < ps), or more decode rows than the
+    # format's program count (here 4 programs; on the GPU bf16 264 // 133+ rows) -- one split used
+    # to send the descriptor down the prefill-tile loop, which does pointer arithmetic on it.
+    programs = [4]
+    monkeypatch.setattr(
+        mi, "decode_score_config", lambda iq, c: {"tma": True, "programs": programs[0], "num_warps": 4, "num_stages": 6}
+    )
+    for spec in (([(5, 1), (10, 1)], 2), ([(40, 3), (300, 3), (16, 3)], 3), ([(40, 1), (700, 1)], 2)):
+        b = _batch(spec, torch.float16, seed=5)
+        got = mi.index_block_scores(b.iq, b.ik, b.meta)
+        programs[0] = 1 << 20  # and many splits
+        many = mi.index_block_scores(b.iq, b.ik, b.meta)
+        programs[0] = 4
+        with monkeypatch.context() as m:
+            m.setattr(mi, "decode_score_config", lambda iq, c: {})
+            want = mi.index_block_scores(b.iq, b.ik, b.meta)
+        causal = torch.arange(want.shape[2])[None, None, :] < (b.meta.positions.long() // PS + 1)[:, None, None]
+        for x in (got, many):
+            assert torch.equal(torch.where(causal, x, 0.0), torch.where(causal, want, 0.0)), spec
+
+
+def test_tma_keys_need_contiguous_16_byte_aligned_pages():
+    # A descriptor needs the [P * ps, di] view and a 16-byte aligned base (TensorDescriptor asserts
+    # it): a contiguous keys view at an odd element offset must take the pointer loads.
+    pool = torch.zeros(2 * 4 * PS * D + 1, dtype=torch.float16)
+    assert mi.tma_keys_ok(pool[: 4 * PS * D].view(4, PS, D))
+    assert not mi.tma_keys_ok(pool[1 : 1 + 4 * PS * D].view(4, PS, D))  # 2-byte offset
+    assert not mi.tma_keys_ok(pool[: 8 * PS * D].view(8, PS, D)[::2])  # every other page
+    assert not mi.tma_keys_ok(pool[: 4 * PS * 2 * D].view(4, PS, 2 * D)[:, :, :D])  # padded rows
+
+
 def test_topk_rows_kernel_size_tiers_ties_and_nan(monkeypatch):
     # the prefill top-k program sizes its key tile to its rows' causal candidates (1/8, 1/4, 1/2 or the whole
     # chunk of 64 blocks here); exact ties, -0.0 vs 0.0 and a NaN score keep the reference order.
@@ -224,6 +258,22 @@ def test_decode_topk_nan_scores_and_topk_not_a_power_of_two(network, monkeypatch
             want = _select_from_scores(scores, pos, k, init, local)
             got = mi.select_topk_blocks(scores, meta, k, PS, init_blocks=init, local_blocks=local)
             assert torch.equal(got, want), (nbp, k)
+
+
+@pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
+def test_decode_topk_of_one_block(network, monkeypatch):
+    # K = 1 (check_index_inputs allows 1..64): tl.topk(x, 1) reduces its hypercube to a scalar and
+    # fails to build (triton 3.6 sort_impl; a front-end error, the GPU's too), so K = 1 takes the
+    # one round. One chunk of 2 and of 64 blocks, two chunks + merge; local_blocks 0 and 1.
+    monkeypatch.setattr(mi, "TOPK_NETWORK", network)
+    g = torch.Generator().manual_seed(3)
+    for nbp, positions in ((2, [20, 3]), (40, [600, 100]), (300, [4700, 40])):
+        pos = torch.tensor(positions, dtype=torch.int32)
+        meta = type("Meta", (), {"positions": pos})()
+        scores = torch.randn(len(positions), G, nbp, generator=g)
+        for local in (0, 1):
+            got = mi.select_topk_blocks(scores, meta, 1, PS, local_blocks=local)
+            assert torch.equal(got, _select_from_scores(scores, pos, 1, 0, local)), (nbp, local)
 
 
 def test_prefill_union_kernel_lists_and_masks():

@@ -151,10 +151,11 @@ def test_skinny_linear_matches_cublas(t):
         w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), w.float())
         torch.testing.assert_close(fl.skinny_linear(x, w).float(), ref, atol=2e-2, rtol=2**-7)
-    gu = (torch.randn(t, 1024, device=DEV, generator=g) * 4).to(torch.bfloat16)
-    w = (torch.randn(1024, 512, device=DEV, generator=g) * 512**-0.5).to(torch.bfloat16)
-    ref = torch.nn.functional.linear(swiglu_oai(gu[:, :512], gu[:, 512:], 1.702, 7.0).float(), w.float())
-    torch.testing.assert_close(fl.skinny_linear(gu, w, (1.702, 7.0, 1.0)).float(), ref, atol=5e-2, rtol=2**-7)
+    for n, k in ((1024, 512), (3072, 1000)):  # skinny_config's two SwiGLU tiles (16 / 64 columns), K % 128 != 0
+        gu = (torch.randn(t, 2 * k, device=DEV, generator=g) * 4).to(torch.bfloat16)
+        w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(swiglu_oai(gu[:, :k], gu[:, k:], 1.702, 7.0).float(), w.float())
+        torch.testing.assert_close(fl.skinny_linear(gu, w, (1.702, 7.0, 1.0)).float(), ref, atol=5e-2, rtol=2**-7)
 
 
 def _paged_logits(model, dtype, fused, dev=DEV, skinny=True):

@@ -230,13 +230,19 @@ def test_fp8_score_topk_decode_real_shapes(quantize_queries, monkeypatch):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8q"])
 @pytest.mark.parametrize(
     "spec",
-    [([(300000, 1), (40000, 1), (3000, 1), (130, 1)], 4), ([(200000, 4), (5000, 4)], 2)],
-    ids=["rows", "verify_q4"],
+    [
+        ([(300000, 1), (40000, 1), (3000, 1), (130, 1)], 4),
+        ([(200000, 4), (5000, 4)], 2),
+        ([(3000 + 7 * i, 1) for i in range(300)], 300),  # one split: bf16 264 // 300, fp8q 528 // 300
+        ([(100, 1), (20, 1)], 2),  # one-page table: one split
+    ],
+    ids=["rows", "verify_q4", "rows_past_programs", "one_page"],
 )
 def test_decode_scores_tma_equal_pointer_loads(fmt, spec, monkeypatch):
     # The decode score launch on CUDA reads keys through TMA with the format's DECODE_SCORE_CONFIGS
     # split; the block maxima must be the bits of the pointer-load launch (same dot per block, same
-    # max), on every causal block of every (token, head), rows of different lengths and 4-token rows.
+    # max), on every causal block of every (token, head), rows of different lengths and 4-token rows;
+    # one split per row (more rows than the format's programs, a one-page table) too.
     b = make_paged_batch(
         *spec, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.bfloat16, device="cuda"
     )
