@@ -66,6 +66,7 @@ TOPK_NETWORK = True
 # byte): many short programs; the others: fewer, deeper-pipelined ones.
 DECODE_SCORE_TMA = True
 DECODE_SCORE_CONFIGS = {"bf16": (264, 4, 6), "fp8": (2048, 4, 2), "fp8q": (528, 4, 6)}
+DECODE_SCORE_SMEM = 196608  # bytes of pipelined key pages per program (H200: ~227 KB shared memory per block)
 
 
 @triton.jit
@@ -654,6 +655,8 @@ def decode_score_config(iq: torch.Tensor, index_cache_l) -> dict:
     if not (iq.is_cuda and DECODE_SCORE_TMA and iq.dtype != torch.float32 and tma_keys_ok(keys)):
         return {}
     programs, warps, stages = DECODE_SCORE_CONFIGS["bf16" if kscales is None else "fp8q" if qfp8 else "fp8"]
+    page_bytes = keys.shape[1] * keys.shape[2] * keys.element_size()
+    stages = max(2, min(stages, DECODE_SCORE_SMEM // page_bytes))  # pages larger than M3's 32 KB: fewer stages
     return {"tma": True, "programs": programs, "num_warps": warps, "num_stages": stages}
 
 
