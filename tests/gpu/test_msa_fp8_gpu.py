@@ -51,18 +51,16 @@ MIXED = ([(999, 1), (2047, 1), (8999, 1), (0, 2500), (4096, 300)], 3)
 FIRST_EQUAL, NEAR_TIE, STEPS = 8, 0.1, 32
 
 
+def _paged(spec, seed=0, **kw):
+    """A random bf16 paged batch at real M3 shapes (rows, decode rows) = spec."""
+    return make_paged_batch(
+        *spec, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.bfloat16, device="cuda",
+        seed=seed, **kw,
+    )  # fmt: skip
+
+
 def _batch(spec, quantize_queries, seed=0):
-    b = make_paged_batch(
-        *spec,
-        page_size=PS,
-        kv_heads=G,
-        q_heads=NH,
-        head_dim=D,
-        index_dim=D,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=seed,
-    )
+    b = _paged(spec, seed)
     return b, FP8IndexCache(*quantize_index_keys(b.ik), quantize_queries)
 
 
@@ -243,9 +241,7 @@ def test_decode_scores_tma_equal_pointer_loads(fmt, spec, monkeypatch):
     # split; the block maxima must be the bits of the pointer-load launch (same dot per block, same
     # max), on every causal block of every (token, head), rows of different lengths and 4-token rows;
     # one split per row (more rows than the format's programs, a one-page table) too.
-    b = make_paged_batch(
-        *spec, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.bfloat16, device="cuda"
-    )
+    b = _paged(spec)
     cache = b.ik if fmt == "bf16" else FP8IndexCache(*quantize_index_keys(b.ik), fmt == "fp8q")
     assert msa_index_topk.decode_score_config(b.iq, cache)["tma"]
     got = msa_index_topk.index_block_scores(b.iq, cache, b.meta)
@@ -262,18 +258,7 @@ def test_prefill_chunk_past_2_31_scores_selects_like_a_small_chunk():
     # scratch scores (int64 offsets in the score and top-k kernels). Its last 16 tokens must select
     # what a 16-token chunk at the same positions selects (per-row math, same kernels).
     total, n = 1 << 20, 72 * 1024
-    b = make_paged_batch(
-        [(total - n, n)],
-        0,
-        page_size=PS,
-        kv_heads=G,
-        q_heads=NH,
-        head_dim=D,
-        index_dim=D,
-        dtype=torch.bfloat16,
-        device="cuda",
-        spare_pages=0,
-    )
+    b = _paged(([(total - n, n)], 0), spare_pages=0)
     m = b.meta
     assert n * G * m.block_tables.shape[1] > 2**31
     big = msa_index_topk.index_topk(b.iq, b.ik, m, K)
