@@ -629,8 +629,9 @@ def _skinny_gemm_kernel(
 SKINNY_MAX_TOKENS = 16
 
 
-def skinny_config(n: int, k: int, swiglu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of ``skinny_linear`` for weight [n, k].
+def skinny_config(n: int, swiglu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of ``skinny_linear`` for a weight of n output rows
+    (by output width and SwiGLU alone; the swept K sizes did not call for more).
 
     From a sweep of 3 x 2 x 2 x 3 configurations at the M3 layer shapes and the 300M bench model's,
     1 and 16 tokens (H200, docs/benchmarks.md 2026-12-03). The SwiGLU down projections recompute the
@@ -682,7 +683,7 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block_t = 16 if t <= 16 else 32
-    block_n, block_k, warps, stages = skinny_config(n, k, swiglu_params is not None)
+    block_n, block_k, warps, stages = skinny_config(n, swiglu_params is not None)
     alpha, limit, beta = swiglu_params or (1.0, 1.0, 1.0)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x,
