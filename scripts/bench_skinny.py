@@ -1,0 +1,117 @@
+"""Launch configurations of the decode skinny GEMM (kernels/fused_layers.py ``skinny_linear``) on one GPU.
+
+For the projection shapes of the real-shape slice (configs/bench/m3_slice_real.json) and of the 300M
+bench model, at 1 and 16 tokens, bf16, CUDA-graph replay: the launch ``skinny_config`` picks, the
+launch used before it (BLOCK_N 16 up to 2,048 outputs else 32, BLOCK_K 256, 4 warps, 4 stages:
+the baseline, same run) and every candidate of a grid (BLOCK_N 16/32/64 x BLOCK_K 128/256 x 4/8 warps
+x 3/4/6 stages); TB/s counts the weight bytes. Every launch's output is checked against the
+baseline's (max abs difference printed; they differ only by fp32 summation order).
+
+Usage: python scripts/bench_skinny.py [--tokens 1 16] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import triton
+from bench_msa import graph_ms
+from benchlib import machine, run_date
+
+from m3_kernels import fused_layers as fl
+
+SHAPES = {  # name: (N, K, SwiGLU input)
+    "M3 qkv+index": (9856, 6144, False),
+    "M3 o": (6144, 8192, False),
+    "M3 MLP gate_up": (24576, 6144, False),
+    "M3 MLP down": (6144, 12288, True),
+    "M3 shared gate_up": (6144, 6144, False),
+    "M3 shared down": (6144, 3072, True),
+    "300M qkv+index": (3712, 1024, False),
+    "300M o": (1024, 2048, False),
+    "300M MLP down": (1024, 2048, True),
+    "300M shared down": (1024, 512, True),
+}
+GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4, 6)))  # BLOCK_N, BLOCK_K, warps, stages
+SWIGLU = (1.702, 7.0, 1.0)  # alpha, limit, beta (spec §3.7)
+
+
+def old_config(n: int) -> tuple[int, int, int, int]:
+    """The launch ``skinny_linear`` used before ``skinny_config`` (the baseline)."""
+    return (16 if n <= 2048 else 32), 256, 4, 4
+
+
+def launch(x, w, out, swiglu: bool, cfg: tuple[int, int, int, int]) -> None:
+    """One ``_skinny_gemm_kernel`` launch of x [T, K or 2K] @ w [N, K]^T into out [T, N] with cfg."""
+    bn, bk, warps, stages = cfg
+    n, k = w.shape
+    alpha, limit, beta = SWIGLU if swiglu else (1.0, 1.0, 1.0)
+    fl._skinny_gemm_kernel[(triton.cdiv(n, bn),)](
+        x, w, out, x.shape[0], n, k, x.stride(0), w.stride(0), out.stride(0), alpha, limit, beta,
+        SWIGLU=swiglu, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 16], help="decode tokens (1..16)")
+    ap.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_skinny.py needs a CUDA GPU")
+    if any(not 1 <= t <= fl.SKINNY_MAX_TOKENS for t in args.tokens):
+        sys.exit(f"--tokens {args.tokens}: each must be in 1..{fl.SKINNY_MAX_TOKENS}")
+    rows = ["| tokens | shape (N x K) | before (us, TB/s) | skinny_config (us, TB/s) | best of the grid (us, TB/s) |"]
+    rows.append("|---|---|---|---|---|")
+    for t in args.tokens:
+        tot = [0.0, 0.0, 0.0]
+        for name, (n, k, sw) in SHAPES.items():
+            g = torch.Generator(device="cuda").manual_seed(n + k)
+            w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
+            x = torch.randn(t, 2 * k if sw else k, generator=g, device="cuda").to(torch.bfloat16)
+            ref = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+            launch(x, w, ref, sw, old_config(n))
+            gb = n * k * 2e-9
+
+            def timed(cfg, x=x, w=w, sw=sw, n=n):
+                out = torch.empty_like(ref)
+                launch(x, w, out, sw, cfg)
+                err = (out.float() - ref.float()).abs().max().item()
+                return graph_ms(lambda: launch(x, w, out, sw, cfg)), err
+
+            base, _ = timed(old_config(n))
+            chosen, err = timed(fl.skinny_config(n, sw))
+            best = (float("inf"), None)
+            for cfg in GRID:
+                try:
+                    best = min(best, (timed(cfg)[0], cfg))
+                except Exception:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
+                    continue
+            for i, ms in enumerate((base, chosen, best[0])):
+                tot[i] += ms
+            cell = lambda ms: f"{ms * 1e3:.1f}, {gb / ms:.2f}"  # noqa: E731
+            rows.append(
+                f"| {t} | {name} {n} x {k}{' SwiGLU' if sw else ''} | {cell(base)} | {cell(chosen)} "
+                f"(max diff {err:.1e}) | {cell(best[0])}, bn{best[1][0]} bk{best[1][1]} w{best[1][2]} s{best[1][3]} |"
+            )
+            print(rows[-1], flush=True)
+        gain = tot[0] / tot[1]
+        rows.append(f"| {t} | sum | {tot[0] * 1e3:.1f} | {tot[1] * 1e3:.1f} ({gain:.2f}x) | {tot[2] * 1e3:.1f} |")
+    head = (
+        f"## Skinny decode GEMM launches (bench_skinny.py), {run_date()}, {machine('cuda')}, "
+        f"torch {torch.__version__}, triton {triton.__version__}\n\n"
+        "bf16, CUDA-graph replay; before = the launch used before `skinny_config` (the baseline, same run); "
+        "TB/s counts the weight bytes.\n\n"
+    )
+    text = head + "\n".join(rows) + "\n"
+    print(text)
+    if args.write:
+        with open("docs/benchmarks.md", "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
