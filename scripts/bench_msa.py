@@ -13,6 +13,8 @@ top-k 16, bf16, one layer. Measured in one process:
   decode path that runs at that width is timed beside it ("paths"), with the score_topk path's two
   launches alone ("score_topk parts") and whether its ids equal index_topk's on the same keys;
   ``--topk-sweep``: the score_topk path's split count / warps / stages at contexts >= 128K;
+  ``--score-sweep``: the decode score launch (``index_block_scores``), pointer loads vs TMA over
+  programs / warps / stages (``DECODE_SCORE_CONFIGS``), bits checked, at contexts >= 128K;
 - dense causal prefill baseline (SDPA flash) vs MSA prefill (indexer + top-k + sparse attention, one
   timed call sequence) at 8K/32K/128K, with the parts timed alone: index scores and attention with
   achieved TFLOP/s (useful FLOPs: causal keys only), top-k in ms;
@@ -40,7 +42,7 @@ in trained models); the mean union size per 4-token prefill tile is printed.
 
 Usage: python scripts/bench_msa.py [--quick] [--parts decode,prefill,batched,quality,prefill1m,scratch]
        [--index bf16,fp8,fp8q] [--ctxs 8192,131072,1048576] [--decode-path auto|rank|score_topk|index_topk]
-       [--topk-sweep] [--write docs/benchmarks.md] [--json out.json]
+       [--topk-sweep] [--score-sweep] [--write docs/benchmarks.md] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import torch.nn.functional as F
 from benchlib import bench_config, run_date
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from m3_kernels import msa_index_topk
 from m3_kernels.msa_fused_decode import (
     DECODE_PATHS,
     MAX_FUSED_BLOCKS,
@@ -218,7 +221,39 @@ def score_topk_sweep(b, ic, var, out):
                 )
 
 
-def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=None):
+def index_score_sweep(b, ic, var, out):
+    """Time the decode score launch (``index_block_scores`` on one decode row, graph replays): pointer
+    loads with the default split (the baseline, ``DECODE_SCORE_TMA`` off) and TMA over a grid of
+    (programs, warps, stages) put in ``DECODE_SCORE_CONFIGS``; each launch's causal scores must be the
+    baseline's bits. Restores the module's settings."""
+    dm = decode_part(b.meta)
+    nb = int(dm.positions[0]) // PS + 1
+    saved = (msa_index_topk.DECODE_SCORE_TMA, dict(msa_index_topk.DECODE_SCORE_CONFIGS))
+    try:
+        msa_index_topk.DECODE_SCORE_TMA = False
+        ref = index_block_scores(b.iq, ic, dm)[..., :nb]
+        base = graph_ms(lambda: index_block_scores(b.iq, ic, dm))
+        msa_index_topk.DECODE_SCORE_TMA = True
+        res = []
+        for programs in (264, 528, 1024, 2048):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4, 6):
+                    msa_index_topk.DECODE_SCORE_CONFIGS[var] = (programs, warps, stages)
+                    same = torch.equal(index_block_scores(b.iq, ic, dm)[..., :nb], ref)
+                    res.append((graph_ms(lambda: index_block_scores(b.iq, ic, dm)), programs, warps, stages, same))
+    finally:
+        msa_index_topk.DECODE_SCORE_TMA = saved[0]
+        msa_index_topk.DECODE_SCORE_CONFIGS.clear()
+        msa_index_topk.DECODE_SCORE_CONFIGS.update(saved[1])
+    res.sort()
+    key = f"{nb * PS}-{var}"
+    out[key] = dict(pointer_ms=base, tma=[dict(zip(("ms", "programs", "warps", "stages", "same"), r)) for r in res])
+    best = ", ".join(f"{r[0] * 1e3:.1f} us p{r[1]} w{r[2]} s{r[3]}" for r in res[:3])
+    print(f"  score sweep {key}: pointer loads {base * 1e3:.1f} us; TMA best {best}; "
+          f"all same bits: {all(r[4] for r in res)}", flush=True)  # fmt: skip
+
+
+def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=None, score_sweep=None):
     """Decode rows (module docstring). decode_path: the headline path (None = the engine's choice by
     width); sweep: a dict that receives ``score_topk_sweep`` results at contexts >= 128K (None: off)."""
     res = {}
@@ -312,6 +347,8 @@ def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=Non
             )
             if sweep is not None and s >= 131072:
                 score_topk_sweep(b, ic, var, sweep)
+            if score_sweep is not None and s >= 131072:
+                index_score_sweep(b, ic, var, score_sweep)
             del ic
         del b
         torch.cuda.empty_cache()
@@ -608,6 +645,7 @@ def main(argv: list[str] | None = None) -> None:
         help="headline decode path (auto: the engine's choice by block-table width; rank only where it runs)",
     )
     ap.add_argument("--topk-sweep", action="store_true", help="sweep the score_topk launch knobs at >= 128K")
+    ap.add_argument("--score-sweep", action="store_true", help="sweep the decode score launch (TMA configs) at >= 128K")
     args = ap.parse_args(argv)
     variants = args.index.split(",")
     if any(v not in ("bf16", "fp8", "fp8q") for v in variants) or "bf16" not in variants:
@@ -624,10 +662,13 @@ def main(argv: list[str] | None = None) -> None:
     lens = [int(n) for n in args.lens.split(",")] if args.lens else lens
     if "decode" in parts:
         sweep = {} if args.topk_sweep else None
+        score_sweep = {} if args.score_sweep else None
         path = None if args.decode_path == "auto" else args.decode_path
-        out["decode"] = decode_bench(ctxs, rows, variants, path, sweep)
+        out["decode"] = decode_bench(ctxs, rows, variants, path, sweep, score_sweep)
         if sweep is not None:
             out["score_topk_sweep"] = sweep
+        if score_sweep is not None:
+            out["index_score_sweep"] = score_sweep
     if "prefill" in parts:
         out["prefill"] = prefill_bench(lens, ["smooth", "random"], rows, variants)
     if "prefill1m" in parts:
