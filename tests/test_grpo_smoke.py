@@ -19,12 +19,13 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_smoke_run(cache):
+def test_smoke_run(cache, capsys):
     out = cache / "run"
     cfg = load_config(
         "configs/grpo_smoke.yaml", [f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt"]
     )
     summary = run(cfg)
+    assert f"logs in {out}/logs (metrics.jsonl, summary.json" in capsys.readouterr().out  # where results went
     assert summary["built_now"] is True
     assert [s for s, _ in summary["val_history"]] == [0, 2, 3]
     assert all(0.0 <= a <= 1.0 for _, a in summary["val_history"])

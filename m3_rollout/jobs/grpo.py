@@ -462,6 +462,10 @@ def run(cfg: MasterConfig) -> dict:
         )
     (Path(cfg.logger.log_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
+    print(
+        f"logs in {cfg.logger.log_dir} (metrics.jsonl, summary.json; curves: "
+        f"python scripts/plot_metrics.py {cfg.logger.log_dir} -o grpo_curves.png)"
+    )
     if trained_steps and skipped_steps == trained_steps:
         raise TrainingError(
             f"every one of the {trained_steps} GRPO steps skipped its update: the loss or gradient was "
