@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from bench_msa import graph_ms, time_ms
-from benchlib import machine, run_date
+from benchlib import emit_section, machine, run_date
 
 from m3_kernels import invariant_ops as inv
 
@@ -95,11 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         "configuration linear picks (4,096 rows: the prefill band's; 1 and 32 rows alone: the decode band's, split-K); "
         "T=1 / 32 CUDA-graph replays, T=16384 eager.\n\n"
     )
-    text = head + "\n".join(rows) + "\n"
-    print(text)
-    if args.write:
-        with open("docs/benchmarks.md", "a") as f:
-            f.write("\n" + text)
+    emit_section(head + "\n".join(rows) + "\n", args.write)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import torch
 import triton
 from bench_msa import graph_ms
-from benchlib import machine, run_date
+from benchlib import emit_section, machine, run_date
 
 from m3_kernels import fused_layers as fl
 
@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         "bf16, CUDA-graph replay; before = the launch used before `skinny_config` (the baseline, same run); "
         "TB/s counts the weight bytes.\n\n"
     )
-    text = head + "\n".join(rows) + "\n"
-    print(text)
-    if args.write:
-        with open("docs/benchmarks.md", "a") as f:
-            f.write("\n" + text)
+    emit_section(head + "\n".join(rows) + "\n", args.write)
 
 
 if __name__ == "__main__":

@@ -57,3 +57,11 @@ def random_model(cfg, device: str, dtype):
             for p in model.parameters():
                 p.normal_(0, 0.02) if p.ndim >= 2 else p.normal_(0, 0.05)
     return model.cast_for_inference(dtype).eval()
+
+
+def emit_section(text: str, write: bool, path: str | Path = "docs/benchmarks.md") -> None:
+    """Print a benchmark's markdown section and, when ``write``, append it to ``path`` after a blank line."""
+    print(text)
+    if write:
+        with open(path, "a") as f:
+            f.write("\n" + text)
