@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from bench_msa import graph_ms, time_ms
-from benchlib import emit_section, machine, run_date
+from benchlib import emit_section
 
 from m3_kernels import invariant_ops as inv
 
@@ -88,14 +88,12 @@ def main(argv: list[str] | None = None) -> None:
             ms = f"{t[0]:.4f} | {t[1]:.4f} | {t[2]:.3f}"
             rows.append(f"| {name} ({n} x {k}) | {cname} | {same} | {ms} | {ratio:.2f} |")
         print("\n".join(rows[-len(CANDIDATES) - 1 :]), flush=True)
-    head = (
-        "## Batch-invariant linear launch configurations (bench_invariant_linear.py), "
-        f"{run_date()}, {machine('cuda')}\n\n"
+    notes = (
         f"bf16, K chunk {base.k_chunk}; same bits = every output equal to the "
         "configuration linear picks (4,096 rows: the prefill band's; 1 and 32 rows alone: the decode band's, split-K); "
-        "T=1 / 32 CUDA-graph replays, T=16384 eager.\n\n"
+        "T=1 / 32 CUDA-graph replays, T=16384 eager."
     )
-    emit_section(head + "\n".join(rows) + "\n", args.write)
+    emit_section("Batch-invariant linear launch configurations (bench_invariant_linear.py)", notes, rows, args.write)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import torch
 import triton
 from bench_msa import graph_ms
-from benchlib import emit_section, machine, run_date
+from benchlib import emit_section
 
 from m3_kernels import fused_layers as fl
 
@@ -100,13 +100,11 @@ def main(argv: list[str] | None = None) -> None:
             print(rows[-1], flush=True)
         gain = tot[0] / tot[1]
         rows.append(f"| {t} | sum | {tot[0] * 1e3:.1f} | {tot[1] * 1e3:.1f} ({gain:.2f}x) | {tot[2] * 1e3:.1f} |")
-    head = (
-        f"## Skinny decode GEMM launches (bench_skinny.py), {run_date()}, {machine('cuda')}, "
-        f"torch {torch.__version__}, triton {triton.__version__}\n\n"
-        "bf16, CUDA-graph replay; before = the launch used before `skinny_config` (the baseline, same run); "
-        "TB/s counts the weight bytes.\n\n"
+    notes = (
+        f"torch {torch.__version__}, triton {triton.__version__}; bf16, CUDA-graph replay; before = the launch "
+        "used before `skinny_config` (the baseline, same run); TB/s counts the weight bytes."
     )
-    emit_section(head + "\n".join(rows) + "\n", args.write)
+    emit_section("Skinny decode GEMM launches (bench_skinny.py)", notes, rows, args.write)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,12 @@ def random_model(cfg, device: str, dtype):
     return model.cast_for_inference(dtype).eval()
 
 
-def emit_section(text: str, write: bool, path: str | Path = "docs/benchmarks.md") -> None:
-    """Print a benchmark's markdown section and, when ``write``, append it to ``path`` after a blank line."""
+def emit_section(
+    title: str, notes: str, rows: list[str], write: bool, device: str = "cuda", path: str | Path = "docs/benchmarks.md"
+) -> None:
+    """Print a benchmark's markdown section -- "## {title}, {date of the run}, {machine}", the notes,
+    the table ``rows`` -- and, when ``write``, append it to ``path`` after a blank line."""
+    text = f"## {title}, {run_date()}, {machine(device)}\n\n{notes}\n\n" + "\n".join(rows) + "\n"
     print(text)
     if write:
         with open(path, "a") as f:
