@@ -18,7 +18,7 @@ does in several, with the same maths and the same intermediate roundings:
   renormalisation and routed scaling of fp32 router logits (spec §3.6 steps 2-4);
   ``router_gemm_topk``: the same with the fp32 router GEMM in the kernel (decode-sized steps).
 - ``skinny_linear``: x [T <= 32, K] @ W^T for decode-sized steps (bf16/fp16, fp32 accumulation),
-  optionally with SwiGLU-OAI computed on the operand load (gate|up output -> down projection).
+  optionally the gate|up GEMM with SwiGLU-OAI in its epilogue ([T, H] -> [T, I] activation).
 
 Numerics (spec §6): all maths in fp32; every value the PyTorch path rounds to the activation
 dtype is rounded here at the same point (the normed q/k before RoPE, the residual sum, the
@@ -591,8 +591,9 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # out[T, N] = a[T, K] @ w[N, K]^T, a = x or (SWIGLU) swiglu_oai(x[:, :K], x[:, K:]) rounded to x's dtype.
-    # One program per BLOCK_N output columns, all T (<= BLOCK_T) rows: W is streamed once.
+    # out[T, N] = x[T, K] @ w[N, K]^T; SWIGLU: w is the packed [2N, K] gate|up weight and
+    # out = swiglu_oai(x @ w[:N]^T, x @ w[N:]^T), each product rounded to x's dtype first.
+    # One program per BLOCK_N output columns (and their up rows), all T (<= BLOCK_T) rows: W is streamed once.
     pid = tl.program_id(0)
     ot = tl.arange(0, BLOCK_T)
     on = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -600,23 +601,23 @@ def _skinny_gemm_kernel(
     mt = ot < T
     mn = on < N
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ok
         mk = kk < K
-        xm = mt[:, None] & mk[None, :]
-        xp = x_ptr + ot[:, None].to(tl.int64) * stride_x + kk[None, :]
-        if SWIGLU:
-            g = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
-            u = tl.load(xp + K, mask=xm, other=0.0).to(tl.float32)
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            a = (g * tl.sigmoid(alpha * g) * (u + beta)).to(x_ptr.dtype.element_ty)
-        else:
-            a = tl.load(xp, mask=xm, other=0.0)
-        w = tl.load(
-            w_ptr + on[None, :].to(tl.int64) * stride_w + kk[:, None], mask=mk[:, None] & mn[None, :], other=0.0
+        a = tl.load(
+            x_ptr + ot[:, None].to(tl.int64) * stride_x + kk[None, :], mask=mt[:, None] & mk[None, :], other=0.0
         )
-        acc += tl.dot(a, w)
+        wp = w_ptr + on[None, :].to(tl.int64) * stride_w + kk[:, None]
+        wm = mk[:, None] & mn[None, :]
+        acc += tl.dot(a, tl.load(wp, mask=wm, other=0.0))
+        if SWIGLU:
+            acc_u += tl.dot(a, tl.load(wp + N.to(tl.int64) * stride_w, mask=wm, other=0.0))
+    if SWIGLU:  # spec §3.7 on the rounded gate|up products, in fp32
+        g = tl.minimum(acc.to(out_ptr.dtype.element_ty).to(tl.float32), limit)
+        u = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        acc = g * tl.sigmoid(alpha * g) * (u + beta)
     tl.store(
         out_ptr + ot[:, None].to(tl.int64) * stride_o + on[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -630,17 +631,19 @@ SKINNY_MAX_TOKENS = 16
 
 
 def skinny_config(n: int, swiglu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of ``skinny_linear`` for a weight of n output rows
-    (by output width and SwiGLU alone; the swept K sizes did not call for more).
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of ``skinny_linear`` for n output columns (by output
+    width and SwiGLU alone; the swept K sizes did not call for more).
 
-    From a sweep of 3 x 2 x 2 x 3 configurations at the M3 layer shapes and the 300M bench model's,
-    1 and 16 tokens (H200, docs/benchmarks.md 2026-12-03). The SwiGLU down projections recompute the
-    activation in every program: 128-wide K tiles on 8 warps keep its fp32 tiles in registers (M3 MLP
-    down, 12288 -> 6144: 123 -> 69 us; shared expert down 31.6 -> 18.1 us); wide outputs take 64
-    columns per program (fewer, longer weight streams: o_proj 27.4 -> 26.6 us).
+    Plain GEMMs: from a sweep of 3 x 2 x 2 x 3 configurations at the M3 layer shapes and the 300M
+    bench model's, 1 and 16 tokens (H200, docs/benchmarks.md 2026-12-03): wide outputs take 64
+    columns per program (fewer, longer weight streams: o_proj 27.4 -> 26.6 us), narrow ones 16.
+    SwiGLU (the gate|up GEMM with the activation in its epilogue, 2n weight rows): the plain launch of
+    2n rows with half the columns per program (each program streams BLOCK_N gate and BLOCK_N up
+    rows: the same bytes per program and the same program count as the plain gate|up GEMM).
     """
     if swiglu:
-        return (16 if n <= 2048 else 64), 128, 8, 4
+        bn, bk, warps, stages = skinny_config(2 * n, False)
+        return max(16, bn // 2), bk, warps, stages
     if n <= 2048:
         return 16, 256, 4, 4
     return 64, (128 if n > 8192 else 256), 4, 4
@@ -662,12 +665,14 @@ def skinny_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, swiglu_params: tuple[float, float, float] | None = None
 ) -> torch.Tensor:
-    """x [T, K'] @ weight [N, K]^T -> [T, N] in x.dtype for few tokens (T <= 32 allowed; the model uses
-    it up to ``SKINNY_MAX_TOKENS``), fp32 accumulation.
+    """x [T, K] @ weight [N, K]^T -> [T, N] in x.dtype for few tokens (T <= 32 allowed; the model uses
+    it up to ``SKINNY_MAX_TOKENS``), fp32 accumulation, one rounding.
 
-    With ``swiglu_params`` = (alpha, limit, beta), x is a [T, 2K] gate|up GEMM output and the GEMM
-    input is SwiGLU-OAI(x[:, :K], x[:, K:]) computed in fp32 and rounded to x.dtype, as
-    ``moe.swiglu_oai`` (spec §3.7) then the down projection. Raises ValueError on bad shapes.
+    With ``swiglu_params`` = (alpha, limit, beta), weight is a packed gate|up weight [2I, K] (gate
+    rows first) and the result is SwiGLU-OAI(x @ gate^T, x @ up^T) -> [T, I] (spec §3.7): each
+    product rounded to x.dtype, the activation in fp32, rounded to x.dtype, as the gate|up GEMM
+    followed by ``moe.swiglu_oai`` (the [T, 2I] product never goes to memory). Raises ValueError
+    on bad shapes or dtypes (or an odd row count with ``swiglu_params``).
     """
     t = x.shape[0]
     n, k = weight.shape
@@ -678,9 +683,15 @@ def skinny_linear(
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
+        and not (swiglu_params and n % 2)
     )
-    if not ok or x.shape[1] != (2 * k if swiglu_params else k):
-        raise ValueError(f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    if not ok or x.shape[1] != k:
+        raise ValueError(
+            f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+            + ("; with swiglu_params the weight is a gate|up [2I, K] buffer" if swiglu_params else "")
+        )
+    if swiglu_params:
+        n //= 2
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block_t = 16 if t <= 16 else 32
     block_n, block_k, warps, stages = skinny_config(n, swiglu_params is not None)

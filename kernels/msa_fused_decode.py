@@ -20,19 +20,18 @@ the step runs as
   selection and the rank is the slot, i.e. exactly ``m3_rollout.engine.reference_ops.index_topk_ref``'s list
   (forced first, lower id first among them, then score desc, ties to the lower id).
 Block tables of at least ``SCORE_TOPK_MIN_BLOCKS`` pages (long contexts, bound by reading the index
-keys) take ``LONG_DECODE_PATH`` by default: "index_topk" (below) until the "score_topk" path is
-measured on the GPU. The "score_topk" path runs K1 as ``msa_score_topk._decode_score_topk_kernel``: each score
+keys) take ``LONG_DECODE_PATH`` by default, "index_topk": ``msa_index_topk``'s split-K block scores
+and chunk top-k (one KP-key list per chunk of TOPK_CHUNK blocks), then K2 in MODE 2, which merges
+the chunk lists of its (token, head) in its prologue (one tl.topk network) and attends: three
+launches. The "score_topk" path runs K1 as ``msa_score_topk._decode_score_topk_kernel``: each score
 program keeps the top-k selection keys of its slice of blocks in registers and writes only those
-([Td, G, S, KP] int64 instead of [Td, G, NBP] fp32 scores); K2 (MODE 2) merges the S x K
-candidates of its (token, head) in its prologue (K rounds of max-and-remove) and attends. Same
-order and padding as the reference; design and cost model in kernels/msa_score_topk.py. The
-previous long-context route (``msa_index_topk.index_topk``: split-K scores, chunk top-k, merge;
-then K2 on the ids) stays reachable as ``decode_path="index_topk"`` for comparison.
+([Td, G, S, KP] int64 instead of [Td, G, NBP] fp32 scores); K2 (MODE 2) merges them the same way.
+Same order and padding as the reference; design and cost model in kernels/msa_score_topk.py.
 NOTE (H200, 2026-11-29): ranking in registers costs O(NBP^2) compares; per-chunk top-k in the
 score kernel with the winners RANKED (O(n^2)) in K2 was measured for wide tables and lost to index_topk
 (1M context: 227 us vs 87 us per step), as did a one-launch variant whose programs wait for each
-other at 8K (14.5 us vs 12.5 us): neither is kept. The score_topk path differs: the merge is K
-rounds of max-and-remove over <= MAX_MERGE_CANDIDATES keys, O(K x n).
+other at 8K (14.5 us vs 12.5 us): neither is kept. The MODE 2 merge differs: a top-K network over
+<= MAX_MERGE_CANDIDATES keys, not a ranking.
   Each split attends to slots [s*E, (s+1)*E) with an online softmax in base 2 (all RH query
   heads of the group together), writes its normalised partial output and base-2 LSE, and bumps a
   per-(token, head) arrival counter; the last split to arrive merges the S partials with weights
@@ -61,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3_kernels import msa_score_topk
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
 from m3_kernels.msa_score_topk import decode_score_topk, merge_candidates
@@ -81,6 +81,11 @@ DECODE_PATHS = ("rank", "score_topk", "index_topk")
 # H200 measured (1M: 5.56x dense); "score_topk" is tested on the CPU interpreter only (2026-12-02)
 # and becomes the default once tests/gpu/test_msa_gpu.py passes and bench_msa.py shows it faster.
 LONG_DECODE_PATH = "index_topk"
+# The "index_topk" decode path: the chunk winners of msa_index_topk.topk_chunk_keys go straight to K2,
+# which merges them in its prologue (MODE 2, one tl.topk network): 3 launches (scores, chunk top-k,
+# attention) instead of 4 (+ the top-k merge launch). False: index_topk's own merge, then K2 on the
+# ids (kept for the A/B of bench_msa.py).
+INDEX_TOPK_MERGE_IN_ATTENTION = True
 
 
 @triton.jit
@@ -384,6 +389,7 @@ def _decode_select_attend_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
     NCAND: tl.constexpr = 16,
+    MERGE_NET: tl.constexpr = False,
 ):
     """One (decode token, KV head, split): [top-k in registers], partial softmax, last arrival merges.
 
@@ -416,7 +422,7 @@ def _decode_select_attend_kernel(
                 tl.store(ids_row + offs_k, tl.full([KP], -1, tl.int32), mask=(offs_k < topk) & (offs_k >= n_blk))
     if MODE == 2:  # slot e = rank e: the merged selection in registers (NBC == KP)
         blk = merge_candidates(
-            score_ptr + t * stride_s_t + g * stride_s_g, cand_splits, cand_blocks, n_blk, topk, NCAND, KP
+            score_ptr + t * stride_s_t + g * stride_s_g, cand_splits, cand_blocks, n_blk, topk, NCAND, KP, MERGE_NET
         )
         rank = tl.arange(0, NBC)
         pages = tl.load(bt_ptr + row * stride_bt_r + blk, mask=blk >= 0, other=0)
@@ -697,6 +703,7 @@ def decode_select_attend(
         IEEE=ieee,
         PDL=pdl,
         NCAND=ncand,
+        MERGE_NET=msa_score_topk.MERGE_NETWORK and kp >= 2,
         num_warps=num_warps,
         num_stages=1 if ieee else num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -764,11 +771,12 @@ def msa_decode(
 
     q: [T, nh, d], iq: [T, G, di] (decode tokens first; only the first num_decodes *
     decode_query_len are read); caches in the paged_cache.py layout (index keys: a tensor or an
-    ``FP8IndexCache``). Two launches on every path (``select_decode_path``): "rank" (block tables
+    ``FP8IndexCache``). The paths (``select_decode_path``): "rank" (block tables
     narrower than SCORE_TOPK_MIN_BLOCKS: scores; top-k in registers + attention + merge),
-    "score_topk" (wider: scores with a partial top-k per program; candidate merge + attention +
-    merge); "index_topk" (only when asked: ``msa_index_topk.index_topk`` on the decode rows, then
-    the attention + merge launch). decode_path: None (by width) or one of DECODE_PATHS.
+    "score_topk" (scores with a partial top-k per program; candidate merge + attention + merge);
+    "index_topk" (wider tables by default, LONG_DECODE_PATH: ``msa_index_topk`` block scores and
+    chunk top-k on the decode rows, then the candidate merge + attention + merge launch;
+    three launches). decode_path: None (by width) or one of DECODE_PATHS.
     ids_out: optional [Td, G, K] int32 / int16 receiving the selection (see decode_select_attend).
     Returns [Td, nh, d] in q.dtype. Raises ValueError for an unknown path or "rank" on a table
     wider than MAX_FUSED_BLOCKS.
@@ -796,9 +804,14 @@ def msa_decode(
             ids_out=ids_out,
             pdl=pdl,
         )
-    from m3_kernels.msa_index_topk import index_topk
+    from m3_kernels.msa_index_topk import index_block_scores, index_topk, topk_chunk_keys
 
     dmeta = decode_part(meta)
+    if INDEX_TOPK_MERGE_IN_ATTENTION:  # scores, chunk winners; their merge in K2's prologue
+        scores = index_block_scores(iq[:td], index_cache_l, dmeta)
+        ps = k_cache_l.shape[2]
+        cands = topk_chunk_keys(scores, dmeta, topk, ps, init_blocks, local_blocks)
+        return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, cands=cands, ids_out=ids_out, pdl=pdl)
     ids = index_topk(iq[:td], index_cache_l, dmeta, topk, init_blocks, local_blocks)
     if ids_out is not None:
         ids_out.copy_(ids)

@@ -331,7 +331,9 @@ def _topk_chunk_kernel(
     NET: tl.constexpr = False,
 ):
     """Top-k keys of one chunk of one (token, head) row; FINAL (one chunk): write block ids. NET:
-    ``tl.topk`` (needs KP <= CHUNK) instead of K rounds of max-and-remove; the same keys, in order."""
+    ``tl.topk`` (needs KP <= CHUNK) instead of K rounds of max-and-remove; the same keys, in order.
+    Not FINAL: the chunk's KP-slot key list key[(rid * n_chunks + chunk) * KP + :KP], its top ``topk``
+    keys first (NET: the next KP - topk keys of the chunk after them, rounds: the empty key)."""
     rid = tl.program_id(0)  # t * G + g
     chunk = tl.program_id(1)
     t = rid // G
@@ -350,11 +352,8 @@ def _topk_chunk_kernel(
     if not FINAL:
         if chunk * CHUNK >= n_cand:  # chunk past the candidates: empty winners
             offs_k = tl.arange(0, KP)
-            tl.store(
-                key_ptr + (rid * n_chunks + chunk) * topk + offs_k,
-                tl.full([KP], -9223372036854775807 - 1, tl.int64),
-                mask=offs_k < topk,
-            )
+            empty = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+            tl.store(key_ptr + (rid * n_chunks + chunk) * KP + offs_k, empty)
             return
     if NET:  # one bitonic top-KP network (keys are distinct: the block id is in them), sorted descending
         top = tl.topk(key, KP)
@@ -362,15 +361,22 @@ def _topk_chunk_kernel(
         if FINAL:
             tl.store(ids_ptr + rid * topk + offs_k, _key_block_ids(top, n_cand), mask=offs_k < topk)
         else:
-            tl.store(key_ptr + (rid * n_chunks + chunk) * topk + offs_k, top, mask=offs_k < topk)
+            tl.store(key_ptr + (rid * n_chunks + chunk) * KP + offs_k, top)
     else:  # K rounds of max-and-remove
+        if not FINAL:
+            offs_k = tl.arange(0, KP)
+            tl.store(
+                key_ptr + (rid * n_chunks + chunk) * KP + offs_k,
+                tl.full([KP], -9223372036854775807 - 1, tl.int64),
+                mask=offs_k >= topk,
+            )
         for k in range(topk):
             best = tl.max(key, axis=0)
             key = tl.where(key == best, -9223372036854775807 - 1, key)
             if FINAL:
                 tl.store(ids_ptr + rid * topk + k, _key_block_ids(best, n_cand))
             else:
-                tl.store(key_ptr + (rid * n_chunks + chunk) * topk + k, best)
+                tl.store(key_ptr + (rid * n_chunks + chunk) * KP + k, best)
 
 
 @triton.jit
@@ -714,8 +720,7 @@ def select_topk_blocks(
     if t == 0:
         return out
     ps = page_size
-    # many rows (prefill): one chunk of up to 1024 blocks per row; few rows (decode): split-K
-    chunk = min(TOPK_CHUNK if t * g < 1024 else 1024, next_pow2(nbp))
+    chunk = topk_chunk_size(t * g, nbp)
     n_chunks = triton.cdiv(nbp, chunk)
     if n_chunks == 1 and rows_per_program > 1 and t * g >= TOPK_ROWS_MIN:  # prefill-sized; decode: one row each
         _topk_rows_kernel[(triton.cdiv(t * g, rows_per_program),)](
@@ -756,27 +761,9 @@ def select_topk_blocks(
             num_warps=4,
         )
         return out
-    keys = torch.empty(t * g, n_chunks, topk, dtype=torch.int64, device=scores.device)  # chunk winners
-    _topk_chunk_kernel[(t * g, n_chunks)](
-        scores,
-        meta.positions,
-        keys,
-        out,
-        n_chunks,
-        topk,
-        init_blocks,
-        local_blocks,
-        scores.stride(0),
-        scores.stride(1),
-        G=g,
-        PS=ps,
-        CHUNK=chunk,
-        KP=next_pow2(topk),
-        FINAL=False,
-        NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= chunk,
-        num_warps=4,
-    )
-    n_keys = n_chunks * topk
+    keys, _ = topk_chunk_keys(scores, meta, topk, ps, init_blocks, local_blocks, chunk)
+    kp = keys.shape[3]
+    n_keys = n_chunks * kp
     _topk_merge_kernel[(t * g,)](
         keys,
         meta.positions,
@@ -786,11 +773,65 @@ def select_topk_blocks(
         PS=ps,
         BLOCK_N=next_pow2(n_keys),
         G=g,
-        KP=next_pow2(topk),
-        NET=TOPK_NETWORK and 2 <= next_pow2(topk) <= next_pow2(n_keys),
+        KP=kp,
+        NET=TOPK_NETWORK and 2 <= kp,
         num_warps=4 if n_keys <= 1024 else 8,
     )
     return out
+
+
+def topk_chunk_size(n_rows: int, nbp: int) -> int:
+    """Blocks per selection chunk for n_rows (token, head) rows over NBP-wide tables: few rows
+    (decode): TOPK_CHUNK (split-K over many programs); many (prefill): one chunk of up to 1024."""
+    return min(TOPK_CHUNK if n_rows < 1024 else 1024, next_pow2(nbp))
+
+
+def topk_chunk_keys(
+    scores: torch.Tensor,
+    meta: PagedMetadata,
+    topk: int,
+    page_size: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, int]:
+    """The split-K stage of ``select_topk_blocks``: each chunk of ``chunk`` blocks of a (token, head)
+    row keeps its own top keys (int64 selection keys: score bits << 32 | _ID_BIAS - id, forced
+    blocks +inf, NaN -1e30; the empty key past the row's candidates).
+
+    scores: [T, G, NBP] fp32 from ``index_block_scores``. chunk: blocks per chunk (a power of two
+    <= next_pow2(NBP); default ``topk_chunk_size``). Returns (keys [T, G, NCH, KP] int64, chunk),
+    KP = next_pow2(topk): each list holds the chunk's top ``topk`` keys first. The row's top-k is
+    the top-k of its NCH x KP keys (``_topk_merge_kernel``, or the attention kernel's prologue:
+    ``msa_fused_decode.decode_select_attend(cands=...)``).
+    """
+    t, g, nbp = scores.shape
+    chunk = chunk or topk_chunk_size(t * g, nbp)
+    n_chunks = triton.cdiv(nbp, chunk)
+    kp = max(next_pow2(topk), 1)
+    keys = torch.empty(t, g, n_chunks, kp, dtype=torch.int64, device=scores.device)  # chunk winners
+    if t == 0:
+        return keys, chunk
+    _topk_chunk_kernel[(t * g, n_chunks)](
+        scores,
+        meta.positions,
+        keys,
+        keys,
+        n_chunks,
+        topk,
+        init_blocks,
+        local_blocks,
+        scores.stride(0),
+        scores.stride(1),
+        G=g,
+        PS=page_size,
+        CHUNK=chunk,
+        KP=kp,
+        FINAL=False,
+        NET=TOPK_NETWORK and 2 <= kp <= chunk,
+        num_warps=4,
+    )
+    return keys, chunk
 
 
 def index_topk(

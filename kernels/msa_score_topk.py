@@ -10,8 +10,9 @@ on CUDA, as the short-context path):
   selection keys in registers; only those K keys per program reach memory;
 - ``msa_fused_decode._decode_select_attend_kernel`` (MODE 2): each (token, KV head, split) program
   merges the n_splits x K candidate keys of its (token, head) in its prologue (``merge_candidates``:
-  K rounds of max-and-remove over at most MAX_MERGE_CANDIDATES keys), then attends and merges the
-  splits as in the short-context path.
+  one top-K bitonic network over at most MAX_MERGE_CANDIDATES keys), then attends and merges the
+  splits as in the short-context path. The "index_topk" decode path hands the same kernel the
+  chunk winners of ``msa_index_topk.topk_chunk_keys`` (one list per chunk of blocks).
 
 Why a partial top-K per program: at 1M context (8,192 blocks of 128) the step was bound by
 reading the index keys (268 MB bf16, 134 MB + 4 MB scales FP8) plus a separate top-k pass of two
@@ -73,6 +74,9 @@ from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 SCORE_TOPK_PROGRAMS = 256  # target score programs per launch (~2 per H200 SM); tune with bench_msa.py --topk-sweep
 SCORE_TOPK_MIN_SPLIT_BLOCKS = 8  # fewest blocks per score program (below: more programs than bytes to read)
 MAX_MERGE_CANDIDATES = 4096  # candidate keys one merge program reads per (token, head): S x KP
+# The candidate merge (``merge_candidates``) as one tl.topk network (False: topk rounds of max-and-remove,
+# kept for the A/B of bench_msa.py); K = 1 always takes the round (tl.topk(x, 1) fails to build).
+MERGE_NETWORK = True
 EMPTY_KEY = -(2**63)  # below every real key (the key of a -inf score is > EMPTY_KEY + 2**32)
 
 _EMPTY = tl.constexpr(EMPTY_KEY)
@@ -97,19 +101,24 @@ def key_block_id(key):
 
 
 @triton.jit
-def merge_candidates(crow_ptr, n_splits, blocks_per_split, n_blk, topk, NC: tl.constexpr, KP: tl.constexpr):
+def merge_candidates(
+    crow_ptr, n_splits, blocks_per_split, n_blk, topk, NC: tl.constexpr, KP: tl.constexpr, NET: tl.constexpr = False
+):
     """[KP] int32 top-k block ids of one (token, head) from its per-program candidate lists.
 
     crow_ptr: the row's candidates [S, KP] int64 (contiguous); list s is read iff s < n_splits and
     s * blocks_per_split < n_blk (its program had blocks of this token), slot j iff j < topk.
     NC = next_pow2(S) * KP. Slot e < min(topk, n_blk) holds the e-th largest key's block id, the
-    rest -1 (``index_topk_ref``'s order and padding).
+    rest -1 (``index_topk_ref``'s order and padding). NET (2 <= KP <= NC): one ``tl.topk`` bitonic
+    network instead of topk rounds of max-and-remove (the keys are distinct: the same ids).
     """
     offs = tl.arange(0, NC)
     sp = offs // KP
     ok = (sp < n_splits) & (sp * blocks_per_split < n_blk) & (offs % KP < topk)
     key = tl.load(crow_ptr + offs, mask=ok, other=_EMPTY)
     offs_k = tl.arange(0, KP)
+    if NET:
+        return tl.where(offs_k < tl.minimum(topk, n_blk), key_block_id(tl.topk(key, KP)), -1)
     sel = tl.full([KP], -1, tl.int32)
     for e in range(tl.minimum(topk, n_blk)):
         best = tl.max(key, axis=0)

@@ -8,10 +8,12 @@ top-k 16, bf16, one layer. Measured in one process:
   context, beside the separate ops (index_topk, then paged_attention); achieved GB/s over the
   bytes the step must read (one-head index keys + the 16 selected K/V blocks of 4 KV heads).
   The headline path is the engine's choice by block-table width (``--decode-path auto``: "rank"
-  below ``SCORE_TOPK_MIN_BLOCKS`` pages, "score_topk" from there: score kernel with a top-k per
-  program, merge in the attention kernel, kernels/msa_score_topk.py) or the one named; every other
+  below ``SCORE_TOPK_MIN_BLOCKS`` pages, ``LONG_DECODE_PATH`` ("index_topk": block scores, chunk
+  top-k, merge of the chunk winners in the attention kernel) from there) or the one named; every other
   decode path that runs at that width is timed beside it ("paths"), with the score_topk path's two
-  launches alone ("score_topk parts") and whether its ids equal index_topk's on the same keys;
+  launches alone ("score_topk parts") and whether its ids equal index_topk's on the same keys; the
+  index_topk path also runs with its top-k merge as a launch of its own (the A/B of
+  ``INDEX_TOPK_MERGE_IN_ATTENTION``);
   ``--topk-sweep``: the score_topk path's split count / warps / stages at contexts >= 128K;
   ``--score-sweep``: the decode score launch (``index_block_scores``), pointer loads vs TMA over
   programs / warps / stages (``DECODE_SCORE_CONFIGS``), bits checked, at contexts >= 128K;
@@ -58,7 +60,7 @@ import torch.nn.functional as F
 from benchlib import bench_config, run_date
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from m3_kernels import msa_index_topk
+from m3_kernels import msa_fused_decode, msa_index_topk
 from m3_kernels.msa_fused_decode import (
     DECODE_PATHS,
     MAX_FUSED_BLOCKS,
@@ -311,6 +313,13 @@ def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=Non
                 p_tk = graph_ms(lambda sc=sc, dm=dm: select_topk_blocks(sc, dm, K, PS))
                 p_at = graph_ms(lambda ids=ids: decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, topk_ids=ids))
                 parts = f"; parts: scores {p_sc * 1e3:.1f} + top-k {p_tk * 1e3:.1f} + attn {p_at * 1e3:.1f} us"
+                if path == "index_topk":  # A/B in the same run: the top-k merge as its own launch (before)
+                    msa_fused_decode.INDEX_TOPK_MERGE_IN_ATTENTION = False
+                    try:
+                        p_ml = graph_ms(step)
+                    finally:
+                        msa_fused_decode.INDEX_TOPK_MERGE_IN_ATTENTION = True
+                    parts += f"; step with the top-k merge as its own launch (before): {p_ml * 1e3:.1f} us"
             nbytes = s * index_bytes_per_token(var) + G * min(K, -(-s // PS)) * PS * D * 2 * ELT
             r = dict(
                 ctx=s,

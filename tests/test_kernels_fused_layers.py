@@ -198,10 +198,15 @@ def test_skinny_linear_matches_linear(t):
     got = fl.skinny_linear(x, w)
     ref = torch.nn.functional.linear(x.float(), w.float())
     torch.testing.assert_close(got.float(), ref, atol=4e-3, rtol=2e-3)  # fp32 accumulation, one fp16 rounding
-    # SwiGLU-OAI on the operand (down projection of a gate|up output), rounded to fp16 like swiglu_oai
-    gu = _rand(t, 2 * k, dtype=torch.float16, gen=gen, scale=4.0)
-    got = fl.skinny_linear(gu, w, (1.702, 7.0, 1.0))
-    ref = torch.nn.functional.linear(swiglu_oai(gu[:, :k], gu[:, k:], 1.702, 7.0, 1.0).float(), w.float())
-    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-3)
+    # the gate|up GEMM with SwiGLU-OAI in the epilogue: [2n, k] packed weight -> [t, n] activation,
+    # each product rounded to fp16 first, like the gate|up GEMM followed by swiglu_oai
+    wgu = _rand(2 * n, k, dtype=torch.float16, gen=gen, scale=0.5)
+    got = fl.skinny_linear(x, wgu, (1.702, 7.0, 1.0))
+    gu = torch.nn.functional.linear(x.float(), wgu.float()).half()
+    ref = swiglu_oai(gu[:, :n], gu[:, n:], 1.702, 7.0, 1.0)
+    assert got.shape == (t, n) and gu.abs().max() > 7.0  # the clamps bite
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=4e-3)
+    with pytest.raises(ValueError, match="gate\\|up"):
+        fl.skinny_linear(x, wgu[1:], (1.702, 7.0, 1.0))  # odd row count
     assert not fl.skinny_linear_ok(torch.zeros(33, k, dtype=torch.float16), w)  # > 32 tokens: cuBLAS
     assert not fl.skinny_linear_ok(x.float(), w.float())  # fp32 stays on cuBLAS

@@ -130,6 +130,33 @@ def test_verify_rows_through_the_wide_table_routes(monkeypatch, path):
     torch.testing.assert_close(got, want[:9], atol=ATOL[torch.float32], rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("merge", "topk"),
+    [("attention_network", 3), ("attention_network", 4), ("attention_rounds", 3), ("merge_launch", 4)],
+)
+def test_index_topk_route_merges_chunk_winners(merge, topk, monkeypatch):
+    # The index_topk route with 16-block chunks (19 chunk lists per row at 4200 tokens): the attention
+    # kernel merges the chunk winners in its prologue (tl.topk network or rounds), or index_topk's own
+    # merge launch picks first; same ids as the reference, ties across chunks (equal keys on 40
+    # pages) and a NaN block included; topk 3 < KP 4 (the lists' 4th key is a real lower key).
+    ksel = interpreted_kernels().index_topk
+    monkeypatch.setattr(ksel, "TOPK_CHUNK", 16)
+    monkeypatch.setattr(md, "INDEX_TOPK_MERGE_IN_ATTENTION", merge != "merge_launch")
+    monkeypatch.setattr(md.msa_score_topk, "MERGE_NETWORK", merge == "attention_network")
+    b = _batch(([(4200, 1), (33, 1), (2100, 1)], 3), torch.float32, seed=9, table_width=300)
+    for r in range(3):
+        for j in range(40):
+            b.ik[int(b.meta.block_tables[r, 100 + j])] = 0.25  # equal block maxima across chunk edges
+    b.ik[int(b.meta.block_tables[0, 7]), 3] = float("nan")
+    sel = index_topk_ref(b.iq, b.ik, b.meta, topk)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    ids = torch.full((3, G, topk), -7, dtype=torch.int32)
+    got = md.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, topk, ids_out=ids, decode_path="index_topk")
+    assert torch.equal(ids, sel)
+    assert (sel[0] == 7).sum() == 0 and (sel >= 100).any()  # the NaN block lost; the tied blocks compete
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+
+
 @pytest.mark.parametrize("spec", [MIXED, VERIFY], ids=["mixed", "verify_q3"])
 def test_msa_attention_whole_step(spec):
     # Decode rows through the fused path, prefill rows through the prefill kernels.

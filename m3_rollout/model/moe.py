@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration import M3Config
-from .fused import pack_linear_weights, packed_linear
+from .fused import fused_linear, pack_linear_weights, packed_linear, packed_ok
 from .numerics import compute_dtype
 from .paged_ops import PagedOps, needs_autograd
 
@@ -67,14 +67,15 @@ class DenseMLP(nn.Module):
         self.packed_gate_up = pack_linear_weights([self.gate_proj, self.up_proj])
 
     def forward_fused(self, x: torch.Tensor, ops: PagedOps) -> torch.Tensor:
-        """Fused paged path (``ops.fused_layers``): x [T, H] -> [T, H]: one gate|up GEMM, then either
-        ``ops.swiglu`` and the down GEMM, or (decode-sized, ``ops.skinny_ok``) one skinny GEMM
-        computing SwiGLU-OAI on its operand load (same roundings). Both GEMMs through ``ops.linear``
-        when the table has one."""
-        gu = packed_linear(x, self.packed_gate_up, [self.gate_proj, self.up_proj], ops)  # [T, 2I]
-        w = self.down_proj.weight
-        if ops.skinny_ok(gu, w):  # decode-sized: SwiGLU-OAI inside the down GEMM's operand load
-            return ops.skinny_linear(gu, w, (self.alpha, self.limit, self.beta))
+        """Fused paged path (``ops.fused_layers``): x [T, H] -> [T, H]. Decode-sized (``ops.skinny_ok``
+        on the packed gate|up buffer): one skinny GEMM computing gate|up with SwiGLU-OAI in its
+        epilogue (same roundings), then the skinny down GEMM. Otherwise one gate|up GEMM,
+        ``ops.swiglu`` and the down GEMM, through ``ops.linear`` when the table has one."""
+        gate_up = [self.gate_proj, self.up_proj]
+        if packed_ok(self.packed_gate_up, gate_up) and ops.skinny_ok(x, self.packed_gate_up):
+            act = ops.skinny_linear(x, self.packed_gate_up, (self.alpha, self.limit, self.beta))  # [T, I]
+            return fused_linear(act, self.down_proj.weight, ops)
+        gu = packed_linear(x, self.packed_gate_up, gate_up, ops)  # [T, 2I]
         return ops.project(self.down_proj, ops.swiglu(gu, self.alpha, self.limit, self.beta))
 
 

@@ -151,11 +151,12 @@ def test_skinny_linear_matches_cublas(t):
         w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), w.float())
         torch.testing.assert_close(fl.skinny_linear(x, w).float(), ref, atol=2e-2, rtol=2**-7)
-    for n, k in ((1024, 512), (3072, 1000)):  # skinny_config's two SwiGLU tiles (16 / 64 columns), K % 128 != 0
-        gu = (torch.randn(t, 2 * k, device=DEV, generator=g) * 4).to(torch.bfloat16)
-        w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(torch.bfloat16)
-        ref = torch.nn.functional.linear(swiglu_oai(gu[:, :k], gu[:, k:], 1.702, 7.0).float(), w.float())
-        torch.testing.assert_close(fl.skinny_linear(gu, w, (1.702, 7.0, 1.0)).float(), ref, atol=5e-2, rtol=2**-7)
+    for n, k in ((512, 1024), (3072, 1000), (12288, 6144)):  # SwiGLU epilogue: 16 / 32 columns, K % 128 != 0
+        x = torch.randn(t, k, device=DEV, generator=g).to(torch.bfloat16)
+        w = (torch.randn(2 * n, k, device=DEV, generator=g) * 4 * k**-0.5).to(torch.bfloat16)
+        gu = torch.nn.functional.linear(x.float(), w.float()).to(torch.bfloat16)
+        ref = swiglu_oai(gu[:, :n], gu[:, n:], 1.702, 7.0).float()
+        torch.testing.assert_close(fl.skinny_linear(x, w, (1.702, 7.0, 1.0)).float(), ref, atol=5e-2, rtol=2**-7)
 
 
 def _paged_logits(model, dtype, fused, dev=DEV, skinny=True):

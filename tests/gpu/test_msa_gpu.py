@@ -346,3 +346,27 @@ def test_topk_network_equals_the_rounds_at_long_decode(ctx, monkeypatch):
                 vals[n - 1] = float("inf")
                 order = sorted(range(n), key=lambda i: (-vals[i], i))[:K]
                 assert got[True][r, h].tolist() == order + [-1] * (K - len(order)), (r, h)
+
+
+@pytest.mark.parametrize("ctx", [40_000, 1 << 20])
+def test_index_topk_route_merge_in_attention_equals_the_merge_launch(ctx, monkeypatch):
+    """The long-context decode route: the chunk winners merged in the attention kernel's prologue
+    (``INDEX_TOPK_MERGE_IN_ATTENTION``, one tl.topk network) choose exactly the ids of index_topk's own
+    merge launch, and attend to them with the same bits (same slots, same kernel after the prologue);
+    also with the merge as rounds (``MERGE_NETWORK`` off). Two decode rows (ctx and 3,000 tokens), bf16."""
+    from m3_kernels import msa_score_topk
+
+    b = _batch(([(ctx - 1, 1), (3000, 1)], 2), torch.bfloat16, seed=8)
+    assert msa_fused_decode.select_decode_path(b.meta.block_tables.shape[1]) == "index_topk"
+    got = {}
+    for merge_in_attn, net in ((True, True), (True, False), (False, True)):
+        monkeypatch.setattr(msa_fused_decode, "INDEX_TOPK_MERGE_IN_ATTENTION", merge_in_attn)
+        monkeypatch.setattr(msa_score_topk, "MERGE_NETWORK", net)
+        ids = torch.full((2, G, K), -7, dtype=torch.int32, device="cuda")
+        out = msa_fused_decode.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, ids_out=ids)
+        got[(merge_in_attn, net)] = (ids, out)
+    ids0, out0 = got[(False, True)]
+    assert torch.equal(ids0, msa_index_topk.index_topk(b.iq, b.ik, b.meta, K))
+    for key, (ids, out) in got.items():
+        assert torch.equal(ids, ids0), key
+        assert torch.equal(out, out0), key
