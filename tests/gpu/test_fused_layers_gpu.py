@@ -151,12 +151,17 @@ def test_skinny_linear_matches_cublas(t):
         w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), w.float())
         torch.testing.assert_close(fl.skinny_linear(x, w).float(), ref, atol=2e-2, rtol=2**-7)
-    for n, k in ((512, 1024), (3072, 1000), (12288, 6144)):  # SwiGLU epilogue: 16 / 32 columns, K % 128 != 0
+    # SwiGLU epilogue (16 / 32 columns, K % 128 != 0): gate and up are each rounded to bf16 before the
+    # activation, so a one-ulp flip of either rounding (fp32 summation order) moves the activation by up
+    # to ~3 bf16 ulps (seen: 1 of 86,016 elements 1.1 % off): rtol 2^-6.
+    for n, k in ((512, 1024), (3072, 1000), (12288, 6144)):
         x = torch.randn(t, k, device=DEV, generator=g).to(torch.bfloat16)
         w = (torch.randn(2 * n, k, device=DEV, generator=g) * 4 * k**-0.5).to(torch.bfloat16)
         gu = torch.nn.functional.linear(x.float(), w.float()).to(torch.bfloat16)
         ref = swiglu_oai(gu[:, :n], gu[:, n:], 1.702, 7.0).float()
-        torch.testing.assert_close(fl.skinny_linear(x, w, (1.702, 7.0, 1.0)).float(), ref, atol=5e-2, rtol=2**-7)
+        got = fl.skinny_linear(x, w, (1.702, 7.0, 1.0)).float()
+        torch.testing.assert_close(got, ref, atol=5e-2, rtol=2**-6)
+        assert ((got - ref).abs() > 1e-6).float().mean() < 0.01  # the rest: the same bits
 
 
 def _paged_logits(model, dtype, fused, dev=DEV, skinny=True):

@@ -65,7 +65,11 @@ def _batch(spec, quantize_queries, seed=0):
 
 
 def _check_selection(b, cache, got, want):
-    """Equal, except near-ties whose reference scores (dequantized keys / queries) differ by < 1e-3."""
+    """Equal, except near-ties whose reference scores (dequantized keys / queries) differ by < 1e-3:
+    under 1 % of the (token, head) selections may differ as sets, and any slot whose block differs
+    (a set change or an order flip) must hold a near-tie. With FP8 queries and keys the block scores
+    are coarse and near-ties common: on MIXED, 171 of 11,212 prefill selections flip the order of two
+    near-tied blocks and 6 differ as sets (H200, 2026-12-03; the attention reads the set)."""
     if torch.equal(got, want):
         return
     iq = dequantize_index_keys(*quantize_index_keys(b.iq)) if cache.quantize_queries else b.iq
@@ -74,10 +78,13 @@ def _check_selection(b, cache, got, want):
     row, off = token_rows(b.meta)
     s = scores.permute(0, 2, 1, 3)[row, off]  # [T, G, nb]
     bad = (got != want).any(-1)
-    assert bad.float().mean() < 0.01, f"{int(bad.sum())} of {bad.numel()} selections differ"
-    sg = s.gather(-1, got.long().clamp_min(0)).sort(-1).values
-    sw = s.gather(-1, want.long().clamp_min(0)).sort(-1).values
-    assert (sg - sw)[bad].abs().max() < 1e-3
+    bad_set = (got.sort(-1).values != want.sort(-1).values).any(-1)
+    assert bad_set.float().mean() < 0.01, f"{int(bad_set.sum())} of {bad_set.numel()} selections differ as sets"
+    sg, sw = s.gather(-1, got.long().clamp_min(0)), s.gather(-1, want.long().clamp_min(0))
+    assert (sg.sort(-1).values - sw.sort(-1).values)[bad].abs().max() < 1e-3
+    flip = (got != want) & ~bad_set[..., None]  # order-only rows: slot by slot
+    if flip.any():
+        assert (sg - sw)[flip].abs().max() < 1e-3
 
 
 def test_fused_write_kernel_codes_equal_reference_real_shapes():
