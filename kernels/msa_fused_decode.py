@@ -1,4 +1,4 @@
-"""Fused sparse-layer MSA decode step in two Triton launches: index block scores, then top-k + attention.
+"""Fused sparse-layer MSA decode step: index block scores [+ chunk top-k on wide tables], then top-k merge + attention.
 
 Which decode path is this: the SPARSE layers' whole decode step (lightning-indexer scores, the
 top-k block choice in registers, the attention over the chosen blocks and the split merge) for
@@ -804,10 +804,13 @@ def msa_decode(
             ids_out=ids_out,
             pdl=pdl,
         )
-    from m3_kernels.msa_index_topk import index_block_scores, index_topk, topk_chunk_keys
+    from m3_kernels.msa_index_topk import index_block_scores, index_topk, topk_chunk_keys, topk_chunk_size
 
     dmeta = decode_part(meta)
-    if INDEX_TOPK_MERGE_IN_ATTENTION:  # scores, chunk winners; their merge in K2's prologue
+    nbp = meta.block_tables.shape[1]
+    n_cand = next_pow2(triton.cdiv(nbp, topk_chunk_size(td * iq.shape[1], nbp))) * next_pow2(topk)
+    if INDEX_TOPK_MERGE_IN_ATTENTION and n_cand <= msa_score_topk.MAX_MERGE_CANDIDATES:
+        # scores, chunk winners; their merge in K2's prologue (wider tables: index_topk's merge launch)
         scores = index_block_scores(iq[:td], index_cache_l, dmeta)
         ps = k_cache_l.shape[2]
         cands = topk_chunk_keys(scores, dmeta, topk, ps, init_blocks, local_blocks)

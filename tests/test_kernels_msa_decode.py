@@ -132,15 +132,23 @@ def test_verify_rows_through_the_wide_table_routes(monkeypatch, path):
 
 @pytest.mark.parametrize(
     ("merge", "topk"),
-    [("attention_network", 3), ("attention_network", 4), ("attention_rounds", 3), ("merge_launch", 4)],
+    [("attention_network", 3), ("attention_network", 4), ("attention_rounds", 3), ("merge_launch", 4), ("cap", 4)],
 )
 def test_index_topk_route_merges_chunk_winners(merge, topk, monkeypatch):
     # The index_topk route with 16-block chunks (19 chunk lists per row at 4200 tokens): the attention
     # kernel merges the chunk winners in its prologue (tl.topk network or rounds), or index_topk's own
     # merge launch picks first; same ids as the reference, ties across chunks (equal keys on 40
-    # pages) and a NaN block included; topk 3 < KP 4 (the lists' 4th key is a real lower key).
+    # pages) and a NaN block included; topk 3 < KP 4 (the lists' 4th key is a real lower key). "cap":
+    # more chunk keys (32 lists x 4) than MAX_MERGE_CANDIDATES per (token, head) take the merge launch.
     ksel = interpreted_kernels().index_topk
     monkeypatch.setattr(ksel, "TOPK_CHUNK", 16)
+    if merge == "cap":
+        monkeypatch.setattr(md.msa_score_topk, "MAX_MERGE_CANDIDATES", 64)
+    sources = []
+    attend = md.decode_select_attend
+    monkeypatch.setattr(
+        md, "decode_select_attend", lambda *a, **kw: (sources.append(kw.get("cands") is not None), attend(*a, **kw))[1]
+    )
     monkeypatch.setattr(md, "INDEX_TOPK_MERGE_IN_ATTENTION", merge != "merge_launch")
     monkeypatch.setattr(md.msa_score_topk, "MERGE_NETWORK", merge == "attention_network")
     b = _batch(([(4200, 1), (33, 1), (2100, 1)], 3), torch.float32, seed=9, table_width=300)
@@ -154,6 +162,7 @@ def test_index_topk_route_merges_chunk_winners(merge, topk, monkeypatch):
     got = md.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, topk, ids_out=ids, decode_path="index_topk")
     assert torch.equal(ids, sel)
     assert (sel[0] == 7).sum() == 0 and (sel >= 100).any()  # the NaN block lost; the tied blocks compete
+    assert sources == [merge.startswith("attention")]  # chunk lists merged in the attention kernel, or ids
     torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
 
 
