@@ -576,6 +576,7 @@ def router_gemm_topk(
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
+    wu_ptr,
     out_ptr,
     T,
     N,
@@ -591,8 +592,8 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # out[T, N] = x[T, K] @ w[N, K]^T; SWIGLU: w is the packed [2N, K] gate|up weight and
-    # out = swiglu_oai(x @ w[:N]^T, x @ w[N:]^T), each product rounded to x's dtype first.
+    # out[T, N] = x[T, K] @ w[N, K]^T; SWIGLU: w / wu are the gate / up rows [N, K] (same strides) and
+    # out = swiglu_oai(x @ w^T, x @ wu^T), each product rounded to x's dtype first.
     # One program per BLOCK_N output columns (and their up rows), all T (<= BLOCK_T) rows: W is streamed once.
     pid = tl.program_id(0)
     ot = tl.arange(0, BLOCK_T)
@@ -608,11 +609,11 @@ def _skinny_gemm_kernel(
         a = tl.load(
             x_ptr + ot[:, None].to(tl.int64) * stride_x + kk[None, :], mask=mt[:, None] & mk[None, :], other=0.0
         )
-        wp = w_ptr + on[None, :].to(tl.int64) * stride_w + kk[:, None]
+        w_off = on[None, :].to(tl.int64) * stride_w + kk[:, None]
         wm = mk[:, None] & mn[None, :]
-        acc += tl.dot(a, tl.load(wp, mask=wm, other=0.0))
+        acc += tl.dot(a, tl.load(w_ptr + w_off, mask=wm, other=0.0))
         if SWIGLU:
-            acc_u += tl.dot(a, tl.load(wp + N.to(tl.int64) * stride_w, mask=wm, other=0.0))
+            acc_u += tl.dot(a, tl.load(wu_ptr + w_off, mask=wm, other=0.0))
     if SWIGLU:  # spec §3.7 on the rounded gate|up products, in fp32
         g = tl.minimum(acc.to(out_ptr.dtype.element_ty).to(tl.float32), limit)
         u = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -639,7 +640,8 @@ def skinny_config(n: int, swiglu: bool) -> tuple[int, int, int, int]:
     columns per program (fewer, longer weight streams: o_proj 27.4 -> 26.6 us), narrow ones 16.
     SwiGLU (the gate|up GEMM with the activation in its epilogue, 2n weight rows): the plain launch of
     2n rows with half the columns per program (each program streams BLOCK_N gate and BLOCK_N up
-    rows: the same bytes per program and the same program count as the plain gate|up GEMM).
+    rows: the same bytes per program and program count as the plain gate|up GEMM), except that
+    BLOCK_N stays >= 16 (n <= 1024: twice the bytes per program, half the programs).
     """
     if swiglu:
         bn, bk, warps, stages = skinny_config(2 * n, False)
@@ -674,31 +676,39 @@ def skinny_linear(
     followed by ``moe.swiglu_oai`` (the [T, 2I] product never goes to memory). Raises ValueError
     on bad shapes or dtypes (or an odd row count with ``swiglu_params``).
     """
-    t = x.shape[0]
-    n, k = weight.shape
+    swiglu = swiglu_params is not None
+    if swiglu and len(swiglu_params) != 3:
+        raise ValueError(f"skinny_linear: swiglu_params={swiglu_params!r}; give (alpha, limit, beta) or None")
     ok = (
         x.dim() == 2
-        and 0 < t <= 32
+        and weight.dim() == 2
+        and 0 < x.shape[0] <= 32
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and not (swiglu_params and n % 2)
     )
-    if not ok or x.shape[1] != k:
+    if not ok or x.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
-            + ("; with swiglu_params the weight is a gate|up [2I, K] buffer" if swiglu_params else "")
+            f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}; needs "
+            "x [T <= 32, K] and weight [N, K] in one of bf16 / fp16 with contiguous rows"
         )
-    if swiglu_params:
+    t = x.shape[0]
+    n, k = weight.shape
+    if swiglu and n % 2:
+        raise ValueError(
+            f"skinny_linear: weight {tuple(weight.shape)}; with swiglu_params it is a gate|up [2I, K] buffer"
+        )
+    if swiglu:
         n //= 2
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block_t = 16 if t <= 16 else 32
-    block_n, block_k, warps, stages = skinny_config(n, swiglu_params is not None)
+    block_n, block_k, warps, stages = skinny_config(n, swiglu)
     alpha, limit, beta = swiglu_params or (1.0, 1.0, 1.0)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
+        weight[n:] if swiglu else weight,
         out,
         t,
         n,
@@ -709,7 +719,7 @@ def skinny_linear(
         alpha,
         limit,
         beta,
-        SWIGLU=swiglu_params is not None,
+        SWIGLU=swiglu,
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -604,7 +604,8 @@ def decode_select_attend(
     one selection source: scores [Td, G, NBP] fp32 from ``decode_scores`` (NBP <=
     MAX_FUSED_BLOCKS), topk_ids [Td, G, K] int32 (-1 = empty), or cands = (candidate keys
     [Td, G, S, KP] int64, blocks per split) from ``msa_score_topk.decode_score_topk`` with the same
-    topk / init_blocks / local_blocks (merged in the kernel's prologue). ids_out: optional
+    topk / init_blocks / local_blocks, or from ``msa_index_topk.topk_chunk_keys`` (lists of chunk
+    blocks; merged in the kernel's prologue). ids_out: optional
     [Td, G, K] int32 or int16 (unit stride over K) that receives the selection from scores or
     cands in the reference's order, -1 padding.
     pdl: launch with programmatic dependent launch (GPU only; the kernel waits for the previous
@@ -642,7 +643,8 @@ def decode_select_attend(
         if srcs.dtype != torch.int64 or srcs.shape[3] != kp or srcs.stride(3) != 1 or srcs.stride(2) != kp:
             raise ValueError(
                 f"decode_select_attend: cands {srcs.dtype} {tuple(srcs.shape)} strides {srcs.stride()}; need "
-                f"int64 [Td, G, S, {kp}] with contiguous lists (msa_score_topk.decode_score_topk)"
+                f"int64 [Td, G, S, {kp}] with contiguous lists (msa_score_topk.decode_score_topk or "
+                "msa_index_topk.topk_chunk_keys)"
             )
     elif scores is not None:
         mode, srcs, nbc = 1, scores, max(next_pow2(scores.shape[2]), 16)
@@ -782,6 +784,8 @@ def msa_decode(
     wider than MAX_FUSED_BLOCKS.
     """
     check_decode_inputs(q, iq, k_cache_l, v_cache_l, index_cache_l, topk)
+    if ids_out is not None and (ids_out.dtype not in (torch.int16, torch.int32) or ids_out.stride(2) != 1):
+        raise ValueError("msa_decode: ids_out must be int16 / int32 with unit stride over K")  # every route
     nd = meta.num_decodes
     td = nd * meta.decode_query_len
     pdl = q.is_cuda and PDL
@@ -895,9 +899,10 @@ def msa_attention(
 
     sel_out: optional [T, G, K] integer tensor (int16 / int32, unit stride over K; the engine's
     block-selection record) that receives the selection in ``index_topk_ref``'s order: the fused
-    decode kernel stores its in-register choice there (no extra launch, CUDA-graph safe; "rank" and
-    "score_topk" paths); prefill rows (and decode rows on the "index_topk" path) copy the
-    ``index_topk`` result in. decode_path: the decode rows' path (``msa_decode``; None = by width).
+    decode kernel stores its in-register choice there (no extra launch, CUDA-graph safe; every
+    decode path, except index_topk rows with more chunk keys than MAX_MERGE_CANDIDATES, which copy
+    ``index_topk``'s ids); prefill rows copy the ``index_topk`` result in. decode_path: the decode
+    rows' path (``msa_decode``; None = by width).
     scratch: the KV-major prefill's buffer, handed to ``paged_attention`` (its ``scratch``; the
     engine binds its own, kernels/paged_layout.py); decode rows never touch it.
     """

@@ -54,7 +54,8 @@ def launch(x, w, out, swiglu: bool, cfg: tuple[int, int, int, int]) -> None:
     n, k = out.shape[1], w.shape[1]
     alpha, limit, beta = SWIGLU if swiglu else (1.0, 1.0, 1.0)
     fl._skinny_gemm_kernel[(triton.cdiv(n, bn),)](
-        x, w, out, x.shape[0], n, k, x.stride(0), w.stride(0), out.stride(0), alpha, limit, beta,
+        x, w, w[n:] if swiglu else w, out, x.shape[0], n, k, x.stride(0), w.stride(0), out.stride(0),
+        alpha, limit, beta,
         SWIGLU=swiglu, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 

@@ -208,5 +208,11 @@ def test_skinny_linear_matches_linear(t):
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=4e-3)
     with pytest.raises(ValueError, match="gate\\|up"):
         fl.skinny_linear(x, wgu[1:], (1.702, 7.0, 1.0))  # odd row count
+    with pytest.raises(ValueError, match="alpha, limit, beta"):
+        fl.skinny_linear(x, wgu, ())  # not None, not three numbers: no silent SwiGLU launch
+    with pytest.raises(ValueError, match="weight"):
+        fl.skinny_linear(x, wgu[0])  # a 1-D weight
+    one = fl.skinny_linear(x, wgu[[0, n]], (1.702, 7.0, 1.0))  # I = 1
+    torch.testing.assert_close(one.float(), ref[:, :1].float(), atol=2e-2, rtol=4e-3)
     assert not fl.skinny_linear_ok(torch.zeros(33, k, dtype=torch.float16), w)  # > 32 tokens: cuBLAS
     assert not fl.skinny_linear_ok(x.float(), w.float())  # fp32 stays on cuBLAS

@@ -231,3 +231,13 @@ def test_given_ids_are_a_set_duplicates_count_once():
     once = sel.clone()
     once[1, 0, 3] = -1
     assert (paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, once)[1] - want[1]).abs().max() < 1e-6
+
+
+def test_ids_out_rules_hold_on_every_route():
+    # ids_out must be int16 / int32 with unit stride over K on every decode route (the narrow "rank"
+    # table here), not only where the attention kernel stores it.
+    b = _batch(([(200, 1), (90, 1)], 2), torch.float32)
+    for bad in (torch.zeros(2, G, K, dtype=torch.int64), torch.zeros(2, K, G, dtype=torch.int32).transpose(1, 2)):
+        for path in ("rank", "index_topk"):
+            with pytest.raises(ValueError, match="ids_out"):
+                md.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, ids_out=bad, decode_path=path)
