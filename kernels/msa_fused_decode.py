@@ -812,12 +812,13 @@ def msa_decode(
 
     dmeta = decode_part(meta)
     nbp = meta.block_tables.shape[1]
-    n_cand = next_pow2(triton.cdiv(nbp, topk_chunk_size(td * iq.shape[1], nbp))) * next_pow2(topk)
+    chunk = topk_chunk_size(td * iq.shape[1], nbp)
+    n_cand = next_pow2(triton.cdiv(nbp, chunk)) * next_pow2(topk)  # K2's NCAND for these chunk lists
     if INDEX_TOPK_MERGE_IN_ATTENTION and n_cand <= msa_score_topk.MAX_MERGE_CANDIDATES:
         # scores, chunk winners; their merge in K2's prologue (wider tables: index_topk's merge launch)
         scores = index_block_scores(iq[:td], index_cache_l, dmeta)
         ps = k_cache_l.shape[2]
-        cands = topk_chunk_keys(scores, dmeta, topk, ps, init_blocks, local_blocks)
+        cands = topk_chunk_keys(scores, dmeta, topk, ps, init_blocks, local_blocks, chunk)
         return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, cands=cands, ids_out=ids_out, pdl=pdl)
     ids = index_topk(iq[:td], index_cache_l, dmeta, topk, init_blocks, local_blocks)
     if ids_out is not None:
