@@ -9,9 +9,12 @@ Governing idea (the reduction-order argument): a result element is a function of
 of the sequence of floating-point operations that produce it. Each op here computes the value of
 one (query token, head) row with a sequence that depends only on that row's own data, never on
 the launch:
-- one kernel, one set of compile-time constants (tile shapes, ``num_warps``, ``num_stages``, IEEE
-  or tensor-core dots) for decode rows and prefill rows alike. The tile shapes depend only on the
-  model (head counts, dims, page size, top-k), not on the batch, the chunk or the context; the
+- one kernel, one set of compile-time constants that shape the arithmetic (tile shapes,
+  ``num_warps``, ``num_stages``, IEEE or tensor-core dots) for decode rows and prefill rows alike
+  (the decode launches compile variants that differ only in how work leaves a program: the
+  attention's ``PARTIAL``, the scores' blocks per program; the per-page / per-block code is the
+  same). The tile shapes depend only on the model (head counts, dims, page size, top-k), not on
+  the batch, the chunk or the context; the
   integer arguments that vary with the step (row offset, tiles per row, block-table width, token
   count) are not specialized on, so every step runs the same compiled kernel;
 - a tensor-core (or interpreter) dot of a fixed ``[M, k] x [k, n]`` shape computes row m from row m
@@ -46,9 +49,10 @@ Ops
 1. ``invariant_index_topk`` (two launches):
    - ``_inv_scores_kernel``: grid (row tiles, block splits). A program takes ``BLOCK_M`` tokens x
      all G index heads (``INDEX_TILE_ROWS`` = 64 dot rows at M3 shapes: 16 tokens x 4 heads) and
-     ``SCORE_SPLIT_BLOCKS`` consecutive blocks; per block one ``[M, di] x [di, ps]`` dot (fp32
-     accumulation; IEEE for fp32), causal mask, max over the block's keys (NaN propagates, then
-     -1e30). Writes a ``[T, G, NBP]`` fp32 scratch (only each token's causal blocks are written).
+     ``SCORE_SPLIT_BLOCKS`` consecutive blocks (``SCORE_SPLIT_BLOCKS_DECODE`` for decode rows); per
+     block one ``[M, di] x [di, ps]`` dot (fp32 accumulation; IEEE for fp32), causal mask, max over
+     the block's keys (NaN propagates, then -1e30). Writes a ``[T, G, NBP]`` fp32 scratch (only
+     each token's causal blocks are written).
    - ``_inv_topk_kernel``: ``TOPK_ROWS`` (token, head) rows per program (4 = one token x 4 heads
      at M3 shapes, 4 warps); per row the candidates ``0..pos // ps``, key = order-preserving
      int of (+inf for forced local/init blocks, else the score) << 32 | (bias - block id), so a
@@ -122,6 +126,9 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   most of the per-page latency at batch 1. Measured (2026-12-03, tile sweep): sparse layers are
   faster at 4 warps after all (two CTAs per SM outweigh the spills: 16K prefill 4.1 vs 6.8 ms,
   decode batch 32 0.10 vs 0.12 ms), dense layers at 128 rows x 8 warps (``DENSE_TILE_ROWS``).
+  Since 2026-12-03 the decode launch compiles without the prefill's running total (``PARTIAL``):
+  ptxas reports 60-84 spilled registers for the decode variants against 118 / 168 (4 / 8 warps)
+  for the one kernel before; decode forward 3-5 % faster at batch 32 on the H200.
 - Decode tiles are padded to the prefill shape: 64 dot rows for 16 useful (attention) and for 4
   useful (scores); the tensor-core work grows 4x / 16x, but decode is bound by reading K/V and index
   keys, so this should cost little.
@@ -137,7 +144,9 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   layer and decode step.
 - The [T, G, NBP] fp32 score scratch goes through memory for decode as for prefill. Score programs
   of a split past the tile's causal blocks return before loading anything (at decode most of the
-  ``cdiv(NBP, SCORE_SPLIT_BLOCKS)`` splits).
+  ``cdiv(NBP, SCORE_SPLIT_BLOCKS_DECODE)`` splits). Decode takes 2-block programs: with 16 (the
+  prefill's) a batch-1 step at 2.3K context walked 16 pages in one program, 28 us per layer on
+  the H200; 5 us with 2 (2026-12-03).
 - Top-k: a chunk costs a fixed network of ~27 compare-exchange steps on a [4, 128] int64 tile
   (22 for ``tl.topk`` of KP = 16 from 128, 5 for the merge; 4 keys per thread, each step a
   register swap or a warp shuffle, if the compiler keeps a row in one warp), independent of the batch. Decode at
@@ -185,6 +194,9 @@ ATTN_SPLIT_BLOCKS = 8
 PDL = True  # CUDA: launch the decode merge with programmatic dependent launch (hides its launch latency)
 DECODE_PROGRAMS = 256  # decode attention programs aimed at (tiles x KV heads x splits); work split only
 SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depends on another block)
+# ... of the decode launch: few row tiles, so many short programs (a batch-1 step at 2.3K context,
+# 18 blocks, took 28 us per layer with 16-block programs: one program walked 16 pages in series)
+SCORE_SPLIT_BLOCKS_DECODE = 2
 TOPK_CHUNK = 128  # blocks per step of the streaming top-k (one bitonic top-KP of [rows, TOPK_CHUNK] keys)
 TOPK_ROWS = 4  # (token, head) rows per top-k program: one warp per row, 4 keys per thread
 TOPK_WARPS = 4
@@ -380,18 +392,11 @@ def _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s):
 
 
 @triton.jit
-def _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d):
-    """K and V tiles [PS, D] of one page of a KV head, both loads issued before any math (the V load
-    overlaps the QK dot and the softmax instead of following them)."""
-    koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
-    return tl.load(kg_ptr + koff), tl.load(vg_ptr + koff)
-
-
-@triton.jit
-def _attend_kv(q, m_i, l_i, acc, k, v, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr, IEEE: tl.constexpr):
-    """``attend_block``'s online-softmax update (msa_paged_attention, the same operations in the same
-    order) on K / V tiles already loaded: key u of block b enters row m iff row_ok[m] and
-    b * PS + u <= qpos[m]; a row with no such key is left bit-for-bit unchanged."""
+def _attend_k(q, m_i, l_i, k, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr, IEEE: tl.constexpr):
+    """First half of ``attend_block``'s online-softmax update (msa_paged_attention, the same
+    operations in the same order) on a K tile already loaded: key u of block b enters row m iff
+    row_ok[m] and b * PS + u <= qpos[m]. Returns (m_new, l_new, p [M, PS] fp32, alpha [M]); a row
+    with no such key gets m, l unchanged, p = 0 and alpha = 1 (``_attend_v`` then leaves it as is)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -404,12 +409,47 @@ def _attend_kv(q, m_i, l_i, acc, k, v, b, row_ok, qpos, qk_scale, offs_o, PS: tl
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, p, alpha
+
+
+@triton.jit
+def _attend_v(acc, p, alpha, v, IEEE: tl.constexpr):
+    """Second half of the update: acc * alpha + p @ V (p rounded to V's dtype unless IEEE)."""
     if IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_page(
+    q,
+    m_i,
+    l_i,
+    acc,
+    kg_ptr,
+    vg_ptr,
+    page,
+    stride_kp,
+    stride_ko,
+    offs_o,
+    offs_d,
+    b,
+    row_ok,
+    qpos,
+    qk_scale,
+    PS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One page's online-softmax update (``_attend_k`` then ``_attend_v``), the K and V loads issued
+    together before any math (the V load overlaps the QK dot and the softmax). 2026-12-03, H200:
+    loading V after the softmax (one [PS, D] tile live instead of two) was 1-2 % slower at decode."""
+    koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
+    k = tl.load(kg_ptr + koff)
+    v = tl.load(vg_ptr + koff)
+    m_i, l_i, p, alpha = _attend_k(q, m_i, l_i, k, b, row_ok, qpos, qk_scale, offs_o, PS, IEEE)
+    return m_i, l_i, _attend_v(acc, p, alpha, v, IEEE)
 
 
 @triton.jit
@@ -459,7 +499,7 @@ def _store_split(
     tl.store(pacc_ptr + pidx[:, None] * D + offs_d[None, :], acc, mask=p_rows[:, None])
 
 
-@triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r", "split_step", "n_slots", "partial"])
+@triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r", "split_step", "n_slots"])
 def _inv_attn_kernel(
     q_ptr,
     k_ptr,
@@ -478,7 +518,6 @@ def _inv_attn_kernel(
     topk,
     split_step,
     n_slots,
-    partial,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -500,6 +539,7 @@ def _inv_attn_kernel(
     DENSE: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
     """BLOCK_M query tokens of one row x KV head g's RH query heads (row m = token m // RHP, head
     m % RHP). The tile's keys are walked one page per step in ascending block id: every block up to
@@ -507,13 +547,18 @@ def _inv_attn_kernel(
     row m masked to its token's set. Blocks are grouped in splits of SPLIT_B (split = block // SPLIT_B);
     each split runs a fresh online softmax. Decode and prefill rows alike.
 
-    partial = 0 (prefill launch, split_step = 1, one program per tile): the splits are folded into the
-    total in ascending order in registers (``_merge_split``), then o is written. partial = 1 (decode
-    launch, grid axis 2 = split_step programs per tile): program z takes the tile's non-empty splits
-    z, z + split_step, ... (a work split only: a split's bits do not depend on its program) and
+    PARTIAL = False (prefill launch, split_step = 1, one program per tile): the splits are folded into
+    the total in ascending order in registers (``_merge_split``), then o is written. PARTIAL = True
+    (decode launch, grid axis 2 = split_step programs per tile): program z takes the tile's non-empty
+    splits z, z + split_step, ... (a work split only: a split's bits do not depend on its program) and
     writes each through ``_store_split``; a sparse row with no valid block gets zeros from z = 0.
-    PDL (CUDA, both launches: one compiled kernel): let ``_inv_merge_kernel`` (launched with
-    programmatic dependent launch) be scheduled now; it waits for this grid's stores."""
+    The decode variant holds no running total: 64 fewer live fp32 registers per thread at 64 x 128
+    tiles and 4 warps (the kernel spills at 255 registers; H200 at the bench shapes, 2026-12-03:
+    118 -> 60-84 spilled registers, decode forward 3-5 % faster at batch 32); both variants run
+    ``_attend_k`` / ``_attend_v`` on the same tile shape and warps, i.e. the same per-row
+    operations (tests/gpu/test_invariant_attention_gpu.py checks decode = prefill bits).
+    PDL (CUDA, both launches): let ``_inv_merge_kernel`` (launched with programmatic dependent
+    launch) be scheduled now; it waits for this grid's stores."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -586,10 +631,28 @@ def _inv_attn_kernel(
             b_end = tl.minimum(s * SPLIT_B + SPLIT_B, n_blk)
             page = tl.load(bt_row + s * SPLIT_B)
             for b in range(s * SPLIT_B, b_end):
-                k, v = _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d)
-                page = tl.load(bt_row + b + 1, mask=b + 1 < b_end, other=0)  # next page id, under this page
-                m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, b, m_ok, qpos, qk_scale, offs_o, PS, IEEE)
-            if partial != 0:
+                nxt = tl.load(bt_row + b + 1, mask=b + 1 < b_end, other=0)  # next page id, under this page
+                m_i, l_i, acc = _attend_page(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    kg_ptr,
+                    vg_ptr,
+                    page,
+                    stride_kp,
+                    stride_ko,
+                    offs_o,
+                    offs_d,
+                    b,
+                    m_ok,
+                    qpos,
+                    qk_scale,
+                    PS,
+                    IEEE,
+                )
+                page = nxt
+            if PARTIAL:
                 slot = tl.where(s <= row_last, s, _BIG_ID)
                 _store_split(
                     o_ptr,
@@ -623,13 +686,31 @@ def _inv_attn_kernel(
             acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
             page = tl.load(bt_row + b)
             while b < s * SPLIT_B + SPLIT_B:  # the split's blocks of the union, ascending
-                k, v = _load_page(kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d)
                 nb = tl.min(tl.where(ev > b, ev, _BIG_ID), axis=0)  # next larger block id
-                page = tl.load(bt_row + nb, mask=nb < _BIG_ID, other=0)  # its page id, under this page
+                nxt = tl.load(bt_row + nb, mask=nb < _BIG_ID, other=0)  # its page id, under this page
                 row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
-                m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, b, row_ok, qpos, qk_scale, offs_o, PS, IEEE)
+                m_i, l_i, acc = _attend_page(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    kg_ptr,
+                    vg_ptr,
+                    page,
+                    stride_kp,
+                    stride_ko,
+                    offs_o,
+                    offs_d,
+                    b,
+                    row_ok,
+                    qpos,
+                    qk_scale,
+                    PS,
+                    IEEE,
+                )
+                page = nxt
                 b = nb
-            if partial != 0:
+            if PARTIAL:
                 # a row's slot for split s: its first selection slot holding a block of s
                 slot = tl.min(tl.where(sel_split == s, offs_k[None, :], _BIG_ID), axis=1)
                 _store_split(
@@ -662,7 +743,7 @@ def _inv_attn_kernel(
                 m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_i, l_i, acc)
     # prefill: every row; decode: the rows without any valid block (zeros), once
     o_rows = m_ok
-    if partial != 0:
+    if PARTIAL:  # acc_t is never updated here (the constant zeros)
         o_rows = m_ok & (row_first == _BIG_ID) & (z == 0)
     out = acc_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
     tl.store(
@@ -858,7 +939,6 @@ def invariant_paged_attention(
             topk,
             z,
             n_slots,
-            1 if decode else 0,
             q.stride(0),
             q.stride(1),
             k_cache_l.stride(0),
@@ -880,6 +960,7 @@ def invariant_paged_attention(
             DENSE=dense,
             IEEE=ieee,
             PDL=pdl,
+            PARTIAL=decode,
             num_warps=warps or ((DENSE_WARPS if dense else SPARSE_WARPS) if d >= 128 else 4),
             num_stages=1 if ieee else 2,
         )
@@ -929,10 +1010,10 @@ def invariant_index_scores(iq: torch.Tensor, index_cache_l, meta: PagedMetadata)
     gp = next_pow2(g)
     bm = index_block_m(g)
     ieee = iq.dtype == torch.float32 and not qfp8
-    n_splits = triton.cdiv(nbp, SCORE_SPLIT_BLOCKS)
     for r0, r1, qlen in _row_ranges(meta):
         n_qtiles = triton.cdiv(qlen, bm)
-        _inv_scores_kernel[((r1 - r0) * n_qtiles, n_splits)](
+        split_b = SCORE_SPLIT_BLOCKS_DECODE if r0 < meta.num_decodes else SCORE_SPLIT_BLOCKS
+        _inv_scores_kernel[((r1 - r0) * n_qtiles, triton.cdiv(nbp, split_b))](
             iq,
             keys,
             keys if kscales is None else kscales,
@@ -955,7 +1036,7 @@ def invariant_index_scores(iq: torch.Tensor, index_cache_l, meta: PagedMetadata)
             DI=di,
             PS=keys.shape[1],
             BLOCK_M=bm,
-            SPLIT_B=SCORE_SPLIT_BLOCKS,
+            SPLIT_B=split_b,
             KSCALE=kscales is not None,
             QFP8=qfp8,
             num_warps=4,

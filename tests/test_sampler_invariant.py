@@ -174,3 +174,46 @@ def test_engine_hands_the_flag_to_the_sampler(monkeypatch):
             while engine.has_unfinished():
                 engine.step()
             assert seen and set(seen) == {flag}, (graphs, flag, seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_steps_recompute_the_fused_samplers_logprobs_with_the_invariant_op(dtype):
+    """Batch-invariant decode graphs pick ids with the fused Triton sampler (``sample_rows``' ids)
+    and ``decode_graph.invariant_logprobs_into`` recomputes their logprobs: the bits must be
+    ``sample_rows``' with the same logprob op, for processed and raw rows and temperatures whose
+    division rounds (the eager steps' and the trainer scorer's values)."""
+    import numpy as np
+
+    from m3_rollout.engine.decode_graph import invariant_logprobs_into
+    from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling, sample_rows
+
+    def op(base, tokens):  # a fixed-order op that is not torch.log_softmax in fp32
+        return torch.log_softmax(base.double(), dim=-1).gather(1, tokens[:, None]).squeeze(1).float()
+
+    x = _rows().to(dtype)
+    n = x.shape[0]
+    p = _params(n)
+    p = SamplingTensors(p.temperature, torch.full((n,), -1), torch.ones(n), p.seeds, p.sample_ids)
+    positions = torch.arange(n) * 5 + 2
+    raw = torch.arange(n) % 2 == 1
+    tok, lp = sample_rows(x.float(), p, positions, raw, False, False, op, True)
+    packed = np.zeros((NUM_SAMPLING_FIELDS, n), dtype=np.int64)
+    pack_sampling(
+        packed,
+        p.temperature.numpy(),
+        p.top_k.numpy(),
+        p.top_p.double().numpy(),
+        p.seeds.numpy(),
+        p.sample_ids.numpy(),
+        positions.numpy(),
+        raw.numpy(),
+    )
+    out = torch.stack([tok, torch.full((n,), -1, dtype=torch.int64)])
+    invariant_logprobs_into(out, x, torch.from_numpy(packed), op, True)
+    assert torch.equal(out[0], tok)
+    assert torch.equal(out[1].view(torch.float64), lp.double())
+    processed_only = torch.stack([tok, torch.zeros(n, dtype=torch.int64)])
+    packed[-1] = 0  # every row "processed": the raw rows' values must change (the test has teeth)
+    invariant_logprobs_into(processed_only, x, torch.from_numpy(packed), op, True)
+    changed = processed_only[1].view(torch.float64) != lp.double()
+    assert torch.equal(changed, raw & (p.temperature != 1.0))

@@ -32,7 +32,9 @@ from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import (
     NUM_SAMPLING_FIELDS,
+    gather_logprobs,
     pack_sampling,
+    process_logits,
     sample_rows,
     sampling_fields,
     unpack_sampling,
@@ -97,6 +99,32 @@ class _EagerReplay:
         self.result = self.body()
 
 
+def invariant_logprobs_into(
+    out: torch.Tensor, logits: torch.Tensor, sampling: torch.Tensor, token_logprobs, batch_invariant: bool
+) -> None:
+    """Batch-invariant mode after the fused sampler (``sampler_triton.keyed_gumbel_sample``, which
+    picks ``sampler.sample_rows``' ids): overwrite the logprobs in ``out[1]`` (the kernel's own,
+    merged over vocabulary chunks in an order no other path shares) with ``sample_rows``' value
+    for the same ids: ``sampler.gather_logprobs`` through ``token_logprobs`` over fp32 logits
+    divided by the fp32 temperature ("processed" rows) or as they are ("raw" rows: a division by
+    1.0, exact). Those are the bits of the eager steps and of the trainer's scorer
+    (``engine.score.PagedScorer``), whatever the step's batch.
+
+    Args:
+        out: int64 [2, s]: row 0 the sampled ids (read), row 1 the logprobs as float64 bits (written).
+        logits: [s, V] the forward's logits (any float dtype; upcast as ``process_logits`` does).
+        sampling: int64 [NUM_SAMPLING_FIELDS, s] packed parameters (``sampler.pack_sampling``).
+        token_logprobs: the sampler's logprob op (``engine.ops.invariant_token_logprobs``).
+        batch_invariant: handed to ``process_logits`` (no top-k / top-p here: it does not change
+            the base).
+    """
+    params, _, raw = unpack_sampling(sampling)
+    temperature = torch.where(raw, torch.ones_like(params.temperature), params.temperature)
+    base = process_logits(logits, temperature, params.top_k, params.top_p, False, False, batch_invariant)
+    lp = gather_logprobs(base, out[0], token_logprobs)
+    out[1].copy_(lp.double().view(torch.int64))
+
+
 class CudaGraphDecode:
     """Decode forward + sampler graphs per padded batch size, with their static buffers.
 
@@ -113,9 +141,10 @@ class CudaGraphDecode:
         selection_buffer: the block-selection record's step buffer (int16 [>= S rows, ...]); the
             captured forward of size s writes rows 0..s-1 (padding rows too; their slots are -1).
         token_logprobs: the sampler's batch-invariant logprob op (``sampler.sample_rows``); when
-            given, the PyTorch sampler runs (with it) instead of the fused Triton sampler, whose
-            logprob reduction differs from the eager steps' (batch-invariant mode: one logprob
-            order for every step).
+            given, the fused Triton sampler still picks the ids (``sample_rows``' ids) and
+            ``invariant_logprobs_into`` computes the logprobs again with this op, in the order
+            the eager steps and the trainer use (the fused kernel's chunk merge differs;
+            batch-invariant mode: one logprob order for every step).
         batch_invariant: filtered steps sample with row-invariant top-k / top-p supports
             (``sampler.process_logits``).
     """
@@ -235,7 +264,7 @@ class CudaGraphDecode:
         """Sample rows 0..s-1 of ``logits`` with the staged parameters; write ids + logprob bits
         into ``out[:2s]`` and ``last_tokens[:s]``; returns the [2, s] int64 view."""
         out = self.out[: 2 * s].view(2, s)
-        if self.fused_sampler and self.token_logprobs is None and not (need_top_k or need_top_p):
+        if self.fused_sampler and not (need_top_k or need_top_p):
             from m3_rollout.engine.sampler_triton import keyed_gumbel_sample
 
             p = sampling_fields(DecodeStage.of(self.stage, s).sampling)
@@ -250,6 +279,9 @@ class CudaGraphDecode:
                 self.out[: 2 * s],
                 self.last_tokens,
             )
+            if self.token_logprobs is not None:  # the logprob again, from the invariant op
+                stage = DecodeStage.of(self.stage, s)
+                invariant_logprobs_into(out, logits, stage.sampling, self.token_logprobs, self.batch_invariant)
             return out
         params, positions, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
         tokens, lps = sample_rows(

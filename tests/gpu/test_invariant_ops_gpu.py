@@ -299,3 +299,14 @@ def test_engine_logprobs_do_not_depend_on_the_batch():
     alone, mixed = generate(1), generate(32)
     assert alone.output_ids == mixed.output_ids
     assert alone.logprobs == mixed.logprobs
+    # The trainer's scorer (packed prefill forwards, the same ops and logprob op) gives the bits
+    # the graphs' fused sampler + invariant logprob recorded (decode_graph.invariant_logprobs_into).
+    from m3_rollout.engine.ops import invariant_token_logprobs
+    from m3_rollout.engine.score import PagedScorer
+
+    ops = paged_ops_for(DEV, torch.bfloat16, batch_invariant=True)
+    scorer = PagedScorer(m.config, ops, 2048, 4096, torch.bfloat16, DEV, token_logprobs=invariant_token_logprobs(DEV))
+    row = prompts[0] + alone.output_ids
+    other = prompts[5] + prompts[6][:100]  # packed with another sequence
+    scored = scorer(m, [other, row], 1.0)[1][len(prompts[0]) :].cpu()
+    assert torch.equal(scored, torch.tensor(alone.logprobs, dtype=torch.float64).float())
