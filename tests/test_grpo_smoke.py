@@ -89,11 +89,40 @@ def test_warm_start_outside_window_warns_with_rebuild_hint(tmp_path):
         "build_seconds": 255.7,
         "heldout_accuracy": 0.16,
         "spec": dataclasses.asdict(spec),
+        "history": [(0, 0.0), (100, 0.05), (200, 0.16), (250, 0.12)],
     }
     msg = builtin.warm_start_warning(tmp_path, report)
-    assert msg is not None and "0.160" in msg and "[0.25, 0.45]" in msg and str(tmp_path) in msg and "step 200" in msg
+    assert msg is not None and "0.160" in msg and "[0.25, 0.45]" in msg and str(tmp_path) in msg
+    # the last step trained and the snapshot kept (the closest to the window) are both named
+    assert "ran 250 steps" in msg and "kept step 200" in msg
     assert builtin.warm_start_warning(tmp_path, dict(report, in_window=True)) is None
     assert builtin.warm_start_warning(tmp_path, {"built": False}) is None  # a user checkpoint directory
-    assert "step cap reached" in msg
+    assert "step cap was reached" in msg and "delete" in msg
     capped = builtin.warm_start_warning(tmp_path, dict(report, time_capped=True))
-    assert "warm_start.max_seconds=900.0" in capped and "step cap" not in capped
+    # the cap is a preset value, not a config key; the build is not reused
+    assert "(900 s, part of the builtin preset)" in capped and "max_seconds=" not in capped
+    assert "step cap" not in capped and "not reused" in capped
+    assert builtin.reusable_build(report) and builtin.reusable_build(dict(report, in_window=True, time_capped=True))
+    assert not builtin.reusable_build(dict(report, time_capped=True))
+
+
+def test_a_time_capped_build_outside_its_window_is_built_again(cache, monkeypatch, capsys):
+    # a loaded machine's capped build is not reused; a step-capped one (the spec's own result) is
+    builds = []
+
+    def fake_build(spec, out, progress=True):
+        builds.append(out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"in_window": False, "time_capped": len(builds) == 1, "warm_start_steps": 5, "build_seconds": 1.0}
+        report.update(heldout_accuracy=0.0, spec=dataclasses.asdict(spec), history=[(0, 0.0), (5, 0.0)])
+        (out / "build_report.json").write_text(json.dumps(report))
+        return report
+
+    monkeypatch.setattr(builtin, "build_checkpoint", fake_build)
+    path, info = builtin.resolve_model("builtin:tiny-random")
+    assert info["built"] and info["time_capped"] and "not reused" in capsys.readouterr().err
+    path2, info2 = builtin.resolve_model("builtin:tiny-random")  # capped: built again, same directory
+    assert path2 == path and info2["built"] and not info2["time_capped"] and len(builds) == 2
+    assert "rebuilding" in capsys.readouterr().err
+    _, info3 = builtin.resolve_model("builtin:tiny-random")  # step-capped: cached, warned again
+    assert not info3["built"] and len(builds) == 2 and "step cap was reached" in capsys.readouterr().err

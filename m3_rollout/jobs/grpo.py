@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.config import ConfigError, MasterConfig, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
+from m3_rollout.jobs.builtin import warm_start_warning
 from m3_rollout.jobs.invariant_scoring import invariant_scorer
 from m3_rollout.jobs.metrics_logger import MetricsLogger
 from m3_rollout.jobs.outputs import check_output_dirs
@@ -464,8 +465,11 @@ def run(cfg: MasterConfig) -> dict:
     logger.close()
     print(
         f"logs in {cfg.logger.log_dir} (metrics.jsonl, summary.json; curves: "
-        f"python scripts/plot_metrics.py {cfg.logger.log_dir} -o grpo_curves.png)"
+        f"{sys.executable} scripts/plot_metrics.py {cfg.logger.log_dir} -o grpo_curves.png)"
     )
+    warning = warm_start_warning(model_dir, info)
+    if warning:  # again at the end: the start of the log is far up by now
+        print(warning, file=sys.stderr)
     if trained_steps and skipped_steps == trained_steps:
         raise TrainingError(
             f"every one of the {trained_steps} GRPO steps skipped its update: the loss or gradient was "
