@@ -112,7 +112,9 @@ def invariant_logprobs_into(
 
     Args:
         out: int64 [2, s]: row 0 the sampled ids (read), row 1 the logprobs as float64 bits (written).
-        logits: [s, V] the forward's logits (any float dtype; upcast as ``process_logits`` does).
+        logits: [s, V] the forward's logits, fp32 / fp16 / bf16 (upcast as ``process_logits`` does;
+            the fused sampler computes in fp32, so for fp64 logits its ids may differ from
+            ``sample_rows``', and the invariant ``token_logprobs`` refuses fp64 anyway).
         sampling: int64 [NUM_SAMPLING_FIELDS, s] packed parameters (``sampler.pack_sampling``).
         token_logprobs: the sampler's logprob op (``engine.ops.invariant_token_logprobs``).
         batch_invariant: handed to ``process_logits`` (no top-k / top-p here: it does not change

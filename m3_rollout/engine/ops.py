@@ -128,10 +128,14 @@ def paged_ops_for(
             import m3_kernels.invariant_ops as inv
 
             return PagedOps(**invariant_attention_fields(device), **invariant_fields(fl, inv))
+        if not cuda:
+            why = f"needs a CUDA device with triton (got device {torch.device(device).type})"
+        else:
+            why = f"needs a bf16 / fp16 / fp32 model (got {dtype})"
+        # the device's type and the dtype, not their reprs: the same text from every caller, so the
+        # default warnings filter shows it once per calling line
         warnings.warn(
-            f"batch_invariant: needs CUDA with triton and a bf16/fp16/fp32 model (got {device}, {dtype}); "
-            "the PyTorch / fast-mode ops used instead are not batch-invariant",
-            stacklevel=2,
+            f"batch_invariant: {why}; the PyTorch / fast-mode ops used instead are not batch-invariant", stacklevel=2
         )
     if not cuda:
         return reference_paged_ops()

@@ -240,12 +240,8 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
         return Path(model_name).expanduser(), {"built": False}
     name = model_name[len(BUILTIN_PREFIX) :]
     out = cache_root() / f"{name}-{spec.key()}"
-    cached = json.loads((out / "build_report.json").read_text()) if (out / "build_report.json").is_file() else None
-    if cached is not None and not reusable_build(cached):  # build_checkpoint replaces the directory
-        print(f"rebuilding {out}: its cached build was stopped by the time cap outside its window", file=sys.stderr)
-        cached = None
-    if cached is not None:
-        info = {"built": False, "key": spec.key(), **cached}
+    if (out / "build_report.json").is_file():
+        info = {"built": False, "key": spec.key(), **json.loads((out / "build_report.json").read_text())}
     else:
         info = {"built": True, "key": spec.key(), **build_checkpoint(spec, out, progress=progress)}
     warning = warm_start_warning(out, info)
@@ -254,44 +250,41 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
     return out, info
 
 
-def reusable_build(report: dict) -> bool:
-    """Whether a cached build (its build_report.json) may be used again: every build but one whose
-    warm start the wall-clock cap stopped outside its accuracy window (a loaded machine's accident,
-    not the spec's result: the next run builds it again)."""
-    return not (report.get("time_capped") and not report.get("in_window", True))
-
-
 def warm_start_warning(model_dir: Path, info: dict) -> str | None:
     """A warning when a built checkpoint's warm start stopped outside its accuracy window, else None.
 
-    That happens when the build hit its step cap (``max_steps``: the spec's own result, the build
-    stays cached and the warning is given on every run that uses it, with how to rebuild) or the
-    wall-clock safety cap ``max_seconds`` of the preset's warm-start spec (a heavily loaded machine;
-    ``time_capped`` in the report; the build is not reused, :func:`reusable_build`): the GRPO run
-    then starts lower (or higher) than the README's figures. The message names the last step
-    trained and the step of the snapshot kept (the one closest to the window).
+    That happens when the build hit its step cap (``max_steps``) or the wall-clock safety cap
+    ``max_seconds`` of the preset's warm-start spec (a heavily loaded machine; ``time_capped`` in
+    the report): the GRPO run then starts lower (or higher) than the README's figures. The build
+    stays cached (a cached directory is never replaced under a job that may be using it), so the
+    warning is given on every run that uses it, with how to rebuild. It names the last step
+    trained and the step of the snapshot kept (the one closest to the window); fields missing from
+    an older report read "?".
     """
     if info.get("in_window", True):
         return None
-    spec = info.get("spec", {}).get("warm_start") or {}
-    lo, hi = spec.get("target_low", float("nan")), spec.get("target_high", float("nan"))
+    spec = (info.get("spec") or {}).get("warm_start") or {}
+
+    def num(key: str, src: dict, fmt: str) -> str:
+        v = src.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "?"
+
     history = info.get("history") or []
-    last = history[-1][0] if history else info.get("warm_start_steps")
+    last = history[-1][0] if history else info.get("warm_start_steps", "?")
     if info.get("time_capped"):
         cause = (
-            f"the build's wall-clock safety cap ({spec.get('max_seconds', float('nan')):.0f} s, part of the "
-            f"builtin preset) ended it before its step schedule did: a loaded machine"
+            f"the build's wall-clock safety cap ({num('max_seconds', spec, '.0f')} s, part of the builtin "
+            f"preset) ended it before its step schedule did: a loaded machine"
         )
-        after = f"this build is not reused: the next run builds {model_dir} again (on a less loaded machine)"
+        where = " on a less loaded machine"
     else:
-        cause = "its step cap was reached"
-        after = f"to rebuild, delete {model_dir} and run again"
-    secs, acc = info.get("build_seconds", float("nan")), info.get("heldout_accuracy", float("nan"))
+        cause, where = "its step cap was reached", ""
     return (
-        f"WARNING: the checkpoint's warm start ran {last} steps in {secs:.0f} s "
-        f"and kept step {info.get('warm_start_steps')} (held-out accuracy {acc:.3f}), "
-        f"outside its window [{lo}, {hi}] ({cause}); GRPO starts from it, so accuracies (and rewards) will "
-        f"differ from the README's; {after}."
+        f"WARNING: the checkpoint's warm start ran {last} steps in {num('build_seconds', info, '.0f')} s "
+        f"and kept step {info.get('warm_start_steps', '?')} (held-out accuracy "
+        f"{num('heldout_accuracy', info, '.3f')}), outside its window [{spec.get('target_low', '?')}, "
+        f"{spec.get('target_high', '?')}] ({cause}); GRPO starts from it, so accuracies (and rewards) "
+        f"will differ from the README's; to rebuild, delete {model_dir} and run again{where}."
     )
 
 
