@@ -127,8 +127,9 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   faster at 4 warps after all (two CTAs per SM outweigh the spills: 16K prefill 4.1 vs 6.8 ms,
   decode batch 32 0.10 vs 0.12 ms), dense layers at 128 rows x 8 warps (``DENSE_TILE_ROWS``).
   Since 2026-12-03 the decode launch compiles without the prefill's running total (``PARTIAL``):
-  ptxas reports 60-84 spilled registers for the decode variants against 118 / 168 (4 / 8 warps)
-  for the one kernel before; decode forward 3-5 % faster at batch 32 on the H200.
+  ptxas then reported 32-84 spilled registers across the four variants (dense / sparse x decode /
+  prefill, sampled with V still loaded after the softmax in the decode ones) against 118 / 168
+  (4 / 8 warps) for the one kernel before; decode forward 3-5 % faster at batch 32 on the H200.
 - Decode tiles are padded to the prefill shape: 64 dot rows for 16 useful (attention) and for 4
   useful (scores); the tensor-core work grows 4x / 16x, but decode is bound by reading K/V and index
   keys, so this should cost little.
@@ -553,8 +554,8 @@ def _inv_attn_kernel(
     splits z, z + split_step, ... (a work split only: a split's bits do not depend on its program) and
     writes each through ``_store_split``; a sparse row with no valid block gets zeros from z = 0.
     The decode variant holds no running total: 64 fewer live fp32 registers per thread at 64 x 128
-    tiles and 4 warps (the kernel spills at 255 registers; H200 at the bench shapes, 2026-12-03:
-    118 -> 60-84 spilled registers, decode forward 3-5 % faster at batch 32); both variants run
+    tiles and 4 warps (the kernel spills at 255 registers; module docstring, "Cost"; decode
+    forward 3-5 % faster at batch 32 on the H200, 2026-12-03); both variants run
     ``_attend_k`` / ``_attend_v`` on the same tile shape and warps, i.e. the same per-row
     operations (tests/gpu/test_invariant_attention_gpu.py checks decode = prefill bits).
     PDL (CUDA, both launches): let ``_inv_merge_kernel`` (launched with programmatic dependent

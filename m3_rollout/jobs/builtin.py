@@ -94,11 +94,13 @@ class TinyCheckpointSpec:
     def key(self) -> str:
         """16 hex digits of the spec's hash. Fields added after builder version 1 (``LATER_FIELDS``)
         count only when they differ from their default, so checkpoints built before they existed
-        keep their key."""
+        keep their key; the warm start's ``max_seconds`` counts as ``KEY_MAX_SECONDS``."""
         spec = dataclasses.asdict(self)
         for f in dataclasses.fields(self):
             if f.name in LATER_FIELDS and spec[f.name] == f.default:
                 del spec[f.name]
+        if spec.get("warm_start"):  # the time cap is a safety net, not part of what is built (below)
+            spec["warm_start"]["max_seconds"] = KEY_MAX_SECONDS
         blob = json.dumps(spec, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -108,6 +110,10 @@ class TinyCheckpointSpec:
 
 
 LATER_FIELDS = ("template", "task_name", "eval_max_turns", "eval_max_total_len", "eval_max_new_tokens", "device")
+# The warm start's wall-clock cap enters the key at its builder-version-1 value whatever it is now:
+# the steps trained follow the step schedule alone, so a build the cap does not stop is the same
+# under any cap (900 s until 2026-12-03, then 90 min; a capped build is flagged by its report).
+KEY_MAX_SECONDS = 900.0
 
 
 def gpu_small_spec() -> TinyCheckpointSpec:
