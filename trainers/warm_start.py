@@ -135,10 +135,9 @@ def warm_start(
     Returns:
         :class:`WarmStartResult`; ``in_window`` False if the step/time budget ran out first (the
         model is then the snapshot whose accuracy was closest to the window, the later one on a tie).
-        ``cfg.max_seconds``
-        is checked only before each interval of ``eval_every`` steps, never inside one, so the
-        steps trained and evaluated are those of the step schedule whatever the machine's speed;
-        a run it stops has ``time_capped`` True.
+        ``cfg.max_seconds`` is checked only before each interval of ``eval_every`` steps, never
+        inside one, so the steps trained and evaluated are those of the step schedule whatever the
+        machine's speed; a run it stops has ``time_capped`` True.
     """
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)

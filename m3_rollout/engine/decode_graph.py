@@ -269,7 +269,8 @@ class CudaGraphDecode:
         if self.fused_sampler and not (need_top_k or need_top_p):
             from m3_rollout.engine.sampler_triton import keyed_gumbel_sample
 
-            p = sampling_fields(DecodeStage.of(self.stage, s).sampling)
+            sampling = DecodeStage.of(self.stage, s).sampling
+            p = sampling_fields(sampling)
             keyed_gumbel_sample(
                 logits,
                 p.temperature.view(torch.float64),
@@ -282,8 +283,7 @@ class CudaGraphDecode:
                 self.last_tokens,
             )
             if self.token_logprobs is not None:  # the logprob again, from the invariant op
-                stage = DecodeStage.of(self.stage, s)
-                invariant_logprobs_into(out, logits, stage.sampling, self.token_logprobs, self.batch_invariant)
+                invariant_logprobs_into(out, logits, sampling, self.token_logprobs, self.batch_invariant)
             return out
         params, positions, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
         tokens, lps = sample_rows(

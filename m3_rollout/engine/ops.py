@@ -132,8 +132,8 @@ def paged_ops_for(
             why = f"needs a CUDA device with triton (got device {torch.device(device).type})"
         else:
             why = f"needs a bf16 / fp16 / fp32 model (got {dtype})"
-        # the device's type and the dtype, not their reprs: the same text from every caller, so the
-        # default warnings filter shows it once per calling line
+        # the device's type (not "cuda:0" or a device object): the same text from every caller, so
+        # the default warnings filter shows it once per calling line
         warnings.warn(
             f"batch_invariant: {why}; the PyTorch / fast-mode ops used instead are not batch-invariant", stacklevel=2
         )
