@@ -79,10 +79,13 @@ Ops
    input dtype for the PV dot (as the fast kernels do); fp32 inputs use IEEE dots.
    - prefill launch: one program per tile walks all its splits, folding each into the total.
    - decode launch: grid axis 2 = up to ``DECODE_PROGRAMS`` / (tiles x G) programs per tile, program z
-     taking the tile's non-empty splits z, z + Z, ...; per split, a row whose keys all lie in it
-     writes its output, a row with keys in several writes the split's fp32 (m, l, acc) to a
-     per-call scratch ([decode tokens, nh, slots] with slots = the table's splits, dense, or K,
-     sparse: a split's slot is the first selection slot holding one of its blocks); the merge
+     taking the tile's non-empty splits z, z + Z, ... (one-token rows in a grid of at most
+     ``DECODE_PIPELINE_PROGRAMS``: a split's pages in a pipelined ``for`` loop over the token's
+     sorted distinct blocks, ``_walk_one``, instead of the union walk; the same updates); per split,
+     a row whose keys all lie in it writes its output, a row with keys in several writes the
+     split's fp32 (m, l, acc) to a per-call scratch ([decode tokens, nh, slots] with slots = the
+     table's splits, dense, or K, sparse: a split's slot is the first selection slot holding one
+     of its blocks); the merge
      kernel (grid decode tokens x G) folds a token's non-empty splits in ascending order. Launched
      only when the block table spans more than one split (else every token is written directly).
 3. ``invariant_msa_attention``: 1 then 2 (three or four launches for any mix of decode and prefill
@@ -126,6 +129,11 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   most of the per-page latency at batch 1. Measured (2026-12-03, tile sweep): sparse layers are
   faster at 4 warps after all (two CTAs per SM outweigh the spills: 16K prefill 4.1 vs 6.8 ms,
   decode batch 32 0.10 vs 0.12 ms), dense layers at 128 rows x 8 warps (``DENSE_TILE_ROWS``).
+  One-token decode rows in small grids (batch 1 to ~8 at M3's 4 KV heads) walk a split's pages in
+  a software-pipelined loop (``_walk_one``, ``DECODE_STAGES`` = 2): decode forward of the 300M bench
+  model at 2.3K context 0.78 -> 0.72 ms at batch 1 and 0.85 -> 0.80 ms at batch 4, no change at 192
+  context (2026-12-03, H200). Tried and dropped the same day: a 16-row, one-warp decode tile (the
+  GPU tests found its bits equal to the 64-row, 4-warp prefill tile's) was 1.3-2x slower per step.
   Since 2026-12-03 the decode launch compiles without the prefill's running total (``PARTIAL``):
   ptxas then reported 32-84 spilled registers across the four variants (dense / sparse x decode /
   prefill, sampled with V still loaded after the softmax in the decode ones) against 118 / 168
@@ -198,11 +206,29 @@ SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depen
 # ... of the decode launch: few row tiles, so many short programs (a batch-1 step at 2.3K context,
 # 18 blocks, took 28 us per layer with 16-block programs: one program walked 16 pages in series)
 SCORE_SPLIT_BLOCKS_DECODE = 2
+# Decode launches with one query token per row (no speculative-verify rows) and at most
+# DECODE_PIPELINE_PROGRAMS programs (batch 1 to a few rows: latency-bound): the page walk is a ``for``
+# loop over the token's sorted blocks that Triton software-pipelines, DECODE_STAGES deep (the next
+# page's K / V in flight while this page's dots run). Load scheduling only: the per-page arithmetic is
+# the prefill's (``_attend_page`` on the same tile). Larger grids keep the union walk: the stages'
+# shared memory halves the programs per SM, which cost more than the overlap gained (H200, 300M bench
+# model, decode forward at batch 32: 1.24 -> 1.32 ms at 2.3K context, 1.70 -> 1.82 ms at 8K;
+# batch 1: 0.79 -> 0.73 ms and 0.72 -> 0.69 ms; 2026-12-03). False: always the union walk (A/B).
+DECODE_PIPELINE = True
+DECODE_STAGES = 2
+DECODE_PIPELINE_PROGRAMS = 132  # the H200's SMs
 TOPK_CHUNK = 128  # blocks per step of the streaming top-k (one bitonic top-KP of [rows, TOPK_CHUNK] keys)
 TOPK_ROWS = 4  # (token, head) rows per top-k program: one warp per row, 4 keys per thread
 TOPK_WARPS = 4
 _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every block id)
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
+
+
+def decode_walk_stages(ieee: bool) -> int:
+    """Pipeline depth of the one-token decode walk (``_walk_one``): ``DECODE_STAGES``, or 1 for fp32
+    (IEEE) inputs, whose staged [ps, d] fp32 K / V tiles would not fit in shared memory (sm_90: 256 KB
+    asked for at the dense tile, 227 KB there; kernels/smem_check.py)."""
+    return 1 if ieee else DECODE_STAGES
 
 
 def attn_block_m(rh: int, tile_rows: int) -> int:
@@ -454,6 +480,29 @@ def _attend_page(
 
 
 @triton.jit
+def _walk_one(
+    q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, j_lo, j_hi, blocks,
+    stride_kp, stride_ko, offs_o, offs_d, row_ok, qpos, qk_scale,
+    PS: tl.constexpr, IEEE: tl.constexpr, DENSE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """One split of a one-token decode tile: ``_attend_page`` on blocks j_lo..j_hi-1 (DENSE: block j;
+    else ``blocks[j]``, the token's sorted [KP] list) in a ``for`` loop Triton pipelines STAGES deep
+    (page ids and K / V of the next pages load while this page's dots run). Every row of the tile
+    takes every block (its causal cut aside): the same update sequence as the union walk's."""
+    for j in tl.range(j_lo, j_hi, num_stages=STAGES):
+        if DENSE:
+            b = j
+        else:
+            b = tl.sum(tl.where(offs_k == j, blocks, 0), axis=0)
+        page = tl.load(bt_row + b)
+        m_i, l_i, acc = _attend_page(
+            q, m_i, l_i, acc, kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d, b, row_ok, qpos, qk_scale,
+            PS, IEEE,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _next_split(ev, b, SPLIT_B: tl.constexpr):
     """The smallest entry of ``ev`` in a later split than block b (_BIG_ID: none)."""
     return tl.min(tl.where(ev >= (b // SPLIT_B + 1) * SPLIT_B, ev, _BIG_ID), axis=0)
@@ -541,6 +590,8 @@ def _inv_attn_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
     PARTIAL: tl.constexpr,
+    ONE: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
     """BLOCK_M query tokens of one row x KV head g's RH query heads (row m = token m // RHP, head
     m % RHP). The tile's keys are walked one page per step in ascending block id: every block up to
@@ -558,6 +609,9 @@ def _inv_attn_kernel(
     forward 3-5 % faster at batch 32 on the H200, 2026-12-03); both variants run
     ``_attend_k`` / ``_attend_v`` on the same tile shape and warps, i.e. the same per-row
     operations (tests/gpu/test_invariant_attention_gpu.py checks decode = prefill bits).
+    ONE (decode launches of one-token rows in small grids): a split's pages come from ``_walk_one``,
+    a ``for`` loop over the token's sorted distinct blocks (dense: the split's blocks) pipelined
+    STAGES deep, instead of the union walk's data-dependent ``while``; the same update sequence.
     PDL (CUDA, both launches): let ``_inv_merge_kernel`` (launched with programmatic dependent
     launch) be scheduled now; it waits for this grid's stores."""
     if PDL:
@@ -630,29 +684,35 @@ def _inv_attn_kernel(
             l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
             acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
             b_end = tl.minimum(s * SPLIT_B + SPLIT_B, n_blk)
-            page = tl.load(bt_row + s * SPLIT_B)
-            for b in range(s * SPLIT_B, b_end):
-                nxt = tl.load(bt_row + b + 1, mask=b + 1 < b_end, other=0)  # next page id, under this page
-                m_i, l_i, acc = _attend_page(
-                    q,
-                    m_i,
-                    l_i,
-                    acc,
-                    kg_ptr,
-                    vg_ptr,
-                    page,
-                    stride_kp,
-                    stride_ko,
-                    offs_o,
-                    offs_d,
-                    b,
-                    m_ok,
-                    qpos,
-                    qk_scale,
-                    PS,
-                    IEEE,
-                )
-                page = nxt
+            if ONE:  # decode: the pipelined walk, same per-page math
+                m_i, l_i, acc = _walk_one(
+                    q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, s * SPLIT_B, b_end, s * SPLIT_B,
+                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, True, STAGES
+                )  # fmt: skip
+            else:
+                page = tl.load(bt_row + s * SPLIT_B)
+                for b in range(s * SPLIT_B, b_end):
+                    nxt = tl.load(bt_row + b + 1, mask=b + 1 < b_end, other=0)  # next page id, under this page
+                    m_i, l_i, acc = _attend_page(
+                        q,
+                        m_i,
+                        l_i,
+                        acc,
+                        kg_ptr,
+                        vg_ptr,
+                        page,
+                        stride_kp,
+                        stride_ko,
+                        offs_o,
+                        offs_d,
+                        b,
+                        m_ok,
+                        qpos,
+                        qk_scale,
+                        PS,
+                        IEEE,
+                    )
+                    page = nxt
             if PARTIAL:
                 slot = tl.where(s <= row_last, s, _BIG_ID)
                 _store_split(
@@ -680,37 +740,51 @@ def _inv_attn_kernel(
             else:
                 m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_i, l_i, acc)
     else:
+        if ONE:  # the one token's distinct valid blocks, ascending (_BIG_ID after them)
+            v1 = tl.where(sel_ok, sel_rows, _BIG_ID)  # [M, KP]: rows of the padding tokens all _BIG_ID
+            v1 = tl.min(v1, axis=0)  # [KP] the token's ids (every valid row holds the same list)
+            dup = (v1[:, None] == v1[None, :]) & (offs_k[None, :] < offs_k[:, None])  # [j, i]: i < j, same id
+            srt = tl.sort(tl.where(tl.max(dup.to(tl.int32), axis=1) > 0, _BIG_ID, v1))
         while b < _BIG_ID:  # one non-empty split of the tile per iteration
             s = b // SPLIT_B
             m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
             acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
-            page = tl.load(bt_row + b)
-            while b < s * SPLIT_B + SPLIT_B:  # the split's blocks of the union, ascending
-                nb = tl.min(tl.where(ev > b, ev, _BIG_ID), axis=0)  # next larger block id
-                nxt = tl.load(bt_row + nb, mask=nb < _BIG_ID, other=0)  # its page id, under this page
-                row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
-                m_i, l_i, acc = _attend_page(
-                    q,
-                    m_i,
-                    l_i,
-                    acc,
-                    kg_ptr,
-                    vg_ptr,
-                    page,
-                    stride_kp,
-                    stride_ko,
-                    offs_o,
-                    offs_d,
-                    b,
-                    row_ok,
-                    qpos,
-                    qk_scale,
-                    PS,
-                    IEEE,
-                )
-                page = nxt
-                b = nb
+            if ONE:  # the split's blocks by the pipelined walk over the sorted list; every valid row takes each
+                j_lo = tl.sum((srt < s * SPLIT_B).to(tl.int32), axis=0)
+                j_hi = tl.sum((srt < s * SPLIT_B + SPLIT_B).to(tl.int32), axis=0)
+                m_i, l_i, acc = _walk_one(
+                    q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, j_lo, j_hi, srt,
+                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, False, STAGES
+                )  # fmt: skip
+                b = _next_split(ev, b, SPLIT_B)
+            else:
+                page = tl.load(bt_row + b)
+                while b < s * SPLIT_B + SPLIT_B:  # the split's blocks of the union, ascending
+                    nb = tl.min(tl.where(ev > b, ev, _BIG_ID), axis=0)  # next larger block id
+                    nxt = tl.load(bt_row + nb, mask=nb < _BIG_ID, other=0)  # its page id, under this page
+                    row_ok = m_ok & (tl.sum(tl.where(sel_rows == b, 1, 0), axis=1) > 0)
+                    m_i, l_i, acc = _attend_page(
+                        q,
+                        m_i,
+                        l_i,
+                        acc,
+                        kg_ptr,
+                        vg_ptr,
+                        page,
+                        stride_kp,
+                        stride_ko,
+                        offs_o,
+                        offs_d,
+                        b,
+                        row_ok,
+                        qpos,
+                        qk_scale,
+                        PS,
+                        IEEE,
+                    )
+                    page = nxt
+                    b = nb
             if PARTIAL:
                 # a row's slot for split s: its first selection slot holding a block of s
                 slot = tl.min(tl.where(sel_split == s, offs_k[None, :], _BIG_ID), axis=1)
@@ -922,6 +996,8 @@ def invariant_paged_attention(
         n_qtiles = triton.cdiv(qlen, bm)
         decode = r0 < meta.num_decodes
         z = _decode_split_programs(n_splits, (r1 - r0) * n_qtiles * g, topk * min(qlen, bm)) if decode else 1
+        # one-token decode rows in a small grid: the pipelined walk
+        one = decode and qlen == 1 and DECODE_PIPELINE and (r1 - r0) * g * z <= DECODE_PIPELINE_PROGRAMS
         _inv_attn_kernel[((r1 - r0) * n_qtiles, g, z)](
             q,
             k_cache_l,
@@ -962,6 +1038,8 @@ def invariant_paged_attention(
             IEEE=ieee,
             PDL=pdl,
             PARTIAL=decode,
+            ONE=one,
+            STAGES=decode_walk_stages(ieee),
             num_warps=warps or ((DENSE_WARPS if dense else SPARSE_WARPS) if d >= 128 else 4),
             num_stages=1 if ieee else 2,
         )

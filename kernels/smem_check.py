@@ -5,7 +5,8 @@ sm_90 (H100/H200) on any machine: ``triton.compile`` with the ptxas shipped in t
 be <= SM90_SMEM_BYTES or the launch fails on the GPU with OutOfResources (tests/test_kernels_smem.py).
 Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled): the test starts it as a
 subprocess. Real M3 shapes: MoE 128 experts, H 6144, I 3072, top-4 at T=4096 (the ragged path);
-attention 4 KV heads x 16 q heads, d 128, page 128.
+attention 4 KV heads x 16 q heads, d 128, page 128 (the batch-invariant decode launch: its pipelined
+one-token walk, tests/gpu found fp32 at 2 stages over the limit on 2026-12-03).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from m3_kernels import fused_moe, moe_ragged
+from m3_kernels import invariant_attention as ia
 from m3_kernels import msa_paged_attention as ma
 
 SM90_SMEM_BYTES = 232448  # shared memory one block may use on sm_90 (227 KB opt-in)
@@ -104,11 +106,33 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
     return {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=1)}
 
 
+def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
+    """Shared bytes of the batch-invariant attention's one-token decode launch (the pipelined walk at
+    ``decode_walk_stages``), dense and sparse layer tiles, for ``dtype``."""
+    fn, dt, ieee = ia._inv_attn_kernel, _TT[dtype], dtype == torch.float32
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update({n: "*" + dt for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
+    sig.update({n: "*i32" for n in ("bt_ptr", "qsl_ptr", "pos_ptr", "sel_ptr")})
+    sig.update({n: "*fp32" for n in ("pm_ptr", "pl_ptr", "pacc_ptr")}, qk_scale="fp32")
+    out = {}
+    for dense in (True, False):
+        rows, warps = (ia.DENSE_TILE_ROWS, ia.DENSE_WARPS) if dense else (ia.SPARSE_TILE_ROWS, ia.SPARSE_WARPS)
+        consts = dict(
+            NH=64, RH=16, RHP=16, D=128, PS=128, BLOCK_M=ia.attn_block_m(16, rows), KP=16,
+            SPLIT_B=ia.ATTN_SPLIT_BLOCKS, DENSE=dense, IEEE=ieee, PDL=True, PARTIAL=True, ONE=True,
+            STAGES=ia.decode_walk_stages(ieee),
+        )  # fmt: skip
+        name = f"invariant_decode_{'dense' if dense else 'sparse'}/{dt}"
+        out[name] = shared_bytes(fn, sig, consts, num_warps=warps, num_stages=1 if ieee else 2)
+    return out
+
+
 def main() -> None:
     out: dict[str, int] = {}
     for dtype in (torch.bfloat16, torch.float32):
         out.update(ragged_moe(dtype))
         out.update(kv_major_prefill(dtype))
+        out.update(invariant_decode_attention(dtype))
     print(json.dumps(out))
 
 

@@ -98,11 +98,14 @@ def test_split_matches_reference(sparse):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined_walk", "union_walk"])
 @pytest.mark.parametrize("programs", [256, 3], ids=["program_per_split", "strided_programs"])
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
-def test_split_decode_and_verify_rows_equal_prefill_rows(sparse, programs, monkeypatch):
-    # DECODE_PROGRAMS 3: one or two decode programs per tile, each taking several splits in turn
+def test_split_decode_and_verify_rows_equal_prefill_rows(sparse, programs, pipelined, monkeypatch):
+    # DECODE_PROGRAMS 3: one or two decode programs per tile, each taking several splits in turn;
+    # DECODE_PIPELINE: one-token decode rows walk their sorted blocks in a pipelined loop, or the union
     monkeypatch.setattr(ia, "DECODE_PROGRAMS", programs)
+    monkeypatch.setattr(ia, "DECODE_PIPELINE", pipelined)
     want = alone("a", sparse)
     one = run(step([("a", LENS["a"] - 1, 1)], 1, seed=5), sparse)
     assert_rows_equal(one, want[-1:], "batch 1 decode")

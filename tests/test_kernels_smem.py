@@ -5,7 +5,9 @@ each kernel for an sm_90 target with the launch configuration the code picks by 
 fp32; each must fit the 232,448 bytes of shared memory an H200 SM offers a block. Regression: fp32
 doubles tile bytes, and the ragged MoE tiles at their bf16 pipelining depth (4 stages) needed
 376,888 B in fp32, which the H200 refused at launch (engine GPU test in fp32) before
-``fused_moe.config_for_dtype`` capped fp32 at 2 stages.
+``fused_moe.config_for_dtype`` capped fp32 at 2 stages; likewise the batch-invariant attention's
+pipelined decode walk asked for 262,144 B in fp32 at 2 stages (GPU test, 2026-12-03) before
+``invariant_attention.decode_walk_stages`` gave fp32 one stage.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def smem() -> dict[str, int]:
 def test_default_tiles_fit_h200_shared_memory(smem):
     from m3_kernels.smem_check import SM90_SMEM_BYTES
 
-    assert set(smem) == {
-        f"{k}/{d}" for k in ("moe_w13_ragged", "moe_w2_ragged", "kv_major_segment") for d in ("bf16", "fp32")
-    }
+    kernels = ("moe_w13_ragged", "moe_w2_ragged", "kv_major_segment")
+    kernels += ("invariant_decode_dense", "invariant_decode_sparse")
+    assert set(smem) == {f"{k}/{d}" for k in kernels for d in ("bf16", "fp32")}
     for name, nbytes in smem.items():
         assert 0 < nbytes <= SM90_SMEM_BYTES, (name, nbytes)
 
@@ -50,3 +52,10 @@ def test_fp32_moe_tiles_are_capped_and_bf16_keeps_its_pipeline(smem):
     assert smem["moe_w13_ragged/bf16"] > 100_000 and smem["moe_w2_ragged/bf16"] > 150_000
     cfg = fused_moe.config_for_dtype(fused_moe.default_config(4096 * 4, 128, 6144, 3072), fused_moe.torch.float32)
     assert cfg.w13.num_stages == cfg.w2.num_stages == fused_moe.FP32_MAX_STAGES == 2
+
+
+def test_invariant_decode_walk_is_pipelined_in_bf16_only():
+    from m3_kernels import invariant_attention as ia
+
+    assert ia.decode_walk_stages(ieee=False) == ia.DECODE_STAGES >= 2
+    assert ia.decode_walk_stages(ieee=True) == 1
