@@ -11,7 +11,8 @@ a CUDA graph and replayed ``--graph-replay`` times between CUDA events = the GPU
 decode step with no host work; ``--kernel-table`` lists the kernels of that forward (count and
 device time per step, eager). ``--variants`` runs everything once per model path in the same
 process (``pytorch``: PyTorch ops; ``fused``: the engine's default table, engine/ops.py; ``fused+cublas``,
-``fused+router_cublas``: see ``variant_ops``); ``--compare-fused`` = ``--variants pytorch fused``.
+``fused+router_cublas``, ``invariant``, ``invariant+union_walk``: see ``variant_ops``); ``--compare-fused`` =
+``--variants pytorch fused``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _engine(
     return eng
 
 
-VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invariant")
+VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invariant", "invariant+union_walk")
 
 
 def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps:
@@ -80,10 +81,16 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
     kernels stay), ``fused`` (the engine's default table), ``fused+cublas`` (every projection GEMM
     on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas`` (router GEMM on cuBLAS + top-k
     kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time), ``invariant`` (the
-    batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6)."""
+    batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6), ``invariant+union_walk``
+    (the same with every decode tile on the attention's union walk, no pipelined one-token walk: sets
+    ``invariant_attention.DECODE_PIPELINE``, read at launch; the A/B of 2026-12-03)."""
     if name not in VARIANTS:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
-    if name == "invariant":
+    if name.startswith("invariant"):
+        if device.type == "cuda":
+            import m3_kernels.invariant_attention as ia
+
+            ia.DECODE_PIPELINE = name == "invariant"
         return paged_ops_for(device, dtype, batch_invariant=True)
     if device.type == "cuda":
         import m3_kernels.fused_layers as fl
@@ -96,7 +103,7 @@ def engine_wall(model, cfg, args, batch: int, variant: str) -> dict:
     """Wall time per engine decode step through the public step() API (host + GPU)."""
     dev = torch.device(args.device)
     ops = variant_ops(variant, dev, model.model.embed_tokens.weight.dtype)
-    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs, ops, variant == "invariant")
+    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs, ops, variant.startswith("invariant"))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(4):  # prefill + warm-up decodes
         eng.step()
