@@ -65,7 +65,7 @@ Ops
      union) and one bitonic merge (log2 KP steps). Every step is an exact integer compare, so the
      result is the KP largest keys in order whatever the chunking or the neighbouring rows. Output
      ``[T, G, K]`` int32, -1 padded: exactly ``index_topk_ref``'s list.
-2. ``invariant_paged_attention`` (``_inv_attn_kernel``, launched once for the decode rows and once
+2. ``invariant_paged_attention`` (``inv_attn_kernel``, launched once for the decode rows and once
    for the prefill rows with the same constants, then ``_inv_merge_kernel`` for the decode tokens
    whose keys span several splits): a program takes ``BLOCK_M`` consecutive query tokens of one row
    x the RH query heads of one KV head (``SPARSE_TILE_ROWS`` = 64 dot rows for sparse layers: 4
@@ -550,7 +550,7 @@ def _store_split(
 
 
 @triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r", "split_step", "n_slots"])
-def _inv_attn_kernel(
+def inv_attn_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -998,7 +998,7 @@ def invariant_paged_attention(
         z = _decode_split_programs(n_splits, (r1 - r0) * n_qtiles * g, topk * min(qlen, bm)) if decode else 1
         # one-token decode rows in a small grid: the pipelined walk
         one = decode and qlen == 1 and DECODE_PIPELINE and (r1 - r0) * g * z <= DECODE_PIPELINE_PROGRAMS
-        _inv_attn_kernel[((r1 - r0) * n_qtiles, g, z)](
+        inv_attn_kernel[((r1 - r0) * n_qtiles, g, z)](
             q,
             k_cache_l,
             v_cache_l,

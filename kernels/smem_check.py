@@ -109,7 +109,7 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
 def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
     """Shared bytes of the batch-invariant attention's one-token decode launch (the pipelined walk at
     ``decode_walk_stages``), dense and sparse layer tiles, for ``dtype``."""
-    fn, dt, ieee = ia._inv_attn_kernel, _TT[dtype], dtype == torch.float32
+    fn, dt, ieee = ia.inv_attn_kernel, _TT[dtype], dtype == torch.float32
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({n: "*" + dt for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
     sig.update({n: "*i32" for n in ("bt_ptr", "qsl_ptr", "pos_ptr", "sel_ptr")})
