@@ -6,4 +6,4 @@ Entry point of the GRPO job; the loop is ``m3_rollout.jobs.grpo``.
 from m3_rollout.jobs.grpo import main
 
 if __name__ == "__main__":
-    main()
+    main(prog="python -m m3_rollout.grpo")

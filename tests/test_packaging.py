@@ -157,3 +157,11 @@ def test_console_command_hands_over_to_each_entry(capsys):
         assert exc.value.code == 0 and option in out, command
         assert out.startswith(f"usage: m3-rollout {command} "), out[:80]  # the usage line runs as printed
     assert cli.main([]) == 2 and "usage: m3-rollout" in capsys.readouterr().err
+
+
+def test_module_entry_help_names_the_module_command():
+    run = subprocess.run(
+        [sys.executable, "-m", "m3_rollout.grpo", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("usage: python -m m3_rollout.grpo "), run.stdout[:80]

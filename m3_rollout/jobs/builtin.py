@@ -387,8 +387,9 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
 
         def on_progress(step: int, acc: float | None, loss: float) -> None:
             bar.n = step
-            bar.set_postfix(loss=f"{loss:.3f}", **({"heldout_acc": f"{acc:.3f}"} if acc is not None else {}))
-            bar.refresh()
+            post = {"loss": f"{loss:.3f}", **({"heldout_acc": f"{acc:.3f}"} if acc is not None else {})}
+            bar.set_postfix(post, refresh=False)
+            bar.refresh()  # one redraw per step (set_postfix would draw a second: two lines each in a log)
             if acc is not None and progress:  # one line per evaluation: the curve survives in a log file
                 bar.write(
                     f"warm start: step {step}, loss {loss:.3f}, held-out accuracy {acc:.3f}, "

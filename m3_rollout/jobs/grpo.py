@@ -80,8 +80,8 @@ def evaluate(backend, chat, env, records, settings: RolloutSettings) -> dict:
     return validation_metrics(trajs, m["rollout_seconds"])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Command line of the GRPO job; returns the run summary.
+def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
+    """Command line of the GRPO job; returns the run summary. prog: the command ``--help`` names.
 
     Raises:
         SystemExit(2): a configuration error (unknown key, bad value, missing config file, data
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         SystemExit(1): a ``TrainingError`` (every reward of a step failed; every update skipped).
     """
     parser = argparse.ArgumentParser(
-        prog="m3-rollout grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default="configs/grpo_bf16_ep.yaml", help="YAML config")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=5")
