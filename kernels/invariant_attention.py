@@ -80,7 +80,7 @@ Ops
    - prefill launch: one program per tile walks all its splits, folding each into the total.
    - decode launch: grid axis 2 = up to ``DECODE_PROGRAMS`` / (tiles x G) programs per tile, program z
      taking the tile's non-empty splits z, z + Z, ... (one-token rows in a grid of at most
-     ``DECODE_PIPELINE_PROGRAMS``: a split's pages in a pipelined ``for`` loop over the token's
+     ``DECODE_PIPELINE_PROGRAMS``: a split's pages in a ``for`` loop over the token's
      sorted distinct blocks, ``_walk_one``, instead of the union walk; the same updates); per split,
      a row whose keys all lie in it writes its output, a row with keys in several writes the
      split's fp32 (m, l, acc) to a per-call scratch ([decode tokens, nh, slots] with slots = the
@@ -130,10 +130,11 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   faster at 4 warps after all (two CTAs per SM outweigh the spills: 16K prefill 4.1 vs 6.8 ms,
   decode batch 32 0.10 vs 0.12 ms), dense layers at 128 rows x 8 warps (``DENSE_TILE_ROWS``).
   One-token decode rows in small grids (batch 1 to ~8 at M3's 4 KV heads) walk a split's pages in
-  a software-pipelined loop (``_walk_one``, ``DECODE_STAGES`` = 2): decode forward of the 300M bench
-  model at 2.3K context 0.78 -> 0.72 ms at batch 1 and 0.85 -> 0.80 ms at batch 4, no change at 192
-  context (2026-12-03, H200). Tried and dropped the same day: a 16-row, one-warp decode tile (the
-  GPU tests found its bits equal to the 64-row, 4-warp prefill tile's) was 1.3-2x slower per step.
+  a ``for`` loop over their sorted blocks (``_walk_one``; the pipeliner prefetches page ids): decode
+  forward of the 300M bench model at 2.3K context 0.78 -> 0.72 ms at batch 1 and 0.85 -> 0.80 ms
+  at batch 4, no change at 192 context (2026-12-03, H200). Tried and dropped the same day: a
+  16-row, one-warp decode tile (the GPU tests found its bits equal to the 64-row, 4-warp prefill
+  tile's) was 1.3-2x slower per step.
   Since 2026-12-03 the decode launch compiles without the prefill's running total (``PARTIAL``):
   ptxas then reported 32-84 spilled registers across the four variants (dense / sparse x decode /
   prefill, sampled with V still loaded after the softmax in the decode ones) against 118 / 168
@@ -208,12 +209,14 @@ SCORE_SPLIT_BLOCKS = 16  # blocks per score program (a block's score never depen
 SCORE_SPLIT_BLOCKS_DECODE = 2
 # Decode launches with one query token per row (no speculative-verify rows) and at most
 # DECODE_PIPELINE_PROGRAMS programs (batch 1 to a few rows: latency-bound): the page walk is a ``for``
-# loop over the token's sorted blocks that Triton software-pipelines, DECODE_STAGES deep (the next
-# page's K / V in flight while this page's dots run). Load scheduling only: the per-page arithmetic is
-# the prefill's (``_attend_page`` on the same tile). Larger grids keep the union walk: the stages'
-# shared memory halves the programs per SM, which cost more than the overlap gained (H200, 300M bench
-# model, decode forward at batch 32: 1.24 -> 1.32 ms at 2.3K context, 1.70 -> 1.82 ms at 8K;
-# batch 1: 0.79 -> 0.73 ms and 0.72 -> 0.69 ms; 2026-12-03). False: always the union walk (A/B).
+# loop over the token's sorted blocks (``_walk_one``), DECODE_STAGES deep for Triton's pipeliner.
+# What it stages (sm_90 TTGIR, triton 3.6, 2026-12-03): the next pages' ids (async copies); K / V are
+# still loaded in the iteration that uses them, at 2 and at 3 stages alike. The gain is the id in
+# flight and a loop without the union walk's per-page reductions over the tile's entries. Load
+# scheduling only: the per-page arithmetic is the prefill's (``_attend_page`` on the same tile).
+# Larger grids keep the union walk, which measured faster there (H200, 300M bench model, decode
+# forward at batch 32: 1.24 -> 1.32 ms at 2.3K context, 1.70 -> 1.82 ms at 8K; batch 1: 0.79 -> 0.73
+# ms and 0.72 -> 0.69 ms; 2026-12-03). False: always the union walk (A/B).
 DECODE_PIPELINE = True
 DECODE_STAGES = 2
 DECODE_PIPELINE_PROGRAMS = 132  # the H200's SMs
@@ -486,8 +489,8 @@ def _walk_one(
     PS: tl.constexpr, IEEE: tl.constexpr, DENSE: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """One split of a one-token decode tile: ``_attend_page`` on blocks j_lo..j_hi-1 (DENSE: block j;
-    else ``blocks[j]``, the token's sorted [KP] list) in a ``for`` loop Triton pipelines STAGES deep
-    (page ids and K / V of the next pages load while this page's dots run). Every row of the tile
+    else ``blocks[j]``, the token's sorted [KP] list) in a ``for`` loop given to Triton's pipeliner
+    STAGES deep (on sm_90 it prefetches the next pages' ids; K / V load in their own iteration). Every row of the tile
     takes every block (its causal cut aside): the same update sequence as the union walk's."""
     for j in tl.range(j_lo, j_hi, num_stages=STAGES):
         if DENSE:
@@ -610,8 +613,8 @@ def inv_attn_kernel(
     ``_attend_k`` / ``_attend_v`` on the same tile shape and warps, i.e. the same per-row
     operations (tests/gpu/test_invariant_attention_gpu.py checks decode = prefill bits).
     ONE (decode launches of one-token rows in small grids): a split's pages come from ``_walk_one``,
-    a ``for`` loop over the token's sorted distinct blocks (dense: the split's blocks) pipelined
-    STAGES deep, instead of the union walk's data-dependent ``while``; the same update sequence.
+    a ``for`` loop over the token's sorted distinct blocks (dense: the split's blocks), STAGES deep
+    for the pipeliner, instead of the union walk's data-dependent ``while``; the same update sequence.
     PDL (CUDA, both launches): let ``_inv_merge_kernel`` (launched with programmatic dependent
     launch) be scheduled now; it waits for this grid's stores."""
     if PDL:
@@ -684,7 +687,7 @@ def inv_attn_kernel(
             l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
             acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
             b_end = tl.minimum(s * SPLIT_B + SPLIT_B, n_blk)
-            if ONE:  # decode: the pipelined walk, same per-page math
+            if ONE:  # decode: the one-token walk, same per-page math
                 m_i, l_i, acc = _walk_one(
                     q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, s * SPLIT_B, b_end, s * SPLIT_B,
                     stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, True, STAGES
@@ -750,7 +753,7 @@ def inv_attn_kernel(
             m_i = tl.full([BLOCK_M * RHP], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M * RHP], tl.float32)
             acc = tl.zeros([BLOCK_M * RHP, D], tl.float32)
-            if ONE:  # the split's blocks by the pipelined walk over the sorted list; every valid row takes each
+            if ONE:  # the split's blocks by the one-token walk over the sorted list; every valid row takes each
                 j_lo = tl.sum((srt < s * SPLIT_B).to(tl.int32), axis=0)
                 j_hi = tl.sum((srt < s * SPLIT_B + SPLIT_B).to(tl.int32), axis=0)
                 m_i, l_i, acc = _walk_one(
@@ -974,7 +977,8 @@ def invariant_paged_attention(
     if t == 0:
         return out
     dense = topk_ids is None
-    sel = q.new_empty((1, 1, 1), dtype=torch.int32) if dense else topk_ids.to(torch.int32)
+    # the kernels read a token's K slots at unit stride: any other layout is copied first
+    sel = q.new_empty((1, 1, 1), dtype=torch.int32) if dense else topk_ids.to(torch.int32).contiguous()
     topk = 0 if dense else int(topk_ids.shape[2])
     rh = nh // g
     rhp = next_pow2(rh)
@@ -996,7 +1000,7 @@ def invariant_paged_attention(
         n_qtiles = triton.cdiv(qlen, bm)
         decode = r0 < meta.num_decodes
         z = _decode_split_programs(n_splits, (r1 - r0) * n_qtiles * g, topk * min(qlen, bm)) if decode else 1
-        # one-token decode rows in a small grid: the pipelined walk
+        # one-token decode rows in a small grid: the one-token walk (_walk_one)
         one = decode and qlen == 1 and DECODE_PIPELINE and (r1 - r0) * g * z <= DECODE_PIPELINE_PROGRAMS
         inv_attn_kernel[((r1 - r0) * n_qtiles, g, z)](
             q,

@@ -154,3 +154,14 @@ def test_split_sparse_with_every_block_selected_equals_dense():
     dec = step([("a", LENS["a"] - 1, 1)], 1, seed=7)
     ids1 = ids[-1:].clone()
     assert_rows_equal(ia.invariant_paged_attention(dec.q, dec.k, dec.v, dec.meta, SCALE, ids1), got[-1:], "decode")
+
+
+def test_non_contiguous_ids_give_the_contiguous_ids_bits():
+    """The kernels read a token's K slots at unit stride: a transposed view of the same ids (strides
+    (8, 1, 2)) must be copied, not read as laid out (it was, giving another selection's output)."""
+    b = step([("a", LENS["a"] - 1, 1), ("b", 150, 1)], 2, seed=7)
+    ids = engineered_ids(b.meta.positions)
+    strided = ids.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(strided, ids) and not strided.is_contiguous()
+    want = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+    assert_rows_equal(ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, strided), want, "strided ids")
