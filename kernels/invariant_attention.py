@@ -229,8 +229,8 @@ _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
 def decode_walk_stages(ieee: bool) -> int:
     """Pipeline depth of the one-token decode walk (``_walk_one``): ``DECODE_STAGES``, or 1 for fp32
-    (IEEE) inputs, whose staged [ps, d] fp32 K / V tiles would not fit in shared memory (sm_90: 256 KB
-    asked for at the dense tile, 227 KB there; kernels/smem_check.py)."""
+    (IEEE) inputs: at 2 stages the fp32 dense tile asked 262,144 B of shared memory, over sm_90's
+    232,448 (H200, 2026-12-03; kernels/smem_check.py checks the choice)."""
     return 1 if ieee else DECODE_STAGES
 
 
@@ -1043,7 +1043,7 @@ def invariant_paged_attention(
             PDL=pdl,
             PARTIAL=decode,
             ONE=one,
-            STAGES=decode_walk_stages(ieee),
+            STAGES=decode_walk_stages(ieee) if one else 1,  # only the one-token walk reads it
             num_warps=warps or ((DENSE_WARPS if dense else SPARSE_WARPS) if d >= 128 else 4),
             num_stages=1 if ieee else 2,
         )

@@ -5,7 +5,7 @@ sm_90 (H100/H200) on any machine: ``triton.compile`` with the ptxas shipped in t
 be <= SM90_SMEM_BYTES or the launch fails on the GPU with OutOfResources (tests/test_kernels_smem.py).
 Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled): the test starts it as a
 subprocess. Real M3 shapes: MoE 128 experts, H 6144, I 3072, top-4 at T=4096 (the ragged path);
-attention 4 KV heads x 16 q heads, d 128, page 128 (the batch-invariant decode launch: its pipelined
+attention 4 KV heads x 16 q heads, d 128, page 128 (the batch-invariant decode launch: its
 one-token walk, tests/gpu found fp32 at 2 stages over the limit on 2026-12-03).
 """
 
@@ -107,7 +107,7 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
 
 
 def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
-    """Shared bytes of the batch-invariant attention's one-token decode launch (the pipelined walk at
+    """Shared bytes of the batch-invariant attention's one-token decode launch (the one-token walk at
     ``decode_walk_stages``), dense and sparse layer tiles, for ``dtype``."""
     fn, dt, ieee = ia.inv_attn_kernel, _TT[dtype], dtype == torch.float32
     sig = {n: "i32" for n in fn.arg_names}

@@ -82,7 +82,7 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
     on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas`` (router GEMM on cuBLAS + top-k
     kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time), ``invariant`` (the
     batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6), ``invariant+union_walk``
-    (the same with every decode tile on the attention's union walk, no pipelined one-token walk: sets
+    (the same with every decode tile on the attention's union walk, no one-token walk: sets
     ``invariant_attention.DECODE_PIPELINE``, read at launch; the A/B of 2026-12-03)."""
     if name not in VARIANTS:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
