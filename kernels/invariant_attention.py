@@ -46,7 +46,7 @@ zero-fills its pages and only writes finite keys, the same assumption the fast k
 
 Ops
 ---
-1. ``invariant_index_topk`` (two launches):
+1. ``invariant_index_topk`` (one launch for decode rows, two for prefill rows):
    - ``_inv_scores_kernel``: grid (row tiles, block splits). A program takes ``BLOCK_M`` tokens x
      all G index heads (``INDEX_TILE_ROWS`` = 64 dot rows at M3 shapes: 16 tokens x 4 heads) and
      ``SCORE_SPLIT_BLOCKS`` consecutive blocks (``SCORE_SPLIT_BLOCKS_DECODE`` for decode rows); per
@@ -65,6 +65,10 @@ Ops
      union) and one bitonic merge (log2 KP steps). Every step is an exact integer compare, so the
      result is the KP largest keys in order whatever the chunking or the neighbouring rows. Output
      ``[T, G, K]`` int32, -1 padded: exactly ``index_topk_ref``'s list.
+   - Decode rows (``DECODE_FUSED_TOPK``): no top-k launch. The score launch's split programs of a
+     tile count themselves in on a ``split_k`` counter; the last one runs the same row walk
+     (``_inv_topk_rows``) over the tile's tokens, reading the scores back from L2. The ids are the
+     same integers whichever program ranks them (H200, 2026-12-03: ~1 % of a batch-1 decode step).
 2. ``invariant_paged_attention`` (``inv_attn_kernel``, launched once for the decode rows and once
    for the prefill rows with the same constants, then ``_inv_merge_kernel`` for the decode tokens
    whose keys span several splits): a program takes ``BLOCK_M`` consecutive query tokens of one row
@@ -148,8 +152,8 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   prefills are expected ~1.5-2x slower in attention.
 - Dense prefill: 128-row tiles (``DENSE_TILE_ROWS``: 8 tokens x 16 heads at M3 shapes), as many
   rows as the fast kernel's, so each K/V page is read as often; decode pads one token into them.
-- The MSA decode step is three launches (scores, top-k, attention) plus the merge (PDL-chained to
-  the attention) instead of the fused two with programmatic dependent launch, and the score
+- The MSA decode step is two launches (scores with the top-k, attention) plus the merge (PDL-chained
+  to the attention) like the fused path's two, and the score
   kernel has no unmasked fast loop, register cap or key sub-tiles: a few microseconds per sparse
   layer and decode step.
 - The [T, G, NBP] fp32 score scratch goes through memory for decode as for prefill. Score programs
@@ -180,9 +184,10 @@ import triton.language as tl
 
 from m3_kernels.msa_checks import next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
-from m3_kernels.msa_index_topk import MAX_TOPK, check_index_inputs
+from m3_kernels.msa_index_topk import MAX_TOPK, block_selection_keys, check_index_inputs
 from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
+from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
 
 # Dot rows per program (tokens x heads), fixed by the model's shapes and the layer kind only: a layer
 # keeps its kind's tile for decode (padded) and prefill, so its bits stay one function of the row;
@@ -210,16 +215,21 @@ SCORE_SPLIT_BLOCKS_DECODE = 2
 # Decode launches with one query token per row (no speculative-verify rows) and at most
 # DECODE_PIPELINE_PROGRAMS programs (batch 1 to a few rows: latency-bound): the page walk is a ``for``
 # loop over the token's sorted blocks (``_walk_one``), DECODE_STAGES deep for Triton's pipeliner.
-# What it stages (sm_90 TTGIR, triton 3.6, 2026-12-03): the next pages' ids (async copies); K / V are
-# still loaded in the iteration that uses them, at 2 and at 3 stages alike. The gain is the id in
-# flight and a loop without the union walk's per-page reductions over the tile's entries. Load
-# scheduling only: the per-page arithmetic is the prefill's (``_attend_page`` on the same tile).
-# Larger grids keep the union walk, which measured faster there (H200, 300M bench model, decode
-# forward at batch 32: 1.24 -> 1.32 ms at 2.3K context, 1.70 -> 1.82 ms at 8K; batch 1: 0.79 -> 0.73
-# ms and 0.72 -> 0.69 ms; 2026-12-03). False: always the union walk (A/B).
+# The split's page ids are read as one vector before the loop, so no load in it feeds another; the
+# pipeliner then stages the K / V tiles (async copies) DECODE_STAGES - 1 pages ahead (sm_90 TTGIR as
+# launched, triton 3.6: 163,840 B of shared memory for the dense tile at 2 stages, 229,376 B at 3).
+# Load scheduling only: the per-page arithmetic is the prefill's (``_attend_page`` on the same tile).
+# H200, 300M bench model, decode forward at 2.3K context (2026-12-03, one process): batch 1 union walk
+# 0.775 ms, page id loaded in the loop at 2 stages 0.72 (earlier calls), ids as one vector at 2 stages
+# 0.682, at 3 stages 0.657; batch 4 0.846 / 0.803 / 0.770.
+# Larger grids keep the union walk, which measured faster there (decode forward at batch 32, 2 stages:
+# 1.24 -> 1.32 ms at 2.3K context, 1.70 -> 1.82 ms at 8K). False: always the union walk (A/B).
 DECODE_PIPELINE = True
-DECODE_STAGES = 2
+DECODE_STAGES = 3
 DECODE_PIPELINE_PROGRAMS = 132  # the H200's SMs
+# Decode rows' top-k in their score launch (the last split program of a tile ranks the tile's tokens:
+# one launch fewer per sparse layer and step). False: ``_inv_topk_kernel`` for every row (A/B).
+DECODE_FUSED_TOPK = True
 TOPK_CHUNK = 128  # blocks per step of the streaming top-k (one bitonic top-KP of [rows, TOPK_CHUNK] keys)
 TOPK_ROWS = 4  # (token, head) rows per top-k program: one warp per row, 4 keys per thread
 TOPK_WARPS = 4
@@ -244,7 +254,7 @@ def index_block_m(g: int) -> int:
     return max(1, INDEX_TILE_ROWS // next_pow2(g))
 
 
-@triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r"])
+@triton.jit(do_not_specialize=["row_offset", "n_qtiles", "stride_bt_r", "topk"])
 def _inv_scores_kernel(
     iq_ptr,
     ik_ptr,
@@ -253,8 +263,13 @@ def _inv_scores_kernel(
     qsl_ptr,
     pos_ptr,
     score_ptr,
+    ids_ptr,
+    cnt_ptr,
     row_offset,
     n_qtiles,
+    topk,
+    init_blocks,
+    local_blocks,
     stride_iq_t,
     stride_iq_g,
     stride_ik_p,
@@ -271,12 +286,18 @@ def _inv_scores_kernel(
     SPLIT_B: tl.constexpr,
     KSCALE: tl.constexpr,
     QFP8: tl.constexpr,
+    TOPK_KP: tl.constexpr = 0,
+    TOPK_CH: tl.constexpr = 128,
 ):
     """Block-max index scores of BLOCK_M tokens x G heads (row m = token m // GP, head m % GP) over
     blocks [split * SPLIT_B, (split + 1) * SPLIT_B) of their causal range; one block per step.
 
     score[t, g, b] = max over block b's keys u <= pos(t) of <iq[t, g], ik[u]> (x the key's scale with
     KSCALE; x the query row's scale after the max with QFP8), NaN -> -1e30; written for b <= pos(t) // PS.
+    TOPK_KP > 0 (decode launches): the top-k too. Every split program of a tile counts itself in at
+    the tile's counter cnt_ptr[pid] (``split_k.last_to_arrive``); the last one runs ``_inv_topk_rows``
+    (TOPK_CH, TOPK_KP) over the tile's tokens, the scores read back from L2, and re-arms the counter:
+    the ids of ``_inv_topk_kernel`` (exact integer keys), with no launch of its own.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -295,13 +316,15 @@ def _inv_scores_kernel(
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * SPLIT_B
     b_hi = tl.minimum(b_lo + SPLIT_B, n_blk)
-    if b_lo >= b_hi:
-        return  # a split past the tile's causal blocks (most of the grid at decode): no query load
+    if TOPK_KP == 0:
+        if b_lo >= b_hi:
+            return  # a split past the tile's causal blocks (most of the grid at decode): no query load
+    # (TOPK_KP > 0: such a split skips the loop below but still counts itself in at the tile's counter)
     offs_d = tl.arange(0, DI)
     offs_o = tl.arange(0, PS)
     q = tl.load(
         iq_ptr + tok[:, None].to(tl.int64) * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
-        mask=m_ok[:, None],
+        mask=m_ok[:, None] & (b_lo < b_hi),
         other=0.0,
     )  # [M, DI]
     q_scale = tl.full([BLOCK_M * GP], 1.0, tl.float32)
@@ -321,28 +344,92 @@ def _inv_scores_kernel(
         # a NaN among the causal keys poisons the block (reference: amax propagates NaN, then -1e30)
         smax = tl.where(tl.max((s != s).to(tl.int32), axis=1) > 0, -1e30, smax)
         tl.store(srow + b, smax, mask=m_ok & (b <= qpos // PS))
+    if TOPK_KP > 0:
+        if last_to_arrive(cnt_ptr + pid, tl.num_programs(1)):
+            reset_counter(cnt_ptr + pid)
+            offs_g = tl.arange(0, GP)
+            for tt in range(t0, tl.minimum(t0 + BLOCK_M, q_hi)):  # the tile's tokens (a decode row: 1)
+                _inv_topk_rows(
+                    score_ptr, pos_ptr, ids_ptr, offs_g * 0 + tt, offs_g, offs_g < G, topk, init_blocks,
+                    local_blocks, stride_s_t, stride_s_g, G, PS, TOPK_CH, TOPK_KP, True,
+                )  # fmt: skip
 
 
 @triton.jit
-def _inv_topk_chunk_keys(s, b, cand, n_cand, init_blocks, local_blocks):
-    """[R, CH] int64 keys of candidate blocks b ([CH] ids, ``cand`` [R, CH] = b < n_cand): the
-    order-preserving int32 of the score (+inf for forced blocks, NaN -> -1e30, -0.0 -> +0.0) << 32
-    | (0x7FFFFFFF - b), so a larger key = forced first, then score desc, ties to the lower id;
-    ``_KEY_EMPTY`` (below every key) where not a candidate."""
-    s = tl.where(s != s, -1e30, s)  # the score kernel already did it; NaN must never reach a key
-    forced = cand & ((b[None, :] >= n_cand[:, None] - local_blocks) | (b < init_blocks)[None, :])
-    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0: -0.0 -> +0.0 (equal in the reference)
-    bits = s.to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
-    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - b).to(tl.int64)[None, :]
-    return tl.where(cand, key, _KEY_EMPTY)
+def _inv_topk_rows(
+    score_ptr,
+    pos_ptr,
+    ids_ptr,
+    t,
+    g,
+    r_ok,
+    topk,
+    init_blocks,
+    local_blocks,
+    stride_s_t,
+    stride_s_g,
+    G: tl.constexpr,
+    PS: tl.constexpr,
+    CH: tl.constexpr,
+    KP: tl.constexpr,
+    CG: tl.constexpr,
+):
+    """Top-k block ids of rows (token t[r], head g[r]) where r_ok[r], from the scores.
+
+    Each row's candidates 0..pos // PS stream in chunks of CH blocks (the next chunk's scores are
+    loaded while this one is merged). Per chunk: int64 keys (``msa_index_topk.block_selection_keys``);
+    a chunk where no row has a key above its own K-th kept key is skipped; else the chunk's KP
+    largest keys (``tl.topk``: bitonic, sorted descending) are merged with the row's running KP
+    largest (sorted descending) by one bitonic split (elementwise max against the reversed list =
+    the KP largest of the union) and one bitonic merge (log2 KP compare-exchange steps). Integer
+    keys are distinct per row (the block id is in them) and every step is an exact compare: the
+    result is the KP largest keys in order, whatever the chunking, the rows sharing the program or
+    the launch it runs in. Writes ids[t, g, 0..K-1], -1 past the row's candidates. CG: read the
+    scores from L2 (``.cg``: other programs of the same launch wrote them).
+    """
+    p = tl.load(pos_ptr + t, mask=r_ok, other=0).to(tl.int32)
+    n_cand = tl.where(r_ok, p // PS + 1, 0)  # [R]
+    offs_k = tl.arange(0, KP)
+    offs_c = tl.arange(0, CH)
+    best = tl.full([t.shape[0], KP], _KEY_EMPTY, tl.int64)  # running top KP keys, descending
+    srow = score_ptr + t.to(tl.int64) * stride_s_t + g * stride_s_g  # [R]
+    if CG:
+        nxt = tl.load(
+            srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0, cache_modifier=".cg"
+        )
+    else:
+        nxt = tl.load(srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0)
+    for c0 in range(0, tl.max(n_cand, axis=0), CH):
+        b = c0 + offs_c
+        cand = b[None, :] < n_cand[:, None]  # [R, CH]
+        s = nxt
+        nb = b + CH
+        if CG:
+            nxt = tl.load(
+                srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0, cache_modifier=".cg"
+            )
+        else:
+            nxt = tl.load(srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0)
+        key = block_selection_keys(s, b, cand, n_cand, init_blocks, local_blocks)
+        kth = tl.max(tl.where((offs_k == topk - 1)[None, :], best, _KEY_EMPTY), axis=1)  # [R]
+        if tl.max(tl.max((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+            top = tl.topk(key, KP)  # [R, KP] descending
+            best = tl.bitonic_merge(tl.maximum(best, tl.flip(top, 1)), descending=True)
+    bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
+    bid = tl.where(best == _KEY_EMPTY, -1, bid)
+    tl.store(
+        ids_ptr + (t.to(tl.int64) * G + g)[:, None] * topk + offs_k[None, :],
+        bid,
+        mask=r_ok[:, None] & (offs_k < topk)[None, :],
+    )
 
 
-@triton.jit(do_not_specialize=["n_tok"])
+@triton.jit(do_not_specialize=["t_lo", "n_tok"])
 def _inv_topk_kernel(
     score_ptr,
     pos_ptr,
     ids_ptr,
+    t_lo,
     n_tok,
     topk,
     init_blocks,
@@ -356,47 +443,15 @@ def _inv_topk_kernel(
     CH: tl.constexpr,
     KP: tl.constexpr,
 ):
-    """Top-k block ids of TOK tokens x their G heads (row r = token r // GP, head r % GP) from the scores.
-
-    Each row's candidates 0..pos // PS stream in chunks of CH blocks (the next chunk's scores are
-    loaded while this one is merged). Per chunk: int64 keys (``_inv_topk_chunk_keys``); a chunk where
-    no row has a key above its own K-th kept key is skipped; else the chunk's KP largest keys
-    (``tl.topk``: bitonic, sorted descending) are merged with the row's running KP largest (sorted
-    descending) by one bitonic split (elementwise max against the reversed list = the KP largest
-    of the union) and one bitonic merge (log2 KP compare-exchange steps). Integer keys are
-    distinct per row (the block id is in them) and every step is an exact compare: the result is
-    the KP largest keys in order, whatever the chunking or the rows sharing the program.
-    Writes ids[t, g, 0..K-1], -1 past the row's candidates.
-    """
+    """``_inv_topk_rows`` of TOK tokens (from token t_lo on, up to n_tok) x their G heads (row r =
+    token r // GP, head r % GP)."""
     offs_r = tl.arange(0, TOK * GP)
-    t = tl.program_id(0) * TOK + offs_r // GP
+    t = t_lo + tl.program_id(0) * TOK + offs_r // GP
     g = offs_r % GP
-    r_ok = (t < n_tok) & (g < G)
-    p = tl.load(pos_ptr + t, mask=r_ok, other=0).to(tl.int32)
-    n_cand = tl.where(r_ok, p // PS + 1, 0)  # [R]
-    offs_k = tl.arange(0, KP)
-    offs_c = tl.arange(0, CH)
-    best = tl.full([TOK * GP, KP], _KEY_EMPTY, tl.int64)  # running top KP keys, descending
-    srow = score_ptr + t.to(tl.int64) * stride_s_t + g * stride_s_g  # [R]
-    nxt = tl.load(srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0)
-    for c0 in range(0, tl.max(n_cand, axis=0), CH):
-        b = c0 + offs_c
-        cand = b[None, :] < n_cand[:, None]  # [R, CH]
-        s = nxt
-        nb = b + CH
-        nxt = tl.load(srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0)
-        key = _inv_topk_chunk_keys(s, b, cand, n_cand, init_blocks, local_blocks)
-        kth = tl.max(tl.where((offs_k == topk - 1)[None, :], best, _KEY_EMPTY), axis=1)  # [R]
-        if tl.max(tl.max((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-            top = tl.topk(key, KP)  # [R, KP] descending
-            best = tl.bitonic_merge(tl.maximum(best, tl.flip(top, 1)), descending=True)
-    bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
-    bid = tl.where(best == _KEY_EMPTY, -1, bid)
-    tl.store(
-        ids_ptr + (t.to(tl.int64) * G + g)[:, None] * topk + offs_k[None, :],
-        bid,
-        mask=r_ok[:, None] & (offs_k < topk)[None, :],
-    )
+    _inv_topk_rows(
+        score_ptr, pos_ptr, ids_ptr, t, g, (t < n_tok) & (g < G), topk, init_blocks, local_blocks,
+        stride_s_t, stride_s_g, G, PS, CH, KP, False,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -486,18 +541,25 @@ def _attend_page(
 def _walk_one(
     q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, j_lo, j_hi, blocks,
     stride_kp, stride_ko, offs_o, offs_d, row_ok, qpos, qk_scale,
-    PS: tl.constexpr, IEEE: tl.constexpr, DENSE: tl.constexpr, STAGES: tl.constexpr,
+    PS: tl.constexpr, IEEE: tl.constexpr, DENSE: tl.constexpr, STAGES: tl.constexpr, SPLIT_B: tl.constexpr,
 ):  # fmt: skip
     """One split of a one-token decode tile: ``_attend_page`` on blocks j_lo..j_hi-1 (DENSE: block j;
     else ``blocks[j]``, the token's sorted [KP] list) in a ``for`` loop given to Triton's pipeliner
-    STAGES deep (on sm_90 it prefetches the next pages' ids; K / V load in their own iteration). Every row of the tile
+    STAGES deep (the page ids are one vector load before the loop; Triton stages K / V STAGES - 1 pages
+    ahead). Every row of the tile
     takes every block (its causal cut aside): the same update sequence as the union walk's."""
+    if DENSE:  # the split's pages, one vector load before the loop: no load feeds another in it
+        offs_s = tl.arange(0, SPLIT_B)
+        pages = tl.load(bt_row + j_lo + offs_s, mask=offs_s < j_hi - j_lo, other=0)
+    else:
+        pages = tl.load(bt_row + blocks, mask=offs_k < j_hi, other=0)
     for j in tl.range(j_lo, j_hi, num_stages=STAGES):
         if DENSE:
             b = j
+            page = tl.sum(tl.where(offs_s == j - j_lo, pages, 0), axis=0)
         else:
             b = tl.sum(tl.where(offs_k == j, blocks, 0), axis=0)
-        page = tl.load(bt_row + b)
+            page = tl.sum(tl.where(offs_k == j, pages, 0), axis=0)
         m_i, l_i, acc = _attend_page(
             q, m_i, l_i, acc, kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d, b, row_ok, qpos, qk_scale,
             PS, IEEE,
@@ -690,7 +752,7 @@ def inv_attn_kernel(
             if ONE:  # decode: the one-token walk, same per-page math
                 m_i, l_i, acc = _walk_one(
                     q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, s * SPLIT_B, b_end, s * SPLIT_B,
-                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, True, STAGES
+                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, True, STAGES, SPLIT_B
                 )  # fmt: skip
             else:
                 page = tl.load(bt_row + s * SPLIT_B)
@@ -758,7 +820,7 @@ def inv_attn_kernel(
                 j_hi = tl.sum((srt < s * SPLIT_B + SPLIT_B).to(tl.int32), axis=0)
                 m_i, l_i, acc = _walk_one(
                     q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, j_lo, j_hi, srt,
-                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, False, STAGES
+                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, False, STAGES, SPLIT_B
                 )  # fmt: skip
                 b = _next_split(ev, b, SPLIT_B)
             else:
@@ -1076,26 +1138,39 @@ def invariant_paged_attention(
     return out
 
 
-def invariant_index_scores(iq: torch.Tensor, index_cache_l, meta: PagedMetadata) -> torch.Tensor:
+def invariant_index_scores(
+    iq: torch.Tensor, index_cache_l, meta: PagedMetadata, decode_topk: dict | None = None
+) -> tuple[torch.Tensor, int]:
     """[T, G, NBP] fp32 block-max index scores (spec §3.4), batch-invariant; entries past a token's
     own block are unwritten (garbage).
 
     iq: [T, G, di] fp32/fp16/bf16; index_cache_l: [P, ps, di] same dtype or an ``FP8IndexCache``.
     Entry [t, g, b], b <= pos(t) // ps: max over block b's keys u <= pos(t) of <iq[t, g], ik[u]>
     (dequantized keys / queries for FP8), NaN -> -1e30.
+    decode_topk: {"ids": [T, G, K] int32, "topk", "init_blocks", "local_blocks"}: the decode rows'
+    launch also writes their top-k ids (``_inv_scores_kernel``'s TOPK_KP, ``DECODE_FUSED_TOPK``)
+    when the device's split-K counters allow it (``split_k.tile_counters``). Returns (scores, the
+    number of leading tokens whose ids were written so: the decode tokens, or 0).
     """
     t, g, di = iq.shape
     nbp = meta.block_tables.shape[1]
     scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device)
     if t == 0:
-        return scores
+        return scores, 0
     keys, kscales, qfp8 = split_index_cache(index_cache_l)
     gp = next_pow2(g)
     bm = index_block_m(g)
     ieee = iq.dtype == torch.float32 and not qfp8
+    done = 0
     for r0, r1, qlen in _row_ranges(meta):
         n_qtiles = triton.cdiv(qlen, bm)
-        split_b = SCORE_SPLIT_BLOCKS_DECODE if r0 < meta.num_decodes else SCORE_SPLIT_BLOCKS
+        decode = r0 < meta.num_decodes
+        split_b = SCORE_SPLIT_BLOCKS_DECODE if decode else SCORE_SPLIT_BLOCKS
+        cnt = None
+        if decode and decode_topk is not None and DECODE_FUSED_TOPK:
+            cnt = tile_counters(iq.device, (r1 - r0) * n_qtiles)
+        ids = decode_topk["ids"] if cnt is not None else scores
+        kp = max(next_pow2(decode_topk["topk"]), 2) if cnt is not None else 0
         _inv_scores_kernel[((r1 - r0) * n_qtiles, triton.cdiv(nbp, split_b))](
             iq,
             keys,
@@ -1104,8 +1179,13 @@ def invariant_index_scores(iq: torch.Tensor, index_cache_l, meta: PagedMetadata)
             meta.query_start_loc,
             meta.positions,
             scores,
+            ids,
+            scores if cnt is None else cnt,
             r0,
             n_qtiles,
+            decode_topk["topk"] if cnt is not None else 0,
+            decode_topk["init_blocks"] if cnt is not None else 0,
+            decode_topk["local_blocks"] if cnt is not None else 1,
             iq.stride(0),
             iq.stride(1),
             keys.stride(0),
@@ -1122,28 +1202,42 @@ def invariant_index_scores(iq: torch.Tensor, index_cache_l, meta: PagedMetadata)
             SPLIT_B=split_b,
             KSCALE=kscales is not None,
             QFP8=qfp8,
+            TOPK_KP=kp,
+            TOPK_CH=max(TOPK_CHUNK, kp),
             num_warps=4,
             num_stages=1 if ieee else 2,
         )
-    return scores
+        if cnt is not None:
+            done = meta.num_decodes * meta.decode_query_len
+    return scores, done
 
 
 def invariant_select_blocks(
-    scores: torch.Tensor, meta: PagedMetadata, topk: int, page_size: int, init_blocks: int = 0, local_blocks: int = 1
+    scores: torch.Tensor,
+    meta: PagedMetadata,
+    topk: int,
+    page_size: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    out: torch.Tensor | None = None,
+    first_token: int = 0,
 ) -> torch.Tensor:
     """[T, G, K] int32 top-k block ids from ``invariant_index_scores``: forced local / init blocks first
-    (lower id first), then score desc with ties to the lower id, -1 past min(K, pos // ps + 1)."""
+    (lower id first), then score desc with ties to the lower id, -1 past min(K, pos // ps + 1).
+    out / first_token: write into ``out`` ([T, G, K] int32) the tokens from ``first_token`` on only
+    (the earlier ones' ids came from the decode score launch)."""
     t, g, _ = scores.shape
-    out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)
-    if t == 0:
+    out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device) if out is None else out
+    if t <= first_token:
         return out
     gp = next_pow2(g)
     tok = max(1, TOPK_ROWS // gp)
     kp = max(next_pow2(topk), 2)
-    _inv_topk_kernel[(triton.cdiv(t, tok),)](
+    _inv_topk_kernel[(triton.cdiv(t - first_token, tok),)](
         scores,
         meta.positions,
         out,
+        first_token,
         t,
         topk,
         init_blocks,
@@ -1172,13 +1266,17 @@ def invariant_index_topk(
     """Batch-invariant ``index_topk`` (reference ``index_topk_ref``, spec §3.4): [T, G, K] int32.
 
     iq: [T, G, di] post-norm post-RoPE index queries (fp32/fp16/bf16); index_cache_l: [P, ps, di]
-    same dtype (already holding this step's keys) or an ``FP8IndexCache``. Raises ValueError for
-    unsupported dtypes or sizes, naming the field.
+    same dtype (already holding this step's keys) or an ``FP8IndexCache``. The decode rows' ids come
+    from their score launch (``DECODE_FUSED_TOPK``), the prefill rows' from ``_inv_topk_kernel``;
+    the same integer ranking either way. Raises ValueError for unsupported dtypes or sizes, naming
+    the field.
     """
     check_index_inputs(iq, index_cache_l, topk, op="invariant_index_topk")
-    scores = invariant_index_scores(iq, index_cache_l, meta)
+    out = torch.empty(iq.shape[0], iq.shape[1], topk, dtype=torch.int32, device=iq.device)
+    fused = dict(ids=out, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
+    scores, done = invariant_index_scores(iq, index_cache_l, meta, fused)
     ps = split_index_cache(index_cache_l)[0].shape[1]
-    return invariant_select_blocks(scores, meta, topk, ps, init_blocks, local_blocks)
+    return invariant_select_blocks(scores, meta, topk, ps, init_blocks, local_blocks, out=out, first_token=done)
 
 
 def invariant_msa_attention(

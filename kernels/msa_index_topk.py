@@ -304,6 +304,22 @@ def _index_scores_kernel(
 
 
 @triton.jit
+def block_selection_keys(s, b, cand, n_cand, init_blocks, local_blocks):
+    """[R, CH] int64 selection keys of candidate blocks b ([CH] ids; ``cand`` [R, CH] = b < n_cand,
+    n_cand [R]): the order-preserving int32 of the score (+inf for forced local / init blocks, NaN ->
+    -1e30, -0.0 -> +0.0) << 32 | (_ID_BIAS - b), so a larger key = forced first, then score desc,
+    ties to the lower id; the empty key (below every key) where not a candidate. The batch-invariant
+    top-k (kernels/invariant_attention.py) ranks these."""
+    s = tl.where(s != s, -1e30, s)  # the score kernels already did it; NaN must never reach a key
+    forced = cand & ((b[None, :] >= n_cand[:, None] - local_blocks) | (b < init_blocks)[None, :])
+    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0: -0.0 -> +0.0 (equal in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
+    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - b).to(tl.int64)[None, :]
+    return tl.where(cand, key, -9223372036854775807 - 1)
+
+
+@triton.jit
 def _key_block_ids(key, n_cand):
     """Block ids of selection keys (any shape, int64: score bits << 32 | _ID_BIAS - id); -1 for the
     empty key and for ids past the row's n_cand candidates."""

@@ -101,6 +101,8 @@ def interpreted_invariant_attention() -> ModuleType:
     kernels; sets TRITON_INTERPRET=1 for the rest of the process (see ``interpreted_kernels``)."""
     os.environ["TRITON_INTERPRET"] = "1"
     interpreted_module(FP8_HELPERS)  # its score kernel calls the FP8 helpers
+    interpreted_module("m3_kernels.msa_index_topk")  # its top-k kernel calls block_selection_keys
+    interpreted_module("m3_kernels.split_k")  # its decode score launch counts arrivals (last_to_arrive)
     interpreted_module("m3_kernels.msa_paged_attention")  # its attention kernel calls attend_block
     return interpreted_module(INVARIANT_ATTENTION)
 

@@ -11,8 +11,8 @@ a CUDA graph and replayed ``--graph-replay`` times between CUDA events = the GPU
 decode step with no host work; ``--kernel-table`` lists the kernels of that forward (count and
 device time per step, eager). ``--variants`` runs everything once per model path in the same
 process (``pytorch``: PyTorch ops; ``fused``: the engine's default table, engine/ops.py; ``fused+cublas``,
-``fused+router_cublas``, ``invariant``, ``invariant+union_walk``: see ``variant_ops``); ``--compare-fused`` =
-``--variants pytorch fused``.
+``fused+router_cublas``, ``invariant``, ``invariant+union_walk``, ``invariant+stages2``,
+``invariant+topk_launch``: see ``variant_ops``); ``--compare-fused`` = ``--variants pytorch fused``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,16 @@ def _engine(
     return eng
 
 
-VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invariant", "invariant+union_walk")
+VARIANTS = (
+    "pytorch",
+    "fused",
+    "fused+cublas",
+    "fused+router_cublas",
+    "invariant",
+    "invariant+union_walk",
+    "invariant+stages2",
+    "invariant+topk_launch",
+)
 
 
 def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps:
@@ -83,14 +92,19 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
     kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time), ``invariant`` (the
     batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6), ``invariant+union_walk``
     (the same with every decode tile on the attention's union walk, no one-token walk: sets
-    ``invariant_attention.DECODE_PIPELINE``, read at launch; the A/B of 2026-12-03)."""
+    ``invariant_attention.DECODE_PIPELINE``, read at launch; the A/B of 2026-12-03),
+    ``invariant+stages2`` (the one-token walk 2 stages deep: ``invariant_attention.DECODE_STAGES`` = 2,
+    the A/B of 2026-12-03), ``invariant+topk_launch`` (decode rows' top-k in its own launch, not in
+    the score launch: ``invariant_attention.DECODE_FUSED_TOPK`` off)."""
     if name not in VARIANTS:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
     if name.startswith("invariant"):
         if device.type == "cuda":
             import m3_kernels.invariant_attention as ia
 
-            ia.DECODE_PIPELINE = name == "invariant"
+            ia.DECODE_PIPELINE = name != "invariant+union_walk"
+            ia.DECODE_STAGES = 2 if name == "invariant+stages2" else 3
+            ia.DECODE_FUSED_TOPK = name != "invariant+topk_launch"
         return paged_ops_for(device, dtype, batch_invariant=True)
     if device.type == "cuda":
         import m3_kernels.fused_layers as fl

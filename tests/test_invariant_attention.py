@@ -141,6 +141,33 @@ def test_index_topk_ties_go_to_lower_block_id_and_nan_blocks_lose():
     assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+@pytest.mark.parametrize("spec", [([(2400, 1), (40, 1), (700, 1), (0, 30)], 3), ([(2300, 3), (61, 3), (20, 9)], 2)])
+def test_decode_topk_in_the_score_launch_equals_the_topk_launch(spec, monkeypatch):
+    # Decode rows rank their blocks in their score launch (DECODE_FUSED_TOPK: the last of a tile's
+    # split programs runs the streaming top-k); prefill rows take _inv_topk_kernel from the first
+    # prefill token on. Same ids as the top-k launch for every row and as the reference, over
+    # 150-block rows (two 128-block chunks of the streaming top-k; 75 split programs per tile),
+    # verify rows (q_len 3: three tokens ranked by one program), forced init / local blocks, ties
+    # across a chunk edge and a NaN block; the split-K counters are all zero again afterwards.
+    from m3_kernels import split_k
+
+    b = _batch(spec, torch.float32, seed=4, table_width=160)
+    for r in range(b.meta.num_rows):
+        for j in range(40):
+            b.ik[int(b.meta.block_tables[r, 100 + j]) % b.ik.shape[0]] = 0.25  # ties across block 128
+    b.ik[int(b.meta.block_tables[0, 7])] = float("nan")
+    want = index_topk_ref(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(ia, "DECODE_FUSED_TOPK", fused)
+        got[fused] = ia.invariant_index_topk(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+    assert torch.equal(got[True], got[False]) and torch.equal(got[True], want)
+    assert int(split_k.tile_counters(torch.device("cpu"), 1).abs().sum()) == 0
+    td = b.meta.num_decodes * b.meta.decode_query_len
+    assert (want[:td] >= 100).any() and not (want[0] == 7).any()  # tied blocks compete; the NaN block lost
+
+
 def _engineered_scores(g: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [T, g, nb] fp32, positions [T] int32) for the select-only test below: block edges,
     rows with fewer candidates than K, rows over 1..5 chunks of 128 blocks, many ties (-0.0 and

@@ -54,8 +54,15 @@ def test_fp32_moe_tiles_are_capped_and_bf16_keeps_its_pipeline(smem):
     assert cfg.w13.num_stages == cfg.w2.num_stages == fused_moe.FP32_MAX_STAGES == 2
 
 
-def test_invariant_decode_walk_is_pipelined_in_bf16_only():
+def test_invariant_decode_walk_is_pipelined_in_bf16_only(smem):
     from m3_kernels import invariant_attention as ia
 
     assert ia.decode_walk_stages(ieee=False) == ia.DECODE_STAGES >= 2
     assert ia.decode_walk_stages(ieee=True) == 1
+    # the pipeliner stages K and V (one [128, 128] bf16 tile each, 32 KB) DECODE_STAGES deep beside the
+    # query tile (dense: 128 rows x d 128; sparse: 64 rows): fails if the walk stops being pipelined,
+    # e.g. a page-id load feeding the K / V addresses inside the loop, or a compile without the
+    # launch's alignment hints (smem_check.launch_attrs: 98,304 B instead of 163,840 B, 2026-12-03)
+    tile = 128 * 128 * 2
+    assert smem["invariant_decode_dense/bf16"] >= tile * (1 + 2 * ia.DECODE_STAGES)
+    assert smem["invariant_decode_sparse/bf16"] >= tile // 2 + tile * 2 * ia.DECODE_STAGES
