@@ -182,7 +182,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3_kernels.msa_checks import next_pow2
+from m3_kernels.msa_checks import SM90_SMEM_BYTES, next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
 from m3_kernels.msa_index_topk import MAX_TOPK, block_selection_keys, check_index_inputs
 from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs
@@ -237,11 +237,19 @@ _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every 
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
 
-def decode_walk_stages(ieee: bool) -> int:
-    """Pipeline depth of the one-token decode walk (``_walk_one``): ``DECODE_STAGES``, or 1 for fp32
-    (IEEE) inputs: at 2 stages the fp32 dense tile asked 262,144 B of shared memory, over sm_90's
-    232,448 (H200, 2026-12-03; kernels/smem_check.py checks the choice)."""
-    return 1 if ieee else DECODE_STAGES
+def decode_walk_stages(ieee: bool, rows: int = 128, d: int = 128, ps: int = 128, elt: int = 2) -> int:
+    """Pipeline depth of the one-token decode walk (``_walk_one``) for a tile of ``rows`` dot rows,
+    head dim d, page size ps and elt-byte inputs: 1 for fp32 (IEEE) inputs (at 2 stages the fp32
+    dense tile asked 262,144 B of shared memory, H200, 2026-12-03), else the largest depth <=
+    ``DECODE_STAGES`` whose query tile plus staged K and V pages, elt * d * (rows + 2 * stages * ps)
+    bytes, fit sm_90's SM90_SMEM_BYTES (M3's 128 x 128 tiles: 229,376 B at 3; d 256 with 64-key pages
+    would ask 262,144 B at 3 and take 2). kernels/smem_check.py compiles the choice for sm_90."""
+    if ieee:
+        return 1
+    stages = DECODE_STAGES
+    while stages > 1 and elt * d * (rows + 2 * stages * ps) > SM90_SMEM_BYTES:
+        stages -= 1
+    return stages
 
 
 def attn_block_m(rh: int, tile_rows: int) -> int:
@@ -1105,7 +1113,7 @@ def invariant_paged_attention(
             PDL=pdl,
             PARTIAL=decode,
             ONE=one,
-            STAGES=decode_walk_stages(ieee) if one else 1,  # only the one-token walk reads it
+            STAGES=decode_walk_stages(ieee, bm * rhp, d, ps, q.element_size()) if one else 1,  # only the walk reads it
             num_warps=warps or ((DENSE_WARPS if dense else SPARSE_WARPS) if d >= 128 else 4),
             num_stages=1 if ieee else 2,
         )
@@ -1138,6 +1146,15 @@ def invariant_paged_attention(
     return out
 
 
+def _check_ids_out(ids: torch.Tensor, t: int, g: int, topk: int, op: str) -> None:
+    """The top-k kernels write ids[t, g, k] at (t * G + g) * K + k: a contiguous int32 [T, G, K]."""
+    if ids.dtype != torch.int32 or tuple(ids.shape) != (t, g, topk) or not ids.is_contiguous():
+        raise ValueError(
+            f"{op}: the ids output must be a contiguous int32 [T={t}, G={g}, K={topk}] tensor; got "
+            f"{ids.dtype} {tuple(ids.shape)} with strides {ids.stride()} (copy into a strided record afterwards)"
+        )
+
+
 def invariant_index_scores(
     iq: torch.Tensor, index_cache_l, meta: PagedMetadata, decode_topk: dict | None = None
 ) -> tuple[torch.Tensor, int]:
@@ -1153,6 +1170,8 @@ def invariant_index_scores(
     number of leading tokens whose ids were written so: the decode tokens, or 0).
     """
     t, g, di = iq.shape
+    if decode_topk is not None:
+        _check_ids_out(decode_topk["ids"], t, g, decode_topk["topk"], "invariant_index_scores")
     nbp = meta.block_tables.shape[1]
     scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device)
     if t == 0:
@@ -1227,7 +1246,9 @@ def invariant_select_blocks(
     out / first_token: write into ``out`` ([T, G, K] int32) the tokens from ``first_token`` on only
     (the earlier ones' ids came from the decode score launch)."""
     t, g, _ = scores.shape
-    out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device) if out is None else out
+    if out is None:
+        out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)
+    _check_ids_out(out, t, g, topk, "invariant_select_blocks")
     if t <= first_token:
         return out
     gp = next_pow2(g)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+SM90_SMEM_BYTES = 232448  # shared memory one block may use on sm_90 (H100 / H200: 227 KB opt-in)
+
 
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""

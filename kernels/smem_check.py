@@ -2,7 +2,7 @@
 sm_90 (H100/H200) on any machine: ``triton.compile`` with the ptxas shipped in the Triton wheel, no GPU.
 
 ``python -m m3_kernels.smem_check`` prints one JSON object {"<kernel>/<dtype>": bytes}; every value must
-be <= SM90_SMEM_BYTES or the launch fails on the GPU with OutOfResources (tests/test_kernels_smem.py).
+be <= msa_checks.SM90_SMEM_BYTES or the launch fails on the GPU with OutOfResources (tests/test_kernels_smem.py).
 Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled): the test starts it as a
 subprocess. Real M3 shapes: MoE 128 experts, H 6144, I 3072, top-4 at T=4096 (the ragged path);
 attention 4 KV heads x 16 q heads, d 128, page 128 (the batch-invariant decode launch: its
@@ -22,7 +22,6 @@ from m3_kernels import fused_moe, moe_ragged
 from m3_kernels import invariant_attention as ia
 from m3_kernels import msa_paged_attention as ma
 
-SM90_SMEM_BYTES = 232448  # shared memory one block may use on sm_90 (227 KB opt-in)
 SM90 = GPUTarget("cuda", 90, 32)
 _TT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -130,14 +129,17 @@ def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
     sig.update({n: "*i32" for n in ("bt_ptr", "qsl_ptr", "pos_ptr", "sel_ptr")})
     sig.update({n: "*fp32" for n in ("pm_ptr", "pl_ptr", "pacc_ptr")}, qk_scale="fp32")
     out = {}
-    for dense in (True, False):
+    shapes = [(True, 128, 128, ""), (False, 128, 128, "")]
+    if not ieee:  # the widest head with a smaller page the input check accepts: fewer stages fit
+        shapes.append((True, 256, 64, "_d256_ps64"))
+    for dense, d, ps, tag in shapes:
         rows, warps = (ia.DENSE_TILE_ROWS, ia.DENSE_WARPS) if dense else (ia.SPARSE_TILE_ROWS, ia.SPARSE_WARPS)
         consts = dict(
-            NH=64, RH=16, RHP=16, D=128, PS=128, BLOCK_M=ia.attn_block_m(16, rows), KP=16,
+            NH=64, RH=16, RHP=16, D=d, PS=ps, BLOCK_M=ia.attn_block_m(16, rows), KP=16,
             SPLIT_B=ia.ATTN_SPLIT_BLOCKS, DENSE=dense, IEEE=ieee, PDL=True, PARTIAL=True, ONE=True,
-            STAGES=ia.decode_walk_stages(ieee),
+            STAGES=ia.decode_walk_stages(ieee, rows, d, ps, dtype.itemsize),
         )  # fmt: skip
-        name = f"invariant_decode_{'dense' if dense else 'sparse'}/{dt}"
+        name = f"invariant_decode_{'dense' if dense else 'sparse'}{tag}/{dt}"
         out[name] = shared_bytes(fn, sig, consts, num_warps=warps, num_stages=1 if ieee else 2)
     return out
 

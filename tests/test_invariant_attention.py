@@ -168,6 +168,21 @@ def test_decode_topk_in_the_score_launch_equals_the_topk_launch(spec, monkeypatc
     assert (want[:td] >= 100).any() and not (want[0] == 7).any()  # tied blocks compete; the NaN block lost
 
 
+def test_ids_outputs_must_be_contiguous_int32_and_name_the_op():
+    # The top-k kernels index ids at (t * G + g) * K + k: a strided view (like the engine's int16
+    # record) would get another row's ids and writes past it (breaker pass, 2026-12-03); they raise.
+    b = _batch(([(700, 1), (40, 1)], 2), torch.float32)
+    scores, _ = ia.invariant_index_scores(b.iq, b.ik, b.meta)
+    rec = torch.zeros(2, 3, G, K, dtype=torch.int32)[:, 1]  # strided [T, G, K]
+    with pytest.raises(ValueError, match="invariant_select_blocks: the ids output must be a contiguous int32"):
+        ia.invariant_select_blocks(scores, b.meta, K, PS, out=rec)
+    with pytest.raises(ValueError, match="invariant_index_scores: the ids output"):
+        ia.invariant_index_scores(b.iq, b.ik, b.meta, dict(ids=torch.zeros(2, G, K, dtype=torch.int64), topk=K))
+    out = torch.zeros(2, G, K, dtype=torch.int32)
+    assert ia.invariant_select_blocks(scores, b.meta, K, PS, out=out) is out
+    assert torch.equal(out, index_topk_ref(b.iq, b.ik, b.meta, K))
+
+
 def _engineered_scores(g: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [T, g, nb] fp32, positions [T] int32) for the select-only test below: block edges,
     rows with fewer candidates than K, rows over 1..5 chunks of 128 blocks, many ties (-0.0 and

@@ -36,11 +36,12 @@ def smem() -> dict[str, int]:
 
 
 def test_default_tiles_fit_h200_shared_memory(smem):
-    from m3_kernels.smem_check import SM90_SMEM_BYTES
+    from m3_kernels.msa_checks import SM90_SMEM_BYTES
 
     kernels = ("moe_w13_ragged", "moe_w2_ragged", "kv_major_segment")
     kernels += ("invariant_decode_dense", "invariant_decode_sparse")
-    assert set(smem) == {f"{k}/{d}" for k in kernels for d in ("bf16", "fp32")}
+    want = {f"{k}/{d}" for k in kernels for d in ("bf16", "fp32")} | {"invariant_decode_dense_d256_ps64/bf16"}
+    assert set(smem) == want
     for name, nbytes in smem.items():
         assert 0 < nbytes <= SM90_SMEM_BYTES, (name, nbytes)
 
@@ -59,6 +60,9 @@ def test_invariant_decode_walk_is_pipelined_in_bf16_only(smem):
 
     assert ia.decode_walk_stages(ieee=False) == ia.DECODE_STAGES >= 2
     assert ia.decode_walk_stages(ieee=True) == 1
+    # head dim 256 with 64-key pages (the input check accepts it): 3 stages would ask 262,144 B
+    # (breaker pass, 2026-12-03), so the walk takes 2 there; the compile above checks that it fits
+    assert ia.decode_walk_stages(False, 128, 256, 64, 2) == 2 < ia.DECODE_STAGES
     # the pipeliner stages K and V (one [128, 128] bf16 tile each, 32 KB) DECODE_STAGES deep beside the
     # query tile (dense: 128 rows x d 128; sparse: 64 rows): fails if the walk stops being pipelined,
     # e.g. a page-id load feeding the K / V addresses inside the loop, or a compile without the
