@@ -186,9 +186,10 @@ class GenerationConfig:
     record_block_selection: bool = False
     # Batch-invariant mode (issue 24, design.md §4.6): the engine's kernels reduce every token in one
     # fixed order, so its logits and logprobs do not depend on the batch, the other sequences or the
-    # chunking. CUDA only; slower (fixed GEMM / MoE tiles, no skinny GEMM, PyTorch sampler in the
-    # decode graphs). The trainer's prev logprobs then go through the same paged forward
-    # (jobs/invariant_scoring.py); the loss's differentiable forward is not invariant yet.
+    # chunking. CUDA only (on the CPU the engine warns and runs the fast kernels); slower (fixed GEMM
+    # / MoE tiles and attention splits, no skinny GEMM). The trainer's prev logprobs and the value of
+    # the loss's logprobs then come from the same paged forward (jobs/invariant_scoring.py; the
+    # gradient from the training forward, trainers/policy.py).
     batch_invariant: bool = False
 
     def engine_kwargs(self) -> dict:

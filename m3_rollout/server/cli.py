@@ -97,7 +97,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="fixed-order kernels: logits / logprobs independent of the batch (CUDA; slower; attention pending)",
+        help="fixed-order kernels: logits / logprobs independent of the batch (CUDA only; slower)",
     )
     p.add_argument(
         "--default-chat-template-kwargs",
