@@ -134,9 +134,9 @@ Cost against the fast kernels (expected; measure on the H200, issue 24's benchma
   faster at 4 warps after all (two CTAs per SM outweigh the spills: 16K prefill 4.1 vs 6.8 ms,
   decode batch 32 0.10 vs 0.12 ms), dense layers at 128 rows x 8 warps (``DENSE_TILE_ROWS``).
   One-token decode rows in small grids (batch 1 to ~8 at M3's 4 KV heads) walk a split's pages in
-  a ``for`` loop over their sorted blocks (``_walk_one``; the pipeliner prefetches page ids): decode
-  forward of the 300M bench model at 2.3K context 0.78 -> 0.72 ms at batch 1 and 0.85 -> 0.80 ms
-  at batch 4, no change at 192 context (2026-12-03, H200). Tried and dropped the same day: a
+  a ``for`` loop over their sorted blocks (``_walk_one``; K / V staged two pages ahead): decode
+  forward of the 300M bench model at 2.3K context 0.78 -> 0.66 ms at batch 1 and 0.85 -> 0.77 ms
+  at batch 4 (2026-12-03, H200; the figures at ``DECODE_STAGES``). Tried and dropped the same day: a
   16-row, one-warp decode tile (the GPU tests found its bits equal to the 64-row, 4-warp prefill
   tile's) was 1.3-2x slower per step.
   Since 2026-12-03 the decode launch compiles without the prefill's running total (``PARTIAL``):
@@ -359,7 +359,7 @@ def _inv_scores_kernel(
             for tt in range(t0, tl.minimum(t0 + BLOCK_M, q_hi)):  # the tile's tokens (a decode row: 1)
                 _inv_topk_rows(
                     score_ptr, pos_ptr, ids_ptr, offs_g * 0 + tt, offs_g, offs_g < G, topk, init_blocks,
-                    local_blocks, stride_s_t, stride_s_g, G, PS, TOPK_CH, TOPK_KP, True,
+                    local_blocks, stride_s_t, stride_s_g, G, PS, TOPK_CH, TOPK_KP, ".cg",
                 )  # fmt: skip
 
 
@@ -380,7 +380,7 @@ def _inv_topk_rows(
     PS: tl.constexpr,
     CH: tl.constexpr,
     KP: tl.constexpr,
-    CG: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     """Top-k block ids of rows (token t[r], head g[r]) where r_ok[r], from the scores.
 
@@ -392,8 +392,8 @@ def _inv_topk_rows(
     the KP largest of the union) and one bitonic merge (log2 KP compare-exchange steps). Integer
     keys are distinct per row (the block id is in them) and every step is an exact compare: the
     result is the KP largest keys in order, whatever the chunking, the rows sharing the program or
-    the launch it runs in. Writes ids[t, g, 0..K-1], -1 past the row's candidates. CG: read the
-    scores from L2 (``.cg``: other programs of the same launch wrote them).
+    the launch it runs in. Writes ids[t, g, 0..K-1], -1 past the row's candidates. CACHE: the score
+    loads' cache modifier ("", or ".cg" = from L2 when other programs of the same launch wrote them).
     """
     p = tl.load(pos_ptr + t, mask=r_ok, other=0).to(tl.int32)
     n_cand = tl.where(r_ok, p // PS + 1, 0)  # [R]
@@ -401,23 +401,15 @@ def _inv_topk_rows(
     offs_c = tl.arange(0, CH)
     best = tl.full([t.shape[0], KP], _KEY_EMPTY, tl.int64)  # running top KP keys, descending
     srow = score_ptr + t.to(tl.int64) * stride_s_t + g * stride_s_g  # [R]
-    if CG:
-        nxt = tl.load(
-            srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0, cache_modifier=".cg"
-        )
-    else:
-        nxt = tl.load(srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0)
+    nxt = tl.load(
+        srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0, cache_modifier=CACHE
+    )
     for c0 in range(0, tl.max(n_cand, axis=0), CH):
         b = c0 + offs_c
         cand = b[None, :] < n_cand[:, None]  # [R, CH]
         s = nxt
         nb = b + CH
-        if CG:
-            nxt = tl.load(
-                srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0, cache_modifier=".cg"
-            )
-        else:
-            nxt = tl.load(srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0)
+        nxt = tl.load(srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0, cache_modifier=CACHE)
         key = block_selection_keys(s, b, cand, n_cand, init_blocks, local_blocks)
         kth = tl.max(tl.where((offs_k == topk - 1)[None, :], best, _KEY_EMPTY), axis=1)  # [R]
         if tl.max(tl.max((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
@@ -458,7 +450,7 @@ def _inv_topk_kernel(
     g = offs_r % GP
     _inv_topk_rows(
         score_ptr, pos_ptr, ids_ptr, t, g, (t < n_tok) & (g < G), topk, init_blocks, local_blocks,
-        stride_s_t, stride_s_g, G, PS, CH, KP, False,
+        stride_s_t, stride_s_g, G, PS, CH, KP, "",
     )  # fmt: skip
 
 
@@ -1188,8 +1180,12 @@ def invariant_index_scores(
         cnt = None
         if decode and decode_topk is not None and DECODE_FUSED_TOPK:
             cnt = tile_counters(iq.device, (r1 - r0) * n_qtiles)
-        ids = decode_topk["ids"] if cnt is not None else scores
-        kp = max(next_pow2(decode_topk["topk"]), 2) if cnt is not None else 0
+        if cnt is not None:  # the fused top-k's outputs and arguments
+            ids, counters = decode_topk["ids"], cnt
+            topk, init, local = decode_topk["topk"], decode_topk["init_blocks"], decode_topk["local_blocks"]
+            kp = max(next_pow2(topk), 2)
+        else:  # TOPK_KP = 0: the pointers and values are not read
+            ids, counters, topk, init, local, kp = scores, scores, 0, 0, 1, 0
         _inv_scores_kernel[((r1 - r0) * n_qtiles, triton.cdiv(nbp, split_b))](
             iq,
             keys,
@@ -1199,12 +1195,12 @@ def invariant_index_scores(
             meta.positions,
             scores,
             ids,
-            scores if cnt is None else cnt,
+            counters,
             r0,
             n_qtiles,
-            decode_topk["topk"] if cnt is not None else 0,
-            decode_topk["init_blocks"] if cnt is not None else 0,
-            decode_topk["local_blocks"] if cnt is not None else 1,
+            topk,
+            init,
+            local,
             iq.stride(0),
             iq.stride(1),
             keys.stride(0),
