@@ -8,7 +8,10 @@ the dtype's ``k_chunk``), on the 300M benchmark model's and real M3 projection s
 - ms per call at T = 1 and 32 (CUDA-graph replay) and T = 16,384 (eager), against ``F.linear``
   (cuBLAS) in the same run.
 
-Usage: python scripts/bench_invariant_linear.py [--quick] [--write]
+``--decode``: the decode band's 16-row candidates with and without split-K at T = 1 / 32 only, on
+every projection shape of the 300M bench model and two M3 ones.
+
+Usage: python scripts/bench_invariant_linear.py [--quick | --decode] [--write]
 """
 
 from __future__ import annotations
@@ -41,15 +44,86 @@ CANDIDATES = {  # name: (block_m, block_n, block_k, warps, stages, flat K loop)
     "16x128 w4 s4": (16, 128, 64, 4, 4, False),
     "32x64 w4 s4": (32, 64, 64, 4, 4, False),
 }
+# --decode: the decode band's candidates (16-row tiles), each with split-K as ``linear`` decides it
+# (SPLIT_K_BELOW_PROGRAMS) and without split-K ("one program per tile"); T = 1 / 32 only.
+DECODE_CANDIDATES = {
+    "16x64 w4 s4 (decode band)": (16, 64, 64, 4, 4, False),
+    "16x32 w4 s4": (16, 32, 64, 4, 4, False),
+    "16x16 w4 s4": (16, 16, 64, 4, 4, False),
+    "16x32 w2 s4": (16, 32, 64, 2, 4, False),
+    "16x64 w2 s6": (16, 64, 64, 2, 6, False),
+    "16x128 w4 s4": (16, 128, 64, 4, 4, False),
+}
+DECODE_SHAPES = {
+    "bench qkv": (3712, 1024),
+    "bench o / down": (1024, 2048),
+    "bench gate_up": (4096, 1024),
+    "bench shared gate_up": (1024, 1024),
+    "bench shared down": (1024, 512),
+    "bench lm_head": (32000, 1024),
+    "M3 q|k|v": (9216, 6144),
+    "M3 o": (6144, 8192),
+}
+
+
+def decode_sweep(dev: torch.device, base: inv.LinearConfig) -> list[str]:
+    """The --decode table: T = 1 / 32 CUDA-graph ms of each decode candidate with and without
+    split-K, against cuBLAS; same bits = equal to ``linear``'s own choice on 1 and 32 rows alone and
+    to rows of a 4,096-row call (the prefill band)."""
+    rows = [
+        "| shape (N x K) | config | split-K | same bits | T=1 ms | T=32 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    default_below = inv.SPLIT_K_BELOW_PROGRAMS
+    for name, (n, k) in DECODE_SHAPES.items():
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        x = torch.randn(4096, k, generator=g, device=dev).to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g, device=dev) * k**-0.5).to(torch.bfloat16)
+        ref = inv.linear(x, w)
+        ref1, ref32 = inv.linear(x[7:8], w), inv.linear(x[100:132], w)
+        t1, t32 = graph_ms(lambda: F.linear(x[:1], w)), graph_ms(lambda: F.linear(x[:32], w))
+        rows.append(f"| {name} ({n} x {k}) | cuBLAS | - | - | {t1:.4f} | {t32:.4f} |")
+        for cname, (bm, bn, bk, nw, ns, flat) in DECODE_CANDIDATES.items():
+            cfg = inv.LinearConfig(bm, bn, bk, nw, ns, base.k_chunk, flat)
+            for split, below in (("as linear decides", default_below), ("none", 0)):
+                inv.SPLIT_K_BELOW_PROGRAMS = below
+                try:
+                    same = (
+                        torch.equal(inv.linear(x[7:8], w, cfg=cfg), ref1)
+                        and torch.equal(inv.linear(x[100:132], w, cfg=cfg), ref32)
+                        and torch.equal(ref32, ref[100:132])
+                    )
+                    t1 = graph_ms(lambda: inv.linear(x[:1], w, cfg=cfg))
+                    t32 = graph_ms(lambda: inv.linear(x[:32], w, cfg=cfg))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
+                    rows.append(f"| {name} ({n} x {k}) | {cname} | {split} | failed: {type(e).__name__} | - | - |")
+                    continue
+                finally:
+                    inv.SPLIT_K_BELOW_PROGRAMS = default_below
+                rows.append(f"| {name} ({n} x {k}) | {cname} | {split} | {same} | {t1:.4f} | {t32:.4f} |")
+        print("\n".join(rows[-2 * len(DECODE_CANDIDATES) - 1 :]), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="bench shapes only")
     ap.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
+    ap.add_argument("--decode", action="store_true", help="the decode band's candidates at T = 1 / 32 only")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     base = inv.linear_config(torch.bfloat16)
+    if args.decode:
+        notes = (
+            f"bf16, K chunk {base.k_chunk}, CUDA-graph replays; split-K 'as linear decides' = below "
+            f"{inv.SPLIT_K_BELOW_PROGRAMS} output tiles the K chunks run as separate programs; same bits = equal "
+            "to linear's own choice on 1 and 32 rows alone, which equal rows of a 4,096-row call."
+        )
+        rows = decode_sweep(dev, base)
+        emit_section(
+            "Batch-invariant linear, decode band (bench_invariant_linear.py --decode)", notes, rows, args.write
+        )
+        return
     rows = [
         "| shape (N x K) | config | same bits | T=1 ms | T=32 ms | T=16384 ms | vs cuBLAS at 16384 |",
         "|---|---|---|---|---|---|---|",

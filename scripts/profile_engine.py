@@ -21,12 +21,14 @@ import argparse
 import dataclasses
 import gc
 import json
+import re
 import time
 from pathlib import Path
 
 import torch
 from benchlib import bench_config, run_date
 
+from m3_kernels import invariant_ops as inv
 from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
@@ -73,16 +75,36 @@ def _engine(
     return eng
 
 
-VARIANTS = (
-    "pytorch",
-    "fused",
-    "fused+cublas",
-    "fused+router_cublas",
-    "invariant",
-    "invariant+union_walk",
-    "invariant+stages2",
-    "invariant+topk_launch",
-)
+VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invariant")
+# "invariant+<option>+...": A/B switches of the batch-invariant kernels' module constants (read at
+# launch; none changes a bit of the results, only how the work is scheduled). Flags: union_walk
+# (invariant_attention.DECODE_PIPELINE off), stages2 (DECODE_STAGES 2), topk_launch (DECODE_FUSED_TOPK
+# off), nopdl (PDL off: the decode merge launches after the attention). Numbers: dp<N>
+# (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
+# LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lw<N> (warps), ls<N> (stages); lsk<N>
+# (SPLIT_K_BELOW_PROGRAMS; 0 = no split-K).
+INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl")
+INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lw", "ls", "lsk")
+
+
+def _invariant_options(name: str) -> dict[str, int]:
+    """The options of an ``invariant+...`` variant name as {option: value (1 for flags)}; raises
+    ValueError naming an unknown option."""
+    opts = {}
+    for tok in name.split("+")[1:]:
+        m = re.fullmatch(r"([a-z_]+?)(\d+)?", tok)
+        key, num = (m.group(1), m.group(2)) if m else (tok, None)
+        if not ((key in INVARIANT_FLAGS and num is None) or (key in INVARIANT_NUMBERS and num is not None)):
+            raise ValueError(
+                f"--variants: {name!r}: option {tok!r} is not a flag of {INVARIANT_FLAGS} or a number option "
+                f"of {INVARIANT_NUMBERS} (e.g. dp512)"
+            )
+        opts[key] = int(num) if num is not None else 1
+    return opts
+
+
+_DEFAULT_LINEAR_DECODE = dict(inv.LINEAR_DECODE_CONFIGS)
+_DEFAULT_SPLIT_K_BELOW = inv.SPLIT_K_BELOW_PROGRAMS
 
 
 def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps:
@@ -90,21 +112,33 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
     kernels stay), ``fused`` (the engine's default table), ``fused+cublas`` (every projection GEMM
     on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas`` (router GEMM on cuBLAS + top-k
     kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time), ``invariant`` (the
-    batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6), ``invariant+union_walk``
-    (the same with every decode tile on the attention's union walk, no one-token walk: sets
-    ``invariant_attention.DECODE_PIPELINE``, read at launch; the A/B of 2026-12-03),
-    ``invariant+stages2`` (the one-token walk 2 stages deep: ``invariant_attention.DECODE_STAGES`` = 2,
-    the A/B of 2026-12-03), ``invariant+topk_launch`` (decode rows' top-k in its own launch, not in
-    the score launch: ``invariant_attention.DECODE_FUSED_TOPK`` off)."""
-    if name not in VARIANTS:
-        raise ValueError(f"--variants: {name!r} is not one of {VARIANTS}")
+    batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6), and
+    ``invariant+<option>+...`` (``INVARIANT_OPTIONS``: the same table with the attention module's
+    scheduling constants switched for an A/B; every other variant sets them back to the defaults).
+    Raises ValueError for an unknown name or option."""
+    base = name.split("+")[0] if name.startswith("invariant") else name
+    if base not in VARIANTS:
+        raise ValueError(f"--variants: {name!r} is not one of {VARIANTS} (or invariant+<option>...)")
     if name.startswith("invariant"):
+        opts = _invariant_options(name)
         if device.type == "cuda":
             import m3_kernels.invariant_attention as ia
 
-            ia.DECODE_PIPELINE = name != "invariant+union_walk"
-            ia.DECODE_STAGES = 2 if name == "invariant+stages2" else 3
-            ia.DECODE_FUSED_TOPK = name != "invariant+topk_launch"
+            ia.DECODE_PIPELINE = "union_walk" not in opts
+            ia.DECODE_STAGES = 2 if "stages2" in opts else 3
+            ia.DECODE_FUSED_TOPK = "topk_launch" not in opts
+            ia.PDL = "nopdl" not in opts
+            ia.DECODE_PROGRAMS = opts.get("dp", 256)
+            ia.SCORE_SPLIT_BLOCKS_DECODE = opts.get("ss", 2)
+            dec = _DEFAULT_LINEAR_DECODE[torch.bfloat16]
+            inv.LINEAR_DECODE_CONFIGS = dict(_DEFAULT_LINEAR_DECODE)
+            inv.LINEAR_DECODE_CONFIGS[torch.bfloat16] = dataclasses.replace(
+                dec,
+                block_n=opts.get("lbn", dec.block_n),
+                num_warps=opts.get("lw", dec.num_warps),
+                num_stages=opts.get("ls", dec.num_stages),
+            )
+            inv.SPLIT_K_BELOW_PROGRAMS = opts.get("lsk", _DEFAULT_SPLIT_K_BELOW)
         return paged_ops_for(device, dtype, batch_invariant=True)
     if device.type == "cuda":
         import m3_kernels.fused_layers as fl
@@ -282,7 +316,13 @@ def main() -> None:
         "--prefill-kernel-table", action="store_true", help="kernels of the prefill forward (--context tokens per row)"
     )
     ap.add_argument("--compare-fused", action="store_true", help="= --variants pytorch fused")
-    ap.add_argument("--variants", nargs="*", default=None, help=f"model paths to run, of {VARIANTS} (default fused)")
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=None,
+        help=f"model paths to run, of {VARIANTS} or invariant+<option>... (options: {INVARIANT_FLAGS}, "
+        f"{INVARIANT_NUMBERS}<N>; default fused)",
+    )
     ap.add_argument("--profile-ops", action="store_true", help="torch.profiler op table (no graphs)")
     ap.add_argument("--context", type=int, default=192, help="tokens per row before the timed decode step")
     ap.add_argument(
@@ -369,7 +409,14 @@ def markdown(results: list[dict], args) -> str:
         "fused": "fused kernels (default)",
         "fused+cublas": "fused kernels, all GEMMs cuBLAS",
     }
-    for (b, v), r in sorted(by.items(), key=lambda kv: (kv[0][0], VARIANTS.index(kv[0][1]))):
+    for (b, v), r in sorted(
+        by.items(),
+        key=lambda kv: (
+            kv[0][0],
+            VARIANTS.index(kv[0][1].split("+")[0]) if kv[0][1].split("+")[0] in VARIANTS else 0,
+            kv[0][1],
+        ),
+    ):
         ms = r["gpu_ms_per_step_graph"]
         base = by.get((b, "pytorch"))
         up = f"{base['gpu_ms_per_step_graph'] / ms:.2f}x" if base else "-"

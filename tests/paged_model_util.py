@@ -10,11 +10,20 @@ import torch
 from m3_rollout.model import M3ForCausalLM, tiny_config
 
 
-def small_paged_model(seed: int = 0, vocab_size: int = 96, head_dim: int = 8, page_size: int = 4) -> M3ForCausalLM:
+def small_paged_model(
+    seed: int = 0, vocab_size: int = 96, head_dim: int = 8, page_size: int = 4, layers: int = 4
+) -> M3ForCausalLM:
     """fp32 eval model: ``head_dim`` per head (RoPE on half of it, index dim = head dim), block /
-    page ``page_size`` tokens, top-2 blocks; parameters N(0, 0.3) (vectors N(0, 0.1)) from ``seed``."""
+    page ``page_size`` tokens, top-2 blocks; parameters N(0, 0.3) (vectors N(0, 0.1)) from ``seed``.
+    ``layers``: layer 0 dense (full attention, dense MLP), the others sparse attention + MoE (the
+    interpreter-bound tests take 2: every layer kind at half the time)."""
     torch.manual_seed(seed)
+    kinds = [0] + [1] * (layers - 1)
     cfg = tiny_config(
+        num_hidden_layers=layers,
+        moe_layer_freq=kinds,
+        sparse_attention_freq=kinds,
+        sparse_disable_index_value=kinds,
         vocab_size=vocab_size,
         hidden_size=32,
         num_attention_heads=4,

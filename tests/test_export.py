@@ -121,7 +121,8 @@ def test_cli_exports_a_builtin_checkpoint(cache, capsys):
     assert (
         cli.main(["export", "--model", "builtin:tiny-random", "--out", str(out), "--format", "transformers-text"]) == 0
     )
-    assert "AutoModelForCausalLM" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "AutoModelForCausalLM" in printed
     (src,) = (cache / "cache").iterdir()
     files = {p.name for p in out.iterdir()}
     assert {
@@ -130,7 +131,13 @@ def test_cli_exports_a_builtin_checkpoint(cache, capsys):
         "tokenizer.json",
         "tokenizer_config.json",
         "chat_template.jinja",
+        "chat_template_kwargs.json",
     } <= files
+    # the template kwargs the builtin model was trained with travel along, and the command says how
+    # to pass them to transformers (which does not read the file)
+    kwargs = json.loads((out / "chat_template_kwargs.json").read_text())
+    assert kwargs == json.loads((src / "chat_template_kwargs.json").read_text()) == {"thinking_mode": "disabled"}
+    assert "apply_chat_template(messages, thinking_mode='disabled')" in printed
     ours = load_checkpoint(src)
     hf, info = AutoModelForCausalLM.from_pretrained(
         out, output_loading_info=True, attn_implementation="eager", experts_implementation="eager"
@@ -146,6 +153,11 @@ def test_cli_exports_a_builtin_checkpoint(cache, capsys):
     messages = [{"role": "user", "content": "12*34?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
     text = tok.apply_chat_template(normalize_messages(messages), tokenize=False)
     assert text == render(tok.chat_template, messages) and "12*34" in text
+    # with the printed kwargs transformers renders the prompt the builtin model was trained on
+    ask = [{"role": "user", "content": "12*34?"}]
+    trained = render(tok.chat_template, ask, add_generation_prompt=True, thinking_mode="disabled")
+    assert tok.apply_chat_template(ask, tokenize=False, add_generation_prompt=True, **kwargs) == trained
+    assert trained != render(tok.chat_template, ask, add_generation_prompt=True)  # the template's own default
 
     # the default format is the released (VL-shaped) layout, unchanged
     released = cache / "released"

@@ -43,7 +43,9 @@ def per_row_dot():
 
 
 def _model() -> M3ForCausalLM:
-    return small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS)
+    """One dense and one sparse layer: the interpreter runs every kernel program in Python, and the
+    property (engine bits = trainer bits) is per layer kind."""
+    return small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS, layers=2)
 
 
 def _table():
@@ -70,6 +72,13 @@ def _generate(model, ops, token_logprobs):
     return [(o.prompt_ids + o.output_ids, len(o.prompt_ids), o.logprobs) for o in outs]
 
 
+@pytest.fixture(scope="module")
+def samples(per_row_dot):
+    """The engine's samples of ``_generate`` on ``_model()`` (shared: the slowest part under the interpreter)."""
+    ops, inv = _table(), interpreted_invariant_ops()
+    return _generate(_model(), ops, inv.token_logprobs)
+
+
 def _batch(samples) -> TrainBatch:
     b, l = len(samples), max(len(ids) for ids, _, _ in samples)
     tok, mask, lp = torch.zeros(b, l, dtype=torch.int64), torch.zeros(b, l), torch.zeros(b, l)
@@ -93,10 +102,9 @@ def _count_forwards(model) -> list[list[int]]:
     return seen
 
 
-def test_trainer_prev_logprobs_equal_the_engines_bitwise():
+def test_trainer_prev_logprobs_equal_the_engines_bitwise(samples):
     ops, inv = _table(), interpreted_invariant_ops()
     master = _model()
-    samples = _generate(copy.deepcopy(master), ops, inv.token_logprobs)
     assert len(samples) == 6 and len({len(s[0]) for s in samples}) >= 3
     batch = _batch(samples)
     scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
@@ -160,14 +168,14 @@ def test_packed_rows_score_as_alone():
     assert scorer.block_manager.num_free_pages == scorer.block_manager.num_pages
 
 
-def test_loss_numerator_takes_the_invariant_value_and_the_training_gradient():
+def test_loss_numerator_takes_the_invariant_value_and_the_training_gradient(samples):
     """The ratio's numerator in ``train_step`` is the scorer's value (so against the rollout's own
     logprobs the ratio is exactly 1 on every token, where the training forward's is 1 only to
     rounding), and its gradient is the training forward's (the update equals the plain policy's
     to rounding)."""
     ops, inv = _table(), interpreted_invariant_ops()
     master = _model()
-    batch = _batch(_generate(copy.deepcopy(master), ops, inv.token_logprobs))
+    batch = _batch(samples)
     scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
     fn = ClippedPGLossFn(0.2, 0.2, True)
     policies = {"invariant": Policy(copy.deepcopy(master), lr=1e-2, scorer=scorer)}

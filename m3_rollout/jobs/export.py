@@ -13,8 +13,11 @@ Which class loads which layout (docs/checkpoints.md has the table):
   differs from the spec; a model using MSA init blocks is refused).
 
 The tokenizer files and chat template of the source are copied next to the weights, so
-``AutoTokenizer`` and ``apply_chat_template`` work on the exported directory. Exit status 2 for a
-bad argument or an unusable checkpoint, naming it.
+``AutoTokenizer`` and ``apply_chat_template`` work on the exported directory; so is
+``chat_template_kwargs.json`` (the template kwargs the checkpoint's prompts were rendered with,
+e.g. ``{"thinking_mode": "disabled"}`` for the builtin models), which ``m3-rollout serve`` applies
+by default. transformers does not read that file: the command prints the kwargs to pass to
+``apply_chat_template``. Exit status 2 for a bad argument or an unusable checkpoint, naming it.
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ from pathlib import Path
 
 import torch
 
+from m3_rollout.chat.template import CHAT_DEFAULTS_FILE, read_chat_defaults
 from m3_rollout.model.loading import LAYOUTS, load_checkpoint, save_checkpoint
 
-#: Files copied from the source checkpoint when present (tokenizer, chat template, generation defaults).
+#: Files copied from the source checkpoint when present (tokenizer, chat template and its default
+#: kwargs, generation defaults).
 SIDE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    CHAT_DEFAULTS_FILE,
     "generation_config.json",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,4 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     loader = "AutoModelForCausalLM" if args.format == "transformers-text" else "vLLM / the project's load_checkpoint"
     print(f"wrote {args.out} ({args.format}, {args.dtype}; load with {loader}): {', '.join(files)}")
+    kwargs = read_chat_defaults(args.out)
+    if kwargs:
+        args_text = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        print(
+            f"the checkpoint's prompts were rendered with {kwargs} ({CHAT_DEFAULTS_FILE}; m3-rollout serve "
+            f"applies it): with transformers, call tokenizer.apply_chat_template(messages, {args_text})"
+        )
     return 0
