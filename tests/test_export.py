@@ -185,5 +185,12 @@ def test_cli_warns_about_a_build_outside_its_window(cache, capsys):
 def test_cli_errors_exit_2(cache, capsys):
     assert cli.main(["export", "--model", str(cache / "nope"), "--out", str(cache / "x")]) == 2
     assert "no config.json" in capsys.readouterr().err
+    # an unusable chat_template_kwargs.json in the source is named before anything is written
+    assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "a")]) == 0
+    capsys.readouterr()
+    src = cache / "a"
+    (src / "chat_template_kwargs.json").write_text('{"thinking_mode": "sometimes"}')
+    assert cli.main(["export", "--model", str(src), "--out", str(cache / "b")]) == 2
+    assert "chat_template_kwargs.json" in capsys.readouterr().err and not (cache / "b").exists()
     assert cli.main(["nope"]) == 2
     assert "unknown subcommand 'nope'" in capsys.readouterr().err

@@ -91,13 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         model_dir, _ = resolve_model(args.model)
+        kwargs = read_chat_defaults(model_dir)  # checked before anything is written (ChatFileError)
         files = export_checkpoint(model_dir, args.out, args.format, DTYPES[args.dtype])
     except (FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
     loader = "AutoModelForCausalLM" if args.format == "transformers-text" else "vLLM / the project's load_checkpoint"
     print(f"wrote {args.out} ({args.format}, {args.dtype}; load with {loader}): {', '.join(files)}")
-    kwargs = read_chat_defaults(args.out)
     if kwargs:
         args_text = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         print(
