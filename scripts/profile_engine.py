@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from benchlib import bench_config, run_date
 
+from m3_kernels import invariant_attention as ia
 from m3_kernels import invariant_ops as inv
 from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.config import EngineConfig
@@ -87,24 +88,57 @@ INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl")
 INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lw", "ls", "lsk")
 
 
+# the scheduling constants an invariant+... variant sets, at their import-time defaults (every
+# ``invariant`` variant starts from these)
+_IA_DEFAULTS = {
+    n: getattr(ia, n)
+    for n in (
+        "DECODE_PIPELINE",
+        "DECODE_STAGES",
+        "DECODE_FUSED_TOPK",
+        "PDL",
+        "DECODE_PROGRAMS",
+        "SCORE_SPLIT_BLOCKS_DECODE",
+    )
+}
+_DEFAULT_LINEAR_DECODE = dict(inv.LINEAR_DECODE_CONFIGS)
+_DEFAULT_SPLIT_K_BELOW = inv.SPLIT_K_BELOW_PROGRAMS
+
+
 def _invariant_options(name: str) -> dict[str, int]:
-    """The options of an ``invariant+...`` variant name as {option: value (1 for flags)}; raises
-    ValueError naming an unknown option."""
+    """The options of an ``invariant+...`` variant name as {option: value (1 for flags)}. Raises
+    ValueError naming an unknown or repeated option or a number out of range (dp, ss, ls >= 1; lsk
+    >= 0; lbn a power of two >= 16; lw 1, 2, 4 or 8)."""
     opts = {}
     for tok in name.split("+")[1:]:
-        m = re.fullmatch(r"([a-z_]+?)(\d+)?", tok)
-        key, num = (m.group(1), m.group(2)) if m else (tok, None)
-        if not ((key in INVARIANT_FLAGS and num is None) or (key in INVARIANT_NUMBERS and num is not None)):
+        m = re.fullmatch(r"([a-z_]+?)([0-9]+)", tok)
+        key, num = (tok, None) if tok in INVARIANT_FLAGS else (m.group(1), int(m.group(2))) if m else (tok, None)
+        if not (tok in INVARIANT_FLAGS or (key in INVARIANT_NUMBERS and num is not None)):
             raise ValueError(
                 f"--variants: {name!r}: option {tok!r} is not a flag of {INVARIANT_FLAGS} or a number option "
                 f"of {INVARIANT_NUMBERS} (e.g. dp512)"
             )
-        opts[key] = int(num) if num is not None else 1
+        if key in opts:
+            raise ValueError(f"--variants: {name!r}: option {key!r} given twice")
+        ranges = {"lsk": num is not None and num >= 0, "lw": num in (1, 2, 4, 8)}
+        ranges["lbn"] = num is not None and num >= 16 and num & (num - 1) == 0
+        if not ranges.get(key, num is None or num >= 1):
+            raise ValueError(
+                f"--variants: {name!r}: {tok!r} out of range (dp, ss, ls >= 1; lsk >= 0; lbn a power of two "
+                ">= 16; lw 1, 2, 4 or 8)"
+            )
+        opts[key] = 1 if num is None else num
     return opts
 
 
-_DEFAULT_LINEAR_DECODE = dict(inv.LINEAR_DECODE_CONFIGS)
-_DEFAULT_SPLIT_K_BELOW = inv.SPLIT_K_BELOW_PROGRAMS
+def check_variant(name: str) -> None:
+    """Raises ValueError for a ``--variants`` name that ``variant_ops`` would refuse (main checks every
+    name before the first run)."""
+    base = name.split("+")[0] if name.startswith("invariant") else name
+    if base not in VARIANTS:
+        raise ValueError(f"--variants: {name!r} is not one of {VARIANTS} (or invariant+<option>...)")
+    if base == "invariant":
+        _invariant_options(name)
 
 
 def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps:
@@ -113,23 +147,21 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
     on cuBLAS, no Triton skinny GEMM), ``fused+router_cublas`` (router GEMM on cuBLAS + top-k
     kernel: sets ``fused_layers.ROUTER_GEMM_MAX_ELEMS``, read at call time), ``invariant`` (the
     batch-invariant table of ``EngineConfig.batch_invariant``, design.md §4.6), and
-    ``invariant+<option>+...`` (``INVARIANT_OPTIONS``: the same table with the attention module's
-    scheduling constants switched for an A/B; every other variant sets them back to the defaults).
-    Raises ValueError for an unknown name or option."""
-    base = name.split("+")[0] if name.startswith("invariant") else name
-    if base not in VARIANTS:
-        raise ValueError(f"--variants: {name!r} is not one of {VARIANTS} (or invariant+<option>...)")
+    ``invariant+<option>+...`` (``INVARIANT_FLAGS`` / ``INVARIANT_NUMBERS``: the same table with the
+    invariant kernels' scheduling constants switched for an A/B; every ``invariant`` variant starts
+    from the import-time defaults). Raises ValueError for an unknown name or option."""
+    check_variant(name)
     if name.startswith("invariant"):
         opts = _invariant_options(name)
         if device.type == "cuda":
-            import m3_kernels.invariant_attention as ia
-
-            ia.DECODE_PIPELINE = "union_walk" not in opts
-            ia.DECODE_STAGES = 2 if "stages2" in opts else 3
-            ia.DECODE_FUSED_TOPK = "topk_launch" not in opts
-            ia.PDL = "nopdl" not in opts
-            ia.DECODE_PROGRAMS = opts.get("dp", 256)
-            ia.SCORE_SPLIT_BLOCKS_DECODE = opts.get("ss", 2)
+            for n, v in _IA_DEFAULTS.items():
+                setattr(ia, n, v)
+            ia.DECODE_PIPELINE = "union_walk" not in opts and _IA_DEFAULTS["DECODE_PIPELINE"]
+            ia.DECODE_STAGES = 2 if "stages2" in opts else _IA_DEFAULTS["DECODE_STAGES"]
+            ia.DECODE_FUSED_TOPK = "topk_launch" not in opts and _IA_DEFAULTS["DECODE_FUSED_TOPK"]
+            ia.PDL = "nopdl" not in opts and _IA_DEFAULTS["PDL"]
+            ia.DECODE_PROGRAMS = opts.get("dp", _IA_DEFAULTS["DECODE_PROGRAMS"])
+            ia.SCORE_SPLIT_BLOCKS_DECODE = opts.get("ss", _IA_DEFAULTS["SCORE_SPLIT_BLOCKS_DECODE"])
             dec = _DEFAULT_LINEAR_DECODE[torch.bfloat16]
             inv.LINEAR_DECODE_CONFIGS = dict(_DEFAULT_LINEAR_DECODE)
             inv.LINEAR_DECODE_CONFIGS[torch.bfloat16] = dataclasses.replace(
@@ -347,6 +379,11 @@ def main() -> None:
         model = M3ForCausalLM(cfg)
     model = model.cast_for_inference(dtype).eval()
     variants = args.variants or (["pytorch", "fused"] if args.compare_fused else ["fused"])
+    for v in variants:  # every name before the first run
+        try:
+            check_variant(v)
+        except ValueError as exc:
+            ap.error(str(exc))
     results = []
     batches = args.batches or [args.batch]
     if dev.type == "cuda" and args.cuda_graphs and not args.skip_model:  # the model's GPU time per step first

@@ -16,7 +16,7 @@ def small_paged_model(
     """fp32 eval model: ``head_dim`` per head (RoPE on half of it, index dim = head dim), block /
     page ``page_size`` tokens, top-2 blocks; parameters N(0, 0.3) (vectors N(0, 0.1)) from ``seed``.
     ``layers``: layer 0 dense (full attention, dense MLP), the others sparse attention + MoE (the
-    interpreter-bound tests take 2: every layer kind at half the time)."""
+    interpreter-bound tests take 2: every layer kind at half the time); 1 has no sparse layer."""
     torch.manual_seed(seed)
     kinds = [0] + [1] * (layers - 1)
     cfg = tiny_config(

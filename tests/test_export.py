@@ -137,7 +137,7 @@ def test_cli_exports_a_builtin_checkpoint(cache, capsys):
     # to pass them to transformers (which does not read the file)
     kwargs = json.loads((out / "chat_template_kwargs.json").read_text())
     assert kwargs == json.loads((src / "chat_template_kwargs.json").read_text()) == {"thinking_mode": "disabled"}
-    assert "apply_chat_template(messages, thinking_mode='disabled')" in printed
+    assert "apply_chat_template(messages, **{'thinking_mode': 'disabled'})" in printed
     ours = load_checkpoint(src)
     hf, info = AutoModelForCausalLM.from_pretrained(
         out, output_loading_info=True, attn_implementation="eager", experts_implementation="eager"
@@ -190,7 +190,36 @@ def test_cli_errors_exit_2(cache, capsys):
     capsys.readouterr()
     src = cache / "a"
     (src / "chat_template_kwargs.json").write_text('{"thinking_mode": "sometimes"}')
-    assert cli.main(["export", "--model", str(src), "--out", str(cache / "b")]) == 2
-    assert "chat_template_kwargs.json" in capsys.readouterr().err and not (cache / "b").exists()
+    bad = {
+        "unknown mode": '{"thinking_mode": "sometimes"}',
+        "NaN": '{"x": NaN}',
+        "not UTF-8": b'{"x": "caf\xe9"}',
+        "a directory": None,
+    }
+    for why, text in bad.items():
+        path = src / "chat_template_kwargs.json"
+        if path.is_dir():
+            path.rmdir()
+        if text is None:
+            path.unlink()
+            path.mkdir()
+        elif isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(text)
+        assert cli.main(["export", "--model", str(src), "--out", str(cache / "b")]) == 2, why
+        assert "chat_template_kwargs.json" in capsys.readouterr().err and not (cache / "b").exists(), why
+
+
+def test_cli_export_of_an_old_builtin_build_keeps_its_chat_defaults(cache, capsys):
+    """A builtin build from before chat_template_kwargs.json existed: the export writes the default
+    serve applies to it, so serving the export renders the prompts serving the builtin does."""
+    assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "a")]) == 0
+    (src,) = (cache / "cache").iterdir()
+    (src / "chat_template_kwargs.json").unlink()
+    capsys.readouterr()
+    assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "b")]) == 0
+    assert "**{'thinking_mode': 'disabled'}" in capsys.readouterr().out
+    assert json.loads((cache / "b" / "chat_template_kwargs.json").read_text()) == {"thinking_mode": "disabled"}
     assert cli.main(["nope"]) == 2
     assert "unknown subcommand 'nope'" in capsys.readouterr().err

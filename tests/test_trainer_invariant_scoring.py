@@ -106,6 +106,7 @@ def test_trainer_prev_logprobs_equal_the_engines_bitwise(samples):
     ops, inv = _table(), interpreted_invariant_ops()
     master = _model()
     assert len(samples) == 6 and len({len(s[0]) for s in samples}) >= 3
+    assert max(len(s[0]) for s in samples) > 2 * PS + 1  # past top-k x block: the sparse layer selects
     batch = _batch(samples)
     scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
     policy = Policy(master, lr=1e-3, scorer=scorer)

@@ -24,6 +24,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from m3_rollout.chat.markers import THINKING_MODES
 
 __all__ = [
+    "BUILTIN_CHAT_DEFAULTS",
     "CHAT_DEFAULTS_FILE",
     "ChatFileError",
     "ChatFormat",
@@ -39,6 +40,9 @@ TEMPLATE_NAMES = ("m3_full", "m3_short")
 # A checkpoint's default chat-template kwargs: the rendering its prompts were trained in (the
 # builtin builds and the GRPO job's checkpoints write it; a released M3 checkpoint has none).
 CHAT_DEFAULTS_FILE = "chat_template_kwargs.json"
+# the chat-template kwargs of a builtin checkpoint built before CHAT_DEFAULTS_FILE existed (its
+# prompts were rendered without thinking)
+BUILTIN_CHAT_DEFAULTS = {"thinking_mode": "disabled"}
 
 
 class ChatFileError(ValueError):
@@ -303,17 +307,26 @@ def write_chat_defaults(model_dir, kwargs: dict) -> None:
     (Path(model_dir) / CHAT_DEFAULTS_FILE).write_text(json.dumps(kwargs, indent=1) + "\n")
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_chat_defaults(model_dir) -> dict:
     """``model_dir``'s ``CHAT_DEFAULTS_FILE`` as a dict, or {} when it has none. Raises
-    ChatFileError naming the file when it is not a JSON object with a known thinking mode."""
+    ChatFileError naming the file when it is not a UTF-8 JSON object (NaN / Infinity refused) with a
+    known thinking mode, or is not a file."""
     from pathlib import Path
 
     path = Path(model_dir) / CHAT_DEFAULTS_FILE
-    if not path.is_file():
+    if not path.exists():
         return {}
+    if not path.is_file():
+        raise ChatFileError(f"{path}: not a file; remove it or put the JSON object there")
     try:
-        kwargs = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        kwargs = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise ChatFileError(f"{path}: not UTF-8 ({exc}); delete it or fix it") from None
+    except ValueError as exc:  # JSONDecodeError, NaN / Infinity
         raise ChatFileError(f"{path}: not JSON ({exc}); delete it or fix it") from None
     mode = kwargs.get("thinking_mode") if isinstance(kwargs, dict) else None
     if not isinstance(kwargs, dict) or (mode is not None and mode not in THINKING_MODES):

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from m3_rollout.chat.template import ChatFormat, load_template, render, write_chat_defaults
+from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, ChatFormat, load_template, render, write_chat_defaults
 from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
@@ -425,7 +425,7 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
     try:
         save_checkpoint(model, config, tmp)
         save_tokenizer(tokenizer, tmp, template)
-        write_chat_defaults(tmp, {"thinking_mode": "disabled"})  # the mode its prompts were rendered in
+        write_chat_defaults(tmp, BUILTIN_CHAT_DEFAULTS)  # the mode its prompts were rendered in
         (tmp / "build_report.json").write_text(json.dumps(report, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)

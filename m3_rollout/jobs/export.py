@@ -30,7 +30,12 @@ from pathlib import Path
 
 import torch
 
-from m3_rollout.chat.template import CHAT_DEFAULTS_FILE, read_chat_defaults
+from m3_rollout.chat.template import (
+    BUILTIN_CHAT_DEFAULTS,
+    CHAT_DEFAULTS_FILE,
+    read_chat_defaults,
+    write_chat_defaults,
+)
 from m3_rollout.model.loading import LAYOUTS, load_checkpoint, save_checkpoint
 
 #: Files copied from the source checkpoint when present (tokenizer, chat template and its default
@@ -93,15 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir, _ = resolve_model(args.model)
         kwargs = read_chat_defaults(model_dir)  # checked before anything is written (ChatFileError)
         files = export_checkpoint(model_dir, args.out, args.format, DTYPES[args.dtype])
+        if not kwargs and args.model.startswith("builtin:"):  # a build from before the file: serve's default
+            kwargs = dict(BUILTIN_CHAT_DEFAULTS)
+            write_chat_defaults(args.out, kwargs)
+            files = sorted(p.name for p in Path(args.out).expanduser().iterdir())
     except (FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
     loader = "AutoModelForCausalLM" if args.format == "transformers-text" else "vLLM / the project's load_checkpoint"
     print(f"wrote {args.out} ({args.format}, {args.dtype}; load with {loader}): {', '.join(files)}")
     if kwargs:
-        args_text = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         print(
             f"the checkpoint's prompts were rendered with {kwargs} ({CHAT_DEFAULTS_FILE}; m3-rollout serve "
-            f"applies it): with transformers, call tokenizer.apply_chat_template(messages, {args_text})"
+            f"applies it): with transformers, call tokenizer.apply_chat_template(messages, **{kwargs!r})"
         )
     return 0

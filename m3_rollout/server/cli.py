@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from m3_rollout.chat.template import read_chat_defaults
+from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, read_chat_defaults
 from m3_rollout.engine.interface import GenerationBackend
 
 from .openai_api import ServedModel, thinking_mode_of
@@ -188,7 +188,7 @@ def default_template_kwargs(text: str | None, builtin: bool = False, model_dir: 
         found = read_chat_defaults(model_dir) if model_dir is not None else {}
         if found:
             return found
-        return {"thinking_mode": "disabled"} if builtin else {}
+        return dict(BUILTIN_CHAT_DEFAULTS) if builtin else {}
     try:
         kwargs = json.loads(text)
     except json.JSONDecodeError as exc:

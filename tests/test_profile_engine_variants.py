@@ -1,0 +1,46 @@
+"""scripts/profile_engine.py's ``--variants`` names: the ``invariant+<option>`` A/B switches parse to
+the constants they set, and malformed names are refused before any run (CPU; no model is built)."""
+
+from __future__ import annotations
+
+import pytest
+from script_loader import script_module  # tests/ on sys.path
+
+with script_module("profile_engine") as pe:
+    pass
+
+
+def test_options_parse_to_their_values():
+    assert pe._invariant_options("invariant") == {}
+    assert pe._invariant_options("invariant+stages2+nopdl") == {"stages2": 1, "nopdl": 1}
+    got = pe._invariant_options("invariant+dp512+ss4+lbn32+lw2+ls3+lsk0+union_walk")
+    assert got == {"dp": 512, "ss": 4, "lbn": 32, "lw": 2, "ls": 3, "lsk": 0, "union_walk": 1}
+    for name in ("pytorch", "fused", "fused+cublas", "invariant+topk_launch"):
+        pe.check_variant(name)
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("invariant+", "not a flag"),
+        ("invariant+dp", "not a flag"),
+        ("invariant+DP4", "not a flag"),
+        ("invariant+stages3", "not a flag"),
+        ("invariant+dp4+dp8", "given twice"),
+        ("invariant+ss0", "out of range"),
+        ("invariant+lbn48", "out of range"),
+        ("invariant+lw3", "out of range"),
+        ("fused+dp4", "is not one of"),
+        ("invariantx", "is not one of"),
+    ],
+)
+def test_malformed_names_are_refused(name, match):
+    with pytest.raises(ValueError, match=match):
+        pe.check_variant(name)
+
+
+def test_main_refuses_a_bad_name_before_running(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["profile_engine.py", "--variants", "fused", "invariant+ss0"])
+    with pytest.raises(SystemExit) as exc:
+        pe.main()
+    assert exc.value.code == 2 and "'ss0' out of range" in capsys.readouterr().err
