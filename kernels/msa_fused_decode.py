@@ -86,11 +86,6 @@ LONG_DECODE_PATH = "index_topk"
 # attention) instead of 4 (+ the top-k merge launch). False: index_topk's own merge, then K2 on the
 # ids (kept for the A/B of bench_msa.py).
 INDEX_TOPK_MERGE_IN_ATTENTION = True
-# CUDA, PDL: the attention kernel (K2) loads its query rows before it waits on the launch before it
-# (the query was written before that launch began), and on the "index_topk" path the chunk top-k
-# launch lets K2 be scheduled from its start, so K2's launch and query load overlap the top-k.
-# False: K2 waits first, the chunk top-k triggers at its end (the A/B of bench_msa.py).
-PDL_EARLY_QUERY = True
 
 
 @triton.jit
@@ -395,7 +390,6 @@ def _decode_select_attend_kernel(
     PDL: tl.constexpr,
     NCAND: tl.constexpr = 16,
     MERGE_NET: tl.constexpr = False,
-    EARLY_Q: tl.constexpr = False,
 ):
     """One (decode token, KV head, split): [top-k in registers], partial softmax, last arrival merges.
 
@@ -410,14 +404,11 @@ def _decode_select_attend_kernel(
     s_id = tl.program_id(2)
     row = t // dql
     p = tl.load(pos_ptr + t)
-    if EARLY_Q:  # written before the launch we wait on began (that one was not a dependent launch)
-        q = _load_q_group(q_ptr, t, g, stride_qt, stride_qh, RH, RHP, D)
     if PDL:  # launched before the score / top-k kernel finished: wait for its stores
         tl.extra.cuda.gdc_wait()
     n_blk = p // PS + 1
     ids_row = ids_ptr + t * stride_ids_t + g * stride_ids_g
-    if not EARLY_Q:
-        q = _load_q_group(q_ptr, t, g, stride_qt, stride_qh, RH, RHP, D)
+    q = _load_q_group(q_ptr, t, g, stride_qt, stride_qh, RH, RHP, D)
     rank = tl.zeros([NBC], tl.int32)
     blk = tl.arange(0, NBC)
     pages = rank
@@ -715,7 +706,6 @@ def decode_select_attend(
         PDL=pdl,
         NCAND=ncand,
         MERGE_NET=msa_score_topk.MERGE_NETWORK and kp >= 2,
-        EARLY_Q=pdl and PDL_EARLY_QUERY,
         num_warps=num_warps,
         num_stages=1 if ieee else num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -828,7 +818,7 @@ def msa_decode(
         # scores, chunk winners; their merge in K2's prologue (wider tables: index_topk's merge launch)
         scores = index_block_scores(iq[:td], index_cache_l, dmeta)
         ps = k_cache_l.shape[2]
-        cands = topk_chunk_keys(scores, dmeta, topk, ps, init_blocks, local_blocks, chunk, pdl=pdl and PDL_EARLY_QUERY)
+        cands = topk_chunk_keys(scores, dmeta, topk, ps, init_blocks, local_blocks, chunk)
         return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, cands=cands, ids_out=ids_out, pdl=pdl)
     ids = index_topk(iq[:td], index_cache_l, dmeta, topk, init_blocks, local_blocks)
     if ids_out is not None:

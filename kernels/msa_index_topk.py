@@ -345,15 +345,11 @@ def _topk_chunk_kernel(
     KP: tl.constexpr,
     FINAL: tl.constexpr,
     NET: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """Top-k keys of one chunk of one (token, head) row; FINAL (one chunk): write block ids. NET:
     ``tl.topk`` (needs KP <= CHUNK) instead of K rounds of max-and-remove; the same keys, in order.
     Not FINAL: the chunk's KP-slot key list key[(rid * n_chunks + chunk) * KP + :KP], its top ``topk``
-    keys first (NET: the next KP - topk keys of the chunk after them, rounds: the empty key).
-    PDL: let the next launch (programmatic dependent launch) be scheduled now; it waits for our stores."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    keys first (NET: the next KP - topk keys of the chunk after them, rounds: the empty key)."""
     rid = tl.program_id(0)  # t * G + g
     chunk = tl.program_id(1)
     t = rid // G
@@ -814,7 +810,6 @@ def topk_chunk_keys(
     init_blocks: int = 0,
     local_blocks: int = 1,
     chunk: int | None = None,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """The split-K stage of ``select_topk_blocks``: each chunk of ``chunk`` blocks of a (token, head)
     row keeps its own top keys (int64 selection keys: score bits << 32 | _ID_BIAS - id, forced
@@ -824,8 +819,7 @@ def topk_chunk_keys(
     <= next_pow2(NBP); default ``topk_chunk_size``). Returns (keys [T, G, NCH, KP] int64, chunk),
     KP = next_pow2(topk): each list holds the chunk's top ``topk`` keys first. The row's top-k is
     the top-k of its NCH x KP keys (``_topk_merge_kernel``, or the attention kernel's prologue:
-    ``msa_fused_decode.decode_select_attend(cands=...)``). pdl (CUDA): the programs signal the next
-    launch, when it is a programmatic dependent one, at their start (it must wait for these keys).
+    ``msa_fused_decode.decode_select_attend(cands=...)``).
     """
     t, g, nbp = scores.shape
     chunk = chunk or topk_chunk_size(t * g, nbp)
@@ -851,7 +845,6 @@ def topk_chunk_keys(
         KP=kp,
         FINAL=False,
         NET=TOPK_NETWORK and 2 <= kp <= chunk,
-        PDL=pdl,
         num_warps=4,
     )
     return keys, chunk

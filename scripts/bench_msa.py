@@ -13,8 +13,7 @@ top-k 16, bf16, one layer. Measured in one process:
   decode path that runs at that width is timed beside it ("paths"), with the score_topk path's two
   launches alone ("score_topk parts") and whether its ids equal index_topk's on the same keys; the
   index_topk path also runs with its top-k merge as a launch of its own (the A/B of
-  ``INDEX_TOPK_MERGE_IN_ATTENTION``) and with the attention kernel loading its query after its
-  PDL wait (the A/B of ``PDL_EARLY_QUERY``);
+  ``INDEX_TOPK_MERGE_IN_ATTENTION``);
   ``--topk-sweep``: the score_topk path's split count / warps / stages at contexts >= 128K;
   ``--score-sweep``: the decode score launch (``index_block_scores``), pointer loads vs TMA over
   programs / warps / stages (``DECODE_SCORE_CONFIGS``), bits checked, at contexts >= 128K;
@@ -321,12 +320,6 @@ def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=Non
                     finally:
                         msa_fused_decode.INDEX_TOPK_MERGE_IN_ATTENTION = True
                     parts += f"; step with the top-k merge as its own launch (before): {p_ml * 1e3:.1f} us"
-                    msa_fused_decode.PDL_EARLY_QUERY = False  # A/B: K2 waits before loading its query
-                    try:
-                        p_lq = graph_ms(step)
-                    finally:
-                        msa_fused_decode.PDL_EARLY_QUERY = True
-                    parts += f"; step with K2's query loaded after its wait (before): {p_lq * 1e3:.1f} us"
             nbytes = s * index_bytes_per_token(var) + G * min(K, -(-s // PS)) * PS * D * 2 * ELT
             r = dict(
                 ctx=s,
