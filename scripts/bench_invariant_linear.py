@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     ap.add_argument("--decode", action="store_true", help="the decode band's candidates at T = 1 / 32 only")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (it times the Triton kernels against cuBLAS)")
     dev = torch.device("cuda")
     base = inv.linear_config(torch.bfloat16)
     if args.decode:

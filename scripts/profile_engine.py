@@ -11,8 +11,9 @@ a CUDA graph and replayed ``--graph-replay`` times between CUDA events = the GPU
 decode step with no host work; ``--kernel-table`` lists the kernels of that forward (count and
 device time per step, eager). ``--variants`` runs everything once per model path in the same
 process (``pytorch``: PyTorch ops; ``fused``: the engine's default table, engine/ops.py; ``fused+cublas``,
-``fused+router_cublas``, ``invariant``, ``invariant+union_walk``, ``invariant+stages2``,
-``invariant+topk_launch``: see ``variant_ops``); ``--compare-fused`` = ``--variants pytorch fused``.
+``fused+router_cublas``, ``invariant``, and ``invariant+<option>+...``: the invariant table with
+its kernels' scheduling constants switched, see ``--help`` and ``variant_ops``); ``--compare-fused``
+= ``--variants pytorch fused``.
 """
 
 from __future__ import annotations
@@ -334,16 +335,16 @@ def model_step_gpu_time(model, cfg, args, batch: int, variant: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--model-json")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the GPU timings need cuda")
+    ap.add_argument("--model-json", help="a model config JSON (e.g. configs/bench/m3_bench_300m.json); default tiny")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     ap.add_argument("--batches", type=int, nargs="*", help="several batch sizes (overrides --batch)")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (engine wall times)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed (engine wall times)")
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--graph-replay", type=int, default=100, help="replays timed per engine (GPU, graphs)")
     ap.add_argument("--kernel-table", action="store_true", help="kernels of one decode forward (GPU, graphs)")
-    ap.add_argument("--table-rows", type=int, default=25)
+    ap.add_argument("--table-rows", type=int, default=25, help="rows of the kernel tables printed")
     ap.add_argument(
         "--prefill-kernel-table", action="store_true", help="kernels of the prefill forward (--context tokens per row)"
     )
@@ -352,8 +353,11 @@ def main() -> None:
         "--variants",
         nargs="*",
         default=None,
-        help=f"model paths to run, of {VARIANTS} or invariant+<option>... (options: {INVARIANT_FLAGS}, "
-        f"{INVARIANT_NUMBERS}<N>; default fused)",
+        help=f"model paths to run, of {VARIANTS} (default fused), or invariant+<option>+... with the flags "
+        f"{INVARIANT_FLAGS} and the numbers dp<N> (invariant_attention.DECODE_PROGRAMS), ss<N> "
+        "(SCORE_SPLIT_BLOCKS_DECODE), lbn<N> / lw<N> / ls<N> (the invariant linear's decode-band block_n / "
+        "warps / stages), lsk<N> (SPLIT_K_BELOW_PROGRAMS), e.g. invariant+dp512+nopdl; the scheduling only, "
+        "never the bits",
     )
     ap.add_argument("--profile-ops", action="store_true", help="torch.profiler op table (no graphs)")
     ap.add_argument("--context", type=int, default=192, help="tokens per row before the timed decode step")
@@ -368,7 +372,17 @@ def main() -> None:
     ap.add_argument("--out-json")
     ap.add_argument("--markdown", help="write the GPU-time table (docs/benchmarks.md rows) here")
     args = ap.parse_args()
+    variants = args.variants or (["pytorch", "fused"] if args.compare_fused else ["fused"])
+    for v in variants:  # every name before anything is built
+        try:
+            check_variant(v)
+        except ValueError as exc:
+            ap.error(str(exc))
     dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error(
+            f"--device {args.device}: this torch sees no CUDA device (the GPU timings need one; --device cpu runs)"
+        )
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.model_json:
         cfg = bench_config(args.model_json)
@@ -378,12 +392,6 @@ def main() -> None:
     with torch.device(dev):
         model = M3ForCausalLM(cfg)
     model = model.cast_for_inference(dtype).eval()
-    variants = args.variants or (["pytorch", "fused"] if args.compare_fused else ["fused"])
-    for v in variants:  # every name before the first run
-        try:
-            check_variant(v)
-        except ValueError as exc:
-            ap.error(str(exc))
     results = []
     batches = args.batches or [args.batch]
     if dev.type == "cuda" and args.cuda_graphs and not args.skip_model:  # the model's GPU time per step first

@@ -133,11 +133,12 @@ def test_cli_exports_a_builtin_checkpoint(cache, capsys):
         "chat_template.jinja",
         "chat_template_kwargs.json",
     } <= files
+    assert all((out / n).stat().st_mode & 0o777 == 0o644 for n in ("model.safetensors", "config.json"))
     # the template kwargs the builtin model was trained with travel along, and the command says how
     # to pass them to transformers (which does not read the file)
     kwargs = json.loads((out / "chat_template_kwargs.json").read_text())
     assert kwargs == json.loads((src / "chat_template_kwargs.json").read_text()) == {"thinking_mode": "disabled"}
-    assert "apply_chat_template(messages, **{'thinking_mode': 'disabled'})" in printed
+    assert "apply_chat_template(messages, add_generation_prompt=True, **{'thinking_mode': 'disabled'})" in printed
     ours = load_checkpoint(src)
     hf, info = AutoModelForCausalLM.from_pretrained(
         out, output_loading_info=True, attn_implementation="eager", experts_implementation="eager"

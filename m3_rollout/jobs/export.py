@@ -110,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if kwargs:
         print(
             f"the checkpoint's prompts were rendered with {kwargs} ({CHAT_DEFAULTS_FILE}; m3-rollout serve "
-            f"applies it): with transformers, call tokenizer.apply_chat_template(messages, **{kwargs!r})"
+            f"applies it): with transformers, tokenizer.apply_chat_template(messages, add_generation_prompt=True, "
+            f"**{kwargs!r}) renders the prompt serve does"
         )
     return 0

@@ -501,9 +501,12 @@ def _write_json(path: str, obj) -> None:
 
 
 def _atomic(path: str, write) -> None:
+    """``write(tmp)`` then rename onto ``path``, mode 0644 like the checkpoint's other files (safetensors
+    creates its files 0600: a checkpoint meant for other tools and users would be owner-only)."""
     tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
