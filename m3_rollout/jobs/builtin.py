@@ -324,6 +324,8 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
     task = spec.make_task()
     env = CalculatorEnvironment()
     template = load_template(spec.template)
+    if progress:  # the steps below print nothing for a while on a slow machine
+        print(f"building {out_dir.name}: training its tokenizer ...", file=sys.stderr, flush=True)
     tokenizer = train_tokenizer(corpus_texts(template, task, env, spec.tokenizer_corpus), spec.tokenizer_vocab_size)
     tokenizer.chat_template = template
     chat = ChatFormat(tokenizer, thinking_mode="disabled")
@@ -396,6 +398,11 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
                     f"{bar.format_dict['elapsed']:.0f} s"
                 )
 
+        if progress:
+            bar.write(
+                f"warm start: step 0 first evaluates the untrained model on {spec.num_val} held-out prompts "
+                "(minutes on a loaded CPU), then SFT steps; one line per evaluation"
+            )
         try:
             result = warm_start(model, chat, task, env, evaluate, ws, exclude=exclude, progress=on_progress)
         finally:
