@@ -64,8 +64,13 @@ TOPK_NETWORK = True
 # 2026-12-03): bf16 1M 65.4 -> 63.8 us, 128K 11.1 -> 6.8; fp8 59.5 -> 49.9, 14.8 -> 8.3; fp8q
 # 43.9 -> 38.5, 10.1 -> 7.3. FP8 keys with bf16 queries convert every key in registers (more work per
 # byte): many short programs; the others: fewer, deeper-pipelined ones.
+# Since 2026-12-04 the launch reads each split's page ids as one vector before its loop (the key pages
+# are then really staged num_stages - 1 deep; see the kernel) and the configs were swept again (H200,
+# docs/benchmarks.md): 1M fp8q 40.3 -> 38.8 us, 128K fp8q 8.3 -> 7.4; bf16 63.0 -> 63.2 (a streaming
+# kernel reading the same pages: 62.7 us), fp8 unchanged; the whole 1M fp8q step 55.6 -> 54.2 us.
 DECODE_SCORE_TMA = True
-DECODE_SCORE_CONFIGS = {"bf16": (264, 4, 6), "fp8": (2048, 4, 2), "fp8q": (528, 4, 6)}
+DECODE_SCORE_CONFIGS = {"bf16": (264, 4, 3), "fp8": (2048, 4, 2), "fp8q": (528, 4, 3)}
+DECODE_PAGE_VECTOR_MAX = 1024  # widest split whose page ids are preloaded as a vector (4 KB of int32)
 DECODE_SCORE_SMEM = 196608  # bytes of pipelined key pages per program (H200: ~227 KB shared memory per block)
 
 
@@ -80,23 +85,20 @@ def _block_max(
     qpos,
     ik_ptr,
     iks_ptr,
-    bt_ptr,
-    row,
+    page,
     b,
     stride_ik_p,
     stride_ik_o,
     stride_iks_p,
-    stride_bt_r,
     offs_o,
     offs_d,
     PS: tl.constexpr,
     KSCALE: tl.constexpr,
     TMA: tl.constexpr = False,
 ):
-    """[M] max over block b's causal keys of <q_m, ik_u> (x the key's scale with KSCALE); NaN ->
-    -1e30, no causal key -> -inf. TMA: ik_ptr is a tensor descriptor over the [P * ps, di] keys
-    (one bulk copy per page)."""
-    page = tl.load(bt_ptr + row * stride_bt_r + b)
+    """[M] max over block b's causal keys (cache page ``page``) of <q_m, ik_u> (x the key's scale with
+    KSCALE); NaN -> -1e30, no causal key -> -inf. TMA: ik_ptr is a tensor descriptor over the
+    [P * ps, di] keys (one bulk copy per page)."""
     if TMA:
         k = ik_ptr.load([page * PS, 0])
     else:
@@ -189,12 +191,15 @@ def _index_scores_kernel(
     SPLIT_CAUSAL: tl.constexpr = False,
     NSUB: tl.constexpr = 1,
     TMA: tl.constexpr = False,
+    PV: tl.constexpr = 0,
 ):
     """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks.
 
     KSCALE: FP8 keys with per-token scales (iks_ptr); QFP8: the query rows are quantized to e4m3
     here (one scale per row, applied to the row's block maxima). Format: kernels/paged_layout.py.
     TMA (decode launches on CUDA): ik_ptr is a tensor descriptor of the keys (``_block_max``).
+    PV (decode, a power of two >= blocks_per_split, or 0): the split's page ids are loaded as one
+    [PV] vector before the block loop.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -226,19 +231,28 @@ def _index_scores_kernel(
     # NOTE: int64 offsets: a 128K-token chunk at 1M context has T x G x NBP = 2**32 scores
     row_ptr = score_ptr + tok.to(tl.int64) * stride_s_t + head * stride_s_g  # [M]
     if STORE_B == 1:  # decode: few rows, a plain pipelined loop
+        # NOTE: the split's page ids are read as one vector before the loop (PV > 0), so no load in it
+        # feeds another load's address and the pipeliner stages num_stages - 1 key pages ahead (sm_90,
+        # triton 3.6: 168,232 B of shared memory for bf16 pages at 6 stages, 69,912 B with the id loaded
+        # in the loop, i.e. one page ahead whatever num_stages said)
+        if PV > 0:
+            offs_v = tl.arange(0, PV)
+            pages_v = tl.load(bt_ptr + row * stride_bt_r + b_lo + offs_v, mask=b_lo + offs_v < b_hi, other=0)
         for b in range(b_lo, b_hi):
+            if PV > 0:
+                page = tl.sum(tl.where(offs_v == b - b_lo, pages_v, 0))
+            else:
+                page = tl.load(bt_ptr + row * stride_bt_r + b)
             smax = _block_max(
                 q,
                 qpos,
                 ik_ptr,
                 iks_ptr,
-                bt_ptr,
-                row,
+                page,
                 b,
                 stride_ik_p,
                 stride_ik_o,
                 stride_iks_p,
-                stride_bt_r,
                 offs_o,
                 offs_d,
                 PS,
@@ -634,6 +648,7 @@ def _score_launch(
         SPLIT_CAUSAL=cfg.get("split_causal", False),
         NSUB=cfg.get("nsub", 1),
         TMA=bool(cfg.get("tma")),
+        PV=next_pow2(per_split) if cfg.get("tma") and per_split <= DECODE_PAGE_VECTOR_MAX else 0,
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
         num_stages=1 if ieee else cfg.get("num_stages", 3),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),

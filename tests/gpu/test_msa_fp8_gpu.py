@@ -6,8 +6,11 @@ Tolerances (stated):
   bit for bit (power-of-two scales, integer rounding: no tolerance), NaN keys included.
 - selection on the FP8 cache: the kernels' scores are fp32 sums of exact products (bf16 x e4m3, or
   e4m3 x e4m3) times exact powers of two, so kernel and reference (on the dequantized keys) differ
-  only by summation order: identical selections except near-ties whose block scores differ by < 1e-3
-  (the rule of tests/gpu/test_msa_gpu.py).
+  by summation order, and with FP8 queries by the e4m3 tensor-core dot's accumulation, which keeps
+  fewer mantissa bits than fp32 (about 14, DeepSeek-V3 technical report, section 3.3.2): identical
+  selections except near-ties whose block scores differ by < 1e-3 (the rule of
+  tests/gpu/test_msa_gpu.py), with FP8 queries by < twice the kernel's largest measured score error
+  (itself <= 2**-9 of the largest |score|).
 - attention output: <= 2e-2 max abs vs the fp32-softmax reference on the same selection (bf16, as
   test_msa_gpu.py).
 - engine: greedy decoding (top_k = 1) of the 300M model (8 layers, random weights) after a
@@ -77,14 +80,24 @@ def _check_selection(b, cache, got, want):
     scores = block_scores(q, gather_index_keys(cache, b.meta, torch.float32), pos, PS)  # [R, G, Sq, nb]
     row, off = token_rows(b.meta)
     s = scores.permute(0, 2, 1, 3)[row, off]  # [T, G, nb]
+    width = 1e-3
+    if cache.quantize_queries:  # near-tie width from the kernel's own score error (module docstring)
+        ks = msa_index_topk.index_block_scores(b.iq, cache, b.meta)  # [T, G, NBP]
+        nb = min(s.shape[-1], ks.shape[-1])
+        sv, ks = s[..., :nb], ks[..., :nb]
+        ok = sv.isfinite() & (torch.arange(nb, device=s.device) <= (b.meta.positions // PS)[:, None, None])
+        err, top = (ks - sv)[ok].abs().max().item(), sv[ok].abs().max().item()
+        print(f"fp8 x fp8 block scores: max abs error {err:.2e} at max |score| {top:.2f}")
+        assert err <= 2.0**-9 * top
+        width = max(width, 2 * err)
     bad = (got != want).any(-1)
     bad_set = (got.sort(-1).values != want.sort(-1).values).any(-1)
     assert bad_set.float().mean() < 0.01, f"{int(bad_set.sum())} of {bad_set.numel()} selections differ as sets"
     sg, sw = s.gather(-1, got.long().clamp_min(0)), s.gather(-1, want.long().clamp_min(0))
-    assert (sg.sort(-1).values - sw.sort(-1).values)[bad].abs().max() < 1e-3
+    assert (sg.sort(-1).values - sw.sort(-1).values)[bad].abs().max() < width
     flip = (got != want) & ~bad_set[..., None]  # order-only rows: slot by slot
     if flip.any():
-        assert (sg - sw)[flip].abs().max() < 1e-3
+        assert (sg - sw)[flip].abs().max() < width
 
 
 def test_fused_write_kernel_codes_equal_reference_real_shapes():
