@@ -92,6 +92,15 @@ def index_dot(q, k):
     return tl.dot(q, tl.trans(k))
 
 
+def index_format(index_cache_l) -> str:
+    """The index-key format of an index-cache argument: "bf16" (a plain key tensor, any float dtype),
+    "fp8" (``FP8IndexCache``, queries kept) or "fp8q" (``FP8IndexCache`` quantizing queries); the keys
+    of the per-format launch tables (``msa_index_topk.DECODE_SCORE_CONFIGS``, ``msa_fused_decode.INDEX_TOPK_PDL``)."""
+    if not isinstance(index_cache_l, FP8IndexCache):
+        return "bf16"
+    return "fp8q" if index_cache_l.quantize_queries else "fp8"
+
+
 def split_index_cache(index_cache_l) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """(keys [P, ps, di], per-token scales [P, ps] fp32 or None, quantize queries) of an index-cache argument.
 

@@ -44,7 +44,9 @@ not run this kernel concurrently on the same device (the engine runs one stream)
 
 Launch chaining (CUDA, ``PDL``): K2 is launched with programmatic dependent launch; K1 signals
 its dependents at its start, so K2's programs are scheduled while K1 runs and wait in
-``griddepcontrol.wait`` (full completion and visibility of K1's stores) before reading them.
+``griddepcontrol.wait`` (full completion and visibility of K1's stores) before reading them. On
+the "index_topk" path the chunk top-k launch may be chained to the score launch the same way and
+may trigger K2 at its start, per index-key format (``INDEX_TOPK_PDL``).
 CUDA-graph safety: grids depend only on (decode tokens, G, block-table width, top-k); per-row
 lengths are read on the device; no host syncs; PDL edges are captured by stream capture.
 NOTE: fp32 inputs use ``input_precision="ieee"`` (no tf32); bf16/fp16 inputs run tensor-core dots
@@ -62,7 +64,7 @@ import triton.language as tl
 
 from m3_kernels import msa_score_topk
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
-from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
+from m3_kernels.msa_fp8 import index_dot, index_format, quantize_rows_e4m3, split_index_cache
 from m3_kernels.msa_score_topk import decode_score_topk, merge_candidates
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 
@@ -86,6 +88,14 @@ LONG_DECODE_PATH = "index_topk"
 # attention) instead of 4 (+ the top-k merge launch). False: index_topk's own merge, then K2 on the
 # ids (kept for the A/B of bench_msa.py).
 INDEX_TOPK_MERGE_IN_ATTENTION = True
+# How the "index_topk" path chains its launches, per index-key format (the attention launch K2 is
+# always launched with PDL on CUDA). Score -> chunk top-k: "off" (a plain launch after the scores),
+# "exit" (the chunk top-k launched with PDL; let in as the score programs exit), "start" (the score
+# programs trigger it at their start, so its programs can be resident and waiting); "+k2": the chunk
+# top-k programs trigger K2 at their start (else K2 is let in as they exit). bench_msa.py times
+# every mode in one run (docs/benchmarks.md).
+INDEX_TOPK_PDL = {"bf16": "start+k2", "fp8": "exit", "fp8q": "exit+k2"}
+INDEX_TOPK_PDL_MODES = ("off", "off+k2", "exit", "exit+k2", "start", "start+k2")
 
 
 @triton.jit
@@ -816,9 +826,12 @@ def msa_decode(
     n_cand = next_pow2(triton.cdiv(nbp, chunk)) * next_pow2(topk)  # K2's NCAND for these chunk lists
     if INDEX_TOPK_MERGE_IN_ATTENTION and n_cand <= msa_score_topk.MAX_MERGE_CANDIDATES:
         # scores, chunk winners; their merge in K2's prologue (wider tables: index_topk's merge launch)
-        scores = index_block_scores(iq[:td], index_cache_l, dmeta)
+        chain, _, k2 = (INDEX_TOPK_PDL[index_format(index_cache_l)] if pdl else "off").partition("+")
+        scores = index_block_scores(iq[:td], index_cache_l, dmeta, pdl=chain == "start")
         ps = k_cache_l.shape[2]
-        cands = topk_chunk_keys(scores, dmeta, topk, ps, init_blocks, local_blocks, chunk)
+        cands = topk_chunk_keys(
+            scores, dmeta, topk, ps, init_blocks, local_blocks, chunk, pdl=chain != "off", trigger=k2 == "k2"
+        )
         return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, cands=cands, ids_out=ids_out, pdl=pdl)
     ids = index_topk(iq[:td], index_cache_l, dmeta, topk, init_blocks, local_blocks)
     if ids_out is not None:

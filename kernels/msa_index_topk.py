@@ -192,6 +192,7 @@ def _index_scores_kernel(
     NSUB: tl.constexpr = 1,
     TMA: tl.constexpr = False,
     PV: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks.
 
@@ -200,7 +201,11 @@ def _index_scores_kernel(
     TMA (decode launches on CUDA): ik_ptr is a tensor descriptor of the keys (``_block_max``).
     PV (decode, a power of two >= blocks_per_split, or 0): the split's page ids are loaded as one
     [PV] vector before the block loop.
+    PDL (decode on CUDA): let the next launch (the chunk top-k, launched with PDL) be scheduled now;
+    it waits for this grid's stores in griddepcontrol.wait.
     """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = row_offset + pid // n_qtiles
@@ -359,6 +364,8 @@ def _topk_chunk_kernel(
     KP: tl.constexpr,
     FINAL: tl.constexpr,
     NET: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = False,
 ):
     """Top-k keys of one chunk of one (token, head) row; FINAL (one chunk): write block ids. NET:
     ``tl.topk`` (needs KP <= CHUNK) instead of K rounds of max-and-remove; the same keys, in order.
@@ -369,6 +376,10 @@ def _topk_chunk_kernel(
     t = rid // G
     g = rid % G
     p = tl.load(pos_ptr + t)
+    if PDL_TRIGGER:  # let the (PDL-launched) attention launch be scheduled now
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL_WAIT:  # launched with PDL while the score launch ran: wait for the scores
+        tl.extra.cuda.gdc_wait()
     n_cand = p // PS + 1
     b = chunk * CHUNK + tl.arange(0, CHUNK)
     cand = b < n_cand
@@ -649,6 +660,7 @@ def _score_launch(
         NSUB=cfg.get("nsub", 1),
         TMA=bool(cfg.get("tma")),
         PV=next_pow2(per_split) if cfg.get("tma") and per_split <= DECODE_PAGE_VECTOR_MAX else 0,
+        PDL=bool(cfg.get("pdl")),
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
         num_stages=1 if ieee else cfg.get("num_stages", 3),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
@@ -698,14 +710,16 @@ def decode_score_config(iq: torch.Tensor, index_cache_l) -> dict:
 
 
 def index_block_scores(
-    iq: torch.Tensor, index_cache_l, meta: PagedMetadata, prefill_config: dict | None = None
+    iq: torch.Tensor, index_cache_l, meta: PagedMetadata, prefill_config: dict | None = None, *, pdl: bool = False
 ) -> torch.Tensor:
     """[T, G, NBP] fp32 block-max index scores (spec §3.4); entries past a token's causal blocks are garbage.
 
     Entry [t, g, b] for b <= pos(t) // ps: max over block b's causal keys of <iq[t, g], ik[u]>,
     NaN -> -1e30; for an ``FP8IndexCache`` ik[u] is the dequantized key (and iq[t, g] the
     dequantized query when it quantizes queries). prefill_config: benchmark knobs of the prefill
-    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``).
+    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``). pdl (CUDA decode
+    launches only): the decode score programs trigger the next launch at their start, for a
+    ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent launch; no effect otherwise).
     """
     t, g, di = iq.shape
     nbp = meta.block_tables.shape[1]
@@ -718,6 +732,8 @@ def index_block_scores(
         # Split-K over blocks (fixed by shape): on CUDA the format's DECODE_SCORE_CONFIGS program count,
         # elsewhere ~1024 programs in all with >= 8 blocks each.
         dcfg = decode_score_config(iq, index_cache_l)
+        if dcfg and pdl:
+            dcfg["pdl"] = True
         if dcfg:
             splits = max(1, min(nbp, dcfg["programs"] // nd))
         else:
@@ -825,6 +841,9 @@ def topk_chunk_keys(
     init_blocks: int = 0,
     local_blocks: int = 1,
     chunk: int | None = None,
+    *,
+    pdl: bool = False,
+    trigger: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """The split-K stage of ``select_topk_blocks``: each chunk of ``chunk`` blocks of a (token, head)
     row keeps its own top keys (int64 selection keys: score bits << 32 | _ID_BIAS - id, forced
@@ -834,7 +853,9 @@ def topk_chunk_keys(
     <= next_pow2(NBP); default ``topk_chunk_size``). Returns (keys [T, G, NCH, KP] int64, chunk),
     KP = next_pow2(topk): each list holds the chunk's top ``topk`` keys first. The row's top-k is
     the top-k of its NCH x KP keys (``_topk_merge_kernel``, or the attention kernel's prologue:
-    ``msa_fused_decode.decode_select_attend(cands=...)``).
+    ``msa_fused_decode.decode_select_attend(cands=...)``). pdl (CUDA): launched with programmatic
+    dependent launch after the score launch; its programs wait for the scores in griddepcontrol.wait.
+    trigger (CUDA): its programs let a PDL-launched next kernel be scheduled at their start.
     """
     t, g, nbp = scores.shape
     chunk = chunk or topk_chunk_size(t * g, nbp)
@@ -860,7 +881,10 @@ def topk_chunk_keys(
         KP=kp,
         FINAL=False,
         NET=TOPK_NETWORK and 2 <= kp <= chunk,
+        PDL_WAIT=pdl,
+        PDL_TRIGGER=trigger,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return keys, chunk
 

@@ -320,6 +320,20 @@ def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=Non
                     finally:
                         msa_fused_decode.INDEX_TOPK_MERGE_IN_ATTENTION = True
                     parts += f"; step with the top-k merge as its own launch (before): {p_ml * 1e3:.1f} us"
+                    chain = msa_fused_decode.INDEX_TOPK_PDL
+                    keep, chain_ms = chain[var], {}
+                    try:  # A/B/C: how the chunk top-k launch is chained to the score launch
+                        want, same = step(), True
+                        for _ in range(2):  # two rounds: the spread between them is the noise
+                            for mode in msa_fused_decode.INDEX_TOPK_PDL_MODES:
+                                chain[var] = mode
+                                chain_ms.setdefault(mode, []).append(graph_ms(step))
+                                same = same and torch.equal(step(), want)
+                    finally:
+                        chain[var] = keep
+                    parts += "; launch chaining (default " + keep + "; two rounds): "
+                    parts += ", ".join(f"{m} {'/'.join(f'{x * 1e3:.1f}' for x in ms)} us" for m, ms in chain_ms.items())
+                    parts += f" (outputs bitwise equal: {same})"
             nbytes = s * index_bytes_per_token(var) + G * min(K, -(-s // PS)) * PS * D * 2 * ELT
             r = dict(
                 ctx=s,

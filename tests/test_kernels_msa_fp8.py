@@ -176,6 +176,19 @@ def test_fp8_cache_rejects_wrong_scale_dtype():
         mi.index_topk(b.iq, bad, b.meta, K)
 
 
+def test_index_format_names_each_cache_kind():
+    """The per-format launch tables (decode score configs, launch chaining) are keyed by index_format."""
+    from m3_kernels import msa_fused_decode, msa_index_topk
+    from m3_kernels.msa_fp8 import index_format
+
+    b, cache = _fp8_batch([(40, 1)], 1, False)
+    got = [index_format(b.ik), index_format(cache), index_format(FP8IndexCache(cache.keys, cache.scales, True))]
+    assert got == ["bf16", "fp8", "fp8q"]
+    for fmt in got:
+        assert fmt in msa_index_topk.DECODE_SCORE_CONFIGS
+        assert msa_fused_decode.INDEX_TOPK_PDL[fmt] in msa_fused_decode.INDEX_TOPK_PDL_MODES
+
+
 def test_engine_with_fp8_index_keys_on_cpu():
     # The engine's page pool with FP8 index keys (PyTorch write path + reference ops on CPU): page bytes,
     # layer views, fork copies and the scored logprobs: equal to the bf16-cache engine while every block
