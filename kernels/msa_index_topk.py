@@ -855,7 +855,8 @@ def topk_chunk_keys(
     the top-k of its NCH x KP keys (``_topk_merge_kernel``, or the attention kernel's prologue:
     ``msa_fused_decode.decode_select_attend(cands=...)``). pdl (CUDA): launched with programmatic
     dependent launch after the score launch; its programs wait for the scores in griddepcontrol.wait.
-    trigger (CUDA): its programs let a PDL-launched next kernel be scheduled at their start.
+    trigger (CUDA): its programs let a PDL-launched next kernel be scheduled at their start. Both
+    are ignored off CUDA (the interpreter has no launch dependencies).
     """
     t, g, nbp = scores.shape
     chunk = chunk or topk_chunk_size(t * g, nbp)
@@ -864,6 +865,7 @@ def topk_chunk_keys(
     keys = torch.empty(t, g, n_chunks, kp, dtype=torch.int64, device=scores.device)  # chunk winners
     if t == 0:
         return keys, chunk
+    pdl, trigger = pdl and scores.is_cuda, trigger and scores.is_cuda  # PDL is a CUDA launch attribute
     _topk_chunk_kernel[(t * g, n_chunks)](
         scores,
         meta.positions,

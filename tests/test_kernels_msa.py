@@ -166,6 +166,17 @@ def test_index_topk_prefill_score_variants(monkeypatch):
     assert torch.equal(mi.select_topk_blocks(scores, b.meta, K, PS, rows_per_program=4), want)
 
 
+def test_chunk_top_k_pdl_flags_are_ignored_off_cuda():
+    """topk_chunk_keys' launch-chaining flags (CUDA-only programmatic dependent launch) change
+    nothing on the CPU: the interpreter would fail on griddepcontrol, so they must be dropped there."""
+    b = _batch(([(90, 1), (40, 1)], 2), torch.float32, seed=4)
+    scores = mi.index_block_scores(b.iq, b.ik, b.meta)
+    plain, chunk = mi.topk_chunk_keys(scores, b.meta, K, PS, chunk=2)
+    chained, _ = mi.topk_chunk_keys(scores, b.meta, K, PS, chunk=2, pdl=True, trigger=True)
+    assert chunk == 2 and plain.shape[2] == scores.shape[2] // 2
+    assert torch.equal(plain, chained)
+
+
 def _select_from_scores(scores, positions, k, init_blocks, local_blocks):
     """Plain-Python selection from a score table (spec §3.4 order): forced blocks by id, then score desc, ties
     to the lower id, NaN as -1e30, -1 padding."""
