@@ -72,7 +72,7 @@ LOG2E = 1.4426950408889634
 MAX_FUSED_BLOCKS = 256  # widest block table whose scores are ranked in the attention kernel (32K tokens)
 MAX_TOPK = 64
 RANK_CHUNK = 32  # candidates compared per step of the in-register ranking
-PDL = True  # chain the two decode launches with programmatic dependent launch on CUDA (~1 us less at 8K)
+PDL = True  # chain the decode launches with programmatic dependent launch on CUDA (~1 us less at 8K); False: none
 # Block tables at least this wide take the "score_topk" path (fused score + partial top-k, merge in K2);
 # narrower ones the "rank" path (scores, in-register rank in K2; H200 8K: 12.5 us per step). The rank
 # path needs <= MAX_FUSED_BLOCKS pages. bench_msa.py times both paths at every decode context: the
@@ -96,6 +96,17 @@ INDEX_TOPK_MERGE_IN_ATTENTION = True
 # every mode in one run (docs/benchmarks.md).
 INDEX_TOPK_PDL = {"bf16": "start+k2", "fp8": "exit", "fp8q": "exit+k2"}
 INDEX_TOPK_PDL_MODES = ("off", "off+k2", "exit", "exit+k2", "start", "start+k2")
+
+
+def index_topk_chain(fmt: str) -> tuple[str, bool]:
+    """(score -> chunk top-k chaining: "off" | "exit" | "start", whether the chunk top-k triggers K2
+    at its start) of index-key format ``fmt`` from ``INDEX_TOPK_PDL``. Raises ValueError naming the
+    format and the allowed modes for a missing or unknown entry."""
+    mode = INDEX_TOPK_PDL.get(fmt)
+    if mode not in INDEX_TOPK_PDL_MODES:
+        raise ValueError(f"msa decode: INDEX_TOPK_PDL[{fmt!r}] = {mode!r}; set it to one of {INDEX_TOPK_PDL_MODES}")
+    chain, _, k2 = mode.partition("+")
+    return chain, k2 == "k2"
 
 
 @triton.jit
@@ -826,11 +837,11 @@ def msa_decode(
     n_cand = next_pow2(triton.cdiv(nbp, chunk)) * next_pow2(topk)  # K2's NCAND for these chunk lists
     if INDEX_TOPK_MERGE_IN_ATTENTION and n_cand <= msa_score_topk.MAX_MERGE_CANDIDATES:
         # scores, chunk winners; their merge in K2's prologue (wider tables: index_topk's merge launch)
-        chain, _, k2 = (INDEX_TOPK_PDL[index_format(index_cache_l)] if pdl else "off").partition("+")
+        chain, k2 = index_topk_chain(index_format(index_cache_l)) if pdl else ("off", False)
         scores = index_block_scores(iq[:td], index_cache_l, dmeta, pdl=chain == "start")
         ps = k_cache_l.shape[2]
         cands = topk_chunk_keys(
-            scores, dmeta, topk, ps, init_blocks, local_blocks, chunk, pdl=chain != "off", trigger=k2 == "k2"
+            scores, dmeta, topk, ps, init_blocks, local_blocks, chunk, pdl=chain != "off", trigger=k2
         )
         return decode_select_attend(q, k_cache_l, v_cache_l, meta, scale, topk, cands=cands, ids_out=ids_out, pdl=pdl)
     ids = index_topk(iq[:td], index_cache_l, dmeta, topk, init_blocks, local_blocks)

@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from m3_kernels.msa_checks import check_pow2_dim, next_pow2
-from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
+from m3_kernels.msa_fp8 import index_dot, index_format, quantize_rows_e4m3, split_index_cache
 from m3_kernels.paged_layout import PagedMetadata
 
 # Sentinel key: below every real key (the key of a -inf score is > INT64_MIN).
@@ -700,10 +700,10 @@ def decode_score_config(iq: torch.Tensor, index_cache_l) -> dict:
     """Launch knobs of the decode score launch: on CUDA with fp16/bf16 queries and keys that pass
     ``tma_keys_ok``, TMA plus the format's ``DECODE_SCORE_CONFIGS`` entry (programs, num_warps,
     num_stages); otherwise {} (the pointer loads and the default split)."""
-    keys, kscales, qfp8 = split_index_cache(index_cache_l)
+    keys, _, _ = split_index_cache(index_cache_l)
     if not (iq.is_cuda and DECODE_SCORE_TMA and iq.dtype != torch.float32 and tma_keys_ok(keys)):
         return {}
-    programs, warps, stages = DECODE_SCORE_CONFIGS["bf16" if kscales is None else "fp8q" if qfp8 else "fp8"]
+    programs, warps, stages = DECODE_SCORE_CONFIGS[index_format(index_cache_l)]
     page_bytes = keys.shape[1] * keys.shape[2] * keys.element_size()
     stages = max(2, min(stages, DECODE_SCORE_SMEM // page_bytes))  # pages larger than M3's 32 KB: fewer stages
     return {"tma": True, "programs": programs, "num_warps": warps, "num_stages": stages}
@@ -717,9 +717,10 @@ def index_block_scores(
     Entry [t, g, b] for b <= pos(t) // ps: max over block b's causal keys of <iq[t, g], ik[u]>,
     NaN -> -1e30; for an ``FP8IndexCache`` ik[u] is the dequantized key (and iq[t, g] the
     dequantized query when it quantizes queries). prefill_config: benchmark knobs of the prefill
-    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``). pdl (CUDA decode
-    launches only): the decode score programs trigger the next launch at their start, for a
-    ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent launch; no effect otherwise).
+    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``). pdl (decode launches
+    with a TMA config, ``decode_score_config``, only): the decode score programs trigger the next
+    launch at their start, for a ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent
+    launch; otherwise no effect: that launch is then let in as the score programs exit).
     """
     t, g, di = iq.shape
     nbp = meta.block_tables.shape[1]

@@ -334,18 +334,17 @@ def decode_bench(ctxs, rows_out, variants=("bf16",), decode_path=None, sweep=Non
                     parts += "; launch chaining (default " + keep + "; two rounds): "
                     parts += ", ".join(f"{m} {'/'.join(f'{x * 1e3:.1f}' for x in ms)} us" for m, ms in chain_ms.items())
                     parts += f" (outputs bitwise equal: {same})"
-                    keep_c, chunk_ms = msa_index_topk.TOPK_CHUNK, {}
+                    keep_c, chunk_ms, same_c = msa_index_topk.TOPK_CHUNK, {}, True
                     try:  # A/B: blocks per chunk top-k program (K2 then merges nbp / chunk lists)
                         for c in (128, 256, 512, 1024):
                             msa_index_topk.TOPK_CHUNK = c
                             chunk_ms[c] = graph_ms(step)
-                            same_c = torch.equal(step(), want)
-                            same = same and same_c
+                            same_c = same_c and torch.equal(step(), want)
                     finally:
                         msa_index_topk.TOPK_CHUNK = keep_c
                     parts += f"; chunk top-k width (default {keep_c}): "
                     parts += ", ".join(f"{c} {ms * 1e3:.1f} us" for c, ms in chunk_ms.items())
-                    parts += f" (outputs bitwise equal: {same})"
+                    parts += f" (outputs bitwise equal: {same_c})"
             nbytes = s * index_bytes_per_token(var) + G * min(K, -(-s // PS)) * PS * D * 2 * ELT
             r = dict(
                 ctx=s,

@@ -186,7 +186,15 @@ def test_index_format_names_each_cache_kind():
     assert got == ["bf16", "fp8", "fp8q"]
     for fmt in got:
         assert fmt in msa_index_topk.DECODE_SCORE_CONFIGS
-        assert msa_fused_decode.INDEX_TOPK_PDL[fmt] in msa_fused_decode.INDEX_TOPK_PDL_MODES
+        chain, k2 = msa_fused_decode.index_topk_chain(fmt)
+        assert (f"{chain}+k2" if k2 else chain) == msa_fused_decode.INDEX_TOPK_PDL[fmt]
+    with pytest.raises(ValueError, match=r"INDEX_TOPK_PDL\['fp9'\] = None; set it to one of"):
+        msa_fused_decode.index_topk_chain("fp9")
+    table = dict(msa_fused_decode.INDEX_TOPK_PDL, bf16="start+K2")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(msa_fused_decode, "INDEX_TOPK_PDL", table)
+        with pytest.raises(ValueError, match=r"INDEX_TOPK_PDL\['bf16'\] = 'start\+K2'"):
+            msa_fused_decode.index_topk_chain("bf16")
 
 
 def test_engine_with_fp8_index_keys_on_cpu():

@@ -353,33 +353,44 @@ def test_index_topk_route_pdl_chaining_modes_give_the_same_bits(ctx, monkeypatch
     """Every launch chaining of the long-context decode route (``INDEX_TOPK_PDL_MODES``: the chunk
     top-k as a plain or PDL launch after the scores, the scores / chunk top-k triggering their
     dependents at their start or not) writes the same selection and output as the plain launches,
-    eager and replayed from a CUDA graph, for each index-key format. A chunk top-k or attention launch
-    that read its input before the previous launch's stores were visible would differ here."""
+    eager and replayed from a CUDA graph, for each index-key format. The index queries alternate
+    between two sets in one static buffer, so the scratch the launches reuse holds the OTHER set's
+    scores / chunk keys when a call starts: a chunk top-k or attention launch that read its input
+    before its producer's stores were visible would return the other set's selection here."""
     from m3_kernels.paged_layout import FP8IndexCache, quantize_index_keys
 
     b = _batch(([(ctx - 1, 1), (3000, 1)], 2), torch.bfloat16, seed=9)
     assert msa_fused_decode.select_decode_path(b.meta.block_tables.shape[1]) == "index_topk"
+    iq_sets = (b.iq.clone(), torch.randn_like(b.iq))
+    iq = b.iq  # the static input every call reads
     for fmt in ("bf16", "fp8", "fp8q"):
         cache = b.ik if fmt == "bf16" else FP8IndexCache(*quantize_index_keys(b.ik), fmt == "fp8q")
-        want = None
+        ids = torch.full((2, G, K), -7, dtype=torch.int32, device="cuda")
+        want = []
+        monkeypatch.setitem(msa_fused_decode.INDEX_TOPK_PDL, fmt, "off")  # no PDL edge before K2's own
+        for one in iq_sets:
+            iq.copy_(one)
+            out = msa_fused_decode.msa_decode(b.q, iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
+            want.append((ids.clone(), out.clone()))
+        assert not torch.equal(want[0][0], want[1][0])  # the two sets select differently
         for mode in msa_fused_decode.INDEX_TOPK_PDL_MODES:
             monkeypatch.setitem(msa_fused_decode.INDEX_TOPK_PDL, fmt, mode)
-            ids = torch.full((2, G, K), -7, dtype=torch.int32, device="cuda")
-            out = msa_fused_decode.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
-            if want is None:  # "off": no PDL edge before the attention launch's own
-                want = (ids.clone(), out.clone())
-            assert torch.equal(ids, want[0]), (fmt, mode)
-            assert torch.equal(out, want[1]), (fmt, mode)
-            ids.fill_(-7)
+            for i in (0, 1, 0, 1):
+                iq.copy_(iq_sets[i])
+                ids.fill_(-7)
+                out = msa_fused_decode.msa_decode(b.q, iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
+                assert torch.equal(ids, want[i][0]), (fmt, mode, i)
+                assert torch.equal(out, want[i][1]), (fmt, mode, i)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                g_out = msa_fused_decode.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
-            for _ in range(3):
+                g_out = msa_fused_decode.msa_decode(b.q, iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)
+            for i in (0, 1, 0, 1):
+                iq.copy_(iq_sets[i])
                 ids.fill_(-7)
                 graph.replay()
                 torch.cuda.synchronize()
-                assert torch.equal(ids, want[0]), (fmt, mode, "graph")
-                assert torch.equal(g_out, want[1]), (fmt, mode, "graph")
+                assert torch.equal(ids, want[i][0]), (fmt, mode, "graph", i)
+                assert torch.equal(g_out, want[i][1]), (fmt, mode, "graph", i)
 
 
 @pytest.mark.parametrize("ctx", [40_000, 1 << 20])
