@@ -69,6 +69,8 @@ CASES = [
     ("/generate", {"input_ids": []}, "input_ids"),
     ("/generate", {"input_ids": [5], "sampling_params": {"n": 0}}, "sampling_params.n"),
     ("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"temprature": 0.5}}, "sampling_params.temprature"),
     ("/generate", {"input_ids": [5], "return_routed_experts": True}, "return_routed_experts"),
     ("/generate", {"input_ids": [5], "return_block_selection": True}, "return_block_selection"),
     ("/generate", {"input_ids": [5], "block_selection_from": 2}, "block_selection_from"),

@@ -52,6 +52,7 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    GenerateSamplingParams,
     InitWeightSyncRequest,
     PauseRequest,
     TokenizeRequest,
@@ -176,7 +177,9 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             )
         param = ".".join(loc) or None
         msg = f"{param}: {err['msg']}" if param else err["msg"]
-        if "input" in err and param and err["type"] != "missing":
+        if err["type"] == "extra_forbidden" and loc[:1] == ["sampling_params"]:
+            msg = f"{param}: unknown field; sampling_params takes {', '.join(GenerateSamplingParams.model_fields)}"
+        elif "input" in err and param and err["type"] != "missing":
             msg += f" (got {json.dumps(err['input'], default=str)[:100]})"
         return JSONResponse(APIError(400, msg, param).body(), 400)
 

@@ -123,7 +123,11 @@ class CompletionRequest(SamplingFields):
 
 # ---- RL extensions -----------------------------------------------------------------------------
 class GenerateSamplingParams(_Body):
-    """SGLang's ``sampling_params`` of ``/generate`` (``max_new_tokens``, ``stop``, ...)."""
+    """SGLang's ``sampling_params`` of ``/generate`` (``max_new_tokens``, ``stop``, ...). Unknown keys
+    are refused (400 naming the key): a misspelled or OpenAI-named field (``max_tokens``) would
+    otherwise be ignored silently."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
