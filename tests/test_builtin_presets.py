@@ -43,10 +43,10 @@ def test_gpu_preset_shape():
     assert spec.warm_start.max_seconds <= 300 and spec.eval_max_turns == 4
 
 
-def test_gpu_preset_pipeline_builds_on_cpu(tmp_path):
-    # The m3-gpu-small build (full template, multi-step task, 4-turn held-out rollouts) at CPU size:
-    # two SFT steps towards an unreachable window, so it stops at max_steps.
-    spec = dataclasses.replace(
+def _cpu_sized_gpu_spec() -> builtin.TinyCheckpointSpec:
+    """The m3-gpu-small build (full template, multi-step task, 4-turn held-out rollouts) at CPU size:
+    two SFT steps towards an unreachable window, so it stops at max_steps."""
+    return dataclasses.replace(
         builtin.gpu_small_spec(),
         model_overrides={
             "hidden_size": 64,
@@ -64,6 +64,10 @@ def test_gpu_preset_pipeline_builds_on_cpu(tmp_path):
         eval_max_new_tokens=8,
         device="cpu",
     )
+
+
+def test_gpu_preset_pipeline_builds_on_cpu(tmp_path):
+    spec = _cpu_sized_gpu_spec()
     report = builtin.build_checkpoint(spec, tmp_path / "ckpt", progress=False)
     assert report["warm_start_steps"] <= 2 and not report["in_window"]
     assert [s for s, _ in report["history"]] == [0, 1, 2]
@@ -72,6 +76,30 @@ def test_gpu_preset_pipeline_builds_on_cpu(tmp_path):
     model = load_checkpoint(tmp_path / "ckpt", dtype=torch.float32)
     assert model.config.sparse_block_size == 64
     assert "<thinking_instructions>" in (tmp_path / "ckpt" / "chat_template.jinja").read_text()
+
+
+def test_build_progress_prints_the_step_0_evaluation_and_has_a_total(tmp_path, capsys, monkeypatch):
+    # The build announces that step 0 evaluates the untrained model: that evaluation gets its line
+    # (it had none; the first line came at the first SFT evaluation), and the bar has a total (ETA).
+    totals = []
+    real_tqdm = builtin.tqdm
+
+    def recording_tqdm(*args, **kw):
+        totals.append(kw.get("total"))
+        return real_tqdm(*args, **kw)
+
+    monkeypatch.setattr(builtin, "tqdm", recording_tqdm)
+    spec = _cpu_sized_gpu_spec()
+    report = builtin.build_checkpoint(spec, tmp_path / "ckpt", progress=True)
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "step 0 first evaluates the untrained model" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("warm start: step ")]
+    assert [ln.split(",")[0] for ln in lines[1:]] == ["warm start: step 0", "warm start: step 1", "warm start: step 2"]
+    acc = dict(report["history"])
+    assert lines[1].startswith(f"warm start: step 0, untrained model, held-out accuracy {acc[0]:.3f}, ")
+    assert f"held-out accuracy {acc[2]:.3f}" in lines[3] and "loss " in lines[3]
+    assert totals == [2]  # min(expected_steps, max_steps) of this spec
 
 
 def test_gpu_config_matches_the_preset():

@@ -155,6 +155,28 @@ def test_config_errors_found_when_building_exit_2_naming_the_key(cache, capsys, 
     assert err.startswith("error: ") and key in err and "Traceback" not in err
 
 
+def test_ctrl_c_during_a_builtin_build_exits_130_with_one_line(cache, capsys, monkeypatch):
+    # KeyboardInterrupt where the build begins (training its tokenizer), as a Ctrl-C would raise it.
+    from m3_rollout.jobs import builtin
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builtin, "train_tokenizer", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache))
+    assert exc.value.code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("interrupted:")]
+    assert line == (
+        "interrupted: the build of builtin:tiny-random stopped (Ctrl-C) and nothing of it was kept; "
+        "rerunning starts the build again from the beginning"
+    )
+    cache_dir = cache / "cache"
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())  # no partial checkpoint left behind
+
+
 def test_overlong_filtering_token_counts_agree_with_the_batch(cache):
     # Random weights rarely sample eos within 24 tokens: most trajectories are cut ("length").
     summary = grpo.main(_args(cache, "grpo.max_num_steps=1", "grpo.overlong_filtering=true"))

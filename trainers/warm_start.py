@@ -117,7 +117,7 @@ def warm_start(
     evaluate: Callable[[M3ForCausalLM], float],
     cfg: WarmStartConfig,
     exclude: set[str] | frozenset = frozenset(),
-    progress: Callable[[int, float | None, float], None] | None = None,
+    progress: Callable[[int, float | None, float | None], None] | None = None,
 ) -> WarmStartResult:
     """Fine-tune ``model`` in place until ``evaluate(model)`` lands in the target window.
 
@@ -130,7 +130,9 @@ def warm_start(
         task: the record generator (``ArithmeticTask`` or ``MultiStepArithmeticTask``).
         evaluate: returns sampled success in [0, 1] on the held-out prompts.
         exclude: held-out user texts never used as demonstrations.
-        progress: called as progress(step, accuracy or None, loss).
+        progress: called as progress(step, accuracy or None, loss or None): once after the
+            evaluation of the untrained model (step 0, loss None), after every SFT step (accuracy
+            None) and after every later evaluation.
 
     Returns:
         :class:`WarmStartResult`; ``in_window`` False if the step/time budget ran out first (the
@@ -201,6 +203,8 @@ def warm_start(
     try:
         acc = timed_eval()
         history.append((0, acc))
+        if progress:
+            progress(0, acc, None)
         best = (abs(acc - (cfg.target_low + cfg.target_high) / 2), 0, snapshot(), acc)
         below = (0, snapshot())  # last snapshot known to be below the window
         eval_every, step = cfg.eval_every, 0

@@ -72,6 +72,10 @@ class TinyCheckpointSpec:
         eval_max_turns / eval_max_total_len / eval_max_new_tokens: the warm start's held-out
             rollouts (model turns incl. tool calls, tokens per trajectory, tokens per turn).
         device: what the warm start trains on ("cpu", "cuda", ...); set by :func:`resolve_model`.
+        expected_steps: the progress bar's total, so it shows an ETA: about the highest SFT step a
+            build of this spec reaches (measured builds; the build itself stops when the held-out
+            accuracy enters its window, wherever that is). An estimate for display only, so not
+            part of the cache key.
     """
 
     model_overrides: dict = field(default_factory=lambda: {"sparse_local_block": 2, "max_position_embeddings": 512})
@@ -90,12 +94,15 @@ class TinyCheckpointSpec:
     eval_max_total_len: int = 192
     eval_max_new_tokens: int = 48
     device: str = "cpu"
+    # tiny-calculator on the CPU: its 262-step build evaluated up to step 300 (README).
+    expected_steps: int = 300
 
     def key(self) -> str:
         """16 hex digits of the spec's hash. Fields added after builder version 1 (``LATER_FIELDS``)
         count only when they differ from their default, so checkpoints built before they existed
         keep their key; the warm start's ``max_seconds`` counts as ``KEY_MAX_SECONDS``."""
         spec = dataclasses.asdict(self)
+        del spec["expected_steps"]  # the progress bar's estimate, not what is built
         for f in dataclasses.fields(self):
             if f.name in LATER_FIELDS and spec[f.name] == f.default:
                 del spec[f.name]
@@ -181,6 +188,7 @@ def gpu_small_spec() -> TinyCheckpointSpec:
         eval_max_turns=4,
         eval_max_total_len=512,
         eval_max_new_tokens=48,
+        expected_steps=600,  # H200 builds: 427-750 SFT steps
     )
 
 
@@ -240,6 +248,8 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
     Raises:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
         ValueError: an unknown ``builtin:`` name.
+        SystemExit(130): Ctrl-C during a build, after a one-line message on stderr (no traceback;
+            nothing of the build is kept).
     """
     spec = check_model_name(model_name, device)
     if spec is None:
@@ -249,7 +259,19 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
     if (out / "build_report.json").is_file():
         info = {"built": False, "key": spec.key(), **json.loads((out / "build_report.json").read_text())}
     else:
-        info = {"built": True, "key": spec.key(), **build_checkpoint(spec, out, progress=progress)}
+        try:
+            report = build_checkpoint(spec, out, progress=progress)
+        except KeyboardInterrupt:
+            # Nothing of a build is kept until it is complete (build_checkpoint writes a temporary
+            # directory at the end), so the next run starts it again.
+            print(
+                f"interrupted: the build of {model_name} stopped (Ctrl-C) and nothing of it was kept; "
+                "rerunning starts the build again from the beginning",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(130) from None
+        info = {"built": True, "key": spec.key(), **report}
     warning = warm_start_warning(out, info)
     if warning:
         print(warning, file=sys.stderr)
@@ -379,29 +401,38 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             return sum(t.reward for t in trajs) / len(trajs)
 
         ws = spec.warm_start
+        # The total is an estimate (the build stops when the accuracy enters the window), so the
+        # bar shows an ETA; a build that runs past it extends it to its next evaluation. bar.n is
+        # set, never updated, so tqdm's rate is steps / elapsed: evaluation time included.
         bar = tqdm(
-            total=None,
+            total=min(spec.expected_steps, ws.max_steps),
             desc=f"building M3 on {device.type} (SFT warm start to held-out accuracy in "
             f"[{ws.target_low}, {ws.target_high}])",
             disable=not progress,
             unit="step",
         )
 
-        def on_progress(step: int, acc: float | None, loss: float) -> None:
+        def on_progress(step: int, acc: float | None, loss: float | None) -> None:
+            if step > bar.total:
+                bar.total = min(ws.max_steps, -(-step // ws.eval_every) * ws.eval_every)
             bar.n = step
-            post = {"loss": f"{loss:.3f}", **({"heldout_acc": f"{acc:.3f}"} if acc is not None else {})}
+            post = {
+                **({"loss": f"{loss:.3f}"} if loss is not None else {}),
+                **({"heldout_acc": f"{acc:.3f}"} if acc is not None else {}),
+            }
             bar.set_postfix(post, refresh=False)
             bar.refresh()  # one redraw per step (set_postfix would draw a second: two lines each in a log)
             if acc is not None and progress:  # one line per evaluation: the curve survives in a log file
+                what = "untrained model" if loss is None else f"loss {loss:.3f}"
                 bar.write(
-                    f"warm start: step {step}, loss {loss:.3f}, held-out accuracy {acc:.3f}, "
-                    f"{bar.format_dict['elapsed']:.0f} s"
+                    f"warm start: step {step}, {what}, held-out accuracy {acc:.3f}, {bar.format_dict['elapsed']:.0f} s"
                 )
 
         if progress:
             bar.write(
                 f"warm start: step 0 first evaluates the untrained model on {spec.num_val} held-out prompts "
-                "(minutes on a loaded CPU), then SFT steps; one line per evaluation"
+                f"(minutes on a loaded CPU), then SFT steps, about {bar.total} expected (the bar's total, an "
+                "estimate: the build stops when the accuracy enters the window); one line per evaluation"
             )
         try:
             result = warm_start(model, chat, task, env, evaluate, ws, exclude=exclude, progress=on_progress)
