@@ -155,6 +155,16 @@ def test_config_errors_found_when_building_exit_2_naming_the_key(cache, capsys, 
     assert err.startswith("error: ") and key in err and "Traceback" not in err
 
 
+def test_a_missing_model_path_exits_2_saying_it_does_not_exist(cache, capsys):
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, f"policy.model_name={cache}/nonexistent"))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    missing = f"{cache}/nonexistent"
+    assert err.startswith(f"error: policy.model_name='{missing}': {missing} does not exist; ")
+    assert "builtin:tiny-calculator" in err and "config.json" in err and "Traceback" not in err
+
+
 def test_ctrl_c_during_a_builtin_build_exits_130_with_one_line(cache, capsys, monkeypatch):
     # KeyboardInterrupt where the build begins (training its tokenizer), as a Ctrl-C would raise it.
     from m3_rollout.jobs import builtin

@@ -67,11 +67,21 @@ def test_cli_rejects_unknown_key(cache, capsys):
     assert "grpo.no_such_key" in capsys.readouterr().err
 
 
-def test_unknown_model_names():
+def test_unknown_model_names(tmp_path):
     with pytest.raises(ValueError, match="builtin:tiny-calculator"):
         builtin.resolve_model("builtin:nope")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    accepted = "give a checkpoint directory (one holding config.json) or one of builtin:tiny-calculator, "
+    # A path that does not exist says so (it used to say "no config.json there").
+    with pytest.raises(FileNotFoundError) as exc:
         builtin.resolve_model("/nonexistent/dir")
+    assert str(exc.value).startswith("/nonexistent/dir does not exist; " + accepted)
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError) as exc:
+        builtin.resolve_model(str(tmp_path / "weights.bin"))
+    assert str(exc.value).startswith(f"{tmp_path / 'weights.bin'} is a file, not a checkpoint directory; {accepted}")
+    with pytest.raises(FileNotFoundError) as exc:
+        builtin.resolve_model(str(tmp_path))
+    assert str(exc.value).startswith(f"{tmp_path}: the directory has no config.json; {accepted}")
 
 
 def test_spec_key_changes_with_spec():

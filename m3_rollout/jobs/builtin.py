@@ -227,11 +227,17 @@ def check_model_name(model_name: str, device: str | None = None) -> TinyCheckpoi
     """
     if model_name.startswith(BUILTIN_PREFIX):
         return builtin_spec(model_name[len(BUILTIN_PREFIX) :], device or default_device())
-    if not (Path(model_name).expanduser() / "config.json").is_file():
-        raise FileNotFoundError(
-            f"policy.model_name={model_name!r}: no config.json there; give a checkpoint "
-            f"directory or one of {[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]}"
-        )
+    path = Path(model_name).expanduser()
+    accepted = (
+        f"give a checkpoint directory (one holding config.json) or one of "
+        f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)}"
+    )
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; {accepted}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is a file, not a checkpoint directory; {accepted}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: the directory has no config.json; {accepted}")
     return None
 
 

@@ -349,7 +349,7 @@ def build_rollout_stack(cfg: MasterConfig, with_backend: bool = True, model_name
     try:
         check_model_name(name)
     except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"policy.model_name={name!r}: {exc}" if model_name is None else str(exc)) from None
     if with_backend:
         generation_device(cfg)  # before a checkpoint is built
     source = build_prompt_source(cfg)
