@@ -197,6 +197,30 @@ def test_tokenize_detokenize_and_models(engine_server, tok):
     assert [m.id for m in _client(engine_server).models.list().data] == ["tiny-m3"]
 
 
+def test_generate_without_a_seed_samples_afresh_and_a_seed_repeats(engine_server, scripted):
+    # seed omitted (or null) = a fresh random seed per request, as in vLLM: unseeded calls used to
+    # get seed 0 and repeat each other's tokens.
+    srv, backend = scripted
+    backend.requests.clear()
+    for sp in ({"max_new_tokens": 2}, {"max_new_tokens": 2, "seed": None}, {"max_new_tokens": 2, "seed": 7}):
+        r = httpx.post(srv.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": sp}, timeout=60)
+        assert r.status_code == 200, r.text
+    unseeded_a, unseeded_b, seeded = (req.params.seed for req in backend.requests)
+    assert unseeded_a != unseeded_b and 0 not in (unseeded_a, unseeded_b) and seeded == 7
+    # On the engine (random tiny model, temperature 1, near-uniform over the vocabulary): two unseeded
+    # calls draw different tokens; two calls with one seed draw the same.
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 24, "temperature": 1.0}}
+
+    def ids(b):
+        r = httpx.post(engine_server.url + "/generate", json=b, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["outputs"][0]["output_ids"]
+
+    assert ids(body) != ids(body)
+    seeded_body = {**body, "sampling_params": {**body["sampling_params"], "seed": 3}}
+    assert ids(seeded_body) == ids(seeded_body)
+
+
 # ---- scripted output: the parser path -----------------------------------------------------------
 def _turn(tok, mode, content="", calls=None, reasoning=None):
     return ChatFormat(tok, mode).assistant_ids(content, calls, reasoning)

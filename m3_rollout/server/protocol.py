@@ -136,7 +136,10 @@ class GenerateSamplingParams(_Body):
     max_new_tokens: int = Field(64, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
     stop: list[str] = Field(default_factory=list)
-    seed: int = Field(0, ge=-(2**63), lt=2**63)
+    # None (the default): a fresh random seed per request, as vLLM and the OpenAI routes here do, so
+    # unseeded calls do not repeat each other. Give a seed for reproducible tokens: the same seed,
+    # input ids, sample_index and weights give the same tokens (the sampler is keyed by them).
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     logprobs_mode: Literal["processed", "raw"] = "processed"
 
 
