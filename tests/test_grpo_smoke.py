@@ -67,6 +67,19 @@ def test_cli_rejects_unknown_key(cache, capsys):
     assert "grpo.no_such_key" in capsys.readouterr().err
 
 
+def test_help_is_a_short_usage_with_an_example(capsys):
+    # --help printed the module's developer docstring (design.md sections, internal function names).
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"], prog="python -m m3_rollout.grpo")
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m m3_rollout.grpo [--config YAML] [key=value ...]\n")
+    assert "  python -m m3_rollout.grpo --config configs/grpo_smoke.yaml grpo.max_num_steps=10\n" in out
+    assert "documented in m3_rollout/config.py" in out and "--config YAML" in out
+    assert "design.md" not in out and "train_step_on_groups" not in out
+    assert len(out.splitlines()) < 40
+
+
 def test_unknown_model_names(tmp_path):
     with pytest.raises(ValueError, match="builtin:tiny-calculator"):
         builtin.resolve_model("builtin:nope")

@@ -80,6 +80,32 @@ def evaluate(backend, chat, env, records, settings: RolloutSettings) -> dict:
     return validation_metrics(trajs, m["rollout_seconds"])
 
 
+HELP_DESCRIPTION = """\
+Train a model with GRPO: group rollouts with tool use, rewards, a policy-gradient step, the
+generator's weights updated in place, held-out accuracy at the start, every grpo.val_period steps
+and at the end. The default config trains builtin:tiny-calculator (built and cached on first use,
+minutes) on the calculator task, on CPU.
+
+Settings come from a YAML config (--config) and key=value overrides of its keys (dotted, e.g.
+grpo.max_num_steps=10; Hydra's ++key=value works too). Outputs: logger.log_dir (default
+outputs/logs: metrics.jsonl, summary.json) and checkpointing.checkpoint_dir (default
+outputs/checkpoints)."""
+
+
+def help_epilog(prog: str) -> str:
+    """The end of ``--help``: examples and where the config keys are documented."""
+    return f"""\
+examples:
+  {prog} --config configs/grpo_bf16_ep.yaml
+  {prog} --config configs/grpo_smoke.yaml grpo.max_num_steps=10
+  {prog} policy.model_name=/path/to/checkpoint logger.log_dir=runs/a/logs
+
+config keys: every key, its default and its allowed values are documented in m3_rollout/config.py
+(the schema; NeMo RL's names for shared keys are translated or refused naming ours, see
+docs/metrics.md); each config file in configs/ notes its choices. An unknown key (with a
+"did you mean") or a bad value stops the job at start with exit status 2."""
+
+
 def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
     """Command line of the GRPO job; returns the run summary. prog: the command ``--help`` names.
 
@@ -90,10 +116,22 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
         SystemExit(1): a ``TrainingError`` (every reward of a step failed; every update skipped).
     """
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog,
+        usage=f"{prog} [--config YAML] [key=value ...]",
+        description=HELP_DESCRIPTION,
+        epilog=help_epilog(prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default="configs/grpo_bf16_ep.yaml", help="YAML config")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=5")
+    parser.add_argument(
+        "--config",
+        default="configs/grpo_bf16_ep.yaml",
+        metavar="YAML",
+        help="config file (default: configs/grpo_bf16_ep.yaml, the main job); a path, or the name of a "
+        "config shipped with the package; given twice, the last one wins",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="override a config key, e.g. grpo.max_num_steps=5"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
