@@ -307,6 +307,20 @@ def test_version_1_shards_read_with_null_block_selection(tmp_path):
     assert read_dump(tmp_path, columns=["token_ids", "block_selection_index"]).table.num_rows == 3
 
 
+def test_inspect_of_a_missing_directory_says_so_and_how_dumps_are_made(tmp_path, capsys):
+    from m3_rollout.jobs.dump_cli import main as dump_main
+
+    missing = tmp_path / "rollout_dumps"
+    assert dump_main(["inspect", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"error: {missing}: dump directory does not exist. Dumps are written by the GRPO job run with "
+        "rollout_dump.enabled=true (into rollout_dump.dir, default outputs/rollout_dumps), or without "
+        "training by `python -m m3_rollout.dump generate --config CONFIG --dir DIR --steps N`\n"
+    )
+
+
 def test_bad_input_names_the_file_and_other_shards_load(tmp_path):
     with pytest.raises(DumpDirError, match="does not exist"):
         read_dump(tmp_path / "missing")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from m3_rollout.config import RolloutDumpConfig
 from m3_rollout.dump import schema as S
 
 
@@ -61,7 +62,11 @@ def shard_paths(directory: str | Path) -> list[Path]:
     """
     d = Path(directory)
     if not d.exists():
-        raise DumpDirError(f"{d}: dump directory does not exist (check rollout_dump.dir)")
+        raise DumpDirError(
+            f"{d}: dump directory does not exist. Dumps are written by the GRPO job run with "
+            f"rollout_dump.enabled=true (into rollout_dump.dir, default {RolloutDumpConfig.dir}), or without "
+            "training by `python -m m3_rollout.dump generate --config CONFIG --dir DIR --steps N`"
+        )
     if not d.is_dir():
         raise DumpDirError(f"{d}: not a directory; give the dump directory holding step_*.parquet shards")
     shards = sorted((f for f in d.iterdir() if S.SHARD_PATTERN.match(f.name)), key=lambda f: f.name)
