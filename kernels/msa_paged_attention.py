@@ -69,6 +69,10 @@ LOG2E = 1.4426950408889634
 # H200, 128K: 32K-token passes 41.1 ms (8.6 GB), 16K 42.2 ms, 8K 44.7 ms (2.1 GB)). Both constants
 # live in kernels/paged_layout.py (the engine sizes its scratch from them without importing Triton).
 KV_SEGMENT = 128  # entries per KV-major program (the page's K/V tile is loaded once per segment)
+# The segment loop's default for 16-bit inputs: entry ids gathered from registers, query rows staged
+# by the compiler's pipeliner this many deep (H200 2026-12-04, bench 128K: 41.3 / 42.4 -> 39.9 / 41.0
+# ms, same bits; 3 or 4 stages were slower: 43.5-45.3 ms). fp32 (IEEE dots) keeps the one-ahead prefetch.
+KV_SEG_PIPELINE_STAGES = 2
 
 
 @triton.jit
@@ -600,6 +604,83 @@ def _kv_seg_load_q(
 
 
 @triton.jit
+def _kv_seg_pipelined(
+    q_ptr,
+    v,
+    k,
+    perm_ptr,
+    epos_ptr,
+    opart_ptr,
+    lse_ptr,
+    qk_scale,
+    t_base,
+    topk,
+    e_lo,
+    e_hi,
+    b,
+    g,
+    h,
+    offs_m,
+    offs_d,
+    offs_o,
+    stride_qt,
+    stride_qh,
+    G: tl.constexpr,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    TOK: tl.constexpr,
+    SEG: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """``kv_seg_attn_kernel``'s entry loop with PIPELINE: the segment's ids and positions in registers."""
+    n = e_hi - e_lo
+    offs_s = tl.arange(0, SEG)
+    perm_v = tl.load(perm_ptr + e_lo + offs_s, mask=offs_s < n, other=0).to(tl.int32)  # [SEG]
+    epos_v = tl.load(epos_ptr + e_lo + offs_s, mask=offs_s < n, other=-1).to(tl.int32)
+    for c in range(0, n, TOK):
+        li = c + offs_m // RHP  # [M] segment-local entry of each row
+        m_ok = (li < n) & (h < RH)
+        lic = tl.minimum(li, SEG - 1)
+        e = tl.gather(perm_v, lic, 0)
+        qpos = tl.where(m_ok, tl.gather(epos_v, lic, 0), -1)
+        t = e // (G * topk)
+        q = tl.load(
+            q_ptr
+            + (t_base + t)[:, None].to(tl.int64) * stride_qt
+            + (g * RH + h)[:, None] * stride_qh
+            + offs_d[None, :],
+            mask=m_ok[:, None],
+            other=0.0,
+        )  # [M, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        keep = m_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp2(s - m[:, None])
+        l_i = tl.sum(p, axis=1)
+        if IEEE:
+            o = tl.dot(p, v, input_precision="ieee")
+        else:
+            o = tl.dot(p.to(v.dtype), v)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = o / l_safe[:, None]
+        lse = tl.where(l_i > 0, m + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + e * RH + h, lse, mask=m_ok)
+        tl.store(
+            opart_ptr + (e * RH + h)[:, None].to(tl.int64) * D + offs_d[None, :],
+            o.to(opart_ptr.dtype.element_ty),
+            mask=m_ok[:, None],
+        )
+
+
+@triton.jit
 def kv_seg_attn_kernel(
     q_ptr,
     k_ptr,
@@ -632,6 +713,7 @@ def kv_seg_attn_kernel(
     SEG: tl.constexpr,
     IEEE: tl.constexpr,
     PREFETCH: tl.constexpr = True,
+    PIPELINE: tl.constexpr = False,
 ):
     """One segment (up to SEG entries) of one KV-major bucket (KV head g, row, block b).
 
@@ -641,7 +723,11 @@ def kv_seg_attn_kernel(
     through it TOK at a time (TOK x RH query rows per tensor-core tile, causal cut at each token's
     position), writing per entry the block-normalised partial output opart[e, h, :] and its base-2
     log-sum-exp lse[e, h]. PREFETCH: the next tile's entry ids and query rows are loaded before
-    this tile's dots (hides the gather latency behind the tensor-core work).
+    this tile's dots (hides the gather latency behind the tensor-core work). PIPELINE (instead of
+    PREFETCH): the segment's entry ids and query positions are read as two [SEG] vectors before the
+    loop and each tile's come out of them by ``tl.gather``, so no load in the loop feeds another
+    load's address and the compiler's pipeliner stages ``num_stages - 1`` tiles of query rows ahead
+    (the same tiles and dots: the same values).
     """
     seg = tl.program_id(0)
     bkt = tl.load(seg_bkt_ptr + seg)
@@ -659,6 +745,38 @@ def kv_seg_attn_kernel(
     koff = page.to(tl.int64) * stride_kp + g * stride_kg + offs_o[:, None] * stride_ko + offs_d[None, :]
     k = tl.load(k_ptr + koff)  # [PS, D], loaded once per segment
     v = tl.load(v_ptr + koff)
+    if PIPELINE:
+        _kv_seg_pipelined(
+            q_ptr,
+            v,
+            k,
+            perm_ptr,
+            epos_ptr,
+            opart_ptr,
+            lse_ptr,
+            qk_scale,
+            t_base,
+            topk,
+            e_lo,
+            e_hi,
+            b,
+            g,
+            h,
+            offs_m,
+            offs_d,
+            offs_o,
+            stride_qt,
+            stride_qh,
+            G,
+            RH,
+            RHP,
+            D,
+            PS,
+            TOK,
+            SEG,
+            IEEE,
+        )
+        return
     if PREFETCH:  # the first tile's entries; each iteration then loads the next tile's
         ei = e_lo + offs_m // RHP
         m_ok = (ei < e_hi) & (h < RH)
@@ -833,8 +951,10 @@ def paged_attention(
     "loop" = the older per-entry loop; default by prefill token count, see KV_MAJOR_MIN_TOKENS),
     ``num_warps``, ``num_stages``, ``maxnreg``; KV-major only: ``tok`` (tokens per tile), ``seg``
     (entries per program), ``kv_chunk`` (tokens per bucketing pass, at most the scratch's
-    capacity), ``merge_warps``, ``prefetch`` (load the next tile's query rows before this tile's
-    dots; default on: H200 128K 43.5 -> 40.9 ms).
+    capacity), ``merge_warps``, ``prefetch`` (True: load the next tile's query rows before this
+    tile's dots, H200 128K 43.5 -> 40.9 ms, the fp32 default; "pipeline": the segment's entry ids
+    read once as vectors and the query rows staged by the compiler, ``KV_SEG_PIPELINE_STAGES`` deep
+    unless ``num_stages`` says, 128K -> 39.9-41.0 ms, the 16-bit default; False: neither).
     scratch: the KV-major path's partial outputs and log-sum-exps (uint8 [bytes], contiguous, on
     q's device; layout: kernels/paged_layout.py; the engine's buffer, allocated once inside its
     memory budget). Its passes then hold ``kv_major_capacity`` tokens each (however many prefill
@@ -957,6 +1077,8 @@ def check_prefill_config(cfg: dict) -> dict:
     for key, val in cfg.items():
         if key not in allowed:
             raise ValueError(f"paged_attention: unknown prefill_config key {key!r}; known: {sorted(allowed)}")
+        if key == "prefetch" and val not in (True, False, "pipeline"):
+            raise ValueError(f"paged_attention: prefill_config prefetch={val!r}; use True, False or 'pipeline'")
         if key == "impl" and val not in ("kv", "union", "loop"):
             raise ValueError(f"paged_attention: prefill_config impl={val!r}; use 'kv', 'union' or 'loop'")
         if key in _PREFILL_POW2_KNOBS and (not isinstance(val, int) or val < 1 or val & (val - 1)):
@@ -1165,6 +1287,7 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
         seg_len = cfg.get("seg", KV_SEGMENT)
+        prefetch = cfg.get("prefetch", True if ieee else "pipeline")
         # segments of up to seg_len entries per bucket; one program per segment (fixed grid: a bound)
         n_segs = (end - start + seg_len - 1) // seg_len
         seg_end = torch.cumsum(n_segs, 0)
@@ -1187,8 +1310,9 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
             lse,
             *common,
             SEG=seg_len,
-            PREFETCH=cfg.get("prefetch", True),
-            num_stages=cfg.get("num_stages", 1),
+            PREFETCH=prefetch is True,
+            PIPELINE=prefetch == "pipeline",
+            num_stages=cfg.get("num_stages", KV_SEG_PIPELINE_STAGES if prefetch == "pipeline" else 1),
             **kw,
         )
         _kv_major_merge_kernel[(tc, g)](

@@ -96,8 +96,9 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
 
 
 def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
-    """Shared bytes of the KV-major sparse-prefill segment kernel (default tile, prefetching) for ``dtype``."""
-    dt = _TT[dtype]
+    """Shared bytes of the KV-major sparse-prefill segment kernel (default tile and loop: pipelined
+    ``KV_SEG_PIPELINE_STAGES`` deep for 16-bit dtypes, the one-ahead prefetch for fp32) for ``dtype``."""
+    dt, ieee = _TT[dtype], dtype == torch.float32
     sig = {n: "i32" for n in ma.kv_seg_attn_kernel.arg_names}
     sig.update(
         q_ptr="*" + dt,
@@ -115,9 +116,10 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
         qk_scale="fp32",
     )
     consts = dict(
-        G=4, RH=16, RHP=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, IEEE=dtype == torch.float32, PREFETCH=True
+        G=4, RH=16, RHP=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, IEEE=ieee, PREFETCH=ieee, PIPELINE=not ieee
     )
-    return {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=1)}
+    stages = 1 if ieee else ma.KV_SEG_PIPELINE_STAGES
+    return {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=stages)}
 
 
 def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:

@@ -339,7 +339,13 @@ def test_prefill_union_kernel_lists_and_masks():
 
 @pytest.mark.parametrize(
     "dtype,cfg",
-    [(torch.float32, {"seg": 8, "tok": 2}), (torch.float16, {}), (torch.float32, {"seg": 4, "prefetch": False})],
+    [
+        (torch.float32, {"seg": 8, "tok": 2}),
+        (torch.float16, {}),
+        (torch.float32, {"seg": 4, "prefetch": False}),
+        (torch.float32, {"seg": 8, "tok": 2, "prefetch": "pipeline"}),
+        (torch.float16, {"prefetch": "pipeline"}),
+    ],
 )
 def test_kv_major_prefill_matches_reference(dtype, cfg):
     # KV-major prefill (bucketed entries, per-page partials, LSE merge) over mixed decode + prefill
@@ -350,6 +356,19 @@ def test_kv_major_prefill_matches_reference(dtype, cfg):
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
     got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "kv_chunk": 64, **cfg})
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_major_pipelined_loop_gives_the_prefetching_loops_bits(dtype):
+    # prefetch="pipeline" reads the segment's entry ids as vectors and gathers each tile's from them;
+    # the tiles and their dots are the prefetching loop's, so every output bit is the same.
+    b = _batch(MIXED, dtype, seed=4)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    cfg = {"impl": "kv", "kv_chunk": 64, "seg": 8, "tok": 2}
+    base = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={**cfg, "prefetch": True})
+    piped = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={**cfg, "prefetch": "pipeline"})
+    assert torch.equal(base, piped)
+    assert base.abs().sum() > 0
 
 
 def test_decode_selection_is_a_set():
@@ -375,6 +394,7 @@ def test_prefill_config_errors_name_the_knob_and_empty_prefill_rows_run():
         ({"tok": 6}, "tok=6"),
         ({"impl": "dense"}, "impl='dense'"),
         ({"chunk": 4}, "unknown prefill_config key 'chunk'"),
+        ({"prefetch": "deep"}, "prefetch='deep'"),
     ):
         with pytest.raises(ValueError, match=match):
             ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", **bad})
