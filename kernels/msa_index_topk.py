@@ -50,6 +50,11 @@ TOPK_CHUNK = 256  # blocks per selection chunk (split-K of the top-k)
 # 128-register cap gives 2 programs per SM (H200: 33 -> 16 ms at 128K, docs/benchmarks.md); two 64-key
 # sub-tiles per page (nsub) keep the score tile in registers (16.3 -> 15.2 ms).
 PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128, "nsub": 2}
+# Per index-key format: page ids of the prefill score loop's unmasked blocks read as vectors of this
+# many blocks (0: one load per block in the loop). H200 2026-12-04, 128K: fp8q 18.5-18.7 -> 15.4-15.5
+# ms with 32 (64 / 128: 17.7), same bits; bf16 15.1-15.9 -> 16.5-16.7 with 32 (slower, kept off);
+# fp8 (bf16 queries) not measured, kept off.
+PREFILL_SCORE_PVC = {"bf16": 0, "fp8": 0, "fp8q": 32}
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
 TOPK_ROWS_WARPS = 1
@@ -193,6 +198,7 @@ def _index_scores_kernel(
     TMA: tl.constexpr = False,
     PV: tl.constexpr = 0,
     PDL: tl.constexpr = False,
+    PVC: tl.constexpr = 0,
 ):
     """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks.
 
@@ -203,6 +209,8 @@ def _index_scores_kernel(
     [PV] vector before the block loop.
     PDL (decode on CUDA): let the next launch (the chunk top-k, launched with PDL) be scheduled now;
     it waits for this grid's stores in griddepcontrol.wait.
+    PVC (prefill with SPLIT_CAUSAL, a power of two, or 0): the unmasked blocks' page ids are read PVC
+    at a time as a vector, so no load in the inner block loop feeds another load's address.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -278,7 +286,36 @@ def _index_scores_kernel(
             # blocks ending at or before every valid row's position need no causal mask
             p_min = tl.min(tl.where(m_valid, qpos, 2147483647), axis=0)
             b_mid = tl.minimum(tl.maximum((p_min + 1) // PS, b_lo), b_hi)
-            for b in range(b_lo, b_mid):
+            if PVC > 0:
+                offs_c = tl.arange(0, PVC)
+                for b0 in range(b_lo, b_mid, PVC):
+                    pages_c = tl.load(bt_ptr + row * stride_bt_r + b0 + offs_c, mask=b0 + offs_c < b_mid, other=0)
+                    for j in range(0, tl.minimum(PVC, b_mid - b0)):
+                        b = b0 + j
+                        page = tl.sum(tl.where(offs_c == j, pages_c, 0))
+                        smax = _block_max_sub(
+                            q,
+                            qpos,
+                            ik_ptr,
+                            iks_ptr,
+                            page,
+                            b,
+                            stride_ik_p,
+                            stride_ik_o,
+                            stride_iks_p,
+                            offs_d,
+                            PS,
+                            NSUB,
+                            False,
+                            KSCALE,
+                        )
+                        if QFP8:
+                            smax = smax * q_scale
+                        tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
+                b_stop = b_lo  # the plain loop below has nothing left to do
+            else:
+                b_stop = b_mid
+            for b in range(b_lo, b_stop):
                 page = tl.load(bt_ptr + row * stride_bt_r + b)
                 smax = _block_max_sub(
                     q,
@@ -661,6 +698,7 @@ def _score_launch(
         TMA=bool(cfg.get("tma")),
         PV=next_pow2(per_split) if cfg.get("tma") and per_split <= DECODE_PAGE_VECTOR_MAX else 0,
         PDL=bool(cfg.get("pdl")),
+        PVC=cfg.get("pvc", 0),
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
         num_stages=1 if ieee else cfg.get("num_stages", 3),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
@@ -717,7 +755,8 @@ def index_block_scores(
     Entry [t, g, b] for b <= pos(t) // ps: max over block b's causal keys of <iq[t, g], ik[u]>,
     NaN -> -1e30; for an ``FP8IndexCache`` ik[u] is the dequantized key (and iq[t, g] the
     dequantized query when it quantizes queries). prefill_config: benchmark knobs of the prefill
-    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``). pdl (decode launches
+    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``, ``nsub``, ``pvc``: page
+    ids read as vectors of that many blocks, default per format ``PREFILL_SCORE_PVC``). pdl (decode launches
     with a TMA config, ``decode_score_config``, only): the decode score programs trigger the next
     launch at their start, for a ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent
     launch; otherwise no effect: that launch is then let in as the score programs exit).
@@ -728,7 +767,8 @@ def index_block_scores(
     if t == 0:
         return scores
     nd, r = meta.num_decodes, meta.num_rows
-    cfg = dict(PREFILL_SCORE_CONFIG if iq.is_cuda else {}, **(prefill_config or {}))
+    gpu = dict(PREFILL_SCORE_CONFIG, pvc=PREFILL_SCORE_PVC.get(index_format(index_cache_l), 0))
+    cfg = dict(gpu if iq.is_cuda else {}, **(prefill_config or {}))
     if nd > 0:
         # Split-K over blocks (fixed by shape): on CUDA the format's DECODE_SCORE_CONFIGS program count,
         # elsewhere ~1024 programs in all with >= 8 blocks each.

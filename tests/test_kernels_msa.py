@@ -164,6 +164,13 @@ def test_index_topk_prefill_score_variants(monkeypatch):
     scores = mi.index_block_scores(b.iq, b.ik, b.meta, cfg)
     monkeypatch.setattr(mi, "TOPK_ROWS_MIN", 0)  # this small batch takes the multi-row program too
     assert torch.equal(mi.select_topk_blocks(scores, b.meta, K, PS, rows_per_program=4), want)
+    # page ids read as vectors of pvc blocks (chunks cut mid-row): every causal score keeps its bits
+    causal = torch.arange(scores.shape[2]).view(1, 1, -1) <= (b.meta.positions // PS).view(-1, 1, 1)
+    causal = causal.expand_as(scores)
+    for pvc in (2, 4):
+        got_s = mi.index_block_scores(b.iq, b.ik, b.meta, {**cfg, "pvc": pvc})
+        assert torch.equal(got_s[causal], scores[causal])
+        assert torch.equal(mi.index_topk(b.iq, b.ik, b.meta, K, prefill_config={**cfg, "pvc": pvc}), want)
 
 
 def test_chunk_top_k_pdl_flags_are_ignored_off_cuda():
