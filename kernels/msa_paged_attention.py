@@ -632,12 +632,15 @@ def _kv_seg_pipelined(
     PS: tl.constexpr,
     TOK: tl.constexpr,
     SEG: tl.constexpr,
+    SEGP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """``kv_seg_attn_kernel``'s entry loop with PIPELINE: the segment's ids and positions in registers."""
+    """``kv_seg_attn_kernel``'s entry loop with PIPELINE: the segment's ids and positions in registers
+    (vectors of SEGP = SEG rounded up to a power of two, as ``tl.arange`` needs; lanes past the
+    segment's n <= SEG entries are masked)."""
     n = e_hi - e_lo
-    offs_s = tl.arange(0, SEG)
-    perm_v = tl.load(perm_ptr + e_lo + offs_s, mask=offs_s < n, other=0).to(tl.int32)  # [SEG]
+    offs_s = tl.arange(0, SEGP)
+    perm_v = tl.load(perm_ptr + e_lo + offs_s, mask=offs_s < n, other=0).to(tl.int32)  # [SEGP]
     epos_v = tl.load(epos_ptr + e_lo + offs_s, mask=offs_s < n, other=-1).to(tl.int32)
     for c in range(0, n, TOK):
         li = c + offs_m // RHP  # [M] segment-local entry of each row
@@ -711,6 +714,7 @@ def kv_seg_attn_kernel(
     PS: tl.constexpr,
     TOK: tl.constexpr,
     SEG: tl.constexpr,
+    SEGP: tl.constexpr,
     IEEE: tl.constexpr,
     PREFETCH: tl.constexpr = True,
     PIPELINE: tl.constexpr = False,
@@ -724,7 +728,8 @@ def kv_seg_attn_kernel(
     position), writing per entry the block-normalised partial output opart[e, h, :] and its base-2
     log-sum-exp lse[e, h]. PREFETCH: the next tile's entry ids and query rows are loaded before
     this tile's dots (hides the gather latency behind the tensor-core work). PIPELINE (instead of
-    PREFETCH): the segment's entry ids and query positions are read as two [SEG] vectors before the
+    PREFETCH): the segment's entry ids and query positions are read as two [SEGP] vectors (SEGP =
+    SEG rounded up to a power of two) before the
     loop and each tile's come out of them by ``tl.gather``, so no load in the loop feeds another
     load's address and the compiler's pipeliner stages ``num_stages - 1`` tiles of query rows ahead
     (the same tiles and dots: the same values).
@@ -774,6 +779,7 @@ def kv_seg_attn_kernel(
             PS,
             TOK,
             SEG,
+            SEGP,
             IEEE,
         )
         return
@@ -1077,7 +1083,7 @@ def check_prefill_config(cfg: dict) -> dict:
     for key, val in cfg.items():
         if key not in allowed:
             raise ValueError(f"paged_attention: unknown prefill_config key {key!r}; known: {sorted(allowed)}")
-        if key == "prefetch" and val not in (True, False, "pipeline"):
+        if key == "prefetch" and not (isinstance(val, bool) or val == "pipeline"):  # 1 == True, but not `is`
             raise ValueError(f"paged_attention: prefill_config prefetch={val!r}; use True, False or 'pipeline'")
         if key == "impl" and val not in ("kv", "union", "loop"):
             raise ValueError(f"paged_attention: prefill_config impl={val!r}; use 'kv', 'union' or 'loop'")
@@ -1312,6 +1318,7 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
             SEG=seg_len,
             PREFETCH=prefetch is True,
             PIPELINE=prefetch == "pipeline",
+            SEGP=next_pow2(seg_len),  # the pipelined loop's vector width (tl.arange needs a power of two)
             num_stages=cfg.get("num_stages", KV_SEG_PIPELINE_STAGES if prefetch == "pipeline" else 1),
             **kw,
         )

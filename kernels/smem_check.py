@@ -116,7 +116,17 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
         qk_scale="fp32",
     )
     consts = dict(
-        G=4, RH=16, RHP=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, IEEE=ieee, PREFETCH=ieee, PIPELINE=not ieee
+        G=4,
+        RH=16,
+        RHP=16,
+        D=128,
+        PS=128,
+        TOK=4,
+        SEG=ma.KV_SEGMENT,
+        SEGP=ma.KV_SEGMENT,
+        IEEE=ieee,
+        PREFETCH=ieee,
+        PIPELINE=not ieee,
     )
     stages = 1 if ieee else ma.KV_SEG_PIPELINE_STAGES
     return {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=stages)}

@@ -352,6 +352,9 @@ def test_prefill_union_kernel_lists_and_masks():
         (torch.float32, {"seg": 4, "prefetch": False}),
         (torch.float32, {"seg": 8, "tok": 2, "prefetch": "pipeline"}),
         (torch.float16, {"prefetch": "pipeline"}),
+        # a segment length that is not a power of two, on the 16-bit default (pipelined) loop
+        (torch.float16, {"seg": 6, "tok": 2}),
+        (torch.float32, {"seg": 5, "prefetch": "pipeline"}),
     ],
 )
 def test_kv_major_prefill_matches_reference(dtype, cfg):
@@ -402,6 +405,7 @@ def test_prefill_config_errors_name_the_knob_and_empty_prefill_rows_run():
         ({"impl": "dense"}, "impl='dense'"),
         ({"chunk": 4}, "unknown prefill_config key 'chunk'"),
         ({"prefetch": "deep"}, "prefetch='deep'"),
+        ({"prefetch": 1}, "prefetch=1"),  # not True: it ran neither loop variant
     ):
         with pytest.raises(ValueError, match=match):
             ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", **bad})
