@@ -321,6 +321,22 @@ def test_inspect_of_a_missing_directory_says_so_and_how_dumps_are_made(tmp_path,
     )
 
 
+def test_replay_with_a_model_that_is_no_checkpoint_says_so_without_a_traceback(tmp_path, capsys):
+    from m3_rollout.jobs.dump_cli import main as dump_main
+
+    _write(tmp_path / "dump", 1)
+    missing = tmp_path / "no_such_checkpoint"
+    assert dump_main(["replay", str(tmp_path / "dump"), "--checkpoint", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --checkpoint: {missing} does not exist; give a checkpoint directory (one holding config.json) "
+        "or one of builtin:tiny-calculator, builtin:tiny-random, builtin:m3-gpu-small\n"
+    )
+    assert dump_main(["replay", str(tmp_path / "dump"), "policy.model_name=builtin:nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: policy.model_name='builtin:nope': unknown built-in checkpoint 'nope'")
+    assert err.count("\n") == 1
+
+
 def test_bad_input_names_the_file_and_other_shards_load(tmp_path):
     with pytest.raises(DumpDirError, match="does not exist"):
         read_dump(tmp_path / "missing")

@@ -77,14 +77,19 @@ def cmd_replay(args) -> int:
     from m3_rollout.dump.reader import read_dump
     from m3_rollout.dump.replay import rescore
     from m3_rollout.dump.report import format_table, print_lines
-    from m3_rollout.jobs.builtin import resolve_model
+    from m3_rollout.jobs.builtin import check_model_name, resolve_model
     from m3_rollout.jobs.replay import make_scorer
     from m3_rollout.model import load_checkpoint
 
     cfg = _load_cfg(args)
     read = read_dump(args.dir, steps=args.steps)
     _errors([f"skipped {e}" for e in read.errors])
-    model_dir, _ = resolve_model(args.checkpoint or cfg.policy.model_name, progress=cfg.logger.progress_bar)
+    name = args.checkpoint or cfg.policy.model_name
+    try:  # a path that is no checkpoint or an unknown builtin: name, as `error: ...` (exit 2)
+        check_model_name(name)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"--checkpoint: {exc}" if args.checkpoint else f"policy.model_name={name!r}: {exc}") from None
+    model_dir, _ = resolve_model(name, progress=cfg.logger.progress_bar)
     model = load_checkpoint(model_dir, dtype=getattr(torch, args.dtype))
     longest = max(len(x) for x in read.table.column("token_ids").to_pylist())
     scorer, why = make_scorer(
