@@ -185,7 +185,11 @@ def test_cli_warns_about_a_build_outside_its_window(cache, capsys):
 
 def test_cli_errors_exit_2(cache, capsys):
     assert cli.main(["export", "--model", str(cache / "nope"), "--out", str(cache / "x")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{cache / 'nope'} does not exist" in err and "builtin:tiny-random" in err
+    (cache / "empty").mkdir()
+    assert cli.main(["export", "--model", str(cache / "empty"), "--out", str(cache / "x")]) == 2
+    assert "has no config.json" in capsys.readouterr().err
     # an unusable chat_template_kwargs.json in the source is named before anything is written
     assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "a")]) == 0
     capsys.readouterr()
