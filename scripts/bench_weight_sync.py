@@ -6,6 +6,8 @@
     python scripts/bench_weight_sync.py --method colocated --device cuda   # trainer + rollout on one GPU
     python scripts/bench_weight_sync.py --method colocated --device cuda --sweep-kernel --kernel best
     python scripts/bench_weight_sync.py --gb 10 ...          # scale the synthetic model (default ~1 GB)
+    python scripts/bench_weight_sync.py --backend nccl --real-shapes [--gb N] [--receivers 3]
+                                                             # the released M3 layer shapes, largest that fits
 
 --method broadcast (default):
 
@@ -19,6 +21,16 @@ same run, per receiving rank:
 GB/s = update bytes / receiver wall time; "pause" = the receiver's receive + commit time, the
 time generation is stopped under ``weight_sync.in_flight=continue`` (for raw: the bare transfer).
 Each figure is the median of --repeats updates after one warm-up, the modes interleaved.
+
+--real-shapes (broadcast over NCCL only): instead of the synthetic model, a slice of M3 at the
+released layer shapes (configs/bench/m3_slice_real.json: layer 0 dense attention + dense MLP, then
+MSA sparse-attention + MoE layers of 128 experts of width 3072, hidden 6144, 64 q / 4 KV heads;
+vocabulary 32768), ~14.8 GB of bf16 per MoE layer. --gb N: the number of MoE layers closest to N
+GB; without --gb, the largest number that fits (``real_shapes_plan``): every GPU of the run
+holds its model (the trainer the whole slice, a receiver the whole slice or its EP slice) plus
+wire buffers and a reserve, and the host holds every receiver's pinned atomic stage (the
+receiver's bytes) within 80 % of MemAvailable. A --gb that does not fit is refused before any
+rank starts, naming the GPU or the host memory.
 
 --method colocated (weight_sync.method=colocated): trainer and rollout share one
 device (NCCL cannot put two ranks on one GPU), so both live in this one process on --device. The
@@ -69,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -86,7 +99,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))  # benchlib, also when importe
 from benchlib import machine, run_date  # noqa: E402
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors  # noqa: E402
-from m3_rollout.model.configuration import tiny_config  # noqa: E402
+from m3_rollout.model.configuration import M3Config, tiny_config  # noqa: E402
 from m3_rollout.weight_sync import (  # noqa: E402
     BroadcastChannel,
     CastCopy,
@@ -159,6 +172,127 @@ def synthetic_config(gb: float | None = None, dtype: torch.dtype = torch.bfloat1
     raise AssertionError("unreachable")
 
 
+SLICE = os.path.join(ROOT, "configs", "bench", "m3_slice_real.json")
+GIB = 2**30
+GPU_RESERVE = 3 * GIB  # per GPU: CUDA context, NCCL buffers, allocator slack
+HOST_FRACTION = 0.8  # of MemAvailable, for the receivers' pinned atomic stages
+
+
+def real_shapes_config(moe_layers: int) -> M3Config:
+    """M3 at the released layer shapes (configs/bench/m3_slice_real.json): layer 0 full attention +
+    dense MLP, then ``moe_layers`` MSA sparse-attention + 128-expert MoE layers."""
+    with open(SLICE) as f:
+        raw = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    raw.update(
+        num_hidden_layers=1 + moe_layers,
+        layer_types=["full_attention"] + ["minimax_m3_sparse"] * moe_layers,
+        mlp_layer_types=["dense"] + ["sparse"] * moe_layers,
+    )
+    return M3Config.from_dict(raw)
+
+
+def rank_bytes(cfg, ep_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Parameter bytes of one rank holding ``cfg``'s model cast to ``dtype`` (router fp32), with the
+    experts of EP rank 0 of ``ep_size`` only when ``ep_size`` > 1; built on ``meta``."""
+    with torch.device("meta"):
+        model = M3ForCausalLM(cfg)
+    if ep_size > 1:
+        from m3_rollout.parallel import shard_experts
+
+        shard_experts(model, 0, ep_size, None)
+    model.cast_for_inference(dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def real_shapes_plan(
+    gb: float | None,
+    gpu_free: list[int],
+    host_free: int,
+    receivers: int,
+    ep: bool,
+    bucket_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
+    """How many real-shape MoE layers the --real-shapes run uses, and what each GPU / the host needs.
+
+    Args:
+        gb: target size in GB (1e9 bytes): the layer count closest to it (at least 1); None = the
+            largest count that fits.
+        gpu_free: free bytes of GPU 0 (the trainer) .. GPU ``receivers`` (the receivers).
+        host_free: the host's available bytes (MemAvailable).
+        receivers / ep: the run's rollout ranks and whether they hold EP slices of the experts.
+        bucket_bytes: the wire bucket size (each end keeps a ring of them).
+    Returns:
+        {"moe_layers", "config", "bytes" (the update), "receiver_bytes", "gpu_need" [per GPU],
+        "host_need"}.
+    Raises:
+        SystemExit: the plan does not fit (or not even one MoE layer does), naming the GPU or the
+            host memory and the estimate.
+    """
+    ep_size = receivers if ep else 1
+
+    def plan(n: int) -> dict:
+        cfg = real_shapes_config(n)
+        full, recv = rank_bytes(cfg, 1, dtype), rank_bytes(cfg, ep_size, dtype)
+        wire = 8 * bucket_bytes + GPU_RESERVE  # rings, raw-broadcast buffers, reserve
+        return {
+            "moe_layers": n,
+            "config": cfg,
+            "bytes": full,
+            "receiver_bytes": recv,
+            "gpu_need": [full + wire] + [recv + wire] * receivers,
+            "host_need": receivers * recv,
+        }
+
+    def problems(p: dict) -> list[str]:
+        out = [
+            f"GPU {i}: {free / GIB:.1f} GiB free, needs ~{need / GIB:.1f} GiB"
+            for i, (need, free) in enumerate(zip(p["gpu_need"], gpu_free))
+            if need > free
+        ]
+        if p["host_need"] > HOST_FRACTION * host_free:
+            out.append(
+                f"host: the {receivers} pinned atomic stage(s) need ~{p['host_need'] / GIB:.1f} GiB, over "
+                f"{HOST_FRACTION:.0%} of the {host_free / GIB:.1f} GiB available"
+            )
+        return out
+
+    one, two = plan(1), plan(2)
+    per_layer, fixed = two["bytes"] - one["bytes"], 2 * one["bytes"] - two["bytes"]
+    if gb is not None:
+        if not gb > 0:
+            raise ValueError(f"--gb={gb}: the model size must be > 0 GB")
+        chosen = plan(max(1, round((gb * 1e9 - fixed) / per_layer)))
+    else:
+        chosen = one
+        n = 2
+        while True:
+            nxt = plan(n)
+            if problems(nxt):
+                break
+            chosen, n = nxt, n + 1
+    bad = problems(chosen)
+    if bad:
+        raise SystemExit(
+            f"--real-shapes: {chosen['moe_layers']} MoE layer(s) ({chosen['bytes'] / 1e9:.1f} GB) do not fit: "
+            + "; ".join(bad)
+            + (" (use a smaller --gb)" if gb is not None and chosen["moe_layers"] > 1 else "")
+        )
+    return chosen
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 when unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def build_model(seed: int, dtype: torch.dtype, device: str, ep_rank: int | None = None, ep_size: int = 1, cfg=None):
     """The synthetic model (``cfg``, default ``synthetic_config()``) in ``dtype`` (router fp32) with
     cheap random weights U(-0.02, 0.02) from ``seed``, no fp32 init pass, on ``device``."""
@@ -209,7 +343,7 @@ def _rank_main(rank: int, args, port: int, results) -> None:
         device = _device(args.backend, rank)
         world = 1 + args.receivers
         bucket_bytes = int(args.bucket_mb * 2**20)
-        cfg = synthetic_config(args.gb, dtype)
+        cfg = real_shapes_config(args.moe_layers) if args.real_shapes else synthetic_config(args.gb, dtype)
         if rank == 0:
             model = build_model(1, dtype, device, cfg=cfg)
         else:
@@ -906,7 +1040,14 @@ def main() -> None:
         type=float,
         default=None,
         help="synthetic model size in GB (1e9 bytes) of --dtype; default: 8 for --method colocated on a GPU "
-        "(a real M3-shaped refit), else the 1.016 GB bf16 model",
+        "(a real M3-shaped refit), else the 1.016 GB bf16 model; with --real-shapes: the MoE layer count closest "
+        "to it (default: the largest that fits)",
+    )
+    ap.add_argument(
+        "--real-shapes",
+        action="store_true",
+        help="broadcast over nccl: M3 at the released layer shapes (1 dense + N MoE layers of 128 experts); "
+        "N from --gb, else the largest that fits",
     )
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="broadcast only")
     ap.add_argument("--receivers", type=int, default=1, help="broadcast only")
@@ -944,6 +1085,9 @@ def main() -> None:
         "the sweep's fastest copy; default copy_plan.DEFAULT_KERNEL)",
     )
     args = ap.parse_args()
+    args.moe_layers = None
+    if args.real_shapes and (args.method != "broadcast" or args.backend != "nccl"):
+        ap.error("--real-shapes is for --method broadcast --backend nccl (one GPU per rank; ~14.8 GB per MoE layer)")
     if args.method == "colocated":
         if args.receivers != 1 or args.ep or args.backend != "gloo":
             ap.error("--receivers/--ep/--backend are for --method broadcast; colocated runs one rollout copy")
@@ -954,6 +1098,28 @@ def main() -> None:
     if args.device is not None:
         ap.error("--device is for --method colocated; broadcast picks devices from --backend (nccl = cuda:rank)")
     from m3_rollout.parallel import free_port
+
+    if args.backend == "nccl":
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n_gpus < 1 + args.receivers:
+            raise SystemExit(
+                f"--backend nccl with --receivers {args.receivers} needs {1 + args.receivers} GPUs "
+                f"(trainer on cuda:0, receiver r on cuda:r); found {n_gpus}"
+            )
+    if args.real_shapes:
+        free = [torch.cuda.mem_get_info(i)[0] for i in range(1 + args.receivers)]
+        dtype = getattr(torch, args.dtype)
+        plan = real_shapes_plan(
+            args.gb, free, host_available_bytes(), args.receivers, args.ep, int(args.bucket_mb * 2**20), dtype
+        )
+        args.moe_layers = plan["moe_layers"]
+        print(
+            f"--real-shapes: {plan['moe_layers']} MoE layer(s), {plan['bytes'] / 1e9:.1f} GB "
+            f"({'the largest that fits' if args.gb is None else f'closest to --gb {args.gb:g}'}); GPU free "
+            + ", ".join(f"{f / GIB:.0f}" for f in free)
+            + f" GiB; host available {host_available_bytes() / GIB:.0f} GiB",
+            flush=True,
+        )
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -980,9 +1146,17 @@ def main() -> None:
             rate = gb / r[mode]["seconds"]
             rows.append((rank, mode, r[mode]["seconds"], rate, rate / raw, r[mode]["pause"]))
     where = machine("cpu" if args.backend == "gloo" else "cuda")
+    if args.real_shapes:
+        model = (
+            f"M3 at the released layer shapes (--real-shapes: 1 dense + {args.moe_layers} MoE layers of 128 experts "
+            f"of width 3072, hidden 6144, 64 q / 4 KV heads, vocabulary 32768; "
+            f"{'the largest that fits' if args.gb is None else f'--gb {args.gb:g}'})"
+        )
+    else:
+        model = "Synthetic M3-shaped model"
     head = (
         f"## Weight sync (bench_weight_sync.py), {run_date()}, {where}, {args.backend}\n\n"
-        f"Synthetic M3-shaped model: {gb:.3f} GB in {args.dtype} (router fp32), {got[0]['buckets']} buckets of "
+        f"{model}: {gb:.3f} GB in {args.dtype} (router fp32), {got[0]['buckets']} buckets of "
         f"<= {args.bucket_mb:g} MiB, {args.receivers} rollout rank(s){' (EP slices)' if args.ep else ''}, "
         f"median of {args.repeats} interleaved repeats after a warm-up, torch threads per process = "
         f"{args.threads or 1}.\n\n"

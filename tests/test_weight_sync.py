@@ -486,6 +486,35 @@ def test_bench_synthetic_config_scales_to_target_size():
         bench.synthetic_config(0)
 
 
+def test_bench_real_shapes_plan_picks_the_largest_slice_that_fits():
+    """--real-shapes (issue 25): M3's released layer shapes, the MoE-layer count from --gb or the
+    largest whose model + wire buffers fit every GPU and whose pinned atomic stages fit the host."""
+    bench = _bench_module()
+    gib, bucket = 2**30, 64 * 2**20
+    cfg = bench.real_shapes_config(1)
+    assert (cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (
+        6144,
+        128,
+        4,
+        3072,
+    )
+    assert cfg.moe_layer_freq == [0, 1] and cfg.num_attention_heads == 64 and cfg.num_key_value_heads == 4
+    one, two = bench.rank_bytes(cfg), bench.rank_bytes(bench.real_shapes_config(2))
+    experts = 128 * 3 * 6144 * 3072 * 2  # bf16 routed experts of one MoE layer: 14.5 GB
+    assert experts < two - one < experts + 0.5e9
+    assert bench.rank_bytes(cfg, 2) < one - experts // 2 + 1e6  # an EP=2 receiver holds half the experts
+    # GPUs with room for two MoE layers (~31 GB) but not three (~46 GB): two, both ends planned
+    plan = bench.real_shapes_plan(None, [40 * gib, 40 * gib], 500 * gib, 1, False, bucket)
+    assert plan["moe_layers"] == 2 and plan["bytes"] == two
+    assert plan["gpu_need"] == [two + 8 * bucket + bench.GPU_RESERVE] * 2 and plan["host_need"] == two
+    # --gb: the count closest to it; the host's pinned stages bound it too
+    assert bench.real_shapes_plan(10, [40 * gib] * 2, 500 * gib, 1, False, bucket)["moe_layers"] == 1
+    with pytest.raises(SystemExit, match=r"2 MoE layer\(s\).*host: the 3 pinned atomic stage\(s\)"):
+        bench.real_shapes_plan(31, [40 * gib] * 4, 80 * gib, 3, False, bucket)
+    with pytest.raises(SystemExit, match=r"GPU 1: 10\.0 GiB free"):
+        bench.real_shapes_plan(None, [40 * gib, 10 * gib], 500 * gib, 1, False, bucket)
+
+
 # ------------------------------------------------------------------------------ versions, consistency, probe
 def test_versions_only_increase_unless_the_update_replaces():
     trainer, rx_model = _model(1), _model(0)
