@@ -1,8 +1,9 @@
-"""Time GRPO steps on one GPU: the GPU main job's per-step split, or one step at real M3 layer shapes.
+"""Time GRPO steps on GPUs: a job's per-step split (the GPU main job or --config), or one real-shape step.
 
     python scripts/bench_grpo_step.py [--seeds 42 43] [--steps N] [key=value ...]
     python scripts/bench_grpo_step.py --real-shapes [--layers 3] [--experts 24]
     python scripts/bench_grpo_step.py --device cpu --tiny [--real-shapes] --doc /tmp/bench.md   (CPU test)
+    python scripts/bench_grpo_step.py --config configs/grpo_h200_x2.yaml --seeds 42 --steps 40 --doc OUT.md
 
 Main job (default): runs ``python -m m3_rollout.grpo --config configs/grpo_h200.yaml`` once per seed
 in a subprocess and reads its ``metrics.jsonl``: per-step wall time split into generation, logprob
@@ -10,6 +11,9 @@ recomputation, training, refit and sleep/wake (whichever of those timing keys th
 carry; a missing one is reported as "-"), generated tokens/s and the run's learning curve (held-out
 accuracy at every validation). Step 1 (CUDA graph capture, kernel compilation) is left out of the
 medians. ``--tiny`` runs the same config with the random tiny checkpoint and a few prompts (CPU test).
+``--config`` runs another job config the same way (e.g. configs/grpo_h200_x2.yaml: the trainer on
+one GPU, EP=2 rollout workers on two others); ``--device`` overrides its ``cluster.device`` (default:
+the config's own).
 
 ``--real-shapes``: one process builds a random-weight M3 at the released model's layer shapes
 (hidden 6144, 64 query / 4 KV heads of 128, experts of width 3072 top-4, MSA block 128 / top-16)
@@ -127,17 +131,20 @@ def step_split(rows: list[dict], skip_first: bool = True) -> dict:
     return out
 
 
-def run_main_job(seed: int, device: str, steps: int | None, tiny: bool, overrides: list[str]) -> dict:
-    """One GRPO run of ``CONFIG`` in a subprocess; returns its summary, metrics rows and wall time."""
+def run_main_job(
+    seed: int, device: str | None, steps: int | None, tiny: bool, overrides: list[str], config: str = CONFIG
+) -> dict:
+    """One GRPO run of ``config`` in a subprocess (``cluster.device`` overridden unless ``device`` is
+    None); returns its summary, metrics rows and wall time."""
     log_dir = Path(tempfile.mkdtemp(prefix="m3bench-grpo-"))
     cmd = [
         sys.executable,
         "-m",
         "m3_rollout.grpo",
         "--config",
-        CONFIG,
+        config,
         f"grpo.seed={seed}",
-        f"cluster.device={device}",
+        *([f"cluster.device={device}"] if device is not None else []),
         f"logger.log_dir={log_dir}",
         "logger.wandb.mode=disabled",
         "logger.progress_bar=false",
@@ -159,12 +166,16 @@ def run_main_job(seed: int, device: str, steps: int | None, tiny: bool, override
     }
 
 
-def main_job_section(runs: list[dict], device: str, tiny: bool, overrides: list[str]) -> list[str]:
+def main_job_section(
+    runs: list[dict], device: str | None, tiny: bool, overrides: list[str], config: str = CONFIG
+) -> list[str]:
     """Markdown lines of the main-job figures (one split row and one learning curve per seed)."""
     what = "tiny CPU check (builtin:tiny-random)" if tiny else "builtin:m3-gpu-small"
+    where = machine("cpu" if device == "cpu" else "cuda")
+    given = [f"cluster.device={device}"] if device is not None else []
     lines = [
-        f"\n## GRPO step split, GPU main job (bench_grpo_step.py), {datetime.date.today()}, {machine(device)}\n",
-        f"`python -m m3_rollout.grpo --config {CONFIG}` ({what}); overrides: {' '.join(overrides) or 'none'}. "
+        f"\n## GRPO step split, GPU main job (bench_grpo_step.py), {datetime.date.today()}, {where}\n",
+        f"`python -m m3_rollout.grpo --config {config}` ({what}); overrides: {' '.join(given + overrides) or 'none'}. "
         "Medians over the steps after step 1, seconds; '-' = the step metrics have no such timing key.\n",
         "| seed | steps | step | " + " | ".join(label for label, _ in PHASES) + " | other | generated tok/s |",
         "|---|---|---|" + "---|" * len(PHASES) + "---|---|",
@@ -418,7 +429,8 @@ def real_shapes(args) -> list[str]:
 def main(argv: list[str] | None = None) -> list[str]:
     """Command line; returns the markdown lines it wrote (or would write with ``--no-write``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default=None, help="cluster.device (default: the config's; real shapes: cuda)")
+    ap.add_argument("--config", default=CONFIG, help=f"main job: the job config (default {CONFIG})")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized model and batches (tests)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43], help="main job: one run per seed")
     ap.add_argument("--steps", type=int, default=None, help="main job: grpo.max_num_steps (default: the config's)")
@@ -436,10 +448,13 @@ def main(argv: list[str] | None = None) -> list[str]:
     ap.add_argument("overrides", nargs="*", help="main job: key=value overrides")
     args = ap.parse_args(argv)
     if args.real_shapes:
+        if args.config != CONFIG:
+            ap.error(f"--real-shapes uses the trainer settings of {CONFIG}; --config is for the main job")
+        args.device = args.device or "cuda"
         lines = real_shapes(args)
     else:
-        runs = [run_main_job(s, args.device, args.steps, args.tiny, args.overrides) for s in args.seeds]
-        lines = main_job_section(runs, args.device, args.tiny, args.overrides)
+        runs = [run_main_job(s, args.device, args.steps, args.tiny, args.overrides, args.config) for s in args.seeds]
+        lines = main_job_section(runs, args.device, args.tiny, args.overrides, args.config)
     print("\n".join(lines))
     if not args.no_write:
         doc = Path(args.doc)

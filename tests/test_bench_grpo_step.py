@@ -80,3 +80,20 @@ def test_main_job_tiny_writes_split_and_learning_curve(bench, tmp_path, monkeypa
     assert curve.rstrip(" |").endswith("1: 0.000") or ", 1: " in curve  # step 0 and the final validation
     build, loop = (c.strip() for c in curve.strip("|").split("|")[1:3])
     assert build != "cached" and float(loop) > 0  # a fresh cache: the checkpoint was built in this run
+
+
+def test_main_job_tiny_runs_the_multi_gpu_topology_on_the_cpu(bench, tmp_path, monkeypatch):
+    """--config configs/grpo_h200_x2.yaml (issue 25: trainer on one GPU, EP=2 rollout workers on two
+    others, refit by broadcast) in the same shape on the CPU: the trainer process and 2 worker
+    processes (gloo), the tiny random checkpoint, one step."""
+    monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    doc = tmp_path / "bench.md"
+    argv = ["--config", "configs/grpo_h200_x2.yaml", "--device", "cpu", "--tiny", "--seeds", "7", "--steps", "1"]
+    overrides = ["cluster.gpus_per_node=0", "grpo.num_val_prompts=2", "policy.generation.max_new_tokens=8"]
+    lines = bench.main([*argv, "--doc", str(doc), *overrides])
+    text = doc.read_text()
+    assert "--config configs/grpo_h200_x2.yaml" in text and "cluster.device=cpu cluster.gpus_per_node=0" in text
+    split = next(line for line in lines if line.startswith("| 7 | 1 |"))
+    cells = [c.strip() for c in split.strip("|").split("|")]
+    assert all(float(c) > 0 for c in cells[2:7])  # step, generation, logprobs, training, refit (broadcast)
+    assert cells[7:9] == ["-", "-"]  # no sleep / wake-up: the workers are not colocated

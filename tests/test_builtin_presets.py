@@ -120,6 +120,33 @@ def test_gpu_config_matches_the_preset():
     assert cfg.loss_fn.ratio_clip_max == 0.2 and cfg.env.calculator.max_expression_chars == 64
 
 
+def test_multi_gpu_config_is_the_gpu_job_with_the_rollout_on_other_gpus():
+    """configs/grpo_h200_x2.yaml (issue 25): the one-GPU job's model, task, seed and batches, with
+    EP=2 rollout workers on cuda:0-1 and the trainer on cuda:2 (3 GPUs); on 2 GPUs the override its
+    header gives (one worker on cuda:0, trainer on cuda:1) validates."""
+    from m3_rollout.config import ConfigError, check_devices, load_config, to_dict
+
+    one, multi = load_config(CONFIGS / "grpo_h200.yaml"), load_config(CONFIGS / "grpo_h200_x2.yaml")
+    a, b = to_dict(one), to_dict(multi)
+    gen = multi.policy.generation
+    assert (gen.expert_parallel_size, gen.sleep_level, gen.enable_cuda_graphs) == (2, 0, False)
+    assert (multi.cluster.device, multi.cluster.gpus_per_node, multi.cluster.launcher) == ("cuda:2", 2, "mp")
+    for section in ("grpo", "data", "env", "loss_fn", "weight_sync"):
+        assert a[section] == b[section], section
+    same_policy = {k: v for k, v in a["policy"].items() if k != "generation"}
+    assert same_policy == {k: v for k, v in b["policy"].items() if k != "generation"}
+    for cfg, gpus in ((multi, 3), (multi, 4)):
+        check_devices(cfg, True, gpus)
+    with pytest.raises(ConfigError, match="cluster.device='cuda:2'"):
+        check_devices(multi, True, 2)
+    two = ["policy.generation.expert_parallel_size=1", "cluster.device=cuda:1", "cluster.gpus_per_node=1"]
+    check_devices(load_config(CONFIGS / "grpo_h200_x2.yaml", two), True, 2)
+    assert (
+        multi.logger.log_dir != one.logger.log_dir
+        and multi.checkpointing.checkpoint_dir != one.checkpointing.checkpoint_dir
+    )
+
+
 def test_multi_step_needs_a_turn_per_call():
     from m3_rollout.config import ConfigError, load_config
 

@@ -234,6 +234,28 @@ def test_factory_rejects_ep_size_that_does_not_divide_experts(tmp_path):
     )  # in-process engine
 
 
+def test_factory_puts_the_trainers_end_of_the_nccl_refit_group_on_cluster_device(tmp_path, monkeypatch):
+    """GPU workers (rank r on cuda:r) refit over NCCL: the trainer's end of the group binds to
+    cluster.device (configs/grpo_h200_x2.yaml: cuda:2 beside workers on cuda:0-1), with an index;
+    it used to be "cuda", which torch.cuda.set_device refuses (no index) and would be cuda:0, a
+    worker's GPU, which NCCL refuses."""
+    from m3_rollout.config import load_config
+    from m3_rollout.service import factory
+    from m3_rollout.service.service import trainer_group_device
+
+    model = _model()
+    save_checkpoint(model, model.config, tmp_path)
+    seen = {}
+    monkeypatch.setattr(factory, "RolloutService", lambda spec, **kw: seen.update(spec=spec, **kw) or "service")
+    cfg = load_config("configs/grpo_h200_x2.yaml", ["policy.model_name=" + str(tmp_path)])
+    assert factory.build_rollout_service(cfg, tmp_path, [3], 64) == "service"
+    assert seen["trainer_device"] == "cuda:2" and seen["spec"].device == "cuda" and seen["refit"] == "broadcast"
+    assert seen["spec"].group.world_size == 2 and seen["launcher"] == "mp" and seen["worker_gpus"] == 1.0
+    assert seen["spec"].engine["enable_cuda_graphs"] is False
+    assert trainer_group_device("nccl", "cuda:2") == "cuda:2"
+    assert trainer_group_device("gloo", "cuda:2") == trainer_group_device("gloo", None) == "cpu"
+
+
 def test_ep_size_one_counts_experts_on_the_device_without_host_syncs(monkeypatch):
     """The worker beside the trainer holds every expert (EP size 1). Its load counters used to copy
     a bincount to the host in every MoE forward, which made its CUDA-graph capture fail (the

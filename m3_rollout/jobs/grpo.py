@@ -188,7 +188,12 @@ def run(cfg: MasterConfig) -> dict:
     """
     t_start = time.perf_counter()
     metric_name = resolve_metric_name(cfg)  # a name no step logs stops the run here
-    trainer_device(cfg)  # a device this machine lacks stops the job here, before anything is made
+    device = trainer_device(cfg)  # a device this machine lacks stops the job here, before anything is made
+    if device.type == "cuda" and device.index is not None:
+        # the trainer's GPU is this process's current device: Triton kernels (the trainer's cast, a
+        # builtin checkpoint's build) launch on the current one, and cluster.device=cuda:N may be
+        # another GPU than cuda:0 when rollout workers hold the first ones (configs/grpo_h200_x2.yaml)
+        torch.cuda.set_device(device)
     check_output_dirs(cfg)
     check_resume(cfg)
     set_seed(cfg.grpo.seed)

@@ -93,4 +93,5 @@ def build_rollout_service(cfg, model_dir, eos_token_ids, max_model_len: int) -> 
         weight_sync=cfg.weight_sync,
         freeze=cfg.policy.freeze,
         refit="ipc" if beside else "broadcast",
+        trainer_device=c.device,
     )

@@ -93,6 +93,22 @@ def refit_rules(ws, freeze) -> tuple:
     return frozen, probe
 
 
+def trainer_group_device(backend: str, trainer_device: str | None) -> str:
+    """Where the trainer's end of the broadcast weight-sync group keeps its wire buffers: "cpu" for
+    gloo; for NCCL the trainer's GPU (``cluster.device``), always with an index (the group binds the
+    rank to it: ``torch.cuda.set_device``). A CUDA device without an index, a CPU trainer or None:
+    the current CUDA device. The workers of rank r sit on cuda:r, so the trainer's GPU must be
+    another one (NCCL refuses two ranks of one group on one GPU)."""
+    if backend != "nccl":
+        return "cpu"
+    dev = torch.device(trainer_device) if trainer_device else torch.device("cuda")
+    if dev.type != "cuda":
+        dev = torch.device("cuda")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
 def _merge_records(records: list[dict]) -> dict:
     """One sleep / wake-up record from the ranks': GiB figures summed, the rest (level, seconds)
     the largest."""
@@ -131,6 +147,8 @@ class RolloutService(GenerationBackend):
         refit: "broadcast" (a weight-sync group with the workers; tensors kept on the host for a
             restarted group) or "ipc" (the workers are on this process's device, ``spec.device``:
             refit through the stage this process shares with them, ``ipc_refit.py``).
+        trainer_device: the trainer's device (``cluster.device``): where this process's end of an
+            NCCL weight-sync group lives (:func:`trainer_group_device`; it must not be a worker's GPU).
     Raises RolloutFailure when the group does not start within ``max_restarts`` attempts;
     ValueError for another ``refit``.
     """
@@ -152,10 +170,12 @@ class RolloutService(GenerationBackend):
         freeze=None,
         probe_reference=None,
         refit: str = "broadcast",
+        trainer_device: str | None = None,
     ):
         if refit not in ("broadcast", "ipc"):
             raise ValueError(f"RolloutService: refit={refit!r} must be 'broadcast' or 'ipc'")
         self.spec, self.refit = spec, refit
+        self.trainer_device = trainer_device
         self.world_size = spec.group.world_size
         self._launcher_kind = launcher
         self._launcher_args = (ray_address, worker_cpus, worker_gpus)
@@ -663,7 +683,7 @@ class RolloutService(GenerationBackend):
             frozen, probe = refit_rules(ws, self._freeze)
 
             def trainer_side():
-                device = "cuda" if backend == "nccl" else "cpu"
+                device = trainer_group_device(backend, self.trainer_device)
                 group = WeightSyncGroup(addr, port, 0, world, backend, ws.timeout_s, device)
                 sender = WeightSender(
                     lambda: incoming.items(),
