@@ -166,6 +166,42 @@ def _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_
 
 
 @triton.jit
+def _prefill_block_step(
+    tile,
+    q,
+    qpos,
+    q_scale,
+    ik_ptr,
+    iks_ptr,
+    page,
+    b,
+    b_lo,
+    b_hi,
+    row_ptr,
+    m_valid,
+    offs_j,
+    stride_ik_p,
+    stride_ik_o,
+    stride_iks_p,
+    offs_d,
+    PS: tl.constexpr,
+    NSUB: tl.constexpr,
+    MASK: tl.constexpr,
+    KSCALE: tl.constexpr,
+    QFP8: tl.constexpr,
+    STORE_B: tl.constexpr,
+):
+    """One block of the prefill score loop: block b's maxima (``_block_max_sub`` on cache page
+    ``page``; x the row's query scale with QFP8) put in the store tile (``_store_tile_step``)."""
+    smax = _block_max_sub(
+        q, qpos, ik_ptr, iks_ptr, page, b, stride_ik_p, stride_ik_o, stride_iks_p, offs_d, PS, NSUB, MASK, KSCALE
+    )
+    if QFP8:
+        smax = smax * q_scale
+    return _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
+
+
+@triton.jit
 def _index_scores_kernel(
     iq_ptr,
     ik_ptr,
@@ -293,13 +329,20 @@ def _index_scores_kernel(
                     for j in range(0, tl.minimum(PVC, b_mid - b0)):
                         b = b0 + j
                         page = tl.sum(tl.where(offs_c == j, pages_c, 0))
-                        smax = _block_max_sub(
+                        tile = _prefill_block_step(
+                            tile,
                             q,
                             qpos,
+                            q_scale,
                             ik_ptr,
                             iks_ptr,
                             page,
                             b,
+                            b_lo,
+                            b_hi,
+                            row_ptr,
+                            m_valid,
+                            offs_j,
                             stride_ik_p,
                             stride_ik_o,
                             stride_iks_p,
@@ -308,22 +351,28 @@ def _index_scores_kernel(
                             NSUB,
                             False,
                             KSCALE,
+                            QFP8,
+                            STORE_B,
                         )
-                        if QFP8:
-                            smax = smax * q_scale
-                        tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
                 b_stop = b_lo  # the plain loop below has nothing left to do
             else:
                 b_stop = b_mid
             for b in range(b_lo, b_stop):
                 page = tl.load(bt_ptr + row * stride_bt_r + b)
-                smax = _block_max_sub(
+                tile = _prefill_block_step(
+                    tile,
                     q,
                     qpos,
+                    q_scale,
                     ik_ptr,
                     iks_ptr,
                     page,
                     b,
+                    b_lo,
+                    b_hi,
+                    row_ptr,
+                    m_valid,
+                    offs_j,
                     stride_ik_p,
                     stride_ik_o,
                     stride_iks_p,
@@ -332,19 +381,25 @@ def _index_scores_kernel(
                     NSUB,
                     False,
                     KSCALE,
+                    QFP8,
+                    STORE_B,
                 )
-                if QFP8:
-                    smax = smax * q_scale
-                tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
         for b in range(b_mid, b_hi):
             page = tl.load(bt_ptr + row * stride_bt_r + b)
-            smax = _block_max_sub(
+            tile = _prefill_block_step(
+                tile,
                 q,
                 qpos,
+                q_scale,
                 ik_ptr,
                 iks_ptr,
                 page,
                 b,
+                b_lo,
+                b_hi,
+                row_ptr,
+                m_valid,
+                offs_j,
                 stride_ik_p,
                 stride_ik_o,
                 stride_iks_p,
@@ -353,10 +408,9 @@ def _index_scores_kernel(
                 NSUB,
                 True,
                 KSCALE,
+                QFP8,
+                STORE_B,
             )
-            if QFP8:
-                smax = smax * q_scale
-            tile = _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
 
 
 @triton.jit

@@ -575,6 +575,65 @@ def _prefill_union_attn_kernel(
 
 
 @triton.jit
+def _gather_q_rows(q_ptr, tok, head, m_ok, offs_d, stride_qt, stride_qh):
+    """[M, D] query rows q[tok[m], head[m], :] (rows with m_ok False: zeros)."""
+    return tl.load(
+        q_ptr + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=m_ok[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _kv_seg_tile(
+    q,
+    k,
+    v,
+    e,
+    qpos,
+    m_ok,
+    b,
+    h,
+    offs_d,
+    offs_o,
+    opart_ptr,
+    lse_ptr,
+    qk_scale,
+    RH: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One tile of a KV-major segment: rows m = (entry e[m], head h[m]) with query rows q [M, D]
+    against the page's k, v [PS, D] (causal cut at qpos [M]); writes each row's block-normalised
+    partial output opart[e, h, :] and base-2 log-sum-exp lse[e, h] (rows with m_ok False: none)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    keep = m_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m = tl.max(s, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(s - m[:, None])
+    l_i = tl.sum(p, axis=1)
+    if IEEE:
+        o = tl.dot(p, v, input_precision="ieee")
+    else:
+        o = tl.dot(p.to(v.dtype), v)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = o / l_safe[:, None]
+    lse = tl.where(l_i > 0, m + tl.log2(l_safe), float("-inf"))
+    tl.store(lse_ptr + e * RH + h, lse, mask=m_ok)
+    tl.store(
+        opart_ptr + (e * RH + h)[:, None].to(tl.int64) * D + offs_d[None, :],
+        o.to(opart_ptr.dtype.element_ty),
+        mask=m_ok[:, None],
+    )
+
+
+@triton.jit
 def _kv_seg_load_q(
     q_ptr,
     perm_ptr,
@@ -595,11 +654,7 @@ def _kv_seg_load_q(
     e = tl.load(perm_ptr + ei, mask=m_ok, other=0).to(tl.int32)  # [M] entry (t * G + g) * topk + j
     qpos = tl.load(epos_ptr + ei, mask=m_ok, other=-1)
     t = e // (G * topk)
-    q = tl.load(
-        q_ptr + (t_base + t)[:, None].to(tl.int64) * stride_qt + (g * RH + h)[:, None] * stride_qh + offs_d[None, :],
-        mask=m_ok[:, None],
-        other=0.0,
-    )  # [M, D]
+    q = _gather_q_rows(q_ptr, t_base + t, g * RH + h, m_ok, offs_d, stride_qt, stride_qh)  # [M, D]
     return e, qpos, q
 
 
@@ -649,38 +704,8 @@ def _kv_seg_pipelined(
         e = tl.gather(perm_v, lic, 0)
         qpos = tl.where(m_ok, tl.gather(epos_v, lic, 0), -1)
         t = e // (G * topk)
-        q = tl.load(
-            q_ptr
-            + (t_base + t)[:, None].to(tl.int64) * stride_qt
-            + (g * RH + h)[:, None] * stride_qh
-            + offs_d[None, :],
-            mask=m_ok[:, None],
-            other=0.0,
-        )  # [M, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        keep = m_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m = tl.max(s, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m[:, None])
-        l_i = tl.sum(p, axis=1)
-        if IEEE:
-            o = tl.dot(p, v, input_precision="ieee")
-        else:
-            o = tl.dot(p.to(v.dtype), v)
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = o / l_safe[:, None]
-        lse = tl.where(l_i > 0, m + tl.log2(l_safe), float("-inf"))
-        tl.store(lse_ptr + e * RH + h, lse, mask=m_ok)
-        tl.store(
-            opart_ptr + (e * RH + h)[:, None].to(tl.int64) * D + offs_d[None, :],
-            o.to(opart_ptr.dtype.element_ty),
-            mask=m_ok[:, None],
-        )
+        q = _gather_q_rows(q_ptr, t_base + t, g * RH + h, m_ok, offs_d, stride_qt, stride_qh)  # [M, D]
+        _kv_seg_tile(q, k, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
 
 
 @triton.jit
@@ -802,30 +827,7 @@ def kv_seg_attn_kernel(
             e, qpos, q = _kv_seg_load_q(
                 q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt, stride_qh, G, RH, topk
             )
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        keep = m_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m = tl.max(s, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m[:, None])
-        l_i = tl.sum(p, axis=1)
-        if IEEE:
-            o = tl.dot(p, v, input_precision="ieee")
-        else:
-            o = tl.dot(p.to(v.dtype), v)
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = o / l_safe[:, None]
-        lse = tl.where(l_i > 0, m + tl.log2(l_safe), float("-inf"))
-        tl.store(lse_ptr + e * RH + h, lse, mask=m_ok)
-        tl.store(
-            opart_ptr + (e * RH + h)[:, None].to(tl.int64) * D + offs_d[None, :],
-            o.to(opart_ptr.dtype.element_ty),
-            mask=m_ok[:, None],
-        )
+        _kv_seg_tile(q, k, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
         if PREFETCH:
             e, qpos, q, m_ok = e_n, qpos_n, q_n, m_ok_n
 
