@@ -1,7 +1,10 @@
 """``python -m m3_rollout.serve --model DIR|builtin:NAME [...]``: the rollout server's entry point.
 
-Thin: resolves ``builtin:NAME`` to the embedded checkpoint (built on first use) and hands over to
-``m3_rollout.server.cli``; run with ``--help`` for the options.
+Thin: binds the address, resolves ``builtin:NAME`` to the embedded checkpoint (built on first use)
+and hands over to ``m3_rollout.server.cli``; run with ``--help`` for the options. Exit status 2
+with one ``error: ...`` line for a bad flag or an unusable checkpoint / tokenizer / template file
+(named, as ``m3-rollout export`` says them), 3 when the address cannot be bound (naming ``--port``
+or ``--host``; uvicorn's status for a server that could not start).
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     from m3_rollout.jobs.builtin import BUILTIN_PREFIX, resolve_model
-    from m3_rollout.server.cli import default_template_kwargs, parse_args, serve
+    from m3_rollout.server.cli import (
+        BindError,
+        bind_socket,
+        build_server,
+        default_template_kwargs,
+        parse_args,
+        run_server,
+    )
 
     args = parse_args(argv)
     try:  # the flag first: a bad value stops before a builtin build
@@ -20,18 +30,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        model_dir, _ = resolve_model(args.model)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: --model: {exc}", file=sys.stderr)
-        return 2
-    try:
-        builtin = args.model.startswith(BUILTIN_PREFIX)
-        kwargs = default_template_kwargs(args.default_chat_template_kwargs, builtin, model_dir)
-    except ValueError as exc:
+    try:  # the address next: a port in use stops before a build or a checkpoint load
+        sock = bind_socket(args.host, args.port)
+    except BindError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    serve(args, model_dir, kwargs)
+        return 3
+    with sock:
+        try:
+            model_dir, _ = resolve_model(args.model)
+        except (FileNotFoundError, ValueError) as exc:  # a CheckpointError (config.json) is a ValueError
+            print(f"error: --model: {exc}", file=sys.stderr)
+            return 2
+        try:
+            builtin = args.model.startswith(BUILTIN_PREFIX)
+            kwargs = default_template_kwargs(args.default_chat_template_kwargs, builtin, model_dir)
+            app, served = build_server(args, model_dir, kwargs)
+        except (FileNotFoundError, ValueError) as exc:  # CheckpointError / ChatFileError are ValueErrors
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        run_server(args, app, served, sock)
     return 0
 
 

@@ -34,6 +34,7 @@ from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, ChatFormat, load_tem
 from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
+from m3_rollout.model.configuration import read_config_json
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment, tool_steps
@@ -224,6 +225,8 @@ def check_model_name(model_name: str, device: str | None = None) -> TinyCheckpoi
     Raises:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
         ValueError: an unknown ``builtin:`` name.
+        CheckpointError: a config.json that is not a JSON object (``read_config_json``: named, so
+            no later reader, e.g. transformers' tokenizer loader, blames another file).
     """
     if model_name.startswith(BUILTIN_PREFIX):
         return builtin_spec(model_name[len(BUILTIN_PREFIX) :], device or default_device())
@@ -238,6 +241,7 @@ def check_model_name(model_name: str, device: str | None = None) -> TinyCheckpoi
         raise FileNotFoundError(f"{path} is a file, not a checkpoint directory; {accepted}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: the directory has no config.json; {accepted}")
+    read_config_json(path)
     return None
 
 
@@ -253,7 +257,7 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
 
     Raises:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
-        ValueError: an unknown ``builtin:`` name.
+        ValueError: an unknown ``builtin:`` name; a CheckpointError for an unreadable config.json.
         SystemExit(130): Ctrl-C during a build, after a one-line message on stderr (no traceback;
             nothing of the build is kept).
     """

@@ -92,17 +92,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of the export; returns the exit status (0, or 2 with ``error: ...`` on stderr)."""
     from m3_rollout.jobs.builtin import resolve_model
+    from m3_rollout.jobs.outputs import writable_dir
 
     args = parse_args(argv)
     try:
         model_dir, _ = resolve_model(args.model)
         kwargs = read_chat_defaults(model_dir)  # checked before anything is written (ChatFileError)
+        writable_dir(Path(args.out).expanduser(), "--out")  # a file there, or no permission (ConfigError)
         files = export_checkpoint(model_dir, args.out, args.format, DTYPES[args.dtype])
         if not kwargs and args.model.startswith("builtin:"):  # a build from before the file: serve's default
             kwargs = dict(BUILTIN_CHAT_DEFAULTS)
             write_chat_defaults(args.out, kwargs)
             files = sorted(p.name for p in Path(args.out).expanduser().iterdir())
-    except (FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
+    except (FileNotFoundError, ValueError) as exc:  # CheckpointError, ChatFileError, ConfigError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
     loader = "AutoModelForCausalLM" if args.format == "transformers-text" else "vLLM / the project's load_checkpoint"

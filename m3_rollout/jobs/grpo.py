@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from m3_rollout.chat.template import ChatFormat
+from m3_rollout.chat.template import ChatFileError, ChatFormat
 from m3_rollout.config import ConfigError, MasterConfig, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
 from m3_rollout.jobs.builtin import warm_start_warning
@@ -41,6 +42,7 @@ from m3_rollout.jobs.step_metrics import (
     rollout_metrics,
     validation_metrics,
 )
+from m3_rollout.model.configuration import CheckpointError
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.rollout.trajectory import Trajectory
 from m3_rollout.weight_sync.probe import model_scorer
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
     Raises:
         SystemExit(2): a configuration error (unknown key, bad value, missing config file, data
             path or record, tool, reward function, EP size, unwritable output directory), printed
-            as ``error: ...`` naming the key.
+            as ``error: ...`` naming the key; an unusable checkpoint, tokenizer or chat-template
+            file (``CheckpointError`` / ``ChatFileError``), naming the file.
         SystemExit(1): a ``TrainingError`` (every reward of a step failed; every update skipped).
     """
     parser = argparse.ArgumentParser(
@@ -140,7 +143,9 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
         raise SystemExit(2) from None
     try:
         return run(cfg)
-    except ConfigError as exc:  # found while building the run's pieces, before the first step
+    except (ConfigError, CheckpointError, ChatFileError) as exc:
+        # found while building the run's pieces, before the first step: a bad setting, or an
+        # unusable checkpoint / tokenizer / template file (the message names the file), as export says
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except TrainingError as exc:
@@ -218,7 +223,11 @@ def run(cfg: MasterConfig) -> dict:
     # Trainer first, then the backend (EP rollout service, or the in-process engine on the
     # trainer's device): a colocated CUDA engine sizes its KV pool from the memory left free.
     try:
-        policy = build_policy(cfg, load_trainer_model(cfg, model_dir), total_optimizer_steps(cfg, g.max_num_steps))
+        try:
+            model = load_trainer_model(cfg, model_dir)
+        except FileNotFoundError as exc:  # config.json is there (checked), no weight file
+            raise ConfigError(f"policy.model_name={p.model_name!r}: {exc}") from None
+        policy = build_policy(cfg, model, total_optimizer_steps(cfg, g.max_num_steps))
         policy.scorer = invariant_scorer(cfg, policy.compute, stack.max_len)  # None unless batch_invariant
         stack.backend = backend = build_generation_backend(cfg, model_dir, chat, stack.max_len)
         if cfg.weight_sync.probe.enabled:  # after each refit the rollout re-scores fixed ids against the trainer
@@ -506,10 +515,8 @@ def run(cfg: MasterConfig) -> dict:
         )
     (Path(cfg.logger.log_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
-    print(
-        f"logs in {cfg.logger.log_dir} (metrics.jsonl, summary.json; curves: "
-        f"{sys.executable} scripts/plot_metrics.py {cfg.logger.log_dir} -o grpo_curves.png)"
-    )
+    plot = plot_command(cfg.logger.log_dir)
+    print(f"logs in {cfg.logger.log_dir} (metrics.jsonl, summary.json" + (f"; curves: {plot})" if plot else ")"))
     warning = warm_start_warning(model_dir, info)
     if warning:  # again at the end: the start of the log is far up by now
         print(warning, file=sys.stderr)
@@ -520,6 +527,19 @@ def run(cfg: MasterConfig) -> dict:
             f"lower policy.optimizer.lr or check the rewards and logprobs"
         )
     return summary
+
+
+#: The curve plotter of a source checkout (repository root / scripts); a pip-installed package has none.
+PLOT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_metrics.py"
+
+
+def plot_command(log_dir: str | Path, script: Path = PLOT_SCRIPT) -> str | None:
+    """The command that plots a run's curves from ``log_dir``, runnable from any directory (the
+    script by its absolute path), or None when ``script`` does not exist (installed without the
+    repository)."""
+    if not script.is_file():
+        return None
+    return f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {shlex.quote(str(log_dir))} -o grpo_curves.png"
 
 
 def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:

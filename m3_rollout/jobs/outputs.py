@@ -19,6 +19,8 @@ def writable_dir(path: str | Path, key: str) -> Path:
         ConfigError: naming ``key`` and the path, when it cannot be created or written.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={str(path)!r}: a file, not a directory; give a new or existing directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

@@ -30,6 +30,36 @@ class CheckpointError(ValueError):
     holding bad values). The message starts with the file's path and says what to do."""
 
 
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object in ``<path>/config.json`` (or ``path`` itself if it is a file), unvalidated.
+
+    The one reader of a checkpoint's config file, so every command (grpo, serve, export, dump)
+    names it the same way when it is unusable, before anything else of the checkpoint is read.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file is not UTF-8 text, not JSON, or not a JSON object.
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    with open(p, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"{p}: not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 4]!r}); re-save it as UTF-8 JSON"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(
+            f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix or re-download it"
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{p}: the top level must be a JSON object of config keys, got {type(data).__name__}")
+    return data
+
+
 def _real_layer_list() -> list[int]:
     # Real model: layers 0..2 dense + full attention, 3..59 MoE + sparse attention.
     return [0, 0, 0] + [1] * 57
@@ -243,24 +273,7 @@ class M3Config:
             CheckpointError: the file is not UTF-8 text, not JSON, or not a JSON object.
             ValueError: the config's values are invalid (listed).
         """
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        with open(p, "rb") as f:
-            raw = f.read()
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise CheckpointError(
-                f"{p}: not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 4]!r}); re-save it as UTF-8 JSON"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(
-                f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix or re-download it"
-            ) from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{p}: the top level must be a JSON object of config keys, got {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(path))
 
     def to_dict(self) -> dict[str, Any]:
         """A VL-shaped config.json dict that this class, vLLM and transformers all load.

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -34,7 +36,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="checkpoint directory or builtin:NAME")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to serve on (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
     p.add_argument("--expert-parallel-size", type=int, default=1, help="EP worker processes (1: in-process engine)")
     p.add_argument(
@@ -53,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="generation dtype (auto: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--max-model-len", type=int, default=None, help="longest context (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences the engine runs at once (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument(
         "--kv-cache-memory-gb", type=float, default=0.0, help="KV page pool + MSA prefill scratch (0: automatic)"
@@ -228,11 +230,54 @@ def build_served(
     )
 
 
-def serve(args: argparse.Namespace, model_dir: Path, template_kwargs: dict | None = None) -> None:
-    """Build everything for ``model_dir`` and run uvicorn until interrupted. template_kwargs: the
-    default chat-template kwargs (:func:`default_template_kwargs`; None = parsed from ``args``)."""
-    import uvicorn
+class BindError(RuntimeError):
+    """The server's address cannot be bound; the message names the flag (``--port`` / ``--host``)."""
 
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet: uvicorn listens on it once the app
+    is built), as uvicorn binds one (SO_REUSEADDR, IPv6 for a host with ':').
+
+    Binding before the checkpoint is loaded means a port in use stops the command in its first
+    second, and the "serving" line is printed only for an address that is ours.
+
+    Raises:
+        BindError: the port is in use or not allowed (naming ``--port``), or the host is not an
+            address of this machine (naming ``--host``).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            raise BindError(
+                f"--port={port}: {host}:{port} is already in use ({why}; another server listens there); "
+                "stop it or give a free --port"
+            ) from None
+        if exc.errno == errno.EACCES:
+            raise BindError(
+                f"--port={port}: binding {host}:{port} is not permitted ({why}); give a port >= 1024"
+            ) from None
+        raise BindError(
+            f"--host={host!r}: cannot bind {host}:{port} ({why}); give an address of this machine"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_server(args: argparse.Namespace, model_dir: Path, template_kwargs: dict | None = None):
+    """The FastAPI app serving ``model_dir`` and its ``ServedModel``: tokenizer, limits, backend,
+    engine runner. template_kwargs: the default chat-template kwargs (:func:`default_template_kwargs`;
+    None = parsed from ``args``).
+
+    Raises:
+        ValueError: a bad flag value, or an unusable checkpoint file (``CheckpointError``, named).
+        FileNotFoundError: a checkpoint without weight files.
+    """
     from .app import build_app
 
     served = build_served(
@@ -248,6 +293,33 @@ def serve(args: argparse.Namespace, model_dir: Path, template_kwargs: dict | Non
     backend: GenerationBackend = build_backend(
         args, model_dir, served.stop_token_ids, served.max_model_len, served.decode
     )
-    app = build_app(served, EngineRunner(backend), args.api_key)
+    return build_app(served, EngineRunner(backend), args.api_key), served
+
+
+def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.socket) -> None:
+    """Print the "serving" line (``sock`` is bound: the address is ours) and run uvicorn on ``sock``
+    until interrupted.
+
+    Raises:
+        SystemExit(3): uvicorn could not start (its startup-failure status).
+    """
+    import uvicorn
+
     print(f"m3-rollout server: serving {served.name!r} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run(sockets=[sock])
+    if not server.started:
+        raise SystemExit(3)
+
+
+def serve(args: argparse.Namespace, model_dir: Path, template_kwargs: dict | None = None) -> None:
+    """Bind ``--host``/``--port``, build everything for ``model_dir`` and run uvicorn until
+    interrupted. template_kwargs: as :func:`build_server`.
+
+    Raises:
+        BindError: the address cannot be bound (before anything is built).
+        SystemExit(3): uvicorn could not start.
+    """
+    with bind_socket(args.host, args.port) as sock:
+        app, served = build_server(args, model_dir, template_kwargs)
+        run_server(args, app, served, sock)

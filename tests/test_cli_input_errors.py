@@ -1,0 +1,125 @@
+"""The entry points on unusable input, as a new user meets it: a corrupt checkpoint stops grpo and
+serve with one ``error:`` line naming the file (exit 2, as export says it), export's ``--out``
+naming a file is a bad argument (exit 2), serve's port in use is one line naming ``--port`` (exit
+3) with nothing printed as served, and the end-of-run plot hint runs from any directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+import pytest
+from server_util import save_tiny_checkpoint, tiny_model, tiny_tokenizer
+
+import m3_rollout.jobs.grpo as grpo
+from m3_rollout.jobs.export import main as export_main
+from m3_rollout.serve import main as serve_main
+from m3_rollout.server.client import free_port
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """A good tiny checkpoint (tokenizer + chat template), one with its model.safetensors cut in
+    half, and one whose config.json is not JSON."""
+    tok = tiny_tokenizer()
+    root = tmp_path_factory.mktemp("ckpts")
+    good = save_tiny_checkpoint(root / "good", tok, tiny_model(len(tok)))
+    trunc, bad_json = root / "trunc", root / "bad_json"
+    shutil.copytree(good, trunc)
+    shutil.copytree(good, bad_json)
+    weights = trunc / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    (bad_json / "config.json").write_text('{"model_type":\n')
+    return good, trunc, bad_json
+
+
+def _grpo_args(tmp_path, model_dir):
+    return [
+        "--config",
+        "configs/grpo_smoke.yaml",
+        "policy.generation.expert_parallel_size=1",
+        "cluster.launcher=auto",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={tmp_path}/logs",
+        f"policy.model_name={model_dir}",
+    ]
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: "), err
+    return last
+
+
+def test_grpo_with_a_truncated_safetensors_exits_2_naming_it(ckpts, tmp_path, capsys):
+    _, trunc, _ = ckpts
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_grpo_args(tmp_path, trunc))
+    assert exc.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {trunc}/model.safetensors: not a readable safetensors file"), line
+
+
+def test_grpo_with_a_config_json_that_is_not_json_names_it_not_the_tokenizer(ckpts, tmp_path, capsys):
+    _, _, bad_json = ckpts
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_grpo_args(tmp_path, bad_json))
+    assert exc.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{bad_json}/config.json: not valid JSON (line 2, column 1" in line and "fix or re-download it" in line
+    assert "tokenizer" not in line, line
+
+
+def test_serve_with_a_corrupt_checkpoint_exits_2_naming_the_file(ckpts, capsys):
+    _, trunc, bad_json = ckpts
+    assert serve_main(["--model", str(trunc), "--port", str(free_port())]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert line.startswith(f"error: {trunc}/model.safetensors: not a readable safetensors file"), line
+    assert "serving" not in captured.out
+    assert serve_main(["--model", str(bad_json), "--port", str(free_port())]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: --model: {bad_json}/config.json: not valid JSON (line 2, column 1"), line
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_before_serving(ckpts, capsys):
+    good, _, _ = ckpts
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert serve_main(["--model", str(good), "--port", str(port)]) == 3
+    captured = capsys.readouterr()
+    assert "serving" not in captured.out
+    assert captured.err.startswith(f"error: --port={port}: 127.0.0.1:{port} is already in use")
+    assert captured.err.count("\n") == 1 and "give a free --port" in captured.err
+
+
+def test_export_to_a_path_that_is_a_file_is_a_bad_argument(ckpts, tmp_path, capsys):
+    good, _, _ = ckpts
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert export_main(["--model", str(good), "--out", str(afile)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out={str(afile)!r}: a file, not a directory; give a new or existing directory\n"
+    )
+    assert afile.read_text() == "keep me"
+
+
+def test_the_plot_hint_names_the_script_by_its_absolute_path_or_is_left_out(tmp_path):
+    cmd = grpo.plot_command("ep/logs")
+    assert cmd is not None
+    script = cmd.split()[1]
+    assert os.path.isabs(script) and os.path.isfile(script) and script.endswith("scripts/plot_metrics.py")
+    assert cmd.endswith(" ep/logs -o grpo_curves.png")
+    assert grpo.plot_command("ep/logs", script=tmp_path / "plot_metrics.py") is None  # installed without the repo
+
+
+def test_serve_help_gives_port_and_max_num_seqs_with_their_defaults(capsys):
+    with pytest.raises(SystemExit):
+        serve_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--port PORT TCP port to serve on (default 8000)" in text
+    assert "--max-num-seqs MAX_NUM_SEQS most sequences the engine runs at once (default 256)" in text
