@@ -1102,15 +1102,30 @@ def resolve_config_path(path: str | Path) -> Path:
 
 
 def _suggest_key(schema, key: str) -> str:
-    """ ", did you mean 'x.y'?" for the closest existing key of the same section, or ""."""
+    """ ", did you mean 'x.y'?" for the closest existing key, or "".
+
+    Each dotted part that is not a key of its section is replaced by the closest one there, so a
+    typo in a section name (``polcy.model_name``) is corrected as one in a leaf key is; no
+    suggestion when some part has no close key or the corrected key does not exist.
+    """
     import difflib
 
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(schema, parent) if parent else schema
-    if not OmegaConf.is_dict(node):
-        return ""
-    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
-    return f", did you mean {(parent + '.' if parent else '') + close[0]!r}?" if close else ""
+    node, fixed = schema, []
+    for part in key.split("."):
+        if not OmegaConf.is_dict(node):
+            return ""
+        names = [str(k) for k in node.keys()]
+        if part not in names:
+            close = difflib.get_close_matches(part, names, n=1)
+            if not close:
+                return ""
+            part = close[0]
+        fixed.append(part)
+        try:
+            node = node[part]
+        except OmegaConfBaseException:  # e.g. an interpolation naming no key on the way: no suggestion
+            return ""
+    return f", did you mean {'.'.join(fixed)!r}?"
 
 
 # ------------------------------------------------------------------------ NeMo RL's keys
@@ -1365,8 +1380,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         overrides = parse_overrides(schema, overrides)
         if overrides:
             schema = OmegaConf.merge(schema, OmegaConf.from_dotlist(list(overrides)))
-    except ConfigKeyError as exc:
-        raise ConfigError(f"unknown config key: {exc.full_key or exc}; see m3_rollout/config.py for the keys") from None
+    except ConfigKeyError as exc:  # a key of the YAML file (overrides are checked in parse_overrides)
+        hint = _suggest_key(OmegaConf.structured(MasterConfig), str(exc.full_key)) if exc.full_key else ""
+        raise ConfigError(
+            f"unknown config key: {exc.full_key or exc}{hint}; see m3_rollout/config.py for the keys"
+        ) from None
     except ValidationError as exc:
         if exc.full_key:
             raise ConfigError(f"bad value for {exc.full_key}: {str(exc.msg).splitlines()[0]}") from None

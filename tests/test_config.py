@@ -37,6 +37,29 @@ def test_bad_overrides_name_the_key(override, needle):
         load_config(MAIN, [override])
 
 
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("polcy.model_name=x", "policy.model_name"),  # a typo in the section
+        ("policy.generaton.temperature=1", "policy.generation.temperature"),  # in a subsection
+        ("polcy.modl_name=x", "policy.model_name"),  # in both
+        ("policy.model_nme=x", "policy.model_name"),  # in the leaf (as before)
+    ],
+)
+def test_unknown_keys_get_the_closest_key_whichever_part_is_misspelt(override, suggestion):
+    with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
+        load_config(MAIN, [override])
+
+
+def test_unknown_key_without_a_close_one_gets_no_suggestion_and_yaml_keys_get_one(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, ["zzzzzz.model_name=x"])
+    assert "did you mean" not in str(exc.value)
+    (tmp_path / "typo.yaml").write_text("polcy:\n  model_name: x\n")
+    with pytest.raises(ConfigError, match="unknown config key: polcy, did you mean 'policy'"):
+        load_config(tmp_path / "typo.yaml")
+
+
 def test_missing_file():
     with pytest.raises(FileNotFoundError):
         load_config("configs/nope.yaml")

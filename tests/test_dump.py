@@ -337,6 +337,19 @@ def test_replay_with_a_model_that_is_no_checkpoint_says_so_without_a_traceback(t
     assert err.count("\n") == 1
 
 
+def test_show_of_a_missing_step_lists_the_steps_there(tmp_path, capsys):
+    from m3_rollout.jobs.dump_cli import main as dump_main
+
+    for step in (2, 4):
+        _write(tmp_path, step)
+    assert dump_main(["show", str(tmp_path), "--step", "9", "--group", "0"]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: no shard for steps [9]; its shards are of steps [2, 4]\n"
+    for step in range(5, 30):
+        _write(tmp_path, step)
+    with pytest.raises(DumpDirError, match=r"steps \[2, 4, 5, .*, 28, 29\] \(27 shards\)"):
+        read_dump(tmp_path, steps=[1])
+
+
 def test_bad_input_names_the_file_and_other_shards_load(tmp_path):
     with pytest.raises(DumpDirError, match="does not exist"):
         read_dump(tmp_path / "missing")

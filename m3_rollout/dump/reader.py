@@ -173,6 +173,16 @@ class DumpRead:
     errors: list[DumpFileError]
 
 
+def _steps_text(steps: list[int], limit: int = 20) -> str:
+    """``[2, 4, 6]``, or the first and last ``limit // 2`` steps around "..." for a long list."""
+    steps = sorted(steps)
+    if len(steps) <= limit:
+        return str(steps)
+    half = limit // 2
+    head, tail = ", ".join(map(str, steps[:half])), ", ".join(map(str, steps[-half:]))
+    return f"[{head}, ..., {tail}] ({len(steps)} shards)"
+
+
 def read_dump(
     directory: str | Path, steps: Iterable[int] | None = None, columns: Iterable[str] | None = None
 ) -> DumpRead:
@@ -183,9 +193,10 @@ def read_dump(
             requested step.
     """
     wanted = None if steps is None else set(int(s) for s in steps)
-    tables, infos, errors = [], [], []
+    tables, infos, errors, present = [], [], [], []
     for path in shard_paths(directory):
         step = int(S.SHARD_PATTERN.match(path.name).group(1))
+        present.append(step)
         if wanted is not None and step not in wanted:
             continue
         try:
@@ -197,7 +208,9 @@ def read_dump(
     if not tables:
         if errors:
             raise DumpDirError(f"{directory}: no usable shard:\n  " + "\n  ".join(str(e) for e in errors))
-        raise DumpDirError(f"{directory}: no shard for steps {sorted(wanted or [])}")
+        raise DumpDirError(
+            f"{directory}: no shard for steps {sorted(wanted or [])}; its shards are of steps {_steps_text(present)}"
+        )
     schema = S.SCHEMA if columns is None else pa.schema([S.SCHEMA.field(c) for c in columns])
     table = pa.concat_tables([t.select(schema.names).cast(schema).replace_schema_metadata(None) for t in tables])
     return DumpRead(table, infos, errors)
