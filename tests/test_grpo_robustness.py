@@ -187,6 +187,33 @@ def test_ctrl_c_during_a_builtin_build_exits_130_with_one_line(cache, capsys, mo
     assert not cache_dir.exists() or not any(cache_dir.iterdir())  # no partial checkpoint left behind
 
 
+def test_ctrl_c_during_grpo_exits_130_naming_the_checkpoint_to_resume_from(cache, capsys, monkeypatch):
+    # KeyboardInterrupt in the second step's training (as a Ctrl-C would raise it), after step 1 saved
+    # its checkpoint: one line naming that checkpoint and the resume key, exit 130, no traceback.
+    real = grpo.train_step_on_groups
+    calls = []
+
+    def interrupted_on_step_2(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(grpo, "train_step_on_groups", interrupted_on_step_2)
+    ckpt = cache / "ckpt"
+    args = _args(cache, "grpo.max_num_steps=3", "checkpointing.enabled=true", "checkpointing.save_period=1")
+    with pytest.raises(SystemExit) as exc:
+        grpo.main([*args, f"checkpointing.checkpoint_dir={ckpt}"])
+    assert exc.value.code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("interrupted:")]
+    assert f"metrics so far are in {cache}/logs/metrics.jsonl" in line
+    assert f"the latest checkpoint in {ckpt} is step 1: add checkpointing.resume=true" in line
+    assert (ckpt / "step_1").is_dir() and not (ckpt / "step_2").exists()
+    assert len(_metrics(cache)) == 1  # step 1's row was written before the interrupt
+
+
 def test_overlong_filtering_token_counts_agree_with_the_batch(cache):
     # Random weights rarely sample eos within 24 tokens: most trajectories are cut ("length").
     summary = grpo.main(_args(cache, "grpo.max_num_steps=1", "grpo.overlong_filtering=true"))

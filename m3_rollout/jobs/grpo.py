@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
             as ``error: ...`` naming the key; an unusable checkpoint, tokenizer or chat-template
             file (``CheckpointError`` / ``ChatFileError``), naming the file.
         SystemExit(1): a ``TrainingError`` (every reward of a step failed; every update skipped).
+        SystemExit(130): Ctrl-C, after one line on stderr (``interrupted_message``; a Ctrl-C during a
+            builtin checkpoint build says its own line).
     """
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -151,6 +153,30 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        # a Ctrl-C after the checkpoint build (which says its own line): run() has shut the rollout
+        # workers down on its way out; say what is kept instead of a traceback
+        print(interrupted_message(cfg), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def interrupted_message(cfg: MasterConfig) -> str:
+    """The one line a Ctrl-C of the job prints: where its metrics are and which checkpoint a
+    ``checkpointing.resume=true`` run would continue from (or that none was saved)."""
+    ck = cfg.checkpointing
+    steps = CheckpointManager(ck.checkpoint_dir).steps() if ck.enabled else []
+    if steps:
+        kept = (
+            f"the latest checkpoint in {ck.checkpoint_dir} is step {steps[-1]}: "
+            "add checkpointing.resume=true to continue from it"
+        )
+    elif ck.enabled:
+        kept = f"no checkpoint was saved yet (checkpointing.save_period={ck.save_period}; 0 saves only at the end)"
+    else:
+        kept = "checkpointing is off, so no checkpoint was saved"
+    return (
+        f"interrupted: the GRPO job stopped (Ctrl-C); metrics so far are in {cfg.logger.log_dir}/metrics.jsonl; " + kept
+    )
 
 
 def check_resume(cfg: MasterConfig) -> None:
