@@ -354,36 +354,34 @@ def _index_scores_kernel(
                             QFP8,
                             STORE_B,
                         )
-                b_stop = b_lo  # the plain loop below has nothing left to do
             else:
-                b_stop = b_mid
-            for b in range(b_lo, b_stop):
-                page = tl.load(bt_ptr + row * stride_bt_r + b)
-                tile = _prefill_block_step(
-                    tile,
-                    q,
-                    qpos,
-                    q_scale,
-                    ik_ptr,
-                    iks_ptr,
-                    page,
-                    b,
-                    b_lo,
-                    b_hi,
-                    row_ptr,
-                    m_valid,
-                    offs_j,
-                    stride_ik_p,
-                    stride_ik_o,
-                    stride_iks_p,
-                    offs_d,
-                    PS,
-                    NSUB,
-                    False,
-                    KSCALE,
-                    QFP8,
-                    STORE_B,
-                )
+                for b in range(b_lo, b_mid):
+                    page = tl.load(bt_ptr + row * stride_bt_r + b)
+                    tile = _prefill_block_step(
+                        tile,
+                        q,
+                        qpos,
+                        q_scale,
+                        ik_ptr,
+                        iks_ptr,
+                        page,
+                        b,
+                        b_lo,
+                        b_hi,
+                        row_ptr,
+                        m_valid,
+                        offs_j,
+                        stride_ik_p,
+                        stride_ik_o,
+                        stride_iks_p,
+                        offs_d,
+                        PS,
+                        NSUB,
+                        False,
+                        KSCALE,
+                        QFP8,
+                        STORE_B,
+                    )
         for b in range(b_mid, b_hi):
             page = tl.load(bt_ptr + row * stride_bt_r + b)
             tile = _prefill_block_step(
