@@ -23,7 +23,6 @@ import asyncio
 import base64
 import hmac
 import json
-import secrets
 import uuid
 
 import numpy as np
@@ -58,6 +57,7 @@ from .protocol import (
     PauseRequest,
     TokenizeRequest,
     UpdateWeightsRequest,
+    request_seed,
 )
 from .runner import EngineRunner
 
@@ -257,7 +257,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             top_k=top_k,
             max_new_tokens=sp.max_new_tokens,
             stop_token_ids=tuple(sp.stop_token_ids),
-            seed=secrets.randbits(62) if sp.seed is None else sp.seed,
+            seed=request_seed(sp.seed),
             logprobs_mode=sp.logprobs_mode,
             stop_strings=tuple(sp.stop),
         )

@@ -310,16 +310,3 @@ def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.
     server.run(sockets=[sock])
     if not server.started:
         raise SystemExit(3)
-
-
-def serve(args: argparse.Namespace, model_dir: Path, template_kwargs: dict | None = None) -> None:
-    """Bind ``--host``/``--port``, build everything for ``model_dir`` and run uvicorn until
-    interrupted. template_kwargs: as :func:`build_server`.
-
-    Raises:
-        BindError: the address cannot be bound (before anything is built).
-        SystemExit(3): uvicorn could not start.
-    """
-    with bind_socket(args.host, args.port) as sock:
-        app, served = build_server(args, model_dir, template_kwargs)
-        run_server(args, app, served, sock)

@@ -20,7 +20,6 @@ import asyncio
 import collections
 import json
 import re
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +32,7 @@ from m3_rollout.chat.template import render
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 
 from .control import Controller
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, request_seed
 
 
 @dataclass
@@ -187,7 +186,7 @@ def sampling_params(
         top_k=top_k,
         max_new_tokens=min(max_tokens or room, room),
         stop_token_ids=tuple(stop_ids),
-        seed=secrets.randbits(62) if req.seed is None else req.seed,
+        seed=request_seed(req.seed),
         logprobs_mode=req.logprobs_mode,
         stop_strings=tuple(stops),
     )

@@ -9,6 +9,7 @@ clients may send vendor extras.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -119,6 +120,12 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+
+def request_seed(seed: int | None) -> int:
+    """The sampler seed of a request: its own, or (None, the default of every route) a fresh random
+    62-bit seed, as vLLM does, so unseeded requests do not repeat each other."""
+    return secrets.randbits(62) if seed is None else seed
 
 
 # ---- RL extensions -----------------------------------------------------------------------------
