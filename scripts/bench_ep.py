@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # benchlib, also when imported from a test
 
-from benchlib import bench_config, emit_section  # noqa: E402
+from benchlib import REAL_SLICE, bench_config, emit_section  # noqa: E402
 
 from m3_rollout.model.configuration import M3Config, tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE  # noqa: E402
@@ -67,7 +67,6 @@ from m3_rollout.parallel import EPGroupSpec, destroy_ep_group, free_port, init_e
 from m3_rollout.parallel.ep_moe import EPExperts, EPStats  # noqa: E402
 from m3_rollout.parallel.expert_sharding import expert_range  # noqa: E402
 
-SLICE = ROOT / "configs" / "bench" / "m3_slice_real.json"
 TINY_TOKENS = (16, 128, 1024)
 REAL_TOKENS = (1, 32, 256, 4096)
 CHECK_ROWS = 64  # rows per (layer, T) compared with EP=1
@@ -80,7 +79,7 @@ RESERVE_BYTES = 3 * GIB  # CUDA context, NCCL buffers, allocator slack per GPU
 def moe_config(real_shapes: bool) -> M3Config:
     """The MoE layer's config: the released M3 shapes (configs/bench/m3_slice_real.json) or the
     main job's tiny M3."""
-    return bench_config(SLICE) if real_shapes else tiny_config(sparse_local_block=2)
+    return bench_config(REAL_SLICE) if real_shapes else tiny_config(sparse_local_block=2)
 
 
 def real_shapes_bytes(cfg: M3Config, layers: int, world: int, max_tokens: int, dtype_bytes: int = 2) -> dict:

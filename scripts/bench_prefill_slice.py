@@ -36,12 +36,11 @@ from pathlib import Path
 
 import torch
 from bench_engine import decode_floor_ms, make_engine, timed_generate
-from benchlib import bench_config, machine, random_model, run_date
+from benchlib import REAL_SLICE, bench_config, machine, random_model, run_date
 
 from m3_rollout.model import M3Config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICE = ROOT / "configs" / "bench" / "m3_slice_real.json"
 
 
 def load_config(path: str) -> M3Config:
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     """Run the benchmark; returns (and, unless --no-write, appends to docs/benchmarks.md) its lines."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    ap.add_argument("--model-json", default=str(SLICE), help="config JSON; '' = tiny_config() (CPU tests)")
+    ap.add_argument("--model-json", default=str(REAL_SLICE), help="config JSON; '' = tiny_config() (CPU tests)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=32768, help="EngineConfig.max_num_batched_tokens (prefill chunk)")

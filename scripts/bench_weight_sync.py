@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -96,7 +95,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # benchlib, also when imported from a test
 
-from benchlib import machine, run_date  # noqa: E402
+from benchlib import REAL_SLICE, bench_config, machine, run_date  # noqa: E402
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors  # noqa: E402
 from m3_rollout.model.configuration import M3Config, tiny_config  # noqa: E402
@@ -172,7 +171,6 @@ def synthetic_config(gb: float | None = None, dtype: torch.dtype = torch.bfloat1
     raise AssertionError("unreachable")
 
 
-SLICE = os.path.join(ROOT, "configs", "bench", "m3_slice_real.json")
 GIB = 2**30
 GPU_RESERVE = 3 * GIB  # per GPU: CUDA context, NCCL buffers, allocator slack
 HOST_FRACTION = 0.8  # of MemAvailable, for the receivers' pinned atomic stages
@@ -181,14 +179,12 @@ HOST_FRACTION = 0.8  # of MemAvailable, for the receivers' pinned atomic stages
 def real_shapes_config(moe_layers: int) -> M3Config:
     """M3 at the released layer shapes (configs/bench/m3_slice_real.json): layer 0 full attention +
     dense MLP, then ``moe_layers`` MSA sparse-attention + 128-expert MoE layers."""
-    with open(SLICE) as f:
-        raw = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
-    raw.update(
+    return bench_config(
+        REAL_SLICE,
         num_hidden_layers=1 + moe_layers,
         layer_types=["full_attention"] + ["minimax_m3_sparse"] * moe_layers,
         mlp_layer_types=["dense"] + ["sparse"] * moe_layers,
     )
-    return M3Config.from_dict(raw)
 
 
 def rank_bytes(cfg, ep_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:

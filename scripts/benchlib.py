@@ -32,15 +32,20 @@ def machine(device: str = "cpu") -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
-def bench_config(path: str | Path):
+#: The released model's layer shapes in a small slice (layer 0 dense, then MSA + MoE layers).
+REAL_SLICE = Path(__file__).resolve().parent.parent / "configs" / "bench" / "m3_slice_real.json"
+
+
+def bench_config(path: str | Path, **overrides):
     """``M3Config`` from a benchmark config JSON (configs/bench/*.json; either config shape), keys
-    starting with "_" (comments) dropped. Raises what ``M3Config.from_dict`` raises on bad keys."""
+    starting with "_" (comments) dropped, then ``overrides`` set (e.g. another layer count). Raises
+    what ``M3Config.from_dict`` raises on bad keys."""
     import json
 
     from m3_rollout.model import M3Config
 
     raw = json.loads(Path(path).read_text())
-    return M3Config.from_dict({k: v for k, v in raw.items() if not k.startswith("_")})
+    return M3Config.from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")}, **overrides})
 
 
 def random_model(cfg, device: str, dtype):

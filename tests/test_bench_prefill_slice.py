@@ -35,7 +35,7 @@ def test_prefill_flops_by_hand_on_the_real_slice_shapes(bench):
     and the total of 4 x 32K tokens at 600 TFLOP/s ~0.64 s (the issue's ~0.65 s)."""
     from m3_rollout.model import M3ForCausalLM
 
-    cfg = bench.load_config(str(bench.SLICE))
+    cfg = bench.load_config(str(bench.REAL_SLICE))
     with torch.device("meta"):
         model = M3ForCausalLM(cfg)
     h, nh, g, d = 6144, 64, 4, 128
