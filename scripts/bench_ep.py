@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # benchlib, also when imported from a test
 
-from benchlib import REAL_SLICE, bench_config, emit_section  # noqa: E402
+from benchlib import GPU_RESERVE, REAL_SLICE, bench_config, emit_section, gpu_shortfalls  # noqa: E402
 
 from m3_rollout.model.configuration import M3Config, tiny_config  # noqa: E402
 from m3_rollout.model.moe import M3MoE  # noqa: E402
@@ -72,8 +72,6 @@ REAL_TOKENS = (1, 32, 256, 4096)
 CHECK_ROWS = 64  # rows per (layer, T) compared with EP=1
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2.0**-6, "float16": 2.0**-6}
 LOGIT_TOLERANCE = {"float32": 1e-5, "bfloat16": 2.0**-5, "float16": 2.0**-5}
-GIB = 2**30
-RESERVE_BYTES = 3 * GIB  # CUDA context, NCCL buffers, allocator slack per GPU
 
 
 def moe_config(real_shapes: bool) -> M3Config:
@@ -103,11 +101,8 @@ def real_shapes_bytes(cfg: M3Config, layers: int, world: int, max_tokens: int, d
 def check_fits(need: dict, free: list[int], world: int) -> None:
     """Raise SystemExit naming the GPU, its free memory and the estimate, when the EP=1 process
     (GPU 0) or an EP rank (GPUs 0..world-1) would not fit. ``free``: free bytes per GPU."""
-    bad = []
-    for gpu in range(world):
-        want = max(need["ep"], need["ep1"] if gpu == 0 else 0) + RESERVE_BYTES
-        if free[gpu] < want:
-            bad.append(f"GPU {gpu}: {free[gpu] / GIB:.1f} GiB free, needs ~{want / GIB:.1f} GiB")
+    want = [max(need["ep"], need["ep1"] if gpu == 0 else 0) + GPU_RESERVE for gpu in range(world)]
+    bad = gpu_shortfalls(want, free[:world])
     if bad:
         raise SystemExit(
             "--real-shapes: the MoE layers would not fit (" + "; ".join(bad) + "); use fewer --layers, "

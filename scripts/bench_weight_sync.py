@@ -95,7 +95,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # benchlib, also when imported from a test
 
-from benchlib import REAL_SLICE, bench_config, machine, run_date  # noqa: E402
+from benchlib import GIB, GPU_RESERVE, REAL_SLICE, bench_config, gpu_shortfalls, machine, run_date  # noqa: E402
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors  # noqa: E402
 from m3_rollout.model.configuration import M3Config, tiny_config  # noqa: E402
@@ -171,8 +171,6 @@ def synthetic_config(gb: float | None = None, dtype: torch.dtype = torch.bfloat1
     raise AssertionError("unreachable")
 
 
-GIB = 2**30
-GPU_RESERVE = 3 * GIB  # per GPU: CUDA context, NCCL buffers, allocator slack
 HOST_FRACTION = 0.8  # of MemAvailable, for the receivers' pinned atomic stages
 
 
@@ -241,11 +239,7 @@ def real_shapes_plan(
         }
 
     def problems(p: dict) -> list[str]:
-        out = [
-            f"GPU {i}: {free / GIB:.1f} GiB free, needs ~{need / GIB:.1f} GiB"
-            for i, (need, free) in enumerate(zip(p["gpu_need"], gpu_free))
-            if need > free
-        ]
+        out = gpu_shortfalls(p["gpu_need"], gpu_free)
         if p["host_need"] > HOST_FRACTION * host_free:
             out.append(
                 f"host: the {receivers} pinned atomic stage(s) need ~{p['host_need'] / GIB:.1f} GiB, over "

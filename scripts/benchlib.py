@@ -32,6 +32,20 @@ def machine(device: str = "cpu") -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
+GIB = 2**30
+GPU_RESERVE = 3 * GIB  # per GPU, beyond a benchmark's own estimate: CUDA context, NCCL buffers, allocator slack
+
+
+def gpu_shortfalls(need: list[int], free: list[int]) -> list[str]:
+    """ "GPU i: X GiB free, needs ~Y GiB" for each GPU i whose estimate ``need[i]`` (bytes, reserve
+    included) exceeds its ``free[i]`` bytes; [] when all fit."""
+    return [
+        f"GPU {i}: {f / GIB:.1f} GiB free, needs ~{n / GIB:.1f} GiB"
+        for i, (n, f) in enumerate(zip(need, free))
+        if n > f
+    ]
+
+
 #: The released model's layer shapes in a small slice (layer 0 dense, then MSA + MoE layers).
 REAL_SLICE = Path(__file__).resolve().parent.parent / "configs" / "bench" / "m3_slice_real.json"
 
