@@ -3,6 +3,8 @@ config errors found at start (exit 2 naming the key), overlong filtering's token
 truncated-turn reward and the warning for truncated-sampling logprobs."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -212,6 +214,26 @@ def test_ctrl_c_during_grpo_exits_130_naming_the_checkpoint_to_resume_from(cache
     assert f"the latest checkpoint in {ckpt} is step 1: add checkpointing.resume=true" in line
     assert (ckpt / "step_1").is_dir() and not (ckpt / "step_2").exists()
     assert len(_metrics(cache)) == 1  # step 1's row was written before the interrupt
+
+
+def test_ctrl_c_while_the_job_module_loads_exits_130_with_one_line():
+    # A Ctrl-C during ``python -m m3_rollout.grpo``'s imports (torch, triton: seconds on a busy
+    # machine) must not print a traceback: one line, exit 130. The interrupt is raised by an
+    # import hook when the job module is imported, in a child process running the entry module.
+    code = (
+        "import runpy, sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'm3_rollout.jobs.grpo':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "runpy.run_module('m3_rollout.grpo', run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["interrupted: the GRPO job stopped (Ctrl-C) while loading; nothing was started"], proc.stderr
+    assert proc.stdout == ""
 
 
 def test_overlong_filtering_token_counts_agree_with_the_batch(cache):
