@@ -5,6 +5,7 @@ naming a file is a bad argument (exit 2), serve's port in use is one line naming
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -82,6 +83,32 @@ def test_serve_with_a_corrupt_checkpoint_exits_2_naming_the_file(ckpts, capsys):
     assert serve_main(["--model", str(bad_json), "--port", str(free_port())]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith(f"error: --model: {bad_json}/config.json: not valid JSON (line 2, column 1"), line
+
+
+def test_bad_config_json_values_stop_grpo_serve_and_export_in_one_line_listing_every_key(ckpts, tmp_path, capsys):
+    # JSON that parses but holds values the model refuses (a string eps, a negative eos id): one
+    # line naming the file and every bad key, exit 2, before transformers' own config class (which
+    # raised a traceback about a dataclass field) or the weights are read.
+    good, _, _ = ckpts
+    bad = tmp_path / "bad_values"
+    shutil.copytree(good, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["text_config"]["rms_norm_eps"] = "1e-6"
+    cfg["text_config"]["eos_token_id"] = [3, -1]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    want = (
+        f"{bad}/config.json: invalid M3 config values: rms_norm_eps='1e-6': must be a finite number; "
+        "eos_token_id=[3, -1]: must be null or a token id (an int >= 0), or a list of them"
+    )
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_grpo_args(tmp_path, bad))
+    assert exc.value.code == 2
+    assert want in _one_error_line(capsys.readouterr().err)
+    assert serve_main(["--model", str(bad), "--port", str(free_port())]) == 2
+    assert _one_error_line(capsys.readouterr().err).startswith(f"error: --model: {want}")
+    assert export_main(["--model", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert want in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
 
 
 def test_serve_on_a_port_in_use_says_so_in_one_line_before_serving(ckpts, capsys):

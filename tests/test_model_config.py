@@ -125,6 +125,26 @@ def test_validate_lists_every_violation_with_key_and_value():
     assert tiny_config().sparse_block_size == 16
 
 
+@pytest.mark.parametrize(
+    "key,value,allowed",
+    [
+        ("rms_norm_eps", "1e-6", "must be a finite number"),
+        ("routed_scaling_factor", None, "must be a finite number"),
+        ("rope_theta", float("inf"), "must be a finite number"),
+        ("swiglu_limit", True, "must be a finite number"),
+        ("eos_token_id", "</s>", "must be null or a token id (an int >= 0), or a list of them"),
+        ("eos_token_id", [2, -1], "must be null or a token id (an int >= 0), or a list of them"),
+        ("pad_token_id", 1.5, "must be null or a token id (an int >= 0)"),
+    ],
+)
+def test_values_of_the_wrong_type_are_named_not_a_type_error(key, value, allowed):
+    # a config.json value of the wrong type used to reach a comparison and raise TypeError
+    with pytest.raises(ValueError) as e:
+        dataclasses.replace(tiny_config(), **{key: value}).validate()
+    assert f"{key}={value!r}: {allowed}" in str(e.value)
+    assert dataclasses.replace(tiny_config(), eos_token_id=[2, 3], pad_token_id=None).validate()
+
+
 def test_from_pretrained_reads_config_json(tmp_path):
     cfg = tiny_config()
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))

@@ -34,7 +34,7 @@ from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, ChatFormat, load_tem
 from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
-from m3_rollout.model.configuration import read_config_json
+from m3_rollout.model.configuration import CheckpointError, M3Config, read_config_json
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
 from m3_rollout.rollout.environments.calculator import ArithmeticTask, CalculatorEnvironment, tool_steps
@@ -226,7 +226,8 @@ def check_model_name(model_name: str, device: str | None = None) -> TinyCheckpoi
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
         ValueError: an unknown ``builtin:`` name.
         CheckpointError: a config.json that is not a JSON object (``read_config_json``: named, so
-            no later reader, e.g. transformers' tokenizer loader, blames another file).
+            no later reader, e.g. transformers' tokenizer loader, blames another file), or whose
+            values ``M3Config`` refuses (every bad key listed, on one line).
     """
     if model_name.startswith(BUILTIN_PREFIX):
         return builtin_spec(model_name[len(BUILTIN_PREFIX) :], device or default_device())
@@ -241,7 +242,16 @@ def check_model_name(model_name: str, device: str | None = None) -> TinyCheckpoi
         raise FileNotFoundError(f"{path} is a file, not a checkpoint directory; {accepted}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: the directory has no config.json; {accepted}")
-    read_config_json(path)
+    data = read_config_json(path)
+    try:
+        M3Config.from_dict(data)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError) as exc:  # the values, checked before transformers reads them
+        problems = "; ".join(line.strip() for line in str(exc).splitlines()[1:]) or str(exc)
+        raise CheckpointError(
+            f"{path / 'config.json'}: invalid M3 config values: {problems} (docs/m3_spec.md §1.2 lists the keys)"
+        ) from None
     return None
 
 

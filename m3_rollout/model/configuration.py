@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -347,7 +348,21 @@ class M3Config:
         ):  # fmt: skip
             v = getattr(self, key)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, key, "must be a positive int")
-        if errs:  # the relations below assume positive ints
+        for key in (
+            "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "swiglu_beta", "rms_norm_eps", "rope_theta",
+            "partial_rotary_factor",
+        ):  # fmt: skip
+            v = getattr(self, key)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), key,
+                 "must be a finite number")  # fmt: skip
+        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            v = getattr(self, key)
+            ids = v if key == "eos_token_id" and isinstance(v, list) else [v]
+            allowed = "must be null or a token id (an int >= 0)" + (
+                ", or a list of them" if key == "eos_token_id" else ""
+            )
+            need(v is None or all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), key, allowed)
+        if errs:  # the relations below assume positive ints and numbers
             raise ValueError("invalid M3 config:\n  " + "\n  ".join(errs))
 
         need(self.num_attention_heads % self.num_key_value_heads == 0, "num_attention_heads",
