@@ -163,17 +163,24 @@ class GenerationConfig:
     # null = on for CUDA, off on CPU. Same tokens and logprobs either way.
     async_scheduling: bool | None = None
     # Colocated memory handoff (LLMEngine.sleep / wake_up): 0 = off; 1 = the engine frees its KV
-    # cache while the trainer trains; 2 = also moves its weights to pinned host memory. The
-    # colocated engine only (expert_parallel_size=1, either colocated_placement), synchronous GRPO only.
+    # cache while the trainer trains; 2 = also moves its weights to pinned host memory. Colocated
+    # engines only (expert_parallel_size=1 in either colocated_placement, or the EP workers of
+    # colocated_placement=worker_process: every rank sleeps), synchronous GRPO only.
     sleep_level: int = 0
-    # Where the colocated engine (expert_parallel_size=1, on cluster.device beside the trainer) runs:
-    # in_process: in the trainer's process (cluster.launcher=auto; refit = a direct in-place copy);
-    # worker_process: in one rollout worker process on cluster.device (cluster.launcher auto | mp |
-    # ray: the shape of one rollout actor per GPU beside the trainer), refit through a stage the
-    # trainer shares once (weight_sync/ipc.py: CUDA IPC on a GPU, shared memory on CPU; no host
-    # round trip, no NCCL), its sleep / wake-up forwarded to the worker; a dead worker is restarted
-    # (cluster.max_restarts) on the stage's weights. Needs backend=native, weight_sync.method=auto
-    # (weight_sync.timeout_s bounds each wait) and no cluster.gpus_per_node with cluster.device=cpu.
+    # Where the colocated engine (beside the trainer, sharing its device) runs:
+    # in_process: in the trainer's process (expert_parallel_size=1, cluster.launcher=auto; refit = a
+    # direct in-place copy);
+    # worker_process: in rollout worker processes (cluster.launcher auto | mp | ray: the shape of one
+    # rollout actor per GPU beside the trainer), refit through trainer memory shared once
+    # (weight_sync/ipc.py: CUDA IPC on a GPU, shared memory on CPU; no host round trip, no NCCL),
+    # their sleep / wake-up forwarded; dead workers are restarted (cluster.max_restarts) on the
+    # shared source's weights. expert_parallel_size=1: one worker on cluster.device. P > 1: P EP
+    # workers, each keeping its own experts: with cluster.device=cpu all on the CPU (EP group over
+    # gloo; cluster.gpus_per_node=0); on CUDA rank r on cuda:r (P <= cluster.gpus_per_node, one
+    # node) with the trainer on one of them (cluster.device = cuda:0 .. cuda:P-1: the trainer shares
+    # a GPU with a rank; the ranks on other GPUs peer-copy from it). Needs backend=native,
+    # weight_sync.method=auto (weight_sync.timeout_s bounds each wait) and no
+    # cluster.gpus_per_node with cluster.device=cpu.
     colocated_placement: str = "in_process"
     # Sparse layers' index-key cache: bfloat16 (the KV dtype) or fp8_e4m3 (e4m3 codes + one fp32
     # scale per token; about half the bytes a long-context decode step reads; the block choice is
@@ -353,6 +360,7 @@ class ClusterConfig:
     # otherwise Ray actors when Ray is installed, else torch.multiprocessing; "ray" / "mp" force
     # that launcher (also for EP=1: with colocated_placement=in_process that is one worker refit
     # over the broadcast group, not colocated; with worker_process the worker on cluster.device).
+    # EP workers on GPUs: rank r runs on cuda:r (with Ray, use "mp" where the driver must pick the GPUs).
     launcher: str = "auto"
     # CPUs each Ray actor asks for (fractional: 2 workers + the trainer share a 2-core machine).
     worker_cpus: float = 0.5
@@ -363,7 +371,8 @@ class ClusterConfig:
     # Lockstep engine steps per driver round trip.
     steps_per_call: int = 64
     # Device of the trainer and of the colocated engine (policy.generation.expert_parallel_size=1,
-    # in its process or in its worker process: policy.generation.colocated_placement), which share
+    # in its process or in its worker process: policy.generation.colocated_placement; with
+    # worker_process and EP=P > 1 the GPU the trainer shares with EP rank N, N < P), which share
     # it and take turns: "cpu", "cuda" (= cuda:0) or "cuda:N". Checked at
     # start against the machine (check_devices): no CUDA, or an index past the device count, stops
     # the job naming the key.
@@ -539,9 +548,10 @@ def _check_http_weight_sync(e: list[str], ws: WeightSyncConfig) -> None:
 
 
 def _check_worker_process(e: list[str], cfg: MasterConfig) -> None:
-    """policy.generation.colocated_placement=worker_process: one rollout worker process on the
-    trainer's device (cluster.device), which rules out EP, the HTTP backend and GPU workers beside a
-    CPU trainer."""
+    """policy.generation.colocated_placement=worker_process: rollout worker processes refit from
+    the trainer's memory on its node, which rules out the HTTP backend and GPU workers beside a CPU
+    trainer. EP=1: one worker on cluster.device. EP=P > 1 on CUDA: rank r on cuda:r, so P GPUs on
+    one node, the trainer on one of them (cluster.device = cuda:0 .. cuda:P-1)."""
     gen, c = cfg.policy.generation, cfg.cluster
     if gen.colocated_placement != "worker_process":
         return
@@ -552,14 +562,36 @@ def _check_worker_process(e: list[str], cfg: MasterConfig) -> None:
         gen.colocated_placement,
         "needs policy.generation.backend=native (a rollout server is a process of its own, refit over HTTP)",
     )
-    _check(
-        e,
-        gen.expert_parallel_size == 1,
-        "policy.generation.expert_parallel_size",
-        gen.expert_parallel_size,
-        "must be 1 with policy.generation.colocated_placement=worker_process: one rollout worker shares the "
-        "trainer's device (EP ranks need one device each: use colocated_placement=in_process and the EP service)",
-    )
+    ep = gen.expert_parallel_size
+    cuda = re.fullmatch(r"cuda(?::(\d+))?", c.device)  # another spelling is refused as cluster.device itself
+    if ep > 1 and cuda is not None:
+        index = int(cuda.group(1) or 0)
+        _check(
+            e,
+            c.gpus_per_node >= ep,
+            "cluster.gpus_per_node",
+            c.gpus_per_node,
+            f"must be >= policy.generation.expert_parallel_size={ep} with policy.generation.colocated_placement="
+            "worker_process on CUDA: EP rank r runs on cuda:r",
+        )
+        _check(
+            e,
+            c.num_nodes == 1,
+            "cluster.num_nodes",
+            c.num_nodes,
+            "must be 1 with policy.generation.colocated_placement=worker_process: the workers open the trainer's "
+            "memory by CUDA IPC handle, which works on one node only",
+        )
+        _check(
+            e,
+            index < ep,
+            "cluster.device",
+            c.device,
+            f"must be one of cuda:0 .. cuda:{ep - 1} with policy.generation.colocated_placement=worker_process and "
+            f"policy.generation.expert_parallel_size={ep}: EP rank r runs on cuda:r and the trainer shares the GPU "
+            "of one rank (for a trainer on a GPU of its own use colocated_placement=in_process, the broadcast EP "
+            "service)",
+        )
     _check(
         e,
         not (c.device == "cpu" and c.gpus_per_node > 0),
@@ -869,13 +901,15 @@ def validate(cfg: MasterConfig) -> None:
     )
     gen = p.generation
     _check(e, gen.sleep_level in (0, 1, 2), "policy.generation.sleep_level", gen.sleep_level, "must be 0, 1 or 2")
+    colocated = gen.expert_parallel_size == 1 or gen.colocated_placement == "worker_process"
     _check(
         e,
-        not (gen.sleep_level in (1, 2) and (a.enabled or gen.expert_parallel_size > 1)),
+        not (gen.sleep_level in (1, 2) and (a.enabled or not colocated)),
         "policy.generation.sleep_level",
         gen.sleep_level,
-        "needs synchronous GRPO (grpo.async_grpo.enabled=false) and the colocated engine "
-        "(policy.generation.expert_parallel_size=1): the engine cannot sleep while it generates",
+        "needs synchronous GRPO (grpo.async_grpo.enabled=false) and a colocated engine "
+        "(policy.generation.expert_parallel_size=1, or colocated_placement=worker_process): the engine cannot "
+        "sleep while it generates, and EP workers on GPUs of their own have nothing to hand over",
     )
     ck = cfg.checkpointing
     _check(e, ck.save_period >= 0, "checkpointing.save_period", ck.save_period, "must be >= 0 (0 = final only)")

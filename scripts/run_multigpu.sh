@@ -39,8 +39,11 @@
 #   grpo-ep       configs/grpo_h200_x2.yaml: trainer on GPU 2, EP=2 rollout workers on
 #                 GPUs 0-1, NCCL refit (>= 3 GPUs); on 2 GPUs its 2-GPU form: one
 #                 rollout worker on GPU 0, trainer on GPU 1                           ~4-8 min
-#     Not prepared: "colocated on every GPU" (the trainer is one process on one device;
-#     there is no data-parallel trainer to put beside an engine on each GPU).
+#   grpo-colocated configs/grpo_h200_x2_colocated.yaml: EP=2 rollout workers on GPUs 0-1,
+#                 the trainer on GPU 0 beside rank 0, refit through CUDA IPC from the
+#                 trainer's compute copy (rank 1 by peer copies; no NCCL refit)       ~4-8 min
+#     (The trainer stays one process on one device: no data-parallel trainer shares the
+#     other GPUs.)
 set -u
 cd "$(dirname "$0")/.."
 usage="usage: bash scripts/run_multigpu.sh OUTDIR [RUN ...]"
@@ -65,12 +68,14 @@ mkdir -p "$OUT" "$LOGDIR"
 if [ $# -gt 0 ]; then
   runs=("$@")
 elif [ "$n" -ge 4 ]; then
-  runs=(ws-10gb ws-real ws-10gb-3rx ws-real-3rx build ep-logits ep-logits-w4 ep-real ep-real-w4 grpo-1gpu grpo-ep)
+  runs=(ws-10gb ws-real ws-10gb-3rx ws-real-3rx build ep-logits ep-logits-w4 ep-real ep-real-w4 grpo-1gpu grpo-ep
+    grpo-colocated)
 else
-  runs=(ws-10gb ws-real build ep-logits ep-real grpo-1gpu grpo-ep)
+  runs=(ws-10gb ws-real build ep-logits ep-real grpo-1gpu grpo-ep grpo-colocated)
 fi
 
-known=" ws-10gb ws-real ws-10gb-3rx ws-real-3rx build ep-logits ep-logits-w4 ep-real ep-real-w4 grpo-1gpu grpo-ep "
+known=" ws-10gb ws-real ws-10gb-3rx ws-real-3rx build ep-logits ep-logits-w4 ep-real ep-real-w4 grpo-1gpu grpo-ep"
+known+=" grpo-colocated "
 for r in "${runs[@]}"; do
   if [[ $known != *" $r "* ]]; then
     echo "run_multigpu.sh: unknown run '$r'; $usage; runs:$known" >&2
@@ -114,6 +119,7 @@ for r in "${runs[@]}"; do
           policy.generation.expert_parallel_size=1 cluster.device=cuda:1 cluster.gpus_per_node=1
       fi
       ;;
+    grpo-colocated) run "$r" "$PY" "${grpo[@]}" --config configs/grpo_h200_x2_colocated.yaml --doc "$OUT/$r.md" ;;
   esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -97,3 +97,21 @@ def test_main_job_tiny_runs_the_multi_gpu_topology_on_the_cpu(bench, tmp_path, m
     cells = [c.strip() for c in split.strip("|").split("|")]
     assert all(float(c) > 0 for c in cells[2:7])  # step, generation, logprobs, training, refit (broadcast)
     assert cells[7:9] == ["-", "-"]  # no sleep / wake-up: the workers are not colocated
+
+
+def test_main_job_tiny_runs_the_colocated_multi_gpu_topology_on_the_cpu(bench, tmp_path, monkeypatch):
+    """--config configs/grpo_h200_x2_colocated.yaml (issue 25: EP=2 rollout workers beside the
+    trainer, refit through its shared memory, no NCCL) in the same shape on the CPU: the trainer
+    process and 2 worker processes (gloo), refit from the trainer's shared-memory stage, the tiny
+    random checkpoint, one step; both workers sleep while the trainer trains."""
+    monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    doc = tmp_path / "bench.md"
+    config = "configs/grpo_h200_x2_colocated.yaml"
+    argv = ["--config", config, "--device", "cpu", "--tiny", "--seeds", "7", "--steps", "1"]
+    overrides = ["cluster.gpus_per_node=0", "grpo.num_val_prompts=2", "policy.generation.max_new_tokens=8"]
+    lines = bench.main([*argv, "--doc", str(doc), *overrides])
+    assert f"--config {config}" in doc.read_text()
+    split = next(line for line in lines if line.startswith("| 7 | 1 |"))
+    cells = [c.strip() for c in split.strip("|").split("|")]
+    assert all(float(c) > 0 for c in cells[2:7])  # step, generation, logprobs, training, refit (IPC)
+    assert "-" not in cells[7:9] and float(cells[8]) > 0  # sleep / wake-up timed: the workers share the device

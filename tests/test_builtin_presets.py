@@ -147,6 +147,33 @@ def test_multi_gpu_config_is_the_gpu_job_with_the_rollout_on_other_gpus():
     )
 
 
+def test_colocated_multi_gpu_config_is_the_gpu_job_with_ep_workers_beside_the_trainer():
+    """configs/grpo_h200_x2_colocated.yaml (issue 25, "colocated"): the one-GPU job's model, task,
+    seed and batches, with EP=2 rollout workers on cuda:0-1 refit through CUDA IPC and the trainer
+    on cuda:0 beside rank 0: 2 GPUs suffice, 1 does not."""
+    from m3_rollout.config import ConfigError, check_devices, load_config, to_dict
+
+    one, colo = load_config(CONFIGS / "grpo_h200.yaml"), load_config(CONFIGS / "grpo_h200_x2_colocated.yaml")
+    a, b = to_dict(one), to_dict(colo)
+    gen = colo.policy.generation
+    assert (gen.expert_parallel_size, gen.colocated_placement, gen.sleep_level) == (2, "worker_process", 1)
+    assert (colo.cluster.device, colo.cluster.gpus_per_node, colo.cluster.launcher) == ("cuda:0", 2, "mp")
+    for section in ("grpo", "data", "env", "loss_fn", "weight_sync"):
+        assert a[section] == b[section], section
+    same_policy = {k: v for k, v in a["policy"].items() if k != "generation"}
+    assert same_policy == {k: v for k, v in b["policy"].items() if k != "generation"}
+    assert colo.policy.precision == gen.dtype == "bfloat16"  # the workers read the trainer's compute copy
+    check_devices(colo, True, 2)
+    with pytest.raises(ConfigError, match="cluster.gpus_per_node=2"):
+        check_devices(colo, True, 1)
+    with pytest.raises(ConfigError, match="cluster.device='cuda:2'"):  # a trainer beside no rank
+        load_config(CONFIGS / "grpo_h200_x2_colocated.yaml", ["cluster.device=cuda:2", "cluster.gpus_per_node=3"])
+    assert (
+        colo.logger.log_dir != one.logger.log_dir
+        and colo.checkpointing.checkpoint_dir != one.checkpointing.checkpoint_dir
+    )
+
+
 def test_multi_step_needs_a_turn_per_call():
     from m3_rollout.config import ConfigError, load_config
 

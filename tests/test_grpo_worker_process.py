@@ -86,9 +86,12 @@ def _assert_same_figures(a: list[dict], b: list[dict], varies: re.Pattern = VARI
 
 
 def _trainer_digests(named_tensors, dtypes: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """The trainer's tensors cast to the worker's dtypes, as ``RolloutWorker.weight_digests``."""
+    """The trainer's tensors a worker holds (the names in ``dtypes``: an EP rank has its own experts
+    only) cast to the worker's dtypes, as ``RolloutWorker.weight_digests``."""
     out = {}
     for name, t in named_tensors:
+        if name not in dtypes:
+            continue
         dtype = dtypes[name]
         data = t.detach().to(getattr(torch, dtype.removeprefix("torch.")), copy=True).reshape(-1)
         out[name] = (dtype, hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest())
@@ -96,9 +99,10 @@ def _trainer_digests(named_tensors, dtypes: dict[str, str]) -> dict[str, tuple[s
 
 
 class RefitRecorder:
-    """Wraps ``RolloutService.update_weights``: after every refit the worker's weight digests are
-    compared with the trainer's cast (``checked`` lists the versions); ``after`` runs a test action
-    (e.g. killing the worker) after the refit of a given version."""
+    """Wraps ``RolloutService.update_weights``: after every refit each worker's weight digests are
+    compared with the trainer's cast, and together the workers must hold every tensor (``checked``
+    lists the versions); ``after`` runs a test action (e.g. killing the worker) after the refit of
+    a given version."""
 
     def __init__(self, monkeypatch, after: dict | None = None):
         self.checked: list[int] = []
@@ -108,9 +112,11 @@ class RefitRecorder:
 
         def update_weights(service, version, named_tensors):
             original(service, version, named_tensors)
-            (digests,) = service.weight_digests()
-            expected = _trainer_digests(named_tensors, {n: d for n, (d, _) in digests.items()})
-            assert digests == expected, f"refit {version}: worker weights differ from the trainer's cast"
+            ranks = service.weight_digests()
+            for rank, digests in enumerate(ranks):
+                expected = _trainer_digests(named_tensors, {n: d for n, (d, _) in digests.items()})
+                assert digests == expected, f"refit {version}: rank {rank}'s weights differ from the trainer's cast"
+            assert set().union(*ranks) == {n for n, _ in named_tensors}
             self.checked.append(version)
             self.pids += service.worker_pids()
             if version in self.after:
@@ -155,6 +161,32 @@ def test_killed_worker_is_restarted_on_the_stage_and_the_next_refit_works(cache,
     assert step2["train/memory/wake_gb_restored"] == 0.0 < step1["train/memory/wake_gb_restored"]
 
 
+def test_ep2_workers_beside_the_trainer_refit_through_the_stage(cache, in_process, monkeypatch):
+    """``colocated_placement=worker_process`` with ``expert_parallel_size=2``: two EP workers (gloo
+    here; rank r on cuda:r beside a trainer on one of them on a GPU node), every refit through the
+    trainer's stage, each rank holding only its experts, bitwise; both ranks sleep and wake. The
+    EP forward equals EP=1 in fp32, so the rollouts (tokens, rewards) are the in-process run's and
+    the logprob figures agree to fp32 rounding."""
+    refits = RefitRecorder(monkeypatch)
+    worker = _run(cache / "worker_ep2", [*WORKER, "policy.generation.expert_parallel_size=2"])
+    assert refits.checked == [0, 1, 2]
+    assert len(set(refits.pids)) == 2 and os.getpid() not in refits.pids  # two workers, no restart
+    assert [r["step"] for r in worker] == [1, 2]
+    for a, b in zip(in_process, worker):
+        assert a.keys() == b.keys()
+        for k in a:  # same tokens and rewards; logprob figures up to the EP combine's fp32 rounding
+            if VARIES.search(k) or k.startswith("train/memory/"):
+                continue
+            if isinstance(a[k], float) and math.isnan(a[k]):
+                assert math.isnan(b[k]), k
+            elif isinstance(a[k], float):
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), k
+            else:
+                assert b[k] == a[k], k
+        assert b["train/worker_failures"] == 0 and b["train/num_tokens"] > 0
+        assert b["train/memory/sleep_gb_freed"] > a["train/memory/sleep_gb_freed"] > 0  # both ranks' pools
+
+
 def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process):
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
@@ -174,7 +206,9 @@ def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process):
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["policy.generation.expert_parallel_size=2"], "policy.generation.expert_parallel_size"),
+        # EP workers beside a CUDA trainer: rank r on cuda:r, the trainer on one of them
+        (["policy.generation.expert_parallel_size=2", "cluster.device=cuda:2"], "cluster.device"),
+        (["policy.generation.expert_parallel_size=2", "cluster.device=cuda"], "cluster.gpus_per_node"),
         (["policy.generation.backend=http"], "policy.generation.colocated_placement"),
         (["weight_sync.method=broadcast"], "weight_sync.method"),
         (["weight_sync.bucket_size_mb=64"], "weight_sync.bucket_size_mb"),
@@ -192,7 +226,8 @@ def test_worker_process_keys_accepted_and_bad_ones_exit_2(capsys):
     ok = ["policy.generation.expert_parallel_size=1", "weight_sync.timeout_s=30", "policy.generation.sleep_level=1"]
     cfg = load_config(None, [*WORKER, *ok])
     assert cfg.policy.generation.colocated_placement == "worker_process" and cfg.weight_sync.timeout_s == 30
-    with pytest.raises(SystemExit) as exc:
-        main(["--config", "configs/grpo_smoke.yaml", *WORKER])  # the smoke config's EP=2
+    load_config("configs/grpo_smoke.yaml", WORKER)  # the smoke config's EP=2: two workers beside the trainer
+    with pytest.raises(SystemExit) as exc:  # ... but not with the trainer on a GPU no rank uses
+        main(["--config", "configs/grpo_smoke.yaml", *WORKER, "cluster.device=cuda:3", "cluster.gpus_per_node=2"])
     assert exc.value.code == 2
-    assert "policy.generation.expert_parallel_size=2" in capsys.readouterr().err
+    assert "cluster.device='cuda:3': must be one of cuda:0 .. cuda:1" in capsys.readouterr().err

@@ -9,7 +9,14 @@ import torch
 
 from m3_rollout.model import M3ForCausalLM, iter_released_tensors, tiny_config
 from m3_rollout.parallel import shard_experts
-from m3_rollout.weight_sync import ColocatedChannel, WeightReceiver, WeightSender, WeightUpdateError
+from m3_rollout.weight_sync import (
+    ColocatedChannel,
+    ReleasedTensors,
+    WeightReceiver,
+    WeightSender,
+    WeightUpdateError,
+    copy_plan,
+)
 from m3_rollout.weight_sync.copy_plan import KERNELS, CopyPlan, build_runs
 from m3_rollout.weight_sync.direct import nonfinite
 
@@ -127,6 +134,70 @@ def test_direct_atomic_two_receivers_all_or_nothing():
     for m, rx, o in zip(ms, rxs, old):
         assert rx.version == 1 and rx.valid
         assert all(torch.equal(p, o[n]) for n, p in m.named_parameters())
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_sources_on_another_device_are_read_anew_at_every_update(monkeypatch, atomic):
+    """An EP worker on cuda:1 reads the trainer's stage on cuda:0: such pairs (here: the sources of
+    layer 2 and the head, made "remote" by ``reads_across``) must not be snapshotted into the cached
+    plan nor handed to the fused plan; every update copies their current bytes (``PeerCopy``), and
+    a NaN in one of them is refused before any write, on both ranks."""
+    trainer = _model(1)
+    remote = {p.untyped_storage().data_ptr() for n, p in trainer.named_parameters() if ".layers.2." in n}
+    remote.add(trainer.lm_head.weight.untyped_storage().data_ptr())
+    monkeypatch.setattr(copy_plan, "reads_across", lambda src, dst: src.untyped_storage().data_ptr() in remote)
+    ms = []
+    for r in range(2):
+        m = _model(0).cast_for_inference(torch.bfloat16)
+        shard_experts(m, r, 2, None)
+        ms.append(m)
+    rxs = [WeightReceiver(m, atomic=atomic, version=0) for m in ms]
+    sender = _send(trainer, rxs, torch.bfloat16, named=lambda: ReleasedTensors(trainer))
+
+    def assert_served(version: int) -> None:
+        for m, rx in zip(ms, rxs):
+            assert rx.version == version and rx.valid
+            assert torch.equal(m.lm_head.weight, trainer.lm_head.weight.to(torch.bfloat16))
+            moe, t_moe = m.model.layers[2].block_sparse_moe.experts, trainer.model.layers[2].block_sparse_moe.experts
+            a, b = moe.expert_range
+            assert torch.equal(moe.w2, t_moe.w2[a:b].to(torch.bfloat16))
+            assert torch.equal(
+                m.model.layers[0].self_attn.q_proj.weight,
+                trainer.model.layers[0].self_attn.q_proj.weight.to(torch.bfloat16),
+            )
+
+    sender.update(1, include_frozen=True)
+    assert_served(1)
+    plans = [rx._plan_cache for rx in rxs]
+    for c in plans:  # the remote pairs hold the trainer's tensors themselves, outside the fused plan
+        assert c.peer is not None and 0 < c.peer.n_pairs < len(c.pairs)
+        assert all(s.untyped_storage().data_ptr() in remote for s in c.peer.srcs)
+        assert not any(r.src.untyped_storage().data_ptr() in remote for r in c.plan.runs)
+        assert c.plan.n_pairs + c.peer.n_pairs == len(c.pairs)
+    with torch.no_grad():  # the trainer trains in place: the same source objects, new bytes
+        trainer.lm_head.weight.mul_(-1.0)
+        trainer.model.layers[2].block_sparse_moe.experts.w2.mul_(3.0)
+        trainer.model.layers[0].self_attn.q_proj.weight.add_(0.5)
+    sender.update(2, include_frozen=True)
+    assert all(rx._plan_cache is c for rx, c in zip(rxs, plans))  # the cached plans, reused
+    assert_served(2)
+    w2 = trainer.model.layers[2].block_sparse_moe.experts.w2
+    old = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in ms]
+    with torch.no_grad():
+        w2[6, 0, 0] = float("nan")  # expert 6: rank 1's, a remote source
+        trainer.lm_head.weight.mul_(2.0)  # and a change every rank would write
+    with pytest.raises(WeightUpdateError, match="receiver 1: non-finite values in .*experts[.]6[.]w2"):
+        sender.update(3, include_frozen=True)
+    # rank 1 refused before writing a byte; atomic rank 0 waited for it, a non-atomic one wrote its
+    # (finite) share on its own verdict and is invalid until the next full update
+    for r, (m, rx, o) in enumerate(zip(ms, rxs, old)):
+        kept = atomic or r == 1
+        assert rx.version == 2 and rx.valid == kept
+        assert all(torch.equal(p, o[n]) for n, p in m.named_parameters()) == kept
+    with torch.no_grad():
+        w2[6, 0, 0] = 1.0
+    sender.update(4, include_frozen=True)
+    assert_served(4)
 
 
 def test_direct_header_errors_and_non_atomic_semantics():

@@ -280,7 +280,8 @@ def build_generation_backend(cfg: MasterConfig, model_dir: Path, chat: ChatForma
     the EP rollout service when ``policy.generation.expert_parallel_size > 1`` or a launcher is
     configured (``m3_rollout/service``); with ``policy.generation.colocated_placement=
     worker_process`` that service is one rollout worker process on ``cluster.device`` beside the
-    trainer, refit through the trainer's CUDA IPC stage (shared memory on CPU), its sleep / wake-up
+    trainer (EP=P > 1: P workers, rank r on cuda:r with the trainer on one of those GPUs, or all on
+    the CPU), refit through the trainer's CUDA IPC stage (shared memory on CPU), its sleep / wake-up
     and restarts (``cluster.max_restarts``) handled by the service; else the in-process native
     engine on ``cluster.device`` in ``policy.generation.dtype`` (router in fp32, spec §6; on CUDA
     with the fused-layer weights packed, ``M3ForCausalLM.pack_fused_weights``; CUDA graphs and

@@ -3,10 +3,11 @@
 Governing idea: the loop asks for a backend; with ``policy.generation.expert_parallel_size``
 P > 1 or an explicit ``cluster.launcher`` ("ray" / "mp") it gets a :class:`RolloutService` of P
 worker processes refit over a broadcast group; with ``policy.generation.colocated_placement=
-worker_process`` one worker on the trainer's device (``cluster.device``) refit through the
-trainer's shared stage (CUDA IPC); otherwise None and it builds the in-process engine itself,
-then gives it its weight receiver with ``attach_local_weight_sync`` (the same receiver the
-workers use).
+worker_process`` the P workers sit beside the trainer (P = 1: on ``cluster.device``; P > 1: rank r
+on cuda:r, the trainer on one of those GPUs, or all on the CPU) and are refit through the
+trainer's shared source (CUDA IPC / shared memory); otherwise None and it builds the in-process
+engine itself, then gives it its weight receiver with ``attach_local_weight_sync`` (the same
+receiver the workers use).
 """
 
 from __future__ import annotations
@@ -37,15 +38,33 @@ def attach_local_weight_sync(backend, ws, freeze=None) -> LocalWeightSync:
     return backend.weight_sync
 
 
+def worker_placement(trainer_device: str, world_size: int) -> tuple[str, str | tuple[str, ...] | None]:
+    """(``WorkerSpec.device``, ``WorkerSpec.device_uuid``) of ``world_size`` workers refit through
+    the IPC source of a trainer on ``trainer_device`` (``colocated_placement=worker_process``,
+    validated by ``m3_rollout.config``): one worker on the trainer's device itself, its GPU's UUID;
+    EP ranks on the CPU beside a CPU trainer, or rank r on cuda:r ("cuda"), each rank's UUID as
+    this process sees cuda:r (the trainer shares one of those GPUs). Raises RuntimeError (torch)
+    when a CUDA device asked for is not there."""
+    dev = torch.device(trainer_device)
+    if dev.type != "cuda":
+        return "cpu", None
+    if world_size == 1:
+        return trainer_device, str(torch.cuda.get_device_properties(dev).uuid)
+    uuids = tuple(str(torch.cuda.get_device_properties(torch.device("cuda", r)).uuid) for r in range(world_size))
+    return "cuda", uuids
+
+
 def build_rollout_service(cfg, model_dir, eos_token_ids, max_model_len: int) -> RolloutService | None:
     """A RolloutService for ``cfg`` (a MasterConfig), or None when the in-process engine serves.
 
     Workers load `model_dir` (each rank its expert shard), run ``policy.generation.dtype``, one
     torch thread each, gloo on CPU (``cluster.gpus_per_node == 0``) or NCCL with one GPU per rank.
-    ``colocated_placement=worker_process``: one worker on ``cluster.device`` itself (on CUDA its
-    GPU's UUID is checked at start; a Ray actor asks for no GPU, so Ray leaves the device visible),
-    with the trainer's torch thread count (the two take turns), refit through the stage
-    (``RolloutService(refit="ipc")``).
+    ``colocated_placement=worker_process``: the workers beside the trainer, refit through its
+    shared source (``RolloutService(refit="ipc")``), with the trainer's torch threads split among
+    them (they generate while it waits): P = 1 on ``cluster.device`` itself; P > 1 on the CPU, or
+    rank r on cuda:r with the trainer on one of those GPUs (:func:`worker_placement`). On CUDA each
+    rank's GPU UUID, as this process sees it, is checked in the worker at start; a Ray actor asks
+    for no GPU, so Ray leaves the devices visible.
     Raises ValueError when the model's experts do not split over the EP size (names the key),
     RolloutFailure when the workers do not start.
     """
@@ -61,9 +80,8 @@ def build_rollout_service(cfg, model_dir, eos_token_ids, max_model_len: int) -> 
     on_gpu = c.gpus_per_node > 0
     device, uuid, threads, gpus = ("cuda" if on_gpu else "cpu"), None, 1, 1.0 if on_gpu else 0.0
     if beside:
-        device, threads, gpus = c.device, torch.get_num_threads(), 0.0
-        if device.startswith("cuda"):
-            uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+        device, uuid = worker_placement(c.device, gen.expert_parallel_size)
+        threads, gpus = max(1, torch.get_num_threads() // gen.expert_parallel_size), 0.0
     engine = dict(
         max_model_len=int(max_model_len),
         max_num_seqs=gen.max_num_seqs,

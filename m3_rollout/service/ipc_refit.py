@@ -1,12 +1,15 @@
-"""Driver side of the refit of rollout workers on the trainer's own device (``RolloutService``
-with ``refit="ipc"``: ``policy.generation.colocated_placement=worker_process``).
+"""Driver side of the refit of rollout workers beside the trainer (``RolloutService`` with
+``refit="ipc"``: ``policy.generation.colocated_placement=worker_process``): one worker on the
+trainer's device, or P EP workers on the GPUs of its node (rank r on cuda:r, the trainer sharing
+one of them; on CPU all on the CPU).
 
-Governing idea: a worker beside the trainer on its GPU cannot join an NCCL group with it (one
-rank per GPU), and a host round trip would cost two PCIe transfers of the model, so the driver
-(the trainer's process) owns an ``IpcChannel`` whose source the workers open once
+Governing idea: a worker on the trainer's GPU cannot join an NCCL group with it (one rank of a
+group per GPU), and a host round trip would cost two PCIe transfers of the model, so the driver
+(the trainer's process) owns an ``IpcChannel`` whose source every worker opens once
 (``weight_sync/ipc.py``: the trainer's attested compute copy on a GPU when the trainer computes
 in the generation dtype, else a stage the trainer fills) and a ``WeightSender`` that reads the
-trainer's live tensors: no host copy. The source doubles as the record of the weights the
+trainer's live tensors: no host copy; each rank copies its own tensors (an EP rank its own experts),
+from another GPU by peer copies. The source doubles as the record of the weights the
 workers accepted last: a restarted worker is given the source as it stands
 (``IpcChannel.resend_stage``), which holds exactly the bytes its lost predecessor had accepted
 while it is not rewritten: the stage until the next refit fills it, even when the trainer has
@@ -32,7 +35,8 @@ class IpcRefit:
         ws: the ``weight_sync`` config section (atomic, in_flight, recompute_kv_after_update and
             timeout_s reach the workers; timeout_s bounds every wait).
         n_workers: workers that connect (the group's world size).
-        device: the stage's device = the workers' = the trainer's (CUDA IPC; cpu: shared memory).
+        device: the source's device = the trainer's (CUDA IPC; cpu: shared memory); the workers
+            sit on it or on other GPUs of its node.
         generation_dtype: the workers' dtype (wire dtype; router >= fp32).
         frozen: names sent with a worker's first update only.
         probe / reference: ``weight_sync.probe`` settings and the trainer's scorer (None: off).

@@ -19,13 +19,15 @@ ids (the caller may resubmit them) and the last cause. Each failure is kept as a
 Weights (design.md §3): the driver is rank 0 of a weight-sync group with the workers
 (m3_rollout/weight_sync); every update goes through the workers' ``WeightReceiver``, the same
 receiver the in-process engine uses, so names, shapes, finite values, versions, atomicity, the
-in-flight policy and the probe are checked in one place. With ``refit="ipc"`` the workers sit on
-the driver's own device (``policy.generation.colocated_placement=worker_process``) and the
-transport is trainer memory the workers open by handle instead of a group (``ipc_refit.py``: the
-trainer's compute copy, or a stage it fills): no host copy, a restarted worker is given the
-source's weights while it still holds them, a worker lost during a refit is restarted and the
-refit repeated; ``sleep`` / ``wake_up`` reach the workers' engines (generation and training take
-turns on the device).
+in-flight policy and the probe are checked in one place. With ``refit="ipc"``
+(``policy.generation.colocated_placement=worker_process``) the workers sit on the driver's node,
+one on the trainer's own device or P EP ranks on cuda:0..P-1 with the trainer on one of those
+GPUs (NCCL could not put the trainer and a worker of one group on one GPU), and the transport is
+trainer memory every worker opens by handle instead of a group (``ipc_refit.py``: the trainer's
+compute copy, or a stage it fills): no host copy, each rank keeps its own experts, restarted
+workers are given the source's weights while it still holds them, a worker lost during a refit
+restarts the group and the refit is repeated; ``sleep`` / ``wake_up`` reach every worker's engine
+(generation and training take turns on the shared GPU).
 """
 
 from __future__ import annotations
@@ -145,10 +147,11 @@ class RolloutService(GenerationBackend):
             unless ``weight_sync.send_frozen``); None: nothing frozen.
         probe_reference: the trainer's probe scorer (``weight_sync.probe``; the job sets it).
         refit: "broadcast" (a weight-sync group with the workers; tensors kept on the host for a
-            restarted group) or "ipc" (the workers are on this process's device, ``spec.device``:
-            refit through the stage this process shares with them, ``ipc_refit.py``).
+            restarted group) or "ipc" (the workers are on this process's node: refit through the
+            source this process shares with them on ``trainer_device``, ``ipc_refit.py``).
         trainer_device: the trainer's device (``cluster.device``): where this process's end of an
-            NCCL weight-sync group lives (:func:`trainer_group_device`; it must not be a worker's GPU).
+            NCCL weight-sync group lives (:func:`trainer_group_device`; it must not be a worker's
+            GPU), or with ``refit="ipc"`` where the shared source lives (None: ``spec.device``).
     Raises RolloutFailure when the group does not start within ``max_restarts`` attempts;
     ValueError for another ``refit``.
     """
@@ -600,7 +603,8 @@ class RolloutService(GenerationBackend):
         """Send every rank the update over the weight-sync group (each rank keeps the tensors it
         holds: replicated ones + its experts; released names), in place.
 
-        The tensors are copied to host once and kept, so a restarted group gets the same weights.
+        The tensors are copied to host once and kept, so a restarted group gets the same weights
+        (``refit="ipc"``: no copy; the trainer's shared source, :meth:`_update_ipc`).
         Every check is the ranks' receiver's (receiver.py): a rejected update leaves atomic ranks
         on their weights and version; ranks a non-atomic failure left invalid are repaired by
         re-sending the last good weights (``replace``). A rank dying mid-update restarts the group
@@ -761,13 +765,14 @@ class RolloutService(GenerationBackend):
 
     # ---- refit through the shared stage (refit="ipc": workers on this process's device) --------
     def _ipc_refit(self) -> IpcRefit:
-        """The IPC refit, built on the first start (the channel must listen before workers connect)."""
+        """The IPC refit of every rank, built on the first start (the channel must listen before the
+        workers connect); its source lives on the trainer's device (EP ranks on other GPUs of the
+        node peer-copy from it)."""
         if self._ipc is None:
             frozen, probe = refit_rules(self.weight_sync, self._freeze)
             dtype = getattr(torch, self.spec.dtype)
-            self._ipc = IpcRefit(
-                self.weight_sync, self.world_size, self.spec.device, dtype, frozen, probe, self.probe_reference
-            )
+            device = self.trainer_device or self.spec.device
+            self._ipc = IpcRefit(self.weight_sync, self.world_size, device, dtype, frozen, probe, self.probe_reference)
         return self._ipc
 
     def _update_ipc(self, version: int, named_tensors) -> None:

@@ -45,8 +45,10 @@ class WorkerSpec:
         engine: ``EngineConfig`` fields (max_model_len, max_num_seqs, eos_token_ids, ...).
         device: "cpu", "cuda" (rank r uses cuda:r % device_count) or "cuda:N" (every rank on
             cuda:N: the one worker beside the trainer, ``colocated_placement=worker_process``).
-        device_uuid: the UUID the worker's CUDA device must have (the trainer's GPU, for a refit
-            through its CUDA IPC stage); checked at start, since a launcher that remaps
+        device_uuid: the UUID the worker's CUDA device must have, as the trainer's process sees
+            it (a refit through the trainer's CUDA IPC stage opens it by the trainer's device
+            index): one UUID for every rank, or a tuple, rank r's at [r] (EP workers on cuda:r
+            beside the trainer); checked at start, since a launcher that remaps
             ``CUDA_VISIBLE_DEVICES`` (Ray) could give "cuda:N" another meaning. None: unchecked.
         num_threads: torch intra-op threads per worker (1: two workers on two cores must not
             oversubscribe them).
@@ -62,7 +64,7 @@ class WorkerSpec:
     dtype: str = "bfloat16"
     engine: dict = field(default_factory=dict)
     device: str = "cpu"
-    device_uuid: str | None = None
+    device_uuid: str | tuple[str, ...] | None = None
     num_threads: int = 1
     tokenizer_dir: str | None = None
     fault_after_steps: int | None = None
@@ -96,10 +98,13 @@ class RolloutWorker:
                 device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
             uuid = str(torch.cuda.get_device_properties(device).uuid)
-            if spec.device_uuid is not None and uuid != spec.device_uuid:
+            want = spec.device_uuid[rank] if isinstance(spec.device_uuid, tuple) else spec.device_uuid
+            if want is not None and uuid != want:
                 raise RuntimeError(
-                    f"rollout worker: {device} is GPU {uuid} here, not the trainer's GPU {spec.device_uuid} "
-                    "(the launcher changed CUDA_VISIBLE_DEVICES); the worker must run on cluster.device"
+                    f"rollout worker rank {rank}: {device} is GPU {uuid} here, not GPU {want} as the trainer "
+                    "sees it (the launcher changed CUDA_VISIBLE_DEVICES); a worker refit through the trainer's "
+                    "CUDA IPC stage must run on the GPU the trainer names (cluster.device for one worker, "
+                    "cuda:<rank> under EP)"
                 )
         self.device = device
         self.group = init_ep_group(spec.group, rank, device)
@@ -225,11 +230,13 @@ class RolloutWorker:
             return str(exc).splitlines()[1:]
         return []
 
-    # ---- weight sync through the trainer's shared stage (one worker on the trainer's device) ----
+    # ---- weight sync through the trainer's shared stage (workers on the trainer's node) ---------
     def init_ipc_sync(self, endpoint: tuple[str, bytes], options: dict) -> list[str]:
         """Connect to the trainer's ``IpcChannel`` at ``endpoint`` (``weight_sync/ipc.py``): updates
-        then arrive with :meth:`receive_weights`, copied on the device from the stage the trainer
-        shares (its handle comes with the first update of each connection). ``options``: atomic,
+        then arrive with :meth:`receive_weights`, copied from the source the trainer shares (its
+        handle comes with the first update of each connection) into this rank's weights, its own
+        experts only: on the device when the source lies on this rank's device, by peer copies
+        from the trainer's GPU otherwise (EP rank r on cuda:r). ``options``: atomic,
         in_flight, recompute_kv_after_update, timeout_s (the ``weight_sync`` section) and
         process_authkey (the trainer's: this process takes it, as a child of the trainer would,
         so the file descriptor of a CPU stage can be fetched from the trainer under any launcher).
@@ -248,6 +255,7 @@ class RolloutWorker:
             options["recompute_kv_after_update"],
             drain=lambda: self.run([], 2**62)["outputs"],
         )
+        receiver.rank_label = f"rank {self.rank}"
         self.weight_sync = IpcRolloutSync(receiver, endpoint, options["timeout_s"])
         self.weight_sync.connect()
         return []

@@ -44,6 +44,10 @@ cache lookup: tens of microseconds of Python), the compiled kernel and the group
 are kept and later launches call the compiled kernel's launcher directly (``_FastLaunch``), as
 Triton's own ``run`` ends up doing (without its launch-hook calls); while a Triton launch hook is
 set (a profiler) every launch takes the full path.
+
+Pairs across devices (``reads_across``: an EP worker on its own GPU reading the trainer's IPC
+stage on another) never enter a plan: ``PeerCopy`` keeps their runs and copies them with torch at
+every update (a peer copy), so no table holds another GPU's address and no source is snapshotted.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from .direct import nonfinite
 
 try:  # Triton is a GPU-only accelerator here; without it (or on CPU) the torch path runs
     import triton
@@ -607,3 +613,53 @@ class CopyPlan:
     def bad_members(self) -> list[int]:
         """Pair indices of the flagged runs (every member of each; refine with ``direct.nonfinite``)."""
         return sorted(i for k in self.bad_runs() for i in self.runs[k].members)
+
+
+def reads_across(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether the pair ``dst <- src`` crosses devices (an EP worker on cuda:1 reading the trainer's
+    IPC stage on cuda:0): such a pair goes to a ``PeerCopy``, never into a ``CopyPlan``. A function
+    of its own so the CPU tests can send pairs of one device down the cross-device path."""
+    return src.device != dst.device
+
+
+class PeerCopy:
+    """Fixed pairs ``dsts[i] <- srcs[i]`` whose source lies on another device than its destination,
+    copied by torch at every call, so every update reads the source's CURRENT bytes.
+
+    Governing idea: a source on another GPU (the trainer's stage, opened by CUDA IPC, read by an EP
+    worker on its own GPU) must neither be snapshotted into the cached plan (a copy made once would
+    be served again at every later update) nor be handed to the fused kernel (its tables hold raw
+    addresses of one device; ``CopyPlan`` refuses pairs that span devices). So the plan keeps only
+    the runs (adjacent pairs merged as ``build_runs`` does, once) and ``copy()`` issues one
+    ``Tensor.copy_`` per run: a peer copy between GPUs (cast to the destination dtype), which torch
+    orders after the current streams of both devices and before later work on the destination's
+    stream; no host sync. The caller waits for both devices before the source may be rewritten.
+
+    ``nonfinite()`` is the check pass for these pairs where no producer flagged them (the per-tensor
+    check ``direct.nonfinite`` per source device; one host sync per device). The IPC refit does not
+    need it: its fill pass sends the flagged positions. Raises ValueError for a pair whose element
+    counts differ.
+    """
+
+    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        self.dsts, self.srcs = list(dsts), list(srcs)
+        self.n_pairs = len(self.dsts)
+        self.runs = build_runs(self.dsts, self.srcs)
+        self.nbytes = sum(r.dst.numel() * r.dst.element_size() for r in self.runs)
+
+    @torch.no_grad()
+    def copy(self) -> None:
+        """Copy every run from the sources as they are now (cast to the destination dtype)."""
+        for r in self.runs:
+            r.dst.copy_(r.src)
+
+    def nonfinite(self) -> list[int]:
+        """Pair indices whose source, cast to its destination dtype, holds a NaN / +-inf."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, s in enumerate(self.srcs):
+            by_device.setdefault(s.device, []).append(i)
+        bad = []
+        for members in by_device.values():
+            hits = nonfinite([self.srcs[i] for i in members], [self.dsts[i].dtype for i in members])
+            bad += [members[j] for j in hits]
+        return sorted(bad)

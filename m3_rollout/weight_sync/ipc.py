@@ -1,12 +1,15 @@
-"""Refit across processes on ONE device: the trainer's weights shared once, opened by each worker.
+"""Refit of worker processes from the trainer's memory on one node: shared once, opened by each worker.
 
-Governing idea: a rollout worker beside the trainer on the same GPU (one worker actor per GPU in
-a Ray deployment) cannot join an NCCL group with it (NCCL puts one rank on a GPU), and a host
-round trip would cost two PCIe transfers of the whole model. Instead the worker opens trainer
-memory by handle ONCE (``torch.multiprocessing``'s reductions: a CUDA IPC handle for a CUDA
-buffer, a shared-memory file descriptor for a CPU buffer in shared memory, which is how CI runs
-the same protocol without a GPU) and copies from it on the device at every update. What it
-opens, the *source*:
+Governing idea: rollout workers beside the trainer (one worker on its GPU, or the P ranks of an
+EP group on the node's GPUs, rank r on cuda:r, the trainer sharing one of them) cannot join an
+NCCL group with it (NCCL puts one rank of a group on a GPU), and a host round trip would cost two
+PCIe transfers of the whole model. Instead each worker opens trainer memory by handle ONCE
+(``torch.multiprocessing``'s reductions: a CUDA IPC handle for a CUDA buffer, a shared-memory
+file descriptor for a CPU buffer in shared memory, which is how CI runs the same protocol
+without a GPU) and copies from it at every update: on the trainer's GPU by the fused copy plan,
+from another GPU of the node by peer copies that read the source's current bytes every time
+(``copy_plan.PeerCopy``; the receiver's ``_plan_for``). An EP worker keeps only its own experts
+(the others have no destination view). What the workers open, the *source*:
 
 - the trainer's compute copy (``source = copy``): a trainer computing in the generation dtype
   keeps a low-precision copy of its masters, re-cast after every optimizer step by an attested
@@ -37,8 +40,9 @@ Per update:
                                                         handshake, version rule, finite verdict
                                                  <-   status
       all_ok (every worker's status)             ->   apply: atomic commit = one fused copy
-                                                        source -> parameters; device sync (the
-                                                        source may be rewritten after the ack)
+                                                        source -> parameters (peer copies from
+                                                        another GPU); device syncs (the source
+                                                        may be rewritten after the ack)
                                                  <-   probe verdict   } only when the update
       probe_ok                                   ->                      } carries a probe
                                                       finish: version, validity, in-flight end
@@ -49,8 +53,8 @@ With one worker and no probe the worker's own status decides (every worker's ver
 own): it applies without the all_ok round trip and its ack carries the status.
 
 Ordering rule: the source is written only while no worker reads it. The stage is refilled only
-by the next update, after every worker acknowledged the last (each syncs its device before the
-ack); the copy is written only by the trainer's cast, which refuses to run while the copy is lent
+by the next update, after every worker acknowledged the last (each syncs its device, and the
+source's, before the ack); the copy is written only by the trainer's cast, which refuses to run while the copy is lent
 to an update some worker has not acknowledged (``CastCopy.lend``: an interrupted update keeps it
 lent until the channel is rebuilt or its workers dropped: a worker reconnects only once its own
 update call has returned, its reads done).
@@ -151,6 +155,14 @@ def _flat(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def synchronize(*devices: torch.device | None) -> None:
+    """Wait for the work issued on every CUDA device among ``devices`` (None and CPU skipped): a
+    worker's own device, and the source's when that is another GPU (the peer copies of an EP worker
+    on cuda:r reading the trainer's stage on its GPU run on the source's stream)."""
+    for d in dict.fromkeys(d for d in devices if d is not None and d.type == "cuda"):
+        torch.cuda.synchronize(d)
+
+
 def _send(conn: Connection, msg, who: str) -> None:
     try:
         conn.send_bytes(ForkingPickler.dumps(msg))
@@ -171,7 +183,8 @@ class IpcChannel:
     """Trainer end of the IPC refit (``weight_sync.backend=ipc``).
 
     Args:
-        n_workers: rollout worker processes that connect (one per device beside the trainer).
+        n_workers: rollout worker processes that connect (the EP group's P ranks, on the trainer's
+            device or on the GPUs of its node).
         device: where the workers' source lives: the trainer's GPU (CUDA IPC), or cpu (shared memory).
         timeout_s: bound on every wait (connections, verdicts).
         address: AF_UNIX socket path to listen on (default: a fresh one in the temp dir).
@@ -493,7 +506,8 @@ class IpcRolloutSync:
 
     Args:
         receiver: this worker's receiver (``engine_receiver(engine, ...)`` for an engine, or a
-            bare ``WeightReceiver`` over a model); its model lives on the source's device.
+            bare ``WeightReceiver`` over a model); its model lives on the source's device or on
+            another GPU of the node (peer copies from the source at every update).
         endpoint: ``IpcChannel.endpoint`` of the trainer.
         timeout_s: bound on every wait.
     ``update()`` serves messages until one update finished (the driver calls it while the trainer
@@ -617,8 +631,8 @@ class IpcRolloutSync:
                     _send(self.conn, ("status", status), "the trainer")
                     all_ok = _recv(self.conn, self.timeout_s, "the trainer")[1]
                 verdict = rx.apply(all_ok)
-                if views and views[0].is_cuda:
-                    torch.cuda.synchronize(views[0].device)  # the trainer may rewrite the source after the ack
+                # the trainer may rewrite the source after the ack: every copy out of it done first
+                synchronize(views[0].device if views else None, rx.device)
                 if probe is not None:
                     _send(self.conn, ("apply", verdict), "the trainer")
                     probe_ok = _recv(self.conn, self.timeout_s, "the trainer")[1]

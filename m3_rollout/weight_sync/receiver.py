@@ -54,9 +54,10 @@ from torch import nn
 
 from m3_rollout.model.loading import RELEASED_PREFIX
 
+from . import copy_plan
 from .buckets import Bucket, plan_buckets
 from .cast_copy import CastCopy
-from .copy_plan import CopyPlan
+from .copy_plan import CopyPlan, PeerCopy
 from .direct import nonfinite
 from .group import WeightSyncGroup, WeightSyncTimeout
 from .in_flight import InFlightPolicy
@@ -104,7 +105,12 @@ class UpdateResult:
 
 @dataclass
 class _DirectPlan:
-    """The direct path's cached plan: built for these (identical) header entries and sources."""
+    """The direct path's cached plan: built for these (identical) header entries and sources.
+
+    ``pairs`` / ``names``: the owned tensors, those on the destinations' device first (``plan``'s
+    pairs, same indices), then those whose source lies on another device (``peer``'s, from index
+    ``plan.n_pairs``): the fused plan for the first, a peer copy of the CURRENT source bytes at
+    every update for the others (``copy_plan.PeerCopy``; never a cached snapshot)."""
 
     entries: tuple
     sources: list
@@ -113,6 +119,13 @@ class _DirectPlan:
     plan: CopyPlan
     generation: int  # the engine's weight_storage_generation the tables were built at
     covered: tuple = (None, False)  # ((cast, its layouts), the cast covers every source)
+    peer: PeerCopy | None = None  # the pairs whose source lies on another device
+
+    def copy(self) -> None:
+        """Write every owned tensor: the fused pass, then the peer copies (no host sync)."""
+        self.plan.copy()
+        if self.peer is not None:
+            self.peer.copy()
 
 
 class WeightReceiver:
@@ -182,7 +195,7 @@ class WeightReceiver:
         self._errors: list[str] = []
         self._touched = False  # non-atomic: some parameter bytes were overwritten this update
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # colocated: (dst view, src)
-        self._direct_plan: CopyPlan | None = None
+        self._direct_plan: _DirectPlan | None = None  # atomic direct path: what the commit copies
         self._probe: ProbeData | None = None
         self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dst view, copy of its old bytes)
         self._committed = False
@@ -334,8 +347,11 @@ class WeightReceiver:
         attested: CastCopy | None = None,
     ) -> None:
         """Update without buckets (``copy_plan.py``): ``sources[k]`` is the tensor of
-        ``header.entries[k]`` on this rank's device (the trainer's own tensor or its cast copy in
-        process; a view of the shared stage under IPC, already in the wire dtype).
+        ``header.entries[k]`` (the trainer's own tensor or its cast copy in process; a view of the
+        shared source under IPC, already in the wire dtype), on this rank's device or on another
+        (an EP worker on cuda:r reading the trainer's stage on its GPU): those pairs are copied
+        from the source's current bytes at every update by torch peer copies (``PeerCopy``), the
+        others by the fused plan.
 
         The shared checks (``_start``), then the finite verdict on the values as they will be
         stored, on the device, before any write, with at most ONE host sync; then ``atomic=True``
@@ -349,7 +365,8 @@ class WeightReceiver:
         - ``attested``: the ``CastCopy`` whose cast wrote the sources, trusted when it is current,
           covers every source and no pair's cast can overflow (``cast_copy.py``): its flags, one
           4-byte read. No pass.
-        - otherwise a fused check-only pass over the sources, then its flags (one read).
+        - otherwise a fused check-only pass over the sources, then its flags (one read); sources
+          on another device by the per-tensor check where they lie (one read per device).
         The (dst, src) pairs, the runs, the kernel tables and the attestation's coverage are
         built once and reused while the sender passes the same ``header.entries`` and ``sources``
         objects (``WeightSender`` does while the trainer's parameters stay where they are); the
@@ -361,40 +378,46 @@ class WeightReceiver:
             self._fail(f"update carries {len(sources)} tensors for {len(header.entries)} header entries")
         if self._errors:
             return
-        pairs, names, plan = self._plan_for(header, sources)
+        c = self._plan_for(header, sources)
+        pairs, names, plan = c.pairs, c.names, c.plan
         if checked is not None:
             self.last_verdict = "sent"
             pos = {n: i for i, n in enumerate(names)} if checked else {}
             flagged = (self.manifest[header.entries[p][0]].name for p in checked if 0 <= p < len(header.entries))
             bad = [pos[n] for n in flagged if n in pos]
-        elif attested is not None and self._trusts(attested, plan):
+        elif attested is not None and c.peer is None and self._trusts(attested, plan):
             self.last_verdict = "attested"
             bad = self._refine_all(pairs) if attested.any_bad() else []
         else:
             self.last_verdict = "checked"
             plan.check()
             bad = self._refine(plan, pairs)
+            if c.peer is not None:  # sources on another device: checked where they are, tensor by tensor
+                bad += [plan.n_pairs + j for j in c.peer.nonfinite()]
         for i in sorted(bad)[:_MAX_NAMES]:
             self._fail(f"non-finite values in {names[i]}")
         if bad:
             return
         self._direct = pairs
         if self.atomic:
-            self._direct_plan = plan
+            self._direct_plan = c
         else:
-            plan.copy()
+            c.copy()
             self._touched = True
 
     def _storage_generation(self) -> int:
         """The engine's count of weight re-allocations (0 for a bare model, which never moves)."""
         return self.in_flight.engine.weight_storage_generation if self.in_flight is not None else 0
 
-    def _plan_for(self, header: UpdateHeader, sources: list[torch.Tensor]):
-        """(pairs, names, CopyPlan) of this update's owned tensors, cached by object identity;
-        the kernel tables follow storages the engine re-allocated since the last update. The plan
-        before is kept too while the entries are the same: an IPC worker whose source alternates
-        (the trainer's compute copy / the stage) reuses both plans instead of rebuilding one per
-        switch (O(tensors) Python and table uploads)."""
+    def _plan_for(self, header: UpdateHeader, sources: list[torch.Tensor]) -> _DirectPlan:
+        """The plan of this update's owned tensors, cached by object identity; the kernel tables
+        follow storages the engine re-allocated since the last update. The plan before is kept too
+        while the entries are the same: an IPC worker whose source alternates (the trainer's
+        compute copy / the stage) reuses both plans instead of rebuilding one per switch
+        (O(tensors) Python and table uploads). A source on another device than its destination
+        (``copy_plan.reads_across``: an EP worker on cuda:1 reading the trainer's stage on cuda:0)
+        goes to the plan's ``PeerCopy``, which reads it anew at every update: the cached plan holds
+        the source itself, never a copy of its bytes."""
         c, spare = self._plan_cache, self._plan_spare
         if spare is not None and spare.entries is header.entries and spare.sources is sources:
             c, self._plan_spare = spare, c
@@ -402,26 +425,28 @@ class WeightReceiver:
         if c is not None and c.entries is header.entries and c.sources is sources:
             generation = self._storage_generation()
             if generation != c.generation:
-                c.plan.relocate()
+                c.plan.relocate()  # the peer copies' views follow the storages by themselves
                 c.generation = generation
-            return c.pairs, c.names, c.plan
+            return c
         keep = c is not None and c.entries is header.entries
         self._plan_cache, self._plan_spare = None, c if keep else None
-        pairs, names = [], []
+        local, across = [], []  # (dst view, src, name)
         for (idx, _, _), src in zip(header.entries, sources):
-            view = self.views.get(self.manifest[idx].name)
+            name = self.manifest[idx].name
+            view = self.views.get(name)
             if view is not None:
-                if src.device != view.device:
-                    src = src.to(view.device)
-                pairs.append((view, src))
-                names.append(self.manifest[idx].name)
-        plan = CopyPlan([d for d, _ in pairs], [s for _, s in pairs])
-        self._plan_cache = _DirectPlan(header.entries, sources, pairs, names, plan, self._storage_generation())
-        return pairs, names, plan
+                (across if copy_plan.reads_across(src, view) else local).append((view, src, name))
+        plan = CopyPlan([d for d, _, _ in local], [s for _, s, _ in local])
+        peer = PeerCopy([d for d, _, _ in across], [s for _, s, _ in across]) if across else None
+        pairs, names = [(d, s) for d, s, _ in local + across], [n for _, _, n in local + across]
+        c = _DirectPlan(header.entries, sources, pairs, names, plan, self._storage_generation(), peer=peer)
+        self._plan_cache = c
+        return c
 
     def _trusts(self, cast: CastCopy, plan: CopyPlan) -> bool:
         """The attestation vouches for this plan's sources (``cast_copy.py``, guarantees 1-3):
-        current (O(parameters) reads), and, checked once per (plan, cast layout), covering."""
+        current (O(parameters) reads), and, checked once per (plan, cast layout), covering. (A plan
+        with peer copies is never trusted: the caller checks that first.)"""
         c = self._plan_cache
         key = (cast, cast.layouts)  # holds the cast: its identity cannot be reused meanwhile
         if c.covered[0] != key:

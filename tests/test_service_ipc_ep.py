@@ -1,0 +1,222 @@
+"""EP=2 rollout workers refit through the trainer's shared stage (``RolloutService(refit="ipc")``,
+``policy.generation.colocated_placement=worker_process`` with ``expert_parallel_size=2``) on CPU:
+two worker processes, their EP group over gloo, every update read from the trainer's
+shared-memory stage (on a GPU node: rank r on cuda:r, the stage on the trainer's GPU).
+
+Checked with real values: after an update both ranks serve the trainer's weights (the same tokens
+and logprobs as an in-process engine given them, bitwise weight digests per rank, each rank
+holding only its own experts); an in-place change of the trainer reaches both ranks through the
+cached plans; a non-finite expert of rank 1 is refused and BOTH ranks stay on the old version
+(atomic); a killed worker restarts the group on the stage's weights; a worker lost after a
+rejected update cannot be given the served weights and generate says so; sleep / wake-up reach
+both ranks. The factory's placement (CPU, and CUDA with faked device properties) and the config
+rules are checked without starting workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from m3_rollout.config import ConfigError, FreezeConfig, WeightSyncConfig, load_config
+from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.model import load_checkpoint
+from m3_rollout.parallel import EPGroupSpec
+from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec, factory
+from m3_rollout.weight_sync import ReleasedTensors
+
+EOS = 3
+MAX_LEN = 96
+EXPERT6 = "language_model.model.layers.2.block_sparse_moe.experts.6.w2.weight"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_ep_model_dir):
+    return tiny_ep_model_dir
+
+
+def _requests():
+    gen = torch.Generator().manual_seed(5)
+    return [
+        GenerationRequest(
+            f"g{g}",
+            torch.randint(4, 256, (7 + 9 * g,), generator=gen).tolist(),
+            SamplingParams(n=2, max_new_tokens=10, seed=20 + g, stop_token_ids=(EOS,)),
+        )
+        for g in range(3)
+    ]
+
+
+def _key(outs):
+    return [(o.request_id, o.sample_index, o.output_ids) for o in outs]
+
+
+def _reference(model, reqs):
+    """The in-process engine (EP=1) on a copy of ``model``'s weights as they are now."""
+    backend = NativeBackend(copy.deepcopy(model), (EOS,), max_model_len=MAX_LEN, max_num_seqs=16, num_pages=64)
+    return backend.generate(reqs)
+
+
+def _digests(model) -> dict[str, tuple[str, str]]:
+    """The trainer's released tensors as ``RolloutWorker.weight_digests`` (fp32 workers: no cast)."""
+    out = {}
+    for name, t in ReleasedTensors(model):
+        data = t.detach().to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[name] = (str(t.dtype), hashlib.sha256(data).hexdigest())
+    return out
+
+
+def _assert_serves(svc, model, reqs, version: int) -> None:
+    """Both ranks hold the trainer's bytes (each its own experts only) and generate as EP=1 would."""
+    ref = _reference(model, reqs)
+    outs = svc.generate(reqs)  # first: a lost worker is restarted here
+    assert _key(outs) == _key(ref)
+    for a, b in zip(outs, ref):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert a.token_weight_versions == [version] * len(a.output_ids)
+    want = _digests(model)
+    ranks = svc.weight_digests()
+    experts = [{n for n in d if ".experts." in n} for d in ranks]
+    assert experts[0] and experts[1] and not experts[0] & experts[1]  # each rank: its own experts
+    assert set(ranks[0]) | set(ranks[1]) == set(want)
+    for d in ranks:
+        assert d == {n: want[n] for n in d}
+
+
+def _service(model_dir) -> RolloutService:
+    engine = {"max_model_len": MAX_LEN, "max_num_seqs": 16, "eos_token_ids": (EOS,), "num_pages": 64}
+    spec = WorkerSpec(
+        model_dir=str(model_dir),
+        group=EPGroupSpec(2, "127.0.0.1", 0, None, timeout_s=30),  # gloo: CPU
+        dtype="float32",
+        engine=engine,
+        device="cpu",
+    )
+    ws = WeightSyncConfig(timeout_s=30)
+    return RolloutService(
+        spec,
+        launcher="mp",
+        steps_per_call=8,
+        start_timeout_s=120,
+        weight_sync=ws,
+        freeze=FreezeConfig(),
+        refit="ipc",
+        trainer_device="cpu",
+    )
+
+
+def test_ep2_workers_refit_through_the_shared_stage(model_dir):
+    reqs = _requests()
+    trainer = load_checkpoint(model_dir, dtype=torch.float32)
+    named = ReleasedTensors(trainer)  # the GRPO loop's source: the same objects every update
+    w2 = trainer.model.layers[2].block_sparse_moe.experts.w2
+    svc = _service(model_dir)
+    try:
+        assert [i["expert_range"] for i in svc.rank_info] == [(0, 4), (4, 8)]
+        with torch.no_grad():  # experts of both ranks and a replicated tensor change
+            trainer.lm_head.weight.mul_(-1.0)
+            w2.mul_(3.0)
+        svc.update_weights(4, named)
+        assert svc.weight_version == 4 and svc.last_weight_sync["ipc_source"] == "stage"
+        assert [r["version"] for r in svc.last_weight_sync["ranks"]] == [4, 4]
+        _assert_serves(svc, trainer, reqs, 4)
+
+        with torch.no_grad():  # trained in place: the cached plans read the refilled stage
+            trainer.lm_head.weight.mul_(0.5)
+            w2[5].add_(0.25)  # rank 1's expert 5
+        svc.update_weights(5, named)
+        _assert_serves(svc, trainer, reqs, 5)
+        before = svc.generate(reqs)
+
+        # (b) a NaN in an expert only rank 1 holds: rank 1 refuses, rank 0 must not commit either
+        with torch.no_grad():
+            w2[6, 0, 0] = float("nan")
+            trainer.lm_head.weight.mul_(2.0)  # a change rank 0 would have written
+        with pytest.raises(ValueError, match=f"rank 1: non-finite values in {re.escape(EXPERT6)}"):
+            svc.update_weights(6, named)
+        ranks = svc.last_weight_sync["ranks"]
+        assert [(r["ok"], r["version"], r["valid"]) for r in ranks] == [(False, 5, True), (False, 5, True)]
+        assert svc.weight_version == 5
+        again = svc.generate(reqs)
+        assert _key(again) == _key(before)
+        assert all(o.token_weight_versions == [5] * len(o.output_ids) for o in again)
+
+        # a worker lost now cannot be given version 5: the stage holds the refused fill
+        os.kill(svc.worker_pids()[0], signal.SIGKILL)
+        with pytest.raises(RolloutFailure, match="call update_weights first"):
+            svc.generate(reqs)
+        with torch.no_grad():
+            w2[6, 0, 0] = 1.0
+        svc.update_weights(7, named)  # the restarted ranks take the next accepted update
+        _assert_serves(svc, trainer, reqs, 7)
+
+        # (c) a worker killed between steps: the group restarts on the stage's weights (version 7),
+        # although the trainer has trained since (the stage is not refilled)
+        served = copy.deepcopy(trainer)
+        with torch.no_grad():
+            trainer.lm_head.weight.add_(1.0)
+        restarts = svc.restarts
+        os.kill(svc.worker_pids()[1], signal.SIGKILL)
+        _assert_serves(svc, served, reqs, 7)
+        assert svc.restarts == restarts + 1
+
+        # sleep / wake-up reach both ranks; an update waits for the wake-up at level 2
+        record = svc.sleep(2)
+        assert record["level"] == 2 and record["gb_freed"] > 0
+        with pytest.raises(RuntimeError, match="wake_up"):
+            svc.update_weights(8, named)
+        assert svc.wake_up()["gb_restored"] > 0
+        svc.update_weights(8, named)
+        _assert_serves(svc, trainer, reqs, 8)
+    finally:
+        svc.shutdown()
+
+
+def test_factory_places_ep_workers_beside_the_trainer(model_dir, monkeypatch):
+    made = {}
+    monkeypatch.setattr(factory, "RolloutService", lambda spec, **kw: made.update(spec=spec, **kw) or "service")
+    base = ["policy.generation.colocated_placement=worker_process", "policy.generation.expert_parallel_size=2"]
+    cfg = load_config(None, [*base, "cluster.launcher=mp"])
+    assert factory.build_rollout_service(cfg, model_dir, (EOS,), MAX_LEN) == "service"
+    spec = made["spec"]
+    assert (spec.device, spec.device_uuid, spec.group.world_size) == ("cpu", None, 2)
+    assert made["refit"] == "ipc" and made["trainer_device"] == "cpu" and made["worker_gpus"] == 0.0
+    assert spec.num_threads == max(1, torch.get_num_threads() // 2)  # the trainer's threads, split
+    # on a GPU node (device properties faked): rank r on cuda:r, each rank's GPU named by UUID
+    props = lambda dev: SimpleNamespace(uuid=f"GPU-{torch.device(dev).index}")  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    assert factory.worker_placement("cuda:1", 2) == ("cuda", ("GPU-0", "GPU-1"))
+    assert factory.worker_placement("cuda:1", 1) == ("cuda:1", "GPU-1")
+    assert factory.worker_placement("cpu", 2) == ("cpu", None)
+
+
+def test_config_accepts_ep_worker_process_on_cpu_and_refuses_bad_cuda_placements():
+    base = ["policy.generation.colocated_placement=worker_process", "policy.generation.expert_parallel_size=2"]
+    cfg = load_config(None, [*base, "cluster.launcher=mp", "policy.generation.sleep_level=1"])
+    assert cfg.policy.generation.expert_parallel_size == 2 and cfg.policy.generation.sleep_level == 1
+    ok = load_config(None, [*base, "cluster.device=cuda:1", "cluster.gpus_per_node=2"])  # trainer beside rank 1
+    assert ok.cluster.device == "cuda:1"
+    cases = [
+        (["cluster.device=cuda:2", "cluster.gpus_per_node=4"], "cluster.device='cuda:2'", "cuda:0 .. cuda:1"),
+        (["cluster.device=cuda", "cluster.gpus_per_node=1"], "cluster.gpus_per_node=1", "EP rank r runs on cuda:r"),
+        (
+            ["cluster.device=cuda:0", "cluster.gpus_per_node=2", "cluster.num_nodes=2"],
+            "cluster.num_nodes=2",
+            "one node",
+        ),
+        (["cluster.gpus_per_node=2"], "cluster.gpus_per_node=2", "must be 0"),  # GPU workers beside a CPU trainer
+    ]
+    for extra, key, why in cases:
+        with pytest.raises(ConfigError, match=re.escape(key) + ".*" + re.escape(why)):
+            load_config(None, [*base, *extra])
+    # sleep stays refused for EP workers of the broadcast service (GPUs of their own)
+    with pytest.raises(ConfigError, match="policy.generation.sleep_level=1"):
+        load_config(None, ["policy.generation.expert_parallel_size=2", "policy.generation.sleep_level=1"])
