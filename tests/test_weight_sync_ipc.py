@@ -386,3 +386,32 @@ def test_worker_alternating_copy_and_stage_reuses_its_views_and_copy_plans(atomi
         assert digest(rollout) == want[kind]
     assert len(built) == 2  # one plan per source, built at its first update
     assert len(sync.conn.sent) == 6  # one ack per update
+
+
+def test_a_trainer_tensor_off_the_stage_device_is_refused_not_snapshotted():
+    """The stage's fill plan is cached while the sender passes the same tensors; a source on
+    another device than the stage was copied there once (``s.to(device)``) and that snapshot was
+    filled again at every later update. Now such a source is refused, naming the tensor and both
+    devices (CPU stand-in: one trainer tensor on the meta device, the stage on the CPU)."""
+    from m3_rollout.weight_sync.manifest import UpdateHeader
+    from m3_rollout.weight_sync.sender import sender_manifest
+
+    torch.manual_seed(1)
+    trainer = M3ForCausalLM(tiny_config()).float().eval()
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=1.0)
+    try:
+        named = ReleasedTensors(trainer)
+        sender = WeightSender(lambda: named, channel, generation_dtype=torch.bfloat16)
+        sender.manifest = sender_manifest(named, torch.bfloat16, sender.frozen)
+        sources, entries, _, _ = sender._sources(True, direct=True)
+        header = UpdateHeader(1, True, entries)
+        channel._manifest = sender.manifest
+        channel._ensure_stage(header, sources)
+        assert channel._fill_stage(header, sources) == []  # every source on the stage's device: filled
+        k = len(sources) // 2
+        away = [s.to("meta") if i == k else s for i, s in enumerate(sources)]
+        name = sender.manifest[entries[k][0]].name
+        with pytest.raises(ValueError, match=f"{name} is on meta, the stage on cpu \\(1 tensors elsewhere\\)"):
+            channel._fill_stage(header, away)
+    finally:
+        channel.close()

@@ -377,8 +377,19 @@ class IpcChannel:
         positions holding non-finite values (one host sync, after which the stage is complete)."""
         f = self._fill
         if f is None or f[0] is not header.entries or f[1] is not sources:
+            # NOTE: the plan is cached and reused while the sender passes the same tensors, so a copy
+            # of a source made here (``s.to(device)``) would be a snapshot filled again at every later
+            # update: a source elsewhere than the stage is refused instead
+            away = [k for k, s in enumerate(sources) if s.device != self.device]
+            if away:
+                k = away[0]
+                raise ValueError(
+                    f"weight-sync IPC: {self._manifest[header.entries[k][0]].name} is on {sources[k].device}, the "
+                    f"stage on {self.device} ({len(away)} tensors elsewhere): the trainer's tensors must be on the "
+                    "stage's device (cluster.device)"
+                )
             views = stage_views(self.stage, self.offsets, header.entries)
-            srcs = [s if s.device == self.device else s.to(self.device) for s in sources]
+            srcs = list(sources)
             self._fill = f = (header.entries, sources, CopyPlan(views, srcs), views, srcs)
         plan = f[2]
         plan.copy_check()
