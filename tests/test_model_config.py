@@ -131,6 +131,8 @@ def test_validate_lists_every_violation_with_key_and_value():
         ("rms_norm_eps", "1e-6", "must be a finite number"),
         ("routed_scaling_factor", None, "must be a finite number"),
         ("rope_theta", float("inf"), "must be a finite number"),
+        # a JSON int past the float range: named, not an OverflowError from math.isfinite
+        pytest.param("rope_theta", 10**400, "must be a finite number", id="rope_theta-int-past-float-range"),
         ("swiglu_limit", True, "must be a finite number"),
         ("eos_token_id", "</s>", "must be null or a token id (an int >= 0), or a list of them"),
         ("eos_token_id", [2, -1], "must be null or a token id (an int >= 0), or a list of them"),

@@ -353,8 +353,7 @@ class M3Config:
             "partial_rotary_factor",
         ):  # fmt: skip
             v = getattr(self, key)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), key,
-                 "must be a finite number")  # fmt: skip
+            need(_finite_number(v), key, "must be a finite number")
         for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
             v = getattr(self, key)
             ids = v if key == "eos_token_id" and isinstance(v, list) else [v]
@@ -417,6 +416,16 @@ class M3Config:
         if errs:
             raise ValueError("invalid M3 config:\n  " + "\n  ".join(errs))
         return self
+
+
+def _finite_number(v: Any) -> bool:
+    """An int or float (not a bool) that is finite as a float: a JSON int past the float range is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _layer_list(types: Any, mapping: dict[str, int], key: str, errors: list[str]) -> list[int] | None:
