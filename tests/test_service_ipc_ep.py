@@ -91,7 +91,7 @@ def _assert_serves(svc, model, reqs, version: int) -> None:
         assert d == {n: want[n] for n in d}
 
 
-def _service(model_dir) -> RolloutService:
+def _service(model_dir, atomic: bool = True) -> RolloutService:
     engine = {"max_model_len": MAX_LEN, "max_num_seqs": 16, "eos_token_ids": (EOS,), "num_pages": 64}
     spec = WorkerSpec(
         model_dir=str(model_dir),
@@ -100,7 +100,7 @@ def _service(model_dir) -> RolloutService:
         engine=engine,
         device="cpu",
     )
-    ws = WeightSyncConfig(timeout_s=30)
+    ws = WeightSyncConfig(timeout_s=30, atomic=atomic)
     return RolloutService(
         spec,
         launcher="mp",
@@ -176,6 +176,35 @@ def test_ep2_workers_refit_through_the_shared_stage(model_dir):
         assert svc.wake_up()["gb_restored"] > 0
         svc.update_weights(8, named)
         _assert_serves(svc, trainer, reqs, 8)
+    finally:
+        svc.shutdown()
+
+
+def test_non_atomic_rejection_that_left_a_rank_invalid_stops_generate_until_the_next_update(model_dir):
+    # atomic=false: rank 0 writes its tensors while rank 1 refuses a NaN in its expert. The stage
+    # holds the refused fill, so the last good weights cannot be re-sent (the broadcast service's
+    # repair): generate must refuse, not serve rank 0's half-written weights as the old version
+    # (and hand back rank 0's requests empty).
+    reqs = _requests()
+    trainer = load_checkpoint(model_dir, dtype=torch.float32)
+    named = ReleasedTensors(trainer)
+    w2 = trainer.model.layers[2].block_sparse_moe.experts.w2
+    svc = _service(model_dir, atomic=False)
+    try:
+        svc.update_weights(1, named)
+        with torch.no_grad():
+            w2[6, 0, 0] = float("nan")
+            trainer.lm_head.weight.mul_(2.0)
+        with pytest.raises(ValueError, match="rank 1: non-finite values"):
+            svc.update_weights(2, named)
+        assert [r["valid"] for r in svc.last_weight_sync["ranks"]] == [False, True]
+        with pytest.raises(RolloutFailure, match=r"rank 0 .*invalid.*call update_weights first") as exc:
+            svc.generate(reqs)
+        assert exc.value.lost_request_ids == sorted(r.request_id for r in reqs)
+        with torch.no_grad():
+            w2[6, 0, 0] = 1.0
+        svc.update_weights(3, named)
+        _assert_serves(svc, trainer, reqs, 3)
     finally:
         svc.shutdown()
 

@@ -202,7 +202,8 @@ class RolloutService(GenerationBackend):
         self._ws_sender = None
         self._ipc: IpcRefit | None = None  # refit="ipc": channel + sender, kept across restarts (the stage)
         self._sleep_level = 0  # the workers' engines sleep at this level (sleep / wake_up)
-        self._weights_lost = False  # refit="ipc": restarted workers could not be given the served weights
+        # refit="ipc": why the workers do not hold the served weights (None: they do); generate refuses
+        self._weights_lost: str | None = None
         self.last_weight_sync: dict = {}
         # The step API (add_request / abort / step): requests by id, and what the next step sends.
         self.stream_steps_per_call = int(stream_steps_per_call)
@@ -780,9 +781,9 @@ class RolloutService(GenerationBackend):
         where they are (no host copy). A worker lost during the update restarts the group
         (``max_restarts`` within this call) and the update is repeated; a rejected update raises
         ValueError (atomic workers keep their weights; the stage then holds no accepted version,
-        so workers restarted before the next accepted update cannot be given the served weights:
-        ``generate`` refuses, naming this, until an update is accepted). RuntimeError at sleep
-        level 2 (wake up first)."""
+        so workers restarted before the next accepted update cannot be given the served weights;
+        non-atomic ranks that wrote part of it cannot be repaired: ``generate`` refuses, naming
+        this, until an update is accepted). RuntimeError at sleep level 2 (wake up first)."""
         if self._sleep_level >= 2:
             raise RuntimeError(
                 "update_weights: the rollout workers sleep at level 2 (weights offloaded to host memory); "
@@ -800,28 +801,41 @@ class RolloutService(GenerationBackend):
                 break
             except GroupFailure as failure:
                 used = self._start_with_retries(failure, [], used)
+            except ValueError:
+                # the source holds the refused update, not the served weights: no re-send repairs
+                # ranks that wrote part of it (weight_sync.atomic=false), as the broadcast refit does
+                invalid = [str(r) for r, o in enumerate(self.last_weight_sync.get("ranks", [])) if not o["valid"]]
+                if invalid:
+                    self._weights_lost = (
+                        f"rollout rank {', '.join(invalid)} invalid: wrote part of the rejected update {version} "
+                        f"(weight_sync.atomic=false), and the trainer's IPC source no longer holds the served "
+                        f"version {self._version} to repair it"
+                    )
+                raise
         self._last_weights = (version, None)
-        self._version, self._weights_lost = version, False
+        self._version, self._weights_lost = version, None
 
     def _check_weights_served(self, request_ids: list[str]) -> None:
-        """Raises RolloutFailure (with ``request_ids``) when restarted workers could not be given
-        the served weights (``_reapply_ipc``): they would generate with the checkpoint's."""
+        """Raises RolloutFailure (with ``request_ids``) when the workers do not hold the served
+        weights: restarted ones could not be given them (``_reapply_ipc``: they would generate with
+        the checkpoint's), or a rejected non-atomic update left ranks invalid (``_update_ipc``)."""
         if self._weights_lost:
-            raise RolloutFailure(
-                f"the restarted rollout workers hold the checkpoint's weights, not the served version {self._version}: "
-                "the trainer's IPC source no longer holds it (a rejected update overwrote the stage, or the trainer "
-                "cast its compute copy again since); call update_weights first, then resubmit",
-                sorted(request_ids),
-            )
+            raise RolloutFailure(f"{self._weights_lost}; call update_weights first, then resubmit", sorted(request_ids))
 
     def _reapply_ipc(self) -> None:
         """At a restart: give the new workers the served weights, which the IPC source holds. When
         it does not (a rejected or interrupted update overwrote the stage; the trainer cast its
         compute copy again since) the workers hold the checkpoint's weights and ``generate``
         refuses until the next accepted update."""
-        self._weights_lost = not self._ipc.holds(self._version)
-        if not self._weights_lost:
-            self._push_ipc(self._version, None)
+        if not self._ipc.holds(self._version):
+            self._weights_lost = (
+                f"the restarted rollout workers hold the checkpoint's weights, not the served version {self._version}: "
+                "the trainer's IPC source no longer holds it (a rejected update overwrote the stage, or the trainer "
+                "cast its compute copy again since)"
+            )
+            return
+        self._weights_lost = None
+        self._push_ipc(self._version, None)
 
     def _push_ipc(self, version: int, named) -> None:
         """One update through the IPC source while every worker receives it (``named`` None: resend
