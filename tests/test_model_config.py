@@ -147,6 +147,41 @@ def test_values_of_the_wrong_type_are_named_not_a_type_error(key, value, allowed
     assert dataclasses.replace(tiny_config(), eos_token_id=[2, 3], pad_token_id=None).validate()
 
 
+@pytest.mark.parametrize(
+    "edit,key",
+    [
+        ({"head_dim": None}, "head_dim"),  # a TypeError while deriving rotary_dim
+        ({"head_dim": float("nan")}, "head_dim"),  # int(nan): "cannot convert float NaN to integer"
+        ({"head_dim": 10**30, "rotary_dim": ...}, "head_dim"),  # past int64: OverflowError, or torch's at the build
+        ({"partial_rotary_factor": "x"}, "partial_rotary_factor"),
+        ({"partial_rotary_factor": float("inf")}, "partial_rotary_factor"),
+        ({"partial_rotary_factor": 1e308}, "rotary_dim"),  # finite, but head_dim * it is not
+        ({"rotary_dim": "64", "partial_rotary_factor": ...}, "rotary_dim"),  # ...: key removed
+        ({"head_dim": 0, "partial_rotary_factor": ...}, "head_dim"),  # rotary_dim / head_dim: ZeroDivisionError
+        ({"hidden_size": 2**63}, "hidden_size"),  # torch: "Overflow when unpacking long long"
+        ({"layer_types": 5}, "layer_types"),
+        ({"layer_types": [["full_attention"]] * 60}, "layer_types"),
+        ({"mlp_layer_types": [{}] * 60}, "mlp_layer_types"),
+    ],
+)
+def test_config_json_values_that_cannot_be_combined_are_named(edit, key):
+    # from_dict derives rotary_dim / partial_rotary_factor and maps layer_types before validate():
+    # a value of the wrong type or size is named (ValueError "invalid M3 config" with the key),
+    # not a TypeError / OverflowError / ZeroDivisionError message that names no key
+    d = M3Config().to_transformers_text_dict()
+    for k, v in edit.items():
+        if v is ...:
+            d.pop(k)
+            d["rope_parameters"].pop(k, None)
+        else:
+            d[k] = v
+            if k in d["rope_parameters"]:
+                d["rope_parameters"][k] = v
+    with pytest.raises(ValueError, match=r"invalid M3 config:\n") as e:
+        M3Config.from_dict(d)
+    assert f"\n  {key}" in str(e.value), str(e.value)
+
+
 def test_from_pretrained_reads_config_json(tmp_path):
     cfg = tiny_config()
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))

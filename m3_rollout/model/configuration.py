@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,16 +244,23 @@ class M3Config:
             kw["rotary_dim"] = tc["rotary_dim"]
         head_dim = kw.get("head_dim", cls.head_dim)
         has_rd, has_pf = "rotary_dim" in kw, "partial_rotary_factor" in kw
+        # a value the derivation cannot combine (a string, NaN, 0, past the float range) is left
+        # as given: validate() names its key
         if has_rd and has_pf:
-            if kw["rotary_dim"] != int(head_dim * kw["partial_rotary_factor"]):
+            rd = _derived(lambda: int(head_dim * kw["partial_rotary_factor"]))
+            if rd is not None and kw["rotary_dim"] != rd:
                 errors.append(
                     f"rotary_dim={kw['rotary_dim']} disagrees with head_dim * partial_rotary_factor = "
                     f"{head_dim} * {kw['partial_rotary_factor']} = {head_dim * kw['partial_rotary_factor']}"
                 )
         elif has_rd:
-            kw["partial_rotary_factor"] = kw["rotary_dim"] / head_dim
+            pf = _derived(lambda: kw["rotary_dim"] / head_dim)
+            if pf is not None:
+                kw["partial_rotary_factor"] = pf
         else:
-            kw["rotary_dim"] = int(head_dim * kw.get("partial_rotary_factor", cls.partial_rotary_factor))
+            rd = _derived(lambda: int(head_dim * kw.get("partial_rotary_factor", cls.partial_rotary_factor)))
+            if rd is not None:
+                kw["rotary_dim"] = rd
 
         # transformers rewrites hidden_act to "silu" and always computes SwiGLU-OAI inline.
         if kw.get("hidden_act") == "silu" and ("layer_types" in tc or "mlp_layer_types" in tc):
@@ -344,10 +351,12 @@ class M3Config:
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "intermediate_size", "shared_intermediate_size", "dense_intermediate_size",
             "num_local_experts", "num_experts_per_tok", "sparse_index_dim", "sparse_num_index_heads",
-            "sparse_topk_blocks", "sparse_block_size", "max_position_embeddings",
+            "sparse_topk_blocks", "sparse_block_size", "max_position_embeddings", "rotary_dim",
         ):  # fmt: skip
             v = getattr(self, key)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, key, "must be a positive int")
+            # below 2**63: a tensor size (torch's int64), and products with it stay in the float range
+            need(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**63, key,
+                 "must be a positive int (below 2**63)")  # fmt: skip
         for key in (
             "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "swiglu_beta", "rms_norm_eps", "rope_theta",
             "partial_rotary_factor",
@@ -383,7 +392,7 @@ class M3Config:
         need(self.rope_theta > 0, "rope_theta", "must be > 0")
         need(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "rotary_dim",
              f"must be even and in (0, head_dim={self.head_dim}]")  # fmt: skip
-        need(self.rotary_dim == int(self.head_dim * self.partial_rotary_factor), "rotary_dim",
+        need(self.rotary_dim == _derived(lambda: int(self.head_dim * self.partial_rotary_factor)), "rotary_dim",
              f"must equal head_dim * partial_rotary_factor = {self.head_dim} * "
              f"{self.partial_rotary_factor}")  # fmt: skip
         need(self.sparse_score_type == "max", "sparse_score_type", "must be 'max'")
@@ -418,6 +427,15 @@ class M3Config:
         return self
 
 
+def _derived(compute: Callable[[], Any]) -> Any:
+    """``compute()``, or None when the config values it combines cannot be (a string, NaN, a zero
+    divisor, a result past the float range): the caller leaves the check to the key's own rule."""
+    try:
+        return compute()
+    except (TypeError, ValueError, ArithmeticError):
+        return None
+
+
 def _finite_number(v: Any) -> bool:
     """An int or float (not a bool) that is finite as a float: a JSON int past the float range is not."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -432,7 +450,10 @@ def _layer_list(types: Any, mapping: dict[str, int], key: str, errors: list[str]
     """Map transformers' per-layer type strings to 0/1 (None if absent)."""
     if types is None:
         return None
-    bad = [t for t in types if t not in mapping]
+    if not isinstance(types, list):
+        errors.append(f"{key}={types!r}: must be a list of {sorted(mapping)}")
+        return None
+    bad = [t for t in types if not isinstance(t, str) or t not in mapping]
     if bad:
         errors.append(f"{key} contains {sorted(set(map(str, bad)))}: allowed {sorted(mapping)}")
         return None
