@@ -167,6 +167,42 @@ def test_a_missing_model_path_exits_2_saying_it_does_not_exist(cache, capsys):
     assert "builtin:tiny-calculator" in err and "config.json" in err and "Traceback" not in err
 
 
+def test_weights_that_do_not_fit_config_json_exit_2_naming_the_checkpoint(cache, capsys):
+    # A checkpoint whose config.json disagrees with its tensors (vocab_size edited): one error line
+    # naming policy.model_name and the directory, exit 2, not a ValueError traceback.
+    import shutil
+
+    from m3_rollout.jobs.builtin import resolve_model
+
+    src, _ = resolve_model("builtin:tiny-random")
+    bad = cache / "bad_ckpt"
+    shutil.copytree(src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["text_config"]["vocab_size"] = 100  # the released (VL) layout nests the text model's keys
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, f"policy.model_name={bad}"))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"\nerror: policy.model_name='{bad}': {bad}: checkpoint does not match the model:\n" in err
+    assert "mis-shaped" in err and "Traceback" not in err
+
+
+def test_ctrl_c_before_the_first_step_names_no_metrics_file(cache, capsys, monkeypatch):
+    # Interrupted while the rollout backend starts: the metrics logger has not created
+    # metrics.jsonl yet, so the line must not point at it.
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "build_generation_backend", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache))
+    assert exc.value.code == 130
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("interrupted:")]
+    assert "no metrics were written yet" in line and "metrics.jsonl" not in line
+    assert not (cache / "logs" / "metrics.jsonl").exists()
+
+
 def test_ctrl_c_during_a_builtin_build_exits_130_with_one_line(cache, capsys, monkeypatch):
     # KeyboardInterrupt where the build begins (training its tokenizer), as a Ctrl-C would raise it.
     from m3_rollout.jobs import builtin

@@ -174,9 +174,10 @@ def interrupted_message(cfg: MasterConfig) -> str:
         kept = f"no checkpoint was saved yet (checkpointing.save_period={ck.save_period}; 0 saves only at the end)"
     else:
         kept = "checkpointing is off, so no checkpoint was saved"
-    return (
-        f"interrupted: the GRPO job stopped (Ctrl-C); metrics so far are in {cfg.logger.log_dir}/metrics.jsonl; " + kept
-    )
+    metrics = Path(cfg.logger.log_dir) / "metrics.jsonl"
+    # the metrics logger creates it once the run's pieces are built: a Ctrl-C before that wrote none
+    logged = f"metrics so far are in {metrics}" if metrics.is_file() else "no metrics were written yet"
+    return f"interrupted: the GRPO job stopped (Ctrl-C); {logged}; " + kept
 
 
 def check_resume(cfg: MasterConfig) -> None:
@@ -253,6 +254,10 @@ def run(cfg: MasterConfig) -> dict:
             model = load_trainer_model(cfg, model_dir)
         except FileNotFoundError as exc:  # config.json is there (checked), no weight file
             raise ConfigError(f"policy.model_name={p.model_name!r}: {exc}") from None
+        except (ConfigError, CheckpointError):
+            raise
+        except ValueError as exc:  # weights that do not fit config.json (missing / mis-shaped tensors)
+            raise ConfigError(f"policy.model_name={p.model_name!r}: {model_dir}: {exc}") from None
         policy = build_policy(cfg, model, total_optimizer_steps(cfg, g.max_num_steps))
         policy.scorer = invariant_scorer(cfg, policy.compute, stack.max_len)  # None unless batch_invariant
         stack.backend = backend = build_generation_backend(cfg, model_dir, chat, stack.max_len)
