@@ -137,6 +137,11 @@ def test_validate_lists_every_violation_with_key_and_value():
         ("eos_token_id", "</s>", "must be null or a token id (an int >= 0), or a list of them"),
         ("eos_token_id", [2, -1], "must be null or a token id (an int >= 0), or a list of them"),
         ("pad_token_id", 1.5, "must be null or a token id (an int >= 0)"),
+        # bools where an int is wanted, and a string where a bool is ("false" was truthy: bias on)
+        ("n_shared_experts", True, "must be 1 (one always-on shared expert)"),
+        ("sparse_local_block", True, "must be an int >= 1 (the query's own block is always selected)"),
+        ("sparse_init_block", False, "must be an int >= 0"),
+        ("use_routing_bias", "false", "must be true or false"),
     ],
 )
 def test_values_of_the_wrong_type_are_named_not_a_type_error(key, value, allowed):

@@ -377,13 +377,18 @@ class M3Config:
              f"must be a multiple of num_key_value_heads={self.num_key_value_heads}")  # fmt: skip
         need(self.num_experts_per_tok <= self.num_local_experts, "num_experts_per_tok",
              f"must be <= num_local_experts={self.num_local_experts}")  # fmt: skip
-        need(self.n_shared_experts == 1, "n_shared_experts", "must be 1 (one always-on shared expert)")
+        need(
+            self.n_shared_experts == 1 and _is_int(self.n_shared_experts),
+            "n_shared_experts",
+            "must be 1 (one always-on shared expert)",
+        )
         need(self.scoring_func == "sigmoid", "scoring_func", "must be 'sigmoid'")
         need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
         need(self.hidden_act == "swigluoai", "hidden_act", "must be 'swigluoai'")
         need(self.swiglu_beta == 1.0, "swiglu_beta", "must be 1.0 (the +1 on the up branch)")
         need(self.swiglu_limit > 0, "swiglu_limit", "must be > 0")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        need(isinstance(self.use_routing_bias, bool), "use_routing_bias", "must be true or false")
         need(self.use_gemma_norm is True, "use_gemma_norm", "must be true (scale 1 + w)")
         need(self.use_qk_norm is True, "use_qk_norm", "must be true")
         need(self.qk_norm_type == "per_head", "qk_norm_type", "must be 'per_head'")
@@ -400,11 +405,11 @@ class M3Config:
              f"must equal num_key_value_heads={self.num_key_value_heads} "
              "(index head g selects for KV head g)")  # fmt: skip
         need(self.sparse_index_dim == self.head_dim, "sparse_index_dim", f"must equal head_dim={self.head_dim}")
-        need(isinstance(self.sparse_local_block, int) and self.sparse_local_block >= 1, "sparse_local_block",
+        need(_is_int(self.sparse_local_block) and self.sparse_local_block >= 1, "sparse_local_block",
              "must be an int >= 1 (the query's own block is always selected)")  # fmt: skip
-        need(isinstance(self.sparse_init_block, int) and self.sparse_init_block >= 0, "sparse_init_block",
+        need(_is_int(self.sparse_init_block) and self.sparse_init_block >= 0, "sparse_init_block",
              "must be an int >= 0")  # fmt: skip
-        if isinstance(self.sparse_init_block, int) and isinstance(self.sparse_local_block, int):
+        if _is_int(self.sparse_init_block) and _is_int(self.sparse_local_block):
             need(self.sparse_init_block + self.sparse_local_block <= self.sparse_topk_blocks, "sparse_init_block",
                  f"sparse_init_block + sparse_local_block={self.sparse_local_block} must be <= "
                  f"sparse_topk_blocks={self.sparse_topk_blocks}")  # fmt: skip
@@ -425,6 +430,11 @@ class M3Config:
         if errs:
             raise ValueError("invalid M3 config:\n  " + "\n  ".join(errs))
         return self
+
+
+def _is_int(v: Any) -> bool:
+    """An int that is not a bool (JSON true / false are not counts)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _derived(compute: Callable[[], Any]) -> Any:
