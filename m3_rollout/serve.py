@@ -4,7 +4,9 @@ Thin: binds the address, resolves ``builtin:NAME`` to the embedded checkpoint (b
 and hands over to ``m3_rollout.server.cli``; run with ``--help`` for the options. Exit status 2
 with one ``error: ...`` line for a bad flag or an unusable checkpoint / tokenizer / template file
 (named, as ``m3-rollout export`` says them), 3 when the address cannot be bound (naming ``--port``
-or ``--host``; uvicorn's status for a server that could not start).
+or ``--host``; uvicorn's status for a server that could not start), 130 with one ``interrupted:``
+line for a Ctrl-C before it serves (imports, checkpoint load, EP workers starting); once it serves,
+uvicorn handles Ctrl-C (a clean shutdown).
 """
 
 from __future__ import annotations
@@ -12,8 +14,28 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+STARTUP_INTERRUPTED = "interrupted: the server stopped (Ctrl-C) while starting; nothing was served"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        started = _start(argv)
+    except KeyboardInterrupt:  # a builtin build says its own line and exits 130 itself
+        print(STARTUP_INTERRUPTED, file=sys.stderr, flush=True)
+        return 130
+    if isinstance(started, int):
+        return started
+    from m3_rollout.server.cli import run_server
+
+    args, app, served, sock = started
+    with sock:
+        run_server(args, app, served, sock)
+    return 0
+
+
+def _start(argv: Sequence[str] | None):
+    """Everything before serving: the exit status of a bad flag / model / address, or
+    ``(args, app, served, sock)`` with ``sock`` bound (closed here on any error)."""
     from m3_rollout.jobs.builtin import BUILTIN_PREFIX, resolve_model
     from m3_rollout.server.cli import (
         BindError,
@@ -21,7 +43,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_server,
         default_template_kwargs,
         parse_args,
-        run_server,
     )
 
     args = parse_args(argv)
@@ -35,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BindError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    with sock:
+    serving = False
+    try:
         try:
             model_dir, _ = resolve_model(args.model)
         except (FileNotFoundError, ValueError) as exc:  # a CheckpointError (config.json) is a ValueError
@@ -48,8 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as exc:  # CheckpointError / ChatFileError are ValueErrors
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        run_server(args, app, served, sock)
-    return 0
+        serving = True
+        return args, app, served, sock
+    finally:
+        if not serving:
+            sock.close()
 
 
 if __name__ == "__main__":

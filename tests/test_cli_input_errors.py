@@ -1,7 +1,8 @@
 """The entry points on unusable input, as a new user meets it: a corrupt checkpoint stops grpo and
 serve with one ``error:`` line naming the file (exit 2, as export says it), export's ``--out``
 naming a file is a bad argument (exit 2), serve's port in use is one line naming ``--port`` (exit
-3) with nothing printed as served, and the end-of-run plot hint runs from any directory."""
+3) with nothing printed as served, a Ctrl-C while serve starts or serves is one line (exit 130), and the
+end-of-run plot hint runs from any directory."""
 
 from __future__ import annotations
 
@@ -122,6 +123,44 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_before_serving(ckpts, capsys
     assert "serving" not in captured.out
     assert captured.err.startswith(f"error: --port={port}: 127.0.0.1:{port} is already in use")
     assert captured.err.count("\n") == 1 and "give a free --port" in captured.err
+
+
+def test_ctrl_c_while_serve_starts_exits_130_in_one_line_and_frees_the_port(ckpts, capsys, monkeypatch):
+    # A Ctrl-C while the checkpoint loads (or EP workers start): one line, exit 130, no traceback,
+    # nothing printed as served, and the bound port is released for the next start.
+    from m3_rollout.server import cli
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    good, _, _ = ckpts
+    port = free_port()
+    monkeypatch.setattr(cli, "build_server", interrupted)
+    assert serve_main(["--model", str(good), "--port", str(port)]) == 130
+    captured = capsys.readouterr()
+    assert "serving" not in captured.out
+    assert captured.err == "interrupted: the server stopped (Ctrl-C) while starting; nothing was served\n"
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
+
+
+def test_ctrl_c_on_a_serving_server_exits_130_in_one_line(ckpts, capsys, monkeypatch):
+    # uvicorn shuts down gracefully on Ctrl-C and then re-raises it (asyncio's KeyboardInterrupt):
+    # one line after the serving line, exit 130, no traceback.
+    import uvicorn
+
+    def interrupted(self, sockets=None):
+        self.started = True
+        raise KeyboardInterrupt
+
+    good, _, _ = ckpts
+    monkeypatch.setattr(uvicorn.Server, "run", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        serve_main(["--model", str(good), "--port", str(free_port())])
+    assert exc.value.code == 130
+    captured = capsys.readouterr()
+    assert captured.out.startswith("m3-rollout server: serving ")
+    assert captured.err == "m3-rollout server: stopped (Ctrl-C)\n"
 
 
 def test_export_to_a_path_that_is_a_file_is_a_bad_argument(ckpts, tmp_path, capsys):

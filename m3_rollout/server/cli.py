@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import json
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -302,11 +303,18 @@ def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.
 
     Raises:
         SystemExit(3): uvicorn could not start (its startup-failure status).
+        SystemExit(130): stopped by Ctrl-C, after uvicorn's graceful shutdown and one line on stderr.
     """
     import uvicorn
 
     print(f"m3-rollout server: serving {served.name!r} on http://{args.host}:{args.port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn shut down gracefully (the app's shutdown stopped the backend) and then re-raised the
+        # Ctrl-C it captured, which asyncio turns into this: one line instead of a traceback
+        print("m3-rollout server: stopped (Ctrl-C)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     if not server.started:
         raise SystemExit(3)
