@@ -198,7 +198,7 @@ def test_non_atomic_rejection_that_left_a_rank_invalid_stops_generate_until_the_
         with pytest.raises(ValueError, match="rank 1: non-finite values"):
             svc.update_weights(2, named)
         assert [r["valid"] for r in svc.last_weight_sync["ranks"]] == [False, True]
-        with pytest.raises(RolloutFailure, match=r"rank 0 .*invalid.*call update_weights first") as exc:
+        with pytest.raises(RolloutFailure, match=r"rank\(s\) 0 invalid: .*update 2 .*call update_weights first") as exc:
             svc.generate(reqs)
         assert exc.value.lost_request_ids == sorted(r.request_id for r in reqs)
         with torch.no_grad():

@@ -807,9 +807,9 @@ class RolloutService(GenerationBackend):
                 invalid = [str(r) for r, o in enumerate(self.last_weight_sync.get("ranks", [])) if not o["valid"]]
                 if invalid:
                     self._weights_lost = (
-                        f"rollout rank {', '.join(invalid)} invalid: wrote part of the rejected update {version} "
+                        f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of the rejected update {version} "
                         f"(weight_sync.atomic=false), and the trainer's IPC source no longer holds the served "
-                        f"version {self._version} to repair it"
+                        f"version {self._version} to repair them"
                     )
                 raise
         self._last_weights = (version, None)
