@@ -166,6 +166,16 @@ def sampling_params(
     if req.presence_penalty or req.frequency_penalty:
         param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
         raise APIError(400, f"{param}: penalties are not supported by this server; leave it at 0", param)
+    if req.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server; leave it out", "logit_bias")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(
+            400,
+            f"response_format: type {kind!r} is not supported by this server (no guided decoding); "
+            'leave it out or send {"type": "text"}',
+            "response_format",
+        )
     top_k = -1 if req.top_k in (None, 0, -1) else req.top_k
     if top_k < 1 and top_k != -1:
         raise APIError(400, f"top_k={req.top_k}: must be -1 or 0 (off) or >= 1", "top_k")

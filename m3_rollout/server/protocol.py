@@ -100,6 +100,9 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # named so that they are refused (400), not ignored: each changes what the client gets back
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     logprobs_mode: Literal["processed", "raw"] = "processed"
     return_token_ids: bool = False
     user: str | None = None
