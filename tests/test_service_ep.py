@@ -7,6 +7,9 @@ With randomness keyed by (seed, sample index, position), tokens must be identica
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -148,6 +151,31 @@ def test_worker_killed_mid_generation_is_restarted_and_requests_complete(model_d
         assert set(svc.worker_pids()).isdisjoint(first_pids)  # every rank was restarted
     finally:
         svc.shutdown()
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (the SigIgn mask of /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+def test_worker_processes_ignore_ctrl_c_which_the_driver_handles(model_dir, capfd):
+    # A Ctrl-C in the terminal reaches every process of the foreground group: each worker printed
+    # a KeyboardInterrupt traceback (and the forkserver one while it imported torch) under the
+    # job's one line. The driver handles it and ends the workers; they ignore SIGINT and serve on.
+    reqs = _requests("i")
+    svc = _service(model_dir, 2)
+    try:
+        pids = svc.worker_pids()
+        assert all(_ignores_sigint(pid) for pid in pids)
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        assert _key(svc.generate(reqs)) == _key(_reference(model_dir, reqs))
+        assert svc.worker_pids() == pids and svc.restarts == 0
+    finally:
+        svc.shutdown()
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
 def test_gives_up_after_max_restarts_with_lost_requests(model_dir):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import pickle
 import re
+import signal
 import time
 import traceback
 from collections.abc import Sequence
@@ -106,7 +107,10 @@ def recv_by_value(conn):
 
 
 def _process_main(spec: WorkerSpec, rank: int, conn) -> None:
-    """Body of one worker process: construct the worker, then serve (method, args) messages."""
+    """Body of one worker process: construct the worker, then serve (method, args) messages.
+    Ctrl-C is the driver's (it reaches every process of the terminal's group): the driver ends
+    the workers, which ignore SIGINT instead of printing a KeyboardInterrupt traceback each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = RolloutWorker(spec, rank)
         send_by_value(conn, ("ok", None))
