@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
 from m3_rollout.model import M3Config, tiny_config
-from m3_rollout.model.configuration import _SPARSE_FLAT_ALIASES, _SPARSE_KEYS
+from m3_rollout.model.configuration import _SPARSE_FLAT_ALIASES, _SPARSE_KEYS, CheckpointError, read_config_json
 
 tfc = pytest.importorskip("transformers.models.minimax_m3_vl.configuration_minimax_m3_vl")
 
@@ -185,6 +186,16 @@ def test_config_json_values_that_cannot_be_combined_are_named(edit, key):
     with pytest.raises(ValueError, match=r"invalid M3 config:\n") as e:
         M3Config.from_dict(d)
     assert f"\n  {key}" in str(e.value), str(e.value)
+
+
+def test_config_json_nested_too_deeply_is_named_not_a_recursion_error(tmp_path):
+    # json.loads raises RecursionError (not JSONDecodeError) on deep nesting: a traceback from
+    # grpo / serve / export instead of the one line naming the file
+    (tmp_path / "config.json").write_text('{"text_config": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(
+        CheckpointError, match=f"^{re.escape(str(tmp_path / 'config.json'))}: JSON arrays / objects nested too deeply"
+    ):
+        read_config_json(tmp_path)
 
 
 def test_from_pretrained_reads_config_json(tmp_path):

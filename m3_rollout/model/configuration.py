@@ -39,7 +39,8 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no such file.
-        CheckpointError: the file is not UTF-8 text, not JSON, or not a JSON object.
+        CheckpointError: the file is not UTF-8 text, not JSON (or nested too deeply to parse), or
+            not a JSON object.
     """
     p = os.fspath(path)
     if os.path.isdir(p):
@@ -56,6 +57,8 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(
             f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix or re-download it"
         ) from None
+    except RecursionError:  # json's decoder recurses per nesting level
+        raise CheckpointError(f"{p}: JSON arrays / objects nested too deeply to parse; fix or re-download it") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{p}: the top level must be a JSON object of config keys, got {type(data).__name__}")
     return data
