@@ -167,6 +167,14 @@ def test_a_missing_model_path_exits_2_saying_it_does_not_exist(cache, capsys):
     assert "builtin:tiny-calculator" in err and "config.json" in err and "Traceback" not in err
 
 
+def test_a_config_file_given_without_config_says_to_use_the_flag(cache, capsys):
+    with pytest.raises(SystemExit) as exc:
+        grpo.main([SMOKE, "grpo.max_num_steps=1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {SMOKE!r} is not a key=value override; give a config file as --config {SMOKE}\n"
+
+
 def test_weights_that_do_not_fit_config_json_exit_2_naming_the_checkpoint(cache, capsys):
     # A checkpoint whose config.json disagrees with its tensors (vocab_size edited): one error line
     # naming policy.model_name and the directory, exit 2, not a ValueError traceback.

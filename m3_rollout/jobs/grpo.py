@@ -138,6 +138,12 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
         "overrides", nargs="*", metavar="key=value", help="override a config key, e.g. grpo.max_num_steps=5"
     )
     args = parser.parse_args(argv)
+    for item in args.overrides:  # a config file given without --config (a newcomer's first guess)
+        if "=" not in item and item.endswith((".yaml", ".yml")):
+            print(
+                f"error: {item!r} is not a key=value override; give a config file as --config {item}", file=sys.stderr
+            )
+            raise SystemExit(2)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as exc:
