@@ -38,25 +38,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage(), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command not in SUBCOMMANDS:
+        print(f"error: unknown subcommand {command!r}\n{usage()}", file=sys.stderr)
+        return 2
+    try:
+        entry = load_entry(command)
+    except KeyboardInterrupt:  # a Ctrl-C while torch / triton load: one line, not a traceback
+        print(f"interrupted: m3-rollout {command} stopped (Ctrl-C) while loading; nothing was started", file=sys.stderr)
+        return 130
     if command == "grpo":
-        from m3_rollout.jobs.grpo import main as grpo_main
-
-        grpo_main(rest)  # returns the run summary; failures exit through SystemExit
+        entry(rest)  # returns the run summary; failures exit through SystemExit
         return 0
-    if command == "serve":
-        from m3_rollout.serve import main as serve_main
+    return entry(rest)
 
-        return serve_main(rest)
-    if command == "dump":
-        from m3_rollout.jobs.dump_cli import main as dump_main
 
-        return dump_main(rest)
-    if command == "export":
-        from m3_rollout.jobs.export import main as export_main
-
-        return export_main(rest)
-    print(f"error: unknown subcommand {command!r}\n{usage()}", file=sys.stderr)
-    return 2
+def load_entry(command: str):
+    """The job-layer entry function of ``command`` (imported here: it loads torch)."""
+    if command == "grpo":
+        from m3_rollout.jobs.grpo import main
+    elif command == "serve":
+        from m3_rollout.serve import main
+    elif command == "dump":
+        from m3_rollout.jobs.dump_cli import main
+    else:
+        from m3_rollout.jobs.export import main
+    return main
 
 
 if __name__ == "__main__":

@@ -280,6 +280,26 @@ def test_ctrl_c_while_the_job_module_loads_exits_130_with_one_line():
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("command,module", [("grpo", "m3_rollout.jobs.grpo"), ("export", "m3_rollout.jobs.export")])
+def test_ctrl_c_while_the_console_command_loads_exits_130_with_one_line(command, module):
+    # The same for the ``m3-rollout`` console command, which imports the job inside its main().
+    code = (
+        "import sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {module!r}:\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "from m3_rollout.cli import main\n"
+        f"sys.exit(main([{command!r}, '--help']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    want = f"interrupted: m3-rollout {command} stopped (Ctrl-C) while loading; nothing was started"
+    assert proc.stderr.strip().splitlines() == [want], proc.stderr
+    assert proc.stdout == ""
+
+
 def test_overlong_filtering_token_counts_agree_with_the_batch(cache):
     # Random weights rarely sample eos within 24 tokens: most trajectories are cut ("length").
     summary = grpo.main(_args(cache, "grpo.max_num_steps=1", "grpo.overlong_filtering=true"))
