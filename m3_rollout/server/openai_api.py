@@ -312,13 +312,15 @@ class TextStream:
 class ChatPrompt:
     """A chat request turned into ids: the prompt ids (generation prompt and any forced tool-call
     opening included), the thinking mode, the forced text the parser sees first, whether tool
-    calls are parsed, and the tools whose schemas type the arguments."""
+    calls are parsed, the tools whose schemas type the arguments, and whether only the first call
+    is returned (``parallel_tool_calls=false``)."""
 
     ids: list[int]
     thinking_mode: str | None
     forced: str
     parse_tools: bool
     tools: list[dict] | None
+    first_call_only: bool = False
 
 
 def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
@@ -348,7 +350,7 @@ def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
         raise APIError(400, f"messages: the chat template cannot render them: {exc}", "messages") from exc
     ids = served.encode(text + forced)
     check_prompt_length(served, len(ids), "messages")
-    return ChatPrompt(ids, mode, forced, choice != "none", tools)
+    return ChatPrompt(ids, mode, forced, choice != "none", tools, not req.parallel_tool_calls)
 
 
 def _choice_text(choice) -> str:
@@ -389,28 +391,39 @@ def _merge(a: OutputDelta, b: OutputDelta) -> OutputDelta:
 
 
 class _TurnParser:
-    """Parser of one chat sample: reasoning + tool calls, or reasoning only (tool_choice "none")."""
+    """Parser of one chat sample: reasoning + tool calls, or reasoning only (tool_choice "none").
+    With ``first_call_only`` (``parallel_tool_calls=false``) calls after the first are dropped, in
+    the stream's deltas and in the message alike."""
 
     def __init__(self, prompt: ChatPrompt):
         self.full = StreamingOutputParser(prompt.thinking_mode, prompt.tools) if prompt.parse_tools else None
         self.reasoning = None if prompt.parse_tools else StreamingReasoningParser(prompt.thinking_mode)
+        self.first_call_only = prompt.first_call_only
         self.first = self.feed(prompt.forced) if prompt.forced else OutputDelta()
+
+    def _calls(self, d: OutputDelta) -> OutputDelta:
+        if self.first_call_only and d.tool_calls:
+            d.tool_calls = [c for c in d.tool_calls if c.index == 0]
+        return d
 
     def feed(self, text: str) -> OutputDelta:
         if self.full is not None:
-            return self.full.feed(text)
+            return self._calls(self.full.feed(text))
         d = self.reasoning.feed(text)
         return OutputDelta(reasoning=d.reasoning, content=d.content)
 
     def finish(self) -> OutputDelta:
         if self.full is not None:
-            return self.full.finish()
+            return self._calls(self.full.finish())
         d = self.reasoning.finish()
         return OutputDelta(reasoning=d.reasoning, content=d.content)
 
     def message(self) -> dict:
         if self.full is not None:
-            return self.full.result().to_message()
+            msg = self.full.result().to_message()
+            if self.first_call_only and msg.get("tool_calls"):
+                msg["tool_calls"] = msg["tool_calls"][:1]
+            return msg
         reasoning, content = self.reasoning.result()
         msg: dict = {"role": "assistant", "content": content}
         if reasoning is not None:
