@@ -320,3 +320,32 @@ def test_mis_shaped_and_non_finite_updates_leave_every_rank_on_one_version(model
         assert all(o.token_weight_versions == [3] * len(o.output_ids) for o in outs if o.finish_reason != "error")
     finally:
         svc.shutdown()
+
+
+@pytest.mark.parametrize("in_flight", ["drain", "abort"])
+def test_step_api_samples_a_weight_update_finished_come_out_of_the_next_step(model_dir, in_flight):
+    # Requests of the step API (the server's add_request / step) still running in the workers when
+    # update_weights comes: with drain the workers finish them inside the update and hand the
+    # samples back with their verdict. They were dropped there, so the requests never finished;
+    # now the next step() returns them. (abort re-queues them in the engine: they finish later.)
+    reqs = _requests()[:2]  # two GRPO groups of 3 samples, 12 and 13 new tokens
+    ref = {(o.request_id, o.sample_index): o for o in _reference(model_dir, reqs)}
+    svc = _service(model_dir, 2, weight_sync=WeightSyncConfig(timeout_s=20, in_flight=in_flight))
+    try:
+        for r in reqs:
+            svc.add_request(r)
+        first = svc.step()  # one lockstep step (requests went out): the samples start, none finishes
+        assert not [o for o in first if isinstance(o, SampleOutput)]
+        svc.update_weights(1, iter_released_tensors(load_checkpoint(model_dir, dtype=torch.float32)))
+        outs = []
+        for _ in range(40):
+            if not svc.has_unfinished():
+                break
+            outs += [o for o in svc.step() if isinstance(o, SampleOutput)]
+        assert not svc.has_unfinished()
+        assert sorted((o.request_id, o.sample_index) for o in outs) == sorted(ref)
+        for o in outs:  # the same bytes before and after the update; randomness keyed by position
+            want = ref[(o.request_id, o.sample_index)]
+            assert (o.output_ids, o.finish_reason) == (want.output_ids, want.finish_reason)
+    finally:
+        svc.shutdown()

@@ -490,16 +490,23 @@ class RolloutService(GenerationBackend):
         self.last_ep_stats = [r["ep"] for r in replies]
         self._rank_engine = [r["engine"] for r in replies]
         for reply in replies:
-            for out in reply["outputs"]:
-                p = self._live.get(out.request_id)
-                if p is None:
-                    continue
-                if isinstance(out, SampleOutput):
-                    p.missing.discard(out.sample_index)
-                    if not p.missing:
-                        del self._live[out.request_id]
-                outputs.append(out)
+            outputs += self._deliver(reply["outputs"])
         return outputs
+
+    def _deliver(self, outs: Iterable[SampleOutput | StreamDelta]) -> list[SampleOutput | StreamDelta]:
+        """The records of ``outs`` that belong to unfinished requests of the step API; a request
+        whose every sample came back is finished (no longer ``_live``)."""
+        kept = []
+        for out in outs:
+            p = self._live.get(out.request_id)
+            if p is None:
+                continue
+            if isinstance(out, SampleOutput):
+                p.missing.discard(out.sample_index)
+                if not p.missing:
+                    del self._live[out.request_id]
+            kept.append(out)
+        return kept
 
     def _fail_live(self, failure: GroupFailure) -> None:
         """Error records (out of the next :meth:`step`) for every unfinished request of the step
@@ -733,6 +740,9 @@ class RolloutService(GenerationBackend):
                 box["error"] = exc
 
         _, outs = self._call_beside("receive_weights", (), trainer_side)
+        # samples the ranks finished (in_flight=drain) or stopped (abort) around the update: the
+        # step API's requests get them from the next step (generate() holds the lock: none of its own)
+        self._ready += self._deliver(out for o in outs for out in o["outputs"])
         self.last_weight_sync = {
             **box.get("stats", sender.stats),
             "wall_seconds": time.perf_counter() - t0,
