@@ -300,6 +300,21 @@ def test_ctrl_c_while_the_console_command_loads_exits_130_with_one_line(command,
     assert proc.stdout == ""
 
 
+def test_a_refit_the_rollout_rejects_ends_the_run_with_exit_1_and_no_traceback(cache, capsys):
+    # A probe threshold no real update meets: the first refit (the trainer's step-0 weights) is
+    # rejected. The job used to die with the backend's ValueError traceback; now one error naming
+    # the check and the refused version, exit 1 (TrainingError), and no step runs.
+    args = _args(cache, "grpo.max_num_steps=2", "weight_sync.probe.enabled=true", "weight_sync.probe.threshold=1e-30")
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(args)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "probe drift" in err and "> weight_sync.probe.threshold=1e-30 after update 0" in err
+    assert "the rollout refused weight version 0, so it cannot serve the trainer's weights; the run stops" in err
+    assert not (cache / "logs" / "metrics.jsonl").exists() or not _metrics(cache)
+
+
 def test_overlong_filtering_token_counts_agree_with_the_batch(cache):
     # Random weights rarely sample eos within 24 tokens: most trajectories are cut ("length").
     summary = grpo.main(_args(cache, "grpo.max_num_steps=1", "grpo.overlong_filtering=true"))

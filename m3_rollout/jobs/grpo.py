@@ -18,6 +18,7 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -167,6 +168,19 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
         raise SystemExit(130) from None
 
 
+def refit(push: Callable[[], float | None], version: int) -> float | None:
+    """``push()`` (the rollout's ``update_weights`` with the trainer's tensors); a rejected update
+    (the backend's ValueError: a rank refused a tensor, the version or the post-update probe) ends
+    the run as a ``TrainingError``: the rollout cannot serve the weights the trainer has."""
+    try:
+        return push()
+    except ValueError as exc:
+        raise TrainingError(
+            f"{exc}\nthe rollout refused weight version {version}, so it cannot serve the trainer's weights; "
+            "the run stops (the message above names the rank and the check, e.g. weight_sync.probe.threshold)"
+        ) from None
+
+
 def interrupted_message(cfg: MasterConfig) -> str:
     """The one line a Ctrl-C of the job prints: where its metrics are and which checkpoint a
     ``checkpointing.resume=true`` run would continue from (or that none was saved)."""
@@ -283,7 +297,7 @@ def run(cfg: MasterConfig) -> dict:
         history = [tuple(h) for h in data_state.get("val_history", [])]
         print(f"resumed from {resume_from} (step {state['step']})")
     # generator == trainer weights (step 0, or the resumed step's)
-    backend.update_weights(start_step - 1, policy.named_released_tensors())
+    refit(lambda: backend.update_weights(start_step - 1, policy.named_released_tensors()), start_step - 1)
     loss_fn = build_loss_fn(cfg.loss_fn)
     try:  # a resumed run continues the wandb run its checkpoint recorded
         logger = MetricsLogger(cfg.logger, to_dict(cfg), tqdm.write, data_state.get("wandb_run_id"))
@@ -433,7 +447,7 @@ def run(cfg: MasterConfig) -> dict:
                 t_wake, m_wake = handoff_metrics("wake", collector.run_exclusive(lambda be: be.wake_up()))
                 timing.update(t_wake)
                 handoff.update(m_wake)
-            sync_s = collector.push_weights(step, policy.named_released_tensors())
+            sync_s = refit(lambda: collector.push_weights(step, policy.named_released_tensors()), step)
             failures = backend.drain_events()
             for ev in failures:
                 logger.text(
