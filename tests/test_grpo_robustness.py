@@ -177,7 +177,7 @@ def test_a_config_file_given_without_config_says_to_use_the_flag(cache, capsys):
 
 def test_weights_that_do_not_fit_config_json_exit_2_naming_the_checkpoint(cache, capsys):
     # A checkpoint whose config.json disagrees with its tensors (vocab_size edited): one error line
-    # naming policy.model_name and the directory, exit 2, not a ValueError traceback.
+    # naming the directory (load_checkpoint's CheckpointError), exit 2, not a ValueError traceback.
     import shutil
 
     from m3_rollout.jobs.builtin import resolve_model
@@ -192,7 +192,7 @@ def test_weights_that_do_not_fit_config_json_exit_2_naming_the_checkpoint(cache,
         grpo.main(_args(cache, f"policy.model_name={bad}"))
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert f"\nerror: policy.model_name='{bad}': {bad}: checkpoint does not match the model:\n" in err
+    assert f"\nerror: {bad}: the weights do not match its config.json: checkpoint does not match the model:\n" in err
     assert "mis-shaped" in err and "Traceback" not in err
 
 

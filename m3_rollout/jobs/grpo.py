@@ -275,10 +275,6 @@ def run(cfg: MasterConfig) -> dict:
             model = load_trainer_model(cfg, model_dir)
         except FileNotFoundError as exc:  # config.json is there (checked), no weight file
             raise ConfigError(f"policy.model_name={p.model_name!r}: {exc}") from None
-        except (ConfigError, CheckpointError):
-            raise
-        except ValueError as exc:  # weights that do not fit config.json (missing / mis-shaped tensors)
-            raise ConfigError(f"policy.model_name={p.model_name!r}: {model_dir}: {exc}") from None
         policy = build_policy(cfg, model, total_optimizer_steps(cfg, g.max_num_steps))
         policy.scorer = invariant_scorer(cfg, policy.compute, stack.max_len)  # None unless batch_invariant
         stack.backend = backend = build_generation_backend(cfg, model_dir, chat, stack.max_len)

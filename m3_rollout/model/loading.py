@@ -602,7 +602,8 @@ def load_checkpoint(
         FileNotFoundError: no config.json, or no weight file in `path`.
         CheckpointError: an unreadable config.json, index or safetensors file, or a tensor with
             NaN / Inf values (the message starts with the file's path).
-        ValueError: an invalid config, or tensors missing / unexpected / mis-shaped (all listed).
+        ValueError: an invalid config; CheckpointError (a ValueError) naming the directory for
+            tensors missing / unexpected / mis-shaped against its config.json (all listed).
     """
     p = os.fspath(path)
     config = M3Config.from_pretrained(p)
@@ -611,5 +612,10 @@ def load_checkpoint(
         model = M3ForCausalLM(config)
     model.cast_for_inference(dtype)
     model.to_empty(device=device)
-    load_named_tensors(model, _iter_safetensors(files))
+    try:
+        load_named_tensors(model, _iter_safetensors(files))
+    except CheckpointError:
+        raise
+    except ValueError as exc:  # the weights do not fit config.json: say which checkpoint
+        raise CheckpointError(f"{p}: the weights do not match its config.json: {exc}") from None
     return model.eval()
