@@ -150,6 +150,7 @@ def test_values_of_the_wrong_type_are_named_not_a_type_error(key, value, allowed
     with pytest.raises(ValueError) as e:
         dataclasses.replace(tiny_config(), **{key: value}).validate()
     assert f"{key}={value!r}: {allowed}" in str(e.value)
+    assert str(e.value).endswith("(the rules between keys are checked once these values are fixed)")
     assert dataclasses.replace(tiny_config(), eos_token_id=[2, 3], pad_token_id=None).validate()
 
 

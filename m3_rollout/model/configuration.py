@@ -342,7 +342,9 @@ class M3Config:
 
         Kernel limits (block size 128, head size 128, top-k < 64) are NOT checked: they belong to
         the kernels that have them. Raises ValueError listing every violation as
-        `key=value: allowed ...`.
+        `key=value: allowed ...`, in two stages: every value of a wrong type or range first (then
+        the rules between keys, which need those values, are not checked yet: the message says
+        so), else every broken rule between keys.
         """
         errs: list[str] = []
 
@@ -374,6 +376,7 @@ class M3Config:
             )
             need(v is None or all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), key, allowed)
         if errs:  # the relations below assume positive ints and numbers
+            errs.append("(the rules between keys are checked once these values are fixed)")
             raise ValueError("invalid M3 config:\n  " + "\n  ".join(errs))
 
         need(self.num_attention_heads % self.num_key_value_heads == 0, "num_attention_heads",
