@@ -150,7 +150,9 @@ def test_values_of_the_wrong_type_are_named_not_a_type_error(key, value, allowed
     with pytest.raises(ValueError) as e:
         dataclasses.replace(tiny_config(), **{key: value}).validate()
     assert f"{key}={value!r}: {allowed}" in str(e.value)
-    assert str(e.value).endswith("(the rules between keys are checked once these values are fixed)")
+    staged = key not in ("n_shared_experts", "sparse_local_block", "sparse_init_block", "use_routing_bias")
+    # a value of a wrong type or range stops before the rules between keys, and says so
+    assert str(e.value).endswith("(the rules between keys are checked once these values are fixed)") == staged
     assert dataclasses.replace(tiny_config(), eos_token_id=[2, 3], pad_token_id=None).validate()
 
 
