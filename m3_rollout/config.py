@@ -1031,7 +1031,8 @@ def check_devices(cfg: MasterConfig, cuda_available: bool, cuda_device_count: in
         have += " (torch.cuda.is_available() is False)"
     if c.device.startswith("cuda"):
         index = int(c.device.partition(":")[2] or 0)
-        _check(e, index < count, "cluster.device", c.device, f"{have}; use cluster.device=cpu or an index < {count}")
+        fix = f"cluster.device=cpu or an index < {count}" if count else "cluster.device=cpu"
+        _check(e, index < count, "cluster.device", c.device, f"{have}; use {fix}")
     _check(
         e,
         c.gpus_per_node <= count,
