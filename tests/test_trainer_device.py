@@ -53,7 +53,7 @@ def test_device_and_precision_keys_load_and_bad_values_name_the_key():
 @pytest.mark.parametrize(
     "overrides, available, count, needle",
     [
-        (["cluster.device=cuda"], False, 0, r"'cuda': this machine has 0 CUDA device\(s\) \(.*\); use cluster.device=cpu$"),
+        (["cluster.device=cuda"], False, 0, r"has 0 CUDA device\(s\) \(.*\); use cluster.device=cpu$"),
         (["cluster.device=cuda:2"], True, 2, r"cluster.device='cuda:2': this machine has 2 CUDA.*or an index < 2$"),
         (["cluster.gpus_per_node=4"], True, 1, r"cluster.gpus_per_node=4: this machine has 1 CUDA"),
         (["cluster.gpus_per_node=2"], False, 0, r"cluster.gpus_per_node=2: this machine has 0"),
