@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from m3_rollout.rollout.trajectory import Trajectory
-from m3_trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
+from m3_trainers.rollout_collector import AsyncCollector, RefitRejected, SyncCollector, split_groups
 
 
 class FakeBackend:
@@ -124,6 +124,39 @@ def test_producer_failure_surfaces_in_the_trainer():
     with pytest.raises(RuntimeError, match="producer failed"):
         coll.get_groups(1, policy_version=0)
     coll.close()
+
+
+def test_a_refit_the_generator_rejects_stops_the_trainer_naming_the_version():
+    # Async GRPO stages the weights; the producer applies them before its next batch. A rejection
+    # there (the backend's ValueError) used to reach the job as "async rollout producer failed"
+    # with a traceback; now get_groups raises RefitRejected with the version, and the job's refit
+    # turns it into its one-line TrainingError.
+    from m3_rollout.jobs.grpo import TrainingError, refit
+
+    backend = FakeBackend()
+    accept = backend.update_weights
+
+    def update(version, named_tensors):
+        if version == 1:
+            raise ValueError("weight update 1 rejected:\n  rank 1: probe drift 0.5 nats/token > 0.1")
+        accept(version, named_tensors)
+
+    backend.update_weights = update
+    coll = AsyncCollector(backend, make_generate(backend), groups_per_step=2, max_age=1, timeout_s=5.0)
+    try:
+        coll.get_groups(1, policy_version=0)
+        coll.push_weights(1, [("w", torch.zeros(2))])
+        with pytest.raises(TrainingError) as e:
+            for step in (2, 3):  # batch 2 may already have been generated on version 0
+                refit(lambda step=step: coll.get_groups(step, policy_version=step - 1), step - 1)
+        msg = str(e.value)
+        assert msg.startswith("weight update 1 rejected:\n  rank 1: probe drift 0.5")
+        assert "the rollout refused weight version 1, so it cannot serve the trainer's weights" in msg
+        with pytest.raises(RefitRejected) as again:  # the trainer asking again gets the same verdict
+            coll.get_groups(4, policy_version=3)
+        assert again.value.version == 1 and backend.updates == []
+    finally:
+        coll.close()
 
 
 def test_smoke_job_runs_async(tmp_path, monkeypatch):

@@ -30,6 +30,15 @@ from m3_rollout.rollout.trajectory import Trajectory
 GenerateFn = Callable[[int], tuple[list[list[Trajectory]], dict]]
 
 
+class RefitRejected(ValueError):
+    """The generator refused a weight update that the async producer applied before its next
+    batch (the backend's ``update_weights`` ValueError, message kept); ``version``: the refused one."""
+
+    def __init__(self, version: int, message: str):
+        super().__init__(message)
+        self.version = int(version)
+
+
 @dataclass
 class GroupRecord:
     """One GRPO group as produced.
@@ -172,7 +181,10 @@ class AsyncCollector(SyncCollector):
         if self._pending is not None:
             version, tensors = self._pending
             self._pending = None
-            self.backend.update_weights(version, tensors.items())  # resets the prefix cache once
+            try:
+                self.backend.update_weights(version, tensors.items())  # resets the prefix cache once
+            except ValueError as exc:  # the backend's rejection (a rank refused a tensor, version or probe)
+                raise RefitRejected(version, str(exc)) from exc
 
     def _produce(self) -> None:
         try:
@@ -203,7 +215,8 @@ class AsyncCollector(SyncCollector):
         """Up to ``groups_per_step`` groups with age <= max_age, waiting at most ``timeout_s``.
 
         Raises:
-            RuntimeError: the producer thread failed (its exception is chained).
+            RefitRejected: the generator refused the weights the producer applied before its batch.
+            RuntimeError: the producer thread failed otherwise (its exception is chained).
         """
         with self._cond:
             self._steps_started = max(self._steps_started, step)
@@ -214,6 +227,8 @@ class AsyncCollector(SyncCollector):
         stale = 0
         timed_out = False
         while len(accepted) < self.groups_per_step:
+            if isinstance(self._error, RefitRejected):
+                raise self._error
             if self._error is not None:
                 raise RuntimeError("async rollout producer failed") from self._error
             remaining = deadline - time.perf_counter()

@@ -49,7 +49,7 @@ from m3_rollout.rollout.trajectory import Trajectory
 from m3_rollout.weight_sync.probe import model_scorer
 from m3_trainers.advantages import DynamicSampler
 from m3_trainers.checkpoint import CheckpointManager
-from m3_trainers.rollout_collector import AsyncCollector, SyncCollector, split_groups
+from m3_trainers.rollout_collector import AsyncCollector, RefitRejected, SyncCollector, split_groups
 from m3_trainers.step import (
     build_loss_fn,
     build_policy,
@@ -168,13 +168,16 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
         raise SystemExit(130) from None
 
 
-def refit(push: Callable[[], float | None], version: int) -> float | None:
-    """``push()`` (the rollout's ``update_weights`` with the trainer's tensors); a rejected update
-    (the backend's ValueError: a rank refused a tensor, the version or the post-update probe) ends
-    the run as a ``TrainingError``: the rollout cannot serve the weights the trainer has."""
+def refit(push: Callable[[], object], version: int):
+    """``push()``: a call that refits the rollout (``update_weights`` with the trainer's tensors;
+    with async GRPO the collector's ``get_groups``, whose producer applies the staged weights). A
+    rejected update (the backend's ValueError: a rank refused a tensor, the version or the
+    post-update probe; ``RefitRejected`` from the producer, which knows the version) ends the run
+    as a ``TrainingError``: the rollout cannot serve the weights the trainer has."""
     try:
         return push()
     except ValueError as exc:
+        version = exc.version if isinstance(exc, RefitRejected) else version
         raise TrainingError(
             f"{exc}\nthe rollout refused weight version {version}, so it cannot serve the trainer's weights; "
             "the run stops (the message above names the rank and the check, e.g. weight_sync.probe.threshold)"
@@ -362,14 +365,14 @@ def run(cfg: MasterConfig) -> dict:
         trained_steps = skipped_steps = 0
         for step in bar:
             t0 = time.perf_counter()
-            got = collector.get_groups(step, policy_version=step - 1)
+            got = refit(lambda: collector.get_groups(step, policy_version=step - 1), step - 1)
             groups, versions, extra = got.groups, got.versions, {}
             gen_s, gen_metrics = got.generation_seconds, [got.metrics]
             if g.use_dynamic_sampling:
                 sampler = DynamicSampler(g.num_prompts_per_step, g.dynamic_sampling_max_gen_batches)
                 sampler.add(groups)
                 while sampler.wants_more():
-                    more = collector.get_groups(step, policy_version=step - 1)
+                    more = refit(lambda: collector.get_groups(step, policy_version=step - 1), step - 1)
                     gen_s += more.generation_seconds
                     gen_metrics.append(more.metrics)
                     sampler.add(more.groups)
