@@ -360,8 +360,7 @@ class M3Config:
         ):  # fmt: skip
             v = getattr(self, key)
             # below 2**63: a tensor size (torch's int64), and products with it stay in the float range
-            need(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**63, key,
-                 "must be a positive int (below 2**63)")  # fmt: skip
+            need(_is_int(v) and 0 < v < 2**63, key, "must be a positive int (below 2**63)")
         for key in (
             "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "swiglu_beta", "rms_norm_eps", "rope_theta",
             "partial_rotary_factor",
@@ -374,7 +373,7 @@ class M3Config:
             allowed = "must be null or a token id (an int >= 0)" + (
                 ", or a list of them" if key == "eos_token_id" else ""
             )
-            need(v is None or all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), key, allowed)
+            need(v is None or all(_is_int(i) and i >= 0 for i in ids), key, allowed)
         if errs:  # the relations below assume positive ints and numbers
             errs.append("(the rules between keys are checked once these values are fixed)")
             raise ValueError("invalid M3 config:\n  " + "\n  ".join(errs))
