@@ -31,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Raises:
         SystemExit: as the subcommand raises it (``grpo``: 2 for a config error, 1 for a training
-            error; argparse's own exits for ``--help`` and bad options).
+            error; argparse's own exits for ``--help`` and bad options); 130 for a Ctrl-C while the
+            subcommand loads (``load_entry``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -41,19 +42,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in SUBCOMMANDS:
         print(f"error: unknown subcommand {command!r}\n{usage()}", file=sys.stderr)
         return 2
-    try:
-        entry = load_entry(command)
-    except KeyboardInterrupt:  # a Ctrl-C while torch / triton load: one line, not a traceback
-        print(f"interrupted: m3-rollout {command} stopped (Ctrl-C) while loading; nothing was started", file=sys.stderr)
-        return 130
+    entry = load_entry(command)
     if command == "grpo":
         entry(rest)  # returns the run summary; failures exit through SystemExit
         return 0
     return entry(rest)
 
 
-def load_entry(command: str):
-    """The job-layer entry function of ``command`` (imported here: it loads torch)."""
+def load_entry(command: str, what: str | None = None):
+    """The job-layer entry function of ``command`` (imported here: it loads torch, triton; seconds
+    on a busy machine). A Ctrl-C meanwhile exits 130 after one line naming ``what`` (default
+    ``m3-rollout COMMAND``) instead of a traceback; once loaded, the entry handles Ctrl-C itself.
+
+    Raises:
+        SystemExit(130): interrupted while loading.
+    """
+    try:
+        return _import_entry(command)
+    except KeyboardInterrupt:
+        print(
+            f"interrupted: {what or f'm3-rollout {command}'} stopped (Ctrl-C) while loading; nothing was started",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
+
+
+def _import_entry(command: str):
     if command == "grpo":
         from m3_rollout.jobs.grpo import main
     elif command == "serve":

@@ -260,20 +260,26 @@ def test_ctrl_c_during_grpo_exits_130_naming_the_checkpoint_to_resume_from(cache
     assert len(_metrics(cache)) == 1  # step 1's row was written before the interrupt
 
 
-def test_ctrl_c_while_the_job_module_loads_exits_130_with_one_line():
-    # A Ctrl-C during ``python -m m3_rollout.grpo``'s imports (torch, triton: seconds on a busy
-    # machine) must not print a traceback: one line, exit 130. The interrupt is raised by an
-    # import hook when the job module is imported, in a child process running the entry module.
+def _interrupted_while_loading(module: str, run: str) -> subprocess.CompletedProcess:
+    """Run ``run`` (Python lines) in a child whose import hook raises KeyboardInterrupt when
+    ``module`` is imported, as a Ctrl-C during the entry's imports would."""
     code = (
         "import runpy, sys\n"
         "class Stop:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'm3_rollout.jobs.grpo':\n"
+        f"        if name == {module!r}:\n"
         "            raise KeyboardInterrupt\n"
-        "sys.meta_path.insert(0, Stop())\n"
-        "runpy.run_module('m3_rollout.grpo', run_name='__main__')\n"
+        "sys.meta_path.insert(0, Stop())\n" + run
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_ctrl_c_while_the_job_module_loads_exits_130_with_one_line():
+    # A Ctrl-C during ``python -m m3_rollout.grpo``'s imports (torch, triton: seconds on a busy
+    # machine) must not print a traceback: one line, exit 130.
+    proc = _interrupted_while_loading(
+        "m3_rollout.jobs.grpo", "runpy.run_module('m3_rollout.grpo', run_name='__main__')\n"
+    )
     assert proc.returncode == 130, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines == ["interrupted: the GRPO job stopped (Ctrl-C) while loading; nothing was started"], proc.stderr
@@ -283,17 +289,9 @@ def test_ctrl_c_while_the_job_module_loads_exits_130_with_one_line():
 @pytest.mark.parametrize("command,module", [("grpo", "m3_rollout.jobs.grpo"), ("export", "m3_rollout.jobs.export")])
 def test_ctrl_c_while_the_console_command_loads_exits_130_with_one_line(command, module):
     # The same for the ``m3-rollout`` console command, which imports the job inside its main().
-    code = (
-        "import sys\n"
-        "class Stop:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name == {module!r}:\n"
-        "            raise KeyboardInterrupt\n"
-        "sys.meta_path.insert(0, Stop())\n"
-        "from m3_rollout.cli import main\n"
-        f"sys.exit(main([{command!r}, '--help']))\n"
+    proc = _interrupted_while_loading(
+        module, f"from m3_rollout.cli import main\nsys.exit(main([{command!r}, '--help']))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 130, proc.stderr
     want = f"interrupted: m3-rollout {command} stopped (Ctrl-C) while loading; nothing was started"
     assert proc.stderr.strip().splitlines() == [want], proc.stderr
