@@ -73,6 +73,11 @@ KV_SEGMENT = 128  # entries per KV-major program (the page's K/V tile is loaded 
 # by the compiler's pipeliner this many deep (H200 2026-12-04, bench 128K: 41.3 / 42.4 -> 39.9 / 41.0
 # ms, same bits; 3 or 4 stages were slower: 43.5-45.3 ms). fp32 (IEEE dots) keeps the one-ahead prefetch.
 KV_SEG_PIPELINE_STAGES = 2
+# The segment loop for 16-bit inputs: "deferred" (the pipelined loop that issues the next tile's QK dot
+# before this tile's softmax; H200 2026-12-04, bench 128K, same bits: 40.5 / 40.7 -> 38.5 / 38.3 ms,
+# 38.5 ms at 2 stages, 42.1 at 1, 63.8 at 3 (spills)) or "pipeline" (without the look-ahead dot).
+KV_SEG_LOOPS = ("pipeline", "deferred")
+KV_SEG_LOOP = "deferred"
 
 
 @triton.jit
@@ -585,9 +590,16 @@ def _gather_q_rows(q_ptr, tok, head, m_ok, offs_d, stride_qt, stride_qh):
 
 
 @triton.jit
-def _kv_seg_tile(
-    q,
-    k,
+def _kv_seg_qk(q, k, IEEE: tl.constexpr):
+    """[M, PS] fp32 raw scores q @ k^T of one KV-major tile (query rows q [M, D], page keys k [PS, D])."""
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _kv_seg_finish(
+    s,
     v,
     e,
     qpos,
@@ -604,13 +616,10 @@ def _kv_seg_tile(
     PS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One tile of a KV-major segment: rows m = (entry e[m], head h[m]) with query rows q [M, D]
-    against the page's k, v [PS, D] (causal cut at qpos [M]); writes each row's block-normalised
-    partial output opart[e, h, :] and base-2 log-sum-exp lse[e, h] (rows with m_ok False: none)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    """The rest of a KV-major tile after its QK dot: from the raw scores s [M, PS] (fp32), the causal
+    cut at qpos [M], base-2 softmax, PV dot with the page's v [PS, D]; writes each row's
+    block-normalised partial output opart[e, h, :] and base-2 log-sum-exp lse[e, h] (rows with m_ok
+    False: none)."""
     s = s * qk_scale
     keep = m_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
     s = tl.where(keep, s, float("-inf"))
@@ -631,6 +640,32 @@ def _kv_seg_tile(
         o.to(opart_ptr.dtype.element_ty),
         mask=m_ok[:, None],
     )
+
+
+@triton.jit
+def _kv_seg_tile(
+    q,
+    k,
+    v,
+    e,
+    qpos,
+    m_ok,
+    b,
+    h,
+    offs_d,
+    offs_o,
+    opart_ptr,
+    lse_ptr,
+    qk_scale,
+    RH: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One tile of a KV-major segment: rows m = (entry e[m], head h[m]) with query rows q [M, D]
+    against the page's k, v [PS, D] (``_kv_seg_qk`` then ``_kv_seg_finish``)."""
+    s = _kv_seg_qk(q, k, IEEE)
+    _kv_seg_finish(s, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
 
 
 @triton.jit
@@ -656,6 +691,39 @@ def _kv_seg_load_q(
     t = e // (G * topk)
     q = _gather_q_rows(q_ptr, t_base + t, g * RH + h, m_ok, offs_d, stride_qt, stride_qh)  # [M, D]
     return e, qpos, q
+
+
+@triton.jit
+def _kv_seg_gather_tile(
+    q_ptr,
+    perm_v,
+    epos_v,
+    c,
+    n,
+    t_base,
+    topk,
+    g,
+    h,
+    offs_m,
+    offs_d,
+    stride_qt,
+    stride_qh,
+    G: tl.constexpr,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    SEG: tl.constexpr,
+):
+    """Entry ids e [M], query positions qpos [M], row mask m_ok [M] and query rows q [M, D] of the
+    tile that starts at segment-local entry c, gathered from the segment's id / position vectors
+    perm_v, epos_v [SEGP] (n valid lanes; rows past them masked, their q zeros)."""
+    li = c + offs_m // RHP  # [M] segment-local entry of each row
+    m_ok = (li < n) & (h < RH)
+    lic = tl.minimum(li, SEG - 1)
+    e = tl.gather(perm_v, lic, 0)
+    qpos = tl.where(m_ok, tl.gather(epos_v, lic, 0), -1)
+    t = e // (G * topk)
+    q = _gather_q_rows(q_ptr, t_base + t, g * RH + h, m_ok, offs_d, stride_qt, stride_qh)  # [M, D]
+    return e, qpos, m_ok, q
 
 
 @triton.jit
@@ -689,23 +757,52 @@ def _kv_seg_pipelined(
     SEG: tl.constexpr,
     SEGP: tl.constexpr,
     IEEE: tl.constexpr,
+    DEFERRED: tl.constexpr,
 ):
     """``kv_seg_attn_kernel``'s entry loop with PIPELINE: the segment's ids and positions in registers
     (vectors of SEGP = SEG rounded up to a power of two, as ``tl.arange`` needs; lanes past the
-    segment's n <= SEG entries are masked)."""
+    segment's n <= SEG entries are masked). DEFERRED: the next tile's QK dot is issued before this
+    tile's softmax and PV dot (its scores are loop-carried), so the tensor cores work on one tile
+    while the other's softmax runs (the overlap FA3 builds by hand: Shah et al. 2024, §3.2); the
+    same tiles and ops, so the same values. The last iteration's look-ahead tile has no valid row."""
     n = e_hi - e_lo
     offs_s = tl.arange(0, SEGP)
     perm_v = tl.load(perm_ptr + e_lo + offs_s, mask=offs_s < n, other=0).to(tl.int32)  # [SEGP]
     epos_v = tl.load(epos_ptr + e_lo + offs_s, mask=offs_s < n, other=-1).to(tl.int32)
-    for c in range(0, n, TOK):
-        li = c + offs_m // RHP  # [M] segment-local entry of each row
-        m_ok = (li < n) & (h < RH)
-        lic = tl.minimum(li, SEG - 1)
-        e = tl.gather(perm_v, lic, 0)
-        qpos = tl.where(m_ok, tl.gather(epos_v, lic, 0), -1)
-        t = e // (G * topk)
-        q = _gather_q_rows(q_ptr, t_base + t, g * RH + h, m_ok, offs_d, stride_qt, stride_qh)  # [M, D]
-        _kv_seg_tile(q, k, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
+    if DEFERRED:
+        e, qpos, m_ok, q = _kv_seg_gather_tile(
+            q_ptr, perm_v, epos_v, 0, n, t_base, topk, g, h, offs_m, offs_d, stride_qt, stride_qh, G, RH, RHP, SEG
+        )
+        s = _kv_seg_qk(q, k, IEEE)
+        for c in range(0, n, TOK):
+            e_n, qpos_n, m_ok_n, q_n = _kv_seg_gather_tile(
+                q_ptr,
+                perm_v,
+                epos_v,
+                c + TOK,
+                n,
+                t_base,
+                topk,
+                g,
+                h,
+                offs_m,
+                offs_d,
+                stride_qt,
+                stride_qh,
+                G,
+                RH,
+                RHP,
+                SEG,
+            )
+            s_n = _kv_seg_qk(q_n, k, IEEE)
+            _kv_seg_finish(s, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
+            s, e, qpos, m_ok = s_n, e_n, qpos_n, m_ok_n
+    else:
+        for c in range(0, n, TOK):
+            e, qpos, m_ok, q = _kv_seg_gather_tile(
+                q_ptr, perm_v, epos_v, c, n, t_base, topk, g, h, offs_m, offs_d, stride_qt, stride_qh, G, RH, RHP, SEG
+            )
+            _kv_seg_tile(q, k, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
 
 
 @triton.jit
@@ -743,6 +840,7 @@ def kv_seg_attn_kernel(
     IEEE: tl.constexpr,
     PREFETCH: tl.constexpr = True,
     PIPELINE: tl.constexpr = False,
+    DEFERRED: tl.constexpr = False,
 ):
     """One segment (up to SEG entries) of one KV-major bucket (KV head g, row, block b).
 
@@ -757,7 +855,8 @@ def kv_seg_attn_kernel(
     SEG rounded up to a power of two) before the
     loop and each tile's come out of them by ``tl.gather``, so no load in the loop feeds another
     load's address and the compiler's pipeliner stages ``num_stages - 1`` tiles of query rows ahead
-    (the same tiles and dots: the same values).
+    (the same tiles and dots: the same values). DEFERRED (with PIPELINE): each iteration issues the
+    next tile's QK dot before this tile's softmax and PV dot (same values).
     """
     seg = tl.program_id(0)
     bkt = tl.load(seg_bkt_ptr + seg)
@@ -806,6 +905,7 @@ def kv_seg_attn_kernel(
             SEG,
             SEGP,
             IEEE,
+            DEFERRED,
         )
         return
     if PREFETCH:  # the first tile's entries; each iteration then loads the next tile's
@@ -962,7 +1062,9 @@ def paged_attention(
     capacity), ``merge_warps``, ``prefetch`` (True: load the next tile's query rows before this
     tile's dots, H200 128K 43.5 -> 40.9 ms, the fp32 default; "pipeline": the segment's entry ids
     read once as vectors and the query rows staged by the compiler, ``KV_SEG_PIPELINE_STAGES`` deep
-    unless ``num_stages`` says, 128K -> 39.9-41.0 ms, the 16-bit default; False: neither).
+    unless ``num_stages`` says, 128K -> 39.9-41.0 ms; "deferred": "pipeline" with the next tile's
+    QK dot issued before this tile's softmax, 128K -> 38.3-38.5 ms, the 16-bit default
+    (``KV_SEG_LOOP``); False: none of these).
     scratch: the KV-major path's partial outputs and log-sum-exps (uint8 [bytes], contiguous, on
     q's device; layout: kernels/paged_layout.py; the engine's buffer, allocated once inside its
     memory budget). Its passes then hold ``kv_major_capacity`` tokens each (however many prefill
@@ -1085,8 +1187,10 @@ def check_prefill_config(cfg: dict) -> dict:
     for key, val in cfg.items():
         if key not in allowed:
             raise ValueError(f"paged_attention: unknown prefill_config key {key!r}; known: {sorted(allowed)}")
-        if key == "prefetch" and not (isinstance(val, bool) or val == "pipeline"):  # 1 == True, but not `is`
-            raise ValueError(f"paged_attention: prefill_config prefetch={val!r}; use True, False or 'pipeline'")
+        if key == "prefetch" and not (isinstance(val, bool) or val in KV_SEG_LOOPS):  # 1 == True, but not `is`
+            raise ValueError(
+                f"paged_attention: prefill_config prefetch={val!r}; use True, False, 'pipeline' or 'deferred'"
+            )
         if key == "impl" and val not in ("kv", "union", "loop"):
             raise ValueError(f"paged_attention: prefill_config impl={val!r}; use 'kv', 'union' or 'loop'")
         if key in _PREFILL_POW2_KNOBS and (not isinstance(val, int) or val < 1 or val & (val - 1)):
@@ -1295,7 +1399,7 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
         seg_len = cfg.get("seg", KV_SEGMENT)
-        prefetch = cfg.get("prefetch", True if ieee else "pipeline")
+        prefetch = cfg.get("prefetch", True if ieee else KV_SEG_LOOP)
         # segments of up to seg_len entries per bucket; one program per segment (fixed grid: a bound)
         n_segs = (end - start + seg_len - 1) // seg_len
         seg_end = torch.cumsum(n_segs, 0)
@@ -1319,9 +1423,10 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
             *common,
             SEG=seg_len,
             PREFETCH=prefetch is True,
-            PIPELINE=prefetch == "pipeline",
+            PIPELINE=prefetch in KV_SEG_LOOPS,
+            DEFERRED=prefetch == "deferred",
             SEGP=next_pow2(seg_len),  # the pipelined loop's vector width (tl.arange needs a power of two)
-            num_stages=cfg.get("num_stages", KV_SEG_PIPELINE_STAGES if prefetch == "pipeline" else 1),
+            num_stages=cfg.get("num_stages", KV_SEG_PIPELINE_STAGES if prefetch in KV_SEG_LOOPS else 1),
             **kw,
         )
         _kv_major_merge_kernel[(tc, g)](

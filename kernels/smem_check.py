@@ -96,8 +96,8 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
 
 
 def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
-    """Shared bytes of the KV-major sparse-prefill segment kernel (default tile and loop: pipelined
-    ``KV_SEG_PIPELINE_STAGES`` deep for 16-bit dtypes, the one-ahead prefetch for fp32) for ``dtype``."""
+    """Shared bytes of the KV-major sparse-prefill segment kernel (default tile and loop: ``KV_SEG_LOOP``,
+    ``KV_SEG_PIPELINE_STAGES`` deep, for 16-bit dtypes, the one-ahead prefetch for fp32) for ``dtype``."""
     dt, ieee = _TT[dtype], dtype == torch.float32
     sig = {n: "i32" for n in ma.kv_seg_attn_kernel.arg_names}
     sig.update(
@@ -127,6 +127,7 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
         IEEE=ieee,
         PREFETCH=ieee,
         PIPELINE=not ieee,
+        DEFERRED=not ieee and ma.KV_SEG_LOOP == "deferred",
     )
     stages = 1 if ieee else ma.KV_SEG_PIPELINE_STAGES
     return {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=stages)}

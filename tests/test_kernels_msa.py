@@ -352,9 +352,10 @@ def test_prefill_union_kernel_lists_and_masks():
         (torch.float32, {"seg": 4, "prefetch": False}),
         (torch.float32, {"seg": 8, "tok": 2, "prefetch": "pipeline"}),
         (torch.float16, {"prefetch": "pipeline"}),
-        # a segment length that is not a power of two, on the 16-bit default (pipelined) loop
+        # a segment length that is not a power of two, on the 16-bit default (deferred) loop
         (torch.float16, {"seg": 6, "tok": 2}),
         (torch.float32, {"seg": 5, "prefetch": "pipeline"}),
+        (torch.float32, {"seg": 5, "tok": 2, "prefetch": "deferred"}),
     ],
 )
 def test_kv_major_prefill_matches_reference(dtype, cfg):
@@ -369,16 +370,19 @@ def test_kv_major_prefill_matches_reference(dtype, cfg):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kv_major_pipelined_loop_gives_the_prefetching_loops_bits(dtype):
+def test_kv_major_pipelined_and_deferred_loops_give_the_prefetching_loops_bits(dtype):
     # prefetch="pipeline" reads the segment's entry ids as vectors and gathers each tile's from them;
-    # the tiles and their dots are the prefetching loop's, so every output bit is the same.
+    # "deferred" also issues the next tile's QK dot before this tile's softmax. The tiles and their
+    # dots are the prefetching loop's, so every output bit is the same. seg 7 = 3 tiles of 2 tokens
+    # and one of 1: the look-ahead runs past the segment's end (a tile with no valid row).
     b = _batch(MIXED, dtype, seed=4)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
-    cfg = {"impl": "kv", "kv_chunk": 64, "seg": 8, "tok": 2}
+    cfg = {"impl": "kv", "kv_chunk": 64, "seg": 7, "tok": 2}
     base = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={**cfg, "prefetch": True})
-    piped = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={**cfg, "prefetch": "pipeline"})
-    assert torch.equal(base, piped)
     assert base.abs().sum() > 0
+    for loop in ma.KV_SEG_LOOPS:
+        got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={**cfg, "prefetch": loop})
+        assert torch.equal(base, got), loop
 
 
 def test_decode_selection_is_a_set():
