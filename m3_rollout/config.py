@@ -179,8 +179,9 @@ class GenerationConfig:
     # gloo; cluster.gpus_per_node=0); on CUDA rank r on cuda:r (P <= cluster.gpus_per_node, one
     # node) with the trainer on one of them (cluster.device = cuda:0 .. cuda:P-1: the trainer shares
     # a GPU with a rank; the ranks on other GPUs peer-copy from it). Needs backend=native,
-    # weight_sync.method=auto (weight_sync.timeout_s bounds each wait) and no
-    # cluster.gpus_per_node with cluster.device=cpu.
+    # weight_sync.method=auto (weight_sync.timeout_s bounds each wait), no
+    # cluster.gpus_per_node with cluster.device=cpu, and no cluster.ray_address (Ray joining a cluster
+    # could start the workers on another node) unless cluster.launcher=mp.
     colocated_placement: str = "in_process"
     # Sparse layers' index-key cache: bfloat16 (the KV dtype) or fp8_e4m3 (e4m3 codes + one fp32
     # scale per token; about half the bytes a long-context decode step reads; the block choice is
@@ -551,7 +552,8 @@ def _check_worker_process(e: list[str], cfg: MasterConfig) -> None:
     """policy.generation.colocated_placement=worker_process: rollout worker processes refit from
     the trainer's memory on its node, which rules out the HTTP backend and GPU workers beside a CPU
     trainer. EP=1: one worker on cluster.device. EP=P > 1 on CUDA: rank r on cuda:r, so P GPUs on
-    one node, the trainer on one of them (cluster.device = cuda:0 .. cuda:P-1)."""
+    one node, the trainer on one of them (cluster.device = cuda:0 .. cuda:P-1). No Ray cluster
+    address: the workers must start on the trainer's node."""
     gen, c = cfg.policy.generation, cfg.cluster
     if gen.colocated_placement != "worker_process":
         return
@@ -592,6 +594,15 @@ def _check_worker_process(e: list[str], cfg: MasterConfig) -> None:
             "of one rank (for a trainer on a GPU of its own use colocated_placement=in_process, the broadcast EP "
             "service)",
         )
+    _check(
+        e,
+        c.ray_address is None or c.launcher == "mp",
+        "cluster.ray_address",
+        c.ray_address,
+        "must be null with policy.generation.colocated_placement=worker_process (or set cluster.launcher=mp): "
+        "Ray could place the rollout workers on another node of that cluster, where the trainer's memory "
+        "cannot be opened",
+    )
     _check(
         e,
         not (c.device == "cpu" and c.gpus_per_node > 0),

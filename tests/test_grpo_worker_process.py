@@ -214,6 +214,9 @@ def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process):
         (["weight_sync.bucket_size_mb=64"], "weight_sync.bucket_size_mb"),
         (["cluster.gpus_per_node=1"], "cluster.gpus_per_node"),  # a GPU worker beside a CPU trainer
         (["policy.generation.colocated_placement=elsewhere"], "policy.generation.colocated_placement"),
+        # Ray joining a cluster could place the workers on another node than the trainer's memory
+        (["cluster.launcher=ray", "cluster.ray_address=10.0.0.1:6379"], "cluster.ray_address"),
+        (["cluster.ray_address=auto"], "cluster.ray_address"),  # launcher auto: Ray when installed
     ],
 )
 def test_worker_process_rejects(overrides, key):
@@ -227,6 +230,8 @@ def test_worker_process_keys_accepted_and_bad_ones_exit_2(capsys):
     cfg = load_config(None, [*WORKER, *ok])
     assert cfg.policy.generation.colocated_placement == "worker_process" and cfg.weight_sync.timeout_s == 30
     load_config("configs/grpo_smoke.yaml", WORKER)  # the smoke config's EP=2: two workers beside the trainer
+    # plain processes ignore a Ray address: still on this node
+    load_config(None, [*WORKER, *ok, "cluster.ray_address=10.0.0.1:6379"])
     with pytest.raises(SystemExit) as exc:  # ... but not with the trainer on a GPU no rank uses
         main(["--config", "configs/grpo_smoke.yaml", *WORKER, "cluster.device=cuda:3", "cluster.gpus_per_node=2"])
     assert exc.value.code == 2
