@@ -1,8 +1,9 @@
 """The expert-parallel server (``python -m m3_rollout.serve --expert-parallel-size 2``: two EP worker
 processes over gloo) does what the in-process one does: streamed tokens equal /generate's, /abort and
 a disconnecting client end the request and free its KV pages (seen on /metrics), /pause in each mode
-and /resume, and a trainer's weight update over HTTP after which the server's logprobs are the
-trainer's, with concurrent streams carrying both versions across the update."""
+and /resume, top logprobs (streamed and not) equal to the in-process engine's, and a trainer's
+weight update over HTTP after which the server's logprobs are the trainer's, with concurrent
+streams carrying both versions across the update."""
 
 import asyncio
 import json
@@ -18,7 +19,9 @@ from server_util import (  # tests/ on sys.path
     tiny_model,
     tiny_tokenizer,
 )
+from transformers import AutoTokenizer
 
+from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import load_checkpoint
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
@@ -135,6 +138,57 @@ def test_ep_pause_modes_and_resume(server):
         ctx.__exit__(None, None, None)
         client.resume()
     _wait_freed(client)
+
+
+def _chat_top_logprobs(url: str, stream: bool) -> tuple[list[int], list[int], list[dict]]:
+    """A chat completion with ``top_logprobs=3`` (streamed or not): (prompt ids, output ids, the
+    logprobs.content entries)."""
+    body = {
+        "model": "tiny-m3",
+        "messages": [{"role": "user", "content": "What is 12 * 34?"}],
+        "max_tokens": 8,
+        "seed": 6,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "return_token_ids": True,
+    }
+    if not stream:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text  # was 501 under EP
+        r = r.json()
+        choice = r["choices"][0]
+        return r["prompt_token_ids"], choice["token_ids"], choice["logprobs"]["content"]
+    prompt, out, entries = None, [], []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200
+        for e in _events(resp):
+            assert "error" not in e, e
+            for c in e["choices"]:
+                prompt = prompt or c.get("prompt_token_ids")
+                out += c.get("token_ids") or []
+                entries += (c.get("logprobs") or {}).get("content") or []
+    return prompt, out, entries
+
+
+def test_ep_serves_top_logprobs_equal_to_ep1(server):
+    url, _, path = server
+    prompt, out, entries = _chat_top_logprobs(url, stream=False)
+    assert len(out) == len(entries) == 8
+    tok = AutoTokenizer.from_pretrained(str(path))
+    engine = NativeBackend(load_checkpoint(path), [tok.eos_token_id], max_model_len=MAX_LEN).engine
+    want = engine.top_logprobs(prompt + out, len(prompt), 3)  # EP=1: the in-process engine
+    decode = lambda i: tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+    for entry, row in zip(entries, want):
+        assert [t["token"] for t in entry["top_logprobs"]] == [decode(i) for i, _ in row]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx([v for _, v in row], abs=1e-4)
+    # streamed: each delta's top logprobs computed on the EP ranks between two engine steps
+    s_prompt, s_out, s_entries = _chat_top_logprobs(url, stream=True)
+    assert (s_prompt, s_out) == (prompt, out) and len(s_entries) == 8
+    for a, b in zip(s_entries, entries):
+        assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]]
+        assert [t["logprob"] for t in a["top_logprobs"]] == pytest.approx(
+            [t["logprob"] for t in b["top_logprobs"]], abs=1e-4
+        )
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,10 @@ and logprobs as an in-process engine given them, bitwise weight digests per rank
 holding only its own experts); an in-place change of the trainer reaches both ranks through the
 cached plans; a non-finite expert of rank 1 is refused and BOTH ranks stay on the old version
 (atomic); a killed worker restarts the group on the stage's weights; a worker lost after a
-rejected update cannot be given the served weights and generate says so; sleep / wake-up reach
-both ranks. The factory's placement (CPU, and CUDA with faked device properties) and the config
+rejected update cannot be given the served weights and generate says so (score and top logprobs
+too); sleep / wake-up reach both ranks. ``RolloutService.score`` / ``top_logprobs`` (one forward
+on every rank) equal the in-process engine's, between two steps of the step API too, and follow
+the updates. The factory's placement (CPU, and CUDA with faked device properties) and the config
 rules are checked without starting workers.
 """
 
@@ -26,7 +28,7 @@ import pytest
 import torch
 
 from m3_rollout.config import ConfigError, FreezeConfig, WeightSyncConfig, load_config
-from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import load_checkpoint
 from m3_rollout.parallel import EPGroupSpec
@@ -59,10 +61,13 @@ def _key(outs):
     return [(o.request_id, o.sample_index, o.output_ids) for o in outs]
 
 
-def _reference(model, reqs):
+def _native(model) -> NativeBackend:
     """The in-process engine (EP=1) on a copy of ``model``'s weights as they are now."""
-    backend = NativeBackend(copy.deepcopy(model), (EOS,), max_model_len=MAX_LEN, max_num_seqs=16, num_pages=64)
-    return backend.generate(reqs)
+    return NativeBackend(copy.deepcopy(model), (EOS,), max_model_len=MAX_LEN, max_num_seqs=16, num_pages=64)
+
+
+def _reference(model, reqs):
+    return _native(model).generate(reqs)
 
 
 def _digests(model) -> dict[str, tuple[str, str]]:
@@ -201,10 +206,108 @@ def test_non_atomic_rejection_that_left_a_rank_invalid_stops_generate_until_the_
         with pytest.raises(RolloutFailure, match=r"rank\(s\) 0 invalid: .*update 2 .*call update_weights first") as exc:
             svc.generate(reqs)
         assert exc.value.lost_request_ids == sorted(r.request_id for r in reqs)
+        ids = reqs[2].prompt_ids
+        with pytest.raises(RolloutFailure, match=r"rank\(s\) 0 invalid: .*update 2 "):  # scoring refuses alike
+            svc.score(ids)
+        with pytest.raises(RolloutFailure, match=r"rank\(s\) 0 invalid: .*update 2 "):
+            svc.top_logprobs(ids, 1, 3)
         with torch.no_grad():
             w2[6, 0, 0] = 1.0
         svc.update_weights(3, named)
         _assert_serves(svc, trainer, reqs, 3)
+    finally:
+        svc.shutdown()
+
+
+def _assert_scores(svc, engine, ids: list[int]) -> torch.Tensor:
+    """RolloutService.score / top_logprobs equal the in-process engine's (EP=1) on ``ids``; returns
+    the EP=2 logprobs."""
+    got, want = svc.score(ids), engine.score(ids)
+    assert got.dtype == torch.float32 and got.shape == (len(ids),) and got[0] == 0
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    part = svc.score(ids, positions=[5, 1, 20], temperature=0.7)
+    torch.testing.assert_close(part, engine.score(ids, [5, 1, 20], 0.7), atol=1e-4, rtol=0)
+    start = len(ids) - 8
+    tops = svc.top_logprobs(ids, start, 5, 0.7)
+    want_tops = engine.top_logprobs(ids, start, 5, 0.7)
+    assert len(tops) == 8
+    for row, want_row in zip(tops, want_tops):
+        assert [t for t, _ in row] == [t for t, _ in want_row]
+        assert [v for _, v in row] == pytest.approx([v for _, v in want_row], abs=1e-4)
+    for i, row in enumerate(svc.top_logprobs(ids, start, 256), start):  # k = V: every token's logprob
+        assert dict(row)[ids[i]] == pytest.approx(float(got[i]), abs=1e-4)  # the scored token's, at T = 1
+    return got
+
+
+def test_ep2_score_and_top_logprobs_equal_ep1_between_steps_and_after_updates(model_dir):
+    # Every rank runs the same forward with the same ids (the MoE all-to-alls pair up) and rank 0's
+    # result comes back: the values are the in-process engine's. Bad arguments are refused with
+    # the engine's own messages, and the group goes on serving. Between two steps of the step API
+    # (the server's): requests keep their pages and finish with the reference tokens; a rank short
+    # of KV pages refuses the call for every rank (a rank that scored alone would wait for its peer
+    # in the all-to-all until the group timeout). After an update the values are the new weights'.
+    trainer = load_checkpoint(model_dir, dtype=torch.float32)
+    named = ReleasedTensors(trainer)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(4, 256, (64,), generator=gen).tolist()
+    svc = _service(model_dir)
+    try:
+        engine = _native(trainer).engine
+        before = _assert_scores(svc, engine, ids)
+        bad = [
+            (lambda b: b.score([]), "score token_ids: empty prompt"),
+            (lambda b: b.score(ids, positions=[64]), r"score positions must be in \[0, 64\)"),
+            (lambda b: b.score(ids, temperature=0.0), "score temperature=0.0: must be > 0"),
+            (lambda b: b.top_logprobs([], 1, 3), "top_logprobs token_ids: empty prompt"),
+            (lambda b: b.top_logprobs([7], 1, 3), "top_logprobs token_ids: a single token"),
+            (lambda b: b.top_logprobs(ids, 0, 3), r"top_logprobs start=0: must be an integer in \[1, 63\]"),
+            (lambda b: b.top_logprobs(ids, 64, 3), r"top_logprobs start=64: must be an integer in \[1, 63\]"),
+            (lambda b: b.top_logprobs(ids, 1, 0), "top_logprobs k=0: must be an integer >= 1"),
+            (lambda b: b.top_logprobs(ids, 1, 3, -1.0), "top_logprobs temperature=-1.0: must be > 0"),
+        ]
+        for call, message in bad:
+            with pytest.raises(ValueError, match=message) as ep:
+                call(svc)
+            with pytest.raises(ValueError) as one:
+                call(engine)
+            assert str(ep.value) == str(one.value)  # the same words as EP=1
+        assert svc.restarts == 0
+
+        # the step API: every request on rank 0 (their prompts extend the anchor's, whose rank
+        # holds that prefix), 61 of its 64 pages taken after one step; rank 1 idle
+        fill = torch.randint(4, 256, (10, 93), generator=gen).tolist()
+        reqs = [GenerationRequest("anchor", [5], SamplingParams(max_new_tokens=2, seed=1))]
+        reqs += [
+            GenerationRequest(f"f{i}", [5, *p], SamplingParams(max_new_tokens=2, seed=i)) for i, p in enumerate(fill)
+        ]
+        for r in reqs:
+            svc.add_request(r)
+        outs = [o for o in svc.step() if isinstance(o, SampleOutput)]
+        assert not outs and svc.engine_metrics()["kv_pages_in_use"] == 1 + 10 * 6
+        with pytest.raises(RuntimeError, match=r"^rank 0: score: 4 KV pages needed, 3 free; call it when fewer"):
+            svc.score(ids)  # 64 tokens: rank 1 alone could run them
+        torch.testing.assert_close(svc.score(ids[:48]), engine.score(ids[:48]), atol=1e-4, rtol=0)  # 3 pages
+        got, want = svc.top_logprobs(ids, 60, 2), engine.top_logprobs(ids, 60, 2)
+        assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in want]
+        assert [v for row in got for _, v in row] == pytest.approx([v for row in want for _, v in row], abs=1e-4)
+        while svc.has_unfinished():
+            outs += [o for o in svc.step() if isinstance(o, SampleOutput)]
+        ref = _reference(trainer, reqs)
+        assert sorted(_key(outs)) == sorted(_key(ref))
+        assert svc.engine_metrics()["kv_pages_in_use"] == 0 and svc.restarts == 0
+
+        with torch.no_grad():  # a replicated tensor and experts of both ranks change
+            trainer.lm_head.weight.mul_(-1.0)
+            trainer.model.layers[2].block_sparse_moe.experts.w2.mul_(3.0)
+        svc.update_weights(1, named)
+        after = _assert_scores(svc, _native(trainer).engine, ids)
+        assert float((after - before).abs().max()) > 0.5
+
+        svc.sleep(1)
+        with pytest.raises(RuntimeError, match=r"sleep \(level 1\): call wake_up\(\) before you score"):
+            svc.score(ids)
+        svc.wake_up()
+        torch.testing.assert_close(svc.score(ids), after, atol=0, rtol=0)
     finally:
         svc.shutdown()
 

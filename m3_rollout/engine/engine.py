@@ -37,7 +37,14 @@ from m3_rollout.engine.ops import bind_prefill_scratch, invariant_token_logprobs
 from m3_rollout.engine.paged_cache import MIB, PagedKVCache, page_bytes, prefill_scratch_bytes
 from m3_rollout.engine.requests import CheckedRequest, check_prompt, check_request, error_outputs, sample_groups
 from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
-from m3_rollout.engine.score import check_score_temperature, score_tokens
+from m3_rollout.engine.score import (
+    SCORE_PAGES_HINT,
+    check_score_temperature,
+    check_top_logprobs,
+    pages_error,
+    score_tokens,
+    top_logprobs,
+)
 from m3_rollout.engine.selection_cache import SelectionCache
 from m3_rollout.engine.sequence import SeqStatus, Sequence
 from m3_rollout.engine.sleep import GIB, MemoryHandoff, Resize, resize_storage
@@ -602,7 +609,7 @@ class LLMEngine:
 
         Runs the sequence through the paged path in chunks of ``max_num_batched_tokens`` on
         pages borrowed for the call (call between steps; no prefix reuse, every position's
-        logits are needed; ``score.py``).
+        logits are needed; ``score.py``). Same as ``prepare_score(...)()``.
 
         Args:
             token_ids: [L] ints. positions: optional indices i (0 <= i < L) to return; default all.
@@ -612,9 +619,20 @@ class LLMEngine:
             or, with ``positions``, [len(positions)] of those entries.
         Raises:
             ValueError: empty / too long / out-of-vocabulary ids, bad positions, or a temperature
-            that is not finite, <= 0 or so small that logits / temperature overflows;
+            that is not finite, <= 0 or so small that logits / temperature overflows; the weights
+            are refused (``refuse_reason``: a failed non-atomic update);
             RuntimeError: not enough free KV pages now, or the engine is asleep.
         """
+        return self.prepare_score(token_ids, positions, temperature)()
+
+    def prepare_score(
+        self, token_ids: Seq[int], positions: Seq[int] | None = None, temperature: float = 1.0
+    ) -> Callable[[], torch.Tensor]:
+        """Every check of :meth:`score`, the free KV pages included, with no forward run; returns
+        the zero-argument call that runs the forwards and returns what ``score`` returns. Nothing
+        may run on the engine between the two (so the pages stay free): an EP rank prepares, agrees
+        with its peers that every rank can run, then runs (``RolloutWorker``: the forwards are
+        collective). Raises what ``score`` raises, before any forward."""
         self.check_awake("score")
         temperature = check_score_temperature(temperature, self.sampler_dtype)
         self.drain()
@@ -623,22 +641,69 @@ class LLMEngine:
         ids = check_prompt(
             token_ids, self.model_config.vocab_size, self.config.max_model_len, "score token_ids", room_for_output=False
         )
-        lp = score_tokens(
-            self.model,
-            self.runner.ops,
-            self.kv,
-            self.block_manager,
-            ids,
-            self.config.max_num_batched_tokens,
-            temperature,
-            self.runner.token_logprobs,
+        pos = None
+        if positions is not None:
+            pos = torch.tensor(list(positions), dtype=torch.int64)
+            if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= len(ids)):
+                raise ValueError(f"score positions must be in [0, {len(ids)}), got {positions}")
+        if self.block_manager.pages_for(len(ids)) > self.block_manager.num_free_pages:
+            raise pages_error(self.block_manager, len(ids), SCORE_PAGES_HINT)
+
+        def run() -> torch.Tensor:
+            lp = score_tokens(
+                self.model,
+                self.runner.ops,
+                self.kv,
+                self.block_manager,
+                ids,
+                self.config.max_num_batched_tokens,
+                temperature,
+                self.runner.token_logprobs,
+            )
+            return lp if pos is None else lp[pos]
+
+        return run
+
+    def top_logprobs(
+        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0
+    ) -> list[list[tuple[int, float]]]:
+        """The ``k`` most likely tokens and their logprobs at positions ``start .. L - 1`` of
+        ``token_ids`` under the served weights (the server's ``top_logprobs``): one plain forward,
+        log-softmax of logits / ``temperature`` in fp32 (fp64 for an fp64 model), top-k / top-p
+        not applied (``score.top_logprobs``). Borrows no KV pages; call between steps. Same as
+        ``prepare_top_logprobs(...)()``.
+
+        Args:
+            token_ids: [L] ints, L >= 2. start: first position, 1 <= start <= L - 1.
+            k: tokens per position, >= 1 (more than the vocabulary: all of it).
+            temperature: logits are divided by it.
+        Returns:
+            [L - start] lists of (token id, logprob), most likely first.
+        Raises:
+            ValueError naming ``top_logprobs token_ids`` (empty, one token, too long, out of the
+            vocabulary), ``top_logprobs start``, ``top_logprobs k`` or ``top_logprobs temperature``;
+            or the weights are refused (``refuse_reason``); RuntimeError: the engine is asleep.
+        """
+        return self.prepare_top_logprobs(token_ids, start, k, temperature)()
+
+    def prepare_top_logprobs(
+        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0
+    ) -> Callable[[], list[list[tuple[int, float]]]]:
+        """Every check of :meth:`top_logprobs` with no forward run; returns the zero-argument call
+        that runs it (as :meth:`prepare_score`). Raises what ``top_logprobs`` raises."""
+        self.check_awake("compute top logprobs")
+        ids = check_prompt(
+            token_ids,
+            self.model_config.vocab_size,
+            self.config.max_model_len,
+            "top_logprobs token_ids",
+            room_for_output=False,
         )
-        if positions is None:
-            return lp
-        pos = torch.tensor(list(positions), dtype=torch.int64)
-        if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= len(ids)):
-            raise ValueError(f"score positions must be in [0, {len(ids)}), got {positions}")
-        return lp[pos]
+        first, k = check_top_logprobs(ids, start, k)
+        temperature = check_score_temperature(temperature, self.sampler_dtype, "top_logprobs temperature")
+        if self.refuse_reason is not None:
+            raise ValueError(self.refuse_reason)
+        return lambda: top_logprobs(self.model, ids, first, k, temperature)
 
     def metrics(self) -> dict:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step

@@ -1,10 +1,12 @@
-"""Re-scoring: per-token logprobs of a stored trajectory under the served weights.
+"""Re-scoring: per-token logprobs of a stored trajectory under the served weights; top logprobs.
 
 Governing idea: scoring reuses the generation path exactly (the paged forward of
 ``model_runner.prepare_inputs`` prefill chunks — one sequence's, or several sequences' packed into
 one forward — on KV pages borrowed from the pool for the call, every position's logits kept), so a
 re-scored token's logprob is the one generation would give it. No sampling, no prefix reuse, no
-scheduler.
+scheduler. Top logprobs (the server's ``top_logprobs``, :func:`top_logprobs`) are one plain model
+forward, which borrows no pages; the in-process server and the EP workers both call it through
+``LLMEngine.top_logprobs`` / ``prepare_top_logprobs``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
-from m3_rollout.engine.interface import SamplingParams
+from m3_rollout.engine.interface import SamplingParams, as_int
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import TokenLogprobs, gather_logprobs, process_logits
@@ -23,14 +25,73 @@ from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
 
 
-def check_score_temperature(temperature, dtype: torch.dtype) -> float:
+def check_score_temperature(temperature, dtype: torch.dtype, name: str = "score temperature") -> float:
     """``temperature`` as a float the logits (compute ``dtype``) can be divided by; ValueError
-    (naming ``score temperature``) for a non-number, non-finite, <= 0 or overflowing value (the
-    rule of ``SamplingParams.temperature``)."""
+    (naming ``name``) for a non-number, non-finite, <= 0 or overflowing value (the rule of
+    ``SamplingParams.temperature``)."""
     try:
         return SamplingParams(temperature=temperature).validate(dtype).temperature
     except ValueError as exc:
-        raise ValueError(str(exc).replace("SamplingParams.temperature", "score temperature")) from None
+        raise ValueError(str(exc).replace("SamplingParams.temperature", name)) from None
+
+
+SCORE_PAGES_HINT = "call it when fewer requests are running"  # what a caller of score short of pages can do
+
+
+def pages_error(block_manager: BlockManager, num_tokens: int, hint: str) -> RuntimeError:
+    """The error of a scoring call whose ``num_tokens`` tokens find too few free KV pages."""
+    return RuntimeError(
+        f"score: {block_manager.pages_for(num_tokens)} KV pages needed, {block_manager.num_free_pages} free; {hint}"
+    )
+
+
+def check_top_logprobs(ids: list[int], start, k) -> tuple[int, int]:
+    """(start, k) as ints for the top-``k`` logprobs of positions ``start .. len(ids) - 1`` of the
+    checked ids ``ids`` (position i is predicted from tokens 0 .. i - 1, so 1 <= start < len(ids)).
+
+    Raises:
+        ValueError naming ``top_logprobs token_ids`` (fewer than 2 ids), ``top_logprobs start``
+        (not an integer in [1, len(ids) - 1]) or ``top_logprobs k`` (not an integer >= 1).
+    """
+    if len(ids) < 2:
+        raise ValueError(
+            "top_logprobs token_ids: a single token; at least 2 are needed (position i's top logprobs are "
+            "predicted from tokens 0 .. i - 1, for i >= 1)"
+        )
+    try:
+        s = as_int(start)
+    except TypeError:
+        s = None
+    if s is None or not 1 <= s < len(ids):
+        raise ValueError(
+            f"top_logprobs start={start!r}: must be an integer in [1, {len(ids) - 1}] (len(token_ids) - 1)"
+        )
+    try:
+        n = as_int(k)
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise ValueError(f"top_logprobs k={k!r}: must be an integer >= 1")
+    return s, n
+
+
+@torch.no_grad()
+def top_logprobs(model, ids: list[int], start: int, k: int, temperature: float) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely tokens at positions ``start .. len(ids) - 1`` of ``ids`` under
+    ``model``: one plain forward over ``ids[:-1]``, log-softmax of logits / ``temperature`` in the
+    logits' compute dtype (fp32; fp64 for an fp64 model); top-k / top-p are not applied. Arguments
+    as :func:`check_top_logprobs` returns them (plain ints, 1 <= start < len(ids), k >= 1; k above
+    the vocabulary gives the whole vocabulary). Under EP the forward is collective: every rank calls
+    this with the same ids.
+
+    Returns:
+        [len(ids) - start] lists of (token id, logprob), most likely first (ties: ``torch.topk``'s order).
+    """
+    device = model.lm_head.weight.device
+    logits = model(torch.tensor([ids[:-1]], device=device))[0, start - 1 :]  # [G, V]: position start .. L-1
+    lp = torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)  # [G, V]
+    vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)  # [G, k]
+    return [list(zip(i.tolist(), v.tolist())) for i, v in zip(idx.cpu(), vals.cpu())]
 
 
 def paged_packed_logits(
@@ -90,10 +151,7 @@ def paged_packed_logits(
                     yield pack, forward(pack)  # gives back the pages of every row it finishes
                     pack, used = [], 0
                 if not block_manager.ensure(seq, len(ids)):
-                    raise RuntimeError(
-                        f"score: {block_manager.pages_for(len(ids))} KV pages needed, "
-                        f"{block_manager.num_free_pages} free; {hint}"
-                    )
+                    raise pages_error(block_manager, len(ids), hint)
             live[r] = seq
             start = 0
             while start < len(ids):
@@ -136,9 +194,7 @@ def score_tokens(
     device = kv.device
     chunks = [
         logits.to(compute_dtype(logits.dtype)).cpu()
-        for _, logits in paged_packed_logits(
-            model, ops, kv, block_manager, [ids], chunk_tokens, "call it when fewer requests are running"
-        )
+        for _, logits in paged_packed_logits(model, ops, kv, block_manager, [ids], chunk_tokens, SCORE_PAGES_HINT)
     ]
     logits = torch.cat(chunks) / temperature  # [L, V]
     tgt = torch.tensor(ids[1:], dtype=torch.int64)

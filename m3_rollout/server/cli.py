@@ -4,8 +4,8 @@
 Governing idea: build the pieces once (tokenizer + chat template, the generation backend, the
 engine runner, the FastAPI app) and hand the app to uvicorn. ``--expert-parallel-size`` P > 1 (or
 ``--engine-process``: P = 1 in a process of its own) serves through the expert-parallel
-``RolloutService`` (P worker processes: streaming, abort, weight sync over HTTP); otherwise the
-in-process ``NativeBackend`` serves on a thread of this process (the same, plus top logprobs).
+``RolloutService`` (P worker processes: streaming, abort, weight sync over HTTP, top logprobs);
+otherwise the in-process ``NativeBackend`` serves the same on a thread of this process.
 Binds to 127.0.0.1 unless ``--host`` says otherwise.
 """
 
@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--engine-process",
         action="store_true",
         help="with --expert-parallel-size 1: run the engine in a worker process of its own (the EP service with "
-        "one rank), so HTTP work never holds the engine's GIL; no top logprobs",
+        "one rank), so HTTP work never holds the engine's GIL",
     )
     p.add_argument(
         "--worker-steps-per-call",

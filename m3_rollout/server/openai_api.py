@@ -463,7 +463,10 @@ class OpenAIServing:
         )
 
     async def _tops(self, prompt: list[int], out_ids: list[int], start: int, k: int, params: SamplingParams):
-        """Top-k logprobs of generated tokens ``start ..`` of a sample (engine loop forward)."""
+        """Top-k logprobs of generated tokens ``start ..`` of a sample (engine loop forward); []
+        when the sample has no tokens from ``start`` on (e.g. aborted before its first)."""
+        if start >= len(out_ids):
+            return []
         temp = 1.0 if params.logprobs_mode == "raw" else params.temperature
         try:
             return await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, temp)

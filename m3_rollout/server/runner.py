@@ -16,7 +16,7 @@ SSE event for them). No task per request runs on the engine loop.
 
 Backends:
 - ``NativeBackend`` and ``RolloutService``: stepped by the driver as above (streaming, abort,
-  pause, weight sync over a trainer's group; top logprobs need the in-process model);
+  pause, weight sync over a trainer's group, top logprobs between two steps);
 - any other :class:`StreamingBackend` (``stream`` + ``abort``; e.g. a scripted test backend):
   one task per request iterates its ``stream`` on the engine loop.
 """
@@ -38,7 +38,6 @@ import torch
 
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.service import GroupFailure, RolloutService
 from m3_rollout.weight_sync import HandshakeError, WeightSyncGroup, WeightSyncTimeout
 from m3_rollout.weight_sync.rollout_sync import RolloutWeightSync
@@ -150,9 +149,8 @@ class EngineRunner:
     """Hosts ``backend`` on an engine thread; every public coroutine is awaited from the HTTP loop.
 
     Args:
-        backend: ``NativeBackend`` (streaming, abort, weight sync, top logprobs),
-            ``RolloutService`` (expert-parallel: streaming, abort, weight sync) or any
-            :class:`StreamingBackend`.
+        backend: ``NativeBackend`` or ``RolloutService`` (expert-parallel; both: streaming,
+            abort, weight sync, top logprobs) or any :class:`StreamingBackend`.
         num_threads: torch intra-op threads of the engine thread; default the creating thread's
             ``torch.get_num_threads()`` (a new thread would otherwise run its CPU ops on one
             OpenMP thread).
@@ -394,24 +392,24 @@ class EngineRunner:
         self, token_ids: Sequence[int], start: int, k: int, temperature: float
     ) -> list[list[tuple[int, float]]]:
         """The ``k`` most likely tokens and their logprobs at positions ``start .. len - 1`` of
-        ``token_ids`` under the served weights: one plain forward on the engine loop, fp32
-        log-softmax of logits / ``temperature`` (top-k / top-p are not applied).
+        ``token_ids`` under the served weights, on the engine loop between two steps: one plain
+        forward, fp32 log-softmax of logits / ``temperature`` (top-k / top-p are not applied), by
+        ``LLMEngine.top_logprobs`` in process, or ``RolloutService.top_logprobs`` on every EP rank.
 
         Returns [len(token_ids) - start] lists of (token id, logprob), most likely first.
-        Raises NotImplementedError for backends without an in-process model.
+        Raises ValueError naming a bad argument (``top_logprobs token_ids`` / ``start`` / ``k`` /
+        ``temperature``) or refused weights; NotImplementedError for backends without an engine
+        (a :class:`StreamingBackend`).
         """
-        if self.native is None:
-            raise NotImplementedError("top_logprobs needs the in-process engine (expert-parallel serving has none)")
-        return await self.call(self._top_logprobs, list(token_ids), start, k, temperature)
-
-    @torch.no_grad()
-    def _top_logprobs(self, ids: list[int], start: int, k: int, temperature: float):
-        model = self.native.model
-        device = model.lm_head.weight.device
-        logits = model(torch.tensor([ids[:-1]], device=device))[0, start - 1 :]  # [G, V]
-        lp = torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
-        vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
-        return [list(zip(i.tolist(), v.tolist())) for i, v in zip(idx.cpu(), vals.cpu())]
+        if self.native is not None:
+            fn = self.native.engine.top_logprobs
+        elif self.ep is not None:
+            fn = self.ep.top_logprobs
+        else:
+            raise NotImplementedError(
+                f"top_logprobs needs an engine (in-process or EP workers); {type(self.backend).__name__} has none"
+            )
+        return await self.call(fn, list(token_ids), start, k, temperature)
 
     # ---- weight sync ---------------------------------------------------------------------------
     @property

@@ -111,6 +111,31 @@ def trainer_group_device(backend: str, trainer_device: str | None) -> str:
     return str(dev)
 
 
+def _rank_error(errors: dict[int, tuple[str, str]], world_size: int) -> Exception:
+    """One exception for the refusals of the ranks in ``errors`` ({rank: (exception type name,
+    message)}): the lowest rank's type (ValueError, TypeError, else RuntimeError); its message
+    alone when every rank refused with the same message (bad arguments: the caller's error, worded
+    as the in-process engine words it), else each refusing rank's message, named."""
+    kinds = {"ValueError": ValueError, "TypeError": TypeError}
+    first = min(errors)
+    if len(errors) == world_size and len({m for _, m in errors.values()}) == 1:
+        text = errors[first][1]
+    else:
+        text = "; ".join(f"rank {r}: {m}" for r, (_, m) in sorted(errors.items()))
+    return kinds.get(errors[first][0], RuntimeError)(text)
+
+
+def _by_value(seq):
+    """A sequence argument of a worker call as a list (tensors too), so it pickles; anything that
+    is not iterable as is, for the ranks' checks to refuse by name."""
+    if isinstance(seq, torch.Tensor):
+        return seq.tolist()
+    try:
+        return list(seq)
+    except TypeError:
+        return seq
+
+
 def _merge_records(records: list[dict]) -> dict:
     """One sleep / wake-up record from the ranks': GiB figures summed, the rest (level, seconds)
     the largest."""
@@ -920,11 +945,76 @@ class RolloutService(GenerationBackend):
         self.launcher.call("resume", (), self.start_timeout_s)
         self._paused = False
 
-    def score(self, *args, **kwargs):
-        raise NotImplementedError(
-            "RolloutService.score: prompt re-scoring over the EP group is not implemented; "
-            "score with the trainer's model (the same code path)"
-        )
+    # ---- scoring over the EP group ------------------------------------------------------------
+    @_locked
+    def score(
+        self, token_ids: Sequence[int], positions: Sequence[int] | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """``LLMEngine.score`` over the EP group: logprobs of a stored token sequence under the
+        served weights. Every rank scores the same ids (its MoE layers take part in the
+        all-to-alls) on KV pages it borrows for the call; rank 0's result comes back by value.
+        Runs between two ``run`` calls (the service's lock), so requests of the step API keep
+        their pages and continue afterwards.
+
+        Args:
+            token_ids: [L] ints. positions: optional indices i (0 <= i < L) to return; default all.
+            temperature: logits are divided by it.
+        Returns:
+            fp32 (fp64 for fp64 workers) [L] on the CPU: entry 0 = 0, entry i = log p(token_i |
+            tokens_<i); with ``positions``, [len(positions)] of those entries.
+        Raises:
+            ValueError: bad arguments (as ``LLMEngine.score``: the message names them), or a rank's
+                weights are refused (a failed non-atomic update that could not be repaired);
+            RuntimeError: the workers sleep, a rank has too few free KV pages now;
+            RolloutFailure: the workers do not hold the served weights (as :meth:`generate`);
+            GroupFailure: a rank failed during the call (the group is restarted; the step API's
+                unfinished requests get error records).
+        """
+        pos = None if positions is None else _by_value(positions)
+        return self._forward_on_every_rank("score", (_by_value(token_ids), pos, temperature), "score")
+
+    @_locked
+    def top_logprobs(
+        self, token_ids: Sequence[int], start: int, k: int, temperature: float = 1.0
+    ) -> list[list[tuple[int, float]]]:
+        """``LLMEngine.top_logprobs`` over the EP group (the server's ``top_logprobs``): the ``k``
+        most likely tokens and their logprobs at positions ``start .. L - 1`` of ``token_ids``
+        under the served weights, one plain forward on every rank with the same ids (the
+        all-to-alls pair up), rank 0's result by value. Runs between two ``run`` calls, as
+        :meth:`score`.
+
+        Returns:
+            [L - start] lists of (token id, logprob), most likely first (fp32 log-softmax of
+            logits / ``temperature``; top-k / top-p not applied).
+        Raises:
+            ValueError naming ``top_logprobs token_ids`` / ``start`` / ``k`` / ``temperature``, or
+            refused weights; RuntimeError, RolloutFailure, GroupFailure as :meth:`score`.
+        """
+        args = (_by_value(token_ids), start, k, temperature)
+        return self._forward_on_every_rank("top_logprobs", args, "compute top logprobs")
+
+    def _forward_on_every_rank(self, method: str, args: tuple, what: str):
+        """Call the worker's ``method`` (``RolloutWorker.score`` / ``top_logprobs``) on every rank
+        with the same ``args`` and return rank 0's value. The ranks agree among themselves that
+        all can run before any forward (``RolloutWorker._forward_together``); a rank that refused
+        comes back as its exception here. Refuses, as :meth:`generate` does, while the workers
+        sleep or do not hold the served weights. Caller holds the lock."""
+        if self._sleep_level:
+            raise RuntimeError(
+                f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you {what}"
+            )
+        self._check_weights_served([])
+        if self.launcher is None:
+            self._start_with_retries(None, [])
+        try:
+            replies = self.launcher.call(method, args, self.call_timeout_s)
+        except GroupFailure as failure:
+            self._fail_live(failure)
+            raise
+        errors = {r: reply["error"] for r, reply in enumerate(replies) if "error" in reply}
+        if errors:
+            raise _rank_error(errors, len(replies))
+        return replies[0]["value"]
 
     def metrics(self) -> dict:
         """Driver-side counters, restarts / failures (recovered ones too) / lost requests, and the

@@ -185,6 +185,44 @@ class RolloutWorker:
         ):
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like a crashed / OOM-killed rank
 
+    # ---- scoring: one forward on every rank (RolloutService.score / top_logprobs) ---------------
+    def score(self, token_ids: list[int], positions: list[int] | None, temperature: float) -> dict:
+        """``LLMEngine.score`` of ``token_ids`` on this rank, in step with the peers (every rank
+        gets the same ids: the MoE layers' all-to-alls pair up). See :meth:`_forward_together`."""
+        return self._forward_together(lambda: self.engine.prepare_score(token_ids, positions, temperature))
+
+    def top_logprobs(self, token_ids: list[int], start: int, k: int, temperature: float) -> dict:
+        """``LLMEngine.top_logprobs`` on this rank, in step with the peers (as :meth:`score`)."""
+        return self._forward_together(lambda: self.engine.prepare_top_logprobs(token_ids, start, k, temperature))
+
+    def _forward_together(self, prepare) -> dict:
+        """Run ``prepare()`` (the engine's checks, no forward; returns the call that runs the
+        forwards) and agree with the peers, in one ``all_reduce(MAX)`` of a refused flag, that
+        every rank can run: then every rank runs the same forwards, else none does (a rank that
+        ran alone would wait in its first all-to-all until the group timeout). Called between two
+        ``run`` calls (the service's lock), so no generation step interleaves.
+
+        Returns {"value": the result (rank 0 only; None elsewhere)}, {"error": (exception type
+        name, message)} when this rank's checks refused (bad arguments, asleep, refused weights,
+        too few free KV pages), or {"peer_refused": True} when only a peer's did. Never raises for
+        a refusal (a raise breaks the group); raises what the forwards raise (a peer gone)."""
+        try:
+            run, error = prepare(), None
+        except Exception as exc:  # noqa: BLE001 - returned by value; every rank must reach the all_reduce
+            run, error = None, exc
+        refused = error is not None
+        if self.group is not None:
+            self._flag.fill_(int(refused))
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+            refused = bool(self._flag.item())
+        if error is not None:
+            return {"error": (type(error).__name__, str(error))}
+        if refused:
+            return {"peer_refused": True}
+        value = run()
+        self.ep_stats.reset()  # not generation: ``run``'s EP stats (expert load) leave these forwards out
+        return {"value": value if self.rank == 0 else None}
+
     # ---- weights and control -----------------------------------------------------------------
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
