@@ -227,9 +227,6 @@ SCORE_SPLIT_BLOCKS_DECODE = 2
 DECODE_PIPELINE = True
 DECODE_STAGES = 3
 DECODE_PIPELINE_PROGRAMS = 132  # the H200's SMs
-# The one-token walk issues the next page's QK dot before this page's softmax (``_walk_one`` DEFER; the
-# same operations, so the same bits). False until the H200 A/B (profile_engine.py invariant+deferred).
-DECODE_DEFERRED_QK = False
 # Decode rows' top-k in their score launch (the last split program of a tile ranks the tile's tokens:
 # one launch fewer per sparse layer and step). False: ``_inv_topk_kernel`` for every row (A/B).
 DECODE_FUSED_TOPK = True
@@ -240,21 +237,17 @@ _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every 
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
 
-def decode_walk_stages(
-    ieee: bool, rows: int = 128, d: int = 128, ps: int = 128, elt: int = 2, defer: bool = False
-) -> int:
+def decode_walk_stages(ieee: bool, rows: int = 128, d: int = 128, ps: int = 128, elt: int = 2) -> int:
     """Pipeline depth of the one-token decode walk (``_walk_one``) for a tile of ``rows`` dot rows,
     head dim d, page size ps and elt-byte inputs: 1 for fp32 (IEEE) inputs (at 2 stages the fp32
     dense tile asked 262,144 B of shared memory, H200, 2026-12-03), else the largest depth <=
     ``DECODE_STAGES`` whose query tile plus staged K and V pages, elt * d * (rows + 2 * stages * ps)
     bytes, fit sm_90's SM90_SMEM_BYTES (M3's 128 x 128 tiles: 229,376 B at 3; d 256 with 64-key pages
-    would ask 262,144 B at 3 and take 2). defer (``DECODE_DEFERRED_QK``): one more K page (the next
-    page's, used a step early): elt * d * (rows + (2 * stages + 1) * ps) bytes (M3's dense tile: 2
-    stages). kernels/smem_check.py compiles the choice for sm_90."""
+    would ask 262,144 B at 3 and take 2). kernels/smem_check.py compiles the choice for sm_90."""
     if ieee:
         return 1
     stages = DECODE_STAGES
-    while stages > 1 and elt * d * (rows + (2 * stages + int(defer)) * ps) > SM90_SMEM_BYTES:
+    while stages > 1 and elt * d * (rows + 2 * stages * ps) > SM90_SMEM_BYTES:
         stages -= 1
     return stages
 
@@ -484,16 +477,15 @@ def _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s):
 
 
 @triton.jit
-def _qk(q, k, IEEE: tl.constexpr):
-    """[M, PS] fp32 raw scores q @ k^T (q [M, D], a K tile [PS, D]; IEEE for fp32 inputs)."""
+def _attend_k(q, m_i, l_i, k, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr, IEEE: tl.constexpr):
+    """First half of ``attend_block``'s online-softmax update (msa_paged_attention, the same
+    operations in the same order) on a K tile already loaded: key u of block b enters row m iff
+    row_ok[m] and b * PS + u <= qpos[m]. Returns (m_new, l_new, p [M, PS] fp32, alpha [M]); a row
+    with no such key gets m, l unchanged, p = 0 and alpha = 1 (``_attend_v`` then leaves it as is)."""
     if IEEE:
-        return tl.dot(q, tl.trans(k), input_precision="ieee")
-    return tl.dot(q, tl.trans(k))
-
-
-@triton.jit
-def _attend_s(s, m_i, l_i, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr):
-    """The softmax half of ``_attend_k`` on raw scores s [M, PS] (fp32) of block b."""
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # [M, PS] fp32
     s = s * qk_scale
     keep = row_ok[:, None] & ((b * PS + offs_o)[None, :] <= qpos[:, None])
     s = tl.where(keep, s, float("-inf"))
@@ -503,15 +495,6 @@ def _attend_s(s, m_i, l_i, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr):
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, p, alpha
-
-
-@triton.jit
-def _attend_k(q, m_i, l_i, k, b, row_ok, qpos, qk_scale, offs_o, PS: tl.constexpr, IEEE: tl.constexpr):
-    """First half of ``attend_block``'s online-softmax update (msa_paged_attention, the same
-    operations in the same order) on a K tile already loaded: key u of block b enters row m iff
-    row_ok[m] and b * PS + u <= qpos[m]. Returns (m_new, l_new, p [M, PS] fp32, alpha [M]); a row
-    with no such key gets m, l unchanged, p = 0 and alpha = 1 (``_attend_v`` then leaves it as is)."""
-    return _attend_s(_qk(q, k, IEEE), m_i, l_i, b, row_ok, qpos, qk_scale, offs_o, PS)
 
 
 @triton.jit
@@ -555,64 +538,32 @@ def _attend_page(
 
 
 @triton.jit
-def _walk_block(j, j_lo, offs_s, offs_k, pages, blocks, DENSE: tl.constexpr):
-    """(block id, page id) of walk step j: DENSE block j (pages [SPLIT_B] from j_lo), else
-    ``blocks[j]`` and its page (``pages`` [KP]). A step past the list gives page 0 (a valid page)."""
-    if DENSE:
-        b = j
-        page = tl.sum(tl.where(offs_s == j - j_lo, pages, 0), axis=0)
-    else:
-        b = tl.sum(tl.where(offs_k == j, blocks, 0), axis=0)
-        page = tl.sum(tl.where(offs_k == j, pages, 0), axis=0)
-    return b, page
-
-
-@triton.jit
 def _walk_one(
     q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, j_lo, j_hi, blocks,
     stride_kp, stride_ko, offs_o, offs_d, row_ok, qpos, qk_scale,
     PS: tl.constexpr, IEEE: tl.constexpr, DENSE: tl.constexpr, STAGES: tl.constexpr, SPLIT_B: tl.constexpr,
-    DEFER: tl.constexpr = False,
 ):  # fmt: skip
     """One split of a one-token decode tile: ``_attend_page`` on blocks j_lo..j_hi-1 (DENSE: block j;
     else ``blocks[j]``, the token's sorted [KP] list) in a ``for`` loop given to Triton's pipeliner
     STAGES deep (the page ids are one vector load before the loop; Triton stages K / V STAGES - 1 pages
     ahead). Every row of the tile
-    takes every block (its causal cut aside): the same update sequence as the union walk's.
-    DEFER: each step issues the next page's QK dot before this page's softmax and PV dot (the next
-    scores are loop-carried: FA3's overlap of one tile's softmax with another's dot, Shah et al.
-    2024, §3.2); the same operations on the same values, so the same bits."""
+    takes every block (its causal cut aside): the same update sequence as the union walk's."""
     if DENSE:  # the split's pages, one vector load before the loop: no load feeds another in it
         offs_s = tl.arange(0, SPLIT_B)
         pages = tl.load(bt_row + j_lo + offs_s, mask=offs_s < j_hi - j_lo, other=0)
     else:
-        offs_s = offs_k
         pages = tl.load(bt_row + blocks, mask=offs_k < j_hi, other=0)
-    if DEFER:
-        b, page = _walk_block(j_lo, j_lo, offs_s, offs_k, pages, blocks, DENSE)
-        koff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
-        s = _qk(q, tl.load(kg_ptr + koff), IEEE)
-        for j in tl.range(j_lo, j_hi, num_stages=STAGES):
-            voff = page.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
-            v = tl.load(vg_ptr + voff)
-            b_n, page_n = _walk_block(j + 1, j_lo, offs_s, offs_k, pages, blocks, DENSE)
-            koff = page_n.to(tl.int64) * stride_kp + offs_o[:, None] * stride_ko + offs_d[None, :]
-            s_n = _qk(q, tl.load(kg_ptr + koff), IEEE)
-            m_i, l_i, p, alpha = _attend_s(s, m_i, l_i, b, row_ok, qpos, qk_scale, offs_o, PS)
-            acc = _attend_v(acc, p, alpha, v, IEEE)
-            s, b, page = s_n, b_n, page_n
-    else:
-        for j in tl.range(j_lo, j_hi, num_stages=STAGES):
-            if DENSE:
-                b = j
-                page = tl.sum(tl.where(offs_s == j - j_lo, pages, 0), axis=0)
-            else:
-                b = tl.sum(tl.where(offs_k == j, blocks, 0), axis=0)
-                page = tl.sum(tl.where(offs_k == j, pages, 0), axis=0)
-            m_i, l_i, acc = _attend_page(
-                q, m_i, l_i, acc, kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d, b, row_ok, qpos,
-                qk_scale, PS, IEEE,
-            )  # fmt: skip
+    for j in tl.range(j_lo, j_hi, num_stages=STAGES):
+        if DENSE:
+            b = j
+            page = tl.sum(tl.where(offs_s == j - j_lo, pages, 0), axis=0)
+        else:
+            b = tl.sum(tl.where(offs_k == j, blocks, 0), axis=0)
+            page = tl.sum(tl.where(offs_k == j, pages, 0), axis=0)
+        m_i, l_i, acc = _attend_page(
+            q, m_i, l_i, acc, kg_ptr, vg_ptr, page, stride_kp, stride_ko, offs_o, offs_d, b, row_ok, qpos, qk_scale,
+            PS, IEEE,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -706,7 +657,6 @@ def inv_attn_kernel(
     PARTIAL: tl.constexpr,
     ONE: tl.constexpr = False,
     STAGES: tl.constexpr = 1,
-    DEFER: tl.constexpr = False,
 ):
     """BLOCK_M query tokens of one row x KV head g's RH query heads (row m = token m // RHP, head
     m % RHP). The tile's keys are walked one page per step in ascending block id: every block up to
@@ -727,7 +677,6 @@ def inv_attn_kernel(
     ONE (decode launches of one-token rows in small grids): a split's pages come from ``_walk_one``,
     a ``for`` loop over the token's sorted distinct blocks (dense: the split's blocks), STAGES deep
     for the pipeliner, instead of the union walk's data-dependent ``while``; the same update sequence.
-    DEFER (with ONE): the walk issues the next page's QK dot before this page's softmax (same bits).
     PDL (CUDA, both launches): let ``_inv_merge_kernel`` (launched with programmatic dependent
     launch) be scheduled now; it waits for this grid's stores."""
     if PDL:
@@ -803,7 +752,7 @@ def inv_attn_kernel(
             if ONE:  # decode: the one-token walk, same per-page math
                 m_i, l_i, acc = _walk_one(
                     q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, s * SPLIT_B, b_end, s * SPLIT_B,
-                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, True, STAGES, SPLIT_B, DEFER
+                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, True, STAGES, SPLIT_B
                 )  # fmt: skip
             else:
                 page = tl.load(bt_row + s * SPLIT_B)
@@ -871,7 +820,7 @@ def inv_attn_kernel(
                 j_hi = tl.sum((srt < s * SPLIT_B + SPLIT_B).to(tl.int32), axis=0)
                 m_i, l_i, acc = _walk_one(
                     q, m_i, l_i, acc, kg_ptr, vg_ptr, bt_row, offs_k, j_lo, j_hi, srt,
-                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, False, STAGES, SPLIT_B, DEFER
+                    stride_kp, stride_ko, offs_o, offs_d, m_ok, qpos, qk_scale, PS, IEEE, False, STAGES, SPLIT_B
                 )  # fmt: skip
                 b = _next_split(ev, b, SPLIT_B)
             else:
@@ -1156,8 +1105,7 @@ def invariant_paged_attention(
             PDL=pdl,
             PARTIAL=decode,
             ONE=one,
-            STAGES=decode_walk_stages(ieee, bm * rhp, d, ps, q.element_size(), DECODE_DEFERRED_QK) if one else 1,
-            DEFER=one and DECODE_DEFERRED_QK,
+            STAGES=decode_walk_stages(ieee, bm * rhp, d, ps, q.element_size()) if one else 1,  # only the walk reads it
             num_warps=warps or ((DENSE_WARPS if dense else SPARSE_WARPS) if d >= 128 else 4),
             num_stages=1 if ieee else 2,
         )

@@ -135,8 +135,7 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
 
 def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
     """Shared bytes of the batch-invariant attention's one-token decode launch (the one-token walk at
-    ``decode_walk_stages``, deferred QK as ``DECODE_DEFERRED_QK`` says), dense and sparse layer tiles,
-    for ``dtype``."""
+    ``decode_walk_stages``), dense and sparse layer tiles, for ``dtype``."""
     fn, dt, ieee = ia.inv_attn_kernel, _TT[dtype], dtype == torch.float32
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({n: "*" + dt for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
@@ -151,8 +150,7 @@ def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
         consts = dict(
             NH=64, RH=16, RHP=16, D=d, PS=ps, BLOCK_M=ia.attn_block_m(16, rows), KP=16,
             SPLIT_B=ia.ATTN_SPLIT_BLOCKS, DENSE=dense, IEEE=ieee, PDL=True, PARTIAL=True, ONE=True,
-            STAGES=ia.decode_walk_stages(ieee, rows, d, ps, dtype.itemsize, ia.DECODE_DEFERRED_QK),
-            DEFER=ia.DECODE_DEFERRED_QK,
+            STAGES=ia.decode_walk_stages(ieee, rows, d, ps, dtype.itemsize),
         )  # fmt: skip
         name = f"invariant_decode_{'dense' if dense else 'sparse'}{tag}/{dt}"
         out[name] = shared_bytes(fn, sig, consts, num_warps=warps, num_stages=1 if ieee else 2)

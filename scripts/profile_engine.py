@@ -81,12 +81,11 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # "invariant+<option>+...": A/B switches of the batch-invariant kernels' module constants (read at
 # launch; none changes a bit of the results, only how the work is scheduled). Flags: union_walk
 # (invariant_attention.DECODE_PIPELINE off), stages2 (DECODE_STAGES 2), topk_launch (DECODE_FUSED_TOPK
-# off), nopdl (PDL off: the decode merge launches after the attention), deferred (DECODE_DEFERRED_QK on:
-# the one-token walk issues the next page's QK dot before this page's softmax). Numbers: dp<N>
+# off), nopdl (PDL off: the decode merge launches after the attention). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
 # LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lw<N> (warps), ls<N> (stages); lsk<N>
 # (SPLIT_K_BELOW_PROGRAMS; 0 = no split-K).
-INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl", "deferred")
+INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl")
 INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lw", "ls", "lsk")
 
 
@@ -96,7 +95,6 @@ _IA_DEFAULTS = {
     n: getattr(ia, n)
     for n in (
         "DECODE_PIPELINE",
-        "DECODE_DEFERRED_QK",
         "DECODE_STAGES",
         "DECODE_FUSED_TOPK",
         "PDL",
@@ -161,7 +159,6 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
                 setattr(ia, n, v)
             ia.DECODE_PIPELINE = "union_walk" not in opts and _IA_DEFAULTS["DECODE_PIPELINE"]
             ia.DECODE_STAGES = 2 if "stages2" in opts else _IA_DEFAULTS["DECODE_STAGES"]
-            ia.DECODE_DEFERRED_QK = "deferred" in opts or _IA_DEFAULTS["DECODE_DEFERRED_QK"]
             ia.DECODE_FUSED_TOPK = "topk_launch" not in opts and _IA_DEFAULTS["DECODE_FUSED_TOPK"]
             ia.PDL = "nopdl" not in opts and _IA_DEFAULTS["PDL"]
             ia.DECODE_PROGRAMS = opts.get("dp", _IA_DEFAULTS["DECODE_PROGRAMS"])

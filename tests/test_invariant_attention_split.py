@@ -119,17 +119,6 @@ def test_split_decode_and_verify_rows_equal_prefill_rows(sparse, programs, pipel
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
-def test_deferred_walk_decode_rows_equal_prefill_rows(sparse, monkeypatch):
-    # DECODE_DEFERRED_QK: the one-token walk issues the next page's QK dot before this page's softmax;
-    # the same operations, so decode rows (at and past split edges) keep the prefill rows' bits
-    monkeypatch.setattr(ia, "DECODE_PIPELINE", True)
-    monkeypatch.setattr(ia, "DECODE_DEFERRED_QK", True)
-    want = alone("a", sparse)
-    got = run(step([("a", p, 1) for p in DECODE_POS], len(DECODE_POS), seed=1), sparse)
-    assert_rows_equal(got, want[DECODE_POS], "deferred walk decode vs prefill")
-
-
-@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_split_chunked_prefill_and_batch_mix_equal_alone(sparse):
     want, want_b = alone("a", sparse), alone("b", sparse)
     # chunks ending inside a split, on a split edge and inside a page, three rows of one launch

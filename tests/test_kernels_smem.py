@@ -63,8 +63,6 @@ def test_invariant_decode_walk_is_pipelined_in_bf16_only(smem):
     # head dim 256 with 64-key pages (the input check accepts it): 3 stages would ask 262,144 B
     # (breaker pass, 2026-12-03), so the walk takes 2 there; the compile above checks that it fits
     assert ia.decode_walk_stages(False, 128, 256, 64, 2) == 2 < ia.DECODE_STAGES
-    # the deferred walk holds one more K page: M3's dense 128 x 128 tile then takes one stage fewer
-    assert ia.decode_walk_stages(False, 128, 128, 128, 2, defer=True) == ia.DECODE_STAGES - 1
     # the pipeliner stages K and V (one [128, 128] bf16 tile each, 32 KB) DECODE_STAGES deep beside the
     # query tile (dense: 128 rows x d 128; sparse: 64 rows): fails if the walk stops being pipelined,
     # e.g. a page-id load feeding the K / V addresses inside the loop, or a compile without the
