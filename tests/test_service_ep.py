@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -349,3 +351,44 @@ def test_step_api_samples_a_weight_update_finished_come_out_of_the_next_step(mod
             assert (o.output_ids, o.finish_reason) == (want.output_ids, want.finish_reason)
     finally:
         svc.shutdown()
+
+
+_SLOW_PRELOAD = """
+import os, sys, time
+open(os.environ["M3_TEST_PRELOAD_MARK"], "w").close()  # the forkserver is inside its preload now
+time.sleep(3)
+"""
+
+_FORKSERVER_SCRIPT = """
+import os, sys, time
+import torch.multiprocessing as mp
+from multiprocessing import forkserver
+from m3_rollout.service.launchers import start_forkserver
+ctx = mp.get_context("forkserver")
+ctx.set_forkserver_preload(["m3_test_slow_preload"])
+start_forkserver(ctx)
+mark = os.environ["M3_TEST_PRELOAD_MARK"]
+while not os.path.exists(mark):
+    time.sleep(0.01)
+pid = forkserver._forkserver._forkserver_pid
+with open(f"/proc/{pid}/status") as f:
+    mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+print("IGNORED" if mask >> 1 & 1 else "DEFAULT", flush=True)  # SIGINT = 2: bit 1
+os.kill(pid, 2)
+time.sleep(0.5)
+print("ALIVE" if os.waitpid(pid, os.WNOHANG)[0] == 0 else "DEAD", flush=True)
+"""
+
+
+def test_forkserver_ignores_ctrl_c_while_it_imports(tmp_path):
+    # the forkserver ignores SIGINT itself only after its preload imports (torch: seconds); started
+    # with SIGINT ignored, it ignores a Ctrl-C inside them too instead of printing a traceback
+    (tmp_path / "m3_test_slow_preload.py").write_text(_SLOW_PRELOAD)
+    env = dict(os.environ, M3_TEST_PRELOAD_MARK=str(tmp_path / "mark"))
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKSERVER_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["IGNORED", "ALIVE"], proc.stdout + proc.stderr
+    assert "KeyboardInterrupt" not in proc.stderr

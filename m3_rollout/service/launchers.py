@@ -24,6 +24,7 @@ import abc
 import pickle
 import re
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -143,6 +144,24 @@ def _context():
     return ctx
 
 
+def start_forkserver(ctx) -> None:
+    """Start ``ctx``'s forkserver now (if it is not running) with SIGINT ignored, so that it
+    inherits the ignored disposition across its exec. The forkserver ignores SIGINT itself only
+    after its preload imports (torch: seconds); a Ctrl-C in that window printed its
+    KeyboardInterrupt traceback under the driver's one line. A Ctrl-C in the parent during this
+    call (the spawn, milliseconds) is ignored too. No-op for other start methods and off the main
+    thread (only it may set signal handlers; the server then starts with the first worker)."""
+    if ctx.get_start_method() != "forkserver" or threading.current_thread() is not threading.main_thread():
+        return
+    from multiprocessing import forkserver
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class ProcessLauncher(Launcher):
     """EP workers as ``torch.multiprocessing`` processes (forkserver; no Ray needed)."""
 
@@ -155,6 +174,7 @@ class ProcessLauncher(Launcher):
 
     def start(self, spec: WorkerSpec, timeout_s: float) -> None:
         ctx = _context()
+        start_forkserver(ctx)
         self.world_size = spec.group.world_size
         if str(spec.device).startswith("cuda"):  # workers inherit it; each also sets it before NCCL starts
             from m3_rollout.parallel.process_group import disable_nvlink_multicast
