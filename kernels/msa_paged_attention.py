@@ -643,32 +643,6 @@ def _kv_seg_finish(
 
 
 @triton.jit
-def _kv_seg_tile(
-    q,
-    k,
-    v,
-    e,
-    qpos,
-    m_ok,
-    b,
-    h,
-    offs_d,
-    offs_o,
-    opart_ptr,
-    lse_ptr,
-    qk_scale,
-    RH: tl.constexpr,
-    D: tl.constexpr,
-    PS: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """One tile of a KV-major segment: rows m = (entry e[m], head h[m]) with query rows q [M, D]
-    against the page's k, v [PS, D] (``_kv_seg_qk`` then ``_kv_seg_finish``)."""
-    s = _kv_seg_qk(q, k, IEEE)
-    _kv_seg_finish(s, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
-
-
-@triton.jit
 def _kv_seg_load_q(
     q_ptr,
     perm_ptr,
@@ -802,7 +776,8 @@ def _kv_seg_pipelined(
             e, qpos, m_ok, q = _kv_seg_gather_tile(
                 q_ptr, perm_v, epos_v, c, n, t_base, topk, g, h, offs_m, offs_d, stride_qt, stride_qh, G, RH, RHP, SEG
             )
-            _kv_seg_tile(q, k, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
+            s = _kv_seg_qk(q, k, IEEE)
+            _kv_seg_finish(s, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
 
 
 @triton.jit
@@ -927,7 +902,8 @@ def kv_seg_attn_kernel(
             e, qpos, q = _kv_seg_load_q(
                 q_ptr, perm_ptr, epos_ptr, ei, m_ok, t_base, g, h, offs_d, stride_qt, stride_qh, G, RH, topk
             )
-        _kv_seg_tile(q, k, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
+        s = _kv_seg_qk(q, k, IEEE)
+        _kv_seg_finish(s, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
         if PREFETCH:
             e, qpos, q, m_ok = e_n, qpos_n, q_n, m_ok_n
 
