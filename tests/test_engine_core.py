@@ -408,6 +408,22 @@ def test_score_temperature_must_be_finite_positive_and_usable():
     assert torch.equal(b.score(ids, temperature=2), b.score(ids, temperature=2.0))
 
 
+def test_score_positions_must_be_integer_indices():
+    # A float position was truncated (1.5 scored position 1), a bool taken as 1, a bare int or a
+    # string failed inside torch ("'int' object is not iterable", "too many dimensions 'str'"), a
+    # nested list gave a 2-D result: each is now a ValueError naming ``score positions``.
+    b = _backend()
+    ids = _prompt(6, 3)
+    for bad in ([1.5], [True], 5, ["a"], [[1, 2]], [None]):
+        with pytest.raises(ValueError, match="score positions"):
+            b.score(ids, positions=bad)
+    with pytest.raises(ValueError, match=r"score positions must be in \[0, 6\)"):
+        b.score(ids, positions=[2**70])
+    whole = b.score(ids)
+    assert torch.equal(b.score(ids, positions=torch.tensor([4, 1])), whole[[4, 1]])  # integer tensors: fine
+    assert b.score(ids, positions=[]).shape == (0,)
+
+
 def test_n_larger_than_max_num_seqs_is_queued_in_groups_within_the_row_limit():
     # Known gap: a group of n > max_num_seqs was admitted whole when nothing else ran, then forked
     # into n running rows. vLLM queues a request's samples; here they run as groups of max_num_seqs.

@@ -30,7 +30,7 @@ import torch
 
 from m3_rollout.engine.block_manager import BlockManager
 from m3_rollout.engine.config import EngineConfig
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta, as_int
 from m3_rollout.engine.launch import LaunchedStep, StepLauncher
 from m3_rollout.engine.model_runner import ModelRunner
 from m3_rollout.engine.ops import bind_prefill_scratch, invariant_token_logprobs, paged_ops_for
@@ -643,9 +643,14 @@ class LLMEngine:
         )
         pos = None
         if positions is not None:
-            pos = torch.tensor(list(positions), dtype=torch.int64)
-            if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= len(ids)):
+            try:
+                idx = [as_int(i) for i in positions]
+            except TypeError:
+                msg = f"score positions: must be a sequence of integer indices, got {positions!r:.200}"
+                raise ValueError(msg) from None
+            if idx and (min(idx) < 0 or max(idx) >= len(ids)):
                 raise ValueError(f"score positions must be in [0, {len(ids)}), got {positions}")
+            pos = torch.tensor(idx, dtype=torch.int64)
         if self.block_manager.pages_for(len(ids)) > self.block_manager.num_free_pages:
             raise pages_error(self.block_manager, len(ids), SCORE_PAGES_HINT)
 
