@@ -312,6 +312,56 @@ def test_ep2_score_and_top_logprobs_equal_ep1_between_steps_and_after_updates(mo
         svc.shutdown()
 
 
+def test_ep2_score_after_a_worker_died_restarts_the_group_or_refuses(model_dir):
+    # A worker that died between two calls: score / top_logprobs restart the group on the served
+    # weights and run (as generate does; they raised the launcher's GroupFailure, which did not say
+    # that the group was back); the step API's live requests get error records, as after a failed
+    # step. With no restart left the call fails, and the next one, whose start cannot give the new
+    # workers the served weights (a rejected update overwrote the stage), must refuse: it scored
+    # (and generate generated) with the checkpoint's weights as the served version.
+    trainer = load_checkpoint(model_dir, dtype=torch.float32)
+    named = ReleasedTensors(trainer)
+    ids = torch.randint(4, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    svc = _service(model_dir)
+    try:
+        with torch.no_grad():
+            trainer.lm_head.weight.mul_(-1.0)
+        svc.update_weights(1, named)
+        engine = _native(trainer).engine
+        os.kill(svc.worker_pids()[1], signal.SIGKILL)
+        torch.testing.assert_close(svc.score(ids), engine.score(ids), atol=1e-4, rtol=0)
+        assert svc.restarts == 1
+
+        reqs = _requests()
+        for r in reqs:
+            svc.add_request(r)
+        svc.step()
+        os.kill(svc.worker_pids()[0], signal.SIGKILL)
+        got, want = svc.top_logprobs(ids, 30, 3), engine.top_logprobs(ids, 30, 3)
+        assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in want]
+        assert svc.restarts == 2
+        outs = svc.step()
+        assert sorted((o.request_id, o.finish_reason) for o in outs) == sorted(
+            (r.request_id, "error") for r in reqs for _ in range(2)
+        )
+        assert not svc.has_unfinished()
+
+        with torch.no_grad():
+            trainer.model.layers[2].block_sparse_moe.experts.w2[6, 0, 0] = float("nan")
+        with pytest.raises(ValueError, match="rank 1: non-finite values"):
+            svc.update_weights(2, named)
+        svc.max_restarts = 0
+        os.kill(svc.worker_pids()[0], signal.SIGKILL)
+        with pytest.raises(RolloutFailure, match=r"gave up after 0 restarts"):
+            svc.score(ids)
+        with pytest.raises(RolloutFailure, match="not the served version 1: .*call update_weights first"):
+            svc.score(ids)
+        with pytest.raises(RolloutFailure, match="call update_weights first"):
+            svc.generate(reqs)
+    finally:
+        svc.shutdown()
+
+
 def test_factory_places_ep_workers_beside_the_trainer(model_dir, monkeypatch):
     made = {}
     monkeypatch.setattr(factory, "RolloutService", lambda spec, **kw: made.update(spec=spec, **kw) or "service")

@@ -376,9 +376,7 @@ class RolloutService(GenerationBackend):
             raise RuntimeError(
                 f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you generate"
             )
-        self._check_weights_served([r.request_id for r in requests])
-        if self.launcher is None:
-            self._start_with_retries(None, [])
+        self._start_and_check_weights([r.request_id for r in requests])
         results: list[list[SampleOutput]] = [[] for _ in requests]
         pending: dict[str, _Pending] = {}
         load = [0] * self.world_size
@@ -537,6 +535,15 @@ class RolloutService(GenerationBackend):
         """Error records (out of the next :meth:`step`) for every unfinished request of the step
         API after ``failure``; restarts the group (a failed restart leaves it stopped: the next
         ``add_request`` starts it)."""
+        lost = self._lose_live(failure)
+        try:
+            self._start_with_retries(failure, lost)
+        except RolloutFailure:
+            pass  # recorded; the launcher is None and the next add_request starts a group
+
+    def _lose_live(self, failure: GroupFailure) -> list[str]:
+        """Error records (out of the next :meth:`step`) for every unfinished request of the step
+        API after ``failure`` (their streamed tokens cannot be taken back); returns their ids."""
         lost = sorted(self._live)
         message = f"{failure}; the request was lost (resubmit it)"
         self._ready += [
@@ -546,10 +553,7 @@ class RolloutService(GenerationBackend):
             if o.sample_index in p.missing
         ]
         self._live.clear()
-        try:
-            self._start_with_retries(failure, lost)
-        except RolloutFailure:
-            pass  # recorded; the launcher is None and the next add_request starts a group
+        return lost
 
     def engine_metrics(self) -> dict:
         """The ranks' engine counters after their last reply, summed (pages, running / waiting
@@ -857,6 +861,14 @@ class RolloutService(GenerationBackend):
         if self._weights_lost:
             raise RolloutFailure(f"{self._weights_lost}; call update_weights first, then resubmit", sorted(request_ids))
 
+    def _start_and_check_weights(self, request_ids: list[str]) -> None:
+        """Start the group if a failure left it stopped, then :meth:`_check_weights_served`: the
+        start re-applies the served weights and can find that the IPC source no longer holds
+        them, so the check comes after it."""
+        if self.launcher is None:
+            self._start_with_retries(None, [])
+        self._check_weights_served(request_ids)
+
     def _reapply_ipc(self) -> None:
         """At a restart: give the new workers the served weights, which the IPC source holds. When
         it does not (a rejected or interrupted update overwrote the stage; the trainer cast its
@@ -966,9 +978,10 @@ class RolloutService(GenerationBackend):
             ValueError: bad arguments (as ``LLMEngine.score``: the message names them), or a rank's
                 weights are refused (a failed non-atomic update that could not be repaired);
             RuntimeError: the workers sleep, a rank has too few free KV pages now;
-            RolloutFailure: the workers do not hold the served weights (as :meth:`generate`);
-            GroupFailure: a rank failed during the call (the group is restarted; the step API's
-                unfinished requests get error records).
+            RolloutFailure: the workers do not hold the served weights (as :meth:`generate`), or
+                the group failed more than ``max_restarts`` times in this call. A rank that fails
+                during the call restarts the group and the call is repeated (as :meth:`generate`);
+                the step API's unfinished requests get error records (as after a failed :meth:`step`).
         """
         pos = None if positions is None else _by_value(positions)
         return self._forward_on_every_rank("score", (_by_value(token_ids), pos, temperature), "score")
@@ -988,7 +1001,7 @@ class RolloutService(GenerationBackend):
             logits / ``temperature``; top-k / top-p not applied).
         Raises:
             ValueError naming ``top_logprobs token_ids`` / ``start`` / ``k`` / ``temperature``, or
-            refused weights; RuntimeError, RolloutFailure, GroupFailure as :meth:`score`.
+            refused weights; RuntimeError, RolloutFailure as :meth:`score`.
         """
         args = (_by_value(token_ids), start, k, temperature)
         return self._forward_on_every_rank("top_logprobs", args, "compute top logprobs")
@@ -998,19 +1011,20 @@ class RolloutService(GenerationBackend):
         with the same ``args`` and return rank 0's value. The ranks agree among themselves that
         all can run before any forward (``RolloutWorker._forward_together``); a rank that refused
         comes back as its exception here. Refuses, as :meth:`generate` does, while the workers
-        sleep or do not hold the served weights. Caller holds the lock."""
+        sleep or do not hold the served weights; a failed group is restarted and the call repeated
+        (``max_restarts`` within the call; the forwards have no side effects). Caller holds the lock."""
         if self._sleep_level:
             raise RuntimeError(
                 f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you {what}"
             )
-        self._check_weights_served([])
-        if self.launcher is None:
-            self._start_with_retries(None, [])
-        try:
-            replies = self.launcher.call(method, args, self.call_timeout_s)
-        except GroupFailure as failure:
-            self._fail_live(failure)
-            raise
+        used = 0
+        while True:
+            self._start_and_check_weights([])
+            try:
+                replies = self.launcher.call(method, args, self.call_timeout_s)
+                break
+            except GroupFailure as failure:
+                used = self._start_with_retries(failure, self._lose_live(failure), used)
         errors = {r: reply["error"] for r, reply in enumerate(replies) if "error" in reply}
         if errors:
             raise _rank_error(errors, len(replies))
