@@ -180,8 +180,8 @@ class GenerationConfig:
     # node) with the trainer on one of them (cluster.device = cuda:0 .. cuda:P-1: the trainer shares
     # a GPU with a rank; the ranks on other GPUs peer-copy from it). Needs backend=native,
     # weight_sync.method=auto (weight_sync.timeout_s bounds each wait), no
-    # cluster.gpus_per_node with cluster.device=cpu, and no cluster.ray_address (Ray joining a cluster
-    # could start the workers on another node) unless cluster.launcher=mp.
+    # cluster.gpus_per_node with cluster.device=cpu, and no cluster.ray_address but null / local (Ray
+    # joining a cluster could start the workers on another node) unless cluster.launcher=mp.
     colocated_placement: str = "in_process"
     # Sparse layers' index-key cache: bfloat16 (the KV dtype) or fp8_e4m3 (e4m3 codes + one fp32
     # scale per token; about half the bytes a long-context decode step reads; the block choice is
@@ -596,10 +596,11 @@ def _check_worker_process(e: list[str], cfg: MasterConfig) -> None:
         )
     _check(
         e,
-        c.ray_address is None or c.launcher == "mp",
+        c.ray_address in (None, "", "local") or c.launcher == "mp",
         "cluster.ray_address",
         c.ray_address,
-        "must be null with policy.generation.colocated_placement=worker_process (or set cluster.launcher=mp): "
+        "must be null (or 'local') with policy.generation.colocated_placement=worker_process (or set "
+        "cluster.launcher=mp): "
         "Ray could place the rollout workers on another node of that cluster, where the trainer's memory "
         "cannot be opened",
     )

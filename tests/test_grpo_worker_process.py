@@ -232,6 +232,16 @@ def test_worker_process_keys_accepted_and_bad_ones_exit_2(capsys):
     load_config("configs/grpo_smoke.yaml", WORKER)  # the smoke config's EP=2: two workers beside the trainer
     # plain processes ignore a Ray address: still on this node
     load_config(None, [*WORKER, *ok, "cluster.ray_address=10.0.0.1:6379"])
+    for local in ("local", "''"):  # a Ray instance started on this node
+        load_config(
+            None,
+            [
+                "cluster.launcher=ray",
+                "policy.generation.colocated_placement=worker_process",
+                *ok,
+                f"cluster.ray_address={local}",
+            ],
+        )
     with pytest.raises(SystemExit) as exc:  # ... but not with the trainer on a GPU no rank uses
         main(["--config", "configs/grpo_smoke.yaml", *WORKER, "cluster.device=cuda:3", "cluster.gpus_per_node=2"])
     assert exc.value.code == 2
