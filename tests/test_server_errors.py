@@ -197,3 +197,25 @@ def test_response_format_text_is_accepted(setup):
     srv, _, _ = setup
     resp = httpx.post(srv.url + "/v1/chat/completions", json=_chat(response_format={"type": "text"}), timeout=60)
     assert resp.status_code == 200, resp.text
+
+
+def test_top_logprobs_refused_after_generation_is_a_503_with_a_message(setup):
+    # the engine / EP group can refuse the top-logprobs forward after the sample was generated (e.g.
+    # a rejected update between the two): a 503 naming why, not a bare 500; the server serves on
+    srv, _, _ = setup
+    runner = srv.app.state.controller.runner
+
+    async def refuse(*args):
+        raise ValueError("the served weights are invalid after a rejected update; call update_weights first")
+
+    runner.top_logprobs = refuse
+    try:
+        err = _error(
+            httpx.post(srv.url + "/v1/chat/completions", json=_chat(logprobs=True, top_logprobs=2), timeout=60), 503
+        )
+        assert err["param"] == "top_logprobs" and err["type"] == "server_error"
+        assert "update_weights" in err["message"]
+    finally:
+        del runner.top_logprobs
+    resp = httpx.post(srv.url + "/v1/chat/completions", json=_chat(logprobs=True, top_logprobs=2), timeout=60)
+    assert resp.status_code == 200 and len(resp.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2

@@ -464,7 +464,9 @@ class OpenAIServing:
 
     async def _tops(self, prompt: list[int], out_ids: list[int], start: int, k: int, params: SamplingParams):
         """Top-k logprobs of generated tokens ``start ..`` of a sample (engine loop forward); []
-        when the sample has no tokens from ``start`` on (e.g. aborted before its first)."""
+        when the sample has no tokens from ``start`` on (e.g. aborted before its first). Raises
+        APIError 501 for a backend without a model, 503 when the engine or the EP group refuses the
+        forward after the sample was generated (its message says why)."""
         if start >= len(out_ids):
             return []
         temp = 1.0 if params.logprobs_mode == "raw" else params.temperature
@@ -472,6 +474,11 @@ class OpenAIServing:
             return await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, temp)
         except NotImplementedError as exc:
             raise APIError(501, str(exc), "top_logprobs") from exc
+        except (ValueError, RuntimeError) as exc:  # the engine / EP group refused after generating
+            # (e.g. weights lost to a rejected update, workers asleep): the request was valid
+            raise APIError(
+                503, f"top_logprobs could not be computed: {exc}; retry the request", "top_logprobs", "server_error"
+            ) from exc
 
     # ---- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:

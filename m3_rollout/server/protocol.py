@@ -22,7 +22,8 @@ class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with HTTP ``status``.
 
     Args:
-        status: HTTP status (400 bad request, 401 auth, 404 unknown model, 409 conflict, 501 unsupported).
+        status: HTTP status (400 bad request, 401 auth, 404 unknown model, 409 conflict, 501 unsupported,
+            503 the server cannot serve it now).
         message: what is wrong and what to do.
         param: the request field at fault (dotted path), or None.
         type: OpenAI error type ("invalid_request_error", "authentication_error", ...).
