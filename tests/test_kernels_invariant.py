@@ -18,6 +18,8 @@ checks the compiled bits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from interpreter_dot import row_wise_dot  # tests/ on sys.path
@@ -178,6 +180,10 @@ def test_linear_flat_prefill_loop_gives_the_nested_and_split_bits(monkeypatch):
     dtype = torch.float16
     spy = LaunchSpy(inv._linear_kernel)
     monkeypatch.setattr(inv, "_linear_kernel", spy)
+    # the pointer loads' flat loop (the TMA one: next test)
+    monkeypatch.setitem(
+        inv.LINEAR_PREFILL_CONFIGS, dtype, dataclasses.replace(inv.LINEAR_PREFILL_CONFIGS[dtype], tma=False)
+    )
     g = torch.Generator().manual_seed(12)
     cfg = inv.linear_config(dtype)
     for k in (2 * cfg.k_chunk + 16, cfg.block_k - 24):
@@ -194,6 +200,38 @@ def test_linear_flat_prefill_loop_gives_the_nested_and_split_bits(monkeypatch):
             torch.testing.assert_close(flat.double(), ref, **TOL[dtype])
     ran = {(dict(c[0])["FLAT"], dict(c[0])["SPLIT"]) for c in spy.calls}
     assert (True, False) in ran and (False, False) in ran and (False, True) in ran
+
+
+def test_linear_tma_prefill_loop_gives_the_pointer_loops_bits(monkeypatch):
+    """LinearConfig.tma: the prefill band's tiles through TMA descriptors (``_linear_tma_kernel``)
+    give the pointer loads' bits (out-of-range rows, columns and K read as zero either way): 512
+    rows (a partial last row tile), 24 columns (a partial column tile), two chunks and a tail, K
+    below one K step, with and without bias. A launch that would split K, or operands TMA cannot
+    cover (a row stride off 16 bytes), take the pointer kernel (same bits)."""
+    dtype = torch.float16
+    spy = LaunchSpy(inv._linear_tma_kernel)
+    monkeypatch.setattr(inv, "_linear_tma_kernel", spy)
+    monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", 0)
+    g = torch.Generator().manual_seed(13)
+    base = inv.LINEAR_PREFILL_CONFIGS[dtype]
+    for k in (2 * base.k_chunk + 16, base.block_k - 24):
+        x, w = _rand(512, k, gen=g, dtype=dtype), _rand(24, k, gen=g, dtype=dtype, scale=k**-0.5)
+        bias = _rand(24, gen=g, dtype=dtype)
+        for b in (None, bias):
+            monkeypatch.setitem(inv.LINEAR_PREFILL_CONFIGS, dtype, dataclasses.replace(base, tma=False))
+            want = inv.linear(x, w, b)
+            monkeypatch.setitem(inv.LINEAR_PREFILL_CONFIGS, dtype, dataclasses.replace(base, tma=True))
+            n_tma = len(spy.calls)
+            assert torch.equal(inv.linear(x, w, b), want)
+            assert len(spy.calls) == n_tma + 1
+    odd = torch.zeros(512, 2 * base.k_chunk + 17, dtype=dtype)[:, :-1]  # row stride 529 halves: no TMA
+    odd.copy_(_rand(512, odd.shape[1], gen=g, dtype=dtype))
+    w2 = _rand(24, odd.shape[1], gen=g, dtype=dtype)
+    n_tma = len(spy.calls)
+    got = inv.linear(odd, w2)
+    assert len(spy.calls) == n_tma
+    monkeypatch.setitem(inv.LINEAR_PREFILL_CONFIGS, dtype, dataclasses.replace(base, tma=False))
+    assert torch.equal(got, inv.linear(odd, w2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
