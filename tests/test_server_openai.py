@@ -23,6 +23,8 @@ from server_util import (  # tests/ is on sys.path under pytest
 
 from m3_rollout.chat.markers import NS
 from m3_rollout.chat.template import ChatFormat
+from m3_rollout.server.openai_api import chat_prompt
+from m3_rollout.server.protocol import ChatCompletionRequest
 from m3_trainers.policy import token_logprobs
 
 MAX_LEN = 320
@@ -282,10 +284,18 @@ def test_tool_choice_none_required_and_named(scripted, tok):
     )
     (call,) = named.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "1+1"})
-    backend.scripts = [tok.encode('calculator">' + rest, add_special_tokens=False) + [backend.stop_id]]
+    # "required": the prompt ends where the opening's tokens are the whole call's (here inside
+    # "invoke": the tokenizer merges "e name=\"calculator"), the model writes the rest of the tag
+    served = srv.app.state.served
+    req = ChatCompletionRequest(model="tiny-m3", messages=MESSAGES, tools=TOOLS, tool_choice="required", **extra)
+    forced = chat_prompt(served, req).forced
+    opening = f'{NS}<tool_call>\n{NS}<invoke name="calculator">'
+    assert opening.startswith(forced) and len(forced) < opening.index('name="')
+    backend.scripts = [tok.encode(opening[len(forced) :] + rest, add_special_tokens=False) + [backend.stop_id]]
     required = c.chat.completions.create(**base, tool_choice="required")
     (call,) = required.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "1+1"})
+    backend.scripts = [tok.encode(opening[len(forced) :] + rest, add_special_tokens=False) + [backend.stop_id]]
     streamed, _ = _collect(c.chat.completions.create(**base, tool_choice="required", stream=True))
     assert _stream_view(streamed[0])[2] == [{"id": "call_0", "name": "calculator", "arguments": {"expression": "1+1"}}]
     with pytest.raises(openai.BadRequestError) as e:
@@ -306,3 +316,25 @@ def test_reasoning_split_in_each_thinking_mode(scripted, tok, mode):
     assert (msg.model_extra or {}).get("reasoning_content") == reasoning
     streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
     assert (streamed[0]["reasoning"], streamed[0]["content"]) == (reasoning or "", "It is 408.")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forced_tool_call_opening_tokenizes_as_the_whole_call(scripted, mode):
+    # tool_choice "required" wrote the opening up to 'name="' into the prompt; the tokenizer merges
+    # '="' with the tool name, so the model saw split tokens it never met in training and closed the
+    # name at once (an empty answer with the trained models). The prompt's ids must be a token prefix
+    # of the prompt followed by the whole call, for every tool (and for a named choice).
+    srv, _ = scripted
+    served = srv.app.state.served
+    kw = {"chat_template_kwargs": {"thinking_mode": mode}}
+    names = [t["function"]["name"] for t in TOOLS]
+    for choice, called in [("required", names), *[({"type": "function", "function": {"name": n}}, [n]) for n in names]]:
+        req = ChatCompletionRequest(model="tiny-m3", messages=MESSAGES, tools=TOOLS, tool_choice=choice, **kw)
+        p = chat_prompt(served, req)
+        assert p.forced and served.decode(p.ids).endswith(p.forced)
+        for n in called:
+            text = served.decode(p.ids)[: -len(p.forced)] if p.forced else served.decode(p.ids)
+            head = ("</mm:think>" if mode == "enabled" else "") + f'{NS}<tool_call>\n{NS}<invoke name="{n}">{NS}<'
+            assert head.startswith(p.forced)
+            whole = served.encode(text + head)
+            assert whole[: len(p.ids)] == p.ids, (choice, n)

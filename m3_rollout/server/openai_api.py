@@ -7,11 +7,13 @@ the same result as the whole-text parse), so this module only maps OpenAI fields
 the same decoded text piece by piece, so its deltas concatenate to the non-streamed answer of the
 same seed (the keyed sampler draws the same tokens either way).
 
-``tool_choice``: "auto" parses tool calls, "none" returns the raw text as content, "required" and
-a named function force a call by writing its opening (``]<]minimax[>[<tool_call>`` and the
-invoke tag, with the name for a named choice) after the generation prompt; the model continues
-from there (no grammar: the arguments are the model's). In "enabled" thinking mode the forced
-opening first closes the think span, so such a turn has empty reasoning.
+``tool_choice``: "auto" parses tool calls, "none" returns the raw text as content (tool-call
+markup included, unparsed), "required" and a named function force a call by writing its opening
+(``]<]minimax[>[<tool_call>`` and the invoke tag, with the name for a named choice) after the
+generation prompt, cut back to where its tokens are the ones the whole call has
+(``token_safe_opening``); the model continues from there (no grammar: the arguments are the
+model's). In "enabled" thinking mode the forced opening first closes the think span, so such a
+turn has empty reasoning.
 """
 
 from __future__ import annotations
@@ -333,14 +335,18 @@ def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
         choice = "auto" if tools else "none"
     if choice != "none" and not tools:
         raise APIError(400, f"tool_choice={_choice_text(choice)} needs `tools`", "tool_choice")
-    forced = ""
+    opening, continuations = "", []
     if choice == "required" or not isinstance(choice, str):
-        forced = (THINK_CLOSE if mode == "enabled" else "") + TOOL_CALL_OPEN + "\n" + NS + '<invoke name="'
+        opening = (THINK_CLOSE if mode == "enabled" else "") + TOOL_CALL_OPEN + "\n" + NS + '<invoke name="'
+        names = [t["function"]["name"] for t in tools]
         if not isinstance(choice, str):
             name = choice.function.name
-            if name not in [t["function"]["name"] for t in tools]:
+            if name not in names:
                 raise APIError(400, f"tool_choice names function {name!r}, which is not in `tools`", "tool_choice")
-            forced += name + '">'
+            opening += name + '">'
+            continuations = [NS]
+        else:
+            continuations = [n + '">' + NS for n in names]
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
         text = render(served.chat_template, messages, tools, add_generation_prompt=True, thinking_mode=mode)
@@ -348,9 +354,28 @@ def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
         raise APIError(400, f"messages: {exc}", "messages") from exc
     except Exception as exc:  # noqa: BLE001 - jinja's raise_exception and template errors
         raise APIError(400, f"messages: the chat template cannot render them: {exc}", "messages") from exc
+    forced = token_safe_opening(served, text, opening, continuations) if opening else ""
     ids = served.encode(text + forced)
     check_prompt_length(served, len(ids), "messages")
     return ChatPrompt(ids, mode, forced, choice != "none", tools, not req.parallel_tool_calls)
+
+
+def token_safe_opening(served: ServedModel, text: str, opening: str, continuations: list[str]) -> str:
+    """The longest prefix of a forced tool-call ``opening`` that, written after the prompt ``text``,
+    tokenizes as the whole call does: encode(text + prefix) is a token prefix of encode(text +
+    opening + c) for every continuation ``c`` (each tool's name and the rest of its invoke tag, or
+    what follows a named one). The full opening can end inside a BPE merge (``name="`` is merged
+    with the tool name, ``invoke`` with what follows it), and a model given those split tokens,
+    which it never saw in training, closes the name at once and writes no call; from the safe
+    prefix on it writes the rest itself. Only the last 256 characters of ``text`` are encoded
+    (merges do not reach further back). Returns "" when no prefix is safe."""
+    ctx = text[-256:]
+    fulls = [served.encode(ctx + opening + c) for c in continuations]
+    for end in range(len(opening), -1, -1):
+        ids = served.encode(ctx + opening[:end])
+        if all(f[: len(ids)] == ids for f in fulls):
+            return opening[:end]
+    return ""
 
 
 def _choice_text(choice) -> str:
