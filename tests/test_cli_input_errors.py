@@ -125,6 +125,15 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_before_serving(ckpts, capsys
     assert captured.err.count("\n") == 1 and "give a free --port" in captured.err
 
 
+def test_serve_with_an_ep_size_that_does_not_split_the_experts_names_the_flag(ckpts, capsys):
+    # the EP check names its GRPO config key (policy.generation.expert_parallel_size); serve's user
+    # gave --expert-parallel-size
+    good, _, _ = ckpts
+    assert serve_main(["--model", str(good), "--port", str(free_port()), "--expert-parallel-size", "3"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: --expert-parallel-size=3: ") and "policy.generation" not in line
+
+
 def test_ctrl_c_while_serve_starts_exits_130_in_one_line_and_frees_the_port(ckpts, capsys, monkeypatch):
     # A Ctrl-C while the checkpoint loads (or EP workers start): one line, exit 130, no traceback,
     # nothing printed as served, and the bound port is released for the next start.

@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--engine-process",
         action="store_true",
         help="with --expert-parallel-size 1: run the engine in a worker process of its own (the EP service with "
-        "one rank), so HTTP work never holds the engine's GIL",
+        "one rank), so HTTP work never holds the engine's GIL (EP > 1 always runs in worker processes)",
     )
     p.add_argument(
         "--worker-steps-per-call",
@@ -162,7 +162,12 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         )
         cfg.policy = dataclasses.replace(cfg.policy, generation=gen, routing_replay=args.record_routing)
         cfg.cluster = dataclasses.replace(cfg.cluster, gpus_per_node=int(device == "cuda"), launcher="mp")
-        service = build_rollout_service(cfg, model_dir, stop_ids, max_len)
+        try:
+            service = build_rollout_service(cfg, model_dir, stop_ids, max_len)
+        except ValueError as exc:  # the EP checks name the GRPO config key; here it is the flag
+            raise ValueError(
+                str(exc).replace("policy.generation.expert_parallel_size", "--expert-parallel-size")
+            ) from exc
         service.stream_steps_per_call = args.worker_steps_per_call
         return service
     from m3_rollout.engine.native_backend import NativeBackend
