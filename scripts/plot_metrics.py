@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 #: (metric names, the first present is drawn: current, then the name of older logs; panel title)
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = ap.parse_args(argv)
     try:
         runs = {label: read_metrics(path) for label, path in map(parse_run, args.runs)}
-    except FileNotFoundError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    except FileNotFoundError as exc:  # a bad argument: one line, exit 2 (as the other commands)
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     out = plot_runs(runs, args.out, args.title)
     print(f"wrote {out}")
     return out

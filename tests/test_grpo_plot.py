@@ -38,3 +38,13 @@ def test_plot_from_log(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_metrics.read_metrics(tmp_path / "nope")
+
+
+def test_a_missing_run_is_one_error_line_exit_2(tmp_path, capsys):
+    # a bad argument exits 2 with one line, as the other commands do (it exited 1)
+    with pytest.raises(SystemExit) as exc:
+        plot_metrics.main([str(tmp_path / "nope"), "-o", str(tmp_path / "c.png")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "metrics.jsonl" in err and err.count("\n") == 1
+    assert not (tmp_path / "c.png").exists()
