@@ -191,8 +191,15 @@ def test_64_concurrent_streams_across_a_weight_update(server, trainer):
     assert running > 0 and both > 0  # requests running at the update continued on the new version
 
 
+def _aborted(url: str) -> float:
+    """m3:request_finished_total{..., finished_reason="abort"} on /metrics (0 before the first)."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return sum(float(ln.split()[-1]) for ln in lines if ln.startswith("m3:request_finished_total") and '"abort"' in ln)
+
+
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_pages(server):
     url, client, _, _ = server
+    aborted = _aborted(url)
     body = {"input_ids": list(range(20, 60)), "stream": True, "sampling_params": {"max_new_tokens": 200, "seed": 1}}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", url + "/generate", json=body) as resp:
@@ -210,6 +217,7 @@ def test_a_client_that_disconnects_aborts_its_request_and_frees_its_pages(server
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
     assert client.health()["running"] == 0
+    assert _aborted(url) == aborted + 1  # counted as an abort (it was counted nowhere)
 
 
 def test_failed_join_is_a_400_and_unknown_update_without_group(server):

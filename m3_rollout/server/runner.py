@@ -241,7 +241,8 @@ class EngineRunner:
                         item = dataclasses.replace(item, request_id=request.request_id)
                     yield item
         finally:
-            if remaining:
+            if remaining:  # the handler left early (a client that disconnected): its samples are aborted
+                self.requests_finished["abort"] += remaining
                 self._loop.call_soon_threadsafe(self._cancel, iid)
 
     def _count_tokens(self, n: int) -> None:
