@@ -81,6 +81,8 @@ def _collect(stream):
                     call["arguments"] += tc.function.arguments or ""
             d["ids"] += (c.model_extra or {}).get("token_ids") or []
             d["finish"] = c.finish_reason or d["finish"]
+            if c.finish_reason is not None:
+                d["stop_reason"] = (c.model_extra or {}).get("stop_reason")
     return out, usage
 
 
@@ -164,12 +166,21 @@ def test_greedy_and_stop_strings(engine_server):
     cut = c.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.find(stop)]
+    # stop_reason names the stop string that cut the text (as vLLM's); null when none did
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    assert a.choices[0].model_extra["stop_reason"] is None
     streamed, _ = _collect(
         c.chat.completions.create(
-            model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop], stream=True
+            model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop, "never seen"], stream=True
         )
     )
-    assert streamed[0]["content"] == text[: text.find(stop)]
+    assert streamed[0]["content"] == text[: text.find(stop)] and streamed[0]["stop_reason"] == stop
+    comp = c.completions.create(model="tiny-m3", prompt="What is 12", max_tokens=12, temperature=0)
+    ctext = comp.choices[0].text
+    cstop = ctext[3:5]
+    cut = c.completions.create(model="tiny-m3", prompt="What is 12", max_tokens=12, temperature=0, stop=[cstop])
+    assert cut.choices[0].text == ctext[: ctext.find(cstop)] and cut.choices[0].model_extra["stop_reason"] == cstop
+    assert comp.choices[0].model_extra["stop_reason"] is None
 
 
 def test_completions_with_text_and_token_ids(engine_server, tok):

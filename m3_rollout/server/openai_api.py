@@ -261,6 +261,7 @@ class TextStream:
         self._held: collections.deque[str] = collections.deque()  # unreleased text, in pieces
         self.held_chars = 0  # characters held back (the pieces' total length)
         self.stopped = False  # a stop string was found; nothing more is text
+        self.stop_string: str | None = None  # the stop string the text was cut at (OpenAI's stop_reason)
 
     def push(self, ids: list[int]) -> str:
         """Add generated ids; return the text they settle."""
@@ -285,9 +286,10 @@ class TextStream:
     def _emit(self, new: str, final: bool) -> str:
         if self.stopped or not (new or final):
             return ""
-        ends = [(e, len(m.stop)) for m in self.matchers if (e := m.feed(new)) >= 0]
+        ends = [(e - len(m.stop), m.stop) for m in self.matchers if (e := m.feed(new)) >= 0]
         if ends:  # cut before the earliest-starting stop string (it may begin in the held text)
-            cut = self.held_chars + min(e - n for e, n in ends)
+            start, self.stop_string = min(ends)
+            cut = self.held_chars + start
             self.stopped = True
             return ("".join(self._held) + new)[:cut]
         if new:
@@ -537,7 +539,7 @@ class OpenAIServing:
                 "message": message,
                 "logprobs": None,
                 "finish_reason": _finish_reason(out, bool(message.get("tool_calls"))),
-                "stop_reason": None,
+                "stop_reason": text.stop_string,
             }
             if req.logprobs:
                 k = req.top_logprobs or 0
@@ -631,7 +633,9 @@ class OpenAIServing:
                     outs.append(item)
                     d = _merge(parsers[i].feed(texts[i].finish()), parsers[i].finish())
                     has_calls[i] |= bool(d.tool_calls)
-                    yield chunk(i, _delta_dict(d), _finish_reason(item, has_calls[i]))
+                    yield chunk(
+                        i, _delta_dict(d), _finish_reason(item, has_calls[i]), {"stop_reason": texts[i].stop_string}
+                    )
         except APIError as exc:
             yield _sse(exc.body())
         except Exception as exc:  # noqa: BLE001 - the stream has begun: the error is its last event
@@ -696,7 +700,7 @@ class OpenAIServing:
                     "text": prefix + text,
                     "logprobs": None,
                     "finish_reason": out.finish_reason,
-                    "stop_reason": None,
+                    "stop_reason": ts.stop_string,
                 }
                 if req.logprobs is not None:
                     k = req.logprobs
@@ -760,7 +764,7 @@ class OpenAIServing:
                         ts = texts[item.sample_index]
                         text = ts.finish()
                         outs.append(item)
-                        yield chunk(item.sample_index, text, item.finish_reason)
+                        yield chunk(item.sample_index, text, item.finish_reason, {"stop_reason": ts.stop_string})
             except APIError as exc:
                 yield _sse(exc.body())
                 break
