@@ -232,6 +232,16 @@ def _chunk_dot(
     return part
 
 
+@triton.jit
+def _fold_chunk(acc, part, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+    # the flat K loops' chunk rule, after the K step at k0: at a chunk end (or K's end) the chunk's
+    # partial (summed from zero) is added to acc and restarts from zero; the nested loop's additions
+    if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):
+        acc += part
+        part = tl.zeros(part.shape, dtype=tl.float32)
+    return acc, part
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every T: no specialisation on the row count
 def _linear_kernel(
     x_ptr,
@@ -300,9 +310,7 @@ def _linear_kernel(
                 a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
                 b = tl.load(w_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
                 part = tl.dot(a, b, part, input_precision=PRECISION)
-                if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):
-                    acc += part
-                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc, part = _fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
         else:
             for k_lo in range(0, K, K_CHUNK):
                 acc += _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
@@ -340,9 +348,7 @@ def _linear_tma_kernel(
         a = x_desc.load([pid_m * BLOCK_M, k0])
         b = w_desc.load([pid_n * BLOCK_N, k0])
         part = tl.dot(a, tl.trans(b), part)
-        if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):
-            acc += part
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc, part = _fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
     mm = om < M
     mn = on < N
     if HAS_BIAS:
