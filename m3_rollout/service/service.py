@@ -372,11 +372,7 @@ class RolloutService(GenerationBackend):
             raise RuntimeError(
                 f"generate() while {len(self._live)} requests of the step API (add_request / step) are unfinished"
             )
-        if self._sleep_level:
-            raise RuntimeError(
-                f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you generate"
-            )
-        self._start_and_check_weights([r.request_id for r in requests])
+        self._check_ready("generate", [r.request_id for r in requests])
         results: list[list[SampleOutput]] = [[] for _ in requests]
         pending: dict[str, _Pending] = {}
         load = [0] * self.world_size
@@ -861,10 +857,15 @@ class RolloutService(GenerationBackend):
         if self._weights_lost:
             raise RolloutFailure(f"{self._weights_lost}; call update_weights first, then resubmit", sorted(request_ids))
 
-    def _start_and_check_weights(self, request_ids: list[str]) -> None:
-        """Start the group if a failure left it stopped, then :meth:`_check_weights_served`: the
-        start re-applies the served weights and can find that the IPC source no longer holds
-        them, so the check comes after it."""
+    def _check_ready(self, what: str, request_ids: list[str]) -> None:
+        """Before a forward on the workers (``what``: "generate", "score", ...): RuntimeError while
+        they sleep; else start the group if a failure left it stopped, then
+        :meth:`_check_weights_served` (the start re-applies the served weights and can find that the
+        IPC source no longer holds them, so the check comes after it)."""
+        if self._sleep_level:
+            raise RuntimeError(
+                f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you {what}"
+            )
         if self.launcher is None:
             self._start_with_retries(None, [])
         self._check_weights_served(request_ids)
@@ -1013,13 +1014,9 @@ class RolloutService(GenerationBackend):
         comes back as its exception here. Refuses, as :meth:`generate` does, while the workers
         sleep or do not hold the served weights; a failed group is restarted and the call repeated
         (``max_restarts`` within the call; the forwards have no side effects). Caller holds the lock."""
-        if self._sleep_level:
-            raise RuntimeError(
-                f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you {what}"
-            )
         used = 0
         while True:
-            self._start_and_check_weights([])
+            self._check_ready(what, [])
             try:
                 replies = self.launcher.call(method, args, self.call_timeout_s)
                 break
