@@ -45,13 +45,18 @@ def as_int(value) -> int:
     return operator.index(value)
 
 
+def int_or_none(value) -> int | None:
+    """``as_int(value)``, or None where it raises TypeError (for checks that word their own error)."""
+    try:
+        return as_int(value)
+    except TypeError:
+        return None
+
+
 def _int_field(name: str, value, low: int, why: str = "") -> int:
     """``value`` as an int in [low, 2**63) (the sampler packs int64) or ValueError naming
     ``SamplingParams.<name>``."""
-    try:
-        v = as_int(value)
-    except TypeError:
-        v = None
+    v = int_or_none(value)
     if v is None or not low <= v < 2**63:
         bound = "in [-2**63, 2**63)" if low == -(2**63) else f">= {low} and < 2**63"
         raise ValueError(f"SamplingParams.{name}={value!r}: must be an integer {bound}{why}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, as_int
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, as_int, int_or_none
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,7 @@ def check_request(
         raise ValueError(f"GenerationRequest.params={req.params!r:.80}: must be a SamplingParams")
     params = req.params.validate(compute_dtype)
     idx = req.sample_index
-    try:
-        first = as_int(idx)
-    except TypeError:
-        first = None
+    first = int_or_none(idx)
     if first is None or not -(2**63) <= first <= 2**63 - params.n:
         raise ValueError(
             f"GenerationRequest.sample_index={idx!r}: samples sample_index .. sample_index + n - 1 "
@@ -86,12 +83,8 @@ def check_request(
     prompt = check_prompt(req.prompt_ids, vocab_size, max_model_len, "GenerationRequest.prompt_ids")
     if params.stop_strings and not can_detokenize:
         raise ValueError("SamplingParams.stop_strings: this engine has no detokenize callback")
-    frm = req.block_selection_from
-    try:
-        frm = as_int(frm)
-    except TypeError:
-        frm = -1
-    if not 0 <= frm <= len(prompt):
+    frm = int_or_none(req.block_selection_from)
+    if frm is None or not 0 <= frm <= len(prompt):
         raise ValueError(
             f"GenerationRequest.block_selection_from={req.block_selection_from!r}: must be an integer in "
             f"[0, {len(prompt)}] (the prompt's length)"

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
-from m3_rollout.engine.interface import SamplingParams, as_int
+from m3_rollout.engine.interface import SamplingParams, int_or_none
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import TokenLogprobs, gather_logprobs, process_logits
@@ -58,18 +58,12 @@ def check_top_logprobs(ids: list[int], start, k) -> tuple[int, int]:
             "top_logprobs token_ids: a single token; at least 2 are needed (position i's top logprobs are "
             "predicted from tokens 0 .. i - 1, for i >= 1)"
         )
-    try:
-        s = as_int(start)
-    except TypeError:
-        s = None
+    s = int_or_none(start)
     if s is None or not 1 <= s < len(ids):
         raise ValueError(
             f"top_logprobs start={start!r}: must be an integer in [1, {len(ids) - 1}] (len(token_ids) - 1)"
         )
-    try:
-        n = as_int(k)
-    except TypeError:
-        n = None
+    n = int_or_none(k)
     if n is None or n < 1:
         raise ValueError(f"top_logprobs k={k!r}: must be an integer >= 1")
     return s, n
