@@ -750,24 +750,9 @@ def _kv_seg_pipelined(
         s = _kv_seg_qk(q, k, IEEE)
         for c in range(0, n, TOK):
             e_n, qpos_n, m_ok_n, q_n = _kv_seg_gather_tile(
-                q_ptr,
-                perm_v,
-                epos_v,
-                c + TOK,
-                n,
-                t_base,
-                topk,
-                g,
-                h,
-                offs_m,
-                offs_d,
-                stride_qt,
-                stride_qh,
-                G,
-                RH,
-                RHP,
-                SEG,
-            )
+                q_ptr, perm_v, epos_v, c + TOK, n, t_base, topk, g, h, offs_m, offs_d, stride_qt, stride_qh, G, RH,
+                RHP, SEG,
+            )  # fmt: skip
             s_n = _kv_seg_qk(q_n, k, IEEE)
             _kv_seg_finish(s, v, e, qpos, m_ok, b, h, offs_d, offs_o, opart_ptr, lse_ptr, qk_scale, RH, D, PS, IEEE)
             s, e, qpos, m_ok = s_n, e_n, qpos_n, m_ok_n
