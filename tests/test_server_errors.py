@@ -9,11 +9,15 @@ import pytest
 from server_util import (
     MESSAGES,
     LiveServer,
+    ScriptedBackend,
     native_backend,
     served_model,
     tiny_model,
     tiny_tokenizer,
 )  # tests/ on sys.path
+
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.server.client import HTTPBackend
 
 MAX_LEN = 128
 KEY = "sk-test-key"
@@ -219,3 +223,50 @@ def test_top_logprobs_refused_after_generation_is_a_503_with_a_message(setup):
         del runner.top_logprobs
     resp = httpx.post(srv.url + "/v1/chat/completions", json=_chat(logprobs=True, top_logprobs=2), timeout=60)
     assert resp.status_code == 200 and len(resp.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+
+
+class _LostBackend(ScriptedBackend):
+    """Every sample ends in an engine error record about no request field: what a request lost
+    with a failed EP rank, or refused by weights left invalid by a failed update, looks like."""
+
+    LOST = "EP rank 1 exited; the request was lost (resubmit it)"
+
+    def _out(self, req, j: int) -> SampleOutput:
+        return SampleOutput(
+            req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], "error", 5, error=self.LOST
+        )
+
+    async def stream(self, req):
+        self.requests.append(req)
+        for j in range(req.params.n):
+            yield self._out(req, j)
+
+
+def test_an_engine_error_about_the_server_is_a_503_the_client_retries_not_a_400():
+    """A lost request was a 400 invalid_request_error: a client (and openai's retry logic) took it
+    for a malformed request and dropped it. It is the server's state: 503 server_error."""
+    tok = tiny_tokenizer()
+    served = served_model(tok, len(tok), MAX_LEN)
+    srv = LiveServer(served, _LostBackend([[5, 6]], served.stop_token_ids[0]))
+    try:
+        for path, body in (("/v1/chat/completions", _chat()), ("/generate", {"input_ids": [5, 6]})):
+            err = _error(httpx.post(srv.url + path, json=body, timeout=60), 503)
+            assert err == {
+                "message": _LostBackend.LOST,
+                "type": "server_error",
+                "param": None,
+                "code": "generation_failed",
+            }
+        # a bad request keeps its 400 on the same server
+        err = _error(httpx.post(srv.url + "/v1/chat/completions", json=_chat(top_p=0), timeout=60), 400)
+        assert err["param"] == "top_p" and err["type"] == "invalid_request_error"
+        # the GRPO HTTP backend turns it into the engine's error records, as in-process
+        outs = HTTPBackend(srv.url).generate(
+            [GenerationRequest("r0", [5, 6], SamplingParams(n=2, max_new_tokens=2), sample_index=4)]
+        )
+        assert [(o.sample_index, o.finish_reason, o.error, o.weight_version) for o in outs] == [
+            (4, "error", _LostBackend.LOST, 5),
+            (5, "error", _LostBackend.LOST, 5),
+        ]
+    finally:
+        srv.stop()

@@ -181,6 +181,23 @@ def test_greedy_and_stop_strings(engine_server):
     cut = c.completions.create(model="tiny-m3", prompt="What is 12", max_tokens=12, temperature=0, stop=[cstop])
     assert cut.choices[0].text == ctext[: ctext.find(cstop)] and cut.choices[0].model_extra["stop_reason"] == cstop
     assert comp.choices[0].model_extra["stop_reason"] is None
+    # a stop token id from the request is the stop_reason (an int, as vLLM's), chat and streamed
+    full = c.chat.completions.create(
+        model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+    )
+    gen = full.choices[0].model_extra["token_ids"]
+    sid = gen[3]
+    body = {"stop_token_ids": [sid], "return_token_ids": True}
+    by_id = c.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, extra_body=body)
+    assert by_id.choices[0].finish_reason == "stop"
+    assert by_id.choices[0].model_extra["token_ids"] == gen[: gen.index(sid) + 1]
+    assert by_id.choices[0].model_extra["stop_reason"] == sid
+    streamed, _ = _collect(
+        c.chat.completions.create(
+            model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, stream=True, extra_body=body
+        )
+    )
+    assert streamed[0]["stop_reason"] == sid
 
 
 def test_completions_with_text_and_token_ids(engine_server, tok):

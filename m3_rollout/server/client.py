@@ -26,6 +26,7 @@ from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
 from .metrics import parse_metrics
+from .protocol import GENERATION_FAILED
 
 
 class ServerError(RuntimeError):
@@ -107,6 +108,17 @@ def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
         )
         for o in body["outputs"]
     ]
+
+
+def _generation_failed(resp: httpx.Response) -> bool:
+    """A 503 that carries an engine error record (weights invalid after a failed update, a request
+    lost with a failed EP rank), not a refusal of the server (paused, asleep, shutting down)."""
+    if resp.status_code != 503:
+        return False
+    try:
+        return resp.json()["error"]["code"] == GENERATION_FAILED
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def error_outputs(req: GenerationRequest, message: str, version: int) -> list[SampleOutput]:
@@ -288,7 +300,7 @@ class HTTPBackend(GenerationBackend):
         async with sem:
             body = request_body(req, self.return_routed_experts, self.return_block_selection)
             resp = await http.post("/generate", json=body)
-        if resp.status_code == 400:
+        if resp.status_code == 400 or _generation_failed(resp):  # the engine's error records, as in-process
             version = _raise_for(await http.get("/weight_version"))["weight_version"]
             return error_outputs(req, resp.json()["error"]["message"], version)
         return outputs_of(req, _raise_for(resp))

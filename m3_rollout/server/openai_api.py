@@ -34,7 +34,14 @@ from m3_rollout.chat.template import render
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 
 from .control import Controller
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, request_seed
+from .protocol import (
+    GENERATION_FAILED,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    request_seed,
+)
 
 
 @dataclass
@@ -118,15 +125,19 @@ _ENGINE_FIELD = re.compile(r"(?:SamplingParams|GenerationRequest)\.(\w+)")
 
 
 def engine_error(message: str | None, fields: dict[str, str]) -> APIError:
-    """The 400 for an engine error record (``finish_reason == "error"``). The engine names its own
-    field first (``SamplingParams.temperature=1e-50: ...``); the error names the client's field
-    instead (``fields`` maps engine names to request names, e.g. :data:`GENERATE_FIELDS`), in the
-    message and as ``param``. An error about no field (weights invalid after a failed update, a
-    request lost with a failed EP rank) keeps its message, with ``param`` None."""
+    """The APIError for an engine error record (``finish_reason == "error"``).
+
+    A bad request is a 400 ``invalid_request_error``: the engine names its own field first
+    (``SamplingParams.temperature=1e-50: ...``, every check in ``engine.requests``); the error
+    names the client's field instead (``fields`` maps engine names to request names, e.g.
+    :data:`GENERATE_FIELDS`), in the message and as ``param``. An error about no field is the
+    server's state, not the request (weights invalid after a failed update, a request lost with a
+    failed EP rank): a 503 ``server_error`` with the engine's message, ``param`` None and code
+    :data:`GENERATION_FAILED`, so a client retries instead of dropping the request as malformed."""
     message = message or "generation failed"
     m = _ENGINE_FIELD.match(message)
     if m is None:
-        return APIError(400, message, None)
+        return APIError(503, message, None, type="server_error", code=GENERATION_FAILED)
     param = fields.get(m.group(1), m.group(1))
     return APIError(400, param + message[m.end() :], param)
 
@@ -252,8 +263,15 @@ class TextStream:
     The text is cut before the first stop string (OpenAI drops it).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop_ids: set[int], stop_strings: tuple[str, ...]):
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop_ids: set[int],
+        stop_strings: tuple[str, ...],
+        request_stop_ids: set[int] = frozenset(),
+    ):
         self.decode, self.stop_ids = decode, stop_ids
+        self.request_stop_ids = request_stop_ids  # the request's own stop_token_ids (not end-of-message)
         self.matchers = [StopMatcher(s) for s in stop_strings]
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] were decoded last time: the left context
@@ -262,6 +280,16 @@ class TextStream:
         self.held_chars = 0  # characters held back (the pieces' total length)
         self.stopped = False  # a stop string was found; nothing more is text
         self.stop_string: str | None = None  # the stop string the text was cut at (OpenAI's stop_reason)
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string that cut the text, else the request's stop token
+        id that ended the sample, else None (end of message, length, abort)."""
+        if self.stop_string is not None:
+            return self.stop_string
+        if self.ids and self.ids[-1] in self.request_stop_ids:
+            return self.ids[-1]
+        return None
 
     def push(self, ids: list[int]) -> str:
         """Add generated ids; return the text they settle."""
@@ -485,9 +513,9 @@ class OpenAIServing:
         return {**CHAT_FIELDS, "max_new_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
 
     def _text_stream(self, params: SamplingParams) -> TextStream:
-        return TextStream(
-            self.served.decode, set(self.served.stop_token_ids) | set(params.stop_token_ids), params.stop_strings
-        )
+        eom = set(self.served.stop_token_ids)
+        own = set(params.stop_token_ids) - eom  # the end-of-message marker stays a null stop_reason
+        return TextStream(self.served.decode, eom | own, params.stop_strings, own)
 
     async def _tops(self, prompt: list[int], out_ids: list[int], start: int, k: int, params: SamplingParams):
         """Top-k logprobs of generated tokens ``start ..`` of a sample (engine loop forward); []
@@ -539,7 +567,7 @@ class OpenAIServing:
                 "message": message,
                 "logprobs": None,
                 "finish_reason": _finish_reason(out, bool(message.get("tool_calls"))),
-                "stop_reason": text.stop_string,
+                "stop_reason": text.stop_reason,
             }
             if req.logprobs:
                 k = req.top_logprobs or 0
@@ -634,7 +662,7 @@ class OpenAIServing:
                     d = _merge(parsers[i].feed(texts[i].finish()), parsers[i].finish())
                     has_calls[i] |= bool(d.tool_calls)
                     yield chunk(
-                        i, _delta_dict(d), _finish_reason(item, has_calls[i]), {"stop_reason": texts[i].stop_string}
+                        i, _delta_dict(d), _finish_reason(item, has_calls[i]), {"stop_reason": texts[i].stop_reason}
                     )
         except APIError as exc:
             yield _sse(exc.body())
@@ -700,7 +728,7 @@ class OpenAIServing:
                     "text": prefix + text,
                     "logprobs": None,
                     "finish_reason": out.finish_reason,
-                    "stop_reason": ts.stop_string,
+                    "stop_reason": ts.stop_reason,
                 }
                 if req.logprobs is not None:
                     k = req.logprobs
@@ -764,7 +792,7 @@ class OpenAIServing:
                         ts = texts[item.sample_index]
                         text = ts.finish()
                         outs.append(item)
-                        yield chunk(item.sample_index, text, item.finish_reason, {"stop_reason": ts.stop_string})
+                        yield chunk(item.sample_index, text, item.finish_reason, {"stop_reason": ts.stop_reason})
             except APIError as exc:
                 yield _sse(exc.body())
                 break

@@ -18,6 +18,9 @@ MAX_N = 128  # samples per request
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 
 
+GENERATION_FAILED = "generation_failed"  # the code of a 503 for an engine error about the server's state
+
+
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with HTTP ``status``.
 
