@@ -198,3 +198,11 @@ def test_serve_help_gives_port_and_max_num_seqs_with_their_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--port PORT TCP port to serve on (default 8000)" in text
     assert "--max-num-seqs MAX_NUM_SEQS most sequences the engine runs at once (default 256)" in text
+
+
+def test_export_help_shows_plain_quotes_not_rst_literals(capsys):
+    with pytest.raises(SystemExit):
+        export_main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text
+    assert "'--format transformers-text'" in text

@@ -80,7 +80,9 @@ def export_checkpoint(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="m3-rollout export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="m3-rollout export",
+        description=__doc__.replace("``", "'"),  # the docstring's RST literals as plain quotes on a terminal
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="checkpoint directory or builtin:NAME (built on first use)")
     p.add_argument("--out", required=True, help="directory to write (created; earlier weight files there replaced)")
