@@ -211,6 +211,16 @@ def test_non_atomic_rejection_that_left_a_rank_invalid_stops_generate_until_the_
             svc.score(ids)
         with pytest.raises(RolloutFailure, match=r"rank\(s\) 0 invalid: .*update 2 "):
             svc.top_logprobs(ids, 1, 3)
+        # the step API (the EP server's) refuses alike: error records, no token from rank 0's
+        # half-written experts (rank 1's requests would read them through the all-to-all)
+        for r in reqs:
+            svc.add_request(r, stream=True)
+        outs = svc.step()
+        assert not svc.has_unfinished()
+        want = sorted((r.request_id, r.sample_index + j) for r in reqs for j in range(r.params.n))
+        assert sorted((o.request_id, o.sample_index) for o in outs) == want
+        assert all(o.finish_reason == "error" and not o.output_ids for o in outs)
+        assert all(re.search(r"rank\(s\) 0 invalid: .*update 2 .*call update_weights first", o.error) for o in outs)
         with torch.no_grad():
             w2[6, 0, 0] = 1.0
         svc.update_weights(3, named)

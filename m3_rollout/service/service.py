@@ -446,11 +446,19 @@ class RolloutService(GenerationBackend):
     def add_request(self, req: GenerationRequest, stream: bool = False) -> None:
         """Place ``req`` (its ``request_id`` must be unique among the unfinished ones) on a rank;
         it starts with the next :meth:`step`. ``stream``: its :class:`StreamDelta` records come out
-        of ``step`` too. A bad request yields error records, as the engine's."""
+        of ``step`` too. A bad request yields error records, as the engine's; so does every request
+        while the workers do not hold the served weights (:meth:`_check_weights_served`: after a
+        rejected non-atomic IPC update, or a restart the IPC source could not re-apply), since an EP
+        forward would read the invalid rank's experts."""
         if req.request_id in self._live:
             raise ValueError(f"request_id={req.request_id!r}: a request with this id is still unfinished")
         if self.launcher is None:
             self._start_with_retries(None, [])
+        try:
+            self._check_weights_served([req.request_id])
+        except RolloutFailure as refused:
+            self._ready += error_outputs(req, str(refused), self._version)
+            return
         load = [0] * self.world_size
         for p in self._live.values():
             load[p.rank] += len(p.missing)
