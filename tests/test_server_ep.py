@@ -24,7 +24,8 @@ from transformers import AutoTokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import load_checkpoint
 from m3_rollout.model.loading import iter_released_tensors
-from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
+from m3_rollout.server.client import ServerError
+from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup, WeightUpdateError
 from m3_trainers.policy import token_logprobs
 
 MAX_LEN = 256
@@ -239,6 +240,15 @@ def test_ep_weight_update_over_http_gives_the_trainers_logits(server, trainer):
     assert all(o["token_weight_versions"] == [1] * 10 for o in after["outputs"])
     assert _max_diff(model, PROMPT, after["outputs"]) < 1e-4  # both EP ranks serve the trainer's weights
     assert client.metrics()["m3:refits_total"] == 1
+    # announced 5, sent 2: every rank refuses before writing; version 1 stays served
+    fut = client.start_update_weights(5)
+    with pytest.raises(WeightUpdateError, match="expected version 5"):
+        sender.update(2)
+    with pytest.raises(ServerError, match="update version 2 refused: the receiving side expected version 5"):
+        fut.result(timeout=120)
+    assert client.weight_version() == 1
+    again = httpx.post(url + "/generate", json=body, timeout=120).json()
+    assert [o["output_ids"] for o in again["outputs"]] == [o["output_ids"] for o in after["outputs"]]
 
 
 def test_ep_concurrent_streams_across_a_weight_update(server, trainer):

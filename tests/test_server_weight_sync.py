@@ -21,7 +21,7 @@ from server_util import (  # tests/ on sys.path
 from m3_rollout.model import load_checkpoint
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.server.client import ServerError
-from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
+from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup, WeightUpdateError
 from m3_trainers.policy import token_logprobs
 
 MAX_LEN = 256
@@ -113,6 +113,16 @@ def test_trainer_updates_the_servers_weights(server, trainer):
             if len(tid) == 1:
                 assert top["logprob"] == pytest.approx(float(full[pos, tid[0]]), abs=1e-4)
     assert "m3:refit_seconds_last" in httpx.get(url + "/metrics").text
+    # An update announced as version 5 that the trainer sends as 2 is refused before it is
+    # committed (it was a 400 after the weights and version had changed): version 1 stays served.
+    fut = client.start_update_weights(5)
+    with pytest.raises(WeightUpdateError, match="expected version 5"):
+        sender.update(2)
+    with pytest.raises(ServerError, match="update version 2 refused: the receiving side expected version 5") as e:
+        fut.result(timeout=120)
+    assert e.value.status == 400 and e.value.error["code"] == "weight_update_rejected"
+    assert client.weight_version() == 1
+    assert _max_diff(model, prompt, _generate(client, url, prompt, seed=4)["outputs"]) < 1e-4
 
 
 def test_control_calls_while_an_update_runs_get_409(server, trainer):
@@ -137,6 +147,32 @@ def test_control_calls_while_an_update_runs_get_409(server, trainer):
     sender.update(2)
     assert fut.result(timeout=120)["weight_version"] == 2
     assert client.pause("keep")["paused"] and not client.resume()["paused"]
+
+
+def test_drain_update_while_a_keep_pause_freezes_a_request_is_refused_not_stuck(server, trainer):
+    """pause(keep) then update(in_flight=drain) waited forever for the frozen request; /resume got
+    409 (an update ran) and only abort_all got out, losing the request."""
+    url, client, _, _ = server
+    _, sender = trainer
+    version = client.weight_version()
+    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 60, "seed": 1}}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        assert "output_ids" in first or "token_ids" in first
+        assert client.pause("keep")["running"] == 1
+        with pytest.raises(ServerError, match=r"in_flight='drain' refused: /pause mode=keep holds 1 running") as e:
+            client.update_weights(version + 1, in_flight="drain")
+        assert e.value.status == 409 and e.value.error["code"] == "paused_keep"
+        assert not client.health()["updating"]
+        fut = client.start_update_weights(version + 1, in_flight="continue")  # what the message offers
+        sender.update(version + 1)
+        assert fut.result(timeout=120)["weight_version"] == version + 1
+        assert client.resume() == {"paused": False}
+        items = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    final = [i for i in items if "finish_reason" in i][-1]
+    assert final["finish_reason"] == "length" and len(final["output_ids"]) == 60
+    assert final["token_weight_versions"][-1] == version + 1  # it went on with the new weights
 
 
 async def _stream(http, url, prompt, seed, record):

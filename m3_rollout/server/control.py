@@ -166,11 +166,22 @@ class Controller:
 
     async def update_weights(self, req: UpdateWeightsRequest) -> RefitRecord:
         """Receive one update from the trainer under the ``in_flight`` policy. Raises APIError 409
-        while another update runs, 400 when no group exists or the update was rejected (the
-        weights and version are then unchanged for an atomic update)."""
+        while another update runs, or for ``in_flight="drain"`` while ``/pause`` mode keep holds
+        running requests frozen (the drain would wait for them forever); 400 when no group exists
+        or the update was rejected (the weights and version are then unchanged for an atomic
+        update, and for any update of another ``version`` than the request announced)."""
         self._refuse_during_update("/update_weights")
         if not self.runner.weight_sync_ready:
             raise APIError(400, "no weight-sync group: call /init_weight_sync first", None, code="weight_sync_failed")
+        if req.in_flight == "drain" and self.pause_mode == "keep" and self.live:
+            raise APIError(
+                409,
+                f"in_flight='drain' refused: /pause mode=keep holds {len(self.live)} running request(s) frozen, so "
+                "they cannot finish; call /resume first, or update with in_flight='continue' (they go on with the "
+                "new weights after /resume) or 'abort'",
+                "in_flight",
+                code="paused_keep",
+            )
         self.updating = True
         gate_was_open = self._gate.is_set()
         try:
@@ -179,7 +190,7 @@ class Controller:
             elif req.in_flight == "drain":
                 self._gate.clear()
                 await self._wait_idle()
-            record = await self.runner.update_weights(keep_paused=self.pause_mode == "keep")
+            record = await self.runner.update_weights(self.pause_mode == "keep", req.version)
         except WeightSyncError as exc:
             raise APIError(400, str(exc), None, code="weight_sync_failed") from exc
         finally:
@@ -192,11 +203,5 @@ class Controller:
                 f"weight update rejected; serving version {record.version}:\n  " + "\n  ".join(record.errors),
                 None,
                 code="weight_update_rejected",
-            )
-        if req.version is not None and record.version != req.version:
-            raise APIError(
-                400,
-                f"version: the trainer sent version {record.version}, the request announced {req.version}",
-                "version",
             )
         return record

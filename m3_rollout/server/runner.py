@@ -473,10 +473,12 @@ class EngineRunner:
         except (WeightSyncTimeout, HandshakeError, ValueError) as exc:
             raise WeightSyncError(str(exc)) from exc
 
-    async def update_weights(self, keep_paused: bool) -> RefitRecord:
+    async def update_weights(self, keep_paused: bool, expect_version: int | None = None) -> RefitRecord:
         """Receive one update from the trainer (who calls ``WeightSender.update`` meanwhile) between
         two engine steps; running requests continue afterwards, their later tokens stamped with the
         new version. ``keep_paused``: the engine stays paused afterwards (a ``/pause`` in force).
+        ``expect_version``: the update is refused (weights and version kept) when the trainer
+        sends another version.
 
         Raises:
             WeightSyncError: no group yet (call init_weight_sync first), or an EP rank failed.
@@ -487,7 +489,7 @@ class EngineRunner:
             ep = self.ep
 
             def receive() -> RefitRecord:
-                r = ep.receive_weight_update()
+                r = ep.receive_weight_update(expect_version)
                 if keep_paused:
                     ep.pause()  # the ranks' in-flight policy resumed their engines
                 return RefitRecord(r["version"], r["ok"], r["seconds"], r["paused_seconds"], r["errors"])
@@ -496,7 +498,7 @@ class EngineRunner:
             sync = self._weight_sync
 
             def receive() -> RefitRecord:
-                outcome = sync.update()
+                outcome = sync.update(expect_version)
                 if keep_paused:
                     self.backend.pause()
                 r = outcome.result

@@ -613,13 +613,14 @@ class RolloutService(GenerationBackend):
             raise ValueError("weight-sync handshake failed:\n  " + "\n  ".join(bad))
 
     @_locked
-    def receive_weight_update(self) -> dict:
+    def receive_weight_update(self, expect_version: int | None = None) -> dict:
         """Receive one update on every rank of the group joined with :meth:`join_weight_sync`
         (the trainer sends meanwhile). Returns {"ok", "version", "seconds", "paused_seconds",
         "errors"} over the ranks; the served version changes only when every rank applied it.
+        ``expect_version``: every rank refuses an update of another version.
         Raises GroupFailure when a rank failed (the group is restarted)."""
         try:
-            outs = self.launcher.call("receive_weights", (), self.start_timeout_s)
+            outs = self.launcher.call("receive_weights", (expect_version,), self.start_timeout_s)
         except GroupFailure as failure:
             self._fail_live(failure)
             raise

@@ -298,13 +298,14 @@ class RolloutWorker:
         self.weight_sync.connect()
         return []
 
-    def receive_weights(self) -> dict:
+    def receive_weights(self, expect_version: int | None = None) -> dict:
         """Receive one update (broadcast group or IPC stage) under the in-flight policy; returns
-        this rank's result. Raises RuntimeError while the weights are offloaded (sleep level 2)
-        or when the trainer closed the IPC channel."""
+        this rank's result. ``expect_version`` (broadcast group only): refuse an update of another
+        version. Raises RuntimeError while the weights are offloaded (sleep level 2) or when the
+        trainer closed the IPC channel."""
         if self.engine.weights_offloaded:
             raise RuntimeError("receive_weights: the engine sleeps at level 2 (weights offloaded); wake_up() first")
-        out = self.weight_sync.update()
+        out = self.weight_sync.update() if expect_version is None else self.weight_sync.update(expect_version)
         if out is None:
             raise RuntimeError("receive_weights: the trainer closed the weight-sync channel")
         r = out.result

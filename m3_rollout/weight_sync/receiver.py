@@ -208,9 +208,9 @@ class WeightReceiver:
         self.manifest = None if diffs else list(manifest)
         return diffs
 
-    def _start(self, header: UpdateHeader, probe: ProbeData | None) -> None:
-        """Checks shared by both paths (header vs handshake, version rule, probe), then the
-        in-flight policy's ``begin``."""
+    def _start(self, header: UpdateHeader, probe: ProbeData | None, expect_version: int | None = None) -> None:
+        """Checks shared by both paths (header vs handshake, version rule, the version the caller
+        expects when given, probe), then the in-flight policy's ``begin``."""
         if self.manifest is None:
             raise RuntimeError("weight update before a successful handshake")
         self._reset()
@@ -224,6 +224,8 @@ class WeightReceiver:
                 f"update version {v} refused: this rank holds version {cur}; versions only increase "
                 "(an update that re-sends the version held must say replace=True)"
             )
+        if expect_version is not None and v != expect_version:
+            self._fail(f"update version {v} refused: the receiving side expected version {expect_version}")
         if header.probe != (probe is not None):
             self._fail("update header and probe data disagree (sender and receiver out of step?)")
         elif probe is not None and self.scorer is None:
@@ -235,14 +237,16 @@ class WeightReceiver:
         if self.in_flight is not None:
             self.in_flight.begin()
 
-    def begin(self, header: UpdateHeader, bucket_bytes: int, probe: ProbeData | None = None) -> list[Bucket]:
+    def begin(
+        self, header: UpdateHeader, bucket_bytes: int, probe: ProbeData | None = None, expect_version: int | None = None
+    ) -> list[Bucket]:
         """Start a bucketed update; returns the bucket plan (the same the sender computes).
 
         Header problems (shape, dtype, missing / repeated tensor, version) are recorded as errors;
         the buckets must still be consumed to stay in step with the group, but nothing is applied.
         The plan, the owned segments, the stage layout and the fused passes are built once per
         (header entries, bucket size, handshake) and reused by later updates."""
-        self._start(header, probe)
+        self._start(header, probe, expect_version)
         c = self._unpack_cache
         hit = (
             c is not None
@@ -593,8 +597,12 @@ class WeightReceiver:
             self.manifest = None
             raise HandshakeError("weight-sync handshake failed:\n  " + "\n  ".join(problems))
 
-    def receive_update(self, group: WeightSyncGroup, bucket_bytes: int) -> UpdateResult:
+    def receive_update(
+        self, group: WeightSyncGroup, bucket_bytes: int, expect_version: int | None = None
+    ) -> UpdateResult:
         """Receive one update (header, probe, buckets, verdict exchanges) and commit or discard.
+        ``expect_version``: refuse (on every rank, before anything is written) an update whose
+        header carries another version (the server's ``/update_weights`` ``version``).
 
         Never raises for a bad update: the result says what happened. On a transport failure
         (sender killed, timeout) the result has ``needs_rebuild=True``."""
@@ -610,7 +618,7 @@ class WeightReceiver:
                 group.broadcast(hdr)
                 header = decode_header(hdr.cpu())
                 probe = group.exchange_objects(None)[0] if header.probe else None
-                plan = self.begin(header, bucket_bytes, probe)
+                plan = self.begin(header, bucket_bytes, probe, expect_version)
                 # NOTE: a ring of slots; the receive of bucket k is posted after the unpack of
                 # bucket k - slots was issued on the side stream, and posted FROM that stream, so
                 # NCCL writes the slot only once that unpack is done (gloo: the host did it)

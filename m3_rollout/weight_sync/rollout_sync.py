@@ -94,8 +94,9 @@ class RolloutWeightSync:
         """Run the handshake (raises HandshakeError listing differences)."""
         self.receiver.handshake(self.group)
 
-    def update(self) -> InFlightOutcome:
-        """Receive one update under the in-flight policy; never raises for a bad update."""
+    def update(self, expect_version: int | None = None) -> InFlightOutcome:
+        """Receive one update under the in-flight policy; never raises for a bad update.
+        ``expect_version``: refuse an update of another version (``receive_update``)."""
         if self.needs_rebuild:
             try:
                 self.group.rebuild()
@@ -103,7 +104,7 @@ class RolloutWeightSync:
             except WeightSyncTimeout as exc:
                 return InFlightOutcome(self.receiver.interrupted(f"group rebuild failed: {exc}"))
             self.needs_rebuild = False
-        result: UpdateResult = self.receiver.receive_update(self.group, self.bucket_bytes)
+        result: UpdateResult = self.receiver.receive_update(self.group, self.bucket_bytes, expect_version)
         self.needs_rebuild = result.needs_rebuild
         policy = self.receiver.in_flight
         self.last = policy.last if policy.last is not None and policy.last.result is result else InFlightOutcome(result)
