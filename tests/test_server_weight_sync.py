@@ -175,6 +175,42 @@ def test_drain_update_while_a_keep_pause_freezes_a_request_is_refused_not_stuck(
     assert final["token_weight_versions"][-1] == version + 1  # it went on with the new weights
 
 
+def test_an_update_the_trainer_refuses_itself_is_withdrawn_at_once_and_the_next_lands(server, trainer):
+    """The sender refused an int tensor (or one outside the handshake) before sending anything,
+    while the server waited for a header: serving stalled for the group's whole timeout, then the
+    next good update failed on both sides (the receivers rebuilt the group, the sender did not).
+    Now the sender sends a withdrawn header: the server answers at once and stays in step."""
+    url, client, _, _ = server
+    model, sender = trainer
+    good = sender.named_tensors
+    prompt = list(range(10, 30))
+
+    def int_tensor():
+        for i, (name, t) in enumerate(good()):
+            yield name, (t.to(torch.int32) if i == 3 else t)
+
+    def extra_tensor():
+        yield from good()
+        yield "language_model.model.bogus.weight", torch.zeros(2)
+
+    for bad, why in ((int_tensor, "not a real floating-point dtype"), (extra_tensor, "not in the handshake list")):
+        v = client.weight_version()
+        sender.named_tensors = bad
+        try:
+            fut = client.start_update_weights(v + 1)
+            with pytest.raises(WeightUpdateError, match=why):
+                sender.update(v + 1)
+        finally:
+            sender.named_tensors = good
+        t0 = time.monotonic()
+        with pytest.raises(ServerError, match=f"update {v + 1} withdrawn by the trainer before sending") as e:
+            fut.result(timeout=120)
+        assert time.monotonic() - t0 < 30  # not the group's 60-s timeout
+        assert e.value.status == 400 and client.weight_version() == v
+        assert _update(client, sender, v + 1, first=True)["weight_version"] == v + 1  # the group is in step
+        assert _max_diff(model, prompt, _generate(client, url, prompt, seed=3)["outputs"]) < 1e-4
+
+
 async def _stream(http, url, prompt, seed, record):
     body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 40, "seed": seed}}
     async with http.stream("POST", url + "/generate", json=body) as resp:

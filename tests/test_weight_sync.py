@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ from m3_rollout.weight_sync import (
     receiver_layout,
 )
 from m3_rollout.weight_sync.buckets import checksum_ok, pack_bucket
-from m3_rollout.weight_sync.rollout_sync import engine_receiver
+from m3_rollout.weight_sync.receiver import UpdateResult
+from m3_rollout.weight_sync.rollout_sync import RolloutWeightSync, engine_receiver
 
 BUCKET_MB = 0.05  # ~52 KB: the tiny model (4.2 MB fp32) spans ~80 buckets, tensors split across them
 
@@ -995,3 +997,47 @@ def test_one_host_sync_per_bucketed_update_whatever_the_outcome(monkeypatch, ato
     assert syncs.count == 1, syncs.sites
     assert rx.version == 5 and rx.valid
     assert all(torch.equal(p, trainer.get_parameter(n)) for n, p in rx_model.named_parameters())
+
+
+class _HandshakeScript:
+    """A receiver whose handshakes fail as scripted (True = differences); records its calls."""
+
+    in_flight = SimpleNamespace(last=None)
+
+    def __init__(self, fails: list[bool]):
+        self.fails, self.calls = list(fails), []
+        self.manifest, self.version, self.valid, self.rank_label = ["joined"], 3, True, "rank 1"
+
+    def handshake(self, group):
+        self.calls.append("handshake")
+        if self.fails.pop(0):
+            self.manifest = None
+            raise HandshakeError("weight-sync handshake failed:\n  rank 1: unexpected from trainer: bogus.weight")
+        self.manifest = ["joined"]
+
+    def receive_update(self, group, bucket_bytes, expect_version=None):
+        self.calls.append("receive")
+        return UpdateResult(ok=True, version=4)
+
+    refused = WeightReceiver.refused
+
+
+def test_a_handshake_that_finds_differences_after_a_rebuild_refuses_the_update_and_stays_in_step():
+    """It raised HandshakeError out of RolloutWeightSync.update (a 500 from the server) and left the
+    receiver without a manifest, so every later update failed. Now it refuses that update (the
+    group is in step: no rebuild) and the next update runs the handshake again, as the sender does."""
+    rebuilds = []
+    sync = object.__new__(RolloutWeightSync)
+    sync.group = SimpleNamespace(rebuild=lambda: rebuilds.append(1))
+    sync.bucket_bytes, sync.last = 1 << 20, None
+    sync.receiver = _HandshakeScript([True, False])
+    sync.needs_rebuild = True  # a transport failure broke the group
+    first = sync.update().result
+    assert not first.ok and first.version == 3 and first.valid and not first.needs_rebuild
+    assert "unexpected from trainer: bogus.weight" in first.errors[0] and "handshake again" in first.errors[0]
+    assert rebuilds == [1] and not sync.needs_rebuild and sync.receiver.calls == ["handshake"]
+    second = sync.update().result
+    assert second.ok and second.version == 4
+    assert rebuilds == [1] and sync.receiver.calls == ["handshake", "handshake", "receive"]
+    third = sync.update().result  # joined: no handshake
+    assert third.ok and sync.receiver.calls[-2:] == ["receive", "receive"]

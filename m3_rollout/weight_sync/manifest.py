@@ -15,9 +15,13 @@ of parameter storage, so copying into them never changes ``data_ptr``.
 
 The per-update header (``encode_header`` / ``decode_header``) is an int64 tensor
 ``[MAGIC, version, flags, n, (index, dtype_code, ndim, *shape) * n]`` (flags: bit 0 include_frozen,
-bit 1 replace, bit 2 a probe follows) listing the manifest entries an update carries, with the
-shapes the trainer holds *now*; receivers check it against
+bit 1 replace, bit 2 a probe follows, bit 3 withdrawn) listing the manifest entries an update
+carries, with the shapes the trainer holds *now*; receivers check it against
 the handshake before trusting any bucket (wrong shape / missing tensor are caught here).
+A withdrawn header (no entries) is all that travels of an update the trainer refused itself
+before packing (a tensor outside the handshake, a non-float dtype): the receivers, already
+waiting for the header, end that update at once instead of at their timeout, and the group
+stays in step for the next one.
 """
 
 from __future__ import annotations
@@ -205,18 +209,20 @@ class UpdateHeader:
     """What one update carries: ``entries`` = (manifest index, shape, dtype) in send order.
 
     ``replace``: the update re-sends the version the ranks hold (allowed only when asked for:
-    versions otherwise only increase). ``probe``: a post-update probe (``probe.py``) follows."""
+    versions otherwise only increase). ``probe``: a post-update probe (``probe.py``) follows.
+    ``withdrawn``: the trainer refused this update before sending it; nothing follows."""
 
     version: int
     include_frozen: bool
     entries: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
     replace: bool = False
     probe: bool = False
+    withdrawn: bool = False
 
 
 def encode_header(h: UpdateHeader) -> torch.Tensor:
     """int64 [4 + sum(3 + ndim)] tensor (module docstring)."""
-    flags = int(h.include_frozen) | int(h.replace) << 1 | int(h.probe) << 2
+    flags = int(h.include_frozen) | int(h.replace) << 1 | int(h.probe) << 2 | int(h.withdrawn) << 3
     vals = [HEADER_MAGIC, int(h.version), flags, len(h.entries)]
     for idx, shape, dtype in h.entries:
         vals += [idx, DTYPE_CODES[dtype], len(shape), *shape]
@@ -237,7 +243,7 @@ def decode_header(t: torch.Tensor) -> UpdateHeader:
         i += 3 + nd
     if i != len(v):
         raise ValueError("weight-sync header: length does not match its entries")
-    return UpdateHeader(v[1], bool(v[2] & 1), tuple(entries), bool(v[2] & 2), bool(v[2] & 4))
+    return UpdateHeader(v[1], bool(v[2] & 1), tuple(entries), bool(v[2] & 2), bool(v[2] & 4), bool(v[2] & 8))
 
 
 def check_header(h: UpdateHeader, manifest: list[TensorSpec]) -> list[str]:

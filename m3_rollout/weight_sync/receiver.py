@@ -556,6 +556,16 @@ class WeightReceiver:
         verdict = self.apply(all_ok)
         return self.finish(all_ok, verdict["ok"], seconds)
 
+    def _withdrawn(self, version: int) -> UpdateResult:
+        """The trainer withdrew update ``version`` before sending it (manifest.py)."""
+        kept = f"version {self.version} kept"
+        return self.refused(f"update {version} withdrawn by the trainer before sending (its error says why); {kept}")
+
+    def refused(self, reason: str) -> UpdateResult:
+        """An update that ended before any bucket was received, with the group in step (no
+        rebuild): weights, version and validity stay."""
+        return UpdateResult(ok=False, version=self.version, errors=[f"{self.rank_label}: {reason}"], valid=self.valid)
+
     def interrupted(self, reason: str) -> UpdateResult:
         """The transport failed mid-update: drop staged bytes (an atomic rank that committed
         before a failed probe exchange rolls back); non-atomic ranks that wrote bytes become invalid."""
@@ -617,6 +627,8 @@ class WeightReceiver:
                 hdr = torch.empty(int(n), dtype=torch.int64, device=group.device)
                 group.broadcast(hdr)
                 header = decode_header(hdr.cpu())
+                if header.withdrawn:
+                    return self._withdrawn(header.version)
                 probe = group.exchange_objects(None)[0] if header.probe else None
                 plan = self.begin(header, bucket_bytes, probe, expect_version)
                 # NOTE: a ring of slots; the receive of bucket k is posted after the unpack of

@@ -97,13 +97,21 @@ class RolloutWeightSync:
     def update(self, expect_version: int | None = None) -> InFlightOutcome:
         """Receive one update under the in-flight policy; never raises for a bad update.
         ``expect_version``: refuse an update of another version (``receive_update``)."""
+        handshake = self.receiver.manifest is None  # the last handshake found differences
         if self.needs_rebuild:
             try:
                 self.group.rebuild()
-                self.receiver.handshake(self.group)
             except WeightSyncTimeout as exc:
                 return InFlightOutcome(self.receiver.interrupted(f"group rebuild failed: {exc}"))
-            self.needs_rebuild = False
+            self.needs_rebuild, handshake = False, True
+        if handshake:  # the trainer's sender runs its handshake first in this update too
+            try:
+                self.receiver.handshake(self.group)
+            except WeightSyncTimeout as exc:
+                self.needs_rebuild = True
+                return InFlightOutcome(self.receiver.interrupted(f"handshake failed: {exc}"))
+            except HandshakeError as exc:  # the group is in step: the next update handshakes again
+                return InFlightOutcome(self.receiver.refused(f"{exc}; the next update runs the handshake again"))
         result: UpdateResult = self.receiver.receive_update(self.group, self.bucket_bytes, expect_version)
         self.needs_rebuild = result.needs_rebuild
         policy = self.receiver.in_flight

@@ -124,6 +124,12 @@ class BroadcastChannel:
         errors: list[str] = []
         got = self._from_source(encode_header(header))
         sent = header if self.source else decode_header(got.cpu())
+        if sent.withdrawn:  # rank 0 refused its own update: nothing follows on any rank
+            if not header.withdrawn:
+                raise WeightUpdateError(
+                    f"weight update {sent.version}: trainer rank 0 withdrew it before sending (its error says why)"
+                )
+            return []
         if sent != header:
             errors.append(
                 f"trainer rank {self.group.rank}: its update (version {header.version}, {len(header.entries)} "
@@ -359,8 +365,12 @@ class WeightSender:
                 raise WeightUpdateError(f"weight update {version}: handshake failed: {exc}") from exc
         t0 = time.perf_counter()
         direct = self.channel.direct and (self.fault is None or self.channel.direct_only)
-        sources, entries, nbytes, cast = self._sources(include_frozen, direct)
-        probe = self._probe_data()
+        try:
+            sources, entries, nbytes, cast = self._sources(include_frozen, direct)
+            probe = self._probe_data()
+        except WeightUpdateError:
+            self._withdraw(version, include_frozen, replace)
+            raise
         header = UpdateHeader(int(version), include_frozen, entries, bool(replace), probe is not None)
         if direct:
             try:
@@ -385,6 +395,16 @@ class WeightSender:
             self.channel.needs_rebuild = True
             raise WeightUpdateError(f"weight update {version} interrupted: {exc}") from exc
         return self._finish(version, verdicts, t0, sum(b.data_bytes for b in plan), len(plan))
+
+    def _withdraw(self, version: int, include_frozen: bool, replace: bool) -> None:
+        """After refusing an update before packing it: over a broadcast group, send its withdrawn
+        header (manifest.py), so the receivers, who wait for a header, end the update now with
+        their weights and version unchanged, and the group stays in step. (In-process receivers
+        wait for nothing.) A trainer rank other than 0 takes part in rank 0's update instead when
+        rank 0 did not withdraw it, and fails it with a verdict error."""
+        if isinstance(self.channel, BroadcastChannel):
+            header = UpdateHeader(int(version), include_frozen, (), bool(replace), False, True)
+            self.channel.send(header, [], lambda k, buf: None, self.bucket_bytes)
 
     def _packer_for(self, entries: tuple, sources: list[torch.Tensor]) -> BucketPacker:
         """The bucket plan and packer of ``entries`` / ``sources``, reused (with its fused passes)
