@@ -53,7 +53,7 @@ class GRPOConfig:
     num_val_prompts: int = 256
     # Held-out accuracy is measured by sampling at this temperature, one sample per prompt.
     val_temperature: float = 1.0
-    seed: int = 42
+    seed: int = 42  # in [0, 2**40): torch / numpy seeds and the samplers' int64 seeds derive from it
     # DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompt batches,
     # at most dynamic_sampling_max_gen_batches generation batches per step.
     use_dynamic_sampling: bool = False
@@ -752,6 +752,13 @@ def validate(cfg: MasterConfig) -> None:
         value = getattr(g, key)
         _check(e, value >= 1, f"grpo.{key}", value, "must be >= 1")
     _check(e, g.max_num_steps >= 0, "grpo.max_num_steps", g.max_num_steps, "must be >= 0")
+    _check(
+        e,
+        0 <= g.seed < 2**40,
+        "grpo.seed",
+        g.seed,
+        "must be in [0, 2**40) (the sampling seeds derive from it as seed * 100003 + step, kept in int64)",
+    )
     _check(e, g.val_temperature > 0, "grpo.val_temperature", g.val_temperature, "must be > 0")
     _check(
         e,

@@ -157,6 +157,10 @@ def test_new_options_load():
         ("policy.optimizer.weight_decay=-1", "policy.optimizer.weight_decay"),
         # Checked at start rather than when the environment / optimizer is built.
         ("policy.freeze.patterns=['(']", "policy.freeze.patterns"),
+        # torch.manual_seed raised OverflowError (exit 1 with a traceback) after the build
+        ("grpo.seed=99999999999999999999999", "grpo.seed"),
+        ("grpo.seed=-1", "grpo.seed"),
+        ("grpo.seed=1099511627776", "grpo.seed"),
     ],
 )
 def test_more_bad_values_name_the_key(override, needle):
