@@ -30,7 +30,7 @@ from m3_rollout.dump import (
     trajectory_from_row,
 )
 from m3_rollout.dump import schema as S
-from m3_rollout.dump.report import inspect_lines, show_lines
+from m3_rollout.dump.report import _STAT_COLUMNS, inspect_lines, show_lines
 from m3_rollout.rollout.trajectory import Trajectory, TurnRecord
 
 
@@ -485,3 +485,58 @@ def test_resumed_run_keeps_existing_shards_instead_of_failing(tmp_path):
     fresh = writer_from_config(load_config(None, over), decode=_decode)
     with pytest.raises(FileExistsError):
         fresh.write_step(3, trajs, [0.0] * 3)
+
+
+def _edited(good, d, step: int, **columns) -> None:
+    """``good``'s rows with ``columns`` replaced (column -> function of the old Python list),
+    written as the shard of ``step`` (metadata kept: the step it says stays ``good``'s)."""
+    t = pq.read_table(good)
+    for name, edit in columns.items():
+        i = t.schema.get_field_index(name)
+        t = t.set_column(i, t.schema.field(i), pa.array(edit(t.column(name).to_pylist()), t.schema.field(i).type))
+    pq.write_table(t, d / S.shard_name(step))
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        ({"tool_calls": lambda v: [v[0][:-3]] + v[1:]}, "row 0 (group 0, sample 0): tool_calls is not valid JSON"),
+        ({"rollout_logprobs": lambda v: [v[0][:-2]] + v[1:]}, "rollout_logprobs has"),
+        ({"loss_mask": lambda v: v[:1] + [v[1][:3]] + v[2:]}, "row 1 (group 0, sample 1): loss_mask has 3 entries"),
+        ({"prompt_len": lambda v: [-3] + v[1:]}, "prompt_len -3 outside"),
+        ({"prompt_len": lambda v: [10**6] + v[1:]}, "prompt_len 1000000 outside"),
+        (
+            {"routed_experts_shape": lambda v: [[s[0] + 1, *s[1:]] if s else [5, 3, 2] for s in v]},
+            "routed_experts_shape",
+        ),
+        ({"env_info": lambda v: ["[1, 2]"] + v[1:]}, "env_info is JSON list, not an object"),
+        ({"turn_token_end": lambda v: [[10**6] * len(v[0])] + v[1:]}, "a turn span outside"),
+    ],
+)
+def test_rows_that_do_not_hold_together_refuse_their_shard_by_name_and_the_others_load(tmp_path, capsys, edit, needle):
+    """A truncated JSON cell crashed `dump inspect` (JSONDecodeError, exit 1); cut lengths and
+    out-of-range indices were read silently ("gen tok" quietly lower)."""
+    d = tmp_path / "dump"
+    good, _ = _write(d, 1, trajs=[_traj(0, j, 10 + j, routed=True) for j in range(3)])
+    _write(d, 2)
+    moved = tmp_path / "moved.parquet"
+    good.rename(moved)
+    _edited(moved, d, 1, **edit)
+    read = read_dump(d)
+    assert [s.step for s in read.shards] == [2] and read.table.num_rows == 3
+    (err,) = read.errors
+    assert err.path.name == S.shard_name(1) and needle in str(err) and "edited or damaged" in str(err)
+    if set(edit) <= set(_STAT_COLUMNS):  # inspect reads these columns only (the row named by group)
+        lines, errs = inspect_lines(d)
+        assert len(errs) == 1 and needle.split("): ")[-1] in errs[0] and "1 shard(s)" in lines[0]
+
+
+def test_a_shard_copied_under_another_steps_name_is_refused_not_merged(tmp_path):
+    d = tmp_path / "dump"
+    good, _ = _write(d, 1)
+    _write(d, 2)
+    (d / S.shard_name(3)).write_bytes(good.read_bytes())  # says step 1 inside
+    read = read_dump(d)
+    assert [s.step for s in read.shards] == [1, 2] and read.table.num_rows == 6
+    (err,) = read.errors
+    assert err.path.name == S.shard_name(3) and "its metadata says step 1, its name another step" in str(err)

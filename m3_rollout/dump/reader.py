@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from m3_rollout.config import RolloutDumpConfig
 from m3_rollout.dump import schema as S
+from m3_rollout.dump.row_checks import row_problems, summary
 
 
 class DumpError(Exception):
@@ -135,8 +136,9 @@ def read_shard(path: str | Path, columns: Iterable[str] | None = None) -> pa.Tab
     """Load one shard, checking its version and columns.
 
     Raises:
-        DumpFileError, SchemaVersionError: as :func:`shard_info`; also a missing column or a
-            row count that disagrees with the metadata.
+        DumpFileError, SchemaVersionError: as :func:`shard_info`; also a missing column, a row
+            count or step that disagrees with the metadata, or rows that do not hold together
+            (``row_checks``: lengths, indices, JSON cells).
     """
     path = Path(path)
     meta = _metadata(path)
@@ -155,6 +157,13 @@ def read_shard(path: str | Path, columns: Iterable[str] | None = None) -> pa.Tab
         raise DumpFileError(path, f"missing columns {missing} for schema version {version}")
     if table.num_rows != int(meta.get(S.META_NUM_ROWS, -1)):
         raise DumpFileError(path, f"{table.num_rows} rows but the metadata says {meta[S.META_NUM_ROWS]}")
+    step = int(meta[S.META_STEP])
+    named = S.SHARD_PATTERN.match(path.name)
+    if named is not None and int(named.group(1)) != step:
+        raise DumpFileError(path, f"its metadata says step {step}, its name another step: a renamed or copied shard")
+    problems = row_problems(table, step)
+    if problems:
+        raise DumpFileError(path, f"rows do not hold together ({summary(problems)}); the shard was edited or damaged")
     return table
 
 
