@@ -422,6 +422,21 @@ def _logprob_entry(served: ServedModel, tid: int, lp: float, top: list[tuple[int
     return entry
 
 
+def stale_note(stale: list[tuple[int, int, int]]) -> str:
+    """The choice's ``top_logprobs_note`` for tokens whose top_logprobs are empty because a weight
+    update landed while the request ran (``OpenAIServing._tops``): which tokens, which versions."""
+    idx = [i for i, _, _ in stale]
+    sampled = sorted({v for _, v, _ in stale})
+    served = sorted({v for _, _, v in stale})
+    where = f"index {idx[0]}" if len(idx) == 1 else f"indices {idx[0]}..{idx[-1]}"
+    return (
+        f"top_logprobs are empty for {len(idx)} token(s) ({where}): they were sampled with weight version(s) "
+        f"{', '.join(map(str, sampled))}, and the server held version(s) {', '.join(map(str, served))} when it "
+        "computed top_logprobs (a weight update landed while the request ran); their logprob fields are the "
+        "sampler's and exact"
+    )
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -517,16 +532,31 @@ class OpenAIServing:
         own = set(params.stop_token_ids) - eom  # the end-of-message marker stays a null stop_reason
         return TextStream(self.served.decode, eom | own, params.stop_strings, own)
 
-    async def _tops(self, prompt: list[int], out_ids: list[int], start: int, k: int, params: SamplingParams):
+    async def _tops(
+        self,
+        prompt: list[int],
+        out_ids: list[int],
+        start: int,
+        k: int,
+        params: SamplingParams,
+        versions: list[int],
+        stale: list[tuple[int, int, int]],
+    ) -> list[list[tuple[int, float]]]:
         """Top-k logprobs of generated tokens ``start ..`` of a sample (engine loop forward); []
-        when the sample has no tokens from ``start`` on (e.g. aborted before its first). Raises
-        APIError 501 for a backend without a model, 503 when the engine or the EP group refuses the
-        forward after the sample was generated (its message says why)."""
+        when the sample has no tokens from ``start`` on (e.g. aborted before its first).
+
+        The forward runs with the weights served now; a token sampled with another weight
+        version (``versions``: the sample's per-token versions; an update landed while it ran,
+        in_flight "continue") gets an empty list instead of another model's alternatives, and
+        (index, sampled version, served version) goes to ``stale`` (:func:`stale_note` words it
+        for the response).
+        Raises APIError 501 for a backend without a model, 503 when the engine or the EP group
+        refuses the forward after the sample was generated (its message says why)."""
         if start >= len(out_ids):
             return []
         temp = 1.0 if params.logprobs_mode == "raw" else params.temperature
         try:
-            return await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, temp)
+            rows, version = await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, temp)
         except NotImplementedError as exc:
             raise APIError(501, str(exc), "top_logprobs") from exc
         except (ValueError, RuntimeError) as exc:  # the engine / EP group refused after generating
@@ -534,6 +564,11 @@ class OpenAIServing:
             raise APIError(
                 503, f"top_logprobs could not be computed: {exc}; retry the request", "top_logprobs", "server_error"
             ) from exc
+        for i in range(len(rows)):
+            if start + i < len(versions) and versions[start + i] != version:
+                rows[i] = []
+                stale.append((start + i, versions[start + i], version))
+        return rows
 
     # ---- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:
@@ -571,13 +606,20 @@ class OpenAIServing:
             }
             if req.logprobs:
                 k = req.top_logprobs or 0
-                tops = await self._tops(prompt.ids, out.output_ids, 0, k, greq.params) if k else None
+                stale: list[tuple[int, int, int]] = []
+                tops = (
+                    await self._tops(prompt.ids, out.output_ids, 0, k, greq.params, out.token_weight_versions, stale)
+                    if k
+                    else None
+                )
                 choice["logprobs"] = {
                     "content": [
                         _logprob_entry(self.served, t, lp, tops[i] if tops else None)
                         for i, (t, lp) in enumerate(zip(out.output_ids, out.logprobs))
                     ]
                 }
+                if stale:
+                    choice["top_logprobs_note"] = stale_note(stale)
             if req.return_token_ids:
                 choice["token_ids"] = out.output_ids
                 choice["token_weight_versions"] = out.token_weight_versions
@@ -619,6 +661,7 @@ class OpenAIServing:
         parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
         has_calls = [False] * n
         counts = [0] * n
+        versions: list[list[int]] = [[] for _ in range(n)]
         outs: list[SampleOutput] = []
         k = req.top_logprobs or 0
 
@@ -638,15 +681,22 @@ class OpenAIServing:
                     d = parsers[i].feed(texts[i].push(item.token_ids))
                     has_calls[i] |= bool(d.tool_calls)
                     extra = {}
+                    versions[i] += item.weight_versions
                     if req.logprobs:
-                        ids_so_far = texts[i].ids
-                        tops = await self._tops(prompt.ids, ids_so_far, counts[i], k, greq.params) if k else None
+                        stale: list[tuple[int, int, int]] = []
+                        tops = (
+                            await self._tops(prompt.ids, texts[i].ids, counts[i], k, greq.params, versions[i], stale)
+                            if k
+                            else None
+                        )
                         extra["logprobs"] = {
                             "content": [
                                 _logprob_entry(self.served, t, lp, tops[j] if tops else None)
                                 for j, (t, lp) in enumerate(zip(item.token_ids, item.logprobs))
                             ]
                         }
+                        if stale:
+                            extra["top_logprobs_note"] = stale_note(stale)
                     if req.return_token_ids:
                         extra["token_ids"] = item.token_ids
                         extra["token_weight_versions"] = item.weight_versions
@@ -732,8 +782,16 @@ class OpenAIServing:
                 }
                 if req.logprobs is not None:
                     k = req.logprobs
-                    tops = await self._tops(list(greq.prompt_ids), out.output_ids, 0, k, greq.params) if k else None
+                    stale: list[tuple[int, int, int]] = []
+                    versions = out.token_weight_versions
+                    tops = (
+                        await self._tops(list(greq.prompt_ids), out.output_ids, 0, k, greq.params, versions, stale)
+                        if k
+                        else None
+                    )
                     choice["logprobs"] = self._completion_logprobs(out, tops, len(prefix))
+                    if stale:
+                        choice["top_logprobs_note"] = stale_note(stale)
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = list(greq.prompt_ids)
                     choice["token_ids"] = out.output_ids

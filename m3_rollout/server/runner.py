@@ -391,13 +391,15 @@ class EngineRunner:
     # ---- top logprobs --------------------------------------------------------------------------
     async def top_logprobs(
         self, token_ids: Sequence[int], start: int, k: int, temperature: float
-    ) -> list[list[tuple[int, float]]]:
+    ) -> tuple[list[list[tuple[int, float]]], int]:
         """The ``k`` most likely tokens and their logprobs at positions ``start .. len - 1`` of
         ``token_ids`` under the served weights, on the engine loop between two steps: one plain
         forward, fp32 log-softmax of logits / ``temperature`` (top-k / top-p are not applied), by
         ``LLMEngine.top_logprobs`` in process, or ``RolloutService.top_logprobs`` on every EP rank.
 
-        Returns [len(token_ids) - start] lists of (token id, logprob), most likely first.
+        Returns ([len(token_ids) - start] lists of (token id, logprob), most likely first; the
+        weight version they were computed with, read in the same engine-loop call, so a caller
+        can tell which tokens were sampled with these weights).
         Raises ValueError naming a bad argument (``top_logprobs token_ids`` / ``start`` / ``k`` /
         ``temperature``) or refused weights; NotImplementedError for backends without an engine
         (a :class:`StreamingBackend`).
@@ -410,7 +412,11 @@ class EngineRunner:
             raise NotImplementedError(
                 f"top_logprobs needs an engine (in-process or EP workers); {type(self.backend).__name__} has none"
             )
-        return await self.call(fn, list(token_ids), start, k, temperature)
+
+        def run() -> tuple[list[list[tuple[int, float]]], int]:
+            return fn(list(token_ids), start, k, temperature), self.backend.weight_version
+
+        return await self.call(run)
 
     # ---- weight sync ---------------------------------------------------------------------------
     @property
