@@ -156,6 +156,29 @@ def test_logprobs_and_top_logprobs_match_the_model(engine_server, model):
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] >= e.logprob - 1e-5
 
 
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_greedy_top_logprobs_come_from_the_same_distribution_as_the_tokens_logprob(engine_server, mode):
+    """temperature 0 (top_k 1) in the default "processed" mode gave each token logprob 0.0 (the
+    distribution sampled from) but top_logprobs of the unfiltered model (-4.78 for that same token)."""
+    c = _client(engine_server)
+    r = c.chat.completions.create(
+        model="tiny-m3",
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"logprobs_mode": mode},
+    )
+    for e in r.choices[0].logprobs.content:
+        assert e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+        if mode == "processed":  # one token in the support: itself, at probability 1
+            assert len(e.top_logprobs) == 1 and e.logprob == 0.0
+        else:
+            assert len(e.top_logprobs) == 3 and e.logprob < 0
+
+
 def test_greedy_and_stop_strings(engine_server):
     c = _client(engine_server)
     a = c.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0, seed=1)

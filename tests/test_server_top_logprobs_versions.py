@@ -33,7 +33,7 @@ class _UpdatedRunner:
             greq.request_id, 0, list(greq.prompt_ids), IDS, [-0.25] * 4, "length", 1, token_weight_versions=VERSIONS
         )
 
-    async def top_logprobs(self, token_ids, start, k, temperature):
+    async def top_logprobs(self, token_ids, start, k, temperature, top_k=-1, top_p=1.0):
         self.tops_calls.append((len(token_ids), start))
         return [[(7, -0.5), (8, -1.5)][:k] for _ in range(len(token_ids) - start)], 1
 

@@ -264,6 +264,14 @@ def test_ep2_score_and_top_logprobs_equal_ep1_between_steps_and_after_updates(mo
     try:
         engine = _native(trainer).engine
         before = _assert_scores(svc, engine, ids)
+        # the processed distribution (temperature, top-k, top-p): at most top_k tokens, renormalised
+        filtered = svc.top_logprobs(ids, 50, 5, 0.7, 3, 0.9)
+        for row, want in zip(filtered, engine.top_logprobs(ids, 50, 5, 0.7, 3, 0.9), strict=True):
+            assert [t for t, _ in row] == [t for t, _ in want]
+            assert [v for _, v in row] == pytest.approx([v for _, v in want], abs=1e-4)
+            assert 1 <= len(row) <= 3 and torch.logsumexp(torch.tensor([v for _, v in row]), 0) == pytest.approx(
+                0, abs=1e-5
+            )
         bad = [
             (lambda b: b.score([]), "score token_ids: empty prompt"),
             (lambda b: b.score(ids, positions=[64]), r"score positions must be in \[0, 64\)"),
@@ -274,6 +282,8 @@ def test_ep2_score_and_top_logprobs_equal_ep1_between_steps_and_after_updates(mo
             (lambda b: b.top_logprobs(ids, 64, 3), r"top_logprobs start=64: must be an integer in \[1, 63\]"),
             (lambda b: b.top_logprobs(ids, 1, 0), "top_logprobs k=0: must be an integer >= 1"),
             (lambda b: b.top_logprobs(ids, 1, 3, -1.0), "top_logprobs temperature=-1.0: must be > 0"),
+            (lambda b: b.top_logprobs(ids, 1, 3, 1.0, 0), "top_logprobs top_k=0: must be -1"),
+            (lambda b: b.top_logprobs(ids, 1, 3, 1.0, -1, 1.5), r"top_logprobs top_p=1.5: must be in \(0, 1\]"),
         ]
         for call, message in bad:
             with pytest.raises(ValueError, match=message) as ep:

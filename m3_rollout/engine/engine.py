@@ -41,6 +41,7 @@ from m3_rollout.engine.score import (
     SCORE_PAGES_HINT,
     check_score_temperature,
     check_top_logprobs,
+    check_top_logprobs_filters,
     pages_error,
     score_tokens,
     top_logprobs,
@@ -670,29 +671,30 @@ class LLMEngine:
         return run
 
     def top_logprobs(
-        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0
+        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
     ) -> list[list[tuple[int, float]]]:
         """The ``k`` most likely tokens and their logprobs at positions ``start .. L - 1`` of
         ``token_ids`` under the served weights (the server's ``top_logprobs``): one plain forward,
-        log-softmax of logits / ``temperature`` in fp32 (fp64 for an fp64 model), top-k / top-p
-        not applied (``score.top_logprobs``). Borrows no KV pages; call between steps. Same as
-        ``prepare_top_logprobs(...)()``.
+        log-softmax of the logits processed as the sampler does (/ ``temperature``, then
+        ``top_k`` / ``top_p``; the defaults: the model's own logprobs) in fp32 (fp64 for an fp64
+        model), tokens the filters removed left out (``score.top_logprobs``). Borrows no KV pages;
+        call between steps. Same as ``prepare_top_logprobs(...)()``.
 
         Args:
             token_ids: [L] ints, L >= 2. start: first position, 1 <= start <= L - 1.
             k: tokens per position, >= 1 (more than the vocabulary: all of it).
-            temperature: logits are divided by it.
+            temperature, top_k, top_p: the processing, by ``SamplingParams``' rules.
         Returns:
             [L - start] lists of (token id, logprob), most likely first.
         Raises:
             ValueError naming ``top_logprobs token_ids`` (empty, one token, too long, out of the
-            vocabulary), ``top_logprobs start``, ``top_logprobs k`` or ``top_logprobs temperature``;
+            vocabulary), ``top_logprobs start``, ``k``, ``temperature``, ``top_k`` or ``top_p``;
             or the weights are refused (``refuse_reason``); RuntimeError: the engine is asleep.
         """
-        return self.prepare_top_logprobs(token_ids, start, k, temperature)()
+        return self.prepare_top_logprobs(token_ids, start, k, temperature, top_k, top_p)()
 
     def prepare_top_logprobs(
-        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0
+        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
     ) -> Callable[[], list[list[tuple[int, float]]]]:
         """Every check of :meth:`top_logprobs` with no forward run; returns the zero-argument call
         that runs it (as :meth:`prepare_score`). Raises what ``top_logprobs`` raises."""
@@ -705,10 +707,10 @@ class LLMEngine:
             room_for_output=False,
         )
         first, k = check_top_logprobs(ids, start, k)
-        temperature = check_score_temperature(temperature, self.sampler_dtype, "top_logprobs temperature")
+        temperature, top_k, top_p = check_top_logprobs_filters(temperature, top_k, top_p, self.sampler_dtype)
         if self.refuse_reason is not None:
             raise ValueError(self.refuse_reason)
-        return lambda: top_logprobs(self.model, ids, first, k, temperature)
+        return lambda: top_logprobs(self.model, ids, first, k, temperature, top_k, top_p)
 
     def metrics(self) -> dict:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step

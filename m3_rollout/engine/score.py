@@ -35,6 +35,17 @@ def check_score_temperature(temperature, dtype: torch.dtype, name: str = "score 
         raise ValueError(str(exc).replace("SamplingParams.temperature", name)) from None
 
 
+def check_top_logprobs_filters(temperature, top_k, top_p, dtype: torch.dtype) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a top-logprobs call, checked by the rules of
+    ``SamplingParams`` (top_k -1 = off or >= 1; top_p in (0, 1]); ValueError naming
+    ``top_logprobs temperature`` / ``top_k`` / ``top_p``."""
+    try:
+        p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).validate(dtype)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("SamplingParams.", "top_logprobs ")) from None
+    return p.temperature, p.top_k, p.top_p
+
+
 SCORE_PAGES_HINT = "call it when fewer requests are running"  # what a caller of score short of pages can do
 
 
@@ -70,22 +81,37 @@ def check_top_logprobs(ids: list[int], start, k) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def top_logprobs(model, ids: list[int], start: int, k: int, temperature: float) -> list[list[tuple[int, float]]]:
+def top_logprobs(
+    model, ids: list[int], start: int, k: int, temperature: float, top_k: int = -1, top_p: float = 1.0
+) -> list[list[tuple[int, float]]]:
     """The ``k`` most likely tokens at positions ``start .. len(ids) - 1`` of ``ids`` under
-    ``model``: one plain forward over ``ids[:-1]``, log-softmax of logits / ``temperature`` in the
-    logits' compute dtype (fp32; fp64 for an fp64 model); top-k / top-p are not applied. Arguments
-    as :func:`check_top_logprobs` returns them (plain ints, 1 <= start < len(ids), k >= 1; k above
-    the vocabulary gives the whole vocabulary). Under EP the forward is collective: every rank calls
-    this with the same ids.
+    ``model``: one plain forward over ``ids[:-1]``, the log-softmax of the logits processed as the
+    sampler processes them (``sampler.process_logits``: / ``temperature``, then the ``top_k`` /
+    ``top_p`` filters; the defaults filter nothing) in the logits' compute dtype (fp32; fp64 for an
+    fp64 model): the "processed" logprobs of the distribution sampled from. Tokens the filters
+    removed (logprob -inf) are left out, so a position may list fewer than ``k`` (one under
+    greedy, top_k 1). Arguments as :func:`check_top_logprobs` / :func:`check_top_logprobs_filters`
+    return them (1 <= start < len(ids), k >= 1; k above the vocabulary gives all of it). Under EP
+    the forward is collective: every rank calls this with the same ids.
 
     Returns:
         [len(ids) - start] lists of (token id, logprob), most likely first (ties: ``torch.topk``'s order).
     """
     device = model.lm_head.weight.device
     logits = model(torch.tensor([ids[:-1]], device=device))[0, start - 1 :]  # [G, V]: position start .. L-1
-    lp = torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)  # [G, V]
-    vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)  # [G, k]
-    return [list(zip(i.tolist(), v.tolist())) for i, v in zip(idx.cpu(), vals.cpu())]
+    g = logits.shape[0]
+    x = process_logits(
+        logits,
+        torch.full((g,), temperature, device=device),
+        torch.full((g,), top_k, dtype=torch.int64, device=device),
+        torch.full((g,), top_p, device=device),
+        need_top_k=top_k > 0,
+        need_top_p=top_p < 1,
+    )
+    vals, idx = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)  # [G, k]
+    return [
+        [(t, v) for t, v in zip(i.tolist(), lv.tolist()) if v != float("-inf")] for i, lv in zip(idx.cpu(), vals.cpu())
+    ]
 
 
 def paged_packed_logits(

@@ -554,9 +554,12 @@ class OpenAIServing:
         refuses the forward after the sample was generated (its message says why)."""
         if start >= len(out_ids):
             return []
-        temp = 1.0 if params.logprobs_mode == "raw" else params.temperature
+        # the distribution the sampled tokens' own logprobs come from: the model's ("raw"), or the
+        # processed one sampled from (temperature, top-k, top-p; greedy lists only its token)
+        p = params
+        filters = (1.0, -1, 1.0) if p.logprobs_mode == "raw" else (p.temperature, p.top_k, p.top_p)
         try:
-            rows, version = await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, temp)
+            rows, version = await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, *filters)
         except NotImplementedError as exc:
             raise APIError(501, str(exc), "top_logprobs") from exc
         except (ValueError, RuntimeError) as exc:  # the engine / EP group refused after generating

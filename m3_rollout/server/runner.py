@@ -390,12 +390,13 @@ class EngineRunner:
 
     # ---- top logprobs --------------------------------------------------------------------------
     async def top_logprobs(
-        self, token_ids: Sequence[int], start: int, k: int, temperature: float
+        self, token_ids: Sequence[int], start: int, k: int, temperature: float, top_k: int = -1, top_p: float = 1.0
     ) -> tuple[list[list[tuple[int, float]]], int]:
         """The ``k`` most likely tokens and their logprobs at positions ``start .. len - 1`` of
         ``token_ids`` under the served weights, on the engine loop between two steps: one plain
-        forward, fp32 log-softmax of logits / ``temperature`` (top-k / top-p are not applied), by
-        ``LLMEngine.top_logprobs`` in process, or ``RolloutService.top_logprobs`` on every EP rank.
+        forward, fp32 log-softmax of the logits processed by ``temperature`` / ``top_k`` /
+        ``top_p`` (tokens they remove left out), by ``LLMEngine.top_logprobs`` in process, or
+        ``RolloutService.top_logprobs`` on every EP rank.
 
         Returns ([len(token_ids) - start] lists of (token id, logprob), most likely first; the
         weight version they were computed with, read in the same engine-loop call, so a caller
@@ -414,7 +415,7 @@ class EngineRunner:
             )
 
         def run() -> tuple[list[list[tuple[int, float]]], int]:
-            return fn(list(token_ids), start, k, temperature), self.backend.weight_version
+            return fn(list(token_ids), start, k, temperature, top_k, top_p), self.backend.weight_version
 
         return await self.call(run)
 

@@ -998,7 +998,13 @@ class RolloutService(GenerationBackend):
 
     @_locked
     def top_logprobs(
-        self, token_ids: Sequence[int], start: int, k: int, temperature: float = 1.0
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        k: int,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
     ) -> list[list[tuple[int, float]]]:
         """``LLMEngine.top_logprobs`` over the EP group (the server's ``top_logprobs``): the ``k``
         most likely tokens and their logprobs at positions ``start .. L - 1`` of ``token_ids``
@@ -1008,12 +1014,12 @@ class RolloutService(GenerationBackend):
 
         Returns:
             [L - start] lists of (token id, logprob), most likely first (fp32 log-softmax of
-            logits / ``temperature``; top-k / top-p not applied).
+            the logits processed by ``temperature``, ``top_k``, ``top_p``; removed tokens left out).
         Raises:
             ValueError naming ``top_logprobs token_ids`` / ``start`` / ``k`` / ``temperature``, or
             refused weights; RuntimeError, RolloutFailure as :meth:`score`.
         """
-        args = (_by_value(token_ids), start, k, temperature)
+        args = (_by_value(token_ids), start, k, temperature, top_k, top_p)
         return self._forward_on_every_rank("top_logprobs", args, "compute top logprobs")
 
     def _forward_on_every_rank(self, method: str, args: tuple, what: str):

@@ -191,9 +191,13 @@ class RolloutWorker:
         gets the same ids: the MoE layers' all-to-alls pair up). See :meth:`_forward_together`."""
         return self._forward_together(lambda: self.engine.prepare_score(token_ids, positions, temperature))
 
-    def top_logprobs(self, token_ids: list[int], start: int, k: int, temperature: float) -> dict:
+    def top_logprobs(
+        self, token_ids: list[int], start: int, k: int, temperature: float, top_k: int = -1, top_p: float = 1.0
+    ) -> dict:
         """``LLMEngine.top_logprobs`` on this rank, in step with the peers (as :meth:`score`)."""
-        return self._forward_together(lambda: self.engine.prepare_top_logprobs(token_ids, start, k, temperature))
+        return self._forward_together(
+            lambda: self.engine.prepare_top_logprobs(token_ids, start, k, temperature, top_k, top_p)
+        )
 
     def _forward_together(self, prepare) -> dict:
         """Run ``prepare()`` (the engine's checks, no forward; returns the call that runs the
