@@ -69,6 +69,11 @@ CASES = [
     ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), "response_format"),
     ("/v1/chat/completions", _chat(logit_bias={"5": 10}), "logit_bias"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5], "logit_bias": {"5": -100}}, "logit_bias"),
+    # breaker findings: accepted before, each changes what the client gets back
+    ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), "stream_options"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [5], "echo": True, "logprobs": 2}, "echo"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"text": "hi"}]}]), "messages.0.content"),
+    ("/tokenize", {"messages": []}, "messages"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": list(range(4, 4 + MAX_LEN))}, "prompt"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 99999]}, "prompt"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5, -1]}, "prompt"),
@@ -270,3 +275,14 @@ def test_an_engine_error_about_the_server_is_a_503_the_client_retries_not_a_400(
         ]
     finally:
         srv.stop()
+
+
+def test_text_content_parts_render_as_the_plain_string(setup):
+    srv, _, _ = setup
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "12 * 34?"}]
+    plain = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "What is 12 * 34?"}]})
+    split = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": parts}]})
+    assert split.status_code == plain.status_code == 200, split.text
+    assert split.json()["tokens"] == plain.json()["tokens"]
+    err = _error(httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": [{}]}]}), 400)
+    assert 'content part 0 has no "type"' in err["message"] and err["param"] == "messages.0.content"

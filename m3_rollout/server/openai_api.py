@@ -181,6 +181,10 @@ def sampling_params(
         raise APIError(400, f"{param}: penalties are not supported by this server; leave it at 0", param)
     if req.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server; leave it out", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "stream_options: only allowed with stream=true (it sets what the stream carries)", "stream_options"
+        )
     kind = (req.response_format or {}).get("type", "text")
     if kind != "text":
         raise APIError(
@@ -729,6 +733,13 @@ class OpenAIServing:
     def prepare_completion(self, req: CompletionRequest) -> list[GenerationRequest]:
         """One engine request per prompt (a string, token ids, or a list of either)."""
         self.check_model(req.model)
+        if req.echo and req.logprobs is not None:  # OpenAI's answer would carry the prompt's logprobs too
+            raise APIError(
+                400,
+                "echo with logprobs: this server does not return the prompt tokens' logprobs (OpenAI's echo "
+                "does), so the answer would hold the generated tokens' only; send one of echo and logprobs",
+                "echo",
+            )
         p = req.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             prompts = [p]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128  # samples per request
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
@@ -81,6 +81,14 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts_have_a_type(cls, content):
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part.get("type"), str):
+                raise ValueError(f'content part {i} has no "type" (send {{"type": "text", "text": "..."}})')
+        return content
 
 
 class StreamOptions(_Body):
@@ -177,7 +185,7 @@ class GenerateRequest(_Body):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
