@@ -648,8 +648,10 @@ def _check_http_backend(e: list[str], cfg: MasterConfig) -> None:
         gen.expert_parallel_size == 1,
         "policy.generation.expert_parallel_size",
         gen.expert_parallel_size,
-        "must be 1 with policy.generation.backend=http: an expert-parallel server cannot be refit over HTTP "
-        "(use backend=native for the EP rollout service)",
+        "must be 1 with policy.generation.backend=http: it sizes the job's own EP rollout service, and the server "
+        "the job starts runs one engine; for an expert-parallel server start `m3-rollout serve "
+        "--expert-parallel-size P` yourself and give policy.generation.http_base_url (every EP rank joins the "
+        "weight sync), or use backend=native for the job's EP rollout service",
     )
     _check(
         e,

@@ -12,6 +12,7 @@ import shutil
 import socket
 
 import pytest
+import torch
 from server_util import save_tiny_checkpoint, tiny_model, tiny_tokenizer
 
 import m3_rollout.jobs.grpo as grpo
@@ -206,3 +207,17 @@ def test_export_help_shows_plain_quotes_not_rst_literals(capsys):
     text = capsys.readouterr().out
     assert "``" not in text
     assert "'--format transformers-text'" in text
+
+
+@pytest.mark.parametrize(
+    "device, needle",
+    [("cuda", "this machine has 0 CUDA device(s); use --device cpu"), ("gpu", "must be cpu, cuda, cuda:N or auto")],
+)
+def test_serve_device_that_this_machine_lacks_is_one_line_and_exit_2(capsys, device, needle):
+    """--device cuda on a machine without CUDA was a 36-line traceback from the checkpoint load (exit 1)."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--model", "builtin:tiny-random", "--device", device])
+    assert e.value.code == 2
+    assert f"error: --device={device}: {needle}" in capsys.readouterr().err

@@ -95,6 +95,11 @@ def test_unknown_model_names(tmp_path):
     with pytest.raises(FileNotFoundError) as exc:
         builtin.resolve_model(str(tmp_path))
     assert str(exc.value).startswith(f"{tmp_path}: the directory has no config.json; {accepted}")
+    step = tmp_path / "checkpoints" / "step_3"  # a GRPO checkpoint: the model is in policy/
+    (step / "policy").mkdir(parents=True)
+    (step / "policy" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"model is its policy/ folder: give {step / 'policy'}$"):
+        builtin.resolve_model(str(step))
 
 
 def test_spec_key_changes_with_spec():

@@ -241,6 +241,8 @@ def check_model_name(model_name: str, device: str | None = None) -> TinyCheckpoi
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is a file, not a checkpoint directory; {accepted}")
     if not (path / "config.json").is_file():
+        if (path / "policy" / "config.json").is_file():  # a GRPO job's checkpoints/step_N directory
+            accepted = f"a GRPO checkpoint's loadable model is its policy/ folder: give {path / 'policy'}"
         raise FileNotFoundError(f"{path}: the directory has no config.json; {accepted}")
     data = read_config_json(path)
     try:

@@ -121,7 +121,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--kv-cache-memory-fraction={args.kv_cache_memory_fraction}: must be in (0, 1]")
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port}: must be in 1..65535")
+    if problem := _device_problem(args.device):
+        p.error(f"--device={args.device}: {problem}")
     return args
+
+
+def _device_problem(name: str) -> str | None:
+    """Why ``--device`` cannot be used on this machine (None: it can): not cpu / cuda / cuda:N /
+    auto, or CUDA asked for where there is none or fewer devices (the GRPO job's
+    ``cluster.device`` check, as one line instead of a traceback from the checkpoint load)."""
+    kind, _, index = name.partition(":")
+    if name in ("auto", "cpu") or (kind == "cuda" and (not index or index.isdigit())):
+        if kind != "cuda":
+            return None
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index or 0) < count:
+            return None
+        return f"this machine has {count} CUDA device(s); use --device cpu" + (
+            f" or cuda:N with N < {count}" if count else ""
+        )
+    return "must be cpu, cuda, cuda:N or auto"
 
 
 def _device(name: str) -> str:
