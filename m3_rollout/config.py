@@ -1075,9 +1075,11 @@ def check_devices(cfg: MasterConfig, cuda_available: bool, cuda_device_count: in
 def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
     """Load a YAML file, resolving its ``defaults:`` key first (inheritance between configs).
 
-    ``defaults:`` is a path or a list of paths (relative to the file's directory); they are
-    loaded (recursively) and merged in order, then the file itself on top, so a child only states
-    what it changes. Returns an untyped OmegaConf DictConfig.
+    ``defaults:`` is a path or a list of paths (relative to the file's directory; a relative one
+    that is not there is looked up among the packaged configs as ``--config`` is, so a user's
+    YAML can say ``defaults: grpo_bf16_ep.yaml`` with the package installed and no clone); they
+    are loaded (recursively) and merged in order, then the file itself on top, so a child only
+    states what it changes. Returns an untyped OmegaConf DictConfig.
 
     Raises:
         FileNotFoundError: the file or a parent does not exist (the chain is named).
@@ -1110,7 +1112,10 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple[Path, ...] = ()):
         raise ConfigError(f"{path}: defaults={parents!r}: must be a path or a list of paths to YAML files")
     merged = OmegaConf.create({})
     for parent in parents:
-        merged = OmegaConf.merge(merged, load_yaml_with_defaults(path.parent / parent, (*_chain, path)))
+        target = path.parent / parent
+        if not target.is_file():
+            target = packaged_config(Path(parent)) or target
+        merged = OmegaConf.merge(merged, load_yaml_with_defaults(target, (*_chain, path)))
     return OmegaConf.merge(merged, OmegaConf.create(data))
 
 
@@ -1124,6 +1129,20 @@ def packaged_configs_dir() -> Path:
     here = Path(__file__).resolve().parent
     installed = here / "configs"
     return installed if installed.is_dir() else here.parent / "configs"
+
+
+def packaged_config(name: Path) -> Path | None:
+    """The packaged config a relative ``name`` means (a leading ``configs/`` dropped, ``.yaml``
+    added when it has no suffix), or None (absolute, or no such file)."""
+    if name.is_absolute():
+        return None
+    parts = name.parts[1:] if name.parts[:1] == ("configs",) else name.parts
+    if not parts:
+        return None
+    candidate = packaged_configs_dir().joinpath(*parts)
+    if candidate.suffix == "":
+        candidate = candidate.with_suffix(".yaml")
+    return candidate if candidate.is_file() else None
 
 
 def resolve_config_path(path: str | Path) -> Path:
@@ -1142,14 +1161,10 @@ def resolve_config_path(path: str | Path) -> Path:
     given = Path(path).expanduser()
     if given.is_file():
         return given
+    found = packaged_config(given)
+    if found is not None:
+        return found
     packaged = packaged_configs_dir()
-    if not given.is_absolute():
-        parts = given.parts[1:] if given.parts[:1] == ("configs",) else given.parts
-        candidate = packaged.joinpath(*parts) if parts else packaged
-        if candidate.suffix == "":
-            candidate = candidate.with_suffix(".yaml")
-        if candidate.is_file():
-            return candidate
     names = sorted(p.relative_to(packaged).as_posix() for p in packaged.rglob("*.yaml")) if packaged.is_dir() else []
     raise FileNotFoundError(
         f"config file not found: {given.resolve()} (nor among the packaged configs in {packaged}: "

@@ -211,3 +211,17 @@ def test_sleep_level_is_checked_with_one_message_naming_it(overrides, message):
         load_config("configs/grpo_bf16_ep.yaml", ["policy.generation.expert_parallel_size=1", *overrides])
     lines = [ln for ln in str(exc.value).splitlines() if "sleep_level" in ln]
     assert len(lines) == 1 and message in lines[0], str(exc.value)
+
+
+def test_defaults_name_a_packaged_config_from_any_directory(tmp_path):
+    """`--config` found the shipped configs by name, `defaults:` did not: a user's YAML outside a
+    clone could not inherit the main config (an installed package has no configs/ folder)."""
+    smoke = load_config("configs/grpo_smoke.yaml")
+    for name in ("grpo_smoke.yaml", "configs/grpo_smoke.yaml", "grpo_smoke"):
+        (tmp_path / "mine.yaml").write_text(f"defaults: {name}\ngrpo:\n  max_num_steps: 2\n")
+        cfg = load_config(tmp_path / "mine.yaml")
+        assert cfg.grpo.max_num_steps == 2 and cfg.logger.log_dir == smoke.logger.log_dir == "outputs/smoke/logs"
+    # a file next to the child still wins over the packaged one of the same name
+    (tmp_path / "grpo_smoke.yaml").write_text("logger:\n  log_dir: here/logs\n")
+    (tmp_path / "mine.yaml").write_text("defaults: grpo_smoke.yaml\n")
+    assert load_config(tmp_path / "mine.yaml").logger.log_dir == "here/logs"
