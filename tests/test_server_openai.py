@@ -389,3 +389,20 @@ def test_forced_tool_call_opening_tokenizes_as_the_whole_call(scripted, mode):
             assert head.startswith(p.forced)
             whole = served.encode(text + head)
             assert whole[: len(p.ids)] == p.ids, (choice, n)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_required_with_one_tool_forces_that_tools_name(scripted, mode):
+    """With one tool, "required" left the name to the model, and the random-weight model wrote an
+    empty one; the only tool's name is forced as a named choice forces it."""
+    srv, _ = scripted
+    served = srv.app.state.served
+    kw = {"chat_template_kwargs": {"thinking_mode": mode}}
+    for tool in TOOLS:
+        name = tool["function"]["name"]
+        named = {"type": "function", "function": {"name": name}}
+        req = ChatCompletionRequest(model="tiny-m3", messages=MESSAGES, tools=[tool], tool_choice="required", **kw)
+        same = ChatCompletionRequest(model="tiny-m3", messages=MESSAGES, tools=[tool], tool_choice=named, **kw)
+        forced = chat_prompt(served, req)
+        assert forced.ids == chat_prompt(served, same).ids and f'name="{name}' in forced.forced
+        assert not forced.first_call_only  # "required" still allows several calls (parallel_tool_calls)

@@ -9,7 +9,8 @@ same seed (the keyed sampler draws the same tokens either way).
 
 ``tool_choice``: "auto" parses tool calls, "none" returns the raw text as content (tool-call
 markup included, unparsed), "required" and a named function force a call by writing its opening
-(``]<]minimax[>[<tool_call>`` and the invoke tag, with the name for a named choice) after the
+(``]<]minimax[>[<tool_call>`` and the invoke tag, with the name for a named choice or for "required"
+with a single tool) after the
 generation prompt, cut back to where its tokens are the ones the whole call has
 (``token_safe_opening``); the model continues from there (no grammar: the arguments are the
 model's). In "enabled" thinking mode the forced opening first closes the think span, so such a
@@ -373,8 +374,8 @@ def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
     if choice == "required" or not isinstance(choice, str):
         opening = (THINK_CLOSE if mode == "enabled" else "") + TOOL_CALL_OPEN + "\n" + NS + '<invoke name="'
         names = [t["function"]["name"] for t in tools]
-        if not isinstance(choice, str):
-            name = choice.function.name
+        if not isinstance(choice, str) or len(names) == 1:  # "required" with one tool: that tool
+            name = names[0] if isinstance(choice, str) else choice.function.name
             if name not in names:
                 raise APIError(400, f"tool_choice names function {name!r}, which is not in `tools`", "tool_choice")
             opening += name + '">'
