@@ -293,3 +293,50 @@ def test_ep_concurrent_streams_across_a_weight_update(server, trainer):
         assert set(r["versions"]) <= {v0, v0 + 1} and r["versions"] == sorted(r["versions"])
         both += len(set(r["versions"])) == 2
     assert both > 0  # requests running at the update continued on the new version
+
+
+def test_ep_non_atomic_update_that_left_a_rank_invalid_stops_serving_until_a_good_update(server, trainer):
+    """atomic=false: EP rank 1 refuses a NaN in one of its experts after the ranks wrote part of
+    the update, so they are invalid. The ranks' forwards read each other's experts:
+    the running request used to go on (through the half-written experts of the invalid ranks)
+    and new ones were served. Now the running one ends with an error record, new ones get 503
+    generation_failed, and an accepted update brings serving back."""
+    url, client, _ = server
+    model, _ = trainer
+    port = free_port()
+    world = 1 + client.health()["weight_sync_ranks"]
+    joined = client.start_init_weight_sync("127.0.0.1", port, world, 1, "gloo", 60.0, bucket_size_mb=0.25, atomic=False)
+    group = WeightSyncGroup("127.0.0.1", port, 0, world, "gloo", 60.0)
+    try:
+        sender = WeightSender(lambda: iter_released_tensors(model), BroadcastChannel(group), bucket_size_mb=0.25)
+        sender.handshake()
+        joined.result(timeout=120)
+        v = client.weight_version()
+        assert _update(client, sender, v + 1, first=True)["weight_version"] == v + 1
+        experts = next(m.block_sparse_moe.experts for m in model.model.layers if hasattr(m, "block_sparse_moe"))
+        with httpx.Client(timeout=120) as http:
+            ctx, events, ids = _stream_until(http, url, _body(11, 60), 1)
+            client.pause("keep")
+            with torch.no_grad():
+                saved = experts.w2[-1, 0, 0].item()
+                experts.w2[-1, 0, 0] = float("nan")  # the last expert: EP rank 1's
+            fut = client.start_update_weights(v + 2)
+            with pytest.raises(WeightUpdateError, match="non-finite"):
+                sender.update(v + 2)
+            with pytest.raises(ServerError, match="weight update rejected"):
+                fut.result(timeout=120)
+            client.resume()
+            final = _rest(events, ids)
+            ctx.__exit__(None, None, None)
+        assert final["finish_reason"] == "error" and "invalid: wrote bytes of a rejected" in final["error"]
+        resp = httpx.post(url + "/generate", json=_body(12, 4, stream=False), timeout=120)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "generation_failed"
+        assert "invalid: wrote bytes of a rejected" in resp.json()["error"]["message"]
+        with torch.no_grad():
+            experts.w2[-1, 0, 0] = saved
+        assert _update(client, sender, v + 2)["weight_version"] == v + 2
+        out = httpx.post(url + "/generate", json=_body(12, 4, stream=False), timeout=120).json()["outputs"][0]
+        assert out["finish_reason"] == "length" and out["token_weight_versions"] == [v + 2] * 4
+    finally:
+        group.close()
+    _wait_freed(client)

@@ -498,6 +498,13 @@ class RolloutService(GenerationBackend):
         # One step while requests arrive (their first tokens come back at once and the next
         # arrivals join sooner), stream_steps_per_call once the batch is settled.
         steps = 0 if self._paused else 1 if any(self._to_add) else self.stream_steps_per_call
+        lost = None
+        if self._weights_lost:  # no forward may read an invalid rank's experts: end what runs
+            lost = f"{self._weights_lost}; the request was lost (resubmit it)"
+            steps = 0
+            for rid, p in self._live.items():
+                if rid not in self._to_abort[p.rank]:
+                    self._to_abort[p.rank].append(rid)
         args = [
             ([req for req, _ in new], steps, aborts, {req.request_id for req, stream in new if stream})
             for new, aborts in zip(self._to_add, self._to_abort)
@@ -517,7 +524,15 @@ class RolloutService(GenerationBackend):
         self.last_ep_stats = [r["ep"] for r in replies]
         self._rank_engine = [r["engine"] for r in replies]
         for reply in replies:
-            outputs += self._deliver(reply["outputs"])
+            got = reply["outputs"]
+            if lost is not None:  # their abort records, as the error records they are
+                got = [
+                    dataclasses.replace(o, finish_reason="error", error=lost)
+                    if isinstance(o, SampleOutput) and o.finish_reason == "abort"
+                    else o
+                    for o in got
+                ]
+            outputs += self._deliver(got)
         return outputs
 
     def _deliver(self, outs: Iterable[SampleOutput | StreamDelta]) -> list[SampleOutput | StreamDelta]:
@@ -618,15 +633,35 @@ class RolloutService(GenerationBackend):
         (the trainer sends meanwhile). Returns {"ok", "version", "seconds", "paused_seconds",
         "errors"} over the ranks; the served version changes only when every rank applied it.
         ``expect_version``: every rank refuses an update of another version.
+
+        A rejected non-atomic update that left a rank invalid (it wrote part of it) stops the
+        group serving until an update is accepted: that rank's experts are read by every rank's
+        forward, so the step API's unfinished requests end with error records (the ones the
+        invalid rank gave up at once, the others at the next :meth:`step`) and new ones are
+        refused (:meth:`add_request`), as after a rejected IPC update.
         Raises GroupFailure when a rank failed (the group is restarted)."""
         try:
             outs = self.launcher.call("receive_weights", (expect_version,), self.start_timeout_s)
         except GroupFailure as failure:
             self._fail_live(failure)
             raise
+        self._ready += self._deliver(out for o in outs for out in o["outputs"])  # drained around the update
         ok = all(o["ok"] for o in outs)
+        invalid = [str(r) for r, o in enumerate(outs) if not o["valid"]]
         if ok:
-            self._version = max(o["version"] for o in outs)
+            self._version, self._weights_lost = max(o["version"] for o in outs), None
+        elif invalid:
+            self._weights_lost = (
+                f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of a rejected weight update "
+                "(atomic=false); an accepted update repairs them"
+            )
+            message = f"{self._weights_lost}; the request was lost (resubmit it)"
+            for rid in {req.request_id for o in outs for req in o["handed_back"]}:
+                p = self._live.pop(rid, None)
+                if p is not None:
+                    self._ready += [
+                        o for o in error_outputs(p.request, message, self._version) if o.sample_index in p.missing
+                    ]
         return {
             "ok": ok,
             "version": self._version,

@@ -309,7 +309,12 @@ class RolloutWorker:
         trainer closed the IPC channel."""
         if self.engine.weights_offloaded:
             raise RuntimeError("receive_weights: the engine sleeps at level 2 (weights offloaded); wake_up() first")
-        out = self.weight_sync.update() if expect_version is None else self.weight_sync.update(expect_version)
+        if expect_version is None:
+            out = self.weight_sync.update()
+        elif hasattr(self.weight_sync, "group"):  # a RolloutWeightSync (broadcast group), not the IPC stage's
+            out = self.weight_sync.update(expect_version=expect_version)
+        else:
+            raise ValueError("receive_weights: expect_version needs a broadcast weight-sync group, not the IPC stage")
         if out is None:
             raise RuntimeError("receive_weights: the trainer closed the weight-sync channel")
         r = out.result
