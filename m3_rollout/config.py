@@ -1134,7 +1134,7 @@ def packaged_configs_dir() -> Path:
 def packaged_config(name: Path) -> Path | None:
     """The packaged config a relative ``name`` means (a leading ``configs/`` dropped, ``.yaml``
     added when it has no suffix), or None (absolute, or no such file)."""
-    if name.is_absolute():
+    if name.is_absolute() or ".." in name.parts:  # only files inside the packaged configs
         return None
     parts = name.parts[1:] if name.parts[:1] == ("configs",) else name.parts
     if not parts:

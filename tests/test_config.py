@@ -225,3 +225,9 @@ def test_defaults_name_a_packaged_config_from_any_directory(tmp_path):
     (tmp_path / "grpo_smoke.yaml").write_text("logger:\n  log_dir: here/logs\n")
     (tmp_path / "mine.yaml").write_text("defaults: grpo_smoke.yaml\n")
     assert load_config(tmp_path / "mine.yaml").logger.log_dir == "here/logs"
+
+
+def test_defaults_with_dotdot_are_not_looked_up_among_the_packaged_configs(tmp_path):
+    (tmp_path / "mine.yaml").write_text("defaults: ../configs/grpo_smoke.yaml\n")
+    with pytest.raises(FileNotFoundError, match=r"grpo_smoke\.yaml.*named in defaults: of .*mine\.yaml"):
+        load_config(tmp_path / "mine.yaml")

@@ -493,7 +493,8 @@ def _edited(good, d, step: int, **columns) -> None:
     t = pq.read_table(good)
     for name, edit in columns.items():
         i = t.schema.get_field_index(name)
-        t = t.set_column(i, t.schema.field(i), pa.array(edit(t.column(name).to_pylist()), t.schema.field(i).type))
+        field = t.schema.field(i).with_nullable(True)  # a hand edit may write nulls anywhere
+        t = t.set_column(i, field, pa.array(edit(t.column(name).to_pylist()), field.type))
     pq.write_table(t, d / S.shard_name(step))
 
 
@@ -511,6 +512,9 @@ def _edited(good, d, step: int, **columns) -> None:
         ),
         ({"env_info": lambda v: ["[1, 2]"] + v[1:]}, "env_info is JSON list, not an object"),
         ({"turn_token_end": lambda v: [[10**6] * len(v[0])] + v[1:]}, "a turn span outside"),
+        # null cells in never-null columns made the checker itself raise TypeError (review finding)
+        ({"prompt_len": lambda v: [None] + v[1:]}, "prompt_len is null in 1 row(s)"),
+        ({"turn_token_start": lambda v: [None] + v[1:]}, "turn_token_start is null in 1 row(s)"),
     ],
 )
 def test_rows_that_do_not_hold_together_refuse_their_shard_by_name_and_the_others_load(tmp_path, capsys, edit, needle):

@@ -161,7 +161,10 @@ def read_shard(path: str | Path, columns: Iterable[str] | None = None) -> pa.Tab
     named = S.SHARD_PATTERN.match(path.name)
     if named is not None and int(named.group(1)) != step:
         raise DumpFileError(path, f"its metadata says step {step}, its name another step: a renamed or copied shard")
-    problems = row_problems(table, step)
+    try:
+        problems = row_problems(table, step)
+    except (TypeError, ValueError, pa.ArrowException) as exc:  # a cell of another type than the schema's
+        raise DumpFileError(path, f"rows cannot be checked ({exc}); the shard was edited or damaged") from None
     if problems:
         raise DumpFileError(path, f"rows do not hold together ({summary(problems)}); the shard was edited or damaged")
     return table

@@ -7,6 +7,7 @@ does not hold together, so :func:`m3_rollout.dump.reader.read_shard` can refuse 
 as it refuses a truncated file, and the other shards are still used.
 
 Checked on the columns the table has (``L`` = ``len(token_ids)``, ``T`` = model turns):
+- no null in a column the schema says is never null (then nothing else is checked);
 - ``step`` equals the shard's metadata step;
 - ``loss_mask``, ``rollout_logprobs``, ``weight_versions`` have ``L`` entries;
 - ``0 <= prompt_len <= L``; ``turn_token_start`` / ``turn_token_end`` have one entry per turn,
@@ -23,6 +24,8 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from m3_rollout.dump import schema as S
+
 _PER_TOKEN = ("loss_mask", "rollout_logprobs", "weight_versions")
 _JSON_KINDS = {  # column -> (type, nullable)
     "tool_calls": (list, False),
@@ -31,6 +34,7 @@ _JSON_KINDS = {  # column -> (type, nullable)
     "timings": (dict, True),
     "extra_fields": (dict, True),
 }
+_REQUIRED = [f.name for f in S.SCHEMA if not f.nullable]  # columns the schema says are never null
 MAX_LISTED = 3  # problems named in one error; the count says how many more
 
 
@@ -58,6 +62,13 @@ def row_problems(table: pa.Table, step: int) -> list[str]:
     row (index, group, sample) and the columns."""
     names = set(table.column_names)
     n = table.num_rows
+    nulls = [
+        f"{c} is null in {table.column(c).null_count} row(s)"
+        for c in _REQUIRED
+        if c in names and table.column(c).null_count
+    ]
+    if nulls:  # the checks below read these cells
+        return nulls
     col = {c: table.column(c).to_pylist() for c in ("group_id", "sample_index", "step", "prompt_len") if c in names}
 
     def where(i: int) -> str:

@@ -710,7 +710,8 @@ class LLMEngine:
         temperature, top_k, top_p = check_top_logprobs_filters(temperature, top_k, top_p, self.sampler_dtype)
         if self.refuse_reason is not None:
             raise ValueError(self.refuse_reason)
-        return lambda: top_logprobs(self.model, ids, first, k, temperature, top_k, top_p)
+        invariant = self.config.batch_invariant
+        return lambda: top_logprobs(self.model, ids, first, k, temperature, top_k, top_p, invariant)
 
     def metrics(self) -> dict:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step

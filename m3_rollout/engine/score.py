@@ -82,13 +82,21 @@ def check_top_logprobs(ids: list[int], start, k) -> tuple[int, int]:
 
 @torch.no_grad()
 def top_logprobs(
-    model, ids: list[int], start: int, k: int, temperature: float, top_k: int = -1, top_p: float = 1.0
+    model,
+    ids: list[int],
+    start: int,
+    k: int,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    batch_invariant: bool = False,
 ) -> list[list[tuple[int, float]]]:
     """The ``k`` most likely tokens at positions ``start .. len(ids) - 1`` of ``ids`` under
     ``model``: one plain forward over ``ids[:-1]``, the log-softmax of the logits processed as the
     sampler processes them (``sampler.process_logits``: / ``temperature``, then the ``top_k`` /
     ``top_p`` filters; the defaults filter nothing) in the logits' compute dtype (fp32; fp64 for an
-    fp64 model): the "processed" logprobs of the distribution sampled from. Tokens the filters
+    fp64 model; ``batch_invariant``: the sampler's tie rule of that mode): the "processed" logprobs
+    of the distribution sampled from. Tokens the filters
     removed (logprob -inf) are left out, so a position may list fewer than ``k`` (one under
     greedy, top_k 1). Arguments as :func:`check_top_logprobs` / :func:`check_top_logprobs_filters`
     return them (1 <= start < len(ids), k >= 1; k above the vocabulary gives all of it). Under EP
@@ -99,14 +107,15 @@ def top_logprobs(
     """
     device = model.lm_head.weight.device
     logits = model(torch.tensor([ids[:-1]], device=device))[0, start - 1 :]  # [G, V]: position start .. L-1
-    g = logits.shape[0]
+    g, dtype = logits.shape[0], compute_dtype(logits.dtype)
     x = process_logits(
         logits,
-        torch.full((g,), temperature, device=device),
+        torch.full((g,), temperature, dtype=dtype, device=device),
         torch.full((g,), top_k, dtype=torch.int64, device=device),
-        torch.full((g,), top_p, device=device),
+        torch.full((g,), top_p, dtype=dtype, device=device),
         need_top_k=top_k > 0,
         need_top_p=top_p < 1,
+        batch_invariant=batch_invariant,
     )
     vals, idx = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)  # [G, k]
     return [

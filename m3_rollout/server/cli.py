@@ -54,7 +54,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "at once; a new request waits up to this many steps)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="generation dtype (auto: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--max-model-len", type=int, default=None, help="longest context (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences the engine runs at once (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -131,7 +131,7 @@ def _device_problem(name: str) -> str | None:
     auto, or CUDA asked for where there is none or fewer devices (the GRPO job's
     ``cluster.device`` check, as one line instead of a traceback from the checkpoint load)."""
     kind, _, index = name.partition(":")
-    if name in ("auto", "cpu") or (kind == "cuda" and (not index or index.isdigit())):
+    if name in ("auto", "cpu") or (kind == "cuda" and (not index or (index.isascii() and index.isdigit()))):
         if kind != "cuda":
             return None
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -402,7 +402,7 @@ class EngineRunner:
         weight version they were computed with, read in the same engine-loop call, so a caller
         can tell which tokens were sampled with these weights).
         Raises ValueError naming a bad argument (``top_logprobs token_ids`` / ``start`` / ``k`` /
-        ``temperature``) or refused weights; NotImplementedError for backends without an engine
+        ``temperature`` / ``top_k`` / ``top_p``) or refused weights; NotImplementedError for backends without an engine
         (a :class:`StreamingBackend`).
         """
         if self.native is not None:

@@ -404,7 +404,10 @@ class WeightSender:
         rank 0 did not withdraw it, and fails it with a verdict error."""
         if isinstance(self.channel, BroadcastChannel):
             header = UpdateHeader(int(version), include_frozen, (), bool(replace), False, True)
-            self.channel.send(header, [], lambda k, buf: None, self.bucket_bytes)
+            try:
+                self.channel.send(header, [], lambda k, buf: None, self.bucket_bytes)
+            except WeightSyncTimeout:  # nobody took the header: both ends rebuild at the next update
+                self.channel.needs_rebuild = True
 
     def _packer_for(self, entries: tuple, sources: list[torch.Tensor]) -> BucketPacker:
         """The bucket plan and packer of ``entries`` / ``sources``, reused (with its fused passes)
