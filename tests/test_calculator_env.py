@@ -313,3 +313,19 @@ def test_tool_output_with_lone_surrogates_and_prints_is_safe(capfd):
 def test_tool_pool_rejects_non_finite_timeout():
     with pytest.raises(ValueError, match="timeout_s"):
         ToolProcessPool({}, timeout_s=float("inf"))
+
+
+def test_a_call_cannot_raise_the_calculators_length_cap():
+    """The tool's function was partial(_calculator, max_chars=cap): a call that added
+    "max_chars": 1000000 (the schema allows extra properties) lifted env.calculator's cap."""
+    env = CalculatorEnvironment(tool_settings=ToolSettings(num_workers=1))
+    _, state = env.reset({"prompt": "x", "answer": 1})
+    long = "+".join(["1"] * 400)  # 799 characters
+    calls = [
+        {"name": "calculator", "arguments": json.dumps({"expression": long})},
+        {"name": "calculator", "arguments": json.dumps({"expression": long, "max_chars": 1000000})},
+    ]
+    obs = env.step(state, ModelTurn(None, calls)).observations
+    env.close()
+    assert obs[0] == "Error: expression longer than 64 characters"
+    assert obs[1].startswith("Error:") and "max_chars" in obs[1] and "400" not in obs[1]

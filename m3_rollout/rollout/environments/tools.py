@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import warnings
-from functools import partial
+from dataclasses import dataclass
 
 from m3_rollout.rollout.environment import Tool
 
@@ -87,11 +87,20 @@ def safe_calculate(
         raise ValueError("expression nested too deeply") from None
 
 
-def _calculator(expression: str, max_chars: int = 64) -> str:
-    try:
-        return str(safe_calculate(str(expression), max_chars))
-    except ValueError as exc:
-        return f"Error: {exc}"
+@dataclass(frozen=True)
+class _Calculator:
+    """The calculator tool's function: ``expression`` is its only argument, so a call cannot raise
+    its own length cap (``partial(..., max_chars=)`` took a ``max_chars`` the model wrote, which
+    the schema, left as the warm-started checkpoint saw it, does not forbid). Picklable for the
+    tool pool's worker processes."""
+
+    max_chars: int = 64
+
+    def __call__(self, expression: str) -> str:
+        try:
+            return str(safe_calculate(str(expression), self.max_chars))
+        except ValueError as exc:
+            return f"Error: {exc}"
 
 
 def calculator_tool(max_expression_chars: int = 64) -> Tool:
@@ -104,7 +113,7 @@ def calculator_tool(max_expression_chars: int = 64) -> Tool:
             "properties": {"expression": {"type": "string", "description": "e.g. 12*34"}},
             "required": ["expression"],
         },
-        fn=partial(_calculator, max_chars=max_expression_chars),
+        fn=_Calculator(max_expression_chars),
     )
 
 
