@@ -238,3 +238,26 @@ def test_token_mult_prob_error_is_one_with_same_weights_fp32():
         f" | bf16 {m16['token_mult_prob_error']:.6f} gen_kl {m16['gen_kl_error']:.2e}"
     )
     assert 1.0 + 1e-5 < m16["token_mult_prob_error"] < 1.2
+
+
+def test_sequence_level_loss_averages_over_sequences_with_loss_tokens_only():
+    """token_level_loss=false divided by every row of the batch, so an overlong-filtered or errored
+    row (all-zero loss mask) halved the others' loss and gradient; NeMo RL divides by the valid
+    sequences. Rows 0-1 alone vs rows 0-1 plus two masked rows: the same loss and gradients."""
+    out = []
+    for masked_rows in (0, 2):
+        m = _model().double()
+        policy = Policy(m, lr=1e-3, max_grad_norm=1e9)
+        full = _batch(b=4)
+        keep = 2 + masked_rows
+        mask = full.loss_mask[:keep].clone()
+        mask[2:] = 0
+        batch = TrainBatch(
+            full.token_ids[:keep], mask, full.rollout_logprobs[:keep], full.advantages[:keep], full.lengths[:keep]
+        )
+        metrics = policy.train_step(batch, ClippedPGLossFn(token_level_loss=False), 1.0, 4)
+        out.append((metrics["loss"], {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = out
+    assert loss_a == pytest.approx(loss_b, rel=1e-10) and loss_a != 0
+    for n in grads_a:
+        assert torch.allclose(grads_a[n], grads_b[n], rtol=1e-9, atol=1e-14), n

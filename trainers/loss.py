@@ -118,7 +118,8 @@ class ClippedPGLossFn:
     Args:
         ratio_clip_min, ratio_clip_max: eps_min, eps_max of the clip range [1-eps_min, 1+eps_max].
         token_level_loss: True = normalise by the global count of sampled tokens; False = mean
-            over tokens per sequence, then over sequences (normaliser = global sequence count).
+            over tokens per sequence, then over sequences (normaliser = the global count of
+            sequences with loss tokens, NeMo RL's valid sequences; ``Policy.train_step``).
         ratio_clip_c: dual-clip constant c > 1 (None = off).
         reference_policy_kl_penalty: beta; 0 = no KL term and reference logprobs are not needed.
         reference_policy_kl_type: "k1" | "k2" | "k3".
@@ -199,8 +200,8 @@ class ClippedPGLossFn:
             prev_logprobs: float [B, L] ratio denominator.
             advantages: float [B].
             mask: float [B, L], 1 on sampled tokens.
-            global_normalizer: sampled-token count (token level) or sequence count of the whole
-                global batch (> 0).
+            global_normalizer: sampled-token count (token level) or the count of sequences with
+                loss tokens (sequence level) of the whole global batch (> 0).
             generation_logprobs: float [B, L]; required unless importance_sampling == "none".
             reference_logprobs: float [B, L]; required when the KL penalty != 0, ignored otherwise.
 

@@ -569,7 +569,10 @@ class Policy:
         t1 = time.perf_counter()
         stats = mismatch_stats(dev.rollout_logprobs, prev, dev.loss_mask)
         num_tokens = float(batch.loss_mask.sum())  # host batch: no device sync
-        normalizer = max(num_tokens, 1.0) if loss_fn.token_level_loss else float(batch.token_ids.shape[0])
+        # sequence-level loss: the mean over the sequences that have loss tokens (NeMo RL's valid
+        # sequences); an overlong-filtered or errored row (all-zero mask) adds nothing and counts nothing
+        valid_seqs = float((batch.loss_mask.sum(dim=1) > 0).sum())
+        normalizer = max(num_tokens, 1.0) if loss_fn.token_level_loss else max(valid_seqs, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         self.compute.zero_grad(set_to_none=True)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)  # sums in fp64, as Python floats were
