@@ -188,3 +188,18 @@ def test_groups_from_several_prompt_batches_get_distinct_group_ids(tmp_path, mon
     assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [(g, j) for g in (0, 1) for j in range(4)]
     for r in rows:  # both kept groups have rewards 0, 1, 0, 1 -> advantages of alternating sign
         assert (r["advantage"] > 0) == (r["sample_index"] % 2 == 1)
+
+
+def test_replay_overrides_may_follow_the_options():
+    """`replay DIR --config CFG grpo.max_num_steps=2` (the usage's order) stopped with
+    "unrecognized arguments: grpo.max_num_steps=2"."""
+    from m3_rollout.jobs.dump_cli import parse_args
+
+    a = parse_args(["replay", "d", "--config", "c.yaml", "grpo.max_num_steps=2", "--train", "x=1"])
+    assert (a.dir, a.config, a.train, a.overrides) == ("d", "c.yaml", True, ["grpo.max_num_steps=2", "x=1"])
+    b = parse_args(["replay", "d", "k=1", "--config", "c.yaml"])
+    assert b.overrides == ["k=1"]
+    with pytest.raises(SystemExit):
+        parse_args(["replay", "d", "--config", "c.yaml", "stray"])
+    with pytest.raises(SystemExit):
+        parse_args(["inspect", "d", "k=1"])
