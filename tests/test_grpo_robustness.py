@@ -361,3 +361,24 @@ def test_offline_replay_combines_every_optimizer_step(cache):
     (h,) = train_offline(read, cfg, policy, build_loss_fn(cfg.loss_fn))
     sampled = sum(sum(m) for m in read.table.column("loss_mask").to_pylist())
     assert h["rows"] == 16 and h["num_tokens"] == sampled
+
+
+def test_generation_errors_are_counted_and_a_step_where_all_failed_stops_the_run(cache, monkeypatch, capsys):
+    """A prompt with no room under max_model_len made every sample of its group an error record:
+    reward 0, loss 0, a checkpoint saved and exit 0, with no word about it."""
+    real = grpo.run_group_rollouts
+
+    def some_too_long(backend, chat, env, records, settings):
+        step = settings.seed % 100_003  # the batch index (jobs.stack.batch_seed)
+        long = [dict(r, messages=[{"role": "user", "content": "pad " * 400}]) for r in records]
+        return real(backend, chat, env, long if step == 2 else long[:1] + records[1:], settings)
+
+    monkeypatch.setattr(grpo, "run_group_rollouts", some_too_long)
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(_args(cache, "grpo.max_num_steps=3"))
+    assert exc.value.code == 1
+    out = capsys.readouterr()
+    assert "[warn] step 1: 4 of 16 samples failed to generate (reward 0, nothing trained); first: " in out.out
+    assert "leaves no room under max_model_len" in out.out
+    assert "step 2: every sample failed to generate (" in out.err
+    assert [(r["step"], r["train/generation_errors"]) for r in _metrics(cache)] == [(1, 4)]  # one group of 4

@@ -37,6 +37,7 @@ from m3_rollout.jobs.step_metrics import (
     TRAINER_TIMINGS,
     advantage_metrics,
     bitwise_on_policy,
+    generation_errors,
     handoff_metrics,
     resolve_metric_name,
     reward_errors,
@@ -397,6 +398,17 @@ def run(cfg: MasterConfig) -> dict:
                 for t in grp:
                     t.group_index = i
             trajs = [t for grp in groups for t in grp]
+            failed = generation_errors(trajs)
+            if failed:
+                logger.text(
+                    f"[warn] step {step}: {len(failed)} of {len(trajs)} samples failed to generate (reward 0, "
+                    f"nothing trained); first: {failed[0]}"
+                )
+                if len(failed) == len(trajs):
+                    raise TrainingError(
+                        f"step {step}: every sample failed to generate ({failed[0]}); check the prompts against "
+                        "policy.max_total_sequence_length and the generation settings"
+                    )
             errors = reward_errors(trajs)
             if errors:
                 logger.text(

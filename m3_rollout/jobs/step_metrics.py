@@ -64,11 +64,18 @@ def reward_errors(trajs: list[Trajectory]) -> list[str]:
     return [t.info["reward_error"] for t in trajs if t.info.get("reward_error")]
 
 
+def generation_errors(trajs: list[Trajectory]) -> list[str]:
+    """The generation errors of ``trajs`` (finish_reason "error": the backend refused or lost the
+    request, e.g. a prompt with no room under max_model_len; ``info["error"]`` says why). Such a
+    trajectory has no generated token, so it trains nothing and scores 0."""
+    return [t.info.get("error") or "generation failed" for t in trajs if t.finish_reason == "error"]
+
+
 def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
     """Reward and response statistics of one step's trajectories (``train/``): reward (mean),
     reward_std, accuracy (fraction > 0.5), tool_call_rate, mean_gen_tokens_per_sample,
     mean_total_tokens_per_sample (prompt, generated and tool tokens), truncation_rate (fraction
-    cut by a token limit), reward_errors (count)."""
+    cut by a token limit), reward_errors and generation_errors (counts)."""
     n = len(trajs)
     return {
         "reward": float(rewards.mean()),
@@ -79,6 +86,7 @@ def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
         "mean_total_tokens_per_sample": sum(len(t.token_ids) for t in trajs) / n,
         "truncation_rate": sum(1 for t in trajs if t.finish_reason == "length") / n,
         "reward_errors": len(reward_errors(trajs)),
+        "generation_errors": len(generation_errors(trajs)),
     }
 
 
@@ -130,13 +138,14 @@ def handoff_metrics(phase: str, record: dict) -> tuple[dict, dict]:
 def validation_metrics(trajs: list[Trajectory], seconds: float) -> dict:
     """``validation/`` and ``timing/validation/`` figures of a held-out evaluation (one sample per
     prompt): accuracy (mean reward, NeMo RL's), avg_length (mean generated tokens), tool_call_rate,
-    reward_errors; total_validation_time (seconds)."""
+    reward_errors, generation_errors; total_validation_time (seconds)."""
     n = len(trajs)
     return {
         "validation/accuracy": sum(t.reward for t in trajs) / n,
         "validation/avg_length": sum(t.num_generated for t in trajs) / n,
         "validation/tool_call_rate": sum(1 for t in trajs if t.tool_calls) / n,
         "validation/reward_errors": len(reward_errors(trajs)),
+        "validation/generation_errors": len(generation_errors(trajs)),
         "timing/validation/total_validation_time": seconds,
     }
 
