@@ -216,3 +216,25 @@ def test_resume_past_the_last_step_stops_at_start(tmp_path, capsys):
     assert "[warn]" not in capsys.readouterr().err
     check_resume(cfg(False, 3))  # a new run beside an earlier run's checkpoints: a warning naming the key
     assert "checkpointing.checkpoint_dir" in capsys.readouterr().err
+
+
+def test_a_resumed_run_cuts_metrics_jsonl_back_to_its_checkpoint(tmp_path):
+    """A run interrupted after its step-1 checkpoint logged steps 2-3; resumed, it logged them again
+    and metrics.jsonl read 0,1,2,3,2,3 (plots and the dump's mismatch lookup saw two of each)."""
+    from m3_rollout.config import LoggerConfig
+    from m3_rollout.jobs.metrics_logger import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "validation/accuracy": 0.1}, {"step": 1, "train/loss": 1.0}, {"note": "no step"}]
+    rows += [{"step": 2, "train/loss": 2.0}, {"step": 3, "train/loss": 3.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
+    cfg = LoggerConfig(log_dir=str(tmp_path), wandb_enabled=False)
+    logger = MetricsLogger(cfg, {"checkpointing": {"resume": True}}, write=lambda s: None, resume_step=1)
+    logger.log({"loss": 2.5}, step=2, prefix="train/")
+    logger.close()
+    got = [json.loads(l) if l.startswith("{") else l for l in path.read_text().splitlines()]
+    assert [g.get("step") if isinstance(g, dict) else g for g in got] == [0, 1, None, "not json", 2]
+    assert got[-1]["train/loss"] == 2.5
+    fresh = MetricsLogger(cfg, {"checkpointing": {"resume": False}}, write=lambda s: None)
+    fresh.close()
+    assert path.read_text() == ""  # a fresh run starts a fresh log, as before

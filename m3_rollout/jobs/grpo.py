@@ -300,7 +300,13 @@ def run(cfg: MasterConfig) -> dict:
     refit(lambda: backend.update_weights(start_step - 1, policy.named_released_tensors()), start_step - 1)
     loss_fn = build_loss_fn(cfg.loss_fn)
     try:  # a resumed run continues the wandb run its checkpoint recorded
-        logger = MetricsLogger(cfg.logger, to_dict(cfg), tqdm.write, data_state.get("wandb_run_id"))
+        logger = MetricsLogger(
+            cfg.logger,
+            to_dict(cfg),
+            tqdm.write,
+            data_state.get("wandb_run_id"),
+            start_step - 1 if resume_from else None,
+        )
     except BaseException:
         env.close()
         backend.shutdown()

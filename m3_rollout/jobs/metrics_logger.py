@@ -9,6 +9,15 @@ from pathlib import Path
 from m3_rollout.config import ConfigError, LoggerConfig
 
 
+def _kept(line: str, resume_step: int) -> bool:
+    """A metrics.jsonl row a run resumed at ``resume_step`` keeps: a step up to it, or no step."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return True  # not ours to judge: kept as it was
+    return not isinstance(step, int) or step <= resume_step
+
+
 class MetricsLogger:
     """Args:
     cfg: ``logger`` section. ``wandb.mode`` "auto" = online iff ``WANDB_API_KEY`` is set;
@@ -18,6 +27,9 @@ class MetricsLogger:
     resume_run_id: the wandb run id a resumed run's checkpoint recorded (None: a fresh run, or a
         checkpoint without one). With ``wandb.resume`` "allow" / "must" the run continues that
         wandb run (``wandb.init(id=..., resume=...)``); "never" starts a new one.
+    resume_step: the step of the checkpoint a resumed run continues from: ``metrics.jsonl`` keeps
+        the rows up to it (the interrupted run logged later steps that this run logs again), then
+        gets this run's rows appended. None: a fresh run (a fresh log), or no checkpoint found.
 
     Attributes:
         run_id: the wandb run's id (stored in every checkpoint), None without wandb.
@@ -26,14 +38,26 @@ class MetricsLogger:
         ConfigError: ``wandb.resume=must`` for a resumed run whose checkpoint names no wandb run.
     """
 
-    def __init__(self, cfg: LoggerConfig, run_config: dict, write=print, resume_run_id: str | None = None):
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        run_config: dict,
+        write=print,
+        resume_run_id: str | None = None,
+        resume_step: int | None = None,
+    ):
         self.cfg, self.write = cfg, write
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # A fresh run starts a fresh log (a rerun into the same log_dir would otherwise mix two
-        # runs' steps); a resumed run appends to the log it continues.
+        # runs' steps); a resumed run appends to the log it continues, cut back to its checkpoint.
         resume = bool(run_config.get("checkpointing", {}).get("resume", False))
-        self._jsonl = open(self.log_dir / "metrics.jsonl", "a" if resume else "w")
+        path = self.log_dir / "metrics.jsonl"
+        if resume and resume_step is not None and path.is_file():
+            path.write_text(
+                "".join(line for line in path.read_text().splitlines(keepends=True) if _kept(line, resume_step))
+            )
+        self._jsonl = open(path, "a" if resume else "w")
         self.run = None
         self.run_id: str | None = None
         w = cfg.wandb
