@@ -238,3 +238,22 @@ def test_a_resumed_run_cuts_metrics_jsonl_back_to_its_checkpoint(tmp_path):
     fresh = MetricsLogger(cfg, {"checkpointing": {"resume": False}}, write=lambda s: None)
     fresh.close()
     assert path.read_text() == ""  # a fresh run starts a fresh log, as before
+
+
+def test_resume_with_other_trainable_tensors_is_refused_naming_them(tmp_path):
+    """AdamW's state is matched by position: with another policy.freeze.patterns on resume, the
+    moments of k_proj landed on v_proj without a word."""
+    torch.manual_seed(0)
+    m = M3ForCausalLM(tiny_config(vocab_size=64))
+    policy = Policy(m, lr=1e-2, freeze_patterns=[r"layers\.0\.self_attn\.v_proj"])
+    _step(policy)
+    path = CheckpointManager(tmp_path).save(1, policy, None, {"next_batch": 2}, {})
+    other = Policy(
+        M3ForCausalLM(tiny_config(vocab_size=64)), lr=1e-2, freeze_patterns=[r"layers\.0\.self_attn\.k_proj"]
+    )
+    with pytest.raises(
+        ValueError, match=r"optimizer trains other tensors than the run that saved it .*k_proj.*policy\.freeze"
+    ):
+        CheckpointManager.load(path, other)
+    same = Policy(M3ForCausalLM(tiny_config(vocab_size=64)), lr=1e-2, freeze_patterns=[r"layers\.0\.self_attn\.v_proj"])
+    assert CheckpointManager.load(path, same)["step"] == 1

@@ -382,3 +382,18 @@ def test_generation_errors_are_counted_and_a_step_where_all_failed_stops_the_run
     assert "leaves no room under max_model_len" in out.out
     assert "step 2: every sample failed to generate (" in out.err
     assert [(r["step"], r["train/generation_errors"]) for r in _metrics(cache)] == [(1, 4)]  # one group of 4
+
+
+def test_resume_from_a_partial_checkpoint_is_one_error_line_and_exit_2(cache, capsys):
+    """A step directory without optimizer.pt (or with a truncated file) was a traceback, exit 1."""
+    step = cache / "ckpt" / "step_1"
+    (step / "policy").mkdir(parents=True)
+    args = _args(
+        cache, "grpo.max_num_steps=2", "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={cache}/ckpt"
+    )
+    with pytest.raises(SystemExit) as exc:
+        grpo.main([*args, "checkpointing.resume=true"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: checkpointing.resume=true: {step} cannot be resumed from: FileNotFoundError:")
+    assert "lacks optimizer.pt" in err and "delete that step directory" in err

@@ -65,6 +65,13 @@ def iter_weight_files(model_dir: Path):
                 yield key, f.get_tensor(key)
 
 
+def optimizer_param_names(policy) -> list[list[str]]:
+    """The names of the tensors each optimizer param group trains, in the optimizer's order (what
+    its state is matched by on load)."""
+    names = {id(p): n for n, p in policy.model.named_parameters()}
+    return [[names.get(id(p), "?") for p in g["params"]] for g in policy.optimizer.param_groups]
+
+
 class CheckpointManager:
     """Save, find, load and prune training checkpoints under ``root``.
 
@@ -133,7 +140,11 @@ class CheckpointManager:
             if chat_template_kwargs is not None:
                 write_chat_defaults(tmp / "policy", chat_template_kwargs)
             torch.save(
-                {"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict()},
+                {
+                    "optimizer": policy.optimizer.state_dict(),
+                    "scheduler": policy.scheduler.state_dict(),
+                    "param_names": optimizer_param_names(policy),
+                },
                 tmp / "optimizer.pt",
             )
             torch.save(
@@ -191,7 +202,10 @@ class CheckpointManager:
 
         Raises:
             FileNotFoundError: a file of the layout is missing (named).
-            ValueError: the weights do not match the policy's model.
+            ValueError: the weights do not match the policy's model, or the optimizer's tensors
+                are not the ones the checkpoint's optimizer state belongs to (``policy.freeze.*``
+                changed: AdamW's state is matched by position, so the moments would land on other
+                tensors).
         """
         path = Path(path)
         for name in ("policy", "optimizer.pt", "training_state.pt"):
@@ -200,7 +214,20 @@ class CheckpointManager:
         with torch.no_grad():
             load_named_tensors(policy.model, iter_weight_files(path / "policy"))
         opt = torch.load(path / "optimizer.pt", weights_only=False)
-        policy.optimizer.load_state_dict(opt["optimizer"])
+        saved, now = opt.get("param_names"), optimizer_param_names(policy)
+        if saved is not None and saved != now:
+            diff = sorted(set(map(tuple, saved)) ^ set(map(tuple, now)) or {("order",)})
+            raise ValueError(
+                f"checkpoint {path}: the optimizer trains other tensors than the run that saved it (e.g. "
+                f"{'/'.join(diff[0])}); policy.freeze.* (or the weight-decay grouping) changed since: resume with the "
+                "saved settings, or start a new run from its policy/ weights (policy.model_name=.../policy)"
+            )
+        try:
+            policy.optimizer.load_state_dict(opt["optimizer"])
+        except ValueError as exc:  # a checkpoint without param_names and another group layout
+            raise ValueError(
+                f"checkpoint {path}: its optimizer state does not fit this run's optimizer ({exc})"
+            ) from None
         policy.scheduler.load_state_dict(opt["scheduler"])
         state = torch.load(path / "training_state.pt", weights_only=False)
         random.setstate(state["python_rng"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shlex
 import sys
@@ -292,7 +293,21 @@ def run(cfg: MasterConfig) -> dict:
     start_step, data_state, history = 1, {"next_batch": 1}, []
     resume_from = ckpts.latest() if ck.resume else None
     if resume_from is not None:
-        state = CheckpointManager.load(resume_from, policy)
+        try:
+            state = CheckpointManager.load(resume_from, policy)
+        except Exception as exc:  # noqa: BLE001 - a partial, corrupt or mismatched checkpoint: one line, exit 2
+            env.close()
+            backend.shutdown()
+            raise ConfigError(
+                f"checkpointing.resume=true: {resume_from} cannot be resumed from: {type(exc).__name__}: {exc} "
+                "(delete that step directory to resume from an earlier one, or set checkpointing.resume=false)"
+            ) from None
+        saved_lr, lr = policy.scheduler.base_lrs[0], cfg.policy.optimizer.lr
+        if not math.isclose(saved_lr, lr, rel_tol=1e-9):
+            print(
+                f"[warn] policy.optimizer.lr={lr:g} differs from the checkpoint's {saved_lr:g}: the resumed optimizer "
+                "and schedule keep the checkpoint's (start a new run from its policy/ weights for another lr)"
+            )
         start_step, data_state = state["step"] + 1, state["data"]
         history = [tuple(h) for h in data_state.get("val_history", [])]
         print(f"resumed from {resume_from} (step {state['step']})")
