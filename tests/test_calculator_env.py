@@ -329,3 +329,20 @@ def test_a_call_cannot_raise_the_calculators_length_cap():
     env.close()
     assert obs[0] == "Error: expression longer than 64 characters"
     assert obs[1].startswith("Error:") and "max_chars" in obs[1] and "400" not in obs[1]
+
+
+def huge_reward(answer_text, record):
+    return float(record["answer"])
+
+
+def test_a_reward_beyond_fp32_is_a_reward_error_not_a_crash():
+    """1e39 passed the isfinite check, became inf in the job's fp32 rewards and stopped the run with
+    a traceback ("rewards contain NaN/inf")."""
+    env = JsonlEnvironment(f"{__name__}.huge_reward")
+    try:
+        for answer, reward, error in [("1e39", 0.0, "reward 1e+39 beyond +-1e+30"), ("-5e29", -5e29, None)]:
+            _, state = env.reset({"prompt": "x", "answer": answer})
+            step = env.step(state, ModelTurn("x"))
+            assert (step.reward, step.info.get("reward_error")) == (reward, error)
+    finally:
+        env.close()

@@ -442,6 +442,12 @@ def run(cfg: MasterConfig) -> dict:
                         f"(env.jsonl.reward_fn={cfg.env.jsonl.reward_fn!r} for env.name=jsonl)"
                     )
             rewards = torch.tensor([t.reward for t in trajs])
+            if not bool(torch.isfinite(rewards).all()):  # an environment of one's own that skipped the checks
+                bad = next(t.reward for t, r in zip(trajs, rewards.tolist()) if not math.isfinite(r))
+                raise TrainingError(
+                    f"step {step}: reward {bad!r} of env.name={cfg.env.name!r} is not a finite fp32 number; "
+                    "the environment must return finite rewards (or record a reward_error and return 0)"
+                )
             handoff, timing = {}, {}
             if gen.sleep_level:  # colocated: the engine gives its memory to the trainer while it trains
                 record = collector.run_exclusive(lambda be: be.sleep(gen.sleep_level))

@@ -54,6 +54,9 @@ def load_reward_fn(path: str) -> RewardFn:
     return fn
 
 
+MAX_REWARD = 1e30  # |reward| above it is a reward error: fp32 holds it, and group statistics stay finite
+
+
 class JsonlEnvironment(Environment):
     """Episodes from JSONL records with a user-chosen reward.
 
@@ -108,4 +111,6 @@ class JsonlEnvironment(Environment):
             return EnvStep([], 0.0, True, {**info, "reward_error": f"{type(exc).__name__}: {exc}"})
         if not math.isfinite(reward):
             return EnvStep([], 0.0, True, {**info, "reward_error": f"non-finite reward {reward}"})
+        if abs(reward) > MAX_REWARD:  # the job's fp32 rewards would turn it into inf
+            return EnvStep([], 0.0, True, {**info, "reward_error": f"reward {reward:g} beyond +-{MAX_REWARD:g}"})
         return EnvStep([], reward, True, info)
