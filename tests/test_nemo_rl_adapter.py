@@ -313,3 +313,24 @@ def test_collective_refit_from_a_trainer_of_two_ranks():
         assert got[r]["stats"]["version"] == 1 and got[r]["gathers"] == 3 * n_hf  # handshake + 2 updates
         assert "trainer rank 1: its update (version 3" in got[r]["mismatch_error"]
         assert "differs from trainer rank 0's (version 2" in got[r]["mismatch_error"]
+
+
+def test_odd_but_valid_batches_and_refusals_of_odd_ones():
+    """Breaker findings: a plain list of input_lengths raised AttributeError, a stop_strings list
+    shorter than the batch an IndexError, a row's plain string became one stop string per
+    character, and an IPC refit while the weights were offloaded a storage error."""
+    model = _model()
+    batch = _batch()
+    want = _generation(model).generate(batch)
+    got = _generation(model).generate({**batch, "input_lengths": batch["input_lengths"].tolist()})
+    assert torch.equal(got["output_ids"], want["output_ids"]) and torch.equal(got["logprobs"], want["logprobs"])
+    with pytest.raises(ValueError, match="stop_strings has 1 entries for 3 rows of input_ids"):
+        _generation(model).generate({**batch, "stop_strings": [["x"]]})
+    gen = _generation(model)
+    reqs = gen._requests({**batch, "stop_strings": ["ab", None, ["cd", "e"]]}, greedy=False)[2]
+    assert [r.params.stop_strings for r in reqs] == [("ab",), (), ("cd", "e")]
+    asleep = NemoRLGeneration(_generation(model).backend, CONFIG, seed=3, sleep_level=2)
+    asleep.finish_generation()
+    with pytest.raises(RuntimeError, match="weights are offloaded; call prepare_for_generation"):
+        asleep.update_weights_via_ipc(iter_released_tensors(model, prefix=""))
+    asleep.prepare_for_generation()

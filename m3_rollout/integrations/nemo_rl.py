@@ -158,7 +158,7 @@ class NemoRLGeneration:
         ids, lengths = data["input_ids"], data["input_lengths"]
         if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError(f"input_ids: must be an integer tensor [B, S], got {ids.dtype} {tuple(ids.shape)}")
-        lens = [int(x) for x in lengths.tolist()]
+        lens = [int(x) for x in torch.as_tensor(lengths).reshape(-1).tolist()]  # a tensor or a plain list
         if len(lens) != ids.shape[0]:
             raise ValueError(f"input_lengths has {len(lens)} entries for {ids.shape[0]} rows of input_ids")
         for i, n in enumerate(lens):
@@ -170,6 +170,9 @@ class NemoRLGeneration:
                     f"{n} tokens (NeMo RL's GenerationDatumSpec: right padding)"
                 )
         stops = data.get("stop_strings") or [None] * len(lens)
+        if len(stops) != len(lens):
+            raise ValueError(f"stop_strings has {len(stops)} entries for {len(lens)} rows of input_ids (one per row)")
+        stops = [(s,) if isinstance(s, str) else s for s in stops]  # a row's one string, not its characters
         call, self._calls = self._calls, self._calls + 1
         reqs = []
         for i, n in enumerate(lens):
@@ -312,6 +315,8 @@ class NemoRLGeneration:
                 update (names the tensors; nothing changed with ``weight_sync.atomic``).
             RuntimeError: the engine sleeps at level 2 (call prepare_for_generation first).
         """
+        if self._asleep and self.sleep_level == 2:
+            raise RuntimeError("update_weights_via_ipc: the weights are offloaded; call prepare_for_generation")
         items = list(named_tensors)
         if self._refit_names is not None:
             got = {n for n, _ in items}
