@@ -545,20 +545,21 @@ class OpenAIServing:
         k: int,
         params: SamplingParams,
         versions: list[int],
-        stale: list[tuple[int, int, int]],
-    ) -> list[list[tuple[int, float]]]:
-        """Top-k logprobs of generated tokens ``start ..`` of a sample (engine loop forward); []
-        when the sample has no tokens from ``start`` on (e.g. aborted before its first).
+    ) -> tuple[list[list[tuple[int, float]]] | None, str | None]:
+        """(top-``k`` logprobs of generated tokens ``start ..`` of a sample, the choice's
+        ``top_logprobs_note`` or None): one engine-loop forward; (None, None) for ``k`` 0; [] when
+        the sample has no tokens from ``start`` on (e.g. aborted before its first).
 
         The forward runs with the weights served now; a token sampled with another weight
         version (``versions``: the sample's per-token versions; an update landed while it ran,
-        in_flight "continue") gets an empty list instead of another model's alternatives, and
-        (index, sampled version, served version) goes to ``stale`` (:func:`stale_note` words it
-        for the response).
+        in_flight "continue") gets an empty list instead of another model's alternatives, and the
+        note (:func:`stale_note`) names those tokens.
         Raises APIError 501 for a backend without a model, 503 when the engine or the EP group
         refuses the forward after the sample was generated (its message says why)."""
+        if not k:
+            return None, None
         if start >= len(out_ids):
-            return []
+            return [], None
         # the distribution the sampled tokens' own logprobs come from: the model's ("raw"), or the
         # processed one sampled from (temperature, top-k, top-p; greedy lists only its token)
         p = params
@@ -572,11 +573,12 @@ class OpenAIServing:
             raise APIError(
                 503, f"top_logprobs could not be computed: {exc}; retry the request", "top_logprobs", "server_error"
             ) from exc
+        stale = []
         for i in range(len(rows)):
             if start + i < len(versions) and versions[start + i] != version:
                 rows[i] = []
                 stale.append((start + i, versions[start + i], version))
-        return rows
+        return rows, stale_note(stale) if stale else None
 
     # ---- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:
@@ -614,20 +616,15 @@ class OpenAIServing:
             }
             if req.logprobs:
                 k = req.top_logprobs or 0
-                stale: list[tuple[int, int, int]] = []
-                tops = (
-                    await self._tops(prompt.ids, out.output_ids, 0, k, greq.params, out.token_weight_versions, stale)
-                    if k
-                    else None
-                )
+                tops, note = await self._tops(prompt.ids, out.output_ids, 0, k, greq.params, out.token_weight_versions)
                 choice["logprobs"] = {
                     "content": [
                         _logprob_entry(self.served, t, lp, tops[i] if tops else None)
                         for i, (t, lp) in enumerate(zip(out.output_ids, out.logprobs))
                     ]
                 }
-                if stale:
-                    choice["top_logprobs_note"] = stale_note(stale)
+                if note:
+                    choice["top_logprobs_note"] = note
             if req.return_token_ids:
                 choice["token_ids"] = out.output_ids
                 choice["token_weight_versions"] = out.token_weight_versions
@@ -691,20 +688,15 @@ class OpenAIServing:
                     extra = {}
                     versions[i] += item.weight_versions
                     if req.logprobs:
-                        stale: list[tuple[int, int, int]] = []
-                        tops = (
-                            await self._tops(prompt.ids, texts[i].ids, counts[i], k, greq.params, versions[i], stale)
-                            if k
-                            else None
-                        )
+                        tops, note = await self._tops(prompt.ids, texts[i].ids, counts[i], k, greq.params, versions[i])
                         extra["logprobs"] = {
                             "content": [
                                 _logprob_entry(self.served, t, lp, tops[j] if tops else None)
                                 for j, (t, lp) in enumerate(zip(item.token_ids, item.logprobs))
                             ]
                         }
-                        if stale:
-                            extra["top_logprobs_note"] = stale_note(stale)
+                        if note:
+                            extra["top_logprobs_note"] = note
                     if req.return_token_ids:
                         extra["token_ids"] = item.token_ids
                         extra["token_weight_versions"] = item.weight_versions
@@ -796,17 +788,13 @@ class OpenAIServing:
                     "stop_reason": ts.stop_reason,
                 }
                 if req.logprobs is not None:
-                    k = req.logprobs
-                    stale: list[tuple[int, int, int]] = []
                     versions = out.token_weight_versions
-                    tops = (
-                        await self._tops(list(greq.prompt_ids), out.output_ids, 0, k, greq.params, versions, stale)
-                        if k
-                        else None
+                    tops, note = await self._tops(
+                        list(greq.prompt_ids), out.output_ids, 0, req.logprobs, greq.params, versions
                     )
                     choice["logprobs"] = self._completion_logprobs(out, tops, len(prefix))
-                    if stale:
-                        choice["top_logprobs_note"] = stale_note(stale)
+                    if note:
+                        choice["top_logprobs_note"] = note
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = list(greq.prompt_ids)
                     choice["token_ids"] = out.output_ids
