@@ -170,6 +170,17 @@ def main(argv: list[str] | None = None, prog: str = "m3-rollout grpo") -> dict:
         raise SystemExit(130) from None
 
 
+def warn_failures(write, step: int, n: int, errors: list[str], what: str, stop: str, fix: str) -> None:
+    """One ``[warn]`` line for a step where some of its ``n`` samples failed (``errors``: why,
+    one per failed sample; ``what`` says what failed); raises TrainingError (``stop`` and ``fix``
+    in its message) when every one did, since such a step trains nothing."""
+    if not errors:
+        return
+    write(f"[warn] step {step}: {len(errors)} of {n} {what}; first: {errors[0]}")
+    if len(errors) == n:
+        raise TrainingError(f"step {step}: {stop} ({errors[0]}); {fix}")
+
+
 def refit(push: Callable[[], object], version: int):
     """``push()``: a call that refits the rollout (``update_weights`` with the trainer's tensors;
     with async GRPO the collector's ``get_groups``, whose producer applies the staged weights). A
@@ -419,28 +430,24 @@ def run(cfg: MasterConfig) -> dict:
                 for t in grp:
                     t.group_index = i
             trajs = [t for grp in groups for t in grp]
-            failed = generation_errors(trajs)
-            if failed:
-                logger.text(
-                    f"[warn] step {step}: {len(failed)} of {len(trajs)} samples failed to generate (reward 0, "
-                    f"nothing trained); first: {failed[0]}"
-                )
-                if len(failed) == len(trajs):
-                    raise TrainingError(
-                        f"step {step}: every sample failed to generate ({failed[0]}); check the prompts against "
-                        "policy.max_total_sequence_length and the generation settings"
-                    )
-            errors = reward_errors(trajs)
-            if errors:
-                logger.text(
-                    f"[warn] step {step}: {len(errors)} of {len(trajs)} rewards failed and were scored 0; "
-                    f"first: {errors[0]}"
-                )
-                if len(errors) == len(trajs):
-                    raise TrainingError(
-                        f"step {step}: every reward failed ({errors[0]}); fix the reward function "
-                        f"(env.jsonl.reward_fn={cfg.env.jsonl.reward_fn!r} for env.name=jsonl)"
-                    )
+            warn_failures(
+                logger.text,
+                step,
+                len(trajs),
+                generation_errors(trajs),
+                "samples failed to generate (reward 0, nothing trained)",
+                "every sample failed to generate",
+                "check the prompts against policy.max_total_sequence_length and the generation settings",
+            )
+            warn_failures(
+                logger.text,
+                step,
+                len(trajs),
+                reward_errors(trajs),
+                "rewards failed and were scored 0",
+                "every reward failed",
+                f"fix the reward function (env.jsonl.reward_fn={cfg.env.jsonl.reward_fn!r} for env.name=jsonl)",
+            )
             rewards = torch.tensor([t.reward for t in trajs])
             if not bool(torch.isfinite(rewards).all()):  # an environment of one's own that skipped the checks
                 bad = next(t.reward for t, r in zip(trajs, rewards.tolist()) if not math.isfinite(r))
