@@ -158,8 +158,8 @@ _TRAINER = (
 ).split()
 _LOOP = (
     "reward reward_std accuracy tool_call_rate mean_gen_tokens_per_sample mean_total_tokens_per_sample "
-    "truncation_rate reward_errors advantages/mean advantages/std advantages/min advantages/max worker_failures "
-    "worker_failures_recovered num_groups mean_group_age max_group_age stale_groups_dropped "
+    "truncation_rate reward_errors generation_errors advantages/mean advantages/std advantages/min advantages/max "
+    "worker_failures worker_failures_recovered num_groups mean_group_age max_group_age stale_groups_dropped "
     "stale_groups_dropped_total group_wait_timed_out skipped_steps_total"
 ).split()
 _TIMING = (
@@ -172,6 +172,7 @@ _VALIDATION = (
     "validation/avg_length",
     "validation/tool_call_rate",
     "validation/reward_errors",
+    "validation/generation_errors",
     "timing/validation/total_validation_time",
 )
 _MISMATCH = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error", "max_logprob_abs_diff")
