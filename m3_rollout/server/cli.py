@@ -130,17 +130,17 @@ def _device_problem(name: str) -> str | None:
     """Why ``--device`` cannot be used on this machine (None: it can): not cpu / cuda / cuda:N /
     auto, or CUDA asked for where there is none or fewer devices (the GRPO job's
     ``cluster.device`` check, as one line instead of a traceback from the checkpoint load)."""
+    if name in ("auto", "cpu"):
+        return None
     kind, _, index = name.partition(":")
-    if name in ("auto", "cpu") or (kind == "cuda" and (not index or (index.isascii() and index.isdigit()))):
-        if kind != "cuda":
-            return None
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(index or 0) < count:
-            return None
-        return f"this machine has {count} CUDA device(s); use --device cpu" + (
-            f" or cuda:N with N < {count}" if count else ""
-        )
-    return "must be cpu, cuda, cuda:N or auto"
+    if kind != "cuda" or (index and not (index.isascii() and index.isdigit())):
+        return "must be cpu, cuda, cuda:N or auto"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(index or 0) < count:
+        return None
+    return f"this machine has {count} CUDA device(s); use --device cpu" + (
+        f" or cuda:N with N < {count}" if count else ""
+    )
 
 
 def _device(name: str) -> str:

@@ -665,8 +665,7 @@ class OpenAIServing:
         texts = [self._text_stream(greq.params) for _ in range(n)]
         parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
         has_calls = [False] * n
-        counts = [0] * n
-        versions: list[list[int]] = [[] for _ in range(n)]
+        versions: list[list[int]] = [[] for _ in range(n)]  # per sample, one per token streamed so far
         outs: list[SampleOutput] = []
         k = req.top_logprobs or 0
 
@@ -688,7 +687,8 @@ class OpenAIServing:
                     extra = {}
                     versions[i] += item.weight_versions
                     if req.logprobs:
-                        tops, note = await self._tops(prompt.ids, texts[i].ids, counts[i], k, greq.params, versions[i])
+                        start = len(versions[i]) - len(item.token_ids)  # this delta's first token
+                        tops, note = await self._tops(prompt.ids, texts[i].ids, start, k, greq.params, versions[i])
                         extra["logprobs"] = {
                             "content": [
                                 _logprob_entry(self.served, t, lp, tops[j] if tops else None)
@@ -700,7 +700,6 @@ class OpenAIServing:
                     if req.return_token_ids:
                         extra["token_ids"] = item.token_ids
                         extra["token_weight_versions"] = item.weight_versions
-                    counts[i] += len(item.token_ids)
                     delta = _delta_dict(d)
                     if delta or extra:
                         yield chunk(i, delta, extra=extra)

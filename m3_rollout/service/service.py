@@ -71,6 +71,9 @@ def _locked(method):
     return wrapper
 
 
+LOST = "the request was lost (resubmit it)"  # the end of an error record of a request the group lost
+
+
 class RolloutFailure(RuntimeError):
     """The EP group failed more than ``max_restarts`` times in one call; ``lost_request_ids``
     are the caller's requests that did not complete (resubmit them after fixing the cause)."""
@@ -500,7 +503,7 @@ class RolloutService(GenerationBackend):
         steps = 0 if self._paused else 1 if any(self._to_add) else self.stream_steps_per_call
         lost = None
         if self._weights_lost:  # no forward may read an invalid rank's experts: end what runs
-            lost = f"{self._weights_lost}; the request was lost (resubmit it)"
+            lost = f"{self._weights_lost}; {LOST}"
             steps = 0
             for rid, p in self._live.items():
                 if rid not in self._to_abort[p.rank]:
@@ -563,15 +566,17 @@ class RolloutService(GenerationBackend):
     def _lose_live(self, failure: GroupFailure) -> list[str]:
         """Error records (out of the next :meth:`step`) for every unfinished request of the step
         API after ``failure`` (their streamed tokens cannot be taken back); returns their ids."""
-        lost = sorted(self._live)
-        message = f"{failure}; the request was lost (resubmit it)"
-        self._ready += [
-            o
-            for p in self._live.values()
-            for o in error_outputs(p.request, message, self._version)
-            if o.sample_index in p.missing
-        ]
-        self._live.clear()
+        return self._lose(list(self._live), str(failure))
+
+    def _lose(self, request_ids: Iterable[str], why: str) -> list[str]:
+        """End the unfinished step-API requests among ``request_ids``: error records for their
+        samples not yet out (``why``; :data:`LOST` added), queued for the next :meth:`step`;
+        returns their ids, sorted."""
+        message = f"{why}; {LOST}"
+        lost = sorted(rid for rid in set(request_ids) if rid in self._live)
+        for rid in lost:
+            p = self._live.pop(rid)
+            self._ready += [o for o in error_outputs(p.request, message, self._version) if o.sample_index in p.missing]
         return lost
 
     def engine_metrics(self) -> dict:
@@ -655,13 +660,7 @@ class RolloutService(GenerationBackend):
                 f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of a rejected weight update "
                 "(atomic=false); an accepted update repairs them"
             )
-            message = f"{self._weights_lost}; the request was lost (resubmit it)"
-            for rid in {req.request_id for o in outs for req in o["handed_back"]}:
-                p = self._live.pop(rid, None)
-                if p is not None:
-                    self._ready += [
-                        o for o in error_outputs(p.request, message, self._version) if o.sample_index in p.missing
-                    ]
+            self._lose((req.request_id for o in outs for req in o["handed_back"]), self._weights_lost)
         return {
             "ok": ok,
             "version": self._version,

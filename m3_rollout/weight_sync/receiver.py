@@ -556,11 +556,6 @@ class WeightReceiver:
         verdict = self.apply(all_ok)
         return self.finish(all_ok, verdict["ok"], seconds)
 
-    def _withdrawn(self, version: int) -> UpdateResult:
-        """The trainer withdrew update ``version`` before sending it (manifest.py)."""
-        kept = f"version {self.version} kept"
-        return self.refused(f"update {version} withdrawn by the trainer before sending (its error says why); {kept}")
-
     def refused(self, reason: str) -> UpdateResult:
         """An update that ended before any bucket was received, with the group in step (no
         rebuild): weights, version and validity stay."""
@@ -627,8 +622,9 @@ class WeightReceiver:
                 hdr = torch.empty(int(n), dtype=torch.int64, device=group.device)
                 group.broadcast(hdr)
                 header = decode_header(hdr.cpu())
-                if header.withdrawn:
-                    return self._withdrawn(header.version)
+                if header.withdrawn:  # the trainer refused it before sending (manifest.py)
+                    why = f"update {header.version} withdrawn by the trainer before sending (its error says why)"
+                    return self.refused(f"{why}; version {self.version} kept")
                 probe = group.exchange_objects(None)[0] if header.probe else None
                 plan = self.begin(header, bucket_bytes, probe, expect_version)
                 # NOTE: a ring of slots; the receive of bucket k is posted after the unpack of
