@@ -141,6 +141,16 @@ def test_ep2_workers_refit_through_the_shared_stage(model_dir):
         _assert_serves(svc, trainer, reqs, 5)
         before = svc.generate(reqs)
 
+        # (a) an update the trainer refuses itself (a tensor outside the handshake) is withdrawn:
+        # the ranks end it at once with version 5 kept; the group is not restarted (the workers
+        # used to wait out weight_sync.timeout_s, fail, and be restarted)
+        restarts = svc.restarts
+        bogus = [*named, ("language_model.model.bogus.weight", torch.zeros(2))]
+        with pytest.raises(ValueError, match="not in the handshake list"):
+            svc.update_weights(6, bogus)
+        assert svc.restarts == restarts and svc.weight_version == 5
+        assert [(r["ok"], r["version"], r["valid"]) for r in svc.last_weight_sync["ranks"]] == [(False, 5, True)] * 2
+
         # (b) a NaN in an expert only rank 1 holds: rank 1 refuses, rank 0 must not commit either
         with torch.no_grad():
             w2[6, 0, 0] = float("nan")

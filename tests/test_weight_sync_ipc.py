@@ -156,6 +156,62 @@ def test_ipc_refit_two_processes_bitwise_refusal_and_worker_restart():
                 p.kill()
 
 
+def test_an_update_the_trainer_refuses_itself_is_withdrawn_and_the_worker_stays_in_step():
+    """The sender refuses an int tensor / a tensor outside the handshake before filling anything.
+    The worker, waiting in its update call, used to hear nothing (a service's receive then ran
+    into its timeout and restarted the group); now it gets "withdrawn", ends that update refused
+    with weights and version kept, and the next update lands."""
+    torch.manual_seed(2)
+    trainer = M3ForCausalLM(tiny_config()).float().eval()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=TIMEOUT_S)
+    sender = WeightSender(lambda: ReleasedTensors(trainer), channel, generation_dtype=torch.bfloat16)
+    good = sender.named_tensors
+
+    def int_tensor():
+        for i, (name, t) in enumerate(good()):
+            yield name, (t.to(torch.int32) if i == 3 else t)
+
+    def extra_tensor():
+        yield from good()
+        yield "language_model.model.bogus.weight", torch.zeros(2)
+
+    proc = ctx.Process(target=_worker, args=(channel.endpoint, "w", results))
+    proc.start()
+    try:
+        sender.update(1, include_frozen=True)
+        first = get_results(results, 1, TIMEOUT_S, "tag")["w"]
+        assert first["ok"] and first["version"] == 1
+        for v, (bad, why) in enumerate(
+            ((int_tensor, "not a real floating-point dtype"), (extra_tensor, "not in the handshake list")), start=2
+        ):
+            sender.named_tensors = bad
+            try:
+                with pytest.raises(WeightUpdateError, match=why):
+                    sender.update(v)
+            finally:
+                sender.named_tensors = good
+            got = get_results(results, 1, TIMEOUT_S, "tag")["w"]
+            assert "error" not in got, got.get("error")
+            assert not got["ok"] and got["version"] == 1 and got["valid"]
+            assert got["digest"] == first["digest"]
+            assert any(f"update {v} withdrawn by the trainer before sending" in e for e in got["errors"])
+            assert not channel.needs_rebuild
+        with torch.no_grad():
+            for n, p in trainer.named_parameters():
+                if not default_frozen("language_model." + n):
+                    p.mul_(0.5)
+        sender.update(4)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["w"]
+        assert got["ok"] and got["version"] == 4 and got["digest"] == _expected(trainer) != first["digest"]
+    finally:
+        channel.close()
+        proc.join(TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+
+
 def test_ipc_refit_with_a_probe_exchanges_its_verdict_and_rolls_back():
     """An update carrying a probe takes the second verdict exchange (an update without one skips
     it); a drift over the threshold rolls the atomic worker back to its old weights and version."""

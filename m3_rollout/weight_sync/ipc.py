@@ -50,7 +50,10 @@ Per update:
       copy: reclaimed (the cast may run again)
 
 With one worker and no probe the worker's own status decides (every worker's verdict is its
-own): it applies without the all_ok round trip and its ack carries the status.
+own): it applies without the all_ok round trip and its ack carries the status. An update the
+trainer refuses itself before filling anything (a non-float tensor, one outside the handshake, a
+probe without a reference) is announced as "withdrawn" instead: each worker's update call returns
+at once, refused, with its weights and version kept, rather than waiting out ``timeout_s``.
 
 Ordering rule: the source is written only while no worker reads it. The stage is refilled only
 by the next update, after every worker acknowledged the last (each syncs its device, and the
@@ -484,6 +487,12 @@ class IpcChannel:
         }
         return statuses + verdicts
 
+    def withdraw(self, header: UpdateHeader, bucket_bytes: int = 0) -> None:
+        """Tell every worker that update ``header.version`` is withdrawn (the trainer refused it
+        before filling anything): each ends its update call at once, weights and version kept.
+        Raises WeightSyncTimeout when a worker's connection is broken."""
+        self._broadcast(("withdrawn", int(header.version)))
+
     def _broadcast(self, msg) -> None:
         for w, c in enumerate(self.conns):
             _send(c, msg, f"rollout worker {w}")
@@ -590,6 +599,9 @@ class IpcRolloutSync:
             elif kind == "copy":
                 self.copy = msg[1]
                 self._views.pop("copy", None)
+            elif kind == "withdrawn":  # the trainer refused this update itself; nothing follows
+                self.last = InFlightOutcome(self.receiver.withdrawn(msg[1]))
+                return self.last
             elif kind == "update":
                 result = self._receive(*msg[1:])
                 policy = self.receiver.in_flight

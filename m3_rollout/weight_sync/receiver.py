@@ -561,6 +561,12 @@ class WeightReceiver:
         rebuild): weights, version and validity stay."""
         return UpdateResult(ok=False, version=self.version, errors=[f"{self.rank_label}: {reason}"], valid=self.valid)
 
+    def withdrawn(self, version: int) -> UpdateResult:
+        """The trainer withdrew update ``version`` before sending anything (it refused it itself:
+        its own error says why): ``refused``, weights and version kept, the group in step."""
+        why = f"update {version} withdrawn by the trainer before sending (its error says why)"
+        return self.refused(f"{why}; version {self.version} kept")
+
     def interrupted(self, reason: str) -> UpdateResult:
         """The transport failed mid-update: drop staged bytes (an atomic rank that committed
         before a failed probe exchange rolls back); non-atomic ranks that wrote bytes become invalid."""
@@ -623,8 +629,7 @@ class WeightReceiver:
                 group.broadcast(hdr)
                 header = decode_header(hdr.cpu())
                 if header.withdrawn:  # the trainer refused it before sending (manifest.py)
-                    why = f"update {header.version} withdrawn by the trainer before sending (its error says why)"
-                    return self.refused(f"{why}; version {self.version} kept")
+                    return self.withdrawn(header.version)
                 probe = group.exchange_objects(None)[0] if header.probe else None
                 plan = self.begin(header, bucket_bytes, probe, expect_version)
                 # NOTE: a ring of slots; the receive of bucket k is posted after the unpack of

@@ -110,6 +110,11 @@ class BroadcastChannel:
         verdicts = self.group.exchange_objects(mine)
         return [d for v in verdicts for d in v]
 
+    def withdraw(self, header: UpdateHeader, bucket_bytes: int = 0) -> None:
+        """Broadcast ``header`` (its withdrawn flag set): the receivers end that update at once.
+        Raises WeightSyncTimeout when the group does not take it."""
+        self.send(header, [], lambda k, buf: None, bucket_bytes)
+
     def send(
         self,
         header: UpdateHeader,
@@ -206,6 +211,9 @@ class ColocatedChannel:
 
     def handshake(self, manifest: list[TensorSpec]) -> list[str]:
         return [f"receiver {i}: {d}" for i, r in enumerate(self.receivers) for d in r.check_handshake(manifest)]
+
+    def withdraw(self, header: UpdateHeader, bucket_bytes: int = 0) -> None:
+        """Nothing to tell: receivers in this process wait for no update."""
 
     def send(
         self,
@@ -397,17 +405,17 @@ class WeightSender:
         return self._finish(version, verdicts, t0, sum(b.data_bytes for b in plan), len(plan))
 
     def _withdraw(self, version: int, include_frozen: bool, replace: bool) -> None:
-        """After refusing an update before packing it: over a broadcast group, send its withdrawn
-        header (manifest.py), so the receivers, who wait for a header, end the update now with
-        their weights and version unchanged, and the group stays in step. (In-process receivers
-        wait for nothing.) A trainer rank other than 0 takes part in rank 0's update instead when
-        rank 0 did not withdraw it, and fails it with a verdict error."""
-        if isinstance(self.channel, BroadcastChannel):
-            header = UpdateHeader(int(version), include_frozen, (), bool(replace), False, True)
-            try:
-                self.channel.send(header, [], lambda k, buf: None, self.bucket_bytes)
-            except WeightSyncTimeout:  # nobody took the header: both ends rebuild at the next update
-                self.channel.needs_rebuild = True
+        """After refusing an update before packing it: tell the receivers that wait for it (the
+        channel's ``withdraw``: a withdrawn header over a broadcast group, manifest.py; a
+        "withdrawn" message to IPC workers, ipc.py), so they end the update now with their weights
+        and version unchanged and stay in step. (In-process receivers wait for nothing.) A trainer
+        rank other than 0 takes part in rank 0's update instead when rank 0 did not withdraw it,
+        and fails it with a verdict error."""
+        header = UpdateHeader(int(version), include_frozen, (), bool(replace), False, True)
+        try:
+            self.channel.withdraw(header, self.bucket_bytes)
+        except WeightSyncTimeout:  # nobody took the message: both ends rebuild at the next update
+            self.channel.needs_rebuild = True
 
     def _packer_for(self, entries: tuple, sources: list[torch.Tensor]) -> BucketPacker:
         """The bucket plan and packer of ``entries`` / ``sources``, reused (with its fused passes)
