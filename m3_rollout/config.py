@@ -55,7 +55,8 @@ class GRPOConfig:
     val_temperature: float = 1.0
     seed: int = 42  # in [0, 2**40): torch / numpy seeds and the samplers' int64 seeds derive from it
     # DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompt batches,
-    # at most dynamic_sampling_max_gen_batches generation batches per step.
+    # at most dynamic_sampling_max_gen_batches generation batches per step. Samples that failed to
+    # generate do not count: a group with fewer than two generated samples is dropped too.
     use_dynamic_sampling: bool = False
     dynamic_sampling_max_gen_batches: int = 3
     # DAPO overlong filtering: trajectories cut by a token limit get no loss (their loss_mask is

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from test_rollout_multiturn import REC, ScriptedBackend, settings, tok  # noqa: F401 (fixture reuse)
+from test_rollout_multiturn import CALL, REC, ScriptedBackend, settings, tok  # noqa: F401 (fixture reuse)
 
 import m3_rollout.jobs.grpo as grpo
 from m3_rollout.config import load_config
@@ -378,10 +378,54 @@ def test_generation_errors_are_counted_and_a_step_where_all_failed_stops_the_run
         grpo.main(_args(cache, "grpo.max_num_steps=3"))
     assert exc.value.code == 1
     out = capsys.readouterr()
-    assert "[warn] step 1: 4 of 16 samples failed to generate (reward 0, nothing trained); first: " in out.out
+    assert (
+        "[warn] step 1: 4 of 16 samples failed to generate (advantage 0, left out of their groups' baselines "
+        "and of train/reward; nothing trained); first: "
+    ) in out.out
     assert "leaves no room under max_model_len" in out.out
     assert "step 2: every sample failed to generate (" in out.err
     assert [(r["step"], r["train/generation_errors"]) for r in _metrics(cache)] == [(1, 4)]  # one group of 4
+
+
+def test_a_failed_sample_is_left_out_of_its_groups_advantages_and_trains_nothing(tok):  # noqa: F811
+    """A group of 5 where sample 3's second turn and sample 4's first were refused: the step's
+    advantages are those of the 3 generated samples alone (the placeholder rewards 0 used to
+    lower their baseline), the failed ones get 0 and no trained token (sample 3's first turn
+    included), and train/reward is over the generated samples."""
+    from m3_rollout.chat.template import ChatFormat
+    from m3_rollout.jobs.step_metrics import advantage_metrics, generation_errors, rollout_metrics
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+    from m3_trainers.advantages import group_advantages
+    from m3_trainers.step import build_loss_fn, build_policy, train_step_on_groups
+
+    chat = ChatFormat(tok, "disabled")
+    backend = ScriptedBackend(
+        {
+            0: [(chat.assistant_ids("408"), "stop")],
+            1: [(chat.assistant_ids("7"), "stop")],
+            2: [(chat.assistant_ids("408"), "stop")],
+            3: [(chat.assistant_ids("Let me compute.", [CALL]), "stop"), ([], "error")],
+            4: [([], "error")],
+        }
+    )
+    trajs, _ = run_group_rollouts(backend, chat, CalculatorEnvironment(), [REC], settings(n=5))
+    assert [t.finish_reason for t in trajs] == ["stop", "stop", "stop", "error", "error"]
+    assert [t.reward for t in trajs] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert len(generation_errors(trajs)) == 2
+    assert sum(trajs[3].loss_mask) > 0  # its first turn was sampled before the second was refused
+    cfg = load_config(SMOKE)
+    torch.manual_seed(0)
+    model = M3ForCausalLM(tiny_config(vocab_size=len(tok), max_position_embeddings=512)).float()
+    res = train_step_on_groups(build_policy(cfg, model, 1), build_loss_fn(cfg.loss_fn), trajs, cfg, 1.0)
+    alone = group_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(res.advantages[:3], alone) and res.advantages[3:].tolist() == [0.0, 0.0]
+    assert res.advantages[0].item() == pytest.approx(1 / 3 / ((1 / 3) ** 0.5 + 1e-6), rel=1e-6)  # not 1.095
+    assert res.batch.loss_mask[3:].sum().item() == 0 and all(r.masked for r in trajs[3].turns)
+    assert res.metrics["num_tokens"] == sum(sum(t.loss_mask) for t in trajs[:3]) > 0
+    rewards = torch.tensor([t.reward for t in trajs])
+    m = rollout_metrics(trajs, rewards)
+    assert (m["reward"], m["accuracy"], m["generation_errors"]) == (pytest.approx(2 / 3), pytest.approx(2 / 3), 2)
+    assert advantage_metrics(res.advantages, res.batch.loss_mask)["advantages/min"] < 0  # sample 1's, not a 0
 
 
 def test_resume_from_a_partial_checkpoint_is_one_error_line_and_exit_2(cache, capsys):

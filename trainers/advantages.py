@@ -13,9 +13,21 @@ NOTE: a group whose rewards are all equal carries no learning signal; its advant
 exactly 0 by a max == min test rather than trusting the arithmetic (mean of ten 0.1s is not 0.1
 in floating point, and a division by std + eps would amplify that residue). The same holds for the
 others of one sample: std_{-i} is set to exactly 0 when their max equals their min.
+
+Failed samples: a trajectory whose generation failed (``Trajectory.failed``, finish_reason
+"error") has a placeholder reward 0, not a score. The advantage functions take ``valid`` (bool
+[N], ``generated_mask``) and leave the invalid samples out of every group statistic: a group's mean,
+std, leave-one-out mean and std and the max == min test are those of its valid samples alone, so
+a group with a failed sample gets the advantages the group without it would get; the failed
+sample itself gets exactly 0, and a group with too few valid samples for a statistic is treated
+as a group that small (one valid sample, or none: no signal, all 0). Dynamic sampling judges a
+group by its valid samples the same way, and ``mask_failed`` takes a failed trajectory's tokens
+(those of turns before the failed request) out of the loss.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -25,33 +37,78 @@ def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inv, (int(inv.max()) + 1 if inv.numel() else 0)
 
 
-def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """bool [N]: True for samples whose group's rewards are all equal (max == min)."""
-    inv, g = _group_index(group_ids)
-    r = rewards.double()
-    gmax = torch.full((g,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amax")
-    gmin = torch.full((g,), torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amin")
-    return (gmax == gmin)[inv]
+def _valid_mask(rewards: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``valid`` checked against ``rewards`` (bool, same shape); all True when None."""
+    if valid is None:
+        return torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
+    if valid.dtype != torch.bool or valid.shape != rewards.shape:
+        raise ValueError(
+            f"valid must be a bool tensor shaped like rewards {tuple(rewards.shape)}, got {valid.dtype} "
+            f"{tuple(valid.shape)}; build it with generated_mask(trajectories)"
+        )
+    return valid
 
 
-def leave_one_out_std(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """float64 [N]: population standard deviation of the OTHER samples of each sample's group.
+def generated_mask(trajs: Sequence) -> torch.Tensor:
+    """bool [N]: True for the trajectories that generated, False for those whose generation failed
+    (``Trajectory.failed``); the ``valid`` argument of the functions of this module.
 
-    Exactly 0 when those others all have one reward (max == min, so floating-point residue never
-    counts as spread) and for groups of size 1 or 2 (at most one other sample).
+    Args:
+        trajs: ``Trajectory`` records (any objects with a ``failed`` attribute).
+    """
+    return torch.tensor([not t.failed for t in trajs], dtype=torch.bool)
+
+
+def zero_variance_groups(
+    rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bool [N]: True for samples whose group's valid rewards are all equal (max == min), which
+    includes a group with one valid sample or none.
 
     Args:
         rewards: float [N]. group_ids: int64 [N], equal ids form a group.
+        valid: bool [N] (``generated_mask``), None = all valid; invalid samples' rewards are
+            ignored (they get their group's answer).
+
+    Raises:
+        ValueError: ``valid`` is not a bool tensor shaped like ``rewards``.
     """
+    v = _valid_mask(rewards, valid)
+    inv, g = _group_index(group_ids)
+    r = rewards.double()
+    gmax = torch.full((g,), -torch.inf, dtype=torch.float64).scatter_reduce(
+        0, inv, torch.where(v, r, -torch.inf), "amax"
+    )
+    gmin = torch.full((g,), torch.inf, dtype=torch.float64).scatter_reduce(0, inv, torch.where(v, r, torch.inf), "amin")
+    none = torch.zeros(g, dtype=torch.int64).index_add_(0, inv, v.long()) == 0
+    return ((gmax == gmin) | none)[inv]
+
+
+def leave_one_out_std(
+    rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float64 [N]: population standard deviation of the OTHER valid samples of each sample's group.
+
+    Exactly 0 when those others all have one reward (max == min, so floating-point residue never
+    counts as spread), for groups of 1 or 2 valid samples (at most one other) and for invalid samples.
+
+    Args:
+        rewards: float [N]. group_ids: int64 [N], equal ids form a group.
+        valid: bool [N] (``generated_mask``), None = all valid; invalid samples are no one's others.
+
+    Raises:
+        ValueError: ``valid`` is not a bool tensor shaped like ``rewards``.
+    """
+    v = _valid_mask(rewards, valid)
     r = rewards.double()
     inv, g = _group_index(group_ids)
     std = torch.zeros_like(r)
     for k in range(g):
-        idx = (inv == k).nonzero().squeeze(1)
+        idx = ((inv == k) & v).nonzero().squeeze(1)
         n = idx.numel()
         if n < 3:
             continue
-        x = r[idx].expand(n, n)  # [n, n], row i = the group's rewards
+        x = r[idx].expand(n, n)  # [n, n], row i = the group's valid rewards
         others = ~torch.eye(n, dtype=torch.bool)  # row i: the samples other than i
         mean = torch.where(others, x, 0.0).sum(1) / (n - 1)  # [n]
         var = torch.where(others, (x - mean[:, None]) ** 2, 0.0).sum(1) / (n - 1)
@@ -66,6 +123,7 @@ def group_advantages(
     normalize: bool = True,
     leave_one_out: bool = False,
     eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sample advantages.
 
@@ -78,22 +136,32 @@ def group_advantages(
         leave_one_out: baseline = mean of the other samples of the group (groups of size 1 then
             get advantage 0).
         eps: added to the standard deviation.
+        valid: bool [N], False for samples whose generation failed (``generated_mask``); None =
+            all valid. Every statistic above is over the group's valid samples only ("group",
+            "size" and "other samples" mean its valid ones); an invalid sample's reward is ignored
+            (need not be finite) and its advantage is exactly 0.
 
     Returns:
-        float32 [N]; exactly 0 for every sample of a group whose rewards are all equal.
+        float32 [N]; exactly 0 for every sample of a group whose valid rewards are all equal
+        (one valid sample or none included) and for every invalid sample.
 
     Raises:
-        ValueError: shapes differ or a reward is not finite.
+        ValueError: shapes differ, a valid sample's reward is not finite, or ``valid`` is not a
+            bool tensor shaped like ``rewards``.
     """
     if rewards.shape != group_ids.shape or rewards.ndim != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]")
-    if not bool(torch.isfinite(rewards).all()):
+    v = _valid_mask(rewards, valid)
+    if not bool(torch.isfinite(rewards[v]).all()):
         raise ValueError("rewards contain NaN/inf; fix the environment's reward")
-    r = rewards.double()  # NOTE: fp64 so the per-group sums carry no visible residue
+    # NOTE: fp64 so the per-group sums carry no visible residue; an invalid sample adds an exact 0
+    # to every sum, so its group's figures are bit for bit those of the group without it.
+    r = torch.where(v, rewards.double(), 0.0)
+    w = v.double()
     inv, g = _group_index(group_ids)
-    count = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
+    count = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, w)
     total = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, r)
-    mean = total / count
+    mean = total / count.clamp(min=1)
     if leave_one_out:
         n = count[inv]
         baseline = torch.where(n > 1, (total[inv] - r) / (n - 1).clamp(min=1), r)
@@ -101,13 +169,14 @@ def group_advantages(
         baseline = mean[inv]
     adv = r - baseline
     if normalize and leave_one_out:
-        std = leave_one_out_std(r, group_ids)
+        std = leave_one_out_std(r, group_ids, v)
         adv = torch.where(std > 0, adv / (std + eps), adv)
     elif normalize:
-        sq = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, (r - mean[inv]) ** 2)
+        sq = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, w * (r - mean[inv]) ** 2)
         std = torch.sqrt(sq / (count - 1).clamp(min=1))
         adv = adv / (std[inv] + eps)
-    adv = torch.where(zero_variance_groups(rewards, group_ids), torch.zeros_like(adv), adv)
+    no_signal = zero_variance_groups(r, group_ids, v) | ~v
+    adv = torch.where(no_signal, torch.zeros_like(adv), adv)
     return adv.float()
 
 
@@ -116,6 +185,13 @@ def overlong_filter_mask(finish_reasons: list[str]) -> torch.Tensor:
     (finish_reason "length"), 1 otherwise. Truncated samples then neither push nor pull the policy
     (their reward says nothing about an answer they never finished)."""
     return torch.tensor([0.0 if r == "length" else 1.0 for r in finish_reasons], dtype=torch.float32)
+
+
+def _mask_model_turns(t) -> None:
+    """Every model turn of ``t`` out of the loss: loss_mask 0 and ``TurnRecord.masked``."""
+    for r in t.turns:
+        t.mask_span(r.start, r.end)
+        r.masked = True
 
 
 def apply_overlong_filter(trajs) -> int:
@@ -132,10 +208,29 @@ def apply_overlong_filter(trajs) -> int:
     keep = overlong_filter_mask([t.finish_reason for t in trajs])
     for t, k in zip(trajs, keep.tolist()):
         if not k:
-            for r in t.turns:
-                t.mask_span(r.start, r.end)
-                r.masked = True
+            _mask_model_turns(t)
     return int((keep == 0).sum())
+
+
+def mask_failed(trajs) -> int:
+    """Take every trajectory whose generation failed (``Trajectory.failed``) out of the loss, as
+    ``apply_overlong_filter`` does for a cut one (loss_mask 0, ``TurnRecord.masked``).
+
+    A request refused at turn 1 leaves no sampled token; one refused or lost at a later turn
+    leaves the earlier turns' tokens, which have no outcome to learn from (their advantage is 0,
+    ``group_advantages``) and would otherwise still count in a token-mean loss and in the KL
+    penalty. So a failed sample trains nothing, whichever turn failed.
+
+    Args:
+        trajs: ``Trajectory`` records (changed in place).
+
+    Returns:
+        the number of failed trajectories.
+    """
+    failed = [t for t in trajs if t.failed]
+    for t in failed:
+        _mask_model_turns(t)
+    return len(failed)
 
 
 class DynamicSampler:
@@ -150,7 +245,10 @@ class DynamicSampler:
             group had signal, else the last batch's groups, which all have advantage 0).
 
     Usage: ``while sampler.wants_more(): sampler.add(groups)``, then ``sampler.result()``.
-    Each group is a list of objects with a ``reward`` attribute.
+    Each group is a list of ``Trajectory`` records (objects with ``reward`` and ``failed``); a
+    group's variance is that of its generated samples (``zero_variance_groups`` with
+    ``generated_mask``), so one that has fewer than two generated samples, or whose generated
+    samples all agree, is dropped however its failed samples' placeholder rewards differ.
     """
 
     def __init__(self, target_groups: int, max_batches: int):
@@ -170,10 +268,18 @@ class DynamicSampler:
         """Add one generation batch of groups; zero-variance groups are dropped (counted)."""
         self.batches += 1
         self._last = groups
+        trajs = [t for grp in groups for t in grp]
+        flat = zero_variance_groups(
+            torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64),
+            torch.tensor([i for i, grp in enumerate(groups) for _ in grp], dtype=torch.int64),
+            generated_mask(trajs),
+        ).tolist()
+        first = 0  # index of each group's first sample in ``flat``
         for grp in groups:
             self.seen_groups += 1
-            rewards = [float(t.reward) for t in grp]
-            if max(rewards) == min(rewards):
+            no_signal = flat[first] if grp else True
+            first += len(grp)
+            if no_signal:
                 self.dropped_groups += 1
             elif len(self.kept) < self.target:
                 self.kept.append(grp)

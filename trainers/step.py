@@ -2,7 +2,8 @@
 
 Governing idea: the live GRPO loop (``m3_rollout.jobs.grpo``) and the offline replay
 (``python -m m3_rollout.dump replay --train``) train through this one function, so a step means the
-same thing in both: advantages (design.md §2 step 4) -> overlong-filter sample mask -> padded
+same thing in both: advantages (design.md §2 step 4; failed samples left out of their groups'
+statistics) -> failed samples and (optionally) overlong ones out of the loss -> padded
 ``TrainBatch`` -> logprobs before the first update (and the reference's) when the batch spans
 several optimizer steps -> one ``Policy.train_step`` per ``policy.train_global_batch_size`` slice
 -> the slices' metrics combined by :func:`combine_optimizer_steps`.
@@ -18,7 +19,7 @@ import torch
 
 from m3_rollout.config import GRPOConfig, LossConfig, MasterConfig, check_devices
 from m3_rollout.rollout.trajectory import Trajectory
-from m3_trainers.advantages import apply_overlong_filter, group_advantages
+from m3_trainers.advantages import apply_overlong_filter, generated_mask, group_advantages, mask_failed
 from m3_trainers.batch import TrainBatch, batch_from_trajectories
 from m3_trainers.loss import ClippedPGLossFn
 from m3_trainers.policy import Policy, mismatch_metrics
@@ -130,12 +131,15 @@ def truncated_sampling_warning(cfg: MasterConfig) -> str | None:
 
 def trajectory_advantages(trajs: Sequence[Trajectory], g: GRPOConfig) -> torch.Tensor:
     """float32 [N] advantages of ``trajs`` grouped by ``group_index``, as ``grpo`` configures them
-    (``normalize_rewards``, ``use_leave_one_out_baseline``)."""
+    (``normalize_rewards``, ``use_leave_one_out_baseline``). A trajectory whose generation failed
+    (``Trajectory.failed``) gets exactly 0 and is left out of its group's statistics
+    (``group_advantages`` with ``valid=generated_mask(trajs)``)."""
     return group_advantages(
         torch.tensor([t.reward for t in trajs]),
         torch.tensor([t.group_index for t in trajs]),
         g.normalize_rewards,
         g.use_leave_one_out_baseline,
+        valid=generated_mask(trajs),
     )
 
 
@@ -188,7 +192,8 @@ class StepResult:
     """What :func:`train_step_on_groups` did.
 
     Attributes:
-        batch: the padded batch trained on (row i = trajs[i]; overlong-filtered rows have mask 0).
+        batch: the padded batch trained on (row i = trajs[i]; failed and overlong-filtered rows
+            have mask 0).
         advantages: float32 [N] advantages used.
         metrics: :func:`combine_optimizer_steps` of the optimizer steps, with ``logprob_seconds``
             including the logprobs computed once before the first update, the mismatch
@@ -228,8 +233,9 @@ def train_step_on_groups(
 
     Args:
         policy, loss_fn: the trainer (``build_policy``, ``build_loss_fn``).
-        trajs: the step's N trajectories in (group, sample) order; with ``grpo.overlong_filtering``
-            the truncated ones get loss_mask 0 in place (``apply_overlong_filter``).
+        trajs: the step's N trajectories in (group, sample) order; the failed ones
+            (``Trajectory.failed``) get loss_mask 0 in place (``mask_failed``), and so do the
+            truncated ones with ``grpo.overlong_filtering`` (``apply_overlong_filter``).
         cfg: the job config; ``grpo`` (advantages, ``overlong_filtering``) and ``policy``
             (``train_global_batch_size``, ``train_micro_batch_size``, ``routing_replay``) are used.
         temperature: sampling temperature the rollouts used (the trainer scores that distribution).
@@ -245,6 +251,7 @@ def train_step_on_groups(
     """
     g, p = cfg.grpo, cfg.policy
     adv = trajectory_advantages(trajs, g) if advantages is None else advantages.float()
+    mask_failed(trajs)
     filtered = apply_overlong_filter(trajs) if g.overlong_filtering else 0
     batch = batch_from_trajectories(
         list(trajs),

@@ -18,6 +18,7 @@ from m3_rollout.dump.records import checkpoint_hash, config_hash
 from m3_rollout.dump.writer import RetentionPolicy, RolloutDumpWriter, sampling_params_of
 from m3_rollout.jobs.outputs import empty_dump_dir
 from m3_rollout.jobs.stack import RolloutStack, batch_seed, build_rollout_stack
+from m3_rollout.jobs.step_metrics import rollout_metrics
 from m3_rollout.rollout.group_rollout import run_group_rollouts
 from m3_trainers.step import trajectory_advantages
 
@@ -78,7 +79,7 @@ def _roll_out(cfg: MasterConfig, stack: RolloutStack, writer: RolloutDumpWriter,
         rewards = torch.tensor([t.reward for t in trajs])
         adv = trajectory_advantages(trajs, g)
         metrics = {
-            "reward": float(rewards.mean()),  # the GRPO loop's names (docs/metrics.md)
+            "reward": rollout_metrics(trajs, rewards)["reward"],  # the GRPO loop's names and figures (docs/metrics.md)
             "timing/train/generation": rm["rollout_seconds"],
             "performance/generation_tokens_per_s": rm["generation_tokens_per_s"],
         }

@@ -435,7 +435,8 @@ def run(cfg: MasterConfig) -> dict:
                 step,
                 len(trajs),
                 generation_errors(trajs),
-                "samples failed to generate (reward 0, nothing trained)",
+                "samples failed to generate (advantage 0, left out of their groups' baselines and of train/reward; "
+                "nothing trained)",
                 "every sample failed to generate",
                 "check the prompts against policy.max_total_sequence_length and the generation settings",
             )

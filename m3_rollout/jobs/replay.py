@@ -22,6 +22,7 @@ import torch
 from m3_rollout.config import MasterConfig
 from m3_rollout.dump.reader import DumpRead
 from m3_rollout.dump.records import trajectories_from_rows
+from m3_rollout.jobs.step_metrics import rollout_metrics
 from m3_rollout.model import M3ForCausalLM
 from m3_trainers.loss import ClippedPGLossFn
 from m3_trainers.policy import Policy, token_logprobs
@@ -138,8 +139,8 @@ def train_offline(
     combined metrics as configured), trained at the temperature stored in the rows' sampling params.
 
     Returns:
-        per-step metrics dicts (numbers only, with "step", "rows" and "reward", the trainer's
-        metric names of docs/metrics.md).
+        per-step metrics dicts (numbers only, with "step", "rows" and "reward" (``train/reward``:
+        over the rows that generated), the trainer's metric names of docs/metrics.md).
     """
     gen = cfg.policy.generation
     steps: dict[int, list[dict]] = {}
@@ -157,7 +158,7 @@ def train_offline(
         metrics = {
             "step": step,
             "rows": len(trajs),
-            "reward": float(sum(t.reward for t in trajs) / len(trajs)),
+            "reward": rollout_metrics(trajs, torch.tensor([t.reward for t in trajs]))["reward"],
             **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))},
         }
         history.append(metrics)

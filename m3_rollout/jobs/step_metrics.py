@@ -15,6 +15,7 @@ import torch
 
 from m3_rollout.config import ConfigError, MasterConfig
 from m3_rollout.rollout.trajectory import Trajectory
+from m3_trainers.advantages import generated_mask
 
 #: Policy.train_step / train_step_on_groups timing keys -> their ``timing/train/`` names.
 TRAINER_TIMINGS = {
@@ -65,22 +66,33 @@ def reward_errors(trajs: list[Trajectory]) -> list[str]:
 
 
 def generation_errors(trajs: list[Trajectory]) -> list[str]:
-    """The generation errors of ``trajs`` (finish_reason "error": the backend refused or lost the
-    request, e.g. a prompt with no room under max_model_len; ``info["error"]`` says why). Such a
-    trajectory has no generated token, so it trains nothing and scores 0."""
-    return [t.info.get("error") or "generation failed" for t in trajs if t.finish_reason == "error"]
+    """The generation errors of ``trajs`` (``Trajectory.failed``, finish_reason "error": the backend
+    refused or lost a request, e.g. a prompt with no room under max_model_len; ``info["error"]``
+    says why). Such a trajectory's reward 0 is a placeholder: it trains nothing, gets advantage 0
+    and is left out of its group's advantage statistics (``m3_trainers.advantages``) and of the
+    ``train/`` reward figures (``rollout_metrics``); validation counts it as wrong."""
+    return [t.info.get("error") or "generation failed" for t in trajs if t.failed]
 
 
 def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
     """Reward and response statistics of one step's trajectories (``train/``): reward (mean),
     reward_std, accuracy (fraction > 0.5), tool_call_rate, mean_gen_tokens_per_sample,
     mean_total_tokens_per_sample (prompt, generated and tool tokens), truncation_rate (fraction
-    cut by a token limit), reward_errors and generation_errors (counts)."""
+    cut by a token limit), reward_errors and generation_errors (counts).
+
+    The three reward figures are over the samples that generated (``generated_mask``), the ones
+    whose rewards the advantages use: a failed sample's reward 0 is a placeholder, counted in
+    generation_errors instead (0.0 when every sample failed). The other figures are over all samples.
+
+    Args:
+        trajs: the step's N trajectories. rewards: float [N], ``trajs``' rewards.
+    """
     n = len(trajs)
+    r = rewards[generated_mask(trajs)]
     return {
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if n > 1 else 0.0,
-        "accuracy": float((rewards > 0.5).float().mean()),
+        "reward": float(r.mean()) if r.numel() else 0.0,
+        "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+        "accuracy": float((r > 0.5).float().mean()) if r.numel() else 0.0,
         "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / n,
         "mean_gen_tokens_per_sample": sum(t.num_generated for t in trajs) / n,
         "mean_total_tokens_per_sample": sum(len(t.token_ids) for t in trajs) / n,
@@ -93,7 +105,8 @@ def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor) -> dict:
 def advantage_metrics(advantages: torch.Tensor, loss_mask: torch.Tensor) -> dict:
     """advantages/mean, /std, /min, /max over the trained tokens (NeMo RL's definition: each
     sample's advantage once per token with loss mask 1; std is the population std). All 0 when no
-    token is trained.
+    token is trained. A failed sample (``Trajectory.failed``) has no trained token, so its
+    advantage 0 is not in these figures.
 
     Args:
         advantages: float [N] per sample. loss_mask: [N, L] of the trained batch.
@@ -138,7 +151,9 @@ def handoff_metrics(phase: str, record: dict) -> tuple[dict, dict]:
 def validation_metrics(trajs: list[Trajectory], seconds: float) -> dict:
     """``validation/`` and ``timing/validation/`` figures of a held-out evaluation (one sample per
     prompt): accuracy (mean reward, NeMo RL's), avg_length (mean generated tokens), tool_call_rate,
-    reward_errors, generation_errors; total_validation_time (seconds)."""
+    reward_errors, generation_errors; total_validation_time (seconds). Unlike ``train/reward``,
+    accuracy and avg_length are over every prompt: a sample that failed to generate counts as
+    wrong (reward 0) and as 0 tokens."""
     n = len(trajs)
     return {
         "validation/accuracy": sum(t.reward for t in trajs) / n,

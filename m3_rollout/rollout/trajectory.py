@@ -141,6 +141,14 @@ class Trajectory:
     def num_generated(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def failed(self) -> bool:
+        """True when a generation request of this trajectory failed (finish_reason "error": the
+        backend refused or lost it, ``info["error"]`` says why). Its ``reward`` is then a
+        placeholder 0, not a score of an answer: the trainer leaves it out of its group's
+        advantage statistics and out of the loss (``m3_trainers.advantages``)."""
+        return self.finish_reason == "error"
+
     def check(self) -> None:
         """Assert the per-token arrays agree (raised on a bug, not on bad input)."""
         n = len(self.token_ids)
