@@ -420,12 +420,15 @@ def test_a_failed_sample_is_left_out_of_its_groups_advantages_and_trains_nothing
     alone = group_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.zeros(3, dtype=torch.long))
     assert torch.equal(res.advantages[:3], alone) and res.advantages[3:].tolist() == [0.0, 0.0]
     assert res.advantages[0].item() == pytest.approx(1 / 3 / ((1 / 3) ** 0.5 + 1e-6), rel=1e-6)  # not 1.095
-    assert res.batch.loss_mask[3:].sum().item() == 0 and all(r.masked for r in trajs[3].turns)
+    # the failed rows are not in the trained batch (a refused over-long prompt would set its width)
+    assert res.batch.token_ids.shape[0] == 3 and torch.equal(res.batch.advantages, alone)
+    assert res.batch.token_ids.shape[1] == max(len(t.token_ids) for t in trajs[:3])
+    assert sum(trajs[3].loss_mask) == 0 and all(r.masked for r in trajs[3].turns)
     assert res.metrics["num_tokens"] == sum(sum(t.loss_mask) for t in trajs[:3]) > 0
     rewards = torch.tensor([t.reward for t in trajs])
     m = rollout_metrics(trajs, rewards)
     assert (m["reward"], m["accuracy"], m["generation_errors"]) == (pytest.approx(2 / 3), pytest.approx(2 / 3), 2)
-    assert advantage_metrics(res.advantages, res.batch.loss_mask)["advantages/min"] < 0  # sample 1's, not a 0
+    assert advantage_metrics(res.batch.advantages, res.batch.loss_mask)["advantages/min"] < 0  # sample 1's, not a 0
 
 
 def test_resume_from_a_partial_checkpoint_is_one_error_line_and_exit_2(cache, capsys):

@@ -192,9 +192,11 @@ class StepResult:
     """What :func:`train_step_on_groups` did.
 
     Attributes:
-        batch: the padded batch trained on (row i = trajs[i]; failed and overlong-filtered rows
-            have mask 0).
-        advantages: float32 [N] advantages used.
+        batch: the padded batch trained on: one row per trajectory that generated, in ``trajs``
+            order (failed ones are left out: they have no loss token); overlong-filtered rows have
+            mask 0.
+        advantages: float32 [N] advantages of every trajectory (0 for the failed ones; the
+            batch carries the rows' own).
         metrics: :func:`combine_optimizer_steps` of the optimizer steps, with ``logprob_seconds``
             including the logprobs computed once before the first update, the mismatch
             (``token_mult_prob_error``, ``gen_kl_error``, ``policy_kl_error``,
@@ -234,8 +236,9 @@ def train_step_on_groups(
     Args:
         policy, loss_fn: the trainer (``build_policy``, ``build_loss_fn``).
         trajs: the step's N trajectories in (group, sample) order; the failed ones
-            (``Trajectory.failed``) get loss_mask 0 in place (``mask_failed``), and so do the
-            truncated ones with ``grpo.overlong_filtering`` (``apply_overlong_filter``).
+            (``Trajectory.failed``) get loss_mask 0 in place (``mask_failed``) and are left out of
+            the batch; the truncated ones get loss_mask 0 with ``grpo.overlong_filtering``
+            (``apply_overlong_filter``).
         cfg: the job config; ``grpo`` (advantages, ``overlong_filtering``) and ``policy``
             (``train_global_batch_size``, ``train_micro_batch_size``, ``routing_replay``) are used.
         temperature: sampling temperature the rollouts used (the trainer scores that distribution).
@@ -247,15 +250,22 @@ def train_step_on_groups(
         :class:`StepResult`.
 
     Raises:
-        ValueError: non-finite rewards (from ``group_advantages``) or an inconsistent batch.
+        ValueError: non-finite rewards (from ``group_advantages``), every trajectory failed, or
+            an inconsistent batch.
     """
     g, p = cfg.grpo, cfg.policy
     adv = trajectory_advantages(trajs, g) if advantages is None else advantages.float()
     mask_failed(trajs)
     filtered = apply_overlong_filter(trajs) if g.overlong_filtering else 0
+    # NOTE: failed trajectories train nothing: they stay out of the batch, whose width (and cost)
+    # a refused over-long prompt would otherwise set for every row
+    kept = generated_mask(trajs)
+    trained = [t for t, k in zip(trajs, kept.tolist()) if k]
+    if not trained:
+        raise ValueError(f"all {len(trajs)} trajectories failed to generate (Trajectory.failed): nothing to train")
     batch = batch_from_trajectories(
-        list(trajs),
-        adv,
+        trained,
+        adv[kept],
         pad_id=pad_id,
         with_routing=p.routing_replay,
         with_block_selection=p.generation.record_block_selection,
@@ -270,10 +280,10 @@ def train_step_on_groups(
     # NOTE: the agreement is measured in a no-replay scoring forward the step runs anyway: the
     # "own" forward when replaying, else the pre-update logprobs (otherwise computed inside
     # train_step, on the same weights).
-    if gbs < len(trajs) or (selections and not replayed):  # ratios against the rollout-time policy
+    if gbs < len(trained) or (selections and not replayed):  # ratios against the rollout-time policy
         prev = policy.get_logprobs(batch, temperature, mbs, agreement=None if replayed else agreement)
         scored += batch.token_ids.numel()
-    if gbs < len(trajs) and loss_fn.needs_reference:
+    if gbs < len(trained) and loss_fn.needs_reference:
         ref = policy.get_logprobs(batch, temperature, mbs, reference=True)
         scored += batch.token_ids.numel()
     if replayed:  # the trainer's own routing and blocks, before the update: the mismatch replay removes
@@ -283,7 +293,7 @@ def train_step_on_groups(
         scored += batch.token_ids.numel()
     lp_seconds = policy.elapsed(t0)
     per_opt_step = []
-    for s in range(0, len(trajs), gbs):
+    for s in range(0, len(trained), gbs):
         mb = batch.slice(slice(s, s + gbs))
         l = mb.token_ids.shape[1]
         per_opt_step.append(

@@ -509,7 +509,7 @@ def run(cfg: MasterConfig) -> dict:
             step_s = t_end - t0
             train = {
                 **rollout_metrics(trajs, rewards),
-                **advantage_metrics(adv, batch.loss_mask),
+                **advantage_metrics(batch.advantages, batch.loss_mask),
                 **{k: v for k, v in tm.items() if k not in TRAINER_TIMINGS and k not in TRAINER_PERFORMANCE},
                 **handoff,
                 "num_groups": len(groups),
