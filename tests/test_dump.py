@@ -390,13 +390,15 @@ def test_inspect_and_show_values(tmp_path):
     trajs = [_traj(0, j, 50 + j) for j in range(3)] + [_traj(1, 0, 60)]
     trajs[0].finish_reason = "stop"
     trajs[3].reward = 1.0
-    _write(tmp_path, 4, trajs, adv=[0.1, 0.2, 0.3, 0.4])
+    trajs[2].finish_reason = "error"  # a failed sample: its reward 0 is a placeholder, left out
+    _write(tmp_path, 4, trajs, adv=[0.1, 0.2, 0.0, 0.4])
     lines, errs = inspect_lines(tmp_path)
     cells = lines[3].split()
-    rewards = [t.reward for t in trajs]
-    assert cells[:5] == ["4", "4", "2", f"{sum(rewards) / 4:.3f}", f"{sum(r > 0.5 for r in rewards) / 4:.3f}"]
-    assert cells[5] == f"{sum(t.num_generated for t in trajs) / 4:.1f}"
-    assert cells[8] == f"{3 / 4:.3f}" and cells[10] == "1.0100" and not errs
+    rewards = [t.reward for t in trajs if t.finish_reason != "error"]
+    assert len(rewards) == 3 and sum(rewards) > 0
+    assert cells[:6] == ["4", "4", "2", "1", f"{sum(rewards) / 3:.3f}", f"{sum(r > 0.5 for r in rewards) / 3:.3f}"]
+    assert cells[6] == f"{sum(t.num_generated for t in trajs) / 4:.1f}"
+    assert cells[9] == f"{2 / 4:.3f}" and cells[11] == "1.0100" and not errs  # "length": samples 1 and 3
     out, _ = show_lines(tmp_path, 4, 0)
     text = "\n".join(out)
     assert text.count("── sample") == 3 and "reasoning:" in text and "think ü" in text

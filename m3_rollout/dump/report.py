@@ -20,7 +20,9 @@ _STAT_COLUMNS = ["step", "group_id", "reward", "loss_mask", "token_ids", "finish
 class StepStats:
     """Per-step summary.
 
-    Attributes: rows / groups counts; reward_mean; accuracy = fraction of rewards > 0.5;
+    Attributes: rows / groups counts; errors = rows whose generation failed (finish_reason
+    "error"); reward_mean and accuracy = fraction of rewards > 0.5, both over the other rows (a
+    failed row's reward 0 is a placeholder; ``train/reward`` is defined the same way);
     gen_tokens_mean / total_tokens_mean / total_tokens_max in tokens; truncated = fraction with
     finish_reason "length"; tool_call_rate = fraction with at least one tool call; mismatch =
     logged ``token_mult_prob_error`` (None if the shard has none); size_bytes of the shard.
@@ -29,6 +31,7 @@ class StepStats:
     step: int
     rows: int
     groups: int
+    errors: int
     reward_mean: float
     accuracy: float
     gen_tokens_mean: float
@@ -50,15 +53,16 @@ def step_stats(read: DumpRead) -> list[StepStats]:
     for info in read.shards:
         idx = by_step.get(info.step, [])
         n = max(len(idx), 1)
-        rewards = [cols["reward"][i] for i in idx]
+        rewards = [cols["reward"][i] for i in idx if cols["finish_reason"][i] != "error"]
         totals = [len(cols["token_ids"][i]) for i in idx]
         out.append(
             StepStats(
                 step=info.step,
                 rows=len(idx),
                 groups=len({cols["group_id"][i] for i in idx}),
-                reward_mean=sum(rewards) / n,
-                accuracy=sum(r > 0.5 for r in rewards) / n,
+                errors=len(idx) - len(rewards),
+                reward_mean=sum(rewards) / max(len(rewards), 1),
+                accuracy=sum(r > 0.5 for r in rewards) / max(len(rewards), 1),
                 gen_tokens_mean=sum(sum(cols["loss_mask"][i]) for i in idx) / n,
                 total_tokens_mean=sum(totals) / n,
                 total_tokens_max=max(totals, default=0),
@@ -75,6 +79,7 @@ _HEADER = [
     "step",
     "rows",
     "groups",
+    "errors",
     "reward",
     "accuracy",
     "gen tok",
@@ -101,6 +106,7 @@ def stats_rows(stats: list[StepStats]) -> list[list[str]]:
             str(s.step),
             str(s.rows),
             str(s.groups),
+            str(s.errors),
             f"{s.reward_mean:.3f}",
             f"{s.accuracy:.3f}",
             f"{s.gen_tokens_mean:.1f}",
