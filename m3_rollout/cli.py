@@ -20,14 +20,17 @@ SUBCOMMANDS = {
 }
 
 
-def usage() -> str:
-    lines = ["usage: m3-rollout {" + ",".join(SUBCOMMANDS) + "} [args ...]", "", "subcommands:"]
+def usage(prog: str = "m3-rollout") -> str:
+    """The usage text ``--help`` prints; prog: the command the user typed."""
+    lines = [f"usage: {prog} {{" + ",".join(SUBCOMMANDS) + "} [args ...]", "", "subcommands:"]
     lines += [f"  {name:<8} {text}" for name, text in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; returns its exit status (2 with the usage for an unknown one).
+def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout") -> int:
+    """Run one subcommand; returns its exit status (2 with the usage for an unknown one). prog: the
+    command the user typed (``python -m m3_rollout.cli`` passes its own); a subcommand's ``--help``
+    and errors name ``PROG SUBCOMMAND``.
 
     Raises:
         SystemExit: as the subcommand raises it (``grpo``: 2 for a config error, 1 for a training
@@ -36,17 +39,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(usage(), file=sys.stdout if args else sys.stderr)
+        print(usage(prog), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
-        print(f"error: unknown subcommand {command!r}\n{usage()}", file=sys.stderr)
+        print(f"error: unknown subcommand {command!r}\n{usage(prog)}", file=sys.stderr)
         return 2
-    entry = load_entry(command)
+    entry = load_entry(command, f"{prog} {command}")
     if command == "grpo":
-        entry(rest)  # returns the run summary; failures exit through SystemExit
+        entry(rest, prog=f"{prog} {command}")  # returns the run summary; failures exit through SystemExit
         return 0
-    return entry(rest)
+    return entry(rest, prog=f"{prog} {command}")
 
 
 def load_entry(command: str, what: str | None = None):
@@ -80,4 +83,4 @@ def _import_entry(command: str):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m m3_rollout.cli"))

@@ -6,4 +6,4 @@ import sys
 from m3_rollout.jobs.export import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m m3_rollout.export"))

@@ -17,9 +17,12 @@ from collections.abc import Sequence
 STARTUP_INTERRUPTED = "interrupted: the server stopped (Ctrl-C) while starting; nothing was served"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout-serve") -> int:
+    """Serve until stopped; returns the exit status (see the module docstring). prog: the command
+    ``--help`` and errors name (default: the ``m3-rollout-serve`` console script, which calls this
+    without arguments; ``m3-rollout serve`` and ``python -m m3_rollout.serve`` pass their own)."""
     try:
-        started = _start(argv)
+        started = _start(argv, prog)
     except KeyboardInterrupt:  # a builtin build says its own line and exits 130 itself
         print(STARTUP_INTERRUPTED, file=sys.stderr, flush=True)
         return 130
@@ -33,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _start(argv: Sequence[str] | None):
+def _start(argv: Sequence[str] | None, prog: str):
     """Everything before serving: the exit status of a bad flag / model / address, or
     ``(args, app, served, sock)`` with ``sock`` bound (closed here on any error)."""
     from m3_rollout.jobs.builtin import BUILTIN_PREFIX, resolve_model
@@ -45,7 +48,7 @@ def _start(argv: Sequence[str] | None):
         parse_args,
     )
 
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     try:  # the flag first: a bad value stops before a builtin build
         default_template_kwargs(args.default_chat_template_kwargs)
     except ValueError as exc:
@@ -78,4 +81,4 @@ def _start(argv: Sequence[str] | None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m m3_rollout.serve"))

@@ -165,3 +165,54 @@ def test_module_entry_help_names_the_module_command():
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("usage: python -m m3_rollout.grpo "), run.stdout[:80]
+
+
+@pytest.mark.parametrize(
+    "module, argv, usage",
+    [
+        ("m3_rollout.serve", ["--help"], "usage: python -m m3_rollout.serve [-h] --model MODEL"),
+        ("m3_rollout.grpo", ["--help"], "usage: python -m m3_rollout.grpo [--config YAML]"),
+        ("m3_rollout.export", ["--help"], "usage: python -m m3_rollout.export [-h] --model MODEL"),
+        ("m3_rollout.dump", ["--help"], "usage: python -m m3_rollout.dump [-h] {generate,"),
+        ("m3_rollout.dump", ["replay", "--help"], "usage: python -m m3_rollout.dump replay [-h]"),
+        ("m3_rollout.cli", ["--help"], "usage: python -m m3_rollout.cli {grpo,serve,dump,export}"),
+        ("m3_rollout.cli", ["serve", "--help"], "usage: python -m m3_rollout.cli serve [-h] --model MODEL"),
+        ("m3_rollout.cli", ["export", "--help"], "usage: python -m m3_rollout.cli export [-h]"),
+        ("m3_rollout.cli", ["dump", "show", "--help"], "usage: python -m m3_rollout.cli dump show [-h]"),
+        ("m3_rollout.cli", ["grpo", "--help"], "usage: python -m m3_rollout.cli grpo [--config YAML]"),
+        ("m3_rollout.jobs.grpo", ["--help"], "usage: python -m m3_rollout.jobs.grpo [--config YAML]"),
+        ("m3_rollout.jobs.dump_cli", ["--help"], "usage: python -m m3_rollout.jobs.dump_cli [-h]"),
+    ],
+)
+def test_each_module_entry_names_the_command_typed(monkeypatch, capsys, module, argv, usage):
+    """``python -m m3_rollout.serve --help`` printed ``usage: m3-rollout serve`` (export and dump
+    likewise): a usage line must run as printed. runpy runs the module's ``__main__`` block as
+    ``python -m`` does, in this process."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    with warnings.catch_warnings():  # runpy: the module was imported before (by an earlier test)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_module(module, run_name="__main__")
+    assert exc.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert " ".join(out.split()).startswith(usage), out[:200]
+
+
+def test_console_scripts_name_themselves(capsys):
+    """``m3-rollout-serve`` (pyproject's console script: ``serve.main()`` with no arguments from
+    the command line) and ``m3-rollout SUBCOMMAND`` name the command typed."""
+    from m3_rollout import cli, serve
+
+    scripts = _pyproject()["project"]["scripts"]
+    assert scripts == {"m3-rollout": "m3_rollout.cli:main", "m3-rollout-serve": "m3_rollout.serve:main"}
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--help"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("usage: m3-rollout-serve [-h] --model")
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--port", "0"])  # an argparse error names the command too
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith("usage: m3-rollout-serve [-h]")
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    assert capsys.readouterr().out.startswith("usage: m3-rollout serve [-h] --model")

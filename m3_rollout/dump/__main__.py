@@ -4,4 +4,4 @@ line, ``m3_rollout.jobs.dump_cli`` (``--help`` lists the subcommands)."""
 from m3_rollout.jobs.dump_cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="python -m m3_rollout.dump"))

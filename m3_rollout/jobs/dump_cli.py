@@ -165,9 +165,11 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
     return history
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "m3-rollout dump") -> argparse.ArgumentParser:
+    """The dump command line's parser; prog: the command ``--help`` names (its subcommands' usage
+    lines start with it)."""
     parser = argparse.ArgumentParser(
-        prog="m3-rollout dump", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="roll out and dump without training")
@@ -207,11 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, prog: str = "m3-rollout dump") -> argparse.Namespace:
     """The command line; key=value overrides may also follow the options (`replay DIR --config
     CFG k=v`, as the usage reads: argparse takes the positionals in one run, so later ones come
-    back unparsed and are added here). Exits 2 (argparse) for anything else left over."""
-    parser = build_parser()
+    back unparsed and are added here). Exits 2 (argparse) for anything else left over. prog: as
+    :func:`build_parser`."""
+    parser = build_parser(prog)
     args, extra = parser.parse_known_args(argv)
     if extra:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
@@ -220,8 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "m3-rollout dump") -> int:
+    """Run one dump subcommand; returns the exit status (2 with ``error: ...`` on stderr for a dump
+    or config error). prog: the command ``--help`` names (``python -m m3_rollout.dump`` passes its own)."""
+    args = parse_args(argv, prog)
     try:
         return args.fn(args)
     except (DumpError, ConfigError) as exc:
@@ -230,4 +235,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="python -m m3_rollout.jobs.dump_cli"))

@@ -78,9 +78,14 @@ def export_checkpoint(
     return sorted(p.name for p in out.iterdir())
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout export") -> argparse.Namespace:
+    """The export's command line. prog: the command ``--help`` and errors name.
+
+    Raises:
+        SystemExit(2): a bad or missing option (argparse); SystemExit(0) after ``--help``.
+    """
     p = argparse.ArgumentParser(
-        prog="m3-rollout export",
+        prog=prog,
         description=__doc__.replace("``", "'"),  # the docstring's RST literals as plain quotes on a terminal
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -91,12 +96,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line of the export; returns the exit status (0, or 2 with ``error: ...`` on stderr)."""
+def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout export") -> int:
+    """Command line of the export; returns the exit status (0, or 2 with ``error: ...`` on stderr).
+    prog: the command ``--help`` names (``python -m m3_rollout.export`` passes its own)."""
     from m3_rollout.jobs.builtin import resolve_model
     from m3_rollout.jobs.outputs import writable_dir
 
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     try:
         model_dir, _ = resolve_model(args.model)
         kwargs = read_chat_defaults(model_dir)  # checked before anything is written (ChatFileError)

@@ -663,4 +663,4 @@ def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog="python -m m3_rollout.jobs.grpo")

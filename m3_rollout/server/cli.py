@@ -32,8 +32,13 @@ from .runner import EngineRunner
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="m3-rollout serve", description="OpenAI-compatible M3 rollout server")
+def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve") -> argparse.Namespace:
+    """The server's command line. prog: the command ``--help`` and errors name (the one the user typed).
+
+    Raises:
+        SystemExit(2): a bad flag (argparse's ``error:`` line); SystemExit(0) after ``--help``.
+    """
+    p = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible M3 rollout server")
     p.add_argument("--model", required=True, help="checkpoint directory or builtin:NAME")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
