@@ -376,8 +376,8 @@ class ClusterConfig:
     # in its process or in its worker process: policy.generation.colocated_placement; with
     # worker_process and EP=P > 1 the GPU the trainer shares with EP rank N, N < P), which share
     # it and take turns: "cpu", "cuda" (= cuda:0) or "cuda:N". Checked at
-    # start against the machine (check_devices): no CUDA, or an index past the device count, stops
-    # the job naming the key.
+    # start against the machine (check_devices; device_problem, the rule serve's --device uses too):
+    # no CUDA, or an index past the device count, stops the job naming the key.
     device: str = "cpu"
 
 
@@ -566,9 +566,11 @@ def _check_worker_process(e: list[str], cfg: MasterConfig) -> None:
         "needs policy.generation.backend=native (a rollout server is a process of its own, refit over HTTP)",
     )
     ep = gen.expert_parallel_size
-    cuda = re.fullmatch(r"cuda(?::(\d+))?", c.device)  # another spelling is refused as cluster.device itself
-    if ep > 1 and cuda is not None:
-        index = int(cuda.group(1) or 0)
+    try:
+        index = cuda_index(c.device)
+    except ValueError:  # refused as cluster.device itself
+        index = None
+    if ep > 1 and index is not None:
         _check(
             e,
             c.gpus_per_node >= ep,
@@ -825,13 +827,10 @@ def validate(cfg: MasterConfig) -> None:
         gen.expert_parallel_size,
         f"needs one GPU per EP rank; the cluster has {n_gpus}",
     )
-    _check(
-        e,
-        re.fullmatch(r"cpu|cuda(:\d+)?", c.device) is not None,
-        "cluster.device",
-        c.device,
-        "must be 'cpu', 'cuda' or 'cuda:N' (N = device index)",
-    )
+    try:
+        cuda_index(c.device)
+    except ValueError as exc:
+        _check(e, False, "cluster.device", c.device, str(exc))
     _check(e, c.worker_cpus > 0, "cluster.worker_cpus", c.worker_cpus, "must be > 0 (fractions are fine)")
     _check(e, c.collective_timeout_s > 0, "cluster.collective_timeout_s", c.collective_timeout_s, "must be > 0")
     _check(e, c.max_restarts >= 0, "cluster.max_restarts", c.max_restarts, "must be >= 0")
@@ -1032,8 +1031,57 @@ def validate(cfg: MasterConfig) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
 
 
+def cuda_index(device: str) -> int | None:
+    """The CUDA device index a device string names, as ``torch.device`` reads it: None for
+    ``"cpu"``, 0 for ``"cuda"``, N for ``"cuda:N"`` (N in ASCII digits, no leading zero).
+
+    Raises:
+        ValueError: any other string (``"gpu"``, ``"cuda:x"``, ``"cuda:"``, ``"cuda:01"``, ``"CUDA"``),
+            saying the accepted forms.
+    """
+    if device == "cpu":
+        return None
+    found = re.fullmatch(r"cuda(?::(0|[1-9][0-9]*))?", device)
+    if found is None:
+        raise ValueError("must be 'cpu', 'cuda' or 'cuda:N' (N = device index)")
+    return int(found.group(1) or 0)
+
+
+def device_problem(device: str, key: str, cuda_available: bool, cuda_device_count: int) -> str | None:
+    """Why ``device`` cannot be used on this machine (None: it can): the one rule for a device
+    request, behind ``cluster.device`` (:func:`check_devices`) and the rollout server's ``--device``.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (anything else is a problem, :func:`cuda_index`).
+        key: the config key or flag the fix names (``"cluster.device"``, ``"--device"``).
+        cuda_available: ``torch.cuda.is_available()``.
+        cuda_device_count: ``torch.cuda.device_count()`` (read as 0 when CUDA is not available).
+
+    Returns:
+        None, or one line without the key / value prefix: the accepted forms for a malformed
+        string; for CUDA asked for where there is none or an index past the device count, the
+        devices present and what to use instead (``{key}=cpu``, or an index below the count).
+    """
+    try:
+        index = cuda_index(device)
+    except ValueError as exc:
+        return str(exc)
+    count = cuda_device_count if cuda_available else 0
+    if index is None or index < count:
+        return None
+    fix = f"{key}=cpu or an index < {count}" if count else f"{key}=cpu"
+    return f"{_cuda_devices_present(cuda_available, cuda_device_count)}; use {fix}"
+
+
+def _cuda_devices_present(cuda_available: bool, cuda_device_count: int) -> str:
+    count = cuda_device_count if cuda_available else 0
+    have = f"this machine has {count} CUDA device(s)"
+    return have if cuda_available else have + " (torch.cuda.is_available() is False)"
+
+
 def check_devices(cfg: MasterConfig, cuda_available: bool, cuda_device_count: int) -> None:
-    """Check ``cluster.device`` and ``cluster.gpus_per_node`` against this machine (at job start).
+    """Check ``cluster.device`` and ``cluster.gpus_per_node`` against this machine (at job start);
+    ``cluster.device`` by :func:`device_problem`, the rule the rollout server's ``--device`` shares.
 
     Args:
         cfg: a validated config.
@@ -1048,13 +1096,9 @@ def check_devices(cfg: MasterConfig, cuda_available: bool, cuda_device_count: in
     """
     c, e = cfg.cluster, []
     count = cuda_device_count if cuda_available else 0
-    have = f"this machine has {count} CUDA device(s)"
-    if not cuda_available:
-        have += " (torch.cuda.is_available() is False)"
-    if c.device.startswith("cuda"):
-        index = int(c.device.partition(":")[2] or 0)
-        fix = f"cluster.device=cpu or an index < {count}" if count else "cluster.device=cpu"
-        _check(e, index < count, "cluster.device", c.device, f"{have}; use {fix}")
+    have = _cuda_devices_present(cuda_available, cuda_device_count)
+    problem = device_problem(c.device, "cluster.device", cuda_available, cuda_device_count)
+    _check(e, problem is None, "cluster.device", c.device, problem)
     _check(
         e,
         c.gpus_per_node <= count,

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ import m3_rollout.jobs.grpo as grpo
 from m3_rollout.jobs.export import main as export_main
 from m3_rollout.serve import main as serve_main
 from m3_rollout.server.client import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +214,10 @@ def test_export_help_shows_plain_quotes_not_rst_literals(capsys):
 
 @pytest.mark.parametrize(
     "device, needle",
-    [("cuda", "this machine has 0 CUDA device(s); use --device cpu"), ("gpu", "must be cpu, cuda, cuda:N or auto")],
+    [
+        ("cuda", "this machine has 0 CUDA device(s) (torch.cuda.is_available() is False); use --device=cpu"),
+        ("gpu", "must be 'cpu', 'cuda' or 'cuda:N' (N = device index)"),
+    ],
 )
 def test_serve_device_that_this_machine_lacks_is_one_line_and_exit_2(capsys, device, needle):
     """--device cuda on a machine without CUDA was a 36-line traceback from the checkpoint load (exit 1)."""
@@ -221,3 +227,64 @@ def test_serve_device_that_this_machine_lacks_is_one_line_and_exit_2(capsys, dev
         serve_main(["--model", "builtin:tiny-random", "--device", device])
     assert e.value.code == 2
     assert f"error: --device={device}: {needle}" in capsys.readouterr().err
+
+
+# (device, torch.cuda.is_available(), torch.cuda.device_count(), the problem; None = usable)
+DEVICE_CASES = [
+    ("cpu", False, 0, None),
+    ("cuda", True, 1, None),
+    ("cuda:1", True, 2, None),
+    ("cuda", False, 0, "this machine has 0 CUDA device(s) (torch.cuda.is_available() is False); use KEY=cpu"),
+    ("cuda:0", False, 3, "this machine has 0 CUDA device(s) (torch.cuda.is_available() is False); use KEY=cpu"),
+    ("cuda:2", True, 2, "this machine has 2 CUDA device(s); use KEY=cpu or an index < 2"),
+    ("cuda:1", True, 0, "this machine has 0 CUDA device(s); use KEY=cpu"),
+    *[
+        (bad, True, 8, "must be 'cpu', 'cuda' or 'cuda:N' (N = device index)")
+        # cuda: was served as cuda:0 by --device, cuda:01 (torch refuses both) and cuda:\u0663 (an Arabic-Indic
+        # 3, which \\d matched) were accepted as cluster.device
+        for bad in ("gpu", "cuda:x", "cuda:", "cuda:01", "cuda:-1", "cuda:\u0663", "CUDA", "cuda0", " cuda", "cuda:1 ")
+    ],
+]
+
+
+@pytest.mark.parametrize("device, available, count, problem", DEVICE_CASES)
+def test_serve_device_flag_and_cluster_device_give_one_verdict(
+    tmp_path, monkeypatch, capsys, device, available, count, problem
+):
+    """serve's --device and the GRPO job's cluster.device were two rules (cuda: passed one, cuda:01
+    and a non-ASCII digit the other); both now ask m3_rollout.config.device_problem, and each keeps
+    its own error style: argparse's exit 2 naming the flag, a ConfigError naming the key."""
+    from m3_rollout.config import ConfigError, check_devices, load_config
+    from m3_rollout.server.cli import parse_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    argv = ["--model", "m", "--device", device]
+    config = tmp_path / "device.yaml"  # a YAML string: a key=value override would read "cuda:" as a mapping
+    config.write_text(f"defaults: {ROOT / 'configs/grpo_bf16_ep.yaml'}\ncluster:\n  device: {json.dumps(device)}\n")
+    if problem is None:
+        assert parse_args(argv).device == device
+        check_devices(load_config(config), available, count)
+        return
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"m3-rollout serve: error: --device={device}: {problem.replace('KEY', '--device')}"
+    with pytest.raises(ConfigError) as exc:
+        check_devices(load_config(config), available, count)
+    assert f"cluster.device={device!r}: {problem.replace('KEY', 'cluster.device')}" in [
+        line.strip() for line in str(exc.value).splitlines()
+    ]
+
+
+def test_serve_device_auto_is_always_usable(monkeypatch):
+    """auto is the flag's own (CUDA when present, else cpu); cluster.device has no auto."""
+    from m3_rollout.config import ConfigError, load_config
+    from m3_rollout.server.cli import parse_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse_args(["--model", "m"]).device == "auto"
+    assert parse_args(["--model", "m", "--device", "auto"]).device == "auto"
+    with pytest.raises(ConfigError, match=r"cluster.device='auto': must be 'cpu', 'cuda' or 'cuda:N'"):
+        load_config("configs/grpo_bf16_ep.yaml", ["cluster.device=auto"])

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, read_chat_defaults
+from m3_rollout.config import device_problem
 from m3_rollout.engine.interface import GenerationBackend
 
 from .openai_api import ServedModel, thinking_mode_of
@@ -59,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
         "at once; a new request waits up to this many steps)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="generation dtype (auto: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: cuda if present, else cpu)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest context (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences the engine runs at once (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -126,26 +127,13 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
         p.error(f"--kv-cache-memory-fraction={args.kv_cache_memory_fraction}: must be in (0, 1]")
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port}: must be in 1..65535")
-    if problem := _device_problem(args.device):
+    # the GRPO job's cluster.device rule (one line here instead of a traceback from the checkpoint
+    # load); auto (CUDA when there is one, else cpu) is the flag's own and always usable
+    if args.device != "auto" and (
+        problem := device_problem(args.device, "--device", torch.cuda.is_available(), torch.cuda.device_count())
+    ):
         p.error(f"--device={args.device}: {problem}")
     return args
-
-
-def _device_problem(name: str) -> str | None:
-    """Why ``--device`` cannot be used on this machine (None: it can): not cpu / cuda / cuda:N /
-    auto, or CUDA asked for where there is none or fewer devices (the GRPO job's
-    ``cluster.device`` check, as one line instead of a traceback from the checkpoint load)."""
-    if name in ("auto", "cpu"):
-        return None
-    kind, _, index = name.partition(":")
-    if kind != "cuda" or (index and not (index.isascii() and index.isdigit())):
-        return "must be cpu, cuda, cuda:N or auto"
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if int(index or 0) < count:
-        return None
-    return f"this machine has {count} CUDA device(s); use --device cpu" + (
-        f" or cuda:N with N < {count}" if count else ""
-    )
 
 
 def _device(name: str) -> str:
