@@ -191,20 +191,20 @@ def test_mixed_text_kept_under_reserved_key():
     assert args_of(out) == {"o": {"a": "1", "$text": "note"}}
 
 
-def test_truncated_invoke_keeps_parsed_arguments():
+def test_cut_invoke_is_no_call_its_text_is_content():
+    # A cut call was reported as a call with the parameters before the cut ({"a": 1}): the cut
+    # value ("half a val") vanished, and a client saw a call with partial arguments.
     props = {"a": {"type": "integer"}, "b": {"type": "string"}}
-    text = "ok" + f"{NS}<tool_call>\n" + f'{NS}<invoke name="t">' + el("a", "1") + f"{NS}<b>half a val"
-    out = parse_tool_calls(text, [tool("t", props)])
-    assert out.content == "ok"
-    assert (out.truncated, out.error) == (True, None)
-    assert [(c.name, args_of(out)) for c in out.tool_calls] == [("t", {"a": 1})]
-    # Cut inside the closing </invoke> itself: all parameters are complete.
-    cut = text.replace(f"{NS}<b>half a val", f"{NS}</inv")
-    out = parse_tool_calls(cut, [tool("t", props)])
-    assert (out.truncated, out.error, args_of(out)) == (True, None, {"a": 1})
-    # Cut inside the name: no call can be reported.
+    call = f'{NS}<tool_call>\n{NS}<invoke name="t">' + el("a", "1") + f"{NS}<b>half a val"
+    out = parse_tool_calls("ok" + call, [tool("t", props)])
+    assert (out.content, out.tool_calls, out.truncated, out.error) == ("ok" + call, [], True, None)
+    # Cut inside the closing </invoke> itself: still no call (its end was not written).
+    cut = call.replace(f"{NS}<b>half a val", f"{NS}</inv")
+    out = parse_tool_calls("ok" + cut, [tool("t", props)])
+    assert (out.content, out.tool_calls, out.truncated) == ("ok" + cut, [], True)
+    # Cut inside the name: the text was dropped, content None.
     out = parse_tool_calls(f'{NS}<tool_call>\n{NS}<invoke name="get_wea', None)
-    assert (out.content, out.tool_calls, out.truncated) == (None, [], True)
+    assert (out.content, out.tool_calls, out.truncated) == (f'{NS}<tool_call>\n{NS}<invoke name="get_wea', [], True)
 
 
 def test_malformed_xml_keeps_params_before_fault():
@@ -247,13 +247,7 @@ def test_scanner_streaming_chunks_give_same_events():
         else:
             merged.append(e)
     assert merged == expected
-    assert [(e.kind, e.name) for e in expected] == [
-        ("content", None),
-        ("name", "f"),
-        ("invoke", "f"),
-        ("name", "g"),
-        ("invoke", "g"),
-    ]
+    assert [(e.kind, e.name) for e in expected] == [("content", None), ("invoke", "f"), ("invoke", "g")]
     assert expected[0].text == "pre ]<]mini"
 
 
@@ -343,10 +337,11 @@ def test_malformed_schema_does_not_crash_the_parser(schema, want):
 
 def test_text_cut_right_after_invoke_prefix_is_truncated():
     # Cut inside the name (no name known yet) already says truncated; so must a cut right
-    # after `name=` (the quote style is not known yet).
+    # after `name=` (the quote style is not known yet); the text is content either way.
     for tail in ('<invoke name=', '<invoke name="ca'):
-        out = parse_tool_calls(f"{NS}<tool_call>\n{NS}{tail}", None)
-        assert (out.tool_calls, out.truncated, out.error) == ([], True, None), tail
+        text = f"{NS}<tool_call>\n{NS}{tail}"
+        out = parse_tool_calls(text, None)
+        assert (out.content, out.tool_calls, out.truncated, out.error) == (text, [], True, None), tail
 
 
 @pytest.mark.parametrize(

@@ -138,7 +138,7 @@ def stream(chunks, tools=TOOLS):
 
 
 def random_chunks(text, rng):
-    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 40)))
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(40, len(text) - 1))))
     return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
@@ -168,20 +168,23 @@ def test_namespace_token_split_at_every_offset():
             assert stream([TEXT[:cut], TEXT[cut:]])[0] == (EXPECTED_CONTENT, EXPECTED_CALLS), cut
 
 
-def test_header_after_first_argument_text_and_arguments_at_invoke_close():
+def test_a_call_goes_out_whole_at_invoke_close():
+    # The header (id, name) used to go out with the first argument text; a stream then cut inside
+    # the call had sent a call it could not take back. Now nothing of a call goes out before it closes.
     parser = StreamingToolParser(TOOLS)
     head = "pre" + f"{NS}<tool_call>\n" + f'{NS}<invoke name="tag">'
     d = parser.feed(head)
-    assert d.content == "pre" and d.tool_calls == []  # no argument text yet
-    d = parser.feed(NS[:5])  # could still be the start of `</invoke>`: no header yet
-    assert d.tool_calls == []
-    d = parser.feed(NS[5:] + "<k>1")
-    assert d.tool_calls == [ToolCallDelta(0, "call_0", "tag", None)]
-    d = parser.feed(f"{NS}</k>")
-    assert d.tool_calls == []  # arguments are not streamed piecewise
-    d = parser.feed(f"{NS}</invoke>")
-    assert d.tool_calls == [ToolCallDelta(0, arguments='{"k": 1}')]
-    assert d.tool_calls[0].to_openai() == {"index": 0, "function": {"arguments": '{"k": 1}'}}
+    assert d.content == "pre" and d.tool_calls == []
+    for piece in (NS[:5], NS[5:] + "<k>1", f"{NS}</k>", f"{NS}</inv"):
+        assert parser.feed(piece).tool_calls == []  # argument text: the call is not known to finish
+    d = parser.feed("oke>")
+    assert d.tool_calls == [ToolCallDelta(0, "call_0", "tag", '{"k": 1}')]
+    assert d.tool_calls[0].to_openai() == {
+        "index": 0,
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "tag", "arguments": '{"k": 1}'},
+    }
 
 
 def test_empty_body_call_sends_name_and_arguments_together():
@@ -208,22 +211,18 @@ def test_whitespace_content_before_call_dropped_other_content_kept():
     assert content == "a  \n" == parse_tool_calls("a  \n" + block(invoke("f")), None).content
 
 
-@pytest.mark.parametrize("split", [1, 7, 20])
-def test_truncated_call_closed_at_finish(split):
-    text = (
-        "x"
-        + f"{NS}<tool_call>\n"
-        + invoke("tag", el("k", "5"))
-        + f'{NS}<invoke name="tag">'
-        + el("k", "6")
-        + f"{NS}<k>7"
-    )
+@pytest.mark.parametrize("split", [1, 7, 20, 60])
+def test_cut_call_is_content_at_finish_earlier_calls_stay(split):
+    # The cut call was sent as call_1 with {"k": 6}, its "7" lost.
+    cut = f'{NS}<invoke name="tag">' + el("k", "6") + f"{NS}<k>7"
+    text = "x" + f"{NS}<tool_call>\n" + invoke("tag", el("k", "5")) + "\n" + cut
     chunks = [text[:split], text[split:]]
     (content, calls), result = stream(chunks)
-    assert content == "x"
+    assert content == "x" + cut  # the newline between the invokes is the block's
     # A bare scalar under an array schema stays a scalar (spec §5.4: no listed type fits -> JSON parse).
-    assert calls == [("call_0", "tag", {"k": 5}), ("call_1", "tag", {"k": 6})]
-    assert (result.truncated, result.error) == (True, None)
+    assert calls == [("call_0", "tag", {"k": 5})]
+    assert (result.truncated, result.error, result.content) == (True, None, "x" + cut)
+    assert result == parse_tool_calls(text, TOOLS)
 
 
 def test_error_flag_streams_parameters_before_fault():
@@ -254,3 +253,79 @@ def test_long_argument_streamed_in_small_chunks_is_linear_time():
     assert time.perf_counter() - t0 < 5.0
     assert parser.result() == parse_tool_calls(text, TOOLS)
     assert json.loads(parser.result().tool_calls[0].arguments) == {"pattern": "a" * 400_000}
+
+
+# A generation cut by max_tokens inside a tool call: nothing the model wrote may vanish. A call the
+# end of the text cut off is not parsed; its text is content, streamed or not.
+CUT_TEXT = "Let me check." + block(invoke("tag", el("k", "5")), invoke("grep", el("pattern", "a b") + el("-n", "true")))
+SECOND = CUT_TEXT.index(f'{NS}<invoke name="grep"')
+TAG_CALL = ("call_0", "tag", {"k": 5})
+
+
+def _at(marker, extra=0, start=0):
+    return CUT_TEXT.index(marker, start) + len(marker) + extra
+
+
+@pytest.mark.parametrize(
+    "cut, content, calls, truncated",
+    [
+        # inside the block, before any invoke: the whole block is content
+        (_at("<tool_call>"), CUT_TEXT[: _at("<tool_call>")], [], True),
+        (_at("<tool_call>\n" + NS[:4]), CUT_TEXT[: _at("<tool_call>\n" + NS[:4])], [], True),
+        # inside the first call's name, and right after `name=`
+        (_at('name="ta'), CUT_TEXT[: _at('name="ta')], [], True),
+        (_at("<invoke name="), CUT_TEXT[: _at("<invoke name=")], [], True),
+        # inside the first call's parameter value, and inside its closing </invoke>
+        (_at("<k>"), CUT_TEXT[: _at("<k>")], [], True),
+        (_at(f"{NS}</inv"), CUT_TEXT[: _at(f"{NS}</inv")], [], True),
+        # after the first call's </invoke>: the call stands; the newline is the block's
+        (_at("</invoke>"), "Let me check.", [TAG_CALL], False),
+        (_at("</invoke>\n"), "Let me check.", [TAG_CALL], False),
+        # the second call cut in its tag, its name, its parameter value: from its <invoke on
+        (
+            _at("</invoke>\n" + NS + "<inv"),
+            "Let me check." + CUT_TEXT[SECOND : _at("</invoke>\n" + NS + "<inv")],
+            [TAG_CALL],
+            True,
+        ),
+        (_at('name="gr'), "Let me check." + CUT_TEXT[SECOND : _at('name="gr')], [TAG_CALL], True),
+        (_at("<pattern>a "), "Let me check." + CUT_TEXT[SECOND : _at("<pattern>a ")], [TAG_CALL], True),
+        # after the last </invoke>, before </tool_call> (in its marker, or before it)
+        (
+            _at("</invoke>", 0, SECOND),
+            "Let me check.",
+            [TAG_CALL, ("call_1", "grep", {"pattern": "a b", "-n": True})],
+            False,
+        ),
+        (len(CUT_TEXT) - 3, "Let me check.", [TAG_CALL, ("call_1", "grep", {"pattern": "a b", "-n": True})], False),
+    ],
+)
+def test_text_cut_inside_a_call_streamed_and_not(cut, content, calls, truncated):
+    text = CUT_TEXT[:cut]
+    whole = parse_tool_calls(text, TOOLS)
+    assert (whole.content, whole.truncated, whole.error) == (content, truncated, None)
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls
+    rng = random.Random(cut)
+    for chunks in ([text], list(text), random_chunks(text, rng), random_chunks(text, rng)):
+        (got_content, got_calls), result = stream(chunks)
+        assert (got_content, got_calls) == (content, calls)  # what a client accumulates from the deltas
+        assert result == whole
+
+
+def test_every_cut_point_keeps_all_text_streamed_and_not():
+    """For every prefix: calls are the invokes closed in it; when it ends inside a call, the
+    content is the text before the block followed by that call's text, verbatim (the whole block
+    while no invoke closed, else from the cut invoke's tag on)."""
+    closes = [i + len(f"{NS}</invoke>") for i in range(len(CUT_TEXT)) if CUT_TEXT.startswith(f"{NS}</invoke>", i)]
+    block_at = CUT_TEXT.index(f"{NS}<tool_call>")
+    for cut in range(len(CUT_TEXT) + 1):
+        text = CUT_TEXT[:cut]
+        whole = parse_tool_calls(text, TOOLS)
+        (content, calls), result = stream(list(text))
+        assert result == whole and content == whole.content, cut
+        assert len(calls) == sum(c <= cut for c in closes), cut
+        if whole.truncated:
+            start = block_at if cut < closes[0] else SECOND
+            assert content == "Let me check." + text[start:], cut
+        else:
+            assert content == (text or None if cut < block_at + len(f"{NS}<tool_call>") else "Let me check."), cut

@@ -190,6 +190,79 @@ def test_flagged_and_unknown_calls_become_error_observations(tok):
     assert t.reward == 1.0
 
 
+class RecordingCalculator(CalculatorEnvironment):
+    """The calculator environment, keeping every ModelTurn it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.turns: list[ModelTurn] = []
+
+    def step(self, state, turn: ModelTurn):
+        self.turns.append(turn)
+        return super().step(state, turn)
+
+
+NS = "]<]minimax[>["
+CUT_BODY = (
+    f"Let me compute. {NS}<tool_call>\n"
+    f'{NS}<invoke name="calculator">{NS}<expression>12*34{NS}</expression>{NS}</invoke>\n'
+    f'{NS}<invoke name="calculator">{NS}<expression>400+8{NS}</expression>{NS}</invoke>\n'
+    f"{NS}</tool_call>"
+)
+SECOND_CALL = CUT_BODY.index(f'{NS}<invoke name="calculator">', CUT_BODY.index("</invoke>"))
+
+
+@pytest.mark.parametrize(
+    "cut, content, n_calls",
+    [
+        # inside the first call's name / its parameter value: the whole block is content
+        (CUT_BODY.index("calculator") + 4, CUT_BODY[: CUT_BODY.index("calculator") + 4], 0),
+        (CUT_BODY.index("12*") + 3, CUT_BODY[: CUT_BODY.index("12*") + 3], 0),
+        # inside the second call's value: the first call stands, the second is content
+        (CUT_BODY.index("400+") + 4, "Let me compute. " + CUT_BODY[SECOND_CALL : CUT_BODY.index("400+") + 4], 1),
+        # after the last </invoke>, before </tool_call>: both calls stand
+        (CUT_BODY.index(f"{NS}</tool_call>") - 1, "Let me compute. ", 2),
+    ],
+)
+def test_turn_cut_by_length_inside_a_call_gives_its_text_to_the_environment(tok, cut, content, n_calls):
+    """max_new_tokens inside a call: the environment scored content without the cut call's text
+    (and the trajectory's parse record dropped it too); now that text is the content's end."""
+    chat = ChatFormat(tok, "disabled")
+    text = CUT_BODY[:cut]
+    ids = chat.encode(text)
+    assert chat.decode(ids) == text
+    env = RecordingCalculator()
+    (t,), _ = run_group_rollouts(ScriptedBackend({0: [(ids, "length")]}), chat, env, [REC], settings())
+    env.close()
+    rec = t.turns[0]
+    assert (rec.finish_reason, rec.truncated, t.finish_reason) == ("length", True, "length")
+    assert rec.parsed.content == content and len(rec.parsed.tool_calls) == n_calls
+    assert rec.parsed.truncated == (n_calls < 2)
+    (turn,) = env.turns
+    assert (turn.content, turn.truncated, turn.finish_reason) == (content, True, "length")
+    assert len(t.tool_calls) == n_calls
+
+
+def test_turn_stopped_inside_a_call_gets_an_error_observation(tok):
+    """The model samples its end-of-message token inside a call: the call is no call (its text is
+    content), and the environment answers the parse error instead of scoring the turn as an answer."""
+    from m3_rollout.rollout.group_rollout import UNFINISHED_CALL
+
+    chat = ChatFormat(tok, "disabled")
+    text = CUT_BODY[: CUT_BODY.index("12*") + 3]
+    turn1 = chat.encode(text) + [chat.eos_token_id]
+    turn2 = chat.assistant_ids("It is 408.")
+    env = RecordingCalculator()
+    backend = ScriptedBackend({0: [(turn1, "stop"), (turn2, "stop")]})
+    (t,), _ = run_group_rollouts(backend, chat, env, [REC], settings())
+    env.close()
+    rec = t.turns[0]
+    assert (rec.parsed.content, rec.parsed.tool_calls, rec.parsed.truncated) == (text, [], True)
+    assert (env.turns[0].content, env.turns[0].parse_error) == (text, UNFINISHED_CALL)
+    assert rec.observations == [f"Error: malformed tool call ({UNFINISHED_CALL})"]
+    assert len(t.turns) == 2 and (t.reward, t.finish_reason) == (1.0, "stop")
+
+
 class EchoEnv(Environment):
     """Never done: every turn gets a one-line tool observation, until the turn limit."""
 

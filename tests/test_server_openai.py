@@ -406,3 +406,60 @@ def test_required_with_one_tool_forces_that_tools_name(scripted, mode):
         forced = chat_prompt(served, req)
         assert forced.ids == chat_prompt(served, same).ids and f'name="{name}' in forced.forced
         assert not forced.first_call_only  # "required" still allows several calls (parallel_tool_calls)
+
+
+def _cut_at(served, ids, where):
+    """The number of ids of a generation cut by max_tokens at ``where``: inside the first call's
+    name, inside the second call's parameter value, after the last </invoke> (before </tool_call>)."""
+    texts = [served.decode(ids[:k]) for k in range(len(ids) + 1)]
+
+    def in_name(t):
+        tag = t.rfind(f"{NS}<invoke name=")
+        return t.count(f"{NS}<invoke") == 1 and tag >= 0 and ">" not in t[tag + len(NS) + 1 :]
+
+    test = {
+        "inside the name": in_name,
+        "inside a parameter value": lambda t: (
+            t.count(f"{NS}<invoke") == 2 and f"{NS}<city>P" in t and "</city>" not in t
+        ),
+        "after </invoke>": lambda t: t.count(f"{NS}</invoke>") == 2 and "</tool_call>" not in t,
+    }[where]
+    found = [k for k, t in enumerate(texts) if test(t)]
+    assert found, f"no cut {where} in {texts[-1]!r}"
+    return found[-1], texts[found[-1]]
+
+
+@pytest.mark.parametrize("where", ["inside the name", "inside a parameter value", "after </invoke>"])
+@pytest.mark.parametrize("mode", MODES)
+def test_generation_cut_inside_a_tool_call_keeps_its_text(scripted, tok, mode, where):
+    """max_tokens inside a call: the cut call was a tool call with the arguments before the cut (its
+    partial value gone), or nothing at all when cut inside the name; now it is content, verbatim,
+    and finish_reason stays length, streamed and not."""
+    srv, backend = scripted
+    served = srv.app.state.served
+    reasoning = None if mode == "disabled" else "I need the tool."
+    ids = _turn(tok, mode, "Let me check.", [{"function": CALC}, {"function": BOOK}], reasoning)
+    k, text = _cut_at(served, ids, where)
+    backend.scripts = [ids]
+    kw = dict(
+        model="tiny-m3",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=k,
+        extra_body={"chat_template_kwargs": {"thinking_mode": mode}},
+    )
+    answer = text[text.index("Let me check.") :]  # after the reasoning
+    second = answer.find(f"{NS}<invoke", answer.index(f"{NS}</invoke>") if f"{NS}</invoke>" in answer else 0)
+    expected = {
+        "inside the name": (answer, []),
+        "inside a parameter value": ("Let me check." + answer[second:], [CALC]),
+        "after </invoke>": ("Let me check.", [CALC, BOOK]),
+    }[where]
+    full = _client(srv).chat.completions.create(**kw)
+    reasoning_got, content, calls = _message_view(full.choices[0].message)
+    assert full.choices[0].finish_reason == "length"
+    assert (content, [{"name": c["name"], "arguments": c["arguments"]} for c in calls]) == expected
+    assert reasoning_got == (reasoning or "")
+    streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
+    assert _stream_view(streamed[0]) == (reasoning_got, content, calls)
+    assert streamed[0]["finish"] == "length"

@@ -21,9 +21,10 @@ class ParsedTurn:
     """A parsed model turn.
 
     reasoning: text of the think span (None when the turn had none).
-    content: answer text outside the tool-call block (None if empty / whitespace before a call).
-    tool_calls: OpenAI-style calls in order (`ToolCall.to_openai()`).
-    truncated: the text ended inside a tool call (its parsed-so-far arguments are kept).
+    content: answer text outside the tool-call block (None if empty / whitespace before a call),
+        followed by the verbatim text of a tool call the end of the text cut off.
+    tool_calls: OpenAI-style calls in order (`ToolCall.to_openai()`), those closed by `</invoke>`.
+    truncated: the text ended inside a tool call (not parsed: its text ends `content`).
     error: first malformed-XML fault of the tool-call block, or None.
     """
 

@@ -211,13 +211,13 @@ def find_parameters(tools: list[dict] | None, name: str) -> dict | None:
     return None
 
 
-def parse_arguments(body: str, parameters: dict | None, closed: bool = True) -> tuple[dict[str, Any], str | None]:
+def parse_arguments(body: str, parameters: dict | None) -> tuple[dict[str, Any], str | None]:
     """Arguments dict of one invoke body and the first malformed-XML fault (or None).
 
     Args:
-        body: text between `NS<invoke name="…">` and `NS</invoke>` (or end of text).
+        body: text between `NS<invoke name="…">` and `NS</invoke>` (a finished invoke: one the end
+            of the text cut off is not parsed, `tool_parser`).
         parameters: the tool's JSON schema for its arguments (`function.parameters`), or None.
-        closed: False when the invoke was cut off by the end of the text.
     """
-    params, error = parse_body(body, closed)
+    params, error = parse_body(body)
     return _convert_object(params, parameters), error

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m3_rollout.chat.markers import NS
-from m3_rollout.chat.tool_scanner import INVOKE_CLOSE
 
 __all__ = ["Element", "Node", "parse_body"]
 
@@ -37,11 +36,7 @@ Node = Element | str
 
 
 class _Malformed(Exception):
-    pass
-
-
-class _Unterminated(Exception):
-    pass
+    """A fault in the body (an unclosed or mismatched element, too deep a nesting); the message says which."""
 
 
 def _open_tag(s: str, pos: int) -> tuple[str, int]:
@@ -49,7 +44,7 @@ def _open_tag(s: str, pos: int) -> tuple[str, int]:
     start = pos + len(_OPEN)
     end = s.find(">", start)
     if end < 0:
-        raise _Unterminated(f"unterminated tag at offset {pos}")
+        raise _Malformed(f"unterminated tag at offset {pos}")
     return s[start:end], end + 1
 
 
@@ -63,12 +58,12 @@ def _parse_value(s: str, pos: int, name: str, depth: int) -> tuple[Node, int]:
     while True:
         i = s.find(NS, pos)
         if i < 0:
-            raise _Unterminated(f"element {name!r} is not closed")
+            raise _Malformed(f"element {name!r} is not closed")
         texts.append(s[pos:i])
         if s.startswith(_CLOSE, i):
             end = s.find(">", i + len(_CLOSE))
             if end < 0:
-                raise _Unterminated(f"element {name!r} is not closed")
+                raise _Malformed(f"element {name!r} is not closed")
             closer = s[i + len(_CLOSE) : end]
             if closer != name:
                 raise _Malformed(f"closing tag {closer!r} does not match {name!r} at offset {i}")
@@ -87,13 +82,11 @@ def _parse_value(s: str, pos: int, name: str, depth: int) -> tuple[Node, int]:
     return Element(children, "".join(t for t in texts if t.strip())), pos
 
 
-def parse_body(body: str, closed: bool) -> tuple[list[tuple[str, Node]], str | None]:
+def parse_body(body: str) -> tuple[list[tuple[str, Node]], str | None]:
     """Top-level parameters of an invoke body, up to the first fault, and the fault (or None).
 
     Args:
-        body: text between `NS<invoke name="…">` and `NS</invoke>` (or the end of the text).
-        closed: False when the invoke was cut off by the end of the text; an element cut off
-            there is no fault (the call was just not finished).
+        body: text between `NS<invoke name="…">` and `NS</invoke>`.
 
     Returns:
         ([(parameter name, value node), ...] in order, fault text or None). Parameters before a
@@ -107,14 +100,10 @@ def parse_body(body: str, closed: bool) -> tuple[list[tuple[str, Node]], str | N
         if pos == len(body):
             return params, None
         if not body.startswith(_OPEN, pos) or body.startswith(_CLOSE, pos):
-            if not closed and INVOKE_CLOSE.startswith(body[pos:]):
-                return params, None  # cut off inside the closing `</invoke>` itself
             return params, f"unexpected text at offset {pos}: {body[pos : pos + 30]!r}"
         try:
             name, value_pos = _open_tag(body, pos)
             value, pos = _parse_value(body, value_pos, name, 1)
-        except _Unterminated as e:
-            return params, (None if not closed else str(e))
         except _Malformed as e:
             return params, str(e)
         params.append((name, value))

@@ -5,6 +5,8 @@ Governing idea: one parser for both cases. `StreamingToolParser` drives the bloc
 `parse_arguments` (tool_arguments: element tree + schema typing) only once the body is complete,
 so the accumulated result does not depend on how the text was chunked; it emits OpenAI-style
 deltas. `parse_tool_calls` is that parser fed the whole text, so the two cannot disagree.
+A call the end of the text cut off (max_tokens inside it) cannot be parsed: its text comes back
+as content, verbatim, and the result is flagged `truncated` (nothing the model wrote is lost).
 
 Format (NS = "]<]minimax[>["):
     NS<tool_call>\n NS<invoke name="NAME"> NS<key>VALUE NS</key> ... NS</invoke>\n ... NS</tool_call>
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m3_rollout.chat.tool_arguments import find_parameters, parse_arguments
-from m3_rollout.chat.tool_scanner import INVOKE_CLOSE, ScanEvent, ScanState, ToolCallScanner
+from m3_rollout.chat.tool_scanner import ScanEvent, ToolCallScanner
 
 __all__ = [
     "ParsedOutput",
@@ -40,9 +42,11 @@ class ToolCall:
     name: str
     arguments: str
     type: str = "function"
-    # Flags of this call (not part of the OpenAI shape): the text ended inside it, or its XML was
-    # malformed (the reason; parameters before the fault are in `arguments`). A nameless invoke
-    # is kept as a call with name "" and `error` set, so a consumer answers it with an error.
+    # Flags of this call (not part of the OpenAI shape): its XML was malformed (`error`, the
+    # reason; parameters before the fault are in `arguments`). A nameless invoke is kept as a call
+    # with name "" and `error` set, so a consumer answers it with an error. `truncated` is never
+    # set by this parser any more (a cut-off invoke comes back as content, `ParsedOutput.truncated`);
+    # it stays for rollout dumps written when a cut invoke was a call with this flag.
     truncated: bool = False
     error: str | None = None
 
@@ -55,9 +59,13 @@ class ToolCall:
 class ParsedOutput:
     """Result of parsing one model output.
 
-    content: text before the tool-call block (None if empty, or whitespace-only with calls).
-    tool_calls: invocations in order of appearance.
-    truncated: the output ended inside an invocation; arguments parsed so far were kept.
+    content: text before the tool-call block (None if empty, or whitespace-only with calls),
+        followed by the verbatim text of a call the end of the output cut off (see `truncated`).
+    tool_calls: invocations closed by `</invoke>`, in order of appearance.
+    truncated: the output ended inside a tool call (inside an invocation, or inside the block
+        before any invocation closed): that call cannot be parsed, so it is not in `tool_calls`;
+        its text, from `<tool_call>` when no call of the block closed, else from its `<invoke`,
+        ends `content`.
     error: first malformed-XML fault, e.g. a mismatched closing tag or an invoke without a
         name; parameters before the fault were kept. None when the XML was well formed.
     """
@@ -72,9 +80,10 @@ class ParsedOutput:
 class ToolCallDelta:
     """One streamed piece of tool call `index` (OpenAI `delta.tool_calls[i]`).
 
-    The first delta of a call carries `id` and `name`; `arguments` (the complete JSON object
-    string, never a fragment) comes once, when the call's `</invoke>` arrives or the stream ends
-    inside the call. A call with an empty body gets all three in one delta.
+    A call goes out in one delta, `id`, `name` and `arguments` (the complete JSON object string,
+    never a fragment), when its `</invoke>` arrives: only then is it known to be a call (a stream
+    that ends inside it sends its text as content instead, and a stream cannot take back a call
+    header it sent).
     """
 
     index: int
@@ -111,10 +120,10 @@ class StreamingToolParser:
 
     Rules: content before the block streams as it arrives, except that while all content so far
     is whitespace it is held back, and dropped if a tool call follows (flushed at `finish`
-    otherwise). A call's header (`id`, `name`) goes out once argument text follows its name; its
-    arguments go out whole at its `</invoke>` (not piecewise: converted values are not prefix
-    stable). `finish` closes an unterminated call (flag `truncated`) with the arguments parsed
-    so far. `result()` gives the accumulated `ParsedOutput` at any time.
+    otherwise). A call goes out whole (`id`, `name`, arguments) at its `</invoke>` (arguments are
+    not streamed piecewise: converted values are not prefix stable). When the text ends inside a
+    call, `finish` sends that call's text as content (flag `truncated`; see `ParsedOutput`).
+    `result()` gives the accumulated `ParsedOutput` at any time.
 
     Args:
         tools: the request's tools (OpenAI format) whose `parameters` schemas type the values.
@@ -129,7 +138,6 @@ class StreamingToolParser:
         self._held_ws = ""  # whitespace-only content held back until it is known to be content
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
-        self._header_sent = False  # header of the call being read (scanner in ARGS) is out
         self._truncated = False
         self._error: str | None = None
         self._finished = False
@@ -140,14 +148,10 @@ class StreamingToolParser:
             raise RuntimeError("StreamingToolParser.feed after finish(); make a new parser per output")
         delta = ToolStreamDelta()
         self._handle(self._scanner.feed(text), delta)
-        if self._scanner.state is ScanState.ARGS and not self._header_sent:
-            body = self._scanner.pending_text
-            if body and not INVOKE_CLOSE.startswith(body):  # argument text, not the closer itself
-                self._emit_header(delta)
         return delta
 
     def finish(self) -> ToolStreamDelta:
-        """End of generation: flush held content, close an unterminated call."""
+        """End of generation: flush held content; the text of a call cut off by the end is content."""
         if self._finished:
             return ToolStreamDelta()
         delta = ToolStreamDelta()
@@ -172,12 +176,6 @@ class StreamingToolParser:
     def _next_call_id(self) -> str:
         return f"call_{self.first_index + len(self._calls)}"
 
-    def _emit_header(self, delta: ToolStreamDelta) -> None:
-        self._held_ws = ""  # a tool call follows: whitespace-only content is formatting
-        index = self.first_index + len(self._calls)
-        delta.tool_calls.append(ToolCallDelta(index, self._next_call_id(), self._scanner.current_name))
-        self._header_sent = True
-
     def _handle(self, events: list[ScanEvent], delta: ToolStreamDelta) -> None:
         for event in events:
             if event.kind == "content":
@@ -188,28 +186,23 @@ class StreamingToolParser:
                     if self._held_ws.strip():
                         text, self._held_ws = self._held_ws, ""
                         self._add_content(text, delta)
-            elif event.kind == "name":
-                self._header_sent = False
+            elif event.kind == "cut":  # a call the end of the text cut off: its text is content
+                self._truncated = True
+                if self._held_ws and not self._calls:  # no call followed: the whitespace is content
+                    self._add_content(self._held_ws, delta)
+                self._held_ws = ""
+                self._add_content(event.text, delta)
             elif event.kind == "invoke":
-                self._truncated |= not event.closed
-                if event.name is None:  # cut off inside the name: which tool is unknown
-                    continue
-                args, fault = parse_arguments(event.text, find_parameters(self.tools, event.name), event.closed)
+                args, fault = parse_arguments(event.text, find_parameters(self.tools, event.name))
                 if not event.name:  # `<invoke>` / `<invoke name="">`: a malformed call, not an answer
                     fault = NAMELESS_INVOKE + (f"; {fault}" if fault else "")
                 self._error = self._error or fault
                 arguments = json.dumps(args, ensure_ascii=False)
-                if self._header_sent:
-                    delta.tool_calls.append(ToolCallDelta(self.first_index + len(self._calls), arguments=arguments))
-                else:
-                    self._held_ws = ""
-                    delta.tool_calls.append(
-                        ToolCallDelta(self.first_index + len(self._calls), self._next_call_id(), event.name, arguments)
-                    )
-                self._calls.append(
-                    ToolCall(self._next_call_id(), event.name, arguments, truncated=not event.closed, error=fault)
+                self._held_ws = ""  # a tool call follows: whitespace-only content is formatting
+                delta.tool_calls.append(
+                    ToolCallDelta(self.first_index + len(self._calls), self._next_call_id(), event.name, arguments)
                 )
-                self._header_sent = False
+                self._calls.append(ToolCall(self._next_call_id(), event.name, arguments, error=fault))
 
 
 def parse_tool_calls(text: str, tools: list[dict] | None = None, first_index: int = 0) -> ParsedOutput:
@@ -223,8 +216,9 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None, first_index: in
             the turns of a conversation.
 
     Returns:
-        `ParsedOutput`: content (None if empty, or whitespace-only before a call), calls in
-        order, `truncated` (text ended inside a call), `error` (first malformed-XML fault).
+        `ParsedOutput`: content (None if empty, or whitespace-only before a call; a call the end
+        of the text cut off is not parsed: its text ends the content), calls in order,
+        `truncated` (text ended inside a call), `error` (first malformed-XML fault).
     """
     parser = StreamingToolParser(tools, first_index)
     parser.feed(text)

@@ -3,9 +3,10 @@
 Governing idea: only the block-level terminals (`<tool_call>`, `<invoke name=…>` / a nameless
 `<invoke …>`, `</invoke>`) are recognised here; an invoke body is opaque text until its
 `</invoke>`. The scanner is fed text in chunks, holds back a possible partial terminal at the end
-of a chunk, and emits events (content text, an invoke's name, an invoke's raw body), so what it
-emits does not depend on how the text was chunked. The body's elements and their typing are
-`tool_arguments`' job; driving both over a stream is `tool_parser`'s.
+of a chunk, and emits events (content text, a finished invoke's name and raw body, the raw text of
+a call the end of the text cut off), so what it emits does not depend on how the text was
+chunked. The body's elements and their typing are `tool_arguments`' job; driving both over a
+stream is `tool_parser`'s.
 
 Format (NS = "]<]minimax[>["):
     NS<tool_call>\\n NS<invoke name="NAME"> NS<key>VALUE NS</key> ... NS</invoke>\\n ... NS</tool_call>
@@ -21,6 +22,7 @@ from m3_rollout.chat.markers import NS, TOOL_CALL_OPEN
 __all__ = ["INVOKE_CLOSE", "ScanEvent", "ScanState", "ToolCallScanner"]
 
 BLOCK_OPEN = TOOL_CALL_OPEN
+BLOCK_CLOSE = NS + "</tool_call>"
 INVOKE_TAG = NS + "<invoke"
 INVOKE_PREFIX = INVOKE_TAG + " name="
 INVOKE_CLOSE = NS + "</invoke>"
@@ -42,15 +44,15 @@ class ScanState(enum.Enum):
 class ScanEvent:
     """One thing the scanner settled.
 
-    kind: "content" (`text` is content), "name" (an invoke's `name` is known; "" for an invoke
-        tag without a name), "invoke" (`text` is the body; `closed` is False when the end of the
-        text cut it off; `name` is None when the cut fell inside the tag, so the tool is unknown).
+    kind: "content" (`text` is content), "invoke" (an invoke closed by `</invoke>`: `name` is its
+        name, "" for an invoke tag without one; `text` is its body), "cut" (the text ended inside
+        a tool call: `text` is that call's text, verbatim, from the block's `<tool_call>` when no
+        invoke of the text has closed yet, else from the cut invoke's `<invoke`; see `finish`).
     """
 
     kind: str
     text: str = ""
     name: str | None = None
-    closed: bool = True
 
 
 def _partial_suffix(buf: str, marker: str) -> int:
@@ -68,7 +70,12 @@ class ToolCallScanner:
     --NS</invoke>--> BLOCK. An invoke tag without `name=` (`NS<invoke>`, `NS<invoke foo="x">`)
     goes through NAME up to its `>` and yields the name "": the parser flags it, so a nameless
     call is never mistaken for an answer without calls. `NS</tool_call>` needs no transition
-    because nothing after the block is ever content again.
+    because nothing after the block is ever content again (`finish` only looks for it to tell a
+    block the text cut off from a finished one).
+
+    The text of the call being read is kept verbatim (`_raw` + `_buf`): from `NS<tool_call>`
+    until an invoke closes, then from each `NS<invoke`, so a call the end of the text cuts off
+    comes back whole as a "cut" event.
     """
 
     def __init__(self) -> None:
@@ -80,16 +87,8 @@ class ToolCallScanner:
         # Offset in `_buf` before which the current state's terminator is known to be absent, so
         # a long name or invoke body fed in small chunks is scanned once (linear, not quadratic).
         self._scanned = 0
-
-    @property
-    def current_name(self) -> str | None:
-        """Name of the invoke being read (meaningful in the ARGS state)."""
-        return self._name
-
-    @property
-    def pending_text(self) -> str:
-        """Text received but not yet consumed (in ARGS: the body of the open invoke so far)."""
-        return self._buf
+        self._raw = ""  # consumed text of the call being read (see the class docstring)
+        self._invoke_closed = False  # an invoke of this text has closed
 
     def feed(self, text: str) -> list[ScanEvent]:
         """Consume a chunk; return the events it completes."""
@@ -100,19 +99,29 @@ class ToolCallScanner:
         return events
 
     def finish(self) -> list[ScanEvent]:
-        """End of text: flush held-back content and close an unterminated invoke."""
+        """End of text: flush held-back content, and hand back the text of a call it cut off.
+
+        The text ended inside a tool call when it ended inside an invoke (its tag or its body, no
+        `</invoke>`), or inside the block before any invoke closed and before `NS</tool_call>`.
+        Such a call cannot be parsed (a cut tag has no name, a cut body incomplete arguments), so
+        it is no call: its text comes back verbatim in one "cut" event, from `NS<tool_call>` while
+        no invoke has closed (the whole block), else from the cut invoke's `NS<invoke` (the
+        newline between invokes is the block's, dropped as before). Text after a finished invoke
+        that starts no new one (the block's end, cut or not) is the block's and is dropped.
+        """
         events: list[ScanEvent] = []
-        if self.state is ScanState.CONTENT and self._buf:
-            events.append(ScanEvent("content", self._buf))
-        elif self.state is ScanState.NAME:
-            # Cut off inside the tag: which tool was meant is unknown, so no call is emitted.
-            events.append(ScanEvent("invoke", name=None, closed=False))
-        elif self.state is ScanState.ARGS:
-            events.append(ScanEvent("invoke", text=self._buf, name=self._name, closed=False))
-        elif self.state is ScanState.BLOCK and self._buf.startswith(INVOKE_TAG):
-            # Cut right after `<invoke` / `<invoke name=`: a call was started, its name is unknown.
-            events.append(ScanEvent("invoke", name=None, closed=False))
-        self._buf = ""
+        if self.state is ScanState.CONTENT:
+            if self._buf:
+                events.append(ScanEvent("content", self._buf))
+        else:
+            text, held = self._raw + self._buf, self._buf
+            # BLOCK holds back a possible invoke tag: `NS<invo` is one begun, `NS<` may close the block
+            in_tag = held.startswith(INVOKE_TAG) or (INVOKE_TAG.startswith(held) and not BLOCK_CLOSE.startswith(held))
+            in_invoke = self.state is not ScanState.BLOCK or in_tag
+            block_unfinished = not self._invoke_closed and BLOCK_CLOSE not in text
+            if in_invoke or block_unfinished:
+                events.append(ScanEvent("cut", text))
+        self._buf = self._raw = ""
         self._scanned = 0
         self.state = ScanState.BLOCK
         return events
@@ -131,6 +140,7 @@ class ToolCallScanner:
             if i:
                 events.append(ScanEvent("content", buf[:i]))
             self._buf = buf[i + len(BLOCK_OPEN) :]
+            self._raw = BLOCK_OPEN
             self.state = ScanState.BLOCK
             return True
         if self.state is ScanState.BLOCK:
@@ -140,7 +150,7 @@ class ToolCallScanner:
             if i < 0:
                 return False
             self._name = "" if self._nameless else buf[:i].strip()
-            events.append(ScanEvent("name", name=self._name))
+            self._raw += buf[: i + len(self._name_end)]
             self._buf = buf[i + len(self._name_end) :]
             self.state = ScanState.ARGS
             return True
@@ -150,34 +160,53 @@ class ToolCallScanner:
             return False
         events.append(ScanEvent("invoke", text=buf[:i], name=self._name))
         self._buf = buf[i + len(INVOKE_CLOSE) :]
+        self._raw, self._invoke_closed = "", True
         self.state = ScanState.BLOCK
         return True
 
     def _step_block(self, buf: str) -> bool:
-        """BLOCK: find the next invoke tag and decide whether it has a `name=` attribute."""
+        """BLOCK: find the next invoke tag and decide whether it has a `name=` attribute. Text
+        dropped here is kept in `_raw` only while no invoke has closed (a cut block comes back
+        whole); a found tag starts `_raw` afresh once one has."""
         while True:
             i = buf.find(INVOKE_TAG)
             if i < 0:
-                self._buf = buf[len(buf) - _partial_suffix(buf, INVOKE_TAG) :]
+                keep = len(buf) - _partial_suffix(buf, INVOKE_TAG)
+                self._drop(buf[:keep])
+                self._buf = buf[keep:]
                 return False
             tag = buf[i:]
             j = len(INVOKE_PREFIX)
             if len(tag) <= j and INVOKE_PREFIX.startswith(tag):  # `name=` or its quote not seen yet
+                self._drop(buf[:i])
                 self._buf = tag
                 return False
             if tag.startswith(INVOKE_PREFIX):
                 quote = tag[j] if tag[j] in "\"'" else ""
                 self._name_end, self._nameless = NAME_TERMINATORS[quote], False
+                self._enter_tag(buf[:i], tag[: j + len(quote)])
                 self._buf = tag[j + len(quote) :]
                 self.state = ScanState.NAME
                 return True
             after = tag[len(INVOKE_TAG)]
             if after == ">" or after.isspace():  # an invoke tag without `name=`: read to its `>`
                 self._name_end, self._nameless = ">", True
+                self._enter_tag(buf[:i], INVOKE_TAG)
                 self._buf = tag[len(INVOKE_TAG) :]
                 self.state = ScanState.NAME
                 return True
+            self._drop(buf[: i + len(INVOKE_TAG)])
             buf = tag[len(INVOKE_TAG) :]  # e.g. `<invokes`: not an invoke tag, dropped
+
+    def _drop(self, text: str) -> None:
+        """Block text outside any invoke: dropped, but kept for a cut block while no invoke closed."""
+        if not self._invoke_closed:
+            self._raw += text
+
+    def _enter_tag(self, before: str, tag: str) -> None:
+        """An invoke tag starts after the block text `before`; `tag` is its part consumed now."""
+        self._drop(before)
+        self._raw += tag  # after a closed invoke `_raw` is empty: the cut text starts at the tag
 
     def _find(self, marker: str) -> int:
         """`_buf.find(marker)`, skipping the part searched by earlier calls; on success the next

@@ -78,10 +78,13 @@ class ModelTurn:
     """What the model said in one turn, already parsed.
 
     Attributes:
-        content: text outside the tool-call block (None if empty).
+        content: text outside the tool-call block (None if empty), followed by the verbatim text
+            of a tool call the turn ended inside (the parser cannot parse a cut call; see truncated).
         tool_calls: list of {"id", "name", "arguments" (JSON string), optional "truncated" (bool)
-            and "error" (str)} in call order, as the tool parser flagged them.
-        parse_error: reason the tool-call block was malformed, if it was.
+            and "error" (str)} in call order, as the tool parser flagged them (the parser sets no
+            "truncated": a call cut off is in content; the flag is for calls built elsewhere).
+        parse_error: reason the tool-call block was malformed, if it was (the rollout also sets
+            it for a turn that stopped inside a tool call, so the call is answered with an error).
         truncated: the turn ended inside an unterminated call or hit a length limit.
         reasoning: text of the think span, if any.
         finish_reason: the engine's finish reason of this turn ("stop", "length", ...).

@@ -24,6 +24,11 @@ from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, Sa
 from m3_rollout.rollout.environment import Environment, ModelTurn
 from m3_rollout.rollout.trajectory import Trajectory
 
+# The parse error an environment gets for a turn that stopped (the stop token, a stop string)
+# inside a tool call: the parser returns that call's text as content, not as a call, and this
+# makes the built-in environments answer it like a malformed call instead of scoring it as an answer.
+UNFINISHED_CALL = "the turn ended inside a tool call, before its </invoke>; nothing was run"
+
 
 @dataclass
 class RolloutSettings:
@@ -180,10 +185,7 @@ def _model_turn(
     traj.texts.append(text)
     parsed = parse_model_output(text, chat.thinking_mode, tools, first_index=len(traj.tool_calls))
     record.finish_reason, record.stop_sampled, record.parsed = out.finish_reason, stop_sampled, parsed
-    calls = [
-        {"id": c.id, "name": c.name, "arguments": c.arguments, "truncated": c.truncated, "error": c.error}
-        for c in parsed.tool_calls
-    ]
+    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error} for c in parsed.tool_calls]
     traj.tool_calls.extend({"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls)
     if out.finish_reason != "stop":
         # Cut by a token limit (or aborted): score what is there, no further turns.
@@ -207,7 +209,7 @@ def _model_turn(
         ModelTurn(
             content=parsed.content,
             tool_calls=calls,
-            parse_error=parsed.error,
+            parse_error=parsed.error or (UNFINISHED_CALL if parsed.truncated else None),
             truncated=parsed.truncated,
             reasoning=parsed.reasoning,
             finish_reason=out.finish_reason,

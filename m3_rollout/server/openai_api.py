@@ -653,11 +653,11 @@ class OpenAIServing:
         """SSE chunks of a streamed chat completion (``chat.completion.chunk``), then ``[DONE]``.
 
         Per choice: a first chunk with the role, deltas carrying ``reasoning_content``, ``content``
-        and ``tool_calls`` (each call's id and name first, its arguments whole when the call
-        closes), a last chunk with ``finish_reason``; with ``stream_options.include_usage`` a
-        final chunk with empty choices and the usage. ``return_token_ids``: each chunk's choice
-        carries the ids it adds (``token_ids``) and their weight versions; the first one the
-        ``prompt_token_ids``.
+        and ``tool_calls`` (each call whole, id, name and arguments, when it closes; a call the
+        generation cut off comes as ``content``), a last chunk with ``finish_reason``; with
+        ``stream_options.include_usage`` a final chunk with empty choices and the usage.
+        ``return_token_ids``: each chunk's choice carries the ids it adds (``token_ids``) and their
+        weight versions; the first one the ``prompt_token_ids``.
         """
         created = int(time.time())
         base = {"id": greq.request_id, "object": "chat.completion.chunk", "created": created, "model": self.served.name}
