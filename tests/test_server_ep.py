@@ -295,6 +295,58 @@ def test_ep_concurrent_streams_across_a_weight_update(server, trainer):
     assert both > 0  # requests running at the update continued on the new version
 
 
+def _prompt_scores(final: dict) -> list[float]:
+    return [e[str(t)]["logprob"] for e, t in zip(final["prompt_logprobs"][1:], final["prompt"][1:])]
+
+
+def test_ep_same_version_update_under_paused_requests_empties_their_prompt_logprobs(server, trainer):
+    """Weights written under two requests frozen by pause(keep) (one per EP rank) with the version
+    number kept (replace=True): their prompts ran with the old weights, so their prompt logprobs
+    are empty with a note (the version guard let the new weights' through). Requests admitted after
+    it, on both ranks at once, get the new weights' scores: every rank stamps the service's
+    weight-write count."""
+    url, client, _ = server
+    model, sender = trainer
+    v = client.weight_version()
+    prompts = [list(range(60, 90)), list(range(90, 120))]  # new prompts: placed by load, one per rank
+
+    def run_two(update=None) -> list[dict]:
+        with httpx.Client(timeout=120) as http:
+            streams = []
+            for i, prompt in enumerate(prompts):
+                sp = {"max_new_tokens": 40, "seed": i, "prompt_logprobs": 2}
+                streams.append(
+                    _stream_until(http, url, {"input_ids": prompt, "stream": True, "sampling_params": sp}, 1)
+                )
+            if update is not None:
+                assert client.pause("keep")["running"] == 2
+                update()
+                client.resume()
+            finals = []
+            for (ctx, events, ids), prompt in zip(streams, prompts):
+                finals.append({**_rest(events, ids), "prompt": prompt})
+                ctx.__exit__(None, None, None)
+        return finals
+
+    def same_version_update():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        fut = client.start_update_weights(v)
+        sender.update(v, include_frozen=True, replace=True)
+        assert fut.result(timeout=120)["weight_version"] == v
+
+    for final in run_two(same_version_update):
+        assert final["finish_reason"] == "length" and set(final["token_weight_versions"]) == {v}
+        assert final["prompt_logprobs"][0] is None and final["prompt_logprobs"][1:] == [{}] * 29
+        assert "prompt_logprobs holds empty entries" in final["prompt_logprobs_note"]
+    for final in run_two():
+        assert "prompt_logprobs_note" not in final
+        with torch.no_grad():
+            want = token_logprobs(model, torch.tensor([final["prompt"]]))[0, 1:]
+        assert _prompt_scores(final) == pytest.approx(want.tolist(), abs=1e-4)
+
+
 def test_ep_non_atomic_update_that_left_a_rank_invalid_stops_serving_until_a_good_update(server, trainer):
     """atomic=false: EP rank 1 refuses a NaN in one of its experts after the ranks wrote part of
     the update, so they are invalid. The ranks' forwards read each other's experts:

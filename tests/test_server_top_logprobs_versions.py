@@ -1,55 +1,84 @@
-"""top_logprobs come from a forward with the weights served when the answer is assembled; a token
-sampled with other weights (a weight update landed while the request ran, in_flight "continue")
-must not get another model's alternatives. Such tokens get an empty top_logprobs list and the
-choice a ``top_logprobs_note`` naming them; tokens of the served version keep theirs."""
+"""top_logprobs and prompt logprobs come from a forward with the weights served when the answer is
+assembled; a token sampled with other weights must not get another model's scores. The guard
+compares weight-write stamps (``token_weight_writes``, which change with every write of the
+weights), not version numbers: an update that re-sends the version held (``replace=True``) and a
+token sampled on KV computed partly under earlier weights (in_flight "continue" without
+recompute) are caught too. Such tokens get an empty top_logprobs list, an echoed prompt whose
+first token came from other weights gets null logprobs and empty lists, and the choice a
+``top_logprobs_note`` naming them; tokens of the weights served keep theirs."""
 
 import asyncio
 import json
 
+import pytest
 from server_util import MESSAGES, served_model, tiny_tokenizer  # tests/ on sys.path
 
-from m3_rollout.engine.interface import SampleOutput, StreamDelta
+from m3_rollout.engine.interface import SampleOutput, SamplingParams, StreamDelta
+from m3_rollout.engine.score import PositionLogprobs
 from m3_rollout.server.openai_api import OpenAIServing
 from m3_rollout.server.protocol import ChatCompletionRequest, CompletionRequest
 
 IDS = [40, 41, 42, 43]
-VERSIONS = [0, 0, 1, 1]  # an update from 0 to 1 landed after the second token
+SERVED_WRITES = 4  # the weight-write count of the forward that scores
 
 
 class _UpdatedRunner:
-    """A runner whose request ran across an update: tokens IDS with VERSIONS; the server now holds
-    version 1. top_logprobs returns rows for the asked positions and the version it ran with."""
+    """A runner whose request ran across a weight write: tokens IDS with ``versions`` / ``writes``;
+    the server now holds version 1 at write count SERVED_WRITES. top_logprobs returns rows for the
+    asked positions (PositionLogprobs with ``with_tokens``: logprob -0.75, rank 3) and the version
+    and count it ran with."""
 
     weight_version = 1
 
-    def __init__(self):
+    def __init__(self, versions, writes):
+        self.versions, self.writes = versions, writes
         self.tops_calls = []
 
     async def stream(self, greq, stream=False):
         if stream:
-            for t, v in zip(IDS, VERSIONS):
-                yield StreamDelta(greq.request_id, 0, [t], [-0.25], [v])
+            for t, v, w in zip(IDS, self.versions, self.writes):
+                yield StreamDelta(greq.request_id, 0, [t], [-0.25], [v], [w])
         yield SampleOutput(
-            greq.request_id, 0, list(greq.prompt_ids), IDS, [-0.25] * 4, "length", 1, token_weight_versions=VERSIONS
+            greq.request_id,
+            0,
+            list(greq.prompt_ids),
+            IDS,
+            [-0.25] * 4,
+            "length",
+            self.versions[-1],
+            token_weight_versions=list(self.versions),
+            token_weight_writes=list(self.writes),
         )
 
-    async def top_logprobs(self, token_ids, start, k, temperature, top_k=-1, top_p=1.0):
-        self.tops_calls.append((len(token_ids), start))
-        return [[(7, -0.5), (8, -1.5)][:k] for _ in range(len(token_ids) - start)], 1
+    async def top_logprobs(self, token_ids, start, k, temperature, top_k=-1, top_p=1.0, with_tokens=False):
+        self.tops_calls.append((len(token_ids), start, with_tokens))
+        rows = [[(7, -0.5), (8, -1.5)][:k] for _ in range(len(token_ids) - start)]
+        if with_tokens:
+            rows = [PositionLogprobs(-0.75, 3, r) for r in rows]
+        return rows, 1, SERVED_WRITES
 
 
-def _serving():
+def _serving(versions, writes):
     tok = tiny_tokenizer()
-    return OpenAIServing(served_model(tok, len(tok), 128), _UpdatedRunner())
+    return OpenAIServing(served_model(tok, len(tok), 128), _UpdatedRunner(versions, writes))
+
+
+def _chat(serving, **kw):
+    req = ChatCompletionRequest.model_validate(
+        {"model": "tiny-m3", "messages": MESSAGES, "max_tokens": 4, "logprobs": True, "top_logprobs": 2, **kw}
+    )
+    prompt, greq = serving.prepare_chat(req)
+    return asyncio.run(serving.chat(req, prompt, greq))["choices"][0]
+
+
+def _completion(serving, **kw):
+    req = CompletionRequest.model_validate({"model": "tiny-m3", "prompt": [5, 6, 7], "max_tokens": 4, **kw})
+    reqs = serving.prepare_completion(req)
+    return asyncio.run(serving.completion(req, reqs))["choices"][0]
 
 
 def test_chat_tokens_of_an_older_version_get_no_top_logprobs_and_a_note():
-    serving = _serving()
-    req = ChatCompletionRequest.model_validate(
-        {"model": "tiny-m3", "messages": MESSAGES, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
-    )
-    prompt, greq = serving.prepare_chat(req)
-    choice = asyncio.run(serving.chat(req, prompt, greq))["choices"][0]
+    choice = _chat(_serving([0, 0, 1, 1], [3, 3, 4, 4]))
     entries = choice["logprobs"]["content"]
     assert [len(e["top_logprobs"]) for e in entries] == [0, 0, 2, 2]
     assert [e["logprob"] for e in entries] == [-0.25] * 4  # the sampler's, kept for every token
@@ -57,8 +86,28 @@ def test_chat_tokens_of_an_older_version_get_no_top_logprobs_and_a_note():
     assert "empty for 2 token(s) (indices 0..1)" in note and "weight version(s) 0" in note and "version(s) 1" in note
 
 
+def test_a_same_version_rewrite_is_caught_by_the_write_count():
+    """versions [1, 1, 1, 1] all equal the served 1 (an update re-sent version 1 with replace=True
+    after the first two tokens): the version guard gave all four tokens the new model's
+    alternatives; their write stamps (3 before the update, 4 after) tell them apart."""
+    choice = _chat(_serving([1, 1, 1, 1], [3, 3, 4, 4]))
+    assert [len(e["top_logprobs"]) for e in choice["logprobs"]["content"]] == [0, 0, 2, 2]
+    note = choice["top_logprobs_note"]
+    assert "(indices 0..1)" in note and "weight version(s) 1" in note and "replace=True" in note
+
+
+def test_tokens_sampled_on_kv_of_earlier_weights_get_no_top_logprobs():
+    """The request went on across an update without recomputing its KV: its later tokens were
+    sampled with the new weights (stamp -1: KV partly from the old ones), which a forward of the
+    new weights does not reproduce."""
+    choice = _chat(_serving([0, 0, 1, 1], [4, 4, -1, -1]))
+    assert [len(e["top_logprobs"]) for e in choice["logprobs"]["content"]] == [2, 2, 0, 0]
+    note = choice["top_logprobs_note"]
+    assert "(indices 2..3)" in note and "KV cache computed partly with weights written over since" in note
+
+
 def test_streamed_chat_notes_each_chunk_whose_tokens_are_older():
-    serving = _serving()
+    serving = _serving([0, 0, 1, 1], [3, 3, 4, 4])
     req = ChatCompletionRequest.model_validate(
         {"model": "tiny-m3", "messages": MESSAGES, "max_tokens": 4, "logprobs": True, "top_logprobs": 1, "stream": True}
     )
@@ -75,9 +124,42 @@ def test_streamed_chat_notes_each_chunk_whose_tokens_are_older():
 
 
 def test_completion_tokens_of_an_older_version_get_empty_top_logprobs():
-    serving = _serving()
-    req = CompletionRequest.model_validate({"model": "tiny-m3", "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2})
-    reqs = serving.prepare_completion(req)
-    choice = asyncio.run(serving.completion(req, reqs))["choices"][0]
+    choice = _completion(_serving([0, 0, 1, 1], [3, 3, 4, 4]), logprobs=2)
     assert [len(row) for row in choice["logprobs"]["top_logprobs"]] == [0, 0, 2, 2]
     assert "indices 0..1" in choice["top_logprobs_note"]
+
+
+def test_echoed_prompt_of_other_weights_gets_null_logprobs_and_a_note():
+    """The sample's first token (so its prompt) was run at write count 3, the scoring forward at 4:
+    the prompt's logprobs would be another model's, so they are null with empty top lists."""
+    serving = _serving([1, 1, 1, 1], [3, 3, 4, 4])
+    lp = _completion(serving, logprobs=2, echo=True)
+    assert lp["logprobs"]["token_logprobs"] == [None, None, None] + [-0.25] * 4
+    assert lp["logprobs"]["top_logprobs"][:3] == [None, {}, {}]
+    assert [len(row) for row in lp["logprobs"]["top_logprobs"][3:]] == [0, 0, 2, 2]
+    note = lp["top_logprobs_note"]
+    assert "indices 0..1" in note and "the prompt tokens' logprobs are null" in note and "version 1" in note
+    assert serving.runner.tops_calls == [(7, 1, True)]  # one forward: prompt and generated tokens
+
+    fresh = _completion(_serving([1, 1, 1, 1], [4, 4, 4, 4]), logprobs=2, echo=True)
+    assert fresh["logprobs"]["token_logprobs"] == [None, -0.75, -0.75] + [-0.25] * 4
+    assert "top_logprobs_note" not in fresh
+
+
+@pytest.mark.parametrize("writes,stale", [([3, 3, 4, 4], True), ([-1, -1, -1, -1], True), ([4, 4, 4, 4], False)])
+def test_generate_prompt_logprobs_of_other_weights_are_empty(writes, stale):
+    serving = _serving([1, 1, 1, 1], writes)
+    prompt = [5, 6, 7]
+    out = SampleOutput("g", 0, prompt, IDS, [-0.25] * 4, "length", 1, None, [1] * 4, token_weight_writes=writes)
+    scored = asyncio.run(serving.prompt_scores(prompt, 2, SamplingParams()))
+    entries, note = serving.sample_prompt_logprobs(prompt, scored, out, 2)
+    assert len(entries) == 3 and entries[0] is None
+    if stale:
+        assert entries[1:] == [{}, {}] and "prompt_logprobs holds empty entries" in note
+    else:
+        assert note is None and entries[1]["6"] == {
+            "logprob": -0.75,
+            "rank": 3,
+            "decoded_token": entries[1]["6"]["decoded_token"],
+        }
+        assert [d["rank"] for d in entries[1].values()] == [3, 1, 2]  # the prompt token, then the top 2

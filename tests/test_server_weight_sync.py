@@ -263,6 +263,64 @@ def test_64_concurrent_streams_across_a_weight_update(server, trainer):
     assert running > 0 and both > 0  # requests running at the update continued on the new version
 
 
+def test_a_same_version_update_under_a_paused_request_empties_its_scores(server, trainer):
+    """Weights written under a request frozen by pause(keep), with the version number kept
+    (replace=True), the request going on with its KV of the old weights: its later tokens and its
+    prompt cannot be scored by any one model. The version guard (every version equal) let the new
+    weights' top logprobs and prompt logprobs through; the weight-write stamps empty them, with a
+    note, while scores computed before the update stay."""
+    url, client, _, _ = server
+    model, sender = trainer
+    v = client.weight_version()
+    chat = {
+        "model": "tiny-m3",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 40,
+        "seed": 3,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_token_ids": True,
+    }
+    gen = {"input_ids": list(range(10, 30)), "stream": True, "sampling_params": {"max_new_tokens": 40, "seed": 1}}
+    gen["sampling_params"]["prompt_logprobs"] = 2
+    with httpx.Client(timeout=120) as http:
+        with (
+            http.stream("POST", url + "/v1/chat/completions", json=chat) as c,
+            http.stream("POST", url + "/generate", json=gen) as g,
+        ):
+            chunks = (json.loads(line[6:]) for line in c.iter_lines() if line.startswith("data: {"))
+            events = (json.loads(line[6:]) for line in g.iter_lines() if line.startswith("data: {"))
+            first = next(ch for e in chunks for ch in e["choices"] if ch.get("logprobs"))
+            next(events)
+            assert client.pause("keep")["running"] == 2  # both are frozen mid-way, their KV kept
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * torch.randn_like(p))
+            fut = client.start_update_weights(v)
+            sender.update(v, include_frozen=True, replace=True)  # every tensor changed: send them all
+            assert fut.result(timeout=120)["weight_version"] == v
+            assert client.resume() == {"paused": False}
+            rest = [ch for e in chunks for ch in e["choices"] if ch.get("logprobs")]
+            final = next(e for e in events if "finish_reason" in e)
+    assert all(len(t["top_logprobs"]) == 2 for t in first["logprobs"]["content"]) and "top_logprobs_note" not in first
+    last = rest[-1]  # sampled after the update, on KV of the old weights
+    assert set(last["token_weight_versions"]) == {v}  # the version cannot tell
+    assert all(t["top_logprobs"] == [] for t in last["logprobs"]["content"])
+    assert "KV cache computed partly with weights written over since" in last["top_logprobs_note"]
+    assert final["finish_reason"] == "length" and set(final["token_weight_versions"]) == {v}
+    assert final["prompt_logprobs"][0] is None and final["prompt_logprobs"][1:] == [{}] * 19
+    assert "prompt_logprobs holds empty entries" in final["prompt_logprobs_note"]
+    # a request admitted after the update: its prompt ran with the weights served, its scores are theirs
+    again = httpx.post(url + "/generate", json={**gen, "stream": False}, timeout=120).json()["outputs"][0]
+    assert "prompt_logprobs_note" not in again
+    prompt = gen["input_ids"]
+    with torch.no_grad():
+        want = token_logprobs(model, torch.tensor([prompt]))[0]
+    got = [e[str(t)]["logprob"] for e, t in zip(again["prompt_logprobs"][1:], prompt[1:])]
+    assert got == pytest.approx(want[1:].tolist(), abs=1e-4)
+
+
 def _aborted(url: str) -> float:
     """m3:request_finished_total{..., finished_reason="abort"} on /metrics (0 before the first)."""
     lines = httpx.get(url + "/metrics").text.splitlines()

@@ -231,6 +231,9 @@ class _FakeLauncher(Launcher):
     def call(self, method, per_rank_args=(), timeout_s=None):
         if method == "info":
             return [{"pid": r, "rank": r} for r in range(2)]
+        if method == "count_weight_write":  # every start gives the new workers the group's write count
+            self.log.setdefault("writes", []).append(per_rank_args[0])
+            return [None, None]
         if method == "run":
             if self.log["run_failures"] > 0:
                 self.log["run_failures"] -= 1
@@ -285,6 +288,7 @@ def test_recovered_failure_is_an_event_and_the_call_completes():
     events = svc.drain_events()
     assert [(e["recovered"], e["lost_request_ids"]) for e in events] == [(True, ["a"]), (True, ["a"])]
     assert svc.drain_events() == [] and svc.metrics()["recovered_failures"] == 2 and svc.restarts == 2
+    assert log["writes"] == [1, 2] and svc.weight_writes == 2  # two groups started: a count each, never repeated
     svc.shutdown()
 
 

@@ -87,6 +87,7 @@ def _assert_serves(svc, model, reqs, version: int) -> None:
     for a, b in zip(outs, ref):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
         assert a.token_weight_versions == [version] * len(a.output_ids)
+        assert a.token_weight_writes == [svc.weight_writes] * len(a.output_ids)  # both ranks stamp the group's
     want = _digests(model)
     ranks = svc.weight_digests()
     experts = [{n for n in d if ".experts." in n} for d in ranks]
@@ -358,9 +359,15 @@ def test_ep2_score_after_a_worker_died_restarts_the_group_or_refuses(model_dir):
             trainer.lm_head.weight.mul_(-1.0)
         svc.update_weights(1, named)
         engine = _native(trainer).engine
+        writes = svc.weight_writes
         os.kill(svc.worker_pids()[1], signal.SIGKILL)
         torch.testing.assert_close(svc.score(ids), engine.score(ids), atol=1e-4, rtol=0)
         assert svc.restarts == 1
+        # fresh workers (their engines count from 0): the group's count moved on, so no stamp of the
+        # earlier group can be taken for one of the weights served now
+        assert svc.weight_writes > writes
+        outs = svc.generate(_requests())
+        assert all(o.token_weight_writes == [svc.weight_writes] * len(o.output_ids) for o in outs)
 
         reqs = _requests()
         for r in reqs:

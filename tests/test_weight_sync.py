@@ -357,13 +357,18 @@ def test_in_flight_continue_versions_per_token(recompute):
     _start(eng, REQS, 4)  # prefill + 3 decode steps: 4 tokens each on version 0
     before = {(s.request_id, s.sample_index): list(s.output_ids) for v in eng._live.values() for s in v}
     out = _colocated_update(eng, trainer, 1, "continue", recompute_kv=recompute)
-    assert out.result.ok
+    assert out.result.ok and eng.weight_writes == 1
     got = _run(eng, [])
     for o in got:
         k = len(before[(o.request_id, o.sample_index)])
         assert k == 4
         assert o.output_ids[:k] == before[(o.request_id, o.sample_index)]
         assert o.token_weight_versions == [0] * k + [1] * (len(o.output_ids) - k)
+        # write stamps: 0 before the update; after it 1 where the KV was recomputed under the new
+        # weights, -1 where the old KV was kept (no single set of weights reproduces those tokens)
+        assert o.token_weight_writes == [0] * k + [1 if recompute else -1] * (len(o.output_ids) - k)
+    fresh = _run(eng, [_req("new", PROMPT[:20], max_new=3)])[0]  # admitted after the update: clean KV
+    assert fresh.token_weight_writes == [1] * 3
     if recompute:  # KV recomputed under the new weights == a fresh new-weights engine continuing the text
         for o in got:
             cont = _req(
@@ -376,6 +381,58 @@ def test_in_flight_continue_versions_per_token(recompute):
             ref = _run(_engine(copy.deepcopy(trainer)), [cont])[0]
             assert o.output_ids[4:] == ref.output_ids
             assert o.logprobs[4:] == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_weight_writes_count_every_write_and_nothing_else():
+    """The engine's weight-write count (stamped on every token) changes with every update that
+    writes the weights, one that re-sends the version held (replace=True) included, and stays for
+    updates that write nothing (refused, or rolled back byte for byte)."""
+    trainer = _model(1)
+    eng = _engine(_model(0))
+    rx = engine_receiver(eng, atomic=True, in_flight="continue")
+    sender = WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx]), BUCKET_MB)
+    assert eng.weight_writes == 0
+    assert _run(eng, [_req("a", PROMPT[:20], max_new=3)])[0].token_weight_writes == [0] * 3
+    sender.update(0, include_frozen=True)  # a fresh receiver's first update may carry its own version
+    assert (eng.weight_version, eng.weight_writes) == (0, 1)
+    sender.update(2)
+    assert (eng.weight_version, eng.weight_writes) == (2, 2)
+    with pytest.raises(WeightUpdateError, match="refused"):
+        sender.update(2)  # the same version without replace: refused, nothing written
+    assert (eng.weight_version, eng.weight_writes) == (2, 2)
+    sender.update(2, replace=True)  # the same version number, written again
+    assert (eng.weight_version, eng.weight_writes) == (2, 3)
+    out = _run(eng, [_req("b", PROMPT[:20], max_new=3)])[0]
+    assert out.token_weight_versions == [2] * 3 and out.token_weight_writes == [3] * 3
+
+    def flip(k, buf):
+        if k == 30:
+            buf[0] ^= 1
+
+    with pytest.raises(WeightUpdateError):  # atomic: a torn bucket is refused before any byte lands
+        WeightSender(lambda: iter_released_tensors(trainer), ColocatedChannel([rx]), BUCKET_MB, fault=flip).update(3)
+    assert (eng.weight_version, eng.weight_writes) == (2, 3)
+
+
+def test_a_write_during_a_chunked_prefill_marks_the_group_and_its_forks():
+    """A group leader whose prompt prefill spans a weight write holds KV of both weights: its
+    tokens and those of the samples forked from it afterwards are stamped -1; a preemption
+    (recompute) clears the mark; a request admitted after the write is clean."""
+    eng = LLMEngine(_model(0), EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=16, num_pages=64))
+    eng.add_request(_req("g", PROMPT[:40], n=2, max_new=4))
+    eng.step()  # the first 16 prompt tokens: KV computed, nothing sampled yet
+    eng.count_weight_write()
+    outs = _run(eng, [_req("late", PROMPT[:10], max_new=3)])
+    by_id = {(o.request_id, o.sample_index): o.token_weight_writes for o in outs}
+    assert by_id == {("g", 0): [-1] * 4, ("g", 1): [-1] * 4, ("late", 0): [1] * 3}
+    eng.add_request(_req("p", PROMPT[:40], max_new=6))
+    for _ in range(4):
+        eng.step()  # its prefill and a token or more
+    k = len(eng.unfinished_samples("p")[0].output_ids)
+    eng.count_weight_write()
+    eng.preempt_all()  # KV recomputed under the weights now served: its later tokens are clean
+    (out,) = _run(eng, [])
+    assert 1 <= k < 6 and out.token_weight_writes == [1] * k + [2] * (6 - k)
 
 
 def test_invalid_rank_refuses_requests_until_full_update():
@@ -393,6 +450,7 @@ def test_invalid_rank_refuses_requests_until_full_update():
         WeightSender(lambda: iter_released_tensors(trainer), channel, BUCKET_MB, fault=flip).update(1)
     out = rx.in_flight.last
     assert not out.result.valid and len(out.handed_back) == 3 and not eng._live
+    assert eng.weight_writes == 1  # bytes were written: whatever ran before is another model's
     refused = _run(eng, [_req("x", PROMPT[:20])])
     assert refused[0].finish_reason == "error" and "refuses requests" in refused[0].error
 
@@ -615,8 +673,9 @@ def test_probe_catches_a_permuted_expert(atomic):
         sender.update(2)
     drift = float(str(exc.value).split("probe drift ")[1].split(" ")[0])
     assert drift > 1e-3
-    if atomic:  # rolled back: the weights and version of update 1
+    if atomic:  # rolled back: the weights and version of update 1 (bitwise: no write counted)
         assert rx.version == 1 and rx.valid and eng.weight_version == 1 and eng.refuse_reason is None
+        assert eng.weight_writes == 1
         assert all(torch.equal(p, good[n]) for n, p in eng.model.named_parameters())
     else:  # written in place: the rank is invalid and refuses requests
         assert rx.version == 1 and not rx.valid and eng.refuse_reason is not None

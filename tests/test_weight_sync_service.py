@@ -68,6 +68,8 @@ def test_service_updates_through_broadcast_group(model_dir):
         outs = svc.generate(reqs)
         assert _key(outs) == _key(ref)
         assert all(o.token_weight_versions == [4] * len(o.output_ids) for o in outs)
+        writes = svc.weight_writes  # the group's weight-write count: every rank stamps it
+        assert all(o.token_weight_writes == [writes] * len(o.output_ids) for o in outs)
 
         # a NaN slipped in after the service's host-side checks: both atomic ranks reject it
         def nan_with_valid_checksum(k, buf):  # buf = data + int64 checksum trailer
@@ -86,5 +88,7 @@ def test_service_updates_through_broadcast_group(model_dir):
         again = svc.generate(reqs)
         assert _key(again) == _key(ref)
         assert all(o.token_weight_versions == [4] * len(o.output_ids) for o in again)
+        assert svc.weight_writes == writes  # nothing was written: the count stays
+        assert all(o.token_weight_writes == [writes] * len(o.output_ids) for o in again)
     finally:
         svc.shutdown()

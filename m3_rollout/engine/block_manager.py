@@ -157,6 +157,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         seq.page_hashes = []
+        seq.kv_stale = False  # no KV left: what it computes next is under the weights served then
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None | bool:
         """Share the parent's full pages with ``child`` and copy its partial last page.
@@ -175,6 +176,7 @@ class BlockManager:
         child.block_table = parent.block_table[:full]
         child.page_hashes = None if parent.page_hashes is None else parent.page_hashes[:full]
         child.num_computed = parent.num_computed
+        child.kv_stale = parent.kv_stale
         if not partial:
             return None
         dst = self._take()

@@ -39,6 +39,7 @@ from m3_rollout.engine.requests import CheckedRequest, check_prompt, check_reque
 from m3_rollout.engine.scheduler import Scheduler, SchedulerOutput
 from m3_rollout.engine.score import (
     SCORE_PAGES_HINT,
+    PositionLogprobs,
     check_score_temperature,
     check_top_logprobs,
     check_top_logprobs_filters,
@@ -169,6 +170,7 @@ class LLMEngine:
         self.detokenize = detokenize
         self.eos = frozenset(int(t) for t in config.eos_token_ids)
         self._version = 0
+        self._weight_writes = 0  # weight_writes: changes with every write of the weights
         self._paused = False
         # Set by weight sync when a failed non-atomic update left the weights invalid: new
         # requests fail with this text until a full update succeeds (weight_sync/in_flight.py).
@@ -328,6 +330,27 @@ class LLMEngine:
     def set_weight_version(self, version: int) -> None:
         self._version = int(version)
 
+    @property
+    def weight_writes(self) -> int:
+        """The weight-write count: changes with every write of the weights
+        (:meth:`count_weight_write`), also one that keeps the version number (an update re-sent
+        with ``replace``). Every sampled token is stamped with it (``SampleOutput.token_weight_writes``),
+        so a caller can tell whether the weights served now are the ones a token was sampled with."""
+        return self._weight_writes
+
+    def count_weight_write(self, writes: int | None = None) -> None:
+        """The weights were written (an accepted update, or bytes of a rejected non-atomic one):
+        the write count becomes ``writes`` (an EP service's group-wide count, so that every rank
+        stamps alike; ``RolloutService``) or goes up by one, and every sequence holding computed
+        KV has it marked stale (``Sequence.kv_stale``: its later tokens are stamped -1 until a
+        preemption recomputes its KV). Call between steps (the weight-sync in-flight policy does,
+        with the engine paused and no step in flight)."""
+        self.drain()
+        self._weight_writes = self._weight_writes + 1 if writes is None else int(writes)
+        for seq in self.scheduler.running:
+            if seq.num_computed > 0:
+                seq.kv_stale = True
+
     def preempt_all(self) -> int:
         """Preempt every running sequence by recompute: its KV pages are freed and it waits at the
         front of the queue (running order kept) to re-prefill prompt + generated tokens under the
@@ -427,7 +450,7 @@ class LLMEngine:
             if self._inflight is not None:
                 outputs.extend(self._finish_inflight())
             return outputs
-        launched = self.launcher.launch(plan, self._inflight, self._version)
+        launched = self.launcher.launch(plan, self._inflight, self._version, self._weight_writes)
         if self._inflight is not None:
             outputs.extend(self._finish_inflight())
         self._commit(plan)
@@ -480,16 +503,21 @@ class LLMEngine:
         ph["sync"] += t1 - t0
         for seq in launched.leaders:
             seq.num_pending -= 1
-        samples, version = launched.samples, launched.version
+        samples, version, writes = launched.samples, launched.version, launched.writes
+        n_leaders = len(launched.leaders)
+        stale = False
         live: list[Sequence] = []
-        for j in launched.order:
+        for j in launched.order:  # each leader, then the children sampled from its logits row
             seq = samples[j]
+            if j < n_leaders:
+                stale = seq.kv_stale  # a child's first token comes from its leader's KV
             if seq.status == SeqStatus.FINISHED:  # aborted / finished before this token landed: dropped
                 self.stats.dropped_tokens += 1
                 continue
             seq.token_ids.append(tokens[j])
             seq.logprobs.append(lps[j])
             seq.weight_versions.append(version)
+            seq.weight_writes.append(-1 if stale else writes)
             live.append(seq)
         self.stats.generated_tokens += len(live)
         out: list = []
@@ -501,7 +529,12 @@ class LLMEngine:
                 n = seq.num_streamed
                 out.append(
                     StreamDelta(
-                        seq.request_id, seq.sample_index, seq.output_ids[n:], seq.logprobs[n:], seq.weight_versions[n:]
+                        seq.request_id,
+                        seq.sample_index,
+                        seq.output_ids[n:],
+                        seq.logprobs[n:],
+                        seq.weight_versions[n:],
+                        seq.weight_writes[n:],
                     )
                 )
                 seq.num_streamed = len(seq.logprobs)
@@ -602,6 +635,7 @@ class LLMEngine:
             token_weight_versions=versions,
             routed_experts=routed,
             block_selection=selected,
+            token_weight_writes=list(seq.weight_writes),
         )
 
     # ---- scoring and metrics --------------------------------------------------------------
@@ -671,8 +705,15 @@ class LLMEngine:
         return run
 
     def top_logprobs(
-        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
-    ) -> list[list[tuple[int, float]]]:
+        self,
+        token_ids: Seq[int],
+        start: int,
+        k: int,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        with_tokens: bool = False,
+    ) -> list[list[tuple[int, float]]] | list[PositionLogprobs]:
         """The ``k`` most likely tokens and their logprobs at positions ``start .. L - 1`` of
         ``token_ids`` under the served weights (the server's ``top_logprobs``): one plain forward,
         log-softmax of the logits processed as the sampler does (/ ``temperature``, then
@@ -682,20 +723,30 @@ class LLMEngine:
 
         Args:
             token_ids: [L] ints, L >= 2. start: first position, 1 <= start <= L - 1.
-            k: tokens per position, >= 1 (more than the vocabulary: all of it).
+            k: tokens per position, >= 1 (>= 0 ``with_tokens``; more than the vocabulary: all of it).
             temperature, top_k, top_p: the processing, by ``SamplingParams``' rules.
+            with_tokens: also each position's own token's logprob and rank (the server's prompt
+                logprobs).
         Returns:
-            [L - start] lists of (token id, logprob), most likely first.
+            [L - start] lists of (token id, logprob), most likely first; ``with_tokens``:
+            [L - start] ``score.PositionLogprobs`` (logprob, rank, top list).
         Raises:
             ValueError naming ``top_logprobs token_ids`` (empty, one token, too long, out of the
             vocabulary), ``top_logprobs start``, ``k``, ``temperature``, ``top_k`` or ``top_p``;
             or the weights are refused (``refuse_reason``); RuntimeError: the engine is asleep.
         """
-        return self.prepare_top_logprobs(token_ids, start, k, temperature, top_k, top_p)()
+        return self.prepare_top_logprobs(token_ids, start, k, temperature, top_k, top_p, with_tokens)()
 
     def prepare_top_logprobs(
-        self, token_ids: Seq[int], start: int, k: int, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
-    ) -> Callable[[], list[list[tuple[int, float]]]]:
+        self,
+        token_ids: Seq[int],
+        start: int,
+        k: int,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        with_tokens: bool = False,
+    ) -> Callable[[], list[list[tuple[int, float]]] | list[PositionLogprobs]]:
         """Every check of :meth:`top_logprobs` with no forward run; returns the zero-argument call
         that runs it (as :meth:`prepare_score`). Raises what ``top_logprobs`` raises."""
         self.check_awake("compute top logprobs")
@@ -706,12 +757,13 @@ class LLMEngine:
             "top_logprobs token_ids",
             room_for_output=False,
         )
-        first, k = check_top_logprobs(ids, start, k)
+        first, k = check_top_logprobs(ids, start, k, bool(with_tokens))
         temperature, top_k, top_p = check_top_logprobs_filters(temperature, top_k, top_p, self.sampler_dtype)
         if self.refuse_reason is not None:
             raise ValueError(self.refuse_reason)
         invariant = self.config.batch_invariant
-        return lambda: top_logprobs(self.model, ids, first, k, temperature, top_k, top_p, invariant)
+        with_tokens = bool(with_tokens)
+        return lambda: top_logprobs(self.model, ids, first, k, temperature, top_k, top_p, invariant, with_tokens)
 
     def metrics(self) -> dict:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step

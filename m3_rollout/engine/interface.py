@@ -222,6 +222,13 @@ class SampleOutput:
         weight_version: version of the weights that produced the last token of this output (all of
             them unless weights changed while it ran; see ``token_weight_versions``).
         token_weight_versions: [G] version that produced each generated token.
+        token_weight_writes: [G] the weight-write count each token was sampled under
+            (``LLMEngine.weight_writes``; an EP service's group-wide count), -1 for a token sampled
+            on KV computed partly under weights written over since (a request that went on across
+            an update without recomputing its KV). Unlike the version, it changes with every write
+            (an update that re-sends the same version with ``replace`` included), so "weights
+            unchanged since token i" is ``token_weight_writes[i] == backend.weight_writes``. Empty
+            for backends that do not count writes.
         routed_experts: optional int16 array [prompt + output len, n_moe_layers, top_k] (routing
             replay; filled by the routing-record work).
         block_selection: optional ``m3_rollout.model.selection_record.SelectionRecord``: the blocks
@@ -241,6 +248,7 @@ class SampleOutput:
     token_weight_versions: list[int] = field(default_factory=list)
     routed_experts: object | None = None
     block_selection: object | None = None
+    token_weight_writes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -250,6 +258,7 @@ class StreamDelta:
     Attributes:
         request_id, sample_index: which sample. token_ids / logprobs / weight_versions: the new
         generated tokens [k] with their logprobs and producing weight versions.
+        weight_writes: [k] their weight-write counts (``SampleOutput.token_weight_writes``).
     """
 
     request_id: str
@@ -257,6 +266,7 @@ class StreamDelta:
     token_ids: list[int]
     logprobs: list[float]
     weight_versions: list[int]
+    weight_writes: list[int] = field(default_factory=list)
 
 
 class GenerationBackend(abc.ABC):

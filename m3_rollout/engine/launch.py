@@ -36,6 +36,7 @@ class LaunchedStep:
     position in ``samples`` (a pending row's input for the next step is ``last_tokens[index]``).
     result: the sampled ids / logprobs on their way to the host. version: weights that ran it.
     serial: the step's number (``EngineStats.steps`` after it; the block-selection record lands by it).
+    writes: the engine's weight-write count when it was launched (``LLMEngine.weight_writes``).
     """
 
     rows: list[ScheduledRow]
@@ -46,6 +47,7 @@ class LaunchedStep:
     result: StepLaunch
     version: int
     serial: int = 0
+    writes: int = 0
 
 
 def sampling_columns(samples: list[Sequence]):
@@ -72,9 +74,10 @@ class StepLauncher:
         self.runner, self.stats, self.routing, self.selection = runner, stats, routing, selection
         self.page_size = runner.page_size
 
-    def launch(self, plan: SchedulerOutput, prev: LaunchedStep | None, version: int) -> LaunchedStep:
+    def launch(self, plan: SchedulerOutput, prev: LaunchedStep | None, version: int, writes: int = 0) -> LaunchedStep:
         """Build the step's inputs and start forward + sampler + result copy on the device.
-        ``prev``: the launched, unprocessed previous step (async scheduling) or None."""
+        ``prev``: the launched, unprocessed previous step (async scheduling) or None; ``version`` /
+        ``writes``: the engine's weight version and weight-write count, stamped on its tokens."""
         ph = self.stats.phase_seconds
         t0 = time.perf_counter()
         rows = plan.rows
@@ -114,7 +117,7 @@ class StepLauncher:
         st.batched_tokens += plan.num_batched_tokens
         ph["forward"] += time.perf_counter() - t1
         return LaunchedStep(
-            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, version, serial
+            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, version, serial, writes
         )
 
     def _launch_graph(self, rows, prev, samples, t0: float) -> tuple[StepLaunch, torch.Tensor, np.ndarray]:

@@ -66,6 +66,11 @@ class NativeBackend(GenerationBackend):
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    @property
+    def weight_writes(self) -> int:
+        """The engine's weight-write count (:attr:`LLMEngine.weight_writes`)."""
+        return self.engine.weight_writes
+
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a full set of released-name tensors into the model's existing storage, in place,
         through the attached weight receiver (``weight_sync``: the job layer attaches a

@@ -6,12 +6,15 @@ one forward — on KV pages borrowed from the pool for the call, every position'
 re-scored token's logprob is the one generation would give it. No sampling, no prefix reuse, no
 scheduler. Top logprobs (the server's ``top_logprobs``, :func:`top_logprobs`) are one plain model
 forward, which borrows no pages; the in-process server and the EP workers both call it through
-``LLMEngine.top_logprobs`` / ``prepare_top_logprobs``.
+``LLMEngine.top_logprobs`` / ``prepare_top_logprobs``. The server's prompt logprobs (completions
+``echo`` with ``logprobs``, ``/generate``'s ``prompt_logprobs``) are that same forward with
+``with_tokens``: each position's own token's logprob and rank come with its top ``k``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -56,13 +59,15 @@ def pages_error(block_manager: BlockManager, num_tokens: int, hint: str) -> Runt
     )
 
 
-def check_top_logprobs(ids: list[int], start, k) -> tuple[int, int]:
+def check_top_logprobs(ids: list[int], start, k, with_tokens: bool = False) -> tuple[int, int]:
     """(start, k) as ints for the top-``k`` logprobs of positions ``start .. len(ids) - 1`` of the
     checked ids ``ids`` (position i is predicted from tokens 0 .. i - 1, so 1 <= start < len(ids)).
+    ``with_tokens``: the positions' own tokens are scored too, so ``k`` may be 0.
 
     Raises:
         ValueError naming ``top_logprobs token_ids`` (fewer than 2 ids), ``top_logprobs start``
-        (not an integer in [1, len(ids) - 1]) or ``top_logprobs k`` (not an integer >= 1).
+        (not an integer in [1, len(ids) - 1]) or ``top_logprobs k`` (not an integer >= 1; >= 0
+        ``with_tokens``).
     """
     if len(ids) < 2:
         raise ValueError(
@@ -75,9 +80,28 @@ def check_top_logprobs(ids: list[int], start, k) -> tuple[int, int]:
             f"top_logprobs start={start!r}: must be an integer in [1, {len(ids) - 1}] (len(token_ids) - 1)"
         )
     n = int_or_none(k)
-    if n is None or n < 1:
-        raise ValueError(f"top_logprobs k={k!r}: must be an integer >= 1")
+    low = 0 if with_tokens else 1
+    if n is None or n < low:
+        raise ValueError(f"top_logprobs k={k!r}: must be an integer >= {low}")
     return s, n
+
+
+class PositionLogprobs(NamedTuple):
+    """One position's scores (:func:`top_logprobs` ``with_tokens``).
+
+    Attributes:
+        logprob: the position's own token's logprob in the processed distribution (-inf when the
+            top-k / top-p filters removed it).
+        rank: the token's 1-based rank among the whole vocabulary by logit, tokens of equal logit
+            counted before it (vLLM's rule; the filters keep a prefix of this order, so a kept
+            token's rank is the same in the processed distribution).
+        top: the ``k`` most likely tokens, (token id, logprob), most likely first (as
+            :func:`top_logprobs` without ``with_tokens`` gives them).
+    """
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @torch.no_grad()
@@ -90,7 +114,8 @@ def top_logprobs(
     top_k: int = -1,
     top_p: float = 1.0,
     batch_invariant: bool = False,
-) -> list[list[tuple[int, float]]]:
+    with_tokens: bool = False,
+) -> list[list[tuple[int, float]]] | list[PositionLogprobs]:
     """The ``k`` most likely tokens at positions ``start .. len(ids) - 1`` of ``ids`` under
     ``model``: one plain forward over ``ids[:-1]``, the log-softmax of the logits processed as the
     sampler processes them (``sampler.process_logits``: / ``temperature``, then the ``top_k`` /
@@ -99,11 +124,13 @@ def top_logprobs(
     of the distribution sampled from. Tokens the filters
     removed (logprob -inf) are left out, so a position may list fewer than ``k`` (one under
     greedy, top_k 1). Arguments as :func:`check_top_logprobs` / :func:`check_top_logprobs_filters`
-    return them (1 <= start < len(ids), k >= 1; k above the vocabulary gives all of it). Under EP
-    the forward is collective: every rank calls this with the same ids.
+    return them (1 <= start < len(ids), k >= 1, or >= 0 ``with_tokens``; k above the vocabulary
+    gives all of it). Under EP the forward is collective: every rank calls this with the same ids.
 
     Returns:
-        [len(ids) - start] lists of (token id, logprob), most likely first (ties: ``torch.topk``'s order).
+        [len(ids) - start] lists of (token id, logprob), most likely first (ties: ``torch.topk``'s
+        order); ``with_tokens``: [len(ids) - start] :class:`PositionLogprobs`, which add the
+        position's own token's (``ids[i]``) logprob in the same distribution and its rank.
     """
     device = model.lm_head.weight.device
     logits = model(torch.tensor([ids[:-1]], device=device))[0, start - 1 :]  # [G, V]: position start .. L-1
@@ -117,10 +144,17 @@ def top_logprobs(
         need_top_p=top_p < 1,
         batch_invariant=batch_invariant,
     )
-    vals, idx = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)  # [G, k]
-    return [
+    logprobs = torch.log_softmax(x, dim=-1)  # [G, V]
+    vals, idx = logprobs.topk(min(k, x.shape[-1]), dim=-1)  # [G, k]
+    rows = [
         [(t, v) for t, v in zip(i.tolist(), lv.tolist()) if v != float("-inf")] for i, lv in zip(idx.cpu(), vals.cpu())
     ]
+    if not with_tokens:
+        return rows
+    tgt = torch.tensor(ids[start:], dtype=torch.int64, device=device)[:, None]  # [G, 1]
+    own = logprobs.gather(1, tgt)[:, 0]  # [G]
+    rank = (logits >= logits.gather(1, tgt)).sum(dim=-1)  # [G]: the unfiltered order (temperature keeps it)
+    return [PositionLogprobs(lp, r, row) for lp, r, row in zip(own.tolist(), rank.tolist(), rows)]
 
 
 def paged_packed_logits(

@@ -30,6 +30,9 @@ class Sequence:
         sample_index: absolute sample index (randomness key).
         token_ids: prompt + generated tokens; prompt_len: tokens of the prompt.
         logprobs, weight_versions: one entry per generated token.
+        weight_writes: one entry per generated token: the engine's weight-write count
+            (``LLMEngine.weight_writes``) the token was sampled under, or -1 when its KV was
+            computed partly under weights written over since (``kv_stale``).
         num_computed: leading tokens whose K/V/index-K are in the pages.
         block_table: physical page of each logical page.
         page_hashes: chain hashes of the leading full pages registered so far (prefix cache).
@@ -44,6 +47,10 @@ class Sequence:
         selection_box: one-element list shared by the samples of a request: the first finished
             sample's prompt segment of the block-selection record, reused by the others when
             theirs is equal (a GRPO group's prompt is one object).
+        kv_stale: some of its computed KV was computed under weights written over since (a weight
+            update landed while it held KV and it went on without recomputing it: in_flight
+            "continue" without ``recompute_kv_after_update``); cleared when its pages are freed
+            (preemption recomputes everything under the weights then served).
     """
 
     __slots__ = (
@@ -56,6 +63,7 @@ class Sequence:
         "prompt_len",
         "logprobs",
         "weight_versions",
+        "weight_writes",
         "num_computed",
         "block_table",
         "page_hashes",
@@ -71,6 +79,7 @@ class Sequence:
         "sampling_key",
         "record_from",
         "selection_box",
+        "kv_stale",
     )
 
     def __init__(
@@ -94,6 +103,8 @@ class Sequence:
         self.prompt_len = len(self.token_ids)
         self.logprobs: list[float] = []
         self.weight_versions: list[int] = []
+        self.weight_writes: list[int] = []
+        self.kv_stale = False
         self.num_computed = 0
         self.num_cached = 0  # tokens reused from the prefix cache at the last admission
         self.block_table: list[int] = []

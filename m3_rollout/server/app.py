@@ -5,7 +5,8 @@ Routes (bodies in ``protocol.py``):
     POST /v1/chat/completions            OpenAI chat (tools, reasoning, streaming, logprobs, n)
     POST /v1/completions                 OpenAI completions (text or token ids)
     POST /generate                       token-in/token-out: ids + sampling params -> ids, logprobs,
-                                         finish reason, per-token weight versions, routed experts
+                                         finish reason, per-token weight versions, routed experts,
+                                         prompt logprobs (``sampling_params.prompt_logprobs``)
     POST /tokenize, /detokenize          text or chat messages <-> ids
     POST /init_weight_sync               join the trainer's weight-sync group (+ handshake)
     POST /update_weights                 receive one update (in_flight: continue | drain | abort)
@@ -46,6 +47,7 @@ from .openai_api import (
     thinking_mode_of,
 )
 from .protocol import (
+    MAX_TOP_LOGPROBS,
     AbortRequest,
     APIError,
     ChatCompletionRequest,
@@ -241,6 +243,14 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                 "return_block_selection: start the server with --record-block-selection",
                 "return_block_selection",
             )
+        k = sp.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise APIError(
+                400,
+                f"sampling_params.prompt_logprobs={k}: must be null (off) or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                "the top tokens listed per prompt position besides the prompt token itself (0: the prompt token only)",
+                "sampling_params.prompt_logprobs",
+            )
         if body.block_selection_from > len(body.input_ids):
             raise APIError(
                 400,
@@ -265,13 +275,25 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             body.rid or f"gen-{uuid.uuid4().hex}", body.input_ids, params, body.sample_index, body.block_selection_from
         )
 
+    def add_prompt_logprobs(k: int, prompt: list[int], scored: tuple, outs, dicts) -> None:
+        """``sampling_params.prompt_logprobs=k``: each sample dict of ``dicts`` (for ``outs``) gets
+        its ``prompt_logprobs`` (vLLM's shape) and, when its prompt ran with weights written over
+        since, a ``prompt_logprobs_note`` (``OpenAIServing.sample_prompt_logprobs``); ``scored``:
+        the request's ``OpenAIServing.prompt_scores``."""
+        for d, out in zip(dicts, outs):
+            d["prompt_logprobs"], note = oai.sample_prompt_logprobs(prompt, scored, out, k)
+            if note:
+                d["prompt_logprobs_note"] = note
+
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         greq = generate_request(body)
         routed, selections = body.return_routed_experts, body.return_block_selection
+        prompt_k, prompt = body.sampling_params.prompt_logprobs, list(greq.prompt_ids)
         if body.stream:
 
             async def events():
+                scored = None  # the request's prompt scores, once its first sample is out
                 try:
                     async for item in ctl.stream(greq, stream=True):
                         if isinstance(item, StreamDelta):
@@ -287,7 +309,13 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                             if selections:
                                 table, (idx,) = encode_block_selections([item])
                                 d.update(block_selection_segments=table, block_selection=idx)
+                            if prompt_k is not None and item.finish_reason != "error":
+                                if scored is None:
+                                    scored = await oai.prompt_scores(prompt, prompt_k, greq.params)
+                                add_prompt_logprobs(prompt_k, prompt, scored, [item], [d])
                         yield f"data: {json.dumps(d)}\n\n"
+                except APIError as exc:
+                    yield f"data: {json.dumps(exc.body())}\n\n"
                 except Exception as exc:  # noqa: BLE001 - reported in the stream, which has begun
                     yield f"data: {json.dumps(APIError(500, str(exc)).body())}\n\n"
                 yield "data: [DONE]\n\n"
@@ -300,7 +328,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             if errors:
                 raise engine_error(errors[0], GENERATE_FIELDS)
             outs.sort(key=lambda o: o.sample_index)
-            body = {
+            reply = {
                 "rid": greq.request_id,
                 "prompt_tokens": len(greq.prompt_ids),
                 "outputs": [_sample_dict(o, routed) for o in outs],
@@ -308,10 +336,13 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             }
             if selections:
                 table, per = encode_block_selections(outs)
-                body["block_selection_segments"] = table
-                for d, idx in zip(body["outputs"], per):
+                reply["block_selection_segments"] = table
+                for d, idx in zip(reply["outputs"], per):
                     d["block_selection"] = idx
-            return body
+            if prompt_k is not None:
+                scored = await oai.prompt_scores(prompt, prompt_k, greq.params)
+                add_prompt_logprobs(prompt_k, prompt, scored, outs, reply["outputs"])
+            return reply
 
         return await _until_disconnect(request, run())
 

@@ -15,6 +15,13 @@ generation prompt, cut back to where its tokens are the ones the whole call has
 (``token_safe_opening``); the model continues from there (no grammar: the arguments are the
 model's). In "enabled" thinking mode the forced opening first closes the think span, so such a
 turn has empty reasoning.
+
+Logprobs beyond the sampler's own (``top_logprobs``; the prompt tokens' logprobs of completions
+``echo`` and of ``/generate``'s ``prompt_logprobs``) come from one scoring forward through the
+engine after the sample is generated (:meth:`OpenAIServing.score_sample`), in the distribution
+the sampled logprobs come from (``logprobs_mode``), and only for tokens stamped with the
+weight-write count that forward ran with (``SampleOutput.token_weight_writes``): anything
+sampled or prefilled with weights written over since is left empty, with a note.
 """
 
 from __future__ import annotations
@@ -427,19 +434,111 @@ def _logprob_entry(served: ServedModel, tid: int, lp: float, top: list[tuple[int
     return entry
 
 
-def stale_note(stale: list[tuple[int, int, int]]) -> str:
-    """The choice's ``top_logprobs_note`` for tokens whose top_logprobs are empty because a weight
-    update landed while the request ran (``OpenAIServing._tops``): which tokens, which versions."""
+PROMPT_LOGPROB_FLOOR = -9999.0  # a prompt token's -inf logprob in JSON (which has no -inf), as vLLM sends it
+
+
+def stale_note(stale: list[tuple[int, int, int | None]], served: int) -> str:
+    """The text naming generated tokens whose top_logprobs are empty because the weights were
+    written since they were sampled (:meth:`OpenAIServing.score_sample`): ``stale`` holds (token
+    index, its weight version, its weight-write stamp: -1 for a token sampled on KV computed
+    partly under earlier weights, None for a backend that stamps none); ``served``: the version
+    held when the top logprobs ran."""
     idx = [i for i, _, _ in stale]
-    sampled = sorted({v for _, v, _ in stale})
-    served = sorted({v for _, _, v in stale})
     where = f"index {idx[0]}" if len(idx) == 1 else f"indices {idx[0]}..{idx[-1]}"
+    mixed = [i for i, _, w in stale if w == -1]
+    written = [v for _, v, w in stale if w != -1]
+    reasons = []
+    if written:
+        who = "they" if not mixed else f"{len(written)} of them"
+        reasons.append(
+            f"{who} were sampled with weight version(s) {', '.join(map(str, sorted(set(written))))}, and the server "
+            f"held version(s) {served} when it computed top_logprobs, with weights written since (a weight update "
+            "landed while or after the request ran; one re-sent with replace=True keeps the version number)"
+        )
+    if mixed:
+        who = "they" if not written else f"{len(mixed)} of them"
+        reasons.append(
+            f"{who} were sampled on a KV cache computed partly with weights written over since (the request went "
+            "on across a weight update without recomputing its KV: weight_sync.recompute_kv_after_update)"
+        )
     return (
-        f"top_logprobs are empty for {len(idx)} token(s) ({where}): they were sampled with weight version(s) "
-        f"{', '.join(map(str, sampled))}, and the server held version(s) {', '.join(map(str, served))} when it "
-        "computed top_logprobs (a weight update landed while the request ran); their logprob fields are the "
-        "sampler's and exact"
+        f"top_logprobs are empty for {len(idx)} token(s) ({where}): {'; '.join(reasons)}; their logprob fields "
+        "are the sampler's and exact"
     )
+
+
+def prompt_stale_note(version: int, served: int, what: str) -> str:
+    """The text for a sample whose prompt logprobs are left out (``what`` says how) because the
+    weights were written since its prompt was run (:meth:`OpenAIServing.score_sample`)."""
+    return (
+        f"{what}: the sample's prompt was run with weight version {version}, and the server held version {served} "
+        "when it scored the prompt, with weights written since (a weight update landed while or after the request "
+        "ran; one re-sent with replace=True keeps the version number); scores from the weights served now would be "
+        "another model's"
+    )
+
+
+@dataclass
+class SampleScores:
+    """What the scoring forward gives one sample (:meth:`OpenAIServing.score_sample`).
+
+    Attributes:
+        tops: per generated token from ``start`` on, its top-``k`` (token id, logprob), most likely
+            first; [] for a token not sampled with the weights served now; None when ``k`` is 0.
+        prompt: per prompt token from the second on, ``score.PositionLogprobs`` (its own logprob
+            and rank, its top list); None when not asked or when ``prompt_stale``.
+        prompt_stale: the prompt logprobs were asked but the sample's prompt ran with weights
+            written over since (so they are left out).
+        stale: (index, version, weight-write stamp or None) of the generated tokens whose ``tops`` are [].
+        version: the weight version served when the forward ran (None: no forward ran).
+        prompt_version: the weight version the sample's first token (so its prompt) was run with.
+    """
+
+    tops: list[list[tuple[int, float]]] | None
+    prompt: list | None = None
+    prompt_stale: bool = False
+    stale: list[tuple[int, int, int | None]] = field(default_factory=list)
+    version: int | None = None
+    prompt_version: int | None = None
+
+    def note(self, prompt_what: str = "") -> str | None:
+        """The choice's note naming what is left out and why (None: nothing is); ``prompt_what``
+        says how the left-out prompt logprobs show."""
+        parts = []
+        if self.stale:
+            parts.append(stale_note(self.stale, self.version))
+        if self.prompt_stale:
+            parts.append(prompt_stale_note(self.prompt_version, self.version, prompt_what))
+        return "; ".join(parts) or None
+
+
+def vllm_prompt_logprobs(served: ServedModel, prompt: list[int], rows: list | None, k: int) -> list[dict | None]:
+    """A sample's prompt logprobs in vLLM's ``prompt_logprobs`` shape: one entry per prompt token,
+    the first None (nothing predicts it), then {token id as a string: {"logprob", "rank",
+    "decoded_token"}} holding the prompt token itself (its rank by logit, 1-based, the floor
+    ``PROMPT_LOGPROB_FLOOR`` for a logprob the top-k / top-p filters made -inf) and the top ``k``
+    (ranks 1..k). ``rows``: the ``score.PositionLogprobs`` of positions 1.. (:meth:`OpenAIServing.
+    score_sample`), or None when the prompt ran with weights written over since: then every entry
+    after the first is an empty dict (another model's scores are not returned)."""
+    out: list[dict | None] = [None]
+    if rows is None:
+        return out + [{} for _ in prompt[1:]]
+    for t, row in zip(prompt[1:], rows):
+        entry = {str(t): {"logprob": max(row.logprob, PROMPT_LOGPROB_FLOOR), "rank": row.rank, "decoded_token": None}}
+        for rank, (i, v) in enumerate(row.top[:k], 1):
+            entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": None})
+        for tid, d in entry.items():
+            d["decoded_token"] = served.decode([int(tid)])
+        out.append(entry)
+    return out
+
+
+def prompt_is_stale(out_ids: list[int], writes: list[int], served_writes: int) -> bool:
+    """Whether a sample's prompt ran with weights other than those of ``served_writes`` (the
+    weight-write count): its first generated token's stamp (``token_weight_writes[0]``: sampled
+    from the prompt's last logits, -1 when part of the prompt's KV came from earlier weights)
+    differs. A sample with no token has nothing to disagree with (False)."""
+    return bool(out_ids) and (not writes or writes[0] != served_writes)
 
 
 def _sse(obj) -> str:
@@ -537,7 +636,30 @@ class OpenAIServing:
         own = set(params.stop_token_ids) - eom  # the end-of-message marker stays a null stop_reason
         return TextStream(self.served.decode, eom | own, params.stop_strings, own)
 
-    async def _tops(
+    async def forward_scores(
+        self, ids: list[int], start: int, k: int, params: SamplingParams, with_tokens: bool, param: str
+    ) -> tuple[list, int, int]:
+        """One engine-loop forward over ``ids`` (``runner.top_logprobs``): positions ``start ..``,
+        their top ``k`` (``with_tokens``: as ``score.PositionLogprobs``, with each position's own
+        token's logprob and rank), in the distribution the request's sampled logprobs come from:
+        the model's (``logprobs_mode`` "raw"), or the processed one sampled from (temperature,
+        top-k, top-p; greedy lists only its token). Returns (rows, weight version, weight-write
+        count the forward ran with).
+        Raises APIError naming ``param``: 501 for a backend without a model, 503 when the engine or
+        the EP group refuses the forward after the sample was generated (its message says why)."""
+        p = params
+        filters = (1.0, -1, 1.0) if p.logprobs_mode == "raw" else (p.temperature, p.top_k, p.top_p)
+        try:
+            return await self.runner.top_logprobs(ids, start, k, *filters, with_tokens)
+        except NotImplementedError as exc:
+            raise APIError(501, str(exc), param) from exc
+        except (ValueError, RuntimeError) as exc:  # the engine / EP group refused after generating
+            # (e.g. weights lost to a rejected update, workers asleep): the request was valid
+            raise APIError(
+                503, f"{param} could not be computed: {exc}; retry the request", param, "server_error"
+            ) from exc
+
+    async def score_sample(
         self,
         prompt: list[int],
         out_ids: list[int],
@@ -545,40 +667,74 @@ class OpenAIServing:
         k: int,
         params: SamplingParams,
         versions: list[int],
-    ) -> tuple[list[list[tuple[int, float]]] | None, str | None]:
-        """(top-``k`` logprobs of generated tokens ``start ..`` of a sample, the choice's
-        ``top_logprobs_note`` or None): one engine-loop forward; (None, None) for ``k`` 0; [] when
-        the sample has no tokens from ``start`` on (e.g. aborted before its first).
+        writes: list[int],
+        prompt_k: int | None = None,
+    ) -> SampleScores:
+        """The top-``k`` logprobs of a sample's generated tokens ``start ..`` and, with ``prompt_k``
+        (not None), its prompt tokens' logprobs (each one's own, its rank, its top ``prompt_k``):
+        one engine-loop forward (:meth:`forward_scores`) over the prompt and the generated tokens,
+        none when there is nothing to score (``k`` 0 without the prompt: ``tops`` None; no
+        generated token from ``start`` on: ``tops`` []).
 
-        The forward runs with the weights served now; a token sampled with another weight
-        version (``versions``: the sample's per-token versions; an update landed while it ran,
-        in_flight "continue") gets an empty list instead of another model's alternatives, and the
-        note (:func:`stale_note`) names those tokens.
-        Raises APIError 501 for a backend without a model, 503 when the engine or the EP group
-        refuses the forward after the sample was generated (its message says why)."""
-        if not k:
-            return None, None
-        if start >= len(out_ids):
-            return [], None
-        # the distribution the sampled tokens' own logprobs come from: the model's ("raw"), or the
-        # processed one sampled from (temperature, top-k, top-p; greedy lists only its token)
-        p = params
-        filters = (1.0, -1, 1.0) if p.logprobs_mode == "raw" else (p.temperature, p.top_k, p.top_p)
-        try:
-            rows, version = await self.runner.top_logprobs(prompt + out_ids, len(prompt) + start, k, *filters)
-        except NotImplementedError as exc:
-            raise APIError(501, str(exc), "top_logprobs") from exc
-        except (ValueError, RuntimeError) as exc:  # the engine / EP group refused after generating
-            # (e.g. weights lost to a rejected update, workers asleep): the request was valid
-            raise APIError(
-                503, f"top_logprobs could not be computed: {exc}; retry the request", "top_logprobs", "server_error"
-            ) from exc
-        stale = []
-        for i in range(len(rows)):
-            if start + i < len(versions) and versions[start + i] != version:
-                rows[i] = []
-                stale.append((start + i, versions[start + i], version))
-        return rows, stale_note(stale) if stale else None
+        The forward runs with the weights served now, and only scores of those very weights are
+        returned (the stale-weights guard): a generated token whose weight-write stamp
+        (``writes``: the sample's ``token_weight_writes``) differs from the forward's count (the
+        weights were written since it was sampled, also by an update that kept the version
+        number, or it was sampled on KV partly from earlier weights) gets an empty top list, and
+        the prompt's logprobs are left out (``prompt_stale``) when the sample's first token's stamp
+        differs (:func:`prompt_is_stale`); ``versions`` (the per-token versions) name them in the
+        note. Raises what :meth:`forward_scores` raises."""
+        want_tops = bool(k) and start < len(out_ids)
+        no_tops = None if not k else []
+        if prompt_k is None:
+            if not want_tops:
+                return SampleScores(no_tops)
+            tops, version, served = await self.forward_scores(
+                prompt + out_ids, len(prompt) + start, k, params, False, "top_logprobs"
+            )
+            scores = SampleScores(tops, version=version)
+        else:
+            ids = prompt + (out_ids if want_tops else [])
+            if len(ids) < 2:  # a one-token prompt and no generated token to score: no position to score
+                return SampleScores(no_tops, prompt=[])
+            rows, version, served = await self.forward_scores(ids, 1, max(k, prompt_k), params, True, "logprobs")
+            cut = len(prompt) - 1  # rows[i] is position i + 1: the prompt's positions come first
+            tops = [r.top[:k] for r in rows[cut + start :]] if want_tops else no_tops
+            scores = SampleScores(tops, prompt=rows[:cut], version=version)
+            if prompt_is_stale(out_ids, writes, served):
+                scores.prompt, scores.prompt_stale = None, True
+                scores.prompt_version = versions[0] if versions else version
+        for i in range(len(scores.tops or ())):
+            j = start + i
+            stamp = writes[j] if j < len(writes) else None
+            if stamp != served:  # sampled with other weights (None: a backend that does not stamp writes)
+                scores.tops[i] = []
+                scores.stale.append((j, versions[j] if j < len(versions) else version, stamp))
+        return scores
+
+    async def prompt_scores(self, prompt: list[int], k: int, params: SamplingParams) -> tuple:
+        """``/generate``'s ``prompt_logprobs``, the part the samples of one request share: one
+        forward over ``prompt`` (:meth:`forward_scores`, ``with_tokens``, top ``k``). Returns (rows of
+        positions 1.., weight version, weight-write count), or (None, None, None) for a one-token
+        prompt (nothing to score). Raises APIError (``sampling_params.prompt_logprobs``) as
+        :meth:`forward_scores`."""
+        if len(prompt) < 2:
+            return None, None, None
+        return await self.forward_scores(prompt, 1, k, params, True, "sampling_params.prompt_logprobs")
+
+    def sample_prompt_logprobs(
+        self, prompt: list[int], scored: tuple, out: SampleOutput, k: int
+    ) -> tuple[list[dict | None], str | None]:
+        """One sample's ``prompt_logprobs`` (vLLM's shape, :func:`vllm_prompt_logprobs`) from the
+        request's :meth:`prompt_scores`, and its ``prompt_logprobs_note`` or None: guarded as
+        :meth:`score_sample` guards, so a sample whose prompt ran with weights written over since
+        (:func:`prompt_is_stale`) gets empty entries and the note instead of another model's."""
+        rows, version, served = scored
+        if rows is not None and prompt_is_stale(out.output_ids, out.token_weight_writes, served):
+            v = out.token_weight_versions[0] if out.token_weight_versions else version
+            note = prompt_stale_note(v, version, "prompt_logprobs holds empty entries")
+            return vllm_prompt_logprobs(self.served, prompt, None, k), note
+        return vllm_prompt_logprobs(self.served, prompt, rows or [], k), None
 
     # ---- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:
@@ -586,6 +742,14 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if req.prompt_logprobs is not None:
+            raise APIError(
+                400,
+                "prompt_logprobs: not taken by chat completions; render the messages with /tokenize and score the "
+                "ids with /v1/completions (echo=true, logprobs=k, max_tokens=0 for the prompt alone) or /generate "
+                "(sampling_params.prompt_logprobs)",
+                "prompt_logprobs",
+            )
         prompt = chat_prompt(self.served, req)
         params = sampling_params(self.served, req, len(prompt.ids), req.max_completion_tokens or req.max_tokens)
         return prompt, GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt.ids, params)
@@ -616,15 +780,18 @@ class OpenAIServing:
             }
             if req.logprobs:
                 k = req.top_logprobs or 0
-                tops, note = await self._tops(prompt.ids, out.output_ids, 0, k, greq.params, out.token_weight_versions)
+                scores = await self.score_sample(
+                    prompt.ids, out.output_ids, 0, k, greq.params, out.token_weight_versions, out.token_weight_writes
+                )
+                tops = scores.tops
                 choice["logprobs"] = {
                     "content": [
                         _logprob_entry(self.served, t, lp, tops[i] if tops else None)
                         for i, (t, lp) in enumerate(zip(out.output_ids, out.logprobs))
                     ]
                 }
-                if note:
-                    choice["top_logprobs_note"] = note
+                if scores.stale:
+                    choice["top_logprobs_note"] = scores.note()
             if req.return_token_ids:
                 choice["token_ids"] = out.output_ids
                 choice["token_weight_versions"] = out.token_weight_versions
@@ -666,6 +833,7 @@ class OpenAIServing:
         parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
         has_calls = [False] * n
         versions: list[list[int]] = [[] for _ in range(n)]  # per sample, one per token streamed so far
+        writes: list[list[int]] = [[] for _ in range(n)]  # their weight-write stamps
         outs: list[SampleOutput] = []
         k = req.top_logprobs or 0
 
@@ -686,17 +854,21 @@ class OpenAIServing:
                     has_calls[i] |= bool(d.tool_calls)
                     extra = {}
                     versions[i] += item.weight_versions
+                    writes[i] += item.weight_writes
                     if req.logprobs:
                         start = len(versions[i]) - len(item.token_ids)  # this delta's first token
-                        tops, note = await self._tops(prompt.ids, texts[i].ids, start, k, greq.params, versions[i])
+                        scores = await self.score_sample(
+                            prompt.ids, texts[i].ids, start, k, greq.params, versions[i], writes[i]
+                        )
+                        tops = scores.tops
                         extra["logprobs"] = {
                             "content": [
                                 _logprob_entry(self.served, t, lp, tops[j] if tops else None)
                                 for j, (t, lp) in enumerate(zip(item.token_ids, item.logprobs))
                             ]
                         }
-                        if note:
-                            extra["top_logprobs_note"] = note
+                        if scores.stale:
+                            extra["top_logprobs_note"] = scores.note()
                     if req.return_token_ids:
                         extra["token_ids"] = item.token_ids
                         extra["token_weight_versions"] = item.weight_versions
@@ -723,15 +895,36 @@ class OpenAIServing:
 
     # ---- completions ---------------------------------------------------------------------------
     def prepare_completion(self, req: CompletionRequest) -> list[GenerationRequest]:
-        """One engine request per prompt (a string, token ids, or a list of either)."""
+        """One engine request per prompt (a string, token ids, or a list of either); 400 naming the
+        field for what this route cannot answer (see :meth:`completion`)."""
         self.check_model(req.model)
-        if req.echo and req.logprobs is not None:  # OpenAI's answer would carry the prompt's logprobs too
+        if req.prompt_logprobs is not None:
             raise APIError(
                 400,
-                "echo with logprobs: this server does not return the prompt tokens' logprobs (OpenAI's echo "
-                "does), so the answer would hold the generated tokens' only; send one of echo and logprobs",
-                "echo",
+                "prompt_logprobs: not taken by /v1/completions; send echo=true with logprobs=k (the prompt tokens' "
+                "logprobs then come first in choices[].logprobs, as OpenAI's echo does), or use /generate's "
+                "sampling_params.prompt_logprobs",
+                "prompt_logprobs",
             )
+        if req.stream and req.echo and req.logprobs is not None:
+            raise APIError(
+                400,
+                "stream: echo with logprobs (the prompt tokens' logprobs) is answered whole, not streamed; send "
+                "stream=false",
+                "stream",
+            )
+        if req.max_tokens == 0:
+            if not req.echo:
+                raise APIError(
+                    400,
+                    "max_tokens=0 generates nothing: send echo=true (with logprobs=k to score the prompt) or "
+                    "max_tokens >= 1",
+                    "max_tokens",
+                )
+            if req.stream:
+                raise APIError(
+                    400, "stream: max_tokens=0 (the prompt alone) is answered whole; send stream=false", "stream"
+                )
         p = req.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             prompts = [p]
@@ -744,41 +937,98 @@ class OpenAIServing:
         for j, q in enumerate(prompts):
             ids = self.served.encode(q) if isinstance(q, str) else list(q)
             check_token_ids(self.served, ids, "prompt")
-            check_prompt_length(self.served, len(ids), "prompt")
-            params = sampling_params(self.served, req, len(ids), req.max_tokens or 16)
+            if req.max_tokens == 0:  # scored, not continued: it may fill the context
+                if len(ids) > self.served.max_model_len:
+                    raise APIError(
+                        400,
+                        f"This model's maximum context length is {self.served.max_model_len} tokens; the prompt has "
+                        f"{len(ids)} tokens. Shorten the prompt.",
+                        "prompt",
+                        code="context_length_exceeded",
+                    )
+                params = sampling_params(self.served, req, len(ids) - 1, 1)  # the sampling fields, checked
+            else:
+                check_prompt_length(self.served, len(ids), "prompt")
+                params = sampling_params(self.served, req, len(ids), req.max_tokens or 16)
             reqs.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{j}", ids, params))
         return reqs
 
-    def _completion_logprobs(self, out: SampleOutput, tops, offset: int) -> dict:
-        toks = [self.served.decode([t]) for t in out.output_ids]
+    def _completion_logprobs(self, ids: list[int], token_logprobs: list, tops: list | None, offset: int = 0) -> dict:
+        """OpenAI completions ``logprobs`` of the tokens ``ids`` whose text starts at character
+        ``offset`` of the choice's text: each token's text, its logprob (None where unknown), its
+        top list as {text: logprob} (None: the first prompt token; ``tops`` None: k 0, no lists),
+        and its text offset (the characters before it, token texts summed)."""
+        toks = [self.served.decode([t]) for t in ids]
         offsets, pos = [], offset
         for t in toks:
             offsets.append(pos)
             pos += len(t)
         return {
             "tokens": toks,
-            "token_logprobs": out.logprobs,
-            "top_logprobs": [{self.served.decode([i]): v for i, v in row} for row in tops] if tops else None,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": None
+            if tops is None
+            else [None if row is None else {self.served.decode([i]): v for i, v in row} for row in tops],
             "text_offset": offsets,
         }
 
+    def _echo_logprobs(self, prompt: list[int], scores: SampleScores, k: int, out: SampleOutput | None) -> dict:
+        """The completions ``logprobs`` of an echoed choice: the prompt tokens first (the first one's
+        logprob and top list None, as vLLM and OpenAI send it; a prompt token the top-k / top-p
+        filters removed at ``PROMPT_LOGPROB_FLOOR``; all None with empty top lists when the prompt
+        ran with weights written over since, ``scores.prompt_stale``), then the generated tokens of
+        ``out`` (None: max_tokens 0) with the sampler's logprobs and ``scores.tops``."""
+        rows = scores.prompt
+        if rows is None:  # stale: another model's scores are not returned
+            lps, prompt_tops = [None] * (len(prompt) - 1), [[] for _ in prompt[1:]]
+        else:
+            lps = [max(r.logprob, PROMPT_LOGPROB_FLOOR) for r in rows]
+            prompt_tops = [r.top[:k] for r in rows]
+        out_ids, out_lps = (out.output_ids, out.logprobs) if out is not None else ([], [])
+        tops = None if not k else [None] + prompt_tops + list(scores.tops or [])
+        return self._completion_logprobs(prompt + out_ids, [None] + lps + list(out_lps), tops)
+
     async def completion(self, req: CompletionRequest, reqs: list[GenerationRequest]) -> dict:
         """Non-streamed completion (OpenAI ``text_completion`` object); choice index = prompt
-        index * n + sample index."""
+        index * n + sample index.
+
+        ``echo`` puts the prompt's text before each choice's; with ``logprobs=k`` the prompt
+        tokens' logprobs come first in its ``logprobs`` (:meth:`_echo_logprobs`), scored by the
+        same forward as the generated tokens' top logprobs (:meth:`score_sample`), under the
+        weights the sample's prompt ran with or not at all (``top_logprobs_note`` says why).
+        ``max_tokens=0`` (with ``echo``) generates nothing: each of the ``n`` choices is the
+        prompt, finish reason "length", its logprobs scored once under the weights served now."""
         choices, all_outs, prompt_tokens = [], [], 0
+        k = req.logprobs
 
         async def run(greq: GenerationRequest) -> list[SampleOutput]:
+            if req.max_tokens == 0:
+                return []
             return [o async for o in self.runner.stream(greq, stream=False) if isinstance(o, SampleOutput)]
 
         per_prompt = await asyncio.gather(*(run(g) for g in reqs))
         for p, (greq, outs) in enumerate(zip(reqs, per_prompt)):
-            prompt_tokens += len(greq.prompt_ids)
+            prompt_ids = list(greq.prompt_ids)
+            prompt_tokens += len(prompt_ids)
+            prefix = self.served.decode(prompt_ids) if req.echo else ""
+            if req.max_tokens == 0:
+                scored = None
+                if k is not None:
+                    scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k)
+                for i in range(greq.params.n):
+                    choice = {"index": p * greq.params.n + i, "text": prefix, "logprobs": None}
+                    choice.update(finish_reason="length", stop_reason=None)
+                    if scored is not None:
+                        choice["logprobs"] = self._echo_logprobs(prompt_ids, scored, k, None)
+                    if req.return_token_ids:
+                        choice.update(prompt_token_ids=prompt_ids, token_ids=[], token_weight_versions=[])
+                    choices.append(choice)
+                continue
             for out in sorted(outs, key=lambda o: o.sample_index):
                 if out.finish_reason == "error":
                     raise engine_error(out.error, COMPLETION_FIELDS)
                 ts = self._text_stream(greq.params)
                 text = ts.push(out.output_ids) + ts.finish()
-                prefix = self.served.decode(list(greq.prompt_ids)) if req.echo else ""
                 choice = {
                     "index": p * greq.params.n + out.sample_index,
                     "text": prefix + text,
@@ -786,16 +1036,28 @@ class OpenAIServing:
                     "finish_reason": out.finish_reason,
                     "stop_reason": ts.stop_reason,
                 }
-                if req.logprobs is not None:
-                    versions = out.token_weight_versions
-                    tops, note = await self._tops(
-                        list(greq.prompt_ids), out.output_ids, 0, req.logprobs, greq.params, versions
+                if k is not None:
+                    scores = await self.score_sample(
+                        prompt_ids,
+                        out.output_ids,
+                        0,
+                        k,
+                        greq.params,
+                        out.token_weight_versions,
+                        out.token_weight_writes,
+                        k if req.echo else None,
                     )
-                    choice["logprobs"] = self._completion_logprobs(out, tops, len(prefix))
+                    if req.echo:
+                        choice["logprobs"] = self._echo_logprobs(prompt_ids, scores, k, out)
+                    else:
+                        choice["logprobs"] = self._completion_logprobs(
+                            out.output_ids, out.logprobs, scores.tops, len(prefix)
+                        )
+                    note = scores.note("the prompt tokens' logprobs are null and their top_logprobs empty")
                     if note:
                         choice["top_logprobs_note"] = note
                 if req.return_token_ids:
-                    choice["prompt_token_ids"] = list(greq.prompt_ids)
+                    choice["prompt_token_ids"] = prompt_ids
                     choice["token_ids"] = out.output_ids
                     choice["token_weight_versions"] = out.token_weight_versions
                 choices.append(choice)

@@ -118,6 +118,9 @@ class SamplingFields(_Body):
     logprobs_mode: Literal["processed", "raw"] = "processed"
     return_token_ids: bool = False
     user: str | None = None
+    # vLLM's sampling extension, named so that it is refused (400) with what to send instead:
+    # these routes give prompt logprobs through echo (completions), /generate through this field
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -132,9 +135,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    """``echo`` with ``logprobs=k`` returns the prompt tokens' logprobs before the generated ones
+    (the first prompt token's null); ``max_tokens=0`` (with ``echo``) scores the prompt alone."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)
 
 
 def request_seed(seed: int | None) -> int:
@@ -163,6 +170,9 @@ class GenerateSamplingParams(_Body):
     # input ids, sample_index and weights give the same tokens (the sampler is keyed by them).
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     logprobs_mode: Literal["processed", "raw"] = "processed"
+    # vLLM's prompt_logprobs: each sample's output carries, per prompt token, its logprob, its rank
+    # and the top k (null: off); checked in app.py (0 .. MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = None
 
 
 class GenerateRequest(_Body):

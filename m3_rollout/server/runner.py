@@ -124,6 +124,7 @@ def coalesce(items: list) -> list:
                     d.token_ids + item.token_ids,
                     d.logprobs + item.logprobs,
                     d.weight_versions + item.weight_versions,
+                    d.weight_writes + item.weight_writes,
                 )
         else:
             if isinstance(item, SampleOutput):
@@ -390,17 +391,27 @@ class EngineRunner:
 
     # ---- top logprobs --------------------------------------------------------------------------
     async def top_logprobs(
-        self, token_ids: Sequence[int], start: int, k: int, temperature: float, top_k: int = -1, top_p: float = 1.0
-    ) -> tuple[list[list[tuple[int, float]]], int]:
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        k: int,
+        temperature: float,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        with_tokens: bool = False,
+    ) -> tuple[list, int, int]:
         """The ``k`` most likely tokens and their logprobs at positions ``start .. len - 1`` of
         ``token_ids`` under the served weights, on the engine loop between two steps: one plain
         forward, fp32 log-softmax of the logits processed by ``temperature`` / ``top_k`` /
         ``top_p`` (tokens they remove left out), by ``LLMEngine.top_logprobs`` in process, or
-        ``RolloutService.top_logprobs`` on every EP rank.
+        ``RolloutService.top_logprobs`` on every EP rank. ``with_tokens``: each position's own
+        token's logprob and rank too (``score.PositionLogprobs``; the server's prompt logprobs).
 
-        Returns ([len(token_ids) - start] lists of (token id, logprob), most likely first; the
-        weight version they were computed with, read in the same engine-loop call, so a caller
-        can tell which tokens were sampled with these weights).
+        Returns ([len(token_ids) - start] lists of (token id, logprob), most likely first, or
+        ``PositionLogprobs`` with ``with_tokens``; the weight version and the weight-write count
+        (``weight_writes``) they were computed with, read in the same engine-loop call, so a
+        caller can tell which tokens were sampled with these very weights: those whose
+        ``token_weight_writes`` equal the count).
         Raises ValueError naming a bad argument (``top_logprobs token_ids`` / ``start`` / ``k`` /
         ``temperature`` / ``top_k`` / ``top_p``) or refused weights; NotImplementedError for backends without an engine
         (a :class:`StreamingBackend`).
@@ -414,8 +425,9 @@ class EngineRunner:
                 f"top_logprobs needs an engine (in-process or EP workers); {type(self.backend).__name__} has none"
             )
 
-        def run() -> tuple[list[list[tuple[int, float]]], int]:
-            return fn(list(token_ids), start, k, temperature, top_k, top_p), self.backend.weight_version
+        def run() -> tuple[list, int, int]:
+            rows = fn(list(token_ids), start, k, temperature, top_k, top_p, with_tokens)
+            return rows, self.backend.weight_version, self.backend.weight_writes
 
         return await self.call(run)
 

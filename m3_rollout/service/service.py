@@ -215,6 +215,7 @@ class RolloutService(GenerationBackend):
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self.launcher: Launcher | None = None
         self._version = 0
+        self._weight_writes = 0  # weight_writes: the group-wide count every rank's engine stamps
         self._last_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self._ids = itertools.count()
         self._prefix_owner: dict[tuple[int, int], int] = {}  # (prompt length, hash) -> rank
@@ -268,6 +269,7 @@ class RolloutService(GenerationBackend):
                     self._reapply_ipc()
             elif self._last_weights is not None:
                 self._push_weights(*self._last_weights)
+            self._count_writes()  # fresh workers: no count of an earlier group may be taken for theirs
         except BaseException:
             self._close_weight_sync()
             self.launcher.shutdown(graceful=False)
@@ -637,7 +639,8 @@ class RolloutService(GenerationBackend):
         """Receive one update on every rank of the group joined with :meth:`join_weight_sync`
         (the trainer sends meanwhile). Returns {"ok", "version", "seconds", "paused_seconds",
         "errors"} over the ranks; the served version changes only when every rank applied it.
-        ``expect_version``: every rank refuses an update of another version.
+        ``expect_version``: every rank refuses an update of another version. When any rank wrote
+        weight bytes the group's :attr:`weight_writes` goes up on every rank.
 
         A rejected non-atomic update that left a rank invalid (it wrote part of it) stops the
         group serving until an update is accepted: that rank's experts are read by every rank's
@@ -651,6 +654,12 @@ class RolloutService(GenerationBackend):
             self._fail_live(failure)
             raise
         self._ready += self._deliver(out for o in outs for out in o["outputs"])  # drained around the update
+        if any(o["changed"] or not o["valid"] for o in outs):
+            try:
+                self._count_writes()
+            except GroupFailure as failure:
+                self._fail_live(failure)
+                raise
         ok = all(o["ok"] for o in outs)
         invalid = [str(r) for r, o in enumerate(outs) if not o["valid"]]
         if ok:
@@ -673,6 +682,22 @@ class RolloutService(GenerationBackend):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def weight_writes(self) -> int:
+        """The group's weight-write count (``LLMEngine.weight_writes`` of every rank, set by the
+        service): it changes with every write of any rank's weights (also one that keeps the
+        version, ``replace``) and with every group (re)start, so it never repeats across
+        restarts; tokens are stamped with it (``SampleOutput.token_weight_writes``)."""
+        return self._weight_writes
+
+    def _count_writes(self) -> None:
+        """The workers' weights were written (on any rank: every rank's forward reads every rank's
+        experts) or the group was (re)started: the count goes up and every rank's engine takes it
+        (``RolloutWorker.count_weight_write``), so all ranks stamp their tokens alike. Between two
+        ``run`` calls (the caller holds the lock). Raises GroupFailure."""
+        self._weight_writes += 1
+        self.launcher.call("count_weight_write", (self._weight_writes,), self.start_timeout_s)
 
     @_locked
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -811,6 +836,8 @@ class RolloutService(GenerationBackend):
         # samples the ranks finished (in_flight=drain) or stopped (abort) around the update: the
         # step API's requests get them from the next step (generate() holds the lock: none of its own)
         self._ready += self._deliver(out for o in outs for out in o["outputs"])
+        if any(o["changed"] or not o["valid"] for o in outs):
+            self._count_writes()
         self.last_weight_sync = {
             **box.get("stats", sender.stats),
             "wall_seconds": time.perf_counter() - t0,
@@ -1039,21 +1066,24 @@ class RolloutService(GenerationBackend):
         temperature: float = 1.0,
         top_k: int = -1,
         top_p: float = 1.0,
-    ) -> list[list[tuple[int, float]]]:
-        """``LLMEngine.top_logprobs`` over the EP group (the server's ``top_logprobs``): the ``k``
-        most likely tokens and their logprobs at positions ``start .. L - 1`` of ``token_ids``
-        under the served weights, one plain forward on every rank with the same ids (the
-        all-to-alls pair up), rank 0's result by value. Runs between two ``run`` calls, as
-        :meth:`score`.
+        with_tokens: bool = False,
+    ) -> list:
+        """``LLMEngine.top_logprobs`` over the EP group (the server's ``top_logprobs`` and prompt
+        logprobs): the ``k`` most likely tokens and their logprobs at positions ``start .. L - 1``
+        of ``token_ids`` under the served weights, one plain forward on every rank with the same
+        ids (the all-to-alls pair up), rank 0's result by value. Runs between two ``run`` calls,
+        as :meth:`score`.
 
         Returns:
             [L - start] lists of (token id, logprob), most likely first (fp32 log-softmax of
-            the logits processed by ``temperature``, ``top_k``, ``top_p``; removed tokens left out).
+            the logits processed by ``temperature``, ``top_k``, ``top_p``; removed tokens left out);
+            ``with_tokens``: [L - start] ``PositionLogprobs`` (the position's own token's logprob
+            and rank too).
         Raises:
             ValueError naming ``top_logprobs token_ids`` / ``start`` / ``k`` / ``temperature``, or
             refused weights; RuntimeError, RolloutFailure as :meth:`score`.
         """
-        args = (_by_value(token_ids), start, k, temperature, top_k, top_p)
+        args = (_by_value(token_ids), start, k, temperature, top_k, top_p, bool(with_tokens))
         return self._forward_on_every_rank("top_logprobs", args, "compute top logprobs")
 
     def _forward_on_every_rank(self, method: str, args: tuple, what: str):

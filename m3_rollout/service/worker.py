@@ -192,11 +192,18 @@ class RolloutWorker:
         return self._forward_together(lambda: self.engine.prepare_score(token_ids, positions, temperature))
 
     def top_logprobs(
-        self, token_ids: list[int], start: int, k: int, temperature: float, top_k: int = -1, top_p: float = 1.0
+        self,
+        token_ids: list[int],
+        start: int,
+        k: int,
+        temperature: float,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        with_tokens: bool = False,
     ) -> dict:
         """``LLMEngine.top_logprobs`` on this rank, in step with the peers (as :meth:`score`)."""
         return self._forward_together(
-            lambda: self.engine.prepare_top_logprobs(token_ids, start, k, temperature, top_k, top_p)
+            lambda: self.engine.prepare_top_logprobs(token_ids, start, k, temperature, top_k, top_p, with_tokens)
         )
 
     def _forward_together(self, prepare) -> dict:
@@ -321,6 +328,7 @@ class RolloutWorker:
         return {
             "ok": r.ok,
             "version": r.version,
+            "changed": r.changed,
             "valid": r.valid,
             "errors": r.errors,
             "seconds": r.seconds,
@@ -329,6 +337,11 @@ class RolloutWorker:
             "handed_back": out.handed_back,
             "outputs": [o for o in out.outputs if isinstance(o, SampleOutput)],
         }
+
+    def count_weight_write(self, writes: int) -> None:
+        """``LLMEngine.count_weight_write(writes)``: the service's group-wide weight-write count,
+        set on every rank after a write on any (the EP forward reads every rank's experts)."""
+        self.engine.count_weight_write(writes)
 
     # ---- memory handoff (policy.generation.sleep_level) ------------------------------------
     def sleep(self, level: int) -> dict:

@@ -15,7 +15,11 @@ it (the engine stamps ``engine.weight_version`` at sampling time):
   sample is preempted and re-prefilled).
 
 After a successful swap the prefix cache is reset once (no page computed under the old weights
-is reused) and the engine's version is set. A rank left invalid by a failed update refuses new
+is reused) and the engine's version is set. Every end that wrote weight bytes (an accepted update,
+or a rejected non-atomic one that left the rank invalid) counts a weight write on the engine
+(``engine.count_weight_write``): its write count, stamped on every token, changes even when the
+version number does not (an update re-sent with ``replace``), and the KV of running samples is
+marked stale. A rank left invalid by a failed update refuses new
 requests (``engine.refuse_reason``) and hands its unfinished samples back for placement elsewhere.
 """
 
@@ -59,7 +63,8 @@ class InFlightPolicy:
 
     Args:
         engine: an ``LLMEngine`` (duck-typed: pause / resume / abort_all / add_request / step /
-            has_unfinished / reset_prefix_cache / set_weight_version / preempt_all / refuse_reason).
+            has_unfinished / reset_prefix_cache / set_weight_version / count_weight_write /
+            preempt_all / refuse_reason).
         policy: one of ``POLICIES`` (``weight_sync.in_flight``).
         recompute_kv: ``weight_sync.recompute_kv_after_update`` (only with ``continue``).
         drain: finishes every unfinished sample and returns the outputs (default: ``engine.step``
@@ -113,10 +118,13 @@ class InFlightPolicy:
         self.active = False
 
     def end(self, result) -> InFlightOutcome:
-        """Finish the update with ``result`` (an ``UpdateResult``): reset the prefix cache and set
-        the version when the weights changed, refuse requests when the rank is invalid, resume."""
+        """Finish the update with ``result`` (an ``UpdateResult``): count a weight write when bytes
+        were written (or may have been: an invalid rank), reset the prefix cache and set the version
+        when the weights changed, refuse requests when the rank is invalid, resume."""
         eng = self.engine
         requeue = self._requeue
+        if result.changed or not result.valid:
+            eng.count_weight_write()  # before preempt_all: a preempted sample recomputes, its KV is fresh
         if result.changed and result.valid:
             eng.reset_prefix_cache()
             eng.set_weight_version(result.version)

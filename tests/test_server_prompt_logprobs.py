@@ -1,0 +1,264 @@
+"""Prompt logprobs on the real engine: /v1/completions ``echo`` with ``logprobs=k`` (through the
+``openai`` client) returns the prompt tokens' logprobs first, equal to the engine's own scoring of
+the same tokens (``LLMEngine.score`` / ``top_logprobs``), the first one null, text offsets that
+index the echoed text; ``max_tokens=0`` scores the prompt alone; /generate's
+``sampling_params.prompt_logprobs`` gives vLLM's per-token shape (logprob, rank, decoded token,
+top k). A weight write between generation and scoring (the same version number sent again, or
+re-sent with replace=True) gives the note and empty entries, not the new weights' scores."""
+
+import asyncio
+import copy
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+from server_util import LiveServer, native_backend, served_model, tiny_model, tiny_tokenizer  # tests/ on sys.path
+
+from m3_rollout.model.loading import iter_released_tensors
+from m3_rollout.server.control import Controller
+from m3_rollout.server.openai_api import PROMPT_LOGPROB_FLOOR, OpenAIServing
+from m3_rollout.server.protocol import CompletionRequest
+from m3_rollout.server.runner import EngineRunner
+from m3_rollout.weight_sync import LocalWeightSync
+
+MAX_LEN = 160
+TEXT = "What is 12 * 34? It is 408."  # ASCII: every token's text is a piece of the prompt's
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(len(tok), seed=0, max_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def served(tok):
+    return served_model(tok, len(tok), MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(served, model):
+    srv = LiveServer(served, native_backend(model, served))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(served, model):
+    """An engine of its own over the same weights: the reference scoring."""
+    return native_backend(model, served).engine
+
+
+def _client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("mode,temperature", [("raw", 0.7), ("processed", 0.7), ("processed", 1.0)])
+def test_echo_logprobs_equal_the_engines_scoring(server, ref, served, mode, temperature):
+    c = _client(server)
+    kw = dict(model="tiny-m3", prompt=TEXT, max_tokens=5, seed=3, temperature=temperature, logprobs=2)
+    extra = {"return_token_ids": True, "logprobs_mode": mode}
+    echo = c.completions.create(**kw, echo=True, extra_body=extra).choices[0]
+    plain = c.completions.create(**kw, extra_body=extra).choices[0]
+    prompt, out = echo.model_extra["prompt_token_ids"], echo.model_extra["token_ids"]
+    assert out == plain.model_extra["token_ids"] and len(out) == 5
+    ids, p = prompt + out, len(prompt)
+    lp = echo.logprobs
+    assert lp.tokens == [served.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    # the prompt's logprobs: the engine's scoring of the same tokens, in the request's distribution
+    # ("raw": the model's own; "processed": / temperature, no filters here)
+    want = ref.score(ids, temperature=1.0 if mode == "raw" else temperature)
+    assert lp.token_logprobs[1:p] == pytest.approx(want[1:p].tolist(), abs=1e-4)
+    # the generated ones: the sampler's, as the same request without echo returns them
+    assert lp.token_logprobs[p:] == plain.logprobs.token_logprobs
+    assert lp.top_logprobs[p:] == plain.logprobs.top_logprobs
+    tops = ref.top_logprobs(ids, 1, 2, 1.0 if mode == "raw" else temperature)
+    for row, want_row in zip(lp.top_logprobs[1:], tops, strict=True):
+        assert list(row) == [served.decode([i]) for i, _ in want_row]
+        assert list(row.values()) == pytest.approx([v for _, v in want_row], abs=1e-4)
+    # text offsets index the choice's text: the echoed prompt, then the generated text
+    assert echo.text.startswith(TEXT) and echo.text == "".join(lp.tokens)
+    assert lp.text_offset[0] == 0 and lp.text_offset[p] == len(TEXT)
+    for t, off in zip(lp.tokens, lp.text_offset, strict=True):
+        assert echo.text[off : off + len(t)] == t
+
+
+def test_max_tokens_0_scores_the_prompt_alone(server, ref, served, tok):
+    c = _client(server)
+    r = c.completions.create(model="tiny-m3", prompt=TEXT, max_tokens=0, echo=True, logprobs=1, n=2)
+    assert [ch.text for ch in r.choices] == [TEXT, TEXT] and [ch.index for ch in r.choices] == [0, 1]
+    assert {ch.finish_reason for ch in r.choices} == {"length"}
+    ids = served.encode(TEXT)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [served.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(ref.score(ids)[1:].tolist(), abs=1e-4)
+    assert [len(row) for row in lp.top_logprobs[1:]] == [1] * (len(ids) - 1)
+    assert r.choices[1].logprobs.token_logprobs == lp.token_logprobs
+    # a prompt that fills the context can be scored (nothing is generated after it)
+    full = list(range(5, 5 + MAX_LEN))
+    body = {"model": "tiny-m3", "prompt": full, "max_tokens": 0, "echo": True, "logprobs": 0}
+    resp = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    got = resp.json()["choices"][0]["logprobs"]
+    assert got["top_logprobs"] is None and len(got["token_logprobs"]) == MAX_LEN  # k 0: no top lists
+    assert got["token_logprobs"][1:] == pytest.approx(ref.score(full)[1:].tolist(), abs=1e-4)
+
+
+def _generate(srv, **body) -> dict:
+    resp = httpx.post(srv.url + "/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_generate_prompt_logprobs_in_vllms_shape(server, ref, served, model):
+    prompt = served.encode(TEXT)
+    sp = {"n": 2, "max_new_tokens": 3, "seed": 1, "prompt_logprobs": 3}
+    reply = _generate(server, input_ids=prompt, sampling_params=sp)
+    entries = reply["outputs"][0]["prompt_logprobs"]
+    assert reply["outputs"][1]["prompt_logprobs"] == entries  # one prompt: the same scores for each sample
+    assert len(entries) == len(prompt) and entries[0] is None
+    want = ref.score(prompt)
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([prompt[:-1]]))[0].float(), -1)  # [P - 1, V]
+    tops = ref.top_logprobs(prompt, 1, 3)
+    for i, (entry, want_top) in enumerate(zip(entries[1:], tops, strict=True), 1):
+        own = entry[str(prompt[i])]
+        assert own["logprob"] == pytest.approx(float(want[i]), abs=1e-4)
+        assert own["rank"] == int((full[i - 1] >= full[i - 1, prompt[i]]).sum())  # 1-based, as vLLM's
+        assert own["decoded_token"] == served.decode([prompt[i]])
+        for rank, (tid, v) in enumerate(want_top, 1):
+            e = entry[str(tid)]
+            assert e["logprob"] == pytest.approx(v, abs=1e-4) and e["decoded_token"] == served.decode([tid])
+            assert e["rank"] == (own["rank"] if tid == prompt[i] else rank)
+        assert len(entry) == 3 + (str(prompt[i]) not in {str(t) for t, _ in want_top})
+    # 0: the prompt token alone; left out: no field; streamed: on each sample's final event
+    zero = _generate(server, input_ids=prompt, sampling_params={**sp, "prompt_logprobs": 0})["outputs"][0]
+    assert [list(e) for e in zero["prompt_logprobs"][1:]] == [[str(t)] for t in prompt[1:]]
+    assert (
+        "prompt_logprobs"
+        not in _generate(server, input_ids=prompt, sampling_params={"max_new_tokens": 2})["outputs"][0]
+    )
+    with httpx.stream(
+        "POST", server.url + "/generate", json={"input_ids": prompt, "stream": True, "sampling_params": sp}, timeout=120
+    ) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    finals = [e for e in events if "finish_reason" in e]
+    assert len(finals) == 2 and all(e["prompt_logprobs"] == entries for e in finals)
+    assert all("prompt_logprobs" not in e for e in events if "finish_reason" not in e)
+
+
+def test_greedy_processed_prompt_logprobs_are_0_or_the_floor(server, served):
+    """temperature 0 samples from one token (top_k 1): in the processed distribution a prompt
+    token is either that token (logprob 0, rank 1) or impossible (-inf, sent as vLLM's -9999.0,
+    JSON having no -inf); "raw" gives the model's own."""
+    prompt = served.encode(TEXT)
+    sp = {"max_new_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    processed = _generate(server, input_ids=prompt, sampling_params=sp)["outputs"][0]["prompt_logprobs"]
+    owns = [e[str(t)] for e, t in zip(processed[1:], prompt[1:])]
+    assert all((o["logprob"], o["rank"] == 1) in ((0.0, True), (PROMPT_LOGPROB_FLOOR, False)) for o in owns)
+    assert any(o["logprob"] == PROMPT_LOGPROB_FLOOR for o in owns)
+    raw = _generate(server, input_ids=prompt, sampling_params={**sp, "logprobs_mode": "raw"})["outputs"][0]
+    assert all(PROMPT_LOGPROB_FLOOR < e[str(t)]["logprob"] < 0 for e, t in zip(raw["prompt_logprobs"][1:], prompt[1:]))
+
+
+class _RefitAfterGenerating:
+    """The controller in front of a real engine, with a weight update (``refit``) landing after a
+    request's samples were generated and before the server scores them."""
+
+    def __init__(self, ctl: Controller, refit):
+        self.ctl, self.refit = ctl, refit
+
+    @property
+    def weight_version(self) -> int:
+        return self.ctl.weight_version
+
+    async def stream(self, greq, stream=False):
+        items = [item async for item in self.ctl.stream(greq, stream)]
+        await self.refit()
+        for item in items:
+            yield item
+
+    async def top_logprobs(self, *args):
+        return await self.ctl.top_logprobs(*args)
+
+
+def _perturbed(model, seed: int):
+    other = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return other
+
+
+@pytest.mark.parametrize("how", ["none", "same_version", "replace"])
+def test_a_refit_between_generation_and_scoring_gives_the_note_not_another_models_logprobs(served, model, how):
+    """Version 0 stays version 0 in both updates (a fresh receiver's first update may carry the
+    version it holds; a later one says replace=True): the version guard let the new weights'
+    scores through; the write count does not."""
+    backend = native_backend(copy.deepcopy(model), served)
+    sync = LocalWeightSync(backend.engine, in_flight="continue")
+    backend.weight_sync = sync
+    runner = EngineRunner(backend)
+    new = _perturbed(model, 7)
+
+    async def refit():
+        if how == "same_version":
+            await runner.call(backend.update_weights, 0, list(iter_released_tensors(new)))
+        elif how == "replace":
+            await runner.call(backend.update_weights, 0, list(iter_released_tensors(_perturbed(model, 8))))
+            sync.sender.named_tensors = lambda: iter_released_tensors(new)
+            await runner.call(sync.sender.update, 0, False, True)  # version 0 again, replace=True
+
+    serving = OpenAIServing(served, _RefitAfterGenerating(Controller(runner), refit))
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-m3", "prompt": TEXT, "max_tokens": 4, "seed": 5, "logprobs": 2, "echo": True}
+    )
+
+    async def ask():
+        reqs = serving.prepare_completion(req)
+        choice = (await serving.completion(req, reqs))["choices"][0]
+        prompt = list(reqs[0].prompt_ids)
+        out = [o async for o in runner.stream(reqs[0], stream=False)][0]  # the same sample, now
+        scored = await serving.prompt_scores(prompt, 2, reqs[0].params)
+        return choice, prompt, scored, out
+
+    try:
+        choice, prompt, scored, out = asyncio.run(ask())
+        assert (
+            backend.weight_version == 0 and backend.weight_writes == {"none": 0, "same_version": 1, "replace": 2}[how]
+        )
+    finally:
+        runner.shutdown()
+    lp, p = choice["logprobs"], len(prompt)
+    old_scores = native_backend(model, served).engine.score(prompt)[1:].tolist()
+    new_scores = native_backend(new, served).engine.score(prompt)[1:].tolist()
+    assert max(abs(a - b) for a, b in zip(old_scores, new_scores)) > 1e-2  # the weights differ visibly
+    if how == "none":
+        assert lp["token_logprobs"][1:p] == pytest.approx(old_scores, abs=1e-4)
+        assert all(len(row) == 2 for row in lp["top_logprobs"][1:]) and "top_logprobs_note" not in choice
+        entries, note = serving.sample_prompt_logprobs(prompt, scored, out, 2)
+        assert note is None and entries[1][str(prompt[1])]["logprob"] == pytest.approx(old_scores[0], abs=1e-4)
+        return
+    # generated with the old weights, scored after the update: nothing of the new weights comes back
+    assert lp["token_logprobs"][:p] == [None] * p and lp["top_logprobs"][1:] == [{}] * (p - 1 + 4)
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][p:])  # the sampler's, exact: kept
+    note = choice["top_logprobs_note"]
+    assert "empty for 4 token(s) (indices 0..3)" in note and "weight version(s) 0" in note
+    assert "replace=True" in note and "the prompt tokens' logprobs are null" in note
+    # /generate's prompt_logprobs of a sample generated before the update: empty entries and the note
+    # (``out`` ran after it: its prompt was run with the weights served, so it is scored)
+    stale = copy.copy(out)
+    stale.token_weight_writes = [w - 1 for w in out.token_weight_writes]  # sampled before the last write
+    entries, note = serving.sample_prompt_logprobs(prompt, scored, stale, 2)
+    assert entries == [None] + [{}] * (p - 1) and "prompt_logprobs holds empty entries" in note
+    entries, note = serving.sample_prompt_logprobs(prompt, scored, out, 2)
+    assert note is None and entries[1][str(prompt[1])]["logprob"] == pytest.approx(new_scores[0], abs=1e-4)
