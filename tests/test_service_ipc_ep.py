@@ -151,6 +151,11 @@ def test_ep2_workers_refit_through_the_shared_stage(model_dir):
             svc.update_weights(6, bogus)
         assert svc.restarts == restarts and svc.weight_version == 5
         assert [(r["ok"], r["version"], r["valid"]) for r in svc.last_weight_sync["ranks"]] == [(False, 5, True)] * 2
+        # ... and it did not touch the stage: a worker lost now restarts the group on version 5
+        # (the refit used to forget the stage's version, and generate refused until the next update)
+        os.kill(svc.worker_pids()[0], signal.SIGKILL)
+        _assert_serves(svc, trainer, reqs, 5)
+        assert svc.restarts == restarts + 1
 
         # (b) a NaN in an expert only rank 1 holds: rank 1 refuses, rank 0 must not commit either
         with torch.no_grad():

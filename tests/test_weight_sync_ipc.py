@@ -471,3 +471,51 @@ def test_a_trainer_tensor_off_the_stage_device_is_refused_not_snapshotted():
             channel._fill_stage(header, away)
     finally:
         channel.close()
+
+
+def test_a_withdrawn_update_leaves_the_stage_able_to_restart_a_worker():
+    """``IpcRefit``: version 1 accepted, then an update the trainer refuses itself (a tensor outside
+    the handshake) is withdrawn before the stage is touched, so the stage still holds version 1
+    as the worker accepted it. A worker lost after that is handed version 1 (``holds`` / ``resend``);
+    the refit used to forget it, and the service then refused ``generate`` until the next update."""
+    from m3_rollout.config import WeightSyncConfig
+    from m3_rollout.service.ipc_refit import IpcRefit
+
+    torch.manual_seed(3)
+    trainer = M3ForCausalLM(tiny_config()).float().eval()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    refit = IpcRefit(WeightSyncConfig(timeout_s=TIMEOUT_S), 1, "cpu", torch.bfloat16, default_frozen)
+    named = ReleasedTensors(trainer)
+    procs = [ctx.Process(target=_worker, args=(refit.channel.endpoint, "first", results))]
+    procs[0].start()
+    try:
+        refit.send(1, named)
+        first = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert first["ok"] and first["version"] == 1 and first["digest"] == _expected(trainer)
+        assert refit.holds(1)
+
+        bogus = [*named, ("language_model.model.bogus.weight", torch.zeros(2))]
+        with pytest.raises(WeightUpdateError, match="not in the handshake list"):
+            refit.send(2, bogus)
+        got = get_results(results, 1, TIMEOUT_S, "tag")["first"]
+        assert not got["ok"] and got["version"] == 1 and got["digest"] == first["digest"]
+        assert refit.holds(1) and refit.stage_version == 1  # the stage was not touched
+
+        procs[0].kill()
+        procs[0].join(TIMEOUT_S)
+        refit.lost_workers()
+        with torch.no_grad():  # the trainer trains on; the stage keeps what the workers accepted
+            for p in trainer.parameters():
+                p.add_(0.25)
+        procs.append(ctx.Process(target=_worker, args=(refit.channel.endpoint, "restarted", results)))
+        procs[1].start()
+        refit.resend()
+        got = get_results(results, 1, TIMEOUT_S, "tag")["restarted"]
+        assert got["ok"] and got["version"] == 1 and got["digest"] == first["digest"]
+    finally:
+        refit.close()
+        for p in procs:
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()

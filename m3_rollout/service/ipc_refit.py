@@ -87,10 +87,17 @@ class IpcRefit:
         """Fill the stage from ``named_tensors`` (released names, on any device; a
         ``ReleasedTensors`` is resolved once and reused) and update every worker. Returns the
         sender's stats plus ``fill_seconds``. Raises WeightUpdateError / HandshakeError (the
-        stage then holds no accepted version)."""
+        stage then holds no accepted version, unless the sender withdrew the update before
+        touching it: then it still holds the version every worker kept, for ``resend``)."""
+        held = (self._named, self.stage_version)
         self._named = named_tensors if isinstance(named_tensors, ReleasedTensors) else list(named_tensors)
         self.stage_version = None  # the fill overwrites it
-        stats = self.sender.update(version, include_frozen=self.fresh, replace=replace)
+        try:
+            stats = self.sender.update(version, include_frozen=self.fresh, replace=replace)
+        except Exception:
+            if self.sender.withdrawn == version:  # refused before the fill: stage and workers as they were
+                self._named, self.stage_version = held
+            raise
         self.fresh, self.stage_version = False, int(version)
         return {**stats, "fill_seconds": self.channel.stats.get("fill_seconds", 0.0)}
 

@@ -886,7 +886,8 @@ class RolloutService(GenerationBackend):
         where they are (no host copy). A worker lost during the update restarts the group
         (``max_restarts`` within this call) and the update is repeated; a rejected update raises
         ValueError (atomic workers keep their weights; the stage then holds no accepted version,
-        so workers restarted before the next accepted update cannot be given the served weights;
+        unless the trainer withdrew the update before filling it (``IpcRefit.send``), so workers
+        restarted before the next accepted update cannot be given the served weights;
         non-atomic ranks that wrote part of it cannot be repaired: ``generate`` refuses, naming
         this, until an update is accepted). RuntimeError at sleep level 2 (wake up first)."""
         if self._sleep_level >= 2:

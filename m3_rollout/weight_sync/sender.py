@@ -296,6 +296,12 @@ class WeightSender:
         reference: the trainer's scorer for the probe ids (``probe.model_scorer(trainer model)``),
             called with the weights being sent.
     Raises ValueError for bucket_size_mb <= 0, or a fault hook on a channel without buckets.
+
+    ``withdrawn``: the version of the last ``update`` when this sender refused it itself and
+    withdrew it before packing or filling anything, else None. It sent nothing: over an IPC or
+    colocated channel (and from trainer rank 0 of a broadcast group) the channel's source and the
+    ranks' weights are as they were; a broadcast group's other trainer ranks take part in rank 0's
+    update instead when rank 0 did not withdraw it.
     """
 
     def __init__(
@@ -319,6 +325,7 @@ class WeightSender:
         self.probe, self.reference = probe, reference
         self.manifest: list[TensorSpec] | None = None
         self.stats: dict = {}
+        self.withdrawn: int | None = None
         self._source_cache: dict[tuple, tuple] = {}  # (include_frozen, manifest id, fingerprint) -> _resolve()
         self._packer: tuple | None = None  # (entries, bucket bytes, source addresses, BucketPacker)
 
@@ -358,6 +365,7 @@ class WeightSender:
             # 2.5 was truncated to 2, True read as 1, and 2**70 locked every later version out
             # (negative versions reach the receivers, which refuse them with their own rule)
             raise WeightUpdateError(f"weight version {version!r}: must be an integer below 2**62")
+        self.withdrawn = None
         if self.channel.needs_rebuild:
             try:
                 self.channel.rebuild()
@@ -411,6 +419,7 @@ class WeightSender:
         and version unchanged and stay in step. (In-process receivers wait for nothing.) A trainer
         rank other than 0 takes part in rank 0's update instead when rank 0 did not withdraw it,
         and fails it with a verdict error."""
+        self.withdrawn = int(version)
         header = UpdateHeader(int(version), include_frozen, (), bool(replace), False, True)
         try:
             self.channel.withdraw(header, self.bucket_bytes)
