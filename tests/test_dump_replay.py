@@ -109,6 +109,37 @@ def test_offline_grpo_steps_from_dump(dump):
     assert changed and not any("index_q_proj" in n for n in changed)
 
 
+def test_offline_training_refuses_a_step_whose_every_row_failed_before_training(dump, tmp_path):
+    """A `dump generate` dump keeps a step in which every sample failed to generate (the GRPO loop
+    stops at such a step instead). `replay --train` crashed with a traceback at that step (the
+    training step's ValueError), after training the steps before it without saving them; now the
+    dump is refused before any step trains, naming the step and how to leave it out."""
+    from m3_rollout.dump import DumpError
+    from m3_trainers.loss import ClippedPGLossFn
+    from m3_trainers.policy import Policy
+
+    root, trajs = dump
+    w = RolloutDumpWriter(tmp_path / "dump", run_id="r")
+    w.write_step(1, trajs, [1.0, -1.0, 1.0, -1.0], {"temperature": TEMPERATURE})
+    failed = []
+    for g in range(2):
+        for j in range(2):
+            t = Trajectory(g, j, [], [], [], [], prompt_len=6)
+            t.append([5, 9, 11, 40, 2, 7], generated=False)
+            t.finish_reason, t.info["error"] = "error", "no room under max_model_len"
+            failed.append(t)
+    w.write_step(2, failed, [0.0] * 4, {"temperature": TEMPERATURE})
+    cfg = load_config(None, ["policy.train_global_batch_size=4", "policy.train_micro_batch_size=4"])
+    model = load_checkpoint(root / "ckpt", dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    policy = Policy(model, lr=1e-3, freeze_indexer=True, freeze_router_bias=True)
+    with pytest.raises(DumpError, match=r"step 2: all 4 rows failed to generate .*--steps 1"):
+        train_offline(read_dump(tmp_path / "dump"), cfg, policy, ClippedPGLossFn(0.2, 0.2, True))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing trained
+    history = train_offline(read_dump(tmp_path / "dump", steps=[1]), cfg, policy, ClippedPGLossFn(0.2, 0.2, True))
+    assert [(h["step"], h["rows"]) for h in history] == [(1, 4)]
+
+
 def test_grpo_loop_dumps_and_cli(tmp_path, monkeypatch, capsys):
     from m3_rollout.jobs.grpo import run
 

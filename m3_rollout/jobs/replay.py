@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from m3_rollout.config import MasterConfig
-from m3_rollout.dump.reader import DumpRead
+from m3_rollout.dump.reader import DumpError, DumpRead
 from m3_rollout.dump.records import trajectories_from_rows
 from m3_rollout.jobs.step_metrics import rollout_metrics
 from m3_rollout.model import M3ForCausalLM
@@ -141,11 +141,24 @@ def train_offline(
     Returns:
         per-step metrics dicts (numbers only, with "step", "rows" and "reward" (``train/reward``:
         over the rows that generated), the trainer's metric names of docs/metrics.md).
+
+    Raises:
+        DumpError: before any step trains, for a step whose every row failed to generate
+            (finish_reason "error"; a ``dump generate`` dump keeps one, the GRPO loop stops there):
+            it has nothing to train; the message names the steps to replay instead (``--steps``).
     """
     gen = cfg.policy.generation
     steps: dict[int, list[dict]] = {}
     for r in read.table.to_pylist():
         steps.setdefault(r["step"], []).append(r)
+    failed = [s for s in sorted(steps) if all(r["finish_reason"] == "error" for r in steps[s])]
+    if failed:
+        rest = " ".join(str(s) for s in sorted(steps) if s not in failed)
+        raise DumpError(
+            f"step {failed[0]}: all {len(steps[failed[0]])} rows failed to generate (finish_reason error), so it "
+            f"has nothing to train ({len(failed)} such step(s): {failed}); "
+            + (f"replay the others with --steps {rest}" if rest else "no step of the dump can train")
+        )
     history = []
     for step in sorted(steps):
         srows = sorted(steps[step], key=lambda r: (r["group_id"], r["sample_index"]))
