@@ -243,6 +243,29 @@ def test_turn_cut_by_length_inside_a_call_gives_its_text_to_the_environment(tok,
     assert len(t.tool_calls) == n_calls
 
 
+def test_turn_cut_by_length_inside_a_call_is_not_scored_as_an_answer(tok):
+    """max_new_tokens inside a call whose argument so far ends with the right number: the cut
+    call's text is the content's end, and the calculator scored that text as the answer (reward 1
+    for a turn that never answered). The environment is told the turn ended inside a call, as for
+    a turn that stopped there, so the built-in ones give it reward 0."""
+    from m3_rollout.rollout.group_rollout import UNFINISHED_CALL
+
+    chat = ChatFormat(tok, "disabled")
+    text = f'Let me check. {NS}<tool_call>\n{NS}<invoke name="calculator">{NS}<expression>408'
+    env = RecordingCalculator()
+    (t,), _ = run_group_rollouts(ScriptedBackend({0: [(chat.encode(text), "length")]}), chat, env, [REC], settings())
+    env.close()
+    (turn,) = env.turns
+    assert (turn.content, turn.truncated, turn.parse_error) == (text, True, UNFINISHED_CALL)
+    assert (t.reward, t.finish_reason) == (0.0, "length")
+    # cut after the call closed: no unfinished call, the turn is scored as before
+    done = CUT_BODY[: CUT_BODY.index(f"{NS}</tool_call>") - 1]
+    env = RecordingCalculator()
+    run_group_rollouts(ScriptedBackend({0: [(chat.encode(done), "length")]}), chat, env, [REC], settings())
+    env.close()
+    assert env.turns[0].parse_error is None
+
+
 def test_turn_stopped_inside_a_call_gets_an_error_observation(tok):
     """The model samples its end-of-message token inside a call: the call is no call (its text is
     content), and the environment answers the parse error instead of scoring the turn as an answer."""

@@ -84,7 +84,8 @@ class ModelTurn:
             and "error" (str)} in call order, as the tool parser flagged them (the parser sets no
             "truncated": a call cut off is in content; the flag is for calls built elsewhere).
         parse_error: reason the tool-call block was malformed, if it was (the rollout also sets
-            it for a turn that stopped inside a tool call, so the call is answered with an error).
+            it for a turn that ended inside a tool call, stopped or cut by a token limit, so the
+            call is answered with an error, not scored as an answer).
         truncated: the turn ended inside an unterminated call or hit a length limit.
         reasoning: text of the think span, if any.
         finish_reason: the engine's finish reason of this turn ("stop", "length", ...).

@@ -24,9 +24,10 @@ from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, Sa
 from m3_rollout.rollout.environment import Environment, ModelTurn
 from m3_rollout.rollout.trajectory import Trajectory
 
-# The parse error an environment gets for a turn that stopped (the stop token, a stop string)
-# inside a tool call: the parser returns that call's text as content, not as a call, and this
-# makes the built-in environments answer it like a malformed call instead of scoring it as an answer.
+# The parse error an environment gets for a turn that ended inside a tool call (the stop token, a
+# stop string, or a token limit): the parser returns that call's text as content, not as a call,
+# and this makes the built-in environments answer it like a malformed call instead of scoring it
+# as an answer (a cut turn then gets reward 0: it did not answer).
 UNFINISHED_CALL = "the turn ended inside a tool call, before its </invoke>; nothing was run"
 
 
@@ -196,7 +197,11 @@ def _model_turn(
         result = env.step(
             state,
             ModelTurn(
-                content=parsed.content, truncated=True, reasoning=parsed.reasoning, finish_reason=out.finish_reason
+                content=parsed.content,
+                parse_error=UNFINISHED_CALL if parsed.truncated else None,  # cut inside a call: no answer
+                truncated=True,
+                reasoning=parsed.reasoning,
+                finish_reason=out.finish_reason,
             ),
         )
         traj.reward, traj.finish_reason = result.reward, ("length" if record.truncated else out.finish_reason)
