@@ -254,6 +254,16 @@ def test_ipc_refit_with_a_probe_exchanges_its_verdict_and_rolls_back():
             proc.kill()
 
 
+def test_a_closed_channel_leaves_no_socket_folder_behind():
+    import os
+
+    channel = IpcChannel(n_workers=1, device="cpu", timeout_s=5.0)
+    folder = os.path.dirname(channel.address)
+    assert os.path.isdir(folder) and os.path.basename(folder).startswith("m3_ipc_")
+    channel.close()
+    assert not os.path.exists(folder)  # it used to stay: one empty folder in /tmp per channel
+
+
 def test_ipc_channel_has_no_bucket_path_for_a_fault_hook():
     torch.manual_seed(1)
     trainer = M3ForCausalLM(tiny_config()).float().eval()

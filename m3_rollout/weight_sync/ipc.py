@@ -77,9 +77,11 @@ import os
 import pickle
 import queue
 import secrets
+import shutil
 import tempfile
 import threading
 import time
+import weakref
 from multiprocessing.connection import Client, Connection, Listener
 from multiprocessing.reduction import ForkingPickler
 
@@ -166,6 +168,12 @@ def synchronize(*devices: torch.device | None) -> None:
         torch.cuda.synchronize(d)
 
 
+def _drop_socket(listener: Listener, folder: str) -> None:
+    """Close ``listener`` (which unlinks its socket file) and remove the folder made for it."""
+    listener.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _send(conn: Connection, msg, who: str) -> None:
     try:
         conn.send_bytes(ForkingPickler.dumps(msg))
@@ -220,10 +228,14 @@ class IpcChannel:
             # "cuda" names the current device; tensors say "cuda:N", and the copy's device must match
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.share_copy = share_copy
+        folder = None
         if address is None:
-            address = os.path.join(tempfile.mkdtemp(prefix="m3_ipc_"), "refit.sock")
+            folder = tempfile.mkdtemp(prefix="m3_ipc_")
+            address = os.path.join(folder, "refit.sock")
         self.authkey = secrets.token_bytes(16)
         self._listener = Listener(address, family="AF_UNIX", authkey=self.authkey)
+        # NOTE: a folder made here goes with close() or, if close is never called, at exit
+        self._cleanup = None if folder is None else weakref.finalize(self, _drop_socket, self._listener, folder)
         self.address = self._listener.address
         self._pending: queue.Queue = queue.Queue()
         self._accepting = True
@@ -518,6 +530,8 @@ class IpcChannel:
         self.conns = []
         self._listener.close()
         self._reclaim()
+        if self._cleanup is not None:
+            self._cleanup()
 
 
 class IpcRolloutSync:
