@@ -435,6 +435,37 @@ def test_a_write_during_a_chunked_prefill_marks_the_group_and_its_forks():
     assert 1 <= k < 6 and out.token_weight_writes == [1] * k + [2] * (6 - k)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_token_in_flight_when_its_sequence_is_preempted_keeps_its_stale_stamp(async_scheduling):
+    """With async scheduling a sequence can be preempted (pages freed, ``kv_stale`` cleared) while
+    the token it sampled on its stale KV is still on the device: that token must still be stamped
+    -1 (it was sampled on KV of the old weights), as the synchronous engine stamps it. Seven pages
+    force the preemption of "a" after an in_flight=continue update; a token stamped with the
+    current count must be the new weights' own (its logprob is a fresh new-weights scoring's)."""
+    trainer = _model(1)
+    cfg = EngineConfig(max_model_len=112, max_num_seqs=8, num_pages=7, async_scheduling=async_scheduling)
+    eng = LLMEngine(_model(0), cfg)
+    eng.add_request(_req("b", PROMPT[:30], max_new=40, seed=1))
+    eng.step()
+    eng.step()
+    eng.add_request(_req("a", PROMPT[30:60], max_new=40, seed=2))
+    for _ in range(3):
+        eng.step()
+    assert _colocated_update(eng, trainer, 1, "continue").result.ok and eng.weight_writes == 1
+    a = {o.request_id: o for o in _run(eng, [])}["a"]
+    assert eng.scheduler.num_preemptions >= 1
+    fresh = a.token_weight_writes.index(1)
+    assert a.token_weight_writes == [0] * 3 + [-1] * (fresh - 3) + [1] * (40 - fresh)
+    # "a" was preempted once, its KV recomputed under the new weights: from there on its tokens are
+    # the new model's, and every token stamped 1 (none sampled on the old KV) is
+    assert fresh == 19  # as the synchronous engine stamps them (async scheduling changes no token)
+    ref = LLMEngine(copy.deepcopy(trainer), EngineConfig(max_model_len=112, num_pages=16)).score(
+        a.prompt_ids + a.output_ids
+    )
+    p = len(a.prompt_ids)
+    assert a.logprobs[fresh:] == pytest.approx(ref[p + fresh :].tolist(), abs=1e-5)
+
+
 def test_invalid_rank_refuses_requests_until_full_update():
     trainer = _model(1)
     eng = _engine(_model(0))

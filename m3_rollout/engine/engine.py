@@ -504,13 +504,15 @@ class LLMEngine:
         for seq in launched.leaders:
             seq.num_pending -= 1
         samples, version, writes = launched.samples, launched.version, launched.writes
-        n_leaders = len(launched.leaders)
+        n_leaders, stale_rows = len(launched.leaders), launched.stale
         stale = False
         live: list[Sequence] = []
         for j in launched.order:  # each leader, then the children sampled from its logits row
             seq = samples[j]
             if j < n_leaders:
-                stale = seq.kv_stale  # a child's first token comes from its leader's KV
+                # its KV when the step was launched (a preemption since may have cleared kv_stale);
+                # a child's first token comes from its leader's KV
+                stale = j in stale_rows
             if seq.status == SeqStatus.FINISHED:  # aborted / finished before this token landed: dropped
                 self.stats.dropped_tokens += 1
                 continue

@@ -37,6 +37,10 @@ class LaunchedStep:
     result: the sampled ids / logprobs on their way to the host. version: weights that ran it.
     serial: the step's number (``EngineStats.steps`` after it; the block-selection record lands by it).
     writes: the engine's weight-write count when it was launched (``LLMEngine.weight_writes``).
+    stale: positions in ``leaders`` whose KV was stale when it was launched (``Sequence.kv_stale``):
+        their tokens (and their children's first ones) are stamped -1. Read at launch, since with
+        async scheduling the next step's scheduling may preempt such a sequence (clearing the flag)
+        before this step's tokens land.
     """
 
     rows: list[ScheduledRow]
@@ -48,6 +52,7 @@ class LaunchedStep:
     version: int
     serial: int = 0
     writes: int = 0
+    stale: frozenset[int] = frozenset()
 
 
 def sampling_columns(samples: list[Sequence]):
@@ -82,9 +87,11 @@ class StepLauncher:
         t0 = time.perf_counter()
         rows = plan.rows
         leaders = [r.seq for r in rows if r.sample]
-        samples, expand, order = list(leaders), None, []
+        samples, expand, order, stale = list(leaders), None, [], []
         for i, seq in enumerate(leaders):
             order.append(i)
+            if seq.kv_stale:
+                stale.append(i)
             if seq.num_pending:  # its children were sampled with the step in flight (fork pending)
                 continue
             for child in seq.children:  # the prompt's last logits serve the whole group
@@ -117,7 +124,16 @@ class StepLauncher:
         st.batched_tokens += plan.num_batched_tokens
         ph["forward"] += time.perf_counter() - t1
         return LaunchedStep(
-            rows, samples, order, leaders, {q.seq_id: i for i, q in enumerate(leaders)}, result, version, serial, writes
+            rows,
+            samples,
+            order,
+            leaders,
+            {q.seq_id: i for i, q in enumerate(leaders)},
+            result,
+            version,
+            serial,
+            writes,
+            frozenset(stale),
         )
 
     def _launch_graph(self, rows, prev, samples, t0: float) -> tuple[StepLaunch, torch.Tensor, np.ndarray]:
