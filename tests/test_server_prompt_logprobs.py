@@ -112,6 +112,52 @@ def test_max_tokens_0_scores_the_prompt_alone(server, ref, served, tok):
     assert got["token_logprobs"][1:] == pytest.approx(ref.score(full)[1:].tolist(), abs=1e-4)
 
 
+def _streamed_logprobs(stream) -> tuple[dict, dict]:
+    """Per choice index: the text and the four logprobs lists of a completions stream, each chunk's
+    appended in order (chunks without tokens carry logprobs null)."""
+    texts, lps = {}, {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            lp = lps.setdefault(ch.index, {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+            if ch.logprobs is not None:
+                for key in lp:
+                    lp[key] += getattr(ch.logprobs, key) or []
+    return texts, lps
+
+
+@pytest.mark.parametrize("k,stop", [(2, False), (0, False), (3, True)])
+def test_streamed_completion_logprobs_equal_the_non_streamed(server, k, stop):
+    """Streamed completions carry each chunk's tokens' logprobs (vLLM's way); concatenated they are
+    the non-streamed answer's for the same seed: tokens and text offsets exactly, the sampler's
+    logprobs and the top lists within 1e-5 / 1e-4 (other batches; one scoring forward per chunk vs
+    one per answer)."""
+    c = _client(server)
+    kw = dict(model="tiny-m3", prompt=[TEXT, TEXT[:9]], max_tokens=8, seed=11, n=2, logprobs=k)
+    if stop:  # a piece of the first choice's text: it ends that choice there (text held back, then cut)
+        kw["stop"] = c.completions.create(**kw).choices[0].text[4:6]
+    whole = c.completions.create(**kw)
+    texts, lps = _streamed_logprobs(c.completions.create(**kw, stream=True))
+    assert sorted(lps) == [0, 1, 2, 3] == [ch.index for ch in whole.choices]
+    for ch in whole.choices:
+        got, want = lps[ch.index], ch.logprobs
+        assert texts[ch.index] == ch.text
+        assert got["tokens"] == want.tokens and len(want.tokens) >= 1
+        assert got["text_offset"] == want.text_offset
+        # the sampler's (the streamed request runs its prompts one after the other, the other one
+        # batches them: the CPU forward is not batch-invariant in the last bits)
+        assert got["token_logprobs"] == pytest.approx(want.token_logprobs, abs=1e-5)
+        if k == 0:
+            assert want.top_logprobs is None and got["top_logprobs"] == []
+            continue
+        assert len(got["top_logprobs"]) == len(want.top_logprobs)
+        for row, want_row in zip(got["top_logprobs"], want.top_logprobs, strict=True):
+            assert 1 <= len(want_row) <= k and list(row) == list(want_row)  # keyed by text: ids of one text merge
+            assert list(row.values()) == pytest.approx(list(want_row.values()), abs=1e-4)
+    if stop:
+        assert whole.choices[0].finish_reason == "stop" and whole.choices[0].stop_reason == kw["stop"]
+
+
 def _generate(srv, **body) -> dict:
     resp = httpx.post(srv.url + "/generate", json=body, timeout=120)
     assert resp.status_code == 200, resp.text

@@ -123,6 +123,28 @@ def test_streamed_chat_notes_each_chunk_whose_tokens_are_older():
     assert "(index 1)" in chunks[1]["top_logprobs_note"]
 
 
+@pytest.mark.parametrize("writes", [[3, 3, 4, 4], [4, 4, -1, -1]])
+def test_streamed_completion_chunks_are_guarded_as_the_whole_answer(writes):
+    """Streamed completions carry each chunk's logprobs under the same guard as the non-streamed
+    answer: a token of weights written over since (an older count, or -1: KV of earlier weights)
+    gets an empty top list, and its chunk the note; the chunks concatenate to the whole answer."""
+    serving = _serving([1, 1, 1, 1], writes)
+    body = {"model": "tiny-m3", "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2}
+    req = CompletionRequest.model_validate({**body, "stream": True})
+
+    async def collect():
+        return [e async for e in serving.completion_stream(req, serving.prepare_completion(req))]
+
+    events = [json.loads(e[6:]) for e in asyncio.run(collect()) if e.startswith("data: {")]
+    chunks = [c for e in events for c in e["choices"] if c["logprobs"] is not None]
+    stale = [w != SERVED_WRITES for w in writes]
+    assert [len(c["logprobs"]["top_logprobs"][0]) for c in chunks] == [0 if s else 2 for s in stale]
+    assert ["top_logprobs_note" in c for c in chunks] == stale
+    whole = _completion(_serving([1, 1, 1, 1], writes), logprobs=2)["logprobs"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for c in chunks for v in c["logprobs"][key]] == whole[key]
+
+
 def test_completion_tokens_of_an_older_version_get_empty_top_logprobs():
     choice = _completion(_serving([0, 0, 1, 1], [3, 3, 4, 4]), logprobs=2)
     assert [len(row) for row in choice["logprobs"]["top_logprobs"]] == [0, 0, 2, 2]

@@ -533,6 +533,35 @@ def vllm_prompt_logprobs(served: ServedModel, prompt: list[int], rows: list | No
     return out
 
 
+class StreamScores:
+    """The top logprobs of a streamed answer's chunks, for both stream routes (chat completions and
+    completions): per sample, the weight versions and weight-write stamps of the tokens streamed so
+    far, so that each delta's tokens are scored in one forward over the prompt and the sample
+    before them, under the stale-weights guard of :meth:`OpenAIServing.score_sample` (a token
+    whose stamp is not the count the forward ran with gets an empty top list, and the chunk a
+    note).
+
+    Args:
+        score: :meth:`OpenAIServing.score_sample` of the serving object.
+        prompt: the request's prompt ids. params: its sampling parameters (the distribution).
+        k: top tokens per position (0: none, no forward). n: samples of the request.
+    """
+
+    def __init__(self, score: Callable, prompt: list[int], params: SamplingParams, k: int, n: int):
+        self.score, self.prompt, self.params, self.k = score, prompt, params, k
+        self.versions: list[list[int]] = [[] for _ in range(n)]  # per sample, one per token streamed so far
+        self.writes: list[list[int]] = [[] for _ in range(n)]  # their weight-write stamps
+
+    async def delta(self, item: StreamDelta, ids: list[int]) -> SampleScores:
+        """The scores of ``item``'s tokens, the last ``len(item.token_ids)`` of ``ids`` (every token
+        its sample has generated so far). Raises what ``score_sample`` raises (APIError)."""
+        i = item.sample_index
+        self.versions[i] += item.weight_versions
+        self.writes[i] += item.weight_writes
+        start = len(ids) - len(item.token_ids)  # this delta's first token
+        return await self.score(self.prompt, ids, start, self.k, self.params, self.versions[i], self.writes[i])
+
+
 def prompt_is_stale(out_ids: list[int], writes: list[int], served_writes: int) -> bool:
     """Whether a sample's prompt ran with weights other than those of ``served_writes`` (the
     weight-write count): its first generated token's stamp (``token_weight_writes[0]``: sampled
@@ -832,10 +861,8 @@ class OpenAIServing:
         texts = [self._text_stream(greq.params) for _ in range(n)]
         parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
         has_calls = [False] * n
-        versions: list[list[int]] = [[] for _ in range(n)]  # per sample, one per token streamed so far
-        writes: list[list[int]] = [[] for _ in range(n)]  # their weight-write stamps
         outs: list[SampleOutput] = []
-        k = req.top_logprobs or 0
+        scorer = StreamScores(self.score_sample, prompt.ids, greq.params, req.top_logprobs or 0, n)
 
         def chunk(i: int, delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, **(extra or {})}
@@ -853,13 +880,8 @@ class OpenAIServing:
                     d = parsers[i].feed(texts[i].push(item.token_ids))
                     has_calls[i] |= bool(d.tool_calls)
                     extra = {}
-                    versions[i] += item.weight_versions
-                    writes[i] += item.weight_writes
                     if req.logprobs:
-                        start = len(versions[i]) - len(item.token_ids)  # this delta's first token
-                        scores = await self.score_sample(
-                            prompt.ids, texts[i].ids, start, k, greq.params, versions[i], writes[i]
-                        )
+                        scores = await scorer.delta(item, texts[i].ids)
                         tops = scores.tops
                         extra["logprobs"] = {
                             "content": [
@@ -1077,14 +1099,27 @@ class OpenAIServing:
         }
 
     async def completion_stream(self, req: CompletionRequest, reqs: list[GenerationRequest]) -> AsyncIterator[str]:
-        """SSE chunks of a streamed completion, prompts one after another, then ``[DONE]``."""
+        """SSE chunks of a streamed completion, prompts one after another, then ``[DONE]``.
+
+        With ``logprobs=k`` each chunk that carries generated tokens carries their ``logprobs``
+        (vLLM's way): ``tokens``, ``token_logprobs`` (the sampler's), ``top_logprobs`` (None for k
+        0) and ``text_offset`` (into the choice's whole text, as the non-streamed answer counts
+        it), so the chunks' lists concatenate to the non-streamed answer's of the same seed. The
+        top lists come from one forward per chunk over the sample so far, guarded as the
+        non-streamed ones (:class:`StreamScores`: a token of weights written over since gets an
+        empty list, its chunk a ``top_logprobs_note``). A chunk's tokens may run ahead of its
+        text (text held back for a stop string or an incomplete character comes later)."""
         created = int(time.time())
         outs: list[SampleOutput] = []
         prompt_tokens = 0
+        k = req.logprobs
         for p, greq in enumerate(reqs):
             n = greq.params.n
             texts = [self._text_stream(greq.params) for _ in range(n)]
             prompt_tokens += len(greq.prompt_ids)
+            prefix = self.served.decode(list(greq.prompt_ids)) if req.echo else ""
+            scorer = StreamScores(self.score_sample, list(greq.prompt_ids), greq.params, k or 0, n)
+            offsets = [len(prefix)] * n  # per sample, the text offset of its next token
 
             def chunk(i: int, text: str, finish: str | None = None, extra: dict | None = None) -> str:
                 c = {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": finish, **(extra or {})}
@@ -1100,14 +1135,23 @@ class OpenAIServing:
 
             if req.echo:
                 for i in range(n):
-                    yield chunk(i, self.served.decode(list(greq.prompt_ids)))
+                    yield chunk(i, prefix)
             try:
                 async for item in self.runner.stream(greq, stream=True):
                     if isinstance(item, StreamDelta):
-                        text = texts[item.sample_index].push(item.token_ids)
+                        i = item.sample_index
+                        text = texts[i].push(item.token_ids)
                         extra = {"token_ids": item.token_ids} if req.return_token_ids else {}
+                        if k is not None:
+                            scores = await scorer.delta(item, texts[i].ids)
+                            lp = self._completion_logprobs(item.token_ids, item.logprobs, scores.tops, offsets[i])
+                            if lp["tokens"]:
+                                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                            extra["logprobs"] = lp
+                            if scores.stale:
+                                extra["top_logprobs_note"] = scores.note()
                         if text or extra:
-                            yield chunk(item.sample_index, text, extra=extra)
+                            yield chunk(i, text, extra=extra)
                     elif isinstance(item, SampleOutput):
                         if item.finish_reason == "error":
                             raise engine_error(item.error, COMPLETION_FIELDS)
