@@ -533,7 +533,7 @@ class LLMEngine:
                     StreamDelta(
                         seq.request_id,
                         seq.sample_index,
-                        seq.output_ids[n:],
+                        seq.token_ids[seq.prompt_len + n :],  # not output_ids[n:]: a copy of every token per step
                         seq.logprobs[n:],
                         seq.weight_versions[n:],
                         seq.weight_writes[n:],
