@@ -192,6 +192,30 @@ def test_ep_serves_top_logprobs_equal_to_ep1(server):
         )
 
 
+def test_ep_streamed_completion_logprobs_equal_the_non_streamed(server):
+    """Streamed /v1/completions carry each chunk's logprobs on the EP server too (each chunk's top
+    lists one forward on both ranks between two steps): concatenated, the non-streamed answer's."""
+    url, _, _ = server
+    body = {"model": "tiny-m3", "prompt": PROMPT, "max_tokens": 8, "seed": 6, "logprobs": 3, "n": 2}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"]
+    got = {0: [], 1: []}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    got[ch["index"]].append(ch["logprobs"])
+    for ch in whole:
+        chunks = [lp for lp in got[ch["index"]] if lp is not None]
+        want = ch["logprobs"]
+        assert [t for lp in chunks for t in lp["tokens"]] == want["tokens"] and len(want["tokens"]) == 8
+        assert [o for lp in chunks for o in lp["text_offset"]] == want["text_offset"]
+        assert [v for lp in chunks for v in lp["token_logprobs"]] == pytest.approx(want["token_logprobs"], abs=1e-5)
+        rows = [row for lp in chunks for row in lp["top_logprobs"]]
+        assert [list(r) for r in rows] == [list(r) for r in want["top_logprobs"]]
+        for row, want_row in zip(rows, want["top_logprobs"], strict=True):
+            assert list(row.values()) == pytest.approx(list(want_row.values()), abs=1e-4)
+
+
 @pytest.fixture(scope="module")
 def trainer(server):
     """The trainer's model (the checkpoint after a fake training step) and its weight sender, rank 0
