@@ -7,8 +7,10 @@ top k). A weight write between generation and scoring (the same version number s
 re-sent with replace=True) gives the note and empty entries, not the new weights' scores."""
 
 import asyncio
+import concurrent.futures
 import copy
 import json
+import time
 
 import httpx
 import openai
@@ -110,6 +112,33 @@ def test_max_tokens_0_scores_the_prompt_alone(server, ref, served, tok):
     got = resp.json()["choices"][0]["logprobs"]
     assert got["top_logprobs"] is None and len(got["token_logprobs"]) == MAX_LEN  # k 0: no top lists
     assert got["token_logprobs"][1:] == pytest.approx(ref.score(full)[1:].tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["keep", "drain", "abort"])
+def test_max_tokens_0_waits_at_the_admission_gate_while_paused(server, ref, served, mode):
+    """A prompt-scoring request (max_tokens=0) is admitted like any other: while the server is
+    paused it waits at the gate (it used to run its forward at once, under whichever weights the
+    paused server held, ahead of an update the pause was made for), counted in ``waiting``, and is
+    answered once /resume opens the gate."""
+    ids = served.encode(TEXT)
+    body = {"model": "tiny-m3", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}
+    ctl = server.controller
+    assert httpx.post(server.url + "/pause", json={"mode": mode}, timeout=60).json()["paused"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=120)
+            deadline = time.monotonic() + 60
+            while ctl.waiting == 0 and not fut.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not fut.done() and ctl.waiting == 1  # held at the gate, not answered while paused
+            assert httpx.post(server.url + "/resume", timeout=60).json() == {"paused": False}
+            resp = fut.result(timeout=120)
+    finally:
+        httpx.post(server.url + "/resume", timeout=60)
+    assert resp.status_code == 200, resp.text
+    got = resp.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert got[0] is None and got[1:] == pytest.approx(ref.score(ids)[1:].tolist(), abs=1e-4)
+    assert ctl.waiting == 0 and not ctl.live
 
 
 def _streamed_logprobs(stream) -> tuple[dict, dict]:

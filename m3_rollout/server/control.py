@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import AsyncIterator
 
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
@@ -40,26 +41,35 @@ class Controller:
     async def top_logprobs(self, *args):
         return await self.runner.top_logprobs(*args)
 
-    async def stream(
-        self, request: GenerationRequest, stream: bool = True
-    ) -> AsyncIterator[SampleOutput | StreamDelta]:
-        """The runner's stream of ``request`` once the admission gate is open; the request counts
-        as live (abortable, drained) until its iteration ends."""
+    @contextlib.asynccontextmanager
+    async def admitted(self, request_id: str) -> AsyncIterator[None]:
+        """Wait until the admission gate is open (it is closed while paused or draining for an
+        update; ``waiting`` counts those held), then count ``request_id`` as live (abortable,
+        drained: a pause in mode drain and an update with in_flight=drain wait for it) until the
+        block ends. Every request that runs the engine for a client passes here: generation
+        (:meth:`stream`) and prompt scoring (completions ``max_tokens=0``)."""
         if not self._gate.is_set():
             self.waiting += 1
             try:
                 await self._gate.wait()
             finally:
                 self.waiting -= 1
-        rid = request.request_id
-        self.live[rid] += 1
+        self.live[request_id] += 1
         try:
+            yield
+        finally:
+            self.live[request_id] -= 1
+            if self.live[request_id] <= 0:
+                del self.live[request_id]
+
+    async def stream(
+        self, request: GenerationRequest, stream: bool = True
+    ) -> AsyncIterator[SampleOutput | StreamDelta]:
+        """The runner's stream of ``request`` once admitted (:meth:`admitted`); the request counts
+        as live (abortable, drained) until its iteration ends."""
+        async with self.admitted(request.request_id):
             async for item in self.runner.stream(request, stream):
                 yield item
-        finally:
-            self.live[rid] -= 1
-            if self.live[rid] <= 0:
-                del self.live[rid]
 
     def _refuse_during_update(self, what: str) -> None:
         if self.updating:

@@ -1019,7 +1019,9 @@ class OpenAIServing:
         same forward as the generated tokens' top logprobs (:meth:`score_sample`), under the
         weights the sample's prompt ran with or not at all (``top_logprobs_note`` says why).
         ``max_tokens=0`` (with ``echo``) generates nothing: each of the ``n`` choices is the
-        prompt, finish reason "length", its logprobs scored once under the weights served now."""
+        prompt, finish reason "length", its logprobs scored once under the weights served now,
+        once the request is admitted (``Controller.admitted``: it waits while the server is
+        paused, as a generation does)."""
         choices, all_outs, prompt_tokens = [], [], 0
         k = req.logprobs
 
@@ -1035,8 +1037,9 @@ class OpenAIServing:
             prefix = self.served.decode(prompt_ids) if req.echo else ""
             if req.max_tokens == 0:
                 scored = None
-                if k is not None:
-                    scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k)
+                if k is not None:  # a forward for the client: admitted as a generation is (waits while paused)
+                    async with self.runner.admitted(greq.request_id):
+                        scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k)
                 for i in range(greq.params.n):
                     choice = {"index": p * greq.params.n + i, "text": prefix, "logprobs": None}
                     choice.update(finish_reason="length", stop_reason=None)
