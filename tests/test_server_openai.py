@@ -239,6 +239,31 @@ def test_completions_with_text_and_token_ids(engine_server, tok):
     assert [ch.index for ch in both.choices] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completions_return_token_ids_as_the_non_streamed(engine_server, tok, echo):
+    """return_token_ids on a streamed completion: each choice's first chunk carries its
+    prompt_token_ids (vLLM's way), each chunk its token_ids and their token_weight_versions, so the
+    stream gives what the non-streamed choices give (the versions used to be left out silently)."""
+    c = _client(engine_server)
+    ids = tok.encode("What is 12", add_special_tokens=False)
+    kw = dict(model="tiny-m3", prompt=[ids, ids[:3]], max_tokens=5, seed=5, n=2, echo=echo)
+    whole = c.completions.create(**kw, extra_body={"return_token_ids": True})
+    got: dict = {}
+    for chunk in c.completions.create(**kw, stream=True, extra_body={"return_token_ids": True}):
+        for ch in chunk.choices:
+            extra = ch.model_extra
+            g = got.setdefault(ch.index, {"prompt": [], "ids": [], "versions": []})
+            g["prompt"].append(extra.get("prompt_token_ids"))
+            g["ids"] += extra.get("token_ids") or []
+            g["versions"] += extra.get("token_weight_versions") or []
+    assert sorted(got) == [0, 1, 2, 3]
+    for ch in whole.choices:
+        g, want = got[ch.index], ch.model_extra
+        assert g["prompt"][0] == want["prompt_token_ids"] == (ids if ch.index < 2 else ids[:3])
+        assert g["prompt"][1:] == [None] * (len(g["prompt"]) - 1)  # the first chunk only
+        assert g["ids"] == want["token_ids"] and g["versions"] == want["token_weight_versions"] == [0] * 5
+
+
 def test_tokenize_detokenize_and_models(engine_server, tok):
     base = engine_server.url
     r = httpx.post(

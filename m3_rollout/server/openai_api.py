@@ -1111,7 +1111,9 @@ class OpenAIServing:
         top lists come from one forward per chunk over the sample so far, guarded as the
         non-streamed ones (:class:`StreamScores`: a token of weights written over since gets an
         empty list, its chunk a ``top_logprobs_note``). A chunk's tokens may run ahead of its
-        text (text held back for a stop string or an incomplete character comes later)."""
+        text (text held back for a stop string or an incomplete character comes later).
+        ``return_token_ids``: each choice's first chunk carries its ``prompt_token_ids``, each
+        chunk its ``token_ids`` and their ``token_weight_versions``, as the non-streamed choice."""
         created = int(time.time())
         outs: list[SampleOutput] = []
         prompt_tokens = 0
@@ -1123,9 +1125,12 @@ class OpenAIServing:
             prefix = self.served.decode(list(greq.prompt_ids)) if req.echo else ""
             scorer = StreamScores(self.score_sample, list(greq.prompt_ids), greq.params, k or 0, n)
             offsets = [len(prefix)] * n  # per sample, the text offset of its next token
+            unsent = [req.return_token_ids] * n  # the choice's prompt_token_ids still to send (first chunk)
 
             def chunk(i: int, text: str, finish: str | None = None, extra: dict | None = None) -> str:
                 c = {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": finish, **(extra or {})}
+                if unsent[i]:
+                    c["prompt_token_ids"], unsent[i] = list(greq.prompt_ids), False
                 return _sse(
                     {
                         "id": reqs[0].request_id,
@@ -1144,7 +1149,9 @@ class OpenAIServing:
                     if isinstance(item, StreamDelta):
                         i = item.sample_index
                         text = texts[i].push(item.token_ids)
-                        extra = {"token_ids": item.token_ids} if req.return_token_ids else {}
+                        extra = {}
+                        if req.return_token_ids:
+                            extra.update(token_ids=item.token_ids, token_weight_versions=item.weight_versions)
                         if k is not None:
                             scores = await scorer.delta(item, texts[i].ids)
                             lp = self._completion_logprobs(item.token_ids, item.logprobs, scores.tops, offsets[i])
