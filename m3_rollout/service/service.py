@@ -654,7 +654,7 @@ class RolloutService(GenerationBackend):
             self._fail_live(failure)
             raise
         self._ready += self._deliver(out for o in outs for out in o["outputs"])  # drained around the update
-        if any(o["changed"] or not o["valid"] for o in outs):
+        if any(o["wrote"] for o in outs):
             try:
                 self._count_writes()
             except GroupFailure as failure:
@@ -836,7 +836,7 @@ class RolloutService(GenerationBackend):
         # samples the ranks finished (in_flight=drain) or stopped (abort) around the update: the
         # step API's requests get them from the next step (generate() holds the lock: none of its own)
         self._ready += self._deliver(out for o in outs for out in o["outputs"])
-        if any(o["changed"] or not o["valid"] for o in outs):
+        if any(o["wrote"] for o in outs):
             self._count_writes()
         self.last_weight_sync = {
             **box.get("stats", sender.stats),

@@ -328,7 +328,7 @@ class RolloutWorker:
         return {
             "ok": r.ok,
             "version": r.version,
-            "changed": r.changed,
+            "wrote": r.wrote,
             "valid": r.valid,
             "errors": r.errors,
             "seconds": r.seconds,

@@ -123,7 +123,7 @@ class InFlightPolicy:
         when the weights changed, refuse requests when the rank is invalid, resume."""
         eng = self.engine
         requeue = self._requeue
-        if result.changed or not result.valid:
+        if result.wrote:
             eng.count_weight_write()  # before preempt_all: a preempted sample recomputes, its KV is fresh
         if result.changed and result.valid:
             eng.reset_prefix_cache()

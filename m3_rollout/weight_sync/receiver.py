@@ -102,6 +102,13 @@ class UpdateResult:
     changed: bool = False
     probe_drift: float | None = None
 
+    @property
+    def wrote(self) -> bool:
+        """Weight bytes were (or may have been) written: the parameters changed, or the rank was
+        left invalid by a partial write. Each such update counts a weight write
+        (``LLMEngine.count_weight_write``; the EP service's group-wide count)."""
+        return self.changed or not self.valid
+
 
 @dataclass
 class _DirectPlan:
