@@ -5,7 +5,8 @@ once (``requests.py``) and expands it into sequences (leader + children to fork)
 the scheduler for a plan, launches exactly one ``forward_paged`` + sampler call for it
 (``launch.py``; a group leader's logits row is shared by its n samples), forks children after the
 prompt's prefill, and turns finished sequences into :class:`SampleOutput` records. Sizes:
-``config.py``; counters and ``metrics()``: ``stats.py``; re-scoring: ``score.py``.
+``config.py``; counters and ``metrics()``: ``stats.py``; re-scoring: ``score.py``; stop strings
+(a tail window decoded per step): ``stop_strings.py``.
 
 A step is launched (forward + sampler + one non-blocking copy of the sampled ids / logprobs to
 the host) and processed (tokens appended, forks, stop checks, outputs) as two phases. Synchronous
@@ -51,6 +52,7 @@ from m3_rollout.engine.selection_cache import SelectionCache
 from m3_rollout.engine.sequence import SeqStatus, Sequence
 from m3_rollout.engine.sleep import GIB, MemoryHandoff, Resize, resize_storage
 from m3_rollout.engine.stats import EngineStats, engine_metrics
+from m3_rollout.engine.stop_strings import contains_stop_string
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
 from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
@@ -62,7 +64,9 @@ class LLMEngine:
     Args:
         model: ``M3ForCausalLM`` in the generation dtype on its device (KV dtype = lm_head dtype).
         config: :class:`EngineConfig`.
-        detokenize: optional ``ids -> text`` callback, needed for ``stop_strings``.
+        detokenize: optional ``ids -> text`` callback, needed for ``stop_strings``; every id must
+            decode to >= 1 byte (markers kept), since each step decodes only a tail window of the
+            output (``stop_strings.contains_stop_string``).
         ops: the paged forward's fast-op table (``engine/ops.py``); None = ``paged_ops_for`` the
             model's device and activation dtype. A table that ``takes_prefill_scratch`` gets the
             engine's KV-major prefill scratch bound (``prefill_scratch``).
@@ -580,10 +584,11 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence) -> str | None:
         if seq.token_ids[-1] in seq.stop_set:
             return "stop"
-        if seq.params.stop_strings:
-            text = self.detokenize(seq.output_ids)
-            if any(s in text for s in seq.params.stop_strings):
+        stops = seq.params.stop_strings
+        if stops:  # only the tail a new occurrence can lie in is decoded (stop_strings.py)
+            if contains_stop_string(self.detokenize, seq.token_ids, seq.prompt_len, seq.num_stop_checked, stops):
                 return "stop"
+            seq.num_stop_checked = len(seq.token_ids) - seq.prompt_len
         if len(seq.token_ids) >= seq.max_len:
             return "length"
         return None

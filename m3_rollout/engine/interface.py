@@ -98,8 +98,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     logprobs_mode: str = "processed"
-    # Stop when the decoded output ends with one of these (needs the engine's detokenize
-    # callback); the tokens that completed the string are kept.
+    # Stop at the first token after which the decoded output contains one of these (needs the
+    # engine's detokenize callback); the tokens that completed the string are kept.
     stop_strings: tuple[str, ...] = ()
 
     @property

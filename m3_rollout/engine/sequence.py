@@ -42,6 +42,8 @@ class Sequence:
             (async scheduling: 0 or 1). ``num_tokens`` counts them, ``token_ids`` does not; the
             scheduler plans with ``num_tokens`` (a pending token is the next decode's input, taken
             on the device from the previous step's sampled ids).
+        num_stop_checked: output tokens whose text was checked for stop strings and held none
+            (the next check decodes only a tail window past them: ``stop_strings.py``).
         record_from: first position whose block-selection record the output carries
             (``GenerationRequest.block_selection_from``).
         selection_box: one-element list shared by the samples of a request: the first finished
@@ -76,6 +78,7 @@ class Sequence:
         "max_len",
         "num_cached",
         "num_pending",
+        "num_stop_checked",
         "sampling_key",
         "record_from",
         "selection_box",
@@ -117,6 +120,7 @@ class Sequence:
         # Longest total length: prompt + max_new_tokens, capped by the engine's max_model_len.
         self.max_len = max_len
         self.num_pending = 0
+        self.num_stop_checked = 0
         self.record_from = record_from
         self.selection_box = [None] if selection_box is None else selection_box
         # Per-sample sampler inputs that never change: (temperature, top_k, top_p, seed,
