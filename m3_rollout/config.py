@@ -108,7 +108,10 @@ class FreezeConfig:
 @dataclass
 class SchedulerConfig:
     # Linear warmup over warmup_steps optimizer steps, then constant | linear | cosine decay to
-    # min_lr_ratio * lr at the last step.
+    # min_lr_ratio * lr at the end of the last GRPO step. Steps count nominal optimizer steps:
+    # GRPO step k trains from position k * (num_prompts_per_step * num_generations_per_prompt /
+    # train_global_batch_size) whatever its row count (failed samples left out, dynamic sampling
+    # or async GRPO short of groups), so a short step neither stretches warmup nor delays the end.
     name: str = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0

@@ -140,6 +140,36 @@ def test_offline_training_refuses_a_step_whose_every_row_failed_before_training(
     assert [(h["step"], h["rows"]) for h in history] == [(1, 4)]
 
 
+def test_offline_training_keeps_the_lr_schedule_on_dumped_steps(dump, tmp_path):
+    """Dumped step 1 has 2 of its 4 rows failed (2 optimizer steps of 1 row instead of 4): the
+    second replayed step still trains from schedule position 4 (it used to start at 2) and the
+    schedule ends at min_lr_ratio x lr after the last step."""
+    import copy
+
+    from m3_trainers.loss import ClippedPGLossFn
+    from m3_trainers.policy import Policy, lr_factor
+    from m3_trainers.step import total_optimizer_steps
+
+    root, trajs = dump
+    short = copy.deepcopy(trajs)
+    for t in short[2:]:
+        t.finish_reason, t.info["error"] = "error", "no room under max_model_len"
+    w = RolloutDumpWriter(tmp_path / "dump", run_id="r")
+    w.write_step(1, short, [1.0, -1.0, 0.0, 0.0], {"temperature": TEMPERATURE})
+    w.write_step(2, trajs, [1.0, -1.0, 1.0, -1.0], {"temperature": TEMPERATURE})
+    overrides = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"]
+    cfg = load_config(None, [*overrides, "policy.train_global_batch_size=1", "policy.train_micro_batch_size=1"])
+    read = read_dump(tmp_path / "dump")
+    total = total_optimizer_steps(cfg, len(read.shards))
+    assert total == 8
+    model = load_checkpoint(root / "ckpt", dtype=torch.float32)
+    policy = Policy(model, lr=1e-3, warmup_steps=1, lr_schedule="linear", total_steps=total, min_lr_ratio=0.1)
+    history = train_offline(read, cfg, policy, ClippedPGLossFn(0.2, 0.2, True))
+    assert [(h["step"], h["rows"]) for h in history] == [(1, 4), (2, 4)]
+    assert [h["lr"] for h in history] == [1e-3 * lr_factor(p, 1, "linear", 8, 0.1) for p in (0, 4)]
+    assert policy.schedule_position == 8 and policy.lr == pytest.approx(1e-4, rel=1e-12)
+
+
 def test_grpo_loop_dumps_and_cli(tmp_path, monkeypatch, capsys):
     from m3_rollout.jobs.grpo import run
 

@@ -444,3 +444,34 @@ def test_resume_from_a_partial_checkpoint_is_one_error_line_and_exit_2(cache, ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: checkpointing.resume=true: {step} cannot be resumed from: FileNotFoundError:")
     assert "lacks optimizer.pt" in err and "delete that step directory" in err
+
+
+def test_lr_schedule_follows_grpo_steps_when_samples_fail(cache, monkeypatch):
+    """Step 1 loses a group of 4 to generation errors: 12 of 16 rows, 3 optimizer steps of 4 rows
+    instead of 4. Step 2 still trains from schedule position 4 (it used to start at 3) and the run
+    ends at min_lr_ratio x lr (it used to stop one position short)."""
+    from m3_trainers.policy import lr_factor
+
+    real_rollouts, real_build = grpo.run_group_rollouts, grpo.build_policy
+    policies = []
+
+    def first_group_too_long_at_step_1(backend, chat, env, records, settings):
+        step = settings.seed % 100_003  # the batch index (jobs.stack.batch_seed)
+        long = [dict(r, messages=[{"role": "user", "content": "pad " * 400}]) for r in records[:1]]
+        return real_rollouts(backend, chat, env, long + records[1:] if step == 1 else records, settings)
+
+    def build_policy(*args):
+        policies.append(real_build(*args))
+        return policies[-1]
+
+    monkeypatch.setattr(grpo, "run_group_rollouts", first_group_too_long_at_step_1)
+    monkeypatch.setattr(grpo, "build_policy", build_policy)
+    sched = ["policy.scheduler.name=linear", "policy.scheduler.warmup_steps=2", "policy.scheduler.min_lr_ratio=0.1"]
+    batch = ["policy.train_global_batch_size=4", "policy.train_micro_batch_size=4"]
+    grpo.main(_args(cache, "grpo.max_num_steps=2", *batch, *sched))
+    lr = load_config(SMOKE).policy.optimizer.lr
+    rows = _metrics(cache)
+    assert [r["train/generation_errors"] for r in rows] == [4, 0]
+    assert [r["train/lr"] for r in rows] == [lr * lr_factor(p, 2, "linear", 8, 0.1) for p in (0, 4)]
+    (policy,) = policies
+    assert policy.schedule_position == 8 and policy.lr == pytest.approx(0.1 * lr, rel=1e-12)

@@ -200,10 +200,14 @@ def split_param_groups(
 
 
 def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the base learning rate for optimizer step ``step`` (0-based).
+    """Multiplier of the base learning rate at schedule position ``step`` (0-based).
 
     Linear warmup over ``warmup_steps`` (factor (step+1)/warmup_steps), then "constant" (1),
     "linear" (1 -> min_lr_ratio at ``total_steps``) or "cosine" (half cosine 1 -> min_lr_ratio).
+    Positions, ``warmup_steps`` and ``total_steps`` count nominal optimizer steps: the GRPO loop
+    puts optimizer step i of GRPO step k at k x (optimizer steps per GRPO step) + i
+    (``m3_trainers.step.schedule_position``), so a step that trains fewer rows than nominal does
+    not stretch the schedule.
     """
     if schedule not in LR_SCHEDULES:
         raise ValueError(f"lr schedule {schedule!r}: one of {list(LR_SCHEDULES)}")
@@ -304,7 +308,9 @@ class Policy:
         lr, weight_decay, betas, eps: AdamW (states in the master dtype, on the device).
         max_grad_norm: global gradient-norm clip.
         freeze_indexer, freeze_router_bias, freeze_patterns: see ``frozen_parameter_names``.
-        warmup_steps, lr_schedule, total_steps, min_lr_ratio: see ``lr_factor`` (in optimizer steps).
+        warmup_steps, lr_schedule, total_steps, min_lr_ratio: see ``lr_factor`` (in schedule
+            positions: nominal optimizer steps). Each optimizer step advances the position by one;
+            ``set_schedule_position`` moves it (the GRPO step does, ``m3_trainers.step``).
         reference_model: keep a frozen copy of the initial weights (in the compute dtype) for the
             KL penalty.
         routing_replay: use ``TrainBatch.routed_experts`` in every trainer forward.
@@ -478,6 +484,29 @@ class Policy:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def schedule_position(self) -> int:
+        """The LR schedule's position: ``lr_factor``'s ``step`` for the next optimizer step (the
+        LambdaLR's ``last_epoch``, which checkpoints save with the scheduler)."""
+        return self.scheduler.last_epoch
+
+    def set_schedule_position(self, position: int) -> None:
+        """Move the LR schedule to ``position`` (>= 0): the optimizer's learning rates become
+        base_lr x factor(position), the expression LambdaLR evaluates, so moving to the position
+        the schedule is already at changes no bit. The next optimizer step trains at it and
+        advances from it.
+
+        Raises:
+            ValueError: ``position`` < 0.
+        """
+        if position < 0:
+            raise ValueError(f"LR schedule position {position}: must be >= 0")
+        s = self.scheduler
+        s.last_epoch = position
+        for group, base, fn in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas, strict=True):
+            group["lr"] = base * fn(position)
+        s._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what get_last_lr() reads
 
     def train_step(
         self,

@@ -7,6 +7,13 @@ statistics) -> failed samples and (optionally) overlong ones out of the loss -> 
 ``TrainBatch`` -> logprobs before the first update (and the reference's) when the batch spans
 several optimizer steps -> one ``Policy.train_step`` per ``policy.train_global_batch_size`` slice
 -> the slices' metrics combined by :func:`combine_optimizer_steps`.
+
+LR schedule: its position (``m3_trainers.policy.lr_factor``'s ``step``) counts nominal optimizer
+steps, ``optimizer_steps_per_grpo_step`` per GRPO step, and is tied to the GRPO step index
+(:func:`schedule_position`): a step that trains fewer rows than nominal (failed samples left out,
+dynamic sampling or async GRPO short of groups) runs fewer optimizer steps but the next step still
+starts at its own position, so warmup ends and the decay reaches its end value after the GRPO
+steps the schedule was built for, whatever the row counts.
 """
 
 from __future__ import annotations
@@ -33,8 +40,23 @@ def optimizer_steps_per_grpo_step(cfg: MasterConfig) -> int:
 
 
 def total_optimizer_steps(cfg: MasterConfig, num_grpo_steps: int) -> int:
-    """Optimizer steps of ``num_grpo_steps`` GRPO steps: the LR schedule's ``total_steps``."""
+    """Nominal optimizer steps of ``num_grpo_steps`` GRPO steps: the LR schedule's ``total_steps``,
+    the position it reaches after the last GRPO step (:func:`schedule_position`)."""
     return num_grpo_steps * optimizer_steps_per_grpo_step(cfg)
+
+
+def schedule_position(grpo_step_index: int, opt_step: int, per_grpo_step: int) -> int:
+    """LR-schedule position (``lr_factor``'s ``step``) of optimizer step ``opt_step`` (0-based) of
+    GRPO step ``grpo_step_index`` (0-based), with ``per_grpo_step`` nominal optimizer steps per GRPO
+    step (``optimizer_steps_per_grpo_step``).
+
+    GRPO step k owns positions k x per_grpo_step .. (k+1) x per_grpo_step - 1: its i-th optimizer
+    step is at k x per_grpo_step + i, held at the last of them should a step run more optimizer
+    steps than nominal. A step with fewer rows uses the first positions of its share and leaves the
+    rest unused; after it the schedule is at (k+1) x per_grpo_step (``train_step_on_groups``).
+    With nominal row counts this is the optimizer-step count itself.
+    """
+    return grpo_step_index * per_grpo_step + min(opt_step, per_grpo_step - 1)
 
 
 def trainer_device(cfg: MasterConfig) -> torch.device:
@@ -63,9 +85,9 @@ def load_trainer_model(cfg: MasterConfig, model_dir):
 
 def build_policy(cfg: MasterConfig, model, total_opt_steps: int) -> Policy:
     """The trainer's ``Policy`` for ``model`` (optimizer, LR schedule over ``total_opt_steps``
-    optimizer steps, freeze policy, reference copy when the KL penalty is on) on ``cluster.device``
-    (checked, ``trainer_device``), computing in bf16 for ``policy.precision=bfloat16``, with
-    ``policy.activation_checkpointing``."""
+    nominal optimizer steps (``total_optimizer_steps``, :func:`schedule_position`), freeze policy,
+    reference copy when the KL penalty is on) on ``cluster.device`` (checked, ``trainer_device``),
+    computing in bf16 for ``policy.precision=bfloat16``, with ``policy.activation_checkpointing``."""
     p = cfg.policy
     return Policy(
         model,
@@ -230,6 +252,7 @@ def train_step_on_groups(
     temperature: float,
     pad_id: int = 0,
     advantages: torch.Tensor | None = None,
+    grpo_step_index: int | None = None,
 ) -> StepResult:
     """Train one GRPO step on ``trajs`` (all groups of the step, ``group_index`` naming each group).
 
@@ -245,6 +268,11 @@ def train_step_on_groups(
         pad_id: token id of padding.
         advantages: float [N] to train with (e.g. the values stored in a dump); None = computed
             from the rewards by :func:`trajectory_advantages`.
+        grpo_step_index: which GRPO step of the run this is, 0-based (the loop's step - 1, the
+            offline replay's i-th dumped step): the optimizer steps train at
+            :func:`schedule_position` and the schedule is left at (index + 1) x
+            ``optimizer_steps_per_grpo_step``, whatever the number of rows trained. None = the
+            schedule simply advances one position per optimizer step (a step outside a run).
 
     Returns:
         :class:`StepResult`.
@@ -293,7 +321,10 @@ def train_step_on_groups(
         scored += batch.token_ids.numel()
     lp_seconds = policy.elapsed(t0)
     per_opt_step = []
-    for s in range(0, len(trained), gbs):
+    nominal = optimizer_steps_per_grpo_step(cfg)
+    for i, s in enumerate(range(0, len(trained), gbs)):
+        if grpo_step_index is not None:
+            policy.set_schedule_position(schedule_position(grpo_step_index, i, nominal))
         mb = batch.slice(slice(s, s + gbs))
         l = mb.token_ids.shape[1]
         per_opt_step.append(
@@ -307,6 +338,8 @@ def train_step_on_groups(
                 prev_on_current_weights=s == 0,
             )
         )
+    if grpo_step_index is not None:  # the next GRPO step's first position, however many rows trained
+        policy.set_schedule_position((grpo_step_index + 1) * nominal)
     metrics = combine_optimizer_steps(per_opt_step)
     metrics["logprob_seconds"] = lp_seconds + metrics["logprob_seconds"]
     metrics["logprob_flops"] += float(policy.flops_per_token // 3 * scored)

@@ -462,8 +462,17 @@ def run(cfg: MasterConfig) -> dict:
                 t_sleep, m_sleep = handoff_metrics("sleep", record)
                 timing.update(t_sleep)
                 handoff.update(m_sleep)
+            # NOTE: the LR schedule position follows the step index (step - 1), not the optimizer
+            # steps run so far: a step with fewer rows, or one skipped without groups, leaves the
+            # schedule where an unbroken run of full steps would be (m3_trainers.step.schedule_position)
             res = train_step_on_groups(
-                policy, loss_fn, trajs, cfg, gen.temperature, pad_id=chat.tokenizer.pad_token_id or 0
+                policy,
+                loss_fn,
+                trajs,
+                cfg,
+                gen.temperature,
+                pad_id=chat.tokenizer.pad_token_id or 0,
+                grpo_step_index=step - 1,
             )
             batch, adv, tm = res.batch, res.advantages, res.metrics
             if p.routing_replay and batch.routed_experts is None and not warned_no_routes:

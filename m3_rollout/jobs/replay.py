@@ -137,6 +137,9 @@ def train_offline(
     the rewards under ``cfg.grpo``. The step is ``m3_trainers.step.train_step_on_groups``, the GRPO
     loop's own (overlong filtering, routing replay, several optimizer steps per batch and the
     combined metrics as configured), trained at the temperature stored in the rows' sampling params.
+    The i-th replayed step (0-based) is GRPO step i of the LR schedule (``grpo_step_index``): build
+    ``policy`` with ``total_optimizer_steps(cfg, number of steps replayed)`` for the schedule to end
+    at the last one.
 
     Returns:
         per-step metrics dicts (numbers only, with "step", "rows" and "reward" (``train/reward``:
@@ -160,14 +163,16 @@ def train_offline(
             + (f"replay the others with --steps {rest}" if rest else "no step of the dump can train")
         )
     history = []
-    for step in sorted(steps):
+    for index, step in enumerate(sorted(steps)):
         srows = sorted(steps[step], key=lambda r: (r["group_id"], r["sample_index"]))
         trajs = trajectories_from_rows(srows)
         temperature = float(json.loads(srows[0]["sampling_params"]).get("temperature", gen.temperature))
         stored = None
         if not recompute_advantages and all(r["advantage"] is not None for r in srows):
             stored = torch.tensor([r["advantage"] for r in srows], dtype=torch.float32)
-        res = train_step_on_groups(policy, loss_fn, trajs, cfg, temperature, pad_id=pad_id, advantages=stored)
+        res = train_step_on_groups(
+            policy, loss_fn, trajs, cfg, temperature, pad_id=pad_id, advantages=stored, grpo_step_index=index
+        )
         metrics = {
             "step": step,
             "rows": len(trajs),
