@@ -1034,6 +1034,9 @@ def validate(cfg: MasterConfig) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(e))
 
 
+_DEVICE_FORMS = "'cpu', 'cuda' or 'cuda:N' (N = device index)"  # what cuda_index accepts
+
+
 def cuda_index(device: str) -> int | None:
     """The CUDA device index a device string names, as ``torch.device`` reads it: None for
     ``"cpu"``, 0 for ``"cuda"``, N for ``"cuda:N"`` (N in ASCII digits, no leading zero).
@@ -1046,29 +1049,39 @@ def cuda_index(device: str) -> int | None:
         return None
     found = re.fullmatch(r"cuda(?::(0|[1-9][0-9]*))?", device)
     if found is None:
-        raise ValueError("must be 'cpu', 'cuda' or 'cuda:N' (N = device index)")
+        raise ValueError(f"must be {_DEVICE_FORMS}")
     return int(found.group(1) or 0)
 
 
-def device_problem(device: str, key: str, cuda_available: bool, cuda_device_count: int) -> str | None:
+def device_problem(
+    device: str, key: str, cuda_available: bool, cuda_device_count: int, auto: bool = False
+) -> str | None:
     """Why ``device`` cannot be used on this machine (None: it can): the one rule for a device
     request, behind ``cluster.device`` (:func:`check_devices`) and the rollout server's ``--device``.
 
     Args:
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (anything else is a problem, :func:`cuda_index`).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (anything else is a problem, :func:`cuda_index`),
+            or ``"auto"`` where ``auto`` is set.
         key: the config key or flag the fix names (``"cluster.device"``, ``"--device"``).
         cuda_available: ``torch.cuda.is_available()``.
         cuda_device_count: ``torch.cuda.device_count()`` (read as 0 when CUDA is not available).
+        auto: ``key`` also takes ``"auto"`` (CUDA when there is one, else cpu; always usable):
+            serve's ``--device`` does, ``cluster.device`` does not.
 
     Returns:
         None, or one line without the key / value prefix: the accepted forms for a malformed
-        string; for CUDA asked for where there is none or an index past the device count, the
-        devices present and what to use instead (``{key}=cpu``, or an index below the count).
+        string (with ``auto``, also the fix ``{key}=auto``); for CUDA asked for where there is none
+        or an index past the device count, the devices present and what to use instead
+        (``{key}=cpu``, or an index below the count).
     """
+    if auto and device == "auto":
+        return None
     try:
         index = cuda_index(device)
     except ValueError as exc:
-        return str(exc)
+        if not auto:
+            return str(exc)
+        return f"must be 'auto', {_DEVICE_FORMS}; use {key}=auto for CUDA when there is one, else cpu"
     count = cuda_device_count if cuda_available else 0
     if index is None or index < count:
         return None

@@ -212,11 +212,19 @@ def test_export_help_shows_plain_quotes_not_rst_literals(capsys):
     assert "'--format transformers-text'" in text
 
 
+# a malformed device string: cluster.device's verdict, and serve's (which also takes auto, and says so)
+DEVICE_FORMS = "must be 'cpu', 'cuda' or 'cuda:N' (N = device index)"
+SERVE_DEVICE_FORMS = (
+    "must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N = device index); "
+    "use --device=auto for CUDA when there is one, else cpu"
+)
+
+
 @pytest.mark.parametrize(
     "device, needle",
     [
         ("cuda", "this machine has 0 CUDA device(s) (torch.cuda.is_available() is False); use --device=cpu"),
-        ("gpu", "must be 'cpu', 'cuda' or 'cuda:N' (N = device index)"),
+        ("gpu", SERVE_DEVICE_FORMS),
     ],
 )
 def test_serve_device_that_this_machine_lacks_is_one_line_and_exit_2(capsys, device, needle):
@@ -239,10 +247,13 @@ DEVICE_CASES = [
     ("cuda:2", True, 2, "this machine has 2 CUDA device(s); use KEY=cpu or an index < 2"),
     ("cuda:1", True, 0, "this machine has 0 CUDA device(s); use KEY=cpu"),
     *[
-        (bad, True, 8, "must be 'cpu', 'cuda' or 'cuda:N' (N = device index)")
+        (bad, True, 8, DEVICE_FORMS)
         # cuda: was served as cuda:0 by --device, cuda:01 (torch refuses both) and cuda:\u0663 (an Arabic-Indic
         # 3, which \\d matched) were accepted as cluster.device
-        for bad in ("gpu", "cuda:x", "cuda:", "cuda:01", "cuda:-1", "cuda:\u0663", "CUDA", "cuda0", " cuda", "cuda:1 ")
+        for bad in (
+            *("gpu", "cuda:x", "cuda:", "cuda:01", "cuda:-1", "cuda:\u0663", "CUDA", "cuda0", " cuda", "cuda:1 "),
+            *("AUTO", "auto:0"),
+        )
     ],
 ]
 
@@ -253,7 +264,8 @@ def test_serve_device_flag_and_cluster_device_give_one_verdict(
 ):
     """serve's --device and the GRPO job's cluster.device were two rules (cuda: passed one, cuda:01
     and a non-ASCII digit the other); both now ask m3_rollout.config.device_problem, and each keeps
-    its own error style: argparse's exit 2 naming the flag, a ConfigError naming the key."""
+    its own error style: argparse's exit 2 naming the flag, a ConfigError naming the key. For a
+    malformed string the flag's error lists auto too (it had dropped it), with the fix --device=auto."""
     from m3_rollout.config import ConfigError, check_devices, load_config
     from m3_rollout.server.cli import parse_args
 
@@ -270,7 +282,8 @@ def test_serve_device_flag_and_cluster_device_give_one_verdict(
         parse_args(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == f"m3-rollout serve: error: --device={device}: {problem.replace('KEY', '--device')}"
+    serve_problem = SERVE_DEVICE_FORMS if problem == DEVICE_FORMS else problem.replace("KEY", "--device")
+    assert err == f"m3-rollout serve: error: --device={device}: {serve_problem}"
     with pytest.raises(ConfigError) as exc:
         check_devices(load_config(config), available, count)
     assert f"cluster.device={device!r}: {problem.replace('KEY', 'cluster.device')}" in [

@@ -128,10 +128,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port}: must be in 1..65535")
     # the GRPO job's cluster.device rule (one line here instead of a traceback from the checkpoint
-    # load); auto (CUDA when there is one, else cpu) is the flag's own and always usable
-    if args.device != "auto" and (
-        problem := device_problem(args.device, "--device", torch.cuda.is_available(), torch.cuda.device_count())
-    ):
+    # load), plus auto (CUDA when there is one, else cpu), the flag's own and always usable
+    problem = device_problem(args.device, "--device", torch.cuda.is_available(), torch.cuda.device_count(), auto=True)
+    if problem:
         p.error(f"--device={args.device}: {problem}")
     return args
 
