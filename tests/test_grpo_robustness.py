@@ -298,6 +298,40 @@ def test_ctrl_c_while_the_console_command_loads_exits_130_with_one_line(command,
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize(
+    "entry, what", [("m3_rollout.export", "the export"), ("m3_rollout.dump.__main__", "the dump command")]
+)
+def test_ctrl_c_while_export_or_dump_main_loads_exits_130_with_one_line(monkeypatch, capsys, entry, what):
+    # Their main() was the job module's own, imported with the module (outside load_entry): a
+    # Ctrl-C while it loaded was a traceback. The loader raises as a Ctrl-C during its imports would.
+    import importlib
+
+    def interrupted(command):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("m3_rollout.cli._import_entry", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(entry).main(["--help"])
+    assert exc.value.code == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"interrupted: {what} stopped (Ctrl-C) while loading; nothing was started"], err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+@pytest.mark.parametrize(
+    "entry, module, what",
+    [("m3_rollout.export", "torch", "the export"), ("m3_rollout.dump", "pyarrow", "the dump command")],
+)
+def test_ctrl_c_while_python_m_export_or_dump_loads_exits_130_with_one_line(entry, module, what):
+    # The same through ``python -m``: m3_rollout.dump's package __init__ (which runs before its
+    # __main__) imported pyarrow and torch itself, outside any handler.
+    proc = _interrupted_while_loading(module, f"runpy.run_module({entry!r}, run_name='__main__')\n")
+    assert proc.returncode == 130, proc.stderr
+    want = f"interrupted: {what} stopped (Ctrl-C) while loading; nothing was started"
+    assert proc.stderr.strip().splitlines() == [want], proc.stderr
+    assert proc.stdout == ""
+
+
 def test_a_refit_the_rollout_rejects_ends_the_run_with_exit_1_and_no_traceback(cache, capsys):
     # A probe threshold no real update meets: the first refit (the trainer's step-0 weights) is
     # rejected. The job used to die with the backend's ValueError traceback; now one error naming

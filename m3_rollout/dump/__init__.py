@@ -11,49 +11,44 @@ The jobs on a dump (generate without training, scorers, offline GRPO) and the CL
 ``python -m m3_rollout.dump {generate,inspect,show,replay} ...`` are in ``m3_rollout.jobs``.
 """
 
-from m3_rollout.dump.reader import (
-    DumpDirError,
-    DumpError,
-    DumpFileError,
-    DumpRead,
-    SchemaVersionError,
-    ShardInfo,
-    read_dump,
-    read_shard,
-    shard_info,
-    shard_paths,
-)
-from m3_rollout.dump.records import (
-    StepContext,
-    decode_routed_experts,
-    encode_routed_experts,
-    table_from_trajectories,
-    trajectories_from_rows,
-    trajectory_from_row,
-)
-from m3_rollout.dump.schema import SCHEMA, SCHEMA_VERSION
-from m3_rollout.dump.writer import RetentionPolicy, RolloutDumpWriter, writer_from_config
+import importlib
 
-__all__ = [
-    "SCHEMA",
-    "SCHEMA_VERSION",
-    "StepContext",
-    "RolloutDumpWriter",
-    "RetentionPolicy",
-    "writer_from_config",
-    "read_dump",
-    "read_shard",
-    "shard_info",
-    "shard_paths",
-    "DumpRead",
-    "ShardInfo",
-    "DumpError",
-    "DumpDirError",
-    "DumpFileError",
-    "SchemaVersionError",
-    "table_from_trajectories",
-    "trajectory_from_row",
-    "trajectories_from_rows",
-    "encode_routed_experts",
-    "decode_routed_experts",
-]
+# NOTE: the names load with their module on first use (PEP 562), not with the package:
+# ``python -m m3_rollout.dump`` imports this package before its ``__main__`` runs, so the
+# submodules' torch and pyarrow (seconds) loaded here were outside the entry's Ctrl-C handling
+# (m3_rollout.cli.load_entry) and a Ctrl-C then printed a traceback.
+_NAMES = {
+    "reader": (
+        "DumpDirError",
+        "DumpError",
+        "DumpFileError",
+        "DumpRead",
+        "SchemaVersionError",
+        "ShardInfo",
+        "read_dump",
+        "read_shard",
+        "shard_info",
+        "shard_paths",
+    ),
+    "records": (
+        "StepContext",
+        "decode_routed_experts",
+        "encode_routed_experts",
+        "table_from_trajectories",
+        "trajectories_from_rows",
+        "trajectory_from_row",
+    ),
+    "schema": ("SCHEMA", "SCHEMA_VERSION"),
+    "writer": ("RetentionPolicy", "RolloutDumpWriter", "writer_from_config"),
+}
+_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    """``m3_rollout.dump.NAME`` for a name of ``__all__``, from its submodule (imported now)."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,7 +1,20 @@
 """``python -m m3_rollout.dump {generate,inspect,show,replay}``: entry point of the dump command
-line, ``m3_rollout.jobs.dump_cli`` (``--help`` lists the subcommands)."""
+line, ``m3_rollout.jobs.dump_cli`` (``--help`` lists the subcommands). A Ctrl-C while its imports
+load exits 130 with one line (``m3_rollout.cli.load_entry``)."""
 
-from m3_rollout.jobs.dump_cli import main
+from collections.abc import Sequence
+
+from m3_rollout.cli import load_entry
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m m3_rollout.dump") -> int:
+    """Load the dump command line and run it; returns its exit status.
+
+    Raises:
+        SystemExit(130): Ctrl-C while it loads, after one ``interrupted:`` line on stderr.
+    """
+    return load_entry("dump", "the dump command")(argv, prog=prog)
+
 
 if __name__ == "__main__":
-    raise SystemExit(main(prog="python -m m3_rollout.dump"))
+    raise SystemExit(main())
