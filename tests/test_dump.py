@@ -404,6 +404,11 @@ def test_inspect_and_show_values(tmp_path):
     assert text.count("── sample") == 3 and "reasoning:" in text and "think ü" in text
     assert 'tool call: calculator({"expression": "12*34"})' in text and "408" in text
     assert "[truncated, error: unterminated <invoke>]" in text and "turn 2 [length]" in text
+    # turn 2's text ended inside a tool call (turn_parse_truncated): flagged with the turn's other flags
+    t = trajs[0]
+    (s1, e1), (s2, e2) = t.turn_spans
+    assert f"  turn 1 [stop] tokens {s1}..{e1}" in out
+    assert f"  turn 2 [length] tokens {s2}..{e2} (truncated, masked, ended inside a tool call)" in out
     with pytest.raises(ValueError, match="no group 5"):
         show_lines(tmp_path, 4, 5)
 

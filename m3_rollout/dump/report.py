@@ -158,9 +158,17 @@ def _format_call(c: dict) -> str:
     return f"{fn.get('name')}({fn.get('arguments', '')})" + (f" [{', '.join(flags)}]" if flags else "")
 
 
+# per-turn bool column -> the flag ``show`` puts after the turn's token span when it is set
+_TURN_FLAGS = {
+    "turn_truncated": "truncated",
+    "turn_masked": "masked",
+    "turn_parse_truncated": "ended inside a tool call",
+}
+
+
 def _turn_lines(r: dict, k: int) -> list[str]:
     start, end = r["turn_token_start"][k], r["turn_token_end"][k]
-    flags = [f for f in ("truncated", "masked") if _item(r, f"turn_{f}", k)]
+    flags = [flag for column, flag in _TURN_FLAGS.items() if _item(r, column, k)]
     fin = _item(r, "turn_finish_reasons", k)
     out = [
         f"  turn {k + 1}"
