@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 from m3_rollout.dump.reader import DumpRead, read_dump
+from m3_rollout.rollout.trajectory import FINISH_ERROR
 
 _STAT_COLUMNS = ["step", "group_id", "reward", "loss_mask", "token_ids", "finish_reason", "tool_calls"]
 
@@ -53,7 +54,7 @@ def step_stats(read: DumpRead) -> list[StepStats]:
     for info in read.shards:
         idx = by_step.get(info.step, [])
         n = max(len(idx), 1)
-        rewards = [cols["reward"][i] for i in idx if cols["finish_reason"][i] != "error"]
+        rewards = [cols["reward"][i] for i in idx if cols["finish_reason"][i] != FINISH_ERROR]
         totals = [len(cols["token_ids"][i]) for i in idx]
         out.append(
             StepStats(

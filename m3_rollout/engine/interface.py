@@ -207,6 +207,11 @@ class GenerationRequest:
         return [first + j for j in range(self.params.num_outputs)]
 
 
+# The finish reason of a request the backend refused or lost (``SampleOutput.error`` says why); a
+# trajectory with a failed request keeps it (``Trajectory.failed``).
+FINISH_ERROR = "error"
+
+
 @dataclass
 class SampleOutput:
     """One sampled continuation.
@@ -217,8 +222,8 @@ class SampleOutput:
         output_ids: generated tokens [G], including the stop token when one was hit.
         logprobs: fp32 list [G], logprob of each generated token (see ``logprobs_mode``).
         finish_reason: "stop" (stop / eos token or stop string), "length" (max_new_tokens or
-            context full), "abort" (aborted; output so far), or "error" (``error`` says why;
-            output may be empty).
+            context full), "abort" (aborted; output so far), or "error" (``FINISH_ERROR``;
+            ``error`` says why; output may be empty).
         weight_version: version of the weights that produced the last token of this output (all of
             them unless weights changed while it ran; see ``token_weight_versions``).
         token_weight_versions: [G] version that produced each generated token.

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, as_int, int_or_none
+from m3_rollout.engine.interface import (
+    FINISH_ERROR,
+    GenerationRequest,
+    SampleOutput,
+    SamplingParams,
+    as_int,
+    int_or_none,
+)
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ def error_outputs(req: GenerationRequest, error: str, weight_version: int) -> li
     except TypeError:
         prompt = []
     return [
-        SampleOutput(req.request_id, i, prompt, [], [], "error", weight_version, error=error)
+        SampleOutput(req.request_id, i, prompt, [], [], FINISH_ERROR, weight_version, error=error)
         for i in req.output_indices()
     ]
 

@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3Config, M3ForCausalLM
 from m3_rollout.model.loading import RELEASED_PREFIX, iter_released_tensors, released_pairs
@@ -192,7 +192,7 @@ class NemoRLGeneration:
     def _pack(self, container: type, ids: torch.Tensor, lens: list[int], outs: list[SampleOutput]) -> Mapping:
         """``GenerationOutputSpec`` of rows ``ids`` / ``lens`` and their outputs (module docstring)."""
         for o in outs:
-            if o.finish_reason == "error":
+            if o.finish_reason == FINISH_ERROR:
                 raise RuntimeError(f"generation failed for request {o.request_id}: {o.error}")
         width = ids.shape[1] + max((len(o.output_ids) for o in outs), default=0)
         out_ids = torch.full((len(outs), width), self.pad_id, dtype=ids.dtype)

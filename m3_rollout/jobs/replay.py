@@ -22,6 +22,7 @@ import torch
 from m3_rollout.config import MasterConfig
 from m3_rollout.dump.reader import DumpError, DumpRead
 from m3_rollout.dump.records import trajectories_from_rows
+from m3_rollout.engine.interface import FINISH_ERROR
 from m3_rollout.jobs.step_metrics import rollout_metrics
 from m3_rollout.model import M3ForCausalLM
 from m3_trainers.loss import ClippedPGLossFn
@@ -154,7 +155,7 @@ def train_offline(
     steps: dict[int, list[dict]] = {}
     for r in read.table.to_pylist():
         steps.setdefault(r["step"], []).append(r)
-    failed = [s for s in sorted(steps) if all(r["finish_reason"] == "error" for r in steps[s])]
+    failed = [s for s in sorted(steps) if all(r["finish_reason"] == FINISH_ERROR for r in steps[s])]
     if failed:
         rest = " ".join(str(s) for s in sorted(steps) if s not in failed)
         raise DumpError(

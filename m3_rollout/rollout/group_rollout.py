@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from m3_rollout.chat.output_parser import parse_model_output
 from m3_rollout.chat.template import ChatFormat
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
 from m3_rollout.rollout.environment import Environment, ModelTurn
 from m3_rollout.rollout.trajectory import Trajectory
 
@@ -138,8 +138,8 @@ def run_group_rollouts(
         pending = []
         for idx, out in zip(targets, outputs):
             traj = trajs[idx]
-            if out.finish_reason == "error":
-                traj.finish_reason = "error"
+            if out.finish_reason == FINISH_ERROR:
+                traj.finish_reason = FINISH_ERROR
                 traj.info["error"] = out.error
                 continue
             gen_tokens += len(out.output_ids)

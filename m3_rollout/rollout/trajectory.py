@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from m3_rollout.chat.output_parser import ParsedTurn
+from m3_rollout.engine.interface import FINISH_ERROR
 from m3_rollout.model.selection_record import SelectionRecord
 
 
@@ -67,7 +68,8 @@ class Trajectory:
             elsewhere.
         weight_version: [L] weight version that produced each token, -1 for non-generated ones.
         finish_reason: "stop" (answered), "length" (hit a token limit), "max_turns" (turn limit
-            reached while still calling tools), "error" (the backend refused the request).
+            reached while still calling tools), "error" (``FINISH_ERROR``: the backend refused or
+            lost a request; ``failed``).
         tool_calls: every parsed call, {"name", "arguments"} in order (ids and the truncated /
             error flags of each call are in ``turns[i].parsed.tool_calls``).
         turns: one ``TurnRecord`` per model turn: its half-open span [start, end) in ``token_ids``,
@@ -147,7 +149,7 @@ class Trajectory:
         backend refused or lost it, ``info["error"]`` says why). Its ``reward`` is then a
         placeholder 0, not a score of an answer: the trainer leaves it out of its group's
         advantage statistics and out of the loss (``m3_trainers.advantages``)."""
-        return self.finish_reason == "error"
+        return self.finish_reason == FINISH_ERROR
 
     def check(self) -> None:
         """Assert the per-token arrays agree (raised on a bug, not on bad input)."""

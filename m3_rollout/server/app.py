@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3_rollout.chat.template import render
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
+from m3_rollout.engine.interface import FINISH_ERROR, GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 
 from .control import Controller
 from .metrics import CONTENT_TYPE, render_metrics
@@ -309,7 +309,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                             if selections:
                                 table, (idx,) = encode_block_selections([item])
                                 d.update(block_selection_segments=table, block_selection=idx)
-                            if prompt_k is not None and item.finish_reason != "error":
+                            if prompt_k is not None and item.finish_reason != FINISH_ERROR:
                                 if scored is None:
                                     scored = await oai.prompt_scores(prompt, prompt_k, greq.params)
                                 add_prompt_logprobs(prompt_k, prompt, scored, [item], [d])
@@ -324,7 +324,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
 
         async def run():
             outs = [o async for o in ctl.stream(greq, stream=False) if isinstance(o, SampleOutput)]
-            errors = [o.error for o in outs if o.finish_reason == "error"]
+            errors = [o.error for o in outs if o.finish_reason == FINISH_ERROR]
             if errors:
                 raise engine_error(errors[0], GENERATE_FIELDS)
             outs.sort(key=lambda o: o.sample_index)

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import torch
 
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput
 from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
@@ -125,7 +125,7 @@ def error_outputs(req: GenerationRequest, message: str, version: int) -> list[Sa
     """One "error" record per sample, as the in-process engine gives for a bad request."""
     return [
         SampleOutput(
-            req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], "error", version, error=message
+            req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], FINISH_ERROR, version, error=message
         )
         for j in range(req.params.n)
     ]

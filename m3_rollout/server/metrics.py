@@ -8,6 +8,8 @@ waiting count.
 
 from __future__ import annotations
 
+from m3_rollout.engine.interface import FINISH_ERROR
+
 from .control import Controller
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -59,7 +61,7 @@ def render_metrics(ctl: Controller, model_name: str) -> str:
         "# HELP m3:request_finished_total Finished samples by finish reason.",
         "# TYPE m3:request_finished_total counter",
     ]
-    for reason in ("stop", "length", "abort", "error"):
+    for reason in ("stop", "length", "abort", FINISH_ERROR):
         lines.append(
             f'm3:request_finished_total{{{label},finished_reason="{reason}"}} {float(r.requests_finished[reason])}'
         )

@@ -39,7 +39,7 @@ from m3_rollout.chat.markers import NS, THINK_CLOSE, THINKING_MODES, TOOL_CALL_O
 from m3_rollout.chat.output_parser import OutputDelta, StreamingOutputParser
 from m3_rollout.chat.reasoning_parser import StreamingReasoningParser
 from m3_rollout.chat.template import render
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
+from m3_rollout.engine.interface import FINISH_ERROR, GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 
 from .control import Controller
 from .protocol import (
@@ -792,7 +792,7 @@ class OpenAIServing:
         outs.sort(key=lambda o: o.sample_index)
         choices = []
         for out in outs:
-            if out.finish_reason == "error":
+            if out.finish_reason == FINISH_ERROR:
                 raise engine_error(out.error, self._chat_fields(req))
             text = self._text_stream(greq.params)
             parser = _TurnParser(prompt)
@@ -898,7 +898,7 @@ class OpenAIServing:
                     if delta or extra:
                         yield chunk(i, delta, extra=extra)
                 elif isinstance(item, SampleOutput):
-                    if item.finish_reason == "error":
+                    if item.finish_reason == FINISH_ERROR:
                         raise engine_error(item.error, self._chat_fields(req))
                     i = item.sample_index
                     outs.append(item)
@@ -1050,7 +1050,7 @@ class OpenAIServing:
                     choices.append(choice)
                 continue
             for out in sorted(outs, key=lambda o: o.sample_index):
-                if out.finish_reason == "error":
+                if out.finish_reason == FINISH_ERROR:
                     raise engine_error(out.error, COMPLETION_FIELDS)
                 ts = self._text_stream(greq.params)
                 text = ts.push(out.output_ids) + ts.finish()
@@ -1163,7 +1163,7 @@ class OpenAIServing:
                         if text or extra:
                             yield chunk(i, text, extra=extra)
                     elif isinstance(item, SampleOutput):
-                        if item.finish_reason == "error":
+                        if item.finish_reason == FINISH_ERROR:
                             raise engine_error(item.error, COMPLETION_FIELDS)
                         ts = texts[item.sample_index]
                         text = ts.finish()

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.requests import error_outputs
 from m3_rollout.model.selection_record import share_segments
 from m3_rollout.parallel.process_group import free_port
@@ -532,7 +532,7 @@ class RolloutService(GenerationBackend):
             got = reply["outputs"]
             if lost is not None:  # their abort records, as the error records they are
                 got = [
-                    dataclasses.replace(o, finish_reason="error", error=lost)
+                    dataclasses.replace(o, finish_reason=FINISH_ERROR, error=lost)
                     if isinstance(o, SampleOutput) and o.finish_reason == "abort"
                     else o
                     for o in got
