@@ -551,3 +551,26 @@ def test_a_shard_copied_under_another_steps_name_is_refused_not_merged(tmp_path)
     assert [s.step for s in read.shards] == [1, 2] and read.table.num_rows == 6
     (err,) = read.errors
     assert err.path.name == S.shard_name(3) and "its metadata says step 1, its name another step" in str(err)
+
+
+def test_package_names_and_submodules_load_on_first_use():
+    # Issue: the package's names became lazy (PEP 562 __getattr__) and its submodules reader,
+    # records, row_checks, schema and writer, which `import m3_rollout.dump` used to bind, raised
+    # AttributeError until something imported them; dir() listed none of __all__. Now both load on
+    # first use, and importing the package still loads neither pyarrow nor torch.
+    script = textwrap.dedent("""
+        import sys
+        import m3_rollout.dump as d
+        heavy = sorted({"pyarrow", "torch"} & set(sys.modules))
+        missing = sorted(set(d.__all__) - set(dir(d)))
+        subs = [type(getattr(d, m)).__name__ for m in ("reader", "records", "row_checks", "schema", "writer")]
+        same = d.writer.RolloutDumpWriter is d.RolloutDumpWriter and d.schema.SCHEMA_VERSION == d.SCHEMA_VERSION
+        print(heavy, missing, subs, same)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[0] == "[] [] ['module', 'module', 'module', 'module', 'module'] True"
+    with pytest.raises(AttributeError, match="has no attribute 'report_lines'"):
+        import m3_rollout.dump
+
+        m3_rollout.dump.report_lines  # noqa: B018

@@ -42,13 +42,27 @@ _NAMES = {
     "writer": ("RetentionPolicy", "RolloutDumpWriter", "writer_from_config"),
 }
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+# The submodules an ``import m3_rollout.dump`` bound as attributes when it imported them eagerly.
+_SUBMODULES = (*_NAMES, "row_checks")
 
 __all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str):
-    """``m3_rollout.dump.NAME`` for a name of ``__all__``, from its submodule (imported now)."""
+    """``m3_rollout.dump.NAME`` for a name of ``__all__``, from its submodule, or one of
+    ``_SUBMODULES`` itself (imported now).
+
+    Raises:
+        AttributeError: any other name.
+    """
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    """The loaded attributes plus every name of ``__all__`` and ``_SUBMODULES`` (loaded or not)."""
+    return sorted({*globals(), *__all__, *_SUBMODULES})
