@@ -327,5 +327,7 @@ def test_every_cut_point_keeps_all_text_streamed_and_not():
         if whole.truncated:
             start = block_at if cut < closes[0] else SECOND
             assert content == "Let me check." + text[start:], cut
+            assert whole.cut_text == text[start:], cut  # the cut call's text, the end of the content
         else:
+            assert whole.cut_text == "", cut
             assert content == (text or None if cut < block_at + len(f"{NS}<tool_call>") else "Let me check."), cut

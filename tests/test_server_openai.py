@@ -488,3 +488,67 @@ def test_generation_cut_inside_a_tool_call_keeps_its_text(scripted, tok, mode, w
     streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
     assert _stream_view(streamed[0]) == (reasoning_got, content, calls)
     assert streamed[0]["finish"] == "length"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parallel_tool_calls_false_drops_a_second_call_cut_off_as_a_closed_one(scripted, tok, mode):
+    """parallel_tool_calls=false dropped a closed second call but returned one max_tokens cut as
+    content (its verbatim text); now it is dropped too, streamed and not: one call at most, and no
+    trace of the others."""
+    srv, backend = scripted
+    served = srv.app.state.served
+    reasoning = None if mode == "disabled" else "I need the tool."
+    ids = _turn(tok, mode, "Let me check.", [{"function": CALC}, {"function": BOOK}], reasoning)
+    k, _ = _cut_at(served, ids, "inside a parameter value")
+    backend.scripts = [ids]
+    kw = dict(
+        model="tiny-m3",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=k,
+        parallel_tool_calls=False,
+        extra_body={"chat_template_kwargs": {"thinking_mode": mode}},
+    )
+    full = _client(srv).chat.completions.create(**kw)
+    reasoning_got, content, calls = _message_view(full.choices[0].message)
+    assert full.choices[0].finish_reason == "length"
+    assert (content, [(c["name"], c["arguments"]) for c in calls]) == ("Let me check.", [tuple(CALC.values())])
+    streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
+    assert _stream_view(streamed[0]) == (reasoning_got, content, calls)
+    assert streamed[0]["finish"] == "length"
+
+
+def _forced_choices():
+    named = {"type": "function", "function": {"name": "calculator"}}
+    return [("named", named, TOOLS), ("required", "required", TOOLS), ("required, one tool", "required", TOOLS[:1])]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("label, choice, tools", _forced_choices(), ids=[c[0] for c in _forced_choices()])
+def test_forced_call_cut_off_returns_only_what_the_model_wrote(scripted, tok, mode, label, choice, tools):
+    """A forced tool_choice writes the call's opening into the prompt. A model that ended its turn
+    right after it (or max_tokens there) got that opening back as content, text it never wrote; now
+    the content is the model's own text of the cut call (null when it wrote nothing), finish_reason
+    the engine's, streamed and not."""
+    srv, backend = scripted
+    served = srv.app.state.served
+    stop = served.stop_token_ids[0]
+    extra = {"chat_template_kwargs": {"thinking_mode": mode}}
+    req = ChatCompletionRequest(model="tiny-m3", messages=MESSAGES, tools=tools, tool_choice=choice, **extra)
+    forced = chat_prompt(served, req).forced
+    whole = ("</mm:think>" if mode == "enabled" else "") + f'{NS}<tool_call>\n{NS}<invoke name="calculator">'
+    rest = whole[len(forced) :] + f"{NS}<expression>12*"  # the rest of the opening, then a cut value
+    kw = dict(model="tiny-m3", messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=200, extra_body=extra)
+    for script, finish, content in [
+        ([stop], "stop", None),  # the end of the turn right after the forced opening
+        (tok.encode(rest, add_special_tokens=False), "length", rest),  # max_tokens inside the call
+    ]:
+        backend.scripts = [script]
+        full = _client(srv).chat.completions.create(**kw)
+        choice_ = full.choices[0]
+        assert (choice_.message.content, choice_.message.tool_calls, choice_.finish_reason) == (content, None, finish)
+        reasoning = (choice_.message.model_extra or {}).get("reasoning_content")
+        assert reasoning == ("" if mode == "enabled" else None)  # enabled: the forced closer ends the span
+        backend.scripts = [script]
+        streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
+        assert (streamed[0]["content"], streamed[0]["calls"], streamed[0]["finish"]) == (content or "", {}, finish)

@@ -88,6 +88,12 @@ class StreamingOutputParser:
             out.tool_calls.extend(td.tool_calls)
         return out
 
+    @property
+    def cut_text(self) -> str:
+        """The text of the tool call the turn ended inside, the end of `result().content` (see
+        `ParsedOutput.cut_text`); "" when the turn did not end inside one."""
+        return self._tools.result().cut_text
+
     def result(self) -> ParsedTurn:
         tool = self._tools.result()
         return ParsedTurn(self._reasoning.result()[0], tool.content, tool.tool_calls, tool.truncated, tool.error)

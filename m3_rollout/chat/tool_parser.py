@@ -66,6 +66,9 @@ class ParsedOutput:
         before any invocation closed): that call cannot be parsed, so it is not in `tool_calls`;
         its text, from `<tool_call>` when no call of the block closed, else from its `<invoke`,
         ends `content`.
+    cut_text: that text of the cut call (the end of `content`), "" when not `truncated`; a
+        consumer that returns only some calls (OpenAI's `parallel_tool_calls=false`) or wrote a
+        call's opening itself (a forced tool choice) finds here what of `content` is the call's.
     error: first malformed-XML fault, e.g. a mismatched closing tag or an invoke without a
         name; parameters before the fault were kept. None when the XML was well formed.
     """
@@ -74,6 +77,7 @@ class ParsedOutput:
     tool_calls: list[ToolCall] = field(default_factory=list)
     truncated: bool = False
     error: str | None = None
+    cut_text: str = ""
 
 
 @dataclass
@@ -139,6 +143,7 @@ class StreamingToolParser:
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
         self._truncated = False
+        self._cut_text = ""
         self._error: str | None = None
         self._finished = False
 
@@ -165,7 +170,7 @@ class StreamingToolParser:
     def result(self) -> ParsedOutput:
         """Content, calls and flags accumulated so far (final after `finish`)."""
         content = "".join(self._content) or None
-        return ParsedOutput(content, list(self._calls), self._truncated, self._error)
+        return ParsedOutput(content, list(self._calls), self._truncated, self._error, self._cut_text)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -187,7 +192,7 @@ class StreamingToolParser:
                         text, self._held_ws = self._held_ws, ""
                         self._add_content(text, delta)
             elif event.kind == "cut":  # a call the end of the text cut off: its text is content
-                self._truncated = True
+                self._truncated, self._cut_text = True, event.text
                 if self._held_ws and not self._calls:  # no call followed: the whitespace is content
                     self._add_content(self._held_ws, delta)
                 self._held_ws = ""

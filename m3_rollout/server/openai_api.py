@@ -14,7 +14,12 @@ with a single tool) after the
 generation prompt, cut back to where its tokens are the ones the whole call has
 (``token_safe_opening``); the model continues from there (no grammar: the arguments are the
 model's). In "enabled" thinking mode the forced opening first closes the think span, so such a
-turn has empty reasoning.
+turn has empty reasoning. The opening is prompt text, not the model's: a forced call the output
+cuts off (max_tokens, or the model's end right after the opening) returns as content only what the
+model wrote after it, null when nothing; there is no call and the finish reason is the engine's
+(nothing guarantees a call here; OpenAI's constrained decoding would).
+``parallel_tool_calls=false`` keeps the first call only; a later call the output cut off is dropped
+like a closed one (its text is not returned as content).
 
 Logprobs beyond the sampler's own (``top_logprobs``; the prompt tokens' logprobs of completions
 ``echo`` and of ``/generate``'s ``prompt_logprobs``) come from one scoring forward through the
@@ -596,18 +601,45 @@ def _merge(a: OutputDelta, b: OutputDelta) -> OutputDelta:
 class _TurnParser:
     """Parser of one chat sample: reasoning + tool calls, or reasoning only (tool_choice "none").
     With ``first_call_only`` (``parallel_tool_calls=false``) calls after the first are dropped, in
-    the stream's deltas and in the message alike."""
+    the stream's deltas and in the message alike, and so is a later call the output cut off (its
+    text would otherwise come back as content, see :meth:`_returned_cut`).
+
+    A forced opening (``ChatPrompt.forced``) is fed first: it is the prompt's text, not the model's,
+    so it never comes back as content: a forced call the output cut off returns only what the model
+    wrote of it (nothing, ``content`` null, when it stopped right after the opening)."""
 
     def __init__(self, prompt: ChatPrompt):
         self.full = StreamingOutputParser(prompt.thinking_mode, prompt.tools) if prompt.parse_tools else None
         self.reasoning = None if prompt.parse_tools else StreamingReasoningParser(prompt.thinking_mode)
         self.first_call_only = prompt.first_call_only
+        # the forced opening as the tool parser sees it: enabled mode's think closer is reasoning's
+        self._forced_block = prompt.forced.removeprefix(THINK_CLOSE)
         self.first = self.feed(prompt.forced) if prompt.forced else OutputDelta()
 
     def _calls(self, d: OutputDelta) -> OutputDelta:
         if self.first_call_only and d.tool_calls:
             d.tool_calls = [c for c in d.tool_calls if c.index == 0]
         return d
+
+    def _returned_cut(self) -> str:
+        """What of the text of a call the output cut off (``cut_text``, the end of the content)
+        comes back: all of it, except a later call with ``first_call_only`` (dropped like a closed
+        one: nothing) and the forced opening of a cut forced call (only what follows it)."""
+        cut = self.full.cut_text
+        calls = self.full.result().tool_calls
+        if self.first_call_only and calls:
+            return ""
+        if self._forced_block and not calls and cut.startswith(self._forced_block):
+            return cut[len(self._forced_block) :]
+        return cut
+
+    def _with_returned_cut(self, content: str | None) -> str | None:
+        """``content`` (ending with ``cut_text``) with the cut call's text as :meth:`_returned_cut` says."""
+        cut = self.full.cut_text
+        if not cut or content is None:
+            return content
+        assert content.endswith(cut), "a cut call's text ends the content"
+        return content[: len(content) - len(cut)] + self._returned_cut() or None
 
     def feed(self, text: str) -> OutputDelta:
         if self.full is not None:
@@ -617,13 +649,16 @@ class _TurnParser:
 
     def finish(self) -> OutputDelta:
         if self.full is not None:
-            return self._calls(self.full.finish())
+            d = self._calls(self.full.finish())  # a cut call's text comes only here, ending the content
+            d.content = self._with_returned_cut(d.content)
+            return d
         d = self.reasoning.finish()
         return OutputDelta(reasoning=d.reasoning, content=d.content)
 
     def message(self) -> dict:
         if self.full is not None:
             msg = self.full.result().to_message()
+            msg["content"] = self._with_returned_cut(msg["content"])
             if self.first_call_only and msg.get("tool_calls"):
                 msg["tool_calls"] = msg["tool_calls"][:1]
             return msg
