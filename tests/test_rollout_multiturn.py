@@ -9,6 +9,7 @@ from m3_rollout.engine.interface import GenerationBackend, SampleOutput
 from m3_rollout.model import M3ForCausalLM, tiny_config
 from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn
 from m3_rollout.rollout.environments.calculator import CalculatorEnvironment
+from m3_rollout.rollout.environments.jsonl_env import JsonlEnvironment, last_number_reward
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_trainers.policy import token_logprobs
 
@@ -283,6 +284,43 @@ def test_turn_stopped_inside_a_call_gets_an_error_observation(tok):
     assert (rec.parsed.content, rec.parsed.tool_calls, rec.parsed.truncated) == (text, [], True)
     assert (env.turns[0].content, env.turns[0].parse_error) == (text, UNFINISHED_CALL)
     assert rec.observations == [f"Error: malformed tool call ({UNFINISHED_CALL})"]
+    assert len(t.turns) == 2 and (t.reward, t.finish_reason) == (1.0, "stop")
+
+
+class RecordingJsonl(JsonlEnvironment):
+    """The JSONL environment with the calculator tool and the last-number reward, keeping every
+    ModelTurn it was given."""
+
+    def __init__(self):
+        super().__init__(last_number_reward, tools=["calculator"])
+        self.turns: list[ModelTurn] = []
+
+    def step(self, state, turn: ModelTurn):
+        self.turns.append(turn)
+        return super().step(state, turn)
+
+
+@pytest.mark.parametrize("make_env", [RecordingCalculator, RecordingJsonl], ids=["calculator", "jsonl"])
+def test_turn_stopped_inside_a_call_after_closed_calls_answers_that_call_too(tok, make_env):
+    """Closed calls, then the end-of-message token inside a further call: the closed calls ran and
+    the unfinished one got no observation (the model was not told it was not run). Now, after the
+    closed calls' results, it gets the parse-error observation it gets when it is the turn's only
+    call; reward as for any tool turn (0, the episode goes on), and the next turn is scored."""
+    from m3_rollout.rollout.group_rollout import UNFINISHED_CALL
+
+    chat = ChatFormat(tok, "disabled")
+    text = CUT_BODY[: CUT_BODY.index("400+") + 4]  # the first call closed, the second cut in its value
+    turn1 = chat.encode(text) + [chat.eos_token_id]
+    turn2 = chat.assistant_ids("It is 408.")
+    env = make_env()
+    backend = ScriptedBackend({0: [(turn1, "stop"), (turn2, "stop")]})
+    (t,), _ = run_group_rollouts(backend, chat, env, [REC], settings())
+    env.close()
+    rec = t.turns[0]
+    assert [c.name for c in rec.parsed.tool_calls] == ["calculator"] and rec.parsed.truncated
+    assert (len(env.turns[0].tool_calls), env.turns[0].truncated) == (1, True)
+    assert rec.observations == ["408", f"Error: malformed tool call ({UNFINISHED_CALL})"]
+    assert "<response>" + rec.observations[1] + "</response>" in chat.decode(rec.bridge)
     assert len(t.turns) == 2 and (t.reward, t.finish_reason) == (1.0, "stop")
 
 

@@ -7,6 +7,9 @@ the episode is over. Tools are plain Python callables with a JSON schema. Before
 ``run_tool_calls`` checks the call: a call the parser flagged (malformed XML, cut off), an
 unknown tool name or arguments that break the schema become error observations for the model.
 Valid calls run in a ``ToolProcessPool`` (time limit, capped output); nothing is ever a crash.
+A call the turn ended inside is no call (its text is content): it gets the parse-error
+observation ``parse_error_observation(UNFINISHED_CALL)``, alone or after the results of the calls
+the turn closed before it (``tool_observations``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,18 @@ from typing import Any
 import jsonschema
 
 from m3_rollout.rollout.tool_pool import ToolProcessPool
+
+# The parse error an environment gets for a turn that ended inside a tool call (the stop token, a
+# stop string, or a token limit): the parser returns that call's text as content, not as a call,
+# and this makes the built-in environments answer it like a malformed call instead of scoring it
+# as an answer (a cut turn then gets reward 0: it did not answer).
+UNFINISHED_CALL = "the turn ended inside a tool call, before its </invoke>; nothing was run"
+
+
+def parse_error_observation(reason: str) -> str:
+    """The observation the built-in environments answer a turn's parse error with (``reason``:
+    ``ModelTurn.parse_error``, e.g. ``UNFINISHED_CALL``)."""
+    return f"Error: malformed tool call ({reason})"
 
 
 @dataclass
@@ -84,9 +99,12 @@ class ModelTurn:
             and "error" (str)} in call order, as the tool parser flagged them (the parser sets no
             "truncated": a call cut off is in content; the flag is for calls built elsewhere).
         parse_error: reason the tool-call block was malformed, if it was (the rollout also sets
-            it for a turn that ended inside a tool call, stopped or cut by a token limit, so the
-            call is answered with an error, not scored as an answer).
-        truncated: the turn ended inside an unterminated call or hit a length limit.
+            it, to ``UNFINISHED_CALL`` unless a closed call was malformed, for a turn that ended
+            inside a tool call, stopped or cut by a token limit, so the call is answered with an
+            error, not scored as an answer).
+        truncated: the turn ended inside an unterminated call or hit a length limit. The rollout
+            passes tool_calls only for a turn that stopped (not cut by a limit), so with
+            tool_calls it means: the turn stopped inside a further call after them.
         reasoning: text of the think span, if any.
         finish_reason: the engine's finish reason of this turn ("stop", "length", ...).
     """
@@ -177,6 +195,16 @@ class Environment(abc.ABC):
         for i, text in zip(slots, self.pool.run(jobs)):
             out[i] = text
         return [o if o is not None else "Error: no result" for o in out]
+
+    def tool_observations(self, turn: ModelTurn) -> list[str]:
+        """The tool turn's observations for a turn with tool calls: one per call
+        (``run_tool_calls``), then, when the turn stopped inside a further call (``truncated``),
+        the observation that call gets when it is the turn's only one,
+        ``parse_error_observation(UNFINISHED_CALL)``, so that it is answered too."""
+        observations = self.run_tool_calls(turn.tool_calls)
+        if turn.truncated:
+            observations.append(parse_error_observation(UNFINISHED_CALL))
+        return observations
 
     def close(self) -> None:
         """Stop the tool workers."""

@@ -21,14 +21,8 @@ from dataclasses import dataclass
 from m3_rollout.chat.output_parser import parse_model_output
 from m3_rollout.chat.template import ChatFormat
 from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput, SamplingParams
-from m3_rollout.rollout.environment import Environment, ModelTurn
+from m3_rollout.rollout.environment import UNFINISHED_CALL, Environment, ModelTurn
 from m3_rollout.rollout.trajectory import Trajectory
-
-# The parse error an environment gets for a turn that ended inside a tool call (the stop token, a
-# stop string, or a token limit): the parser returns that call's text as content, not as a call,
-# and this makes the built-in environments answer it like a malformed call instead of scoring it
-# as an answer (a cut turn then gets reward 0: it did not answer).
-UNFINISHED_CALL = "the turn ended inside a tool call, before its </invoke>; nothing was run"
 
 
 @dataclass

@@ -14,7 +14,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, ToolSettings
+from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, ToolSettings, parse_error_observation
 from m3_rollout.rollout.environments.tools import calculator_tool, safe_calculate
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic."
@@ -119,12 +119,10 @@ class CalculatorEnvironment(Environment):
 
     def step(self, state: dict, turn: ModelTurn) -> EnvStep:
         if turn.tool_calls:
-            observations = self.run_tool_calls(turn.tool_calls)
+            observations = self.tool_observations(turn)  # a call it stopped inside last: an error
             state["tool_calls"] += len(turn.tool_calls)
             return EnvStep(observations, 0.0, False, {"tool_calls": state["tool_calls"]})
         if turn.parse_error:
-            return EnvStep(
-                [f"Error: malformed tool call ({turn.parse_error})"], 0.0, False, {"tool_calls": state["tool_calls"]}
-            )
+            return EnvStep([parse_error_observation(turn.parse_error)], 0.0, False, {"tool_calls": state["tool_calls"]})
         correct = final_answer(turn.content) == state["answer"]
         return EnvStep([], 1.0 if correct else 0.0, True, {"tool_calls": state["tool_calls"]})

@@ -13,7 +13,7 @@ import importlib
 import math
 from collections.abc import Callable
 
-from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, ToolSettings
+from m3_rollout.rollout.environment import Environment, EnvStep, ModelTurn, ToolSettings, parse_error_observation
 from m3_rollout.rollout.environments.calculator import final_answer
 from m3_rollout.rollout.environments.tools import TOOL_FACTORIES
 
@@ -100,11 +100,11 @@ class JsonlEnvironment(Environment):
     def step(self, state: dict, turn: ModelTurn) -> EnvStep:
         info = {"tool_calls": state["tool_calls"]}
         if turn.tool_calls:
-            observations = self.run_tool_calls(turn.tool_calls)
+            observations = self.tool_observations(turn)  # a call it stopped inside last: an error
             state["tool_calls"] += len(turn.tool_calls)
             return EnvStep(observations, 0.0, False, {"tool_calls": state["tool_calls"]})
         if turn.parse_error:
-            return EnvStep([f"Error: malformed tool call ({turn.parse_error})"], 0.0, False, info)
+            return EnvStep([parse_error_observation(turn.parse_error)], 0.0, False, info)
         try:
             reward = float(self.reward_fn(turn.content, state["record"]))
         except Exception as exc:  # a reward bug is reported, scored 0, and does not stop training
