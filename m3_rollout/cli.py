@@ -9,8 +9,10 @@ runs the main job without a clone: ``m3-rollout grpo --config configs/grpo_bf16_
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 SUBCOMMANDS = {
     "grpo": "GRPO job: --config YAML [key=value ...] (python -m m3_rollout.grpo)",
@@ -35,7 +37,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout") -> int:
     Raises:
         SystemExit: as the subcommand raises it (``grpo``: 2 for a config error, 1 for a training
             error; argparse's own exits for ``--help`` and bad options); 130 for a Ctrl-C while the
-            subcommand loads (``load_entry``).
+            subcommand loads or works (``load_entry``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -54,20 +56,35 @@ def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout") -> int:
 
 def load_entry(command: str, what: str | None = None):
     """The job-layer entry function of ``command`` (imported here: it loads torch, triton; seconds
-    on a busy machine). A Ctrl-C meanwhile exits 130 after one line naming ``what`` (default
-    ``m3-rollout COMMAND``) instead of a traceback; once loaded, the entry handles Ctrl-C itself.
+    on a busy machine), wrapped so that a Ctrl-C exits 130 after one line naming ``what`` (default
+    ``m3-rollout COMMAND``) instead of a traceback: while it loads (then nothing was started), and
+    while the entry works. A job that catches the Ctrl-C to clean up re-raises it as
+    ``KeyboardInterrupt(left)``, ``left`` a sentence saying what it left behind (a partial output
+    removed, or what of it is whole), which ends the line. Entries that handle Ctrl-C themselves
+    (grpo, serve: their own line and ``SystemExit(130)``) are unchanged by the wrapper.
 
     Raises:
-        SystemExit(130): interrupted while loading.
+        SystemExit(130): interrupted while loading or working.
     """
+    what = what or f"m3-rollout {command}"
     try:
-        return _import_entry(command)
+        entry = _import_entry(command)
     except KeyboardInterrupt:
-        print(
-            f"interrupted: {what or f'm3-rollout {command}'} stopped (Ctrl-C) while loading; nothing was started",
-            file=sys.stderr,
-        )
-        raise SystemExit(130) from None
+        _exit_interrupted(what, " while loading; nothing was started")
+
+    @functools.wraps(entry)
+    def run(*args, **kwargs):
+        try:
+            return entry(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            _exit_interrupted(what, f"; {exc}" if str(exc) else "")
+
+    return run
+
+
+def _exit_interrupted(what: str, tail: str) -> NoReturn:
+    print(f"interrupted: {what} stopped (Ctrl-C){tail}", file=sys.stderr, flush=True)
+    raise SystemExit(130) from None
 
 
 def _import_entry(command: str):

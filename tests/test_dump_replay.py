@@ -264,3 +264,25 @@ def test_replay_overrides_may_follow_the_options():
         parse_args(["replay", "d", "--config", "c.yaml", "stray"])
     with pytest.raises(SystemExit):
         parse_args(["inspect", "d", "k=1"])
+
+
+def test_ctrl_c_during_replay_exits_130_saying_nothing_was_written(dump, monkeypatch, capsys):
+    """A Ctrl-C while replay re-scored was a traceback; it writes --save and --json only at the end
+    (each whole or not at all), and the one line says none of them was written."""
+    from test_grpo_robustness import exit_status
+
+    root, _ = dump
+
+    def interrupted(read, scorer):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("m3_rollout.dump.replay.rescore", interrupted)
+    out, js = root / "trained", root / "replay.json"
+    args = ["replay", str(root / "dump"), "--checkpoint", str(root / "ckpt"), "--plain"]
+    assert exit_status(lambda: dump_main([*args, "--train", "--save", str(out), "--json", str(js)])) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"interrupted: the dump command stopped (Ctrl-C); nothing was written (--save {out} and --json {js}: "
+        "written only at the end)"
+    ], err
+    assert not out.exists() and not js.exists()

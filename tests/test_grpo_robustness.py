@@ -332,6 +332,149 @@ def test_ctrl_c_while_python_m_export_or_dump_loads_exits_130_with_one_line(entr
     assert proc.stdout == ""
 
 
+def _tiny_checkpoint(path):
+    from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
+
+    model = M3ForCausalLM(tiny_config(bos_token_id=None, eos_token_id=None))
+    save_checkpoint(model, model.config, path)
+    return path
+
+
+def _ctrl_c_after_files(monkeypatch, n: int) -> None:
+    """The checkpoint writer writes ``n`` files whole, then a Ctrl-C lands (before the next one)."""
+    from m3_rollout.model import loading
+
+    real, done = loading._atomic, []
+
+    def atomic(path, write):
+        if len(done) == n:
+            raise KeyboardInterrupt
+        done.append(path)
+        real(path, write)
+
+    monkeypatch.setattr(loading, "_atomic", atomic)
+
+
+def exit_status(call) -> int | str | None:
+    """The SystemExit code ``call()`` raises; a KeyboardInterrupt escaping it (what a user saw as a
+    traceback) fails the test instead of stopping the test session."""
+    try:
+        call()
+    except SystemExit as exc:
+        return exc.code
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped as a KeyboardInterrupt: a traceback for the user")
+    pytest.fail("no SystemExit")
+
+
+def _one_interrupted_line(capsys, what: str, err: str | None = None) -> str:
+    err = capsys.readouterr().err if err is None else err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    (line,) = err.splitlines()
+    prefix = f"interrupted: {what} stopped (Ctrl-C); "
+    assert line.startswith(prefix), line
+    return line[len(prefix) :]
+
+
+def test_ctrl_c_during_an_export_exits_130_and_keeps_no_partial_export(tmp_path, monkeypatch, capsys):
+    # A Ctrl-C while the export wrote its files was a traceback, and left a directory holding the
+    # weights without config.json (or, over an earlier export, new weights beside the old config).
+    from m3_rollout.export import main as export_main
+
+    src = _tiny_checkpoint(tmp_path / "src")
+    out = tmp_path / "new" / "out"
+    _ctrl_c_after_files(monkeypatch, 1)  # the weights are written, config.json is not
+    assert exit_status(lambda: export_main(["--model", str(src), "--out", str(out)])) == 130
+    left = _one_interrupted_line(capsys, "the export")
+    assert left == f"nothing of the export was kept (--out {out}, which it created, was removed)"
+    assert not out.exists()
+    # over an earlier, complete export: the files stay (they are not the export's to delete), and
+    # the line says the directory is now a mix not to load
+    monkeypatch.undo()
+    assert export_main(["--model", str(src), "--out", str(out)]) == 0
+    capsys.readouterr()
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    _ctrl_c_after_files(monkeypatch, 1)
+    assert exit_status(lambda: export_main(["--model", str(src), "--out", str(out), "--dtype", "bfloat16"])) == 130
+    left = _one_interrupted_line(capsys, "the export")
+    assert left.startswith(f"--out {out} holds a partial export among the files it held before")
+    assert "do not load it; rerun the export" in left
+    now = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert now.keys() == old.keys() and now["model.safetensors"] != old["model.safetensors"]
+    # stopped before writing (while the source loads): the directory is untouched, and says so
+    monkeypatch.setattr(
+        "m3_rollout.jobs.export.load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
+    assert exit_status(lambda: export_main(["--model", str(src), "--out", str(out)])) == 130
+    assert _one_interrupted_line(capsys, "the export") == f"--out {out} was not changed"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == now
+
+
+def test_ctrl_c_during_dump_generate_exits_130_naming_the_whole_shards_it_kept(tmp_path, monkeypatch, capsys):
+    # A Ctrl-C during generate was a traceback; the shards written before it are whole (each is
+    # renamed into place), and the line says how many of the steps asked for they are.
+    from types import SimpleNamespace
+
+    from m3_rollout.dump import read_dump
+    from m3_rollout.dump.__main__ import main as dump_entry
+    from m3_rollout.rollout.group_rollout import RolloutSettings
+    from m3_rollout.rollout.trajectory import Trajectory
+
+    settings = RolloutSettings(n=2, max_turns=1, max_total_len=16, max_new_tokens=4)
+    stack = SimpleNamespace(
+        model_dir=_tiny_checkpoint(tmp_path / "ckpt"),
+        chat=SimpleNamespace(decode=lambda ids: " ".join(map(str, ids))),
+        backend=SimpleNamespace(shutdown=lambda: None),
+        env=SimpleNamespace(close=lambda: None),
+        source=SimpleNamespace(train_batch=lambda step, n: [{}]),
+        settings=settings,
+        settings_for=lambda cfg, step: settings,
+    )
+
+    def rollouts(backend, chat, env, records, settings):
+        if rollouts.steps == 2:
+            raise KeyboardInterrupt  # during step 3's generation
+        rollouts.steps += 1
+        trajs = []
+        for j in range(2):
+            t = Trajectory(0, j, [], [], [], [], prompt_len=3)
+            t.append([5, 6, 7], generated=False)
+            t.append([8, 9], generated=True, logprobs=[-0.5, -0.25], version=0)
+            t.reward, t.finish_reason = float(j), "stop"
+            trajs.append(t)
+        return trajs, {"rollout_seconds": 0.1, "generation_tokens_per_s": 40.0}
+
+    rollouts.steps = 0
+    monkeypatch.setattr("m3_rollout.jobs.dump_generate.build_rollout_stack", lambda cfg: stack)
+    monkeypatch.setattr("m3_rollout.jobs.dump_generate.run_group_rollouts", rollouts)
+    d = tmp_path / "dumps"
+    assert exit_status(lambda: dump_entry(["generate", "--config", SMOKE, "--dir", str(d), "--steps", "5"])) == 130
+    printed = capsys.readouterr()
+    assert [ln.split(":")[0] for ln in printed.out.splitlines()] == ["step 1", "step 2"]
+    left = _one_interrupted_line(capsys, "the dump command", printed.err)
+    assert left == (
+        f"2 of the 5 steps were dumped to {d} (step_00000001.parquet, step_00000002.parquet): each shard is whole "
+        "and readable, the step in progress was not written; a new generate needs an empty --dir"
+    )
+    read = read_dump(d)
+    assert [s.step for s in read.shards] == [1, 2] and read.table.num_rows == 4 and not read.errors
+    assert sorted(p.name for p in d.iterdir()) == ["step_00000001.parquet", "step_00000002.parquet"]
+
+
+def test_save_final_stopped_by_ctrl_c_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    # save_final writes a temporary directory and renames it; a Ctrl-C in between left the
+    # half-written step_N.tmp-* directory beside the checkpoints.
+    from types import SimpleNamespace
+
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+
+    model = M3ForCausalLM(tiny_config())
+    _ctrl_c_after_files(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        grpo.save_final(SimpleNamespace(model=model), tmp_path / "src", tmp_path / "out", 3)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_refit_the_rollout_rejects_ends_the_run_with_exit_1_and_no_traceback(cache, capsys):
     # A probe threshold no real update meets: the first refit (the trainer's step-0 weights) is
     # rejected. The job used to die with the backend's ValueError traceback; now one error naming

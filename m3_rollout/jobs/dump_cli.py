@@ -12,13 +12,16 @@
       steps on the dumped trajectories without generating, and save the result with --save
 
 Bad shards (truncated, foreign, other schema version) are reported by file on stderr; the other
-shards are still used. Exit status 2 for bad arguments or an unusable directory.
+shards are still used. Exit status 2 for bad arguments or an unusable directory; 130 for a Ctrl-C,
+with one line saying what was left (generate: the steps dumped so far, each shard whole; replay:
+--save and --json are written only at the end, whole or not at all).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,6 +75,25 @@ def cmd_show(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    saved: list[Path] = []  # the trained checkpoint once --save wrote it
+    try:
+        return _replay(args, saved)
+    except KeyboardInterrupt:  # m3_rollout.cli.load_entry prints the line and exits 130
+        raise KeyboardInterrupt(interrupted_replay(args, saved)) from None
+
+
+def interrupted_replay(args, saved: list[Path]) -> str:
+    """What a replay stopped by Ctrl-C left behind, as the end of the ``interrupted:`` line. It
+    writes only at the end, each output whole or not at all: ``--save``'s checkpoint (a temporary
+    directory renamed, removed when stopped) and then ``--json`` (a temporary file renamed)."""
+    if saved:
+        unwritten = f"; --json {args.json} was not written" if args.json else ""
+        return f"the offline-trained checkpoint {saved[0]} is complete{unwritten}"
+    outputs = " and ".join(f"--{k} {v}" for k, v in (("save", args.save), ("json", args.json)) if v)
+    return "nothing was written" + (f" ({outputs}: written only at the end)" if outputs else "")
+
+
+def _replay(args, saved: list[Path]) -> int:
     import torch
 
     from m3_rollout.dump.reader import read_dump
@@ -117,13 +139,18 @@ def cmd_replay(args) -> int:
     )
     result = {"checkpoint": str(model_dir), "scorer": scorer.name, "rescore": [vars(s) for s in stats]}
     if args.train:
-        result["train"] = _train(args, cfg, read, model_dir)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        result["train"] = _train(args, cfg, read, model_dir, saved)
+    if args.json:  # tmp + rename: a stopped write leaves no partial JSON
+        tmp = Path(args.json).with_name(f".{Path(args.json).name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(result, indent=1))
+            os.replace(tmp, args.json)
+        finally:
+            tmp.unlink(missing_ok=True)
     return 0
 
 
-def _train(args, cfg, read, model_dir) -> list[dict]:
+def _train(args, cfg, read, model_dir, saved: list[Path]) -> list[dict]:
     from transformers import AutoTokenizer
 
     from m3_rollout.jobs.grpo import save_final
@@ -161,6 +188,7 @@ def _train(args, cfg, read, model_dir) -> list[dict]:
     )
     if args.save:
         out = save_final(policy, Path(model_dir), Path(args.save), max(h["step"] for h in history))
+        saved.append(out)
         print(f"saved offline-trained checkpoint to {out}")
     return history
 

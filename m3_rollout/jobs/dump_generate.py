@@ -38,25 +38,32 @@ def generate_dumps(
     Raises:
         ConfigError: the dump directory is not empty or not writable (before anything is
             generated), or a bad setting found while building the rollout stack.
+        KeyboardInterrupt: a Ctrl-C, re-raised with what is left in the dump directory
+            (``interrupted_generate``).
     """
     g = cfg.grpo
     rd = cfg.rollout_dump
     dump_dir = empty_dump_dir(out_dir or rd.dir, "--dir" if out_dir else "rollout_dump.dir")
-    torch.manual_seed(g.seed)
-    stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
-    writer = RolloutDumpWriter(
-        dump_dir,
-        run_id=f"generate-{time.strftime('%Y%m%d-%H%M%S')}",
-        retention=RetentionPolicy(rd.keep_last_n_steps, rd.max_bytes),
-        decode=stack.chat.decode,
-        checkpoint_hash=checkpoint_hash(stack.model_dir),
-        config_hash=config_hash(to_dict(cfg)),
-    )
+    steps = g.max_num_steps if num_steps is None else num_steps
+    paths: list[Path] = []
     try:
-        paths = _roll_out(cfg, stack, writer, g.max_num_steps if num_steps is None else num_steps, log)
-    finally:
-        stack.backend.shutdown()
-        stack.env.close()
+        torch.manual_seed(g.seed)
+        stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
+        writer = RolloutDumpWriter(
+            dump_dir,
+            run_id=f"generate-{time.strftime('%Y%m%d-%H%M%S')}",
+            retention=RetentionPolicy(rd.keep_last_n_steps, rd.max_bytes),
+            decode=stack.chat.decode,
+            checkpoint_hash=checkpoint_hash(stack.model_dir),
+            config_hash=config_hash(to_dict(cfg)),
+        )
+        try:
+            _roll_out(cfg, stack, writer, steps, log, paths)
+        finally:
+            stack.backend.shutdown()
+            stack.env.close()
+    except KeyboardInterrupt:  # m3_rollout.cli.load_entry prints the line and exits 130
+        raise KeyboardInterrupt(interrupted_generate(dump_dir, paths, steps)) from None
     if writer.last_absent:
         log(
             f"columns left null (not recorded in this run): {', '.join(writer.last_absent)}; routed_experts "
@@ -66,11 +73,26 @@ def generate_dumps(
     return paths
 
 
-def _roll_out(cfg: MasterConfig, stack: RolloutStack, writer: RolloutDumpWriter, num_steps: int, log) -> list[Path]:
-    """Steps 1..num_steps: roll out the step's prompt batch, write its shard."""
+def interrupted_generate(dump_dir: Path, paths: list[Path], num_steps: int) -> str:
+    """What a generate stopped by Ctrl-C left in ``dump_dir`` (``paths``: the shards it wrote), as
+    the end of the ``interrupted:`` line. A shard is written whole or not at all (tmp + rename; the
+    step in progress leaves nothing), so the shards there are a valid dump, of fewer steps."""
+    kept = [p for p in paths if p.exists()]  # retention may have deleted older ones
+    if not kept:
+        return f"no step was dumped ({dump_dir} holds no shard)"
+    return (
+        f"{len(paths)} of the {num_steps} steps were dumped to {dump_dir} ({', '.join(p.name for p in kept)}): each "
+        "shard is whole and readable, the step in progress was not written; a new generate needs an empty --dir"
+    )
+
+
+def _roll_out(
+    cfg: MasterConfig, stack: RolloutStack, writer: RolloutDumpWriter, num_steps: int, log, paths: list[Path]
+) -> list[Path]:
+    """Steps 1..num_steps: roll out the step's prompt batch, write its shard (appended to ``paths``
+    as it is written, so a Ctrl-C knows what is kept)."""
     g = cfg.grpo
     chat, backend, env, source, settings = stack.chat, stack.backend, stack.env, stack.source, stack.settings
-    paths = []
     for step in range(1, num_steps + 1):
         seed = batch_seed(cfg, step)  # the GRPO loop's per-step seed
         trajs, rm = run_group_rollouts(

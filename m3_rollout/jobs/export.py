@@ -17,7 +17,9 @@ The tokenizer files and chat template of the source are copied next to the weigh
 ``chat_template_kwargs.json`` (the template kwargs the checkpoint's prompts were rendered with,
 e.g. ``{"thinking_mode": "disabled"}`` for the builtin models), which ``m3-rollout serve`` applies
 by default. transformers does not read that file: the command prints the kwargs to pass to
-``apply_chat_template``. Exit status 2 for a bad argument or an unusable checkpoint, naming it.
+``apply_chat_template``. Exit status 2 for a bad argument or an unusable checkpoint, naming it; 130
+for a Ctrl-C, with one line saying what is left in ``--out`` (a directory the export created or
+found empty is removed or emptied again, so no partial export passes for a checkpoint).
 """
 
 from __future__ import annotations
@@ -103,15 +105,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout export") -> 
     from m3_rollout.jobs.outputs import writable_dir
 
     args = parse_args(argv, prog)
+    out = Path(args.out).expanduser()
+    before = _entries(out)
     try:
-        model_dir, _ = resolve_model(args.model)
-        kwargs = read_chat_defaults(model_dir)  # checked before anything is written (ChatFileError)
-        writable_dir(Path(args.out).expanduser(), "--out")  # a file there, or no permission (ConfigError)
-        files = export_checkpoint(model_dir, args.out, args.format, DTYPES[args.dtype])
-        if not kwargs and args.model.startswith("builtin:"):  # a build from before the file: serve's default
-            kwargs = dict(BUILTIN_CHAT_DEFAULTS)
-            write_chat_defaults(args.out, kwargs)
-            files = sorted(p.name for p in Path(args.out).expanduser().iterdir())
+        try:
+            model_dir, _ = resolve_model(args.model)
+            kwargs = read_chat_defaults(model_dir)  # checked before anything is written (ChatFileError)
+            writable_dir(out, "--out")  # a file there, or no permission (ConfigError)
+            files = export_checkpoint(model_dir, args.out, args.format, DTYPES[args.dtype])
+            if not kwargs and args.model.startswith("builtin:"):  # a build from before the file: serve's default
+                kwargs = dict(BUILTIN_CHAT_DEFAULTS)
+                write_chat_defaults(args.out, kwargs)
+                files = sorted(p.name for p in out.iterdir())
+        except KeyboardInterrupt:  # m3_rollout.cli.load_entry prints the line and exits 130
+            raise KeyboardInterrupt(interrupted_export(out, before)) from None
     except (FileNotFoundError, ValueError) as exc:  # CheckpointError, ChatFileError, ConfigError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -124,3 +131,38 @@ def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout export") -> 
             f"**{kwargs!r}) renders the prompt serve does"
         )
     return 0
+
+
+def _entries(out: Path) -> dict[str, tuple[int, int]] | None:
+    """``out``'s entries as {name: (size, mtime_ns)}; None when ``out`` is not a directory."""
+    if not out.is_dir():
+        return None
+    return {p.name: (st.st_size, st.st_mtime_ns) for p in out.iterdir() for st in [p.lstat()]}
+
+
+def interrupted_export(out: Path, before: dict[str, tuple[int, int]] | None) -> str:
+    """What an export stopped by Ctrl-C left in ``out``, as the end of the ``interrupted:`` line.
+
+    Each file is written whole (tmp + rename) but a stopped export has only some of them, which
+    with config.json present could pass for a checkpoint: an ``out`` the export made (``before``
+    None) or found empty (``{}``) is removed or emptied again; one that held files is left as it
+    is, and the sentence says whether the export changed it (then: do not load it).
+    """
+    if before is None and not out.is_dir():
+        return f"nothing was written to --out {out}"
+    if before is None:  # made by the export: removed with whatever of the export is in it
+        shutil.rmtree(out)
+        return f"nothing of the export was kept (--out {out}, which it created, was removed)"
+    if not before:  # empty before: emptied again
+        for p in out.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        return f"nothing of the export was kept (--out {out} was emptied again)"
+    if _entries(out) == before:
+        return f"--out {out} was not changed"
+    return (
+        f"--out {out} holds a partial export among the files it held before (the weights, config.json and "
+        "tokenizer files may not belong together): do not load it; rerun the export to complete it"
+    )

@@ -651,7 +651,8 @@ def plot_command(log_dir: str | Path, script: Path = PLOT_SCRIPT) -> str | None:
 
 def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
     """Write the trained weights + tokenizer files as a plain model directory ``out_dir/step_{step}``
-    (tmp + rename); training checkpoints with optimizer state use ``m3_trainers.checkpoint``."""
+    (tmp + rename; the temporary directory is removed when the save stops, a Ctrl-C included);
+    training checkpoints with optimizer state use ``m3_trainers.checkpoint``."""
     import os
     import shutil
     import tempfile
@@ -662,12 +663,16 @@ def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
     final = out_dir / f"step_{step}"
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=out_dir))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
-    save_checkpoint(policy.model, policy.model.config, tmp)
-    copy_tokenizer_files(src_dir, tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
+        save_checkpoint(policy.model, policy.model.config, tmp)
+        copy_tokenizer_files(src_dir, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:  # a Ctrl-C or a failed write: no half-written directory is left beside
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
