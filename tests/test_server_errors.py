@@ -71,7 +71,7 @@ CASES = [
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5], "logit_bias": {"5": -100}}, "logit_bias"),
     # breaker findings: accepted before, each changes what the client gets back
     ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), "stream_options"),
-    # prompt logprobs: echo + logprobs is answered whole; prompt_logprobs is /generate's field
+    # prompt logprobs: echo + logprobs is answered whole; vLLM's prompt_logprobs is 0-20, not streamed
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 6], "echo": True, "logprobs": 2, "stream": True}, "stream"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 6], "echo": True, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 6], "echo": True, "logprobs": -1}, "logprobs"),
@@ -82,8 +82,14 @@ CASES = [
         "stream",
     ),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 6], "max_tokens": -1, "echo": True}, "max_tokens"),
-    ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 6], "prompt_logprobs": 2}, "prompt_logprobs"),
-    ("/v1/chat/completions", _chat(prompt_logprobs=2), "prompt_logprobs"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 6], "prompt_logprobs": -1}, "prompt_logprobs"),
+    (
+        "/v1/completions",
+        {"model": "tiny-m3", "prompt": [5, 6], "prompt_logprobs": 2, "stream": True},
+        "prompt_logprobs",
+    ),
+    ("/v1/chat/completions", _chat(prompt_logprobs=21), "prompt_logprobs"),
+    ("/v1/chat/completions", _chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
     ("/v1/chat/completions", _chat(max_tokens=0), "max_tokens"),
     ("/generate", {"input_ids": [5, 6], "sampling_params": {"prompt_logprobs": 21}}, "sampling_params.prompt_logprobs"),
     ("/generate", {"input_ids": [5, 6], "sampling_params": {"prompt_logprobs": -1}}, "sampling_params.prompt_logprobs"),

@@ -1,10 +1,12 @@
 """Prompt logprobs on the real engine: /v1/completions ``echo`` with ``logprobs=k`` (through the
 ``openai`` client) returns the prompt tokens' logprobs first, equal to the engine's own scoring of
 the same tokens (``LLMEngine.score`` / ``top_logprobs``), the first one null, text offsets that
-index the echoed text; ``max_tokens=0`` scores the prompt alone; /generate's
-``sampling_params.prompt_logprobs`` gives vLLM's per-token shape (logprob, rank, decoded token,
-top k). A weight write between generation and scoring (the same version number sent again, or
-re-sent with replace=True) gives the note and empty entries, not the new weights' scores."""
+index the echoed text, each top list the position's own token first, then the top k (vLLM's
+way); ``max_tokens=0`` scores the prompt alone; /generate's ``sampling_params.prompt_logprobs``
+and vLLM's ``prompt_logprobs`` on /v1/completions (per choice) and /v1/chat/completions (per
+response) give vLLM's per-token shape (logprob, rank, decoded token, top k). A weight write
+between generation and scoring (the same version number sent again, or re-sent with
+replace=True) gives the note and empty entries, not the new weights' scores."""
 
 import asyncio
 import concurrent.futures
@@ -16,7 +18,14 @@ import httpx
 import openai
 import pytest
 import torch
-from server_util import LiveServer, native_backend, served_model, tiny_model, tiny_tokenizer  # tests/ on sys.path
+from server_util import (  # tests/ on sys.path
+    MESSAGES,
+    LiveServer,
+    native_backend,
+    served_model,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.server.control import Controller
@@ -61,6 +70,36 @@ def _client(srv) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def _with_token(served, tid: int, lp: float, top: list[tuple[int, float]]) -> dict:
+    """A completions top list as vLLM gives it: the position's own token ``tid`` (logprob ``lp``)
+    first, then the top ``top`` without it, keyed by text (a text two ids share keeps the first)."""
+    row = {}
+    for i, v in [(tid, lp)] + [(i, v) for i, v in top if i != tid]:
+        row.setdefault(served.decode([i]), v)
+    return row
+
+
+def _check_vllm_entries(entries, prompt, ref, model, served, k, temperature=1.0):
+    """``entries`` (a ``prompt_logprobs`` list in vLLM's shape) against the engine's own scoring of
+    ``prompt`` in the distribution at ``temperature`` (``LLMEngine.score`` / ``top_logprobs``) and
+    the model's logits (the prompt token's 1-based rank, ties counted before it)."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    want = ref.score(prompt, temperature=temperature)
+    with torch.no_grad():
+        full = model(torch.tensor([prompt[:-1]]))[0].float()  # [P - 1, V]: the raw logits order the ranks
+    tops = ref.top_logprobs(prompt, 1, k, temperature) if k else [[] for _ in prompt[1:]]
+    for i, (entry, want_top) in enumerate(zip(entries[1:], tops, strict=True), 1):
+        own = entry[str(prompt[i])]
+        assert own["logprob"] == pytest.approx(float(want[i]), abs=1e-4)
+        assert own["rank"] == int((full[i - 1] >= full[i - 1, prompt[i]]).sum())  # 1-based, as vLLM's
+        assert own["decoded_token"] == served.decode([prompt[i]])
+        assert list(entry) == [str(prompt[i])] + [str(t) for t, _ in want_top if t != prompt[i]]  # k or k + 1
+        for rank, (tid, v) in enumerate(want_top, 1):
+            e = entry[str(tid)]
+            assert e["logprob"] == pytest.approx(v, abs=1e-4) and e["decoded_token"] == served.decode([tid])
+            assert e["rank"] == (own["rank"] if tid == prompt[i] else rank)
+
+
 @pytest.mark.parametrize("mode,temperature", [("raw", 0.7), ("processed", 0.7), ("processed", 1.0)])
 def test_echo_logprobs_equal_the_engines_scoring(server, ref, served, mode, temperature):
     c = _client(server)
@@ -81,10 +120,12 @@ def test_echo_logprobs_equal_the_engines_scoring(server, ref, served, mode, temp
     # the generated ones: the sampler's, as the same request without echo returns them
     assert lp.token_logprobs[p:] == plain.logprobs.token_logprobs
     assert lp.top_logprobs[p:] == plain.logprobs.top_logprobs
+    # each top list: the position's own token (the prompt's, then the sampled one) first, then the top 2
     tops = ref.top_logprobs(ids, 1, 2, 1.0 if mode == "raw" else temperature)
-    for row, want_row in zip(lp.top_logprobs[1:], tops, strict=True):
-        assert list(row) == [served.decode([i]) for i, _ in want_row]
-        assert list(row.values()) == pytest.approx([v for _, v in want_row], abs=1e-4)
+    for i, (row, want_top) in enumerate(zip(lp.top_logprobs[1:], tops, strict=True), 1):
+        want_row = _with_token(served, ids[i], lp.token_logprobs[i], want_top)
+        assert list(row) == list(want_row) and 2 <= len(row) <= 3
+        assert list(row.values()) == pytest.approx(list(want_row.values()), abs=1e-4)
     # text offsets index the choice's text: the echoed prompt, then the generated text
     assert echo.text.startswith(TEXT) and echo.text == "".join(lp.tokens)
     assert lp.text_offset[0] == 0 and lp.text_offset[p] == len(TEXT)
@@ -102,7 +143,8 @@ def test_max_tokens_0_scores_the_prompt_alone(server, ref, served, tok):
     lp = r.choices[0].logprobs
     assert lp.tokens == [served.decode([t]) for t in ids] and lp.token_logprobs[0] is None
     assert lp.token_logprobs[1:] == pytest.approx(ref.score(ids)[1:].tolist(), abs=1e-4)
-    assert [len(row) for row in lp.top_logprobs[1:]] == [1] * (len(ids) - 1)
+    for row, t, v in zip(lp.top_logprobs[1:], ids[1:], lp.token_logprobs[1:], strict=True):
+        assert 1 <= len(row) <= 2 and list(row.items())[0] == (served.decode([t]), v)  # the prompt token, top 1
     assert r.choices[1].logprobs.token_logprobs == lp.token_logprobs
     # a prompt that fills the context can be scored (nothing is generated after it)
     full = list(range(5, 5 + MAX_LEN))
@@ -110,7 +152,8 @@ def test_max_tokens_0_scores_the_prompt_alone(server, ref, served, tok):
     resp = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     got = resp.json()["choices"][0]["logprobs"]
-    assert got["top_logprobs"] is None and len(got["token_logprobs"]) == MAX_LEN  # k 0: no top lists
+    assert len(got["token_logprobs"]) == MAX_LEN and got["top_logprobs"][0] is None
+    assert [list(r.values()) for r in got["top_logprobs"][1:]] == [[v] for v in got["token_logprobs"][1:]]  # k 0
     assert got["token_logprobs"][1:] == pytest.approx(ref.score(full)[1:].tolist(), abs=1e-4)
 
 
@@ -176,12 +219,10 @@ def test_streamed_completion_logprobs_equal_the_non_streamed(server, k, stop):
         # the sampler's (the streamed request runs its prompts one after the other, the other one
         # batches them: the CPU forward is not batch-invariant in the last bits)
         assert got["token_logprobs"] == pytest.approx(want.token_logprobs, abs=1e-5)
-        if k == 0:
-            assert want.top_logprobs is None and got["top_logprobs"] == []
-            continue
         assert len(got["top_logprobs"]) == len(want.top_logprobs)
-        for row, want_row in zip(got["top_logprobs"], want.top_logprobs, strict=True):
-            assert 1 <= len(want_row) <= k and list(row) == list(want_row)  # keyed by text: ids of one text merge
+        for row, want_row, t in zip(got["top_logprobs"], want.top_logprobs, want.tokens, strict=True):
+            # the sampled token first, then the top k (k 0: the token alone); keyed by text: ids of one text merge
+            assert 1 <= len(want_row) <= k + 1 and list(row) == list(want_row) and list(want_row)[0] == t
             assert list(row.values()) == pytest.approx(list(want_row.values()), abs=1e-4)
     if stop:
         assert whole.choices[0].finish_reason == "stop" and whole.choices[0].stop_reason == kw["stop"]
@@ -199,21 +240,7 @@ def test_generate_prompt_logprobs_in_vllms_shape(server, ref, served, model):
     reply = _generate(server, input_ids=prompt, sampling_params=sp)
     entries = reply["outputs"][0]["prompt_logprobs"]
     assert reply["outputs"][1]["prompt_logprobs"] == entries  # one prompt: the same scores for each sample
-    assert len(entries) == len(prompt) and entries[0] is None
-    want = ref.score(prompt)
-    with torch.no_grad():
-        full = torch.log_softmax(model(torch.tensor([prompt[:-1]]))[0].float(), -1)  # [P - 1, V]
-    tops = ref.top_logprobs(prompt, 1, 3)
-    for i, (entry, want_top) in enumerate(zip(entries[1:], tops, strict=True), 1):
-        own = entry[str(prompt[i])]
-        assert own["logprob"] == pytest.approx(float(want[i]), abs=1e-4)
-        assert own["rank"] == int((full[i - 1] >= full[i - 1, prompt[i]]).sum())  # 1-based, as vLLM's
-        assert own["decoded_token"] == served.decode([prompt[i]])
-        for rank, (tid, v) in enumerate(want_top, 1):
-            e = entry[str(tid)]
-            assert e["logprob"] == pytest.approx(v, abs=1e-4) and e["decoded_token"] == served.decode([tid])
-            assert e["rank"] == (own["rank"] if tid == prompt[i] else rank)
-        assert len(entry) == 3 + (str(prompt[i]) not in {str(t) for t, _ in want_top})
+    _check_vllm_entries(entries, prompt, ref, model, served, 3)
     # 0: the prompt token alone; left out: no field; streamed: on each sample's final event
     zero = _generate(server, input_ids=prompt, sampling_params={**sp, "prompt_logprobs": 0})["outputs"][0]
     assert [list(e) for e in zero["prompt_logprobs"][1:]] == [[str(t)] for t in prompt[1:]]
@@ -228,6 +255,93 @@ def test_generate_prompt_logprobs_in_vllms_shape(server, ref, served, model):
     finals = [e for e in events if "finish_reason" in e]
     assert len(finals) == 2 and all(e["prompt_logprobs"] == entries for e in finals)
     assert all("prompt_logprobs" not in e for e in events if "finish_reason" not in e)
+
+
+def test_completions_prompt_logprobs_equal_the_engines_scoring(server, ref, served, model):
+    """vLLM's ``prompt_logprobs`` on /v1/completions (an extra body field through the ``openai``
+    client): each choice carries its prompt's list in vLLM's shape, equal to the engine's own
+    scoring in the request's distribution (processed: / temperature 0.7), the same for the ``n``
+    choices of a prompt; with ``echo`` and ``max_tokens=0`` it scores the prompt alone."""
+    c = _client(server)
+    prompts = [served.encode(TEXT), served.encode(TEXT[:12])]
+    kw = dict(model="tiny-m3", prompt=prompts, max_tokens=3, n=2, seed=4, temperature=0.7)
+    r = c.completions.create(**kw, extra_body={"prompt_logprobs": 3})
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    for ch in r.choices:  # choice index = prompt index * n + sample index
+        extra = ch.model_extra
+        _check_vllm_entries(extra["prompt_logprobs"], prompts[ch.index // 2], ref, model, served, 3, 0.7)
+        assert "prompt_logprobs_note" not in extra
+    assert r.choices[0].model_extra["prompt_logprobs"] == r.choices[1].model_extra["prompt_logprobs"]
+    plain = c.completions.create(**kw)  # not asked: no field, the same samples
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    assert [ch.text for ch in plain.choices] == [ch.text for ch in r.choices]
+    alone = c.completions.create(
+        model="tiny-m3", prompt=prompts[0], max_tokens=0, echo=True, n=2, extra_body={"prompt_logprobs": 0}
+    )
+    for ch in alone.choices:
+        assert ch.text == TEXT and ch.logprobs is None
+        _check_vllm_entries(ch.model_extra["prompt_logprobs"], prompts[0], ref, model, served, 0)
+
+
+def test_chat_prompt_logprobs_equal_the_engines_scoring(server, ref, served, model):
+    """vLLM's ``prompt_logprobs`` on /v1/chat/completions: one list on the response (the ``n``
+    samples share the prompt, as in vLLM's response-level field) for the rendered prompt's ids (what
+    /tokenize gives for the messages), equal to the engine's own scoring (processed: / 0.7)."""
+    c = _client(server)
+    extra = {"prompt_logprobs": 2, "return_token_ids": True}
+    r = c.chat.completions.create(
+        model="tiny-m3", messages=MESSAGES, max_tokens=3, n=2, seed=2, temperature=0.7, extra_body=extra
+    )
+    prompt = r.model_extra["prompt_token_ids"]
+    assert prompt == httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}, timeout=60).json()["tokens"]
+    _check_vllm_entries(r.model_extra["prompt_logprobs"], prompt, ref, model, served, 2, 0.7)
+    assert len(r.choices) == 2 and all("prompt_logprobs" not in ch.model_extra for ch in r.choices)
+    assert "prompt_logprobs_note" not in r.model_extra
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_prompt_logprobs_takes_vllms_range_and_streaming(server, route):
+    """``prompt_logprobs`` takes 0-20 (vLLM's -1, the whole vocabulary, and values above the
+    server's cap are refused with a 400 naming the field); streamed, as vLLM's validators: k >= 1
+    is refused, 0 is taken and the chunks carry no prompt logprobs."""
+    c = _client(server)
+
+    def call(k, stream=False):
+        kw = dict(model="tiny-m3", max_tokens=2, seed=1, stream=stream, extra_body={"prompt_logprobs": k})
+        if route == "chat":
+            return c.chat.completions.create(messages=MESSAGES, **kw)
+        return c.completions.create(prompt=TEXT, **kw)
+
+    for k, stream, says in [(-1, False, "[0, 20]"), (21, False, "[0, 20]"), (1, True, "stream=true")]:
+        with pytest.raises(openai.BadRequestError) as exc:
+            call(k, stream)
+        err = exc.value.response.json()["error"]
+        assert err["param"] == "prompt_logprobs" and f"prompt_logprobs={k}" in err["message"] and says in err["message"]
+    top = call(20)
+    entries = (top.model_extra if route == "chat" else top.choices[0].model_extra)["prompt_logprobs"]
+    assert entries[0] is None and all(20 <= len(e) <= 21 for e in entries[1:])
+    chunks = list(call(0, stream=True))
+    assert chunks and all("prompt_logprobs" not in json.dumps(ch.model_dump()) for ch in chunks)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_completion_top_logprobs_hold_the_sampled_token(server, ref, served, k):
+    """vLLM's completions ``top_logprobs``: per generated token the sampled token first, with its
+    sampler logprob (``token_logprobs``), then the top k from the engine's scoring, so k + 1
+    entries when it is not among them (OpenAI's "up to logprobs + 1"); k 0: the token alone."""
+    c = _client(server)
+    kw = dict(model="tiny-m3", prompt=TEXT, max_tokens=8, n=2, seed=7, temperature=2.0, logprobs=k)
+    r = c.completions.create(**kw, extra_body={"return_token_ids": True, "logprobs_mode": "raw"})
+    prompt, sizes = served.encode(TEXT), []
+    for ch in r.choices:
+        out, lp = ch.model_extra["token_ids"], ch.logprobs
+        tops = ref.top_logprobs(prompt + out, len(prompt), k, 1.0) if k else [[] for _ in out]
+        for row, t, v, want_top in zip(lp.top_logprobs, out, lp.token_logprobs, tops, strict=True):
+            want = _with_token(served, t, v, want_top)
+            assert list(row) == list(want) and list(row.items())[0] == (served.decode([t]), v)
+            assert list(row.values()) == pytest.approx(list(want.values()), abs=1e-4)
+            sizes.append(len(row))
+    assert set(sizes) <= {k, k + 1} and k + 1 in sizes  # temperature 2: sampled tokens outside the top k
 
 
 def test_greedy_processed_prompt_logprobs_are_0_or_the_floor(server, served):
@@ -319,7 +433,7 @@ def test_a_refit_between_generation_and_scoring_gives_the_note_not_another_model
     assert max(abs(a - b) for a, b in zip(old_scores, new_scores)) > 1e-2  # the weights differ visibly
     if how == "none":
         assert lp["token_logprobs"][1:p] == pytest.approx(old_scores, abs=1e-4)
-        assert all(len(row) == 2 for row in lp["top_logprobs"][1:]) and "top_logprobs_note" not in choice
+        assert all(2 <= len(row) <= 3 for row in lp["top_logprobs"][1:]) and "top_logprobs_note" not in choice
         entries, note = serving.sample_prompt_logprobs(prompt, scored, out, 2)
         assert note is None and entries[1][str(prompt[1])]["logprob"] == pytest.approx(old_scores[0], abs=1e-4)
         return

@@ -138,7 +138,8 @@ def test_streamed_completion_chunks_are_guarded_as_the_whole_answer(writes):
     events = [json.loads(e[6:]) for e in asyncio.run(collect()) if e.startswith("data: {")]
     chunks = [c for e in events for c in e["choices"] if c["logprobs"] is not None]
     stale = [w != SERVED_WRITES for w in writes]
-    assert [len(c["logprobs"]["top_logprobs"][0]) for c in chunks] == [0 if s else 2 for s in stale]
+    # a fresh token's list: the sampled token (vLLM's way; IDS are not among the top 7, 8), then the top 2
+    assert [len(c["logprobs"]["top_logprobs"][0]) for c in chunks] == [0 if s else 3 for s in stale]
     assert ["top_logprobs_note" in c for c in chunks] == stale
     whole = _completion(_serving([1, 1, 1, 1], writes), logprobs=2)["logprobs"]
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -146,8 +147,11 @@ def test_streamed_completion_chunks_are_guarded_as_the_whole_answer(writes):
 
 
 def test_completion_tokens_of_an_older_version_get_empty_top_logprobs():
-    choice = _completion(_serving([0, 0, 1, 1], [3, 3, 4, 4]), logprobs=2)
-    assert [len(row) for row in choice["logprobs"]["top_logprobs"]] == [0, 0, 2, 2]
+    serving = _serving([0, 0, 1, 1], [3, 3, 4, 4])
+    choice = _completion(serving, logprobs=2)
+    assert [len(row) for row in choice["logprobs"]["top_logprobs"]] == [0, 0, 3, 3]
+    decode = serving.served.decode
+    assert choice["logprobs"]["top_logprobs"][2] == {decode([42]): -0.25, decode([7]): -0.5, decode([8]): -1.5}
     assert "indices 0..1" in choice["top_logprobs_note"]
 
 
@@ -158,7 +162,7 @@ def test_echoed_prompt_of_other_weights_gets_null_logprobs_and_a_note():
     lp = _completion(serving, logprobs=2, echo=True)
     assert lp["logprobs"]["token_logprobs"] == [None, None, None] + [-0.25] * 4
     assert lp["logprobs"]["top_logprobs"][:3] == [None, {}, {}]
-    assert [len(row) for row in lp["logprobs"]["top_logprobs"][3:]] == [0, 0, 2, 2]
+    assert [len(row) for row in lp["logprobs"]["top_logprobs"][3:]] == [0, 0, 3, 3]
     note = lp["top_logprobs_note"]
     assert "indices 0..1" in note and "the prompt tokens' logprobs are null" in note and "version 1" in note
     assert serving.runner.tops_calls == [(7, 1, True)]  # one forward: prompt and generated tokens
@@ -185,3 +189,35 @@ def test_generate_prompt_logprobs_of_other_weights_are_empty(writes, stale):
             "decoded_token": entries[1]["6"]["decoded_token"],
         }
         assert [d["rank"] for d in entries[1].values()] == [3, 1, 2]  # the prompt token, then the top 2
+
+
+def _chat_body(serving, **kw) -> dict:
+    req = ChatCompletionRequest.model_validate({"model": "tiny-m3", "messages": MESSAGES, "max_tokens": 4, **kw})
+    prompt, greq = serving.prepare_chat(req)
+    return asyncio.run(serving.chat(req, prompt, greq))
+
+
+@pytest.mark.parametrize("writes,stale", [([3, 3, 4, 4], True), ([-1, -1, -1, -1], True), ([4, 4, 4, 4], False)])
+def test_openai_prompt_logprobs_of_other_weights_are_empty(writes, stale):
+    """vLLM's ``prompt_logprobs`` on /v1/completions (per choice) and /v1/chat/completions (per
+    response) under the same guard as /generate's: a sample whose first token (so its prompt) ran
+    at write count 3 or on KV of earlier weights (-1), scored at 4, gets empty entries and a
+    ``prompt_logprobs_note``, not another model's scores; a fresh one gets the scores."""
+    choice = _completion(_serving([1, 1, 1, 1], writes), prompt_logprobs=2)
+    body = _chat_body(_serving([1, 1, 1, 1], writes), prompt_logprobs=2)
+    n_chat = len(body["prompt_logprobs"])
+    assert choice["prompt_logprobs"][0] is None and body["prompt_logprobs"][0] is None and n_chat > 3
+    if stale:
+        assert choice["prompt_logprobs"][1:] == [{}, {}] and body["prompt_logprobs"][1:] == [{}] * (n_chat - 1)
+        for note in (choice["prompt_logprobs_note"], body["prompt_logprobs_note"]):
+            assert "prompt_logprobs holds empty entries" in note and "weight version 1" in note
+    else:
+        assert "prompt_logprobs_note" not in choice and "prompt_logprobs_note" not in body
+        # the prompt token (rank 3 from the runner), then the top 2 (tokens 7 and 8)
+        assert [(t, d["rank"], d["logprob"]) for t, d in choice["prompt_logprobs"][1].items()] == [
+            ("6", 3, -0.75),
+            ("7", 1, -0.5),
+            ("8", 2, -1.5),
+        ]
+        assert all(e and list(e.values())[0]["logprob"] == -0.75 for e in body["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in body["choices"][0]  # chat: on the response, as vLLM's

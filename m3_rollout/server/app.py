@@ -42,12 +42,12 @@ from .openai_api import (
     OpenAIServing,
     ServedModel,
     check_prompt_length,
+    check_prompt_logprobs,
     check_token_ids,
     engine_error,
     thinking_mode_of,
 )
 from .protocol import (
-    MAX_TOP_LOGPROBS,
     AbortRequest,
     APIError,
     ChatCompletionRequest,
@@ -243,14 +243,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                 "return_block_selection: start the server with --record-block-selection",
                 "return_block_selection",
             )
-        k = sp.prompt_logprobs
-        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise APIError(
-                400,
-                f"sampling_params.prompt_logprobs={k}: must be null (off) or an integer in [0, {MAX_TOP_LOGPROBS}], "
-                "the top tokens listed per prompt position besides the prompt token itself (0: the prompt token only)",
-                "sampling_params.prompt_logprobs",
-            )
+        check_prompt_logprobs(sp.prompt_logprobs, "sampling_params.prompt_logprobs")
         if body.block_selection_from > len(body.input_ids):
             raise APIError(
                 400,

@@ -22,7 +22,8 @@ model wrote after it, null when nothing; there is no call and the finish reason 
 like a closed one (its text is not returned as content).
 
 Logprobs beyond the sampler's own (``top_logprobs``; the prompt tokens' logprobs of completions
-``echo`` and of ``/generate``'s ``prompt_logprobs``) come from one scoring forward through the
+``echo``, of vLLM's ``prompt_logprobs`` on both routes and of ``/generate``'s
+``sampling_params.prompt_logprobs``) come from one scoring forward through the
 engine after the sample is generated (:meth:`OpenAIServing.score_sample`), in the distribution
 the sampled logprobs come from (``logprobs_mode``), and only for tokens stamped with the
 weight-write count that forward ran with (``SampleOutput.token_weight_writes``): anything
@@ -49,6 +50,7 @@ from m3_rollout.engine.interface import FINISH_ERROR, GenerationRequest, SampleO
 from .control import Controller
 from .protocol import (
     GENERATION_FAILED,
+    MAX_TOP_LOGPROBS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -108,6 +110,35 @@ def check_token_ids(served: ServedModel, ids: list[int], param: str) -> None:
     bad = next((t for t in ids if not 0 <= t < served.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"{param}: token id {bad} outside the vocabulary [0, {served.vocab_size})", param)
+
+
+def check_prompt_logprobs(k: int | None, param: str, stream: bool = False) -> None:
+    """vLLM's ``prompt_logprobs`` request field: null (off) or an integer in [0,
+    ``MAX_TOP_LOGPROBS``], the top tokens listed per prompt position besides the prompt token
+    itself. vLLM takes -1 for the whole vocabulary, capped by its ``--max-logprobs`` (20 by
+    default, OpenAI's ``top_logprobs`` cap); here the cap is that same 20, which ``top_logprobs`` /
+    ``logprobs`` have. ``stream``: the OpenAI routes refuse k >= 1 on a streamed request and take
+    0 (sending no prompt logprobs), as vLLM's request validators do.
+
+    Raises:
+        APIError: 400 naming ``param``.
+    """
+    if k is None:
+        return
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise APIError(
+            400,
+            f"{param}={k}: must be null (off) or an integer in [0, {MAX_TOP_LOGPROBS}], the top tokens listed per "
+            "prompt position besides the prompt token itself (0: the prompt token only; vLLM's -1, the whole "
+            "vocabulary, is not served)",
+            param,
+        )
+    if stream and k > 0:
+        raise APIError(
+            400,
+            f"{param}={k}: prompt logprobs are not available with stream=true (as in vLLM); send stream=false",
+            param,
+        )
 
 
 def check_prompt_length(served: ServedModel, n: int, param: str) -> None:
@@ -440,6 +471,16 @@ def _logprob_entry(served: ServedModel, tid: int, lp: float, top: list[tuple[int
 
 
 PROMPT_LOGPROB_FLOOR = -9999.0  # a prompt token's -inf logprob in JSON (which has no -inf), as vLLM sends it
+
+
+def sampled_first(tid: int, lp: float, top: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """One position's completions ``top_logprobs`` as vLLM lists them: the position's own token
+    (the sampled one; under ``echo`` the prompt's) with its logprob first, then the top ``k``
+    without it, so k + 1 entries when the token is not among the top k, k when it is (OpenAI's
+    completions spec: "up to logprobs + 1"). Chat's ``top_logprobs`` stay the top k, as OpenAI's
+    (vLLM's chat lists the first k of these: the token first, so the k-th most likely is dropped
+    when the token is not among them)."""
+    return [(tid, lp)] + [(i, v) for i, v in top if i != tid]
 
 
 def stale_note(stale: list[tuple[int, int, int | None]], served: int) -> str:
@@ -776,29 +817,46 @@ class OpenAIServing:
                 scores.stale.append((j, versions[j] if j < len(versions) else version, stamp))
         return scores
 
-    async def prompt_scores(self, prompt: list[int], k: int, params: SamplingParams) -> tuple:
-        """``/generate``'s ``prompt_logprobs``, the part the samples of one request share: one
-        forward over ``prompt`` (:meth:`forward_scores`, ``with_tokens``, top ``k``). Returns (rows of
-        positions 1.., weight version, weight-write count), or (None, None, None) for a one-token
-        prompt (nothing to score). Raises APIError (``sampling_params.prompt_logprobs``) as
-        :meth:`forward_scores`."""
+    async def prompt_scores(
+        self, prompt: list[int], k: int, params: SamplingParams, param: str = "sampling_params.prompt_logprobs"
+    ) -> tuple:
+        """A request's ``prompt_logprobs`` (``/generate``'s ``sampling_params.prompt_logprobs``, the
+        OpenAI routes' ``prompt_logprobs``), the part its samples share: one forward over
+        ``prompt`` (:meth:`forward_scores`, ``with_tokens``, top ``k``). Returns (rows of positions
+        1.., weight version, weight-write count), or (None, None, None) for a one-token prompt
+        (nothing to score). Raises APIError naming ``param`` as :meth:`forward_scores`."""
         if len(prompt) < 2:
             return None, None, None
-        return await self.forward_scores(prompt, 1, k, params, True, "sampling_params.prompt_logprobs")
+        return await self.forward_scores(prompt, 1, k, params, True, param)
 
     def sample_prompt_logprobs(
-        self, prompt: list[int], scored: tuple, out: SampleOutput, k: int
+        self, prompt: list[int], scored: tuple, out: SampleOutput | None, k: int
     ) -> tuple[list[dict | None], str | None]:
         """One sample's ``prompt_logprobs`` (vLLM's shape, :func:`vllm_prompt_logprobs`) from the
         request's :meth:`prompt_scores`, and its ``prompt_logprobs_note`` or None: guarded as
         :meth:`score_sample` guards, so a sample whose prompt ran with weights written over since
-        (:func:`prompt_is_stale`) gets empty entries and the note instead of another model's."""
+        (:func:`prompt_is_stale`) gets empty entries and the note instead of another model's.
+        ``out`` None: no sample (a prompt scored alone, completions ``max_tokens=0``), nothing to
+        disagree with."""
         rows, version, served = scored
-        if rows is not None and prompt_is_stale(out.output_ids, out.token_weight_writes, served):
+        if rows is not None and out is not None and prompt_is_stale(out.output_ids, out.token_weight_writes, served):
             v = out.token_weight_versions[0] if out.token_weight_versions else version
             note = prompt_stale_note(v, version, "prompt_logprobs holds empty entries")
             return vllm_prompt_logprobs(self.served, prompt, None, k), note
         return vllm_prompt_logprobs(self.served, prompt, rows or [], k), None
+
+    def request_prompt_logprobs(
+        self, prompt: list[int], scored: tuple, outs: list[SampleOutput], k: int
+    ) -> tuple[list[dict | None], str | None]:
+        """The ``prompt_logprobs`` of a response that carries one list for all its samples (chat
+        completions, vLLM's response-level field) and its note or None: the scores of
+        :meth:`prompt_scores` only when every sample's prompt ran with the weights they come from,
+        else empty entries and the first such sample's note (:meth:`sample_prompt_logprobs`)."""
+        for out in outs:
+            entries, note = self.sample_prompt_logprobs(prompt, scored, out, k)
+            if note:
+                return entries, note
+        return self.sample_prompt_logprobs(prompt, scored, None, k)
 
     # ---- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:
@@ -806,20 +864,20 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if req.prompt_logprobs is not None:
-            raise APIError(
-                400,
-                "prompt_logprobs: not taken by chat completions; render the messages with /tokenize and score the "
-                "ids with /v1/completions (echo=true, logprobs=k, max_tokens=0 for the prompt alone) or /generate "
-                "(sampling_params.prompt_logprobs)",
-                "prompt_logprobs",
-            )
+        check_prompt_logprobs(req.prompt_logprobs, "prompt_logprobs", req.stream)
         prompt = chat_prompt(self.served, req)
         params = sampling_params(self.served, req, len(prompt.ids), req.max_completion_tokens or req.max_tokens)
         return prompt, GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt.ids, params)
 
     async def chat(self, req: ChatCompletionRequest, prompt: ChatPrompt, greq: GenerationRequest) -> dict:
-        """Non-streamed chat completion (OpenAI ``chat.completion`` object)."""
+        """Non-streamed chat completion (OpenAI ``chat.completion`` object). With vLLM's
+        ``prompt_logprobs=k`` the response (not each choice: the samples share the prompt, as in
+        vLLM) carries ``prompt_logprobs`` in vLLM's shape (:func:`vllm_prompt_logprobs`) for the
+        rendered prompt's ids (the generation prompt and any forced tool-call opening included),
+        from one forward after the samples are generated (:meth:`prompt_scores`), guarded as
+        :meth:`request_prompt_logprobs` says (empty entries and a ``prompt_logprobs_note`` when a
+        sample's prompt ran with weights written over since). A streamed request takes only
+        ``prompt_logprobs=0`` and sends none, as vLLM (:func:`check_prompt_logprobs`)."""
         outs: list[SampleOutput] = []
         async for item in self.runner.stream(greq, stream=False):
             if isinstance(item, SampleOutput):
@@ -869,6 +927,11 @@ class OpenAIServing:
             "usage": self._usage(len(prompt.ids), outs),
             "weight_version": max((o.weight_version for o in outs), default=self.runner.weight_version),
         }
+        if req.prompt_logprobs is not None:
+            scored = await self.prompt_scores(prompt.ids, req.prompt_logprobs, greq.params, "prompt_logprobs")
+            body["prompt_logprobs"], note = self.request_prompt_logprobs(prompt.ids, scored, outs, req.prompt_logprobs)
+            if note:
+                body["prompt_logprobs_note"] = note
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt.ids
         return body
@@ -955,14 +1018,7 @@ class OpenAIServing:
         """One engine request per prompt (a string, token ids, or a list of either); 400 naming the
         field for what this route cannot answer (see :meth:`completion`)."""
         self.check_model(req.model)
-        if req.prompt_logprobs is not None:
-            raise APIError(
-                400,
-                "prompt_logprobs: not taken by /v1/completions; send echo=true with logprobs=k (the prompt tokens' "
-                "logprobs then come first in choices[].logprobs, as OpenAI's echo does), or use /generate's "
-                "sampling_params.prompt_logprobs",
-                "prompt_logprobs",
-            )
+        check_prompt_logprobs(req.prompt_logprobs, "prompt_logprobs", req.stream)
         if req.stream and req.echo and req.logprobs is not None:
             raise APIError(
                 400,
@@ -1010,40 +1066,59 @@ class OpenAIServing:
             reqs.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{j}", ids, params))
         return reqs
 
-    def _completion_logprobs(self, ids: list[int], token_logprobs: list, tops: list | None, offset: int = 0) -> dict:
+    def _completion_logprobs(self, ids: list[int], token_logprobs: list, rows: list, offset: int = 0) -> dict:
         """OpenAI completions ``logprobs`` of the tokens ``ids`` whose text starts at character
         ``offset`` of the choice's text: each token's text, its logprob (None where unknown), its
-        top list as {text: logprob} (None: the first prompt token; ``tops`` None: k 0, no lists),
-        and its text offset (the characters before it, token texts summed)."""
+        top list as {text: logprob} from ``rows`` (per token, None: no list, the first prompt
+        token's; else (token id, logprob) pairs as :func:`sampled_first` orders them; a text that
+        two ids decode to keeps the first one's logprob), and its text offset (the characters
+        before it, token texts summed)."""
         toks = [self.served.decode([t]) for t in ids]
         offsets, pos = [], offset
         for t in toks:
             offsets.append(pos)
             pos += len(t)
-        return {
-            "tokens": toks,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": None
-            if tops is None
-            else [None if row is None else {self.served.decode([i]): v for i, v in row} for row in tops],
-            "text_offset": offsets,
-        }
+        tops = []
+        for row in rows:
+            if row is None:
+                tops.append(None)
+                continue
+            top: dict[str, float] = {}
+            for i, v in row:
+                top.setdefault(self.served.decode([i]), v)
+            tops.append(top)
+        return {"tokens": toks, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _sampled_rows(ids: list[int], lps: list[float], scores: SampleScores, start: int = 0) -> list[list]:
+        """The completions top rows of generated tokens ``ids`` (the sample's tokens ``start ..``,
+        sampler logprobs ``lps``): each token with its sampler logprob first, then its top ``k``
+        from ``scores.tops`` (:func:`sampled_first`; k 0: the token alone); [] for a token the
+        stale-weights guard left out (``scores.stale``), whose top list would be another model's."""
+        stale = {j for j, _, _ in scores.stale}
+        tops = scores.tops
+        return [
+            [] if start + i in stale else sampled_first(t, lp, tops[i] if tops else [])
+            for i, (t, lp) in enumerate(zip(ids, lps))
+        ]
 
     def _echo_logprobs(self, prompt: list[int], scores: SampleScores, k: int, out: SampleOutput | None) -> dict:
         """The completions ``logprobs`` of an echoed choice: the prompt tokens first (the first one's
         logprob and top list None, as vLLM and OpenAI send it; a prompt token the top-k / top-p
-        filters removed at ``PROMPT_LOGPROB_FLOOR``; all None with empty top lists when the prompt
-        ran with weights written over since, ``scores.prompt_stale``), then the generated tokens of
-        ``out`` (None: max_tokens 0) with the sampler's logprobs and ``scores.tops``."""
+        filters removed at ``PROMPT_LOGPROB_FLOOR``; each top list the prompt token and its top
+        ``k``, :func:`sampled_first`; all None with empty top lists when the prompt ran with weights
+        written over since, ``scores.prompt_stale``), then the generated tokens of ``out`` (None:
+        max_tokens 0) with the sampler's logprobs and their rows (:meth:`_sampled_rows`)."""
         rows = scores.prompt
         if rows is None:  # stale: another model's scores are not returned
-            lps, prompt_tops = [None] * (len(prompt) - 1), [[] for _ in prompt[1:]]
+            lps, prompt_rows = [None] * (len(prompt) - 1), [[] for _ in prompt[1:]]
         else:
             lps = [max(r.logprob, PROMPT_LOGPROB_FLOOR) for r in rows]
-            prompt_tops = [r.top[:k] for r in rows]
+            prompt_rows = [sampled_first(t, lp, r.top[:k]) for t, lp, r in zip(prompt[1:], lps, rows)]
         out_ids, out_lps = (out.output_ids, out.logprobs) if out is not None else ([], [])
-        tops = None if not k else [None] + prompt_tops + list(scores.tops or [])
-        return self._completion_logprobs(prompt + out_ids, [None] + lps + list(out_lps), tops)
+        out_rows = self._sampled_rows(out_ids, out_lps, scores)
+        rows = [None] + prompt_rows + out_rows
+        return self._completion_logprobs(prompt + out_ids, [None] + lps + list(out_lps), rows)
 
     async def completion(self, req: CompletionRequest, reqs: list[GenerationRequest]) -> dict:
         """Non-streamed completion (OpenAI ``text_completion`` object); choice index = prompt
@@ -1052,13 +1127,17 @@ class OpenAIServing:
         ``echo`` puts the prompt's text before each choice's; with ``logprobs=k`` the prompt
         tokens' logprobs come first in its ``logprobs`` (:meth:`_echo_logprobs`), scored by the
         same forward as the generated tokens' top logprobs (:meth:`score_sample`), under the
-        weights the sample's prompt ran with or not at all (``top_logprobs_note`` says why).
-        ``max_tokens=0`` (with ``echo``) generates nothing: each of the ``n`` choices is the
-        prompt, finish reason "length", its logprobs scored once under the weights served now,
-        once the request is admitted (``Controller.admitted``: it waits while the server is
-        paused, as a generation does)."""
+        weights the sample's prompt ran with or not at all (``top_logprobs_note`` says why). Each
+        top list holds the position's own token first, then the top k (:func:`sampled_first`, as
+        vLLM). vLLM's ``prompt_logprobs=p`` gives each choice a ``prompt_logprobs`` list in vLLM's
+        shape (:func:`vllm_prompt_logprobs`), one forward per prompt shared by its ``n`` choices
+        (:meth:`prompt_scores`), guarded per choice (:meth:`sample_prompt_logprobs`: empty entries
+        and a ``prompt_logprobs_note``). ``max_tokens=0`` (with ``echo``) generates nothing: each
+        of the ``n`` choices is the prompt, finish reason "length", its logprobs and prompt
+        logprobs scored once under the weights served now, once the request is admitted
+        (``Controller.admitted``: it waits while the server is paused, as a generation does)."""
         choices, all_outs, prompt_tokens = [], [], 0
-        k = req.logprobs
+        k, plp = req.logprobs, req.prompt_logprobs
 
         async def run(greq: GenerationRequest) -> list[SampleOutput]:
             if req.max_tokens == 0:
@@ -1071,19 +1150,25 @@ class OpenAIServing:
             prompt_tokens += len(prompt_ids)
             prefix = self.served.decode(prompt_ids) if req.echo else ""
             if req.max_tokens == 0:
-                scored = None
-                if k is not None:  # a forward for the client: admitted as a generation is (waits while paused)
+                scored = prompt_scored = None
+                if k is not None or plp is not None:  # forwards for the client: admitted as a generation is
                     async with self.runner.admitted(greq.request_id):
-                        scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k)
+                        if k is not None:
+                            scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k)
+                        if plp is not None:
+                            prompt_scored = await self.prompt_scores(prompt_ids, plp, greq.params, "prompt_logprobs")
                 for i in range(greq.params.n):
                     choice = {"index": p * greq.params.n + i, "text": prefix, "logprobs": None}
                     choice.update(finish_reason="length", stop_reason=None)
                     if scored is not None:
                         choice["logprobs"] = self._echo_logprobs(prompt_ids, scored, k, None)
+                    if prompt_scored is not None:
+                        choice["prompt_logprobs"], _ = self.sample_prompt_logprobs(prompt_ids, prompt_scored, None, plp)
                     if req.return_token_ids:
                         choice.update(prompt_token_ids=prompt_ids, token_ids=[], token_weight_versions=[])
                     choices.append(choice)
                 continue
+            prompt_scored = None  # the prompt's scores, shared by its choices (once none is an error)
             for out in sorted(outs, key=lambda o: o.sample_index):
                 if out.finish_reason == FINISH_ERROR:
                     raise engine_error(out.error, COMPLETION_FIELDS)
@@ -1110,12 +1195,17 @@ class OpenAIServing:
                     if req.echo:
                         choice["logprobs"] = self._echo_logprobs(prompt_ids, scores, k, out)
                     else:
-                        choice["logprobs"] = self._completion_logprobs(
-                            out.output_ids, out.logprobs, scores.tops, len(prefix)
-                        )
+                        rows = self._sampled_rows(out.output_ids, out.logprobs, scores)
+                        choice["logprobs"] = self._completion_logprobs(out.output_ids, out.logprobs, rows, len(prefix))
                     note = scores.note("the prompt tokens' logprobs are null and their top_logprobs empty")
                     if note:
                         choice["top_logprobs_note"] = note
+                if plp is not None:
+                    if prompt_scored is None:
+                        prompt_scored = await self.prompt_scores(prompt_ids, plp, greq.params, "prompt_logprobs")
+                    choice["prompt_logprobs"], note = self.sample_prompt_logprobs(prompt_ids, prompt_scored, out, plp)
+                    if note:
+                        choice["prompt_logprobs_note"] = note
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = prompt_ids
                     choice["token_ids"] = out.output_ids
@@ -1140,15 +1230,17 @@ class OpenAIServing:
         """SSE chunks of a streamed completion, prompts one after another, then ``[DONE]``.
 
         With ``logprobs=k`` each chunk that carries generated tokens carries their ``logprobs``
-        (vLLM's way): ``tokens``, ``token_logprobs`` (the sampler's), ``top_logprobs`` (None for k
-        0) and ``text_offset`` (into the choice's whole text, as the non-streamed answer counts
-        it), so the chunks' lists concatenate to the non-streamed answer's of the same seed. The
-        top lists come from one forward per chunk over the sample so far, guarded as the
-        non-streamed ones (:class:`StreamScores`: a token of weights written over since gets an
-        empty list, its chunk a ``top_logprobs_note``). A chunk's tokens may run ahead of its
-        text (text held back for a stop string or an incomplete character comes later).
-        ``return_token_ids``: each choice's first chunk carries its ``prompt_token_ids``, each
-        chunk its ``token_ids`` and their ``token_weight_versions``, as the non-streamed choice."""
+        (vLLM's way): ``tokens``, ``token_logprobs`` (the sampler's), ``top_logprobs`` (each token
+        first, then its top k: :func:`sampled_first`) and ``text_offset`` (into the choice's whole
+        text, as the non-streamed answer counts it), so the chunks' lists concatenate to the
+        non-streamed answer's of the same seed. The top lists come from one forward per chunk over
+        the sample so far (none for k 0), guarded as the non-streamed ones (:class:`StreamScores`:
+        a token of weights written over since gets an empty list, its chunk a
+        ``top_logprobs_note``). A chunk's tokens may run ahead of its text (text held back for a
+        stop string or an incomplete character comes later). ``return_token_ids``: each choice's
+        first chunk carries its ``prompt_token_ids``, each chunk its ``token_ids`` and their
+        ``token_weight_versions``, as the non-streamed choice. ``prompt_logprobs``: only 0 gets
+        here, and the chunks carry none, as vLLM's (:func:`check_prompt_logprobs`)."""
         created = int(time.time())
         outs: list[SampleOutput] = []
         prompt_tokens = 0
@@ -1189,7 +1281,9 @@ class OpenAIServing:
                             extra.update(token_ids=item.token_ids, token_weight_versions=item.weight_versions)
                         if k is not None:
                             scores = await scorer.delta(item, texts[i].ids)
-                            lp = self._completion_logprobs(item.token_ids, item.logprobs, scores.tops, offsets[i])
+                            start = len(texts[i].ids) - len(item.token_ids)
+                            rows = self._sampled_rows(item.token_ids, item.logprobs, scores, start)
+                            lp = self._completion_logprobs(item.token_ids, item.logprobs, rows, offsets[i])
                             if lp["tokens"]:
                                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                             extra["logprobs"] = lp

@@ -118,8 +118,9 @@ class SamplingFields(_Body):
     logprobs_mode: Literal["processed", "raw"] = "processed"
     return_token_ids: bool = False
     user: str | None = None
-    # vLLM's sampling extension, named so that it is refused (400) with what to send instead:
-    # these routes give prompt logprobs through echo (completions), /generate through this field
+    # vLLM's sampling extension: the prompt tokens' logprobs in vLLM's shape (completions: on each
+    # choice; chat: on the response); checked in openai_api.check_prompt_logprobs (0 .. MAX_TOP_LOGPROBS,
+    # streamed: 0 only, as vLLM)
     prompt_logprobs: int | None = None
 
 
