@@ -170,26 +170,91 @@ def test_offline_training_keeps_the_lr_schedule_on_dumped_steps(dump, tmp_path):
     assert policy.schedule_position == 8 and policy.lr == pytest.approx(1e-4, rel=1e-12)
 
 
+def test_offline_training_trains_each_dumped_step_at_the_runs_lr(dump, tmp_path):
+    """A 5-step run (linear schedule after 3 warmup positions, 2 optimizer steps per GRPO step)
+    dumps steps 1, 2, 4 and 5 (no shard for step 3); replaying steps 2, 4 and 5 (``--steps``)
+    trains each at the LR the run logged for it (``train/lr``). It used to train the i-th replayed
+    step at GRPO step i (steps 2, 4, 5 at the LRs of steps 1, 2, 3). ``lr_steps="replayed"`` keeps
+    that schedule on request; a step past ``grpo.max_num_steps`` is refused before training."""
+    import copy
+
+    from m3_trainers.step import build_loss_fn, build_policy, total_optimizer_steps, train_step_on_groups
+
+    root, trajs = dump
+    overrides = [
+        "grpo.num_prompts_per_step=2",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.max_num_steps=5",
+        "policy.train_global_batch_size=2",
+        "policy.train_micro_batch_size=2",
+        "policy.optimizer.lr=1e-3",
+        "policy.scheduler.name=linear",
+        "policy.scheduler.warmup_steps=3",
+        "policy.scheduler.min_lr_ratio=0.1",
+    ]
+    cfg = load_config(None, overrides)
+    loss_fn = build_loss_fn(cfg.loss_fn)
+
+    def policy(num_grpo_steps):
+        model = load_checkpoint(root / "ckpt", dtype=torch.float32)
+        return build_policy(cfg, model, total_optimizer_steps(cfg, num_grpo_steps))
+
+    run, run_lr = policy(5), {}  # the GRPO loop's training: step k at grpo_step_index k - 1
+    w = RolloutDumpWriter(tmp_path / "dump", run_id="r")
+    for step in range(1, 6):
+        res = train_step_on_groups(run, loss_fn, copy.deepcopy(trajs), cfg, TEMPERATURE, grpo_step_index=step - 1)
+        run_lr[step] = res.metrics["lr"]
+        if step != 3:
+            w.write_step(step, trajs, [1.0, -1.0, 1.0, -1.0], {"temperature": TEMPERATURE}, {"lr": run_lr[step]})
+    assert len(set(run_lr.values())) == 5  # every step at its own LR
+    read = read_dump(tmp_path / "dump", steps=[2, 4, 5])
+
+    history = train_offline(read, cfg, policy(5), loss_fn)
+    assert [h["step"] for h in history] == [2, 4, 5]
+    assert [h["lr"] for h in history] == [run_lr[2], run_lr[4], run_lr[5]]
+
+    from m3_rollout.dump import DumpError
+    from m3_rollout.jobs.replay import lr_differences, schedule_indices
+    from m3_trainers.policy import lr_factor
+
+    assert lr_differences(read, history) == []
+    assert schedule_indices([5, 2, 4], cfg) == ({2: 1, 4: 3, 5: 4}, 5)
+    # The replayed steps as a 3-step run of their own (the earlier schedule): not the run's LRs.
+    index, n = schedule_indices([2, 4, 5], cfg, "replayed")
+    assert (index, n) == ({2: 0, 4: 1, 5: 2}, 3)
+    own = train_offline(read, cfg, policy(n), loss_fn, lr_steps="replayed")
+    assert [h["lr"] for h in own] == [1e-3 * lr_factor(2 * i, 3, "linear", 6, 0.1) for i in range(3)]
+    assert [h["lr"] for h in own] != [h["lr"] for h in history]
+    assert [d.split(":")[0] for d in lr_differences(read, own)] == ["step 2", "step 4", "step 5"]
+    # A config whose schedule ends before the dump's last step: refused before anything trains.
+    short = load_config(None, [*overrides, "grpo.max_num_steps=4"])
+    fresh = policy(4)
+    before = [p.detach().clone() for p in fresh.model.parameters()]
+    with pytest.raises(DumpError, match=r"step 5 of the dump is past the LR schedule of grpo.max_num_steps=4") as exc:
+        train_offline(read, short, fresh, loss_fn)
+    assert "at least 5" in str(exc.value) and "--lr-steps replayed" in str(exc.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters()))
+
+
 def test_grpo_loop_dumps_and_cli(tmp_path, monkeypatch, capsys):
     from m3_rollout.jobs.grpo import run
 
     monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "dumps"
-    cfg = load_config(
-        "configs/grpo_smoke.yaml",
-        [
-            "grpo.max_num_steps=2",
-            "grpo.val_at_start=false",
-            "grpo.val_at_end=false",
-            "grpo.num_prompts_per_step=2",
-            "policy.train_global_batch_size=8",
-            f"logger.log_dir={tmp_path}/logs",
-            "checkpointing.enabled=false",
-            "rollout_dump.enabled=true",
-            f"rollout_dump.dir={d}",
-            "rollout_dump.every_n_steps=2",
-        ],
-    )
+    overrides = [
+        "grpo.max_num_steps=2",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "grpo.num_prompts_per_step=2",
+        "policy.train_global_batch_size=8",
+        "policy.scheduler.warmup_steps=2",  # step 1 trains at lr / 2, step 2 at lr
+        f"logger.log_dir={tmp_path}/logs",
+        "checkpointing.enabled=false",
+        "rollout_dump.enabled=true",
+        f"rollout_dump.dir={d}",
+        "rollout_dump.every_n_steps=2",
+    ]
+    cfg = load_config("configs/grpo_smoke.yaml", overrides)
     run(cfg)
     read = read_dump(d)
     assert [s.step for s in read.shards] == [2] and read.table.num_rows == 8
@@ -209,6 +274,18 @@ def test_grpo_loop_dumps_and_cli(tmp_path, monkeypatch, capsys):
     assert "no shard for steps [5]" in capsys.readouterr().err
     assert dump_main(["inspect", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # replay --train: the dump's only step, 2, trains at the run's step-2 LR (it used to train at
+    # step 1's, lr / 2, the first position of a 1-step schedule) and no LR warning follows.
+    replay = ["replay", str(d), "--config", "configs/grpo_smoke.yaml", *overrides, "--plain"]
+    assert dump_main([*replay, "--train", "--json", str(tmp_path / "replay.json")]) == 0
+    (trained,) = json.loads((tmp_path / "replay.json").read_text())["train"]
+    assert trained["step"] == 2 and trained["lr"] == logged["train/lr"] == cfg.policy.optimizer.lr
+    assert "another LR" not in capsys.readouterr().err
+    # A config whose schedule ends before step 2: refused before the re-scoring.
+    assert dump_main([*replay, "grpo.max_num_steps=1", "--train"]) == 2
+    out = capsys.readouterr()
+    assert "re-scoring" not in out.out
+    assert "error: step 2 of the dump is past the LR schedule of grpo.max_num_steps=1" in out.err
 
 
 def test_groups_from_several_prompt_batches_get_distinct_group_ids(tmp_path, monkeypatch):

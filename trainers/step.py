@@ -269,7 +269,8 @@ def train_step_on_groups(
         advantages: float [N] to train with (e.g. the values stored in a dump); None = computed
             from the rewards by :func:`trajectory_advantages`.
         grpo_step_index: which GRPO step of the run this is, 0-based (the loop's step - 1, the
-            offline replay's i-th dumped step): the optimizer steps train at
+            offline replay's dumped step - 1 by default, ``m3_rollout.jobs.replay.schedule_indices``):
+            the optimizer steps train at
             :func:`schedule_position` and the schedule is left at (index + 1) x
             ``optimizer_steps_per_grpo_step``, whatever the number of rows trained. None = the
             schedule simply advances one position per optimizer step (a step outside a run).

@@ -7,9 +7,13 @@
   show DIR --step S --group G
       one GRPO group's trajectories laid out by turn (reasoning, text, tool calls, tool results)
   replay DIR --config CFG [key=value ...] [--checkpoint PATH] [--train] [--save DIR]
+         [--lr-steps {dumped,replayed}]
       re-score the stored trajectories with the checkpoint (policy.model_name, or --checkpoint)
       and report the mismatch against the stored rollout logprobs; with --train, then run GRPO
-      steps on the dumped trajectories without generating, and save the result with --save
+      steps on the dumped trajectories without generating, and save the result with --save.
+      Each dumped step trains at the run's LR for it: step s at GRPO step s of a schedule over
+      grpo.max_num_steps of the config given (the dump stores no config: pass the run's);
+      --lr-steps replayed schedules over the replayed steps alone instead
 
 Bad shards (truncated, foreign, other schema version) are reported by file on stderr; the other
 shards are still used. Exit status 2 for bad arguments or an unusable directory; 130 for a Ctrl-C,
@@ -106,6 +110,11 @@ def _replay(args, saved: list[Path]) -> int:
     cfg = _load_cfg(args)
     read = read_dump(args.dir, steps=args.steps)
     _errors([f"skipped {e}" for e in read.errors])
+    schedule = None
+    if args.train:  # a step past the schedule is refused before the (long) re-scoring
+        from m3_rollout.jobs.replay import schedule_indices
+
+        schedule = schedule_indices(set(read.table.column("step").to_pylist()), cfg, args.lr_steps)
     name = args.checkpoint or cfg.policy.model_name
     try:  # a path that is no checkpoint or an unknown builtin: name, as `error: ...` (exit 2)
         check_model_name(name)
@@ -139,7 +148,7 @@ def _replay(args, saved: list[Path]) -> int:
     )
     result = {"checkpoint": str(model_dir), "scorer": scorer.name, "rescore": [vars(s) for s in stats]}
     if args.train:
-        result["train"] = _train(args, cfg, read, model_dir, saved)
+        result["train"] = _train(args, cfg, read, model_dir, schedule[1], saved)
     if args.json:  # tmp + rename: a stopped write leaves no partial JSON
         tmp = Path(args.json).with_name(f".{Path(args.json).name}.tmp-{os.getpid()}")
         try:
@@ -150,11 +159,15 @@ def _replay(args, saved: list[Path]) -> int:
     return 0
 
 
-def _train(args, cfg, read, model_dir, saved: list[Path]) -> list[dict]:
+def _train(args, cfg, read, model_dir, schedule_steps: int, saved: list[Path]) -> list[dict]:
+    """Offline GRPO on ``read`` (``train_offline``) with an LR schedule over ``schedule_steps`` GRPO
+    steps (``schedule_indices``); prints one line per step and, on stderr, a warning for steps whose
+    LR differs from the one the run logged in the dump (``--lr-steps dumped`` only). A saved
+    checkpoint's path is appended to ``saved`` (what a Ctrl-C reports as left behind)."""
     from transformers import AutoTokenizer
 
     from m3_rollout.jobs.grpo import save_final
-    from m3_rollout.jobs.replay import train_offline
+    from m3_rollout.jobs.replay import lr_differences, train_offline
     from m3_trainers.step import (
         build_loss_fn,
         build_policy,
@@ -163,9 +176,10 @@ def _train(args, cfg, read, model_dir, saved: list[Path]) -> list[dict]:
         truncated_sampling_warning,
     )
 
-    # NOTE: the optimizer and LR schedule as the GRPO loop builds them, over the dumped steps.
+    # NOTE: the optimizer and LR schedule as the GRPO loop builds them: over grpo.max_num_steps
+    # (--lr-steps dumped) or the replayed steps (--lr-steps replayed).
     model = load_trainer_model(cfg, model_dir)
-    policy = build_policy(cfg, model, total_optimizer_steps(cfg, len(read.shards)))
+    policy = build_policy(cfg, model, total_optimizer_steps(cfg, schedule_steps))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     warning = truncated_sampling_warning(cfg)
     if warning:
@@ -185,7 +199,16 @@ def _train(args, cfg, read, model_dir, saved: list[Path]) -> list[dict]:
         pad_id=tokenizer.pad_token_id or 0,
         recompute_advantages=args.recompute_advantages,
         log=log,
+        lr_steps=args.lr_steps,
     )
+    differ = lr_differences(read, history) if args.lr_steps == "dumped" else []  # "replayed" differs on purpose
+    if differ:
+        print(
+            f"[warn] {len(differ)} replayed step(s) trained at another LR than the run logged (the config's "
+            f"grpo.max_num_steps, batch sizes, policy.optimizer.lr or policy.scheduler.* differ from the run's?): "
+            + "; ".join(differ[:3]),
+            file=sys.stderr,
+        )
     if args.save:
         out = save_final(policy, Path(model_dir), Path(args.save), max(h["step"] for h in history))
         saved.append(out)
@@ -229,6 +252,14 @@ def build_parser(prog: str = "m3-rollout dump") -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, nargs="*", help="only these steps")
     r.add_argument("--train", action="store_true", help="run GRPO steps on the dump after re-scoring")
     r.add_argument("--recompute-advantages", action="store_true", help="recompute advantages from rewards")
+    r.add_argument(
+        "--lr-steps",
+        choices=["dumped", "replayed"],
+        default="dumped",
+        help="with --train, the LR schedule: dumped (default) = each step at its own GRPO step number over "
+        "grpo.max_num_steps, the run's LRs; replayed = the replayed steps as a run of their own, the schedule "
+        "over them alone",
+    )
     r.add_argument("--save", help="with --train: directory for the trained checkpoint")
     r.add_argument("--json", help="write the re-scoring (and training) results to this JSON file")
     r.add_argument("--plain", action="store_true")

@@ -5,7 +5,8 @@ logprobs, rewards, advantages), so both jobs skip generation. Re-scoring
 (``m3_rollout.dump.replay.rescore``) computes log p(token_t | tokens_<t) at the stored sampling
 temperature and compares it with the stored rollout logprobs on sampled tokens. Offline training
 feeds each dumped step, in step order, through the GRPO loop's own training step
-(``m3_trainers.step.train_step_on_groups``).
+(``m3_trainers.step.train_step_on_groups``), by default at the LR-schedule position the run trained
+it at (:func:`schedule_indices`).
 
 Scoring path: the engine's scoring API (``LLMEngine.score``, design.md §3.2) when the engine
 package provides it, else the model forward the trainer uses (``m3_trainers.policy.token_logprobs``).
@@ -122,6 +123,68 @@ def make_scorer(
 
 
 # ---------------------------------------------------------------------------- offline GRPO
+LR_STEPS = ("dumped", "replayed")  # schedule_indices' lr_steps
+
+
+def schedule_indices(steps: Sequence[int], cfg: MasterConfig, lr_steps: str = "dumped") -> tuple[dict[int, int], int]:
+    """Where the replayed steps sit on the LR schedule: each dumped step's GRPO step index (0-based,
+    ``train_step_on_groups``' ``grpo_step_index``) and the schedule's length in GRPO steps (build
+    the policy with ``total_optimizer_steps(cfg, length)``).
+
+    ``lr_steps``:
+      "dumped" (default): the run's own schedule. Dumped step s (the shard's step number, 1-based,
+        which every shard records: file name, metadata and ``step`` column) is GRPO step s - 1 of a
+        schedule over ``cfg.grpo.max_num_steps`` steps, as the GRPO loop trained it, so replaying
+        steps 5-7, or a dump with a step missing (``rollout_dump.every_n_steps``, retention, a step
+        skipped without groups), trains each step at the LR the run used. The dump stores no
+        config (only ``config_hash``), so the replay's config must give the run's
+        ``grpo.max_num_steps`` (and batch sizes, ``policy.optimizer.lr``, ``policy.scheduler.*``).
+      "replayed": the replayed steps as a run of their own: the i-th in step order (0-based) is GRPO
+        step i of a schedule over the number replayed (warmup and decay over that selection), e.g.
+        to fine-tune offline on a few dumped steps.
+
+    Args:
+        steps: the dumped step numbers to replay (any order, no duplicates).
+        cfg: the replay's config (``grpo.max_num_steps``).
+
+    Returns:
+        ({dumped step: GRPO step index}, number of GRPO steps the schedule spans).
+
+    Raises:
+        ValueError: ``lr_steps`` not in ``LR_STEPS``.
+        DumpError: with "dumped", a step past ``grpo.max_num_steps``: the message names both numbers
+            and what to pass instead.
+    """
+    if lr_steps not in LR_STEPS:
+        raise ValueError(f"lr_steps={lr_steps!r}: one of {list(LR_STEPS)}")
+    ordered = sorted(steps)
+    if lr_steps == "replayed":
+        return {s: i for i, s in enumerate(ordered)}, len(ordered)
+    total = cfg.grpo.max_num_steps
+    past = [s for s in ordered if s > total]
+    if past:
+        raise DumpError(
+            f"step {past[-1]} of the dump is past the LR schedule of grpo.max_num_steps={total} (the replay config's; "
+            f"the dump stores no config): pass the original run's grpo.max_num_steps (at least {past[-1]}) as an "
+            f"override to train each step at the run's LR, or --lr-steps replayed for a schedule over the "
+            f"{len(ordered)} replayed step(s) alone"
+        )
+    return {s: s - 1 for s in ordered}, total
+
+
+def lr_differences(read: DumpRead, history: Sequence[dict]) -> list[str]:
+    """One line per replayed step whose LR differs from the ``lr`` its shard's ``step_metrics``
+    records (GRPO-loop dumps record it; ``dump generate`` dumps train nothing and do not): the
+    replay config's schedule (``grpo.max_num_steps``, batch sizes, ``policy.optimizer.lr``,
+    ``policy.scheduler.*``) or ``lr_steps`` is not the run's. Empty when all agree or none is recorded."""
+    logged = {info.step: info.step_metrics.get("lr") for info in read.shards}
+    return [
+        f"step {h['step']}: replay trained at lr {h['lr']!r}, the run logged {logged[h['step']]!r}"
+        for h in history
+        if logged.get(h["step"]) is not None and h.get("lr") != logged[h["step"]]
+    ]
+
+
 def train_offline(
     read: DumpRead,
     cfg: MasterConfig,
@@ -130,6 +193,7 @@ def train_offline(
     pad_id: int = 0,
     recompute_advantages: bool = False,
     log: Callable[[int, dict], None] | None = None,
+    lr_steps: str = "dumped",
 ) -> list[dict]:
     """Run one GRPO training step per dumped step, in step order, without generating.
 
@@ -138,9 +202,10 @@ def train_offline(
     the rewards under ``cfg.grpo``. The step is ``m3_trainers.step.train_step_on_groups``, the GRPO
     loop's own (overlong filtering, routing replay, several optimizer steps per batch and the
     combined metrics as configured), trained at the temperature stored in the rows' sampling params.
-    The i-th replayed step (0-based) is GRPO step i of the LR schedule (``grpo_step_index``): build
-    ``policy`` with ``total_optimizer_steps(cfg, number of steps replayed)`` for the schedule to end
-    at the last one.
+    Each step trains at the LR-schedule position :func:`schedule_indices` gives it under
+    ``lr_steps`` (default "dumped": dumped step s is GRPO step s - 1 of the run, so the replay
+    trains at the run's LRs); build ``policy`` with ``total_optimizer_steps(cfg, n)``, n the
+    schedule length :func:`schedule_indices` returns (``cfg.grpo.max_num_steps`` for "dumped").
 
     Returns:
         per-step metrics dicts (numbers only, with "step", "rows" and "reward" (``train/reward``:
@@ -149,7 +214,8 @@ def train_offline(
     Raises:
         DumpError: before any step trains, for a step whose every row failed to generate
             (finish_reason "error"; a ``dump generate`` dump keeps one, the GRPO loop stops there):
-            it has nothing to train; the message names the steps to replay instead (``--steps``).
+            it has nothing to train; the message names the steps to replay instead (``--steps``);
+            or for a step past the schedule (:func:`schedule_indices`).
     """
     gen = cfg.policy.generation
     steps: dict[int, list[dict]] = {}
@@ -163,8 +229,9 @@ def train_offline(
             f"has nothing to train ({len(failed)} such step(s): {failed}); "
             + (f"replay the others with --steps {rest}" if rest else "no step of the dump can train")
         )
+    index_of, _ = schedule_indices(steps, cfg, lr_steps)
     history = []
-    for index, step in enumerate(sorted(steps)):
+    for step in sorted(steps):
         srows = sorted(steps[step], key=lambda r: (r["group_id"], r["sample_index"]))
         trajs = trajectories_from_rows(srows)
         temperature = float(json.loads(srows[0]["sampling_params"]).get("temperature", gen.temperature))
@@ -172,7 +239,7 @@ def train_offline(
         if not recompute_advantages and all(r["advantage"] is not None for r in srows):
             stored = torch.tensor([r["advantage"] for r in srows], dtype=torch.float32)
         res = train_step_on_groups(
-            policy, loss_fn, trajs, cfg, temperature, pad_id=pad_id, advantages=stored, grpo_step_index=index
+            policy, loss_fn, trajs, cfg, temperature, pad_id=pad_id, advantages=stored, grpo_step_index=index_of[step]
         )
         metrics = {
             "step": step,
