@@ -301,6 +301,15 @@ class CudaGraphDecode:
         self.last_tokens[:s].copy_(tokens)
         return out
 
+    def top_logprobs(self, s: int, top, need_top_k: bool, need_top_p: bool) -> tuple[torch.Tensor, int]:
+        """Eager, after :meth:`launch` of size ``s``: ``model_runner.TopAsk.compute`` of the rows
+        ``top`` names over that size's logits and staged sampling parameters (outside the graphs:
+        its shape follows the asking rows)."""
+        logits = self.graphs[s][1]()
+        params, _, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
+        x = logits.to(compute_dtype(logits.dtype))
+        return top.compute(x, params, raw, need_top_k, need_top_p, self.batch_invariant)
+
     def capture(self) -> None:
         """Capture every size (largest first, one shared memory pool) over the current addresses of
         the model's weights and the page pool (again after an engine wake-up: ``sleep.py``)."""

@@ -501,6 +501,7 @@ class LLMEngine:
         ph = self.stats.phase_seconds
         t0 = time.perf_counter()
         tokens, lps = launched.result.fetch()
+        tops = launched.result.fetch_top()
         if self.selection is not None:  # a sampling step was waited for: its record copy is queued right behind
             self.selection.land(launched.serial if launched.samples else None)
         t1 = time.perf_counter()
@@ -522,6 +523,8 @@ class LLMEngine:
                 continue
             seq.token_ids.append(tokens[j])
             seq.logprobs.append(lps[j])
+            if seq.top_logprobs is not None:
+                seq.top_logprobs.append(tops.get(j, []))
             seq.weight_versions.append(version)
             seq.weight_writes.append(-1 if stale else writes)
             live.append(seq)
@@ -541,6 +544,7 @@ class LLMEngine:
                         seq.logprobs[n:],
                         seq.weight_versions[n:],
                         seq.weight_writes[n:],
+                        None if seq.top_logprobs is None else seq.top_logprobs[n:],
                     )
                 )
                 seq.num_streamed = len(seq.logprobs)
@@ -643,6 +647,7 @@ class LLMEngine:
             routed_experts=routed,
             block_selection=selected,
             token_weight_writes=list(seq.weight_writes),
+            top_logprobs=None if seq.top_logprobs is None else list(seq.top_logprobs),
         )
 
     # ---- scoring and metrics --------------------------------------------------------------

@@ -26,6 +26,7 @@ MAX_ABS_LOGIT = 2.0**20
 #: Samples one request may ask for (``SamplingParams.n``): a GRPO group is tens; the bound keeps a
 #: typo from allocating one output record per sample.
 MAX_SAMPLES_PER_REQUEST = 2**16
+MAX_TOP_LOGPROBS = 20  # SamplingParams.top_logprobs cap (as the OpenAI API; the server's cap)
 
 
 def min_temperature(dtype: torch.dtype) -> float:
@@ -101,6 +102,9 @@ class SamplingParams:
     # Stop at the first token after which the decoded output contains one of these (needs the
     # engine's detokenize callback); the tokens that completed the string are kept.
     stop_strings: tuple[str, ...] = ()
+    # The sampler lists each generated token's top-k alternatives (0 = none; at most
+    # MAX_TOP_LOGPROBS) in the distribution its logprob comes from: SampleOutput.top_logprobs.
+    top_logprobs: int = 0
 
     @property
     def num_outputs(self) -> int:
@@ -158,6 +162,9 @@ class SamplingParams:
         stop_strings = _tuple_field("stop_strings", self.stop_strings, "non-empty strings")
         if any(not isinstance(s, str) or not s for s in stop_strings):
             raise ValueError(f"SamplingParams.stop_strings={self.stop_strings!r}: must be non-empty strings")
+        top_logprobs = _int_field("top_logprobs", self.top_logprobs, 0, why=" (0 = none)")
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"SamplingParams.top_logprobs={top_logprobs}: at most {MAX_TOP_LOGPROBS}")
         return SamplingParams(
             n=n,
             temperature=temperature,
@@ -168,6 +175,7 @@ class SamplingParams:
             seed=seed,
             logprobs_mode=str(self.logprobs_mode),
             stop_strings=stop_strings,
+            top_logprobs=top_logprobs,
         )
 
 
@@ -234,6 +242,11 @@ class SampleOutput:
             (an update that re-sends the same version with ``replace`` included), so "weights
             unchanged since token i" is ``token_weight_writes[i] == backend.weight_writes``. Empty
             for backends that do not count writes.
+        top_logprobs: [G] per generated token its ``params.top_logprobs`` most likely (token id,
+            logprob), most likely first, from the sampler at that step: the same distribution as
+            ``logprobs`` (processed or raw; fp32 ``log_softmax``, so in batch-invariant mode the
+            sampled token's entry may differ in its last bits from ``logprobs``: informational),
+            tokens the top-k / top-p filters removed left out. None when not asked.
         routed_experts: optional int16 array [prompt + output len, n_moe_layers, top_k] (routing
             replay; filled by the routing-record work).
         block_selection: optional ``m3_rollout.model.selection_record.SelectionRecord``: the blocks
@@ -254,6 +267,7 @@ class SampleOutput:
     routed_experts: object | None = None
     block_selection: object | None = None
     token_weight_writes: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -264,6 +278,7 @@ class StreamDelta:
         request_id, sample_index: which sample. token_ids / logprobs / weight_versions: the new
         generated tokens [k] with their logprobs and producing weight versions.
         weight_writes: [k] their weight-write counts (``SampleOutput.token_weight_writes``).
+        top_logprobs: [k] their top lists (``SampleOutput.top_logprobs``), None when not asked.
     """
 
     request_id: str
@@ -272,6 +287,7 @@ class StreamDelta:
     logprobs: list[float]
     weight_versions: list[int]
     weight_writes: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class GenerationBackend(abc.ABC):

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3_rollout.engine.model_runner import ModelRunner, SampleBatch, StepLaunch, prepare_decode, prepare_inputs
+from m3_rollout.engine.model_runner import (
+    ModelRunner,
+    SampleBatch,
+    StepLaunch,
+    TopAsk,
+    prepare_decode,
+    prepare_inputs,
+)
 from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling
 from m3_rollout.engine.scheduler import ScheduledRow, SchedulerOutput
 from m3_rollout.engine.sequence import Sequence
@@ -68,6 +75,12 @@ def sampling_flags(cols) -> tuple[bool, bool, str]:
     n_raw = sum(raw)
     mode = "processed" if n_raw == 0 else "raw" if n_raw == len(raw) else "mixed"
     return max(top_k) > 0, min(top_p) < 1, mode
+
+
+def top_ask(samples: list[Sequence]) -> TopAsk | None:
+    """The sample rows whose requests ask for top logprobs (``SamplingParams.top_logprobs``), None if none."""
+    rows = [i for i, s in enumerate(samples) if s.params.top_logprobs]
+    return TopAsk(rows, [samples[i].params.top_logprobs for i in rows]) if rows else None
 
 
 class StepLauncher:
@@ -161,7 +174,7 @@ class StepLauncher:
         need_k, need_p, _ = sampling_flags(cols)
         t2 = time.perf_counter()
         ph["sample"] += t2 - t1
-        result = self.runner.launch_graph(len(rows), s, need_k, need_p)
+        result = self.runner.launch_graph(len(rows), s, need_k, need_p, top_ask(samples))
         ph["forward"] += time.perf_counter() - t2
         return result, graphs.device_stage(len(rows)).slot_mapping, stage.slot_mapping
 
@@ -197,7 +210,8 @@ class StepLauncher:
             packed = np.empty((NUM_SAMPLING_FIELDS, len(samples)), dtype=np.int64)
             pack_sampling(packed, *cols)
             need_k, need_p, mode = sampling_flags(cols)
-            sampling = SampleBatch(packed, expand, need_k, need_p, mode, sum(1 for r in rows if r.sample))
+            n_rows = sum(1 for r in rows if r.sample)
+            sampling = SampleBatch(packed, expand, need_k, need_p, mode, n_rows, top_ask(samples))
         t2 = time.perf_counter()
         ph["sample"] += t2 - t1
         result = self.runner.launch(inputs, token_src if pending else None, sampling)

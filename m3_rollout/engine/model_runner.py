@@ -27,7 +27,7 @@ import torch
 from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.ops import paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
-from m3_rollout.engine.sampler import sample_rows, unpack_sampling
+from m3_rollout.engine.sampler import sample_rows, top_logprobs_rows, unpack_sampling
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
 
@@ -182,6 +182,23 @@ class SampleBatch:
     need_top_p: bool
     raw_mode: str
     num_row_seqs: int
+    top: TopAsk | None = None
+
+
+@dataclass
+class TopAsk:
+    """The sample rows of a step whose requests ask for top logprobs (``SamplingParams.top_logprobs``):
+    ``rows`` (sample-row indices, ascending) and each one's ``ks`` (>= 1). Steps with none pass None."""
+
+    rows: list[int]
+    ks: list[int]
+
+    def compute(self, logits, params, raw, need_top_k: bool, need_top_p: bool, batch_invariant: bool):
+        """``sampler.top_logprobs_rows`` of these rows -> (int64 [2 * M * k'] (ids, then logprobs as
+        float64 bits), k'), k' = min(max(ks), V): the tail of a step's result copy."""
+        rows = torch.tensor(self.rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        ids, vals = top_logprobs_rows(logits, params, raw, rows, max(self.ks), need_top_k, need_top_p, batch_invariant)
+        return torch.cat([ids.reshape(-1), vals.double().view(torch.int64).reshape(-1)]), ids.shape[1]
 
 
 class StepLaunch:
@@ -191,8 +208,26 @@ class StepLaunch:
     CUDA, filled by a non-blocking copy that ``event`` follows). :meth:`fetch` waits for it.
     """
 
-    def __init__(self, flat: torch.Tensor | None, width: int, rows: int, event=None):
+    def __init__(
+        self, flat: torch.Tensor | None, width: int, rows: int, event=None, top: TopAsk | None = None, top_k: int = 0
+    ):
         self.flat, self.width, self.rows, self.event = flat, width, rows, event
+        self.top, self.top_k = top, top_k  # the asking rows and the listed k' (their lists follow the logprobs)
+
+    def fetch_top(self) -> dict[int, list[tuple[int, float]]]:
+        """Sample row -> its top (token id, logprob) list, most likely first, the row's own k
+        entries at most, tokens the filters removed (-inf) left out; {} when no row asked. Call
+        after :meth:`fetch` (the copy has landed)."""
+        if self.top is None:
+            return {}
+        m, k, base = len(self.top.rows), self.top_k, 2 * self.width
+        ids = self.flat[base : base + m * k].tolist()
+        lps = self.flat[base + m * k : base + 2 * m * k].view(torch.float64).tolist()
+        out = {}
+        for i, (row, want) in enumerate(zip(self.top.rows, self.top.ks)):
+            pairs = zip(ids[i * k : i * k + want], lps[i * k : i * k + want])
+            out[row] = [(t, v) for t, v in pairs if v != float("-inf")]
+        return out
 
     def fetch(self) -> tuple[list[int], list[float]]:
         """(ids, logprobs) of the ``rows`` sample rows; blocks until the copy has landed."""
@@ -339,8 +374,19 @@ class ModelRunner:
         )
         k = sampling.num_row_seqs
         self.last_tokens[:k].copy_(tokens[:k])
-        flat = torch.cat([tokens, lps.double().view(torch.int64)])
-        return self._to_host(flat, tokens.shape[0], tokens.shape[0])
+        parts, top_k = [tokens, lps.double().view(torch.int64)], 0
+        if sampling.top is not None:  # after the sampling, which it leaves as it was
+            extra, top_k = sampling.top.compute(
+                logits.to(compute_dtype(logits.dtype)),
+                params,
+                raw,
+                sampling.need_top_k,
+                sampling.need_top_p,
+                self.batch_invariant,
+            )
+            parts.append(extra)
+        flat = torch.cat(parts)
+        return self._to_host(flat, tokens.shape[0], tokens.shape[0], sampling.top, top_k)
 
     # ---- graph path -------------------------------------------------------------------------------
     def graph_size(self, rows: int) -> int | None:
@@ -348,14 +394,24 @@ class ModelRunner:
         return None if self.graphs is None else self.graphs.size_for(rows)
 
     @torch.no_grad()
-    def launch_graph(self, rows: int, s: int, need_top_k: bool, need_top_p: bool) -> StepLaunch:
-        """Replay the decode graphs of size ``s`` on the staged inputs (``self.graphs.stage_rows``)."""
+    def launch_graph(
+        self, rows: int, s: int, need_top_k: bool, need_top_p: bool, top: TopAsk | None = None
+    ) -> StepLaunch:
+        """Replay the decode graphs of size ``s`` on the staged inputs (``self.graphs.stage_rows``).
+        ``top``: rows asking for top logprobs; their lists are computed eagerly from the graph's
+        logits after its sampler ran (the forward and the sampled ids / logprobs are the graphs')."""
         flat = self.graphs.launch(s, need_top_k, need_top_p)
-        return self._to_host(flat, s, rows)
+        top_k = 0
+        if top is not None:
+            extra, top_k = self.graphs.top_logprobs(s, top, need_top_k, need_top_p)
+            flat = torch.cat([flat, extra])
+        return self._to_host(flat, s, rows, top, top_k)
 
-    def _to_host(self, flat: torch.Tensor, width: int, rows: int) -> StepLaunch:
+    def _to_host(
+        self, flat: torch.Tensor, width: int, rows: int, top: TopAsk | None = None, top_k: int = 0
+    ) -> StepLaunch:
         if not self.cuda:  # a copy: ``flat`` may be a static buffer the next step overwrites
-            return StepLaunch(flat.clone(), width, rows)
+            return StepLaunch(flat.clone(), width, rows, None, top, top_k)
         n = flat.shape[0]
         if not self._out_host or self._out_host[0].shape[0] < n:
             self._out_host = [torch.empty(max(n, 4096), dtype=torch.int64).pin_memory() for _ in range(2)]
@@ -364,4 +420,4 @@ class ModelRunner:
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return StepLaunch(host, width, rows, event)
+        return StepLaunch(host, width, rows, event, top, top_k)

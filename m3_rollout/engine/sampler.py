@@ -262,6 +262,49 @@ def gather_logprobs(
     return token_logprobs(base, tokens).to(base.dtype)
 
 
+def top_logprobs_rows(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    raw: torch.Tensor,
+    rows: torch.Tensor,
+    k: int,
+    need_top_k: bool,
+    need_top_p: bool,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of the rows ``rows`` in the distribution their sampled logprob
+    comes from (a request's ``top_logprobs``, computed at sampling time): ``log_softmax`` of the
+    logits :func:`process_logits` makes of them (temperature, top-k, top-p: the processed
+    distribution sampled from), or of the raw logits for a raw row. Runs on those rows alone,
+    after the step's sampling (which it leaves as it was), so rows that do not ask pay nothing.
+
+    Args:
+        logits: [N, V] raw model logits (fp32 / fp64, the sampler's compute dtype).
+        params: the step's per-row parameters [N]; raw: bool [N] (True = "raw" logprobs).
+        rows: int64 [M] the rows that ask, on the logits' device. k: >= 1, the largest ask.
+        need_top_k / need_top_p / batch_invariant: as :func:`process_logits` (for these rows).
+
+    Returns:
+        (token ids int64 [M, min(k, V)], logprobs [M, min(k, V)] in the compute dtype), most
+        likely first (ties: ``torch.topk``'s order); a token the filters removed has logprob -inf.
+        Informational in batch-invariant mode: ``torch.log_softmax`` (not the fixed-order op), so
+        the sampled token's entry may differ in the last bits from its sampled logprob.
+    """
+    x = logits.index_select(0, rows)
+    processed = process_logits(
+        x,
+        params.temperature.index_select(0, rows),
+        params.top_k.index_select(0, rows),
+        params.top_p.index_select(0, rows),
+        need_top_k,
+        need_top_p,
+        batch_invariant,
+    )
+    base = torch.where(raw.index_select(0, rows)[:, None], x.to(processed.dtype), processed)
+    vals, ids = torch.log_softmax(base, dim=-1).topk(min(k, base.shape[-1]), dim=-1)
+    return ids, vals
+
+
 # Packed per-row sampling parameters: one int64 [NUM_SAMPLING_FIELDS, N] array per step (floats
 # stored as their float64 bit patterns), so a step moves them to the device in one copy. Rows are
 # read and written by name through sampling_fields.

@@ -64,6 +64,7 @@ class Sequence:
         "token_ids",
         "prompt_len",
         "logprobs",
+        "top_logprobs",
         "weight_versions",
         "weight_writes",
         "num_computed",
@@ -105,6 +106,8 @@ class Sequence:
         self.token_ids = list(prompt_ids)
         self.prompt_len = len(self.token_ids)
         self.logprobs: list[float] = []
+        # per generated token its top (token id, logprob) list, when the request asks (else None)
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
         self.weight_versions: list[int] = []
         self.weight_writes: list[int] = []
         self.kv_stale = False

@@ -260,7 +260,17 @@ def sampling_params(
         seed=request_seed(req.seed),
         logprobs_mode=req.logprobs_mode,
         stop_strings=tuple(stops),
+        top_logprobs=sampler_top_logprobs(req),
     )
+
+
+def sampler_top_logprobs(req) -> int:
+    """The top list length the sampler computes per generated token (``SamplingParams.top_logprobs``):
+    chat's ``top_logprobs`` when ``logprobs`` is true, completions' ``logprobs`` (an int); 0 = none."""
+    lp = getattr(req, "logprobs", None)
+    if isinstance(lp, bool) or lp is None:
+        return (getattr(req, "top_logprobs", None) or 0) if lp else 0
+    return lp
 
 
 class StopMatcher:
@@ -604,6 +614,8 @@ class StreamScores:
         i = item.sample_index
         self.versions[i] += item.weight_versions
         self.writes[i] += item.weight_writes
+        if self.k and item.top_logprobs is not None:  # the sampler's lists: no forward, nothing stale
+            return SampleScores([row[: self.k] for row in item.top_logprobs])
         start = len(ids) - len(item.token_ids)  # this delta's first token
         return await self.score(self.prompt, ids, start, self.k, self.params, self.versions[i], self.writes[i])
 
@@ -774,6 +786,7 @@ class OpenAIServing:
         versions: list[int],
         writes: list[int],
         prompt_k: int | None = None,
+        sampled: list | None = None,
     ) -> SampleScores:
         """The top-``k`` logprobs of a sample's generated tokens ``start ..`` and, with ``prompt_k``
         (not None), its prompt tokens' logprobs (each one's own, its rank, its top ``prompt_k``):
@@ -788,7 +801,24 @@ class OpenAIServing:
         number, or it was sampled on KV partly from earlier weights) gets an empty top list, and
         the prompt's logprobs are left out (``prompt_stale``) when the sample's first token's stamp
         differs (:func:`prompt_is_stale`); ``versions`` (the per-token versions) name them in the
-        note. Raises what :meth:`forward_scores` raises."""
+        note. Raises what :meth:`forward_scores` raises.
+
+        ``sampled``: the sample's own top lists from the sampler (``SampleOutput.top_logprobs``,
+        computed when each token was sampled, under the weights that sampled it): when given,
+        ``tops`` come from them, no forward runs for them and the guard has nothing to empty;
+        the forward then runs over the prompt alone, and only when ``prompt_k`` asks for it."""
+        if k and sampled is not None:
+            tops = [row[:k] for row in sampled[start:]]
+            if prompt_k is None:
+                return SampleScores(tops)
+            if len(prompt) < 2:
+                return SampleScores(tops, prompt=[])
+            rows, version, served = await self.forward_scores(prompt, 1, prompt_k, params, True, "logprobs")
+            scores = SampleScores(tops, prompt=rows, version=version)
+            if prompt_is_stale(out_ids, writes, served):
+                scores.prompt, scores.prompt_stale = None, True
+                scores.prompt_version = versions[0] if versions else version
+            return scores
         want_tops = bool(k) and start < len(out_ids)
         no_tops = None if not k else []
         if prompt_k is None:
@@ -903,7 +933,14 @@ class OpenAIServing:
             if req.logprobs:
                 k = req.top_logprobs or 0
                 scores = await self.score_sample(
-                    prompt.ids, out.output_ids, 0, k, greq.params, out.token_weight_versions, out.token_weight_writes
+                    prompt.ids,
+                    out.output_ids,
+                    0,
+                    k,
+                    greq.params,
+                    out.token_weight_versions,
+                    out.token_weight_writes,
+                    sampled=out.top_logprobs,
                 )
                 tops = scores.tops
                 choice["logprobs"] = {
@@ -1191,6 +1228,7 @@ class OpenAIServing:
                         out.token_weight_versions,
                         out.token_weight_writes,
                         k if req.echo else None,
+                        sampled=out.top_logprobs,
                     )
                     if req.echo:
                         choice["logprobs"] = self._echo_logprobs(prompt_ids, scores, k, out)

@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from m3_rollout.engine.interface import MAX_TOP_LOGPROBS  # noqa: F401  (the engine's cap, as the OpenAI API)
+
 MAX_N = 128  # samples per request
-MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 
 
 GENERATION_FAILED = "generation_failed"  # the code of a 503 for an engine error about the server's state

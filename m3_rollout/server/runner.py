@@ -125,6 +125,7 @@ def coalesce(items: list) -> list:
                     d.logprobs + item.logprobs,
                     d.weight_versions + item.weight_versions,
                     d.weight_writes + item.weight_writes,
+                    None if d.top_logprobs is None else d.top_logprobs + (item.top_logprobs or []),
                 )
         else:
             if isinstance(item, SampleOutput):
