@@ -79,3 +79,35 @@ def test_top_logprobs_param_checked():
         SamplingParams(top_logprobs=21).validate()
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(top_logprobs=-1).validate()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_top_logprobs_hold_the_penalties_the_sampled_logprob_holds(staged):
+    """Penalties and logit biases are part of the processed distribution the token was sampled
+    from, so its top list holds them too: the sampled token's entry equals its sampled logprob, and
+    a token pushed up by a logit bias heads the list while raw rows keep the unbiased values."""
+    kw = dict(enable_cuda_graphs="eager", cuda_graph_batch_sizes=(4, 16, 32)) if staged else {}
+    reqs = _grpo_requests()[:2]
+    boosted = 7
+    pen = dict(top_logprobs=4, presence_penalty=1.5, frequency_penalty=0.5, logit_bias=((boosted, 8.0),))
+    asked = [
+        dataclasses.replace(r, params=dataclasses.replace(r.params, logprobs_mode=mode, top_k=-1, top_p=1.0, **pen))
+        for r, mode in zip(reqs, ("processed", "raw"))
+    ]
+    eng = _engine(staged, **kw)
+    outs = _drive(eng, asked)
+    if staged:
+        assert eng.stats.graph_steps > 0
+    by_mode = {r.request_id: r.params.logprobs_mode for r in asked}
+    seen = 0
+    for o in outs.values():
+        assert len(o.top_logprobs) == len(o.output_ids)
+        for row, tid, lp in zip(o.top_logprobs, o.output_ids, o.logprobs):
+            if tid in dict(row):
+                assert dict(row)[tid] == pytest.approx(lp, abs=1e-5)
+                seen += 1
+            if by_mode[o.request_id] == "processed":
+                assert row[0][0] == boosted  # +8 on a near-flat distribution: first in every list
+    assert seen > 0
+    raw = [o for o in outs.values() if by_mode[o.request_id] == "raw"]
+    assert raw and any(row[0][0] != boosted for o in raw for row in o.top_logprobs)

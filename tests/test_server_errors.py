@@ -65,10 +65,22 @@ CASES = [
         "chat_template_kwargs.thinking_mode",
     ),
     ("/v1/chat/completions", _chat(stop=[""]), "stop"),
-    ("/v1/chat/completions", _chat(presence_penalty=0.5), "presence_penalty"),
     ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), "response_format"),
-    ("/v1/chat/completions", _chat(logit_bias={"5": 10}), "logit_bias"),
-    ("/v1/completions", {"model": "tiny-m3", "prompt": [5], "logit_bias": {"5": -100}}, "logit_bias"),
+    # penalties and logit_bias: vLLM's ranges; logit_bias keys are token ids in the vocabulary
+    ("/v1/chat/completions", _chat(presence_penalty=2.5), "presence_penalty"),
+    ("/v1/chat/completions", _chat(frequency_penalty=-3), "frequency_penalty"),
+    ("/v1/chat/completions", _chat(repetition_penalty=0), "repetition_penalty"),
+    ("/v1/chat/completions", _chat(logit_bias={"five": 10}), "logit_bias"),
+    ("/v1/chat/completions", _chat(logit_bias={"5": "lots"}), "logit_bias.5"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [5], "logit_bias": {"99999": -100}}, "logit_bias"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [5], "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"presence_penalty": 2.5}}, "sampling_params.presence_penalty"),
+    (
+        "/generate",
+        {"input_ids": [5], "sampling_params": {"repetition_penalty": -1.0}},
+        "sampling_params.repetition_penalty",
+    ),
+    ("/generate", {"input_ids": [5], "sampling_params": {"logit_bias": {"99999": 1.0}}}, "sampling_params.logit_bias"),
     # breaker findings: accepted before, each changes what the client gets back
     ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), "stream_options"),
     # prompt logprobs: echo + logprobs is answered whole; vLLM's prompt_logprobs is 0-20, not streamed

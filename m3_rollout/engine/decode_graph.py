@@ -32,6 +32,7 @@ from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import (
     NUM_SAMPLING_FIELDS,
+    Penalties,
     gather_logprobs,
     pack_sampling,
     process_logits,
@@ -261,12 +262,18 @@ class CudaGraphDecode:
         )  # [s, V]
 
     def sample_into_out(
-        self, logits: torch.Tensor, s: int, need_top_k: bool = False, need_top_p: bool = False
+        self,
+        logits: torch.Tensor,
+        s: int,
+        need_top_k: bool = False,
+        need_top_p: bool = False,
+        penalties: Penalties | None = None,
     ) -> torch.Tensor:
-        """Sample rows 0..s-1 of ``logits`` with the staged parameters; write ids + logprob bits
-        into ``out[:2s]`` and ``last_tokens[:s]``; returns the [2, s] int64 view."""
+        """Sample rows 0..s-1 of ``logits`` with the staged parameters (and ``penalties``, device
+        tensors: never inside a graph); write ids + logprob bits into ``out[:2s]`` and
+        ``last_tokens[:s]``; returns the [2, s] int64 view."""
         out = self.out[: 2 * s].view(2, s)
-        if self.fused_sampler and not (need_top_k or need_top_p):
+        if self.fused_sampler and not (need_top_k or need_top_p) and penalties is None:
             from m3_rollout.engine.sampler_triton import keyed_gumbel_sample
 
             sampling = DecodeStage.of(self.stage, s).sampling
@@ -295,20 +302,24 @@ class CudaGraphDecode:
             need_top_p,
             self.token_logprobs,
             self.batch_invariant,
+            penalties,
         )
         out[0].copy_(tokens)
         out[1].copy_(lps.double().view(torch.int64))
         self.last_tokens[:s].copy_(tokens)
         return out
 
-    def top_logprobs(self, s: int, top, need_top_k: bool, need_top_p: bool) -> tuple[torch.Tensor, int]:
+    def top_logprobs(
+        self, s: int, top, need_top_k: bool, need_top_p: bool, penalties: Penalties | None = None
+    ) -> tuple[torch.Tensor, int]:
         """Eager, after :meth:`launch` of size ``s``: ``model_runner.TopAsk.compute`` of the rows
         ``top`` names over that size's logits and staged sampling parameters (outside the graphs:
-        its shape follows the asking rows)."""
+        its shape follows the asking rows); ``penalties``: the step's device penalties, as
+        :meth:`launch` applied them."""
         logits = self.graphs[s][1]()
         params, _, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
         x = logits.to(compute_dtype(logits.dtype))
-        return top.compute(x, params, raw, need_top_k, need_top_p, self.batch_invariant)
+        return top.compute(x, params, raw, need_top_k, need_top_p, self.batch_invariant, penalties)
 
     def capture(self) -> None:
         """Capture every size (largest first, one shared memory pool) over the current addresses of
@@ -365,17 +376,18 @@ class CudaGraphDecode:
         """Device views of the staged fields of rows 0..rows-1 (valid once the step is launched)."""
         return DecodeStage.of(self.stage, rows)
 
-    def launch(self, s: int, need_top_k: bool, need_top_p: bool) -> torch.Tensor:
+    def launch(self, s: int, need_top_k: bool, need_top_p: bool, penalties: Penalties | None = None) -> torch.Tensor:
         """Copy the staged step in and replay size ``s``; returns the device int64 [2 * s]
-        (s sampled ids, then s logprobs as float64 bits; rows past the real ones are padding)."""
+        (s sampled ids, then s logprobs as float64 bits; rows past the real ones are padding).
+        A step that filters (top-k / top-p) or has ``penalties`` (device tensors) samples eagerly."""
         k = self.stage_bytes + s * self.row_bytes  # stage + the first s block-table rows
         self.dev_buf[:k].copy_(self.host_buf[self.flip][:k], non_blocking=True)
         fwd, logits, samp = self.graphs[s]
         fwd.replay()
         for moe, ids in zip(self.model.moe_layers(), self.topk_ids.get(s, ())):
             moe.last_topk_ids = ids  # this size's static outputs, not the last captured size's
-        if need_top_k or need_top_p:  # filtered sampling: eager (rare in RL rollouts)
-            self.sample_into_out(logits(), s, need_top_k, need_top_p)
+        if need_top_k or need_top_p or penalties is not None:  # filtered / penalised: eager (rare in RL)
+            self.sample_into_out(logits(), s, need_top_k, need_top_p, penalties)
         else:
             samp.replay()
         return self.out[: 2 * s]

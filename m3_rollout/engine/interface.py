@@ -89,6 +89,12 @@ class SamplingParams:
     token from uniforms keyed by (seed, sample_index + j, p), so reruns repeat and the n samples
     of a group differ. :meth:`validate` checks every field's type and range (the engine calls it
     once per request; a bad field fails that request alone).
+
+    Penalties and logit biases (vLLM's semantics and order, ``sampler.process_logits``): the raw
+    logits get ``logit_bias`` added, then repetition, frequency and presence penalties, then
+    temperature / top-k / top-p. They change the distribution sampled from, so "processed"
+    logprobs include them and "raw" ones do not; a trainer that scores the tokens without them (the
+    GRPO job, whose generation config has no such fields) would not match "processed" logprobs.
     """
 
     n: int = 1
@@ -105,6 +111,24 @@ class SamplingParams:
     # The sampler lists each generated token's top-k alternatives (0 = none; at most
     # MAX_TOP_LOGPROBS) in the distribution its logprob comes from: SampleOutput.top_logprobs.
     top_logprobs: int = 0
+    #: Subtracted once from the logit of every token the sample has generated so far (not the
+    #: prompt's); in [-2, 2], 0 = off (OpenAI's presence_penalty).
+    presence_penalty: float = 0.0
+    #: Subtracted per occurrence among the sample's generated tokens; in [-2, 2], 0 = off.
+    frequency_penalty: float = 0.0
+    #: > 0, 1 = off: the logit of every token of the prompt or the output so far is divided by it
+    #: when positive, multiplied by it otherwise (vLLM / HF repetition_penalty).
+    repetition_penalty: float = 1.0
+    #: ((token id, bias), ...): bias in [-100, 100] added to the token's raw logit; ids distinct and
+    #: in the vocabulary (``engine.requests.check_request``).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or logit bias is on (the sampler then treats the row apart)."""
+        return bool(
+            self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1 or self.logit_bias
+        )
 
     @property
     def num_outputs(self) -> int:
@@ -165,6 +189,15 @@ class SamplingParams:
         top_logprobs = _int_field("top_logprobs", self.top_logprobs, 0, why=" (0 = none)")
         if top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"SamplingParams.top_logprobs={top_logprobs}: at most {MAX_TOP_LOGPROBS}")
+        presence = _float_field("presence_penalty", self.presence_penalty)
+        frequency = _float_field("frequency_penalty", self.frequency_penalty)
+        for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+            if not -2 <= v <= 2:
+                raise ValueError(f"SamplingParams.{name}={v!r}: must be in [-2, 2]")
+        repetition = _float_field("repetition_penalty", self.repetition_penalty)
+        if not repetition > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty={repetition!r}: must be > 0 (1 = off)")
+        bias = _logit_bias(self.logit_bias)
         return SamplingParams(
             n=n,
             temperature=temperature,
@@ -176,7 +209,30 @@ class SamplingParams:
             logprobs_mode=str(self.logprobs_mode),
             stop_strings=stop_strings,
             top_logprobs=top_logprobs,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            logit_bias=bias,
         )
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """``SamplingParams.logit_bias`` checked: (id, bias) pairs, ids distinct integers >= 0, biases
+    finite in [-100, 100] (the vocabulary bound is the engine's: ``requests.check_request``)."""
+    pairs = _tuple_field("logit_bias", value, "(token id, bias) pairs")
+    out, seen = [], set()
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"SamplingParams.logit_bias: {pair!r:.80} is not a (token id, bias) pair")
+        tok = _int_field("logit_bias", pair[0], 0, why=" token id")
+        bias = _float_field("logit_bias", pair[1])
+        if not -100 <= bias <= 100:
+            raise ValueError(f"SamplingParams.logit_bias: bias {bias!r} of token {tok} must be in [-100, 100]")
+        if tok in seen:
+            raise ValueError(f"SamplingParams.logit_bias: token {tok} given twice")
+        seen.add(tok)
+        out.append((tok, bias))
+    return tuple(out)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from m3_rollout.engine.model_runner import (
     prepare_decode,
     prepare_inputs,
 )
-from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling
+from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, Penalties, pack_sampling
 from m3_rollout.engine.scheduler import ScheduledRow, SchedulerOutput
 from m3_rollout.engine.sequence import Sequence
 from m3_rollout.engine.stats import EngineStats
@@ -81,6 +81,24 @@ def top_ask(samples: list[Sequence]) -> TopAsk | None:
     """The sample rows whose requests ask for top logprobs (``SamplingParams.top_logprobs``), None if none."""
     rows = [i for i, s in enumerate(samples) if s.params.top_logprobs]
     return TopAsk(rows, [samples[i].params.top_logprobs for i in rows]) if rows else None
+
+
+def penalty_batch(samples: list[Sequence], prev: LaunchedStep | None) -> Penalties | None:
+    """The sampler's :class:`Penalties` for the sample rows that ask for penalties or logit biases
+    (None when none does): their generated tokens (a pending one read on the device, from the
+    runner's ``last_tokens`` at ``prev.index``) and, for a repetition penalty, their prompts. Host
+    work proportional to those rows' tokens; other rows cost one flag test."""
+    rows = [i for i, s in enumerate(samples) if s.penalized]
+    if not rows:
+        return None
+    seqs = [samples[i] for i in rows]
+    return Penalties.build(
+        rows,
+        [s.params for s in seqs],
+        [s.token_ids[s.prompt_len :] for s in seqs],
+        [s.token_ids[: s.prompt_len] if s.params.repetition_penalty != 1 else () for s in seqs],
+        [prev.index[s.seq_id] if s.num_pending else -1 for s in seqs],
+    )
 
 
 class StepLauncher:
@@ -172,9 +190,10 @@ class StepLauncher:
         cols = sampling_columns(samples)
         pack_sampling(stage.sampling, *cols)
         need_k, need_p, _ = sampling_flags(cols)
+        penalties = penalty_batch(samples, prev)
         t2 = time.perf_counter()
         ph["sample"] += t2 - t1
-        result = self.runner.launch_graph(len(rows), s, need_k, need_p, top_ask(samples))
+        result = self.runner.launch_graph(len(rows), s, need_k, need_p, top_ask(samples), penalties)
         ph["forward"] += time.perf_counter() - t2
         return result, graphs.device_stage(len(rows)).slot_mapping, stage.slot_mapping
 
@@ -211,7 +230,9 @@ class StepLauncher:
             pack_sampling(packed, *cols)
             need_k, need_p, mode = sampling_flags(cols)
             n_rows = sum(1 for r in rows if r.sample)
-            sampling = SampleBatch(packed, expand, need_k, need_p, mode, n_rows, top_ask(samples))
+            sampling = SampleBatch(
+                packed, expand, need_k, need_p, mode, n_rows, top_ask(samples), penalty_batch(samples, prev)
+            )
         t2 = time.perf_counter()
         ph["sample"] += t2 - t1
         result = self.runner.launch(inputs, token_src if pending else None, sampling)

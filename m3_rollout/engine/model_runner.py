@@ -27,7 +27,7 @@ import torch
 from m3_kernels.paged_layout import PagedMetadata
 from m3_rollout.engine.ops import paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
-from m3_rollout.engine.sampler import sample_rows, top_logprobs_rows, unpack_sampling
+from m3_rollout.engine.sampler import Penalties, sample_rows, top_logprobs_rows, unpack_sampling
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
 
@@ -173,7 +173,7 @@ class SampleBatch:
     need_top_k / need_top_p: any row filters. raw_mode: "processed", "raw" or "mixed" (per-row
     flag in ``packed``). num_row_seqs: the first sample rows that are scheduled rows (not forked
     children); their ids are kept on the device (``ModelRunner.last_tokens``) as the next step's
-    inputs.
+    inputs. penalties: the rows with penalties / logit biases (host tensors), or None.
     """
 
     packed: np.ndarray
@@ -183,6 +183,7 @@ class SampleBatch:
     raw_mode: str
     num_row_seqs: int
     top: TopAsk | None = None
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -193,11 +194,14 @@ class TopAsk:
     rows: list[int]
     ks: list[int]
 
-    def compute(self, logits, params, raw, need_top_k: bool, need_top_p: bool, batch_invariant: bool):
+    def compute(self, logits, params, raw, need_top_k: bool, need_top_p: bool, batch_invariant: bool, penalties=None):
         """``sampler.top_logprobs_rows`` of these rows -> (int64 [2 * M * k'] (ids, then logprobs as
-        float64 bits), k'), k' = min(max(ks), V): the tail of a step's result copy."""
+        float64 bits), k'), k' = min(max(ks), V): the tail of a step's result copy. penalties: the
+        step's (device) :class:`Penalties`, as the sampler applied them, or None."""
         rows = torch.tensor(self.rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-        ids, vals = top_logprobs_rows(logits, params, raw, rows, max(self.ks), need_top_k, need_top_p, batch_invariant)
+        ids, vals = top_logprobs_rows(
+            logits, params, raw, rows, max(self.ks), need_top_k, need_top_p, batch_invariant, penalties
+        )
         return torch.cat([ids.reshape(-1), vals.double().view(torch.int64).reshape(-1)]), ids.shape[1]
 
 
@@ -362,6 +366,9 @@ class ModelRunner:
         packed = torch.from_numpy(sampling.packed).to(self.device, non_blocking=True)
         params, positions, raw = unpack_sampling(packed)
         mode = raw if sampling.raw_mode == "mixed" else sampling.raw_mode
+        penalties = sampling.penalties
+        if penalties is not None:  # read before this step's ids overwrite last_tokens
+            penalties = penalties.to(self.device, self.last_tokens)
         tokens, lps = sample_rows(
             logits.to(compute_dtype(logits.dtype)),
             params,
@@ -371,6 +378,7 @@ class ModelRunner:
             sampling.need_top_p,
             self.token_logprobs,
             self.batch_invariant,
+            penalties,
         )
         k = sampling.num_row_seqs
         self.last_tokens[:k].copy_(tokens[:k])
@@ -383,6 +391,7 @@ class ModelRunner:
                 sampling.need_top_k,
                 sampling.need_top_p,
                 self.batch_invariant,
+                penalties,
             )
             parts.append(extra)
         flat = torch.cat(parts)
@@ -395,15 +404,24 @@ class ModelRunner:
 
     @torch.no_grad()
     def launch_graph(
-        self, rows: int, s: int, need_top_k: bool, need_top_p: bool, top: TopAsk | None = None
+        self,
+        rows: int,
+        s: int,
+        need_top_k: bool,
+        need_top_p: bool,
+        top: TopAsk | None = None,
+        penalties: Penalties | None = None,
     ) -> StepLaunch:
         """Replay the decode graphs of size ``s`` on the staged inputs (``self.graphs.stage_rows``).
         ``top``: rows asking for top logprobs; their lists are computed eagerly from the graph's
-        logits after its sampler ran (the forward and the sampled ids / logprobs are the graphs')."""
-        flat = self.graphs.launch(s, need_top_k, need_top_p)
+        logits after its sampler ran (the forward and the sampled ids / logprobs are the graphs').
+        ``penalties`` (host tensors, rows < ``rows``): the sampler then runs eagerly."""
+        if penalties is not None:
+            penalties = penalties.to(self.device, self.last_tokens)
+        flat = self.graphs.launch(s, need_top_k, need_top_p, penalties)
         top_k = 0
         if top is not None:
-            extra, top_k = self.graphs.top_logprobs(s, top, need_top_k, need_top_p)
+            extra, top_k = self.graphs.top_logprobs(s, top, need_top_k, need_top_p, penalties)
             flat = torch.cat([flat, extra])
         return self._to_host(flat, s, rows, top, top_k)
 

@@ -88,6 +88,9 @@ def check_request(
             "must be integers in [-2**63, 2**63) (they key the sampler's int64 hash)"
         )
     prompt = check_prompt(req.prompt_ids, vocab_size, max_model_len, "GenerationRequest.prompt_ids")
+    bad_bias = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad_bias:
+        raise ValueError(f"SamplingParams.logit_bias: token id {bad_bias[0]} outside the vocabulary [0, {vocab_size})")
     if params.stop_strings and not can_detokenize:
         raise ValueError("SamplingParams.stop_strings: this engine has no detokenize callback")
     frm = int_or_none(req.block_selection_from)

@@ -98,6 +98,113 @@ class SamplingTensors:
     sample_ids: torch.Tensor  # int64 [N]
 
 
+@dataclass
+class Penalties:
+    """Penalties and logit biases of the M rows of a step that ask for any (vLLM's semantics;
+    ``SamplingParams.presence_penalty`` etc.). Token lists are flat (row, id) pairs, so a step
+    moves O(tokens of those rows), never an [M, V] array; :meth:`to` puts them on the device.
+
+    rows: int64 [M] rows of the batch. presence, frequency, repetition: float64 [M] (0, 0, 1 = off).
+    out_rows, out_ids: int64 [T] the generated tokens so far (row in 0..M-1, token id), repeats kept.
+    prompt_rows, prompt_ids: int64 [P] the prompt tokens of rows whose repetition penalty is on.
+    bias_rows, bias_ids: int64 [B], bias_values: float64 [B] (distinct (row, id) pairs).
+    pending_rows, pending_src: int64 [Q] generated tokens still on the device (async scheduling):
+    row in 0..M-1 and index into ``last_tokens`` (the runner's previous sampled ids); counted as
+    generated tokens.
+    """
+
+    rows: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    out_rows: torch.Tensor
+    out_ids: torch.Tensor
+    prompt_rows: torch.Tensor
+    prompt_ids: torch.Tensor
+    bias_rows: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    pending_rows: torch.Tensor
+    pending_src: torch.Tensor
+    last_tokens: torch.Tensor | None = None
+    pending_ids: torch.Tensor | None = None  # last_tokens[pending_src] as read by :meth:`to`
+
+    @classmethod
+    def build(cls, rows: list[int], params: list, outputs: list, prompts: list, pending: list[int]) -> Penalties:
+        """Host build. rows: batch rows; params: their ``SamplingParams``; outputs / prompts: their
+        generated / prompt token id lists (a prompt is read only where repetition_penalty != 1);
+        pending: per row, -1 or the ``last_tokens`` index of a generated token not on the host."""
+
+        def flat(lists):
+            n = [len(x) for x in lists]
+            r = np.repeat(np.arange(len(lists), dtype=np.int64), n)
+            ids = np.fromiter((t for x in lists for t in x), dtype=np.int64, count=sum(n))
+            return torch.from_numpy(r), torch.from_numpy(ids)
+
+        f64 = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+        out_rows, out_ids = flat(outputs)
+        prompt_rows, prompt_ids = flat(
+            [pr if p.repetition_penalty != 1 else () for p, pr in zip(params, prompts, strict=True)]
+        )
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        q = [i for i, src in enumerate(pending) if src >= 0]
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64),
+            presence=f64([p.presence_penalty for p in params]),
+            frequency=f64([p.frequency_penalty for p in params]),
+            repetition=f64([p.repetition_penalty for p in params]),
+            out_rows=out_rows,
+            out_ids=out_ids,
+            prompt_rows=prompt_rows,
+            prompt_ids=prompt_ids,
+            bias_rows=torch.tensor([b[0] for b in bias], dtype=torch.int64),
+            bias_ids=torch.tensor([b[1] for b in bias], dtype=torch.int64),
+            bias_values=f64([b[2] for b in bias]),
+            pending_rows=torch.tensor(q, dtype=torch.int64),
+            pending_src=torch.tensor([pending[i] for i in q], dtype=torch.int64),
+        )
+
+    def to(self, device: torch.device, last_tokens: torch.Tensor | None = None) -> Penalties:
+        """A copy on ``device`` whose pending tokens are read from ``last_tokens`` (int64, on
+        ``device``) now, in stream order: the step's sampler overwrites ``last_tokens`` with its own
+        ids, and whatever applies these penalties after it (the top-logprob lists) must still see
+        the previous step's."""
+        fields = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        fields["last_tokens"] = last_tokens if last_tokens is not None else self.last_tokens
+        if fields["last_tokens"] is not None and self.pending_rows.numel():
+            fields["pending_ids"] = fields["last_tokens"][fields["pending_src"]]
+        return Penalties(**fields)
+
+
+def apply_penalties(x: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """``x`` [N, V] (fp32 / fp64 raw logits) with ``pen``'s rows biased and penalised, in vLLM's order:
+    + logit_bias; repetition (seen in prompt or output: positive / r, else * r); - frequency * count
+    in the output; - presence * (count > 0). A new tensor; other rows keep their exact bits.
+
+    Row-invariant (batch-invariant mode too): a row's result depends on its own tokens and logits
+    alone; the counts are exact integer sums (any accumulation order), the rest elementwise.
+    Raises RuntimeError (pending tokens without ``pen.last_tokens``)."""
+    m, v = pen.rows.shape[0], x.shape[1]
+    sub = x.index_select(0, pen.rows)  # [M, V]
+    if pen.bias_ids.numel():
+        sub = sub.index_put((pen.bias_rows, pen.bias_ids), pen.bias_values.to(x.dtype), accumulate=True)
+    out_rows, out_ids = pen.out_rows, pen.out_ids
+    if pen.pending_rows.numel():
+        if pen.pending_ids is None:
+            raise RuntimeError("Penalties: pending tokens need last_tokens (Penalties.to)")
+        out_rows = torch.cat([out_rows, pen.pending_rows])
+        out_ids = torch.cat([out_ids, pen.pending_ids])
+    counts = torch.zeros(m, v, dtype=x.dtype, device=x.device)
+    counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=x.dtype), accumulate=True)
+    in_output = counts > 0
+    seen = in_output.index_put((pen.prompt_rows, pen.prompt_ids), torch.ones_like(pen.prompt_ids, dtype=torch.bool))
+    rep = torch.where(seen, pen.repetition.to(x.dtype)[:, None], torch.ones((), dtype=x.dtype, device=x.device))
+    sub = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = sub - pen.frequency.to(x.dtype)[:, None] * counts
+    sub = sub - pen.presence.to(x.dtype)[:, None] * in_output.to(x.dtype)
+    return x.index_copy(0, pen.rows, sub)
+
+
 def prefix_sums(x: torch.Tensor) -> torch.Tensor:
     """Inclusive prefix sums of x [..., L] along the last dim with a fixed association.
 
@@ -145,8 +252,10 @@ def process_logits(
     need_top_k: bool | None = None,
     need_top_p: bool | None = None,
     batch_invariant: bool = False,
+    penalties: Penalties | None = None,
 ) -> torch.Tensor:
-    """Apply temperature, top-k and top-p; masked entries become -inf.
+    """Apply logit biases and penalties (``penalties``' rows: :func:`apply_penalties`), then
+    temperature, top-k and top-p; masked entries become -inf.
 
     Args:
         logits: [N, V] (any float dtype; computed in fp32).
@@ -157,6 +266,7 @@ def process_logits(
         batch_invariant: a row's support depends on that row alone, bitwise (design.md §4.6):
             stable sort (tied logits ranked by token id, also at the top-k boundary) and
             :func:`top_p_keep_invariant` instead of ``torch.softmax`` + ``torch.cumsum``.
+        penalties: the rows that ask for penalties / logit biases (on the logits' device), or None.
 
     Returns:
         fp32 [N, V] (fp64 for fp64 logits) processed logits; ``log_softmax`` of it is the distribution sampled from.
@@ -165,7 +275,10 @@ def process_logits(
     """
     # fp32 (fp64 for a float64 model, so parity tests can compare logprobs at 1e-9).
     dtype = compute_dtype(logits.dtype)
-    x = logits.to(dtype) / temperature.to(dtype)[:, None]
+    x = logits.to(dtype)
+    if penalties is not None:
+        x = apply_penalties(x, penalties)
+    x = x / temperature.to(dtype)[:, None]
     n, v = x.shape
     need_k = bool((top_k > 0).any()) if need_top_k is None else need_top_k
     need_p = bool((top_p < 1).any()) if need_top_p is None else need_top_p
@@ -196,6 +309,7 @@ def sample(
     logprobs_mode: str | torch.Tensor = "processed",
     token_logprobs: TokenLogprobs | None = None,
     batch_invariant: bool = False,
+    penalties: Penalties | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return its logprob.
 
@@ -209,6 +323,8 @@ def sample(
             [N] tensor, True where a row wants "raw" (mixed batches of the engine).
         token_logprobs: the logprob op (None = ``torch.log_softmax``; see the module docstring).
         batch_invariant: top-k / top-p supports that depend on the row alone (``process_logits``).
+        penalties: rows with penalties / logit biases (``process_logits``); "processed" logprobs
+            include them, "raw" ones do not.
 
     Returns:
         (tokens int64 [N], logprobs [N] in the processed dtype).
@@ -219,7 +335,7 @@ def sample(
     if isinstance(logprobs_mode, torch.Tensor):
         raw_rows = logprobs_mode.to(torch.bool)
         mode = "processed" if not bool(raw_rows.any()) else "raw" if bool(raw_rows.all()) else raw_rows
-    return sample_rows(logits, params, positions, mode, need_k, need_p, token_logprobs, batch_invariant)
+    return sample_rows(logits, params, positions, mode, need_k, need_p, token_logprobs, batch_invariant, penalties)
 
 
 def sample_rows(
@@ -231,14 +347,15 @@ def sample_rows(
     need_top_p: bool,
     token_logprobs: TokenLogprobs | None = None,
     batch_invariant: bool = False,
+    penalties: Penalties | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample` without device-to-host syncs (CUDA-graph capturable): the caller states
     on the host whether any row filters by top-k / top-p, and ``logprobs_mode`` is "processed",
     "raw" or a bool [N] tensor (True = raw) used as is (both logprobs computed, then selected).
-    Same values as :func:`sample` for the same rows (it calls this). token_logprobs, batch_invariant:
-    as :func:`sample`."""
+    Same values as :func:`sample` for the same rows (it calls this). token_logprobs, batch_invariant,
+    penalties: as :func:`sample` (a step with penalties runs outside the decode graphs)."""
     processed = process_logits(
-        logits, params.temperature, params.top_k, params.top_p, need_top_k, need_top_p, batch_invariant
+        logits, params.temperature, params.top_k, params.top_p, need_top_k, need_top_p, batch_invariant, penalties
     )
     u = keyed_uniform(params.seeds, params.sample_ids, positions, processed.shape[-1])
     gumbel = -torch.log(-torch.log(u))
@@ -271,6 +388,7 @@ def top_logprobs_rows(
     need_top_k: bool,
     need_top_p: bool,
     batch_invariant: bool = False,
+    penalties: Penalties | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most likely tokens of the rows ``rows`` in the distribution their sampled logprob
     comes from (a request's ``top_logprobs``, computed at sampling time): ``log_softmax`` of the
@@ -283,6 +401,8 @@ def top_logprobs_rows(
         params: the step's per-row parameters [N]; raw: bool [N] (True = "raw" logprobs).
         rows: int64 [M] the rows that ask, on the logits' device. k: >= 1, the largest ask.
         need_top_k / need_top_p / batch_invariant: as :func:`process_logits` (for these rows).
+        penalties: the step's penalties / logit biases (rows of the whole step, on the device), as
+            the sampler applied them: in the processed distribution, not in a raw row's.
 
     Returns:
         (token ids int64 [M, min(k, V)], logprobs [M, min(k, V)] in the compute dtype), most
@@ -291,8 +411,9 @@ def top_logprobs_rows(
         the sampled token's entry may differ in the last bits from its sampled logprob.
     """
     x = logits.index_select(0, rows)
+    pen = logits if penalties is None else apply_penalties(logits, penalties)
     processed = process_logits(
-        x,
+        pen.index_select(0, rows),
         params.temperature.index_select(0, rows),
         params.top_k.index_select(0, rows),
         params.top_p.index_select(0, rows),

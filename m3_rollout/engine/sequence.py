@@ -81,6 +81,7 @@ class Sequence:
         "num_pending",
         "num_stop_checked",
         "sampling_key",
+        "penalized",
         "record_from",
         "selection_box",
         "kv_stale",
@@ -136,6 +137,8 @@ class Sequence:
             sample_index,
             params.logprobs_mode == "raw",
         )
+        # Penalties / logit biases on: the sampler reads its tokens each step (launch.penalty_batch).
+        self.penalized = params.penalized
 
     @property
     def num_tokens(self) -> int:

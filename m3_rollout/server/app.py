@@ -45,6 +45,7 @@ from .openai_api import (
     check_prompt_logprobs,
     check_token_ids,
     engine_error,
+    logit_bias_pairs,
     thinking_mode_of,
 )
 from .protocol import (
@@ -263,6 +264,10 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             seed=request_seed(sp.seed),
             logprobs_mode=sp.logprobs_mode,
             stop_strings=tuple(sp.stop),
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=logit_bias_pairs(served, sp.logit_bias, "sampling_params.logit_bias"),
         )
         return GenerationRequest(
             body.rid or f"gen-{uuid.uuid4().hex}", body.input_ids, params, body.sample_index, body.block_selection_from

@@ -162,7 +162,20 @@ GENERATE_FIELDS = {
     "stop_strings": "sampling_params.stop",
     **{
         f: f"sampling_params.{f}"
-        for f in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed", "logprobs_mode")
+        for f in (
+            "n",
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_new_tokens",
+            "stop_token_ids",
+            "seed",
+            "logprobs_mode",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+        )
     },
 }
 _ENGINE_FIELD = re.compile(r"(?:SamplingParams|GenerationRequest)\.(\w+)")
@@ -220,11 +233,6 @@ def sampling_params(
     temperature 0 is greedy (top_k = 1); top_k 0 or -1 is off; the default ``max_tokens`` is what
     the context leaves, and a larger one is capped there (the sample then ends with "length").
     """
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise APIError(400, f"{param}: penalties are not supported by this server; leave it at 0", param)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias: not supported by this server; leave it out", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(
             400, "stream_options: only allowed with stream=true (it sets what the stream carries)", "stream_options"
@@ -261,6 +269,10 @@ def sampling_params(
         logprobs_mode=req.logprobs_mode,
         stop_strings=tuple(stops),
         top_logprobs=sampler_top_logprobs(req),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias_pairs(served, req.logit_bias, "logit_bias"),
     )
 
 
@@ -271,6 +283,28 @@ def sampler_top_logprobs(req) -> int:
     if isinstance(lp, bool) or lp is None:
         return (getattr(req, "top_logprobs", None) or 0) if lp else 0
     return lp
+
+
+def logit_bias_pairs(served: ServedModel, bias: dict[str, float] | None, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id as a string -> bias) as ``SamplingParams.logit_bias``
+    pairs, each bias clamped to [-100, 100] as vLLM does.
+
+    Raises:
+        APIError: 400 naming ``param`` for a key that is not an integer, an id outside the
+        vocabulary or a NaN bias.
+    """
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise APIError(400, f"{param}: key {key!r:.40} is not a token id", param) from None
+        if not 0 <= tok < served.vocab_size:
+            raise APIError(400, f"{param}: token id {tok} outside the vocabulary [0, {served.vocab_size})", param)
+        if value != value:
+            raise APIError(400, f"{param}: the bias of token {tok} is NaN", param)
+        out[tok] = min(100.0, max(-100.0, float(value)))
+    return tuple(out.items())
 
 
 class StopMatcher:

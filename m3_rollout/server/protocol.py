@@ -111,10 +111,14 @@ class SamplingFields(_Body):
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # named so that they are refused (400), not ignored: each changes what the client gets back
-    logit_bias: dict[str, Any] | None = None
+    # vLLM's semantics (engine SamplingParams): presence / frequency over the generated tokens,
+    # repetition (vLLM's extension) over prompt + generated ones; logit_bias: token id (a string) ->
+    # bias, clamped to [-100, 100] as vLLM does (openai_api.logit_bias_pairs)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    # named so that it is refused (400), not ignored: it changes what the client gets back
     response_format: dict[str, Any] | None = None
     logprobs_mode: Literal["processed", "raw"] = "processed"
     return_token_ids: bool = False
@@ -172,6 +176,11 @@ class GenerateSamplingParams(_Body):
     # input ids, sample_index and weights give the same tokens (the sampler is keyed by them).
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     logprobs_mode: Literal["processed", "raw"] = "processed"
+    # SGLang's / vLLM's penalties and logit_bias, as the OpenAI routes take them (SamplingFields)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
     # vLLM's prompt_logprobs: each sample's output carries, per prompt token, its logprob, its rank
     # and the top k (null: off); checked in app.py (0 .. MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = None
