@@ -8,11 +8,12 @@ import random
 import pytest
 import torch
 from server_util import tiny_tokenizer  # tests/ on sys.path
+from test_engine_async import _drive  # tests/ on sys.path: run requests to the end, pages freed
 from test_engine_core import _model
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.stop_strings import WINDOW_MARGIN, contains_stop_string, stop_window
 
 
@@ -152,17 +153,6 @@ def _engine(detokenize):
     return LLMEngine(MODEL, cfg, detokenize=detokenize)
 
 
-def _run(eng, reqs):
-    for r in reqs:
-        eng.add_request(r)
-    outs = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if isinstance(o, SampleOutput):
-                outs[(o.request_id, o.sample_index)] = o
-    return outs
-
-
 def _prompt(n, seed):
     return torch.randint(4, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -188,7 +178,7 @@ def test_engine_decodes_a_bounded_window_per_step_and_stops_where_the_whole_text
     # whole-output decode was quadratic: the sum over steps of the output length, 2 * 120 * 121 / 2
     # = 14520 ids here, against a bound of 240 * 29 = 6960.
     stops = ("zz zz",)
-    ref = _run(_engine(counting), [req(stops)])
+    ref = _drive(_engine(counting), [req(stops)])
     assert [len(o.output_ids) for o in ref.values()] == [new] * n
     assert decoded["calls"] == n * new  # one check per appended token
     assert decoded["max"] == stop_window(1, len(stops[0]))
@@ -197,7 +187,7 @@ def test_engine_decodes_a_bounded_window_per_step_and_stops_where_the_whole_text
     # string in its whole output (sample 0's tokens 90-91; the other sample where it has one).
     long = ref[("r", 0)].output_ids
     stops = (f" {long[90]} {long[91]} ", "zz zz")
-    stopped = _run(_engine(counting), [req(stops)])
+    stopped = _drive(_engine(counting), [req(stops)])
     assert stopped[("r", 0)].finish_reason == "stop"
     for key, o in stopped.items():
         full = ref[key].output_ids

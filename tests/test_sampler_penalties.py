@@ -7,11 +7,12 @@ from collections import Counter
 
 import pytest
 import torch
+from test_engine_async import _drive  # tests/ on sys.path: run requests to the end, pages freed
 from test_engine_core import MODEL, V  # tests/ is on sys.path under pytest
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.requests import check_request
 from m3_rollout.engine.sampler import Penalties, process_logits
 
@@ -95,17 +96,6 @@ def _engine(**kw):
     kw.setdefault("max_num_seqs", 16)
     kw.setdefault("eos_token_ids", (EOS,))
     return LLMEngine(MODEL, EngineConfig(**kw))
-
-
-def _drive(eng, reqs):
-    for r in reqs:
-        eng.add_request(r)
-    outs = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if isinstance(o, SampleOutput):
-                outs[(o.request_id, o.sample_index)] = o
-    return outs
 
 
 def _requests():
