@@ -156,6 +156,21 @@ def test_logprobs_and_top_logprobs_match_the_model(engine_server, model):
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] >= e.logprob - 1e-5
 
 
+def test_chat_logprobs_without_top_logprobs_give_empty_lists(engine_server):
+    """OpenAI's schema types each content item's top_logprobs as a required array: [] when the
+    request asks for logprobs without top_logprobs (was null), streamed and not."""
+    c = _client(engine_server)
+    r = c.chat.completions.create(model="tiny-m3", messages=MESSAGES, max_tokens=4, seed=3, logprobs=True)
+    raw = r.model_dump()["choices"][0]["logprobs"]["content"]
+    assert len(raw) == 4 and all(e["top_logprobs"] == [] for e in raw)
+    for chunk in c.chat.completions.create(
+        model="tiny-m3", messages=MESSAGES, max_tokens=4, seed=3, logprobs=True, stream=True
+    ):
+        for ch in chunk.choices:
+            for e in (ch.logprobs.content or []) if ch.logprobs else []:
+                assert e.top_logprobs == []
+
+
 @pytest.mark.parametrize("mode", ["processed", "raw"])
 def test_greedy_top_logprobs_come_from_the_same_distribution_as_the_tokens_logprob(engine_server, mode):
     """temperature 0 (top_k 1) in the default "processed" mode gave each token logprob 0.0 (the

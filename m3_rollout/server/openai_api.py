@@ -505,13 +505,17 @@ def _choice_text(choice) -> str:
 
 
 def _logprob_entry(served: ServedModel, tid: int, lp: float, top: list[tuple[int, float]] | None) -> dict:
+    """One chat ``logprobs.content`` item; ``top_logprobs`` is always a list, [] when none were asked
+    for (OpenAI's schema types it as a required array)."""
     tok = served.decode([tid])
-    entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-    if top is not None:
-        entry["top_logprobs"] = [
-            {"token": (t := served.decode([i])), "logprob": v, "bytes": list(t.encode("utf-8"))} for i, v in top
-        ]
-    return entry
+    return {
+        "token": tok,
+        "logprob": lp,
+        "bytes": list(tok.encode("utf-8")),
+        "top_logprobs": [
+            {"token": (t := served.decode([i])), "logprob": v, "bytes": list(t.encode("utf-8"))} for i, v in top or ()
+        ],
+    }
 
 
 PROMPT_LOGPROB_FLOOR = -9999.0  # a prompt token's -inf logprob in JSON (which has no -inf), as vLLM sends it
