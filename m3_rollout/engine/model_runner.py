@@ -369,8 +369,9 @@ class ModelRunner:
         penalties = sampling.penalties
         if penalties is not None:  # read before this step's ids overwrite last_tokens
             penalties = penalties.to(self.device, self.last_tokens)
+        logits = logits.to(compute_dtype(logits.dtype))
         tokens, lps = sample_rows(
-            logits.to(compute_dtype(logits.dtype)),
+            logits,
             params,
             positions,
             mode,
@@ -385,7 +386,7 @@ class ModelRunner:
         parts, top_k = [tokens, lps.double().view(torch.int64)], 0
         if sampling.top is not None:  # after the sampling, which it leaves as it was
             extra, top_k = sampling.top.compute(
-                logits.to(compute_dtype(logits.dtype)),
+                logits,
                 params,
                 raw,
                 sampling.need_top_k,

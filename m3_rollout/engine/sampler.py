@@ -106,11 +106,12 @@ class Penalties:
 
     rows: int64 [M] rows of the batch. presence, frequency, repetition: float64 [M] (0, 0, 1 = off).
     out_rows, out_ids: int64 [T] the generated tokens so far (row in 0..M-1, token id), repeats kept.
-    prompt_rows, prompt_ids: int64 [P] the prompt tokens of rows whose repetition penalty is on.
+    prompt_rows, prompt_ids: int64 [P] prompt tokens (read by the repetition penalty alone; the
+    launcher passes only those of rows whose repetition penalty is on).
     bias_rows, bias_ids: int64 [B], bias_values: float64 [B] (distinct (row, id) pairs).
     pending_rows, pending_src: int64 [Q] generated tokens still on the device (async scheduling):
     row in 0..M-1 and index into ``last_tokens`` (the runner's previous sampled ids); counted as
-    generated tokens.
+    generated tokens. pending_ids: int64 [Q] those tokens, read by :meth:`to`.
     """
 
     rows: torch.Tensor
@@ -126,14 +127,14 @@ class Penalties:
     bias_values: torch.Tensor
     pending_rows: torch.Tensor
     pending_src: torch.Tensor
-    last_tokens: torch.Tensor | None = None
-    pending_ids: torch.Tensor | None = None  # last_tokens[pending_src] as read by :meth:`to`
+    pending_ids: torch.Tensor | None = None
 
     @classmethod
     def build(cls, rows: list[int], params: list, outputs: list, prompts: list, pending: list[int]) -> Penalties:
         """Host build. rows: batch rows; params: their ``SamplingParams``; outputs / prompts: their
-        generated / prompt token id lists (a prompt is read only where repetition_penalty != 1);
-        pending: per row, -1 or the ``last_tokens`` index of a generated token not on the host."""
+        generated / prompt token id lists (prompts count for the repetition penalty only: the
+        caller may pass () where it is off); pending: per row, -1 or the ``last_tokens`` index of
+        a generated token not on the host."""
 
         def flat(lists):
             n = [len(x) for x in lists]
@@ -143,9 +144,7 @@ class Penalties:
 
         f64 = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
         out_rows, out_ids = flat(outputs)
-        prompt_rows, prompt_ids = flat(
-            [pr if p.repetition_penalty != 1 else () for p, pr in zip(params, prompts, strict=True)]
-        )
+        prompt_rows, prompt_ids = flat(prompts)
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         q = [i for i, src in enumerate(pending) if src >= 0]
         return cls(
@@ -170,9 +169,8 @@ class Penalties:
         ids, and whatever applies these penalties after it (the top-logprob lists) must still see
         the previous step's."""
         fields = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        fields["last_tokens"] = last_tokens if last_tokens is not None else self.last_tokens
-        if fields["last_tokens"] is not None and self.pending_rows.numel():
-            fields["pending_ids"] = fields["last_tokens"][fields["pending_src"]]
+        if last_tokens is not None and self.pending_rows.numel():
+            fields["pending_ids"] = last_tokens[fields["pending_src"]]
         return Penalties(**fields)
 
 
