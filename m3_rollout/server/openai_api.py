@@ -21,13 +21,15 @@ model wrote after it, null when nothing; there is no call and the finish reason 
 ``parallel_tool_calls=false`` keeps the first call only; a later call the output cut off is dropped
 like a closed one (its text is not returned as content).
 
-Logprobs beyond the sampler's own (``top_logprobs``; the prompt tokens' logprobs of completions
-``echo``, of vLLM's ``prompt_logprobs`` on both routes and of ``/generate``'s
-``sampling_params.prompt_logprobs``) come from one scoring forward through the
-engine after the sample is generated (:meth:`OpenAIServing.score_sample`), in the distribution
-the sampled logprobs come from (``logprobs_mode``), and only for tokens stamped with the
-weight-write count that forward ran with (``SampleOutput.token_weight_writes``): anything
-sampled or prefilled with weights written over since is left empty, with a note.
+Generated tokens' ``top_logprobs`` are the sampler's (``SamplingParams.top_logprobs``,
+``SampleOutput.top_logprobs``). Logprobs beyond the sampler's own (the prompt tokens' logprobs of
+completions ``echo``, of vLLM's ``prompt_logprobs`` on both routes and of ``/generate``'s
+``sampling_params.prompt_logprobs``; top lists from a backend whose outputs carry none) come from
+one scoring forward through the engine after the sample is generated
+(:meth:`OpenAIServing.score_sample`), in the distribution the sampled logprobs come from
+(``logprobs_mode``), and only for tokens stamped with the weight-write count that forward ran with
+(``SampleOutput.token_weight_writes``): anything sampled or prefilled with weights written over
+since is left empty, with a note.
 """
 
 from __future__ import annotations
@@ -1309,14 +1311,15 @@ class OpenAIServing:
         (vLLM's way): ``tokens``, ``token_logprobs`` (the sampler's), ``top_logprobs`` (each token
         first, then its top k: :func:`sampled_first`) and ``text_offset`` (into the choice's whole
         text, as the non-streamed answer counts it), so the chunks' lists concatenate to the
-        non-streamed answer's of the same seed. The top lists come from one forward per chunk over
-        the sample so far (none for k 0), guarded as the non-streamed ones (:class:`StreamScores`:
-        a token of weights written over since gets an empty list, its chunk a
-        ``top_logprobs_note``). A chunk's tokens may run ahead of its text (text held back for a
-        stop string or an incomplete character comes later). ``return_token_ids``: each choice's
-        first chunk carries its ``prompt_token_ids``, each chunk its ``token_ids`` and their
-        ``token_weight_versions``, as the non-streamed choice. ``prompt_logprobs``: only 0 gets
-        here, and the chunks carry none, as vLLM's (:func:`check_prompt_logprobs`)."""
+        non-streamed answer's of the same seed. The top lists are the sampler's, carried by each
+        delta (:class:`StreamScores`; a backend whose deltas carry none: one forward per chunk over
+        the sample so far, guarded as the non-streamed ones: a token of weights written over since
+        gets an empty list, its chunk a ``top_logprobs_note``). A chunk's tokens may run ahead of
+        its text (text held back for a stop string or an incomplete character comes later).
+        ``return_token_ids``: each choice's first chunk carries its ``prompt_token_ids``, each
+        chunk its ``token_ids`` and their ``token_weight_versions``, as the non-streamed choice.
+        ``prompt_logprobs``: only 0 gets here, and the chunks carry none, as vLLM's
+        (:func:`check_prompt_logprobs`)."""
         created = int(time.time())
         outs: list[SampleOutput] = []
         prompt_tokens = 0
