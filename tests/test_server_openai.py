@@ -469,17 +469,14 @@ def _cut_at(served, ids, where):
     return found[-1], texts[found[-1]]
 
 
-@pytest.mark.parametrize("where", ["inside the name", "inside a parameter value", "after </invoke>"])
-@pytest.mark.parametrize("mode", MODES)
-def test_generation_cut_inside_a_tool_call_keeps_its_text(scripted, tok, mode, where):
-    """max_tokens inside a call: the cut call was a tool call with the arguments before the cut (its
-    partial value gone), or nothing at all when cut inside the name; now it is content, verbatim,
-    and finish_reason stays length, streamed and not."""
+def _two_calls_cut(scripted, tok, mode, where, **extra):
+    """The scripted backend set to answer with a two-call turn in ``mode`` (reasoning first but in
+    "disabled"), cut ``where`` (:func:`_cut_at`): (server, the cut turn's text, the reasoning, the
+    chat request kwargs with that max_tokens and ``extra``)."""
     srv, backend = scripted
-    served = srv.app.state.served
     reasoning = None if mode == "disabled" else "I need the tool."
     ids = _turn(tok, mode, "Let me check.", [{"function": CALC}, {"function": BOOK}], reasoning)
-    k, text = _cut_at(served, ids, where)
+    k, text = _cut_at(srv.app.state.served, ids, where)
     backend.scripts = [ids]
     kw = dict(
         model="tiny-m3",
@@ -487,7 +484,18 @@ def test_generation_cut_inside_a_tool_call_keeps_its_text(scripted, tok, mode, w
         tools=TOOLS,
         max_tokens=k,
         extra_body={"chat_template_kwargs": {"thinking_mode": mode}},
+        **extra,
     )
+    return srv, text, reasoning, kw
+
+
+@pytest.mark.parametrize("where", ["inside the name", "inside a parameter value", "after </invoke>"])
+@pytest.mark.parametrize("mode", MODES)
+def test_generation_cut_inside_a_tool_call_keeps_its_text(scripted, tok, mode, where):
+    """max_tokens inside a call: the cut call was a tool call with the arguments before the cut (its
+    partial value gone), or nothing at all when cut inside the name; now it is content, verbatim,
+    and finish_reason stays length, streamed and not."""
+    srv, text, reasoning, kw = _two_calls_cut(scripted, tok, mode, where)
     answer = text[text.index("Let me check.") :]  # after the reasoning
     second = answer.find(f"{NS}<invoke", answer.index(f"{NS}</invoke>") if f"{NS}</invoke>" in answer else 0)
     expected = {
@@ -510,20 +518,7 @@ def test_parallel_tool_calls_false_drops_a_second_call_cut_off_as_a_closed_one(s
     """parallel_tool_calls=false dropped a closed second call but returned one max_tokens cut as
     content (its verbatim text); now it is dropped too, streamed and not: one call at most, and no
     trace of the others."""
-    srv, backend = scripted
-    served = srv.app.state.served
-    reasoning = None if mode == "disabled" else "I need the tool."
-    ids = _turn(tok, mode, "Let me check.", [{"function": CALC}, {"function": BOOK}], reasoning)
-    k, _ = _cut_at(served, ids, "inside a parameter value")
-    backend.scripts = [ids]
-    kw = dict(
-        model="tiny-m3",
-        messages=MESSAGES,
-        tools=TOOLS,
-        max_tokens=k,
-        parallel_tool_calls=False,
-        extra_body={"chat_template_kwargs": {"thinking_mode": mode}},
-    )
+    srv, _, _, kw = _two_calls_cut(scripted, tok, mode, "inside a parameter value", parallel_tool_calls=False)
     full = _client(srv).chat.completions.create(**kw)
     reasoning_got, content, calls = _message_view(full.choices[0].message)
     assert full.choices[0].finish_reason == "length"
