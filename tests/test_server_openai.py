@@ -238,6 +238,31 @@ def test_greedy_and_stop_strings(engine_server):
     assert streamed[0]["stop_reason"] == sid
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(engine_server):
+    """vLLM's ``include_stop_str_in_output``: the choice's text ends with the stop string that
+    ended it, chat and completions, streamed and not; ``stop_reason`` still names it."""
+    c = _client(engine_server)
+    keep = {"include_stop_str_in_output": True}
+    kw = dict(model="tiny-m3", messages=MESSAGES, max_tokens=12, temperature=0)
+    text = c.chat.completions.create(**kw).choices[0].message.content
+    stop = text[4:6]
+    want = text[: text.find(stop) + len(stop)]
+    kept = c.chat.completions.create(**kw, stop=[stop, "never seen"], extra_body=keep).choices[0]
+    assert kept.message.content == want and kept.finish_reason == "stop" and kept.model_extra["stop_reason"] == stop
+    streamed, _ = _collect(c.chat.completions.create(**kw, stop=[stop], stream=True, extra_body=keep))
+    assert streamed[0]["content"] == want and streamed[0]["stop_reason"] == stop
+    ckw = dict(model="tiny-m3", prompt="What is 12", max_tokens=12, temperature=0)
+    ctext = c.completions.create(**ckw).choices[0].text
+    cstop = ctext[3:5]
+    cwant = ctext[: ctext.find(cstop) + len(cstop)]
+    kept = c.completions.create(**ckw, stop=[cstop], extra_body=keep).choices[0]
+    assert kept.text == cwant and kept.model_extra["stop_reason"] == cstop
+    chunks = c.completions.create(**ckw, stop=[cstop], stream=True, extra_body=keep)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == cwant
+    cut = c.completions.create(**ckw, stop=[cstop]).choices[0]  # the default drops it
+    assert cut.text == ctext[: ctext.find(cstop)]
+
+
 def test_completions_with_text_and_token_ids(engine_server, tok):
     c = _client(engine_server)
     ids = tok.encode("What is 12", add_special_tokens=False)

@@ -1,6 +1,6 @@
-"""The server's TextStream: incremental text equals the whole decode cut at the first stop string,
-in work linear in the output (a 200 KB stop string, thousands of pushes) and holding back only
-the tail that may still begin a stop string."""
+"""The server's TextStream: incremental text equals the whole decode cut at the first stop string
+(before it, or after it with ``include_stop``), in work linear in the output (a 200 KB stop
+string, thousands of pushes) and holding back only the tail that may still begin a stop string."""
 
 import random
 
@@ -20,9 +20,12 @@ class CountingStr(str):
         return str.__getitem__(self, key)
 
 
-def _reference(decode, ids, stop_ids, stops) -> str:
+def _reference(decode, ids, stop_ids, stops, include_stop=False) -> str:
     ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
     text = decode(ids)
+    if include_stop:  # up to the end of the first stop string to complete
+        ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
+        return text[: min(ends)] if ends else text
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
     return text[: min(cuts)] if cuts else text
 
@@ -32,8 +35,9 @@ def tok():
     return tiny_tokenizer()
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_incremental_text_equals_the_whole_decode_cut_at_the_first_stop(tok, seed):
+def test_incremental_text_equals_the_whole_decode_cut_at_the_first_stop(tok, seed, include_stop):
 
     def decode(ids):
         return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -45,14 +49,16 @@ def test_incremental_text_equals_the_whole_decode_cut_at_the_first_stop(tok, see
     whole = decode(ids)
     stops = (whole[len(whole) // 2 : len(whole) // 2 + 3], "zzq") if seed % 2 else ("zzq",)
     stop_id = {ids[-1]} if seed % 3 == 0 else set()
-    ts = TextStream(decode, stop_id, stops)
+    ts = TextStream(decode, stop_id, stops, include_stop=include_stop)
     out, i = "", 0
     while i < len(ids):
         k = rng.randint(1, 4)
         out += ts.push(ids[i : i + k])
         i += k
     out += ts.finish()
-    assert out == _reference(decode, ids, stop_id, stops)
+    assert out == _reference(decode, ids, stop_id, stops, include_stop)
+    if seed % 2:  # the stop string is in the text: kept (include_stop) or cut off
+        assert out.endswith(stops[0]) == include_stop and ts.stop_string == stops[0]
 
 
 def test_a_200kb_stop_string_costs_linear_work_and_holds_back_only_its_prefix():
@@ -92,6 +98,23 @@ def test_the_stop_string_ends_the_text_even_when_it_begins_in_held_text():
     got += ts.push([ord(c) for c in "wer> more"])
     assert got == "42 " and ts.stopped  # "</answer>" starts before "wer": the earliest start wins
     assert ts.push([ord("x")]) == "" and ts.finish() == ""
+
+
+def test_include_stop_keeps_the_first_stop_string_to_complete_and_holds_nothing_back():
+    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string that completed
+    first (of two ending together, the longer); text that may begin a stop string is not held."""
+
+    def chars(text):
+        return [ord(c) for c in text]
+
+    ts = TextStream(lambda ids: "".join(chr(t) for t in ids), set(), ("</answer>", "wer"), include_stop=True)
+    assert ts.push(chars("42 </ans")) == "42 </ans" and ts.held_chars == 0
+    assert ts.push(chars("wer> more")) == "wer" and ts.stop_string == "wer"  # "wer" completes before "</answer>"
+    assert ts.push(chars("x")) == "" and ts.finish() == ""
+    ts = TextStream(lambda ids: "".join(chr(t) for t in ids), set(), ("bc", "abc"), include_stop=True)
+    assert ts.push(chars("xab")) + ts.push(chars("cd")) == "xabc" and ts.stop_string == "abc"
+    ts = TextStream(lambda ids: "".join(chr(t) for t in ids), {0}, ("zz",), include_stop=True)
+    assert ts.push(chars("no stop") + [0]) + ts.finish() == "no stop"  # the stop token is still not text
 
 
 def test_stop_matcher_reports_the_first_occurrence_across_pieces():

@@ -354,7 +354,11 @@ class TextStream:
     the end of the decode), a trailing stop token (not part of the text), and the longest tail
     that may still begin a stop string (at most ``max(len(stop)) - 1`` characters, found by one
     :class:`StopMatcher` per stop string over the new text only); ``finish`` releases the rest.
-    The text is cut before the first stop string (OpenAI drops it).
+    The text is cut before the earliest-starting stop string (OpenAI drops it), or, with
+    ``include_stop`` (vLLM's ``include_stop_str_in_output``), after the first stop string to
+    complete, which it keeps (nothing is held back then: text released before a stop string
+    completes is the text's either way). Either rule depends on the text alone, not on how the ids
+    were split into pushes, so streamed and whole decodes agree.
     """
 
     def __init__(
@@ -363,8 +367,9 @@ class TextStream:
         stop_ids: set[int],
         stop_strings: tuple[str, ...],
         request_stop_ids: set[int] = frozenset(),
+        include_stop: bool = False,
     ):
-        self.decode, self.stop_ids = decode, stop_ids
+        self.decode, self.stop_ids, self.include_stop = decode, stop_ids, include_stop
         self.request_stop_ids = request_stop_ids  # the request's own stop_token_ids (not end-of-message)
         self.matchers = [StopMatcher(s) for s in stop_strings]
         self.ids: list[int] = []
@@ -408,16 +413,20 @@ class TextStream:
     def _emit(self, new: str, final: bool) -> str:
         if self.stopped or not (new or final):
             return ""
-        ends = [(e - len(m.stop), m.stop) for m in self.matchers if (e := m.feed(new)) >= 0]
-        if ends:  # cut before the earliest-starting stop string (it may begin in the held text)
-            start, self.stop_string = min(ends)
-            cut = self.held_chars + start
+        ends = [(e, m.stop) for m in self.matchers if (e := m.feed(new)) >= 0]  # each one's first end in new
+        if ends:
+            if self.include_stop:  # after the first stop string to complete (the longest of those ending there)
+                end, self.stop_string = min(ends, key=lambda h: (h[0], -len(h[1])))
+                cut = self.held_chars + end
+            else:  # before the earliest-starting stop string (it may begin in the held text)
+                start, self.stop_string = min((e - len(stop), stop) for e, stop in ends)
+                cut = self.held_chars + start
             self.stopped = True
             return ("".join(self._held) + new)[:cut]
         if new:
             self._held.append(new)
             self.held_chars += len(new)
-        hold = 0 if final else max((m.matched for m in self.matchers), default=0)
+        hold = 0 if final or self.include_stop else max((m.matched for m in self.matchers), default=0)
         return self._release(self.held_chars - hold)
 
     def _release(self, n: int) -> str:
@@ -788,10 +797,11 @@ class OpenAIServing:
     def _chat_fields(req: ChatCompletionRequest) -> dict[str, str]:
         return {**CHAT_FIELDS, "max_new_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
 
-    def _text_stream(self, params: SamplingParams) -> TextStream:
+    def _text_stream(self, params: SamplingParams, include_stop: bool = False) -> TextStream:
+        """A sample's :class:`TextStream`; ``include_stop``: the request's ``include_stop_str_in_output``."""
         eom = set(self.served.stop_token_ids)
         own = set(params.stop_token_ids) - eom  # the end-of-message marker stays a null stop_reason
-        return TextStream(self.served.decode, eom | own, params.stop_strings, own)
+        return TextStream(self.served.decode, eom | own, params.stop_strings, own, include_stop)
 
     async def forward_scores(
         self, ids: list[int], start: int, k: int, params: SamplingParams, with_tokens: bool, param: str
@@ -957,7 +967,7 @@ class OpenAIServing:
         for out in outs:
             if out.finish_reason == FINISH_ERROR:
                 raise engine_error(out.error, self._chat_fields(req))
-            text = self._text_stream(greq.params)
+            text = self._text_stream(greq.params, req.include_stop_str_in_output)
             parser = _TurnParser(prompt)
             parser.feed(text.push(out.output_ids))
             parser.feed(text.finish())
@@ -1033,7 +1043,7 @@ class OpenAIServing:
         created = int(time.time())
         base = {"id": greq.request_id, "object": "chat.completion.chunk", "created": created, "model": self.served.name}
         n = greq.params.n
-        texts = [self._text_stream(greq.params) for _ in range(n)]
+        texts = [self._text_stream(greq.params, req.include_stop_str_in_output) for _ in range(n)]
         parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
         has_calls = [False] * n
         outs: list[SampleOutput] = []
@@ -1249,7 +1259,7 @@ class OpenAIServing:
             for out in sorted(outs, key=lambda o: o.sample_index):
                 if out.finish_reason == FINISH_ERROR:
                     raise engine_error(out.error, COMPLETION_FIELDS)
-                ts = self._text_stream(greq.params)
+                ts = self._text_stream(greq.params, req.include_stop_str_in_output)
                 text = ts.push(out.output_ids) + ts.finish()
                 choice = {
                     "index": p * greq.params.n + out.sample_index,
@@ -1326,7 +1336,7 @@ class OpenAIServing:
         k = req.logprobs
         for p, greq in enumerate(reqs):
             n = greq.params.n
-            texts = [self._text_stream(greq.params) for _ in range(n)]
+            texts = [self._text_stream(greq.params, req.include_stop_str_in_output) for _ in range(n)]
             prompt_tokens += len(greq.prompt_ids)
             prefix = self.served.decode(list(greq.prompt_ids)) if req.echo else ""
             scorer = StreamScores(self.score_sample, list(greq.prompt_ids), greq.params, k or 0, n)

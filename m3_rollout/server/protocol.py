@@ -98,7 +98,8 @@ class StreamOptions(_Body):
 
 class SamplingFields(_Body):
     """Sampling fields shared by the OpenAI endpoints (OpenAI names; ``top_k`` / ``stop_token_ids``
-    / ``logprobs_mode`` / ``return_token_ids`` as vLLM names its extensions)."""
+    / ``logprobs_mode`` / ``return_token_ids`` / ``include_stop_str_in_output`` as vLLM names its
+    extensions)."""
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -127,6 +128,9 @@ class SamplingFields(_Body):
     # choice; chat: on the response); checked in openai_api.check_prompt_logprobs (0 .. MAX_TOP_LOGPROBS,
     # streamed: 0 only, as vLLM)
     prompt_logprobs: int | None = None
+    # vLLM's: a choice that a stop string ended keeps it at the end of its text (streamed alike;
+    # openai_api.TextStream). The engine's ids hold its tokens either way (/generate returns ids)
+    include_stop_str_in_output: bool = False
 
 
 class ChatCompletionRequest(SamplingFields):
