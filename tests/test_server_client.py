@@ -87,3 +87,23 @@ def test_bad_request_is_an_error_record_and_update_weights_works(setup):
     (again,) = [o for o in http.generate([good]) if o.sample_index == 0]
     assert again.token_weight_versions == [9] * 4
     http.shutdown()
+
+
+def test_a_refused_request_gives_the_engines_error_records(setup):
+    """The error records of a request the server refuses are the in-process engine's
+    (``engine.requests.error_outputs``): one per sample, and a single one for an ``n`` that is no
+    valid count (the client's own copy gave none for n=0: the request vanished from the results)."""
+    tok, served, model, srv = setup
+    http, local = HTTPBackend(srv.url), native_backend(model, served)
+    reqs = [
+        GenerationRequest("n0", [5, 6], SamplingParams(n=0, max_new_tokens=4)),
+        GenerationRequest("oov", [5, len(tok) + 3], SamplingParams(n=2, max_new_tokens=4), sample_index=3),
+    ]
+    try:
+        got = [(o.request_id, o.sample_index, o.prompt_ids, o.output_ids, o.finish_reason) for o in http.generate(reqs)]
+    finally:
+        http.shutdown()
+    want = [(o.request_id, o.sample_index, o.prompt_ids, o.output_ids, o.finish_reason) for o in local.generate(reqs)]
+    oov = [5, len(tok) + 3]
+    assert got == want
+    assert want == [("n0", 0, [5, 6], [], "error"), ("oov", 3, oov, [], "error"), ("oov", 4, oov, [], "error")]

@@ -21,7 +21,8 @@ import httpx
 import numpy as np
 import torch
 
-from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.engine.requests import error_outputs
 from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
@@ -119,16 +120,6 @@ def _generation_failed(resp: httpx.Response) -> bool:
         return resp.json()["error"]["code"] == GENERATION_FAILED
     except (ValueError, KeyError, TypeError):
         return False
-
-
-def error_outputs(req: GenerationRequest, message: str, version: int) -> list[SampleOutput]:
-    """One "error" record per sample, as the in-process engine gives for a bad request."""
-    return [
-        SampleOutput(
-            req.request_id, req.sample_index + j, list(req.prompt_ids), [], [], FINISH_ERROR, version, error=message
-        )
-        for j in range(req.params.n)
-    ]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -252,7 +243,8 @@ class HTTPBackend(GenerationBackend):
 
     Outputs carry the same fields as the in-process engine's (output ids, logprobs, finish
     reason, weight version of every token, routed experts when ``return_routed_experts``); a request
-    the server refuses (400) becomes one "error" record per sample, as the engine does.
+    the server refuses (400) becomes the engine's own error records (``engine.requests.
+    error_outputs``: one per sample, a single one when ``n`` is not a valid count).
 
     Args:
         base_url: the server, e.g. "http://127.0.0.1:8000".
@@ -300,7 +292,8 @@ class HTTPBackend(GenerationBackend):
         async with sem:
             body = request_body(req, self.return_routed_experts, self.return_block_selection)
             resp = await http.post("/generate", json=body)
-        if resp.status_code == 400 or _generation_failed(resp):  # the engine's error records, as in-process
+        # the engine's error records (one per req.output_indices()), as in-process
+        if resp.status_code == 400 or _generation_failed(resp):
             version = _raise_for(await http.get("/weight_version"))["weight_version"]
             return error_outputs(req, resp.json()["error"]["message"], version)
         return outputs_of(req, _raise_for(resp))
