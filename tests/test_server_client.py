@@ -2,6 +2,9 @@
 through a server give the same trajectories as the in-process engine (same seeds, keyed sampler),
 bad requests become error records, and update_weights pushes new weights through weight sync."""
 
+import json
+
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -13,7 +16,7 @@ from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.model.selection_record import canonical_rows
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
-from m3_rollout.server.client import HTTPBackend
+from m3_rollout.server.client import HTTPBackend, request_body
 
 MAX_LEN = 256
 
@@ -107,3 +110,36 @@ def test_a_refused_request_gives_the_engines_error_records(setup):
     oov = [5, len(tok) + 3]
     assert got == want
     assert want == [("n0", 0, [5, 6], [], "error"), ("oov", 3, oov, [], "error"), ("oov", 4, oov, [], "error")]
+
+
+def test_sampler_top_logprobs_over_http_equal_the_in_process_engine(setup):
+    """``SamplingParams.top_logprobs`` goes through /generate (``sampling_params.top_logprobs``) and
+    comes back as ``SampleOutput.top_logprobs``: the sampler's lists, equal to the in-process
+    engine's for the same seed; streamed events carry their tokens' lists; none when not asked."""
+    tok, served, model, srv = setup
+    http, local = HTTPBackend(srv.url), native_backend(model, served)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=4, temperature=0.8, top_p=0.9, top_logprobs=3)
+    req = GenerationRequest("tops", [5, 6, 7], params)
+    plain = GenerationRequest("plain", [5, 6, 7], SamplingParams(max_new_tokens=3, seed=4))
+    try:
+        over_http, plain_http = http.generate([req]), http.generate([plain])
+    finally:
+        http.shutdown()
+    in_process = local.generate([req])
+    assert len(over_http) == 2 and over_http[0].output_ids != over_http[1].output_ids
+    for a, b in zip(over_http, in_process, strict=True):
+        assert a.output_ids == b.output_ids and len(a.top_logprobs) == len(a.output_ids)
+        assert all(1 <= len(row) <= 3 for row in a.top_logprobs)
+        assert a.top_logprobs == b.top_logprobs  # (token id, logprob) tuples, exact through JSON
+    assert plain_http[0].top_logprobs is None and "top_logprobs" not in request_body(plain)["sampling_params"]
+    # streamed: each event carries its tokens' lists; together, the sample's
+    got: dict[int, list] = {0: [], 1: []}
+    with httpx.stream("POST", srv.url + "/generate", json={**request_body(req), "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "token_ids" in event:
+                    got[event["sample_index"]] += [[tuple(p) for p in row] for row in event["top_logprobs"]]
+    assert [got[0], got[1]] == [o.top_logprobs for o in over_http]
+    refused = httpx.post(srv.url + "/generate", json={"input_ids": [5], "sampling_params": {"top_logprobs": 21}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "sampling_params.top_logprobs"

@@ -6,6 +6,7 @@ Routes (bodies in ``protocol.py``):
     POST /v1/completions                 OpenAI completions (text or token ids)
     POST /generate                       token-in/token-out: ids + sampling params -> ids, logprobs,
                                          finish reason, per-token weight versions, routed experts,
+                                         the sampler's top logprobs (``sampling_params.top_logprobs``),
                                          prompt logprobs (``sampling_params.prompt_logprobs``)
     POST /tokenize, /detokenize          text or chat messages <-> ids
     POST /init_weight_sync               join the trainer's weight-sync group (+ handshake)
@@ -119,6 +120,12 @@ def encode_block_selections(outs: list[SampleOutput]) -> tuple[list[str], list[l
     return table, per
 
 
+def encode_top_logprobs(tops: list[list[tuple[int, float]]] | None) -> list[list[list]] | None:
+    """The sampler's top lists (``SampleOutput.top_logprobs`` / ``StreamDelta.top_logprobs``) as
+    JSON: per generated token [[token id, logprob], ...], most likely first; None when not asked."""
+    return None if tops is None else [[[t, v] for t, v in row] for row in tops]
+
+
 def _sample_dict(out: SampleOutput, routed: bool) -> dict:
     d = {
         "sample_index": out.sample_index,
@@ -128,6 +135,7 @@ def _sample_dict(out: SampleOutput, routed: bool) -> dict:
         "weight_version": out.weight_version,
         "token_weight_versions": out.token_weight_versions,
         "error": out.error,
+        "top_logprobs": encode_top_logprobs(out.top_logprobs),
     }
     if routed:
         d["routed_experts"] = None if out.routed_experts is None else encode_routed_experts(out.routed_experts)
@@ -264,6 +272,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             seed=request_seed(sp.seed),
             logprobs_mode=sp.logprobs_mode,
             stop_strings=tuple(sp.stop),
+            top_logprobs=sp.top_logprobs,
             presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty,
@@ -301,6 +310,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                                 "token_ids": item.token_ids,
                                 "logprobs": item.logprobs,
                                 "weight_versions": item.weight_versions,
+                                "top_logprobs": encode_top_logprobs(item.top_logprobs),
                             }
                         else:
                             d = {"rid": greq.request_id, **_sample_dict(item, routed)}

@@ -67,9 +67,10 @@ def decode_block_selection(indices: list[int] | None, table: list) -> SelectionR
 def request_body(
     req: GenerationRequest, return_routed_experts: bool = False, return_block_selection: bool = False
 ) -> dict:
-    """The /generate body of a GenerationRequest (same sampling fields, same sample index)."""
+    """The /generate body of a GenerationRequest (same sampling fields, same sample index;
+    ``top_logprobs`` only when asked, so a server without the field still takes the others)."""
     p = req.params
-    return {
+    body = {
         "input_ids": [int(t) for t in req.prompt_ids],
         "rid": req.request_id,
         "sample_index": req.sample_index,
@@ -88,6 +89,15 @@ def request_body(
             "logprobs_mode": p.logprobs_mode,
         },
     }
+    if p.top_logprobs:
+        body["sampling_params"]["top_logprobs"] = p.top_logprobs
+    return body
+
+
+def decode_top_logprobs(rows: list | None) -> list[list[tuple[int, float]]] | None:
+    """An output's ``top_logprobs`` JSON of /generate (per token [[id, logprob], ...]) -> the
+    ``SampleOutput.top_logprobs`` lists of (int, float) tuples (None when absent)."""
+    return None if rows is None else [[(int(t), float(v)) for t, v in row] for row in rows]
 
 
 def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
@@ -106,6 +116,7 @@ def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
             token_weight_versions=o["token_weight_versions"],
             routed_experts=decode_routed_experts(o.get("routed_experts")),
             block_selection=decode_block_selection(o.get("block_selection"), table),
+            top_logprobs=decode_top_logprobs(o.get("top_logprobs")),
         )
         for o in body["outputs"]
     ]

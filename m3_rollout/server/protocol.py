@@ -188,6 +188,12 @@ class GenerateSamplingParams(_Body):
     # vLLM's prompt_logprobs: each sample's output carries, per prompt token, its logprob, its rank
     # and the top k (null: off); checked in app.py (0 .. MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = None
+    # the sampler's top k per generated token (engine SamplingParams.top_logprobs; 0: none): each
+    # output (and streamed event) carries top_logprobs, per token [[token id, logprob], ...]. Named
+    # as the engine field (and OpenAI chat's count), beside prompt_logprobs: the sampled tokens'
+    # logprobs always come back, so SGLang's top-level return_logprob switch has nothing to switch,
+    # and vLLM's name for it, logprobs, is the output field of those
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class GenerateRequest(_Body):
