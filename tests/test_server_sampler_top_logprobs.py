@@ -2,7 +2,8 @@
 top_logprobs`` / streamed deltas), vLLM's way: no scoring forward runs for them (counted on the
 engine's ``top_logprobs``), streamed chunks carry their tokens' lists (== the non-streamed
 answer), n > 1 samples each get theirs, and they equal the engine's scoring forward of the same
-sequence. Echoed prompt logprobs still take one forward (the prompt's)."""
+sequence. Echoed prompt logprobs still take one forward (the prompt's), which vLLM's
+prompt_logprobs and the request's n choices share."""
 
 import openai
 import pytest
@@ -78,3 +79,28 @@ def test_completion_top_logprobs_from_the_sampler_echo_scores_the_prompt_only(se
     r = c.completions.create(model="tiny-m3", prompt=[5, 6, 7, 8], max_tokens=5, seed=2, logprobs=2, echo=True)
     assert [len(a[0]) for a in calls] == [4]  # one forward, over the prompt alone
     assert r.choices[0].logprobs.top_logprobs[4:] == lp.top_logprobs
+
+
+def test_completion_echo_and_prompt_logprobs_share_one_prompt_forward(setup):
+    """``echo`` with ``logprobs`` and vLLM's ``prompt_logprobs`` on /v1/completions: one scoring
+    forward over the prompt serves every choice's echo and prompt_logprobs (was one per echoed
+    choice plus one for prompt_logprobs), with the answers of either asked alone."""
+    srv, engine, scoring, calls, served = setup
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    kw = dict(model="tiny-m3", prompt=[5, 6, 7, 8], max_tokens=4, seed=3, n=2)
+    calls.clear()
+    both = c.completions.create(**kw, logprobs=2, echo=True, extra_body={"prompt_logprobs": 3})
+    assert [len(a[0]) for a in calls] == [4]  # one forward, over the prompt, for both choices and both fields
+    echo_alone = c.completions.create(**kw, logprobs=2, echo=True)
+    plp_alone = c.completions.create(**kw, extra_body={"prompt_logprobs": 3})
+    assert both.choices[0].text != both.choices[1].text
+    for a, e, p in zip(both.choices, echo_alone.choices, plp_alone.choices, strict=True):
+        assert a.text == e.text and a.logprobs == e.logprobs
+        assert a.model_extra["prompt_logprobs"] == p.model_extra["prompt_logprobs"]
+        assert len(a.model_extra["prompt_logprobs"][1]) >= 3 and len(a.logprobs.top_logprobs[1]) <= 3
+    calls.clear()  # max_tokens=0: the prompt alone, scored once for both fields
+    kw0 = dict(model="tiny-m3", prompt=[5, 6, 7, 8], max_tokens=0, echo=True, n=2, logprobs=2)
+    both = c.completions.create(**kw0, extra_body={"prompt_logprobs": 3})
+    assert [len(a[0]) for a in calls] == [4]
+    alone = c.completions.create(**kw0)
+    assert [ch.logprobs for ch in both.choices] == [ch.logprobs for ch in alone.choices]

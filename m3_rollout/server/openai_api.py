@@ -837,6 +837,7 @@ class OpenAIServing:
         writes: list[int],
         prompt_k: int | None = None,
         sampled: list | None = None,
+        prompt_scored: tuple | None = None,
     ) -> SampleScores:
         """The top-``k`` logprobs of a sample's generated tokens ``start ..`` and, with ``prompt_k``
         (not None), its prompt tokens' logprobs (each one's own, its rank, its top ``prompt_k``):
@@ -856,21 +857,29 @@ class OpenAIServing:
         ``sampled``: the sample's own top lists from the sampler (``SampleOutput.top_logprobs``,
         computed when each token was sampled, under the weights that sampled it): when given,
         ``tops`` come from them, no forward runs for them and the guard has nothing to empty;
-        the forward then runs over the prompt alone, and only when ``prompt_k`` asks for it."""
-        if k and sampled is not None:
-            tops = [row[:k] for row in sampled[start:]]
+        the forward then runs over the prompt alone, and only when ``prompt_k`` asks for it.
+
+        ``prompt_scored``: the request's :meth:`prompt_scores` with top >= ``prompt_k``, which the
+        caller shares among the scores of its samples (and its ``prompt_logprobs``): when the
+        prompt alone is to be scored (``sampled`` lists, or no generated token to score), its rows
+        serve instead of a forward of this sample's own."""
+        want_tops = bool(k) and start < len(out_ids)
+        no_tops = None if not k else []
+        use_sampled = bool(k) and sampled is not None
+        if use_sampled or (prompt_k is not None and not want_tops):  # nothing to score but the prompt
+            tops = [row[:k] for row in sampled[start:]] if use_sampled else no_tops
             if prompt_k is None:
                 return SampleScores(tops)
             if len(prompt) < 2:
                 return SampleScores(tops, prompt=[])
-            rows, version, served = await self.forward_scores(prompt, 1, prompt_k, params, True, "logprobs")
+            if prompt_scored is None:
+                prompt_scored = await self.forward_scores(prompt, 1, prompt_k, params, True, "logprobs")
+            rows, version, served = prompt_scored
             scores = SampleScores(tops, prompt=rows, version=version)
             if prompt_is_stale(out_ids, writes, served):
                 scores.prompt, scores.prompt_stale = None, True
                 scores.prompt_version = versions[0] if versions else version
             return scores
-        want_tops = bool(k) and start < len(out_ids)
-        no_tops = None if not k else []
         if prompt_k is None:
             if not want_tops:
                 return SampleScores(no_tops)
@@ -878,13 +887,11 @@ class OpenAIServing:
                 prompt + out_ids, len(prompt) + start, k, params, False, "top_logprobs"
             )
             scores = SampleScores(tops, version=version)
-        else:
-            ids = prompt + (out_ids if want_tops else [])
-            if len(ids) < 2:  # a one-token prompt and no generated token to score: no position to score
-                return SampleScores(no_tops, prompt=[])
+        else:  # one forward for both: the prompt and the generated tokens
+            ids = prompt + out_ids
             rows, version, served = await self.forward_scores(ids, 1, max(k, prompt_k), params, True, "logprobs")
             cut = len(prompt) - 1  # rows[i] is position i + 1: the prompt's positions come first
-            tops = [r.top[:k] for r in rows[cut + start :]] if want_tops else no_tops
+            tops = [r.top[:k] for r in rows[cut + start :]]
             scores = SampleScores(tops, prompt=rows[:cut], version=version)
             if prompt_is_stale(out_ids, writes, served):
                 scores.prompt, scores.prompt_stale = None, True
@@ -1212,19 +1219,24 @@ class OpenAIServing:
         index * n + sample index.
 
         ``echo`` puts the prompt's text before each choice's; with ``logprobs=k`` the prompt
-        tokens' logprobs come first in its ``logprobs`` (:meth:`_echo_logprobs`), scored by the
-        same forward as the generated tokens' top logprobs (:meth:`score_sample`), under the
+        tokens' logprobs come first in its ``logprobs`` (:meth:`_echo_logprobs`), under the
         weights the sample's prompt ran with or not at all (``top_logprobs_note`` says why). Each
         top list holds the position's own token first, then the top k (:func:`sampled_first`, as
         vLLM). vLLM's ``prompt_logprobs=p`` gives each choice a ``prompt_logprobs`` list in vLLM's
-        shape (:func:`vllm_prompt_logprobs`), one forward per prompt shared by its ``n`` choices
-        (:meth:`prompt_scores`), guarded per choice (:meth:`sample_prompt_logprobs`: empty entries
-        and a ``prompt_logprobs_note``). ``max_tokens=0`` (with ``echo``) generates nothing: each
-        of the ``n`` choices is the prompt, finish reason "length", its logprobs and prompt
-        logprobs scored once under the weights served now, once the request is admitted
-        (``Controller.admitted``: it waits while the server is paused, as a generation does)."""
+        shape (:func:`vllm_prompt_logprobs`), guarded per choice (:meth:`sample_prompt_logprobs`:
+        empty entries and a ``prompt_logprobs_note``). The prompt is scored once, by one forward
+        shared by its ``n`` choices' echo and ``prompt_logprobs`` (:meth:`prompt_scores`, top
+        max(k, p)); only a backend whose outputs carry no sampler top lists has each echoed
+        choice's prompt scored with its generated tokens instead (:meth:`score_sample`).
+        ``max_tokens=0`` (with ``echo``) generates nothing: each of the ``n`` choices is the
+        prompt, finish reason "length", its logprobs and prompt logprobs scored once under the
+        weights served now, once the request is admitted (``Controller.admitted``: it waits while
+        the server is paused, as a generation does)."""
         choices, all_outs, prompt_tokens = [], [], 0
         k, plp = req.logprobs, req.prompt_logprobs
+        echo_k = k if req.echo else None  # the top k of the prompt tokens' echoed logprobs
+        shared_k = max(echo_k or 0, plp or 0)  # the top k of the prompt's one scoring forward
+        shared_param = "prompt_logprobs" if plp is not None else "logprobs"
 
         async def run(greq: GenerationRequest) -> list[SampleOutput]:
             if req.max_tokens == 0:
@@ -1238,12 +1250,13 @@ class OpenAIServing:
             prefix = self.served.decode(prompt_ids) if req.echo else ""
             if req.max_tokens == 0:
                 scored = prompt_scored = None
-                if k is not None or plp is not None:  # forwards for the client: admitted as a generation is
+                if k is not None or plp is not None:  # a forward for the client: admitted as a generation is
                     async with self.runner.admitted(greq.request_id):
-                        if k is not None:
-                            scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k)
-                        if plp is not None:
-                            prompt_scored = await self.prompt_scores(prompt_ids, plp, greq.params, "prompt_logprobs")
+                        shared = await self.prompt_scores(prompt_ids, shared_k, greq.params, shared_param)
+                    if k is not None:  # the prompt's rows of that forward: no forward of its own
+                        scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k, None, shared)
+                    if plp is not None:
+                        prompt_scored = shared
                 for i in range(greq.params.n):
                     choice = {"index": p * greq.params.n + i, "text": prefix, "logprobs": None}
                     choice.update(finish_reason="length", stop_reason=None)
@@ -1259,6 +1272,10 @@ class OpenAIServing:
             for out in sorted(outs, key=lambda o: o.sample_index):
                 if out.finish_reason == FINISH_ERROR:
                     raise engine_error(out.error, COMPLETION_FIELDS)
+                # echo scores the prompt alone when the sampler listed the generated tokens' tops (or none are asked)
+                echo_alone = echo_k is not None and (not echo_k or out.top_logprobs is not None)
+                if prompt_scored is None and (plp is not None or echo_alone):
+                    prompt_scored = await self.prompt_scores(prompt_ids, shared_k, greq.params, shared_param)
                 ts = self._text_stream(greq.params, req.include_stop_str_in_output)
                 text = ts.push(out.output_ids) + ts.finish()
                 choice = {
@@ -1277,8 +1294,9 @@ class OpenAIServing:
                         greq.params,
                         out.token_weight_versions,
                         out.token_weight_writes,
-                        k if req.echo else None,
+                        echo_k,
                         sampled=out.top_logprobs,
+                        prompt_scored=prompt_scored,
                     )
                     if req.echo:
                         choice["logprobs"] = self._echo_logprobs(prompt_ids, scores, k, out)
@@ -1289,8 +1307,6 @@ class OpenAIServing:
                     if note:
                         choice["top_logprobs_note"] = note
                 if plp is not None:
-                    if prompt_scored is None:
-                        prompt_scored = await self.prompt_scores(prompt_ids, plp, greq.params, "prompt_logprobs")
                     choice["prompt_logprobs"], note = self.sample_prompt_logprobs(prompt_ids, prompt_scored, out, plp)
                     if note:
                         choice["prompt_logprobs_note"] = note
