@@ -1,4 +1,4 @@
-"""train_tokenizer / save_tokenizer: markers, digits, exact round trip, saved-dir reload."""
+"""train_tokenizer / save_tokenizer: markers, digits, exact round trip, saved-dir reload; TokenBytes."""
 
 import os
 import pathlib
@@ -6,10 +6,18 @@ import re
 
 import pytest
 import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from m3_rollout.chat import markers
 from m3_rollout.chat.template import ChatFileError, ChatFormat, load_template, render
-from m3_rollout.chat.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from m3_rollout.chat.tokenizer import (
+    BYTE_DECODER,
+    TokenBytes,
+    is_byte_level,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
 
 SPECIALS = ["]~!b[", "]~b]", "[e~[", "<mm:think>", "</mm:think>", "<pad>"]
 NS = "]<]minimax[>["
@@ -98,6 +106,49 @@ def test_exact_round_trip(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+MULTIBYTE = "</mm:think>héllo 日本語 🙂" + NS + "<x>ß€" + NS + "</x>[e~["
+
+
+def test_token_bytes_join_into_the_texts_utf8(tok):
+    """Logprobs' `bytes` gave each token's decoded text, U+FFFD for a token holding part of a
+    multi-byte character; the tokens' own bytes join into the text's UTF-8, markers included."""
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    assert "\ufffd" in [tok.decode([i]) for i in ids]  # the characters are split over tokens
+    token_bytes = TokenBytes(tok)
+    assert token_bytes.byte_level
+    assert b"".join(token_bytes(i) for i in ids) == MULTIBYTE.encode("utf-8")
+    assert token_bytes(tok.convert_tokens_to_ids(NS)) == NS.encode()
+    assert token_bytes(len(tok) + 5) == b""  # past the tokenizer (a padded model vocabulary)
+
+
+def test_token_bytes_of_an_added_token_are_its_texts_utf8():
+    """An added token is matched as text, not spelt in the byte alphabet: "é" of "<｜é｜>" is not
+    the byte 0xE9."""
+    tok = train_tokenizer(["abc abc"], vocab_size=300)
+    tok.add_tokens(["<｜é｜>"])
+    tid = tok.convert_tokens_to_ids("<｜é｜>")
+    assert TokenBytes(tok)(tid) == "<｜é｜>".encode()
+
+
+def test_byte_alphabet_is_gpt2s():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    assert BYTE_DECODER == {c: b for b, c in bytes_to_unicode().items()}
+    assert set(BYTE_DECODER) == set(pre_tokenizers.ByteLevel.alphabet())
+
+
+def test_token_bytes_of_a_tokenizer_that_is_not_byte_level_are_its_decoded_texts():
+    word = Tokenizer(models.WordLevel({"héllo": 0, "wörld": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    word.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, unk_token="[UNK]")
+    assert not is_byte_level(tok)
+    token_bytes = TokenBytes(tok)
+    assert [token_bytes(i) for i in tok.encode("héllo wörld", add_special_tokens=False)] == [
+        "héllo".encode(),
+        "wörld".encode(),
+    ]
 
 
 def test_too_small_vocab_rejected():

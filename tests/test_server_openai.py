@@ -23,7 +23,7 @@ from server_util import (  # tests/ is on sys.path under pytest
 
 from m3_rollout.chat.markers import NS
 from m3_rollout.chat.template import ChatFormat
-from m3_rollout.server.openai_api import chat_prompt
+from m3_rollout.server.openai_api import _logprob_entry, chat_prompt
 from m3_rollout.server.protocol import ChatCompletionRequest
 from m3_trainers.policy import token_logprobs
 
@@ -417,6 +417,36 @@ def test_tool_choice_none_required_and_named(scripted, tok):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(**base, tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_chat_logprobs_bytes_are_the_tokens_raw_bytes(scripted, tok):
+    """Each logprobs item's `bytes` were its decoded text's, the bytes of U+FFFD for a token that
+    holds part of a multi-byte character; now the token's own bytes, so the items' bytes join into
+    the UTF-8 of the text (markers included), streamed and not, top entries too. `token` stays the
+    token decoded alone (U+FFFD there, as vLLM's)."""
+    srv, backend = scripted
+    served = srv.app.state.served
+    text = "héllo 日本語 🙂" + NS + "ß€"
+    ids = tok.encode(text, add_special_tokens=False) + [backend.stop_id]
+    whole = (text + "[e~[").encode()
+    assert "\ufffd" in [served.decode([i]) for i in ids]
+    kw = dict(model="tiny-m3", messages=MESSAGES, max_tokens=200, logprobs=True)
+    backend.scripts = [ids]
+    items = _client(srv).chat.completions.create(**kw).choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in items) == whole
+    assert [e.token for e in items] == [served.decode([i]) for i in ids]
+    backend.scripts = [ids]
+    streamed = [
+        e
+        for chunk in _client(srv).chat.completions.create(**kw, stream=True)
+        for ch in chunk.choices
+        for e in (ch.logprobs.content if ch.logprobs else None) or []
+    ]
+    assert b"".join(bytes(e.bytes) for e in streamed) == whole
+    # top_logprobs entries (here every token of the text, as one position's list)
+    entry = _logprob_entry(served, ids[0], -0.5, [(i, -1.0) for i in ids])
+    assert b"".join(bytes(t["bytes"]) for t in entry["top_logprobs"]) == whole
+    assert [t["token"] for t in entry["top_logprobs"]] == [served.decode([i]) for i in ids]
 
 
 @pytest.mark.parametrize("mode", MODES)

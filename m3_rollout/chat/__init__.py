@@ -1,7 +1,8 @@
 """MiniMax-M3's chat layer: markers, tokenizer, chat templates and output parsers.
 
 - `markers`: the marker strings (`]~!b[`, `]~b]`, `[e~[`, `<mm:think>`, `</mm:think>`, `]<]minimax[>[`).
-- `tokenizer`: train/save small byte-level BPE tokenizers that speak those markers.
+- `tokenizer`: train/save small byte-level BPE tokenizers that speak those markers; `TokenBytes`,
+  a token's raw bytes (OpenAI logprobs' `bytes`).
 - `templates/`: the Jinja chat templates (`m3_full.jinja`, `m3_short.jinja`).
 - `template`: `ChatFormat`, conversations -> token ids for rollouts (token-in, token-out).
 - `reasoning_parser`: split `<mm:think>` reasoning from the answer.

@@ -1,4 +1,5 @@
-"""Small byte-level BPE tokenizers that speak MiniMax-M3's chat markers, for CPU tests and toy RL.
+"""Small byte-level BPE tokenizers that speak MiniMax-M3's chat markers, for CPU tests and toy RL;
+and `TokenBytes`, a token's raw bytes under any such tokenizer (OpenAI logprobs' `bytes`).
 
 Governing idea: a tokenizer trained here must behave like M3's on everything the chat layer
 relies on — every marker is one token, `decode(encode(s)) == s` for any text, and the namespace
@@ -9,6 +10,7 @@ on training and are always looked up by string.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 
@@ -18,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from m3_rollout.chat.markers import BOS, EOS, NS, PAD, SPECIAL_TOKENS
 from m3_rollout.chat.template import ChatFileError, check_template
 
-__all__ = ["load_tokenizer", "save_tokenizer", "train_tokenizer"]
+__all__ = ["TokenBytes", "is_byte_level", "load_tokenizer", "save_tokenizer", "train_tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -143,3 +145,69 @@ def load_tokenizer(model_dir: str | os.PathLike) -> transformers.PreTrainedToken
         )
         check_template(tok.chat_template, origin)
     return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> character map, the alphabet byte-level BPE vocabularies are spelt in: the
+    188 printable Latin-1 bytes stand for themselves, the other 68 (controls, space, DEL, NBSP,
+    soft hyphen, ...) for U+0100 onwards in byte order (``tokenizers``' ByteLevel and
+    ``transformers``' ``bytes_to_unicode`` use the same map)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + shifted)
+            shifted += 1
+    return out
+
+
+#: A byte-level BPE vocabulary entry's character -> the byte it stands for (inverse of GPT-2's map).
+BYTE_DECODER: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def is_byte_level(tokenizer) -> bool:
+    """Whether ``tokenizer`` (a transformers fast tokenizer) is a byte-level BPE: its decoder is
+    ``tokenizers``' ByteLevel (alone, or the only kind in a Sequence), so each vocabulary entry
+    spells its bytes in GPT-2's byte alphabet (``BYTE_DECODER``). False for a slow tokenizer or
+    any other decoder (SentencePiece-style byte fallback, WordPiece, ...)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return False
+    state = json.loads(decoder.__getstate__())  # the decoder's own JSON (small), as in tokenizer.json
+    kinds = [d.get("type") for d in state["decoders"]] if state.get("type") == "Sequence" else [state.get("type")]
+    return bool(kinds) and all(k == "ByteLevel" for k in kinds)
+
+
+class TokenBytes:
+    """Token id -> the token's raw bytes, what OpenAI's ``logprobs`` ``bytes`` field carries: the
+    bytes of consecutive tokens join into the text, also where a token holds only part of a
+    multi-byte character (decoding such a token alone gives U+FFFD instead).
+
+    - Byte-level BPE (:func:`is_byte_level`: ours from :func:`train_tokenizer`, M3's): the
+      vocabulary entry's characters mapped back through ``BYTE_DECODER``.
+    - Added tokens (the markers, special or not): their content's UTF-8 (they are matched as
+      text, not spelt in the byte alphabet).
+    - Any other tokenizer, or an entry with a character outside the byte alphabet: the UTF-8 of
+      the token decoded alone (markers kept, no cleanup), so a partial character gives the bytes
+      of U+FFFD there. An id the tokenizer does not know (a model vocabulary padded past it): b"".
+
+    The added tokens are read once, here: tokens added to ``tokenizer`` later are not seen as such.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.byte_level = is_byte_level(tokenizer)
+        self.added = {i: t.content.encode("utf-8") for i, t in tokenizer.added_tokens_decoder.items()}
+
+    def __call__(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id]
+        if self.byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if piece is not None and all(c in BYTE_DECODER for c in piece):
+                return bytes(BYTE_DECODER[c] for c in piece)
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text.encode("utf-8")

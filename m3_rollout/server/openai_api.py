@@ -47,6 +47,7 @@ from m3_rollout.chat.markers import NS, THINK_CLOSE, THINKING_MODES, TOOL_CALL_O
 from m3_rollout.chat.output_parser import OutputDelta, StreamingOutputParser
 from m3_rollout.chat.reasoning_parser import StreamingReasoningParser
 from m3_rollout.chat.template import render
+from m3_rollout.chat.tokenizer import TokenBytes
 from m3_rollout.engine.interface import FINISH_ERROR, GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 
 from .control import Controller
@@ -85,6 +86,7 @@ class ServedModel:
     vocab_size: int
     created: int = field(default_factory=lambda: int(time.time()))
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    _token_bytes: TokenBytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def template_kwargs(self, request_kwargs: dict | None) -> dict:
         """The server's default chat-template kwargs overlaid with a request's (a request that
@@ -103,6 +105,13 @@ class ServedModel:
     def decode(self, ids: list[int]) -> str:
         """Text with every marker kept (the parsers need them)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes (:class:`~m3_rollout.chat.tokenizer.TokenBytes`: a byte-level BPE
+        token's own bytes, part of a multi-byte character included; a marker's UTF-8)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_id)
 
 
 def check_token_ids(served: ServedModel, ids: list[int], param: str) -> None:
@@ -517,14 +526,15 @@ def _choice_text(choice) -> str:
 
 def _logprob_entry(served: ServedModel, tid: int, lp: float, top: list[tuple[int, float]] | None) -> dict:
     """One chat ``logprobs.content`` item; ``top_logprobs`` is always a list, [] when none were asked
-    for (OpenAI's schema types it as a required array)."""
-    tok = served.decode([tid])
+    for (OpenAI's schema types it as a required array). ``token`` is the token decoded alone (U+FFFD
+    for part of a multi-byte character, as vLLM sends it); ``bytes`` are the token's raw bytes
+    (:meth:`ServedModel.token_bytes`), so the items' bytes join into the UTF-8 of the text."""
     return {
-        "token": tok,
+        "token": served.decode([tid]),
         "logprob": lp,
-        "bytes": list(tok.encode("utf-8")),
+        "bytes": list(served.token_bytes(tid)),
         "top_logprobs": [
-            {"token": (t := served.decode([i])), "logprob": v, "bytes": list(t.encode("utf-8"))} for i, v in top or ()
+            {"token": served.decode([i]), "logprob": v, "bytes": list(served.token_bytes(i))} for i, v in top or ()
         ],
     }
 
