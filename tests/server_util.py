@@ -156,20 +156,32 @@ class LiveServer:
 class ScriptedBackend(GenerationBackend):
     """Streams scripted token ids, one token per delta: sample s gets ``scripts[s % len(scripts)]``
     (cut at max_new_tokens). Logprobs are -0.01 * (i + 1); every token carries version 5.
-    Implements the streaming protocol (``stream`` + ``abort``)."""
+    Implements the streaming protocol (``stream`` + ``abort``). With ``detokenize`` it honours
+    ``SamplingParams.stop_strings`` as the engine does: the script ends ("stop") at the first token
+    after which its decoded text contains one, that token kept."""
 
-    def __init__(self, scripts: list[list[int]], stop_id: int):
-        self.scripts, self.stop_id = scripts, stop_id
+    def __init__(self, scripts: list[list[int]], stop_id: int, detokenize=None):
+        self.scripts, self.stop_id, self.detokenize = scripts, stop_id, detokenize
         self.requests = []
         self.aborted: set[str] = set()
 
     def _ids(self, req, j: int) -> list[int]:
-        ids = list(self.scripts[(req.sample_index + j) % len(self.scripts)])
-        return ids[: req.params.max_new_tokens]
+        ids = list(self.scripts[(req.sample_index + j) % len(self.scripts)])[: req.params.max_new_tokens]
+        stops = req.params.stop_strings if self.detokenize else ()
+        for k in range(1, len(ids) + 1) if stops else ():
+            if any(s in self.detokenize(ids[:k]) for s in stops):
+                return ids[:k]
+        return ids
+
+    def _finish(self, req, ids: list[int]) -> str:
+        stops = req.params.stop_strings if self.detokenize else ()
+        if ids and (ids[-1] == self.stop_id or any(s in self.detokenize(ids) for s in stops)):
+            return "stop"
+        return "length"
 
     def _out(self, req, j: int) -> SampleOutput:
         ids = self._ids(req, j)
-        finish = "stop" if ids and ids[-1] == self.stop_id else "length"
+        finish = self._finish(req, ids)
         return SampleOutput(
             req.request_id,
             req.sample_index + j,

@@ -51,7 +51,7 @@ def engine_server(tok, model):
 @pytest.fixture(scope="module")
 def scripted(tok):
     served = served_model(tok, len(tok), MAX_LEN)
-    backend = ScriptedBackend([[1]], served.stop_token_ids[0])
+    backend = ScriptedBackend([[1]], served.stop_token_ids[0], detokenize=served.decode)
     srv = LiveServer(served, backend)
     yield srv, backend
     srv.stop()
@@ -617,3 +617,73 @@ def test_forced_call_cut_off_returns_only_what_the_model_wrote(scripted, tok, mo
         backend.scripts = [script]
         streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
         assert (streamed[0]["content"], streamed[0]["calls"], streamed[0]["finish"]) == (content or "", {}, finish)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("label, choice, tools", _forced_choices(), ids=[c[0] for c in _forced_choices()])
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "first call only"])
+def test_forced_call_ends_the_answer_where_it_closes(scripted, tok, mode, label, choice, tools, parallel):
+    """A forced call the model closed and then wrote on after, up to max_tokens: the answer was the
+    call with finish_reason "length" (the tail, text after the block or a later call with
+    parallel_tool_calls=false, is dropped). Now generation ends where the forced call closes (the
+    block's NS</tool_call>, or with parallel_tool_calls=false the first NS</invoke>): the answer is
+    the call, finish_reason "tool_calls", and the tokens end there, streamed and not."""
+    srv, backend = scripted
+    served = srv.app.state.served
+    extra = {"chat_template_kwargs": {"thinking_mode": mode}, "return_token_ids": True}
+    req = ChatCompletionRequest(model="tiny-m3", messages=MESSAGES, tools=tools, tool_choice=choice, **extra)
+    forced = chat_prompt(served, req).forced
+    whole = ("</mm:think>" if mode == "enabled" else "") + f'{NS}<tool_call>\n{NS}<invoke name="calculator">'
+    first = whole[len(forced) :] + f"{NS}<expression>1+1{NS}</expression>{NS}</invoke>"
+    second = f'\n{NS}<invoke name="calculator">{NS}<expression>2+2{NS}</expression>{NS}</invoke>'
+    block_end = f"\n{NS}</tool_call>"
+    tail = " and then some more text" * 4
+    ids = tok.encode(first + second + block_end + tail, add_special_tokens=False)
+    end = first if not parallel else first + second + block_end
+    calls = [("calculator", {"expression": "1+1"})] + ([("calculator", {"expression": "2+2"})] if parallel else [])
+    kw = dict(model="tiny-m3", messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=len(ids))
+    kw.update(parallel_tool_calls=parallel, extra_body=extra)
+    backend.scripts = [ids]
+    full = _client(srv).chat.completions.create(**kw)
+    ch = full.choices[0]
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls or []]
+    assert (ch.message.content, got, ch.finish_reason) == (None, calls, "tool_calls")
+    assert ch.model_extra["stop_reason"] is None
+    out = ch.model_extra["token_ids"]
+    assert len(out) < len(ids) and ids[: len(out)] == out
+    assert served.decode(out).startswith(end) and not served.decode(out[:-1]).startswith(end)  # its last token closes
+    backend.scripts = [ids]
+    streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
+    s = streamed[0]
+    assert (s["content"], [(c["name"], json.loads(c["arguments"])) for _, c in sorted(s["calls"].items())]) == (
+        "",
+        calls,
+    )
+    assert (s["finish"], s["ids"]) == ("tool_calls", out)
+
+
+def test_forced_call_end_is_a_stop_string_of_the_engine_alone(scripted, tok):
+    """The forced call's end joins the engine's stop strings only for a forced choice, and is no
+    stop_reason; a request whose own `stop` names it keeps it as a stop of its own (the text is
+    cut before it, stop_reason names it)."""
+    srv, backend = scripted
+    close = f"{NS}</tool_call>"
+    call = _turn(tok, "disabled", "", [{"function": CALC}])
+    base = dict(model="tiny-m3", messages=MESSAGES, tools=TOOLS, max_tokens=200)
+    base["extra_body"] = {"chat_template_kwargs": {"thinking_mode": "disabled"}}
+    named = {"type": "function", "function": {"name": "calculator"}}
+    for choice, stops in [("auto", ()), ("none", ()), ("required", (close,)), (named, (close,))]:
+        backend.scripts = [call]
+        _client(srv).chat.completions.create(**base, tool_choice=choice)
+        assert backend.requests[-1].params.stop_strings == stops, choice
+    served = srv.app.state.served
+    req = ChatCompletionRequest(
+        model="tiny-m3", messages=MESSAGES, tools=TOOLS, tool_choice=named, **base["extra_body"]
+    )
+    forced = chat_prompt(served, req).forced
+    rest = f'{NS}<expression>1+1{NS}</expression>{NS}</invoke>\n{close}'
+    backend.scripts = [tok.encode(rest, add_special_tokens=False) + [backend.stop_id]]
+    ch = _client(srv).chat.completions.create(**base, tool_choice=named, stop=[close]).choices[0]
+    assert backend.requests[-1].params.stop_strings == (close,) and forced.endswith('name="calculator">')
+    assert [c.function.name for c in ch.message.tool_calls] == ["calculator"]
+    assert (ch.message.content, ch.finish_reason, ch.model_extra["stop_reason"]) == (None, "tool_calls", close)

@@ -17,7 +17,11 @@ model's). In "enabled" thinking mode the forced opening first closes the think s
 turn has empty reasoning. The opening is prompt text, not the model's: a forced call the output
 cuts off (max_tokens, or the model's end right after the opening) returns as content only what the
 model wrote after it, null when nothing; there is no call and the finish reason is the engine's
-(nothing guarantees a call here; OpenAI's constrained decoding would).
+(nothing guarantees a call here; OpenAI's constrained decoding would). Generation ends where
+the forced call closes (:func:`forced_call_end`: the block's closer, or with
+``parallel_tool_calls=false`` the first call's), as nothing written after it is returned: a model
+that writes on past its call answers with the call and finish reason "tool_calls", not "length"
+at ``max_tokens``.
 ``parallel_tool_calls=false`` keeps the first call only; a later call the output cut off is dropped
 like a closed one (its text is not returned as content).
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import re
 import time
@@ -456,8 +461,9 @@ class TextStream:
 class ChatPrompt:
     """A chat request turned into ids: the prompt ids (generation prompt and any forced tool-call
     opening included), the thinking mode, the forced text the parser sees first, whether tool
-    calls are parsed, the tools whose schemas type the arguments, and whether only the first call
-    is returned (``parallel_tool_calls=false``)."""
+    calls are parsed, the tools whose schemas type the arguments, whether only the first call
+    is returned (``parallel_tool_calls=false``), and ``call_end``: the text that closes a forced
+    call (:func:`forced_call_end`), where generation stops, or None."""
 
     ids: list[int]
     thinking_mode: str | None
@@ -465,6 +471,7 @@ class ChatPrompt:
     parse_tools: bool
     tools: list[dict] | None
     first_call_only: bool = False
+    call_end: str | None = None
 
 
 def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
@@ -499,7 +506,25 @@ def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
     forced = token_safe_opening(served, text, opening, continuations) if opening else ""
     ids = served.encode(text + forced)
     check_prompt_length(served, len(ids), "messages")
-    return ChatPrompt(ids, mode, forced, choice != "none", tools, not req.parallel_tool_calls)
+    first_only = not req.parallel_tool_calls
+    return ChatPrompt(ids, mode, forced, choice != "none", tools, first_only, forced_call_end(forced, first_only))
+
+
+def forced_call_end(forced: str, first_call_only: bool) -> str | None:
+    """Where the answer to a forced ``tool_choice`` is complete: the first NS``</invoke>`` with
+    ``parallel_tool_calls=false`` (only the first call is returned), else the block's
+    NS``</tool_call>``; nothing the model writes after it is returned (text after the block and
+    later calls are dropped, spec §5.4). Generation stops there (an engine stop string the text
+    keeps: :meth:`OpenAIServing.prepare_chat`), so a model that writes on past its call does not
+    run to ``max_tokens`` and end a finished call with "length". None when ``forced`` (the opening
+    written into the prompt, :func:`token_safe_opening`) does not hold the block's opener: only
+    then does the output start inside the block, where the first such closer is the call's.
+
+    NOTE: generation then ends at the closer itself, without the end-of-message token a model
+    writes after a block; OpenAI and vLLM end a forced call where its grammar completes."""
+    if TOOL_CALL_OPEN not in forced:
+        return None
+    return NS + ("</invoke>" if first_call_only else "</tool_call>")
 
 
 def token_safe_opening(served: ServedModel, text: str, opening: str, continuations: list[str]) -> str:
@@ -807,11 +832,16 @@ class OpenAIServing:
     def _chat_fields(req: ChatCompletionRequest) -> dict[str, str]:
         return {**CHAT_FIELDS, "max_new_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
 
-    def _text_stream(self, params: SamplingParams, include_stop: bool = False) -> TextStream:
-        """A sample's :class:`TextStream`; ``include_stop``: the request's ``include_stop_str_in_output``."""
+    def _text_stream(
+        self, params: SamplingParams, include_stop: bool = False, call_end: str | None = None
+    ) -> TextStream:
+        """The text of one sample. ``include_stop``: the request's ``include_stop_str_in_output``;
+        ``call_end`` (:attr:`ChatPrompt.call_end`) is a stop string of the engine's alone: the text
+        keeps it, and it is no ``stop_reason``."""
         eom = set(self.served.stop_token_ids)
         own = set(params.stop_token_ids) - eom  # the end-of-message marker stays a null stop_reason
-        return TextStream(self.served.decode, eom | own, params.stop_strings, own, include_stop)
+        stops = tuple(s for s in params.stop_strings if s != call_end)
+        return TextStream(self.served.decode, eom | own, stops, own, include_stop)
 
     async def forward_scores(
         self, ids: list[int], start: int, k: int, params: SamplingParams, with_tokens: bool, param: str
@@ -957,13 +987,19 @@ class OpenAIServing:
 
     # ---- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:
-        """Validate and build the engine request (400 / 404 on bad input)."""
+        """Validate and build the engine request (400 / 404 on bad input). A forced call's
+        ``call_end`` joins the engine's stop strings (generation ends where the call closes); when
+        the request's ``stop`` already names it, it is the request's, cutting the text as any stop."""
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         check_prompt_logprobs(req.prompt_logprobs, "prompt_logprobs", req.stream)
         prompt = chat_prompt(self.served, req)
         params = sampling_params(self.served, req, len(prompt.ids), req.max_completion_tokens or req.max_tokens)
+        if prompt.call_end in params.stop_strings:
+            prompt = dataclasses.replace(prompt, call_end=None)
+        elif prompt.call_end is not None:
+            params = dataclasses.replace(params, stop_strings=params.stop_strings + (prompt.call_end,))
         return prompt, GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt.ids, params)
 
     async def chat(self, req: ChatCompletionRequest, prompt: ChatPrompt, greq: GenerationRequest) -> dict:
@@ -984,7 +1020,7 @@ class OpenAIServing:
         for out in outs:
             if out.finish_reason == FINISH_ERROR:
                 raise engine_error(out.error, self._chat_fields(req))
-            text = self._text_stream(greq.params, req.include_stop_str_in_output)
+            text = self._text_stream(greq.params, req.include_stop_str_in_output, prompt.call_end)
             parser = _TurnParser(prompt)
             parser.feed(text.push(out.output_ids))
             parser.feed(text.finish())
@@ -1060,7 +1096,7 @@ class OpenAIServing:
         created = int(time.time())
         base = {"id": greq.request_id, "object": "chat.completion.chunk", "created": created, "model": self.served.name}
         n = greq.params.n
-        texts = [self._text_stream(greq.params, req.include_stop_str_in_output) for _ in range(n)]
+        texts = [self._text_stream(greq.params, req.include_stop_str_in_output, prompt.call_end) for _ in range(n)]
         parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
         has_calls = [False] * n
         outs: list[SampleOutput] = []
