@@ -400,6 +400,7 @@ def test_tool_choice_none_required_and_named(scripted, tok):
     )
     (call,) = named.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "1+1"})
+    assert named.choices[0].finish_reason == "stop"  # a named choice's call: "stop", as OpenAI's and vLLM's
     # "required": the prompt ends where the opening's tokens are the whole call's (here inside
     # "invoke": the tokenizer merges "e name=\"calculator"), the model writes the rest of the tag
     served = srv.app.state.served
@@ -411,6 +412,7 @@ def test_tool_choice_none_required_and_named(scripted, tok):
     required = c.chat.completions.create(**base, tool_choice="required")
     (call,) = required.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "1+1"})
+    assert required.choices[0].finish_reason == "tool_calls"
     backend.scripts = [tok.encode(opening[len(forced) :] + rest, add_special_tokens=False) + [backend.stop_id]]
     streamed, _ = _collect(c.chat.completions.create(**base, tool_choice="required", stream=True))
     assert _stream_view(streamed[0])[2] == [{"id": "call_0", "name": "calculator", "arguments": {"expression": "1+1"}}]
@@ -627,7 +629,8 @@ def test_forced_call_ends_the_answer_where_it_closes(scripted, tok, mode, label,
     call with finish_reason "length" (the tail, text after the block or a later call with
     parallel_tool_calls=false, is dropped). Now generation ends where the forced call closes (the
     block's NS</tool_call>, or with parallel_tool_calls=false the first NS</invoke>): the answer is
-    the call, finish_reason "tool_calls", and the tokens end there, streamed and not."""
+    the call, finish_reason "tool_calls" ("stop" for a named choice, as OpenAI's), and the tokens
+    end there, streamed and not."""
     srv, backend = scripted
     served = srv.app.state.served
     extra = {"chat_template_kwargs": {"thinking_mode": mode}, "return_token_ids": True}
@@ -641,13 +644,14 @@ def test_forced_call_ends_the_answer_where_it_closes(scripted, tok, mode, label,
     ids = tok.encode(first + second + block_end + tail, add_special_tokens=False)
     end = first if not parallel else first + second + block_end
     calls = [("calculator", {"expression": "1+1"})] + ([("calculator", {"expression": "2+2"})] if parallel else [])
+    finish = "stop" if label == "named" else "tool_calls"
     kw = dict(model="tiny-m3", messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=len(ids))
     kw.update(parallel_tool_calls=parallel, extra_body=extra)
     backend.scripts = [ids]
     full = _client(srv).chat.completions.create(**kw)
     ch = full.choices[0]
     got = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls or []]
-    assert (ch.message.content, got, ch.finish_reason) == (None, calls, "tool_calls")
+    assert (ch.message.content, got, ch.finish_reason) == (None, calls, finish)
     assert ch.model_extra["stop_reason"] is None
     out = ch.model_extra["token_ids"]
     assert len(out) < len(ids) and ids[: len(out)] == out
@@ -659,7 +663,7 @@ def test_forced_call_ends_the_answer_where_it_closes(scripted, tok, mode, label,
         "",
         calls,
     )
-    assert (s["finish"], s["ids"]) == ("tool_calls", out)
+    assert (s["finish"], s["ids"]) == (finish, out)
 
 
 def test_forced_call_end_is_a_stop_string_of_the_engine_alone(scripted, tok):
@@ -686,4 +690,4 @@ def test_forced_call_end_is_a_stop_string_of_the_engine_alone(scripted, tok):
     ch = _client(srv).chat.completions.create(**base, tool_choice=named, stop=[close]).choices[0]
     assert backend.requests[-1].params.stop_strings == (close,) and forced.endswith('name="calculator">')
     assert [c.function.name for c in ch.message.tool_calls] == ["calculator"]
-    assert (ch.message.content, ch.finish_reason, ch.model_extra["stop_reason"]) == (None, "tool_calls", close)
+    assert (ch.message.content, ch.finish_reason, ch.model_extra["stop_reason"]) == (None, "stop", close)

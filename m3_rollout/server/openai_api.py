@@ -20,8 +20,8 @@ model wrote after it, null when nothing; there is no call and the finish reason 
 (nothing guarantees a call here; OpenAI's constrained decoding would). Generation ends where
 the forced call closes (:func:`forced_call_end`: the block's closer, or with
 ``parallel_tool_calls=false`` the first call's), as nothing written after it is returned: a model
-that writes on past its call answers with the call and finish reason "tool_calls", not "length"
-at ``max_tokens``.
+that writes on past its call answers with the call and finish reason "tool_calls" (for a named
+function "stop", as OpenAI's and vLLM's), not "length" at ``max_tokens``.
 ``parallel_tool_calls=false`` keeps the first call only; a later call the output cut off is dropped
 like a closed one (its text is not returned as content).
 
@@ -462,8 +462,9 @@ class ChatPrompt:
     """A chat request turned into ids: the prompt ids (generation prompt and any forced tool-call
     opening included), the thinking mode, the forced text the parser sees first, whether tool
     calls are parsed, the tools whose schemas type the arguments, whether only the first call
-    is returned (``parallel_tool_calls=false``), and ``call_end``: the text that closes a forced
-    call (:func:`forced_call_end`), where generation stops, or None."""
+    is returned (``parallel_tool_calls=false``), ``call_end``: the text that closes a forced
+    call (:func:`forced_call_end`), where generation stops, or None, and whether ``tool_choice``
+    named a function (its answer's finish reason is "stop": :func:`_finish_reason`)."""
 
     ids: list[int]
     thinking_mode: str | None
@@ -472,6 +473,7 @@ class ChatPrompt:
     tools: list[dict] | None
     first_call_only: bool = False
     call_end: str | None = None
+    named: bool = False
 
 
 def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
@@ -507,7 +509,9 @@ def chat_prompt(served: ServedModel, req: ChatCompletionRequest) -> ChatPrompt:
     ids = served.encode(text + forced)
     check_prompt_length(served, len(ids), "messages")
     first_only = not req.parallel_tool_calls
-    return ChatPrompt(ids, mode, forced, choice != "none", tools, first_only, forced_call_end(forced, first_only))
+    call_end = forced_call_end(forced, first_only)
+    named = not isinstance(choice, str)
+    return ChatPrompt(ids, mode, forced, choice != "none", tools, first_only, call_end, named)
 
 
 def forced_call_end(forced: str, first_call_only: bool) -> str | None:
@@ -806,8 +810,11 @@ class _TurnParser:
         return msg
 
 
-def _finish_reason(out: SampleOutput, has_calls: bool) -> str:
-    if out.finish_reason == "stop" and has_calls:
+def _finish_reason(out: SampleOutput, has_calls: bool, named: bool) -> str:
+    """The choice's ``finish_reason``: the engine's, but "tool_calls" for an answer that ended
+    ("stop") with calls, except when ``tool_choice`` named the function (``named``): "stop" then,
+    as OpenAI answers a named choice and vLLM copies it ("required" and "auto" say "tool_calls")."""
+    if out.finish_reason == "stop" and has_calls and not named:
         return "tool_calls"
     return out.finish_reason
 
@@ -1030,7 +1037,7 @@ class OpenAIServing:
                 "index": out.sample_index,
                 "message": message,
                 "logprobs": None,
-                "finish_reason": _finish_reason(out, bool(message.get("tool_calls"))),
+                "finish_reason": _finish_reason(out, bool(message.get("tool_calls")), prompt.named),
                 "stop_reason": text.stop_reason,
             }
             if req.logprobs:
@@ -1143,7 +1150,10 @@ class OpenAIServing:
                     d = _merge(parsers[i].feed(texts[i].finish()), parsers[i].finish())
                     has_calls[i] |= bool(d.tool_calls)
                     yield chunk(
-                        i, _delta_dict(d), _finish_reason(item, has_calls[i]), {"stop_reason": texts[i].stop_reason}
+                        i,
+                        _delta_dict(d),
+                        _finish_reason(item, has_calls[i], prompt.named),
+                        {"stop_reason": texts[i].stop_reason},
                     )
         except APIError as exc:
             yield _sse(exc.body())
