@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+
+from m3_rollout.jobs.interrupt import run_entry
 
 SUBCOMMANDS = {
     "grpo": "GRPO job: --config YAML [key=value ...] (python -m m3_rollout.grpo)",
@@ -55,36 +56,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "m3-rollout") -> int:
 
 
 def load_entry(command: str, what: str | None = None):
-    """The job-layer entry function of ``command`` (imported here: it loads torch, triton; seconds
-    on a busy machine), wrapped so that a Ctrl-C exits 130 after one line naming ``what`` (default
-    ``m3-rollout COMMAND``) instead of a traceback: while it loads (then nothing was started), and
-    while the entry works. A job that catches the Ctrl-C to clean up re-raises it as
-    ``KeyboardInterrupt(left)``, ``left`` a sentence saying what it left behind (a partial output
-    removed, or what of it is whole), which ends the line. Entries that handle Ctrl-C themselves
-    (grpo, serve: their own line and ``SystemExit(130)``) are unchanged by the wrapper.
+    """The job-layer entry function of ``command``, imported here (it loads torch, triton; seconds
+    on a busy machine) and wrapped by ``m3_rollout.jobs.interrupt.run_entry``: a Ctrl-C while it
+    loads or works exits 130 after one line naming ``what`` (default ``m3-rollout COMMAND``)
+    instead of a traceback.
 
     Raises:
         SystemExit(130): interrupted while loading or working.
     """
-    what = what or f"m3-rollout {command}"
-    try:
-        entry = _import_entry(command)
-    except KeyboardInterrupt:
-        _exit_interrupted(what, " while loading; nothing was started")
-
-    @functools.wraps(entry)
-    def run(*args, **kwargs):
-        try:
-            return entry(*args, **kwargs)
-        except KeyboardInterrupt as exc:
-            _exit_interrupted(what, f"; {exc}" if str(exc) else "")
-
-    return run
-
-
-def _exit_interrupted(what: str, tail: str) -> NoReturn:
-    print(f"interrupted: {what} stopped (Ctrl-C){tail}", file=sys.stderr, flush=True)
-    raise SystemExit(130) from None
+    return run_entry(functools.partial(_import_entry, command), what or f"m3-rollout {command}")
 
 
 def _import_entry(command: str):

@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("jobs", "m3_rollout.jobs", ("*",)),
     ("entry", "m3_rollout.grpo", ("*",)),
     ("entry", "m3_rollout.serve", ("*",)),
-    ("entry", "m3_rollout.dump.__main__", ("*",)),
+    # the dump package's ``python -m`` shim: its one import is the job-layer dump command line
+    ("entry", "m3_rollout.dump.__main__", ("m3_rollout.jobs.dump_cli",)),
     ("entry", "m3_rollout.export", ("*",)),
     ("entry", "m3_rollout.cli", ("*",)),
     ("kernels", "m3_kernels", ()),

@@ -286,7 +286,10 @@ def test_ctrl_c_while_the_job_module_loads_exits_130_with_one_line():
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("command,module", [("grpo", "m3_rollout.jobs.grpo"), ("export", "m3_rollout.jobs.export")])
+@pytest.mark.parametrize(
+    "command,module",
+    [("grpo", "m3_rollout.jobs.grpo"), ("export", "m3_rollout.jobs.export"), ("dump", "m3_rollout.dump.reader")],
+)
 def test_ctrl_c_while_the_console_command_loads_exits_130_with_one_line(command, module):
     # The same for the ``m3-rollout`` console command, which imports the job inside its main().
     proc = _interrupted_while_loading(
@@ -299,17 +302,22 @@ def test_ctrl_c_while_the_console_command_loads_exits_130_with_one_line(command,
 
 
 @pytest.mark.parametrize(
-    "entry, what", [("m3_rollout.export", "the export"), ("m3_rollout.dump.__main__", "the dump command")]
+    "entry, loader, what",
+    [
+        ("m3_rollout.export", "m3_rollout.cli._import_entry", "the export"),
+        ("m3_rollout.dump.__main__", "m3_rollout.jobs.dump_cli._load", "the dump command"),
+        ("m3_rollout.jobs.dump_cli", "m3_rollout.jobs.dump_cli._load", "m3-rollout dump"),
+    ],
 )
-def test_ctrl_c_while_export_or_dump_main_loads_exits_130_with_one_line(monkeypatch, capsys, entry, what):
+def test_ctrl_c_while_export_or_dump_main_loads_exits_130_with_one_line(monkeypatch, capsys, entry, loader, what):
     # Their main() was the job module's own, imported with the module (outside load_entry): a
     # Ctrl-C while it loaded was a traceback. The loader raises as a Ctrl-C during its imports would.
     import importlib
 
-    def interrupted(command):
+    def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("m3_rollout.cli._import_entry", interrupted)
+    monkeypatch.setattr(loader, interrupted)
     with pytest.raises(SystemExit) as exc:
         importlib.import_module(entry).main(["--help"])
     assert exc.value.code == 130
@@ -320,16 +328,56 @@ def test_ctrl_c_while_export_or_dump_main_loads_exits_130_with_one_line(monkeypa
 
 @pytest.mark.parametrize(
     "entry, module, what",
-    [("m3_rollout.export", "torch", "the export"), ("m3_rollout.dump", "pyarrow", "the dump command")],
+    [
+        ("m3_rollout.export", "torch", "the export"),
+        ("m3_rollout.dump", "pyarrow", "the dump command"),
+        ("m3_rollout.jobs.dump_cli", "pyarrow", "the dump command"),
+    ],
 )
 def test_ctrl_c_while_python_m_export_or_dump_loads_exits_130_with_one_line(entry, module, what):
     # The same through ``python -m``: m3_rollout.dump's package __init__ (which runs before its
-    # __main__) imported pyarrow and torch itself, outside any handler.
+    # __main__) imported pyarrow and torch itself, outside any handler; m3_rollout.jobs.dump_cli
+    # imported pyarrow with the module and had no handler at all.
     proc = _interrupted_while_loading(module, f"runpy.run_module({entry!r}, run_name='__main__')\n")
     assert proc.returncode == 130, proc.stderr
     want = f"interrupted: {what} stopped (Ctrl-C) while loading; nothing was started"
     assert proc.stderr.strip().splitlines() == [want], proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "how, what",
+    [
+        ("m3-rollout dump", "m3-rollout dump"),
+        ("python -m m3_rollout.dump", "the dump command"),
+        ("python -m m3_rollout.jobs.dump_cli", "the dump command"),
+    ],
+)
+def test_ctrl_c_while_the_dump_command_works_exits_130_under_each_name(tmp_path, monkeypatch, capsys, how, what):
+    # ``python -m m3_rollout.jobs.dump_cli`` ran the command line without the Ctrl-C handling the
+    # other names had: a Ctrl-C while it worked was a traceback. runpy runs the module's __main__
+    # block as ``python -m`` does, in this process.
+    import runpy
+    import warnings
+
+    from m3_rollout import cli
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("m3_rollout.dump.report.inspect_lines", interrupted)
+    argv = ["inspect", str(tmp_path)]
+    if how == "m3-rollout dump":
+        run = lambda: cli.main(["dump", *argv])  # noqa: E731
+    else:
+        monkeypatch.setattr(sys, "argv", [how.split()[-1], *argv])
+        run = lambda: runpy.run_module(how.split()[-1], run_name="__main__")  # noqa: E731
+    with warnings.catch_warnings():  # runpy: the module was imported before (by an earlier test)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert exit_status(run) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.splitlines() == [f"interrupted: {what} stopped (Ctrl-C)"], err
 
 
 def _tiny_checkpoint(path):

@@ -16,7 +16,7 @@ import importlib
 # NOTE: the names load with their module on first use (PEP 562), not with the package:
 # ``python -m m3_rollout.dump`` imports this package before its ``__main__`` runs, so the
 # submodules' torch and pyarrow (seconds) loaded here were outside the entry's Ctrl-C handling
-# (m3_rollout.cli.load_entry) and a Ctrl-C then printed a traceback.
+# (m3_rollout.jobs.interrupt.run_entry) and a Ctrl-C then printed a traceback.
 _NAMES = {
     "reader": (
         "DumpDirError",

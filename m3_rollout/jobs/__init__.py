@@ -9,4 +9,5 @@ dump_generate   dumps without training (``python -m m3_rollout.dump generate``)
 replay          re-scoring and offline GRPO on a dump (``python -m m3_rollout.dump replay``)
 dump_cli        the ``python -m m3_rollout.dump`` command line
 export          checkpoints for other tools (``m3-rollout export``, ``python -m m3_rollout.export``)
+interrupt       Ctrl-C at every entry: one ``interrupted:`` line and exit 130, while loading or working
 """

@@ -16,9 +16,9 @@
       --lr-steps replayed schedules over the replayed steps alone instead
 
 Bad shards (truncated, foreign, other schema version) are reported by file on stderr; the other
-shards are still used. Exit status 2 for bad arguments or an unusable directory; 130 for a Ctrl-C,
-with one line saying what was left (generate: the steps dumped so far, each shard whole; replay:
---save and --json are written only at the end, whole or not at all).
+shards are still used. Exit status 2 for bad arguments or an unusable directory; 130 for a Ctrl-C
+while it loads or works, with one line saying what was left (generate: the steps dumped so far,
+each shard whole; replay: --save and --json are written only at the end, whole or not at all).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ import os
 import sys
 from pathlib import Path
 
-from m3_rollout.config import ConfigError
-from m3_rollout.dump.reader import DumpError
+# NOTE: nothing that takes seconds to load at module level (omegaconf, pyarrow, torch): every
+# entry of the dump command (``python -m m3_rollout.dump``, ``python -m m3_rollout.jobs.dump_cli``,
+# ``m3-rollout dump``) imports this module first, and a Ctrl-C is handled only from ``main`` on.
+from m3_rollout.jobs.interrupt import run_entry
 
 
 def _load_cfg(args):
-    from m3_rollout.config import load_config
+    from m3_rollout.config import ConfigError, load_config
 
     try:
         return load_config(args.config, args.overrides)
@@ -82,7 +84,7 @@ def cmd_replay(args) -> int:
     saved: list[Path] = []  # the trained checkpoint once --save wrote it
     try:
         return _replay(args, saved)
-    except KeyboardInterrupt:  # m3_rollout.cli.load_entry prints the line and exits 130
+    except KeyboardInterrupt:  # main's run_entry prints the line and exits 130
         raise KeyboardInterrupt(interrupted_replay(args, saved)) from None
 
 
@@ -100,6 +102,7 @@ def interrupted_replay(args, saved: list[Path]) -> str:
 def _replay(args, saved: list[Path]) -> int:
     import torch
 
+    from m3_rollout.config import ConfigError
     from m3_rollout.dump.reader import read_dump
     from m3_rollout.dump.replay import rescore
     from m3_rollout.dump.report import format_table, print_lines
@@ -282,16 +285,35 @@ def parse_args(argv: list[str] | None = None, prog: str = "m3-rollout dump") -> 
     return args
 
 
-def main(argv: list[str] | None = None, prog: str = "m3-rollout dump") -> int:
+def main(argv: list[str] | None = None, prog: str = "m3-rollout dump", what: str | None = None) -> int:
     """Run one dump subcommand; returns the exit status (2 with ``error: ...`` on stderr for a dump
-    or config error). prog: the command ``--help`` names (``python -m m3_rollout.dump`` passes its own)."""
-    args = parse_args(argv, prog)
-    try:
-        return args.fn(args)
-    except (DumpError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    or config error). prog: the command ``--help`` names (``python -m m3_rollout.dump`` passes its
+    own); what: the command a Ctrl-C's line names (default prog).
+
+    Raises:
+        SystemExit(130): Ctrl-C while it loads or works, after one ``interrupted:`` line on stderr
+            (while it works, the line says what was left behind; ``m3_rollout.jobs.interrupt``).
+        SystemExit(2): a bad or missing argument (argparse); SystemExit(0) after ``--help``.
+    """
+    return run_entry(_load, what or prog)(argv, prog)
+
+
+def _load():
+    """The imports every subcommand needs (omegaconf, pyarrow: seconds on a busy machine), then the
+    function that parses the command line and runs the subcommand."""
+    from m3_rollout.config import ConfigError
+    from m3_rollout.dump.reader import DumpError
+
+    def run(argv: list[str] | None, prog: str) -> int:
+        args = parse_args(argv, prog)
+        try:
+            return args.fn(args)
+        except (DumpError, ConfigError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(prog="python -m m3_rollout.jobs.dump_cli"))
+    raise SystemExit(main(prog="python -m m3_rollout.jobs.dump_cli", what="the dump command"))
