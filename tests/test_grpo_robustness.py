@@ -424,6 +424,10 @@ def _one_interrupted_line(capsys, what: str, err: str | None = None) -> str:
     return line[len(prefix) :]
 
 
+def _contents(path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
 def test_ctrl_c_during_an_export_exits_130_and_keeps_no_partial_export(tmp_path, monkeypatch, capsys):
     # A Ctrl-C while the export wrote its files was a traceback, and left a directory holding the
     # weights without config.json (or, over an earlier export, new weights beside the old config).
@@ -434,28 +438,80 @@ def test_ctrl_c_during_an_export_exits_130_and_keeps_no_partial_export(tmp_path,
     _ctrl_c_after_files(monkeypatch, 1)  # the weights are written, config.json is not
     assert exit_status(lambda: export_main(["--model", str(src), "--out", str(out)])) == 130
     left = _one_interrupted_line(capsys, "the export")
-    assert left == f"nothing of the export was kept (--out {out}, which it created, was removed)"
-    assert not out.exists()
-    # over an earlier, complete export: the files stay (they are not the export's to delete), and
-    # the line says the directory is now a mix not to load
+    assert left == f"nothing was written (--out {out} was not created)"
+    assert not out.exists() and list(out.parent.iterdir()) == []  # no staging directory left beside it
+    # over an earlier, complete export: the export is written beside it and renamed in only at the
+    # end, so a Ctrl-C mid-write leaves the earlier export as it was (it mixed the two before)
     monkeypatch.undo()
     assert export_main(["--model", str(src), "--out", str(out)]) == 0
     capsys.readouterr()
-    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    old = _contents(out)
     _ctrl_c_after_files(monkeypatch, 1)
     assert exit_status(lambda: export_main(["--model", str(src), "--out", str(out), "--dtype", "bfloat16"])) == 130
-    left = _one_interrupted_line(capsys, "the export")
-    assert left.startswith(f"--out {out} holds a partial export among the files it held before")
-    assert "do not load it; rerun the export" in left
-    now = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert now.keys() == old.keys() and now["model.safetensors"] != old["model.safetensors"]
+    assert _one_interrupted_line(capsys, "the export") == f"--out {out} was not changed"
+    assert _contents(out) == old and [p.name for p in out.parent.iterdir()] == ["out"]
     # stopped before writing (while the source loads): the directory is untouched, and says so
     monkeypatch.setattr(
         "m3_rollout.jobs.export.load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
     )
     assert exit_status(lambda: export_main(["--model", str(src), "--out", str(out)])) == 130
     assert _one_interrupted_line(capsys, "the export") == f"--out {out} was not changed"
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == now
+    assert _contents(out) == old
+
+
+def test_a_failed_export_over_an_earlier_one_leaves_it_whole_and_a_finished_one_replaces_it(
+    tmp_path, monkeypatch, capsys
+):
+    # An error mid-write (a full disk: the second file fails) over an earlier export left the new
+    # weights beside the old config.json; now the earlier export stays whole and nothing is left
+    # beside it. A finished export replaces the directory whole: no file of the earlier one (a
+    # tokenizer the new source does not have) stays beside it.
+    from m3_rollout.jobs.export import main as export_main
+    from m3_rollout.model import loading
+
+    src = _tiny_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    assert export_main(["--model", str(src), "--out", str(out)]) == 0
+    (out / "tokenizer.json").write_text("{}")  # as an export of a source with a tokenizer leaves it
+    old = _contents(out)
+    real, done = loading._atomic, []
+
+    def disk_full_on_the_second_file(path, write):
+        if done:
+            raise OSError(28, "No space left on device")
+        done.append(path)
+        real(path, write)
+
+    monkeypatch.setattr(loading, "_atomic", disk_full_on_the_second_file)
+    with pytest.raises(OSError, match="No space left"):
+        export_main(["--model", str(src), "--out", str(out), "--dtype", "bfloat16"])
+    assert done and _contents(out) == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no staging directory left
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert export_main(["--model", str(src), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert sorted(_contents(out)) == sorted(_contents(src))  # the earlier tokenizer.json is gone with it
+    assert _contents(out)["model.safetensors"] != old["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_export_refuses_an_out_directory_holding_files_it_does_not_write(tmp_path, capsys):
+    # The export replaces --out whole, so a directory holding anything else (notes, another
+    # checkpoint) is refused before the source is loaded, and left as it was.
+    from m3_rollout.jobs.export import main as export_main
+
+    src = _tiny_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    (out / "other_run").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("keep me")
+    assert export_main(["--model", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out={str(out)!r}: holds notes.txt, other_run, which an export does not write; the export "
+        "replaces the whole directory, so give a new or empty directory, or an earlier export's\n"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt", "other_run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
 def test_ctrl_c_during_dump_generate_exits_130_naming_the_whole_shards_it_kept(tmp_path, monkeypatch, capsys):
