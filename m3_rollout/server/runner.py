@@ -498,7 +498,9 @@ class EngineRunner:
         two engine steps; running requests continue afterwards, their later tokens stamped with the
         new version. ``keep_paused``: the engine stays paused afterwards (a ``/pause`` in force).
         ``expect_version``: the update is refused (weights and version kept) when the trainer
-        sends another version.
+        sends another version. A rejected non-atomic update that left the weights invalid ends
+        every running request with an error record (the engine refuses requests until an update
+        is accepted).
 
         Raises:
             WeightSyncError: no group yet (call init_weight_sync first), or an EP rank failed.
@@ -519,6 +521,11 @@ class EngineRunner:
 
             def receive() -> RefitRecord:
                 outcome = sync.update(expect_version)
+                # A rejected non-atomic update that left the weights invalid took the running
+                # samples out of the engine (``InFlightPolicy.end``): re-added, the refusal turns
+                # them into error records, so no handler waits for outputs that never come.
+                for req in outcome.handed_back:
+                    self._stepper.add_request(req)
                 if keep_paused:
                     self.backend.pause()
                 r = outcome.result
