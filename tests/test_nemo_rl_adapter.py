@@ -334,3 +334,41 @@ def test_odd_but_valid_batches_and_refusals_of_odd_ones():
     with pytest.raises(RuntimeError, match="weights are offloaded; call prepare_for_generation"):
         asleep.update_weights_via_ipc(iter_released_tensors(model, prefix=""))
     asleep.prepare_for_generation()
+
+
+def test_a_row_with_no_room_under_max_model_len_generates_nothing_and_the_batch_goes_on():
+    """Breaker finding: a row whose prompt filled max_model_len (a multi-turn conversation at the
+    context limit) failed the whole batch with RuntimeError. NeMo RL's vLLM worker answers such a
+    row with no generated tokens, not truncated; the other rows generate (one with 3 tokens of
+    room stops there unless it stopped first)."""
+    model = _model()
+    gen = _generation(model)  # max_model_len=48, max_new_tokens=5
+    lens = [48, 45, 3, 50]
+    ids = torch.full((4, 50), PAD, dtype=torch.long)
+    for i, n in enumerate(lens):
+        ids[i, :n] = torch.arange(n) % 80 + 2  # neither pad nor EOS
+    batch = {"input_ids": ids, "input_lengths": torch.tensor(lens)}
+    out = gen.generate(batch)
+    gen_lens = out["generation_lengths"].tolist()
+    assert gen_lens[0] == gen_lens[3] == 0 and 1 <= gen_lens[1] <= 3 and gen_lens[2] >= 1
+    assert out["output_ids"].shape == (4, 50 + max(gen_lens))
+    assert out["unpadded_sequence_lengths"].tolist() == [n + g for n, g in zip(lens, gen_lens)]
+    for i, (n, g) in enumerate(zip(lens, gen_lens)):
+        row = out["output_ids"][i]
+        assert torch.equal(row[:n], ids[i, :n]) and (row[n + g :] == PAD).all()
+        assert bool(out["truncated"][i]) == (g > 0 and EOS not in row[n : n + g].tolist())
+        if g:
+            with torch.no_grad():
+                ref = token_logprobs(model, row[None, : n + g])[0, n : n + g]
+            assert float((ref - out["logprobs"][i, n : n + g]).abs().max()) < 1e-4
+    assert (out["logprobs"][[0, 3]] == 0).all()
+
+    async def collect():
+        return {i: one async for i, one in gen.generate_async(batch)}
+
+    rows = asyncio.run(collect())
+    assert sorted(rows) == [0, 1, 2, 3]
+    for i in (0, 3):
+        assert torch.equal(rows[i]["output_ids"], ids[i : i + 1, : lens[i]])
+        assert rows[i]["generation_lengths"].tolist() == [0] and rows[i]["truncated"].tolist() == [False]
+        assert rows[i]["logprobs"].shape == (1, lens[i]) and rows[i]["unpadded_sequence_lengths"].tolist() == [lens[i]]

@@ -21,6 +21,9 @@ Data (NeMo RL's ``GenerationDatumSpec`` in, ``GenerationOutputSpec`` out), for B
        unpadded_sequence_lengths  int64 [B] (L_i + G_i)
        truncated             bool [B]: stopped by the token limit (finish_reason "length")
   ``generate_async`` yields (row index, one-row dict of width L_i + G_i) as each row finishes.
+  A row with no room under the engine's ``max_model_len`` (L_i >= it) is not run: G_i = 0 and
+  ``truncated`` False, as NeMo RL's vLLM worker answers it; a longer row ends at the limit with
+  ``truncated`` True.
 
 GRPO call order (colocated, as NeMo RL's ``grpo.py`` drives it; ``tests/test_nemo_rl_adapter.py``):
   prepare_for_generation -> generate -> finish_generation (the engine sleeps, the trainer trains)
@@ -45,6 +48,7 @@ from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, Generat
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import M3Config, M3ForCausalLM
 from m3_rollout.model.loading import RELEASED_PREFIX, iter_released_tensors, released_pairs
+from m3_rollout.service import RolloutService
 from m3_rollout.weight_sync import RolloutWeightSync, WeightSyncGroup
 
 
@@ -145,6 +149,7 @@ class NemoRLGeneration:
             raise ValueError(f"NemoRLGeneration: pass model_config for a {type(backend).__name__}")
         # the served model itself when in process (all experts: one engine), else a meta-device copy
         self._naming = ReleasedNaming(backend.model if model_config is None else model_config)
+        self.max_model_len = _context_limit(backend)
         self._calls = 0
         self._asleep = False
         self._refit_names: set[str] | None = None
@@ -153,8 +158,9 @@ class NemoRLGeneration:
         self._logger_metrics: dict[str, float] = {}
 
     # ---- generation -------------------------------------------------------------------------
-    def _requests(self, data: Mapping, greedy: bool) -> tuple[torch.Tensor, list[int], list[GenerationRequest]]:
-        """Check a ``GenerationDatumSpec`` batch; one n=1 request per row."""
+    def _requests(self, data: Mapping, greedy: bool) -> tuple[torch.Tensor, list[int], list[GenerationRequest | None]]:
+        """Check a ``GenerationDatumSpec`` batch; one n=1 request per row, None for a row with no
+        room under ``max_model_len`` (it is not run: nothing to generate)."""
         ids, lengths = data["input_ids"], data["input_lengths"]
         if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError(f"input_ids: must be an integer tensor [B, S], got {ids.dtype} {tuple(ids.shape)}")
@@ -186,14 +192,17 @@ class NemoRLGeneration:
                 seed=self.seed + call,
                 stop_strings=self.params.stop_strings + extra,
             )
-            reqs.append(GenerationRequest(f"nemo-rl-{call}-{i}", ids[i, :n].tolist(), params, sample_index=i))
+            full = self.max_model_len is not None and n >= self.max_model_len
+            reqs.append(None if full else GenerationRequest(f"nemo-rl-{call}-{i}", ids[i, :n].tolist(), params, i))
         return ids, lens, reqs
 
-    def _pack(self, container: type, ids: torch.Tensor, lens: list[int], outs: list[SampleOutput]) -> Mapping:
-        """``GenerationOutputSpec`` of rows ``ids`` / ``lens`` and their outputs (module docstring)."""
+    def _pack(self, container: type, ids: torch.Tensor, lens: list[int], outs: list[SampleOutput | None]) -> Mapping:
+        """``GenerationOutputSpec`` of rows ``ids`` / ``lens`` and their outputs (module docstring;
+        None: a row that was not run, no tokens)."""
         for o in outs:
-            if o.finish_reason == FINISH_ERROR:
+            if o is not None and o.finish_reason == FINISH_ERROR:
                 raise RuntimeError(f"generation failed for request {o.request_id}: {o.error}")
+        outs = [SampleOutput("", 0, [], [], [], "not run", 0) if o is None else o for o in outs]  # not truncated
         width = ids.shape[1] + max((len(o.output_ids) for o in outs), default=0)
         out_ids = torch.full((len(outs), width), self.pad_id, dtype=ids.dtype)
         logprobs = torch.zeros((len(outs), width), dtype=torch.float32)
@@ -226,7 +235,8 @@ class NemoRLGeneration:
         if data["input_ids"].shape[0] == 0:
             return self._pack(type(data), data["input_ids"], [], [])
         ids, lens, reqs = self._requests(data, greedy)
-        return self._pack(type(data), ids, lens, self.backend.generate(reqs))
+        outs = iter(self.backend.generate([r for r in reqs if r is not None]))
+        return self._pack(type(data), ids, lens, [None if r is None else next(outs) for r in reqs])
 
     async def generate_async(self, data: Mapping, greedy: bool = False) -> AsyncIterator[tuple[int, Mapping]]:
         """Yield (row index, one-row ``GenerationOutputSpec`` of width L_i + G_i) as rows finish
@@ -234,8 +244,11 @@ class NemoRLGeneration:
         if data["input_ids"].shape[0] == 0:
             return
         ids, lens, reqs = self._requests(data, greedy)
-        row_of = {r.request_id: i for i, r in enumerate(reqs)}
-        async for out in self.backend.generate_async(reqs):
+        for i, r in enumerate(reqs):
+            if r is None:
+                yield i, self._pack(type(data), ids[i : i + 1, : lens[i]], [lens[i]], [None])
+        row_of = {r.request_id: i for i, r in enumerate(reqs) if r is not None}
+        async for out in self.backend.generate_async([r for r in reqs if r is not None]):
             i = row_of[out.request_id]
             yield i, self._pack(type(data), ids[i : i + 1, : lens[i]], [lens[i]], [out])
 
@@ -419,3 +432,12 @@ class NemoRLGeneration:
         self._pool.shutdown(wait=True)
         self.backend.shutdown()
         return True
+
+
+def _context_limit(backend: GenerationBackend) -> int | None:
+    """The backend's ``max_model_len`` (prompt + generated tokens), None when it has none to read."""
+    if isinstance(backend, NativeBackend):
+        return backend.engine.config.max_model_len
+    if isinstance(backend, RolloutService):
+        return backend.spec.engine.get("max_model_len")
+    return None
