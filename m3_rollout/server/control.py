@@ -33,6 +33,7 @@ class Controller:
         self._gate.set()
         self.live: collections.Counter[str] = collections.Counter()  # request id -> open streams
         self.waiting = 0  # requests held at the admission gate
+        self._resumes = 0  # /resume calls so far: a drain pause a /resume lifted stops waiting
 
     @property
     def weight_version(self) -> int:
@@ -51,7 +52,10 @@ class Controller:
         if not self._gate.is_set():
             self.waiting += 1
             try:
-                await self._gate.wait()
+                # the gate may close again before this waiter runs (a /resume, then a /pause in
+                # the same loop iteration): wait again, never start while paused
+                while not self._gate.is_set():
+                    await self._gate.wait()
             finally:
                 self.waiting -= 1
         self.live[request_id] += 1
@@ -86,16 +90,19 @@ class Controller:
             await self.runner.abort(rid)
         return len(rids)
 
-    async def _wait_idle(self) -> None:
-        while self.live:
+    async def _wait_idle(self, resumes: int | None = None) -> None:
+        """Wait until no request is live; with ``resumes`` (``_resumes`` when the wait began), stop
+        early once a /resume came."""
+        while self.live and (resumes is None or resumes == self._resumes):
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def pause(self, mode: str) -> dict:
         """Stop admitting requests. ``abort``: running requests end now with reason "abort";
         ``drain``: returns once they finished; ``keep``: they stay frozen in the engine (KV kept)
         and continue at :meth:`resume`. A second ``/pause`` with the mode in force is a no-op; with
-        another mode it is refused (the frozen or draining requests would be stranded). Raises
-        APIError 409 during a weight update or a pause in another mode."""
+        another mode it is refused (the frozen or draining requests would be stranded). A drain
+        that a ``/resume`` ends returns at once with ``paused`` False. Raises APIError 409 during
+        a weight update or a pause in another mode."""
         self._refuse_during_update("/pause")
         if self.pause_mode is not None:
             if mode != self.pause_mode:
@@ -113,7 +120,10 @@ class Controller:
         if mode == "abort":
             aborted = await self._abort_live()
         elif mode == "drain":
-            await self._wait_idle()
+            resumes = self._resumes
+            await self._wait_idle(resumes)
+            if resumes != self._resumes:  # a /resume lifted this pause while it drained
+                return {"paused": False, "mode": mode, "aborted": 0, "running": sum(self.live.values())}
         if mode == "keep":
             await self.runner.pause()
         return {"paused": True, "mode": mode, "aborted": aborted, "running": sum(self.live.values())}
@@ -124,6 +134,7 @@ class Controller:
         if self.pause_mode == "keep":
             await self.runner.resume()
         self.pause_mode = None
+        self._resumes += 1
         self._gate.set()
         return {"paused": False}
 
