@@ -350,6 +350,32 @@ def test_in_flight_drain_finishes_on_old_weights():
     assert torch.equal(eng.model.lm_head.weight, trainer.lm_head.weight)
 
 
+@pytest.mark.parametrize("policy", ["continue", "abort", "drain"])
+def test_an_engine_paused_before_an_update_stays_paused_and_a_drain_of_frozen_samples_is_refused(policy):
+    """Breaker finding: every policy resumed the engine after the update, lifting its caller's
+    pause (``NativeBackend.pause()``, the server's /pause mode=keep: its requests ran on), and
+    ``drain`` of an engine paused with unfinished samples stepped forever (no forward runs while
+    paused). The pause now holds; the drain is refused, naming the way out, nothing written."""
+    trainer, old = _model(1), _model(0)
+    eng = _engine(old)
+    _start(eng, REQS, 4)
+    eng.pause()
+    if policy == "drain":
+        with pytest.raises(
+            WeightUpdateError, match=r"in_flight='drain' refused: the engine is paused with 3 unfinished"
+        ):
+            _colocated_update(eng, trainer, 1, policy)
+        assert eng.weight_version == 0 and eng.weight_writes == 0 and eng.num_unfinished() == 3
+        assert not torch.equal(eng.model.lm_head.weight, trainer.lm_head.weight)
+    else:
+        assert _colocated_update(eng, trainer, 1, policy).result.ok and eng.weight_version == 1
+    assert eng.paused and not [o for o in eng.step() if o.finish_reason != "abort"]  # still frozen
+    eng.resume()
+    got = _run(eng, [])
+    assert [(o.request_id, o.sample_index) for o in got] == [("r0", 0), ("r1", 0), ("r1", 1)]
+    assert all(o.finish_reason in ("stop", "length") for o in got)
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_in_flight_continue_versions_per_token(recompute):
     trainer = _model(1)

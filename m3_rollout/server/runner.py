@@ -513,7 +513,7 @@ class EngineRunner:
             def receive() -> RefitRecord:
                 r = ep.receive_weight_update(expect_version)
                 if keep_paused:
-                    ep.pause()  # the ranks' in-flight policy resumed their engines
+                    ep.pause()  # the ranks' engines stayed paused (InFlightPolicy); the service's flag too
                 return RefitRecord(r["version"], r["ok"], r["seconds"], r["paused_seconds"], r["errors"])
 
         else:

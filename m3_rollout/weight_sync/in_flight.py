@@ -8,13 +8,15 @@ it (the engine stamps ``engine.weight_version`` at sampling time):
 
 - ``abort``: drop every unfinished sample and re-queue it from its prompt after the swap (all of
   its tokens carry the new version; the keyed sampler keeps its randomness stream).
-- ``drain``: step until nothing is unfinished (all tokens on the old version), then swap.
+- ``drain``: step until nothing is unfinished (all tokens on the old version), then swap. Refused
+  (``refusal``) while the engine is paused with samples unfinished: they cannot finish.
 - ``continue``: pause between steps, swap, resume; tokens sampled before carry the old version,
   later ones the new. The KV of the running samples was computed under the old weights: kept
   (default) or recomputed under the new ones (``recompute_kv_after_update``: every running
   sample is preempted and re-prefilled).
 
-After a successful swap the prefix cache is reset once (no page computed under the old weights
+An engine paused before the update (``pause()`` by its caller) stays paused after it; one the
+policy paused resumes. After a successful swap the prefix cache is reset once (no page computed under the old weights
 is reused) and the engine's version is set. Every end that wrote weight bytes (an accepted update,
 or a rejected non-atomic one that left the rank invalid) counts a weight write on the engine
 (``engine.count_weight_write``): its write count, stamped on every token, changes even when the
@@ -88,14 +90,29 @@ class InFlightPolicy:
         self.active = False
         self.last: InFlightOutcome | None = None
 
+    def refusal(self) -> str | None:
+        """Why an update cannot run under this policy now, or None: ``drain`` while the engine is
+        paused with samples unfinished (no forward runs while paused, so the drain would never
+        end). The receiver refuses the update with this text before anything is written."""
+        eng = self.engine
+        if self.policy != "drain" or self.active or not eng.paused or not eng.has_unfinished():
+            return None
+        return (
+            f"weight_sync.in_flight='drain' refused: the engine is paused with {eng.num_unfinished()} unfinished "
+            "sample(s), which cannot finish while paused; resume() it first, or update with in_flight 'continue' "
+            "or 'abort'"
+        )
+
     def begin(self) -> None:
-        """Bring the engine to a state where weights may change (drain / pause / abort)."""
+        """Bring the engine to a state where weights may change (drain / pause / abort). An engine
+        already paused is not drained (``refusal`` refused that update) and stays paused."""
         if self.active:
             return
         eng = self.engine
+        self._was_paused = eng.paused
         self._outputs: list = []
         self._t_drain = time.perf_counter()
-        if self.policy == "drain":
+        if self.policy == "drain" and not self._was_paused:
             self._outputs = list(self.drain())
         self._t0 = time.perf_counter()
         eng.pause()
@@ -114,13 +131,15 @@ class InFlightPolicy:
             return
         for req in self._requeue:
             self.engine.add_request(req)
-        self.engine.resume()
+        if not self._was_paused:
+            self.engine.resume()
         self.active = False
 
     def end(self, result) -> InFlightOutcome:
         """Finish the update with ``result`` (an ``UpdateResult``): count a weight write when bytes
         were written (or may have been: an invalid rank), reset the prefix cache and set the version
-        when the weights changed, refuse requests when the rank is invalid, resume."""
+        when the weights changed, refuse requests when the rank is invalid, resume (unless the
+        engine was paused before the update)."""
         eng = self.engine
         requeue = self._requeue
         if result.wrote:
@@ -140,7 +159,8 @@ class InFlightPolicy:
             eng.refuse_reason = None
         for req in requeue:
             eng.add_request(req)
-        eng.resume()
+        if not self._was_paused:
+            eng.resume()
         self.active = False
         self.last = InFlightOutcome(
             result, self._outputs, len(requeue), handed_back, time.perf_counter() - self._t0, self._t0 - self._t_drain

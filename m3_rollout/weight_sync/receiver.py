@@ -242,6 +242,9 @@ class WeightReceiver:
             # sleep(2) freed the parameters' device memory: a write would land in freed memory
             self._fail("the engine is asleep with its weights offloaded (sleep level 2): call wake_up() first")
         if self.in_flight is not None:
+            refusal = self.in_flight.refusal()
+            if refusal is not None:
+                self._fail(refusal)
             self.in_flight.begin()
 
     def begin(
