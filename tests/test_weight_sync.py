@@ -518,6 +518,31 @@ def test_invalid_rank_refuses_requests_until_full_update():
     assert served[0].finish_reason in ("stop", "length") and served[0].token_weight_versions[0] == 2
 
 
+def test_a_new_receiver_of_an_invalid_engine_keeps_it_refusing_until_an_accepted_update():
+    """Breaker finding: after a failed non-atomic update left the engine invalid, a new receiver
+    (the server's /init_weight_sync again, a new collective group) started valid, so the next
+    REFUSED update cleared the refusal and the engine served the half-written weights."""
+    trainer = _model(1)
+    eng = _engine(_model(0))
+    flip = _flip_on_receiver(30)
+    rx = engine_receiver(eng, atomic=False, in_flight="continue")
+    rx.fault = flip
+    with pytest.raises(WeightUpdateError, match="checksum mismatch"):  # non-atomic: bytes written
+        _sender(trainer, [rx]).update(1, include_frozen=True)
+    assert eng.refuse_reason is not None and eng.weight_writes == 1
+    rejoined = engine_receiver(eng, atomic=True, in_flight="continue")  # a new group: a new receiver
+    rejoined.fault = flip
+    with pytest.raises(WeightUpdateError, match="checksum mismatch"):  # refused: nothing written
+        _sender(trainer, [rejoined]).update(1, include_frozen=True)
+    refused = _run(eng, [_req("x", PROMPT[:20])])
+    assert refused[0].finish_reason == "error" and "refuses requests" in refused[0].error  # was served
+    rejoined.fault = None
+    _sender(trainer, [rejoined]).update(1, include_frozen=True)  # accepted: repaired
+    assert eng.refuse_reason is None and eng.weight_version == 1
+    served = _run(eng, [_req("x", PROMPT[:20])])
+    assert served[0].finish_reason in ("stop", "length") and served[0].token_weight_versions[0] == 1
+
+
 def test_build_weight_sender_colocated_follows_freeze_config():
     from m3_rollout.config import FreezeConfig, WeightSyncConfig
     from m3_trainers.policy import Policy

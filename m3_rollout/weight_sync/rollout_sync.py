@@ -49,10 +49,11 @@ def engine_receiver(
     recompute_kv_after_update: bool = False,
     drain: Callable[[], list] | None = None,
 ) -> WeightReceiver:
-    """The receiver of an ``LLMEngine``: its model, version, in-flight policy and probe scorer.
+    """The receiver of an ``LLMEngine``: its model, version, validity (invalid while the engine
+    refuses requests after a failed non-atomic update), in-flight policy and probe scorer.
     Raises ValueError for a bad ``in_flight`` / ``recompute_kv_after_update`` (naming the key)."""
     policy = InFlightPolicy(engine, in_flight, recompute_kv_after_update, drain)
-    return WeightReceiver(
+    receiver = WeightReceiver(
         engine.model,
         atomic=atomic,
         double_buffer=double_buffer,
@@ -60,6 +61,11 @@ def engine_receiver(
         in_flight=policy,
         scorer=engine_scorer(engine),
     )
+    # A receiver built for an engine whose weights a failed non-atomic update left invalid (a new
+    # group joined since, e.g. /init_weight_sync again) starts invalid too: only an accepted update
+    # may lift the refusal, never a refused one.
+    receiver.valid = engine.refuse_reason is None
+    return receiver
 
 
 class RolloutWeightSync:
