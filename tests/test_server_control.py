@@ -76,4 +76,5 @@ def test_a_drain_pause_that_a_resume_lifted_returns_not_paused_instead_of_waitin
 
     first, reply, rest, mode = _run(body)
     assert reply == {"paused": False, "mode": "drain", "aborted": 0, "running": 1} and mode is None
-    assert first.token_ids == [7] and rest[-1].finish_reason == "stop"
+    deltas = [first] + rest[:-1]  # a handler that fell behind gets merged deltas: their tokens in order
+    assert [t for d in deltas for t in d.token_ids] == [7, 8, STOP] and rest[-1].finish_reason == "stop"

@@ -64,6 +64,10 @@ def test_one_hand_over_per_engine_step_and_streams_equal_the_engine(monkeypatch)
     assert sum(hand_overs) >= sum(map(len, expected.values()))  # every token went through them
 
 
+async def _collect(items) -> list:
+    return [item async for item in items]
+
+
 def test_a_failed_non_atomic_update_ends_running_requests_with_an_error_not_a_hang():
     """Breaker finding: a rejected non-atomic update (atomic=false) that left the weights invalid
     took the running samples out of the engine (``InFlightPolicy.end`` hands them back) and the
@@ -102,20 +106,17 @@ def test_a_failed_non_atomic_update_ends_running_requests_with_an_error_not_a_ha
             runner.init_weight_sync("127.0.0.1", port, 2, 1, "gloo", 60.0, 0.05, False), asyncio.to_thread(join)
         )
         req = GenerationRequest("r", [5, 6, 7, 8], SamplingParams(n=2, max_new_tokens=200, seed=1))
-        items = runner.stream(req).__aiter__()
-        assert isinstance(await items.__anext__(), StreamDelta)  # running
-        await runner.pause()  # frozen: it cannot finish before the update
-        assert await runner.call(backend.engine.num_unfinished) == 2
+        await runner.pause()  # the request is frozen in the engine: it cannot finish before the update
+        collecting = asyncio.ensure_future(_collect(runner.stream(req)))
+        while await runner.call(backend.engine.num_unfinished) != 2:  # acknowledged: both samples in the engine
+            await asyncio.sleep(0)
         record, sent = await asyncio.gather(
             runner.update_weights(True), asyncio.to_thread(send, 1, nan_with_valid_checksum)
         )
         assert not record.ok and record.version == 0 and "non-finite values" in sent
         assert "rank invalid" in record.errors[-1]
 
-        async def rest():
-            return [item async for item in items]
-
-        finals = [o for o in await asyncio.wait_for(rest(), 120) if isinstance(o, SampleOutput)]  # hung before
+        finals = [o for o in await asyncio.wait_for(collecting, 120) if isinstance(o, SampleOutput)]  # hung before
         await runner.resume()
         repaired, _ = await asyncio.gather(runner.update_weights(False), asyncio.to_thread(send, 1))
         after = [o async for o in runner.stream(GenerationRequest("s", [5, 6], SamplingParams(max_new_tokens=4)))]
