@@ -7,6 +7,7 @@ With randomness keyed by (seed, sample index, position), tokens must be identica
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from m3_rollout.model.selection_record import canonical_rows
 from m3_rollout.parallel import EPGroupSpec
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec
 from m3_rollout.service.launchers import GroupFailure, Launcher
+from m3_rollout.service.service import LOST
 
 EOS = 3
 MAX_LEN = 96
@@ -245,7 +247,11 @@ class _FakeLauncher(Launcher):
                 for j in range(q.params.n)
             ]
             ep = {"tokens_per_expert": [], "dispatch_s": 0.0, "expert_s": 0.0, "combine_s": 0.0}
-            return [{"outputs": outs, "steps": 1, "ep": ep}, {"outputs": [], "steps": 1, "ep": ep}]
+            engine = {}
+            return [
+                {"outputs": outs, "steps": 1, "ep": ep, "engine": engine},
+                {"outputs": [], "steps": 1, "ep": ep, "engine": engine},
+            ]
         if method == "shutdown":
             raise GroupFailure("shutdown", [0], {0: "group broken"})
         raise AssertionError(method)
@@ -396,3 +402,114 @@ def test_forkserver_ignores_ctrl_c_while_it_imports(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["IGNORED", "ALIVE"], proc.stdout + proc.stderr
     assert "KeyboardInterrupt" not in proc.stderr
+
+
+def _no_eos(rid: str, max_new_tokens: int, seed: int, prompt_seed: int) -> GenerationRequest:
+    """A request that runs exactly ``max_new_tokens`` (eos pushed out of reach by logit_bias)."""
+    prompt = torch.randint(4, 256, (9,), generator=torch.Generator().manual_seed(prompt_seed)).tolist()
+    params = SamplingParams(n=2, max_new_tokens=max_new_tokens, seed=seed, logit_bias=((EOS, -100.0),))
+    return GenerationRequest(rid, prompt, params)
+
+
+async def _until_done(svc: RolloutService) -> None:
+    for _ in range(1000):  # the driver steps once per turn of the loop: a bound, not a timing
+        if not svc.has_unfinished():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the EP service's step API never finished its requests")
+
+
+def test_generate_async_yields_in_finish_order_and_equals_generate(model_dir):
+    # Under EP, generate_async used to run generate() and then yield in request order, so a short
+    # request's samples came after a long one's. Now it goes through the step API with the
+    # in-process backend's driver: samples come as they finish, with generate()'s bytes.
+    long, short = _no_eos("long", 64, 11, 1), _no_eos("short", 2, 12, 2)
+    svc = _service(model_dir, 2)
+    try:
+        svc.reset_prefix_cache()
+        want = {(o.request_id, o.sample_index): o for o in svc.generate([long, short, *_requests()])}
+        svc.reset_prefix_cache()  # the same prefill chunks again: bitwise-equal logprobs
+
+        async def stream_all():
+            got = []  # (request id, sample index, whether the long request was still unfinished)
+            async for out in svc.generate_async([long, short, *_requests()]):
+                got.append(((out.request_id, out.sample_index), out, svc.has_unfinished()))
+            return got
+
+        got = asyncio.run(stream_all())
+        order = [k for k, _, _ in got]
+        assert sorted(order) == sorted(want)
+        assert order.index(("short", 0)) < order.index(("long", 0))
+        assert order.index(("short", 1)) < order.index(("long", 1))
+        assert all(busy for k, _, busy in got if k[0] == "short")  # yielded while "long" still ran
+        for k, out, _ in got:
+            w = want[k]
+            assert (out.output_ids, out.logprobs, out.finish_reason) == (w.output_ids, w.logprobs, w.finish_reason)
+            assert out.token_weight_versions == w.token_weight_versions and out.error == w.error
+            if w.finish_reason != "error":
+                assert (out.routed_experts == w.routed_experts).all()
+        assert [len(want[("long", j)].output_ids) for j in (0, 1)] == [64, 64]
+    finally:
+        svc.shutdown()
+
+
+def test_closing_generate_async_aborts_the_samples_not_yet_out(model_dir):
+    # Closing the iterator after the first sample aborts the rest: "long" never runs its 64 steps.
+    long, short = _no_eos("long", 64, 11, 1), _no_eos("short", 2, 12, 2)
+    svc = _service(model_dir, 2)
+    try:
+        want = svc.generate([short])
+        aborted = []
+        abort = svc.abort
+        svc.abort = lambda rid: (aborted.append(rid), abort(rid))[1]  # what the driver sends
+
+        async def first_then_close():
+            outs = svc.generate_async([long, short])
+            first = await outs.__anext__()
+            await outs.aclose()
+            await _until_done(svc)
+            return first
+
+        steps = svc.metrics()["lockstep_steps"]
+        first = asyncio.run(first_then_close())
+        del svc.abort
+        assert first.request_id == "short" and first.output_ids == want[first.sample_index].output_ids
+        assert "long" in {rid.split(":", 1)[1] for rid in aborted}
+        assert not svc.has_unfinished() and svc.metrics()["lockstep_steps"] - steps < 64
+        assert svc.engine_metrics()["kv_pages_in_use"] == 0
+        assert _key(svc.generate([short])) == _key(want)  # not refused: nothing of the step API is left
+    finally:
+        svc.shutdown()
+
+
+def test_generate_refused_while_generate_async_callers_are_active():
+    svc, _log = _fake_service(run_failures=0, start_failures=0)
+
+    async def main():
+        outs = svc.generate_async([GenerationRequest("a", [1, 2], SamplingParams(n=2))])
+        first = await outs.__anext__()
+        with pytest.raises(RuntimeError, match="generate_async callers are active"):
+            svc.generate([GenerationRequest("b", [3], SamplingParams())])
+        return [first] + [o async for o in outs]
+
+    outs = asyncio.run(main())
+    assert sorted((o.request_id, o.sample_index) for o in outs) == [("a", 0), ("a", 1)]
+    svc.shutdown()
+
+
+def test_generate_async_samples_a_group_failure_lost_come_back_as_error_records():
+    # The step API's rule: a failed group restarts and every unfinished sample gets an error record
+    # naming the failure (none is left waiting); the next call runs on the restarted group.
+    svc, log = _fake_service(run_failures=1, start_failures=0)
+    reqs = [GenerationRequest("a", [1, 2], SamplingParams(n=2)), GenerationRequest("b", [3], SamplingParams())]
+
+    async def collect(rs):
+        return [o async for o in svc.generate_async(rs)]
+
+    outs = asyncio.run(collect(reqs))
+    assert sorted((o.request_id, o.sample_index) for o in outs) == [("a", 0), ("a", 1), ("b", 0)]
+    assert all(o.finish_reason == "error" and "peer died" in o.error and LOST in o.error for o in outs)
+    assert log["starts"] == 2 and [e["recovered"] for e in svc.drain_events()] == [True]
+    again = asyncio.run(collect(reqs[:1]))
+    assert [(o.sample_index, o.finish_reason) for o in again] == [(0, "length"), (1, "length")]
+    svc.shutdown()

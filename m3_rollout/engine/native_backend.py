@@ -1,17 +1,17 @@
 """NativeBackend: the ``GenerationBackend`` over an in-process :class:`LLMEngine` (design.md §3).
 
 Governing idea: callers never see steps. ``generate`` adds the requests and steps until they
-are done; ``generate_async`` / ``stream`` register per-request queues and share ONE driver task
-that steps the engine while anyone waits, so many asyncio callers batch together. Requests get
-an internal unique id inside the engine (two callers may reuse a request id); outputs carry the
-caller's id again.
+are done; ``generate_async`` / ``stream`` go through the :class:`StepDriver` over the engine
+(per-request queues, ONE driver task that steps the engine while anyone waits, so many asyncio
+callers batch together; the EP service's ``generate_async`` is the same driver over its step
+API). Requests get an internal unique id inside the engine (two callers may reuse a request id);
+outputs carry the caller's id again.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
-import itertools
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.engine.step_driver import StepDriver
 
 
 class NativeBackend(GenerationBackend):
@@ -56,10 +57,7 @@ class NativeBackend(GenerationBackend):
         # The weight receiver (``update_weights``): attached by the job layer, which may import
         # m3_rollout.weight_sync (the engine may not).
         self.weight_sync = None
-        self._ids = itertools.count()
-        self._queues: dict[str, asyncio.Queue] = {}  # internal id -> caller's queue
-        self._internal: dict[str, list[str]] = {}  # caller id -> internal ids (abort)
-        self._driver: asyncio.Task | None = None
+        self.step_driver = StepDriver(self.engine)  # internal ids, async callers' queues, the driver task
 
     # ---- weights -------------------------------------------------------------------------
     @property
@@ -104,10 +102,7 @@ class NativeBackend(GenerationBackend):
         finally:
             outcome = policy.last
             if outcome is not None:
-                for out in outcome.outputs:
-                    q = self._queues.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
+                self.step_driver.deliver(outcome.outputs)
                 for req in outcome.handed_back:
                     self.engine.add_request(req)
 
@@ -135,8 +130,7 @@ class NativeBackend(GenerationBackend):
 
     def abort(self, request_id: str) -> None:
         """Abort every sample of the caller's ``request_id`` (finish_reason "abort")."""
-        for iid in self._internal.get(request_id, []):
-            self.engine.abort(iid)
+        self.step_driver.abort(request_id)
 
     def score(
         self, token_ids: Sequence[int], positions: Sequence[int] | None = None, temperature: float = 1.0
@@ -148,31 +142,18 @@ class NativeBackend(GenerationBackend):
         return self.engine.metrics()
 
     # ---- generation ----------------------------------------------------------------------
-    def _add(self, req: GenerationRequest, stream: bool) -> str:
-        iid = f"{next(self._ids)}:{req.request_id}"
-        self._internal.setdefault(req.request_id, []).append(iid)
-        self.engine.add_request(dataclasses.replace(req, request_id=iid), stream=stream)
-        return iid
-
-    def _release(self, req: GenerationRequest, iid: str) -> None:
-        ids = self._internal.get(req.request_id)
-        if ids is not None:
-            ids.remove(iid)
-            if not ids:
-                del self._internal[req.request_id]
-
     def generate(self, requests: Sequence[GenerationRequest]) -> list[SampleOutput]:
         """Run all requests to completion; outputs ordered by request, then sample.
 
         Bad requests give error records (finish_reason "error"), the rest go on.
-        Raises RuntimeError when called while paused or asleep.
+        Raises RuntimeError when called while paused or asleep, or while generate_async / stream
+        callers are active.
         """
         self.engine.check_awake("generate")
         if self.engine.paused:
             raise RuntimeError("generate() while paused: call resume() first")
-        if self._driver is not None:
-            raise RuntimeError("generate() while generate_async callers are active; await them or use generate_async")
-        iids = [self._add(req, stream=False) for req in requests]
+        self.step_driver.check_idle()
+        iids = [self.step_driver.add(req) for req in requests]
         pos = {iid: i for i, iid in enumerate(iids)}
         results: list[list[SampleOutput]] = [[] for _ in requests]
         remaining = sum(len(r.output_indices()) for r in requests)
@@ -183,87 +164,25 @@ class NativeBackend(GenerationBackend):
                     results[i].append(dataclasses.replace(out, request_id=requests[i].request_id))
                     remaining -= 1
         for req, iid in zip(requests, iids):
-            self._release(req, iid)
+            self.step_driver.release(req.request_id, iid)
         return [o for outs in results for o in sorted(outs, key=lambda o: o.sample_index)]
 
-    async def _drive(self) -> None:
-        """Step the engine while any async caller waits; route outputs to their queues."""
-        try:
-            while self._queues:
-                if self.engine.paused:
-                    await asyncio.sleep(0.001)
-                    continue
-                for out in self.engine.step():
-                    q = self._queues.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
-                await asyncio.sleep(0)  # let callers consume and add requests
-        except Exception as exc:  # noqa: BLE001 - handed to every waiting caller, none may hang
-            for q in self._queues.values():
-                q.put_nowait(exc)
-        finally:
-            self._driver = None
-
-    def _ensure_driver(self) -> None:
-        if self._driver is None:
-            self._driver = asyncio.get_running_loop().create_task(self._drive())
-
-    async def _run(self, req: GenerationRequest, stream: bool) -> AsyncIterator[SampleOutput | StreamDelta]:
-        self.engine.check_awake("generate")
-        q: asyncio.Queue = asyncio.Queue()
-        iid = self._add(req, stream)
-        self._queues[iid] = q
-        self._ensure_driver()
-        remaining = len(req.output_indices())
-        try:
-            while remaining:
-                out = await q.get()
-                if isinstance(out, Exception):  # the engine step failed (see _drive)
-                    raise out
-                if isinstance(out, SampleOutput):
-                    remaining -= 1
-                yield dataclasses.replace(out, request_id=req.request_id)
-        finally:
-            self._queues.pop(iid, None)
-            if remaining:
-                self.engine.abort(iid)  # caller went away
-            self._release(req, iid)
-
     async def generate_async(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[SampleOutput]:
-        """Yield each sample's :class:`SampleOutput` as it finishes (any order); bad requests
-        yield error records. Many concurrent callers share the engine's batches. An exception
-        raised by an engine step is re-raised in every waiting caller (none is left hanging).
-        Raises RuntimeError while the engine is asleep."""
-        merged: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(req):
-            try:
-                async for out in self._run(req, stream=False):
-                    merged.put_nowait(out)
-            except Exception as exc:  # noqa: BLE001 - re-raised to the caller below
-                merged.put_nowait(exc)
-            merged.put_nowait(done)
-
-        tasks = [asyncio.ensure_future(pump(r)) for r in requests]
-        finished = 0
-        try:
-            while finished < len(tasks):
-                item = await merged.get()
-                if item is done:
-                    finished += 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
+        """Yield each sample's :class:`SampleOutput` as it finishes (finish order); bad requests
+        yield error records. Many concurrent callers share the engine's batches (one
+        :class:`StepDriver`); closing the iterator early aborts the samples not yet out. An
+        exception raised by an engine step is re-raised in every waiting caller (none is left
+        hanging). Raises RuntimeError while the engine is asleep."""
+        self.engine.check_awake("generate")
+        async with contextlib.aclosing(self.step_driver.run(requests)) as outs:
+            async for out in outs:
+                yield out
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[SampleOutput | StreamDelta]:
         """Stream one request: :class:`StreamDelta` records as tokens arrive, then each sample's
         final :class:`SampleOutput`. Raises ValueError (naming the field) for a bad request,
         RuntimeError while the engine is asleep."""
         self.engine.check_request(request)
-        async for out in self._run(request, stream=True):
-            yield out
+        async with contextlib.aclosing(self.step_driver.run([request], stream=True)) as outs:
+            async for out in outs:
+                yield out

@@ -33,17 +33,19 @@ restarts the group and the refit is repeated; ``sleep`` / ``wake_up`` reach ever
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.requests import error_outputs
+from m3_rollout.engine.step_driver import StepDriver
 from m3_rollout.model.selection_record import share_segments
 from m3_rollout.parallel.process_group import free_port
 
@@ -242,6 +244,8 @@ class RolloutService(GenerationBackend):
         self._paused = False
         self._rank_engine: list[dict] = []  # each rank's engine metrics after its last reply
         self._ready: list[SampleOutput] = []  # error records of requests a group failure lost
+        # generate_async: NativeBackend's driver (queues, one driver task) over this step API
+        self.step_driver = StepDriver(self)
         self._start_with_retries(None, [])
         atexit.register(self.shutdown)
 
@@ -371,8 +375,10 @@ class RolloutService(GenerationBackend):
 
         Bad requests give error records. Raises RolloutFailure when the group fails more than
         ``max_restarts`` times during this call (failures while restarting included); the next
-        call starts a fresh group.
+        call starts a fresh group. RuntimeError while generate_async callers are active or
+        requests of the step API are unfinished.
         """
+        self.step_driver.check_idle()
         if self._live:
             raise RuntimeError(
                 f"generate() while {len(self._live)} requests of the step API (add_request / step) are unfinished"
@@ -421,6 +427,23 @@ class RolloutService(GenerationBackend):
                     f"(paused? call resume()): {[p.request.request_id for p in pending.values()]}"
                 )
         return [o for outs in results for o in sorted(outs, key=lambda o: o.sample_index)]
+
+    async def generate_async(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[SampleOutput]:
+        """Yield each sample's :class:`SampleOutput` as it finishes (finish order), through the
+        step API below: the requests are placed at once, and ONE driver task (the
+        :class:`StepDriver` ``NativeBackend`` uses) steps the group while any caller waits, so
+        concurrent callers batch together. Tokens equal :meth:`generate`'s for the same seeds.
+
+        Bad requests yield error records, and so do requests a group failure lost (as the step
+        API's: the group restarts, the samples are not resubmitted, unlike :meth:`generate`);
+        closing the iterator early aborts the samples not yet out.
+        Raises RuntimeError while the workers sleep; RolloutFailure when the group cannot be
+        started; an exception raised by a step in every waiting caller.
+        """
+        self._check_awake("generate")
+        async with contextlib.aclosing(self.step_driver.run(requests)) as outs:
+            async for out in outs:
+                yield out
 
     def _resubmit(self, pending: dict[str, _Pending]) -> list[list[GenerationRequest]]:
         """New per-rank request lists for the missing samples of `pending` (after a restart)."""
@@ -473,11 +496,14 @@ class RolloutService(GenerationBackend):
 
     @_locked
     def abort(self, request_id: str) -> None:
-        """Stop every sample of ``request_id``: each comes out of the next :meth:`step` with
-        finish_reason "abort" (its KV pages are freed there). Unknown ids are ignored."""
-        p = self._live.get(request_id)
-        if p is not None:
-            self._to_abort[p.rank].append(request_id)
+        """Stop every sample of ``request_id`` (the step API's request of that id, and the
+        requests of :meth:`generate_async` callers that gave that id): each comes out of the next
+        :meth:`step` with finish_reason "abort" (its KV pages are freed there). Unknown ids are
+        ignored."""
+        for rid in (request_id, *self.step_driver.internal_ids(request_id)):
+            p = self._live.get(rid)
+            if p is not None and rid not in self._to_abort[p.rank]:
+                self._to_abort[p.rank].append(rid)
 
     def has_unfinished(self) -> bool:
         return bool(self._live or self._ready)
@@ -933,13 +959,17 @@ class RolloutService(GenerationBackend):
         they sleep; else start the group if a failure left it stopped, then
         :meth:`_check_weights_served` (the start re-applies the served weights and can find that the
         IPC source no longer holds them, so the check comes after it)."""
+        self._check_awake(what)
+        if self.launcher is None:
+            self._start_with_retries(None, [])
+        self._check_weights_served(request_ids)
+
+    def _check_awake(self, what: str) -> None:
+        """RuntimeError while the workers sleep (``what``: "generate", "score", ...)."""
         if self._sleep_level:
             raise RuntimeError(
                 f"the rollout workers sleep (level {self._sleep_level}): call wake_up() before you {what}"
             )
-        if self.launcher is None:
-            self._start_with_retries(None, [])
-        self._check_weights_served(request_ids)
 
     def _reapply_ipc(self) -> None:
         """At a restart: give the new workers the served weights, which the IPC source holds. When
