@@ -3,7 +3,9 @@ processes over gloo) does what the in-process one does: streamed tokens equal /g
 a disconnecting client end the request and free its KV pages (seen on /metrics), /pause in each mode
 and /resume, top logprobs (streamed and not) equal to the in-process engine's, and a trainer's
 weight update over HTTP after which the server's logprobs are the trainer's, with concurrent
-streams carrying both versions across the update."""
+streams carrying both versions across the update. Over a fake EP group (no processes): a failed
+group's non-streamed requests are resubmitted and answered as without the failure, streamed ones
+end with error records."""
 
 import asyncio
 import json
@@ -12,10 +14,13 @@ import time
 import httpx
 import pytest
 import torch
-from server_util import (  # tests/ on sys.path
+from fake_ep import fake_service  # tests/ on sys.path
+from server_util import (
+    LiveServer,
     free_port,
     save_tiny_checkpoint,
     serve_subprocess,
+    served_model,
     tiny_model,
     tiny_tokenizer,
 )
@@ -139,6 +144,41 @@ def test_ep_pause_modes_and_resume(server):
         ctx.__exit__(None, None, None)
         client.resume()
     _wait_freed(client)
+
+
+def test_ep_server_resubmits_the_non_streamed_requests_a_failed_group_lost():
+    """A worker group that fails while requests run (the fake EP group of tests/fake_ep.py: no
+    processes, tokens keyed like the real sampler's). A non-streamed request used to answer 503
+    generation_failed (the step API ended every live request); now it is resubmitted on the
+    restarted group and answers 200 with the outputs of a run without the failure. A streamed
+    request, whose tokens have gone out, still ends with error records naming the failure."""
+    tok = tiny_tokenizer()
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    srv = LiveServer(served_model(tok, len(tok), MAX_LEN), svc)
+    params = {"n": 3, "max_new_tokens": 16, "seed": 46, "stop_token_ids": [3]}  # samples of 6, 16, 16 tokens
+    body = {"input_ids": [5, 6, 7], "sampling_params": params}
+    keys = ("sample_index", "output_ids", "logprobs", "finish_reason")
+    try:
+        clean = httpx.post(srv.url + "/generate", json=body, timeout=60)
+        assert clean.status_code == 200, clean.text
+        want = [{k: o[k] for k in keys} for o in clean.json()["outputs"]]
+        assert [len(o["output_ids"]) for o in want] == [6, 16, 16]
+        log["fail_runs"].add(log["runs"] + 2)  # the request's second run call, after its first step
+        resp = httpx.post(srv.url + "/generate", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert [{k: o[k] for k in keys} for o in resp.json()["outputs"]] == want  # bitwise, as without failure
+        assert svc.restarts == 1
+        log["fail_runs"].add(log["runs"] + 2)
+        with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True}, timeout=60) as stream:
+            events = list(_events(stream))
+        tokens = [e for e in events if "token_ids" in e and "finish_reason" not in e]
+        finals = sorted((e for e in events if "finish_reason" in e), key=lambda e: e["sample_index"])
+        assert len(tokens) == 3  # each sample's first token went out before the failure
+        assert [(e["sample_index"], e["finish_reason"]) for e in finals] == [(0, "error"), (1, "error"), (2, "error")]
+        assert all("peer died" in e["error"] and "the request was lost" in e["error"] for e in finals)
+        assert svc.restarts == 2
+    finally:
+        srv.stop()
 
 
 def _chat_top_logprobs(url: str, stream: bool) -> tuple[list[int], list[int], list[dict]]:

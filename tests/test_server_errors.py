@@ -272,8 +272,9 @@ def test_top_logprobs_refused_after_generation_is_a_503_with_a_message(setup):
 
 
 class _LostBackend(ScriptedBackend):
-    """Every sample ends in an engine error record about no request field: what a request lost
-    with a failed EP rank, or refused by weights left invalid by a failed update, looks like."""
+    """Every sample ends in an engine error record about no request field: what a request a failed
+    EP group could not finish within its restarts, or refused by weights left invalid by a failed
+    update, looks like."""
 
     LOST = "EP rank 1 exited; the request was lost (resubmit it)"
 

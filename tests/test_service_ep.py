@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from fake_ep import fake_service  # tests/ on sys.path
 
 from m3_rollout.config import WeightSyncConfig
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
@@ -24,7 +25,6 @@ from m3_rollout.model import iter_released_tensors, load_checkpoint
 from m3_rollout.model.selection_record import canonical_rows
 from m3_rollout.parallel import EPGroupSpec
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec
-from m3_rollout.service.launchers import GroupFailure, Launcher
 from m3_rollout.service.service import LOST
 
 EOS = 3
@@ -216,64 +216,8 @@ def test_bad_checkpoint_reports_the_workers_traceback(tmp_path):
     assert "exit code 0)" not in text.split(": ", 2)[-1].split(";")[0]  # the cause, not the exit code
 
 
-class _FakeLauncher(Launcher):
-    """In-process stand-in for the worker group: ``run`` fails ``run_failures`` times, every start
-    after the first fails while ``start_failures`` lasts (no processes; failure paths only)."""
-
-    def __init__(self, log: dict):
-        self.log = log
-        self.world_size = 2
-
-    def start(self, spec, timeout_s):
-        self.log["starts"] += 1
-        if self.log["starts"] > 1 and self.log["start_failures"] > 0:
-            self.log["start_failures"] -= 1
-            raise GroupFailure("start", [1], {1: "Traceback (most recent call last):\nOSError: disk gone"})
-
-    def call(self, method, per_rank_args=(), timeout_s=None):
-        if method == "info":
-            return [{"pid": r, "rank": r} for r in range(2)]
-        if method == "count_weight_write":  # every start gives the new workers the group's write count
-            self.log.setdefault("writes", []).append(per_rank_args[0])
-            return [None, None]
-        if method == "run":
-            if self.log["run_failures"] > 0:
-                self.log["run_failures"] -= 1
-                raise GroupFailure("run", [0], {0: "RuntimeError: peer died"})
-            reqs = per_rank_args[0][0] + per_rank_args[1][0]
-            outs = [
-                SampleOutput(q.request_id, q.sample_index + j, list(q.prompt_ids), [5], [-0.1], "length", 0)
-                for q in reqs
-                for j in range(q.params.n)
-            ]
-            ep = {"tokens_per_expert": [], "dispatch_s": 0.0, "expert_s": 0.0, "combine_s": 0.0}
-            engine = {}
-            return [
-                {"outputs": outs, "steps": 1, "ep": ep, "engine": engine},
-                {"outputs": [], "steps": 1, "ep": ep, "engine": engine},
-            ]
-        if method == "shutdown":
-            raise GroupFailure("shutdown", [0], {0: "group broken"})
-        raise AssertionError(method)
-
-    def pids(self):
-        return [0, 1]
-
-    def shutdown(self, graceful=True):
-        self.log["shutdowns"] += 1
-
-
-def _fake_service(run_failures: int, start_failures: int, max_restarts: int = 2):
-    log = {"starts": 0, "shutdowns": 0, "run_failures": run_failures, "start_failures": start_failures}
-    spec = WorkerSpec(model_dir="unused", group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=5))
-    svc = RolloutService(
-        spec, launcher=lambda: _FakeLauncher(log), max_restarts=max_restarts, weight_sync=WeightSyncConfig()
-    )
-    return svc, log
-
-
 def test_failures_during_restart_count_and_end_in_rolloutfailure(capsys):
-    svc, log = _fake_service(run_failures=1, start_failures=5, max_restarts=2)
+    svc, log = fake_service(run_failures=1, start_failures=5, max_restarts=2)
     reqs = [GenerationRequest("a", [1, 2], SamplingParams(n=2)), GenerationRequest("b", [3], SamplingParams())]
     with pytest.raises(RolloutFailure) as info:
         svc.generate(reqs)
@@ -288,7 +232,7 @@ def test_failures_during_restart_count_and_end_in_rolloutfailure(capsys):
 
 
 def test_recovered_failure_is_an_event_and_the_call_completes():
-    svc, log = _fake_service(run_failures=1, start_failures=1, max_restarts=2)
+    svc, log = fake_service(run_failures=1, start_failures=1, max_restarts=2)
     outs = svc.generate([GenerationRequest("a", [1, 2], SamplingParams(n=2))])
     assert [(o.request_id, o.sample_index) for o in outs] == [("a", 0), ("a", 1)]
     events = svc.drain_events()
@@ -483,7 +427,7 @@ def test_closing_generate_async_aborts_the_samples_not_yet_out(model_dir):
 
 
 def test_generate_refused_while_generate_async_callers_are_active():
-    svc, _log = _fake_service(run_failures=0, start_failures=0)
+    svc, _log = fake_service(run_failures=0, start_failures=0)
 
     async def main():
         outs = svc.generate_async([GenerationRequest("a", [1, 2], SamplingParams(n=2))])
@@ -497,19 +441,118 @@ def test_generate_refused_while_generate_async_callers_are_active():
     svc.shutdown()
 
 
-def test_generate_async_samples_a_group_failure_lost_come_back_as_error_records():
-    # The step API's rule: a failed group restarts and every unfinished sample gets an error record
-    # naming the failure (none is left waiting); the next call runs on the restarted group.
-    svc, log = _fake_service(run_failures=1, start_failures=0)
-    reqs = [GenerationRequest("a", [1, 2], SamplingParams(n=2)), GenerationRequest("b", [3], SamplingParams())]
+def _fake_requests() -> list[GenerationRequest]:
+    """GRPO groups whose samples stop at different steps (token 3 stops them)."""
+    return [
+        GenerationRequest(f"r{i}", [1, 2 + i], SamplingParams(n=3, max_new_tokens=16, seed=seed, stop_token_ids=(3,)))
+        for i, seed in enumerate((40, 46, 42, 43))  # sample lengths 6 4 16, 6 16 16, 6 1 3, 16 3 7
+    ]
 
-    async def collect(rs):
-        return [o async for o in svc.generate_async(rs)]
 
-    outs = asyncio.run(collect(reqs))
-    assert sorted((o.request_id, o.sample_index) for o in outs) == [("a", 0), ("a", 1), ("b", 0)]
-    assert all(o.finish_reason == "error" and "peer died" in o.error and LOST in o.error for o in outs)
-    assert log["starts"] == 2 and [e["recovered"] for e in svc.drain_events()] == [True]
-    again = asyncio.run(collect(reqs[:1]))
-    assert [(o.sample_index, o.finish_reason) for o in again] == [(0, "length"), (1, "length")]
+def _collect(svc: RolloutService, reqs) -> list[SampleOutput]:
+    async def main():
+        return [o async for o in svc.generate_async(reqs)]
+
+    return asyncio.run(main())
+
+
+def _bits(outs) -> dict:
+    return {(o.request_id, o.sample_index): (o.output_ids, o.logprobs, o.finish_reason, o.error) for o in outs}
+
+
+def test_generate_async_resubmits_what_a_group_failure_lost_and_gives_the_same_outputs():
+    # A failed group restarts and the samples not yet out are resubmitted, as generate() does:
+    # the whole request when none of its samples came back, else n=1 per missing sample with its
+    # sample_index. The step API used to give them error records instead (the previous rule).
+    reqs = _fake_requests()
+    clean, _ = fake_service(run_failures=0, start_failures=0)
+    want = _bits(_collect(clean, reqs))
+    clean.shutdown()
+    # run 1 places the requests (one step), runs 2.. take 4 steps each: run 3 fails mid-generation
+    svc, log = fake_service(run_failures=0, start_failures=0, fail_runs={3})
+    outs = _collect(svc, reqs)
+    assert len(outs) == len(want) == 12 and _bits(outs) == want  # bitwise: tokens, logprobs, reasons
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    assert [e["recovered"] for e in svc.drain_events()] == [True] and svc.restarts == 1
+    # before run 3: 1 + 4 tokens per sample; the samples that stopped by then were out
+    out_before = {k for k, (ids, _, _, _) in want.items() if len(ids) <= 5}
+    expect = []
+    for r in reqs:
+        out = [j for j in range(3) if (r.request_id, j) in out_before]
+        expect += [(r.request_id, 3, 0)] if not out else [(r.request_id, 1, j) for j in range(3) if j not in out]
+    again = [(rid.split(":", 1)[1], n, j) for group, rid, n, j in log["added"] if group == 2]
+    assert sorted(again) == sorted(expect)
+    assert {n for _, n, _ in again} == {1, 3}  # whole requests and single samples were resubmitted
+    assert not svc.has_unfinished()
+    svc.shutdown()
+
+
+def test_a_streamed_request_a_group_failure_lost_gets_error_records_beside_a_resubmitted_one():
+    # Tokens of a streamed request have left the service: it ends with error records naming the
+    # failure; a request added without stream in the same group is resubmitted and completes.
+    reqs = _fake_requests()[:2]
+    clean, _ = fake_service(run_failures=0, start_failures=0)
+    want = _bits(clean.generate(reqs))
+    clean.shutdown()
+    svc, log = fake_service(run_failures=0, start_failures=0, fail_runs={2})
+    svc.add_request(reqs[0], stream=True)
+    svc.add_request(reqs[1])
+    outs = []
+    for _ in range(20):
+        if not svc.has_unfinished():
+            break
+        outs += svc.step()
+    assert not svc.has_unfinished()
+    done = [o for o in outs if isinstance(o, SampleOutput)]
+    streamed = [o for o in done if o.request_id == "r0"]
+    assert sorted(o.sample_index for o in streamed) == [0, 1, 2]
+    assert all(o.finish_reason == "error" and "peer died" in o.error and LOST in o.error for o in streamed)
+    assert _bits([o for o in done if o.request_id == "r1"]) == {k: v for k, v in want.items() if k[0] == "r1"}
+    assert [rid for group, rid, _, _ in log["added"] if group == 2] == ["r1"]  # r0 was not resubmitted
+    svc.shutdown()
+
+
+def test_step_api_resubmission_keeps_aborts_pause_and_the_restart_budget():
+    reqs = _fake_requests()[:2]
+    # an abort that went out with the failed call: the request comes back aborted, not rerun
+    svc, log = fake_service(run_failures=0, start_failures=0, fail_runs={2})
+    for r in reqs:
+        svc.add_request(r)
+    svc.step()
+    svc.abort("r0")
+    assert svc.step() == []  # the failed call: the group restarts, nothing is lost
+    outs = [o for _ in range(20) for o in svc.step() if isinstance(o, SampleOutput)]
+    assert sorted((o.request_id, o.finish_reason) for o in outs if o.request_id == "r0") == [("r0", "abort")] * 3
+    assert {o.finish_reason for o in outs if o.request_id == "r1"} <= {"stop", "length"}
+    assert len(outs) == 6 and not svc.has_unfinished()
+    svc.shutdown()
+
+    # a paused service stays paused across the restart: the resubmitted requests wait for resume
+    svc, log = fake_service(run_failures=0, start_failures=0, fail_runs={2})
+    svc.add_request(reqs[0])
+    svc.step()
+    svc.pause()
+    svc.step()  # fails
+    assert svc.paused and svc.launcher.paused  # the new workers were paused too
+    assert svc.step() == [] and svc.metrics()["lockstep_steps"] == 1
+    svc.resume()
+    outs = [o for _ in range(20) for o in svc.step() if isinstance(o, SampleOutput)]
+    assert sorted(o.sample_index for o in outs) == [0, 1, 2] and all(o.finish_reason != "error" for o in outs)
+    svc.shutdown()
+
+    # a request that lives through more than max_restarts failures gets error records naming it
+    svc, log = fake_service(run_failures=0, start_failures=0, max_restarts=1, fail_runs={2, 3})
+    svc.add_request(reqs[0])
+    outs = [o for _ in range(4) for o in svc.step() if isinstance(o, SampleOutput)]
+    assert len(outs) == 3 and all(o.finish_reason == "error" for o in outs), outs
+    assert all("more than cluster.max_restarts=1 times" in o.error and LOST in o.error for o in outs)
+    assert svc.restarts == 2 and not svc.has_unfinished()
+    svc.shutdown()
+
+    # a restart that fails: error records with its cause; the next request starts a fresh group
+    svc, log = fake_service(run_failures=0, start_failures=5, max_restarts=2, fail_runs={2})
+    svc.add_request(reqs[0])
+    outs = [o for _ in range(3) for o in svc.step() if isinstance(o, SampleOutput)]
+    assert len(outs) == 3 and all("OSError: disk gone" in o.error and "gave up restarting" in o.error for o in outs)
+    assert svc.launcher is None and not svc.has_unfinished()
     svc.shutdown()

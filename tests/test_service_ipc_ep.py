@@ -33,6 +33,7 @@ from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import load_checkpoint
 from m3_rollout.parallel import EPGroupSpec
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec, factory
+from m3_rollout.service.service import LOST
 from m3_rollout.weight_sync import ReleasedTensors
 
 EOS = 3
@@ -351,10 +352,11 @@ def test_ep2_score_and_top_logprobs_equal_ep1_between_steps_and_after_updates(mo
 def test_ep2_score_after_a_worker_died_restarts_the_group_or_refuses(model_dir):
     # A worker that died between two calls: score / top_logprobs restart the group on the served
     # weights and run (as generate does; they raised the launcher's GroupFailure, which did not say
-    # that the group was back); the step API's live requests get error records, as after a failed
-    # step. With no restart left the call fails, and the next one, whose start cannot give the new
-    # workers the served weights (a rejected update overwrote the stage), must refuse: it scored
-    # (and generate generated) with the checkpoint's weights as the served version.
+    # that the group was back); the step API's live requests are resubmitted, as after a failed
+    # step (a streamed one gets error records). With no restart left the call fails, and the next
+    # one, whose start cannot give the new workers the served weights (a rejected update overwrote
+    # the stage), must refuse: it scored (and generate generated) with the checkpoint's weights as
+    # the served version.
     trainer = load_checkpoint(model_dir, dtype=torch.float32)
     named = ReleasedTensors(trainer)
     ids = torch.randint(4, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -376,17 +378,22 @@ def test_ep2_score_after_a_worker_died_restarts_the_group_or_refuses(model_dir):
 
         reqs = _requests()
         for r in reqs:
-            svc.add_request(r)
+            svc.add_request(r, stream=r.request_id == "g0")
         svc.step()
         os.kill(svc.worker_pids()[0], signal.SIGKILL)
         got, want = svc.top_logprobs(ids, 30, 3), engine.top_logprobs(ids, 30, 3)
         assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in want]
         assert svc.restarts == 2
-        outs = svc.step()
-        assert sorted((o.request_id, o.finish_reason) for o in outs) == sorted(
-            (r.request_id, "error") for r in reqs for _ in range(2)
-        )
+        outs = []
+        for _ in range(20):
+            outs += [o for o in svc.step() if isinstance(o, SampleOutput)]
+            if not svc.has_unfinished():
+                break
         assert not svc.has_unfinished()
+        # the streamed request ends with error records; the others were resubmitted on the restarted
+        # group and give the served weights' tokens
+        assert [(o.finish_reason, LOST in o.error) for o in outs if o.request_id == "g0"] == [("error", True)] * 2
+        assert sorted(_key(o for o in outs if o.request_id != "g0")) == sorted(_key(_reference(trainer, reqs[1:])))
 
         with torch.no_grad():
             trainer.model.layers[2].block_sparse_moe.experts.w2[6, 0, 0] = float("nan")

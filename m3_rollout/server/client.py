@@ -124,7 +124,8 @@ def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
 
 def _generation_failed(resp: httpx.Response) -> bool:
     """A 503 that carries an engine error record (weights invalid after a failed update, a request
-    lost with a failed EP rank), not a refusal of the server (paused, asleep, shutting down)."""
+    a failed EP group could not finish within its restarts), not a refusal of the server (paused,
+    asleep, shutting down)."""
     if resp.status_code != 503:
         return False
     try:

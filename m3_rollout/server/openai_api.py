@@ -204,9 +204,10 @@ def engine_error(message: str | None, fields: dict[str, str]) -> APIError:
     (``SamplingParams.temperature=1e-50: ...``, every check in ``engine.requests``); the error
     names the client's field instead (``fields`` maps engine names to request names, e.g.
     :data:`GENERATE_FIELDS`), in the message and as ``param``. An error about no field is the
-    server's state, not the request (weights invalid after a failed update, a request lost with a
-    failed EP rank): a 503 ``server_error`` with the engine's message, ``param`` None and code
-    :data:`GENERATION_FAILED`, so a client retries instead of dropping the request as malformed."""
+    server's state, not the request (weights invalid after a failed update, a streamed request lost
+    with a failed EP rank, a request the EP group could not finish within its restarts): a 503
+    ``server_error`` with the engine's message, ``param`` None and code :data:`GENERATION_FAILED`,
+    so a client retries instead of dropping the request as malformed."""
     message = message or "generation failed"
     m = _ENGINE_FIELD.match(message)
     if m is None:

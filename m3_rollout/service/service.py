@@ -13,8 +13,10 @@ the whole group down, starts it again (fresh rendezvous port, last weights re-ap
 resubmits the lost samples, whose tokens repeat exactly (randomness is keyed by seed, sample
 index and position). Every failure counts against ``max_restarts`` within one call, a failure
 while restarting too; past it the service raises :class:`RolloutFailure` with the lost request
-ids (the caller may resubmit them) and the last cause. Each failure is kept as an event
-(``drain_events()``) and counted in ``metrics()`` for the job to log.
+ids (the caller may resubmit them) and the last cause. The step API (``add_request`` / ``step``:
+``generate_async``, the rollout server) resubmits the same way the requests added without
+``stream``; streamed ones, whose tokens have left the service, end with error records. Each
+failure is kept as an event (``drain_events()``) and counted in ``metrics()`` for the job to log.
 
 Weights (design.md §3): the driver is rank 0 of a weight-sync group with the workers
 (m3_rollout/weight_sync); every update goes through the workers' ``WeightReceiver``, the same
@@ -149,12 +151,15 @@ def _merge_records(records: list[dict]) -> dict:
 
 @dataclass
 class _Pending:
-    """One caller request in flight: where its outputs go and which samples are still missing."""
+    """One caller request in flight: where its outputs go and which samples are still missing.
+    The step API's also: whether it streams, and the group failures it lived through."""
 
     index: int
     request: GenerationRequest
     missing: set[int]
     rank: int
+    stream: bool = False
+    failures: int = 0
 
 
 class RolloutService(GenerationBackend):
@@ -251,8 +256,9 @@ class RolloutService(GenerationBackend):
 
     # ---- group lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
-        """Start a fresh group (new rendezvous port) and re-apply the last weights. Raises
-        GroupFailure (the launcher is shut down and dropped first)."""
+        """Start a fresh group (new rendezvous port) and re-apply the last weights; a paused
+        service pauses the new workers too (requests resubmitted after a failure wait for
+        ``resume``). Raises GroupFailure (the launcher is shut down and dropped first)."""
         group = dataclasses.replace(self.spec.group, port=free_port(self.spec.group.addr))
         spec = dataclasses.replace(self.spec, group=group, incarnation=self._starts)
         self._starts += 1
@@ -265,7 +271,6 @@ class RolloutService(GenerationBackend):
             self._rank_engine = []
             self._to_add = [[] for _ in range(self.world_size)]
             self._to_abort = [[] for _ in range(self.world_size)]
-            self._paused = False
             self._sleep_level = 0  # fresh workers are awake
             if self.refit == "ipc":
                 self.launcher.call("init_ipc_sync", self._ipc_refit().worker_args, self.start_timeout_s)
@@ -274,6 +279,8 @@ class RolloutService(GenerationBackend):
             elif self._last_weights is not None:
                 self._push_weights(*self._last_weights)
             self._count_writes()  # fresh workers: no count of an earlier group may be taken for theirs
+            if self._paused:
+                self.launcher.call("pause", (), self.start_timeout_s)
         except BaseException:
             self._close_weight_sync()
             self.launcher.shutdown(graceful=False)
@@ -434,9 +441,11 @@ class RolloutService(GenerationBackend):
         :class:`StepDriver` ``NativeBackend`` uses) steps the group while any caller waits, so
         concurrent callers batch together. Tokens equal :meth:`generate`'s for the same seeds.
 
-        Bad requests yield error records, and so do requests a group failure lost (as the step
-        API's: the group restarts, the samples are not resubmitted, unlike :meth:`generate`);
-        closing the iterator early aborts the samples not yet out.
+        Bad requests yield error records. A group failure restarts the group and resubmits the
+        samples not yet out, as :meth:`generate` does (same tokens for the same seeds; the step
+        API's :meth:`_restart_live`); past ``max_restarts`` failures while a request runs, or when
+        the restart fails, its samples yield error records naming the cause. Closing the
+        iterator early aborts the samples not yet out.
         Raises RuntimeError while the workers sleep; RolloutFailure when the group cannot be
         started; an exception raised by a step in every waiting caller.
         """
@@ -446,7 +455,10 @@ class RolloutService(GenerationBackend):
                 yield out
 
     def _resubmit(self, pending: dict[str, _Pending]) -> list[list[GenerationRequest]]:
-        """New per-rank request lists for the missing samples of `pending` (after a restart)."""
+        """New per-rank request lists for the missing samples of `pending` (after a restart; of
+        :meth:`generate` and of the step API): the whole request when none of its samples came
+        back, else one n=1 request per missing sample with its ``sample_index`` (the keyed sampler
+        repeats its tokens); each keeps its id. Places them afresh (``p.rank`` follows)."""
         load = [0] * self.world_size
         new: list[list[GenerationRequest]] = [[] for _ in range(self.world_size)]
         for iid, p in pending.items():
@@ -459,7 +471,7 @@ class RolloutService(GenerationBackend):
                     dataclasses.replace(req, params=dataclasses.replace(req.params, n=1), sample_index=j)
                     for j in sorted(p.missing)
                 ]
-            rank = self._place(reqs[0], load)
+            rank = p.rank = self._place(reqs[0], load)
             for _r in reqs[1:]:
                 load[rank] += 1
             new[rank].extend(dataclasses.replace(r, request_id=iid) for r in reqs)
@@ -474,10 +486,11 @@ class RolloutService(GenerationBackend):
     def add_request(self, req: GenerationRequest, stream: bool = False) -> None:
         """Place ``req`` (its ``request_id`` must be unique among the unfinished ones) on a rank;
         it starts with the next :meth:`step`. ``stream``: its :class:`StreamDelta` records come out
-        of ``step`` too. A bad request yields error records, as the engine's; so does every request
-        while the workers do not hold the served weights (:meth:`_check_weights_served`: after a
-        rejected non-atomic IPC update, or a restart the IPC source could not re-apply), since an EP
-        forward would read the invalid rank's experts."""
+        of ``step`` too (a group failure then ends it with error records; a request without
+        ``stream`` is resubmitted instead, see :meth:`step`). A bad request yields error records,
+        as the engine's; so does every request while the workers do not hold the served weights
+        (:meth:`_check_weights_served`: after a rejected non-atomic IPC update, or a restart the IPC
+        source could not re-apply), since an EP forward would read the invalid rank's experts."""
         if req.request_id in self._live:
             raise ValueError(f"request_id={req.request_id!r}: a request with this id is still unfinished")
         if self.launcher is None:
@@ -491,7 +504,7 @@ class RolloutService(GenerationBackend):
         for p in self._live.values():
             load[p.rank] += len(p.missing)
         rank = self._place(req, load)
-        self._live[req.request_id] = _Pending(0, req, set(req.output_indices()), rank)  # index: unused here
+        self._live[req.request_id] = _Pending(0, req, set(req.output_indices()), rank, stream)  # index: unused
         self._to_add[rank].append((req, stream))
 
     @_locked
@@ -518,14 +531,16 @@ class RolloutService(GenerationBackend):
         lockstep steps (one when new requests go out; none while paused: only abort records come
         back); return the finished samples, error records and stream deltas.
 
-        A group failure does not raise: the group restarts (as in :meth:`generate`) and every
-        unfinished request gets error records naming the failure (streamed tokens cannot be
-        taken back, so they are not resubmitted).
+        A group failure does not raise: the group restarts and the unfinished requests added
+        without ``stream`` are resubmitted as :meth:`generate` resubmits (their missing samples,
+        same ids, same tokens for the same seeds; :meth:`_restart_live`), while streamed ones get
+        error records naming the failure (streamed tokens cannot be taken back).
         """
         outputs: list[SampleOutput | StreamDelta] = self._ready
         self._ready = []
         if not self._live:
             return outputs
+        aborting = {rid for rids in self._to_abort for rid in rids}  # the callers' aborts
         # One step while requests arrive (their first tokens come back at once and the next
         # arrivals join sooner), stream_steps_per_call once the batch is settled.
         steps = 0 if self._paused else 1 if any(self._to_add) else self.stream_steps_per_call
@@ -546,7 +561,7 @@ class RolloutService(GenerationBackend):
         try:
             replies = self.launcher.call("run", args, self.call_timeout_s)
         except GroupFailure as failure:
-            self._fail_live(failure)
+            self._fail_live(failure, aborting)
             outputs, self._ready = outputs + self._ready, []
             return outputs
         self._metrics["run_calls"] += 1
@@ -575,26 +590,58 @@ class RolloutService(GenerationBackend):
             if p is None:
                 continue
             if isinstance(out, SampleOutput):
+                if out.sample_index not in p.missing:
+                    continue  # a duplicate of an already delivered sample (as in generate)
                 p.missing.discard(out.sample_index)
                 if not p.missing:
                     del self._live[out.request_id]
             kept.append(out)
         return kept
 
-    def _fail_live(self, failure: GroupFailure) -> None:
-        """Error records (out of the next :meth:`step`) for every unfinished request of the step
-        API after ``failure``; restarts the group (a failed restart leaves it stopped: the next
-        ``add_request`` starts it)."""
-        lost = self._lose_live(failure)
-        try:
-            self._start_with_retries(failure, lost)
-        except RolloutFailure:
-            pass  # recorded; the launcher is None and the next add_request starts a group
+    def _fail_live(self, failure: GroupFailure, aborting: Iterable[str] = ()) -> None:
+        """:meth:`_restart_live` for a step or a weight-sync call; a failed restart leaves the
+        group stopped (the next ``add_request`` starts it)."""
+        with contextlib.suppress(RolloutFailure):  # recorded, and the requests have error records
+            self._restart_live(failure, aborting)
 
-    def _lose_live(self, failure: GroupFailure) -> list[str]:
-        """Error records (out of the next :meth:`step`) for every unfinished request of the step
-        API after ``failure`` (their streamed tokens cannot be taken back); returns their ids."""
-        return self._lose(list(self._live), str(failure))
+    def _restart_live(self, failure: GroupFailure, aborting: Iterable[str] = (), used: int = 0) -> int:
+        """After ``failure``: restart the group (``used`` restarts already spent by the caller's
+        call) and put the step API's unfinished requests back. Without ``stream`` (nothing of
+        them has left the service) their missing samples are resubmitted (:meth:`_resubmit`, the
+        one :meth:`generate` uses) and go out with the next :meth:`step`; those in ``aborting`` (or
+        with an abort not sent yet) are aborted again there (their abort records come out of it).
+        Error records, out of the next :meth:`step`, naming the cause, for: streamed requests
+        (their streamed tokens cannot be taken back); a request that lived through more than
+        ``max_restarts`` group failures (as :meth:`generate` gives up); every one when the restart
+        fails or the restarted workers do not hold the served weights
+        (:meth:`_check_weights_served`). Returns the restarts used in all; raises RolloutFailure
+        (recorded, the group left stopped) when the restart fails."""
+        aborting = set(aborting).union(*self._to_abort)  # the restart drops the unsent aborts
+        lost = sorted(self._live)
+        self._lose([rid for rid, p in self._live.items() if p.stream], str(failure))
+        try:
+            total = self._start_with_retries(failure, lost, used)
+        except RolloutFailure as gave_up:
+            cause = gave_up.__cause__ or failure
+            why = f"{cause}; gave up restarting after {self.max_restarts} restarts (cluster.max_restarts)"
+            self._lose(list(self._live), why)
+            raise
+        for p in self._live.values():
+            p.failures += total - used  # the failures while restarting count too
+        self._lose(
+            [rid for rid, p in self._live.items() if p.failures > self.max_restarts],
+            f"{failure}; the group failed more than cluster.max_restarts={self.max_restarts} times while "
+            "the request ran",
+        )
+        if self._weights_lost:
+            self._lose(list(self._live), f"{failure}; {self._weights_lost}")
+        for rank, reqs in enumerate(self._resubmit(self._live)):
+            self._to_add[rank] += [(req, False) for req in reqs]
+        for rid in sorted(aborting):
+            p = self._live.get(rid)
+            if p is not None:
+                self._to_abort[p.rank].append(rid)
+        return total
 
     def _lose(self, request_ids: Iterable[str], why: str) -> list[str]:
         """End the unfinished step-API requests among ``request_ids``: error records for their
@@ -642,7 +689,8 @@ class RolloutService(GenerationBackend):
         Raises:
             ValueError: the ranks do not fit in ``world_size`` or the handshake found differences.
             GroupFailure: a rank failed to join (e.g. the rendezvous timed out); the group is
-                restarted and the unfinished requests of the step API get error records.
+                restarted and the unfinished requests of the step API resubmitted or given error
+                records (streamed ones; :meth:`_restart_live`).
         """
         if rank_offset < 1 or rank_offset + self.world_size > world_size:
             raise ValueError(
@@ -1131,7 +1179,7 @@ class RolloutService(GenerationBackend):
                 replies = self.launcher.call(method, args, self.call_timeout_s)
                 break
             except GroupFailure as failure:
-                used = self._start_with_retries(failure, self._lose_live(failure), used)
+                used = self._restart_live(failure, used=used)
         errors = {r: reply["error"] for r, reply in enumerate(replies) if "error" in reply}
         if errors:
             raise _rank_error(errors, len(replies))

@@ -1,0 +1,122 @@
+"""A fake EP worker group for RolloutService's failure paths (no processes, no model).
+
+``fake_service(...)`` builds a ``RolloutService`` over :class:`FakeLauncher`: every sample gets
+one :func:`fake_token` per lockstep step, keyed like the real sampler (seed, sample index,
+position), so a resubmitted sample repeats its tokens and logprobs bitwise; chosen ``run`` calls
+and restarts fail. Used by tests/test_service_ep.py and tests/test_server_ep.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from m3_rollout.config import WeightSyncConfig
+from m3_rollout.engine.interface import SampleOutput, StreamDelta
+from m3_rollout.parallel import EPGroupSpec
+from m3_rollout.service import RolloutService, WorkerSpec
+from m3_rollout.service.launchers import GroupFailure, Launcher
+
+
+def fake_token(seed: int, index: int, pos: int) -> tuple[int, float]:
+    """The fake group's token (3..10; 3 is EOS) and logprob at position ``pos`` of sample
+    ``index``, keyed as the real sampler: a resubmitted sample repeats them."""
+    h = int.from_bytes(hashlib.blake2b(f"{seed},{index},{pos}".encode(), digest_size=8).digest(), "little")
+    return 3 + h % 8, -(h % 997) / 997
+
+
+class FakeLauncher(Launcher):
+    """In-process stand-in for the worker group (no processes; failure paths only). ``run`` steps
+    every sample one :func:`fake_token` per lockstep step (stream deltas for streamed requests,
+    aborts, pause) until a stop token or ``max_new_tokens``; the run calls numbered in
+    ``log["fail_runs"]`` (counted over all groups from 1) fail, and so do the first
+    ``run_failures``; every start after the first fails while ``start_failures`` lasts. Each run
+    call's new requests are logged as (group, request id, n, sample_index)."""
+
+    def __init__(self, log: dict):
+        self.log = log
+        self.world_size = 2
+        self.samples: list[dict] = []  # the group's unfinished samples, in arrival order
+        self.paused = False
+
+    def start(self, spec, timeout_s):
+        self.log["starts"] += 1
+        if self.log["starts"] > 1 and self.log["start_failures"] > 0:
+            self.log["start_failures"] -= 1
+            raise GroupFailure("start", [1], {1: "Traceback (most recent call last):\nOSError: disk gone"})
+
+    def _finished(self, s: dict, reason: str) -> SampleOutput:
+        q = s["req"]
+        return SampleOutput(q.request_id, s["index"], list(q.prompt_ids), s["ids"], s["lps"], reason, 0)
+
+    def _run(self, per_rank_args) -> list[dict]:
+        outs: list = []
+        steps = 0
+        for args in per_rank_args:
+            new, steps, aborts, stream = (*args, (), ())[:4]  # generate() sends (new, steps)
+            for q in new:
+                self.log["added"].append((self.log["starts"], q.request_id, q.params.n, q.sample_index))
+                for j in range(q.params.n):
+                    s = {"req": q, "index": q.sample_index + j, "ids": [], "lps": [], "stream": q.request_id in stream}
+                    self.samples.append(s)
+            for rid in aborts:
+                outs += [self._finished(s, "abort") for s in self.samples if s["req"].request_id == rid]
+                self.samples = [s for s in self.samples if s["req"].request_id != rid]
+        ran = 0
+        while ran < (0 if self.paused else steps) and self.samples:
+            ran += 1
+            for s in list(self.samples):
+                p = s["req"].params
+                tok, lp = fake_token(p.seed, s["index"], len(s["ids"]))
+                s["ids"].append(tok)
+                s["lps"].append(lp)
+                if s["stream"]:
+                    outs.append(StreamDelta(s["req"].request_id, s["index"], [tok], [lp], [0]))
+                if tok in p.stop_token_ids or len(s["ids"]) == p.max_new_tokens:
+                    outs.append(self._finished(s, "stop" if tok in p.stop_token_ids else "length"))
+                    self.samples.remove(s)
+        ep = {"tokens_per_expert": [], "dispatch_s": 0.0, "expert_s": 0.0, "combine_s": 0.0}
+        return [
+            {"outputs": outs, "steps": ran, "ep": ep, "engine": {}},
+            {"outputs": [], "steps": ran, "ep": ep, "engine": {}},
+        ]
+
+    def call(self, method, per_rank_args=(), timeout_s=None):
+        if method == "info":
+            return [{"pid": r, "rank": r} for r in range(2)]
+        if method == "count_weight_write":  # every start gives the new workers the group's write count
+            self.log.setdefault("writes", []).append(per_rank_args[0])
+            return [None, None]
+        if method in ("pause", "resume"):
+            self.paused = method == "pause"
+            return [None, None]
+        if method == "run":
+            self.log["runs"] += 1
+            if self.log["run_failures"] > 0 or self.log["runs"] in self.log["fail_runs"]:
+                self.log["run_failures"] = max(0, self.log["run_failures"] - 1)
+                raise GroupFailure("run", [0], {0: "RuntimeError: peer died"})
+            return self._run(per_rank_args)
+        if method == "shutdown":
+            raise GroupFailure("shutdown", [0], {0: "group broken"})
+        raise AssertionError(method)
+
+    def pids(self):
+        return [0, 1]
+
+    def shutdown(self, graceful=True):
+        self.log["shutdowns"] += 1
+
+
+def fake_service(
+    run_failures: int, start_failures: int, max_restarts: int = 2, fail_runs=()
+) -> tuple[RolloutService, dict]:
+    """A RolloutService (EP=2) over :class:`FakeLauncher` and the log its groups share: "starts",
+    "shutdowns", "runs" (run calls so far), "added" (see FakeLauncher), "writes"; the first
+    ``run_failures`` run calls and those numbered in ``fail_runs`` fail, and ``start_failures``
+    restarts."""
+    log = {"starts": 0, "shutdowns": 0, "run_failures": run_failures, "start_failures": start_failures}
+    log.update(runs=0, fail_runs=set(fail_runs), added=[])
+    spec = WorkerSpec(model_dir="unused", group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=5))
+    svc = RolloutService(
+        spec, launcher=lambda: FakeLauncher(log), max_restarts=max_restarts, weight_sync=WeightSyncConfig()
+    )
+    return svc, log
