@@ -232,6 +232,23 @@ def test_ep_serves_top_logprobs_equal_to_ep1(server):
         )
 
 
+def test_ep_prompt_logprobs_come_through_the_workers(server):
+    """/generate's ``prompt_logprobs`` on the EP server: scored by the worker's prefill and carried
+    on its outputs across the process boundary, equal to the in-process engine's scoring."""
+    url, _, path = server
+    sp = {"max_new_tokens": 2, "seed": 3, "n": 2, "prompt_logprobs": 2}
+    r = httpx.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": sp}, timeout=120)
+    assert r.status_code == 200, r.text
+    outs = r.json()["outputs"]
+    tok = AutoTokenizer.from_pretrained(str(path))
+    engine = NativeBackend(load_checkpoint(path), [tok.eos_token_id], max_model_len=MAX_LEN).engine
+    want = engine.top_logprobs(PROMPT, 1, 2, with_tokens=True)
+    assert outs[0]["prompt_logprobs"] == outs[1]["prompt_logprobs"] and outs[0]["prompt_logprobs"][0] is None
+    for entry, t, w in zip(outs[0]["prompt_logprobs"][1:], PROMPT[1:], want, strict=True):
+        assert entry[str(t)]["logprob"] == pytest.approx(w.logprob, abs=1e-4) and entry[str(t)]["rank"] == w.rank
+        assert [int(i) for i in entry if int(i) != t] == [i for i, _ in w.top if i != t]
+
+
 def test_ep_streamed_completion_logprobs_equal_the_non_streamed(server):
     """Streamed /v1/completions carry each chunk's logprobs on the EP server too (each chunk's top
     lists one forward on both ranks between two steps): concatenated, the non-streamed answer's."""
@@ -363,12 +380,12 @@ def _prompt_scores(final: dict) -> list[float]:
     return [e[str(t)]["logprob"] for e, t in zip(final["prompt_logprobs"][1:], final["prompt"][1:])]
 
 
-def test_ep_same_version_update_under_paused_requests_empties_their_prompt_logprobs(server, trainer):
+def test_ep_same_version_update_under_paused_requests_keeps_their_prefill_prompt_logprobs(server, trainer):
     """Weights written under two requests frozen by pause(keep) (one per EP rank) with the version
-    number kept (replace=True): their prompts ran with the old weights, so their prompt logprobs
-    are empty with a note (the version guard let the new weights' through). Requests admitted after
-    it, on both ranks at once, get the new weights' scores: every rank stamps the service's
-    weight-write count."""
+    number kept (replace=True): their prompts were prefilled, and so scored, with the old weights,
+    and their prompt logprobs are those weights' (a scoring forward after generation would have run
+    the new ones: they used to come back empty). Requests admitted after it, on both ranks at once,
+    get the new weights' scores: every rank stamps the service's weight-write count."""
     url, client, _ = server
     model, sender = trainer
     v = client.weight_version()
@@ -400,10 +417,11 @@ def test_ep_same_version_update_under_paused_requests_empties_their_prompt_logpr
         sender.update(v, include_frozen=True, replace=True)
         assert fut.result(timeout=120)["weight_version"] == v
 
-    for final in run_two(same_version_update):
+    with torch.no_grad():  # the weights served now: the trainer's, sent by the tests before
+        old = [token_logprobs(model, torch.tensor([p]))[0, 1:].tolist() for p in prompts]
+    for final, want in zip(run_two(same_version_update), old, strict=True):
         assert final["finish_reason"] == "length" and set(final["token_weight_versions"]) == {v}
-        assert final["prompt_logprobs"][0] is None and final["prompt_logprobs"][1:] == [{}] * 29
-        assert "prompt_logprobs holds empty entries" in final["prompt_logprobs_note"]
+        assert "prompt_logprobs_note" not in final and _prompt_scores(final) == pytest.approx(want, abs=1e-4)
     for final in run_two():
         assert "prompt_logprobs_note" not in final
         with torch.no_grad():

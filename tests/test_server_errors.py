@@ -256,12 +256,13 @@ def test_top_logprobs_refused_after_generation_is_a_503_with_a_message(setup):
         raise ValueError("the served weights are invalid after a rejected update; call update_weights first")
 
     runner.top_logprobs = refuse
-    # generated tokens' top lists come from the sampler (no forward to refuse); an echoed prompt's
-    # logprobs still take one
-    echo = {"model": "tiny-m3", "prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 2, "echo": True}
+    # generated tokens' top lists come from the sampler and an echoed prompt's logprobs from the
+    # prefill (no forward to refuse); a prompt scored alone (max_tokens 0) still takes one
+    echo = {"model": "tiny-m3", "prompt": [5, 6, 7], "max_tokens": 0, "logprobs": 2, "echo": True}
     try:
         resp = httpx.post(srv.url + "/v1/chat/completions", json=_chat(logprobs=True, top_logprobs=2), timeout=60)
         assert resp.status_code == 200
+        assert httpx.post(srv.url + "/v1/completions", json={**echo, "max_tokens": 2}, timeout=60).status_code == 200
         err = _error(httpx.post(srv.url + "/v1/completions", json=echo, timeout=60), 503)
         assert err["param"] == "logprobs" and err["type"] == "server_error"
         assert "update_weights" in err["message"]

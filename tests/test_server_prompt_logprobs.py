@@ -4,13 +4,16 @@ the same tokens (``LLMEngine.score`` / ``top_logprobs``), the first one null, te
 index the echoed text, each top list the position's own token first, then the top k (vLLM's
 way); ``max_tokens=0`` scores the prompt alone; /generate's ``sampling_params.prompt_logprobs``
 and vLLM's ``prompt_logprobs`` on /v1/completions (per choice) and /v1/chat/completions (per
-response) give vLLM's per-token shape (logprob, rank, decoded token, top k). A weight write
-between generation and scoring (the same version number sent again, or re-sent with
-replace=True) gives the note and empty entries, not the new weights' scores."""
+response) give vLLM's per-token shape (logprob, rank, decoded token, top k). They come from the
+engine's prefill (no second forward), so a weight write between generation and the answer (the
+same version number sent again, or re-sent with replace=True) leaves them the prompt's weights'
+scores; for a backend whose outputs carry none, the scoring forward after generation gives the
+note and empty entries, not the new weights' scores."""
 
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import json
 import time
 
@@ -344,6 +347,30 @@ def test_completion_top_logprobs_hold_the_sampled_token(server, ref, served, k):
     assert set(sizes) <= {k, k + 1} and k + 1 in sizes  # temperature 2: sampled tokens outside the top k
 
 
+def test_prompt_logprobs_come_from_the_prefill_with_no_second_forward(server, ref, served, model, monkeypatch):
+    """/generate's ``prompt_logprobs``, completions' ``prompt_logprobs`` and ``echo`` with
+    ``logprobs``, and chat's ``prompt_logprobs`` are the engine's prefill scores: no scoring
+    forward runs (the engine's ``top_logprobs`` is never called), and they equal its values."""
+    engine = server.controller.runner.backend.engine
+    calls, real = [], engine.prepare_top_logprobs
+    monkeypatch.setattr(engine, "prepare_top_logprobs", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    prompt = served.encode(TEXT)
+    sp = {"n": 2, "max_new_tokens": 3, "seed": 1, "prompt_logprobs": 3}
+    for o in _generate(server, input_ids=prompt, sampling_params=sp)["outputs"]:
+        _check_vllm_entries(o["prompt_logprobs"], prompt, ref, model, served, 3)
+    c = _client(server)
+    kw = dict(model="tiny-m3", prompt=TEXT, max_tokens=3, temperature=0.7, echo=True, logprobs=2)
+    ch = c.completions.create(**kw, extra_body={"prompt_logprobs": 1}).choices[0]
+    _check_vllm_entries(ch.model_extra["prompt_logprobs"], prompt, ref, model, served, 1, 0.7)
+    want = ref.score(prompt, temperature=0.7)
+    assert ch.logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(want[1:].tolist(), abs=1e-4)
+    r = c.chat.completions.create(
+        model="tiny-m3", messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 2, "return_token_ids": True}
+    )
+    _check_vllm_entries(r.model_extra["prompt_logprobs"], r.model_extra["prompt_token_ids"], ref, model, served, 2)
+    assert calls == []
+
+
 def test_greedy_processed_prompt_logprobs_are_0_or_the_floor(server, served):
     """temperature 0 samples from one token (top_k 1): in the processed distribution a prompt
     token is either that token (logprob 0, rank 1) or impossible (-inf, sent as vLLM's -9999.0,
@@ -389,10 +416,12 @@ def _perturbed(model, seed: int):
 
 
 @pytest.mark.parametrize("how", ["none", "same_version", "replace"])
-def test_a_refit_between_generation_and_scoring_gives_the_note_not_another_models_logprobs(served, model, how):
+def test_a_refit_after_generating_keeps_the_prefill_scores_and_guards_the_scoring_forward(served, model, how):
     """Version 0 stays version 0 in both updates (a fresh receiver's first update may carry the
-    version it holds; a later one says replace=True): the version guard let the new weights'
-    scores through; the write count does not."""
+    version it holds; a later one says replace=True). The engine's prefill scored the prompt with
+    the weights that ran it: those scores come back, whatever was written since. A backend whose
+    outputs carry none is scored after the update: the version guard let the new weights' scores
+    through; the write count does not."""
     backend = native_backend(copy.deepcopy(model), served)
     sync = LocalWeightSync(backend.engine, in_flight="continue")
     backend.weight_sync = sync
@@ -437,20 +466,20 @@ def test_a_refit_between_generation_and_scoring_gives_the_note_not_another_model
         entries, note = serving.sample_prompt_logprobs(prompt, scored, out, 2)
         assert note is None and entries[1][str(prompt[1])]["logprob"] == pytest.approx(old_scores[0], abs=1e-4)
         return
-    # generated with the old weights, the prompt scored after the update: nothing of the new weights comes back
-    assert lp["token_logprobs"][:p] == [None] * p and lp["top_logprobs"][1:p] == [{}] * (p - 1)
-    assert all(isinstance(v, float) for v in lp["token_logprobs"][p:])  # the sampler's, exact: kept
-    # the generated tokens' top lists are the sampler's (the weights that sampled them): kept, as
-    # their logprobs; only the prompt's, scored after the update, are withheld
-    assert all(2 <= len(row) <= 3 for row in lp["top_logprobs"][p:])
-    note = choice["top_logprobs_note"]
-    assert "empty for" not in note and "weight version 0" in note
-    assert "replace=True" in note and "the prompt tokens' logprobs are null" in note
-    # /generate's prompt_logprobs of a sample generated before the update: empty entries and the note
-    # (``out`` ran after it: its prompt was run with the weights served, so it is scored)
-    stale = copy.copy(out)
-    stale.token_weight_writes = [w - 1 for w in out.token_weight_writes]  # sampled before the last write
+    # generated and prefilled with the old weights: the prompt's scores and the generated tokens'
+    # top lists are those weights' (the prefill's and the sampler's), kept after the update
+    assert lp["token_logprobs"][1:p] == pytest.approx(old_scores, abs=1e-4)
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][p:])
+    assert all(2 <= len(row) <= 3 for row in lp["top_logprobs"][1:]) and "top_logprobs_note" not in choice
+    # a backend whose outputs carry no prefill scores: the forward after the update scores the
+    # prompt, and a sample generated before it gets empty entries and the note, not the new scores
+    # (``out`` ran after the update: its prompt was run with the weights served, so it is scored)
+    fresh = dataclasses.replace(out, prompt_logprobs=None)
+    stale = dataclasses.replace(fresh, token_weight_writes=[w - 1 for w in out.token_weight_writes])
     entries, note = serving.sample_prompt_logprobs(prompt, scored, stale, 2)
     assert entries == [None] + [{}] * (p - 1) and "prompt_logprobs holds empty entries" in note
-    entries, note = serving.sample_prompt_logprobs(prompt, scored, out, 2)
+    assert "weight version 0" in note and "replace=True" in note
+    entries, note = serving.sample_prompt_logprobs(prompt, scored, fresh, 2)
+    assert note is None and entries[1][str(prompt[1])]["logprob"] == pytest.approx(new_scores[0], abs=1e-4)
+    entries, note = serving.sample_prompt_logprobs(prompt, None, out, 2)  # the prefill's, no forward
     assert note is None and entries[1][str(prompt[1])]["logprob"] == pytest.approx(new_scores[0], abs=1e-4)

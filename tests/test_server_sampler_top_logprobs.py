@@ -2,8 +2,8 @@
 top_logprobs`` / streamed deltas), vLLM's way: no scoring forward runs for them (counted on the
 engine's ``top_logprobs``), streamed chunks carry their tokens' lists (== the non-streamed
 answer), n > 1 samples each get theirs, and they equal the engine's scoring forward of the same
-sequence. Echoed prompt logprobs still take one forward (the prompt's), which vLLM's
-prompt_logprobs and the request's n choices share."""
+sequence. Echoed prompt logprobs come from the engine's prefill: no forward either (only
+``max_tokens=0`` scores the prompt, once for its n choices and both prompt fields)."""
 
 import openai
 import pytest
@@ -68,7 +68,7 @@ def test_chat_top_logprobs_come_from_the_sampler_without_a_scoring_forward(setup
             assert [t.logprob for t in a.top_logprobs] == pytest.approx([t.logprob for t in b.top_logprobs], abs=1e-5)
 
 
-def test_completion_top_logprobs_from_the_sampler_echo_scores_the_prompt_only(setup):
+def test_completion_top_logprobs_from_the_sampler_echo_from_the_prefill(setup):
     srv, engine, scoring, calls, served = setup
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     calls.clear()
@@ -77,20 +77,21 @@ def test_completion_top_logprobs_from_the_sampler_echo_scores_the_prompt_only(se
     lp = r.choices[0].logprobs
     assert len(lp.top_logprobs) == 5 and all(2 <= len(t) <= 3 for t in lp.top_logprobs)
     r = c.completions.create(model="tiny-m3", prompt=[5, 6, 7, 8], max_tokens=5, seed=2, logprobs=2, echo=True)
-    assert [len(a[0]) for a in calls] == [4]  # one forward, over the prompt alone
+    assert calls == []  # the prompt's from the prefill (SampleOutput.prompt_logprobs)
     assert r.choices[0].logprobs.top_logprobs[4:] == lp.top_logprobs
 
 
-def test_completion_echo_and_prompt_logprobs_share_one_prompt_forward(setup):
-    """``echo`` with ``logprobs`` and vLLM's ``prompt_logprobs`` on /v1/completions: one scoring
-    forward over the prompt serves every choice's echo and prompt_logprobs (was one per echoed
-    choice plus one for prompt_logprobs), with the answers of either asked alone."""
+def test_completion_echo_and_prompt_logprobs_share_the_prompt_scores(setup):
+    """``echo`` with ``logprobs`` and vLLM's ``prompt_logprobs`` on /v1/completions: the prefill's
+    prompt scores serve every choice's echo and prompt_logprobs with no forward, and
+    ``max_tokens=0`` scores the prompt by one forward for both fields (was one per echoed choice
+    plus one for prompt_logprobs); the answers equal those of either field asked alone."""
     srv, engine, scoring, calls, served = setup
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     kw = dict(model="tiny-m3", prompt=[5, 6, 7, 8], max_tokens=4, seed=3, n=2)
     calls.clear()
     both = c.completions.create(**kw, logprobs=2, echo=True, extra_body={"prompt_logprobs": 3})
-    assert [len(a[0]) for a in calls] == [4]  # one forward, over the prompt, for both choices and both fields
+    assert calls == []  # the prefill scored the prompt for both choices and both fields
     echo_alone = c.completions.create(**kw, logprobs=2, echo=True)
     plp_alone = c.completions.create(**kw, extra_body={"prompt_logprobs": 3})
     assert both.choices[0].text != both.choices[1].text

@@ -13,8 +13,7 @@ import json
 import pytest
 from server_util import MESSAGES, served_model, tiny_tokenizer  # tests/ on sys.path
 
-from m3_rollout.engine.interface import SampleOutput, SamplingParams, StreamDelta
-from m3_rollout.engine.score import PositionLogprobs
+from m3_rollout.engine.interface import PositionLogprobs, SampleOutput, SamplingParams, StreamDelta
 from m3_rollout.server.openai_api import OpenAIServing
 from m3_rollout.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -30,14 +29,20 @@ class _UpdatedRunner:
 
     weight_version = 1
 
-    def __init__(self, versions, writes):
+    def __init__(self, versions, writes, prefill_writes=None):
         self.versions, self.writes = versions, writes
+        self.prefill_writes = prefill_writes  # given: the outputs carry prefill prompt logprobs stamped so
         self.tops_calls = []
 
     async def stream(self, greq, stream=False):
         if stream:
             for t, v, w in zip(IDS, self.versions, self.writes):
                 yield StreamDelta(greq.request_id, 0, [t], [-0.25], [v], [w])
+        prefill = {}
+        if self.prefill_writes is not None:  # the prefill's: logprob -0.5, rank 2, the top 2 tokens 9 and 7
+            n = len(greq.prompt_ids) - 1
+            rows = [None] + [PositionLogprobs(-0.5, 2, [(9, -0.25), (7, -0.5)])] * n
+            prefill = dict(prompt_logprobs=rows, prompt_weight_writes=(self.prefill_writes * n)[:n])
         yield SampleOutput(
             greq.request_id,
             0,
@@ -48,6 +53,7 @@ class _UpdatedRunner:
             self.versions[-1],
             token_weight_versions=list(self.versions),
             token_weight_writes=list(self.writes),
+            **prefill,
         )
 
     async def top_logprobs(self, token_ids, start, k, temperature, top_k=-1, top_p=1.0, with_tokens=False):
@@ -58,9 +64,9 @@ class _UpdatedRunner:
         return rows, 1, SERVED_WRITES
 
 
-def _serving(versions, writes):
+def _serving(versions, writes, prefill_writes=None):
     tok = tiny_tokenizer()
-    return OpenAIServing(served_model(tok, len(tok), 128), _UpdatedRunner(versions, writes))
+    return OpenAIServing(served_model(tok, len(tok), 128), _UpdatedRunner(versions, writes, prefill_writes))
 
 
 def _chat(serving, **kw):
@@ -221,3 +227,30 @@ def test_openai_prompt_logprobs_of_other_weights_are_empty(writes, stale):
         ]
         assert all(e and list(e.values())[0]["logprob"] == -0.75 for e in body["prompt_logprobs"][1:])
     assert "prompt_logprobs" not in body["choices"][0]  # chat: on the response, as vLLM's
+
+
+@pytest.mark.parametrize("prefill_writes,kept", [([3], True), ([3, 4], False), ([3, -1], False)])
+def test_prefill_prompt_logprobs_are_kept_unless_the_prefill_ran_across_a_write(prefill_writes, kept):
+    """Outputs that carry the engine's prefill scores (``SampleOutput.prompt_logprobs``): the sample
+    ran at write count 3 and the server now holds 4, yet they are the scores of the weights that
+    prefilled the prompt, returned with no scoring forward; unless the prefill itself ran across a
+    write (entries stamped 3 then 4, or -1: KV from earlier weights): empty entries and a note."""
+    why = "prefilled across a weight update"
+    choice = _completion(_serving([1] * 4, [3] * 4, prefill_writes), prompt_logprobs=2, logprobs=2, echo=True)
+    body = _chat_body(serving := _serving([1] * 4, [3] * 4, prefill_writes), prompt_logprobs=2)
+    assert serving.runner.tops_calls == []  # chat: no top_logprobs asked, the prompt's from the prefill
+    entries, echoed = choice["prompt_logprobs"], choice["logprobs"]
+    if kept:
+        assert [(t, d["rank"], d["logprob"]) for t, d in entries[2].items()] == [("7", 2, -0.5), ("9", 1, -0.25)]
+        # the generated tokens (sampled at 3, no sampler lists) lose their top lists; the prompt's stay
+        assert echoed["token_logprobs"][:3] == [None, -0.5, -0.5]
+        assert list(echoed["top_logprobs"][1].values()) == [-0.5, -0.25, -0.5]  # token 6, then 9 and 7
+        assert "prompt tokens" not in choice["top_logprobs_note"]
+        assert "prompt_logprobs_note" not in choice and "prompt_logprobs_note" not in body
+        assert all(e and e[next(iter(e))]["logprob"] == -0.5 for e in body["prompt_logprobs"][1:])
+    else:
+        assert entries[1:] == [{}, {}] and echoed["token_logprobs"][:3] == [None, None, None]
+        assert why in choice["prompt_logprobs_note"] and why in choice["top_logprobs_note"]
+        assert why in body["prompt_logprobs_note"] and body["prompt_logprobs"][1:] == [{}] * (
+            len(body["prompt_logprobs"]) - 1
+        )

@@ -110,12 +110,14 @@ class BlockManager:
         """Start a (re)admitted sequence: reuse cached leading full pages of its tokens.
 
         At least the last token is always left to compute (its logits are needed), so at most
-        ``(num_tokens - 1) // page_size`` pages are reused. Sets ``num_computed``.
+        ``(num_tokens - 1) // page_size`` pages are reused; none while its prompt logprobs are
+        being scored (``Sequence.reads_prefix_cache``; its full pages are still registered for
+        others). Sets ``num_computed``.
         """
         assert not seq.block_table and seq.num_computed == 0, f"{seq} admitted twice"
         seq.page_hashes = []
         seq.num_cached = 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return
         ps, toks = self.page_size, seq.token_ids
         parent = None

@@ -6,7 +6,9 @@ the scheduler for a plan, launches exactly one ``forward_paged`` + sampler call 
 (``launch.py``; a group leader's logits row is shared by its n samples), forks children after the
 prompt's prefill, and turns finished sequences into :class:`SampleOutput` records. Sizes:
 ``config.py``; counters and ``metrics()``: ``stats.py``; re-scoring: ``score.py``; stop strings
-(a tail window decoded per step): ``stop_strings.py``.
+(a tail window decoded per step): ``stop_strings.py``. Prompt logprobs (``SamplingParams.
+prompt_logprobs``, vLLM's way) are scored by the prefill chunks' own forwards
+(``launch.prompt_ask``) and appended to the group's ``sequence.PromptScores`` when a step is processed.
 
 A step is launched (forward + sampler + one non-blocking copy of the sampled ids / logprobs to
 the host) and processed (tokens appended, forks, stop checks, outputs) as two phases. Synchronous
@@ -255,6 +257,8 @@ class LLMEngine:
         for group in sample_groups(p.n, self.config.max_num_seqs):
             leader = seqs[group.start]
             leader.children = seqs[group.start + 1 : group.stop]
+            for child in leader.children:  # the leader's prefill scores the prompt for its group
+                child.prompt_scores = leader.prompt_scores
             self.scheduler.add(leader)
 
     def abort(self, request_id: str) -> None:
@@ -502,6 +506,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens, lps = launched.result.fetch()
         tops = launched.result.fetch_top()
+        self._record_prompt_scores(launched)
         if self.selection is not None:  # a sampling step was waited for: its record copy is queued right behind
             self.selection.land(launched.serial if launched.samples else None)
         t1 = time.perf_counter()
@@ -564,6 +569,18 @@ class LLMEngine:
                 out.append(self._output(seq, routed, selected))
         ph["output"] += time.perf_counter() - t1
         return out
+
+    def _record_prompt_scores(self, launched: LaunchedStep) -> None:
+        """Append the prompt logprobs a launched step scored to their groups' ``PromptScores``
+        (before its sampled tokens, so a sample that ends at this step carries them all), each
+        stamped like a token sampled at that step (``-1`` on stale KV)."""
+        for (seq, first, stale), rows in zip(launched.prompt_rows, launched.result.fetch_prompt()):
+            if seq.status == SeqStatus.FINISHED:  # aborted while the step ran
+                continue
+            ps = seq.prompt_scores
+            assert len(ps.entries) == first, f"{seq}: prompt entry {first} recorded after {len(ps.entries) - 1}"
+            ps.entries.extend(rows)
+            ps.writes.extend([-1 if stale else launched.writes] * len(rows))
 
     def _fork(self, leader: Sequence) -> None:
         # Preempted since its prompt's last chunk was launched (async scheduling): no pages to share.
@@ -648,6 +665,8 @@ class LLMEngine:
             block_selection=selected,
             token_weight_writes=list(seq.weight_writes),
             top_logprobs=None if seq.top_logprobs is None else list(seq.top_logprobs),
+            prompt_logprobs=None if seq.prompt_scores is None else list(seq.prompt_scores.entries),
+            prompt_weight_writes=[] if seq.prompt_scores is None else list(seq.prompt_scores.writes),
         )
 
     # ---- scoring and metrics --------------------------------------------------------------
@@ -773,9 +792,9 @@ class LLMEngine:
         temperature, top_k, top_p = check_top_logprobs_filters(temperature, top_k, top_p, self.sampler_dtype)
         if self.refuse_reason is not None:
             raise ValueError(self.refuse_reason)
-        invariant = self.config.batch_invariant
+        invariant, lp_op = self.config.batch_invariant, self.runner.token_logprobs
         with_tokens = bool(with_tokens)
-        return lambda: top_logprobs(self.model, ids, first, k, temperature, top_k, top_p, invariant, with_tokens)
+        return lambda: top_logprobs(self.model, ids, first, k, temperature, top_k, top_p, invariant, with_tokens, lp_op)
 
     def metrics(self) -> dict:
         """KV pages in use, prefix-cache hit rate, preemptions, tokens/s, batch size per step

@@ -15,6 +15,7 @@ import numbers
 import operator
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -122,6 +123,17 @@ class SamplingParams:
     #: ((token id, bias), ...): bias in [-100, 100] added to the token's raw logit; ids distinct and
     #: in the vocabulary (``engine.requests.check_request``).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: vLLM's prompt_logprobs: None = off; k in [0, MAX_TOP_LOGPROBS]: the prefill scores every
+    #: prompt token (its logprob, rank and the top k, ``SampleOutput.prompt_logprobs``) in the
+    #: distribution of :meth:`logprob_filters`. Such a request reads no prefix cache (as vLLM).
+    prompt_logprobs: int | None = None
+
+    def logprob_filters(self) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) of the distribution this request's logprobs come from, as the
+        prompt logprobs and the server's scoring forward take it: the processed one sampled from,
+        or (1.0, -1, 1.0), the model's own, for ``logprobs_mode`` "raw". Penalties and logit biases
+        are not in it (the sampler's own logprobs and top lists hold them)."""
+        return (1.0, -1, 1.0) if self.logprobs_mode == "raw" else (self.temperature, self.top_k, self.top_p)
 
     @property
     def penalized(self) -> bool:
@@ -198,6 +210,11 @@ class SamplingParams:
         if not repetition > 0:
             raise ValueError(f"SamplingParams.repetition_penalty={repetition!r}: must be > 0 (1 = off)")
         bias = _logit_bias(self.logit_bias)
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = _int_field("prompt_logprobs", self.prompt_logprobs, 0, why=" (None = off)")
+            if prompt_logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(f"SamplingParams.prompt_logprobs={prompt_logprobs}: at most {MAX_TOP_LOGPROBS}")
         return SamplingParams(
             n=n,
             temperature=temperature,
@@ -213,6 +230,7 @@ class SamplingParams:
             frequency_penalty=frequency,
             repetition_penalty=repetition,
             logit_bias=bias,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -276,6 +294,25 @@ class GenerationRequest:
 FINISH_ERROR = "error"
 
 
+class PositionLogprobs(NamedTuple):
+    """One prompt position's scores (``SampleOutput.prompt_logprobs``; ``score.top_logprobs``
+    ``with_tokens``).
+
+    Attributes:
+        logprob: the position's own token's logprob in the processed distribution (-inf when the
+            top-k / top-p filters removed it).
+        rank: the token's 1-based rank among the whole vocabulary by logit, tokens of equal logit
+            counted before it (vLLM's rule; the filters keep a prefix of this order, so a kept
+            token's rank is the same in the processed distribution).
+        top: the ``k`` most likely tokens, (token id, logprob), most likely first, tokens the
+            filters removed left out.
+    """
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class SampleOutput:
     """One sampled continuation.
@@ -309,6 +346,15 @@ class SampleOutput:
             every sparse layer selected for positions ``[request.block_selection_from, E)``, E =
             every position the engine ran (prompt + output length - 1: the last sampled token is
             never run); the samples of one request share the prompt's segment object.
+        prompt_logprobs: ``params.prompt_logprobs`` asked: [P] entries, the first None (nothing
+            predicts it), entry i the :class:`PositionLogprobs` of prompt token i computed by the
+            prefill from the logits of position i - 1 (its top ``params.prompt_logprobs``; the
+            distribution of ``SamplingParams.logprob_filters``); fewer than P when the sample was
+            aborted before its prefill ended. The samples of a group share the entries. None when not
+            asked (or from a backend that does not compute them).
+        prompt_weight_writes: [len(prompt_logprobs) - 1] the weight-write count each entry from
+            the second on was computed under (-1: on KV computed partly under weights written over
+            since; ``token_weight_writes``' rule). Empty when not asked.
     """
 
     request_id: str
@@ -324,6 +370,8 @@ class SampleOutput:
     block_selection: object | None = None
     token_weight_writes: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_weight_writes: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -7,6 +7,9 @@ hands plain per-row lists to the runner's input builders (``model_runner.prepare
 eager steps, ``model_runner.prepare_decode`` for the captured decode graphs) and returns a
 :class:`LaunchedStep`, everything processing the step later needs.
 
+Rows whose requests ask for prompt logprobs (``prompt_ask``) also keep the hidden states of
+their chunk's prompt positions, scored in the same eager step (``model_runner.PromptAsk``).
+
 A sequence whose previous token is still on the device (``Sequence.num_pending``) takes its input
 id from the runner's ``last_tokens`` at index ``prev.index[seq_id]``.
 """
@@ -14,13 +17,14 @@ id from the runner's ``last_tokens`` at index ``prev.index[seq_id]``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from m3_rollout.engine.model_runner import (
     ModelRunner,
+    PromptAsk,
     SampleBatch,
     StepLaunch,
     TopAsk,
@@ -48,6 +52,8 @@ class LaunchedStep:
         their tokens (and their children's first ones) are stamped -1. Read at launch, since with
         async scheduling the next step's scheduling may preempt such a sequence (clearing the flag)
         before this step's tokens land.
+    prompt_rows: per row scoring prompt positions (``result.fetch_prompt()`` order): (sequence,
+        index of its first entry in ``PromptScores.entries``, its KV stale at launch).
     """
 
     rows: list[ScheduledRow]
@@ -60,6 +66,7 @@ class LaunchedStep:
     serial: int = 0
     writes: int = 0
     stale: frozenset[int] = frozenset()
+    prompt_rows: list[tuple[Sequence, int, bool]] = field(default_factory=list)
 
 
 def sampling_columns(samples: list[Sequence]):
@@ -81,6 +88,34 @@ def top_ask(samples: list[Sequence]) -> TopAsk | None:
     """The sample rows whose requests ask for top logprobs (``SamplingParams.top_logprobs``), None if none."""
     rows = [i for i, s in enumerate(samples) if s.params.top_logprobs]
     return TopAsk(rows, [samples[i].params.top_logprobs for i in rows]) if rows else None
+
+
+def prompt_ask(rows: list[ScheduledRow]) -> tuple[list[tuple[int, int]] | None, PromptAsk | None, list]:
+    """The prompt positions this step's rows score (``SamplingParams.prompt_logprobs``): a row
+    whose request asks and whose chunk holds positions p <= P - 2 no launched step has scored yet
+    (``PromptScores.asked``; entry p + 1 is predicted by position p's logits; P - 1's are the
+    sampler's) scores them, and ``asked`` moves past them (so a recompute after a preemption
+    scores nothing twice). Returns (``prepare_inputs``' prompt_spans and the :class:`PromptAsk`,
+    both None when no row scores, ``LaunchedStep.prompt_rows``)."""
+    spans, ask, out = None, None, []
+    for i, r in enumerate(rows):
+        q, ps = r.seq, r.seq.prompt_scores
+        if ps is None or ps.asked >= q.prompt_len:  # the hot path: one test per row
+            continue
+        lo, hi = max(q.num_computed, ps.asked - 1), min(q.num_computed + r.num_tokens, q.prompt_len - 1)
+        if hi <= lo:
+            continue
+        assert lo == ps.asked - 1, f"{q}: prompt position {ps.asked - 1} skipped (a prefix-cache read?)"
+        if ask is None:
+            spans, ask = [(0, 0)] * len(rows), PromptAsk([], [], [], [])
+        spans[i] = (lo - q.num_computed, hi - lo)
+        ask.counts.append(hi - lo)
+        ask.filters.append(ps.filters)
+        ask.ks.append(ps.k)
+        ask.targets.extend(q.token_ids[lo + 1 : hi + 1])
+        out.append((q, ps.asked, q.kv_stale))
+        ps.asked = hi + 1
+    return spans, ask, out
 
 
 def penalty_batch(samples: list[Sequence], prev: LaunchedStep | None) -> Penalties | None:
@@ -132,14 +167,15 @@ class StepLauncher:
                     expand = list(range(len(leaders)))
                 expand.append(i)
         n_rows = len(rows)
+        spans, prompt, prompt_rows = prompt_ask(rows)
         size = None
-        if n_rows and plan.num_decodes == n_rows and expand is None and len(leaders) == n_rows:
+        if n_rows and plan.num_decodes == n_rows and expand is None and len(leaders) == n_rows and prompt is None:
             size = self.runner.graph_size(n_rows)
         if size is not None:
             self.stats.graph_steps += 1
             result, slot_mapping, host_slots = self._launch_graph(rows, prev, samples, t0)
         else:
-            result, slot_mapping, host_slots = self._launch_eager(plan, prev, samples, expand, t0)
+            result, slot_mapping, host_slots = self._launch_eager(plan, prev, samples, expand, t0, spans, prompt)
         t1 = time.perf_counter()
         if self.routing is not None:
             self.routing.record(slot_mapping, self.runner.model)
@@ -165,6 +201,7 @@ class StepLauncher:
             serial,
             writes,
             frozenset(stale),
+            prompt_rows,
         )
 
     def _launch_graph(self, rows, prev, samples, t0: float) -> tuple[StepLaunch, torch.Tensor, np.ndarray]:
@@ -198,7 +235,7 @@ class StepLauncher:
         return result, graphs.device_stage(len(rows)).slot_mapping, stage.slot_mapping
 
     def _launch_eager(
-        self, plan: SchedulerOutput, prev, samples, expand, t0: float
+        self, plan: SchedulerOutput, prev, samples, expand, t0: float, spans=None, prompt: PromptAsk | None = None
     ) -> tuple[StepLaunch, torch.Tensor, np.ndarray]:
         ph = self.stats.phase_seconds
         rows = plan.rows
@@ -220,6 +257,7 @@ class StepLauncher:
             self.page_size,
             plan.num_decodes,
             [r.sample for r in rows],
+            prompt_spans=spans,
         )
         t1 = time.perf_counter()
         ph["prepare"] += t1 - t0
@@ -235,6 +273,6 @@ class StepLauncher:
             )
         t2 = time.perf_counter()
         ph["sample"] += t2 - t1
-        result = self.runner.launch(inputs, token_src if pending else None, sampling)
+        result = self.runner.launch(inputs, token_src if pending else None, sampling, prompt)
         ph["forward"] += time.perf_counter() - t2
         return result, inputs.meta.slot_mapping, inputs.meta.slot_mapping.numpy()

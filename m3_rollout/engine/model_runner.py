@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from m3_kernels.paged_layout import PagedMetadata
+from m3_rollout.engine.interface import PositionLogprobs
 from m3_rollout.engine.ops import paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
-from m3_rollout.engine.sampler import Penalties, sample_rows, top_logprobs_rows, unpack_sampling
+from m3_rollout.engine.sampler import Penalties, position_logprobs, sample_rows, top_logprobs_rows, unpack_sampling
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
 
@@ -37,12 +38,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepInputs:
-    """Host tensors of one step: ``input_ids [T]`` int64, ``meta`` and ``logits_indices [N]``
-    (index of the last token of every row that samples, in row order)."""
+    """Host tensors of one step: ``input_ids [T]`` int64, ``meta``, ``logits_indices [N]``
+    (index of the last token of every row that samples, in row order) and ``prompt_indices [M]``
+    (the tokens whose logits score prompt logprobs, rows in order; None when no row asks)."""
 
     input_ids: torch.Tensor
     meta: PagedMetadata
     logits_indices: torch.Tensor
+    prompt_indices: torch.Tensor | None = None
 
 
 def prepare_inputs(
@@ -53,6 +56,7 @@ def prepare_inputs(
     num_decodes: int,
     sample_rows: list[bool] | None = None,
     decode_query_len: int = 1,
+    prompt_spans: list[tuple[int, int]] | None = None,
 ) -> StepInputs:
     """Build the flat varlen inputs of one step (layout: kernels/paged_layout.py).
 
@@ -62,6 +66,8 @@ def prepare_inputs(
         context_lens: per row, tokens already in the pages before this step.
         block_tables: per row, physical pages covering at least ``context_len + len(chunk)``.
         page_size: ps. sample_rows: which rows' last-token logits are wanted (default all).
+        prompt_spans: per row, (first, count): the chunk's tokens first .. first + count - 1 whose
+            logits score prompt logprobs ((0, 0): none); None = no row.
 
     Returns:
         StepInputs on the CPU. Raises ValueError on inconsistent lengths or a missing page.
@@ -107,7 +113,13 @@ def prepare_inputs(
         max_query_len=max(qlens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
-    return StepInputs(torch.tensor(flat_ids, dtype=torch.int64), meta, logits_indices)
+    prompt_indices = None
+    if prompt_spans is not None and any(n for _, n in prompt_spans):
+        starts = qsl[:-1].tolist()
+        prompt_indices = torch.tensor(
+            [starts[i] + j for i, (a, n) in enumerate(prompt_spans) for j in range(a, a + n)], dtype=torch.int64
+        )
+    return StepInputs(torch.tensor(flat_ids, dtype=torch.int64), meta, logits_indices, prompt_indices)
 
 
 def prepare_decode(
@@ -205,18 +217,89 @@ class TopAsk:
         return torch.cat([ids.reshape(-1), vals.double().view(torch.int64).reshape(-1)]), ids.shape[1]
 
 
+PROMPT_LOGITS_BYTES = 1 << 28  # fp32 logits of one row chunk of prompt logprobs, at most
+
+
+@dataclass
+class PromptAsk:
+    """The prefill rows of a step that score prompt positions (``SamplingParams.prompt_logprobs``),
+    in row order: ``counts`` (positions per row, >= 1), each row's ``filters`` ((temperature, top_k,
+    top_p): ``SamplingParams.logprob_filters``) and ``ks`` (top-list lengths, >= 0), ``targets``
+    ([sum counts] each position's next prompt token; the positions are ``StepInputs.prompt_indices``)."""
+
+    counts: list[int]
+    filters: list[tuple[float, int, float]]
+    ks: list[int]
+    targets: list[int]
+
+    def compute(self, model, ops, hidden: torch.Tensor, batch_invariant: bool, token_logprobs=None):
+        """Score the positions from their final hidden states ``hidden`` [M, H]: per row, in chunks
+        of at most ``PROMPT_LOGITS_BYTES`` of fp32 logits (never a [M, V] array), the lm_head
+        (``ops.project``) then ``sampler.position_logprobs``. Returns (int64 [M * (2 + 2 k')]:
+        logprobs (float64 bits) [M], ranks [M], top ids [M, k'], top logprobs (float64 bits) [M, k'],
+        k'), k' = min(max(ks), V): the tail of a step's result copy."""
+        v = model.lm_head.weight.shape[0]
+        k, step = min(max(self.ks), v), max(1, PROMPT_LOGITS_BYTES // (4 * v))
+        tgt = torch.tensor(self.targets, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        parts, start = [], 0
+        for n, (temperature, top_k, top_p) in zip(self.counts, self.filters):
+            for a in range(start, start + n, step):
+                b = min(a + step, start + n)
+                logits = ops.project(model.lm_head, hidden[a:b])  # [R, V]
+                parts.append(
+                    position_logprobs(logits, tgt[a:b], k, temperature, top_k, top_p, batch_invariant, token_logprobs)
+                )
+            start += n
+        own, rank, ids, vals = (torch.cat(x) for x in zip(*parts))
+        flat = [own.double().view(torch.int64), rank, ids.reshape(-1), vals.double().view(torch.int64).reshape(-1)]
+        return torch.cat(flat), k
+
+
 class StepLaunch:
     """A launched step's sampled ids and logprobs on their way to the host.
 
-    ``flat``: int64 [2 * width] (ids, then logprobs as float64 bits), host memory (pinned on
+    ``flat``: int64 [2 * width] (ids, then logprobs as float64 bits), then the top lists
+    (:meth:`fetch_top`), then the prompt scores (:meth:`fetch_prompt`), host memory (pinned on
     CUDA, filled by a non-blocking copy that ``event`` follows). :meth:`fetch` waits for it.
     """
 
     def __init__(
-        self, flat: torch.Tensor | None, width: int, rows: int, event=None, top: TopAsk | None = None, top_k: int = 0
+        self,
+        flat: torch.Tensor | None,
+        width: int,
+        rows: int,
+        event=None,
+        top: TopAsk | None = None,
+        top_k: int = 0,
+        prompt: PromptAsk | None = None,
+        prompt_k: int = 0,
     ):
         self.flat, self.width, self.rows, self.event = flat, width, rows, event
         self.top, self.top_k = top, top_k  # the asking rows and the listed k' (their lists follow the logprobs)
+        self.prompt, self.prompt_k = prompt, prompt_k  # the rows scoring prompt positions, their k' (at the end)
+
+    def fetch_prompt(self) -> list[list[PositionLogprobs]]:
+        """Per :class:`PromptAsk` row, its positions' ``PositionLogprobs`` (the row's own k entries
+        at most, tokens the filters removed left out); [] when no row asked. Waits for the copy."""
+        if self.prompt is None:
+            return []
+        if self.event is not None:
+            self.event.synchronize()
+        m, k = len(self.prompt.targets), self.prompt_k
+        tail = self.flat[self.flat.shape[0] - m * (2 + 2 * k) :]
+        own = tail[:m].view(torch.float64).tolist()
+        rank = tail[m : 2 * m].tolist()
+        ids = tail[2 * m : 2 * m + m * k].tolist()
+        vals = tail[2 * m + m * k :].view(torch.float64).tolist()
+        out, i = [], 0
+        for n, want in zip(self.prompt.counts, self.prompt.ks):
+            row = []
+            for j in range(i, i + n):
+                pairs = zip(ids[j * k : j * k + want], vals[j * k : j * k + want])
+                row.append(PositionLogprobs(own[j], rank[j], [(t, x) for t, x in pairs if x != float("-inf")]))
+            out.append(row)
+            i += n
+        return out
 
     def fetch_top(self) -> dict[int, list[tuple[int, float]]]:
         """Sample row -> its top (token id, logprob) list, most likely first, the row's own k
@@ -340,8 +423,11 @@ class ModelRunner:
 
     # ---- eager path ----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, inputs: StepInputs, token_src: list[int] | None = None) -> torch.Tensor:
-        """Eager forward; logits [N, V] (model dtype) of ``inputs.logits_indices``.
+    def forward(
+        self, inputs: StepInputs, token_src: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Eager forward; (logits [N, V] (model dtype) of ``inputs.logits_indices``, final hidden
+        states [M, H] of ``inputs.prompt_indices`` or None).
 
         token_src: per token, -1 (use ``inputs.input_ids``) or an index into ``last_tokens`` (the
         previous step's sampled id); None = all from the host."""
@@ -351,16 +437,38 @@ class ModelRunner:
             ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
         meta = meta_to(inputs.meta, self.device)
         logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
-        return self.model.forward_paged(
-            ids, meta, self.kv, self.ops, logits_indices, selection_out=self.selection_buffer
+        kept = None if inputs.prompt_indices is None else inputs.prompt_indices.to(self.device, non_blocking=True)
+        out = self.model.forward_paged(
+            ids, meta, self.kv, self.ops, logits_indices, selection_out=self.selection_buffer, hidden_indices=kept
         )
+        return (out, None) if kept is None else out
 
     @torch.no_grad()
-    def launch(self, inputs: StepInputs, token_src: list[int] | None, sampling: SampleBatch | None) -> StepLaunch:
-        """Eager forward + sampler of any step; results come back through :class:`StepLaunch`."""
-        logits = self.forward(inputs, token_src)
-        if sampling is None:
+    def launch(
+        self,
+        inputs: StepInputs,
+        token_src: list[int] | None,
+        sampling: SampleBatch | None,
+        prompt: PromptAsk | None = None,
+    ) -> StepLaunch:
+        """Eager forward + sampler of any step; results come back through :class:`StepLaunch`.
+        ``prompt``: the rows scoring prompt positions (``inputs.prompt_indices``), scored after
+        the sampler from their own lm_head projection (the sampled rows' logits keep their bits)."""
+        logits, hidden = self.forward(inputs, token_src)
+        parts, rows, top, top_k = [], 0, None, 0
+        if sampling is not None:
+            parts, rows, top, top_k = self._sample(logits, sampling)
+        prompt_k = 0
+        if prompt is not None:
+            extra, prompt_k = prompt.compute(self.model, self.ops, hidden, self.batch_invariant, self.token_logprobs)
+            parts.append(extra)
+        if not parts:
             return StepLaunch(None, 0, 0)
+        return self._to_host(torch.cat(parts), rows, rows, top, top_k, prompt, prompt_k)
+
+    def _sample(self, logits: torch.Tensor, sampling: SampleBatch) -> tuple[list, int, TopAsk | None, int]:
+        """The sampler of an eager step: (result parts: ids, logprobs (float64 bits), top lists;
+        sample rows; the asking rows; their listed k')."""
         if sampling.expand is not None:
             logits = logits[torch.tensor(sampling.expand, dtype=torch.int64).to(self.device, non_blocking=True)]
         packed = torch.from_numpy(sampling.packed).to(self.device, non_blocking=True)
@@ -395,8 +503,7 @@ class ModelRunner:
                 penalties,
             )
             parts.append(extra)
-        flat = torch.cat(parts)
-        return self._to_host(flat, tokens.shape[0], tokens.shape[0], sampling.top, top_k)
+        return parts, tokens.shape[0], sampling.top, top_k
 
     # ---- graph path -------------------------------------------------------------------------------
     def graph_size(self, rows: int) -> int | None:
@@ -427,10 +534,17 @@ class ModelRunner:
         return self._to_host(flat, s, rows, top, top_k)
 
     def _to_host(
-        self, flat: torch.Tensor, width: int, rows: int, top: TopAsk | None = None, top_k: int = 0
+        self,
+        flat: torch.Tensor,
+        width: int,
+        rows: int,
+        top: TopAsk | None = None,
+        top_k: int = 0,
+        prompt: PromptAsk | None = None,
+        prompt_k: int = 0,
     ) -> StepLaunch:
         if not self.cuda:  # a copy: ``flat`` may be a static buffer the next step overwrites
-            return StepLaunch(flat.clone(), width, rows, None, top, top_k)
+            return StepLaunch(flat.clone(), width, rows, None, top, top_k, prompt, prompt_k)
         n = flat.shape[0]
         if not self._out_host or self._out_host[0].shape[0] < n:
             self._out_host = [torch.empty(max(n, 4096), dtype=torch.int64).pin_memory() for _ in range(2)]
@@ -439,4 +553,4 @@ class ModelRunner:
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return StepLaunch(host, width, rows, event, top, top_k)
+        return StepLaunch(host, width, rows, event, top, top_k, prompt, prompt_k)

@@ -424,6 +424,55 @@ def top_logprobs_rows(
     return ids, vals
 
 
+def position_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    batch_invariant: bool = False,
+    token_logprobs: TokenLogprobs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores of R positions of one request against given next tokens (prompt logprobs: the
+    engine's prefill and ``score.top_logprobs``): the log-softmax of the logits
+    :func:`process_logits` makes of them (/ ``temperature``, then the ``top_k`` / ``top_p``
+    filters; no penalties) in the compute dtype.
+
+    Args:
+        logits: [R, V] raw model logits (model dtype). targets: int64 [R] each position's own token.
+        k: >= 0 top tokens per position (above V: all of it). temperature, top_k, top_p: checked
+            values (``SamplingParams``' rules). batch_invariant: the sampler's tie rule of that mode.
+        token_logprobs: the sampler's logprob op (batch-invariant mode) for the targets' logprobs;
+            None = ``torch.log_softmax``. The top lists always take ``torch.log_softmax``.
+
+    Returns:
+        (logprob [R] of each target in the processed distribution (-inf when filtered out), its
+        1-based rank int64 [R] among the raw logits, ties counted before it (vLLM's rule), top ids
+        int64 [R, min(k, V)] and their logprobs [R, min(k, V)], most likely first), on the logits' device.
+    """
+    r, v = logits.shape
+    dtype = compute_dtype(logits.dtype)
+    full = lambda x, dt: torch.full((r,), x, dtype=dt, device=logits.device)  # noqa: E731
+    x = process_logits(
+        logits,
+        full(temperature, dtype),
+        full(top_k, torch.int64),
+        full(top_p, dtype),
+        need_top_k=top_k > 0,
+        need_top_p=top_p < 1,
+        batch_invariant=batch_invariant,
+    )
+    logprobs = torch.log_softmax(x, dim=-1)  # [R, V]
+    if token_logprobs is None:
+        own = logprobs.gather(1, targets[:, None])[:, 0]  # [R]
+    else:
+        own = gather_logprobs(x, targets, token_logprobs)
+    rank = (logits >= logits.gather(1, targets[:, None])).sum(dim=-1)  # the unfiltered order (temperature keeps it)
+    vals, ids = logprobs.topk(min(k, v), dim=-1)
+    return own, rank, ids, vals
+
+
 # Packed per-row sampling parameters: one int64 [NUM_SAMPLING_FIELDS, N] array per step (floats
 # stored as their float64 bit patterns), so a step moves them to the device in one copy. Rows are
 # read and written by name through sampling_fields.

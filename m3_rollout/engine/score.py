@@ -6,23 +6,23 @@ one forward — on KV pages borrowed from the pool for the call, every position'
 re-scored token's logprob is the one generation would give it. No sampling, no prefix reuse, no
 scheduler. Top logprobs (the server's ``top_logprobs``, :func:`top_logprobs`) are one plain model
 forward, which borrows no pages; the in-process server and the EP workers both call it through
-``LLMEngine.top_logprobs`` / ``prepare_top_logprobs``. The server's prompt logprobs (completions
-``echo`` with ``logprobs``, ``/generate``'s ``prompt_logprobs``) are that same forward with
-``with_tokens``: each position's own token's logprob and rank come with its top ``k``.
+``LLMEngine.top_logprobs`` / ``prepare_top_logprobs``. With ``with_tokens`` each position's own
+token's logprob and rank come with its top ``k``: the server's prompt logprobs for a backend whose
+outputs carry none (the engine computes them in its prefill, ``SamplingParams.prompt_logprobs``,
+with the same ``sampler.position_logprobs``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
-from m3_rollout.engine.interface import SamplingParams, int_or_none
+from m3_rollout.engine.interface import PositionLogprobs, SamplingParams, int_or_none
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
-from m3_rollout.engine.sampler import TokenLogprobs, gather_logprobs, process_logits
+from m3_rollout.engine.sampler import TokenLogprobs, gather_logprobs, position_logprobs, process_logits
 from m3_rollout.engine.sequence import Sequence
 from m3_rollout.model.numerics import compute_dtype
 from m3_rollout.model.paged_ops import PagedOps
@@ -86,24 +86,6 @@ def check_top_logprobs(ids: list[int], start, k, with_tokens: bool = False) -> t
     return s, n
 
 
-class PositionLogprobs(NamedTuple):
-    """One position's scores (:func:`top_logprobs` ``with_tokens``).
-
-    Attributes:
-        logprob: the position's own token's logprob in the processed distribution (-inf when the
-            top-k / top-p filters removed it).
-        rank: the token's 1-based rank among the whole vocabulary by logit, tokens of equal logit
-            counted before it (vLLM's rule; the filters keep a prefix of this order, so a kept
-            token's rank is the same in the processed distribution).
-        top: the ``k`` most likely tokens, (token id, logprob), most likely first (as
-            :func:`top_logprobs` without ``with_tokens`` gives them).
-    """
-
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-
-
 @torch.no_grad()
 def top_logprobs(
     model,
@@ -115,13 +97,15 @@ def top_logprobs(
     top_p: float = 1.0,
     batch_invariant: bool = False,
     with_tokens: bool = False,
+    token_logprobs: TokenLogprobs | None = None,
 ) -> list[list[tuple[int, float]]] | list[PositionLogprobs]:
     """The ``k`` most likely tokens at positions ``start .. len(ids) - 1`` of ``ids`` under
     ``model``: one plain forward over ``ids[:-1]``, the log-softmax of the logits processed as the
-    sampler processes them (``sampler.process_logits``: / ``temperature``, then the ``top_k`` /
-    ``top_p`` filters; the defaults filter nothing) in the logits' compute dtype (fp32; fp64 for an
-    fp64 model; ``batch_invariant``: the sampler's tie rule of that mode): the "processed" logprobs
-    of the distribution sampled from. Tokens the filters
+    sampler processes them (``sampler.position_logprobs``, as the engine's prefill scores prompt
+    logprobs: / ``temperature``, then the ``top_k`` / ``top_p`` filters; the defaults filter
+    nothing) in the logits' compute dtype (fp32; fp64 for an fp64 model; ``batch_invariant``: the
+    sampler's tie rule of that mode; ``token_logprobs``: the sampler's logprob op for the positions'
+    own tokens): the "processed" logprobs of the distribution sampled from. Tokens the filters
     removed (logprob -inf) are left out, so a position may list fewer than ``k`` (one under
     greedy, top_k 1). Arguments as :func:`check_top_logprobs` / :func:`check_top_logprobs_filters`
     return them (1 <= start < len(ids), k >= 1, or >= 0 ``with_tokens``; k above the vocabulary
@@ -134,26 +118,13 @@ def top_logprobs(
     """
     device = model.lm_head.weight.device
     logits = model(torch.tensor([ids[:-1]], device=device))[0, start - 1 :]  # [G, V]: position start .. L-1
-    g, dtype = logits.shape[0], compute_dtype(logits.dtype)
-    x = process_logits(
-        logits,
-        torch.full((g,), temperature, dtype=dtype, device=device),
-        torch.full((g,), top_k, dtype=torch.int64, device=device),
-        torch.full((g,), top_p, dtype=dtype, device=device),
-        need_top_k=top_k > 0,
-        need_top_p=top_p < 1,
-        batch_invariant=batch_invariant,
-    )
-    logprobs = torch.log_softmax(x, dim=-1)  # [G, V]
-    vals, idx = logprobs.topk(min(k, x.shape[-1]), dim=-1)  # [G, k]
+    tgt = torch.tensor(ids[start:], dtype=torch.int64, device=device)  # [G]
+    own, rank, idx, vals = position_logprobs(logits, tgt, k, temperature, top_k, top_p, batch_invariant, token_logprobs)
     rows = [
         [(t, v) for t, v in zip(i.tolist(), lv.tolist()) if v != float("-inf")] for i, lv in zip(idx.cpu(), vals.cpu())
     ]
     if not with_tokens:
         return rows
-    tgt = torch.tensor(ids[start:], dtype=torch.int64, device=device)[:, None]  # [G, 1]
-    own = logprobs.gather(1, tgt)[:, 0]  # [G]
-    rank = (logits >= logits.gather(1, tgt)).sum(dim=-1)  # [G]: the unfiltered order (temperature keeps it)
     return [PositionLogprobs(lp, r, row) for lp, r, row in zip(own.tolist(), rank.tolist(), rows)]
 
 

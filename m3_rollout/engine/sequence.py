@@ -21,6 +21,29 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PromptScores:
+    """A sample group's prompt logprobs (``SamplingParams.prompt_logprobs``), filled chunk by chunk
+    by its leader's prefill (``launch.prompt_ask``) and shared by the group's samples.
+
+    Attributes:
+        k: top tokens per position. filters: (temperature, top_k, top_p) of the distribution
+            (``SamplingParams.logprob_filters``).
+        entries: [None, then one ``PositionLogprobs`` per prompt position 1.. scored so far] (in order).
+        writes: [len(entries) - 1] the weight-write count each entry was scored under (-1: on KV
+            computed partly under weights written over since).
+        asked: entries 0 .. asked - 1 are recorded or in a launched step (entry i comes from the
+            logits of position i - 1).
+    """
+
+    __slots__ = ("k", "filters", "entries", "writes", "asked")
+
+    def __init__(self, params: SamplingParams):
+        self.k, self.filters = params.prompt_logprobs, params.logprob_filters()
+        self.entries: list = [None]
+        self.writes: list[int] = []
+        self.asked = 1
+
+
 class Sequence:
     """A running / waiting sample.
 
@@ -53,6 +76,9 @@ class Sequence:
             update landed while it held KV and it went on without recomputing it: in_flight
             "continue" without ``recompute_kv_after_update``); cleared when its pages are freed
             (preemption recomputes everything under the weights then served).
+        prompt_scores: its group's :class:`PromptScores` when the request asks for prompt
+            logprobs, else None. While they are not all asked for, the sequence reads no prefix
+            cache (``reads_prefix_cache``): every prompt position's logits must be computed.
     """
 
     __slots__ = (
@@ -85,6 +111,7 @@ class Sequence:
         "record_from",
         "selection_box",
         "kv_stale",
+        "prompt_scores",
     )
 
     def __init__(
@@ -139,11 +166,17 @@ class Sequence:
         )
         # Penalties / logit biases on: the sampler reads its tokens each step (launch.penalty_batch).
         self.penalized = params.penalized
+        self.prompt_scores = None if params.prompt_logprobs is None else PromptScores(params)
 
     @property
     def num_tokens(self) -> int:
         """Tokens including the pending one (see ``num_pending``)."""
         return len(self.token_ids) + self.num_pending
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False while some prompt position's logprob is still to be scored (vLLM's rule)."""
+        return self.prompt_scores is None or self.prompt_scores.asked >= self.prompt_len
 
     @property
     def output_ids(self) -> list[int]:

@@ -192,7 +192,8 @@ class M3ForCausalLM(nn.Module):
         ops: PagedOps,
         logits_indices: torch.Tensor | None = None,
         selection_out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        hidden_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The engine's forward over flat varlen tokens and paged caches (kernels/paged_layout.py).
 
         input_ids: [T] int64 (T may be 0: an empty EP-lockstep step still runs every layer once);
@@ -205,12 +206,16 @@ class M3ForCausalLM(nn.Module):
         (``selection_dims``) that receives every sparse layer's block choice of the T tokens (the
         engine's block-selection record; rows past T untouched). Returns logits [N or T, V] in the
         model dtype (lm_head through ``ops.linear`` when the table has one). Equals ``forward`` on
-        the same tokens with their cached prefix (tests).
+        the same tokens with their cached prefix (tests). hidden_indices: optional [M] int64 token
+        indices whose final hidden states [M, H] are returned too, ``(logits, hidden)`` (the
+        engine's prompt logprobs project them apart, so the logits rows keep their bits).
         """
         h = self.model.forward_paged(input_ids, meta, kv, ops, selection_out)  # [T, H]
+        kept = None if hidden_indices is None else h.index_select(0, hidden_indices)  # [M, H]
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)  # [N, H]
-        return ops.project(self.lm_head, h)
+        logits = ops.project(self.lm_head, h)
+        return logits if kept is None else (logits, kept)
 
     def sparse_attention_layers(self) -> list[M3Attention]:
         """The sparse (MSA) attention modules in layer order: the S axis of a block-selection record."""

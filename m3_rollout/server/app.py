@@ -277,6 +277,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty,
             logit_bias=logit_bias_pairs(served, sp.logit_bias, "sampling_params.logit_bias"),
+            prompt_logprobs=sp.prompt_logprobs,
         )
         return GenerationRequest(
             body.rid or f"gen-{uuid.uuid4().hex}", body.input_ids, params, body.sample_index, body.block_selection_from
@@ -285,8 +286,9 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
     def add_prompt_logprobs(k: int, prompt: list[int], scored: tuple, outs, dicts) -> None:
         """``sampling_params.prompt_logprobs=k``: each sample dict of ``dicts`` (for ``outs``) gets
         its ``prompt_logprobs`` (vLLM's shape) and, when its prompt ran with weights written over
-        since, a ``prompt_logprobs_note`` (``OpenAIServing.sample_prompt_logprobs``); ``scored``:
-        the request's ``OpenAIServing.prompt_scores``."""
+        since, a ``prompt_logprobs_note`` (``OpenAIServing.sample_prompt_logprobs``: the engine's
+        prefill scores); ``scored``: the request's ``OpenAIServing.prompt_scores`` (the scoring
+        forward, for outputs that carry none)."""
         for d, out in zip(dicts, outs):
             d["prompt_logprobs"], note = oai.sample_prompt_logprobs(prompt, scored, out, k)
             if note:
@@ -319,7 +321,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                                 d.update(block_selection_segments=table, block_selection=idx)
                             if prompt_k is not None and item.finish_reason != FINISH_ERROR:
                                 if scored is None:
-                                    scored = await oai.prompt_scores(prompt, prompt_k, greq.params)
+                                    scored = await oai.prompt_scores(prompt, prompt_k, greq.params, outs=[item])
                                 add_prompt_logprobs(prompt_k, prompt, scored, [item], [d])
                         yield f"data: {json.dumps(d)}\n\n"
                 except APIError as exc:
@@ -348,7 +350,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                 for d, idx in zip(reply["outputs"], per):
                     d["block_selection"] = idx
             if prompt_k is not None:
-                scored = await oai.prompt_scores(prompt, prompt_k, greq.params)
+                scored = await oai.prompt_scores(prompt, prompt_k, greq.params, outs=outs)
                 add_prompt_logprobs(prompt_k, prompt, scored, outs, reply["outputs"])
             return reply
 

@@ -26,14 +26,16 @@ function "stop", as OpenAI's and vLLM's), not "length" at ``max_tokens``.
 like a closed one (its text is not returned as content).
 
 Generated tokens' ``top_logprobs`` are the sampler's (``SamplingParams.top_logprobs``,
-``SampleOutput.top_logprobs``). Logprobs beyond the sampler's own (the prompt tokens' logprobs of
-completions ``echo``, of vLLM's ``prompt_logprobs`` on both routes and of ``/generate``'s
-``sampling_params.prompt_logprobs``; top lists from a backend whose outputs carry none) come from
-one scoring forward through the engine after the sample is generated
-(:meth:`OpenAIServing.score_sample`), in the distribution the sampled logprobs come from
-(``logprobs_mode``), and only for tokens stamped with the weight-write count that forward ran with
-(``SampleOutput.token_weight_writes``): anything sampled or prefilled with weights written over
-since is left empty, with a note.
+``SampleOutput.top_logprobs``), and the prompt tokens' logprobs (completions ``echo``, vLLM's
+``prompt_logprobs`` on both routes, ``/generate``'s ``sampling_params.prompt_logprobs``) the
+engine's prefill's (``SamplingParams.prompt_logprobs``, ``SampleOutput.prompt_logprobs``, vLLM's
+way): scores of the weights that ran the sample, kept whatever was written since, unless the
+prompt's prefill itself ran across a weight write (:func:`prefill_prompt_rows`). For a backend
+whose outputs carry none (a remote one) they come from one scoring forward through the engine
+after the sample is generated (:meth:`OpenAIServing.score_sample`), in the distribution the sampled
+logprobs come from (``logprobs_mode``), and only for tokens stamped with the weight-write count
+that forward ran with (``SampleOutput.token_weight_writes``): anything sampled or prefilled with
+weights written over since is left empty, with a note.
 """
 
 from __future__ import annotations
@@ -290,7 +292,20 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias_pairs(served, req.logit_bias, "logit_bias"),
+        prompt_logprobs=prefill_prompt_logprobs(req),
     )
+
+
+def prefill_prompt_logprobs(req) -> int | None:
+    """The top-list length the engine's prefill scores the prompt with
+    (``SamplingParams.prompt_logprobs``): vLLM's ``prompt_logprobs``, completions ``echo`` with
+    ``logprobs=k``, the larger of the two; None when neither asks or the answer is streamed (which
+    sends none)."""
+    if req.stream:
+        return None
+    asks = [req.prompt_logprobs] + ([req.logprobs] if getattr(req, "echo", False) else [])
+    asks = [k for k in asks if k is not None]
+    return max(asks) if asks else None
 
 
 def sampler_top_logprobs(req) -> int:
@@ -623,9 +638,29 @@ def prompt_stale_note(version: int, served: int, what: str) -> str:
     )
 
 
+def prefill_prompt_rows(out: SampleOutput) -> tuple[list | None, str | None]:
+    """(rows of positions 1.., None): the prompt scores the engine's prefill computed for ``out``
+    (``SampleOutput.prompt_logprobs`` [P]); or (None, why they are left out): the prefill ran across
+    a weight write (its entries' ``prompt_weight_writes`` differ, or are -1: on KV computed partly
+    with weights written over since), so they are no one model's, or the sample was aborted before
+    its prompt was scored whole. Scores of the weights that prefilled the prompt are kept whatever
+    was written since (as the sampler's logprobs are)."""
+    w = out.prompt_weight_writes
+    if len(out.prompt_logprobs) < len(out.prompt_ids):
+        return None, "the sample was aborted before its prompt's prefill ended"
+    if w and (w[0] == -1 or any(x != w[0] for x in w)):
+        return None, (
+            "the sample's prompt was prefilled across a weight update (its positions were scored under "
+            "different weights, or on KV computed partly with weights written over since), so its scores "
+            "are no one model's"
+        )
+    return out.prompt_logprobs[1:], None
+
+
 @dataclass
 class SampleScores:
-    """What the scoring forward gives one sample (:meth:`OpenAIServing.score_sample`).
+    """What the scoring forward (or the engine's prefill, for the prompt) gives one sample
+    (:meth:`OpenAIServing.score_sample`).
 
     Attributes:
         tops: per generated token from ``start`` on, its top-``k`` (token id, logprob), most likely
@@ -633,7 +668,8 @@ class SampleScores:
         prompt: per prompt token from the second on, ``score.PositionLogprobs`` (its own logprob
             and rank, its top list); None when not asked or when ``prompt_stale``.
         prompt_stale: the prompt logprobs were asked but the sample's prompt ran with weights
-            written over since (so they are left out).
+            written over since (so they are left out); ``prompt_why`` says why when the engine's
+            prefill scored them (:func:`prefill_prompt_rows`).
         stale: (index, version, weight-write stamp or None) of the generated tokens whose ``tops`` are [].
         version: the weight version served when the forward ran (None: no forward ran).
         prompt_version: the weight version the sample's first token (so its prompt) was run with.
@@ -645,6 +681,7 @@ class SampleScores:
     stale: list[tuple[int, int, int | None]] = field(default_factory=list)
     version: int | None = None
     prompt_version: int | None = None
+    prompt_why: str | None = None
 
     def note(self, prompt_what: str = "") -> str | None:
         """The choice's note naming what is left out and why (None: nothing is); ``prompt_what``
@@ -652,7 +689,9 @@ class SampleScores:
         parts = []
         if self.stale:
             parts.append(stale_note(self.stale, self.version))
-        if self.prompt_stale:
+        if self.prompt_stale and self.prompt_why:
+            parts.append(f"{prompt_what}: {self.prompt_why}")
+        elif self.prompt_stale:
             parts.append(prompt_stale_note(self.prompt_version, self.version, prompt_what))
         return "; ".join(parts) or None
 
@@ -662,9 +701,9 @@ def vllm_prompt_logprobs(served: ServedModel, prompt: list[int], rows: list | No
     the first None (nothing predicts it), then {token id as a string: {"logprob", "rank",
     "decoded_token"}} holding the prompt token itself (its rank by logit, 1-based, the floor
     ``PROMPT_LOGPROB_FLOOR`` for a logprob the top-k / top-p filters made -inf) and the top ``k``
-    (ranks 1..k). ``rows``: the ``score.PositionLogprobs`` of positions 1.. (:meth:`OpenAIServing.
-    score_sample`), or None when the prompt ran with weights written over since: then every entry
-    after the first is an empty dict (another model's scores are not returned)."""
+    (ranks 1..k). ``rows``: the ``PositionLogprobs`` of positions 1.. (the prefill's,
+    :func:`prefill_prompt_rows`, or the scoring forward's, :meth:`OpenAIServing.prompt_scores`), or
+    None when they are left out: then every entry after the first is an empty dict."""
     out: list[dict | None] = [None]
     if rows is None:
         return out + [{} for _ in prompt[1:]]
@@ -862,10 +901,8 @@ class OpenAIServing:
         count the forward ran with).
         Raises APIError naming ``param``: 501 for a backend without a model, 503 when the engine or
         the EP group refuses the forward after the sample was generated (its message says why)."""
-        p = params
-        filters = (1.0, -1, 1.0) if p.logprobs_mode == "raw" else (p.temperature, p.top_k, p.top_p)
         try:
-            return await self.runner.top_logprobs(ids, start, k, *filters, with_tokens)
+            return await self.runner.top_logprobs(ids, start, k, *params.logprob_filters(), with_tokens)
         except NotImplementedError as exc:
             raise APIError(501, str(exc), param) from exc
         except (ValueError, RuntimeError) as exc:  # the engine / EP group refused after generating
@@ -886,6 +923,7 @@ class OpenAIServing:
         prompt_k: int | None = None,
         sampled: list | None = None,
         prompt_scored: tuple | None = None,
+        prefill: SampleOutput | None = None,
     ) -> SampleScores:
         """The top-``k`` logprobs of a sample's generated tokens ``start ..`` and, with ``prompt_k``
         (not None), its prompt tokens' logprobs (each one's own, its rank, its top ``prompt_k``):
@@ -910,7 +948,16 @@ class OpenAIServing:
         ``prompt_scored``: the request's :meth:`prompt_scores` with top >= ``prompt_k``, which the
         caller shares among the scores of its samples (and its ``prompt_logprobs``): when the
         prompt alone is to be scored (``sampled`` lists, or no generated token to score), its rows
-        serve instead of a forward of this sample's own."""
+        serve instead of a forward of this sample's own.
+
+        ``prefill``: the sample's output; when it carries the prefill's prompt logprobs
+        (``SampleOutput.prompt_logprobs``) they serve ``prompt_k`` under :func:`prefill_prompt_rows`'
+        guard, with no forward for the prompt."""
+        if prompt_k is not None and prefill is not None and prefill.prompt_logprobs is not None:
+            scores = await self.score_sample(prompt, out_ids, start, k, params, versions, writes, None, sampled)
+            scores.prompt, scores.prompt_why = prefill_prompt_rows(prefill)
+            scores.prompt_stale = scores.prompt is None
+            return scores
         want_tops = bool(k) and start < len(out_ids)
         no_tops = None if not k else []
         use_sampled = bool(k) and sampled is not None
@@ -953,26 +1000,38 @@ class OpenAIServing:
         return scores
 
     async def prompt_scores(
-        self, prompt: list[int], k: int, params: SamplingParams, param: str = "sampling_params.prompt_logprobs"
+        self,
+        prompt: list[int],
+        k: int,
+        params: SamplingParams,
+        param: str = "sampling_params.prompt_logprobs",
+        outs: list[SampleOutput] | None = None,
     ) -> tuple:
         """A request's ``prompt_logprobs`` (``/generate``'s ``sampling_params.prompt_logprobs``, the
-        OpenAI routes' ``prompt_logprobs``), the part its samples share: one forward over
-        ``prompt`` (:meth:`forward_scores`, ``with_tokens``, top ``k``). Returns (rows of positions
-        1.., weight version, weight-write count), or (None, None, None) for a one-token prompt
-        (nothing to score). Raises APIError naming ``param`` as :meth:`forward_scores`."""
-        if len(prompt) < 2:
+        OpenAI routes' ``prompt_logprobs``) for the samples ``outs`` that carry no prefill scores
+        (``SampleOutput.prompt_logprobs``; a backend that computes none), the part they share: one
+        forward over ``prompt`` (:meth:`forward_scores`, ``with_tokens``, top ``k``). Returns (rows
+        of positions 1.., weight version, weight-write count), or (None, None, None) for a one-token
+        prompt or when every sample of ``outs`` carries its own (no forward). ``outs`` None: no
+        sample (a prompt scored alone). Raises APIError naming ``param`` as :meth:`forward_scores`."""
+        if len(prompt) < 2 or (outs is not None and all(o.prompt_logprobs is not None for o in outs)):
             return None, None, None
         return await self.forward_scores(prompt, 1, k, params, True, param)
 
     def sample_prompt_logprobs(
         self, prompt: list[int], scored: tuple, out: SampleOutput | None, k: int
     ) -> tuple[list[dict | None], str | None]:
-        """One sample's ``prompt_logprobs`` (vLLM's shape, :func:`vllm_prompt_logprobs`) from the
-        request's :meth:`prompt_scores`, and its ``prompt_logprobs_note`` or None: guarded as
-        :meth:`score_sample` guards, so a sample whose prompt ran with weights written over since
+        """One sample's ``prompt_logprobs`` (vLLM's shape, :func:`vllm_prompt_logprobs`) and its
+        ``prompt_logprobs_note`` or None: the engine's prefill scores when ``out`` carries them
+        (guarded by :func:`prefill_prompt_rows`), else the request's :meth:`prompt_scores`, guarded
+        as :meth:`score_sample` guards, so a sample whose prompt ran with weights written over since
         (:func:`prompt_is_stale`) gets empty entries and the note instead of another model's.
         ``out`` None: no sample (a prompt scored alone, completions ``max_tokens=0``), nothing to
         disagree with."""
+        if out is not None and out.prompt_logprobs is not None:
+            rows, why = prefill_prompt_rows(out)
+            note = None if why is None else f"prompt_logprobs holds empty entries: {why}"
+            return vllm_prompt_logprobs(self.served, prompt, rows, k), note
         rows, version, served = scored
         if rows is not None and out is not None and prompt_is_stale(out.output_ids, out.token_weight_writes, served):
             v = out.token_weight_versions[0] if out.token_weight_versions else version
@@ -984,14 +1043,14 @@ class OpenAIServing:
         self, prompt: list[int], scored: tuple, outs: list[SampleOutput], k: int
     ) -> tuple[list[dict | None], str | None]:
         """The ``prompt_logprobs`` of a response that carries one list for all its samples (chat
-        completions, vLLM's response-level field) and its note or None: the scores of
-        :meth:`prompt_scores` only when every sample's prompt ran with the weights they come from,
-        else empty entries and the first such sample's note (:meth:`sample_prompt_logprobs`)."""
+        completions, vLLM's response-level field) and its note or None: the first sample's scores
+        (:meth:`sample_prompt_logprobs`) only when every sample's are kept, else empty entries and
+        the first left-out sample's note."""
         for out in outs:
             entries, note = self.sample_prompt_logprobs(prompt, scored, out, k)
             if note:
                 return entries, note
-        return self.sample_prompt_logprobs(prompt, scored, None, k)
+        return self.sample_prompt_logprobs(prompt, scored, outs[0] if outs else None, k)
 
     # ---- chat ----------------------------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ChatPrompt, GenerationRequest]:
@@ -1015,9 +1074,9 @@ class OpenAIServing:
         ``prompt_logprobs=k`` the response (not each choice: the samples share the prompt, as in
         vLLM) carries ``prompt_logprobs`` in vLLM's shape (:func:`vllm_prompt_logprobs`) for the
         rendered prompt's ids (the generation prompt and any forced tool-call opening included),
-        from one forward after the samples are generated (:meth:`prompt_scores`), guarded as
-        :meth:`request_prompt_logprobs` says (empty entries and a ``prompt_logprobs_note`` when a
-        sample's prompt ran with weights written over since). A streamed request takes only
+        from the engine's prefill (or, from a backend without them, one forward after the samples
+        are generated: :meth:`prompt_scores`), guarded as :meth:`request_prompt_logprobs` says
+        (empty entries and a ``prompt_logprobs_note`` when a sample's are left out). A streamed request takes only
         ``prompt_logprobs=0`` and sends none, as vLLM (:func:`check_prompt_logprobs`)."""
         outs: list[SampleOutput] = []
         async for item in self.runner.stream(greq, stream=False):
@@ -1076,7 +1135,7 @@ class OpenAIServing:
             "weight_version": max((o.weight_version for o in outs), default=self.runner.weight_version),
         }
         if req.prompt_logprobs is not None:
-            scored = await self.prompt_scores(prompt.ids, req.prompt_logprobs, greq.params, "prompt_logprobs")
+            scored = await self.prompt_scores(prompt.ids, req.prompt_logprobs, greq.params, "prompt_logprobs", outs)
             body["prompt_logprobs"], note = self.request_prompt_logprobs(prompt.ids, scored, outs, req.prompt_logprobs)
             if note:
                 body["prompt_logprobs_note"] = note
@@ -1276,19 +1335,20 @@ class OpenAIServing:
         index * n + sample index.
 
         ``echo`` puts the prompt's text before each choice's; with ``logprobs=k`` the prompt
-        tokens' logprobs come first in its ``logprobs`` (:meth:`_echo_logprobs`), under the
-        weights the sample's prompt ran with or not at all (``top_logprobs_note`` says why). Each
-        top list holds the position's own token first, then the top k (:func:`sampled_first`, as
-        vLLM). vLLM's ``prompt_logprobs=p`` gives each choice a ``prompt_logprobs`` list in vLLM's
-        shape (:func:`vllm_prompt_logprobs`), guarded per choice (:meth:`sample_prompt_logprobs`:
-        empty entries and a ``prompt_logprobs_note``). The prompt is scored once, by one forward
-        shared by its ``n`` choices' echo and ``prompt_logprobs`` (:meth:`prompt_scores`, top
-        max(k, p)); only a backend whose outputs carry no sampler top lists has each echoed
-        choice's prompt scored with its generated tokens instead (:meth:`score_sample`).
-        ``max_tokens=0`` (with ``echo``) generates nothing: each of the ``n`` choices is the
-        prompt, finish reason "length", its logprobs and prompt logprobs scored once under the
-        weights served now, once the request is admitted (``Controller.admitted``: it waits while
-        the server is paused, as a generation does)."""
+        tokens' logprobs come first in its ``logprobs`` (:meth:`_echo_logprobs`), the engine's
+        prefill's (from a backend without them, the scoring forward, under the weights the sample's
+        prompt ran with or not at all; ``top_logprobs_note`` says why). Each top list holds the
+        position's own token first, then the top k (:func:`sampled_first`, as vLLM). vLLM's
+        ``prompt_logprobs=p`` gives each choice a ``prompt_logprobs`` list in vLLM's shape
+        (:func:`vllm_prompt_logprobs`), the engine's prefill's too, guarded per choice
+        (:meth:`sample_prompt_logprobs`: empty entries and a ``prompt_logprobs_note``). From a backend
+        whose outputs carry no prefill scores, the prompt is scored once, by one forward shared by its
+        ``n`` choices' echo and ``prompt_logprobs`` (:meth:`prompt_scores`, top max(k, p)); one whose
+        outputs carry no sampler top lists either has each echoed choice's prompt scored with its
+        generated tokens (:meth:`score_sample`). ``max_tokens=0`` (with ``echo``) generates nothing:
+        each of the ``n`` choices is the prompt, finish reason "length", its logprobs and prompt
+        logprobs scored once under the weights served now, once the request is admitted
+        (``Controller.admitted``: it waits while the server is paused, as a generation does)."""
         choices, all_outs, prompt_tokens = [], [], 0
         k, plp = req.logprobs, req.prompt_logprobs
         echo_k = k if req.echo else None  # the top k of the prompt tokens' echoed logprobs
@@ -1331,7 +1391,7 @@ class OpenAIServing:
                     raise engine_error(out.error, COMPLETION_FIELDS)
                 # echo scores the prompt alone when the sampler listed the generated tokens' tops (or none are asked)
                 echo_alone = echo_k is not None and (not echo_k or out.top_logprobs is not None)
-                if prompt_scored is None and (plp is not None or echo_alone):
+                if prompt_scored is None and out.prompt_logprobs is None and (plp is not None or echo_alone):
                     prompt_scored = await self.prompt_scores(prompt_ids, shared_k, greq.params, shared_param)
                 ts = self._text_stream(greq.params, req.include_stop_str_in_output)
                 text = ts.push(out.output_ids) + ts.finish()
@@ -1354,6 +1414,7 @@ class OpenAIServing:
                         echo_k,
                         sampled=out.top_logprobs,
                         prompt_scored=prompt_scored,
+                        prefill=out,
                     )
                     if req.echo:
                         choice["logprobs"] = self._echo_logprobs(prompt_ids, scores, k, out)

@@ -406,7 +406,7 @@ class EngineRunner:
         forward, fp32 log-softmax of the logits processed by ``temperature`` / ``top_k`` /
         ``top_p`` (tokens they remove left out), by ``LLMEngine.top_logprobs`` in process, or
         ``RolloutService.top_logprobs`` on every EP rank. ``with_tokens``: each position's own
-        token's logprob and rank too (``score.PositionLogprobs``; the server's prompt logprobs).
+        token's logprob and rank too (``PositionLogprobs``; the prompt logprobs of outputs that carry none).
 
         Returns ([len(token_ids) - start] lists of (token id, logprob), most likely first, or
         ``PositionLogprobs`` with ``with_tokens``; the weight version and the weight-write count
