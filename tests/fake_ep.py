@@ -2,8 +2,9 @@
 
 ``fake_service(...)`` builds a ``RolloutService`` over :class:`FakeLauncher`: every sample gets
 one :func:`fake_token` per lockstep step, keyed like the real sampler (seed, sample index,
-position), so a resubmitted sample repeats its tokens and logprobs bitwise; chosen ``run`` calls
-and restarts fail. Used by tests/test_service_ep.py and tests/test_server_ep.py.
+position), so a resubmitted sample repeats its tokens and logprobs bitwise, stamped with the
+version of the weights the group holds (0, the checkpoint's, until it receives an update); chosen
+calls and restarts fail. Used by tests/test_service_ep.py and tests/test_server_ep.py.
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ class FakeLauncher(Launcher):
     every sample one :func:`fake_token` per lockstep step (stream deltas for streamed requests,
     aborts, pause) until a stop token or ``max_new_tokens``; the run calls numbered in
     ``log["fail_runs"]`` (counted over all groups from 1) fail, and so do the first
-    ``run_failures``; every start after the first fails while ``start_failures`` lasts. Each run
-    call's new requests are logged as (group, request id, n, sample_index)."""
+    ``run_failures``; every start after the first fails while ``start_failures`` lasts; a method
+    named in ``log["fail_calls"]`` fails that many times. Each run call's new requests are logged
+    as (group, request id, n, sample_index). Weights: the group starts on the checkpoint's
+    (version 0); after ``init_weight_sync`` (a trainer's group joined) ``receive_weights`` applies
+    ``log["trainer_version"]``; outputs carry the version held."""
 
     def __init__(self, log: dict):
         self.log = log
         self.world_size = 2
         self.samples: list[dict] = []  # the group's unfinished samples, in arrival order
         self.paused = False
+        self.version = 0  # the weights this group holds: the checkpoint's
+        self.joined = False  # in a trainer's weight-sync group
+        self.sleeping = False
 
     def start(self, spec, timeout_s):
         self.log["starts"] += 1
@@ -46,7 +53,7 @@ class FakeLauncher(Launcher):
 
     def _finished(self, s: dict, reason: str) -> SampleOutput:
         q = s["req"]
-        return SampleOutput(q.request_id, s["index"], list(q.prompt_ids), s["ids"], s["lps"], reason, 0)
+        return SampleOutput(q.request_id, s["index"], list(q.prompt_ids), s["ids"], s["lps"], reason, self.version)
 
     def _run(self, per_rank_args) -> list[dict]:
         outs: list = []
@@ -70,7 +77,7 @@ class FakeLauncher(Launcher):
                 s["ids"].append(tok)
                 s["lps"].append(lp)
                 if s["stream"]:
-                    outs.append(StreamDelta(s["req"].request_id, s["index"], [tok], [lp], [0]))
+                    outs.append(StreamDelta(s["req"].request_id, s["index"], [tok], [lp], [self.version]))
                 if tok in p.stop_token_ids or len(s["ids"]) == p.max_new_tokens:
                     outs.append(self._finished(s, "stop" if tok in p.stop_token_ids else "length"))
                     self.samples.remove(s)
@@ -81,6 +88,9 @@ class FakeLauncher(Launcher):
         ]
 
     def call(self, method, per_rank_args=(), timeout_s=None):
+        if self.log["fail_calls"].get(method, 0) > 0:
+            self.log["fail_calls"][method] -= 1
+            raise GroupFailure(method, [1], {1: "RuntimeError: peer died"})
         if method == "info":
             return [{"pid": r, "rank": r} for r in range(2)]
         if method == "count_weight_write":  # every start gives the new workers the group's write count
@@ -89,6 +99,22 @@ class FakeLauncher(Launcher):
         if method in ("pause", "resume"):
             self.paused = method == "pause"
             return [None, None]
+        if method in ("sleep", "wake_up"):
+            assert not self.samples, "the engine refuses to sleep with samples unfinished"
+            self.sleeping = method == "sleep"
+            level = per_rank_args[0] if self.sleeping else 0
+            return [{"level": level, "seconds": 0.0}] * 2
+        if method == "reset_prefix_cache":
+            return [None, None]
+        if method == "init_weight_sync":
+            self.joined = True
+            return [[], []]
+        if method == "receive_weights":
+            if not self.joined:  # the worker's weight_sync is None
+                raise GroupFailure(method, [0, 1], {0: "AttributeError: 'NoneType' object has no attribute 'update'"})
+            self.version = self.log["trainer_version"]
+            result = {"ok": True, "version": self.version, "wrote": True, "valid": True, "errors": []}
+            return [{**result, "seconds": 0.0, "paused_seconds": 0.0, "handed_back": [], "outputs": []}] * 2
         if method == "run":
             self.log["runs"] += 1
             if self.log["run_failures"] > 0 or self.log["runs"] in self.log["fail_runs"]:
@@ -110,11 +136,12 @@ def fake_service(
     run_failures: int, start_failures: int, max_restarts: int = 2, fail_runs=()
 ) -> tuple[RolloutService, dict]:
     """A RolloutService (EP=2) over :class:`FakeLauncher` and the log its groups share: "starts",
-    "shutdowns", "runs" (run calls so far), "added" (see FakeLauncher), "writes"; the first
+    "shutdowns", "runs" (run calls so far), "added" (see FakeLauncher), "writes", "fail_calls"
+    ({method: failures to come}), "trainer_version" (what ``receive_weights`` applies); the first
     ``run_failures`` run calls and those numbered in ``fail_runs`` fail, and ``start_failures``
     restarts."""
     log = {"starts": 0, "shutdowns": 0, "run_failures": run_failures, "start_failures": start_failures}
-    log.update(runs=0, fail_runs=set(fail_runs), added=[])
+    log.update(runs=0, fail_runs=set(fail_runs), added=[], fail_calls={}, trainer_version=1)
     spec = WorkerSpec(model_dir="unused", group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=5))
     svc = RolloutService(
         spec, launcher=lambda: FakeLauncher(log), max_restarts=max_restarts, weight_sync=WeightSyncConfig()

@@ -5,7 +5,8 @@ and /resume, top logprobs (streamed and not) equal to the in-process engine's, a
 weight update over HTTP after which the server's logprobs are the trainer's, with concurrent
 streams carrying both versions across the update. Over a fake EP group (no processes): a failed
 group's non-streamed requests are resubmitted and answered as without the failure, streamed ones
-end with error records."""
+end with error records; after a restart that lost the weights the trainer sent, requests are 503s
+until the trainer joins again and sends an update."""
 
 import asyncio
 import json
@@ -29,7 +30,7 @@ from transformers import AutoTokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import load_checkpoint
 from m3_rollout.model.loading import iter_released_tensors
-from m3_rollout.server.client import ServerError
+from m3_rollout.server.client import RolloutServerClient, ServerError
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup, WeightUpdateError
 from m3_trainers.policy import token_logprobs
 
@@ -178,6 +179,47 @@ def test_ep_server_resubmits_the_non_streamed_requests_a_failed_group_lost():
         assert all("peer died" in e["error"] and "the request was lost" in e["error"] for e in finals)
         assert svc.restarts == 2
     finally:
+        srv.stop()
+
+
+def test_ep_server_refuses_requests_after_a_restart_lost_the_weights_received_from_the_trainer():
+    """Weights a trainer sent over /init_weight_sync + /update_weights reach the EP workers only; a
+    restarted group holds the checkpoint's (the fake's version 0). A non-streamed request the
+    failure lost used to be resubmitted and answered 200 from those weights (stamped 0 while the
+    server reported 1), and the next /update_weights failed on the workers and restarted the group
+    again. Now the request is a 503 generation_failed naming the cause and the remedy, and so is
+    a new one; /update_weights is a 400 asking for /init_weight_sync (no restart); after joining
+    again and an accepted update the server answers from the new weights."""
+    tok = tiny_tokenizer()
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    srv = LiveServer(served_model(tok, len(tok), MAX_LEN), svc)
+    client = RolloutServerClient(srv.url)
+    params = {"n": 3, "max_new_tokens": 16, "seed": 46, "stop_token_ids": [3]}
+    body = {"input_ids": [5, 6, 7], "sampling_params": params}
+    try:
+        client.init_weight_sync("127.0.0.1", free_port(), 3)
+        assert client.update_weights()["weight_version"] == 1
+        ok = httpx.post(srv.url + "/generate", json=body, timeout=60)
+        assert ok.status_code == 200 and ok.json()["weight_version"] == 1, ok.text
+        log["fail_runs"].add(log["runs"] + 2)  # the request's second run call, after its first step
+        for _ in range(2):  # the request the failure lost, then a new one
+            resp = httpx.post(srv.url + "/generate", json=body, timeout=60)
+            assert resp.status_code == 503, resp.text
+            error = resp.json()["error"]
+            assert error["code"] == "generation_failed" and "not the served version 1" in error["message"]
+            assert "/init_weight_sync" in error["message"]
+        assert svc.restarts == 1 and client.weight_version() == 1
+        with pytest.raises(ServerError, match="call /init_weight_sync"):
+            client.update_weights()
+        assert svc.restarts == 1
+        client.init_weight_sync("127.0.0.1", free_port(), 3)
+        log["trainer_version"] = 2
+        assert client.update_weights()["weight_version"] == 2
+        resp = httpx.post(srv.url + "/generate", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["weight_version"] == 2, resp.text
+        assert [o["output_ids"] for o in resp.json()["outputs"]] == [o["output_ids"] for o in ok.json()["outputs"]]
+    finally:
+        client.close()
         srv.stop()
 
 

@@ -19,7 +19,7 @@ import torch
 from fake_ep import fake_service  # tests/ on sys.path
 
 from m3_rollout.config import WeightSyncConfig
-from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
+from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import iter_released_tensors, load_checkpoint
 from m3_rollout.model.selection_record import canonical_rows
@@ -555,4 +555,135 @@ def test_step_api_resubmission_keeps_aborts_pause_and_the_restart_budget():
     outs = [o for _ in range(3) for o in svc.step() if isinstance(o, SampleOutput)]
     assert len(outs) == 3 and all("OSError: disk gone" in o.error and "gave up restarting" in o.error for o in outs)
     assert svc.launcher is None and not svc.has_unfinished()
+    svc.shutdown()
+
+
+def _join(svc: RolloutService) -> None:
+    """The fake group joins a trainer's weight-sync group (ranks 1..2 of 3)."""
+    svc.join_weight_sync("127.0.0.1", 1, 3, 1, "gloo", 5.0, 1.0, True)
+
+
+def _steps_until_done(svc: RolloutService, limit: int = 30) -> list:
+    outs = []
+    for _ in range(limit):
+        if not svc.has_unfinished():
+            break
+        outs += svc.step()
+    assert not svc.has_unfinished(), "requests left unfinished"
+    return outs
+
+
+def test_weights_received_from_the_trainer_are_not_served_by_a_restarted_group_until_sent_again():
+    # join_weight_sync / receive_weight_update: the trainer's broadcast reaches the workers only
+    # and the service keeps no copy, so a restarted group holds the checkpoint's weights (the
+    # fake's version 0). The resubmitted request used to run on them while the service reported
+    # version 1. Now (the "weights not served after the restart" branch of _restart_live) it ends
+    # with error records naming the cause and the remedy, no forward runs, and new requests get
+    # error records too, until the trainer joins again and an update is accepted.
+    reqs = _fake_requests()[:2]
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    _join(svc)
+    assert svc.receive_weight_update()["version"] == 1 and svc.weight_version == 1
+    svc.add_request(reqs[0])
+    svc.step()  # the first token, on version 1
+    log["fail_runs"].add(log["runs"] + 1)
+    outs = svc.step()  # fails: the group restarts on the checkpoint's weights
+    assert svc.restarts == 1 and svc.launcher.version == 0 and svc.weight_version == 1
+    got = sorted((o.request_id, o.sample_index, o.finish_reason) for o in outs)
+    assert got == [("r0", j, "error") for j in range(3)]
+    for o in outs:
+        assert "peer died" in o.error and "hold the checkpoint's weights, not the served version 1" in o.error
+        assert "join_weight_sync" in o.error and "send the weights again" in o.error and LOST in o.error
+        assert o.weight_version == 1 and o.output_ids == []
+    assert not svc.has_unfinished() and [a for a in log["added"] if a[0] == 2] == []  # nothing resubmitted
+    runs = log["runs"]
+    svc.add_request(reqs[1])  # a new request: error records at once
+    outs = svc.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("r1", "error")] * 3
+    assert all("not the served version 1" in o.error and "then resubmit" in o.error for o in outs)
+    with pytest.raises(RolloutFailure, match="not the served version 1") as info:
+        svc.generate(reqs)
+    assert info.value.lost_request_ids == ["r0", "r1"]
+    with pytest.raises(RolloutFailure, match="not the served version 1"):
+        svc.score([1, 2, 3])
+    assert log["runs"] == runs  # no forward on the checkpoint's weights
+    # the restarted workers left the trainer's group: refused at once (it used to fail on the
+    # workers and restart the group once more)
+    with pytest.raises(RuntimeError, match="call join_weight_sync first"):
+        svc.receive_weight_update()
+    assert svc.restarts == 1 and not svc.weight_sync_joined
+    _join(svc)
+    log["trainer_version"] = 2
+    assert svc.receive_weight_update()["version"] == 2
+    outs = svc.generate(reqs)
+    assert len(outs) == 6 and all(o.finish_reason in ("stop", "length") and o.weight_version == 2 for o in outs)
+    # generate() across a restart on received weights: RolloutFailure naming them, as the step API
+    log["fail_runs"].add(log["runs"] + 1)
+    with pytest.raises(RolloutFailure, match="not the served version 2") as info:
+        svc.generate(reqs)
+    assert info.value.lost_request_ids == ["r0", "r1"] and svc.launcher.version == 0
+    svc.shutdown()
+
+
+def test_a_restart_in_sleep_or_wake_up_puts_back_the_requests_not_sent_yet():
+    # Requests added (add_request) but not sent yet (no step since) used to be cleared by a restart
+    # inside sleep / wake_up without an end: their callers waited forever. Now they go to the
+    # restarted group with the next step (a streamed one too: none of its tokens went out) and
+    # complete as without the failure.
+    reqs = _fake_requests()[:3]
+    clean, _ = fake_service(run_failures=0, start_failures=0)
+    want = _bits(clean.generate(reqs))
+    clean.shutdown()
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    svc.add_request(reqs[0])
+    svc.add_request(reqs[1], stream=True)
+    log["fail_calls"]["sleep"] = 1
+    assert svc.sleep(1)["level"] == 1  # a rank died in sleep: the group restarts, then sleeps
+    assert svc.restarts == 1 and svc.launcher.sleeping
+    svc.add_request(reqs[2])
+    log["fail_calls"]["wake_up"] = 1
+    svc.wake_up()
+    assert svc.restarts == 2 and not svc.launcher.sleeping
+    outs = _steps_until_done(svc)
+    done = [o for o in outs if isinstance(o, SampleOutput)]
+    assert len(done) == 9 and _bits(done) == want  # bitwise as without the failures
+    streamed = [o for o in outs if isinstance(o, StreamDelta)]
+    assert {o.request_id for o in streamed} == {"r1"}
+    for o in done:
+        if o.request_id == "r1":
+            assert [t for d in streamed if d.sample_index == o.sample_index for t in d.token_ids] == o.output_ids
+    assert sorted((group, rid) for group, rid, _, _ in log["added"]) == [(3, "r0"), (3, "r1"), (3, "r2")]  # once each
+    svc.shutdown()
+
+
+def test_pause_resume_and_reset_prefix_cache_while_a_failed_restart_left_no_group():
+    # They used to raise AttributeError (launcher None). Now the state is recorded and the next
+    # group started (by add_request) gets it.
+    r = _fake_requests()[0]
+    svc, log = fake_service(run_failures=0, start_failures=5, max_restarts=1, fail_runs={2})
+    svc.add_request(r)
+    _steps_until_done(svc)  # run 2 fails, the restart fails: error records, no group left
+    assert svc.launcher is None
+    svc.pause()
+    svc.reset_prefix_cache()
+    assert svc.paused
+    log["start_failures"] = 0
+    svc.add_request(r)  # starts a group: paused
+    assert svc.launcher.paused and svc.step() == [] and svc.has_unfinished()
+    svc.resume()
+    outs = [o for o in _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert len(outs) == 3 and all(o.finish_reason in ("stop", "length") for o in outs)
+
+    svc.pause()
+    log["start_failures"] = 5
+    log["fail_runs"].add(log["runs"] + 1)
+    svc.add_request(r)
+    _steps_until_done(svc)  # a paused step's run call fails, the restart fails
+    assert svc.launcher is None
+    svc.resume()
+    log["start_failures"] = 0
+    svc.add_request(r)  # the new group starts unpaused
+    assert not svc.paused and not svc.launcher.paused
+    outs = [o for o in _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert len(outs) == 3 and all(o.finish_reason in ("stop", "length") for o in outs)
     svc.shutdown()

@@ -123,9 +123,9 @@ def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
 
 
 def _generation_failed(resp: httpx.Response) -> bool:
-    """A 503 that carries an engine error record (weights invalid after a failed update, a request
-    a failed EP group could not finish within its restarts), not a refusal of the server (paused,
-    asleep, shutting down)."""
+    """A 503 that carries an engine error record (weights invalid after a failed update or not held
+    after an EP group restart, a request a failed EP group could not finish within its restarts),
+    not a refusal of the server (paused, asleep, shutting down)."""
     if resp.status_code != 503:
         return False
     try:

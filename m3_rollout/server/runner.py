@@ -38,7 +38,7 @@ import torch
 
 from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
-from m3_rollout.service import GroupFailure, RolloutService
+from m3_rollout.service import GroupFailure, RolloutFailure, RolloutService
 from m3_rollout.weight_sync import HandshakeError, WeightSyncGroup, WeightSyncTimeout
 from m3_rollout.weight_sync.rollout_sync import RolloutWeightSync
 
@@ -183,7 +183,6 @@ class EngineRunner:
         self._tasks: dict[str, asyncio.Task] = {}  # generic streaming backends: one task per request
         self._driver: asyncio.Task | None = None
         self._weight_sync: RolloutWeightSync | None = None
-        self._ep_sync_ready = False
         self.last_refit: RefitRecord | None = None
         self.refit_seconds_total = 0.0
         self.refits = 0
@@ -435,7 +434,11 @@ class EngineRunner:
     # ---- weight sync ---------------------------------------------------------------------------
     @property
     def weight_sync_ready(self) -> bool:
-        return self._weight_sync is not None or self._ep_sync_ready
+        """A weight-sync group was joined; under EP the running worker group's (a group restart
+        leaves the trainer's group: /init_weight_sync again)."""
+        if self.ep is not None:
+            return self.ep.weight_sync_joined
+        return self._weight_sync is not None
 
     @property
     def weight_sync_ranks(self) -> int:
@@ -463,12 +466,10 @@ class EngineRunner:
         """
         if self.ep is not None:
             args = (host, port, world_size, rank_offset, backend, timeout_s, bucket_size_mb, atomic)
-            self._ep_sync_ready = False
             try:
                 await self.call(self.ep.join_weight_sync, *args)
-            except (ValueError, GroupFailure) as exc:
+            except (ValueError, GroupFailure, RolloutFailure) as exc:  # RolloutFailure: no group could start
                 raise WeightSyncError(str(exc)) from exc
-            self._ep_sync_ready = True
             return
         if self.native is None:
             raise WeightSyncError(f"weight sync over HTTP needs an engine; {type(self.backend).__name__} has none")
@@ -503,7 +504,8 @@ class EngineRunner:
         is accepted).
 
         Raises:
-            WeightSyncError: no group yet (call init_weight_sync first), or an EP rank failed.
+            WeightSyncError: no group yet (call init_weight_sync first; under EP also after a group
+                restart), or an EP rank failed.
         """
         if not self.weight_sync_ready:
             raise WeightSyncError("no weight-sync group: call /init_weight_sync first")
@@ -511,6 +513,8 @@ class EngineRunner:
             ep = self.ep
 
             def receive() -> RefitRecord:
+                if not ep.weight_sync_joined:  # a restart between the caller's check and this step
+                    raise WeightSyncError("the EP group was restarted: call /init_weight_sync again")
                 r = ep.receive_weight_update(expect_version)
                 if keep_paused:
                     ep.pause()  # the ranks' engines stayed paused (InFlightPolicy); the service's flag too
@@ -534,7 +538,6 @@ class EngineRunner:
         try:
             record = await self.call(receive)
         except GroupFailure as exc:
-            self._ep_sync_ready = False
             raise WeightSyncError(f"{exc}; the EP group was restarted: call /init_weight_sync again") from exc
         self.last_refit = record
         self.refits += 1

@@ -15,8 +15,12 @@ index and position). Every failure counts against ``max_restarts`` within one ca
 while restarting too; past it the service raises :class:`RolloutFailure` with the lost request
 ids (the caller may resubmit them) and the last cause. The step API (``add_request`` / ``step``:
 ``generate_async``, the rollout server) resubmits the same way the requests added without
-``stream``; streamed ones, whose tokens have left the service, end with error records. Each
-failure is kept as an event (``drain_events()``) and counted in ``metrics()`` for the job to log.
+``stream`` (and streamed ones not sent yet); streamed ones, whose tokens have left the service,
+end with error records. Weights a restart cannot re-apply (received from a trainer's group by
+``receive_weight_update``, which keeps no copy here; an IPC source that moved on) are never
+served by the new workers' checkpoint weights: requests get error records naming the remedy
+until an update is accepted. Each failure is kept as an event (``drain_events()``) and counted
+in ``metrics()`` for the job to log.
 
 Weights (design.md §3): the driver is rank 0 of a weight-sync group with the workers
 (m3_rollout/weight_sync); every update goes through the workers' ``WeightReceiver``, the same
@@ -238,8 +242,13 @@ class RolloutService(GenerationBackend):
         self._ws_sender = None
         self._ipc: IpcRefit | None = None  # refit="ipc": channel + sender, kept across restarts (the stage)
         self._sleep_level = 0  # the workers' engines sleep at this level (sleep / wake_up)
-        # refit="ipc": why the workers do not hold the served weights (None: they do); generate refuses
+        # why the workers do not hold the served weights and what makes them served again (None: they
+        # do); no forward runs meanwhile (generate / score refuse, the step API gives error records)
         self._weights_lost: str | None = None
+        # the served weights came from a trainer's group (receive_weight_update): no copy is kept here,
+        # so a restarted group cannot be given them
+        self._served_received = False
+        self._joined = False  # this group's workers joined a trainer's weight-sync group (join_weight_sync)
         self.last_weight_sync: dict = {}
         # The step API (add_request / abort / step): requests by id, and what the next step sends.
         self.stream_steps_per_call = int(stream_steps_per_call)
@@ -256,9 +265,13 @@ class RolloutService(GenerationBackend):
 
     # ---- group lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
-        """Start a fresh group (new rendezvous port) and re-apply the last weights; a paused
-        service pauses the new workers too (requests resubmitted after a failure wait for
-        ``resume``). Raises GroupFailure (the launcher is shut down and dropped first)."""
+        """Start a fresh group (new rendezvous port) and re-apply the served weights where this
+        process can: the last :meth:`update_weights` (the host copy, or the IPC source while it
+        holds them) or the checkpoint's. Weights received from a trainer's group
+        (:meth:`receive_weight_update`) cannot be: the new workers keep the checkpoint's and
+        ``_weights_lost`` says so (no forward until the next accepted update). A paused service
+        pauses the new workers too (requests resubmitted after a failure wait for ``resume``).
+        Raises GroupFailure (the launcher is shut down and dropped first)."""
         group = dataclasses.replace(self.spec.group, port=free_port(self.spec.group.addr))
         spec = dataclasses.replace(self.spec, group=group, incarnation=self._starts)
         self._starts += 1
@@ -272,12 +285,17 @@ class RolloutService(GenerationBackend):
             self._to_add = [[] for _ in range(self.world_size)]
             self._to_abort = [[] for _ in range(self.world_size)]
             self._sleep_level = 0  # fresh workers are awake
+            self._joined = False  # a trainer's weight-sync group had the old workers only
             if self.refit == "ipc":
                 self.launcher.call("init_ipc_sync", self._ipc_refit().worker_args, self.start_timeout_s)
+            if self._served_received:  # only the old workers got them: no copy to re-apply
+                self._weights_lost = self._received_weights_lost()
+            elif self.refit == "ipc" and self._last_weights is not None:
+                self._reapply_ipc()  # sets _weights_lost when the source no longer holds them
+            else:
                 if self._last_weights is not None:
-                    self._reapply_ipc()
-            elif self._last_weights is not None:
-                self._push_weights(*self._last_weights)
+                    self._push_weights(*self._last_weights)
+                self._weights_lost = None  # fresh valid ranks on the served weights
             self._count_writes()  # fresh workers: no count of an earlier group may be taken for theirs
             if self._paused:
                 self.launcher.call("pause", (), self.start_timeout_s)
@@ -286,6 +304,17 @@ class RolloutService(GenerationBackend):
             self.launcher.shutdown(graceful=False)
             self.launcher = None
             raise
+
+    def _received_weights_lost(self) -> str:
+        """``_weights_lost`` after a restart while the served weights were received from a
+        trainer's group: the cause and what makes the weights served again."""
+        return (
+            f"the restarted rollout workers hold the checkpoint's weights, not the served version {self._version}, "
+            "which came from the trainer's weight-sync group (join_weight_sync / receive_weight_update) and is not "
+            "kept for a restart: have the trainer join again (join_weight_sync; the server's /init_weight_sync) "
+            "and send the weights again (its next update: receive_weight_update; /update_weights), or call "
+            "update_weights first"
+        )
 
     def _record(self, failure: GroupFailure, lost: list[str], recovered: bool) -> None:
         event = {
@@ -489,8 +518,10 @@ class RolloutService(GenerationBackend):
         of ``step`` too (a group failure then ends it with error records; a request without
         ``stream`` is resubmitted instead, see :meth:`step`). A bad request yields error records,
         as the engine's; so does every request while the workers do not hold the served weights
-        (:meth:`_check_weights_served`: after a rejected non-atomic IPC update, or a restart the IPC
-        source could not re-apply), since an EP forward would read the invalid rank's experts."""
+        (:meth:`_check_weights_served`: after a rejected non-atomic update, or a restart that could not
+        re-apply the served weights: the IPC source no longer held them, or they were received from
+        a trainer's group), since an EP forward would read an invalid rank's experts or run old
+        weights under the served version."""
         if req.request_id in self._live:
             raise ValueError(f"request_id={req.request_id!r}: a request with this id is still unfinished")
         if self.launcher is None:
@@ -610,15 +641,18 @@ class RolloutService(GenerationBackend):
         them has left the service) their missing samples are resubmitted (:meth:`_resubmit`, the
         one :meth:`generate` uses) and go out with the next :meth:`step`; those in ``aborting`` (or
         with an abort not sent yet) are aborted again there (their abort records come out of it).
+        A streamed request not sent yet (its ``add_request`` came after the last :meth:`step`, e.g.
+        a restart in :meth:`sleep`) is resubmitted too, still streamed: none of its tokens left.
         Error records, out of the next :meth:`step`, naming the cause, for: streamed requests
-        (their streamed tokens cannot be taken back); a request that lived through more than
+        that were sent (their streamed tokens cannot be taken back); a request that lived through more than
         ``max_restarts`` group failures (as :meth:`generate` gives up); every one when the restart
         fails or the restarted workers do not hold the served weights
         (:meth:`_check_weights_served`). Returns the restarts used in all; raises RolloutFailure
         (recorded, the group left stopped) when the restart fails."""
         aborting = set(aborting).union(*self._to_abort)  # the restart drops the unsent aborts
+        unsent = {req.request_id for reqs in self._to_add for req, _ in reqs}  # ... and the unsent requests
         lost = sorted(self._live)
-        self._lose([rid for rid, p in self._live.items() if p.stream], str(failure))
+        self._lose([rid for rid, p in self._live.items() if p.stream and rid not in unsent], str(failure))
         try:
             total = self._start_with_retries(failure, lost, used)
         except RolloutFailure as gave_up:
@@ -636,7 +670,7 @@ class RolloutService(GenerationBackend):
         if self._weights_lost:
             self._lose(list(self._live), f"{failure}; {self._weights_lost}")
         for rank, reqs in enumerate(self._resubmit(self._live)):
-            self._to_add[rank] += [(req, False) for req in reqs]
+            self._to_add[rank] += [(req, self._live[req.request_id].stream) for req in reqs]
         for rid in sorted(aborting):
             p = self._live.get(rid)
             if p is not None:
@@ -682,9 +716,15 @@ class RolloutService(GenerationBackend):
         """Every rank joins a weight-sync group hosted elsewhere (a trainer at rank 0) as rank
         ``rank_offset + rank`` and runs the handshake; updates then arrive with
         :meth:`receive_weight_update` (in-flight policy "continue": running requests go on, their
-        later tokens stamped with the new version). Weights received this way are not kept for a
-        group restart (the restarted group serves the checkpoint's or the last
-        :meth:`update_weights` weights).
+        later tokens stamped with the new version). Starts the group first when a failed restart
+        left none.
+
+        Weights received this way go from the trainer to the workers only: this process keeps no
+        copy, so a group restart cannot re-apply them, and the restarted workers are no longer in
+        the trainer's group. After such a restart no forward runs on the checkpoint's weights they
+        load: requests get error records naming the cause and the remedy (:meth:`_start`,
+        :meth:`_check_weights_served`) until the trainer joins again and an update is accepted
+        (or :meth:`update_weights`).
 
         Raises:
             ValueError: the ranks do not fit in ``world_size`` or the handshake found differences.
@@ -699,6 +739,9 @@ class RolloutService(GenerationBackend):
             )
         options = dict(bucket_size_mb=bucket_size_mb, atomic=atomic, in_flight="continue")
         args = (host, port, world_size, backend, timeout_s, options, rank_offset)
+        if self.launcher is None:
+            self._start_with_retries(None, [])
+        self._joined = False  # the workers leave the last group first
         try:
             problems = self.launcher.call("init_weight_sync", args, timeout_s + self.start_timeout_s)
         except GroupFailure as failure:
@@ -707,6 +750,13 @@ class RolloutService(GenerationBackend):
         bad = [f"rank {r}: {p}" for r, ps in enumerate(problems) for p in ps]
         if bad:
             raise ValueError("weight-sync handshake failed:\n  " + "\n  ".join(bad))
+        self._joined = True
+
+    @property
+    def weight_sync_joined(self) -> bool:
+        """Whether the running group's workers are in a trainer's weight-sync group
+        (:meth:`join_weight_sync`; a restart leaves it)."""
+        return self._joined
 
     @_locked
     def receive_weight_update(self, expect_version: int | None = None) -> dict:
@@ -720,8 +770,16 @@ class RolloutService(GenerationBackend):
         group serving until an update is accepted: that rank's experts are read by every rank's
         forward, so the step API's unfinished requests end with error records (the ones the
         invalid rank gave up at once, the others at the next :meth:`step`) and new ones are
-        refused (:meth:`add_request`), as after a rejected IPC update.
-        Raises GroupFailure when a rank failed (the group is restarted)."""
+        refused (:meth:`add_request`), as after a rejected IPC update. An accepted update cannot be
+        re-applied after a group restart (see :meth:`join_weight_sync`).
+        Raises RuntimeError when the running group has not joined a trainer's group (a restart
+        since :meth:`join_weight_sync`: join again); GroupFailure when a rank failed (the group is
+        restarted)."""
+        if not self._joined:
+            raise RuntimeError(
+                "receive_weight_update: the rollout workers are not in a trainer's weight-sync group (none was "
+                "joined, or the EP group was restarted since): call join_weight_sync first"
+            )
         try:
             outs = self.launcher.call("receive_weights", (expect_version,), self.start_timeout_s)
         except GroupFailure as failure:
@@ -738,6 +796,7 @@ class RolloutService(GenerationBackend):
         invalid = [str(r) for r, o in enumerate(outs) if not o["valid"]]
         if ok:
             self._version, self._weights_lost = max(o["version"] for o in outs), None
+            self._served_received = True  # held by these workers only (no copy here for a restart)
         elif invalid:
             self._weights_lost = (
                 f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of a rejected weight update "
@@ -783,7 +842,8 @@ class RolloutService(GenerationBackend):
         Every check is the ranks' receiver's (receiver.py): a rejected update leaves atomic ranks
         on their weights and version; ranks a non-atomic failure left invalid are repaired by
         re-sending the last good weights (``replace``). A rank dying mid-update restarts the group
-        on the last good weights.
+        on the last good weights (the step API's requests: :meth:`_restart_live`). An accepted
+        update makes the weights served again after a restart that could not re-apply them.
         Raises ValueError naming the rank and tensors / versions of a rejected update;
         GroupFailure when a rank failed during the update (after the restart).
         """
@@ -795,7 +855,7 @@ class RolloutService(GenerationBackend):
         try:
             self._push_weights(int(version), incoming)
         except GroupFailure as failure:
-            self._start_with_retries(failure, [])  # back on the last good weights
+            self._restart_live(failure)  # back on the last good weights
             raise
         except ValueError:
             ranks = self.last_weight_sync.get("ranks", [])
@@ -803,7 +863,7 @@ class RolloutService(GenerationBackend):
                 self._push_weights(*self._last_weights, replace=True)
             raise
         self._last_weights = (int(version), incoming)
-        self._version = int(version)
+        self._version, self._weights_lost, self._served_received = int(version), None, False
 
     def _call_beside(self, method: str, args: tuple, fn):
         """Run ``launcher.call(method, args)`` in a thread while ``fn()`` runs here (both ends of a
@@ -963,7 +1023,8 @@ class RolloutService(GenerationBackend):
         unless the trainer withdrew the update before filling it (``IpcRefit.send``), so workers
         restarted before the next accepted update cannot be given the served weights;
         non-atomic ranks that wrote part of it cannot be repaired: ``generate`` refuses, naming
-        this, until an update is accepted). RuntimeError at sleep level 2 (wake up first)."""
+        this, until an update is accepted). The step API's unfinished requests come through a restart
+        as through any (:meth:`_restart_live`). RuntimeError at sleep level 2 (wake up first)."""
         if self._sleep_level >= 2:
             raise RuntimeError(
                 "update_weights: the rollout workers sleep at level 2 (weights offloaded to host memory); "
@@ -980,7 +1041,7 @@ class RolloutService(GenerationBackend):
                 self._push_ipc(version, named)
                 break
             except GroupFailure as failure:
-                used = self._start_with_retries(failure, [], used)
+                used = self._restart_live(failure, used=used)
             except ValueError:
                 # the source holds the refused update, not the served weights: no re-send repairs
                 # ranks that wrote part of it (weight_sync.atomic=false), as the broadcast refit does
@@ -989,18 +1050,20 @@ class RolloutService(GenerationBackend):
                     self._weights_lost = (
                         f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of the rejected update {version} "
                         f"(weight_sync.atomic=false), and the trainer's IPC source no longer holds the served "
-                        f"version {self._version} to repair them"
+                        f"version {self._version} to repair them; call update_weights first"
                     )
                 raise
         self._last_weights = (version, None)
-        self._version, self._weights_lost = version, None
+        self._version, self._weights_lost, self._served_received = version, None, False
 
     def _check_weights_served(self, request_ids: list[str]) -> None:
         """Raises RolloutFailure (with ``request_ids``) when the workers do not hold the served
-        weights: restarted ones could not be given them (``_reapply_ipc``: they would generate with
-        the checkpoint's), or a rejected non-atomic update left ranks invalid (``_update_ipc``)."""
+        weights: restarted ones could not be given them (they would generate with the checkpoint's:
+        ``_reapply_ipc``, or weights received from a trainer's group, :meth:`_start`), or a
+        rejected non-atomic update left ranks invalid (``_update_ipc``,
+        :meth:`receive_weight_update`). The message names the cause and the remedy."""
         if self._weights_lost:
-            raise RolloutFailure(f"{self._weights_lost}; call update_weights first, then resubmit", sorted(request_ids))
+            raise RolloutFailure(f"{self._weights_lost}, then resubmit", sorted(request_ids))
 
     def _check_ready(self, what: str, request_ids: list[str]) -> None:
         """Before a forward on the workers (``what``: "generate", "score", ...): RuntimeError while
@@ -1028,7 +1091,7 @@ class RolloutService(GenerationBackend):
             self._weights_lost = (
                 f"the restarted rollout workers hold the checkpoint's weights, not the served version {self._version}: "
                 "the trainer's IPC source no longer holds it (a rejected update overwrote the stage, or the trainer "
-                "cast its compute copy again since)"
+                "cast its compute copy again since); call update_weights first"
             )
             return
         self._weights_lost = None
@@ -1055,7 +1118,9 @@ class RolloutService(GenerationBackend):
     # ---- memory handoff (policy.generation.sleep_level: workers on the trainer's device) -------
     def _call_restarting(self, method: str, args: tuple) -> list:
         """``launcher.call(method, args)`` on every rank; a failed group is restarted (on the last
-        weights, ``max_restarts`` within this call) and the call repeated."""
+        weights, ``max_restarts`` within this call) and the call repeated. The step API's
+        unfinished requests (sent or not yet) are resubmitted or given error records, as after a
+        failed :meth:`step` (:meth:`_restart_live`)."""
         used = 0
         if self.launcher is None:
             used = self._start_with_retries(None, [])
@@ -1063,14 +1128,15 @@ class RolloutService(GenerationBackend):
             try:
                 return self.launcher.call(method, args, self.start_timeout_s)
             except GroupFailure as failure:
-                used = self._start_with_retries(failure, [], used)
+                used = self._restart_live(failure, used=used)
 
     @_locked
     def sleep(self, level: int = 1) -> dict:
         """Every worker's ``LLMEngine.sleep(level)`` (the trainer trains on their device meanwhile).
         Returns {"level", "gb_freed" (GiB, summed over ranks), "seconds" (the slowest rank)}.
-        A lost worker restarts the group, which then sleeps. Raises RolloutFailure past
-        ``max_restarts``."""
+        A lost worker restarts the group, which then sleeps; the step API's requests not sent yet
+        are put back for the next :meth:`step` (:meth:`_call_restarting`). Raises RolloutFailure
+        past ``max_restarts``."""
         records = self._call_restarting("sleep", (int(level),))
         self._sleep_level = max(r["level"] for r in records)
         return _merge_records(records)
@@ -1093,18 +1159,26 @@ class RolloutService(GenerationBackend):
 
     @_locked
     def reset_prefix_cache(self) -> None:
-        self.launcher.call("reset_prefix_cache", (), self.start_timeout_s)
+        """Drop every rank's reusable KV pages (no group running: a fresh one starts empty)."""
+        if self.launcher is not None:
+            self.launcher.call("reset_prefix_cache", (), self.start_timeout_s)
         self._prefix_owner.clear()
         self._prefix_lengths.clear()
 
     @_locked
     def pause(self) -> None:
-        self.launcher.call("pause", (), self.start_timeout_s)
+        """Pause every worker's engine (no forward; requests keep their pages). With no group
+        running (a failed restart left none) the state is recorded: the next group starts
+        paused (:meth:`_start`)."""
+        if self.launcher is not None:
+            self.launcher.call("pause", (), self.start_timeout_s)
         self._paused = True
 
     @_locked
     def resume(self) -> None:
-        self.launcher.call("resume", (), self.start_timeout_s)
+        """Resume every worker's engine; with no group running the next one starts unpaused."""
+        if self.launcher is not None:
+            self.launcher.call("resume", (), self.start_timeout_s)
         self._paused = False
 
     # ---- scoring over the EP group ------------------------------------------------------------
