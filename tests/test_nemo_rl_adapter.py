@@ -120,6 +120,33 @@ def test_grpo_loop_order_refits_and_changes_logprobs():
     assert gen.shutdown() and gen.shutdown()
 
 
+def test_greedy_takes_the_argmax_with_the_models_own_logprobs():
+    """Breaker finding: greedy=True returned logprobs that were all 0 (the "processed" logprobs
+    after its top-1 filter). vLLM's temperature 0 (NeMo RL's greedy) returns the model's log-softmax
+    of the chosen token, unfiltered and untempered; its argmax tokens, whatever the config's
+    temperature and top-p."""
+    model = _model()
+    backend = NativeBackend(copy.deepcopy(model), [EOS], max_model_len=48, max_num_seqs=8)
+    gen = NemoRLGeneration(backend, {**CONFIG, "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 6}, seed=3)
+    batch = _batch()
+
+    async def collect():
+        return dict([item async for item in gen.generate_async(batch, greedy=True)])
+
+    greedy, rows = gen.generate(batch, greedy=True), asyncio.run(collect())
+    for i, n in enumerate(batch["input_lengths"].tolist()):
+        g = int(greedy["generation_lengths"][i])
+        row = greedy["output_ids"][i, : n + g]
+        with torch.no_grad():
+            logits = model(row[None, :-1])[0, n - 1 :].float()  # [g, V]: the logits each token was chosen from
+        ref = torch.log_softmax(logits, dim=-1)
+        assert g >= 1 and row[n:].tolist() == logits.argmax(-1).tolist()
+        got = greedy["logprobs"][i, n : n + g]
+        assert float((got - ref.gather(1, row[n:, None])[:, 0]).abs().max()) < 1e-4 and bool((got < -1e-3).all())
+        assert torch.equal(rows[i]["output_ids"][0], row)  # per-row streaming alike
+        assert torch.allclose(rows[i]["logprobs"][0, n:], got, atol=1e-5)  # (another batch: last bits)
+
+
 class FakeBatchedDataDict(collections.UserDict):
     """Stands in for nemo_rl's BatchedDataDict (a UserDict built from a dict)."""
 

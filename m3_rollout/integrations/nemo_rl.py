@@ -16,7 +16,9 @@ Data (NeMo RL's ``GenerationDatumSpec`` in, ``GenerationOutputSpec`` out), for B
   out  output_ids            [B, S + G_max] (input_ids' dtype): the prompt INCLUDED, then row i's G_i
                              generated tokens at L_i .. L_i + G_i - 1, then the pad id
        logprobs              float32, same shape: 0 at prompt and pad positions, generated token j's
-                             logprob at L_i + j (the engine's ``logprobs_mode``)
+                             logprob at L_i + j: in the distribution sampled from (temperature,
+                             top-k, top-p: "processed"), or with ``greedy`` the model's own
+                             log-softmax (as vLLM's temperature 0: not 0 after a top-1 filter)
        generation_lengths    int64 [B] (G_i)
        unpadded_sequence_lengths  int64 [B] (L_i + G_i)
        truncated             bool [B]: stopped by the token limit (finish_reason "length")
@@ -184,13 +186,17 @@ class NemoRLGeneration:
         for i, n in enumerate(lens):
             extra = tuple(s for s in (stops[i] or ()) if s not in self.params.stop_strings)
             params = SamplingParams(
-                temperature=self.params.temperature,
-                top_p=self.params.top_p,
+                temperature=1.0 if greedy else self.params.temperature,
+                top_p=1.0 if greedy else self.params.top_p,
                 top_k=1 if greedy else self.params.top_k,  # top-1: exactly the argmax token
                 max_new_tokens=self.params.max_new_tokens,
                 stop_token_ids=self.params.stop_token_ids,
                 seed=self.seed + call,
                 stop_strings=self.params.stop_strings + extra,
+                # NOTE: greedy logprobs as vLLM's temperature 0 gives them: the model's own
+                # log-softmax of the chosen token (its greedy path filters nothing); the processed
+                # distribution after top-1 would give 0 for every token
+                logprobs_mode="raw" if greedy else "processed",
             )
             full = self.max_model_len is not None and n >= self.max_model_len
             reqs.append(None if full else GenerationRequest(f"nemo-rl-{call}-{i}", ids[i, :n].tolist(), params, i))
@@ -225,8 +231,10 @@ class NemoRLGeneration:
     def generate(self, data: Mapping, greedy: bool = False) -> Mapping:
         """Generate one continuation per row of a ``GenerationDatumSpec`` batch.
 
-        ``greedy``: sample the most likely token (top-k 1). Returns the ``GenerationOutputSpec``
-        (module docstring) in ``type(data)``.
+        ``greedy``: take the most likely token (top-k 1) with the model's unfiltered log-softmax
+        as its logprob (``logprobs_mode`` "raw"), as vLLM's temperature 0 (NeMo RL's greedy)
+        returns it; the config's temperature and top-p are ignored, as there.
+        Returns the ``GenerationOutputSpec`` (module docstring) in ``type(data)``.
 
         Raises:
             ValueError: a batch that is not right-padded integer ids with lengths in [1, S].
