@@ -2,6 +2,8 @@
 server goes on serving."""
 
 import json
+import logging
+import threading
 
 import httpx
 import openai
@@ -329,3 +331,49 @@ def test_text_content_parts_render_as_the_plain_string(setup):
     assert split.json()["tokens"] == plain.json()["tokens"]
     err = _error(httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": [{}]}]}), 400)
     assert 'content part 0 has no "type"' in err["message"] and err["param"] == "messages.0.content"
+
+
+class _Caught(logging.Handler):
+    """Keeps the records of a logger and acknowledges the first one that carries a traceback."""
+
+    def __init__(self):
+        super().__init__()
+        self.records, self.traceback = [], threading.Event()
+
+    def emit(self, record):
+        self.records.append(record)
+        if record.exc_info:
+            self.traceback.set()
+
+
+def test_an_unexpected_exception_is_a_500_server_error_in_the_openai_shape_and_logged(setup):
+    """Breaker finding: an exception other than WeightSyncError during a weight update (or any
+    unexpected one in a route) was a plain-text 500 "Internal Server Error". It is the OpenAI error
+    shape, type server_error with the exception's message, and the server logs its traceback."""
+    srv, _, _ = setup
+    ctl = srv.controller
+    message = "CUDA error: an illegal memory access was encountered"
+
+    async def update_weights(body):
+        raise RuntimeError(message)
+
+    async def stream(request, stream=True):
+        raise KeyError("lost")
+        yield  # an async generator, as the runner's
+
+    caught, log = _Caught(), logging.getLogger("uvicorn.error")
+    log.addHandler(caught)
+    ctl.update_weights, ctl.runner.stream = update_weights, stream
+    try:
+        err = _error(httpx.post(srv.url + "/update_weights", json={}, timeout=60), 500)
+        assert err == {"message": message, "type": "server_error", "param": None, "code": None}
+        assert caught.traceback.wait(60)  # the acknowledgement: logged once the answer was sent
+        assert caught.records[0].exc_info[1].args == (message,)
+        err = _error(httpx.post(srv.url + "/generate", json={"input_ids": [5, 6]}, timeout=60), 500)
+        assert err == {"message": "'lost'", "type": "server_error", "param": None, "code": None}
+        events = httpx.post(srv.url + "/generate", json={"input_ids": [5, 6], "stream": True}, timeout=60).text
+        assert events.split("\n\n")[:2] == [f"data: {json.dumps({'error': err})}", "data: [DONE]"]
+    finally:
+        log.removeHandler(caught)
+        del ctl.update_weights, ctl.runner.stream
+    assert httpx.post(srv.url + "/generate", json={"input_ids": [5, 6]}, timeout=60).status_code == 200

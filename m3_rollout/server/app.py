@@ -15,8 +15,9 @@ Routes (bodies in ``protocol.py``):
     POST /abort                          abort a request by id (or all)
     POST /reset_prefix_cache             drop reusable KV pages
     GET  /weight_version, /health, /metrics
-Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``); with an API key
-every route needs ``Authorization: Bearer KEY``.
+Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), an unexpected
+exception out of a route too (500, type ``server_error``, its message; the ASGI server logs its
+traceback); with an API key every route needs ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ class BearerAuth:
                 )
                 return await JSONResponse(err.body(), 401)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def server_error(exc: Exception) -> APIError:
+    """An unexpected exception out of a route (not an :class:`APIError`): a 500 ``server_error``
+    with the exception's message (its type's name when it has none), ``param`` and ``code`` None."""
+    return APIError(500, str(exc) or type(exc).__name__, None, type="server_error")
 
 
 def encode_routed_experts(arr: np.ndarray) -> dict:
@@ -198,6 +205,12 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         return JSONResponse(APIError(exc.status_code, str(exc.detail), None).body(), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception):
+        # Starlette raises the exception on after this answer, so the ASGI server logs it with its
+        # traceback (uvicorn: "Exception in ASGI application") and closes the connection
+        return JSONResponse(server_error(exc).body(), 500)
 
     # ---- OpenAI --------------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -327,7 +340,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                 except APIError as exc:
                     yield f"data: {json.dumps(exc.body())}\n\n"
                 except Exception as exc:  # noqa: BLE001 - reported in the stream, which has begun
-                    yield f"data: {json.dumps(APIError(500, str(exc)).body())}\n\n"
+                    yield f"data: {json.dumps(server_error(exc).body())}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
