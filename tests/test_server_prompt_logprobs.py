@@ -187,6 +187,36 @@ def test_max_tokens_0_waits_at_the_admission_gate_while_paused(server, ref, serv
     assert ctl.waiting == 0 and not ctl.live
 
 
+def test_max_tokens_0_aborted_at_the_admission_gate_ends_with_abort_and_no_scores(served, model):
+    """Breaker finding: /abort (abort_all) did not reach a prompt-scoring request held at the gate;
+    it was scored after /resume. It now ends there: every choice finishes "abort", no forward runs
+    (logprobs and prompt_logprobs null)."""
+    runner = EngineRunner(native_backend(model, served))
+    ctl = Controller(runner)
+    serving = OpenAIServing(served, ctl)
+    body = {"model": "tiny-m3", "prompt": TEXT, "max_tokens": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 1}
+    req = CompletionRequest.model_validate({**body, "n": 2})
+
+    async def ask():
+        await ctl.pause("abort")
+        task = asyncio.ensure_future(serving.completion(req, serving.prepare_completion(req)))
+        while ctl.waiting == 0:  # until it is held at the gate (an acknowledgement, not a timing)
+            await asyncio.sleep(0)
+        reply = await ctl.abort(None, True)
+        answer = await asyncio.wait_for(task, 60)  # while the server is still paused
+        await ctl.resume()
+        return reply, answer
+
+    try:
+        reply, answer = asyncio.run(ask())
+    finally:
+        runner.shutdown()
+    assert reply == {"aborted": 1}
+    got = [(c["index"], c["finish_reason"], c["logprobs"], c["prompt_logprobs"]) for c in answer["choices"]]
+    assert got == [(0, "abort", None, None), (1, "abort", None, None)]
+    assert answer["choices"][0]["text"] == TEXT and not ctl.live and ctl.waiting == 0
+
+
 def _streamed_logprobs(stream) -> tuple[dict, dict]:
     """Per choice index: the text and the four logprobs lists of a completions stream, each chunk's
     appended in order (chunks without tokens carry logprobs null)."""

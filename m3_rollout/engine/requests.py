@@ -4,7 +4,8 @@ Governing idea: a bad request must fail alone. :func:`check_request` validates e
 (types and ranges of the sampling parameters, the sample index, the prompt's token ids) and
 returns a :class:`CheckedRequest` of plain Python values, or raises ValueError naming the field;
 the engine turns that error into the request's :func:`error_outputs` instead of raising out of a
-call that also holds valid requests. :func:`sample_groups` splits a request's n samples into
+call that also holds valid requests (:func:`aborted_outputs`: the records of one aborted before it
+reached the engine). :func:`sample_groups` splits a request's n samples into
 groups the scheduler can admit (at most ``max_num_seqs`` rows each).
 """
 
@@ -105,14 +106,31 @@ def check_request(
 def error_outputs(req: GenerationRequest, error: str, weight_version: int) -> list[SampleOutput]:
     """The error records of a rejected request: one per ``req.output_indices()`` (one per
     sample, or a single one when ``n`` or ``sample_index`` is not a valid integer)."""
-    try:
-        prompt = list(req.prompt_ids)
-    except TypeError:
-        prompt = []
     return [
-        SampleOutput(req.request_id, i, prompt, [], [], FINISH_ERROR, weight_version, error=error)
+        SampleOutput(req.request_id, i, _prompt_of(req), [], [], FINISH_ERROR, weight_version, error=error)
         for i in req.output_indices()
     ]
+
+
+def aborted_outputs(req: GenerationRequest, weight_version: int) -> list[SampleOutput]:
+    """The records of a request aborted before it reached the engine (e.g. held at the server's
+    admission gate): one per ``req.output_indices()``, finish reason "abort", no tokens, as the
+    engine ends a sample aborted before its first token (``top_logprobs`` [] when asked)."""
+    params = req.params
+    tops = bool(isinstance(params, SamplingParams) and params.top_logprobs)
+    return [
+        SampleOutput(
+            req.request_id, i, _prompt_of(req), [], [], "abort", weight_version, top_logprobs=[] if tops else None
+        )
+        for i in req.output_indices()
+    ]
+
+
+def _prompt_of(req: GenerationRequest) -> list:
+    try:
+        return list(req.prompt_ids)
+    except TypeError:
+        return []
 
 
 def sample_groups(n: int, max_num_seqs: int) -> list[range]:

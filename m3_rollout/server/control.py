@@ -3,8 +3,9 @@
 Governing idea: one object on the HTTP loop owns the serving state (admitting or paused, an
 update running or not, which requests are live) so that every control call sees a consistent
 picture and the rules are in one place: requests wait at the admission gate while the server is
-paused or draining for an update; a control call that would interfere with a running weight
-update is refused with 409; the engine itself is only touched through the :class:`EngineRunner`.
+paused or draining for an update (``/abort`` ends them there, as it ends running ones); a control
+call that would interfere with a running weight update is refused with 409; the engine itself is
+only touched through the :class:`EngineRunner`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
+from m3_rollout.engine.requests import aborted_outputs
 
 from .protocol import APIError, InitWeightSyncRequest, UpdateWeightsRequest
 from .runner import EngineRunner, RefitRecord, WeightSyncError
@@ -33,6 +35,8 @@ class Controller:
         self._gate.set()
         self.live: collections.Counter[str] = collections.Counter()  # request id -> open streams
         self.waiting = 0  # requests held at the admission gate
+        # request id -> one future per request held at the gate under it, resolved by /abort
+        self._held: dict[str, list[asyncio.Future]] = {}
         self._resumes = 0  # /resume calls so far: a drain pause a /resume lifted stops waiting
 
     @property
@@ -42,25 +46,46 @@ class Controller:
     async def top_logprobs(self, *args):
         return await self.runner.top_logprobs(*args)
 
+    async def _pass_gate(self, request_id: str) -> bool:
+        """Wait at the admission gate while it is closed: True once it is open, False when
+        :meth:`abort` ended the request there (it must not run)."""
+        if self._gate.is_set():
+            return True
+        aborted = asyncio.get_running_loop().create_future()
+        self._held.setdefault(request_id, []).append(aborted)
+        self.waiting += 1
+        try:
+            # the gate may close again before this waiter runs (a /resume, then a /pause in the
+            # same loop iteration): wait again, never start while paused
+            while not self._gate.is_set() and not aborted.done():
+                opened = asyncio.ensure_future(self._gate.wait())
+                try:
+                    await asyncio.wait({opened, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    opened.cancel()
+            return not aborted.done()  # an abort that counted this request wins over the gate
+        finally:
+            self.waiting -= 1
+            held = self._held[request_id]
+            held.remove(aborted)
+            if not held:
+                del self._held[request_id]
+
     @contextlib.asynccontextmanager
-    async def admitted(self, request_id: str) -> AsyncIterator[None]:
+    async def admitted(self, request_id: str) -> AsyncIterator[bool]:
         """Wait until the admission gate is open (it is closed while paused or draining for an
         update; ``waiting`` counts those held), then count ``request_id`` as live (abortable,
         drained: a pause in mode drain and an update with in_flight=drain wait for it) until the
-        block ends. Every request that runs the engine for a client passes here: generation
-        (:meth:`stream`) and prompt scoring (completions ``max_tokens=0``)."""
-        if not self._gate.is_set():
-            self.waiting += 1
-            try:
-                # the gate may close again before this waiter runs (a /resume, then a /pause in
-                # the same loop iteration): wait again, never start while paused
-                while not self._gate.is_set():
-                    await self._gate.wait()
-            finally:
-                self.waiting -= 1
-        self.live[request_id] += 1
+        block ends, and give True. Gives False, never live, when ``/abort`` (its id or abort_all)
+        ended the request at the gate: the block must then not run the engine for it. Every
+        request that runs the engine for a client passes here: generation (:meth:`stream`) and
+        prompt scoring (completions ``max_tokens=0``)."""
+        if not await self._pass_gate(request_id):
+            yield False
+            return
+        self.live[request_id] += 1  # no await since the gate: never in neither _held nor live
         try:
-            yield
+            yield True
         finally:
             self.live[request_id] -= 1
             if self.live[request_id] <= 0:
@@ -70,8 +95,16 @@ class Controller:
         self, request: GenerationRequest, stream: bool = True
     ) -> AsyncIterator[SampleOutput | StreamDelta]:
         """The runner's stream of ``request`` once admitted (:meth:`admitted`); the request counts
-        as live (abortable, drained) until its iteration ends."""
-        async with self.admitted(request.request_id):
+        as live (abortable, drained) until its iteration ends. A request ``/abort`` ended at the
+        gate yields one record per sample with finish reason "abort" and no tokens (as a running
+        request aborted before its first token), counted in the finished requests."""
+        async with self.admitted(request.request_id) as admitted:
+            if not admitted:
+                outs = aborted_outputs(request, self.weight_version)
+                self.runner.requests_finished["abort"] += len(outs)
+                for out in outs:
+                    yield out
+                return
             async for item in self.runner.stream(request, stream):
                 yield item
 
@@ -100,9 +133,10 @@ class Controller:
         """Stop admitting requests. ``abort``: running requests end now with reason "abort";
         ``drain``: returns once they finished; ``keep``: they stay frozen in the engine (KV kept)
         and continue at :meth:`resume`. A second ``/pause`` with the mode in force is a no-op; with
-        another mode it is refused (the frozen or draining requests would be stranded). A drain
-        that a ``/resume`` ends returns at once with ``paused`` False. Raises APIError 409 during
-        a weight update or a pause in another mode."""
+        another mode it is refused (the frozen or draining requests would be stranded). The
+        answer's ``paused`` is the state at return: False when a ``/resume`` lifted this pause
+        while it aborted, drained (it then returns at once) or froze the engine. Raises APIError
+        409 during a weight update or a pause in another mode."""
         self._refuse_during_update("/pause")
         if self.pause_mode is not None:
             if mode != self.pause_mode:
@@ -116,17 +150,16 @@ class Controller:
             return {"paused": True, "mode": mode, "aborted": 0, "running": sum(self.live.values())}
         self._gate.clear()
         self.pause_mode = mode
+        resumes = self._resumes
         aborted = 0
         if mode == "abort":
             aborted = await self._abort_live()
         elif mode == "drain":
-            resumes = self._resumes
             await self._wait_idle(resumes)
-            if resumes != self._resumes:  # a /resume lifted this pause while it drained
-                return {"paused": False, "mode": mode, "aborted": 0, "running": sum(self.live.values())}
-        if mode == "keep":
-            await self.runner.pause()
-        return {"paused": True, "mode": mode, "aborted": aborted, "running": sum(self.live.values())}
+        elif mode == "keep":
+            await self.runner.pause()  # a /resume meanwhile resumes the engine after it (one engine loop, in order)
+        lifted = resumes != self._resumes  # a /resume came while this pause awaited
+        return {"paused": not lifted, "mode": mode, "aborted": aborted, "running": sum(self.live.values())}
 
     async def resume(self) -> dict:
         """Admit requests again and let frozen ones continue. Raises APIError 409 during an update."""
@@ -138,17 +171,31 @@ class Controller:
         self._gate.set()
         return {"paused": False}
 
+    def _abort_held(self, rid: str) -> bool:
+        """End every request held at the gate under ``rid`` (:meth:`admitted` gives False);
+        whether there was one."""
+        held = self._held.get(rid, [])
+        for aborted in held:
+            if not aborted.done():
+                aborted.set_result(None)
+        return bool(held)
+
     async def abort(self, rid: str | None, abort_all: bool) -> dict:
-        """Abort one request id (every sample of it) or every live request. Unknown ids are not an
-        error (the request may just have finished): ``aborted`` says how many were found."""
+        """Abort one request id (every sample of it) or every request, running or held at the
+        admission gate (a held one never runs: its samples end with reason "abort" and no
+        tokens). Unknown ids are not an error (the request may just have finished): ``aborted``
+        says how many request ids were found."""
         if abort_all:
-            return {"aborted": await self._abort_live()}
+            held = {rid for rid in list(self._held) if self._abort_held(rid)}
+            only_held = len(held - set(self.live))  # an id both held and running counts once
+            return {"aborted": only_held + await self._abort_live()}
         if rid is None:
             raise APIError(400, "rid: give the request id to abort, or abort_all=true", "rid")
-        if rid not in self.live:
-            return {"aborted": 0}
-        await self.runner.abort(rid)
-        return {"aborted": 1}
+        found = self._abort_held(rid)
+        if rid in self.live:
+            found = True
+            await self.runner.abort(rid)
+        return {"aborted": int(found)}
 
     async def reset_prefix_cache(self) -> dict:
         self._refuse_during_update("/reset_prefix_cache")

@@ -1348,7 +1348,9 @@ class OpenAIServing:
         generated tokens (:meth:`score_sample`). ``max_tokens=0`` (with ``echo``) generates nothing:
         each of the ``n`` choices is the prompt, finish reason "length", its logprobs and prompt
         logprobs scored once under the weights served now, once the request is admitted
-        (``Controller.admitted``: it waits while the server is paused, as a generation does)."""
+        (``Controller.admitted``: it waits while the server is paused, as a generation does; one
+        ``/abort`` ended there has finish reason "abort" and no scores: ``logprobs`` and
+        ``prompt_logprobs`` null)."""
         choices, all_outs, prompt_tokens = [], [], 0
         k, plp = req.logprobs, req.prompt_logprobs
         echo_k = k if req.echo else None  # the top k of the prompt tokens' echoed logprobs
@@ -1367,20 +1369,29 @@ class OpenAIServing:
             prefix = self.served.decode(prompt_ids) if req.echo else ""
             if req.max_tokens == 0:
                 scored = prompt_scored = None
+                finish = "length"
                 if k is not None or plp is not None:  # a forward for the client: admitted as a generation is
-                    async with self.runner.admitted(greq.request_id):
-                        shared = await self.prompt_scores(prompt_ids, shared_k, greq.params, shared_param)
-                    if k is not None:  # the prompt's rows of that forward: no forward of its own
+                    async with self.runner.admitted(greq.request_id) as admitted:
+                        shared = (
+                            await self.prompt_scores(prompt_ids, shared_k, greq.params, shared_param)
+                            if admitted
+                            else None
+                        )
+                    if not admitted:  # /abort ended it at the gate: no forward, no scores
+                        finish = "abort"
+                    elif k is not None:  # the prompt's rows of that forward: no forward of its own
                         scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k, None, shared)
-                    if plp is not None:
+                    if admitted and plp is not None:
                         prompt_scored = shared
                 for i in range(greq.params.n):
                     choice = {"index": p * greq.params.n + i, "text": prefix, "logprobs": None}
-                    choice.update(finish_reason="length", stop_reason=None)
+                    choice.update(finish_reason=finish, stop_reason=None)
                     if scored is not None:
                         choice["logprobs"] = self._echo_logprobs(prompt_ids, scored, k, None)
                     if prompt_scored is not None:
                         choice["prompt_logprobs"], _ = self.sample_prompt_logprobs(prompt_ids, prompt_scored, None, plp)
+                    elif plp is not None:  # aborted at the gate
+                        choice["prompt_logprobs"] = None
                     if req.return_token_ids:
                         choice.update(prompt_token_ids=prompt_ids, token_ids=[], token_weight_versions=[])
                     choices.append(choice)
