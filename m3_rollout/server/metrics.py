@@ -3,7 +3,7 @@
 Names follow vLLM's where one exists (``num_requests_running``, ``kv_cache_usage_perc``, ...)
 under the ``m3:`` prefix. Counts of running / waiting requests are the engine's samples (a request
 with n samples counts n); requests held at the server's admission gate (paused) are added to the
-waiting count.
+waiting count as one each (the gate holds requests, before their samples exist).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def render_metrics(ctl: Controller, model_name: str) -> str:
         (
             "num_requests_waiting",
             "gauge",
-            "Samples waiting for the engine or the admission gate.",
+            "Samples waiting in the engine, plus requests held at the admission gate (one each).",
             m.get("num_waiting", 0) + ctl.waiting,
         ),
         ("kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use (0..1).", m.get("kv_usage", 0.0)),
