@@ -143,3 +143,43 @@ def test_sampler_top_logprobs_over_http_equal_the_in_process_engine(setup):
     assert [got[0], got[1]] == [o.top_logprobs for o in over_http]
     refused = httpx.post(srv.url + "/generate", json={"input_ids": [5], "sampling_params": {"top_logprobs": 21}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "sampling_params.top_logprobs"
+
+
+def test_prompt_logprobs_over_http_equal_the_in_process_engine(setup):
+    """``SamplingParams.prompt_logprobs`` goes through /generate (``sampling_params.prompt_logprobs``)
+    and the prefill's entries and weight-write stamps come back (``prefill_prompt_logprobs``,
+    ``prompt_weight_writes``) as ``SampleOutput.prompt_logprobs`` / ``prompt_weight_writes``, bit
+    for bit the in-process engine's: a token the top-k filter removed (-inf) included, k=0 too; none
+    and no field sent when not asked. A server of its own, so its weight-write count is a fresh
+    engine's, as the in-process one's (another test of this module writes the weights)."""
+    tok, served, model, _ = setup
+    srv = LiveServer(served, native_backend(model, served))
+    http, local = HTTPBackend(srv.url), native_backend(model, served)
+    prompt = [5, 6, 7, 8, 9, 10]
+    reqs = [
+        GenerationRequest("plp", prompt, SamplingParams(n=2, max_new_tokens=4, seed=3, top_k=2, prompt_logprobs=3)),
+        GenerationRequest(
+            "raw0", prompt, SamplingParams(max_new_tokens=2, seed=3, logprobs_mode="raw", prompt_logprobs=0)
+        ),
+    ]
+    plain = GenerationRequest("plain", prompt, SamplingParams(max_new_tokens=2, seed=3))
+    try:
+        # one request at a time on both sides: the same prefill batches, so the same bits
+        over_http = [o for r in reqs for o in http.generate([r])]
+        plain_http = http.generate([plain])
+    finally:
+        http.shutdown()
+        srv.stop()
+    in_process = [o for r in reqs for o in local.generate([r])]
+    assert len(over_http) == len(in_process) == 3
+    for a, b in zip(over_http, in_process, strict=True):
+        assert (a.request_id, a.sample_index, a.output_ids) == (b.request_id, b.sample_index, b.output_ids)
+        assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None
+        assert a.prompt_logprobs == b.prompt_logprobs  # PositionLogprobs (logprob, rank, top), exact through JSON
+        assert a.prompt_weight_writes == b.prompt_weight_writes == [local.weight_writes] * (len(prompt) - 1)
+    filtered = [e.logprob for e in over_http[0].prompt_logprobs[1:]]
+    assert float("-inf") in filtered and all(len(e.top) <= 2 for e in over_http[0].prompt_logprobs[1:])
+    assert all(e.top == [] and e.logprob > float("-inf") for e in over_http[2].prompt_logprobs[1:])  # k=0, raw
+    assert request_body(reqs[1])["sampling_params"]["prompt_logprobs"] == 0
+    assert "prompt_logprobs" not in request_body(plain)["sampling_params"]
+    assert plain_http[0].prompt_logprobs is None and plain_http[0].prompt_weight_writes == []

@@ -7,7 +7,9 @@ Routes (bodies in ``protocol.py``):
     POST /generate                       token-in/token-out: ids + sampling params -> ids, logprobs,
                                          finish reason, per-token weight versions, routed experts,
                                          the sampler's top logprobs (``sampling_params.top_logprobs``),
-                                         prompt logprobs (``sampling_params.prompt_logprobs``)
+                                         prompt logprobs (``sampling_params.prompt_logprobs``;
+                                         the prefill's exactly too: ``prefill_prompt_logprobs``,
+                                         ``prompt_weight_writes``)
     POST /tokenize, /detokenize          text or chat messages <-> ids
     POST /init_weight_sync               join the trainer's weight-sync group (+ handshake)
     POST /update_weights                 receive one update (in_flight: continue | drain | abort)
@@ -133,6 +135,19 @@ def encode_top_logprobs(tops: list[list[tuple[int, float]]] | None) -> list[list
     return None if tops is None else [[[t, v] for t, v in row] for row in tops]
 
 
+def encode_prefill_prompt_logprobs(entries: list) -> list:
+    """The prefill's prompt scores (``SampleOutput.prompt_logprobs``: [P'] entries, None first,
+    then ``PositionLogprobs``) as JSON, with every bit kept: [null, [logprob, rank, [[token id,
+    logprob], ...]], ...], a -inf logprob (a token the filters removed) as null, as JSON has no
+    -inf. The client rebuilds them (``client.decode_prefill_prompt_logprobs``); the vLLM-shaped
+    ``prompt_logprobs`` beside them cannot carry that (a floor for -inf, the own token's entry in
+    place of its top one)."""
+    return [
+        None if e is None else [None if e.logprob == float("-inf") else e.logprob, e.rank, [[t, v] for t, v in e.top]]
+        for e in entries
+    ]
+
+
 def _sample_dict(out: SampleOutput, routed: bool) -> dict:
     d = {
         "sample_index": out.sample_index,
@@ -144,6 +159,9 @@ def _sample_dict(out: SampleOutput, routed: bool) -> dict:
         "error": out.error,
         "top_logprobs": encode_top_logprobs(out.top_logprobs),
     }
+    if out.prompt_logprobs is not None:  # the engine's prefill scored the prompt (prompt_logprobs asked)
+        d["prefill_prompt_logprobs"] = encode_prefill_prompt_logprobs(out.prompt_logprobs)
+        d["prompt_weight_writes"] = list(out.prompt_weight_writes)
     if routed:
         d["routed_experts"] = None if out.routed_experts is None else encode_routed_experts(out.routed_experts)
     return d

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import torch
 
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, SampleOutput
+from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, PositionLogprobs, SampleOutput
 from m3_rollout.engine.requests import error_outputs
 from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
@@ -68,7 +68,8 @@ def request_body(
     req: GenerationRequest, return_routed_experts: bool = False, return_block_selection: bool = False
 ) -> dict:
     """The /generate body of a GenerationRequest (same sampling fields, same sample index;
-    ``top_logprobs`` only when asked, so a server without the field still takes the others)."""
+    ``top_logprobs`` and ``prompt_logprobs`` only when asked, so a server without the fields still
+    takes the others)."""
     p = req.params
     body = {
         "input_ids": [int(t) for t in req.prompt_ids],
@@ -91,6 +92,8 @@ def request_body(
     }
     if p.top_logprobs:
         body["sampling_params"]["top_logprobs"] = p.top_logprobs
+    if p.prompt_logprobs is not None:  # 0 asks too: each prompt token's own logprob and rank
+        body["sampling_params"]["prompt_logprobs"] = p.prompt_logprobs
     return body
 
 
@@ -98,6 +101,23 @@ def decode_top_logprobs(rows: list | None) -> list[list[tuple[int, float]]] | No
     """An output's ``top_logprobs`` JSON of /generate (per token [[id, logprob], ...]) -> the
     ``SampleOutput.top_logprobs`` lists of (int, float) tuples (None when absent)."""
     return None if rows is None else [[(int(t), float(v)) for t, v in row] for row in rows]
+
+
+def decode_prefill_prompt_logprobs(rows: list | None) -> list[PositionLogprobs | None] | None:
+    """An output's ``prefill_prompt_logprobs`` JSON of /generate ([null, [logprob or null for -inf,
+    rank, [[id, logprob], ...]], ...]) -> the ``SampleOutput.prompt_logprobs`` entries the server's
+    engine computed in its prefill (None when absent: not asked, or a server or backend that
+    computes none)."""
+    if rows is None:
+        return None
+    return [
+        None
+        if row is None
+        else PositionLogprobs(
+            float("-inf") if row[0] is None else float(row[0]), int(row[1]), [(int(t), float(v)) for t, v in row[2]]
+        )
+        for row in rows
+    ]
 
 
 def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
@@ -117,6 +137,8 @@ def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
             routed_experts=decode_routed_experts(o.get("routed_experts")),
             block_selection=decode_block_selection(o.get("block_selection"), table),
             top_logprobs=decode_top_logprobs(o.get("top_logprobs")),
+            prompt_logprobs=decode_prefill_prompt_logprobs(o.get("prefill_prompt_logprobs")),
+            prompt_weight_writes=[int(w) for w in o.get("prompt_weight_writes", [])],
         )
         for o in body["outputs"]
     ]
@@ -254,7 +276,9 @@ class HTTPBackend(GenerationBackend):
     """The generation contract over a rollout server's ``/generate`` (token-in/token-out).
 
     Outputs carry the same fields as the in-process engine's (output ids, logprobs, finish
-    reason, weight version of every token, routed experts when ``return_routed_experts``); a request
+    reason, weight version of every token, routed experts when ``return_routed_experts``, the
+    sampler's top lists with ``SamplingParams.top_logprobs``, the prefill's prompt logprobs and their
+    weight-write stamps with ``SamplingParams.prompt_logprobs``; not ``token_weight_writes``); a request
     the server refuses (400) becomes the engine's own error records (``engine.requests.
     error_outputs``: one per sample, a single one when ``n`` is not a valid count).
 

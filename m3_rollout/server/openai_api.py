@@ -31,7 +31,7 @@ Generated tokens' ``top_logprobs`` are the sampler's (``SamplingParams.top_logpr
 engine's prefill's (``SamplingParams.prompt_logprobs``, ``SampleOutput.prompt_logprobs``, vLLM's
 way): scores of the weights that ran the sample, kept whatever was written since, unless the
 prompt's prefill itself ran across a weight write (:func:`prefill_prompt_rows`). For a backend
-whose outputs carry none (a remote one) they come from one scoring forward through the engine
+whose outputs carry none they come from one scoring forward through the engine
 after the sample is generated (:meth:`OpenAIServing.score_sample`), in the distribution the sampled
 logprobs come from (``logprobs_mode``), and only for tokens stamped with the weight-write count
 that forward ran with (``SampleOutput.token_weight_writes``): anything sampled or prefilled with
