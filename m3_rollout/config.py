@@ -41,7 +41,10 @@ class AsyncGRPOConfig:
 @dataclass
 class GRPOConfig:
     num_prompts_per_step: int = 16
+    # >= 2 (the group baseline needs other samples); policy.train_global_batch_size divides
+    # num_prompts_per_step * num_generations_per_prompt.
     num_generations_per_prompt: int = 8
+    # 0 = validation only: held-out accuracy at step 0 (needs val_at_start), no training, no checkpoint.
     max_num_steps: int = 60
     # Tool-use turns per trajectory: a turn is one model generation; a tool call adds a turn.
     max_rollout_turns: int = 2
@@ -294,8 +297,10 @@ class JsonlEnvConfig:
 
 @dataclass
 class EnvConfig:
-    # calculator: the built-in arithmetic task; jsonl: records of data.path (data.source=jsonl)
-    # scored by env.jsonl.reward_fn.
+    # calculator: the built-in arithmetic task's scoring (last integer of the answer == the
+    # record's "answer", calculator tool), also for data.source=jsonl records of one's own;
+    # jsonl: records of data.path (needs data.source=jsonl) scored by env.jsonl.reward_fn with
+    # env.jsonl.tools.
     name: str = "calculator"
     # Tools run in this many worker processes; each call is killed after the environment's
     # timeout_s; tool output longer than max_tool_output_chars is cut.
@@ -389,7 +394,9 @@ class RolloutDumpConfig:
     # Offline rollout dumps (m3_rollout/dump, docs/rollout_dump_schema.md): one Parquet shard per
     # dumped step in `dir`; retention deletes the oldest shards (0 = no limit).
     enabled: bool = False
-    dir: str = "outputs/rollout_dumps"
+    # Default: inside the run's logger.log_dir (an OmegaConf interpolation, resolved by load_config),
+    # so a run given its own log_dir keeps its dumps apart too.
+    dir: str = "${logger.log_dir}/rollout_dumps"
     every_n_steps: int = 1
     max_bytes: int = 0
     keep_last_n_steps: int = 0
@@ -737,6 +744,45 @@ def _section_of(class_name: str, cls: type = None, prefix: str = "") -> str | No
     return None
 
 
+def _check_group_size(e: list[str], g: GRPOConfig) -> None:
+    """grpo.num_generations_per_prompt >= 2: every advantage estimator compares a sample with the
+    others of its group (``m3_trainers.advantages.group_advantages``: the group mean, or with
+    ``use_leave_one_out_baseline`` the mean of the others), so a group of one sample gets advantage
+    exactly 0 whatever its reward and the policy-gradient loss is 0."""
+    n = g.num_generations_per_prompt
+    _check(
+        e,
+        n >= 2,
+        "grpo.num_generations_per_prompt",
+        n,
+        "must be >= 2: GRPO's advantage compares each sample with the other samples of its prompt "
+        "(the group mean; with grpo.use_leave_one_out_baseline=true the mean of the others), so a group "
+        "of 1 gets advantage 0 under either baseline and nothing is learned",
+    )
+
+
+def _check_global_batch(e: list[str], g: GRPOConfig, batch: int) -> None:
+    """policy.train_global_batch_size divides the step's samples (prompts x generations), so every
+    GRPO step is a whole number of optimizer steps; the message gives both factors and the fixes."""
+    prompts, n = g.num_prompts_per_step, g.num_generations_per_prompt
+    total = prompts * n
+    if batch >= 1 and total % batch == 0:
+        return
+    fix = f"set policy.train_global_batch_size={total} or a divisor of it"
+    if batch >= 1:
+        # the smallest prompt count whose samples batch divides: prompts must be a multiple of it
+        step = batch // math.gcd(batch, n)
+        fix += f", or set grpo.num_prompts_per_step to a multiple of {step} (e.g. {step * math.ceil(prompts / step)})"
+    _check(
+        e,
+        False,
+        "policy.train_global_batch_size",
+        batch,
+        f"must divide the samples of a step, grpo.num_prompts_per_step * grpo.num_generations_per_prompt = "
+        f"{prompts} * {n} = {total}; {fix}",
+    )
+
+
 def validate(cfg: MasterConfig) -> None:
     """Check ranges and cross-key rules.
 
@@ -750,16 +796,19 @@ def validate(cfg: MasterConfig) -> None:
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(OmegaConf.structured(cfg), key)
         _check(e, value in choices, key, value, f"must be one of {list(choices)}")
-    for key in (
-        "num_prompts_per_step",
-        "num_generations_per_prompt",
-        "max_rollout_turns",
-        "val_period",
-        "num_val_prompts",
-    ):
+    for key in ("num_prompts_per_step", "max_rollout_turns", "val_period", "num_val_prompts"):
         value = getattr(g, key)
         _check(e, value >= 1, f"grpo.{key}", value, "must be >= 1")
-    _check(e, g.max_num_steps >= 0, "grpo.max_num_steps", g.max_num_steps, "must be >= 0")
+    _check_group_size(e, g)
+    _check(e, g.max_num_steps >= 0, "grpo.max_num_steps", g.max_num_steps, "must be >= 0 (0 = validation only)")
+    _check(
+        e,
+        g.max_num_steps > 0 or g.val_at_start,
+        "grpo.max_num_steps",
+        g.max_num_steps,
+        "0 trains nothing and only measures held-out accuracy at step 0, which grpo.val_at_start=false turns "
+        "off, so the run would do nothing; give a number of steps, or set grpo.val_at_start=true to evaluate",
+    )
     _check(
         e,
         0 <= g.seed < 2**40,
@@ -846,14 +895,8 @@ def validate(cfg: MasterConfig) -> None:
         "must be >= 16",
     )
     _check(e, p.train_micro_batch_size >= 1, "policy.train_micro_batch_size", p.train_micro_batch_size, "must be >= 1")
-    total = g.num_prompts_per_step * g.num_generations_per_prompt
-    _check(
-        e,
-        p.train_global_batch_size >= 1 and total % p.train_global_batch_size == 0,
-        "policy.train_global_batch_size",
-        p.train_global_batch_size,
-        f"must divide num_prompts_per_step * num_generations_per_prompt = {total}",
-    )
+    if g.num_prompts_per_step >= 1 and g.num_generations_per_prompt >= 2:  # else refused above
+        _check_global_batch(e, g, p.train_global_batch_size)
     _check(e, p.optimizer.lr > 0, "policy.optimizer.lr", p.optimizer.lr, "must be > 0")
     _check(e, p.max_grad_norm > 0, "policy.max_grad_norm", p.max_grad_norm, "must be > 0")
     for key in ("ratio_clip_min", "ratio_clip_max"):
@@ -1236,12 +1279,20 @@ def resolve_config_path(path: str | Path) -> Path:
 def _suggest_key(schema, key: str) -> str:
     """ ", did you mean 'x.y'?" for the closest existing key, or "".
 
-    Each dotted part that is not a key of its section is replaced by the closest one there, so a
+    A key whose last part is the name of existing keys (a bare ``lr``, or ``optimizer.lr`` without
+    its section) gets those full keys (``policy.optimizer.lr``; several: "one of ..."). Otherwise
+    each dotted part that is not a key of its section is replaced by the closest one there, so a
     typo in a section name (``polcy.model_name``) is corrected as one in a leaf key is; no
     suggestion when some part has no close key or the corrected key does not exist.
     """
     import difflib
 
+    last = key.split(".")[-1]
+    named = [k for k in _all_keys(OmegaConf.to_container(schema, resolve=False)) if k.split(".")[-1] == last]
+    if len(named) == 1:
+        return f", did you mean {named[0]!r}?"
+    if named:
+        return f", did you mean one of {', '.join(repr(k) for k in named)}?"
     node, fixed = schema, []
     for part in key.split("."):
         if not OmegaConf.is_dict(node):
@@ -1539,3 +1590,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 def to_dict(cfg: MasterConfig) -> dict:
     """Plain nested dict of the config (for logging and checkpoint metadata)."""
     return dataclasses.asdict(cfg)
+
+
+def _all_keys(node: dict, prefix: str = "") -> list[str]:
+    """Dotted names of every key of a nested mapping, sections and leaves, in schema order."""
+    out: list[str] = []
+    for k, v in node.items():
+        out.append(f"{prefix}{k}")
+        if isinstance(v, dict):
+            out += _all_keys(v, f"{prefix}{k}.")
+    return out

@@ -4,6 +4,7 @@ keep_top_k retention, and resume == uninterrupted run (CPU, fp32, sync)."""
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,40 @@ def test_resume_past_the_last_step_stops_at_start(tmp_path, capsys):
     assert "[warn]" not in capsys.readouterr().err
     check_resume(cfg(False, 3))  # a new run beside an earlier run's checkpoints: a warning naming the key
     assert "checkpointing.checkpoint_dir" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_says_so_and_starts_from_step_0(tmp_path, monkeypatch, capsys):
+    """checkpointing.resume=true with nothing in checkpointing.checkpoint_dir started from step 0
+    without a word (a mistyped directory went unnoticed); one line now names the absolute directory."""
+    from m3_rollout.config import load_config
+    from m3_rollout.jobs.grpo import check_resume
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_3.tmp-1").mkdir()  # an unfinished save is no checkpoint
+
+    def cfg(*over: str):
+        return load_config(Path(__file__).parents[1] / "configs/grpo_bf16_ep.yaml", list(over))
+
+    for enabled in ("true", "false"):  # a resume reads the directory even when this run saves nothing
+        for where in ("ckpt", "chekpoints"):  # empty, and a typo that does not exist
+            check_resume(
+                cfg(
+                    f"checkpointing.checkpoint_dir={where}",
+                    "checkpointing.resume=true",
+                    f"checkpointing.enabled={enabled}",
+                )
+            )
+            out = capsys.readouterr().out.splitlines()
+            assert out == [
+                f"checkpointing.resume=true: no checkpoint (step_N directory) found in {tmp_path / where}; "
+                "the run starts from step 0"
+            ]
+    check_resume(cfg("checkpointing.checkpoint_dir=ckpt"))  # resume=false: nothing to say
+    assert capsys.readouterr().out == ""
+    (tmp_path / "ckpt" / "step_2").mkdir()
+    check_resume(cfg("checkpointing.checkpoint_dir=ckpt", "checkpointing.resume=true"))  # resumes: no line
+    assert capsys.readouterr().out == ""
 
 
 def test_a_resumed_run_cuts_metrics_jsonl_back_to_its_checkpoint(tmp_path):

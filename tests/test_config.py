@@ -53,7 +53,7 @@ def test_unknown_keys_get_the_closest_key_whichever_part_is_misspelt(override, s
 
 def test_unknown_key_without_a_close_one_gets_no_suggestion_and_yaml_keys_get_one(tmp_path):
     with pytest.raises(ConfigError) as exc:
-        load_config(MAIN, ["zzzzzz.model_name=x"])
+        load_config(MAIN, ["zzzzzz.qqqqqq=x"])  # (zzzzzz.model_name now gets policy.model_name)
     assert "did you mean" not in str(exc.value)
     (tmp_path / "typo.yaml").write_text("polcy:\n  model_name: x\n")
     with pytest.raises(ConfigError, match="unknown config key: polcy, did you mean 'policy'"):
@@ -231,3 +231,108 @@ def test_defaults_with_dotdot_are_not_looked_up_among_the_packaged_configs(tmp_p
     (tmp_path / "mine.yaml").write_text("defaults: ../configs/grpo_smoke.yaml\n")
     with pytest.raises(FileNotFoundError, match=r"grpo_smoke\.yaml.*named in defaults: of .*mine\.yaml"):
         load_config(tmp_path / "mine.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("lr=1e-4", "did you mean 'policy.optimizer.lr'?"),  # a bare key: no section to correct
+        ("optimizer.lr=1e-4", "did you mean 'policy.optimizer.lr'?"),  # its section left out
+        ("zzzzzz.model_name=x", "did you mean 'policy.model_name'?"),
+        (
+            "timeout_s=3",
+            "did you mean one of 'env.calculator.timeout_s', 'env.jsonl.timeout_s', 'weight_sync.timeout_s'?",
+        ),
+    ],
+)
+def test_a_key_without_its_sections_gets_the_full_keys_of_that_name(override, suggestion):
+    """`lr=1e-4` said only "unknown config key 'lr'": the fuzzy match corrects each dotted part in
+    its own section, and no top-level section is close to 'lr'."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, [override])
+    assert suggestion in str(exc.value)
+
+
+def test_the_batch_rule_gives_both_factors_and_the_fixes():
+    """grpo.num_generations_per_prompt=4 alone: the message said only "must divide
+    num_prompts_per_step * num_generations_per_prompt = 64"."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, ["grpo.num_generations_per_prompt=4"])
+    msg = str(exc.value)
+    assert (
+        "policy.train_global_batch_size=128: must divide the samples of a step, grpo.num_prompts_per_step * "
+        "grpo.num_generations_per_prompt = 16 * 4 = 64; set policy.train_global_batch_size=64 or a divisor of "
+        "it, or set grpo.num_prompts_per_step to a multiple of 32 (e.g. 32)"
+    ) in msg
+    # both fixes it names load
+    load_config(MAIN, ["grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=64"])
+    load_config(MAIN, ["grpo.num_generations_per_prompt=4", "grpo.num_prompts_per_step=32"])
+    with pytest.raises(ConfigError, match=r"= 16 \* 8 = 128; .*multiple of 7 \(e\.g\. 21\)"):
+        load_config(MAIN, ["policy.train_global_batch_size=7"])
+    load_config(MAIN, ["policy.train_global_batch_size=7", "grpo.num_prompts_per_step=21"])
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_one_generation_per_prompt_is_refused_on_its_own(leave_one_out):
+    """n=1 was refused only by the batch rule (16 * 1 samples, batch 128), whose fix (batch 16)
+    gave a run that learns nothing: a group of one sample has advantage 0 under either baseline."""
+    import torch
+
+    from m3_trainers.advantages import group_advantages
+
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.arange(3), leave_one_out=leave_one_out)
+    assert adv.tolist() == [0.0, 0.0, 0.0]  # why: nothing to compare a lone sample with
+    over = ["grpo.num_generations_per_prompt=1", f"grpo.use_leave_one_out_baseline={leave_one_out}"]
+    for extra in ([], ["policy.train_global_batch_size=16", "policy.train_micro_batch_size=16"]):
+        with pytest.raises(ConfigError) as exc:
+            load_config(MAIN, over + extra)
+        msg = str(exc.value)
+        assert "grpo.num_generations_per_prompt=1: must be >= 2" in msg and "advantage 0" in msg
+        assert "train_global_batch_size" not in msg  # not the batch rule's fix as well
+    two = ["grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=32", "policy.train_micro_batch_size=32"]
+    load_config(MAIN, [*two, f"grpo.use_leave_one_out_baseline={leave_one_out}"])
+
+
+def test_zero_steps_is_validation_only_and_refused_without_it():
+    """grpo.max_num_steps=0 measures held-out accuracy at step 0 and trains nothing (the job's loop
+    is empty, no end validation, no final checkpoint); without grpo.val_at_start it did nothing."""
+    assert load_config(MAIN, ["grpo.max_num_steps=0"]).grpo.max_num_steps == 0
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, ["grpo.max_num_steps=0", "grpo.val_at_start=false"])
+    assert "grpo.max_num_steps=0: 0 trains nothing" in str(exc.value)
+    assert "grpo.val_at_start=true" in str(exc.value)
+
+
+def test_rollout_dumps_follow_the_runs_log_dir(tmp_path):
+    """The smoke config wrote its dumps to outputs/smoke/rollout_dumps whatever logger.log_dir and
+    checkpointing.checkpoint_dir said."""
+    run = tmp_path / "run"
+    cfg = load_config(
+        "configs/grpo_smoke.yaml", [f"logger.log_dir={run}/logs", f"checkpointing.checkpoint_dir={run}/ckpt"]
+    )
+    assert cfg.rollout_dump.dir == f"{run}/logs/rollout_dumps"
+    assert load_config("configs/grpo_smoke.yaml").rollout_dump.dir == "outputs/smoke/logs/rollout_dumps"
+    assert load_config(MAIN).rollout_dump.dir == "outputs/logs/rollout_dumps"
+    assert load_config(MAIN, [f"rollout_dump.dir={tmp_path}/d"]).rollout_dump.dir == f"{tmp_path}/d"
+
+
+def test_jsonl_data_with_the_calculator_environment_is_scored_by_the_calculator(tmp_path):
+    """data.source=jsonl with env.name left at calculator (as README documents): the calculator
+    environment scores the file's records, reward 1 iff the answer's last integer is the record's."""
+    from m3_rollout.jobs.stack import build_env, build_prompt_source
+    from m3_rollout.rollout.environment import ModelTurn
+    from m3_rollout.rollout.environments.calculator import CalculatorEnvironment
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(f'{{"prompt": "What is {i} + {i}?", "answer": {2 * i}}}\n' for i in range(12)))
+    cfg = load_config(MAIN, ["data.source=jsonl", f"data.path={data}", "grpo.num_val_prompts=4"])
+    assert cfg.env.name == "calculator"
+    record = build_prompt_source(cfg).train_batch(1, 1)[0]
+    env = build_env(cfg)
+    try:
+        assert isinstance(env, CalculatorEnvironment)
+        _, state = env.reset(record)
+        assert env.step(state, ModelTurn(f"It is {record['answer']}.")).reward == 1.0
+        assert env.step(state, ModelTurn(f"It is {record['answer'] + 1}.")).reward == 0.0
+    finally:
+        env.close()

@@ -316,7 +316,7 @@ def test_inspect_of_a_missing_directory_says_so_and_how_dumps_are_made(tmp_path,
     assert captured.out == ""
     assert captured.err == (
         f"error: {missing}: dump directory does not exist. Dumps are written by the GRPO job run with "
-        "rollout_dump.enabled=true (into rollout_dump.dir, default outputs/rollout_dumps), or without "
+        "rollout_dump.enabled=true (into rollout_dump.dir, default <logger.log_dir>/rollout_dumps), or without "
         "training by `python -m m3_rollout.dump generate --config CONFIG --dir DIR --steps N`\n"
     )
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from m3_rollout.config import RolloutDumpConfig
 from m3_rollout.dump import schema as S
 from m3_rollout.dump.row_checks import row_problems, summary
 
@@ -65,7 +64,7 @@ def shard_paths(directory: str | Path) -> list[Path]:
     if not d.exists():
         raise DumpDirError(
             f"{d}: dump directory does not exist. Dumps are written by the GRPO job run with "
-            f"rollout_dump.enabled=true (into rollout_dump.dir, default {RolloutDumpConfig.dir}), or without "
+            "rollout_dump.enabled=true (into rollout_dump.dir, default <logger.log_dir>/rollout_dumps), or without "
             "training by `python -m m3_rollout.dump generate --config CONFIG --dir DIR --steps N`"
         )
     if not d.is_dir():

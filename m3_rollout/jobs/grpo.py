@@ -220,14 +220,24 @@ def interrupted_message(cfg: MasterConfig) -> str:
 def check_resume(cfg: MasterConfig) -> None:
     """With ``checkpointing.resume``, stop before anything is built when the latest checkpoint is
     already at or past ``grpo.max_num_steps`` (there is nothing to train; a run would only validate
-    and save the loaded weights under a smaller step's name). Without it, warn (stderr) when the
-    checkpoint directory already holds an earlier run's checkpoints.
+    and save the loaded weights under a smaller step's name), and print one line when there is no
+    checkpoint at all: the run starts from step 0, as NeMo RL's does, and the line shows the
+    absolute directory searched (a mistyped ``checkpointing.checkpoint_dir`` would otherwise pass
+    unnoticed). Without it, warn (stderr) when the checkpoint directory already holds an earlier
+    run's checkpoints.
 
     Raises:
         ConfigError: naming both keys and the checkpoint found.
     """
     ck = cfg.checkpointing
-    steps = CheckpointManager(ck.checkpoint_dir).steps() if ck.enabled else []
+    # a resume reads checkpoint_dir whether or not this run saves checkpoints (run() does too)
+    steps = CheckpointManager(ck.checkpoint_dir).steps() if ck.enabled or ck.resume else []
+    if ck.resume and not steps:
+        print(
+            f"checkpointing.resume=true: no checkpoint (step_N directory) found in "
+            f"{Path(ck.checkpoint_dir).resolve()}; the run starts from step 0"
+        )
+        return
     if not ck.resume:
         if steps:  # a new run beside an earlier run's checkpoints: say so, the next resume would mix them
             print(
