@@ -9,8 +9,11 @@ calls and restarts fail. Used by tests/test_service_ep.py and tests/test_server_
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import queue
 
+import m3_rollout.weight_sync
 from m3_rollout.config import WeightSyncConfig
 from m3_rollout.engine.interface import SampleOutput, StreamDelta
 from m3_rollout.parallel import EPGroupSpec
@@ -108,7 +111,10 @@ class FakeLauncher(Launcher):
             return [None, None]
         if method == "init_weight_sync":
             self.joined = True
+            self.broadcast = len(per_rank_args) == 6  # update_weights' group (join_weight_sync's adds rank_offset)
             return [[], []]
+        if method == "receive_weights" and getattr(self, "broadcast", False):
+            return self._receive_broadcast()
         if method == "receive_weights":
             if not self.joined:  # the worker's weight_sync is None
                 raise GroupFailure(method, [0, 1], {0: "AttributeError: 'NoneType' object has no attribute 'update'"})
@@ -124,6 +130,28 @@ class FakeLauncher(Launcher):
         if method == "shutdown":
             raise GroupFailure("shutdown", [0], {0: "group broken"})
         raise AssertionError(method)
+
+    def _receive_broadcast(self) -> list[dict]:
+        """Every rank's ``receive_weights`` for the update :class:`FakeSender` sends: "ok" applies
+        it; "partial" is rejected after rank 1 wrote part of it (atomic=false): rank 1 turns
+        invalid and hands back its samples (the fake keeps no ranks: all of them)."""
+        version, include_frozen, replace, outcome = self.log["wire"].get(timeout=30)
+        self.log["received"].append((version, include_frozen, replace, outcome))
+        base = {"seconds": 0.0, "paused_seconds": 0.0, "probe_drift": None, "outputs": [], "handed_back": []}
+        if outcome == "ok":
+            self.version = version
+            return [{**base, "ok": True, "version": version, "wrote": True, "valid": True, "errors": []}] * 2
+        handed = [
+            dataclasses.replace(s["req"], params=dataclasses.replace(s["req"].params, n=1), sample_index=s["index"])
+            for s in self.samples
+        ]
+        self.samples = []
+        error = f"rank 1: update {version} failed after weights were written: rank invalid"
+        return [
+            {**base, "ok": False, "version": self.version, "wrote": False, "valid": True, "errors": []},
+            {**base, "ok": False, "version": self.version, "wrote": True, "valid": False, "errors": [error]}
+            | {"handed_back": handed},
+        ]
 
     def pids(self):
         return [0, 1]
@@ -147,3 +175,52 @@ def fake_service(
         spec, launcher=lambda: FakeLauncher(log), max_restarts=max_restarts, weight_sync=WeightSyncConfig()
     )
     return svc, log
+
+
+class FakeSender:
+    """The trainer end of ``update_weights``' broadcast group over :class:`FakeLauncher` (stands
+    in for WeightSyncGroup, BroadcastChannel and WeightSender: :func:`fake_broadcast`). Each
+    update goes to the group's ``receive_weights`` through ``log["wire"]`` with its outcome,
+    popped from ``log["send_outcomes"]`` ("ok" when empty; "partial": rejected after rank 1 wrote
+    part of it), and a rejected one raises WeightUpdateError, as the real sender does."""
+
+    def __init__(self, log: dict, named_tensors, channel, *args, probe=None, reference=None):
+        self.log, self.named_tensors, self.channel, self.reference = log, named_tensors, channel, reference
+        self.stats: dict = {}
+
+    def handshake(self) -> None:
+        pass
+
+    def update(self, version: int, include_frozen: bool = False, replace: bool = False) -> dict:
+        outcome = self.log["send_outcomes"].pop(0) if self.log["send_outcomes"] else "ok"
+        self.log["wire"].put((version, include_frozen, replace, outcome))
+        if outcome != "ok":
+            raise m3_rollout.weight_sync.WeightUpdateError(
+                f"rank 1: update {version} failed after weights were written: rank invalid"
+            )
+        return {}
+
+
+class _FakeGroup:
+    def __init__(self, *args):
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _FakeChannel:
+    def __init__(self, group, double_buffer=True):
+        self.group = group
+
+
+def fake_broadcast(monkeypatch, log: dict) -> None:
+    """Patch the trainer end of the broadcast weight-sync group (``RolloutService._push_weights``)
+    with :class:`FakeSender`: ``update_weights`` then runs over :class:`FakeLauncher`. Adds to
+    ``log``: "send_outcomes" (see FakeSender), "received" ((version, include_frozen, replace,
+    outcome) per update the group received), "wire"."""
+    log.update(send_outcomes=[], received=[], wire=queue.Queue())
+    ws = m3_rollout.weight_sync
+    monkeypatch.setattr(ws, "WeightSyncGroup", _FakeGroup)
+    monkeypatch.setattr(ws, "BroadcastChannel", _FakeChannel)
+    monkeypatch.setattr(ws, "WeightSender", lambda *a, **k: FakeSender(log, *a, **k))

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from fake_ep import fake_service  # tests/ on sys.path
+from fake_ep import fake_broadcast, fake_service  # tests/ on sys.path
 
 from m3_rollout.config import WeightSyncConfig
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
@@ -686,4 +686,95 @@ def test_pause_resume_and_reset_prefix_cache_while_a_failed_restart_left_no_grou
     assert not svc.paused and not svc.launcher.paused
     outs = [o for o in _steps_until_done(svc) if isinstance(o, SampleOutput)]
     assert len(outs) == 3 and all(o.finish_reason in ("stop", "length") for o in outs)
+    svc.shutdown()
+
+
+def test_a_rejected_first_broadcast_update_that_half_wrote_a_rank_stops_the_group_until_a_full_update(monkeypatch):
+    # The first update_weights (no earlier one kept to re-send) rejected after rank 1 wrote part of
+    # it (atomic=false): the ranks used to stay half-written and the next step / generate ran on
+    # them. Now no forward runs: the request rank 1 gave up and new ones get error records naming
+    # the cause and the remedy, generate / score raise, until a full update is accepted (which
+    # carries the frozen tensors again: the rejected one may have written part of them).
+    reqs = _fake_requests()[:2]
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_broadcast(monkeypatch, log)
+    weights = [("w", torch.zeros(2))]
+    svc.add_request(reqs[0])
+    assert svc.step() == []  # running on the checkpoint's weights
+    log["send_outcomes"].append("partial")
+    with pytest.raises(ValueError, match="rank invalid"):
+        svc.update_weights(1, weights)
+    assert log["received"] == [(1, True, False, "partial")] and svc.weight_version == 0  # no re-send
+    runs = log["runs"]
+    outs = svc.step()
+    assert sorted((o.request_id, o.sample_index, o.finish_reason) for o in outs) == [
+        ("r0", j, "error") for j in range(3)
+    ]
+    for o in outs:
+        assert "rank(s) 1 invalid: wrote bytes of the rejected update 1" in o.error and LOST in o.error
+        assert "no copy of the served version 0" in o.error and "send a full update" in o.error
+    svc.add_request(reqs[1])
+    outs = svc.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("r1", "error")] * 3
+    assert all("send a full update" in o.error and "then resubmit" in o.error for o in outs)
+    with pytest.raises(RolloutFailure, match="rank.s. 1 invalid.*send a full update") as info:
+        svc.generate(reqs)
+    assert info.value.lost_request_ids == ["r0", "r1"]
+    with pytest.raises(RolloutFailure, match="send a full update"):
+        svc.score([1, 2, 3])
+    assert log["runs"] == runs and not svc.has_unfinished()  # no forward on the half-written ranks
+    svc.update_weights(2, weights)
+    assert log["received"][1:] == [(2, True, False, "ok")]  # the frozen tensors go again
+    outs = svc.generate(reqs)
+    assert len(outs) == 6 and all(o.finish_reason in ("stop", "length") and o.weight_version == 2 for o in outs)
+    svc.shutdown()
+
+
+def test_a_rejected_broadcast_update_over_received_weights_has_nothing_to_re_send(monkeypatch):
+    # The served weights came from a trainer's group (receive_weight_update, version 2): the copy
+    # kept here is update_weights' version 1, older; re-sending it (replace) was refused by the
+    # ranks and left them half-written. Now nothing is re-sent and no forward runs.
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_broadcast(monkeypatch, log)
+    weights = [("w", torch.zeros(2))]
+    svc.update_weights(1, weights)
+    _join(svc)
+    log["trainer_version"] = 2
+    assert svc.receive_weight_update()["version"] == 2
+    svc.launcher.broadcast = True  # the fake group takes update_weights' broadcast again
+    log["send_outcomes"].append("partial")
+    with pytest.raises(ValueError, match="rank invalid"):
+        svc.update_weights(3, weights)
+    assert [r[0] for r in log["received"]] == [1, 3] and svc.weight_version == 2  # version 1 not re-sent
+    with pytest.raises(RolloutFailure, match="no copy of the served version 2 .*send a full update"):
+        svc.generate(_fake_requests()[:1])
+    svc.shutdown()
+
+
+def test_requests_a_rank_gave_up_in_a_repaired_broadcast_update_are_placed_again(monkeypatch):
+    # A rejected non-atomic update repaired by re-sending the last good weights (replace): the
+    # requests the invalid rank gave up were dropped by its engine and never finished. Now they are
+    # resubmitted (same tokens as without the update); a streamed one ends with error records.
+    reqs = _fake_requests()[:2]
+    ref_svc, _ = fake_service(run_failures=0, start_failures=0)
+    ref = sorted((o.sample_index, o.output_ids, o.logprobs) for o in ref_svc.generate(reqs[:1]))
+    ref_svc.shutdown()
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_broadcast(monkeypatch, log)
+    weights = [("w", torch.zeros(2))]
+    svc.update_weights(1, weights)
+    svc.add_request(reqs[0])
+    svc.add_request(reqs[1], stream=True)
+    outs = svc.step()
+    log["send_outcomes"].append("partial")
+    with pytest.raises(ValueError, match="rank invalid"):
+        svc.update_weights(2, weights)
+    assert log["received"][1:] == [(2, False, False, "partial"), (1, False, True, "ok")]  # repaired
+    outs += _steps_until_done(svc)
+    done = [o for o in outs if isinstance(o, SampleOutput)]
+    assert sorted((o.sample_index, o.output_ids, o.logprobs) for o in done if o.request_id == "r0") == ref
+    assert all(o.weight_version == 1 and o.finish_reason in ("stop", "length") for o in done if o.request_id == "r0")
+    streamed = [o for o in done if o.request_id == "r1"]
+    assert sorted(o.sample_index for o in streamed) == [0, 1, 2]
+    assert all(o.finish_reason == "error" and "gave up the streamed request" in o.error for o in streamed)
     svc.shutdown()

@@ -249,6 +249,8 @@ class RolloutService(GenerationBackend):
         # so a restarted group cannot be given them
         self._served_received = False
         self._joined = False  # this group's workers joined a trainer's weight-sync group (join_weight_sync)
+        self._handed_back: list[str] = []  # step-API requests an invalid rank gave up in the last refit
+        self._frozen_sent = False  # the broadcast group's ranks accepted an update with the frozen tensors
         self.last_weight_sync: dict = {}
         # The step API (add_request / abort / step): requests by id, and what the next step sends.
         self.stream_steps_per_call = int(stream_steps_per_call)
@@ -677,6 +679,19 @@ class RolloutService(GenerationBackend):
                 self._to_abort[p.rank].append(rid)
         return total
 
+    def _put_back(self, request_ids: Iterable[str]) -> None:
+        """Re-place the step API's requests among ``request_ids`` that an invalid rank gave up
+        (its engine dropped them) once every rank is valid again: their missing samples go out
+        with the next :meth:`step` (:meth:`_resubmit`: same tokens for the same seeds); streamed
+        ones get error records (their streamed tokens cannot be taken back)."""
+        ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._live]
+        self._lose(
+            [rid for rid in ids if self._live[rid].stream],
+            "a rollout rank gave up the streamed request when a rejected weight update left it invalid",
+        )
+        for rank, reqs in enumerate(self._resubmit({rid: self._live[rid] for rid in ids if rid in self._live})):
+            self._to_add[rank] += [(req, False) for req in reqs]
+
     def _lose(self, request_ids: Iterable[str], why: str) -> list[str]:
         """End the unfinished step-API requests among ``request_ids``: error records for their
         samples not yet out (``why``; :data:`LOST` added), queued for the next :meth:`step`;
@@ -841,7 +856,12 @@ class RolloutService(GenerationBackend):
         (``refit="ipc"``: no copy; the trainer's shared source, :meth:`_update_ipc`).
         Every check is the ranks' receiver's (receiver.py): a rejected update leaves atomic ranks
         on their weights and version; ranks a non-atomic failure left invalid are repaired by
-        re-sending the last good weights (``replace``). A rank dying mid-update restarts the group
+        re-sending the last good weights (``replace``; the requests the invalid ranks gave up are
+        re-placed, :meth:`_put_back`). When no copy of the served weights is kept (the
+        checkpoint's: no update accepted yet, or weights received from a trainer's group) they
+        cannot be: no forward runs (the step API's requests get error records, ``generate`` /
+        ``score`` raise RolloutFailure naming the cause and the remedy, a full update) until an
+        update is accepted. A rank dying mid-update restarts the group
         on the last good weights (the step API's requests: :meth:`_restart_live`). An accepted
         update makes the weights served again after a restart that could not re-apply them.
         Raises ValueError naming the rank and tensors / versions of a rejected update;
@@ -858,9 +878,20 @@ class RolloutService(GenerationBackend):
             self._restart_live(failure)  # back on the last good weights
             raise
         except ValueError:
-            ranks = self.last_weight_sync.get("ranks", [])
-            if self._last_weights is not None and any(not o["valid"] for o in ranks):
+            invalid = [str(r) for r, o in enumerate(self.last_weight_sync.get("ranks", [])) if not o["valid"]]
+            if invalid and (self._last_weights is None or self._served_received):
+                # no copy of the served weights here (the checkpoint's, or received from a trainer's
+                # group): no re-send repairs the ranks that wrote part of the update; no forward runs
+                self._weights_lost = (
+                    f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of the rejected update {int(version)} "
+                    f"(weight_sync.atomic=false), and no copy of the served version {self._version} is kept to "
+                    "re-send; send a full update (update_weights with every tensor) first"
+                )
+                self._lose(self._handed_back, self._weights_lost)
+            elif invalid:
+                handed_back = self._handed_back
                 self._push_weights(*self._last_weights, replace=True)
+                self._put_back(handed_back)
             raise
         self._last_weights = (int(version), incoming)
         self._version, self._weights_lost, self._served_received = int(version), None, False
@@ -893,8 +924,8 @@ class RolloutService(GenerationBackend):
     def _push_weights(self, version: int, incoming: dict[str, torch.Tensor], replace: bool = False) -> None:
         """One update over the trainer -> workers weight-sync group (this process is rank 0).
 
-        The group is created (and the handshake run) on first use and after a restart; the first
-        update of a group also sends the frozen tensors. Raises ValueError naming the rank and
+        The group is created (and the handshake run) on first use and after a restart; its updates
+        also send the frozen tensors until one is accepted. Raises ValueError naming the rank and
         tensor when a rank rejects the update, GroupFailure when a rank fails."""
         from m3_rollout.weight_sync import (
             BroadcastChannel,
@@ -948,9 +979,13 @@ class RolloutService(GenerationBackend):
                 raise ValueError(f"weight update rejected, weights unchanged (version {self._version}): {exc}") from exc
         sender = self._ws_sender
         sender.named_tensors = lambda: incoming.items()
+        # the frozen tensors go until an update with them is accepted: a rejected first update may
+        # have left none of them (atomic) or part of them (a non-atomic rank) on the ranks
+        frozen_too = not self._frozen_sent
         self._refit_beside(
-            lambda: sender.update(version, include_frozen=first, replace=replace), (WeightUpdateError,), sender
+            lambda: sender.update(version, include_frozen=frozen_too, replace=replace), (WeightUpdateError,), sender
         )
+        self._frozen_sent = True
 
     def _refit_beside(self, send, errors: tuple, sender, extra=None) -> None:
         """Run ``send()`` (the trainer side of one update) while every worker runs
@@ -967,6 +1002,8 @@ class RolloutService(GenerationBackend):
                 box["error"] = exc
 
         _, outs = self._call_beside("receive_weights", (), trainer_side)
+        # requests an invalid rank gave up (its engine dropped them): the caller ends or re-places them
+        self._handed_back = [req.request_id for o in outs for req in o["handed_back"]]
         # samples the ranks finished (in_flight=drain) or stopped (abort) around the update: the
         # step API's requests get them from the next step (generate() holds the lock: none of its own)
         self._ready += self._deliver(out for o in outs for out in o["outputs"])
@@ -996,6 +1033,7 @@ class RolloutService(GenerationBackend):
         if self._ws_sender is not None:
             self._ws_sender.channel.group.close()
             self._ws_sender = None
+        self._frozen_sent = False  # a new group's workers get them with their first accepted update
         if self._ipc is not None:
             if final:
                 self._ipc.close()
