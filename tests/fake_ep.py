@@ -112,12 +112,18 @@ class FakeLauncher(Launcher):
         if method == "init_weight_sync":
             self.joined = True
             self.broadcast = len(per_rank_args) == 6  # update_weights' group (join_weight_sync's adds rank_offset)
+            while "wire" in self.log and not self.log["wire"].empty():  # a new group: nothing of the old one's
+                self.log["wire"].get()
             return [[], []]
         if method == "receive_weights" and getattr(self, "broadcast", False):
             return self._receive_broadcast()
         if method == "receive_weights":
             if not self.joined:  # the worker's weight_sync is None
                 raise GroupFailure(method, [0, 1], {0: "AttributeError: 'NoneType' object has no attribute 'update'"})
+            if "wire" in self.log:  # fake_http_trainer: the update FakeSender sends
+                version, include_frozen, replace, outcome = self.log["wire"].get(timeout=30)
+                self.log["received"].append((version, include_frozen, replace, outcome))
+                self.log["trainer_version"] = version
             self.version = self.log["trainer_version"]
             result = {"ok": True, "version": self.version, "wrote": True, "valid": True, "errors": []}
             return [{**result, "seconds": 0.0, "paused_seconds": 0.0, "handed_back": [], "outputs": []}] * 2
@@ -214,13 +220,22 @@ class _FakeChannel:
         self.group = group
 
 
-def fake_broadcast(monkeypatch, log: dict) -> None:
+def fake_broadcast(monkeypatch, log: dict, module=m3_rollout.weight_sync) -> None:
     """Patch the trainer end of the broadcast weight-sync group (``RolloutService._push_weights``)
     with :class:`FakeSender`: ``update_weights`` then runs over :class:`FakeLauncher`. Adds to
     ``log``: "send_outcomes" (see FakeSender), "received" ((version, include_frozen, replace,
-    outcome) per update the group received), "wire"."""
+    outcome) per update the group received), "wire". ``module``: where the trainer end's names
+    are looked up."""
     log.update(send_outcomes=[], received=[], wire=queue.Queue())
-    ws = m3_rollout.weight_sync
-    monkeypatch.setattr(ws, "WeightSyncGroup", _FakeGroup)
-    monkeypatch.setattr(ws, "BroadcastChannel", _FakeChannel)
-    monkeypatch.setattr(ws, "WeightSender", lambda *a, **k: FakeSender(log, *a, **k))
+    monkeypatch.setattr(module, "WeightSyncGroup", _FakeGroup)
+    monkeypatch.setattr(module, "BroadcastChannel", _FakeChannel)
+    monkeypatch.setattr(module, "WeightSender", lambda *a, **k: FakeSender(log, *a, **k))
+
+
+def fake_http_trainer(monkeypatch, log: dict) -> None:
+    """:func:`fake_broadcast` for ``HTTPBackend`` (m3_rollout.server.client): the updates it sends
+    reach the fake group that joined over /init_weight_sync (``receive_weights`` applies the version
+    on the wire; a join drops what an earlier group left on it)."""
+    import m3_rollout.server.client
+
+    fake_broadcast(monkeypatch, log, m3_rollout.server.client)

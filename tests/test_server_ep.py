@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 import torch
-from fake_ep import fake_service  # tests/ on sys.path
+from fake_ep import fake_http_trainer, fake_service  # tests/ on sys.path
 from server_util import (
     LiveServer,
     free_port,
@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import load_checkpoint
 from m3_rollout.model.loading import iter_released_tensors
-from m3_rollout.server.client import RolloutServerClient, ServerError
+from m3_rollout.server.client import HTTPBackend, RolloutServerClient, ServerError, rejoin_needed
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup, WeightUpdateError
 from m3_trainers.policy import token_logprobs
 
@@ -221,6 +221,51 @@ def test_ep_server_refuses_requests_after_a_restart_lost_the_weights_received_fr
     finally:
         client.close()
         srv.stop()
+
+
+def test_http_backend_joins_again_after_the_servers_ep_group_restarted(monkeypatch):
+    """A restarted EP group's workers are not in the trainer's weight-sync group: HTTPBackend kept
+    sending over its old group and the server answered every /update_weights with a 400 asking for
+    /init_weight_sync. Now the backend sees it (/health's weight_sync_joined) and has the server join
+    a new group first; when the restart comes after that check, the 400's code
+    (weight_sync_not_joined) makes it join again and resend once. Each new group's first update
+    carries the frozen tensors."""
+    tok = tiny_tokenizer()
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_http_trainer(monkeypatch, log)
+    srv = LiveServer(served_model(tok, len(tok), MAX_LEN), svc)
+    backend = HTTPBackend(srv.url)
+    params = {"n": 3, "max_new_tokens": 16, "seed": 46, "stop_token_ids": [3]}
+    body = {"input_ids": [5, 6, 7], "sampling_params": params}
+    weights = [("w", torch.zeros(2))]
+
+    def restart():  # a failed run: the group restarts and leaves the trainer's group
+        log["fail_runs"].add(log["runs"] + 1)
+        resp = httpx.post(srv.url + "/generate", json=body, timeout=60)
+        assert resp.status_code == 503 and not svc.weight_sync_joined, resp.text
+
+    try:
+        backend.update_weights(1, weights)
+        backend.update_weights(2, weights)
+        assert backend.weight_version == 2 and log["received"] == [(1, True, False, "ok"), (2, False, False, "ok")]
+        restart()
+        backend.update_weights(3, weights)  # was a 400 asking for /init_weight_sync
+        assert backend.weight_version == 3 and log["received"][2:] == [(3, True, False, "ok")]
+        resp = httpx.post(srv.url + "/generate", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["weight_version"] == 3, resp.text
+        restart()
+        health = backend.client.health
+        monkeypatch.setattr(backend.client, "health", lambda: {**health(), "weight_sync_joined": True})  # stale
+        backend.update_weights(4, weights)  # the 400's code: joined again, resent once
+        assert backend.weight_version == 4 and log["received"][3:] == [(4, True, False, "ok")]
+        assert svc.restarts == 2
+    finally:
+        backend.shutdown()
+        srv.stop()
+    refused = ServerError(400, {"message": "no weight-sync group: call /init_weight_sync first", "code": None})
+    rejected = ServerError(400, {"message": "weight update rejected", "code": "weight_update_rejected"})
+    assert rejoin_needed(ServerError(400, {"code": "weight_sync_not_joined"}))
+    assert not rejoin_needed(refused) and not rejoin_needed(rejected) and not rejoin_needed(ValueError())
 
 
 def _chat_top_logprobs(url: str, stream: bool) -> tuple[list[int], list[int], list[dict]]:

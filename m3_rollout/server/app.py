@@ -459,6 +459,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             "updating": ctl.updating,
             "running": sum(ctl.live.values()),
             "weight_sync_ranks": runner.weight_sync_ranks,
+            "weight_sync_joined": runner.weight_sync_ready,
         }
 
     @app.get("/metrics")

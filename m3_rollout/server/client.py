@@ -27,7 +27,7 @@ from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
 from .metrics import parse_metrics
-from .protocol import GENERATION_FAILED
+from .protocol import GENERATION_FAILED, WEIGHT_SYNC_NOT_JOINED
 
 
 class ServerError(RuntimeError):
@@ -48,6 +48,13 @@ def _raise_for(resp: httpx.Response) -> dict:
     except (ValueError, KeyError, TypeError):
         error = {"message": resp.text}
     raise ServerError(resp.status_code, error)
+
+
+def rejoin_needed(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's answer that it is not in the trainer's weight-sync group: a
+    400 of code ``weight_sync_not_joined`` (none joined, or its EP group restarted since, so its new
+    workers are not in the group): join again (``/init_weight_sync``), then resend the update."""
+    return isinstance(exc, ServerError) and exc.status == 400 and exc.error.get("code") == WEIGHT_SYNC_NOT_JOINED
 
 
 def decode_routed_experts(obj: dict | None) -> np.ndarray | None:
@@ -321,6 +328,7 @@ class HTTPBackend(GenerationBackend):
         self.generation_dtype, self.bucket_size_mb = generation_dtype, bucket_size_mb
         self.ws_timeout_s = weight_sync_timeout_s
         self._sender: WeightSender | None = None
+        self._frozen_sent = False  # the server's ranks accepted an update with the frozen tensors
         self._tensors: list[tuple[str, torch.Tensor]] = []
 
     # ---- generation ----------------------------------------------------------------------------
@@ -380,31 +388,59 @@ class HTTPBackend(GenerationBackend):
         The first call hosts the group here (rank 0, a free port on ``weight_sync_host``), has the
         server join it (one rank per EP worker, ``/health``'s ``weight_sync_ranks``) and runs the
         handshake; every call then sends the tensors while the server
-        receives (``/update_weights``, in_flight "continue").
+        receives (``/update_weights``, in_flight "continue"). The server leaves the group when its
+        EP worker group restarts: a call that finds it out (``/health``'s ``weight_sync_joined``)
+        hosts a new group and has the server join it first, and one whose update the server
+        answers so (:func:`rejoin_needed`: the restart came meanwhile) does that and resends once.
+        The frozen tensors go with every update until the server accepted one (a new group's).
         Raises WeightUpdateError / ServerError when the update is rejected (weights unchanged).
         """
         self._tensors = [(n, t.detach()) for n, t in named_tensors]
-        first = self._sender is None
-        if first:
-            port = free_port(self.ws_host)
-            world = 1 + self.client.health()["weight_sync_ranks"]  # the trainer + one rank per EP worker
-            joined = self.client.start_init_weight_sync(
-                self.ws_host, port, world, 1, self.ws_backend, self.ws_timeout_s, self.bucket_size_mb
-            )
+        if self._sender is not None and not self.client.health().get("weight_sync_joined", True):
+            self._leave_weight_sync()  # the server's EP group restarted: its workers are not in ours
+        for retry in (False, True):
+            if self._sender is None:
+                self._join_weight_sync()
             try:
-                group = WeightSyncGroup(self.ws_host, port, 0, world, self.ws_backend, self.ws_timeout_s)
-                sender = WeightSender(
-                    lambda: self._tensors, BroadcastChannel(group), self.bucket_size_mb, self.generation_dtype
-                )
-                sender.handshake()
-            finally:
-                joined.result()
-            self._sender = sender
+                self._send(version)
+                return
+            except ServerError as exc:
+                if retry or not rejoin_needed(exc):
+                    raise
+                self._leave_weight_sync()  # the server left the group during this update: join again, resend
+
+    def _join_weight_sync(self) -> None:
+        """Host a new weight-sync group here (rank 0) and have the server join it; both run the handshake."""
+        port = free_port(self.ws_host)
+        world = 1 + self.client.health()["weight_sync_ranks"]  # the trainer + one rank per EP worker
+        joined = self.client.start_init_weight_sync(
+            self.ws_host, port, world, 1, self.ws_backend, self.ws_timeout_s, self.bucket_size_mb
+        )
+        try:
+            group = WeightSyncGroup(self.ws_host, port, 0, world, self.ws_backend, self.ws_timeout_s)
+            sender = WeightSender(
+                lambda: self._tensors, BroadcastChannel(group), self.bucket_size_mb, self.generation_dtype
+            )
+            sender.handshake()
+        finally:
+            joined.result()
+        self._sender = sender
+
+    def _send(self, version: int) -> None:
+        """One update over the joined group while the server receives it (``/update_weights``)."""
         received = self.client.start_update_weights(version)
         try:
-            self._sender.update(version, include_frozen=first)
+            self._sender.update(version, include_frozen=not self._frozen_sent)
         finally:
             received.result()
+        self._frozen_sent = True
+
+    def _leave_weight_sync(self) -> None:
+        """Close the group hosted here; the next update hosts a new one (frozen tensors included)."""
+        if self._sender is not None:
+            self._sender.channel.group.close()
+            self._sender = None
+        self._frozen_sent = False
 
     def pause(self) -> None:
         self.client.pause("keep")
@@ -416,7 +452,5 @@ class HTTPBackend(GenerationBackend):
         self.client.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        if self._sender is not None:
-            self._sender.channel.group.close()
-            self._sender = None
+        self._leave_weight_sync()
         self.client.close()

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.requests import aborted_outputs
 
-from .protocol import APIError, InitWeightSyncRequest, UpdateWeightsRequest
-from .runner import EngineRunner, RefitRecord, WeightSyncError
+from .protocol import WEIGHT_SYNC_NOT_JOINED, APIError, InitWeightSyncRequest, UpdateWeightsRequest
+from .runner import EngineRunner, RefitRecord, WeightSyncError, WeightSyncNotJoined
 
 DRAIN_POLL_S = 0.005
 
@@ -237,10 +237,12 @@ class Controller:
         while another update runs, or for ``in_flight="drain"`` while ``/pause`` mode keep holds
         running requests frozen (the drain would wait for them forever); 400 when no group exists
         or the update was rejected (the weights and version are then unchanged for an atomic
-        update, and for any update of another ``version`` than the request announced)."""
+        update, and for any update of another ``version`` than the request announced); its code is
+        ``weight_sync_not_joined`` when the server is not in the trainer's group (none joined, or
+        the EP group restarted since: /init_weight_sync, then resend)."""
         self._refuse_during_update("/update_weights")
         if not self.runner.weight_sync_ready:
-            raise APIError(400, "no weight-sync group: call /init_weight_sync first", None, code="weight_sync_failed")
+            raise APIError(400, "no weight-sync group: call /init_weight_sync first", None, code=WEIGHT_SYNC_NOT_JOINED)
         if req.in_flight == "drain" and self.pause_mode == "keep" and self.live:
             raise APIError(
                 409,
@@ -259,6 +261,8 @@ class Controller:
                 self._gate.clear()
                 await self._wait_idle()
             record = await self.runner.update_weights(self.pause_mode == "keep", req.version)
+        except WeightSyncNotJoined as exc:
+            raise APIError(400, str(exc), None, code=WEIGHT_SYNC_NOT_JOINED) from exc
         except WeightSyncError as exc:
             raise APIError(400, str(exc), None, code="weight_sync_failed") from exc
         finally:

@@ -20,6 +20,9 @@ MAX_N = 128  # samples per request
 
 
 GENERATION_FAILED = "generation_failed"  # the code of a 503 for an engine error about the server's state
+# the code of /update_weights' 400 when the server is not in the trainer's weight-sync group (none
+# joined, or its EP group restarted since): call /init_weight_sync, then send the update again
+WEIGHT_SYNC_NOT_JOINED = "weight_sync_not_joined"
 
 
 class APIError(Exception):

@@ -60,6 +60,11 @@ class WeightSyncError(RuntimeError):
     rejected update); the message says which and what to do."""
 
 
+class WeightSyncNotJoined(WeightSyncError):
+    """The server is not in the trainer's weight-sync group: none was joined, or its EP group was
+    restarted since (the new workers are not in it): join again (/init_weight_sync), then resend."""
+
+
 @dataclass
 class RefitRecord:
     """The last weight update: version served afterwards, whether it applied, seconds (receive +
@@ -504,17 +509,17 @@ class EngineRunner:
         is accepted).
 
         Raises:
-            WeightSyncError: no group yet (call init_weight_sync first; under EP also after a group
-                restart), or an EP rank failed.
+            WeightSyncNotJoined: no group yet (call init_weight_sync first; under EP also after a
+                group restart, e.g. an EP rank failed during this update).
         """
         if not self.weight_sync_ready:
-            raise WeightSyncError("no weight-sync group: call /init_weight_sync first")
+            raise WeightSyncNotJoined("no weight-sync group: call /init_weight_sync first")
         if self.ep is not None:
             ep = self.ep
 
             def receive() -> RefitRecord:
                 if not ep.weight_sync_joined:  # a restart between the caller's check and this step
-                    raise WeightSyncError("the EP group was restarted: call /init_weight_sync again")
+                    raise WeightSyncNotJoined("the EP group was restarted: call /init_weight_sync again")
                 r = ep.receive_weight_update(expect_version)
                 if keep_paused:
                     ep.pause()  # the ranks' engines stayed paused (InFlightPolicy); the service's flag too
@@ -538,7 +543,7 @@ class EngineRunner:
         try:
             record = await self.call(receive)
         except GroupFailure as exc:
-            raise WeightSyncError(f"{exc}; the EP group was restarted: call /init_weight_sync again") from exc
+            raise WeightSyncNotJoined(f"{exc}; the EP group was restarted: call /init_weight_sync again") from exc
         self.last_refit = record
         self.refits += 1
         self.refit_seconds_total += record.seconds
