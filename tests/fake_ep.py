@@ -120,7 +120,7 @@ class FakeLauncher(Launcher):
         if method == "receive_weights":
             if not self.joined:  # the worker's weight_sync is None
                 raise GroupFailure(method, [0, 1], {0: "AttributeError: 'NoneType' object has no attribute 'update'"})
-            if "wire" in self.log:  # fake_http_trainer: the update FakeSender sends
+            if self.log.get("http_trainer"):  # fake_http_trainer: the update FakeSender sends
                 version, include_frozen, replace, outcome = self.log["wire"].get(timeout=30)
                 self.log["received"].append((version, include_frozen, replace, outcome))
                 self.log["trainer_version"] = version
@@ -239,3 +239,4 @@ def fake_http_trainer(monkeypatch, log: dict) -> None:
     import m3_rollout.server.client
 
     fake_broadcast(monkeypatch, log, m3_rollout.server.client)
+    log["http_trainer"] = True
