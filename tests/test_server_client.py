@@ -17,6 +17,7 @@ from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.model.selection_record import canonical_rows
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.server.client import HTTPBackend, request_body
+from m3_rollout.weight_sync import LocalWeightSync
 
 MAX_LEN = 256
 
@@ -183,3 +184,133 @@ def test_prompt_logprobs_over_http_equal_the_in_process_engine(setup):
     assert request_body(reqs[1])["sampling_params"]["prompt_logprobs"] == 0
     assert "prompt_logprobs" not in request_body(plain)["sampling_params"]
     assert plain_http[0].prompt_logprobs is None and plain_http[0].prompt_weight_writes == []
+
+
+def test_penalties_and_logit_bias_over_http_equal_the_in_process_engine(setup):
+    """``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty`` / ``logit_bias`` of
+    ``SamplingParams`` go through /generate (they used to be dropped: HTTPBackend sampled without
+    them): same tokens and logprobs as the in-process engine; a logit_bias the engine refuses (an id
+    twice, which a JSON object cannot hold) gives the engine's error records, not a merged bias."""
+    tok, served, model, srv = setup
+    http, local = HTTPBackend(srv.url), native_backend(model, served)
+    params = SamplingParams(
+        n=2,
+        max_new_tokens=8,
+        seed=5,
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.7,
+        logit_bias=((9, 6.0), (11, -100.0), (12, 3.5)),
+        top_logprobs=2,
+    )
+    req = GenerationRequest("pen", [9, 10, 11, 12], params)
+    twice = GenerationRequest("twice", [5, 6], SamplingParams(max_new_tokens=2, logit_bias=((9, 1.0), (9, 2.0))))
+    try:
+        over_http = http.generate([req, twice])
+    finally:
+        http.shutdown()
+    in_process = local.generate([req, twice])
+    unpenalized = local.generate(
+        [GenerationRequest("plain", [9, 10, 11, 12], SamplingParams(n=2, max_new_tokens=8, seed=5))]
+    )
+    assert [o.logprobs for o in in_process[:2]] != [o.logprobs for o in unpenalized]  # the fields change them
+    assert all(11 not in o.output_ids for o in in_process[:2])  # bias -100
+    for a, b in zip(over_http, in_process, strict=True):
+        assert (a.request_id, a.sample_index, a.output_ids, a.finish_reason) == (
+            b.request_id,
+            b.sample_index,
+            b.output_ids,
+            b.finish_reason,
+        )
+        assert a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs and a.error == b.error
+    assert over_http[2].finish_reason == "error" and "token 9 given twice" in over_http[2].error
+    assert request_body(req)["sampling_params"]["logit_bias"] == {"9": 6.0, "11": -100.0, "12": 3.5}
+
+
+def test_request_body_sends_or_refuses_every_sampling_field():
+    """Every ``SamplingParams`` field set to other than its default is either in the /generate body
+    (under a key /generate takes) or refused with a ValueError naming it: a field added to
+    SamplingParams later cannot be dropped silently. Fields at their defaults that are optional on
+    the wire are left out (older servers take the request)."""
+    from dataclasses import fields
+
+    from m3_rollout.server.protocol import GenerateRequest, GenerateSamplingParams
+
+    set_values = {
+        "n": 3,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 5,
+        "max_new_tokens": 9,
+        "stop_token_ids": (4, 7),
+        "seed": 11,
+        "logprobs_mode": "raw",
+        "stop_strings": ("ab",),
+        "top_logprobs": 4,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1.0,
+        "repetition_penalty": 1.3,
+        "logit_bias": ((3, 2.0),),
+        "prompt_logprobs": 0,
+    }
+    default_body = request_body(GenerationRequest("r", [1, 2], SamplingParams()))["sampling_params"]
+    assert set(default_body) == {
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_new_tokens",
+        "stop_token_ids",
+        "stop",
+        "seed",
+        "logprobs_mode",
+    }
+    for f in fields(SamplingParams):
+        value = set_values.get(f.name, object())  # a field unknown here: any non-default value
+        req = GenerationRequest("r", [1, 2], SamplingParams(**{f.name: value}))
+        try:
+            body = request_body(req)
+        except ValueError as exc:
+            assert f"SamplingParams.{f.name}" in str(exc)
+            continue
+        sent = {k: v for k, v in body["sampling_params"].items() if default_body.get(k, k) != v}
+        assert len(sent) == 1, (f.name, sent)  # the field, under its key
+        assert set(sent) <= set(GenerateSamplingParams.model_fields), (f.name, sent)
+        parsed = GenerateRequest.model_validate_json(json.dumps(body)).sampling_params
+        assert getattr(parsed, next(iter(sent))) is not None
+
+
+def test_token_weight_writes_over_http_equal_the_in_process_engine(setup):
+    """Each generated token's weight-write count (``SampleOutput.token_weight_writes``) comes back
+    through /generate (``token_weight_writes``; streamed events ``weight_writes``), the in-process
+    engine's (it came back empty). A server of its own, so its count is a fresh engine's, as the
+    in-process one's (another test of this module writes the weights); one weight update (the
+    served tensors, unchanged) on each side, so the count is not the initial one."""
+    tok, served, model, _ = setup
+    srv = LiveServer(served, native_backend(model, served))
+    http, local = HTTPBackend(srv.url), native_backend(model, served)
+    req = GenerationRequest("w", [5, 6, 7], SamplingParams(n=2, max_new_tokens=5, seed=2))
+    same = [(n, t.detach().clone()) for n, t in iter_released_tensors(model)]
+    try:
+        http.update_weights(1, same)
+        over_http = http.generate([req])
+        streamed: dict[int, list] = {0: [], 1: []}
+        with httpx.stream("POST", srv.url + "/generate", json={**request_body(req), "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "token_ids" in event:
+                        streamed[event["sample_index"]] += event["weight_writes"]
+                    else:
+                        assert event["token_weight_writes"] == streamed[event["sample_index"]]
+    finally:
+        http.shutdown()
+        srv.stop()
+    local.weight_sync = LocalWeightSync(local.engine)  # what the job's stack builder attaches
+    local.update_weights(1, same)
+    in_process = local.generate([req])
+    assert local.weight_writes > 0
+    for a, b in zip(over_http, in_process, strict=True):
+        assert a.output_ids == b.output_ids and a.token_weight_versions == [1] * len(a.output_ids)
+        assert a.token_weight_writes == b.token_weight_writes == [local.weight_writes] * len(a.output_ids)
+    assert [streamed[0], streamed[1]] == [o.token_weight_writes for o in over_http]

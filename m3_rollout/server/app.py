@@ -5,7 +5,8 @@ Routes (bodies in ``protocol.py``):
     POST /v1/chat/completions            OpenAI chat (tools, reasoning, streaming, logprobs, n)
     POST /v1/completions                 OpenAI completions (text or token ids)
     POST /generate                       token-in/token-out: ids + sampling params -> ids, logprobs,
-                                         finish reason, per-token weight versions, routed experts,
+                                         finish reason, per-token weight versions and weight-write
+                                         counts, routed experts,
                                          the sampler's top logprobs (``sampling_params.top_logprobs``),
                                          prompt logprobs (``sampling_params.prompt_logprobs``;
                                          the prefill's exactly too: ``prefill_prompt_logprobs``,
@@ -156,6 +157,7 @@ def _sample_dict(out: SampleOutput, routed: bool) -> dict:
         "finish_reason": out.finish_reason,
         "weight_version": out.weight_version,
         "token_weight_versions": out.token_weight_versions,
+        "token_weight_writes": list(out.token_weight_writes),
         "error": out.error,
         "top_logprobs": encode_top_logprobs(out.top_logprobs),
     }
@@ -343,6 +345,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                                 "token_ids": item.token_ids,
                                 "logprobs": item.logprobs,
                                 "weight_versions": item.weight_versions,
+                                "weight_writes": list(item.weight_writes),
                                 "top_logprobs": encode_top_logprobs(item.top_logprobs),
                             }
                         else:

@@ -14,14 +14,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import dataclasses
 import socket
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import httpx
 import numpy as np
 import torch
 
-from m3_rollout.engine.interface import GenerationBackend, GenerationRequest, PositionLogprobs, SampleOutput
+from m3_rollout.engine.interface import (
+    GenerationBackend,
+    GenerationRequest,
+    PositionLogprobs,
+    SampleOutput,
+    SamplingParams,
+)
 from m3_rollout.engine.requests import error_outputs
 from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
@@ -71,37 +78,90 @@ def decode_block_selection(indices: list[int] | None, table: list) -> SelectionR
     return None if indices is None else SelectionRecord([table[i] for i in indices])
 
 
+class UnsupportedSamplingField(ValueError):
+    """A ``SamplingParams`` field set to other than its default that ``/generate`` has no key for:
+    sending the request without it would sample from another distribution than asked."""
+
+
+def _logit_bias_object(pairs) -> dict[str, float]:
+    """``SamplingParams.logit_bias`` pairs as ``/generate``'s object (token id as a string -> bias).
+
+    The engine's own check comes first (``SamplingParams.validate``: pairs, distinct integer ids,
+    finite biases in [-100, 100]), as a JSON object holds one bias per id and the server clamps
+    biases to [-100, 100] (vLLM's rule): a value the engine refuses would otherwise be changed
+    silently. Raises the engine's ValueError naming ``SamplingParams.logit_bias``.
+    """
+    return {str(t): b for t, b in SamplingParams(logit_bias=pairs).validate().logit_bias}
+
+
+def _same(value):
+    return value
+
+
+#: Every ``SamplingParams`` field ``/generate`` takes: (its ``sampling_params`` key, JSON encoder,
+#: sent even at its default). The others go only when they differ from the default, so a server
+#: older than them still takes the request; a field missing here is refused when set
+#: (``request_body``), never dropped.
+SAMPLING_PARAMS_WIRE: dict[str, tuple[str, Callable, bool]] = {
+    "n": ("n", _same, True),
+    "temperature": ("temperature", _same, True),
+    "top_p": ("top_p", _same, True),
+    "top_k": ("top_k", _same, True),
+    "max_new_tokens": ("max_new_tokens", _same, True),
+    "stop_token_ids": ("stop_token_ids", list, True),
+    "seed": ("seed", _same, True),
+    "logprobs_mode": ("logprobs_mode", _same, True),
+    "stop_strings": ("stop", list, True),
+    "top_logprobs": ("top_logprobs", _same, False),
+    "presence_penalty": ("presence_penalty", _same, False),
+    "frequency_penalty": ("frequency_penalty", _same, False),
+    "repetition_penalty": ("repetition_penalty", _same, False),
+    "logit_bias": ("logit_bias", _logit_bias_object, False),
+    "prompt_logprobs": ("prompt_logprobs", _same, False),  # 0 asks too: each prompt token's own logprob and rank
+}
+
+
+def _is_default(value, default) -> bool:
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):  # e.g. an array: ambiguous truth value
+        return False
+
+
 def request_body(
     req: GenerationRequest, return_routed_experts: bool = False, return_block_selection: bool = False
 ) -> dict:
-    """The /generate body of a GenerationRequest (same sampling fields, same sample index;
-    ``top_logprobs`` and ``prompt_logprobs`` only when asked, so a server without the fields still
-    takes the others)."""
+    """The /generate body of a GenerationRequest: same sample index, and every ``SamplingParams``
+    field as ``SAMPLING_PARAMS_WIRE`` maps it (the optional ones only when set).
+
+    Raises:
+        UnsupportedSamplingField (a ValueError) naming a field set to other than its default
+        that /generate has no key for; ValueError (the engine's message) for a ``logit_bias``
+        the engine refuses (``_logit_bias_object``).
+    """
     p = req.params
-    body = {
+    sampling = {}
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(p, f.name)
+        if f.name not in SAMPLING_PARAMS_WIRE:
+            if not _is_default(value, f.default):
+                raise UnsupportedSamplingField(
+                    f"SamplingParams.{f.name}={value!r:.80}: /generate has no such field, so an HTTPBackend "
+                    f"request cannot carry it (leave it at its default, {f.default!r}, or use the in-process engine)"
+                )
+            continue
+        key, encode, always = SAMPLING_PARAMS_WIRE[f.name]
+        if always or not _is_default(value, f.default):
+            sampling[key] = encode(value)
+    return {
         "input_ids": [int(t) for t in req.prompt_ids],
         "rid": req.request_id,
         "sample_index": req.sample_index,
         "return_routed_experts": return_routed_experts,
         "return_block_selection": return_block_selection,
         "block_selection_from": int(req.block_selection_from),
-        "sampling_params": {
-            "n": p.n,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "top_k": p.top_k,
-            "max_new_tokens": p.max_new_tokens,
-            "stop_token_ids": list(p.stop_token_ids),
-            "stop": list(p.stop_strings),
-            "seed": p.seed,
-            "logprobs_mode": p.logprobs_mode,
-        },
+        "sampling_params": sampling,
     }
-    if p.top_logprobs:
-        body["sampling_params"]["top_logprobs"] = p.top_logprobs
-    if p.prompt_logprobs is not None:  # 0 asks too: each prompt token's own logprob and rank
-        body["sampling_params"]["prompt_logprobs"] = p.prompt_logprobs
-    return body
 
 
 def decode_top_logprobs(rows: list | None) -> list[list[tuple[int, float]]] | None:
@@ -141,6 +201,7 @@ def outputs_of(req: GenerationRequest, body: dict) -> list[SampleOutput]:
             weight_version=o["weight_version"],
             error=o["error"],
             token_weight_versions=o["token_weight_versions"],
+            token_weight_writes=[int(w) for w in o.get("token_weight_writes", [])],
             routed_experts=decode_routed_experts(o.get("routed_experts")),
             block_selection=decode_block_selection(o.get("block_selection"), table),
             top_logprobs=decode_top_logprobs(o.get("top_logprobs")),
@@ -285,9 +346,12 @@ class HTTPBackend(GenerationBackend):
     Outputs carry the same fields as the in-process engine's (output ids, logprobs, finish
     reason, weight version of every token, routed experts when ``return_routed_experts``, the
     sampler's top lists with ``SamplingParams.top_logprobs``, the prefill's prompt logprobs and their
-    weight-write stamps with ``SamplingParams.prompt_logprobs``; not ``token_weight_writes``); a request
-    the server refuses (400) becomes the engine's own error records (``engine.requests.
-    error_outputs``: one per sample, a single one when ``n`` is not a valid count).
+    weight-write stamps with ``SamplingParams.prompt_logprobs``, each token's weight-write count in
+    ``token_weight_writes``: the server engine's count, not this process's); every sampling field
+    goes to the server (``request_body``). A request the server refuses (400), or whose
+    ``logit_bias`` the engine would refuse, becomes the engine's own error records (``engine.
+    requests.error_outputs``: one per sample, a single one when ``n`` is not a valid count);
+    ``generate`` raises :class:`UnsupportedSamplingField` for a sampling field /generate cannot take.
 
     Args:
         base_url: the server, e.g. "http://127.0.0.1:8000".
@@ -333,8 +397,14 @@ class HTTPBackend(GenerationBackend):
 
     # ---- generation ----------------------------------------------------------------------------
     async def _one(self, http: httpx.AsyncClient, sem: asyncio.Semaphore, req: GenerationRequest) -> list[SampleOutput]:
-        async with sem:
+        try:
             body = request_body(req, self.return_routed_experts, self.return_block_selection)
+        except UnsupportedSamplingField:
+            raise
+        except ValueError as exc:  # a logit_bias the engine refuses too: its error records, as in-process
+            version = _raise_for(await http.get("/weight_version"))["weight_version"]
+            return error_outputs(req, str(exc), version)
+        async with sem:
             resp = await http.post("/generate", json=body)
         # the engine's error records (one per req.output_indices()), as in-process
         if resp.status_code == 400 or _generation_failed(resp):
