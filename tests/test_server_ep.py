@@ -472,10 +472,13 @@ def test_ep_same_version_update_under_paused_requests_keeps_their_prefill_prompt
     number kept (replace=True): their prompts were prefilled, and so scored, with the old weights,
     and their prompt logprobs are those weights' (a scoring forward after generation would have run
     the new ones: they used to come back empty). Requests admitted after it, on both ranks at once,
-    get the new weights' scores: every rank stamps the service's weight-write count."""
+    get the new weights' scores: every rank stamps the service's weight-write count. Its own setup
+    first: the server serves the trainer's weights (sent here, a version up), whatever tests ran
+    before it."""
     url, client, _ = server
     model, sender = trainer
-    v = client.weight_version()
+    v = client.weight_version() + 1
+    assert _update(client, sender, v, first=True)["weight_version"] == v
     prompts = [list(range(60, 90)), list(range(90, 120))]  # new prompts: placed by load, one per rank
 
     def run_two(update=None) -> list[dict]:
@@ -504,7 +507,7 @@ def test_ep_same_version_update_under_paused_requests_keeps_their_prefill_prompt
         sender.update(v, include_frozen=True, replace=True)
         assert fut.result(timeout=120)["weight_version"] == v
 
-    with torch.no_grad():  # the weights served now: the trainer's, sent by the tests before
+    with torch.no_grad():  # the weights served now: the trainer's, sent above
         old = [token_logprobs(model, torch.tensor([p]))[0, 1:].tolist() for p in prompts]
     for final, want in zip(run_two(same_version_update), old, strict=True):
         assert final["finish_reason"] == "length" and set(final["token_weight_versions"]) == {v}
