@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import queue
+import types
 
 import m3_rollout.weight_sync
 from m3_rollout.config import WeightSyncConfig
@@ -115,6 +116,9 @@ class FakeLauncher(Launcher):
             while "wire" in self.log and not self.log["wire"].empty():  # a new group: nothing of the old one's
                 self.log["wire"].get()
             return [[], []]
+        if method == "init_ipc_sync":  # fake_ipc_service: update_weights' updates come over the wire too
+            self.broadcast = True
+            return [None, None]
         if method == "receive_weights" and getattr(self, "broadcast", False):
             return self._receive_broadcast()
         if method == "receive_weights":
@@ -140,9 +144,12 @@ class FakeLauncher(Launcher):
     def _receive_broadcast(self) -> list[dict]:
         """Every rank's ``receive_weights`` for the update :class:`FakeSender` sends: "ok" applies
         it; "partial" is rejected after rank 1 wrote part of it (atomic=false): rank 1 turns
-        invalid and hands back its samples (the fake keeps no ranks: all of them)."""
+        invalid and hands back its samples (the fake keeps no ranks: all of them); "dies": rank 1
+        fails during it (GroupFailure)."""
         version, include_frozen, replace, outcome = self.log["wire"].get(timeout=30)
         self.log["received"].append((version, include_frozen, replace, outcome))
+        if outcome == "dies":
+            raise GroupFailure("receive_weights", [1], {1: "RuntimeError: peer died"})
         base = {"seconds": 0.0, "paused_seconds": 0.0, "probe_drift": None, "outputs": [], "handed_back": []}
         if outcome == "ok":
             self.version = version
@@ -167,18 +174,23 @@ class FakeLauncher(Launcher):
 
 
 def fake_service(
-    run_failures: int, start_failures: int, max_restarts: int = 2, fail_runs=()
+    run_failures: int, start_failures: int, max_restarts: int = 2, fail_runs=(), refit="broadcast", log=None
 ) -> tuple[RolloutService, dict]:
     """A RolloutService (EP=2) over :class:`FakeLauncher` and the log its groups share: "starts",
     "shutdowns", "runs" (run calls so far), "added" (see FakeLauncher), "writes", "fail_calls"
     ({method: failures to come}), "trainer_version" (what ``receive_weights`` applies); the first
     ``run_failures`` run calls and those numbered in ``fail_runs`` fail, and ``start_failures``
-    restarts."""
-    log = {"starts": 0, "shutdowns": 0, "run_failures": run_failures, "start_failures": start_failures}
+    restarts. ``log``: a dict to fill (:func:`fake_ipc_service`'s)."""
+    log = {} if log is None else log
+    log.update(starts=0, shutdowns=0, run_failures=run_failures, start_failures=start_failures)
     log.update(runs=0, fail_runs=set(fail_runs), added=[], fail_calls={}, trainer_version=1)
     spec = WorkerSpec(model_dir="unused", group=EPGroupSpec(2, "127.0.0.1", 0, "gloo", timeout_s=5))
     svc = RolloutService(
-        spec, launcher=lambda: FakeLauncher(log), max_restarts=max_restarts, weight_sync=WeightSyncConfig()
+        spec,
+        launcher=lambda: FakeLauncher(log),
+        max_restarts=max_restarts,
+        weight_sync=WeightSyncConfig(),
+        refit=refit,
     )
     return svc, log
 
@@ -188,7 +200,8 @@ class FakeSender:
     in for WeightSyncGroup, BroadcastChannel and WeightSender: :func:`fake_broadcast`). Each
     update goes to the group's ``receive_weights`` through ``log["wire"]`` with its outcome,
     popped from ``log["send_outcomes"]`` ("ok" when empty; "partial": rejected after rank 1 wrote
-    part of it), and a rejected one raises WeightUpdateError, as the real sender does."""
+    part of it; "dies": rank 1 fails during it), and any but "ok" raises WeightUpdateError, as the
+    real sender does."""
 
     def __init__(self, log: dict, named_tensors, channel, *args, probe=None, reference=None):
         self.log, self.named_tensors, self.channel, self.reference = log, named_tensors, channel, reference
@@ -230,6 +243,50 @@ def fake_broadcast(monkeypatch, log: dict, module=m3_rollout.weight_sync) -> Non
     monkeypatch.setattr(module, "WeightSyncGroup", _FakeGroup)
     monkeypatch.setattr(module, "BroadcastChannel", _FakeChannel)
     monkeypatch.setattr(module, "WeightSender", lambda *a, **k: FakeSender(log, *a, **k))
+
+
+class FakeIpcRefit:
+    """The trainer end of the IPC refit (stands in for ``service/ipc_refit.IpcRefit``:
+    :func:`fake_ipc_service`): each update goes to the group's ``receive_weights`` through
+    ``log["wire"]`` as :class:`FakeSender`'s; the source holds the last version every rank
+    accepted (a rejected fill overwrote it)."""
+
+    def __init__(self, log: dict, *args):
+        self.sender = FakeSender(log, None, None)
+        self.channel = types.SimpleNamespace(source_device=None, stats={})
+        self.worker_args = ("fake endpoint", {})
+        self.stage_version: int | None = None
+        self.fresh = True
+
+    def send(self, version: int, named_tensors, replace: bool = False) -> dict:
+        self.stage_version = None  # the fill overwrites it
+        stats = self.sender.update(version, include_frozen=self.fresh, replace=replace)
+        self.fresh, self.stage_version = False, int(version)
+        return stats
+
+    def holds(self, version: int) -> bool:
+        return self.stage_version == version
+
+    def resend(self) -> dict:
+        stats = self.sender.update(self.stage_version, include_frozen=True)
+        self.fresh = False
+        return stats
+
+    def lost_workers(self) -> None:
+        self.fresh = True
+
+    def close(self) -> None:
+        pass
+
+
+def fake_ipc_service(monkeypatch, **kwargs) -> tuple[RolloutService, dict]:
+    """:func:`fake_service` with ``refit="ipc"`` over :class:`FakeIpcRefit`; the log gains
+    "send_outcomes", "received", "wire" (see :func:`fake_broadcast`)."""
+    import m3_rollout.service.service
+
+    log: dict = {"send_outcomes": [], "received": [], "wire": queue.Queue()}
+    monkeypatch.setattr(m3_rollout.service.service, "IpcRefit", lambda *a, **k: FakeIpcRefit(log))
+    return fake_service(refit="ipc", log=log, **kwargs)
 
 
 def fake_http_trainer(monkeypatch, log: dict) -> None:

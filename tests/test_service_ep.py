@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from fake_ep import fake_broadcast, fake_service  # tests/ on sys.path
+from fake_ep import fake_broadcast, fake_ipc_service, fake_service  # tests/ on sys.path
 
 from m3_rollout.config import WeightSyncConfig
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams, StreamDelta
@@ -778,3 +779,101 @@ def test_requests_a_rank_gave_up_in_a_repaired_broadcast_update_are_placed_again
     assert sorted(o.sample_index for o in streamed) == [0, 1, 2]
     assert all(o.finish_reason == "error" and "gave up the streamed request" in o.error for o in streamed)
     svc.shutdown()
+
+
+def _reject_update_over_live_requests(svc, log, outcomes: list[str]) -> tuple[list, list]:
+    """Version 1 accepted; r0 and a streamed r1 get their first token; update 2 goes out with the
+    fake group's ``outcomes`` ("partial" first: rank 1 half-written, its samples handed back) and
+    raises ValueError. Returns (the outputs so far, the reference tokens of r0 run undisturbed)."""
+    reqs = _fake_requests()[:2]
+    ref_svc, _ = fake_service(run_failures=0, start_failures=0)
+    ref = sorted((o.sample_index, o.output_ids, o.logprobs) for o in ref_svc.generate(reqs[:1]))
+    ref_svc.shutdown()
+    weights = [("w", torch.zeros(2))]
+    svc.update_weights(1, weights)
+    svc.add_request(reqs[0])
+    svc.add_request(reqs[1], stream=True)
+    outs = svc.step()
+    log["send_outcomes"] += outcomes
+    with pytest.raises(ValueError, match="rank invalid"):
+        svc.update_weights(2, weights)
+    return outs, ref
+
+
+def _assert_weights_lost(svc, log, outs, why: str, streamed_why: str | None = None) -> None:
+    """Every sample of r0 / r1 ended with an error record naming ``why`` (r1's: ``streamed_why``
+    when given); no forward runs (generate refuses naming ``why``) until update 3 is accepted,
+    which serves again."""
+    runs = log["runs"]
+    outs = outs + _steps_until_done(svc)  # the requests the invalid rank gave up used to hang here
+    done = [o for o in outs if isinstance(o, SampleOutput)]
+    assert sorted((o.request_id, o.sample_index) for o in done) == [(r, j) for r in ("r0", "r1") for j in range(3)]
+    for o in done:
+        cause = streamed_why if streamed_why and o.request_id == "r1" else why
+        assert o.finish_reason == "error" and re.search(cause, o.error) and LOST in o.error, o.error
+    reqs = _fake_requests()[:2]
+    with pytest.raises(RolloutFailure, match=why) as info:
+        svc.generate(reqs)
+    assert info.value.lost_request_ids == ["r0", "r1"]
+    with pytest.raises(RolloutFailure, match=why):
+        svc.score([1, 2, 3])
+    assert log["runs"] == runs and not svc.has_unfinished()  # no forward on the half-written ranks
+    svc.update_weights(3, [("w", torch.zeros(2))])
+    outs = svc.generate(reqs)
+    assert len(outs) == 6 and all(o.finish_reason in ("stop", "length") and o.weight_version == 3 for o in outs)
+    svc.shutdown()
+
+
+def test_requests_a_rank_gave_up_in_a_rejected_ipc_update_end_with_error_records(monkeypatch):
+    # refit="ipc": the source holds the rejected fill, not the served weights, so nothing re-sends
+    # them to repair rank 1. The requests rank 1 gave up (its engine dropped them) used to stay
+    # unfinished forever (the next steps aborted them on a rank that no longer had them). Now they
+    # end with error records naming the cause and the remedy, as the broadcast refit's (one path).
+    svc, log = fake_ipc_service(monkeypatch, run_failures=0, start_failures=0)
+    outs, _ = _reject_update_over_live_requests(svc, log, ["partial"])
+    assert log["received"] == [(1, True, False, "ok"), (2, False, False, "partial")]  # nothing re-sent
+    why = r"rank\(s\) 1 invalid: wrote bytes of the rejected update 2 .*IPC source no longer holds the served "
+    _assert_weights_lost(svc, log, outs, why + r"version 1 .*call update_weights first")
+
+
+def test_a_rejected_repair_re_send_leaves_the_weights_lost_and_ends_the_given_up_requests(monkeypatch):
+    # broadcast: the re-send of version 1 (replace) that repairs rank 1 is rejected too. It used to
+    # escape with nothing marked: the next steps ran on the half-written ranks and the requests
+    # rank 1 gave up never ended. Now the weights are lost until an update is accepted.
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_broadcast(monkeypatch, log)
+    outs, _ = _reject_update_over_live_requests(svc, log, ["partial", "partial"])
+    assert log["received"][1:] == [(2, False, False, "partial"), (1, False, True, "partial")]
+    why = r"rank\(s\) 1 invalid: wrote bytes of the rejected update 2 .*re-send of the served version 1 "
+    _assert_weights_lost(svc, log, outs, why + r"that repairs them was rejected too .*send a full update")
+
+
+def test_a_rank_lost_in_the_repair_re_send_restarts_the_group_on_the_last_good_weights(monkeypatch):
+    # broadcast: rank 1 dies during the repair re-send. The GroupFailure used to escape
+    # update_weights with no restart and the given-up requests left unfinished. Now the group
+    # restarts on the host copy of version 1 and update_weights raises the rejection; the given-up
+    # request is resubmitted (tokens as undisturbed), the streamed one gets error records.
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_broadcast(monkeypatch, log)
+    outs, ref = _reject_update_over_live_requests(svc, log, ["partial", "dies"])
+    assert log["received"][1:] == [(2, False, False, "partial"), (1, False, True, "dies"), (1, True, False, "ok")]
+    assert svc.restarts == 1 and svc.weight_version == 1 and svc.launcher.version == 1
+    done = [o for o in outs + _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert sorted((o.sample_index, o.output_ids, o.logprobs) for o in done if o.request_id == "r0") == ref
+    assert all(o.weight_version == 1 and o.finish_reason in ("stop", "length") for o in done if o.request_id == "r0")
+    streamed = [o for o in done if o.request_id == "r1"]
+    assert sorted(o.sample_index for o in streamed) == [0, 1, 2]
+    assert all(o.finish_reason == "error" and "peer died" in o.error for o in streamed)
+    svc.shutdown()
+
+
+def test_a_restart_whose_re_sent_weights_are_refused_serves_nothing_until_an_update(monkeypatch):
+    # ... and when the restarted group refuses the re-sent version 1 (rank 1 half-written again),
+    # the ValueError used to escape the restart: the group was shut down and the requests never
+    # ended. Now the restarted group serves nothing until an update is accepted.
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_broadcast(monkeypatch, log)
+    outs, _ = _reject_update_over_live_requests(svc, log, ["partial", "dies", "partial"])
+    assert log["received"][3:] == [(1, True, False, "partial")] and svc.restarts == 1
+    why = r"the restarted rollout workers refused the served version 1 re-sent to them .*call update_weights first"
+    _assert_weights_lost(svc, log, outs, why, streamed_why="peer died")

@@ -271,8 +271,10 @@ class RolloutService(GenerationBackend):
         process can: the last :meth:`update_weights` (the host copy, or the IPC source while it
         holds them) or the checkpoint's. Weights received from a trainer's group
         (:meth:`receive_weight_update`) cannot be: the new workers keep the checkpoint's and
-        ``_weights_lost`` says so (no forward until the next accepted update). A paused service
-        pauses the new workers too (requests resubmitted after a failure wait for ``resume``).
+        ``_weights_lost`` says so (no forward until the next accepted update), as it does when the
+        new workers refuse the re-applied weights (ValueError: the checkpoint's, or a non-atomic
+        rank half-written, stay on them). A paused service pauses the new workers too (requests
+        resubmitted after a failure wait for ``resume``).
         Raises GroupFailure (the launcher is shut down and dropped first)."""
         group = dataclasses.replace(self.spec.group, port=free_port(self.spec.group.addr))
         spec = dataclasses.replace(self.spec, group=group, incarnation=self._starts)
@@ -292,12 +294,19 @@ class RolloutService(GenerationBackend):
                 self.launcher.call("init_ipc_sync", self._ipc_refit().worker_args, self.start_timeout_s)
             if self._served_received:  # only the old workers got them: no copy to re-apply
                 self._weights_lost = self._received_weights_lost()
-            elif self.refit == "ipc" and self._last_weights is not None:
-                self._reapply_ipc()  # sets _weights_lost when the source no longer holds them
             else:
-                if self._last_weights is not None:
-                    self._push_weights(*self._last_weights)
-                self._weights_lost = None  # fresh valid ranks on the served weights
+                try:
+                    if self.refit == "ipc" and self._last_weights is not None:
+                        self._reapply_ipc()  # sets _weights_lost when the source no longer holds them
+                    else:
+                        if self._last_weights is not None:
+                            self._push_weights(*self._last_weights)
+                        self._weights_lost = None  # fresh valid ranks on the served weights
+                except ValueError as exc:  # refused: the checkpoint's weights, or part of the re-sent ones
+                    self._weights_lost = (
+                        f"the restarted rollout workers refused the served version {self._version} re-sent to "
+                        f"them ({exc}); call update_weights first"
+                    )
             self._count_writes()  # fresh workers: no count of an earlier group may be taken for theirs
             if self._paused:
                 self.launcher.call("pause", (), self.start_timeout_s)
@@ -857,13 +866,14 @@ class RolloutService(GenerationBackend):
         Every check is the ranks' receiver's (receiver.py): a rejected update leaves atomic ranks
         on their weights and version; ranks a non-atomic failure left invalid are repaired by
         re-sending the last good weights (``replace``; the requests the invalid ranks gave up are
-        re-placed, :meth:`_put_back`). When no copy of the served weights is kept (the
-        checkpoint's: no update accepted yet, or weights received from a trainer's group) they
-        cannot be: no forward runs (the step API's requests get error records, ``generate`` /
-        ``score`` raise RolloutFailure naming the cause and the remedy, a full update) until an
-        update is accepted. A rank dying mid-update restarts the group
-        on the last good weights (the step API's requests: :meth:`_restart_live`). An accepted
-        update makes the weights served again after a restart that could not re-apply them.
+        re-placed, :meth:`_put_back`; :meth:`_after_rejected_update`). When no copy of the served
+        weights is kept (the checkpoint's: no update accepted yet, or weights received from a
+        trainer's group) or the re-send is rejected too, they cannot be: no forward runs (the step
+        API's requests get error records, ``generate`` / ``score`` raise RolloutFailure naming the
+        cause and the remedy, a full update) until an update is accepted. A rank dying mid-update
+        (or during the re-send) restarts the group on the last good weights (the step API's
+        requests: :meth:`_restart_live`). An accepted update makes the weights served again after
+        a restart that could not re-apply them.
         Raises ValueError naming the rank and tensors / versions of a rejected update;
         GroupFailure when a rank failed during the update (after the restart).
         """
@@ -878,23 +888,50 @@ class RolloutService(GenerationBackend):
             self._restart_live(failure)  # back on the last good weights
             raise
         except ValueError:
-            invalid = [str(r) for r, o in enumerate(self.last_weight_sync.get("ranks", [])) if not o["valid"]]
-            if invalid and (self._last_weights is None or self._served_received):
-                # no copy of the served weights here (the checkpoint's, or received from a trainer's
-                # group): no re-send repairs the ranks that wrote part of the update; no forward runs
-                self._weights_lost = (
-                    f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of the rejected update {int(version)} "
-                    f"(weight_sync.atomic=false), and no copy of the served version {self._version} is kept to "
-                    "re-send; send a full update (update_weights with every tensor) first"
-                )
-                self._lose(self._handed_back, self._weights_lost)
-            elif invalid:
-                handed_back = self._handed_back
-                self._push_weights(*self._last_weights, replace=True)
-                self._put_back(handed_back)
+            # a copy of the served weights to re-send, unless they are the checkpoint's or came from a trainer's group
+            kept = self._last_weights is not None and not self._served_received
+            self._after_rejected_update(
+                int(version),
+                (lambda: self._push_weights(*self._last_weights, replace=True)) if kept else None,
+                f"no copy of the served version {self._version} is kept to re-send",
+                "send a full update (update_weights with every tensor) first",
+            )
             raise
         self._last_weights = (int(version), incoming)
         self._version, self._weights_lost, self._served_received = int(version), None, False
+
+    def _after_rejected_update(self, version: int, resend, no_copy: str, remedy: str) -> None:
+        """After update ``version`` was rejected (``last_weight_sync`` holds the ranks' verdicts),
+        for either refit: ranks that wrote part of it (weight_sync.atomic=false) are invalid, and
+        every rank's forward reads their experts. ``resend()`` re-sends the served weights
+        (``replace``) to repair them; the requests the invalid ranks gave up are then re-placed
+        (:meth:`_put_back`). A rank failing during the re-send restarts the group on the last good
+        weights (:meth:`_fail_live`: the live requests resubmitted or given error records). With
+        no ``resend`` (``no_copy`` says why) or a rejected re-send, no forward runs until an update
+        is accepted: ``_weights_lost`` names the invalid ranks, the cause and ``remedy``
+        (``generate`` / ``score`` raise RolloutFailure with it), the given-up requests get error
+        records now, the step API's others at the next :meth:`step`. Never raises."""
+        invalid = [str(r) for r, o in enumerate(self.last_weight_sync.get("ranks", [])) if not o["valid"]]
+        handed_back, self._handed_back = self._handed_back, []
+        if not invalid:
+            return
+        if resend is not None:
+            try:
+                resend()
+            except GroupFailure as failure:  # the restart's workers get the last good weights
+                self._fail_live(failure)
+                return
+            except ValueError as exc:
+                no_copy = f"the re-send of the served version {self._version} that repairs them was rejected too "
+                no_copy += f"({exc})"
+            else:
+                self._put_back(handed_back + self._handed_back)
+                return
+        self._weights_lost = (
+            f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of the rejected update {version} "
+            f"(weight_sync.atomic=false), and {no_copy}; {remedy}"
+        )
+        self._lose(handed_back + self._handed_back, self._weights_lost)
 
     def _call_beside(self, method: str, args: tuple, fn):
         """Run ``launcher.call(method, args)`` in a thread while ``fn()`` runs here (both ends of a
@@ -1061,7 +1098,8 @@ class RolloutService(GenerationBackend):
         unless the trainer withdrew the update before filling it (``IpcRefit.send``), so workers
         restarted before the next accepted update cannot be given the served weights;
         non-atomic ranks that wrote part of it cannot be repaired: ``generate`` refuses, naming
-        this, until an update is accepted). The step API's unfinished requests come through a restart
+        this, until an update is accepted, and the requests they gave up get error records,
+        :meth:`_after_rejected_update`). The step API's unfinished requests come through a restart
         as through any (:meth:`_restart_live`). RuntimeError at sleep level 2 (wake up first)."""
         if self._sleep_level >= 2:
             raise RuntimeError(
@@ -1083,13 +1121,12 @@ class RolloutService(GenerationBackend):
             except ValueError:
                 # the source holds the refused update, not the served weights: no re-send repairs
                 # ranks that wrote part of it (weight_sync.atomic=false), as the broadcast refit does
-                invalid = [str(r) for r, o in enumerate(self.last_weight_sync.get("ranks", [])) if not o["valid"]]
-                if invalid:
-                    self._weights_lost = (
-                        f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of the rejected update {version} "
-                        f"(weight_sync.atomic=false), and the trainer's IPC source no longer holds the served "
-                        f"version {self._version} to repair them; call update_weights first"
-                    )
+                self._after_rejected_update(
+                    version,
+                    None,
+                    f"the trainer's IPC source no longer holds the served version {self._version} to repair them",
+                    "call update_weights first",
+                )
                 raise
         self._last_weights = (version, None)
         self._version, self._weights_lost, self._served_received = version, None, False
