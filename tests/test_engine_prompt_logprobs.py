@@ -175,3 +175,18 @@ def test_prompt_logprobs_param_checked():
     for bad in (21, -1, True, 1.5, "2"):
         with pytest.raises(ValueError, match=r"SamplingParams\.prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad).validate()
+
+
+def test_a_top_list_longer_than_the_vocabulary_lists_it_once():
+    """prompt_logprobs above V (a toy vocabulary of 12): each position lists the whole vocabulary,
+    its own tokens only (the entries used to run into the next position's list: 20 entries, 8 of
+    them another position's)."""
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=12, max_position_embeddings=256, sparse_block_size=4, sparse_topk_blocks=3)
+    eng = _engine(M3ForCausalLM(cfg).double().eval(), max_model_len=64)
+    prompt = [5, 6, 7, 8, 9, 10]
+    out = _run(eng, [_req("v", prompt, 20, max_new_tokens=2)])[("v", 0)]
+    _check(eng, out, SamplingParams(prompt_logprobs=20))
+    assert [sorted(t for t, _ in e.top) for e in out.prompt_logprobs[1:]] == [list(range(12))] * 5

@@ -294,6 +294,7 @@ class StepLaunch:
         out, i = [], 0
         for n, want in zip(self.prompt.counts, self.prompt.ks):
             row = []
+            want = min(want, k)  # k' = min(max(ks), V): a k above the vocabulary lists all of it
             for j in range(i, i + n):
                 pairs = zip(ids[j * k : j * k + want], vals[j * k : j * k + want])
                 row.append(PositionLogprobs(own[j], rank[j], [(t, x) for t, x in pairs if x != float("-inf")]))
