@@ -263,3 +263,33 @@ def test_multi_turn_prefix_reuse_matches_sync():
     assert got[True][2] == got[False][2] >= 32  # turn 1's full pages reused
     _assert_same(got[False][0], got[True][0])
     _assert_same(got[False][1], got[True][1])
+
+
+def test_generate_after_generate_async_and_after_a_caller_left_with_its_last_samples_out():
+    """generate() right after an async caller is done is not refused (the driver task that has not
+    yet seen its last caller leave steps nothing more); nor after a caller that closed its iterator
+    with its remaining samples already out of the engine: nothing is left to abort, so the driver
+    waits for nothing (it used to keep an entry for them, refusing generate() and stepping a
+    paused engine in a busy loop until every other request was done)."""
+    import asyncio
+
+    no_eos = SamplingParams(n=2, seed=3, max_new_tokens=3, logit_bias=((EOS, -100.0),))
+    b = NativeBackend(
+        MODEL, [EOS], max_model_len=96, max_num_seqs=32, async_scheduling=False, enable_prefix_caching=False
+    )
+    want = b.generate([GenerationRequest("a", _prompt(9, 1), no_eos)])
+
+    async def main():
+        done = [o async for o in b.generate_async([GenerationRequest("a", _prompt(9, 1), no_eos)])]
+        after_done = b.generate([GenerationRequest("b", _prompt(9, 1), no_eos)])
+        outs = b.generate_async([GenerationRequest("c", _prompt(9, 1), no_eos)])
+        first = await outs.__anext__()  # both samples finished at this step: the second is out too
+        await outs.aclose()
+        assert not b.step_driver.active
+        return done, after_done, first, b.generate([GenerationRequest("d", _prompt(9, 1), no_eos)])
+
+    done, after_done, first, after_close = asyncio.run(main())
+    key = lambda outs: sorted((o.sample_index, o.output_ids, o.logprobs) for o in outs)  # noqa: E731
+    assert key(done) == key(after_done) == key(after_close) == key(want)
+    assert (first.sample_index, first.output_ids) in [(o.sample_index, o.output_ids) for o in want]
+    assert b.engine.metrics()["kv_pages_in_use"] == 0 and not b.engine.has_unfinished()

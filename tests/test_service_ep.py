@@ -442,6 +442,43 @@ def test_generate_refused_while_generate_async_callers_are_active():
     svc.shutdown()
 
 
+def test_generate_after_generate_async_and_after_a_caller_left_with_its_last_samples_out():
+    # generate() right after an async caller is done was refused (the driver task had not yet seen
+    # its last caller leave); a caller that closed its iterator with its remaining samples already
+    # out of the step API left an entry for them, so generate() stayed refused and a pause made the
+    # driver send a run call to the group at every turn of the loop while other requests ran.
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    pair = SamplingParams(n=2, max_new_tokens=3, seed=1)  # both samples end at the third step
+
+    async def main():
+        done = [o async for o in svc.generate_async([GenerationRequest("a", [1, 2], pair)])]
+        after_done = svc.generate([GenerationRequest("a", [1, 2], pair)])
+        outs = svc.generate_async([GenerationRequest("c", [1, 2], pair)])
+        first = await outs.__anext__()
+        await outs.aclose()
+        assert not svc.step_driver.active
+        after_close = svc.generate([GenerationRequest("a", [1, 2], pair)])
+        long = svc.generate_async([GenerationRequest("L", [1, 2], SamplingParams(max_new_tokens=50, seed=2))])
+        step = asyncio.ensure_future(long.__anext__())
+        outs = svc.generate_async([GenerationRequest("c", [1, 2], pair)])
+        await outs.__anext__()
+        await outs.aclose()
+        svc.pause()
+        runs = log["runs"]
+        for _ in range(50):  # turns of the loop, not time: a paused group with nothing to abort runs nothing
+            await asyncio.sleep(0)
+        assert log["runs"] == runs
+        svc.resume()
+        await step
+        await long.aclose()
+        return done, after_done, first, after_close
+
+    done, after_done, first, after_close = asyncio.run(main())
+    assert _bits(done) == _bits(after_done) == _bits(after_close)
+    assert first.request_id == "c" and first.output_ids == after_done[first.sample_index].output_ids
+    svc.shutdown()
+
+
 def _fake_requests() -> list[GenerationRequest]:
     """GRPO groups whose samples stop at different steps (token 3 stops them)."""
     return [

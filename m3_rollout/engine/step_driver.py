@@ -64,14 +64,15 @@ class StepDriver:
 
     @property
     def active(self) -> bool:
-        """Whether the driver task runs (an async caller waits, or an abandoned request's final
-        records are still to come)."""
-        return self._task is not None
+        """Whether the driver task has work: an async caller waits, or an abandoned request's final
+        records are still to come. A task whose last caller has just left is not active (it ends
+        at its next turn without stepping)."""
+        return self._task is not None and bool(self._queues or self._orphans)
 
     def check_idle(self) -> None:
-        """Raises RuntimeError while the driver task runs: a synchronous ``generate`` would step
-        the stepper beside it."""
-        if self._task is not None:
+        """Raises RuntimeError while the driver is :attr:`active`: a synchronous ``generate`` would
+        step the stepper beside it."""
+        if self.active:
             raise RuntimeError("generate() while generate_async callers are active; await them or use generate_async")
 
     # ---- ids -----------------------------------------------------------------------------
@@ -181,6 +182,10 @@ class StepDriver:
                     remaining -= 1
                 yield dataclasses.replace(out, request_id=caller[out.request_id])
         finally:
+            while not q.empty():  # records routed here but not yielded: out of the stepper already
+                out = q.get_nowait()
+                if isinstance(out, SampleOutput) and left.get(out.request_id):
+                    left[out.request_id] -= 1
             for iid, n in left.items():
                 self._queues.pop(iid, None)
                 if n:  # the caller went away: abort, and drop its final records when they come
