@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_engine_core import _model  # tests/ is on sys.path under pytest
+from test_engine_async import _drive  # tests/ is on sys.path under pytest: run to the end, pages freed
+from test_engine_core import _model
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
@@ -35,22 +36,6 @@ def _engine(model=MODEL64, **kw):
 def _req(rid, prompt, k=3, **kw):
     kw = {"n": 1, "seed": 5, "max_new_tokens": 4, **kw}
     return GenerationRequest(rid, prompt, SamplingParams(prompt_logprobs=k, **kw))
-
-
-def _run(eng, reqs, between=None) -> dict:
-    for r in reqs:
-        eng.add_request(r)
-    outs, calls = {}, 0
-    while eng.has_unfinished():
-        for o in eng.step():
-            if isinstance(o, SampleOutput):
-                outs[(o.request_id, o.sample_index)] = o
-        calls += 1
-        if between is not None:
-            between(eng, calls)
-        assert calls < 500
-    eng.block_manager.check()
-    return outs
 
 
 def _check(eng, out: SampleOutput, params: SamplingParams, abs_tol=1e-9):
@@ -79,7 +64,7 @@ REQS = [
 def test_prefill_prompt_logprobs_equal_the_scoring_forward(budget, async_mode):
     graphs = dict(enable_cuda_graphs="eager", cuda_graph_batch_sizes=(4, 16)) if async_mode else {}
     eng = _engine(max_num_batched_tokens=budget, async_scheduling=async_mode, **graphs)
-    outs = _run(eng, REQS)
+    outs = _drive(eng, REQS)
     assert eng.stats.graph_steps > 0 or not async_mode  # the staged decode graphs still serve decodes
     params = {r.request_id: r.params for r in REQS}
     assert len(outs) == 7
@@ -91,7 +76,7 @@ def test_prefill_prompt_logprobs_equal_the_scoring_forward(budget, async_mode):
     assert a[0] == a[1] == a[2]  # the leader's prefill scored them once for its group
     assert all(len(e.top) == 5 for e in outs[("c", 0)].prompt_logprobs[1:])  # raw: no filter removes any
     assert outs[("e", 0)].prompt_logprobs == [None] and outs[("e", 0)].prompt_weight_writes == []
-    plain = _run(_engine(max_num_batched_tokens=budget), [dataclasses.replace(REQS[0], params=SamplingParams())])
+    plain = _drive(_engine(max_num_batched_tokens=budget), [dataclasses.replace(REQS[0], params=SamplingParams())])
     assert plain[("a", 0)].prompt_logprobs is None and plain[("a", 0)].prompt_weight_writes == []
 
 
@@ -100,13 +85,13 @@ def test_a_cached_prompt_is_scored_whole():
     of them (every position's logits are computed); one that does not ask still hits."""
     eng = _engine(max_num_batched_tokens=8)
     prompt = _prompt(41, 7)
-    _run(eng, [_req("warm", prompt, None)])
+    _drive(eng, [_req("warm", prompt, None)])
     hits = eng.block_manager.hit_tokens
-    outs = _run(eng, [_req("asks", prompt, 2, n=2)])
+    outs = _drive(eng, [_req("asks", prompt, 2, n=2)])
     assert eng.block_manager.hit_tokens == hits  # no prefix-cache read
     for o in outs.values():
         _check(eng, o, SamplingParams(prompt_logprobs=2))
-    _run(eng, [_req("again", prompt, None)])
+    _drive(eng, [_req("again", prompt, None)])
     assert eng.block_manager.hit_tokens > hits  # the cache still serves requests that do not ask
 
 
@@ -116,13 +101,13 @@ def test_preemption_mid_prompt_scores_nothing_twice():
     scored yet, the entries equal one uninterrupted prefill's."""
     req = _req("p", _prompt(45, 9), 4, n=2, temperature=0.9)
     eng = _engine(max_num_batched_tokens=8)
-    outs = _run(eng, [req], lambda e, calls: e.preempt_all() if calls == 2 else None)
+    outs = _drive(eng, [req], lambda e, calls: e.preempt_all() if calls == 2 else None)
     assert eng.metrics()["num_preemptions"] == 1
     for o in outs.values():
         _check(eng, o, req.params)
     tight = _engine(max_num_batched_tokens=8, num_pages=30, max_model_len=64)
     many = [_req(f"r{i}", _prompt(30 + i, 20 + i), 2, n=2, max_new_tokens=24) for i in range(4)]
-    outs = _run(tight, many)
+    outs = _drive(tight, many)
     assert tight.metrics()["num_preemptions"] > 0
     for (rid, _), o in outs.items():
         _check(tight, o, many[int(rid[1:])].params)
@@ -132,11 +117,11 @@ def test_asking_changes_no_other_rows_bits():
     model = _model()  # fp32: bits would show a changed forward
     others = [_req(f"o{i}", _prompt(9 + 5 * i, 30 + i), None, n=2, max_new_tokens=10) for i in range(3)]
     asker = _req("x", _prompt(33, 40), 5, max_new_tokens=10)
-    base = _run(
+    base = _drive(
         _engine(model, max_num_batched_tokens=16),
         others + [dataclasses.replace(asker, params=SamplingParams(seed=5, max_new_tokens=10))],
     )
-    got = _run(_engine(model, max_num_batched_tokens=16), others + [asker])
+    got = _drive(_engine(model, max_num_batched_tokens=16), others + [asker])
     for key, o in base.items():
         assert got[key].output_ids == o.output_ids and got[key].logprobs == o.logprobs, key
         assert got[key].prompt_logprobs is None or key[0] == "x"
@@ -154,7 +139,7 @@ def test_batch_invariant_mode_takes_the_samplers_logprob_op():
 
     eng.runner.token_logprobs = op
     prompt = _prompt(20, 11)
-    out = _run(eng, [_req("i", prompt, 2, max_new_tokens=1)])[("i", 0)]
+    out = _drive(eng, [_req("i", prompt, 2, max_new_tokens=1)])[("i", 0)]
     assert sum(calls) >= len(prompt) - 1 + 1  # the prompt's 19 positions, then the sampled token
     _check(eng, out, SamplingParams(prompt_logprobs=2))
 
@@ -164,7 +149,7 @@ def test_a_weight_write_between_chunks_is_stamped():
     "continue" without recompute): the later entries ran on KV from the earlier weights, -1."""
     eng = _engine(max_num_batched_tokens=8)
     prompt = _prompt(20, 12)
-    out = _run(eng, [_req("w", prompt, 1)], lambda e, calls: e.count_weight_write() if calls == 1 else None)
+    out = _drive(eng, [_req("w", prompt, 1)], lambda e, calls: e.count_weight_write() if calls == 1 else None)
     assert out[("w", 0)].prompt_weight_writes == [0] * 8 + [-1] * 11
     assert out[("w", 0)].token_weight_writes[0] == -1
 
@@ -187,6 +172,6 @@ def test_a_top_list_longer_than_the_vocabulary_lists_it_once():
     cfg = tiny_config(vocab_size=12, max_position_embeddings=256, sparse_block_size=4, sparse_topk_blocks=3)
     eng = _engine(M3ForCausalLM(cfg).double().eval(), max_model_len=64)
     prompt = [5, 6, 7, 8, 9, 10]
-    out = _run(eng, [_req("v", prompt, 20, max_new_tokens=2)])[("v", 0)]
+    out = _drive(eng, [_req("v", prompt, 20, max_new_tokens=2)])[("v", 0)]
     _check(eng, out, SamplingParams(prompt_logprobs=20))
     assert [sorted(t for t, _ in e.top) for e in out.prompt_logprobs[1:]] == [list(range(12))] * 5
