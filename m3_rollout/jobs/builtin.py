@@ -11,7 +11,11 @@ job), ``tiny-random`` (same, random weights; smoke runs) and ``m3-gpu-small`` (~
 MSA block 64 / top-4 blocks, the full M3 chat template with the tool list, the multi-step task of
 ``multistep.py``; the GPU job ``configs/grpo_h200.yaml``).
 
-Cache root: ``$M3_ROLLOUT_CACHE`` or ``~/.cache/m3_rollout``.
+Cache root: ``$M3_ROLLOUT_CACHE`` or ``~/.cache/m3_rollout``. Beside each checkpoint directory
+``<name>-<key>``: ``<name>-<key>.lock``, held by the process that builds it (``build_lock``: a second
+process waits, then uses the build), and while a build runs ``<name>-<key>.partial``, its saved
+warm-start progress (``m3_trainers.warm_start_progress``): a build stopped midway (Ctrl-C, killed)
+is continued from there by the next one and gives the same checkpoint; a finished build removes it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tqdm.auto import tqdm
 from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, ChatFormat, load_template, render, write_chat_defaults
 from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.jobs.build_lock import WaitInterrupted, build_lock
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
 from m3_rollout.model.configuration import CheckpointError, M3Config, read_config_json
 from m3_rollout.model.loading import iter_released_tensors
@@ -42,6 +47,7 @@ from m3_rollout.rollout.environments.multistep import MultiStepArithmeticTask
 from m3_rollout.rollout.group_rollout import RolloutSettings, run_group_rollouts
 from m3_rollout.weight_sync import LocalWeightSync
 from m3_trainers.warm_start import WarmStartConfig, warm_start
+from m3_trainers.warm_start_progress import ProgressStore, saved_step
 
 BUILDER_VERSION = 1
 BUILTIN_PREFIX = "builtin:"
@@ -77,6 +83,10 @@ class TinyCheckpointSpec:
             build of this spec reaches (measured builds; the build itself stops when the held-out
             accuracy enters its window, wherever that is). An estimate for display only, so not
             part of the cache key.
+        save_progress_every: SFT steps between two saves of the warm start's progress (it also
+            saves after every evaluation) into the ``.partial`` directory a later build resumes
+            from; 0: no saves (the build starts over when stopped). How the build is saved, not
+            what it builds, so not part of the cache key.
     """
 
     model_overrides: dict = field(default_factory=lambda: {"sparse_local_block": 2, "max_position_embeddings": 512})
@@ -97,6 +107,10 @@ class TinyCheckpointSpec:
     device: str = "cpu"
     # tiny-calculator on the CPU: its 262-step build evaluated up to step 300 (README).
     expected_steps: int = 300
+    # NOTE: 10 for the CPU presets: a save of tiny-calculator (model + AdamW moments, 11 MB, fsynced)
+    # takes ~0.06 s on 2 loaded cores against 0.5-1 s for an idle step and 9-31 s for a loaded one,
+    # under 1% of the time between saves, while a Ctrl-C loses at most 10 steps (~5 min loaded).
+    save_progress_every: int = 10
 
     def key(self) -> str:
         """16 hex digits of the spec's hash. Fields added after builder version 1 (``LATER_FIELDS``)
@@ -104,6 +118,7 @@ class TinyCheckpointSpec:
         keep their key; the warm start's ``max_seconds`` counts as ``KEY_MAX_SECONDS``."""
         spec = dataclasses.asdict(self)
         del spec["expected_steps"]  # the progress bar's estimate, not what is built
+        del spec["save_progress_every"]  # how the build is saved, not what it builds
         for f in dataclasses.fields(self):
             if f.name in LATER_FIELDS and spec[f.name] == f.default:
                 del spec[f.name]
@@ -190,6 +205,9 @@ def gpu_small_spec() -> TinyCheckpointSpec:
         eval_max_total_len=512,
         eval_max_new_tokens=48,
         expected_steps=600,  # H200 builds: 427-750 SFT steps
+        # NOTE: no saves: its state with the AdamW moments is ~2 GB, a save of it (and of a snapshot
+        # at most evaluations) would cost several seconds per 16 s of training in a ~5-min build.
+        save_progress_every=0,
     )
 
 
@@ -261,43 +279,75 @@ def resolve_model(model_name: str, progress: bool = True, device: str | None = N
     """Checkpoint directory for ``policy.model_name``; a ``builtin:`` checkpoint that is not cached
     yet is built, its warm start on ``device`` (default :func:`default_device`).
 
+    One process builds a checkpoint at a time (``build_lock``): another one that needs the same
+    checkpoint meanwhile prints ``waiting for another process building NAME (pid P)...``, waits, and
+    then uses the checkpoint the first built (or, if that build stopped, goes on with it from its
+    saved progress).
+
     Returns:
-        (directory, info) where info has "built" (bool), "build_seconds", "key" and the build
-        report when one exists. A build whose warm start ended outside its accuracy window prints
-        :func:`warm_start_warning` to stderr here, so every command that uses it (grpo, export,
-        serve, dump) says so.
+        (directory, info) where info has "built" (bool: built by this call), "build_seconds", "key"
+        and the build report when one exists. A build whose warm start ended outside its accuracy
+        window prints :func:`warm_start_warning` to stderr here, so every command that uses it
+        (grpo, export, serve, dump) says so.
 
     Raises:
         FileNotFoundError: a path that is not a checkpoint directory (with config.json).
         ValueError: an unknown ``builtin:`` name; a CheckpointError for an unreadable config.json.
-        SystemExit(130): Ctrl-C during a build, after a one-line message on stderr (no traceback;
-            nothing of the build is kept).
+        SystemExit(130): Ctrl-C during a build or while waiting for another process's, after a
+            one-line message on stderr (no traceback) that says what of the build is kept.
     """
     spec = check_model_name(model_name, device)
     if spec is None:
         return Path(model_name).expanduser(), {"built": False}
     name = model_name[len(BUILTIN_PREFIX) :]
     out = cache_root() / f"{name}-{spec.key()}"
-    if (out / "build_report.json").is_file():
-        info = {"built": False, "key": spec.key(), **json.loads((out / "build_report.json").read_text())}
-    else:
+    partial = partial_dir(out)
+    info = None
+    if not (out / "build_report.json").is_file():
         try:
-            report = build_checkpoint(spec, out, progress=progress)
-        except KeyboardInterrupt:
-            # Nothing of a build is kept until it is complete (build_checkpoint writes a temporary
-            # directory at the end), so the next run starts it again.
+            with build_lock(out.with_name(out.name + ".lock"), model_name):
+                if not (out / "build_report.json").is_file():  # else: built while this process waited
+                    report = build_checkpoint(spec, out, progress=progress, partial=partial)
+                    info = {"built": True, "key": spec.key(), **report}
+        except WaitInterrupted as exc:
+            holder = f" (pid {exc.holder})" if exc.holder is not None else ""
             print(
-                f"interrupted: the build of {model_name} stopped (Ctrl-C) and nothing of it was kept; "
-                "rerunning starts the build again from the beginning",
+                f"interrupted: stopped waiting (Ctrl-C) for another process building {model_name}{holder}; "
+                "this run built nothing of it, and that build goes on",
                 file=sys.stderr,
                 flush=True,
             )
             raise SystemExit(130) from None
-        info = {"built": True, "key": spec.key(), **report}
+        except KeyboardInterrupt:
+            print(interrupted_line(model_name, partial, spec.key()), file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+    if info is None:
+        info = {"built": False, "key": spec.key(), **json.loads((out / "build_report.json").read_text())}
     warning = warm_start_warning(out, info)
     if warning:
         print(warning, file=sys.stderr)
     return out, info
+
+
+def partial_dir(out_dir: Path) -> Path:
+    """Where a build of ``out_dir`` keeps its warm-start progress until it is finished."""
+    return Path(out_dir).with_name(Path(out_dir).name + ".partial")
+
+
+def interrupted_line(model_name: str, partial: Path, key: str) -> str:
+    """The ``interrupted:`` line of a build stopped by Ctrl-C: what of it is kept, where the next run
+    of the same build continues."""
+    step = saved_step(partial, {"key": key})
+    if step is None:
+        return (
+            f"interrupted: the build of {model_name} stopped (Ctrl-C) and nothing of it was kept; "
+            "rerunning starts the build again from the beginning"
+        )
+    return (
+        f"interrupted: the build of {model_name} stopped (Ctrl-C); its warm start up to SFT step {step} "
+        f"(weights, optimizer, data position, evaluations) is kept in {partial}; rerunning continues the "
+        f"build from step {step}"
+    )
 
 
 def warm_start_warning(model_dir: Path, info: dict) -> str | None:
@@ -355,10 +405,18 @@ def corpus_texts(template: str, task: ArithmeticTask, env: CalculatorEnvironment
     return texts
 
 
-def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = True) -> dict:
+def build_checkpoint(
+    spec: TinyCheckpointSpec, out_dir: Path, progress: bool = True, partial: Path | None = None
+) -> dict:
     """Build a checkpoint directory for ``spec`` (tokenizer, model, optional warm start).
 
     Written to a temporary directory and renamed, so an interrupted build never looks complete.
+    The warm start saves its progress into ``partial`` (default :func:`partial_dir` of
+    ``out_dir``) after every evaluation and every ``spec.save_progress_every`` SFT steps; a build
+    that finds progress there saved for the same cache key and tokenizer goes on from it and
+    gives the same checkpoint (bitwise on the CPU) as a build never stopped. The finished build
+    removes ``partial``. The caller keeps two processes from building into the same directories
+    (:func:`resolve_model` holds ``build_lock``).
 
     Returns:
         the build report (also saved as build_report.json): seconds, parameters, warm-start
@@ -372,6 +430,14 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
         print(f"building {out_dir.name}: training its tokenizer ...", file=sys.stderr, flush=True)
     tokenizer = train_tokenizer(corpus_texts(template, task, env, spec.tokenizer_corpus), spec.tokenizer_vocab_size)
     tokenizer.chat_template = template
+    store, resume = None, None
+    if spec.warm_start is not None and spec.save_progress_every > 0:
+        # The tokenizer's hash too: progress is only valid for the token ids it was trained on.
+        tok_hash = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+        store = ProgressStore(partial or partial_dir(out_dir), {"key": spec.key(), "tokenizer": tok_hash})
+        resume = store.load()
+        if store.discarded and progress:
+            print(f"building {out_dir.name}: {store.discarded}", file=sys.stderr, flush=True)
     chat = ChatFormat(tokenizer, thinking_mode="disabled")
     ids = lambda s: tokenizer.convert_tokens_to_ids(s)  # noqa: E731
     config = tiny_config(
@@ -432,6 +498,7 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
             f"[{ws.target_low}, {ws.target_high}])",
             disable=not progress,
             unit="step",
+            initial=resume.step if resume is not None else 0,  # its rate counts this run's steps only
         )
 
         def on_progress(step: int, acc: float | None, loss: float | None) -> None:
@@ -450,14 +517,35 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
                     f"warm start: step {step}, {what}, held-out accuracy {acc:.3f}, {bar.format_dict['elapsed']:.0f} s"
                 )
 
-        if progress:
+        if progress and resume is None:
             bar.write(
                 f"warm start: step 0 first evaluates the untrained model on {spec.num_val} held-out prompts "
                 f"(minutes on a loaded CPU), then SFT steps, about {bar.total} expected (the bar's total, an "
                 "estimate: the build stops when the accuracy enters the window); one line per evaluation"
             )
+        elif resume is not None:
+            last, acc = resume.history[-1]
+            if progress:
+                bar.write(
+                    f"warm start: resuming at step {resume.step} from the progress an interrupted build saved in "
+                    f"{store.dir} (last evaluation: step {last}, held-out accuracy {acc:.3f}); one line per "
+                    "evaluation"
+                )
+            report["resumed_at_step"] = resume.step
         try:
-            result = warm_start(model, chat, task, env, evaluate, ws, exclude=exclude, progress=on_progress)
+            result = warm_start(
+                model,
+                chat,
+                task,
+                env,
+                evaluate,
+                ws,
+                exclude=exclude,
+                progress=on_progress,
+                resume=resume,
+                save=store.save if store else None,
+                save_every=spec.save_progress_every,
+            )
         finally:
             bar.close()
             env.close()
@@ -493,6 +581,8 @@ def build_checkpoint(spec: TinyCheckpointSpec, out_dir: Path, progress: bool = T
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    if store is not None:
+        store.remove()
     return report
 
 
