@@ -123,7 +123,7 @@ def test_cli_exports_a_builtin_checkpoint(cache, capsys):
     )
     printed = capsys.readouterr().out
     assert "AutoModelForCausalLM" in printed
-    (src,) = (cache / "cache").iterdir()
+    (src,) = (p for p in (cache / "cache").iterdir() if p.is_dir())  # the build, beside its lock file
     files = {p.name for p in out.iterdir()}
     assert {
         "config.json",
@@ -174,7 +174,7 @@ def test_cli_warns_about_a_build_outside_its_window(cache, capsys):
     time cap) warned only in the GRPO job; an export of it said nothing."""
     assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "a")]) == 0
     assert "WARNING" not in capsys.readouterr().err
-    (src,) = (cache / "cache").iterdir()
+    (src,) = (p for p in (cache / "cache").iterdir() if p.is_dir())  # the build, beside its lock file
     report = json.loads((src / "build_report.json").read_text())
     report.update(in_window=False, time_capped=True, warm_start_steps=100, heldout_accuracy=0.0)
     (src / "build_report.json").write_text(json.dumps(report))
@@ -220,7 +220,7 @@ def test_cli_export_of_an_old_builtin_build_keeps_its_chat_defaults(cache, capsy
     """A builtin build from before chat_template_kwargs.json existed: the export writes the default
     serve applies to it, so serving the export renders the prompts serving the builtin does."""
     assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "a")]) == 0
-    (src,) = (cache / "cache").iterdir()
+    (src,) = (p for p in (cache / "cache").iterdir() if p.is_dir())  # the build, beside its lock file
     (src / "chat_template_kwargs.json").unlink()
     capsys.readouterr()
     assert cli.main(["export", "--model", "builtin:tiny-random", "--out", str(cache / "b")]) == 0
