@@ -34,7 +34,7 @@ from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
 from .metrics import parse_metrics
-from .protocol import GENERATION_FAILED, WEIGHT_SYNC_NOT_JOINED
+from .protocol import GENERATE_SAMPLING_KEYS, GENERATION_FAILED, WEIGHT_SYNC_NOT_JOINED
 
 
 class ServerError(RuntimeError):
@@ -98,26 +98,26 @@ def _same(value):
     return value
 
 
-#: Every ``SamplingParams`` field ``/generate`` takes: (its ``sampling_params`` key, JSON encoder,
-#: sent even at its default). The others go only when they differ from the default, so a server
-#: older than them still takes the request; a field missing here is refused when set
-#: (``request_body``), never dropped.
-SAMPLING_PARAMS_WIRE: dict[str, tuple[str, Callable, bool]] = {
-    "n": ("n", _same, True),
-    "temperature": ("temperature", _same, True),
-    "top_p": ("top_p", _same, True),
-    "top_k": ("top_k", _same, True),
-    "max_new_tokens": ("max_new_tokens", _same, True),
-    "stop_token_ids": ("stop_token_ids", list, True),
-    "seed": ("seed", _same, True),
-    "logprobs_mode": ("logprobs_mode", _same, True),
-    "stop_strings": ("stop", list, True),
-    "top_logprobs": ("top_logprobs", _same, False),
-    "presence_penalty": ("presence_penalty", _same, False),
-    "frequency_penalty": ("frequency_penalty", _same, False),
-    "repetition_penalty": ("repetition_penalty", _same, False),
-    "logit_bias": ("logit_bias", _logit_bias_object, False),
-    "prompt_logprobs": ("prompt_logprobs", _same, False),  # 0 asks too: each prompt token's own logprob and rank
+#: Every ``SamplingParams`` field ``/generate`` takes (its ``sampling_params`` key:
+#: ``protocol.GENERATE_SAMPLING_KEYS``): (JSON encoder, sent even at its default). The others go only
+#: when they differ from the default, so a server older than them still takes the request; a field
+#: missing here is refused when set (``request_body``), never dropped.
+SAMPLING_PARAMS_WIRE: dict[str, tuple[Callable, bool]] = {
+    "n": (_same, True),
+    "temperature": (_same, True),
+    "top_p": (_same, True),
+    "top_k": (_same, True),
+    "max_new_tokens": (_same, True),
+    "stop_token_ids": (list, True),
+    "seed": (_same, True),
+    "logprobs_mode": (_same, True),
+    "stop_strings": (list, True),
+    "top_logprobs": (_same, False),
+    "presence_penalty": (_same, False),
+    "frequency_penalty": (_same, False),
+    "repetition_penalty": (_same, False),
+    "logit_bias": (_logit_bias_object, False),
+    "prompt_logprobs": (_same, False),  # 0 asks too: each prompt token's own logprob and rank
 }
 
 
@@ -150,9 +150,9 @@ def request_body(
                     f"request cannot carry it (leave it at its default, {f.default!r}, or use the in-process engine)"
                 )
             continue
-        key, encode, always = SAMPLING_PARAMS_WIRE[f.name]
+        encode, always = SAMPLING_PARAMS_WIRE[f.name]
         if always or not _is_default(value, f.default):
-            sampling[key] = encode(value)
+            sampling[GENERATE_SAMPLING_KEYS[f.name]] = encode(value)
     return {
         "input_ids": [int(t) for t in req.prompt_ids],
         "rid": req.request_id,

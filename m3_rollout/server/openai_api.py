@@ -59,6 +59,7 @@ from m3_rollout.engine.interface import FINISH_ERROR, GenerationRequest, SampleO
 
 from .control import Controller
 from .protocol import (
+    GENERATE_SAMPLING_KEYS,
     GENERATION_FAILED,
     MAX_TOP_LOGPROBS,
     APIError,
@@ -177,24 +178,7 @@ COMPLETION_FIELDS = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "st
 GENERATE_FIELDS = {
     "prompt_ids": "input_ids",
     "sample_index": "sample_index",
-    "stop_strings": "sampling_params.stop",
-    **{
-        f: f"sampling_params.{f}"
-        for f in (
-            "n",
-            "temperature",
-            "top_p",
-            "top_k",
-            "max_new_tokens",
-            "stop_token_ids",
-            "seed",
-            "logprobs_mode",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "logit_bias",
-        )
-    },
+    **{f: f"sampling_params.{key}" for f, key in GENERATE_SAMPLING_KEYS.items()},
 }
 _ENGINE_FIELD = re.compile(r"(?:SamplingParams|GenerationRequest)\.(\w+)")
 

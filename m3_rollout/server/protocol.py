@@ -24,6 +24,27 @@ GENERATION_FAILED = "generation_failed"  # the code of a 503 for an engine error
 # joined, or its EP group restarted since): call /init_weight_sync, then send the update again
 WEIGHT_SYNC_NOT_JOINED = "weight_sync_not_joined"
 
+#: Each ``SamplingParams`` field ``/generate`` takes -> its key in ``sampling_params``
+#: (:class:`GenerateSamplingParams`): what the remote client sends (``client.request_body``) and
+#: how an engine error about a field names the client's one (``openai_api.GENERATE_FIELDS``).
+GENERATE_SAMPLING_KEYS: dict[str, str] = {
+    "n": "n",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_new_tokens": "max_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "seed": "seed",
+    "logprobs_mode": "logprobs_mode",
+    "stop_strings": "stop",
+    "top_logprobs": "top_logprobs",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "prompt_logprobs": "prompt_logprobs",
+}
+
 
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with HTTP ``status``.
