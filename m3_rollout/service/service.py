@@ -667,7 +667,7 @@ class RolloutService(GenerationBackend):
         try:
             total = self._start_with_retries(failure, lost, used)
         except RolloutFailure as gave_up:
-            cause = gave_up.__cause__ or failure
+            cause = gave_up.__cause__  # the last failure (_start_with_retries raises from it)
             why = f"{cause}; gave up restarting after {self.max_restarts} restarts (cluster.max_restarts)"
             self._lose(list(self._live), why)
             raise
@@ -819,8 +819,7 @@ class RolloutService(GenerationBackend):
         ok = all(o["ok"] for o in outs)
         invalid = [str(r) for r, o in enumerate(outs) if not o["valid"]]
         if ok:
-            self._version, self._weights_lost = max(o["version"] for o in outs), None
-            self._served_received = True  # held by these workers only (no copy here for a restart)
+            self._serve(max(o["version"] for o in outs), received=True)  # no copy here for a restart
         elif invalid:
             self._weights_lost = (
                 f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of a rejected weight update "
@@ -898,7 +897,13 @@ class RolloutService(GenerationBackend):
             )
             raise
         self._last_weights = (int(version), incoming)
-        self._version, self._weights_lost, self._served_received = int(version), None, False
+        self._serve(int(version), received=False)
+
+    def _serve(self, version: int, received: bool) -> None:
+        """An update was accepted: the workers serve ``version`` (no weights lost any more);
+        ``received``: it came from the trainer's weight-sync group, held by these workers only
+        (a restart cannot re-apply it), else from ``update_weights`` (``_last_weights``)."""
+        self._version, self._weights_lost, self._served_received = version, None, received
 
     def _after_rejected_update(self, version: int, resend, no_copy: str, remedy: str) -> None:
         """After update ``version`` was rejected (``last_weight_sync`` holds the ranks' verdicts),
@@ -1129,7 +1134,7 @@ class RolloutService(GenerationBackend):
                 )
                 raise
         self._last_weights = (version, None)
-        self._version, self._weights_lost, self._served_received = version, None, False
+        self._serve(version, received=False)
 
     def _check_weights_served(self, request_ids: list[str]) -> None:
         """Raises RolloutFailure (with ``request_ids``) when the workers do not hold the served
