@@ -394,15 +394,15 @@ def _ctrl_c_after_files(monkeypatch, n: int) -> None:
     """The checkpoint writer writes ``n`` files whole, then a Ctrl-C lands (before the next one)."""
     from m3_rollout.model import loading
 
-    real, done = loading._atomic, []
+    real, done = loading.write_atomic, []
 
-    def atomic(path, write):
+    def atomic(path, write, **kw):
         if len(done) == n:
             raise KeyboardInterrupt
         done.append(path)
-        real(path, write)
+        real(path, write, **kw)
 
-    monkeypatch.setattr(loading, "_atomic", atomic)
+    monkeypatch.setattr(loading, "write_atomic", atomic)
 
 
 def exit_status(call) -> int | str | None:
@@ -476,15 +476,15 @@ def test_a_failed_export_over_an_earlier_one_leaves_it_whole_and_a_finished_one_
     assert export_main(["--model", str(src), "--out", str(out)]) == 0
     (out / "tokenizer.json").write_text("{}")  # as an export of a source with a tokenizer leaves it
     old = _contents(out)
-    real, done = loading._atomic, []
+    real, done = loading.write_atomic, []
 
-    def disk_full_on_the_second_file(path, write):
+    def disk_full_on_the_second_file(path, write, **kw):
         if done:
             raise OSError(28, "No space left on device")
         done.append(path)
-        real(path, write)
+        real(path, write, **kw)
 
-    monkeypatch.setattr(loading, "_atomic", disk_full_on_the_second_file)
+    monkeypatch.setattr(loading, "write_atomic", disk_full_on_the_second_file)
     with pytest.raises(OSError, match="No space left"):
         export_main(["--model", str(src), "--out", str(out), "--dtype", "bfloat16"])
     assert done and _contents(out) == old

@@ -20,40 +20,18 @@ hash); a directory saved with another ``meta`` or another ``PROGRESS_FORMAT`` is
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from m3_rollout.model.atomic_file import fsync_dir, write_atomic
 from m3_trainers.warm_start import Snapshot, WarmStartState
 
 #: Version of the layout above; a directory of another version is discarded, not read.
 PROGRESS_FORMAT = 1
 MANIFEST = "progress.json"
 _SNAPSHOT_FIELDS = ("best", "below")
-
-
-def _write_atomic(path: Path, write) -> None:
-    """``write(file)`` into a temporary file beside ``path``, fsync, then rename onto ``path``."""
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_manifest(directory: Path) -> dict | None:
@@ -143,12 +121,12 @@ class ProgressStore:
             snap: Snapshot = getattr(state, field)
             path = self.dir / f"snapshot-{snap.id}.pt"
             if path.name not in self._written:
-                _write_atomic(path, lambda f, s=snap: torch.save(vars(s), f))
+                write_atomic(path, lambda p, s=snap: torch.save(vars(s), p))
                 self._written.add(path.name)
             names[field] = path.name
         fields = {k: v for k, v in vars(state).items() if k not in _SNAPSHOT_FIELDS}  # vars: no copies
         state_path = self.dir / f"state-{self._seq}.pt"
-        _write_atomic(state_path, lambda f: torch.save(fields, f))
+        write_atomic(state_path, lambda p: torch.save(fields, p))
         manifest = {
             "format": PROGRESS_FORMAT,
             "meta": self.meta,
@@ -158,8 +136,8 @@ class ProgressStore:
             "state": state_path.name,
             **names,
         }
-        _write_atomic(self.dir / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        _fsync_dir(self.dir)
+        write_atomic(self.dir / MANIFEST, lambda p: Path(p).write_bytes(json.dumps(manifest, indent=1).encode()))
+        fsync_dir(self.dir)
         self._seq += 1
         keep = {MANIFEST, state_path.name, *names.values()}
         self._written &= keep

@@ -10,6 +10,7 @@ model          decoder layer, M3Model, M3ForCausalLM
 paged_ops      PagedOps: the table of fast ops the paged forward calls (built by the engine, engine/ops.py)
 fused          packed projection weights and GEMM helpers of the fused paged path
 loading        released / transformers tensor names, safetensors save + load
+atomic_file    write_atomic (temporary file, fsync, rename) and fsync_dir: the durable file writes
 """
 
 from .configuration import M3Config, tiny_config

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from .atomic_file import write_atomic
 from .configuration import CheckpointError, M3Config
 from .model import M3ForCausalLM
 
@@ -459,6 +460,12 @@ def save_checkpoint(
         raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
+
+    def write(fname: str, write_file) -> None:
+        # 0644 like the checkpoint's other files: safetensors creates its files 0600, and a checkpoint
+        # meant for other tools and users would be owner-only.
+        write_atomic(os.path.join(out, fname), write_file, fsync=False, mode=0o644)
+
     entries = [(n, t, _save_dtype(n, t)) for n, t in tensors_iter]
     shards: list[list[tuple[str, torch.Tensor, torch.dtype]]] = [[]]
     size = 0
@@ -477,12 +484,12 @@ def save_checkpoint(
         # clone: safetensors refuses tensors that share storage (the per-expert views do).
         tensors = {name: t.to(dt).contiguous().clone() for name, t, dt in shard}
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-        _atomic(os.path.join(out, fname), lambda p, ts=tensors: save_file(ts, p, metadata={"format": "pt"}))
+        write(fname, lambda p, ts=tensors: save_file(ts, p, metadata={"format": "pt"}))
         weight_map.update({name: fname for name in tensors})
-    _atomic(os.path.join(out, CONFIG_NAME), lambda p: _write_json(p, config_dict))
+    write(CONFIG_NAME, lambda p: _write_json(p, config_dict))
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _atomic(os.path.join(out, INDEX_FILE), lambda p: _write_json(p, index))
+        write(INDEX_FILE, lambda p: _write_json(p, index))
     keep = set(files) | ({INDEX_FILE} if n > 1 else set())
     stale = [
         f
@@ -498,19 +505,6 @@ def _write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
-
-
-def _atomic(path: str, write) -> None:
-    """``write(tmp)`` then rename onto ``path``, mode 0644 like the checkpoint's other files (safetensors
-    creates its files 0600: a checkpoint meant for other tools and users would be owner-only)."""
-    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def checkpoint_files(path: str) -> list[str]:

@@ -1,0 +1,65 @@
+"""Writing a file so that its path holds either the old contents or all of the new ones.
+
+Governing idea: write under a temporary name beside the target (same directory, so same
+filesystem), optionally fsync, then ``os.replace`` onto the target (atomic on POSIX). A write
+stopped midway (an error, a Ctrl-C, a killed process) leaves the target as it was; the temporary
+file is removed unless the process itself dies. For a rename that survives a power cut as well,
+fsync the directory afterwards (:func:`fsync_dir`), once after all the renames of one save.
+
+It lives in the model layer, the lowest layer both of its users may import: the model's
+checkpoint writer (``loading.save_checkpoint``) and the trainers' warm-start progress store.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+
+def write_atomic(
+    path: str | os.PathLike,
+    write: Callable[[str], None],
+    *,
+    fsync: bool = True,
+    mode: int | None = None,
+) -> None:
+    """``write(tmp)`` (``tmp``: a path beside ``path``, as ``str``), then rename it onto ``path``.
+
+    Args:
+        path: the file to create or replace.
+        write: writes the whole file at the path it is given (e.g. ``torch.save(obj, p)``,
+            safetensors' ``save_file(ts, p)``); it must close the file before returning.
+        fsync: flush the new file to the disk before the rename (False: the rename is atomic for
+            other processes, but a power cut may leave an empty or partial file at ``path``).
+        mode: permission bits set on the file before the rename (None: what ``write`` made).
+
+    Raises:
+        whatever ``write`` raises, or OSError from the fsync / rename; ``path`` is then unchanged
+        and the temporary file removed.
+    """
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    try:
+        write(tmp)
+        if fsync:
+            with open(tmp, "rb") as f:  # fsync flushes the file's data whichever descriptor names it
+                os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync the directory ``path``, making the renames and removals in it durable. A no-op where
+    directories cannot be opened (platforms without directory file descriptors)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
