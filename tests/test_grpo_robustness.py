@@ -3,6 +3,7 @@ config errors found at start (exit 2 naming the key), overlong filtering's token
 truncated-turn reward and the warning for truncated-sampling logprobs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -495,6 +496,32 @@ def test_a_failed_export_over_an_earlier_one_leaves_it_whole_and_a_finished_one_
     assert sorted(_contents(out)) == sorted(_contents(src))  # the earlier tokenizer.json is gone with it
     assert _contents(out)["model.safetensors"] != old["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_the_export_is_written_in_a_mkdtemp_directory_beside_out_and_renamed_in_0755(tmp_path, monkeypatch):
+    # The staging directory is tempfile's (a unique name made in one call, no hand-made name), hidden
+    # and beside --out so the swap is a rename; a new export directory is 0755 (mkdtemp makes 0700)
+    # and an existing one keeps its mode.
+    import tempfile
+
+    from m3_rollout.jobs import export
+
+    src = _tiny_checkpoint(tmp_path / "src")
+    out = tmp_path / "new" / "out"
+    made, real = [], tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        made.append(real(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(export.tempfile, "mkdtemp", mkdtemp)
+    assert export.export_checkpoint(src, out) == ["config.json", "model.safetensors"]
+    (staging,) = made
+    assert os.path.dirname(staging) == str(out.parent) and os.path.basename(staging).startswith(".out.export-")
+    assert out.stat().st_mode & 0o777 == 0o755 and os.listdir(out.parent) == ["out"]
+    out.chmod(0o750)
+    export.export_checkpoint(src, out)
+    assert len(made) == 2 and out.stat().st_mode & 0o777 == 0o750 and os.listdir(out.parent) == ["out"]
 
 
 def test_export_refuses_an_out_directory_holding_files_it_does_not_write(tmp_path, capsys):

@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -150,10 +150,10 @@ def _staging_dir(out: Path, target: Path) -> Path:
     Raises:
         ConfigError: the parent directory cannot be created or written.
     """
-    staging = target.with_name(f".{target.name}.export-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
+        os.chmod(staging, 0o755)  # mkdtemp makes 0700; an export is shared like any output
     except OSError as exc:
         raise ConfigError(
             f"--out={str(out)!r}: cannot write in {target.parent} ({type(exc).__name__}: {exc.strerror or exc}); "
