@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1288,7 +1288,7 @@ def _suggest_key(schema, key: str) -> str:
     import difflib
 
     last = key.split(".")[-1]
-    named = [k for k in _all_keys(OmegaConf.to_container(schema, resolve=False)) if k.split(".")[-1] == last]
+    named = [k for k, _ in _walk(OmegaConf.to_container(schema, resolve=False)) if k.split(".")[-1] == last]
     if len(named) == 1:
         return f", did you mean {named[0]!r}?"
     if named:
@@ -1451,16 +1451,19 @@ def _translate(items: list[tuple[str, Any]]) -> list[tuple[int, str, Any]]:
     return out
 
 
-def _flatten(node: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, leaf value) pairs of a nested mapping; an empty mapping is a leaf."""
-    out: list[tuple[str, Any]] = []
+def _walk(node: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every key of a nested mapping, in order: a section (its value the
+    mapping) comes right before its keys."""
     for k, v in node.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out += _flatten(v, key + ".")
-        else:
-            out.append((key, v))
-    return out
+        yield key, v
+        if isinstance(v, dict):
+            yield from _walk(v, key + ".")
+
+
+def _flatten(node: dict) -> list[tuple[str, Any]]:
+    """(dotted key, leaf value) pairs of a nested mapping; an empty mapping is a leaf."""
+    return [(key, v) for key, v in _walk(node) if not (isinstance(v, dict) and v)]
 
 
 def _nest(items: list[tuple[str, Any]]) -> dict:
@@ -1590,13 +1593,3 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 def to_dict(cfg: MasterConfig) -> dict:
     """Plain nested dict of the config (for logging and checkpoint metadata)."""
     return dataclasses.asdict(cfg)
-
-
-def _all_keys(node: dict, prefix: str = "") -> list[str]:
-    """Dotted names of every key of a nested mapping, sections and leaves, in schema order."""
-    out: list[str] = []
-    for k, v in node.items():
-        out.append(f"{prefix}{k}")
-        if isinstance(v, dict):
-            out += _all_keys(v, f"{prefix}{k}.")
-    return out

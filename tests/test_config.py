@@ -253,6 +253,21 @@ def test_a_key_without_its_sections_gets_the_full_keys_of_that_name(override, su
     assert suggestion in str(exc.value)
 
 
+def test_one_walk_gives_the_flat_keys_and_every_key_a_suggestion_may_name():
+    """``_flatten`` (leaves; an empty section is one) and the "did you mean" key list (sections
+    too, each before its keys) are the one walk ``_walk``; ``_nest`` inverts ``_flatten``."""
+    from m3_rollout import config
+
+    tree = {"a": {"b": 1, "c": {}, "e": {"f": None}}, "d": [2]}
+    assert list(config._walk(tree)) == [
+        ("a", tree["a"]), ("a.b", 1), ("a.c", {}), ("a.e", {"f": None}), ("a.e.f", None), ("d", [2]),
+    ]  # fmt: skip
+    assert config._flatten(tree) == [("a.b", 1), ("a.c", {}), ("a.e.f", None), ("d", [2])]
+    assert config._nest(config._flatten(tree)) == tree
+    with pytest.raises(ConfigError, match="did you mean 'policy.optimizer'"):  # a section's name alone
+        load_config(MAIN, ["optimizer=1"])
+
+
 def test_the_batch_rule_gives_both_factors_and_the_fixes():
     """grpo.num_generations_per_prompt=4 alone: the message said only "must divide
     num_prompts_per_step * num_generations_per_prompt = 64"."""
