@@ -84,7 +84,7 @@ def _state():
     snap = Snapshot(0, 0, 0.0, {"w": torch.zeros(3)}, {"state": {}, "param_groups": []}, {"last_epoch": 0})
     return WarmStartState(
         step=1, eval_every=8, interval_end=8, accuracy=0.0, loss=1.0, history=[(0, 0.0)], best=snap,
-        best_distance=0.25, below=snap, next_snapshot_id=1, seconds=1.0, train_steps=1, train_seconds=1.0,
+        best_distance=0.25, below=snap, seconds=1.0, train_steps=1, train_seconds=1.0,
         eval_seconds=0.5, model={"w": torch.ones(3)}, optimizer={"state": {}, "param_groups": []},
         scheduler={"last_epoch": 1}, data_rng=(3, (1, 2), None), torch_rng=torch.get_rng_state(),
     )  # fmt: skip

@@ -121,6 +121,34 @@ def test_progress_saved_for_another_build_or_format_is_not_resumed_from(tmp_path
     assert store.load() is None and "progress format 0" in store.discarded and not d.exists()
 
 
+def test_the_next_snapshot_id_is_derived_from_the_snapshots_and_not_saved(tmp_path):
+    # next_snapshot_id was a field saved with every state; the latest snapshot taken is always best
+    # or below, so it is max(best.id, below.id) + 1. Progress of format 1 (which held the field) is
+    # discarded with the format line rather than failing to load.
+    chat, task, env = _chat()
+    d = tmp_path / "partial"
+    store, seen = ProgressStore(d, {"key": "test"}), []
+
+    def save(st):
+        seen.append((st.step, st.best.id, st.below.id, st.next_snapshot_id))
+        store.save(st)
+
+    it = Interrupt(None)
+    ws.warm_start(_model(chat, 0), chat, task, env, it.evaluate, CFG, progress=it.progress, save=save, save_every=3)
+    # snapshot 0 at step 0; 1 at step 8 (best and below); the overshoots at 16 and 10 take none and
+    # go back to 8; 2 at step 9, in the window (the best)
+    assert seen == [
+        (0, 0, 0, 1), (3, 0, 0, 1), (6, 0, 0, 1), (8, 1, 1, 2), (9, 1, 1, 2), (12, 1, 1, 2), (15, 1, 1, 2),
+        (8, 1, 1, 2), (8, 1, 1, 2), (9, 2, 1, 3),
+    ]  # fmt: skip
+    assert "next_snapshot_id" not in {f.name for f in dataclasses.fields(ws.WarmStartState)}
+    manifest = json.loads((d / MANIFEST).read_text())
+    assert "next_snapshot_id" not in torch.load(d / manifest["state"], weights_only=True)
+    (d / MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
+    store = ProgressStore(d, {"key": "test"})
+    assert store.load() is None and "progress format 1" in store.discarded and not d.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # The build: Ctrl-C keeps the progress, the next run continues to the same checkpoint
 

@@ -153,7 +153,6 @@ class WarmStartState:
         best: the snapshot closest to the window (returned when a cap ends the warm start).
         best_distance: its distance to the window (to the window's middle for step 0's).
         below: the latest snapshot below the window (where an overshoot goes back to).
-        next_snapshot_id: the id of the next snapshot.
         seconds: wall time spent in the warm start so far, every run of it counted (the time cap
             counts this).
         train_steps / train_seconds / eval_seconds: timing totals (the result's means).
@@ -174,7 +173,6 @@ class WarmStartState:
     best: Snapshot
     best_distance: float
     below: Snapshot
-    next_snapshot_id: int
     seconds: float
     train_steps: int
     train_seconds: float
@@ -185,6 +183,13 @@ class WarmStartState:
     data_rng: tuple
     torch_rng: torch.Tensor
     cuda_rng: torch.Tensor | None = None
+
+    @property
+    def next_snapshot_id(self) -> int:
+        """The id of the next snapshot: ids count the snapshots taken (0 at step 0), and the latest
+        one taken is always ``best`` or ``below`` (an evaluation takes one only to make it the best,
+        or the latest below the window), so it has the highest id of the two."""
+        return max(self.best.id, self.below.id) + 1
 
 
 def warm_start(
@@ -340,7 +345,6 @@ def warm_start(
                 best=first,
                 best_distance=abs(acc - mid),
                 below=first,
-                next_snapshot_id=1,
                 seconds=0.0,
                 train_steps=0,
                 train_seconds=0.0,
@@ -391,7 +395,6 @@ def warm_start(
             snap = None
             if dist <= st.best_distance or acc < cfg.target_low:
                 snap = snapshot(st.next_snapshot_id, st.step, acc)
-                st.next_snapshot_id += 1
             if dist <= st.best_distance:  # a tie keeps the later (more trained) snapshot
                 st.best, st.best_distance = snap, dist
             st.accuracy, st.interval_end = acc, None

@@ -29,7 +29,8 @@ from m3_rollout.model.atomic_file import fsync_dir, write_atomic
 from m3_trainers.warm_start import Snapshot, WarmStartState
 
 #: Version of the layout above; a directory of another version is discarded, not read.
-PROGRESS_FORMAT = 1
+#: 2: the state file no longer holds ``next_snapshot_id`` (derived from the snapshots).
+PROGRESS_FORMAT = 2
 MANIFEST = "progress.json"
 _SNAPSHOT_FIELDS = ("best", "below")
 
