@@ -21,6 +21,7 @@ from m3_rollout.jobs import build_lock as build_lock_mod
 from m3_rollout.jobs import builtin
 from m3_rollout.model import M3ForCausalLM, load_checkpoint, tiny_config
 from m3_trainers import warm_start as ws
+from m3_trainers import warm_start_progress as ws_progress
 from m3_trainers.warm_start_progress import MANIFEST, ProgressStore, saved_step
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +148,61 @@ def test_the_next_snapshot_id_is_derived_from_the_snapshots_and_not_saved(tmp_pa
     (d / MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
     store = ProgressStore(d, {"key": "test"})
     assert store.load() is None and "progress format 1" in store.discarded and not d.exists()
+
+
+def test_a_save_writes_the_weights_once_when_they_are_a_snapshots(tmp_path, monkeypatch):
+    # A save right after an evaluation that took a snapshot wrote the model and the optimizer twice:
+    # in the snapshot file and in the state file, which equalled it. Now the state file names the
+    # snapshot ("live") where its model / optimizer / scheduler are the snapshot's to the bit: after
+    # such an evaluation, and after going back to a snapshot (already on disk: nothing written).
+    chat, task, env = _chat()
+    d = tmp_path / "partial"
+    store, written, per_save = ProgressStore(d, {"key": "test"}), [], []
+    real_save = torch.save
+
+    def counting_save(obj, f, *a, **k):
+        written.append(int("model" in obj and bool(obj["model"])))  # a snapshot's or a state's weights
+        real_save(obj, f, *a, **k)
+
+    def save(st):
+        written.clear()
+        store.save(st)
+        manifest = json.loads((d / MANIFEST).read_text())
+        per_save.append((st.step, sum(written), manifest["live"]))
+
+    monkeypatch.setattr(torch, "save", counting_save)
+    it = Interrupt(None)
+    ws.warm_start(_model(chat, 0), chat, task, env, it.evaluate, CFG, progress=it.progress, save=save, save_every=3)
+    # evaluations at 0, 8, 9 take snapshots 0, 1, 2; the overshoots at 16 and 10 go back to 8
+    assert per_save == [
+        (0, 1, "snapshot-0.pt"), (3, 1, None), (6, 1, None), (8, 1, "snapshot-1.pt"), (9, 1, None),
+        (12, 1, None), (15, 1, None), (8, 0, "snapshot-1.pt"), (8, 0, "snapshot-1.pt"), (9, 1, "snapshot-2.pt"),
+    ]  # fmt: skip
+    manifest = json.loads((d / MANIFEST).read_text())
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [MANIFEST, manifest["state"], "snapshot-1.pt", "snapshot-2.pt"]
+    )
+    assert not {"model", "optimizer", "scheduler"} & set(torch.load(d / manifest["state"], weights_only=True))
+    # what a resume reads back: the snapshot's state dicts, as copies (the optimizer keeps the
+    # tensors it is given, and training on would change the snapshot's moments)
+    state = ProgressStore(d, {"key": "test"}).load()
+    assert (state.step, state.best.id, state.below.id) == (9, 2, 1)
+    for name in ("model", "optimizer", "scheduler"):
+        assert ws_progress._identical(getattr(state, name), getattr(state.best, name)), name
+    assert all(state.model[k] is not t for k, t in state.best.model.items())
+    assert state.optimizer["state"][0]["exp_avg"] is not state.best.optimizer["state"][0]["exp_avg"]
+
+
+def test_only_a_bitwise_equal_state_is_left_to_a_snapshot():
+    # -0.0 is not 0.0, a tensor of another dtype with the same values is not the same, a changed
+    # optimizer moment or scheduler value is not
+    z = torch.zeros(2)
+    assert ws_progress._identical({"a": [z, 1.0, (2, None)]}, {"a": [z.clone(), 1.0, (2, None)]})
+    assert not ws_progress._identical(z, -z)
+    assert not ws_progress._identical(z, z.double())
+    assert not ws_progress._identical({"lr": 0.0}, {"lr": -0.0})
+    assert not ws_progress._identical({"lr": 1}, {"lr": 1.0})
+    assert not ws_progress._identical({"a": 1}, {"a": 1, "b": 2})
 
 
 # ---------------------------------------------------------------------------------------------

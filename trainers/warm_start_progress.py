@@ -8,10 +8,16 @@ in force. The next save removes the files no manifest names.
 Layout::
 
     <dir>/progress.json      {"format", "meta", "seq", "step", "history", "state": "state-<seq>.pt",
-                              "best": "snapshot-<id>.pt", "below": "snapshot-<id>.pt"}
+                              "best": "snapshot-<id>.pt", "below": "snapshot-<id>.pt",
+                              "live": "snapshot-<id>.pt" or null}
     <dir>/state-<seq>.pt     the WarmStartState fields other than its two snapshots (torch.save;
-                             seq counts the saves)
+                             seq counts the saves); without model / optimizer / scheduler where
+                             "live" names a snapshot: these are then that snapshot's
     <dir>/snapshot-<id>.pt   one Snapshot, written once (snapshot ids never repeat in a warm start)
+
+"live" names the snapshot (best or below) whose model, optimizer and scheduler state dicts are
+bitwise those of the state at the save (a save right after the evaluation that took the snapshot,
+or right after going back to it), so the weights and moments are written once, not twice.
 
 ``meta`` says what the progress belongs to (the builder passes its cache key and the tokenizer's
 hash); a directory saved with another ``meta`` or another ``PROGRESS_FORMAT`` is not resumed from.
@@ -19,6 +25,7 @@ hash); a directory saved with another ``meta`` or another ``PROGRESS_FORMAT`` is
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -30,9 +37,42 @@ from m3_trainers.warm_start import Snapshot, WarmStartState
 
 #: Version of the layout above; a directory of another version is discarded, not read.
 #: 2: the state file no longer holds ``next_snapshot_id`` (derived from the snapshots).
-PROGRESS_FORMAT = 2
+#: 3: "live": the state file may leave its model / optimizer / scheduler to a snapshot.
+PROGRESS_FORMAT = 3
 MANIFEST = "progress.json"
 _SNAPSHOT_FIELDS = ("best", "below")
+_LIVE_FIELDS = ("model", "optimizer", "scheduler")  # what a state and a snapshot both hold
+
+
+def _identical(a, b) -> bool:
+    """``a`` and ``b`` (state dicts: nested dicts, lists, tuples, tensors, numbers) are the same to the
+    bit: same types and keys, tensors of one dtype, shape and device with the same bytes, floats of
+    the same bits (``float.hex``: -0.0 is not 0.0)."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_identical(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(_identical, a, b))
+    if isinstance(a, float):
+        return a.hex() == b.hex()
+    return a == b
+
+
+def live_snapshot(state: WarmStartState) -> Snapshot | None:
+    """The snapshot of ``state`` (best or below) whose model, optimizer and scheduler state dicts are
+    bitwise ``state``'s own right now, or None. Only one taken at ``state.step`` can be: the others are
+    not compared (a save between evaluations costs no comparison)."""
+    for snap in (state.best, state.below):
+        if snap.step == state.step and all(_identical(getattr(state, f), getattr(snap, f)) for f in _LIVE_FIELDS):
+            return snap
+    return None
 
 
 def read_manifest(directory: Path) -> dict | None:
@@ -111,11 +151,17 @@ class ProgressStore:
             if m[field] not in snaps:
                 snaps[m[field]] = Snapshot(**load(m[field]))
         fields = load(m["state"])
+        if m["live"] is not None:
+            # NOTE: copies, not the snapshot's dicts: the resumed warm start loads these into its
+            # optimizer, which keeps the tensors it is given, and would train the snapshot's moments.
+            live = snaps[m["live"]]
+            fields.update({f: copy.deepcopy(getattr(live, f)) for f in _LIVE_FIELDS})
         return WarmStartState(**fields, **{f: snaps[m[f]] for f in _SNAPSHOT_FIELDS})
 
     def save(self, state: WarmStartState) -> None:
         """Write ``state`` as the directory's one save (see the module's layout), then remove the
-        files of the save before it. Each snapshot is written once: a later save names its file."""
+        files of the save before it. Each snapshot is written once: a later save names its file;
+        a state whose model, optimizer and scheduler are a snapshot's (``live_snapshot``) names it too."""
         self.dir.mkdir(parents=True, exist_ok=True)
         names = {}
         for field in _SNAPSHOT_FIELDS:
@@ -125,7 +171,9 @@ class ProgressStore:
                 write_atomic(path, lambda p, s=snap: torch.save(vars(s), p))
                 self._written.add(path.name)
             names[field] = path.name
-        fields = {k: v for k, v in vars(state).items() if k not in _SNAPSHOT_FIELDS}  # vars: no copies
+        live = live_snapshot(state)
+        skip = _SNAPSHOT_FIELDS + (_LIVE_FIELDS if live is not None else ())
+        fields = {k: v for k, v in vars(state).items() if k not in skip}  # vars: no copies
         state_path = self.dir / f"state-{self._seq}.pt"
         write_atomic(state_path, lambda p: torch.save(fields, p))
         manifest = {
@@ -136,6 +184,7 @@ class ProgressStore:
             "history": state.history,
             "state": state_path.name,
             **names,
+            "live": None if live is None else f"snapshot-{live.id}.pt",
         }
         write_atomic(self.dir / MANIFEST, lambda p: Path(p).write_bytes(json.dumps(manifest, indent=1).encode()))
         fsync_dir(self.dir)
