@@ -349,6 +349,43 @@ def test_sampling_params_of_the_wrong_type_or_range_fail_alone():
         asyncio.run(_collect(b.stream(_with_params("bad", prompt, n=2.5))))
 
 
+def test_temperature_0_is_greedy_and_top_k_0_is_off_as_in_vllm():
+    """vLLM's rules, which /generate and the OpenAI routes applied while the engine refused them
+    ("must be > 0", "must be -1 (off) or >= 1"), so an in-process or EP request differed from a
+    /generate one: temperature 0 is greedy (the argmax token, the model's own log-softmax as its
+    logprob in either logprobs_mode, the seed irrelevant) and top_k 0 is off (as -1)."""
+    assert SamplingParams(temperature=0, top_p=0.5, top_k=7).validate() == SamplingParams(
+        temperature=1.0, top_k=1, top_p=1.0, logprobs_mode="raw"
+    )
+    assert SamplingParams(top_k=0).validate().top_k == -1
+    assert SamplingParams(temperature=0).logprob_filters() == (1.0, -1, 1.0)
+    b = _backend()
+    prompt = _prompt(9, 6)
+    kw = dict(max_new_tokens=8, stop_token_ids=(), top_logprobs=3)
+    outs = b.generate(
+        [
+            _req("processed", prompt, temperature=0, top_p=0.5, seed=1, **kw),
+            _req("raw", prompt, temperature=0, seed=2, logprobs_mode="raw", **kw),
+            _req("off0", prompt, temperature=0.8, top_k=0, seed=3, **kw),
+            _req("off1", prompt, temperature=0.8, top_k=-1, seed=3, **kw),
+        ]
+    )
+    by = {o.request_id: o for o in outs}
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    g = by["processed"]
+    ids = torch.tensor([g.prompt_ids + g.output_ids])
+    with torch.no_grad():
+        logits = MODEL(ids)[0, len(prompt) - 1 : -1]  # [8, V]: the logits each token was chosen from
+    assert g.output_ids == logits.argmax(-1).tolist()
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(g.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(g.logprobs), want, atol=1e-5) and max(g.logprobs) < -1e-3  # not 0.0
+    assert torch.allclose(torch.tensor(g.logprobs), _plain_logprobs(g), atol=1e-5)
+    assert by["raw"].output_ids == g.output_ids and by["raw"].logprobs == g.logprobs
+    for tops, tok, lp in zip(g.top_logprobs, g.output_ids, g.logprobs):
+        assert len(tops) == 3 and tops[0] == (tok, pytest.approx(lp, abs=1e-6))  # the same distribution
+    assert by["off0"].output_ids == by["off1"].output_ids and by["off0"].logprobs == by["off1"].logprobs
+
+
 def test_bad_sample_index_type_fails_alone():
     b = _backend()
     ok = _req("ok", _prompt(5, 1), stop_token_ids=())

@@ -147,6 +147,21 @@ def test_greedy_takes_the_argmax_with_the_models_own_logprobs():
         assert torch.allclose(rows[i]["logprobs"][0, n:], got, atol=1e-5)  # (another batch: last bits)
 
 
+def test_a_generation_config_at_temperature_0_is_greedy_as_greedy_true():
+    """NeMo RL's policy.generation.temperature=0 (vLLM's greedy) was refused at construction (the
+    engine's "must be > 0"); now it is the engine's greedy: every call gives what greedy=True gives
+    (the argmax tokens with the model's own logprobs), whatever top-k / top-p say."""
+    model = _model()
+    config = {**CONFIG, "temperature": 0, "top_k": 0, "top_p": 0.5}
+    gen = NemoRLGeneration(NativeBackend(copy.deepcopy(model), [EOS], max_model_len=48), config, seed=3)
+    ref = _generation(model)
+    batch = _batch()
+    got, want = gen.generate(batch), ref.generate(batch, greedy=True)
+    for key in ("output_ids", "logprobs", "generation_lengths"):
+        assert torch.equal(got[key], want[key]), key
+    assert bool((want["logprobs"] < 0).any())  # the model's own logprobs, not 0 after a top-1 filter
+
+
 class FakeBatchedDataDict(collections.UserDict):
     """Stands in for nemo_rl's BatchedDataDict (a UserDict built from a dict)."""
 

@@ -174,7 +174,9 @@ def test_chat_logprobs_without_top_logprobs_give_empty_lists(engine_server):
 @pytest.mark.parametrize("mode", ["processed", "raw"])
 def test_greedy_top_logprobs_come_from_the_same_distribution_as_the_tokens_logprob(engine_server, mode):
     """temperature 0 (top_k 1) in the default "processed" mode gave each token logprob 0.0 (the
-    distribution sampled from) but top_logprobs of the unfiltered model (-4.78 for that same token)."""
+    distribution sampled from) but top_logprobs of the unfiltered model (-4.78 for that same token).
+    Then it gave 0.0 and a one-entry list; now greedy is vLLM's in either mode: the model's own
+    log-softmax, for the token and its top list alike."""
     c = _client(engine_server)
     r = c.chat.completions.create(
         model="tiny-m3",
@@ -188,10 +190,52 @@ def test_greedy_top_logprobs_come_from_the_same_distribution_as_the_tokens_logpr
     for e in r.choices[0].logprobs.content:
         assert e.top_logprobs[0].token == e.token
         assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
-        if mode == "processed":  # one token in the support: itself, at probability 1
-            assert len(e.top_logprobs) == 1 and e.logprob == 0.0
-        else:
-            assert len(e.top_logprobs) == 3 and e.logprob < 0
+        assert len(e.top_logprobs) == 3 and e.logprob < 0
+
+
+def test_greedy_and_top_k_0_agree_on_generate_openai_and_the_engine(engine_server, tok, model):
+    """vLLM's temperature 0 (greedy) and top_k 0 (off) on every entry point. /generate took both
+    while the engine refused them (an in-process or EP request with temperature 0 failed), and its
+    greedy logprobs were 0.0 (the "processed" distribution after a top-1 filter); now /generate,
+    the chat route and the in-process engine give the same argmax tokens with the model's own
+    log-softmax as their logprobs, and top_k 0 samples as -1."""
+    from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+
+    prompt = tok.encode("What is 12 + 30?")
+    sp = {"max_new_tokens": 6, "temperature": 0, "top_p": 0.3, "seed": 1}
+
+    def generate(**over):
+        resp = httpx.post(
+            engine_server.url + "/generate", json={"input_ids": prompt, "sampling_params": {**sp, **over}}, timeout=120
+        )
+        assert resp.status_code == 200, resp.text
+        return resp.json()["outputs"][0]
+
+    http = generate()
+    ids = torch.tensor([prompt + http["output_ids"]])
+    want = token_logprobs(model, ids, 1.0)[0, len(prompt) :]  # the model's own log-softmax
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1 : -1]
+    assert http["output_ids"] == logits.argmax(-1).tolist()
+    assert http["logprobs"] == pytest.approx(want.tolist(), abs=1e-5) and max(http["logprobs"]) < -1e-3
+    assert generate(logprobs_mode="raw", seed=7)["logprobs"] == http["logprobs"]
+    local = native_backend(model, served_model(tok, len(tok), MAX_LEN))
+    try:
+        params = SamplingParams(max_new_tokens=6, temperature=0, top_p=0.3, seed=1, stop_token_ids=())
+        (out,) = local.generate([GenerationRequest("g", prompt, params)])
+        assert out.finish_reason != "error", out.error
+        assert out.output_ids[: len(http["output_ids"])] == http["output_ids"]
+        assert out.logprobs[: len(http["logprobs"])] == pytest.approx(http["logprobs"], abs=1e-6)
+    finally:
+        local.shutdown()
+    c = _client(engine_server)
+    r = c.completions.create(
+        model="tiny-m3", prompt=prompt, max_tokens=6, temperature=0, logprobs=0, extra_body={"return_token_ids": True}
+    )
+    assert r.choices[0].model_extra["token_ids"] == http["output_ids"]
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx(http["logprobs"], abs=1e-6)
+    off = {"temperature": 0.9, "top_p": 1.0, "seed": 3}
+    assert generate(**off, top_k=0)["output_ids"] == generate(**off, top_k=-1)["output_ids"]
 
 
 def test_greedy_and_stop_strings(engine_server):

@@ -14,7 +14,7 @@ import math
 import numbers
 import operator
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -86,6 +86,12 @@ def _tuple_field(name: str, value, what: str) -> tuple:
 class SamplingParams:
     """How to sample. Training rollouts use temperature 1, no top-k / top-p.
 
+    vLLM's conventions, for every entry point (the in-process and EP engines, ``/generate``, the
+    OpenAI routes, the NeMo RL adapter): ``temperature`` 0 is greedy and ``top_k`` 0 or -1 is off.
+    A greedy request takes the argmax token with the model's own log-softmax as its logprob, top
+    lists and prompt logprobs alike, whatever ``logprobs_mode`` says (:meth:`validate` returns it
+    as top-k 1 at temperature 1 with "raw" logprobs).
+
     ``seed`` and the sample index key all randomness: sample j of a request draws position p's
     token from uniforms keyed by (seed, sample_index + j, p), so reruns repeat and the n samples
     of a group differ. :meth:`validate` checks every field's type and range (the engine calls it
@@ -131,9 +137,19 @@ class SamplingParams:
     def logprob_filters(self) -> tuple[float, int, float]:
         """(temperature, top_k, top_p) of the distribution this request's logprobs come from, as the
         prompt logprobs and the server's scoring forward take it: the processed one sampled from,
-        or (1.0, -1, 1.0), the model's own, for ``logprobs_mode`` "raw". Penalties and logit biases
-        are not in it (the sampler's own logprobs and top lists hold them)."""
-        return (1.0, -1, 1.0) if self.logprobs_mode == "raw" else (self.temperature, self.top_k, self.top_p)
+        or (1.0, -1, 1.0), the model's own, for ``logprobs_mode`` "raw" and for a greedy request
+        (temperature 0, whatever its mode); top_k 0 is -1 (off). Penalties and logit biases are not
+        in it (the sampler's own logprobs and top lists hold them)."""
+        if self.logprobs_mode == "raw" or self.greedy:
+            return (1.0, -1, 1.0)
+        return (self.temperature, -1 if int_or_none(self.top_k) == 0 else self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this asks for greedy decoding: ``temperature`` 0 (vLLM's rule; a bool is no
+        temperature, and :meth:`validate` refuses it)."""
+        t = self.temperature
+        return isinstance(t, numbers.Real) and not isinstance(t, bool) and t == 0
 
     @property
     def penalized(self) -> bool:
@@ -158,7 +174,9 @@ class SamplingParams:
         Integers must be integers (bools, floats and strings are not), floats finite and in range.
         ``compute_dtype``: the sampler's dtype (fp32, or fp64 for an fp64 model); when given, a
         temperature below :func:`min_temperature` of it is rejected (logits / temperature would
-        overflow it).
+        overflow it). vLLM's conventions are applied here: ``top_k`` 0 comes back as -1 (off), and
+        ``temperature`` 0 (greedy) as top-k 1 at temperature 1, top-p 1, ``logprobs_mode`` "raw"
+        (the class docstring), once the given values are checked.
 
         Raises:
             ValueError naming the field, its value and the accepted range.
@@ -170,24 +188,15 @@ class SamplingParams:
                 "several requests"
             )
         temperature = _float_field("temperature", self.temperature)
-        if not temperature > 0:
-            raise ValueError(
-                f"SamplingParams.temperature={self.temperature!r}: must be > 0 (this engine has no greedy "
-                "temperature=0 mode; a small temperature such as 1e-4 samples the argmax token)"
-            )
-        if compute_dtype is not None and temperature < min_temperature(compute_dtype):
-            floor = min_temperature(compute_dtype)
-            raise ValueError(
-                f"SamplingParams.temperature={self.temperature!r}: logits / temperature overflows the sampler's "
-                f"{compute_dtype} (NaN logprobs); the smallest usable temperature is {floor:.3g}. This engine has "
-                "no greedy temperature=0 mode: for greedy decoding use a small temperature such as 1e-4"
-            )
+        if temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r}: must be >= 0 (0 = greedy)")
+        if temperature > 0:
+            check_temperature(self.temperature, compute_dtype)
         top_p = _float_field("top_p", self.top_p)
         if not 0 < top_p <= 1:
             raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
-        top_k = _int_field("top_k", self.top_k, -1, why=" (-1 = off)")
-        if top_k == 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k!r}: must be -1 (off) or >= 1")
+        top_k = _int_field("top_k", self.top_k, -1, why=" (-1 or 0 = off)")
+        top_k = -1 if top_k == 0 else top_k  # vLLM's "off" both
         max_new_tokens = _int_field("max_new_tokens", self.max_new_tokens, 1)
         stop_ids = _tuple_field("stop_token_ids", self.stop_token_ids, "integer token ids")
         for t in stop_ids:
@@ -215,7 +224,7 @@ class SamplingParams:
             prompt_logprobs = _int_field("prompt_logprobs", self.prompt_logprobs, 0, why=" (None = off)")
             if prompt_logprobs > MAX_TOP_LOGPROBS:
                 raise ValueError(f"SamplingParams.prompt_logprobs={prompt_logprobs}: at most {MAX_TOP_LOGPROBS}")
-        return SamplingParams(
+        checked = SamplingParams(
             n=n,
             temperature=temperature,
             top_p=top_p,
@@ -232,6 +241,37 @@ class SamplingParams:
             logit_bias=bias,
             prompt_logprobs=prompt_logprobs,
         )
+        if temperature == 0:
+            # NOTE (greedy, vLLM's temperature 0): the one greedy path of every entry point. Top-k 1
+            # at temperature 1 takes exactly the argmax token (after any penalties and logit bias);
+            # "raw" logprobs give it the model's own log-softmax, as vLLM's greedy rows get (its
+            # greedy path filters nothing), not the 0.0 of the top-1-filtered distribution; top lists
+            # and prompt logprobs come from that distribution too. vLLM's "processed_logprobs" of a
+            # greedy row hold penalties and logit bias; these do not (the model's own logits).
+            return replace(checked, temperature=1.0, top_k=1, top_p=1.0, logprobs_mode="raw")
+        return checked
+
+
+def check_temperature(value, compute_dtype: torch.dtype | None = None) -> float:
+    """``value`` as a float the logits can be divided by: ValueError naming
+    ``SamplingParams.temperature`` unless it is a finite real > 0 and, with ``compute_dtype`` (the
+    sampler's fp32 / fp64), at least :func:`min_temperature` of it. Also the rule of the scoring
+    calls (``engine.score``, top lists), whose temperature only divides logits: 0 is an error
+    there, not greedy (a sampling mode: :meth:`SamplingParams.validate`)."""
+    temperature = _float_field("temperature", value)
+    if not temperature > 0:
+        raise ValueError(
+            f"SamplingParams.temperature={value!r}: must be > 0 (logits are divided by it; greedy "
+            "decoding is a sampling request at temperature 0)"
+        )
+    if compute_dtype is not None and temperature < min_temperature(compute_dtype):
+        floor = min_temperature(compute_dtype)
+        raise ValueError(
+            f"SamplingParams.temperature={value!r}: logits / temperature overflows the sampler's "
+            f"{compute_dtype} (NaN logprobs); the smallest usable temperature is {floor:.3g} (greedy "
+            "sampling: temperature 0)"
+        )
+    return temperature
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:

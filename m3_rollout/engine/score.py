@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from m3_rollout.engine.block_manager import BlockManager
-from m3_rollout.engine.interface import PositionLogprobs, SamplingParams, int_or_none
+from m3_rollout.engine.interface import PositionLogprobs, SamplingParams, check_temperature, int_or_none
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs
 from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import TokenLogprobs, gather_logprobs, position_logprobs, process_logits
@@ -30,19 +30,23 @@ from m3_rollout.model.paged_ops import PagedOps
 
 def check_score_temperature(temperature, dtype: torch.dtype, name: str = "score temperature") -> float:
     """``temperature`` as a float the logits (compute ``dtype``) can be divided by; ValueError
-    (naming ``name``) for a non-number, non-finite, <= 0 or overflowing value (the rule of
-    ``SamplingParams.temperature``)."""
+    (naming ``name``) for a non-number, non-finite, <= 0 or overflowing value
+    (``interface.check_temperature``: 0 is no greedy mode here, it divides the logits)."""
     try:
-        return SamplingParams(temperature=temperature).validate(dtype).temperature
+        return check_temperature(temperature, dtype)
     except ValueError as exc:
         raise ValueError(str(exc).replace("SamplingParams.temperature", name)) from None
 
 
 def check_top_logprobs_filters(temperature, top_k, top_p, dtype: torch.dtype) -> tuple[float, int, float]:
-    """(temperature, top_k, top_p) of a top-logprobs call, checked by the rules of
-    ``SamplingParams`` (top_k -1 = off or >= 1; top_p in (0, 1]); ValueError naming
-    ``top_logprobs temperature`` / ``top_k`` / ``top_p``."""
+    """(temperature, top_k, top_p) of a top-logprobs call: the filters of a distribution, not
+    sampling params, so temperature > 0 (``interface.check_temperature``) and top_k -1 (off) or >= 1
+    (neither greedy nor top_k 0, which ``SamplingParams.validate`` translates); top_p in (0, 1].
+    ValueError naming ``top_logprobs temperature`` / ``top_k`` / ``top_p``."""
     try:
+        check_temperature(temperature, dtype)
+        if int_or_none(top_k) == 0:
+            raise ValueError(f"SamplingParams.top_k={top_k!r}: must be -1 (off) or >= 1")
         p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).validate(dtype)
     except ValueError as exc:
         raise ValueError(str(exc).replace("SamplingParams.", "top_logprobs ")) from None
@@ -107,7 +111,7 @@ def top_logprobs(
     sampler's tie rule of that mode; ``token_logprobs``: the sampler's logprob op for the positions'
     own tokens): the "processed" logprobs of the distribution sampled from. Tokens the filters
     removed (logprob -inf) are left out, so a position may list fewer than ``k`` (one under
-    greedy, top_k 1). Arguments as :func:`check_top_logprobs` / :func:`check_top_logprobs_filters`
+    top_k 1). Arguments as :func:`check_top_logprobs` / :func:`check_top_logprobs_filters`
     return them (1 <= start < len(ids), k >= 1, or >= 0 ``with_tokens``; k above the vocabulary
     gives all of it). Under EP the forward is collective: every rank calls this with the same ids.
 

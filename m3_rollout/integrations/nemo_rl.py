@@ -144,7 +144,8 @@ class NemoRLGeneration:
             max_new_tokens=config["max_new_tokens"],
             stop_token_ids=tuple(config.get("stop_token_ids") or ()),
             stop_strings=tuple(config.get("stop_strings") or ()),
-        ).validate()
+        )
+        self.params.validate()  # checked here; kept as given (temperature 0 stays greedy for every row)
         self.colocated = bool(config.get("colocated", {}).get("enabled", True))
         self.sleep_level, self.seed = sleep_level, seed
         if model_config is None and not isinstance(backend, NativeBackend):
@@ -186,17 +187,16 @@ class NemoRLGeneration:
         for i, n in enumerate(lens):
             extra = tuple(s for s in (stops[i] or ()) if s not in self.params.stop_strings)
             params = SamplingParams(
-                temperature=1.0 if greedy else self.params.temperature,
-                top_p=1.0 if greedy else self.params.top_p,
-                top_k=1 if greedy else self.params.top_k,  # top-1: exactly the argmax token
+                # temperature 0: the engine's greedy (SamplingParams.validate), as NeMo RL's vLLM
+                # worker asks for it: the argmax token, the model's own log-softmax as its logprob
+                temperature=0.0 if greedy else self.params.temperature,
+                top_p=self.params.top_p,
+                top_k=self.params.top_k,
                 max_new_tokens=self.params.max_new_tokens,
                 stop_token_ids=self.params.stop_token_ids,
                 seed=self.seed + call,
                 stop_strings=self.params.stop_strings + extra,
-                # NOTE: greedy logprobs as vLLM's temperature 0 gives them: the model's own
-                # log-softmax of the chosen token (its greedy path filters nothing); the processed
-                # distribution after top-1 would give 0 for every token
-                logprobs_mode="raw" if greedy else "processed",
+                logprobs_mode="processed",
             )
             full = self.max_model_len is not None and n >= self.max_model_len
             reqs.append(None if full else GenerationRequest(f"nemo-rl-{call}-{i}", ids[i, :n].tolist(), params, i))
@@ -231,9 +231,10 @@ class NemoRLGeneration:
     def generate(self, data: Mapping, greedy: bool = False) -> Mapping:
         """Generate one continuation per row of a ``GenerationDatumSpec`` batch.
 
-        ``greedy``: take the most likely token (top-k 1) with the model's unfiltered log-softmax
-        as its logprob (``logprobs_mode`` "raw"), as vLLM's temperature 0 (NeMo RL's greedy)
-        returns it; the config's temperature and top-p are ignored, as there.
+        ``greedy``: sample at temperature 0, the engine's greedy (``SamplingParams``), as NeMo RL's
+        vLLM worker does: the most likely token with the model's unfiltered log-softmax as its
+        logprob, as vLLM's temperature 0 returns it; the config's temperature, top-k and top-p are
+        ignored, as there.
         Returns the ``GenerationOutputSpec`` (module docstring) in ``type(data)``.
 
         Raises:

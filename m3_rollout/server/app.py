@@ -292,14 +292,11 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
                 f"block_selection_from={body.block_selection_from}: past the {len(body.input_ids)} input ids",
                 "block_selection_from",
             )
-        top_k, temperature = (-1 if sp.top_k == 0 else sp.top_k), sp.temperature
-        if temperature == 0:
-            temperature, top_k = 1.0, 1
-        params = SamplingParams(
+        params = SamplingParams(  # temperature 0 (greedy), top_k 0 (off): the engine's rules, vLLM's
             n=sp.n,
-            temperature=temperature,
+            temperature=sp.temperature,
             top_p=sp.top_p,
-            top_k=top_k,
+            top_k=sp.top_k,
             max_new_tokens=sp.max_new_tokens,
             stop_token_ids=tuple(sp.stop_token_ids),
             seed=request_seed(sp.seed),

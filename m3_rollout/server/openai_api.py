@@ -233,8 +233,9 @@ def sampling_params(
 ) -> SamplingParams:
     """OpenAI sampling fields -> SamplingParams; 400 naming the field for values the engine refuses.
 
-    temperature 0 is greedy (top_k = 1); top_k 0 or -1 is off; the default ``max_tokens`` is what
-    the context leaves, and a larger one is capped there (the sample then ends with "length").
+    temperature 0 is greedy and top_k 0 or -1 is off (``SamplingParams``' rules, vLLM's: a greedy
+    sample's logprobs are the model's own log-softmax); the default ``max_tokens`` is what the
+    context leaves, and a larger one is capped there (the sample then ends with "length").
     """
     if req.stream_options is not None and not req.stream:
         raise APIError(
@@ -248,12 +249,9 @@ def sampling_params(
             'leave it out or send {"type": "text"}',
             "response_format",
         )
-    top_k = -1 if req.top_k in (None, 0, -1) else req.top_k
-    if top_k < 1 and top_k != -1:
+    top_k = -1 if req.top_k is None else req.top_k
+    if top_k < -1:
         raise APIError(400, f"top_k={req.top_k}: must be -1 or 0 (off) or >= 1", "top_k")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if temperature == 0:
-        temperature, top_k = 1.0, 1
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stops):
         raise APIError(400, "stop: stop strings must be non-empty", "stop")
@@ -263,7 +261,7 @@ def sampling_params(
     room = served.max_model_len - prompt_len
     return SamplingParams(
         n=req.n,
-        temperature=temperature,
+        temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,
         max_new_tokens=min(max_tokens or room, room),
@@ -881,7 +879,7 @@ class OpenAIServing:
         their top ``k`` (``with_tokens``: as ``score.PositionLogprobs``, with each position's own
         token's logprob and rank), in the distribution the request's sampled logprobs come from:
         the model's (``logprobs_mode`` "raw"), or the processed one sampled from (temperature,
-        top-k, top-p; greedy lists only its token). Returns (rows, weight version, weight-write
+        top-k, top-p; a greedy request: the model's own). Returns (rows, weight version, weight-write
         count the forward ran with).
         Raises APIError naming ``param``: 501 for a backend without a model, 503 when the engine or
         the EP group refuses the forward after the sample was generated (its message says why)."""
