@@ -162,6 +162,55 @@ def test_a_generation_config_at_temperature_0_is_greedy_as_greedy_true():
     assert bool((want["logprobs"] < 0).any())  # the model's own logprobs, not 0 after a top-1 filter
 
 
+def _sampled_logprobs(model, out, batch, temperature=1.0, top_k=-1):
+    """[row] -> (generated ids, their logprobs under ``model`` at ``temperature`` after a top-k filter)."""
+    rows = []
+    for i, n in enumerate(batch["input_lengths"].tolist()):
+        g = int(out["generation_lengths"][i])
+        row = out["output_ids"][i, : n + g]
+        with torch.no_grad():
+            logits = model(row[None, :-1])[0, n - 1 :].float() / temperature  # [g, V]
+        if top_k > 0:
+            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+        rows.append(torch.log_softmax(logits, -1).gather(1, row[n:, None])[:, 0])
+    return rows
+
+
+def test_vllm_cfg_logprobs_mode_is_honoured_for_sampled_rows():
+    """NeMo RL's policy.generation.vllm_cfg.logprobs_mode was ignored: sampled rows always got the
+    "processed" logprobs (temperature 0.7, top-k 5 here), raw_logprobs included. Now raw_logprobs
+    gives the model's own log-softmax of the same tokens, processed_logprobs (and no key, the
+    default) the distribution sampled from; vLLM's logits modes and unknown values are refused."""
+    model = _model()
+    batch = _batch()
+
+    def generate(vllm_cfg):
+        backend = NativeBackend(copy.deepcopy(model), [EOS], max_model_len=48)
+        config = {**CONFIG, "temperature": 0.7, "top_k": 5, "max_new_tokens": 6, "vllm_cfg": vllm_cfg}
+        return NemoRLGeneration(backend, config, seed=5).generate(batch)
+
+    default, processed = generate({}), generate({"logprobs_mode": "processed_logprobs"})
+    raw = generate({"logprobs_mode": "raw_logprobs", "max_model_len": 48})
+    assert torch.equal(default["output_ids"], raw["output_ids"]) and torch.equal(
+        default["logprobs"], processed["logprobs"]
+    )
+    lens = batch["input_lengths"].tolist()
+    for i, (want_p, want_r) in enumerate(
+        zip(_sampled_logprobs(model, default, batch, 0.7, 5), _sampled_logprobs(model, raw, batch), strict=True)
+    ):
+        n, g = lens[i], len(want_p)
+        assert g >= 1 and torch.allclose(default["logprobs"][i, n : n + g], want_p, atol=1e-5)
+        assert torch.allclose(raw["logprobs"][i, n : n + g], want_r, atol=1e-5)
+        assert not torch.allclose(want_p, want_r, atol=1e-3)  # the two modes differ here
+    for bad, why in (
+        ("raw_logits", "logits, not the logprobs"),
+        ("processed", "must be one of"),
+        (1, "must be one of"),
+    ):
+        with pytest.raises(ValueError, match=rf"vllm_cfg\.logprobs_mode={bad!r} ?.*{why}"):
+            generate({"logprobs_mode": bad})
+
+
 class FakeBatchedDataDict(collections.UserDict):
     """Stands in for nemo_rl's BatchedDataDict (a UserDict built from a dict)."""
 

@@ -17,8 +17,9 @@ Data (NeMo RL's ``GenerationDatumSpec`` in, ``GenerationOutputSpec`` out), for B
                              generated tokens at L_i .. L_i + G_i - 1, then the pad id
        logprobs              float32, same shape: 0 at prompt and pad positions, generated token j's
                              logprob at L_i + j: in the distribution sampled from (temperature,
-                             top-k, top-p: "processed"), or with ``greedy`` the model's own
-                             log-softmax (as vLLM's temperature 0: not 0 after a top-1 filter)
+                             top-k, top-p: "processed", the default), or the model's own
+                             log-softmax (``vllm_cfg.logprobs_mode: raw_logprobs``, and any
+                             ``greedy`` row: vLLM's temperature 0, not 0 after a top-1 filter)
        generation_lengths    int64 [B] (G_i)
        unpadded_sequence_lengths  int64 [B] (L_i + G_i)
        truncated             bool [B]: stopped by the token limit (finish_reason "length")
@@ -101,6 +102,35 @@ class ReleasedNaming:
         return [(RELEASED_PREFIX + n, by_name[n]) for n in self.want]
 
 
+#: NeMo RL's ``policy.generation.vllm_cfg.logprobs_mode`` (vLLM's engine argument; NeMo RL's
+#: ``VllmSpecificArgs`` takes these two) -> ``SamplingParams.logprobs_mode``. vLLM's
+#: "raw_logits" / "processed_logits" return logits, not the logprobs NeMo RL's
+#: ``GenerationOutputSpec`` holds, and are refused.
+LOGPROBS_MODES = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
+
+
+def logprobs_mode_of(config: Mapping) -> str:
+    """The ``SamplingParams.logprobs_mode`` of NeMo RL's ``policy.generation`` dict: its
+    ``vllm_cfg.logprobs_mode`` as :data:`LOGPROBS_MODES` maps it; "processed" (the distribution
+    sampled from, what the trainer scores at the generation temperature) when absent or null.
+    NOTE: vLLM's own default is "raw_logprobs"; give it to get vLLM's numbers at temperature != 1
+    or with top-k / top-p.
+
+    Raises:
+        ValueError: any other value, naming the key and the accepted values.
+    """
+    mode = (config.get("vllm_cfg") or {}).get("logprobs_mode")
+    if mode is None:
+        return "processed"
+    if not isinstance(mode, str) or mode not in LOGPROBS_MODES:
+        why = " (logits, not the logprobs this adapter returns)" if mode in ("raw_logits", "processed_logits") else ""
+        raise ValueError(
+            f"NemoRLGeneration: policy.generation.vllm_cfg.logprobs_mode={mode!r}{why}: must be one of "
+            f"{sorted(LOGPROBS_MODES)} (or absent: processed_logprobs)"
+        )
+    return LOGPROBS_MODES[mode]
+
+
 class NemoRLGeneration:
     """NeMo RL's ``GenerationInterface`` methods over a ``GenerationBackend``.
 
@@ -110,7 +140,8 @@ class NemoRLGeneration:
             collective refit (``init_collective``).
         config: NeMo RL's ``policy.generation`` dict: ``max_new_tokens``, ``temperature``,
             ``top_p``, ``top_k`` (None = off) and ``_pad_token_id`` are read; ``stop_token_ids``,
-            ``stop_strings`` and ``colocated.enabled`` (default True) when present.
+            ``stop_strings``, ``colocated.enabled`` (default True) and ``vllm_cfg.logprobs_mode``
+            (:func:`logprobs_mode_of`: the sampled rows' logprobs) when present.
         model_config: the served model's ``M3Config`` (its shapes check refit names, through a
             meta-device copy); default: the ``NativeBackend``'s model itself.
         sleep_level: what ``finish_generation`` releases when colocated: 1 = the KV cache, 2 =
@@ -119,7 +150,8 @@ class NemoRLGeneration:
             seed + k and row i with sample index i, so calls and rows draw different tokens.
 
     Raises:
-        ValueError: a config key is missing, or a sampling value is out of range (named).
+        ValueError: a config key is missing, a sampling value is out of range, or
+            ``vllm_cfg.logprobs_mode`` is not one of :data:`LOGPROBS_MODES` (named).
     """
 
     def __init__(
@@ -144,6 +176,7 @@ class NemoRLGeneration:
             max_new_tokens=config["max_new_tokens"],
             stop_token_ids=tuple(config.get("stop_token_ids") or ()),
             stop_strings=tuple(config.get("stop_strings") or ()),
+            logprobs_mode=logprobs_mode_of(config),
         )
         self.params.validate()  # checked here; kept as given (temperature 0 stays greedy for every row)
         self.colocated = bool(config.get("colocated", {}).get("enabled", True))
@@ -196,7 +229,7 @@ class NemoRLGeneration:
                 stop_token_ids=self.params.stop_token_ids,
                 seed=self.seed + call,
                 stop_strings=self.params.stop_strings + extra,
-                logprobs_mode="processed",
+                logprobs_mode=self.params.logprobs_mode,  # a greedy row's are "raw" whatever it says
             )
             full = self.max_model_len is not None and n >= self.max_model_len
             reqs.append(None if full else GenerationRequest(f"nemo-rl-{call}-{i}", ids[i, :n].tolist(), params, i))
