@@ -744,12 +744,16 @@ def _section_of(class_name: str, cls: type = None, prefix: str = "") -> str | No
     return None
 
 
-def _check_group_size(e: list[str], g: GRPOConfig) -> None:
-    """grpo.num_generations_per_prompt >= 2: every advantage estimator compares a sample with the
-    others of its group (``m3_trainers.advantages.group_advantages``: the group mean, or with
-    ``use_leave_one_out_baseline`` the mean of the others), so a group of one sample gets advantage
-    exactly 0 whatever its reward and the policy-gradient loss is 0."""
+def _check_group_size(e: list[str], g: GRPOConfig, training: bool) -> None:
+    """grpo.num_generations_per_prompt >= 2 for a run that trains: every advantage estimator
+    compares a sample with the others of its group (``m3_trainers.advantages.group_advantages``:
+    the group mean, or with ``use_leave_one_out_baseline`` the mean of the others), so a group of
+    one sample gets advantage exactly 0 whatever its reward and the policy-gradient loss is 0.
+    Without training (``dump generate``) one sample per prompt is a sample to dump: >= 1."""
     n = g.num_generations_per_prompt
+    if not training:
+        _check(e, n >= 1, "grpo.num_generations_per_prompt", n, "must be >= 1")
+        return
     _check(
         e,
         n >= 2,
@@ -783,8 +787,11 @@ def _check_global_batch(e: list[str], g: GRPOConfig, batch: int) -> None:
     )
 
 
-def validate(cfg: MasterConfig) -> None:
+def validate(cfg: MasterConfig, training: bool = True) -> None:
     """Check ranges and cross-key rules.
+
+    ``training``: False for a command that only rolls out (``dump generate``): the rule that
+    exists for the GRPO update alone, grpo.num_generations_per_prompt >= 2, becomes >= 1.
 
     Raises:
         ConfigError: listing every violation as ``key=value: allowed``.
@@ -799,7 +806,7 @@ def validate(cfg: MasterConfig) -> None:
     for key in ("num_prompts_per_step", "max_rollout_turns", "val_period", "num_val_prompts"):
         value = getattr(g, key)
         _check(e, value >= 1, f"grpo.{key}", value, "must be >= 1")
-    _check_group_size(e, g)
+    _check_group_size(e, g, training)
     _check(e, g.max_num_steps >= 0, "grpo.max_num_steps", g.max_num_steps, "must be >= 0 (0 = validation only)")
     _check(
         e,
@@ -895,7 +902,7 @@ def validate(cfg: MasterConfig) -> None:
         "must be >= 16",
     )
     _check(e, p.train_micro_batch_size >= 1, "policy.train_micro_batch_size", p.train_micro_batch_size, "must be >= 1")
-    if g.num_prompts_per_step >= 1 and g.num_generations_per_prompt >= 2:  # else refused above
+    if g.num_prompts_per_step >= 1 and g.num_generations_per_prompt >= 2:  # else refused above, or not training
         _check_global_batch(e, g, p.train_global_batch_size)
     _check(e, p.optimizer.lr > 0, "policy.optimizer.lr", p.optimizer.lr, "must be > 0")
     _check(e, p.max_grad_norm > 0, "policy.max_grad_norm", p.max_grad_norm, "must be > 0")
@@ -1542,7 +1549,9 @@ def parse_overrides(schema, overrides: list[str] | tuple[str, ...]) -> list[str]
     return out
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), training: bool = True
+) -> MasterConfig:
     """Load a YAML config, apply ``key=value`` overrides, type-check and validate.
 
     Args:
@@ -1551,6 +1560,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             says (a packaged config by name when no such file exists); None starts from the
             defaults.
         overrides: dotted ``key=value`` strings, e.g. ``grpo.max_num_steps=5``.
+        training: False for a command that trains nothing (``dump generate``; :func:`validate`).
 
     Returns:
         A :class:`MasterConfig` instance (plain dataclasses, no OmegaConf objects).
@@ -1586,7 +1596,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         cfg: MasterConfig = OmegaConf.to_object(schema)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:  # e.g. an interpolation ${...} naming no key
         raise ConfigError(f"config error: {' '.join(str(exc).split())}") from None
-    validate(cfg)
+    validate(cfg, training)
     return cfg
 
 

@@ -574,3 +574,30 @@ def test_package_names_and_submodules_load_on_first_use():
         import m3_rollout.dump
 
         m3_rollout.dump.report_lines  # noqa: B018
+
+
+def test_dump_generate_takes_one_sample_per_prompt(tmp_path, monkeypatch, capsys):
+    """`dump generate` refused grpo.num_generations_per_prompt=1 with the GRPO job's rule (a group
+    of one sample learns nothing), though it trains nothing; now it dumps one sample per prompt
+    (advantage 0, as the GRPO loop would give it), while the GRPO job still refuses it."""
+    from m3_rollout.config import ConfigError, load_config
+    from m3_rollout.jobs.dump_cli import main as dump_main
+
+    monkeypatch.setenv("M3_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    over = [
+        "grpo.num_generations_per_prompt=1",
+        "grpo.num_prompts_per_step=3",
+        "policy.generation.expert_parallel_size=1",
+        "cluster.launcher=auto",
+        "policy.generation.max_new_tokens=4",
+    ]
+    d = tmp_path / "dump"
+    assert dump_main(["generate", "--config", "configs/grpo_smoke.yaml", "--dir", str(d), "--steps", "1", *over]) == 0
+    rows = read_dump(d).table.to_pydict()
+    assert sorted(rows["group_id"]) == [0, 1, 2] and rows["sample_index"] == [0, 0, 0]
+    assert rows["advantage"] == [0.0, 0.0, 0.0]
+    with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt=1: must be >= 2"):
+        load_config("configs/grpo_smoke.yaml", over)
+    assert load_config("configs/grpo_smoke.yaml", over, training=False).grpo.num_generations_per_prompt == 1
+    with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt=0: must be >= 1"):
+        load_config("configs/grpo_smoke.yaml", [*over, "grpo.num_generations_per_prompt=0"], training=False)

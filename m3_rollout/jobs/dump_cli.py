@@ -35,11 +35,13 @@ from pathlib import Path
 from m3_rollout.jobs.interrupt import run_entry
 
 
-def _load_cfg(args):
+def _load_cfg(args, training: bool = True):
+    """The config of ``--config`` and the overrides (``load_config``; ``training`` False for a
+    subcommand that trains nothing); exits 2 with ``error: ...`` when it is refused."""
     from m3_rollout.config import ConfigError, load_config
 
     try:
-        return load_config(args.config, args.overrides)
+        return load_config(args.config, args.overrides, training=training)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -53,7 +55,7 @@ def _errors(lines: list[str]) -> None:
 def cmd_generate(args) -> int:
     from m3_rollout.jobs.dump_generate import generate_dumps
 
-    cfg = _load_cfg(args)
+    cfg = _load_cfg(args, training=False)  # one sample per prompt is fine to dump (no advantage to learn from)
     generate_dumps(cfg, out_dir=args.dir, num_steps=args.steps)
     return 0
 
