@@ -242,6 +242,8 @@ class PolicyConfig:
     # (torch.utils.checkpoint): less activation memory for about one more forward of compute.
     activation_checkpointing: bool = False
     train_global_batch_size: int = 128
+    # Rows per forward / backward within an optimizer step: divides train_global_batch_size, or is
+    # at least it (one forward per optimizer step).
     train_micro_batch_size: int = 64
     max_grad_norm: float = 1.0
     thinking_mode: str = "disabled"
@@ -787,6 +789,30 @@ def _check_global_batch(e: list[str], g: GRPOConfig, batch: int) -> None:
     )
 
 
+def _check_micro_batch(e: list[str], p: PolicyConfig) -> None:
+    """policy.train_micro_batch_size divides policy.train_global_batch_size, or is at least it.
+    ``m3_trainers.step`` runs each optimizer step on ``train_global_batch_size`` rows, split into
+    micro-batches of ``train_micro_batch_size`` from its first row (gradients accumulated under one
+    global normaliser): a micro batch below the global one that does not divide it leaves a ragged
+    last micro-batch in every optimizer step, whose boundaries are not those of the step's
+    pre-update scoring pass (micro-batches from the step's first row). One at least the global
+    batch is one forward per optimizer step. The message names a divisor to use."""
+    gbs, mbs = p.train_global_batch_size, p.train_micro_batch_size
+    if gbs < 1 or mbs < 1 or mbs >= gbs or gbs % mbs == 0:  # (< 1: refused on their own)
+        return
+    below = max(d for d in range(1, mbs) if gbs % d == 0)
+    _check(
+        e,
+        False,
+        "policy.train_micro_batch_size",
+        mbs,
+        f"must divide policy.train_global_batch_size={gbs} (each optimizer step's {gbs} rows are split into "
+        f"micro-batches of {mbs}, leaving a ragged last one of {gbs % mbs}) or be >= it (one forward per "
+        f"optimizer step); set policy.train_micro_batch_size={below} (the largest divisor of {gbs} below {mbs}) "
+        f"or {gbs}",
+    )
+
+
 def validate(cfg: MasterConfig, training: bool = True) -> None:
     """Check ranges and cross-key rules.
 
@@ -902,6 +928,7 @@ def validate(cfg: MasterConfig, training: bool = True) -> None:
         "must be >= 16",
     )
     _check(e, p.train_micro_batch_size >= 1, "policy.train_micro_batch_size", p.train_micro_batch_size, "must be >= 1")
+    _check_micro_batch(e, p)
     if g.num_prompts_per_step >= 1 and g.num_generations_per_prompt >= 2:  # else refused above, or not training
         _check_global_batch(e, g, p.train_global_batch_size)
     _check(e, p.optimizer.lr > 0, "policy.optimizer.lr", p.optimizer.lr, "must be > 0")

@@ -287,6 +287,23 @@ def test_the_batch_rule_gives_both_factors_and_the_fixes():
     load_config(MAIN, ["policy.train_global_batch_size=7", "grpo.num_prompts_per_step=21"])
 
 
+def test_a_micro_batch_that_does_not_divide_the_global_batch_is_refused_with_the_fix():
+    """policy.train_micro_batch_size was not checked against the global batch: 48 of 128 ran each
+    optimizer step as micro-batches of 48, 48 and a ragged 32. Now refused, naming both keys and
+    the micro batches that fit; a divisor, or one at least the global batch, loads."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, ["policy.train_micro_batch_size=48"])
+    assert (
+        "policy.train_micro_batch_size=48: must divide policy.train_global_batch_size=128 (each optimizer step's "
+        "128 rows are split into micro-batches of 48, leaving a ragged last one of 32) or be >= it (one forward "
+        "per optimizer step); set policy.train_micro_batch_size=32 (the largest divisor of 128 below 48) or 128"
+    ) in str(exc.value)
+    for mbs in (32, 128, 256):
+        load_config(MAIN, [f"policy.train_micro_batch_size={mbs}"])
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size=5: .*set policy\.train_micro_batch_size=4 "):
+        load_config(MAIN, ["policy.train_global_batch_size=16", "policy.train_micro_batch_size=5"])
+
+
 @pytest.mark.parametrize("leave_one_out", [False, True])
 def test_one_generation_per_prompt_is_refused_on_its_own(leave_one_out):
     """n=1 was refused only by the batch rule (16 * 1 samples, batch 128), whose fix (batch 16)
