@@ -813,6 +813,29 @@ def _check_micro_batch(e: list[str], p: PolicyConfig) -> None:
     )
 
 
+def _check_env_keys(e: list[str], env: EnvConfig) -> None:
+    """``env.jsonl.*`` is read by ``env.name=jsonl`` alone (``rollout.environments.build_environment``):
+    with ``env.name=calculator`` a key set away from its default would be ignored silently (the
+    calculator environment scores with its own rule, tool and prompt), so it is refused naming the
+    fix. A key given at its default value cannot be told from an absent one, and changes nothing."""
+    if env.name != "calculator":
+        return
+    default = JsonlEnvConfig()
+    for f in dataclasses.fields(JsonlEnvConfig):
+        value = getattr(env.jsonl, f.name)
+        if value != getattr(default, f.name):
+            _check(
+                e,
+                False,
+                f"env.jsonl.{f.name}",
+                value,
+                "is read only with env.name=jsonl; env.name=calculator (the default) scores with its own rule "
+                "(the answer's last integer against the record's, the calculator tool, its own system prompt; "
+                "env.calculator.*) and would ignore it: set env.name=jsonl (with data.source=jsonl and "
+                "data.path) or leave the key out",
+            )
+
+
 def validate(cfg: MasterConfig, training: bool = True) -> None:
     """Check ranges and cross-key rules.
 
@@ -1039,6 +1062,7 @@ def validate(cfg: MasterConfig, training: bool = True) -> None:
         env.name,
         "env.name=jsonl needs data.source=jsonl and data.path",
     )
+    _check_env_keys(e, env)
     _check(e, env.num_tool_workers >= 1, "env.num_tool_workers", env.num_tool_workers, "must be >= 1")
     _check(e, env.max_tool_output_chars >= 1, "env.max_tool_output_chars", env.max_tool_output_chars, "must be >= 1")
     for key, value in (

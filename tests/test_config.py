@@ -348,6 +348,33 @@ def test_rollout_dumps_follow_the_runs_log_dir(tmp_path):
     assert load_config(MAIN, [f"rollout_dump.dir={tmp_path}/d"]).rollout_dump.dir == f"{tmp_path}/d"
 
 
+def test_env_jsonl_keys_with_the_calculator_environment_are_refused(tmp_path):
+    """env.jsonl.* were ignored silently with env.name=calculator (the default): a reward function,
+    tool list or system prompt given there changed nothing. Now each is refused naming env.name=jsonl;
+    with env.name=jsonl they load, and a key at its default value changes nothing either way."""
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(f'{{"prompt": "What is {i} + {i}?", "answer": {2 * i}}}\n' for i in range(12)))
+    src = ["data.source=jsonl", f"data.path={data}", "grpo.num_val_prompts=4"]
+    keys = [
+        "env.jsonl.reward_fn=m3_rollout.rollout.environments.jsonl_env.exact_match_reward",
+        "env.jsonl.tools=[calculator,convert_units]",
+        "env.jsonl.system_prompt=Be brief.",
+        "env.jsonl.timeout_s=5.0",
+    ]
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, [*src, *keys])
+    msg = str(exc.value)
+    for key in keys:
+        name = key.split("=")[0]
+        assert f"{name}=" in msg
+    assert msg.count("is read only with env.name=jsonl") == 4 and "set env.name=jsonl" in msg
+    with pytest.raises(ConfigError, match=r"env\.jsonl\.system_prompt='Be brief\.': is read only with env\.name=jsonl"):
+        load_config(MAIN, ["env.jsonl.system_prompt=Be brief."])  # the calculator's own data too
+    cfg = load_config(MAIN, [*src, "env.name=jsonl", *keys])
+    assert cfg.env.jsonl.system_prompt == "Be brief." and cfg.env.jsonl.timeout_s == 5.0
+    load_config(MAIN, [*src, "env.jsonl.tools=[calculator]"])  # the default: nothing ignored
+
+
 def test_jsonl_data_with_the_calculator_environment_is_scored_by_the_calculator(tmp_path):
     """data.source=jsonl with env.name left at calculator (as README documents): the calculator
     environment scores the file's records, reward 1 iff the answer's last integer is the record's."""
