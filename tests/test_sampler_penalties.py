@@ -3,6 +3,7 @@ and the engine: the processed logits against a direct computation, rows without 
 bits, and the sync, async and staged-decode-graph engines agree."""
 
 import dataclasses
+import math
 from collections import Counter
 
 import pytest
@@ -12,7 +13,7 @@ from test_engine_core import MODEL, V  # tests/ is on sys.path under pytest
 
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
-from m3_rollout.engine.interface import GenerationRequest, SamplingParams
+from m3_rollout.engine.interface import GenerationRequest, SamplingParams, min_temperature
 from m3_rollout.engine.requests import check_request
 from m3_rollout.engine.sampler import Penalties, process_logits
 
@@ -185,6 +186,8 @@ def test_penalties_change_the_tokens_and_raw_logprobs_ignore_them():
         ("frequency_penalty", -2.01),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", float("inf")),
+        ("repetition_penalty", 1e-40),  # positive logits / it overflow fp32
+        ("repetition_penalty", 1e39),  # inf in fp32
         ("logit_bias", ((5, 101.0),)),
         ("logit_bias", ((5, 1.0), (5, 2.0))),
         ("logit_bias", ((V, 1.0),)),
@@ -195,3 +198,23 @@ def test_bad_values_name_the_field(field, value):
     req = GenerationRequest("x", [5, 6], SamplingParams(**{field: value}))
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         check_request(req, V, 96, torch.float32, False)
+
+
+def test_repetition_penalty_the_sampler_would_overflow_is_refused_and_a_usable_one_is_finite():
+    """A repetition penalty of 1e-40 (> 0, so accepted) made a repeated token's logit / penalty
+    overflow fp32 to inf: NaN logprobs, which the server then failed to write as JSON (a 500).
+    Below 1 it divides before the temperature does, so their product has the temperature's floor.
+    Now: refused naming the smallest usable value; one just above the floor samples finite logprobs."""
+    floor = min_temperature(torch.float32)
+    prompt = [5, 6, 7, 5, 6]
+    req = lambda r, t=1.0: GenerationRequest("x", prompt, SamplingParams(repetition_penalty=r, temperature=t))  # noqa: E731
+    for r, t in ((1e-40, 1.0), (1e-20, 1e-20), (floor * 0.5, 1.0)):
+        with pytest.raises(ValueError, match="SamplingParams.repetition_penalty.*smallest usable") as e:
+            check_request(req(r, t), V, 96, torch.float32, False)
+        assert f"{floor / t:.3g}" in str(e.value)
+    check_request(req(1e-40), V, 96, torch.float64, False)  # fp64's range holds it
+    check_request(req(1e-20, 1e-10), V, 96, torch.float32, False)
+    usable = SamplingParams(repetition_penalty=floor * 4, max_new_tokens=4, stop_token_ids=(), top_logprobs=3)
+    out = _drive(_engine(), [GenerationRequest("u", prompt, usable)])[("u", 0)]
+    assert len(out.logprobs) == 4 and all(math.isfinite(v) for v in out.logprobs)
+    assert all(math.isfinite(v) for row in out.top_logprobs for _, v in row)

@@ -218,6 +218,13 @@ ENGINE_CASES = [
     ),
     ("/generate", {"input_ids": [5, 6], "sampling_params": {"temperature": 1e-45}}, "sampling_params.temperature"),
     ("/generate", {"input_ids": [5, 6], "sample_index": 2**63}, "sample_index"),
+    # > 0 (the schema's bound) but logit / it overflows fp32: NaN logprobs were a 500 (not JSON)
+    (
+        "/generate",
+        {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "repetition_penalty": 1e-40}},
+        "sampling_params.repetition_penalty",
+    ),
+    ("/v1/chat/completions", _chat(repetition_penalty=1e-20, temperature=1e-20), "repetition_penalty"),
 ]
 
 

@@ -124,7 +124,8 @@ class SamplingParams:
     #: Subtracted per occurrence among the sample's generated tokens; in [-2, 2], 0 = off.
     frequency_penalty: float = 0.0
     #: > 0, 1 = off: the logit of every token of the prompt or the output so far is divided by it
-    #: when positive, multiplied by it otherwise (vLLM / HF repetition_penalty).
+    #: when positive, multiplied by it otherwise (vLLM / HF repetition_penalty); one that would
+    #: overflow the sampler's dtype (with the temperature) is refused (:meth:`validate`).
     repetition_penalty: float = 1.0
     #: ((token id, bias), ...): bias in [-100, 100] added to the token's raw logit; ids distinct and
     #: in the vocabulary (``engine.requests.check_request``).
@@ -174,7 +175,8 @@ class SamplingParams:
         Integers must be integers (bools, floats and strings are not), floats finite and in range.
         ``compute_dtype``: the sampler's dtype (fp32, or fp64 for an fp64 model); when given, a
         temperature below :func:`min_temperature` of it is rejected (logits / temperature would
-        overflow it). vLLM's conventions are applied here: ``top_k`` 0 comes back as -1 (off), and
+        overflow it), and so is a repetition penalty that would (:func:`_check_repetition_range`).
+        vLLM's conventions are applied here: ``top_k`` 0 comes back as -1 (off), and
         ``temperature`` 0 (greedy) as top-k 1 at temperature 1, top-p 1, ``logprobs_mode`` "raw"
         (the class docstring), once the given values are checked.
 
@@ -218,6 +220,9 @@ class SamplingParams:
         repetition = _float_field("repetition_penalty", self.repetition_penalty)
         if not repetition > 0:
             raise ValueError(f"SamplingParams.repetition_penalty={repetition!r}: must be > 0 (1 = off)")
+        if compute_dtype is not None:
+            # greedy (temperature 0) samples at temperature 1 (below)
+            _check_repetition_range(repetition, temperature if temperature > 0 else 1.0, compute_dtype)
         bias = _logit_bias(self.logit_bias)
         prompt_logprobs = None
         if self.prompt_logprobs is not None:
@@ -272,6 +277,27 @@ def check_temperature(value, compute_dtype: torch.dtype | None = None) -> float:
             "sampling: temperature 0)"
         )
     return temperature
+
+
+def _check_repetition_range(repetition: float, temperature: float, dtype: torch.dtype) -> None:
+    """Raise ValueError naming ``SamplingParams.repetition_penalty`` when the sampler could not apply
+    it in ``dtype`` (its compute dtype) without NaN logprobs (the temperature floor's reasoning):
+    below 1 it divides positive logits before the temperature does, so repetition * temperature
+    must stay >= :func:`min_temperature` (a smaller one overflows the logit to inf, and inf - inf
+    is NaN); above ``finfo(dtype).max`` it is inf in ``dtype``, and a logit of exactly 0 times inf
+    is NaN."""
+    floor, top = min_temperature(dtype), torch.finfo(dtype).max
+    if repetition < 1 and repetition * temperature < floor:
+        raise ValueError(
+            f"SamplingParams.repetition_penalty={repetition!r}: a repeated token's logit / repetition_penalty / "
+            f"temperature overflows the sampler's {dtype} (NaN logprobs); with temperature {temperature:.3g} the "
+            f"smallest usable repetition_penalty is {floor / temperature:.3g} (1 = off)"
+        )
+    if repetition > top:
+        raise ValueError(
+            f"SamplingParams.repetition_penalty={repetition!r}: beyond the sampler's {dtype} range (NaN logprobs); "
+            f"the largest usable repetition_penalty is {top:.3g} (1 = off)"
+        )
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:
