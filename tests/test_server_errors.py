@@ -128,6 +128,11 @@ CASES = [
     ("/generate", {"input_ids": [5], "block_selection_from": 2}, "block_selection_from"),
     ("/generate", {"input_ids": [5], "block_selection_from": -1}, "block_selection_from"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    # union-typed fields: param named a member ("stop.str", "tool_choice.literal['none',...]")
+    ("/v1/chat/completions", _chat(stop=5), "stop"),
+    ("/v1/chat/completions", _chat(tool_choice="always"), "tool_choice"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
+    ("/v1/completions", {"model": "tiny-m3", "prompt": [1.5, 2.5]}, "prompt"),
     ("/pause", {"mode": "sideways"}, "mode"),
     ("/abort", {}, "rid"),
 ]
@@ -140,6 +145,25 @@ def test_bad_field_gets_400_naming_it(setup, path, body, param):
     assert err["param"] == param
     assert err["type"] == "invalid_request_error"
     assert param.split(".")[-1] in err["message"] or param == "messages"
+
+
+def test_a_union_field_error_lists_every_accepted_type(setup):
+    """A value no member of a union field accepts: the message used to give the first member's
+    complaint alone, as if that member were the field ("prompt.str: Input should be a valid
+    string" for a list of floats); now each member's, under the field's own name."""
+    srv, _, _ = setup
+    body = {"model": "tiny-m3", "prompt": [1.5, 2.5]}
+    err = _error(httpx.post(srv.url + "/v1/completions", json=body, timeout=60), 400)
+    assert err["message"].startswith("prompt: matches none of its accepted types (got [1.5, 2.5]): ")
+    assert "str: Input should be a valid string" in err["message"]
+    assert "list[int] at 0: Input should be a valid integer" in err["message"]
+    err = _error(
+        httpx.post(srv.url + "/v1/chat/completions", json=_chat(tool_choice={"type": "function"}), timeout=60), 400
+    )
+    assert err["param"] == "tool_choice" and "NamedToolChoice at function: Field required" in err["message"]
+    # not a union: a dict's keys are not members (logit_bias values of the wrong type)
+    err = _error(httpx.post(srv.url + "/v1/chat/completions", json=_chat(logit_bias={"str": "a"}), timeout=60), 400)
+    assert err["param"] == "logit_bias.str"
 
 
 def test_malformed_json_unknown_model_and_the_server_goes_on(setup):

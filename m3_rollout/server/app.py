@@ -66,6 +66,7 @@ from .protocol import (
     TokenizeRequest,
     UpdateWeightsRequest,
     request_seed,
+    union_error,
 )
 from .runner import EngineRunner
 
@@ -205,7 +206,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
         return JSONResponse(exc.body(), exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
+    async def validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0]
         loc = [str(p) for p in err["loc"] if p != "body"]
         if err["type"] == "json_invalid":
@@ -214,6 +215,12 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             return JSONResponse(
                 APIError(400, "The request body must be a JSON object (Content-Type: application/json)").body(), 400
             )
+        body_field = getattr(request.scope.get("route"), "body_field", None)  # the route's request model
+        model = getattr(getattr(body_field, "field_info", None), "annotation", None)
+        errors = [{**e, "loc": [p for p in e["loc"] if p != "body"]} for e in exc.errors()]
+        union = union_error(errors, model if isinstance(model, type) else None)
+        if union is not None:
+            return JSONResponse(APIError(400, union[1], union[0]).body(), 400)
         param = ".".join(loc) or None
         msg = f"{param}: {err['msg']}" if param else err["msg"]
         if err["type"] == "extra_forbidden" and loc[:1] == ["sampling_params"]:

@@ -9,8 +9,10 @@ clients may send vendor extras.
 
 from __future__ import annotations
 
+import json
 import secrets
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -71,6 +73,60 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _members(ann) -> tuple:
+    """The members of a union annotation other than None (``(ann,)`` for any other)."""
+    if get_origin(ann) in (Union, types.UnionType):
+        return tuple(a for a in get_args(ann) if a is not type(None))
+    return (ann,)
+
+
+def _annotation_at(model: type[BaseModel], path) -> Any:
+    """The annotation of the value at ``path`` (field names, list indices, dict keys) in a request
+    body of ``model``, an optional one's None dropped; None where the path leaves the schema."""
+    ann: Any = model
+    for part in path:
+        ann = m[0] if len(m := _members(ann)) == 1 else ann
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(part, str):
+            if part not in ann.model_fields:
+                return None
+            ann = ann.model_fields[part].annotation
+        elif get_origin(ann) is list and isinstance(part, int):
+            ann = get_args(ann)[0]
+        elif get_origin(ann) is dict and isinstance(part, str):
+            ann = get_args(ann)[1]
+        else:
+            return None
+    return m[0] if len(m := _members(ann)) == 1 else ann
+
+
+def union_error(errors: list[dict], model: type[BaseModel] | None) -> tuple[str, str] | None:
+    """(param, message) for a request field of ``model`` (the route's body) whose value matched no
+    member of its union type, or None when the first of ``errors`` (pydantic's
+    ``ValidationError.errors()``, ``body`` dropped from the locs) is not about one. Pydantic
+    reports one error per member, each loc holding the member's tag (``prompt.str``,
+    ``prompt.list[int].0``), so the first alone named a member as the field (``param``
+    "stop.str") and one member's complaint as the fault (a list of floats as ``prompt``: "should
+    be a valid string"). The message lists every member's complaint under the field's own path."""
+    if model is None:
+        return None
+    loc0 = errors[0]["loc"]
+    i = next((i for i in range(len(loc0)) if len(_members(_annotation_at(model, loc0[:i]))) > 1), None)
+    if i is None:
+        return None
+    alts: dict[str, dict] = {}
+    for e in errors:
+        if len(e["loc"]) > i and list(e["loc"][:i]) == list(loc0[:i]):
+            alts.setdefault(str(e["loc"][i]), e)
+    param = ".".join(map(str, loc0[:i]))
+    whole = next((e["input"] for e in alts.values() if len(e["loc"]) == i + 1 and "input" in e), None)
+    got = "" if whole is None else f" (got {json.dumps(whole, default=str)[:100]})"
+    parts = [
+        tag + (f" at {'.'.join(map(str, e['loc'][i + 1 :]))}" if len(e["loc"]) > i + 1 else "") + f": {e['msg']}"
+        for tag, e in alts.items()
+    ]
+    return param, f"{param}: matches none of its accepted types{got}: " + "; ".join(parts)
 
 
 class _Body(BaseModel):
