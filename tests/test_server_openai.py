@@ -323,6 +323,24 @@ def test_completions_with_text_and_token_ids(engine_server, tok):
     assert [ch.index for ch in both.choices] == [0, 1, 2, 3]
 
 
+def test_null_for_an_openai_nullable_field_is_its_default(engine_server):
+    """The OpenAI API types n, stream, logprobs, echo as "X or null" (and vLLM takes null for
+    parallel_tool_calls too); clients that send every parameter send null for those left unset.
+    They were a 400 ("stream: Input should be a valid boolean (got null)")."""
+    url = engine_server.url + "/v1"
+    chat = {"model": "tiny-m3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 4}
+    nulls = {"n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None}
+    want = httpx.post(url + "/chat/completions", json=chat, timeout=60).json()
+    got = httpx.post(url + "/chat/completions", json={**chat, **nulls}, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want["choices"]  # one choice, not streamed, no logprobs
+    cmpl = {"model": "tiny-m3", "prompt": "hi", "max_tokens": 3, "seed": 4}
+    want = httpx.post(url + "/completions", json=cmpl, timeout=60).json()
+    got = httpx.post(url + "/completions", json={**cmpl, "n": None, "stream": None, "echo": None}, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want["choices"]
+
+
 @pytest.mark.parametrize("echo", [False, True])
 def test_streamed_completions_return_token_ids_as_the_non_streamed(engine_server, tok, echo):
     """return_token_ids on a streamed completion: each choice's first chunk carries its

@@ -4,7 +4,7 @@ Governing idea: a request is validated completely before anything reaches the en
 rejection names the field (``error.param``) the way the OpenAI API does:
 ``{"error": {"message", "type", "param", "code"}}``. Types are strict (``"2"`` is not an integer,
 ``true`` is not a number); fields the server does not know are ignored, as vLLM and SGLang do, so
-clients may send vendor extras.
+clients may send vendor extras; a null for an OpenAI field typed "X or null" is its default.
 """
 
 from __future__ import annotations
@@ -176,6 +176,12 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def _null_is_default(cls, value, info):
+    """A JSON null for a field the OpenAI API types "X or null" means its default, as OpenAI and
+    vLLM take it (clients that send every parameter send null for those they leave unset)."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by the OpenAI endpoints (OpenAI names; ``top_k`` / ``stop_token_ids``
     / ``logprobs_mode`` / ``return_token_ids`` / ``include_stop_str_in_output`` as vLLM names its
@@ -212,6 +218,8 @@ class SamplingFields(_Body):
     # openai_api.TextStream). The engine's ids hold its tokens either way (/generate returns ids)
     include_stop_str_in_output: bool = False
 
+    _nullable = field_validator("n", "stream", mode="before")(classmethod(_null_is_default))
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -223,6 +231,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     parallel_tool_calls: bool = True
 
+    _nullable_chat = field_validator("logprobs", "parallel_tool_calls", mode="before")(classmethod(_null_is_default))
+
 
 class CompletionRequest(SamplingFields):
     """``echo`` with ``logprobs=k`` returns the prompt tokens' logprobs before the generated ones
@@ -231,6 +241,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+    _nullable_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
     max_tokens: int | None = Field(None, ge=0)
 
 
