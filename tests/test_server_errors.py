@@ -113,6 +113,18 @@ CASES = [
         "sampling_params.prompt_logprobs",
     ),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"text": "hi"}]}]), "messages.0.content"),
+    # a text part's null / number text was written into the prompt as "None" / its digits
+    (
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user", "content": [{"type": "text", "text": None}]}]),
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        "messages.0.content",
+    ),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": list(range(4, 4 + MAX_LEN))}, "prompt"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [5, 99999]}, "prompt"),

@@ -166,9 +166,14 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _parts_have_a_type(cls, content):
+        # a text part's text must be a string: the template would write a null as "None" and a
+        # number as its digits into the prompt (OpenAI's and vLLM's schemas refuse both)
         for i, part in enumerate(content if isinstance(content, list) else []):
             if not isinstance(part.get("type"), str):
                 raise ValueError(f'content part {i} has no "type" (send {{"type": "text", "text": "..."}})')
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                got = json.dumps(part.get("text"), default=str)[:40]
+                raise ValueError(f'content part {i}: a text part\'s "text" must be a string (got {got})')
         return content
 
 
