@@ -32,7 +32,7 @@ def fake_token(seed: int, index: int, pos: int) -> tuple[int, float]:
 class FakeLauncher(Launcher):
     """In-process stand-in for the worker group (no processes; failure paths only). ``run`` steps
     every sample one :func:`fake_token` per lockstep step (stream deltas for streamed requests,
-    aborts, pause) until a stop token or ``max_new_tokens``; the run calls numbered in
+    aborts of the rank's own samples, pause) until a stop token or ``max_new_tokens``; the run calls numbered in
     ``log["fail_runs"]`` (counted over all groups from 1) fail, and so do the first
     ``run_failures``; every start after the first fails while ``start_failures`` lasts; a method
     named in ``log["fail_calls"]`` fails that many times. Each run call's new requests are logged
@@ -62,16 +62,17 @@ class FakeLauncher(Launcher):
     def _run(self, per_rank_args) -> list[dict]:
         outs: list = []
         steps = 0
-        for args in per_rank_args:
+        for rank, args in enumerate(per_rank_args):
             new, steps, aborts, stream = (*args, (), ())[:4]  # generate() sends (new, steps)
             for q in new:
                 self.log["added"].append((self.log["starts"], q.request_id, q.params.n, q.sample_index))
                 for j in range(q.params.n):
                     s = {"req": q, "index": q.sample_index + j, "ids": [], "lps": [], "stream": q.request_id in stream}
-                    self.samples.append(s)
-            for rid in aborts:
-                outs += [self._finished(s, "abort") for s in self.samples if s["req"].request_id == rid]
-                self.samples = [s for s in self.samples if s["req"].request_id != rid]
+                    self.samples.append(s | {"rank": rank})
+            # a rank's engine aborts its own samples only (another rank's abort of an id finds nothing)
+            ended = [s for s in self.samples if s["req"].request_id in aborts and s["rank"] == rank]
+            outs += [self._finished(s, "abort") for s in ended]
+            self.samples = [s for s in self.samples if not any(s is e for e in ended)]
         ran = 0
         while ran < (0 if self.paused else steps) and self.samples:
             ran += 1

@@ -818,6 +818,35 @@ def test_requests_a_rank_gave_up_in_a_repaired_broadcast_update_are_placed_again
     svc.shutdown()
 
 
+def test_an_abort_not_sent_yet_follows_a_request_a_repaired_update_placed_on_another_rank(monkeypatch):
+    # r0 (streamed) on rank 0, r1 on rank 1; the caller aborts r1 before the next step, the prefix
+    # map is reset, and a rejected non-atomic update (repaired by the re-send) makes rank 1 give r1
+    # up. _put_back re-placed r1 on rank 0 (r0, streamed, ended) but left its abort queued for
+    # rank 1, which no longer had it: r1 ran to its end. Now the re-placement is the one helper a
+    # restart uses too (_requeue), which moves the unsent abort with the request.
+    reqs = _fake_requests()[:2]
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_broadcast(monkeypatch, log)
+    weights = [("w", torch.zeros(2))]
+    svc.update_weights(1, weights)
+    svc.add_request(reqs[0], stream=True)
+    svc.add_request(reqs[1])
+    outs = svc.step()
+    assert {s["req"].request_id: s["rank"] for s in svc.launcher.samples} == {"r0": 0, "r1": 1}
+    svc.abort("r1")
+    svc.reset_prefix_cache()
+    log["send_outcomes"].append("partial")
+    with pytest.raises(ValueError, match="rank invalid"):
+        svc.update_weights(2, weights)
+    assert log["received"][1:] == [(2, False, False, "partial"), (1, False, True, "ok")]  # repaired
+    done = [o for o in outs + _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert sorted((o.request_id, o.sample_index, o.finish_reason) for o in done if o.request_id == "r1") == [
+        ("r1", j, "abort") for j in range(3)
+    ]
+    assert all(o.finish_reason == "error" for o in done if o.request_id == "r0")  # streamed: given up
+    svc.shutdown()
+
+
 def _reject_update_over_live_requests(svc, log, outcomes: list[str]) -> tuple[list, list]:
     """Version 1 accepted; r0 and a streamed r1 get their first token; update 2 goes out with the
     fake group's ``outcomes`` ("partial" first: rank 1 half-written, its samples handed back) and

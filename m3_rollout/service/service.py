@@ -494,12 +494,13 @@ class RolloutService(GenerationBackend):
             async for out in outs:
                 yield out
 
-    def _resubmit(self, pending: dict[str, _Pending]) -> list[list[GenerationRequest]]:
+    def _resubmit(self, pending: dict[str, _Pending], load: list[int] | None = None) -> list[list[GenerationRequest]]:
         """New per-rank request lists for the missing samples of `pending` (after a restart; of
         :meth:`generate` and of the step API): the whole request when none of its samples came
         back, else one n=1 request per missing sample with its ``sample_index`` (the keyed sampler
-        repeats its tokens); each keeps its id. Places them afresh (``p.rank`` follows)."""
-        load = [0] * self.world_size
+        repeats its tokens); each keeps its id. Places them afresh (``p.rank`` follows) over
+        ``load`` (samples per rank already running there; None: none)."""
+        load = [0] * self.world_size if load is None else list(load)
         new: list[list[GenerationRequest]] = [[] for _ in range(self.world_size)]
         for iid, p in pending.items():
             req = p.request
@@ -680,12 +681,7 @@ class RolloutService(GenerationBackend):
         )
         if self._weights_lost:
             self._lose(list(self._live), f"{failure}; {self._weights_lost}")
-        for rank, reqs in enumerate(self._resubmit(self._live)):
-            self._to_add[rank] += [(req, self._live[req.request_id].stream) for req in reqs]
-        for rid in sorted(aborting):
-            p = self._live.get(rid)
-            if p is not None:
-                self._to_abort[p.rank].append(rid)
+        self._requeue(list(self._live), aborting)
         return total
 
     def _put_back(self, request_ids: Iterable[str]) -> None:
@@ -698,8 +694,30 @@ class RolloutService(GenerationBackend):
             [rid for rid in ids if self._live[rid].stream],
             "a rollout rank gave up the streamed request when a rejected weight update left it invalid",
         )
-        for rank, reqs in enumerate(self._resubmit({rid: self._live[rid] for rid in ids if rid in self._live})):
-            self._to_add[rank] += [(req, False) for req in reqs]
+        self._requeue(ids)
+
+    def _requeue(self, request_ids: Iterable[str], aborting: Iterable[str] = ()) -> None:
+        """Queue the missing samples of the step API's requests among ``request_ids`` that no rank
+        holds any more (a restart; an invalid rank gave them up) for the next :meth:`step`, each
+        with its stream flag: placed afresh (:meth:`_resubmit`: same ids, same tokens for the same
+        seeds) beside the load of the live requests that stay where they are. Their aborts not sent
+        yet, and those named in ``aborting``, follow them to their new ranks (an abort sent to the
+        old rank would find nothing there, and the request would run on)."""
+        moved = {rid: self._live[rid] for rid in dict.fromkeys(request_ids) if rid in self._live}
+        aborting = set(aborting)
+        for rank, rids in enumerate(self._to_abort):
+            aborting.update(rid for rid in rids if rid in moved)
+            self._to_abort[rank] = [rid for rid in rids if rid not in moved]
+        load = [0] * self.world_size
+        for rid, p in self._live.items():
+            if rid not in moved:
+                load[p.rank] += len(p.missing)
+        for rank, reqs in enumerate(self._resubmit(moved, load)):
+            self._to_add[rank] += [(req, moved[req.request_id].stream) for req in reqs]
+        for rid in sorted(aborting):
+            p = moved.get(rid)
+            if p is not None:
+                self._to_abort[p.rank].append(rid)
 
     def _lose(self, request_ids: Iterable[str], why: str) -> list[str]:
         """End the unfinished step-API requests among ``request_ids``: error records for their
