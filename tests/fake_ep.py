@@ -38,7 +38,8 @@ class FakeLauncher(Launcher):
     named in ``log["fail_calls"]`` fails that many times. Each run call's new requests are logged
     as (group, request id, n, sample_index). Weights: the group starts on the checkpoint's
     (version 0); after ``init_weight_sync`` (a trainer's group joined) ``receive_weights`` applies
-    ``log["trainer_version"]``; outputs carry the version held."""
+    ``log["trainer_version"]`` with the outcome popped from ``log["trainer_outcomes"]`` ("ok" when
+    empty; see :meth:`_receive`); outputs carry the version held."""
 
     def __init__(self, log: dict):
         self.log = log
@@ -126,12 +127,9 @@ class FakeLauncher(Launcher):
             if not self.joined:  # the worker's weight_sync is None
                 raise GroupFailure(method, [0, 1], {0: "AttributeError: 'NoneType' object has no attribute 'update'"})
             if self.log.get("http_trainer"):  # fake_http_trainer: the update FakeSender sends
-                version, include_frozen, replace, outcome = self.log["wire"].get(timeout=30)
-                self.log["received"].append((version, include_frozen, replace, outcome))
-                self.log["trainer_version"] = version
-            self.version = self.log["trainer_version"]
-            result = {"ok": True, "version": self.version, "wrote": True, "valid": True, "errors": []}
-            return [{**result, "seconds": 0.0, "paused_seconds": 0.0, "handed_back": [], "outputs": []}] * 2
+                return self._receive_broadcast()
+            outcomes = self.log.setdefault("trainer_outcomes", [])
+            return self._receive(self.log["trainer_version"], outcomes.pop(0) if outcomes else "ok")
         if method == "run":
             self.log["runs"] += 1
             if self.log["run_failures"] > 0 or self.log["runs"] in self.log["fail_runs"]:
@@ -143,12 +141,16 @@ class FakeLauncher(Launcher):
         raise AssertionError(method)
 
     def _receive_broadcast(self) -> list[dict]:
-        """Every rank's ``receive_weights`` for the update :class:`FakeSender` sends: "ok" applies
-        it; "partial" is rejected after rank 1 wrote part of it (atomic=false): rank 1 turns
-        invalid and hands back its samples (the fake keeps no ranks: all of them); "dies": rank 1
-        fails during it (GroupFailure)."""
+        """Every rank's ``receive_weights`` for the update :class:`FakeSender` sends (:meth:`_receive`)."""
         version, include_frozen, replace, outcome = self.log["wire"].get(timeout=30)
         self.log["received"].append((version, include_frozen, replace, outcome))
+        return self._receive(version, outcome)
+
+    def _receive(self, version: int, outcome: str) -> list[dict]:
+        """Every rank's ``receive_weights`` for update ``version``: "ok" applies it; "partial" is
+        rejected after rank 1 wrote part of it (atomic=false): rank 1 turns invalid and hands back
+        its samples (the fake keeps no ranks: all of them); "dies": rank 1 fails during it
+        (GroupFailure)."""
         if outcome == "dies":
             raise GroupFailure("receive_weights", [1], {1: "RuntimeError: peer died"})
         base = {"seconds": 0.0, "paused_seconds": 0.0, "probe_drift": None, "outputs": [], "handed_back": []}

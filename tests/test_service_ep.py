@@ -663,6 +663,42 @@ def test_weights_received_from_the_trainer_are_not_served_by_a_restarted_group_u
     svc.shutdown()
 
 
+def test_a_received_update_that_left_a_rank_invalid_stops_serving_until_the_trainers_next_update():
+    # receive_weight_update (the trainer's group: nothing to re-send from here) rejected after
+    # rank 1 wrote part of it: the requests it gave up end at once, the others at the next step,
+    # new ones are refused, until the trainer's next update is accepted. The same path as a
+    # rejected update_weights (_after_rejected_update), so the cause names the remedy as theirs do.
+    reqs = _fake_requests()[:2]
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    _join(svc)
+    assert svc.receive_weight_update()["version"] == 1
+    svc.add_request(reqs[0])
+    svc.add_request(reqs[1], stream=True)
+    outs = svc.step()
+    log["trainer_version"], log["trainer_outcomes"] = 2, ["partial"]
+    got = svc.receive_weight_update()
+    assert not got["ok"] and got["version"] == 1 and svc.weight_version == 1
+    assert got["errors"] == ["rank 1: rank 1: update 2 failed after weights were written: rank invalid"]
+    runs = log["runs"]
+    why = (
+        "rollout rank(s) 1 invalid: wrote bytes of a rejected weight update (weight_sync.atomic=false), and this "
+        "process cannot re-send the served version 1 to repair them (the update came over the trainer's "
+        "weight-sync group); the trainer's next accepted update repairs them (receive_weight_update; the "
+        "server's /update_weights)"
+    )
+    done = [o for o in outs + _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert sorted((o.request_id, o.sample_index) for o in done) == [(r, j) for r in ("r0", "r1") for j in range(3)]
+    assert all(o.finish_reason == "error" and o.error == f"{why}; {LOST}" for o in done)
+    with pytest.raises(RolloutFailure) as info:
+        svc.generate(reqs)
+    assert str(info.value) == f"{why}, then resubmit" and log["runs"] == runs  # no forward on rank 1
+    log["trainer_version"] = 3
+    assert svc.receive_weight_update()["ok"] and svc.weight_version == 3
+    outs = svc.generate(reqs)
+    assert len(outs) == 6 and all(o.finish_reason in ("stop", "length") and o.weight_version == 3 for o in outs)
+    svc.shutdown()
+
+
 def test_a_restart_in_sleep_or_wake_up_puts_back_the_requests_not_sent_yet():
     # Requests added (add_request) but not sent yet (no step since) used to be cleared by a restart
     # inside sleep / wake_up without an end: their callers waited forever. Now they go to the

@@ -812,7 +812,8 @@ class RolloutService(GenerationBackend):
         group serving until an update is accepted: that rank's experts are read by every rank's
         forward, so the step API's unfinished requests end with error records (the ones the
         invalid rank gave up at once, the others at the next :meth:`step`) and new ones are
-        refused (:meth:`add_request`), as after a rejected IPC update. An accepted update cannot be
+        refused (:meth:`add_request`), as after a rejected IPC update (one path,
+        :meth:`_after_rejected_update`; nothing is re-sent from here). An accepted update cannot be
         re-applied after a group restart (see :meth:`join_weight_sync`).
         Raises RuntimeError when the running group has not joined a trainer's group (a restart
         since :meth:`join_weight_sync`: join again); GroupFailure when a rank failed (the group is
@@ -835,15 +836,18 @@ class RolloutService(GenerationBackend):
                 self._fail_live(failure)
                 raise
         ok = all(o["ok"] for o in outs)
-        invalid = [str(r) for r, o in enumerate(outs) if not o["valid"]]
         if ok:
             self._serve(max(o["version"] for o in outs), received=True)  # no copy here for a restart
-        elif invalid:
-            self._weights_lost = (
-                f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of a rejected weight update "
-                "(atomic=false); an accepted update repairs them"
+        else:
+            self._handed_back = [req.request_id for o in outs for req in o["handed_back"]]
+            self._after_rejected_update(
+                None,
+                outs,
+                None,
+                f"this process cannot re-send the served version {self._version} to repair them (the update came "
+                "over the trainer's weight-sync group)",
+                "the trainer's next accepted update repairs them (receive_weight_update; the server's /update_weights)",
             )
-            self._lose((req.request_id for o in outs for req in o["handed_back"]), self._weights_lost)
         return {
             "ok": ok,
             "version": self._version,
@@ -909,6 +913,7 @@ class RolloutService(GenerationBackend):
             kept = self._last_weights is not None and not self._served_received
             self._after_rejected_update(
                 int(version),
+                self.last_weight_sync.get("ranks", []),
                 (lambda: self._push_weights(*self._last_weights, replace=True)) if kept else None,
                 f"no copy of the served version {self._version} is kept to re-send",
                 "send a full update (update_weights with every tensor) first",
@@ -923,18 +928,23 @@ class RolloutService(GenerationBackend):
         (a restart cannot re-apply it), else from ``update_weights`` (``_last_weights``)."""
         self._version, self._weights_lost, self._served_received = version, None, received
 
-    def _after_rejected_update(self, version: int, resend, no_copy: str, remedy: str) -> None:
-        """After update ``version`` was rejected (``last_weight_sync`` holds the ranks' verdicts),
-        for either refit: ranks that wrote part of it (weight_sync.atomic=false) are invalid, and
-        every rank's forward reads their experts. ``resend()`` re-sends the served weights
-        (``replace``) to repair them; the requests the invalid ranks gave up are then re-placed
-        (:meth:`_put_back`). A rank failing during the re-send restarts the group on the last good
-        weights (:meth:`_fail_live`: the live requests resubmitted or given error records). With
-        no ``resend`` (``no_copy`` says why) or a rejected re-send, no forward runs until an update
-        is accepted: ``_weights_lost`` names the invalid ranks, the cause and ``remedy``
-        (``generate`` / ``score`` raise RolloutFailure with it), the given-up requests get error
-        records now, the step API's others at the next :meth:`step`. Never raises."""
-        invalid = [str(r) for r, o in enumerate(self.last_weight_sync.get("ranks", [])) if not o["valid"]]
+    def _after_rejected_update(
+        self, version: int | None, verdicts: list[dict], resend, no_copy: str, remedy: str
+    ) -> None:
+        """After update ``version`` was rejected (None: its version is the trainer's, not known
+        here), for every refit (``update_weights``' broadcast or IPC, ``receive_weight_update``):
+        the ranks whose verdict (``verdicts[rank]["valid"]``) says they wrote part of it
+        (atomic=false) are invalid, and every rank's forward reads their experts;
+        ``_handed_back`` names the requests they gave up.
+        ``resend()`` re-sends the served weights (``replace``) to repair them; the given-up
+        requests are then re-placed (:meth:`_put_back`). A rank failing during the re-send
+        restarts the group on the last good weights (:meth:`_fail_live`: the live requests
+        resubmitted or given error records). With no ``resend`` (``no_copy`` says why) or a
+        rejected re-send, no forward runs until an update is accepted: ``_weights_lost`` names the
+        invalid ranks, the cause and ``remedy`` (``generate`` / ``score`` raise RolloutFailure with
+        it), the given-up requests get error records now, the step API's others at the next
+        :meth:`step`. Never raises."""
+        invalid = [str(r) for r, v in enumerate(verdicts) if not v["valid"]]
         handed_back, self._handed_back = self._handed_back, []
         if not invalid:
             return
@@ -950,9 +960,10 @@ class RolloutService(GenerationBackend):
             else:
                 self._put_back(handed_back + self._handed_back)
                 return
+        update = "a rejected weight update" if version is None else f"the rejected update {version}"
         self._weights_lost = (
-            f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of the rejected update {version} "
-            f"(weight_sync.atomic=false), and {no_copy}; {remedy}"
+            f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of {update} (weight_sync.atomic=false), "
+            f"and {no_copy}; {remedy}"
         )
         self._lose(handed_back + self._handed_back, self._weights_lost)
 
@@ -1146,6 +1157,7 @@ class RolloutService(GenerationBackend):
                 # ranks that wrote part of it (weight_sync.atomic=false), as the broadcast refit does
                 self._after_rejected_update(
                     version,
+                    self.last_weight_sync.get("ranks", []),
                     None,
                     f"the trainer's IPC source no longer holds the served version {self._version} to repair them",
                     "call update_weights first",
