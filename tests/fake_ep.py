@@ -106,7 +106,14 @@ class FakeLauncher(Launcher):
             self.paused = method == "pause"
             return [None, None]
         if method in ("sleep", "wake_up"):
-            assert not self.samples, "the engine refuses to sleep with samples unfinished"
+            # a rank's engine refuses (RuntimeError / ValueError), which the launcher reports as any
+            # exception of a worker: a GroupFailure
+            if method == "sleep" and self.samples:
+                text = f"RuntimeError: sleep: {len(self.samples)} samples are unfinished"
+                raise GroupFailure(method, [0, 1], {0: text, 1: text})
+            if method == "sleep" and per_rank_args[0] not in (1, 2):
+                text = f"ValueError: sleep(level={per_rank_args[0]}): level must be 1 or 2"
+                raise GroupFailure(method, [0, 1], {0: text, 1: text})
             self.sleeping = method == "sleep"
             level = per_rank_args[0] if self.sleeping else 0
             return [{"level": level, "seconds": 0.0}] * 2

@@ -699,11 +699,12 @@ def test_a_received_update_that_left_a_rank_invalid_stops_serving_until_the_trai
     svc.shutdown()
 
 
-def test_a_restart_in_sleep_or_wake_up_puts_back_the_requests_not_sent_yet():
-    # Requests added (add_request) but not sent yet (no step since) used to be cleared by a restart
-    # inside sleep / wake_up without an end: their callers waited forever. Now they go to the
-    # restarted group with the next step (a streamed one too: none of its tokens went out) and
-    # complete as without the failure.
+def test_sleep_with_requests_unfinished_is_refused_without_a_restart():
+    # The ranks' engines refuse to sleep with samples unfinished; their refusal reached the service
+    # as a failure of the group, which restarted it (the requests' KV pages dropped, the requests
+    # resubmitted) and then slept. Now the service refuses first, as LLMEngine.sleep does, naming
+    # the samples and the remedy: no restart, and the requests (sent or not) go on as without it.
+    # A bad level is the caller's ValueError too, no longer a failure of the group.
     reqs = _fake_requests()[:3]
     clean, _ = fake_service(run_failures=0, start_failures=0)
     want = _bits(clean.generate(reqs))
@@ -711,9 +712,40 @@ def test_a_restart_in_sleep_or_wake_up_puts_back_the_requests_not_sent_yet():
     svc, log = fake_service(run_failures=0, start_failures=0)
     svc.add_request(reqs[0])
     svc.add_request(reqs[1], stream=True)
+    outs = svc.step()  # each sample has its first token
+    svc.add_request(reqs[2])  # not sent yet: counted too (the engine's waiting requests are)
+    with pytest.raises(RuntimeError) as info:
+        svc.sleep(1)
+    assert str(info.value) == (
+        "sleep: 9 samples of 3 requests are unfinished; finish them (step() until has_unfinished() is false), or "
+        "abort them (abort(request_id); their abort records come out of the next step()) before sleeping"
+    )
+    outs += _steps_until_done(svc)
+    with pytest.raises(ValueError, match=r"sleep\(level=3\): level must be 1"):
+        svc.sleep(3)
+    assert svc.restarts == 0 and log["starts"] == 1 and svc.drain_events() == [] and not svc.launcher.sleeping
+    done = [o for o in outs if isinstance(o, SampleOutput)]
+    assert len(done) == 9 and _bits(done) == want  # bitwise as without the refusals
+    assert svc.sleep(1)["level"] == 1 and svc.launcher.sleeping  # nothing unfinished: it sleeps
+    svc.shutdown()
+
+
+def test_a_restart_in_sleep_or_wake_up_puts_back_the_requests_not_sent_yet():
+    # Requests added (add_request) but not sent yet (no step since) used to be cleared by a restart
+    # inside wake_up without an end: their callers waited forever. Now they go to the restarted
+    # group with the next step (a streamed one too: none of its tokens went out) and complete as
+    # without the failure. (sleep refuses while any request is unfinished, so its restart has
+    # none to put back.)
+    reqs = _fake_requests()[:3]
+    clean, _ = fake_service(run_failures=0, start_failures=0)
+    want = _bits(clean.generate(reqs))
+    clean.shutdown()
+    svc, log = fake_service(run_failures=0, start_failures=0)
     log["fail_calls"]["sleep"] = 1
     assert svc.sleep(1)["level"] == 1  # a rank died in sleep: the group restarts, then sleeps
     assert svc.restarts == 1 and svc.launcher.sleeping
+    svc.add_request(reqs[0])
+    svc.add_request(reqs[1], stream=True)
     svc.add_request(reqs[2])
     log["fail_calls"]["wake_up"] = 1
     svc.wake_up()

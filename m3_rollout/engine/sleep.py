@@ -43,6 +43,14 @@ def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
     storage.resize_(nbytes)
 
 
+def check_sleep_level(level) -> None:
+    """Raises ValueError unless ``level`` is a sleep level: 1 (free the KV cache) or 2 (also move
+    the weights to host memory). Backends that forward ``sleep`` to engines elsewhere (the EP
+    service's workers) check it first, so a bad level is the caller's error there too."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep(level={level!r}): level must be 1 (free the KV cache) or 2 (also weights)")
+
+
 class WakeUpError(RuntimeError):
     """``wake_up`` ran out of memory; the engine stays asleep at its level and may retry."""
 
@@ -185,8 +193,7 @@ class MemoryHandoff:
         call, "seconds": wall time}. Raises ValueError for another level or a storage that cannot
         be released (nothing changed then).
         """
-        if level not in (1, 2):
-            raise ValueError(f"sleep(level={level!r}): level must be 1 (free the KV cache) or 2 (also weights)")
+        check_sleep_level(level)
         t0 = time.perf_counter()
         caches = unique_storages(self.cache_tensors) if self._caches is None else []
         weights = unique_storages(self.weight_tensors()) if level == 2 and self._weights is None else []

@@ -51,6 +51,7 @@ import torch
 
 from m3_rollout.engine.interface import FINISH_ERROR, GenerationBackend, GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.requests import error_outputs
+from m3_rollout.engine.sleep import check_sleep_level
 from m3_rollout.engine.step_driver import StepDriver
 from m3_rollout.model.selection_record import share_segments
 from m3_rollout.parallel.process_group import free_port
@@ -654,7 +655,7 @@ class RolloutService(GenerationBackend):
         one :meth:`generate` uses) and go out with the next :meth:`step`; those in ``aborting`` (or
         with an abort not sent yet) are aborted again there (their abort records come out of it).
         A streamed request not sent yet (its ``add_request`` came after the last :meth:`step`, e.g.
-        a restart in :meth:`sleep`) is resubmitted too, still streamed: none of its tokens left.
+        a restart in :meth:`wake_up`) is resubmitted too, still streamed: none of its tokens left.
         Error records, out of the next :meth:`step`, naming the cause, for: streamed requests
         that were sent (their streamed tokens cannot be taken back); a request that lived through more than
         ``max_restarts`` group failures (as :meth:`generate` gives up); every one when the restart
@@ -1244,9 +1245,26 @@ class RolloutService(GenerationBackend):
     def sleep(self, level: int = 1) -> dict:
         """Every worker's ``LLMEngine.sleep(level)`` (the trainer trains on their device meanwhile).
         Returns {"level", "gb_freed" (GiB, summed over ranks), "seconds" (the slowest rank)}.
-        A lost worker restarts the group, which then sleeps; the step API's requests not sent yet
-        are put back for the next :meth:`step` (:meth:`_call_restarting`). Raises RolloutFailure
-        past ``max_restarts``."""
+        A lost worker restarts the group, which then sleeps (:meth:`_call_restarting`).
+
+        NOTE: refused, as ``LLMEngine.sleep`` refuses, while requests of the step API (and so of
+        ``generate_async`` callers) are unfinished, sent to a rank or not: the ranks' engines would
+        refuse, and a rank's refusal reaches this process as a failure of the group, whose restart
+        would drop the requests' KV pages. Records already out (error, abort records) wait for the
+        next :meth:`step`.
+        Raises:
+            RuntimeError: samples are unfinished (finish them, or abort them, then sleep).
+            ValueError: ``level`` not 1 or 2.
+            RolloutFailure: the group failed more than ``max_restarts`` times in this call.
+        """
+        if self._live:
+            samples = sum(len(p.missing) for p in self._live.values())
+            raise RuntimeError(
+                f"sleep: {samples} samples of {len(self._live)} requests are unfinished; finish them (step() until "
+                "has_unfinished() is false), or abort them (abort(request_id); their abort records come out of "
+                "the next step()) before sleeping"
+            )
+        check_sleep_level(level)
         records = self._call_restarting("sleep", (int(level),))
         self._sleep_level = max(r["level"] for r in records)
         return _merge_records(records)
