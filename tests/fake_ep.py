@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import queue
+import threading
 import types
 
 import m3_rollout.weight_sync
@@ -156,9 +157,9 @@ class FakeLauncher(Launcher):
     def _receive(self, version: int, outcome: str) -> list[dict]:
         """Every rank's ``receive_weights`` for update ``version``: "ok" applies it; "partial" is
         rejected after rank 1 wrote part of it (atomic=false): rank 1 turns invalid and hands back
-        its samples (the fake keeps no ranks: all of them); "dies": rank 1 fails during it
-        (GroupFailure)."""
-        if outcome == "dies":
+        its samples (the fake keeps no ranks: all of them); "dies" / "dies_unseen": rank 1 fails
+        during it (GroupFailure)."""
+        if outcome in ("dies", "dies_unseen"):
             raise GroupFailure("receive_weights", [1], {1: "RuntimeError: peer died"})
         base = {"seconds": 0.0, "paused_seconds": 0.0, "probe_drift": None, "outputs": [], "handed_back": []}
         if outcome == "ok":
@@ -211,7 +212,10 @@ class FakeSender:
     update goes to the group's ``receive_weights`` through ``log["wire"]`` with its outcome,
     popped from ``log["send_outcomes"]`` ("ok" when empty; "partial": rejected after rank 1 wrote
     part of it; "dies": rank 1 fails during it), and any but "ok" raises WeightUpdateError, as the
-    real sender does."""
+    real sender does: at once (gloo sees its peers' connections reset), except for "dies_unseen",
+    where rank 1 fails during it and the send does not see it, as an NCCL send waits for dead
+    peers: it ends when its group is closed (an abort) or after ``log["send_timeout_s"]`` (the
+    collective timeout), and puts which ended it ("closed" / "timed out") on ``log["send_ends"]``."""
 
     def __init__(self, log: dict, named_tensors, channel, *args, probe=None, reference=None):
         self.log, self.named_tensors, self.channel, self.reference = log, named_tensors, channel, reference
@@ -223,6 +227,10 @@ class FakeSender:
     def update(self, version: int, include_frozen: bool = False, replace: bool = False) -> dict:
         outcome = self.log["send_outcomes"].pop(0) if self.log["send_outcomes"] else "ok"
         self.log["wire"].put((version, include_frozen, replace, outcome))
+        if outcome == "dies_unseen":
+            closed = self.channel.group.closed.wait(self.log.get("send_timeout_s", 30.0))
+            self.log["send_ends"].put("closed" if closed else "timed out")
+            raise m3_rollout.weight_sync.WeightUpdateError(f"weight update {version} interrupted: peers gone")
         if outcome != "ok":
             raise m3_rollout.weight_sync.WeightUpdateError(
                 f"rank 1: update {version} failed after weights were written: rank invalid"
@@ -232,10 +240,10 @@ class FakeSender:
 
 class _FakeGroup:
     def __init__(self, *args):
-        pass
+        self.closed = threading.Event()
 
     def close(self) -> None:
-        pass
+        self.closed.set()
 
 
 class _FakeChannel:
@@ -247,9 +255,9 @@ def fake_broadcast(monkeypatch, log: dict, module=m3_rollout.weight_sync) -> Non
     """Patch the trainer end of the broadcast weight-sync group (``RolloutService._push_weights``)
     with :class:`FakeSender`: ``update_weights`` then runs over :class:`FakeLauncher`. Adds to
     ``log``: "send_outcomes" (see FakeSender), "received" ((version, include_frozen, replace,
-    outcome) per update the group received), "wire". ``module``: where the trainer end's names
+    outcome) per update the group received), "wire", "send_ends". ``module``: where the trainer end's names
     are looked up."""
-    log.update(send_outcomes=[], received=[], wire=queue.Queue())
+    log.update(send_outcomes=[], received=[], wire=queue.Queue(), send_ends=queue.Queue())
     monkeypatch.setattr(module, "WeightSyncGroup", _FakeGroup)
     monkeypatch.setattr(module, "BroadcastChannel", _FakeChannel)
     monkeypatch.setattr(module, "WeightSender", lambda *a, **k: FakeSender(log, *a, **k))

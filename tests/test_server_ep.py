@@ -268,6 +268,32 @@ def test_http_backend_joins_again_after_the_servers_ep_group_restarted(monkeypat
     assert not rejoin_needed(refused) and not rejoin_needed(rejected) and not rejoin_needed(ValueError())
 
 
+def test_http_backend_learns_of_a_restart_during_its_update_from_the_answer_not_the_send_timeout(monkeypatch):
+    """An EP rank dies during an update and the trainer's send does not see it (an NCCL send waits
+    for dead peers until the collective timeout, weight_sync_timeout_s: 120 s). The server answers
+    /update_weights as soon as its group restarted (400 weight_sync_not_joined), but HTTPBackend
+    read that answer only after its send ended, so it learned of the restart at the timeout. Now
+    the answer ends the wait: the group hosted here is closed (which stops the send), and the
+    backend joins again and resends at once. The fake send reports what ended it."""
+    tok = tiny_tokenizer()
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    fake_http_trainer(monkeypatch, log)
+    log["send_timeout_s"] = 30.0  # the collective timeout of the fake send
+    srv = LiveServer(served_model(tok, len(tok), MAX_LEN), svc)
+    backend = HTTPBackend(srv.url)
+    weights = [("w", torch.zeros(2))]
+    try:
+        backend.update_weights(1, weights)
+        log["send_outcomes"].append("dies_unseen")
+        backend.update_weights(2, weights)
+        assert log["send_ends"].get(timeout=60) == "closed"  # was "timed out"
+        assert log["received"] == [(1, True, False, "ok"), (2, False, False, "dies_unseen"), (2, True, False, "ok")]
+        assert backend.weight_version == 2 and svc.restarts == 1 and svc.weight_sync_joined
+    finally:
+        backend.shutdown()
+        srv.stop()
+
+
 def _chat_top_logprobs(url: str, stream: bool) -> tuple[list[int], list[int], list[dict]]:
     """A chat completion with ``top_logprobs=3`` (streamed or not): (prompt ids, output ids, the
     logprobs.content entries)."""

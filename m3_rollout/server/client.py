@@ -16,6 +16,7 @@ import base64
 import concurrent.futures
 import dataclasses
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import httpx
@@ -34,7 +35,7 @@ from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
 from .metrics import parse_metrics
-from .protocol import GENERATE_SAMPLING_KEYS, GENERATION_FAILED, WEIGHT_SYNC_NOT_JOINED
+from .protocol import GENERATE_SAMPLING_KEYS, GENERATION_FAILED, WEIGHT_SYNC_NOT_JOINED, WEIGHT_UPDATE_REJECTED
 
 
 class ServerError(RuntimeError):
@@ -62,6 +63,36 @@ def rejoin_needed(exc: BaseException) -> bool:
     400 of code ``weight_sync_not_joined`` (none joined, or its EP group restarted since, so its new
     workers are not in the group): join again (``/init_weight_sync``), then resend the update."""
     return isinstance(exc, ServerError) and exc.status == 400 and exc.error.get("code") == WEIGHT_SYNC_NOT_JOINED
+
+
+def ranks_finished_update(exc: BaseException) -> bool:
+    """Whether ``exc``, the failure of an ``/update_weights`` call, says the server's ranks received
+    the update to its end (a 400 of code ``weight_update_rejected``: they refused it), so the
+    trainer's side of the collective ends too. Any other failure (its EP group restarted during the
+    update: ``weight_sync_not_joined``; a refusal before the update began, e.g. a 409; the server
+    unreachable) means they left it or never entered it."""
+    return isinstance(exc, ServerError) and exc.error.get("code") == WEIGHT_UPDATE_REJECTED
+
+
+def _on_thread(fn: Callable[[], object], name: str) -> concurrent.futures.Future:
+    """Run ``fn()`` on a daemon thread of its own, on the caller's CUDA device, and return its
+    future: a call the caller may stop waiting for (a weight-sync send whose peers are gone) must
+    not hold a pool's worker, nor keep the process from exiting."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 def decode_routed_experts(obj: dict | None) -> np.ndarray | None:
@@ -461,8 +492,11 @@ class HTTPBackend(GenerationBackend):
         receives (``/update_weights``, in_flight "continue"). The server leaves the group when its
         EP worker group restarts: a call that finds it out (``/health``'s ``weight_sync_joined``)
         hosts a new group and has the server join it first, and one whose update the server
-        answers so (:func:`rejoin_needed`: the restart came meanwhile) does that and resends once.
-        The frozen tensors go with every update until the server accepted one (a new group's).
+        answers so (:func:`rejoin_needed`: the restart came meanwhile) does that and resends once;
+        that answer ends the send at once (:meth:`_send`), not the collective timeout. An answer
+        that the server's ranks did not receive the update also leaves the group hosted here: the
+        next call hosts a new one. The frozen tensors go with every update until the server
+        accepted one (a new group's).
         Raises WeightUpdateError / ServerError when the update is rejected (weights unchanged).
         """
         self._tensors = [(n, t.detach()) for n, t in named_tensors]
@@ -497,10 +531,29 @@ class HTTPBackend(GenerationBackend):
         self._sender = sender
 
     def _send(self, version: int) -> None:
-        """One update over the joined group while the server receives it (``/update_weights``)."""
+        """One update over the joined group while the server receives it (``/update_weights``).
+
+        NOTE: the server's answer, not the collective, tells how the update ended, as with the
+        trainers of vLLM / SGLang servers (the update request's answer carries the outcome): the
+        send runs on a thread of its own and this waits for whichever ends first. An answer that
+        the server's ranks did not receive the update to its end (:func:`ranks_finished_update`:
+        its EP group restarted during it, and the restarted workers are not in this group; a
+        refusal before it began) ends the wait at once: the group hosted here is closed (an NCCL
+        send is aborted; the sender's thread ends with its collective) and the server's error is
+        raised. The send would otherwise wait for ranks that are gone until the collective timeout
+        (``weight_sync_timeout_s``), and only then read the answer.
+        Raises ServerError (the server's answer first), WeightUpdateError (the send's), or
+        httpx.HTTPError."""
         received = self.client.start_update_weights(version)
+        frozen_too = not self._frozen_sent
+        sender = self._sender
+        sent = _on_thread(lambda: sender.update(version, include_frozen=frozen_too), "m3-weight-send")
+        concurrent.futures.wait([received, sent], return_when=concurrent.futures.FIRST_COMPLETED)
+        if not sent.done() and received.exception() is not None and not ranks_finished_update(received.exception()):
+            self._leave_weight_sync()  # nobody receives the rest of this send: stop it
+            received.result()
         try:
-            self._sender.update(version, include_frozen=not self._frozen_sent)
+            sent.result()
         finally:
             received.result()
         self._frozen_sent = True

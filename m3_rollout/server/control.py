@@ -18,7 +18,13 @@ from collections.abc import AsyncIterator
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta
 from m3_rollout.engine.requests import aborted_outputs
 
-from .protocol import WEIGHT_SYNC_NOT_JOINED, APIError, InitWeightSyncRequest, UpdateWeightsRequest
+from .protocol import (
+    WEIGHT_SYNC_NOT_JOINED,
+    WEIGHT_UPDATE_REJECTED,
+    APIError,
+    InitWeightSyncRequest,
+    UpdateWeightsRequest,
+)
 from .runner import EngineRunner, RefitRecord, WeightSyncError, WeightSyncNotJoined
 
 DRAIN_POLL_S = 0.005
@@ -274,6 +280,6 @@ class Controller:
                 400,
                 f"weight update rejected; serving version {record.version}:\n  " + "\n  ".join(record.errors),
                 None,
-                code="weight_update_rejected",
+                code=WEIGHT_UPDATE_REJECTED,
             )
         return record

@@ -25,6 +25,9 @@ GENERATION_FAILED = "generation_failed"  # the code of a 503 for an engine error
 # the code of /update_weights' 400 when the server is not in the trainer's weight-sync group (none
 # joined, or its EP group restarted since): call /init_weight_sync, then send the update again
 WEIGHT_SYNC_NOT_JOINED = "weight_sync_not_joined"
+# the code of /update_weights' 400 when the server's ranks received the update to its end and
+# refused it (its weights and version unchanged for an atomic update)
+WEIGHT_UPDATE_REJECTED = "weight_update_rejected"
 
 #: Each ``SamplingParams`` field ``/generate`` takes -> its key in ``sampling_params``
 #: (:class:`GenerateSamplingParams`): what the remote client sends (``client.request_body``) and
