@@ -915,10 +915,14 @@ def test_an_abort_not_sent_yet_follows_a_request_a_repaired_update_placed_on_ano
     svc.shutdown()
 
 
-def _reject_update_over_live_requests(svc, log, outcomes: list[str]) -> tuple[list, list]:
+REJECTED = "rank 1: update 2 failed after weights were written: rank invalid"  # the fake's rejection of update 2
+
+
+def _reject_update_over_live_requests(svc, log, outcomes: list[str]) -> tuple[list, list, str]:
     """Version 1 accepted; r0 and a streamed r1 get their first token; update 2 goes out with the
     fake group's ``outcomes`` ("partial" first: rank 1 half-written, its samples handed back) and
-    raises ValueError. Returns (the outputs so far, the reference tokens of r0 run undisturbed)."""
+    raises ValueError. Returns (the outputs so far, the reference tokens of r0 run undisturbed,
+    the ValueError's message)."""
     reqs = _fake_requests()[:2]
     ref_svc, _ = fake_service(run_failures=0, start_failures=0)
     ref = sorted((o.sample_index, o.output_ids, o.logprobs) for o in ref_svc.generate(reqs[:1]))
@@ -929,9 +933,9 @@ def _reject_update_over_live_requests(svc, log, outcomes: list[str]) -> tuple[li
     svc.add_request(reqs[1], stream=True)
     outs = svc.step()
     log["send_outcomes"] += outcomes
-    with pytest.raises(ValueError, match="rank invalid"):
+    with pytest.raises(ValueError, match="rank invalid") as info:
         svc.update_weights(2, weights)
-    return outs, ref
+    return outs, ref, str(info.value)
 
 
 def _assert_weights_lost(svc, log, outs, why: str, streamed_why: str | None = None) -> None:
@@ -964,9 +968,10 @@ def test_requests_a_rank_gave_up_in_a_rejected_ipc_update_end_with_error_records
     # unfinished forever (the next steps aborted them on a rank that no longer had them). Now they
     # end with error records naming the cause and the remedy, as the broadcast refit's (one path).
     svc, log = fake_ipc_service(monkeypatch, run_failures=0, start_failures=0)
-    outs, _ = _reject_update_over_live_requests(svc, log, ["partial"])
+    outs, _, raised = _reject_update_over_live_requests(svc, log, ["partial"])
     assert log["received"] == [(1, True, False, "ok"), (2, False, False, "partial")]  # nothing re-sent
     why = r"rank\(s\) 1 invalid: wrote bytes of the rejected update 2 .*IPC source no longer holds the served "
+    assert raised.startswith(f"{REJECTED}; rollout ") and re.search(why, raised)  # it says both
     _assert_weights_lost(svc, log, outs, why + r"version 1 .*call update_weights first")
 
 
@@ -976,10 +981,14 @@ def test_a_rejected_repair_re_send_leaves_the_weights_lost_and_ends_the_given_up
     # rank 1 gave up never ended. Now the weights are lost until an update is accepted.
     svc, log = fake_service(run_failures=0, start_failures=0)
     fake_broadcast(monkeypatch, log)
-    outs, _ = _reject_update_over_live_requests(svc, log, ["partial", "partial"])
+    outs, _, raised = _reject_update_over_live_requests(svc, log, ["partial", "partial"])
     assert log["received"][1:] == [(2, False, False, "partial"), (1, False, True, "partial")]
     why = r"rank\(s\) 1 invalid: wrote bytes of the rejected update 2 .*re-send of the served version 1 "
-    _assert_weights_lost(svc, log, outs, why + r"that repairs them was rejected too .*send a full update")
+    why += r"that repairs them was rejected too .*send a full update"
+    # update_weights raised the rejection of update 2 alone, as if the re-send had repaired rank 1;
+    # now it says both, as the refusals from then on do
+    assert raised.startswith(f"{REJECTED}; rollout ") and re.search(why, raised)
+    _assert_weights_lost(svc, log, outs, why)
 
 
 def test_a_rank_lost_in_the_repair_re_send_restarts_the_group_on_the_last_good_weights(monkeypatch):
@@ -989,7 +998,8 @@ def test_a_rank_lost_in_the_repair_re_send_restarts_the_group_on_the_last_good_w
     # request is resubmitted (tokens as undisturbed), the streamed one gets error records.
     svc, log = fake_service(run_failures=0, start_failures=0)
     fake_broadcast(monkeypatch, log)
-    outs, ref = _reject_update_over_live_requests(svc, log, ["partial", "dies"])
+    outs, ref, raised = _reject_update_over_live_requests(svc, log, ["partial", "dies"])
+    assert raised == REJECTED  # repaired by the restart: the rejection alone
     assert log["received"][1:] == [(2, False, False, "partial"), (1, False, True, "dies"), (1, True, False, "ok")]
     assert svc.restarts == 1 and svc.weight_version == 1 and svc.launcher.version == 1
     done = [o for o in outs + _steps_until_done(svc) if isinstance(o, SampleOutput)]
@@ -1001,13 +1011,30 @@ def test_a_rank_lost_in_the_repair_re_send_restarts_the_group_on_the_last_good_w
     svc.shutdown()
 
 
+def test_a_rejected_update_whose_repair_restart_fails_says_both_causes(monkeypatch):
+    # ... and when that restart fails too (max_restarts spent), the group is left stopped and the
+    # live requests end with error records naming it: the ValueError used to name the rejection
+    # alone; now it says the repair failed and why.
+    svc, log = fake_service(run_failures=0, start_failures=5, max_restarts=1)
+    fake_broadcast(monkeypatch, log)
+    outs, _, raised = _reject_update_over_live_requests(svc, log, ["partial", "dies"])
+    assert svc.launcher is None and svc.restarts == 1
+    assert raised.startswith(f"{REJECTED}; the re-send of the served version 1 that repairs rollout rank(s) 1 failed")
+    assert "could not be restarted" in raised and "OSError: disk gone" in raised
+    done = [o for o in outs + _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert sorted((o.request_id, o.sample_index) for o in done) == [(r, j) for r in ("r0", "r1") for j in range(3)]
+    assert all(o.finish_reason == "error" for o in done)
+    svc.shutdown()
+
+
 def test_a_restart_whose_re_sent_weights_are_refused_serves_nothing_until_an_update(monkeypatch):
     # ... and when the restarted group refuses the re-sent version 1 (rank 1 half-written again),
     # the ValueError used to escape the restart: the group was shut down and the requests never
     # ended. Now the restarted group serves nothing until an update is accepted.
     svc, log = fake_service(run_failures=0, start_failures=0)
     fake_broadcast(monkeypatch, log)
-    outs, _ = _reject_update_over_live_requests(svc, log, ["partial", "dies", "partial"])
+    outs, _, raised = _reject_update_over_live_requests(svc, log, ["partial", "dies", "partial"])
     assert log["received"][3:] == [(1, True, False, "partial")] and svc.restarts == 1
     why = r"the restarted rollout workers refused the served version 1 re-sent to them .*call update_weights first"
+    assert raised.startswith(f"{REJECTED}; the restarted ") and re.search(why, raised)
     _assert_weights_lost(svc, log, outs, why, streamed_why="peer died")

@@ -896,8 +896,10 @@ class RolloutService(GenerationBackend):
         (or during the re-send) restarts the group on the last good weights (the step API's
         requests: :meth:`_restart_live`). An accepted update makes the weights served again after
         a restart that could not re-apply them.
-        Raises ValueError naming the rank and tensors / versions of a rejected update;
-        GroupFailure when a rank failed during the update (after the restart).
+        Raises ValueError naming the rank and tensors / versions of a rejected update, and, when
+        ranks it left invalid could not be repaired, why and the remedy (the message ``generate``
+        refuses with from then on); GroupFailure when a rank failed during the update (after the
+        restart).
         """
         if self.refit == "ipc":
             return self._update_ipc(int(version), named_tensors)
@@ -909,17 +911,19 @@ class RolloutService(GenerationBackend):
         except GroupFailure as failure:
             self._restart_live(failure)  # back on the last good weights
             raise
-        except ValueError:
+        except ValueError as rejected:
             # a copy of the served weights to re-send, unless they are the checkpoint's or came from a trainer's group
             kept = self._last_weights is not None and not self._served_received
-            self._after_rejected_update(
+            unrepaired = self._after_rejected_update(
                 int(version),
                 self.last_weight_sync.get("ranks", []),
                 (lambda: self._push_weights(*self._last_weights, replace=True)) if kept else None,
                 f"no copy of the served version {self._version} is kept to re-send",
                 "send a full update (update_weights with every tensor) first",
             )
-            raise
+            if unrepaired is None:
+                raise
+            raise ValueError(f"{rejected}; {unrepaired}") from rejected
         self._last_weights = (int(version), incoming)
         self._serve(int(version), received=False)
 
@@ -931,7 +935,7 @@ class RolloutService(GenerationBackend):
 
     def _after_rejected_update(
         self, version: int | None, verdicts: list[dict], resend, no_copy: str, remedy: str
-    ) -> None:
+    ) -> str | None:
         """After update ``version`` was rejected (None: its version is the trainer's, not known
         here), for every refit (``update_weights``' broadcast or IPC, ``receive_weight_update``):
         the ranks whose verdict (``verdicts[rank]["valid"]``) says they wrote part of it
@@ -939,34 +943,43 @@ class RolloutService(GenerationBackend):
         ``_handed_back`` names the requests they gave up.
         ``resend()`` re-sends the served weights (``replace``) to repair them; the given-up
         requests are then re-placed (:meth:`_put_back`). A rank failing during the re-send
-        restarts the group on the last good weights (:meth:`_fail_live`: the live requests
+        restarts the group on the last good weights (:meth:`_restart_live`: the live requests
         resubmitted or given error records). With no ``resend`` (``no_copy`` says why) or a
         rejected re-send, no forward runs until an update is accepted: ``_weights_lost`` names the
         invalid ranks, the cause and ``remedy`` (``generate`` / ``score`` raise RolloutFailure with
         it), the given-up requests get error records now, the step API's others at the next
-        :meth:`step`. Never raises."""
+        :meth:`step`. Never raises; returns why the ranks do not hold the served weights after it
+        (``_weights_lost``, or the restart after a failed re-send that could not be done), None
+        when they do (nothing invalid, or repaired), for the caller's error to say."""
         invalid = [str(r) for r, v in enumerate(verdicts) if not v["valid"]]
         handed_back, self._handed_back = self._handed_back, []
         if not invalid:
-            return
+            return None
         if resend is not None:
             try:
                 resend()
             except GroupFailure as failure:  # the restart's workers get the last good weights
-                self._fail_live(failure)
-                return
+                try:
+                    self._restart_live(failure)
+                except RolloutFailure as gave_up:  # recorded; the live requests have error records
+                    return (
+                        f"the re-send of the served version {self._version} that repairs rollout rank(s) "
+                        f"{', '.join(invalid)} failed, and the EP group could not be restarted: {gave_up}"
+                    )
+                return self._weights_lost  # set when the restarted workers refused the re-sent weights
             except ValueError as exc:
                 no_copy = f"the re-send of the served version {self._version} that repairs them was rejected too "
                 no_copy += f"({exc})"
             else:
                 self._put_back(handed_back + self._handed_back)
-                return
+                return None
         update = "a rejected weight update" if version is None else f"the rejected update {version}"
         self._weights_lost = (
             f"rollout rank(s) {', '.join(invalid)} invalid: wrote bytes of {update} (weight_sync.atomic=false), "
             f"and {no_copy}; {remedy}"
         )
         self._lose(handed_back + self._handed_back, self._weights_lost)
+        return self._weights_lost
 
     def _call_beside(self, method: str, args: tuple, fn):
         """Run ``launcher.call(method, args)`` in a thread while ``fn()`` runs here (both ends of a
@@ -1133,9 +1146,10 @@ class RolloutService(GenerationBackend):
         unless the trainer withdrew the update before filling it (``IpcRefit.send``), so workers
         restarted before the next accepted update cannot be given the served weights;
         non-atomic ranks that wrote part of it cannot be repaired: ``generate`` refuses, naming
-        this, until an update is accepted, and the requests they gave up get error records,
-        :meth:`_after_rejected_update`). The step API's unfinished requests come through a restart
-        as through any (:meth:`_restart_live`). RuntimeError at sleep level 2 (wake up first)."""
+        this, until an update is accepted, the requests they gave up get error records,
+        :meth:`_after_rejected_update`, and the ValueError says so too). The step API's
+        unfinished requests come through a restart as through any (:meth:`_restart_live`).
+        RuntimeError at sleep level 2 (wake up first)."""
         if self._sleep_level >= 2:
             raise RuntimeError(
                 "update_weights: the rollout workers sleep at level 2 (weights offloaded to host memory); "
@@ -1153,17 +1167,19 @@ class RolloutService(GenerationBackend):
                 break
             except GroupFailure as failure:
                 used = self._restart_live(failure, used=used)
-            except ValueError:
+            except ValueError as rejected:
                 # the source holds the refused update, not the served weights: no re-send repairs
                 # ranks that wrote part of it (weight_sync.atomic=false), as the broadcast refit does
-                self._after_rejected_update(
+                unrepaired = self._after_rejected_update(
                     version,
                     self.last_weight_sync.get("ranks", []),
                     None,
                     f"the trainer's IPC source no longer holds the served version {self._version} to repair them",
                     "call update_weights first",
                 )
-                raise
+                if unrepaired is None:
+                    raise
+                raise ValueError(f"{rejected}; {unrepaired}") from rejected
         self._last_weights = (version, None)
         self._serve(version, received=False)
 
