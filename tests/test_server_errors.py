@@ -146,6 +146,17 @@ CASES = [
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
     ("/v1/completions", {"model": "tiny-m3", "prompt": [1.5, 2.5]}, "prompt"),
     ("/pause", {"mode": "sideways"}, "mode"),
+    # a timeout past the bound (1e308 overflowed a timedelta: a 500; 1e10 held the control plane)
+    (
+        "/init_weight_sync",
+        {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "timeout_s": 1e308},
+        "timeout_s",
+    ),
+    (
+        "/init_weight_sync",
+        {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "timeout_s": 3601},
+        "timeout_s",
+    ),
     ("/abort", {}, "rid"),
 ]
 

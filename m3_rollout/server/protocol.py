@@ -329,6 +329,10 @@ class DetokenizeRequest(_Body):
 
 
 # ---- control plane -----------------------------------------------------------------------------
+#: The longest collective timeout /init_weight_sync takes (seconds): an hour.
+MAX_WEIGHT_SYNC_TIMEOUT_S = 3600.0
+
+
 class InitWeightSyncRequest(_Body):
     """The trainer's weight-sync group: where rank 0 hosts its TCPStore, how many ranks, this
     server's rank, the backend ("gloo" on CPU, "nccl" on GPU)."""
@@ -338,7 +342,9 @@ class InitWeightSyncRequest(_Body):
     world_size: int = Field(ge=2)
     rank_offset: int = Field(1, ge=1)
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(120.0, gt=0.0)
+    # NOTE: bounded: the join holds the control plane for up to timeout_s (a 409 to every other
+    # control call), and 1e308 s overflows the collective's timedelta
+    timeout_s: float = Field(120.0, gt=0.0, le=MAX_WEIGHT_SYNC_TIMEOUT_S)
     bucket_size_mb: float = Field(512.0, gt=0.0)
     atomic: bool = True
 
