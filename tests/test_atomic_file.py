@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from m3_rollout.model import M3ForCausalLM, atomic_file, save_checkpoint, tiny_config
-from m3_rollout.model.atomic_file import fsync_dir, write_atomic
+from m3_rollout.model.atomic_file import fsync_dir, fsync_tree, write_atomic
 
 
 def _fsyncs(monkeypatch) -> list[int]:
@@ -54,6 +54,27 @@ def test_fsync_dir_syncs_a_directory_and_passes_over_what_cannot_be_opened(tmp_p
     fsync_dir(tmp_path)
     fsync_dir(tmp_path / "missing")  # os.open fails: nothing to sync, no error
     assert len(calls) == 1
+
+
+def test_fsync_tree_syncs_every_file_and_then_each_directory_after_its_contents(tmp_path, monkeypatch):
+    real, synced = os.fsync, []
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        real(fd)
+
+    monkeypatch.setattr(atomic_file.os, "fsync", fsync)
+    (tmp_path / "sub").mkdir()
+    for name in ("a.json", "sub/b.bin"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "link").symlink_to(tmp_path / "a.json")  # not followed: a.json is synced once
+    fsync_tree(tmp_path)
+    stats = {p: os.stat(tmp_path / p) for p in ("a.json", "sub/b.bin", "sub", ".")}
+    name = {(st.st_dev, st.st_ino): p for p, st in stats.items()}
+    order = [name.get(i, "?") for i in synced]
+    assert sorted(order) == sorted(stats)
+    assert order.index("sub/b.bin") < order.index("sub") < order.index(".") == len(order) - 1
 
 
 def test_the_checkpoint_and_the_warm_start_progress_write_through_it(tmp_path, monkeypatch):

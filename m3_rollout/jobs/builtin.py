@@ -15,7 +15,9 @@ Cache root: ``$M3_ROLLOUT_CACHE`` or ``~/.cache/m3_rollout``. Beside each checkp
 ``<name>-<key>``: ``<name>-<key>.lock``, held by the process that builds it (``build_lock``: a second
 process waits, then uses the build), and while a build runs ``<name>-<key>.partial``, its saved
 warm-start progress (``m3_trainers.warm_start_progress``): a build stopped midway (Ctrl-C, killed)
-is continued from there by the next one and gives the same checkpoint; a finished build removes it.
+is continued from there by the next one and gives the same checkpoint; a finished build removes it
+once the checkpoint is on the disk (its files, and the rename that puts it in place, fsynced), so a
+power cut at that moment leaves one of the two.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.jobs.build_lock import WaitInterrupted, build_lock
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
+from m3_rollout.model.atomic_file import fsync_dir, fsync_tree
 from m3_rollout.model.configuration import CheckpointError, M3Config, read_config_json
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
@@ -410,13 +413,14 @@ def build_checkpoint(
 ) -> dict:
     """Build a checkpoint directory for ``spec`` (tokenizer, model, optional warm start).
 
-    Written to a temporary directory and renamed, so an interrupted build never looks complete.
+    Written to a temporary directory and renamed, so an interrupted build never looks complete;
+    the directory's files are fsynced before the rename and its parent directory after it.
     The warm start saves its progress into ``partial`` (default :func:`partial_dir` of
     ``out_dir``) after every evaluation and every ``spec.save_progress_every`` SFT steps; a build
     that finds progress there saved for the same cache key and tokenizer goes on from it and
     gives the same checkpoint (bitwise on the CPU) as a build never stopped. The finished build
-    removes ``partial``. The caller keeps two processes from building into the same directories
-    (:func:`resolve_model` holds ``build_lock``).
+    removes ``partial``, only after that last fsync. The caller keeps two processes from building
+    into the same directories (:func:`resolve_model` holds ``build_lock``).
 
     Returns:
         the build report (also saved as build_report.json): seconds, parameters, warm-start
@@ -575,9 +579,13 @@ def build_checkpoint(
         save_tokenizer(tokenizer, tmp, template)
         write_chat_defaults(tmp, BUILTIN_CHAT_DEFAULTS)  # the mode its prompts were rendered in
         (tmp / "build_report.json").write_text(json.dumps(report, indent=1))
+        fsync_tree(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
+        # NOTE: the checkpoint and its rename on the disk before the progress goes: a power cut
+        # between the two must not lose both.
+        fsync_dir(out_dir.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

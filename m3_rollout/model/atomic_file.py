@@ -4,10 +4,13 @@ Governing idea: write under a temporary name beside the target (same directory, 
 filesystem), optionally fsync, then ``os.replace`` onto the target (atomic on POSIX). A write
 stopped midway (an error, a Ctrl-C, a killed process) leaves the target as it was; the temporary
 file is removed unless the process itself dies. For a rename that survives a power cut as well,
-fsync the directory afterwards (:func:`fsync_dir`), once after all the renames of one save.
+fsync the directory afterwards (:func:`fsync_dir`), once after all the renames of one save. A
+directory written whole and then renamed into place (a checkpoint) is made durable the same way:
+:func:`fsync_tree` on it before the rename, :func:`fsync_dir` on its parent after.
 
-It lives in the model layer, the lowest layer both of its users may import: the model's
-checkpoint writer (``loading.save_checkpoint``) and the trainers' warm-start progress store.
+It lives in the model layer, the lowest layer all of its users may import: the model's checkpoint
+writer (``loading.save_checkpoint``), the trainers' warm-start progress store and the builtin
+checkpoint build (``jobs.builtin``). It imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -42,14 +45,34 @@ def write_atomic(
     try:
         write(tmp)
         if fsync:
-            with open(tmp, "rb") as f:  # fsync flushes the file's data whichever descriptor names it
-                os.fsync(f.fileno())
+            _fsync_file(tmp)
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _fsync_file(path: str | os.PathLike) -> None:
+    with open(path, "rb") as f:  # fsync flushes the file's data whichever descriptor names it
+        os.fsync(f.fileno())
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every regular file under the directory ``path``, then every directory (each after its
+    contents, ``path`` last), so the whole tree is on the disk before ``path`` is renamed into
+    place. Symbolic links are not followed.
+
+    Raises:
+        OSError: a file that cannot be opened or fsynced (directories: as :func:`fsync_dir`).
+    """
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            f = os.path.join(root, name)
+            if not os.path.islink(f):
+                _fsync_file(f)
+        fsync_dir(root)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
