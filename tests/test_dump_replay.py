@@ -4,6 +4,7 @@ offline GRPO steps from a dump; the GRPO loop's dump hook and the CLI end to end
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -363,3 +364,29 @@ def test_ctrl_c_during_replay_exits_130_saying_nothing_was_written(dump, monkeyp
         "written only at the end)"
     ], err
     assert not out.exists() and not js.exists()
+
+
+def test_replay_json_is_written_whole_and_fsynced_through_write_atomic(dump, monkeypatch, capsys):
+    """--json was a hand-written temporary file and rename, unsynced: after a power cut the JSON
+    could be empty. It goes through atomic_file.write_atomic now: the file is fsynced before the
+    rename and no temporary file is left beside it."""
+    from m3_rollout.model import atomic_file
+
+    root, _ = dump
+    real, synced = os.fsync, []
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        real(fd)
+
+    monkeypatch.setattr(atomic_file.os, "fsync", fsync)
+    out = root / "out"
+    out.mkdir()
+    (out / "replay.json").write_text("old")
+    args = ["replay", str(root / "dump"), "--checkpoint", str(root / "ckpt"), "--plain"]
+    assert dump_main([*args, "--json", str(out / "replay.json")]) == 0
+    result = json.loads((out / "replay.json").read_text())
+    assert result["checkpoint"] == str(root / "ckpt") and [s["step"] for s in result["rescore"]] == [1]
+    st = os.stat(out / "replay.json")
+    assert synced == [(st.st_dev, st.st_ino)] and os.listdir(out) == ["replay.json"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -93,7 +92,8 @@ def cmd_replay(args) -> int:
 def interrupted_replay(args, saved: list[Path]) -> str:
     """What a replay stopped by Ctrl-C left behind, as the end of the ``interrupted:`` line. It
     writes only at the end, each output whole or not at all: ``--save``'s checkpoint (a temporary
-    directory renamed, removed when stopped) and then ``--json`` (a temporary file renamed)."""
+    directory renamed, removed when stopped) and then ``--json`` (``write_atomic``: a temporary file
+    fsynced and renamed)."""
     if saved:
         unwritten = f"; --json {args.json} was not written" if args.json else ""
         return f"the offline-trained checkpoint {saved[0]} is complete{unwritten}"
@@ -111,6 +111,7 @@ def _replay(args, saved: list[Path]) -> int:
     from m3_rollout.jobs.builtin import check_model_name, resolve_model
     from m3_rollout.jobs.replay import make_scorer
     from m3_rollout.model import load_checkpoint
+    from m3_rollout.model.atomic_file import write_atomic
 
     cfg = _load_cfg(args)
     read = read_dump(args.dir, steps=args.steps)
@@ -154,13 +155,9 @@ def _replay(args, saved: list[Path]) -> int:
     result = {"checkpoint": str(model_dir), "scorer": scorer.name, "rescore": [vars(s) for s in stats]}
     if args.train:
         result["train"] = _train(args, cfg, read, model_dir, schedule[1], saved)
-    if args.json:  # tmp + rename: a stopped write leaves no partial JSON
-        tmp = Path(args.json).with_name(f".{Path(args.json).name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(result, indent=1))
-            os.replace(tmp, args.json)
-        finally:
-            tmp.unlink(missing_ok=True)
+    if args.json:  # a stopped write (or a power cut) leaves no partial JSON
+        text = json.dumps(result, indent=1)
+        write_atomic(args.json, lambda p: Path(p).write_text(text))
     return 0
 
 
