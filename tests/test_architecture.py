@@ -43,7 +43,13 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     (
         "dump",
         "m3_rollout.dump",
-        ("m3_rollout.rollout", "m3_rollout.chat", "m3_rollout.config", "m3_rollout.model.selection_record"),
+        (
+            "m3_rollout.rollout",
+            "m3_rollout.chat",
+            "m3_rollout.config",
+            "m3_rollout.model.selection_record",
+            "m3_rollout.model.atomic_file",  # the durable file write; it imports nothing of the project
+        ),
     ),
     (
         "server",
@@ -229,6 +235,15 @@ def test_model_is_plain_pytorch():
                 assert not any(m.split(".")[0] in ("triton", "m3_kernels") for m in mods), (path, node.lineno)
 
 
+def test_the_model_modules_dump_may_import_import_nothing_of_the_project():
+    """dump may import these model modules only because they stand alone: one that imported the
+    rest of the model layer would bring it into dump."""
+    (dump_layer,) = [layer for layer in LAYERS if layer[0] == "dump"]
+    for module in (m for m in dump_layer[2] if _matches(m, "m3_rollout.model")):
+        path = ROOT / PACKAGE_DIRS["m3_rollout"] / Path(*module.split(".")[1:]).with_suffix(".py")
+        assert project_imports(path) == [], module
+
+
 @pytest.mark.parametrize(
     "importer, target, ok",
     [
@@ -241,6 +256,8 @@ def test_model_is_plain_pytorch():
         ("m3_rollout.rollout.group_rollout", "m3_rollout.engine.engine", False),
         ("m3_rollout.jobs.grpo", "m3_trainers.policy", True),
         ("m3_rollout.dump.writer", "m3_trainers.advantages", False),
+        ("m3_rollout.dump.writer", "m3_rollout.model.atomic_file", True),
+        ("m3_rollout.dump.writer", "m3_rollout.model.loading", False),
     ],
 )
 def test_the_rule_itself(importer, target, ok):

@@ -109,3 +109,26 @@ def _state():
         eval_seconds=0.5, model={"w": torch.ones(3)}, optimizer={"state": {}, "param_groups": []},
         scheduler={"last_epoch": 1}, data_rng=(3, (1, 2), None), torch_rng=torch.get_rng_state(),
     )  # fmt: skip
+
+
+def test_the_dump_writer_syncs_its_directory_through_it(tmp_path, monkeypatch):
+    # After each shard's rename and after retention deletes shards: fsync_dir of the dump directory
+    # (the writer's own copy of it is gone; its shard writes keep their own temporary names, which
+    # the next writer's clean-up of killed writers' files recognises).
+    from test_dump import _write
+
+    from m3_rollout.dump import RetentionPolicy, writer
+
+    real_replace, events = os.replace, []
+    monkeypatch.setattr(writer, "fsync_dir", lambda d: events.append(("fsync_dir", d)))
+    monkeypatch.setattr(
+        writer.os, "replace", lambda a, b: (real_replace(a, b), events.append(("replace", os.path.basename(b))))
+    )
+    _write(tmp_path, 1)
+    _write(tmp_path, 2, retention=RetentionPolicy(keep_last_n_steps=1))
+    shard = "step_{:08d}.parquet".format
+    assert events == [
+        ("replace", shard(1)), ("fsync_dir", tmp_path),
+        ("replace", shard(2)), ("fsync_dir", tmp_path), ("fsync_dir", tmp_path),  # step 1 deleted
+    ]  # fmt: skip
+    assert os.listdir(tmp_path) == [shard(2)]

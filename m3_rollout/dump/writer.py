@@ -22,23 +22,13 @@ import pyarrow.parquet as pq
 
 from m3_rollout.dump import schema as S
 from m3_rollout.dump.records import StepContext, dumps, table_from_trajectories
+from m3_rollout.model.atomic_file import fsync_dir
 from m3_rollout.rollout.trajectory import Trajectory
 
 #: Parquet writer settings. Routed experts are already zstd-compressed per row.
 ZSTD_LEVEL = 3
 # routed_experts and block_selection are compressed per row already (zstd)
 _COMPRESSION = {name: ("none" if name in ("routed_experts", "block_selection") else "zstd") for name in S.COLUMN_NAMES}
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -168,6 +158,8 @@ class RolloutDumpWriter:
             S.META_ABSENT: json.dumps(absent),
         }
         table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in meta.items()})
+        # NOTE: not atomic_file.write_atomic: the temporary name must be S.tmp_name's (with the pid
+        # last), which _remove_stale_tmp recognises as a killed writer's file.
         tmp = self.dir / S.tmp_name(step, os.getpid())
         try:
             self._write_parquet(table, tmp)
@@ -177,7 +169,7 @@ class RolloutDumpWriter:
         finally:
             if tmp.exists():
                 tmp.unlink()
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self.apply_retention()
         return final
 
@@ -207,7 +199,7 @@ class RolloutDumpWriter:
         for f in doomed:
             f.unlink(missing_ok=True)
         if doomed:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         return doomed
 
 
