@@ -143,6 +143,9 @@ class FakeLauncher(Launcher):
             if self.log["run_failures"] > 0 or self.log["runs"] in self.log["fail_runs"]:
                 self.log["run_failures"] = max(0, self.log["run_failures"] - 1)
                 raise GroupFailure("run", [0], {0: "RuntimeError: peer died"})
+            if self.sleeping and any(args[0] for args in per_rank_args):  # the ranks' engines refuse
+                text = "RuntimeError: engine is asleep (level 1): call wake_up() before you add a request"
+                raise GroupFailure("run", [0, 1], {0: text, 1: text})
             return self._run(per_rank_args)
         if method == "shutdown":
             raise GroupFailure("shutdown", [0], {0: "group broken"})

@@ -730,12 +730,37 @@ def test_sleep_with_requests_unfinished_is_refused_without_a_restart():
     svc.shutdown()
 
 
-def test_a_restart_in_sleep_or_wake_up_puts_back_the_requests_not_sent_yet():
-    # Requests added (add_request) but not sent yet (no step since) used to be cleared by a restart
-    # inside wake_up without an end: their callers waited forever. Now they go to the restarted
-    # group with the next step (a streamed one too: none of its tokens went out) and complete as
-    # without the failure. (sleep refuses while any request is unfinished, so its restart has
-    # none to put back.)
+def test_add_request_while_the_workers_sleep_is_refused_without_a_restart():
+    # add_request placed a request while the workers slept; the next step sent it to the sleeping
+    # ranks, whose engines refused it, and that refusal reached the service as a failure of the
+    # group: a restart, which woke the group up behind the trainer's back. Now the service
+    # refuses first, as LLMEngine.add_request does, naming the remedy: nothing is placed, the
+    # group keeps sleeping, and after wake_up the requests complete as without the refusal.
+    reqs = _fake_requests()[:2]
+    clean, _ = fake_service(run_failures=0, start_failures=0)
+    want = _bits(clean.generate(reqs))
+    clean.shutdown()
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    assert svc.sleep(2)["level"] == 2
+    for stream in (False, True):
+        with pytest.raises(RuntimeError) as info:
+            svc.add_request(reqs[0], stream=stream)
+        assert str(info.value) == "the rollout workers sleep (level 2): call wake_up() before you add a request"
+    assert not svc.has_unfinished() and svc.step() == []
+    assert svc.restarts == 0 and log["starts"] == 1 and log["added"] == [] and svc.launcher.sleeping
+    assert svc.drain_events() == []
+    svc.wake_up()
+    for req in reqs:
+        svc.add_request(req)
+    done = [o for o in _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert len(done) == 6 and _bits(done) == want and svc.restarts == 0
+    svc.shutdown()
+
+
+def test_a_restart_in_sleep_or_wake_up_leaves_the_group_as_asked_and_requests_complete():
+    # A rank lost in sleep restarts the group, which then sleeps (add_request is refused there);
+    # one lost in wake_up restarts it awake. (sleep refuses while any request is unfinished and
+    # add_request while the workers sleep, so neither restart has requests to put back.)
     reqs = _fake_requests()[:3]
     clean, _ = fake_service(run_failures=0, start_failures=0)
     want = _bits(clean.generate(reqs))
@@ -744,12 +769,14 @@ def test_a_restart_in_sleep_or_wake_up_puts_back_the_requests_not_sent_yet():
     log["fail_calls"]["sleep"] = 1
     assert svc.sleep(1)["level"] == 1  # a rank died in sleep: the group restarts, then sleeps
     assert svc.restarts == 1 and svc.launcher.sleeping
-    svc.add_request(reqs[0])
-    svc.add_request(reqs[1], stream=True)
-    svc.add_request(reqs[2])
+    with pytest.raises(RuntimeError, match=r"call wake_up\(\) before you add a request"):
+        svc.add_request(reqs[0])
     log["fail_calls"]["wake_up"] = 1
     svc.wake_up()
     assert svc.restarts == 2 and not svc.launcher.sleeping
+    svc.add_request(reqs[0])
+    svc.add_request(reqs[1], stream=True)
+    svc.add_request(reqs[2])
     outs = _steps_until_done(svc)
     done = [o for o in outs if isinstance(o, SampleOutput)]
     assert len(done) == 9 and _bits(done) == want  # bitwise as without the failures

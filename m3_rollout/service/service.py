@@ -534,7 +534,11 @@ class RolloutService(GenerationBackend):
         (:meth:`_check_weights_served`: after a rejected non-atomic update, or a restart that could not
         re-apply the served weights: the IPC source no longer held them, or they were received from
         a trainer's group), since an EP forward would read an invalid rank's experts or run old
-        weights under the served version."""
+        weights under the served version.
+        Raises RuntimeError while the workers sleep (:meth:`_check_awake`; wake_up first), as
+        ``LLMEngine.add_request`` does: placed anyway, the next step would fail on the sleeping
+        ranks and restart the group awake; ValueError for an id still unfinished."""
+        self._check_awake("add a request")
         if req.request_id in self._live:
             raise ValueError(f"request_id={req.request_id!r}: a request with this id is still unfinished")
         if self.launcher is None:
@@ -655,7 +659,7 @@ class RolloutService(GenerationBackend):
         one :meth:`generate` uses) and go out with the next :meth:`step`; those in ``aborting`` (or
         with an abort not sent yet) are aborted again there (their abort records come out of it).
         A streamed request not sent yet (its ``add_request`` came after the last :meth:`step`, e.g.
-        a restart in :meth:`wake_up`) is resubmitted too, still streamed: none of its tokens left.
+        a restart in a weight update) is resubmitted too, still streamed: none of its tokens left.
         Error records, out of the next :meth:`step`, naming the cause, for: streamed requests
         that were sent (their streamed tokens cannot be taken back); a request that lived through more than
         ``max_restarts`` group failures (as :meth:`generate` gives up); every one when the restart
