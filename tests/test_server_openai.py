@@ -4,6 +4,7 @@ that concatenate to the non-streamed answer, logprobs, completions. Tool-call ou
 (a random tiny model does not emit calls); everything else runs on the real engine."""
 
 import json
+import re
 
 import httpx
 import openai
@@ -321,6 +322,11 @@ def test_completions_with_text_and_token_ids(engine_server, tok):
     assert streamed == by_ids.choices[0].text
     both = c.completions.create(model="tiny-m3", prompt=[ids, ids[:3]], max_tokens=4, seed=5, n=2)
     assert [ch.index for ch in both.choices] == [0, 1, 2, 3]
+    # one id per response, the request's own (it carried the first prompt's internal "-0" suffix)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", both.id), both.id
+    chunks = list(c.completions.create(model="tiny-m3", prompt=[ids, ids[:3]], max_tokens=4, seed=5, stream=True))
+    assert {ch.choices[0].index for ch in chunks} == {0, 1}
+    assert len({ch.id for ch in chunks}) == 1 and re.fullmatch(r"cmpl-[0-9a-f]{32}", chunks[0].id), chunks[0].id
 
 
 def test_null_for_an_openai_nullable_field_is_its_default(engine_server):

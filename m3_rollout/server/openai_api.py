@@ -738,6 +738,15 @@ def prompt_is_stale(out_ids: list[int], writes: list[int], served_writes: int) -
     return bool(out_ids) and (not writes or writes[0] != served_writes)
 
 
+def completion_id(reqs: list[GenerationRequest]) -> str:
+    """The ``id`` of a /v1/completions response (and of each of its chunks) for the engine
+    requests ``OpenAIServing.prepare_completion`` built: the request's own ``cmpl-...`` id, one
+    per response as OpenAI's and vLLM's. With several prompts each engine request carries it with
+    a ``-{j}`` suffix (prompt j): those ids are internal (the engine's, the runner's)."""
+    rid = reqs[0].request_id
+    return rid if len(reqs) == 1 else rid.rsplit("-", 1)[0]
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -1255,6 +1264,7 @@ class OpenAIServing:
             else:
                 check_prompt_length(self.served, len(ids), "prompt")
                 params = sampling_params(self.served, req, len(ids), req.max_tokens or 16)
+            # one engine request per prompt; the response's id stays rid (completion_id)
             reqs.append(GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{j}", ids, params))
         return reqs
 
@@ -1429,7 +1439,7 @@ class OpenAIServing:
                 all_outs.append(out)
         completion = sum(len(o.output_ids) for o in all_outs)
         return {
-            "id": reqs[0].request_id,
+            "id": completion_id(reqs),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.served.name,
@@ -1476,7 +1486,7 @@ class OpenAIServing:
                     c["prompt_token_ids"], unsent[i] = list(greq.prompt_ids), False
                 return _sse(
                     {
-                        "id": reqs[0].request_id,
+                        "id": completion_id(reqs),
                         "object": "text_completion",
                         "created": created,
                         "model": self.served.name,
@@ -1529,7 +1539,7 @@ class OpenAIServing:
             }
             yield _sse(
                 {
-                    "id": reqs[0].request_id,
+                    "id": completion_id(reqs),
                     "object": "text_completion",
                     "created": created,
                     "model": self.served.name,
