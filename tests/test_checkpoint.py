@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from durability import assert_durably_renamed, record_fsyncs_and_renames  # tests/ on sys.path
 
 from m3_rollout.model import M3ForCausalLM, load_checkpoint, tiny_config
 from m3_trainers.batch import TrainBatch
@@ -65,6 +66,22 @@ def test_layout_and_loaders_agree(tmp_path):
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
     assert (theirs - want).abs().max().item() < 1e-4
+
+
+def test_a_saved_checkpoint_is_on_the_disk_when_save_returns(tmp_path, monkeypatch):
+    # The save renamed its temporary directory into place unsynced (the optimizer state, the
+    # training state and training_info.json never fsynced): a power cut could leave a step_N
+    # that looks complete but is not. Now the whole tree is fsynced before the rename, the parent
+    # directory after it.
+    policy = _policy()
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text("{}")
+    events = record_fsyncs_and_renames(monkeypatch)
+    path = CheckpointManager(tmp_path / "ckpt").save(2, policy, tok_dir, {"next_batch": 3}, {"reward": 0.5})
+    assert path.name == "step_2" and (path / "policy" / "tokenizer.json").is_file()
+    assert {p.name for p in path.iterdir()} >= {"policy", "optimizer.pt", "training_state.pt", "training_info.json"}
+    assert_durably_renamed(events, path)
 
 
 def test_optimizer_and_rng_state_round_trip(tmp_path):

@@ -608,6 +608,31 @@ def test_save_final_stopped_by_ctrl_c_leaves_no_temporary_directory(tmp_path, mo
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_save_final_and_the_export_are_on_the_disk_when_they_return(tmp_path, monkeypatch):
+    # Both wrote a temporary directory and renamed it into place unsynced: a power cut could leave
+    # a step_N / --out directory that looks complete but is not (the tokenizer files copied in,
+    # never fsynced). Now the whole tree is fsynced before the rename, the parent after it.
+    from types import SimpleNamespace
+
+    from durability import assert_durably_renamed, record_fsyncs_and_renames  # tests/ on sys.path
+
+    from m3_rollout.jobs import export
+    from m3_rollout.model import M3ForCausalLM, tiny_config
+
+    src = _tiny_checkpoint(tmp_path / "src")
+    (src / "tokenizer.json").write_text("{}")
+    events = record_fsyncs_and_renames(monkeypatch)
+    final = grpo.save_final(SimpleNamespace(model=M3ForCausalLM(tiny_config())), src, tmp_path / "out", 3)
+    assert (final / "tokenizer.json").is_file()
+    assert_durably_renamed(events, final)
+    out = tmp_path / "exported" / "out"
+    for _ in range(2):  # a new --out, then over the earlier export
+        events.clear()
+        export.export_checkpoint(src, out)
+        assert (out / "tokenizer.json").is_file()
+        assert_durably_renamed(events, out)
+
+
 def test_a_refit_the_rollout_rejects_ends_the_run_with_exit_1_and_no_traceback(cache, capsys):
     # A probe threshold no real update meets: the first refit (the trainer's step-0 weights) is
     # rejected. The job used to die with the backend's ValueError traceback; now one error naming

@@ -1,7 +1,8 @@
 """Training checkpoints: the policy in the released layout plus everything needed to resume.
 
-Governing idea: a checkpoint directory is written under a temporary name and renamed, so a
-directory named ``step_{k}`` is always complete; resuming from it continues exactly where the
+Governing idea: a checkpoint directory is written under a temporary name, fsynced and renamed
+(the parent fsynced after it: ``m3_rollout.model.atomic_file``), so a directory named ``step_{k}``
+is always complete, a power cut included; resuming from it continues exactly where the
 run stopped (same weights, optimizer moments, LR-schedule position, data position and RNG).
 
 Layout (NeMo RL-like)::
@@ -34,6 +35,7 @@ import torch
 
 from m3_rollout.chat.template import CHAT_DEFAULTS_FILE, write_chat_defaults
 from m3_rollout.model import save_checkpoint
+from m3_rollout.model.atomic_file import fsync_dir, fsync_tree
 from m3_rollout.model.loading import INDEX_FILE, SINGLE_FILE, load_named_tensors
 
 TOKENIZER_FILES = (
@@ -158,12 +160,14 @@ class CheckpointManager:
             )
             clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
             (tmp / "training_info.json").write_text(json.dumps({"step": step, "metrics": clean}, indent=1))
+            fsync_tree(tmp)  # on the disk before the rename makes it look complete
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        fsync_dir(self.root)  # the rename (and the removal of an earlier step_N)
         self.prune()
         return final
 

@@ -22,7 +22,8 @@ by default. transformers does not read that file: the command prints the kwargs 
 ``--out`` is new, empty, or an earlier export (it holds only files an export writes; anything else
 is refused, since the export replaces the directory whole). The export is written into a new
 directory beside ``--out`` and renamed into its place at the end, so ``--out`` holds either what
-it held before or the whole new export, never a mix. Exit status 2 for a bad argument or an
+it held before or the whole new export, never a mix (the export is fsynced before the rename and
+the parent directory after it, so a power cut keeps that too). Exit status 2 for a bad argument or an
 unusable checkpoint, naming it; 130 for a Ctrl-C, with one line saying whether ``--out`` was
 changed.
 """
@@ -47,6 +48,7 @@ from m3_rollout.chat.template import (
     write_chat_defaults,
 )
 from m3_rollout.config import ConfigError
+from m3_rollout.model.atomic_file import fsync_dir, fsync_tree
 from m3_rollout.model.loading import (
     CONFIG_NAME,
     INDEX_FILE,
@@ -87,7 +89,8 @@ def export_checkpoint(
     ``SIDE_FILES`` are copied as they are; ``chat_defaults`` (when given) is written as
     ``CHAT_DEFAULTS_FILE`` where the source has none. Everything is written into a new directory
     beside ``out_dir`` that then replaces it (``replace_dir``): stopped or failed at any point
-    before that (a Ctrl-C, a full disk), ``out_dir`` keeps what it held. Returns the sorted file
+    before that (a Ctrl-C, a full disk), ``out_dir`` keeps what it held. The new directory's
+    files and directories are fsynced before the rename, the parent directory after it. Returns the sorted file
     names in ``out_dir`` afterwards.
 
     Raises:
@@ -115,7 +118,9 @@ def export_checkpoint(
             write_chat_defaults(staging, chat_defaults)
         if target.is_dir():
             shutil.copymode(target, staging)
+        fsync_tree(staging)  # on the disk before the rename puts it in place
         replace_dir(staging, target)
+        fsync_dir(target.parent)  # the rename (and the removal of the earlier export)
     finally:
         if staging.exists():  # not renamed into place: nothing of the export is kept
             shutil.rmtree(staging)

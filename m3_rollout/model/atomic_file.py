@@ -9,9 +9,10 @@ directory written whole and then renamed into place (a checkpoint) is made durab
 :func:`fsync_tree` on it before the rename, :func:`fsync_dir` on its parent after.
 
 It lives in the model layer, the lowest layer all of its users may import: the model's checkpoint
-writer (``loading.save_checkpoint``), the trainers' warm-start progress store, the rollout-dump
-writer (which may import this module and ``selection_record`` only of the model layer) and the
-jobs (the builtin checkpoint build, the dump command's ``--json``). It imports nothing of the
+writer (``loading.save_checkpoint``), the trainers' warm-start progress store and training
+checkpoints, the rollout-dump writer (which may import this module and ``selection_record`` only
+of the model layer) and the jobs (the builtin checkpoint build, the GRPO job's final save, the
+export, the dump command's ``--json``). It imports nothing of the
 project, and must not: the dump layer's allowance rests on that.
 """
 
