@@ -14,10 +14,25 @@ def inode(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def record_fsyncs(monkeypatch) -> list[tuple[int, int]]:
+    """Patch ``os.fsync`` to record the (device, inode) of each descriptor it syncs, in order (the
+    sync still runs). Returns the list they are appended to."""
+    synced: list[tuple[int, int]] = []
+    real = os.fsync
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
 def record_fsyncs_and_renames(monkeypatch) -> list[tuple[str, object]]:
     """Patch ``os.fsync`` and ``os.rename`` (``Path.rename`` calls it) to record, in order,
     ("fsync", (device, inode) of the descriptor) and ("rename", Path(destination)); both still
-    run. Returns the list the events are appended to."""
+    run. Returns the list the events are appended to (a test may append events of its own)."""
     events: list[tuple[str, object]] = []
     real_fsync, real_rename = os.fsync, os.rename
 

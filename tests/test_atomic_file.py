@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from durability import record_fsyncs  # tests/ on sys.path
 
 from m3_rollout.model import M3ForCausalLM, atomic_file, save_checkpoint, tiny_config
 from m3_rollout.model.atomic_file import fsync_dir, fsync_tree, write_atomic
@@ -57,14 +58,7 @@ def test_fsync_dir_syncs_a_directory_and_passes_over_what_cannot_be_opened(tmp_p
 
 
 def test_fsync_tree_syncs_every_file_and_then_each_directory_after_its_contents(tmp_path, monkeypatch):
-    real, synced = os.fsync, []
-
-    def fsync(fd):
-        st = os.fstat(fd)
-        synced.append((st.st_dev, st.st_ino))
-        real(fd)
-
-    monkeypatch.setattr(atomic_file.os, "fsync", fsync)
+    synced = record_fsyncs(monkeypatch)
     (tmp_path / "sub").mkdir()
     for name in ("a.json", "sub/b.bin"):
         (tmp_path / name).write_bytes(b"x")

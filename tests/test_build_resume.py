@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from durability import inode, record_fsyncs_and_renames  # tests/ on sys.path
 from test_warm_start import _chat  # the tokenizer, task and environment of the warm-start tests
 
 from m3_rollout.jobs import build_lock as build_lock_mod
@@ -276,11 +277,6 @@ def test_ctrl_c_keeps_the_build_progress_and_the_next_run_continues_to_the_same_
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [out_dir.name, out_dir.name + ".lock"]
 
 
-def _inode(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
 def test_the_finished_checkpoint_is_on_the_disk_before_its_progress_is_removed(tmp_path, monkeypatch):
     """The build renamed its checkpoint into place unsynced and then removed the warm-start
     progress: a power cut right then could lose both. Now every file of the checkpoint and its
@@ -288,19 +284,8 @@ def test_the_finished_checkpoint_is_on_the_disk_before_its_progress_is_removed(t
     progress removed."""
     spec = _tiny_build_spec()
     spec = dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, max_steps=2, eval_every=2))
-    # (event, what): "fsync" the (device, inode) of the descriptor; a file keeps its inode when renamed.
-    events: list[tuple[str, object]] = []
-    real_fsync, real_rename, real_save = os.fsync, os.rename, builtin.save_checkpoint
-    real_remove = ws_progress.ProgressStore.remove
-
-    def fsync(fd):
-        st = os.fstat(fd)
-        events.append(("fsync", (st.st_dev, st.st_ino)))
-        real_fsync(fd)
-
-    def rename(src, dst, *args, **kw):
-        real_rename(src, dst, *args, **kw)
-        events.append(("rename", Path(dst)))
+    events = record_fsyncs_and_renames(monkeypatch)  # ("fsync", (device, inode)), ("rename", dst)
+    real_save, real_remove = builtin.save_checkpoint, ws_progress.ProgressStore.remove
 
     def save(*args, **kw):
         events.append(("save", None))  # the checkpoint's writing begins: the progress saves are over
@@ -310,8 +295,6 @@ def test_the_finished_checkpoint_is_on_the_disk_before_its_progress_is_removed(t
         events.append(("remove", (store.dir, (store.dir / MANIFEST).is_file())))
         real_remove(store)
 
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(builtin, "save_checkpoint", save)
     monkeypatch.setattr(ws_progress.ProgressStore, "remove", remove)
     out = tmp_path / "cache" / "tiny-calculator-test"
@@ -325,9 +308,9 @@ def test_the_finished_checkpoint_is_on_the_disk_before_its_progress_is_removed(t
     before = {what for e, what in events[i_save:i_rename] if e == "fsync"}
     files = sorted(out.iterdir())
     assert {p.name for p in files} >= {"config.json", "model.safetensors", "tokenizer.json", "build_report.json"}
-    assert [p.name for p in files if _inode(p) not in before] == []
-    assert _inode(out) in before  # its names
-    assert ("fsync", _inode(out.parent)) in events[i_rename:i_remove]  # the rename
+    assert [p.name for p in files if inode(p) not in before] == []
+    assert inode(out) in before  # its names
+    assert ("fsync", inode(out.parent)) in events[i_rename:i_remove]  # the rename
 
 
 # ---------------------------------------------------------------------------------------------

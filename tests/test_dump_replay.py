@@ -370,17 +370,10 @@ def test_replay_json_is_written_whole_and_fsynced_through_write_atomic(dump, mon
     """--json was a hand-written temporary file and rename, unsynced: after a power cut the JSON
     could be empty. It goes through atomic_file.write_atomic now: the file is fsynced before the
     rename and no temporary file is left beside it."""
-    from m3_rollout.model import atomic_file
+    from durability import record_fsyncs  # tests/ on sys.path
 
     root, _ = dump
-    real, synced = os.fsync, []
-
-    def fsync(fd):
-        st = os.fstat(fd)
-        synced.append((st.st_dev, st.st_ino))
-        real(fd)
-
-    monkeypatch.setattr(atomic_file.os, "fsync", fsync)
+    synced = record_fsyncs(monkeypatch)
     out = root / "out"
     out.mkdir()
     (out / "replay.json").write_text("old")

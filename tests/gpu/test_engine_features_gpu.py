@@ -20,7 +20,6 @@ The helpers take the model (any device) so the same checks run on a small CPU mo
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CPU tests' helpers
 
 from test_engine_async import _drive  # noqa: E402  run requests to the end, pages freed
+from test_engine_gpu import _get_model  # noqa: E402  tests/gpu: the 2-layer bench model on cuda, cached
 from test_sampler_penalties import _direct  # noqa: E402  one row's penalties + bias in plain torch
 
 from m3_rollout.engine.config import EngineConfig  # noqa: E402
@@ -43,40 +43,12 @@ from m3_rollout.engine.engine import LLMEngine  # noqa: E402
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams  # noqa: E402
 from m3_rollout.engine.ops import invariant_token_logprobs, paged_ops_for  # noqa: E402
 from m3_rollout.engine.score import PagedScorer  # noqa: E402
-from m3_rollout.model import M3Config, M3ForCausalLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 RANK_TOL = 1e-5  # raw logits of the two fp32 paths differ far less (sums over 1024-wide rows)
 EXTRA = 10  # reference lists this many entries past k, so a token swapped in on a near tie is found
 MAX_LEN = 512
-
-
-def _model(dtype, layers=2):
-    raw = json.loads((ROOT / "configs/bench/m3_bench_300m.json").read_text())
-    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-    raw.update(
-        num_hidden_layers=layers,
-        layer_types=raw["layer_types"][:layers],
-        mlp_layer_types=raw["mlp_layer_types"][:layers],
-    )
-    cfg = M3Config.from_dict(raw)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = M3ForCausalLM(cfg)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.normal_(0, 0.02) if p.ndim >= 2 else p.normal_(0, 0.05)
-    return m.cast_for_inference(dtype).eval()
-
-
-_MODELS: dict = {}
-
-
-def _get_model(dtype):
-    if dtype not in _MODELS:
-        _MODELS[dtype] = _model(dtype)
-    return _MODELS[dtype]
 
 
 def _prompt(n, seed, vocab):
