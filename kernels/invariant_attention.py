@@ -106,6 +106,22 @@ depends on the row's place in the tile; the CPU tests therefore run with
 ``msa_interpret.fixed_order_dot``. That the GPU's fixed-shape dot is row-invariant (the premise of
 the second rule above) is checked only by tests/gpu/test_invariant_attention_gpu.py.
 
+Sparse attention by page partials (``SPARSE_IMPL = "page_partials"``; off by default: "union" is
+all of the above). Sparse layers then run kernels/invariant_page_partials.py: prefill rows take the
+fast path's KV-major kernels (``msa_paged_attention.kv_seg_attn_kernel``: one block-normalised
+partial + base-2 LSE per (token, KV head, slot j) entry, each page's K/V loaded once per segment;
+``kv_major_merge_kernel`` folds a token's partials in slot order j) at every length, with one launch
+set (``PAGE_PARTIALS_LAUNCH``); decode rows run ``pp_decode_kernel``, one program per entry, which
+puts the entry's query rows in the same [TOK x RHP, d] tile and runs kv_seg's own loop helper with
+the same constexprs, warps and stages, then the same merge. An entry's partial depends only on its
+own rows and one page (rule 2 for the tile's other rows), the merge only on the token's partials,
+so decode and prefill give the same bits, whatever the batch, chunking or pass size; other bits
+than "union" (another reduction order). The ops table then takes the KV-major scratch. Expected to
+close most of issue 24's sparse-prefill gap (the fast path's attention); decode cost one program per
+entry and one page load each. Awaits the GPU check of its bits (tests/gpu) and of its speed; the
+CPU checks it under the interpreter and that both kernels compile to the same sm_90 MMA code
+(kernels/mma_check.py, tests/test_invariant_page_partials.py).
+
 Cost against the fast kernels (expected; measure on the H200, issue 24's benchmark)
 -----------------------------------------------------------------------------------
 - Decode attention splits a token's keys at fixed ``ATTN_SPLIT_BLOCKS`` (8) block boundaries, one
@@ -182,12 +198,21 @@ import torch
 import triton
 import triton.language as tl
 
+from m3_kernels.invariant_page_partials import page_partials_attention
 from m3_kernels.msa_checks import SM90_SMEM_BYTES, next_pow2
 from m3_kernels.msa_fp8 import index_dot, quantize_rows_e4m3, split_index_cache
 from m3_kernels.msa_index_topk import MAX_TOPK, block_selection_keys, check_index_inputs
-from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs
+from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs, check_kv_major_scratch
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
+
+# The sparse layers' attention (module docstring, "Sparse attention by page partials"), read at each
+# call: "union" = inv_attn_kernel's walk of its tiles' union (the GPU-checked bits); "page_partials" =
+# kernels/invariant_page_partials.py (KV-major per-page partials + merge for prefill and decode rows).
+# Dense layers take inv_attn_kernel either way. The ops table takes the engine's KV-major scratch
+# with "page_partials" (engine/ops.py invariant_attention_fields).
+SPARSE_IMPLS = ("union", "page_partials")
+SPARSE_IMPL = "union"
 
 # Dot rows per program (tokens x heads), fixed by the model's shapes and the layer kind only: a layer
 # keeps its kind's tile for decode (padded) and prefill, so its bits stay one function of the row;
@@ -1015,6 +1040,7 @@ def invariant_paged_attention(
     topk_ids: torch.Tensor | None = None,
     tile_rows: int | None = None,
     warps: int | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batch-invariant ``paged_attention`` (PagedOps field; reference ``paged_attention_ref``, spec §3.5).
 
@@ -1029,10 +1055,18 @@ def invariant_paged_attention(
     (dot rows, a power of two >= 16) / warp count (a power of two <= 16)
     than the layer kind's ``DENSE_TILE_ROWS`` / ``SPARSE_TILE_ROWS`` and ``DENSE_WARPS`` / ``SPARSE_WARPS``
     (scripts/bench_invariant_attention.py --tile-sweep; a layer must keep one choice for decode and
-    prefill, the engine never passes one).
+    prefill, the engine never passes one); not read by sparse layers with ``SPARSE_IMPL`` "page_partials".
+    Sparse layers follow ``SPARSE_IMPL`` (read at each call): "page_partials" computes them with
+    ``invariant_page_partials.page_partials_attention``, whose KV-major partials use ``scratch``
+    (None or a contiguous uint8 vector on q's device, kernels/paged_layout.py; the engine binds
+    its own when the table says ``takes_prefill_scratch``); "union" ignores it. Raises ValueError
+    for a bad scratch or an unknown ``SPARSE_IMPL``.
     """
     _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
     _check_tile_choice(tile_rows, warps)
+    check_kv_major_scratch(scratch, q.device, "invariant_paged_attention")
+    if SPARSE_IMPL not in SPARSE_IMPLS:
+        raise ValueError(f"invariant_attention.SPARSE_IMPL={SPARSE_IMPL!r}; one of {SPARSE_IMPLS}")
     t, nh, d = q.shape
     g, ps = k_cache_l.shape[1], k_cache_l.shape[2]
     out = torch.empty_like(q)
@@ -1041,6 +1075,8 @@ def invariant_paged_attention(
     dense = topk_ids is None
     # the kernels read a token's K slots at unit stride: any other layout is copied first
     sel = q.new_empty((1, 1, 1), dtype=torch.int32) if dense else topk_ids.to(torch.int32).contiguous()
+    if not dense and SPARSE_IMPL == "page_partials":
+        return page_partials_attention(q, k_cache_l, v_cache_l, meta, scale, sel, out, scratch)
     topk = 0 if dense else int(topk_ids.shape[2])
     rh = nh // g
     rhp = next_pow2(rh)
@@ -1308,6 +1344,7 @@ def invariant_msa_attention(
     init_blocks: int = 0,
     local_blocks: int = 1,
     sel_out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batch-invariant ``msa_attention`` (PagedOps field; reference ``msa_attention_ref``, spec §3.4-3.5).
 
@@ -1315,8 +1352,9 @@ def invariant_msa_attention(
     or an ``FP8IndexCache`` (all already holding this step's keys); meta: ``PagedMetadata``
     (decode rows first). ``invariant_index_topk`` then ``invariant_paged_attention`` over the
     choice, for decode and prefill rows alike. sel_out: optional [T, G, K] integer tensor (any
-    strides; the engine's block-selection record) receiving the choice. Returns [T, nh, d] in
-    q.dtype. Raises ValueError for unsupported dtypes or sizes, naming the field.
+    strides; the engine's block-selection record) receiving the choice. scratch: handed to
+    ``invariant_paged_attention`` (read with ``SPARSE_IMPL`` "page_partials"). Returns [T, nh, d]
+    in q.dtype. Raises ValueError for unsupported dtypes or sizes, naming the field.
     """
     if iq.shape[:2] != (q.shape[0], k_cache_l.shape[1]):
         raise ValueError(
@@ -1325,4 +1363,4 @@ def invariant_msa_attention(
     ids = invariant_index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
     if sel_out is not None:
         sel_out.copy_(ids)
-    return invariant_paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids)
+    return invariant_paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch)

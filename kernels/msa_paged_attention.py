@@ -701,7 +701,7 @@ def _kv_seg_gather_tile(
 
 
 @triton.jit
-def _kv_seg_pipelined(
+def kv_seg_pipelined(
     q_ptr,
     v,
     k,
@@ -835,7 +835,7 @@ def kv_seg_attn_kernel(
     k = tl.load(k_ptr + koff)  # [PS, D], loaded once per segment
     v = tl.load(v_ptr + koff)
     if PIPELINE:
-        _kv_seg_pipelined(
+        kv_seg_pipelined(
             q_ptr,
             v,
             k,
@@ -894,7 +894,7 @@ def kv_seg_attn_kernel(
 
 
 @triton.jit
-def _kv_major_merge_kernel(
+def kv_major_merge_kernel(
     opart_ptr,
     lse_ptr,
     sel_ptr,
@@ -972,6 +972,18 @@ def kv_major_capacity(scratch: torch.Tensor | None, num_heads: int, head_dim: in
     return scratch.numel() // max(kv_major_token_bytes(num_heads, head_dim, topk, dtype), 1)
 
 
+def check_kv_major_scratch(scratch: torch.Tensor | None, device: torch.device, op: str = "paged_attention") -> None:
+    """Raises ValueError naming ``op`` unless ``scratch`` is None or a contiguous uint8 vector on ``device``
+    (the KV-major partials' buffer, kernels/paged_layout.py)."""
+    if scratch is not None and (
+        scratch.dtype != torch.uint8 or scratch.dim() != 1 or not scratch.is_contiguous() or scratch.device != device
+    ):
+        raise ValueError(
+            f"{op}: scratch must be a contiguous uint8 vector on {device}, got {scratch.dtype} "
+            f"{tuple(scratch.shape)} on {scratch.device}"
+        )
+
+
 def check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids, op: str = "paged_attention") -> None:
     """The input rules of a paged attention op (``paged_attention``; the batch-invariant one names
     itself with ``op``): q [T, nh, d] and k/v caches [P, G, ps, d] of one fp32/fp16/bf16 dtype in
@@ -1041,15 +1053,9 @@ def paged_attention(
     q's device, or ``impl="kv"`` with a scratch that holds no token.
     """
     check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
+    check_kv_major_scratch(scratch, q.device)
     t, nh, d = q.shape
     g, ps = k_cache_l.shape[1], k_cache_l.shape[2]
-    if scratch is not None and (
-        scratch.dtype != torch.uint8 or scratch.dim() != 1 or not scratch.is_contiguous() or scratch.device != q.device
-    ):
-        raise ValueError(
-            f"paged_attention: scratch must be a contiguous uint8 vector on {q.device}, got {scratch.dtype} "
-            f"{tuple(scratch.shape)} on {scratch.device}"
-        )
     out = torch.empty_like(q)
     if t == 0:
         return out
@@ -1186,7 +1192,7 @@ def _prefill_launch(
     if impl == "union":  # H200: one stage (two programs per SM) beats two pipelined stages at 8K..128K
         stages = 1 if ieee else cfg.get("num_stages", 1)
     if impl == "kv":
-        _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap)
+        prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap)
         return
     if impl == "loop":
         _prefill_attn_kernel[grid](
@@ -1273,7 +1279,7 @@ def _prefill_launch(
     )
 
 
-def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap):
+def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap):
     """KV-major sparse prefill: bucket the (token, slot) entries by (KV head, row, block), attend each page
     once per segment of up to ``seg`` entries, ``tok`` tokens per tile (every row of a tile useful),
     then merge each token's K partials by LSE.
@@ -1289,6 +1295,9 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
     passes: within rounding; tests/test_kernels_msa.py). The per-pass glue (bucket ids, sort
     permutation, positions: a few tens of bytes per (token, KV head, slot) entry, 1-2 % of the
     partials' bytes at M3 shapes) is allocated per pass as before.
+    Writes the prefill rows of ``out`` [T, nh, d]; sel: int32 [T, G, K] (rows at unit stride);
+    qk_scale: scale x log2 e; rh: nh / G; ieee: fp32 inputs; cfg: ``prefill_config`` knobs. Also run
+    by kernels/invariant_page_partials.py (the batch-invariant mode) with one fixed knob set.
     """
     nd, r = meta.num_decodes, meta.num_rows
     t_all = q.shape[0]
@@ -1390,7 +1399,7 @@ def _prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, iee
             num_stages=cfg.get("num_stages", KV_SEG_PIPELINE_STAGES if prefetch in KV_SEG_LOOPS else 1),
             **kw,
         )
-        _kv_major_merge_kernel[(tc, g)](
+        kv_major_merge_kernel[(tc, g)](
             opart,
             lse,
             sel_c,

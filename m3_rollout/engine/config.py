@@ -38,6 +38,9 @@ class EngineConfig:
             give the same output up to rounding, at another speed); 0 = no scratch, the KV-major path off
             (union-list tiles at every prefill length). A value below one ``KV_CHUNK_MIN_TOKENS``
             pass is refused at engine construction (``paged_cache.prefill_scratch_bytes``).
+            Batch-invariant mode with ``invariant_attention.SPARSE_IMPL = "page_partials"`` (off by
+            default): the scratch is sized at every ``max_num_batched_tokens`` (that path runs at every
+            length and also holds the decode partials); 0 there means buffers allocated per call.
         enable_prefix_caching: reuse full pages across requests (GRPO groups, multi-turn).
         enable_cuda_graphs: capture decode steps (forward + sampler) on CUDA (GPU-only; ignored elsewhere).
             "eager": the same staged decode path with the bodies run eagerly (any device; tests).

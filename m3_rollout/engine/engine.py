@@ -31,6 +31,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from m3_kernels.paged_layout import KV_MAJOR_MIN_TOKENS
 from m3_rollout.engine.block_manager import BlockManager
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, StreamDelta, as_int
@@ -105,8 +106,13 @@ class LLMEngine:
             )
         scratch_bytes = 0
         if ops.takes_prefill_scratch:  # the attention inputs (q, K/V pages) are in the KV dtype
+            # an invariant table that takes one ("page_partials") runs the KV-major path at every length
             scratch_bytes = prefill_scratch_bytes(
-                self.model_config, self.kv_dtype, config.msa_prefill_scratch_mb, config.max_num_batched_tokens
+                self.model_config,
+                self.kv_dtype,
+                config.msa_prefill_scratch_mb,
+                config.max_num_batched_tokens,
+                min_tokens=1 if config.batch_invariant else KV_MAJOR_MIN_TOKENS,
             )
         num_pages = config.resolve_num_pages(
             ps, page_bytes(self.model_config, self.kv_dtype, config.index_cache_dtype), self.device, scratch_bytes

@@ -18,7 +18,8 @@ Selection rules (same as before the table existed):
 - skinny decode GEMM: with the fused layers, unless turned off (A/B profiling: ``skinny_gemm=False``).
 - KV-major prefill scratch: the Triton attention table says ``takes_prefill_scratch``; the engine sizes
   the buffer (``paged_cache.prefill_scratch_bytes``), allocates it and binds it with
-  :func:`bind_prefill_scratch`, so the kernels never allocate their own.
+  :func:`bind_prefill_scratch`, so the kernels never allocate their own. The batch-invariant table
+  takes one only with ``invariant_attention.SPARSE_IMPL = "page_partials"`` (off by default).
 - batch-invariant mode (``batch_invariant=True``, ``EngineConfig.batch_invariant``; design.md §4.6):
   on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
   for every projection, the router logits and lm_head; ``fused_experts`` with one tile config; the
@@ -77,7 +78,10 @@ def invariant_attention_fields(device: torch.device | str = "cuda", interpret: b
     device: the model's device: compiled kernels on CUDA with triton; elsewhere the PyTorch
     references, which are NOT batch-invariant (``paged_ops_for`` warns). interpret: the kernels
     under the Triton interpreter on CPU tensors (tests; sets TRITON_INTERPRET=1 for the rest of the
-    process).
+    process). ``takes_prefill_scratch``: whether the kernels take the KV-major scratch, i.e. whether
+    ``invariant_attention.SPARSE_IMPL`` is "page_partials" when the table is built (their sparse
+    attention then writes per-page partials at every prefill length and at decode; the engine and
+    ``PagedScorer`` bind a scratch).
     """
     if interpret:
         from m3_kernels.msa_interpret import interpreted_invariant_attention
@@ -86,8 +90,12 @@ def invariant_attention_fields(device: torch.device | str = "cuda", interpret: b
     elif torch.device(device).type == "cuda" and triton_importable():
         import m3_kernels.invariant_attention as ia
     else:
-        return dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref)
-    return {"paged_attention": ia.invariant_paged_attention, "msa_attention": ia.invariant_msa_attention}
+        return dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref, takes_prefill_scratch=False)
+    return {
+        "paged_attention": ia.invariant_paged_attention,
+        "msa_attention": ia.invariant_msa_attention,
+        "takes_prefill_scratch": ia.SPARSE_IMPL == "page_partials",
+    }
 
 
 def invariant_fields(fl, inv) -> dict:

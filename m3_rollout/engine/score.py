@@ -21,7 +21,8 @@ import torch
 from m3_rollout.engine.block_manager import BlockManager
 from m3_rollout.engine.interface import PositionLogprobs, SamplingParams, check_temperature, int_or_none
 from m3_rollout.engine.model_runner import meta_to, prepare_inputs
-from m3_rollout.engine.paged_cache import PagedKVCache
+from m3_rollout.engine.ops import bind_prefill_scratch
+from m3_rollout.engine.paged_cache import PagedKVCache, prefill_scratch_bytes
 from m3_rollout.engine.sampler import TokenLogprobs, gather_logprobs, position_logprobs, process_logits
 from m3_rollout.engine.sequence import Sequence
 from m3_rollout.model.numerics import compute_dtype
@@ -260,8 +261,10 @@ class PagedScorer:
 
     Args:
         config: the model's ``M3Config`` (page size = ``sparse_block_size``).
-        ops: the engine's ``PagedOps`` table (``engine.ops.paged_ops_for(..., batch_invariant=True)``);
-            tables that take a prefill scratch are refused (the invariant one takes none).
+        ops: the engine's ``PagedOps`` table (``engine.ops.paged_ops_for(..., batch_invariant=True)``).
+            A table that takes a prefill scratch (the invariant one with ``SPARSE_IMPL``
+            "page_partials") gets one of its own, ``prefill_scratch``: one forward's KV-major pass
+            (``paged_cache.prefill_scratch_bytes`` for ``chunk_tokens``, at every length).
         max_model_len: the longest sequence scored (tokens).
         chunk_tokens: tokens per forward (the engine's ``max_num_batched_tokens``), lowered so one
             forward's fp32 logits [chunk_tokens, V] stay under ``SCORER_LOGITS_BYTES``.
@@ -277,7 +280,7 @@ class PagedScorer:
     forward, the same bits).
 
     Raises:
-        ValueError: ``chunk_tokens`` or ``max_model_len`` < 1, or ``ops`` takes a prefill scratch.
+        ValueError: ``chunk_tokens`` or ``max_model_len`` < 1.
     """
 
     def __init__(
@@ -294,14 +297,15 @@ class PagedScorer:
     ):
         if chunk_tokens < 1 or max_model_len < 1:
             raise ValueError(f"PagedScorer: chunk_tokens={chunk_tokens}, max_model_len={max_model_len}: must be >= 1")
-        if ops.takes_prefill_scratch:
-            raise ValueError(
-                "PagedScorer: the ops table takes a prefill scratch (bind one, or use the invariant table)"
-            )
         ps = config.sparse_block_size
         # one forward's fp32 logits stay under SCORER_LOGITS_BYTES (M3's 200K vocabulary: 1,341
         # tokens); any pack size gives the same bits, so the cap only bounds memory
         chunk_tokens = max(1, min(chunk_tokens, SCORER_LOGITS_BYTES // (4 * config.vocab_size)))
+        self.prefill_scratch: torch.Tensor | None = None
+        if ops.takes_prefill_scratch:  # any pass size gives the same bits: one forward's tokens
+            nbytes = prefill_scratch_bytes(config, dtype, None, chunk_tokens, min_tokens=1)
+            self.prefill_scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            ops = bind_prefill_scratch(ops, self.prefill_scratch)
         pages = max(-(-max_model_len // ps), 2 * -(-chunk_tokens // ps))
         self.ops, self.chunk_tokens, self.max_model_len = ops, chunk_tokens, max_model_len
         self.token_logprobs = token_logprobs

@@ -1,0 +1,74 @@
+"""The tensor-core code of the page-partials decode kernel and of the prefill kernel whose bits it must
+equal, compiled for sm_90 (H100/H200) on any machine (``triton.compile``, no GPU).
+
+``python -m m3_kernels.mma_check`` prints one JSON object {"<kernel>/bf16": {"layouts": [...],
+"dots": [...], "instructions": [...]}}: the ``#ttg.nvidia_mma`` layouts of the TTGIR (MMA version,
+warps per CTA, instruction shape), its dots' operand and result types, and the MMA instructions of
+the PTX (opcode and immediates), for ``msa_paged_attention.kv_seg_attn_kernel``
+and ``invariant_page_partials.pp_decode_kernel`` at M3 shapes (4 KV heads x 16 q heads, d 128,
+page 128, top-16) with ``PAGE_PARTIALS_LAUNCH``. A decode row's partial equals the prefill row's
+only if both kernels run the same instruction on the same tile (tests/test_invariant_page_partials.py
+compares them); whether equal instructions give equal rows on the hardware is for tests/gpu. bf16
+only: fp32 (IEEE) dots lower to FMA loops, and that compile takes over a minute on the CPU.
+Must run without TRITON_INTERPRET (a subprocess in the test).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+import triton
+from triton.compiler import ASTSource
+
+from m3_kernels import invariant_page_partials as pp
+from m3_kernels import msa_paged_attention as ma
+from m3_kernels.smem_check import SM90, launch_attrs
+
+
+def dot_code(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> dict[str, list[str]]:
+    """{"layouts": distinct MMA layouts of the TTGIR, "dots": distinct dot signatures, "instructions":
+    distinct MMA instructions of the PTX} (each sorted) of JIT kernel ``fn`` compiled for sm_90 as a
+    launch specializes it (``launch_attrs``)."""
+    attrs = launch_attrs(fn, sig)
+    sig = dict(sig, **{c: "constexpr" for c in consts})
+    kernel = triton.compile(
+        ASTSource(fn, sig, consts, attrs), target=SM90, options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    dots = re.findall(r"(?:ttng\.warp_group_dot|tt\.dot) [^{]*\{[^}]*\} : ([^\n]*?)(?: loc\(|$)", ttgir, re.M)
+    mma = re.findall(r"^\s*((?:wgmma\.mma_async|mma\.sync)[\w.]*)\s+([^;]*);", ptx, re.M)
+    return {
+        "layouts": sorted(set(re.findall(r"#ttg\.nvidia_mma<\{[^}]*\}>", ttgir))),
+        # operand types (shared memory or registers) and result; "mutable" (a pipeline buffer) and the
+        # attributes (isAsync: when the warps wait for it) dropped
+        "dots": sorted({d.replace(", mutable", "") for d in dots}),
+        # opcode and the immediate operands (scale-d, negation, transposition), registers blanked
+        "instructions": sorted({f"{op} " + re.sub(r"%\w+|\{[^}]*\}", "R", args) for op, args in mma}),
+    }
+
+
+def page_partials_kernels(dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[str, list[str]]]:
+    """``dot_code`` of kv_seg_attn_kernel (as ``prefill_kv_major`` launches it with the page-partials
+    constants) and of pp_decode_kernel, for ``dtype``."""
+    dt, ieee = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], False
+    cfg = pp.page_partials_config(16, ieee)
+    tile = dict(G=4, RH=16, RHP=16, D=128, PS=128, TOK=cfg["tok"], SEG=cfg["seg"], SEGP=cfg["seg"], IEEE=ieee)
+    deferred = cfg["prefetch"] == "deferred"
+    io = dict(q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, opart_ptr="*" + dt, lse_ptr="*fp32", epos_ptr="*i32")
+    seg_sig = {n: "i32" for n in ma.kv_seg_attn_kernel.arg_names}
+    seg_sig.update(io, perm_ptr="*i64", seg_bkt_ptr="*i32", bkt_page_ptr="*i32", qk_scale="fp32")
+    seg_sig.update({n: "*i64" for n in ("bkt_start_ptr", "bkt_seg0_ptr", "bkt_end_ptr")})
+    dec_sig = {n: "i32" for n in pp.pp_decode_kernel.arg_names}
+    dec_sig.update(io, eid_ptr="*i64", bt_ptr="*i32", pos_ptr="*i64", sel_ptr="*i32", qk_scale="fp32")
+    seg_consts = dict(tile, PREFETCH=False, PIPELINE=True, DEFERRED=deferred)
+    run = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return {
+        f"kv_seg_attn_kernel/{dt}": dot_code(ma.kv_seg_attn_kernel, seg_sig, seg_consts, **run),
+        f"pp_decode_kernel/{dt}": dot_code(pp.pp_decode_kernel, dec_sig, dict(tile, KP=16, DEFERRED=deferred), **run),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(page_partials_kernels()))

@@ -1,0 +1,227 @@
+"""Sparse attention by per-page partials (``invariant_attention.SPARSE_IMPL = "page_partials"``) on CPU.
+
+kernels/invariant_page_partials.py: prefill rows take the fast KV-major path (kv_seg_attn_kernel +
+``kv_major_merge_kernel``) at every length with one launch set; decode rows one program per
+(token, KV head, slot) entry running kv_seg's loop on a one-entry tile, then the same merge. Checked
+under the Triton interpreter in fp32 (and fp16) with ``msa_interpret.fixed_order_dot`` (the
+interpreter's BLAS dot is not row-invariant, a GPU tensor-core dot of a fixed shape is assumed to
+be: tests/gpu checks that), switch monkeypatched on:
+- a decode row's output is bitwise the prefill row's at its position (one chunk, several chunks,
+  speculative-verify rows), with engineered selections holding repeats, -1 slots and ids past the
+  token's block;
+- a sequence's prefill rows are bitwise the same alone and beside other sequences, decode rows,
+  a prefix hit, graph padding rows, a wider block table, and in passes of a small scratch;
+- outputs equal the PyTorch reference within fp32 / fp16 tolerance (also ``invariant_msa_attention``);
+- the switch is off by default and dense layers ignore it; the ops table then takes the KV-major
+  scratch and the engine and the trainer's ``PagedScorer`` bind one, at every prefill length;
+- compiled for sm_90 (no GPU, kernels/mma_check.py), the decode kernel's dots are the prefill
+  kernel's: the same MMA layout, operand types and wgmma instructions.
+Shapes: 8 q heads / 2 KV heads / d 32 / block 16 (RH 4: tiles of 4 entries x 4 rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from paged_model_util import small_paged_model  # tests/ on sys.path
+
+from m3_kernels.msa_interpret import fixed_order_dot, interpreted_invariant_attention
+from m3_kernels.msa_synthetic import PagedBatch, make_paged_batch, make_step_batch, random_sequences
+from m3_kernels.paged_layout import KV_CHUNK_TOKENS, KV_MAJOR_MIN_TOKENS, kv_major_token_bytes
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.engine import LLMEngine
+from m3_rollout.engine.ops import interpreted_paged_ops, invariant_attention_fields
+from m3_rollout.engine.reference_ops import index_topk_ref, msa_attention_ref, paged_attention_ref
+from m3_rollout.engine.score import PagedScorer
+
+ia = interpreted_invariant_attention()
+
+ROOT = Path(__file__).resolve().parents[1]
+PS, G, NH, D, K = 16, 2, 8, 32, 5
+SCALE = D**-0.5
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+LENS = {"a": 100, "b": 45, "c": 60}  # a: 7 blocks, b: 3, c: 4 (3 valid distinct ids of K = 5 at most)
+DECODE_POS = [0, 15, 16, 47, 48, 79, 80, 99]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _row_invariant_dot():
+    with fixed_order_dot():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def page_partials(monkeypatch):
+    monkeypatch.setattr(ia, "SPARSE_IMPL", "page_partials")
+
+
+def engineered_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[T, G, K] int32 ids from the position and head only: the own block first, ids spread over the
+    context, a repeat of slot 1 at slot 2, an id past the token's block, a -1 slot."""
+    p = positions.long()[:, None, None]
+    nb = p // PS + 1
+    j = torch.arange(K)[None, None, :]
+    g = torch.arange(G)[None, :, None]
+    ids = (j * nb // K + p * 3 + g) % nb
+    ids = torch.where(j == 0, nb - 1, ids)
+    ids = torch.where(j == 2, ids[:, :, 1:2].expand_as(ids), ids)
+    ids = torch.where(j == K - 2, nb + 3, ids)
+    ids = torch.where(j == K - 1, -1, ids)
+    return ids.to(torch.int32)
+
+
+def for_reference(ids: torch.Tensor, b: PagedBatch) -> torch.Tensor:
+    """ids with those past the token's block as -1 (the kernels ignore them; the reference cannot index them)."""
+    return torch.where(ids > (b.meta.positions // PS).view(-1, 1, 1), -1, ids)
+
+
+_SEQS: dict = {}
+
+
+def seqs(dtype):
+    if dtype not in _SEQS:
+        _SEQS[dtype] = random_sequences(LENS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, seed=7)
+    return _SEQS[dtype]
+
+
+def step(dtype, rows: list, num_decodes: int, **kw) -> PagedBatch:
+    return make_step_batch(seqs(dtype), rows, num_decodes, page_size=PS, **kw)
+
+
+def run(b: PagedBatch, scratch=None) -> torch.Tensor:
+    ids = engineered_ids(b.meta.positions)
+    return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, scratch=scratch)
+
+
+def scratch_of(tokens: int, dtype, extra: int = 0) -> torch.Tensor:
+    return torch.full((tokens * kv_major_token_bytes(NH, D, K, dtype) + extra,), 0x5A, dtype=torch.uint8)
+
+
+_ALONE: dict = {}
+
+
+def alone(dtype, name: str) -> torch.Tensor:
+    if (dtype, name) not in _ALONE:
+        _ALONE[dtype, name] = run(step(dtype, [(name, 0, LENS[name])], 0))
+    return _ALONE[dtype, name]
+
+
+def assert_rows_equal(got, want, what: str) -> None:
+    assert torch.equal(got, want), f"{what}: {int((got != want).sum())} elements differ"
+
+
+def test_decode_rows_equal_prefill_rows():
+    dtype = torch.float32
+    want = alone(dtype, "a")
+    chunked = run(step(dtype, [("a", 0, 40), ("a", 40, 24), ("a", 64, 36)], 0, seed=3))  # edges in / on a block
+    assert_rows_equal(chunked, want, "several chunks vs one")
+    dec = run(step(dtype, [("a", p, 1) for p in DECODE_POS], len(DECODE_POS), seed=1))
+    assert_rows_equal(dec, want[DECODE_POS], "decode rows vs prefill rows")
+    verify = run(step(dtype, [("a", 61, 3), ("a", 95, 3)], 2, seed=2))  # decode_query_len 3
+    assert_rows_equal(verify, want[[61, 62, 63, 95, 96, 97]], "verify rows vs prefill rows")
+
+
+def test_prefill_rows_alone_equal_batched_and_in_scratch_passes():
+    dtype = torch.float32
+    want_a, want_b = alone(dtype, "a"), alone(dtype, "b")  # one pass each, buffers of their own
+    # decode rows, a CUDA-graph padding row, then b fresh and a after a 70-token prefix hit; a wider
+    # table; the caller's scratch: 16-token prefill passes, the decode partials in its head
+    rows = [("c", 59, 1), ("a", 99, 1), ("b", 0, 45), ("a", 70, 30)]
+    b = step(dtype, rows, 2, table_width=12, pad_rows=1, seed=4)
+    scratch = scratch_of(16, dtype)
+    got = run(b, scratch)
+    assert (scratch != 0x5A).any()
+    qsl = b.meta.query_start_loc.tolist()  # rows: c, a, padding, b, a
+    sl = [slice(x, y) for x, y in zip(qsl[:-1], qsl[1:])]
+    assert_rows_equal(got[sl[1]], want_a[99:100], "a's decode row beside others")
+    assert_rows_equal(got[sl[3]], want_b, "b beside others, in 16-token passes")
+    assert_rows_equal(got[sl[4]], want_a[70:100], "a's chunk after a prefix hit")
+    # a scratch too small for one token: the path cannot be off, its buffers come per call
+    assert_rows_equal(run(b, scratch_of(0, dtype, extra=7)), got, "scratch holding no token")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_reference(dtype):
+    b = make_paged_batch(
+        [(40, 3), (300, 3), (20, 20), (0, 30)], 2,
+        page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, seed=5,
+    )  # fmt: skip
+    ids = engineered_ids(b.meta.positions)
+    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, for_reference(ids, b))
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    if dtype != torch.float32:
+        return
+    got = ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, 4)  # index top-k then attention
+    want = msa_attention_ref(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, 4)
+    assert (index_topk_ref(b.iq, b.ik, b.meta, 4)[3] >= 0).all()  # position 300: 4 of 19 blocks selected
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+
+
+def test_switch_is_off_by_default_and_dense_layers_ignore_it(monkeypatch):
+    b = step(torch.float32, [("c", 59, 1), ("b", 0, 45)], 1)
+    dense = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE)
+    monkeypatch.undo()  # the module's own default
+    assert ia.SPARSE_IMPL == "union" and not invariant_attention_fields(interpret=True)["takes_prefill_scratch"]
+
+    def refuse(*args, **kw):
+        raise AssertionError("page_partials_attention ran with the default switch")
+
+    monkeypatch.setattr(ia, "page_partials_attention", refuse)
+    ids = engineered_ids(b.meta.positions)
+    union = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, for_reference(ids, b))
+    torch.testing.assert_close(union, want, atol=2e-5, rtol=0)
+    assert_rows_equal(ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE), dense, "dense layer")
+    monkeypatch.setattr(ia, "SPARSE_IMPL", "pages")
+    with pytest.raises(ValueError, match="SPARSE_IMPL='pages'"):
+        run(b)
+    monkeypatch.setattr(ia, "SPARSE_IMPL", "union")
+    with pytest.raises(ValueError, match="invariant_paged_attention: scratch must be a contiguous uint8"):
+        run(b, torch.zeros(8, dtype=torch.int32))
+
+
+def test_engine_and_scorer_bind_a_scratch_for_every_prefill_length():
+    """With the switch on the invariant table takes the KV-major scratch: the engine sizes it for one
+    step's prefill even below KV_MAJOR_MIN_TOKENS (this path runs at every length), the trainer's
+    scorer binds one of its own for its forwards; both reach the attention ops."""
+    fields = invariant_attention_fields(interpret=True)
+    assert fields["takes_prefill_scratch"] and fields["msa_attention"] is ia.invariant_msa_attention
+    table = dataclasses.replace(interpreted_paged_ops(batch_invariant=True), **fields)
+    model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS, layers=2)
+    cfg = model.config
+    per_token = kv_major_token_bytes(cfg.num_attention_heads, cfg.head_dim, cfg.sparse_topk_blocks, torch.float32)
+    ecfg = EngineConfig(max_model_len=40, max_num_seqs=4, num_pages=20, max_num_batched_tokens=16, batch_invariant=True)
+    assert ecfg.max_num_batched_tokens < KV_MAJOR_MIN_TOKENS
+    engine = LLMEngine(model, ecfg, ops=table)
+    assert engine.prefill_scratch.numel() == 16 * per_token
+    assert engine.runner.ops.paged_attention.keywords["scratch"] is engine.prefill_scratch
+    scorer = PagedScorer(cfg, table, 40, 11, torch.float32, "cpu")
+    assert scorer.prefill_scratch.numel() == min(11, KV_CHUNK_TOKENS) * per_token
+    assert scorer.ops.msa_attention.keywords["scratch"] is scorer.prefill_scratch
+    assert not scorer.ops.takes_prefill_scratch
+
+
+def test_decode_kernel_compiles_to_the_prefill_kernels_tensor_core_code():
+    """bf16 at M3 shapes for sm_90 (a subprocess: the kernels must be compiled, not interpreted): the
+    interpreter cannot tell a 64-row wgmma from a 16-row mma.sync, so a decode kernel that the
+    compiler lowered to other instructions than kv_seg_attn_kernel would pass the bitwise tests above
+    and fail on the GPU; this catches it on the CPU (what the same instructions give is for tests/gpu)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "m3_kernels.mma_check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    code = json.loads(run.stdout.strip().splitlines()[-1])
+    seg, dec = code["kv_seg_attn_kernel/bf16"], code["pp_decode_kernel/bf16"]
+    assert dec == seg
+    assert seg["layouts"] and all("versionMajor = 3" in layout for layout in seg["layouts"])  # wgmma (Hopper)
+    assert len(seg["dots"]) == 2  # QK (q and K from shared memory) and PV (probabilities in registers)
+    assert seg["instructions"] and all(i.startswith("wgmma.mma_async") for i in seg["instructions"])
