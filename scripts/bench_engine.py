@@ -612,7 +612,8 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
     lines = [
         f"\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), {run_date()}, {machine(dev)}\n",
         f"Model: {args.model_json or 'tiny_config()'}, {dtype}, random weights; `EngineConfig.batch_invariant` off vs "
-        f"on on the same weights, medians of {reps} alternated runs per mode; target <= 15 % slower; {versions}.\n",
+        f"on on the same weights (invariant sparse attention: {args.invariant_sparse}), medians of {reps} alternated "
+        f"runs per mode; target <= 15 % slower; {versions}.\n",
         *header,
         *table,
         "",
@@ -674,6 +675,13 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         action="store_true",
         help="only batch-invariant vs fast mode: decode, prefill, token checks (module docstring)",
     )
+    ap.add_argument(
+        "--invariant-sparse",
+        default="union",
+        choices=["union", "page_partials"],
+        help="--batch-invariant: the invariant sparse attention (kernels/invariant_attention.py SPARSE_IMPL; "
+        "page_partials: the KV-major per-page partials, off by default until measured on a GPU)",
+    )
     ap.add_argument("--record-batch", type=int, default=32, help="--block-record / --batch-invariant: decode batch")
     ap.add_argument("--record-new", type=int, default=256, help="--block-record: decode tokens per row")
     ap.add_argument(
@@ -716,6 +724,12 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         long_len = args.long_len or (131072 if dev == "cuda" else 2048)
         args.record_chunk = args.record_chunk or 16384
         args.skip_hf = True
+    if args.invariant_sparse != "union":
+        if not args.batch_invariant:
+            raise SystemExit("--invariant-sparse applies to --batch-invariant runs only")
+        import m3_kernels.invariant_attention as inv_attn
+
+        inv_attn.SPARSE_IMPL = args.invariant_sparse  # read when the engines' ops tables are built
     if args.batch_invariant:
         long_len = args.long_len or (32768 if dev == "cuda" else 1024)
         args.skip_hf = True

@@ -270,9 +270,16 @@ def test_model_logits_of_a_sequence_do_not_depend_on_the_batch():
     assert torch.equal(dec1, dec3)
 
 
-def test_engine_logprobs_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("sparse_impl", ["union", "page_partials"])
+def test_engine_logprobs_do_not_depend_on_the_batch(sparse_impl, monkeypatch):
     """Graphs + async scheduling: request a alone (decode graph of size 1) vs among 31 others (size
-    32, prefills batched with theirs): identical tokens and logprobs (bitwise)."""
+    32, prefills batched with theirs): identical tokens and logprobs (bitwise), and the trainer's
+    scorer gives the same bits; for both invariant sparse attentions (``SPARSE_IMPL``: the union
+    walk, the default, and the KV-major per-page partials, whose decode kernel must give the
+    prefill kernel's bits on the GPU too)."""
+    import m3_kernels.invariant_attention as ia
+
+    monkeypatch.setattr(ia, "SPARSE_IMPL", sparse_impl)
     m = _model()
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 32000, (200 + 37 * i,), generator=g).tolist() for i in range(32)]
