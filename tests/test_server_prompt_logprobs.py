@@ -187,18 +187,77 @@ def test_max_tokens_0_waits_at_the_admission_gate_while_paused(server, ref, serv
     assert ctl.waiting == 0 and not ctl.live
 
 
-def test_max_tokens_0_aborted_at_the_admission_gate_ends_with_abort_and_no_scores(served, model):
+def _counting_forwards(monkeypatch, runner) -> list:
+    """Record every scoring forward ``runner`` runs (``top_logprobs``: its token ids)."""
+    calls, real = [], runner.top_logprobs
+
+    async def counted(ids, *args):
+        calls.append(list(ids))
+        return await real(ids, *args)
+
+    monkeypatch.setattr(runner, "top_logprobs", counted)
+    return calls
+
+
+def _aborted_note(note: str | None) -> bool:
+    return note is not None and "aborted before its prompt's prefill ended" in note
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_prompt_logprobs_aborted_at_the_admission_gate_runs_no_forward(served, model, monkeypatch, stream):
+    """Review finding: a /generate request with ``prompt_logprobs`` that /abort ended at the gate
+    (while paused) still ran the scoring forward for its outputs, during the pause. It now runs no
+    model work and is answered as a sample aborted before its prefill ended: no tokens, finish
+    reason "abort", empty prompt_logprobs entries and the note saying why."""
+    srv = LiveServer(served, native_backend(model, served))
+    ctl = srv.controller
+    calls = _counting_forwards(monkeypatch, ctl.runner)
+    ids = served.encode(TEXT)
+    sp = {"n": 2, "max_new_tokens": 4, "prompt_logprobs": 1}
+    body = {"input_ids": ids, "rid": "held", "sampling_params": sp, "stream": stream}
+    try:
+        assert httpx.post(srv.url + "/pause", json={"mode": "abort"}, timeout=60).json()["paused"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(httpx.post, srv.url + "/generate", json=body, timeout=120)
+            deadline = time.monotonic() + 60
+            while ctl.waiting == 0 and not fut.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert ctl.waiting == 1
+            assert httpx.post(srv.url + "/abort", json={"rid": "held"}, timeout=60).json() == {"aborted": 1}
+            resp = fut.result(timeout=120)  # answered while the server is still paused
+        assert resp.status_code == 200, resp.text
+        if stream:
+            events = [json.loads(x[6:]) for x in resp.text.split("\n\n") if x.startswith("data: {")]
+            outs = sorted(events, key=lambda d: d["sample_index"])
+        else:
+            outs = resp.json()["outputs"]
+    finally:
+        httpx.post(srv.url + "/resume", timeout=60)
+        srv.stop()
+    assert calls == []  # no scoring forward
+    got = [(o["sample_index"], o["finish_reason"], o["output_ids"]) for o in outs]
+    assert got == [(0, "abort", []), (1, "abort", [])]
+    for o in outs:
+        assert o["prompt_logprobs"] == [None] + [{}] * (len(ids) - 1)
+        assert _aborted_note(o["prompt_logprobs_note"])
+
+
+def test_max_tokens_0_aborted_at_the_admission_gate_is_answered_as_any_aborted_request(served, model, monkeypatch):
     """Breaker finding: /abort (abort_all) did not reach a prompt-scoring request held at the gate;
-    it was scored after /resume. It now ends there: every choice finishes "abort", no forward runs
-    (logprobs and prompt_logprobs null)."""
+    it was scored after /resume. It now ends there: every choice finishes "abort" and no forward
+    runs. Review finding: its logprobs and prompt_logprobs were null, unlike any other request
+    aborted at the gate; it is now answered as they are (a max_tokens=1 request shows it): the
+    prompt tokens listed with null logprobs and empty top lists, empty prompt_logprobs entries, and
+    the notes saying why."""
     runner = EngineRunner(native_backend(model, served))
     ctl = Controller(runner)
     serving = OpenAIServing(served, ctl)
-    body = {"model": "tiny-m3", "prompt": TEXT, "max_tokens": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 1}
-    req = CompletionRequest.model_validate({**body, "n": 2})
+    calls = _counting_forwards(monkeypatch, runner)
+    body = {"model": "tiny-m3", "prompt": TEXT, "echo": True, "logprobs": 1, "prompt_logprobs": 1, "n": 2}
 
-    async def ask():
+    async def ask(max_tokens: int):
         await ctl.pause("abort")
+        req = CompletionRequest.model_validate({**body, "max_tokens": max_tokens})
         task = asyncio.ensure_future(serving.completion(req, serving.prepare_completion(req)))
         while ctl.waiting == 0:  # until it is held at the gate (an acknowledgement, not a timing)
             await asyncio.sleep(0)
@@ -208,13 +267,19 @@ def test_max_tokens_0_aborted_at_the_admission_gate_ends_with_abort_and_no_score
         return reply, answer
 
     try:
-        reply, answer = asyncio.run(ask())
+        (reply, answer), (_, other) = asyncio.run(ask(0)), asyncio.run(ask(1))
     finally:
         runner.shutdown()
-    assert reply == {"aborted": 1}
-    got = [(c["index"], c["finish_reason"], c["logprobs"], c["prompt_logprobs"]) for c in answer["choices"]]
-    assert got == [(0, "abort", None, None), (1, "abort", None, None)]
-    assert answer["choices"][0]["text"] == TEXT and not ctl.live and ctl.waiting == 0
+    assert reply == {"aborted": 1} and calls == []
+    assert [(c["index"], c["finish_reason"]) for c in answer["choices"]] == [(0, "abort"), (1, "abort")]
+    assert answer["choices"] == other["choices"]
+    n = len(served.encode(TEXT))
+    for c in answer["choices"]:
+        assert c["text"] == TEXT and c["logprobs"]["token_logprobs"] == [None] * n
+        assert c["logprobs"]["top_logprobs"] == [None] + [{}] * (n - 1)
+        assert c["prompt_logprobs"] == [None] + [{}] * (n - 1)
+        assert _aborted_note(c["prompt_logprobs_note"]) and _aborted_note(c["top_logprobs_note"])
+    assert not ctl.live and ctl.waiting == 0
 
 
 def _streamed_logprobs(stream) -> tuple[dict, dict]:

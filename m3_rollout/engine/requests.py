@@ -115,12 +115,24 @@ def error_outputs(req: GenerationRequest, error: str, weight_version: int) -> li
 def aborted_outputs(req: GenerationRequest, weight_version: int) -> list[SampleOutput]:
     """The records of a request aborted before it reached the engine (e.g. held at the server's
     admission gate): one per ``req.output_indices()``, finish reason "abort", no tokens, as the
-    engine ends a sample aborted before its first token (``top_logprobs`` [] when asked)."""
+    engine ends a sample aborted before its prefill ran (``top_logprobs`` [] when asked;
+    ``prompt_logprobs`` [None], no position scored, when ``params.prompt_logprobs`` asks, so that
+    no caller scores the prompt for it: it ran no model work and must run none)."""
     params = req.params
-    tops = bool(isinstance(params, SamplingParams) and params.top_logprobs)
+    sampling = isinstance(params, SamplingParams)
+    tops = bool(sampling and params.top_logprobs)
+    prompt_scored = sampling and params.prompt_logprobs is not None
     return [
         SampleOutput(
-            req.request_id, i, _prompt_of(req), [], [], "abort", weight_version, top_logprobs=[] if tops else None
+            req.request_id,
+            i,
+            _prompt_of(req),
+            [],
+            [],
+            "abort",
+            weight_version,
+            top_logprobs=[] if tops else None,
+            prompt_logprobs=[None] if prompt_scored else None,
         )
         for i in req.output_indices()
     ]

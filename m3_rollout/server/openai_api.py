@@ -56,6 +56,7 @@ from m3_rollout.chat.reasoning_parser import StreamingReasoningParser
 from m3_rollout.chat.template import render
 from m3_rollout.chat.tokenizer import TokenBytes
 from m3_rollout.engine.interface import FINISH_ERROR, GenerationRequest, SampleOutput, SamplingParams, StreamDelta
+from m3_rollout.engine.requests import aborted_outputs
 
 from .control import Controller
 from .protocol import (
@@ -1341,8 +1342,9 @@ class OpenAIServing:
         each of the ``n`` choices is the prompt, finish reason "length", its logprobs and prompt
         logprobs scored once under the weights served now, once the request is admitted
         (``Controller.admitted``: it waits while the server is paused, as a generation does; one
-        ``/abort`` ended there has finish reason "abort" and no scores: ``logprobs`` and
-        ``prompt_logprobs`` null)."""
+        ``/abort`` ended there runs no forward and is answered as any request aborted there,
+        ``engine.requests.aborted_outputs``: finish reason "abort", the prompt's logprobs null with
+        empty top lists, empty ``prompt_logprobs`` entries, and the notes)."""
         choices, all_outs, prompt_tokens = [], [], 0
         k, plp = req.logprobs, req.prompt_logprobs
         echo_k = k if req.echo else None  # the top k of the prompt tokens' echoed logprobs
@@ -1361,7 +1363,7 @@ class OpenAIServing:
             prefix = self.served.decode(prompt_ids) if req.echo else ""
             if req.max_tokens == 0:
                 scored = prompt_scored = None
-                finish = "length"
+                admitted = True
                 if k is not None or plp is not None:  # a forward for the client: admitted as a generation is
                     async with self.runner.admitted(greq.request_id) as admitted:
                         shared = (
@@ -1369,25 +1371,26 @@ class OpenAIServing:
                             if admitted
                             else None
                         )
-                    if not admitted:  # /abort ended it at the gate: no forward, no scores
-                        finish = "abort"
-                    elif k is not None:  # the prompt's rows of that forward: no forward of its own
+                    if admitted and k is not None:  # the prompt's rows of that forward: no forward of its own
                         scored = await self.score_sample(prompt_ids, [], 0, k, greq.params, [], [], k, None, shared)
                     if admitted and plp is not None:
                         prompt_scored = shared
-                for i in range(greq.params.n):
-                    choice = {"index": p * greq.params.n + i, "text": prefix, "logprobs": None}
-                    choice.update(finish_reason=finish, stop_reason=None)
-                    if scored is not None:
-                        choice["logprobs"] = self._echo_logprobs(prompt_ids, scored, k, None)
-                    if prompt_scored is not None:
-                        choice["prompt_logprobs"], _ = self.sample_prompt_logprobs(prompt_ids, prompt_scored, None, plp)
-                    elif plp is not None:  # aborted at the gate
-                        choice["prompt_logprobs"] = None
-                    if req.return_token_ids:
-                        choice.update(prompt_token_ids=prompt_ids, token_ids=[], token_weight_versions=[])
-                    choices.append(choice)
-                continue
+                if admitted:
+                    for i in range(greq.params.n):
+                        choice = {"index": p * greq.params.n + i, "text": prefix, "logprobs": None}
+                        choice.update(finish_reason="length", stop_reason=None)
+                        if scored is not None:
+                            choice["logprobs"] = self._echo_logprobs(prompt_ids, scored, k, None)
+                        if prompt_scored is not None:
+                            choice["prompt_logprobs"], _ = self.sample_prompt_logprobs(
+                                prompt_ids, prompt_scored, None, plp
+                            )
+                        if req.return_token_ids:
+                            choice.update(prompt_token_ids=prompt_ids, token_ids=[], token_weight_versions=[])
+                        choices.append(choice)
+                    continue
+                # /abort ended it at the gate: answered below as a request aborted there (no forward)
+                outs = aborted_outputs(greq, self.runner.weight_version)
             prompt_scored = None  # the prompt's scores, shared by its choices (once none is an error)
             for out in sorted(outs, key=lambda o: o.sample_index):
                 if out.finish_reason == FINISH_ERROR:
