@@ -21,6 +21,7 @@ from m3_rollout.chat.template import load_template, render
 from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.interface import GenerationBackend, SampleOutput, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
+from m3_rollout.engine.stop_strings import complete_text
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
 from m3_rollout.server.app import build_app
 from m3_rollout.server.client import RolloutServerClient
@@ -158,7 +159,8 @@ class ScriptedBackend(GenerationBackend):
     (cut at max_new_tokens). Logprobs are -0.01 * (i + 1); every token carries version 5.
     Implements the streaming protocol (``stream`` + ``abort``). With ``detokenize`` it honours
     ``SamplingParams.stop_strings`` as the engine does: the script ends ("stop") at the first token
-    after which its decoded text contains one, that token kept."""
+    after which its decoded text (of complete characters: ``stop_strings.complete_text``) contains
+    one, that token kept."""
 
     def __init__(self, scripts: list[list[int]], stop_id: int, detokenize=None):
         self.scripts, self.stop_id, self.detokenize = scripts, stop_id, detokenize
@@ -169,13 +171,13 @@ class ScriptedBackend(GenerationBackend):
         ids = list(self.scripts[(req.sample_index + j) % len(self.scripts)])[: req.params.max_new_tokens]
         stops = req.params.stop_strings if self.detokenize else ()
         for k in range(1, len(ids) + 1) if stops else ():
-            if any(s in self.detokenize(ids[:k]) for s in stops):
+            if any(s in complete_text(self.detokenize(ids[:k])) for s in stops):
                 return ids[:k]
         return ids
 
     def _finish(self, req, ids: list[int]) -> str:
         stops = req.params.stop_strings if self.detokenize else ()
-        if ids and (ids[-1] == self.stop_id or any(s in self.detokenize(ids) for s in stops)):
+        if ids and (ids[-1] == self.stop_id or any(s in complete_text(self.detokenize(ids)) for s in stops)):
             return "stop"
         return "length"
 

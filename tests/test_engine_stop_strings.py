@@ -57,8 +57,13 @@ def _first_stop(check, steps):
     return None
 
 
+def _complete(text: str) -> str:
+    """The text a stop string is matched in: a last U+FFFD (maybe a character still cut) held back."""
+    return text[:-1] if text.endswith("\ufffd") else text
+
+
 def _assert_same_first_stop(decode, prompt, ids, stops, steps):
-    want = _first_stop(lambda prev, k: any(s in decode(ids[:k]) for s in stops), steps)
+    want = _first_stop(lambda prev, k: any(s in _complete(decode(ids[:k])) for s in stops), steps)
     got = _first_stop(
         lambda prev, k: contains_stop_string(decode, prompt + ids[:k], len(prompt), prev, stops),
         steps,
@@ -129,8 +134,34 @@ def test_a_window_starting_inside_a_character_makes_no_false_stop(decode, byte_i
         steps = list(range(3, len(ids) + 1, 3))
         assert _assert_same_first_stop(recording, [], ids, stops, steps) is None
     assert "\ufffd" in starts  # the U+FFFD case was exercised and rejected on the whole text
-    # A one-byte step ends inside "é": the whole text ends in U+FFFD, so the check stops there.
-    assert _assert_same_first_stop(decode, [], ids, ("\ufffd",), range(1, len(ids) + 1)) == 1
+    # A one-byte step ends inside "é": the decode ends in U+FFFD, but the character is not complete
+    # yet (its next byte completes it): no stop there (it used to stop at the first token).
+    assert _assert_same_first_stop(decode, [], ids, ("\ufffd",), range(1, len(ids) + 1)) is None
+
+
+def test_a_complete_invalid_byte_sequence_still_matches_a_stop_string_holding_u_fffd(decode, byte_ids):
+    """Review finding: the check matched the partial decode, so a stop string holding U+FFFD fired
+    on a character whose bytes were still coming. The last U+FFFD is held back; a U+FFFD the text
+    really has (a lone continuation byte, a lead byte followed by ASCII) matches once text follows."""
+    a, lead, cont = byte_ids[ord("a")], byte_ids[0xC3], byte_ids[0xA9]
+    every = lambda ids: range(1, len(ids) + 1)  # noqa: E731 - one-token steps
+    # "a", C3 (cut: held back), then "a": C3 followed by ASCII is a complete invalid sequence
+    ids = [a, lead, a, a]
+    assert decode(ids[:2]).endswith("\ufffd") and decode(ids[:3]) == "a\ufffda"
+    assert _assert_same_first_stop(decode, [], ids, ("\ufffd",), every(ids)) == 3
+    assert contains_stop_string(decode, ids[:2], 0, 1, ("\ufffd",)) is False  # held back
+    assert contains_stop_string(decode, ids[:3], 0, 2, ("\ufffd",)) is True
+    # a lone continuation byte, then a cut lead byte: the first U+FFFD is complete, the second held
+    ids = [a, cont, lead]
+    assert decode(ids) == "a\ufffd\ufffd"
+    assert contains_stop_string(decode, ids, 0, 2, ("a\ufffd",)) is True
+    assert contains_stop_string(decode, ids, 0, 2, ("\ufffd\ufffd",)) is False
+    assert contains_stop_string(decode, ids + [a], 0, 3, ("\ufffd\ufffd",)) is True
+    # the window path (a long output): the same answers, confirmed on the whole text
+    pre = [a] * 80
+    assert contains_stop_string(decode, pre + [lead], 0, 80, ("\ufffd",)) is False
+    assert contains_stop_string(decode, pre + [lead, a], 0, 81, ("\ufffd",)) is True
+    assert contains_stop_string(decode, pre + [lead, cont], 0, 81, ("\ufffd",)) is False  # "é"
 
 
 def test_stop_window_counts_new_tokens_and_four_bytes_per_character():
@@ -194,3 +225,28 @@ def test_engine_decodes_a_bounded_window_per_step_and_stops_where_the_whole_text
         k = next((k for k in range(1, len(full) + 1) if any(s in _detok(full[:k]) for s in stops)), None)
         assert o.output_ids == (full[:k] if k else full), key
         assert o.finish_reason == ("stop" if k else "length")
+
+
+def test_engine_holds_back_a_character_cut_mid_generation():
+    """The engine with a byte-level ``detokenize`` whose token 7 is the byte 0xC3 (a two-byte
+    character's lead), forced by ``logit_bias``: after one token the decode ends in a cut character
+    (U+FFFD), which no longer ends the sample on a stop string holding U+FFFD; after two, the first
+    0xC3 is followed by another lead byte: a complete invalid sequence, a U+FFFD the text has."""
+    lead = 7
+
+    def byte_decode(ids):
+        return b"".join(b"\xc3" if t == lead else bytes([ord("a") + t % 26]) for t in ids).decode(
+            "utf-8", errors="replace"
+        )
+
+    def run(stops, max_new):
+        p = SamplingParams(
+            temperature=0.0, max_new_tokens=max_new, stop_token_ids=(), stop_strings=stops, logit_bias=((lead, 100.0),)
+        )
+        return _drive(_engine(byte_decode), [GenerationRequest("r", _prompt(6, 1), p)])[("r", 0)]
+
+    one = run(("\ufffd",), 1)
+    assert (one.output_ids, one.finish_reason) == ([lead], "length")  # it stopped on the cut character
+    more = run(("\ufffd",), 6)
+    assert (more.output_ids, more.finish_reason) == ([lead, lead], "stop")
+    assert run(("\ufffd\ufffd",), 6).output_ids == [lead] * 3  # the third token completes the second

@@ -5,7 +5,9 @@ the previous check found no stop string, so a new occurrence must end in the tex
 appended since. Only a tail window of the output ids wide enough to hold such an occurrence is
 decoded (``stop_window``), not the whole output: a sample of N tokens costs O(N * (new tokens +
 longest stop string)) decoded ids instead of O(N^2). The answer equals ``any(s in
-detokenize(output_ids) for s in stop_strings)`` (``contains_stop_string``).
+complete_text(detokenize(output_ids)) for s in stop_strings)`` (``contains_stop_string``): as in
+vLLM, only text of complete characters is matched; a character whose bytes are still to come
+(the decode ends in U+FFFD) is held back until the tokens after it are in.
 
 Units: token counts are ids; stop-string lengths are characters (Python ``len`` of ``str``).
 """
@@ -18,6 +20,21 @@ from collections.abc import Callable, Sequence
 # rewrite the text of the window's first token (SentencePiece drops its leading space; the window
 # may start inside a UTF-8 character, whose stray bytes decode as U+FFFD); the rest is margin.
 WINDOW_MARGIN = 8
+
+
+def complete_text(text: str) -> str:
+    """``text`` without a last character that may still be incomplete: a decode ending in U+FFFD
+    may end inside a multi-byte character whose remaining bytes the next tokens bring (vLLM's
+    detokenizer releases no text that ends in U+FFFD). Only the last one is held: a U+FFFD followed
+    by any character (another U+FFFD included) stands for a complete invalid byte sequence, text
+    the output really has, so a stop string holding U+FFFD matches it once text follows.
+
+    Args:
+        text: a decode of output ids (``str``).
+    Returns:
+        ``text``, less its last character when that is U+FFFD.
+    """
+    return text[:-1] if text.endswith("\ufffd") else text
 
 
 def stop_window(num_new: int, max_stop_chars: int) -> int:
@@ -44,11 +61,14 @@ def contains_stop_string(
     num_checked: int,
     stop_strings: Sequence[str],
 ) -> bool:
-    """Whether ``detokenize(token_ids[output_start:])`` (the sample's output text) contains one of
-    ``stop_strings``, decoding only its last ``stop_window`` ids.
+    """Whether ``complete_text(detokenize(token_ids[output_start:]))`` (the sample's output text of
+    complete characters) contains one of ``stop_strings``, decoding only its last ``stop_window``
+    ids.
 
     Precondition: the output's first ``num_checked`` tokens were checked and their text contained
-    no stop string (0 before the first check); the new tokens are the ones after them.
+    no stop string (0 before the first check); the new tokens are the ones after them (an
+    occurrence may end in the character held back then: it lies in the window all the same, as
+    the tokens before the new ones that hold its bytes still number at most 4 per character).
 
     The window's first characters may differ from the whole text's (a character cut by the window
     start decodes as U+FFFD, a first token may lose its leading space): dropping characters cannot
@@ -62,17 +82,17 @@ def contains_stop_string(
         num_checked: output tokens already checked, 0 <= num_checked <= output length.
         stop_strings: non-empty strings (at least one).
     Returns:
-        True when the whole output text contains one of ``stop_strings``.
+        True when the whole output text of complete characters contains one of ``stop_strings``.
     """
     n = len(token_ids)
     assert output_start <= output_start + num_checked <= n, (output_start, num_checked, n)
     assert stop_strings and all(stop_strings), stop_strings
     window = stop_window(n - output_start - num_checked, max(map(len, stop_strings)))
     start = max(output_start, n - window)
-    text = detokenize(token_ids[start:])
+    text = complete_text(detokenize(token_ids[start:]))
     if not any(s in text for s in stop_strings):
         return False
     if start == output_start:  # the window is the whole output
         return True
-    text = detokenize(token_ids[output_start:])
+    text = complete_text(detokenize(token_ids[output_start:]))
     return any(s in text for s in stop_strings)
