@@ -243,7 +243,8 @@ class PolicyConfig:
     activation_checkpointing: bool = False
     train_global_batch_size: int = 128
     # Rows per forward / backward within an optimizer step: divides train_global_batch_size, or is
-    # at least it (one forward per optimizer step).
+    # at least it (one forward per optimizer step; m3_trainers.step caps it at the global batch, its
+    # pre-update scoring too).
     train_micro_batch_size: int = 64
     max_grad_norm: float = 1.0
     thinking_mode: str = "disabled"

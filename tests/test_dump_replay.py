@@ -383,3 +383,42 @@ def test_replay_json_is_written_whole_and_fsynced_through_write_atomic(dump, mon
     assert result["checkpoint"] == str(root / "ckpt") and [s["step"] for s in result["rescore"]] == [1]
     st = os.stat(out / "replay.json")
     assert synced == [(st.st_dev, st.st_ino)] and os.listdir(out) == ["replay.json"]
+
+
+@pytest.mark.parametrize("mbs", [2, 4])
+def test_first_optimizer_steps_ratio_numerator_is_the_prev_logprobs_bitwise(dump, mbs):
+    """The first optimizer step of a split GRPO step (global batch 2 of 4 rows) trains on the
+    weights the prev logprobs were scored on: the training forward's logprobs (the ratio's
+    numerator) equal them bit for bit, so every ratio is exactly 1. Review finding: with
+    policy.train_micro_batch_size (4) above the global batch, the scoring pass ran 4 rows per
+    forward (the whole batch's width) and the optimizer steps 2: other shapes, other bits."""
+    import copy
+
+    from m3_trainers.step import build_loss_fn, build_policy, train_step_on_groups
+
+    root, trajs = dump
+    overrides = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"]
+    batch = ["policy.train_global_batch_size=2", f"policy.train_micro_batch_size={mbs}"]
+    cfg = load_config(None, [*overrides, *batch])
+    policy = build_policy(cfg, load_checkpoint(root / "ckpt", dtype=torch.float32), 2)
+    loss_fn = build_loss_fn(cfg.loss_fn)
+    pairs, real = [], loss_fn.loss_and_stats
+
+    def recording(lp, prev, *args, **kwargs):
+        pairs.append((lp.detach().clone(), prev.clone()))
+        return real(lp, prev, *args, **kwargs)
+
+    loss_fn.loss_and_stats = recording
+    seen, step = [], policy.train_step
+
+    def train_step(mb, *args, **kwargs):
+        seen.append(mb.token_ids.shape[0])
+        return step(mb, *args, **kwargs)
+
+    policy.train_step = train_step
+    train_step_on_groups(policy, loss_fn, copy.deepcopy(trajs), cfg, TEMPERATURE)
+    assert seen == [2, 2] and len(pairs) == 2  # two optimizer steps of one 2-row micro batch each
+    assert len(trajs[0].token_ids) < max(len(t.token_ids) for t in trajs)  # the batch is wider than step 1's rows
+    lp, prev = pairs[0]
+    assert torch.equal(lp, prev)  # the first step: the very bits scored before the update
+    assert not torch.equal(*pairs[1])  # the second runs on updated weights

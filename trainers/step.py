@@ -300,7 +300,11 @@ def train_step_on_groups(
         with_block_selection=p.generation.record_block_selection,
     )
     t0 = time.perf_counter()
-    gbs, mbs = p.train_global_batch_size, p.train_micro_batch_size
+    # NOTE: a micro batch above the global batch is the global batch (config allows it): the scoring
+    # passes below then split the rows as the optimizer steps do, so the first step's training
+    # forward runs the very shapes the prev logprobs came from (same bits; the ratio is exactly 1)
+    gbs = p.train_global_batch_size
+    mbs = min(p.train_micro_batch_size, gbs)
     prev = ref = own = None
     scored = 0  # tokens of the forwards run here, before the optimizer steps
     selections = batch.block_selection is not None
@@ -333,7 +337,7 @@ def train_step_on_groups(
                 mb,
                 loss_fn,
                 temperature,
-                p.train_micro_batch_size,
+                mbs,
                 None if prev is None else prev[s : s + gbs, :l],
                 None if ref is None else ref[s : s + gbs, :l],
                 prev_on_current_weights=s == 0,
