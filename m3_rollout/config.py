@@ -815,10 +815,26 @@ def _check_micro_batch(e: list[str], p: PolicyConfig) -> None:
 
 
 def _check_env_keys(e: list[str], env: EnvConfig) -> None:
-    """``env.jsonl.*`` is read by ``env.name=jsonl`` alone (``rollout.environments.build_environment``):
-    with ``env.name=calculator`` a key set away from its default would be ignored silently (the
-    calculator environment scores with its own rule, tool and prompt), so it is refused naming the
-    fix. A key given at its default value cannot be told from an absent one, and changes nothing."""
+    """``env.jsonl.*`` is read by ``env.name=jsonl`` alone and ``env.calculator.*`` by
+    ``env.name=calculator`` alone (``rollout.environments.build_environment``): with the other
+    environment a key set away from its default would be ignored silently (the calculator
+    environment scores with its own rule, tool and prompt; the jsonl one offers its tools at their
+    defaults, with ``env.jsonl.timeout_s``), so it is refused naming the fix. A key given at its
+    default value cannot be told from an absent one, and changes nothing."""
+    if env.name == "jsonl":
+        default = CalculatorEnvConfig()
+        for f in dataclasses.fields(CalculatorEnvConfig):
+            value = getattr(env.calculator, f.name)
+            if value != getattr(default, f.name):
+                _check(
+                    e,
+                    False,
+                    f"env.calculator.{f.name}",
+                    value,
+                    "is read only with env.name=calculator; env.name=jsonl scores with env.jsonl.* (its reward_fn, "
+                    "its tools at their defaults, the tool timeout env.jsonl.timeout_s) and would ignore it: set "
+                    "env.name=calculator or leave the key out",
+                )
     if env.name != "calculator":
         return
     default = JsonlEnvConfig()

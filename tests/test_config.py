@@ -375,6 +375,26 @@ def test_env_jsonl_keys_with_the_calculator_environment_are_refused(tmp_path):
     load_config(MAIN, [*src, "env.jsonl.tools=[calculator]"])  # the default: nothing ignored
 
 
+def test_env_calculator_keys_with_the_jsonl_environment_are_refused(tmp_path):
+    """Review finding, the reverse of the rule above: env.calculator.* were ignored silently with
+    env.name=jsonl (its calculator tool keeps its defaults, its timeout is env.jsonl.timeout_s). Now
+    each is refused naming env.name=calculator; with the calculator environment they load, and a
+    key at its default value changes nothing either way."""
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(f'{{"prompt": "What is {i} + {i}?", "answer": {2 * i}}}\n' for i in range(12)))
+    src = ["data.source=jsonl", f"data.path={data}", "grpo.num_val_prompts=4"]
+    keys = ["env.calculator.max_expression_chars=16", "env.calculator.timeout_s=5.0"]
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, [*src, "env.name=jsonl", *keys])
+    msg = str(exc.value)
+    assert "env.calculator.max_expression_chars=16: is read only with env.name=calculator" in msg
+    assert "env.calculator.timeout_s=5.0: is read only with env.name=calculator" in msg
+    assert msg.count("set env.name=calculator") == 2 and "env.jsonl.timeout_s" in msg
+    cfg = load_config(MAIN, [*src, *keys])  # the calculator environment reads them
+    assert (cfg.env.calculator.max_expression_chars, cfg.env.calculator.timeout_s) == (16, 5.0)
+    load_config(MAIN, [*src, "env.name=jsonl", "env.calculator.timeout_s=1.0"])  # the default: nothing ignored
+
+
 def test_jsonl_data_with_the_calculator_environment_is_scored_by_the_calculator(tmp_path):
     """data.source=jsonl with env.name left at calculator (as README documents): the calculator
     environment scores the file's records, reward 1 iff the answer's last integer is the record's."""
