@@ -856,8 +856,10 @@ def _check_env_keys(e: list[str], env: EnvConfig) -> None:
 def validate(cfg: MasterConfig, training: bool = True) -> None:
     """Check ranges and cross-key rules.
 
-    ``training``: False for a command that only rolls out (``dump generate``): the rule that
-    exists for the GRPO update alone, grpo.num_generations_per_prompt >= 2, becomes >= 1.
+    ``training``: False for a command that only rolls out (``dump generate``): the rules that
+    exist for the GRPO update alone are relaxed: grpo.num_generations_per_prompt >= 2 becomes >= 1,
+    and policy.train_global_batch_size / train_micro_batch_size need not divide the step's samples
+    / the global batch (their ranges are still checked).
 
     Raises:
         ConfigError: listing every violation as ``key=value: allowed``.
@@ -968,9 +970,13 @@ def validate(cfg: MasterConfig, training: bool = True) -> None:
         "must be >= 16",
     )
     _check(e, p.train_micro_batch_size >= 1, "policy.train_micro_batch_size", p.train_micro_batch_size, "must be >= 1")
-    _check_micro_batch(e, p)
-    if g.num_prompts_per_step >= 1 and g.num_generations_per_prompt >= 2:  # else refused above, or not training
-        _check_global_batch(e, g, p.train_global_batch_size)
+    if training:  # the batch rules shape optimizer steps: `dump generate` runs none
+        _check_micro_batch(e, p)
+        if g.num_prompts_per_step >= 1 and g.num_generations_per_prompt >= 2:  # else refused above
+            _check_global_batch(e, g, p.train_global_batch_size)
+    else:
+        gbs = p.train_global_batch_size
+        _check(e, gbs >= 1, "policy.train_global_batch_size", gbs, "must be >= 1")
     _check(e, p.optimizer.lr > 0, "policy.optimizer.lr", p.optimizer.lr, "must be > 0")
     _check(e, p.max_grad_norm > 0, "policy.max_grad_norm", p.max_grad_norm, "must be > 0")
     for key in ("ratio_clip_min", "ratio_clip_max"):

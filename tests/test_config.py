@@ -375,6 +375,25 @@ def test_env_jsonl_keys_with_the_calculator_environment_are_refused(tmp_path):
     load_config(MAIN, [*src, "env.jsonl.tools=[calculator]"])  # the default: nothing ignored
 
 
+def test_batch_rules_apply_only_to_training_configs():
+    """Review finding: `dump generate` (``load_config(..., training=False)``) trains nothing, yet a
+    group size of 2 or more still had to fit policy.train_global_batch_size (and the micro batch
+    the global one): now those training-only rules are skipped there, and kept for the GRPO job."""
+    over = ["grpo.num_prompts_per_step=3", "grpo.num_generations_per_prompt=2"]  # 6 samples per step
+    with pytest.raises(ConfigError, match=r"policy\.train_global_batch_size=128: must divide the samples of a step"):
+        load_config(MAIN, over)
+    cfg = load_config(MAIN, over, training=False)
+    assert (cfg.grpo.num_generations_per_prompt, cfg.policy.train_global_batch_size) == (2, 128)
+    ragged = [*over, "policy.train_global_batch_size=6", "policy.train_micro_batch_size=4"]
+    with pytest.raises(ConfigError, match=r"policy\.train_micro_batch_size=4: must divide"):
+        load_config(MAIN, ragged)
+    assert load_config(MAIN, ragged, training=False).policy.train_micro_batch_size == 4
+    with pytest.raises(ConfigError, match=r"policy\.train_micro_batch_size=0: must be >= 1"):  # a range: kept
+        load_config(MAIN, [*over, "policy.train_micro_batch_size=0"], training=False)
+    with pytest.raises(ConfigError, match=r"policy\.train_global_batch_size=0: must be >= 1"):
+        load_config(MAIN, [*over, "policy.train_global_batch_size=0"], training=False)
+
+
 def test_env_calculator_keys_with_the_jsonl_environment_are_refused(tmp_path):
     """Review finding, the reverse of the rule above: env.calculator.* were ignored silently with
     env.name=jsonl (its calculator tool keeps its defaults, its timeout is env.jsonl.timeout_s). Now
