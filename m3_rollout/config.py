@@ -449,11 +449,23 @@ class WeightSyncConfig:
 _BROADCAST_ONLY = ("backend", "bucket_size_mb", "double_buffer", "timeout_s", "master_port")
 
 
+#: The longest weight-sync collective timeout taken (seconds: an hour), by ``weight_sync.timeout_s``
+#: and the server's ``/init_weight_sync``: a join holds the control plane that long, and a huge value
+#: overflows the collective's timedelta.
+MAX_WEIGHT_SYNC_TIMEOUT_S = 3600.0
+
+
 def _check_weight_sync(e: list[str], cfg: MasterConfig) -> None:
     """weight_sync keys: ranges, and every key must take effect in the resolved mode."""
     ws = cfg.weight_sync
     _check(e, ws.bucket_size_mb > 0, "weight_sync.bucket_size_mb", ws.bucket_size_mb, "must be > 0 (MiB)")
-    _check(e, ws.timeout_s > 0, "weight_sync.timeout_s", ws.timeout_s, "must be > 0 (seconds)")
+    _check(
+        e,
+        0 < ws.timeout_s <= MAX_WEIGHT_SYNC_TIMEOUT_S,
+        "weight_sync.timeout_s",
+        ws.timeout_s,
+        f"must be in (0, {MAX_WEIGHT_SYNC_TIMEOUT_S:g}] (seconds)",
+    )
     _check(
         e,
         0 <= ws.master_port < 65536,

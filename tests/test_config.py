@@ -161,6 +161,8 @@ def test_new_options_load():
         ("grpo.seed=99999999999999999999999", "grpo.seed"),
         ("grpo.seed=-1", "grpo.seed"),
         ("grpo.seed=1099511627776", "grpo.seed"),
+        # the server's /init_weight_sync refuses more than an hour: refused at load, not at the first refit
+        ("weight_sync.timeout_s=7200", "weight_sync.timeout_s"),
     ],
 )
 def test_more_bad_values_name_the_key(override, needle):

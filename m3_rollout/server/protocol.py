@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from m3_rollout.config import MAX_WEIGHT_SYNC_TIMEOUT_S
 from m3_rollout.engine.interface import MAX_TOP_LOGPROBS  # noqa: F401  (the engine's cap, as the OpenAI API)
 
 MAX_N = 128  # samples per request
@@ -91,7 +92,9 @@ def _annotation_at(model: type[BaseModel], path) -> Any:
     ann: Any = model
     for part in path:
         ann = m[0] if len(m := _members(ann)) == 1 else ann
-        if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(part, str):
+        # NOTE: get_origin first: on Python 3.10 list[X] is an instance of type, and issubclass
+        # raises TypeError on it
+        if get_origin(ann) is None and isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(part, str):
             if part not in ann.model_fields:
                 return None
             ann = ann.model_fields[part].annotation
@@ -329,10 +332,6 @@ class DetokenizeRequest(_Body):
 
 
 # ---- control plane -----------------------------------------------------------------------------
-#: The longest collective timeout /init_weight_sync takes (seconds): an hour.
-MAX_WEIGHT_SYNC_TIMEOUT_S = 3600.0
-
-
 class InitWeightSyncRequest(_Body):
     """The trainer's weight-sync group: where rank 0 hosts its TCPStore, how many ranks, this
     server's rank, the backend ("gloo" on CPU, "nccl" on GPU)."""
