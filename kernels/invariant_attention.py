@@ -206,11 +206,13 @@ from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs, check_
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
 
-# The sparse layers' attention (module docstring, "Sparse attention by page partials"), read at each
-# call: "union" = inv_attn_kernel's walk of its tiles' union (the GPU-checked bits); "page_partials" =
+# The sparse layers' attention (module docstring, "Sparse attention by page partials"): "union" =
+# inv_attn_kernel's walk of its tiles' union (the GPU-checked bits); "page_partials" =
 # kernels/invariant_page_partials.py (KV-major per-page partials + merge for prefill and decode rows).
-# Dense layers take inv_attn_kernel either way. The ops table takes the engine's KV-major scratch
-# with "page_partials" (engine/ops.py invariant_attention_fields).
+# Dense layers take inv_attn_kernel either way. The default of the ops' ``sparse_impl`` keyword:
+# engine/ops.py invariant_attention_fields reads it once, when it builds a table, and binds it into
+# the table's ops (with the KV-major scratch for "page_partials"), so flipping it later leaves
+# existing engines, captured graphs and scorers on the choice they were built with.
 SPARSE_IMPLS = ("union", "page_partials")
 SPARSE_IMPL = "union"
 
@@ -1015,6 +1017,13 @@ def _decode_split_programs(n_splits: int, n_tiles: int, max_sparse_splits: int) 
     return min(z, max_sparse_splits) if max_sparse_splits > 0 else z
 
 
+def check_sparse_impl(sparse_impl: str) -> str:
+    """``sparse_impl`` if it is one of ``SPARSE_IMPLS``; else ValueError naming it."""
+    if sparse_impl not in SPARSE_IMPLS:
+        raise ValueError(f"invariant_attention: sparse_impl={sparse_impl!r}; one of {SPARSE_IMPLS}")
+    return sparse_impl
+
+
 def _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids) -> None:
     """``check_attention_inputs`` of the fast op, plus the top-k width this kernel's sort holds."""
     check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids, op="invariant_paged_attention")
@@ -1041,6 +1050,7 @@ def invariant_paged_attention(
     tile_rows: int | None = None,
     warps: int | None = None,
     scratch: torch.Tensor | None = None,
+    sparse_impl: str | None = None,
 ) -> torch.Tensor:
     """Batch-invariant ``paged_attention`` (PagedOps field; reference ``paged_attention_ref``, spec §3.5).
 
@@ -1055,18 +1065,18 @@ def invariant_paged_attention(
     (dot rows, a power of two >= 16) / warp count (a power of two <= 16)
     than the layer kind's ``DENSE_TILE_ROWS`` / ``SPARSE_TILE_ROWS`` and ``DENSE_WARPS`` / ``SPARSE_WARPS``
     (scripts/bench_invariant_attention.py --tile-sweep; a layer must keep one choice for decode and
-    prefill, the engine never passes one); not read by sparse layers with ``SPARSE_IMPL`` "page_partials".
-    Sparse layers follow ``SPARSE_IMPL`` (read at each call): "page_partials" computes them with
-    ``invariant_page_partials.page_partials_attention``, whose KV-major partials use ``scratch``
+    prefill, the engine never passes one); not read by sparse layers with ``sparse_impl`` "page_partials".
+    Sparse layers follow ``sparse_impl`` (one of ``SPARSE_IMPLS``; None: the module's ``SPARSE_IMPL``
+    at this call; the ops table binds the value it read when built): "page_partials" computes them
+    with ``invariant_page_partials.page_partials_attention``, whose KV-major partials use ``scratch``
     (None or a contiguous uint8 vector on q's device, kernels/paged_layout.py; the engine binds
     its own when the table says ``takes_prefill_scratch``); "union" ignores it. Raises ValueError
-    for a bad scratch or an unknown ``SPARSE_IMPL``.
+    for a bad scratch or an unknown ``sparse_impl``.
     """
     _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
     _check_tile_choice(tile_rows, warps)
     check_kv_major_scratch(scratch, q.device, "invariant_paged_attention")
-    if SPARSE_IMPL not in SPARSE_IMPLS:
-        raise ValueError(f"invariant_attention.SPARSE_IMPL={SPARSE_IMPL!r}; one of {SPARSE_IMPLS}")
+    sparse_impl = check_sparse_impl(SPARSE_IMPL if sparse_impl is None else sparse_impl)
     t, nh, d = q.shape
     g, ps = k_cache_l.shape[1], k_cache_l.shape[2]
     out = torch.empty_like(q)
@@ -1075,7 +1085,7 @@ def invariant_paged_attention(
     dense = topk_ids is None
     # the kernels read a token's K slots at unit stride: any other layout is copied first
     sel = q.new_empty((1, 1, 1), dtype=torch.int32) if dense else topk_ids.to(torch.int32).contiguous()
-    if not dense and SPARSE_IMPL == "page_partials":
+    if not dense and sparse_impl == "page_partials":
         return page_partials_attention(q, k_cache_l, v_cache_l, meta, scale, sel, out, scratch)
     topk = 0 if dense else int(topk_ids.shape[2])
     rh = nh // g
@@ -1345,6 +1355,7 @@ def invariant_msa_attention(
     local_blocks: int = 1,
     sel_out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    sparse_impl: str | None = None,
 ) -> torch.Tensor:
     """Batch-invariant ``msa_attention`` (PagedOps field; reference ``msa_attention_ref``, spec §3.4-3.5).
 
@@ -1352,10 +1363,12 @@ def invariant_msa_attention(
     or an ``FP8IndexCache`` (all already holding this step's keys); meta: ``PagedMetadata``
     (decode rows first). ``invariant_index_topk`` then ``invariant_paged_attention`` over the
     choice, for decode and prefill rows alike. sel_out: optional [T, G, K] integer tensor (any
-    strides; the engine's block-selection record) receiving the choice. scratch: handed to
-    ``invariant_paged_attention`` (read with ``SPARSE_IMPL`` "page_partials"). Returns [T, nh, d]
-    in q.dtype. Raises ValueError for unsupported dtypes or sizes, naming the field.
+    strides; the engine's block-selection record) receiving the choice. scratch, sparse_impl:
+    handed to ``invariant_paged_attention`` (scratch read with "page_partials"). Returns [T, nh, d]
+    in q.dtype. Raises ValueError for unsupported dtypes or sizes, naming the field, or an unknown
+    ``sparse_impl``.
     """
+    sparse_impl = check_sparse_impl(SPARSE_IMPL if sparse_impl is None else sparse_impl)
     if iq.shape[:2] != (q.shape[0], k_cache_l.shape[1]):
         raise ValueError(
             f"invariant_msa_attention: iq {tuple(iq.shape)} needs [T={q.shape[0]}, G={k_cache_l.shape[1]}, di]"
@@ -1363,4 +1376,6 @@ def invariant_msa_attention(
     ids = invariant_index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
     if sel_out is not None:
         sel_out.copy_(ids)
-    return invariant_paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch)
+    return invariant_paged_attention(
+        q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch, sparse_impl=sparse_impl
+    )

@@ -289,8 +289,8 @@ def test_head_dim_64_block_32_and_errors_name_the_field():
 def test_paged_ops_fields():
     fields = invariant_attention_fields(interpret=True)
     ops = PagedOps(**fields)
-    assert ops.paged_attention.__name__ == "invariant_paged_attention"
-    assert ops.msa_attention.__name__ == "invariant_msa_attention"
+    assert ops.paged_attention.func.__name__ == "invariant_paged_attention"
+    assert ops.msa_attention.func.__name__ == "invariant_msa_attention"
 
 
 # ------------------------------------------------------------------------------ bitwise invariance

@@ -37,9 +37,10 @@ from m3_kernels.msa_synthetic import PagedBatch, make_paged_batch, make_step_bat
 from m3_kernels.paged_layout import KV_CHUNK_TOKENS, KV_MAJOR_MIN_TOKENS, kv_major_token_bytes
 from m3_rollout.engine.config import EngineConfig
 from m3_rollout.engine.engine import LLMEngine
-from m3_rollout.engine.ops import interpreted_paged_ops, invariant_attention_fields
+from m3_rollout.engine.ops import bind_prefill_scratch, interpreted_paged_ops, invariant_attention_fields
 from m3_rollout.engine.reference_ops import index_topk_ref, msa_attention_ref, paged_attention_ref
 from m3_rollout.engine.score import PagedScorer
+from m3_rollout.model.paged_ops import PagedOps
 
 ia = interpreted_invariant_attention()
 
@@ -181,11 +182,54 @@ def test_switch_is_off_by_default_and_dense_layers_ignore_it(monkeypatch):
     torch.testing.assert_close(union, want, atol=2e-5, rtol=0)
     assert_rows_equal(ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE), dense, "dense layer")
     monkeypatch.setattr(ia, "SPARSE_IMPL", "pages")
-    with pytest.raises(ValueError, match="SPARSE_IMPL='pages'"):
+    with pytest.raises(ValueError, match="sparse_impl='pages'"):
         run(b)
+    with pytest.raises(ValueError, match="sparse_impl='pages'"):
+        invariant_attention_fields(interpret=True)
     monkeypatch.setattr(ia, "SPARSE_IMPL", "union")
     with pytest.raises(ValueError, match="invariant_paged_attention: scratch must be a contiguous uint8"):
         run(b, torch.zeros(8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("built, flipped", [("union", "page_partials"), ("page_partials", "union")])
+def test_table_keeps_the_sparse_impl_it_was_built_with(built, flipped, monkeypatch):
+    """The table reads ``SPARSE_IMPL`` once, when built: flipping the global afterwards changes
+    neither its ops' path (whether page_partials_attention runs) nor their bits, also with a scratch
+    bound as the engine binds one; a call outside a table follows the global."""
+    monkeypatch.setattr(ia, "SPARSE_IMPL", built)
+    fields = invariant_attention_fields(interpret=True)
+    pp = built == "page_partials"
+    assert fields["takes_prefill_scratch"] == pp
+    monkeypatch.setattr(ia, "SPARSE_IMPL", flipped)
+    calls = []
+    real = ia.page_partials_attention
+    monkeypatch.setattr(ia, "page_partials_attention", lambda *a: calls.append(1) or real(*a))
+
+    def ran_page_partials(fn, *args, **kw):
+        calls.clear()
+        out = fn(*args, **kw)
+        return out, bool(calls)
+
+    b = step(torch.float32, [("c", 59, 1), ("a", 99, 1), ("b", 0, 45)], 2)
+    ids = engineered_ids(b.meta.positions)
+    attn = (b.q, b.k, b.v, b.meta, SCALE, ids)
+    want, ran = ran_page_partials(ia.invariant_paged_attention, *attn, sparse_impl=built)
+    assert ran == pp
+    other, ran = ran_page_partials(ia.invariant_paged_attention, *attn)  # outside a table: the global
+    assert ran != pp and not torch.equal(want, other)  # the two paths' bits differ on this batch
+    got, ran = ran_page_partials(fields["paged_attention"], *attn)
+    assert ran == pp
+    assert_rows_equal(got, want, f"paged_attention of a table built with {built}")
+    msa = (b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, 3)
+    want, _ = ran_page_partials(ia.invariant_msa_attention, *msa, sparse_impl=built)
+    got, ran = ran_page_partials(fields["msa_attention"], *msa)
+    assert ran == pp
+    assert_rows_equal(got, want, f"msa_attention of a table built with {built}")
+    if pp:  # as the engine binds its scratch: the choice survives bind_prefill_scratch
+        bound = bind_prefill_scratch(PagedOps(**fields), scratch_of(64, torch.float32))
+        got, ran = ran_page_partials(bound.msa_attention, *msa)
+        assert ran and bound.msa_attention.keywords["sparse_impl"] == built
+        assert_rows_equal(got, want, "msa_attention with a bound scratch")
 
 
 def test_engine_and_scorer_bind_a_scratch_for_every_prefill_length():
@@ -193,7 +237,7 @@ def test_engine_and_scorer_bind_a_scratch_for_every_prefill_length():
     step's prefill even below KV_MAJOR_MIN_TOKENS (this path runs at every length), the trainer's
     scorer binds one of its own for its forwards; both reach the attention ops."""
     fields = invariant_attention_fields(interpret=True)
-    assert fields["takes_prefill_scratch"] and fields["msa_attention"] is ia.invariant_msa_attention
+    assert fields["takes_prefill_scratch"] and fields["msa_attention"].func is ia.invariant_msa_attention
     table = dataclasses.replace(interpreted_paged_ops(batch_invariant=True), **fields)
     model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS, layers=2)
     cfg = model.config

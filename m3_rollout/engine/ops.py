@@ -19,7 +19,8 @@ Selection rules (same as before the table existed):
 - KV-major prefill scratch: the Triton attention table says ``takes_prefill_scratch``; the engine sizes
   the buffer (``paged_cache.prefill_scratch_bytes``), allocates it and binds it with
   :func:`bind_prefill_scratch`, so the kernels never allocate their own. The batch-invariant table
-  takes one only with ``invariant_attention.SPARSE_IMPL = "page_partials"`` (off by default).
+  takes one only with ``invariant_attention.SPARSE_IMPL = "page_partials"`` (off by default) when the
+  table is built (the choice is bound into the table's ops then).
 - batch-invariant mode (``batch_invariant=True``, ``EngineConfig.batch_invariant``; design.md §4.6):
   on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
   for every projection, the router logits and lm_head; ``fused_experts`` with one tile config; the
@@ -78,10 +79,13 @@ def invariant_attention_fields(device: torch.device | str = "cuda", interpret: b
     device: the model's device: compiled kernels on CUDA with triton; elsewhere the PyTorch
     references, which are NOT batch-invariant (``paged_ops_for`` warns). interpret: the kernels
     under the Triton interpreter on CPU tensors (tests; sets TRITON_INTERPRET=1 for the rest of the
-    process). ``takes_prefill_scratch``: whether the kernels take the KV-major scratch, i.e. whether
-    ``invariant_attention.SPARSE_IMPL`` is "page_partials" when the table is built (their sparse
-    attention then writes per-page partials at every prefill length and at decode; the engine and
-    ``PagedScorer`` bind a scratch).
+    process). The sparse attention is ``invariant_attention.SPARSE_IMPL`` read once, here, and bound
+    into both ops (``functools.partial(..., sparse_impl=...)``): flipping the module global later
+    changes neither this table nor the engines, captured graphs and scorers built on it.
+    ``takes_prefill_scratch``: whether the kernels take the KV-major scratch, i.e. whether that choice
+    is "page_partials" (their sparse attention then writes per-page partials at every prefill length
+    and at decode; the engine and ``PagedScorer`` bind a scratch). Raises ValueError for an unknown
+    ``SPARSE_IMPL``.
     """
     if interpret:
         from m3_kernels.msa_interpret import interpreted_invariant_attention
@@ -91,10 +95,11 @@ def invariant_attention_fields(device: torch.device | str = "cuda", interpret: b
         import m3_kernels.invariant_attention as ia
     else:
         return dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref, takes_prefill_scratch=False)
+    impl = ia.check_sparse_impl(ia.SPARSE_IMPL)
     return {
-        "paged_attention": ia.invariant_paged_attention,
-        "msa_attention": ia.invariant_msa_attention,
-        "takes_prefill_scratch": ia.SPARSE_IMPL == "page_partials",
+        "paged_attention": functools.partial(ia.invariant_paged_attention, sparse_impl=impl),
+        "msa_attention": functools.partial(ia.invariant_msa_attention, sparse_impl=impl),
+        "takes_prefill_scratch": impl == "page_partials",
     }
 
 
