@@ -54,7 +54,8 @@ class GRPOConfig:
     val_at_start: bool = True
     val_at_end: bool = True
     num_val_prompts: int = 256
-    # Held-out accuracy is measured by sampling at this temperature, one sample per prompt.
+    # Held-out accuracy is measured by sampling at this temperature, one sample per prompt
+    # (no top-p / top-k); 0 = greedy (the engine's argmax, vLLM's rule).
     val_temperature: float = 1.0
     seed: int = 42  # in [0, 2**40): torch / numpy seeds and the samplers' int64 seeds derive from it
     # DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompt batches,
@@ -140,7 +141,7 @@ class GenerationConfig:
     http_startup_timeout_s: float = 300.0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 = off
+    top_k: int = -1  # -1 or 0 = off (vLLM's rule)
     # Tokens one turn may generate; the whole trajectory is also capped by
     # policy.max_total_sequence_length.
     max_new_tokens: int = 48
@@ -903,16 +904,21 @@ def validate(cfg: MasterConfig, training: bool = True) -> None:
         g.seed,
         "must be in [0, 2**40) (the sampling seeds derive from it as seed * 100003 + step, kept in int64)",
     )
-    _check(e, g.val_temperature > 0, "grpo.val_temperature", g.val_temperature, "must be > 0")
+    _check(e, g.val_temperature >= 0, "grpo.val_temperature", g.val_temperature, "must be >= 0 (0 = greedy)")
+    # NOTE: the engine reads temperature 0 as greedy (vLLM's rule), but a greedy group is n copies of
+    # one sample: equal rewards, every GRPO advantage 0, nothing to learn; and the trainer divides
+    # the logits by this temperature when it scores the rollouts.
     _check(
         e,
         gen.temperature > 0,
         "policy.generation.temperature",
         gen.temperature,
-        "must be > 0 (use a small value such as 1e-3 for near-greedy)",
+        "must be > 0: 0 is greedy, whose n samples per prompt are identical (every GRPO advantage 0) and "
+        "which the trainer cannot score (it divides the logits by the temperature); for greedy held-out "
+        "accuracy set grpo.val_temperature=0",
     )
     _check(e, 0 < gen.top_p <= 1, "policy.generation.top_p", gen.top_p, "must be in (0, 1]")
-    _check(e, gen.top_k == -1 or gen.top_k >= 1, "policy.generation.top_k", gen.top_k, "must be -1 (off) or >= 1")
+    _check(e, gen.top_k >= -1, "policy.generation.top_k", gen.top_k, "must be -1 or 0 (off) or >= 1")
     _check(e, gen.max_new_tokens >= 1, "policy.generation.max_new_tokens", gen.max_new_tokens, "must be >= 1")
     _check(e, gen.max_num_seqs >= 1, "policy.generation.max_num_seqs", gen.max_num_seqs, "must be >= 1")
     _check(
@@ -1025,7 +1031,7 @@ def validate(cfg: MasterConfig, training: bool = True) -> None:
     )
     _check(
         e,
-        not lf.use_importance_sampling_correction or (gen.top_k == -1 and gen.top_p == 1.0),
+        not lf.use_importance_sampling_correction or (gen.top_k in (-1, 0) and gen.top_p == 1.0),
         "loss_fn.use_importance_sampling_correction",
         lf.use_importance_sampling_correction,
         "needs policy.generation.top_k=-1 and top_p=1.0: the trainer scores the temperature-only "

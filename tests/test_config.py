@@ -137,6 +137,23 @@ def test_new_options_load():
     assert cfg.checkpointing.keep_top_k == 3
 
 
+def test_top_k_0_and_greedy_validation_load_and_greedy_training_says_why():
+    """top_k 0 is off as in the engine (vLLM); val_temperature 0 is greedy validation; training
+    temperature 0 is refused saying why (identical group samples) and what to use instead."""
+    cfg = load_config(MAIN, ["policy.generation.top_k=0", "grpo.val_temperature=0"])
+    assert cfg.policy.generation.top_k == 0 and cfg.grpo.val_temperature == 0
+    cfg = load_config(MAIN, ["policy.generation.top_k=0", "loss_fn.use_importance_sampling_correction=true"])
+    assert cfg.policy.generation.top_k == 0
+    with pytest.raises(ConfigError, match="policy.generation.top_k=-2: must be -1 or 0 \\(off\\) or >= 1"):
+        load_config(MAIN, ["policy.generation.top_k=-2"])
+    with pytest.raises(ConfigError, match="grpo.val_temperature=-0.5: must be >= 0 \\(0 = greedy\\)"):
+        load_config(MAIN, ["grpo.val_temperature=-0.5"])
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, ["policy.generation.temperature=0"])
+    assert "identical (every GRPO advantage 0)" in str(exc.value) and "grpo.val_temperature=0" in str(exc.value)
+    assert "near-greedy" not in str(exc.value)
+
+
 # --- adversarial review ------------------------------------------------------------------------
 
 

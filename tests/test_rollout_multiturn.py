@@ -1,5 +1,7 @@
 """Token-in/token-out multi-turn rollouts: bridges, masks, engine finish reasons, re-scoring."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -435,3 +437,37 @@ def test_multiturn_trajectory_carries_the_block_selection_record(tok):
         end = t.block_selection.end
         assert torch.equal(batch.block_selection[i, :end], torch.from_numpy(t.block_selection.dense(end)))
         assert bool((batch.block_selection[i, end:] == -1).all())  # the last token, padding
+
+
+def test_validation_at_val_temperature_0_is_greedy(tok):
+    """grpo.val_temperature=0 (accepted by the config) reaches the engine's SamplingParams as vLLM's
+    greedy: runs under two seeds give the same tokens, each the argmax of the model's logits, where
+    temperature 1 gives other tokens under the two seeds."""
+    from m3_rollout.config import load_config
+    from m3_rollout.engine.native_backend import NativeBackend
+    from m3_rollout.jobs.stack import RolloutStack
+
+    chat = ChatFormat(tok, "disabled")
+    torch.manual_seed(0)
+    model = M3ForCausalLM(tiny_config(vocab_size=len(tok), max_position_embeddings=512)).float().eval()
+    backend = NativeBackend(model, chat.stop_token_ids)
+    stack = RolloutStack(None, {}, chat, 300, backend, EchoEnv(), None, settings())
+
+    def rollouts(val_temperature, seed):
+        cfg = load_config("configs/grpo_bf16_ep.yaml", [f"grpo.val_temperature={val_temperature}", f"grpo.seed={seed}"])
+        s = dataclasses.replace(stack.validation_settings(cfg), max_turns=1, max_new_tokens=16)
+        assert s.temperature == val_temperature
+        trajs, _ = run_group_rollouts(backend, chat, stack.env, [{}, {}, {}], s)
+        return trajs
+
+    def tokens(trajs):
+        return [t.token_ids[t.prompt_len :] for t in trajs]
+
+    greedy = rollouts(0, seed=1)
+    assert tokens(greedy) == tokens(rollouts(0, seed=2))
+    assert tokens(rollouts(1, seed=1)) != tokens(rollouts(1, seed=2))  # the seeds do reach the sampler
+    t = greedy[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([t.token_ids]))[0, t.prompt_len - 1 : -1].float()
+    picked = logits.gather(1, torch.tensor(t.token_ids[t.prompt_len :])[:, None])[:, 0]
+    assert len(picked) == 16 and (picked >= logits.max(dim=1).values - 1e-4).all()
