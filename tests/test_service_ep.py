@@ -717,8 +717,9 @@ def test_sleep_with_requests_unfinished_is_refused_without_a_restart():
     with pytest.raises(RuntimeError) as info:
         svc.sleep(1)
     assert str(info.value) == (
-        "sleep: 9 samples of 3 requests are unfinished; finish them (step() until has_unfinished() is false), or "
-        "abort them (abort(request_id); their abort records come out of the next step()) before sleeping"
+        "sleep: 9 samples of 3 requests are unfinished; finish them, or abort them (abort(request_id): the next "
+        "step() sends the abort and returns the abort records), then step() until has_unfinished() is false "
+        "before sleeping"
     )
     outs += _steps_until_done(svc)
     with pytest.raises(ValueError, match=r"sleep\(level=3\): level must be 1"):
@@ -727,6 +728,34 @@ def test_sleep_with_requests_unfinished_is_refused_without_a_restart():
     done = [o for o in outs if isinstance(o, SampleOutput)]
     assert len(done) == 9 and _bits(done) == want  # bitwise as without the refusals
     assert svc.sleep(1)["level"] == 1 and svc.launcher.sleeping  # nothing unfinished: it sleeps
+    svc.shutdown()
+
+
+def test_sleep_after_abort_needs_the_steps_that_send_the_aborts():
+    # RolloutService.abort only queues an abort (LLMEngine.abort acts at once): the refusal said
+    # "abort them (abort(request_id); ...) before sleeping", but a sleep right after the aborts was
+    # still refused. The message now names the queued aborts and the exact remedy, which works:
+    # abort, then step() until has_unfinished() is false, then sleep.
+    reqs = _fake_requests()[:2]
+    svc, log = fake_service(run_failures=0, start_failures=0)
+    for req in reqs:
+        svc.add_request(req)
+    svc.step()  # sent: each sample has its first token
+    for req in reqs:
+        svc.abort(req.request_id)
+    with pytest.raises(RuntimeError) as info:
+        svc.sleep(1)
+    assert str(info.value) == (
+        "sleep: 6 samples of 2 requests are unfinished (2 of them with an abort queued, not sent yet); finish "
+        "them, or abort them (abort(request_id): the next step() sends the abort and returns the abort "
+        "records), then step() until has_unfinished() is false before sleeping"
+    )
+    done = [o for o in _steps_until_done(svc) if isinstance(o, SampleOutput)]
+    assert sorted((o.request_id, o.sample_index, o.finish_reason) for o in done) == [
+        (r.request_id, j, "abort") for r in reqs for j in range(3)
+    ]
+    assert not svc.has_unfinished() and svc.sleep(1)["level"] == 1 and svc.launcher.sleeping
+    assert svc.restarts == 0 and log["starts"] == 1
     svc.shutdown()
 
 

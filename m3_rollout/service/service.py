@@ -1270,19 +1270,24 @@ class RolloutService(GenerationBackend):
         NOTE: refused, as ``LLMEngine.sleep`` refuses, while requests of the step API (and so of
         ``generate_async`` callers) are unfinished, sent to a rank or not: the ranks' engines would
         refuse, and a rank's refusal reaches this process as a failure of the group, whose restart
-        would drop the requests' KV pages. Records already out (error, abort records) wait for the
-        next :meth:`step`.
+        would drop the requests' KV pages. Unlike ``LLMEngine.abort``, :meth:`abort` only queues
+        the abort, which the next :meth:`step` sends to the rank: an aborted request is unfinished
+        until its abort records come out of a step. Records already out (error, abort records)
+        wait for the next :meth:`step`.
         Raises:
-            RuntimeError: samples are unfinished (finish them, or abort them, then sleep).
+            RuntimeError: samples are unfinished (finish them, or abort them; either way step()
+                until has_unfinished() is false, then sleep).
             ValueError: ``level`` not 1 or 2.
             RolloutFailure: the group failed more than ``max_restarts`` times in this call.
         """
         if self._live:
             samples = sum(len(p.missing) for p in self._live.values())
+            queued = {rid for rids in self._to_abort for rid in rids}.intersection(self._live)
+            aborting = f" ({len(queued)} of them with an abort queued, not sent yet)" if queued else ""
             raise RuntimeError(
-                f"sleep: {samples} samples of {len(self._live)} requests are unfinished; finish them (step() until "
-                "has_unfinished() is false), or abort them (abort(request_id); their abort records come out of "
-                "the next step()) before sleeping"
+                f"sleep: {samples} samples of {len(self._live)} requests are unfinished{aborting}; finish them, or "
+                "abort them (abort(request_id): the next step() sends the abort and returns the abort records), "
+                "then step() until has_unfinished() is false before sleeping"
             )
         check_sleep_level(level)
         records = self._call_restarting("sleep", (int(level),))
