@@ -7,6 +7,7 @@ import random
 import pytest
 from server_util import tiny_tokenizer  # tests/ on sys.path
 
+from m3_rollout.engine.stop_strings import complete_text, contains_stop_string
 from m3_rollout.server.openai_api import StopMatcher, TextStream
 
 
@@ -23,10 +24,11 @@ class CountingStr(str):
 def _reference(decode, ids, stop_ids, stops, include_stop=False) -> str:
     ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
     text = decode(ids)
+    searched = complete_text(text)  # the engine's rule: no stop string ends in a trailing U+FFFD
     if include_stop:  # up to the end of the first stop string to complete
-        ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
+        ends = [i + len(s) for s in stops if (i := searched.find(s)) >= 0]
         return text[: min(ends)] if ends else text
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    cuts = [i for i in (searched.find(s) for s in stops) if i >= 0]
     return text[: min(cuts)] if cuts else text
 
 
@@ -123,3 +125,27 @@ def test_stop_matcher_reports_the_first_occurrence_across_pieces():
     assert m.feed("aab") == 3  # "xaa" + "aab": the occurrence ends at the last character
     m = StopMatcher("abab")
     assert m.feed("ababab") == 4
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("stop", ["a\ufffd", "\ufffd"])
+def test_a_trailing_u_fffd_released_at_finish_matches_no_stop_string_as_in_the_engine(stop, include_stop):
+    """finish releases a last U+FFFD (an incomplete character) as text; a stop string ending in it
+    matched there, while the engine (stop_strings.complete_text) never matches it: the server cut
+    or stopped a text the engine had not. Once text follows, both match."""
+    pieces = {1: "a", 2: "\ufffd", 3: "b"}
+
+    def decode(ids):
+        return "".join(pieces[t] for t in ids)
+
+    ids = [3, 1, 2]
+    ts = TextStream(decode, set(), (stop,), include_stop=include_stop)
+    out = ts.push(ids[:2]) + ts.push(ids[2:])  # the U+FFFD waits for the ids that may complete it
+    out += ts.finish()
+    assert out == "ba\ufffd" and ts.stop_string is None and ts.stop_reason is None
+    assert not contains_stop_string(decode, ids, 0, 0, (stop,))  # the engine's check agrees
+    ids.append(3)  # text after the U+FFFD: a complete (invalid) character, which both match
+    ts = TextStream(decode, set(), (stop,), include_stop=include_stop)
+    out = ts.push(ids) + ts.finish()
+    assert contains_stop_string(decode, ids, 0, 0, (stop,))
+    assert out == ("ba\ufffd" if include_stop else "b" + "a\ufffd"[: 2 - len(stop)]) and ts.stop_string == stop

@@ -366,7 +366,9 @@ class TextStream:
     what the new ids add. Held back: text that ends in an incomplete UTF-8 character (U+FFFD at
     the end of the decode), a trailing stop token (not part of the text), and the longest tail
     that may still begin a stop string (at most ``max(len(stop)) - 1`` characters, found by one
-    :class:`StopMatcher` per stop string over the new text only); ``finish`` releases the rest.
+    :class:`StopMatcher` per stop string over the new text only); ``finish`` releases the rest,
+    a trailing U+FFFD included, which no stop string matches (the engine's rule,
+    ``stop_strings.complete_text``: a stop string holding U+FFFD matches it once text follows).
     The text is cut before the earliest-starting stop string (OpenAI drops it), or, with
     ``include_stop`` (vLLM's ``include_stop_str_in_output``), after the first stop string to
     complete, which it keeps (nothing is held back then: text released before a stop string
@@ -426,6 +428,10 @@ class TextStream:
     def _emit(self, new: str, final: bool) -> str:
         if self.stopped or not (new or final):
             return ""
+        # finish releases a trailing U+FFFD (an incomplete last character) as text, but no stop
+        # string may end in it: the engine matches complete characters only (stop_strings.complete_text)
+        tail = new[-1:] if final and new.endswith("\ufffd") else ""
+        new = new[: len(new) - len(tail)]
         ends = [(e, m.stop) for m in self.matchers if (e := m.feed(new)) >= 0]  # each one's first end in new
         if ends:
             if self.include_stop:  # after the first stop string to complete (the longest of those ending there)
@@ -436,9 +442,9 @@ class TextStream:
                 cut = self.held_chars + start
             self.stopped = True
             return ("".join(self._held) + new)[:cut]
-        if new:
-            self._held.append(new)
-            self.held_chars += len(new)
+        if new or tail:
+            self._held.append(new + tail)
+            self.held_chars += len(new + tail)
         hold = 0 if final or self.include_stop else max((m.matched for m in self.matchers), default=0)
         return self._release(self.held_chars - hold)
 
