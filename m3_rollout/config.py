@@ -834,36 +834,31 @@ def _check_env_keys(e: list[str], env: EnvConfig) -> None:
     environment scores with its own rule, tool and prompt; the jsonl one offers its tools at their
     defaults, with ``env.jsonl.timeout_s``), so it is refused naming the fix. A key given at its
     default value cannot be told from an absent one, and changes nothing."""
-    if env.name == "jsonl":
-        default = CalculatorEnvConfig()
-        for f in dataclasses.fields(CalculatorEnvConfig):
-            value = getattr(env.calculator, f.name)
+    others = {  # the environment that reads a section -> (section, its dataclass, why another one ignores it)
+        "calculator": (
+            "calculator",
+            CalculatorEnvConfig,
+            "is read only with env.name=calculator; env.name=jsonl scores with env.jsonl.* (its reward_fn, "
+            "its tools at their defaults, the tool timeout env.jsonl.timeout_s) and would ignore it: set "
+            "env.name=calculator or leave the key out",
+        ),
+        "jsonl": (
+            "jsonl",
+            JsonlEnvConfig,
+            "is read only with env.name=jsonl; env.name=calculator (the default) scores with its own rule "
+            "(the answer's last integer against the record's, the calculator tool, its own system prompt; "
+            "env.calculator.*) and would ignore it: set env.name=jsonl (with data.source=jsonl and "
+            "data.path) or leave the key out",
+        ),
+    }
+    for reader, (section, kind, why) in others.items():
+        if env.name == reader or env.name not in others:
+            continue
+        default = kind()
+        for f in dataclasses.fields(kind):
+            value = getattr(getattr(env, section), f.name)
             if value != getattr(default, f.name):
-                _check(
-                    e,
-                    False,
-                    f"env.calculator.{f.name}",
-                    value,
-                    "is read only with env.name=calculator; env.name=jsonl scores with env.jsonl.* (its reward_fn, "
-                    "its tools at their defaults, the tool timeout env.jsonl.timeout_s) and would ignore it: set "
-                    "env.name=calculator or leave the key out",
-                )
-    if env.name != "calculator":
-        return
-    default = JsonlEnvConfig()
-    for f in dataclasses.fields(JsonlEnvConfig):
-        value = getattr(env.jsonl, f.name)
-        if value != getattr(default, f.name):
-            _check(
-                e,
-                False,
-                f"env.jsonl.{f.name}",
-                value,
-                "is read only with env.name=jsonl; env.name=calculator (the default) scores with its own rule "
-                "(the answer's last integer against the record's, the calculator tool, its own system prompt; "
-                "env.calculator.*) and would ignore it: set env.name=jsonl (with data.source=jsonl and "
-                "data.path) or leave the key out",
-            )
+                _check(e, False, f"env.{section}.{f.name}", value, why)
 
 
 def validate(cfg: MasterConfig, training: bool = True) -> None:
