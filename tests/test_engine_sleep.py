@@ -352,3 +352,20 @@ def test_a_cached_refit_plan_follows_the_weights_to_their_new_storage_after_wake
     assert eng.weight_version == 3 and all(torch.equal(t, want[n]) for n, t in iter_released_tensors(model))
     sync.update_weights(4, source)
     assert calls == [1]
+
+
+def test_sleep_after_abort_lands_the_step_in_flight():
+    """Async scheduling: abort() of the last request while a launched step is unprocessed left
+    sleep refusing with "0 samples are unfinished" (only abort_all landed the step). Now sleep
+    lands it itself; the abort records come out of the first step after wake-up."""
+    eng, alloc = _engine(async_scheduling=True, enable_cuda_graphs="eager", cuda_graph_batch_sizes=(2,))
+    eng.add_request(GenerationRequest("r", _prompt(9, 3), SamplingParams(n=2, max_new_tokens=20)))
+    while not eng.step_in_flight:
+        eng.step()
+    eng.abort("r")
+    assert eng.num_unfinished() == 0 and eng.step_in_flight
+    assert eng.sleep(1)["level"] == 1 and eng.asleep and alloc.calls > 0 and not eng.step_in_flight
+    eng.wake_up()
+    outs = [o for o in eng.step() if isinstance(o, SampleOutput)]
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("r", "abort"), ("r", "abort")]
+    assert not eng.has_unfinished()

@@ -386,13 +386,17 @@ class LLMEngine:
         NOTE: refused, not drained, with samples unfinished: a drain could run for a whole
         generation phase, and the RL loop sleeps only once its rollouts are collected, so an
         unfinished sample means a caller bug (``abort_all`` hands them back for re-queueing).
-        Outputs already made (e.g. abort records) wait for the first step after wake-up.
+        Outputs already made (e.g. abort records) wait for the first step after wake-up; so do a
+        launched step's, which sleep lands first when no sample is unfinished (async scheduling:
+        the step launched before the last ``abort``).
 
         Returns {"level", "gb_freed" (GiB), "seconds"} for the step metrics.
         Raises:
             RuntimeError: samples are unfinished or a step is in flight.
             ValueError: level not 1 or 2, or a tensor that cannot be released in place.
         """
+        if not self._live:
+            self.drain()  # a step launched before the last abort: its outputs wait in _pending
         if self._live or self._inflight is not None:
             raise RuntimeError(
                 f"sleep: {self.num_unfinished()} samples are unfinished; finish them, or abort them "
