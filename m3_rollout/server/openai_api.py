@@ -57,6 +57,7 @@ from m3_rollout.chat.template import render
 from m3_rollout.chat.tokenizer import TokenBytes
 from m3_rollout.engine.interface import FINISH_ERROR, GenerationRequest, SampleOutput, SamplingParams, StreamDelta
 from m3_rollout.engine.requests import aborted_outputs
+from m3_rollout.engine.stop_strings import complete_text
 
 from .control import Controller
 from .protocol import (
@@ -430,8 +431,8 @@ class TextStream:
             return ""
         # finish releases a trailing U+FFFD (an incomplete last character) as text, but no stop
         # string may end in it: the engine matches complete characters only (stop_strings.complete_text)
-        tail = new[-1:] if final and new.endswith("\ufffd") else ""
-        new = new[: len(new) - len(tail)]
+        kept = complete_text(new) if final else new
+        new, tail = kept, new[len(kept) :]
         ends = [(e, m.stop) for m in self.matchers if (e := m.feed(new)) >= 0]  # each one's first end in new
         if ends:
             if self.include_stop:  # after the first stop string to complete (the longest of those ending there)
