@@ -834,16 +834,14 @@ def _check_env_keys(e: list[str], env: EnvConfig) -> None:
     environment scores with its own rule, tool and prompt; the jsonl one offers its tools at their
     defaults, with ``env.jsonl.timeout_s``), so it is refused naming the fix. A key given at its
     default value cannot be told from an absent one, and changes nothing."""
-    others = {  # the environment that reads a section -> (section, its dataclass, why another one ignores it)
+    readers = {  # env.name -> (its section env.<name>.*'s dataclass, why another environment ignores it)
         "calculator": (
-            "calculator",
             CalculatorEnvConfig,
             "is read only with env.name=calculator; env.name=jsonl scores with env.jsonl.* (its reward_fn, "
             "its tools at their defaults, the tool timeout env.jsonl.timeout_s) and would ignore it: set "
             "env.name=calculator or leave the key out",
         ),
         "jsonl": (
-            "jsonl",
             JsonlEnvConfig,
             "is read only with env.name=jsonl; env.name=calculator (the default) scores with its own rule "
             "(the answer's last integer against the record's, the calculator tool, its own system prompt; "
@@ -851,8 +849,8 @@ def _check_env_keys(e: list[str], env: EnvConfig) -> None:
             "data.path) or leave the key out",
         ),
     }
-    for reader, (section, kind, why) in others.items():
-        if env.name == reader or env.name not in others:
+    for section, (kind, why) in readers.items():
+        if env.name == section or env.name not in readers:
             continue
         default = kind()
         for f in dataclasses.fields(kind):
