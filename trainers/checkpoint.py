@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from m3_rollout.chat.template import CHAT_DEFAULTS_FILE, write_chat_defaults
 from m3_rollout.model import save_checkpoint
-from m3_rollout.model.atomic_file import fsync_dir, fsync_tree
+from m3_rollout.model.atomic_file import write_dir_atomic
 from m3_rollout.model.loading import INDEX_FILE, SINGLE_FILE, load_named_tensors
 
 TOKENIZER_FILES = (
@@ -131,11 +129,8 @@ class CheckpointManager:
         Returns:
             the final directory.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
-        tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=self.root))
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
-        try:
+        with write_dir_atomic(final) as tmp:  # whole and on the disk, or not there
             save_checkpoint(policy.model, policy.model.config, tmp / "policy")
             if tokenizer_dir is not None:
                 copy_tokenizer_files(tokenizer_dir, tmp / "policy")
@@ -160,14 +155,6 @@ class CheckpointManager:
             )
             clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
             (tmp / "training_info.json").write_text(json.dumps({"step": step, "metrics": clean}, indent=1))
-            fsync_tree(tmp)  # on the disk before the rename makes it look complete
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync_dir(self.root)  # the rename (and the removal of an earlier step_N)
         self.prune()
         return final
 

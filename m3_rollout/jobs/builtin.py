@@ -26,9 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +39,7 @@ from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.jobs.build_lock import WaitInterrupted, build_lock
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
-from m3_rollout.model.atomic_file import fsync_dir, fsync_tree
+from m3_rollout.model.atomic_file import write_dir_atomic
 from m3_rollout.model.configuration import CheckpointError, M3Config, read_config_json
 from m3_rollout.model.loading import iter_released_tensors
 from m3_rollout.rollout.data import PromptSource
@@ -570,25 +568,13 @@ def build_checkpoint(
     report["build_seconds"] = round(time.perf_counter() - t0, 1)
     report["spec"] = dataclasses.asdict(spec)
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
-    try:
+    # NOTE: the checkpoint and its rename on the disk (write_dir_atomic) before the progress goes:
+    # a power cut between the two must not lose both.
+    with write_dir_atomic(out_dir) as tmp:
         save_checkpoint(model, config, tmp)
         save_tokenizer(tokenizer, tmp, template)
         write_chat_defaults(tmp, BUILTIN_CHAT_DEFAULTS)  # the mode its prompts were rendered in
         (tmp / "build_report.json").write_text(json.dumps(report, indent=1))
-        fsync_tree(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-        # NOTE: the checkpoint and its rename on the disk before the progress goes: a power cut
-        # between the two must not lose both.
-        fsync_dir(out_dir.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     if store is not None:
         store.remove()
     return report

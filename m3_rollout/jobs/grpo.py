@@ -665,29 +665,14 @@ def save_final(policy, src_dir: Path, out_dir: Path, step: int) -> Path:
     files and directories are fsynced before the rename, ``out_dir`` after it, so a power cut leaves
     no step directory that looks complete but is not); training checkpoints with optimizer state
     use ``m3_trainers.checkpoint``."""
-    import os
-    import shutil
-    import tempfile
-
     from m3_rollout.model import save_checkpoint
-    from m3_rollout.model.atomic_file import fsync_dir, fsync_tree
+    from m3_rollout.model.atomic_file import write_dir_atomic
     from m3_trainers.checkpoint import copy_tokenizer_files
 
     final = out_dir / f"step_{step}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=out_dir))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints are shared like any output
+    with write_dir_atomic(final) as tmp:  # a Ctrl-C or a failed write leaves no half-written directory
         save_checkpoint(policy.model, policy.model.config, tmp)
         copy_tokenizer_files(src_dir, tmp)
-        fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:  # a Ctrl-C or a failed write: no half-written directory is left beside
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out_dir)  # the rename (and the removal of an earlier step_N)
     return final
 
 

@@ -6,7 +6,8 @@ stopped midway (an error, a Ctrl-C, a killed process) leaves the target as it wa
 file is removed unless the process itself dies. For a rename that survives a power cut as well,
 fsync the directory afterwards (:func:`fsync_dir`), once after all the renames of one save. A
 directory written whole and then renamed into place (a checkpoint) is made durable the same way:
-:func:`fsync_tree` on it before the rename, :func:`fsync_dir` on its parent after.
+:func:`fsync_tree` on it before the rename, :func:`fsync_dir` on its parent after
+(:func:`write_dir_atomic` does the whole of it).
 
 It lives in the model layer, the lowest layer all of its users may import: the model's checkpoint
 writer (``loading.save_checkpoint``), the trainers' warm-start progress store and training
@@ -18,8 +19,12 @@ project, and must not: the dump layer's allowance rests on that.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 def write_atomic(
@@ -89,3 +94,30 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def write_dir_atomic(final: str | os.PathLike) -> Iterator[Path]:
+    """Write a directory that appears at ``final`` whole and on the disk (a checkpoint).
+
+    Yields a new temporary directory beside ``final`` (mode 0755: ``mkdtemp`` makes 0700, and
+    checkpoints are shared like any output) for the caller to fill. On a normal exit its files and
+    directories are fsynced (:func:`fsync_tree`), an earlier ``final`` is removed, the temporary
+    directory is renamed to ``final`` and the parent fsynced (:func:`fsync_dir`: the rename and the
+    removal). On an exception (a Ctrl-C included) the temporary directory is removed and
+    ``final`` is left as it was. The parent is created if missing.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        yield tmp
+        fsync_tree(tmp)  # on the disk before the rename makes it look complete
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(final.parent)
