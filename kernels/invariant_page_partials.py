@@ -55,10 +55,11 @@ from m3_kernels.msa_paged_attention import (
     LOG2E,
     kv_major_capacity,
     kv_major_merge_kernel,
+    kv_major_partial_buffers,
     kv_seg_pipelined,
     prefill_kv_major,
 )
-from m3_kernels.paged_layout import PagedMetadata, kv_major_partial_dtype
+from m3_kernels.paged_layout import PagedMetadata
 
 # The one set of launch constants of kv_seg_attn_kernel (prefill), pp_decode_kernel (decode) and
 # kv_major_merge_kernel (both), whatever the token count (msa_paged_attention's prefill_config
@@ -177,18 +178,6 @@ def pp_decode_kernel(
     )
 
 
-def _decode_partials(q, scratch, cap: int | None, td: int, g: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(opart [td * G * K * RH * d] partial dtype, lse [td * G * K * RH] fp32): the scratch's head
-    when it holds td tokens (kernels/paged_layout.py layout), else new buffers of that size."""
-    rh, d = q.shape[1] // g, q.shape[2]
-    odt = kv_major_partial_dtype(q.dtype)
-    n_o, n_l = td * g * topk * rh * d, td * g * topk * rh
-    if cap is not None and cap >= td:
-        o_bytes = n_o * odt.itemsize
-        return scratch[:o_bytes].view(odt), scratch[o_bytes : o_bytes + n_l * 4].view(torch.float32)
-    return torch.empty(n_o, dtype=odt, device=q.device), torch.empty(n_l, dtype=torch.float32, device=q.device)
-
-
 def page_partials_attention(
     q: torch.Tensor,
     k_cache_l: torch.Tensor,
@@ -222,7 +211,10 @@ def page_partials_attention(
         scratch, cap = None, None
     td = min(q.shape[0], meta.num_decodes * meta.decode_query_len)
     if td > 0:
-        opart, lse = _decode_partials(q, scratch, cap, td, g, topk)
+        # the scratch's head when it holds the decode tokens, else buffers of their size
+        opart, lse = kv_major_partial_buffers(
+            scratch if cap is not None and cap >= td else None, td, g, topk, rh, d, q.dtype, q.device
+        )
         eid = torch.arange(td * g * topk, dtype=torch.int64, device=q.device)  # int64 like the prefill sort's perm
         epos = meta.positions[:td].to(torch.int32)[:, None].expand(td, g * topk).reshape(-1)  # [td * G * K]
         pp_decode_kernel[(td * g * topk,)](

@@ -972,6 +972,22 @@ def kv_major_capacity(scratch: torch.Tensor | None, num_heads: int, head_dim: in
     return scratch.numel() // max(kv_major_token_bytes(num_heads, head_dim, topk, dtype), 1)
 
 
+def kv_major_partial_buffers(
+    scratch: torch.Tensor | None, n_tokens: int, g: int, topk: int, rh: int, d: int, dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(opart [n_tokens * G * K * RH * d] in ``kv_major_partial_dtype(dtype)``, lse [n_tokens * G * K * RH]
+    fp32): the partial outputs and base-2 LSEs of ``n_tokens`` tokens' KV-major entries, carved from
+    the head of ``scratch`` (the caller's uint8 buffer, layout kernels/paged_layout.py, holding at
+    least n_tokens: ``kv_major_capacity``; d >= 16 keeps the LSE offset 4-byte aligned) or, with
+    None, new buffers of that size."""
+    odt = kv_major_partial_dtype(dtype)
+    n_o, n_l = n_tokens * g * topk * rh * d, n_tokens * g * topk * rh
+    if scratch is None:
+        return torch.empty(n_o, dtype=odt, device=device), torch.empty(n_l, dtype=torch.float32, device=device)
+    o_bytes = n_o * odt.itemsize
+    return scratch[:o_bytes].view(odt), scratch[o_bytes : o_bytes + n_l * 4].view(torch.float32)
+
+
 def check_kv_major_scratch(scratch: torch.Tensor | None, device: torch.device, op: str = "paged_attention") -> None:
     """Raises ValueError naming ``op`` unless ``scratch`` is None or a contiguous uint8 vector on ``device``
     (the KV-major partials' buffer, kernels/paged_layout.py)."""
@@ -1324,15 +1340,7 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
         meta.query_start_loc[nd + 1 :].long(), torch.arange(td, t_all, device=dev), right=True
     )  # [Tp] prefill-local row
     gi = torch.arange(g, device=dev).view(1, g, 1)
-    odt = kv_major_partial_dtype(q.dtype)
-    n_opart, n_lse = chunk * g * topk * rh * d, chunk * g * topk * rh
-    if scratch is None:  # partial outputs and LSEs, reused by every pass
-        opart_buf = torch.empty(n_opart, dtype=odt, device=dev)
-        lse_buf = torch.empty(n_lse, dtype=torch.float32, device=dev)
-    else:  # the caller's buffer (layout: kernels/paged_layout.py); d >= 16 keeps the LSE offset 4-byte aligned
-        o_bytes = n_opart * odt.itemsize
-        opart_buf = scratch[:o_bytes].view(odt)
-        lse_buf = scratch[o_bytes : o_bytes + n_lse * 4].view(torch.float32)
+    opart_buf, lse_buf = kv_major_partial_buffers(scratch, chunk, g, topk, rh, d, q.dtype, dev)  # every pass
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
         tc = c1 - c0
