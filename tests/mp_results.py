@@ -5,6 +5,10 @@ process serves; when that process exits before the parent unpickles the message 
 machine), the parent fails to open it. ``put_result`` serialises the whole result with
 ``torch.save`` into plain bytes first, so nothing in it refers back to the child; ``get_results``
 collects one result per process with a deadline and fails the test with the child's traceback.
+
+A test that kills a child hands the child it starts next a NEW queue: writers share the queue's
+write lock, and a child killed between writing a message and releasing that lock (a busy
+machine widens the window) leaves every later ``put`` on that queue blocked for good.
 """
 
 from __future__ import annotations

@@ -140,6 +140,7 @@ def test_ipc_refit_two_processes_bitwise_refusal_and_worker_restart():
         with pytest.raises(WeightUpdateError, match="went away|interrupted"):
             sender.update(4)
         assert channel.needs_rebuild
+        results = ctx.Queue()  # a killed writer may hold the old queue's write lock forever
         procs.append(ctx.Process(target=_worker, args=(channel.endpoint, "restarted", results)))
         procs[1].start()
         with torch.no_grad():
@@ -349,6 +350,7 @@ def test_ipc_refit_reads_the_trainers_compute_copy_and_never_casts_under_a_reade
             next(master.parameters()).mul_(0.5)
         with pytest.raises(RuntimeError, match="lent to the IPC refit to version 5"):
             cast.refresh()  # the trainer's next optimizer step: refused while a reader may be reading
+        results = ctx.Queue()  # a killed writer may hold the old queue's write lock forever
         procs.append(ctx.Process(target=_worker, args=(channel.endpoint, "restarted", results)))
         procs[1].start()
         sender.update(6, include_frozen=True)  # rebuild (the worker is back: reclaimed), cast, copy
@@ -518,6 +520,7 @@ def test_a_withdrawn_update_leaves_the_stage_able_to_restart_a_worker():
         with torch.no_grad():  # the trainer trains on; the stage keeps what the workers accepted
             for p in trainer.parameters():
                 p.add_(0.25)
+        results = ctx.Queue()  # a killed writer may hold the old queue's write lock forever
         procs.append(ctx.Process(target=_worker, args=(refit.channel.endpoint, "restarted", results)))
         procs[1].start()
         refit.resend()
