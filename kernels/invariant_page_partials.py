@@ -216,7 +216,9 @@ def page_partials_attention(
             scratch if cap is not None and cap >= td else None, td, g, topk, rh, d, q.dtype, q.device
         )
         eid = torch.arange(td * g * topk, dtype=torch.int64, device=q.device)  # int64 like the prefill sort's perm
-        epos = meta.positions[:td].to(torch.int32)[:, None].expand(td, g * topk).reshape(-1)  # [td * G * K]
+        # [td * G * K], materialised: with one decode token reshape(-1) of the expand is a stride-0
+        # view, and the kernel reads positions by pointer past its first element
+        epos = meta.positions[:td].to(torch.int32)[:, None].expand(td, g * topk).contiguous().view(-1)
         pp_decode_kernel[(td * g * topk,)](
             q,
             k_cache_l,

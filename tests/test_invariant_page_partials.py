@@ -125,6 +125,8 @@ def test_decode_rows_equal_prefill_rows():
     assert_rows_equal(chunked, want, "several chunks vs one")
     dec = run(step(dtype, [("a", p, 1) for p in DECODE_POS], len(DECODE_POS), seed=1))
     assert_rows_equal(dec, want[DECODE_POS], "decode rows vs prefill rows")
+    for pos in (DECODE_POS[3], DECODE_POS[-1]):  # one decode row alone (a batch-1 decode step)
+        assert_rows_equal(run(step(dtype, [("a", pos, 1)], 1, seed=1)), want[[pos]], f"decode row {pos} alone")
     verify = run(step(dtype, [("a", 61, 3), ("a", 95, 3)], 2, seed=2))  # decode_query_len 3
     assert_rows_equal(verify, want[[61, 62, 63, 95, 96, 97]], "verify rows vs prefill rows")
 
