@@ -64,13 +64,14 @@ def _client(srv) -> openai.OpenAI:
 
 def _collect(stream):
     """Concatenate a chat stream: per choice reasoning, content, tool calls (by index), finish
-    reason, token ids; and the usage chunk."""
+    reason, token ids, the response id; and the usage chunk."""
     out, usage = {}, None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
             d = out.setdefault(c.index, {"reasoning": "", "content": "", "calls": {}, "finish": None, "ids": []})
+            d["index"], d["response_id"] = c.index, chunk.id
             delta = c.delta
             d["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
             d["content"] += delta.content or ""
@@ -95,9 +96,21 @@ def _message_view(msg):
     return (msg.model_extra or {}).get("reasoning_content") or "", msg.content or "", calls
 
 
-def _stream_view(d):
+def _stream_view(d, response_id=None):
+    """A collected choice as (reasoning, content, calls). Each call's id is checked to be the
+    stream's own (:func:`_call_id`); with ``response_id`` (a non-streamed answer's) it is given as
+    that response's id for the same call, so the view compares with :func:`_message_view`'s."""
     calls = [{**c, "arguments": json.loads(c["arguments"])} for _, c in sorted(d["calls"].items())]
+    for i, c in enumerate(calls):
+        assert c["id"] == _call_id(d["response_id"], d["index"], i), (c["id"], d["response_id"])
+        c["id"] = _call_id(response_id or d["response_id"], d["index"], i)
     return d["reasoning"], d["content"], calls
+
+
+def _call_id(response_id: str, choice: int, index: int) -> str:
+    """The id of tool call ``index`` of choice ``choice`` in response ``response_id``."""
+    hex_ = re.fullmatch(r"chatcmpl-([0-9a-f]{32})", response_id).group(1)
+    return f"call_{hex_}_{choice}_{index}"
 
 
 # ---- real engine -------------------------------------------------------------------------------
@@ -442,12 +455,43 @@ def test_tool_calls_streamed_and_not(scripted, tok, mode, calls):
     reasoning_got, content, got = _message_view(msg)
     assert full.choices[0].finish_reason == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in got] == [(c["name"], c["arguments"]) for c in calls]
-    assert [c["id"] for c in got] == [f"call_{i}" for i in range(len(calls))]
+    assert [c["id"] for c in got] == [_call_id(full.id, 0, i) for i in range(len(calls))]
     assert content == "Let me check."
     assert reasoning_got == (reasoning or "")
     streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
-    assert _stream_view(streamed[0]) == (reasoning_got, content, got)
+    assert _stream_view(streamed[0], full.id) == (reasoning_got, content, got)
     assert streamed[0]["finish"] == "tool_calls"
+
+
+def test_tool_call_ids_are_unique_across_requests_and_choices(scripted, tok):
+    """Ids were `call_<index>`: every response's first call was `call_0`, so an agent keying tool
+    results by id over a conversation mixed up two turns' calls. Now each id is unique across
+    responses and choices (`call_<response hex>_<choice>_<index>`), the same in a stream's deltas
+    as in the message."""
+    srv, backend = scripted
+    backend.scripts = [_turn(tok, "disabled", "", [{"function": CALC}, {"function": BOOK}])]
+    kw = dict(
+        model="tiny-m3",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=400,
+        n=2,
+        extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}},
+    )
+    c = _client(srv)
+    ids = []
+    for _ in range(2):
+        full = c.chat.completions.create(**kw)
+        for choice in full.choices:
+            got = [tc.id for tc in choice.message.tool_calls]
+            assert got == [_call_id(full.id, choice.index, i) for i in range(2)]
+            ids += got
+        streamed, _ = _collect(c.chat.completions.create(**kw, stream=True))
+        for index, d in sorted(streamed.items()):
+            got = [call["id"] for _, call in sorted(d["calls"].items())]
+            assert got == [_call_id(d["response_id"], index, i) for i in range(2)]
+            ids += got
+    assert len(ids) == 16 and len(set(ids)) == 16, ids
 
 
 def test_tool_choice_none_required_and_named(scripted, tok):
@@ -483,7 +527,8 @@ def test_tool_choice_none_required_and_named(scripted, tok):
     assert required.choices[0].finish_reason == "tool_calls"
     backend.scripts = [tok.encode(opening[len(forced) :] + rest, add_special_tokens=False) + [backend.stop_id]]
     streamed, _ = _collect(c.chat.completions.create(**base, tool_choice="required", stream=True))
-    assert _stream_view(streamed[0])[2] == [{"id": "call_0", "name": "calculator", "arguments": {"expression": "1+1"}}]
+    call_id = _call_id(streamed[0]["response_id"], 0, 0)
+    assert _stream_view(streamed[0])[2] == [{"id": call_id, "name": "calculator", "arguments": {"expression": "1+1"}}]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(**base, tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.body["param"] == "tool_choice"
@@ -634,7 +679,7 @@ def test_generation_cut_inside_a_tool_call_keeps_its_text(scripted, tok, mode, w
     assert (content, [{"name": c["name"], "arguments": c["arguments"]} for c in calls]) == expected
     assert reasoning_got == (reasoning or "")
     streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
-    assert _stream_view(streamed[0]) == (reasoning_got, content, calls)
+    assert _stream_view(streamed[0], full.id) == (reasoning_got, content, calls)
     assert streamed[0]["finish"] == "length"
 
 
@@ -649,7 +694,7 @@ def test_parallel_tool_calls_false_drops_a_second_call_cut_off_as_a_closed_one(s
     assert full.choices[0].finish_reason == "length"
     assert (content, [(c["name"], c["arguments"]) for c in calls]) == ("Let me check.", [tuple(CALC.values())])
     streamed, _ = _collect(_client(srv).chat.completions.create(**kw, stream=True))
-    assert _stream_view(streamed[0]) == (reasoning_got, content, calls)
+    assert _stream_view(streamed[0], full.id) == (reasoning_got, content, calls)
     assert streamed[0]["finish"] == "length"
 
 

@@ -22,15 +22,15 @@ def _prompt(first_call_only: bool) -> ChatPrompt:
 
 @pytest.mark.parametrize("first_call_only,expected", [(False, ["1+2", "3*4"]), (True, ["1+2"])])
 def test_parallel_tool_calls_false_keeps_the_first_call_streamed_or_not(first_call_only, expected):
-    whole = _TurnParser(_prompt(first_call_only))
+    whole = _TurnParser(_prompt(first_call_only), "call_x_0_")
     whole.feed(ANSWER)
     whole.finish()
     calls = whole.message()["tool_calls"]
     assert [c["function"]["arguments"] for c in calls] == [f'{{"expression": "{e}"}}' for e in expected]
 
-    streamed = _TurnParser(_prompt(first_call_only))
+    streamed = _TurnParser(_prompt(first_call_only), "call_x_0_")
     deltas = [streamed.feed(ANSWER[i : i + 7]) for i in range(0, len(ANSWER), 7)] + [streamed.finish()]
     indexes = {c.index for d in deltas for c in d.tool_calls}
     assert indexes == set(range(len(expected)))
     ids = [c.id for d in deltas for c in d.tool_calls if c.id is not None]
-    assert ids == [c["id"] for c in calls]
+    assert ids == [c["id"] for c in calls] == [f"call_x_0_{i}" for i in range(len(expected))]

@@ -64,13 +64,17 @@ class StreamingOutputParser:
     Args:
         thinking_mode: the request's thinking mode (decides whether output starts in reasoning).
         tools: the request's tools (schemas type the argument values).
-        first_index: index of this turn's first tool call (ids `call_<index>`).
+        first_index: index of this turn's first tool call.
+        id_prefix: tool-call ids are `<id_prefix><index>` (see `StreamingToolParser`); a re-split
+            content's calls, parsed again, keep their ids.
     """
 
-    def __init__(self, thinking_mode: str | None, tools: list[dict] | None = None, first_index: int = 0):
+    def __init__(
+        self, thinking_mode: str | None, tools: list[dict] | None = None, first_index: int = 0, id_prefix: str = "call_"
+    ):
         self._reasoning = StreamingReasoningParser(thinking_mode)
-        self._tool_args = (tools, first_index)
-        self._tools = StreamingToolParser(tools, first_index)
+        self._tool_args = (tools, first_index, id_prefix)
+        self._tools = StreamingToolParser(*self._tool_args)
 
     def feed(self, text: str) -> OutputDelta:
         return self._route(self._reasoning.feed(text), final=False)

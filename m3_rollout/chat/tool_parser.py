@@ -131,13 +131,17 @@ class StreamingToolParser:
 
     Args:
         tools: the request's tools (OpenAI format) whose `parameters` schemas type the values.
-        first_index: index of the first call; ids are `call_<index>` so they keep counting
-            across the turns of a conversation.
+        first_index: index of the first call (the in-process rollout counts on across the turns
+            of a trajectory, so its ids stay distinct there).
+        id_prefix: call ids are `<id_prefix><index>`. The default `call_` gives ids unique
+            only within one conversation; the chat server passes a prefix made unique per
+            response and choice (`openai_api.tool_call_id_prefix`).
     """
 
-    def __init__(self, tools: list[dict] | None = None, first_index: int = 0):
+    def __init__(self, tools: list[dict] | None = None, first_index: int = 0, id_prefix: str = "call_"):
         self.tools = tools
         self.first_index = first_index
+        self.id_prefix = id_prefix
         self._scanner = ToolCallScanner()
         self._held_ws = ""  # whitespace-only content held back until it is known to be content
         self._content: list[str] = []
@@ -179,7 +183,7 @@ class StreamingToolParser:
         delta.content = (delta.content or "") + text
 
     def _next_call_id(self) -> str:
-        return f"call_{self.first_index + len(self._calls)}"
+        return f"{self.id_prefix}{self.first_index + len(self._calls)}"
 
     def _handle(self, events: list[ScanEvent], delta: ToolStreamDelta) -> None:
         for event in events:
@@ -210,22 +214,23 @@ class StreamingToolParser:
                 self._calls.append(ToolCall(self._next_call_id(), event.name, arguments, error=fault))
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None = None, first_index: int = 0) -> ParsedOutput:
+def parse_tool_calls(
+    text: str, tools: list[dict] | None = None, first_index: int = 0, id_prefix: str = "call_"
+) -> ParsedOutput:
     """Split a model output (its content part, after reasoning) into content and tool calls.
 
     Args:
         text: decoded model output, markers included.
         tools: the request's tools (OpenAI format); they give each parameter's schema. Names
             are not validated against them; an unknown tool's values stay raw strings.
-        first_index: index of the first call, for ids `call_<index>` that keep counting across
-            the turns of a conversation.
+        first_index, id_prefix: as `StreamingToolParser`'s (ids `<id_prefix><index>`).
 
     Returns:
         `ParsedOutput`: content (None if empty, or whitespace-only before a call; a call the end
         of the text cut off is not parsed: its text ends the content), calls in order,
         `truncated` (text ended inside a call), `error` (first malformed-XML fault).
     """
-    parser = StreamingToolParser(tools, first_index)
+    parser = StreamingToolParser(tools, first_index, id_prefix)
     parser.feed(text)
     parser.finish()
     return parser.result()

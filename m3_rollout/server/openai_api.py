@@ -778,18 +778,38 @@ def _merge(a: OutputDelta, b: OutputDelta) -> OutputDelta:
     )
 
 
+def tool_call_id_prefix(response_id: str, sample_index: int) -> str:
+    """The prefix of the tool-call ids of one choice: ``call_<hex>_<sample_index>_``, ``<hex>`` the
+    response id's uuid4 hex (``chatcmpl-<hex>``); a call's id is the prefix and its index, e.g.
+    ``call_9f..e1_0_1`` for the second call of choice 0.
+
+    Unique across requests, as OpenAI's and vLLM's random ids (agent frameworks key tool results
+    by id over a whole conversation, so two turns' calls must not share one), and across the
+    choices of one response. Derived from the response id rather than drawn per call so that the
+    same call always gets the same id: a stream's delta and the final message agree, a call the
+    parser sends again (a re-split content, see ``StreamingOutputParser``) keeps its id, and a
+    logged response's ids can be recomputed. Only letters, digits and ``_`` (ids some APIs
+    downstream accept)."""
+    return f"call_{response_id.removeprefix('chatcmpl-')}_{sample_index}_"
+
+
 class _TurnParser:
     """Parser of one chat sample: reasoning + tool calls, or reasoning only (tool_choice "none").
     With ``first_call_only`` (``parallel_tool_calls=false``) calls after the first are dropped, in
     the stream's deltas and in the message alike, and so is a later call the output cut off (its
-    text would otherwise come back as content, see :meth:`_returned_cut`).
+    text would otherwise come back as content, see :meth:`_returned_cut`). ``id_prefix``: the
+    choice's tool-call id prefix (:func:`tool_call_id_prefix`).
 
     A forced opening (``ChatPrompt.forced``) is fed first: it is the prompt's text, not the model's,
     so it never comes back as content: a forced call the output cut off returns only what the model
     wrote of it (nothing, ``content`` null, when it stopped right after the opening)."""
 
-    def __init__(self, prompt: ChatPrompt):
-        self.full = StreamingOutputParser(prompt.thinking_mode, prompt.tools) if prompt.parse_tools else None
+    def __init__(self, prompt: ChatPrompt, id_prefix: str):
+        self.full = (
+            StreamingOutputParser(prompt.thinking_mode, prompt.tools, id_prefix=id_prefix)
+            if prompt.parse_tools
+            else None
+        )
         self.reasoning = None if prompt.parse_tools else StreamingReasoningParser(prompt.thinking_mode)
         self.first_call_only = prompt.first_call_only
         # the forced opening as the tool parser sees it: enabled mode's think closer is reasoning's
@@ -1087,7 +1107,7 @@ class OpenAIServing:
             if out.finish_reason == FINISH_ERROR:
                 raise engine_error(out.error, self._chat_fields(req))
             text = self._text_stream(greq.params, req.include_stop_str_in_output, prompt.call_end)
-            parser = _TurnParser(prompt)
+            parser = _TurnParser(prompt, tool_call_id_prefix(greq.request_id, out.sample_index))
             parser.feed(text.push(out.output_ids))
             parser.feed(text.finish())
             parser.finish()
@@ -1163,7 +1183,7 @@ class OpenAIServing:
         base = {"id": greq.request_id, "object": "chat.completion.chunk", "created": created, "model": self.served.name}
         n = greq.params.n
         texts = [self._text_stream(greq.params, req.include_stop_str_in_output, prompt.call_end) for _ in range(n)]
-        parsers: list[_TurnParser] = [_TurnParser(prompt) for _ in range(n)]
+        parsers = [_TurnParser(prompt, tool_call_id_prefix(greq.request_id, i)) for i in range(n)]
         has_calls = [False] * n
         outs: list[SampleOutput] = []
         scorer = StreamScores(self.score_sample, prompt.ids, greq.params, req.top_logprobs or 0, n)
