@@ -6,7 +6,8 @@ with one ``error: ...`` line for a bad flag or an unusable checkpoint / tokenize
 (named, as ``m3-rollout export`` says them), 3 when the address cannot be bound (naming ``--port``
 or ``--host``; uvicorn's status for a server that could not start), 130 with one ``interrupted:``
 line for a Ctrl-C before it serves (imports, checkpoint load, EP workers starting); once it serves,
-uvicorn handles Ctrl-C (a clean shutdown).
+SIGTERM or SIGINT (Ctrl-C) is a graceful shutdown with one line naming it, exit 0
+(``server.cli.run_server``).
 """
 
 from __future__ import annotations

@@ -221,30 +221,39 @@ class ScriptedBackend(GenerationBackend):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@contextlib.contextmanager
-def serve_subprocess(model_dir: Path, args: list[str], startup_timeout_s: float, stop_timeout_s: float):
+def start_server_process(model_dir: Path, args: list[str], startup_timeout_s: float, **popen_kw):
     """``python -m m3_rollout.serve --model model_dir --port <free> *args`` in its own process
-    (OMP_NUM_THREADS=1), waited for on /health. Yields (url, client); on exit the client closes and
-    the server gets SIGTERM, then SIGKILL after ``stop_timeout_s``.
+    (OMP_NUM_THREADS=1, stdout and stderr in one text pipe), waited for on /health; ``popen_kw``
+    go to ``subprocess.Popen``. Returns (process, url, client).
 
     Raises: RuntimeError with the server's output when it exits or is not healthy within
     ``startup_timeout_s`` seconds."""
     port = free_port()
     cmd = [sys.executable, "-m", "m3_rollout.serve", "--model", str(model_dir), "--port", str(port), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen_kw
+    )
     url = f"http://127.0.0.1:{port}"
     client = RolloutServerClient(url, timeout_s=120)
     deadline = time.monotonic() + startup_timeout_s
     while True:
         try:
             client.health()
-            break
+            return proc, url, client
         except httpx.HTTPError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
+                client.close()
                 raise RuntimeError(f"server did not start:\n{proc.stdout.read()}") from None
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serve_subprocess(model_dir: Path, args: list[str], startup_timeout_s: float, stop_timeout_s: float):
+    """The server of :func:`start_server_process`; yields (url, client); on exit the client closes
+    and the server gets SIGTERM, then SIGKILL after ``stop_timeout_s``."""
+    proc, url, client = start_server_process(model_dir, args, startup_timeout_s)
     try:
         yield url, client
     finally:

@@ -157,25 +157,6 @@ def test_ctrl_c_while_serve_starts_exits_130_in_one_line_and_frees_the_port(ckpt
         again.bind(("127.0.0.1", port))
 
 
-def test_ctrl_c_on_a_serving_server_exits_130_in_one_line(ckpts, capsys, monkeypatch):
-    # uvicorn shuts down gracefully on Ctrl-C and then re-raises it (asyncio's KeyboardInterrupt):
-    # one line after the serving line, exit 130, no traceback.
-    import uvicorn
-
-    def interrupted(self, sockets=None):
-        self.started = True
-        raise KeyboardInterrupt
-
-    good, _, _ = ckpts
-    monkeypatch.setattr(uvicorn.Server, "run", interrupted)
-    with pytest.raises(SystemExit) as exc:
-        serve_main(["--model", str(good), "--port", str(free_port())])
-    assert exc.value.code == 130
-    captured = capsys.readouterr()
-    assert captured.out.startswith("m3-rollout server: serving ")
-    assert captured.err == "m3-rollout server: stopped (Ctrl-C)\n"
-
-
 def test_export_to_a_path_that_is_a_file_is_a_bad_argument(ckpts, tmp_path, capsys):
     good, _, _ = ckpts
     afile = tmp_path / "afile"

@@ -15,12 +15,14 @@ import argparse
 import dataclasses
 import errno
 import json
+import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import uvicorn
 
 from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, read_chat_defaults
 from m3_rollout.config import device_problem
@@ -313,24 +315,62 @@ def build_server(args: argparse.Namespace, model_dir: Path, template_kwargs: dic
     return build_app(served, EngineRunner(backend), args.api_key), served
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, saying why it stops: the first SIGINT / SIGTERM (``stop_signal``) is
+    named in one line on stderr as the graceful shutdown begins (no new connections, requests in
+    flight finish, a second Ctrl-C cuts that short; then the app's shutdown stops the engine)."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.stop_signal: int | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = sig
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.stop_signal is not None:
+            name = signal.Signals(self.stop_signal).name + (" (Ctrl-C)" if self.stop_signal == signal.SIGINT else "")
+            print(
+                f"m3-rollout server: {name} received, shutting down (requests in flight finish, then the engine stops)",
+                file=sys.stderr,
+                flush=True,
+            )
+        await super().shutdown(sockets=sockets)
+
+    def on_stop_signal(self, sig: int, frame) -> None:
+        """The handler uvicorn finds (and restores after it): a stop before uvicorn takes the
+        signals over; nothing once the server is stopping, as when uvicorn raises the signal again
+        after its shutdown."""
+        if not self.should_exit:
+            self.handle_exit(sig, frame)
+
+
 def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.socket) -> None:
     """Print the "serving" line (``sock`` is bound: the address is ours) and run uvicorn on ``sock``
-    until interrupted.
+    until SIGINT (Ctrl-C) or SIGTERM: either is a requested stop, a graceful shutdown with one
+    line on stderr (:class:`GracefulServer`), after which this returns (exit status 0).
+
+    NOTE: uvicorn restores the handlers it found and then raises the stop signal again; Python's
+    defaults made that a KeyboardInterrupt for SIGINT, death by SIGTERM (status 143, no line) for
+    SIGTERM, and nothing for a SIGINT ignored (a shell's ``&`` job). The handlers it finds here are
+    the server's own (:meth:`GracefulServer.on_stop_signal`), so the raised-again signal does
+    nothing, and a signal before uvicorn takes over is a graceful stop too.
 
     Raises:
         SystemExit(3): uvicorn could not start (its startup-failure status).
-        SystemExit(130): stopped by Ctrl-C, after uvicorn's graceful shutdown and one line on stderr.
     """
-    import uvicorn
-
     print(f"m3-rollout server: serving {served.name!r} on http://{args.host}:{args.port}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    previous = {sig: signal.signal(sig, server.on_stop_signal) for sig in STOP_SIGNALS}
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        # uvicorn shut down gracefully (the app's shutdown stopped the backend) and then re-raised the
-        # Ctrl-C it captured, which asyncio turns into this: one line instead of a traceback
-        print("m3-rollout server: stopped (Ctrl-C)", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not server.started:
         raise SystemExit(3)
