@@ -108,5 +108,30 @@ def test_update_weights_in_place_and_all_or_nothing():
         assert t.data_ptr() == ptrs[n], n
         assert torch.equal(t, src.state_dict()[n]), n
     assert backend.generate([_req("a", [1, 2])])[0].weight_version == 7
-    with pytest.raises(ValueError, match="update version 7 refused: this rank holds version 7"):
+    with pytest.raises(ValueError, match="update version 7 refused: this engine holds version 7"):
         backend.update_weights(7, named)
+
+
+def test_single_engine_refusals_name_no_rank():
+    """The in-process engine is the one receiver of its updates: its refusals used to name
+    "receiver 0" and "this rank" although there are no ranks."""
+    backend = NativeBackend(_model(torch.float32, seed=0), [EOS])
+    backend.weight_sync = LocalWeightSync(backend.engine)
+    named = list(iter_released_tensors(_model(torch.float32, seed=1)))
+    name, t = named[3]
+    nan = named[:3] + [(name, torch.full_like(t, float("nan")))] + named[4:]
+    short = named[:3] + [(name, t[:1])] + named[4:]
+    for update, why in (
+        (nan, f"non-finite values in {name}"),
+        (short, f"shape of {name}: update [1, {t.shape[1]}], handshake [{t.shape[0]}, {t.shape[1]}]"),
+    ):
+        with pytest.raises(ValueError) as exc:
+            backend.update_weights(1, update)
+        assert str(exc.value) == f"weight update rejected (version 0): weight update 1 rejected:\n  {why}"
+    backend.update_weights(2, named)
+    with pytest.raises(ValueError) as exc:
+        backend.update_weights(2, named)
+    assert str(exc.value) == (
+        "weight update rejected (version 2): weight update 2 rejected:\n  update version 2 refused: this engine "
+        "holds version 2; versions only increase (an update that re-sends the version held must say replace=True)"
+    )

@@ -289,6 +289,15 @@ def test_collective_refit_over_a_weight_sync_group():
         sender.update(1, include_frozen=True)
         assert all(f.result(timeout=60) for f in received)
         assert gen.backend.weight_version == 1
+        # the engine is the group's one generation rank: a refusal names no rank (it said "rank 1")
+        refused = gen.update_weights_from_collective()
+        with pytest.raises(WeightUpdateError, match="update version 1 refused: this engine holds version 1"):
+            sender.update(1)
+        with pytest.raises(ValueError) as exc:
+            refused[0].result(timeout=60)
+        assert str(exc.value).startswith(
+            "weight update rejected (version 1): update version 1 refused: this engine holds version 1;"
+        )
         gen.invalidate_kv_cache()
         assert _check_output(gen.generate(_batch()), _batch(), trainer) < 1e-4
     finally:

@@ -114,7 +114,9 @@ def test_a_failed_non_atomic_update_ends_running_requests_with_an_error_not_a_ha
             runner.update_weights(True), asyncio.to_thread(send, 1, nan_with_valid_checksum)
         )
         assert not record.ok and record.version == 0 and "non-finite values" in sent
-        assert "rank invalid" in record.errors[-1]
+        # the server's one engine is the group's only rollout rank: its errors name no rank
+        assert record.errors[-1] == "update 1 failed after weights were written: engine invalid"
+        assert not any("rank" in e for e in record.errors), record.errors
 
         finals = [o for o in await asyncio.wait_for(collecting, 120) if isinstance(o, SampleOutput)]  # hung before
         await runner.resume()

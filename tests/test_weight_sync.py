@@ -664,7 +664,7 @@ def test_versions_only_increase_unless_the_update_replaces():
     sender = _sender(trainer, [rx])
     sender.update(0, include_frozen=True)  # a fresh receiver's first update may carry its own version
     sender.update(5)
-    for bad, why in ((5, "this rank holds version 5"), (4, "this rank holds version 5"), (-1, "versions are >= 0")):
+    for bad, why in ((5, "this engine holds version 5"), (4, "this engine holds version 5"), (-1, "versions are >= 0")):
         with pytest.raises(WeightUpdateError, match=f"update version {bad} refused: {why}"):
             sender.update(bad)
         assert rx.version == 5 and rx.valid
@@ -816,7 +816,7 @@ def test_receiver_side_corruption_fails_naming_the_tensor(atomic):
     rx.fault = _flip_on_receiver(5)
     with pytest.raises(WeightUpdateError) as exc:
         _sender(trainer, [rx]).update(4)
-    msg = "receiver 0: bucket 5 (torch.float32, 52428 bytes) checksum mismatch; holds "
+    msg = "\n  bucket 5 (torch.float32, 52428 bytes) checksum mismatch; holds "  # one receiver: no label
     msg += "language_model.model.embed_tokens.weight"
     assert msg in str(exc.value) and "non-finite" not in str(exc.value)
     assert rx.version == 3
@@ -1116,19 +1116,19 @@ def test_one_host_sync_per_bucketed_update_whatever_the_outcome(monkeypatch, ato
         sender.update(3, include_frozen=True)
     assert syncs.count == 1, syncs.sites
     msg = str(exc.value)
-    assert f"receiver 0: non-finite values in {NAN_NAME}" in msg and msg.count("non-finite") == 1
+    assert f"\n  non-finite values in {NAN_NAME}" in msg and msg.count("non-finite") == 1
     assert "checksum" not in msg
     assert rx.version == 2 and rx.valid == atomic
     if atomic:
         assert all(torch.equal(p, kept[n]) for n, p in rx_model.named_parameters())
     else:  # the bad bucket's bytes landed: this rank says so and refuses requests
         errors = sender.channel.results[0].errors
-        assert "receiver 0: update 3 failed after weights were written: rank invalid" in errors
+        assert "update 3 failed after weights were written: engine invalid" in errors
     with torch.no_grad():
         target.view(-1)[3] = 0.5
 
     rx.fault = lambda k, buf: buf[10:11].bitwise_xor_(0x40) if k == 7 else None
-    with syncs, pytest.raises(WeightUpdateError, match="receiver 0: bucket 7 .* checksum mismatch; holds "):
+    with syncs, pytest.raises(WeightUpdateError, match="\n  bucket 7 .* checksum mismatch; holds "):
         sender.update(4, include_frozen=True)
     assert syncs.count == 1, syncs.sites
     assert rx.version == 2 and rx.valid == atomic
@@ -1160,7 +1160,7 @@ class _HandshakeScript:
         self.calls.append("receive")
         return UpdateResult(ok=True, version=4)
 
-    refused = WeightReceiver.refused
+    refused, _named = WeightReceiver.refused, WeightReceiver._named
 
 
 def test_a_handshake_that_finds_differences_after_a_rebuild_refuses_the_update_and_stays_in_step():

@@ -92,3 +92,29 @@ def test_service_updates_through_broadcast_group(model_dir):
         assert all(o.token_weight_writes == [writes] * len(o.output_ids) for o in again)
     finally:
         svc.shutdown()
+
+
+def test_a_one_worker_service_names_no_rank_in_a_refusal(model_dir):
+    """One worker (no EP) is the group's only rollout rank: its refusals said "rank 1: ..."."""
+    spec = WorkerSpec(
+        model_dir=str(model_dir),
+        group=EPGroupSpec(1, "127.0.0.1", 0, "gloo", timeout_s=20),
+        dtype="float32",
+        engine={"max_model_len": MAX_LEN, "max_num_seqs": 4, "eos_token_ids": (EOS,), "num_pages": 16},
+    )
+    ws = WeightSyncConfig(bucket_size_mb=0.05, timeout_s=20)
+    svc = RolloutService(
+        spec, launcher="mp", steps_per_call=8, start_timeout_s=120, weight_sync=ws, freeze=FreezeConfig()
+    )
+    try:
+        named = list(iter_released_tensors(load_checkpoint(model_dir, dtype=torch.float32)))
+        svc.update_weights(2, named)
+        with pytest.raises(ValueError) as exc:
+            svc.update_weights(2, named)
+        assert str(exc.value) == (
+            "weight update 2 rejected:\n  update version 2 refused: this engine holds version 2; versions only "
+            "increase (an update that re-sends the version held must say replace=True)"
+        )
+        assert svc.weight_version == 2
+    finally:
+        svc.shutdown()

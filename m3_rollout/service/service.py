@@ -794,10 +794,14 @@ class RolloutService(GenerationBackend):
         except GroupFailure as failure:
             self._fail_live(failure)
             raise
-        bad = [f"rank {r}: {p}" for r, ps in enumerate(problems) for p in ps]
+        bad = [self._rank_named(r, p) for r, ps in enumerate(problems) for p in ps]
         if bad:
             raise ValueError("weight-sync handshake failed:\n  " + "\n  ".join(bad))
         self._joined = True
+
+    def _rank_named(self, rank: int, msg: str) -> str:
+        """``msg`` of EP rank ``rank``, prefixed "rank r: " unless the group is one worker."""
+        return msg if self.world_size == 1 else f"rank {rank}: {msg}"
 
     @property
     def weight_sync_joined(self) -> bool:
@@ -858,7 +862,7 @@ class RolloutService(GenerationBackend):
             "version": self._version,
             "seconds": max(o["seconds"] for o in outs),
             "paused_seconds": max(o["paused_seconds"] for o in outs),
-            "errors": [f"rank {r}: {e}" for r, o in enumerate(outs) for e in o["errors"]],
+            "errors": [self._rank_named(r, e) for r, o in enumerate(outs) for e in o["errors"]],
         }
 
     # ---- weights and control -----------------------------------------------------------------

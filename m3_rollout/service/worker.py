@@ -304,7 +304,7 @@ class RolloutWorker:
             options["recompute_kv_after_update"],
             drain=lambda: self.run([], 2**62)["outputs"],
         )
-        receiver.rank_label = f"rank {self.rank}"
+        receiver.rank_label = f"rank {self.rank}" if self.world_size > 1 else None  # one worker names no rank
         self.weight_sync = IpcRolloutSync(receiver, endpoint, options["timeout_s"])
         self.weight_sync.connect()
         return []

@@ -33,7 +33,8 @@ bad bucket land too); on the direct path each tensor is validated before any byt
 A bad bucket is reported from that one read, as on an atomic rank: "bucket k (dtype, bytes)
 checksum mismatch; holds <tensors>" for torn bytes, "non-finite values in <tensor>" for each
 tensor (up to four, then a count) whose stored values hold a NaN / inf (an overflowing cast
-included); the result adds "update v failed after weights were written: rank invalid".
+included); the result adds "update v failed after weights were written: rank invalid" ("engine
+invalid" for a lone engine, whose messages name no rank).
 When any rank fails, no rank moves to the new version: a rank that already overwrote bytes is
 marked ``valid=False`` (it refuses requests) until a later full update succeeds, so every rank
 ends on one version or the update failed everywhere.
@@ -78,6 +79,12 @@ from .unpack import BucketUnpack
 _MAX_NAMES = 4  # tensors named per failing bucket
 
 
+def _group_label(group: WeightSyncGroup) -> str | None:
+    """The rank label ("rank r") when the group holds several rollout ranks, None when this rank is its only one
+    (an in-process engine, a one-engine server or worker): a lone engine's messages name no rank."""
+    return f"rank {group.rank}" if group.world_size - group.train_world_size > 1 else None
+
+
 @dataclass
 class UpdateResult:
     """Outcome of one update on one rollout rank.
@@ -85,7 +92,8 @@ class UpdateResult:
     Attributes:
         ok: this rank's weights now equal the trainer's update ``version``.
         version: weight version served after the call (unchanged on failure).
-        errors: what went wrong, naming tensors ("rank r: ...").
+        errors: what went wrong, naming tensors (prefixed "rank r: " / "receiver i: " where several
+            ranks receive the update; bare for a lone engine).
         valid: False when the rank holds a partial update and must refuse requests.
         needs_rebuild: the group broke (peer died / timeout); rebuild before the next update.
         changed: this rank's parameters were overwritten (the prefix cache must go).
@@ -176,7 +184,10 @@ class WeightReceiver:
         self.received = False  # no update applied yet: the first may carry ``version`` itself
         self.valid = True
         self.in_flight, self.scorer = in_flight, scorer
-        self.rank_label = "rollout"
+        # "rank r" / "receiver i" where several ranks receive the update (set by the driver:
+        # ``receive_update``, ``ColocatedChannel``); None for the one engine of its update: its
+        # messages then name no rank (``_named``)
+        self.rank_label: str | None = None
         self.manifest: list[TensorSpec] | None = None
         self._stage_cache: torch.Tensor | None = None
         self._ring = BucketRing(self.device, 3 if double_buffer else 1)
@@ -222,13 +233,13 @@ class WeightReceiver:
             raise RuntimeError("weight update before a successful handshake")
         self._reset()
         self._header = header
-        self._errors = [f"{self.rank_label}: {p}" for p in self._header_problems(header)]
+        self._errors = [self._named(p) for p in self._header_problems(header)]
         v, cur = int(header.version), self.version
         if v < 0:
-            self._fail(f"update version {v} refused: versions are >= 0 (this rank holds version {cur})")
+            self._fail(f"update version {v} refused: versions are >= 0 ({self._this} holds version {cur})")
         elif v < cur or (v == cur and self.received and not header.replace):
             self._fail(
-                f"update version {v} refused: this rank holds version {cur}; versions only increase "
+                f"update version {v} refused: {self._this} holds version {cur}; versions only increase "
                 "(an update that re-sends the version held must say replace=True)"
             )
         if expect_version is not None and v != expect_version:
@@ -236,7 +247,7 @@ class WeightReceiver:
         if header.probe != (probe is not None):
             self._fail("update header and probe data disagree (sender and receiver out of step?)")
         elif probe is not None and self.scorer is None:
-            self._fail("update carries a probe (weight_sync.probe) but this rank has no scorer")
+            self._fail(f"update carries a probe (weight_sync.probe) but {self._this} has no scorer")
         self._probe = probe
         if self.in_flight is not None and self.in_flight.engine.weights_offloaded:
             # sleep(2) freed the parameters' device memory: a write would land in freed memory
@@ -516,11 +527,11 @@ class WeightReceiver:
             self._drift = probe_drift(self._probe, self.scorer)
         except (RuntimeError, ValueError) as exc:  # scoring failed on this rank: the probe fails
             self._drift = float("inf")
-            return {"ok": False, "errors": [f"{self.rank_label}: probe could not score: {exc}"], "drift": None}
+            return {"ok": False, "errors": [self._named(f"probe could not score: {exc}")], "drift": None}
         if self._drift <= self._probe.threshold:
             return {"ok": True, "errors": [], "drift": self._drift}
-        msg = (
-            f"{self.rank_label}: probe drift {self._drift:.4g} nats/token > weight_sync.probe.threshold="
+        msg = self._named(
+            f"probe drift {self._drift:.4g} nats/token > weight_sync.probe.threshold="
             f"{self._probe.threshold:g} after update {self._header.version} (wrong expert layout, stale or "
             "corrupted weights?)"
         )
@@ -539,12 +550,13 @@ class WeightReceiver:
             changed = True
         elif self._committed and self.atomic:  # the probe failed somewhere: back to the old weights
             self._restore_backup()
-            errors.append(f"{self.rank_label}: update {h.version} rolled back: the probe failed")
+            errors.append(self._named(f"update {h.version} rolled back: the probe failed"))
         elif self._committed or self._touched:  # non-atomic: bytes written, update not accepted everywhere
             self.valid, changed = False, True
-            errors.append(f"{self.rank_label}: update {h.version} failed after weights were written: rank invalid")
+            unit = "rank" if self.rank_label is not None else "engine"
+            errors.append(self._named(f"update {h.version} failed after weights were written: {unit} invalid"))
         if not all_ok and not self._errors:
-            errors.append(f"{self.rank_label}: update {h.version} not applied: another rank failed")
+            errors.append(self._named(f"update {h.version} not applied: another rank failed"))
         ok = changed and self.valid
         drift = self._drift
         self._reset()
@@ -569,7 +581,7 @@ class WeightReceiver:
     def refused(self, reason: str) -> UpdateResult:
         """An update that ended before any bucket was received, with the group in step (no
         rebuild): weights, version and validity stay."""
-        return UpdateResult(ok=False, version=self.version, errors=[f"{self.rank_label}: {reason}"], valid=self.valid)
+        return UpdateResult(ok=False, version=self.version, errors=[self._named(reason)], valid=self.valid)
 
     def withdrawn(self, version: int) -> UpdateResult:
         """The trainer withdrew update ``version`` before sending anything (it refused it itself:
@@ -588,7 +600,7 @@ class WeightReceiver:
         result = UpdateResult(
             ok=False,
             version=self.version,
-            errors=[f"{self.rank_label}: {reason}"],
+            errors=[self._named(reason)],
             valid=self.valid,
             needs_rebuild=True,
         )
@@ -606,13 +618,13 @@ class WeightReceiver:
     def handshake(self, group: WeightSyncGroup) -> None:
         """Receive the trainer's manifest, compare, exchange verdicts. Raises HandshakeError
         listing every rank's differences."""
-        self.rank_label = f"rank {group.rank}"
+        self.rank_label = _group_label(group)
         n = torch.zeros(1, dtype=torch.int64, device=group.device)
         group.broadcast(n)
         data = torch.empty(int(n), dtype=torch.uint8, device=group.device)
         group.broadcast(data)
         diffs = self.check_handshake(manifest_from_bytes(data.cpu().numpy().tobytes()))
-        verdicts = group.exchange_objects([f"rank {group.rank}: {d}" for d in diffs])
+        verdicts = group.exchange_objects([self._named(d) for d in diffs])
         problems = [d for v in verdicts for d in v]
         if problems:
             self.manifest = None
@@ -630,7 +642,7 @@ class WeightReceiver:
         import time
 
         t0 = time.perf_counter()
-        self.rank_label = f"rank {group.rank}"
+        self.rank_label = _group_label(group)
         try:
             try:
                 n = torch.zeros(1, dtype=torch.int64, device=group.device)
@@ -673,7 +685,16 @@ class WeightReceiver:
 
     # ---------------------------------------------------------------- helpers
     def _fail(self, msg: str) -> None:
-        self._errors.append(f"{self.rank_label}: {msg}")
+        self._errors.append(self._named(msg))
+
+    def _named(self, msg: str) -> str:
+        """``msg`` prefixed with this receiver's rank label ("rank 2: ..."), bare without one."""
+        return msg if self.rank_label is None else f"{self.rank_label}: {msg}"
+
+    @property
+    def _this(self) -> str:
+        """What holds the weights, for messages: "this rank" among several, else "this engine"."""
+        return "this rank" if self.rank_label is not None else "this engine"
 
     def _seg_name(self, seg) -> str:
         idx = self._header.entries[seg.entry][0]

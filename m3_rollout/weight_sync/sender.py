@@ -263,8 +263,8 @@ class ColocatedChannel:
         """``receive_all()``, then the two verdict phases over every receiver."""
         t0 = time.perf_counter()
         try:
-            for i, r in enumerate(self.receivers):
-                r.rank_label = f"receiver {i}"
+            for i, r in enumerate(self.receivers):  # a lone receiver (the in-process engine) names none
+                r.rank_label = f"receiver {i}" if len(self.receivers) > 1 else None
             receive_all()
             verdicts = [r.status() for r in self.receivers]
             all_ok = all(v["ok"] for v in verdicts)

@@ -301,6 +301,7 @@ def test_gloo_cuda_tensors_two_processes_one_gpu():
     log = got["rank1"]["log"]
     assert log[0]["ok"] and log[0]["version"] == 1 and log[0]["bad"] == []
     assert not log[1]["ok"] and log[1]["version"] == 1 and log[1]["bad"] == []  # atomic: old weights kept
-    assert "rank 1: bucket 20 " in got["trainer"]["error_2"] and "checksum mismatch" in got["trainer"]["error_2"]
+    # the group's one rollout rank: its errors name no rank
+    assert "\n  bucket 20 " in got["trainer"]["error_2"] and "checksum mismatch" in got["trainer"]["error_2"]
     assert log[2]["ok"] and log[2]["version"] == 3 and log[2]["bad"] == []
     assert got["trainer"]["buckets"] == expected_buckets(_model(1), BUCKET_MB) > 20
