@@ -9,6 +9,7 @@ import collections
 import copy
 import socket
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -209,6 +210,78 @@ def test_vllm_cfg_logprobs_mode_is_honoured_for_sampled_rows():
     ):
         with pytest.raises(ValueError, match=rf"vllm_cfg\.logprobs_mode={bad!r} ?.*{why}"):
             generate({"logprobs_mode": bad})
+
+
+#: NeMo RL's policy.generation as its examples/configs/grpo_math_1B.yaml sets it (model max 48 tokens)
+NEMO_GENERATION = {
+    **CONFIG,
+    "backend": "vllm",
+    "model_name": "Qwen/Qwen2.5-1.5B",
+    "vllm_cfg": {
+        "async_engine": False,
+        "precision": "float32",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "expert_parallel_size": 1,
+        "gpu_memory_utilization": 0.6,
+        "max_model_len": 48,
+        "enforce_eager": False,
+        "use_deep_gemm": False,
+        "num_last_layers_in_bf16": 0,
+        "num_first_layers_in_bf16": 0,
+        "skip_tokenizer_init": True,
+        "load_format": "dummy",
+    },
+    "vllm_kwargs": {},
+    "colocated": {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}},
+}
+
+
+def test_nemo_keys_the_adapter_does_not_read_are_warned_about_or_refused():
+    """NeMo RL's generation keys the adapter does not read were dropped without a word (a
+    max_model_len the backend does not have, routed experts asked for, vLLM's memory fraction,
+    tensor parallelism...). Now: NeMo RL's defaults pass, gpu_memory_utilization (never honoured)
+    warns once; an ignored value warns naming the key and what happens instead; a value that
+    changes the output and cannot be honoured is refused naming the key and what to do."""
+    model = _model()
+
+    def build(generation: dict) -> list[warnings.WarningMessage]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every warning of this one construction, none deduplicated
+            NemoRLGeneration(NativeBackend(copy.deepcopy(model), [EOS], max_model_len=48), generation)
+        return caught
+
+    assert [str(w.message) for w in build(NEMO_GENERATION)] == [
+        "NemoRLGeneration: policy.generation.vllm_cfg.gpu_memory_utilization=0.6 is ignored: the KV cache was "
+        "sized when the backend was built (EngineConfig kv_cache_memory_fraction, of the memory free after the "
+        "weights load, or kv_cache_memory_gb)"
+    ]
+    odd = {**NEMO_GENERATION["vllm_cfg"], "tensor_parallel_size": 2, "precision": "bfloat16", "quant_cfg": "nvfp4"}
+    caught = build({**NEMO_GENERATION, "vllm_cfg": odd, "vllm_kwargs": {"compilation_config": {"use_inductor": False}}})
+    got = sorted(str(w.message) for w in caught)
+    assert got == sorted(
+        [
+            "NemoRLGeneration: policy.generation.vllm_cfg.gpu_memory_utilization=0.6 is ignored: the KV cache was "
+            "sized when the backend was built (EngineConfig kv_cache_memory_fraction, of the memory free after the "
+            "weights load, or kv_cache_memory_gb)",
+            "NemoRLGeneration: policy.generation.vllm_cfg.tensor_parallel_size=2 is ignored: the backend holds "
+            "the whole model (EP shards only the experts)",
+            "NemoRLGeneration: policy.generation.vllm_cfg.precision='bfloat16' is ignored: the backend serves its "
+            "model in torch.float32",
+            "NemoRLGeneration: policy.generation.vllm_cfg.quant_cfg='nvfp4' is ignored: this adapter does not read it",
+            "NemoRLGeneration: policy.generation.vllm_kwargs={'compilation_config': {'use_inductor': False}} is "
+            "ignored: vLLM's engine arguments; the backend's EngineConfig applies",
+        ]
+    )
+    assert all(w.category is UserWarning and w.filename == __file__ for w in caught)  # at the caller's line
+    with pytest.raises(ValueError) as exc:
+        build({**NEMO_GENERATION, "vllm_cfg": {**NEMO_GENERATION["vllm_cfg"], "max_model_len": 64}})
+    assert str(exc.value) == (
+        "NemoRLGeneration: policy.generation.vllm_cfg.max_model_len=64: the backend's max_model_len is 48, so rows "
+        "would end at 48 tokens, not 64: build the backend with max_model_len=64 (or set this key to 48)"
+    )
+    with pytest.raises(ValueError, match=r"vllm_cfg\.enable_return_routed_experts=True: .* set it false"):
+        build({**NEMO_GENERATION, "vllm_cfg": {**NEMO_GENERATION["vllm_cfg"], "enable_return_routed_experts": True}})
 
 
 class FakeBatchedDataDict(collections.UserDict):

@@ -41,6 +41,7 @@ views, here for the in-process refit and on each trainer rank for the collective
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -131,6 +132,122 @@ def logprobs_mode_of(config: Mapping) -> str:
     return LOGPROBS_MODES[mode]
 
 
+#: NeMo RL ``policy.generation`` keys the adapter reads (``NemoRLGeneration``, ``logprobs_mode_of``).
+READ_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "_pad_token_id",
+    "stop_token_ids",
+    "stop_strings",
+    "colocated.enabled",
+    "vllm_cfg.logprobs_mode",
+)
+
+#: Keys (and sections) that only set up NeMo RL's own vLLM process or its bookkeeping: whatever they
+#: hold, the generated tokens and logprobs are the same here, so they pass without a word
+#: (token ids in and out: no tokenizer; the backend holds its weights; ``generate_async`` works
+#: either way; a row ends at the context limit as ``cap_max_tokens_to_context`` asks).
+QUIET_KEYS = (
+    "backend",
+    "model_name",
+    "pad_token_id",
+    "colocated.resources",
+    "vllm_cfg.async_engine",
+    "vllm_cfg.skip_tokenizer_init",
+    "vllm_cfg.load_format",
+    "vllm_cfg.use_tqdm",
+    "vllm_cfg.cap_max_tokens_to_context",
+)
+
+
+def _served(backend: GenerationBackend) -> tuple[int | None, torch.dtype | None, int | None]:
+    """(context limit, served dtype, expert-parallel size) of ``backend``; None where not known."""
+    if isinstance(backend, NativeBackend):
+        return backend.engine.config.max_model_len, backend.model.model.embed_tokens.weight.dtype, 1
+    if isinstance(backend, RolloutService):
+        dtype = getattr(torch, backend.spec.dtype, None)
+        return _context_limit(backend), dtype if isinstance(dtype, torch.dtype) else None, backend.world_size
+    return None, None, None
+
+
+def _judge(key: str, value, served: tuple) -> tuple[str, str] | None:
+    """What becomes of NeMo RL's ``policy.generation.<key>`` = ``value`` that the adapter does not
+    read, on a backend ``served`` (``_served``): None (it changes nothing here), ("warn", what
+    happens instead) or ("refuse", why and what to do)."""
+    limit, dtype, ep = served
+    if key == "vllm_cfg.max_model_len":
+        if limit is None:
+            return "warn", "the backend's own context limit applies"
+        if value != limit:
+            return "refuse", (
+                f"the backend's max_model_len is {limit}, so rows would end at {limit} tokens, not {value}: "
+                f"build the backend with max_model_len={value} (or set this key to {limit})"
+            )
+        return None
+    if key in ("vllm_cfg.tensor_parallel_size", "vllm_cfg.pipeline_parallel_size"):
+        return None if value == 1 else ("warn", "the backend holds the whole model (EP shards only the experts)")
+    if key == "vllm_cfg.expert_parallel_size":
+        return None if value == ep else ("warn", f"the backend's expert-parallel size ({ep or 'its own'}) applies")
+    if key == "vllm_cfg.precision":
+        if dtype is not None and getattr(torch, str(value), None) == dtype:
+            return None
+        return "warn", f"the backend serves its model in {dtype or 'the dtype it was built with'}"
+    if key == "vllm_cfg.gpu_memory_utilization":
+        return "warn", (
+            "the KV cache was sized when the backend was built (EngineConfig kv_cache_memory_fraction, of the "
+            "memory free after the weights load, or kv_cache_memory_gb)"
+        )
+    if key == "vllm_cfg.enforce_eager":
+        return None if value is False else ("warn", "CUDA graphs are the backend's EngineConfig.enable_cuda_graphs")
+    if key == "vllm_cfg.kv_cache_dtype":
+        return None if value == "auto" else ("warn", "the KV cache is held in the served model's dtype")
+    if key == "vllm_cfg.enable_return_routed_experts":
+        return None if not value else ("refuse", "this adapter returns no routed experts in its output: set it false")
+    if key == "vllm_kwargs":
+        return None if not value else ("warn", "vLLM's engine arguments; the backend's EngineConfig applies")
+    if value is None or value is False or value == 0 or value == "" or value == {} or value == []:
+        return None  # an optional feature left off (NeMo RL's defaults)
+    return "warn", "this adapter does not read it"
+
+
+def check_unread_keys(config: Mapping, backend: GenerationBackend) -> None:
+    """Say what becomes of the keys of NeMo RL's ``policy.generation`` dict the adapter does not
+    read (:data:`READ_KEYS`): one ``UserWarning`` per key that is ignored although it would change
+    vLLM's generation (naming the key and what happens instead); quiet for :data:`QUIET_KEYS` and
+    for values this backend matches anyway (NeMo RL's defaults: tensor_parallel_size 1, ...).
+
+    Raises:
+        ValueError: a key whose value this backend cannot honour and that changes the output
+            (``vllm_cfg.max_model_len`` other than the backend's limit,
+            ``vllm_cfg.enable_return_routed_experts``), naming the key and what to do.
+    """
+    served = _served(backend)
+    for key, value in _flat_keys(config):
+        if key in READ_KEYS or any(key == q or key.startswith(q + ".") for q in QUIET_KEYS):
+            continue
+        verdict = _judge(key, value, served)
+        if verdict is None:
+            continue
+        kind, text = verdict
+        if kind == "refuse":
+            raise ValueError(f"NemoRLGeneration: policy.generation.{key}={value!r}: {text}")
+        warnings.warn(f"NemoRLGeneration: policy.generation.{key}={value!r} is ignored: {text}", stacklevel=3)
+
+
+def _flat_keys(config: Mapping, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, value) of every leaf of ``config``; ``vllm_kwargs`` is one leaf (vLLM's own)."""
+    out = []
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v and key != "vllm_kwargs":
+            out += _flat_keys(v, key + ".")
+        else:
+            out.append((key, v))
+    return out
+
+
 class NemoRLGeneration:
     """NeMo RL's ``GenerationInterface`` methods over a ``GenerationBackend``.
 
@@ -141,7 +258,9 @@ class NemoRLGeneration:
         config: NeMo RL's ``policy.generation`` dict: ``max_new_tokens``, ``temperature``,
             ``top_p``, ``top_k`` (None = off) and ``_pad_token_id`` are read; ``stop_token_ids``,
             ``stop_strings``, ``colocated.enabled`` (default True) and ``vllm_cfg.logprobs_mode``
-            (:func:`logprobs_mode_of`: the sampled rows' logprobs) when present.
+            (:func:`logprobs_mode_of`: the sampled rows' logprobs) when present. Every other key
+            is checked by :func:`check_unread_keys`: a warning when it is ignored, a refusal when
+            its value cannot be honoured and changes the output.
         model_config: the served model's ``M3Config`` (its shapes check refit names, through a
             meta-device copy); default: the ``NativeBackend``'s model itself.
         sleep_level: what ``finish_generation`` releases when colocated: 1 = the KV cache, 2 =
@@ -150,8 +269,9 @@ class NemoRLGeneration:
             seed + k and row i with sample index i, so calls and rows draw different tokens.
 
     Raises:
-        ValueError: a config key is missing, a sampling value is out of range, or
-            ``vllm_cfg.logprobs_mode`` is not one of :data:`LOGPROBS_MODES` (named).
+        ValueError: a config key is missing, a sampling value is out of range,
+            ``vllm_cfg.logprobs_mode`` is not one of :data:`LOGPROBS_MODES`, or an unread key
+            cannot be honoured (:func:`check_unread_keys`; each named).
     """
 
     def __init__(
@@ -180,6 +300,7 @@ class NemoRLGeneration:
         )
         self.params.validate()  # checked here; kept as given (temperature 0 stays greedy for every row)
         self.colocated = bool(config.get("colocated", {}).get("enabled", True))
+        check_unread_keys(config, backend)
         self.sleep_level, self.seed = sleep_level, seed
         if model_config is None and not isinstance(backend, NativeBackend):
             raise ValueError(f"NemoRLGeneration: pass model_config for a {type(backend).__name__}")
