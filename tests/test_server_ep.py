@@ -127,7 +127,7 @@ def test_ep_pause_modes_and_resume(server):
         # keep: the request stays in the engine (KV kept) and continues at /resume, tokens unchanged.
         ctx, events, ids = _stream_until(http, url, _body(7, 30), 1)
         assert client.pause("keep")["mode"] == "keep"
-        assert client.metrics()["m3:kv_cache_pages_used"] > 0 and client.health()["paused"] == "keep"
+        assert client.metrics()["m3:kv_cache_pages_used"] > 0 and client.health()["pause_mode"] == "keep"
         assert client.resume() == {"paused": False}
         final = _rest(events, ids)
         ctx.__exit__(None, None, None)

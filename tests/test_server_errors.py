@@ -19,7 +19,7 @@ from server_util import (
 )  # tests/ on sys.path
 
 from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
-from m3_rollout.server.client import HTTPBackend
+from m3_rollout.server.client import HTTPBackend, RolloutServerClient
 
 MAX_LEN = 128
 KEY = "sk-test-key"
@@ -252,6 +252,31 @@ def test_a_second_pause_in_another_mode_is_refused_and_resume_always_resumes(set
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "seed": 0}}
     out = httpx.post(srv.url + "/generate", json=body, timeout=30).json()["outputs"][0]
     assert len(out["output_ids"]) == 3 and out["finish_reason"] in ("length", "stop")
+
+
+def test_health_reports_paused_as_a_boolean_with_the_mode_beside_it(setup, monkeypatch):
+    """/health's ``paused`` was the pause mode or null while /pause and /resume answer a boolean
+    ``paused`` (and vLLM's /is_paused a boolean): now a boolean, the mode in ``pause_mode``. The
+    client reads an older server's answer (the mode in ``paused``) into the same shape."""
+    srv, _, _ = setup
+
+    def health() -> dict:
+        return httpx.get(srv.url + "/health", timeout=30).json()
+
+    assert (health()["paused"], health()["pause_mode"]) == (False, None)
+    assert httpx.post(srv.url + "/pause", json={"mode": "keep"}, timeout=30).json()["paused"] is True
+    assert (health()["paused"], health()["pause_mode"]) == (True, "keep")
+    client = RolloutServerClient(srv.url)
+    try:
+        got = client.health()
+        assert (got["paused"], got["pause_mode"], got["status"]) == (True, "keep", "ok")
+        for old, want in (("drain", (True, "drain")), (None, (False, None))):  # an older server's /health
+            monkeypatch.setattr(client, "_get", lambda path, old=old: {"status": "ok", "paused": old})
+            assert (client.health()["paused"], client.health()["pause_mode"]) == want
+    finally:
+        client.close()
+        assert httpx.post(srv.url + "/resume", timeout=30).json() == {"paused": False}
+    assert (health()["paused"], health()["pause_mode"]) == (False, None)
 
 
 ENGINE_CASES = [

@@ -246,7 +246,8 @@ def test_64_concurrent_streams_across_a_weight_update(server, trainer):
             await asyncio.to_thread(client.pause, "keep")
             running = sum(r["final"] is None for r in records)
             reply = await asyncio.to_thread(_update, client, sender, v0 + 1)
-            assert client.health()["paused"] == "keep"  # the update kept the pause in force
+            health = client.health()
+            assert health["paused"] is True and health["pause_mode"] == "keep"  # the update kept the pause
             await asyncio.to_thread(client.resume)
             await asyncio.gather(*tasks)
             return reply, running

@@ -17,7 +17,9 @@ Routes (bodies in ``protocol.py``):
     POST /pause, /resume                 pause (abort | drain | keep) and resume generation
     POST /abort                          abort a request by id (or all)
     POST /reset_prefix_cache             drop reusable KV pages
-    GET  /weight_version, /health, /metrics
+    GET  /weight_version, /health, /metrics   /health: status, weight_version, paused (bool),
+                                         pause_mode (its mode or null), updating, running,
+                                         weight_sync_ranks, weight_sync_joined
 Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), an unexpected
 exception out of a route too (500, type ``server_error``, its message; the ASGI server logs its
 traceback); with an API key every route needs ``Authorization: Bearer KEY``.
@@ -462,7 +464,9 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
         return {
             "status": "ok",
             "weight_version": runner.weight_version,
-            "paused": ctl.pause_mode,
+            # a boolean, as /pause and /resume answer it (and vLLM's /is_paused); the mode beside it
+            "paused": ctl.pause_mode is not None,
+            "pause_mode": ctl.pause_mode,  # "abort" | "drain" | "keep" while paused, else null
             "updating": ctl.updating,
             "running": sum(ctl.live.values()),
             "weight_sync_ranks": runner.weight_sync_ranks,

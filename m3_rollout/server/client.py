@@ -286,7 +286,13 @@ class RolloutServerClient:
         return _raise_for(self.http.post(path, json=body or {}))
 
     def health(self) -> dict:
-        return self._get("/health")
+        """/health: ``paused`` (bool) and ``pause_mode`` ("abort" | "drain" | "keep", or None); an
+        older server's ``paused`` (the mode or null, no ``pause_mode``) is read into that shape."""
+        h = self._get("/health")
+        if "pause_mode" not in h and not isinstance(h.get("paused"), bool):
+            h["pause_mode"] = h.get("paused")
+            h["paused"] = h["pause_mode"] is not None
+        return h
 
     def weight_version(self) -> int:
         return int(self._get("/weight_version")["weight_version"])
