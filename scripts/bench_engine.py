@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         default="union",
         choices=["union", "page_partials"],
         help="--batch-invariant: the invariant sparse attention (kernels/invariant_attention.py SPARSE_IMPL; "
-        "page_partials: the KV-major per-page partials, off by default until measured on a GPU)",
+        "page_partials: the KV-major per-page partials, off by default: faster prefill, slower decode)",
     )
     ap.add_argument("--record-batch", type=int, default=32, help="--block-record / --batch-invariant: decode batch")
     ap.add_argument("--record-new", type=int, default=256, help="--block-record: decode tokens per row")
