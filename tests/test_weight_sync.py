@@ -543,6 +543,26 @@ def test_a_new_receiver_of_an_invalid_engine_keeps_it_refusing_until_an_accepted
     assert served[0].finish_reason in ("stop", "length") and served[0].token_weight_versions[0] == 1
 
 
+def test_a_new_receiver_keeps_the_version_rule_after_an_accepted_update():
+    """Fresh-user finding: a new weight-sync group (a new HTTPBackend, /init_weight_sync again) built
+    a receiver that took the version the engine held as a loaded checkpoint's, so the version an
+    earlier group had sent was accepted again without ``replace`` (and written)."""
+    trainer = _model(1)
+    eng = _engine(_model(0))
+    fresh = engine_receiver(eng, atomic=True, in_flight="continue")
+    _sender(trainer, [fresh]).update(0, include_frozen=True)  # the loaded checkpoint's version: allowed once
+    _sender(trainer, [fresh]).update(1)
+    assert eng.weight_version == 1 and eng.weight_writes == 2
+    rejoined = engine_receiver(eng, atomic=True, in_flight="continue")  # a new group: a new receiver
+    with pytest.raises(WeightUpdateError, match="update version 1 refused: .* holds version 1; versions only increase"):
+        _sender(trainer, [rejoined]).update(1, include_frozen=True)
+    assert eng.weight_writes == 2 and eng.weight_version == 1  # nothing written
+    _sender(trainer, [rejoined]).update(1, include_frozen=True, replace=True)  # a re-send that says so
+    assert eng.weight_writes == 3 and eng.weight_version == 1
+    _sender(trainer, [rejoined]).update(2)
+    assert eng.weight_version == 2
+
+
 def test_build_weight_sender_colocated_follows_freeze_config():
     from m3_rollout.config import FreezeConfig, WeightSyncConfig
     from m3_trainers.policy import Policy

@@ -65,6 +65,10 @@ def engine_receiver(
     # group joined since, e.g. /init_weight_sync again) starts invalid too: only an accepted update
     # may lift the refusal, never a refused one.
     receiver.valid = engine.refuse_reason is None
+    # Only the checkpoint the engine loaded may be "re-sent" at its version without ``replace`` (a
+    # fresh receiver's first update): once any update wrote the weights, a new group's receiver
+    # keeps the version rule (the same version again is refused unless it says replace).
+    receiver.received = engine.weight_writes > 0
     return receiver
 
 
