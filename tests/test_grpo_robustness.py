@@ -810,3 +810,13 @@ def test_lr_schedule_follows_grpo_steps_when_samples_fail(cache, monkeypatch):
     assert [r["train/lr"] for r in rows] == [lr * lr_factor(p, 2, "linear", 8, 0.1) for p in (0, 4)]
     (policy,) = policies
     assert policy.schedule_position == 8 and policy.lr == pytest.approx(0.1 * lr, rel=1e-12)
+
+
+def test_the_checkpoint_line_of_a_cached_build_shows_its_held_out_accuracy():
+    """Fresh-user finding: a cached build's line showed only its build time, so README's "check the
+    build line" (held-out accuracy) had nothing to check after the first run."""
+    fresh = grpo.checkpoint_line("/c/m", {"built": True, "build_seconds": 12.34, "heldout_accuracy": 0.3125})
+    assert fresh == "built checkpoint /c/m in 12.3 s (held-out accuracy 0.312)"
+    cached = grpo.checkpoint_line("/c/m", {"built": False, "build_seconds": 411.9, "heldout_accuracy": 0.0})
+    assert cached == "using checkpoint /c/m (cached build of 411.9 s, held-out accuracy 0.000)"
+    assert grpo.checkpoint_line("/own", {"built": False}) == "using checkpoint /own"  # a user's checkpoint

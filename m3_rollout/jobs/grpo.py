@@ -255,6 +255,22 @@ def check_resume(cfg: MasterConfig) -> None:
         )
 
 
+def checkpoint_line(model_dir, info: dict) -> str:
+    """The job's line about its checkpoint: built now (seconds, held-out accuracy) or reused (the
+    cached build's seconds and held-out accuracy, where its build recorded them: the figure to
+    check before trusting a run, README "Check the build line"). ``info``: the build info of
+    ``build_rollout_stack`` ("built", "build_seconds", "heldout_accuracy")."""
+    if info.get("built"):
+        return (
+            f"built checkpoint {model_dir} in {info['build_seconds']:.1f} s "
+            f"(held-out accuracy {info.get('heldout_accuracy', float('nan')):.3f})"
+        )
+    cached = [f"cached build of {info['build_seconds']:.1f} s"] if "build_seconds" in info else []
+    if "heldout_accuracy" in info:
+        cached.append(f"held-out accuracy {info['heldout_accuracy']:.3f}")
+    return f"using checkpoint {model_dir}" + (f" ({', '.join(cached)})" if cached else "")
+
+
 def run(cfg: MasterConfig) -> dict:
     """Run the GRPO job described by ``cfg``; returns the run summary (also written to
     ``<logger.log_dir>/summary.json``).
@@ -284,16 +300,7 @@ def run(cfg: MasterConfig) -> dict:
     stack = build_rollout_stack(cfg, with_backend=False)
     model_dir, info, chat = stack.model_dir, stack.build_info, stack.chat
     env, source, settings = stack.env, stack.source, stack.settings
-    if info.get("built"):
-        print(
-            f"built checkpoint {model_dir} in {info['build_seconds']:.1f} s "
-            f"(held-out accuracy {info.get('heldout_accuracy', float('nan')):.3f})"
-        )
-    else:
-        print(
-            f"using checkpoint {model_dir}"
-            + (f" (cached build of {info['build_seconds']:.1f} s)" if "build_seconds" in info else "")
-        )
+    print(checkpoint_line(model_dir, info))
     # Trainer first, then the backend (EP rollout service, or the in-process engine on the
     # trainer's device): a colocated CUDA engine sizes its KV pool from the memory left free.
     try:
