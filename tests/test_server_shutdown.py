@@ -5,6 +5,8 @@ each is a graceful shutdown: one line naming the signal, a stream in flight fini
 
 import json
 import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -14,8 +16,12 @@ MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    tok = tiny_tokenizer()
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tok):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), tok, tiny_model(len(tok), max_len=MAX_LEN))
 
 
@@ -55,5 +61,63 @@ def test_a_stop_signal_shuts_down_gracefully_with_one_line_and_exit_0(checkpoint
     assert finishes in (["length"], ["stop"]), events
     name = signal.Signals(sig).name + (" (Ctrl-C)" if sig == signal.SIGINT else "")
     line = f"m3-rollout server: {name} received, shutting down (requests in flight finish, then the engine stops)"
+    assert proc.returncode == 0, out
+    assert out.splitlines().count(line) == 1, out
+
+
+def _stream_events(url: str, body: dict, events: list) -> None:
+    """POST a streamed completion; its data events (text after ``data: ``) go to ``events``."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+
+
+def _poll(condition, what: str, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_stop_signal_ends_the_requests_a_pause_holds(checkpoint, tok, mode):
+    """SIGTERM to a paused server hung it: the graceful shutdown waits for the requests in flight,
+    and a request frozen by ``/pause`` mode keep, or held at the admission gate of a paused server,
+    never finishes (only SIGKILL ended the process). Now the stop ends them as ``/abort`` does: the
+    stream ends with finish reason abort and [DONE], the line says so, exit 0."""
+    proc, url, client = start_server_process(checkpoint, ["--served-model-name", "tiny-m3"], 300)
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    # greedy, the end-of-text token barred: the stream runs its max_tokens unless stopped
+    body = {"model": "tiny-m3", "prompt": "hello", "max_tokens": 200, "temperature": 0, "stream": True}
+    body["logit_bias"] = {str(eos): -100}
+    events: list[str] = []
+    streamer = threading.Thread(target=_stream_events, args=(url, body, events), daemon=True)
+    try:
+        if mode == "keep":  # a stream under way, then frozen
+            streamer.start()
+            _poll(lambda: events, "streamed")
+            assert client.pause("keep")["running"] == 1
+        else:  # paused first: the stream waits at the gate
+            client.pause("abort")
+            streamer.start()
+            _poll(lambda: client.metrics()["m3:num_requests_waiting"] == 1, "held at the gate")
+        assert client.health()["paused"] is True
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)  # it hung here: stopped by the kill below
+        streamer.join(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert events[-1] == "[DONE]", events[-3:]
+    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+    assert finishes == ["abort"], events
+    line = (
+        "m3-rollout server: SIGTERM received, shutting down (requests in flight finish, then the engine stops); "
+        "1 paused request(s) end with finish reason abort"
+    )
     assert proc.returncode == 0, out
     assert out.splitlines().count(line) == 1, out

@@ -18,7 +18,7 @@ import json
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -321,11 +321,16 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, saying why it stops: the first SIGINT / SIGTERM (``stop_signal``) is
     named in one line on stderr as the graceful shutdown begins (no new connections, requests in
-    flight finish, a second Ctrl-C cuts that short; then the app's shutdown stops the engine)."""
+    flight finish, a second Ctrl-C cuts that short; then the app's shutdown stops the engine).
 
-    def __init__(self, config: uvicorn.Config):
+    ``on_stop`` (the app's ``Controller.stop``) is awaited first: it ends the requests that would
+    never finish (held at a paused server's gate, frozen by ``/pause`` mode keep), which the wait
+    for requests in flight would otherwise wait on forever; the line says how many it ended."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], Awaitable[int]] | None = None):
         super().__init__(config)
         self.stop_signal: int | None = None
+        self.on_stop = on_stop
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.stop_signal is None:
@@ -333,10 +338,13 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ended = await self.on_stop() if self.on_stop is not None else 0
         if self.stop_signal is not None:
             name = signal.Signals(self.stop_signal).name + (" (Ctrl-C)" if self.stop_signal == signal.SIGINT else "")
+            tail = f"; {ended} paused request(s) end with finish reason abort" if ended else ""
             print(
-                f"m3-rollout server: {name} received, shutting down (requests in flight finish, then the engine stops)",
+                f"m3-rollout server: {name} received, shutting down (requests in flight finish, then the engine "
+                f"stops){tail}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -353,7 +361,8 @@ class GracefulServer(uvicorn.Server):
 def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.socket) -> None:
     """Print the "serving" line (``sock`` is bound: the address is ours) and run uvicorn on ``sock``
     until SIGINT (Ctrl-C) or SIGTERM: either is a requested stop, a graceful shutdown with one
-    line on stderr (:class:`GracefulServer`), after which this returns (exit status 0).
+    line on stderr (:class:`GracefulServer`), after which this returns (exit status 0). ``app``:
+    ``app.build_app``'s (its controller ends what a pause holds as the shutdown begins).
 
     NOTE: uvicorn restores the handlers it found and then raises the stop signal again; Python's
     defaults made that a KeyboardInterrupt for SIGINT, death by SIGTERM (status 143, no line) for
@@ -365,7 +374,8 @@ def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.
         SystemExit(3): uvicorn could not start (its startup-failure status).
     """
     print(f"m3-rollout server: serving {served.name!r} on http://{args.host}:{args.port}", flush=True)
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = GracefulServer(config, app.state.controller.stop)
     previous = {sig: signal.signal(sig, server.on_stop_signal) for sig in STOP_SIGNALS}
     try:
         server.run(sockets=[sock])

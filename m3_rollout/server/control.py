@@ -44,6 +44,7 @@ class Controller:
         # request id -> one future per request held at the gate under it, resolved by /abort
         self._held: dict[str, list[asyncio.Future]] = {}
         self._resumes = 0  # /resume calls so far: a drain pause a /resume lifted stops waiting
+        self.stopping = False  # the server is shutting down (:meth:`stop`)
 
     @property
     def weight_version(self) -> int:
@@ -57,6 +58,8 @@ class Controller:
         :meth:`abort` ended the request there (it must not run)."""
         if self._gate.is_set():
             return True
+        if self.stopping:  # held now, it would never be let through: the shutdown waits on it
+            return False
         aborted = asyncio.get_running_loop().create_future()
         self._held.setdefault(request_id, []).append(aborted)
         self.waiting += 1
@@ -142,7 +145,9 @@ class Controller:
         another mode it is refused (the frozen or draining requests would be stranded). The
         answer's ``paused`` is the state at return: False when a ``/resume`` lifted this pause
         while it aborted, drained (it then returns at once) or froze the engine. Raises APIError
-        409 during a weight update or a pause in another mode."""
+        409 during a weight update or a pause in another mode, 503 while the server shuts down."""
+        if self.stopping:
+            raise APIError(503, "/pause refused: the server is shutting down", None, type="server_error")
         self._refuse_during_update("/pause")
         if self.pause_mode is not None:
             if mode != self.pause_mode:
@@ -202,6 +207,21 @@ class Controller:
             found = True
             await self.runner.abort(rid)
         return {"aborted": int(found)}
+
+    async def stop(self) -> int:
+        """The server is shutting down (SIGTERM / SIGINT, ``cli.GracefulServer``), which waits for
+        the requests in flight: end those that cannot finish on their own, which it would wait for
+        forever. Requests held at the admission gate (paused, or an update draining) never run, and
+        with ``/pause`` mode keep the running ones stay frozen: each ends as ``/abort`` ends it
+        (finish reason "abort"). Requests running unpaused go on and finish. From now on a request
+        that would wait at the gate ends there at once, and ``/pause`` is refused (503). Returns
+        how many request ids were ended."""
+        self.stopping = True
+        held = {rid for rid in list(self._held) if self._abort_held(rid)}
+        frozen = set(self.live) if self.pause_mode == "keep" else set()
+        for rid in frozen:
+            await self.runner.abort(rid)
+        return len(held | frozen)
 
     async def reset_prefix_cache(self) -> dict:
         self._refuse_during_update("/reset_prefix_cache")
