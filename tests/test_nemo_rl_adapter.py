@@ -284,6 +284,110 @@ def test_nemo_keys_the_adapter_does_not_read_are_warned_about_or_refused():
         build({**NEMO_GENERATION, "vllm_cfg": {**NEMO_GENERATION["vllm_cfg"], "enable_return_routed_experts": True}})
 
 
+#: The generation section of NeMo RL's current grpo_math_1B.yaml (Aug 2026), interpolations resolved
+#: (max_total_sequence_length 48, precision float32), as GRPO's setup hands it over (model_name,
+#: _pad_token_id, stop_token_ids, vllm_cfg.load_format added)
+NEMO_GENERATION_2026 = {
+    **CONFIG,
+    "stop_token_ids": [EOS],
+    "backend": "vllm",
+    "model_name": "Qwen/Qwen2.5-1.5B",
+    "_debug_payload_metrics": False,
+    "port_range_low": 3000,
+    "port_range_high": 4999,
+    "val_temperature": 1.0,
+    "val_top_p": 1.0,
+    "val_top_k": None,
+    "refit_transport": None,
+    "real_quant_export_cpu_offload": True,
+    "refit_cfg": {
+        "nixl": {
+            "update_weights_bucket_memory_ratio": 0.05,
+            "device": "cuda",
+            "backend_name": "UCX",
+            "backend_init_params": None,
+            "release_after_refit": False,
+            "shard_expert_weights": False,
+        }
+    },
+    "mcore_generation_config": {
+        "max_model_len": 48,
+        "cuda_graph_impl": "local",
+        "inference_cuda_graph_scope": "block",
+        "buffer_size_gb": 10,
+        "num_cuda_graphs": 4,
+        "block_size_tokens": 256,
+        "use_cuda_graphs_for_non_decode_steps": True,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": False,
+        "max_tokens": 16384,
+        "kv_cache_management_mode": "persist",
+        "materialize_only_last_token_logits": True,
+        "num_speculative_tokens": 0,
+        "refit_backend": "nccl",
+        "parsers": [],
+        "expose_http_server": False,
+    },
+    "vllm_cfg": {
+        "async_engine": False,
+        "precision": "float32",
+        "kv_cache_dtype": "auto",
+        "logprobs_mode": "processed_logprobs",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "expert_parallel_size": 1,
+        "gpu_memory_utilization": 0.6,
+        "max_model_len": 48,
+        "enforce_eager": False,
+        "use_tqdm": True,
+        "use_deep_gemm": False,
+        "num_last_layers_in_bf16": 0,
+        "num_first_layers_in_bf16": 0,
+        "enable_vllm_metrics_logger": True,
+        "vllm_metrics_logger_interval": 0.5,
+        "http_refit_api_key_env_var": None,
+        "reset_encoder_cache_after_weight_update": False,
+        "http_refit_server_port": None,
+        "zmq_refit_server_port": None,
+        "load_format": "dummy",
+    },
+    "vllm_kwargs": {},
+    "colocated": {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}},
+}
+
+
+def test_nemo_keys_of_the_current_grpo_math_1b_warn_only_about_gpu_memory_utilization():
+    """NeMo RL's current grpo_math_1B sets ports, validation sampling, its refit transport, the
+    megatron backend's section and vLLM's metrics logger: 22 warnings of "this adapter does not
+    read it" came with the one that means something (gpu_memory_utilization). Those keys pass
+    quietly now; validation sampling other than training's, or the megatron section when it is
+    the backend that runs, still warns by name."""
+    model = _model()
+
+    def build(generation: dict) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            NemoRLGeneration(NativeBackend(copy.deepcopy(model), [EOS], max_model_len=48), generation)
+        return [str(w.message) for w in caught]
+
+    memory = (
+        "NemoRLGeneration: policy.generation.vllm_cfg.gpu_memory_utilization=0.6 is ignored: the KV cache was "
+        "sized when the backend was built (EngineConfig kv_cache_memory_fraction, of the memory free after the "
+        "weights load, or kv_cache_memory_gb)"
+    )
+    assert build(NEMO_GENERATION_2026) == [memory]
+    assert build({**NEMO_GENERATION_2026, "val_temperature": 0.6}) == [
+        "NemoRLGeneration: policy.generation.val_temperature=0.6 is ignored: validation rows are sampled as every "
+        "row is, with temperature=1.0",
+        memory,
+    ]
+    megatron = build({**NEMO_GENERATION_2026, "backend": "megatron"})
+    assert (
+        "NemoRLGeneration: policy.generation.mcore_generation_config.buffer_size_gb=10 is ignored: this adapter "
+        "does not read it" in megatron
+    )
+
+
 class FakeBatchedDataDict(collections.UserDict):
     """Stands in for nemo_rl's BatchedDataDict (a UserDict built from a dict)."""
 

@@ -145,21 +145,50 @@ READ_KEYS = (
     "vllm_cfg.logprobs_mode",
 )
 
-#: Keys (and sections) that only set up NeMo RL's own vLLM process or its bookkeeping: whatever they
-#: hold, the generated tokens and logprobs are the same here, so they pass without a word
-#: (token ids in and out: no tokenizer; the backend holds its weights; ``generate_async`` works
-#: either way; a row ends at the context limit as ``cap_max_tokens_to_context`` asks).
+#: Keys (and sections) that only set up NeMo RL's own vLLM process, its refit transport or its
+#: bookkeeping: whatever they hold, the generated tokens and logprobs are the same here, so they pass
+#: without a word (token ids in and out: no tokenizer; the backend holds its weights and is refit
+#: through this adapter, not NeMo RL's transport; ``generate_async`` works either way; a row ends at
+#: the context limit as ``cap_max_tokens_to_context`` asks). NeMo RL's grpo_math_1B sets most of them.
 QUIET_KEYS = (
     "backend",
     "model_name",
     "pad_token_id",
+    "_debug_payload_metrics",
+    "port_range_low",
+    "port_range_high",
+    "use_async_rollouts",
+    "refit_transport",
+    "refit_cfg",
+    "real_quant_export_cpu_offload",
     "colocated.resources",
     "vllm_cfg.async_engine",
     "vllm_cfg.skip_tokenizer_init",
     "vllm_cfg.load_format",
     "vllm_cfg.use_tqdm",
     "vllm_cfg.cap_max_tokens_to_context",
+    "vllm_cfg.enable_vllm_metrics_logger",
+    "vllm_cfg.vllm_metrics_logger_interval",
+    "vllm_cfg.distributed_executor_backend",
+    "vllm_cfg.env_vars",
+    "vllm_cfg.http_refit_api_key_env_var",
+    "vllm_cfg.http_refit_server_port",
+    "vllm_cfg.zmq_refit_server_port",
 )
+
+#: Sections that configure one of NeMo RL's other generation backends (``backend`` names the one that
+#: runs): quiet unless ``backend`` names theirs (grpo_math_1B carries ``mcore_generation_config``
+#: under ``backend: vllm``).
+BACKEND_SECTIONS = {
+    "mcore_generation_config": "megatron",
+    "sglang_cfg": "sglang",
+    "trtllm_cfg": "trtllm",
+    "trtllm_kwargs": "trtllm",
+    "dynamo_cfg": "dynamo",
+}
+
+#: NeMo RL's validation-only sampling keys and the training keys they default to (``${.temperature}``).
+VALIDATION_KEYS = {"val_temperature": "temperature", "val_top_p": "top_p", "val_top_k": "top_k"}
 
 
 def _served(backend: GenerationBackend) -> tuple[int | None, torch.dtype | None, int | None]:
@@ -215,8 +244,10 @@ def _judge(key: str, value, served: tuple) -> tuple[str, str] | None:
 def check_unread_keys(config: Mapping, backend: GenerationBackend) -> None:
     """Say what becomes of the keys of NeMo RL's ``policy.generation`` dict the adapter does not
     read (:data:`READ_KEYS`): one ``UserWarning`` per key that is ignored although it would change
-    vLLM's generation (naming the key and what happens instead); quiet for :data:`QUIET_KEYS` and
-    for values this backend matches anyway (NeMo RL's defaults: tensor_parallel_size 1, ...).
+    vLLM's generation (naming the key and what happens instead); quiet for :data:`QUIET_KEYS`, the
+    sections of backends ``backend`` does not name (:data:`BACKEND_SECTIONS`), validation sampling
+    equal to training's (:data:`VALIDATION_KEYS`) and values this backend matches anyway (NeMo RL's
+    defaults: tensor_parallel_size 1, ...).
 
     Raises:
         ValueError: a key whose value this backend cannot honour and that changes the output
@@ -224,10 +255,17 @@ def check_unread_keys(config: Mapping, backend: GenerationBackend) -> None:
             ``vllm_cfg.enable_return_routed_experts``), naming the key and what to do.
     """
     served = _served(backend)
+    other_backends = [k for k, name in BACKEND_SECTIONS.items() if config.get("backend") != name]
     for key, value in _flat_keys(config):
-        if key in READ_KEYS or any(key == q or key.startswith(q + ".") for q in QUIET_KEYS):
+        if key in READ_KEYS or any(key == q or key.startswith(q + ".") for q in (*QUIET_KEYS, *other_backends)):
             continue
-        verdict = _judge(key, value, served)
+        if key in VALIDATION_KEYS:  # quiet at NeMo RL's default: the training value
+            train = VALIDATION_KEYS[key]
+            if value == config.get(train):
+                continue
+            verdict = "warn", f"validation rows are sampled as every row is, with {train}={config.get(train)!r}"
+        else:
+            verdict = _judge(key, value, served)
         if verdict is None:
             continue
         kind, text = verdict
