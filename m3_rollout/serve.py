@@ -7,7 +7,8 @@ with one ``error: ...`` line for a bad flag or an unusable checkpoint / tokenize
 or ``--host``; uvicorn's status for a server that could not start), 130 with one ``interrupted:``
 line for a Ctrl-C before it serves (imports, checkpoint load, EP workers starting); once it serves,
 SIGTERM or SIGINT (Ctrl-C) is a graceful shutdown with one line naming it, exit 0
-(``server.cli.run_server``; a paused server's held or frozen requests end with finish reason abort).
+(``server.cli.run_server``; a paused server's held or frozen requests end with finish reason abort;
+a second Ctrl-C cuts the wait for requests short, the engine still stops).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ each is a graceful shutdown: one line naming the signal, a stream in flight fini
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -121,3 +122,38 @@ def test_a_stop_signal_ends_the_requests_a_pause_holds(checkpoint, tok, mode):
     )
     assert proc.returncode == 0, out
     assert out.splitlines().count(line) == 1, out
+
+
+def test_a_second_ctrl_c_cuts_the_wait_short_and_still_stops_the_engine(checkpoint):
+    """A second Ctrl-C while the shutdown waits for a request in flight is uvicorn's forced exit: it
+    skipped the app's shutdown (the engine was never stopped, and the app's lifespan, cancelled as
+    the event loop closed, logged a CancelledError traceback) and each request cut off logged one
+    more. Now the forced exit still stops the engine, and says in one line how many requests it cut
+    off: no traceback, exit 0. The request in flight is a client that sent a request's headers and
+    not its body: the wait for it never ends on its own."""
+    proc, url, client = start_server_process(checkpoint, ["--served-model-name", "tiny-m3"], 300)
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        with socket.create_connection((host, int(port))) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            _poll(lambda: client.health()["status"] == "ok", "answered")  # a later request: the first is read
+            client.close()
+            proc.send_signal(signal.SIGINT)
+            lines = []
+            while not any("received, shutting down" in x for x in lines):  # the first one was handled
+                lines.append(proc.stdout.readline())
+                assert lines[-1], "".join(lines)
+            proc.send_signal(signal.SIGINT)
+            rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + rest
+    first = (
+        "m3-rollout server: SIGINT (Ctrl-C) received, shutting down (requests in flight finish, then the engine stops)"
+    )
+    assert proc.returncode == 0, out
+    assert out.splitlines().count(first) == 1, out
+    assert out.splitlines().count("m3-rollout server: second Ctrl-C, 1 request(s) in flight cut off") == 1, out
+    assert "Traceback" not in out and "CancelledError" not in out, out

@@ -12,9 +12,11 @@ Binds to 127.0.0.1 unless ``--host`` says otherwise.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import errno
 import json
+import logging
 import signal
 import socket
 import sys
@@ -318,10 +320,16 @@ def build_server(args: argparse.Namespace, model_dir: Path, template_kwargs: dic
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def _not_cancelled(record: logging.LogRecord) -> bool:
+    """Log filter: False for a record of a task cancelled (a request a forced exit cut off)."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, saying why it stops: the first SIGINT / SIGTERM (``stop_signal``) is
     named in one line on stderr as the graceful shutdown begins (no new connections, requests in
-    flight finish, a second Ctrl-C cuts that short; then the app's shutdown stops the engine).
+    flight finish, a second Ctrl-C cuts that short; then the app's shutdown stops the engine, after
+    a second Ctrl-C too).
 
     ``on_stop`` (the app's ``Controller.stop``) is awaited first: it ends the requests that would
     never finish (held at a paused server's gate, frozen by ``/pause`` mode keep), which the wait
@@ -349,6 +357,20 @@ class GracefulServer(uvicorn.Server):
                 flush=True,
             )
         await super().shutdown(sockets=sockets)
+        if not self.force_exit:
+            return
+        # NOTE: on a forced exit (a second Ctrl-C) uvicorn skips the app's shutdown (the engine was
+        # never stopped, and the lifespan task, cancelled as the loop closed, logged a CancelledError
+        # traceback), and each request still in flight, cancelled then too, logged one as an
+        # "Exception in ASGI application". The second Ctrl-C cuts short the wait for requests only:
+        # the engine stops, and the cut requests are counted in one line instead.
+        cut = len(self.server_state.tasks)
+        logging.getLogger("uvicorn.error").addFilter(_not_cancelled)
+        if cut:
+            print(f"m3-rollout server: second Ctrl-C, {cut} request(s) in flight cut off", file=sys.stderr, flush=True)
+        done = getattr(self.lifespan, "shutdown_event", None)  # LifespanOn's; lifespan "off" has none
+        if done is not None and not done.is_set():
+            await self.lifespan.shutdown()
 
     def on_stop_signal(self, sig: int, frame) -> None:
         """The handler uvicorn finds (and restores after it): a stop before uvicorn takes the
