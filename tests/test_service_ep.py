@@ -349,6 +349,37 @@ def test_forkserver_ignores_ctrl_c_while_it_imports(tmp_path):
     assert "KeyboardInterrupt" not in proc.stderr
 
 
+@pytest.mark.parametrize("gone", ["while it starts", "during a call"])
+def test_a_worker_whose_driver_is_gone_ends_quietly(monkeypatch, gone):
+    # A driver stopped (SIGTERM, Ctrl-C) while its worker loaded the model left the worker to find
+    # the pipe closed at its reply: BrokenPipeError, and again from its report of that error, two
+    # tracebacks under the driver's one line. Now a worker whose driver is gone just ends.
+    import multiprocessing
+
+    from m3_rollout.service import launchers
+
+    driver, conn = multiprocessing.Pipe()
+
+    class Worker:  # stands in for RolloutWorker: the driver goes away at the chosen point
+        def __init__(self, spec, rank):
+            if gone == "while it starts":
+                driver.close()
+
+        def info(self):
+            driver.close()
+            return {"rank": 0}
+
+    monkeypatch.setattr(launchers, "RolloutWorker", Worker)
+    if gone == "during a call":
+        launchers.send_by_value(driver, ("info", ()))
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        launchers._process_main(None, 0, conn)  # raised BrokenPipeError
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # the worker body ignores Ctrl-C
+        conn.close()
+
+
 def _no_eos(rid: str, max_new_tokens: int, seed: int, prompt_seed: int) -> GenerationRequest:
     """A request that runs exactly ``max_new_tokens`` (eos pushed out of reach by logit_bias)."""
     prompt = torch.randint(4, 256, (9,), generator=torch.Generator().manual_seed(prompt_seed)).tolist()

@@ -107,16 +107,31 @@ def recv_by_value(conn):
     return pickle.loads(conn.recv_bytes())
 
 
+def _reply(conn, status: str, value) -> bool:
+    """Send a worker's (status, value) reply; False when the driver is gone (its pipe end closed:
+    it exited, e.g. stopped while this worker started), which ends the worker without a word.
+    A reply that cannot be pickled raises (reported as the call's error)."""
+    try:
+        send_by_value(conn, (status, value))
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        return False
+    return True
+
+
 def _process_main(spec: WorkerSpec, rank: int, conn) -> None:
     """Body of one worker process: construct the worker, then serve (method, args) messages.
     Ctrl-C is the driver's (it reaches every process of the terminal's group): the driver ends
-    the workers, which ignore SIGINT instead of printing a KeyboardInterrupt traceback each."""
+    the workers, which ignore SIGINT instead of printing a KeyboardInterrupt traceback each. A
+    driver that is gone (its pipe closed; stopped while this worker loaded the model) ends the
+    worker quietly: it printed a BrokenPipeError traceback twice, from the reply and from the
+    error report of that reply."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = RolloutWorker(spec, rank)
-        send_by_value(conn, ("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        send_by_value(conn, ("error", traceback.format_exc()))
+        _reply(conn, "error", traceback.format_exc())
+        return
+    if not _reply(conn, "ok", None):
         return
     while True:
         try:
@@ -124,11 +139,10 @@ def _process_main(spec: WorkerSpec, rank: int, conn) -> None:
         except (EOFError, OSError):
             break  # parent went away
         try:
-            result = getattr(worker, method)(*args)
-            send_by_value(conn, ("ok", result))
+            sent = _reply(conn, "ok", getattr(worker, method)(*args))
         except BaseException:  # noqa: BLE001 - reported to the parent, which restarts the group
-            send_by_value(conn, ("error", traceback.format_exc()))
-        if method == "shutdown":
+            sent = _reply(conn, "error", traceback.format_exc())
+        if not sent or method == "shutdown":
             break
 
 
