@@ -4,14 +4,24 @@ default handler), and 0 printing nothing on a SIGINT ignored at start (a shell's
 each is a graceful shutdown: one line naming the signal, a stream in flight finishes, exit 0."""
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
-from server_util import save_tiny_checkpoint, start_server_process, tiny_model, tiny_tokenizer  # tests/ on sys.path
+from server_util import (  # tests/ on sys.path
+    ROOT,
+    free_port,
+    save_tiny_checkpoint,
+    start_server_process,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 MAX_LEN = 256
 
@@ -157,3 +167,51 @@ def test_a_second_ctrl_c_cuts_the_wait_short_and_still_stops_the_engine(checkpoi
     assert out.splitlines().count(first) == 1, out
     assert out.splitlines().count("m3-rollout server: second Ctrl-C, 1 request(s) in flight cut off") == 1, out
     assert "Traceback" not in out and "CancelledError" not in out, out
+
+
+def _session_processes(sid: int) -> list[str]:
+    """``pid args`` of the processes left in session ``sid``."""
+    out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(sid)], capture_output=True, text=True).stdout
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def test_sigterm_while_starting_is_one_line_exit_143_and_stops_the_ep_workers(checkpoint):
+    """SIGTERM while the server starts (here: its engine worker process loading the model) killed
+    it at Python's default, printing nothing (status -15), and a worker left loading went on until it
+    found the driver gone. Now it is a stop as a Ctrl-C then is: one line naming SIGTERM, exit 143,
+    the workers ended with it (none left in the process's session)."""
+    code = (
+        "import os, signal, sys\n"
+        "from m3_rollout.service import launchers\n"
+        "collect = launchers.ProcessLauncher._collect\n"
+        "def _collect(self, method, timeout_s):\n"
+        "    if method == 'start':  # the workers are loading the model\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return collect(self, method, timeout_s)\n"
+        "launchers.ProcessLauncher._collect = _collect\n"
+        "from m3_rollout.serve import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = ["--model", str(checkpoint), "--port", str(free_port()), "--engine-process"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=300)
+        _poll(lambda: not _session_processes(proc.pid), "without its workers")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for left in _session_processes(proc.pid):
+            os.kill(int(left.split()[0]), signal.SIGKILL)
+    assert proc.returncode == 143, out
+    assert "interrupted: the server stopped (SIGTERM) while starting; nothing was served" in out.splitlines(), out
+    assert "Traceback" not in out and "serving" not in out, out
