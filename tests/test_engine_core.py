@@ -493,3 +493,21 @@ def test_validate_returns_plain_python_values():
     assert type(p.n) is int and type(p.temperature) is float and type(p.top_k) is int
     assert type(p.stop_token_ids[0]) is int
     assert SamplingParams(n="2").num_outputs == 1 and SamplingParams(n=3).num_outputs == 3
+
+
+def test_ignore_eos_runs_past_the_eos_token_but_not_past_the_requests_own_stops():
+    # vLLM's ignore_eos: the engine's eos ids no longer end the sample; its own stop_token_ids do
+    forced = dict(temperature=0, max_new_tokens=4, logit_bias=((EOS, 100.0),))
+    prompt = _prompt(6, 5)
+    stopped, ran, own = _backend().generate(
+        [
+            _req("a", prompt, **forced),
+            _req("b", prompt, ignore_eos=True, **forced),
+            _req("c", prompt, ignore_eos=True, stop_token_ids=(EOS,), **forced),
+        ]
+    )
+    assert (stopped.finish_reason, stopped.output_ids) == ("stop", [EOS])
+    assert (ran.finish_reason, ran.output_ids) == ("length", [EOS] * 4)
+    assert (own.finish_reason, own.output_ids) == ("stop", [EOS])
+    with pytest.raises(ValueError, match="SamplingParams.ignore_eos"):
+        SamplingParams(ignore_eos=1).validate()

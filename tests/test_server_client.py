@@ -252,6 +252,7 @@ def test_request_body_sends_or_refuses_every_sampling_field():
         "repetition_penalty": 1.3,
         "logit_bias": ((3, 2.0),),
         "prompt_logprobs": 0,
+        "ignore_eos": True,
     }
     default_body = request_body(GenerationRequest("r", [1, 2], SamplingParams()))["sampling_params"]
     assert set(default_body) == {

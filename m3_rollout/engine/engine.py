@@ -237,7 +237,7 @@ class LLMEngine:
             return
         p, prompt = checked.params, checked.prompt_ids
         max_len = min(len(prompt) + p.max_new_tokens, self.config.max_model_len)
-        stops = self.eos | frozenset(p.stop_token_ids)
+        stops = (frozenset() if p.ignore_eos else self.eos) | frozenset(p.stop_token_ids)
         key = self._next_req
         self._next_req += 1
         seqs = []

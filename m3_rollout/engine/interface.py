@@ -134,6 +134,11 @@ class SamplingParams:
     #: prompt token (its logprob, rank and the top k, ``SampleOutput.prompt_logprobs``) in the
     #: distribution of :meth:`logprob_filters`. Such a request reads no prefix cache (as vLLM).
     prompt_logprobs: int | None = None
+    #: vLLM's ignore_eos: the engine's end-of-sequence ids (``EngineConfig.eos_token_ids``, the
+    #: end-of-message marker) do not end the sample, which runs on to ``max_new_tokens`` unless
+    #: its own ``stop_token_ids`` or ``stop_strings`` end it; an eos it samples is an output token
+    #: like any other.
+    ignore_eos: bool = False
 
     def logprob_filters(self) -> tuple[float, int, float]:
         """(temperature, top_k, top_p) of the distribution this request's logprobs come from, as the
@@ -229,6 +234,8 @@ class SamplingParams:
             prompt_logprobs = _int_field("prompt_logprobs", self.prompt_logprobs, 0, why=" (None = off)")
             if prompt_logprobs > MAX_TOP_LOGPROBS:
                 raise ValueError(f"SamplingParams.prompt_logprobs={prompt_logprobs}: at most {MAX_TOP_LOGPROBS}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos={self.ignore_eos!r:.80}: must be a bool")
         checked = SamplingParams(
             n=n,
             temperature=temperature,
@@ -245,6 +252,7 @@ class SamplingParams:
             repetition_penalty=repetition,
             logit_bias=bias,
             prompt_logprobs=prompt_logprobs,
+            ignore_eos=self.ignore_eos,
         )
         if temperature == 0:
             # NOTE (greedy, vLLM's temperature 0): the one greedy path of every entry point. Top-k 1

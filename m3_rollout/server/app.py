@@ -317,6 +317,7 @@ def build_app(served: ServedModel, runner: EngineRunner, api_key: str | None = N
             repetition_penalty=sp.repetition_penalty,
             logit_bias=logit_bias_pairs(served, sp.logit_bias, "sampling_params.logit_bias"),
             prompt_logprobs=sp.prompt_logprobs,
+            ignore_eos=sp.ignore_eos,
         )
         return GenerationRequest(
             body.rid or f"gen-{uuid.uuid4().hex}", body.input_ids, params, body.sample_index, body.block_selection_from

@@ -149,6 +149,7 @@ SAMPLING_PARAMS_WIRE: dict[str, tuple[Callable, bool]] = {
     "repetition_penalty": (_same, False),
     "logit_bias": (_logit_bias_object, False),
     "prompt_logprobs": (_same, False),  # 0 asks too: each prompt token's own logprob and rank
+    "ignore_eos": (_same, False),
 }
 
 

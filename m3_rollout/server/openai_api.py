@@ -68,6 +68,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    check_unserved_fields,
     request_seed,
 )
 
@@ -238,7 +239,10 @@ def sampling_params(
     temperature 0 is greedy and top_k 0 or -1 is off (``SamplingParams``' rules, vLLM's: a greedy
     sample's logprobs are the model's own log-softmax); the default ``max_tokens`` is what the
     context leaves, and a larger one is capped there (the sample then ends with "length").
+    vLLM fields this server does not serve are refused unless at their default
+    (:func:`~m3_rollout.server.protocol.check_unserved_fields`).
     """
+    check_unserved_fields(req)
     if req.stream_options is not None and not req.stream:
         raise APIError(
             400, "stream_options: only allowed with stream=true (it sets what the stream carries)", "stream_options"
@@ -277,6 +281,7 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias_pairs(served, req.logit_bias, "logit_bias"),
         prompt_logprobs=prefill_prompt_logprobs(req),
+        ignore_eos=req.ignore_eos,
     )
 
 
@@ -903,8 +908,9 @@ class OpenAIServing:
     ) -> TextStream:
         """The text of one sample. ``include_stop``: the request's ``include_stop_str_in_output``;
         ``call_end`` (:attr:`ChatPrompt.call_end`) is a stop string of the engine's alone: the text
-        keeps it, and it is no ``stop_reason``."""
-        eom = set(self.served.stop_token_ids)
+        keeps it, and it is no ``stop_reason``. With ``ignore_eos`` the end-of-message token is
+        text like any other (it ended nothing), unless the request's own stop ids name it."""
+        eom = set() if params.ignore_eos else set(self.served.stop_token_ids)
         own = set(params.stop_token_ids) - eom  # the end-of-message marker stays a null stop_reason
         stops = tuple(s for s in params.stop_strings if s != call_end)
         return TextStream(self.served.decode, eom | own, stops, own, include_stop)

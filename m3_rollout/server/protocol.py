@@ -4,7 +4,9 @@ Governing idea: a request is validated completely before anything reaches the en
 rejection names the field (``error.param``) the way the OpenAI API does:
 ``{"error": {"message", "type", "param", "code"}}``. Types are strict (``"2"`` is not an integer,
 ``true`` is not a number); fields the server does not know are ignored, as vLLM and SGLang do, so
-clients may send vendor extras; a null for an OpenAI field typed "X or null" is its default.
+clients may send vendor extras, except vLLM's fields that change what vLLM returns and that this
+server does not serve (:data:`UNSERVED_FIELDS`): those are refused (400 naming the field) unless at
+vLLM's default; a null for an OpenAI field typed "X or null" is its default.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import types
+from collections.abc import Callable
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -49,6 +52,7 @@ GENERATE_SAMPLING_KEYS: dict[str, str] = {
     "repetition_penalty": "repetition_penalty",
     "logit_bias": "logit_bias",
     "prompt_logprobs": "prompt_logprobs",
+    "ignore_eos": "ignore_eos",
 }
 
 
@@ -193,10 +197,70 @@ def _null_is_default(cls, value, info):
     return cls.model_fields[info.field_name].default if value is None else value
 
 
+def _null(value, n: int) -> bool:
+    return value is None
+
+
+def _zero(value, n: int) -> bool:
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+def _false(value, n: int) -> bool:
+    return value is None or value is False
+
+
+def _true(value, n: int) -> bool:
+    return value is None or value is True
+
+
+def _empty(value, n: int) -> bool:
+    return value is None or value == []
+
+
+def _best_of_n(value, n: int) -> bool:
+    return value is None or (type(value) is int and value == n)
+
+
+#: vLLM request fields that change what vLLM returns and that this server does not serve: name ->
+#: (whether a value, given the request's ``n``, is vLLM's default; that default, as the error says
+#: it, ``{n}`` the request's; what vLLM does with the field). A default value passes (clients that send every field send
+#: it); any other is refused with a 400 naming the field (:func:`check_unserved_fields`), as the
+#: answer would silently differ from the one asked for. Fields that change nothing here pass
+#: unread (``skip_special_tokens``, ``spaces_between_special_tokens``, ``priority``, ...).
+UNSERVED_FIELDS: dict[str, tuple[Callable[[Any, int], bool], str, str]] = {
+    "min_tokens": (_zero, "0", "a minimum output length"),
+    "min_p": (_zero, "0 or null", "min-p filtering"),
+    "bad_words": (_empty, "[] or null", "banned words"),
+    "allowed_token_ids": (_null, "null", "a token allow-list"),
+    "truncate_prompt_tokens": (_null, "null", "prompt truncation"),
+    "guided_json": (_null, "null", "guided decoding"),
+    "guided_regex": (_null, "null", "guided decoding"),
+    "guided_choice": (_null, "null", "guided decoding"),
+    "guided_grammar": (_null, "null", "guided decoding"),
+    "structural_tag": (_null, "null", "guided decoding"),
+    "structured_outputs": (_null, "null", "guided decoding"),
+    "logits_processors": (_null, "null", "custom logits processors"),
+    "use_beam_search": (_false, "false", "beam search"),
+    "best_of": (_best_of_n, "null or n={n}", "best-of-n selection"),
+    "return_tokens_as_token_ids": (_false, "false or null", "'token_id:N' logprob tokens"),
+}
+#: The same for /v1/chat/completions alone (on /v1/completions vLLM has no such field, or this
+#: server serves it: ``echo``).
+UNSERVED_CHAT_FIELDS: dict[str, tuple[Callable[[Any, int], bool], str, str]] = {
+    "echo": (_false, "false", "echoing the last message"),
+    "add_generation_prompt": (_true, "true", "a prompt without the generation prompt"),
+    "continue_final_message": (_false, "false", "continuing the last message"),
+    "chat_template": (_null, "null", "a request's own chat template"),
+}
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by the OpenAI endpoints (OpenAI names; ``top_k`` / ``stop_token_ids``
-    / ``logprobs_mode`` / ``return_token_ids`` / ``include_stop_str_in_output`` as vLLM names its
-    extensions)."""
+    / ``logprobs_mode`` / ``return_token_ids`` / ``include_stop_str_in_output`` / ``ignore_eos`` as
+    vLLM names its extensions). Fields not declared are kept (``model_extra``) only so that
+    :func:`check_unserved_fields` sees them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -228,6 +292,9 @@ class SamplingFields(_Body):
     # vLLM's: a choice that a stop string ended keeps it at the end of its text (streamed alike;
     # openai_api.TextStream). The engine's ids hold its tokens either way (/generate returns ids)
     include_stop_str_in_output: bool = False
+    # vLLM's: the end-of-message token does not end a sample (SamplingParams.ignore_eos), which
+    # runs to max_tokens unless stop / stop_token_ids end it; such a token is text like any other
+    ignore_eos: bool = False
 
     _nullable = field_validator("n", "stream", mode="before")(classmethod(_null_is_default))
 
@@ -255,6 +322,26 @@ class CompletionRequest(SamplingFields):
 
     _nullable_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
     max_tokens: int | None = Field(None, ge=0)
+
+
+def check_unserved_fields(req: SamplingFields) -> None:
+    """Refuse a vLLM field this server does not serve (:data:`UNSERVED_FIELDS`, for chat also
+    :data:`UNSERVED_CHAT_FIELDS`) sent at other than its default.
+
+    Raises:
+        APIError: 400 naming the field, its value and the default that passes.
+    """
+    table = {**UNSERVED_FIELDS, **(UNSERVED_CHAT_FIELDS if isinstance(req, ChatCompletionRequest) else {})}
+    for name, value in (req.model_extra or {}).items():
+        if name in table and not table[name][0](value, req.n):
+            _, default, what = table[name]
+            got = json.dumps(value, default=str)[:80]
+            raise APIError(
+                400,
+                f"{name}={got}: not supported by this server ({what}); "
+                f"leave it out or send its default ({default.format(n=req.n)})",
+                name,
+            )
 
 
 def request_seed(seed: int | None) -> int:
@@ -297,6 +384,9 @@ class GenerateSamplingParams(_Body):
     # logprobs always come back, so SGLang's top-level return_logprob switch has nothing to switch,
     # and vLLM's name for it, logprobs, is the output field of those
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    # SGLang's / vLLM's ignore_eos: the end-of-message token does not end a sample
+    # (SamplingParams.ignore_eos); stop_token_ids / stop still do
+    ignore_eos: bool = False
 
 
 class GenerateRequest(_Body):
