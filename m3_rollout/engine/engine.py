@@ -182,6 +182,7 @@ class LLMEngine:
         self.detokenize = detokenize
         self.eos = frozenset(int(t) for t in config.eos_token_ids)
         self._version = 0
+        self._weights_updated = False  # set by the first accepted weight update (weights_updated)
         self._weight_writes = 0  # weight_writes: changes with every write of the weights
         self._paused = False
         # Set by weight sync when a failed non-atomic update left the weights invalid: new
@@ -342,7 +343,16 @@ class LLMEngine:
         return self._version
 
     def set_weight_version(self, version: int) -> None:
+        """An accepted weight update set the weights to ``version`` (weight sync's in-flight policy)."""
         self._version = int(version)
+        self._weights_updated = True
+
+    @property
+    def weights_updated(self) -> bool:
+        """Whether an accepted update set the weights (False while the engine serves the
+        checkpoint it loaded): a new weight-sync group's receiver then keeps the version rule
+        (``weight_sync.rollout_sync.engine_receiver``)."""
+        return self._weights_updated
 
     @property
     def weight_writes(self) -> int:

@@ -66,9 +66,10 @@ def engine_receiver(
     # may lift the refusal, never a refused one.
     receiver.valid = engine.refuse_reason is None
     # Only the checkpoint the engine loaded may be "re-sent" at its version without ``replace`` (a
-    # fresh receiver's first update): once any update wrote the weights, a new group's receiver
-    # keeps the version rule (the same version again is refused unless it says replace).
-    receiver.received = engine.weight_writes > 0
+    # fresh receiver's first update): once an update was accepted, a new group's receiver keeps
+    # the version rule (the same version again is refused unless it says replace). Not the write
+    # count: an EP service counts a write at every group start too.
+    receiver.received = engine.weights_updated
     return receiver
 
 
