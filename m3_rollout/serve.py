@@ -9,7 +9,8 @@ line for a Ctrl-C before it serves (imports, checkpoint load, EP workers startin
 a SIGTERM then (its EP workers stopped as a Ctrl-C stops them); once it serves,
 SIGTERM or SIGINT (Ctrl-C) is a graceful shutdown with one line naming it, exit 0
 (``server.cli.run_server``; a paused server's held or frozen requests end with finish reason abort;
-a second Ctrl-C cuts the wait for requests short, the engine still stops).
+requests still in flight after ``--graceful-shutdown-timeout`` seconds, or at a second Ctrl-C, are
+cut off with one more line, and the engine still stops).
 """
 
 from __future__ import annotations

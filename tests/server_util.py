@@ -221,15 +221,21 @@ class ScriptedBackend(GenerationBackend):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def start_server_process(model_dir: Path, args: list[str], startup_timeout_s: float, **popen_kw):
+def start_server_process(
+    model_dir: Path, args: list[str], startup_timeout_s: float, prelude: str | None = None, **popen_kw
+):
     """``python -m m3_rollout.serve --model model_dir --port <free> *args`` in its own process
-    (OMP_NUM_THREADS=1, stdout and stderr in one text pipe), waited for on /health; ``popen_kw``
-    go to ``subprocess.Popen``. Returns (process, url, client).
+    (OMP_NUM_THREADS=1, stdout and stderr in one text pipe), waited for on /health; ``prelude``:
+    Python code run in that process before the server starts (e.g. a patch that prints what a test
+    looks for); ``popen_kw`` go to ``subprocess.Popen``. Returns (process, url, client).
 
     Raises: RuntimeError with the server's output when it exits or is not healthy within
     ``startup_timeout_s`` seconds."""
     port = free_port()
-    cmd = [sys.executable, "-m", "m3_rollout.serve", "--model", str(model_dir), "--port", str(port), *args]
+    serve = ["-m", "m3_rollout.serve"]
+    if prelude is not None:
+        serve = ["-c", f"{prelude}\nimport sys\nfrom m3_rollout.serve import main\nsys.exit(main(sys.argv[1:]))\n"]
+    cmd = [sys.executable, *serve, "--model", str(model_dir), "--port", str(port), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen_kw

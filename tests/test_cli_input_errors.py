@@ -282,3 +282,24 @@ def test_serve_device_auto_is_always_usable(monkeypatch):
     assert parse_args(["--model", "m", "--device", "auto"]).device == "auto"
     with pytest.raises(ConfigError, match=r"cluster.device='auto': must be 'cpu', 'cuda' or 'cuda:N'"):
         load_config("configs/grpo_bf16_ep.yaml", ["cluster.device=auto"])
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "-inf"])
+def test_serve_graceful_shutdown_timeout_must_be_finite_seconds(capsys, value):
+    from m3_rollout.server.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", "m", f"--graceful-shutdown-timeout={value}"])  # -1: not an option
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"m3-rollout serve: error: --graceful-shutdown-timeout={float(value)}: must be a finite number of seconds >= 0"
+    )
+
+
+def test_serve_graceful_shutdown_timeout_defaults_to_30_s_and_takes_0():
+    from m3_rollout.server.cli import parse_args
+
+    assert parse_args(["--model", "m"]).graceful_shutdown_timeout == 30.0
+    assert parse_args(["--model", "m", "--graceful-shutdown-timeout", "0"]).graceful_shutdown_timeout == 0.0
+    assert parse_args(["--model", "m", "--graceful-shutdown-timeout", "2.5"]).graceful_shutdown_timeout == 2.5

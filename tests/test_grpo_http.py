@@ -13,7 +13,7 @@ import pytest
 
 from m3_rollout.config import ConfigError, load_config
 from m3_rollout.jobs.grpo import run
-from m3_rollout.jobs.stack import server_command
+from m3_rollout.jobs.stack import SERVER_SHUTDOWN_TIMEOUT_S, SERVER_STOP_GRACE_S, server_command
 from m3_rollout.server.cli import parse_args
 
 SMOKE = [
@@ -87,6 +87,8 @@ def test_server_command_carries_engine_settings(cache):
     assert (args.max_num_batched_tokens, args.kv_cache_memory_fraction, args.async_scheduling) == (4096, 0.8, "auto")
     assert args.no_prefix_caching and args.record_routing and args.api_key == "k"
     assert args.msa_prefill_scratch_mb == 1040.0
+    # the server's wait for requests in flight ends well before the job's SIGKILL, so its engine stops
+    assert args.graceful_shutdown_timeout == SERVER_SHUTDOWN_TIMEOUT_S == 10.0 < SERVER_STOP_GRACE_S
     default = server_command(load_config("configs/grpo_smoke.yaml", [*SMOKE]), cache / "model", 192, 1234)
     assert "--msa-prefill-scratch-mb" not in default and parse_args(default[3:]).msa_prefill_scratch_mb is None
 

@@ -169,6 +169,47 @@ def test_a_second_ctrl_c_cuts_the_wait_short_and_still_stops_the_engine(checkpoi
     assert "Traceback" not in out and "CancelledError" not in out, out
 
 
+_ENGINE_STOPPED = "test: EngineRunner.shutdown returned"
+_SAYS_ENGINE_STOPPED = f"""
+from m3_rollout.server.runner import EngineRunner
+_shutdown = EngineRunner.shutdown
+def _says(self):
+    _shutdown(self)
+    print({_ENGINE_STOPPED!r}, flush=True)
+EngineRunner.shutdown = _says
+"""
+
+
+def test_sigterm_does_not_wait_forever_for_a_client_that_holds_its_connection(checkpoint):
+    """A client that sent a request's headers and never its body kept a SIGTERM's graceful shutdown
+    waiting forever (uvicorn's ``timeout_graceful_shutdown`` was None): only SIGKILL ended the
+    process, so the engine's stop never ran. Now ``--graceful-shutdown-timeout`` bounds the wait:
+    the request is cut off, one more line says so, the engine stops, exit 0 as any graceful stop.
+    (A client that sent only part of the headers has no request yet: uvicorn closes it as the
+    shutdown begins, with or without the bound.)"""
+    args = ["--served-model-name", "tiny-m3", "--graceful-shutdown-timeout", "1"]
+    proc, url, client = start_server_process(checkpoint, args, 300, prelude=_SAYS_ENGINE_STOPPED)
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        with socket.create_connection((host, int(port))) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            _poll(lambda: client.health()["status"] == "ok", "answered")  # a later request: the first is read
+            client.close()
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=120)  # it hung here (stopped by the kill below)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    first = "m3-rollout server: SIGTERM received, shutting down (requests in flight finish, then the engine stops)"
+    cut = "m3-rollout server: --graceful-shutdown-timeout 1 s passed, 1 request(s) in flight cut off"
+    assert proc.returncode == 0, out
+    assert out.splitlines().count(first) == 1, out
+    assert out.splitlines().count(cut) == 1, out
+    assert out.splitlines().count(_ENGINE_STOPPED) == 1, out  # the app's shutdown ran
+    assert "Traceback" not in out and "CancelledError" not in out and "ERROR" not in out, out
+
+
 def _session_processes(sid: int) -> list[str]:
     """``pid args`` of the processes left in session ``sid``."""
     out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(sid)], capture_output=True, text=True).stdout

@@ -129,10 +129,18 @@ def generation_device(cfg: MasterConfig) -> torch.device:
     return torch.device(cfg.cluster.device)
 
 
+#: Seconds a job-started server waits for requests in flight once the job stops it (its
+#: ``--graceful-shutdown-timeout``), and seconds the job waits for it to exit before SIGKILL: the
+#: difference is the engine's stop (EP workers included), which a SIGKILL would skip.
+SERVER_SHUTDOWN_TIMEOUT_S = 10.0
+SERVER_STOP_GRACE_S = 30.0
+
+
 def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) -> list[str]:
     """argv of the rollout server a ``policy.generation.backend=http`` job starts for ``model_dir``
     (``http_base_url`` null): ``python -m m3_rollout.serve`` on 127.0.0.1:``port`` with the
-    generation dtype, device, context limit and engine settings the in-process engine would get."""
+    generation dtype, device, context limit and engine settings the in-process engine would get,
+    and a shutdown bounded well inside the job's SIGKILL grace (:data:`SERVER_SHUTDOWN_TIMEOUT_S`)."""
     gen = cfg.policy.generation
     cmd = [sys.executable, "-m", "m3_rollout.serve", "--model", str(model_dir), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--dtype", gen.dtype, "--device", cfg.cluster.device]
@@ -156,10 +164,11 @@ def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) 
         cmd.append("--batch-invariant")
     if gen.http_api_key:
         cmd += ["--api-key", gen.http_api_key]
+    cmd += ["--graceful-shutdown-timeout", str(SERVER_SHUTDOWN_TIMEOUT_S)]
     return cmd
 
 
-def _stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+def _stop_process(proc: subprocess.Popen, grace_s: float = SERVER_STOP_GRACE_S) -> None:
     """SIGTERM (uvicorn shuts the engine down), then SIGKILL after ``grace_s``."""
     if proc.poll() is None:
         proc.terminate()

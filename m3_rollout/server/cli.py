@@ -118,6 +118,14 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
         help='JSON object applied under every chat request\'s chat_template_kwargs, e.g. \'{"thinking_mode": '
         '"disabled"}\' (default: that for builtin: checkpoints, which are trained in that mode; else none)',
     )
+    p.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="after SIGTERM / Ctrl-C, wait at most this long for requests in flight and open connections, then "
+        "cut them off; the engine stops either way (default 30; 0: no wait)",
+    )
     p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -129,6 +137,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
         p.error(f"--msa-prefill-scratch-mb={args.msa_prefill_scratch_mb}: must be a finite MiB >= 0")
     if not 0 < args.kv_cache_memory_fraction <= 1:
         p.error(f"--kv-cache-memory-fraction={args.kv_cache_memory_fraction}: must be in (0, 1]")
+    if not 0 <= args.graceful_shutdown_timeout < float("inf"):
+        timeout = args.graceful_shutdown_timeout
+        p.error(f"--graceful-shutdown-timeout={timeout}: must be a finite number of seconds >= 0")
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port}: must be in 1..65535")
     # the GRPO job's cluster.device rule (one line here instead of a traceback from the checkpoint
@@ -321,7 +332,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _not_cancelled(record: logging.LogRecord) -> bool:
-    """Log filter: False for a record of a task cancelled (a request a forced exit cut off)."""
+    """Log filter: False for a record of a task cancelled (a request a forced exit or the shutdown
+    timeout cut off), and for uvicorn's own line on that timeout (the server says it in its own)."""
+    if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
+        return False
     return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
@@ -333,7 +347,12 @@ class GracefulServer(uvicorn.Server):
 
     ``on_stop`` (the app's ``Controller.stop``) is awaited first: it ends the requests that would
     never finish (held at a paused server's gate, frozen by ``/pause`` mode keep), which the wait
-    for requests in flight would otherwise wait on forever; the line says how many it ended."""
+    for requests in flight would otherwise wait on forever; the line says how many it ended.
+
+    The wait for requests in flight lasts at most ``config.timeout_graceful_shutdown`` seconds
+    (``--graceful-shutdown-timeout``; a client can hold a request open forever: headers sent and
+    never the body, a stream never read): then uvicorn cancels the requests left, one more line
+    counts them, and the app's shutdown stops the engine."""
 
     def __init__(self, config: uvicorn.Config, on_stop: Callable[[], Awaitable[int]] | None = None):
         super().__init__(config)
@@ -344,6 +363,25 @@ class GracefulServer(uvicorn.Server):
         if self.stop_signal is None:
             self.stop_signal = sig
         super().handle_exit(sig, frame)
+
+    async def _wait_tasks_to_complete(self) -> None:
+        """uvicorn's wait for the requests in flight, which it runs under its
+        ``timeout_graceful_shutdown`` and cancels when that runs out (then it cancels the requests
+        left and goes on to the app's shutdown): here that cancellation also says how many."""
+        try:
+            await super()._wait_tasks_to_complete()
+        except asyncio.CancelledError:
+            timeout = self.config.timeout_graceful_shutdown
+            if timeout is not None and not self.force_exit:
+                logging.getLogger("uvicorn.error").addFilter(_not_cancelled)  # the cut requests' CancelledError
+                cut = len(self.server_state.tasks)
+                print(
+                    f"m3-rollout server: --graceful-shutdown-timeout {timeout:g} s passed, {cut} request(s) in "
+                    "flight cut off",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         ended = await self.on_stop() if self.on_stop is not None else 0
@@ -383,8 +421,10 @@ class GracefulServer(uvicorn.Server):
 def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.socket) -> None:
     """Print the "serving" line (``sock`` is bound: the address is ours) and run uvicorn on ``sock``
     until SIGINT (Ctrl-C) or SIGTERM: either is a requested stop, a graceful shutdown with one
-    line on stderr (:class:`GracefulServer`), after which this returns (exit status 0). ``app``:
-    ``app.build_app``'s (its controller ends what a pause holds as the shutdown begins).
+    line on stderr (:class:`GracefulServer`; requests still in flight after
+    ``args.graceful_shutdown_timeout`` seconds are cut off, with one more line), after which this
+    returns (exit status 0). ``app``: ``app.build_app``'s (its controller ends what a pause holds
+    as the shutdown begins).
 
     NOTE: uvicorn restores the handlers it found and then raises the stop signal again; Python's
     defaults made that a KeyboardInterrupt for SIGINT, death by SIGTERM (status 143, no line) for
@@ -396,7 +436,13 @@ def run_server(args: argparse.Namespace, app, served: ServedModel, sock: socket.
         SystemExit(3): uvicorn could not start (its startup-failure status).
     """
     print(f"m3-rollout server: serving {served.name!r} on http://{args.host}:{args.port}", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout,  # seconds (a float works: asyncio's timeout)
+    )
     server = GracefulServer(config, app.state.controller.stop)
     previous = {sig: signal.signal(sig, server.on_stop_signal) for sig in STOP_SIGNALS}
     try:
