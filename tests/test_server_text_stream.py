@@ -149,3 +149,67 @@ def test_a_trailing_u_fffd_released_at_finish_matches_no_stop_string_as_in_the_e
     out = ts.push(ids) + ts.finish()
     assert contains_stop_string(decode, ids, 0, 0, (stop,))
     assert out == ("ba\ufffd" if include_stop else "b" + "a\ufffd"[: 2 - len(stop)]) and ts.stop_string == stop
+
+
+def _without_spans(decode, ids, hidden, text) -> str:
+    """``text`` (a prefix of ``decode(ids)``) without the characters of the ``hidden`` ids."""
+    keep, pos = [], 0
+    for k, t in enumerate(ids):
+        after = len(decode(ids[: k + 1]))
+        if t not in hidden:
+            keep.append((pos, after))
+        pos = after
+    return "".join(text[a : min(b, len(text))] for a, b in keep if a < len(text))
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_hidden_ids_are_left_out_of_the_text_and_nothing_else_changes(tok, seed, include_stop):
+    """``hidden_ids`` (the end-of-message id of an ``ignore_eos`` sample): its marker is not text,
+    however the ids are split into pushes; the stop strings still match the text with the marker
+    (as the engine's check does), and a marker's text written by ordinary ids stays."""
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    marker = decode([eos])
+    literal = tok.encode(marker[:-1], add_special_tokens=False) + tok.encode(marker[-1], add_special_tokens=False)
+    assert eos not in literal and decode(literal) == marker
+    rng = random.Random(seed)
+    pool = tok.encode("é ü 12 * 34 = 408 — naïve café ✓ It is 408.", add_special_tokens=False) + list(range(3, 300))
+    ids = [rng.choice(pool) for _ in range(100)]
+    for _ in range(8):  # the marker, and now and then the marker's text in ordinary ids
+        at = rng.randrange(len(ids))
+        ids[at:at] = [eos] * rng.randint(1, 2) if rng.random() < 0.8 else literal
+    whole = decode(ids)
+    i = whole.index(marker)
+    # a stop string over a marker (seed % 3 == 1), or one that only begins like the marker's end
+    # (held back over the hidden span, then released), or none to find
+    stops = {0: ("zzq",), 1: (whole[max(i - 2, 0) : i + len(marker) + 1],), 2: (marker[1:] + "zzq",)}[seed % 3]
+    ts = TextStream(decode, set(), stops, include_stop=include_stop, hidden_ids={eos})
+    out, k = "", 0
+    while k < len(ids):
+        step = rng.randint(1, 4)
+        out += ts.push(ids[k : k + step])
+        k += step
+    out += ts.finish()
+    assert out == _without_spans(decode, ids, {eos}, _reference(decode, ids, set(), stops, include_stop))
+    assert (ts.stop_string is not None) == (seed % 3 == 1)
+
+
+def test_a_hidden_marker_is_left_out_even_when_it_is_released_in_two_pieces():
+    def decode(ids):
+        return "".join("<E>" if t == 0 else chr(t) for t in ids)
+
+    def chars(text):
+        return [ord(c) for c in text]
+
+    ts = TextStream(decode, set(), ("E>q",), hidden_ids={0})
+    assert ts.push(chars("ab") + [0]) == "ab"  # "<" of the marker released, "E>" held: it may begin "E>q"
+    assert ts.push(chars("c<E>")) == "c<"  # the marker's text from ordinary ids is text
+    assert ts.push([0, 0]) + ts.push(chars("d")) + ts.finish() == "E>d"
+    ts = TextStream(decode, set(), ("b<E>c",), hidden_ids={0})  # matched with the marker, as the engine does
+    assert ts.push(chars("ab") + [0] + chars("cd")) + ts.finish() == "a" and ts.stop_string == "b<E>c"
+    ts = TextStream(decode, set(), ("b<E>c",), include_stop=True, hidden_ids={0})
+    assert ts.push(chars("ab") + [0] + chars("cd")) + ts.finish() == "abc" and ts.stop_string == "b<E>c"

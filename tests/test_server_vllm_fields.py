@@ -5,10 +5,21 @@ at vLLM's default, which passes and changes nothing."""
 import json
 
 import httpx
+import openai
 import pytest
-from server_util import MESSAGES, LiveServer, native_backend, served_model, tiny_model, tiny_tokenizer
+from server_util import (  # tests/ on sys.path
+    MESSAGES,
+    MODES,
+    LiveServer,
+    ScriptedBackend,
+    native_backend,
+    served_model,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from m3_rollout.chat.markers import EOS
+from m3_rollout.chat.template import ChatFormat
 
 MAX_LEN = 128
 
@@ -38,6 +49,11 @@ def _bodies(eos: int, **kw) -> dict[str, dict]:
     }
 
 
+def _text(choice: dict) -> str:
+    """A chat choice's content ("" for none) or a completion choice's text."""
+    return (choice["message"]["content"] or "") if "message" in choice else choice["text"]
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_ignore_eos_runs_to_max_tokens(setup, path):
     # a breaker finding: ignore_eos was dropped silently, so the sample stopped at its end-of-message token
@@ -49,13 +65,16 @@ def test_ignore_eos_runs_to_max_tokens(setup, path):
     choice = run["choices"][0]
     assert choice["finish_reason"] == "length" and choice["token_ids"] == [eos] * 5
     assert run["usage"]["completion_tokens"] == 5
-    text = choice["message"]["content"] if "message" in choice else choice["text"]
-    assert text == EOS * 5  # the server's text keeps special tokens: the marker is text here, it ended nothing
+    # the marker was text (EOS * 5); vLLM's default skip_special_tokens leaves it out (chat: no content)
+    assert _text(choice) == ""
+    kept = _post(srv, path, _bodies(eos, ignore_eos=True, skip_special_tokens=False)[path])["choices"][0]
+    assert _text(kept) == EOS * 5
     # explicit stop token ids and stop strings still end it, as in vLLM
     by_id = _post(srv, path, _bodies(eos, ignore_eos=True, stop_token_ids=[eos])[path])["choices"][0]
     assert (by_id["finish_reason"], by_id["stop_reason"], by_id["token_ids"]) == ("stop", eos, [eos])
     by_str = _post(srv, path, _bodies(eos, ignore_eos=True, stop=[EOS])[path])["choices"][0]
     assert (by_str["finish_reason"], by_str["stop_reason"], by_str["token_ids"]) == ("stop", EOS, [eos])
+    assert _text(by_str) == ""
 
 
 def test_ignore_eos_streamed(setup):
@@ -67,6 +86,69 @@ def test_ignore_eos_streamed(setup):
     finishes = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
     assert finishes == ["length"]
     assert sum(len(c.get("token_ids") or []) for chunk in chunks for c in chunk["choices"]) == 5
+    assert "".join(c["delta"].get("content") or "" for chunk in chunks for c in chunk["choices"]) == ""
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    tok = tiny_tokenizer()
+    served = served_model(tok, len(tok), MAX_LEN)
+    backend = ScriptedBackend([[1]], served.stop_token_ids[0], detokenize=served.decode)
+    server = LiveServer(served, backend)
+    yield server, backend, tok
+    server.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ignore_eos_end_of_message_markers_are_not_content(scripted, mode):
+    """An ignore_eos sample that writes its end-of-message token mid-answer (and in its reasoning)
+    had the marker (``[e~[``) in its content, streamed and not, where vLLM's default
+    skip_special_tokens leaves it out. Now it is left out of reasoning, content and completion
+    text; token ids and logprobs still hold every token, and skip_special_tokens=false keeps it."""
+    srv, backend, tok = scripted
+    eos = backend.stop_id
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    chat = ChatFormat(tok, mode)
+    reasoning = None if mode == "disabled" else "Twelve times thirty-four."
+    turn = chat.assistant_ids("It is 408.", None, reasoning)  # the turn, its end-of-message token last
+    assert turn[-1] == eos
+    if reasoning:  # a marker inside the reasoning too
+        cut = turn.index(ids("Twelve")[0]) + len(ids("Twelve"))
+        turn = turn[:cut] + [eos] + turn[cut:]
+    script = turn[:-1] + [eos] + ids(" More.") + [eos, eos] + ids(" End")
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(
+        model="tiny-m3",
+        messages=MESSAGES,
+        max_tokens=200,
+        logprobs=True,
+        extra_body={"chat_template_kwargs": {"thinking_mode": mode}, "ignore_eos": True, "return_token_ids": True},
+    )
+    backend.scripts = [script]
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.message.content == "It is 408. More. End"
+    assert (choice.message.model_extra or {}).get("reasoning_content") == reasoning
+    assert choice.model_extra["token_ids"] == script  # the ids keep every token
+    assert [e.token for e in choice.logprobs.content].count(EOS) == script.count(eos)
+    content = reasoning_streamed = ""
+    streamed_ids = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reasoning_streamed += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed_ids += (c.model_extra or {}).get("token_ids") or []
+    assert (content, reasoning_streamed, streamed_ids) == ("It is 408. More. End", reasoning or "", script)
+    kept = dict(kw, extra_body={**kw["extra_body"], "skip_special_tokens": False})
+    assert client.chat.completions.create(**kept).choices[0].message.content == f"It is 408.{EOS} More.{EOS}{EOS} End"
+    # completions: the text alike, streamed and not
+    backend.scripts = [ids("It is") + [eos] + ids(" 408.") + [eos]]
+    body = dict(model="tiny-m3", prompt="What is 12", max_tokens=200, extra_body={"ignore_eos": True})
+    assert client.completions.create(**body).choices[0].text == "It is 408."
+    streamed = "".join(c.text for chunk in client.completions.create(**body, stream=True) for c in chunk.choices)
+    assert streamed == "It is 408."
 
 
 def test_generate_takes_ignore_eos(setup):
@@ -133,8 +215,8 @@ VLLM_DEFAULTS = {  # what vLLM's protocol defaults these to (min_p 0.0: older vL
     "best_of": None,
     "ignore_eos": False,
     "return_tokens_as_token_ids": None,
-    # no effect on the output here: passed through unread
     "skip_special_tokens": True,
+    # no effect on the output here: passed through unread
     "spaces_between_special_tokens": True,
     "length_penalty": 1.0,
     "priority": 0,

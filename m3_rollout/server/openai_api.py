@@ -380,6 +380,14 @@ class TextStream:
     complete, which it keeps (nothing is held back then: text released before a stop string
     completes is the text's either way). Either rule depends on the text alone, not on how the ids
     were split into pushes, so streamed and whole decodes agree.
+
+    ``hidden_ids`` (the end-of-message ids an ``ignore_eos`` sample writes on, vLLM's
+    ``skip_special_tokens``) are left out of the released text, and only there: the stop strings
+    are matched on the text with their markers, as the engine matches them
+    (``stop_strings.complete_text`` over ``ServedModel.decode``), so the cut and ``stop_reason``
+    agree with where the engine stopped. A hidden marker's characters are tracked as a span of the
+    text (``decode`` must give an id's text whole and independent of its neighbours: a special
+    token's).
     """
 
     def __init__(
@@ -389,9 +397,14 @@ class TextStream:
         stop_strings: tuple[str, ...],
         request_stop_ids: set[int] = frozenset(),
         include_stop: bool = False,
+        hidden_ids: set[int] = frozenset(),
     ):
         self.decode, self.stop_ids, self.include_stop = decode, stop_ids, include_stop
         self.request_stop_ids = request_stop_ids  # the request's own stop_token_ids (not end-of-message)
+        self.hidden_ids = hidden_ids
+        self._hidden: collections.deque[tuple[int, int]] = collections.deque()  # [start, end) in the text
+        self._taken = 0  # characters of the text taken in so far (where the next new text starts)
+        self._released = 0  # characters of the text released so far (where the held text starts)
         self.matchers = [StopMatcher(s) for s in stop_strings]
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] were decoded last time: the left context
@@ -414,10 +427,10 @@ class TextStream:
     def push(self, ids: list[int]) -> str:
         """Add generated ids; return the text they settle."""
         self.ids.extend(ids)
-        return self._emit(self._new_text(final=False), final=False)
+        return self._visible(self._emit(self._new_text(final=False), final=False))
 
     def finish(self) -> str:
-        return self._emit(self._new_text(final=True), final=True)
+        return self._visible(self._emit(self._new_text(final=True), final=True))
 
     def _new_text(self, final: bool) -> str:
         ids = self.ids
@@ -428,8 +441,30 @@ class TextStream:
         text = self.decode(ids[self._prefix : end])
         if not final and text.endswith("\ufffd"):
             return ""  # an incomplete character: wait for the ids that complete it
+        for k in range(self._read, end):
+            if ids[k] in self.hidden_ids:  # its span: what it adds to the decode of the ids before it
+                before = self._taken + len(self.decode(ids[self._prefix : k])) - len(context)
+                after = self._taken + len(self.decode(ids[self._prefix : k + 1])) - len(context)
+                self._hidden.append((before, after))
         self._prefix, self._read = self._read, end
+        self._taken += len(text) - len(context)
         return text[len(context) :]
+
+    def _visible(self, text: str) -> str:
+        """``text``, the next characters of the text released, without the hidden markers' spans."""
+        start, self._released = self._released, self._released + len(text)
+        if not self._hidden:
+            return text
+        out, at = [], start
+        while self._hidden and self._hidden[0][0] < self._released:
+            a, b = self._hidden[0]
+            out.append(text[at - start : max(a, at) - start])
+            at = max(at, min(b, self._released))
+            if b > self._released:
+                break  # the rest of the span is released later
+            self._hidden.popleft()
+        out.append(text[at - start :])
+        return "".join(out)
 
     def _emit(self, new: str, final: bool) -> str:
         if self.stopped or not (new or final):
@@ -904,16 +939,23 @@ class OpenAIServing:
         return {**CHAT_FIELDS, "max_new_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
 
     def _text_stream(
-        self, params: SamplingParams, include_stop: bool = False, call_end: str | None = None
+        self,
+        params: SamplingParams,
+        include_stop: bool = False,
+        call_end: str | None = None,
+        skip_special_tokens: bool = True,
     ) -> TextStream:
         """The text of one sample. ``include_stop``: the request's ``include_stop_str_in_output``;
         ``call_end`` (:attr:`ChatPrompt.call_end`) is a stop string of the engine's alone: the text
-        keeps it, and it is no ``stop_reason``. With ``ignore_eos`` the end-of-message token is
-        text like any other (it ended nothing), unless the request's own stop ids name it."""
+        keeps it, and it is no ``stop_reason``. With ``ignore_eos`` the end-of-message token ends
+        nothing (unless the request's own stop ids name it), and its marker is left out of the text
+        as vLLM's ``skip_special_tokens`` (default true) leaves it out; false keeps it. The other
+        markers are kept either way (the chat parsers read them); ids and logprobs keep every token."""
         eom = set() if params.ignore_eos else set(self.served.stop_token_ids)
         own = set(params.stop_token_ids) - eom  # the end-of-message marker stays a null stop_reason
         stops = tuple(s for s in params.stop_strings if s != call_end)
-        return TextStream(self.served.decode, eom | own, stops, own, include_stop)
+        hidden = set(self.served.stop_token_ids) if skip_special_tokens else set()
+        return TextStream(self.served.decode, eom | own, stops, own, include_stop, hidden)
 
     async def forward_scores(
         self, ids: list[int], start: int, k: int, params: SamplingParams, with_tokens: bool, param: str
@@ -1112,7 +1154,9 @@ class OpenAIServing:
         for out in outs:
             if out.finish_reason == FINISH_ERROR:
                 raise engine_error(out.error, self._chat_fields(req))
-            text = self._text_stream(greq.params, req.include_stop_str_in_output, prompt.call_end)
+            text = self._text_stream(
+                greq.params, req.include_stop_str_in_output, prompt.call_end, req.skip_special_tokens
+            )
             parser = _TurnParser(prompt, tool_call_id_prefix(greq.request_id, out.sample_index))
             parser.feed(text.push(out.output_ids))
             parser.feed(text.finish())
@@ -1188,7 +1232,10 @@ class OpenAIServing:
         created = int(time.time())
         base = {"id": greq.request_id, "object": "chat.completion.chunk", "created": created, "model": self.served.name}
         n = greq.params.n
-        texts = [self._text_stream(greq.params, req.include_stop_str_in_output, prompt.call_end) for _ in range(n)]
+        texts = [
+            self._text_stream(greq.params, req.include_stop_str_in_output, prompt.call_end, req.skip_special_tokens)
+            for _ in range(n)
+        ]
         parsers = [_TurnParser(prompt, tool_call_id_prefix(greq.request_id, i)) for i in range(n)]
         has_calls = [False] * n
         outs: list[SampleOutput] = []
@@ -1432,7 +1479,7 @@ class OpenAIServing:
                 echo_alone = echo_k is not None and (not echo_k or out.top_logprobs is not None)
                 if prompt_scored is None and out.prompt_logprobs is None and (plp is not None or echo_alone):
                     prompt_scored = await self.prompt_scores(prompt_ids, shared_k, greq.params, shared_param)
-                ts = self._text_stream(greq.params, req.include_stop_str_in_output)
+                ts = self._text_stream(greq.params, req.include_stop_str_in_output, None, req.skip_special_tokens)
                 text = ts.push(out.output_ids) + ts.finish()
                 choice = {
                     "index": p * greq.params.n + out.sample_index,
@@ -1509,7 +1556,10 @@ class OpenAIServing:
         k = req.logprobs
         for p, greq in enumerate(reqs):
             n = greq.params.n
-            texts = [self._text_stream(greq.params, req.include_stop_str_in_output) for _ in range(n)]
+            texts = [
+                self._text_stream(greq.params, req.include_stop_str_in_output, None, req.skip_special_tokens)
+                for _ in range(n)
+            ]
             prompt_tokens += len(greq.prompt_ids)
             prefix = self.served.decode(list(greq.prompt_ids)) if req.echo else ""
             scorer = StreamScores(self.score_sample, list(greq.prompt_ids), greq.params, k or 0, n)

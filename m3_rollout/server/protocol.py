@@ -226,7 +226,8 @@ def _best_of_n(value, n: int) -> bool:
 #: it, ``{n}`` the request's; what vLLM does with the field). A default value passes (clients that send every field send
 #: it); any other is refused with a 400 naming the field (:func:`check_unserved_fields`), as the
 #: answer would silently differ from the one asked for. Fields that change nothing here pass
-#: unread (``skip_special_tokens``, ``spaces_between_special_tokens``, ``priority``, ...).
+#: unread (``spaces_between_special_tokens``, ``priority``, ...; ``skip_special_tokens`` is served:
+#: :class:`SamplingFields`).
 UNSERVED_FIELDS: dict[str, tuple[Callable[[Any, int], bool], str, str]] = {
     "min_tokens": (_zero, "0", "a minimum output length"),
     "min_p": (_zero, "0 or null", "min-p filtering"),
@@ -293,10 +294,14 @@ class SamplingFields(_Body):
     # openai_api.TextStream). The engine's ids hold its tokens either way (/generate returns ids)
     include_stop_str_in_output: bool = False
     # vLLM's: the end-of-message token does not end a sample (SamplingParams.ignore_eos), which
-    # runs to max_tokens unless stop / stop_token_ids end it; such a token is text like any other
+    # runs to max_tokens unless stop / stop_token_ids end it; its ids and logprobs keep such tokens
     ignore_eos: bool = False
+    # vLLM's: true (its default) leaves the end-of-message marker an ignore_eos sample writes out of
+    # the text (chat content, completion text, streamed alike); false keeps it. The other markers
+    # stay either way: the chat parsers read them (openai_api.OpenAIServing._text_stream)
+    skip_special_tokens: bool = True
 
-    _nullable = field_validator("n", "stream", mode="before")(classmethod(_null_is_default))
+    _nullable = field_validator("n", "stream", "skip_special_tokens", mode="before")(classmethod(_null_is_default))
 
 
 class ChatCompletionRequest(SamplingFields):
