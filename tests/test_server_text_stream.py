@@ -213,3 +213,25 @@ def test_a_hidden_marker_is_left_out_even_when_it_is_released_in_two_pieces():
     assert ts.push(chars("ab") + [0] + chars("cd")) + ts.finish() == "a" and ts.stop_string == "b<E>c"
     ts = TextStream(decode, set(), ("b<E>c",), include_stop=True, hidden_ids={0})
     assert ts.push(chars("ab") + [0] + chars("cd")) + ts.finish() == "abc" and ts.stop_string == "b<E>c"
+
+
+@pytest.mark.parametrize("pushes", [1, 7])
+def test_hidden_ids_cost_work_linear_in_the_output(tok, pushes):
+    """An ignore_eos sample may write its end-of-message token thousands of times (a model that
+    has answered repeats it up to max_tokens), and a non-streamed answer is one push: each hidden
+    id's span was found by decoding every id before it in the push, quadratic work (seconds for
+    4000 ids, minutes for 32K, on the server's event loop). Each id is decoded a few times now."""
+    decoded = {"n": 0}
+
+    def decode(ids):
+        decoded["n"] += len(ids)
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    answer = tok.encode("It is 408 ✓.", add_special_tokens=False)
+    ids = answer + [eos] * 1500 + tok.encode(" é", add_special_tokens=False) + [eos, answer[0]] * 500
+    ts = TextStream(decode, set(), ("zzq",), hidden_ids={eos})
+    step = -(-len(ids) // pushes)
+    out = "".join(ts.push(ids[k : k + step]) for k in range(0, len(ids), step)) + ts.finish()
+    assert decoded["n"] <= 10 * len(ids)  # was ~1500 * 2500 ids (each push's ids up to each hidden one)
+    assert out == decode(answer) + " é" + decode([answer[0]]) * 500

@@ -387,7 +387,8 @@ class TextStream:
     (``stop_strings.complete_text`` over ``ServedModel.decode``), so the cut and ``stop_reason``
     agree with where the engine stopped. A hidden marker's characters are tracked as a span of the
     text (``decode`` must give an id's text whole and independent of its neighbours: a special
-    token's).
+    token's; the ids after one are decoded with it as their left context, so a push of many hidden
+    ids costs work linear in its ids).
     """
 
     def __init__(
@@ -441,11 +442,17 @@ class TextStream:
         text = self.decode(ids[self._prefix : end])
         if not final and text.endswith("\ufffd"):
             return ""  # an incomplete character: wait for the ids that complete it
+        # each hidden id's span: what it adds to the decode of the ids before it, decoded from the
+        # previous hidden id on (its text is whole: the left context), so that each id is decoded a
+        # bounded number of times however many hidden ids a push holds (an ignore_eos sample may
+        # write thousands, and a non-streamed answer is one push)
+        left, at, skip = self._prefix, self._taken - len(context), 0
         for k in range(self._read, end):
-            if ids[k] in self.hidden_ids:  # its span: what it adds to the decode of the ids before it
-                before = self._taken + len(self.decode(ids[self._prefix : k])) - len(context)
-                after = self._taken + len(self.decode(ids[self._prefix : k + 1])) - len(context)
+            if ids[k] in self.hidden_ids:
+                before = at + len(self.decode(ids[left:k])) - skip
+                after = at + len(self.decode(ids[left : k + 1])) - skip
                 self._hidden.append((before, after))
+                left, at, skip = k, after, after - before
         self._prefix, self._read = self._read, end
         self._taken += len(text) - len(context)
         return text[len(context) :]
