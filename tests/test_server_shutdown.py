@@ -3,6 +3,7 @@
 default handler), and 0 printing nothing on a SIGINT ignored at start (a shell's ``&`` job). Now
 each is a graceful shutdown: one line naming the signal, a stream in flight finishes, exit 0."""
 
+import asyncio
 import json
 import os
 import signal
@@ -14,14 +15,22 @@ import time
 
 import httpx
 import pytest
+import uvicorn
 from server_util import (  # tests/ on sys.path
     ROOT,
+    ScriptedBackend,
     free_port,
     save_tiny_checkpoint,
+    served_model,
     start_server_process,
     tiny_model,
     tiny_tokenizer,
 )
+
+from m3_rollout.engine.interface import StreamDelta
+from m3_rollout.server.app import build_app
+from m3_rollout.server.cli import GracefulServer
+from m3_rollout.server.runner import EngineRunner
 
 MAX_LEN = 256
 
@@ -208,6 +217,66 @@ def test_sigterm_does_not_wait_forever_for_a_client_that_holds_its_connection(ch
     assert out.splitlines().count(cut) == 1, out
     assert out.splitlines().count(_ENGINE_STOPPED) == 1, out  # the app's shutdown ran
     assert "Traceback" not in out and "CancelledError" not in out and "ERROR" not in out, out
+
+
+class _EndlessBackend(ScriptedBackend):
+    """Streams token 10 until the request is cut off; ``shutdown`` (the engine's stop) says it began
+    (``stopping``) and waits for ``release``."""
+
+    def __init__(self, stop_id: int):
+        super().__init__([[10]], stop_id)
+        self.stopping, self.release = threading.Event(), threading.Event()
+
+    async def stream(self, req):
+        while True:
+            await asyncio.sleep(0.01)
+            yield StreamDelta(req.request_id, req.sample_index, [10], [-0.01], [5])
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        assert self.release.wait(60)
+
+
+def test_a_second_ctrl_c_after_the_timeout_cut_the_requests_counts_none_again(tok, capsys):
+    """The timeout cut a stream off (one line counting it), then a second Ctrl-C came while the
+    engine stopped (slow with EP workers, the moment a user presses it again): the line for the
+    second Ctrl-C counted the same request, cut off already, once more. Now it says nothing: it
+    cut nothing off, and the engine's stop goes on."""
+    served = served_model(tok, len(tok), MAX_LEN)
+    backend = _EndlessBackend(served.stop_token_ids[0])
+    app = build_app(served, EngineRunner(backend))
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=0.2)
+    server = GracefulServer(config, app.state.controller.stop)
+    thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no signal handlers
+    thread.start()
+    _poll(lambda: server.started, "started")
+    events, client_error = [], []
+
+    def client():
+        body = {"model": "tiny-m3", "prompt": "hello", "max_tokens": 10_000, "stream": True}
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as resp:
+                for line in resp.iter_lines():
+                    events.append(line)
+        except httpx.HTTPError as exc:
+            client_error.append(exc)
+
+    reader = threading.Thread(target=client, daemon=True)
+    reader.start()
+    _poll(lambda: events, "a first chunk")
+    server.handle_exit(signal.SIGINT, None)
+    assert backend.stopping.wait(60)  # the timeout passed, the request was cut, the engine stops
+    server.handle_exit(signal.SIGINT, None)  # the second Ctrl-C, while it stops
+    backend.release.set()
+    thread.join(60)
+    reader.join(60)
+    assert not thread.is_alive() and server.force_exit
+    assert client_error and "data: [DONE]" not in events  # the stream was cut short
+    err = capsys.readouterr().err.splitlines()
+    cut = "m3-rollout server: --graceful-shutdown-timeout 0.2 s passed, 1 request(s) in flight cut off"
+    assert err.count(cut) == 1, err
+    assert not [line for line in err if "second Ctrl-C" in line], err
 
 
 def _session_processes(sid: int) -> list[str]:

@@ -358,6 +358,7 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.stop_signal: int | None = None
         self.on_stop = on_stop
+        self.timed_out = False  # the shutdown timeout cut the requests left off (and said so)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.stop_signal is None:
@@ -373,6 +374,7 @@ class GracefulServer(uvicorn.Server):
         except asyncio.CancelledError:
             timeout = self.config.timeout_graceful_shutdown
             if timeout is not None and not self.force_exit:
+                self.timed_out = True
                 logging.getLogger("uvicorn.error").addFilter(_not_cancelled)  # the cut requests' CancelledError
                 cut = len(self.server_state.tasks)
                 print(
@@ -401,8 +403,10 @@ class GracefulServer(uvicorn.Server):
         # never stopped, and the lifespan task, cancelled as the loop closed, logged a CancelledError
         # traceback), and each request still in flight, cancelled then too, logged one as an
         # "Exception in ASGI application". The second Ctrl-C cuts short the wait for requests only:
-        # the engine stops, and the cut requests are counted in one line instead.
-        cut = len(self.server_state.tasks)
+        # the engine stops, and the cut requests are counted in one line instead. After the shutdown
+        # timeout (a second Ctrl-C while the engine stops) the requests left were cut off and counted
+        # already, though a cancelled one may not have ended yet: this Ctrl-C cut none.
+        cut = 0 if self.timed_out else len(self.server_state.tasks)
         logging.getLogger("uvicorn.error").addFilter(_not_cancelled)
         if cut:
             print(f"m3-rollout server: second Ctrl-C, {cut} request(s) in flight cut off", file=sys.stderr, flush=True)
