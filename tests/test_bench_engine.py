@@ -31,6 +31,7 @@ def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(be
     out = tmp_path / "inv.json"
     argv = ["--batch-invariant", "--device", "cpu", "--no-write", "--out", str(out)]
     sizes = ["--record-batch", "6", "--invariant-new", "6", "--long-len", "192", "--record-reps", "2"]
+    sizes += ["--prefill-reps", "2"]
     lines = bench.main(argv + sizes)
     assert lines[0].startswith("\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), ")
     assert "tiny_config()" in lines[1] and "medians of 2 alternated runs" in lines[1]
@@ -72,6 +73,12 @@ def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(be
     assert figures["batch_tokens_differ"] == 0
     assert all(x > 0 for case in ("b1", "bN") for x in figures[case]["tok_s"])
     assert all(x > 0 for x in figures["prefill"]["seconds"]) and figures["fallback"]
+    # the prefill's median is over rounds x --prefill-reps runs per mode, inside its min-max spread
+    assert figures["prefill"]["samples"] == 4
+    for (lo, hi), med in zip(figures["prefill"]["min_max_s"], figures["prefill"]["seconds"], strict=True):
+        assert 0 < lo <= med <= hi
+    spread = next(n for n in notes if n.startswith("- prefill: medians of 4 runs per mode (2 rounds x 2)"))
+    assert f"{figures['prefill']['min_max_s'][0][0]:.3f}" in spread
     assert set(figures["alone"]) == {"fast", "invariant"} and figures["alone"]["fast"]["compared"] == 4
 
 
@@ -81,3 +88,5 @@ def test_batch_invariant_mode_refuses_sizes_that_time_no_decode_step(bench, tmp_
     for extra in (["--invariant-new", "1"], ["--invariant-prompt", "0"]):
         with pytest.raises(SystemExit, match="needs --invariant-new >= 2 and --invariant-prompt >= 1"):
             bench.main(base + extra)
+    with pytest.raises(SystemExit, match=r"needs --prefill-reps >= 1 \(got 0\)"):
+        bench.main(base + ["--prefill-reps", "0"])
