@@ -106,20 +106,21 @@ depends on the row's place in the tile; the CPU tests therefore run with
 ``msa_interpret.fixed_order_dot``. That the GPU's fixed-shape dot is row-invariant (the premise of
 the second rule above) is checked only by tests/gpu/test_invariant_attention_gpu.py.
 
-Sparse attention by page partials (``SPARSE_IMPL = "page_partials"``; off by default: "union" is
-all of the above). Sparse layers then run kernels/invariant_page_partials.py: prefill rows take the
-fast path's KV-major kernels (``msa_paged_attention.kv_seg_attn_kernel``: one block-normalised
-partial + base-2 LSE per (token, KV head, slot j) entry, each page's K/V loaded once per segment;
-``kv_major_merge_kernel`` folds a token's partials in slot order j) at every length, with one launch
-set (``PAGE_PARTIALS_LAUNCH``); decode rows run ``pp_decode_kernel``, one program per entry, which
-puts the entry's query rows in the same [TOK x RHP, d] tile and runs kv_seg's own loop helper with
-the same constexprs, warps and stages, then the same merge. An entry's partial depends only on its
-own rows and one page (rule 2 for the tile's other rows), the merge only on the token's partials,
-so decode and prefill give the same bits, whatever the batch, chunking or pass size; other bits
-than "union" (another reduction order). The ops table then takes the KV-major scratch. Expected to
-close most of issue 24's sparse-prefill gap (the fast path's attention); decode cost one program per
-entry and one page load each. Awaits the GPU check of its bits (tests/gpu) and of its speed; the
-CPU checks it under the interpreter and that both kernels compile to the same sm_90 MMA code
+Sparse attention by page partials (``sparse_impl="page_partials"``, chosen per ops table by
+``EngineConfig.invariant_sparse_attention``; off by default: "union" is all of the above). Sparse
+layers then run kernels/invariant_page_partials.py: prefill rows take the fast path's KV-major
+kernels (``msa_paged_attention.kv_seg_attn_kernel``: one block-normalised partial + base-2 LSE per
+(token, KV head, slot j) entry, each page's K/V loaded once per segment; ``kv_major_merge_kernel``
+folds a token's partials in slot order j) at every length, with one launch set
+(``PAGE_PARTIALS_LAUNCH``); decode rows run ``pp_decode_kernel``, one program per entry, which puts
+the entry's query rows in the same [TOK x RHP, d] tile and runs kv_seg's own loop helper with the
+same constexprs, warps and stages, then the same merge. An entry's partial depends only on its own
+rows and one page (rule 2 for the tile's other rows), the merge only on the token's partials, so
+decode and prefill give the same bits, whatever the batch, chunking or pass size; other bits than
+"union" (another reduction order). The ops table then takes the KV-major scratch. Expected to close
+most of issue 24's sparse-prefill gap (the fast path's attention); decode cost one program per entry
+and one page load each. Awaits the GPU check of its bits (tests/gpu) and of its speed; the CPU
+checks it under the interpreter and that both kernels compile to the same sm_90 MMA code
 (kernels/mma_check.py, tests/test_invariant_page_partials.py).
 
 Cost against the fast kernels (expected; measure on the H200, issue 24's benchmark)
@@ -206,15 +207,14 @@ from m3_kernels.msa_paged_attention import LOG2E, check_attention_inputs, check_
 from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
 
-# The sparse layers' attention (module docstring, "Sparse attention by page partials"): "union" =
-# inv_attn_kernel's walk of its tiles' union (the GPU-checked bits); "page_partials" =
-# kernels/invariant_page_partials.py (KV-major per-page partials + merge for prefill and decode rows).
-# Dense layers take inv_attn_kernel either way. The default of the ops' ``sparse_impl`` keyword:
-# engine/ops.py invariant_attention_fields reads it once, when it builds a table, and binds it into
-# the table's ops (with the KV-major scratch for "page_partials"), so flipping it later leaves
-# existing engines, captured graphs and scorers on the choice they were built with.
+# The sparse layers' attention (module docstring, "Sparse attention by page partials"), the ops'
+# ``sparse_impl`` keyword: "union" = inv_attn_kernel's walk of its tiles' union (the GPU-checked
+# bits, the default); "page_partials" = kernels/invariant_page_partials.py (KV-major per-page
+# partials + merge for prefill and decode rows). Dense layers take inv_attn_kernel either way. The
+# engine chooses per ops table (EngineConfig.invariant_sparse_attention -> engine/ops.py
+# invariant_attention_fields, which binds the choice into the table's ops); nothing reads a global.
 SPARSE_IMPLS = ("union", "page_partials")
-SPARSE_IMPL = "union"
+DEFAULT_SPARSE_IMPL = "union"
 
 # Dot rows per program (tokens x heads), fixed by the model's shapes and the layer kind only: a layer
 # keeps its kind's tile for decode (padded) and prefill, so its bits stay one function of the row;
@@ -1050,7 +1050,7 @@ def invariant_paged_attention(
     tile_rows: int | None = None,
     warps: int | None = None,
     scratch: torch.Tensor | None = None,
-    sparse_impl: str | None = None,
+    sparse_impl: str = DEFAULT_SPARSE_IMPL,
 ) -> torch.Tensor:
     """Batch-invariant ``paged_attention`` (PagedOps field; reference ``paged_attention_ref``, spec §3.5).
 
@@ -1066,8 +1066,8 @@ def invariant_paged_attention(
     than the layer kind's ``DENSE_TILE_ROWS`` / ``SPARSE_TILE_ROWS`` and ``DENSE_WARPS`` / ``SPARSE_WARPS``
     (scripts/bench_invariant_attention.py --tile-sweep; a layer must keep one choice for decode and
     prefill, the engine never passes one); not read by sparse layers with ``sparse_impl`` "page_partials".
-    Sparse layers follow ``sparse_impl`` (one of ``SPARSE_IMPLS``; None: the module's ``SPARSE_IMPL``
-    at this call; the ops table binds the value it read when built): "page_partials" computes them
+    Sparse layers follow ``sparse_impl`` (one of ``SPARSE_IMPLS``; default ``DEFAULT_SPARSE_IMPL``,
+    "union"; the engine's ops table binds its config's choice): "page_partials" computes them
     with ``invariant_page_partials.page_partials_attention``, whose KV-major partials use ``scratch``
     (None or a contiguous uint8 vector on q's device, kernels/paged_layout.py; the engine binds
     its own when the table says ``takes_prefill_scratch``); "union" ignores it. Raises ValueError
@@ -1076,7 +1076,7 @@ def invariant_paged_attention(
     _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
     _check_tile_choice(tile_rows, warps)
     check_kv_major_scratch(scratch, q.device, "invariant_paged_attention")
-    sparse_impl = check_sparse_impl(SPARSE_IMPL if sparse_impl is None else sparse_impl)
+    sparse_impl = check_sparse_impl(sparse_impl)
     t, nh, d = q.shape
     g, ps = k_cache_l.shape[1], k_cache_l.shape[2]
     out = torch.empty_like(q)
@@ -1355,7 +1355,7 @@ def invariant_msa_attention(
     local_blocks: int = 1,
     sel_out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
-    sparse_impl: str | None = None,
+    sparse_impl: str = DEFAULT_SPARSE_IMPL,
 ) -> torch.Tensor:
     """Batch-invariant ``msa_attention`` (PagedOps field; reference ``msa_attention_ref``, spec §3.4-3.5).
 
@@ -1368,7 +1368,7 @@ def invariant_msa_attention(
     in q.dtype. Raises ValueError for unsupported dtypes or sizes, naming the field, or an unknown
     ``sparse_impl``.
     """
-    sparse_impl = check_sparse_impl(SPARSE_IMPL if sparse_impl is None else sparse_impl)
+    sparse_impl = check_sparse_impl(sparse_impl)
     if iq.shape[:2] != (q.shape[0], k_cache_l.shape[1]):
         raise ValueError(
             f"invariant_msa_attention: iq {tuple(iq.shape)} needs [T={q.shape[0]}, G={k_cache_l.shape[1]}, di]"

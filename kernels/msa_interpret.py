@@ -104,7 +104,7 @@ def interpreted_invariant_attention() -> ModuleType:
     interpreted_module("m3_kernels.msa_index_topk")  # its top-k kernel calls block_selection_keys
     interpreted_module("m3_kernels.split_k")  # its decode score launch counts arrivals (last_to_arrive)
     interpreted_module("m3_kernels.msa_paged_attention")  # its attention kernel calls attend_block
-    interpreted_module("m3_kernels.invariant_page_partials")  # SPARSE_IMPL "page_partials" (calls the above)
+    interpreted_module("m3_kernels.invariant_page_partials")  # sparse_impl "page_partials" (calls the above)
     return interpreted_module(INVARIANT_ATTENTION)
 
 

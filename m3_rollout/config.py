@@ -207,6 +207,11 @@ class GenerationConfig:
     # the loss's logprobs then come from the same paged forward (jobs/invariant_scoring.py; the
     # gradient from the training forward, trainers/policy.py).
     batch_invariant: bool = False
+    # The sparse layers' attention in batch-invariant mode (EngineConfig.invariant_sparse_attention):
+    # union (default: the union walk) or page_partials (the KV-major per-page partials: long prefill
+    # faster, decode about 1 % slower, other bits; docs/benchmarks.md). The job's rollout engines,
+    # EP workers, a job-started server and the trainer's scorer all get it (bitwise on-policy needs one choice).
+    invariant_sparse_attention: str = "union"
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""
@@ -221,6 +226,7 @@ class GenerationConfig:
             index_cache_dtype=self.index_cache_dtype,
             record_block_selection=self.record_block_selection,
             batch_invariant=self.batch_invariant,
+            invariant_sparse_attention=self.invariant_sparse_attention,
         )
 
 
@@ -717,6 +723,8 @@ _CHOICES = {
     "policy.generation.colocated_placement": ("in_process", "worker_process"),
     "policy.generation.logprobs_mode": ("processed", "raw"),
     "policy.generation.dtype": ("float32", "bfloat16", "float16"),
+    # = m3_rollout.engine.config.INVARIANT_SPARSE_ATTENTIONS (this module imports nothing of the project)
+    "policy.generation.invariant_sparse_attention": ("union", "page_partials"),
     "policy.precision": ("float32", "bfloat16", "float64"),
     "policy.thinking_mode": ("disabled", "enabled", "adaptive"),
     "policy.optimizer.name": ("adamw",),

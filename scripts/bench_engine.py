@@ -501,6 +501,7 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
     """The ``--batch-invariant`` mode (module docstring) on ``model`` (weights on ``dev`` in ``dtype``).
 
     Reads args.record_batch / record_reps / record_chunk / long_len / invariant_prompt / invariant_new /
+    invariant_sparse (the invariant engines' EngineConfig.invariant_sparse_attention) /
     model_json / out.
     Prints the table (throughputs in tok/s, prefill in s, slowdown = invariant time / fast time - 1 in
     %) and the token checks; writes the figures as JSON to args.out when given. Returns the
@@ -529,8 +530,9 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
         with warnings.catch_warnings(record=True) as caught:  # paged_ops_for's fallback off CUDA
             warnings.simplefilter("always")
             eng, pre = decode_and_prefill_engines(
-                model, decode_prompts, long_prompt, dev, new, tuple(sorted({1, batch})), chunk, batch_invariant=inv
-            )
+                model, decode_prompts, long_prompt, dev, new, tuple(sorted({1, batch})), chunk,
+                batch_invariant=inv, invariant_sparse_attention=args.invariant_sparse,
+            )  # fmt: skip
             engines[inv, "decode"], engines[inv, "prefill"] = eng, pre
         fallback |= {str(w.message) for w in caught if "batch_invariant" in str(w.message)}
         # compile / warm up every shape the timed runs meet (reversed prompts: no prefix-cache hit)
@@ -698,7 +700,7 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         "--invariant-sparse",
         default="union",
         choices=["union", "page_partials"],
-        help="--batch-invariant: the invariant sparse attention (kernels/invariant_attention.py SPARSE_IMPL; "
+        help="--batch-invariant: the invariant sparse attention (EngineConfig.invariant_sparse_attention; "
         "page_partials: the KV-major per-page partials, off by default: faster prefill, slower decode)",
     )
     ap.add_argument("--record-batch", type=int, default=32, help="--block-record / --batch-invariant: decode batch")
@@ -750,12 +752,8 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         long_len = args.long_len or (131072 if dev == "cuda" else 2048)
         args.record_chunk = args.record_chunk or 16384
         args.skip_hf = True
-    if args.invariant_sparse != "union":
-        if not args.batch_invariant:
-            raise SystemExit("--invariant-sparse applies to --batch-invariant runs only")
-        import m3_kernels.invariant_attention as inv_attn
-
-        inv_attn.SPARSE_IMPL = args.invariant_sparse  # read when the engines' ops tables are built
+    if args.invariant_sparse != "union" and not args.batch_invariant:
+        raise SystemExit("--invariant-sparse applies to --batch-invariant runs only")
     if args.batch_invariant:
         long_len = args.long_len or (32768 if dev == "cuda" else 1024)
         args.skip_hf = True

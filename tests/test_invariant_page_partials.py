@@ -1,19 +1,20 @@
-"""Sparse attention by per-page partials (``invariant_attention.SPARSE_IMPL = "page_partials"``) on CPU.
+"""Sparse attention by per-page partials (``sparse_impl="page_partials"``) on CPU.
 
 kernels/invariant_page_partials.py: prefill rows take the fast KV-major path (kv_seg_attn_kernel +
 ``kv_major_merge_kernel``) at every length with one launch set; decode rows one program per
 (token, KV head, slot) entry running kv_seg's loop on a one-entry tile, then the same merge. Checked
 under the Triton interpreter in fp32 (and fp16) with ``msa_interpret.fixed_order_dot`` (the
 interpreter's BLAS dot is not row-invariant, a GPU tensor-core dot of a fixed shape is assumed to
-be: tests/gpu checks that), switch monkeypatched on:
+be: tests/gpu checks that), the kernels called with ``sparse_impl="page_partials"``:
 - a decode row's output is bitwise the prefill row's at its position (one chunk, several chunks,
   speculative-verify rows), with engineered selections holding repeats, -1 slots and ids past the
   token's block;
 - a sequence's prefill rows are bitwise the same alone and beside other sequences, decode rows,
   a prefix hit, graph padding rows, a wider block table, and in passes of a small scratch;
 - outputs equal the PyTorch reference within fp32 / fp16 tolerance (also ``invariant_msa_attention``);
-- the switch is off by default and dense layers ignore it; the ops table then takes the KV-major
-  scratch and the engine and the trainer's ``PagedScorer`` bind one, at every prefill length;
+- the choice is off by default and dense layers ignore it; an ops table built with it
+  (``invariant_sparse_attention``) keeps it and takes the KV-major scratch, and the engine and the
+  trainer's ``PagedScorer`` bind one, at every prefill length;
 - compiled for sm_90 (no GPU, kernels/mma_check.py), the decode kernel's dots are the prefill
   kernel's: the same MMA layout, operand types and wgmma instructions.
 Shapes: 8 q heads / 2 KV heads / d 32 / block 16 (RH 4: tiles of 4 entries x 4 rows).
@@ -45,6 +46,7 @@ from m3_rollout.model.paged_ops import PagedOps
 ia = interpreted_invariant_attention()
 
 ROOT = Path(__file__).resolve().parents[1]
+PP = "page_partials"
 PS, G, NH, D, K = 16, 2, 8, 32, 5
 SCALE = D**-0.5
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
@@ -56,11 +58,6 @@ DECODE_POS = [0, 15, 16, 47, 48, 79, 80, 99]
 def _row_invariant_dot():
     with fixed_order_dot():
         yield
-
-
-@pytest.fixture(autouse=True)
-def page_partials(monkeypatch):
-    monkeypatch.setattr(ia, "SPARSE_IMPL", "page_partials")
 
 
 def engineered_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -98,7 +95,7 @@ def step(dtype, rows: list, num_decodes: int, **kw) -> PagedBatch:
 
 def run(b: PagedBatch, scratch=None) -> torch.Tensor:
     ids = engineered_ids(b.meta.positions)
-    return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, scratch=scratch)
+    return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, scratch=scratch, sparse_impl=PP)
 
 
 def scratch_of(tokens: int, dtype, extra: int = 0) -> torch.Tensor:
@@ -157,25 +154,26 @@ def test_matches_reference(dtype):
         page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, seed=5,
     )  # fmt: skip
     ids = engineered_ids(b.meta.positions)
-    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, sparse_impl=PP)
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, for_reference(ids, b))
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
     if dtype != torch.float32:
         return
-    got = ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, 4)  # index top-k then attention
+    got = ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, 4, sparse_impl=PP)  # top-k, attention
     want = msa_attention_ref(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, 4)
     assert (index_topk_ref(b.iq, b.ik, b.meta, 4)[3] >= 0).all()  # position 300: 4 of 19 blocks selected
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
 
 
-def test_switch_is_off_by_default_and_dense_layers_ignore_it(monkeypatch):
+def test_choice_is_off_by_default_and_dense_layers_ignore_it(monkeypatch):
     b = step(torch.float32, [("c", 59, 1), ("b", 0, 45)], 1)
-    dense = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE)
-    monkeypatch.undo()  # the module's own default
-    assert ia.SPARSE_IMPL == "union" and not invariant_attention_fields(interpret=True)["takes_prefill_scratch"]
+    dense = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, sparse_impl=PP)
+    assert ia.DEFAULT_SPARSE_IMPL == "union" and ia.SPARSE_IMPLS == ("union", PP)
+    assert not hasattr(ia, "SPARSE_IMPL")  # no module global decides
+    assert not invariant_attention_fields(interpret=True)["takes_prefill_scratch"]
 
     def refuse(*args, **kw):
-        raise AssertionError("page_partials_attention ran with the default switch")
+        raise AssertionError("page_partials_attention ran with the default choice")
 
     monkeypatch.setattr(ia, "page_partials_attention", refuse)
     ids = engineered_ids(b.meta.positions)
@@ -183,26 +181,27 @@ def test_switch_is_off_by_default_and_dense_layers_ignore_it(monkeypatch):
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, for_reference(ids, b))
     torch.testing.assert_close(union, want, atol=2e-5, rtol=0)
     assert_rows_equal(ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE), dense, "dense layer")
-    monkeypatch.setattr(ia, "SPARSE_IMPL", "pages")
     with pytest.raises(ValueError, match="sparse_impl='pages'"):
-        run(b)
-    with pytest.raises(ValueError, match="sparse_impl='pages'"):
-        invariant_attention_fields(interpret=True)
-    monkeypatch.setattr(ia, "SPARSE_IMPL", "union")
+        ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, sparse_impl="pages")
+    for device in ("cpu", "cuda"):  # refused before any device rule (the CPU falls back to references)
+        with pytest.raises(ValueError, match="invariant_sparse_attention='pages'"):
+            invariant_attention_fields(device, invariant_sparse_attention="pages")
+    with pytest.raises(ValueError, match="invariant_sparse_attention='pages'"):
+        invariant_attention_fields(interpret=True, invariant_sparse_attention="pages")
     with pytest.raises(ValueError, match="invariant_paged_attention: scratch must be a contiguous uint8"):
-        run(b, torch.zeros(8, dtype=torch.int32))
+        ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, scratch=torch.zeros(8, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("built, flipped", [("union", "page_partials"), ("page_partials", "union")])
-def test_table_keeps_the_sparse_impl_it_was_built_with(built, flipped, monkeypatch):
-    """The table reads ``SPARSE_IMPL`` once, when built: flipping the global afterwards changes
-    neither its ops' path (whether page_partials_attention runs) nor their bits, also with a scratch
-    bound as the engine binds one; a call outside a table follows the global."""
-    monkeypatch.setattr(ia, "SPARSE_IMPL", built)
-    fields = invariant_attention_fields(interpret=True)
-    pp = built == "page_partials"
+@pytest.mark.parametrize("built", ["union", PP])
+def test_table_keeps_the_sparse_attention_it_was_built_with(built, monkeypatch):
+    """``invariant_attention_fields(invariant_sparse_attention=...)`` binds the choice into the table's
+    ops: they take its path (whether page_partials_attention runs) and its bits, which differ from
+    the other choice's on this batch, also with a scratch bound as the engine binds one."""
+    fields = invariant_attention_fields(interpret=True, invariant_sparse_attention=built)
+    pp = built == PP
     assert fields["takes_prefill_scratch"] == pp
-    monkeypatch.setattr(ia, "SPARSE_IMPL", flipped)
+    assert fields["paged_attention"].keywords["sparse_impl"] == fields["msa_attention"].keywords["sparse_impl"] == built
+    flipped = "union" if pp else PP
     calls = []
     real = ia.page_partials_attention
     monkeypatch.setattr(ia, "page_partials_attention", lambda *a: calls.append(1) or real(*a))
@@ -217,7 +216,7 @@ def test_table_keeps_the_sparse_impl_it_was_built_with(built, flipped, monkeypat
     attn = (b.q, b.k, b.v, b.meta, SCALE, ids)
     want, ran = ran_page_partials(ia.invariant_paged_attention, *attn, sparse_impl=built)
     assert ran == pp
-    other, ran = ran_page_partials(ia.invariant_paged_attention, *attn)  # outside a table: the global
+    other, ran = ran_page_partials(ia.invariant_paged_attention, *attn, sparse_impl=flipped)
     assert ran != pp and not torch.equal(want, other)  # the two paths' bits differ on this batch
     got, ran = ran_page_partials(fields["paged_attention"], *attn)
     assert ran == pp
@@ -235,10 +234,10 @@ def test_table_keeps_the_sparse_impl_it_was_built_with(built, flipped, monkeypat
 
 
 def test_engine_and_scorer_bind_a_scratch_for_every_prefill_length():
-    """With the switch on the invariant table takes the KV-major scratch: the engine sizes it for one
-    step's prefill even below KV_MAJOR_MIN_TOKENS (this path runs at every length), the trainer's
-    scorer binds one of its own for its forwards; both reach the attention ops."""
-    fields = invariant_attention_fields(interpret=True)
+    """Built with page partials the invariant table takes the KV-major scratch: the engine sizes it
+    for one step's prefill even below KV_MAJOR_MIN_TOKENS (this path runs at every length), the
+    trainer's scorer binds one of its own for its forwards; both reach the attention ops."""
+    fields = invariant_attention_fields(interpret=True, invariant_sparse_attention=PP)
     assert fields["takes_prefill_scratch"] and fields["msa_attention"].func is ia.invariant_msa_attention
     table = dataclasses.replace(interpreted_paged_ops(batch_invariant=True), **fields)
     model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS, layers=2)

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import torch
 
 CPU_AUTO_KV_BYTES = 256 * 2**20  # cap of the automatic CPU page pool (pages are zero-filled up front)
+# EngineConfig.invariant_sparse_attention's values: m3_kernels.invariant_attention.SPARSE_IMPLS (the
+# kernels import triton, this module must not; tests/test_invariant_sparse_attention_config.py checks
+# that the two agree)
+INVARIANT_SPARSE_ATTENTIONS = ("union", "page_partials")
 
 
 @dataclass
@@ -38,9 +42,9 @@ class EngineConfig:
             give the same output up to rounding, at another speed); 0 = no scratch, the KV-major path off
             (union-list tiles at every prefill length). A value below one ``KV_CHUNK_MIN_TOKENS``
             pass is refused at engine construction (``paged_cache.prefill_scratch_bytes``).
-            Batch-invariant mode with ``invariant_attention.SPARSE_IMPL = "page_partials"`` (off by
-            default): the scratch is sized at every ``max_num_batched_tokens`` (that path runs at every
-            length and also holds the decode partials); 0 there means buffers allocated per call.
+            Batch-invariant mode with ``invariant_sparse_attention="page_partials"``: the scratch
+            is sized at every ``max_num_batched_tokens`` (that path runs at every length and also
+            holds the decode partials); 0 there means buffers allocated per call.
         enable_prefix_caching: reuse full pages across requests (GRPO groups, multi-turn).
         enable_cuda_graphs: capture decode steps (forward + sampler) on CUDA (GPU-only; ignored elsewhere).
             "eager": the same staged decode path with the bodies run eagerly (any device; tests).
@@ -66,6 +70,14 @@ class EngineConfig:
             and the expert combine gives the single-rank bits (``parallel/ep_moe.py``). The kernels:
             CUDA only (elsewhere a warning and the usual ops; the sampler part applies on any
             device); an ``ops`` table handed to the engine is used as given.
+        invariant_sparse_attention: the sparse layers' attention in batch-invariant mode (one of
+            ``INVARIANT_SPARSE_ATTENTIONS``; ignored without ``batch_invariant``): "union" (default)
+            = the union walk of ``kernels/invariant_attention.py``; "page_partials" = the KV-major
+            per-page partials of ``kernels/invariant_page_partials.py`` (faster long prefill,
+            decode about 1 % slower, other bits; the ops table then takes the prefill scratch). Bound
+            into the ops table when the engine builds it (``paged_ops_for``); the trainer's scorer
+            must be built with the same choice (``jobs/invariant_scoring.py``), or its logprobs
+            differ from the rollout's.
     """
 
     max_model_len: int
@@ -92,6 +104,7 @@ class EngineConfig:
     index_cache_dtype: str = "bfloat16"
     quantize_index_queries: bool = False
     batch_invariant: bool = False
+    invariant_sparse_attention: str = "union"
 
     def validate(self) -> EngineConfig:
         """Raises ValueError naming the bad field."""
@@ -110,6 +123,11 @@ class EngineConfig:
             )
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"EngineConfig.batch_invariant={self.batch_invariant!r}: must be True or False")
+        if self.invariant_sparse_attention not in INVARIANT_SPARSE_ATTENTIONS:
+            raise ValueError(
+                f"EngineConfig.invariant_sparse_attention={self.invariant_sparse_attention!r}: "
+                f"one of {INVARIANT_SPARSE_ATTENTIONS}"
+            )
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages}: must be >= 1")
         if self.index_cache_dtype not in ("bfloat16", "fp8_e4m3"):

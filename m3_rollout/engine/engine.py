@@ -71,7 +71,8 @@ class LLMEngine:
             decode to >= 1 byte (markers kept), since each step decodes only a tail window of the
             output (``stop_strings.contains_stop_string``).
         ops: the paged forward's fast-op table (``engine/ops.py``); None = ``paged_ops_for`` the
-            model's device and activation dtype. A table that ``takes_prefill_scratch`` gets the
+            model's device and activation dtype (with ``config``'s ``batch_invariant`` and
+            ``invariant_sparse_attention``). A table that ``takes_prefill_scratch`` gets the
             engine's KV-major prefill scratch bound (``prefill_scratch``).
         resize: the allocation function of sleep / wake-up (``sleep.resize_storage``; CPU tests
             inject a counting fake).
@@ -102,7 +103,10 @@ class LLMEngine:
         ps = self.model_config.sparse_block_size
         if ops is None:  # batch_invariant: the fixed-order table (design.md §4.6; CPU: warns, fast table)
             ops = paged_ops_for(
-                self.device, model.model.embed_tokens.weight.dtype, batch_invariant=config.batch_invariant
+                self.device,
+                model.model.embed_tokens.weight.dtype,
+                batch_invariant=config.batch_invariant,
+                invariant_sparse_attention=config.invariant_sparse_attention,
             )
         scratch_bytes = 0
         if ops.takes_prefill_scratch:  # the attention inputs (q, K/V pages) are in the KV dtype

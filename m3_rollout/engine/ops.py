@@ -19,8 +19,8 @@ Selection rules (same as before the table existed):
 - KV-major prefill scratch: the Triton attention table says ``takes_prefill_scratch``; the engine sizes
   the buffer (``paged_cache.prefill_scratch_bytes``), allocates it and binds it with
   :func:`bind_prefill_scratch`, so the kernels never allocate their own. The batch-invariant table
-  takes one only with ``invariant_attention.SPARSE_IMPL = "page_partials"`` (off by default) when the
-  table is built (the choice is bound into the table's ops then).
+  takes one only when built with ``invariant_sparse_attention="page_partials"`` (off by default;
+  the choice is bound into the table's ops then).
 - batch-invariant mode (``batch_invariant=True``, ``EngineConfig.batch_invariant``; design.md §4.6):
   on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
   for every projection, the router logits and lm_head; ``fused_experts`` with one tile config; the
@@ -39,6 +39,7 @@ import warnings
 
 import torch
 
+from m3_rollout.engine.config import INVARIANT_SPARSE_ATTENTIONS
 from m3_rollout.engine.reference_ops import msa_attention_ref, paged_attention_ref
 from m3_rollout.model.paged_ops import PagedOps
 
@@ -71,7 +72,16 @@ def _fused_layer_fields(fl, skinny_gemm: bool) -> dict:
     return out
 
 
-def invariant_attention_fields(device: torch.device | str = "cuda", interpret: bool = False) -> dict:
+def _check_invariant_sparse_attention(choice: str) -> None:
+    """Raises ValueError naming ``invariant_sparse_attention`` unless ``choice`` is one of
+    ``INVARIANT_SPARSE_ATTENTIONS``."""
+    if choice not in INVARIANT_SPARSE_ATTENTIONS:
+        raise ValueError(f"invariant_sparse_attention={choice!r}: one of {INVARIANT_SPARSE_ATTENTIONS}")
+
+
+def invariant_attention_fields(
+    device: torch.device | str = "cuda", interpret: bool = False, invariant_sparse_attention: str = "union"
+) -> dict:
     """The ``paged_attention`` / ``msa_attention`` fields of the batch-invariant table (issue 24):
     ``m3_kernels.invariant_attention`` (one reduction order per token whatever the batch, chunking,
     prefix hits or graph padding; decode and prefill give the same bits; design.md §4.6).
@@ -79,14 +89,15 @@ def invariant_attention_fields(device: torch.device | str = "cuda", interpret: b
     device: the model's device: compiled kernels on CUDA with triton; elsewhere the PyTorch
     references, which are NOT batch-invariant (``paged_ops_for`` warns). interpret: the kernels
     under the Triton interpreter on CPU tensors (tests; sets TRITON_INTERPRET=1 for the rest of the
-    process). The sparse attention is ``invariant_attention.SPARSE_IMPL`` read once, here, and bound
-    into both ops (``functools.partial(..., sparse_impl=...)``): flipping the module global later
-    changes neither this table nor the engines, captured graphs and scorers built on it.
-    ``takes_prefill_scratch``: whether the kernels take the KV-major scratch, i.e. whether that choice
-    is "page_partials" (their sparse attention then writes per-page partials at every prefill length
-    and at decode; the engine and ``PagedScorer`` bind a scratch). Raises ValueError for an unknown
-    ``SPARSE_IMPL``.
+    process). invariant_sparse_attention: the sparse layers' attention (``EngineConfig.
+    invariant_sparse_attention``: "union" or "page_partials"), bound into both ops
+    (``functools.partial(..., sparse_impl=...)``). ``takes_prefill_scratch``: whether the kernels
+    take the KV-major scratch, i.e. whether that choice is "page_partials" (their sparse attention
+    then writes per-page partials at every prefill length and at decode; the engine and
+    ``PagedScorer`` bind a scratch). Raises ValueError for an unknown invariant_sparse_attention
+    (on any device).
     """
+    _check_invariant_sparse_attention(invariant_sparse_attention)
     if interpret:
         from m3_kernels.msa_interpret import interpreted_invariant_attention
 
@@ -95,7 +106,7 @@ def invariant_attention_fields(device: torch.device | str = "cuda", interpret: b
         import m3_kernels.invariant_attention as ia
     else:
         return dict(paged_attention=paged_attention_ref, msa_attention=msa_attention_ref, takes_prefill_scratch=False)
-    impl = ia.check_sparse_impl(ia.SPARSE_IMPL)
+    impl = ia.check_sparse_impl(invariant_sparse_attention)
     return {
         "paged_attention": functools.partial(ia.invariant_paged_attention, sparse_impl=impl),
         "msa_attention": functools.partial(ia.invariant_msa_attention, sparse_impl=impl),
@@ -123,6 +134,7 @@ def paged_ops_for(
     fused_layers: bool = True,
     skinny_gemm: bool = True,
     batch_invariant: bool = False,
+    invariant_sparse_attention: str = "union",
 ) -> PagedOps:
     """The ops table for a model whose activations are ``dtype`` on ``device``.
 
@@ -132,15 +144,19 @@ def paged_ops_for(
     the Triton skinny GEMM instead of cuBLAS. batch_invariant: the batch-invariant table
     (``invariant_fields`` + ``invariant_attention_fields``; overrides fused_layers / skinny_gemm);
     needs CUDA, triton and a bf16 / fp16 / fp32 model, else warns and returns the fast-mode table.
-    Imports triton (and the kernels) only on CUDA.
+    invariant_sparse_attention: the invariant table's sparse attention (``invariant_attention_fields``;
+    ``EngineConfig.invariant_sparse_attention``); checked whatever the other arguments (ValueError
+    naming it), used only with batch_invariant. Imports triton (and the kernels) only on CUDA.
     """
+    _check_invariant_sparse_attention(invariant_sparse_attention)  # on any device
     cuda = torch.device(device).type == "cuda" and triton_importable()
     if batch_invariant:
         if cuda and dtype in KERNEL_DTYPES:
             import m3_kernels.fused_layers as fl
             import m3_kernels.invariant_ops as inv
 
-            return PagedOps(**invariant_attention_fields(device), **invariant_fields(fl, inv))
+            attention = invariant_attention_fields(device, invariant_sparse_attention=invariant_sparse_attention)
+            return PagedOps(**attention, **invariant_fields(fl, inv))
         if not cuda:
             why = f"needs a CUDA device with triton (got device {torch.device(device).type})"
         else:

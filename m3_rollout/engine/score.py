@@ -261,9 +261,10 @@ class PagedScorer:
 
     Args:
         config: the model's ``M3Config`` (page size = ``sparse_block_size``).
-        ops: the engine's ``PagedOps`` table (``engine.ops.paged_ops_for(..., batch_invariant=True)``).
-            A table that takes a prefill scratch (the invariant one with ``SPARSE_IMPL``
-            "page_partials") gets one of its own, ``prefill_scratch``: one forward's KV-major pass
+        ops: the engine's ``PagedOps`` table (``engine.ops.paged_ops_for(..., batch_invariant=True,
+            invariant_sparse_attention=<the engine's EngineConfig.invariant_sparse_attention>)``).
+            A table that takes a prefill scratch (the invariant one built with "page_partials")
+            gets one of its own, ``prefill_scratch``: one forward's KV-major pass
             (``paged_cache.prefill_scratch_bytes`` for ``chunk_tokens``, at every length).
         max_model_len: the longest sequence scored (tokens).
         chunk_tokens: tokens per forward (the engine's ``max_num_batched_tokens``), lowered so one

@@ -18,17 +18,23 @@ def invariant_scorer(cfg: MasterConfig, compute_model, max_model_len: int) -> Pa
     """A ``PagedScorer`` for ``compute_model`` (the trainer's compute copy, ``Policy.compute``) when
     ``policy.generation.batch_invariant`` is on, else None.
 
-    The ops table, the logprob op, the chunk (``max_num_batched_tokens``) and the index-key cache
-    coding are the engine's for the same config (``LLMEngine.__init__``); the scratch pool (one
-    forward's sequences, at least one of ``max_model_len`` tokens) is on the model's device in its
-    weight dtype. Off CUDA the
-    tables are the fast ones (``paged_ops_for`` warns): the scoring then only matches to rounding.
+    The ops table (with ``policy.generation.invariant_sparse_attention``, the engine's choice: another
+    sparse attention would reduce in another order and break the bitwise match), the logprob op, the
+    chunk (``max_num_batched_tokens``) and the index-key cache coding are the engine's for the same
+    config (``LLMEngine.__init__``); the scratch pool (one forward's sequences, at least one of
+    ``max_model_len`` tokens) is on the model's device in its weight dtype. Off CUDA the tables are
+    the fast ones (``paged_ops_for`` warns): the scoring then only matches to rounding.
     """
     gen = cfg.policy.generation
     if not gen.batch_invariant:
         return None
     w = compute_model.lm_head.weight
-    ops = paged_ops_for(w.device, compute_model.model.embed_tokens.weight.dtype, batch_invariant=True)
+    ops = paged_ops_for(
+        w.device,
+        compute_model.model.embed_tokens.weight.dtype,
+        batch_invariant=True,
+        invariant_sparse_attention=gen.invariant_sparse_attention,
+    )
     return PagedScorer(
         compute_model.config,
         ops,

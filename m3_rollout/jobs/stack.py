@@ -162,6 +162,7 @@ def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) 
         cmd.append("--record-block-selection")
     if gen.batch_invariant:
         cmd.append("--batch-invariant")
+    cmd += ["--invariant-sparse-attention", gen.invariant_sparse_attention]  # the trainer's scorer's choice too
     if gen.http_api_key:
         cmd += ["--api-key", gen.http_api_key]
     cmd += ["--graceful-shutdown-timeout", str(SERVER_SHUTDOWN_TIMEOUT_S)]

@@ -28,6 +28,7 @@ import uvicorn
 
 from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, read_chat_defaults
 from m3_rollout.config import device_problem
+from m3_rollout.engine.config import INVARIANT_SPARSE_ATTENTIONS
 from m3_rollout.engine.interface import GenerationBackend
 
 from .openai_api import ServedModel, thinking_mode_of
@@ -113,6 +114,13 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
         help="fixed-order kernels: logits / logprobs independent of the batch (CUDA only; slower)",
     )
     p.add_argument(
+        "--invariant-sparse-attention",
+        choices=INVARIANT_SPARSE_ATTENTIONS,
+        default="union",
+        help="--batch-invariant: the sparse layers' attention (page_partials: faster long prefill, other bits; "
+        "a trainer scoring these rollouts must use the same)",
+    )
+    p.add_argument(
         "--default-chat-template-kwargs",
         default=None,
         help='JSON object applied under every chat request\'s chat_template_kwargs, e.g. \'{"thinking_mode": '
@@ -173,6 +181,7 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         index_cache_dtype=args.index_cache_dtype,
         record_block_selection=args.record_block_selection,
         batch_invariant=args.batch_invariant,
+        invariant_sparse_attention=args.invariant_sparse_attention,
     )
     if args.expert_parallel_size > 1 or args.engine_process:
         from m3_rollout.config import MasterConfig

@@ -271,15 +271,13 @@ def test_model_logits_of_a_sequence_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("sparse_impl", ["union", "page_partials"])
-def test_engine_logprobs_do_not_depend_on_the_batch(sparse_impl, monkeypatch):
+def test_engine_logprobs_do_not_depend_on_the_batch(sparse_impl):
     """Graphs + async scheduling: request a alone (decode graph of size 1) vs among 31 others (size
     32, prefills batched with theirs): identical tokens and logprobs (bitwise), and the trainer's
-    scorer gives the same bits; for both invariant sparse attentions (``SPARSE_IMPL``: the union
-    walk, the default, and the KV-major per-page partials, whose decode kernel must give the
-    prefill kernel's bits on the GPU too)."""
-    import m3_kernels.invariant_attention as ia
-
-    monkeypatch.setattr(ia, "SPARSE_IMPL", sparse_impl)
+    scorer gives the same bits; for both invariant sparse attentions (``EngineConfig.
+    invariant_sparse_attention``, the scorer's table built with the same: the union walk, the
+    default, and the KV-major per-page partials, whose decode kernel must give the prefill kernel's
+    bits on the GPU too)."""
     m = _model()
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 32000, (200 + 37 * i,), generator=g).tolist() for i in range(32)]
@@ -292,6 +290,7 @@ def test_engine_logprobs_do_not_depend_on_the_batch(sparse_impl, monkeypatch):
             enable_cuda_graphs=True,
             cuda_graph_batch_sizes=(1, 32),
             batch_invariant=True,
+            invariant_sparse_attention=sparse_impl,
         )
         eng = LLMEngine(m, cfg)
         for i in range(n):
@@ -311,7 +310,7 @@ def test_engine_logprobs_do_not_depend_on_the_batch(sparse_impl, monkeypatch):
     from m3_rollout.engine.ops import invariant_token_logprobs
     from m3_rollout.engine.score import PagedScorer
 
-    ops = paged_ops_for(DEV, torch.bfloat16, batch_invariant=True)
+    ops = paged_ops_for(DEV, torch.bfloat16, batch_invariant=True, invariant_sparse_attention=sparse_impl)
     scorer = PagedScorer(m.config, ops, 2048, 4096, torch.bfloat16, DEV, token_logprobs=invariant_token_logprobs(DEV))
     row = prompts[0] + alone.output_ids
     other = prompts[5] + prompts[6][:100]  # packed with another sequence

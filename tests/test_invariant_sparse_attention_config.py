@@ -1,0 +1,124 @@
+"""The batch-invariant sparse attention as a configuration choice (``invariant_sparse_attention``).
+
+One value travels from the GRPO job's ``policy.generation.invariant_sparse_attention`` (or the
+server's ``--invariant-sparse-attention``) to every ops table of the job: the engine's
+(``EngineConfig`` -> ``paged_ops_for``), the EP workers' (``engine_kwargs``), a job-started
+server's (``stack.server_command``) and the trainer's scorer (``jobs/invariant_scoring.py``). The
+engine and the scorer must bind the same one, or the rollout's and the trainer's logprobs reduce in
+different orders and bitwise on-policy breaks. Here: the values are checked with errors naming the
+key, and the engine and the scorer built from one job config (CPU: ``paged_ops_for`` swapped for
+the interpreted invariant table it would build on CUDA, so the choice's effect on the table shows)
+get the same choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from paged_model_util import small_paged_model  # tests/ on sys.path
+
+from m3_kernels.msa_interpret import interpreted_invariant_attention
+from m3_rollout.config import ConfigError, load_config
+from m3_rollout.engine import config as engine_config
+from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.ops import interpreted_paged_ops, invariant_attention_fields
+from m3_rollout.jobs.stack import server_command
+from m3_rollout.server.cli import build_backend, parse_args
+
+MAIN = "configs/grpo_bf16_ep.yaml"
+ON = ["policy.generation.batch_invariant=true", "policy.generation.expert_parallel_size=1"]
+CHOICES = ("union", "page_partials")
+
+
+def test_choices_agree_and_default_is_union():
+    assert engine_config.INVARIANT_SPARSE_ATTENTIONS == interpreted_invariant_attention().SPARSE_IMPLS == CHOICES
+    assert EngineConfig(max_model_len=8).validate().invariant_sparse_attention == "union"
+    assert load_config(MAIN).policy.generation.invariant_sparse_attention == "union"
+    for choice in CHOICES:
+        gen = load_config(MAIN, [f"policy.generation.invariant_sparse_attention={choice}"]).policy.generation
+        assert gen.engine_kwargs()["invariant_sparse_attention"] == choice  # also the EP workers' engine dict
+        assert EngineConfig(max_model_len=8, **gen.engine_kwargs()).validate().invariant_sparse_attention == choice
+
+
+def test_bad_value_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"policy\.generation\.invariant_sparse_attention='pages'.*page_partials"):
+        load_config(MAIN, ["policy.generation.invariant_sparse_attention=pages"])
+    with pytest.raises(ValueError, match=r"EngineConfig\.invariant_sparse_attention='pages'.*page_partials"):
+        EngineConfig(max_model_len=8, invariant_sparse_attention="pages").validate()
+    with pytest.raises(ValueError, match="invariant_sparse_attention='pages'"):  # on any device, any mode
+        from m3_rollout.engine.ops import paged_ops_for
+
+        paged_ops_for("cpu", torch.float32, invariant_sparse_attention="pages")
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        parse_args(["--model", "m", "--invariant-sparse-attention", "pages"])
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_engine_and_trainer_scorer_get_the_jobs_choice(choice, monkeypatch):
+    """One job config, the engine as the job builds it (``EngineConfig(**engine_kwargs)``) and the
+    trainer's scorer (``invariant_scorer``): both ask ``paged_ops_for`` for the invariant table
+    with the config's choice, and the tables they bind (scratch included) run the same sparse
+    attention."""
+    import m3_rollout.engine.engine as engine_mod
+    import m3_rollout.jobs.invariant_scoring as scoring_mod
+
+    asked = []
+
+    def interpreted_table(device, dtype, batch_invariant=False, invariant_sparse_attention="union", **kw):
+        """What ``paged_ops_for`` builds on CUDA, with the kernels interpreted on the CPU."""
+        asked.append((batch_invariant, invariant_sparse_attention))
+        fields = invariant_attention_fields(interpret=True, invariant_sparse_attention=invariant_sparse_attention)
+        return dataclasses.replace(interpreted_paged_ops(batch_invariant=True), **fields)
+
+    monkeypatch.setattr(engine_mod, "paged_ops_for", interpreted_table)
+    monkeypatch.setattr(scoring_mod, "paged_ops_for", interpreted_table)
+    over = [f"policy.generation.invariant_sparse_attention={choice}", "policy.generation.max_num_batched_tokens=16"]
+    cfg = load_config(MAIN, [*ON, *over])
+    model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=16, layers=2)
+    engine = engine_mod.LLMEngine(
+        model, EngineConfig(max_model_len=40, max_num_seqs=2, num_pages=8, **cfg.policy.generation.engine_kwargs())
+    )
+    scorer = scoring_mod.invariant_scorer(cfg, model, 40)
+    assert asked == [(True, choice), (True, choice)]
+    pp = choice == "page_partials"
+    # a table built with page partials takes the KV-major scratch: both bound one of their own
+    assert (engine.prefill_scratch is not None and engine.prefill_scratch.numel() > 0) == pp
+    assert (scorer.prefill_scratch is not None and scorer.prefill_scratch.numel() > 0) == pp
+    for ops in (engine.runner.ops, scorer.ops):
+        assert not ops.takes_prefill_scratch  # bound (or none taken)
+        assert ops.paged_attention.keywords["sparse_impl"] == ops.msa_attention.keywords["sparse_impl"] == choice
+        assert ("scratch" in ops.msa_attention.keywords) == pp
+
+
+def test_server_flag_reaches_the_engine_config(tmp_path, monkeypatch):
+    """``--invariant-sparse-attention`` (default union) reaches the in-process engine's EngineConfig
+    and, with ``--engine-process`` / EP, the job config the rollout service's workers are built from."""
+    import m3_rollout.model as model_pkg
+    import m3_rollout.service.factory as factory
+
+    model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=16, layers=2)
+    monkeypatch.setattr(model_pkg, "load_checkpoint", lambda *a, **kw: model)
+    base = ["--model", str(tmp_path), "--device", "cpu", "--max-num-seqs", "2"]
+    assert parse_args(base).invariant_sparse_attention == "union"
+    args = parse_args([*base, "--batch-invariant", "--invariant-sparse-attention", "page_partials"])
+    with pytest.warns(UserWarning, match="batch_invariant"):  # CPU: the kernels need CUDA
+        backend = build_backend(args, tmp_path, [0], 40, None)
+    assert backend.engine.config.invariant_sparse_attention == "page_partials"
+    assert backend.engine.config.batch_invariant
+    seen = []
+    monkeypatch.setattr(factory, "build_rollout_service", lambda cfg, *a: seen.append(cfg) or SimpleNamespace())
+    args = parse_args([*base, "--engine-process", "--invariant-sparse-attention", "page_partials"])
+    build_backend(args, tmp_path, [0], 40, None)
+    gen = seen[0].policy.generation
+    assert gen.invariant_sparse_attention == gen.engine_kwargs()["invariant_sparse_attention"] == "page_partials"
+
+
+def test_server_command_passes_the_jobs_choice(tmp_path):
+    http = [*ON, "policy.generation.backend=http"]
+    for choice in CHOICES:
+        cfg = load_config(MAIN, [*http, f"policy.generation.invariant_sparse_attention={choice}"])
+        args = parse_args(server_command(cfg, tmp_path, 64, 1234)[3:])
+        assert args.batch_invariant and args.invariant_sparse_attention == choice
