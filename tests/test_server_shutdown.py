@@ -76,13 +76,18 @@ def test_a_stop_signal_shuts_down_gracefully_with_one_line_and_exit_0(checkpoint
             proc.kill()
             proc.wait()
     # the stream in flight finished (a finish reason, then [DONE]) before the server exited
-    assert events[-1] == "[DONE]", events[-3:]
-    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+    finishes = _finish_reasons(events)
     assert finishes in (["length"], ["stop"]), events
     name = signal.Signals(sig).name + (" (Ctrl-C)" if sig == signal.SIGINT else "")
     line = f"m3-rollout server: {name} received, shutting down (requests in flight finish, then the engine stops)"
     assert proc.returncode == 0, out
     assert out.splitlines().count(line) == 1, out
+
+
+def _finish_reasons(events: list[str]) -> list[str]:
+    """The finish reasons of a completed stream's data events; the stream must end with [DONE]."""
+    assert events[-1] == "[DONE]", events[-3:]
+    return [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
 
 
 def _stream_events(url: str, body: dict, events: list) -> None:
@@ -132,8 +137,7 @@ def test_a_stop_signal_ends_the_requests_a_pause_holds(checkpoint, tok, mode):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert events[-1] == "[DONE]", events[-3:]
-    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+    finishes = _finish_reasons(events)
     assert finishes == ["abort"], events
     line = (
         "m3-rollout server: SIGTERM received, shutting down (requests in flight finish, then the engine stops); "
