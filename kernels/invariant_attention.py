@@ -76,9 +76,10 @@ Ops
    tokens x 16 heads at M3 shapes, 16 x 4 for the 300M bench model; ``DENSE_TILE_ROWS`` = 128 for
    dense layers; a decode row = 1 token + zero tokens). It walks one page
    (= block, ``ps`` keys) per step in ascending block id, split by split (``ATTN_SPLIT_BLOCKS``
-   blocks): dense layers every block up to the tile's last position; sparse layers the sorted
-   distinct valid blocks the tile's tokens selected (the union, walked by repeated min-reductions
-   over the tile's entries), each row masked to its own token's set and causal cut. Online softmax
+   blocks): dense layers every block up to the tile's last position; sparse layers (with
+   ``sparse_impl="union"``; the default runs page partials, below) the sorted distinct valid
+   blocks the tile's tokens selected (the union, walked by repeated min-reductions over the
+   tile's entries), each row masked to its own token's set and causal cut. Online softmax
    in base 2 (scale x log2 e), fp32 m / l / acc; fp16/bf16 inputs round the probabilities to the
    input dtype for the PV dot (as the fast kernels do); fp32 inputs use IEEE dots.
    - prefill launch: one program per tile walks all its splits, folding each into the total.
@@ -98,17 +99,19 @@ Ops
 Consequences (what the CPU tests check bitwise, and the GPU tests at M3 shapes): the output and the
 selection of a position are identical whether it is the last token of a decode step (also of a
 speculative-verify row), row i of a prefill chunk, in one chunk or several, after a prefix-cache
-hit, beside other sequences or CUDA-graph padding rows; a sparse layer whose selection holds all
-causal blocks gives the dense layer's bits. The selection equals the reference's whenever the
-scores do (fp32 up to summation order; the order here is the kernel's, fixed).
+hit, beside other sequences or CUDA-graph padding rows; with the union walk, a sparse layer whose
+selection holds all causal blocks gives the dense layer's bits (page partials reduce in another
+order). The selection equals the reference's whenever the scores do (fp32 up to summation order;
+the order here is the kernel's, fixed).
 NOTE: under the Triton interpreter ``tl.dot`` is numpy's BLAS matmul, whose result for a row
 depends on the row's place in the tile; the CPU tests therefore run with
 ``msa_interpret.fixed_order_dot``. That the GPU's fixed-shape dot is row-invariant (the premise of
 the second rule above) is checked only by tests/gpu/test_invariant_attention_gpu.py.
 
-Sparse attention by page partials (``sparse_impl="page_partials"``, chosen per ops table by
-``EngineConfig.invariant_sparse_attention``; off by default: "union" is all of the above). Sparse
-layers then run kernels/invariant_page_partials.py: prefill rows take the fast path's KV-major
+Sparse attention by page partials (``sparse_impl="page_partials"``, the default
+``DEFAULT_SPARSE_IMPL``; chosen per ops table by ``EngineConfig.invariant_sparse_attention``;
+with ``sparse_impl="union"`` the sparse layers run all of the above, as the dense layers always
+do). Sparse layers run kernels/invariant_page_partials.py: prefill rows take the fast path's KV-major
 kernels (``msa_paged_attention.kv_seg_attn_kernel``: one block-normalised partial + base-2 LSE per
 (token, KV head, slot j) entry, each page's K/V loaded once per segment; ``kv_major_merge_kernel``
 folds a token's partials in slot order j) at every length, with one launch set
@@ -121,8 +124,13 @@ decode and prefill give the same bits, whatever the batch, chunking or pass size
 (2026-12-05; docs/benchmarks.md) its bits are as designed (tests/gpu/test_invariant_ops_gpu.py, the
 GRPO loop bitwise on-policy) and it meets issue 24's 32K-prefill target (+8.4 % over the fast mode
 against +34.6 % for the union walk); decode costs one program per entry and one page load each
-(step 0.5-1 % slower than the union walk). The CPU checks it under the interpreter and that both
-kernels compile to the same sm_90 MMA code (kernels/mma_check.py, tests/test_invariant_page_partials.py).
+(step 0.5-1 % slower than the union walk). Hence the default since 2026-12-05, after the GPU checks
+on an H100 80GB HBM3 (torch 2.11, triton 3.6): 20 GRPO steps on configs/grpo_h200.yaml bitwise
+on-policy (token_mult_prob_error 1.0, gen_kl 0 on every step); tests/gpu/test_invariant_ops_gpu.py,
+test_invariant_attention_gpu.py and test_sampler_invariant_gpu.py passed.
+"union" stays a choice (its bits: a sparse layer selecting every causal block gives the dense
+layer's). The CPU checks page partials under the interpreter and that both kernels compile to the
+same sm_90 MMA code (kernels/mma_check.py, tests/test_invariant_page_partials.py).
 
 Cost against the fast kernels (expected; measure on the H200, issue 24's benchmark)
 -----------------------------------------------------------------------------------
@@ -209,13 +217,14 @@ from m3_kernels.paged_layout import FP8IndexCache, PagedMetadata
 from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
 
 # The sparse layers' attention (module docstring, "Sparse attention by page partials"), the ops'
-# ``sparse_impl`` keyword: "union" = inv_attn_kernel's walk of its tiles' union (the GPU-checked
-# bits, the default); "page_partials" = kernels/invariant_page_partials.py (KV-major per-page
-# partials + merge for prefill and decode rows). Dense layers take inv_attn_kernel either way. The
+# ``sparse_impl`` keyword: "union" = inv_attn_kernel's walk of its tiles' union; "page_partials" =
+# kernels/invariant_page_partials.py (KV-major per-page partials + merge for prefill and decode
+# rows; the default: issue 24's 32K-prefill target met, GPU-checked on an H100 2026-12-05, module
+# docstring). Dense layers take inv_attn_kernel either way. The
 # engine chooses per ops table (EngineConfig.invariant_sparse_attention -> engine/ops.py
 # invariant_attention_fields, which binds the choice into the table's ops); nothing reads a global.
 SPARSE_IMPLS = ("union", "page_partials")
-DEFAULT_SPARSE_IMPL = "union"
+DEFAULT_SPARSE_IMPL = "page_partials"
 
 # Dot rows per program (tokens x heads), fixed by the model's shapes and the layer kind only: a layer
 # keeps its kind's tile for decode (padded) and prefill, so its bits stay one function of the row;
@@ -1068,7 +1077,7 @@ def invariant_paged_attention(
     (scripts/bench_invariant_attention.py --tile-sweep; a layer must keep one choice for decode and
     prefill, the engine never passes one); not read by sparse layers with ``sparse_impl`` "page_partials".
     Sparse layers follow ``sparse_impl`` (one of ``SPARSE_IMPLS``; default ``DEFAULT_SPARSE_IMPL``,
-    "union"; the engine's ops table binds its config's choice): "page_partials" computes them
+    "page_partials"; the engine's ops table binds its config's choice): "page_partials" computes them
     with ``invariant_page_partials.page_partials_attention``, whose KV-major partials use ``scratch``
     (None or a contiguous uint8 vector on q's device, kernels/paged_layout.py; the engine binds
     its own when the table says ``takes_prefill_scratch``); "union" ignores it. Raises ValueError

@@ -1,10 +1,11 @@
 """Batch-invariant sparse attention by per-page partials: the fast KV-major prefill and a decode kernel of its bits.
 
 Which path is this: the sparse layers' attention of the batch-invariant table built with
-``sparse_impl="page_partials"`` (``EngineConfig.invariant_sparse_attention``; issue 24; off by
-default: on an H100, 2026-12-05, bitwise as designed, invariant 32K prefill +8.4 % over the fast
-mode against +34.6 % for the union walk, decode step 0.5-1 % slower; docs/benchmarks.md). Dense
-layers and the default ``"union"`` keep ``inv_attn_kernel``.
+``sparse_impl="page_partials"`` (``EngineConfig.invariant_sparse_attention``; issue 24), the
+default (``invariant_attention.DEFAULT_SPARSE_IMPL``) since 2026-12-05: on an H100 it meets issue
+24's 32K-prefill target (invariant prefill +8.4 % over the fast mode against +34.6 % for the union
+walk; decode step 0.5-1 % slower), and its bits are as designed (20 GRPO steps bitwise on-policy,
+tests/gpu; docs/benchmarks.md). Dense layers and ``sparse_impl="union"`` keep ``inv_attn_kernel``.
 Spec §3.5.
 
 Governing idea: an "entry" is one (token t, KV head g, top-k slot j) with its block b =

@@ -208,10 +208,12 @@ class GenerationConfig:
     # gradient from the training forward, trainers/policy.py).
     batch_invariant: bool = False
     # The sparse layers' attention in batch-invariant mode (EngineConfig.invariant_sparse_attention):
-    # union (default: the union walk) or page_partials (the KV-major per-page partials: long prefill
-    # faster, decode about 1 % slower, other bits; docs/benchmarks.md). The job's rollout engines,
-    # EP workers, a job-started server and the trainer's scorer all get it (bitwise on-policy needs one choice).
-    invariant_sparse_attention: str = "union"
+    # page_partials (default: the KV-major per-page partials; meets issue 24's 32K-prefill target,
+    # decode about 1 % slower; GPU-checked on an H100 2026-12-05, docs/benchmarks.md) or union (the
+    # union walk, other bits). The job's rollout engines, EP workers, a job-started server and the
+    # trainer's scorer all get it (bitwise on-policy needs one choice).
+    # = m3_rollout.engine.config.DEFAULT_INVARIANT_SPARSE_ATTENTION (this module imports nothing of the project)
+    invariant_sparse_attention: str = "page_partials"
 
     def engine_kwargs(self) -> dict:
         """The EngineConfig fields this section sets (besides max_model_len / max_num_seqs)."""

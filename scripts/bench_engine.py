@@ -64,7 +64,7 @@ import torch
 from benchlib import bench_config, random_model, run_date
 from benchlib import machine as _machine
 
-from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.config import DEFAULT_INVARIANT_SPARSE_ATTENTION, INVARIANT_SPARSE_ATTENTIONS, EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.model import M3Config, M3ForCausalLM, load_hf_state_dict, tiny_config
@@ -698,10 +698,11 @@ def main(argv: list[str] | None = None) -> list[str] | None:
     )
     ap.add_argument(
         "--invariant-sparse",
-        default="union",
-        choices=["union", "page_partials"],
-        help="--batch-invariant: the invariant sparse attention (EngineConfig.invariant_sparse_attention; "
-        "page_partials: the KV-major per-page partials, off by default: faster prefill, slower decode)",
+        default=None,
+        choices=INVARIANT_SPARSE_ATTENTIONS,
+        help="--batch-invariant: the invariant sparse attention (EngineConfig.invariant_sparse_attention; default "
+        f"{DEFAULT_INVARIANT_SPARSE_ATTENTION}: the KV-major per-page partials, faster prefill, slower decode than "
+        "union)",
     )
     ap.add_argument("--record-batch", type=int, default=32, help="--block-record / --batch-invariant: decode batch")
     ap.add_argument("--record-new", type=int, default=256, help="--block-record: decode tokens per row")
@@ -752,8 +753,9 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         long_len = args.long_len or (131072 if dev == "cuda" else 2048)
         args.record_chunk = args.record_chunk or 16384
         args.skip_hf = True
-    if args.invariant_sparse != "union" and not args.batch_invariant:
+    if args.invariant_sparse is not None and not args.batch_invariant:
         raise SystemExit("--invariant-sparse applies to --batch-invariant runs only")
+    args.invariant_sparse = args.invariant_sparse or DEFAULT_INVARIANT_SPARSE_ATTENTION
     if args.batch_invariant:
         long_len = args.long_len or (32768 if dev == "cuda" else 1024)
         args.skip_hf = True

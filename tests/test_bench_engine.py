@@ -35,6 +35,7 @@ def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(be
     lines = bench.main(argv + sizes)
     assert lines[0].startswith("\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), ")
     assert "tiny_config()" in lines[1] and "medians of 2 alternated runs" in lines[1]
+    assert "(invariant sparse attention: page_partials)" in lines[1]  # the engine's default, no --invariant-sparse
     rows = {cells(line)[0]: cells(line) for line in lines if line.startswith("| ") and not line.startswith("| case")}
     assert set(rows) == {
         "decode, batch 1, 128 + 6 tokens (eager)",
@@ -90,3 +91,6 @@ def test_batch_invariant_mode_refuses_sizes_that_time_no_decode_step(bench, tmp_
             bench.main(base + extra)
     with pytest.raises(SystemExit, match=r"needs --prefill-reps >= 1 \(got 0\)"):
         bench.main(base + ["--prefill-reps", "0"])
+    for choice in ("union", "page_partials"):  # either named choice needs --batch-invariant
+        with pytest.raises(SystemExit, match="--invariant-sparse applies to --batch-invariant runs only"):
+            bench.main(["--device", "cpu", "--no-write", "--invariant-sparse", choice])

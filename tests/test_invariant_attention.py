@@ -15,6 +15,9 @@ kernels (msa_paged_attention) fail the decode-vs-prefill check: it is not vacuou
 NOTE: the interpreter's own dot (numpy matmul) is not row-invariant (BLAS micro-kernels), so this
 module runs with ``msa_interpret.fixed_order_dot``; that a fixed-shape tensor-core dot is (and the
 rule "decode padded into the prefill tile shape") is checked by tests/gpu/test_invariant_attention_gpu.py.
+The sparse layers' calls here name ``sparse_impl="union"`` (``UNION``): this module checks
+``inv_attn_kernel``'s union walk, which the engine runs with ``invariant_sparse_attention="union"``;
+the default, page partials, is checked by tests/test_invariant_page_partials.py.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ SCALE = D**-0.5
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}  # fp16: probabilities rounded for the PV dot
 DTYPES = [torch.float32, torch.float16]
 LENS = {"a": 150, "b": 45, "c": 100}  # a: sparse (10 blocks > K), b: dense-equal, c: 7 blocks
+# The sparse calls' choice: the union walk (module docstring). Not the default (page partials):
+# test_sparse_with_every_block_selected_equals_dense holds for the union walk only.
+UNION = "union"
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -59,7 +65,9 @@ def run(step: PagedBatch, sparse: bool) -> tuple[torch.Tensor, torch.Tensor | No
     if not sparse:
         return ia.invariant_paged_attention(step.q, step.k, step.v, step.meta, SCALE), None
     sel = torch.full((step.meta.num_tokens, G, K), -7, dtype=torch.int32)
-    out = ia.invariant_msa_attention(step.q, step.iq, step.k, step.v, step.ik, step.meta, SCALE, K, sel_out=sel)
+    out = ia.invariant_msa_attention(
+        step.q, step.iq, step.k, step.v, step.ik, step.meta, SCALE, K, sel_out=sel, sparse_impl=UNION
+    )
     return out, sel
 
 
@@ -107,7 +115,7 @@ def _batch(spec, dtype, seed=0, **kw):
 def test_msa_attention_matches_reference(dtype):
     b = _batch(MIXED, dtype, seed=1)
     sel = torch.zeros(b.meta.num_tokens, 3, G, K, dtype=torch.int16)[:, 1]  # strided int16, as the engine's record
-    got = ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel)
+    got = ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel, sparse_impl=UNION)
     want_sel = index_topk_ref(b.iq, b.ik, b.meta, K)
     want = msa_attention_ref(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
     assert torch.equal(sel.int(), want_sel)
@@ -276,7 +284,7 @@ def test_head_dim_64_block_32_and_errors_name_the_field():
     )
     sel = index_topk_ref(b.iq, b.ik, b.meta, 2)
     assert torch.equal(ia.invariant_index_topk(b.iq, b.ik, b.meta, 2), sel)
-    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, 0.125, sel)
+    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, 0.125, sel, sparse_impl=UNION)
     torch.testing.assert_close(got, paged_attention_ref(b.q, b.k, b.v, b.meta, 0.125, sel), atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="head_dim"):
         ia.invariant_paged_attention(b.q[..., :24], b.k[..., :24], b.v[..., :24], b.meta, 0.1)
@@ -287,10 +295,11 @@ def test_head_dim_64_block_32_and_errors_name_the_field():
 
 
 def test_paged_ops_fields():
-    fields = invariant_attention_fields(interpret=True)
+    fields = invariant_attention_fields(interpret=True, invariant_sparse_attention=UNION)
     ops = PagedOps(**fields)
     assert ops.paged_attention.func.__name__ == "invariant_paged_attention"
     assert ops.msa_attention.func.__name__ == "invariant_msa_attention"
+    assert ops.msa_attention.keywords["sparse_impl"] == UNION and not ops.takes_prefill_scratch
 
 
 # ------------------------------------------------------------------------------ bitwise invariance
@@ -365,7 +374,9 @@ def test_sequence_alone_equals_batched_with_others(dtype, sparse):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sparse_with_every_block_selected_equals_dense(dtype):
     # sequence b (45 tokens, 3 blocks <= K): the MSA layer selects every causal block, and its bits
-    # equal the dense layer's (same pages in the same order, spec invariance 1 made bitwise)
+    # equal the dense layer's (same pages in the same order, spec invariance 1 made bitwise).
+    # NOTE: the union walk only (``run`` passes UNION): the dense layer always takes inv_attn_kernel,
+    # and page partials (the default) reduce per page and merge by LSE, another order, other bits.
     out_sparse, sel = alone(dtype, "b", True)
     out_dense, _ = alone(dtype, "b", False)
     assert (sel >= 0).sum() == sum(min(K, p // PS + 1) for p in range(LENS["b"])) * G

@@ -10,6 +10,9 @@ a sequence alone vs beside other rows, CUDA-graph padding rows and a wider block
 layer of 40 pages (5 splits) and a sparse layer whose engineered selections spread over every
 split (with empty slots, repeated ids and ids past the token's block); a sparse layer selecting
 every block gives the dense layer's bits; both match the PyTorch reference within tolerance.
+The sparse calls name ``sparse_impl="union"``: the splits are the union walk's (page partials, the
+default, have none; tests/test_invariant_page_partials.py), and the all-blocks-equals-dense check
+holds for the union walk only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ SCALE = D**-0.5
 DTYPE = torch.float32
 LENS = {"a": 40 * PS, "b": 13 * PS + 5}  # a: 40 pages = 5 splits of 8; b: 14 pages
 SEL_K = 8  # engineered selection width (sparse case)
+UNION = "union"  # the sparse calls' choice (module docstring); not the default, page partials
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,7 +66,7 @@ def engineered_ids(positions: torch.Tensor, k: int = SEL_K) -> torch.Tensor:
 
 def run(b: PagedBatch, sparse: bool) -> torch.Tensor:
     ids = engineered_ids(b.meta.positions) if sparse else None
-    return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+    return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, sparse_impl=UNION)
 
 
 _ALONE: dict = {}
@@ -149,19 +153,24 @@ def test_split_sparse_with_every_block_selected_equals_dense():
     nb = (p // PS + 1)[:, None]
     ids = torch.where(k[None, :] < nb, (k[None, :] + 3 * p[:, None]) % nb, -1)  # a rotation of 0..nb-1
     ids = ids[:, None, :].expand(-1, G, -1).to(torch.int32).contiguous()
-    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+    # the union walk only: page partials (the default) reduce per page and merge, other bits
+    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, sparse_impl=UNION)
     assert_rows_equal(got, alone("a", False), "sparse (all blocks) vs dense")
     dec = step([("a", LENS["a"] - 1, 1)], 1, seed=7)
     ids1 = ids[-1:].clone()
-    assert_rows_equal(ia.invariant_paged_attention(dec.q, dec.k, dec.v, dec.meta, SCALE, ids1), got[-1:], "decode")
+    dec_out = ia.invariant_paged_attention(dec.q, dec.k, dec.v, dec.meta, SCALE, ids1, sparse_impl=UNION)
+    assert_rows_equal(dec_out, got[-1:], "decode")
 
 
-def test_non_contiguous_ids_give_the_contiguous_ids_bits():
+@pytest.mark.parametrize("sparse_impl", [UNION, "page_partials"])
+def test_non_contiguous_ids_give_the_contiguous_ids_bits(sparse_impl):
     """The kernels read a token's K slots at unit stride: a transposed view of the same ids (strides
-    (8, 1, 2)) must be copied, not read as laid out (it was, giving another selection's output)."""
+    (8, 1, 2)) must be copied, not read as laid out (it was, giving another selection's output);
+    both sparse attentions."""
     b = step([("a", LENS["a"] - 1, 1), ("b", 150, 1)], 2, seed=7)
     ids = engineered_ids(b.meta.positions)
     strided = ids.transpose(1, 2).contiguous().transpose(1, 2)
     assert torch.equal(strided, ids) and not strided.is_contiguous()
-    want = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
-    assert_rows_equal(ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, strided), want, "strided ids")
+    want = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, sparse_impl=sparse_impl)
+    got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, strided, sparse_impl=sparse_impl)
+    assert_rows_equal(got, want, "strided ids")

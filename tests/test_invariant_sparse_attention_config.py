@@ -8,12 +8,15 @@ engine and the scorer must bind the same one, or the rollout's and the trainer's
 different orders and bitwise on-policy breaks. Here: the values are checked with errors naming the
 key, and the engine and the scorer built from one job config (CPU: ``paged_ops_for`` swapped for
 the interpreted invariant table it would build on CUDA, so the choice's effect on the table shows)
-get the same choice.
+get the same choice. The default is page partials everywhere (the kernels' ``DEFAULT_SPARSE_IMPL``,
+``EngineConfig``, the job config, the server flag): a job config that does not name the key runs
+them in the engine and the scorer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,12 +34,19 @@ from m3_rollout.server.cli import build_backend, parse_args
 MAIN = "configs/grpo_bf16_ep.yaml"
 ON = ["policy.generation.batch_invariant=true", "policy.generation.expert_parallel_size=1"]
 CHOICES = ("union", "page_partials")
+DEFAULT = "page_partials"  # issue 24's 32K-prefill target met, GPU-checked 2026-12-05 (design.md §4.6)
 
 
-def test_choices_agree_and_default_is_union():
-    assert engine_config.INVARIANT_SPARSE_ATTENTIONS == interpreted_invariant_attention().SPARSE_IMPLS == CHOICES
-    assert EngineConfig(max_model_len=8).validate().invariant_sparse_attention == "union"
-    assert load_config(MAIN).policy.generation.invariant_sparse_attention == "union"
+def test_choices_agree_and_default_is_page_partials():
+    ia = interpreted_invariant_attention()
+    assert engine_config.INVARIANT_SPARSE_ATTENTIONS == ia.SPARSE_IMPLS == CHOICES
+    assert engine_config.DEFAULT_INVARIANT_SPARSE_ATTENTION == ia.DEFAULT_SPARSE_IMPL == DEFAULT
+    assert EngineConfig(max_model_len=8).validate().invariant_sparse_attention == DEFAULT
+    assert load_config(None).policy.generation.invariant_sparse_attention == DEFAULT  # the schema's default
+    assert load_config(MAIN).policy.generation.invariant_sparse_attention == DEFAULT
+    # the ops' own defaults: a call that names no choice builds the page-partials table
+    fields = invariant_attention_fields(interpret=True)
+    assert fields["takes_prefill_scratch"] and fields["msa_attention"].keywords["sparse_impl"] == DEFAULT
     for choice in CHOICES:
         gen = load_config(MAIN, [f"policy.generation.invariant_sparse_attention={choice}"]).policy.generation
         assert gen.engine_kwargs()["invariant_sparse_attention"] == choice  # also the EP workers' engine dict
@@ -56,27 +66,38 @@ def test_bad_value_is_refused_naming_the_key():
         parse_args(["--model", "m", "--invariant-sparse-attention", "pages"])
 
 
-@pytest.mark.parametrize("choice", CHOICES)
-def test_engine_and_trainer_scorer_get_the_jobs_choice(choice, monkeypatch):
+@pytest.mark.parametrize("choice", [None, *CHOICES], ids=["unnamed", *CHOICES])
+def test_engine_and_trainer_scorer_get_the_jobs_choice(choice, monkeypatch, tmp_path):
     """One job config, the engine as the job builds it (``EngineConfig(**engine_kwargs)``) and the
     trainer's scorer (``invariant_scorer``): both ask ``paged_ops_for`` for the invariant table
     with the config's choice, and the tables they bind (scratch included) run the same sparse
-    attention."""
+    attention. None: a job config whose YAML does not name the key gets the default, page partials."""
     import m3_rollout.engine.engine as engine_mod
     import m3_rollout.jobs.invariant_scoring as scoring_mod
 
     asked = []
 
-    def interpreted_table(device, dtype, batch_invariant=False, invariant_sparse_attention="union", **kw):
-        """What ``paged_ops_for`` builds on CUDA, with the kernels interpreted on the CPU."""
+    def interpreted_table(device, dtype, batch_invariant=False, *, invariant_sparse_attention, **kw):
+        """What ``paged_ops_for`` builds on CUDA, with the kernels interpreted on the CPU (no default
+        for the choice: a caller that does not pass one fails here)."""
         asked.append((batch_invariant, invariant_sparse_attention))
         fields = invariant_attention_fields(interpret=True, invariant_sparse_attention=invariant_sparse_attention)
         return dataclasses.replace(interpreted_paged_ops(batch_invariant=True), **fields)
 
     monkeypatch.setattr(engine_mod, "paged_ops_for", interpreted_table)
     monkeypatch.setattr(scoring_mod, "paged_ops_for", interpreted_table)
-    over = [f"policy.generation.invariant_sparse_attention={choice}", "policy.generation.max_num_batched_tokens=16"]
-    cfg = load_config(MAIN, [*ON, *over])
+    over = ["policy.generation.max_num_batched_tokens=16"]
+    path = MAIN
+    if choice is None:  # the main config without its invariant_sparse_attention line
+        lines = Path(MAIN).read_text().splitlines(keepends=True)
+        kept = [line for line in lines if "invariant_sparse_attention:" not in line]
+        assert len(kept) == len(lines) - 1
+        path = tmp_path / "grpo.yaml"
+        path.write_text("".join(kept))
+    else:
+        over.append(f"policy.generation.invariant_sparse_attention={choice}")
+    cfg = load_config(path, [*ON, *over])
+    choice = choice or DEFAULT
     model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=16, layers=2)
     engine = engine_mod.LLMEngine(
         model, EngineConfig(max_model_len=40, max_num_seqs=2, num_pages=8, **cfg.policy.generation.engine_kwargs())
@@ -94,7 +115,7 @@ def test_engine_and_trainer_scorer_get_the_jobs_choice(choice, monkeypatch):
 
 
 def test_server_flag_reaches_the_engine_config(tmp_path, monkeypatch):
-    """``--invariant-sparse-attention`` (default union) reaches the in-process engine's EngineConfig
+    """``--invariant-sparse-attention`` (default page_partials) reaches the in-process engine's EngineConfig
     and, with ``--engine-process`` / EP, the job config the rollout service's workers are built from."""
     import m3_rollout.model as model_pkg
     import m3_rollout.service.factory as factory
@@ -102,18 +123,23 @@ def test_server_flag_reaches_the_engine_config(tmp_path, monkeypatch):
     model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=16, layers=2)
     monkeypatch.setattr(model_pkg, "load_checkpoint", lambda *a, **kw: model)
     base = ["--model", str(tmp_path), "--device", "cpu", "--max-num-seqs", "2"]
-    assert parse_args(base).invariant_sparse_attention == "union"
-    args = parse_args([*base, "--batch-invariant", "--invariant-sparse-attention", "page_partials"])
-    with pytest.warns(UserWarning, match="batch_invariant"):  # CPU: the kernels need CUDA
-        backend = build_backend(args, tmp_path, [0], 40, None)
-    assert backend.engine.config.invariant_sparse_attention == "page_partials"
-    assert backend.engine.config.batch_invariant
+    assert parse_args(base).invariant_sparse_attention == DEFAULT
+    for choice in CHOICES:
+        args = parse_args([*base, "--batch-invariant", "--invariant-sparse-attention", choice])
+        with pytest.warns(UserWarning, match="batch_invariant"):  # CPU: the kernels need CUDA
+            backend = build_backend(args, tmp_path, [0], 40, None)
+        assert backend.engine.config.invariant_sparse_attention == choice
+        assert backend.engine.config.batch_invariant
+    with pytest.warns(UserWarning, match="batch_invariant"):
+        backend = build_backend(parse_args([*base, "--batch-invariant"]), tmp_path, [0], 40, None)
+    assert backend.engine.config.invariant_sparse_attention == DEFAULT
     seen = []
     monkeypatch.setattr(factory, "build_rollout_service", lambda cfg, *a: seen.append(cfg) or SimpleNamespace())
-    args = parse_args([*base, "--engine-process", "--invariant-sparse-attention", "page_partials"])
-    build_backend(args, tmp_path, [0], 40, None)
-    gen = seen[0].policy.generation
-    assert gen.invariant_sparse_attention == gen.engine_kwargs()["invariant_sparse_attention"] == "page_partials"
+    for flag in ([], ["--invariant-sparse-attention", "union"]):
+        build_backend(parse_args([*base, "--engine-process", *flag]), tmp_path, [0], 40, None)
+        gen = seen[-1].policy.generation
+        want = flag[-1] if flag else DEFAULT
+        assert gen.invariant_sparse_attention == gen.engine_kwargs()["invariant_sparse_attention"] == want
 
 
 def test_server_command_passes_the_jobs_choice(tmp_path):

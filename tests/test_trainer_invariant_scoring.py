@@ -1,7 +1,8 @@
 """The trainer's prev logprobs through the engine's batch-invariant paged forward (issue 24; design.md §4.6).
 
 On CPU (fp32, Triton interpreter): the engine in batch-invariant mode (invariant table with the
-interpreted invariant attention, the invariant logprob op) generates several prompts at once,
+interpreted invariant attention, its sparse layers by page partials, the default, and in the first
+test by the union walk too; the invariant logprob op) generates several prompts at once,
 n > 1 samples each, prompts of different lengths, prefills chunked by a small step budget; the
 trainer's ``Policy.get_logprobs`` with the job layer's ``PagedScorer`` (same table, another chunk
 size, the batch's sequences packed into its forwards) gives every sampled token's logprob bitwise
@@ -48,9 +49,11 @@ def _model() -> M3ForCausalLM:
     return small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS, layers=2)
 
 
-def _table():
+def _table(sparse_impl: str | None = None):
+    """The invariant table, interpreted; sparse_impl None = the default sparse attention (page partials)."""
+    choice = {} if sparse_impl is None else {"invariant_sparse_attention": sparse_impl}
     return dataclasses.replace(
-        interpreted_paged_ops(batch_invariant=True), **invariant_attention_fields(interpret=True)
+        interpreted_paged_ops(batch_invariant=True), **invariant_attention_fields(interpret=True, **choice)
     )
 
 
@@ -72,11 +75,21 @@ def _generate(model, ops, token_logprobs):
     return [(o.prompt_ids + o.output_ids, len(o.prompt_ids), o.logprobs) for o in outs]
 
 
+_SAMPLES: dict = {}
+
+
+def _samples(sparse_impl: str | None = None):
+    """The engine's samples of ``_generate`` on ``_model()`` with ``_table(sparse_impl)`` (cached per
+    test session: the slowest part under the interpreter)."""
+    if sparse_impl not in _SAMPLES:
+        _SAMPLES[sparse_impl] = _generate(_model(), _table(sparse_impl), interpreted_invariant_ops().token_logprobs)
+    return _SAMPLES[sparse_impl]
+
+
 @pytest.fixture(scope="module")
 def samples(per_row_dot):
-    """The engine's samples of ``_generate`` on ``_model()`` (shared: the slowest part under the interpreter)."""
-    ops, inv = _table(), interpreted_invariant_ops()
-    return _generate(_model(), ops, inv.token_logprobs)
+    """The engine's samples with the default table (page partials)."""
+    return _samples()
 
 
 def _batch(samples) -> TrainBatch:
@@ -102,8 +115,14 @@ def _count_forwards(model) -> list[list[int]]:
     return seen
 
 
-def test_trainer_prev_logprobs_equal_the_engines_bitwise(samples):
-    ops, inv = _table(), interpreted_invariant_ops()
+@pytest.mark.parametrize("sparse_impl", [None, "union"], ids=["default", "union"])
+def test_trainer_prev_logprobs_equal_the_engines_bitwise(sparse_impl, per_row_dot):
+    """The engine and the scorer built with one sparse attention: the default (page partials, whose
+    table takes the KV-major scratch: the engine and the scorer bind their own) or the union walk."""
+    ops, inv = _table(sparse_impl), interpreted_invariant_ops()
+    want = "page_partials" if sparse_impl is None else sparse_impl
+    assert ops.msa_attention.keywords["sparse_impl"] == want and ops.takes_prefill_scratch == (want != "union")
+    samples = _samples(sparse_impl)
     master = _model()
     assert len(samples) == 6 and len({len(s[0]) for s in samples}) >= 3
     assert max(len(s[0]) for s in samples) > 2 * PS + 1  # past top-k x block: the sparse layer selects

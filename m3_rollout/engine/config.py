@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 
 CPU_AUTO_KV_BYTES = 256 * 2**20  # cap of the automatic CPU page pool (pages are zero-filled up front)
-# EngineConfig.invariant_sparse_attention's values: m3_kernels.invariant_attention.SPARSE_IMPLS (the
-# kernels import triton, this module must not; tests/test_invariant_sparse_attention_config.py checks
-# that the two agree)
+# EngineConfig.invariant_sparse_attention's values and default: m3_kernels.invariant_attention's
+# SPARSE_IMPLS and DEFAULT_SPARSE_IMPL (the kernels import triton, this module must not;
+# tests/test_invariant_sparse_attention_config.py checks that they agree). The default is page
+# partials: issue 24's 32K-prefill target met, GPU-checked on an H100 2026-12-05 (design.md §4.6).
 INVARIANT_SPARSE_ATTENTIONS = ("union", "page_partials")
+DEFAULT_INVARIANT_SPARSE_ATTENTION = "page_partials"
 
 
 @dataclass
@@ -71,10 +73,11 @@ class EngineConfig:
             CUDA only (elsewhere a warning and the usual ops; the sampler part applies on any
             device); an ``ops`` table handed to the engine is used as given.
         invariant_sparse_attention: the sparse layers' attention in batch-invariant mode (one of
-            ``INVARIANT_SPARSE_ATTENTIONS``; ignored without ``batch_invariant``): "union" (default)
-            = the union walk of ``kernels/invariant_attention.py``; "page_partials" = the KV-major
-            per-page partials of ``kernels/invariant_page_partials.py`` (faster long prefill,
-            decode about 1 % slower, other bits; the ops table then takes the prefill scratch). Bound
+            ``INVARIANT_SPARSE_ATTENTIONS``; ignored without ``batch_invariant``): "page_partials"
+            (default, ``DEFAULT_INVARIANT_SPARSE_ATTENTION``) = the KV-major per-page partials of
+            ``kernels/invariant_page_partials.py`` (meets issue 24's long-prefill target, decode
+            about 1 % slower; the ops table then takes the prefill scratch); "union" = the union
+            walk of ``kernels/invariant_attention.py`` (other bits). Bound
             into the ops table when the engine builds it (``paged_ops_for``); the trainer's scorer
             must be built with the same choice (``jobs/invariant_scoring.py``), or its logprobs
             differ from the rollout's.
@@ -104,7 +107,7 @@ class EngineConfig:
     index_cache_dtype: str = "bfloat16"
     quantize_index_queries: bool = False
     batch_invariant: bool = False
-    invariant_sparse_attention: str = "union"
+    invariant_sparse_attention: str = DEFAULT_INVARIANT_SPARSE_ATTENTION
 
     def validate(self) -> EngineConfig:
         """Raises ValueError naming the bad field."""

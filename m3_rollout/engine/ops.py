@@ -19,8 +19,8 @@ Selection rules (same as before the table existed):
 - KV-major prefill scratch: the Triton attention table says ``takes_prefill_scratch``; the engine sizes
   the buffer (``paged_cache.prefill_scratch_bytes``), allocates it and binds it with
   :func:`bind_prefill_scratch`, so the kernels never allocate their own. The batch-invariant table
-  takes one only when built with ``invariant_sparse_attention="page_partials"`` (off by default;
-  the choice is bound into the table's ops then).
+  takes one when built with ``invariant_sparse_attention="page_partials"`` (the default,
+  ``DEFAULT_INVARIANT_SPARSE_ATTENTION``; the choice is bound into the table's ops).
 - batch-invariant mode (``batch_invariant=True``, ``EngineConfig.batch_invariant``; design.md §4.6):
   on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
   for every projection, the router logits and lm_head; ``fused_experts`` with one tile config; the
@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from m3_rollout.engine.config import INVARIANT_SPARSE_ATTENTIONS
+from m3_rollout.engine.config import DEFAULT_INVARIANT_SPARSE_ATTENTION, INVARIANT_SPARSE_ATTENTIONS
 from m3_rollout.engine.reference_ops import msa_attention_ref, paged_attention_ref
 from m3_rollout.model.paged_ops import PagedOps
 
@@ -80,7 +80,9 @@ def _check_invariant_sparse_attention(choice: str) -> None:
 
 
 def invariant_attention_fields(
-    device: torch.device | str = "cuda", interpret: bool = False, invariant_sparse_attention: str = "union"
+    device: torch.device | str = "cuda",
+    interpret: bool = False,
+    invariant_sparse_attention: str = DEFAULT_INVARIANT_SPARSE_ATTENTION,
 ) -> dict:
     """The ``paged_attention`` / ``msa_attention`` fields of the batch-invariant table (issue 24):
     ``m3_kernels.invariant_attention`` (one reduction order per token whatever the batch, chunking,
@@ -90,7 +92,7 @@ def invariant_attention_fields(
     references, which are NOT batch-invariant (``paged_ops_for`` warns). interpret: the kernels
     under the Triton interpreter on CPU tensors (tests; sets TRITON_INTERPRET=1 for the rest of the
     process). invariant_sparse_attention: the sparse layers' attention (``EngineConfig.
-    invariant_sparse_attention``: "union" or "page_partials"), bound into both ops
+    invariant_sparse_attention``: "page_partials", the default, or "union"), bound into both ops
     (``functools.partial(..., sparse_impl=...)``). ``takes_prefill_scratch``: whether the kernels
     take the KV-major scratch, i.e. whether that choice is "page_partials" (their sparse attention
     then writes per-page partials at every prefill length and at decode; the engine and
@@ -134,7 +136,7 @@ def paged_ops_for(
     fused_layers: bool = True,
     skinny_gemm: bool = True,
     batch_invariant: bool = False,
-    invariant_sparse_attention: str = "union",
+    invariant_sparse_attention: str = DEFAULT_INVARIANT_SPARSE_ATTENTION,
 ) -> PagedOps:
     """The ops table for a model whose activations are ``dtype`` on ``device``.
 

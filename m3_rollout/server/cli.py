@@ -28,7 +28,7 @@ import uvicorn
 
 from m3_rollout.chat.template import BUILTIN_CHAT_DEFAULTS, read_chat_defaults
 from m3_rollout.config import device_problem
-from m3_rollout.engine.config import INVARIANT_SPARSE_ATTENTIONS
+from m3_rollout.engine.config import DEFAULT_INVARIANT_SPARSE_ATTENTION, INVARIANT_SPARSE_ATTENTIONS
 from m3_rollout.engine.interface import GenerationBackend
 
 from .openai_api import ServedModel, thinking_mode_of
@@ -116,9 +116,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
     p.add_argument(
         "--invariant-sparse-attention",
         choices=INVARIANT_SPARSE_ATTENTIONS,
-        default="union",
-        help="--batch-invariant: the sparse layers' attention (page_partials: faster long prefill, other bits; "
-        "a trainer scoring these rollouts must use the same)",
+        default=DEFAULT_INVARIANT_SPARSE_ATTENTION,
+        help="--batch-invariant: the sparse layers' attention (default %(default)s: per-page partials, fast long "
+        "prefill; union: the union walk, other bits; a trainer scoring these rollouts must use the same)",
     )
     p.add_argument(
         "--default-chat-template-kwargs",

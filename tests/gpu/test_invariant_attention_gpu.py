@@ -15,6 +15,10 @@ The top-k kernel alone at M3 shapes: exactly ``select_blocks``'s order on engine
 row's ids the same at batch 1 and among 32 rows (prints us per launch; no timing assertion).
 Tolerances vs the PyTorch references (stated as in tests/gpu/test_msa_gpu.py): bf16 attention
 <= 2e-2 max abs, fp32 <= 1e-4; selections equal except near-ties (< 1e-3 apart, summation order).
+The sparse calls name ``sparse_impl="union"`` (``UNION``): this module checks ``inv_attn_kernel``'s
+union walk (``invariant_sparse_attention="union"``); the default, page partials, is checked on the
+GPU through the engine (tests/gpu/test_invariant_ops_gpu.py), and the all-blocks-equals-dense check
+holds for the union walk only.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ PS, G, NH, D, K = 128, 4, 64, 128, 16
 SCALE = D**-0.5
 LENS = {"a": 5000, "b": 1500, "c": 3000, "d": 20000}  # a: 40 blocks (sparse), b: 12 blocks (<= K)
 DTYPES = [torch.bfloat16, torch.float32]
+UNION = "union"  # the sparse calls' choice (module docstring); not the default, page partials
 SEQS: dict = {}
 ALONE: dict = {}
 
@@ -69,7 +74,7 @@ def run(b, sparse):
     if not sparse:
         return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE), None
     sel = torch.full((b.meta.num_tokens, G, K), -7, dtype=torch.int32, device="cuda")
-    return ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel), sel
+    return ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel, sparse_impl=UNION), sel
 
 
 def alone(dtype, name, sparse):
@@ -145,6 +150,8 @@ def test_batch_sizes_mixed_steps_and_padding(dtype, sparse):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sparse_with_every_block_equals_dense(dtype):
+    # the union walk only (``run`` passes UNION): page partials (the default) reduce per page and
+    # merge by LSE, another order than the dense layer's inv_attn_kernel, other bits
     out_sparse, sel = alone(dtype, "b", True)  # 12 blocks <= K: every causal block selected
     assert_equal(out_sparse, alone(dtype, "b", False)[0], "sparse (all blocks) vs dense")
 
@@ -201,7 +208,7 @@ def test_matches_reference_real_shapes(dtype):
     _check_selection(b, ia.invariant_index_topk(b.iq, b.ik, b.meta, K), sel)
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for ids in (sel, None):
-        got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids)
+        got = ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, sparse_impl=UNION)
         err = (got.float() - paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, ids).float()).abs().max().item()
         print(f"{dtype} {'sparse' if ids is not None else 'dense'} max abs err {err:.3e}")
         assert err <= atol

@@ -275,9 +275,9 @@ def test_engine_logprobs_do_not_depend_on_the_batch(sparse_impl):
     """Graphs + async scheduling: request a alone (decode graph of size 1) vs among 31 others (size
     32, prefills batched with theirs): identical tokens and logprobs (bitwise), and the trainer's
     scorer gives the same bits; for both invariant sparse attentions (``EngineConfig.
-    invariant_sparse_attention``, the scorer's table built with the same: the union walk, the
-    default, and the KV-major per-page partials, whose decode kernel must give the prefill kernel's
-    bits on the GPU too)."""
+    invariant_sparse_attention``, the scorer's table built with the same: the KV-major per-page
+    partials, the default, whose decode kernel must give the prefill kernel's bits on the GPU too,
+    and the union walk)."""
     m = _model()
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 32000, (200 + 37 * i,), generator=g).tolist() for i in range(32)]
