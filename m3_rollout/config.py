@@ -742,6 +742,19 @@ _CHOICES = {
 }
 
 
+def _bad_value_message(key: str, msg: str) -> str:
+    """The ConfigError text for OmegaConf's ValidationError ``msg`` on ``key``. An empty override
+    (``key=``) or a null reaches a key that needs a value as "Incompatible value 'None'": say that
+    it is empty and what it takes (the choices of a ``_CHOICES`` key) instead."""
+    if msg.startswith("Incompatible value 'None'"):
+        kind = re.search(r"of type '([^']+)'", msg)
+        takes = f"one of {list(_CHOICES[key])}" if key in _CHOICES else f"a {kind.group(1) if kind else 'value'}"
+        return (
+            f"bad value for {key}: empty or null, but it needs {takes}; give one ({key}=<value>) or leave the key out"
+        )
+    return f"bad value for {key}: {msg}"
+
+
 def _check(errors: list[str], ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         errors.append(f"{key}={value!r}: {allowed}")
@@ -1678,7 +1691,7 @@ def load_config(
         ) from None
     except ValidationError as exc:
         if exc.full_key:
-            raise ConfigError(f"bad value for {exc.full_key}: {str(exc.msg).splitlines()[0]}") from None
+            raise ConfigError(_bad_value_message(str(exc.full_key), str(exc.msg).splitlines()[0])) from None
         # e.g. "grpo: 5": OmegaConf names the section's class, not its key.
         text = str(exc).splitlines()[0]
         cls = re.search(r"subclass of (\w+)", text)

@@ -38,6 +38,22 @@ def test_bad_overrides_name_the_key(override, needle):
 
 
 @pytest.mark.parametrize(
+    "override, takes",
+    [
+        ("policy.generation.invariant_sparse_attention=", "one of ['union', 'page_partials']"),
+        ("policy.precision=null", "one of ['float32', 'bfloat16', 'float64']"),
+        ("policy.model_name=", "a str"),
+    ],
+)
+def test_an_empty_value_says_it_is_empty_and_what_the_key_takes(override, takes):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as exc:
+        load_config(MAIN, [override])
+    assert str(exc.value).startswith(f"bad value for {key}: empty or null, but it needs {takes}")
+    assert "Incompatible value" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
     "override, suggestion",
     [
         ("polcy.model_name=x", "policy.model_name"),  # a typo in the section

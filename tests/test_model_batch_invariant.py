@@ -158,9 +158,11 @@ def test_paged_ops_rejects_linear_with_skinny_gemm():
 
 
 def test_cpu_batch_invariant_table_warns_and_falls_back():
-    with pytest.warns(UserWarning, match="batch_invariant"):
-        ops = paged_ops_for("cpu", torch.float32, batch_invariant=True)
+    with pytest.warns(UserWarning, match="batch_invariant") as rec:
+        ops = paged_ops_for("cpu", torch.float32, batch_invariant=True, invariant_sparse_attention="union")
     assert ops.linear is None and not ops.fused_layers
+    # the warning names the sparse-attention choice it drops, so a user who set it sees that it does nothing
+    assert "invariant_sparse_attention='union' has no effect" in str(rec[0].message)
 
 
 def test_engine_batch_invariant_generation():
