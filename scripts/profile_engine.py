@@ -32,7 +32,7 @@ from benchlib import bench_config, run_date
 from m3_kernels import invariant_attention as ia
 from m3_kernels import invariant_ops as inv
 from m3_kernels.paged_layout import PagedMetadata
-from m3_rollout.engine.config import EngineConfig
+from m3_rollout.engine.config import DEFAULT_INVARIANT_SPARSE_ATTENTION, EngineConfig
 from m3_rollout.engine.engine import LLMEngine
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams
 from m3_rollout.engine.ops import paged_ops_for
@@ -58,7 +58,15 @@ def _kernel_table(fn, steps: int) -> tuple[list[tuple[str, float, float]], float
 
 
 def _engine(
-    model, cfg, batch: int, prompt: int, steps: int, graphs: bool, ops: PagedOps, batch_invariant: bool = False
+    model,
+    cfg,
+    batch: int,
+    prompt: int,
+    steps: int,
+    graphs: bool,
+    ops: PagedOps,
+    batch_invariant: bool = False,
+    invariant_sparse_attention: str = DEFAULT_INVARIANT_SPARSE_ATTENTION,
 ) -> LLMEngine:
     max_len = prompt + steps * 4 + 64
     ec = EngineConfig(
@@ -68,6 +76,7 @@ def _engine(
         cuda_graph_batch_sizes=(batch,),
         kv_cache_memory_gb=1.0 if graphs else 0.0,
         batch_invariant=batch_invariant,
+        invariant_sparse_attention=invariant_sparse_attention,
     )
     eng = LLMEngine(model, ec, ops=ops)
     g = torch.Generator().manual_seed(0)
@@ -81,11 +90,13 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # "invariant+<option>+...": A/B switches of the batch-invariant kernels' module constants (read at
 # launch; none changes a bit of the results, only how the work is scheduled). Flags: union_walk
 # (invariant_attention.DECODE_PIPELINE off), stages2 (DECODE_STAGES 2), topk_launch (DECODE_FUSED_TOPK
-# off), nopdl (PDL off: the decode merge launches after the attention). Numbers: dp<N>
+# off), nopdl (PDL off: the decode merge launches after the attention), union (the sparse layers'
+# union walk instead of the default per-page partials: EngineConfig.invariant_sparse_attention, other
+# bits; union_walk, stages2 and dp then apply to the sparse layers too). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
 # LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lw<N> (warps), ls<N> (stages); lsk<N>
 # (SPLIT_K_BELOW_PROGRAMS; 0 = no split-K).
-INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl")
+INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl", "union")
 INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lw", "ls", "lsk")
 
 
@@ -132,6 +143,15 @@ def _invariant_options(name: str) -> dict[str, int]:
     return opts
 
 
+def variant_sparse_attention(name: str) -> str:
+    """The batch-invariant sparse attention (``EngineConfig.invariant_sparse_attention``) of an
+    ``invariant`` variant: "union" with the ``union`` flag, else the engine's default; the default
+    for other variants too (they do not read it). Raises ValueError as ``check_variant``."""
+    check_variant(name)
+    union = name.startswith("invariant") and "union" in _invariant_options(name)
+    return "union" if union else DEFAULT_INVARIANT_SPARSE_ATTENTION
+
+
 def check_variant(name: str) -> None:
     """Raises ValueError for a ``--variants`` name that ``variant_ops`` would refuse (main checks every
     name before the first run)."""
@@ -172,7 +192,9 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
                 num_stages=opts.get("ls", dec.num_stages),
             )
             inv.SPLIT_K_BELOW_PROGRAMS = opts.get("lsk", _DEFAULT_SPLIT_K_BELOW)
-        return paged_ops_for(device, dtype, batch_invariant=True)
+        return paged_ops_for(
+            device, dtype, batch_invariant=True, invariant_sparse_attention=variant_sparse_attention(name)
+        )
     if device.type == "cuda":
         import m3_kernels.fused_layers as fl
 
@@ -184,7 +206,10 @@ def engine_wall(model, cfg, args, batch: int, variant: str) -> dict:
     """Wall time per engine decode step through the public step() API (host + GPU)."""
     dev = torch.device(args.device)
     ops = variant_ops(variant, dev, model.model.embed_tokens.weight.dtype)
-    eng = _engine(model, cfg, batch, args.prompt, args.steps, args.cuda_graphs, ops, variant.startswith("invariant"))
+    inv_mode = variant.startswith("invariant")
+    eng = _engine(
+        model, cfg, batch, args.prompt, args.steps, args.cuda_graphs, ops, inv_mode, variant_sparse_attention(variant)
+    )
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(4):  # prefill + warm-up decodes
         eng.step()

@@ -19,6 +19,19 @@ def test_options_parse_to_their_values():
         pe.check_variant(name)
 
 
+def test_the_union_flag_picks_the_union_walk_and_every_other_variant_the_engine_default():
+    from m3_rollout.engine.config import DEFAULT_INVARIANT_SPARSE_ATTENTION
+
+    assert DEFAULT_INVARIANT_SPARSE_ATTENTION == "page_partials"
+    assert pe.variant_sparse_attention("invariant+union") == "union"
+    assert pe.variant_sparse_attention("invariant+nopdl+union+dp512") == "union"
+    assert pe.variant_sparse_attention("invariant+union_walk") == "page_partials"  # union_walk: the decode walk
+    assert pe.variant_sparse_attention("invariant") == "page_partials"
+    assert pe.variant_sparse_attention("fused") == "page_partials"
+    with pytest.raises(ValueError, match="given twice"):
+        pe.variant_sparse_attention("invariant+union+union")
+
+
 @pytest.mark.parametrize(
     "name, match",
     [
