@@ -748,10 +748,9 @@ def _bad_value_message(key: str, msg: str) -> str:
     it is empty and what it takes (the choices of a ``_CHOICES`` key) instead."""
     if msg.startswith("Incompatible value 'None'"):
         kind = re.search(r"of type '([^']+)'", msg)
-        takes = f"one of {list(_CHOICES[key])}" if key in _CHOICES else f"a {kind.group(1) if kind else 'value'}"
-        return (
-            f"bad value for {key}: empty or null, but it needs {takes}; give one ({key}=<value>) or leave the key out"
-        )
+        name = kind.group(1) if kind else "value"
+        takes = f"one of {list(_CHOICES[key])}" if key in _CHOICES else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+        return f"bad value for {key}: empty or null, but it needs {takes}; give it a value or leave the key out"
     return f"bad value for {key}: {msg}"
 
 
@@ -880,6 +879,22 @@ def _check_env_keys(e: list[str], env: EnvConfig) -> None:
             value = getattr(getattr(env, section), f.name)
             if value != getattr(default, f.name):
                 _check(e, False, f"env.{section}.{f.name}", value, why)
+
+
+def ignored_setting_warnings(cfg: MasterConfig) -> list[str]:
+    """``[warn]`` lines for settings this run reads nowhere but that a user may think apply: today
+    ``policy.generation.invariant_sparse_attention`` away from its default while
+    ``policy.generation.batch_invariant`` is off (the fast mode has no such choice). A warning, not
+    an error: an A/B of the two modes flips batch_invariant alone on one config."""
+    gen = cfg.policy.generation
+    default = GenerationConfig.invariant_sparse_attention
+    if gen.batch_invariant or gen.invariant_sparse_attention == default:
+        return []
+    return [
+        f"[warn] policy.generation.invariant_sparse_attention={gen.invariant_sparse_attention} has no effect: it "
+        "chooses the batch-invariant mode's sparse attention and policy.generation.batch_invariant is false "
+        f"(set it true to use it, or leave the key at its default {default!r})"
+    ]
 
 
 def validate(cfg: MasterConfig, training: bool = True) -> None:

@@ -43,6 +43,7 @@ def test_bad_overrides_name_the_key(override, needle):
         ("policy.generation.invariant_sparse_attention=", "one of ['union', 'page_partials']"),
         ("policy.precision=null", "one of ['float32', 'bfloat16', 'float64']"),
         ("policy.model_name=", "a str"),
+        ("grpo.max_num_steps=", "an int"),
     ],
 )
 def test_an_empty_value_says_it_is_empty_and_what_the_key_takes(override, takes):

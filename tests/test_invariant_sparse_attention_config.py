@@ -66,6 +66,28 @@ def test_bad_value_is_refused_naming_the_key():
         parse_args(["--model", "m", "--invariant-sparse-attention", "pages"])
 
 
+def test_a_choice_without_batch_invariant_mode_is_warned_about(capsys):
+    """union with the mode off does nothing: the job logs a [warn] line and the server prints a
+    warning (not errors: an A/B of the two modes flips batch_invariant alone); the default, or the
+    mode on, says nothing."""
+    from m3_rollout.config import ignored_setting_warnings
+
+    (w,) = ignored_setting_warnings(load_config(MAIN, ["policy.generation.invariant_sparse_attention=union"]))
+    assert w.startswith("[warn] policy.generation.invariant_sparse_attention=union has no effect")
+    assert "policy.generation.batch_invariant is false" in w
+    assert ignored_setting_warnings(load_config(MAIN)) == []
+    assert (
+        ignored_setting_warnings(load_config(MAIN, [*ON, "policy.generation.invariant_sparse_attention=union"])) == []
+    )
+    base = ["--model", "m"]
+    parse_args([*base, "--invariant-sparse-attention", "union"])
+    assert "--invariant-sparse-attention union has no effect without --batch-invariant" in capsys.readouterr().err
+    for args in ([*base], [*base, "--invariant-sparse-attention", DEFAULT], [*base, "--batch-invariant",
+                 "--invariant-sparse-attention", "union"]):  # fmt: skip
+        parse_args(args)
+        assert "no effect" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("choice", [None, *CHOICES], ids=["unnamed", *CHOICES])
 def test_engine_and_trainer_scorer_get_the_jobs_choice(choice, monkeypatch, tmp_path):
     """One job config, the engine as the job builds it (``EngineConfig(**engine_kwargs)``) and the

@@ -166,7 +166,8 @@ def paged_ops_for(
         # the device's type (not "cuda:0" or a device object): the same text from every caller, so
         # the default warnings filter shows it once per calling line
         warnings.warn(
-            f"batch_invariant: {why}; the PyTorch / fast-mode ops used instead are not batch-invariant (and "
+            f"batch_invariant (policy.generation.batch_invariant / serve --batch-invariant): {why}; the PyTorch / "
+            "fast-mode ops used instead are not batch-invariant (and "
             f"invariant_sparse_attention={invariant_sparse_attention!r} has no effect)",
             stacklevel=2,
         )

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from m3_rollout.chat.template import ChatFileError, ChatFormat
-from m3_rollout.config import ConfigError, MasterConfig, load_config, to_dict
+from m3_rollout.config import ConfigError, MasterConfig, ignored_setting_warnings, load_config, to_dict
 from m3_rollout.dump.writer import sampling_params_of, writer_from_config
 from m3_rollout.jobs.builtin import warm_start_warning
 from m3_rollout.jobs.invariant_scoring import invariant_scorer
@@ -355,8 +355,8 @@ def run(cfg: MasterConfig) -> dict:
         backend.shutdown()
         raise
     sampling_warning = truncated_sampling_warning(cfg)
-    if sampling_warning:
-        logger.text(sampling_warning)
+    for warning in ([sampling_warning] if sampling_warning else []) + ignored_setting_warnings(cfg):
+        logger.text(warning)
     dumper = writer_from_config(cfg, model_dir=model_dir, decode=chat.decode)  # None unless rollout_dump.enabled
     val_settings = stack.validation_settings(cfg)
 

@@ -150,6 +150,12 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
         p.error(f"--graceful-shutdown-timeout={timeout}: must be a finite number of seconds >= 0")
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port}: must be in 1..65535")
+    if not args.batch_invariant and args.invariant_sparse_attention != DEFAULT_INVARIANT_SPARSE_ATTENTION:
+        print(
+            f"warning: --invariant-sparse-attention {args.invariant_sparse_attention} has no effect without "
+            "--batch-invariant (it chooses that mode's sparse attention)",
+            file=sys.stderr,
+        )
     # the GRPO job's cluster.device rule (one line here instead of a traceback from the checkpoint
     # load), plus auto (CUDA when there is one, else cpu), the flag's own and always usable
     problem = device_problem(args.device, "--device", torch.cuda.is_available(), torch.cuda.device_count(), auto=True)
