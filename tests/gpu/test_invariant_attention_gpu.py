@@ -15,10 +15,11 @@ The top-k kernel alone at M3 shapes: exactly ``select_blocks``'s order on engine
 row's ids the same at batch 1 and among 32 rows (prints us per launch; no timing assertion).
 Tolerances vs the PyTorch references (stated as in tests/gpu/test_msa_gpu.py): bf16 attention
 <= 2e-2 max abs, fp32 <= 1e-4; selections equal except near-ties (< 1e-3 apart, summation order).
-The sparse calls name ``sparse_impl="union"`` (``UNION``): this module checks ``inv_attn_kernel``'s
-union walk (``invariant_sparse_attention="union"``); the default, page partials, is checked on the
-GPU through the engine (tests/gpu/test_invariant_ops_gpu.py), and the all-blocks-equals-dense check
-holds for the union walk only.
+The invariance tests (decode vs prefill row, chunking, batch sizes / mixed steps / padding) run the
+sparse layer with each choice of ``sparse_impl`` (ids "msa" = the union walk of ``inv_attn_kernel``,
+"msa_pp" = per-page partials, the default; page partials are also checked through the engine in
+tests/gpu/test_invariant_ops_gpu.py); the all-blocks-equals-dense check and the reference check name
+``sparse_impl="union"`` (``UNION``): the first holds for the union walk only.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def step(dtype, rows, num_decodes, **kw):
 
 
 def run(b, sparse):
+    """sparse: False (a dense layer) or the sparse layer's ``sparse_impl`` ("union" / "page_partials")."""
     if not sparse:
         return ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE), None
     sel = torch.full((b.meta.num_tokens, G, K), -7, dtype=torch.int32, device="cuda")
-    return ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel, sparse_impl=UNION), sel
+    return ia.invariant_msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel, sparse_impl=sparse), sel
 
 
 def alone(dtype, name, sparse):
@@ -93,7 +95,7 @@ def assert_equal(got, want, what):
     assert torch.equal(got, want), f"{what}: {int((got != want).sum())} of {got.numel()} elements differ"
 
 
-@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("sparse", [UNION, "page_partials", False], ids=["msa", "msa_pp", "dense"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_step_equals_prefill_row(dtype, sparse):
     want, want_sel = alone(dtype, "a", sparse)
@@ -110,7 +112,7 @@ def test_decode_step_equals_prefill_row(dtype, sparse):
         assert_equal(sel, want_sel[idx], "verify vs prefill selection")
 
 
-@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("sparse", [UNION, "page_partials", False], ids=["msa", "msa_pp", "dense"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_prefill_equals_one_chunk(dtype, sparse):
     want, want_sel = alone(dtype, "a", sparse)
@@ -125,7 +127,7 @@ def test_chunked_prefill_equals_one_chunk(dtype, sparse):
         assert_equal(got, want[row[1] : row[1] + row[2]], f"chunk {i} alone")
 
 
-@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "dense"])
+@pytest.mark.parametrize("sparse", [UNION, "page_partials", False], ids=["msa", "msa_pp", "dense"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batch_sizes_mixed_steps_and_padding(dtype, sparse):
     want, want_sel = alone(dtype, "a", sparse)
@@ -152,29 +154,31 @@ def test_batch_sizes_mixed_steps_and_padding(dtype, sparse):
 def test_sparse_with_every_block_equals_dense(dtype):
     # the union walk only (``run`` passes UNION): page partials (the default) reduce per page and
     # merge by LSE, another order than the dense layer's inv_attn_kernel, other bits
-    out_sparse, sel = alone(dtype, "b", True)  # 12 blocks <= K: every causal block selected
+    out_sparse, sel = alone(dtype, "b", UNION)  # 12 blocks <= K: every causal block selected
     assert_equal(out_sparse, alone(dtype, "b", False)[0], "sparse (all blocks) vs dense")
 
 
-def test_long_context_decode_equals_prefill():
-    want, want_sel = alone(torch.bfloat16, "d", True)
+@pytest.mark.parametrize("sparse", [UNION, "page_partials"], ids=["msa", "msa_pp"])
+def test_long_context_decode_equals_prefill(sparse):
+    want, want_sel = alone(torch.bfloat16, "d", sparse)
     pos = [19999, 16384, 9000]
-    got, sel = run(step(torch.bfloat16, [("d", p, 1) for p in pos], 3, seed=6), True)
+    got, sel = run(step(torch.bfloat16, [("d", p, 1) for p in pos], 3, seed=6), sparse)
     assert_equal(got, want[pos], "20K decode vs prefill")
     assert_equal(sel, want_sel[pos], "20K decode vs prefill selection")
 
 
-def test_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("sparse", [UNION, "page_partials"], ids=["msa", "msa_pp"])
+def test_cuda_graph_replay_equals_eager(sparse):
     b = step(torch.bfloat16, [("a", 4999, 1), ("c", 2999, 1), ("b", 900, 1)], 3, pad_rows=1, seed=7)
-    run(b, True)
+    run(b, sparse)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_g, sel_g = run(b, True)
+        out_g, sel_g = run(b, sparse)
     b.q.copy_(torch.randn_like(b.q))
     b.iq.copy_(torch.randn_like(b.iq))
     graph.replay()
-    out_e, sel_e = run(b, True)
+    out_e, sel_e = run(b, sparse)
     assert_equal(out_g, out_e, "graph replay vs eager")
     assert_equal(sel_g, sel_e, "graph replay vs eager selection")
 
