@@ -1041,6 +1041,24 @@ def _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids) -> None:
         raise ValueError(f"invariant_paged_attention: top-k width {topk_ids.shape[2]}; 1..{MAX_TOPK} supported")
 
 
+def _check_meta(meta: PagedMetadata, t: int, op: str) -> None:
+    """Raises ValueError naming ``op`` unless ``meta`` describes the T = ``t`` query tokens: positions
+    [T], decode tokens (num_decodes x decode_query_len) at most T, block_tables and query_start_loc
+    covering the R = ``meta.num_rows`` rows, num_decodes <= R (host shapes only, no sync). The
+    kernels index positions and tables by token and row: a mismatch reads past them."""
+    nd, r = meta.num_decodes, meta.num_rows
+    if tuple(meta.positions.shape) != (t,) or nd * meta.decode_query_len > t or not 0 <= nd <= r:
+        raise ValueError(
+            f"{op}: metadata of {tuple(meta.positions.shape)} positions, {nd} decode rows x "
+            f"{meta.decode_query_len} tokens of {r} rows for T={t} query tokens; positions must be [T]"
+        )
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] < r or meta.query_start_loc.shape[0] < r + 1:
+        raise ValueError(
+            f"{op}: block_tables {tuple(meta.block_tables.shape)} / query_start_loc "
+            f"{tuple(meta.query_start_loc.shape)} do not cover the metadata's {r} rows"
+        )
+
+
 def _check_tile_choice(tile_rows: int | None, warps: int | None) -> None:
     """Raises ValueError unless tile_rows is None or a power of two >= 16 (the smallest dot M) and
     warps None or a power of two in 1..16 (``invariant_paged_attention``'s keywords)."""
@@ -1081,9 +1099,11 @@ def invariant_paged_attention(
     with ``invariant_page_partials.page_partials_attention``, whose KV-major partials use ``scratch``
     (None or a contiguous uint8 vector on q's device, kernels/paged_layout.py; the engine binds
     its own when the table says ``takes_prefill_scratch``); "union" ignores it. Raises ValueError
-    for a bad scratch or an unknown ``sparse_impl``.
+    for a bad scratch, an unknown ``sparse_impl`` or a ``meta`` that does not describe q's T tokens
+    (``_check_meta``).
     """
     _check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids)
+    _check_meta(meta, q.shape[0], "invariant_paged_attention")
     _check_tile_choice(tile_rows, warps)
     check_kv_major_scratch(scratch, q.device, "invariant_paged_attention")
     sparse_impl = check_sparse_impl(sparse_impl)
@@ -1215,9 +1235,11 @@ def invariant_index_scores(
     decode_topk: {"ids": [T, G, K] int32, "topk", "init_blocks", "local_blocks"}: the decode rows'
     launch also writes their top-k ids (``_inv_scores_kernel``'s TOPK_KP, ``DECODE_FUSED_TOPK``)
     when the device's split-K counters allow it (``split_k.tile_counters``). Returns (scores, the
-    number of leading tokens whose ids were written so: the decode tokens, or 0).
+    number of leading tokens whose ids were written so: the decode tokens, or 0). Raises ValueError
+    for a ``meta`` that does not describe iq's T tokens (``_check_meta``) or a bad ids output.
     """
     t, g, di = iq.shape
+    _check_meta(meta, t, "invariant_index_scores")
     if decode_topk is not None:
         _check_ids_out(decode_topk["ids"], t, g, decode_topk["topk"], "invariant_index_scores")
     nbp = meta.block_tables.shape[1]

@@ -990,13 +990,19 @@ def kv_major_partial_buffers(
 
 def check_kv_major_scratch(scratch: torch.Tensor | None, device: torch.device, op: str = "paged_attention") -> None:
     """Raises ValueError naming ``op`` unless ``scratch`` is None or a contiguous uint8 vector on ``device``
-    (the KV-major partials' buffer, kernels/paged_layout.py)."""
+    starting at a 4-byte aligned address (the KV-major partials' buffer, kernels/paged_layout.py:
+    fp32 / 16-bit partials and fp32 LSEs are carved from it)."""
     if scratch is not None and (
         scratch.dtype != torch.uint8 or scratch.dim() != 1 or not scratch.is_contiguous() or scratch.device != device
     ):
         raise ValueError(
             f"{op}: scratch must be a contiguous uint8 vector on {device}, got {scratch.dtype} "
             f"{tuple(scratch.shape)} on {scratch.device}"
+        )
+    if scratch is not None and (scratch.storage_offset() % 4 or scratch.data_ptr() % 4):
+        raise ValueError(
+            f"{op}: scratch must start 4-byte aligned (its fp32 partials and LSEs are views of it), got an "
+            f"offset of {scratch.storage_offset()} bytes into its storage"
         )
 
 
@@ -1022,8 +1028,10 @@ def check_attention_inputs(q, k_cache_l, v_cache_l, topk_ids, op: str = "paged_a
         raise ValueError(f"{op}: q head_dim {d} vs caches {tuple(k_cache_l.shape)}/{tuple(v_cache_l.shape)}")
     if nh % g:
         raise ValueError(f"{op}: num_attention_heads={nh} is not a multiple of num_key_value_heads={g}")
-    if k_cache_l.stride()[1:] != (ps * d, d, 1) or k_cache_l.stride() != v_cache_l.stride() or q.stride(2) != 1:
+    if k_cache_l.stride()[1:] != (ps * d, d, 1) or k_cache_l.stride() != v_cache_l.stride():
         raise ValueError(f"{op}: k/v caches must have the paged_cache.py layout (contiguous pages)")
+    if q.stride(2) != 1:
+        raise ValueError(f"{op}: q {tuple(q.shape)} with strides {q.stride()}: head_dim must be at unit stride")
     if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != (t, g)):
         raise ValueError(f"{op}: topk_ids shape {tuple(topk_ids.shape)}, expected [T={t}, G={g}, K]")
 
