@@ -17,7 +17,11 @@ be: tests/gpu checks that), the kernels called with ``sparse_impl="page_partials
   (``invariant_sparse_attention``) keeps it and takes the KV-major scratch, and the engine and the
   trainer's ``PagedScorer`` bind one, at every prefill length;
 - compiled for sm_90 (no GPU, kernels/mma_check.py), the decode kernel's dots are the prefill
-  kernel's: the same MMA layout, operand types and wgmma instructions.
+  kernel's: the same MMA layout, operand types and wgmma instructions;
+- metadata that does not describe q's tokens, a strided head dim or a misaligned scratch are
+  refused with ValueErrors naming the op;
+- end to end, the engine's sampled logprobs of a sequence are bitwise the same alone, batched,
+  chunked, after a prefix hit and in padded decode steps, and equal the trainer scorer's.
 Shapes: 8 q heads / 2 KV heads / d 32 / block 16 (RH 4: tiles of 4 entries x 4 rows).
 """
 
@@ -201,6 +205,41 @@ def test_choice_is_the_default_and_dense_layers_ignore_it(monkeypatch):
         ia.invariant_paged_attention(b.q, b.k, b.v, b.meta, SCALE, ids, scratch=torch.zeros(8, dtype=torch.int32))
 
 
+def test_bad_inputs_are_refused_naming_the_op():
+    """Metadata that does not describe q's tokens (the kernels index positions / tables by token and
+    row: before, fewer tokens ran silently, more read past the positions: a torch shape error with
+    page partials, out-of-bounds reads with the union walk), q without a unit head-dim stride (the
+    error named the caches) and a scratch whose fp32 views cannot start 4-byte aligned: ValueErrors
+    naming the op, for both choices, before any launch."""
+    b = step(torch.float32, [("c", 59, 1), ("b", 0, 45)], 1)
+    ids = engineered_ids(b.meta.positions)
+    t = b.q.shape[0]
+    for impl in (PP, "union"):  # (before: the union walk's out-of-bounds reads could crash the process)
+
+        def attn(q, meta=b.meta, sel=None, scratch=None, impl=impl):
+            sel = ids[: q.shape[0]] if sel is None else sel
+            return ia.invariant_paged_attention(q, b.k, b.v, meta, SCALE, sel, scratch=scratch, sparse_impl=impl)
+
+        for q in (b.q[: t - 1], torch.cat([b.q, b.q[:1]])):  # one token fewer / more than the metadata's
+            sel = torch.cat([ids, ids[:1]])[: q.shape[0]]
+            with pytest.raises(ValueError, match=r"invariant_paged_attention: metadata of \(46,\) positions.*T=4[57]"):
+                attn(q, sel=sel)
+        with pytest.raises(ValueError, match=r"invariant_index_scores: metadata of \(46,\) positions.*T=45"):
+            ia.invariant_msa_attention(b.q[1:], b.iq[1:], b.k, b.v, b.ik, b.meta, SCALE, K, sparse_impl=impl)
+        for bad in ({"num_decodes": 3}, {"decode_query_len": 47}):  # more decode rows / tokens than there are
+            with pytest.raises(ValueError, match="invariant_paged_attention: metadata of"):
+                attn(b.q, meta=dataclasses.replace(b.meta, **bad))
+        narrow = dataclasses.replace(b.meta, block_tables=b.meta.block_tables[:1])
+        with pytest.raises(ValueError, match=r"block_tables \(1, 4\).*2 rows"):
+            attn(b.q, meta=narrow)
+        q_strided = b.q.transpose(1, 2).contiguous().transpose(1, 2)
+        with pytest.raises(ValueError, match=r"invariant_paged_attention: q \(46, 8, 32\).*unit stride"):
+            attn(q_strided)
+        with pytest.raises(ValueError, match="invariant_paged_attention: scratch must start 4-byte aligned"):
+            attn(b.q, scratch=scratch_of(64, torch.float32, extra=1)[1:])
+    assert_rows_equal(attn(b.q, scratch=scratch_of(64, torch.float32, extra=4)[4:]), attn(b.q), "aligned slice")
+
+
 @pytest.mark.parametrize("built", ["union", PP])
 def test_table_keeps_the_sparse_attention_it_was_built_with(built, monkeypatch):
     """``invariant_attention_fields(invariant_sparse_attention=...)`` binds the choice into the table's
@@ -279,3 +318,65 @@ def test_decode_kernel_compiles_to_the_prefill_kernels_tensor_core_code():
     assert seg["layouts"] and all("versionMajor = 3" in layout for layout in seg["layouts"])  # wgmma (Hopper)
     assert len(seg["dots"]) == 2  # QK (q and K from shared memory) and PV (probabilities in registers)
     assert seg["instructions"] and all(i.startswith("wgmma.mma_async") for i in seg["instructions"])
+
+
+def test_engine_sequence_bits_alone_batched_chunked_after_a_prefix_hit_and_padded(monkeypatch):
+    """The engine in batch-invariant mode with page partials (the interpreted invariant table, its
+    KV-major scratch bound): sequence a's sampled tokens and logprobs (prompt 37 tokens > top-k 2 x
+    block 16, so the sparse layer selects) are bitwise the same generated alone, beside b and c,
+    with its prefill chunked by 16 tokens (a 16-token scratch), after a prefix-cache hit on its first
+    two pages, and in the staged decode path padded to 4 rows (CUDA-graph padding rows, run eagerly);
+    the trainer's ``PagedScorer`` on the same table gives the same logprobs."""
+    import m3_rollout.engine.engine as engine_mod
+    from m3_kernels.fused_interpret import interpreted_invariant_ops
+    from m3_rollout.engine.interface import GenerationRequest, SampleOutput, SamplingParams
+
+    fields = invariant_attention_fields(interpret=True, invariant_sparse_attention=PP)
+    table = dataclasses.replace(interpreted_paged_ops(batch_invariant=True), **fields)
+    model = small_paged_model(0, vocab_size=96, head_dim=16, page_size=PS, layers=2)
+    gen = torch.Generator().manual_seed(5)
+    prompts = {n: torch.randint(0, 96, (ln,), generator=gen).tolist() for n, ln in (("a", 37), ("b", 9), ("c", 21))}
+    params = SamplingParams(temperature=0.9, max_new_tokens=3, seed=3)
+    metas = []  # (decode rows, prefill context lengths) of every page-partials call
+    real = ia.page_partials_attention
+
+    def spy(*args):
+        meta = args[3]
+        metas.append((meta.num_decodes, meta.context_lens[meta.num_decodes :].tolist()))
+        return real(*args)
+
+    def generate(waves, **kw):
+        cfg = {"max_model_len": 48, "max_num_seqs": 4, "num_pages": 24, "max_num_batched_tokens": 64, **kw}
+        engine = LLMEngine(model, EngineConfig(batch_invariant=True, **cfg), ops=table)
+        per_token = kv_major_token_bytes(4, 16, 2, torch.float32)
+        assert engine.prefill_scratch.numel() == cfg["max_num_batched_tokens"] * per_token
+        done = {}
+        for wave in waves:
+            for rid, name in wave:
+                engine.add_request(GenerationRequest(rid, prompts[name], params))
+            while engine.has_unfinished():
+                outs = [o for o in engine.step() if isinstance(o, SampleOutput)]
+                done.update({o.request_id: (o.output_ids, o.logprobs) for o in outs})
+        return done
+
+    inv = interpreted_invariant_ops()  # CPU: the engine keeps torch's logprob op (the invariant one is CUDA only)
+    monkeypatch.setattr(engine_mod, "invariant_token_logprobs", lambda device: inv.token_logprobs)
+    monkeypatch.setattr(ia, "page_partials_attention", spy)
+    want = generate([[("a", "a")]])["a"]
+    assert len(want[0]) == 3 and metas
+    got = {"batched": generate([[("b", "b"), ("a", "a"), ("c", "c")]])["a"]}
+    got["chunked"] = generate([[("a", "a")]], max_num_batched_tokens=16)["a"]
+    assert any(0 < c < 37 for _, ctx in metas for c in ctx)  # a prefill chunk after earlier ones
+    metas.clear()
+    got["prefix hit"] = generate([[("a1", "a")], [("a2", "a"), ("b", "b")]], enable_prefix_caching=True)["a2"]
+    assert any(ctx == [32, 0] or ctx == [0, 32] for _, ctx in metas)  # a2's prefill starts after two cached pages
+    metas.clear()
+    got["padded"] = generate([[("b", "b"), ("a", "a")]], enable_cuda_graphs="eager", cuda_graph_batch_sizes=(4,))["a"]
+    assert (4, []) in metas  # decode steps of 2 (then 1) live rows padded to 4
+    for what, out in got.items():
+        assert out == want, what
+    # the trainer's scorer (a prefill of prompt + sampled tokens, 11-token forwards) gives the
+    # decode steps' logprobs: decode rows = prefill rows at the engine level too
+    scorer = PagedScorer(model.config, table, 48, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
+    lp = scorer(model, [prompts["a"] + want[0]], 0.9)[0]
+    assert lp[37:].tolist() == want[1]
