@@ -70,7 +70,12 @@ def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(be
         assert "first 4 sequences: " in alone and " of 4 bitwise-equal" in alone
         equal = int(alone.split("first 4 sequences: ")[1].split()[0])
         assert 0 <= equal <= 4
-    assert any(n.startswith("- NOT batch-invariant here: the engine warned: batch_invariant:") for n in notes)
+    assert any(
+        n.startswith(
+            "- NOT batch-invariant here: the engine warned: batch_invariant (policy.generation.batch_invariant"
+        )
+        for n in notes
+    )
     assert figures["batch_tokens_differ"] == 0
     assert all(x > 0 for case in ("b1", "bN") for x in figures[case]["tok_s"])
     assert all(x > 0 for x in figures["prefill"]["seconds"]) and figures["fallback"]
