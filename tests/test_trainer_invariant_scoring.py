@@ -136,6 +136,8 @@ def test_trainer_prev_logprobs_equal_the_engines_bitwise(sparse_impl, per_row_do
     assert sum(map(sum, forwards)) == sum(len(ids) - 1 for ids, _, _ in samples)  # each token once, last not run
     m = batch.loss_mask.bool()
     assert torch.equal(prev[m], batch.rollout_logprobs[m])
+    if sparse_impl == "union":
+        return  # the choice's own check ends here; the rest (alone, plain, train_step) does not depend on it
     # a sequence alone (a batch of one) gives the packed bits, at every position
     for r in (0, 2, 4):
         ids = samples[r][0]
