@@ -4,6 +4,7 @@ default handler), and 0 printing nothing on a SIGINT ignored at start (a shell's
 each is a graceful shutdown: one line naming the signal, a stream in flight finishes, exit 0."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -99,6 +100,19 @@ def _stream_events(url: str, body: dict, events: list) -> None:
                 events.append(line.removeprefix("data: "))
 
 
+@contextlib.contextmanager
+def _request_held_open(url: str, client):
+    """A client that sent a request's headers and not its body (its wait never ends on its own),
+    open for the ``with`` block; ``client`` has made a later request (so the first one was read)
+    and is closed."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        _poll(lambda: client.health()["status"] == "ok", "answered")
+        client.close()
+        yield
+
+
 def _poll(condition, what: str, limit_s: float = 120) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():
@@ -155,12 +169,8 @@ def test_a_second_ctrl_c_cuts_the_wait_short_and_still_stops_the_engine(checkpoi
     off: no traceback, exit 0. The request in flight is a client that sent a request's headers and
     not its body: the wait for it never ends on its own."""
     proc, url, client = start_server_process(checkpoint, ["--served-model-name", "tiny-m3"], 300)
-    host, port = url.removeprefix("http://").split(":")
     try:
-        with socket.create_connection((host, int(port))) as slow:
-            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-            _poll(lambda: client.health()["status"] == "ok", "answered")  # a later request: the first is read
-            client.close()
+        with _request_held_open(url, client):
             proc.send_signal(signal.SIGINT)
             lines = []
             while not any("received, shutting down" in x for x in lines):  # the first one was handled
@@ -202,12 +212,8 @@ def test_sigterm_does_not_wait_forever_for_a_client_that_holds_its_connection(ch
     shutdown begins, with or without the bound.)"""
     args = ["--served-model-name", "tiny-m3", "--graceful-shutdown-timeout", "1"]
     proc, url, client = start_server_process(checkpoint, args, 300, prelude=_SAYS_ENGINE_STOPPED)
-    host, port = url.removeprefix("http://").split(":")
     try:
-        with socket.create_connection((host, int(port))) as slow:
-            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-            _poll(lambda: client.health()["status"] == "ok", "answered")  # a later request: the first is read
-            client.close()
+        with _request_held_open(url, client):
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=120)  # it hung here (stopped by the kill below)
     finally:

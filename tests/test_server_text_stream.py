@@ -37,6 +37,16 @@ def tok():
     return tiny_tokenizer()
 
 
+def _push_in_random_pieces(ts: TextStream, ids: list[int], rng: random.Random) -> str:
+    """The text ``ts`` releases for ``ids`` pushed in pieces of 1-4 ids (sizes from ``rng``), then finished."""
+    out, i = "", 0
+    while i < len(ids):
+        k = rng.randint(1, 4)
+        out += ts.push(ids[i : i + k])
+        i += k
+    return out + ts.finish()
+
+
 @pytest.mark.parametrize("include_stop", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_incremental_text_equals_the_whole_decode_cut_at_the_first_stop(tok, seed, include_stop):
@@ -52,12 +62,7 @@ def test_incremental_text_equals_the_whole_decode_cut_at_the_first_stop(tok, see
     stops = (whole[len(whole) // 2 : len(whole) // 2 + 3], "zzq") if seed % 2 else ("zzq",)
     stop_id = {ids[-1]} if seed % 3 == 0 else set()
     ts = TextStream(decode, stop_id, stops, include_stop=include_stop)
-    out, i = "", 0
-    while i < len(ids):
-        k = rng.randint(1, 4)
-        out += ts.push(ids[i : i + k])
-        i += k
-    out += ts.finish()
+    out = _push_in_random_pieces(ts, ids, rng)
     assert out == _reference(decode, ids, stop_id, stops, include_stop)
     if seed % 2:  # the stop string is in the text: kept (include_stop) or cut off
         assert out.endswith(stops[0]) == include_stop and ts.stop_string == stops[0]
@@ -188,12 +193,7 @@ def test_hidden_ids_are_left_out_of_the_text_and_nothing_else_changes(tok, seed,
     # (held back over the hidden span, then released), or none to find
     stops = {0: ("zzq",), 1: (whole[max(i - 2, 0) : i + len(marker) + 1],), 2: (marker[1:] + "zzq",)}[seed % 3]
     ts = TextStream(decode, set(), stops, include_stop=include_stop, hidden_ids={eos})
-    out, k = "", 0
-    while k < len(ids):
-        step = rng.randint(1, 4)
-        out += ts.push(ids[k : k + step])
-        k += step
-    out += ts.finish()
+    out = _push_in_random_pieces(ts, ids, rng)
     assert out == _without_spans(decode, ids, {eos}, _reference(decode, ids, set(), stops, include_stop))
     assert (ts.stop_string is not None) == (seed % 3 == 1)
 
