@@ -33,6 +33,8 @@ from m3_rollout.dump import schema as S
 from m3_rollout.dump.report import _STAT_COLUMNS, inspect_lines, show_lines
 from m3_rollout.rollout.trajectory import Trajectory, TurnRecord
 
+SMOKE = "configs/grpo_smoke.yaml"
+
 
 def _decode(ids):
     return " ".join(f"t{i}" for i in ids)
@@ -579,7 +581,9 @@ def test_package_names_and_submodules_load_on_first_use():
 def test_dump_generate_takes_one_sample_per_prompt(tmp_path, monkeypatch, capsys):
     """`dump generate` refused grpo.num_generations_per_prompt=1 with the GRPO job's rule (a group
     of one sample learns nothing), though it trains nothing; now it dumps one sample per prompt
-    (advantage 0, as the GRPO loop would give it), while the GRPO job still refuses it."""
+    (advantage 0, as the GRPO loop would give it), while the GRPO job still refuses it. It also
+    prints the GRPO job's [warn] for a setting it reads nowhere (a sparse-attention choice without
+    batch-invariant mode), which it used to drop."""
     from m3_rollout.config import ConfigError, load_config
     from m3_rollout.jobs.dump_cli import main as dump_main
 
@@ -592,12 +596,14 @@ def test_dump_generate_takes_one_sample_per_prompt(tmp_path, monkeypatch, capsys
         "policy.generation.max_new_tokens=4",
     ]
     d = tmp_path / "dump"
-    assert dump_main(["generate", "--config", "configs/grpo_smoke.yaml", "--dir", str(d), "--steps", "1", *over]) == 0
+    unread = "policy.generation.invariant_sparse_attention=union"
+    assert dump_main(["generate", "--config", SMOKE, "--dir", str(d), "--steps", "1", *over, unread]) == 0
+    assert "[warn] policy.generation.invariant_sparse_attention=union has no effect" in capsys.readouterr().out
     rows = read_dump(d).table.to_pydict()
     assert sorted(rows["group_id"]) == [0, 1, 2] and rows["sample_index"] == [0, 0, 0]
     assert rows["advantage"] == [0.0, 0.0, 0.0]
     with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt=1: must be >= 2"):
-        load_config("configs/grpo_smoke.yaml", over)
-    assert load_config("configs/grpo_smoke.yaml", over, training=False).grpo.num_generations_per_prompt == 1
+        load_config(SMOKE, over)
+    assert load_config(SMOKE, over, training=False).grpo.num_generations_per_prompt == 1
     with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt=0: must be >= 1"):
-        load_config("configs/grpo_smoke.yaml", [*over, "grpo.num_generations_per_prompt=0"], training=False)
+        load_config(SMOKE, [*over, "grpo.num_generations_per_prompt=0"], training=False)

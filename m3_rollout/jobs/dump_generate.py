@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from m3_rollout.config import MasterConfig, to_dict
+from m3_rollout.config import MasterConfig, ignored_setting_warnings, to_dict
 from m3_rollout.dump.records import checkpoint_hash, config_hash
 from m3_rollout.dump.writer import RetentionPolicy, RolloutDumpWriter, sampling_params_of
 from m3_rollout.jobs.outputs import empty_dump_dir
@@ -46,6 +46,8 @@ def generate_dumps(
     dump_dir = empty_dump_dir(out_dir or rd.dir, "--dir" if out_dir else "rollout_dump.dir")
     steps = g.max_num_steps if num_steps is None else num_steps
     paths: list[Path] = []
+    for warning in ignored_setting_warnings(cfg):  # the GRPO job logs the same lines
+        log(warning)
     try:
         torch.manual_seed(g.seed)
         stack = build_rollout_stack(cfg)  # the GRPO loop's backend (EP service or in-process), env, prompts
