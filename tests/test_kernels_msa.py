@@ -25,8 +25,13 @@ SCALE = D**-0.5
 # decode rows (q_len 1): 40 (<= K*B, partial block), 700 (sparse, partial), 63 (block edge - 1);
 # prefill rows: 65 fresh tokens (crosses K*B), a 30-token chunk after a 100-token prefix hit.
 MIXED = ([(40, 1), (700, 1), (63, 1), (0, 65), (100, 30)], 3)
-# speculative verify: 3 decode rows of 3 query tokens each, then one prefill chunk
-VERIFY = ([(61, 3), (300, 3), (16, 3), (20, 45)], 3)
+# speculative verify: 3 decode rows of 3 query tokens each, then one prefill chunk (crosses K*B)
+VERIFY = ([(61, 3), (300, 3), (16, 3), (50, 15)], 3)
+# the KV-major prefill tests (their cost grows with prefill tokens and table width): two decode rows (the
+# prefill part starts at an offset), a fresh 18-token row (short contexts: -1 entries; every token selects
+# block 0: segments of several tiles) and a 12-token chunk after a 90-token prefix hit (sparse); both
+# prefill rows cross a block edge.
+KV_MIXED = ([(40, 1), (63, 1), (0, 18), (90, 12)], 2)
 # fp16 tolerance: the kernel rounds softmax probabilities to fp16 for the PV dot (~2^-11 relative)
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
@@ -41,8 +46,11 @@ def _batch(spec, dtype, seed=0, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_index_topk_matches_reference_mixed_batch(dtype):
     b = _batch(MIXED, dtype)
-    got = mi.index_topk(b.iq, b.ik, b.meta, K)
     want = index_topk_ref(b.iq, b.ik, b.meta, K)
+    if dtype == torch.float32:
+        got = mi.index_topk(b.iq, b.ik, b.meta, K)
+    else:  # fp16 changes the score kernel's dots only: the selection kernel reads fp32 scores (run above)
+        got = _select_from_scores(mi.index_block_scores(b.iq, b.ik, b.meta), b.meta.positions, K, 0, 1)
     assert got.dtype == torch.int32 and got.shape == want.shape == (b.meta.num_tokens, G, K)
     assert torch.equal(got, want)
     # sanity of the comparison itself: short contexts are padded, long ones are full
@@ -76,15 +84,18 @@ def test_index_topk_ties_go_to_lower_block_id(network, monkeypatch):
 
 @pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
 def test_index_topk_split_k_chunks_and_wide_table(network, monkeypatch):
-    # 4200 context -> 263 blocks: the top-k runs in two chunks plus the merge kernel; the
-    # block table is wider than any row (graph-style fixed width). Both selection networks.
+    # 600 context -> 38 blocks in 16-block chunks (TOPK_CHUNK lowered from 256; the kernels' chunk size is a
+    # parameter, test_decode_topk_nan_scores_and_topk_not_a_power_of_two runs 256): the top-k runs in three
+    # chunks plus the merge kernel; the block table is wider than any row (graph-style fixed width). Both
+    # selection networks.
     monkeypatch.setattr(mi, "TOPK_NETWORK", network)
-    b = _batch(([(4200, 1), (33, 1)], 2), torch.float32, seed=5, table_width=300)
+    monkeypatch.setattr(mi, "TOPK_CHUNK", 16)
+    b = _batch(([(600, 1), (33, 1)], 2), torch.float32, seed=5, table_width=48)
     got = mi.index_topk(b.iq, b.ik, b.meta, K)
     assert torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
     b.ik.fill_(1.0)  # all scores equal: ties across chunks go to the lower id in the merge too
     got = mi.index_topk(b.iq, b.ik, b.meta, K)
-    assert got[0, 0].tolist() == [4200 // 16, 0, 1, 2] and torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
+    assert got[0, 0].tolist() == [600 // 16, 0, 1, 2] and torch.equal(got, index_topk_ref(b.iq, b.ik, b.meta, K))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -129,7 +140,7 @@ def test_verify_decode_equals_prefill_and_reference():
 
 
 def test_prefill_tile_size_does_not_change_result():
-    b = _batch(([(0, 70), (120, 21)], 0), torch.float32, seed=6)
+    b = _batch(([(0, 37), (120, 21)], 0), torch.float32, seed=6)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
     one = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_block_m=2)
     four = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_block_m=8)
@@ -156,11 +167,11 @@ def test_index_topk_prefill_score_variants(monkeypatch):
     # two key sub-tiles per page) gives the reference selection; rows start mid-block and cross
     # block edges. (The plain masked loop is what the other tests run on CPU.)
     cfg = {"split_causal": True, "block_m": 4, "nsub": 2}
-    b = _batch(([(0, 70), (37, 40)], 0), torch.float32, seed=7)
+    b = _batch(([(0, 21), (37, 40)], 0), torch.float32, seed=7)
     got = mi.index_topk(b.iq, b.ik, b.meta, K, prefill_config=cfg)
     want = index_topk_ref(b.iq, b.ik, b.meta, K)
     assert torch.equal(got, want)
-    # the multi-row top-k program (4 rows per program, rows cut mid-program) selects the same
+    # the multi-row top-k program (4 rows per program, rows cut mid-program: 61 tokens x 2 heads) selects the same
     scores = mi.index_block_scores(b.iq, b.ik, b.meta, cfg)
     monkeypatch.setattr(mi, "TOPK_ROWS_MIN", 0)  # this small batch takes the multi-row program too
     assert torch.equal(mi.select_topk_blocks(scores, b.meta, K, PS, rows_per_program=4), want)
@@ -241,19 +252,30 @@ def test_tma_keys_need_contiguous_16_byte_aligned_pages():
 
 def test_topk_rows_kernel_size_tiers_ties_and_nan(monkeypatch):
     # the prefill top-k program sizes its key tile to its rows' causal candidates (1/8, 1/4, 1/2 or the whole
-    # chunk of 64 blocks here); exact ties, -0.0 vs 0.0 and a NaN score keep the reference order.
-    b = _batch(([(0, 700), (300, 40)], 0), torch.float32, seed=11)
-    scores = mi.index_block_scores(b.iq, b.ik, b.meta)
-    scores[:, :, 3] = scores[:, :, 9]  # exact ties between blocks 3 and 9
+    # chunk of 64 blocks here: a 44-page table); exact ties, -0.0 vs 0.0 and a NaN score keep the reference
+    # order. Scores are given (the select kernel reads only them and the positions): tokens at both sides of
+    # every tile boundary (9 / 17 / 33 blocks need the next tile: its last block is a forced local one), a
+    # longer row after a shorter one, and 17 tokens (the last 4-row program is cut in half).
+    pos = torch.tensor([5, 40, 63, 64, 100, 127, 128, 200, 255, 256, 400, 511, 512, 600, 699, 300, 339])
+    meta = type("Meta", (), {"positions": pos.to(torch.int32)})()
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(len(pos), G, 44, generator=g)  # entries past a token's blocks too: never read
+    scores[:, 0, 3] = scores[:, 0, 9] = 10.0  # head 0: exact ties between blocks 3 and 9 on top
+    scores[:, 1] = -scores[:, 1].abs() - 0.5  # head 1: -0.0 (block 5) and 0.0 (block 6) on top: equal
     scores[:, 1, 5] = -0.0
     scores[:, 1, 6] = 0.0
-    scores[100, 0, 2] = float("nan")
-    want = _select_from_scores(scores, b.meta.positions, K, 1, 2)
-    assert (want[:16] == -1).any() and (want[-1] >= 0).all()  # short rows pad, long rows are full
+    scores[4:, 1, 2] = float("nan")  # above every score if not read as -1e30
     monkeypatch.setattr(mi, "TOPK_ROWS_MIN", 0)
-    for rows in (2, 4):
-        got = mi.select_topk_blocks(scores, b.meta, K, PS, init_blocks=1, local_blocks=2, rows_per_program=rows)
-        assert torch.equal(got, want), rows
+    for init, local in ((1, 2), (0, 1)):
+        want = _select_from_scores(scores, pos, K, init, local)
+        assert (want[0] == -1).any() and (want[-1] >= 0).all()  # short rows pad, long rows are full
+        for rows in (2, 4):
+            got = mi.select_topk_blocks(
+                scores, meta, K, PS, init_blocks=init, local_blocks=local, rows_per_program=rows
+            )
+            assert torch.equal(got, want), (init, local, rows)
+    # position 339 (22 blocks), local block 21 first: ties to the lower id, -0.0 == 0.0, the NaN block last
+    assert want[-1, :, :3].tolist() == [[21, 3, 9], [21, 5, 6]]
 
 
 @pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
@@ -361,11 +383,11 @@ def test_prefill_union_kernel_lists_and_masks():
 def test_kv_major_prefill_matches_reference(dtype, cfg):
     # KV-major prefill (bucketed entries, per-page partials, LSE merge) over mixed decode + prefill
     # rows, with token chunks smaller than the prefill part (two chunks) and a duplicated entry.
-    b = _batch(MIXED, dtype, seed=9)
+    b = _batch(KV_MIXED, dtype, seed=9)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
-    sel[10, 1, 3] = sel[10, 1, 0]  # duplicate block in one token's list: still a set
+    sel[25, 1, 3] = sel[25, 1, 0]  # duplicate block in one token's list (position 95: 4 blocks): still a set
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
-    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "kv_chunk": 64, **cfg})
+    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "kv_chunk": 16, **cfg})
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
 
 
@@ -375,9 +397,9 @@ def test_kv_major_pipelined_and_deferred_loops_give_the_prefetching_loops_bits(d
     # "deferred" also issues the next tile's QK dot before this tile's softmax. The tiles and their
     # dots are the prefetching loop's, so every output bit is the same. seg 7 = 3 tiles of 2 tokens
     # and one of 1: the look-ahead runs past the segment's end (a tile with no valid row).
-    b = _batch(MIXED, dtype, seed=4)
+    b = _batch(KV_MIXED, dtype, seed=4)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
-    cfg = {"impl": "kv", "kv_chunk": 64, "seg": 7, "tok": 2}
+    cfg = {"impl": "kv", "kv_chunk": 16, "seg": 7, "tok": 2}
     base = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={**cfg, "prefetch": True})
     assert base.abs().sum() > 0
     for loop in ma.KV_SEG_LOOPS:
@@ -442,41 +464,43 @@ def _scratch(tokens: int, dtype, extra: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kv_major_scratch_passes_equal_one_pass(dtype, monkeypatch):
-    # The automatic path choice with the threshold lowered: 95 prefill tokens take the KV-major path.
-    # A scratch of 16 tokens (6 passes) gives the output of one that holds every prefill token (1 pass)
+    # The automatic path choice with the threshold lowered: 30 prefill tokens take the KV-major path.
+    # A scratch of 8 tokens (4 passes) gives the output of one that holds every prefill token (1 pass)
     # within the module's tolerance (the interpreter's numpy dots may round a row differently at
     # another place in a tile: 1 ulp here); the same passes in the kernel's own per-call buffer (None,
     # or the kv_chunk knob) give it bit for bit; the passes write only the first capacity x
     # bytes-per-token of the scratch.
-    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 32)
-    b = _batch(MIXED, dtype, seed=9)
+    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 16)
+    b = _batch(KV_MIXED, dtype, seed=9)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
     tp = b.meta.num_tokens - b.meta.num_decodes
-    assert tp == 95
+    assert tp == 30
     outs = {}
-    for cap in (tp, 16):
+    for cap in (tp, 8):
         scratch = _scratch(cap, dtype, extra=64)
         outs[cap] = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, scratch=scratch)
         assert ma.kv_major_capacity(scratch, NH, D, K, dtype) == cap
         assert (scratch[:-64] != SENTINEL).any() and (scratch[-64:] == SENTINEL).all()
     assert torch.equal(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel), outs[tp])  # one pass of its own
-    assert torch.equal(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"kv_chunk": 16}), outs[16])
-    torch.testing.assert_close(outs[16].float(), outs[tp].float(), atol=ATOL[dtype], rtol=0)
+    assert torch.equal(ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"kv_chunk": 8}), outs[8])
+    torch.testing.assert_close(outs[8].float(), outs[tp].float(), atol=ATOL[dtype], rtol=0)
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
-    torch.testing.assert_close(outs[16].float(), want.float(), atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(outs[8].float(), want.float(), atol=ATOL[dtype], rtol=0)
     if dtype == torch.float32:  # a kv_chunk knob shorter than the scratch shortens the passes; a longer one is cut
-        twelve = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"kv_chunk": 12})
-        for chunk, same in ((12, twelve), (1000, outs[16])):
-            cfg = {"kv_chunk": chunk}
-            got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config=cfg, scratch=_scratch(16, dtype))
+        six = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"kv_chunk": 6})
+        for chunk, same in ((6, six), (1000, outs[8])):
+            cfg, scratch = {"kv_chunk": chunk}, _scratch(8, dtype)
+            got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config=cfg, scratch=scratch)
             assert torch.equal(got, same)
+            # passes of 6 tokens leave the bytes past 6 tokens' partials untouched (here the same bits either way)
+            assert (scratch[6 * kv_major_token_bytes(NH, D, K, dtype) :] != SENTINEL).any() == (chunk > 8)
 
 
 def test_kv_major_scratch_that_holds_no_token_takes_union_tiles(monkeypatch):
     # An empty scratch (EngineConfig.msa_prefill_scratch_mb=0) turns the KV-major path off at every
     # length: the union-list tiles run; forcing impl="kv" into it is refused; a malformed scratch too.
-    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 32)
-    b = _batch(MIXED, torch.float32, seed=9)
+    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 16)
+    b = _batch(KV_MIXED, torch.float32, seed=9)
     sel = index_topk_ref(b.iq, b.ik, b.meta, K)
     empty = torch.empty(0, dtype=torch.uint8)
     short = _scratch(0, torch.float32, extra=kv_major_token_bytes(NH, D, K, torch.float32) - 1)  # < one token
@@ -494,16 +518,16 @@ def test_kv_major_scratch_that_holds_no_token_takes_union_tiles(monkeypatch):
 
 def test_engine_table_binds_the_scratch_into_both_attention_ops(monkeypatch):
     # The engine's binding (engine/ops.py bind_prefill_scratch) over the Triton ops: msa_attention of a
-    # mixed step (fused decode rows + KV-major prefill rows in passes of the bound scratch's 16 tokens)
+    # mixed step (fused decode rows + KV-major prefill rows in passes of the bound scratch's 8 tokens)
     # equals the unbound call (one pass) and the reference; the dense op ignores the scratch.
-    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 32)
+    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 16)
     ops = PagedOps(paged_attention=ma.paged_attention, msa_attention=md.msa_attention, takes_prefill_scratch=True)
-    scratch = _scratch(16, torch.float32)
+    scratch = _scratch(8, torch.float32)
     bound = bind_prefill_scratch(ops, scratch)
     assert not bound.takes_prefill_scratch
     with pytest.raises(ValueError, match="take no scratch"):
         bind_prefill_scratch(bound, scratch)
-    b = _batch(MIXED, torch.float32, seed=4)
+    b = _batch(KV_MIXED, torch.float32, seed=4)
     got = bound.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
     assert (scratch != SENTINEL).any()  # the prefill rows' passes ran in the bound buffer
     unbound = md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)

@@ -108,11 +108,16 @@ def test_nan_scores_rank_last():
 
 @pytest.mark.parametrize("path", ["score_topk", "index_topk"])
 @pytest.mark.parametrize("forced", [(0, 1), (1, 2)], ids=["local1", "init1_local2"])
-def test_wide_table_routes(forced, path):
-    # Block table wider than MAX_FUSED_BLOCKS (4200 tokens = 263 blocks of 16, table 300): by default
-    # the score kernel keeps a top-k per program and the attention kernel merges them; with
-    # decode_path="index_topk", index_topk selects. The fused attention kernel attends and merges.
-    b = _batch(([(4200, 1), (33, 1)], 2), torch.float32, seed=5, table_width=300)
+def test_wide_table_routes(forced, path, monkeypatch):
+    # Block table wider than MAX_FUSED_BLOCKS (lowered to 64 here: rows of 1100 tokens = 69 blocks of 16,
+    # 33 (fewer blocks than k) and 700, table 80; the real widths run in
+    # tests/test_kernels_msa_score_topk.py::test_routing_by_table_width): with
+    # decode_path="score_topk" the score kernel keeps a top-k per program and the attention kernel merges
+    # them; with "index_topk", index_topk's chunk lists (32-block chunks: three) are merged there. The fused
+    # attention kernel attends and merges.
+    monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 64)
+    monkeypatch.setattr(interpreted_kernels().index_topk, "TOPK_CHUNK", 32)
+    b = _batch(([(1100, 1), (33, 1), (700, 1)], 3), torch.float32, seed=5, table_width=80)
     sel, want = _reference(b, *forced)
     ids, got = _decode(b, init_blocks=forced[0], local_blocks=forced[1], decode_path=path)
     assert torch.equal(ids, sel)
@@ -135,15 +140,17 @@ def test_verify_rows_through_the_wide_table_routes(monkeypatch, path):
     [("attention_network", 3), ("attention_network", 4), ("attention_rounds", 3), ("merge_launch", 4), ("cap", 4)],
 )
 def test_index_topk_route_merges_chunk_winners(merge, topk, monkeypatch):
-    # The index_topk route with 16-block chunks (19 chunk lists per row at 4200 tokens): the attention
-    # kernel merges the chunk winners in its prologue (tl.topk network or rounds), or index_topk's own
-    # merge launch picks first; same ids as the reference, ties across chunks (equal keys on 40
-    # pages) and a NaN block included; topk 3 < KP 4 (the lists' 4th key is a real lower key). "cap":
-    # more chunk keys (32 lists x 4) than MAX_MERGE_CANDIDATES per (token, head) take the merge launch.
+    # The index_topk route with 16-block chunks (5 chunk lists per row at 1100 tokens, table 80): the
+    # attention kernel merges the chunk winners in its prologue (tl.topk network or rounds), or
+    # index_topk's own merge launch picks first; same ids as the reference, ties across chunks (equal
+    # keys on 40 pages, above every other block: they fill the free slots, lower ids first, across the
+    # chunk edge at block 32) and a NaN block included; topk 3 < KP 4 (the lists' 4th key is a real
+    # lower key). "cap": more chunk keys (8 lists x 4) than MAX_MERGE_CANDIDATES per (token, head) take
+    # the merge launch.
     ksel = interpreted_kernels().index_topk
     monkeypatch.setattr(ksel, "TOPK_CHUNK", 16)
     if merge == "cap":
-        monkeypatch.setattr(md.msa_score_topk, "MAX_MERGE_CANDIDATES", 64)
+        monkeypatch.setattr(md.msa_score_topk, "MAX_MERGE_CANDIDATES", 16)
     sources = []
     attend = md.decode_select_attend
     monkeypatch.setattr(
@@ -151,17 +158,20 @@ def test_index_topk_route_merges_chunk_winners(merge, topk, monkeypatch):
     )
     monkeypatch.setattr(md, "INDEX_TOPK_MERGE_IN_ATTENTION", merge != "merge_launch")
     monkeypatch.setattr(md.msa_score_topk, "MERGE_NETWORK", merge == "attention_network")
-    b = _batch(([(4200, 1), (33, 1), (2100, 1)], 3), torch.float32, seed=9, table_width=300)
-    for r in range(3):
+    b = _batch(([(1100, 1), (33, 1), (600, 1)], 3), torch.float32, seed=9, table_width=80)
+    for r in (0, 2):  # blocks 30..69 (row 2: 30..37) hold one key, along both heads' queries: equal maxima
+        key = 8 * (b.iq[r, 0] / b.iq[r, 0].norm() + b.iq[r, 1] / b.iq[r, 1].norm())
         for j in range(40):
-            b.ik[int(b.meta.block_tables[r, 100 + j])] = 0.25  # equal block maxima across chunk edges
+            if int(b.meta.block_tables[r, 30 + j]) >= 0:
+                b.ik[int(b.meta.block_tables[r, 30 + j])] = key
     b.ik[int(b.meta.block_tables[0, 7]), 3] = float("nan")
     sel = index_topk_ref(b.iq, b.ik, b.meta, topk)
     want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
     ids = torch.full((3, G, topk), -7, dtype=torch.int32)
     got = md.msa_decode(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, topk, ids_out=ids, decode_path="index_topk")
     assert torch.equal(ids, sel)
-    assert (sel[0] == 7).sum() == 0 and (sel >= 100).any()  # the NaN block lost; the tied blocks compete
+    assert (sel[0] == 7).sum() == 0  # the NaN block lost; after the local block the tied ones, lower ids first
+    assert sel[[0, 2], :, 1:].tolist() == [[list(range(30, 29 + topk))] * G] * 2
     assert sources == [merge.startswith("attention")]  # chunk lists merged in the attention kernel, or ids
     torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
 
@@ -179,11 +189,12 @@ def test_msa_attention_whole_step(spec):
 def test_msa_attention_writes_the_block_selection_record(wide, monkeypatch):
     # The engine's record: each sparse layer writes its [T, G, K] choice into an int16 view of
     # the step buffer [T, S, G, K] (stride S*G*K over tokens): the fused decode kernel from its
-    # registers (rank path, or the candidate merge of the score_topk path on wide tables), the
-    # prefill rows index_topk's; same output.
+    # registers (rank path, or the candidate merge of the long-context path on wide tables), the
+    # prefill rows index_topk's; same output. (The wide case: the decode rows only; their route is
+    # all it changes.)
     if wide:
         monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
-    b = _batch(MIXED, torch.float32, seed=7)
+    b = _batch((MIXED[0][:4], 4) if wide else MIXED, torch.float32, seed=7)
     sel, want = _reference(b)
     buf = torch.full((sel.shape[0] + 2, 3, G, K), -9, dtype=torch.int16)
     got = md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=buf[: sel.shape[0], 1])

@@ -108,9 +108,10 @@ def test_fused_write_kernel_quantizes_as_reference():
 
 @pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
 def test_index_topk_on_fp8_cache_matches_reference(quantize_queries):
-    # Decode rows (split-K score kernel), a prefill row (tiled score kernel); selection equal to the
-    # reference's on the same quantized keys (and queries).
-    b, cache = _fp8_batch([(40, 1), (300, 1), (0, 33)], 2, quantize_queries)
+    # Decode rows (split-K score kernel), a prefill row (tiled score kernel; 4-5 candidate blocks per
+    # token: the order of the scored ones counts); selection equal to the reference's on the same
+    # quantized keys (and queries).
+    b, cache = _fp8_batch([(40, 1), (300, 1), (56, 12)], 2, quantize_queries)
     got = mi.index_topk(b.iq, cache, b.meta, K)
     want = index_topk_ref(b.iq, cache, b.meta, K)
     assert torch.equal(got, want)
@@ -133,10 +134,10 @@ def test_fused_decode_on_fp8_cache_matches_reference(quantize_queries, monkeypat
     got = md.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids)  # scores + in-register top-k
     assert torch.equal(ids, sel)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
-    # the long-context routes (block table wider than MAX_FUSED_BLOCKS): score kernel with a top-k per
-    # program + merge in the attention kernel (default), and index_topk's split-K scores
+    # the long-context routes (block table wider than MAX_FUSED_BLOCKS): the default (LONG_DECODE_PATH) and
+    # the other one (score kernel with a top-k per program / index_topk's split-K scores, merged in K2)
     monkeypatch.setattr(md, "MAX_FUSED_BLOCKS", 8)
-    for path in (None, "index_topk"):
+    for path in (None, "score_topk" if md.LONG_DECODE_PATH == "index_topk" else "index_topk"):
         ids.fill_(-7)
         got = md.msa_decode(b.q, b.iq, b.k, b.v, cache, b.meta, SCALE, K, ids_out=ids, decode_path=path)
         assert torch.equal(ids, sel), path
@@ -146,17 +147,19 @@ def test_fused_decode_on_fp8_cache_matches_reference(quantize_queries, monkeypat
 @pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
 def test_score_topk_on_fp8_cache_several_programs_and_lengths(quantize_queries):
     # FP8 keys (and queries) through the score kernel with a top-k per program: rows of 700 / 40 (fewer
-    # blocks than k) / 300 tokens, 1, 5 and 44 programs per row, forced init + local blocks; the
-    # selection equals the reference's on the dequantized keys (and queries).
+    # blocks than k) / 300 tokens, 1, 44 and 5 programs per row, forced init + local blocks; the
+    # selection equals the reference's on the dequantized keys (and queries). The lists are merged in
+    # PyTorch (candidate_block_ids), the last ones also in the attention kernel (the kernel merge of
+    # every split count: tests/test_kernels_msa_score_topk.py; it reads the lists' int64 keys only).
     b, cache = _fp8_batch([(700, 1), (40, 1), (300, 1)], 3, quantize_queries, seed=8)
     sel = index_topk_ref(b.iq, cache, b.meta, K, 1, 2)
-    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
-    for splits in (1, 5, 44):
-        cands = st.decode_score_topk(b.iq, cache, b.meta, 3, K, 1, 2, splits=splits)
-        ids = torch.full((3, G, K), -7, dtype=torch.int32)
-        got = md.decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, cands=cands, ids_out=ids)
-        assert torch.equal(ids, sel), splits
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    for splits in (1, 44, 5):
+        cand, bps = st.decode_score_topk(b.iq, cache, b.meta, 3, K, 1, 2, splits=splits)
+        assert torch.equal(st.candidate_block_ids(cand, bps, b.meta.positions, PS, K), sel), splits
+    ids = torch.full((3, G, K), -7, dtype=torch.int32)
+    got = md.decode_select_attend(b.q, b.k, b.v, b.meta, SCALE, K, cands=(cand, bps), ids_out=ids)
+    assert torch.equal(ids, sel)
+    torch.testing.assert_close(got, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=2e-5, rtol=0)
 
 
 def test_fp8_selection_close_to_full_precision():
