@@ -3,13 +3,13 @@
 On CPU (fp32, Triton interpreter): the engine in batch-invariant mode (invariant table with the
 interpreted invariant attention, its sparse layers by page partials, the default, and in the first
 test by the union walk too; the invariant logprob op) generates several prompts at once,
-n > 1 samples each, prompts of different lengths, prefills chunked by a small step budget; the
-trainer's ``Policy.get_logprobs`` with the job layer's ``PagedScorer`` (same table, another chunk
-size, the batch's sequences packed into its forwards) gives every sampled token's logprob bitwise
-equal to the engine's recorded one, so the trainer's mismatch metrics read exactly 1.0 / 0.0; a
-sequence scored alone, or packed with others in another order, gives the same bits. The interpreter's
-``tl.dot`` runs in a fixed per-row order (``msa_interpret.fixed_order_dot``: numpy's BLAS is
-position-dependent on the CPU, the GPU is not).
+n > 1 samples each (the union walk's case: one each), prompts of different lengths, prefills
+chunked by a small step budget; the trainer's ``Policy.get_logprobs`` with the job layer's
+``PagedScorer`` (same table, another chunk size, the batch's sequences packed into its forwards)
+gives every sampled token's logprob bitwise equal to the engine's recorded one, so the trainer's
+mismatch metrics read exactly 1.0 / 0.0; a sequence scored alone, or packed with others in another
+order, gives the same bits. The interpreter's ``tl.dot`` runs in a fixed per-row order
+(``msa_interpret.fixed_order_dot``: numpy's BLAS is position-dependent on the CPU, the GPU is not).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def _table(sparse_impl: str | None = None):
     )
 
 
-def _generate(model, ops, token_logprobs):
+def _generate(model, ops, token_logprobs, n: int):
     """Three prompts (lengths 31, 6, 18; 31 + 3 > top-k 2 x block 16, so sparse layers select) x
-    n=2, prefill chunked by 16 tokens; returns [(ids, generated from, recorded logprobs)]."""
+    ``n`` samples, prefill chunked by 16 tokens; returns [(ids, generated from, recorded logprobs)]."""
     g = torch.Generator().manual_seed(5)
     prompts = {name: torch.randint(0, 96, (n,), generator=g).tolist() for name, n in (("a", 31), ("b", 6), ("c", 18))}
     cfg = EngineConfig(max_model_len=40, max_num_seqs=6, num_pages=20, max_num_batched_tokens=16, batch_invariant=True)
@@ -67,7 +67,7 @@ def _generate(model, ops, token_logprobs):
     engine.runner.token_logprobs = token_logprobs  # CPU: the engine leaves torch's (CUDA only)
     for name, ids in prompts.items():
         engine.add_request(
-            GenerationRequest(name, ids, SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=3, seed=3))
+            GenerationRequest(name, ids, SamplingParams(n=n, temperature=TEMPERATURE, max_new_tokens=3, seed=3))
         )
     outs = []
     while engine.has_unfinished():
@@ -78,11 +78,19 @@ def _generate(model, ops, token_logprobs):
 _SAMPLES: dict = {}
 
 
+def _n(sparse_impl: str | None) -> int:
+    """Samples per prompt: 2 with the default table; 1 with the union walk (what n > 1 adds, samples
+    sharing their prompt's pages, is the engine's and the same for both choices; every sampled token
+    is scored, so this halves the slowest case under the interpreter)."""
+    return 2 if sparse_impl is None else 1
+
+
 def _samples(sparse_impl: str | None = None):
     """The engine's samples of ``_generate`` on ``_model()`` with ``_table(sparse_impl)`` (cached per
     test session: the slowest part under the interpreter)."""
     if sparse_impl not in _SAMPLES:
-        _SAMPLES[sparse_impl] = _generate(_model(), _table(sparse_impl), interpreted_invariant_ops().token_logprobs)
+        ops = _table(sparse_impl)
+        _SAMPLES[sparse_impl] = _generate(_model(), ops, interpreted_invariant_ops().token_logprobs, _n(sparse_impl))
     return _SAMPLES[sparse_impl]
 
 
@@ -124,7 +132,7 @@ def test_trainer_prev_logprobs_equal_the_engines_bitwise(sparse_impl, per_row_do
     assert ops.msa_attention.keywords["sparse_impl"] == want and ops.takes_prefill_scratch == (want != "union")
     samples = _samples(sparse_impl)
     master = _model()
-    assert len(samples) == 6 and len({len(s[0]) for s in samples}) >= 3
+    assert len(samples) == 3 * _n(sparse_impl) and len({len(s[0]) for s in samples}) >= 3
     assert max(len(s[0]) for s in samples) > 2 * PS + 1  # past top-k x block: the sparse layer selects
     batch = _batch(samples)
     scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
@@ -138,18 +146,21 @@ def test_trainer_prev_logprobs_equal_the_engines_bitwise(sparse_impl, per_row_do
     assert torch.equal(prev[m], batch.rollout_logprobs[m])
     if sparse_impl == "union":
         return  # the choice's own check ends here; the rest (alone, plain, train_step) does not depend on it
-    # a sequence alone (a batch of one) gives the packed bits, at every position
-    for r in (0, 2, 4):
-        ids = samples[r][0]
-        assert torch.equal(scorer(policy.compute, [ids], TEMPERATURE)[0], prev[r, : len(ids)])
+    # the longest sequence (its sparse layer selects) alone, a batch of one, gives the packed bits at
+    # every position (shorter rows alone vs packed in two orders: test_packed_rows_score_as_alone)
+    ids = samples[0][0]
+    assert len(ids) > 2 * PS + 1
+    assert torch.equal(scorer(policy.compute, [ids], TEMPERATURE)[0], prev[0, : len(ids)])
     got = mismatch_metrics(batch.rollout_logprobs, prev, batch.loss_mask)
     assert got["token_mult_prob_error"] == 1.0 and got["gen_kl_error"] == 0.0
     assert got["max_logprob_abs_diff"] == 0.0
     # the training forward (not on the invariant ops) agrees only to rounding
     plain = Policy(copy.deepcopy(master), lr=1e-3).get_logprobs(batch, TEMPERATURE, micro_batch_size=4)
     assert (plain[m] - prev[m]).abs().max() < 1e-4
-    # train_step recomputes the prev logprobs through the scorer and reports the exact metrics
-    step = policy.train_step(batch, ClippedPGLossFn(0.2, 0.2, True), TEMPERATURE, micro_batch_size=4)
+    # train_step recomputes the prev logprobs through the scorer and reports the exact metrics (on 3
+    # of the rows, 2 micro-batches: the wiring, not the scorer's bits, is checked here)
+    sub = _batch(samples[2:5])
+    step = policy.train_step(sub, ClippedPGLossFn(0.2, 0.2, True), TEMPERATURE, micro_batch_size=2)
     assert step["token_mult_prob_error"] == 1.0 and step["gen_kl_error"] == 0.0
 
 
@@ -176,7 +187,7 @@ def test_packed_rows_score_as_alone():
     ops, inv = _table(), interpreted_invariant_ops()
     m = _model()
     g = torch.Generator().manual_seed(11)
-    rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (24, 5, 1, 9, 14)]
+    rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (13, 5, 1, 4, 7)]
     scorer = PagedScorer(m.config, ops, 32, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
     alone = [scorer(m, [ids], TEMPERATURE)[0] for ids in rows]
     forwards = _count_forwards(m)
@@ -194,10 +205,11 @@ def test_loss_numerator_takes_the_invariant_value_and_the_training_gradient(samp
     """The ratio's numerator in ``train_step`` is the scorer's value (so against the rollout's own
     logprobs the ratio is exactly 1 on every token, where the training forward's is 1 only to
     rounding), and its gradient is the training forward's (the update equals the plain policy's
-    to rounding)."""
+    to rounding). Three of the samples (one whose sparse layer selects), two micro-batches."""
     ops, inv = _table(), interpreted_invariant_ops()
     master = _model()
-    batch = _batch(samples)
+    batch = _batch(samples[1:4])
+    assert batch.lengths.max() > 2 * PS + 1
     scorer = PagedScorer(master.config, ops, 40, 11, torch.float32, "cpu", token_logprobs=inv.token_logprobs)
     fn = ClippedPGLossFn(0.2, 0.2, True)
     policies = {"invariant": Policy(copy.deepcopy(master), lr=1e-2, scorer=scorer)}
@@ -205,7 +217,7 @@ def test_loss_numerator_takes_the_invariant_value_and_the_training_gradient(samp
     got = {}
     for name, policy in policies.items():
         # prev = the rollout's logprobs, not on these weights' scoring: train_step scores the numerator itself
-        got[name] = policy.train_step(batch, fn, TEMPERATURE, 4, prev_logprobs=batch.rollout_logprobs.clone())
+        got[name] = policy.train_step(batch, fn, TEMPERATURE, 2, prev_logprobs=batch.rollout_logprobs.clone())
     inv_m, plain_m = got["invariant"], got["plain"]
     assert inv_m["probs_ratio_min"] == 1.0 and inv_m["probs_ratio_max"] == 1.0
     assert inv_m["token_mult_prob_error"] == 1.0 and inv_m["clip_fraction"] == 0.0
