@@ -7,12 +7,16 @@ tests check bitwise (``torch.equal``), fp32 under the Triton interpreter with
 ``msa_interpret.fixed_order_dot``, that a position's output does not depend on the path: decode
 vs prefill row, speculative-verify rows, chunked prefill (chunk edges inside and on split edges),
 a sequence alone vs beside other rows, CUDA-graph padding rows and a wider block table; for a dense
-layer of 40 pages (5 splits) and a sparse layer whose engineered selections spread over every
+layer of 20 pages (5 splits) and a sparse layer whose engineered selections spread over every
 split (with empty slots, repeated ids and ids past the token's block); a sparse layer selecting
 every block gives the dense layer's bits; both match the PyTorch reference within tolerance.
 The sparse calls name ``sparse_impl="union"``: the splits are the union walk's (page partials, the
 default, have none; tests/test_invariant_page_partials.py), and the all-blocks-equals-dense check
 holds for the union walk only.
+NOTE: this module runs with ``ATTN_SPLIT_BLOCKS`` = ``SPLIT_B`` = 4 (the kernels' 8 halved): the
+same kernels, split logic and split counts on contexts half as long (a prefill's interpreter time
+grows with the square of the context). The kernels' own 8 is checked across a split edge (decode
+rows merging two splits) by tests/test_invariant_attention.py, and at M3 shapes by tests/gpu.
 """
 
 from __future__ import annotations
@@ -29,15 +33,18 @@ ia = interpreted_invariant_attention()
 PS, G, NH, D = 16, 2, 8, 32
 SCALE = D**-0.5
 DTYPE = torch.float32
-LENS = {"a": 40 * PS, "b": 13 * PS + 5}  # a: 40 pages = 5 splits of 8; b: 14 pages
+SPLIT_B = 4  # ATTN_SPLIT_BLOCKS here (module NOTE)
+LENS = {"a": 5 * SPLIT_B * PS, "b": 6 * PS + 5}  # a: 20 pages = 5 splits of 4; b: 7 pages (2 splits)
 SEL_K = 8  # engineered selection width (sparse case)
 UNION = "union"  # the sparse calls' choice (module docstring); not the default, page partials
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _row_invariant_dot():
-    """The interpreter's dot made row-invariant like the GPU's (msa_interpret.fixed_order_dot)."""
-    with fixed_order_dot():
+    """The interpreter's dot made row-invariant like the GPU's (msa_interpret.fixed_order_dot); the
+    kernels' split width ``SPLIT_B`` for this module (module NOTE)."""
+    with fixed_order_dot(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ia, "ATTN_SPLIT_BLOCKS", SPLIT_B)
         yield
 
 
@@ -83,17 +90,18 @@ def assert_rows_equal(got, want, what: str) -> None:
     assert torch.equal(got, want), f"{what}: {int((got != want).sum())} elements differ"
 
 
-SPLIT_KEYS = ia.ATTN_SPLIT_BLOCKS * PS
+SPLIT_KEYS = SPLIT_B * PS
 DECODE_POS = [0, SPLIT_KEYS - 1, SPLIT_KEYS, SPLIT_KEYS + 1, 2 * SPLIT_KEYS + 7, 4 * SPLIT_KEYS - 1, LENS["a"] - 1]
 
 
 def test_the_context_spans_several_splits():
+    assert ia.ATTN_SPLIT_BLOCKS == SPLIT_B  # the module's split width is in force
     assert LENS["a"] // PS >= 4 * ia.ATTN_SPLIT_BLOCKS + 1  # 5 splits: the merge order is exercised
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_split_matches_reference(sparse):
-    b = step([("a", LENS["a"] - 1, 1), ("b", 200, 1), ("a", 0, 130), ("b", 100, 60)], 2)
+    b = step([("a", LENS["a"] - 1, 1), ("b", 100, 1), ("a", 0, 65), ("b", 50, 30)], 2)
     ids = engineered_ids(b.meta.positions) if sparse else None
     got = run(b, sparse)
     if sparse:  # the reference takes no id past the token's block
@@ -126,30 +134,30 @@ def test_split_decode_and_verify_rows_equal_prefill_rows(sparse, programs, pipel
 def test_split_chunked_prefill_and_batch_mix_equal_alone(sparse):
     want, want_b = alone("a", sparse), alone("b", sparse)
     # chunks ending inside a split, on a split edge and inside a page, three rows of one launch
-    edges = [0, 100, SPLIT_KEYS, 3 * SPLIT_KEYS + 9, LENS["a"]]
+    edges = [0, 50, SPLIT_KEYS, 3 * SPLIT_KEYS + 9, LENS["a"]]
     got = run(step([("a", lo, hi - lo) for lo, hi in zip(edges[:-1], edges[1:], strict=True)], 0, seed=3), sparse)
     assert_rows_equal(got, want, "chunked vs one chunk")
     # decode rows of a and b beside prefill rows (after a prefix hit), a wider table
-    rows = [("b", LENS["b"] - 1, 1), ("a", LENS["a"] - 1, 1), ("b", 0, 40), ("a", 2 * SPLIT_KEYS + 3, 150)]
-    b = step(rows, 2, table_width=48, seed=4)
+    rows = [("b", LENS["b"] - 1, 1), ("a", LENS["a"] - 1, 1), ("b", 0, 40), ("a", 2 * SPLIT_KEYS + 3, 75)]
+    b = step(rows, 2, table_width=24, seed=4)
     got = run(b, sparse)
     qsl = b.meta.query_start_loc.tolist()
     assert_rows_equal(got[qsl[0] : qsl[1]], want_b[-1:], "b's decode row in a mixed batch")
     assert_rows_equal(got[qsl[1] : qsl[2]], want[-1:], "a's decode row in a mixed batch")
     assert_rows_equal(got[qsl[2] : qsl[3]], want_b[:40], "b's prefill chunk")
     lo = 2 * SPLIT_KEYS + 3
-    assert_rows_equal(got[qsl[3] : qsl[4]], want[lo : lo + 150], "a's chunk after a prefix hit")
+    assert_rows_equal(got[qsl[3] : qsl[4]], want[lo : lo + 75], "a's chunk after a prefix hit")
     # decode rows with CUDA-graph padding rows
-    padded = run(step([("a", LENS["a"] - 1, 1), ("b", 150, 1)], 2, pad_rows=3, table_width=64, seed=6), sparse)
-    assert_rows_equal(padded[:2], torch.cat([want[-1:], want_b[150:151]]), "decode with padding rows")
+    padded = run(step([("a", LENS["a"] - 1, 1), ("b", 75, 1)], 2, pad_rows=3, table_width=32, seed=6), sparse)
+    assert_rows_equal(padded[:2], torch.cat([want[-1:], want_b[75:76]]), "decode with padding rows")
 
 
 def test_split_sparse_with_every_block_selected_equals_dense():
-    # every causal block selected (K = 64 >= 40 blocks, ids in a position-dependent order): the
+    # every causal block selected (K = 32 >= 20 blocks, ids in a position-dependent order): the
     # sparse walk visits the dense layer's pages in the dense order, split for split
     b = step([("a", 0, LENS["a"])], 0)
     p = b.meta.positions.long()
-    k = torch.arange(64)
+    k = torch.arange(32)
     nb = (p // PS + 1)[:, None]
     ids = torch.where(k[None, :] < nb, (k[None, :] + 3 * p[:, None]) % nb, -1)  # a rotation of 0..nb-1
     ids = ids[:, None, :].expand(-1, G, -1).to(torch.int32).contiguous()
@@ -167,7 +175,7 @@ def test_non_contiguous_ids_give_the_contiguous_ids_bits(sparse_impl):
     """The kernels read a token's K slots at unit stride: a transposed view of the same ids (strides
     (8, 1, 2)) must be copied, not read as laid out (it was, giving another selection's output);
     both sparse attentions."""
-    b = step([("a", LENS["a"] - 1, 1), ("b", 150, 1)], 2, seed=7)
+    b = step([("a", LENS["a"] - 1, 1), ("b", 75, 1)], 2, seed=7)
     ids = engineered_ids(b.meta.positions)
     strided = ids.transpose(1, 2).contiguous().transpose(1, 2)
     assert torch.equal(strided, ids) and not strided.is_contiguous()
