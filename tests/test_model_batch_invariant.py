@@ -41,7 +41,9 @@ INVARIANT = per_row_attention(interpreted_paged_ops(batch_invariant=True))
 
 
 def _model(seed=0):
-    return small_paged_model(seed, vocab_size=96, page_size=PS)
+    """Two layers: a dense one and a sparse-attention + MoE one (every layer kind; each op of the
+    forward runs per layer, so more layers repeat the same checks at the interpreter's cost)."""
+    return small_paged_model(seed, vocab_size=96, page_size=PS, layers=2)
 
 
 def _seqs():
