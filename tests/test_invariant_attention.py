@@ -17,6 +17,8 @@ kernels (msa_paged_attention) fail the decode-vs-prefill check: it is not vacuou
 NOTE: the interpreter's own dot (numpy matmul) is not row-invariant (BLAS micro-kernels), so this
 module runs with ``msa_interpret.fixed_order_dot``; that a fixed-shape tensor-core dot is (and the
 rule "decode padded into the prefill tile shape") is checked by tests/gpu/test_invariant_attention_gpu.py.
+The bitwise checks rank blocks in top-k chunks of 16, not 128 (``INVARIANCE_TOPK_CHUNK``: one chunk
+either way at their sizes; the top-k's own tests here run the kernels' chunk).
 The sparse layers' calls here name ``sparse_impl="union"`` (``UNION``): this module checks
 ``inv_attn_kernel``'s union walk, which the engine runs with ``invariant_sparse_attention="union"``;
 the default, page partials, is checked by tests/test_invariant_page_partials.py.
@@ -62,14 +64,25 @@ def make_step(seqs: SequenceContents, rows: list, num_decodes: int, **kw) -> Pag
     return make_step_batch(seqs, rows, num_decodes, page_size=PS, **kw)
 
 
+# The bitwise invariance checks (``run``) rank blocks in top-k chunks of 16 instead of the kernels'
+# 128 (``TOPK_CHUNK``): every table here (<= 16 blocks) is one chunk either way, the same branch; the
+# chunk only sets the width of the exact integer network, whose interpreted cost dominates these
+# tests. The kernels' chunk, and rows over several chunks, are checked against the reference by the
+# top-k tests above (and the sparse tests of test_invariant_page_partials / the trainer test).
+INVARIANCE_TOPK_CHUNK = 16
+
+
 def run(step: PagedBatch, sparse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(attention output [T, nh, d], block choice [T, G, K] or None) of one step."""
     if not sparse:
         return ia.invariant_paged_attention(step.q, step.k, step.v, step.meta, SCALE), None
+    assert step.meta.block_tables.shape[1] <= INVARIANCE_TOPK_CHUNK  # one top-k chunk, as with 128
     sel = torch.full((step.meta.num_tokens, G, K), -7, dtype=torch.int32)
-    out = ia.invariant_msa_attention(
-        step.q, step.iq, step.k, step.v, step.ik, step.meta, SCALE, K, sel_out=sel, sparse_impl=UNION
-    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ia, "TOPK_CHUNK", INVARIANCE_TOPK_CHUNK)
+        out = ia.invariant_msa_attention(
+            step.q, step.iq, step.k, step.v, step.ik, step.meta, SCALE, K, sel_out=sel, sparse_impl=UNION
+        )
     return out, sel
 
 
