@@ -81,13 +81,14 @@ def _set_moe_split_below(monkeypatch, below: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_fused_experts_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
-    """(a) + reference: never split vs always split (>= 2 chunks), 1 / 3 / 33 tokens."""
+    """(a) + reference: never split vs always split (>= 2 chunks), 1 / 3 / 33 tokens (fp16: 3 / 33, the
+    decode and middle bands; the one-token tile is fp32's, the dtype only changes the dots' inputs)."""
     mc = sys.modules["m3_kernels.moe_chunked"]  # the interpreted module fused_moe calls into
     spies = {name: LaunchSpy(getattr(mc, name)) for name in ("_moe_w13_chunked_kernel", "_moe_w2_chunked_kernel")}
     for name, spy in spies.items():
         monkeypatch.setattr(mc, name, spy)
     x, ids, weights, w13, w2 = _moe_case(dtype)
-    for t in (1, 3, 33):
+    for t in (1, 3, 33) if dtype == torch.float32 else (3, 33):
         got = {}
         for below in (0, 10**9):
             _set_moe_split_below(monkeypatch, below)
