@@ -61,7 +61,7 @@ def _generate(model, ops, token_logprobs, n: int):
     """Three prompts (lengths 31, 6, 12; 31 + 3 > top-k 2 x block 16, so sparse layers select) x
     ``n`` samples, prefill chunked by 16 tokens; returns [(ids, generated from, recorded logprobs)]."""
     g = torch.Generator().manual_seed(5)
-    prompts = {name: torch.randint(0, 96, (n,), generator=g).tolist() for name, n in (("a", 31), ("b", 6), ("c", 12))}
+    prompts = {name: torch.randint(0, 96, (ln,), generator=g).tolist() for name, ln in (("a", 31), ("b", 6), ("c", 12))}
     cfg = EngineConfig(max_model_len=40, max_num_seqs=6, num_pages=20, max_num_batched_tokens=16, batch_invariant=True)
     engine = LLMEngine(model, cfg, ops=ops)
     engine.runner.token_logprobs = token_logprobs  # CPU: the engine leaves torch's (CUDA only)
