@@ -1,0 +1,76 @@
+"""Index block scores, value by value, against a per-token PyTorch reference (spec §3.4), on CPU.
+
+The selection tests elsewhere compare block ids, which hide two kinds of score error: the diagonal
+block is always forced (local_blocks >= 1), so a causal-mask slip inside it never changes a
+selection, and a positive factor common to a row's scores (the FP8 query scale) never changes an
+order. Here every written entry [t, g, b], b <= pos(t) // ps, of the fast kernels
+(``msa_index_topk.index_block_scores``: decode split-K launch and prefill tiles) and of the
+batch-invariant kernel (``invariant_attention.invariant_index_scores``) is compared with
+max over keys u of block b with u <= pos(t) of <iq[t, g], ik[u]>, on fp32 keys and on the FP8 cache
+with and without query quantization (dequantized keys / queries in the reference). Interpreter,
+tiny preset shapes (tests/test_kernels_msa*.py), fp32 queries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3_kernels.msa_interpret import interpreted_invariant_attention, interpreted_kernels
+from m3_kernels.msa_synthetic import make_paged_batch
+from m3_kernels.paged_layout import FP8IndexCache, dequantize_index_keys, quantize_index_keys
+from m3_rollout.engine.reference_ops import gather_index_keys, token_rows
+
+mi, _, _ = interpreted_kernels()
+ia = interpreted_invariant_attention()
+
+PS, G, NH, D = 16, 2, 8, 32
+# decode rows at positions 40 and 300 (offsets 8 and 12 in their last block), then prefill rows:
+# 12 tokens from 56 (across the block edge at 64) and 37 tokens from 0 (three blocks, every offset)
+ROWS, DECODES = [(40, 1), (300, 1), (56, 12), (0, 37)], 2
+CACHES = ["fp32", "fp8", "fp8_q"]
+
+
+def reference_scores(iq: torch.Tensor, cache, meta) -> list[torch.Tensor]:
+    """Per token t: [G, pos(t) // PS + 1] fp32 block maxima over the causal keys of each block."""
+    if isinstance(cache, FP8IndexCache) and cache.quantize_queries:
+        iq = dequantize_index_keys(*quantize_index_keys(iq))
+    keys = gather_index_keys(cache, meta, torch.float32)  # [R, Sk, di] in logical order
+    row, _ = token_rows(meta)
+    out = []
+    for t, p in enumerate(meta.positions.long().tolist()):
+        nb = p // PS + 1
+        s = torch.full((G, nb * PS), float("-inf"))
+        s[:, : p + 1] = iq[t].float() @ keys[row[t], : p + 1].T
+        out.append(s.view(G, nb, PS).amax(-1))
+    return out
+
+
+def batch_and_cache(kind: str):
+    b = make_paged_batch(
+        ROWS, DECODES, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.float32, seed=3
+    )
+    cache = b.ik if kind == "fp32" else FP8IndexCache(*quantize_index_keys(b.ik), kind == "fp8_q")
+    return b, cache
+
+
+def assert_scores_match(got: torch.Tensor, want: list[torch.Tensor], what: str) -> None:
+    for t, ref in enumerate(want):
+        got_t = got[t, :, : ref.shape[1]]
+        torch.testing.assert_close(got_t, ref, atol=1e-5, rtol=1e-5, msg=lambda m, t=t: f"{what}, token {t}: {m}")
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_fast_index_scores_equal_reference_block_maxima(kind):
+    b, cache = batch_and_cache(kind)
+    want = reference_scores(b.iq, cache, b.meta)
+    assert len(want) == 51 and max(w.shape[1] for w in want) == 19
+    assert_scores_match(mi.index_block_scores(b.iq, cache, b.meta), want, f"index_block_scores ({kind})")
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_invariant_index_scores_equal_reference_block_maxima(kind):
+    b, cache = batch_and_cache(kind)
+    scores, done = ia.invariant_index_scores(b.iq, cache, b.meta)
+    assert done == 0  # no decode top-k asked for
+    assert_scores_match(scores, reference_scores(b.iq, cache, b.meta), f"invariant_index_scores ({kind})")
