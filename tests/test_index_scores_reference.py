@@ -3,7 +3,9 @@
 The selection tests elsewhere compare block ids, which hide two kinds of score error: the diagonal
 block is always forced (local_blocks >= 1), so a causal-mask slip inside it never changes a
 selection, and a positive factor common to a row's scores (the FP8 query scale) never changes an
-order. Here every written entry [t, g, b], b <= pos(t) // ps, of the fast kernels
+order; with power-of-two scales, rows of one binade also hide a query scale taken per tile instead
+of per row (so index head 1 is scaled down here). Here every written entry [t, g, b],
+b <= pos(t) // ps, of the fast kernels
 (``msa_index_topk.index_block_scores``: decode split-K launch and prefill tiles) and of the
 batch-invariant kernel (``invariant_attention.invariant_index_scores``) is compared with
 max over keys u of block b with u <= pos(t) of <iq[t, g], ik[u]>, on fp32 keys and on the FP8 cache
@@ -50,6 +52,9 @@ def batch_and_cache(kind: str):
     b = make_paged_batch(
         ROWS, DECODES, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.float32, seed=3
     )
+    # index head 1 at ~1/30 of head 0's magnitude: the two rows of a (token, head) tile fall in other
+    # power-of-two binades, so an FP8 query scale taken per tile instead of per row changes the codes
+    b.iq[:, 1] *= 0.03
     cache = b.ik if kind == "fp32" else FP8IndexCache(*quantize_index_keys(b.ik), kind == "fp8_q")
     return b, cache
 
