@@ -73,7 +73,7 @@ import triton.language as tl
 from m3_kernels import fused_layers as fl
 from m3_kernels import fused_moe as fm
 from m3_kernels.moe_tiles import GemmTile, dot_precision
-from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
+from m3_kernels.split_k import combine_chunks, last_to_arrive, reset_counter, tile_counters
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -290,10 +290,7 @@ def _linear_kernel(
             n_chunks = tl.cdiv(K, K_CHUNK)
             tile = pid_m * tl.num_programs(1) + pid_n
             if last_to_arrive(count_ptr + tile, n_chunks):
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for cc in range(0, n_chunks):  # chunk order, whichever program came last
-                    p_c = p_ptrs + (cc * M).to(tl.int64) * N
-                    acc += tl.load(p_c, mask=mm[:, None] & mn[None, :], other=0.0, cache_modifier=".cg")
+                acc = combine_chunks(p_ptrs, M.to(tl.int64) * N, n_chunks, mm[:, None] & mn[None, :], BLOCK_M, BLOCK_N)
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
                 tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from m3_kernels.moe_align import AlignedAssignments
 from m3_kernels.moe_tiles import GemmTile, dot_precision, launch_group, swiglu_oai_tile, tile_coords
-from m3_kernels.split_k import last_to_arrive, reset_counter, tile_counters
+from m3_kernels.split_k import combine_chunks, last_to_arrive, reset_counter, tile_counters
 
 
 def check_k_chunk(k_chunk: int, *tiles: GemmTile) -> None:
@@ -126,12 +126,9 @@ def _moe_w13_chunked_kernel(
         tl.store(pg_ptrs + c * chunk_stride + INTER, part_u, mask=ok)
         n_chunks = tl.cdiv(HIDDEN, K_CHUNK)
         if last_to_arrive(count_ptr + pid, n_chunks):
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for cc in range(0, n_chunks):  # chunk order, whichever program came last
-                p_c = pg_ptrs + cc * chunk_stride
-                acc_g += tl.load(p_c, mask=ok, other=0.0, cache_modifier=".cg")
-                acc_u += tl.load(p_c + INTER, mask=ok, other=0.0, cache_modifier=".cg")
+            # chunk order, whichever program came last
+            acc_g = combine_chunks(pg_ptrs, chunk_stride, n_chunks, ok, BLOCK_M, BLOCK_N)
+            acc_u = combine_chunks(pg_ptrs + INTER, chunk_stride, n_chunks, ok, BLOCK_M, BLOCK_N)
             act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)
             tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
             reset_counter(count_ptr + pid)
@@ -222,9 +219,7 @@ def _moe_w2_chunked_kernel(
         tl.store(p_ptrs + c * chunk_stride, part, mask=ok)
         n_chunks = tl.cdiv(INTER, K_CHUNK)
         if last_to_arrive(count_ptr + pid, n_chunks):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for cc in range(0, n_chunks):  # chunk order, whichever program came last
-                acc += tl.load(p_ptrs + cc * chunk_stride, mask=ok, other=0.0, cache_modifier=".cg")
+            acc = combine_chunks(p_ptrs, chunk_stride, n_chunks, ok, BLOCK_M, BLOCK_N)  # chunk order
             w = tl.load(weights_ptr + rid, mask=row_ok, other=0.0).to(tl.float32)  # [M] routing weights
             tl.store(out_ptrs, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
             reset_counter(count_ptr + pid)
