@@ -23,7 +23,7 @@ order j: a function of the token's own partials. So:
   only move an entry to another tile or another row of a tile;
 - decode rows: ``pp_decode_kernel``, one program per entry (skipping -1, ids past the position
   and repeats exactly as the merge's validity test does): the page from the block table, its K/V
-  loaded, then the SAME loop helper as kv_seg (``kv_seg_pipelined``, hence ``_kv_seg_qk`` /
+  loaded, then the SAME loop helper as kv_seg (``kv_seg_entries``, hence ``_kv_seg_qk`` /
   ``_kv_seg_finish``) on a one-entry segment: the entry's RH rows first in the same
   ``[TOK * RHP, d]`` tile, the other rows zero and masked, the same constexprs, warps and stages;
   the partial lands at the same entry index; then the same merge launch. A decode token's output
@@ -37,8 +37,8 @@ Partials: per token ``[G, K, RH, d]`` in ``kv_major_partial_dtype`` then ``[G, K
 scratch (the engine's / the scorer's; an empty scratch: passes of ``KV_CHUNK_TOKENS`` in a buffer
 allocated per call, as the fast path without one); decode takes the scratch's head when it holds the
 decode tokens, else allocates tokens x G x K entries. Decode is CUDA-graph capturable: the grid
-(tokens x G x K programs), the buffers and the glue (an entry-id ``arange``, the positions expanded
-per entry) are sized by the token count only; no host sync.
+(tokens x G x K programs) and the buffers are sized by the token count only; two launches, no torch
+glue (each program builds its one-entry id / position vectors itself), no host sync.
 
 Shape legend: T query tokens, G KV heads, RH = nh / G query heads per KV head (RHP its power of
 two), K top-k slots, d head dim, ps page size.
@@ -59,7 +59,7 @@ from m3_kernels.msa_paged_attention import (
     kv_major_capacity,
     kv_major_merge_kernel,
     kv_major_partial_buffers,
-    kv_seg_pipelined,
+    kv_seg_entries,
     prefill_kv_major,
 )
 from m3_kernels.paged_layout import PagedMetadata
@@ -96,8 +96,6 @@ def pp_decode_kernel(
     bt_ptr,
     pos_ptr,
     sel_ptr,
-    eid_ptr,
-    epos_ptr,
     opart_ptr,
     lse_ptr,
     qk_scale,
@@ -124,8 +122,7 @@ def pp_decode_kernel(
     """One decode entry e = (t * G + g) * topk + j: the partial opart[e] / lse[e] of token t's KV head g
     over its slot-j block, computed as kv_seg_attn_kernel computes a prefill entry.
 
-    sel: contiguous [T, G, K] int32; eid[e] = e (the one-entry segment's id vector); epos[e] = t's
-    position. Entries the merge ignores (-1, past the position, a block repeated from an earlier
+    sel: contiguous [T, G, K] int32. Entries the merge ignores (-1, past the position, a block repeated from an earlier
     slot) return before any load of K/V."""
     e = tl.program_id(0)
     t = e // (G * topk)
@@ -146,39 +143,16 @@ def pp_decode_kernel(
     koff = page.to(tl.int64) * stride_kp + g * stride_kg + offs_o[:, None] * stride_ko + offs_d[None, :]
     k = tl.load(k_ptr + koff)  # [PS, D]
     v = tl.load(v_ptr + koff)
-    # NOTE: kv_seg_attn_kernel's own loop (same tile, dots, softmax and store); a segment of one entry
-    kv_seg_pipelined(
-        q_ptr,
-        v,
-        k,
-        eid_ptr,
-        epos_ptr,
-        opart_ptr,
-        lse_ptr,
-        qk_scale,
-        0,
-        topk,
-        e,
-        e + 1,
-        b,
-        g,
-        h,
-        offs_m,
-        offs_d,
-        offs_o,
-        stride_qt,
-        stride_qh,
-        G,
-        RH,
-        RHP,
-        D,
-        PS,
-        TOK,
-        SEG,
-        SEGP,
-        IEEE,
-        DEFERRED,
-    )
+    # NOTE: kv_seg_attn_kernel's own loop (same tile, dots, softmax and store) on a segment of one
+    # entry, whose id and position vectors are built here with the values the prefill's loads give
+    # (lane 0 = this entry, the others masked): no host-side id / position tensors
+    offs_s = tl.arange(0, SEGP)
+    perm_v = tl.where(offs_s == 0, e, 0)
+    epos_v = tl.where(offs_s == 0, p.to(tl.int32), -1)
+    kv_seg_entries(
+        q_ptr, v, k, perm_v, epos_v, 1, opart_ptr, lse_ptr, qk_scale, 0, topk, b, g, h, offs_m, offs_d, offs_o,
+        stride_qt, stride_qh, G, RH, RHP, D, PS, TOK, SEG, IEEE, DEFERRED,
+    )  # fmt: skip
 
 
 def page_partials_attention(
@@ -218,10 +192,6 @@ def page_partials_attention(
         opart, lse = kv_major_partial_buffers(
             scratch if cap is not None and cap >= td else None, td, g, topk, rh, d, q.dtype, q.device
         )
-        eid = torch.arange(td * g * topk, dtype=torch.int64, device=q.device)  # int64 like the prefill sort's perm
-        # [td * G * K], materialised: with one decode token reshape(-1) of the expand is a stride-0
-        # view, and the kernel reads positions by pointer past its first element
-        epos = meta.positions[:td].to(torch.int32)[:, None].expand(td, g * topk).contiguous().view(-1)
         pp_decode_kernel[(td * g * topk,)](
             q,
             k_cache_l,
@@ -229,8 +199,6 @@ def page_partials_attention(
             meta.block_tables,
             meta.positions,
             sel,
-            eid,
-            epos,
             opart,
             lse,
             qk_scale,

@@ -56,12 +56,12 @@ def page_partials_kernels(dtype: torch.dtype = torch.bfloat16) -> dict[str, dict
     cfg = pp.page_partials_config(16, ieee)
     tile = dict(G=4, RH=16, RHP=16, D=128, PS=128, TOK=cfg["tok"], SEG=cfg["seg"], SEGP=cfg["seg"], IEEE=ieee)
     deferred = cfg["prefetch"] == "deferred"
-    io = dict(q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, opart_ptr="*" + dt, lse_ptr="*fp32", epos_ptr="*i32")
+    io = dict(q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, opart_ptr="*" + dt, lse_ptr="*fp32")
     seg_sig = {n: "i32" for n in ma.kv_seg_attn_kernel.arg_names}
-    seg_sig.update(io, perm_ptr="*i64", seg_bkt_ptr="*i32", bkt_page_ptr="*i32", qk_scale="fp32")
+    seg_sig.update(io, epos_ptr="*i32", perm_ptr="*i64", seg_bkt_ptr="*i32", bkt_page_ptr="*i32", qk_scale="fp32")
     seg_sig.update({n: "*i64" for n in ("bkt_start_ptr", "bkt_seg0_ptr", "bkt_end_ptr")})
     dec_sig = {n: "i32" for n in pp.pp_decode_kernel.arg_names}
-    dec_sig.update(io, eid_ptr="*i64", bt_ptr="*i32", pos_ptr="*i64", sel_ptr="*i32", qk_scale="fp32")
+    dec_sig.update(io, bt_ptr="*i32", pos_ptr="*i64", sel_ptr="*i32", qk_scale="fp32")
     seg_consts = dict(tile, PREFETCH=False, PIPELINE=True, DEFERRED=deferred)
     run = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return {

@@ -733,16 +733,57 @@ def kv_seg_pipelined(
     IEEE: tl.constexpr,
     DEFERRED: tl.constexpr,
 ):
-    """``kv_seg_attn_kernel``'s entry loop with PIPELINE: the segment's ids and positions in registers
-    (vectors of SEGP = SEG rounded up to a power of two, as ``tl.arange`` needs; lanes past the
-    segment's n <= SEG entries are masked). DEFERRED: the next tile's QK dot is issued before this
-    tile's softmax and PV dot (its scores are loop-carried), so the tensor cores work on one tile
-    while the other's softmax runs (the overlap FA3 builds by hand: Shah et al. 2024, §3.2); the
-    same tiles and ops, so the same values. The last iteration's look-ahead tile has no valid row."""
+    """``kv_seg_attn_kernel``'s entry loop with PIPELINE: the segment's ids and positions
+    perm[e_lo:e_hi], epos[e_lo:e_hi] loaded into registers (vectors of SEGP = SEG rounded up to a
+    power of two, as ``tl.arange`` needs; lanes past the segment's n <= SEG entries are masked),
+    then ``kv_seg_entries``."""
     n = e_hi - e_lo
     offs_s = tl.arange(0, SEGP)
     perm_v = tl.load(perm_ptr + e_lo + offs_s, mask=offs_s < n, other=0).to(tl.int32)  # [SEGP]
     epos_v = tl.load(epos_ptr + e_lo + offs_s, mask=offs_s < n, other=-1).to(tl.int32)
+    kv_seg_entries(
+        q_ptr, v, k, perm_v, epos_v, n, opart_ptr, lse_ptr, qk_scale, t_base, topk, b, g, h, offs_m, offs_d, offs_o,
+        stride_qt, stride_qh, G, RH, RHP, D, PS, TOK, SEG, IEEE, DEFERRED,
+    )  # fmt: skip
+
+
+@triton.jit
+def kv_seg_entries(
+    q_ptr,
+    v,
+    k,
+    perm_v,
+    epos_v,
+    n,
+    opart_ptr,
+    lse_ptr,
+    qk_scale,
+    t_base,
+    topk,
+    b,
+    g,
+    h,
+    offs_m,
+    offs_d,
+    offs_o,
+    stride_qt,
+    stride_qh,
+    G: tl.constexpr,
+    RH: tl.constexpr,
+    RHP: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    TOK: tl.constexpr,
+    SEG: tl.constexpr,
+    IEEE: tl.constexpr,
+    DEFERRED: tl.constexpr,
+):
+    """The pipelined entry loop over one page's segment: entry ids perm_v and positions epos_v
+    ([SEGP] int32 vectors in registers, n valid lanes), TOK entries per tile. DEFERRED: the next
+    tile's QK dot is issued before this tile's softmax and PV dot (its scores are loop-carried), so
+    the tensor cores work on one tile while the other's softmax runs (the overlap FA3 builds by
+    hand: Shah et al. 2024, §3.2); the same tiles and ops, so the same values. The last
+    iteration's look-ahead tile has no valid row."""
     if DEFERRED:
         e, qpos, m_ok, q = _kv_seg_gather_tile(
             q_ptr, perm_v, epos_v, 0, n, t_base, topk, g, h, offs_m, offs_d, stride_qt, stride_qh, G, RH, RHP, SEG
@@ -894,6 +935,22 @@ def kv_seg_attn_kernel(
 
 
 @triton.jit
+def _merge_slot(opart_ptr, lse_ptr, row, j, topk, ok_bits, mx, inv_den, h_ok, offs_h, offs_d, RH: tl.constexpr,
+                D: tl.constexpr):  # fmt: skip
+    # kv_major_merge_kernel's slot j: its weight w_j [RHP] = exp2(lse_j - max) / sum and its partial
+    # o_j [RHP, D] in fp32; (0, 0) for an invalid slot or j >= topk
+    ok_j = (j < topk) & (((ok_bits >> tl.minimum(j, 63)) & 1) != 0)
+    lse_j = tl.load(lse_ptr + (row + j) * RH + offs_h, mask=h_ok & ok_j, other=float("-inf"))
+    w_j = tl.exp2(lse_j - mx) * inv_den  # [RHP]
+    o_j = tl.load(
+        opart_ptr + ((row + j) * RH + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :],
+        mask=h_ok[:, None] & ok_j,
+        other=0.0,
+    )
+    return w_j, o_j.to(tl.float32)
+
+
+@triton.jit
 def kv_major_merge_kernel(
     opart_ptr,
     lse_ptr,
@@ -930,20 +987,22 @@ def kv_major_merge_kernel(
     mx = tl.max(lse, axis=0)  # [RHP]; finite: the own block is always valid
     inv_den = 1.0 / tl.sum(tl.exp2(lse - mx[None, :]), axis=0)  # [RHP]
     # NOTE: the loop re-reads lse_j (cached) and tests a bit mask instead of extracting row j of the
-    # register tiles: no cross-thread reduction per partial, the loop is a stream of loads.
+    # register tiles: no cross-thread reduction per partial, the loop is a stream of loads. Four
+    # slots' loads are issued before their four adds (one memory round trip per four slots; the
+    # adds in slot order, as one slot per step makes them); a slot past topk reads as invalid and
+    # adds 0 * 0 = +0.0 to a sum that is never -0.0 (it starts at +0.0): the same bits.
     ok_bits = tl.sum(tl.where(ok, tl.full([KP], 1, tl.int64) << offs_k.to(tl.int64), 0), axis=0)
     h_ok = offs_h < RH
     out = tl.zeros([RHP, D], tl.float32)
-    for j in range(0, topk):
-        ok_j = ((ok_bits >> j) & 1) != 0
-        lse_j = tl.load(lse_ptr + (row + j) * RH + offs_h, mask=h_ok & ok_j, other=float("-inf"))
-        w_j = tl.exp2(lse_j - mx) * inv_den  # [RHP]
-        o_j = tl.load(
-            opart_ptr + ((row + j) * RH + offs_h[:, None]).to(tl.int64) * D + offs_d[None, :],
-            mask=h_ok[:, None] & ok_j,
-            other=0.0,
-        )
-        out += w_j[:, None] * o_j.to(tl.float32)
+    for j in range(0, topk, 4):
+        w0, o0 = _merge_slot(opart_ptr, lse_ptr, row, j, topk, ok_bits, mx, inv_den, h_ok, offs_h, offs_d, RH, D)
+        w1, o1 = _merge_slot(opart_ptr, lse_ptr, row, j + 1, topk, ok_bits, mx, inv_den, h_ok, offs_h, offs_d, RH, D)
+        w2, o2 = _merge_slot(opart_ptr, lse_ptr, row, j + 2, topk, ok_bits, mx, inv_den, h_ok, offs_h, offs_d, RH, D)
+        w3, o3 = _merge_slot(opart_ptr, lse_ptr, row, j + 3, topk, ok_bits, mx, inv_den, h_ok, offs_h, offs_d, RH, D)
+        out += w0[:, None] * o0
+        out += w1[:, None] * o1
+        out += w2[:, None] * o2
+        out += w3[:, None] * o3
     head = g * RH + offs_h
     tl.store(
         o_ptr + (t_base + t) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
