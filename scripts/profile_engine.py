@@ -404,6 +404,16 @@ def main() -> None:
         except ValueError as exc:
             ap.error(str(exc))
     dev = torch.device(args.device)
+    tables = [
+        f
+        for f, on in (("--kernel-table", args.kernel_table), ("--prefill-kernel-table", args.prefill_kernel_table))
+        if on
+    ]
+    if tables and (dev.type != "cuda" or not args.cuda_graphs or args.skip_model):
+        ap.error(
+            f"{' / '.join(tables)}: the kernel tables come from the model-level GPU run, which needs --device cuda "
+            "and --cuda-graphs, without --skip-model"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error(
             f"--device {args.device}: this torch sees no CUDA device (the GPU timings need one; --device cpu runs)"

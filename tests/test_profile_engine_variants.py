@@ -57,3 +57,14 @@ def test_main_refuses_a_bad_name_before_running(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         pe.main()
     assert exc.value.code == 2 and "'ss0' out of range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--prefill-kernel-table"], ["--device", "cuda", "--kernel-table"], ["--cuda-graphs", "--kernel-table"]]
+)
+def test_kernel_tables_without_the_model_level_gpu_run_are_refused(argv, capsys, monkeypatch):
+    # they used to print nothing: the tables are taken in the model-level run (CUDA, graphs)
+    monkeypatch.setattr("sys.argv", ["profile_engine.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        pe.main()
+    assert exc.value.code == 2 and "needs --device cuda and --cuda-graphs" in capsys.readouterr().err
