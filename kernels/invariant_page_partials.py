@@ -122,8 +122,8 @@ def pp_decode_kernel(
     """One decode entry e = (t * G + g) * topk + j: the partial opart[e] / lse[e] of token t's KV head g
     over its slot-j block, computed as kv_seg_attn_kernel computes a prefill entry.
 
-    sel: contiguous [T, G, K] int32. Entries the merge ignores (-1, past the position, a block repeated from an earlier
-    slot) return before any load of K/V."""
+    sel: contiguous [T, G, K] int32. Entries the merge ignores (-1, past the position, a block
+    repeated from an earlier slot) return before any load of K/V."""
     e = tl.program_id(0)
     t = e // (G * topk)
     g = (e // topk) % G

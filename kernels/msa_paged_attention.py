@@ -935,8 +935,9 @@ def kv_seg_attn_kernel(
 
 
 @triton.jit
-def _merge_slot(opart_ptr, lse_ptr, row, j, topk, ok_bits, mx, inv_den, h_ok, offs_h, offs_d, RH: tl.constexpr,
-                D: tl.constexpr):  # fmt: skip
+def _merge_slot(
+    opart_ptr, lse_ptr, row, j, topk, ok_bits, mx, inv_den, h_ok, offs_h, offs_d, RH: tl.constexpr, D: tl.constexpr
+):
     # kv_major_merge_kernel's slot j: its weight w_j [RHP] = exp2(lse_j - max) / sum and its partial
     # o_j [RHP, D] in fp32; (0, 0) for an invalid slot or j >= topk
     ok_j = (j < topk) & (((ok_bits >> tl.minimum(j, 63)) & 1) != 0)

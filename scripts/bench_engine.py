@@ -78,12 +78,12 @@ def machine(device: str) -> str:
 
 HBM_BYTES_PER_S = 4.4e12
 # transformers 5.17 generate() on one H200, configs/bench/m3_bench_300m.json, tok/s by
-# Each engine's kv_cache_memory_gb on CUDA (--kv-cache-gb): KV pages plus the MSA prefill scratch,
-# which a 16K-token chunk at real M3 layer shapes sizes at ~4.2 GB alone.
-KV_CACHE_GB = 4.0
-
 # (device, batch, n): the baseline of --skip-hf runs.
 ANCHOR = {("cuda", 1, 1): 46.4, ("cuda", 32, 1): 1530.7}
+# Each engine's kv_cache_memory_gb on CUDA (--kv-cache-gb; main() sets the run's value): KV pages
+# plus the MSA prefill scratch, which a 16K-token chunk at real M3 layer shapes sizes at ~4.2 GB alone.
+DEFAULT_KV_CACHE_GB = 4.0
+_kv_cache_gb = DEFAULT_KV_CACHE_GB
 
 
 def build_pair(cfg: M3Config, device: str, dtype: torch.dtype):
@@ -126,7 +126,7 @@ def make_engine(
 ) -> LLMEngine:
     """A fresh engine sized for ``prompts`` x n (``config``: further EngineConfig fields)."""
     # explicit: the auto size counts the previous engine's cached pool; a caller may pass its own
-    kv_gb = config.pop("kv_cache_memory_gb", KV_CACHE_GB if device == "cuda" else 0.0)
+    kv_gb = config.pop("kv_cache_memory_gb", _kv_cache_gb if device == "cuda" else 0.0)
     config.setdefault("max_num_batched_tokens", max(8192, max(map(len, prompts))))
     return LLMEngine(
         model,
@@ -653,7 +653,7 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
 def main(argv: list[str] | None = None) -> list[str] | None:
     """Parse ``argv`` (default: sys.argv), run the chosen mode; the --block-record and --batch-invariant
     modes return their docs/benchmarks.md lines (also when not written)."""
-    global KV_CACHE_GB
+    global _kv_cache_gb
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-json", help="config.json (either shape); default: tiny_config() on CPU")
@@ -672,7 +672,10 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         "--batch-invariant: CUDA 32768, CPU 1024)",
     )
     ap.add_argument(
-        "--kv-cache-gb", type=float, default=KV_CACHE_GB, help="CUDA: kv_cache_memory_gb per engine (pages + scratch)"
+        "--kv-cache-gb",
+        type=float,
+        default=DEFAULT_KV_CACHE_GB,
+        help="CUDA: kv_cache_memory_gb per engine (pages + scratch)",
     )
     ap.add_argument("--long-batch", type=int, default=2)
     ap.add_argument("--long-new", type=int, default=32)
@@ -748,7 +751,7 @@ def main(argv: list[str] | None = None) -> list[str] | None:
         help="first compare engine.score with transformers' forward on a prompt of this length",
     )
     args = ap.parse_args(argv)
-    KV_CACHE_GB = args.kv_cache_gb
+    _kv_cache_gb = args.kv_cache_gb
     dev = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
     if args.model_json:

@@ -31,8 +31,9 @@ def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(be
     out = tmp_path / "inv.json"
     argv = ["--batch-invariant", "--device", "cpu", "--no-write", "--out", str(out)]
     sizes = ["--record-batch", "6", "--invariant-new", "6", "--long-len", "192", "--record-reps", "2"]
-    sizes += ["--prefill-reps", "2"]
+    sizes += ["--prefill-reps", "2", "--kv-cache-gb", "2.5"]
     lines = bench.main(argv + sizes)
+    assert bench._kv_cache_gb == 2.5  # the run's value (CUDA engines; the CPU ones size their pool themselves)
     assert lines[0].startswith("\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), ")
     assert "tiny_config()" in lines[1] and "medians of 2 alternated runs" in lines[1]
     assert "(invariant sparse attention: page_partials)" in lines[1]  # the engine's default, no --invariant-sparse
@@ -99,3 +100,13 @@ def test_batch_invariant_mode_refuses_sizes_that_time_no_decode_step(bench, tmp_
     for choice in ("union", "page_partials"):  # either named choice needs --batch-invariant
         with pytest.raises(SystemExit, match="--invariant-sparse applies to --batch-invariant runs only"):
             bench.main(["--device", "cpu", "--no-write", "--invariant-sparse", choice])
+
+
+def test_kv_cache_gb_sizes_cuda_engines_only(bench, monkeypatch):
+    made = []
+    monkeypatch.setattr(bench, "LLMEngine", lambda model, config: made.append(config))
+    monkeypatch.setattr(bench, "_kv_cache_gb", 8.0)
+    bench.make_engine(None, [[5, 6, 7]], 1, "cuda", 16)
+    bench.make_engine(None, [[5, 6, 7]], 1, "cpu", 16)
+    bench.make_engine(None, [[5, 6, 7]], 1, "cuda", 16, kv_cache_memory_gb=1.5)  # a caller's own size wins
+    assert [c.kv_cache_memory_gb for c in made] == [8.0, 0.0, 1.5]
