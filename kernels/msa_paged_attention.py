@@ -701,53 +701,6 @@ def _kv_seg_gather_tile(
 
 
 @triton.jit
-def kv_seg_pipelined(
-    q_ptr,
-    v,
-    k,
-    perm_ptr,
-    epos_ptr,
-    opart_ptr,
-    lse_ptr,
-    qk_scale,
-    t_base,
-    topk,
-    e_lo,
-    e_hi,
-    b,
-    g,
-    h,
-    offs_m,
-    offs_d,
-    offs_o,
-    stride_qt,
-    stride_qh,
-    G: tl.constexpr,
-    RH: tl.constexpr,
-    RHP: tl.constexpr,
-    D: tl.constexpr,
-    PS: tl.constexpr,
-    TOK: tl.constexpr,
-    SEG: tl.constexpr,
-    SEGP: tl.constexpr,
-    IEEE: tl.constexpr,
-    DEFERRED: tl.constexpr,
-):
-    """``kv_seg_attn_kernel``'s entry loop with PIPELINE: the segment's ids and positions
-    perm[e_lo:e_hi], epos[e_lo:e_hi] loaded into registers (vectors of SEGP = SEG rounded up to a
-    power of two, as ``tl.arange`` needs; lanes past the segment's n <= SEG entries are masked),
-    then ``kv_seg_entries``."""
-    n = e_hi - e_lo
-    offs_s = tl.arange(0, SEGP)
-    perm_v = tl.load(perm_ptr + e_lo + offs_s, mask=offs_s < n, other=0).to(tl.int32)  # [SEGP]
-    epos_v = tl.load(epos_ptr + e_lo + offs_s, mask=offs_s < n, other=-1).to(tl.int32)
-    kv_seg_entries(
-        q_ptr, v, k, perm_v, epos_v, n, opart_ptr, lse_ptr, qk_scale, t_base, topk, b, g, h, offs_m, offs_d, offs_o,
-        stride_qt, stride_qh, G, RH, RHP, D, PS, TOK, SEG, IEEE, DEFERRED,
-    )  # fmt: skip
-
-
-@triton.jit
 def kv_seg_entries(
     q_ptr,
     v,
@@ -876,38 +829,16 @@ def kv_seg_attn_kernel(
     k = tl.load(k_ptr + koff)  # [PS, D], loaded once per segment
     v = tl.load(v_ptr + koff)
     if PIPELINE:
-        kv_seg_pipelined(
-            q_ptr,
-            v,
-            k,
-            perm_ptr,
-            epos_ptr,
-            opart_ptr,
-            lse_ptr,
-            qk_scale,
-            t_base,
-            topk,
-            e_lo,
-            e_hi,
-            b,
-            g,
-            h,
-            offs_m,
-            offs_d,
-            offs_o,
-            stride_qt,
-            stride_qh,
-            G,
-            RH,
-            RHP,
-            D,
-            PS,
-            TOK,
-            SEG,
-            SEGP,
-            IEEE,
-            DEFERRED,
-        )
+        # the segment's ids and positions perm[e_lo:e_hi], epos[e_lo:e_hi] in registers (vectors of
+        # SEGP = SEG rounded up to a power of two, as tl.arange needs; lanes past its n entries masked)
+        n = e_hi - e_lo
+        offs_s = tl.arange(0, SEGP)
+        perm_v = tl.load(perm_ptr + e_lo + offs_s, mask=offs_s < n, other=0).to(tl.int32)  # [SEGP]
+        epos_v = tl.load(epos_ptr + e_lo + offs_s, mask=offs_s < n, other=-1).to(tl.int32)
+        kv_seg_entries(
+            q_ptr, v, k, perm_v, epos_v, n, opart_ptr, lse_ptr, qk_scale, t_base, topk, b, g, h, offs_m, offs_d,
+            offs_o, stride_qt, stride_qh, G, RH, RHP, D, PS, TOK, SEG, IEEE, DEFERRED,
+        )  # fmt: skip
         return
     if PREFETCH:  # the first tile's entries; each iteration then loads the next tile's
         ei = e_lo + offs_m // RHP
