@@ -147,6 +147,27 @@ LINEAR_PREFILL_ROWS = 512
 # this (decode-sized steps: a 1-row x 1024-wide projection is 16 programs otherwise). The choice
 # depends on T; the bits do not (LinearConfig.k_chunk).
 SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
+# A split program may walk several consecutive K chunks (each still its own partial, summed from
+# zero) while the launch keeps >= SPLIT_PROGRAMS_MIN programs: longer pipelined K loops and fewer
+# programs where K is long (M3's q|k|v at T = 1: 24 chunks x 155 column tiles = 3,720 programs of
+# 32 KB each). Work split only (same additions). Off (1) until measured on a GPU: the real-shape
+# slice's batch-1 decode spends 763 us per step in this band against 486 us for the fast skinny
+# GEMM (docs/benchmarks.md, 2026-12-06); ``profile_engine.py --variants invariant invariant+lcg8``
+# is the A/B.
+SPLIT_PROGRAMS_MIN = 528  # 4 x the H200's 132 SMs
+SPLIT_CHUNKS_PER_PROGRAM_MAX = 1
+
+
+def split_chunks_per_program(tiles: int, chunks: int) -> int:
+    """K chunks per program of a split launch of ``tiles`` output tiles x ``chunks`` K chunks: the
+    largest power of two <= SPLIT_CHUNKS_PER_PROGRAM_MAX that keeps >= SPLIT_PROGRAMS_MIN programs
+    (1 if none does)."""
+    cpp = 1
+    while cpp < SPLIT_CHUNKS_PER_PROGRAM_MAX and tiles * triton.cdiv(chunks, 2 * cpp) >= SPLIT_PROGRAMS_MIN:
+        cpp *= 2
+    return cpp
+
+
 # The split launch combines its chunk partials itself: the last program of each output tile to
 # finish adds them in chunk order (kernels/split_k.py), saving the combine launch (~1.9 us each,
 # 39 per bench-model decode step). False (or no counter buffer: first call inside a CUDA-graph
@@ -265,6 +286,7 @@ def _linear_kernel(
     FUSED_COMBINE: tl.constexpr,
     PRECISION: tl.constexpr,
     FLAT: tl.constexpr = False,
+    CHUNKS_PER_PROGRAM: tl.constexpr = 1,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]). Program (row tile, column tile[, K chunk]).
     # SPLIT=False: this program sums every K chunk's partial (each from zero) in chunk order into
@@ -282,14 +304,22 @@ def _linear_kernel(
     w_ptrs = w_ptr + on[None, :].to(tl.int64) * stride_wn + ok[:, None]  # [BK, BN]
     o_ptrs = out_ptr + om[:, None].to(tl.int64) * stride_om + on[None, :]
     if SPLIT:
-        c = tl.program_id(2)
-        part = _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
+        n_chunks = tl.cdiv(K, K_CHUNK)
         p_ptrs = part_ptr + om[:, None].to(tl.int64) * N + on[None, :]  # chunk 0's [BM, BN] block
-        tl.store(p_ptrs + c.to(tl.int64) * M * N, part, mask=mm[:, None] & mn[None, :])
+        if CHUNKS_PER_PROGRAM == 1:  # program axis 2: one K chunk
+            c = tl.program_id(2)
+            part = _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
+            tl.store(p_ptrs + c * (M.to(tl.int64) * N), part, mask=mm[:, None] & mn[None, :])
+        else:  # a group of consecutive K chunks, each summed from zero and stored as its own partial
+            c_lo = tl.program_id(2) * CHUNKS_PER_PROGRAM
+            for c in range(c_lo, tl.minimum(c_lo + CHUNKS_PER_PROGRAM, n_chunks)):
+                part = _chunk_dot(
+                    x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
+                )
+                tl.store(p_ptrs + c * (M.to(tl.int64) * N), part, mask=mm[:, None] & mn[None, :])
         if FUSED_COMBINE:
-            n_chunks = tl.cdiv(K, K_CHUNK)
             tile = pid_m * tl.num_programs(1) + pid_n
-            if last_to_arrive(count_ptr + tile, n_chunks):
+            if last_to_arrive(count_ptr + tile, tl.num_programs(2)):
                 acc = combine_chunks(p_ptrs, M.to(tl.int64) * N, n_chunks, mm[:, None] & mn[None, :], BLOCK_M, BLOCK_N)
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + on, mask=mn, other=0.0).to(tl.float32)[None, :]
@@ -453,8 +483,9 @@ def linear(
         )
         return out
     part = torch.empty(chunks, t, n, dtype=torch.float32, device=x.device) if split else out
+    cpp = split_chunks_per_program(tiles[0] * tiles[1], chunks) if split else 1
     counters = tile_counters(x.device, tiles[0] * tiles[1]) if split and SPLIT_K_FUSED_COMBINE else None
-    _linear_kernel[(*tiles, chunks) if split else tiles](
+    _linear_kernel[(*tiles, triton.cdiv(chunks, cpp)) if split else tiles](
         x,
         weight,
         bias if bias is not None else weight,
@@ -476,6 +507,7 @@ def linear(
         FUSED_COMBINE=counters is not None,
         PRECISION=dot_precision(x.dtype),
         FLAT=cfg.flat,
+        CHUNKS_PER_PROGRAM=cpp,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -95,9 +95,10 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # bits; union_walk, stages2 and dp then apply to the sparse layers too). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
 # LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lw<N> (warps), ls<N> (stages); lsk<N>
-# (SPLIT_K_BELOW_PROGRAMS; 0 = no split-K).
+# (SPLIT_K_BELOW_PROGRAMS; 0 = no split-K); lcg<N> (SPLIT_CHUNKS_PER_PROGRAM_MAX: up to N K chunks
+# per split program, a power of two).
 INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl", "union")
-INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lw", "ls", "lsk")
+INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lw", "ls", "lsk", "lcg")
 
 
 # the scheduling constants an invariant+... variant sets, at their import-time defaults (every
@@ -115,12 +116,13 @@ _IA_DEFAULTS = {
 }
 _DEFAULT_LINEAR_DECODE = dict(inv.LINEAR_DECODE_CONFIGS)
 _DEFAULT_SPLIT_K_BELOW = inv.SPLIT_K_BELOW_PROGRAMS
+_DEFAULT_SPLIT_CHUNK_GROUP = inv.SPLIT_CHUNKS_PER_PROGRAM_MAX
 
 
 def _invariant_options(name: str) -> dict[str, int]:
     """The options of an ``invariant+...`` variant name as {option: value (1 for flags)}. Raises
     ValueError naming an unknown or repeated option or a number out of range (dp, ss, ls >= 1; lsk
-    >= 0; lbn a power of two >= 16; lw 1, 2, 4 or 8)."""
+    >= 0; lbn a power of two >= 16; lw 1, 2, 4 or 8; lcg a power of two)."""
     opts = {}
     for tok in name.split("+")[1:]:
         m = re.fullmatch(r"([a-z_]+?)([0-9]+)", tok)
@@ -134,10 +136,11 @@ def _invariant_options(name: str) -> dict[str, int]:
             raise ValueError(f"--variants: {name!r}: option {key!r} given twice")
         ranges = {"lsk": num is not None and num >= 0, "lw": num in (1, 2, 4, 8)}
         ranges["lbn"] = num is not None and num >= 16 and num & (num - 1) == 0
+        ranges["lcg"] = num is not None and num >= 1 and num & (num - 1) == 0
         if not ranges.get(key, num is None or num >= 1):
             raise ValueError(
                 f"--variants: {name!r}: {tok!r} out of range (dp, ss, ls >= 1; lsk >= 0; lbn a power of two "
-                ">= 16; lw 1, 2, 4 or 8)"
+                ">= 16; lw 1, 2, 4 or 8; lcg a power of two)"
             )
         opts[key] = 1 if num is None else num
     return opts
@@ -192,6 +195,7 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
                 num_stages=opts.get("ls", dec.num_stages),
             )
             inv.SPLIT_K_BELOW_PROGRAMS = opts.get("lsk", _DEFAULT_SPLIT_K_BELOW)
+            inv.SPLIT_CHUNKS_PER_PROGRAM_MAX = opts.get("lcg", _DEFAULT_SPLIT_CHUNK_GROUP)
         return paged_ops_for(
             device, dtype, batch_invariant=True, invariant_sparse_attention=variant_sparse_attention(name)
         )

@@ -132,7 +132,8 @@ def test_fused_experts_bits_do_not_depend_on_the_split_choice(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_linear_fused_combine_equals_the_combine_pass(dtype, monkeypatch):
-    """(c): split launches combine in the kernel (default) or in _linear_combine_kernel: same bits,
+    """(c): split launches combine in the kernel (default) or in _linear_combine_kernel, one K chunk
+    per program or several (groups of 2 of the 4 chunks; one group of up to 8): same bits,
     and the unsplit launch's; with and without bias."""
     g = torch.Generator().manual_seed(12)
     k = 3 * inv.linear_config(dtype).k_chunk + 40
@@ -140,11 +141,24 @@ def test_linear_fused_combine_equals_the_combine_pass(dtype, monkeypatch):
     w = (torch.randn(70, k, generator=g) * 0.1).to(dtype)
     bias = torch.randn(70, generator=g)
     got = []
-    for below, fused in ((10**9, True), (10**9, False), (0, True)):
+    assert inv.split_chunks_per_program(1, 64) == 1  # off by default (not yet measured on a GPU)
+    monkeypatch.setattr(inv, "SPLIT_CHUNKS_PER_PROGRAM_MAX", 8)
+    for below, fused, min_programs in (
+        (10**9, True, 10**9),
+        (10**9, False, 1),
+        (0, True, 10**9),
+        (10**9, True, 4),
+        (10**9, True, 1),
+    ):
         monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
         monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", fused)
+        monkeypatch.setattr(inv, "SPLIT_PROGRAMS_MIN", min_programs)
         got.append((inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[3:4], w, bias)))
         assert _counters_zero()
+    # the largest group <= 8 that keeps >= SPLIT_PROGRAMS_MIN programs (1 here: 8; 6 with 3 tiles)
+    assert inv.split_chunks_per_program(1, 4) == 8 and inv.split_chunks_per_program(2, 7) == 8
+    monkeypatch.setattr(inv, "SPLIT_PROGRAMS_MIN", 6)
+    assert [inv.split_chunks_per_program(3, c) for c in (1, 4, 8, 12)] == [1, 2, 4, 8]
     for other in got[1:]:
         for a, b in zip(got[0], other):
             assert torch.equal(a, b)
