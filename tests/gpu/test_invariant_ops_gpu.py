@@ -76,9 +76,10 @@ def test_linear_bits_do_not_depend_on_the_batch(dtype, n, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(2560, 1024), (1024, 2048), (6144, 3072)])
 def test_linear_split_k_gives_the_unsplit_bits(dtype, n, k, monkeypatch):
-    """Compiled: the K chunks run as separate programs + the combine pass (decode-sized launches)
-    give the bits of one program walking every chunk (prefill-sized launches), with and without
-    bias, for 1 and 64 rows (the threshold forced both ways)."""
+    """Compiled: the K chunks run as separate programs + the combine pass (decode-sized launches),
+    one chunk or a group of chunks per program, give the bits of one program walking every chunk
+    (prefill-sized launches), with and without bias, for 1 and 64 rows (the threshold forced both
+    ways)."""
     g = torch.Generator(device=DEV).manual_seed(n + 2 * k)
     x = _rand(64, k, gen=g, dtype=dtype)
     w = _rand(n, k, gen=g, dtype=dtype, scale=k**-0.5)
@@ -87,8 +88,12 @@ def test_linear_split_k_gives_the_unsplit_bits(dtype, n, k, monkeypatch):
     for below in (0, 10**9):
         monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
         got[below] = [inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[5:6], w)]
-    for a, b in zip(got[0], got[10**9]):
-        assert torch.equal(a, b)
+    # split programs walking groups of up to 8 chunks (SPLIT_CHUNKS_PER_PROGRAM_MAX, off by default)
+    monkeypatch.setattr(inv, "SPLIT_CHUNKS_PER_PROGRAM_MAX", 8)
+    monkeypatch.setattr(inv, "SPLIT_PROGRAMS_MIN", 1)
+    grouped = [inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[5:6], w)]
+    for a, b, c in zip(got[0], got[10**9], grouped):
+        assert torch.equal(a, b) and torch.equal(c, b)
 
 
 def test_fused_experts_bits_do_not_depend_on_the_batch():
