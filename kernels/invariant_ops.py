@@ -430,7 +430,8 @@ def linear(
     ("ieee", no TF32): the router GEMM. T may be 0. Row t of the result depends only on x[t] and
     the weights (module docstring); it equals ``F.linear`` up to fp32 summation order. A launch of
     fewer than ``SPLIT_K_BELOW_PROGRAMS`` output tiles with more than one K chunk runs its chunks
-    as separate programs (fp32 partials [chunks, T, N]; the last program of each output tile to
+    in separate programs, one chunk or ``split_chunks_per_program`` consecutive chunks each (fp32
+    partials [chunks, T, N], one per chunk; the last program of each output tile to
     finish adds them, or ``_linear_combine_kernel`` without ``SPLIT_K_FUSED_COMBINE``): the same
     additions in the same order, so the same bits (``LinearConfig.k_chunk``).
     cfg: a launch configuration other than the dtype's (scripts/bench_invariant_linear.py sweeps
