@@ -1,16 +1,17 @@
-"""Index block scores, value by value, against a per-token PyTorch reference (spec §3.4), on CPU.
+"""Index block scores, value by value, against the PyTorch reference (spec §3.4), on CPU.
 
 The selection tests elsewhere compare block ids, which hide two kinds of score error: the diagonal
 block is always forced (local_blocks >= 1), so a causal-mask slip inside it never changes a
 selection, and a positive factor common to a row's scores (the FP8 query scale) never changes an
 order; with power-of-two scales, rows of one binade also hide a query scale taken per tile instead
 of per row (so index head 1 is scaled down here). Here every written entry [t, g, b],
-b <= pos(t) // ps, of the fast kernels
-(``msa_index_topk.index_block_scores``: decode split-K launch and prefill tiles) and of the
-batch-invariant kernel (``invariant_attention.invariant_index_scores``) is compared with
-max over keys u of block b with u <= pos(t) of <iq[t, g], ik[u]>, on fp32 keys and on the FP8 cache
-with and without query quantization (dequantized keys / queries in the reference). Interpreter,
-tiny preset shapes (tests/test_kernels_msa*.py), fp32 queries.
+b <= pos(t) // ps, of the fast kernels (``msa_index_topk.index_block_scores``: decode split-K
+launch and prefill tiles) and of the batch-invariant kernel
+(``invariant_attention.invariant_index_scores``) is compared with the max over keys u <= pos(t) of
+block b of <iq[t, g], ik[u]> (``reference_ops.index_block_scores_ref``, the scores
+``index_topk_ref`` selects from), on fp32 keys and on the FP8 cache with and without query
+quantization (dequantized keys / queries in the reference). Interpreter, tiny preset shapes
+(tests/test_kernels_msa*.py), fp32 queries.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 
 from m3_kernels.msa_interpret import interpreted_invariant_attention, interpreted_kernels
 from m3_kernels.msa_synthetic import make_paged_batch
-from m3_kernels.paged_layout import FP8IndexCache, dequantize_index_keys, quantize_index_keys
-from m3_rollout.engine.reference_ops import gather_index_keys, token_rows
+from m3_kernels.paged_layout import FP8IndexCache, quantize_index_keys
+from m3_rollout.engine.reference_ops import index_block_scores_ref, unpad_queries
 
 mi, _, _ = interpreted_kernels()
 ia = interpreted_invariant_attention()
@@ -34,18 +35,10 @@ CACHES = ["fp32", "fp8", "fp8_q"]
 
 
 def reference_scores(iq: torch.Tensor, cache, meta) -> list[torch.Tensor]:
-    """Per token t: [G, pos(t) // PS + 1] fp32 block maxima over the causal keys of each block."""
-    if isinstance(cache, FP8IndexCache) and cache.quantize_queries:
-        iq = dequantize_index_keys(*quantize_index_keys(iq))
-    keys = gather_index_keys(cache, meta, torch.float32)  # [R, Sk, di] in logical order
-    row, _ = token_rows(meta)
-    out = []
-    for t, p in enumerate(meta.positions.long().tolist()):
-        nb = p // PS + 1
-        s = torch.full((G, nb * PS), float("-inf"))
-        s[:, : p + 1] = iq[t].float() @ keys[row[t], : p + 1].T
-        out.append(s.view(G, nb, PS).amax(-1))
-    return out
+    """Per token t: [G, pos(t) // PS + 1], the reference's block maxima (``index_block_scores_ref``)."""
+    scores, _ = index_block_scores_ref(iq, cache, meta)  # [R, G, Sq, nb], rows padded
+    flat = unpad_queries(scores.permute(0, 2, 1, 3), meta)  # [T, G, nb]
+    return [flat[t, :, : p // PS + 1] for t, p in enumerate(meta.positions.long().tolist())]
 
 
 def batch_and_cache(kind: str):

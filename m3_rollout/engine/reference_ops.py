@@ -156,15 +156,33 @@ def index_topk_ref(
                 index_topk_ref(iq[td:], index_cache_l, parts[1], topk, init_blocks, local_blocks),
             ]
         )
-    ps = index_cache_l.shape[1] if isinstance(index_cache_l, torch.Tensor) else index_cache_l.page_size
+    scores, pos = index_block_scores_ref(iq, index_cache_l, meta)  # [R, G, Sq, nb], [R, Sq]
+    sel = select_blocks(scores, pos, topk, index_page_size(index_cache_l), init_blocks, local_blocks)  # [R, G, Sq, K]
+    return unpad_queries(sel.permute(0, 2, 1, 3), meta).to(torch.int32)  # [T, G, K]
+
+
+def index_page_size(index_cache_l: torch.Tensor | FP8IndexCache) -> int:
+    """Tokens per page (= MSA block) of a paged index-key cache, plain or FP8."""
+    return index_cache_l.shape[1] if isinstance(index_cache_l, torch.Tensor) else index_cache_l.page_size
+
+
+def index_block_scores_ref(
+    iq: torch.Tensor, index_cache_l: torch.Tensor | FP8IndexCache, meta: PagedMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer's block scores over the paged index-key cache (spec §3.4), per row
+    padded to max_query_len (``pad_queries``): ([R, G, Sq, nb] ``model.indexer.block_scores`` of
+    the row's keys in logical order, [R, Sq] query positions).
+
+    iq: [T, G, di] post-norm post-RoPE index queries; index_cache_l as ``index_topk_ref`` takes it
+    (an ``FP8IndexCache``: dequantized keys, and dequantized queries, each (token, head) row
+    quantized as a key, when it quantizes queries). Entry b of a token at position p: the max over
+    keys u <= p of block b (b <= p // ps; -inf past it), in the compute dtype."""
     cdt = compute_dtype(iq.dtype)
     if isinstance(index_cache_l, FP8IndexCache) and index_cache_l.quantize_queries:
         iq = dequantize_index_keys(*quantize_index_keys(iq), cdt)
     q, pos = pad_queries(iq, meta)  # [R, Sq, G, di], [R, Sq]
     keys = gather_index_keys(index_cache_l, meta, cdt)  # [R, Sk, di]
-    scores = block_scores(q, keys, pos, ps)  # [R, G, Sq, nb]
-    sel = select_blocks(scores, pos, topk, ps, init_blocks, local_blocks)  # [R, G, Sq, K]
-    return unpad_queries(sel.permute(0, 2, 1, 3), meta).to(torch.int32)  # [T, G, K]
+    return block_scores(q, keys, pos, index_page_size(index_cache_l)), pos
 
 
 def paged_attention_ref(
