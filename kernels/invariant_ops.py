@@ -306,6 +306,9 @@ def _linear_kernel(
     if SPLIT:
         n_chunks = tl.cdiv(K, K_CHUNK)
         p_ptrs = part_ptr + om[:, None].to(tl.int64) * N + on[None, :]  # chunk 0's [BM, BN] block
+        # two branches on purpose: the default (one chunk per program) keeps the straight-line body
+        # measured and bit-checked on the GPU (no loop around the chunk's K loop); the group loop is
+        # off until it is measured there
         if CHUNKS_PER_PROGRAM == 1:  # program axis 2: one K chunk
             c = tl.program_id(2)
             part = _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
