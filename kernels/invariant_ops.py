@@ -98,6 +98,9 @@ class LinearConfig:
     separate programs and add their partials afterwards (split-K) with the same bits as one
     program walking all chunks (prefill): the split changes where a partial is added, never the
     order.
+
+    split_k_below: split the K chunks over programs when the launch has fewer output tiles than
+    this (None: ``SPLIT_K_BELOW_PROGRAMS``); where the work is split, never what is added.
     """
 
     block_m: int
@@ -108,17 +111,21 @@ class LinearConfig:
     k_chunk: int
     flat: bool = False
     tma: bool = False
+    split_k_below: int | None = None
 
 
 # The launch configuration by row count T (``linear_config``). Every one of them sums an output
-# element in the same sequence: K chunks of ``k_chunk`` from zero, each chunk in BLOCK_K = 64 steps of
-# the tensor-core dot (16-element MMA steps inside), chunk partials added in chunk order, so the
-# bits do not depend on which one a step takes. What differs is how many rows and columns share a
-# program (and with it the MMA instruction: Hopper mma.sync for 16-row tiles, wgmma for 64 / 128)
-# and whether the K loop is one pipelined loop (``flat``). That a row's bits are the same under
-# every tile shape is a property of the hardware's MMA (one fixed order per output element), checked
-# on the H200 by tests/gpu/test_invariant_ops_gpu.py and scripts/bench_invariant_linear.py (all
-# candidate shapes: same bits on 4,096 random rows, 2026-12-03).
+# element in the same sequence: K chunks of ``k_chunk`` from zero, each chunk a chain of 16-deep
+# tensor-core MMA steps (BLOCK_K = 64 or, bf16 decode band, 128 per dot: the same chain), chunk
+# partials added in chunk order, so the bits do not depend on which one a step takes. What differs
+# is how many rows and columns share a program (and with it the MMA instruction: Hopper mma.sync
+# for 16-row tiles, wgmma for 64 / 128), the K step of a dot and whether the K loop is one pipelined
+# loop (``flat``). That a row's bits are the same under every tile shape and K step is a property
+# of the hardware's MMA (one fixed order per output element), checked on the H200 / H100 by
+# tests/gpu/test_invariant_ops_gpu.py and scripts/bench_invariant_linear.py (all candidate shapes:
+# same bits on 4,096 random rows, 2026-12-03; K step 128 vs 64 at 1 / 32 rows on 13 projection
+# shapes of the bench model and M3, H100 2026-12-06). Under the interpreter a dot is one matmul
+# per K step, so there the step does set the order: only bf16 (never run there) mixes steps.
 # H200, bench shapes (scripts/bench_invariant_linear.py, 2026-12-03): 16-row tiles take 25-45 %
 # less time than 64-row ones at T = 1 and 32 (decode: the weights stream either way, more programs
 # in flight); at 16,384 rows 128x128 tiles with the flat loop take 1.7-2.0x cuBLAS's time where
@@ -129,43 +136,35 @@ LINEAR_CONFIGS = {  # middle row counts
     torch.float16: LinearConfig(64, 64, 64, 4, 4, 256),
     torch.float32: LinearConfig(32, 32, 32, 4, 2, 64),
 }
+# Decode band, bf16: one pipelined loop (flat) of 128-wide K steps, the skinny GEMM's streaming
+# pattern (16 x 64 tiles): M3 q|k|v at 1 / 32 rows 50.2 / 60.4 -> 43.0 / 44.7 us against 16 x 64 x 64
+# split programs of one chunk each, skinny GEMM 42.2 us, cuBLAS 41.3 / 42.3 (H100, 2026-12-06).
 LINEAR_DECODE_CONFIGS = {  # T <= LINEAR_DECODE_ROWS
-    torch.bfloat16: LinearConfig(16, 64, 64, 4, 4, 256),
+    torch.bfloat16: LinearConfig(16, 64, 128, 4, 4, 256, flat=True, split_k_below=64),
     torch.float16: LinearConfig(16, 64, 64, 4, 4, 256),
 }
 # The prefill band loads its tiles through TMA descriptors (H200, 16,384 rows, bf16, same bits as the
 # pointer loads, scratch A/B of 2026-12-04 21:31 UTC: bench q|k|v 0.311 -> 0.255 ms, down 0.181 -> 0.133,
 # gate_up 0.370 -> 0.272, lm_head 2.81 -> 2.13, M3 q|k|v 4.71 -> 3.35, M3 o 4.18 -> 3.06; 1.30-1.42x
 # cuBLAS instead of 1.73-1.92x; 128 x 256 tiles at 3 or 4 stages alike, 2 stages or 256 x 128 slower).
+# fp32 (the router GEMM, exact products on the FMA units): 128 x 128 tiles from 512 rows; M3's router
+# at 16,384 rows 3.93 -> 1.36 ms (cuBLAS fp32 0.53), same bits (H100, 2026-12-06).
 LINEAR_PREFILL_CONFIGS = {  # T >= LINEAR_PREFILL_ROWS
     torch.bfloat16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
     torch.float16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
+    torch.float32: LinearConfig(128, 128, 32, 8, 2, 64),
 }
 LINEAR_DECODE_ROWS = 32
 LINEAR_PREFILL_ROWS = 512
 # Split the K chunks over programs when the (row tile, column tile) grid has fewer programs than
 # this (decode-sized steps: a 1-row x 1024-wide projection is 16 programs otherwise). The choice
-# depends on T; the bits do not (LinearConfig.k_chunk).
+# depends on T; the bits do not (LinearConfig.k_chunk). The bf16 decode band sets its own 64
+# (``LinearConfig.split_k_below``, about half the SMs of an H100 / H200): from 64 output tiles up
+# its one pipelined K loop per tile streams the weights at the skinny GEMM's rate, where split
+# programs of one 32 KB chunk each ran 10-100 % slower (M3's projections at 1 and 32 rows, H100
+# 2026-12-06, docs/benchmarks.md). The other bands (nested chunk loops in the middle band, not
+# measured at M3 shapes) and the fp32 router GEMM (1-4 tiles: always split) keep this one.
 SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
-# A split program may walk several consecutive K chunks (each still its own partial, summed from
-# zero) while the launch keeps >= SPLIT_PROGRAMS_MIN programs: longer pipelined K loops and fewer
-# programs where K is long (M3's q|k|v at T = 1: 24 chunks x 155 column tiles = 3,720 programs of
-# 32 KB each). Work split only (same additions). Off (1) until measured on a GPU: the real-shape
-# slice's batch-1 decode spends 763 us per step in this band against 486 us for the fast skinny
-# GEMM (docs/benchmarks.md, 2026-12-06); ``profile_engine.py --variants invariant invariant+lcg8``
-# is the A/B.
-SPLIT_PROGRAMS_MIN = 528  # 4 x the H200's 132 SMs
-SPLIT_CHUNKS_PER_PROGRAM_MAX = 1
-
-
-def split_chunks_per_program(tiles: int, chunks: int) -> int:
-    """K chunks per program of a split launch of ``tiles`` output tiles x ``chunks`` K chunks: the
-    largest power of two <= SPLIT_CHUNKS_PER_PROGRAM_MAX that keeps >= SPLIT_PROGRAMS_MIN programs
-    (1 if none does)."""
-    cpp = 1
-    while cpp < SPLIT_CHUNKS_PER_PROGRAM_MAX and tiles * triton.cdiv(chunks, 2 * cpp) >= SPLIT_PROGRAMS_MIN:
-        cpp *= 2
-    return cpp
 
 
 # The split launch combines its chunk partials itself: the last program of each output tile to
@@ -286,7 +285,6 @@ def _linear_kernel(
     FUSED_COMBINE: tl.constexpr,
     PRECISION: tl.constexpr,
     FLAT: tl.constexpr = False,
-    CHUNKS_PER_PROGRAM: tl.constexpr = 1,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]). Program (row tile, column tile[, K chunk]).
     # SPLIT=False: this program sums every K chunk's partial (each from zero) in chunk order into
@@ -306,20 +304,9 @@ def _linear_kernel(
     if SPLIT:
         n_chunks = tl.cdiv(K, K_CHUNK)
         p_ptrs = part_ptr + om[:, None].to(tl.int64) * N + on[None, :]  # chunk 0's [BM, BN] block
-        # two branches on purpose: the default (one chunk per program) keeps the straight-line body
-        # measured and bit-checked on the GPU (no loop around the chunk's K loop); the group loop is
-        # off until it is measured there
-        if CHUNKS_PER_PROGRAM == 1:  # program axis 2: one K chunk
-            c = tl.program_id(2)
-            part = _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
-            tl.store(p_ptrs + c * (M.to(tl.int64) * N), part, mask=mm[:, None] & mn[None, :])
-        else:  # a group of consecutive K chunks, each summed from zero and stored as its own partial
-            c_lo = tl.program_id(2) * CHUNKS_PER_PROGRAM
-            for c in range(c_lo, tl.minimum(c_lo + CHUNKS_PER_PROGRAM, n_chunks)):
-                part = _chunk_dot(
-                    x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
-                )
-                tl.store(p_ptrs + c * (M.to(tl.int64) * N), part, mask=mm[:, None] & mn[None, :])
+        c = tl.program_id(2)  # this program's K chunk
+        part = _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
+        tl.store(p_ptrs + c * (M.to(tl.int64) * N), part, mask=mm[:, None] & mn[None, :])
         if FUSED_COMBINE:
             tile = pid_m * tl.num_programs(1) + pid_n
             if last_to_arrive(count_ptr + tile, tl.num_programs(2)):
@@ -413,13 +400,17 @@ def _linear_combine_kernel(
 
 
 def _check_linear_config(cfg: LinearConfig, dtype: torch.dtype) -> None:
-    """Raises ValueError unless ``cfg`` sums K as every band's configuration of ``dtype`` does (same
-    k_chunk, same block_k; ``linear``'s cfg argument)."""
+    """Raises ValueError unless ``cfg`` sums K as every band's configuration of ``dtype`` does
+    (``linear``'s cfg argument): the same k_chunk; the same block_k, except for bf16, where any
+    K step of 16 or more that divides half a chunk gives the same bits (a chain of 16-deep MMAs
+    either way: tests/gpu/test_invariant_ops_gpu.py; the decode band steps 128, the others 64)."""
     own = linear_config(dtype)
-    if cfg.k_chunk != own.k_chunk or cfg.block_k != own.block_k:
+    step_ok = cfg.block_k == own.block_k or (dtype == torch.bfloat16 and cfg.block_k >= 16)
+    if cfg.k_chunk != own.k_chunk or not step_ok or cfg.k_chunk % (2 * cfg.block_k):
         raise ValueError(
             f"invariant linear: cfg k_chunk {cfg.k_chunk} / block_k {cfg.block_k}; {dtype} sums K in chunks "
-            f"of {own.k_chunk} in steps of {own.block_k} (other values change the bits)"
+            f"of {own.k_chunk} (another chunk changes the bits) in K steps of {own.block_k} (bf16: 16 or more "
+            "that divide half a chunk)"
         )
 
 
@@ -432,16 +423,16 @@ def linear(
     float dtype, added in fp32 before the one rounding. fp32 inputs use exact fp32 products
     ("ieee", no TF32): the router GEMM. T may be 0. Row t of the result depends only on x[t] and
     the weights (module docstring); it equals ``F.linear`` up to fp32 summation order. A launch of
-    fewer than ``SPLIT_K_BELOW_PROGRAMS`` output tiles with more than one K chunk runs its chunks
-    in separate programs, one chunk or ``split_chunks_per_program`` consecutive chunks each (fp32
-    partials [chunks, T, N], one per chunk; the last program of each output tile to
-    finish adds them, or ``_linear_combine_kernel`` without ``SPLIT_K_FUSED_COMBINE``): the same
-    additions in the same order, so the same bits (``LinearConfig.k_chunk``).
+    fewer than ``cfg.split_k_below`` (default ``SPLIT_K_BELOW_PROGRAMS``) output tiles with more
+    than one K chunk runs its chunks as separate programs (fp32 partials [chunks, T, N]; the last
+    program of each output tile to finish adds them, or ``_linear_combine_kernel`` without
+    ``SPLIT_K_FUSED_COMBINE``): the same additions in the same order, so the same bits
+    (``LinearConfig.k_chunk``).
     cfg: a launch configuration other than the dtype's (scripts/bench_invariant_linear.py sweeps
-    them; the engine never passes one); its k_chunk and block_k must be the dtype's (they fix the
-    additions: another K chunk or K step gives other bits, and a k_chunk that is not a multiple of
-    block_k would sum a chunk's overhang twice). Raises ValueError on shape / dtype / layout
-    mismatches and on such a cfg.
+    them; the engine never passes one); its k_chunk must be the dtype's and its block_k too, except
+    for bf16, which takes any K step >= 16 dividing half a chunk (``_check_linear_config``: another
+    K chunk gives other bits, and a k_chunk that is not a multiple of block_k would sum a chunk's
+    overhang twice). Raises ValueError on shape / dtype / layout mismatches and on such a cfg.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -466,7 +457,8 @@ def linear(
         return out.zero_() if bias is None else out.copy_(bias.expand(t, n))
     tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
     chunks = triton.cdiv(k, cfg.k_chunk)
-    split = chunks > 1 and tiles[0] * tiles[1] < SPLIT_K_BELOW_PROGRAMS
+    below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
+    split = chunks > 1 and tiles[0] * tiles[1] < below
     if cfg.tma and cfg.flat and not split and x.dtype != torch.float32 and _tma_aligned(x, weight):
         _linear_tma_kernel[tiles](
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
@@ -487,9 +479,8 @@ def linear(
         )
         return out
     part = torch.empty(chunks, t, n, dtype=torch.float32, device=x.device) if split else out
-    cpp = split_chunks_per_program(tiles[0] * tiles[1], chunks) if split else 1
     counters = tile_counters(x.device, tiles[0] * tiles[1]) if split and SPLIT_K_FUSED_COMBINE else None
-    _linear_kernel[(*tiles, triton.cdiv(chunks, cpp)) if split else tiles](
+    _linear_kernel[(*tiles, chunks) if split else tiles](
         x,
         weight,
         bias if bias is not None else weight,
@@ -511,7 +502,6 @@ def linear(
         FUSED_COMBINE=counters is not None,
         PRECISION=dot_precision(x.dtype),
         FLAT=cfg.flat,
-        CHUNKS_PER_PROGRAM=cpp,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

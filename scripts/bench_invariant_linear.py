@@ -9,7 +9,7 @@ the dtype's ``k_chunk``), on the 300M benchmark model's and real M3 projection s
   (cuBLAS) in the same run.
 
 ``--decode``: the decode band's 16-row candidates with and without split-K at T = 1 / 32 only, on
-every projection shape of the 300M bench model and two M3 ones.
+every projection shape of the 300M bench model and four M3 ones.
 
 Usage: python scripts/bench_invariant_linear.py [--quick | --decode] [--write]
 """
@@ -44,16 +44,20 @@ CANDIDATES = {  # name: (block_m, block_n, block_k, warps, stages, flat K loop)
     "16x128 w4 s4": (16, 128, 64, 4, 4, False),
     "32x64 w4 s4": (32, 64, 64, 4, 4, False),
 }
-# --decode: the decode band's candidates (16-row tiles), each with split-K as ``linear`` decides it
-# (SPLIT_K_BELOW_PROGRAMS) and without split-K ("one program per tile"); T = 1 / 32 only.
+# --decode: the decode band's candidates (16-row tiles), each with the split-K thresholds of
+# SPLIT_CHOICES; T = 1 / 32 only.
 DECODE_CANDIDATES = {
-    "16x64 w4 s4 (decode band)": (16, 64, 64, 4, 4, False),
+    "16x64 K128 w4 s4 flat (decode band)": (16, 64, 128, 4, 4, True),
+    "16x64 K64 w4 s4 (decode band until 2026-12-06)": (16, 64, 64, 4, 4, False),
+    "16x64 K64 w4 s4 flat": (16, 64, 64, 4, 4, True),
     "16x32 w4 s4": (16, 32, 64, 4, 4, False),
     "16x16 w4 s4": (16, 16, 64, 4, 4, False),
     "16x32 w2 s4": (16, 32, 64, 2, 4, False),
     "16x64 w2 s6": (16, 64, 64, 2, 6, False),
     "16x128 w4 s4": (16, 128, 64, 4, 4, False),
 }
+# --decode: split-K below this many output tiles (LinearConfig.split_k_below; 0 = never)
+SPLIT_CHOICES = {"below 64 tiles (decode band)": 64, "below 264 tiles": 264, "none": 0}
 DECODE_SHAPES = {
     "bench qkv": (3712, 1024),
     "bench o / down": (1024, 2048),
@@ -63,6 +67,8 @@ DECODE_SHAPES = {
     "bench lm_head": (32000, 1024),
     "M3 q|k|v": (9216, 6144),
     "M3 o": (6144, 8192),
+    "M3 dense down": (6144, 12288),
+    "M3 shared down": (6144, 3072),
 }
 
 
@@ -74,7 +80,6 @@ def decode_sweep(dev: torch.device, base: inv.LinearConfig) -> list[str]:
         "| shape (N x K) | config | split-K | same bits | T=1 ms | T=32 ms |",
         "|---|---|---|---|---|---|",
     ]
-    default_below = inv.SPLIT_K_BELOW_PROGRAMS
     for name, (n, k) in DECODE_SHAPES.items():
         g = torch.Generator(device=dev).manual_seed(n + k)
         x = torch.randn(4096, k, generator=g, device=dev).to(torch.bfloat16)
@@ -85,9 +90,8 @@ def decode_sweep(dev: torch.device, base: inv.LinearConfig) -> list[str]:
         t1, t32 = graph_ms(lambda: F.linear(x[:1], w)), graph_ms(lambda: F.linear(x[:32], w))
         rows.append(f"| {name} ({n} x {k}) | cuBLAS | - | - | {t1:.4f} | {t32:.4f} |")
         for cname, (bm, bn, bk, nw, ns, flat) in DECODE_CANDIDATES.items():
-            cfg = inv.LinearConfig(bm, bn, bk, nw, ns, base.k_chunk, flat)
-            for split, below in (("as linear decides", default_below), ("none", 0)):
-                inv.SPLIT_K_BELOW_PROGRAMS = below
+            for split, below in SPLIT_CHOICES.items():
+                cfg = inv.LinearConfig(bm, bn, bk, nw, ns, base.k_chunk, flat, split_k_below=below)
                 try:
                     same = (
                         rows_alone_ok
@@ -99,10 +103,8 @@ def decode_sweep(dev: torch.device, base: inv.LinearConfig) -> list[str]:
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
                     rows.append(f"| {name} ({n} x {k}) | {cname} | {split} | failed: {type(e).__name__} | - | - |")
                     continue
-                finally:
-                    inv.SPLIT_K_BELOW_PROGRAMS = default_below
                 rows.append(f"| {name} ({n} x {k}) | {cname} | {split} | {same} | {t1:.4f} | {t32:.4f} |")
-        print("\n".join(rows[-2 * len(DECODE_CANDIDATES) - 1 :]), flush=True)
+        print("\n".join(rows[-len(SPLIT_CHOICES) * len(DECODE_CANDIDATES) - 1 :]), flush=True)
     return rows
 
 
@@ -118,9 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     base = inv.linear_config(torch.bfloat16)
     if args.decode:
         notes = (
-            f"bf16, K chunk {base.k_chunk}, CUDA-graph replays; split-K 'as linear decides' = below "
-            f"{inv.SPLIT_K_BELOW_PROGRAMS} output tiles the K chunks run as separate programs; same bits = equal "
-            "to linear's own choice on 1 and 32 rows alone, which equal rows of a 4,096-row call."
+            f"bf16, K chunk {base.k_chunk}, CUDA-graph replays; split-K 'below N tiles' = a launch of fewer "
+            "output tiles runs its K chunks as separate programs; same bits = equal to linear's own choice "
+            "on 1 and 32 rows alone, which equal rows of a 4,096-row call."
         )
         rows = decode_sweep(dev, base)
         emit_section(

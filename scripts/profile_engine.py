@@ -94,11 +94,10 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # union walk instead of the default per-page partials: EngineConfig.invariant_sparse_attention, other
 # bits; union_walk, stages2 and dp then apply to the sparse layers too). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
-# LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lw<N> (warps), ls<N> (stages); lsk<N>
-# (SPLIT_K_BELOW_PROGRAMS; 0 = no split-K); lcg<N> (SPLIT_CHUNKS_PER_PROGRAM_MAX: up to N K chunks
-# per split program, a power of two).
+# LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lbk<N> (block_k, the K step), lw<N> (warps), ls<N> (stages),
+# lsk<N> (split_k_below: split-K below N output tiles; 0 = no split-K).
 INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl", "union")
-INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lw", "ls", "lsk", "lcg")
+INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lbk", "lw", "ls", "lsk")
 
 
 # the scheduling constants an invariant+... variant sets, at their import-time defaults (every
@@ -115,14 +114,12 @@ _IA_DEFAULTS = {
     )
 }
 _DEFAULT_LINEAR_DECODE = dict(inv.LINEAR_DECODE_CONFIGS)
-_DEFAULT_SPLIT_K_BELOW = inv.SPLIT_K_BELOW_PROGRAMS
-_DEFAULT_SPLIT_CHUNK_GROUP = inv.SPLIT_CHUNKS_PER_PROGRAM_MAX
 
 
 def _invariant_options(name: str) -> dict[str, int]:
     """The options of an ``invariant+...`` variant name as {option: value (1 for flags)}. Raises
     ValueError naming an unknown or repeated option or a number out of range (dp, ss, ls >= 1; lsk
-    >= 0; lbn a power of two >= 16; lw 1, 2, 4 or 8; lcg a power of two)."""
+    >= 0; lbn a power of two >= 16; lbk 16, 32, 64 or 128; lw 1, 2, 4 or 8)."""
     opts = {}
     for tok in name.split("+")[1:]:
         m = re.fullmatch(r"([a-z_]+?)([0-9]+)", tok)
@@ -136,11 +133,11 @@ def _invariant_options(name: str) -> dict[str, int]:
             raise ValueError(f"--variants: {name!r}: option {key!r} given twice")
         ranges = {"lsk": num is not None and num >= 0, "lw": num in (1, 2, 4, 8)}
         ranges["lbn"] = num is not None and num >= 16 and num & (num - 1) == 0
-        ranges["lcg"] = num is not None and num >= 1 and num & (num - 1) == 0
+        ranges["lbk"] = num in (16, 32, 64, 128)
         if not ranges.get(key, num is None or num >= 1):
             raise ValueError(
                 f"--variants: {name!r}: {tok!r} out of range (dp, ss, ls >= 1; lsk >= 0; lbn a power of two "
-                ">= 16; lw 1, 2, 4 or 8; lcg a power of two)"
+                ">= 16; lbk 16, 32, 64 or 128; lw 1, 2, 4 or 8)"
             )
         opts[key] = 1 if num is None else num
     return opts
@@ -191,11 +188,11 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
             inv.LINEAR_DECODE_CONFIGS[torch.bfloat16] = dataclasses.replace(
                 dec,
                 block_n=opts.get("lbn", dec.block_n),
+                block_k=opts.get("lbk", dec.block_k),
+                split_k_below=opts.get("lsk", dec.split_k_below),
                 num_warps=opts.get("lw", dec.num_warps),
                 num_stages=opts.get("ls", dec.num_stages),
             )
-            inv.SPLIT_K_BELOW_PROGRAMS = opts.get("lsk", _DEFAULT_SPLIT_K_BELOW)
-            inv.SPLIT_CHUNKS_PER_PROGRAM_MAX = opts.get("lcg", _DEFAULT_SPLIT_CHUNK_GROUP)
         return paged_ops_for(
             device, dtype, batch_invariant=True, invariant_sparse_attention=variant_sparse_attention(name)
         )
@@ -384,9 +381,9 @@ def main() -> None:
         default=None,
         help=f"model paths to run, of {VARIANTS} (default fused), or invariant+<option>+... with the flags "
         f"{INVARIANT_FLAGS} and the numbers dp<N> (invariant_attention.DECODE_PROGRAMS), ss<N> "
-        "(SCORE_SPLIT_BLOCKS_DECODE), lbn<N> / lw<N> / ls<N> (the invariant linear's decode-band block_n / "
-        "warps / stages), lsk<N> (SPLIT_K_BELOW_PROGRAMS), e.g. invariant+dp512+nopdl; the scheduling only, "
-        "never the bits",
+        "(SCORE_SPLIT_BLOCKS_DECODE), lbn<N> / lbk<N> / lw<N> / ls<N> / lsk<N> (the invariant linear's "
+        "decode-band block_n / K step / warps / stages / split-K below N tiles), e.g. invariant+dp512+nopdl; "
+        "the scheduling only, never the bits",
     )
     ap.add_argument("--profile-ops", action="store_true", help="torch.profiler op table (no graphs)")
     ap.add_argument("--context", type=int, default=192, help="tokens per row before the timed decode step")

@@ -132,8 +132,7 @@ def test_fused_experts_bits_do_not_depend_on_the_split_choice(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_linear_fused_combine_equals_the_combine_pass(dtype, monkeypatch):
-    """(c): split launches combine in the kernel (default) or in _linear_combine_kernel, one K chunk
-    per program or several (groups of 2 of the 4 chunks; one group of up to 8): same bits,
+    """(c): split launches combine in the kernel (default) or in _linear_combine_kernel: same bits,
     and the unsplit launch's; with and without bias."""
     g = torch.Generator().manual_seed(12)
     k = 3 * inv.linear_config(dtype).k_chunk + 40
@@ -141,36 +140,53 @@ def test_linear_fused_combine_equals_the_combine_pass(dtype, monkeypatch):
     w = (torch.randn(70, k, generator=g) * 0.1).to(dtype)
     bias = torch.randn(70, generator=g)
     got = []
-    assert inv.split_chunks_per_program(1, 64) == 1  # off by default (not yet measured on a GPU)
-    monkeypatch.setattr(inv, "SPLIT_CHUNKS_PER_PROGRAM_MAX", 8)
-    for below, fused, min_programs in (
-        (10**9, True, 10**9),
-        (10**9, False, 1),
-        (0, True, 10**9),
-        (10**9, True, 4),
-        (10**9, True, 1),
-    ):
+    for below, fused in ((10**9, True), (10**9, False), (0, True)):
         monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
         monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", fused)
-        monkeypatch.setattr(inv, "SPLIT_PROGRAMS_MIN", min_programs)
         got.append((inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[3:4], w, bias)))
         assert _counters_zero()
-    # the largest group <= 8 that keeps >= SPLIT_PROGRAMS_MIN programs (1 here: 8; 6 with 3 tiles)
-    assert inv.split_chunks_per_program(1, 4) == 8 and inv.split_chunks_per_program(2, 7) == 8
-    monkeypatch.setattr(inv, "SPLIT_PROGRAMS_MIN", 6)
-    assert [inv.split_chunks_per_program(3, c) for c in (1, 4, 8, 12)] == [1, 2, 4, 8]
     for other in got[1:]:
         for a, b in zip(got[0], other):
             assert torch.equal(a, b)
 
 
+def test_a_configs_split_threshold_decides_the_split(monkeypatch):
+    """(c'): ``LinearConfig.split_k_below`` (the bf16 decode band's 64) decides whether a launch
+    splits its K chunks, over the module's SPLIT_K_BELOW_PROGRAMS (None: the module's); either way
+    the same bits."""
+    g = torch.Generator().manual_seed(14)
+    cfg = inv.linear_config(torch.float32)
+    k = 3 * cfg.k_chunk + 8
+    x = torch.randn(3, k, generator=g)
+    w = torch.randn(40, k, generator=g) * 0.1
+    splits = []
+    real_counters = inv.tile_counters
+    monkeypatch.setattr(inv, "tile_counters", lambda *a: splits.append(a) or real_counters(*a))
+    got = []
+    for module_below, own_below in ((0, 10**9), (10**9, 0), (10**9, None), (0, None)):
+        monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", module_below)
+        splits.clear()
+        got.append(inv.linear(x, w, cfg=dataclasses.replace(cfg, split_k_below=own_below)))
+        below = module_below if own_below is None else own_below
+        assert bool(splits) == (below > 0), (module_below, own_below)
+    assert all(torch.equal(got[0], other) for other in got[1:])
+    assert inv.LINEAR_DECODE_CONFIGS[torch.bfloat16].split_k_below == 64
+
+
 def test_chunk_sizes_and_layout_checks():
     """(d): k_chunk a multiple of 2 x block_k everywhere (a one-step chunk may be folded into the
-    accumulator's dot by the compiler); k_chunk refuses the ragged / TMA layouts."""
+    accumulator's dot by the compiler); k_chunk refuses the ragged / TMA layouts. Every row band
+    sums the dtype's chunks; the K step may differ between bands only for bf16 (on the GPU a dot
+    is a chain of 16-deep MMAs whatever its K step: tests/gpu checks the bits), never for the
+    dtypes the interpreter runs (its dot is one matmul per K step, so the step sets the order)."""
     for table in (inv.LINEAR_CONFIGS, inv.LINEAR_DECODE_CONFIGS, inv.LINEAR_PREFILL_CONFIGS):
-        for dtype, cfg in table.items():  # every row band sums the dtype's chunks (same bits)
-            assert cfg.k_chunk == inv.LINEAR_CONFIGS[dtype].k_chunk and cfg.block_k == inv.LINEAR_CONFIGS[dtype].block_k
+        for dtype, cfg in table.items():
+            assert cfg.k_chunk == inv.LINEAR_CONFIGS[dtype].k_chunk
+            assert cfg.block_k == inv.LINEAR_CONFIGS[dtype].block_k or dtype == torch.bfloat16
             assert cfg.k_chunk % (2 * cfg.block_k) == 0
+    bad_step = dataclasses.replace(inv.linear_config(torch.float16), block_k=256)  # one-step chunks
+    with pytest.raises(ValueError, match="k_chunk"):
+        inv.linear(torch.zeros(1, 512, dtype=torch.float16), torch.zeros(4, 512, dtype=torch.float16), cfg=bad_step)
     for dtype in (torch.bfloat16, torch.float32):
         cfg = inv.moe_config(dtype)
         assert cfg.k_chunk and all(cfg.k_chunk % (2 * tile.block_k) == 0 for tile in (cfg.w13, cfg.w2))

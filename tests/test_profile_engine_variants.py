@@ -13,8 +13,8 @@ with script_module("profile_engine") as pe:
 def test_options_parse_to_their_values():
     assert pe._invariant_options("invariant") == {}
     assert pe._invariant_options("invariant+stages2+nopdl") == {"stages2": 1, "nopdl": 1}
-    got = pe._invariant_options("invariant+dp512+ss4+lbn32+lw2+ls3+lsk0+lcg8+union_walk")
-    assert got == {"dp": 512, "ss": 4, "lbn": 32, "lw": 2, "ls": 3, "lsk": 0, "lcg": 8, "union_walk": 1}
+    got = pe._invariant_options("invariant+dp512+ss4+lbn32+lbk128+lw2+ls3+lsk0+union_walk")
+    assert got == {"dp": 512, "ss": 4, "lbn": 32, "lbk": 128, "lw": 2, "ls": 3, "lsk": 0, "union_walk": 1}
     for name in ("pytorch", "fused", "fused+cublas", "invariant+topk_launch"):
         pe.check_variant(name)
 
@@ -43,8 +43,8 @@ def test_the_union_flag_picks_the_union_walk_and_every_other_variant_the_engine_
         ("invariant+ss0", "out of range"),
         ("invariant+lbn48", "out of range"),
         ("invariant+lw3", "out of range"),
-        ("invariant+lcg3", "out of range"),
-        ("invariant+lcg0", "out of range"),
+        ("invariant+lbk256", "out of range"),
+        ("invariant+lbk48", "out of range"),
         ("fused+dp4", "is not one of"),
         ("invariantx", "is not one of"),
     ],

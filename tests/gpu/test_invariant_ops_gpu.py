@@ -17,6 +17,7 @@ alone vs among 31 others, identical tokens and logprobs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -73,27 +74,47 @@ def test_linear_bits_do_not_depend_on_the_batch(dtype, n, k):
     )
 
 
+def _force_split_below(monkeypatch, below):
+    """Split-K below ``below`` output tiles in every band (the bf16 decode band has its own
+    threshold, ``LinearConfig.split_k_below``)."""
+    monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
+    dec = {d: dataclasses.replace(c, split_k_below=None) for d, c in inv.LINEAR_DECODE_CONFIGS.items()}
+    monkeypatch.setattr(inv, "LINEAR_DECODE_CONFIGS", dec)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(2560, 1024), (1024, 2048), (6144, 3072)])
 def test_linear_split_k_gives_the_unsplit_bits(dtype, n, k, monkeypatch):
-    """Compiled: the K chunks run as separate programs + the combine pass (decode-sized launches),
-    one chunk or a group of chunks per program, give the bits of one program walking every chunk
-    (prefill-sized launches), with and without bias, for 1 and 64 rows (the threshold forced both
-    ways)."""
+    """Compiled: the K chunks run as separate programs + the combine pass (decode-sized launches)
+    give the bits of one program walking every chunk (prefill-sized launches), with and without
+    bias, for 1 and 64 rows (the threshold forced both ways)."""
     g = torch.Generator(device=DEV).manual_seed(n + 2 * k)
     x = _rand(64, k, gen=g, dtype=dtype)
     w = _rand(n, k, gen=g, dtype=dtype, scale=k**-0.5)
     bias = torch.randn(n, generator=g, device=DEV)
     got = {}
     for below in (0, 10**9):
-        monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
+        _force_split_below(monkeypatch, below)
         got[below] = [inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[5:6], w)]
-    # split programs walking groups of up to 8 chunks (SPLIT_CHUNKS_PER_PROGRAM_MAX, off by default)
-    monkeypatch.setattr(inv, "SPLIT_CHUNKS_PER_PROGRAM_MAX", 8)
-    monkeypatch.setattr(inv, "SPLIT_PROGRAMS_MIN", 1)
-    grouped = [inv.linear(x, w), inv.linear(x, w, bias), inv.linear(x[5:6], w)]
-    for a, b, c in zip(got[0], got[10**9], grouped):
-        assert torch.equal(a, b) and torch.equal(c, b)
+    for a, b in zip(got[0], got[10**9]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n,k", [(9216, 6144), (6144, 3072), (1024, 2048)])  # M3 q|k|v, M3 shared down, bench o
+def test_linear_k_step_keeps_the_bf16_bits(n, k):
+    """Compiled, bf16: the K step of a dot (16 / 64 / 128 columns; the decode band steps 128, the
+    other bands 64) leaves every bit as it is, split or not, at 1 and 32 rows, and equal to the rows
+    of a 4,096-row (prefill band) call: each dot is a chain of 16-deep MMAs whatever its step."""
+    g = torch.Generator(device=DEV).manual_seed(n + 3 * k)
+    x = _rand(4096, k, gen=g, dtype=torch.bfloat16)
+    w = _rand(n, k, gen=g, dtype=torch.bfloat16, scale=k**-0.5)
+    ref = inv.linear(x, w)
+    dec = inv.linear_config(torch.bfloat16, 1)
+    for below in (0, 10**9):
+        for step in (16, 64, 128):
+            cfg = dataclasses.replace(dec, block_k=step, split_k_below=below)
+            assert torch.equal(inv.linear(x[7:8], w, cfg=cfg), ref[7:8]), (below, step)
+            assert torch.equal(inv.linear(x[100:132], w, cfg=cfg), ref[100:132]), (below, step)
 
 
 def test_fused_experts_bits_do_not_depend_on_the_batch():
@@ -168,7 +189,7 @@ def test_linear_in_kernel_combine_equals_the_combine_pass(dtype, monkeypatch):
     bias = torch.randn(1024, generator=g, device=DEV)
     got = []
     for below, fused in ((10**9, True), (10**9, False), (0, True)):
-        monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
+        _force_split_below(monkeypatch, below)
         monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", fused)
         got.append((inv.linear(x, w, bias), inv.linear(x[:1], w)))
         if fused and below:
