@@ -76,6 +76,8 @@ class MoEKernelConfig:
       no permute / TMA / ragged): the batch-invariant config (kernels/invariant_ops.py).
     split_k_below: with k_chunk, a GEMM whose grid has fewer tiles than this runs its K chunks as
       separate programs (decode sizes; the bits do not change, `moe_chunked`).
+    flat: with k_chunk, an unsplit GEMM walks K in one software-pipelined loop folding each chunk
+      at its end instead of one loop per chunk (the same additions, `moe_chunked`).
     """
 
     block_m: int
@@ -87,6 +89,7 @@ class MoEKernelConfig:
     fat_tail: int = 0
     k_chunk: int = 0
     split_k_below: int = 0
+    flat: bool = False
 
 
 # fp32 tiles take twice the shared memory of bf16 ones: the ragged tiles at 4 stages need 377 KB (w13) /
@@ -712,8 +715,10 @@ def fused_experts(
         if cfg.ragged or cfg.tma or cfg.permute:
             raise ValueError(f"k_chunk needs the plain aligned layout (no ragged / tma / permute), got {cfg}")
         aligned = align_by_expert(ids, (a, b), cfg.block_m)
-        act = chunked_gate_up(x, w13, aligned, k, cfg.w13, cfg.k_chunk, cfg.split_k_below, alpha, limit, beta)
-        rows = chunked_down(act, w2, aligned, weights, cfg.w2, cfg.k_chunk, cfg.split_k_below)  # [T*K, H]
+        act = chunked_gate_up(
+            x, w13, aligned, k, cfg.w13, cfg.k_chunk, cfg.split_k_below, alpha, limit, beta, flat=cfg.flat
+        )
+        rows = chunked_down(act, w2, aligned, weights, cfg.w2, cfg.k_chunk, cfg.split_k_below, flat=cfg.flat)
         return moe_combine(rows, ids, (a, b))
     if cfg.ragged and _tma_ok(x, w13, w2):
         tiles = align_ragged(ids, (a, b), cfg.fat_tail)

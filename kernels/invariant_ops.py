@@ -6,9 +6,11 @@ that produces it runs in one fixed order. A GPU kernel's reduction order is fixe
 code: tile sizes, warps, MMA instruction shape and the sequence of K steps. So each op here fixes
 the sequence of additions that makes an output element per activation dtype, whatever the number
 of rows T: no autotuning, no split-K whose split depends on T, no atomic adds of values. Where a
-launch configuration does follow T (``linear``'s three row bands: 16-row tiles for decode, 128-row
-tiles with one pipelined K loop for prefill), the configurations differ only in how many rows and
-columns share a program, and a row's bits are the same under each (checked on the H200).
+launch configuration does follow T (``linear``'s three row bands: 16-row tiles for decode, bf16's
+with 128-wide K steps in one pipelined loop; 128 x 256 tiles with one pipelined K loop for
+prefill), the configurations differ only in how many rows and columns share a program, the K step
+of a dot and the loop's shape, and a row's bits are the same under each (checked on the H200 and
+the H100).
 ``linear`` and the routed experts' GEMMs sum K in fixed chunks whose fp32 partials are added in
 chunk order, by one program or, for decode-sized launches, by separate programs whose
 partials the last program of the output tile to finish adds up (kernels/split_k.py: an atomic
@@ -73,7 +75,7 @@ import triton.language as tl
 from m3_kernels import fused_layers as fl
 from m3_kernels import fused_moe as fm
 from m3_kernels.moe_tiles import GemmTile, dot_precision
-from m3_kernels.split_k import combine_chunks, last_to_arrive, reset_counter, tile_counters
+from m3_kernels.split_k import combine_chunks, fold_chunk, last_to_arrive, reset_counter, tile_counters
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -116,7 +118,8 @@ class LinearConfig:
 
 # The launch configuration by row count T (``linear_config``). Every one of them sums an output
 # element in the same sequence: K chunks of ``k_chunk`` from zero, each chunk a chain of 16-deep
-# tensor-core MMA steps (BLOCK_K = 64 or, bf16 decode band, 128 per dot: the same chain), chunk
+# tensor-core MMA steps (BLOCK_K = 64 or, bf16 decode band, 128 per dot: the same chain; fp32: one
+# FMA chain in 32-wide steps, every band), chunk
 # partials added in chunk order, so the bits do not depend on which one a step takes. What differs
 # is how many rows and columns share a program (and with it the MMA instruction: Hopper mma.sync
 # for 16-row tiles, wgmma for 64 / 128), the K step of a dot and whether the K loop is one pipelined
@@ -147,12 +150,13 @@ LINEAR_DECODE_CONFIGS = {  # T <= LINEAR_DECODE_ROWS
 # pointer loads, scratch A/B of 2026-12-04 21:31 UTC: bench q|k|v 0.311 -> 0.255 ms, down 0.181 -> 0.133,
 # gate_up 0.370 -> 0.272, lm_head 2.81 -> 2.13, M3 q|k|v 4.71 -> 3.35, M3 o 4.18 -> 3.06; 1.30-1.42x
 # cuBLAS instead of 1.73-1.92x; 128 x 256 tiles at 3 or 4 stages alike, 2 stages or 256 x 128 slower).
-# fp32 (the router GEMM, exact products on the FMA units): 128 x 128 tiles from 512 rows; M3's router
-# at 16,384 rows 3.93 -> 1.36 ms (cuBLAS fp32 0.53), same bits (H100, 2026-12-06).
+# fp32 (the router GEMM) keeps its one 32 x 32 tile: M3's router at 16,384 rows takes 3.93 ms against
+# cuBLAS's 0.53 (H100, 2026-12-06); 128 x 128 tiles gave the same bits in 1.36 ms, but as a split
+# launch (N = 128 experts is one column tile, so every launch under ~33K rows splits its 96 K chunks,
+# with [96, T, 128] fp32 partials: 768 MiB at 16K rows); the unsplit 128 x 128 launch is not measured.
 LINEAR_PREFILL_CONFIGS = {  # T >= LINEAR_PREFILL_ROWS
     torch.bfloat16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
     torch.float16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
-    torch.float32: LinearConfig(128, 128, 32, 8, 2, 64),
 }
 LINEAR_DECODE_ROWS = 32
 LINEAR_PREFILL_ROWS = 512
@@ -177,7 +181,10 @@ SPLIT_K_FUSED_COMBINE = True
 # permuted copy, no ragged tiles; K summed in chunks of 256 (H 1024: 4 chunks, I 512: 2), split
 # over programs below SPLIT_K_BELOW_PROGRAMS tiles (decode: 4 active 64-row tiles at T=1 would
 # give the gate/up GEMM 32 programs), same bits either way (kernels/moe_chunked.py). Untuned first
-# choice, see the module docstring.
+# choice, see the module docstring. flat (one pipelined K loop per unsplit tile, the linear's
+# prefill rule; same additions) is off until measured on a GPU: at real M3 shapes the chunked MoE
+# is half of the invariant prefill's extra time (16K tokens: 51.9 vs 26.2 ms, H100 2026-12-06);
+# ``profile_engine.py --variants invariant invariant+moe_flat --prefill-kernel-table`` is the A/B.
 INVARIANT_MOE_CONFIG = fm.MoEKernelConfig(
     64,
     GemmTile(64, 64, 4, 3, 4),
@@ -252,16 +259,6 @@ def _chunk_dot(
     return part
 
 
-@triton.jit
-def _fold_chunk(acc, part, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
-    # the flat K loops' chunk rule, after the K step at k0: at a chunk end (or K's end) the chunk's
-    # partial (summed from zero) is added to acc and restarts from zero; the nested loop's additions
-    if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):
-        acc += part
-        part = tl.zeros(part.shape, dtype=tl.float32)
-    return acc, part
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every T: no specialisation on the row count
 def _linear_kernel(
     x_ptr,
@@ -327,7 +324,7 @@ def _linear_kernel(
                 a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
                 b = tl.load(w_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
                 part = tl.dot(a, b, part, input_precision=PRECISION)
-                acc, part = _fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
+                acc, part = fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
         else:
             for k_lo in range(0, K, K_CHUNK):
                 acc += _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
@@ -365,7 +362,7 @@ def _linear_tma_kernel(
         a = x_desc.load([pid_m * BLOCK_M, k0])
         b = w_desc.load([pid_n * BLOCK_N, k0])
         part = tl.dot(a, tl.trans(b), part)
-        acc, part = _fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
+        acc, part = fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
     mm = om < M
     mn = on < N
     if HAS_BIAS:
@@ -400,17 +397,45 @@ def _linear_combine_kernel(
 
 
 def _check_linear_config(cfg: LinearConfig, dtype: torch.dtype) -> None:
-    """Raises ValueError unless ``cfg`` sums K as every band's configuration of ``dtype`` does
-    (``linear``'s cfg argument): the same k_chunk; the same block_k, except for bf16, where any
-    K step of 16 or more that divides half a chunk gives the same bits (a chain of 16-deep MMAs
-    either way: tests/gpu/test_invariant_ops_gpu.py; the decode band steps 128, the others 64)."""
+    """Raises ValueError, naming the rule, unless ``cfg`` is a launch configuration ``linear`` can
+    run for ``dtype`` and sums K as every band's configuration of ``dtype`` does (``linear``'s cfg
+    argument): int fields; block_m / block_n powers of two >= 16; warps 1-16 (a power of two),
+    stages >= 1; split_k_below None or >= 0; the dtype's k_chunk (another chunk changes the bits);
+    the dtype's block_k, except for bf16, where any power of two >= 16 that divides half a chunk
+    gives the same bits (a chain of 16-deep MMAs either way: tests/gpu/test_invariant_ops_gpu.py;
+    the decode band steps 128, the others 64), and never a one-step chunk (the compiler may fold
+    a chunk's single dot into the running sum)."""
     own = linear_config(dtype)
-    step_ok = cfg.block_k == own.block_k or (dtype == torch.bfloat16 and cfg.block_k >= 16)
-    if cfg.k_chunk != own.k_chunk or not step_ok or cfg.k_chunk % (2 * cfg.block_k):
+    fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "k_chunk")
+    bad = [f for f in fields if type(getattr(cfg, f)) is not int]  # noqa: E721 - bool / float are refused
+    if bad:
+        raise ValueError(f"invariant linear: cfg {bad} must be ints, got {cfg}")
+    pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
+    if not (pow2(cfg.block_m) and pow2(cfg.block_n)):
+        raise ValueError(f"invariant linear: cfg tile {cfg.block_m} x {cfg.block_n}; both must be powers of two >= 16")
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
         raise ValueError(
-            f"invariant linear: cfg k_chunk {cfg.k_chunk} / block_k {cfg.block_k}; {dtype} sums K in chunks "
-            f"of {own.k_chunk} (another chunk changes the bits) in K steps of {own.block_k} (bf16: 16 or more "
-            "that divide half a chunk)"
+            f"invariant linear: cfg num_warps {cfg.num_warps} / num_stages {cfg.num_stages}; "
+            "warps 1, 2, 4, 8 or 16 and stages >= 1"
+        )
+    below = cfg.split_k_below
+    if below is not None and (type(below) is not int or below < 0):  # noqa: E721
+        raise ValueError(f"invariant linear: cfg split_k_below {below!r}; None or an int >= 0 (output tiles)")
+    if cfg.k_chunk != own.k_chunk:
+        raise ValueError(
+            f"invariant linear: cfg k_chunk {cfg.k_chunk}; {dtype} sums K in chunks of {own.k_chunk} "
+            "(another chunk changes the bits)"
+        )
+    if dtype == torch.bfloat16:
+        if not pow2(cfg.block_k) or cfg.k_chunk % (2 * cfg.block_k):
+            raise ValueError(
+                f"invariant linear: cfg block_k {cfg.block_k}; bf16 takes K steps that are powers of two >= 16 "
+                f"dividing half the k_chunk {cfg.k_chunk} (at least two steps per chunk)"
+            )
+    elif cfg.block_k != own.block_k:
+        raise ValueError(
+            f"invariant linear: cfg block_k {cfg.block_k}; {dtype} sums each chunk in K steps of "
+            f"{own.block_k} (another step gives other bits here)"
         )
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from m3_kernels.moe_align import AlignedAssignments
 from m3_kernels.moe_tiles import GemmTile, dot_precision, launch_group, swiglu_oai_tile, tile_coords
-from m3_kernels.split_k import combine_chunks, last_to_arrive, reset_counter, tile_counters
+from m3_kernels.split_k import combine_chunks, fold_chunk, last_to_arrive, reset_counter, tile_counters
 
 
 def check_k_chunk(k_chunk: int, *tiles: GemmTile) -> None:
@@ -67,7 +67,7 @@ def _w13_chunk(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k_lo, HIDDEN, BLOCK
 
 
 @triton.jit(do_not_specialize=["num_rows_p"])
-def _moe_w13_chunked_kernel(
+def moe_w13_chunked_kernel(
     x_ptr,
     w13_ptr,
     act_ptr,
@@ -96,6 +96,7 @@ def _moe_w13_chunked_kernel(
     K_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
     # act[row, n] = SwiGLU-OAI(x[tok] . w13[e, n], x[tok] . w13[e, I + n]), each dot summed by K
     # chunks (module docstring). Program (tile [, chunk]); the tile's chunks in chunk order.
@@ -135,11 +136,29 @@ def _moe_w13_chunked_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_lo in range(0, HIDDEN, K_CHUNK):
-            part_g, part_u = _w13_chunk(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k_lo, HIDDEN, BLOCK_M,
-                                        BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
-            acc_g += part_g
-            acc_u += part_u
+        if FLAT:  # one pipelined K loop, each chunk's partials folded at its end (split_k.fold_chunk)
+            part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                if HIDDEN % BLOCK_K == 0:  # no K mask, as in _w13_chunk
+                    a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+                    g = tl.load(g_ptrs + k0, mask=n_ok[None, :], other=0.0)
+                    u = tl.load(u_ptrs + k0, mask=n_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < HIDDEN - k0
+                    a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    g = tl.load(g_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    u = tl.load(u_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                part_g = tl.dot(a, g, part_g, input_precision=PRECISION)
+                part_u = tl.dot(a, u, part_u, input_precision=PRECISION)
+                acc_g, part_g = fold_chunk(acc_g, part_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
+                acc_u, part_u = fold_chunk(acc_u, part_u, k0, HIDDEN, BLOCK_K, K_CHUNK)
+        else:
+            for k_lo in range(0, HIDDEN, K_CHUNK):
+                part_g, part_u = _w13_chunk(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k_lo, HIDDEN, BLOCK_M,
+                                            BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
+                acc_g += part_g
+                acc_u += part_u
         act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)  # padding rows: SwiGLU(0), never stored later
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -165,7 +184,7 @@ def _w2_chunk(a_ptrs, b_ptrs, n_ok, offs_k, k_lo, INTER, BLOCK_M, BLOCK_N, BLOCK
 
 
 @triton.jit(do_not_specialize=["num_rows_p"])
-def _moe_w2_chunked_kernel(
+def moe_w2_chunked_kernel(
     act_ptr,
     w2_ptr,
     out_ptr,
@@ -191,6 +210,7 @@ def _moe_w2_chunked_kernel(
     K_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
     # out[rid, n] = weight[rid] * (act[row] . w2[e, n]), the dot summed by K chunks (module
     # docstring), for the rows of one tile, row -> rid. Program (tile [, chunk]).
@@ -225,8 +245,23 @@ def _moe_w2_chunked_kernel(
             reset_counter(count_ptr + pid)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_lo in range(0, INTER, K_CHUNK):
-            acc += _w2_chunk(a_ptrs, b_ptrs, n_ok, offs_k, k_lo, INTER, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
+        if FLAT:  # one pipelined K loop, each chunk's partial folded at its end (split_k.fold_chunk)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                if INTER % BLOCK_K == 0:  # no K mask, as in _w2_chunk
+                    a = tl.load(a_ptrs + k0)
+                    b = tl.load(b_ptrs + k0, mask=n_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < INTER - k0
+                    a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                part = tl.dot(a, b, part, input_precision=PRECISION)
+                acc, part = fold_chunk(acc, part, k0, INTER, BLOCK_K, K_CHUNK)
+        else:
+            for k_lo in range(0, INTER, K_CHUNK):
+                acc += _w2_chunk(
+                    a_ptrs, b_ptrs, n_ok, offs_k, k_lo, INTER, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
+                )
         w = tl.load(weights_ptr + rid, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -249,11 +284,14 @@ def chunked_gate_up(
     alpha: float,
     limit: float,
     beta: float,
+    flat: bool = False,
 ) -> torch.Tensor:
     """``fused_moe.moe_gate_up`` (x gathered per tile) with the chunked-K reduction: act [P, I] in
     x.dtype (x [T, H] and w13 [E, 2I, H] copied first if their last dim is strided). The K chunks run as separate
     programs when the grid has fewer than ``split_below`` tiles and H spans >= 2 chunks (same bits;
-    module docstring). Raises ValueError for a bad k_chunk."""
+    module docstring). flat: an unsplit launch walks K in one software-pipelined loop that folds
+    each chunk's partial at the chunk's end (``split_k.fold_chunk``) instead of one loop per chunk:
+    the same additions. Raises ValueError for a bad k_chunk."""
     check_k_chunk(k_chunk, tile)
     x, w13 = x if x.stride(1) == 1 else x.contiguous(), w13 if w13.stride(2) == 1 else w13.contiguous()
     h = x.shape[1]
@@ -267,12 +305,12 @@ def chunked_gate_up(
     counters = _split_counters(x.device, tiles, chunks, split_below)
     split = counters is not None
     part = torch.empty((chunks, p, 2 * inter), dtype=torch.float32, device=x.device) if split else act
-    _moe_w13_chunked_kernel[(tiles, chunks) if split else (tiles,)](
+    moe_w13_chunked_kernel[(tiles, chunks) if split else (tiles,)](
         x, w13, act, part, counters if split else act, aligned.sorted_ids, aligned.tile_expert, aligned.num_rows,
         x.shape[0] * top_k, num_tiles_m, launch_group(tile, num_tiles_m), p,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit), float(beta),
         TOP_K=top_k, INTER=inter, HIDDEN=h, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(x.dtype),
+        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(x.dtype), FLAT=flat,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return act
@@ -286,10 +324,12 @@ def chunked_down(
     tile: GemmTile,
     k_chunk: int,
     split_below: int,
+    flat: bool = False,
 ) -> torch.Tensor:
     """``fused_moe.moe_down`` with the chunked-K reduction: rows [T*K, H] in act.dtype, rows[s] =
     weights[s] * W2[e] act[r] for the slots of local experts; act [P, I] from ``chunked_gate_up``, w2
-    [E, H, I]. Split as ``chunked_gate_up`` (same bits either way). Raises ValueError for a bad k_chunk."""
+    [E, H, I]. Split and flat as ``chunked_gate_up`` (same bits every way). Raises ValueError for a
+    bad k_chunk."""
     check_k_chunk(k_chunk, tile)
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     n_assign = weights.numel()
@@ -304,12 +344,12 @@ def chunked_down(
     counters = _split_counters(act.device, tiles, chunks, split_below)
     split = counters is not None
     part = torch.empty((chunks, p, h), dtype=torch.float32, device=act.device) if split else rows
-    _moe_w2_chunked_kernel[(tiles, chunks) if split else (tiles,)](
+    moe_w2_chunked_kernel[(tiles, chunks) if split else (tiles,)](
         act, w2, rows, part, counters if split else rows, w_flat, aligned.sorted_ids, aligned.tile_expert,
         aligned.num_rows, n_assign, num_tiles_m, launch_group(tile, num_tiles_m), p,
         act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
         HIDDEN=h, INTER=inter, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(act.dtype),
+        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(act.dtype), FLAT=flat,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return rows

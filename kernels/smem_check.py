@@ -6,7 +6,8 @@ be <= msa_checks.SM90_SMEM_BYTES or the launch fails on the GPU with OutOfResour
 Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled): the test starts it as a
 subprocess. Real M3 shapes: MoE 128 experts, H 6144, I 3072, top-4 at T=4096 (the ragged path);
 attention 4 KV heads x 16 q heads, d 128, page 128 (the batch-invariant decode launch: its
-one-token walk, tests/gpu found fp32 at 2 stages over the limit on 2026-12-03).
+one-token walk, tests/gpu found fp32 at 2 stages over the limit on 2026-12-03); the batch-invariant
+routed experts' unsplit gate/up launch with one loop per K chunk and with the flat loop.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from m3_kernels import fused_moe, moe_ragged
+from m3_kernels import fused_moe, moe_chunked, moe_ragged
 from m3_kernels import invariant_attention as ia
+from m3_kernels import invariant_ops as inv
 from m3_kernels import msa_paged_attention as ma
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -157,12 +159,34 @@ def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
     return out
 
 
+def invariant_chunked_moe_gate_up(dtype: torch.dtype) -> dict[str, int]:
+    """Shared bytes of the batch-invariant routed experts' unsplit gate/up launch (``moe_chunked``,
+    ``invariant_ops.INVARIANT_MOE_CONFIG`` tiles, M3's H 6144 / I 3072) with one loop per K chunk
+    and with the flat loop (``MoEKernelConfig.flat``), for ``dtype``."""
+    cfg = fused_moe.config_for_dtype(inv.INVARIANT_MOE_CONFIG, dtype)
+    fn, dt, tile = moe_chunked.moe_w13_chunked_kernel, _TT[dtype], cfg.w13
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(x_ptr="*" + dt, w13_ptr="*" + dt, act_ptr="*" + dt, part_ptr="*fp32", count_ptr="*i32")
+    sig.update(sorted_ids_ptr="*i32", tile_expert_ptr="*i32", num_rows_ptr="*i32", alpha="fp32", limit="fp32")
+    sig.update(beta="fp32")
+    out = {}
+    for flat in (False, True):
+        consts = dict(
+            TOP_K=4, INTER=3072, HIDDEN=6144, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            K_CHUNK=cfg.k_chunk, SPLIT=False, PRECISION="ieee" if dtype == torch.float32 else "tf32", FLAT=flat,
+        )  # fmt: skip
+        name = f"invariant_moe_w13_{'flat' if flat else 'nested'}/{dt}"
+        out[name] = shared_bytes(fn, sig, consts, tile.num_warps, tile.num_stages)
+    return out
+
+
 def main() -> None:
     out: dict[str, int] = {}
     for dtype in (torch.bfloat16, torch.float32):
         out.update(ragged_moe(dtype))
         out.update(kv_major_prefill(dtype))
         out.update(invariant_decode_attention(dtype))
+        out.update(invariant_chunked_moe_gate_up(dtype))
     print(json.dumps(out))
 
 

@@ -1,6 +1,7 @@
 """Ordered split-K with an in-kernel combine: the last program of an output tile to finish sums the
 tile's K-chunk partials in chunk order (the batch-invariant GEMMs: ``invariant_ops.linear`` and
-the chunked fused-MoE GEMMs of ``moe_chunked``).
+the chunked fused-MoE GEMMs of ``moe_chunked``); and ``fold_chunk``, the same chunk order for
+their unsplit launches' single K loop.
 
 Governing idea: a split-K GEMM stores one fp32 partial per fixed K chunk; which program finishes
 last depends on scheduling, but the sum it makes does not: it reads every chunk's partial back
@@ -87,3 +88,15 @@ def combine_chunks(p_ptrs, chunk_stride, n_chunks, mask, BLOCK_M: tl.constexpr, 
         acc += p2
         acc += p3
     return acc
+
+
+@triton.jit
+def fold_chunk(acc, part, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+    # The flat K loop's chunk rule (unsplit launches), after the K step at k0: at a chunk end (or
+    # K's end) the chunk's partial, summed from zero, is added to acc and restarts from zero: the
+    # additions of one loop per chunk, in their order, in one software-pipelined loop (no pipeline
+    # drain at every chunk).
+    if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):
+        acc += part
+        part = tl.zeros(part.shape, dtype=tl.float32)
+    return acc, part

@@ -3,12 +3,12 @@
 For each candidate ``LinearConfig`` (tile rows / columns / K step, warps, stages; K chunk fixed at
 the dtype's ``k_chunk``), on the 300M benchmark model's and real M3 projection shapes, bf16:
 - ``same bits``: whether every output element equals the dtype's configuration's, on 4,096 random
-  rows and on 1 and 32 of those rows alone (the split-K decode launch). A configuration may stand
+  rows and on 1 and 32 of those rows alone (the decode band). A configuration may stand
   in for another at some row counts only if this holds: the bits must not depend on T.
 - ms per call at T = 1 and 32 (CUDA-graph replay) and T = 16,384 (eager), against ``F.linear``
   (cuBLAS) in the same run.
 
-``--decode``: the decode band's 16-row candidates with and without split-K at T = 1 / 32 only, on
+``--decode``: the decode band's 16-row candidates at three split-K thresholds at T = 1 / 32 only, on
 every projection shape of the 300M bench model and four M3 ones.
 
 Usage: python scripts/bench_invariant_linear.py [--quick | --decode] [--write]
@@ -73,8 +73,8 @@ DECODE_SHAPES = {
 
 
 def decode_sweep(dev: torch.device, base: inv.LinearConfig) -> list[str]:
-    """The --decode table: T = 1 / 32 CUDA-graph ms of each decode candidate with and without
-    split-K, against cuBLAS; same bits = equal to ``linear``'s own choice on 1 and 32 rows alone and
+    """The --decode table: T = 1 / 32 CUDA-graph ms of each decode candidate at each split-K
+    threshold of SPLIT_CHOICES, against cuBLAS; same bits = equal to ``linear``'s own choice on 1 and 32 rows alone and
     to rows of a 4,096-row call (the prefill band)."""
     rows = [
         "| shape (N x K) | config | split-K | same bits | T=1 ms | T=32 ms |",
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                     and torch.equal(inv.linear(x[7:8], w, cfg=cfg), ref1)
                     and torch.equal(inv.linear(x[100:132], w, cfg=cfg), ref32)
                     and torch.equal(ref1, ref[7:8])
+                    and torch.equal(ref32, ref[100:132])
                 )
                 t = (
                     graph_ms(lambda: inv.linear(x[:1], w, cfg=cfg)),
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(rows[-len(CANDIDATES) - 1 :]), flush=True)
     notes = (
         f"bf16, K chunk {base.k_chunk}; same bits = every output equal to the "
-        "configuration linear picks (4,096 rows: the prefill band's; 1 and 32 rows alone: the decode band's, split-K); "
+        "configuration linear picks (4,096 rows: the prefill band's; 1 and 32 rows alone: the decode band's); "
         "T=1 / 32 CUDA-graph replays, T=16384 eager."
     )
     emit_section("Batch-invariant linear launch configurations (bench_invariant_linear.py)", notes, rows, args.write)

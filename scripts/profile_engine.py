@@ -92,11 +92,12 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # (invariant_attention.DECODE_PIPELINE off), stages2 (DECODE_STAGES 2), topk_launch (DECODE_FUSED_TOPK
 # off), nopdl (PDL off: the decode merge launches after the attention), union (the sparse layers'
 # union walk instead of the default per-page partials: EngineConfig.invariant_sparse_attention, other
-# bits; union_walk, stages2 and dp then apply to the sparse layers too). Numbers: dp<N>
+# bits; union_walk, stages2 and dp then apply to the sparse layers too), moe_flat (the routed experts'
+# unsplit launches walk K in one pipelined loop: INVARIANT_MOE_CONFIG.flat). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
 # LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lbk<N> (block_k, the K step), lw<N> (warps), ls<N> (stages),
 # lsk<N> (split_k_below: split-K below N output tiles; 0 = no split-K).
-INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl", "union")
+INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl", "union", "moe_flat")
 INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lbk", "lw", "ls", "lsk")
 
 
@@ -114,6 +115,7 @@ _IA_DEFAULTS = {
     )
 }
 _DEFAULT_LINEAR_DECODE = dict(inv.LINEAR_DECODE_CONFIGS)
+_DEFAULT_MOE = inv.INVARIANT_MOE_CONFIG
 
 
 def _invariant_options(name: str) -> dict[str, int]:
@@ -185,6 +187,7 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
             ia.SCORE_SPLIT_BLOCKS_DECODE = opts.get("ss", _IA_DEFAULTS["SCORE_SPLIT_BLOCKS_DECODE"])
             dec = _DEFAULT_LINEAR_DECODE[torch.bfloat16]
             inv.LINEAR_DECODE_CONFIGS = dict(_DEFAULT_LINEAR_DECODE)
+            inv.INVARIANT_MOE_CONFIG = dataclasses.replace(_DEFAULT_MOE, flat="moe_flat" in opts)
             inv.LINEAR_DECODE_CONFIGS[torch.bfloat16] = dataclasses.replace(
                 dec,
                 block_n=opts.get("lbn", dec.block_n),

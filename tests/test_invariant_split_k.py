@@ -24,6 +24,7 @@ import sys
 
 import pytest
 import torch
+import triton
 from interpreter_dot import row_wise_dot  # tests/ on sys.path
 from invariant_util import invariance_failures
 
@@ -84,7 +85,7 @@ def test_fused_experts_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
     """(a) + reference: never split vs always split (>= 2 chunks), 1 / 3 / 33 tokens (fp16: 3 / 33, the
     decode and middle bands; the one-token tile is fp32's, the dtype only changes the dots' inputs)."""
     mc = sys.modules["m3_kernels.moe_chunked"]  # the interpreted module fused_moe calls into
-    spies = {name: LaunchSpy(getattr(mc, name)) for name in ("_moe_w13_chunked_kernel", "_moe_w2_chunked_kernel")}
+    spies = {name: LaunchSpy(getattr(mc, name)) for name in ("moe_w13_chunked_kernel", "moe_w2_chunked_kernel")}
     for name, spy in spies.items():
         monkeypatch.setattr(mc, name, spy)
     x, ids, weights, w13, w2 = _moe_case(dtype)
@@ -113,6 +114,24 @@ def test_fused_experts_split_k_whole_blocks(monkeypatch):
     act = lambda g, u: swiglu_oai(g, u, ALPHA, LIMIT, BETA)  # noqa: E731
     ref = grouped_experts(x.double(), ids, weights.double(), w13.double(), w2.double(), act)
     torch.testing.assert_close(got[1].double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("h,inter", [(H, INTER), (512, 512)], ids=["partial-steps", "whole-steps"])
+def test_fused_experts_flat_k_loop_gives_the_chunked_bits(dtype, h, inter, monkeypatch):
+    """(a''): ``MoEKernelConfig.flat`` (an unsplit launch walks K in one pipelined loop, folding each
+    chunk at its end) == one loop per chunk == the split launch, bitwise, with K masks (H, I not
+    multiples of BLOCK_K) and without; 3 and 33 tokens (decode and middle bands). Off by default
+    until measured on a GPU."""
+    assert not inv.INVARIANT_MOE_CONFIG.flat
+    base = inv.INVARIANT_MOE_CONFIG
+    x, ids, weights, w13, w2 = _moe_case(dtype, t=33, h=h, inter=inter)
+    for t in (3, 33):
+        got = []
+        for below, flat in ((0, False), (0, True), (10**9, True)):
+            monkeypatch.setattr(inv, "INVARIANT_MOE_CONFIG", dataclasses.replace(base, split_k_below=below, flat=flat))
+            got.append(_experts(x[:t], ids[:t], weights[:t], w13, w2))
+        assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2]), t
 
 
 def test_fused_experts_bits_do_not_depend_on_the_split_choice(monkeypatch):
@@ -163,12 +182,14 @@ def test_a_configs_split_threshold_decides_the_split(monkeypatch):
     real_counters = inv.tile_counters
     monkeypatch.setattr(inv, "tile_counters", lambda *a: splits.append(a) or real_counters(*a))
     got = []
-    for module_below, own_below in ((0, 10**9), (10**9, 0), (10**9, None), (0, None)):
+    tiles = triton.cdiv(3, cfg.block_m) * triton.cdiv(40, cfg.block_n)  # 2 (fp32: 32 x 32 tiles)
+    cases = [(0, 10**9), (10**9, 0), (10**9, None), (0, None), (0, tiles), (0, tiles + 1), (tiles, None)]
+    for module_below, own_below in cases:
         monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", module_below)
         splits.clear()
         got.append(inv.linear(x, w, cfg=dataclasses.replace(cfg, split_k_below=own_below)))
         below = module_below if own_below is None else own_below
-        assert bool(splits) == (below > 0), (module_below, own_below)
+        assert bool(splits) == (tiles < below), (module_below, own_below)  # split below, not at, the threshold
     assert all(torch.equal(got[0], other) for other in got[1:])
     assert inv.LINEAR_DECODE_CONFIGS[torch.bfloat16].split_k_below == 64
 
@@ -184,9 +205,9 @@ def test_chunk_sizes_and_layout_checks():
             assert cfg.k_chunk == inv.LINEAR_CONFIGS[dtype].k_chunk
             assert cfg.block_k == inv.LINEAR_CONFIGS[dtype].block_k or dtype == torch.bfloat16
             assert cfg.k_chunk % (2 * cfg.block_k) == 0
-    bad_step = dataclasses.replace(inv.linear_config(torch.float16), block_k=256)  # one-step chunks
-    with pytest.raises(ValueError, match="k_chunk"):
-        inv.linear(torch.zeros(1, 512, dtype=torch.float16), torch.zeros(4, 512, dtype=torch.float16), cfg=bad_step)
+    bad_step = dataclasses.replace(inv.linear_config(torch.bfloat16, 1), block_k=256)  # one-step chunks
+    with pytest.raises(ValueError, match="at least two steps per chunk"):
+        inv.linear(torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(4, 512, dtype=torch.bfloat16), cfg=bad_step)
     for dtype in (torch.bfloat16, torch.float32):
         cfg = inv.moe_config(dtype)
         assert cfg.k_chunk and all(cfg.k_chunk % (2 * tile.block_k) == 0 for tile in (cfg.w13, cfg.w2))

@@ -237,17 +237,54 @@ def test_linear_tma_prefill_loop_gives_the_pointer_loops_bits(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_cfg_must_sum_k_as_the_dtype_does(dtype):
     """``linear(cfg=...)`` (the launch-configuration sweep) takes any tile but refuses another K
-    chunk or K step: a k_chunk that is not a multiple of block_k summed a chunk's overhang twice
-    (wrong results, silently), another multiple gave other bits."""
+    chunk or (fp32 / fp16: the dtypes the interpreter runs, where the step sets the order) another
+    K step: a k_chunk that is not a multiple of block_k summed a chunk's overhang twice (wrong
+    results, silently), another multiple gave other bits."""
     g = torch.Generator().manual_seed(13)
     own = inv.linear_config(dtype)
     k = 3 * own.k_chunk + 8
     x, w = _rand(5, k, gen=g, dtype=dtype), _rand(24, k, gen=g, dtype=dtype, scale=k**-0.5)
     other_tile = inv.LinearConfig(16, 32, own.block_k, 4, 2, own.k_chunk, flat=True)
     assert torch.equal(inv.linear(x, w, cfg=other_tile), inv.linear(x, w))
-    for kc, bk in ((own.k_chunk + own.block_k // 2, own.block_k), (2 * own.k_chunk, own.block_k), (own.k_chunk, 16)):
-        with pytest.raises(ValueError, match="k_chunk"):
+    for kc, bk, match in (
+        (own.k_chunk + own.block_k // 2, own.block_k, "chunks of"),
+        (2 * own.k_chunk, own.block_k, "chunks of"),
+        (own.k_chunk, 16, "K steps of"),
+    ):
+        with pytest.raises(ValueError, match=match):
             inv.linear(x, w, cfg=inv.LinearConfig(16, 32, bk, 4, 2, kc))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(block_k=8), "powers of two >= 16 dividing half"),
+        (dict(block_k=24), "powers of two >= 16 dividing half"),
+        (dict(block_k=256), "at least two steps per chunk"),  # a one-step chunk
+        (dict(block_k=128.0), "must be ints"),
+        (dict(block_m=24), "powers of two >= 16"),
+        (dict(block_n=0), "powers of two >= 16"),
+        (dict(block_m=-16), "powers of two >= 16"),  # an empty grid: uninitialised output before
+        (dict(num_warps=3), "warps 1, 2, 4, 8 or 16"),
+        (dict(num_stages=0), "stages >= 1"),
+        (dict(split_k_below=-1), "split_k_below"),
+        (dict(split_k_below=True), "split_k_below"),
+        (dict(k_chunk=512), "another chunk changes the bits"),
+    ],
+)
+def test_bf16_cfg_rules(change, match):
+    """bf16 (refused before any launch, so it runs on the CPU): any K step that is a power of two
+    >= 16 dividing half a chunk is taken (16 / 32 / 64 / 128: the same MMA chain on the GPU); every
+    other field is checked with a message naming the rule; every table entry passes the check."""
+    dec = inv.linear_config(torch.bfloat16, 1)
+    for step in (16, 32, 64, 128):
+        inv._check_linear_config(dataclasses.replace(dec, block_k=step), torch.bfloat16)
+    x, w = torch.zeros(2, 512, dtype=torch.bfloat16), torch.zeros(8, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        inv.linear(x, w, cfg=dataclasses.replace(dec, **change))
+    for table in (inv.LINEAR_CONFIGS, inv.LINEAR_DECODE_CONFIGS, inv.LINEAR_PREFILL_CONFIGS):
+        for dtype, cfg in table.items():
+            inv._check_linear_config(cfg, dtype)
 
 
 # ----------------------------------------------------------------------------- routed experts

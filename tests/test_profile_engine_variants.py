@@ -13,6 +13,7 @@ with script_module("profile_engine") as pe:
 def test_options_parse_to_their_values():
     assert pe._invariant_options("invariant") == {}
     assert pe._invariant_options("invariant+stages2+nopdl") == {"stages2": 1, "nopdl": 1}
+    assert pe._invariant_options("invariant+moe_flat") == {"moe_flat": 1}
     got = pe._invariant_options("invariant+dp512+ss4+lbn32+lbk128+lw2+ls3+lsk0+union_walk")
     assert got == {"dp": 512, "ss": 4, "lbn": 32, "lbk": 128, "lw": 2, "ls": 3, "lsk": 0, "union_walk": 1}
     for name in ("pytorch", "fused", "fused+cublas", "invariant+topk_launch"):

@@ -100,11 +100,13 @@ def test_linear_split_k_gives_the_unsplit_bits(dtype, n, k, monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("n,k", [(9216, 6144), (6144, 3072), (1024, 2048)])  # M3 q|k|v, M3 shared down, bench o
+# M3 q|k|v, M3 shared down, bench o; K with a half-empty last 128-wide step and with a tail chunk
+@pytest.mark.parametrize("n,k", [(9216, 6144), (6144, 3072), (1024, 2048), (1024, 2 * 256 + 64), (1024, 2 * 256 + 40)])
 def test_linear_k_step_keeps_the_bf16_bits(n, k):
     """Compiled, bf16: the K step of a dot (16 / 64 / 128 columns; the decode band steps 128, the
     other bands 64) leaves every bit as it is, split or not, at 1 and 32 rows, and equal to the rows
-    of a 4,096-row (prefill band) call: each dot is a chain of 16-deep MMAs whatever its step."""
+    of a 4,096-row (prefill band) call: each dot is a chain of 16-deep MMAs whatever its step (the
+    masked columns past K add zeros)."""
     g = torch.Generator(device=DEV).manual_seed(n + 3 * k)
     x = _rand(4096, k, gen=g, dtype=torch.bfloat16)
     w = _rand(n, k, gen=g, dtype=torch.bfloat16, scale=k**-0.5)
@@ -136,6 +138,31 @@ def test_fused_experts_bits_do_not_depend_on_the_batch():
     torch.testing.assert_close(fn(x[:64], ids[:64], w[:64]).float(), ref, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("h,i", [(1024, 512), (6144, 3072)])  # bench model, M3
+def test_fused_experts_flat_k_loop_gives_the_chunked_bits(h, i, monkeypatch):
+    """Compiled, bf16: ``MoEKernelConfig.flat`` (an unsplit launch's one pipelined K loop folding
+    each chunk at its end) == one loop per chunk == the split launch, for 1, 32 and 600 tokens
+    (decode band, middle band) and equal to the same rows of a 2,048-token flat call."""
+    g = torch.Generator(device=DEV).manual_seed(h + i)
+    t, e, k = 2048, 16, 4
+    x = _rand(t, h, gen=g, dtype=torch.bfloat16)
+    ids = torch.rand(t, e, generator=g, device=DEV).topk(k, -1).indices
+    w = torch.rand(t, k, generator=g, device=DEV) + 0.1
+    w13 = _rand(e, 2 * i, h, gen=g, dtype=torch.bfloat16, scale=2 * h**-0.5)
+    w2 = _rand(e, h, i, gen=g, dtype=torch.bfloat16, scale=i**-0.5)
+    base = inv.INVARIANT_MOE_CONFIG
+
+    def run(n, below, flat):
+        monkeypatch.setattr(inv, "INVARIANT_MOE_CONFIG", dataclasses.replace(base, split_k_below=below, flat=flat))
+        return inv.fused_experts(x[:n], ids[:n], w[:n], w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA)
+
+    whole = run(t, 0, True)
+    assert torch.equal(whole, run(t, 0, False))
+    for n in (1, 32, 600):
+        for below, flat in ((0, True), (0, False), (10**9, True)):
+            assert torch.equal(run(n, below, flat), whole[:n]), (n, below, flat)
+
+
 def _bench_moe(dtype, t=2048, seed=5):
     g = torch.Generator(device=DEV).manual_seed(seed)
     e, h, i, k = 16, 1024, 512, 4
@@ -159,8 +186,6 @@ def test_fused_experts_split_k_gives_the_unsplit_bits(dtype, monkeypatch):
     combining them in chunk order, kernels/moe_chunked.py) give the bits of one program walking
     every chunk, for 1, 3, 32 and 33 tokens; 20 repeats of the split launch give identical bits
     (no race in the ticket protocol); the tile counters are zero afterwards."""
-    import dataclasses
-
     x, ids, w, w13, w2 = _bench_moe(dtype, t=64)
 
     def fn(t):
