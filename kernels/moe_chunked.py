@@ -40,6 +40,21 @@ def check_k_chunk(k_chunk: int, *tiles: GemmTile) -> None:
 
 
 @triton.jit
+def _w13_step_tiles(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k0, HIDDEN, BLOCK_K: tl.constexpr):
+    # the x [M, BK] and gate / up [BK, N] tiles of the K step at k0 (pointers already at k0)
+    if HIDDEN % BLOCK_K == 0:  # no K mask (masks zero what lies past H: the same sums)
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        k_ok = offs_k < HIDDEN - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return a, g, u
+
+
+@triton.jit
 def _w13_chunk(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k_lo, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK,
                PRECISION):  # fmt: skip
     # (gate, up) partials over k in [k_lo, min(k_lo + K_CHUNK, H)), from zero, in BLOCK_K steps
@@ -49,15 +64,7 @@ def _w13_chunk(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k_lo, HIDDEN, BLOCK
     g_ptrs += k_lo
     u_ptrs += k_lo
     for k0 in range(k_lo, tl.minimum(k_lo + K_CHUNK, HIDDEN), BLOCK_K):
-        if HIDDEN % BLOCK_K == 0:  # no K mask (masks zero what lies past H: the same sums)
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < HIDDEN - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a, g, u = _w13_step_tiles(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k0, HIDDEN, BLOCK_K)
         part_g = tl.dot(a, g, part_g, input_precision=PRECISION)
         part_u = tl.dot(a, u, part_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -140,15 +147,9 @@ def moe_w13_chunked_kernel(
             part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
-                if HIDDEN % BLOCK_K == 0:  # no K mask, as in _w13_chunk
-                    a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
-                    g = tl.load(g_ptrs + k0, mask=n_ok[None, :], other=0.0)
-                    u = tl.load(u_ptrs + k0, mask=n_ok[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < HIDDEN - k0
-                    a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    g = tl.load(g_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                    u = tl.load(u_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                a, g, u = _w13_step_tiles(
+                    a_ptrs + k0, g_ptrs + k0, u_ptrs + k0, row_ok, n_ok, offs_k, k0, HIDDEN, BLOCK_K
+                )
                 part_g = tl.dot(a, g, part_g, input_precision=PRECISION)
                 part_u = tl.dot(a, u, part_u, input_precision=PRECISION)
                 acc_g, part_g = fold_chunk(acc_g, part_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
@@ -164,19 +165,26 @@ def moe_w13_chunked_kernel(
 
 
 @triton.jit
+def _w2_step_tiles(a_ptrs, b_ptrs, n_ok, offs_k, k0, INTER, BLOCK_K: tl.constexpr):
+    # the act [M, BK] and w2 [BK, N] tiles of the K step at k0 (pointers already at k0)
+    if INTER % BLOCK_K == 0:  # no K mask
+        a = tl.load(a_ptrs)  # padding rows: finite SwiGLU(0) values
+        b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        k_ok = offs_k < INTER - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _w2_chunk(a_ptrs, b_ptrs, n_ok, offs_k, k_lo, INTER, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION):
     # partial over k in [k_lo, min(k_lo + K_CHUNK, I)), from zero, in BLOCK_K steps
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_ptrs += k_lo
     b_ptrs += k_lo
     for k0 in range(k_lo, tl.minimum(k_lo + K_CHUNK, INTER), BLOCK_K):
-        if INTER % BLOCK_K == 0:  # no K mask
-            a = tl.load(a_ptrs)  # padding rows: finite SwiGLU(0) values
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < INTER - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a, b = _w2_step_tiles(a_ptrs, b_ptrs, n_ok, offs_k, k0, INTER, BLOCK_K)
         part = tl.dot(a, b, part, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -248,13 +256,7 @@ def moe_w2_chunked_kernel(
         if FLAT:  # one pipelined K loop, each chunk's partial folded at its end (split_k.fold_chunk)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
-                if INTER % BLOCK_K == 0:  # no K mask, as in _w2_chunk
-                    a = tl.load(a_ptrs + k0)
-                    b = tl.load(b_ptrs + k0, mask=n_ok[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < INTER - k0
-                    a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                a, b = _w2_step_tiles(a_ptrs + k0, b_ptrs + k0, n_ok, offs_k, k0, INTER, BLOCK_K)
                 part = tl.dot(a, b, part, input_precision=PRECISION)
                 acc, part = fold_chunk(acc, part, k0, INTER, BLOCK_K, K_CHUNK)
         else:
