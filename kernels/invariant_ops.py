@@ -133,7 +133,7 @@ class LinearConfig:
 # less time than 64-row ones at T = 1 and 32 (decode: the weights stream either way, more programs
 # in flight); at 16,384 rows 128x128 tiles with the flat loop take 1.7-2.0x cuBLAS's time where
 # the 64x64 nested loop took 2.6-3.2x. fp32 (exact "ieee" products, FMA units; the router GEMM):
-# one small tile for every T.
+# a small tile up to FP32_PREFILL_ROWS rows, a wide unsplit one from there (below).
 LINEAR_CONFIGS = {  # middle row counts
     torch.bfloat16: LinearConfig(64, 64, 64, 4, 4, 256),
     torch.float16: LinearConfig(64, 64, 64, 4, 4, 256),
@@ -150,16 +150,21 @@ LINEAR_DECODE_CONFIGS = {  # T <= LINEAR_DECODE_ROWS
 # pointer loads, scratch A/B of 2026-12-04 21:31 UTC: bench q|k|v 0.311 -> 0.255 ms, down 0.181 -> 0.133,
 # gate_up 0.370 -> 0.272, lm_head 2.81 -> 2.13, M3 q|k|v 4.71 -> 3.35, M3 o 4.18 -> 3.06; 1.30-1.42x
 # cuBLAS instead of 1.73-1.92x; 128 x 256 tiles at 3 or 4 stages alike, 2 stages or 256 x 128 slower).
-# fp32 (the router GEMM) keeps its one 32 x 32 tile: M3's router at 16,384 rows takes 3.93 ms against
-# cuBLAS's 0.53 (H100, 2026-12-06); 128 x 128 tiles gave the same bits in 1.36 ms, but as a split
-# launch (N = 128 experts is one column tile, so every launch under ~33K rows splits its 96 K chunks,
-# with [96, T, 128] fp32 partials: 768 MiB at 16K rows); the unsplit 128 x 128 launch is not measured.
-LINEAR_PREFILL_CONFIGS = {  # T >= LINEAR_PREFILL_ROWS
+# fp32 (the router GEMM: N = 128 experts at M3, one column tile of most shapes) has its own prefill
+# band from FP32_PREFILL_ROWS rows: 64 x 128 tiles, one pipelined loop per tile, never split (a
+# split there would write [96, T, 128] fp32 partials, 768 MiB at 16K rows). M3's router [T, 6144] x
+# [128, 6144] (H100, 2026-12-06, same bits as the 32 x 32 tile at every T): T = 4,096 / 8,192 /
+# 16,384 1.01 / 1.02 / 1.37 ms against 1.13 / 2.13 / 4.03 with 32 x 32 tiles (cuBLAS 0.21 / 0.33 /
+# 0.59); below 4,096 rows the unsplit wide tile loses (T = 512: 0.93 vs 0.19 ms), so the middle
+# band's small tile stays there.
+LINEAR_PREFILL_CONFIGS = {  # T >= LINEAR_PREFILL_ROWS (fp32: FP32_PREFILL_ROWS)
     torch.bfloat16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
     torch.float16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
+    torch.float32: LinearConfig(64, 128, 32, 4, 3, 64, flat=True, split_k_below=0),
 }
 LINEAR_DECODE_ROWS = 32
 LINEAR_PREFILL_ROWS = 512
+FP32_PREFILL_ROWS = 4096
 # Split the K chunks over programs when the (row tile, column tile) grid has fewer programs than
 # this (decode-sized steps: a 1-row x 1024-wide projection is 16 programs otherwise). The choice
 # depends on T; the bits do not (LinearConfig.k_chunk). The bf16 decode band sets its own 64
@@ -167,7 +172,8 @@ LINEAR_PREFILL_ROWS = 512
 # its one pipelined K loop per tile streams the weights at the skinny GEMM's rate, where split
 # programs of one 32 KB chunk each ran 10-100 % slower (M3's projections at 1 and 32 rows, H100
 # 2026-12-06, docs/benchmarks.md). The other bands (nested chunk loops in the middle band, not
-# measured at M3 shapes) and the fp32 router GEMM (1-4 tiles: always split) keep this one.
+# measured at M3 shapes) and the fp32 router GEMM's small-tile bands (1-4 tiles at decode: always
+# split) keep this one; fp32's prefill band never splits.
 SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
 
 
@@ -205,14 +211,15 @@ LOGPROB_BLOCK = 1024  # vocabulary chunk of token_logprobs
 def linear_config(dtype: torch.dtype, t: int | None = None) -> LinearConfig:
     """The launch configuration of ``linear`` for activations of ``dtype`` and ``t`` rows (None: the
     middle one, whose ``k_chunk`` every configuration of the dtype shares): ``LINEAR_DECODE_CONFIGS``
-    up to ``LINEAR_DECODE_ROWS`` rows, ``LINEAR_PREFILL_CONFIGS`` from ``LINEAR_PREFILL_ROWS``,
-    ``LINEAR_CONFIGS`` between (same bits every way, see above). Raises ValueError for dtypes the
-    kernel does not take."""
+    up to ``LINEAR_DECODE_ROWS`` rows, ``LINEAR_PREFILL_CONFIGS`` from ``LINEAR_PREFILL_ROWS`` (fp32:
+    ``FP32_PREFILL_ROWS``), ``LINEAR_CONFIGS`` between (same bits every way, see above). Raises
+    ValueError for dtypes the kernel does not take."""
     if dtype not in LINEAR_CONFIGS:
         raise ValueError(f"invariant linear: dtype {dtype} not supported (bf16 / fp16 / fp32)")
     if t is not None and t <= LINEAR_DECODE_ROWS and dtype in LINEAR_DECODE_CONFIGS:
         return LINEAR_DECODE_CONFIGS[dtype]
-    if t is not None and t >= LINEAR_PREFILL_ROWS and dtype in LINEAR_PREFILL_CONFIGS:
+    prefill_rows = FP32_PREFILL_ROWS if dtype == torch.float32 else LINEAR_PREFILL_ROWS
+    if t is not None and t >= prefill_rows and dtype in LINEAR_PREFILL_CONFIGS:
         return LINEAR_PREFILL_CONFIGS[dtype]
     return LINEAR_CONFIGS[dtype]
 

@@ -125,7 +125,7 @@ class LaunchSpy:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_config_depends_on_the_row_band_only_and_not_the_bits(dtype, monkeypatch):
     """(c): the tile configuration is chosen from T's band alone (decode <= LINEAR_DECODE_ROWS,
-    prefill >= LINEAR_PREFILL_ROWS, middle between; fp32 one tile for all), never from N (a packed
+    prefill >= LINEAR_PREFILL_ROWS, middle between; fp32 one tile below FP32_PREFILL_ROWS), never from N (a packed
     and a split weight agree), and every band's configuration gives a row the bits of every other
     (the same K chunks in the same order; SPLIT too, next test): rows 0..2 alone, among 32, 300 and
     600 rows are bitwise equal."""
@@ -200,6 +200,32 @@ def test_linear_flat_prefill_loop_gives_the_nested_and_split_bits(monkeypatch):
             torch.testing.assert_close(flat.double(), ref, **TOL[dtype])
     ran = {(dict(c[0])["FLAT"], dict(c[0])["SPLIT"]) for c in spy.calls}
     assert (True, False) in ran and (False, False) in ran and (False, True) in ran
+
+
+def test_linear_fp32_prefill_band_gives_the_small_tile_bits(monkeypatch):
+    """fp32 (the router GEMM) takes its own prefill band from FP32_PREFILL_ROWS rows: the wide tile,
+    one flat loop, never split (even with few output tiles); its rows equal the same rows through
+    the middle band's small tile (300 rows) and the decode band's (3 rows), both split launches here,
+    with two chunks and a tail chunk, with and without bias."""
+    dtype = torch.float32
+    spy = LaunchSpy(inv._linear_kernel)
+    monkeypatch.setattr(inv, "_linear_kernel", spy)
+    band = inv.LINEAR_PREFILL_CONFIGS[dtype]
+    t = inv.FP32_PREFILL_ROWS
+    assert inv.linear_config(dtype, t) == band and inv.linear_config(dtype, t - 1) == inv.LINEAR_CONFIGS[dtype]
+    g = torch.Generator().manual_seed(14)
+    k = 2 * band.k_chunk + 16
+    x, w = _rand(t, k, gen=g, dtype=dtype), _rand(24, k, gen=g, dtype=dtype, scale=k**-0.5)
+    bias = _rand(24, gen=g, dtype=dtype)
+    for b in (None, bias):
+        wide, mid, dec = inv.linear(x, w, b), inv.linear(x[:300], w, b), inv.linear(x[:3], w, b)
+        assert torch.equal(mid, wide[:300]) and torch.equal(dec, wide[:3])
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(wide.double(), ref, **TOL[dtype])
+    launches = [(dict(c[0])["BLOCK_M"], dict(c[0])["BLOCK_N"], dict(c[0])["SPLIT"]) for c in spy.calls]
+    assert (band.block_m, band.block_n, False) in launches  # 64 tiles < 264, unsplit all the same
+    small = inv.linear_config(dtype, 3)
+    assert (small.block_m, small.block_n, True) in launches  # 3 and 300 rows: split over the chunks
 
 
 def test_linear_tma_prefill_loop_gives_the_pointer_loops_bits(monkeypatch):
