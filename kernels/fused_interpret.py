@@ -23,13 +23,14 @@ def interpreted_fused_layers() -> ModuleType:
     return interpreted_module("m3_kernels.fused_layers")
 
 
-# invariant_ops calls the fused MoE, whose kernels call the jit helpers of moe_tiles: helpers first.
+# invariant_ops calls the fused MoE, whose kernels call the jit helpers of moe_tiles and split_k:
+# a module after the modules it imports.
 _INVARIANT_DEPS = (
     "m3_kernels.moe_tiles",
     "m3_kernels.moe_align",
-    "m3_kernels.moe_ragged",
     "m3_kernels.split_k",
     "m3_kernels.moe_chunked",
+    "m3_kernels.moe_ragged",
     "m3_kernels.fused_moe",
 )
 

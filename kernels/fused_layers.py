@@ -195,15 +195,24 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
+def swiglu_oai_act(g, u, alpha, limit, beta):
+    """SwiGLU-OAI (spec §3.7) of fp32 gate / up values g, u (any one shape; the rounded gate|up
+    GEMM output): min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, ±limit) + beta) in
+    fp32, not rounded. The one expression of ``swiglu``'s kernel, shared with the batch-invariant
+    GEMM whose epilogue must give its bits (``invariant_ops.linear_swiglu``)."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + beta)
+
+
+@triton.jit
 def _swiglu_kernel(gu_ptr, out_ptr, stride_gu, stride_out, alpha, limit, beta, I: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=m, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    act = g * tl.sigmoid(alpha * g) * (u + beta)
+    act = swiglu_oai_act(g, u, alpha, limit, beta)
     tl.store(out_ptr + t * stride_out + offs, act.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -225,7 +234,7 @@ def _router_topk_kernel(
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
     z = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
-    _topk_store(z, bias_ptr, w_ptr, ids_ptr, t, scaling, E, K, HAS_BIAS, BLOCK_E, BLOCK_K)
+    topk_store(z, bias_ptr, w_ptr, ids_ptr, t, scaling, E, K, HAS_BIAS, BLOCK_E, BLOCK_K)
 
 
 @triton.jit
@@ -256,11 +265,11 @@ def _router_gemm_topk_kernel(
         xv = tl.load(x_ptr + t * stride_x + h0 + oh, mask=mh, other=0.0).to(tl.float32)
         wt = tl.load(gate_w_ptr + oe[:, None] * H + h0 + oh[None, :], mask=me[:, None] & mh[None, :], other=0.0)
         acc += tl.sum(wt.to(tl.float32) * xv[None, :], axis=1)
-    _topk_store(acc, bias_ptr, w_ptr, ids_ptr, t, scaling, E, K, HAS_BIAS, BLOCK_E, BLOCK_K)
+    topk_store(acc, bias_ptr, w_ptr, ids_ptr, t, scaling, E, K, HAS_BIAS, BLOCK_E, BLOCK_K)
 
 
 @triton.jit
-def _topk_store(
+def topk_store(
     z,
     bias_ptr,
     w_ptr,
@@ -273,7 +282,11 @@ def _topk_store(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Sigmoid, biased top-K choice (ties -> lower id), renormalised scaled weights of one token."""
+    """Sigmoid, biased top-K choice (ties -> lower id), renormalised scaled weights of one token:
+    z [BLOCK_E] fp32 logits (lanes >= E ignored), bias_ptr [E] fp32 (HAS_BIAS), token index t;
+    stores weights [K] fp32 at w_ptr + t * K and ids [K] int64 at ids_ptr + t * K. Shared by
+    ``router_topk``'s and ``router_gemm_topk``'s kernels and the batch-invariant router
+    (``invariant_ops.router_gemm_topk``), so every route gives the same bits from the same logits."""
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
     s = tl.sigmoid(z)

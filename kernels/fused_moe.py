@@ -72,12 +72,13 @@ class MoEKernelConfig:
       remainder that small rides along with the expert's last full tile (one program, each
       weight tile loaded once for both MMAs).
     k_chunk: 0, or both GEMMs sum K in fixed chunks of this many columns (a multiple of 2 x
-      block_k) whose fp32 partials are added in chunk order (`moe_chunked`; aligned layout only,
-      no permute / TMA / ragged): the batch-invariant config (kernels/invariant_ops.py).
-    split_k_below: with k_chunk, a GEMM whose grid has fewer tiles than this runs its K chunks as
-      separate programs (decode sizes; the bits do not change, `moe_chunked`).
-    flat: with k_chunk, an unsplit GEMM walks K in one software-pipelined loop folding each chunk
-      at its end instead of one loop per chunk (the same additions, `moe_chunked`).
+      block_k) whose fp32 partials are added in chunk order: the batch-invariant config
+      (kernels/invariant_ops.py). On the aligned layout (no permute / TMA) `moe_chunked`'s
+      kernels; with ragged, the ragged kernels fold each chunk at its end (the same additions,
+      so the same bits as the aligned chunked kernels, whatever the tile heights).
+    split_k_below: with k_chunk on the aligned layout, a GEMM whose grid has fewer tiles than
+      this runs its K chunks as separate programs (decode sizes; the bits do not change,
+      `moe_chunked`).
     """
 
     block_m: int
@@ -89,7 +90,6 @@ class MoEKernelConfig:
     fat_tail: int = 0
     k_chunk: int = 0
     split_k_below: int = 0
-    flat: bool = False
 
 
 # fp32 tiles take twice the shared memory of bf16 ones: the ragged tiles at 4 stages need 377 KB (w13) /
@@ -711,23 +711,24 @@ def fused_experts(
     if t == 0:
         return torch.empty((0, h), dtype=x.dtype, device=x.device)
     cfg = config or config_for_dtype(default_config(t * k, e, h, two_i // 2), x.dtype)
-    if cfg.k_chunk:
-        if cfg.ragged or cfg.tma or cfg.permute:
-            raise ValueError(f"k_chunk needs the plain aligned layout (no ragged / tma / permute), got {cfg}")
-        aligned = align_by_expert(ids, (a, b), cfg.block_m)
-        act = chunked_gate_up(
-            x, w13, aligned, k, cfg.w13, cfg.k_chunk, cfg.split_k_below, alpha, limit, beta, flat=cfg.flat
+    if cfg.k_chunk and (cfg.tma or cfg.permute):
+        raise ValueError(
+            f"k_chunk takes the aligned or the ragged layout with gathered rows (no tma / permute), got {cfg}"
         )
-        rows = chunked_down(act, w2, aligned, weights, cfg.w2, cfg.k_chunk, cfg.split_k_below, flat=cfg.flat)
-        return moe_combine(rows, ids, (a, b))
     if cfg.ragged and _tma_ok(x, w13, w2):
         tiles = align_ragged(ids, (a, b), cfg.fat_tail)
+        kc = cfg.k_chunk
         if cfg.permute:
             xs = moe_permute(x, tiles, k)  # [P, H] expert-sorted rows
             act = ragged_gate_up(xs, w13, tiles, cfg.w13, alpha, limit, beta)  # [P, I]
         else:  # A rows gathered from x inside the GEMM
-            act = ragged_gate_up(x, w13, tiles, cfg.w13, alpha, limit, beta, top_k=k)  # [P, I]
-        rows = ragged_down(act, w2, tiles, weights, cfg.w2)  # [T*K, H]
+            act = ragged_gate_up(x, w13, tiles, cfg.w13, alpha, limit, beta, top_k=k, k_chunk=kc)  # [P, I]
+        rows = ragged_down(act, w2, tiles, weights, cfg.w2, k_chunk=kc)  # [T*K, H]
+        return moe_combine(rows, ids, (a, b))
+    if cfg.k_chunk:  # aligned chunked kernels (also the ragged config's fallback: same bits)
+        aligned = align_by_expert(ids, (a, b), cfg.block_m)
+        act = chunked_gate_up(x, w13, aligned, k, cfg.w13, cfg.k_chunk, cfg.split_k_below, alpha, limit, beta)
+        rows = chunked_down(act, w2, aligned, weights, cfg.w2, cfg.k_chunk, cfg.split_k_below)
         return moe_combine(rows, ids, (a, b))
     aligned = align_by_expert(ids, (a, b), cfg.block_m)
     tma = cfg.tma and _tma_ok(x, w13, w2)

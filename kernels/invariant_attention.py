@@ -66,9 +66,13 @@ Ops
      result is the KP largest keys in order whatever the chunking or the neighbouring rows. Output
      ``[T, G, K]`` int32, -1 padded: exactly ``index_topk_ref``'s list.
    - Decode rows (``DECODE_FUSED_TOPK``): no top-k launch. The score launch's split programs of a
-     tile count themselves in on a ``split_k`` counter; the last one runs the same row walk
+     tile that hold causal blocks count themselves in on a ``split_k`` counter (the others return at
+     once; a tile with one such split needs no counter); the last one runs the same row walk
      (``_inv_topk_rows``) over the tile's tokens, reading the scores back from L2. The ids are the
      same integers whichever program ranks them (H200, 2026-12-03: ~1 % of a batch-1 decode step).
+   - Short rows (``TOPK_SHORT_PATH``, both launches): a program whose rows have at most KP
+     candidates each sorts their KP keys ([rows, KP], one bitonic sort) instead of streaming
+     TOPK_CHUNK-wide chunks; all of a row's keys sorted are its KP largest in order: the same ids.
 2. ``invariant_paged_attention`` (``inv_attn_kernel``, launched once for the decode rows and once
    for the prefill rows with the same constants, then ``_inv_merge_kernel`` for the decode tokens
    whose keys span several splits): a program takes ``BLOCK_M`` consecutive query tokens of one row
@@ -270,6 +274,18 @@ DECODE_FUSED_TOPK = True
 TOPK_CHUNK = 128  # blocks per step of the streaming top-k (one bitonic top-KP of [rows, TOPK_CHUNK] keys)
 TOPK_ROWS = 4  # (token, head) rows per top-k program: one warp per row, 4 keys per thread
 TOPK_WARPS = 4
+# Programs whose rows have at most KP (= next_pow2(topk)) candidate blocks each (contexts up to
+# KP * ps tokens: 2K at M3's top-16 x 128) sort their KP keys in one [rows, KP] bitonic sort instead
+# of the streaming walk's CH-wide top-k + merge (``_inv_topk_rows``' SHORT; the same ids). Both top-k
+# launches (the decode score launch's fused top-k and ``_inv_topk_kernel``). False: the walk for
+# every length (A/B: scripts/profile_engine.py invariant+topk_long). H100, bf16, 4 heads x 128, top-16,
+# CUDA-graph replays (2026-12-06): the decode score + top-k launch at position 200 (2 blocks) 6.5 ->
+# 5.1 us at batch 1 and 7.0 -> 5.5 us at batch 32, at 2047 7.8 -> 6.2 us (batch 1); the top-k launch
+# alone 3.0-3.9 -> 1.6-1.8 us. Rows past KP blocks (3K, 5K) take the walk: the same time with a
+# 256-block table, ~1 us more per fused launch with a table of 24 / 40 blocks (not profiled; likely
+# the other Triton specialization of score rows whose stride is no multiple of 16; the engine's
+# graphs use max_model_len / ps wide tables).
+TOPK_SHORT_PATH = True
 _BIG_ID = tl.constexpr(2147483647)  # "no block" in the union walk (above every block id)
 _KEY_EMPTY = tl.constexpr(-(2**63))  # below every top-k key
 
@@ -333,16 +349,18 @@ def _inv_scores_kernel(
     QFP8: tl.constexpr,
     TOPK_KP: tl.constexpr = 0,
     TOPK_CH: tl.constexpr = 128,
+    TOPK_SHORT: tl.constexpr = False,
 ):
     """Block-max index scores of BLOCK_M tokens x G heads (row m = token m // GP, head m % GP) over
     blocks [split * SPLIT_B, (split + 1) * SPLIT_B) of their causal range; one block per step.
 
     score[t, g, b] = max over block b's keys u <= pos(t) of <iq[t, g], ik[u]> (x the key's scale with
     KSCALE; x the query row's scale after the max with QFP8), NaN -> -1e30; written for b <= pos(t) // PS.
-    TOPK_KP > 0 (decode launches): the top-k too. Every split program of a tile counts itself in at
-    the tile's counter cnt_ptr[pid] (``split_k.last_to_arrive``); the last one runs ``_inv_topk_rows``
-    (TOPK_CH, TOPK_KP) over the tile's tokens, the scores read back from L2, and re-arms the counter:
-    the ids of ``_inv_topk_kernel`` (exact integer keys), with no launch of its own.
+    TOPK_KP > 0 (decode launches): the top-k too. Every split program of a tile that holds causal
+    blocks counts itself in at the tile's counter cnt_ptr[pid] (``split_k.last_to_arrive``); the last
+    one runs ``_inv_topk_rows`` (TOPK_CH, TOPK_KP, TOPK_SHORT) over the tile's tokens, the scores read
+    back from L2, and re-arms the counter (a tile with one such split ranks in it, no counter): the
+    ids of ``_inv_topk_kernel`` (exact integer keys), with no launch of its own.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -359,12 +377,21 @@ def _inv_scores_kernel(
     m_ok = (tok < q_hi) & (head < G)
     qpos = tl.load(pos_ptr + tok, mask=m_ok, other=-1).to(tl.int32)  # [M]
     n_blk = tl.max(qpos, axis=0) // PS + 1
+    # The tile's splits that hold causal blocks (every program of the tile computes the same number
+    # from the same positions; >= 1, and never more than the grid has, so the counter below always
+    # completes). A split past them (most of the grid at decode: it spans the whole block table)
+    # returns before loading the queries, and with the top-k no longer counts itself in: it writes
+    # no score, so the last of the active splits already sees every score the top-k reads, and the
+    # ids cannot change. One active split (contexts up to SPLIT_B blocks) is the last by
+    # construction: it ranks without the atomic (the counter is never touched). H100, bench shapes
+    # (2026-12-06, short path off in both): batch 32 at position 200 with a 256-block table 31.5 ->
+    # 9.4 us per launch (every split program used to count in), at 2047 34.8 -> 14.3; batch 1 at 200
+    # 7.3 -> 6.5 us (no atomic).
+    n_act = tl.minimum(tl.maximum((n_blk + SPLIT_B - 1) // SPLIT_B, 1), tl.num_programs(1))
+    if split >= n_act:
+        return
     b_lo = split * SPLIT_B
     b_hi = tl.minimum(b_lo + SPLIT_B, n_blk)
-    if TOPK_KP == 0:
-        if b_lo >= b_hi:
-            return  # a split past the tile's causal blocks (most of the grid at decode): no query load
-    # (TOPK_KP > 0: such a split skips the loop below but still counts itself in at the tile's counter)
     offs_d = tl.arange(0, DI)
     offs_o = tl.arange(0, PS)
     q = tl.load(
@@ -390,14 +417,44 @@ def _inv_scores_kernel(
         smax = tl.where(tl.max((s != s).to(tl.int32), axis=1) > 0, -1e30, smax)
         tl.store(srow + b, smax, mask=m_ok & (b <= qpos // PS))
     if TOPK_KP > 0:
-        if last_to_arrive(cnt_ptr + pid, tl.num_programs(1)):
-            reset_counter(cnt_ptr + pid)
+        last = n_act == 1
+        if n_act > 1:
+            last = last_to_arrive(cnt_ptr + pid, n_act)
+        else:
+            tl.debug_barrier()  # this program's score stores, seen by all its threads (as last_to_arrive)
+        if last:
+            if n_act > 1:
+                reset_counter(cnt_ptr + pid)
             offs_g = tl.arange(0, GP)
             for tt in range(t0, tl.minimum(t0 + BLOCK_M, q_hi)):  # the tile's tokens (a decode row: 1)
                 _inv_topk_rows(
                     score_ptr, pos_ptr, ids_ptr, offs_g * 0 + tt, offs_g, offs_g < G, topk, init_blocks,
-                    local_blocks, stride_s_t, stride_s_g, G, PS, TOPK_CH, TOPK_KP, ".cg",
+                    local_blocks, stride_s_t, stride_s_g, G, PS, TOPK_CH, TOPK_KP, ".cg", TOPK_SHORT,
                 )  # fmt: skip
+
+
+@triton.jit
+def _inv_topk_walk(
+    srow, nxt, n_cand, topk, init_blocks, local_blocks, CH: tl.constexpr, KP: tl.constexpr, CACHE: tl.constexpr
+):
+    """[R, KP] int64: the KP largest selection keys of each row (descending; the empty key past its
+    candidates) by the chunk walk of ``_inv_topk_rows``. srow: [R] score row pointers; nxt: [R, CH] fp32,
+    the first chunk's scores (already loaded, masked to the candidates); n_cand: [R] int32."""
+    offs_k = tl.arange(0, KP)
+    offs_c = tl.arange(0, CH)
+    best = tl.full([n_cand.shape[0], KP], _KEY_EMPTY, tl.int64)  # running top KP keys, descending
+    for c0 in range(0, tl.max(n_cand, axis=0), CH):
+        b = c0 + offs_c
+        cand = b[None, :] < n_cand[:, None]  # [R, CH]
+        s = nxt
+        nb = b + CH
+        nxt = tl.load(srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0, cache_modifier=CACHE)
+        key = block_selection_keys(s, b, cand, n_cand, init_blocks, local_blocks)
+        kth = tl.max(tl.where((offs_k == topk - 1)[None, :], best, _KEY_EMPTY), axis=1)  # [R]
+        if tl.max(tl.max((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+            top = tl.topk(key, KP)  # [R, KP] descending
+            best = tl.bitonic_merge(tl.maximum(best, tl.flip(top, 1)), descending=True)
+    return best
 
 
 @triton.jit
@@ -418,12 +475,14 @@ def _inv_topk_rows(
     CH: tl.constexpr,
     KP: tl.constexpr,
     CACHE: tl.constexpr,
+    SHORT: tl.constexpr,
 ):
     """Top-k block ids of rows (token t[r], head g[r]) where r_ok[r], from the scores.
 
-    Each row's candidates 0..pos // PS stream in chunks of CH blocks (the next chunk's scores are
-    loaded while this one is merged). Per chunk: int64 keys (``msa_index_topk.block_selection_keys``);
-    a chunk where no row has a key above its own K-th kept key is skipped; else the chunk's KP
+    Each row's candidates 0..pos // PS stream in chunks of CH blocks (``_inv_topk_walk``; the next
+    chunk's scores are loaded while this one is merged). Per chunk: int64 keys
+    (``msa_index_topk.block_selection_keys``); a chunk where no row has a key above its own K-th
+    kept key is skipped; else the chunk's KP
     largest keys (``tl.topk``: bitonic, sorted descending) are merged with the row's running KP
     largest (sorted descending) by one bitonic split (elementwise max against the reversed list =
     the KP largest of the union) and one bitonic merge (log2 KP compare-exchange steps). Integer
@@ -431,27 +490,34 @@ def _inv_topk_rows(
     result is the KP largest keys in order, whatever the chunking, the rows sharing the program or
     the launch it runs in. Writes ids[t, g, 0..K-1], -1 past the row's candidates. CACHE: the score
     loads' cache modifier ("", or ".cg" = from L2 when other programs of the same launch wrote them).
+    SHORT (``TOPK_SHORT_PATH``): when no row of the program has more than KP candidates (a runtime
+    scalar test: no host sync, CUDA-graph safe), load only KP scores per row and sort their keys
+    descending over KP lanes (``tl.topk(key, KP)`` = a full bitonic sort of [R, KP]) instead of the
+    chunk walk's CH-wide network. The same ids: the keys are distinct per row, so the sorted list of
+    all a row's candidates (then empty keys) is its KP largest in order, which the walk also returns.
     """
     p = tl.load(pos_ptr + t, mask=r_ok, other=0).to(tl.int32)
     n_cand = tl.where(r_ok, p // PS + 1, 0)  # [R]
     offs_k = tl.arange(0, KP)
     offs_c = tl.arange(0, CH)
-    best = tl.full([t.shape[0], KP], _KEY_EMPTY, tl.int64)  # running top KP keys, descending
     srow = score_ptr + t.to(tl.int64) * stride_s_t + g * stride_s_g  # [R]
+    # the walk's first chunk, issued before the short path's test: the walk-only variant (SHORT off)
+    # then compiles to the code the kernel had before that path (sm_90 SASS the same length)
     nxt = tl.load(
         srow[:, None] + offs_c[None, :], mask=offs_c[None, :] < n_cand[:, None], other=0.0, cache_modifier=CACHE
     )
-    for c0 in range(0, tl.max(n_cand, axis=0), CH):
-        b = c0 + offs_c
-        cand = b[None, :] < n_cand[:, None]  # [R, CH]
-        s = nxt
-        nb = b + CH
-        nxt = tl.load(srow[:, None] + nb[None, :], mask=nb[None, :] < n_cand[:, None], other=0.0, cache_modifier=CACHE)
-        key = block_selection_keys(s, b, cand, n_cand, init_blocks, local_blocks)
-        kth = tl.max(tl.where((offs_k == topk - 1)[None, :], best, _KEY_EMPTY), axis=1)  # [R]
-        if tl.max(tl.max((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-            top = tl.topk(key, KP)  # [R, KP] descending
-            best = tl.bitonic_merge(tl.maximum(best, tl.flip(top, 1)), descending=True)
+    if SHORT:
+        if tl.max(n_cand, axis=0) <= KP:
+            # short contexts (decode at <= KP * PS tokens, every step of the bench profile): KP scores,
+            # log2(KP) (log2(KP) + 1) / 2 compare-exchange steps on [R, KP] keys (10 at KP 16) instead
+            # of >= 27 on [R, CH] (a chunk's top-KP and the merge)
+            k_ok = offs_k[None, :] < n_cand[:, None]  # [R, KP]
+            s_k = tl.load(srow[:, None] + offs_k[None, :], mask=k_ok, other=0.0, cache_modifier=CACHE)
+            best = tl.topk(block_selection_keys(s_k, offs_k, k_ok, n_cand, init_blocks, local_blocks), KP)
+        else:
+            best = _inv_topk_walk(srow, nxt, n_cand, topk, init_blocks, local_blocks, CH, KP, CACHE)
+    else:  # the walk for every length, compiled alone (A/B)
+        best = _inv_topk_walk(srow, nxt, n_cand, topk, init_blocks, local_blocks, CH, KP, CACHE)
     bid = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
     bid = tl.where(best == _KEY_EMPTY, -1, bid)
     tl.store(
@@ -479,15 +545,16 @@ def _inv_topk_kernel(
     PS: tl.constexpr,
     CH: tl.constexpr,
     KP: tl.constexpr,
+    SHORT: tl.constexpr,
 ):
     """``_inv_topk_rows`` of TOK tokens (from token t_lo on, up to n_tok) x their G heads (row r =
-    token r // GP, head r % GP)."""
+    token r // GP, head r % GP); SHORT: ``TOPK_SHORT_PATH``."""
     offs_r = tl.arange(0, TOK * GP)
     t = t_lo + tl.program_id(0) * TOK + offs_r // GP
     g = offs_r % GP
     _inv_topk_rows(
         score_ptr, pos_ptr, ids_ptr, t, g, (t < n_tok) & (g < G), topk, init_blocks, local_blocks,
-        stride_s_t, stride_s_g, G, PS, CH, KP, "",
+        stride_s_t, stride_s_g, G, PS, CH, KP, "", SHORT,
     )  # fmt: skip
 
 
@@ -1297,6 +1364,7 @@ def invariant_index_scores(
             QFP8=qfp8,
             TOPK_KP=kp,
             TOPK_CH=max(TOPK_CHUNK, kp),
+            TOPK_SHORT=TOPK_SHORT_PATH and kp > 0,  # (no top-k: one compiled variant whatever the switch)
             num_warps=4,
             num_stages=1 if ieee else 2,
         )
@@ -1345,6 +1413,7 @@ def invariant_select_blocks(
         PS=page_size,
         CH=max(TOPK_CHUNK, kp),
         KP=kp,
+        SHORT=TOPK_SHORT_PATH,
         num_warps=TOPK_WARPS,
     )
     return out

@@ -27,22 +27,33 @@ projections unpacked).
 Ops:
 - ``linear(x [T, K], weight [N, K], bias=None) -> [T, N]`` in x.dtype: every projection, the dense
   MLP and shared expert, lm_head, and (fp32 x / weight, exact fp32 products) the router GEMM.
-- ``fused_experts``: ``m3_kernels.fused_moe.fused_experts`` with the fixed tile config
-  ``INVARIANT_MOE_CONFIG`` (16-row tiles up to ``MOE_DECODE_ROWS`` tokens) instead of
-  ``default_config``, which picks tile heights and the ragged 128-row + tail layout from T (a
-  row's MMA shape then depends on the batch). The aligned layout is row-independent (each tile
-  row is one (token, slot) pair; padding rows are never stored), both GEMMs sum K in chunks
-  (``k_chunk``, split over programs at decode sizes: kernels/moe_chunked.py) and the combine sums a
-  token's K slots in slot order k = 0..K-1 in fp32.
+- ``fused_experts``: ``m3_kernels.fused_moe.fused_experts`` with the tile configs of
+  ``moe_config`` (aligned 16-row tiles up to ``MOE_DECODE_ROWS`` tokens, aligned 64-row tiles,
+  ragged tiles from ``MOE_PREFILL_ROWS``) instead of ``default_config``. Every layout is
+  row-independent (each tile row is one (token, slot) pair; padding rows are never stored), both
+  GEMMs sum K in chunks (``k_chunk``, split over programs at decode sizes: kernels/moe_chunked.py;
+  folded at chunk ends in one loop otherwise, kernels/moe_ragged.py too), so a row's bits do not
+  depend on the tile it lands in, and the combine sums a token's K slots in slot order
+  k = 0..K-1 in fp32.
 - ``rms_norm`` / ``add_rms_norm``: ``m3_kernels.fused_layers.add_rms_norm`` itself. It is already
   invariant: one program per row, the row read in one BLOCK = next_pow2(N) vector, one ``tl.sum``
   tree and num_warps both fixed by N alone; nothing is duplicated here. The same holds (and the
   invariant table reuses them) for ``qkv_norm_rope_write`` (one program per (token, head), block
   next_pow2(head dim)), ``swiglu`` (element-wise) and ``router_topk`` (one program per row).
-  Its sibling ``router_gemm_topk`` is row-invariant too, but the model takes it only for
-  decode-sized steps (``router_gemm_topk_ok(T, ...)``), so the choice between it and a GEMM +
-  ``router_topk`` depends on T: the invariant table answers ``router_gemm_topk_never`` and the
-  router logits always come from ``linear`` in fp32.
+  Its sibling ``fused_layers.router_gemm_topk`` is row-invariant too, but its per-token GEMM sums
+  H in another order than ``linear``, and the model takes it only for decode-sized steps
+  (``router_gemm_topk_ok(T, ...)``): a choice that depends on T must not change the bits, so the
+  invariant table has its own ``router_gemm_topk`` (below).
+- ``router_gemm_topk(x [T, H], W_gate [E, H] fp32, bias, top_k, scaling) -> (weights, ids)``: the
+  fp32 router logits with ``linear(x.float(), W_gate)``'s bits (its fp32 K chunks and steps, one
+  program per token and chunk, the partials added in chunk order by the token's last program) and
+  ``router_topk``'s top-k on them (the same jit helper), in one launch: the bits of ``linear`` +
+  ``router_topk``, so the table's ``router_gemm_topk_ok`` may follow T (decode-sized steps of a
+  small router; ``router_gemm_topk_never`` / ``ROUTER_GEMM_TOPK_FUSE`` off: always two launches).
+- ``linear_swiglu(x [T, K], gate_up [2I, K], alpha, limit, beta) -> [T, I]``: decode-sized steps'
+  gate|up GEMM with SwiGLU-OAI in its epilogue, each program a gate tile and its up tile summed as
+  ``linear`` sums them, rounded as ``linear`` stores them, then ``swiglu``'s expression: the bits
+  of ``linear`` + ``swiglu`` in one launch (``linear_swiglu_ok``: T <= ``LINEAR_DECODE_ROWS``).
 - ``token_logprobs(logits [N, V], tokens [N]) -> fp32 [N]``: log_softmax(row)[token], one program
   per row, the vocabulary walked in fixed LOGPROB_BLOCK chunks (max, then sum of exp), the same
   in the eager sampler, the decode graphs and (later) the trainer's loss.
@@ -74,6 +85,7 @@ import triton.language as tl
 
 from m3_kernels import fused_layers as fl
 from m3_kernels import fused_moe as fm
+from m3_kernels.fused_layers import swiglu_oai_act, topk_store
 from m3_kernels.moe_tiles import GemmTile, dot_precision
 from m3_kernels.split_k import combine_chunks, fold_chunk, last_to_arrive, reset_counter, tile_counters
 
@@ -150,6 +162,11 @@ LINEAR_DECODE_CONFIGS = {  # T <= LINEAR_DECODE_ROWS
 # pointer loads, scratch A/B of 2026-12-04 21:31 UTC: bench q|k|v 0.311 -> 0.255 ms, down 0.181 -> 0.133,
 # gate_up 0.370 -> 0.272, lm_head 2.81 -> 2.13, M3 q|k|v 4.71 -> 3.35, M3 o 4.18 -> 3.06; 1.30-1.42x
 # cuBLAS instead of 1.73-1.92x; 128 x 256 tiles at 3 or 4 stages alike, 2 stages or 256 x 128 slower).
+# On the H100 (2026-12-06, M3's seven prefill GEMM shapes at 16,384 rows, same bits) 4 stages beat 3:
+# 34.2 vs 37.7 ms in all (cuBLAS 26.8; at 2,048 rows 3.32 vs 3.38, cuBLAS 2.42); 128 x 128 tiles
+# (no spills) 36.0 / 34.6 ms at 64 / 128-wide K steps (3 stages); grouping the programs by 4-32 row
+# tiles for L2 reuse of x changed the sum by -1.7 % to +1.4 %. The chunk fold's own cost: one
+# chunk for all of K (other bits, a bound) 22.8 against 26.0 ms on six of the shapes at 3 stages.
 # fp32 (the router GEMM: N = 128 experts at M3, one column tile of most shapes) has its own prefill
 # band from FP32_PREFILL_ROWS rows: 64 x 128 tiles, one pipelined loop per tile, never split (a
 # split there would write [96, T, 128] fp32 partials, 768 MiB at 16K rows). M3's router [T, 6144] x
@@ -158,8 +175,8 @@ LINEAR_DECODE_CONFIGS = {  # T <= LINEAR_DECODE_ROWS
 # 0.59); below 4,096 rows the unsplit wide tile loses (T = 512: 0.93 vs 0.19 ms), so the middle
 # band's small tile stays there.
 LINEAR_PREFILL_CONFIGS = {  # T >= LINEAR_PREFILL_ROWS (fp32: FP32_PREFILL_ROWS)
-    torch.bfloat16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
-    torch.float16: LinearConfig(128, 256, 64, 8, 3, 256, flat=True, tma=True),
+    torch.bfloat16: LinearConfig(128, 256, 64, 8, 4, 256, flat=True, tma=True),
+    torch.float16: LinearConfig(128, 256, 64, 8, 4, 256, flat=True, tma=True),
     torch.float32: LinearConfig(64, 128, 32, 4, 3, 64, flat=True, split_k_below=0),
 }
 LINEAR_DECODE_ROWS = 32
@@ -184,13 +201,11 @@ SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
 SPLIT_K_FUSED_COMBINE = True
 
 # The routed experts' tiles: aligned layout (every local expert padded to 64 rows), no TMA, no
-# permuted copy, no ragged tiles; K summed in chunks of 256 (H 1024: 4 chunks, I 512: 2), split
-# over programs below SPLIT_K_BELOW_PROGRAMS tiles (decode: 4 active 64-row tiles at T=1 would
-# give the gate/up GEMM 32 programs), same bits either way (kernels/moe_chunked.py). Untuned first
-# choice, see the module docstring. flat (one pipelined K loop per unsplit tile, the linear's
-# prefill rule; same additions) is off until measured on a GPU: at real M3 shapes the chunked MoE
-# is half of the invariant prefill's extra time (16K tokens: 51.9 vs 26.2 ms, H100 2026-12-06);
-# ``profile_engine.py --variants invariant invariant+moe_flat --prefill-kernel-table`` is the A/B.
+# permuted copy; K summed in chunks of 256 (H 1024: 4 chunks, I 512: 2), split over programs
+# below SPLIT_K_BELOW_PROGRAMS tiles (decode: 4 active 64-row tiles at T=1 would give the gate/up
+# GEMM 32 programs), an unsplit launch in one pipelined K loop that folds each chunk at its end
+# (16K tokens at real M3 shapes: 48.6 ms against 52.5 for one loop per chunk, H100 2026-12-06),
+# same bits every way (kernels/moe_chunked.py).
 INVARIANT_MOE_CONFIG = fm.MoEKernelConfig(
     64,
     GemmTile(64, 64, 4, 3, 4),
@@ -204,6 +219,27 @@ INVARIANT_MOE_CONFIG = fm.MoEKernelConfig(
 # 4x fewer padded rows gathered and multiplied).
 MOE_DECODE_ROWS = 32
 MOE_DECODE_BLOCK_M = 16
+
+# Prefill band of the routed experts, from MOE_PREFILL_ROWS tokens: the fast mode's ragged tiles
+# (each expert padded to 16 rows, 128-row tiles plus a 16-64-row tail, weights through TMA;
+# kernels/moe_ragged.py) with the same 256-wide K chunks folded at their ends: the chunked
+# kernels' additions in their order, so the same bits (a row's bits do not depend on its tile's
+# MMA height, 16 to 128, nor on the K step; tests/gpu/test_invariant_ops_gpu.py). The chunk
+# partials double the accumulators: the fast mode's 128 / 256-column tiles then spill a little
+# (ptxas for sm_90: 100-200 bytes of spill stores per thread) and still beat narrower tiles that do not.
+# Real M3 shapes (128 experts top-4, H 6144, I 3072), H100 2026-12-06, w13 / w2 ms at 16,384
+# tokens: these tiles 12.39 / 4.92 (the fast mode 7.87 / 4.28; the aligned chunked kernels
+# 15.2 / 9.9; 64 / 128-column tiles 15.92 / 5.67, with 128-wide K steps 13.91 / 5.51; the fat
+# tail 14.3 / 6.1); at 2,048 tokens 3.77 / 1.85 (fast 3.46 / 1.84; the whole aligned chunked call,
+# alignment and combine included, 6.31).
+MOE_PREFILL_ROWS = 512
+INVARIANT_MOE_PREFILL_CONFIG = fm.MoEKernelConfig(
+    128,
+    GemmTile(128, 64, 8, 3, 4),
+    GemmTile(256, 64, 8, 4, 4),
+    ragged=True,
+    k_chunk=256,
+)
 
 LOGPROB_BLOCK = 1024  # vocabulary chunk of token_logprobs
 
@@ -227,12 +263,15 @@ def linear_config(dtype: torch.dtype, t: int | None = None) -> LinearConfig:
 def moe_config(dtype: torch.dtype, t: int | None = None) -> fm.MoEKernelConfig:
     """The fused-MoE config of ``fused_experts`` for activations of ``dtype`` and ``t`` tokens (None:
     the middle one; fp32 pipelines less deep): ``INVARIANT_MOE_CONFIG``, with ``MOE_DECODE_BLOCK_M``
-    rows per tile (the per-expert padding) up to ``MOE_DECODE_ROWS`` tokens. Only the tile height
-    changes, so a (token, slot) row meets the same K chunks and K steps (same bits, as ``linear``'s
-    row bands)."""
+    rows per tile (the per-expert padding) up to ``MOE_DECODE_ROWS`` tokens, and
+    ``INVARIANT_MOE_PREFILL_CONFIG`` (ragged tiles) from ``MOE_PREFILL_ROWS``. Only the tiles
+    change, so a (token, slot) row meets the same K chunks in the same order (same bits, as
+    ``linear``'s row bands)."""
     cfg = INVARIANT_MOE_CONFIG
     if t is not None and t <= MOE_DECODE_ROWS:
         cfg = dataclasses.replace(cfg, block_m=MOE_DECODE_BLOCK_M)
+    elif t is not None and t >= MOE_PREFILL_ROWS:
+        cfg = INVARIANT_MOE_PREFILL_CONFIG
     return fm.config_for_dtype(cfg, dtype)
 
 
@@ -546,6 +585,220 @@ def linear(
     return out
 
 
+# ----------------------------------------------------------------------------- GEMM + SwiGLU (decode)
+# The dense MLP's / shared expert's gate|up GEMM with SwiGLU-OAI in its epilogue for decode-sized
+# steps (``linear_swiglu_ok``): one launch where ``linear`` + ``fused_layers.swiglu`` take two, the
+# same bits (bench model, 8 per decode step, H100 2026-12-06, ``invariant+noswiglu_fuse`` A/B:
+# decode forward 0.487 -> 0.482 ms at batch 1, 0.751 -> 0.739 ms at batch 32). False: the two launches
+# (``scripts/profile_engine.py --variants invariant+noswiglu_fuse``; read when engine/ops.py
+# ``invariant_fields`` builds the table).
+LINEAR_SWIGLU_FUSE = True
+
+
+@triton.jit
+def _chunk_dot_pair(
+    x_ptrs,
+    wg_ptrs,
+    wu_ptrs,
+    mm,
+    mn,
+    ok,
+    k_lo,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # _chunk_dot of the gate tile (wg_ptrs) and of the up tile (wu_ptrs) in one loop: each partial
+    # from zero, the same dots in the same K steps (so each has _chunk_dot's bits), the x tile
+    # loaded once per step and both weight tiles' loads in flight together
+    part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K):
+        mk = ok < K - k0
+        a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
+        bg = tl.load(wg_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+        bu = tl.load(wu_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+        part_g = tl.dot(a, bg, part_g, input_precision=PRECISION)
+        part_u = tl.dot(a, bu, part_u, input_precision=PRECISION)
+    return part_g, part_u
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_swiglu_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    I,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    alpha,
+    limit,
+    beta,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FLAT: tl.constexpr,
+):
+    # out[m, n] = swiglu(round(x[m] . w[n]), round(x[m] . w[I + n])) for the packed gate|up weight
+    # w [2I, K]. Program (row tile, column tile[, K chunk]) sums the gate tile (weight rows n) and
+    # the up tile (rows I + n) as _linear_kernel sums any tile of the [T, 2I] product: the same K
+    # chunks from zero, K steps, chunk fold (FLAT) or nested chunk loops, partials added in chunk
+    # order; rounds each to the output dtype as _linear_kernel stores it (no bias: the MLP's
+    # Linears have none), then fused_layers.swiglu_oai_act, the expression of fused_layers.swiglu's
+    # kernel, rounded once. SPLIT: the chunk's gate and up partials go to part[chunk, m, n] and
+    # part[chunk, m, I + n] (linear's layout of the packed product); the tile's last program to
+    # finish combines both in chunk order (kernels/split_k.py), then applies the epilogue.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = tl.arange(0, BLOCK_K)
+    mm = om < M
+    mn = on < I
+    mo = mm[:, None] & mn[None, :]
+    ACT = out_ptr.dtype.element_ty
+    x_ptrs = x_ptr + om[:, None].to(tl.int64) * stride_xm + ok[None, :]  # [BM, BK]
+    wg_ptrs = w_ptr + on[None, :].to(tl.int64) * stride_wn + ok[:, None]  # gate rows, [BK, BN]
+    wu_ptrs = w_ptr + (on[None, :] + I).to(tl.int64) * stride_wn + ok[:, None]  # up rows
+    o_ptrs = out_ptr + om[:, None].to(tl.int64) * stride_om + on[None, :]
+    if SPLIT:
+        n_chunks = tl.cdiv(K, K_CHUNK)
+        chunk = M.to(tl.int64) * (2 * I)  # elements per chunk of part [chunks, M, 2I]
+        pg_ptrs = part_ptr + om[:, None].to(tl.int64) * (2 * I) + on[None, :]  # chunk 0's gate block
+        pu_ptrs = pg_ptrs + I
+        c = tl.program_id(2)  # this program's K chunk
+        g, u = _chunk_dot_pair(
+            x_ptrs, wg_ptrs, wu_ptrs, mm, mn, ok, c * K_CHUNK, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
+        )
+        tl.store(pg_ptrs + c * chunk, g, mask=mo)
+        tl.store(pu_ptrs + c * chunk, u, mask=mo)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if last_to_arrive(count_ptr + tile, tl.num_programs(2)):
+            acc_g = combine_chunks(pg_ptrs, chunk, n_chunks, mo, BLOCK_M, BLOCK_N)
+            acc_u = combine_chunks(pu_ptrs, chunk, n_chunks, mo, BLOCK_M, BLOCK_N)
+            act = swiglu_oai_act(acc_g.to(ACT).to(tl.float32), acc_u.to(ACT).to(tl.float32), alpha, limit, beta)
+            tl.store(o_ptrs, act.to(ACT), mask=mo)
+            reset_counter(count_ptr + tile)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FLAT:  # _linear_kernel's flat loop, the gate and up tiles side by side
+            part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mk = ok < K - k0
+                a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
+                bg = tl.load(wg_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+                bu = tl.load(wu_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+                part_g = tl.dot(a, bg, part_g, input_precision=PRECISION)
+                part_u = tl.dot(a, bu, part_u, input_precision=PRECISION)
+                acc_g, part_g = fold_chunk(acc_g, part_g, k0, K, BLOCK_K, K_CHUNK)
+                acc_u, part_u = fold_chunk(acc_u, part_u, k0, K, BLOCK_K, K_CHUNK)
+        else:
+            for k_lo in range(0, K, K_CHUNK):
+                g, u = _chunk_dot_pair(
+                    x_ptrs, wg_ptrs, wu_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
+                )
+                acc_g += g
+                acc_u += u
+        act = swiglu_oai_act(acc_g.to(ACT).to(tl.float32), acc_u.to(ACT).to(tl.float32), alpha, limit, beta)
+        tl.store(o_ptrs, act.to(ACT), mask=mo)
+
+
+def linear_swiglu_ok(num_tokens: int) -> bool:
+    """``PagedOps.linear_swiglu_ok`` of the invariant table: whether a step of ``num_tokens`` rows
+    runs the dense MLP's / shared expert's gate|up GEMM as ``linear_swiglu`` (one launch): up to
+    ``LINEAR_DECODE_ROWS`` rows, the decode band. The rule depends on T alone, and either route
+    gives the same bits; the middle and prefill bands keep ``linear`` + ``swiglu``."""
+    return num_tokens <= LINEAR_DECODE_ROWS
+
+
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, alpha: float, limit: float, beta: float = 1.0) -> torch.Tensor:
+    """``fused_layers.swiglu(linear(x, weight), alpha, limit, beta)`` in one launch, bitwise equal.
+
+    x: [T, K] with T <= ``LINEAR_DECODE_ROWS`` (decode-sized; ``linear_swiglu_ok``); weight: the
+    packed gate|up weight [2I, K] (gate rows first), x's dtype, one of bf16 / fp16 / fp32; last dims
+    contiguous (row strides free). Returns SwiGLU-OAI [T, I] in x.dtype (spec §3.7). Each program
+    computes a gate tile and the matching up tile with ``linear``'s configuration for T rows
+    (``linear_config``; half its block_n per tile, so a program streams as many weight rows as a
+    ``linear`` program of the packed GEMM), the same K chunks, K steps and fold order, so gate and
+    up each have ``linear``'s bits (a row's bits depend on neither the tile width nor its position,
+    see ``LINEAR_CONFIGS``), rounded to x.dtype as ``linear`` stores them; then the activation with
+    ``swiglu``'s expression in fp32, rounded once. Fewer output tiles than the band's split_k_below
+    (``SPLIT_K_BELOW_PROGRAMS``) with several K chunks: the chunks run as separate programs and the
+    last one of a tile combines gate and up in chunk order before the epilogue; without an in-kernel
+    combine (``SPLIT_K_FUSED_COMBINE`` off, or no counter buffer during a CUDA-graph capture) the
+    two launches run instead (same bits). Raises ValueError on shape / dtype / layout mismatches,
+    an odd weight row count or T > ``LINEAR_DECODE_ROWS``.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[0] % 2:
+        raise ValueError(
+            f"invariant linear_swiglu: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [T, K], "
+            "[2I, K] (packed gate|up)"
+        )
+    if weight.dtype != x.dtype:
+        raise ValueError(f"invariant linear_swiglu: weight dtype {weight.dtype} != x dtype {x.dtype}")
+    t, k = x.shape
+    if t > LINEAR_DECODE_ROWS:
+        raise ValueError(
+            f"invariant linear_swiglu: {t} rows; the fused launch is for decode-sized steps (<= "
+            f"{LINEAR_DECODE_ROWS}): use linear + fused_layers.swiglu"
+        )
+    cfg = linear_config(x.dtype, t)  # ValueError for dtypes linear does not take
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("invariant linear_swiglu: x and weight need a contiguous last dim")
+    i = weight.shape[0] // 2
+    if t == 0 or i == 0 or k == 0:  # nothing to sum: the two-launch definition
+        return fl.swiglu(linear(x, weight), alpha, limit, beta)
+    block_n = max(16, cfg.block_n // 2)
+    tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(i, block_n))
+    chunks = triton.cdiv(k, cfg.k_chunk)
+    below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
+    split = chunks > 1 and tiles[0] * tiles[1] < below
+    counters = tile_counters(x.device, tiles[0] * tiles[1]) if split and SPLIT_K_FUSED_COMBINE else None
+    if split and counters is None:
+        return fl.swiglu(linear(x, weight), alpha, limit, beta)
+    out = torch.empty(t, i, dtype=x.dtype, device=x.device)
+    part = torch.empty(chunks, t, 2 * i, dtype=torch.float32, device=x.device) if split else out
+    _linear_swiglu_kernel[(*tiles, chunks) if split else tiles](
+        x,
+        weight,
+        out,
+        part,
+        counters if counters is not None else part,
+        t,
+        i,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        alpha,
+        limit,
+        beta,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k,
+        K_CHUNK=cfg.k_chunk,
+        SPLIT=split,
+        PRECISION=dot_precision(x.dtype),
+        FLAT=cfg.flat,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
 # ----------------------------------------------------------------------------- norms, router
 add_rms_norm = fl.add_rms_norm  # already row-invariant (module docstring): the same function
 
@@ -557,9 +810,168 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def router_gemm_topk_never(num_tokens: int, gate_weight: torch.Tensor) -> bool:
-    """``PagedOps.router_gemm_topk_ok`` of the invariant table: always False, so every step takes
-    the same router route (fp32 ``linear`` + ``router_topk``) whatever its number of tokens."""
+    """``PagedOps.router_gemm_topk_ok`` of the invariant table with ``ROUTER_GEMM_TOPK_FUSE`` off:
+    always False, so every step takes the two-launch router route (fp32 ``linear`` +
+    ``router_topk``) whatever its number of tokens (the same bits as ``router_gemm_topk``)."""
     return False
+
+
+# The router's fp32 GEMM and its top-k in one launch for decode-sized steps of a small router
+# (``router_gemm_topk_ok``): where ``linear`` + ``router_topk`` take two launches (bench model: a
+# split-K ``linear`` of 16 chunk programs, then ``router_topk``, 1.9 us), the same bits. False: the
+# two launches at every T (``router_gemm_topk_never``; ``scripts/profile_engine.py --variants
+# invariant+norouter_fuse``; read when engine/ops.py ``invariant_fields`` builds the table).
+ROUTER_GEMM_TOPK_FUSE = True
+# Size limit of the fused router launch, in T x E x H weight elements read. Every (token, K chunk)
+# program reads its chunk's [E, 64] slice of W_gate (from L2 after the first token's program: W_gate
+# comes from HBM once), so a launch reads T x E x H fp32 through L2, and the last program of a
+# token adds H / 64 partials of E values. Up to 1 << 20 elements (4 MB of L2 reads; the bench
+# model's 16 x 1024 router up to 32 rows: 2 MB) that is a few hundred ns of L2 bandwidth, less than
+# the launch it saves; M3's 128 x 6144 router (3 MB) fits at 1 row only (96 chunk programs, as many
+# as ``linear`` runs per column tile there), and from 2 rows the split ``linear`` over 32 x 32 tiles
+# (each weight element read once per 32 rows) + ``router_topk`` reads less. The limit itself is not
+# tuned; the fusion was measured on the bench model (``profile_engine.py --variants invariant
+# invariant+norouter_fuse``, H100 2026-12-06, decode forward at 192 tokens of context): batch 1
+# 0.549 -> 0.482 ms, batch 32 0.753 -> 0.739 ms (7 routers per step).
+ROUTER_FUSE_MAX_ELEMS = 1 << 20
+ROUTER_FUSE_ROWS = 16  # tile rows of the fused router's dot (tl.dot needs 16); one of them holds its token
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_gemm_topk_kernel(
+    x_ptr,
+    gw_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    part_ptr,
+    count_ptr,
+    T,
+    H,
+    stride_x,
+    stride_gw,
+    scaling,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_CHUNK: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+):
+    # Program (token t, K chunk c): the chunk's partial of t's fp32 logits x[t] . W_gate[e] over all
+    # E experts, from zero in BLOCK_K steps of exact fp32 products ("ieee": _chunk_dot's loop with
+    # x upcast, exact), in a [BLOCK_M, BLOCK_E] dot tile whose row 0 is the token (the other rows
+    # are masked to zero and never stored: a row's FMA chain does not depend on its tile position,
+    # see LINEAR_CONFIGS), stored at part[c, t, :]. The token's last program to finish adds its
+    # chunks' partials in chunk order (kernels/split_k.py): the logits of linear(x.float(), W_gate),
+    # bit for bit; then fused_layers.topk_store, the top-k of router_topk, on them. One token per
+    # program so the tokens' top-k runs in parallel.
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    om = tl.arange(0, BLOCK_M)
+    oe = tl.arange(0, BLOCK_E)
+    ok = tl.arange(0, BLOCK_K)
+    mm = om == 0
+    me = oe < E
+    x_ptrs = x_ptr + t * stride_x + om[:, None] * 0 + ok[None, :]  # [BM, BK], every row the token's
+    w_ptrs = gw_ptr + oe[None, :].to(tl.int64) * stride_gw + ok[:, None]  # [BK, BE]
+    part = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
+    k_lo = c * K_CHUNK
+    for k0 in range(k_lo, tl.minimum(k_lo + K_CHUNK, H), BLOCK_K):
+        mk = ok < H - k0
+        a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        b = tl.load(w_ptrs + k0, mask=mk[:, None] & me[None, :], other=0.0)
+        part = tl.dot(a, b, part, input_precision="ieee")
+    chunk = T.to(tl.int64) * E  # elements per chunk of part [chunks, T, E]
+    p_ptrs = part_ptr + t * E + oe[None, :]  # [1, BE]: token t's logits in chunk 0
+    tl.store(p_ptrs + c * chunk + om[:, None] * 0, part, mask=mm[:, None] & me[None, :])
+    if last_to_arrive(count_ptr + t, tl.num_programs(1)):
+        acc = combine_chunks(p_ptrs, chunk, tl.num_programs(1), me[None, :], 1, BLOCK_E)
+        topk_store(
+            tl.reshape(acc, (BLOCK_E,)), bias_ptr, w_ptr, ids_ptr, t, scaling, E, TOP_K, HAS_BIAS, BLOCK_E, BLOCK_TOP
+        )
+        reset_counter(count_ptr + t)
+
+
+def router_gemm_topk_ok(num_tokens: int, gate_weight: torch.Tensor) -> bool:
+    """``PagedOps.router_gemm_topk_ok`` of the invariant table: whether a step of ``num_tokens``
+    tokens routes through ``router_gemm_topk`` (one launch): decode-sized steps (up to
+    ``LINEAR_DECODE_ROWS`` rows) of a small router (T x E x H <= ``ROUTER_FUSE_MAX_ELEMS``). Either
+    route gives the same bits, so the choice may follow T."""
+    return num_tokens <= LINEAR_DECODE_ROWS and num_tokens * gate_weight.numel() <= ROUTER_FUSE_MAX_ELEMS
+
+
+def router_gemm_topk(
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_layers.router_topk(linear(x.float(), gate_weight), bias, top_k, scaling)`` in one launch,
+    bitwise equal (weights and ids): the batch-invariant router of decode-sized steps.
+
+    x: [T, H] activations (bf16 / fp16 / fp32, last dim contiguous; upcast to fp32 in the kernel,
+    exact); gate_weight: [E, H] fp32, last dim contiguous; bias: [E] fp32 or None (selection only).
+    Returns (weights [T, K] fp32, ids [T, K] int64) as ``router_topk``: the unbiased sigmoid scores
+    of the K experts with the largest biased scores (ties to the lower expert id), renormalised and
+    times ``scaling``. The logits sum H in ``linear``'s fp32 K chunks and K steps, chunk partials
+    added in chunk order (one program per token and chunk; the token's last program adds them and
+    runs ``router_topk``'s top-k, ``fused_layers.topk_store``). Every program reads its chunk of
+    W_gate: meant for few tokens and a small router (``router_gemm_topk_ok``), though any T works.
+    Without an in-kernel combine (``SPLIT_K_FUSED_COMBINE`` off, or no counter buffer during a
+    CUDA-graph capture) the two launches run instead (same bits). Raises ValueError on shape /
+    dtype / layout mismatches or top_k outside [1, E].
+    """
+    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(1) != 1:
+        raise ValueError(
+            f"invariant router_gemm_topk: x must be [T, H] bf16/fp16/fp32 with a contiguous last dim, "
+            f"got {tuple(x.shape)} {x.dtype}"
+        )
+    if gate_weight.dim() != 2 or gate_weight.dtype != torch.float32 or gate_weight.stride(1) != 1:
+        raise ValueError(
+            f"invariant router_gemm_topk: gate_weight must be fp32 [E, H] with a contiguous last dim, got "
+            f"{tuple(gate_weight.shape)} {gate_weight.dtype}"
+        )
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    if gate_weight.shape[1] != h or not 1 <= top_k <= e:
+        raise ValueError(
+            f"invariant router_gemm_topk: gate_weight {tuple(gate_weight.shape)} vs x {tuple(x.shape)}, top_k={top_k}"
+        )
+    if bias is not None and tuple(bias.shape) != (e,):
+        raise ValueError(f"invariant router_gemm_topk: bias {tuple(bias.shape)}, expected [{e}]")
+    cfg = linear_config(torch.float32)  # every fp32 band shares its k_chunk and block_k
+    counters = tile_counters(x.device, t) if SPLIT_K_FUSED_COMBINE and t > 0 else None
+    if t == 0 or h == 0 or counters is None:  # the two-launch definition
+        return fl.router_topk(linear(x.float(), gate_weight), bias, top_k, scaling)
+    w = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    chunks = triton.cdiv(h, cfg.k_chunk)
+    part = torch.empty(chunks, t, e, dtype=torch.float32, device=x.device)
+    block_e = max(16, triton.next_power_of_2(e))  # tl.dot's smallest width
+    _router_gemm_topk_kernel[(t, chunks)](
+        x,
+        gate_weight,
+        bias if bias is not None else gate_weight,
+        w,
+        ids,
+        part,
+        counters,
+        t,
+        h,
+        x.stride(0),
+        gate_weight.stride(0),
+        scaling,
+        E=e,
+        TOP_K=top_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=ROUTER_FUSE_ROWS,
+        BLOCK_E=block_e,
+        BLOCK_K=cfg.block_k,
+        K_CHUNK=cfg.k_chunk,
+        BLOCK_TOP=triton.next_power_of_2(top_k),
+        num_warps=1 if block_e <= 32 else 4,  # E <= 32: one warp holds the [16, E] tile
+    )
+    return w, ids
 
 
 # ----------------------------------------------------------------------------- routed experts
@@ -578,8 +990,9 @@ def fused_experts(
     """``m3_kernels.fused_moe.fused_experts`` (same arguments, shapes and maths: x [T, H], ids /
     weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype) with the tile config
     ``moe_config(x.dtype, T)``: token t's output depends only on x[t], its ids and weights (module
-    docstring), whichever way the K chunks run (one program, or split at decode sizes).
-    Cost: every local expert with rows is padded to 64 rows (16 up to ``MOE_DECODE_ROWS`` tokens)."""
+    docstring), whichever way the K chunks run (one program, or split at decode sizes) and
+    whichever tiles hold its rows. Cost: below ``MOE_PREFILL_ROWS`` tokens every local expert with
+    rows is padded to 64 rows (16 up to ``MOE_DECODE_ROWS`` tokens); from there to 16."""
     return fm.fused_experts(
         x,
         ids,

@@ -3,7 +3,8 @@ batch-invariant config of kernels/invariant_ops.py), optionally split over progr
 
 Governing idea: the reduction of each output element is DEFINED as an fp32 partial per fixed K
 chunk of ``k_chunk`` columns (each from zero, in BLOCK_K steps), then a left-to-right sum of the
-chunk partials in fp32. One program may walk all the chunks (prefill-sized launches), or the
+chunk partials in fp32. One program may walk all the chunks in one software-pipelined K loop that
+folds each chunk's partial into the total at the chunk's end (prefill-sized launches), or the
 chunks may run as separate programs (``split``: decode-sized launches, where a 64-row tile per
 active expert leaves most SMs idle) whose partials the last program of the tile to finish adds
 in chunk order (kernels/split_k.py): the same additions in the same order, so the same bits
@@ -103,7 +104,6 @@ def moe_w13_chunked_kernel(
     K_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
-    FLAT: tl.constexpr = False,
 ):
     # act[row, n] = SwiGLU-OAI(x[tok] . w13[e, n], x[tok] . w13[e, I + n]), each dot summed by K
     # chunks (module docstring). Program (tile [, chunk]); the tile's chunks in chunk order.
@@ -141,25 +141,18 @@ def moe_w13_chunked_kernel(
             tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
             reset_counter(count_ptr + pid)
     else:
+        # one pipelined K loop, each chunk's partials folded at its end (split_k.fold_chunk): the
+        # additions of the split launch's combine, in its order
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if FLAT:  # one pipelined K loop, each chunk's partials folded at its end (split_k.fold_chunk)
-            part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                a, g, u = _w13_step_tiles(
-                    a_ptrs + k0, g_ptrs + k0, u_ptrs + k0, row_ok, n_ok, offs_k, k0, HIDDEN, BLOCK_K
-                )
-                part_g = tl.dot(a, g, part_g, input_precision=PRECISION)
-                part_u = tl.dot(a, u, part_u, input_precision=PRECISION)
-                acc_g, part_g = fold_chunk(acc_g, part_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
-                acc_u, part_u = fold_chunk(acc_u, part_u, k0, HIDDEN, BLOCK_K, K_CHUNK)
-        else:
-            for k_lo in range(0, HIDDEN, K_CHUNK):
-                part_g, part_u = _w13_chunk(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k_lo, HIDDEN, BLOCK_M,
-                                            BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)  # fmt: skip
-                acc_g += part_g
-                acc_u += part_u
+        part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            a, g, u = _w13_step_tiles(a_ptrs + k0, g_ptrs + k0, u_ptrs + k0, row_ok, n_ok, offs_k, k0, HIDDEN, BLOCK_K)
+            part_g = tl.dot(a, g, part_g, input_precision=PRECISION)
+            part_u = tl.dot(a, u, part_u, input_precision=PRECISION)
+            acc_g, part_g = fold_chunk(acc_g, part_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
+            acc_u, part_u = fold_chunk(acc_u, part_u, k0, HIDDEN, BLOCK_K, K_CHUNK)
         act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)  # padding rows: SwiGLU(0), never stored later
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -218,7 +211,6 @@ def moe_w2_chunked_kernel(
     K_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
-    FLAT: tl.constexpr = False,
 ):
     # out[rid, n] = weight[rid] * (act[row] . w2[e, n]), the dot summed by K chunks (module
     # docstring), for the rows of one tile, row -> rid. Program (tile [, chunk]).
@@ -253,17 +245,11 @@ def moe_w2_chunked_kernel(
             reset_counter(count_ptr + pid)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if FLAT:  # one pipelined K loop, each chunk's partial folded at its end (split_k.fold_chunk)
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                a, b = _w2_step_tiles(a_ptrs + k0, b_ptrs + k0, n_ok, offs_k, k0, INTER, BLOCK_K)
-                part = tl.dot(a, b, part, input_precision=PRECISION)
-                acc, part = fold_chunk(acc, part, k0, INTER, BLOCK_K, K_CHUNK)
-        else:
-            for k_lo in range(0, INTER, K_CHUNK):
-                acc += _w2_chunk(
-                    a_ptrs, b_ptrs, n_ok, offs_k, k_lo, INTER, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION
-                )
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):  # one pipelined K loop, chunks folded as above
+            a, b = _w2_step_tiles(a_ptrs + k0, b_ptrs + k0, n_ok, offs_k, k0, INTER, BLOCK_K)
+            part = tl.dot(a, b, part, input_precision=PRECISION)
+            acc, part = fold_chunk(acc, part, k0, INTER, BLOCK_K, K_CHUNK)
         w = tl.load(weights_ptr + rid, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -286,14 +272,13 @@ def chunked_gate_up(
     alpha: float,
     limit: float,
     beta: float,
-    flat: bool = False,
 ) -> torch.Tensor:
     """``fused_moe.moe_gate_up`` (x gathered per tile) with the chunked-K reduction: act [P, I] in
     x.dtype (x [T, H] and w13 [E, 2I, H] copied first if their last dim is strided). The K chunks run as separate
     programs when the grid has fewer than ``split_below`` tiles and H spans >= 2 chunks (same bits;
-    module docstring). flat: an unsplit launch walks K in one software-pipelined loop that folds
-    each chunk's partial at the chunk's end (``split_k.fold_chunk``) instead of one loop per chunk:
-    the same additions. Raises ValueError for a bad k_chunk."""
+    module docstring); an unsplit launch walks K in one software-pipelined loop that folds each
+    chunk's partial at the chunk's end (``split_k.fold_chunk``): the same additions. Raises
+    ValueError for a bad k_chunk."""
     check_k_chunk(k_chunk, tile)
     x, w13 = x if x.stride(1) == 1 else x.contiguous(), w13 if w13.stride(2) == 1 else w13.contiguous()
     h = x.shape[1]
@@ -312,7 +297,7 @@ def chunked_gate_up(
         x.shape[0] * top_k, num_tiles_m, launch_group(tile, num_tiles_m), p,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit), float(beta),
         TOP_K=top_k, INTER=inter, HIDDEN=h, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(x.dtype), FLAT=flat,
+        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(x.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return act
@@ -326,11 +311,10 @@ def chunked_down(
     tile: GemmTile,
     k_chunk: int,
     split_below: int,
-    flat: bool = False,
 ) -> torch.Tensor:
     """``fused_moe.moe_down`` with the chunked-K reduction: rows [T*K, H] in act.dtype, rows[s] =
     weights[s] * W2[e] act[r] for the slots of local experts; act [P, I] from ``chunked_gate_up``, w2
-    [E, H, I]. Split and flat as ``chunked_gate_up`` (same bits every way). Raises ValueError for a
+    [E, H, I]. Split or one loop as ``chunked_gate_up`` (same bits either way). Raises ValueError for a
     bad k_chunk."""
     check_k_chunk(k_chunk, tile)
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
@@ -351,7 +335,7 @@ def chunked_down(
         aligned.num_rows, n_assign, num_tiles_m, launch_group(tile, num_tiles_m), p,
         act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
         HIDDEN=h, INTER=inter, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(act.dtype), FLAT=flat,
+        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(act.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return rows

@@ -40,7 +40,9 @@ import triton
 import triton.language as tl
 
 from m3_kernels.moe_align import align_by_expert_torch, max_padded_rows
+from m3_kernels.moe_chunked import check_k_chunk
 from m3_kernels.moe_tiles import dot_precision, launch_group, swiglu_oai_tile, tile_coords
+from m3_kernels.split_k import fold_chunk
 
 MAX_M, MIN_M = 128, 16
 
@@ -347,9 +349,12 @@ def _w13_tile(
     PRECISION: tl.constexpr,
     TOP_K: tl.constexpr,
     GATHER: tl.constexpr,
+    K_CHUNK: tl.constexpr,
 ):
     acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    tot_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)  # K_CHUNK > 0: the folded chunk partials
+    tot_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     if GATHER:
         tok = _gather_rows(sorted_ids_ptr, row0, n_rows, n_assign, TOP_K, BM)
     else:
@@ -360,6 +365,11 @@ def _w13_tile(
         u = w_desc.load([g_row + INTER, k0])
         acc_g = tl.dot(a, g.T, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, u.T, acc_u, input_precision=PRECISION)
+        if K_CHUNK > 0:  # chunked sums (module docstring): acc_* hold the chunk's partials
+            tot_g, acc_g = fold_chunk(tot_g, acc_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
+            tot_u, acc_u = fold_chunk(tot_u, acc_u, k0, HIDDEN, BLOCK_K, K_CHUNK)
+    if K_CHUNK > 0:
+        acc_g, acc_u = tot_g, tot_u
     act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)  # SwiGLU-OAI on the fp32 accumulators
     offs_r = tl.arange(0, BM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -394,12 +404,17 @@ def _w13_fat_tile(
     PRECISION: tl.constexpr,
     TOP_K: tl.constexpr,
     GATHER: tl.constexpr,
+    K_CHUNK: tl.constexpr,
 ):
     # BM + TAIL rows in one program: each weight tile feeds a BM-row and a TAIL-row MMA.
     acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_gt = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
     acc_ut = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
+    tot_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)  # K_CHUNK > 0: the folded chunk partials
+    tot_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    tot_gt = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
+    tot_ut = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
     if GATHER:
         tok = _gather_rows(sorted_ids_ptr, row0, BM, n_assign, TOP_K, BM)
         tok_t = _gather_rows(sorted_ids_ptr, row0 + BM, n_rows - BM, n_assign, TOP_K, TAIL)
@@ -415,6 +430,13 @@ def _w13_fat_tile(
         acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         acc_gt = tl.dot(at, g, acc_gt, input_precision=PRECISION)
         acc_ut = tl.dot(at, u, acc_ut, input_precision=PRECISION)
+        if K_CHUNK > 0:  # chunked sums, as _w13_tile
+            tot_g, acc_g = fold_chunk(tot_g, acc_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
+            tot_u, acc_u = fold_chunk(tot_u, acc_u, k0, HIDDEN, BLOCK_K, K_CHUNK)
+            tot_gt, acc_gt = fold_chunk(tot_gt, acc_gt, k0, HIDDEN, BLOCK_K, K_CHUNK)
+            tot_ut, acc_ut = fold_chunk(tot_ut, acc_ut, k0, HIDDEN, BLOCK_K, K_CHUNK)
+    if K_CHUNK > 0:
+        acc_g, acc_u, acc_gt, acc_ut = tot_g, tot_u, tot_gt, tot_ut
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n[None, :] < INTER
     act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)
@@ -457,6 +479,7 @@ def moe_w13_ragged_kernel(
     TOP_K: tl.constexpr,
     GATHER: tl.constexpr,
     FAT: tl.constexpr,
+    K_CHUNK: tl.constexpr = 0,
 ):
     # GATHER: A rows gathered from x [T, H] by token (a* descriptors unused), else TMA from xs [P, H].
     # FAT: tail rows (32 or 64) a 128-row tile may carry (align_ragged fat_tail); 0 = none.
@@ -497,6 +520,7 @@ def moe_w13_ragged_kernel(
             PRECISION,
             TOP_K,
             GATHER,
+            K_CHUNK,
         )
     elif FAT == 64 and n_rows > 128:
         _w13_fat_tile(
@@ -525,6 +549,7 @@ def moe_w13_ragged_kernel(
             PRECISION,
             TOP_K,
             GATHER,
+            K_CHUNK,
         )
     elif n_rows > 64:
         _w13_tile(
@@ -551,6 +576,7 @@ def moe_w13_ragged_kernel(
             PRECISION,
             TOP_K,
             GATHER,
+            K_CHUNK,
         )
     elif n_rows > 32:
         _w13_tile(
@@ -577,6 +603,7 @@ def moe_w13_ragged_kernel(
             PRECISION,
             TOP_K,
             GATHER,
+            K_CHUNK,
         )
     elif n_rows > 16:
         _w13_tile(
@@ -603,6 +630,7 @@ def moe_w13_ragged_kernel(
             PRECISION,
             TOP_K,
             GATHER,
+            K_CHUNK,
         )
     else:
         _w13_tile(
@@ -629,6 +657,7 @@ def moe_w13_ragged_kernel(
             PRECISION,
             TOP_K,
             GATHER,
+            K_CHUNK,
         )
 
 
@@ -651,12 +680,18 @@ def _w2_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_CHUNK: tl.constexpr,
 ):
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    tot = tl.zeros((BM, BLOCK_N), dtype=tl.float32)  # K_CHUNK > 0: the folded chunk partials
     for k0 in range(0, INTER, BLOCK_K):
         a = a_desc.load([row0, k0])  # [BM, K_] of act
         b = w_desc.load([w_row, k0])  # [N, K_] of w2[e]
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        if K_CHUNK > 0:  # chunked sums, as _w13_tile
+            tot, acc = fold_chunk(tot, acc, k0, INTER, BLOCK_K, K_CHUNK)
+    if K_CHUNK > 0:
+        acc = tot
     offs_r = tl.arange(0, BM)
     r_in = offs_r < n_rows
     rid = tl.load(sorted_ids_ptr + row0 + offs_r, mask=r_in, other=n_assign)
@@ -716,15 +751,23 @@ def _w2_fat_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_CHUNK: tl.constexpr,
 ):
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_t = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
+    tot = tl.zeros((BM, BLOCK_N), dtype=tl.float32)  # K_CHUNK > 0: the folded chunk partials
+    tot_t = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         a = a_main.load([row0, k0])
         at = a_tail.load([row0 + BM, k0])
         b = w_desc.load([w_row, k0]).T
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         acc_t = tl.dot(at, b, acc_t, input_precision=PRECISION)
+        if K_CHUNK > 0:  # chunked sums, as _w13_tile
+            tot, acc = fold_chunk(tot, acc, k0, INTER, BLOCK_K, K_CHUNK)
+            tot_t, acc_t = fold_chunk(tot_t, acc_t, k0, INTER, BLOCK_K, K_CHUNK)
+    if K_CHUNK > 0:
+        acc, acc_t = tot, tot_t
     _w2_rows_out(acc, out_ptr, weights_ptr, sorted_ids_ptr, n_assign, row0, BM, n0, stride_or, HIDDEN, BM, BLOCK_N)
     _w2_rows_out(
         acc_t,
@@ -766,6 +809,7 @@ def moe_w2_ragged_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     FAT: tl.constexpr,
+    K_CHUNK: tl.constexpr = 0,
 ):
     # out[rid, n] = weight[rid] * (act[row] . w2[e, n]) for the rows of one ragged tile, row -> rid.
     pid = tl.program_id(0)
@@ -798,6 +842,7 @@ def moe_w2_ragged_kernel(
             BLOCK_N,
             BLOCK_K,
             PRECISION,
+            K_CHUNK,
         )
     elif FAT == 64 and n_rows > 128:
         _w2_fat_tile(
@@ -820,6 +865,7 @@ def moe_w2_ragged_kernel(
             BLOCK_N,
             BLOCK_K,
             PRECISION,
+            K_CHUNK,
         )
     elif n_rows > 64:
         _w2_tile(
@@ -840,6 +886,7 @@ def moe_w2_ragged_kernel(
             BLOCK_N,
             BLOCK_K,
             PRECISION,
+            K_CHUNK,
         )
     elif n_rows > 32:
         _w2_tile(
@@ -860,6 +907,7 @@ def moe_w2_ragged_kernel(
             BLOCK_N,
             BLOCK_K,
             PRECISION,
+            K_CHUNK,
         )
     elif n_rows > 16:
         _w2_tile(
@@ -880,6 +928,7 @@ def moe_w2_ragged_kernel(
             BLOCK_N,
             BLOCK_K,
             PRECISION,
+            K_CHUNK,
         )
     else:
         _w2_tile(
@@ -900,6 +949,7 @@ def moe_w2_ragged_kernel(
             BLOCK_N,
             BLOCK_K,
             PRECISION,
+            K_CHUNK,
         )
 
 
@@ -919,6 +969,7 @@ def ragged_gate_up(
     beta: float,
     *,
     top_k: int = 0,
+    k_chunk: int = 0,
 ) -> torch.Tensor:
     """Grouped GEMM 1 + SwiGLU-OAI over ragged tiles: act [P, I] in x.dtype.
 
@@ -926,8 +977,16 @@ def ragged_gate_up(
     or with top_k > 0 the tokens x [T, H] themselves (A rows gathered per tile by sorted_ids // K).
     w13 [E, 2I, H]; tile: `fused_moe.GemmTile` (block_n SwiGLU columns, block_k, warps, stages,
     group_m). Weight tiles through TMA: H, I multiples of 8, contiguous last dimensions.
+    k_chunk > 0: K summed in chunks of k_chunk columns, each chunk's fp32 partial from zero and
+    folded into the total at the chunk's end (`split_k.fold_chunk`): the additions of
+    `moe_chunked` (the batch-invariant MoE), so a row gets the chunked kernels' bits; it costs a
+    second set of accumulators (registers). Raises ValueError for a k_chunk that is not a
+    multiple of 2 x block_k.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if k_chunk:
+        check_k_chunk(k_chunk, tile)
 
     h = x.shape[1]
     p = tiles.sorted_ids.numel()
@@ -967,19 +1026,26 @@ def ragged_gate_up(
         TOP_K=max(top_k, 1),
         GATHER=gather,
         FAT=tiles.fat_tail,
+        K_CHUNK=k_chunk,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     return act
 
 
-def ragged_down(act: torch.Tensor, w2: torch.Tensor, tiles: RaggedTiles, weights: torch.Tensor, tile) -> torch.Tensor:
+def ragged_down(
+    act: torch.Tensor, w2: torch.Tensor, tiles: RaggedTiles, weights: torch.Tensor, tile, k_chunk: int = 0
+) -> torch.Tensor:
     """Grouped GEMM 2 + routing weight over ragged tiles: rows [T*K, H], rows[s] = weights[s] * W2[e] act[r].
 
     act [P, I] from `ragged_gate_up`; w2 [E, H, I]; weights [T, K] (fp32 use). Rows of slots not
-    routed to a local expert are left unwritten (`fused_moe.moe_combine` masks them).
+    routed to a local expert are left unwritten (`fused_moe.moe_combine` masks them). k_chunk as
+    `ragged_gate_up` (over I).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if k_chunk:
+        check_k_chunk(k_chunk, tile)
 
     n_assign = weights.numel()
     h, inter = w2.shape[1], w2.shape[2]
@@ -1008,6 +1074,7 @@ def ragged_down(act: torch.Tensor, w2: torch.Tensor, tiles: RaggedTiles, weights
         BLOCK_K=tile.block_k,
         PRECISION=dot_precision(act.dtype),
         FAT=tiles.fat_tail,
+        K_CHUNK=k_chunk,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )

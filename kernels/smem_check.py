@@ -7,7 +7,8 @@ Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled): the 
 subprocess. Real M3 shapes: MoE 128 experts, H 6144, I 3072, top-4 at T=4096 (the ragged path);
 attention 4 KV heads x 16 q heads, d 128, page 128 (the batch-invariant decode launch: its
 one-token walk, tests/gpu found fp32 at 2 stages over the limit on 2026-12-03); the batch-invariant
-routed experts' unsplit gate/up launch with one loop per K chunk and with the flat loop.
+routed experts' unsplit gate/up launch (one pipelined K loop folding each chunk at its end) and
+its prefill band's ragged GEMMs (the same folds in the fast mode's ragged kernels).
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ def _ragged_sig(fn, dt: str, block_n: int, block_k: int) -> dict:
     return sig
 
 
-def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
-    """Shared bytes of the ragged w13 / w2 GEMMs with the large-batch default tiles for ``dtype``."""
-    cfg = fused_moe.config_for_dtype(fused_moe.default_config(4096 * 4, 128, 6144, 3072), dtype)
+def ragged_moe(dtype: torch.dtype, cfg: fused_moe.MoEKernelConfig | None = None) -> dict[str, int]:
+    """Shared bytes of the ragged w13 / w2 GEMMs for ``dtype`` with ``cfg`` (default: the fast mode's
+    large-batch default tiles; its k_chunk is compiled in as the kernels' K_CHUNK)."""
+    if cfg is None:
+        cfg = fused_moe.config_for_dtype(fused_moe.default_config(4096 * 4, 128, 6144, 3072), dtype)
     dt, prec = _TT[dtype], ("ieee" if dtype == torch.float32 else "tf32")
     t13, t2 = cfg.w13, cfg.w2
     sig = _ragged_sig(moe_ragged.moe_w13_ragged_kernel, dt, t13.block_n, t13.block_k)
@@ -81,6 +84,7 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
             TOP_K=4,
             GATHER=not cfg.permute,
             FAT=cfg.fat_tail,
+            K_CHUNK=cfg.k_chunk,
         ),
         t13.num_warps,
         t13.num_stages,
@@ -90,7 +94,15 @@ def ragged_moe(dtype: torch.dtype) -> dict[str, int]:
     w2 = shared_bytes(
         moe_ragged.moe_w2_ragged_kernel,
         sig,
-        dict(HIDDEN=6144, INTER=3072, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, PRECISION=prec, FAT=cfg.fat_tail),
+        dict(
+            HIDDEN=6144,
+            INTER=3072,
+            BLOCK_N=t2.block_n,
+            BLOCK_K=t2.block_k,
+            PRECISION=prec,
+            FAT=cfg.fat_tail,
+            K_CHUNK=cfg.k_chunk,
+        ),  # fmt: skip
         t2.num_warps,
         t2.num_stages,
     )
@@ -161,23 +173,27 @@ def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:
 
 def invariant_chunked_moe_gate_up(dtype: torch.dtype) -> dict[str, int]:
     """Shared bytes of the batch-invariant routed experts' unsplit gate/up launch (``moe_chunked``,
-    ``invariant_ops.INVARIANT_MOE_CONFIG`` tiles, M3's H 6144 / I 3072) with one loop per K chunk
-    and with the flat loop (``MoEKernelConfig.flat``), for ``dtype``."""
+    ``invariant_ops.INVARIANT_MOE_CONFIG`` tiles, M3's H 6144 / I 3072: one pipelined K loop
+    folding each chunk at its end), for ``dtype``."""
     cfg = fused_moe.config_for_dtype(inv.INVARIANT_MOE_CONFIG, dtype)
     fn, dt, tile = moe_chunked.moe_w13_chunked_kernel, _TT[dtype], cfg.w13
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(x_ptr="*" + dt, w13_ptr="*" + dt, act_ptr="*" + dt, part_ptr="*fp32", count_ptr="*i32")
     sig.update(sorted_ids_ptr="*i32", tile_expert_ptr="*i32", num_rows_ptr="*i32", alpha="fp32", limit="fp32")
     sig.update(beta="fp32")
-    out = {}
-    for flat in (False, True):
-        consts = dict(
-            TOP_K=4, INTER=3072, HIDDEN=6144, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-            K_CHUNK=cfg.k_chunk, SPLIT=False, PRECISION="ieee" if dtype == torch.float32 else "tf32", FLAT=flat,
-        )  # fmt: skip
-        name = f"invariant_moe_w13_{'flat' if flat else 'nested'}/{dt}"
-        out[name] = shared_bytes(fn, sig, consts, tile.num_warps, tile.num_stages)
-    return out
+    consts = dict(
+        TOP_K=4, INTER=3072, HIDDEN=6144, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        K_CHUNK=cfg.k_chunk, SPLIT=False, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return {f"invariant_moe_w13_flat/{dt}": shared_bytes(fn, sig, consts, tile.num_warps, tile.num_stages)}
+
+
+def invariant_ragged_moe(dtype: torch.dtype) -> dict[str, int]:
+    """Shared bytes of the batch-invariant prefill band's ragged w13 / w2 GEMMs (``moe_ragged`` with
+    K chunks folded in, ``invariant_ops.INVARIANT_MOE_PREFILL_CONFIG`` tiles, M3's H 6144 / I 3072)
+    for ``dtype``."""
+    cfg = fused_moe.config_for_dtype(inv.INVARIANT_MOE_PREFILL_CONFIG, dtype)
+    return {f"invariant_{name}": size for name, size in ragged_moe(dtype, cfg).items()}
 
 
 def main() -> None:
@@ -187,6 +203,7 @@ def main() -> None:
         out.update(kv_major_prefill(dtype))
         out.update(invariant_decode_attention(dtype))
         out.update(invariant_chunked_moe_gate_up(dtype))
+        out.update(invariant_ragged_moe(dtype))
     print(json.dumps(out))
 
 

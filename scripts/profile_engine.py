@@ -90,14 +90,28 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # "invariant+<option>+...": A/B switches of the batch-invariant kernels' module constants (read at
 # launch; none changes a bit of the results, only how the work is scheduled). Flags: union_walk
 # (invariant_attention.DECODE_PIPELINE off), stages2 (DECODE_STAGES 2), topk_launch (DECODE_FUSED_TOPK
-# off), nopdl (PDL off: the decode merge launches after the attention), union (the sparse layers'
+# off), topk_long (TOPK_SHORT_PATH off: the index top-k walks 128-block chunks for short rows too),
+# nopdl (PDL off: the decode merge launches after the attention), union (the sparse layers'
 # union walk instead of the default per-page partials: EngineConfig.invariant_sparse_attention, other
-# bits; union_walk, stages2 and dp then apply to the sparse layers too), moe_flat (the routed experts'
-# unsplit launches walk K in one pipelined loop: INVARIANT_MOE_CONFIG.flat). Numbers: dp<N>
+# bits; union_walk, stages2 and dp then apply to the sparse layers too), moe_aligned (the routed experts'
+# prefill band off: every size on the aligned chunked kernels, invariant_ops.MOE_PREFILL_ROWS),
+# noswiglu_fuse (decode steps' gate|up GEMM and SwiGLU in two launches: invariant_ops.LINEAR_SWIGLU_FUSE
+# off), norouter_fuse (decode steps' router GEMM and top-k in two launches: invariant_ops.
+# ROUTER_GEMM_TOPK_FUSE off). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
 # LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lbk<N> (block_k, the K step), lw<N> (warps), ls<N> (stages),
 # lsk<N> (split_k_below: split-K below N output tiles; 0 = no split-K).
-INVARIANT_FLAGS = ("union_walk", "stages2", "topk_launch", "nopdl", "union", "moe_flat")
+INVARIANT_FLAGS = (
+    "union_walk",
+    "stages2",
+    "topk_launch",
+    "topk_long",
+    "nopdl",
+    "union",
+    "moe_aligned",
+    "noswiglu_fuse",
+    "norouter_fuse",
+)
 INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lbk", "lw", "ls", "lsk")
 
 
@@ -109,13 +123,16 @@ _IA_DEFAULTS = {
         "DECODE_PIPELINE",
         "DECODE_STAGES",
         "DECODE_FUSED_TOPK",
+        "TOPK_SHORT_PATH",
         "PDL",
         "DECODE_PROGRAMS",
         "SCORE_SPLIT_BLOCKS_DECODE",
     )
 }
 _DEFAULT_LINEAR_DECODE = dict(inv.LINEAR_DECODE_CONFIGS)
-_DEFAULT_MOE = inv.INVARIANT_MOE_CONFIG
+_DEFAULT_MOE_PREFILL_ROWS = inv.MOE_PREFILL_ROWS
+_DEFAULT_LINEAR_SWIGLU_FUSE = inv.LINEAR_SWIGLU_FUSE
+_DEFAULT_ROUTER_GEMM_TOPK_FUSE = inv.ROUTER_GEMM_TOPK_FUSE
 
 
 def _invariant_options(name: str) -> dict[str, int]:
@@ -182,12 +199,15 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
             ia.DECODE_PIPELINE = "union_walk" not in opts and _IA_DEFAULTS["DECODE_PIPELINE"]
             ia.DECODE_STAGES = 2 if "stages2" in opts else _IA_DEFAULTS["DECODE_STAGES"]
             ia.DECODE_FUSED_TOPK = "topk_launch" not in opts and _IA_DEFAULTS["DECODE_FUSED_TOPK"]
+            ia.TOPK_SHORT_PATH = "topk_long" not in opts and _IA_DEFAULTS["TOPK_SHORT_PATH"]
             ia.PDL = "nopdl" not in opts and _IA_DEFAULTS["PDL"]
             ia.DECODE_PROGRAMS = opts.get("dp", _IA_DEFAULTS["DECODE_PROGRAMS"])
             ia.SCORE_SPLIT_BLOCKS_DECODE = opts.get("ss", _IA_DEFAULTS["SCORE_SPLIT_BLOCKS_DECODE"])
             dec = _DEFAULT_LINEAR_DECODE[torch.bfloat16]
             inv.LINEAR_DECODE_CONFIGS = dict(_DEFAULT_LINEAR_DECODE)
-            inv.INVARIANT_MOE_CONFIG = dataclasses.replace(_DEFAULT_MOE, flat="moe_flat" in opts)
+            inv.MOE_PREFILL_ROWS = 1 << 62 if "moe_aligned" in opts else _DEFAULT_MOE_PREFILL_ROWS
+            inv.LINEAR_SWIGLU_FUSE = "noswiglu_fuse" not in opts and _DEFAULT_LINEAR_SWIGLU_FUSE
+            inv.ROUTER_GEMM_TOPK_FUSE = "norouter_fuse" not in opts and _DEFAULT_ROUTER_GEMM_TOPK_FUSE
             inv.LINEAR_DECODE_CONFIGS[torch.bfloat16] = dataclasses.replace(
                 dec,
                 block_n=opts.get("lbn", dec.block_n),

@@ -6,7 +6,9 @@ matrix (the micro-kernel handles edge rows on another code path). That is a CPU 
 GPU counterpart: on the GPU every row of an MMA tile runs the same instructions. A kernel whose
 rows are independent would look batch-dependent under it (a token's row position inside its tile
 moves with the other tokens). ``row_wise_dot`` replaces the matmul by one vector-matrix product
-per tile row (the same numpy call for every row), which models the GPU's per-row arithmetic and
+per tile row (the same numpy call for every row, on a contiguous copy of the right operand: numpy
+gives a transposed view, e.g. a weight tile loaded [N, K] and used as ``w.T``, other fp32 bits than
+the same values laid out [K, N], where the GPU's MMA does not care), which models the GPU's per-row arithmetic and
 keeps everything else of the interpreter: masks, tile layouts, K loops, configs chosen by T,
 cross-row reductions. The GPU tests (tests/gpu/test_invariant_ops_gpu.py) check the compiled bits.
 """
@@ -22,7 +24,8 @@ from triton.runtime import interpreter
 def _row_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:  # not used by the invariant kernels
         return _ORIGINAL(self, a, b, d, input_precision, max_num_imprecise_acc)
-    rows = [np.matmul(a.data[i], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+    b_data = np.ascontiguousarray(b.data)  # a transposed view takes another BLAS path (other bits)
+    rows = [np.matmul(a.data[i], b_data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
     return interpreter.TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
 
 

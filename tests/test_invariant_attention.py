@@ -191,6 +191,87 @@ def test_decode_topk_in_the_score_launch_equals_the_topk_launch(spec, monkeypatc
     assert (want[:td] >= 100).any() and not (want[0] == 7).any()  # tied blocks compete; the NaN block lost
 
 
+def _spy_key_widths(monkeypatch) -> list[int]:
+    """Widths of the [rows, width] key tiles the interpreted top-k builds (``block_selection_keys``,
+    called by the kernels through ia's globals): KP = the short path ran, TOPK_CHUNK = the walk."""
+    widths, build = [], ia.block_selection_keys
+
+    def spy(s, b, cand, n_cand, init_blocks, local_blocks):
+        widths.append(int(s.shape[1]))
+        return build(s, b, cand, n_cand, init_blocks, local_blocks)
+
+    monkeypatch.setattr(ia, "block_selection_keys", spy)
+    return widths
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # decode rows (1 token): 2, 3, 4 (= KP, twice) and 5, 19 candidates; the split walk of 20
+        # programs per tile (table_width 40) with 1, 2, 3 and 10 active splits
+        ([(20, 1), (47, 1), (48, 1), (63, 1), (64, 1), (300, 1)], 6),
+        # verify rows (3 tokens ranked by one program: 4, 4, 5 candidates; 1, 2, 2), then prefill
+        # chunks whose top-k programs (2 tokens each at G = 2) hold 4 + 4 and 4 + 5 candidates
+        ([(61, 3), (16, 3), (61, 6), (0, 40)], 2),
+    ],
+    ids=["decode", "verify_prefill"],
+)
+def test_short_topk_path_gives_the_walks_ids(spec, monkeypatch):
+    # TOPK_SHORT_PATH: a top-k program whose rows have at most KP candidates each sorts its KP keys
+    # instead of walking TOPK_CHUNK-wide chunks. The same ids, short path on or off, fused in the
+    # decode score launch or not, as the reference: candidate counts below, at and above KP, mixed in
+    # one program, forced init / local blocks and tied scores (the lower block id first); the spy
+    # shows which path ran, and the split-K counters are all zero again afterwards.
+    from m3_kernels import split_k
+
+    b = _batch(spec, torch.float32, seed=8, table_width=40)
+    b.iq.abs_()  # positive queries: blocks 1..3 of every row (all keys 1.0) tie above every other block
+    for r in range(b.meta.num_rows):
+        for j in range(1, 4):
+            b.ik[int(b.meta.block_tables[r, j])] = 1.0
+    want = index_topk_ref(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+    widths = _spy_key_widths(monkeypatch)
+    got = {}
+    for short in (True, False):
+        for fused in (True, False):
+            monkeypatch.setattr(ia, "TOPK_SHORT_PATH", short)
+            monkeypatch.setattr(ia, "DECODE_FUSED_TOPK", fused)
+            widths.clear()
+            got[short, fused] = ia.invariant_index_topk(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+            assert set(widths) == ({K, ia.TOPK_CHUNK} if short else {ia.TOPK_CHUNK}), (short, fused)
+    for key, ids in got.items():
+        assert torch.equal(ids, want), f"short path, fused top-k {key}: {int((ids != want).sum())} ids differ"
+    assert int(split_k.tile_counters(torch.device("cpu"), 1).abs().sum()) == 0
+    # from 5 candidates on: forced 0 and the last two (+inf, ascending ids), then the tie of 1 and 2 (and
+    # 3), won by block 1; up to 4 (the short path) the tied blocks are forced or all selected
+    long_rows = b.meta.positions >= 4 * PS
+    assert long_rows.any() and (want[long_rows][..., 3] == 1).all()
+    assert (want[b.meta.positions // PS == 3] == torch.tensor([0, 2, 3, 1], dtype=torch.int32)).all()
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_short_topk_path_orders_ties_and_forced_blocks(short, monkeypatch):
+    # the top-k launch alone on engineered scores, KP = 16 (K = 13): rows of 1..16 candidates (the
+    # short path) and 17, 200 (the walk) in one launch and in mixed programs (4 heads = 1 token per
+    # program; 1 head = 4 tokens per program); all-equal scores, -0.0 / +0.0, NaN (-1e30) and +-inf
+    widths = _spy_key_widths(monkeypatch)
+    monkeypatch.setattr(ia, "TOPK_SHORT_PATH", short)
+    pos = torch.tensor([0, 15, 100, 239, 240, 255, 256, 3199, 47, 250], dtype=torch.int32)
+    s = torch.randint(-2, 2, (len(pos), 4, 200), generator=torch.Generator().manual_seed(9)).float()
+    s[s == 0] = torch.tensor([-0.0, 0.0]).repeat(int((s == 0).sum()))[: int((s == 0).sum())]
+    s[2] = 1.0  # all ties: the forced blocks, then the lowest ids
+    s[3, :, 4], s[3, :, 9], s[3, :, 11] = float("-inf"), float("inf"), -1e30
+    for g, init, local in ((4, 2, 1), (1, 0, 3)):
+        got = ia.invariant_select_blocks(s[:, :g].contiguous(), SimpleNamespace(positions=pos), 13, PS, init, local)
+        want = select_blocks(s[:, :g, None], pos[:, None].long(), 13, PS, init, local)[:, :, 0]
+        assert torch.equal(got, want.int()), f"{int((got != want).any(-1).sum())} rows differ"
+        n2 = 100 // PS + 1
+        forced = list(range(init)) + list(range(n2 - local, n2))
+        assert got[2, 0].tolist() == forced + [i for i in range(n2) if i not in forced] + [-1] * (13 - n2)
+    assert set(widths) == ({16, ia.TOPK_CHUNK} if short else {ia.TOPK_CHUNK})
+
+
 def test_ids_outputs_must_be_contiguous_int32_and_name_the_op():
     # The top-k kernels index ids at (t * G + g) * K + k: a strided view (like the engine's int16
     # record) would get another row's ids and writes past it (breaker pass, 2026-12-03); they raise.

@@ -117,21 +117,54 @@ def test_fused_experts_split_k_whole_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("h,inter", [(H, INTER), (512, 512)], ids=["partial-steps", "whole-steps"])
-def test_fused_experts_flat_k_loop_gives_the_chunked_bits(dtype, h, inter, monkeypatch):
-    """(a''): ``MoEKernelConfig.flat`` (an unsplit launch walks K in one pipelined loop, folding each
-    chunk at its end) == one loop per chunk == the split launch, bitwise, with K masks (H, I not
-    multiples of BLOCK_K) and without; 3 and 33 tokens (decode and middle bands). Off by default
-    until measured on a GPU."""
-    assert not inv.INVARIANT_MOE_CONFIG.flat
+@pytest.mark.parametrize("h,inter", [(552, 280), (512, 512)], ids=["partial-steps", "whole-steps"])
+def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(dtype, h, inter, monkeypatch):
+    """(a''): the prefill band (``INVARIANT_MOE_PREFILL_CONFIG``: the ragged tiles of
+    kernels/moe_ragged.py, 16- to 128-row MMAs, with the K chunks folded in) gives every token the
+    bits of the aligned chunked kernels, split (decode band, 3 tokens) and unsplit (one flat loop,
+    middle band); H / I multiples of 8 (TMA) with partial K steps and without; with and without the
+    fat tail (an expert's 128-row tile carrying its remainder); an EP slice. Both kernel families
+    really ran."""
+    mr = sys.modules["m3_kernels.moe_ragged"]  # the interpreted module fused_moe calls into
+    ks = []
+    for name in ("moe_w13_ragged_kernel", "moe_w2_ragged_kernel"):
+        monkeypatch.setattr(mr, name, _KwargSpy(getattr(mr, name), ks))
+    t = 200  # ~67 rows per expert (E 6, top-2): 128-row tiles and tails
+    x, ids, weights, w13, w2 = _moe_case(dtype, t=t, h=h, inter=inter)
     base = inv.INVARIANT_MOE_CONFIG
-    x, ids, weights, w13, w2 = _moe_case(dtype, t=33, h=h, inter=inter)
-    for t in (3, 33):
-        got = []
-        for below, flat in ((0, False), (0, True), (10**9, True)):
-            monkeypatch.setattr(inv, "INVARIANT_MOE_CONFIG", dataclasses.replace(base, split_k_below=below, flat=flat))
-            got.append(_experts(x[:t], ids[:t], weights[:t], w13, w2))
-        assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2]), t
+    _set_moe_split_below(monkeypatch, 0)
+    mid = _experts(x, ids, weights, w13, w2)  # aligned, unsplit, flat loop (t between the bands)
+    _set_moe_split_below(monkeypatch, 10**9)
+    dec = [_experts(x[i : i + 3], ids[i : i + 3], weights[i : i + 3], w13, w2) for i in (0, 97)]
+    monkeypatch.setattr(inv, "INVARIANT_MOE_CONFIG", base)
+    monkeypatch.setattr(inv, "MOE_PREFILL_ROWS", 3)
+    for fat in (0, 64):
+        monkeypatch.setattr(
+            inv, "INVARIANT_MOE_PREFILL_CONFIG", dataclasses.replace(inv.INVARIANT_MOE_PREFILL_CONFIG, fat_tail=fat)
+        )
+        n0 = len(ks)
+        pre = _experts(x, ids, weights, w13, w2)
+        assert len(ks) == n0 + 2 and all(k["K_CHUNK"] == base.k_chunk and k["FAT"] == fat for k in ks[n0:])
+        assert torch.equal(pre, mid), fat
+        assert torch.equal(dec[0], pre[:3]) and torch.equal(dec[1], pre[97:100]), fat
+    local = dict(alpha=ALPHA, limit=LIMIT, beta=BETA, expert_range=(1, 4))
+    pre_ep = inv.fused_experts(x, ids, weights, w13[1:4], w2[1:4], **local)
+    monkeypatch.setattr(inv, "MOE_PREFILL_ROWS", 10**9)
+    assert torch.equal(pre_ep, inv.fused_experts(x, ids, weights, w13[1:4], w2[1:4], **local))
+
+
+class _KwargSpy:
+    """Stands in for a Triton kernel: records each launch's keyword arguments into ``calls``."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 def test_fused_experts_bits_do_not_depend_on_the_split_choice(monkeypatch):
@@ -196,7 +229,7 @@ def test_a_configs_split_threshold_decides_the_split(monkeypatch):
 
 def test_chunk_sizes_and_layout_checks():
     """(d): k_chunk a multiple of 2 x block_k everywhere (a one-step chunk may be folded into the
-    accumulator's dot by the compiler); k_chunk refuses the ragged / TMA layouts. Every row band
+    accumulator's dot by the compiler); k_chunk refuses the TMA / permuted layouts. Every row band
     sums the dtype's chunks; the K step may differ between bands only for bf16 (on the GPU a dot
     is a chain of 16-deep MMAs whatever its K step: tests/gpu checks the bits), never for the
     dtypes the interpreter runs (its dot is one matmul per K step, so the step sets the order)."""
@@ -214,6 +247,9 @@ def test_chunk_sizes_and_layout_checks():
     with pytest.raises(ValueError, match="2 x block_k"):
         sys.modules["m3_kernels.moe_chunked"].check_k_chunk(64, inv.INVARIANT_MOE_CONFIG.w13)
     x, ids, weights, w13, w2 = _moe_case(torch.float32, t=2)
-    bad = dataclasses.replace(inv.INVARIANT_MOE_CONFIG, ragged=True)
-    with pytest.raises(ValueError, match="aligned layout"):
-        inv.fm.fused_experts(x, ids, weights, w13, w2, alpha=ALPHA, limit=LIMIT, config=bad)
+    for bad in (
+        dataclasses.replace(inv.INVARIANT_MOE_PREFILL_CONFIG, permute=True),
+        dataclasses.replace(inv.INVARIANT_MOE_CONFIG, tma=True),
+    ):
+        with pytest.raises(ValueError, match="no tma / permute"):
+            inv.fm.fused_experts(x, ids, weights, w13, w2, alpha=ALPHA, limit=LIMIT, config=bad)

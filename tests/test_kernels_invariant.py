@@ -313,6 +313,76 @@ def test_bf16_cfg_rules(change, match):
             inv._check_linear_config(cfg, dtype)
 
 
+# ----------------------------------------------------------------------------- gate|up GEMM + SwiGLU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("flat", [False, True])
+def test_linear_swiglu_gives_the_bits_of_linear_and_swiglu(dtype, flat, monkeypatch):
+    """``linear_swiglu`` (one launch: each program a gate tile and its up tile, summed as ``linear``
+    sums them, rounded as it stores them, then ``swiglu``'s expression) == ``fused_layers.swiglu(
+    linear(x, w))`` bitwise: 1 / 3 / 32 rows, split and unsplit launches (the spy sees both), the
+    nested chunk loops and the flat loop (the bf16 decode band's, GPU only otherwise: patched in
+    here for linear too), K with a tail chunk, I = 40 (not a multiple of the 16 / 32-wide tiles),
+    gate and up values past the clamp (limit 7) on both sides; a row's bits alone == among 32."""
+    from m3_kernels.fused_interpret import interpreted_fused_layers
+
+    fl = interpreted_fused_layers()
+    table = inv.LINEAR_DECODE_CONFIGS if dtype in inv.LINEAR_DECODE_CONFIGS else inv.LINEAR_CONFIGS
+    monkeypatch.setitem(table, dtype, dataclasses.replace(table[dtype], flat=flat))
+    spy = LaunchSpy(inv._linear_swiglu_kernel)
+    monkeypatch.setattr(inv, "_linear_swiglu_kernel", spy)
+    g = torch.Generator().manual_seed(21)
+    k = 2 * inv.linear_config(dtype, 1).k_chunk + 40  # two chunks and a tail
+    i = 40
+    x = _rand(32, k, gen=g, dtype=dtype, scale=2.0)
+    w = _rand(2 * i, k, gen=g, dtype=dtype, scale=4 * k**-0.5)  # gate / up ~ N(0, 8^2): past +-7 often
+    gu = inv.linear(x, w).float()
+    assert (gu[:, :i] > LIMIT).any() and (gu[:, i:] > LIMIT).any() and (gu[:, i:] < -LIMIT).any()
+    for below in (0, 10**9):  # never split / always split (>= 2 chunks)
+        monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", below)
+        outs = {}
+        for t in (1, 3, 32):
+            outs[t] = inv.linear_swiglu(x[:t], w, ALPHA, LIMIT, BETA)
+            assert outs[t].shape == (t, i) and outs[t].dtype == dtype
+            assert torch.equal(outs[t], fl.swiglu(inv.linear(x[:t], w), ALPHA, LIMIT, BETA)), (below, t)
+        assert torch.equal(outs[1], outs[32][:1]) and torch.equal(outs[3], outs[32][:3])
+    assert {dict(c[0])["SPLIT"] for c in spy.calls} == {True, False}
+    assert {dict(c[0])["FLAT"] for c in spy.calls} == {flat}
+    ref = swiglu_oai(gu[:, :i].to(dtype).double(), gu[:, i:].to(dtype).double(), ALPHA, LIMIT, BETA)
+    torch.testing.assert_close(outs[32].double(), ref, **TOL[dtype])
+
+
+def test_linear_swiglu_edges_and_refusals(monkeypatch):
+    """Without the in-kernel combine (``SPLIT_K_FUSED_COMBINE`` off) a split launch runs as linear +
+    swiglu (same bits, no fused launch); K of one chunk never splits; T = 0 gives [0, I]. Refused,
+    naming the op: more than LINEAR_DECODE_ROWS rows, an odd weight row count, mixed dtypes, a
+    strided last dim, a dtype linear does not take."""
+    from m3_kernels.fused_interpret import interpreted_fused_layers
+
+    fl = interpreted_fused_layers()
+    spy = LaunchSpy(inv._linear_swiglu_kernel)
+    monkeypatch.setattr(inv, "_linear_swiglu_kernel", spy)
+    g = torch.Generator().manual_seed(22)
+    x, w = _rand(3, 200, gen=g, dtype=torch.float32), _rand(48, 200, gen=g, dtype=torch.float32, scale=0.3)
+    monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", False)
+    assert torch.equal(inv.linear_swiglu(x, w, ALPHA, LIMIT, BETA), fl.swiglu(inv.linear(x, w), ALPHA, LIMIT, BETA))
+    assert spy.calls == []
+    monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", True)
+    x1, w1 = x[:, :40].contiguous(), w[:, :40].contiguous()  # one chunk
+    assert torch.equal(inv.linear_swiglu(x1, w1, ALPHA, LIMIT, BETA), fl.swiglu(inv.linear(x1, w1), ALPHA, LIMIT, BETA))
+    assert [dict(c[0])["SPLIT"] for c in spy.calls] == [False]
+    assert inv.linear_swiglu(x[:0], w, ALPHA, LIMIT, BETA).shape == (0, 24)
+    assert inv.linear_swiglu_ok(inv.LINEAR_DECODE_ROWS) and not inv.linear_swiglu_ok(inv.LINEAR_DECODE_ROWS + 1)
+    for args, match in (
+        ((torch.zeros(inv.LINEAR_DECODE_ROWS + 1, 200), w), "decode-sized"),
+        ((x, w[:47]), r"\[2I, K\]"),
+        ((x, w.half()), "dtype"),
+        ((x, torch.zeros(200, 48).t()), "contiguous"),
+        ((x.double(), w.double()), "not supported"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            inv.linear_swiglu(*args, ALPHA, LIMIT, BETA)
+
+
 # ----------------------------------------------------------------------------- routed experts
 def _moe_case(dtype, t=N_ROWS, e=6, h=32, inter=16, k=2, seed=6):
     g = torch.Generator().manual_seed(seed)
@@ -402,8 +472,9 @@ def test_norms_are_batch_invariant(dtype):
 
 
 def test_router_route_is_batch_invariant():
-    """fp32 router logits through the invariant linear, then router_topk: ids and weights per row;
-    the per-token GEMM route is never taken (its choice depends on T)."""
+    """fp32 router logits through the invariant linear, then router_topk (the table's two-launch
+    route; ``router_gemm_topk``, its one-launch twin for decode-sized steps, gives the same bits:
+    next test): ids and weights per row; ``router_gemm_topk_never`` (the fusion turned off) says no."""
     from m3_kernels.fused_interpret import interpreted_fused_layers
 
     fl = interpreted_fused_layers()
@@ -421,6 +492,82 @@ def test_router_route_is_batch_invariant():
     assert torch.equal(out[:, 2:].long(), ids_ref)
     torch.testing.assert_close(out[:, :2], w_ref, rtol=1e-5, atol=1e-6)
     assert not any(inv.router_gemm_topk_never(t, gate) for t in (1, 8, 4096))
+
+
+@pytest.mark.parametrize("xdtype", DTYPES)
+@pytest.mark.parametrize("e, h", [(16, 2 * 64 + 24), (12, 2 * 64 + 24), (16, 40)])  # tail chunk; one chunk
+def test_router_gemm_topk_gives_the_bits_of_linear_and_router_topk(xdtype, e, h, monkeypatch):
+    """``router_gemm_topk`` (one launch: fp32 logits summed in linear's fp32 K chunks and steps,
+    then router_topk's top-k) == ``router_topk(linear(x.float(), w))`` bitwise, weights and ids:
+    x fp16 / fp32 (upcast in the kernel), E = 16 and 12 (not a power of two), H with a tail chunk
+    and H of one chunk, with and without bias, 1 / 3 / 32 rows; ties: experts 3 and 7 have the
+    same weight row (and bias), so the same logits (and choice), and row 1 of x is zero (every
+    logit 0): the lower expert id first, as ``route``. No linear launch runs."""
+    from m3_kernels.fused_interpret import interpreted_fused_layers
+
+    fl = interpreted_fused_layers()
+    linear_spy = LaunchSpy(inv._linear_kernel)
+    g = torch.Generator().manual_seed(23)
+    x = _rand(32, h, gen=g, dtype=xdtype)
+    x[1] = 0
+    w = _rand(e, h, gen=g, dtype=torch.float32, scale=h**-0.5)
+    w[3] = 3 * w[3]  # a large score for many tokens: the tie below is among the chosen
+    w[7] = w[3]
+    bias = _rand(e, gen=g, dtype=torch.float32, scale=0.1)
+    bias[7] = bias[3]
+    ties = 0
+    for b in (None, bias):
+        for t in (1, 3, 32):
+            monkeypatch.setattr(inv, "_linear_kernel", linear_spy)
+            got_w, got_ids = inv.router_gemm_topk(x[:t], w, b, 4, 2.5)
+            assert linear_spy.calls == []
+            monkeypatch.undo()
+            want_w, want_ids = fl.router_topk(inv.linear(x[:t].float(), w), b, 4, 2.5)
+            assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w), (b is None, t)
+            assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64
+        logits64 = torch.nn.functional.linear(x.double(), w.double())
+        ids_ref = route(logits64, None if b is None else b.double(), 4, 2.5)[1]
+        assert torch.equal(got_ids, ids_ref)
+        both = (got_ids == 3).any(-1) & (got_ids == 7).any(-1)
+        ties += int(both.sum())
+        pos = lambda ids, v: (ids == v).int().argmax(-1)  # noqa: E731
+        assert (pos(got_ids, 3) < pos(got_ids, 7))[both].all()  # equal choice: the lower id first
+        if b is None:  # row 1: every score 0.5, the K lowest ids in order
+            assert torch.equal(got_ids[1], torch.arange(4))
+    assert ties > 0
+
+
+def test_router_gemm_topk_predicate_fallback_and_refusals(monkeypatch):
+    """``router_gemm_topk_ok``: decode-sized steps (<= LINEAR_DECODE_ROWS) of a small router (T x E x H
+    <= ROUTER_FUSE_MAX_ELEMS: the bench model's 16 x 1024 up to 32 rows, M3's 128 x 6144 at 1 row).
+    Without the in-kernel combine the two launches run (same bits). T = 0; bad inputs refused."""
+    from m3_kernels.fused_interpret import interpreted_fused_layers
+
+    fl = interpreted_fused_layers()
+    bench, m3 = torch.empty(16, 1024), torch.empty(128, 6144)
+    assert inv.router_gemm_topk_ok(32, bench) and not inv.router_gemm_topk_ok(33, bench)
+    assert inv.router_gemm_topk_ok(1, m3) and not inv.router_gemm_topk_ok(2, m3)
+    g = torch.Generator().manual_seed(24)
+    x, w = _rand(3, 100, gen=g, dtype=torch.float16), _rand(8, 100, gen=g, dtype=torch.float32)
+    spy = LaunchSpy(inv._router_gemm_topk_kernel)
+    monkeypatch.setattr(inv, "_router_gemm_topk_kernel", spy)
+    monkeypatch.setattr(inv, "SPLIT_K_FUSED_COMBINE", False)
+    got = inv.router_gemm_topk(x, w, None, 2, 1.0)
+    want = fl.router_topk(inv.linear(x.float(), w), None, 2, 1.0)
+    assert spy.calls == [] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert [r.shape for r in inv.router_gemm_topk(x[:0], w, None, 2, 1.0)] == [(0, 2), (0, 2)]
+    for args, match in (
+        ((x, w.half()), "fp32"),
+        ((x, w[:, :99]), "top_k"),
+        ((x.double(), w), "bf16/fp16/fp32"),
+        ((torch.zeros(100, 3).t(), w), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            inv.router_gemm_topk(*args, None, 2, 1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        inv.router_gemm_topk(x, w, None, 9, 1.0)
+    with pytest.raises(ValueError, match="bias"):
+        inv.router_gemm_topk(x, w, torch.zeros(7), 2, 1.0)
 
 
 # ----------------------------------------------------------------------------- logprobs

@@ -40,7 +40,7 @@ def test_default_tiles_fit_h200_shared_memory(smem):
 
     kernels = ("moe_w13_ragged", "moe_w2_ragged", "kv_major_segment")
     kernels += ("invariant_decode_dense", "invariant_decode_sparse")
-    kernels += ("invariant_moe_w13_nested", "invariant_moe_w13_flat")
+    kernels += ("invariant_moe_w13_flat", "invariant_moe_w13_ragged", "invariant_moe_w2_ragged")
     want = {f"{k}/{d}" for k in kernels for d in ("bf16", "fp32")} | {"invariant_decode_dense_d256_ps64/bf16"}
     assert set(smem) == want
     for name, nbytes in smem.items():
@@ -73,12 +73,18 @@ def test_invariant_decode_walk_is_pipelined_in_bf16_only(smem):
     assert smem["invariant_decode_sparse/bf16"] >= tile // 2 + tile * 2 * ia.DECODE_STAGES
 
 
-def test_invariant_moe_flat_loop_compiles_and_is_pipelined_like_the_nested_one(smem):
-    # MoEKernelConfig.flat (off until measured on a GPU) compiles for sm_90 and stages its x / gate /
-    # up tiles as deep as the per-chunk loops do (num_stages x 3 tiles): a flat loop the pipeliner
-    # gave up on would come out smaller
+def test_invariant_moe_loops_compile_and_are_pipelined(smem):
+    # the invariant routed experts' chunk-folding K loops (the aligned unsplit launch; the prefill
+    # band's ragged GEMMs) compile for sm_90 and stage their A / weight tiles num_stages deep (a
+    # loop the pipeliner gave up on, e.g. because of the fold's branch, would come out smaller)
     from m3_kernels import invariant_ops as inv
 
     cfg = inv.INVARIANT_MOE_CONFIG
     staged = cfg.w13.num_stages * (cfg.block_m + 2 * cfg.w13.block_n) * cfg.w13.block_k * 2  # bf16 tiles
-    assert smem["invariant_moe_w13_flat/bf16"] == smem["invariant_moe_w13_nested/bf16"] >= staged
+    assert smem["invariant_moe_w13_flat/bf16"] >= staged
+    pf = inv.INVARIANT_MOE_PREFILL_CONFIG
+    assert pf.ragged and pf.k_chunk == cfg.k_chunk
+    # w13: a 128-row A tile (+ the fat tail's) and gate / up weight tiles per stage; w2: A + weight
+    a_rows, t13, t2 = 128 + pf.fat_tail, pf.w13, pf.w2
+    assert smem["invariant_moe_w13_ragged/bf16"] >= t13.num_stages * (a_rows + 2 * t13.block_n) * t13.block_k * 2
+    assert smem["invariant_moe_w2_ragged/bf16"] >= t2.num_stages * (a_rows + t2.block_n) * t2.block_k * 2

@@ -9,8 +9,10 @@ they check everything else: projections, norms + RoPE + cache writes, router, ro
 experts, lm_head, and the sampler's logprobs. The interpreter's ``tl.dot`` runs per tile row
 (tests/interpreter_dot.py: numpy's BLAS is position-dependent on the CPU, the GPU is not).
 
-Also: the table's wiring (every GEMM through ``linear``, no skinny GEMM, one router route), and the
-config key's path to ``EngineConfig``.
+Also: the table's wiring (every GEMM through ``linear``, no skinny GEMM; decode-sized steps take the
+one-launch router and gate|up + SwiGLU routes with the bits of the two-launch ones, checked against
+a prefill of the same positions with the invariant attention), and the config key's path to
+``EngineConfig``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from interpreter_dot import row_wise_dot  # tests/ on sys.path
 from invariant_util import per_row_attention
 from paged_model_util import small_paged_model
 
+from m3_kernels.fused_interpret import interpreted_invariant_ops
 from m3_rollout.engine.model_runner import prepare_inputs
 from m3_rollout.engine.ops import interpreted_paged_ops, paged_ops_for
 from m3_rollout.engine.paged_cache import PagedKVCache
@@ -38,6 +41,7 @@ def per_row_dot():
 
 
 INVARIANT = per_row_attention(interpreted_paged_ops(batch_invariant=True))
+INV_OPS = interpreted_invariant_ops()  # the module whose ops the table holds
 
 
 def _model(seed=0):
@@ -111,8 +115,61 @@ def test_model_check_catches_a_batch_dependent_gemm():
     assert (pre1["a"] - pre3["a"]).abs().max() < 1e-4  # same maths, other rounding
 
 
+def test_decode_step_takes_the_fused_routes_with_the_prefill_bits():
+    """A decode step (1 row) takes the table's one-launch routes, ``linear_swiglu`` (dense MLP and
+    shared expert, packed gate|up weights) and ``router_gemm_topk``; a prefill of more than
+    LINEAR_DECODE_ROWS rows takes the two-launch ones (``linear`` + ``swiglu``, fp32 ``linear`` +
+    ``router_topk``). With the invariant attention (interpreted; the per-row reference attention
+    above runs a prefill's rows together, so its decode rows are not its prefill rows) the decode
+    step's logits equal the prefill's logits of the same position bitwise, and so do the caches;
+    spies show which route each step took."""
+    from m3_kernels.msa_interpret import fixed_order_dot
+    from m3_rollout.engine.ops import invariant_attention_fields
+
+    ps = 16  # the invariant attention's smallest page / head dim
+    m = small_paged_model(0, vocab_size=96, head_dim=ps, page_size=ps, layers=2).pack_fused_weights()
+    g = torch.Generator().manual_seed(11)
+    n = INV_OPS.LINEAR_DECODE_ROWS + 9  # 41 tokens (3 blocks, top-2: the sparse layer selects)
+    seq = torch.randint(0, 96, (n,), generator=g).tolist()
+    table = [[0, 1, 2]]
+    calls = []
+
+    def spy(op, name):
+        def wrapped(x, *args, **kwargs):
+            calls.append((name, x.shape[0]))
+            return op(x, *args, **kwargs)
+
+        return wrapped
+
+    attention = invariant_attention_fields(interpret=True)
+    base = dataclasses.replace(interpreted_paged_ops(batch_invariant=True), **attention)
+    names = ("linear_swiglu", "router_gemm_topk", "swiglu", "router_topk")
+    ops = dataclasses.replace(base, **{name: spy(getattr(base, name), name) for name in names})
+    with torch.no_grad(), fixed_order_dot():  # the attention tests' per-row dot (msa_interpret)
+        kv_full = PagedKVCache(m.config, 4, torch.float32)
+        pre = prepare_inputs([seq], [0], table, ps, 0)
+        full = m.forward_paged(pre.input_ids, pre.meta, kv_full, ops)  # [n, V]
+        assert sorted(set(calls)) == [("router_topk", n), ("swiglu", n)]
+        calls.clear()
+        kv = PagedKVCache(m.config, 4, torch.float32)
+        pre = prepare_inputs([seq[:-1]], [0], table, ps, 0)
+        m.forward_paged(pre.input_ids, pre.meta, kv, ops)
+        assert sorted(set(calls)) == [("router_topk", n - 1), ("swiglu", n - 1)]
+        calls.clear()
+        dec = prepare_inputs([seq[-1:]], [n - 1], table, ps, 1)
+        out = m.forward_paged(dec.input_ids, dec.meta, kv, ops)  # [1, V]
+    # the dense layer's MLP and the MoE layer's shared expert, the MoE layer's router: one launch each
+    assert sorted(calls) == [("linear_swiglu", 1), ("linear_swiglu", 1), ("router_gemm_topk", 1)]
+    assert torch.equal(out[0], full[n - 1])
+    for name in ("k_cache", "v_cache", "index_cache"):
+        assert torch.equal(getattr(kv, name), getattr(kv_full, name)), name
+
+
 def test_every_gemm_goes_through_the_tables_linear(monkeypatch):
-    """No F.linear (nor nn.Linear) runs in the invariant forward; linear sees the router's fp32 GEMM."""
+    """No F.linear (nor nn.Linear) runs in the invariant forward; linear sees the router's fp32 GEMM
+    where the router takes its two-launch route (here turned off for every T, as with
+    ``ROUTER_GEMM_TOPK_FUSE`` off: this 12-row step is decode-sized, where the table's default is
+    the one-launch ``router_gemm_topk``, test_decode_step_takes_the_fused_routes_with_the_prefill_bits)."""
     m = _model()
     seen = []
     linear = INVARIANT.linear
@@ -124,7 +181,7 @@ def test_every_gemm_goes_through_the_tables_linear(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("F.linear called on the batch-invariant path")
 
-    ops = dataclasses.replace(INVARIANT, linear=counting)
+    ops = dataclasses.replace(INVARIANT, linear=counting, router_gemm_topk_ok=INV_OPS.router_gemm_topk_never)
     monkeypatch.setattr(torch.nn.functional, "linear", forbidden)
     pre = prepare_inputs([_seqs()["a"]], [0], [[0, 3, 5]], PS, 0)
     with torch.no_grad():
@@ -134,7 +191,9 @@ def test_every_gemm_goes_through_the_tables_linear(monkeypatch):
     assert (c.vocab_size, c.hidden_size) in shapes  # lm_head
     assert (c.num_local_experts, c.hidden_size) in shapes  # router (fp32)
     assert (c.hidden_size, c.num_attention_heads * c.head_dim) in shapes  # o_proj
-    assert INVARIANT.skinny_linear is None and not INVARIANT.router_gemm_topk_ok(1, m.moe_layers()[0].gate.weight)
+    gate = m.moe_layers()[0].gate.weight
+    assert INVARIANT.skinny_linear is None and INVARIANT.router_gemm_topk_ok(1, gate)
+    assert not ops.router_gemm_topk_ok(1, gate)
 
 
 def test_layer_by_layer_path_takes_linear_too(monkeypatch):

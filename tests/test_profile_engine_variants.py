@@ -4,6 +4,7 @@ the constants they set, and malformed names are refused before any run (CPU; no 
 from __future__ import annotations
 
 import pytest
+import torch
 from script_loader import script_module  # tests/ on sys.path
 
 with script_module("profile_engine") as pe:
@@ -13,7 +14,7 @@ with script_module("profile_engine") as pe:
 def test_options_parse_to_their_values():
     assert pe._invariant_options("invariant") == {}
     assert pe._invariant_options("invariant+stages2+nopdl") == {"stages2": 1, "nopdl": 1}
-    assert pe._invariant_options("invariant+moe_flat") == {"moe_flat": 1}
+    assert pe._invariant_options("invariant+moe_aligned") == {"moe_aligned": 1}
     got = pe._invariant_options("invariant+dp512+ss4+lbn32+lbk128+lw2+ls3+lsk0+union_walk")
     assert got == {"dp": 512, "ss": 4, "lbn": 32, "lbk": 128, "lw": 2, "ls": 3, "lsk": 0, "union_walk": 1}
     for name in ("pytorch", "fused", "fused+cublas", "invariant+topk_launch"):
@@ -71,3 +72,27 @@ def test_kernel_tables_without_the_model_level_gpu_run_are_refused(argv, capsys,
     with pytest.raises(SystemExit) as exc:
         pe.main()
     assert exc.value.code == 2 and "needs --device cuda and --cuda-graphs" in capsys.readouterr().err
+
+
+def test_fuse_flags_build_the_invariant_table_without_its_fused_decode_routes(monkeypatch):
+    """noswiglu_fuse / norouter_fuse (invariant_ops.LINEAR_SWIGLU_FUSE / ROUTER_GEMM_TOPK_FUSE off):
+    the table of that variant has no ``linear_swiglu`` / answers ``router_gemm_topk_never``; plain
+    ``invariant`` (and the next variant after a flagged one) has both fused decode routes. The CUDA
+    table is built on the CPU (nothing launches); the module constants the variants set are restored."""
+    for n in pe._IA_DEFAULTS:
+        monkeypatch.setattr(pe.ia, n, getattr(pe.ia, n))
+    set_by_variants = ("LINEAR_DECODE_CONFIGS", "INVARIANT_MOE_CONFIG", "MOE_PREFILL_ROWS")
+    for n in (*set_by_variants, "LINEAR_SWIGLU_FUSE", "ROUTER_GEMM_TOPK_FUSE"):
+        monkeypatch.setattr(pe.inv, n, getattr(pe.inv, n))
+    assert pe._invariant_options("invariant+noswiglu_fuse+norouter_fuse") == {"noswiglu_fuse": 1, "norouter_fuse": 1}
+    gate = torch.empty(16, 1024)
+    cuda = torch.device("cuda")
+
+    def table(name):
+        ops = pe.variant_ops(name, cuda, torch.bfloat16)
+        return ops.linear_swiglu is not None, ops.router_gemm_topk_ok(1, gate)
+
+    assert table("invariant+noswiglu_fuse") == (False, True)
+    assert table("invariant+norouter_fuse") == (True, False)
+    assert table("invariant+noswiglu_fuse+norouter_fuse") == (False, False)
+    assert table("invariant") == (True, True)

@@ -23,8 +23,9 @@ Selection rules (same as before the table existed):
   ``DEFAULT_INVARIANT_SPARSE_ATTENTION``; the choice is bound into the table's ops).
 - batch-invariant mode (``batch_invariant=True``, ``EngineConfig.batch_invariant``; design.md §4.6):
   on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
-  for every projection, the router logits and lm_head; ``fused_experts`` with one tile config; the
-  router never takes the T-dependent per-token route), no skinny GEMM; attention from
+  for every projection, the router logits and lm_head; ``fused_experts`` with one tile config;
+  decode-sized steps fuse the router GEMM + top-k and the gate|up GEMM + SwiGLU into one launch each,
+  with the bits of the two launches), no skinny GEMM; attention from
   ``invariant_attention_fields`` (``m3_kernels.invariant_attention``: one kernel and tile shape for decode and
   prefill, pages in ascending order, no split over the KV). Elsewhere the reference table
   (with a warning: the PyTorch ops are not batch-invariant).
@@ -119,14 +120,21 @@ def invariant_attention_fields(
 def invariant_fields(fl, inv) -> dict:
     """The non-attention fields of the batch-invariant table from the ``m3_kernels.fused_layers``
     and ``m3_kernels.invariant_ops`` module objects: the fused layer path (its per-row kernels are
-    invariant as they are, see invariant_ops' docstring) with the router's per-token GEMM route
-    turned off, the fixed-config GEMM and MoE, no skinny GEMM."""
+    invariant as they are, see invariant_ops' docstring), the fixed-config GEMM and MoE, no skinny
+    GEMM; for decode-sized steps the router's GEMM + top-k in one launch (``inv.router_gemm_topk``,
+    taken where ``inv.router_gemm_topk_ok``) and the gate|up GEMM with SwiGLU in its epilogue
+    (``inv.linear_swiglu`` where ``inv.linear_swiglu_ok``), each with the bits of its two-launch
+    route. ``inv.ROUTER_GEMM_TOPK_FUSE`` / ``inv.LINEAR_SWIGLU_FUSE`` False (read here, when the
+    table is built: the A/B switches of scripts/profile_engine.py) keep the two launches at every T."""
     fields = _fused_layer_fields(fl, skinny_gemm=False)
     fields.update(
-        router_gemm_topk_ok=inv.router_gemm_topk_never,
+        router_gemm_topk=inv.router_gemm_topk,
+        router_gemm_topk_ok=inv.router_gemm_topk_ok if inv.ROUTER_GEMM_TOPK_FUSE else inv.router_gemm_topk_never,
         linear=inv.linear,
         fused_experts=inv.fused_experts,
     )
+    if inv.LINEAR_SWIGLU_FUSE:
+        fields.update(linear_swiglu=inv.linear_swiglu, linear_swiglu_ok=inv.linear_swiglu_ok)
     return fields
 
 

@@ -6,8 +6,9 @@ gate|up), over a weight buffer that the individual ``nn.Linear`` parameters are 
 sync and checkpoint loading keep writing the individual parameters in place (design.md §3.6),
 which writes the packed buffer too. Decode-sized GEMMs take the table's skinny GEMM when it has
 one (``PagedOps.skinny_ok``); a table with ``linear`` (batch-invariant mode) runs every GEMM
-through it. Everywhere else (the training forward, the layer-by-layer paged path) the plain
-``nn.Linear`` runs, unchanged.
+through it (its decode-sized gate|up GEMM with SwiGLU in one launch, ``PagedOps.linear_swiglu``).
+Everywhere else (the training forward, the layer-by-layer paged path) the plain ``nn.Linear`` runs,
+unchanged.
 
 Packing happens once, in ``M3ForCausalLM.cast_for_inference`` on CUDA (or ``pack_fused_weights()``),
 after the dtype cast: anything that later re-points a parameter's storage (``.to()``, assigning

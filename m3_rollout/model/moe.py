@@ -69,12 +69,17 @@ class DenseMLP(nn.Module):
     def forward_fused(self, x: torch.Tensor, ops: PagedOps) -> torch.Tensor:
         """Fused paged path (``ops.fused_layers``): x [T, H] -> [T, H]. Decode-sized (``ops.skinny_ok``
         on the packed gate|up buffer): one skinny GEMM computing gate|up with SwiGLU-OAI in its
-        epilogue (same roundings), then the skinny down GEMM. Otherwise one gate|up GEMM,
-        ``ops.swiglu`` and the down GEMM, through ``ops.linear`` when the table has one."""
+        epilogue (same roundings), then the skinny down GEMM. A table with ``linear_swiglu``
+        (batch-invariant) does the same where ``ops.linear_swiglu_takes(T)``: gate|up + SwiGLU in one
+        launch with the bits of the two, then the down GEMM through ``ops.linear``. Otherwise one
+        gate|up GEMM, ``ops.swiglu`` and the down GEMM, through ``ops.linear`` when the table has one."""
         gate_up = [self.gate_proj, self.up_proj]
         if packed_ok(self.packed_gate_up, gate_up) and ops.skinny_ok(x, self.packed_gate_up):
             act = ops.skinny_linear(x, self.packed_gate_up, (self.alpha, self.limit, self.beta))  # [T, I]
             return fused_linear(act, self.down_proj.weight, ops)
+        if packed_ok(self.packed_gate_up, gate_up) and ops.linear_swiglu_takes(x.shape[0]):
+            act = ops.linear_swiglu(x, self.packed_gate_up, self.alpha, self.limit, self.beta)  # [T, I]
+            return ops.project(self.down_proj, act)
         gu = packed_linear(x, self.packed_gate_up, gate_up, ops)  # [T, 2I]
         return ops.project(self.down_proj, ops.swiglu(gu, self.alpha, self.limit, self.beta))
 
@@ -331,8 +336,9 @@ class M3MoE(nn.Module):
         return route_given(logits, ids, self.routed_scaling_factor), ids
 
     def router_wants_fp32_input(self, num_tokens: int, ops: PagedOps) -> bool:
-        """Whether ``forward_fused`` would use an fp32 copy of its input (cuBLAS router GEMM):
-        true unless the step is decode-sized (``ops.router_gemm_topk_ok``)."""
+        """Whether ``forward_fused`` would use an fp32 copy of its input (a separate fp32 router GEMM:
+        cuBLAS, or the table's ``linear``): true unless ``ops.router_gemm_topk_ok`` takes the
+        one-launch route (decode-sized steps)."""
         return not ops.router_gemm_topk_ok(num_tokens, self.gate.weight)
 
     def forward_fused(

@@ -29,7 +29,11 @@ Fields fall in four groups:
   (the batch-invariant table, design.md §4.6), every GEMM of the paged forward calls it instead of
   ``F.linear`` / an ``nn.Linear`` / the skinny GEMM: q/k/v(/index q/k) (packed or not), o_proj, the
   dense MLP and shared expert, the router logits (fp32) and lm_head; None = today's GEMMs.
-  Exclusive with ``skinny_linear``.
+  Exclusive with ``skinny_linear``. Optional with it (given together, on the fused layer path):
+  ``linear_swiglu(x [T, K], gate_up [2I, K], alpha, limit, beta) -> [T, I]``, the packed gate|up
+  GEMM with SwiGLU-OAI in its epilogue, the bits of ``swiglu(linear(x, gate_up), ...)``, which
+  ``DenseMLP.forward_fused`` takes where its predicate ``linear_swiglu_ok(T) -> bool`` says so
+  (the batch-invariant table: decode-sized steps).
 
 The ops have no backward: the model takes the ``fused_experts`` and fused-layer fields only for
 calls that autograd does not differentiate (``needs_autograd``); ``linear`` is only handed to the
@@ -59,7 +63,9 @@ class PagedOps:
 
     Raises ValueError at construction when the fused-layer fields are only partly given, when
     ``skinny_linear`` and ``skinny_linear_ok`` are not given together, when the skinny GEMM is
-    given without the fused layer path (it only runs there), or with ``linear`` (which replaces it).
+    given without the fused layer path (it only runs there), or with ``linear`` (which replaces it),
+    and when ``linear_swiglu`` and ``linear_swiglu_ok`` are not given together or come without
+    ``linear`` and the fused layer path.
     """
 
     paged_attention: Callable[..., torch.Tensor]
@@ -76,6 +82,8 @@ class PagedOps:
     # The attention ops accept scratch= (see the module docstring); False once the engine bound it.
     takes_prefill_scratch: bool = False
     linear: Callable[..., torch.Tensor] | None = None
+    linear_swiglu: Callable[..., torch.Tensor] | None = None
+    linear_swiglu_ok: Callable[[int], bool] | None = None
 
     def __post_init__(self) -> None:
         given = {f.name: getattr(self, f.name) is not None for f in fields(self)}
@@ -89,6 +97,12 @@ class PagedOps:
             raise ValueError("PagedOps: skinny_linear runs on the fused layer path only; give its fields too")
         if given["skinny_linear"] and given["linear"]:
             raise ValueError("PagedOps: linear replaces every GEMM of the paged forward; give no skinny_linear with it")
+        if given["linear_swiglu"] != given["linear_swiglu_ok"]:
+            raise ValueError("PagedOps: give linear_swiglu and linear_swiglu_ok together (or neither)")
+        if given["linear_swiglu"] and not (given["linear"] and all(fused)):
+            raise ValueError(
+                "PagedOps: linear_swiglu fuses linear + swiglu on the fused layer path; give linear and its fields too"
+            )
 
     @property
     def fused_layers(self) -> bool:
@@ -106,6 +120,11 @@ class PagedOps:
         if self.linear is not None:
             return self.linear(x, module.weight, module.bias)
         return module(x)
+
+    def linear_swiglu_takes(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` rows runs gate|up + SwiGLU as ``linear_swiglu`` (given,
+        and its predicate says so)."""
+        return self.linear_swiglu is not None and self.linear_swiglu_ok(num_tokens)
 
     def skinny_ok(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether x [T, K] @ weight [N, K]^T takes ``skinny_linear`` (given, and it suits the call)."""

@@ -12,7 +12,8 @@ one chunk; a sequence in decode batches of 1 / 3 / 32 rows, beside prefill rows 
 padding rows, with another block-table width; a CUDA-graph replay vs eager; a 20K-token context.
 The top-k kernel alone at M3 shapes: exactly ``select_blocks``'s order on engineered scores up to
 1M context (8192 blocks: ties, forced blocks, fewer candidates than K, NaN, -0.0 / +0.0), and a
-row's ids the same at batch 1 and among 32 rows (prints us per launch; no timing assertion).
+row's ids the same at batch 1 and among 32 rows (prints us per launch; no timing assertion); the
+short-context sort (``TOPK_SHORT_PATH``) on and off, fused in the decode score launch or not: the same ids.
 Tolerances vs the PyTorch references (stated as in tests/gpu/test_msa_gpu.py): bf16 attention
 <= 2e-2 max abs, fp32 <= 1e-4; selections equal except near-ties (< 1e-3 apart, summation order).
 The invariance tests (decode vs prefill row, chunking, batch sizes / mixed steps / padding) run the
@@ -250,6 +251,51 @@ def test_select_blocks_exact_order_to_1m_context(init, local):
     for i in (6, 2, 4, 9):
         one = ia.invariant_select_blocks(s[i : i + 1], SimpleNamespace(positions=pos[i : i + 1]), K, PS, init, local)
         assert_equal(one[0], got[i], f"row {i} alone vs in the batch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_short_topk_path_gives_the_walks_ids(dtype, monkeypatch):
+    # ``TOPK_SHORT_PATH`` (programs whose rows have <= KP = 16 candidates sort 16 keys instead of
+    # walking 128-block chunks) on and off, the decode top-k fused in the score launch or not: the
+    # same ids. Decode rows at positions 199 (2 candidates), 2047 (16 = KP), 2048 (17), 4999 (40) and
+    # more, a 64-block table (32 score programs per tile, 1 to 20 of them active); a prefill chunk
+    # across position 2048 (one token per top-k program); forced init / local blocks; blocks 1..3
+    # tied above the rest (positive queries, all keys 1). Against the reference up to near-ties
+    # (summation order), and the top-k launch alone on engineered scores (ties, NaN, -0.0 / +0.0).
+    from m3_kernels import split_k
+
+    pos = [199, 2047, 2048, 4999, 127, 128, 1000, 3000]
+    rows = [(p, 1) for p in pos] + [(1990, 120)]
+    b = make_paged_batch(
+        rows, len(pos), page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=dtype, device="cuda",
+        seed=9, table_width=64,
+    )  # fmt: skip
+    b.iq.abs_()
+    for r in range(b.meta.num_rows):
+        for j in range(1, 4):
+            b.ik[int(b.meta.block_tables[r, j])] = 1.0
+    got = {}
+    for short in (True, False):
+        for fused in (True, False):
+            monkeypatch.setattr(ia, "TOPK_SHORT_PATH", short)
+            monkeypatch.setattr(ia, "DECODE_FUSED_TOPK", fused)
+            got[short, fused] = ia.invariant_index_topk(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2)
+    for key, ids in got.items():
+        assert_equal(ids, got[True, True], f"ids with short path, fused top-k {key} vs (True, True)")
+    assert int(split_k.tile_counters(b.iq.device, 1).abs().sum()) == 0
+    ids = got[True, True]
+    _check_selection(b, ids, index_topk_ref(b.iq, b.ik, b.meta, K, init_blocks=1, local_blocks=2))
+    n = b.meta.positions.long() // PS + 1
+    assert (ids[n >= 5][..., 3] == 1).all()  # the tie of blocks 1..3 after the 3 forced: the lowest id
+    assert (ids[n <= 2][..., 2:] == -1).all() and (ids[n >= K] >= 0).all()
+    s, p = _topk_scores(64, 512)
+    p[8:16] = torch.tensor([0, 1, 255, 256, 1919, 1920, 2047, 2048], dtype=torch.int32)  # 1, 2, 2, 3, 15, 16, 16, 17
+    sel = {}
+    for short in (True, False):
+        monkeypatch.setattr(ia, "TOPK_SHORT_PATH", short)
+        sel[short] = ia.invariant_select_blocks(s, SimpleNamespace(positions=p), K, PS, 1, 2)
+    assert_equal(sel[True], sel[False], "top-k alone, short path vs walk")
+    assert_equal(sel[True], _select_ref(s, p, 1, 2), "top-k alone vs select_blocks")
 
 
 def test_select_blocks_launch_time_printout():

@@ -138,29 +138,33 @@ def test_fused_experts_bits_do_not_depend_on_the_batch():
     torch.testing.assert_close(fn(x[:64], ids[:64], w[:64]).float(), ref, atol=3e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("h,i", [(1024, 512), (6144, 3072)])  # bench model, M3
-def test_fused_experts_flat_k_loop_gives_the_chunked_bits(h, i, monkeypatch):
-    """Compiled, bf16: ``MoEKernelConfig.flat`` (an unsplit launch's one pipelined K loop folding
-    each chunk at its end) == one loop per chunk == the split launch, for 1, 32 and 600 tokens
-    (decode band, middle band) and equal to the same rows of a 2,048-token flat call."""
-    g = torch.Generator(device=DEV).manual_seed(h + i)
-    t, e, k = 2048, 16, 4
+@pytest.mark.parametrize("h,i,e", [(1024, 512, 16), (6144, 3072, 16), (6144, 3072, 128)])  # bench, M3 x2
+def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(h, i, e, monkeypatch):
+    """Compiled, bf16: the prefill band (``INVARIANT_MOE_PREFILL_CONFIG``: ragged tiles of 16 to
+    128 rows through TMA, K chunks folded at their ends) at 2,048 and 600 tokens, with and without
+    the fat tail, gives every token the bits of the aligned chunked kernels: split (1 and 32
+    tokens, decode band), the middle band's flat loop (300 tokens) and an unsplit aligned call of
+    all 2,048 tokens."""
+    g = torch.Generator(device=DEV).manual_seed(h + i + e)
+    t, k = 2048, 4
     x = _rand(t, h, gen=g, dtype=torch.bfloat16)
     ids = torch.rand(t, e, generator=g, device=DEV).topk(k, -1).indices
     w = torch.rand(t, k, generator=g, device=DEV) + 0.1
     w13 = _rand(e, 2 * i, h, gen=g, dtype=torch.bfloat16, scale=2 * h**-0.5)
     w2 = _rand(e, h, i, gen=g, dtype=torch.bfloat16, scale=i**-0.5)
-    base = inv.INVARIANT_MOE_CONFIG
+    base = inv.INVARIANT_MOE_PREFILL_CONFIG
+    assert inv.moe_config(torch.bfloat16, t) == base and base.ragged and base.k_chunk
 
-    def run(n, below, flat):
-        monkeypatch.setattr(inv, "INVARIANT_MOE_CONFIG", dataclasses.replace(base, split_k_below=below, flat=flat))
+    def run(n):
         return inv.fused_experts(x[:n], ids[:n], w[:n], w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA)
 
-    whole = run(t, 0, True)
-    assert torch.equal(whole, run(t, 0, False))
-    for n in (1, 32, 600):
-        for below, flat in ((0, True), (0, False), (10**9, True)):
-            assert torch.equal(run(n, below, flat), whole[:n]), (n, below, flat)
+    whole = run(t)
+    for n in (1, 32, 300, 600):
+        assert torch.equal(run(n), whole[:n]), n
+    monkeypatch.setattr(inv, "INVARIANT_MOE_PREFILL_CONFIG", dataclasses.replace(base, fat_tail=64))
+    assert torch.equal(run(t), whole) and torch.equal(run(600), whole[:600])
+    monkeypatch.setattr(inv, "MOE_PREFILL_ROWS", 10**9)  # every size on the aligned chunked kernels
+    assert torch.equal(run(t), whole)
 
 
 def _bench_moe(dtype, t=2048, seed=5):
@@ -367,3 +371,82 @@ def test_engine_logprobs_do_not_depend_on_the_batch(sparse_impl):
     other = prompts[5] + prompts[6][:100]  # packed with another sequence
     scored = scorer(m, [other, row], 1.0)[1][len(prompts[0]) :].cpu()
     assert torch.equal(scored, torch.tensor(alone.logprobs, dtype=torch.float64).float())
+
+
+# ----------------------------------------------------------------------------- fused decode routes
+# gate|up GEMM + SwiGLU: bench shared expert / dense MLP (H 1024, I 512 / 2048), M3 shared / dense
+# (H 6144, I 3072 / 12288)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("i,k", [(512, 1024), (2048, 1024), (3072, 6144), (12288, 6144)])
+def test_linear_swiglu_gives_the_bits_of_linear_and_swiglu(dtype, i, k, monkeypatch):
+    """Compiled: ``linear_swiglu`` (one launch; gate and up tiles half the width of linear's, each
+    summed as linear sums it, rounded, then swiglu's expression) == ``fused_layers.swiglu(linear(x,
+    w))`` bitwise at 1 and 32 rows, with the default split threshold and forced split / unsplit
+    (the in-kernel combine of both gate and up); gate / up values past the clamp (limit 7)."""
+    g = torch.Generator(device=DEV).manual_seed(i + k)
+    x = _rand(32, k, gen=g, dtype=dtype, scale=2.0)
+    w = _rand(2 * i, k, gen=g, dtype=dtype, scale=4 * k**-0.5)  # gate / up ~ N(0, 8^2)
+    for below in (None, 0, 10**9):
+        if below is not None:
+            _force_split_below(monkeypatch, below)
+        for t in (1, 32):
+            got = inv.linear_swiglu(x[:t], w, ALPHA, LIMIT, BETA)
+            want = fl.swiglu(inv.linear(x[:t], w), ALPHA, LIMIT, BETA)
+            assert torch.equal(got, want), (below, t, int((got != want).sum()))
+    torch.cuda.synchronize()
+    assert _counters_zero()
+
+
+# router: the bench model's 16 experts (top-4, H 1024); M3's 128 (top-8, H 6144: fused route at 1 row only)
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("e,h,top_k", [(16, 1024, 4), (128, 6144, 8)])
+def test_router_gemm_topk_gives_the_bits_of_linear_and_router_topk(xdtype, e, h, top_k):
+    """Compiled: ``router_gemm_topk`` (one launch: per (token, K chunk) fp32 partials, the token's last
+    program adds them in chunk order and runs router_topk's top-k) == ``router_topk(linear(x.float(),
+    w))`` bitwise, weights and ids, at 1 and 32 rows, with and without bias; 10 repeats identical
+    (the in-kernel combine); the table's predicate admits the shape at 1 row."""
+    g = torch.Generator(device=DEV).manual_seed(e + h)
+    x = _rand(32, h, gen=g, dtype=xdtype)
+    w = _rand(e, h, gen=g, dtype=torch.float32, scale=h**-0.5)
+    bias = _rand(e, gen=g, dtype=torch.float32, scale=0.01)
+    assert inv.router_gemm_topk_ok(1, w)
+    for b in (None, bias):
+        for t in (1, 32):
+            got = inv.router_gemm_topk(x[:t], w, b, top_k, 2.5)
+            want = fl.router_topk(inv.linear(x[:t].float(), w), b, top_k, 2.5)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (b is None, t)
+            for _ in range(10):
+                again = inv.router_gemm_topk(x[:t], w, b, top_k, 2.5)
+                assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
+    torch.cuda.synchronize()
+    assert _counters_zero()
+
+
+def test_fused_decode_routes_under_cuda_graph_replay():
+    """``linear_swiglu`` (split, in-kernel combine) and ``router_gemm_topk`` at bench shapes, 4 rows,
+    captured in a CUDA graph after an eager warm-up: every replay gives the eager bits, and those of
+    the two-launch routes."""
+    g = torch.Generator(device=DEV).manual_seed(10)
+    x = _rand(4, 1024, gen=g, dtype=torch.bfloat16)
+    wgu = _rand(1024, 1024, gen=g, dtype=torch.bfloat16, scale=1024**-0.5)
+    gate = _rand(16, 1024, gen=g, dtype=torch.float32, scale=1024**-0.5)
+    bias = _rand(16, gen=g, dtype=torch.float32, scale=0.01)
+
+    def step():
+        return (inv.linear_swiglu(x, wgu, ALPHA, LIMIT, BETA), *inv.router_gemm_topk(x, gate, bias, 4, 2.0))
+
+    want = step()  # eager warm-up: creates the counter buffer
+    two = (
+        fl.swiglu(inv.linear(x, wgu), ALPHA, LIMIT, BETA),
+        *fl.router_topk(inv.linear(x.float(), gate), bias, 4, 2.0),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(want, two))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert _counters_zero()
