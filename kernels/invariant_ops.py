@@ -59,7 +59,8 @@ Ops:
   in the eager sampler, the decode graphs and (later) the trainer's loss.
 
 Cost: fixed tiles are the compromise between decode (few rows: the GEMM is bound by streaming the
-weights) and prefill (many rows); the MoE pads every expert to 64 rows (16 in its decode band). H200, 300M bench model
+weights) and prefill (many rows); the MoE pads every expert to 64 rows (16 in its decode band and
+from MOE_PREFILL_ROWS, its ragged prefill band). H200, 300M bench model
 (2026-12-03, profile_engine.py): decode step linear 221 / 261 us (batch 1 / 32, 40 launches) vs
 the fast mode's skinny GEMM + cuBLAS 186 / 163 us; MoE GEMMs 108 / 193 vs 69 / 145 us; 16K-token
 prefill linear 9.0 ms vs cuBLAS 4.3 ms (12.8 ms before the row bands; issue 24 target for the
@@ -221,7 +222,7 @@ MOE_DECODE_ROWS = 32
 MOE_DECODE_BLOCK_M = 16
 
 # Prefill band of the routed experts, from MOE_PREFILL_ROWS tokens: the fast mode's ragged tiles
-# (each expert padded to 16 rows, 128-row tiles plus a 16-64-row tail, weights through TMA;
+# (each expert padded to 16 rows, 128-row tiles plus a 16- to 128-row tail, weights through TMA;
 # kernels/moe_ragged.py) with the same 256-wide K chunks folded at their ends: the chunked
 # kernels' additions in their order, so the same bits (a row's bits do not depend on its tile's
 # MMA height, 16 to 128, nor on the K step; tests/gpu/test_invariant_ops_gpu.py). The chunk
@@ -831,8 +832,9 @@ ROUTER_GEMM_TOPK_FUSE = True
 # as ``linear`` runs per column tile there), and from 2 rows the split ``linear`` over 32 x 32 tiles
 # (each weight element read once per 32 rows) + ``router_topk`` reads less. The limit itself is not
 # tuned; the fusion was measured on the bench model (``profile_engine.py --variants invariant
-# invariant+norouter_fuse``, H100 2026-12-06, decode forward at 192 tokens of context): batch 1
-# 0.549 -> 0.482 ms, batch 32 0.753 -> 0.739 ms (7 routers per step).
+# invariant+norouter_fuse``, H100 2026-12-06, decode forward at 192 tokens of context): batch 32
+# 0.753 -> 0.739 ms (7 routers per step); batch 1 0.549 -> 0.482 ms, more than the launch it saves
+# can explain (that model's batch-1 graph time moves by tens of us between graphs of one code).
 ROUTER_FUSE_MAX_ELEMS = 1 << 20
 ROUTER_FUSE_ROWS = 16  # tile rows of the fused router's dot (tl.dot needs 16); one of them holds its token
 

@@ -11,6 +11,10 @@ every weight tile is read once per expert (weights are most of the traffic at T=
 Weight tiles come through TMA descriptors; A rows either through TMA from an expert-sorted copy
 of x (`fused_moe.moe_permute`) or gathered by token inside the GEMM (no copy). Programs run in
 groups of row tiles (`moe_tiles.tile_coords`) so a group's weights and rows stay in L2.
+With K_CHUNK > 0 (the batch-invariant prefill band, kernels/invariant_ops.py) both GEMMs sum K in
+chunks of K_CHUNK columns, each chunk's partial from zero and folded into the total at the chunk's
+end (`split_k.fold_chunk`): kernels/moe_chunked.py's additions in its order, so a row's bits are
+those of the aligned chunked kernels whatever its tile's MMA height.
 
 Tiles are described by three int32 arrays (shape-derived sizes, no host sync, graph-safe):
   tile_row [S]   first row of the tile in the [P, .] expert-sorted buffers
@@ -365,7 +369,7 @@ def _w13_tile(
         u = w_desc.load([g_row + INTER, k0])
         acc_g = tl.dot(a, g.T, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, u.T, acc_u, input_precision=PRECISION)
-        if K_CHUNK > 0:  # chunked sums (module docstring): acc_* hold the chunk's partials
+        if K_CHUNK > 0:  # chunked sums (ragged_gate_up, moe_chunked): acc_* hold the chunk's partials
             tot_g, acc_g = fold_chunk(tot_g, acc_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
             tot_u, acc_u = fold_chunk(tot_u, acc_u, k0, HIDDEN, BLOCK_K, K_CHUNK)
     if K_CHUNK > 0:

@@ -129,8 +129,9 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(dtype, h, inte
     ks = []
     for name in ("moe_w13_ragged_kernel", "moe_w2_ragged_kernel"):
         monkeypatch.setattr(mr, name, _KwargSpy(getattr(mr, name), ks))
-    t = 200  # ~67 rows per expert (E 6, top-2): 128-row tiles and tails
+    t = 200
     x, ids, weights, w13, w2 = _moe_case(dtype, t=t, h=h, inter=inter)
+    ids = _skewed_ids(t)  # rows per expert 150 / 30 / 40 / 100 / 70 / 10: every ragged tile kind
     base = inv.INVARIANT_MOE_CONFIG
     _set_moe_split_below(monkeypatch, 0)
     mid = _experts(x, ids, weights, w13, w2)  # aligned, unsplit, flat loop (t between the bands)
@@ -142,6 +143,9 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(dtype, h, inte
         monkeypatch.setattr(
             inv, "INVARIANT_MOE_PREFILL_CONFIG", dataclasses.replace(inv.INVARIANT_MOE_PREFILL_CONFIG, fat_tail=fat)
         )
+        rows = sys.modules["m3_kernels.moe_ragged"].align_ragged(ids, (0, E), fat).tile_rows.tolist()
+        # MMA heights: 150 rows -> a fat tile (128 + 32) or 128 + 32; 100 / 70 -> 128; 40 -> 64; 30 -> 32; 10 -> 16
+        assert (160 in rows) == (fat == 64) and {16, 32, 48, 80, 112} <= set(rows), rows
         n0 = len(ks)
         pre = _experts(x, ids, weights, w13, w2)
         assert len(ks) == n0 + 2 and all(k["K_CHUNK"] == base.k_chunk and k["FAT"] == fat for k in ks[n0:])
@@ -151,6 +155,16 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(dtype, h, inte
     pre_ep = inv.fused_experts(x, ids, weights, w13[1:4], w2[1:4], **local)
     monkeypatch.setattr(inv, "MOE_PREFILL_ROWS", 10**9)
     assert torch.equal(pre_ep, inv.fused_experts(x, ids, weights, w13[1:4], w2[1:4], **local))
+
+
+def _skewed_ids(t: int) -> torch.Tensor:
+    # [t, 2] expert ids with 150 / 30 / 40 / 100 / 70 / 10 slots per expert (t = 200), two distinct
+    # experts per token, tokens shuffled: a fat tile, 128-row tiles and 64 / 32 / 16-row tails
+    counts = [150, 30, 40, 100, 70, 10]
+    labels = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    ids = torch.stack([labels[:t], labels[t:]], dim=1)
+    assert ids.shape == (t, TOP_K) and bool((ids[:, 0] != ids[:, 1]).all())
+    return ids[torch.randperm(t, generator=torch.Generator().manual_seed(3))]
 
 
 class _KwargSpy:

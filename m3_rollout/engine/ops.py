@@ -23,7 +23,8 @@ Selection rules (same as before the table existed):
   ``DEFAULT_INVARIANT_SPARSE_ATTENTION``; the choice is bound into the table's ops).
 - batch-invariant mode (``batch_invariant=True``, ``EngineConfig.batch_invariant``; design.md §4.6):
   on CUDA the fused layer path with the fixed-config ops of ``kernels/invariant_ops.py`` (``linear``
-  for every projection, the router logits and lm_head; ``fused_experts`` with one tile config;
+  for every projection, the router logits and lm_head; ``fused_experts`` with fixed tile configs by
+  row band (``invariant_ops.moe_config``);
   decode-sized steps fuse the router GEMM + top-k and the gate|up GEMM + SwiGLU into one launch each,
   with the bits of the two launches), no skinny GEMM; attention from
   ``invariant_attention_fields`` (``m3_kernels.invariant_attention``: one kernel and tile shape for decode and
