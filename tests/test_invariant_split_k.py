@@ -43,14 +43,19 @@ def per_row_dot():
 
 
 class LaunchSpy:
-    """Stands in for a Triton kernel: records the SPLIT constexpr of each launch and forwards."""
+    """Stands in for a Triton kernel: records each launch's keyword arguments (constexprs and launch
+    options) in ``calls`` and forwards."""
 
-    def __init__(self, kernel):
-        self.kernel, self.splits = kernel, []
+    def __init__(self, kernel, calls: list | None = None):
+        self.kernel, self.calls = kernel, [] if calls is None else calls
+
+    @property
+    def splits(self) -> list[bool]:
+        return [kw["SPLIT"] for kw in self.calls]
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.splits.append(kwargs["SPLIT"])
+            self.calls.append(kwargs)
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -128,7 +133,7 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(dtype, h, inte
     mr = sys.modules["m3_kernels.moe_ragged"]  # the interpreted module fused_moe calls into
     ks = []
     for name in ("moe_w13_ragged_kernel", "moe_w2_ragged_kernel"):
-        monkeypatch.setattr(mr, name, _KwargSpy(getattr(mr, name), ks))
+        monkeypatch.setattr(mr, name, LaunchSpy(getattr(mr, name), ks))
     t = 200
     x, ids, weights, w13, w2 = _moe_case(dtype, t=t, h=h, inter=inter)
     ids = _skewed_ids(t)  # rows per expert 150 / 30 / 40 / 100 / 70 / 10: every ragged tile kind
@@ -165,20 +170,6 @@ def _skewed_ids(t: int) -> torch.Tensor:
     ids = torch.stack([labels[:t], labels[t:]], dim=1)
     assert ids.shape == (t, TOP_K) and bool((ids[:, 0] != ids[:, 1]).all())
     return ids[torch.randperm(t, generator=torch.Generator().manual_seed(3))]
-
-
-class _KwargSpy:
-    """Stands in for a Triton kernel: records each launch's keyword arguments into ``calls``."""
-
-    def __init__(self, kernel, calls: list):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
 
 
 def test_fused_experts_bits_do_not_depend_on_the_split_choice(monkeypatch):

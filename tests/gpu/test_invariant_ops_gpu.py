@@ -231,6 +231,21 @@ def test_linear_in_kernel_combine_equals_the_combine_pass(dtype, monkeypatch):
     assert _counters_zero()
 
 
+def _assert_replays_give(step, want) -> None:
+    # capture step() (after the caller's eager warm-up, which created the split-K counter buffer) in
+    # a CUDA graph; every one of 10 replays must give the eager outputs ``want`` bitwise, and the
+    # counters end at zero (each split launch re-arms its own)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert _counters_zero()
+
+
 def test_split_k_under_cuda_graph_replay():
     """Decode-sized linear + routed experts (both split, in-kernel combine) captured in a CUDA graph
     after an eager warm-up: every replay gives the eager bits (the counters reset themselves)."""
@@ -243,15 +258,7 @@ def test_split_k_under_cuda_graph_replay():
         return y, inv.fused_experts(x, ids, w, w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA)
 
     want = step()  # eager warm-up: creates the counter buffer
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(out, want))
-    assert _counters_zero()
+    _assert_replays_give(step, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -441,12 +448,4 @@ def test_fused_decode_routes_under_cuda_graph_replay():
         *fl.router_topk(inv.linear(x.float(), gate), bias, 4, 2.0),
     )
     assert all(torch.equal(a, b) for a, b in zip(want, two))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(out, want))
-    assert _counters_zero()
+    _assert_replays_give(step, want)
