@@ -54,9 +54,10 @@ Ops:
   gate|up GEMM with SwiGLU-OAI in its epilogue, each program a gate tile and its up tile summed as
   ``linear`` sums them, rounded as ``linear`` stores them, then ``swiglu``'s expression: the bits
   of ``linear`` + ``swiglu`` in one launch (``linear_swiglu_ok``: T <= ``LINEAR_DECODE_ROWS``).
-- ``token_logprobs(logits [N, V], tokens [N]) -> fp32 [N]``: log_softmax(row)[token], one program
-  per row, the vocabulary walked in fixed LOGPROB_BLOCK chunks (max, then sum of exp), the same
-  in the eager sampler, the decode graphs and (later) the trainer's loss.
+- ``token_logprobs(logits [N, V], tokens [N]) -> fp32 [N]``: log_softmax(row)[token]: each fixed
+  LOGPROB_SEGMENT-wide vocabulary segment's max and sum of exp in its own program, then one
+  program per row combining them in one fixed tree; the same op in the eager sampler, the decode
+  graphs (with the temperature division in the launch) and the trainer's scorer.
 
 Cost: fixed tiles are the compromise between decode (few rows: the GEMM is bound by streaming the
 weights) and prefill (many rows); the MoE pads every expert to 64 rows (16 in its decode band and
@@ -242,7 +243,7 @@ INVARIANT_MOE_PREFILL_CONFIG = fm.MoEKernelConfig(
     k_chunk=256,
 )
 
-LOGPROB_BLOCK = 1024  # vocabulary chunk of token_logprobs
+LOGPROB_SEGMENT = 2048  # vocabulary entries per program of token_logprobs' first launch
 
 
 def linear_config(dtype: torch.dtype, t: int | None = None) -> LinearConfig:
@@ -1011,34 +1012,98 @@ def fused_experts(
 
 # ----------------------------------------------------------------------------- log-softmax
 @triton.jit
-def _token_logprob_kernel(x_ptr, tok_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr):
-    # out[r] = x[r, tok[r]] - (max_r + log(sum_v exp(x[r, v] - max_r))) in fp32; chunks of BLOCK
-    # in order, per-lane partial sums, one tl.sum tree at the end.
+def _scaled_logit(x, t, SCALED: tl.constexpr):
+    # process_logits' division by the row's fp32 temperature, IEEE-rounded as torch divides
+    # (Triton's "/" on fp32 is an approximate division).
+    if SCALED:
+        x = tl.math.div_rn(x, t)
+    return x
+
+
+@triton.jit
+def _logit_chunk(row, v0, offs, V, t, SCALED: tl.constexpr):
+    # chunk [v0, v0 + BLOCK) of the row in fp32 (scaled), -inf past V
+    xv = tl.load(row + v0 + offs, mask=offs < V - v0, other=float("-inf")).to(tl.float32)
+    return _scaled_logit(xv, t, SCALED)
+
+
+@triton.jit
+def _row_temperature(temp_ptr, raw_ptr, r, SCALED: tl.constexpr):
+    # the row's fp32 temperature (1 on a raw row, or when not SCALED)
+    t = 1.0
+    if SCALED:
+        t = tl.where(tl.load(raw_ptr + r) != 0, 1.0, tl.load(temp_ptr + r).to(tl.float32))
+    return t
+
+
+@triton.jit
+def _logsumexp_part_kernel(x_ptr, temp_ptr, raw_ptr, part_ptr, stride_x, V, S, SEG: tl.constexpr, SCALED: tl.constexpr):
+    # program (r, j): vocabulary segment j (SEG entries) of row r -> part[0, r, j] = its max m,
+    # part[1, r, j] = sum exp(y - m) over it (one tl.max / tl.sum tree each; 0 for an all -inf
+    # segment, e.g. past a top-k mask)
     r = tl.program_id(0).to(tl.int64)
-    row = x_ptr + r * stride_x
-    offs = tl.arange(0, BLOCK)
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        xv = tl.load(row + v0 + offs, mask=offs < V - v0, other=float("-inf")).to(tl.float32)
-        m = tl.maximum(m, xv)
+    j = tl.program_id(1)
+    t = _row_temperature(temp_ptr, raw_ptr, r, SCALED)
+    y = _logit_chunk(x_ptr + r * stride_x, j * SEG, tl.arange(0, SEG), V, t, SCALED)
+    m = tl.max(y, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(y - m_safe), axis=0)
+    tl.store(part_ptr + r * S + j, m)
+    tl.store(part_ptr + (tl.num_programs(0).to(tl.int64) + r) * S + j, total)
+
+
+@triton.jit
+def _token_logprob_kernel(
+    x_ptr, tok_ptr, temp_ptr, raw_ptr, part_ptr, out_ptr, stride_x, S, BLOCK_S: tl.constexpr, SCALED: tl.constexpr
+):
+    # row r: lse = M + log(sum_j part[1, r, j] * exp(part[0, r, j] - M)), M = max_j part[0, r, j]
+    # (one tl.sum tree over the BLOCK_S segment slots); out[r] = y[r, tok[r]] - lse
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.num_programs(0).to(tl.int64)
+    js = tl.arange(0, BLOCK_S)
+    m = tl.load(part_ptr + r * S + js, mask=js < S, other=float("-inf"))
+    total = tl.load(part_ptr + (n + r) * S + js, mask=js < S, other=0.0)
     mx = tl.max(m, axis=0)
-    s = tl.zeros((BLOCK,), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK):
-        xv = tl.load(row + v0 + offs, mask=offs < V - v0, other=float("-inf")).to(tl.float32)
-        s += tl.exp(xv - mx)
-    lse = mx + tl.log(tl.sum(s, axis=0))
+    lse = mx + tl.log(tl.sum(total * tl.exp(m - mx), axis=0))
+    t = _row_temperature(temp_ptr, raw_ptr, r, SCALED)
     tok = tl.load(tok_ptr + r).to(tl.int64)
-    tl.store(out_ptr + r, tl.load(row + tok).to(tl.float32) - lse)
+    lp = _scaled_logit(tl.load(x_ptr + r * stride_x + tok).to(tl.float32), t, SCALED) - lse
+    tl.store(out_ptr + r, lp.to(out_ptr.dtype.element_ty))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits[r])[tokens[r]] for every row r, batch-invariant.
+def token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    temperature: torch.Tensor | None = None,
+    raw: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log_softmax(logits[r])[tokens[r]] for every row r, batch-invariant; optionally of the
+    temperature-scaled row, the division inside the same launches.
 
-    logits: [N, V] bf16 / fp16 / fp32 (upcast to fp32 in the kernel), last dim contiguous;
-    tokens: [N] integer ids in [0, V) (not checked on the device). Returns fp32 [N]. One program
-    per row walks the vocabulary in LOGPROB_BLOCK chunks in order (max pass, then sum-of-exp
-    pass), so a row's value does not depend on N; equals ``torch.log_softmax(...).gather(...)``
-    up to fp32 summation order. Raises ValueError on bad shapes / dtypes.
+    Args:
+        logits: [N, V] bf16 / fp16 / fp32 (upcast to fp32 in the kernel), last dim contiguous.
+        tokens: [N] integer ids in [0, V) (not checked on the device).
+        temperature: None, or float64 / float32 [N] > 0: the row is first divided by its
+            temperature rounded to fp32, with IEEE division (``sampler.process_logits``' fp32
+            ``x / T``, so the bits equal this op on that processed row).
+        raw: with ``temperature``, integer / bool [N] or None: nonzero rows are not scaled (a
+            "raw" logprob row: the division by 1.0 is exact).
+        out: None, or a contiguous fp32 / fp64 [N] tensor written in place (fp64 holds the fp32
+            value exactly: the decode graphs' logprob row).
+
+    Returns fp32 [N] (or ``out``). Two launches: one program per row and LOGPROB_SEGMENT-wide
+    vocabulary segment computes the segment's max m_j and sum_v exp(y_v - m_j); then one program
+    per row combines its segments, lse = M + log(sum_j s_j exp(m_j - M)) with M = max_j m_j
+    (log-sum-exp over a partition, exact in real arithmetic; the split is fixed by V, so a row's
+    value does not depend on N; it equals ``torch.log_softmax(...).gather(...)`` up to fp32
+    rounding). The segments make a row's walk one load deep instead of V / 1,024 chunks in
+    sequence (a decode step's rows are few: the one-program walk was latency-bound). The bits
+    depend on the logits' dtype: a segment's sums follow its load layout, which Triton picks by
+    element size (8 bf16 / fp16 or 4 fp32 values per thread on sm_90), so callers that compare
+    bits pass the same dtype (the engine and the trainer's scorer pass fp32 rows). Raises
+    ValueError on bad shapes / dtypes.
     """
     if logits.dim() != 2 or logits.dtype not in _DTYPES or logits.stride(1) != 1:
         raise ValueError(
@@ -1048,8 +1113,42 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     n, v = logits.shape
     if tuple(tokens.shape) != (n,) or tokens.dtype.is_floating_point:
         raise ValueError(f"token_logprobs: tokens must be integer [{n}], got {tuple(tokens.shape)} {tokens.dtype}")
-    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    scaled = temperature is not None
+    if scaled and (tuple(temperature.shape) != (n,) or temperature.dtype not in (torch.float32, torch.float64)):
+        raise ValueError(
+            f"token_logprobs: temperature must be fp32/fp64 [{n}], got {tuple(temperature.shape)} {temperature.dtype}"
+        )
+    if raw is not None and (not scaled or tuple(raw.shape) != (n,) or raw.dtype.is_floating_point):
+        raise ValueError(
+            f"token_logprobs: raw must be an integer / bool [{n}] beside a temperature, got "
+            f"{tuple(raw.shape)} {raw.dtype} (temperature given: {scaled})"
+        )
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    elif tuple(out.shape) != (n,) or out.dtype not in (torch.float32, torch.float64) or not out.is_contiguous():
+        raise ValueError(f"token_logprobs: out must be contiguous fp32/fp64 [{n}], got {tuple(out.shape)} {out.dtype}")
     if n == 0:
         return out
-    _token_logprob_kernel[(n,)](logits, tokens.contiguous(), out, logits.stride(0), v, BLOCK=LOGPROB_BLOCK, num_warps=4)
+    if scaled and raw is None:
+        raw = torch.zeros(n, dtype=torch.int8, device=logits.device)
+    temp_arg = temperature.contiguous() if scaled else tokens
+    raw_arg = raw.contiguous() if scaled else tokens
+    segs = triton.cdiv(v, LOGPROB_SEGMENT)
+    part = torch.empty(2, n, segs, dtype=torch.float32, device=logits.device)
+    _logsumexp_part_kernel[(n, segs)](
+        logits, temp_arg, raw_arg, part, logits.stride(0), v, segs, SEG=LOGPROB_SEGMENT, SCALED=scaled, num_warps=4
+    )
+    _token_logprob_kernel[(n,)](
+        logits,
+        tokens.contiguous(),
+        temp_arg,
+        raw_arg,
+        part,
+        out,
+        logits.stride(0),
+        segs,
+        BLOCK_S=triton.next_power_of_2(segs),
+        SCALED=scaled,
+        num_warps=4,
+    )
     return out

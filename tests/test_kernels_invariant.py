@@ -572,7 +572,7 @@ def test_router_gemm_topk_predicate_fallback_and_refusals(monkeypatch):
 
 # ----------------------------------------------------------------------------- logprobs
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("v", [300, 2500])  # one partial chunk; three chunks of LOGPROB_BLOCK
+@pytest.mark.parametrize("v", [300, 2500])  # one partial segment; two segments of LOGPROB_SEGMENT, the second partial
 def test_token_logprobs(dtype, v):
     g = torch.Generator().manual_seed(9)
     logits = _rand(N_ROWS, v, gen=g, dtype=dtype, scale=3.0)
@@ -586,6 +586,43 @@ def test_token_logprobs(dtype, v):
     masked[torch.arange(N_ROWS), tokens] = 1.0  # a top-k / top-p masked row, the token kept
     ref_m = torch.log_softmax(masked.double(), -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(inv.token_logprobs(masked, tokens).double(), ref_m, rtol=1e-5, atol=2e-5)
+    if v > inv.LOGPROB_SEGMENT:  # a whole segment masked (past a top-k cut): it adds 0, not NaN
+        cut = logits.float().clone()
+        cut[:, inv.LOGPROB_SEGMENT :] = float("-inf")
+        in_front = tokens % inv.LOGPROB_SEGMENT
+        ref_c = torch.log_softmax(cut.double(), -1).gather(1, in_front[:, None]).squeeze(1)
+        torch.testing.assert_close(inv.token_logprobs(cut, in_front).double(), ref_c, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_logprobs_with_temperature_in_the_launch(dtype):
+    """``temperature`` / ``raw`` / ``out`` (the decode graphs' single launch): each row's bits are
+    the op's on ``logits.float() / T.float()`` (torch's IEEE division; a temperature whose division
+    rounds), or on the row as it is for a raw row; fp64 ``out`` holds the fp32 values exactly."""
+    g = torch.Generator().manual_seed(12)
+    n, v = 6, 2500
+    logits = _rand(n, v, gen=g, dtype=dtype, scale=3.0)
+    tokens = torch.randint(0, v, (n,), generator=g)
+    temp = torch.tensor([0.7, 1.3, 0.3, 1.0, 0.9, 1.7], dtype=torch.float64)
+    raw = torch.tensor([0, 1, 0, 0, 1, 0])
+    x32 = logits.float()
+    scaled = x32 / temp.float()[:, None]
+    assert not torch.equal(scaled * temp.float()[:, None], x32)  # some divisions round
+    want = torch.where(raw != 0, inv.token_logprobs(logits, tokens), inv.token_logprobs(scaled, tokens))
+    got = inv.token_logprobs(logits, tokens, temperature=temp, raw=raw)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    out = torch.full((n,), float("nan"), dtype=torch.float64)
+    assert inv.token_logprobs(logits, tokens, temperature=temp.float(), raw=raw.bool(), out=out) is out
+    assert torch.equal(out, want.double())
+    every = inv.token_logprobs(logits, tokens, temperature=temp)  # no raw: every row scaled
+    assert torch.equal(every, inv.token_logprobs(scaled, tokens))
+    assert not torch.equal(every, got)
+    with pytest.raises(ValueError, match="raw must be"):
+        inv.token_logprobs(logits, tokens, raw=raw)
+    with pytest.raises(ValueError, match="temperature must be"):
+        inv.token_logprobs(logits, tokens, temperature=temp[:3])
+    with pytest.raises(ValueError, match="out must be"):
+        inv.token_logprobs(logits, tokens, out=torch.empty(n, dtype=torch.float16))
 
 
 def test_sampler_uses_the_logprob_op():

@@ -176,20 +176,21 @@ def test_engine_hands_the_flag_to_the_sampler(monkeypatch):
             assert seen and set(seen) == {flag}, (graphs, flag, seen)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_graph_steps_recompute_the_fused_samplers_logprobs_with_the_invariant_op(dtype):
     """Batch-invariant decode graphs pick ids with the fused Triton sampler (``sample_rows``' ids)
-    and ``decode_graph.invariant_logprobs_into`` recomputes their logprobs: the bits must be
-    ``sample_rows``' with the same logprob op, for processed and raw rows and temperatures whose
-    division rounds (the eager steps' and the trainer scorer's values)."""
+    and ``decode_graph.invariant_logprobs_into`` recomputes their logprobs in one launch of the
+    invariant op (temperature and raw flags inside): the bits must be ``sample_rows``' with the
+    same op (upcast, fp32 division, then the op), for processed and raw rows and temperatures
+    whose division rounds (the eager steps' and the trainer scorer's values). The op runs under
+    the Triton interpreter (fp32 / fp16)."""
     import numpy as np
 
+    from m3_kernels.fused_interpret import interpreted_invariant_ops
     from m3_rollout.engine.decode_graph import invariant_logprobs_into
     from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling, sample_rows
 
-    def op(base, tokens):  # a fixed-order op that is not torch.log_softmax in fp32
-        return torch.log_softmax(base.double(), dim=-1).gather(1, tokens[:, None]).squeeze(1).float()
-
+    op = interpreted_invariant_ops().token_logprobs
     x = _rows().to(dtype)
     n = x.shape[0]
     p = _params(n)
@@ -209,11 +210,11 @@ def test_graph_steps_recompute_the_fused_samplers_logprobs_with_the_invariant_op
         raw.numpy(),
     )
     out = torch.stack([tok, torch.full((n,), -1, dtype=torch.int64)])
-    invariant_logprobs_into(out, x, torch.from_numpy(packed), op, True)
+    invariant_logprobs_into(out, x, torch.from_numpy(packed), op)
     assert torch.equal(out[0], tok)
     assert torch.equal(out[1].view(torch.float64), lp.double())
     processed_only = torch.stack([tok, torch.zeros(n, dtype=torch.int64)])
     packed[-1] = 0  # every row "processed": the raw rows' values must change (the test has teeth)
-    invariant_logprobs_into(processed_only, x, torch.from_numpy(packed), op, True)
+    invariant_logprobs_into(processed_only, x, torch.from_numpy(packed), op)
     changed = processed_only[1].view(torch.float64) != lp.double()
     assert torch.equal(changed, raw & (p.temperature != 1.0))

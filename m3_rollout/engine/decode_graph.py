@@ -33,9 +33,7 @@ from m3_rollout.engine.paged_cache import PagedKVCache
 from m3_rollout.engine.sampler import (
     NUM_SAMPLING_FIELDS,
     Penalties,
-    gather_logprobs,
     pack_sampling,
-    process_logits,
     sample_rows,
     sampling_fields,
     unpack_sampling,
@@ -100,32 +98,34 @@ class _EagerReplay:
         self.result = self.body()
 
 
-def invariant_logprobs_into(
-    out: torch.Tensor, logits: torch.Tensor, sampling: torch.Tensor, token_logprobs, batch_invariant: bool
-) -> None:
+def invariant_logprobs_into(out: torch.Tensor, logits: torch.Tensor, sampling: torch.Tensor, token_logprobs) -> None:
     """Batch-invariant mode after the fused sampler (``sampler_triton.keyed_gumbel_sample``, which
     picks ``sampler.sample_rows``' ids): overwrite the logprobs in ``out[1]`` (the kernel's own,
     merged over vocabulary chunks in an order no other path shares) with ``sample_rows``' value
-    for the same ids: ``sampler.gather_logprobs`` through ``token_logprobs`` over fp32 logits
-    divided by the fp32 temperature ("processed" rows) or as they are ("raw" rows: a division by
-    1.0, exact). Those are the bits of the eager steps and of the trainer's scorer
-    (``engine.score.PagedScorer``), whatever the step's batch.
+    for the same ids: the logits upcast to fp32, then one launch of ``token_logprobs`` with the
+    rows' temperatures and raw flags (the op divides each "processed" row by its fp32 temperature
+    with IEEE division, as ``sampler.process_logits`` does, and leaves "raw" rows as they are).
+    Those are the bits of the eager steps and of the trainer's scorer (``engine.score.PagedScorer``),
+    whatever the step's batch. The upcast is needed: the op's partial sums follow its load layout,
+    which Triton picks by element size (8 bf16 / 4 fp32 values per thread), and every other caller
+    hands it fp32 rows.
 
     Args:
         out: int64 [2, s]: row 0 the sampled ids (read), row 1 the logprobs as float64 bits (written).
-        logits: [s, V] the forward's logits, fp32 / fp16 / bf16 (upcast as ``process_logits`` does;
-            the fused sampler computes in fp32, so for fp64 logits its ids may differ from
-            ``sample_rows``', and the invariant ``token_logprobs`` refuses fp64 anyway).
+        logits: [s, V] the forward's logits, fp32 / fp16 / bf16 (the op refuses fp64: the fused
+            sampler computes in fp32, so for fp64 logits its ids may differ from ``sample_rows``').
         sampling: int64 [NUM_SAMPLING_FIELDS, s] packed parameters (``sampler.pack_sampling``).
-        token_logprobs: the sampler's logprob op (``engine.ops.invariant_token_logprobs``).
-        batch_invariant: handed to ``process_logits`` (no top-k / top-p here: it does not change
-            the base).
+        token_logprobs: the sampler's logprob op (``engine.ops.invariant_token_logprobs``), taking
+            the ``temperature`` / ``raw`` / ``out`` keywords (``sampler.TokenLogprobs``).
     """
-    params, _, raw = unpack_sampling(sampling)
-    temperature = torch.where(raw, torch.ones_like(params.temperature), params.temperature)
-    base = process_logits(logits, temperature, params.top_k, params.top_p, False, False, batch_invariant)
-    lp = gather_logprobs(base, out[0], token_logprobs)
-    out[1].copy_(lp.double().view(torch.int64))
+    f = sampling_fields(sampling)
+    token_logprobs(
+        logits.float(),
+        out[0],
+        temperature=f.temperature.view(torch.float64),
+        raw=f.raw,
+        out=out[1].view(torch.float64),
+    )
 
 
 class CudaGraphDecode:
@@ -290,7 +290,7 @@ class CudaGraphDecode:
                 self.last_tokens,
             )
             if self.token_logprobs is not None:  # the logprob again, from the invariant op
-                invariant_logprobs_into(out, logits, sampling, self.token_logprobs, self.batch_invariant)
+                invariant_logprobs_into(out, logits, sampling, self.token_logprobs)
             return out
         params, positions, raw = unpack_sampling(DecodeStage.of(self.stage, s).sampling)
         tokens, lps = sample_rows(

@@ -22,17 +22,35 @@ Shapes: N rows (one per running sample), V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from m3_rollout.model.numerics import compute_dtype
 
-# logits [N, V], tokens [N] -> log_softmax(logits)[r, tokens[r]] [N] (fp32)
-TokenLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+class TokenLogprobs(Protocol):
+    """The batch-invariant logprob op (``m3_kernels.invariant_ops.token_logprobs``).
+
+    ``op(logits [N, V], tokens [N])`` -> fp32 [N], log_softmax(logits)[r, tokens[r]] in one fixed
+    reduction order per row. Keywords (the decode graphs' single launch,
+    ``decode_graph.invariant_logprobs_into``): ``temperature`` fp32 / fp64 [N] divides each row by
+    its fp32 temperature first (IEEE division: :func:`process_logits`' bits), ``raw`` integer [N]
+    exempts the nonzero rows, ``out`` fp32 / fp64 [N] receives the values.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        *,
+        temperature: torch.Tensor | None = None,
+        raw: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
 
 # splitmix64 constants, written as signed int64 (torch has no uint64 arithmetic).
 GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
