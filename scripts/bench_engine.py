@@ -299,7 +299,8 @@ M3_SELECTION_DIMS = (57, 4, 16)  # sparse layers, KV heads, top-k blocks (spec: 
 
 def timed_generate(eng: LLMEngine, prompts: list[list[int]], new: int, device: str, tag: str) -> dict:
     """Run ``prompts`` (n=1 each) to ``new`` tokens on ``eng`` (prefix cache emptied first): wall
-    seconds, generated tokens/s, median decode step (ms) and the outputs."""
+    seconds, generated tokens/s, median decode step (ms), the call's time outside its decode steps
+    (ms: request setup, the prompts' prefill, steps that still prefill) and the outputs."""
     eng.reset_prefix_cache()
     params = SamplingParams(n=1, max_new_tokens=new, seed=1)
     sync(device)
@@ -319,7 +320,14 @@ def timed_generate(eng: LLMEngine, prompts: list[list[int]], new: int, device: s
     secs = time.perf_counter() - t0
     toks = sum(len(o.output_ids) for o in outs)
     step_ms = 1000 * sorted(steps)[len(steps) // 2] if steps else float("nan")
-    return {"seconds": secs, "tok_s": toks / secs, "decode_step_ms": step_ms, "outputs": outs}
+    outside_ms = 1000 * (secs - sum(steps))
+    return {
+        "seconds": secs,
+        "tok_s": toks / secs,
+        "decode_step_ms": step_ms,
+        "outside_decode_ms": outside_ms,
+        "outputs": outs,
+    }
 
 
 def selection_data(n_tokens: int, smooth: bool, device: str, dims=M3_SELECTION_DIMS, seed: int = 0) -> torch.Tensor:
@@ -562,7 +570,8 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
     ):
         fast, inv = med(False, case, "tok_s"), med(True, case, "tok_s")
         step_f, step_i = med(False, case, "decode_step_ms"), med(True, case, "decode_step_ms")
-        figures[case] = {"tok_s": [fast, inv], "decode_step_ms": [step_f, step_i]}
+        outside = [med(False, case, "outside_decode_ms"), med(True, case, "outside_decode_ms")]
+        figures[case] = {"tok_s": [fast, inv], "decode_step_ms": [step_f, step_i], "outside_decode_ms": outside}
         slow, step_slow = 100 * (fast / inv - 1), 100 * (step_i / step_f - 1)
         table.append(
             f"| {label} | {fast:,.0f} tok/s | {inv:,.0f} tok/s | {inv / fast:.3f} | {slow:+.1f} % | "
@@ -598,6 +607,13 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
         f"batch-{batch} tokens, fast vs invariant (same seeds): {differ} of {batch * new} differ, {same} of "
         f"{batch} sequences identical" + (f", first difference at generated token {first}" if first >= 0 else "")
     ]
+    print(notes[-1], flush=True)
+    outside = {case: figures[case]["outside_decode_ms"] for case in ("b1", "bN")}
+    notes.append(
+        "a decode row's generate call outside its decode steps (request setup, the prompts' prefill, steps "
+        f"that still prefill; medians), fast / invariant: batch 1 {outside['b1'][0]:.1f} / {outside['b1'][1]:.1f} "
+        f"ms, batch {batch} {outside['bN'][0]:.1f} / {outside['bN'][1]:.1f} ms"
+    )
     print(notes[-1], flush=True)
     n_pre = figures["prefill"]["samples"]
     notes.append(

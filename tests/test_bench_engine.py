@@ -63,6 +63,11 @@ def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(be
             assert ratio == pytest.approx(f / i, abs=6e-4) and slowdown == pytest.approx(100 * (i / f - 1), abs=0.06)
             assert row[5] == row[6] == "-" and verdict == "- (not invariant here)", row
     notes = [line for line in lines if line.startswith("- ")]
+    outside = next(n for n in notes if n.startswith("- a decode row's generate call outside its decode steps"))
+    for case, label in (("b1", "batch 1 "), ("bN", "batch 6 ")):
+        f, i = figures[case]["outside_decode_ms"]
+        assert all(math.isfinite(x) and x > 0 for x in (f, i)), figures[case]
+        assert f"{label}{f:.1f} / {i:.1f} ms" in outside, outside
     differ = next(n for n in notes if n.startswith("- batch-6 tokens, fast vs invariant"))
     # the CPU runs the same ops in both engines: same seeds give the same tokens
     assert "0 of 36 differ, 6 of 6 sequences identical" in differ

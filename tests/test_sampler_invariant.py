@@ -190,7 +190,13 @@ def test_graph_steps_recompute_the_fused_samplers_logprobs_with_the_invariant_op
     from m3_rollout.engine.decode_graph import invariant_logprobs_into
     from m3_rollout.engine.sampler import NUM_SAMPLING_FIELDS, pack_sampling, sample_rows
 
-    op = interpreted_invariant_ops().token_logprobs
+    kernel_op = interpreted_invariant_ops().token_logprobs
+    seen = []
+
+    def op(logits, tokens, **kw):  # the kernel op, recording the dtype it is handed
+        seen.append(logits.dtype)
+        return kernel_op(logits, tokens, **kw)
+
     x = _rows().to(dtype)
     n = x.shape[0]
     p = _params(n)
@@ -210,7 +216,11 @@ def test_graph_steps_recompute_the_fused_samplers_logprobs_with_the_invariant_op
         raw.numpy(),
     )
     out = torch.stack([tok, torch.full((n,), -1, dtype=torch.int64)])
+    seen.clear()
     invariant_logprobs_into(out, x, torch.from_numpy(packed), op)
+    # fp32 rows, as sample_rows hands them: the GPU kernel's partial sums follow its load layout,
+    # which Triton picks by element size (the interpreter has no layouts, so the dtype is checked)
+    assert seen == [torch.float32]
     assert torch.equal(out[0], tok)
     assert torch.equal(out[1].view(torch.float64), lp.double())
     processed_only = torch.stack([tok, torch.zeros(n, dtype=torch.int64)])
@@ -218,3 +228,5 @@ def test_graph_steps_recompute_the_fused_samplers_logprobs_with_the_invariant_op
     invariant_logprobs_into(processed_only, x, torch.from_numpy(packed), op)
     changed = processed_only[1].view(torch.float64) != lp.double()
     assert torch.equal(changed, raw & (p.temperature != 1.0))
+    with pytest.raises(ValueError, match="fp64 logits"):
+        invariant_logprobs_into(processed_only, x.double(), torch.from_numpy(packed), op)

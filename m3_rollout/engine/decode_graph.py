@@ -112,12 +112,15 @@ def invariant_logprobs_into(out: torch.Tensor, logits: torch.Tensor, sampling: t
 
     Args:
         out: int64 [2, s]: row 0 the sampled ids (read), row 1 the logprobs as float64 bits (written).
-        logits: [s, V] the forward's logits, fp32 / fp16 / bf16 (the op refuses fp64: the fused
-            sampler computes in fp32, so for fp64 logits its ids may differ from ``sample_rows``').
+        logits: [s, V] the forward's logits, fp32 / fp16 / bf16 (fp64 raises ValueError, as the
+            eager route's op does: the fused sampler computes in fp32, so for fp64 logits its ids
+            may differ from ``sample_rows``').
         sampling: int64 [NUM_SAMPLING_FIELDS, s] packed parameters (``sampler.pack_sampling``).
         token_logprobs: the sampler's logprob op (``engine.ops.invariant_token_logprobs``), taking
             the ``temperature`` / ``raw`` / ``out`` keywords (``sampler.TokenLogprobs``).
     """
+    if logits.dtype == torch.float64:
+        raise ValueError("invariant_logprobs_into: fp64 logits (the invariant logprob op takes bf16 / fp16 / fp32)")
     f = sampling_fields(sampling)
     token_logprobs(
         logits.float(),

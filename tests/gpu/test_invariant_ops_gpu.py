@@ -291,10 +291,12 @@ def test_norm_router_and_logprob_bits_do_not_depend_on_the_batch(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("v", [32000, 200064])  # the bench model's vocabulary; M3's
 def test_logprobs_with_temperature_in_the_launch_equal_the_divided_rows(dtype, v):
-    """The decode graphs' single logprob launch (``token_logprobs`` of the fp32 rows with
-    ``temperature`` / ``raw`` / fp64 ``out``, ``decode_graph.invariant_logprobs_into``) == torch's
-    fp32 division then the op (``sampler.process_logits`` + ``gather_logprobs``: the eager steps'
-    and the trainer scorer's route), bitwise, eager and under graph replay."""
+    """The decode graphs' logprob call (``token_logprobs`` of fp32 rows with ``temperature`` /
+    ``raw`` / fp64 ``out``, ``decode_graph.invariant_logprobs_into``) == torch's fp32 division then
+    the op (``sampler.process_logits`` + ``gather_logprobs``: the eager steps' and the trainer
+    scorer's route), bitwise, eager and under graph replay (``out`` poisoned with NaN in the graph
+    before the call, so a replay that writes nothing fails). ``dtype``: the rows' values are
+    bf16- or fp32-valued; the op always gets them upcast to fp32, as the graph hands them."""
     g = torch.Generator(device=DEV).manual_seed(13)
     n = 33
     logits = _rand(n, v, gen=g, dtype=dtype, scale=4.0).float()  # as the forward's rows are upcast
@@ -306,6 +308,7 @@ def test_logprobs_with_temperature_in_the_launch_equal_the_divided_rows(dtype, v
     out = torch.empty(n, dtype=torch.float64, device=DEV)
 
     def step():
+        out.fill_(float("nan"))
         return (inv.token_logprobs(logits, tokens, temperature=temp, raw=raw, out=out),)
 
     assert torch.equal(step()[0], want)
