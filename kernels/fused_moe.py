@@ -76,6 +76,8 @@ class MoEKernelConfig:
       (kernels/invariant_ops.py). On the aligned layout (no permute / TMA) `moe_chunked`'s
       kernels; with ragged, the ragged kernels fold each chunk at its end (the same additions,
       so the same bits as the aligned chunked kernels, whatever the tile heights).
+      ``split_k.WHOLE_K_CHUNK``: one chunk, the whole K as one chain in either family (never
+      split; the ragged kernels' k_chunk-0 loop).
     split_k_below: with k_chunk on the aligned layout, a GEMM whose grid has fewer tiles than
       this runs its K chunks as separate programs (decode sizes; the bits do not change,
       `moe_chunked`).

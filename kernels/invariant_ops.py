@@ -89,7 +89,7 @@ from m3_kernels import fused_layers as fl
 from m3_kernels import fused_moe as fm
 from m3_kernels.fused_layers import swiglu_oai_act, topk_store
 from m3_kernels.moe_tiles import GemmTile, dot_precision
-from m3_kernels.split_k import combine_chunks, fold_chunk, last_to_arrive, reset_counter, tile_counters
+from m3_kernels.split_k import WHOLE_K_CHUNK, combine_chunks, k_step, last_to_arrive, reset_counter, tile_counters
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -202,6 +202,32 @@ SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
 # capture): a separate _linear_combine_kernel pass. Same bits every way.
 SPLIT_K_FUSED_COMBINE = True
 
+# Whole-K weights (issue 24's prefill cost at real M3 shapes), off until checked on a GPU: the
+# chunk fold exists so that a decode launch with few output tiles may split K over programs; a
+# weight wide enough that its one-row decode launch fills the GPU without a split gains nothing
+# from the fold, and its prefill GEMMs pay for a second accumulator (M3's six bf16 prefill shapes at
+# 16K rows: 26.0 ms folded, 22.8 ms with one chunk for all of K, H100 2026-12-06). True: ``linear``
+# / ``linear_swiglu`` sum the K of a bf16 / fp16 weight of at least WHOLE_K_MIN_COLUMNS output
+# columns (64 of the decode band's 64-wide tiles: all of M3's projections but the router and the
+# indexer's; of the 300M bench model's only the lm_head and the dense gate|up) in one chain from
+# zero in every band, never split: other bits than the chunked sum, the same in every band. The
+# routed experts likewise when top_k x min(I, H) >= MOE_WHOLE_K_MIN_COLUMNS (a one-token launch of
+# 132 column tiles of 64, one wave of the H200's SMs, in each GEMM; M3: 4 x 3,072; the bench model's
+# 4 x 512 keeps its chunks): config k_chunk ``split_k.WHOLE_K_CHUNK``, the ragged prefill band then
+# runs the fast mode's K loop (16K tokens at M3 shapes: w13 / w2 7.9 / 4.3 ms fast vs 12.4 / 4.9
+# folded, H100 2026-12-06). The rules read the weights' shapes (and top-k) only, never T, the EP
+# size or a scheduling constant, so the bits stay batch-invariant.
+WHOLE_K = False
+WHOLE_K_MIN_COLUMNS = 4096
+MOE_WHOLE_K_MIN_COLUMNS = 132 * 64
+
+
+def whole_k(dtype: torch.dtype, n: int) -> bool:
+    """Whether ``linear`` sums the K axis of an [n, K] weight of ``dtype`` in one chunk: ``WHOLE_K``
+    on, bf16 / fp16, n >= ``WHOLE_K_MIN_COLUMNS``. Depends on the weight's shape alone."""
+    return WHOLE_K and dtype in (torch.bfloat16, torch.float16) and n >= WHOLE_K_MIN_COLUMNS
+
+
 # The routed experts' tiles: aligned layout (every local expert padded to 64 rows), no TMA, no
 # permuted copy; K summed in chunks of 256 (H 1024: 4 chunks, I 512: 2), split over programs
 # below SPLIT_K_BELOW_PROGRAMS tiles (decode: 4 active 64-row tiles at T=1 would give the gate/up
@@ -275,6 +301,14 @@ def moe_config(dtype: torch.dtype, t: int | None = None) -> fm.MoEKernelConfig:
     elif t is not None and t >= MOE_PREFILL_ROWS:
         cfg = INVARIANT_MOE_PREFILL_CONFIG
     return fm.config_for_dtype(cfg, dtype)
+
+
+def moe_whole_k(dtype: torch.dtype, inter: int, hidden: int, top_k: int) -> bool:
+    """Whether ``fused_experts`` sums both GEMMs' K in one chunk: ``WHOLE_K`` on, bf16 / fp16,
+    top_k x min(inter, hidden) >= ``MOE_WHOLE_K_MIN_COLUMNS``. Depends on the expert shape and top_k
+    alone (the same on every EP rank)."""
+    wide = top_k * min(inter, hidden) >= MOE_WHOLE_K_MIN_COLUMNS
+    return WHOLE_K and dtype in (torch.bfloat16, torch.float16) and wide
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -371,8 +405,7 @@ def _linear_kernel(
                 mk = ok < K - k0
                 a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
                 b = tl.load(w_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
-                part = tl.dot(a, b, part, input_precision=PRECISION)
-                acc, part = fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
+                acc, part = k_step(acc, part, a, b, k0, K, BLOCK_K, K_CHUNK, PRECISION)
         else:
             for k_lo in range(0, K, K_CHUNK):
                 acc += _chunk_dot(x_ptrs, w_ptrs, mm, mn, ok, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, PRECISION)
@@ -396,6 +429,7 @@ def _linear_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # _linear_kernel's FLAT, unsplit loop with the x [BM, BK] and weight [BN, BK] tiles loaded by TMA
     # (x_desc over x [M, K], w_desc over weight [N, K]; out-of-range elements read as zero, as the
@@ -409,8 +443,7 @@ def _linear_tma_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([pid_m * BLOCK_M, k0])
         b = w_desc.load([pid_n * BLOCK_N, k0])
-        part = tl.dot(a, tl.trans(b), part)
-        acc, part = fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
+        acc, part = k_step(acc, part, a, tl.trans(b), k0, K, BLOCK_K, K_CHUNK, PRECISION)
     mm = om < M
     mn = on < N
     if HAS_BIAS:
@@ -529,7 +562,9 @@ def linear(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(t, n))
     tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    chunks = triton.cdiv(k, cfg.k_chunk)
+    whole = whole_k(x.dtype, n)  # one chain over K, in the flat loop, never split
+    k_chunk = 0 if whole else cfg.k_chunk
+    chunks = 1 if whole else triton.cdiv(k, cfg.k_chunk)
     below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
     split = chunks > 1 and tiles[0] * tiles[1] < below
     if cfg.tma and cfg.flat and not split and x.dtype != torch.float32 and _tma_aligned(x, weight):
@@ -546,7 +581,8 @@ def linear(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
-            K_CHUNK=cfg.k_chunk,
+            K_CHUNK=k_chunk,
+            PRECISION=dot_precision(x.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -570,11 +606,11 @@ def linear(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        K_CHUNK=cfg.k_chunk,
+        K_CHUNK=k_chunk,
         SPLIT=split,
         FUSED_COMBINE=counters is not None,
         PRECISION=dot_precision(x.dtype),
-        FLAT=cfg.flat,
+        FLAT=cfg.flat or whole,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -703,10 +739,8 @@ def _linear_swiglu_kernel(
                 a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
                 bg = tl.load(wg_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
                 bu = tl.load(wu_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
-                part_g = tl.dot(a, bg, part_g, input_precision=PRECISION)
-                part_u = tl.dot(a, bu, part_u, input_precision=PRECISION)
-                acc_g, part_g = fold_chunk(acc_g, part_g, k0, K, BLOCK_K, K_CHUNK)
-                acc_u, part_u = fold_chunk(acc_u, part_u, k0, K, BLOCK_K, K_CHUNK)
+                acc_g, part_g = k_step(acc_g, part_g, a, bg, k0, K, BLOCK_K, K_CHUNK, PRECISION)
+                acc_u, part_u = k_step(acc_u, part_u, a, bu, k0, K, BLOCK_K, K_CHUNK, PRECISION)
         else:
             for k_lo in range(0, K, K_CHUNK):
                 g, u = _chunk_dot_pair(
@@ -765,7 +799,9 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, alpha: float, limit: fl
         return fl.swiglu(linear(x, weight), alpha, limit, beta)
     block_n = max(16, cfg.block_n // 2)
     tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(i, block_n))
-    chunks = triton.cdiv(k, cfg.k_chunk)
+    whole = whole_k(x.dtype, 2 * i)  # linear's choice for the packed weight
+    k_chunk = 0 if whole else cfg.k_chunk
+    chunks = 1 if whole else triton.cdiv(k, cfg.k_chunk)
     below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
     split = chunks > 1 and tiles[0] * tiles[1] < below
     counters = tile_counters(x.device, tiles[0] * tiles[1]) if split and SPLIT_K_FUSED_COMBINE else None
@@ -791,10 +827,10 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, alpha: float, limit: fl
         BLOCK_M=cfg.block_m,
         BLOCK_N=block_n,
         BLOCK_K=cfg.block_k,
-        K_CHUNK=cfg.k_chunk,
+        K_CHUNK=k_chunk,
         SPLIT=split,
         PRECISION=dot_precision(x.dtype),
-        FLAT=cfg.flat,
+        FLAT=cfg.flat or whole,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -995,7 +1031,11 @@ def fused_experts(
     ``moe_config(x.dtype, T)``: token t's output depends only on x[t], its ids and weights (module
     docstring), whichever way the K chunks run (one program, or split at decode sizes) and
     whichever tiles hold its rows. Cost: below ``MOE_PREFILL_ROWS`` tokens every local expert with
-    rows is padded to 64 rows (16 up to ``MOE_DECODE_ROWS`` tokens); from there to 16."""
+    rows is padded to 64 rows (16 up to ``MOE_DECODE_ROWS`` tokens); from there to 16.
+    ``moe_whole_k``: both GEMMs sum K in one chunk (``split_k.WHOLE_K_CHUNK``) in every band."""
+    cfg = moe_config(x.dtype, x.shape[0])
+    if moe_whole_k(x.dtype, w13.shape[1] // 2, w13.shape[2], ids.shape[1]):
+        cfg = dataclasses.replace(cfg, k_chunk=WHOLE_K_CHUNK)
     return fm.fused_experts(
         x,
         ids,
@@ -1006,7 +1046,7 @@ def fused_experts(
         limit=limit,
         beta=beta,
         expert_range=expert_range,
-        config=moe_config(x.dtype, x.shape[0]),
+        config=cfg,
     )
 
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from m3_kernels.moe_align import AlignedAssignments
 from m3_kernels.moe_tiles import GemmTile, dot_precision, launch_group, swiglu_oai_tile, tile_coords
-from m3_kernels.split_k import combine_chunks, fold_chunk, last_to_arrive, reset_counter, tile_counters
+from m3_kernels.split_k import combine_chunks, k_step, last_to_arrive, launch_chunk, reset_counter, tile_counters
 
 
 def check_k_chunk(k_chunk: int, *tiles: GemmTile) -> None:
@@ -141,18 +141,16 @@ def moe_w13_chunked_kernel(
             tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
             reset_counter(count_ptr + pid)
     else:
-        # one pipelined K loop, each chunk's partials folded at its end (split_k.fold_chunk): the
-        # additions of the split launch's combine, in its order
+        # one pipelined K loop, each chunk's partials folded at its end (split_k.k_step / fold_chunk):
+        # the additions of the split launch's combine, in its order (K_CHUNK 0: one chain)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, HIDDEN, BLOCK_K):
             a, g, u = _w13_step_tiles(a_ptrs + k0, g_ptrs + k0, u_ptrs + k0, row_ok, n_ok, offs_k, k0, HIDDEN, BLOCK_K)
-            part_g = tl.dot(a, g, part_g, input_precision=PRECISION)
-            part_u = tl.dot(a, u, part_u, input_precision=PRECISION)
-            acc_g, part_g = fold_chunk(acc_g, part_g, k0, HIDDEN, BLOCK_K, K_CHUNK)
-            acc_u, part_u = fold_chunk(acc_u, part_u, k0, HIDDEN, BLOCK_K, K_CHUNK)
+            acc_g, part_g = k_step(acc_g, part_g, a, g, k0, HIDDEN, BLOCK_K, K_CHUNK, PRECISION)
+            acc_u, part_u = k_step(acc_u, part_u, a, u, k0, HIDDEN, BLOCK_K, K_CHUNK, PRECISION)
         act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)  # padding rows: SwiGLU(0), never stored later
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -248,8 +246,7 @@ def moe_w2_chunked_kernel(
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):  # one pipelined K loop, chunks folded as above
             a, b = _w2_step_tiles(a_ptrs + k0, b_ptrs + k0, n_ok, offs_k, k0, INTER, BLOCK_K)
-            part = tl.dot(a, b, part, input_precision=PRECISION)
-            acc, part = fold_chunk(acc, part, k0, INTER, BLOCK_K, K_CHUNK)
+            acc, part = k_step(acc, part, a, b, k0, INTER, BLOCK_K, K_CHUNK, PRECISION)
         w = tl.load(weights_ptr + rid, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -297,7 +294,7 @@ def chunked_gate_up(
         x.shape[0] * top_k, num_tiles_m, launch_group(tile, num_tiles_m), p,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit), float(beta),
         TOP_K=top_k, INTER=inter, HIDDEN=h, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(x.dtype),
+        K_CHUNK=launch_chunk(k_chunk), SPLIT=split, PRECISION=dot_precision(x.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return act
@@ -335,7 +332,7 @@ def chunked_down(
         aligned.num_rows, n_assign, num_tiles_m, launch_group(tile, num_tiles_m), p,
         act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
         HIDDEN=h, INTER=inter, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        K_CHUNK=k_chunk, SPLIT=split, PRECISION=dot_precision(act.dtype),
+        K_CHUNK=launch_chunk(k_chunk), SPLIT=split, PRECISION=dot_precision(act.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return rows

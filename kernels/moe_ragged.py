@@ -46,7 +46,7 @@ import triton.language as tl
 from m3_kernels.moe_align import align_by_expert_torch, max_padded_rows
 from m3_kernels.moe_chunked import check_k_chunk
 from m3_kernels.moe_tiles import dot_precision, launch_group, swiglu_oai_tile, tile_coords
-from m3_kernels.split_k import fold_chunk
+from m3_kernels.split_k import fold_chunk, launch_chunk
 
 MAX_M, MIN_M = 128, 16
 
@@ -984,8 +984,9 @@ def ragged_gate_up(
     k_chunk > 0: K summed in chunks of k_chunk columns, each chunk's fp32 partial from zero and
     folded into the total at the chunk's end (`split_k.fold_chunk`): the additions of
     `moe_chunked` (the batch-invariant MoE), so a row gets the chunked kernels' bits; it costs a
-    second set of accumulators (registers). Raises ValueError for a k_chunk that is not a
-    multiple of 2 x block_k.
+    second set of accumulators (registers); ``split_k.WHOLE_K_CHUNK``: one chunk, the kernels'
+    plain chain (k_chunk 0's loop, the chunked kernels' bits for one chunk). Raises ValueError for
+    a k_chunk that is not a multiple of 2 x block_k.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -1030,7 +1031,7 @@ def ragged_gate_up(
         TOP_K=max(top_k, 1),
         GATHER=gather,
         FAT=tiles.fat_tail,
-        K_CHUNK=k_chunk,
+        K_CHUNK=launch_chunk(k_chunk),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -1078,7 +1079,7 @@ def ragged_down(
         BLOCK_K=tile.block_k,
         PRECISION=dot_precision(act.dtype),
         FAT=tiles.fat_tail,
-        K_CHUNK=k_chunk,
+        K_CHUNK=launch_chunk(k_chunk),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )

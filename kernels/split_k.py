@@ -90,6 +90,31 @@ def combine_chunks(p_ptrs, chunk_stride, n_chunks, mask, BLOCK_M: tl.constexpr, 
     return acc
 
 
+# A k_chunk past any K (2^30 columns): one chunk, the whole K summed as one chain from zero (a
+# "whole-K" weight: ``invariant_ops.WHOLE_K``). Launchers hand it to the kernels as K_CHUNK = 0
+# (``launch_chunk``): a plain accumulation with no chunk partial beside the total, the bits of
+# folding that single chunk (0 + x == x for every sum the chain can give: never -0.0, as above).
+WHOLE_K_CHUNK = 1 << 30
+
+
+def launch_chunk(k_chunk: int) -> int:
+    """The K_CHUNK constexpr a chunked kernel takes for ``k_chunk``: 0 (one chain) for
+    ``WHOLE_K_CHUNK``, else ``k_chunk``."""
+    return 0 if k_chunk == WHOLE_K_CHUNK else k_chunk
+
+
+@triton.jit
+def k_step(acc, part, a, b, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    # One K step of an unsplit loop: K_CHUNK == 0 (a whole-K weight) adds the dot into acc; else
+    # into the chunk's partial, folded into acc at the chunk's end (fold_chunk).
+    if K_CHUNK == 0:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        part = tl.dot(a, b, part, input_precision=PRECISION)
+        acc, part = fold_chunk(acc, part, k0, K, BLOCK_K, K_CHUNK)
+    return acc, part
+
+
 @triton.jit
 def fold_chunk(acc, part, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
     # The flat K loop's chunk rule (unsplit launches), after the K step at k0: at a chunk end (or

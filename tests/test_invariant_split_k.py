@@ -162,6 +162,44 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(dtype, h, inte
     assert torch.equal(pre_ep, inv.fused_experts(x, ids, weights, w13[1:4], w2[1:4], **local))
 
 
+def test_fused_experts_whole_k_one_chain_in_every_band(monkeypatch):
+    """``WHOLE_K`` (``moe_whole_k``: top_k x min(I, H) >= ``MOE_WHOLE_K_MIN_COLUMNS``, patched to
+    512 here): the decode band (3 tokens, aligned
+    16-row tiles), the middle band (aligned 64-row tiles) and the ragged prefill band (every tile
+    kind) sum K as one chain, never split even where every chunked launch would: a token's bits are
+    the same in all three, they differ from the chunked sum's, both kernel families ran with
+    K_CHUNK 0 (the fast mode's ragged loop); fp32 keeps its chunks; within fp16 of the reference."""
+    dtype = torch.float16
+    mc, mr = sys.modules["m3_kernels.moe_chunked"], sys.modules["m3_kernels.moe_ragged"]
+    aligned, ragged = [], []
+    for name in ("moe_w13_chunked_kernel", "moe_w2_chunked_kernel"):
+        monkeypatch.setattr(mc, name, LaunchSpy(getattr(mc, name), aligned))
+    for name in ("moe_w13_ragged_kernel", "moe_w2_ragged_kernel"):
+        monkeypatch.setattr(mr, name, LaunchSpy(getattr(mr, name), ragged))
+    t, h, inter = 200, 552, 280  # K: two 256-wide chunks and a tail; partial K steps
+    x, ids, weights, w13, w2 = _moe_case(dtype, t=t, h=h, inter=inter)
+    ids = _skewed_ids(t)
+    chunked = _experts(x, ids, weights, w13, w2)  # WHOLE_K off: the middle band's chunked sums
+    monkeypatch.setattr(inv, "WHOLE_K", True)
+    monkeypatch.setattr(inv, "MOE_WHOLE_K_MIN_COLUMNS", 512)  # 2 x min(280, 552) = 560
+    assert inv.moe_whole_k(dtype, inter, h, TOP_K) and not inv.moe_whole_k(torch.float32, inter, h, TOP_K)
+    assert not inv.moe_whole_k(dtype, 250, h, TOP_K)
+    _set_moe_split_below(monkeypatch, 10**9)  # a chunked launch would split at every size
+    aligned.clear()
+    dec = [_experts(x[i : i + 3], ids[i : i + 3], weights[i : i + 3], w13, w2) for i in (0, 97)]
+    mid = _experts(x, ids, weights, w13, w2)
+    monkeypatch.setattr(inv, "MOE_PREFILL_ROWS", 3)
+    pre = _experts(x, ids, weights, w13, w2)
+    assert torch.equal(pre, mid)
+    assert torch.equal(dec[0], pre[:3]) and torch.equal(dec[1], pre[97:100])
+    assert not torch.equal(mid, chunked)  # one chain: other bits than the folded chunks
+    assert len(aligned) == 6 and all(k["K_CHUNK"] == 0 and not k["SPLIT"] for k in aligned)
+    assert len(ragged) == 2 and all(k["K_CHUNK"] == 0 for k in ragged)
+    act = lambda g, u: swiglu_oai(g, u, ALPHA, LIMIT, BETA)  # noqa: E731
+    ref = grouped_experts(x.double(), ids, weights.double(), w13.double(), w2.double(), act)
+    torch.testing.assert_close(pre.double(), ref, rtol=2e-2, atol=3e-2)
+
+
 def _skewed_ids(t: int) -> torch.Tensor:
     # [t, 2] expert ids with 150 / 30 / 40 / 100 / 70 / 10 slots per expert (t = 200), two distinct
     # experts per token, tokens shuffled: a fat tile, 128-row tiles and 64 / 32 / 16-row tails

@@ -167,6 +167,62 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(h, i, e, monke
     assert torch.equal(run(t), whole)
 
 
+# M3 q|k|v, M3 shared / dense down, the bench model's lm_head
+@pytest.mark.parametrize("n,k", [(9216, 6144), (6144, 3072), (32000, 1024)])
+def test_whole_k_linear_gives_one_set_of_bits_in_every_band(n, k, monkeypatch):
+    """Compiled, bf16, ``invariant_ops.WHOLE_K`` on (off by default until this passes): a whole-K
+    weight's rows through the decode band (1 / 32 rows), the middle band (33 / 300 rows, forced
+    into the flat loop) and the prefill band (4,096 rows, TMA) are bitwise equal, never split even
+    where the chunked launch would; other bits than the chunked sum; within bf16 of F.linear;
+    ``linear_swiglu`` (decode) equals ``linear`` + ``swiglu`` on the packed weight."""
+    monkeypatch.setattr(inv, "WHOLE_K", True)
+    assert inv.whole_k(torch.bfloat16, n)
+    g = torch.Generator(device=DEV).manual_seed(n + 5 * k)
+    x = _rand(4096, k, gen=g, dtype=torch.bfloat16)
+    w = _rand(n, k, gen=g, dtype=torch.bfloat16, scale=k**-0.5)
+    ref = inv.linear(x, w)
+    for below in (0, 10**9):
+        _force_split_below(monkeypatch, below)
+        for lo, hi in ((7, 8), (100, 132), (200, 233), (500, 800)):
+            assert torch.equal(inv.linear(x[lo:hi], w), ref[lo:hi]), (below, lo, hi)
+    monkeypatch.setattr(inv, "WHOLE_K", False)
+    assert not torch.equal(inv.linear(x[:64], w), ref[:64])  # the chunked sum's bits differ somewhere
+    monkeypatch.setattr(inv, "WHOLE_K", True)
+    got = inv.linear(x[:64], w).double()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x[:64].double(), w.double()), atol=2e-2, rtol=2**-7)
+    for t in (1, 32):
+        want = fl.swiglu(inv.linear(x[:t], w), ALPHA, LIMIT, BETA)
+        assert torch.equal(inv.linear_swiglu(x[:t], w, ALPHA, LIMIT, BETA), want), t
+
+
+@pytest.mark.parametrize("e", [16, 128])
+def test_whole_k_fused_experts_gives_one_set_of_bits_in_every_band(e, monkeypatch):
+    """Compiled, bf16, M3 expert shapes (H 6144, I 3072, top-4), ``invariant_ops.WHOLE_K`` on: the
+    ragged prefill band (the fast mode's K loop) at 2,048 / 600 tokens, the aligned kernels' decode
+    (1 / 32 tokens) and middle (300) bands and an aligned 2,048-token call give every token the same
+    bits; other bits than the chunked sum."""
+    monkeypatch.setattr(inv, "WHOLE_K", True)
+    h, i, t, k = 6144, 3072, 2048, 4
+    assert inv.moe_whole_k(torch.bfloat16, i, h, k)
+    g = torch.Generator(device=DEV).manual_seed(e + 17)
+    x = _rand(t, h, gen=g, dtype=torch.bfloat16)
+    ids = torch.rand(t, e, generator=g, device=DEV).topk(k, -1).indices
+    w = torch.rand(t, k, generator=g, device=DEV) + 0.1
+    w13 = _rand(e, 2 * i, h, gen=g, dtype=torch.bfloat16, scale=2 * h**-0.5)
+    w2 = _rand(e, h, i, gen=g, dtype=torch.bfloat16, scale=i**-0.5)
+
+    def run(n):
+        return inv.fused_experts(x[:n], ids[:n], w[:n], w13, w2, alpha=ALPHA, limit=LIMIT, beta=BETA)
+
+    whole = run(t)
+    for n in (1, 32, 300, 600):
+        assert torch.equal(run(n), whole[:n]), n
+    monkeypatch.setattr(inv, "MOE_PREFILL_ROWS", 10**9)  # every size on the aligned kernels
+    assert torch.equal(run(t), whole)
+    monkeypatch.setattr(inv, "WHOLE_K", False)
+    assert not torch.equal(run(300), whole[:300])
+
+
 def _bench_moe(dtype, t=2048, seed=5):
     g = torch.Generator(device=DEV).manual_seed(seed)
     e, h, i, k = 16, 1024, 512, 4
