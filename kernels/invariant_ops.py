@@ -14,7 +14,9 @@ the H100).
 ``linear`` and the routed experts' GEMMs sum K in fixed chunks whose fp32 partials are added in
 chunk order, by one program or, for decode-sized launches, by separate programs whose
 partials the last program of the output tile to finish adds up (kernels/split_k.py: an atomic
-ticket decides WHO combines, never the order): the same additions either way.
+ticket decides WHO combines, never the order): the same additions either way. With ``WHOLE_K``
+(off by default) a GEMM whose K is at least ``WHOLE_K_MIN_K`` sums K as one chain instead, in
+every band, never split (the rule reads K alone, so it is the same in every band too).
 A row then meets the same additions in the same order whether it is alone or row 17 of 300,
 in whichever tile position: tiles never
 mix rows (each output element is the dot product of its own row with its own column), and rows
@@ -89,7 +91,15 @@ from m3_kernels import fused_layers as fl
 from m3_kernels import fused_moe as fm
 from m3_kernels.fused_layers import swiglu_oai_act, topk_store
 from m3_kernels.moe_tiles import GemmTile, dot_precision
-from m3_kernels.split_k import WHOLE_K_CHUNK, combine_chunks, k_step, last_to_arrive, reset_counter, tile_counters
+from m3_kernels.split_k import (
+    WHOLE_K_CHUNK,
+    combine_chunks,
+    fold_chunk,
+    k_step,
+    last_to_arrive,
+    reset_counter,
+    tile_counters,
+)
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -202,30 +212,30 @@ SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
 # capture): a separate _linear_combine_kernel pass. Same bits every way.
 SPLIT_K_FUSED_COMBINE = True
 
-# Whole-K weights (issue 24's prefill cost at real M3 shapes), off until checked on a GPU: the
-# chunk fold exists so that a decode launch with few output tiles may split K over programs; a
-# weight wide enough that its one-row decode launch fills the GPU without a split gains nothing
-# from the fold, and its prefill GEMMs pay for a second accumulator (M3's six bf16 prefill shapes at
-# 16K rows: 26.0 ms folded, 22.8 ms with one chunk for all of K, H100 2026-12-06). True: ``linear``
-# / ``linear_swiglu`` sum the K of a bf16 / fp16 weight of at least WHOLE_K_MIN_COLUMNS output
-# columns (64 of the decode band's 64-wide tiles: all of M3's projections but the router and the
-# indexer's; of the 300M bench model's only the lm_head and the dense gate|up) in one chain from
-# zero in every band, never split: other bits than the chunked sum, the same in every band. The
-# routed experts likewise when top_k x min(I, H) >= MOE_WHOLE_K_MIN_COLUMNS (a one-token launch of
-# 132 column tiles of 64, one wave of the H200's SMs, in each GEMM; M3: 4 x 3,072; the bench model's
-# 4 x 512 keeps its chunks): config k_chunk ``split_k.WHOLE_K_CHUNK``, the ragged prefill band then
-# runs the fast mode's K loop (16K tokens at M3 shapes: w13 / w2 7.9 / 4.3 ms fast vs 12.4 / 4.9
-# folded, H100 2026-12-06). The rules read the weights' shapes (and top-k) only, never T, the EP
-# size or a scheduling constant, so the bits stay batch-invariant.
+# Whole-K weights (issue 24's prefill cost at real M3 shapes), off until checked on a GPU: the K
+# chunks let a decode launch too narrow to fill the GPU split K over programs; at M3's widths the
+# fused path's decode GEMMs fill it unsplit (packed q|k|v|index 9,856 columns, o / down 6,144,
+# routed experts 4 x 48-96 column tiles), so the fold buys them nothing and costs their prefill
+# GEMMs a second accumulator (M3's six bf16 prefill shapes at 16K rows: 26.0 ms folded, 22.8 ms
+# with one chunk for all of K; routed experts at 16K tokens w13 / w2 12.4 / 4.9 ms folded, 7.9 / 4.3
+# in the fast mode's loop; H100 2026-12-06). True: a bf16 / fp16 GEMM whose K is at least
+# WHOLE_K_MIN_K (``linear`` / ``linear_swiglu``: the weight's K; the routed experts: min(H, I), one
+# choice for both GEMMs) sums K as one chain from zero in every band, never split: other bits than
+# the chunked sum, the same in every band. Every M3 bf16 projection qualifies (K = 3,072 to
+# 12,288), none of the 300M bench model's (K <= 2,048). The rule reads K only: the same for a packed
+# weight and its parts (q|k|v vs k_proj alone), on every EP rank (the EP path's one-slot calls),
+# whatever T or a scheduling constant, so the bits stay batch-invariant. Cost of reading K rather
+# than N: a narrow weight run on its own (the unfused fallbacks: k_proj's 512 or the indexer
+# key's 128 columns) decodes through a few unsplit programs.
 WHOLE_K = False
-WHOLE_K_MIN_COLUMNS = 4096
-MOE_WHOLE_K_MIN_COLUMNS = 132 * 64
+WHOLE_K_MIN_K = 3072
 
 
-def whole_k(dtype: torch.dtype, n: int) -> bool:
-    """Whether ``linear`` sums the K axis of an [n, K] weight of ``dtype`` in one chunk: ``WHOLE_K``
-    on, bf16 / fp16, n >= ``WHOLE_K_MIN_COLUMNS``. Depends on the weight's shape alone."""
-    return WHOLE_K and dtype in (torch.bfloat16, torch.float16) and n >= WHOLE_K_MIN_COLUMNS
+def whole_k(dtype: torch.dtype, k: int) -> bool:
+    """Whether a batch-invariant GEMM of ``dtype`` sums its reduction axis of length ``k`` in one
+    chunk: ``WHOLE_K`` on, bf16 / fp16, k >= ``WHOLE_K_MIN_K``. Depends on k alone (``linear``: the
+    weight's K; ``fused_experts``: min(H, I))."""
+    return WHOLE_K and dtype in (torch.bfloat16, torch.float16) and k >= WHOLE_K_MIN_K
 
 
 # The routed experts' tiles: aligned layout (every local expert padded to 64 rows), no TMA, no
@@ -301,14 +311,6 @@ def moe_config(dtype: torch.dtype, t: int | None = None) -> fm.MoEKernelConfig:
     elif t is not None and t >= MOE_PREFILL_ROWS:
         cfg = INVARIANT_MOE_PREFILL_CONFIG
     return fm.config_for_dtype(cfg, dtype)
-
-
-def moe_whole_k(dtype: torch.dtype, inter: int, hidden: int, top_k: int) -> bool:
-    """Whether ``fused_experts`` sums both GEMMs' K in one chunk: ``WHOLE_K`` on, bf16 / fp16,
-    top_k x min(inter, hidden) >= ``MOE_WHOLE_K_MIN_COLUMNS``. Depends on the expert shape and top_k
-    alone (the same on every EP rank)."""
-    wide = top_k * min(inter, hidden) >= MOE_WHOLE_K_MIN_COLUMNS
-    return WHOLE_K and dtype in (torch.bfloat16, torch.float16) and wide
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -562,7 +564,7 @@ def linear(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(t, n))
     tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    whole = whole_k(x.dtype, n)  # one chain over K, in the flat loop, never split
+    whole = whole_k(x.dtype, k)  # one chain over K, in the flat loop, never split
     k_chunk = 0 if whole else cfg.k_chunk
     chunks = 1 if whole else triton.cdiv(k, cfg.k_chunk)
     below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
@@ -739,8 +741,14 @@ def _linear_swiglu_kernel(
                 a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
                 bg = tl.load(wg_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
                 bu = tl.load(wu_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
-                acc_g, part_g = k_step(acc_g, part_g, a, bg, k0, K, BLOCK_K, K_CHUNK, PRECISION)
-                acc_u, part_u = k_step(acc_u, part_u, a, bu, k0, K, BLOCK_K, K_CHUNK, PRECISION)
+                if K_CHUNK == 0:  # a whole-K weight (split_k.k_step's rule, the two tiles side by side)
+                    acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+                    acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+                else:
+                    part_g = tl.dot(a, bg, part_g, input_precision=PRECISION)
+                    part_u = tl.dot(a, bu, part_u, input_precision=PRECISION)
+                    acc_g, part_g = fold_chunk(acc_g, part_g, k0, K, BLOCK_K, K_CHUNK)
+                    acc_u, part_u = fold_chunk(acc_u, part_u, k0, K, BLOCK_K, K_CHUNK)
         else:
             for k_lo in range(0, K, K_CHUNK):
                 g, u = _chunk_dot_pair(
@@ -799,7 +807,7 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, alpha: float, limit: fl
         return fl.swiglu(linear(x, weight), alpha, limit, beta)
     block_n = max(16, cfg.block_n // 2)
     tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(i, block_n))
-    whole = whole_k(x.dtype, 2 * i)  # linear's choice for the packed weight
+    whole = whole_k(x.dtype, k)  # linear's choice for this weight
     k_chunk = 0 if whole else cfg.k_chunk
     chunks = 1 if whole else triton.cdiv(k, cfg.k_chunk)
     below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
@@ -1032,9 +1040,9 @@ def fused_experts(
     docstring), whichever way the K chunks run (one program, or split at decode sizes) and
     whichever tiles hold its rows. Cost: below ``MOE_PREFILL_ROWS`` tokens every local expert with
     rows is padded to 64 rows (16 up to ``MOE_DECODE_ROWS`` tokens); from there to 16.
-    ``moe_whole_k``: both GEMMs sum K in one chunk (``split_k.WHOLE_K_CHUNK``) in every band."""
+    ``whole_k`` of min(H, I): both GEMMs sum K in one chunk (``split_k.WHOLE_K_CHUNK``) in every band."""
     cfg = moe_config(x.dtype, x.shape[0])
-    if moe_whole_k(x.dtype, w13.shape[1] // 2, w13.shape[2], ids.shape[1]):
+    if whole_k(x.dtype, min(w13.shape[2], w2.shape[2])):
         cfg = dataclasses.replace(cfg, k_chunk=WHOLE_K_CHUNK)
     return fm.fused_experts(
         x,

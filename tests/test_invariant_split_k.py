@@ -30,6 +30,7 @@ from invariant_util import invariance_failures
 
 from m3_kernels.fused_interpret import interpreted_invariant_ops
 from m3_rollout.model.moe import grouped_experts, swiglu_oai
+from m3_rollout.parallel.ep_moe import combine_slots
 
 inv = interpreted_invariant_ops()
 ALPHA, LIMIT, BETA = 1.702, 7.0, 1.0
@@ -163,12 +164,13 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(dtype, h, inte
 
 
 def test_fused_experts_whole_k_one_chain_in_every_band(monkeypatch):
-    """``WHOLE_K`` (``moe_whole_k``: top_k x min(I, H) >= ``MOE_WHOLE_K_MIN_COLUMNS``, patched to
-    512 here): the decode band (3 tokens, aligned
-    16-row tiles), the middle band (aligned 64-row tiles) and the ragged prefill band (every tile
-    kind) sum K as one chain, never split even where every chunked launch would: a token's bits are
-    the same in all three, they differ from the chunked sum's, both kernel families ran with
-    K_CHUNK 0 (the fast mode's ragged loop); fp32 keeps its chunks; within fp16 of the reference."""
+    """``WHOLE_K`` (``whole_k`` of min(H, I) >= ``WHOLE_K_MIN_K``, patched to 280): the decode band
+    (3 tokens, aligned 16-row tiles), the middle band (aligned 64-row tiles) and the ragged prefill
+    band (every tile kind) sum K as one chain, never split even where every chunked launch would:
+    a token's bits are the same in all three, they differ from the chunked sum's, both kernel
+    families ran with K_CHUNK 0 (the fast mode's ragged loop); the EP path's one-slot calls
+    (``EPExperts.local_experts``: ids [N, 1]) combined in slot order in fp32 (``combine_slots``)
+    give the one-call bits; fp32 keeps its chunks; within fp16 of the reference."""
     dtype = torch.float16
     mc, mr = sys.modules["m3_kernels.moe_chunked"], sys.modules["m3_kernels.moe_ragged"]
     aligned, ragged = [], []
@@ -181,19 +183,22 @@ def test_fused_experts_whole_k_one_chain_in_every_band(monkeypatch):
     ids = _skewed_ids(t)
     chunked = _experts(x, ids, weights, w13, w2)  # WHOLE_K off: the middle band's chunked sums
     monkeypatch.setattr(inv, "WHOLE_K", True)
-    monkeypatch.setattr(inv, "MOE_WHOLE_K_MIN_COLUMNS", 512)  # 2 x min(280, 552) = 560
-    assert inv.moe_whole_k(dtype, inter, h, TOP_K) and not inv.moe_whole_k(torch.float32, inter, h, TOP_K)
-    assert not inv.moe_whole_k(dtype, 250, h, TOP_K)
+    monkeypatch.setattr(inv, "WHOLE_K_MIN_K", 280)
+    assert inv.whole_k(dtype, min(h, inter)) and not inv.whole_k(torch.float32, min(h, inter))
+    assert not inv.whole_k(dtype, 250)
     _set_moe_split_below(monkeypatch, 10**9)  # a chunked launch would split at every size
     aligned.clear()
     dec = [_experts(x[i : i + 3], ids[i : i + 3], weights[i : i + 3], w13, w2) for i in (0, 97)]
     mid = _experts(x, ids, weights, w13, w2)
+    one_slot = [_experts(x, ids[:, j : j + 1], weights[:, j : j + 1], w13, w2) for j in range(TOP_K)]
+    back = torch.stack(one_slot, 1).reshape(t * TOP_K, h)  # pair t * K + j's row, as it comes home
+    assert torch.equal(mid, combine_slots(back, torch.arange(t * TOP_K), t, TOP_K))  # the EP route
     monkeypatch.setattr(inv, "MOE_PREFILL_ROWS", 3)
     pre = _experts(x, ids, weights, w13, w2)
     assert torch.equal(pre, mid)
     assert torch.equal(dec[0], pre[:3]) and torch.equal(dec[1], pre[97:100])
     assert not torch.equal(mid, chunked)  # one chain: other bits than the folded chunks
-    assert len(aligned) == 6 and all(k["K_CHUNK"] == 0 and not k["SPLIT"] for k in aligned)
+    assert len(aligned) == 10 and all(k["K_CHUNK"] == 0 and not k["SPLIT"] for k in aligned)
     assert len(ragged) == 2 and all(k["K_CHUNK"] == 0 for k in ragged)
     act = lambda g, u: swiglu_oai(g, u, ALPHA, LIMIT, BETA)  # noqa: E731
     ref = grouped_experts(x.double(), ids, weights.double(), w13.double(), w2.double(), act)

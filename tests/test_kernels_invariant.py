@@ -314,44 +314,47 @@ def test_bf16_cfg_rules(change, match):
 
 
 def test_whole_k_weights_sum_k_in_one_chain_in_every_band(monkeypatch):
-    """``WHOLE_K``: a weight of at least ``WHOLE_K_MIN_COLUMNS`` output columns (patched to 128 so
-    that a 200-column weight qualifies) sums K in one chain from zero in every band: the decode
-    band (3 / 32 rows), the middle band (forced into the flat loop, 33 / 300 rows) and the prefill
-    band's TMA loop (600 rows) give a row the same bits, never split even where every launch would
+    """``WHOLE_K``: a GEMM whose K is at least ``WHOLE_K_MIN_K`` (patched to 600: K = 784 qualifies,
+    528 does not) sums K in one chain from zero in every band: the decode band (3 / 32 rows), the
+    middle band (forced into the flat loop, 33 / 300 rows) and the prefill band's TMA loop (600 rows)
+    give a row the same bits, never split even where every launch would
     (``SPLIT_K_BELOW_PROGRAMS`` huge); those bits differ from the chunked sum's (one chain vs chunk
-    partials), and a 64-column weight keeps its chunked bits; ``linear_swiglu`` follows
-    ``linear``'s choice for the packed weight."""
+    partials); a packed weight's columns equal its parts' (the rule reads K, not N); a K below the
+    threshold keeps its chunked bits and split launch; ``linear_swiglu`` follows ``linear``."""
     from m3_kernels.fused_interpret import interpreted_fused_layers
 
     fl = interpreted_fused_layers()
     dtype = torch.float16
-    monkeypatch.setattr(inv, "WHOLE_K_MIN_COLUMNS", 128)
+    monkeypatch.setattr(inv, "WHOLE_K_MIN_K", 600)
     monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", 10**9)  # every chunked launch splits
     spy, tma = LaunchSpy(inv._linear_kernel), LaunchSpy(inv._linear_tma_kernel)
     monkeypatch.setattr(inv, "_linear_kernel", spy)
     monkeypatch.setattr(inv, "_linear_tma_kernel", tma)
     g = torch.Generator().manual_seed(23)
-    k = 2 * inv.linear_config(dtype).k_chunk + 16  # two chunks and a tail
+    chunk = inv.linear_config(dtype).k_chunk
+    k, k_short = 3 * chunk + 16, 2 * chunk + 16  # 784 / 528: chunks and a tail either way
     x = _rand(600, k, gen=g, dtype=dtype)
-    wide, narrow = _rand(200, k, gen=g, dtype=dtype, scale=k**-0.5), _rand(64, k, gen=g, dtype=dtype, scale=k**-0.5)
-    chunked = {n: inv.linear(x[:32], w) for n, w in (("wide", wide), ("narrow", narrow))}
+    w = _rand(200, k, gen=g, dtype=dtype, scale=k**-0.5)
+    w_short = _rand(200, k_short, gen=g, dtype=dtype, scale=k_short**-0.5)
+    x_short = x[:32, :k_short].contiguous()
+    chunked, chunked_short = inv.linear(x[:32], w), inv.linear(x_short, w_short)
     monkeypatch.setattr(inv, "WHOLE_K", True)
-    assert inv.whole_k(dtype, 200) and not inv.whole_k(dtype, 64) and not inv.whole_k(torch.float32, 10**6)
+    assert inv.whole_k(dtype, k) and not inv.whole_k(dtype, k_short) and not inv.whole_k(torch.float32, 10**6)
     spy.calls.clear()
-    outs = {t: inv.linear(x[:t], wide) for t in (3, 32, 33, 300, 600)}
+    outs = {t: inv.linear(x[:t], w) for t in (3, 32, 33, 300, 600)}
     for t in (3, 32, 33, 300):
         assert torch.equal(outs[t], outs[600][:t]), t
-    assert not torch.equal(outs[32], chunked["wide"])  # one chain: other bits than the chunk partials
-    assert torch.equal(inv.linear(x[:32], narrow), chunked["narrow"])  # one tile: still chunked
-    whole_launches = [dict(c[0]) for c in spy.calls[:4]]  # 3 / 32 / 33 / 300 rows (600: TMA)
-    assert all(c["K_CHUNK"] == 0 and c["FLAT"] and not c["SPLIT"] for c in whole_launches)
+    whole_launches = [dict(c[0]) for c in spy.calls]  # 3 / 32 / 33 / 300 rows (600: TMA)
+    assert len(whole_launches) == 4 and all(c["K_CHUNK"] == 0 and c["FLAT"] and not c["SPLIT"] for c in whole_launches)
     assert [dict(c[0])["K_CHUNK"] for c in tma.calls] == [0]
-    assert dict(spy.calls[-1][0])["SPLIT"]  # the narrow weight's launch splits as before
-    torch.testing.assert_close(outs[600].double(), torch.nn.functional.linear(x.double(), wide.double()), **TOL[dtype])
-    w13 = torch.cat([wide[:100], wide[100:] * 4], 0)  # packed gate|up, 2I = 200 columns
+    assert not torch.equal(outs[32], chunked)  # one chain: other bits than the chunk partials
+    assert torch.equal(inv.linear(x[:300], w[:64]), outs[300][:, :64])  # a part == its packed columns
+    assert torch.equal(inv.linear(x_short, w_short), chunked_short)  # K below the threshold: chunked
+    assert dict(spy.calls[-1][0])["SPLIT"]
+    torch.testing.assert_close(outs[600].double(), torch.nn.functional.linear(x.double(), w.double()), **TOL[dtype])
     for t in (1, 32):
-        want = fl.swiglu(inv.linear(x[:t], w13), ALPHA, LIMIT, BETA)
-        assert torch.equal(inv.linear_swiglu(x[:t], w13, ALPHA, LIMIT, BETA), want), t
+        want = fl.swiglu(inv.linear(x[:t], w), ALPHA, LIMIT, BETA)
+        assert torch.equal(inv.linear_swiglu(x[:t], w, ALPHA, LIMIT, BETA), want), t
 
 
 # ----------------------------------------------------------------------------- gate|up GEMM + SwiGLU

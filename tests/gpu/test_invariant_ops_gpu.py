@@ -167,16 +167,17 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(h, i, e, monke
     assert torch.equal(run(t), whole)
 
 
-# M3 q|k|v, M3 shared / dense down, the bench model's lm_head
-@pytest.mark.parametrize("n,k", [(9216, 6144), (6144, 3072), (32000, 1024)])
+# M3 q|k|v, M3 shared down, M3 dense down
+@pytest.mark.parametrize("n,k", [(9216, 6144), (6144, 3072), (6144, 12288)])
 def test_whole_k_linear_gives_one_set_of_bits_in_every_band(n, k, monkeypatch):
     """Compiled, bf16, ``invariant_ops.WHOLE_K`` on (off by default until this passes): a whole-K
     weight's rows through the decode band (1 / 32 rows), the middle band (33 / 300 rows, forced
     into the flat loop) and the prefill band (4,096 rows, TMA) are bitwise equal, never split even
-    where the chunked launch would; other bits than the chunked sum; within bf16 of F.linear;
+    where the chunked launch would; a part of the weight (512 columns, k_proj-sized) gives its
+    packed columns' bits; other bits than the chunked sum; within bf16 of F.linear;
     ``linear_swiglu`` (decode) equals ``linear`` + ``swiglu`` on the packed weight."""
     monkeypatch.setattr(inv, "WHOLE_K", True)
-    assert inv.whole_k(torch.bfloat16, n)
+    assert inv.whole_k(torch.bfloat16, k)
     g = torch.Generator(device=DEV).manual_seed(n + 5 * k)
     x = _rand(4096, k, gen=g, dtype=torch.bfloat16)
     w = _rand(n, k, gen=g, dtype=torch.bfloat16, scale=k**-0.5)
@@ -185,6 +186,7 @@ def test_whole_k_linear_gives_one_set_of_bits_in_every_band(n, k, monkeypatch):
         _force_split_below(monkeypatch, below)
         for lo, hi in ((7, 8), (100, 132), (200, 233), (500, 800)):
             assert torch.equal(inv.linear(x[lo:hi], w), ref[lo:hi]), (below, lo, hi)
+        assert torch.equal(inv.linear(x[:32], w[512:1024]), ref[:32, 512:1024]), below
     monkeypatch.setattr(inv, "WHOLE_K", False)
     assert not torch.equal(inv.linear(x[:64], w), ref[:64])  # the chunked sum's bits differ somewhere
     monkeypatch.setattr(inv, "WHOLE_K", True)
@@ -203,7 +205,7 @@ def test_whole_k_fused_experts_gives_one_set_of_bits_in_every_band(e, monkeypatc
     bits; other bits than the chunked sum."""
     monkeypatch.setattr(inv, "WHOLE_K", True)
     h, i, t, k = 6144, 3072, 2048, 4
-    assert inv.moe_whole_k(torch.bfloat16, i, h, k)
+    assert inv.whole_k(torch.bfloat16, min(h, i))
     g = torch.Generator(device=DEV).manual_seed(e + 17)
     x = _rand(t, h, gen=g, dtype=torch.bfloat16)
     ids = torch.rand(t, e, generator=g, device=DEV).topk(k, -1).indices
