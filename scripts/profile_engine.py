@@ -97,8 +97,8 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # prefill band off: every size on the aligned chunked kernels, invariant_ops.MOE_PREFILL_ROWS),
 # noswiglu_fuse (decode steps' gate|up GEMM and SwiGLU in two launches: invariant_ops.LINEAR_SWIGLU_FUSE
 # off), norouter_fuse (decode steps' router GEMM and top-k in two launches: invariant_ops.
-# ROUTER_GEMM_TOPK_FUSE off), whole_k (invariant_ops.WHOLE_K on: wide weights sum K in one chain,
-# other bits than the chunked sum, the same in every band). Numbers: dp<N>
+# ROUTER_GEMM_TOPK_FUSE off), whole_k (invariant_ops.WHOLE_K on: GEMMs with K >= WHOLE_K_MIN_K sum K
+# in one chain, other bits than the chunked sum, the same in every band). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
 # LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lbk<N> (block_k, the K step), lw<N> (warps), ls<N> (stages),
 # lsk<N> (split_k_below: split-K below N output tiles; 0 = no split-K).

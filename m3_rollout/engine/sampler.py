@@ -35,7 +35,7 @@ class TokenLogprobs(Protocol):
     """The batch-invariant logprob op (``m3_kernels.invariant_ops.token_logprobs``).
 
     ``op(logits [N, V], tokens [N])`` -> fp32 [N], log_softmax(logits)[r, tokens[r]] in one fixed
-    reduction order per row. Keywords (the decode graphs' single launch,
+    reduction order per row. Keywords (the decode graphs' one call,
     ``decode_graph.invariant_logprobs_into``): ``temperature`` fp32 / fp64 [N] divides each row by
     its fp32 temperature first (IEEE division: :func:`process_logits`' bits), ``raw`` integer [N]
     exempts the nonzero rows, ``out`` fp32 / fp64 [N] receives the values.
