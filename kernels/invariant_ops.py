@@ -94,8 +94,8 @@ from m3_kernels.moe_tiles import GemmTile, dot_precision
 from m3_kernels.split_k import (
     WHOLE_K_CHUNK,
     combine_chunks,
-    fold_chunk,
     k_step,
+    k_step_pair,
     last_to_arrive,
     reset_counter,
     tile_counters,
@@ -741,14 +741,9 @@ def _linear_swiglu_kernel(
                 a = tl.load(x_ptrs + k0, mask=mm[:, None] & mk[None, :], other=0.0)
                 bg = tl.load(wg_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
                 bu = tl.load(wu_ptrs + k0, mask=mk[:, None] & mn[None, :], other=0.0)
-                if K_CHUNK == 0:  # a whole-K weight (split_k.k_step's rule, the two tiles side by side)
-                    acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-                    acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-                else:
-                    part_g = tl.dot(a, bg, part_g, input_precision=PRECISION)
-                    part_u = tl.dot(a, bu, part_u, input_precision=PRECISION)
-                    acc_g, part_g = fold_chunk(acc_g, part_g, k0, K, BLOCK_K, K_CHUNK)
-                    acc_u, part_u = fold_chunk(acc_u, part_u, k0, K, BLOCK_K, K_CHUNK)
+                acc_g, part_g, acc_u, part_u = k_step_pair(
+                    acc_g, part_g, acc_u, part_u, a, bg, bu, k0, K, BLOCK_K, K_CHUNK, PRECISION
+                )
         else:
             for k_lo in range(0, K, K_CHUNK):
                 g, u = _chunk_dot_pair(

@@ -30,7 +30,15 @@ import triton.language as tl
 
 from m3_kernels.moe_align import AlignedAssignments
 from m3_kernels.moe_tiles import GemmTile, dot_precision, launch_group, swiglu_oai_tile, tile_coords
-from m3_kernels.split_k import combine_chunks, k_step, last_to_arrive, launch_chunk, reset_counter, tile_counters
+from m3_kernels.split_k import (
+    combine_chunks,
+    k_step,
+    k_step_pair,
+    last_to_arrive,
+    launch_chunk,
+    reset_counter,
+    tile_counters,
+)
 
 
 def check_k_chunk(k_chunk: int, *tiles: GemmTile) -> None:
@@ -149,8 +157,9 @@ def moe_w13_chunked_kernel(
         part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, HIDDEN, BLOCK_K):
             a, g, u = _w13_step_tiles(a_ptrs + k0, g_ptrs + k0, u_ptrs + k0, row_ok, n_ok, offs_k, k0, HIDDEN, BLOCK_K)
-            acc_g, part_g = k_step(acc_g, part_g, a, g, k0, HIDDEN, BLOCK_K, K_CHUNK, PRECISION)
-            acc_u, part_u = k_step(acc_u, part_u, a, u, k0, HIDDEN, BLOCK_K, K_CHUNK, PRECISION)
+            acc_g, part_g, acc_u, part_u = k_step_pair(
+                acc_g, part_g, acc_u, part_u, a, g, u, k0, HIDDEN, BLOCK_K, K_CHUNK, PRECISION
+            )
         act = swiglu_oai_tile(acc_g, acc_u, alpha, limit, beta)  # padding rows: SwiGLU(0), never stored later
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 

@@ -116,6 +116,22 @@ def k_step(acc, part, a, b, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
 
 
 @triton.jit
+def k_step_pair(acc_g, part_g, acc_u, part_u, a, b_g, b_u, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+                PRECISION: tl.constexpr):  # fmt: skip
+    # k_step for a gate tile and an up tile that share the x tile a, in the order both dots, then
+    # both folds (the gate|up GEMMs' loops: the fold branches of the two tiles merge).
+    if K_CHUNK == 0:
+        acc_g = tl.dot(a, b_g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, b_u, acc_u, input_precision=PRECISION)
+    else:
+        part_g = tl.dot(a, b_g, part_g, input_precision=PRECISION)
+        part_u = tl.dot(a, b_u, part_u, input_precision=PRECISION)
+        acc_g, part_g = fold_chunk(acc_g, part_g, k0, K, BLOCK_K, K_CHUNK)
+        acc_u, part_u = fold_chunk(acc_u, part_u, k0, K, BLOCK_K, K_CHUNK)
+    return acc_g, part_g, acc_u, part_u
+
+
+@triton.jit
 def fold_chunk(acc, part, k0, K, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
     # The flat K loop's chunk rule (unsplit launches), after the K step at k0: at a chunk end (or
     # K's end) the chunk's partial, summed from zero, is added to acc and restarts from zero: the
