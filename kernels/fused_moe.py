@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3_kernels.moe_align import AlignedAssignments, align_by_expert
+from m3_kernels.moe_align import CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS, AlignedAssignments, align_by_expert
 from m3_kernels.moe_chunked import chunked_down, chunked_gate_up
 from m3_kernels.moe_ragged import align_ragged, ragged_down, ragged_gate_up
 from m3_kernels.moe_tiles import FAT_TAIL, GemmTile, dot_precision, launch_group, swiglu_oai_tile, tile_coords
@@ -728,7 +728,7 @@ def fused_experts(
         rows = ragged_down(act, w2, tiles, weights, cfg.w2, k_chunk=kc)  # [T*K, H]
         return moe_combine(rows, ids, (a, b))
     if cfg.k_chunk:  # aligned chunked kernels (also the ragged config's fallback: same bits)
-        aligned = align_by_expert(ids, (a, b), cfg.block_m)
+        aligned = align_by_expert(ids, (a, b), cfg.block_m, small_max=CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS)
         act = chunked_gate_up(x, w13, aligned, k, cfg.w13, cfg.k_chunk, cfg.split_k_below, alpha, limit, beta)
         rows = chunked_down(act, w2, aligned, weights, cfg.w2, cfg.k_chunk, cfg.split_k_below)
         return moe_combine(rows, ids, (a, b))

@@ -15,7 +15,7 @@ the H100).
 chunk order, by one program or, for decode-sized launches, by separate programs whose
 partials the last program of the output tile to finish adds up (kernels/split_k.py: an atomic
 ticket decides WHO combines, never the order): the same additions either way. With ``WHOLE_K``
-(off by default) a GEMM whose K is at least ``WHOLE_K_MIN_K`` sums K as one chain instead, in
+(on by default) a bf16 / fp16 GEMM whose K is at least ``WHOLE_K_MIN_K`` sums K as one chain instead, in
 every band, never split (the rule reads K alone, so it is the same in every band too).
 A row then meets the same additions in the same order whether it is alone or row 17 of 300,
 in whichever tile position: tiles never
@@ -212,7 +212,7 @@ SPLIT_K_BELOW_PROGRAMS = 264  # 2 x the H200's 132 SMs
 # capture): a separate _linear_combine_kernel pass. Same bits every way.
 SPLIT_K_FUSED_COMBINE = True
 
-# Whole-K weights (issue 24's prefill cost at real M3 shapes), off until checked on a GPU: the K
+# Whole-K weights (issue 24's prefill cost at real M3 shapes), on since checked on a GPU: the K
 # chunks let a decode launch too narrow to fill the GPU split K over programs; at M3's widths the
 # fused path's decode GEMMs fill it unsplit (packed q|k|v|index 9,856 columns, o / down 6,144,
 # routed experts 4 x 48-96 column tiles), so the fold buys them nothing and costs their prefill
@@ -226,8 +226,10 @@ SPLIT_K_FUSED_COMBINE = True
 # weight and its parts (q|k|v vs k_proj alone), on every EP rank (the EP path's one-slot calls),
 # whatever T or a scheduling constant, so the bits stay batch-invariant. Cost of reading K rather
 # than N: a narrow weight run on its own (the unfused fallbacks: k_proj's 512 or the indexer
-# key's 128 columns) decodes through a few unsplit programs.
-WHOLE_K = False
+# key's 128 columns) decodes through a few unsplit programs. Checked on an H100 (2026-12-06): every band
+# gives one set of bits at M3 shapes (tests/gpu/test_invariant_ops_gpu.py -k whole_k); the real-shape
+# slice's 32K prefill went from +18.0 % to +9.3 % over the fast mode, its decode step +4.9 / +3.6 %.
+WHOLE_K = True
 WHOLE_K_MIN_K = 3072
 
 

@@ -35,6 +35,12 @@ except ImportError:  # pragma: no cover - CPU installs without the kernels extra
 # weight streaming saves (measured ~70 us of a 200 us layer on H200), so up to this many
 # assignments one single-program Triton kernel does the whole alignment.
 SMALL_ALIGN_MAX_ASSIGNMENTS = 256
+# The batch-invariant mode's aligned chunked kernels (kernels/moe_chunked.py) serve every step below
+# invariant_ops.MOE_PREFILL_ROWS (512) tokens, short prompts' eager prefill included, where the
+# torch path's ~40 launches per MoE layer cost more host time than the one program's quadratic rank
+# loop costs GPU time (300M bench model, 128-token prompt: ~300 launches of a ~900-launch prefill
+# step); they pass this bound (512 tokens x top-4).
+CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS = 2048
 
 
 @dataclass
@@ -63,18 +69,20 @@ def max_padded_rows(num_assignments: int, num_local_experts: int, block_m: int) 
     return tiles * block_m
 
 
-def align_by_expert(ids: torch.Tensor, expert_range: tuple[int, int], block_m: int) -> AlignedAssignments:
+def align_by_expert(
+    ids: torch.Tensor, expert_range: tuple[int, int], block_m: int, small_max: int = SMALL_ALIGN_MAX_ASSIGNMENTS
+) -> AlignedAssignments:
     """Group the assignments ``ids`` [T, K] (global expert ids, any int dtype) by local expert.
 
     Assignments whose expert is outside ``expert_range = (a, b)`` are dropped (another EP rank
     owns them). Within an expert, rows keep ascending flat index t*K + k. Shape-derived sizes
-    only: no host sync, CUDA-graph capturable. On CUDA with at most SMALL_ALIGN_MAX_ASSIGNMENTS
-    assignments one Triton launch (`align_by_expert_small`), else tensor ops (`align_by_expert_torch`);
-    both give identical results.
+    only: no host sync, CUDA-graph capturable. On CUDA with at most ``small_max`` (default
+    SMALL_ALIGN_MAX_ASSIGNMENTS) assignments one Triton launch (`align_by_expert_small`), else
+    tensor ops (`align_by_expert_torch`); both give identical results.
 
     Raises ValueError for a non-2-D ids, an empty or inverted expert_range, or block_m < 1.
     """
-    if ids.is_cuda and triton is not None and 0 < ids.numel() <= SMALL_ALIGN_MAX_ASSIGNMENTS:
+    if ids.is_cuda and triton is not None and 0 < ids.numel() <= small_max:
         return align_by_expert_small(ids, expert_range, block_m)
     return align_by_expert_torch(ids, expert_range, block_m)
 
@@ -144,6 +152,7 @@ def align_by_expert_small(ids: torch.Tensor, expert_range: tuple[int, int], bloc
     sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(p // block_m, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    block_a = triton.next_power_of_2(n)  # a compiled variant per power of two (P is a runtime bound)
     if n == 0:
         num_rows.zero_()
         return AlignedAssignments(sorted_ids, tile_expert, num_rows, block_m)
@@ -154,15 +163,17 @@ def align_by_expert_small(ids: torch.Tensor, expert_range: tuple[int, int], bloc
         num_rows,
         n,
         a,
+        p,
+        p // block_m,
+        P_BOUND=max_padded_rows(block_a, n_local, block_m),
         N_LOCAL=n_local,
         BLOCK_M=block_m,
-        P=p,
-        BLOCK_A=triton.next_power_of_2(n),
+        BLOCK_A=block_a,
         BLOCK_E=triton.next_power_of_2(n_local + 1),
         BLOCK_J=16,
         BLOCK_T=16,
         BLOCK_P=256,
-        num_warps=4,
+        num_warps=4 if block_a <= SMALL_ALIGN_MAX_ASSIGNMENTS else 8,
     )
     return AlignedAssignments(sorted_ids, tile_expert, num_rows, block_m)
 
@@ -177,9 +188,11 @@ if triton is not None:
         num_rows_ptr,
         n_assign,
         expert_lo,
+        P,  # padded rows (max_padded_rows): runtime bounds, so a prefill's T does not recompile;
+        n_tiles,  # P // BLOCK_M    the loops run to P_BOUND (P at n = BLOCK_A), masked
+        P_BOUND: tl.constexpr,
         N_LOCAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
-        P: tl.constexpr,
         BLOCK_A: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_J: tl.constexpr,
@@ -208,12 +221,12 @@ if triton is not None:
         dest = tl.gather(padded_start, key, 0) + rank
         tl.store(num_rows_ptr, tl.sum(padded, 0))
         # tile owner = number of experts whose padded run ends at or before the tile start
-        for t0 in range(0, P // BLOCK_M, BLOCK_T):
+        for t0 in range(0, P_BOUND // BLOCK_M, BLOCK_T):
             offs_t = t0 + tl.arange(0, BLOCK_T)
             done = (padded_end[None, :] <= offs_t[:, None] * BLOCK_M) & (offs_e[None, :] < N_LOCAL)
             owner = tl.sum(done.to(tl.int32), axis=1)
-            tl.store(tile_expert_ptr + offs_t, tl.where(owner < N_LOCAL, owner, -1), mask=offs_t < P // BLOCK_M)
-        for r0 in range(0, P, BLOCK_P):
+            tl.store(tile_expert_ptr + offs_t, tl.where(owner < N_LOCAL, owner, -1), mask=offs_t < n_tiles)
+        for r0 in range(0, P_BOUND, BLOCK_P):
             offs_r = r0 + tl.arange(0, BLOCK_P)
             tl.store(sorted_ids_ptr + offs_r, tl.zeros((BLOCK_P,), dtype=tl.int32) + n_assign, mask=offs_r < P)
         tl.debug_barrier()  # padding sentinels land before the real rows overwrite their slots

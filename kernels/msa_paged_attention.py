@@ -760,6 +760,53 @@ def kv_seg_entries(
 
 
 @triton.jit
+def kv_bucket_kernel(
+    sel_ptr,  # int32 [Tc * G * K]: the pass's selected blocks (-1: none)
+    row_ptr,  # int64 [Tp]: prefill-local row of each prefill token
+    blk_ptr,  # int64 [Tp]: the token's own block (position // page size)
+    out_ptr,  # int32 [Tc * G * K]: bucket id, N_BKT for an entry that attends nothing
+    n_entries,
+    c0,  # the pass's first prefill token
+    rp,
+    nbp,
+    n_bkt,
+    GK: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One launch for the KV-major prefill's bucket ids: entry (t, g, k) of the pass goes to bucket
+    (g * rp + row(t)) * nbp + sel when 0 <= sel <= the token's own block, else to n_bkt."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n_entries
+    t = c0 + i // GK
+    gi = (i % GK) // K
+    sel = tl.load(sel_ptr + i, mask=m, other=-1).to(tl.int64)
+    row = tl.load(row_ptr + t, mask=m, other=0)
+    blk = tl.load(blk_ptr + t, mask=m, other=0)
+    bucket = (gi * rp + row) * nbp + sel
+    tl.store(out_ptr + i, tl.where((sel >= 0) & (sel <= blk), bucket, n_bkt).to(tl.int32), mask=m)
+
+
+KV_BUCKET_BLOCK = 1024
+
+
+def _kv_major_step_index(meta, g: int, nbp: int, ps: int, nd: int, td: int, t_all: int) -> tuple:
+    """(bkt_page int32 [G * Rp * nbp], row_of_tok int64 [Tp], blk_of_tok int64 [Tp]): the page of each
+    (KV head, prefill row, block) bucket, and each prefill token's prefill-local row and own block.
+    The same for every sparse layer of the step: built once, kept in ``meta.memo``."""
+    key = ("kv_major", g, nbp, ps)
+    got = meta.memo.get(key)
+    if got is None:
+        dev = meta.positions.device
+        bkt_page = meta.block_tables[nd:].to(torch.int32).repeat(g, 1).reshape(-1)  # bucket (g*rp + row)*nbp + b
+        row_of_tok = torch.searchsorted(
+            meta.query_start_loc[nd + 1 :].long(), torch.arange(td, t_all, device=dev), right=True
+        )
+        got = meta.memo[key] = (bkt_page, row_of_tok, meta.positions[td:t_all] // ps)
+    return got
+
+
+@triton.jit
 def kv_seg_attn_kernel(
     q_ptr,
     k_ptr,
@@ -1332,24 +1379,24 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
         chunk = min(cfg.get("kv_chunk", cap), cap, tp)
     dev = q.device
     n_bkt = g * rp * nbp
-    ar = torch.arange(n_bkt, device=dev)
-    bt = meta.block_tables
-    bkt_page = bt[nd + (ar // nbp) % rp, ar % nbp].to(torch.int32).contiguous()  # [n_bkt] (-1 = unused)
-    row_of_tok = torch.searchsorted(
-        meta.query_start_loc[nd + 1 :].long(), torch.arange(td, t_all, device=dev), right=True
-    )  # [Tp] prefill-local row
-    gi = torch.arange(g, device=dev).view(1, g, 1)
+    # [n_bkt] page of each bucket (-1 = unused); [Tp] prefill-local row and own block of each token
+    bkt_page, row_of_tok, blk_of_tok = _kv_major_step_index(meta, g, nbp, ps, nd, td, t_all)
+    bkt_ids = meta.memo.get(("kv_major_bkt_ids", n_bkt))
+    if bkt_ids is None:
+        bkt_ids = meta.memo[("kv_major_bkt_ids", n_bkt)] = torch.arange(n_bkt + 1, device=dev, dtype=torch.int32)
     opart_buf, lse_buf = kv_major_partial_buffers(scratch, chunk, g, topk, rh, d, q.dtype, dev)  # every pass
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
         tc = c1 - c0
         sel_c = sel[td + c0 : td + c1].contiguous()  # [Tc, G, K]
         pos_c = meta.positions[td + c0 : td + c1]
-        valid = (sel_c >= 0) & (sel_c.long() <= (pos_c // ps).view(tc, 1, 1))
-        bucket = (gi * rp + row_of_tok[c0:c1].view(tc, 1, 1)) * nbp + sel_c.long().clamp_min(0)
-        bucket = torch.where(valid, bucket, n_bkt).view(-1).to(torch.int32)  # [Tc*G*K]; invalid -> n_bkt
+        n_ent = tc * g * topk
+        bucket = torch.empty(n_ent, dtype=torch.int32, device=dev)  # [Tc*G*K]; invalid -> n_bkt
+        kv_bucket_kernel[(triton.cdiv(n_ent, KV_BUCKET_BLOCK),)](
+            sel_c, row_of_tok, blk_of_tok, bucket, n_ent, c0, rp, nbp, n_bkt, GK=g * topk, K=topk, BLOCK=KV_BUCKET_BLOCK
+        )
         keys, perm = torch.sort(bucket)
-        edges = torch.searchsorted(keys, torch.arange(n_bkt + 1, device=dev, dtype=torch.int32))  # [n_bkt + 1]
+        edges = torch.searchsorted(keys, bkt_ids)  # [n_bkt + 1]
         start, end = edges[:-1], edges[1:]
         opart, lse = opart_buf[: tc * g * topk * rh * d], lse_buf[: tc * g * topk * rh]
         common = (

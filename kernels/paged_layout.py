@@ -100,7 +100,7 @@ of ``c`` tokens uses its first ``c * nh * K * d * elt`` bytes for the partials a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -143,6 +143,10 @@ class PagedMetadata:
     decode_query_len: int
     max_query_len: int
     max_seq_len: int
+    # index tensors derived from the fields above that every layer of the step would otherwise
+    # rebuild (e.g. the KV-major prefill's bucket -> page map); filled on first use by the kernel
+    # that needs them, keyed by that kernel's name and shape arguments. Never read by the engine.
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:

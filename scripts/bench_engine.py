@@ -647,14 +647,17 @@ def invariant_bench(args, cfg: M3Config, model, dev: str, dtype: torch.dtype) ->
     try:
         import triton
 
+        import m3_kernels.invariant_ops as inv
+
         versions = f"torch {torch.__version__}, triton {triton.__version__}"
+        whole_k = f"whole-K GEMMs (K >= {inv.WHOLE_K_MIN_K}) {'on' if inv.WHOLE_K else 'off'}"
     except ImportError:
-        versions = f"torch {torch.__version__}"
+        versions, whole_k = f"torch {torch.__version__}", "no triton"
     lines = [
         f"\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), {run_date()}, {machine(dev)}\n",
         f"Model: {args.model_json or 'tiny_config()'}, {dtype}, random weights; `EngineConfig.batch_invariant` off vs "
-        f"on on the same weights (invariant sparse attention: {args.invariant_sparse}), medians of {reps} alternated "
-        f"runs per mode; target <= 15 % slower; {versions}.\n",
+        f"on on the same weights (invariant sparse attention: {args.invariant_sparse}; {whole_k}), medians of {reps} "
+        f"alternated runs per mode; target <= 15 % slower; {versions}.\n",
         *header,
         *table,
         "",

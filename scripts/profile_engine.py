@@ -97,8 +97,8 @@ VARIANTS = ("pytorch", "fused", "fused+cublas", "fused+router_cublas", "invarian
 # prefill band off: every size on the aligned chunked kernels, invariant_ops.MOE_PREFILL_ROWS),
 # noswiglu_fuse (decode steps' gate|up GEMM and SwiGLU in two launches: invariant_ops.LINEAR_SWIGLU_FUSE
 # off), norouter_fuse (decode steps' router GEMM and top-k in two launches: invariant_ops.
-# ROUTER_GEMM_TOPK_FUSE off), whole_k (invariant_ops.WHOLE_K on: GEMMs with K >= WHOLE_K_MIN_K sum K
-# in one chain, other bits than the chunked sum, the same in every band). Numbers: dp<N>
+# ROUTER_GEMM_TOPK_FUSE off), chunked_k (invariant_ops.WHOLE_K off: GEMMs with K >= WHOLE_K_MIN_K sum K
+# in fixed chunks like the narrower ones, other bits than the whole-K chain, the same in every band). Numbers: dp<N>
 # (DECODE_PROGRAMS), ss<N> (SCORE_SPLIT_BLOCKS_DECODE); the linear's decode band (invariant_ops.
 # LINEAR_DECODE_CONFIGS): lbn<N> (block_n), lbk<N> (block_k, the K step), lw<N> (warps), ls<N> (stages),
 # lsk<N> (split_k_below: split-K below N output tiles; 0 = no split-K).
@@ -112,7 +112,7 @@ INVARIANT_FLAGS = (
     "moe_aligned",
     "noswiglu_fuse",
     "norouter_fuse",
-    "whole_k",
+    "chunked_k",
 )
 INVARIANT_NUMBERS = ("dp", "ss", "lbn", "lbk", "lw", "ls", "lsk")
 
@@ -211,7 +211,7 @@ def variant_ops(name: str, device: torch.device, dtype: torch.dtype) -> PagedOps
             inv.MOE_PREFILL_ROWS = 1 << 62 if "moe_aligned" in opts else _DEFAULT_MOE_PREFILL_ROWS
             inv.LINEAR_SWIGLU_FUSE = "noswiglu_fuse" not in opts and _DEFAULT_LINEAR_SWIGLU_FUSE
             inv.ROUTER_GEMM_TOPK_FUSE = "norouter_fuse" not in opts and _DEFAULT_ROUTER_GEMM_TOPK_FUSE
-            inv.WHOLE_K = "whole_k" in opts or _DEFAULT_WHOLE_K
+            inv.WHOLE_K = "chunked_k" not in opts and _DEFAULT_WHOLE_K
             inv.LINEAR_DECODE_CONFIGS[torch.bfloat16] = dataclasses.replace(
                 dec,
                 block_n=opts.get("lbn", dec.block_n),
@@ -269,6 +269,7 @@ def meta_to(meta: PagedMetadata, dev) -> PagedMetadata:
         **{
             f.name: (v.to(dev) if torch.is_tensor(v) else v)
             for f in dataclasses.fields(meta)
+            if f.init
             for v in [getattr(meta, f.name)]
         }
     )

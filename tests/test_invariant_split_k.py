@@ -181,7 +181,8 @@ def test_fused_experts_whole_k_one_chain_in_every_band(monkeypatch):
     t, h, inter = 200, 552, 280  # K: two 256-wide chunks and a tail; partial K steps
     x, ids, weights, w13, w2 = _moe_case(dtype, t=t, h=h, inter=inter)
     ids = _skewed_ids(t)
-    chunked = _experts(x, ids, weights, w13, w2)  # WHOLE_K off: the middle band's chunked sums
+    monkeypatch.setattr(inv, "WHOLE_K", False)
+    chunked = _experts(x, ids, weights, w13, w2)  # the middle band's chunked sums
     monkeypatch.setattr(inv, "WHOLE_K", True)
     monkeypatch.setattr(inv, "WHOLE_K_MIN_K", 280)
     assert inv.whole_k(dtype, min(h, inter)) and not inv.whole_k(torch.float32, min(h, inter))

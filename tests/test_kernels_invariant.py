@@ -325,6 +325,7 @@ def test_whole_k_weights_sum_k_in_one_chain_in_every_band(monkeypatch):
 
     fl = interpreted_fused_layers()
     dtype = torch.float16
+    monkeypatch.setattr(inv, "WHOLE_K", False)  # first the chunked sums
     monkeypatch.setattr(inv, "WHOLE_K_MIN_K", 600)
     monkeypatch.setattr(inv, "SPLIT_K_BELOW_PROGRAMS", 10**9)  # every chunked launch splits
     spy, tma = LaunchSpy(inv._linear_kernel), LaunchSpy(inv._linear_tma_kernel)

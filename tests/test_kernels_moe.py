@@ -59,6 +59,8 @@ ALIGN_CASES = [  # (T, K, E global, expert_range, block_m, seed)
     (64, 1, 3, (0, 3), 16, 3),
     (32, 4, 128, (32, 64), 16, 4),
     (7, 3, 5, (4, 5), 16, 5),
+    (300, 4, 128, (0, 128), 16, 6),  # past the decode bound: the invariant chunked path's single program
+    (512, 4, 16, (4, 16), 64, 7),  # CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS (2048) assignments, other ranks' dropped
 ]
 
 

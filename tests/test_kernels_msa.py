@@ -391,6 +391,31 @@ def test_kv_major_prefill_matches_reference(dtype, cfg):
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
 
 
+def test_kv_major_step_index_is_built_once_per_step_and_not_carried_by_replace():
+    """The KV-major prefill's per-step index tensors (bucket -> page, each prefill token's row and
+    own block) go into ``meta.memo`` on the first sparse layer and are reused, not rebuilt, by the
+    next (same objects); a second layer (other q / selection) on the same meta gives the bits of a
+    call on a fresh meta; ``dataclasses.replace`` (another step's meta) starts with an empty memo."""
+    import dataclasses
+
+    b = _batch(KV_MIXED, torch.float32, seed=5)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    cfg = {"impl": "kv", "kv_chunk": 16}
+    assert not b.meta.memo
+    ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config=cfg)
+    (key,) = [k for k in b.meta.memo if k[0] == "kv_major"]
+    built = b.meta.memo[key]
+    q2 = torch.flip(b.q, dims=[0]).contiguous()  # another layer's queries and selection
+    sel2 = torch.flip(sel, dims=[2]).contiguous()
+    got = ma.paged_attention(q2, b.k, b.v, b.meta, SCALE, sel2, prefill_config=cfg)
+    assert all(x is y for x, y in zip(b.meta.memo[key], built, strict=True))
+    fresh = dataclasses.replace(b.meta)
+    assert not fresh.memo
+    assert torch.equal(got, ma.paged_attention(q2, b.k, b.v, fresh, SCALE, sel2, prefill_config=cfg))
+    want = paged_attention_ref(q2, b.k, b.v, b.meta, SCALE, sel2)
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kv_major_pipelined_and_deferred_loops_give_the_prefetching_loops_bits(dtype):
     # prefetch="pipeline" reads the segment's entry ids as vectors and gathers each tile's from them;

@@ -77,8 +77,8 @@ def test_kernel_tables_without_the_model_level_gpu_run_are_refused(argv, capsys,
 def test_fuse_flags_build_the_invariant_table_without_its_fused_decode_routes(monkeypatch):
     """noswiglu_fuse / norouter_fuse (invariant_ops.LINEAR_SWIGLU_FUSE / ROUTER_GEMM_TOPK_FUSE off):
     the table of that variant has no ``linear_swiglu`` / answers ``router_gemm_topk_never``; plain
-    ``invariant`` (and the next variant after a flagged one) has both fused decode routes; whole_k
-    turns ``invariant_ops.WHOLE_K`` on for its variant only. The CUDA
+    ``invariant`` (and the next variant after a flagged one) has both fused decode routes; chunked_k
+    turns ``invariant_ops.WHOLE_K`` off for its variant only. The CUDA
     table is built on the CPU (nothing launches); the module constants the variants set are restored."""
     for n in pe._IA_DEFAULTS:
         monkeypatch.setattr(pe.ia, n, getattr(pe.ia, n))
@@ -97,8 +97,8 @@ def test_fuse_flags_build_the_invariant_table_without_its_fused_decode_routes(mo
     assert table("invariant+norouter_fuse") == (True, False)
     assert table("invariant+noswiglu_fuse+norouter_fuse") == (False, False)
     assert table("invariant") == (True, True)
-    assert not pe.inv.WHOLE_K
-    table("invariant+whole_k")  # the whole-K weights switch (other bits), off again in the next variant
     assert pe.inv.WHOLE_K and pe.inv.whole_k(torch.bfloat16, 6144) and not pe.inv.whole_k(torch.bfloat16, 1024)
+    table("invariant+chunked_k")  # the whole-K weights switch off (other bits), on again in the next variant
+    assert not pe.inv.WHOLE_K and not pe.inv.whole_k(torch.bfloat16, 6144)
     table("invariant")
-    assert not pe.inv.WHOLE_K
+    assert pe.inv.WHOLE_K

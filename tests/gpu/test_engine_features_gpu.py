@@ -35,9 +35,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CPU tests' helpers
 
 from test_engine_async import _drive  # noqa: E402  run requests to the end, pages freed
-from test_engine_gpu import _get_model  # noqa: E402  tests/gpu: the 2-layer bench model on cuda, cached
+from test_engine_gpu import _get_model, _model  # noqa: E402  tests/gpu: the 2-layer bench model on cuda
 from test_sampler_penalties import _direct  # noqa: E402  one row's penalties + bias in plain torch
 
+from m3_kernels import invariant_ops as inv  # noqa: E402
 from m3_rollout.engine.config import EngineConfig  # noqa: E402
 from m3_rollout.engine.engine import LLMEngine  # noqa: E402
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams  # noqa: E402
@@ -286,6 +287,21 @@ def test_bf16_batch_invariant_prompt_logprobs_equal_the_trainer_scorer_bitwise()
     prompt packed after another sequence."""
     bitwise = check_invariant_prompt_logprobs(_get_model(torch.bfloat16), True)
     print(f"batch-invariant prompt logprobs: top lists bitwise equal across runs: {bitwise}")
+
+
+def test_bf16_batch_invariant_whole_k_widths_equal_the_trainer_scorer_bitwise():
+    """The check above on a model whose every projection and expert is a whole-K GEMM
+    (``invariant_ops.whole_k``: K >= 3,072, one chain in every band): hidden 3,072, 24 query heads
+    x 128 (o_proj K 3,072), expert / shared / dense widths 3,072 (2 layers, random weights). Alone
+    vs beside others, one chunk vs chunks of 64, engine vs the trainer's ``PagedScorer``: bitwise."""
+    w = 3072
+    model = _model(
+        torch.bfloat16, hidden_size=w, num_attention_heads=24, intermediate_size=w,
+        shared_intermediate_size=w, dense_intermediate_size=w,
+    )  # fmt: skip
+    assert inv.WHOLE_K and inv.whole_k(torch.bfloat16, w) and not inv.whole_k(torch.bfloat16, w - 1)
+    bitwise = check_invariant_prompt_logprobs(model, True)
+    print(f"whole-K widths: top lists bitwise equal across runs: {bitwise}")
 
 
 def test_sampler_top_lists_and_penalties_through_graphs_and_async_scheduling():

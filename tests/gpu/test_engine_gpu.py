@@ -39,13 +39,16 @@ from m3_rollout.model import M3Config, M3ForCausalLM  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _model(dtype=torch.float32, layers=2):
+def _model(dtype=torch.float32, layers=2, **widths):
+    """The bench config cut to ``layers`` layers (``widths``: further config keys, e.g. wider
+    projections), random weights N(0, 0.02) / N(0, 0.05) for vectors, cast to ``dtype`` on cuda."""
     raw = json.loads((ROOT / "configs/bench/m3_bench_300m.json").read_text())
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     raw.update(
         num_hidden_layers=layers,
         layer_types=raw["layer_types"][:layers],
         mlp_layer_types=raw["mlp_layer_types"][:layers],
+        **widths,
     )
     cfg = M3Config.from_dict(raw)
     torch.manual_seed(0)

@@ -170,7 +170,7 @@ def test_fused_experts_ragged_prefill_band_gives_the_chunked_bits(h, i, e, monke
 # M3 q|k|v, M3 shared down, M3 dense down
 @pytest.mark.parametrize("n,k", [(9216, 6144), (6144, 3072), (6144, 12288)])
 def test_whole_k_linear_gives_one_set_of_bits_in_every_band(n, k, monkeypatch):
-    """Compiled, bf16, ``invariant_ops.WHOLE_K`` on (off by default until this passes): a whole-K
+    """Compiled, bf16, ``invariant_ops.WHOLE_K`` on (the default since this passed): a whole-K
     weight's rows through the decode band (1 / 32 rows), the middle band (33 / 300 rows, forced
     into the flat loop) and the prefill band (4,096 rows, TMA) are bitwise equal, never split even
     where the chunked launch would; a part of the weight (512 columns, k_proj-sized) gives its

@@ -402,3 +402,30 @@ def test_first_step_gradients_with_only_the_combine_swapped(monkeypatch):
     print("index_add combine vs loop:", worst(added, loop))
     print("slot-order vs index_add combine:", worst(slots, added))
     assert worst(added, loop)[0][1] <= 3e-2
+
+
+@pytest.mark.parametrize("t,e,rng", [(65, 16, (0, 16)), (128, 16, (4, 12)), (300, 128, (0, 128)), (511, 128, (32, 96))])
+def test_single_program_align_equals_the_torch_path_up_to_the_chunked_bound(t, e, rng):
+    """Compiled: ``align_by_expert_small`` (one program; the batch-invariant chunked path takes it up
+    to ``CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS`` assignments, 512 tokens x top-4) gives the torch path's
+    sorted ids, tile owners and row count at 260-2,044 assignments, skewed routing, whole and sliced
+    expert ranges; and ``align_by_expert`` picks it only below the bound it is given."""
+    from m3_kernels.moe_align import (
+        CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS,
+        align_by_expert,
+        align_by_expert_small,
+        align_by_expert_torch,
+    )
+
+    g = torch.Generator().manual_seed(t + e)
+    hot = torch.randint(0, e, (4,), generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(t)])
+    ids[: t // 2, 0] = hot[0]  # half the tokens send a slot to one expert
+    ids = ids.cuda()
+    assert ids.numel() <= CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS
+    for m in (16, 64):
+        want, got = align_by_expert_torch(ids, rng, m), align_by_expert_small(ids, rng, m)
+        for f in ("sorted_ids", "tile_expert", "num_rows"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), (m, f)
+        picked = align_by_expert(ids, rng, m, small_max=CHUNKED_SMALL_ALIGN_MAX_ASSIGNMENTS)
+        assert torch.equal(picked.sorted_ids, want.sorted_ids)
