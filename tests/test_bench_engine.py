@@ -36,7 +36,8 @@ def test_batch_invariant_mode_runs_on_cpu_and_reports_ratios_and_token_checks(be
     assert bench._kv_cache_gb == 2.5  # the run's value (CUDA engines; the CPU ones size their pool themselves)
     assert lines[0].startswith("\n## Batch-invariant mode vs fast mode (bench_engine.py --batch-invariant), ")
     assert "tiny_config()" in lines[1] and "medians of 2 alternated runs" in lines[1]
-    assert "(invariant sparse attention: page_partials)" in lines[1]  # the engine's default, no --invariant-sparse
+    assert "(invariant sparse attention: page_partials;" in lines[1]  # the engine's default, no --invariant-sparse
+    assert "whole-K GEMMs (K >= 3072) on)" in lines[1]  # invariant_ops.WHOLE_K, named in the section
     rows = {cells(line)[0]: cells(line) for line in lines if line.startswith("| ") and not line.startswith("| case")}
     assert set(rows) == {
         "decode, batch 1, 128 + 6 tokens (eager)",
