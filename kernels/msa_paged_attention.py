@@ -794,11 +794,13 @@ def _kv_major_step_index(meta, g: int, nbp: int, ps: int, nd: int, td: int, t_al
     """(bkt_page int32 [G * Rp * nbp], row_of_tok int64 [Tp], blk_of_tok int64 [Tp]): the page of each
     (KV head, prefill row, block) bucket, and each prefill token's prefill-local row and own block.
     The same for every sparse layer of the step: built once, kept in ``meta.memo``."""
-    key = ("kv_major", g, nbp, ps)
+    r = meta.num_rows
+    key = ("kv_major", g, nbp, ps, nd, td, t_all, r)  # everything the tensors below are built from
     got = meta.memo.get(key)
     if got is None:
         dev = meta.positions.device
-        bkt_page = meta.block_tables[nd:].to(torch.int32).repeat(g, 1).reshape(-1)  # bucket (g*rp + row)*nbp + b
+        # bucket (g * rp + row) * nbp + b; rows past r (a table with spare rows) are not prefill rows
+        bkt_page = meta.block_tables[nd:r].to(torch.int32).repeat(g, 1).reshape(-1)
         row_of_tok = torch.searchsorted(
             meta.query_start_loc[nd + 1 :].long(), torch.arange(td, t_all, device=dev), right=True
         )

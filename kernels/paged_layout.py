@@ -145,7 +145,9 @@ class PagedMetadata:
     max_seq_len: int
     # index tensors derived from the fields above that every layer of the step would otherwise
     # rebuild (e.g. the KV-major prefill's bucket -> page map); filled on first use by the kernel
-    # that needs them, keyed by that kernel's name and shape arguments. Never read by the engine.
+    # that needs them, keyed by that kernel's name and every size they are built from. The meta's
+    # tensors must not change after that first use (a new step gets a new meta). Never read by the
+    # engine.
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property

@@ -416,6 +416,27 @@ def test_kv_major_step_index_is_built_once_per_step_and_not_carried_by_replace()
     torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
 
 
+def test_kv_major_step_index_follows_the_rows_and_ignores_spare_table_rows():
+    """The memo's key holds every size its tensors are built from: the same meta run again with
+    its decode rows counted as prefill rows (``num_decodes`` changed in place, as the verify test
+    does) gets new tensors and the reference's output; a block table with spare rows past the
+    step's rows (which the invariant kernels accept) gives the bits of the exact table."""
+    import dataclasses
+
+    cfg = {"impl": "kv", "kv_chunk": 16}
+    b = _batch(KV_MIXED, torch.float32, seed=5)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    first = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config=cfg)
+    bt = b.meta.block_tables
+    spare = dataclasses.replace(b.meta, block_tables=torch.cat([bt, torch.full((3, bt.shape[1]), -1, dtype=bt.dtype)]))
+    assert torch.equal(ma.paged_attention(b.q, b.k, b.v, spare, SCALE, sel, prefill_config=cfg), first)
+    b.meta.num_decodes = 0
+    got = ma.paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config=cfg)
+    assert len([k for k in b.meta.memo if k[0] == "kv_major"]) == 2
+    want = paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel)
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kv_major_pipelined_and_deferred_loops_give_the_prefetching_loops_bits(dtype):
     # prefetch="pipeline" reads the segment's entry ids as vectors and gathers each tile's from them;
