@@ -9,7 +9,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "install: creating .venv with $PY ..."
-  "$PY" -m venv .venv
+  if ! "$PY" -m venv .venv || ! .venv/bin/python -m pip --version > /dev/null 2>&1; then
+    rm -rf .venv  # a half-made .venv would be taken as made by the next run
+    echo "install failed: '$PY -m venv .venv' made no environment with pip (Debian / Ubuntu: install python3-venv; or set PYTHON to another Python >= 3.10)" >&2
+    exit 1
+  fi
 fi
 stamp=$(.venv/bin/python -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest()[:16])')
 if [ "$(cat .venv/.m3_rollout_installed 2>/dev/null)" = "$stamp" ]; then
