@@ -240,6 +240,19 @@ def whole_k(dtype: torch.dtype, k: int) -> bool:
     return WHOLE_K and dtype in (torch.bfloat16, torch.float16) and k >= WHOLE_K_MIN_K
 
 
+def _k_plan(dtype: torch.dtype, k: int, cfg: LinearConfig, tiles: tuple[int, int]) -> tuple[bool, int, int, bool]:
+    """(whole, K_CHUNK, chunks, split) of a ``linear`` / ``linear_swiglu`` launch of ``tiles``
+    output tiles over a K of ``k``: a whole-K weight (``whole_k``) sums K as one chain (K_CHUNK 0,
+    one chunk, never split); otherwise chunks of ``cfg.k_chunk``, split over programs when there is
+    more than one and fewer output tiles than ``cfg.split_k_below`` (default
+    ``SPLIT_K_BELOW_PROGRAMS``)."""
+    if whole_k(dtype, k):
+        return True, 0, 1, False
+    chunks = triton.cdiv(k, cfg.k_chunk)
+    below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
+    return False, cfg.k_chunk, chunks, chunks > 1 and tiles[0] * tiles[1] < below
+
+
 # The routed experts' tiles: aligned layout (every local expert padded to 64 rows), no TMA, no
 # permuted copy; K summed in chunks of 256 (H 1024: 4 chunks, I 512: 2), split over programs
 # below SPLIT_K_BELOW_PROGRAMS tiles (decode: 4 active 64-row tiles at T=1 would give the gate/up
@@ -566,11 +579,7 @@ def linear(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(t, n))
     tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    whole = whole_k(x.dtype, k)  # one chain over K, in the flat loop, never split
-    k_chunk = 0 if whole else cfg.k_chunk
-    chunks = 1 if whole else triton.cdiv(k, cfg.k_chunk)
-    below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
-    split = chunks > 1 and tiles[0] * tiles[1] < below
+    whole, k_chunk, chunks, split = _k_plan(x.dtype, k, cfg, tiles)
     if cfg.tma and cfg.flat and not split and x.dtype != torch.float32 and _tma_aligned(x, weight):
         _linear_tma_kernel[tiles](
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
@@ -804,11 +813,7 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, alpha: float, limit: fl
         return fl.swiglu(linear(x, weight), alpha, limit, beta)
     block_n = max(16, cfg.block_n // 2)
     tiles = (triton.cdiv(t, cfg.block_m), triton.cdiv(i, block_n))
-    whole = whole_k(x.dtype, k)  # linear's choice for this weight
-    k_chunk = 0 if whole else cfg.k_chunk
-    chunks = 1 if whole else triton.cdiv(k, cfg.k_chunk)
-    below = SPLIT_K_BELOW_PROGRAMS if cfg.split_k_below is None else cfg.split_k_below
-    split = chunks > 1 and tiles[0] * tiles[1] < below
+    whole, k_chunk, chunks, split = _k_plan(x.dtype, k, cfg, tiles)  # linear's choice for this weight
     counters = tile_counters(x.device, tiles[0] * tiles[1]) if split and SPLIT_K_FUSED_COMBINE else None
     if split and counters is None:
         return fl.swiglu(linear(x, weight), alpha, limit, beta)

@@ -791,9 +791,11 @@ KV_BUCKET_BLOCK = 1024
 
 
 def _kv_major_step_index(meta, g: int, nbp: int, ps: int, nd: int, td: int, t_all: int) -> tuple:
-    """(bkt_page int32 [G * Rp * nbp], row_of_tok int64 [Tp], blk_of_tok int64 [Tp]): the page of each
-    (KV head, prefill row, block) bucket, and each prefill token's prefill-local row and own block.
-    The same for every sparse layer of the step: built once, kept in ``meta.memo``."""
+    """(bkt_page int32 [n_bkt], row_of_tok int64 [Tp], blk_of_tok int64 [Tp], bkt_ids int32
+    [n_bkt + 1]), n_bkt = G * Rp * nbp: the page of each (KV head, prefill row, block) bucket, each
+    prefill token's prefill-local row and own block, and the bucket ids 0..n_bkt (the edges the
+    sorted entries are searched for). The same for every sparse layer of the step: built once,
+    kept in ``meta.memo``."""
     r = meta.num_rows
     key = ("kv_major", g, nbp, ps, nd, td, t_all, r)  # everything the tensors below are built from
     got = meta.memo.get(key)
@@ -804,7 +806,8 @@ def _kv_major_step_index(meta, g: int, nbp: int, ps: int, nd: int, td: int, t_al
         row_of_tok = torch.searchsorted(
             meta.query_start_loc[nd + 1 :].long(), torch.arange(td, t_all, device=dev), right=True
         )
-        got = meta.memo[key] = (bkt_page, row_of_tok, meta.positions[td:t_all] // ps)
+        bkt_ids = torch.arange(bkt_page.numel() + 1, device=dev, dtype=torch.int32)
+        got = meta.memo[key] = (bkt_page, row_of_tok, meta.positions[td:t_all] // ps, bkt_ids)
     return got
 
 
@@ -1382,10 +1385,7 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
     dev = q.device
     n_bkt = g * rp * nbp
     # [n_bkt] page of each bucket (-1 = unused); [Tp] prefill-local row and own block of each token
-    bkt_page, row_of_tok, blk_of_tok = _kv_major_step_index(meta, g, nbp, ps, nd, td, t_all)
-    bkt_ids = meta.memo.get(("kv_major_bkt_ids", n_bkt))
-    if bkt_ids is None:
-        bkt_ids = meta.memo[("kv_major_bkt_ids", n_bkt)] = torch.arange(n_bkt + 1, device=dev, dtype=torch.int32)
+    bkt_page, row_of_tok, blk_of_tok, bkt_ids = _kv_major_step_index(meta, g, nbp, ps, nd, td, t_all)
     opart_buf, lse_buf = kv_major_partial_buffers(scratch, chunk, g, topk, rh, d, q.dtype, dev)  # every pass
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
