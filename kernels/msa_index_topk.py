@@ -53,8 +53,14 @@ PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128, "nsub": 2}
 # Per index-key format: page ids of the prefill score loop's unmasked blocks read as vectors of this
 # many blocks (0: one load per block in the loop). H200 2026-12-04, 128K: fp8q 18.5-18.7 -> 15.4-15.5
 # ms with 32 (64 / 128: 17.7), same bits; bf16 15.1-15.9 -> 16.5-16.7 with 32 (slower, kept off);
-# fp8 (bf16 queries) not measured, kept off.
-PREFILL_SCORE_PVC = {"bf16": 0, "fp8": 0, "fp8q": 32}
+# fp8 (bf16 queries): 32 (H100 2026-12-06, with store_b 4: 24.9-25.4 -> 24.0-24.5 ms).
+PREFILL_SCORE_PVC = {"bf16": 0, "fp8": 32, "fp8q": 32}
+# Per index-key format: blocks per store tile of the prefill score loop (``store_b``; each block's
+# maxima are put in a register tile [M, store_b] that is written when full; 1: stored at once). The
+# per-block select and predicated store cost ~store_b instructions per row. H100 2026-12-06, 128K,
+# 3 rounds: fp8q 15.1-15.8 (16) -> 12.4-13.1 ms (4), 13.7-14.2 (1); bf16 15.0-16.6 -> 14.0-16.2 (4,
+# within the spread), 17.9-18.9 (1); fp8 26.1-26.4 -> 24.9-25.4 (4). Same bits at every width.
+PREFILL_SCORE_STORE_B = {"bf16": 4, "fp8": 4, "fp8q": 4}
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
 TOPK_ROWS_WARPS = 1
@@ -154,7 +160,11 @@ def _block_max_sub(
 
 @triton.jit
 def _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B: tl.constexpr):
-    """Put block b's maxima in column (b - b_lo) % STORE_B; flush the tile when full or at b_hi - 1."""
+    """Put block b's maxima in column (b - b_lo) % STORE_B; flush the tile when full or at b_hi - 1.
+    STORE_B == 1: store them at once (the tile is unused)."""
+    if STORE_B == 1:
+        tl.store(row_ptr + b, smax, mask=m_valid)
+        return tile
     j = (b - b_lo) % STORE_B
     tile = tl.where(offs_j[None, :] == j, smax[:, None], tile)
     b0 = b - j
@@ -279,7 +289,7 @@ def _index_scores_kernel(
     b_hi = tl.minimum(b_lo + blocks_per_split, n_blk)
     # NOTE: int64 offsets: a 128K-token chunk at 1M context has T x G x NBP = 2**32 scores
     row_ptr = score_ptr + tok.to(tl.int64) * stride_s_t + head * stride_s_g  # [M]
-    if STORE_B == 1:  # decode: few rows, a plain pipelined loop
+    if STORE_B == 0:  # decode: few rows, a plain pipelined loop
         # NOTE: the split's page ids are read as one vector before the loop (PV > 0), so no load in it
         # feeds another load's address and the pipeliner stages num_stages - 1 key pages ahead (sm_90,
         # triton 3.6: 168,232 B of shared memory for bf16 pages at 6 stages, 69,912 B with the id loaded
@@ -742,7 +752,7 @@ def _score_launch(
         BLOCK_M=block_m,
         # NOTE: a descriptor (TMA) takes the plain decode loop also with one split (a one-page table, or
         # more decode rows than the format's programs): the tile loop does pointer arithmetic on ik_ptr
-        STORE_B=1 if n_splits > 1 or cfg.get("tma") else 16,
+        STORE_B=0 if n_splits > 1 or cfg.get("tma") else cfg.get("store_b", 16),
         KSCALE=kscales is not None,
         QFP8=qfp8,
         SPLIT_CAUSAL=cfg.get("split_causal", False),
@@ -808,7 +818,8 @@ def index_block_scores(
     NaN -> -1e30; for an ``FP8IndexCache`` ik[u] is the dequantized key (and iq[t, g] the
     dequantized query when it quantizes queries). prefill_config: benchmark knobs of the prefill
     score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``, ``nsub``, ``pvc``: page
-    ids read as vectors of that many blocks, default per format ``PREFILL_SCORE_PVC``). pdl (decode launches
+    ids read as vectors of that many blocks, default per format ``PREFILL_SCORE_PVC``; ``store_b``:
+    blocks per store tile, a power of two, default per format ``PREFILL_SCORE_STORE_B``). pdl (decode launches
     with a TMA config, ``decode_score_config``, only): the decode score programs trigger the next
     launch at their start, for a ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent
     launch; otherwise no effect: that launch is then let in as the score programs exit).
@@ -819,7 +830,8 @@ def index_block_scores(
     if t == 0:
         return scores
     nd, r = meta.num_decodes, meta.num_rows
-    gpu = dict(PREFILL_SCORE_CONFIG, pvc=PREFILL_SCORE_PVC.get(index_format(index_cache_l), 0))
+    fmt = index_format(index_cache_l)
+    gpu = dict(PREFILL_SCORE_CONFIG, pvc=PREFILL_SCORE_PVC.get(fmt, 0), store_b=PREFILL_SCORE_STORE_B.get(fmt, 16))
     cfg = dict(gpu if iq.is_cuda else {}, **(prefill_config or {}))
     if nd > 0:
         # Split-K over blocks (fixed by shape): on CUDA the format's DECODE_SCORE_CONFIGS program count,

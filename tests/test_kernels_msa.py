@@ -178,10 +178,11 @@ def test_index_topk_prefill_score_variants(monkeypatch):
     # page ids read as vectors of pvc blocks (chunks cut mid-row): every causal score keeps its bits
     causal = torch.arange(scores.shape[2]).view(1, 1, -1) <= (b.meta.positions // PS).view(-1, 1, 1)
     causal = causal.expand_as(scores)
-    for pvc in (2, 4):
-        got_s = mi.index_block_scores(b.iq, b.ik, b.meta, {**cfg, "pvc": pvc})
-        assert torch.equal(got_s[causal], scores[causal])
-        assert torch.equal(mi.index_topk(b.iq, b.ik, b.meta, K, prefill_config={**cfg, "pvc": pvc}), want)
+    # ... and with other store tiles (store_b 1: each block's maxima stored at once)
+    for extra in ({"pvc": 2}, {"pvc": 4}, {"store_b": 1}, {"store_b": 2, "pvc": 2}, {"store_b": 4, "nsub": 1}):
+        got_s = mi.index_block_scores(b.iq, b.ik, b.meta, {**cfg, **extra})
+        assert torch.equal(got_s[causal], scores[causal]), extra
+        assert torch.equal(mi.index_topk(b.iq, b.ik, b.meta, K, prefill_config={**cfg, **extra}), want)
 
 
 def test_chunk_top_k_pdl_flags_are_ignored_off_cuda():
