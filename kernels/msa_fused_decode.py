@@ -143,7 +143,7 @@ def _decode_scores_kernel(
     """
     if PDL:  # let the attention kernel (launched with PDL) get scheduled now; it waits for our stores
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets (tok * stride_iq_t, tok * stride_s_t)
     split = tl.program_id(1)
     offs_m = tl.arange(0, QP * GP)  # m = token m // GP, head m % GP
     tok_i = offs_m // GP
@@ -420,7 +420,7 @@ def _decode_select_attend_kernel(
     of cand_blocks blocks; NCAND = next_pow2(cand_splits) x KP, NBC = KP). MODE 1 / 2 write the
     selection to ids_ptr when WRITE_IDS.
     """
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # int64 offsets (t * stride_qt, t * stride_s_t, t * stride_ot)
     g = tl.program_id(1)
     s_id = tl.program_id(2)
     row = t // dql

@@ -276,7 +276,7 @@ def _index_scores_kernel(
     offs_d = tl.arange(0, DI)
     offs_o = tl.arange(0, PS)
     q = tl.load(
-        iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
+        iq_ptr + tok[:, None].to(tl.int64) * stride_iq_t + head[:, None] * stride_iq_g + offs_d[None, :],
         mask=m_valid[:, None],
         other=0.0,
     )  # [M, DI]
@@ -470,7 +470,7 @@ def _topk_chunk_kernel(
     ``tl.topk`` (needs KP <= CHUNK) instead of K rounds of max-and-remove; the same keys, in order.
     Not FINAL: the chunk's KP-slot key list key[(rid * n_chunks + chunk) * KP + :KP], its top ``topk``
     keys first (NET: the next KP - topk keys of the chunk after them, rounds: the empty key)."""
-    rid = tl.program_id(0)  # t * G + g
+    rid = tl.program_id(0).to(tl.int64)  # t * G + g (int64: the key lists' offsets pass 2**31 at long tables)
     chunk = tl.program_id(1)
     t = rid // G
     g = rid % G
@@ -680,7 +680,7 @@ def _topk_merge_kernel(
     NET: tl.constexpr = False,
 ):
     """Final top-k over the chunk winners of one (token, head) row (NET: one ``tl.topk`` network)."""
-    rid = tl.program_id(0)
+    rid = tl.program_id(0).to(tl.int64)  # int64: rid * n_keys passes 2**31 at long tables
     p = tl.load(pos_ptr + rid // G)
     n_cand = p // PS + 1
     offs = tl.arange(0, BLOCK_N)

@@ -164,7 +164,7 @@ def _decode_attn_kernel(
     """One (decode token, KV head, split): partial softmax over its share of the entries.
 
     Sparse: the token's KP-padded selection is a set (a block id repeated at a later slot is skipped)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # int64 offsets (t * stride_qt)
     g = tl.program_id(1)
     s_id = tl.program_id(2)
     n_split = tl.num_programs(2)
@@ -246,7 +246,7 @@ def _decode_merge_kernel(
     S: tl.constexpr,
 ):
     """Combine the S splits of one (decode token, KV head): weights exp2(lse_s - max_s lse)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # int64 offsets (t * stride_ot)
     g = tl.program_id(1)
     base = (t * tl.num_programs(1) + g) * S
     offs_s = tl.arange(0, S)
@@ -284,11 +284,11 @@ def _load_query_tile(
     BLOCK_M: tl.constexpr,
 ):
     """Query rows of a prefill tile: BLOCK_M tokens from t0 (cut at q_hi) x KV head g's RH heads, row m =
-    token m // RHP, head m % RHP. Returns (ti [M] token index in the tile, tok [M], head [M], m_ok [M],
+    token m // RHP, head m % RHP. Returns (ti [M] token index in the tile, tok [M] int64, head [M], m_ok [M],
     q [M, D], qpos [M] positions as stored, -1 for masked rows)."""
     offs_m = tl.arange(0, BLOCK_M * RHP)
     ti = offs_m // RHP
-    tok = t0 + ti
+    tok = (t0 + ti).to(tl.int64)  # int64 offsets: tok * stride_qt passes 2**31 from 262,144 tokens at nh * d = 8192
     h = offs_m % RHP
     m_ok = (tok < q_hi) & (h < RH)
     head = g * RH + h
@@ -989,7 +989,7 @@ def kv_major_merge_kernel(
         out += w3[:, None] * o3
     head = g * RH + offs_h
     tl.store(
-        o_ptr + (t_base + t) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        o_ptr + (t_base + t).to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=(offs_h < RH)[:, None],
     )

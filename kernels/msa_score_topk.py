@@ -167,7 +167,7 @@ def _decode_score_topk_kernel(
     """
     if PDL:  # let the attention kernel (launched with PDL) get scheduled now; it waits for our stores
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets (tok * stride_iq_t, tok * stride_c_t)
     split = tl.program_id(1)
     offs_m = tl.arange(0, QP * GP)  # m = token m // GP, head m % GP
     tok_i = offs_m // GP
