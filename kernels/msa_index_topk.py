@@ -819,7 +819,8 @@ def index_block_scores(
     dequantized query when it quantizes queries). prefill_config: benchmark knobs of the prefill
     score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``, ``nsub``, ``pvc``: page
     ids read as vectors of that many blocks, default per format ``PREFILL_SCORE_PVC``; ``store_b``:
-    blocks per store tile, a power of two, default per format ``PREFILL_SCORE_STORE_B``). pdl (decode launches
+    blocks per store tile, a power of two, default per format ``PREFILL_SCORE_STORE_B``; a ``store_b``
+    or ``pvc`` that is not a power of two raises ValueError, ``pvc`` 0 is off). pdl (decode launches
     with a TMA config, ``decode_score_config``, only): the decode score programs trigger the next
     launch at their start, for a ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent
     launch; otherwise no effect: that launch is then let in as the score programs exit).
@@ -833,6 +834,10 @@ def index_block_scores(
     fmt = index_format(index_cache_l)
     gpu = dict(PREFILL_SCORE_CONFIG, pvc=PREFILL_SCORE_PVC.get(fmt, 0), store_b=PREFILL_SCORE_STORE_B.get(fmt, 16))
     cfg = dict(gpu if iq.is_cuda else {}, **(prefill_config or {}))
+    for knob, low in (("store_b", 1), ("pvc", 0)):  # tl.arange widths: a power of two (pvc 0: off)
+        v = cfg.get(knob, low)
+        if not isinstance(v, int) or v < low or (v > 0 and v & (v - 1)):
+            raise ValueError(f"index_block_scores: prefill_config {knob}={v!r}; use a power of two >= {max(low, 1)}")
     if nd > 0:
         # Split-K over blocks (fixed by shape): on CUDA the format's DECODE_SCORE_CONFIGS program count,
         # elsewhere ~1024 programs in all with >= 8 blocks each.

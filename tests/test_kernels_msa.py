@@ -183,6 +183,9 @@ def test_index_topk_prefill_score_variants(monkeypatch):
         got_s = mi.index_block_scores(b.iq, b.ik, b.meta, {**cfg, **extra})
         assert torch.equal(got_s[causal], scores[causal]), extra
         assert torch.equal(mi.index_topk(b.iq, b.ik, b.meta, K, prefill_config={**cfg, **extra}), want)
+    for bad in ({"store_b": 3}, {"store_b": 0}, {"pvc": 6}, {"pvc": -2}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            mi.index_block_scores(b.iq, b.ik, b.meta, {**cfg, **bad})
 
 
 def test_chunk_top_k_pdl_flags_are_ignored_off_cuda():
