@@ -195,6 +195,12 @@ class GenerationConfig:
     # scale per token; about half the bytes a long-context decode step reads; the block choice is
     # made on the dequantized keys, so it can differ from bfloat16's near ties: docs/benchmarks.md).
     index_cache_dtype: str = "bfloat16"
+    # With index_cache_dtype=fp8_e4m3: the score kernels quantize the index queries to e4m3 too (one
+    # scale per row), so the scores are fp8 x fp8 tensor-core dots: the fastest index format
+    # (docs/benchmarks.md, "fp8q": 1M decode ~1.2x faster than FP8 keys with bf16 queries, 128K
+    # prefill scores ~2x), with a little more selection drift from bfloat16 keys (0.92-0.94 of the
+    # blocks kept vs 0.94-0.95). The trainer's batch-invariant scorer uses the same format.
+    quantize_index_queries: bool = False
     # Block-selection record (design.md §2.3): the engine records every sparse layer's selected KV
     # blocks per token and KV head (prompt, tool and sampled tokens); the trajectories carry it to
     # the trainer (policy.index_replay, the train/msa_selection_agreement metric) and the dumps.
@@ -226,6 +232,7 @@ class GenerationConfig:
             enable_cuda_graphs=self.enable_cuda_graphs,
             async_scheduling=self.async_scheduling,
             index_cache_dtype=self.index_cache_dtype,
+            quantize_index_queries=self.quantize_index_queries,
             record_block_selection=self.record_block_selection,
             batch_invariant=self.batch_invariant,
             invariant_sparse_attention=self.invariant_sparse_attention,
@@ -965,6 +972,13 @@ def validate(cfg: MasterConfig, training: bool = True) -> None:
         "policy.generation.index_cache_dtype",
         gen.index_cache_dtype,
         "must be bfloat16 or fp8_e4m3",
+    )
+    _check(
+        e,
+        not gen.quantize_index_queries or gen.index_cache_dtype == "fp8_e4m3",
+        "policy.generation.quantize_index_queries",
+        gen.quantize_index_queries,
+        "needs policy.generation.index_cache_dtype=fp8_e4m3 (queries are quantized like the FP8 index keys)",
     )
     _check(
         e,

@@ -43,5 +43,6 @@ def invariant_scorer(cfg: MasterConfig, compute_model, max_model_len: int) -> Pa
         w.dtype,
         w.device,
         gen.index_cache_dtype,
+        gen.quantize_index_queries,
         token_logprobs=invariant_token_logprobs(w.device),
     )

@@ -151,6 +151,8 @@ def server_command(cfg: MasterConfig, model_dir: Path, max_len: int, port: int) 
     if gen.msa_prefill_scratch_mb is not None:
         cmd += ["--msa-prefill-scratch-mb", str(gen.msa_prefill_scratch_mb)]
     cmd += ["--index-cache-dtype", gen.index_cache_dtype]
+    if gen.quantize_index_queries:
+        cmd.append("--quantize-index-queries")
     cmd += ["--async-scheduling", {None: "auto", True: "on", False: "off"}[gen.async_scheduling]]
     if not gen.enable_prefix_caching:
         cmd.append("--no-prefix-caching")

@@ -92,6 +92,11 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "m3-rollout serve"
         help="sparse layers' index-key cache (fp8_e4m3: e4m3 codes + a scale per token)",
     )
     p.add_argument(
+        "--quantize-index-queries",
+        action="store_true",
+        help="with --index-cache-dtype fp8_e4m3: quantize the index queries too (fp8 x fp8 scores, the fastest)",
+    )
+    p.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse full KV pages across requests (on by default)"
     )
     p.add_argument(
@@ -185,6 +190,7 @@ def build_backend(args: argparse.Namespace, model_dir: Path, stop_ids: list[int]
         enable_cuda_graphs=args.enable_cuda_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         index_cache_dtype=args.index_cache_dtype,
+        quantize_index_queries=args.quantize_index_queries,
         record_block_selection=args.record_block_selection,
         batch_invariant=args.batch_invariant,
         invariant_sparse_attention=args.invariant_sparse_attention,
