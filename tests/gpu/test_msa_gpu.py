@@ -195,6 +195,31 @@ def test_sparse_prefill_cuda_graph_replay(impl):
     torch.testing.assert_close(out_g, step(), rtol=0, atol=0)
 
 
+def test_dense_prefill_past_2_31_query_elements_equals_the_sequence_alone():
+    # 272 sequences x 1,024 tokens = 278,528 prefill tokens: the last query row starts at element
+    # 278,527 x 64 x 128 > 2**31, so an int32 token x row-stride offset wraps (before the int64 offsets:
+    # a CUDA error). The last sequence's rows equal that sequence run alone (the same pages).
+    import dataclasses
+
+    from m3_kernels.msa_paged_attention import paged_attention
+
+    n, length = 272, 1024
+    b = make_paged_batch(
+        [(0, length)] * n, 0, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D,
+        dtype=torch.bfloat16, device="cuda", seed=1,
+    )  # fmt: skip
+    assert (b.meta.num_tokens - 1) * NH * D > 2**31
+    out = paged_attention(b.q, b.k, b.v, b.meta, SCALE)
+    one = make_paged_batch(
+        [(0, length)], 0, page_size=PS, kv_heads=G, q_heads=NH, head_dim=D, index_dim=D, dtype=torch.bfloat16,
+        device="cuda", seed=1,
+    )  # fmt: skip
+    last = dataclasses.replace(one.meta, block_tables=b.meta.block_tables[-1:])  # the last sequence's pages
+    alone = paged_attention(b.q[-length:].contiguous(), b.k, b.v, last, SCALE)
+    assert torch.equal(out[-length:], alone)
+    assert torch.isfinite(out).all()
+
+
 # ---- fused decode path (kernels/msa_fused_decode.py) through msa_fused_decode.msa_attention ----
 
 WIDE = ([(40000, 1), (3000, 1)], 2)  # block table of 313 pages > MAX_FUSED_BLOCKS: the long-context path
