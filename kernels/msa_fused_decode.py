@@ -79,9 +79,9 @@ PDL = True  # chain the decode launches with programmatic dependent launch on CU
 # switch point is to be set from its 8K / 32K rows (GPU session).
 SCORE_TOPK_MIN_BLOCKS = MAX_FUSED_BLOCKS + 1
 DECODE_PATHS = ("rank", "score_topk", "index_topk")
-# NOTE: the default route of tables from SCORE_TOPK_MIN_BLOCKS pages. "index_topk" is the path the
-# H200 measured (1M: 5.56x dense); "score_topk" is tested on the CPU interpreter only (2026-12-02)
-# and becomes the default once tests/gpu/test_msa_gpu.py passes and bench_msa.py shows it faster.
+# NOTE: the default route of tables from SCORE_TOPK_MIN_BLOCKS pages. "index_topk" is the faster one
+# (bench_msa.py, H200 2026-12-04, 1M: 77-79 us bf16 vs 121 us for "score_topk"); "score_topk" passes
+# the GPU tests (tests/gpu/test_msa_gpu.py) and is kept for the A/B.
 LONG_DECODE_PATH = "index_topk"
 # The "index_topk" decode path: the chunk winners of msa_index_topk.topk_chunk_keys go straight to K2,
 # which merges them in its prologue (MODE 2, one tl.topk network): 3 launches (scores, chunk top-k,

@@ -1,8 +1,9 @@
-"""Benchmark the MSA Triton kernels on one GPU against SDPA flash baselines of the same run.
+"""Benchmark the MSA Triton kernels on one GPU against dense SDPA baselines (flash or cuDNN) of the same run.
 
 Real M3 attention shapes: 64 q heads / 4 KV heads / d 128 / index dim 128 / block (page) 128 /
 top-k 16, bf16, one layer. Measured in one process:
-- dense decode baseline: torch SDPA (flash backend, enable_gqa) over contiguous [1, 4, S, 128] K/V;
+- dense decode baseline: torch SDPA (the faster of the flash and cuDNN backends, enable_gqa) over contiguous
+  [1, 4, S, 128] K/V;
 - MSA decode step = ``m3_kernels.msa_fused_decode.msa_attention`` (the engine's sparse-layer call: indexer + top-k +
   sparse attention; the fused decode path of kernels/msa_fused_decode.py), one sequence, at 8K..1M
   context, beside the separate ops (index_topk, then paged_attention); achieved GB/s over the
@@ -17,10 +18,10 @@ top-k 16, bf16, one layer. Measured in one process:
   ``--topk-sweep``: the score_topk path's split count / warps / stages at contexts >= 128K;
   ``--score-sweep``: the decode score launch (``index_block_scores``), pointer loads vs TMA over
   programs / warps / stages (``DECODE_SCORE_CONFIGS``), bits checked, at contexts >= 128K;
-- dense causal prefill baseline (SDPA flash) vs MSA prefill (indexer + top-k + sparse attention, one
+- dense causal prefill baseline (SDPA, flash or cuDNN) vs MSA prefill (indexer + top-k + sparse attention, one
   timed call sequence) at 8K/32K/128K, with the parts timed alone: index scores and attention with
   achieved TFLOP/s (useful FLOPs: causal keys only), top-k in ms;
-- batched decode, 64 sequences x 32K: tokens/s vs SDPA flash dense and vs our dense paged path.
+- batched decode, 64 sequences x 32K: tokens/s vs dense SDPA (flash or cuDNN) and vs our dense paged path.
 Decode steps are timed as CUDA-graph replays (how the engine runs decode; launch overhead of
 the few small kernels would otherwise dominate at 8K); eager times are printed beside them. Prefill is
 timed eagerly.
