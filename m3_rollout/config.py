@@ -197,9 +197,10 @@ class GenerationConfig:
     index_cache_dtype: str = "bfloat16"
     # With index_cache_dtype=fp8_e4m3: the score kernels quantize the index queries to e4m3 too (one
     # scale per row), so the scores are fp8 x fp8 tensor-core dots: the fastest index format
-    # (docs/benchmarks.md, "fp8q": 1M decode ~1.2x faster than FP8 keys with bf16 queries, 128K
-    # prefill scores ~2x), with a little more selection drift from bfloat16 keys (0.92-0.94 of the
-    # blocks kept vs 0.94-0.95). The trainer's batch-invariant scorer uses the same format.
+    # (docs/benchmarks.md, "fp8q": the 1M decode step 1.23x faster than FP8 keys with bf16 queries on
+    # an H200, 1.07x on an H100; 128K prefill scores 1.9x on an H100), with a little more selection
+    # drift from bfloat16 keys (0.92-0.94 of the blocks kept vs 0.94-0.95). The trainer's
+    # batch-invariant scorer uses the same format.
     quantize_index_queries: bool = False
     # Block-selection record (design.md §2.3): the engine records every sparse layer's selected KV
     # blocks per token and KV head (prompt, tool and sampled tokens); the trajectories carry it to
