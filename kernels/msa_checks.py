@@ -10,6 +10,14 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def check_pow2_knob(op: str, key: str, value, zero_ok: bool = False) -> None:
+    """Raise ValueError naming ``op``'s prefill_config knob ``key`` unless ``value`` is an int power
+    of two >= 1 (or 0 with ``zero_ok``: the knob's off value). Such knobs size ``tl.arange`` vectors."""
+    if not isinstance(value, int) or value < (0 if zero_ok else 1) or value & (value - 1):
+        off = " (0: off)" if zero_ok else ""
+        raise ValueError(f"{op}: prefill_config {key}={value!r}; needs a power of two >= 1{off}")
+
+
 def check_pow2_dim(name: str, value: int, lo: int = 16, hi: int = 256) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a power of two in [lo, hi].
 

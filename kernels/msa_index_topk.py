@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from m3_kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_kernels.msa_checks import check_pow2_dim, check_pow2_knob, next_pow2
 from m3_kernels.msa_fp8 import index_dot, index_format, quantize_rows_e4m3, split_index_cache
 from m3_kernels.paged_layout import PagedMetadata
 
@@ -833,11 +833,10 @@ def index_block_scores(
     nd, r = meta.num_decodes, meta.num_rows
     fmt = index_format(index_cache_l)
     gpu = dict(PREFILL_SCORE_CONFIG, pvc=PREFILL_SCORE_PVC.get(fmt, 0), store_b=PREFILL_SCORE_STORE_B.get(fmt, 16))
+    for key in ("store_b", "pvc"):  # the caller's knobs (the defaults above are valid)
+        if key in (prefill_config or {}):
+            check_pow2_knob("index_block_scores", key, prefill_config[key], zero_ok=key == "pvc")
     cfg = dict(gpu if iq.is_cuda else {}, **(prefill_config or {}))
-    for knob, low in (("store_b", 1), ("pvc", 0)):  # tl.arange widths: a power of two (pvc 0: off)
-        v = cfg.get(knob, low)
-        if not isinstance(v, int) or v < low or (v > 0 and v & (v - 1)):
-            raise ValueError(f"index_block_scores: prefill_config {knob}={v!r}; use a power of two >= {max(low, 1)}")
     if nd > 0:
         # Split-K over blocks (fixed by shape): on CUDA the format's DECODE_SCORE_CONFIGS program count,
         # elsewhere ~1024 programs in all with >= 8 blocks each.

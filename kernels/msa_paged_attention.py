@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3_kernels.msa_checks import check_pow2_dim, next_pow2
+from m3_kernels.msa_checks import check_pow2_dim, check_pow2_knob, next_pow2
 from m3_kernels.paged_layout import (
     KV_CHUNK_TOKENS,
     KV_MAJOR_MIN_TOKENS,
@@ -1227,8 +1227,8 @@ def check_prefill_config(cfg: dict) -> dict:
             )
         if key == "impl" and val not in ("kv", "union", "loop"):
             raise ValueError(f"paged_attention: prefill_config impl={val!r}; use 'kv', 'union' or 'loop'")
-        if key in _PREFILL_POW2_KNOBS and (not isinstance(val, int) or val < 1 or val & (val - 1)):
-            raise ValueError(f"paged_attention: prefill_config {key}={val!r}; needs a power of two >= 1")
+        if key in _PREFILL_POW2_KNOBS:
+            check_pow2_knob("paged_attention", key, val)
         if key in _PREFILL_POSITIVE_KNOBS and (not isinstance(val, int) or val < 1):
             raise ValueError(f"paged_attention: prefill_config {key}={val!r}; needs an integer >= 1")
     return cfg
