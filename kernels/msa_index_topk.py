@@ -18,7 +18,8 @@ Scoring tiles ``BLOCK_M`` query tokens x all G index heads against one page of k
 ``[BLOCK_M*G, di] x [di, ps]`` tensor-core tiles; decode rows split their blocks over
 ``n_splits`` programs. Prefill on the GPU (``PREFILL_SCORE_CONFIG``): blocks wholly before the
 tile's first token skip the causal mask, and a 128-register cap lets two programs share an SM so
-one's tensor-core work overlaps the other's block-max reductions. Prefill top-k runs TOPK_ROWS
+one's tensor-core work overlaps the other's block-max reductions; FP8 keys are read through TMA
+in 64-token tiles (``PREFILL_SCORE_FORMAT``). Prefill top-k runs TOPK_ROWS
 (token, head) rows per program.
 
 CUDA-graph safety: grids depend only on (rows, tokens, block-table width, decode_query_len,
@@ -47,9 +48,10 @@ _ID_BIAS = 0x7FFFFFFF  # low 32 bits hold _ID_BIAS - block_id, so lower ids win 
 MAX_TOPK = 64
 TOPK_CHUNK = 256  # blocks per selection chunk (split-K of the top-k)
 # Prefill score kernel on the GPU: unmasked loop over blocks before the tile, masked diagonal; a
-# 128-register cap gives 2 programs per SM (H200: 33 -> 16 ms at 128K, docs/benchmarks.md); two 64-key
-# sub-tiles per page (nsub) keep the score tile in registers (16.3 -> 15.2 ms).
-PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128, "nsub": 2}
+# 128-register cap gives 2 programs per SM (H200: 33 -> 16 ms at 128K, docs/benchmarks.md). Key
+# sub-tiles per page (nsub; bf16: two 64-key sub-tiles keep the score tile in registers, 16.3 -> 15.2
+# ms), key reads and tile size: per format, PREFILL_SCORE_FORMAT.
+PREFILL_SCORE_CONFIG = {"split_causal": True, "maxnreg": 128}
 # Per index-key format: page ids of the prefill score loop's unmasked blocks read as vectors of this
 # many blocks (0: one load per block in the loop). H200 2026-12-04, 128K: fp8q 18.5-18.7 -> 15.4-15.5
 # ms with 32 (64 / 128: 17.7), same bits; bf16 15.1-15.9 -> 16.5-16.7 with 32 (slower, kept off);
@@ -61,6 +63,18 @@ PREFILL_SCORE_PVC = {"bf16": 0, "fp8": 32, "fp8q": 32}
 # 3 rounds: fp8q 15.1-15.8 (16) -> 12.4-13.1 ms (4), 13.7-14.2 (1); bf16 15.0-16.6 -> 14.0-16.2 (4,
 # within the spread), 17.9-18.9 (1); fp8 26.1-26.4 -> 24.9-25.4 (4). Same bits at every width.
 PREFILL_SCORE_STORE_B = {"bf16": 4, "fp8": 4, "fp8q": 4}
+# Per index-key format: the prefill score launch's key reads and tile. "tma": each key sub-tile read
+# through a tensor descriptor (one bulk copy instead of a [keys, di] pointer tensor per sub-tile);
+# "tile": (tokens, rows) = BLOCK_M tokens per program while BLOCK_M x G <= rows, else rows / G.
+# H100 2026-12-06, 128K, 3 rounds, same bits: fp8q 12.4-12.7 -> 10.5-11.0 ms with TMA, one
+# 128-key sub-tile and 64 tokens (TMA alone 12.1-12.5; 64 tokens without TMA 13.0-13.2 on
+# 2026-12-06 14:46); fp8 (bf16 queries, converted in registers) 24.0-24.6 -> 19.2-19.7 with TMA and 64 tokens;
+# bf16: no variant outside its spread (14.6-17.0), kept as it was.
+PREFILL_SCORE_FORMAT = {
+    "bf16": {"tma": False, "nsub": 2, "tile": (32, 128)},
+    "fp8": {"tma": True, "nsub": 2, "tile": (64, 256)},
+    "fp8q": {"tma": True, "nsub": 1, "tile": (64, 256)},
+}
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
 TOPK_ROWS_WARPS = 1
@@ -139,16 +153,21 @@ def _block_max_sub(
     NSUB: tl.constexpr,
     MASK: tl.constexpr,
     KSCALE: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """``_block_max`` over the page as NSUB key sub-tiles of PS/NSUB keys (smaller score tiles, so more
-    query rows fit in registers); MASK=False for blocks wholly before every row's position."""
+    query rows fit in registers); MASK=False for blocks wholly before every row's position. TMA:
+    ik_ptr is a tensor descriptor over the [P * ps, di] keys with a [PS/NSUB, di] box."""
     PSN: tl.constexpr = PS // NSUB
     offs_n = tl.arange(0, PSN)
     res = tl.full([q.shape[0]], float("-inf"), tl.float32)
     for sub in tl.static_range(NSUB):
-        k = tl.load(
-            ik_ptr + page.to(tl.int64) * stride_ik_p + (sub * PSN + offs_n)[:, None] * stride_ik_o + offs_d[None, :]
-        )
+        if TMA:
+            k = ik_ptr.load([page * PS + sub * PSN, 0])
+        else:
+            k = tl.load(
+                ik_ptr + page.to(tl.int64) * stride_ik_p + (sub * PSN + offs_n)[:, None] * stride_ik_o + offs_d[None, :]
+            )
         s = index_dot(q, k)
         if KSCALE:
             s = s * tl.load(iks_ptr + page.to(tl.int64) * stride_iks_p + sub * PSN + offs_n)[None, :]
@@ -200,11 +219,12 @@ def _prefill_block_step(
     KSCALE: tl.constexpr,
     QFP8: tl.constexpr,
     STORE_B: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """One block of the prefill score loop: block b's maxima (``_block_max_sub`` on cache page
     ``page``; x the row's query scale with QFP8) put in the store tile (``_store_tile_step``)."""
     smax = _block_max_sub(
-        q, qpos, ik_ptr, iks_ptr, page, b, stride_ik_p, stride_ik_o, stride_iks_p, offs_d, PS, NSUB, MASK, KSCALE
+        q, qpos, ik_ptr, iks_ptr, page, b, stride_ik_p, stride_ik_o, stride_iks_p, offs_d, PS, NSUB, MASK, KSCALE, TMA
     )
     if QFP8:
         smax = smax * q_scale
@@ -363,6 +383,7 @@ def _index_scores_kernel(
                             KSCALE,
                             QFP8,
                             STORE_B,
+                            TMA,
                         )
             else:
                 for b in range(b_lo, b_mid):
@@ -391,6 +412,7 @@ def _index_scores_kernel(
                         KSCALE,
                         QFP8,
                         STORE_B,
+                        TMA,
                     )
         for b in range(b_mid, b_hi):
             page = tl.load(bt_ptr + row * stride_bt_r + b)
@@ -418,6 +440,7 @@ def _index_scores_kernel(
                 KSCALE,
                 QFP8,
                 STORE_B,
+                TMA,
             )
 
 
@@ -716,9 +739,12 @@ def _score_launch(
     t_g, g, di = iq.shape
     ps = keys.shape[1]
     ik = keys
-    if cfg.get("tma"):  # decode on CUDA: a descriptor over the [P * ps, di] keys, one [ps, di] box per page
-        ik = TensorDescriptor.from_tensor(keys.view(-1, di), [ps, di])
     nbp = meta.block_tables.shape[1]
+    decode = r0 < meta.num_decodes
+    nsub = cfg.get("nsub", 1)
+    tma = bool(cfg.get("tma")) and (decode or n_splits == 1)
+    if tma:  # a descriptor over the [P * ps, di] keys: decode one [ps, di] box per page, prefill per sub-tile
+        ik = TensorDescriptor.from_tensor(keys.view(-1, di), [ps if decode else ps // nsub, di])
     gp = next_pow2(g)
     block_m = max(block_m, 16 // gp if gp < 16 else 1)
     qlen = meta.decode_query_len if r0 < meta.num_decodes else meta.max_query_len
@@ -752,13 +778,13 @@ def _score_launch(
         BLOCK_M=block_m,
         # NOTE: a descriptor (TMA) takes the plain decode loop also with one split (a one-page table, or
         # more decode rows than the format's programs): the tile loop does pointer arithmetic on ik_ptr
-        STORE_B=0 if n_splits > 1 or cfg.get("tma") else cfg.get("store_b", 16),
+        STORE_B=0 if n_splits > 1 or (tma and decode) else cfg.get("store_b", 16),
         KSCALE=kscales is not None,
         QFP8=qfp8,
         SPLIT_CAUSAL=cfg.get("split_causal", False),
-        NSUB=cfg.get("nsub", 1),
-        TMA=bool(cfg.get("tma")),
-        PV=next_pow2(per_split) if cfg.get("tma") and per_split <= DECODE_PAGE_VECTOR_MAX else 0,
+        NSUB=nsub,
+        TMA=tma,
+        PV=next_pow2(per_split) if tma and decode and per_split <= DECODE_PAGE_VECTOR_MAX else 0,
         PDL=bool(cfg.get("pdl")),
         PVC=cfg.get("pvc", 0),
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
@@ -820,7 +846,8 @@ def index_block_scores(
     score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``, ``nsub``, ``pvc``: page
     ids read as vectors of that many blocks, default per format ``PREFILL_SCORE_PVC``; ``store_b``:
     blocks per store tile, a power of two, default per format ``PREFILL_SCORE_STORE_B``; a ``store_b``
-    or ``pvc`` that is not a power of two raises ValueError, ``pvc`` 0 is off). pdl (decode launches
+    or ``pvc`` that is not a power of two raises ValueError, ``pvc`` 0 is off; ``tma``: key sub-tiles read
+    through a tensor descriptor, same bits, where ``tma_keys_ok``). pdl (decode launches
     with a TMA config, ``decode_score_config``, only): the decode score programs trigger the next
     launch at their start, for a ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent
     launch; otherwise no effect: that launch is then let in as the score programs exit).
@@ -832,11 +859,22 @@ def index_block_scores(
         return scores
     nd, r = meta.num_decodes, meta.num_rows
     fmt = index_format(index_cache_l)
-    gpu = dict(PREFILL_SCORE_CONFIG, pvc=PREFILL_SCORE_PVC.get(fmt, 0), store_b=PREFILL_SCORE_STORE_B.get(fmt, 16))
+    per_fmt = PREFILL_SCORE_FORMAT[fmt]
+    bm, rows = per_fmt["tile"]
+    gpu = dict(
+        PREFILL_SCORE_CONFIG,
+        pvc=PREFILL_SCORE_PVC.get(fmt, 0),
+        store_b=PREFILL_SCORE_STORE_B.get(fmt, 16),
+        tma=per_fmt["tma"],
+        nsub=per_fmt["nsub"],
+        block_m=bm if g * bm <= rows else max(1, rows // next_pow2(g)),
+    )
     for key in ("store_b", "pvc"):  # the caller's knobs (the defaults above are valid)
         if key in (prefill_config or {}):
             check_pow2_knob("index_block_scores", key, prefill_config[key], zero_ok=key == "pvc")
     cfg = dict(gpu if iq.is_cuda else {}, **(prefill_config or {}))
+    if cfg.get("tma") and not tma_keys_ok(split_index_cache(index_cache_l)[0]):
+        cfg["tma"] = False  # keys a descriptor cannot cover: the pointer loads (same bits)
     if nd > 0:
         # Split-K over blocks (fixed by shape): on CUDA the format's DECODE_SCORE_CONFIGS program count,
         # elsewhere ~1024 programs in all with >= 8 blocks each.

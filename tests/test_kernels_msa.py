@@ -178,8 +178,10 @@ def test_index_topk_prefill_score_variants(monkeypatch):
     # page ids read as vectors of pvc blocks (chunks cut mid-row): every causal score keeps its bits
     causal = torch.arange(scores.shape[2]).view(1, 1, -1) <= (b.meta.positions // PS).view(-1, 1, 1)
     causal = causal.expand_as(scores)
-    # ... and with other store tiles (store_b 1: each block's maxima stored at once)
-    for extra in ({"pvc": 2}, {"pvc": 4}, {"store_b": 1}, {"store_b": 2, "pvc": 2}, {"store_b": 4, "nsub": 1}):
+    # ... and with other store tiles (store_b 1: each block's maxima stored at once), and with the key
+    # sub-tiles read through a tensor descriptor (tma)
+    variants = ({"pvc": 2}, {"pvc": 4}, {"store_b": 1}, {"store_b": 2, "pvc": 2}, {"store_b": 4, "nsub": 1})
+    for extra in variants + ({"tma": True, "pvc": 2}, {"tma": True, "nsub": 1, "store_b": 1}):
         got_s = mi.index_block_scores(b.iq, b.ik, b.meta, {**cfg, **extra})
         assert torch.equal(got_s[causal], scores[causal]), extra
         assert torch.equal(mi.index_topk(b.iq, b.ik, b.meta, K, prefill_config={**cfg, **extra}), want)

@@ -124,11 +124,11 @@ def test_index_topk_on_fp8_cache_matches_reference(quantize_queries):
     ref[:, 18] = torch.einsum("gd,pd->gp", iq[1], keys[page[18], :13]).amax(-1)
     torch.testing.assert_close(scores[1, :, :19], ref, atol=1e-5, rtol=0)
     # the GPU's prefill loop (causal split, two key sub-tiles, page ids as vectors, store tiles of 4 or 1
-    # blocks): every causal score keeps its bits
+    # blocks, key sub-tiles by pointer loads or a tensor descriptor): every causal score keeps its bits
     causal = torch.arange(scores.shape[2]).view(1, 1, -1) <= (b.meta.positions // PS).view(-1, 1, 1)
     causal = causal.expand_as(scores)
-    for store_b, pvc in ((4, 2), (1, 0)):
-        cfg = {"split_causal": True, "nsub": 2, "block_m": 4, "pvc": pvc, "store_b": store_b}
+    for store_b, pvc, tma in ((4, 2, False), (1, 0, False), (4, 2, True)):
+        cfg = {"split_causal": True, "nsub": 2, "block_m": 4, "pvc": pvc, "store_b": store_b, "tma": tma}
         assert torch.equal(mi.index_block_scores(b.iq, cache, b.meta, cfg)[causal], scores[causal])
 
 

@@ -298,3 +298,24 @@ def test_prefill_chunk_past_2_31_scores_selects_like_a_small_chunk():
     small = msa_index_topk.index_topk(b.iq[t0:], b.ik, small_meta, K)
     assert torch.equal(big[t0:], small)
     assert (big[:, :, 0] >= 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8q"])
+def test_prefill_scores_tma_and_tile_keep_the_pointer_loads_bits(fmt):
+    # The prefill score launch on CUDA takes its key reads and tile from PREFILL_SCORE_FORMAT (FP8 keys:
+    # TMA, 64-token tiles). Every causal block maximum must be the bits of the pointer-load launch with
+    # the old 32-token tile and two key sub-tiles (the same dot per block, the same max): rows that start
+    # mid-block after cached context, a row shorter than one tile. bf16 keys (pointer loads by default)
+    # through TMA as well.
+    b = _paged(([(0, 3000), (1000, 700), (130, 77)], 0), seed=3)
+    cache = b.ik if fmt == "bf16" else FP8IndexCache(*quantize_index_keys(b.ik), fmt == "fp8q")
+    per_fmt = msa_index_topk.PREFILL_SCORE_FORMAT[fmt]
+    assert per_fmt["tma"] == (fmt != "bf16")
+    got = msa_index_topk.index_block_scores(b.iq, cache, b.meta)
+    want = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"tma": False, "block_m": 32, "nsub": 2})
+    nb = (b.meta.positions.long() // PS + 1)[:, None, None]  # causal blocks per token
+    causal = torch.arange(got.shape[2], device="cuda")[None, None, :] < nb
+    assert torch.equal(torch.where(causal, got, 0.0), torch.where(causal, want, 0.0))
+    if fmt == "bf16":
+        tma = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"tma": True})
+        assert torch.equal(torch.where(causal, tma, 0.0), torch.where(causal, want, 0.0))
