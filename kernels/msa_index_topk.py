@@ -65,7 +65,8 @@ PREFILL_SCORE_PVC = {"bf16": 0, "fp8": 32, "fp8q": 32}
 PREFILL_SCORE_STORE_B = {"bf16": 4, "fp8": 4, "fp8q": 4}
 # Per index-key format: the prefill score launch's key reads and tile. "tma": each key sub-tile read
 # through a tensor descriptor (one bulk copy instead of a [keys, di] pointer tensor per sub-tile);
-# "tile": (tokens, rows) = BLOCK_M tokens per program while BLOCK_M x G <= rows, else rows / G.
+# "tile": (tokens, rows) = BLOCK_M tokens per program while BLOCK_M x G <= rows, else half as many.
+# Applies to fp16 / bf16 queries; fp32 queries (IEEE dots) take the bf16 entry.
 # H100 2026-12-06, 128K, 3 rounds, same bits: fp8q 12.4-12.7 -> 10.5-11.0 ms with TMA, one
 # 128-key sub-tile and 64 tokens (TMA alone 12.1-12.5; 64 tokens without TMA 13.0-13.2 on
 # 2026-12-06 14:46); fp8 (bf16 queries, converted in registers) 24.0-24.6 -> 19.2-19.7 with TMA and 64 tokens;
@@ -835,6 +836,24 @@ def decode_score_config(iq: torch.Tensor, index_cache_l) -> dict:
     return {"tma": True, "programs": programs, "num_warps": warps, "num_stages": stages}
 
 
+def prefill_score_config(iq: torch.Tensor, index_cache_l) -> dict:
+    """The prefill score launch's knobs on CUDA: ``PREFILL_SCORE_CONFIG`` plus the index-key format's
+    ``PREFILL_SCORE_PVC``, ``PREFILL_SCORE_STORE_B`` and ``PREFILL_SCORE_FORMAT`` entries (key reads
+    through TMA, key sub-tiles, tokens per program for iq's G heads). fp32 queries take the bf16
+    entry (pointer loads, the 32-token tile) whatever the keys' format."""
+    fmt = index_format(index_cache_l)
+    per_fmt = PREFILL_SCORE_FORMAT["bf16" if iq.dtype == torch.float32 else fmt]
+    bm, rows = per_fmt["tile"]
+    return dict(
+        PREFILL_SCORE_CONFIG,
+        pvc=PREFILL_SCORE_PVC.get(fmt, 0),
+        store_b=PREFILL_SCORE_STORE_B.get(fmt, 16),
+        tma=per_fmt["tma"],
+        nsub=per_fmt["nsub"],
+        block_m=bm if iq.shape[1] * bm <= rows else max(1, bm // 2),
+    )
+
+
 def index_block_scores(
     iq: torch.Tensor, index_cache_l, meta: PagedMetadata, prefill_config: dict | None = None, *, pdl: bool = False
 ) -> torch.Tensor:
@@ -843,7 +862,8 @@ def index_block_scores(
     Entry [t, g, b] for b <= pos(t) // ps: max over block b's causal keys of <iq[t, g], ik[u]>,
     NaN -> -1e30; for an ``FP8IndexCache`` ik[u] is the dequantized key (and iq[t, g] the
     dequantized query when it quantizes queries). prefill_config: benchmark knobs of the prefill
-    score kernel (``block_m``, ``num_warps``, ``num_stages``, ``split_causal``, ``nsub``, ``pvc``: page
+    score kernel over the CUDA defaults of ``prefill_score_config`` (``block_m``, ``num_warps``,
+    ``num_stages``, ``split_causal``, ``nsub``, ``pvc``: page
     ids read as vectors of that many blocks, default per format ``PREFILL_SCORE_PVC``; ``store_b``:
     blocks per store tile, a power of two, default per format ``PREFILL_SCORE_STORE_B``; a ``store_b``
     or ``pvc`` that is not a power of two raises ValueError, ``pvc`` 0 is off; ``tma``: key sub-tiles read
@@ -858,21 +878,10 @@ def index_block_scores(
     if t == 0:
         return scores
     nd, r = meta.num_decodes, meta.num_rows
-    fmt = index_format(index_cache_l)
-    per_fmt = PREFILL_SCORE_FORMAT[fmt]
-    bm, rows = per_fmt["tile"]
-    gpu = dict(
-        PREFILL_SCORE_CONFIG,
-        pvc=PREFILL_SCORE_PVC.get(fmt, 0),
-        store_b=PREFILL_SCORE_STORE_B.get(fmt, 16),
-        tma=per_fmt["tma"],
-        nsub=per_fmt["nsub"],
-        block_m=bm if g * bm <= rows else max(1, rows // next_pow2(g)),
-    )
-    for key in ("store_b", "pvc"):  # the caller's knobs (the defaults above are valid)
+    for key in ("store_b", "pvc"):  # the caller's knobs (prefill_score_config's defaults are valid)
         if key in (prefill_config or {}):
             check_pow2_knob("index_block_scores", key, prefill_config[key], zero_ok=key == "pvc")
-    cfg = dict(gpu if iq.is_cuda else {}, **(prefill_config or {}))
+    cfg = dict(prefill_score_config(iq, index_cache_l) if iq.is_cuda else {}, **(prefill_config or {}))
     if cfg.get("tma") and not tma_keys_ok(split_index_cache(index_cache_l)[0]):
         cfg["tma"] = False  # keys a descriptor cannot cover: the pointer loads (same bits)
     if nd > 0:

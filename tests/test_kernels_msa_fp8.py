@@ -107,7 +107,7 @@ def test_fused_write_kernel_quantizes_as_reference():
 
 
 @pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
-def test_index_topk_on_fp8_cache_matches_reference(quantize_queries):
+def test_index_topk_on_fp8_cache_matches_reference(quantize_queries, monkeypatch):
     # Decode rows (split-K score kernel), a prefill row (tiled score kernel; 4-5 candidate blocks per
     # token: the order of the scored ones counts); selection equal to the reference's on the same
     # quantized keys (and queries).
@@ -127,9 +127,44 @@ def test_index_topk_on_fp8_cache_matches_reference(quantize_queries):
     # blocks, key sub-tiles by pointer loads or a tensor descriptor): every causal score keeps its bits
     causal = torch.arange(scores.shape[2]).view(1, 1, -1) <= (b.meta.positions // PS).view(-1, 1, 1)
     causal = causal.expand_as(scores)
-    for store_b, pvc, tma in ((4, 2, False), (1, 0, False), (4, 2, True)):
-        cfg = {"split_causal": True, "nsub": 2, "block_m": 4, "pvc": pvc, "store_b": store_b, "tma": tma}
+    boxes = []  # the prefill launch's tensor descriptors: [ps / nsub, di] boxes over the [P * ps, di] keys
+
+    def spy(t, block_shape, *args, **kw):
+        boxes.append((tuple(t.shape), list(block_shape)))
+        return from_tensor(t, block_shape, *args, **kw)
+
+    from_tensor = mi.TensorDescriptor.from_tensor
+    monkeypatch.setattr(mi.TensorDescriptor, "from_tensor", spy)
+    for store_b, pvc, tma, nsub in ((4, 2, False, 2), (1, 0, False, 2), (4, 2, True, 2), (2, 0, True, 1)):
+        cfg = {"split_causal": True, "nsub": nsub, "block_m": 4, "pvc": pvc, "store_b": store_b, "tma": tma}
+        n = len(boxes)
         assert torch.equal(mi.index_block_scores(b.iq, cache, b.meta, cfg)[causal], scores[causal])
+        assert boxes[n:] == ([((cache.keys.shape[0] * PS, D), [PS // nsub, D])] if tma else [])
+
+
+def test_prefill_score_config_per_index_format_and_query_dtype():
+    """The CUDA prefill score launch's defaults (prefill_score_config): FP8 keys with 16-bit queries read
+    their keys through TMA in 64-token tiles (one 128-key sub-tile with FP8 queries); bf16 keys and
+    fp32 queries (IEEE dots; no TMA whatever the keys) keep pointer loads, two sub-tiles and 32 tokens;
+    more than 4 heads halve the tile (the old bf16 rule: 16 tokens past 128 rows)."""
+    keys = torch.zeros(4, 128, 128)
+    fp8 = FP8IndexCache(*quantize_index_keys(keys), False)
+    fp8q = FP8IndexCache(*quantize_index_keys(keys), True)
+    iq = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    want = {
+        (torch.bfloat16, "bf16"): (False, 2, 32),
+        (torch.bfloat16, "fp8"): (True, 2, 64),
+        (torch.bfloat16, "fp8q"): (True, 1, 64),
+        (torch.float32, "fp8"): (False, 2, 32),
+        (torch.float32, "fp8q"): (False, 2, 32),
+    }
+    for (dtype, fmt), (tma, nsub, bm) in want.items():
+        cache = {"bf16": keys.to(dtype), "fp8": fp8, "fp8q": fp8q}[fmt]
+        cfg = mi.prefill_score_config(iq.to(dtype), cache)
+        assert (cfg["tma"], cfg["nsub"], cfg["block_m"]) == (tma, nsub, bm), (dtype, fmt)
+        assert cfg["store_b"] == mi.PREFILL_SCORE_STORE_B[fmt] and cfg["maxnreg"] == 128
+    assert mi.prefill_score_config(torch.zeros(1, 8, 128, dtype=torch.bfloat16), keys.bfloat16())["block_m"] == 16
+    assert mi.prefill_score_config(torch.zeros(1, 8, 128, dtype=torch.bfloat16), fp8q)["block_m"] == 32
 
 
 @pytest.mark.parametrize("quantize_queries", [False, True], ids=["bf16_q", "fp8_q"])
