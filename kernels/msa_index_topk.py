@@ -748,7 +748,7 @@ def _score_launch(
         ik = TensorDescriptor.from_tensor(keys.view(-1, di), [ps if decode else ps // nsub, di])
     gp = next_pow2(g)
     block_m = max(block_m, 16 // gp if gp < 16 else 1)
-    qlen = meta.decode_query_len if r0 < meta.num_decodes else meta.max_query_len
+    qlen = meta.decode_query_len if decode else meta.max_query_len
     n_qtiles = triton.cdiv(max(qlen, 1), block_m)
     per_split = triton.cdiv(nbp, n_splits)
     n_splits = triton.cdiv(nbp, per_split)

@@ -62,6 +62,13 @@ def _paged(spec, seed=0, **kw):
     )  # fmt: skip
 
 
+def _equal_on_causal_blocks(meta, got, want) -> bool:
+    """Block scores [T, G, NBP] bitwise equal on every (token, head)'s causal blocks (the rest is scratch)."""
+    nb = (meta.positions.long() // PS + 1)[:, None, None]  # causal blocks per token
+    causal = torch.arange(got.shape[2], device="cuda")[None, None, :] < nb
+    return torch.equal(torch.where(causal, got, 0.0), torch.where(causal, want, 0.0))
+
+
 def _batch(spec, quantize_queries, seed=0):
     b = _paged(spec, seed)
     return b, FP8IndexCache(*quantize_index_keys(b.ik), quantize_queries)
@@ -268,9 +275,7 @@ def test_decode_scores_tma_equal_pointer_loads(fmt, spec, monkeypatch):
     monkeypatch.setattr(msa_index_topk, "DECODE_SCORE_TMA", False)
     assert msa_index_topk.decode_score_config(b.iq, cache) == {}
     want = msa_index_topk.index_block_scores(b.iq, cache, b.meta)
-    nb = (b.meta.positions.long() // PS + 1)[:, None, None]  # causal blocks per token
-    causal = torch.arange(got.shape[2], device="cuda")[None, None, :] < nb
-    assert torch.equal(torch.where(causal, got, 0.0), torch.where(causal, want, 0.0))
+    assert _equal_on_causal_blocks(b.meta, got, want)
 
 
 def test_prefill_chunk_past_2_31_scores_selects_like_a_small_chunk():
@@ -313,9 +318,7 @@ def test_prefill_scores_tma_and_tile_keep_the_pointer_loads_bits(fmt):
     assert per_fmt["tma"] == (fmt != "bf16")
     got = msa_index_topk.index_block_scores(b.iq, cache, b.meta)
     want = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"tma": False, "block_m": 32, "nsub": 2})
-    nb = (b.meta.positions.long() // PS + 1)[:, None, None]  # causal blocks per token
-    causal = torch.arange(got.shape[2], device="cuda")[None, None, :] < nb
-    assert torch.equal(torch.where(causal, got, 0.0), torch.where(causal, want, 0.0))
+    assert _equal_on_causal_blocks(b.meta, got, want)
     if fmt == "bf16":
         tma = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"tma": True})
-        assert torch.equal(torch.where(causal, tma, 0.0), torch.where(causal, want, 0.0))
+        assert _equal_on_causal_blocks(b.meta, tma, want)
