@@ -21,21 +21,33 @@ import re
 import torch
 import triton
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from m3_kernels import invariant_page_partials as pp
+from m3_kernels import msa_kv_segment_sm90 as sm90
 from m3_kernels import msa_paged_attention as ma
 from m3_kernels.smem_check import SM90, launch_attrs
 
 
-def dot_code(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> dict[str, list[str]]:
+def softmax_under_mma(ptx: str) -> bool:
+    """Whether the first base-2 exponential of ``ptx`` runs while a committed wgmma group is in flight
+    (a ``wgmma.commit_group`` after the last ``wgmma.wait_group`` before it): the softmax of one tile
+    overlapping a tensor-core dot, as kernels/msa_kv_segment_sm90.py issues it."""
+    ex2 = ptx.find("ex2.approx")
+    if ex2 < 0:
+        return False
+    return ptx.rfind("wgmma.commit_group", 0, ex2) > ptx.rfind("wgmma.wait_group", 0, ex2)
+
+
+def dot_code(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> dict:
     """{"layouts": distinct MMA layouts of the TTGIR, "dots": distinct dot signatures, "instructions":
-    distinct MMA instructions of the PTX} (each sorted) of JIT kernel ``fn`` compiled for sm_90 as a
-    launch specializes it (``launch_attrs``)."""
+    distinct MMA instructions of the PTX (each sorted), "softmax_under_mma": ``softmax_under_mma``}
+    of JIT (Triton or Gluon) kernel ``fn`` compiled for sm_90 as a launch specializes it
+    (``launch_attrs``)."""
     attrs = launch_attrs(fn, sig)
     sig = dict(sig, **{c: "constexpr" for c in consts})
-    kernel = triton.compile(
-        ASTSource(fn, sig, consts, attrs), target=SM90, options={"num_warps": num_warps, "num_stages": num_stages}
-    )
+    source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, consts, attrs)
+    kernel = triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     dots = re.findall(r"(?:ttng\.warp_group_dot|tt\.dot) [^{]*\{[^}]*\} : ([^\n]*?)(?: loc\(|$)", ttgir, re.M)
     mma = re.findall(r"^\s*((?:wgmma\.mma_async|mma\.sync)[\w.]*)\s+([^;]*);", ptx, re.M)
@@ -46,6 +58,7 @@ def dot_code(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> di
         "dots": sorted({d.replace(", mutable", "") for d in dots}),
         # opcode and the immediate operands (scale-d, negation, transposition), registers blanked
         "instructions": sorted({f"{op} " + re.sub(r"%\w+|\{[^}]*\}", "R", args) for op, args in mma}),
+        "softmax_under_mma": softmax_under_mma(ptx),
     }
 
 
@@ -64,8 +77,11 @@ def page_partials_kernels(dtype: torch.dtype = torch.bfloat16) -> dict[str, dict
     dec_sig.update(io, bt_ptr="*i32", pos_ptr="*i64", sel_ptr="*i32", qk_scale="fp32")
     seg_consts = dict(tile, PREFETCH=False, PIPELINE=True, DEFERRED=deferred)
     run = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sm90_sig = {n: seg_sig[n] for n in sm90.kv_seg_attn_sm90_kernel.arg_names if n in seg_sig}
+    sm90_consts = dict(G=4, RH=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, STAGES=sm90.KV_SEG_SM90_STAGES)
     return {
         f"kv_seg_attn_kernel/{dt}": dot_code(ma.kv_seg_attn_kernel, seg_sig, seg_consts, **run),
+        f"kv_seg_attn_sm90_kernel/{dt}": dot_code(sm90.kv_seg_attn_sm90_kernel, sm90_sig, sm90_consts, 4, 1),
         f"pp_decode_kernel/{dt}": dot_code(pp.pp_decode_kernel, dec_sig, dict(tile, KP=16, DEFERRED=deferred), **run),
     }
 

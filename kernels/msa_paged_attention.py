@@ -52,6 +52,12 @@ import triton
 import triton.language as tl
 
 from m3_kernels.msa_checks import check_pow2_dim, check_pow2_knob, next_pow2
+from m3_kernels.msa_kv_segment_sm90 import (
+    KV_SEG_SM90_STAGES,
+    check_kv_seg_sm90,
+    kv_seg_attn_sm90_kernel,
+    sm90_unsupported,
+)
 from m3_kernels.paged_layout import (
     KV_CHUNK_TOKENS,
     KV_MAJOR_MIN_TOKENS,
@@ -78,6 +84,11 @@ KV_SEG_PIPELINE_STAGES = 2
 # 38.5 ms at 2 stages, 42.1 at 1, 63.8 at 3 (spills)) or "pipeline" (without the look-ahead dot).
 KV_SEG_LOOPS = ("pipeline", "deferred")
 KV_SEG_LOOP = "deferred"
+# The Hopper segment kernel (kernels/msa_kv_segment_sm90.py, Gluon): prefill_config prefetch="sm90".
+KV_SEG_SM90 = "sm90"
+# Without a prefetch knob, launches the Hopper kernel can run (``sm90_unsupported``) take it: the same
+# bits, H100 2026-12-06, bench 128K attention alone: 41.9-44.2 -> 40.0-41.7 ms (docs/benchmarks.md).
+KV_SEG_SM90_DEFAULT = True
 
 
 @triton.jit
@@ -1104,7 +1115,10 @@ def paged_attention(
     read once as vectors and the query rows staged by the compiler, ``KV_SEG_PIPELINE_STAGES`` deep
     unless ``num_stages`` says, 128K -> 39.9-41.0 ms; "deferred": "pipeline" with the next tile's
     QK dot issued before this tile's softmax, 128K -> 38.3-38.5 ms, the 16-bit default
-    (``KV_SEG_LOOP``); False: none of these).
+    (``KV_SEG_LOOP``); "sm90": the Gluon kernel of kernels/msa_kv_segment_sm90.py (Hopper, 16-bit,
+    64-row tiles: the same bits, H100 41.9-44.2 -> 40.0-41.7 ms), taken by default where it can run
+    (``KV_SEG_SM90_DEFAULT``), ``num_stages`` its query-tile stages (2 or 3), ``num_warps`` /
+    ``maxnreg`` unused, a launch it cannot run refused with ValueError; False: none of these).
     scratch: the KV-major path's partial outputs and log-sum-exps (uint8 [bytes], contiguous, on
     q's device; layout: kernels/paged_layout.py; the engine's buffer, allocated once inside its
     memory budget). Its passes then hold ``kv_major_capacity`` tokens each (however many prefill
@@ -1214,16 +1228,20 @@ _PREFILL_POSITIVE_KNOBS = ("num_stages", "maxnreg", "seg", "kv_chunk")
 def check_prefill_config(cfg: dict) -> dict:
     """Validate ``paged_attention``'s ``prefill_config`` knobs; returns cfg.
 
-    Raises ValueError naming the knob: unknown key, ``impl`` not in kv/union/loop, a warp count or
-    ``tok`` not a power of two >= 1, or ``num_stages`` / ``maxnreg`` / ``seg`` / ``kv_chunk`` < 1.
+    Raises ValueError naming the knob: unknown key, ``impl`` not in kv/union/loop, ``prefetch`` not
+    True / False / "pipeline" / "deferred" / "sm90", a warp count or ``tok`` not a power of two >= 1,
+    or ``num_stages`` / ``maxnreg`` / ``seg`` / ``kv_chunk`` < 1. (Whether the "sm90" kernel can run
+    a launch is checked at the launch: ``msa_kv_segment_sm90.check_kv_seg_sm90``.)
     """
     allowed = {"impl", "prefetch", *_PREFILL_POW2_KNOBS, *_PREFILL_POSITIVE_KNOBS}
     for key, val in cfg.items():
         if key not in allowed:
             raise ValueError(f"paged_attention: unknown prefill_config key {key!r}; known: {sorted(allowed)}")
-        if key == "prefetch" and not (isinstance(val, bool) or val in KV_SEG_LOOPS):  # 1 == True, but not `is`
+        # 1 == True, but not `is`
+        if key == "prefetch" and not (isinstance(val, bool) or val in (*KV_SEG_LOOPS, KV_SEG_SM90)):
             raise ValueError(
-                f"paged_attention: prefill_config prefetch={val!r}; use True, False, 'pipeline' or 'deferred'"
+                f"paged_attention: prefill_config prefetch={val!r}; use True, False, 'pipeline', 'deferred' or "
+                f"{KV_SEG_SM90!r}"
             )
         if key == "impl" and val not in ("kv", "union", "loop"):
             raise ValueError(f"paged_attention: prefill_config impl={val!r}; use 'kv', 'union' or 'loop'")
@@ -1387,6 +1405,13 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
     # [n_bkt] page of each bucket (-1 = unused); [Tp] prefill-local row and own block of each token
     bkt_page, row_of_tok, blk_of_tok, bkt_ids = _kv_major_step_index(meta, g, nbp, ps, nd, td, t_all)
     opart_buf, lse_buf = kv_major_partial_buffers(scratch, chunk, g, topk, rh, d, q.dtype, dev)  # every pass
+    seg_len = cfg.get("seg", KV_SEGMENT)
+    prefetch = cfg.get("prefetch", True if ieee else KV_SEG_LOOP)
+    sm90_stages = cfg.get("num_stages", KV_SEG_SM90_STAGES)  # query-tile stages of the Hopper kernel
+    if "prefetch" not in cfg and KV_SEG_SM90_DEFAULT and sm90_unsupported(q, k_cache_l, rh, tok, sm90_stages) is None:
+        prefetch = KV_SEG_SM90
+    if prefetch == KV_SEG_SM90:  # refused before any pass's work
+        check_kv_seg_sm90(q, k_cache_l, rh, tok, sm90_stages)
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
         tc = c1 - c0
@@ -1424,8 +1449,6 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
             num_warps=cfg.get("num_warps", 4 if tok * rhp <= 64 else 8),
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
-        seg_len = cfg.get("seg", KV_SEGMENT)
-        prefetch = cfg.get("prefetch", True if ieee else KV_SEG_LOOP)
         # segments of up to seg_len entries per bucket; one program per segment (fixed grid: a bound)
         n_segs = (end - start + seg_len - 1) // seg_len
         seg_end = torch.cumsum(n_segs, 0)
@@ -1433,28 +1456,35 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
         seg_bkt = torch.searchsorted(seg_end, torch.arange(max_segs, device=dev), right=True)
         seg_bkt = torch.where(seg_bkt < n_bkt, seg_bkt, -1).to(torch.int32)
         epos = pos_c[perm // (g * topk)].to(torch.int32)  # [Tc*G*K] query position of each sorted entry
-        kv_seg_attn_kernel[(max_segs,)](
-            q,
-            k_cache_l,
-            v_cache_l,
-            epos,
-            seg_bkt,
-            start,
-            seg_end - n_segs,
-            end,
-            bkt_page,
-            perm,
-            opart,
-            lse,
-            *common,
-            SEG=seg_len,
-            PREFETCH=prefetch is True,
-            PIPELINE=prefetch in KV_SEG_LOOPS,
-            DEFERRED=prefetch == "deferred",
-            SEGP=next_pow2(seg_len),  # the pipelined loop's vector width (tl.arange needs a power of two)
-            num_stages=cfg.get("num_stages", KV_SEG_PIPELINE_STAGES if prefetch in KV_SEG_LOOPS else 1),
-            **kw,
-        )
+        if prefetch == KV_SEG_SM90:
+            kv_seg_attn_sm90_kernel[(max_segs,)](
+                q, k_cache_l, v_cache_l, epos, seg_bkt, start, seg_end - n_segs, end, bkt_page, perm, opart, lse,
+                *common, G=g, RH=rh, D=d, PS=ps, TOK=tok, SEG=seg_len,
+                STAGES=sm90_stages, num_warps=4,
+            )  # fmt: skip
+        else:
+            kv_seg_attn_kernel[(max_segs,)](
+                q,
+                k_cache_l,
+                v_cache_l,
+                epos,
+                seg_bkt,
+                start,
+                seg_end - n_segs,
+                end,
+                bkt_page,
+                perm,
+                opart,
+                lse,
+                *common,
+                SEG=seg_len,
+                PREFETCH=prefetch is True,
+                PIPELINE=prefetch in KV_SEG_LOOPS,
+                DEFERRED=prefetch == "deferred",
+                SEGP=next_pow2(seg_len),  # the pipelined loop's vector width (tl.arange needs a power of two)
+                num_stages=cfg.get("num_stages", KV_SEG_PIPELINE_STAGES if prefetch in KV_SEG_LOOPS else 1),
+                **kw,
+            )
         kv_major_merge_kernel[(tc, g)](
             opart,
             lse,

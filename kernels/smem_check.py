@@ -19,10 +19,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from m3_kernels import fused_moe, moe_chunked, moe_ragged
 from m3_kernels import invariant_attention as ia
 from m3_kernels import invariant_ops as inv
+from m3_kernels import msa_kv_segment_sm90 as sm90
 from m3_kernels import msa_paged_attention as ma
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -47,9 +49,8 @@ def shared_bytes(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -
     specialized as a launch would be (``launch_attrs``)."""
     attrs = launch_attrs(fn, sig)
     sig = dict(sig, **{c: "constexpr" for c in consts})
-    kernel = triton.compile(
-        ASTSource(fn, sig, consts, attrs), target=SM90, options={"num_warps": num_warps, "num_stages": num_stages}
-    )
+    source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, consts, attrs)
+    kernel = triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
     return int(kernel.metadata.shared)
 
 
@@ -144,7 +145,13 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
         DEFERRED=not ieee and ma.KV_SEG_LOOP == "deferred",
     )
     stages = 1 if ieee else ma.KV_SEG_PIPELINE_STAGES
-    return {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=stages)}
+    out = {f"kv_major_segment/{dt}": shared_bytes(ma.kv_seg_attn_kernel, sig, consts, num_warps=4, num_stages=stages)}
+    if not ieee:  # the Hopper (Gluon) segment kernel, 16-bit inputs only
+        fn = sm90.kv_seg_attn_sm90_kernel
+        sig90 = {n: sig[n] for n in fn.arg_names if n in sig}
+        c90 = dict(G=4, RH=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, STAGES=sm90.KV_SEG_SM90_STAGES)
+        out[f"kv_major_segment_sm90/{dt}"] = shared_bytes(fn, sig90, c90, num_warps=4, num_stages=1)
+    return out
 
 
 def invariant_decode_attention(dtype: torch.dtype) -> dict[str, int]:

@@ -42,6 +42,7 @@ def test_default_tiles_fit_h200_shared_memory(smem):
     kernels += ("invariant_decode_dense", "invariant_decode_sparse")
     kernels += ("invariant_moe_w13_flat", "invariant_moe_w13_ragged", "invariant_moe_w2_ragged")
     want = {f"{k}/{d}" for k in kernels for d in ("bf16", "fp32")} | {"invariant_decode_dense_d256_ps64/bf16"}
+    want |= {"kv_major_segment_sm90/bf16"}  # the Gluon segment kernel: 16-bit inputs only
     assert set(smem) == want
     for name, nbytes in smem.items():
         assert 0 < nbytes <= SM90_SMEM_BYTES, (name, nbytes)

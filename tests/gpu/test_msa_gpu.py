@@ -171,6 +171,23 @@ def test_kv_major_in_a_caller_scratch_real_shapes():
             assert torch.equal(got, own)
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon segment kernel is for sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", [PREFILL, ([(0, 20000)], 0)], ids=["mixed", "20k"])
+def test_kv_segment_sm90_equals_the_triton_segment_loop(spec, dtype):
+    # kernels/msa_kv_segment_sm90.py runs the Triton segment loop's ops on the same MMA layouts (QK
+    # and PV as m64n128k16 wgmma, the same reductions), only reordered in time: the same bits.
+    from m3_kernels.msa_paged_attention import paged_attention
+
+    b = _batch(spec, dtype, seed=8)
+    sel = index_topk_ref(b.iq, b.ik, b.meta, K)
+    tri = paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "prefetch": "deferred"})
+    glu = paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel, prefill_config={"impl": "kv", "prefetch": "sm90"})
+    diff = (glu.float() - tri.float()).abs()
+    print(f"sm90 vs deferred: {(glu != tri).float().mean().item():.2e} of outputs differ, max {diff.max().item():.3e}")
+    assert torch.equal(glu, tri)
+
+
 @pytest.mark.parametrize("impl", ["union", "kv"])
 def test_sparse_prefill_cuda_graph_replay(impl):
     # indexer + sparse prefill captured once; new query / index-query contents written in place,
