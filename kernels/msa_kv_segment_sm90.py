@@ -5,9 +5,10 @@ segment of up to SEG (token, slot j) entries of one (KV head, row, block) bucket
 loaded once, the entries' query rows streamed through it TOK tokens x RH heads per tensor-core
 tile, each entry's block-normalised partial output and base-2 LSE written for
 ``kv_major_merge_kernel``), for CUDA devices of compute capability 9.x with 16-bit inputs and the
-tile of M3's shapes (TOK x RH = 64 rows, page and head dim 64 or 128). Opt-in:
-``paged_attention(..., prefill_config={"prefetch": "sm90"})``; ``msa_paged_attention.KV_SEG_SM90_DEFAULT``
-makes it the default where it can run.
+tile of M3's shapes (TOK x RH = 64 rows, page and head dim 64 or 128). The default where it can run
+(``msa_paged_attention.KV_SEG_SM90_DEFAULT``; ``sm90_unsupported`` says where it cannot);
+``prefill_config={"prefetch": "sm90"}`` asks for it (a launch it cannot run: ValueError),
+``"deferred"`` keeps the Triton loop.
 
 Why a second kernel: the Triton loop is serial inside each program. Compiled for sm_90 it issues
 the next tile's QK dot after this tile's softmax and waits for it at once, then issues the PV dot

@@ -87,7 +87,8 @@ KV_SEG_LOOP = "deferred"
 # The Hopper segment kernel (kernels/msa_kv_segment_sm90.py, Gluon): prefill_config prefetch="sm90".
 KV_SEG_SM90 = "sm90"
 # Without a prefetch knob, launches the Hopper kernel can run (``sm90_unsupported``) take it: the same
-# bits, H100 2026-12-06, bench 128K attention alone: 41.9-44.2 -> 40.0-41.7 ms (docs/benchmarks.md).
+# bits, H100 2026-12-06, bench 128K attention call alone, 6 rounds: 41.9-44.2 -> 40.0-41.7 ms, 0.6-4.0 ms
+# less in each (docs/benchmarks.md).
 KV_SEG_SM90_DEFAULT = True
 
 
@@ -1114,9 +1115,10 @@ def paged_attention(
     tile's dots, H200 128K 43.5 -> 40.9 ms, the fp32 default; "pipeline": the segment's entry ids
     read once as vectors and the query rows staged by the compiler, ``KV_SEG_PIPELINE_STAGES`` deep
     unless ``num_stages`` says, 128K -> 39.9-41.0 ms; "deferred": "pipeline" with the next tile's
-    QK dot issued before this tile's softmax, 128K -> 38.3-38.5 ms, the 16-bit default
-    (``KV_SEG_LOOP``); "sm90": the Gluon kernel of kernels/msa_kv_segment_sm90.py (Hopper, 16-bit,
-    64-row tiles: the same bits, H100 41.9-44.2 -> 40.0-41.7 ms), taken by default where it can run
+    QK dot issued before this tile's softmax, 128K -> 38.3-38.5 ms (the H200 figures so far), the
+    16-bit default off sm_90 (``KV_SEG_LOOP``); "sm90": the Gluon kernel of
+    kernels/msa_kv_segment_sm90.py (compute capability 9.x, 16-bit, 64-row tiles: the same bits as
+    "deferred", on an H100 41.9-44.2 -> 40.0-41.7 ms against it), taken by default where it can run
     (``KV_SEG_SM90_DEFAULT``), ``num_stages`` its query-tile stages (2 or 3), ``num_warps`` /
     ``maxnreg`` unused, a launch it cannot run refused with ValueError; False: none of these).
     scratch: the KV-major path's partial outputs and log-sum-exps (uint8 [bytes], contiguous, on
