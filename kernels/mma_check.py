@@ -30,9 +30,10 @@ from m3_kernels.smem_check import SM90, launch_attrs
 
 
 def softmax_under_mma(ptx: str) -> bool:
-    """Whether the first base-2 exponential of ``ptx`` runs while a committed wgmma group is in flight
-    (a ``wgmma.commit_group`` after the last ``wgmma.wait_group`` before it): the softmax of one tile
-    overlapping a tensor-core dot, as kernels/msa_kv_segment_sm90.py issues it."""
+    """Whether the first base-2 exponential of ``ptx`` is issued while a committed wgmma group is in
+    flight (a ``wgmma.commit_group`` after the last ``wgmma.wait_group`` before it in the PTX text):
+    the softmax of one tile issued under a tensor-core dot, as kernels/msa_kv_segment_sm90.py does.
+    A proxy read from issue order, not a measurement of execution (that is docs/benchmarks.md's)."""
     ex2 = ptx.find("ex2.approx")
     if ex2 < 0:
         return False

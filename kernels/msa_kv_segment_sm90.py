@@ -5,7 +5,7 @@ segment of up to SEG (token, slot j) entries of one (KV head, row, block) bucket
 loaded once, the entries' query rows streamed through it TOK tokens x RH heads per tensor-core
 tile, each entry's block-normalised partial output and base-2 LSE written for
 ``kv_major_merge_kernel``), for CUDA devices of compute capability 9.x with 16-bit inputs and the
-tile of M3's shapes (TOK x RH = 64 rows, page and head dim 64 or 128). The default where it can run
+tile of M3's shapes (TOK 4 x RH 16 = 64 rows, page and head dim 128). The default where it can run
 (``msa_paged_attention.KV_SEG_SM90_DEFAULT``; ``sm90_unsupported`` says where it cannot);
 ``prefill_config={"prefetch": "sm90"}`` asks for it (a launch it cannot run: ValueError),
 ``"deferred"`` keeps the Triton loop.
@@ -211,10 +211,12 @@ SM90_TWO_PROGRAM_SMEM = 228 * 1024 // 2 - 1024
 
 def sm90_unsupported(q, k_cache_l, rh: int, tok: int, stages: int) -> str | None:
     """None when ``kv_seg_attn_sm90_kernel`` can run this launch, else what is missing: a CUDA device
-    of compute capability 9.x; bf16 / fp16 queries; TOK x RH == 64 rows per tile; head dim and page
-    size 64 or 128; 2 <= stages with the K / V page and the stages' query tiles in
-    ``SM90_TWO_PROGRAM_SMEM`` bytes (two programs per SM); q and the K / V cache 16-byte aligned with
-    every stride but the last a multiple of 16 elements (the asynchronous 16-byte copies).
+    of compute capability 9.x; bf16 / fp16 queries; M3's tile (TOK 4 x RH 16 rows, head dim and page
+    size 128: the kernel is written for any TOK x RH == 64 and d / ps of 64 or 128, but compiled and
+    compared with the Triton loop on a GPU only at these); 2 <= stages with the K / V page and the
+    stages' query tiles in ``SM90_TWO_PROGRAM_SMEM`` bytes (two programs per SM); q and the K / V
+    cache 16-byte aligned with every stride but the last a multiple of 16 elements (the asynchronous
+    16-byte copies).
     q: [T, nh, d]; k_cache_l: [P, G, ps, d] (one layer's K cache; V has its layout)."""
     import torch
 
@@ -223,10 +225,10 @@ def sm90_unsupported(q, k_cache_l, rh: int, tok: int, stages: int) -> str | None
         return "a CUDA device of compute capability 9.x"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 / fp16 queries, got {q.dtype}"
-    if tok * rh != 64 or d not in (64, 128) or ps not in (64, 128):
+    if (tok, rh, d, ps) != (4, 16, 128, 128):  # compiled and GPU-checked at M3's shapes only
         return (
-            f"tok x heads per KV head == 64 and head dim / page size in (64, 128); got tok {tok}, heads {rh}, "
-            f"head dim {d}, page {ps}"
+            f"M3's attention tile (tok 4 x 16 heads per KV head, head dim 128, page 128); got tok {tok}, "
+            f"heads {rh}, head dim {d}, page {ps}"
         )
     smem = (2 * ps + stages * tok * rh) * d * q.element_size()
     if stages < 2 or smem > SM90_TWO_PROGRAM_SMEM:

@@ -1117,7 +1117,7 @@ def paged_attention(
     unless ``num_stages`` says, 128K -> 39.9-41.0 ms; "deferred": "pipeline" with the next tile's
     QK dot issued before this tile's softmax, 128K -> 38.3-38.5 ms (the H200 figures so far), the
     16-bit default off sm_90 (``KV_SEG_LOOP``); "sm90": the Gluon kernel of
-    kernels/msa_kv_segment_sm90.py (compute capability 9.x, 16-bit, 64-row tiles: the same bits as
+    kernels/msa_kv_segment_sm90.py (compute capability 9.x, 16-bit, M3's tile: the same bits as
     "deferred", on an H100 41.9-44.2 -> 40.0-41.7 ms against it), taken by default where it can run
     (``KV_SEG_SM90_DEFAULT``), ``num_stages`` its query-tile stages (2 or 3), ``num_warps`` /
     ``maxnreg`` unused, a launch it cannot run refused with ValueError; False: none of these).

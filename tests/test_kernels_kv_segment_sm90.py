@@ -87,8 +87,10 @@ def test_sm90_launch_is_refused_with_what_is_missing(monkeypatch):
     check_kv_seg_sm90(q, kc, 16, 4, 3)  # M3's shapes: accepted
     cases = [
         ((_Cuda((4, 64, 128), torch.float32), kc, 16, 4, 3), "bf16 / fp16 queries"),
-        ((q, kc, 16, 8, 3), "tok x heads per KV head == 64"),
-        ((q, _Cuda((8, 4, 128, 256)), 16, 4, 3), "head dim 256"),
+        ((q, kc, 16, 8, 3), "got tok 8, heads 16"),
+        ((q, kc, 8, 8, 3), "got tok 8, heads 8"),  # 64 rows too, but not checked on a GPU
+        ((q, _Cuda((8, 4, 128, 64)), 16, 4, 3), "head dim 64"),
+        ((q, _Cuda((8, 4, 64, 128)), 16, 4, 3), "page 64"),
         ((q, kc, 16, 4, 1), "num_stages >= 2"),
         ((q, kc, 16, 4, 4), "got num_stages 4"),  # 128 KB: one program per SM
         ((_Cuda((4, 64, 128), strides=(8200, 128, 1)), kc, 16, 4, 3), "queries with strides"),
