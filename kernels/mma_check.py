@@ -19,14 +19,11 @@ import json
 import re
 
 import torch
-import triton
-from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
 
 from m3_kernels import invariant_page_partials as pp
 from m3_kernels import msa_kv_segment_sm90 as sm90
 from m3_kernels import msa_paged_attention as ma
-from m3_kernels.smem_check import SM90, launch_attrs
+from m3_kernels.smem_check import compile_sm90, kv_segment_sm90_consts
 
 
 def softmax_under_mma(ptx: str) -> bool:
@@ -45,10 +42,7 @@ def dot_code(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> di
     distinct MMA instructions of the PTX (each sorted), "softmax_under_mma": ``softmax_under_mma``}
     of JIT (Triton or Gluon) kernel ``fn`` compiled for sm_90 as a launch specializes it
     (``launch_attrs``)."""
-    attrs = launch_attrs(fn, sig)
-    sig = dict(sig, **{c: "constexpr" for c in consts})
-    source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, consts, attrs)
-    kernel = triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = compile_sm90(fn, sig, consts, num_warps, num_stages)
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     dots = re.findall(r"(?:ttng\.warp_group_dot|tt\.dot) [^{]*\{[^}]*\} : ([^\n]*?)(?: loc\(|$)", ttgir, re.M)
     mma = re.findall(r"^\s*((?:wgmma\.mma_async|mma\.sync)[\w.]*)\s+([^;]*);", ptx, re.M)
@@ -79,7 +73,7 @@ def page_partials_kernels(dtype: torch.dtype = torch.bfloat16) -> dict[str, dict
     seg_consts = dict(tile, PREFETCH=False, PIPELINE=True, DEFERRED=deferred)
     run = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sm90_sig = {n: seg_sig[n] for n in sm90.kv_seg_attn_sm90_kernel.arg_names if n in seg_sig}
-    sm90_consts = dict(G=4, RH=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, STAGES=sm90.KV_SEG_SM90_STAGES)
+    sm90_consts = kv_segment_sm90_consts()
     return {
         f"kv_seg_attn_kernel/{dt}": dot_code(ma.kv_seg_attn_kernel, seg_sig, seg_consts, **run),
         f"kv_seg_attn_sm90_kernel/{dt}": dot_code(sm90.kv_seg_attn_sm90_kernel, sm90_sig, sm90_consts, 4, 1),

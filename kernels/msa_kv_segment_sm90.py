@@ -44,11 +44,18 @@ KV_SEG_SM90_STAGES = 3
 
 
 @gluon.jit
-def _tile_ids(perm_ptr, e_lo, n, c, rows, RH: gl.constexpr):
-    """Entry ids [M] int32 of the tile at segment-local entry c, one per row (row m: entry c + m // RH;
-    0 past the segment's n entries), in the layout of ``rows``."""
+def _tile_rows(ptr, e_lo, n, c, rows, other, RH: gl.constexpr):
+    """[M] values of a per-entry vector (entry ids ``perm``, query positions ``epos``) for the tile at
+    segment-local entry c, one per row (row m: entry c + m // RH; ``other`` past the segment's n
+    entries), in the layout of ``rows``."""
     li = c + rows // RH
-    return gl.load(perm_ptr + e_lo + li, mask=li < n, other=0).to(gl.int32)
+    return gl.load(ptr + e_lo + li, mask=li < n, other=other)
+
+
+@gluon.jit
+def _tile_ids(perm_ptr, e_lo, n, c, rows, RH: gl.constexpr):
+    """Entry ids [M] int32 of the tile at segment-local entry c (``_tile_rows`` of perm; 0 past n)."""
+    return _tile_rows(perm_ptr, e_lo, n, c, rows, 0, RH).to(gl.int32)
 
 
 @gluon.jit
@@ -151,7 +158,7 @@ def kv_seg_attn_sm90_kernel(
         # one tile ahead, so no load in the loop waits for its result in the same step)
         e_s = _tile_ids(perm_ptr, e_lo, n, 0, ms, RH)
         e_b = _tile_ids(perm_ptr, e_lo, n, 0, mq, RH)
-        qpos = gl.load(epos_ptr + e_lo + ms // RH, mask=ms // RH < n, other=-1)
+        qpos = _tile_rows(epos_ptr, e_lo, n, 0, ms, -1, RH)
         e_q = _tile_ids(perm_ptr, e_lo, n, (STAGES - 1) * TOK, mq, RH)
         n_tiles = (n + TOK - 1) // TOK
         for i in range(n_tiles):
@@ -169,7 +176,7 @@ def kv_seg_attn_sm90_kernel(
             c1 = (i + 1) * TOK
             e_s_n = _tile_ids(perm_ptr, e_lo, n, c1, ms, RH)
             e_b_n = _tile_ids(perm_ptr, e_lo, n, c1, mq, RH)
-            qpos_n = gl.load(epos_ptr + e_lo + c1 + ms // RH, mask=c1 + ms // RH < n, other=-1)
+            qpos_n = _tile_rows(epos_ptr, e_lo, n, c1, ms, -1, RH)
 
             # tile i: causal cut, base-2 softmax, PV dot (while the tensor cores run tile i + 1's QK)
             c = i * TOK
@@ -205,6 +212,9 @@ def kv_seg_attn_sm90_kernel(
         async_copy.wait_group(0)
 
 
+# The one tile the kernel is taken at (compiled and compared with the Triton loop on a GPU only here):
+# M3's attention, TOK 4 tokens x RH 16 query heads per KV head, head dim D 128, page PS 128.
+SM90_TILE = {"TOK": 4, "RH": 16, "D": 128, "PS": 128}
 # Shared memory two programs may each use on one sm_90 SM (228 KB, less 1 KB reserved per block).
 SM90_TWO_PROGRAM_SMEM = 228 * 1024 // 2 - 1024
 
@@ -225,7 +235,7 @@ def sm90_unsupported(q, k_cache_l, rh: int, tok: int, stages: int) -> str | None
         return "a CUDA device of compute capability 9.x"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 / fp16 queries, got {q.dtype}"
-    if (tok, rh, d, ps) != (4, 16, 128, 128):  # compiled and GPU-checked at M3's shapes only
+    if {"TOK": tok, "RH": rh, "D": d, "PS": ps} != SM90_TILE:
         return (
             f"M3's attention tile (tok 4 x 16 heads per KV head, head dim 128, page 128); got tok {tok}, "
             f"heads {rh}, head dim {d}, page {ps}"

@@ -1410,10 +1410,10 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
     seg_len = cfg.get("seg", KV_SEGMENT)
     prefetch = cfg.get("prefetch", True if ieee else KV_SEG_LOOP)
     sm90_stages = cfg.get("num_stages", KV_SEG_SM90_STAGES)  # query-tile stages of the Hopper kernel
-    if "prefetch" not in cfg and KV_SEG_SM90_DEFAULT and sm90_unsupported(q, k_cache_l, rh, tok, sm90_stages) is None:
-        prefetch = KV_SEG_SM90
-    if prefetch == KV_SEG_SM90:  # refused before any pass's work
+    if prefetch == KV_SEG_SM90:  # asked for: refused before any pass's work if it cannot run
         check_kv_seg_sm90(q, k_cache_l, rh, tok, sm90_stages)
+    elif "prefetch" not in cfg and KV_SEG_SM90_DEFAULT and sm90_unsupported(q, k_cache_l, rh, tok, sm90_stages) is None:
+        prefetch = KV_SEG_SM90
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
         tc = c1 - c0

@@ -44,14 +44,24 @@ def launch_attrs(fn, sig: dict) -> dict:
     }
 
 
-def shared_bytes(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> int:
-    """Bytes of static shared memory of JIT kernel ``fn`` compiled for sm_90 (sig: Triton type strings),
-    specialized as a launch would be (``launch_attrs``)."""
+def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, num_stages: int):
+    """JIT kernel ``fn`` (Triton or Gluon) compiled for sm_90 (sig: Triton type strings of the
+    arguments, consts: the constexpr values), specialized as a launch would be (``launch_attrs``)."""
     attrs = launch_attrs(fn, sig)
     sig = dict(sig, **{c: "constexpr" for c in consts})
     source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, consts, attrs)
-    kernel = triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
-    return int(kernel.metadata.shared)
+    return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def shared_bytes(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> int:
+    """Bytes of static shared memory of JIT kernel ``fn`` compiled for sm_90 (``compile_sm90``)."""
+    return int(compile_sm90(fn, sig, consts, num_warps, num_stages).metadata.shared)
+
+
+def kv_segment_sm90_consts() -> dict:
+    """The constexprs of ``msa_kv_segment_sm90.kv_seg_attn_sm90_kernel`` as the KV-major prefill
+    launches it at M3's shapes (4 KV heads, ``SM90_TILE``, default segment and stages)."""
+    return dict(G=4, **sm90.SM90_TILE, SEG=ma.KV_SEGMENT, STAGES=sm90.KV_SEG_SM90_STAGES)
 
 
 def _ragged_sig(fn, dt: str, block_n: int, block_k: int) -> dict:
@@ -149,8 +159,7 @@ def kv_major_prefill(dtype: torch.dtype) -> dict[str, int]:
     if not ieee:  # the Hopper (Gluon) segment kernel, 16-bit inputs only
         fn = sm90.kv_seg_attn_sm90_kernel
         sig90 = {n: sig[n] for n in fn.arg_names if n in sig}
-        c90 = dict(G=4, RH=16, D=128, PS=128, TOK=4, SEG=ma.KV_SEGMENT, STAGES=sm90.KV_SEG_SM90_STAGES)
-        out[f"kv_major_segment_sm90/{dt}"] = shared_bytes(fn, sig90, c90, num_warps=4, num_stages=1)
+        out[f"kv_major_segment_sm90/{dt}"] = shared_bytes(fn, sig90, kv_segment_sm90_consts(), 4, 1)
     return out
 
 
