@@ -935,9 +935,7 @@ def msa_attention(
     from m3_kernels.msa_sparse_prefill import sparse_prefill
 
     nd, r = meta.num_decodes, meta.num_rows
-    if q.shape[0] == 0:
-        return torch.empty_like(q)
-    if nd == 0:
+    if nd == 0 or q.shape[0] == 0:
         return sparse_prefill(
             q, iq, k_cache_l, v_cache_l, index_cache_l, meta, scale, topk, init_blocks, local_blocks, scratch, sel_out
         )

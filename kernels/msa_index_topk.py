@@ -80,11 +80,10 @@ TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
 TOPK_ROWS_WARPS = 1
 # Prefill top-k filter (``_topk_rows_filter``): 0 = off (K rounds of a row-wide max over the whole tile);
-# M > 0 (a power of two) = each of TOPK_FILTER_GROUPS strided groups of a row (block b in group
-# (b // 4) % groups) gives its M largest keys, the K rounds run over those groups x M candidates only,
-# and a program one of whose rows has a group with its M-th key above the K-th pick takes the rounds
-# over the whole tile instead (the bound that makes the shortlist exact: see the function). Same ids
-# either way.
+# M > 0 = each of TOPK_FILTER_GROUPS strided groups of a row (block b in group (b // 4) % groups) gives its M
+# largest keys, the K rounds run over those groups x M candidates only, and a row some group of which
+# put all M of its candidates among the K chosen takes the rounds over the whole tile instead (the
+# bound that makes the shortlist exact: see the function). Same ids either way.
 TOPK_ROWS_FILTER = 0
 TOPK_FILTER_GROUPS = 32
 # Decode-sized selection (chunk + merge kernels): one tl.topk bitonic network per chunk and for the
@@ -240,7 +239,7 @@ def _prefill_block_step(
     return _store_tile_step(tile, smax, b, b_lo, b_hi, row_ptr, m_valid, offs_j, STORE_B)
 
 
-@triton.jit(do_not_specialize=["t_lo", "t_hi"])  # a window per prompt length: no recompile per bound
+@triton.jit
 def _index_scores_kernel(
     iq_ptr,
     ik_ptr,
@@ -612,9 +611,8 @@ def _topk_rows_filter(
     KP: tl.constexpr,
 ):
     """Top-k selection keys of ROWS rows (candidates in blocks [0, CH)) from a shortlist: returns
-    (top [ROWS, KP] int64 keys, descending, the empty key past the row's candidates; exact: a scalar
-    bool, True when every row's shortlist is proven whole, else False and ``top`` is not to be used).
-    M and KP powers of two, KP <= NG * M; CH a multiple of 4 NG.
+    (top [ROWS, KP] int64 keys, descending, the empty key past the row's candidates; exact: int32 1
+    when every row's shortlist was sufficient, else 0, and ``top`` is not to be used).
 
     The row's blocks fall into NG strided groups (block b in group (b // 4) % NG: runs of four
     neighbouring blocks, which often score alike, spread over the groups); M rounds of a group-wise
@@ -770,8 +768,6 @@ def _topk_rows_kernel(
 
     The key tile is sized to the program's causal candidates: CHUNK/8, /4, /2 or CHUNK blocks
     (one branch per size, chosen on the device: a causal prefill's early tokens do 1/8 of the work).
-    FILTER (0 = off), NG: ``_topk_rows_pick``'s shortlist (TOPK_ROWS_FILTER, TOPK_FILTER_GROUPS);
-    KP = next_pow2(topk).
     """
     rid = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # t * G + g
     r_ok = rid < n_rows
@@ -1086,11 +1082,8 @@ def index_block_scores(
         raise ValueError(
             f"index_block_scores: out {tuple(out.shape)} {out.dtype}; needs a contiguous float32 [{t}, {g}, {nbp}]"
         )
-    if window is not None and (meta.num_decodes > 0 or not 0 <= window[0] < window[1]):
-        raise ValueError(
-            f"index_block_scores: window={window} with {meta.num_decodes} decode rows; a token window [lo, hi), "
-            "0 <= lo < hi, applies to prefill rows only (num_decodes 0)"
-        )
+    if window is not None and meta.num_decodes > 0:
+        raise ValueError("index_block_scores: a token window applies to prefill rows only (num_decodes must be 0)")
     scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device) if out is None else out
     if t == 0:
         return scores
@@ -1139,8 +1132,6 @@ def select_topk_blocks(
     """
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"select_topk_blocks: rows_per_program={rows_per_program}; needs a power of two >= 1")
-    if TOPK_ROWS_FILTER < 0 or TOPK_ROWS_FILTER & (TOPK_ROWS_FILTER - 1):
-        raise ValueError(f"select_topk_blocks: TOPK_ROWS_FILTER={TOPK_ROWS_FILTER}; set 0 (off) or a power of two")
     t, g, nbp = scores.shape
     if out is None:
         out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)

@@ -24,6 +24,7 @@ stream, which the CPU tests use to check the windowing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -72,69 +73,55 @@ def sparse_prefill(
     """
     # NOTE: imported at call time so the interpreter tests' reloaded modules (msa_interpret) are used.
     from m3_kernels.msa_index_topk import check_index_inputs, index_block_scores, index_topk, select_topk_blocks
-    from m3_kernels.msa_paged_attention import check_attention_inputs, check_kv_major_scratch, paged_attention
+    from m3_kernels.msa_paged_attention import paged_attention
 
     if meta.num_decodes:
         raise ValueError(f"sparse_prefill: meta has {meta.num_decodes} decode rows; pass its prefill part only")
     w = SCORE_WINDOW_TOKENS if window_tokens is None else window_tokens
     if w < 64 or w % 64:
         raise ValueError(f"sparse_prefill: window_tokens={w}; needs a positive multiple of 64 (the score tiles)")
+    check_index_inputs(iq, index_cache_l, topk)
     t = q.shape[0]
     if not PIPELINE or t <= w:
         ids = index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
         if sel_out is not None:
             sel_out.copy_(ids)
         return paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch)
-    # every input check before the side stream forks (an error after it would leave the fork unjoined)
-    check_index_inputs(iq, index_cache_l, topk)
-    ids = torch.empty(t, iq.shape[1], topk, dtype=torch.int32, device=q.device)
-    check_attention_inputs(q, k_cache_l, v_cache_l, ids)
-    check_kv_major_scratch(scratch, q.device)
     g, nbp = iq.shape[1], meta.block_tables.shape[1]
     ps = split_index_cache(index_cache_l)[0].shape[1]
+    scores = torch.empty(t, g, nbp, dtype=torch.float32, device=q.device)
+    ids = torch.empty(t, g, topk, dtype=torch.int32, device=q.device)
     side = _side_stream(q.device) if q.is_cuda else None
-    # off CUDA the scores start as NaN and each window is scored only when a pass first needs it, so a pass
-    # that read a window it did not wait for would rank NaN (-1e30) scores: the CPU tests see it
-    if side is not None:
-        scores = torch.empty(t, g, nbp, dtype=torch.float32, device=q.device)
-    else:
-        scores = torch.full((t, g, nbp), float("nan"), dtype=torch.float32, device=q.device)
     windows = [(lo, min(lo + w, t)) for lo in range(0, t, w)]
-    scored = []  # CUDA: per window, its event on the side stream
+    scored = []  # per window: its event on the side stream (CUDA), or None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))  # fork: the inputs are ready
         if not torch.cuda.is_current_stream_capturing():  # (a graph's pool is not reused while it lives)
             for x in (scores, iq, *split_index_cache(index_cache_l)[:2]):  # not reused before the side stream is done
                 if x is not None:
                     x.record_stream(side)
-        with torch.cuda.stream(side):
-            for win in windows:
-                index_block_scores(iq, index_cache_l, meta, window=win, out=scores)
-                scored.append(side.record_event())
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for win in windows:
+            index_block_scores(iq, index_cache_l, meta, window=win, out=scores)
+            scored.append(side.record_event() if side is not None else None)
     done = 0  # the selection of tokens [0, done) is in ids
 
     def before_pass(t0: int, t1: int) -> None:
         nonlocal done
         if t1 <= done:
             return
-        last = (t1 - 1) // w  # every token < t1 lies in a tile whose first token is < t1: windows 0..last
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_event(scored[last])
-        else:
-            while len(scored) <= last:
-                index_block_scores(iq, index_cache_l, meta, window=windows[len(scored)], out=scores)
-                scored.append(None)
+        # every token < t1 lies in a tile whose first token is < t1: the windows starting below t1
+        ev = scored[(t1 - 1) // w]
+        if ev is not None:
+            torch.cuda.current_stream(q.device).wait_event(ev)
         sub = dataclasses.replace(meta, positions=meta.positions[done:t1])  # select_topk_blocks reads positions
         select_topk_blocks(scores[done:t1], sub, topk, ps, init_blocks, local_blocks, out=ids[done:t1])
         done = t1
 
-    try:
-        out = paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch, before_pass=before_pass)
-    finally:
-        if side is not None:  # join: the caller's stream is ordered after every window (graph capture needs it)
-            torch.cuda.current_stream(q.device).wait_event(scored[-1])
-    if done != t:
-        raise RuntimeError(f"sparse_prefill: the attention asked for the selection of {done} of {t} tokens")
+    out = paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch, before_pass=before_pass)
+    before_pass(0, t)  # every path calls it up to t; kept for a path that would not
+    if side is not None:  # join: the caller's stream is ordered after every window (graph capture needs it)
+        torch.cuda.current_stream(q.device).wait_event(scored[-1])
     if sel_out is not None:
         sel_out.copy_(ids)
     return out

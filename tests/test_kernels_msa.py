@@ -717,10 +717,5 @@ def test_pipelined_sparse_prefill_equals_index_topk_then_attention(monkeypatch):
     assert len(calls) == 1 and callable(calls[0])
     with pytest.raises(ValueError, match="decode rows"):
         sp.sparse_prefill(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
-    empty = md.msa_attention(b.q[:0], b.iq[:0], b.k, b.v, b.ik, b.meta, SCALE, K)  # no tokens (decode rows in meta)
-    assert empty.shape == (0, NH, D)
-    monkeypatch.setattr(mi, "TOPK_ROWS_FILTER", 3)
-    with pytest.raises(ValueError, match="TOPK_ROWS_FILTER=3"):
-        mi.select_topk_blocks(mi.index_block_scores(b.iq[td:], b.ik, pmeta), pmeta, K, PS)
     with pytest.raises(ValueError, match="window_tokens=100"):
         sp.sparse_prefill(b.q[td:], b.iq[td:], b.k, b.v, b.ik, pmeta, SCALE, K, window_tokens=100)

