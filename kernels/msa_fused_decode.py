@@ -3,7 +3,7 @@
 Which decode path is this: the SPARSE layers' whole decode step (lightning-indexer scores, the
 top-k block choice in registers, the attention over the chosen blocks and the split merge) for
 the decode rows of a step; ``msa_attention`` (the engine's sparse-layer op on CUDA) runs it and
-sends prefill rows to ``msa_sparse_prefill.sparse_prefill`` (index top-k + ``msa_paged_attention.paged_attention``).
+sends prefill rows to ``msa_index_topk.index_topk`` + ``msa_paged_attention.paged_attention``.
 The other decode path, the split-K attention over GIVEN block ids or over all causal keys (dense
 layers), is ``msa_paged_attention.paged_attention``.
 
@@ -918,8 +918,8 @@ def msa_attention(
 
     q: [T, nh, d]; iq: [T, G, di]; k_cache_l, v_cache_l: [P, G, ps, d]; index_cache_l: [P, ps, di]
     or an ``FP8IndexCache`` (already holding this step's keys); meta: ``PagedMetadata`` (decode rows first).
-    Decode rows -> ``msa_decode``; prefill rows -> ``msa_sparse_prefill.sparse_prefill`` (the index
-    top-k and ``msa_paged_attention.paged_attention``, pipelined) on the prefill part of ``meta``. Returns [T, nh, d]
+    Decode rows -> ``msa_decode``; prefill rows -> ``msa_index_topk.index_topk`` +
+    ``msa_paged_attention.paged_attention`` on the prefill part of ``meta``. Returns [T, nh, d]
     in q.dtype. Raises ValueError for unsupported sizes or dtypes (naming the field).
 
     sel_out: optional [T, G, K] integer tensor (int16 / int32, unit stride over K; the engine's
@@ -932,13 +932,15 @@ def msa_attention(
     engine binds its own, kernels/paged_layout.py); decode rows never touch it.
     """
     # NOTE: imported at call time so the interpreter tests' reloaded modules (msa_interpret) are used.
-    from m3_kernels.msa_sparse_prefill import sparse_prefill
+    from m3_kernels.msa_index_topk import index_topk
+    from m3_kernels.msa_paged_attention import paged_attention
 
     nd, r = meta.num_decodes, meta.num_rows
     if nd == 0 or q.shape[0] == 0:
-        return sparse_prefill(
-            q, iq, k_cache_l, v_cache_l, index_cache_l, meta, scale, topk, init_blocks, local_blocks, scratch, sel_out
-        )
+        ids = index_topk(iq, index_cache_l, meta, topk, init_blocks, local_blocks)
+        if sel_out is not None:
+            sel_out.copy_(ids)
+        return paged_attention(q, k_cache_l, v_cache_l, meta, scale, ids, scratch=scratch)
     td = nd * meta.decode_query_len
     dec = msa_decode(
         q,
@@ -956,18 +958,9 @@ def msa_attention(
     )
     if nd == r:
         return dec
-    pre = sparse_prefill(
-        q[td:],
-        iq[td:],
-        k_cache_l,
-        v_cache_l,
-        index_cache_l,
-        prefill_part(meta),
-        scale,
-        topk,
-        init_blocks,
-        local_blocks,
-        scratch,
-        None if sel_out is None else sel_out[td:],
-    )
+    pmeta = prefill_part(meta)
+    ids = index_topk(iq[td:], index_cache_l, pmeta, topk, init_blocks, local_blocks)
+    if sel_out is not None:
+        sel_out[td:].copy_(ids)
+    pre = paged_attention(q[td:], k_cache_l, v_cache_l, pmeta, scale, ids, scratch=scratch)
     return torch.cat([dec, pre])

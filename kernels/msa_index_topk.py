@@ -79,13 +79,6 @@ PREFILL_SCORE_FORMAT = {
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
 TOPK_ROWS_WARPS = 1
-# Prefill top-k filter (``_topk_rows_filter``): 0 = off (K rounds of a row-wide max over the whole tile);
-# M > 0 = each of TOPK_FILTER_GROUPS strided groups of a row (block b in group (b // 4) % groups) gives its M
-# largest keys, the K rounds run over those groups x M candidates only, and a row some group of which
-# put all M of its candidates among the K chosen takes the rounds over the whole tile instead (the
-# bound that makes the shortlist exact: see the function). Same ids either way.
-TOPK_ROWS_FILTER = 0
-TOPK_FILTER_GROUPS = 32
 # Decode-sized selection (chunk + merge kernels): one tl.topk bitonic network per chunk and for the
 # merge instead of K rounds of a block-wide max (16 serial reductions at K = 16). Same keys, same
 # order (the keys of a row are distinct). False: the rounds (kept for the A/B of bench_msa.py).
@@ -251,8 +244,6 @@ def _index_scores_kernel(
     row_offset,
     n_qtiles,
     blocks_per_split,
-    t_lo,
-    t_hi,
     stride_iq_t,
     stride_iq_g,
     stride_ik_p,
@@ -287,9 +278,6 @@ def _index_scores_kernel(
     it waits for this grid's stores in griddepcontrol.wait.
     PVC (prefill with SPLIT_CAUSAL, a power of two, or 0): the unmasked blocks' page ids are read PVC
     at a time as a vector, so no load in the inner block loop feeds another load's address.
-    t_lo, t_hi: only query tiles whose first token lies in [t_lo, t_hi) run (a window of the
-    pipelined sparse prefill, kernels/msa_sparse_prefill.py; a tile is scored whole by the window
-    of its first token).
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -300,7 +288,7 @@ def _index_scores_kernel(
     q_lo = tl.load(qsl_ptr + row)
     q_hi = tl.load(qsl_ptr + row + 1)
     t0 = q_lo + qtile * BLOCK_M
-    if (t0 >= q_hi) | (t0 < t_lo) | (t0 >= t_hi):
+    if t0 >= q_hi:
         return
     offs_m = tl.arange(0, BLOCK_M * GP)  # row m = token m // GP, head m % GP
     tok = t0 + offs_m // GP
@@ -592,160 +580,6 @@ def _topk_rows_tile(
 
 
 @triton.jit
-def _topk_rows_filter(
-    score_ptr,
-    rid,
-    r_ok,
-    t,
-    g,
-    n_cand_r,
-    topk,
-    init_blocks,
-    local_blocks,
-    stride_s_t,
-    stride_s_g,
-    ROWS: tl.constexpr,
-    CH: tl.constexpr,
-    NG: tl.constexpr,
-    M: tl.constexpr,
-    KP: tl.constexpr,
-):
-    """Top-k selection keys of ROWS rows (candidates in blocks [0, CH)) from a shortlist: returns
-    (top [ROWS, KP] int64 keys, descending, the empty key past the row's candidates; exact: int32 1
-    when every row's shortlist was sufficient, else 0, and ``top`` is not to be used).
-
-    The row's blocks fall into NG strided groups (block b in group (b // 4) % NG: runs of four
-    neighbouring blocks, which often score alike, spread over the groups); M rounds of a group-wise
-    max (ties to the lower id) give each group's M largest keys, and K rounds of a max run over
-    those NG x M keys only. Bound: let kth be the K-th largest shortlisted key. A block left out of
-    the shortlist lies below its group's M-th key; if that key is at most kth (or the group ran
-    out), K shortlisted keys beat the block, so it is not among the row's K largest. Hence when no
-    group's M-th key is above kth (no group has M keys among the first K - 1 picks) the shortlist's
-    top K is the row's top K, in the same order (keys are distinct: the id is in them)."""
-    empty = -9223372036854775807 - 1
-    n_cand = n_cand_r[:, None]
-    b = tl.arange(0, CH)[None, :]
-    cand = (b < n_cand) & r_ok[:, None]
-    s = tl.load(score_ptr + t[:, None].to(tl.int64) * stride_s_t + g[:, None] * stride_s_g + b, mask=cand, other=0.0)
-    s = tl.where(s != s, -1e30, s)  # NaN -> -1e30 as in the reference (the score kernel already does it)
-    forced = cand & ((b >= n_cand - local_blocks) | (b < init_blocks))
-    s = tl.where(forced, float("inf"), s) + 0.0  # + 0.0 turns -0.0 into +0.0 (equal in the reference)
-    bits = s.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving float -> signed int
-    key = tl.where(cand, key, -2147483648)  # INT32_MIN: not a candidate / already taken
-    # [row, b // (4 NG), group, b % 4]: group (b // 4) % NG, four neighbouring blocks per group and step
-    # (a thread's four consecutive keys in the tile's layout, so the group-wise max stays in registers)
-    key4 = tl.reshape(key, [ROWS, CH // (4 * NG), NG, 4])
-    b4 = tl.reshape(tl.arange(0, CH), [CH // (4 * NG), NG, 4])[None, :, :, :]
-    offs_m = tl.arange(0, M)[None, :, None]
-    short = tl.full([ROWS, M, NG], empty, tl.int64)
-    last = tl.full([ROWS, NG], empty, tl.int64)
-    for j in tl.static_range(M):
-        gmax = tl.max(tl.max(key4, axis=3), axis=1)  # [ROWS, NG]
-        hit = key4 == gmax[:, None, :, None]
-        gid = tl.min(tl.min(tl.where(hit, b4, CH), axis=3), axis=1)  # ties -> the lower block id
-        last = (gmax.to(tl.int64) << 32) | (0x7FFFFFFF - gid).to(tl.int64)
-        last = tl.where(gmax == -2147483648, empty, last)
-        short = tl.where(offs_m == j, last[:, None, :], short)
-        key4 = tl.where(b4 == gid[:, None, :, None], -2147483648, key4)
-    short2 = tl.reshape(short, [ROWS, M * NG])
-    offs_k = tl.arange(0, KP)[None, :]
-    top = tl.full([ROWS, KP], empty, tl.int64)
-    kth = tl.full([ROWS], empty, tl.int64)
-    for k in range(topk):
-        kth = tl.max(short2, axis=1)  # [ROWS]
-        short2 = tl.where(short2 == kth[:, None], empty, short2)
-        top = tl.where(offs_k == k, kth[:, None], top)
-    risky = last > kth[:, None]  # a group with M keys among the first K - 1 picks (never an empty one)
-    exact = tl.sum(tl.sum(risky.to(tl.int32), axis=1), axis=0) == 0
-    return top, exact
-
-
-@triton.jit
-def _topk_rows_pick(
-    score_ptr,
-    ids_ptr,
-    rid,
-    r_ok,
-    t,
-    g,
-    n_cand_r,
-    topk,
-    init_blocks,
-    local_blocks,
-    stride_s_t,
-    stride_s_g,
-    ROWS: tl.constexpr,
-    CH: tl.constexpr,
-    FILTER: tl.constexpr,
-    NG: tl.constexpr,
-    KP: tl.constexpr,
-):
-    """Write the top-k block ids of ROWS rows (candidates in [0, CH)): the shortlist of
-    ``_topk_rows_filter`` where FILTER > 0 and the tile has more than NG x FILTER blocks (a multiple
-    of 4 NG), falling
-    back to ``_topk_rows_tile`` when it is not exact; else ``_topk_rows_tile``."""
-    if FILTER > 0 and CH > NG * FILTER and CH % (4 * NG) == 0:
-        top, exact = _topk_rows_filter(
-            score_ptr,
-            rid,
-            r_ok,
-            t,
-            g,
-            n_cand_r,
-            topk,
-            init_blocks,
-            local_blocks,
-            stride_s_t,
-            stride_s_g,
-            ROWS,
-            CH,
-            NG,
-            FILTER,
-            KP,
-        )
-        if exact:
-            offs_k = tl.arange(0, KP)[None, :]
-            tl.store(
-                ids_ptr + rid[:, None] * topk + offs_k,
-                _key_block_ids(top, n_cand_r[:, None]),
-                mask=r_ok[:, None] & (offs_k < topk),
-            )
-        else:
-            _topk_rows_tile(
-                score_ptr,
-                ids_ptr,
-                rid,
-                r_ok,
-                t,
-                g,
-                n_cand_r,
-                topk,
-                init_blocks,
-                local_blocks,
-                stride_s_t,
-                stride_s_g,
-                CH,
-            )
-    else:
-        _topk_rows_tile(
-            score_ptr,
-            ids_ptr,
-            rid,
-            r_ok,
-            t,
-            g,
-            n_cand_r,
-            topk,
-            init_blocks,
-            local_blocks,
-            stride_s_t,
-            stride_s_g,
-            CH,
-        )
-
-
-@triton.jit
 def _topk_rows_kernel(
     score_ptr,
     pos_ptr,
@@ -760,9 +594,6 @@ def _topk_rows_kernel(
     PS: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
-    FILTER: tl.constexpr = 0,
-    NG: tl.constexpr = 32,
-    KP: tl.constexpr = 16,
 ):
     """Final top-k of ROWS (token, head) rows per program (one chunk of <= CHUNK blocks per row).
 
@@ -778,7 +609,7 @@ def _topk_rows_kernel(
     n_max = tl.max(n_cand_r, axis=0)
     if CHUNK >= 64:
         if n_max <= CHUNK // 8:
-            _topk_rows_pick(
+            _topk_rows_tile(
                 score_ptr,
                 ids_ptr,
                 rid,
@@ -791,14 +622,10 @@ def _topk_rows_kernel(
                 local_blocks,
                 stride_s_t,
                 stride_s_g,
-                ROWS,
                 CHUNK // 8,
-                FILTER,
-                NG,
-                KP,
             )
         elif n_max <= CHUNK // 4:
-            _topk_rows_pick(
+            _topk_rows_tile(
                 score_ptr,
                 ids_ptr,
                 rid,
@@ -811,14 +638,10 @@ def _topk_rows_kernel(
                 local_blocks,
                 stride_s_t,
                 stride_s_g,
-                ROWS,
                 CHUNK // 4,
-                FILTER,
-                NG,
-                KP,
             )
         elif n_max <= CHUNK // 2:
-            _topk_rows_pick(
+            _topk_rows_tile(
                 score_ptr,
                 ids_ptr,
                 rid,
@@ -831,14 +654,10 @@ def _topk_rows_kernel(
                 local_blocks,
                 stride_s_t,
                 stride_s_g,
-                ROWS,
                 CHUNK // 2,
-                FILTER,
-                NG,
-                KP,
             )
         else:
-            _topk_rows_pick(
+            _topk_rows_tile(
                 score_ptr,
                 ids_ptr,
                 rid,
@@ -851,14 +670,10 @@ def _topk_rows_kernel(
                 local_blocks,
                 stride_s_t,
                 stride_s_g,
-                ROWS,
                 CHUNK,
-                FILTER,
-                NG,
-                KP,
             )
     else:
-        _topk_rows_pick(
+        _topk_rows_tile(
             score_ptr,
             ids_ptr,
             rid,
@@ -871,11 +686,7 @@ def _topk_rows_kernel(
             local_blocks,
             stride_s_t,
             stride_s_g,
-            ROWS,
             CHUNK,
-            FILTER,
-            NG,
-            KP,
         )
 
 
@@ -918,10 +729,8 @@ def _score_launch(
     block_m: int,
     n_splits: int,
     cfg: dict | None = None,
-    window: tuple[int, int] = (0, 2**31 - 1),
 ):
-    """Launch the score kernel over rows [r0, r1) with query tiles of block_m tokens (cfg: prefill knobs),
-    the tiles whose first token lies in ``window`` only."""
+    """Launch the score kernel over rows [r0, r1) with query tiles of block_m tokens (cfg: prefill knobs)."""
     cfg = cfg or {}
     r0, r1 = rows
     if r1 <= r0:
@@ -955,8 +764,6 @@ def _score_launch(
         r0,
         n_qtiles,
         per_split,
-        window[0],
-        window[1],
         iq.stride(0),
         iq.stride(1),
         keys.stride(0),
@@ -1048,14 +855,7 @@ def prefill_score_config(iq: torch.Tensor, index_cache_l) -> dict:
 
 
 def index_block_scores(
-    iq: torch.Tensor,
-    index_cache_l,
-    meta: PagedMetadata,
-    prefill_config: dict | None = None,
-    *,
-    pdl: bool = False,
-    window: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
+    iq: torch.Tensor, index_cache_l, meta: PagedMetadata, prefill_config: dict | None = None, *, pdl: bool = False
 ) -> torch.Tensor:
     """[T, G, NBP] fp32 block-max index scores (spec §3.4); entries past a token's causal blocks are garbage.
 
@@ -1071,20 +871,10 @@ def index_block_scores(
     with a TMA config, ``decode_score_config``, only): the decode score programs trigger the next
     launch at their start, for a ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent
     launch; otherwise no effect: that launch is then let in as the score programs exit).
-    window (prefill rows only, ``meta.num_decodes == 0``): score only the query tiles whose first token
-    lies in [lo, hi) (a tile is scored whole: its rows past hi too); out: the [T, G, NBP] fp32 tensor to
-    write (contiguous), e.g. one that earlier windows filled. Raises ValueError for a window with
-    decode rows or an ``out`` of another shape.
     """
     t, g, di = iq.shape
     nbp = meta.block_tables.shape[1]
-    if out is not None and (out.shape != (t, g, nbp) or out.dtype != torch.float32 or not out.is_contiguous()):
-        raise ValueError(
-            f"index_block_scores: out {tuple(out.shape)} {out.dtype}; needs a contiguous float32 [{t}, {g}, {nbp}]"
-        )
-    if window is not None and meta.num_decodes > 0:
-        raise ValueError("index_block_scores: a token window applies to prefill rows only (num_decodes must be 0)")
-    scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device) if out is None else out
+    scores = torch.empty(t, g, nbp, dtype=torch.float32, device=iq.device)  # [T, G, NBP] scratch
     if t == 0:
         return scores
     nd, r = meta.num_decodes, meta.num_rows
@@ -1107,8 +897,7 @@ def index_block_scores(
         bm = next_pow2(max(meta.decode_query_len, 1))
         _score_launch(iq, index_cache_l, meta, scores, (0, nd), bm, splits, dcfg)
     if r > nd:
-        bm = cfg.get("block_m", 32 if g * 32 <= 128 else 16)
-        _score_launch(iq, index_cache_l, meta, scores, (nd, r), bm, 1, cfg, window or (0, 2**31 - 1))
+        _score_launch(iq, index_cache_l, meta, scores, (nd, r), cfg.get("block_m", 32 if g * 32 <= 128 else 16), 1, cfg)
     return scores
 
 
@@ -1121,24 +910,16 @@ def select_topk_blocks(
     local_blocks: int = 1,
     rows_per_program: int = TOPK_ROWS,
     num_warps: int = TOPK_ROWS_WARPS,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, G, K] int32 top-k block ids from ``index_block_scores`` output (forced blocks, ties to lower id).
 
-    Reads ``meta.positions`` only ([T], the rows' tokens). out: a contiguous int32 [T, G, K] to write
-    (ValueError otherwise), e.g. a slice of a longer selection.
     rows_per_program > 1 (power of two): the one-chunk case with >= TOPK_ROWS_MIN rows runs that many rows per
     program (one [rows, chunk] key tile, ``num_warps`` warps; the tile is sized to the rows' causal candidates).
     """
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"select_topk_blocks: rows_per_program={rows_per_program}; needs a power of two >= 1")
     t, g, nbp = scores.shape
-    if out is None:
-        out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)
-    elif out.shape != (t, g, topk) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(
-            f"select_topk_blocks: out {tuple(out.shape)} {out.dtype}; needs a contiguous int32 [{t}, {g}, {topk}]"
-        )
+    out = torch.empty(t, g, topk, dtype=torch.int32, device=scores.device)
     if t == 0:
         return out
     ps = page_size
@@ -1159,9 +940,6 @@ def select_topk_blocks(
             PS=ps,
             CHUNK=chunk,
             ROWS=rows_per_program,
-            FILTER=TOPK_ROWS_FILTER if 2 <= next_pow2(topk) <= TOPK_FILTER_GROUPS * TOPK_ROWS_FILTER else 0,
-            NG=TOPK_FILTER_GROUPS,
-            KP=next_pow2(topk),
             num_warps=num_warps,
         )
         return out

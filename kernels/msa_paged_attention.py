@@ -1101,7 +1101,6 @@ def paged_attention(
     prefill_block_m: int | None = None,
     prefill_config: dict | None = None,
     scratch: torch.Tensor | None = None,
-    before_pass=None,
 ) -> torch.Tensor:
     """Triton version of ``m3_rollout.engine.reference_ops.paged_attention_ref`` (same arguments and output, spec §3.5).
 
@@ -1131,10 +1130,6 @@ def paged_attention(
     empty) turns the KV-major path off: sparse prefill takes the union-list tiles at every length.
     None: passes of KV_CHUNK_TOKENS tokens in a buffer allocated per call. Ignored by decode rows
     and dense layers.
-    before_pass: optional callable(t0, t1) run (host side, in stream order) before the sparse prefill
-    first reads the selection of tokens [t0, t1) (indices into q): once per KV-major pass, once for
-    all prefill tokens on the other paths. The pipelined sparse prefill
-    (kernels/msa_sparse_prefill.py) fills ``topk_ids`` (int32, read in place) there, pass by pass.
     Returns [T, nh, d] in q.dtype.
     Raises ValueError for an unsupported dtype, d/ps not a power of two in [16, 256], nh not a
     multiple of G, topk_ids of the wrong shape, a scratch that is not a contiguous uint8 vector on
@@ -1224,7 +1219,6 @@ def paged_attention(
             prefill_block_m,
             check_prefill_config(prefill_config or {}),
             scratch,
-            before_pass,
         )
     return out
 
@@ -1261,7 +1255,7 @@ def check_prefill_config(cfg: dict) -> dict:
 
 
 def _prefill_launch(
-    q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee, block_m, cfg, scratch, before_pass
+    q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, topk, common, rh, dense, ieee, block_m, cfg, scratch
 ):
     """Prefill rows: dense causal walk, union-list tiles (one union pass first) or the KV-major path
     (from KV_MAJOR_MIN_TOKENS prefill tokens on, unless ``scratch`` holds no token)."""
@@ -1285,10 +1279,8 @@ def _prefill_launch(
     if impl == "union":  # H200: one stage (two programs per SM) beats two pipelined stages at 8K..128K
         stages = 1 if ieee else cfg.get("num_stages", 1)
     if impl == "kv":
-        prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap, before_pass)
+        prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap)
         return
-    if before_pass is not None and not dense:
-        before_pass(nd * meta.decode_query_len, q.shape[0])
     if impl == "loop":
         _prefill_attn_kernel[grid](
             q,
@@ -1374,7 +1366,7 @@ def _prefill_launch(
     )
 
 
-def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap, before_pass=None):
+def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee, cfg, scratch, cap):
     """KV-major sparse prefill: bucket the (token, slot) entries by (KV head, row, block), attend each page
     once per segment of up to ``seg`` entries, ``tok`` tokens per tile (every row of a tile useful),
     then merge each token's K partials by LSE.
@@ -1391,9 +1383,8 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
     permutation, positions: a few tens of bytes per (token, KV head, slot) entry, 1-2 % of the
     partials' bytes at M3 shapes) is allocated per pass as before.
     Writes the prefill rows of ``out`` [T, nh, d]; sel: int32 [T, G, K] (rows at unit stride);
-    qk_scale: scale x log2 e; rh: nh / G; ieee: fp32 inputs; cfg: ``prefill_config`` knobs;
-    before_pass(t0, t1): ``paged_attention``'s hook, run before each pass reads its tokens' selection.
-    Also run by kernels/invariant_page_partials.py (the batch-invariant mode) with one fixed knob set.
+    qk_scale: scale x log2 e; rh: nh / G; ieee: fp32 inputs; cfg: ``prefill_config`` knobs. Also run
+    by kernels/invariant_page_partials.py (the batch-invariant mode) with one fixed knob set.
     """
     nd, r = meta.num_decodes, meta.num_rows
     t_all = q.shape[0]
@@ -1426,8 +1417,6 @@ def prefill_kv_major(q, k_cache_l, v_cache_l, meta, sel, out, qk_scale, rh, ieee
     for c0 in range(0, tp, chunk):
         c1 = min(c0 + chunk, tp)
         tc = c1 - c0
-        if before_pass is not None:
-            before_pass(td + c0, td + c1)
         sel_c = sel[td + c0 : td + c1].contiguous()  # [Tc, G, K]
         pos_c = meta.positions[td + c0 : td + c1]
         n_ent = tc * g * topk

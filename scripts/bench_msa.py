@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from benchlib import bench_config, run_date
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from m3_kernels import msa_fused_decode, msa_index_topk, msa_sparse_prefill
+from m3_kernels import msa_fused_decode, msa_index_topk
 from m3_kernels.msa_fused_decode import (
     DECODE_PATHS,
     MAX_FUSED_BLOCKS,
@@ -416,20 +416,10 @@ def prefill_bench(lens, patterns, rows_out, variants=("bf16",)):
             del sel_ref
             att = time_ms(lambda: paged_attention(b.q, b.k, b.v, b.meta, SCALE, sel), iters=1, reps=reps)
 
-            def step():  # the engine's sparse-layer op: prefill rows through msa_sparse_prefill
-                return msa_attention(b.q, b.iq, b.k, b.v, ic, b.meta, SCALE, K)
+            def step():
+                return paged_attention(b.q, b.k, b.v, b.meta, SCALE, index_topk(b.iq, ic, b.meta, K))
 
             tot = time_ms(step, iters=1, reps=reps)
-            pipelined = msa_sparse_prefill.PIPELINE
-            msa_sparse_prefill.PIPELINE = not pipelined  # the other launch order, same run (same bits)
-            try:
-                other = step()
-                tot_other = time_ms(step, iters=1, reps=reps)
-            finally:
-                msa_sparse_prefill.PIPELINE = pipelined
-            same = bool(torch.equal(other, step()))
-            del other
-            tot_serial, tot_pipe = (tot_other, tot) if pipelined else (tot, tot_other)
             pos = b.meta.positions.double()
             idx_fl = ((pos + 1) * G * DI * 2).sum().item()
             keys = torch.where(pos < K * PS, pos + 1, (K - 1) * PS + pos % PS + 1)
@@ -451,9 +441,6 @@ def prefill_bench(lens, patterns, rows_out, variants=("bf16",)):
                 attn_tflops=att_fl / att * 1e-9,
                 attn_impl=impl,
                 msa_ms=tot,
-                msa_unpipelined_ms=tot_serial,
-                msa_pipelined_ms=tot_pipe,
-                pipelined_same_bits=same,
                 speedup=dense / tot,
                 union_over_k=uni,
             )
@@ -463,15 +450,13 @@ def prefill_bench(lens, patterns, rows_out, variants=("bf16",)):
                 f"({r['dense_tflops']:.0f} TFLOP/s) | MSA "
                 f"{tot:.2f} ms = scores {sc_ms:.2f} ({r['scores_tflops']:.0f} TFLOP/s) + top-k {tk_ms:.2f} + attn "
                 f"{att:.2f} ({r['attn_tflops']:.0f} TFLOP/s, {impl}) | speedup {r['speedup']:.2f}x | union/K per "
-                f"4-token tile {uni:.2f}; dense={dbe} | scores beside the attention (msa_sparse_prefill) "
-                f"{tot_pipe:.2f} ms vs one after the other {tot_serial:.2f} ms, same bits {same}",
+                f"4-token tile {uni:.2f}; dense={dbe}",
                 flush=True,
             )
             rows_out.append(
                 f"| prefill ({pat} iq, {var} index) | {s} | {dense:.2f} ({r['dense_tflops']:.0f} TFLOP/s) | {tot:.2f} "
                 f"| scores {sc_ms:.2f} ({r['scores_tflops']:.0f}) + top-k {tk_ms:.2f} / {att:.2f} "
-                f"({r['attn_tflops']:.0f}); sel match {match:.3f}; pipelined {tot_pipe:.2f} / unpipelined "
-                f"{tot_serial:.2f} (same bits: {same}) | attn {impl}, union/K {uni:.2f} | "
+                f"({r['attn_tflops']:.0f}); sel match {match:.3f} | attn {impl}, union/K {uni:.2f} | "
                 f"{r['speedup']:.2f}x | |"
             )
             del b, sel, ic

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from m3_kernels.msa_interpret import interpreted_kernels
 from m3_kernels.msa_synthetic import make_paged_batch
@@ -284,96 +282,6 @@ def test_topk_rows_kernel_size_tiers_ties_and_nan(monkeypatch):
             assert torch.equal(got, want), (init, local, rows)
     # position 339 (22 blocks), local block 21 first: ties to the lower id, -0.0 == 0.0, the NaN block last
     assert want[-1, :, :3].tolist() == [[21, 3, 9], [21, 5, 6]]
-
-
-def _wide_rows_scores():
-    # a 704-block table (the one-chunk prefill top-k of a 1024-block chunk): tokens whose candidates fill the
-    # 128 / 256 / 512 / 1024-block tiles; random scores, one row whose top scores all fall in group 0 of the
-    # filter's 32 strided groups (group (b // 4) % 32: blocks 0-3, 128-131, 256-259, ...), exact ties inside
-    # one group and across groups, -0.0 vs 0.0 and a NaN
-    pos = torch.tensor([10 * PS, 150 * PS + 3, 300 * PS, 600 * PS + 15, 700 * PS, 3 * PS], dtype=torch.int32)
-    g = torch.Generator().manual_seed(5)
-    scores = torch.randn(len(pos), G, 704, generator=g)
-    scores[2, 0, [0, 1, 2, 3, 128, 129, 130, 131, 256, 257]] = 5.0 + torch.arange(10.0)  # group 0: the top 10
-    scores[3, 1, [28, 29, 156, 8]] = 9.0  # a 3-way tie in group 7 and one in group 2
-    scores[4, 0, 100] = -0.0
-    scores[4, 0, 101] = 0.0
-    scores[4, 0, 102:110] = -scores[4, 0, 102:110].abs() - 4.0
-    scores[4, 1, 50] = float("nan")
-    return pos, scores
-
-
-@pytest.mark.parametrize("topk", [4, 5, 16])
-def test_topk_rows_filter_gives_the_rounds_ids(topk, monkeypatch):
-    # the prefill top-k's shortlist (each of 32 strided groups' M largest keys, then K rounds over them;
-    # back to the rounds over the whole tile when a group's M-th key made the top K) selects what the
-    # reference does, with M = 1 (almost every row falls back), 2 and 4, 2 and 4 rows per program
-    pos, scores = _wide_rows_scores()
-    meta = type("Meta", (), {"positions": pos})()
-    monkeypatch.setattr(mi, "TOPK_ROWS_MIN", 0)
-    monkeypatch.setattr(mi, "TOPK_CHUNK", 1024)  # few rows: one 1024-block chunk (the prefill's width)
-    for init, local in ((1, 2), (0, 1)):
-        want = _select_from_scores(scores, pos, topk, init, local)
-        assert (topk <= 4 or (want[-1] == -1).any()) and (want[3] >= 0).all()  # a 4-block row pads (K > 4)
-        for m in (0, 1, 2, 4):
-            monkeypatch.setattr(mi, "TOPK_ROWS_FILTER", m)
-            for rows in (2, 4):
-                got = mi.select_topk_blocks(scores, meta, topk, PS, init, local, rows_per_program=rows)
-                assert torch.equal(got, want), (init, local, m, rows)
-    # (init, local) = (0, 1) last: the ties keep the reference order, lower ids first inside a group as across
-    assert want[3, 1, :4].tolist() == [600, 8, 28, 29]
-
-
-@triton.jit
-def _filter_probe_kernel(
-    score_ptr,
-    pos_ptr,
-    ids_ptr,
-    exact_ptr,
-    n_rows,
-    topk,
-    stride_t,
-    stride_g,
-    G: tl.constexpr,
-    PS_: tl.constexpr,
-    CH: tl.constexpr,
-    M: tl.constexpr,
-    KP: tl.constexpr,
-):
-    rid = tl.program_id(0) * 2 + tl.arange(0, 2)
-    r_ok = rid < n_rows
-    t = rid // G
-    n_cand = tl.where(r_ok, tl.load(pos_ptr + t, mask=r_ok, other=0) // PS_ + 1, 0).to(tl.int32)
-    top, exact = mi._topk_rows_filter(score_ptr, rid, r_ok, t, rid % G, n_cand, topk, 0, 1, stride_t, stride_g,
-                                      2, CH, 32, M, KP)  # fmt: skip
-    offs_k = tl.arange(0, KP)[None, :]
-    tl.store(ids_ptr + rid[:, None] * KP + offs_k, mi._key_block_ids(top, n_cand[:, None]), mask=r_ok[:, None])
-    tl.store(exact_ptr + tl.program_id(0), exact.to(tl.int32))
-
-
-def test_topk_rows_filter_says_when_its_shortlist_is_exact():
-    # the shortlist flags itself exact iff no group holds 4 (= M) of the row's first 15 picks (top 16 of up to
-    # 701 blocks), and where exact its ids are the reference's
-    pos, scores = _wide_rows_scores()
-    n_rows = len(pos) * G
-    ids = torch.full((n_rows, 16), -7, dtype=torch.int32)
-    exact = torch.full((n_rows // 2,), -7, dtype=torch.int32)
-    _filter_probe_kernel[(n_rows // 2,)](
-        scores, pos, ids, exact, n_rows, 16, scores.stride(0), scores.stride(1), G=G, PS_=PS, CH=1024, M=4, KP=16
-    )
-    want = _select_from_scores(scores, pos, 16, 0, 1).view(n_rows, 16)
-
-    def short(r):  # the row's shortlist is proven whole iff no group has 4 (= M) of the row's first 15 picks
-        per_group = torch.bincount(want[r, :15][want[r, :15] >= 0] // 4 % 32, minlength=32)
-        return bool(per_group.max() < 4)
-
-    expect = [int(short(2 * p) and short(2 * p + 1)) for p in range(n_rows // 2)]
-    # long random rows (tokens 1, 3, 4) are exact; token 2 (head 0's top in group 0) is not, nor are the
-    # 11- and 4-block rows, whose first blocks share group 0 (the kernel's tiers keep the filter off there)
-    assert exact.tolist() == expect == [0, 1, 0, 1, 1, 0]
-    for p in range(n_rows // 2):
-        if expect[p]:
-            assert torch.equal(ids[2 * p : 2 * p + 2], want[2 * p : 2 * p + 2]), p
 
 
 @pytest.mark.parametrize("network", [True, False], ids=["tl.topk", "rounds"])
@@ -680,42 +588,3 @@ def test_engine_table_binds_the_scratch_into_both_attention_ops(monkeypatch):
     torch.testing.assert_close(got, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, sel), atol=2e-5, rtol=0)
     dense = bound.paged_attention(b.q, b.k, b.v, b.meta, SCALE, None)
     torch.testing.assert_close(dense, paged_attention_ref(b.q, b.k, b.v, b.meta, SCALE, None), atol=2e-5, rtol=0)
-
-
-def test_pipelined_sparse_prefill_equals_index_topk_then_attention(monkeypatch):
-    # msa_attention's prefill rows through msa_sparse_prefill: index scores in windows of 64 tokens (tiles of
-    # 32 cut across rows and windows), each KV-major pass of 24 tokens (a bound scratch) ranking its tokens'
-    # top-k when it starts; the output and the selection equal index_topk + paged_attention bit for bit, on
-    # the KV-major path (passes) and on the union tiles (one hook call), with decode rows in the step
-    from m3_kernels import msa_sparse_prefill as sp
-
-    monkeypatch.setattr(ma, "KV_MAJOR_MIN_TOKENS", 16)
-    monkeypatch.setattr(sp, "SCORE_WINDOW_TOKENS", 64)
-    b = _batch(([(40, 1), (63, 1), (0, 100), (90, 75)], 2), torch.float32, seed=6)
-    td = 2
-    pmeta = md.prefill_part(b.meta)
-    want_sel = mi.index_topk(b.iq[td:], b.ik, pmeta, K)
-    assert torch.equal(want_sel, index_topk_ref(b.iq[td:], b.ik, pmeta, K))
-    for scratch in (_scratch(24, torch.float32), torch.empty(0, dtype=torch.uint8)):  # KV-major passes / union
-        want = ma.paged_attention(b.q[td:], b.k, b.v, pmeta, SCALE, want_sel, scratch=scratch)
-        for pipeline in (True, False):
-            monkeypatch.setattr(sp, "PIPELINE", pipeline)
-            sel = torch.full((b.meta.num_tokens, G, K), -7, dtype=torch.int32)
-            got = md.msa_attention(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K, sel_out=sel, scratch=scratch)
-            assert torch.equal(got[td:], want), (scratch.numel(), pipeline)
-            assert torch.equal(sel[td:], want_sel)
-    calls = []
-    monkeypatch.setattr(sp, "PIPELINE", True)
-    orig = ma.prefill_kv_major
-
-    def spy(*args):
-        calls.append(args[-1])  # the before_pass hook the pipeline hands over
-        return orig(*args)
-
-    monkeypatch.setattr(ma, "prefill_kv_major", spy)
-    sp.sparse_prefill(b.q[td:], b.iq[td:], b.k, b.v, b.ik, pmeta, SCALE, K, scratch=_scratch(24, torch.float32))
-    assert len(calls) == 1 and callable(calls[0])
-    with pytest.raises(ValueError, match="decode rows"):
-        sp.sparse_prefill(b.q, b.iq, b.k, b.v, b.ik, b.meta, SCALE, K)
-    with pytest.raises(ValueError, match="window_tokens=100"):
-        sp.sparse_prefill(b.q[td:], b.iq[td:], b.k, b.v, b.ik, pmeta, SCALE, K, window_tokens=100)

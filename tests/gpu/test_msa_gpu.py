@@ -212,47 +212,6 @@ def test_sparse_prefill_cuda_graph_replay(impl):
     torch.testing.assert_close(out_g, step(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8q"])
-def test_pipelined_sparse_prefill_equals_serial_and_replays(fmt, monkeypatch):
-    # msa_attention's prefill with the score windows on the side stream (1,024-token windows, KV-major passes
-    # of 4,096 tokens from a bound scratch: each pass waits for four windows) equals index_topk +
-    # paged_attention bit for bit. Two query sets alternate, so a pass that ranked scores before their
-    # window finished would see the other set's scores. Captured in a CUDA graph (fork / join of the side
-    # stream) and replayed on new contents, it equals the eager call.
-    from m3_kernels import msa_sparse_prefill as sp
-    from m3_kernels.paged_layout import FP8IndexCache, kv_major_token_bytes, quantize_index_keys
-
-    monkeypatch.setattr(sp, "SCORE_WINDOW_TOKENS", 1024)
-    b = _batch(([(0, 9000), (2000, 3500)], 0), torch.bfloat16, seed=11)
-    ic = b.ik if fmt == "bf16" else FP8IndexCache(*quantize_index_keys(b.ik), quantize_queries=True)
-    scratch = torch.empty(4096 * kv_major_token_bytes(NH, D, K, torch.bfloat16), dtype=torch.uint8, device="cuda")
-    sets = [(b.q.clone(), b.iq.clone()), (torch.randn_like(b.q), torch.randn_like(b.iq))]
-
-    def step(pipe):
-        monkeypatch.setattr(sp, "PIPELINE", pipe)
-        sel = torch.empty(b.meta.num_tokens, G, K, dtype=torch.int32, device="cuda")
-        out = msa_fused_decode.msa_attention(b.q, b.iq, b.k, b.v, ic, b.meta, SCALE, K, sel_out=sel, scratch=scratch)
-        return out, sel
-
-    for i in range(4):
-        b.q.copy_(sets[i % 2][0])
-        b.iq.copy_(sets[i % 2][1])
-        want, want_sel = step(False)
-        got, got_sel = step(True)
-        assert torch.equal(got_sel, want_sel) and torch.equal(got, want), i
-    step(True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_g, sel_g = step(True)
-    for i in range(2):
-        b.q.copy_(sets[i][0])
-        b.iq.copy_(sets[i][1])
-        graph.replay()
-        want, want_sel = step(False)
-        assert torch.equal(sel_g, want_sel) and torch.equal(out_g, want), i
-
-
 def test_dense_prefill_past_2_31_query_elements_equals_the_sequence_alone():
     # 272 sequences x 1,024 tokens = 278,528 prefill tokens: the last query row starts at element
     # 278,527 x 64 x 128 > 2**31, so an int32 token x row-stride offset wraps (before the int64 offsets:
