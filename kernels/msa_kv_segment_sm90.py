@@ -237,8 +237,8 @@ def sm90_unsupported(q, k_cache_l, rh: int, tok: int, stages: int) -> str | None
         return f"bf16 / fp16 queries, got {q.dtype}"
     if {"TOK": tok, "RH": rh, "D": d, "PS": ps} != SM90_TILE:
         return (
-            f"M3's attention tile (tok 4 x 16 heads per KV head, head dim 128, page 128); got tok {tok}, "
-            f"heads {rh}, head dim {d}, page {ps}"
+            f"M3's attention tile (tok {SM90_TILE['TOK']} x {SM90_TILE['RH']} heads per KV head, head dim "
+            f"{SM90_TILE['D']}, page {SM90_TILE['PS']}); got tok {tok}, heads {rh}, head dim {d}, page {ps}"
         )
     smem = (2 * ps + stages * tok * rh) * d * q.element_size()
     if stages < 2 or smem > SM90_TWO_PROGRAM_SMEM:
