@@ -4,12 +4,23 @@ Triton decides at ``@triton.jit`` decoration time whether a kernel runs in the i
 machine without a CUDA GPU the variable must be set before any test module imports triton;
 otherwise the order in which test files import kernels decides whether the MSA kernels can run.
 GPU tests (tests/gpu) skip themselves under the interpreter; run them in their own process on a GPU.
+
+The interpreter computes ``tl.dot`` with numpy's matmul (OpenBLAS). Tests that compare two launch
+shapes bit for bit (key sub-tiles of 64 vs 128 columns, store tiles) need each output column's sum
+to be formed in the same order whatever the other operand's width; OpenBLAS's Haswell and Zen GEMM
+kernels do not (on an AMD EPYC machine, 2026-12-07: an [M, 128] x [128, 64] product differs from
+the first 64 columns of [M, 128] x [128, 128] for M >= 16), its Sandy Bridge kernel does. So the
+kernel is chosen here, before torch loads numpy (OPENBLAS_CORETYPE is read when the library loads).
 """
 
 import os
+import sys
 
-import pytest
-import torch
+if "numpy" not in sys.modules:
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

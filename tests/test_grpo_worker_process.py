@@ -180,7 +180,11 @@ def test_ep2_workers_beside_the_trainer_refit_through_the_stage(cache, in_proces
             if isinstance(a[k], float) and math.isnan(a[k]):
                 assert math.isnan(b[k]), k
             elif isinstance(a[k], float):
-                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), k
+                # max |train - rollout logprob| is itself a few fp32 ulps of logprobs near -6 (4.8e-7 each)
+                # in both runs: the EP combine's rounding moves it by ulps, not by a relative amount
+                # (4.77e-07 in process vs 9.54e-07 with EP 2 on an AMD EPYC machine, 2026-12-07)
+                tol = 4e-6 if k.endswith("max_logprob_abs_diff") else 1e-9
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=tol), k
             else:
                 assert b[k] == a[k], k
         assert b["train/worker_failures"] == 0 and b["train/num_tokens"] > 0
