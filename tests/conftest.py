@@ -9,15 +9,27 @@ The interpreter computes ``tl.dot`` with numpy's matmul (OpenBLAS). Tests that c
 shapes bit for bit (key sub-tiles of 64 vs 128 columns, store tiles) need each output column's sum
 to be formed in the same order whatever the other operand's width; OpenBLAS's Haswell and Zen GEMM
 kernels do not (on an AMD EPYC machine, 2026-12-07: an [M, 128] x [128, 64] product differs from
-the first 64 columns of [M, 128] x [128, 128] for M >= 16), its Sandy Bridge kernel does. So the
-kernel is chosen here, before torch loads numpy (OPENBLAS_CORETYPE is read when the library loads).
+the first 64 columns of [M, 128] x [128, 128] from M of about 12 rows on), its Sandy Bridge kernel
+does. So on x86-64 the kernel is chosen here, before torch loads numpy (OPENBLAS_CORETYPE is read
+when the library loads; workers the tests start inherit it). Elsewhere, or where numpy uses another
+BLAS, the variable does nothing.
 """
 
 import os
+import platform
 import sys
+import warnings
 
-if "numpy" not in sys.modules:
-    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+if platform.machine().lower() in ("x86_64", "amd64"):
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+    elif "OPENBLAS_CORETYPE" not in os.environ:
+        warnings.warn(
+            "numpy was imported before tests/conftest.py, so OpenBLAS keeps the GEMM kernel it detected; the "
+            "interpreter tests that compare launch shapes bit for bit may then fail on some CPUs. Run "
+            "`python -m pytest` directly, or set OPENBLAS_CORETYPE=Sandybridge in the environment.",
+            stacklevel=1,
+        )
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

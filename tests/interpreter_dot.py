@@ -11,6 +11,8 @@ gives a transposed view, e.g. a weight tile loaded [N, K] and used as ``w.T``, o
 the same values laid out [K, N], where the GPU's MMA does not care), which models the GPU's per-row arithmetic and
 keeps everything else of the interpreter: masks, tile layouts, K loops, configs chosen by T,
 cross-row reductions. The GPU tests (tests/gpu/test_invariant_ops_gpu.py) check the compiled bits.
+(tests/conftest.py picks OpenBLAS's Sandy Bridge kernel on x86-64, under which rows were found
+position-independent too, 2026-12-07; this helper keeps the tests independent of the BLAS.)
 """
 
 from __future__ import annotations
