@@ -125,3 +125,40 @@ def split_index_cache(index_cache_l) -> tuple[torch.Tensor, torch.Tensor | None,
             "and fp32 [P, ps] (kernels/paged_layout.py)"
         )
     return keys, scales, index_cache_l.quantize_queries
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, n_rows, stride_x, N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """BLOCK_R rows of x [n_rows, N] (row stride stride_x, unit column stride) -> codes [n_rows, N]
+    float8e4nv and scales [n_rows] fp32 (contiguous): ``quantize_rows_e4m3`` of each row."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, N)
+    ok = rows < n_rows
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok[:, None], other=0.0)
+    codes, scales = quantize_rows_e4m3(x)
+    tl.store(codes_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], codes, mask=ok[:, None])
+    tl.store(scales_ptr + rows, scales, mask=ok)
+
+
+QUANTIZE_ROWS_BLOCK = 32  # rows per program of ``quantize_rows``
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index query rows x [..., di] (fp32 / fp16 / bf16) -> (codes [..., di] float8_e4m3fn, scales
+    [...] fp32), contiguous: the same bits as ``quantize_rows_e4m3`` inside a kernel and as
+    ``paged_layout.quantize_index_keys``. The prefill score launch of quantized queries
+    (msa_index_topk ``PREFILL_SCORE_FORMAT`` "qpre") runs it first and loads the fp8 codes, so its
+    dot reads the query tile from shared memory. One pass over x (a copy first where its rows are
+    not one stride apart)."""
+    di = x.shape[-1]
+    rows = x.reshape(-1, di)
+    if rows.shape[0] and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    n = rows.shape[0]
+    if n:
+        _quantize_rows_kernel[(triton.cdiv(n, QUANTIZE_ROWS_BLOCK),)](
+            rows, codes, scales, n, rows.stride(0), N=di, BLOCK_R=QUANTIZE_ROWS_BLOCK, num_warps=4
+        )
+    return codes, scales

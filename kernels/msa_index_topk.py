@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from m3_kernels.msa_checks import check_pow2_dim, check_pow2_knob, next_pow2
-from m3_kernels.msa_fp8 import index_dot, index_format, quantize_rows_e4m3, split_index_cache
+from m3_kernels.msa_fp8 import index_dot, index_format, quantize_rows, quantize_rows_e4m3, split_index_cache
 from m3_kernels.paged_layout import PagedMetadata
 
 # Sentinel key: below every real key (the key of a -inf score is > INT64_MIN).
@@ -74,7 +74,7 @@ PREFILL_SCORE_STORE_B = {"bf16": 4, "fp8": 4, "fp8q": 4}
 PREFILL_SCORE_FORMAT = {
     "bf16": {"tma": False, "nsub": 2, "tile": (32, 128)},
     "fp8": {"tma": True, "nsub": 2, "tile": (64, 256)},
-    "fp8q": {"tma": True, "nsub": 1, "tile": (64, 256)},
+    "fp8q": {"tma": True, "nsub": 1, "tile": (64, 256), "qpre": False},
 }
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
@@ -235,6 +235,7 @@ def _prefill_block_step(
 @triton.jit
 def _index_scores_kernel(
     iq_ptr,
+    iqs_ptr,
     ik_ptr,
     iks_ptr,
     bt_ptr,
@@ -246,6 +247,7 @@ def _index_scores_kernel(
     blocks_per_split,
     stride_iq_t,
     stride_iq_g,
+    stride_iqs_t,
     stride_ik_p,
     stride_ik_o,
     stride_iks_p,
@@ -266,6 +268,7 @@ def _index_scores_kernel(
     PV: tl.constexpr = 0,
     PDL: tl.constexpr = False,
     PVC: tl.constexpr = 0,
+    QPRE: tl.constexpr = False,
 ):
     """Block-max index scores of BLOCK_M query tokens x G heads over one split of causal blocks.
 
@@ -278,6 +281,10 @@ def _index_scores_kernel(
     it waits for this grid's stores in griddepcontrol.wait.
     PVC (prefill with SPLIT_CAUSAL, a power of two, or 0): the unmasked blocks' page ids are read PVC
     at a time as a vector, so no load in the inner block loop feeds another load's address.
+    QPRE (with QFP8): the query rows come quantized (``msa_fp8.quantize_rows``): iq_ptr holds their
+    e4m3 codes and iqs_ptr [T, G] their scales (row stride stride_iqs_t); the same values as
+    quantizing here, but the dot then reads the loaded tile from shared memory (no register copy of
+    the query operand).
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -301,9 +308,12 @@ def _index_scores_kernel(
         mask=m_valid[:, None],
         other=0.0,
     )  # [M, DI]
-    q_scale = tl.full([BLOCK_M * GP], 1.0, tl.float32)
-    if QFP8:
-        q, q_scale = quantize_rows_e4m3(q)
+    if QPRE:
+        q_scale = tl.load(iqs_ptr + tok.to(tl.int64) * stride_iqs_t + head, mask=m_valid, other=1.0)
+    else:
+        q_scale = tl.full([BLOCK_M * GP], 1.0, tl.float32)
+        if QFP8:
+            q, q_scale = quantize_rows_e4m3(q)
     qpos = tl.load(pos_ptr + tok, mask=m_valid, other=-1).to(tl.int32)  # [M]
     n_blk = tl.max(qpos, axis=0) // PS + 1
     b_lo = split * blocks_per_split
@@ -753,8 +763,13 @@ def _score_launch(
     per_split = triton.cdiv(nbp, n_splits)
     n_splits = triton.cdiv(nbp, per_split)
     grid = ((r1 - r0) * n_qtiles, n_splits)
+    qpre = qfp8 and not decode and bool(cfg.get("qpre"))
+    iq_scales = iq
+    if qpre:  # the prefill's query rows quantized in one pass first (all rows: decode rows are not read)
+        iq, iq_scales = quantize_rows(iq)
     _index_scores_kernel[grid](
         iq,
+        iq_scales,
         ik,
         keys if kscales is None else kscales,
         meta.block_tables,
@@ -766,6 +781,7 @@ def _score_launch(
         per_split,
         iq.stride(0),
         iq.stride(1),
+        iq_scales.stride(0),
         keys.stride(0),
         keys.stride(1),
         0 if kscales is None else kscales.stride(0),
@@ -788,6 +804,7 @@ def _score_launch(
         PV=next_pow2(per_split) if tma and decode and per_split <= DECODE_PAGE_VECTOR_MAX else 0,
         PDL=bool(cfg.get("pdl")),
         PVC=cfg.get("pvc", 0),
+        QPRE=qpre,
         num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
         num_stages=1 if ieee else cfg.get("num_stages", 3),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
@@ -850,6 +867,7 @@ def prefill_score_config(iq: torch.Tensor, index_cache_l) -> dict:
         store_b=PREFILL_SCORE_STORE_B.get(fmt, 16),
         tma=per_fmt["tma"],
         nsub=per_fmt["nsub"],
+        qpre=per_fmt.get("qpre", False),
         block_m=bm if iq.shape[1] * bm <= rows else max(1, bm // 2),
     )
 
@@ -867,7 +885,9 @@ def index_block_scores(
     ids read as vectors of that many blocks, default per format ``PREFILL_SCORE_PVC``; ``store_b``:
     blocks per store tile, a power of two, default per format ``PREFILL_SCORE_STORE_B``; a ``store_b``
     or ``pvc`` that is not a power of two raises ValueError, ``pvc`` 0 is off; ``tma``: key sub-tiles read
-    through a tensor descriptor, same bits, where ``tma_keys_ok``). pdl (decode launches
+    through a tensor descriptor, same bits, where ``tma_keys_ok``; ``qpre``: with a quantizing
+    ``FP8IndexCache``, the query rows quantized by ``msa_fp8.quantize_rows`` before the launch, same
+    bits). pdl (decode launches
     with a TMA config, ``decode_score_config``, only): the decode score programs trigger the next
     launch at their start, for a ``topk_chunk_keys(pdl=True)`` that follows (programmatic dependent
     launch; otherwise no effect: that launch is then let in as the score programs exit).

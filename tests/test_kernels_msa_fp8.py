@@ -135,11 +135,40 @@ def test_index_topk_on_fp8_cache_matches_reference(quantize_queries, monkeypatch
 
     from_tensor = mi.TensorDescriptor.from_tensor
     monkeypatch.setattr(mi.TensorDescriptor, "from_tensor", spy)
-    for store_b, pvc, tma, nsub in ((4, 2, False, 2), (1, 0, False, 2), (4, 2, True, 2), (2, 0, True, 1)):
+    # qpre: the query rows quantized by msa_fp8.quantize_rows before the launch (ignored for bf16 queries)
+    for store_b, pvc, tma, nsub, qpre in (
+        (4, 2, False, 2, False),
+        (1, 0, False, 2, False),
+        (4, 2, True, 2, False),
+        (2, 0, True, 1, False),
+        (4, 2, True, 4, True),
+        (1, 0, False, 1, True),
+    ):
         cfg = {"split_causal": True, "nsub": nsub, "block_m": 4, "pvc": pvc, "store_b": store_b, "tma": tma}
+        cfg["qpre"] = qpre
         n = len(boxes)
         assert torch.equal(mi.index_block_scores(b.iq, cache, b.meta, cfg)[causal], scores[causal])
         assert boxes[n:] == ([((cache.keys.shape[0] * PS, D), [PS // nsub, D])] if tma else [])
+
+
+def test_quantize_rows_kernel_equals_the_reference():
+    """msa_fp8.quantize_rows (the prefill's query rows quantized before the score launch): codes and
+    scales bit for bit those of paged_layout.quantize_index_keys, for a [T, G, di] tensor, a strided
+    view (heads 0 and 2 of 4) and rows past the kernel's first program; a zero row, and a NaN (its
+    row's scale and other codes)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 4, 32, generator=gen) * torch.logspace(-5, 5, 37)[:, None, None]
+    x[3] = 0.0
+    x[5, 1, 7] = float("nan")
+    for rows in (x, x[:, ::2]):
+        codes, scales = f8.quantize_rows(rows)
+        want_c, want_s = quantize_index_keys(rows)
+        assert codes.shape == rows.shape and scales.shape == rows.shape[:-1] and codes.is_contiguous()
+        # a NaN's own code is left out: the interpreter converts NaN to a finite e4m3 code (0x7c)
+        nan = rows.isnan()
+        assert torch.equal(codes.view(torch.uint8)[~nan], want_c.view(torch.uint8)[~nan])
+        assert torch.equal(scales, want_s)
+    assert f8.quantize_rows(x[:0])[0].shape == (0, 4, 32)
 
 
 def test_prefill_score_config_per_index_format_and_query_dtype():

@@ -35,7 +35,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 in this process; run tests/gpu alone", allow_module_level=True)
 
-from m3_kernels import fused_layers, msa_fused_decode, msa_index_topk  # noqa: E402
+from m3_kernels import fused_layers, msa_fp8, msa_fused_decode, msa_index_topk  # noqa: E402
 from m3_kernels.msa_synthetic import make_paged_batch  # noqa: E402
 from m3_kernels.paged_layout import FP8IndexCache, dequantize_index_keys, quantize_index_keys  # noqa: E402
 from m3_rollout.engine.reference_ops import (  # noqa: E402
@@ -317,8 +317,26 @@ def test_prefill_scores_tma_and_tile_keep_the_pointer_loads_bits(fmt):
     per_fmt = msa_index_topk.PREFILL_SCORE_FORMAT[fmt]
     assert per_fmt["tma"] == (fmt != "bf16")
     got = msa_index_topk.index_block_scores(b.iq, cache, b.meta)
-    want = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"tma": False, "block_m": 32, "nsub": 2})
+    want = msa_index_topk.index_block_scores(
+        b.iq, cache, b.meta, {"tma": False, "block_m": 32, "nsub": 2, "qpre": False}
+    )
     assert _equal_on_causal_blocks(b.meta, got, want)
     if fmt == "bf16":
         tma = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"tma": True})
         assert _equal_on_causal_blocks(b.meta, tma, want)
+
+
+@pytest.mark.parametrize("nsub", [1, 2, 4])
+def test_prefill_scores_of_prequantized_queries_keep_the_bits(nsub):
+    # FP8 keys with quantized queries: the query rows quantized by msa_fp8.quantize_rows before the score
+    # launch ("qpre": codes loaded, so the dot reads them from shared memory) must give every causal
+    # block maximum the bits of quantizing them inside the kernel, at any key sub-tile count; the
+    # quantization itself the bits of the PyTorch reference at real shapes.
+    b = _paged(([(0, 3000), (1000, 700), (130, 77)], 0), seed=5)
+    cache = FP8IndexCache(*quantize_index_keys(b.ik), True)
+    want = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"qpre": False, "nsub": 1})
+    got = msa_index_topk.index_block_scores(b.iq, cache, b.meta, {"qpre": True, "nsub": nsub})
+    assert _equal_on_causal_blocks(b.meta, got, want)
+    codes, scales = msa_fp8.quantize_rows(b.iq)
+    want_c, want_s = quantize_index_keys(b.iq)
+    assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8)) and torch.equal(scales, want_s)
