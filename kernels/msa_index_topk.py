@@ -19,7 +19,8 @@ Scoring tiles ``BLOCK_M`` query tokens x all G index heads against one page of k
 ``n_splits`` programs. Prefill on the GPU (``PREFILL_SCORE_CONFIG``): blocks wholly before the
 tile's first token skip the causal mask, and a 128-register cap lets two programs share an SM so
 one's tensor-core work overlaps the other's block-max reductions; FP8 keys are read through TMA
-in 64-token tiles (``PREFILL_SCORE_FORMAT``). Prefill top-k runs TOPK_ROWS
+in 64-token tiles, and FP8 queries are quantized before the launch so the dot reads them from
+shared memory (``PREFILL_SCORE_FORMAT``). Prefill top-k runs TOPK_ROWS
 (token, head) rows per program.
 
 CUDA-graph safety: grids depend only on (rows, tokens, block-table width, decode_query_len,
@@ -71,10 +72,14 @@ PREFILL_SCORE_STORE_B = {"bf16": 4, "fp8": 4, "fp8q": 4}
 # 128-key sub-tile and 64 tokens (TMA alone 12.1-12.5; 64 tokens without TMA 13.0-13.2 on
 # 2026-12-06 14:46); fp8 (bf16 queries, converted in registers) 24.0-24.6 -> 19.2-19.7 with TMA and 64 tokens;
 # bf16: no variant outside its spread (14.6-17.0), kept as it was.
+# "qpre" (FP8 queries): the query rows quantized before the launch (msa_fp8.quantize_rows), so the dot
+# reads the loaded codes from shared memory instead of a register copy reloaded every k-step (sm_90
+# spills 404 -> 96 bytes; kernels/ptxas_check.py). H100 2026-12-07, 128K, same bits: 10.4-10.9 ->
+# 9.6-10.0 ms (2 / 4 key sub-tiles with it: 10.6-11.4 / 13.1-13.4; 32-token tiles 10.5-10.9).
 PREFILL_SCORE_FORMAT = {
     "bf16": {"tma": False, "nsub": 2, "tile": (32, 128)},
     "fp8": {"tma": True, "nsub": 2, "tile": (64, 256)},
-    "fp8q": {"tma": True, "nsub": 1, "tile": (64, 256), "qpre": False},
+    "fp8q": {"tma": True, "nsub": 1, "tile": (64, 256), "qpre": True},
 }
 TOPK_ROWS = 2  # (token, head) rows per one-chunk top-k program (one warp: H200 128K 6.0 -> 5.1 ms)
 TOPK_ROWS_MIN = 1024  # ... from this many rows on (prefill)
@@ -233,7 +238,7 @@ def _prefill_block_step(
 
 
 @triton.jit
-def _index_scores_kernel(
+def index_scores_kernel(
     iq_ptr,
     iqs_ptr,
     ik_ptr,
@@ -767,7 +772,7 @@ def _score_launch(
     iq_scales = iq
     if qpre:  # the prefill's query rows quantized in one pass first (all rows: decode rows are not read)
         iq, iq_scales = quantize_rows(iq)
-    _index_scores_kernel[grid](
+    index_scores_kernel[grid](
         iq,
         iq_scales,
         ik,

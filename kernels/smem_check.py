@@ -44,13 +44,15 @@ def launch_attrs(fn, sig: dict) -> dict:
     }
 
 
-def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, num_stages: int):
+def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None = None):
     """JIT kernel ``fn`` (Triton or Gluon) compiled for sm_90 (sig: Triton type strings of the
-    arguments, consts: the constexpr values), specialized as a launch would be (``launch_attrs``)."""
+    arguments, consts: the constexpr values), specialized as a launch would be (``launch_attrs``);
+    maxnreg: the launch's register cap per thread, if any."""
     attrs = launch_attrs(fn, sig)
     sig = dict(sig, **{c: "constexpr" for c in consts})
     source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, consts, attrs)
-    return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(source, target=SM90, options=options)
 
 
 def shared_bytes(fn, sig: dict, consts: dict, num_warps: int, num_stages: int) -> int:

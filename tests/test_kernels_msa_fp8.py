@@ -175,6 +175,7 @@ def test_prefill_score_config_per_index_format_and_query_dtype():
     """The CUDA prefill score launch's defaults (prefill_score_config): FP8 keys with 16-bit queries read
     their keys through TMA in 64-token tiles (one 128-key sub-tile with FP8 queries); bf16 keys and
     fp32 queries (IEEE dots; no TMA whatever the keys) keep pointer loads, two sub-tiles and 32 tokens;
+    FP8 queries from 16-bit rows are quantized before the launch (qpre);
     more than 4 heads halve the tile (the old bf16 rule: 16 tokens past 128 rows)."""
     keys = torch.zeros(4, 128, 128)
     fp8 = FP8IndexCache(*quantize_index_keys(keys), False)
@@ -192,6 +193,8 @@ def test_prefill_score_config_per_index_format_and_query_dtype():
         cfg = mi.prefill_score_config(iq.to(dtype), cache)
         assert (cfg["tma"], cfg["nsub"], cfg["block_m"]) == (tma, nsub, bm), (dtype, fmt)
         assert cfg["store_b"] == mi.PREFILL_SCORE_STORE_B[fmt] and cfg["maxnreg"] == 128
+        # FP8 queries from 16-bit rows: quantized before the launch (fp32 rows take the bf16 entry: off)
+        assert cfg["qpre"] == (dtype == torch.bfloat16 and fmt == "fp8q"), (dtype, fmt)
     assert mi.prefill_score_config(torch.zeros(1, 8, 128, dtype=torch.bfloat16), keys.bfloat16())["block_m"] == 16
     assert mi.prefill_score_config(torch.zeros(1, 8, 128, dtype=torch.bfloat16), fp8q)["block_m"] == 32
 
