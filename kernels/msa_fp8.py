@@ -14,7 +14,8 @@ max (the scales differ per key) and by a query's scale after it (one positive po
 row commutes with the max, exactly).
 
 Host side: ``split_index_cache`` unpacks an index-cache argument (a ``[P, ps, di]`` tensor or a
-``paged_layout.FP8IndexCache``) for the kernels' launchers.
+``paged_layout.FP8IndexCache``) for the kernels' launchers; ``quantize_rows`` quantizes index
+query rows in one launch for the prefill score kernel (msa_index_topk, "qpre").
 """
 
 from __future__ import annotations
