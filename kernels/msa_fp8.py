@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3_kernels.msa_checks import check_pow2_dim
 from m3_kernels.paged_layout import E4M3_SCALE_SHIFT, FP8IndexCache
 
 _SHIFT = tl.constexpr(E4M3_SCALE_SHIFT)
@@ -150,8 +151,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``paged_layout.quantize_index_keys``. The prefill score launch of quantized queries
     (msa_index_topk ``PREFILL_SCORE_FORMAT`` "qpre") runs it first and loads the fp8 codes, so its
     dot reads the query tile from shared memory. One pass over x (a copy first where its rows are
-    not one stride apart)."""
+    not one stride apart). Raises ValueError unless di is a power of two in [16, 256]."""
     di = x.shape[-1]
+    check_pow2_dim("quantize_rows: row length (sparse_index_dim)", di)
     rows = x.reshape(-1, di)
     if rows.shape[0] and rows.stride(-1) != 1:
         rows = rows.contiguous()

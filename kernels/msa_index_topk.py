@@ -74,8 +74,9 @@ PREFILL_SCORE_STORE_B = {"bf16": 4, "fp8": 4, "fp8q": 4}
 # bf16: no variant outside its spread (14.6-17.0), kept as it was.
 # "qpre" (FP8 queries): the query rows quantized before the launch (msa_fp8.quantize_rows), so the dot
 # reads the loaded codes from shared memory instead of a register copy reloaded every k-step (sm_90
-# spills 404 -> 96 bytes; kernels/ptxas_check.py). H100 2026-12-07, 128K, same bits: 10.4-10.9 ->
-# 9.6-10.0 ms (2 / 4 key sub-tiles with it: 10.6-11.4 / 13.1-13.4; 32-token tiles 10.5-10.9).
+# spills 404 -> 96 bytes; kernels/ptxas_check.py). H100 2026-12-07, 128K, same bits, alternating A/B:
+# 10.4-10.9 -> 9.8-10.3 ms (9.6-9.8 in a later call; 2 / 4 key sub-tiles with it: 10.6-11.4 /
+# 13.1-13.4; 32-token tiles 10.5-10.9).
 PREFILL_SCORE_FORMAT = {
     "bf16": {"tma": False, "nsub": 2, "tile": (32, 128)},
     "fp8": {"tma": True, "nsub": 2, "tile": (64, 256)},
@@ -313,6 +314,7 @@ def index_scores_kernel(
         mask=m_valid[:, None],
         other=0.0,
     )  # [M, DI]
+    tl.static_assert(QFP8 or not QPRE, "QPRE needs QFP8: the loaded codes' scales are applied with QFP8")
     if QPRE:
         q_scale = tl.load(iqs_ptr + tok.to(tl.int64) * stride_iqs_t + head, mask=m_valid, other=1.0)
     else:

@@ -78,7 +78,8 @@ Key u (its ``di`` values already rounded to the activation dtype) is stored as c
   so a power-of-two scale costs no relative precision: error <= 2**-4 |k| per element (>= 2**-6 s
   in magnitude; smaller elements <= 2**-10 s absolute).
 - Queries (``FP8IndexCache.quantize_queries``): each (token, index head) query row is quantized
-  the same way inside the score kernels (fp8 x fp8 tensor-core dots); otherwise queries stay in the
+  the same way, inside the score kernels or, for the prefill score launch on CUDA, by
+  ``msa_fp8.quantize_rows`` just before it (fp8 x fp8 tensor-core dots); otherwise queries stay in the
   activation dtype and the keys are converted to it in registers.
 - Non-finite keys: NaN stays NaN (the block's score becomes -1e30, as with bf16 keys).
 

@@ -12,7 +12,7 @@ a dot wait for one another for want of registers).
 Found 2026-12-07 (docs/benchmarks.md): with FP8 queries quantized inside the kernel the query tile
 is a register operand and the launch spills 404 bytes under its 128-register cap; quantized before
 the launch (``PREFILL_SCORE_FORMAT`` "qpre") the dot reads the loaded codes from shared memory and
-the spills drop to 96 bytes: the 128K scores 10.4-10.9 -> 9.6-10.0 ms on an H100. The C7511 note
+the spills drop to 96 bytes: the 128K scores 10.4-10.9 -> 9.8-10.3 ms on an H100 (alternating A/B). The C7511 note
 stays (a [256, 128] fp32 accumulator is 128 registers a thread); the variants without it (two or
 four key sub-tiles, no cap) measured slower. tests/test_kernels_smem.py keeps the FP8-query launch
 on the shared-memory operand. Must run without TRITON_INTERPRET (the test starts it as a
@@ -59,11 +59,16 @@ def ptxas_report(ptx: str) -> dict:
     }
 
 
-def prefill_score_launch(fmt: str, **knobs) -> dict:
+def prefill_score_report(fmt: str, **knobs) -> dict:
     """``ptxas_report`` plus "query_operand" ("shared" | "registers", from the TTGIR's warpgroup
     dot) of the prefill score kernel as ``prefill_score_config`` launches it for index-key format
     ``fmt`` ("bf16", "fp8", "fp8q") with bf16 queries at M3's shapes; knobs override that config
-    (``index_block_scores``' prefill_config keys, e.g. qpre=False)."""
+    (``index_block_scores``' prefill_config keys, e.g. qpre=False). Raises ValueError for another
+    ``fmt``, RuntimeError when the TTGIR has no warpgroup dot or ptxas fails. The launch's
+    constexprs are rebuilt here from ``prefill_score_config`` (the rules of
+    ``msa_index_topk._score_launch`` for a prefill launch of one split)."""
+    if fmt not in ("bf16", "fp8", "fp8q"):
+        raise ValueError(f"prefill_score_report: index-key format {fmt!r}; use 'bf16', 'fp8' or 'fp8q'")
     keys = torch.zeros(1, 128, 128)
     codes = keys.to(torch.float8_e4m3fn)
     cache = keys.bfloat16() if fmt == "bf16" else FP8IndexCache(codes, keys[:, :, 0], fmt == "fp8q")
@@ -112,4 +117,4 @@ def prefill_score_launch(fmt: str, **knobs) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({fmt: prefill_score_launch(fmt) for fmt in ("bf16", "fp8", "fp8q")}))
+    print(json.dumps({fmt: prefill_score_report(fmt) for fmt in ("bf16", "fp8", "fp8q")}))

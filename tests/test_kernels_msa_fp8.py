@@ -135,6 +135,14 @@ def test_index_topk_on_fp8_cache_matches_reference(quantize_queries, monkeypatch
 
     from_tensor = mi.TensorDescriptor.from_tensor
     monkeypatch.setattr(mi.TensorDescriptor, "from_tensor", spy)
+    quantized = []  # the rows quantize_rows was given: once per qpre prefill launch, never for decode rows
+
+    def quantize_spy(x):
+        quantized.append(tuple(x.shape))
+        return quantize_rows(x)
+
+    quantize_rows = mi.quantize_rows
+    monkeypatch.setattr(mi, "quantize_rows", quantize_spy)
     # qpre: the query rows quantized by msa_fp8.quantize_rows before the launch (ignored for bf16 queries)
     for store_b, pvc, tma, nsub, qpre in (
         (4, 2, False, 2, False),
@@ -146,9 +154,10 @@ def test_index_topk_on_fp8_cache_matches_reference(quantize_queries, monkeypatch
     ):
         cfg = {"split_causal": True, "nsub": nsub, "block_m": 4, "pvc": pvc, "store_b": store_b, "tma": tma}
         cfg["qpre"] = qpre
-        n = len(boxes)
+        n, nq = len(boxes), len(quantized)
         assert torch.equal(mi.index_block_scores(b.iq, cache, b.meta, cfg)[causal], scores[causal])
         assert boxes[n:] == ([((cache.keys.shape[0] * PS, D), [PS // nsub, D])] if tma else [])
+        assert quantized[nq:] == ([tuple(b.iq.shape)] if qpre and quantize_queries else [])
 
 
 def test_quantize_rows_kernel_equals_the_reference():

@@ -96,12 +96,12 @@ def test_fp8_query_prefill_scores_read_the_query_tile_from_shared_memory():
     quantized before the launch) compiled for sm_90 at M3's shapes: its warpgroup dot takes the query
     tile from shared memory and it stays within the 128-register cap (two programs per SM), with fewer
     spilled bytes than quantizing inside the kernel, whose query tile is a register operand (ptxas
-    reloads it before every k-step). H100 2026-12-07: scores 10.4-10.9 -> 9.6-10.0 ms at 128K."""
+    reloads it before every k-step). H100 2026-12-07: scores 10.4-10.9 -> 9.8-10.3 ms at 128K."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     code = (
         "import json; from m3_kernels import ptxas_check as p; "
-        "print(json.dumps([p.prefill_score_launch('fp8q'), p.prefill_score_launch('fp8q', qpre=False)]))"
+        "print(json.dumps([p.prefill_score_report('fp8q'), p.prefill_score_report('fp8q', qpre=False)]))"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
