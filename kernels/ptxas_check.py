@@ -4,7 +4,10 @@ the query operand, and what ptxas reports.
 ``python -m m3_kernels.ptxas_check`` prints one JSON object {"<format>": {"query_operand",
 "registers", "spill_bytes", "wgmma_serialized"}} for ``msa_index_topk.index_scores_kernel`` as
 ``prefill_score_config`` launches it at M3's shapes (4 index heads, index dim 128, page 128, bf16
-queries) for each index-key format. "query_operand": "shared" when the TTGIR's warpgroup dot takes
+query rows) for each index-key format: "bf16" (bf16 keys), "fp8" (e4m3 keys, bf16 queries: the
+keys converted in registers), "fp8q" (e4m3 keys, the queries quantized to e4m3 too).
+"registers": per thread (the launch caps them at 128: two 8-warp programs per SM); "spill_bytes":
+spill stores per thread. "query_operand": "shared" when the TTGIR's warpgroup dot takes
 the query tile from shared memory, "registers" when it is a register operand (then ptxas reloads
 it from a shared copy before every k-step). "wgmma_serialized": ptxas's C7511 note (the k-steps of
 a dot wait for one another for want of registers).
@@ -12,11 +15,12 @@ a dot wait for one another for want of registers).
 Found 2026-12-07 (docs/benchmarks.md): with FP8 queries quantized inside the kernel the query tile
 is a register operand and the launch spills 404 bytes under its 128-register cap; quantized before
 the launch (``PREFILL_SCORE_FORMAT`` "qpre") the dot reads the loaded codes from shared memory and
-the spills drop to 96 bytes: the 128K scores 10.4-10.9 -> 9.8-10.3 ms on an H100 (alternating A/B). The C7511 note
-stays (a [256, 128] fp32 accumulator is 128 registers a thread); the variants without it (two or
-four key sub-tiles, no cap) measured slower. tests/test_kernels_smem.py keeps the FP8-query launch
-on the shared-memory operand. Must run without TRITON_INTERPRET (the test starts it as a
-subprocess).
+the spills drop to 96 bytes: the 128K scores 10.4-10.9 -> 9.8-10.3 ms on an H100 (alternating
+A/B). The C7511 note stays (a [256, 128] fp32 accumulator is 128 registers a thread); the variants
+without it (two or four key sub-tiles, no cap) measured slower. The "fp8" launch spills 268 bytes
+(two key sub-tiles, measured as its fastest tile on 2026-12-06); it is not what the 10x target is
+stated for and was not changed. tests/test_kernels_smem.py keeps the FP8-query launch on the
+shared-memory operand. Must run without TRITON_INTERPRET (the test starts it as a subprocess).
 """
 
 from __future__ import annotations
