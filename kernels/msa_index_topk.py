@@ -737,6 +737,12 @@ def _topk_merge_kernel(
             tl.store(ids_ptr + rid * topk + k, _key_block_ids(best, n_cand))
 
 
+def score_warps(cfg: dict, block_m: int, gp: int) -> int:
+    """Warps of a score launch: the ``num_warps`` knob, else 4 for tiles of <= 64 (token, head) rows
+    (block_m tokens x gp padded heads) and 8 above."""
+    return cfg.get("num_warps", 4 if block_m * gp <= 64 else 8)
+
+
 def _score_launch(
     iq,
     index_cache_l,
@@ -812,7 +818,7 @@ def _score_launch(
         PDL=bool(cfg.get("pdl")),
         PVC=cfg.get("pvc", 0),
         QPRE=qpre,
-        num_warps=cfg.get("num_warps", 4 if block_m * gp <= 64 else 8),
+        num_warps=score_warps(cfg, block_m, gp),
         num_stages=1 if ieee else cfg.get("num_stages", 3),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )

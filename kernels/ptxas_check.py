@@ -110,8 +110,8 @@ def prefill_score_report(fmt: str, **knobs) -> dict:
         PVC=cfg["pvc"],
         QPRE=qpre,
     )
-    warps = cfg.get("num_warps", 4 if cfg["block_m"] * 4 <= 64 else 8)
-    kernel = compile_sm90(fn, sig, consts, warps, cfg.get("num_stages", 3), maxnreg=cfg.get("maxnreg"))
+    warps, stages = mi.score_warps(cfg, cfg["block_m"], 4), cfg.get("num_stages", 3)
+    kernel = compile_sm90(fn, sig, consts, warps, stages, maxnreg=cfg.get("maxnreg"))
     # "ttng.warp_group_dot %a, %b, %c {attributes} : <A's type> * <B's type> -> <result>"
     dots = re.findall(r"ttng\.warp_group_dot [^{\n]*\{[^}]*\} : (\S+)", kernel.asm["ttgir"])
     if not dots:

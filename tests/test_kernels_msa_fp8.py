@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from m3_kernels.fused_interpret import interpreted_fused_layers
 from m3_kernels.msa_interpret import interpreted_kernels, interpreted_module
@@ -22,22 +20,13 @@ from m3_kernels.paged_layout import FP8IndexCache, dequantize_index_keys, e4m3_p
 from m3_rollout.engine.reference_ops import index_topk_ref, paged_attention_ref
 from m3_rollout.model.attention import write_paged_kv
 
-mi, _, md = interpreted_kernels()  # sets TRITON_INTERPRET=1 (the test kernel below is interpreted too)
+mi, _, md = interpreted_kernels()  # sets TRITON_INTERPRET=1
 f8 = interpreted_module("m3_kernels.msa_fp8")
 st = interpreted_module("m3_kernels.msa_score_topk")
 fl = interpreted_fused_layers()
 
 PS, G, NH, D, K = 16, 2, 8, 32, 4
 SCALE = D**-0.5
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, c_ptr, s_ptr, M: tl.constexpr, N: tl.constexpr):
-    om = tl.arange(0, M)
-    on = tl.arange(0, N)
-    codes, scales = f8.quantize_rows_e4m3(tl.load(x_ptr + om[:, None] * N + on[None, :]))
-    tl.store(c_ptr + om[:, None] * N + on[None, :], codes)
-    tl.store(s_ptr + om, scales)
 
 
 def _fp8_batch(rows, nd, quantize_queries, seed=0, **kw):
@@ -73,9 +62,7 @@ def test_kernel_quantization_equals_reference_bitwise():
     x = torch.randn(16, 32, generator=gen) * torch.logspace(-6, 6, 16)[:, None]
     x[0, :9] = torch.tensor([256.0, 2.125, 2.375, -2.125, 1.5 * 2**-9, 2.5 * 2**-9, 2**-10 * 1.001, 0.0, -0.0])
     x[0, 9:] = 0.0  # row 0: amax 256 -> scale 1, the codes are the values themselves
-    codes = torch.empty(16, 32, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(16)
-    _quantize_rows_kernel[(1,)](x, codes, scales, M=16, N=32)
+    codes, scales = f8.quantize_rows(x)  # quantize_rows_e4m3 on each row
     want_c, want_s = quantize_index_keys(x)
     assert torch.equal(scales, want_s)
     assert scales[0] == 1.0

@@ -24,12 +24,23 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def smem() -> dict[str, int]:
+def _compile_env() -> dict[str, str]:
+    """This process's environment without TRITON_INTERPRET (the checks compile, not interpret, the
+    kernels), the repository first on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def smem() -> dict[str, int]:
     run = subprocess.run(
-        [sys.executable, "-m", "m3_kernels.smem_check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "m3_kernels.smem_check"],
+        cwd=ROOT,
+        env=_compile_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -97,13 +108,13 @@ def test_fp8_query_prefill_scores_read_the_query_tile_from_shared_memory():
     tile from shared memory and it stays within the 128-register cap (two programs per SM), with fewer
     spilled bytes than quantizing inside the kernel, whose query tile is a register operand (ptxas
     reloads it before every k-step). H100 2026-12-07: scores 10.4-10.9 -> 9.8-10.3 ms at 128K."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     code = (
         "import json; from m3_kernels import ptxas_check as p; "
         "print(json.dumps([p.prefill_score_report('fp8q'), p.prefill_score_report('fp8q', qpre=False)]))"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_compile_env(), capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     pre, inside = json.loads(run.stdout.strip().splitlines()[-1])
     assert pre["query_operand"] == "shared" and inside["query_operand"] == "registers", (pre, inside)
