@@ -13,6 +13,10 @@ the first 64 columns of [M, 128] x [128, 128] from M of about 12 rows on), its S
 does. So on x86-64 the kernel is chosen here, before torch loads numpy (OPENBLAS_CORETYPE is read
 when the library loads; workers the tests start inherit it). Elsewhere, or where numpy uses another
 BLAS, the variable does nothing.
+
+`scripts/test.sh` (the README's test command) runs the suite in two pytest-xdist workers with one
+torch / OpenBLAS thread each (OMP_NUM_THREADS=1); `pytest_xdist_make_scheduler` below keeps each
+file on one worker.
 """
 
 import os
@@ -36,6 +40,10 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from m3_kernels.msa_interpret import patch_nested_jit_calls
+
+    patch_nested_jit_calls()  # jit helpers reuse their launch's patch of triton.language (its NOTE)
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +60,28 @@ def tiny_ep_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_ep")
     save_checkpoint(model, model.config, path)
     return path
+
+
+# Files whose tests start a local Ray cluster: one worker runs them, one after another.
+RAY_FILES = {"test_grpo_worker_process.py", "test_service_ray.py"}
+
+
+def file_group(nodeid: str) -> str:
+    """The xdist scope of a test id: its file, or "ray" for the files of RAY_FILES."""
+    path = nodeid.split("::", 1)[0]
+    return "ray" if path.rsplit("/", 1)[-1] in RAY_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (scripts/test.sh: ``-n 2``), each file's tests run on one worker in file
+    order (module-scoped state and fixtures are built once), and the Ray files share one worker.
+    A scheduler, not ``xdist_group`` markers: with pytest 9 the marker's rewritten test ids are not
+    used, and xdist reads the markers before this conftest's collection hook could add them."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return file_group(nodeid)
+
+    return FileScheduling(config, log)
