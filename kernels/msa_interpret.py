@@ -11,7 +11,8 @@ hook of ``triton.runtime.interpreter``, the only place the conversion can be cha
 NOTE: triton 3.6's interpreter patches triton.language (every builtin of ``tl``, ``tl.tensor``,
 ``tl.math``, found with ``inspect.getmembers``) at each kernel launch, and again at each call of a
 ``@triton.jit`` helper inside the launch, where nothing is left to patch; in the batch-invariant
-scoring tests that repetition was about a third of the run (48,167 scans in one 50-s test, 2026-12-07).
+scoring tests that repetition was about a quarter of the run (one test: 9,389 patches and 22-23 s;
+825 and 16-18 s without the repeats; AMD EPYC, 2026-12-07).
 ``patch_nested_jit_calls`` skips the repeat when the launch, or an earlier helper call in it,
 already patched every language module the helper's globals hold (``tl`` or ``tl.core``: the
 helpers of ``triton.language.standard``, ``tl.sum`` and the like, see ``tl.core`` where a kernel
