@@ -108,10 +108,11 @@ def patch_nested_jit_calls() -> None:
         patched = getattr(local, "patched", None)
         if patched is None:  # not inside a launch: as the interpreter does it
             return helper_call(self, *args, **kwargs)
-        if not langs(self.fn) or not langs(self.fn) <= patched:  # none: the interpreter's own assert
+        need = langs(self.fn)
+        if not need or not need <= patched:  # none: the interpreter's own assert
             # the interpreter's own call patches the helper's language modules and never restores
             # that patch, so it holds for the rest of the launch: later helpers need not redo it
-            local.patched = patched | langs(self.fn)
+            local.patched = patched | need
             return helper_call(self, *args, **kwargs)
         fn = self.rewrite()
         try:
