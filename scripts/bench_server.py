@@ -45,6 +45,7 @@ from m3_rollout.chat.tokenizer import save_tokenizer, train_tokenizer
 from m3_rollout.engine.interface import GenerationRequest, SamplingParams, StreamDelta
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.model import save_checkpoint, tiny_config
+from m3_rollout.parallel.process_group import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -276,7 +277,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         for mode in args.server_modes:
-            port = args.port or _free_port()
+            port = args.port or free_port()
             proc = start_server(tmp, port, args, mode)
             try:
                 for c in args.concurrency:
@@ -313,14 +314,6 @@ def main() -> None:
     if not args.no_write:
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
             f.write("\n".join(lines) + "\n")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from m3_rollout.engine.interface import GenerationBackend, SampleOutput, StreamD
 from m3_rollout.engine.native_backend import NativeBackend
 from m3_rollout.engine.stop_strings import complete_text
 from m3_rollout.model import M3ForCausalLM, save_checkpoint, tiny_config
+from m3_rollout.parallel.process_group import free_port
 from m3_rollout.server.app import build_app
 from m3_rollout.server.client import RolloutServerClient
 from m3_rollout.server.openai_api import ServedModel
@@ -120,12 +120,6 @@ def native_backend(model, served: ServedModel, **kw) -> NativeBackend:
     return NativeBackend(
         model, served.stop_token_ids, max_model_len=served.max_model_len, detokenize=served.decode, **kw
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

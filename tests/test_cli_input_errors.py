@@ -18,8 +18,8 @@ from server_util import save_tiny_checkpoint, tiny_model, tiny_tokenizer
 
 import m3_rollout.jobs.grpo as grpo
 from m3_rollout.jobs.export import main as export_main
+from m3_rollout.parallel.process_group import free_port
 from m3_rollout.serve import main as serve_main
-from m3_rollout.server.client import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

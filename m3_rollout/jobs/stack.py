@@ -24,10 +24,11 @@ from m3_rollout.chat.template import ChatFormat
 from m3_rollout.chat.tokenizer import load_tokenizer
 from m3_rollout.config import ConfigError, MasterConfig, check_devices
 from m3_rollout.engine.interface import GenerationBackend
+from m3_rollout.parallel.process_group import free_port
 from m3_rollout.rollout.data import PromptSource, load_jsonl
 from m3_rollout.rollout.environment import Environment
 from m3_rollout.rollout.group_rollout import RolloutSettings
-from m3_rollout.server.client import HTTPBackend, free_port
+from m3_rollout.server.client import HTTPBackend
 
 #: Offset of the validation sampling seed from ``grpo.seed``.
 VAL_SEED_OFFSET = 17

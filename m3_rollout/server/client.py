@@ -15,7 +15,6 @@ import asyncio
 import base64
 import concurrent.futures
 import dataclasses
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
@@ -32,6 +31,7 @@ from m3_rollout.engine.interface import (
 )
 from m3_rollout.engine.requests import error_outputs
 from m3_rollout.model.selection_record import SelectionRecord, SelectionSegment
+from m3_rollout.parallel.process_group import free_port
 from m3_rollout.weight_sync import BroadcastChannel, WeightSender, WeightSyncGroup
 
 from .metrics import parse_metrics
@@ -254,13 +254,6 @@ def _generation_failed(resp: httpx.Response) -> bool:
         return resp.json()["error"]["code"] == GENERATION_FAILED
     except (ValueError, KeyError, TypeError):
         return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class RolloutServerClient:
