@@ -7,6 +7,8 @@ covered with plain processes in test_ep_moe.py / test_service_ep.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -15,14 +17,14 @@ from test_service_ep import _key, _reference, _requests, model_dir  # noqa: E402
 
 from m3_rollout.config import WeightSyncConfig  # noqa: E402
 from m3_rollout.parallel import EPGroupSpec  # noqa: E402
-from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec  # noqa: E402
+from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec, init_local_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_local():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=2, log_to_driver=False)
     yield
     if started:
         ray.shutdown()
@@ -49,6 +51,8 @@ def test_ray_ep2_generation_and_restart(model_dir, ray_local):
     )
     try:
         assert [i["expert_range"] for i in svc.rank_info] == [(0, 4), (4, 8)]
+        # the ranks run at nice 0, not at Ray's default worker niceness of 15 (init_local_ray)
+        assert [os.getpriority(os.PRIO_PROCESS, i["pid"]) for i in svc.rank_info] == [0, 0]
         outs = svc.generate(reqs)  # rank 0 SIGKILLs itself after 4 steps; the actor group restarts
         assert _key(outs) == _key(ref)
         assert svc.restarts == 1 and 0 in svc.failures[0]["ranks"] and svc.failures[0]["lost_request_ids"]
