@@ -25,7 +25,7 @@ import torch
 
 from m3_rollout.config import ConfigError, load_config
 from m3_rollout.jobs.grpo import main, run
-from m3_rollout.service import RolloutService, init_local_ray
+from m3_rollout.service import RolloutService, init_ray
 
 RUN = [
     "policy.generation.expert_parallel_size=1",
@@ -195,7 +195,7 @@ def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process):
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        init_local_ray(num_cpus=2, log_to_driver=False)
+        init_ray(num_cpus=2, log_to_driver=False)
     try:
         # the start limit is max(120 s, collective_timeout_s): Ray actors took longer on 2 loaded cores
         ray_run = ["cluster.launcher=ray", "policy.generation.colocated_placement=worker_process"]

@@ -7,7 +7,6 @@ gloo weight-sync group, per-row streaming, and the refusals (bad padding, wrong 
 import asyncio
 import collections
 import copy
-import socket
 import traceback
 import warnings
 
@@ -442,12 +441,6 @@ def test_refusals_name_the_problem():
         NemoRLGeneration(gen.backend, {k: v for k, v in CONFIG.items() if k != "_pad_token_id"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_collective_refit_over_a_weight_sync_group():
     model = _model()
     gen = _generation(model)
@@ -455,7 +448,7 @@ def test_collective_refit_over_a_weight_sync_group():
     with torch.no_grad():
         for p in trainer.parameters():
             p.mul_(0.9)
-    port = _free_port()
+    port = free_port()
     joined = gen.init_collective("127.0.0.1", port, 2, train_world_size=1, timeout_s=60.0, bucket_size_mb=0.25)
     group = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", 60.0)
     try:

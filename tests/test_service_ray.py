@@ -17,14 +17,14 @@ from test_service_ep import _key, _reference, _requests, model_dir  # noqa: E402
 
 from m3_rollout.config import WeightSyncConfig  # noqa: E402
 from m3_rollout.parallel import EPGroupSpec  # noqa: E402
-from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec, init_local_ray  # noqa: E402
+from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec, init_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_local():
     started = not ray.is_initialized()
     if started:
-        init_local_ray(num_cpus=2, log_to_driver=False)
+        init_ray(num_cpus=2, log_to_driver=False)
     yield
     if started:
         ray.shutdown()
@@ -51,8 +51,9 @@ def test_ray_ep2_generation_and_restart(model_dir, ray_local):
     )
     try:
         assert [i["expert_range"] for i in svc.rank_info] == [(0, 4), (4, 8)]
-        # the ranks run at nice 0, not at Ray's default worker niceness of 15 (init_local_ray)
-        assert [os.getpriority(os.PRIO_PROCESS, i["pid"]) for i in svc.rank_info] == [0, 0]
+        # the ranks run at the driver's niceness, not 15 above it (Ray's worker_niceness; init_ray)
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        assert [os.getpriority(os.PRIO_PROCESS, i["pid"]) for i in svc.rank_info] == [nice, nice]
         outs = svc.generate(reqs)  # rank 0 SIGKILLs itself after 4 steps; the actor group restarts
         assert _key(outs) == _key(ref)
         assert svc.restarts == 1 and 0 in svc.failures[0]["ranks"] and svc.failures[0]["lost_request_ids"]
@@ -71,3 +72,38 @@ def test_ray_bad_checkpoint_reports_the_workers_error(tmp_path, ray_local):
         RolloutService(spec, launcher="ray", max_restarts=0, start_timeout_s=120, weight_sync=WeightSyncConfig())
     cause = str(info.value).split(": rank ", 1)[1].split(";")[0]  # the first failed rank's cause line
     assert "missing" in cause and "Error" in cause, str(info.value)
+
+
+def test_init_ray_sets_the_niceness_only_where_it_starts_an_instance(monkeypatch):
+    """Ray refuses ``_system_config`` from a driver that joins a running cluster (``RAY_ADDRESS``
+    or ``ray start`` found by an address-less ``ray.init``): init_ray then joins without it; an
+    explicit address never sends it; other errors propagate."""
+    calls = []
+
+    def fake_init(address=None, _system_config=None, **kwargs):
+        calls.append((address, _system_config, kwargs))
+        if _system_config and joining:
+            raise ValueError("When connecting to an existing cluster, _system_config must not be provided.")
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    joining = False
+    init_ray(None, num_cpus=2)
+    kwargs = {"num_cpus": 2, "ignore_reinit_error": True, "include_dashboard": False}
+    assert calls == [(None, {"worker_niceness": 0}, kwargs)]
+    calls.clear()
+    init_ray("local")
+    assert [c[:2] for c in calls] == [("local", {"worker_niceness": 0})]
+    calls.clear()
+    joining = True
+    init_ray(None)
+    assert [c[:2] for c in calls] == [(None, {"worker_niceness": 0}), (None, None)]
+    calls.clear()
+    init_ray("10.0.0.1:6379")
+    assert [c[:2] for c in calls] == [("10.0.0.1:6379", None)]
+
+    def broken(address=None, _system_config=None, **kwargs):
+        raise ValueError("some other problem")
+
+    monkeypatch.setattr(ray, "init", broken)
+    with pytest.raises(ValueError, match="some other problem"):
+        init_ray(None)

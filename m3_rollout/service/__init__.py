@@ -7,7 +7,7 @@ ipc_refit  the driver's end of the refit of a worker on its own device (colocate
 factory    build the service from the job config (used by m3_rollout.grpo)
 """
 
-from .launchers import GroupFailure, Launcher, ProcessLauncher, RayLauncher, init_local_ray, make_launcher
+from .launchers import GroupFailure, Launcher, ProcessLauncher, RayLauncher, init_ray, make_launcher
 from .service import RolloutFailure, RolloutService
 from .worker import RolloutWorker, WorkerSpec
 
@@ -16,7 +16,7 @@ __all__ = [
     "Launcher",
     "ProcessLauncher",
     "RayLauncher",
-    "init_local_ray",
+    "init_ray",
     "make_launcher",
     "RolloutFailure",
     "RolloutService",

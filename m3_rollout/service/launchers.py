@@ -15,7 +15,7 @@ wait without a deadline), so the service can tear the group down and restart it.
   and the failure reports it rather than the exit code.
 - :class:`RayLauncher` (default where Ray is installed): one actor per rank asking for
   ``num_cpus`` (fractional: two workers + a trainer fit on two cores) and, on GPU, one GPU;
-  :func:`init_local_ray` starts a local instance, ``ray.init(address=...)`` joins a cluster.
+  ``ray.init`` through :func:`init_ray` (a local instance, or a cluster's address).
 """
 
 from __future__ import annotations
@@ -319,33 +319,44 @@ class _RayWorker:
         return getattr(self.worker, method)(*args)
 
 
-def init_local_ray(**kwargs: Any) -> None:
-    """Start a local Ray instance whose worker processes run at nice 0.
+def init_ray(address: str | None = None, **kwargs: Any) -> None:
+    """``ray.init`` for the launcher: a Ray instance it starts runs its worker processes at the
+    driver's niceness instead of 15 above it.
 
-    Ray's raylet starts every worker process at nice 15 (its ``worker_niceness`` setting) so
-    that it and the GCS stay responsive. EP ranks are peers in collectives, so a niced rank
-    stalls the whole group: on a 2-core machine with two other busy processes the nice-15
-    actors got ~4 % of a core and the EP=2 generation test took 190 s against 16 s idle
-    (2026-12-07). Joining an existing cluster (``ray.init(address=...)``) keeps that
-    cluster's setting.
+    Ray's raylet renices every worker process by its ``worker_niceness`` setting (15) so that
+    it and the GCS stay responsive. EP ranks are peers in collectives, so a reniced rank stalls
+    the whole group whenever anything else wants the CPU: on a 2-core machine with two other
+    busy processes the reniced actors got ~4 % of a core and the EP=2 generation test took
+    190 s against 16 s idle (2026-12-07). Ray accepts that setting only from a driver that
+    starts the instance, so ``address`` None (Ray's own lookup: ``RAY_ADDRESS``, then a
+    cluster started by ``ray start`` on this machine, else a new instance) that finds a
+    cluster joins it as before and keeps that cluster's setting; so does any other address.
 
     Args:
-        kwargs: passed to ``ray.init`` (e.g. ``num_cpus``, ``log_to_driver``); a
-            ``_system_config`` given here is merged over ``{"worker_niceness": 0}``.
-    Raises ImportError when Ray is not installed.
+        address: None, "local" (always a new instance), "auto" or "host:port".
+        kwargs: passed to ``ray.init`` (e.g. ``num_cpus``, ``log_to_driver``).
+    Raises ImportError when Ray is not installed; ``ray.init``'s errors otherwise.
     """
     import ray
 
-    system = {"worker_niceness": 0, **kwargs.pop("_system_config", {})}
+    kwargs.setdefault("ignore_reinit_error", True)
     kwargs.setdefault("include_dashboard", False)
-    ray.init(ignore_reinit_error=True, _system_config=system, **kwargs)
+    if address in (None, "", "local"):
+        try:
+            ray.init(address=address or None, _system_config={"worker_niceness": 0}, **kwargs)
+            return
+        except ValueError as exc:  # Ray found a running cluster to join: it refuses the setting
+            if "_system_config" not in str(exc):
+                raise
+    ray.init(address=address or None, **kwargs)
 
 
 class RayLauncher(Launcher):
     """EP workers as Ray actors.
 
     Args:
-        address: ``cluster.ray_address`` (None: start or reuse a local Ray instance).
+        address: ``cluster.ray_address`` (None: Ray's own lookup, else a new local instance;
+            "local": a new local instance; see :func:`init_ray`).
         num_cpus: CPUs each actor asks for (fractional is fine, e.g. 0.5).
         num_gpus: GPUs each actor asks for (1 per rank on GPU machines, 0 on CPU).
     Raises ImportError (naming the pip extra) when Ray is not installed.
@@ -359,10 +370,8 @@ class RayLauncher(Launcher):
                 "cluster.launcher=ray needs Ray: pip install 'm3-rollout[ray]' (or set cluster.launcher=mp)"
             ) from exc
         self.ray = ray
-        if not ray.is_initialized() and address:
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
-        elif not ray.is_initialized():
-            init_local_ray(log_to_driver=True)
+        if not ray.is_initialized():
+            init_ray(address, log_to_driver=True)
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self._actors: list = []
 
