@@ -383,7 +383,10 @@ class CheckpointingConfig:
 class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0
-    # Ray cluster to join (e.g. "ray://head:10001" or "auto"); null = start Ray locally.
+    # Ray cluster to join (e.g. "ray://head:10001" or "auto"); "local" = start a new local instance;
+    # null = Ray's own lookup (RAY_ADDRESS, then a cluster `ray start` ran on this machine), else a new
+    # local instance (with colocated_placement=worker_process: always a new local instance). An
+    # instance the job starts runs its workers at the driver's niceness (service.launchers.init_ray).
     ray_address: str | None = None
     # Rollout worker processes, one per EP rank (m3_rollout/service): "auto" = the in-process
     # engine when policy.generation.expert_parallel_size is 1 (and colocated_placement=in_process),

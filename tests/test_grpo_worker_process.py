@@ -250,3 +250,22 @@ def test_worker_process_keys_accepted_and_bad_ones_exit_2(capsys):
         main(["--config", "configs/grpo_smoke.yaml", *WORKER, "cluster.device=cuda:3", "cluster.gpus_per_node=2"])
     assert exc.value.code == 2
     assert "cluster.device='cuda:3': must be one of cuda:0 .. cuda:1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, want",
+    [
+        # beside the trainer: a new local Ray instance, never a cluster Ray would find by itself
+        (["cluster.launcher=ray", "policy.generation.colocated_placement=worker_process"], "local"),
+        (["cluster.launcher=ray"], None),  # the EP service: Ray's own lookup (RAY_ADDRESS, `ray start`)
+        (["cluster.launcher=ray", "cluster.ray_address=auto"], "auto"),
+    ],
+)
+def test_rollout_service_gets_the_ray_address(monkeypatch, tiny_ep_model_dir, overrides, want):
+    import m3_rollout.service.factory as factory
+
+    seen = {}
+    monkeypatch.setattr(factory, "RolloutService", lambda spec, **kw: seen.update(kw))
+    cfg = load_config(None, ["policy.generation.expert_parallel_size=2", *overrides])
+    factory.build_rollout_service(cfg, tiny_ep_model_dir, [3], 64)
+    assert seen["launcher"] == "ray" and seen["ray_address"] == want

@@ -74,7 +74,7 @@ def test_ray_bad_checkpoint_reports_the_workers_error(tmp_path, ray_local):
     assert "missing" in cause and "Error" in cause, str(info.value)
 
 
-def test_init_ray_sets_the_niceness_only_where_it_starts_an_instance(monkeypatch):
+def test_init_ray_sets_the_niceness_only_where_it_starts_an_instance(monkeypatch, capsys):
     """Ray refuses ``_system_config`` from a driver that joins a running cluster (``RAY_ADDRESS``
     or ``ray start`` found by an address-less ``ray.init``): init_ray then joins without it; an
     explicit address never sends it; other errors propagate."""
@@ -93,10 +93,12 @@ def test_init_ray_sets_the_niceness_only_where_it_starts_an_instance(monkeypatch
     calls.clear()
     init_ray("local")
     assert [c[:2] for c in calls] == [("local", {"worker_niceness": 0})]
+    assert capsys.readouterr().out == ""
     calls.clear()
     joining = True
     init_ray(None)
     assert [c[:2] for c in calls] == [(None, {"worker_niceness": 0}), (None, None)]
+    assert "worker_niceness" in capsys.readouterr().out  # says the joined cluster's workers may be reniced
     calls.clear()
     init_ray("10.0.0.1:6379")
     assert [c[:2] for c in calls] == [("10.0.0.1:6379", None)]

@@ -102,7 +102,9 @@ def build_rollout_service(cfg, model_dir, eos_token_ids, max_model_len: int) -> 
     return RolloutService(
         spec,
         launcher=c.launcher,
-        ray_address=c.ray_address,
+        # worker_process: the workers must share the trainer's node (its memory by CUDA IPC), so an
+        # unset address starts a local instance rather than joining a cluster Ray finds
+        ray_address=c.ray_address or ("local" if beside else None),
         worker_cpus=c.worker_cpus,
         worker_gpus=gpus,
         steps_per_call=c.steps_per_call,

@@ -348,6 +348,13 @@ def init_ray(address: str | None = None, **kwargs: Any) -> None:
         except ValueError as exc:  # Ray found a running cluster to join: it refuses the setting
             if "_system_config" not in str(exc):
                 raise
+        print(
+            "[rollout] joining the running Ray cluster Ray found (RAY_ADDRESS or `ray start`): its worker "
+            "processes run at its worker_niceness (Ray's default renices them by 15, which stalls EP ranks on a "
+            "busy host; `ray start --system-config='{\"worker_niceness\": 0}'` avoids it, cluster.ray_address=local "
+            "starts a new instance instead)",
+            flush=True,
+        )
     ray.init(address=address or None, **kwargs)
 
 
