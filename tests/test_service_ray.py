@@ -88,7 +88,7 @@ def test_init_ray_sets_the_niceness_only_where_it_starts_an_instance(monkeypatch
     monkeypatch.setattr(ray, "init", fake_init)
     joining = False
     init_ray(None, num_cpus=2)
-    kwargs = {"num_cpus": 2, "ignore_reinit_error": True, "include_dashboard": False}
+    kwargs = {"include_dashboard": False, "num_cpus": 2, "ignore_reinit_error": True}
     assert calls == [(None, {"worker_niceness": 0}, kwargs)]
     calls.clear()
     init_ray("local")
@@ -100,8 +100,8 @@ def test_init_ray_sets_the_niceness_only_where_it_starts_an_instance(monkeypatch
     assert [c[:2] for c in calls] == [(None, {"worker_niceness": 0}), (None, None)]
     assert "worker_niceness" in capsys.readouterr().out  # says the joined cluster's workers may be reniced
     calls.clear()
-    init_ray("10.0.0.1:6379")
-    assert [c[:2] for c in calls] == [("10.0.0.1:6379", None)]
+    init_ray("10.0.0.1:6379", log_to_driver=True)  # as before: no dashboard key for a cluster (Ray Client)
+    assert calls == [("10.0.0.1:6379", None, {"log_to_driver": True, "ignore_reinit_error": True})]
 
     def broken(address=None, _system_config=None, **kwargs):
         raise ValueError("some other problem")

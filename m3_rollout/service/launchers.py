@@ -340,10 +340,10 @@ def init_ray(address: str | None = None, **kwargs: Any) -> None:
     import ray
 
     kwargs.setdefault("ignore_reinit_error", True)
-    kwargs.setdefault("include_dashboard", False)
     if address in (None, "", "local"):
         try:
-            ray.init(address=address or None, _system_config={"worker_niceness": 0}, **kwargs)
+            local = {"include_dashboard": False, **kwargs}
+            ray.init(address=address or None, _system_config={"worker_niceness": 0}, **local)
             return
         except ValueError as exc:  # Ray found a running cluster to join: it refuses the setting
             if "_system_config" not in str(exc):
