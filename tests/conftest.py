@@ -62,6 +62,21 @@ def tiny_ep_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for the module's tests (``init_ray``: its workers at this process's
+    niceness), shut down after them if this fixture started it; skips where Ray is not installed."""
+    ray = pytest.importorskip("ray")
+    from m3_rollout.service import init_ray
+
+    started = not ray.is_initialized()
+    if started:
+        init_ray(num_cpus=2, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 # Files whose tests start a local Ray cluster: one worker runs them, one after another.
 RAY_FILES = {"test_grpo_worker_process.py", "test_service_ray.py"}
 

@@ -25,7 +25,7 @@ import torch
 
 from m3_rollout.config import ConfigError, load_config
 from m3_rollout.jobs.grpo import main, run
-from m3_rollout.service import RolloutService, init_ray
+from m3_rollout.service import RolloutService
 
 RUN = [
     "policy.generation.expert_parallel_size=1",
@@ -191,18 +191,10 @@ def test_ep2_workers_beside_the_trainer_refit_through_the_stage(cache, in_proces
         assert b["train/memory/sleep_gb_freed"] > a["train/memory/sleep_gb_freed"] > 0  # both ranks' pools
 
 
-def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process):
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        init_ray(num_cpus=2, log_to_driver=False)
-    try:
-        # the start limit is max(120 s, collective_timeout_s): Ray actors took longer on 2 loaded cores
-        ray_run = ["cluster.launcher=ray", "policy.generation.colocated_placement=worker_process"]
-        worker = _run(cache / "ray", [*ray_run, "cluster.collective_timeout_s=300"])
-    finally:
-        if started:
-            ray.shutdown()
+def test_worker_process_as_a_ray_actor_matches_in_process(cache, in_process, ray_local):
+    # the start limit is max(120 s, collective_timeout_s): Ray actors took longer on 2 loaded cores
+    ray_run = ["cluster.launcher=ray", "policy.generation.colocated_placement=worker_process"]
+    worker = _run(cache / "ray", [*ray_run, "cluster.collective_timeout_s=300"])
     # the actor is no child of the trainer: it fetches the CPU stage's file descriptor all the same
     _assert_same_figures(in_process, worker)
 

@@ -20,16 +20,6 @@ from m3_rollout.parallel import EPGroupSpec  # noqa: E402
 from m3_rollout.service import RolloutFailure, RolloutService, WorkerSpec, init_ray  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        init_ray(num_cpus=2, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def test_ray_ep2_generation_and_restart(model_dir, ray_local):
     reqs = _requests("r")
     ref = _reference(model_dir, reqs)
