@@ -41,9 +41,10 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from m3_kernels.msa_interpret import patch_nested_jit_calls
+    from m3_kernels.msa_interpret import patch_nested_jit_calls, patch_type_bookkeeping
 
     patch_nested_jit_calls()  # jit helpers reuse their launch's patch of triton.language (its NOTE)
+    patch_type_bookkeeping()  # cheaper per-op type bookkeeping, same values (its NOTE)
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,10 @@ def _row_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:  # not used by the invariant kernels
         return _ORIGINAL(self, a, b, d, input_precision, max_num_imprecise_acc)
     b_data = np.ascontiguousarray(b.data)  # a transposed view takes another BLAS path (other bits)
-    rows = [np.matmul(a.data[i], b_data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
-    return interpreter.TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
+    # [M, 1, K] x [K, N]: numpy's stacked matmul makes one vector-matrix BLAS call per row (the same
+    # bits as a loop of ``np.matmul(a[i], b)``, without a Python call per row)
+    rows = np.matmul(a.data[:, None, :], b_data, dtype=d.data.dtype)[:, 0, :]
+    return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
 
 
 _ORIGINAL = interpreter.InterpreterBuilder.create_dot
