@@ -21,8 +21,8 @@ once made. Same programs, same results.
 NOTE: every op the interpreter runs makes a ``tl.tensor`` and its ``block_type``, each with a
 ``tl.tuple`` shape whose ``tuple_type`` formats a name, and maps the type to numpy through a dict
 it rebuilds per call; in the interpreted MoE tests that bookkeeping was over half of the run
-(cProfile: ~20 of ~45 s in triton/language/core.py). ``patch_type_bookkeeping`` builds a tuple's
-type on first read and remembers block types, tensor shapes and numpy dtypes by value: one
+(cProfile: ~20 of ~45 s in triton/language/core.py). ``patch_type_bookkeeping`` builds a shape
+tuple's type on first read and remembers block types, tensor shapes and numpy dtypes by value: one
 split-k test 16.5-17.7 -> 10.1-10.3 s (AMD EPYC, 2026-12-07). Same objects' values, same errors.
 NOTE: the interpreter's ``tl.dot`` is ``numpy.matmul`` (BLAS), whose result for one row of the left
 operand depends on the row's place in the tile (BLAS micro-kernels); a GPU tensor-core dot of a
@@ -138,12 +138,14 @@ TYPE_BOOKKEEPING_ORIGINALS: dict = {}
 def patch_type_bookkeeping() -> None:
     """Make the interpreter's per-op type bookkeeping cheaper (module NOTE); same values, same errors.
 
-    - ``tl.tuple``: its ``type`` (a ``tuple_type`` with a formatted name) is built on first read,
-      not when the tuple is made (every ``tl.tensor`` and ``block_type`` makes one for its shape);
     - ``tl.block_type``: the shape's checks and the name are done once per (element type, shape);
     - ``tl.tensor``: the constexpr shape and numel are made once per shape;
+    - the shape tuples these two make (``tl.tuple`` of ints / constexprs) build their ``type`` (a
+      ``tuple_type`` with a formatted name) on first read, not when made; other tuples as before;
     - the interpreter's ``_get_np_dtype``: one lookup per (type class, type name).
-    Applied once per process; does nothing outside triton 3.6 (the release it was read against)."""
+    Memo keys take exact ints only (``2.0`` and ``True`` equal ints as dict keys: they go through
+    the originals, which judge them). Applied once per process; does nothing outside triton 3.6 (the
+    release it was read against)."""
     import builtins
     import math
 
@@ -154,68 +156,69 @@ def patch_type_bookkeeping() -> None:
     if getattr(ti, "_m3_types_patched", False) or not triton.__version__.startswith("3.6."):
         return
     originals = {
-        (core.tuple, "__init__"): core.tuple.__init__,
         (core.block_type, "__init__"): core.block_type.__init__,
         (core.tensor, "__init__"): core.tensor.__init__,
         (ti, "_get_np_dtype"): ti._get_np_dtype,
     }
-    type_for_values, tuple_type, constexpr = core._type_for_tuple_values, core.tuple_type, core.constexpr
+    type_for_values, constexpr, Tuple = core._type_for_tuple_values, core.constexpr, core.tuple
 
-    class LazyTupleType:  # non-data descriptor: the first read stores the type in the instance
+    class LazyTupleType:  # non-data descriptor: only read where __init__ set no type (shape_tuple)
         def __get__(self, obj, owner=None):
             if obj is None:
                 return self
-            obj.__dict__["type"] = t = type_for_values(obj.values)
+            obj.__dict__["type"] = t = type_for_values(obj.values)  # ints / constexprs: cannot fail
             return t
 
-    def tuple_init(self, args, type=None):
-        self.values = list(args)
-        if isinstance(type, tuple_type):
-            self.type = type
-        elif type is not None:
-            self.type = tuple_type(type)
+    def shape_tuple(values) -> core.tuple:
+        t = Tuple.__new__(Tuple)
+        t.values = list(values)
+        return t
 
     blocks: dict = {}  # (element type's class and name, shape ints) -> (shape ints, numel, name)
     block_init = originals[(core.block_type, "__init__")]
 
     def block_type_init(self, element_ty, shape):
         key = None
-        if isinstance(shape, (list, core.tuple)):  # what the original asserts; others go through it
+        if isinstance(shape, (list, Tuple)):  # what the original asserts; others go through it
             dims = builtins.tuple(s.value if isinstance(s, constexpr) else s for s in shape)
-            # NOTE: ints only: 2.0 == 2 as a dict key, but only the original may judge a float (an error)
             if all(type(d) is int for d in dims):
                 key = (element_ty.__class__, str(element_ty), dims)  # what the stored name is made of
-            hit = blocks.get(key) if key is not None else None
-            if hit is not None:
-                self.element_ty, self.numel, self.name = element_ty, hit[1], hit[2]
-                self.shape = core.tuple(hit[0])
-                return
+                hit = blocks.get(key)
+                if hit is not None:
+                    self.element_ty, self.numel, self.name = element_ty, hit[1], hit[2]
+                    self.shape = shape_tuple(hit[0])
+                    return
         block_init(self, element_ty, shape)  # raises for a bad shape: nothing is stored then
         if key is not None:
             blocks[key] = (list(self.shape.values), self.numel, self.name)
 
     shapes: dict = {}  # shape ints -> ([constexpr dims], constexpr numel)
+    tensor_init_original = originals[(core.tensor, "__init__")]
 
     def tensor_init(self, handle, type):
-        self.handle, self.type, self.dtype = handle, type, type.scalar
         dims = builtins.tuple(type.shape) if type.is_block() else ()
+        if not all(builtins.type(d) is int for d in dims):
+            return tensor_init_original(self, handle, type)
+        self.handle, self.type, self.dtype = handle, type, type.scalar
         hit = shapes.get(dims)
         if hit is None:
             hit = shapes[dims] = ([constexpr(d) for d in dims], constexpr(math.prod(dims)))
-        self.shape, self.numel = core.tuple(hit[0]), hit[1]
+        self.shape, self.numel = shape_tuple(hit[0]), hit[1]
 
     np_dtypes: dict = {}
     get_np_dtype = originals[(ti, "_get_np_dtype")]
 
     def np_dtype(tt_dtype):
-        key = (tt_dtype.__class__, tt_dtype.name)
+        name = getattr(tt_dtype, "name", None)
+        if not isinstance(name, str):
+            return get_np_dtype(tt_dtype)  # not a triton type: the original's error
+        key = (tt_dtype.__class__, name)
         found = np_dtypes.get(key)
         if found is None:
             found = np_dtypes[key] = get_np_dtype(tt_dtype)
         return found
 
-    core.tuple.type = LazyTupleType()
-    core.tuple.__init__ = tuple_init
+    Tuple.type = LazyTupleType()
     core.block_type.__init__ = block_type_init
     core.tensor.__init__ = tensor_init
     ti._get_np_dtype = np_dtype
